@@ -1,0 +1,89 @@
+//! The one error type of the `ucrypt` library. Every variant names what failed in words a user
+//! can act on; none ever carries secret material.
+
+use std::io;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // ---- caller input (CLI strings, API arguments) ----
+    #[error("unsupported cipher spec '{spec}': {reason}; supported: {supported}")]
+    UnsupportedCipher {
+        spec: String,
+        reason: String,
+        supported: &'static str,
+    },
+
+    #[error("invalid key size for {spec}: {bits} bits; expected {expected}")]
+    KeySize {
+        spec: String,
+        bits: usize,
+        expected: &'static str,
+    },
+
+    #[error("invalid sector size {0}: must be 512, 1024, 2048 or 4096 bytes")]
+    SectorSize(u64),
+
+    #[error("buffer of {len} bytes is not a whole number of {sector_bytes}-byte sectors")]
+    NotSectorMultiple { len: usize, sector_bytes: u32 },
+
+    #[error("request at offset {offset} of {len} bytes is outside the volume ({size} bytes)")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    #[error("volume is read-only: {0}")]
+    ReadOnly(String),
+
+    // ---- the backing store ----
+    #[error("{context}: {source}")]
+    Io { context: String, source: io::Error },
+
+    // ---- bad data from disk (LUKS) ----
+    #[error("not a LUKS device: {0}")]
+    NotLuks(String),
+
+    #[error("LUKS header check '{check}' failed: {detail}")]
+    BadHeader { check: &'static str, detail: String },
+
+    #[error("No key available with this passphrase.")]
+    WrongPassphrase,
+
+    #[error("unsupported LUKS feature: {0}")]
+    UnsupportedLuks(String),
+
+    #[error("keyslot {slot}: {reason}")]
+    Keyslot { slot: u32, reason: String },
+
+    // ---- the crypto library ----
+    #[error("cipher library call {call} failed")]
+    CipherLibrary { call: &'static str },
+
+    // ---- our own bug: reported, never silently ignored ----
+    #[error("internal error (a ucrypt bug, please report): {0}")]
+    Bug(&'static str),
+}
+
+impl Error {
+    /// Wraps an `io::Error` with what we were doing.
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The errno a block front end (NBD, FUSE, ublk) should report for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            Error::OutOfRange { .. } => libc::ENOSPC,
+            Error::ReadOnly(_) => libc::EROFS,
+            Error::NotSectorMultiple { .. } | Error::InvalidArgument(_) => libc::EINVAL,
+            _ => libc::EIO,
+        }
+    }
+}
