@@ -4,9 +4,11 @@
 //! - [`sector`]: cipher specs in dm-crypt syntax, IV generators, and multi-sector AES-XTS/CBC
 //!   calls byte-compatible with dm-crypt.
 
+pub mod blockdev;
 pub mod error;
 pub mod secret;
 pub mod sector;
 
+pub use blockdev::BlockDev;
 pub use error::{Error, Result};
 pub use secret::SecretBytes;

@@ -1,0 +1,31 @@
+//! The plaintext block device every front end (NBD, FUSE, ublk, export/import) serves. A
+//! [`crate::volume::Volume`] implements it; tests may implement it over plain memory. Front ends
+//! never see keys, cipher contexts or headers, only this.
+
+use crate::Result;
+
+/// A thread-safe plaintext block device: many callers may issue requests at once (`&self`).
+///
+/// Contract:
+/// - Offsets and lengths are bytes; a request must lie within `size()` (else `OutOfRange`).
+/// - Requests need not be aligned to `block_size()`; unaligned ones cost a read-modify-write.
+/// - `write_at` returning `Ok` means the data is visible to later reads; it is durable only
+///   after a later `flush` returns `Ok` (FUA = write then flush).
+/// - Errors affect only the request that returned them; the device stays usable.
+pub trait BlockDev: Send + Sync {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// The encryption sector size: the smallest request served without read-modify-write.
+    fn block_size(&self) -> u32;
+    /// True if writes, discards and write-zeroes are refused with `Error::ReadOnly`.
+    fn read_only(&self) -> bool;
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
+    /// Makes every acknowledged write durable on the backing store (fdatasync).
+    fn flush(&self) -> Result<()>;
+    /// The range may read back as anything afterwards (LUKS: ciphertext hole reads as garbage);
+    /// frees space on the backing store where it can.
+    fn discard(&self, offset: u64, len: u64) -> Result<()>;
+    /// The range reads back as zeroes afterwards.
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
+}
