@@ -562,7 +562,7 @@ fn seeded_mutation_of_sessions() {
     let seed: u64 = std::env::var("UCRYPT_NBD_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_0f_4bd);
+        .unwrap_or(0x0005_eed0_f4bd);
     println!("seed {seed} (set UCRYPT_NBD_SEED to replay)");
     let mut rng = Rng(seed | 1);
     let mut base = session(
