@@ -307,7 +307,6 @@ fn ext4_on_nbdfuse_and_loop_survives_fsck() {
     while !dev_file.exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut loopdev = String::new();
     let result = std::panic::catch_unwind(|| {
         let out = ok("losetup", &["-f", "--show", &dev_file.to_string_lossy()]);
         let l = out.trim().to_string();
@@ -326,7 +325,8 @@ fn ext4_on_nbdfuse_and_loop_survives_fsck() {
             }
             ok("umount", &[&mnt_s]);
             let out = ok("fsck.ext4", &["-f", "-n", &l]);
-            assert!(out.contains("5/") || out.contains("files"), "{out}");
+            println!("{out}");
+            assert!(out.contains("16/") || out.contains("files"), "{out}");
         });
         let _ = run("umount", &[&mnt_s]);
         let _ = run("losetup", &["-d", &l]);
@@ -340,10 +340,11 @@ fn ext4_on_nbdfuse_and_loop_survives_fsck() {
         let _ = nbdfuse.kill();
         nbdfuse.wait().ok().and_then(|s| s.code())
     });
-    match result {
-        Ok(l) => loopdev = l,
+    let loopdev = match result {
+        Ok(l) => l,
         Err(e) => std::panic::resume_unwind(e),
-    }
+    };
+    println!("ext4 on {loopdev} over nbdfuse: written, remounted, verified, fsck clean");
     assert!(loopdev.starts_with("/dev/loop"));
     assert_eq!(srv.stop(), Some(0));
 }
