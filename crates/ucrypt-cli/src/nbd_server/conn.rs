@@ -25,6 +25,9 @@ pub const QUEUED_REQUESTS_MAX: usize = 64;
 /// A client must finish option haggling within this time, so a silent client cannot hold a
 /// connection slot forever.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A reply that cannot be written for this long means the client stopped reading: the
+/// connection is dropped, so a stuck client cannot pin workers (or block server shutdown).
+const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Reader buffer: many 28-byte headers (and small writes) per syscall.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Chunk used to read and drop the payload of a refused write.
@@ -56,6 +59,12 @@ impl Sock {
         match self {
             Sock::Unix(s) => s.set_read_timeout(t),
             Sock::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Unix(s) => s.set_write_timeout(t),
+            Sock::Tcp(s) => s.set_write_timeout(t),
         }
     }
     pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
@@ -288,6 +297,9 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
         max_payload_bytes: info.max_payload_bytes,
     };
     let writer = sock.try_clone().map_err(|e| net("socket", e))?;
+    writer
+        .set_write_timeout(Some(REPLY_WRITE_TIMEOUT))
+        .map_err(|e| net("socket", e))?;
     let ctx = Arc::new(Ctx {
         dev: export.dev.clone(),
         writer: Mutex::new(writer),
