@@ -14,6 +14,9 @@ mod conn;
 pub mod dev;
 mod tls;
 
+#[cfg(test)]
+mod tests;
+
 use std::io::{self, Write};
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
