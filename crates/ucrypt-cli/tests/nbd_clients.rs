@@ -466,3 +466,31 @@ print('ok')
     let out = ok(py, &["-c", script, &key, &dir.s("disk")]);
     assert!(out.contains("ok"));
 }
+
+#[test]
+fn notifies_systemd_when_ready() {
+    let dir = TempDir::new("notify");
+    make_image(&dir.path("disk"), 1 << 20, None);
+    let notify = std::os::unix::net::UnixDatagram::bind(dir.path("notify")).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut child = Command::new(UCRYPT)
+        .args([
+            "serve",
+            &dir.s("disk"),
+            "--unencrypted",
+            "--nbd",
+            &format!("unix:{}", dir.s("sock")),
+        ])
+        .env("NOTIFY_SOCKET", dir.path("notify"))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let got = notify.recv(&mut buf);
+    terminate(child.id() as i32);
+    assert_eq!(wait_timeout(&mut child, Duration::from_secs(20)), Some(0));
+    let n = got.expect("no sd_notify datagram");
+    assert_eq!(&buf[..n], b"READY=1");
+}
