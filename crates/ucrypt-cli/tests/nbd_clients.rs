@@ -381,7 +381,11 @@ fn sigterm_exits_zero_flushes_and_removes_pid_file_and_socket() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(700));
+    // Stop only once the write is acknowledged (qemu-io reports it, then sleeps).
+    let out = client.stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+    let acked = lines.any(|l| l.map(|l| l.starts_with("wrote 4194304/")).unwrap_or(false));
+    assert!(acked, "qemu-io did not report its write");
     assert_eq!(srv.stop(), Some(0));
     let _ = wait_timeout(&mut client, Duration::from_secs(20));
     assert!(!dir.path("pid").exists(), "pid file left behind");
