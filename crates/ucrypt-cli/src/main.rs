@@ -3,6 +3,7 @@
 //! Each verb family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod ublk;
 
 use clap::{Parser, Subcommand};
 
