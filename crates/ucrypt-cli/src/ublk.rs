@@ -30,8 +30,13 @@ pub struct UblkOptions {
 
 impl Default for UblkOptions {
     fn default() -> Self {
-        let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        UblkOptions { queues: cpus.min(u16::MAX as usize) as u16, id: -1 }
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        UblkOptions {
+            queues: cpus.min(u16::MAX as usize) as u16,
+            id: -1,
+        }
     }
 }
 
@@ -45,7 +50,9 @@ fn handle(dev: &dyn BlockDev, iod: &sys::ublksrv_io_desc, buf: &mut [u8]) -> i32
     let offset = iod.start_sector << 9;
     let bytes = (iod.nr_sectors as u64) << 9;
     let res = match op {
-        sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE if bytes as usize > buf.len() => return -libc::EINVAL,
+        sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE if bytes as usize > buf.len() => {
+            return -libc::EINVAL
+        }
         sys::UBLK_IO_OP_READ => dev.read_at(&mut buf[..bytes as usize], offset),
         sys::UBLK_IO_OP_WRITE => dev.write_at(&buf[..bytes as usize], offset).and_then(|()| {
             if iod.op_flags & sys::UBLK_IO_F_FUA != 0 {
@@ -85,7 +92,11 @@ fn queue_loop(qid: u16, udev: &UblkDev, dev: &dyn BlockDev) {
         let iod = *q.get_iod(tag);
         let res = handle(dev, &iod, bufs.borrow_mut()[tag as usize].as_mut_slice());
         let all = bufs.borrow();
-        if let Err(e) = q.complete_io_cmd_unified(tag, BufDesc::Slice(all[tag as usize].as_slice()), Ok(UblkIORes::Result(res))) {
+        if let Err(e) = q.complete_io_cmd_unified(
+            tag,
+            BufDesc::Slice(all[tag as usize].as_slice()),
+            Ok(UblkIORes::Result(res)),
+        ) {
             eprintln!("ucrypt ublk: completing tag {tag} on queue {qid}: {e}");
         }
     });
@@ -93,11 +104,17 @@ fn queue_loop(qid: u16, udev: &UblkDev, dev: &dyn BlockDev) {
 
 /// Creates the device, prints `ready: /dev/ublkbN`, serves until SIGINT/SIGTERM, then flushes
 /// the volume and deletes the device.
-pub fn run(dev: Arc<dyn BlockDev>, opts: UblkOptions) -> Result<(), String> {
+///
+/// `signals` must come from [`block_stop_signals`], called before the volume was opened, so that
+/// no thread (the volume's workers included) takes SIGINT/SIGTERM's default action.
+pub fn run(
+    dev: Arc<dyn BlockDev>,
+    opts: UblkOptions,
+    signals: libc::sigset_t,
+) -> Result<(), String> {
     if !std::path::Path::new("/dev/ublk-control").exists() {
         return Err("/dev/ublk-control not found: this kernel has no ublk driver loaded (modprobe ublk_drv; Linux ≥ 6.0)".into());
     }
-    let signals = block_stop_signals()?;
     let ctrl = UblkCtrlBuilder::default()
         .name("ucrypt")
         .id(opts.id)
@@ -128,7 +145,9 @@ pub fn run(dev: Arc<dyn BlockDev>, opts: UblkOptions) -> Result<(), String> {
         d.set_default_params(size);
         let p = &mut d.tgt.params;
         p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
-        p.basic.attrs = sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA | if ro { sys::UBLK_ATTR_READ_ONLY } else { 0 };
+        p.basic.attrs = sys::UBLK_ATTR_VOLATILE_CACHE
+            | sys::UBLK_ATTR_FUA
+            | if ro { sys::UBLK_ATTR_READ_ONLY } else { 0 };
         p.basic.logical_bs_shift = shift_of(bs);
         p.basic.physical_bs_shift = shift_of(bs.max(4096));
         p.basic.io_min_shift = shift_of(bs.max(4096));
@@ -146,15 +165,17 @@ pub fn run(dev: Arc<dyn BlockDev>, opts: UblkOptions) -> Result<(), String> {
         use std::io::Write;
         let _ = std::io::stdout().flush();
     };
-    let served = ctrl.run_target(tgt_init, q_fn, ready).map_err(|e| format!("serving the ublk device: {e}"));
+    let served = ctrl
+        .run_target(tgt_init, q_fn, ready)
+        .map_err(|e| format!("serving the ublk device: {e}"));
     let flushed = dev.flush().map_err(|e| format!("flushing the volume: {e}"));
     let _ = ctrl.del_dev();
     served.and(flushed).map(|_| ())
 }
 
 /// Blocks SIGINT and SIGTERM in this thread (and so in every thread spawned after it), so the
-/// dedicated waiter thread receives them.
-fn block_stop_signals() -> Result<libc::sigset_t, String> {
+/// dedicated waiter thread receives them. Call it first, before any thread is spawned.
+pub fn block_stop_signals() -> Result<libc::sigset_t, String> {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only
     // reads it.
     unsafe {
