@@ -106,7 +106,9 @@ impl BufferPool {
     pub fn take(&self, len: usize) -> Result<Grant<'_>> {
         let pages = len.div_ceil(POOL_PAGE_BYTES).max(1);
         if pages > self.pages {
-            return Err(Error::Bug("buffer request larger than the pool (planner must split)"));
+            return Err(Error::Bug(
+                "buffer request larger than the pool (planner must split)",
+            ));
         }
         let mut st = self.lock();
         let ticket = st.next_ticket;
@@ -196,7 +198,12 @@ impl Grant<'_> {
 
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         // SAFETY: first_page < pool.pages, so the offset stays inside the arena.
-        unsafe { self.pool.base.as_ptr().add(self.first_page * POOL_PAGE_BYTES) }
+        unsafe {
+            self.pool
+                .base
+                .as_ptr()
+                .add(self.first_page * POOL_PAGE_BYTES)
+        }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -238,10 +245,16 @@ mod tests {
         assert_eq!(pool.free_bytes(), POOL_PAGE_BYTES);
         drop(b);
         let mut c = pool.take(3 * POOL_PAGE_BYTES).unwrap();
-        assert!(c.as_mut_slice().iter().all(|&x| x == 0), "released grant was not zeroised");
+        assert!(
+            c.as_mut_slice().iter().all(|&x| x == 0),
+            "released grant was not zeroised"
+        );
         drop((a, c));
         assert_eq!(pool.free_bytes(), 4 * POOL_PAGE_BYTES);
-        assert!(pool.take(5 * POOL_PAGE_BYTES).is_err(), "oversized grant must be refused");
+        assert!(
+            pool.take(5 * POOL_PAGE_BYTES).is_err(),
+            "oversized grant must be refused"
+        );
     }
 
     #[test]

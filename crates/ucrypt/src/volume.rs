@@ -214,13 +214,16 @@ impl Volume {
                 lbs.max(512)
             )));
         }
-        let room = backend.size().checked_sub(cfg.data_offset_bytes).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "data offset {} is beyond the end of the backend ({} bytes)",
-                cfg.data_offset_bytes,
-                backend.size()
-            ))
-        })?;
+        let room = backend
+            .size()
+            .checked_sub(cfg.data_offset_bytes)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "data offset {} is beyond the end of the backend ({} bytes)",
+                    cfg.data_offset_bytes,
+                    backend.size()
+                ))
+            })?;
         let size = match cfg.size_bytes {
             None => room / ss * ss,
             Some(s) if s % ss != 0 => {
@@ -369,7 +372,10 @@ impl Volume {
         // Splitting L bytes in two saves L*c/2 and costs one hand-off; ask for a 2x margin.
         let t = (4.0 * handoff_ns / per_byte_ns) as u64;
         let ss = 1u64 << core.shift;
-        let t = t.clamp(AUTO_MIN_BYTES_FLOOR, AUTO_MIN_BYTES_CEIL).div_ceil(ss) * ss;
+        let t = t
+            .clamp(AUTO_MIN_BYTES_FLOOR, AUTO_MIN_BYTES_CEIL)
+            .div_ceil(ss)
+            * ss;
         core.auto_min_bytes.store(t, Relaxed);
         Ok(())
     }
@@ -480,7 +486,8 @@ impl Core {
             return r;
         }
         // SAFETY: a non-null src covers the same sectors in the caller's (read-only) buffer.
-        let src = (!task.src.is_null()).then(|| unsafe { std::slice::from_raw_parts(task.src, len) });
+        let src =
+            (!task.src.is_null()).then(|| unsafe { std::slice::from_raw_parts(task.src, len) });
         let t0 = now();
         let r = self.crypt(own, true, task.sectors.first, buf, src);
         t.crypto += now().wrapping_sub(t0);
@@ -522,7 +529,10 @@ impl Core {
                 queued_at: now(),
             };
             if self.jobs.push(job).is_err() {
-                comp.done(Err(Error::Bug("job queue closed while the volume is in use")), &Times::default());
+                comp.done(
+                    Err(Error::Bug("job queue closed while the volume is in use")),
+                    &Times::default(),
+                );
             }
         }
         let r = match mine {
@@ -641,7 +651,10 @@ impl Core {
                 break;
             }
         }
-        let split = !matches!(plan.dispatch, Dispatch::Inline | Dispatch::Ordered { chunks: 1 });
+        let split = !matches!(
+            plan.dispatch,
+            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
+        );
         self.stats
             .record(Kind::Read, out.len() as u64, start, &t, split, false);
         r
@@ -664,16 +677,21 @@ impl Core {
         self.exec_task(None, &task, t)
     }
 
-    fn write_piece(&self, plan: &Plan, piece: &Piece, src: Source<'_>, t: &mut Times) -> Result<()> {
+    fn write_piece(
+        &self,
+        plan: &Plan,
+        piece: &Piece,
+        src: Source<'_>,
+        t: &mut Times,
+    ) -> Result<()> {
         let ss = 1usize << self.shift;
         let bytes = (piece.sectors.len() << self.shift) as usize;
         if self.null_cipher && piece.aligned() && matches!(src, Source::Zeroes) {
             // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
             let t0 = now();
-            let r = self.backend.write_zeroes(
-                self.backend_offset(piece.sectors.first),
-                bytes as u64,
-            );
+            let r = self
+                .backend
+                .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
             t.backend += now().wrapping_sub(t0);
             return r;
         }
@@ -695,7 +713,9 @@ impl Core {
                 }
                 let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
                 match src {
-                    Source::Buf(s) => dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len]),
+                    Source::Buf(s) => {
+                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
+                    }
                     Source::Zeroes => dst.fill(0),
                 }
                 std::ptr::null()
@@ -729,7 +749,10 @@ impl Core {
                 break;
             }
         }
-        let split = !matches!(plan.dispatch, Dispatch::Inline | Dispatch::Ordered { chunks: 1 });
+        let split = !matches!(
+            plan.dispatch,
+            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
+        );
         self.stats.record(Kind::Write, len, start, &t, split, rmw);
         r
     }
@@ -790,6 +813,7 @@ impl BlockDev for Volume {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.core.write(Op::WriteZeroes, Source::Zeroes, offset, len)
+        self.core
+            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
     }
 }

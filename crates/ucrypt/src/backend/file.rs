@@ -86,9 +86,13 @@ impl FileBackend {
         let ctx = |what: &str| format!("{what} {name}");
         let mut note = None;
         let (file, direct) = match mode {
-            DirectMode::Never => (open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?, false),
+            DirectMode::Never => (
+                open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?,
+                false,
+            ),
             DirectMode::Always => (
-                open_file(path, writable, true).map_err(|e| Error::io(ctx("open with O_DIRECT"), e))?,
+                open_file(path, writable, true)
+                    .map_err(|e| Error::io(ctx("open with O_DIRECT"), e))?,
                 true,
             ),
             DirectMode::Auto => match open_file(path, writable, true) {
@@ -97,7 +101,10 @@ impl FileBackend {
                     note = Some(format!(
                         "the filesystem of {name} refused O_DIRECT; using buffered I/O"
                     ));
-                    (open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?, false)
+                    (
+                        open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?,
+                        false,
+                    )
                 }
                 Err(e) => return Err(Error::io(ctx("open"), e)),
             },
@@ -143,7 +150,8 @@ impl FileBackend {
                     note = Some(format!(
                         "the filesystem of {name} reports no O_DIRECT support; using buffered I/O"
                     ));
-                    let f = open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?;
+                    let f =
+                        open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?;
                     return Ok(FileBackend {
                         file: f,
                         path: name,
@@ -182,7 +190,10 @@ impl FileBackend {
     }
 
     fn err(&self, what: &str, offset: u64, len: u64, e: io::Error) -> Error {
-        Error::io(format!("{what} of {len} bytes at offset {offset} on {}", self.path), e)
+        Error::io(
+            format!("{what} of {len} bytes at offset {offset} on {}", self.path),
+            e,
+        )
     }
 
     fn write_zero_buffers(&self, offset: u64, len: u64) -> Result<()> {
@@ -224,7 +235,10 @@ impl FileBackend {
 }
 
 fn unsupported(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL)
+    )
 }
 
 impl Backend for FileBackend {
@@ -295,9 +309,17 @@ impl Backend for FileBackend {
     fn describe(&self) -> String {
         format!(
             "{} {}{}",
-            if self.block_device { "block device" } else { "file" },
+            if self.block_device {
+                "block device"
+            } else {
+                "file"
+            },
             self.path,
-            if self.direct { " (O_DIRECT)" } else { " (buffered)" }
+            if self.direct {
+                " (O_DIRECT)"
+            } else {
+                " (buffered)"
+            }
         )
     }
 }

@@ -42,7 +42,11 @@ impl MemBackend {
         &self,
         offset: u64,
         len: usize,
-        mut f: impl FnMut(&RwLock<Vec<u8>>, std::ops::Range<usize>, std::ops::Range<usize>) -> Result<()>,
+        mut f: impl FnMut(
+            &RwLock<Vec<u8>>,
+            std::ops::Range<usize>,
+            std::ops::Range<usize>,
+        ) -> Result<()>,
     ) -> Result<()> {
         let mut done = 0usize;
         while done < len {

@@ -247,7 +247,12 @@ mod tests {
     /// (buf_off, buf_len, first, end, head_skip, partial_first, partial_last).
     #[test]
     fn pieces_table() {
-        type Row = (u64, u64, u64, &'static [(usize, usize, u64, u64, usize, bool, bool)]);
+        type Row = (
+            u64,
+            u64,
+            u64,
+            &'static [(usize, usize, u64, u64, usize, bool, bool)],
+        );
         let rows: &[Row] = &[
             (0, 4096, 1 << 20, &[(0, 4096, 0, 8, 0, false, false)]),
             (100, 10, 1 << 20, &[(0, 10, 0, 1, 100, true, false)]),
@@ -257,9 +262,20 @@ mod tests {
                 510,
                 1030,
                 1024,
-                &[(0, 514, 0, 2, 510, true, false), (514, 516, 2, 4, 0, false, true)],
+                &[
+                    (0, 514, 0, 2, 510, true, false),
+                    (514, 516, 2, 4, 0, false, true),
+                ],
             ),
-            (1024, 600, 512, &[(0, 512, 2, 3, 0, false, false), (512, 88, 3, 4, 0, true, false)]),
+            (
+                1024,
+                600,
+                512,
+                &[
+                    (0, 512, 2, 3, 0, false, false),
+                    (512, 88, 3, 4, 0, true, false),
+                ],
+            ),
         ];
         let p = planner(9, 0);
         for &(offset, len, piece, want) in rows {
@@ -317,7 +333,9 @@ mod tests {
                 let chunks: Vec<_> = pc.chunks(3).collect();
                 assert_eq!(chunks.first().unwrap().first, pc.sectors.first);
                 assert_eq!(chunks.last().unwrap().end, pc.sectors.end);
-                assert!(chunks.windows(2).all(|w| w[0].end == w[1].first && !w[0].is_empty()));
+                assert!(chunks
+                    .windows(2)
+                    .all(|w| w[0].end == w[1].first && !w[0].is_empty()));
             }
             assert_eq!(expect_off as u64, len, "offset {offset} len {len}");
             assert_eq!(prev_end, plan.covering.end);
@@ -358,7 +376,11 @@ mod tests {
             (Policy::Auto, 1 << 20, 1, Parallel { chunks: 2 }),
         ];
         for &(policy, len, idle, want) in rows {
-            assert_eq!(p.dispatch(policy, Op::Write, len, idle), want, "{policy:?} {len} {idle}");
+            assert_eq!(
+                p.dispatch(policy, Op::Write, len, idle),
+                want,
+                "{policy:?} {len} {idle}"
+            );
         }
     }
 }

@@ -63,7 +63,10 @@ pub fn ns_per_tick() -> f64 {
         while t0.elapsed() < Duration::from_millis(2) {
             std::hint::spin_loop();
         }
-        let (dt, dc) = (t0.elapsed().as_nanos() as f64, now().wrapping_sub(c0) as f64);
+        let (dt, dc) = (
+            t0.elapsed().as_nanos() as f64,
+            now().wrapping_sub(c0) as f64,
+        );
         if dc > 0.0 {
             dt / dc
         } else {
@@ -212,7 +215,11 @@ impl Stats {
                 };
                 *ps = PhaseStats {
                     count,
-                    mean_ns: if count > 0 { sum as f64 * ns / count as f64 } else { 0.0 },
+                    mean_ns: if count > 0 {
+                        sum as f64 * ns / count as f64
+                    } else {
+                        0.0
+                    },
                     p50_ns: pct(0.5),
                     p99_ns: pct(0.99),
                 };
@@ -289,6 +296,10 @@ impl fmt::Display for StatsSnapshot {
             }
             writeln!(f)?;
         }
-        write!(f, "split {} requests, read-modify-write {}", self.split, self.rmw)
+        write!(
+            f,
+            "split {} requests, read-modify-write {}",
+            self.split, self.rmw
+        )
     }
 }

@@ -152,8 +152,10 @@ pub fn worker_loop(core: &Core) {
                             times: t,
                         };
                         if let Err(w) = core.writes.push(w) {
-                            w.done
-                                .done(Err(Error::Bug("write queue closed with writes pending")), &w.times);
+                            w.done.done(
+                                Err(Error::Bug("write queue closed with writes pending")),
+                                &w.times,
+                            );
                         }
                     }
                 }
