@@ -4,6 +4,8 @@
 //! the backend must equal what `SectorCipher` computes one sector at a time.
 //! Replay a failure with `UCRYPT_SEED=<seed printed on failure>`.
 
+#![allow(clippy::needless_range_loop)] // byte-by-byte comparison with the model reads best with indices
+
 mod common;
 
 use common::*;

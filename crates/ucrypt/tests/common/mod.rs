@@ -108,7 +108,9 @@ pub fn rig(c: RigCfg) -> Rig {
 }
 
 /// Builds a volume; `wrap` may wrap the raw backend (e.g. in a FaultBackend).
-pub fn rig_over(c: RigCfg, wrap: Option<&dyn Fn(Arc<dyn Backend>) -> Arc<dyn Backend>>) -> Rig {
+pub type Wrap<'a> = &'a dyn Fn(Arc<dyn Backend>) -> Arc<dyn Backend>;
+
+pub fn rig_over(c: RigCfg, wrap: Option<Wrap<'_>>) -> Rig {
     let total = c.size + c.data_offset;
     let (raw, file): (Arc<dyn Backend>, _) = match c.kind {
         BackendKind::Mem => (Arc::new(MemBackend::new(total)), None),
