@@ -7,7 +7,11 @@ mod bench;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ucrypt", version, about = "Userspace dm-crypt and LUKS2 compatible disk encryption")]
+#[command(
+    name = "ucrypt",
+    version,
+    about = "Userspace dm-crypt and LUKS2 compatible disk encryption"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
