@@ -5,6 +5,7 @@
 mod bench;
 mod open;
 mod ublk;
+mod mount;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +32,8 @@ enum Cmd {
         #[arg(long)]
         queues: Option<u16>,
     },
+    /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
+    Mount(mount::MountArgs),
 }
 
 fn main() {
@@ -52,6 +55,7 @@ fn main() {
                 }
             }
         }
+        Cmd::Mount(a) => mount::run(a),
     };
     std::process::exit(code);
 }
