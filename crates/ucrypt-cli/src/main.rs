@@ -3,9 +3,9 @@
 //! Each verb family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod mount;
 mod open;
 mod ublk;
-mod mount;
 
 use clap::{Parser, Subcommand};
 
