@@ -3,7 +3,10 @@
 //! Each verb family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod mount;
 mod nbd_server;
+mod open;
+mod ublk;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +27,16 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Serve volumes to NBD clients (qemu, nbd-client, libnbd tools, fio).
     Serve(Box<nbd_server::ServeArgs>),
+    /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
+    Ublk {
+        #[command(flatten)]
+        volume: open::VolumeArgs,
+        /// Hardware queues (default: one per CPU).
+        #[arg(long)]
+        queues: Option<u16>,
+    },
+    /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
+    Mount(mount::MountArgs),
 }
 
 fn main() {
@@ -31,6 +44,22 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Serve(a) => nbd_server::run_serve(*a),
+        Cmd::Ublk { volume, queues } => {
+            let mut opts = ublk::UblkOptions::default();
+            if let Some(q) = queues {
+                opts.queues = q;
+            }
+            let opened =
+                ublk::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
+            match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("ucrypt ublk: {e}");
+                    1
+                }
+            }
+        }
+        Cmd::Mount(a) => mount::run(a),
     };
     std::process::exit(code);
 }

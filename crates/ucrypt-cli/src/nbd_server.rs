@@ -394,17 +394,17 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// `ucrypt serve`: serve volumes to NBD clients.
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// Volume files to serve; each becomes one export (the first is also the default export).
-    #[arg(required = true)]
-    volumes: Vec<PathBuf>,
+    #[command(flatten)]
+    volume: crate::open::VolumeArgs,
     /// Where to listen: unix:PATH (socket mode 0600) or tcp:HOST:PORT (TLS required).
     #[arg(long)]
     nbd: Listen,
-    /// Export name, once per volume in order (default: the volume's file name).
+    /// Export name of VOLUME (default: its file name). It is also the default export.
     #[arg(long = "export-name")]
-    export_names: Vec<String>,
-    #[arg(long)]
-    read_only: bool,
+    export_name: Option<String>,
+    /// More exports from the same process, NAME=PATH, opened with the same options.
+    #[arg(long = "add-export", value_name = "NAME=PATH")]
+    add_export: Vec<String>,
     #[arg(long)]
     pid_file: Option<PathBuf>,
     /// Server certificate (PEM) for NBD_OPT_STARTTLS.
@@ -419,63 +419,36 @@ pub struct ServeArgs {
     /// Serve TCP without TLS (anyone on the network path sees the plaintext volume).
     #[arg(long)]
     insecure_plaintext: bool,
-    /// Interim raw mode (like `cryptsetup open --type plain`): dm-crypt cipher spec.
-    #[arg(long, requires = "volume_key_file")]
-    cipher: Option<String>,
-    /// Raw mode: file holding the volume key bytes.
-    #[arg(long)]
-    volume_key_file: Option<PathBuf>,
-    /// Raw mode: encryption sector size.
-    #[arg(long, default_value_t = 512)]
-    sector_size: u64,
-    /// Raw mode: byte offset of the encrypted data in the file.
-    #[arg(long, default_value_t = 0)]
-    offset: u64,
-    /// Serve the files without encryption (testing and benchmark baseline).
+    /// Serve the files as they are, without encryption (tests and benchmark baseline).
     #[arg(long, conflicts_with = "cipher")]
     unencrypted: bool,
 }
 
-fn open_volumes(a: &ServeArgs) -> Result<Vec<(String, Arc<dyn BlockDev>)>> {
-    if a.export_names.len() > a.volumes.len() {
-        return Err(Error::InvalidArgument(
-            "more --export-name than volumes".into(),
-        ));
+fn open_one(a: &ServeArgs, path: &Path) -> Result<Arc<dyn BlockDev>> {
+    if a.unencrypted {
+        return Ok(Arc::new(dev::FileDev::open(path, a.volume.read_only)?));
     }
-    let key = match &a.volume_key_file {
-        Some(p) => Some(ucrypt::SecretBytes::from_vec(
-            std::fs::read(p).map_err(|e| Error::io(format!("reading {}", p.display()), e))?,
-        )),
-        None => None,
+    let mut v = a.volume.clone();
+    v.volume = path.to_path_buf();
+    v.open().map_err(Error::InvalidArgument)
+}
+
+fn open_volumes(a: &ServeArgs) -> Result<Vec<(String, Arc<dyn BlockDev>)>> {
+    let file_name = |p: &Path| {
+        p.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
     };
-    let mut out = Vec::new();
-    for (i, path) in a.volumes.iter().enumerate() {
-        let name = match a.export_names.get(i) {
-            Some(n) => n.clone(),
-            None => path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        };
-        let dev: Arc<dyn BlockDev> = match (&a.cipher, &key) {
-            (Some(spec), Some(key)) => Arc::new(dev::PlainCryptDev::open(
-                path,
-                spec,
-                key.as_ref(),
-                a.sector_size,
-                a.offset,
-                a.read_only,
-            )?),
-            _ if a.unencrypted => Arc::new(dev::FileDev::open(path, a.read_only)?),
-            _ => {
-                return Err(Error::InvalidArgument(
-                    "give --cipher and --volume-key-file (raw mode) or --unencrypted; LUKS \
-                     volumes are not wired in yet"
-                        .into(),
-                ))
-            }
-        };
-        out.push((name, dev));
+    let first = a
+        .export_name
+        .clone()
+        .unwrap_or_else(|| file_name(&a.volume.volume));
+    let mut out = vec![(first, open_one(a, &a.volume.volume)?)];
+    for spec in &a.add_export {
+        let (name, path) = spec.split_once('=').ok_or_else(|| {
+            Error::InvalidArgument(format!("--add-export '{spec}': expected NAME=PATH"))
+        })?;
+        out.push((name.to_string(), open_one(a, Path::new(path))?));
     }
     Ok(out)
 }
@@ -506,7 +479,7 @@ fn serve_cli(a: ServeArgs) -> Result<()> {
             .map_err(|e| Error::io("installing signal handler", e))?;
     }
     let opts = ServerOptions {
-        read_only: a.read_only,
+        read_only: a.volume.read_only,
         tls,
         insecure_plaintext: a.insecure_plaintext,
         pid_file: a.pid_file.clone(),

@@ -14,8 +14,14 @@ const MIB: usize = 1 << 20;
 fn serve_unix(dir: &TempDir, images: &[&str], extra: &[&str]) -> Server {
     let sock = dir.s("sock");
     let listen = format!("unix:{sock}");
-    let paths: Vec<String> = images.iter().map(|i| dir.s(i)).collect();
-    let mut args: Vec<&str> = paths.iter().map(|s| s.as_str()).collect();
+    // The first image is VOLUME; the others are added as NAME=PATH exports.
+    let first = dir.s(images[0]);
+    let more: Vec<String> = images[1..]
+        .iter()
+        .map(|i| format!("--add-export={i}={}", dir.s(i)))
+        .collect();
+    let mut args: Vec<&str> = vec![&first];
+    args.extend(more.iter().map(|s| s.as_str()));
     args.extend(["--nbd", &listen]);
     args.extend(extra);
     Server::start(&args, images.len())
@@ -445,7 +451,7 @@ fn raw_mode_ciphertext_matches_dm_crypt_plain_layout() {
             "--sector-size",
             "4096",
             "--offset",
-            "1048576",
+            "2048",
         ],
     );
     ok(
