@@ -405,6 +405,7 @@ pub struct ServeArgs {
     /// More exports from the same process, NAME=PATH, opened with the same options.
     #[arg(long = "add-export", value_name = "NAME=PATH")]
     add_export: Vec<String>,
+    /// Write the server's process id here once listening (removed on exit).
     #[arg(long)]
     pid_file: Option<PathBuf>,
     /// Server certificate (PEM) for NBD_OPT_STARTTLS.
@@ -464,6 +465,10 @@ pub fn run_serve(a: ServeArgs) -> i32 {
 }
 
 fn serve_cli(a: ServeArgs) -> Result<()> {
+    if !a.unencrypted {
+        // The volume key lives in this process for its whole life: keep it out of core dumps.
+        ucrypt::secret::disable_core_dumps();
+    }
     let exports = open_volumes(&a)?;
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
