@@ -317,6 +317,11 @@ impl Volume {
         self.core.stats.snapshot()
     }
 
+    /// Zeroes the counters behind [`Volume::stats`].
+    pub fn reset_stats(&self) {
+        self.core.stats.reset()
+    }
+
     /// The request size from which `auto` splits (calibrated at start-up).
     pub fn auto_threshold_bytes(&self) -> u64 {
         self.core.auto_min_bytes.load(Relaxed)
@@ -702,8 +707,7 @@ impl Core {
             Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
             _ => {
                 // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
-                // sectors, then the new data (a fresh grant is all zeroes: write-zeroes needs
-                // nothing more), then is encrypted in place.
+                // sectors, then the new data (or zeroes), then is encrypted in place.
                 let b = g.as_mut_slice();
                 if piece.partial_first {
                     self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
@@ -728,7 +732,12 @@ impl Core {
             src: plain_src,
             io: true,
         };
-        self.run(plan, piece, task, t)
+        self.run(plan, piece, task, t)?;
+        if !plain_src.is_null() && !self.null_cipher {
+            // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
+            g.held_only_ciphertext();
+        }
+        Ok(())
     }
 
     fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {

@@ -1,10 +1,14 @@
 //! A bounded multi-producer multi-consumer queue: a fixed ring under a mutex. Producers wait
 //! when it is full (back-pressure), consumers when it is empty. Storage is allocated once.
 
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 pub struct BoundedQueue<T> {
     state: Mutex<Ring<T>>,
+    /// Idle consumers minus queued items, mirrored outside the lock so that the `auto` policy
+    /// can look without contending with the queue's users.
+    spare: AtomicI64,
     not_empty: Condvar,
     not_full: Condvar,
 }
@@ -31,7 +35,12 @@ impl<T> BoundedQueue<T> {
             }),
             not_empty: Condvar::new(),
             not_full: Condvar::new(),
+            spare: AtomicI64::new(0),
         }
+    }
+
+    fn mirror(&self, r: &Ring<T>) {
+        self.spare.store(r.idle as i64 - r.len as i64, Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, Ring<T>> {
@@ -51,6 +60,7 @@ impl<T> BoundedQueue<T> {
         let tail = (r.head + r.len) % cap;
         r.slots[tail] = Some(item);
         r.len += 1;
+        self.mirror(&r);
         let wake = r.idle > 0;
         drop(r);
         if wake {
@@ -68,6 +78,7 @@ impl<T> BoundedQueue<T> {
                 let item = r.slots[head].take();
                 r.head = (head + 1) % r.slots.len();
                 r.len -= 1;
+                self.mirror(&r);
                 drop(r);
                 self.not_full.notify_one();
                 return item;
@@ -76,8 +87,10 @@ impl<T> BoundedQueue<T> {
                 return None;
             }
             r.idle += 1;
+            self.mirror(&r);
             r = self.not_empty.wait(r).unwrap_or_else(|e| e.into_inner());
             r.idle -= 1;
+            self.mirror(&r);
         }
     }
 
@@ -90,8 +103,10 @@ impl<T> BoundedQueue<T> {
                 return 0;
             }
             r.idle += 1;
+            self.mirror(&r);
             r = self.not_empty.wait(r).unwrap_or_else(|e| e.into_inner());
             r.idle -= 1;
+            self.mirror(&r);
         }
         let n = r.len.min(out.len());
         for slot in out.iter_mut().take(n) {
@@ -100,15 +115,16 @@ impl<T> BoundedQueue<T> {
             r.head = (head + 1) % r.slots.len();
             r.len -= 1;
         }
+        self.mirror(&r);
         drop(r);
         self.not_full.notify_all();
         n
     }
 
-    /// Consumers waiting for work right now.
+    /// Consumers waiting for work right now, less the work already waiting for them (a
+    /// lock-free, possibly slightly stale reading).
     pub fn idle(&self) -> u32 {
-        let r = self.lock();
-        r.idle.saturating_sub(r.len as u32)
+        self.spare.load(Relaxed).max(0) as u32
     }
 
     /// Refuses further pushes; consumers drain what is left, then get None.

@@ -183,6 +183,23 @@ impl Stats {
         }
     }
 
+    /// Zeroes every counter (benchmarks measure one phase at a time). Requests running
+    /// meanwhile may be half counted.
+    pub fn reset(&self) {
+        for s in self.shards.iter() {
+            for h in s.hist.iter().flatten() {
+                h.buckets.iter().for_each(|b| b.store(0, Relaxed));
+                h.sum.store(0, Relaxed);
+            }
+            s.requests
+                .iter()
+                .chain(s.bytes.iter())
+                .for_each(|c| c.store(0, Relaxed));
+            s.split.store(0, Relaxed);
+            s.rmw.store(0, Relaxed);
+        }
+    }
+
     pub fn snapshot(&self) -> StatsSnapshot {
         let ns = ns_per_tick();
         let op = |k: usize| {
