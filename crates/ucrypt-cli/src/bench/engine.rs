@@ -256,12 +256,13 @@ fn round_robin(
         .collect()
 }
 
-/// `threads` threads run `body(thread, stop)` until `dur` passes; returns (MB/s, I/Os,
+/// `threads` threads run `body(thread, buffer, stop)` until `dur` passes; returns (MB/s, I/Os,
 /// allocations during the timed part). `body` returns (bytes, ios) done.
 fn timed_threads(
     threads: usize,
+    buf_bytes: usize,
     dur: Duration,
-    body: impl Fn(usize, &AtomicBool) -> (u64, u64) + Sync,
+    body: impl Fn(usize, &mut [u8], &AtomicBool) -> (u64, u64) + Sync,
 ) -> (f64, u64, u64) {
     let stop = AtomicBool::new(false);
     let barrier = Barrier::new(threads + 1);
@@ -270,8 +271,10 @@ fn timed_threads(
             .map(|t| {
                 let (stop, barrier, body) = (&stop, &barrier, &body);
                 s.spawn(move || {
+                    // Allocated before the start line, so that it is not counted.
+                    let mut buf = Aligned::new(buf_bytes);
                     barrier.wait();
-                    body(t, stop)
+                    body(t, buf.get(), stop)
                 })
             })
             .collect();
@@ -322,12 +325,11 @@ fn s1_seq_reads(
     for (xts, cipher) in [(false, "cipher_null-ecb"), (true, "aes-xts-plain64")] {
         let res = round_robin(k, variants.len(), |i| {
             let t = variant_target(s, xts, variants[i]);
-            let (mbps, _, _) = timed_threads(1, k.slice, |_, stop| {
-                let mut buf = Aligned::new(4096);
+            let (mbps, _, _) = timed_threads(1, 4096, k.slice, |_, buf, stop| {
                 let (mut off, mut n) = (0u64, 0u64);
                 while !stop.load(Relaxed) {
                     for _ in 0..64 {
-                        t.read(buf.get(), off);
+                        t.read(buf, off);
                         off = (off + 4096) % s.data_bytes;
                     }
                     n += 64;
@@ -395,12 +397,11 @@ fn s2_big_writes(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
     let region = s.data_bytes / threads as u64 / (1 << 20) * (1 << 20);
     let res = round_robin(k, variants.len(), |i| {
         let t = variant_target(s, true, variants[i]);
-        let (mbps, ios, allocs) = timed_threads(threads, k.slice, |th, stop| {
-            let mut buf = Aligned::new(1 << 20);
+        let (mbps, ios, allocs) = timed_threads(threads, 1 << 20, k.slice, |th, buf, stop| {
             let base = th as u64 * region;
             let (mut off, mut n) = (0u64, 0u64);
             while !stop.load(Relaxed) {
-                t.write(buf.get(), base + off);
+                t.write(buf, base + off);
                 off = (off + (1 << 20)) % region.max(1 << 20);
                 n += 1;
             }
@@ -429,17 +430,16 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
     let blocks = s.data_bytes / (256 << 10);
     let res = round_robin(k, variants.len(), |i| {
         let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _) = timed_threads(12, k.slice, |th, stop| {
-            let mut buf = Aligned::new(256 << 10);
+        let (mbps, _, _) = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ th as u64;
             let mut n = 0u64;
             while !stop.load(Relaxed) {
                 let r = xorshift(&mut x);
                 let off = (r % blocks) * (256 << 10);
                 if r & (1 << 40) == 0 {
-                    t.read(buf.get(), off);
+                    t.read(buf, off);
                 } else {
-                    t.write(buf.get(), off);
+                    t.write(buf, off);
                 }
                 n += 1;
             }
@@ -470,14 +470,13 @@ fn s4_one_stream(
     for write in [false, true] {
         let res = round_robin(k, variants.len(), |i| {
             let t = variant_target(s, true, variants[i]);
-            let (mbps, _, _) = timed_threads(1, k.slice, |_, stop| {
-                let mut buf = Aligned::new(1 << 20);
+            let (mbps, _, _) = timed_threads(1, 1 << 20, k.slice, |_, buf, stop| {
                 let (mut off, mut n) = (0u64, 0u64);
                 while !stop.load(Relaxed) {
                     if write {
-                        t.write(buf.get(), off);
+                        t.write(buf, off);
                     } else {
-                        t.read(buf.get(), off);
+                        t.read(buf, off);
                     }
                     off = (off + (1 << 20)) % s.data_bytes;
                     n += 1;
@@ -576,8 +575,7 @@ fn s6_many_streams(
     let streams = 6;
     let res = round_robin(k, variants.len(), |i| {
         let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _) = timed_threads(streams, k.slice, |th, stop| {
-            let mut buf = Aligned::new(1 << 20);
+        let (mbps, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
             let region = s.data_bytes / streams as u64;
             let base = th as u64 * region;
             let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
@@ -586,7 +584,7 @@ fn s6_many_streams(
                 if off + len as u64 > region {
                     off = 0;
                 }
-                let b = &mut buf.get()[..len];
+                let b = &mut buf[..len];
                 if n % 3 == 2 {
                     t.write(b, base + off);
                 } else {
