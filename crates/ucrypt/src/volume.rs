@@ -14,7 +14,7 @@
 //! partial edge sectors (read-modify-write), encrypt into the bounce buffer, backend write.
 //! The caller's buffer is never modified.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -163,6 +163,15 @@ impl Drop for Turn<'_> {
     }
 }
 
+/// Counts a big request of the `auto` policy while it runs.
+struct BigGuard<'a>(&'a AtomicU32);
+
+impl Drop for BigGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 /// The state shared by the volume's callers and its threads.
 pub struct Core {
     backend: Arc<dyn Backend>,
@@ -174,6 +183,8 @@ pub struct Core {
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
+    /// `auto` requests at or above the threshold running now.
+    big_inflight: AtomicU32,
     policy: AtomicU8,
     pool: BufferPool,
     locks: RangeLock,
@@ -263,6 +274,7 @@ impl Volume {
             read_only: cfg.read_only,
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
+            big_inflight: AtomicU32::new(0),
             policy: AtomicU8::new(cfg.policy.to_u8()),
             pool,
             locks: RangeLock::default(),
@@ -420,19 +432,26 @@ impl Core {
         Ok(())
     }
 
-    fn plan(&self, op: Op, offset: u64, len: u64) -> Plan {
+    /// Plans a request. For `auto`, a request big enough to split is counted while it runs
+    /// (the guard): split only if a worker is idle AND fewer big requests than cores are
+    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
+    /// shared counter off their path.
+    fn plan(&self, op: Op, offset: u64, len: u64) -> (Plan, Option<BigGuard<'_>>) {
         let policy = Policy::from_u8(self.policy.load(Relaxed));
         let planner = Planner {
             auto_min_bytes: self.auto_min_bytes.load(Relaxed),
             ..self.planner
         };
-        let idle = if policy == Policy::Auto {
-            self.jobs.idle()
-        } else {
-            0
-        };
+        let mut guard = None;
+        let mut idle = 0;
+        if policy == Policy::Auto && len >= planner.auto_min_bytes {
+            let others = self.big_inflight.fetch_add(1, Relaxed);
+            guard = Some(BigGuard(&self.big_inflight));
+            let free_cores = planner.lanes.saturating_sub(others + 1);
+            idle = self.jobs.idle().min(free_cores);
+        }
         let dispatch = planner.dispatch(policy, op, len, idle);
-        planner.plan(op, offset, len, dispatch)
+        (planner.plan(op, offset, len, dispatch), guard)
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
@@ -478,24 +497,24 @@ impl Core {
         let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
         if !task.write {
             if task.io {
-                let t0 = now();
+                let t0 = t.clock();
                 let r = self
                     .backend
                     .read_exact_at(buf, self.backend_offset(task.sectors.first));
-                t.backend += now().wrapping_sub(t0);
+                t.backend += t.clock().wrapping_sub(t0);
                 r?;
             }
-            let t0 = now();
+            let t0 = t.clock();
             let r = self.crypt(own, false, task.sectors.first, buf, None);
-            t.crypto += now().wrapping_sub(t0);
+            t.crypto += t.clock().wrapping_sub(t0);
             return r;
         }
         // SAFETY: a non-null src covers the same sectors in the caller's (read-only) buffer.
         let src =
             (!task.src.is_null()).then(|| unsafe { std::slice::from_raw_parts(task.src, len) });
-        let t0 = now();
+        let t0 = t.clock();
         let r = self.crypt(own, true, task.sectors.first, buf, src);
-        t.crypto += now().wrapping_sub(t0);
+        t.crypto += t.clock().wrapping_sub(t0);
         r?;
         if task.io {
             self.write_task_io(task, t)?;
@@ -508,11 +527,11 @@ impl Core {
         let len = (task.sectors.len() << self.shift) as usize;
         // SAFETY: as in exec_task; the buffer now holds ciphertext.
         let buf = unsafe { std::slice::from_raw_parts(task.buf as *const u8, len) };
-        let t0 = now();
+        let t0 = t.clock();
         let r = self
             .backend
             .write_at(buf, self.backend_offset(task.sectors.first));
-        t.backend += now().wrapping_sub(t0);
+        t.backend += t.clock().wrapping_sub(t0);
         r
     }
 
@@ -531,7 +550,7 @@ impl Core {
             let job = Job::Chunk {
                 task: sub,
                 done: DoneRef(&comp),
-                queued_at: now(),
+                queued_at: t.clock(),
             };
             if self.jobs.push(job).is_err() {
                 comp.done(
@@ -553,7 +572,7 @@ impl Core {
     fn run_queued(&self, task: Task, write: bool, t: &mut Times) -> Result<()> {
         let comp = Completion::new(1);
         let done = DoneRef(&comp);
-        let queued_at = now();
+        let queued_at = t.clock();
         let job = if write {
             Job::QueuedWrite {
                 task,
@@ -585,9 +604,9 @@ impl Core {
                 // Writes: crypto in parallel, then the backend write when it is our turn.
                 let io_now = !task.write;
                 let r = self.run_split(&Task { io: io_now, ..task }, chunks, piece, t);
-                let t0 = now();
+                let t0 = t.clock();
                 turn.wait();
-                t.wait += now().wrapping_sub(t0);
+                t.wait += t.clock().wrapping_sub(t0);
                 r?;
                 if task.write {
                     self.write_task_io(&task, t)?;
@@ -600,11 +619,11 @@ impl Core {
                 let len = (task.sectors.len() << self.shift) as usize;
                 // SAFETY: as in exec_task.
                 let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
-                let t0 = now();
+                let t0 = t.clock();
                 let r = self
                     .backend
                     .read_exact_at(buf, self.backend_offset(task.sectors.first));
-                t.backend += now().wrapping_sub(t0);
+                t.backend += t.clock().wrapping_sub(t0);
                 r?;
                 self.run_queued(Task { io: false, ..task }, false, t)
             }
@@ -629,9 +648,9 @@ impl Core {
             };
             return self.run(plan, piece, task, t);
         }
-        let t0 = now();
+        let t0 = t.clock();
         let mut g = self.pool.take(bytes)?;
-        t.wait += now().wrapping_sub(t0);
+        t.wait += t.clock().wrapping_sub(t0);
         let task = Task {
             write: false,
             sectors: piece.sectors,
@@ -645,10 +664,9 @@ impl Core {
     }
 
     fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
-        let start = now();
+        let mut t = Times::start();
         self.check(offset, out.len() as u64)?;
-        let plan = self.plan(Op::Read, offset, out.len() as u64);
-        let mut t = Times::default();
+        let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
         let mut r = Ok(());
         for piece in plan.pieces() {
             r = self.read_piece(&plan, &piece, out, &mut t);
@@ -661,7 +679,7 @@ impl Core {
             Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
         );
         self.stats
-            .record(Kind::Read, out.len() as u64, start, &t, split, false);
+            .record(Kind::Read, out.len() as u64, &t, split, false);
         r
     }
 
@@ -693,16 +711,16 @@ impl Core {
         let bytes = (piece.sectors.len() << self.shift) as usize;
         if self.null_cipher && piece.aligned() && matches!(src, Source::Zeroes) {
             // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
-            let t0 = now();
+            let t0 = t.clock();
             let r = self
                 .backend
                 .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
-            t.backend += now().wrapping_sub(t0);
+            t.backend += t.clock().wrapping_sub(t0);
             return r;
         }
-        let t0 = now();
+        let t0 = t.clock();
         let mut g = self.pool.take(bytes)?;
-        t.wait += now().wrapping_sub(t0);
+        t.wait += t.clock().wrapping_sub(t0);
         let plain_src = match src {
             Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
             _ => {
@@ -741,14 +759,13 @@ impl Core {
     }
 
     fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
-        let start = now();
+        let mut t = Times::start();
         self.check(offset, len)?;
         self.check_writable()?;
-        let plan = self.plan(op, offset, len);
-        let mut t = Times::default();
-        let t0 = now();
+        let (plan, _big) = self.plan(op, offset, len);
+        let t0 = t.clock();
         let _lock = plan.lock.map(|r| self.locks.lock(r));
-        t.wait += now().wrapping_sub(t0);
+        t.wait += t.clock().wrapping_sub(t0);
         let mut r = Ok(());
         let mut rmw = false;
         for piece in plan.pieces() {
@@ -762,29 +779,28 @@ impl Core {
             plan.dispatch,
             Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
         );
-        self.stats.record(Kind::Write, len, start, &t, split, rmw);
+        self.stats.record(Kind::Write, len, &t, split, rmw);
         r
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        let start = now();
+        let mut t = Times::start();
         self.check(offset, len)?;
         self.check_writable()?;
-        let plan = self.plan(Op::Discard, offset, len);
-        let mut t = Times::default();
+        let (plan, _big) = self.plan(Op::Discard, offset, len);
         let r = match plan.discard {
             None => Ok(()),
             Some(range) => {
                 let _lock = self.locks.lock(range);
-                let t0 = now();
+                let t0 = t.clock();
                 let r = self
                     .backend
                     .discard(self.backend_offset(range.first), range.len() << self.shift);
-                t.backend += now().wrapping_sub(t0);
+                t.backend += t.clock().wrapping_sub(t0);
                 r
             }
         };
-        self.stats.record(Kind::Write, len, start, &t, false, false);
+        self.stats.record(Kind::Write, len, &t, false, false);
         r
     }
 }

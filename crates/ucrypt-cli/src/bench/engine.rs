@@ -265,22 +265,27 @@ fn timed_threads(
     body: impl Fn(usize, &mut [u8], &AtomicBool) -> (u64, u64) + Sync,
 ) -> (f64, u64, u64) {
     let stop = AtomicBool::new(false);
-    let barrier = Barrier::new(threads + 1);
+    // Two start lines: everyone ready (buffers allocated), then the clock and the allocation
+    // counter start, then everyone goes. Starting the clock after "go" would miss the work of
+    // threads that run before the main thread is scheduled again (many threads, 2 cores).
+    let ready = Barrier::new(threads + 1);
+    let go = Barrier::new(threads + 1);
     let (bytes, ios, allocs, secs) = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
-                let (stop, barrier, body) = (&stop, &barrier, &body);
+                let (stop, ready, go, body) = (&stop, &ready, &go, &body);
                 s.spawn(move || {
-                    // Allocated before the start line, so that it is not counted.
                     let mut buf = Aligned::new(buf_bytes);
-                    barrier.wait();
+                    ready.wait();
+                    go.wait();
                     body(t, buf.get(), stop)
                 })
             })
             .collect();
-        barrier.wait();
+        ready.wait();
         let a0 = ALLOCS.load(Relaxed);
         let t0 = Instant::now();
+        go.wait();
         std::thread::sleep(dur);
         stop.store(true, Relaxed);
         let mut bytes = 0;
