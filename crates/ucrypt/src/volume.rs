@@ -563,6 +563,20 @@ impl Core {
             Some(m) => self.exec_task(None, &m, t),
             None => Ok(()),
         };
+        // Take back our chunks no worker has started (all cores busy): the request then never
+        // waits for a worker to be scheduled, and degrades to inline under load.
+        let me: *const Completion = &comp;
+        while let Some(Job::Chunk { task, done, .. }) = self
+            .jobs
+            .steal(|j| matches!(j, Job::Chunk { done, .. } if std::ptr::eq(done.0, me)))
+        {
+            let mut tt = Times {
+                on: t.on,
+                ..Times::default()
+            };
+            let rs = self.exec_task(None, &task, &mut tt);
+            done.done(rs, &tt);
+        }
         let (rw, tw) = comp.wait();
         t.add(&tw);
         r.and(rw)
@@ -709,7 +723,8 @@ impl Core {
     ) -> Result<()> {
         let ss = 1usize << self.shift;
         let bytes = (piece.sectors.len() << self.shift) as usize;
-        if self.null_cipher && piece.aligned() && matches!(src, Source::Zeroes) {
+        let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
+        if self.null_cipher && unordered && piece.aligned() && matches!(src, Source::Zeroes) {
             // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
             let t0 = t.clock();
             let r = self

@@ -213,9 +213,12 @@ pub struct EngineReport {
     pub rows: Vec<Row>,
     /// Target checks: (what, measured ratio, target, met).
     pub targets: Vec<(String, f64, f64, bool)>,
-    /// `Volume::stats()` snapshots after selected scenarios: where the time went.
+    /// `Volume::stats()` of each variant's last run: where the time went.
     pub stats: Vec<(String, String)>,
 }
+
+/// (what, `Volume::stats()` text) pairs for the report.
+type StatsLog = Vec<(String, String)>;
 
 struct Knobs {
     runs: usize,
@@ -224,16 +227,29 @@ struct Knobs {
 }
 
 /// Runs `variants` round-robin `runs` times; `f(i)` returns (value, extras) for variant i.
+/// In the last round, the volume's stats are reset before each variant and kept after it, so
+/// that `stats_out` gets one `Volume::stats()` per variant: where its time went.
 fn round_robin(
     knobs: &Knobs,
-    variants: usize,
+    names: &[&str],
+    vol: Option<&Volume>,
+    stats_out: &mut Vec<(String, String)>,
     mut f: impl FnMut(usize) -> (f64, Vec<(String, f64)>),
 ) -> Vec<(Summary, Vec<(String, Summary)>)> {
+    let variants = names.len();
     let mut vals: Vec<Vec<f64>> = vec![Vec::new(); variants];
     let mut extras: Vec<Vec<(String, Vec<f64>)>> = vec![Vec::new(); variants];
-    for _ in 0..knobs.runs {
+    for round in 0..knobs.runs {
+        let last = round + 1 == knobs.runs;
         for i in 0..variants {
+            let keep = last && names[i] != "raw";
+            if let (true, Some(v)) = (keep, vol) {
+                v.reset_stats();
+            }
             let (v, ex) = f(i);
+            if let (true, Some(vol)) = (keep, vol) {
+                stats_out.push((names[i].to_string(), vol.stats().to_string()));
+            }
             vals[i].push(v);
             for (k, x) in ex {
                 match extras[i].iter_mut().find(|(n, _)| *n == k) {
@@ -323,12 +339,15 @@ fn xorshift(x: &mut u64) -> u64 {
 fn s1_seq_reads(
     s: &Setup,
     k: &Knobs,
+    log: &mut StatsLog,
     rows: &mut Vec<Row>,
     targets: &mut Vec<(String, f64, f64, bool)>,
 ) {
     let variants = ["raw", "inline", "queued"];
     for (xts, cipher) in [(false, "cipher_null-ecb"), (true, "aes-xts-plain64")] {
-        let res = round_robin(k, variants.len(), |i| {
+        let vol = if xts { &s.xts } else { &s.null };
+        let mut st = Vec::new();
+        let res = round_robin(k, &variants, Some(vol), &mut st, |i| {
             let t = variant_target(s, xts, variants[i]);
             let (mbps, _, _) = timed_threads(1, 4096, k.slice, |_, buf, stop| {
                 let (mut off, mut n) = (0u64, 0u64);
@@ -343,6 +362,12 @@ fn s1_seq_reads(
             });
             (mbps, vec![])
         });
+        log.extend(st.into_iter().map(|(v, t)| {
+            (
+                format!("{} | {} | {cipher} | {v}", s.name, "1. 4K seq reads"),
+                t,
+            )
+        }));
         // The cipher's own cost for 4 KiB, to state the aes-xts target.
         let cipher_ns = if xts {
             let key: Vec<u8> = (0..64).map(|i| i as u8 ^ 0xa5).collect();
@@ -396,11 +421,12 @@ fn s1_seq_reads(
     }
 }
 
-fn s2_big_writes(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
+fn s2_big_writes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
     let variants = ["raw", "inline", "parallel", "queued", "auto"];
     let threads = 64;
     let region = s.data_bytes / threads as u64 / (1 << 20) * (1 << 20);
-    let res = round_robin(k, variants.len(), |i| {
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
         let (mbps, ios, allocs) = timed_threads(threads, 1 << 20, k.slice, |th, buf, stop| {
             let base = th as u64 * region;
@@ -417,6 +443,10 @@ fn s2_big_writes(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
             vec![("allocs/IO".into(), allocs as f64 / ios.max(1) as f64)],
         )
     });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | {} | {v}", s.name, "2. 1 MiB writes x64"), t)),
+    );
     for (i, v) in variants.iter().enumerate() {
         rows.push(Row {
             scenario: "2. 1 MiB writes, 64 in flight",
@@ -430,10 +460,11 @@ fn s2_big_writes(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
     }
 }
 
-fn s3_twelve_jobs(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
+fn s3_twelve_jobs(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
     let variants = ["raw", "inline", "parallel", "auto"];
     let blocks = s.data_bytes / (256 << 10);
-    let res = round_robin(k, variants.len(), |i| {
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
         let (mbps, _, _) = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ th as u64;
@@ -452,6 +483,10 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
         });
         (mbps, vec![])
     });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | {} | {v}", s.name, "3. 12 jobs 256K"), t)),
+    );
     for (i, v) in variants.iter().enumerate() {
         rows.push(Row {
             scenario: "3. 12 jobs, 256 KiB random read/write",
@@ -468,12 +503,14 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
 fn s4_one_stream(
     s: &Setup,
     k: &Knobs,
+    log: &mut StatsLog,
     rows: &mut Vec<Row>,
     targets: &mut Vec<(String, f64, f64, bool)>,
 ) {
     let variants = ["raw", "inline", "parallel"];
     for write in [false, true] {
-        let res = round_robin(k, variants.len(), |i| {
+        let mut st = Vec::new();
+        let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
             let t = variant_target(s, true, variants[i]);
             let (mbps, _, _) = timed_threads(1, 1 << 20, k.slice, |_, buf, stop| {
                 let (mut off, mut n) = (0u64, 0u64);
@@ -491,6 +528,10 @@ fn s4_one_stream(
             (mbps, vec![])
         });
         let dir = if write { "writes" } else { "reads" };
+        log.extend(
+            st.into_iter()
+                .map(|(v, t)| (format!("{} | 4. one stream 1 MiB {dir} | {v}", s.name), t)),
+        );
         let ratio = res[2].0.median / res[1].0.median;
         targets.push((
             format!(
@@ -520,10 +561,11 @@ fn s4_one_stream(
     }
 }
 
-fn s5_latency(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
+fn s5_latency(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
     let variants = ["raw", "inline", "queued"];
     let blocks = s.data_bytes / 4096;
-    let res = round_robin(k, variants.len(), |i| {
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
         let stop = AtomicBool::new(false);
         let ops = (k.slice.as_secs_f64() * 100_000.0) as usize;
@@ -555,6 +597,10 @@ fn s5_latency(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
             vec![("p99 µs".into(), q(0.99)), ("p99.9 µs".into(), q(0.999))],
         )
     });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | 5. QD1 + busy | {v}", s.name), t)),
+    );
     for (i, v) in variants.iter().enumerate() {
         rows.push(Row {
             scenario: "5. 4 KiB random reads QD1 + 2 busy threads",
@@ -571,6 +617,7 @@ fn s5_latency(s: &Setup, k: &Knobs, rows: &mut Vec<Row>) {
 fn s6_many_streams(
     s: &Setup,
     k: &Knobs,
+    log: &mut StatsLog,
     rows: &mut Vec<Row>,
     targets: &mut Vec<(String, f64, f64, bool)>,
 ) {
@@ -578,10 +625,12 @@ fn s6_many_streams(
     // Each stream: sequential, sizes cycling 4 KiB .. 1 MiB, 2 reads per write.
     const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 4 << 10, 256 << 10, 1 << 20];
     let streams = 6;
-    let res = round_robin(k, variants.len(), |i| {
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
         let (mbps, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
-            let region = s.data_bytes / streams as u64;
+            // Whole MiB per stream, so that every request is sector-aligned.
+            let region = s.data_bytes / streams as u64 / (1 << 20) * (1 << 20);
             let base = th as u64 * region;
             let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
             while !stop.load(Relaxed) {
@@ -603,6 +652,10 @@ fn s6_many_streams(
         });
         (mbps, vec![])
     });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | {} | {v}", s.name, "6. many streams"), t)),
+    );
     let best_static = res[1].0.median.max(res[2].0.median);
     let ratio = res[3].0.median / best_static;
     targets.push((
@@ -647,27 +700,17 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> EngineReport {
             }
         };
         say("1: 4 KiB sequential reads");
-        s.xts.reset_stats();
-        s1_seq_reads(s, &knobs, &mut rows, &mut targets);
-        stats.push((
-            format!("{} after scenario 1 (aes-xts, inline+queued)", s.name),
-            s.xts.stats().to_string(),
-        ));
+        s1_seq_reads(s, &knobs, &mut stats, &mut rows, &mut targets);
         say("2: 1 MiB writes, 64 in flight");
-        s2_big_writes(s, &knobs, &mut rows);
+        s2_big_writes(s, &knobs, &mut stats, &mut rows);
         say("3: 12 jobs of 256 KiB");
-        s.xts.reset_stats();
-        s3_twelve_jobs(s, &knobs, &mut rows);
-        stats.push((
-            format!("{} after scenario 3 (inline+parallel+auto)", s.name),
-            s.xts.stats().to_string(),
-        ));
+        s3_twelve_jobs(s, &knobs, &mut stats, &mut rows);
         say("4: one stream of 1 MiB");
-        s4_one_stream(s, &knobs, &mut rows, &mut targets);
+        s4_one_stream(s, &knobs, &mut stats, &mut rows, &mut targets);
         say("5: QD1 latency with busy threads");
-        s5_latency(s, &knobs, &mut rows);
+        s5_latency(s, &knobs, &mut stats, &mut rows);
         say("6: many streams");
-        s6_many_streams(s, &knobs, &mut rows, &mut targets);
+        s6_many_streams(s, &knobs, &mut stats, &mut rows, &mut targets);
         s.xts.set_policy(Policy::Inline);
         s.null.set_policy(Policy::Inline);
     }
@@ -723,9 +766,10 @@ pub fn markdown(r: &EngineReport) -> String {
             if *ok { "met" } else { "MISSED" }
         );
     }
-    o += "\n## Where time went (Volume::stats)\n\n";
+    o += "\n## Where time went (Volume::stats of each variant's last run; ns)\n\n```\n";
     for (what, s) in &r.stats {
-        o += &format!("{what}:\n```\n{s}\n```\n");
+        o += &format!("{what}\n  {}\n", s.replace('\n', "\n  "));
     }
+    o += "```\n";
     o
 }
