@@ -13,6 +13,12 @@
 //! A write is the mirror image (`write_piece`): lock the sectors, take a bounce buffer, fill in
 //! partial edge sectors (read-modify-write), encrypt into the bounce buffer, backend write.
 //! The caller's buffer is never modified.
+//!
+//! The file reads top-down: configuration and the small types a request carries, then
+//! **the data path** (`BlockDev` entry points, `read`/`read_piece`, `write`/`write_piece`,
+//! `discard`), then construction (threads, calibration), then the **drivers** that run a task
+//! inline, split among workers (`run_split`), in submission order, or through the `queued`
+//! model's worker queue and writer thread.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
@@ -207,6 +213,225 @@ enum Source<'a> {
     Buf(&'a [u8]),
     Zeroes,
 }
+
+// ================================================================ the data path
+
+impl BlockDev for Volume {
+    fn size(&self) -> u64 {
+        self.core.size
+    }
+
+    fn block_size(&self) -> u32 {
+        1 << self.core.shift
+    }
+
+    fn read_only(&self) -> bool {
+        self.core.read_only
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.core.read(buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.core
+            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64)
+    }
+
+    fn flush(&self) -> Result<()> {
+        // Every acknowledged write has reached the backend (all policies acknowledge after the
+        // backend write), so syncing the backend makes them durable.
+        self.core.backend.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.core.discard(offset, len)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.core
+            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
+    }
+}
+
+impl Core {
+    // ---------------------------------------------------------------- reads
+
+    fn read_piece(&self, plan: &Plan, piece: &Piece, out: &mut [u8], t: &mut Times) -> Result<()> {
+        let bytes = (piece.sectors.len() << self.shift) as usize;
+        let dst = &mut out[piece.buf_off..piece.buf_off + piece.buf_len];
+        // Straight into the caller's buffer when it holds whole sectors at an address the
+        // backend accepts: no bounce buffer, no copy.
+        let in_place = piece.aligned() && (dst.as_ptr() as usize) % self.mem_align == 0;
+        if in_place {
+            let task = Task {
+                write: false,
+                sectors: piece.sectors,
+                buf: dst.as_mut_ptr(),
+                src: std::ptr::null(),
+                io: true,
+            };
+            return self.run(plan, piece, task, t);
+        }
+        let t0 = t.clock();
+        let mut g = self.pool.take(bytes)?;
+        t.wait += t.clock().wrapping_sub(t0);
+        let task = Task {
+            write: false,
+            sectors: piece.sectors,
+            buf: g.as_mut_ptr(),
+            src: std::ptr::null(),
+            io: true,
+        };
+        self.run(plan, piece, task, t)?;
+        dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
+        Ok(())
+    }
+
+    fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
+        let mut t = Times::start();
+        self.check(offset, out.len() as u64)?;
+        let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
+        let mut r = Ok(());
+        for piece in plan.pieces() {
+            r = self.read_piece(&plan, &piece, out, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let split = !matches!(
+            plan.dispatch,
+            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
+        );
+        self.stats
+            .record(Kind::Read, out.len() as u64, &t, split, false);
+        r
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    /// Reads and decrypts one sector into `dst` (the edge of a read-modify-write).
+    fn read_sector_plain(&self, sector: u64, dst: &mut [u8], t: &mut Times) -> Result<()> {
+        let task = Task {
+            write: false,
+            sectors: SectorRange {
+                first: sector,
+                end: sector + 1,
+            },
+            buf: dst.as_mut_ptr(),
+            src: std::ptr::null(),
+            io: true,
+        };
+        self.exec_task(None, &task, t)
+    }
+
+    fn write_piece(
+        &self,
+        plan: &Plan,
+        piece: &Piece,
+        src: Source<'_>,
+        t: &mut Times,
+    ) -> Result<()> {
+        let ss = 1usize << self.shift;
+        let bytes = (piece.sectors.len() << self.shift) as usize;
+        let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
+        if self.null_cipher && unordered && piece.aligned() && matches!(src, Source::Zeroes) {
+            // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
+            let t0 = t.clock();
+            let r = self
+                .backend
+                .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
+            t.backend += t.clock().wrapping_sub(t0);
+            return r;
+        }
+        let t0 = t.clock();
+        let mut g = self.pool.take(bytes)?;
+        t.wait += t.clock().wrapping_sub(t0);
+        let plain_src = match src {
+            Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
+            _ => {
+                // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
+                // sectors, then the new data (or zeroes), then is encrypted in place.
+                let b = g.as_mut_slice();
+                if piece.partial_first {
+                    self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
+                }
+                if piece.partial_last {
+                    self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
+                }
+                let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
+                match src {
+                    Source::Buf(s) => {
+                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
+                    }
+                    Source::Zeroes => dst.fill(0),
+                }
+                std::ptr::null()
+            }
+        };
+        let task = Task {
+            write: true,
+            sectors: piece.sectors,
+            buf: g.as_mut_ptr(),
+            src: plain_src,
+            io: true,
+        };
+        self.run(plan, piece, task, t)?;
+        if !plain_src.is_null() && !self.null_cipher {
+            // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
+            g.held_only_ciphertext();
+        }
+        Ok(())
+    }
+
+    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
+        let mut t = Times::start();
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let (plan, _big) = self.plan(op, offset, len);
+        let t0 = t.clock();
+        let _lock = plan.lock.map(|r| self.locks.lock(r));
+        t.wait += t.clock().wrapping_sub(t0);
+        let mut r = Ok(());
+        let mut rmw = false;
+        for piece in plan.pieces() {
+            rmw |= !piece.aligned();
+            r = self.write_piece(&plan, &piece, src, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let split = !matches!(
+            plan.dispatch,
+            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
+        );
+        self.stats.record(Kind::Write, len, &t, split, rmw);
+        r
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let mut t = Times::start();
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let (plan, _big) = self.plan(Op::Discard, offset, len);
+        let r = match plan.discard {
+            None => Ok(()),
+            Some(range) => {
+                let _lock = self.locks.lock(range);
+                let t0 = t.clock();
+                let r = self
+                    .backend
+                    .discard(self.backend_offset(range.first), range.len() << self.shift);
+                t.backend += t.clock().wrapping_sub(t0);
+                r
+            }
+        };
+        self.stats.record(Kind::Write, len, &t, false, false);
+        r
+    }
+}
+
+// ================================================================ construction
 
 impl Volume {
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
@@ -412,6 +637,8 @@ impl Drop for Volume {
         }
     }
 }
+
+// ================================================================ drivers: how tasks run
 
 impl Core {
     fn check(&self, offset: u64, len: u64) -> Result<()> {
@@ -642,218 +869,5 @@ impl Core {
                 self.run_queued(Task { io: false, ..task }, false, t)
             }
         }
-    }
-
-    // ---------------------------------------------------------------- reads
-
-    fn read_piece(&self, plan: &Plan, piece: &Piece, out: &mut [u8], t: &mut Times) -> Result<()> {
-        let bytes = (piece.sectors.len() << self.shift) as usize;
-        let dst = &mut out[piece.buf_off..piece.buf_off + piece.buf_len];
-        // Straight into the caller's buffer when it holds whole sectors at an address the
-        // backend accepts: no bounce buffer, no copy.
-        let in_place = piece.aligned() && (dst.as_ptr() as usize) % self.mem_align == 0;
-        if in_place {
-            let task = Task {
-                write: false,
-                sectors: piece.sectors,
-                buf: dst.as_mut_ptr(),
-                src: std::ptr::null(),
-                io: true,
-            };
-            return self.run(plan, piece, task, t);
-        }
-        let t0 = t.clock();
-        let mut g = self.pool.take(bytes)?;
-        t.wait += t.clock().wrapping_sub(t0);
-        let task = Task {
-            write: false,
-            sectors: piece.sectors,
-            buf: g.as_mut_ptr(),
-            src: std::ptr::null(),
-            io: true,
-        };
-        self.run(plan, piece, task, t)?;
-        dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
-        Ok(())
-    }
-
-    fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
-        let mut t = Times::start();
-        self.check(offset, out.len() as u64)?;
-        let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
-        let mut r = Ok(());
-        for piece in plan.pieces() {
-            r = self.read_piece(&plan, &piece, out, &mut t);
-            if r.is_err() {
-                break;
-            }
-        }
-        let split = !matches!(
-            plan.dispatch,
-            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
-        );
-        self.stats
-            .record(Kind::Read, out.len() as u64, &t, split, false);
-        r
-    }
-
-    // ---------------------------------------------------------------- writes
-
-    /// Reads and decrypts one sector into `dst` (the edge of a read-modify-write).
-    fn read_sector_plain(&self, sector: u64, dst: &mut [u8], t: &mut Times) -> Result<()> {
-        let task = Task {
-            write: false,
-            sectors: SectorRange {
-                first: sector,
-                end: sector + 1,
-            },
-            buf: dst.as_mut_ptr(),
-            src: std::ptr::null(),
-            io: true,
-        };
-        self.exec_task(None, &task, t)
-    }
-
-    fn write_piece(
-        &self,
-        plan: &Plan,
-        piece: &Piece,
-        src: Source<'_>,
-        t: &mut Times,
-    ) -> Result<()> {
-        let ss = 1usize << self.shift;
-        let bytes = (piece.sectors.len() << self.shift) as usize;
-        let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
-        if self.null_cipher && unordered && piece.aligned() && matches!(src, Source::Zeroes) {
-            // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
-            let t0 = t.clock();
-            let r = self
-                .backend
-                .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
-            t.backend += t.clock().wrapping_sub(t0);
-            return r;
-        }
-        let t0 = t.clock();
-        let mut g = self.pool.take(bytes)?;
-        t.wait += t.clock().wrapping_sub(t0);
-        let plain_src = match src {
-            Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
-            _ => {
-                // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
-                // sectors, then the new data (or zeroes), then is encrypted in place.
-                let b = g.as_mut_slice();
-                if piece.partial_first {
-                    self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
-                }
-                if piece.partial_last {
-                    self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
-                }
-                let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
-                match src {
-                    Source::Buf(s) => {
-                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
-                    }
-                    Source::Zeroes => dst.fill(0),
-                }
-                std::ptr::null()
-            }
-        };
-        let task = Task {
-            write: true,
-            sectors: piece.sectors,
-            buf: g.as_mut_ptr(),
-            src: plain_src,
-            io: true,
-        };
-        self.run(plan, piece, task, t)?;
-        if !plain_src.is_null() && !self.null_cipher {
-            // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
-            g.held_only_ciphertext();
-        }
-        Ok(())
-    }
-
-    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
-        let mut t = Times::start();
-        self.check(offset, len)?;
-        self.check_writable()?;
-        let (plan, _big) = self.plan(op, offset, len);
-        let t0 = t.clock();
-        let _lock = plan.lock.map(|r| self.locks.lock(r));
-        t.wait += t.clock().wrapping_sub(t0);
-        let mut r = Ok(());
-        let mut rmw = false;
-        for piece in plan.pieces() {
-            rmw |= !piece.aligned();
-            r = self.write_piece(&plan, &piece, src, &mut t);
-            if r.is_err() {
-                break;
-            }
-        }
-        let split = !matches!(
-            plan.dispatch,
-            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
-        );
-        self.stats.record(Kind::Write, len, &t, split, rmw);
-        r
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        let mut t = Times::start();
-        self.check(offset, len)?;
-        self.check_writable()?;
-        let (plan, _big) = self.plan(Op::Discard, offset, len);
-        let r = match plan.discard {
-            None => Ok(()),
-            Some(range) => {
-                let _lock = self.locks.lock(range);
-                let t0 = t.clock();
-                let r = self
-                    .backend
-                    .discard(self.backend_offset(range.first), range.len() << self.shift);
-                t.backend += t.clock().wrapping_sub(t0);
-                r
-            }
-        };
-        self.stats.record(Kind::Write, len, &t, false, false);
-        r
-    }
-}
-
-impl BlockDev for Volume {
-    fn size(&self) -> u64 {
-        self.core.size
-    }
-
-    fn block_size(&self) -> u32 {
-        1 << self.core.shift
-    }
-
-    fn read_only(&self) -> bool {
-        self.core.read_only
-    }
-
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.core.read(buf, offset)
-    }
-
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.core
-            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64)
-    }
-
-    fn flush(&self) -> Result<()> {
-        // Every acknowledged write has reached the backend (all policies acknowledge after the
-        // backend write), so syncing the backend makes them durable.
-        self.core.backend.flush()
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.core.discard(offset, len)
-    }
-
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.core
-            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
     }
 }
