@@ -299,10 +299,7 @@ impl Core {
                 break;
             }
         }
-        let split = !matches!(
-            plan.dispatch,
-            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
-        );
+        let split = plan.dispatch.splits();
         self.stats
             .record(Kind::Read, out.len() as u64, &t, split, false);
         r
@@ -401,10 +398,7 @@ impl Core {
                 break;
             }
         }
-        let split = !matches!(
-            plan.dispatch,
-            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
-        );
+        let split = plan.dispatch.splits();
         self.stats.record(Kind::Write, len, &t, split, rmw);
         r
     }
