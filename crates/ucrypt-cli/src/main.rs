@@ -3,6 +3,9 @@
 //! Each verb family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod mount;
+mod open;
+mod ublk;
 
 use clap::{Parser, Subcommand};
 
@@ -21,12 +24,38 @@ struct Cli {
 enum Cmd {
     /// Benchmarks: cipher, engine, nbd, fuse, all.
     Bench(bench::BenchArgs),
+    /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
+    Ublk {
+        #[command(flatten)]
+        volume: open::VolumeArgs,
+        /// Hardware queues (default: one per CPU).
+        #[arg(long)]
+        queues: Option<u16>,
+    },
+    /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
+    Mount(mount::MountArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Ublk { volume, queues } => {
+            let mut opts = ublk::UblkOptions::default();
+            if let Some(q) = queues {
+                opts.queues = q;
+            }
+            let opened =
+                ublk::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
+            match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("ucrypt ublk: {e}");
+                    1
+                }
+            }
+        }
+        Cmd::Mount(a) => mount::run(a),
     };
     std::process::exit(code);
 }
