@@ -6,6 +6,7 @@
 
 pub mod blockdev;
 pub mod error;
+pub mod luks;
 pub mod secret;
 pub mod sector;
 
