@@ -12,7 +12,7 @@ use crate::{Result, SecretBytes};
 pub const AF_STRIPES: u32 = 4000;
 
 fn diffuse(hash: HashAlg, buf: &mut [u8]) {
-    let ds = hash.len();
+    let ds = hash.output_bytes();
     for (i, piece) in buf.chunks_mut(ds).enumerate() {
         let iv = (i as u32).to_be_bytes();
         let d = hash.digest(&[&iv, piece]);

@@ -651,7 +651,7 @@ pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Heade
     } else {
         super::kdf::calibrate_pbkdf2(hash, DIGEST_TIME_MS, volume_key.len())
     };
-    let mut digest = vec![0u8; hash.len()];
+    let mut digest = vec![0u8; hash.output_bytes()];
     hash.pbkdf2(volume_key.as_ref(), &digest_salt, iterations, &mut digest);
     let mut segments = std::collections::BTreeMap::new();
     segments.insert(

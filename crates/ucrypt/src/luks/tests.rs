@@ -106,7 +106,8 @@ fn luks1_format_add_unlock_remove() {
 fn copy_selection_truth_table() {
     use Which::*;
     // (primary seqid if valid, secondary seqid if valid) -> (use, repair)
-    let rows: &[(Option<u64>, Option<u64>, Option<(Which, Option<Which>)>)] = &[
+    type Row = (Option<u64>, Option<u64>, Option<(Which, Option<Which>)>);
+    let rows: &[Row] = &[
         (Some(5), Some(5), Some((Primary, None))),
         (Some(6), Some(5), Some((Primary, Some(Secondary)))),
         (Some(5), Some(6), Some((Secondary, Some(Primary)))),
