@@ -571,6 +571,59 @@ impl Luks2Header {
         Ok(ops)
     }
 
+    /// Replaces the passphrase of keyslot `id`, keeping its number (as cryptsetup does for
+    /// LUKS2): the new material goes to a fresh area, one header commit swaps the keyslot,
+    /// then the old area is wiped. A crash leaves the old or the new passphrase working.
+    pub fn change_keyslot(
+        &mut self,
+        id: u32,
+        vk: &VolumeKey,
+        passphrase: &[u8],
+        kdf: &KdfRequest,
+    ) -> Result<(u32, Vec<WriteOp>)> {
+        let key = id.to_string();
+        let old = self
+            .meta
+            .keyslots
+            .get(&key)
+            .cloned()
+            .ok_or(Error::Keyslot {
+                slot: id,
+                reason: "keyslot is not in use".into(),
+            })?;
+        let priority = old.priority;
+        // Build the new keyslot under a free id, then move it to `id` in the same commit.
+        let tmp = (0..KEYSLOTS_MAX)
+            .find(|i| !self.meta.used_keyslots().contains(i))
+            .ok_or_else(|| Error::InvalidArgument("all keyslots are full".into()))?;
+        let saved = self.clone();
+        let (_, mut ops) = self.add_keyslot(vk, passphrase, kdf, Some(tmp), priority)?;
+        // Drop the header writes add_keyslot planned; keep its material write.
+        ops.truncate(2);
+        let mut ks = self
+            .meta
+            .keyslots
+            .remove(&tmp.to_string())
+            .ok_or(Error::Bug("new keyslot vanished"))?;
+        ks.priority = priority;
+        self.meta.keyslots.insert(key.clone(), ks);
+        for d in self.meta.digests.values_mut() {
+            d.keyslots.retain(|k| k != &tmp.to_string());
+        }
+        self.bin.seqid = saved.bin.seqid;
+        ops.extend(self.commit()?);
+        if let Some(a) = old.area {
+            let mut noise = vec![0u8; a.size.0 as usize];
+            random_fill(&mut noise)?;
+            ops.push(WriteOp::Write {
+                offset: a.offset.0,
+                data: noise,
+            });
+            ops.push(WriteOp::Sync);
+        }
+        Ok((id, ops))
+    }
+
     /// Sets the persistent activation flags (`config.flags`).
     pub fn set_flags(&mut self, flags: Vec<String>) -> Result<Vec<WriteOp>> {
         self.meta.config.flags = if flags.is_empty() { None } else { Some(flags) };
