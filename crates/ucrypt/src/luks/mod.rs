@@ -338,7 +338,11 @@ pub fn unlock(
     };
     match hdr {
         Header::Luks1(h) => {
-            for i in h.unlock_order(slot)? {
+            let order = h.unlock_order(slot)?;
+            if order.is_empty() {
+                return Err(Error::NoUsableKeyslot);
+            }
+            for i in order {
                 let off = u64::from(h.slots[i].key_material_offset) * 512;
                 let crypto = h.slot_crypto(i);
                 let material = read(off, crypto.material_bytes() as u64)?;
@@ -352,7 +356,11 @@ pub fn unlock(
             }
         }
         Header::Luks2(h) => {
-            for p in h.unlock_order(slot)? {
+            let order = h.unlock_order(slot)?;
+            if order.is_empty() {
+                return Err(Error::NoUsableKeyslot);
+            }
+            for p in order {
                 let crypto = Luks2Header::slot_crypto(&p);
                 let material = read(p.area_offset, crypto.material_bytes() as u64)?;
                 match crypto
