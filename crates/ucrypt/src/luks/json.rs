@@ -330,6 +330,26 @@ impl Metadata {
                     ));
                 }
             }
+            if d.kind == "pbkdf2" {
+                let ok =
+                    d.hash
+                        .as_deref()
+                        .is_some_and(|h| HashAlg::from_name(h).is_ok())
+                        && d.iterations.is_some_and(|n| n > 0)
+                        && d.salt.as_deref().and_then(b64_decode).is_some_and(|s| {
+                            !s.is_empty() && s.len() <= super::kdf::SALT_BYTES_MAX
+                        })
+                        && d.digest
+                            .as_deref()
+                            .and_then(b64_decode)
+                            .is_some_and(|v| !v.is_empty() && v.len() <= super::DIGEST_BYTES_MAX);
+                if !ok {
+                    return Err(bad(
+                        "digests",
+                        format!("pbkdf2 digest {k} lacks a valid hash, iterations, salt or digest"),
+                    ));
+                }
+            }
             for s in &d.segments {
                 if !self.segments.contains_key(s) {
                     return Err(bad(

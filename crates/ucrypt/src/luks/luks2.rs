@@ -110,15 +110,20 @@ pub struct Copy {
 /// Reads and fully validates the copy at `offset` of `prefix` (the device's first bytes).
 pub fn read_copy(prefix: &[u8], offset: u64, secondary: bool) -> Result<Copy> {
     let start = usize::try_from(offset).map_err(|_| bad("truncated", "offset"))?;
-    let first = prefix
-        .get(start..)
-        .filter(|r| r.len() >= BIN_HDR_BYTES as usize)
-        .ok_or_else(|| {
-            bad(
+    let first = match prefix.get(start..) {
+        None | Some([]) => {
+            return Err(Error::NotLuks(format!(
+                "device ends before offset {offset}"
+            )))
+        }
+        Some(r) if r.len() < BIN_HDR_BYTES as usize => {
+            return Err(bad(
                 "truncated",
-                format!("device ends before the header at {offset}"),
-            )
-        })?;
+                format!("device ends inside the header at {offset}"),
+            ))
+        }
+        Some(r) => r,
+    };
     let bin = BinHeader::decode(first, secondary)?;
     if bin.hdr_offset != offset {
         return Err(bad(
@@ -227,20 +232,22 @@ impl Luks2Header {
                 _ => HDR2_OFFSETS.to_vec(),
             },
         };
-        let mut s: Result<Copy> = Err(bad("truncated", "no secondary header found"));
+        let mut s: Result<Copy> = Err(Error::NotLuks("no secondary LUKS2 header found".into()));
+        // Keep the most informative failure: a copy with the right magic that failed a
+        // check beats "truncated", which beats "no magic here".
+        let rank = |r: &Result<Copy>| match r {
+            Ok(_) => 3,
+            Err(Error::BadHeader { check, .. }) if *check != "truncated" => 2,
+            Err(Error::BadHeader { .. }) => 1,
+            Err(_) => 0,
+        };
         for off in candidates {
-            match read_copy(prefix, off, true) {
-                Ok(c) => {
-                    s = Ok(c);
-                    break;
-                }
-                // Keep the most informative error: one that got past the magic check.
-                Err(e @ Error::BadHeader { .. }) => s = Err(e),
-                Err(e) => {
-                    if !matches!(s, Err(Error::BadHeader { check, .. }) if check != "truncated") {
-                        s = Err(e);
-                    }
-                }
+            let r = read_copy(prefix, off, true);
+            if rank(&r) > rank(&s) {
+                s = r;
+            }
+            if s.is_ok() {
+                break;
             }
         }
         let sel = select_copy(
@@ -251,6 +258,7 @@ impl Luks2Header {
             // Report the primary's failure, naming the secondary's too.
             return Err(match (p, s) {
                 (Err(Error::NotLuks(m)), Err(Error::NotLuks(_))) => Error::NotLuks(m),
+                (Err(Error::NotLuks(_)), Err(e2)) => e2,
                 (Err(Error::BadHeader { check, detail }), Err(e2)) => Error::BadHeader {
                     check,
                     detail: format!("{detail} (secondary header: {e2})"),
@@ -413,7 +421,10 @@ impl Luks2Header {
             .iterations
             .filter(|&n| n > 0)
             .ok_or_else(|| bad("digests", format!("digest {id} has no iterations")))?;
-        if want.is_empty() || want.len() > 256 || salt.len() > 1024 {
+        if want.is_empty()
+            || want.len() > super::DIGEST_BYTES_MAX
+            || salt.len() > super::kdf::SALT_BYTES_MAX
+        {
             return Err(bad("digests", format!("digest {id} value or salt length")));
         }
         let mut got = SecretBytes::zeroed(want.len());

@@ -51,6 +51,8 @@ pub const KEYSLOTS_AREA_BYTES_MAX: u64 = 128 << 20;
 /// Largest volume key we accept from a header (cryptsetup's limit is 512 bytes for LUKS2
 /// keys it creates; AF material is 4000× this, so it bounds memory too).
 pub const KEY_BYTES_MAX: usize = 512;
+/// Largest digest value accepted (sha512 gives 64 bytes).
+pub const DIGEST_BYTES_MAX: usize = 256;
 /// Target time for calibrating a volume key digest (cryptsetup: 1/8 of a second).
 pub const DIGEST_TIME_MS: u32 = 125;
 
