@@ -4,6 +4,9 @@
 
 mod bench;
 mod luks_cli;
+mod mount;
+mod open;
+mod ublk;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +28,16 @@ enum Cmd {
     /// LUKS verbs (cryptsetup spellings accepted as aliases).
     #[command(flatten)]
     Luks(Box<luks_cli::LuksCmd>),
+    /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
+    Ublk {
+        #[command(flatten)]
+        volume: open::VolumeArgs,
+        /// Hardware queues (default: one per CPU).
+        #[arg(long)]
+        queues: Option<u16>,
+    },
+    /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
+    Mount(mount::MountArgs),
 }
 
 fn main() {
@@ -32,6 +45,22 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),
+        Cmd::Ublk { volume, queues } => {
+            let mut opts = ublk::UblkOptions::default();
+            if let Some(q) = queues {
+                opts.queues = q;
+            }
+            let opened =
+                ublk::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
+            match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("ucrypt ublk: {e}");
+                    1
+                }
+            }
+        }
+        Cmd::Mount(a) => mount::run(a),
     };
     std::process::exit(code);
 }

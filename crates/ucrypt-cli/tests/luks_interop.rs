@@ -80,7 +80,7 @@ fn ok(prog: &str, args: &[&str]) -> String {
     let o = run(prog, args);
     assert!(
         o.status.success(),
-        "{prog} {args:?} failed ({:?}):\n{}\n{}",
+        "{prog} {args:?} failed ({:?}):\nstdout: {}\nstderr: {}",
         o.status.code(),
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
@@ -811,20 +811,25 @@ fn qemu_luks1_interop() {
     let pass = "qemu-pass";
     let k = t.file("k", pass.as_bytes());
     let img = t.path("q.luks");
-    ok(
-        "qemu-img",
-        &[
+    // qemu calibrates PBKDF2 by CPU time and gives up ("Unable to get accurate CPU usage")
+    // when the machine is busy and the target short: retry with longer targets.
+    let secret_obj = format!("secret,id=s0,data={pass}");
+    let created = [50, 200, 1000].iter().any(|ms| {
+        let o = format!("key-secret=s0,iter-time={ms}");
+        let args = [
             "create",
             "-f",
             "luks",
             "--object",
-            &format!("secret,id=s0,data={pass}"),
+            &secret_obj,
             "-o",
-            "key-secret=s0,iter-time=10",
+            &o,
             s(&img),
             "4M",
-        ],
-    );
+        ];
+        run("qemu-img", &args).status.success()
+    });
+    assert!(created, "qemu-img create -f luks failed at every iter-time");
     assert_opens(UCRYPT, &img, &k, None, 0);
     // qemu writes a pattern; ucrypt exports the plaintext.
     let opts = format!("driver=luks,key-secret=s0,file.filename={}", s(&img));

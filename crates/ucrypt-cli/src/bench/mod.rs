@@ -1,4 +1,9 @@
-//! `ucrypt bench ...`: reproducible benchmark scenarios.
+//! `ucrypt bench ...`: reproducible benchmark scenarios. Every scenario runs its
+//! configurations side by side (round-robin) in one process, because this class of machine
+//! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
+
+mod cipher;
+pub mod stats;
 
 use clap::{Args, Subcommand};
 
@@ -8,14 +13,44 @@ pub struct BenchArgs {
     which: Which,
 }
 
+#[derive(Args, Clone, Copy)]
+pub struct Common {
+    /// Print machine-readable JSON instead of a markdown table.
+    #[arg(long)]
+    json: bool,
+    /// Fewer and shorter runs (a smoke run; numbers are noisier).
+    #[arg(long)]
+    quick: bool,
+    /// Number of round-robin repetitions (default 7, or 3 with --quick).
+    #[arg(long)]
+    runs: Option<usize>,
+}
+
+impl Common {
+    fn runs(&self) -> usize {
+        self.runs.unwrap_or(if self.quick { 3 } else { 7 }).max(1)
+    }
+}
+
 #[derive(Subcommand)]
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
-    Cipher,
+    Cipher(Common),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
     match a.which {
-        Which::Cipher => 0,
+        Which::Cipher(c) => {
+            let report = cipher::measure(c.runs(), c.quick, !c.json);
+            if c.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("report serialises")
+                );
+            } else {
+                print!("{}", cipher::markdown(&report));
+            }
+            0
+        }
     }
 }

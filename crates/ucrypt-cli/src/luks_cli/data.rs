@@ -1,24 +1,26 @@
-//! `export` and `import`: stream the whole data area of a LUKS volume through the sector
-//! cipher, in large chunks (one cipher call per chunk).
+//! `export` and `import`: stream the whole data area of a LUKS volume through the engine
+//! (`ucrypt::volume::Volume` over a `FileBackend`), in large requests so the engine's
+//! parallel dispatch can use every core.
 //!
-//! These run directly on `SectorCipher` over the data area: the engine (`ucrypt::volume`) was
-//! not merged when they were written. The LUKS side hands over a `DataLayout` and a verified
-//! `VolumeKey`, which is everything a `VolumeConfig` needs too.
+//! [`open_luks_blockdev`] is the LUKS path for front ends too: header + passphrase in, a
+//! `BlockDev` out.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Write};
-use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
-use ucrypt::luks::{DataLayout, Header, VolumeKey};
-use ucrypt::sector::{Geometry, SectorCipher};
-use ucrypt::{Error, Result};
+use ucrypt::backend::{DirectMode, FileBackend};
+use ucrypt::engine::Policy;
+use ucrypt::luks::{self, Header, VolumeKey};
+use ucrypt::volume::Volume;
+use ucrypt::{BlockDev, Error, Result};
 
-use super::dev::{DataDev, HeaderDev};
+use super::dev::HeaderDev;
 use super::{existing_source, load, read_volume_key_file, unlock_with, LuksOpts};
 
-/// Bytes per read-crypt-write step: large enough that per-call costs vanish.
+/// Bytes per request: large enough that the engine splits it across workers.
 const CHUNK_BYTES: usize = 4 << 20;
 
 /// Unlocks for a data verb: with --volume-key-file or a passphrase.
@@ -43,21 +45,24 @@ fn unlock_volume(volume: &Path, o: &LuksOpts, writable: bool) -> Result<(Header,
     Ok((hdr, vk))
 }
 
-/// Size of the data area in bytes (whole sectors).
-fn data_bytes(layout: &DataLayout, dev: &DataDev) -> Result<u64> {
-    let ss = u64::from(layout.sector_size.bytes());
-    let avail = dev.size()?.saturating_sub(layout.offset_bytes);
-    let n = layout.size_bytes.unwrap_or(avail).min(avail);
-    Ok(n / ss * ss)
+/// Opens a LUKS volume (header on the device or --header) as a plaintext block device.
+pub fn open_luks_blockdev(
+    volume: &Path,
+    o: &LuksOpts,
+    writable: bool,
+    policy: Policy,
+) -> Result<Arc<dyn BlockDev>> {
+    let (hdr, vk) = unlock_volume(volume, o, writable)?;
+    let mut cfg = luks::volume_config(&hdr, &vk)?;
+    drop(vk);
+    cfg.policy = policy;
+    cfg.read_only = cfg.read_only || !writable;
+    let backend = FileBackend::open(volume, writable, DirectMode::Auto)?;
+    Ok(Arc::new(Volume::new(Arc::new(backend), cfg)?))
 }
 
-fn cipher(layout: &DataLayout, vk: &VolumeKey) -> Result<SectorCipher> {
-    let g = Geometry {
-        sector_size: layout.sector_size,
-        iv_offset: layout.iv_tweak,
-        iv_large_sectors: false,
-    };
-    SectorCipher::new(layout.cipher, vk.bytes(), g)
+fn policy(o: &LuksOpts) -> Result<Policy> {
+    o.policy.as_deref().unwrap_or("auto").parse()
 }
 
 struct Progress {
@@ -109,12 +114,8 @@ impl Progress {
 }
 
 pub fn export(volume: &Path, file: &Path, o: &LuksOpts) -> Result<i32> {
-    let (hdr, vk) = unlock_volume(volume, o, false)?;
-    let layout = hdr.data_layout()?;
-    let dev = DataDev::open(volume, false)?;
-    let total = data_bytes(&layout, &dev)?;
-    let mut c = cipher(&layout, &vk)?;
-    let shift = layout.sector_size.shift();
+    let vol = open_luks_blockdev(volume, o, false, policy(o)?)?;
+    let total = vol.size();
     let mut out = File::create(file)
         .map_err(|e| Error::io(format!("Cannot create {}", file.display()), e))?;
     let mut buf = vec![0u8; CHUNK_BYTES];
@@ -122,10 +123,7 @@ pub fn export(volume: &Path, file: &Path, o: &LuksOpts) -> Result<i32> {
     let mut p = Progress::new(total);
     while done < total {
         let n = (total - done).min(CHUNK_BYTES as u64) as usize;
-        dev.file
-            .read_exact_at(&mut buf[..n], layout.offset_bytes + done)
-            .map_err(|e| Error::io(format!("reading {}", volume.display()), e))?;
-        c.decrypt(done >> shift, &mut buf[..n])?;
+        vol.read_at(&mut buf[..n], done)?;
         out.write_all(&buf[..n])
             .map_err(|e| Error::io(format!("writing {}", file.display()), e))?;
         done += n as u64;
@@ -139,10 +137,8 @@ pub fn export(volume: &Path, file: &Path, o: &LuksOpts) -> Result<i32> {
 }
 
 pub fn import(file: &Path, volume: &Path, o: &LuksOpts) -> Result<i32> {
-    let (hdr, vk) = unlock_volume(volume, o, true)?;
-    let layout = hdr.data_layout()?;
-    let dev = DataDev::open(volume, true)?;
-    let total = data_bytes(&layout, &dev)?;
+    let vol = open_luks_blockdev(volume, o, true, policy(o)?)?;
+    let total = vol.size();
     let mut input =
         File::open(file).map_err(|e| Error::io(format!("Cannot open {}", file.display()), e))?;
     let in_len = input
@@ -156,9 +152,6 @@ pub fn import(file: &Path, volume: &Path, o: &LuksOpts) -> Result<i32> {
             volume.display()
         )));
     }
-    let ss = layout.sector_size.bytes() as usize;
-    let shift = layout.sector_size.shift();
-    let mut c = cipher(&layout, &vk)?;
     let mut buf = vec![0u8; CHUNK_BYTES];
     let mut done = 0u64;
     let mut p = Progress::new(in_len);
@@ -167,29 +160,13 @@ pub fn import(file: &Path, volume: &Path, o: &LuksOpts) -> Result<i32> {
         input
             .read_exact(&mut buf[..n])
             .map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
-        // A partial last sector keeps the rest of its old plaintext (read-modify-write).
-        let whole = n.div_ceil(ss) * ss;
-        if whole != n {
-            let last = whole - ss;
-            let mut old = vec![0u8; ss];
-            dev.file
-                .read_exact_at(&mut old, layout.offset_bytes + done + last as u64)
-                .map_err(|e| Error::io(format!("reading {}", volume.display()), e))?;
-            c.decrypt((done + last as u64) >> shift, &mut old)?;
-            buf[n..whole].copy_from_slice(&old[n - last..]);
-        }
-        c.encrypt(done >> shift, &mut buf[..whole])?;
-        dev.file
-            .write_all_at(&buf[..whole], layout.offset_bytes + done)
-            .map_err(|e| Error::io(format!("writing {}", volume.display()), e))?;
+        // The engine handles a partial last sector (read-modify-write).
+        vol.write_at(&buf[..n], done)?;
         done += n as u64;
         p.tick(done);
     }
     buf.fill(0);
-    let f: &File = &dev.file;
-    f.sync_all()
-        .map_err(|e| Error::io(format!("syncing {}", volume.display()), e))?;
-    let _ = OpenOptions::new();
+    vol.flush()?;
     p.finish("Imported", done);
     Ok(0)
 }

@@ -127,6 +127,9 @@ pub struct LuksOpts {
     /// Accepted for compatibility (cryptsetup's passphrase quality check is not applied).
     #[arg(long)]
     pub force_password: bool,
+    /// Engine dispatch policy for export/import: inline, parallel, ordered, queued, auto.
+    #[arg(long)]
+    pub policy: Option<String>,
     /// Number of passphrase attempts (accepted; ucrypt asks once).
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,

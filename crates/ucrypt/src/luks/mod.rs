@@ -377,3 +377,23 @@ pub fn unlock(
     }
     Err(other_err.unwrap_or(Error::WrongPassphrase))
 }
+
+/// The engine's input for an unlocked LUKS volume: cipher, key, geometry, data offset and
+/// size from the header's data segment. The volume does not depend on LUKS; LUKS adapts to
+/// the volume's input type. Policy, pool and read-only are the caller's choice afterwards.
+pub fn volume_config(hdr: &Header, vk: &VolumeKey) -> Result<crate::volume::VolumeConfig> {
+    let l = hdr.data_layout()?;
+    let geometry = crate::sector::Geometry {
+        sector_size: l.sector_size,
+        iv_offset: l.iv_tweak,
+        // LUKS2 never sets iv_large_sectors; LUKS1 sectors are 512 bytes.
+        iv_large_sectors: false,
+    };
+    let mut cfg =
+        crate::volume::VolumeConfig::new(l.cipher, SecretBytes::from_slice(vk.bytes()), geometry);
+    cfg.data_offset_bytes = l.offset_bytes;
+    cfg.size_bytes = l.size_bytes;
+    // Unknown mandatory requirements: never writable.
+    cfg.read_only = !hdr.unmet_requirements().is_empty();
+    Ok(cfg)
+}

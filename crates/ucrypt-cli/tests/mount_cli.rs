@@ -1,0 +1,285 @@
+//! `ucrypt mount` (raw dm-crypt mode) end to end: mount the binary, losetup --direct-io=on,
+//! mkfs.ext4, copy a tree, fsck; SIGTERM while the loop device still holds the file (the
+//! process must keep serving until `losetup -d`, then exit 0); the ciphertext on disk decrypts
+//! (with the sector layer) to a clean ext4; remount with --file-name, read back, SIGINT.
+//! Needs root, /dev/fuse and loop devices: SKIPPED otherwise.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ucrypt");
+const IMG_BYTES: u64 = 48 << 20;
+const DATA_OFFSET: u64 = 1 << 20;
+/// How long the mount may take to appear, or the process to exit after a signal.
+const WAIT: Duration = Duration::from_secs(20);
+
+fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root (mount, losetup)".into());
+    }
+    for p in ["/dev/fuse", "/dev/loop-control"] {
+        if !Path::new(p).exists() {
+            return Some(format!("{p} missing"));
+        }
+    }
+    None
+}
+
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("spawn {cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn is_fuse_mount(p: &Path) -> bool {
+    let canon = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            // mountinfo: ... mount-point ... - fstype source options
+            let tail = l.split(" - ").nth(1).unwrap_or("");
+            l.split(' ').nth(4) == canon.to_str()
+                && tail.starts_with("fuse")
+                && tail.contains(" ucrypt:")
+        })
+}
+
+struct Server(Child);
+impl Server {
+    fn start(args: &[&str], mountpoint: &Path) -> Server {
+        let child = Command::new(BIN)
+            .arg("mount")
+            .args(args)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn ucrypt mount");
+        let s = Server(child);
+        let t0 = Instant::now();
+        while !is_fuse_mount(mountpoint) {
+            assert!(
+                t0.elapsed() < WAIT,
+                "ucrypt mount did not mount {} in time",
+                mountpoint.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+    fn signal(&self, sig: i32) {
+        // SAFETY: sending a signal to our own child process.
+        assert_eq!(unsafe { libc::kill(self.0.id() as i32, sig) }, 0);
+    }
+    fn wait_exit(&mut self, within: Duration) -> Option<i32> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.0.try_wait().expect("try_wait") {
+                return Some(st.code().unwrap_or(-1));
+            }
+            if t0.elapsed() > within {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+struct Cleanup(Vec<(String, Vec<String>)>);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for (c, a) in self.0.iter().rev() {
+            let _ = Command::new(c).args(a).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[test]
+fn mount_cli_raw_mode_end_to_end() {
+    if let Some(r) = skip_reason() {
+        println!("SKIPPED: {r}");
+        return;
+    }
+    let seed: u64 = std::env::var("UCRYPT_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_f05e);
+    println!("seed: UCRYPT_TEST_SEED={seed}");
+    let mut st = seed;
+    let tmp = std::env::temp_dir().join(format!("ucrypt-mount-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).expect("tmp");
+    let mut cleanup = Cleanup(vec![(
+        "rm".into(),
+        vec!["-rf".into(), tmp.display().to_string()],
+    )]);
+
+    let img = tmp.join("vol.img");
+    std::fs::File::create(&img)
+        .expect("img")
+        .set_len(IMG_BYTES)
+        .expect("size img");
+    let key: Vec<u8> = (0..8)
+        .flat_map(|_| splitmix(&mut st).to_le_bytes())
+        .collect();
+    let keyf = tmp.join("key");
+    std::fs::write(&keyf, &key).expect("key");
+    let src = tmp.join("src");
+    std::fs::create_dir_all(src.join("d")).expect("src");
+    let mut payload = vec![0u8; (2 << 20) + 333];
+    for c in payload.chunks_mut(8) {
+        c.copy_from_slice(&splitmix(&mut st).to_le_bytes()[..c.len()]);
+    }
+    std::fs::write(src.join("d/payload"), &payload).expect("payload");
+    std::fs::write(src.join("hello"), b"hello\n").expect("hello");
+
+    let file = tmp.join("plain");
+    std::fs::write(&file, b"").expect("mount point");
+    let off = DATA_OFFSET.to_string();
+    let raw = [
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        keyf.to_str().expect("utf-8"),
+        "--sector-size",
+        "4096",
+        "--offset",
+        &off,
+    ];
+    let mut args = vec![img.to_str().expect("utf-8"), file.to_str().expect("utf-8")];
+    args.extend_from_slice(&raw);
+    let mut srv = Server::start(&args, &file);
+    assert_eq!(
+        std::fs::metadata(&file).expect("stat").len(),
+        IMG_BYTES - DATA_OFFSET
+    );
+
+    let lo = run(
+        "losetup",
+        &[
+            "--find",
+            "--show",
+            "--direct-io=on",
+            file.to_str().expect("utf-8"),
+        ],
+    );
+    cleanup
+        .0
+        .push(("losetup".into(), vec!["-d".into(), lo.clone()]));
+    run("mkfs.ext4", &["-q", "-F", &lo]);
+    let mnt = tmp.join("mnt");
+    std::fs::create_dir_all(&mnt).expect("mnt");
+    run("mount", &[&lo, mnt.to_str().expect("utf-8")]);
+    cleanup
+        .0
+        .push(("umount".into(), vec![mnt.display().to_string()]));
+    run(
+        "cp",
+        &[
+            "-a",
+            &format!("{}/.", src.display()),
+            mnt.to_str().expect("utf-8"),
+        ],
+    );
+    run("umount", &[mnt.to_str().expect("utf-8")]);
+    run("fsck.ext4", &["-f", "-n", &lo]);
+
+    // SIGTERM while the loop device holds the file: detach, keep serving, exit after losetup -d.
+    srv.signal(libc::SIGTERM);
+    assert_eq!(
+        srv.wait_exit(Duration::from_millis(500)),
+        None,
+        "exited while the loop device still used the file"
+    );
+    run("fsck.ext4", &["-f", "-n", &lo]);
+    run("losetup", &["-d", &lo]);
+    assert_eq!(
+        srv.wait_exit(WAIT),
+        Some(0),
+        "ucrypt mount did not exit cleanly after the last user left"
+    );
+    assert!(!is_fuse_mount(&file));
+
+    // The ciphertext decrypts, with the sector layer (proven equal to dm-crypt), to a clean fs.
+    let mut data = std::fs::read(&img)
+        .expect("read img")
+        .split_off(DATA_OFFSET as usize);
+    let spec: CipherSpec = "aes-xts-plain64".parse().expect("spec");
+    SectorCipher::new(spec, &key, Geometry::new(SectorSize::S4096))
+        .expect("cipher")
+        .decrypt(0, &mut data)
+        .expect("decrypt");
+    let plain = tmp.join("decrypted.img");
+    std::fs::write(&plain, &data).expect("write decrypted");
+    run("fsck.ext4", &["-f", "-n", plain.to_str().expect("utf-8")]);
+    let hello = run(
+        "debugfs",
+        &["-R", "cat /hello", plain.to_str().expect("utf-8")],
+    );
+    assert_eq!(hello, "hello");
+
+    // Remount as DIR/disk, read-only loop, compare; then SIGINT with nothing attached.
+    let dir = tmp.join("dir");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let mut args: Vec<&str> = vec![
+        img.to_str().expect("utf-8"),
+        dir.to_str().expect("utf-8"),
+        "--file-name",
+        "disk",
+    ];
+    args.extend_from_slice(&raw);
+    let mut srv = Server::start(&args, &dir);
+    let disk: PathBuf = dir.join("disk");
+    let lo = run(
+        "losetup",
+        &[
+            "--find",
+            "--show",
+            "--read-only",
+            disk.to_str().expect("utf-8"),
+        ],
+    );
+    cleanup
+        .0
+        .push(("losetup".into(), vec!["-d".into(), lo.clone()]));
+    run("mount", &["-o", "ro", &lo, mnt.to_str().expect("utf-8")]);
+    let got = std::fs::read(mnt.join("d/payload")).expect("read payload");
+    assert!(got == payload, "payload differs after remount");
+    run("umount", &[mnt.to_str().expect("utf-8")]);
+    run("losetup", &["-d", &lo]);
+    srv.signal(libc::SIGINT);
+    assert_eq!(
+        srv.wait_exit(WAIT),
+        Some(0),
+        "ucrypt mount did not exit cleanly on SIGINT"
+    );
+    assert!(!is_fuse_mount(&dir));
+}

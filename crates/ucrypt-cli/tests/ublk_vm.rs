@@ -1,0 +1,125 @@
+//! `ucrypt ublk` in a VM (this host's kernel has no ublk_drv): boots Debian trixie's stock
+//! kernel under qemu (TCG), serves a raw aes-xts-plain64 volume on /dev/vda as /dev/ublkbN,
+//! makes an ext4 filesystem on it, writes files, fscks, stops ucrypt with SIGTERM (the device
+//! must disappear and ucrypt exit 0), then opens the same ciphertext with kernel dm-crypt and
+//! checks the filesystem and the files: what ucrypt wrote is exactly what dm-crypt reads.
+
+#[path = "../../../tests/vm/harness.rs"]
+mod vm;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The trixie kernel (6.12) has ublk_drv; fetched once into the harness cache.
+fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
+    let root = vm::vm_dir().join("cache/trixie");
+    let find = || -> Option<PathBuf> {
+        std::fs::read_dir(root.join("boot"))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("vmlinuz-"))
+            })
+    };
+    if let Some(k) = find() {
+        return Ok((k, root));
+    }
+    let out = Command::new("bash")
+        .arg(vm::vm_dir().join("fetch-kernel.sh"))
+        .arg(&root)
+        .arg("trixie")
+        .output()
+        .map_err(|e| format!("fetch-kernel.sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fetching Debian trixie's kernel failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    find()
+        .map(|k| (k, root))
+        .ok_or_else(|| "fetch-kernel.sh produced no vmlinuz".to_string())
+}
+
+const SCRIPT: &str = r#"
+set -e
+modprobe ublk_drv
+/mnt/host/ucrypt ublk /dev/vda --cipher aes-xts-plain64 --volume-key-file /mnt/host/key --sector-size 4096 > /tmp/ublk.out 2>&1 &
+pid=$!
+for i in $(seq 1 150); do grep -q '^ready: ' /tmp/ublk.out && break; sleep 0.2; done
+cat /tmp/ublk.out
+dev=$(sed -n 's/^ready: //p' /tmp/ublk.out)
+[ -b "$dev" ] || { echo "no ublk device"; exit 10; }
+mkfs.ext4 -q -F "$dev"
+mkdir -p /m && mount "$dev" /m
+echo hello-from-ublk > /m/hello
+dd if=/dev/urandom of=/m/data bs=64k count=32 2>/dev/null
+sha256sum /m/data | cut -c1-64 > /tmp/sum
+umount /m
+e2fsck -f -n "$dev"
+kill -TERM $pid
+wait $pid && echo "UCRYPT-EXIT-0"
+[ ! -e "$dev" ] && echo "DEVICE-REMOVED"
+key=$(od -An -tx1 -v /mnt/host/key | tr -d ' \n')
+sz=$(blockdev --getsz /dev/vda)
+echo "0 $sz crypt aes-xts-plain64 $key 0 /dev/vda 0 1 sector_size:4096" | dmsetup create dmc
+dmsetup mknodes
+e2fsck -f -n /dev/mapper/dmc
+mount -o ro /dev/mapper/dmc /m
+grep -q hello-from-ublk /m/hello && echo "DMCRYPT-READS-FILE"
+sha256sum /m/data | cut -c1-64 | cmp - /tmp/sum && echo "DMCRYPT-READS-DATA"
+umount /m
+dmsetup remove dmc
+echo "UBLK-VM-OK"
+"#;
+
+#[test]
+fn ublk_device_filesystem_read_back_by_kernel_dm_crypt() {
+    if let Err(reason) = vm::require_vm() {
+        println!("SKIPPED ublk_vm: {reason}");
+        return;
+    }
+    let (kernel, modroot) = match trixie_kernel() {
+        Ok(k) => k,
+        Err(e) if vm::under_ci() => panic!("{e}"),
+        Err(e) => {
+            println!("SKIPPED ublk_vm: {e}");
+            return;
+        }
+    };
+    let tmp = vm::TempDir::new("ublk-vm");
+    let share = tmp.0.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    std::fs::copy(env!("CARGO_BIN_EXE_ucrypt"), share.join("ucrypt")).unwrap();
+    let mut key = [0u8; 64];
+    vm::SplitMix(vm::seed()).fill(&mut key);
+    std::fs::write(share.join("key"), key).unwrap();
+    let img = tmp.0.join("vol.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+
+    let mut run = vm::VmRun::new(SCRIPT);
+    run.disk(&img, false);
+    run.share = Some(share);
+    run.kernel = Some(kernel);
+    run.modroot = Some(modroot);
+    let out = run.run(&tmp.0);
+    for marker in [
+        "UCRYPT-EXIT-0",
+        "DEVICE-REMOVED",
+        "DMCRYPT-READS-FILE",
+        "DMCRYPT-READS-DATA",
+        "UBLK-VM-OK",
+    ] {
+        assert!(
+            out.output.contains(marker),
+            "missing {marker} in VM output (status {})",
+            out.status
+        );
+    }
+    assert_eq!(out.status, 0);
+}

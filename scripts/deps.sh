@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what ucrypt's build, tests and benchmarks need on a Debian 12 machine, idempotently.
+# The tests prove interoperability against real peers, so they need those peers installed.
+set -euo pipefail
+
+APT_PACKAGES=(
+  # interop peers and references
+  cryptsetup-bin python3-cryptography python3-cryptography-vectors
+  qemu-utils nbdkit libnbd-bin python3-libnbd fio
+  # FUSE front end
+  fuse3 libfuse3-dev pkg-config
+  # filesystems for end-to-end tests
+  e2fsprogs util-linux
+  # the ublk crate generates its kernel bindings with bindgen, which needs libclang
+  libclang-dev
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "deps: missing Debian packages: ${missing[*]} (run as root or: sudo apt-get install ${missing[*]})" >&2
+    exit 1
+  fi
+  echo "deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# the kernel-in-a-VM tests (dm-crypt, ublk): qemu, a stock kernel, busybox, cryptsetup, dmsetup
+if [ "$(id -u)" = 0 ]; then bash "$(dirname "$0")/../tests/vm/install-deps.sh"; fi
+command -v cargo >/dev/null || { echo "deps: cargo not found (install Rust with rustup)" >&2; exit 1; }

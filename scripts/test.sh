@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the whole test suite and ends with one summary line: "tests: N passed, N failed, N skipped".
+# A test that cannot run here (missing kernel feature, missing tool) prints "SKIPPED ..." with
+# the reason; those are counted as skipped. Under CI=true missing Debian packages fail instead.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/deps.sh || exit 1
+log=$(mktemp)
+cargo test --workspace --no-fail-fast -- --show-output 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+sum() { grep -E '^test result:' "$log" | sed -E "s/.* ([0-9]+) $1.*/\\1/" | awk '{s+=$1} END {print s+0}'; }
+passed=$(sum passed)
+failed=$(sum failed)
+skipped=$(grep -cE "^SKIPPED" "$log")
+# A skipping test returns early and so counts as passed in cargo's own tally: move it over.
+passed=$(( passed > skipped ? passed - skipped : 0 ))
+echo
+grep -E '^SKIPPED' "$log" | sort -u | sed 's/^/  /'
+echo "tests: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
+rm -f "$log"
+exit "$rc"

@@ -1,0 +1,225 @@
+//! Shared by the Rust tests that boot a kernel under qemu (`tests/vm/run-in-vm.sh`): finding the
+//! harness, deciding SKIPPED vs. failing, and running one script in one boot.
+//!
+//! Include with `#[path = "../../../tests/vm/harness.rs"] mod vm;` from a crate's `tests/`.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// The whole VM run (boot + script) must finish within this; run-in-vm.sh kills qemu after it.
+pub const VM_TIMEOUT_S: u32 = 300;
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn vm_dir() -> PathBuf {
+    repo_root().join("tests/vm")
+}
+
+/// True when running under CI, where every package the VM tests need is installed
+/// (`tests/vm/install-deps.sh`), so a missing one is a failure, not a skip.
+pub fn under_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
+fn on_path(prog: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
+        .unwrap_or(false)
+}
+
+/// A stock kernel whose modules include dm-crypt (what run-in-vm.sh picks by default).
+pub fn default_kernel() -> Option<PathBuf> {
+    let mut kernels: Vec<PathBuf> = std::fs::read_dir("/boot")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-"))
+        })
+        .collect();
+    kernels.sort();
+    kernels.into_iter().rev().find(|k| {
+        let ver =
+            k.file_name().and_then(|n| n.to_str()).unwrap_or("")["vmlinuz-".len()..].to_string();
+        Path::new("/lib/modules")
+            .join(&ver)
+            .join("kernel/drivers/md")
+            .is_dir()
+    })
+}
+
+/// `Err(reason)` when the VM cannot run here. Under CI this panics instead (CI installs qemu
+/// and a kernel), so a CI run can never count a skipped VM test as passed.
+pub fn require_vm() -> Result<(), String> {
+    let reason = if !on_path("qemu-system-x86_64") {
+        Some("qemu-system-x86_64 not found (Debian package qemu-system-x86)".to_string())
+    } else if default_kernel().is_none() {
+        Some("no /boot/vmlinuz-* with dm-crypt modules (Debian package linux-image-amd64)".into())
+    } else if !on_path("busybox") && !Path::new("/bin/busybox").exists() {
+        Some("busybox not found (Debian package busybox-static)".into())
+    } else {
+        None
+    };
+    match reason {
+        None => Ok(()),
+        Some(r) if under_ci() => {
+            panic!("CI is set but the VM cannot run: {r}; run tests/vm/install-deps.sh")
+        }
+        Some(r) => Err(r),
+    }
+}
+
+/// One boot of the VM running `script`.
+pub struct VmRun {
+    pub script: String,
+    pub disks: Vec<(PathBuf, bool)>,
+    pub share: Option<PathBuf>,
+    pub kernel: Option<PathBuf>,
+    pub modroot: Option<PathBuf>,
+    pub mem_mb: u32,
+    pub extra_bins: Vec<PathBuf>,
+}
+
+pub struct VmOutput {
+    pub status: i32,
+    pub output: String,
+    pub elapsed: Duration,
+}
+
+impl VmRun {
+    pub fn new(script: impl Into<String>) -> Self {
+        VmRun {
+            script: script.into(),
+            disks: Vec::new(),
+            share: None,
+            kernel: None,
+            modroot: None,
+            mem_mb: 1024,
+            extra_bins: Vec::new(),
+        }
+    }
+
+    /// Attaches `img` as the next virtio disk (/dev/vda, /dev/vdb, ...).
+    pub fn disk(&mut self, img: &Path, read_only: bool) -> &mut Self {
+        self.disks.push((img.to_path_buf(), read_only));
+        self
+    }
+
+    pub fn run(&self, work: &Path) -> VmOutput {
+        let script = work.join("vm-script.sh");
+        std::fs::write(&script, &self.script).expect("write VM script");
+        let mut cmd = Command::new(vm_dir().join("run-in-vm.sh"));
+        cmd.arg("-t").arg(VM_TIMEOUT_S.to_string());
+        cmd.arg("-m").arg(self.mem_mb.to_string());
+        cmd.arg("-l").arg(work.join("serial.log"));
+        for (d, ro) in &self.disks {
+            let mut s = d.as_os_str().to_owned();
+            if *ro {
+                s.push(":ro");
+            }
+            cmd.arg("-d").arg(s);
+        }
+        if let Some(s) = &self.share {
+            cmd.arg("-s").arg(s);
+        }
+        if let Some(k) = &self.kernel {
+            cmd.arg("-k").arg(k);
+        }
+        if let Some(m) = &self.modroot {
+            cmd.env("MODROOT", m);
+        }
+        if !self.extra_bins.is_empty() {
+            let bins: Vec<String> = self
+                .extra_bins
+                .iter()
+                .map(|b| b.display().to_string())
+                .collect();
+            cmd.env("EXTRA_BINS", bins.join(" "));
+        }
+        cmd.arg(&script);
+        let t0 = Instant::now();
+        let out = cmd.output().expect("spawn tests/vm/run-in-vm.sh");
+        let elapsed = t0.elapsed();
+        let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
+        output.push_str(&String::from_utf8_lossy(&out.stderr));
+        println!(
+            "---- VM output ({:.1} s) ----\n{output}---- end of VM output ----",
+            elapsed.as_secs_f64()
+        );
+        VmOutput {
+            status: out.status.code().unwrap_or(-1),
+            output,
+            elapsed,
+        }
+    }
+}
+
+/// A temporary directory removed on drop (kept if `UCRYPT_KEEP_TMP` is set, for debugging).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let base = std::env::var_os("TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| "/tmp".into());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let p = base.join(format!("ucrypt-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::env::var_os("UCRYPT_KEEP_TMP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// splitmix64: a tiny seeded generator so every byte of test data follows from a printed seed.
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for c in buf.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+/// The seed for this run: `UCRYPT_TEST_SEED` if set, else derived from the clock. Printed.
+pub fn seed() -> u64 {
+    let s = std::env::var("UCRYPT_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    println!("seed: UCRYPT_TEST_SEED={s}");
+    s
+}
+
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
