@@ -223,3 +223,41 @@ pub fn seed() -> u64 {
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+/// Debian trixie's kernel (it has `ublk_drv`; bookworm's does not), unpacked under
+/// tests/vm/cache/trixie by fetch-kernel.sh on first use (apt download from the system's Debian
+/// mirror). Returns (vmlinuz, MODROOT).
+pub fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
+    let root = vm_dir().join("cache/trixie");
+    let find = || -> Option<PathBuf> {
+        let mut ks: Vec<PathBuf> = std::fs::read_dir(root.join("boot"))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("vmlinuz-"))
+            })
+            .collect();
+        ks.sort();
+        ks.pop()
+    };
+    if find().is_none() {
+        println!("fetching Debian trixie's kernel into {}", root.display());
+        let out = Command::new(vm_dir().join("fetch-kernel.sh"))
+            .arg(&root)
+            .arg("trixie")
+            .output()
+            .map_err(|e| format!("run fetch-kernel.sh: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "fetch-kernel.sh failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+    }
+    let k = find().ok_or("fetch-kernel.sh left no boot/vmlinuz-*")?;
+    let root = std::fs::canonicalize(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    Ok((k, root))
+}

@@ -4,6 +4,8 @@
 
 mod bench;
 mod mount;
+mod raw;
+mod ublk;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +26,8 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
     Mount(mount::MountArgs),
+    /// Serve a decrypted volume as a Linux block device /dev/ublkbN (needs ublk_drv).
+    Ublk(ublk::UblkArgs),
 }
 
 fn main() {
@@ -31,6 +35,7 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Mount(a) => mount::run(a),
+        Cmd::Ublk(a) => ublk::run(a),
     };
     std::process::exit(code);
 }
