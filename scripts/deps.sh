@@ -11,6 +11,8 @@ APT_PACKAGES=(
   fuse3 libfuse3-dev pkg-config
   # filesystems for end-to-end tests
   e2fsprogs util-linux
+  # the ublk crate generates its kernel bindings with bindgen, which needs libclang
+  libclang-dev
 )
 
 missing=()
@@ -27,4 +29,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# the kernel-in-a-VM tests (dm-crypt, ublk): qemu, a stock kernel, busybox, cryptsetup, dmsetup
+if [ "$(id -u)" = 0 ]; then bash "$(dirname "$0")/../tests/vm/install-deps.sh"; fi
 command -v cargo >/dev/null || { echo "deps: cargo not found (install Rust with rustup)" >&2; exit 1; }

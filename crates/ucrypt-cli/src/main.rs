@@ -4,7 +4,7 @@
 
 mod bench;
 mod mount;
-mod raw;
+mod open;
 mod ublk;
 
 use clap::{Parser, Subcommand};
@@ -24,18 +24,38 @@ struct Cli {
 enum Cmd {
     /// Benchmarks: cipher, engine, nbd, fuse, all.
     Bench(bench::BenchArgs),
+    /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
+    Ublk {
+        #[command(flatten)]
+        volume: open::VolumeArgs,
+        /// Hardware queues (default: one per CPU).
+        #[arg(long)]
+        queues: Option<u16>,
+    },
     /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
     Mount(mount::MountArgs),
-    /// Serve a decrypted volume as a Linux block device /dev/ublkbN (needs ublk_drv).
-    Ublk(ublk::UblkArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Ublk { volume, queues } => {
+            let mut opts = ublk::UblkOptions::default();
+            if let Some(q) = queues {
+                opts.queues = q;
+            }
+            let opened =
+                ublk::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
+            match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("ucrypt ublk: {e}");
+                    1
+                }
+            }
+        }
         Cmd::Mount(a) => mount::run(a),
-        Cmd::Ublk(a) => ublk::run(a),
     };
     std::process::exit(code);
 }

@@ -1,28 +1,23 @@
-//! `ucrypt mount VOLUME MOUNTPOINT`: the decrypted volume as one regular file over FUSE.
-//!
-//! Until LUKS opening and the engine's `Volume` are on main, only raw (plain dm-crypt) mode is
-//! served (see [`crate::raw`]). `ucrypt_fuse::mount` takes any `Arc<dyn BlockDev>`.
+//! `ucrypt mount VOLUME MOUNTPOINT`: the decrypted volume as one regular file over FUSE, for
+//! `losetup` (also `--direct-io=on`), VMs and `mkfs`. The volume is opened like every front
+//! end's ([`crate::open::VolumeArgs`]); `ucrypt_fuse::mount` takes any `Arc<dyn BlockDev>`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use clap::Args;
-use ucrypt::Result;
 use ucrypt_fuse::{MountOptions, PunchHole};
 
-use crate::raw::RawArgs;
+use crate::open::VolumeArgs;
 
 #[derive(Args, Debug)]
 pub struct MountArgs {
-    /// The encrypted volume (file or block device).
-    volume: PathBuf,
+    #[command(flatten)]
+    volume: VolumeArgs,
     /// A regular file (becomes the volume) or, with --file-name, a directory.
     mountpoint: PathBuf,
     /// Serve the volume as MOUNTPOINT/NAME instead of on MOUNTPOINT itself.
     #[arg(long)]
     file_name: Option<String>,
-    #[command(flatten)]
-    raw: RawArgs,
     /// FUSE worker threads (0 = one per CPU).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -39,17 +34,13 @@ pub struct MountArgs {
 }
 
 pub fn run(a: MountArgs) -> i32 {
-    match serve(a) {
-        Ok(()) => 0,
+    let dev = match a.volume.open() {
+        Ok(d) => d,
         Err(e) => {
             eprintln!("ucrypt mount: {e}");
-            1
+            return 1;
         }
-    }
-}
-
-fn serve(a: MountArgs) -> Result<()> {
-    let dev = a.raw.open(&a.volume)?;
+    };
     let opts = MountOptions {
         file_name: a.file_name,
         threads: a.threads,
@@ -60,8 +51,14 @@ fn serve(a: MountArgs) -> Result<()> {
         } else {
             PunchHole::Zeroes
         },
-        fs_name: format!("ucrypt:{}", a.volume.display()),
+        fs_name: format!("ucrypt:{}", a.volume.volume.display()),
     };
     ucrypt::secret::disable_core_dumps();
-    ucrypt_fuse::mount(Arc::new(dev), &a.mountpoint, &opts)
+    match ucrypt_fuse::mount(dev, &a.mountpoint, &opts) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("ucrypt mount: {e}");
+            1
+        }
+    }
 }

@@ -1,0 +1,99 @@
+//! Opening a volume from command-line arguments: the one place the CLI turns a path and
+//! options into an `Arc<dyn BlockDev>` for a front end (NBD, FUSE, ublk) or a data verb.
+//!
+//! Raw mode (`--cipher` with `--volume-key-file`) mirrors `cryptsetup open --type plain`:
+//! `--offset` is the data start and `--skip` the IV offset, both in 512-byte sectors.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use ucrypt::backend::{DirectMode, FileBackend};
+use ucrypt::engine::Policy;
+use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
+use ucrypt::volume::{Volume, VolumeConfig};
+use ucrypt::{BlockDev, SecretBytes};
+
+/// Largest volume key file accepted (a 512-bit key is 64 bytes; leave room for hex forms).
+const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
+
+#[derive(Args, Debug, Clone)]
+pub struct VolumeArgs {
+    /// The volume: an image file or a block device.
+    pub volume: PathBuf,
+    /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64.
+    #[arg(long, requires = "volume_key_file")]
+    pub cipher: Option<String>,
+    /// Raw mode: file holding the volume key (raw bytes).
+    #[arg(long)]
+    pub volume_key_file: Option<PathBuf>,
+    /// Raw mode: encryption sector size in bytes (512, 1024, 2048, 4096).
+    #[arg(long, default_value_t = 512)]
+    pub sector_size: u64,
+    /// Raw mode: start of the encrypted data on the device, in 512-byte sectors.
+    #[arg(long, short = 'o', default_value_t = 0)]
+    pub offset: u64,
+    /// Raw mode: IV offset, in 512-byte sectors (cryptsetup's --skip).
+    #[arg(long, short = 'p', default_value_t = 0)]
+    pub skip: u64,
+    /// Raw mode: the IV counts encryption sectors, not 512-byte units.
+    #[arg(long)]
+    pub iv_large_sectors: bool,
+    /// Open read-only.
+    #[arg(long)]
+    pub read_only: bool,
+    /// Dispatch policy: inline, parallel, ordered, queued, auto.
+    #[arg(long, default_value = "inline")]
+    pub policy: String,
+}
+
+fn read_volume_key(path: &PathBuf) -> Result<SecretBytes, String> {
+    let meta =
+        std::fs::metadata(path).map_err(|e| format!("volume key file {}: {e}", path.display()))?;
+    if meta.len() > VOLUME_KEY_FILE_BYTES_MAX {
+        return Err(format!(
+            "volume key file {} is {} bytes; expected a raw key of at most 64",
+            path.display(),
+            meta.len()
+        ));
+    }
+    let v = std::fs::read(path).map_err(|e| format!("volume key file {}: {e}", path.display()))?;
+    Ok(SecretBytes::from_vec(v))
+}
+
+impl VolumeArgs {
+    pub fn policy(&self) -> Result<Policy, String> {
+        self.policy.parse::<Policy>().map_err(|e| e.to_string())
+    }
+
+    /// Opens the volume as a block device for a front end.
+    pub fn open(&self) -> Result<Arc<dyn BlockDev>, String> {
+        let policy = self.policy()?;
+        let Some(cipher) = &self.cipher else {
+            return Err(format!(
+                "{}: LUKS volumes are not supported by this build yet; give --cipher and --volume-key-file for a raw volume",
+                self.volume.display()
+            ));
+        };
+        let spec: CipherSpec = cipher.parse().map_err(|e: ucrypt::Error| e.to_string())?;
+        let key = read_volume_key(
+            self.volume_key_file
+                .as_ref()
+                .ok_or("--cipher needs --volume-key-file")?,
+        )?;
+        let geometry = Geometry {
+            sector_size: SectorSize::new(self.sector_size).map_err(|e| e.to_string())?,
+            iv_offset: self.skip,
+            iv_large_sectors: self.iv_large_sectors,
+        };
+        let backend = FileBackend::open(&self.volume, !self.read_only, DirectMode::Auto)
+            .map_err(|e| format!("{}: {e}", self.volume.display()))?;
+        let mut cfg = VolumeConfig::new(spec, key, geometry);
+        cfg.data_offset_bytes = self.offset.checked_mul(512).ok_or("--offset too large")?;
+        cfg.policy = policy;
+        cfg.read_only = self.read_only;
+        let vol = Volume::new(Arc::new(backend), cfg)
+            .map_err(|e| format!("{}: {e}", self.volume.display()))?;
+        Ok(Arc::new(vol))
+    }
+}

@@ -1,0 +1,325 @@
+//! A regular file or a block device, through `pread`/`pwrite`.
+//!
+//! Opened with `O_DIRECT` when the filesystem allows it, so that ciphertext does not fill the
+//! page cache and reads measure the storage, not a copy. io_uring is deliberately not used:
+//! on RAM-backed files (the benchmark's) it is punted to a kernel worker and is ~10x slower
+//! than `pread` at queue depth 1 (FACTS.md section 4); the engine gets its parallelism from
+//! several threads doing `pread`/`pwrite` at once.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use super::{check_range, Backend};
+use crate::{Error, Result};
+
+/// `BLKDISCARD` = `_IO(0x12, 119)`; not in the libc crate.
+const BLKDISCARD: libc::c_ulong = 0x1277;
+/// `BLKZEROOUT` = `_IO(0x12, 127)`.
+const BLKZEROOUT: libc::c_ulong = 0x127f;
+/// Zeroes written per call when the kernel cannot zero a range for us.
+const ZERO_CHUNK_BYTES: usize = 64 << 10;
+
+#[repr(C, align(4096))]
+struct AlignedZeroes([u8; ZERO_CHUNK_BYTES]);
+static ZEROES: AlignedZeroes = AlignedZeroes([0; ZERO_CHUNK_BYTES]);
+
+/// Whether to open with `O_DIRECT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirectMode {
+    /// `O_DIRECT` if the filesystem accepts it, else buffered (see [`FileBackend::note`]).
+    Auto,
+    /// Fail if `O_DIRECT` is refused.
+    Always,
+    /// Buffered I/O through the page cache.
+    Never,
+}
+
+pub struct FileBackend {
+    file: File,
+    path: String,
+    size: u64,
+    block_device: bool,
+    direct: bool,
+    logical_block_bytes: u32,
+    mem_align_bytes: usize,
+    note: Option<String>,
+}
+
+fn open_file(path: &Path, writable: bool, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(writable);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+/// `statx(STATX_DIOALIGN)`: (memory alignment, offset alignment) for O_DIRECT, or None when the
+/// kernel or filesystem does not say.
+fn dio_align(file: &File) -> Option<(u32, u32)> {
+    // SAFETY: statx is plain data; all-zero is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd, empty path with AT_EMPTY_PATH, and a valid out pointer.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return None;
+    }
+    Some((stx.stx_dio_mem_align, stx.stx_dio_offset_align))
+}
+
+impl FileBackend {
+    /// Opens a regular file or block device. `writable = false` opens read-only.
+    pub fn open(path: impl AsRef<Path>, writable: bool, mode: DirectMode) -> Result<Self> {
+        let path = path.as_ref();
+        let name = path.display().to_string();
+        let ctx = |what: &str| format!("{what} {name}");
+        let mut note = None;
+        let (file, direct) = match mode {
+            DirectMode::Never => (
+                open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?,
+                false,
+            ),
+            DirectMode::Always => (
+                open_file(path, writable, true)
+                    .map_err(|e| Error::io(ctx("open with O_DIRECT"), e))?,
+                true,
+            ),
+            DirectMode::Auto => match open_file(path, writable, true) {
+                Ok(f) => (f, true),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    note = Some(format!(
+                        "the filesystem of {name} refused O_DIRECT; using buffered I/O"
+                    ));
+                    (
+                        open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?,
+                        false,
+                    )
+                }
+                Err(e) => return Err(Error::io(ctx("open"), e)),
+            },
+        };
+        let meta = file.metadata().map_err(|e| Error::io(ctx("stat"), e))?;
+        let block_device = meta.file_type().is_block_device();
+        let size = if block_device {
+            // SAFETY: lseek on our own fd; only moves the (unused) file position.
+            let end = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_END) };
+            if end < 0 {
+                return Err(Error::io(ctx("size of"), io::Error::last_os_error()));
+            }
+            end as u64
+        } else if meta.file_type().is_file() {
+            meta.len()
+        } else {
+            return Err(Error::InvalidArgument(format!(
+                "{name} is neither a regular file nor a block device"
+            )));
+        };
+        let (mut lbs, mut mem_align) = (512u32, 1usize);
+        if block_device {
+            let mut ssz: libc::c_int = 0;
+            // SAFETY: BLKSSZGET writes one int through the pointer.
+            if unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut ssz) } == 0 && ssz > 0 {
+                lbs = ssz as u32;
+            }
+            if direct {
+                mem_align = lbs as usize;
+            }
+        } else if direct {
+            match dio_align(&file) {
+                Some((m, o)) if m > 0 && o > 0 => {
+                    lbs = o.max(512);
+                    mem_align = m as usize;
+                }
+                Some(_) if mode == DirectMode::Always => {
+                    return Err(Error::InvalidArgument(format!(
+                        "the filesystem of {name} does not support O_DIRECT"
+                    )))
+                }
+                Some(_) => {
+                    note = Some(format!(
+                        "the filesystem of {name} reports no O_DIRECT support; using buffered I/O"
+                    ));
+                    let f =
+                        open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?;
+                    return Ok(FileBackend {
+                        file: f,
+                        path: name,
+                        size,
+                        block_device,
+                        direct: false,
+                        logical_block_bytes: 512,
+                        mem_align_bytes: 1,
+                        note,
+                    });
+                }
+                // Kernel too old to say: assume the strictest common rule.
+                None => mem_align = 4096,
+            }
+        }
+        Ok(FileBackend {
+            file,
+            path: name,
+            size,
+            block_device,
+            direct,
+            logical_block_bytes: lbs,
+            mem_align_bytes: mem_align,
+            note,
+        })
+    }
+
+    /// True if opened with O_DIRECT.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Why the backend is not what was asked for (e.g. O_DIRECT refused), if anything.
+    pub fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    fn err(&self, what: &str, offset: u64, len: u64, e: io::Error) -> Error {
+        Error::io(
+            format!("{what} of {len} bytes at offset {offset} on {}", self.path),
+            e,
+        )
+    }
+
+    fn write_zero_buffers(&self, offset: u64, len: u64) -> Result<()> {
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(ZERO_CHUNK_BYTES as u64) as usize;
+            self.write_at(&ZEROES.0[..n], offset + done)?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    fn range_ioctl(&self, req: libc::c_ulong, offset: u64, len: u64) -> io::Result<()> {
+        let range: [u64; 2] = [offset, len];
+        // SAFETY: BLKDISCARD/BLKZEROOUT read two u64 through the pointer.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), req, range.as_ptr()) } == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+        // SAFETY: fallocate on our own fd with a mode that keeps the file size.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                mode | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
+fn unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) | Some(libc::EINVAL)
+    )
+}
+
+impl Backend for FileBackend {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        loop {
+            match self.file.read_at(buf, offset) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(self.err("read", offset, buf.len() as u64, e)),
+            }
+        }
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        check_range(offset, buf.len() as u64, self.size)?;
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(|e| self.err("write", offset, buf.len() as u64, e))
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| Error::io(format!("fdatasync {}", self.path), e))
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(offset, len, self.size)?;
+        let r = if self.block_device {
+            self.range_ioctl(BLKDISCARD, offset, len)
+        } else {
+            self.fallocate(libc::FALLOC_FL_PUNCH_HOLE, offset, len)
+        };
+        match r {
+            Ok(()) => Ok(()),
+            // Discard is advisory: storage that cannot free space keeps the old ciphertext.
+            Err(e) if unsupported(&e) => Ok(()),
+            Err(e) => Err(self.err("discard", offset, len, e)),
+        }
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        check_range(offset, len, self.size)?;
+        let r = if self.block_device {
+            self.range_ioctl(BLKZEROOUT, offset, len)
+        } else {
+            self.fallocate(libc::FALLOC_FL_ZERO_RANGE, offset, len)
+        };
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) if unsupported(&e) => self.write_zero_buffers(offset, len),
+            Err(e) => Err(self.err("write-zeroes", offset, len, e)),
+        }
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn logical_block_bytes(&self) -> u32 {
+        self.logical_block_bytes
+    }
+
+    fn mem_align_bytes(&self) -> usize {
+        self.mem_align_bytes
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} {}{}",
+            if self.block_device {
+                "block device"
+            } else {
+                "file"
+            },
+            self.path,
+            if self.direct {
+                " (O_DIRECT)"
+            } else {
+                " (buffered)"
+            }
+        )
+    }
+}

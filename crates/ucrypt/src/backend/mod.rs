@@ -1,0 +1,70 @@
+//! The ciphertext side: where encrypted sectors are stored.
+//!
+//! Only backends make storage syscalls. A [`Backend`] is addressed in bytes; the volume only
+//! ever issues whole encryption sectors at `data_offset + k * sector_bytes`, so every request
+//! it makes is aligned to the backend's [`Backend::logical_block_bytes`] and, when the backend
+//! says so, comes from memory aligned to [`Backend::mem_align_bytes`] (the buffer pool's
+//! buffers always are).
+
+mod fault;
+mod file;
+mod mem;
+
+pub use fault::{Fault, FaultBackend, FaultOp, FaultRule};
+pub use file::{DirectMode, FileBackend};
+pub use mem::MemBackend;
+
+use crate::{Error, Result};
+
+/// Where ciphertext lives. Thread-safe: the volume calls it from many threads at once.
+pub trait Backend: Send + Sync {
+    /// Reads up to `buf.len()` bytes at `offset`, like `pread`: may return fewer (a short read);
+    /// 0 means the end of the backend. Use [`Backend::read_exact_at`] to read all.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize>;
+    /// Writes all of `buf` at `offset` (short writes are retried inside).
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
+    /// Makes completed writes durable (`fdatasync`).
+    fn flush(&self) -> Result<()>;
+    /// Frees the range where the storage can; it may read back as anything afterwards.
+    fn discard(&self, offset: u64, len: u64) -> Result<()>;
+    /// The range reads back as zeroes afterwards.
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// Offsets and lengths of I/O must be multiples of this.
+    fn logical_block_bytes(&self) -> u32;
+    /// I/O buffers must start at a multiple of this (1: any address). O_DIRECT needs > 1.
+    fn mem_align_bytes(&self) -> usize {
+        1
+    }
+    /// A short human description ("file /dev/shm/x (O_DIRECT)"), for benchmarks and logs.
+    fn describe(&self) -> String;
+
+    /// Reads exactly `buf.len()` bytes, retrying short reads; reaching the end first is an error
+    /// naming the offset.
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let n = self.read_at(&mut buf[done..], offset + done as u64)?;
+            if n == 0 {
+                return Err(Error::io(
+                    format!(
+                        "backend read of {} bytes at offset {offset} ended early after {done} bytes",
+                        buf.len()
+                    ),
+                    std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                ));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `offset..offset+len` lies inside a backend of `size` bytes.
+pub(crate) fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::OutOfRange { offset, len, size }),
+    }
+}

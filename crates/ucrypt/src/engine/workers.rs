@@ -1,0 +1,183 @@
+//! The threads of a volume: `workers` (one per core) run chunk tasks and the crypto of the
+//! `queued` model; one `writer` thread submits the `queued` model's writes, sorted by sector.
+//! Work reaches them only through bounded queues; a caller always waits for the completion of
+//! everything it handed off before returning, so tasks may point into the caller's buffers.
+
+use std::sync::{Condvar, Mutex};
+
+use super::stats::{now, Times};
+use crate::volume::{Core, Task};
+use crate::{Error, Result};
+
+/// Jobs waiting for a worker: enough for every caller thread to hand off a few chunks.
+pub const JOB_QUEUE_MAX: usize = 256;
+/// Encrypted writes waiting for the `queued` model's writer thread.
+pub const WRITE_QUEUE_MAX: usize = 256;
+/// Writes the writer takes, sorts and submits in one go (dm-crypt sorts what has piled up).
+pub const WRITE_BATCH_MAX: usize = 64;
+
+/// Counts down the parts of a request handed to other threads. Lives on the caller's stack;
+/// the caller does not return before `remaining` reaches zero.
+pub struct Completion {
+    st: Mutex<CompState>,
+    cv: Condvar,
+}
+
+struct CompState {
+    remaining: u32,
+    err: Option<Error>,
+    times: Times,
+}
+
+impl Completion {
+    pub fn new(parts: u32) -> Self {
+        Completion {
+            st: Mutex::new(CompState {
+                remaining: parts,
+                err: None,
+                times: Times::default(),
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// One part finished. After this returns the completion may be gone: the caller of `done`
+    /// must not touch it again.
+    pub fn done(&self, r: Result<()>, t: &Times) {
+        let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        s.times.add(t);
+        if let Err(e) = r {
+            s.err.get_or_insert(e);
+        }
+        s.remaining -= 1;
+        if s.remaining == 0 {
+            // Notify while holding the lock: the waiter cannot return (and free this) before we
+            // release it.
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits for every part; returns the first error and the parts' summed times.
+    pub fn wait(&self) -> (Result<()>, Times) {
+        let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        while s.remaining > 0 {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        let r = match s.err.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        (r, s.times)
+    }
+}
+
+/// A pointer to a caller's stack `Completion`, sendable to a worker.
+#[derive(Clone, Copy)]
+pub struct DoneRef(pub *const Completion);
+// SAFETY: Completion is Sync (Mutex + Condvar); the caller keeps it alive until every part
+// referring to it has called `done` (it blocks in `wait`).
+unsafe impl Send for DoneRef {}
+
+impl DoneRef {
+    pub fn done(self, r: Result<()>, t: &Times) {
+        // SAFETY: see the Send impl: the completion outlives every pending part.
+        unsafe { &*self.0 }.done(r, t)
+    }
+}
+
+pub enum Job {
+    /// Run a task (crypto, and backend I/O if the task says so), then complete.
+    Chunk {
+        task: Task,
+        done: DoneRef,
+        queued_at: u64,
+    },
+    /// `queued` model write: encrypt, then hand the ciphertext to the writer thread.
+    QueuedWrite {
+        task: Task,
+        done: DoneRef,
+        queued_at: u64,
+    },
+    /// Calibration: measures the hand-off round trip.
+    Ping { done: DoneRef },
+}
+
+/// A write for the `queued` model's writer.
+pub struct WriteJob {
+    pub task: Task,
+    pub done: DoneRef,
+    pub times: Times,
+}
+
+pub fn worker_loop(core: &Core) {
+    // A worker without a cipher context fails the jobs it takes instead of dying silently.
+    let mut cipher = core.ciphers.clone_cipher();
+    while let Some(job) = core.jobs.pop() {
+        let started = now();
+        match job {
+            Job::Chunk {
+                task,
+                done,
+                queued_at,
+            } => {
+                let mut t = Times {
+                    queue: started.wrapping_sub(queued_at),
+                    ..Times::default()
+                };
+                let r = match cipher.as_mut() {
+                    Ok(c) => core.exec_task(Some(c), &task, &mut t),
+                    Err(_) => Err(Error::Bug("worker has no cipher context")),
+                };
+                done.done(r, &t);
+            }
+            Job::QueuedWrite {
+                task,
+                done,
+                queued_at,
+            } => {
+                let mut t = Times {
+                    queue: started.wrapping_sub(queued_at),
+                    ..Times::default()
+                };
+                let r = match cipher.as_mut() {
+                    Ok(c) => core.exec_task(Some(c), &task, &mut t),
+                    Err(_) => Err(Error::Bug("worker has no cipher context")),
+                };
+                match r {
+                    Err(e) => done.done(Err(e), &t),
+                    Ok(()) => {
+                        let w = WriteJob {
+                            task,
+                            done,
+                            times: t,
+                        };
+                        if let Err(w) = core.writes.push(w) {
+                            w.done.done(
+                                Err(Error::Bug("write queue closed with writes pending")),
+                                &w.times,
+                            );
+                        }
+                    }
+                }
+            }
+            Job::Ping { done } => done.done(Ok(()), &Times::default()),
+        }
+    }
+}
+
+pub fn writer_loop(core: &Core) {
+    let mut batch: [Option<WriteJob>; WRITE_BATCH_MAX] = [const { None }; WRITE_BATCH_MAX];
+    loop {
+        let n = core.writes.pop_batch(&mut batch);
+        if n == 0 {
+            return;
+        }
+        batch[..n].sort_unstable_by_key(|w| w.as_ref().map_or(u64::MAX, |w| w.task.sectors.first));
+        for slot in batch[..n].iter_mut() {
+            if let Some(mut w) = slot.take() {
+                let r = core.write_task_io(&w.task, &mut w.times);
+                w.done.done(r, &w.times);
+            }
+        }
+    }
+}

@@ -1,0 +1,819 @@
+//! A [`Volume`]: the plaintext block device made of a backend (ciphertext), a key and a dispatch
+//! policy. It implements [`BlockDev`], the contract every front end serves.
+//!
+//! The data path, for a read:
+//! 1. `read_at` checks the range and asks the planner (`engine::plan`) for a plan: which
+//!    encryption sectors, cut into pool-sized pieces, dispatched how (inline, parallel, ...).
+//! 2. For each piece, `read_piece` picks where the ciphertext lands: straight in the caller's
+//!    buffer when the piece is sector-aligned (no copy), else in a bounce buffer from the pool.
+//! 3. A [`Task`] (sectors + buffers) is run by `exec_task`: backend read, then decrypt in place;
+//!    either on the caller's thread (`inline`) or cut into chunks shared with the workers.
+//! 4. A bounced piece is copied out to the caller.
+//!
+//! A write is the mirror image (`write_piece`): lock the sectors, take a bounce buffer, fill in
+//! partial edge sectors (read-modify-write), encrypt into the bounce buffer, backend write.
+//! The caller's buffer is never modified.
+
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crate::backend::Backend;
+use crate::engine::ciphers::CipherSlots;
+use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange};
+use crate::engine::queue::BoundedQueue;
+use crate::engine::range_lock::RangeLock;
+use crate::engine::stats::{now, ns_per_tick, Kind, Stats, StatsSnapshot, Times};
+use crate::engine::workers::{
+    self, Completion, DoneRef, Job, WriteJob, JOB_QUEUE_MAX, WRITE_QUEUE_MAX,
+};
+use crate::engine::Policy;
+use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
+use crate::sector::{CipherSpec, Geometry, Mode, SectorCipher};
+use crate::{BlockDev, Error, Result, SecretBytes};
+
+/// Largest piece of a request processed at once (also bounded by the pool): big enough for the
+/// workers to share, small enough that many requests progress side by side.
+pub const PIECE_BYTES_MAX: usize = 4 << 20;
+/// `parallel`/`ordered` split requests of at least this size (Linux 6.11 dm-crypt splits at
+/// 128 KiB for the same reason).
+pub const PARALLEL_MIN_BYTES: u64 = 64 << 10;
+/// No chunk smaller than this: below it the hand-off costs more than the crypto it moves.
+pub const CHUNK_MIN_BYTES: u64 = 32 << 10;
+/// Bounds for the calibrated `auto` threshold.
+pub const AUTO_MIN_BYTES_FLOOR: u64 = 16 << 10;
+pub const AUTO_MIN_BYTES_CEIL: u64 = 4 << 20;
+/// Worker threads at most (one per core up to this).
+pub const WORKERS_MAX: usize = 64;
+
+/// Everything needed to build a volume. A LUKS header is turned into one of these elsewhere.
+pub struct VolumeConfig {
+    pub spec: CipherSpec,
+    pub key: SecretBytes,
+    pub geometry: Geometry,
+    /// Where sector 0 of the data segment starts on the backend, in bytes.
+    pub data_offset_bytes: u64,
+    /// Plaintext size; None = from the data offset to the end of the backend (rounded down to
+    /// whole sectors).
+    pub size_bytes: Option<u64>,
+    pub policy: Policy,
+    /// Bounce buffer memory (see `pool`).
+    pub pool_bytes: usize,
+    pub read_only: bool,
+}
+
+impl VolumeConfig {
+    /// A read-write config over the whole backend with default policy and pool.
+    pub fn new(spec: CipherSpec, key: SecretBytes, geometry: Geometry) -> Self {
+        VolumeConfig {
+            spec,
+            key,
+            geometry,
+            data_offset_bytes: 0,
+            size_bytes: None,
+            policy: Policy::Inline,
+            pool_bytes: POOL_BYTES_DEFAULT,
+            read_only: false,
+        }
+    }
+}
+
+/// What a task runs on: the encryption sectors, where their ciphertext is (or goes), and for
+/// writes where the plaintext comes from. Raw pointers because chunks of one caller's buffers
+/// go to worker threads; the caller waits for all of them before its buffers go away.
+#[derive(Clone, Copy)]
+pub struct Task {
+    pub write: bool,
+    pub sectors: SectorRange,
+    /// Ciphertext for exactly `sectors` (`sectors.len() << shift` bytes); reads decrypt it in
+    /// place, so for reads it ends up holding plaintext.
+    pub buf: *mut u8,
+    /// Writes: plaintext to encrypt into `buf`; null = `buf` already holds the plaintext.
+    pub src: *const u8,
+    /// Also do the backend I/O (read before decrypting / write after encrypting).
+    pub io: bool,
+}
+
+// SAFETY: a Task is a view of buffers owned by a caller that blocks until every task made from
+// them has completed; disjoint chunks never overlap, so no two threads write the same bytes.
+unsafe impl Send for Task {}
+
+impl Task {
+    /// The part of this task covering `sub` (inside `self.sectors`).
+    fn sub(&self, sub: SectorRange, shift: u32) -> Task {
+        let off = ((sub.first - self.sectors.first) << shift) as usize;
+        Task {
+            sectors: sub,
+            // SAFETY: `sub` lies inside `self.sectors`, so `off` is within the buffer, which
+            // covers all of `self.sectors`.
+            buf: unsafe { self.buf.add(off) },
+            src: if self.src.is_null() {
+                self.src
+            } else {
+                // SAFETY: as above; a non-null src covers the same sectors.
+                unsafe { self.src.add(off) }
+            },
+            ..*self
+        }
+    }
+}
+
+/// Hands out turns in submission order for the `ordered` policy.
+struct Turns {
+    next_ticket: AtomicU64,
+    serving: Mutex<u64>,
+    cv: Condvar,
+}
+
+/// Holding a ticket: dropping it waits for its turn (if not yet waited) and passes the turn on,
+/// so an error never blocks later requests.
+struct Turn<'a> {
+    turns: &'a Turns,
+    ticket: u64,
+    waited: bool,
+}
+
+impl Turns {
+    fn take(&self) -> Turn<'_> {
+        Turn {
+            turns: self,
+            ticket: self.next_ticket.fetch_add(1, Relaxed),
+            waited: false,
+        }
+    }
+}
+
+impl Turn<'_> {
+    fn wait(&mut self) {
+        let mut s = self.turns.serving.lock().unwrap_or_else(|e| e.into_inner());
+        while *s != self.ticket {
+            s = self.turns.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        self.waited = true;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if !self.waited {
+            self.wait();
+        }
+        *self.turns.serving.lock().unwrap_or_else(|e| e.into_inner()) = self.ticket + 1;
+        self.turns.cv.notify_all();
+    }
+}
+
+/// The state shared by the volume's callers and its threads.
+pub struct Core {
+    backend: Arc<dyn Backend>,
+    data_offset: u64,
+    size: u64,
+    shift: u32,
+    null_cipher: bool,
+    read_only: bool,
+    mem_align: usize,
+    planner: Planner,
+    auto_min_bytes: AtomicU64,
+    policy: AtomicU8,
+    pool: BufferPool,
+    locks: RangeLock,
+    pub(crate) ciphers: CipherSlots,
+    stats: Stats,
+    pub(crate) jobs: BoundedQueue<Job>,
+    pub(crate) writes: BoundedQueue<WriteJob>,
+    turns: Turns,
+}
+
+/// See the module documentation. Thread-safe: share it (`Arc<Volume>`) between callers.
+pub struct Volume {
+    core: Arc<Core>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Where a write's plaintext comes from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Buf(&'a [u8]),
+    Zeroes,
+}
+
+impl Volume {
+    pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
+        let ss = cfg.geometry.sector_size.bytes() as u64;
+        let shift = cfg.geometry.sector_size.shift();
+        let lbs = backend.logical_block_bytes() as u64;
+        if ss < lbs {
+            return Err(Error::InvalidArgument(format!(
+                "encryption sector size {ss} is smaller than the backend's logical block size {lbs}"
+            )));
+        }
+        if cfg.data_offset_bytes % lbs.max(512) != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "data offset {} is not a multiple of the backend's block size {}",
+                cfg.data_offset_bytes,
+                lbs.max(512)
+            )));
+        }
+        let room = backend
+            .size()
+            .checked_sub(cfg.data_offset_bytes)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "data offset {} is beyond the end of the backend ({} bytes)",
+                    cfg.data_offset_bytes,
+                    backend.size()
+                ))
+            })?;
+        let size = match cfg.size_bytes {
+            None => room / ss * ss,
+            Some(s) if s % ss != 0 => {
+                return Err(Error::InvalidArgument(format!(
+                    "volume size {s} is not a multiple of the sector size {ss}"
+                )))
+            }
+            Some(s) if s > room => {
+                return Err(Error::InvalidArgument(format!(
+                    "volume size {s} does not fit the backend ({room} bytes after the data offset)"
+                )))
+            }
+            Some(s) => s,
+        };
+        let cipher = SectorCipher::new(cfg.spec, cfg.key.as_ref(), cfg.geometry)?;
+        let pool = BufferPool::new(cfg.pool_bytes)?;
+        let piece = (pool.capacity().min(PIECE_BYTES_MAX) as u64) / ss * ss;
+        let workers = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, WORKERS_MAX);
+        let planner = Planner {
+            sector_shift: shift,
+            piece_bytes_max: piece.max(ss),
+            parallel_min_bytes: PARALLEL_MIN_BYTES,
+            auto_min_bytes: AUTO_MIN_BYTES_CEIL,
+            chunk_min_bytes: CHUNK_MIN_BYTES,
+            lanes: workers as u32,
+        };
+        let core = Arc::new(Core {
+            mem_align: backend.mem_align_bytes(),
+            backend,
+            data_offset: cfg.data_offset_bytes,
+            size,
+            shift,
+            null_cipher: cfg.spec.mode == Mode::Null,
+            read_only: cfg.read_only,
+            planner,
+            auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
+            policy: AtomicU8::new(cfg.policy.to_u8()),
+            pool,
+            locks: RangeLock::default(),
+            ciphers: CipherSlots::new(cipher),
+            stats: Stats::default(),
+            jobs: BoundedQueue::new(JOB_QUEUE_MAX),
+            writes: BoundedQueue::new(WRITE_QUEUE_MAX),
+            turns: Turns {
+                next_ticket: AtomicU64::new(0),
+                serving: Mutex::new(0),
+                cv: Condvar::new(),
+            },
+        });
+        let mut threads = Vec::with_capacity(workers + 1);
+        let mut vol = Volume {
+            core: core.clone(),
+            threads: Vec::new(),
+        };
+        for i in 0..workers {
+            let c = core.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("ucrypt-worker-{i}"))
+                    .spawn(move || workers::worker_loop(&c))
+                    .map_err(|e| Error::io("starting a worker thread", e))?,
+            );
+        }
+        let c = core.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("ucrypt-writer".into())
+                .spawn(move || workers::writer_loop(&c))
+                .map_err(|e| Error::io("starting the writer thread", e))?,
+        );
+        vol.threads = threads;
+        vol.calibrate()?;
+        Ok(vol)
+    }
+
+    /// Current dispatch policy.
+    pub fn policy(&self) -> Policy {
+        Policy::from_u8(self.core.policy.load(Relaxed))
+    }
+
+    /// Switches the dispatch policy; requests already running finish under the old one.
+    pub fn set_policy(&self, p: Policy) {
+        self.core.policy.store(p.to_u8(), Relaxed);
+    }
+
+    /// A snapshot of where time went so far.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.core.stats.snapshot()
+    }
+
+    /// The request size from which `auto` splits (calibrated at start-up).
+    pub fn auto_threshold_bytes(&self) -> u64 {
+        self.core.auto_min_bytes.load(Relaxed)
+    }
+
+    /// Worker threads (one per core).
+    pub fn workers(&self) -> usize {
+        self.core.planner.lanes as usize
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.core.backend
+    }
+
+    /// Measures the cipher's cost per byte and the worker hand-off round trip, and sets the
+    /// `auto` threshold where splitting a request in two saves more than the hand-off costs.
+    fn calibrate(&mut self) -> Result<()> {
+        let core = &*self.core;
+        const PROBE_BYTES: usize = 64 << 10;
+        const ROUNDS: usize = 8;
+        let probe = (PROBE_BYTES.min(core.pool.capacity()) as u64 >> core.shift) << core.shift;
+        let mut g = core.pool.take(probe as usize)?;
+        let buf = g.as_mut_slice();
+        let mut best_crypto = u64::MAX;
+        for _ in 0..ROUNDS {
+            let t0 = now();
+            core.ciphers.with(|c| c.encrypt(0, buf))?;
+            // Backend I/O on RAM costs about a copy; it is split along with the crypto.
+            buf.copy_within(0..buf.len() / 2, buf.len() / 2);
+            buf.copy_within(buf.len() / 2.., 0);
+            best_crypto = best_crypto.min(now().wrapping_sub(t0));
+        }
+        drop(g);
+        let mut best_ping = u64::MAX;
+        for _ in 0..ROUNDS * 4 {
+            let comp = Completion::new(1);
+            let t0 = now();
+            if core
+                .jobs
+                .push(Job::Ping {
+                    done: DoneRef(&comp),
+                })
+                .is_err()
+            {
+                return Err(Error::Bug("job queue closed during calibration"));
+            }
+            let _ = comp.wait();
+            best_ping = best_ping.min(now().wrapping_sub(t0));
+        }
+        let ns = ns_per_tick();
+        let per_byte_ns = (best_crypto as f64 * ns / probe.max(1) as f64).max(1e-3);
+        let handoff_ns = best_ping as f64 * ns;
+        // Splitting L bytes in two saves L*c/2 and costs one hand-off; ask for a 2x margin.
+        let t = (4.0 * handoff_ns / per_byte_ns) as u64;
+        let ss = 1u64 << core.shift;
+        let t = t
+            .clamp(AUTO_MIN_BYTES_FLOOR, AUTO_MIN_BYTES_CEIL)
+            .div_ceil(ss)
+            * ss;
+        core.auto_min_bytes.store(t, Relaxed);
+        Ok(())
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        self.core.jobs.close();
+        // Workers drain their queue (pushing to the writer) before the writer's queue closes.
+        let writer = self.threads.pop();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.core.writes.close();
+        if let Some(w) = writer {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Core {
+    fn check(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(Error::OutOfRange {
+                offset,
+                len,
+                size: self.size,
+            }),
+        }
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(Error::ReadOnly("the volume was opened read-only".into()));
+        }
+        Ok(())
+    }
+
+    fn plan(&self, op: Op, offset: u64, len: u64) -> Plan {
+        let policy = Policy::from_u8(self.policy.load(Relaxed));
+        let planner = Planner {
+            auto_min_bytes: self.auto_min_bytes.load(Relaxed),
+            ..self.planner
+        };
+        let idle = if policy == Policy::Auto {
+            self.jobs.idle()
+        } else {
+            0
+        };
+        let dispatch = planner.dispatch(policy, op, len, idle);
+        planner.plan(op, offset, len, dispatch)
+    }
+
+    fn backend_offset(&self, sector: u64) -> u64 {
+        self.data_offset + (sector << self.shift)
+    }
+
+    /// Crypto for whole sectors: decrypt `buf` in place, or encrypt `src` (or `buf` itself)
+    /// into `buf`. Uses `own` if given (a worker's context), else borrows one.
+    fn crypt(
+        &self,
+        own: Option<&mut SectorCipher>,
+        write: bool,
+        sector: u64,
+        buf: &mut [u8],
+        src: Option<&[u8]>,
+    ) -> Result<()> {
+        if self.null_cipher {
+            if let Some(s) = src {
+                buf.copy_from_slice(s);
+            }
+            return Ok(());
+        }
+        let mut run = |c: &mut SectorCipher| match (write, src) {
+            (false, _) => c.decrypt(sector, buf),
+            (true, Some(s)) => c.encrypt_to(sector, s, buf),
+            (true, None) => c.encrypt(sector, buf),
+        };
+        match own {
+            Some(c) => run(c),
+            None => self.ciphers.with(run),
+        }
+    }
+
+    /// Runs a task: backend read + decrypt, or encrypt + backend write (I/O only if `task.io`).
+    pub(crate) fn exec_task(
+        &self,
+        own: Option<&mut SectorCipher>,
+        task: &Task,
+        t: &mut Times,
+    ) -> Result<()> {
+        let len = (task.sectors.len() << self.shift) as usize;
+        // SAFETY: the task's buffer covers its sectors and belongs to this task alone (see Task).
+        let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
+        if !task.write {
+            if task.io {
+                let t0 = now();
+                let r = self
+                    .backend
+                    .read_exact_at(buf, self.backend_offset(task.sectors.first));
+                t.backend += now().wrapping_sub(t0);
+                r?;
+            }
+            let t0 = now();
+            let r = self.crypt(own, false, task.sectors.first, buf, None);
+            t.crypto += now().wrapping_sub(t0);
+            return r;
+        }
+        // SAFETY: a non-null src covers the same sectors in the caller's (read-only) buffer.
+        let src =
+            (!task.src.is_null()).then(|| unsafe { std::slice::from_raw_parts(task.src, len) });
+        let t0 = now();
+        let r = self.crypt(own, true, task.sectors.first, buf, src);
+        t.crypto += now().wrapping_sub(t0);
+        r?;
+        if task.io {
+            self.write_task_io(task, t)?;
+        }
+        Ok(())
+    }
+
+    /// The backend write of an encrypted task.
+    pub(crate) fn write_task_io(&self, task: &Task, t: &mut Times) -> Result<()> {
+        let len = (task.sectors.len() << self.shift) as usize;
+        // SAFETY: as in exec_task; the buffer now holds ciphertext.
+        let buf = unsafe { std::slice::from_raw_parts(task.buf as *const u8, len) };
+        let t0 = now();
+        let r = self
+            .backend
+            .write_at(buf, self.backend_offset(task.sectors.first));
+        t.backend += now().wrapping_sub(t0);
+        r
+    }
+
+    /// Runs `task` cut into `chunks`: the caller runs the first, the workers the others.
+    /// Returns only when every chunk has finished, error or not.
+    fn run_split(&self, task: &Task, chunks: u32, piece: &Piece, t: &mut Times) -> Result<()> {
+        let n = piece.chunks(chunks).count() as u32;
+        let comp = Completion::new(n.saturating_sub(1));
+        let mut mine = None;
+        for (i, c) in piece.chunks(chunks).enumerate() {
+            let sub = task.sub(c, self.shift);
+            if i == 0 {
+                mine = Some(sub);
+                continue;
+            }
+            let job = Job::Chunk {
+                task: sub,
+                done: DoneRef(&comp),
+                queued_at: now(),
+            };
+            if self.jobs.push(job).is_err() {
+                comp.done(
+                    Err(Error::Bug("job queue closed while the volume is in use")),
+                    &Times::default(),
+                );
+            }
+        }
+        let r = match mine {
+            Some(m) => self.exec_task(None, &m, t),
+            None => Ok(()),
+        };
+        let (rw, tw) = comp.wait();
+        t.add(&tw);
+        r.and(rw)
+    }
+
+    /// Hands a whole task to a worker (the `queued` model) and waits.
+    fn run_queued(&self, task: Task, write: bool, t: &mut Times) -> Result<()> {
+        let comp = Completion::new(1);
+        let done = DoneRef(&comp);
+        let queued_at = now();
+        let job = if write {
+            Job::QueuedWrite {
+                task,
+                done,
+                queued_at,
+            }
+        } else {
+            Job::Chunk {
+                task,
+                done,
+                queued_at,
+            }
+        };
+        if self.jobs.push(job).is_err() {
+            return Err(Error::Bug("job queue closed while the volume is in use"));
+        }
+        let (r, tw) = comp.wait();
+        t.add(&tw);
+        r
+    }
+
+    /// Runs a task the way the plan says.
+    fn run(&self, plan: &Plan, piece: &Piece, task: Task, t: &mut Times) -> Result<()> {
+        match plan.dispatch {
+            Dispatch::Inline => self.exec_task(None, &task, t),
+            Dispatch::Parallel { chunks } => self.run_split(&task, chunks, piece, t),
+            Dispatch::Ordered { chunks } => {
+                let mut turn = self.turns.take();
+                // Writes: crypto in parallel, then the backend write when it is our turn.
+                let io_now = !task.write;
+                let r = self.run_split(&Task { io: io_now, ..task }, chunks, piece, t);
+                let t0 = now();
+                turn.wait();
+                t.wait += now().wrapping_sub(t0);
+                r?;
+                if task.write {
+                    self.write_task_io(&task, t)?;
+                }
+                Ok(())
+            }
+            Dispatch::Queued if task.write => self.run_queued(Task { io: false, ..task }, true, t),
+            Dispatch::Queued => {
+                // dm-crypt reads: the I/O completes, then decryption is queued to a worker.
+                let len = (task.sectors.len() << self.shift) as usize;
+                // SAFETY: as in exec_task.
+                let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
+                let t0 = now();
+                let r = self
+                    .backend
+                    .read_exact_at(buf, self.backend_offset(task.sectors.first));
+                t.backend += now().wrapping_sub(t0);
+                r?;
+                self.run_queued(Task { io: false, ..task }, false, t)
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- reads
+
+    fn read_piece(&self, plan: &Plan, piece: &Piece, out: &mut [u8], t: &mut Times) -> Result<()> {
+        let bytes = (piece.sectors.len() << self.shift) as usize;
+        let dst = &mut out[piece.buf_off..piece.buf_off + piece.buf_len];
+        // Straight into the caller's buffer when it holds whole sectors at an address the
+        // backend accepts: no bounce buffer, no copy.
+        let in_place = piece.aligned() && (dst.as_ptr() as usize) % self.mem_align == 0;
+        if in_place {
+            let task = Task {
+                write: false,
+                sectors: piece.sectors,
+                buf: dst.as_mut_ptr(),
+                src: std::ptr::null(),
+                io: true,
+            };
+            return self.run(plan, piece, task, t);
+        }
+        let t0 = now();
+        let mut g = self.pool.take(bytes)?;
+        t.wait += now().wrapping_sub(t0);
+        let task = Task {
+            write: false,
+            sectors: piece.sectors,
+            buf: g.as_mut_ptr(),
+            src: std::ptr::null(),
+            io: true,
+        };
+        self.run(plan, piece, task, t)?;
+        dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
+        Ok(())
+    }
+
+    fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
+        let start = now();
+        self.check(offset, out.len() as u64)?;
+        let plan = self.plan(Op::Read, offset, out.len() as u64);
+        let mut t = Times::default();
+        let mut r = Ok(());
+        for piece in plan.pieces() {
+            r = self.read_piece(&plan, &piece, out, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let split = !matches!(
+            plan.dispatch,
+            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
+        );
+        self.stats
+            .record(Kind::Read, out.len() as u64, start, &t, split, false);
+        r
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    /// Reads and decrypts one sector into `dst` (the edge of a read-modify-write).
+    fn read_sector_plain(&self, sector: u64, dst: &mut [u8], t: &mut Times) -> Result<()> {
+        let task = Task {
+            write: false,
+            sectors: SectorRange {
+                first: sector,
+                end: sector + 1,
+            },
+            buf: dst.as_mut_ptr(),
+            src: std::ptr::null(),
+            io: true,
+        };
+        self.exec_task(None, &task, t)
+    }
+
+    fn write_piece(
+        &self,
+        plan: &Plan,
+        piece: &Piece,
+        src: Source<'_>,
+        t: &mut Times,
+    ) -> Result<()> {
+        let ss = 1usize << self.shift;
+        let bytes = (piece.sectors.len() << self.shift) as usize;
+        if self.null_cipher && piece.aligned() && matches!(src, Source::Zeroes) {
+            // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
+            let t0 = now();
+            let r = self
+                .backend
+                .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
+            t.backend += now().wrapping_sub(t0);
+            return r;
+        }
+        let t0 = now();
+        let mut g = self.pool.take(bytes)?;
+        t.wait += now().wrapping_sub(t0);
+        let plain_src = match src {
+            Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
+            _ => {
+                // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
+                // sectors, then the new data (a fresh grant is all zeroes: write-zeroes needs
+                // nothing more), then is encrypted in place.
+                let b = g.as_mut_slice();
+                if piece.partial_first {
+                    self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
+                }
+                if piece.partial_last {
+                    self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
+                }
+                let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
+                match src {
+                    Source::Buf(s) => {
+                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
+                    }
+                    Source::Zeroes => dst.fill(0),
+                }
+                std::ptr::null()
+            }
+        };
+        let task = Task {
+            write: true,
+            sectors: piece.sectors,
+            buf: g.as_mut_ptr(),
+            src: plain_src,
+            io: true,
+        };
+        self.run(plan, piece, task, t)
+    }
+
+    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
+        let start = now();
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let plan = self.plan(op, offset, len);
+        let mut t = Times::default();
+        let t0 = now();
+        let _lock = plan.lock.map(|r| self.locks.lock(r));
+        t.wait += now().wrapping_sub(t0);
+        let mut r = Ok(());
+        let mut rmw = false;
+        for piece in plan.pieces() {
+            rmw |= !piece.aligned();
+            r = self.write_piece(&plan, &piece, src, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let split = !matches!(
+            plan.dispatch,
+            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
+        );
+        self.stats.record(Kind::Write, len, start, &t, split, rmw);
+        r
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let start = now();
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let plan = self.plan(Op::Discard, offset, len);
+        let mut t = Times::default();
+        let r = match plan.discard {
+            None => Ok(()),
+            Some(range) => {
+                let _lock = self.locks.lock(range);
+                let t0 = now();
+                let r = self
+                    .backend
+                    .discard(self.backend_offset(range.first), range.len() << self.shift);
+                t.backend += now().wrapping_sub(t0);
+                r
+            }
+        };
+        self.stats.record(Kind::Write, len, start, &t, false, false);
+        r
+    }
+}
+
+impl BlockDev for Volume {
+    fn size(&self) -> u64 {
+        self.core.size
+    }
+
+    fn block_size(&self) -> u32 {
+        1 << self.core.shift
+    }
+
+    fn read_only(&self) -> bool {
+        self.core.read_only
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.core.read(buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.core
+            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64)
+    }
+
+    fn flush(&self) -> Result<()> {
+        // Every acknowledged write has reached the backend (all policies acknowledge after the
+        // backend write), so syncing the backend makes them durable.
+        self.core.backend.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.core.discard(offset, len)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.core
+            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
+    }
+}

@@ -1,0 +1,175 @@
+//! Helpers shared by the volume integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ucrypt::backend::{Backend, DirectMode, FileBackend, MemBackend};
+use ucrypt::engine::Policy;
+use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
+use ucrypt::volume::{Volume, VolumeConfig};
+use ucrypt::SecretBytes;
+
+/// The seed for a randomized test: `UCRYPT_SEED` if set, else `default`. Printed, so a failure
+/// can be replayed.
+pub fn seed(default: u64) -> u64 {
+    let s = std::env::var("UCRYPT_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default);
+    eprintln!("seed = {s} (replay with UCRYPT_SEED={s})");
+    s
+}
+
+/// A temporary file in RAM (`/dev/shm`) when available; removed on drop.
+pub struct TempFile(pub PathBuf);
+
+impl TempFile {
+    pub fn new(size: u64) -> TempFile {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = if std::path::Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let p = dir.join(format!(
+            "ucrypt-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(size).unwrap();
+        TempFile(p)
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Mem,
+    /// A /dev/shm file opened with O_DIRECT when the filesystem allows it.
+    File,
+}
+
+pub fn key_for(spec: CipherSpec, seed: u64) -> Vec<u8> {
+    let n = spec.default_key_bytes();
+    (0..n)
+        .map(|i| {
+            (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (i % 8 * 8)) as u8
+                ^ (i as u8).wrapping_mul(31)
+        })
+        .collect()
+}
+
+pub struct Rig {
+    pub vol: Arc<Volume>,
+    pub backend: Arc<dyn Backend>,
+    pub data_offset: u64,
+    pub key: Vec<u8>,
+    pub geometry: Geometry,
+    pub spec: CipherSpec,
+    _file: Option<TempFile>,
+}
+
+pub struct RigCfg {
+    pub kind: BackendKind,
+    pub spec: CipherSpec,
+    pub sector: u32,
+    pub policy: Policy,
+    pub pool_bytes: usize,
+    pub size: u64,
+    pub data_offset: u64,
+    pub seed: u64,
+}
+
+impl Default for RigCfg {
+    fn default() -> Self {
+        RigCfg {
+            kind: BackendKind::Mem,
+            spec: CipherSpec::AES_XTS_PLAIN64,
+            sector: 4096,
+            policy: Policy::Inline,
+            pool_bytes: 1 << 20,
+            size: 4 << 20,
+            data_offset: 8192,
+            seed: 1,
+        }
+    }
+}
+
+pub fn rig(c: RigCfg) -> Rig {
+    rig_over(c, None)
+}
+
+/// Builds a volume; `wrap` may wrap the raw backend (e.g. in a FaultBackend).
+pub type Wrap<'a> = &'a dyn Fn(Arc<dyn Backend>) -> Arc<dyn Backend>;
+
+pub fn rig_over(c: RigCfg, wrap: Option<Wrap<'_>>) -> Rig {
+    let total = c.size + c.data_offset;
+    let (raw, file): (Arc<dyn Backend>, _) = match c.kind {
+        BackendKind::Mem => (Arc::new(MemBackend::new(total)), None),
+        BackendKind::File => {
+            let f = TempFile::new(total);
+            let b = FileBackend::open(&f.0, true, DirectMode::Auto).unwrap();
+            // tmpfs may ask for larger O_DIRECT alignment than a 512-byte sector: then test
+            // the buffered path for that row instead.
+            let b = if b.logical_block_bytes() > c.sector {
+                FileBackend::open(&f.0, true, DirectMode::Never).unwrap()
+            } else {
+                b
+            };
+            (Arc::new(b), Some(f))
+        }
+    };
+    let backend = match wrap {
+        Some(w) => w(raw),
+        None => raw,
+    };
+    let key = key_for(c.spec, c.seed);
+    let geometry = Geometry {
+        sector_size: SectorSize::new(c.sector as u64).unwrap(),
+        iv_offset: 0,
+        iv_large_sectors: false,
+    };
+    let mut cfg = VolumeConfig::new(c.spec, SecretBytes::from_slice(&key), geometry);
+    cfg.data_offset_bytes = c.data_offset;
+    cfg.size_bytes = Some(c.size);
+    cfg.policy = c.policy;
+    cfg.pool_bytes = c.pool_bytes;
+    let vol = Arc::new(Volume::new(backend.clone(), cfg).unwrap());
+    Rig {
+        vol,
+        backend,
+        data_offset: c.data_offset,
+        key,
+        geometry,
+        spec: c.spec,
+        _file: file,
+    }
+}
+
+/// A buffer whose data starts at a chosen misalignment from a 4096-byte boundary (to test both
+/// the in-place O_DIRECT path and the bounce path).
+pub struct OffsetBuf {
+    store: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl OffsetBuf {
+    pub fn new(len: usize, misalign: usize) -> Self {
+        let store = vec![0u8; len + 8192];
+        let base = store.as_ptr() as usize;
+        let start = (4096 - base % 4096) % 4096 + misalign % 4096;
+        OffsetBuf { store, start, len }
+    }
+    pub fn get(&mut self) -> &mut [u8] {
+        &mut self.store[self.start..self.start + self.len]
+    }
+}
