@@ -3,6 +3,7 @@
 //! Each verb family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod luks_cli;
 mod mount;
 mod nbd_server;
 mod open;
@@ -25,6 +26,9 @@ struct Cli {
 enum Cmd {
     /// Benchmarks: cipher, engine, nbd, fuse, all.
     Bench(bench::BenchArgs),
+    /// LUKS verbs (cryptsetup spellings accepted as aliases).
+    #[command(flatten)]
+    Luks(Box<luks_cli::LuksCmd>),
     /// Serve volumes to NBD clients (qemu, nbd-client, libnbd tools, fio).
     Serve(Box<nbd_server::ServeArgs>),
     /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
@@ -40,9 +44,10 @@ enum Cmd {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(luks_cli::reorder_args(std::env::args().collect()));
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Luks(c) => luks_cli::run(*c),
         Cmd::Serve(a) => nbd_server::run_serve(*a),
         Cmd::Ublk { volume, queues } => {
             let mut opts = ublk::UblkOptions::default();

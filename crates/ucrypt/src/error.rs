@@ -52,6 +52,9 @@ pub enum Error {
     #[error("No key available with this passphrase.")]
     WrongPassphrase,
 
+    #[error("No usable keyslot is available.")]
+    NoUsableKeyslot,
+
     #[error("unsupported LUKS feature: {0}")]
     UnsupportedLuks(String),
 
