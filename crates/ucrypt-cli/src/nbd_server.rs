@@ -340,10 +340,17 @@ pub fn serve(
         let t = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
+                // Deregisters the connection however the thread ends (a panic included).
+                struct Live<'a>(&'a Shared, u64);
+                impl Drop for Live<'_> {
+                    fn drop(&mut self) {
+                        lock(&self.0.live).retain(|(i, _)| *i != self.1);
+                    }
+                }
+                let _live = Live(&sh, id);
                 if let Err(e) = conn::run(sock, &sh) {
                     eprintln!("ucrypt: connection {id}: {e}");
                 }
-                lock(&sh.live).retain(|(i, _)| *i != id);
             });
         match t {
             Ok(t) => threads.push(t),
