@@ -5,6 +5,7 @@
 mod bench;
 mod mount;
 mod open;
+mod signals;
 mod ublk;
 
 use clap::{Parser, Subcommand};
@@ -46,7 +47,7 @@ fn main() {
                 opts.queues = q;
             }
             let opened =
-                ublk::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
+                signals::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
             match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
                 Ok(()) => 0,
                 Err(e) => {

@@ -3,6 +3,8 @@
 //! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
 
 mod cipher;
+mod fio;
+mod fuse;
 pub mod stats;
 
 use clap::{Args, Subcommand};
@@ -36,6 +38,8 @@ impl Common {
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
     Cipher(Common),
+    /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
+    Fuse(Common),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
@@ -52,5 +56,22 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             0
         }
+        Which::Fuse(c) => match fuse::measure(c.runs(), c.quick, !c.json) {
+            Ok(report) => {
+                if c.json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report).expect("report serialises")
+                    );
+                } else {
+                    print!("{}", fuse::markdown(&report));
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("ucrypt bench fuse: {e}");
+                1
+            }
+        },
     }
 }
