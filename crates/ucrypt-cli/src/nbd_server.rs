@@ -476,6 +476,14 @@ fn serve_cli(a: ServeArgs) -> Result<()> {
         // The volume key lives in this process for its whole life: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
     }
+    // Handlers first, so that a SIGINT/SIGTERM arriving while volumes open (and the engine
+    // starts its workers) only sets the flag: the handler is process-wide, whichever thread
+    // takes the signal, and the accept loop sees the flag within ACCEPT_POLL_MS.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| Error::io("installing signal handler", e))?;
+    }
     let exports = open_volumes(&a)?;
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
@@ -485,11 +493,6 @@ fn serve_cli(a: ServeArgs) -> Result<()> {
         })?),
         _ => None,
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())
-            .map_err(|e| Error::io("installing signal handler", e))?;
-    }
     let opts = ServerOptions {
         read_only: a.volume.read_only,
         tls,
