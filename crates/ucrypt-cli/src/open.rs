@@ -76,6 +76,8 @@ impl VolumeArgs {
 
     /// Opens the volume as a block device for a front end.
     pub fn open(&self) -> Result<Arc<dyn BlockDev>, String> {
+        // This process is about to hold key material: keep it out of core dumps.
+        ucrypt::secret::disable_core_dumps();
         let policy = self.policy()?;
         let Some(cipher) = &self.cipher else {
             // LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
