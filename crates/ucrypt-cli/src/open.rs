@@ -3,6 +3,8 @@
 //!
 //! Raw mode (`--cipher` with `--volume-key-file`) mirrors `cryptsetup open --type plain`:
 //! `--offset` is the data start and `--skip` the IV offset, both in 512-byte sectors.
+//! Without `--cipher` the volume is LUKS1/LUKS2, unlocked like `cryptsetup open`: passphrase
+//! from `--key-file` (or asked), or `--volume-key-file`; `--header` for a detached header.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,6 +41,12 @@ pub struct VolumeArgs {
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
+    /// LUKS: passphrase from this file ("-" = stdin); without it the passphrase is asked.
+    #[arg(long, short = 'd', conflicts_with = "cipher")]
+    pub key_file: Option<String>,
+    /// LUKS: detached header file.
+    #[arg(long, conflicts_with = "cipher")]
+    pub header: Option<PathBuf>,
     /// Open read-only.
     #[arg(long)]
     pub read_only: bool,
@@ -72,10 +80,20 @@ impl VolumeArgs {
         ucrypt::secret::disable_core_dumps();
         let policy = self.policy()?;
         let Some(cipher) = &self.cipher else {
-            return Err(format!(
-                "{}: LUKS volumes are not supported by this build yet; give --cipher and --volume-key-file for a raw volume",
-                self.volume.display()
-            ));
+            // LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
+            let o = crate::luks_cli::LuksOpts {
+                key_file: self.key_file.clone(),
+                header: self.header.clone(),
+                volume_key_file: self.volume_key_file.clone(),
+                ..Default::default()
+            };
+            return crate::luks_cli::data::open_luks_blockdev(
+                &self.volume,
+                &o,
+                !self.read_only,
+                policy,
+            )
+            .map_err(|e| format!("{}: {e}", self.volume.display()));
         };
         let spec: CipherSpec = cipher.parse().map_err(|e: ucrypt::Error| e.to_string())?;
         let key = read_volume_key(
