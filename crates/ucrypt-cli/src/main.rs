@@ -3,7 +3,9 @@
 //! Each verb family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod luks_cli;
 mod mount;
+mod nbd_server;
 mod open;
 mod ublk;
 
@@ -24,6 +26,11 @@ struct Cli {
 enum Cmd {
     /// Benchmarks: cipher, engine, nbd, fuse, all.
     Bench(bench::BenchArgs),
+    /// LUKS verbs (cryptsetup spellings accepted as aliases).
+    #[command(flatten)]
+    Luks(Box<luks_cli::LuksCmd>),
+    /// Serve volumes to NBD clients (qemu, nbd-client, libnbd tools, fio).
+    Serve(Box<nbd_server::ServeArgs>),
     /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
     Ublk {
         #[command(flatten)]
@@ -37,9 +44,11 @@ enum Cmd {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(luks_cli::reorder_args(std::env::args().collect()));
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Luks(c) => luks_cli::run(*c),
+        Cmd::Serve(a) => nbd_server::run_serve(*a),
         Cmd::Ublk { volume, queues } => {
             let mut opts = ublk::UblkOptions::default();
             if let Some(q) = queues {

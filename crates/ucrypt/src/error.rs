@@ -52,11 +52,18 @@ pub enum Error {
     #[error("No key available with this passphrase.")]
     WrongPassphrase,
 
+    #[error("No usable keyslot is available.")]
+    NoUsableKeyslot,
+
     #[error("unsupported LUKS feature: {0}")]
     UnsupportedLuks(String),
 
     #[error("keyslot {slot}: {reason}")]
     Keyslot { slot: u32, reason: String },
+
+    // ---- bad data from the network ----
+    #[error("NBD protocol violation by the client: {0}")]
+    NbdProtocol(String),
 
     // ---- the crypto library ----
     #[error("cipher library call {call} failed")]

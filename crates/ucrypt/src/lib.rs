@@ -13,6 +13,8 @@ pub mod backend;
 pub mod blockdev;
 pub mod engine;
 pub mod error;
+pub mod luks;
+pub mod nbd;
 pub mod pool;
 pub mod secret;
 pub mod sector;

@@ -1,0 +1,1014 @@
+//! LUKS verbs: lowercase names with cryptsetup's spellings as aliases, so a cryptsetup script
+//! runs with `s/cryptsetup/ucrypt/`. All header logic is in `ucrypt::luks` (sans I/O); this
+//! module reads and writes the files and talks to the user.
+//!
+//! Exit codes follow cryptsetup(8): 1 wrong parameters, 2 no permission / bad passphrase,
+//! 3 out of memory, 4 wrong device, 5 device busy.
+
+mod data;
+mod dev;
+mod pass;
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+use ucrypt::luks::{
+    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, VolumeKey, WriteOp,
+};
+use ucrypt::sector::{CipherSpec, SectorSize};
+use ucrypt::{Error, Result, SecretBytes};
+
+use dev::HeaderDev;
+use pass::Source;
+
+/// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
+#[derive(Args, Debug, Clone, Default)]
+pub struct LuksOpts {
+    /// LUKS version: luks2 (default) or luks1 (also accepts "luks").
+    #[arg(long = "type", short = 'M')]
+    pub luks_type: Option<String>,
+    /// Cipher spec, e.g. aes-xts-plain64.
+    #[arg(long, short = 'c')]
+    pub cipher: Option<String>,
+    /// Volume key size in bits.
+    #[arg(long, short = 's')]
+    pub key_size: Option<u32>,
+    /// Encryption sector size in bytes (LUKS2).
+    #[arg(long)]
+    pub sector_size: Option<u64>,
+    /// Hash for PBKDF2, AF diffusion and the volume key digest.
+    #[arg(long)]
+    pub hash: Option<String>,
+    /// pbkdf2, argon2i or argon2id.
+    #[arg(long)]
+    pub pbkdf: Option<String>,
+    /// PBKDF target time in milliseconds.
+    #[arg(long, short = 'i')]
+    pub iter_time: Option<u32>,
+    /// Argon2 memory cost in KiB.
+    #[arg(long)]
+    pub pbkdf_memory: Option<u32>,
+    /// Argon2 threads.
+    #[arg(long)]
+    pub pbkdf_parallel: Option<u32>,
+    /// Fixed PBKDF2 iterations / Argon2 time cost instead of calibration.
+    #[arg(long)]
+    pub pbkdf_force_iterations: Option<u32>,
+    #[arg(long)]
+    pub label: Option<String>,
+    #[arg(long)]
+    pub subsystem: Option<String>,
+    #[arg(long)]
+    pub uuid: Option<String>,
+    /// Detached header file.
+    #[arg(long)]
+    pub header: Option<PathBuf>,
+    /// Data offset in 512-byte sectors.
+    #[arg(long, short = 'o')]
+    pub offset: Option<u64>,
+    /// Passphrase from this file ("-" = stdin).
+    #[arg(long, short = 'd')]
+    pub key_file: Option<String>,
+    #[arg(long)]
+    pub keyfile_offset: Option<u64>,
+    #[arg(long, short = 'l')]
+    pub keyfile_size: Option<u64>,
+    #[arg(long)]
+    pub new_keyfile_offset: Option<u64>,
+    #[arg(long)]
+    pub new_keyfile_size: Option<u64>,
+    #[arg(long, short = 'S')]
+    pub key_slot: Option<u32>,
+    #[arg(long)]
+    pub new_key_slot: Option<u32>,
+    /// Do not ask for confirmation.
+    #[arg(long, short = 'q')]
+    pub batch_mode: bool,
+    #[arg(long, short = 'v')]
+    pub verbose: bool,
+    /// luksDump: print the volume key (asks for confirmation unless --batch-mode).
+    #[arg(long, alias = "dump-master-key")]
+    pub dump_volume_key: bool,
+    /// Read (format, add-key) or write (dump) the volume key from/to this file.
+    #[arg(long, alias = "master-key-file")]
+    pub volume_key_file: Option<PathBuf>,
+    #[arg(long)]
+    pub header_backup_file: Option<PathBuf>,
+    /// open: only check the passphrase.
+    #[arg(long)]
+    pub test_passphrase: bool,
+    /// Store the given activation flags in the header.
+    #[arg(long)]
+    pub persistent: bool,
+    #[arg(long)]
+    pub allow_discards: bool,
+    #[arg(long = "perf-same_cpu_crypt")]
+    pub perf_same_cpu_crypt: bool,
+    #[arg(long = "perf-submit_from_crypt_cpus")]
+    pub perf_submit_from_crypt_cpus: bool,
+    #[arg(long = "perf-no_read_workqueue")]
+    pub perf_no_read_workqueue: bool,
+    #[arg(long = "perf-no_write_workqueue")]
+    pub perf_no_write_workqueue: bool,
+    #[arg(long = "perf-high_priority")]
+    pub perf_high_priority: bool,
+    /// Keyslot priority: prefer, normal or ignore (config).
+    #[arg(long)]
+    pub priority: Option<String>,
+    /// LUKS2 header copy size in bytes.
+    #[arg(long)]
+    pub luks2_metadata_size: Option<u64>,
+    /// LUKS2 keyslots area size in bytes.
+    #[arg(long)]
+    pub luks2_keyslots_size: Option<u64>,
+    /// Accepted for compatibility; ucrypt reads files without device-mapper.
+    #[arg(long)]
+    pub disable_locks: bool,
+    /// Accepted for compatibility (cryptsetup's passphrase quality check is not applied).
+    #[arg(long)]
+    pub force_password: bool,
+    /// Engine dispatch policy for export/import: inline, parallel, ordered, queued, auto.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Number of passphrase attempts (accepted; ucrypt asks once).
+    #[arg(long, short = 'T')]
+    pub tries: Option<u32>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum LuksCmd {
+    /// Create a LUKS volume (cryptsetup luksFormat).
+    #[command(name = "format", visible_alias = "luksFormat")]
+    Format {
+        device: PathBuf,
+        /// Key file for the first keyslot (as cryptsetup's positional argument).
+        #[arg(value_name = "KEY_FILE")]
+        pos_key_file: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Print the header (cryptsetup luksDump).
+    #[command(name = "dump", visible_alias = "luksDump")]
+    Dump {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Add a passphrase (cryptsetup luksAddKey).
+    #[command(name = "add-key", visible_alias = "luksAddKey")]
+    AddKey {
+        device: PathBuf,
+        new_key_file: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Remove the keyslot a passphrase opens (cryptsetup luksRemoveKey).
+    #[command(name = "remove-key", visible_alias = "luksRemoveKey")]
+    RemoveKey {
+        device: PathBuf,
+        #[arg(value_name = "KEY_FILE")]
+        pos_key_file: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Change a passphrase (cryptsetup luksChangeKey).
+    #[command(name = "change-key", visible_alias = "luksChangeKey")]
+    ChangeKey {
+        device: PathBuf,
+        new_key_file: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Wipe a keyslot by number (cryptsetup luksKillSlot).
+    #[command(name = "kill-slot", visible_alias = "luksKillSlot")]
+    KillSlot {
+        device: PathBuf,
+        slot: u32,
+        #[arg(value_name = "KEY_FILE")]
+        pos_key_file: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Save the header and keyslot areas to --header-backup-file (cryptsetup luksHeaderBackup).
+    #[command(name = "header-backup", visible_alias = "luksHeaderBackup")]
+    HeaderBackup {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Restore them (cryptsetup luksHeaderRestore).
+    #[command(name = "header-restore", visible_alias = "luksHeaderRestore")]
+    HeaderRestore {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Print or (with --uuid) set the UUID (cryptsetup luksUUID).
+    #[command(name = "uuid", visible_alias = "luksUUID")]
+    Uuid {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Exit 0 if the device is LUKS (cryptsetup isLuks).
+    #[command(name = "is-luks", visible_alias = "isLuks")]
+    IsLuks {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Only `open --test-passphrase` here (no device-mapper); serve volumes with nbd/fuse.
+    #[command(name = "open", visible_alias = "luksOpen")]
+    Open {
+        device: PathBuf,
+        name: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Set label, subsystem, keyslot priority, and (with --persistent) activation flags.
+    #[command(name = "config")]
+    Config {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Rewrite both LUKS2 header copies from the valid one (cryptsetup repair).
+    #[command(name = "repair")]
+    Repair {
+        device: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Decrypt the whole data area of VOLUME into FILE.
+    #[command(name = "export")]
+    Export {
+        volume: PathBuf,
+        file: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Encrypt FILE into the data area of VOLUME.
+    #[command(name = "import")]
+    Import {
+        file: PathBuf,
+        volume: PathBuf,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+}
+
+/// Verbs and aliases, for argument reordering (`cryptsetup -q luksFormat ...`).
+const VERBS: &[&str] = &[
+    "format",
+    "luksFormat",
+    "dump",
+    "luksDump",
+    "add-key",
+    "luksAddKey",
+    "remove-key",
+    "luksRemoveKey",
+    "change-key",
+    "luksChangeKey",
+    "kill-slot",
+    "luksKillSlot",
+    "header-backup",
+    "luksHeaderBackup",
+    "header-restore",
+    "luksHeaderRestore",
+    "uuid",
+    "luksUUID",
+    "is-luks",
+    "isLuks",
+    "open",
+    "luksOpen",
+    "config",
+    "repair",
+    "export",
+    "import",
+];
+
+/// cryptsetup accepts options before the action (`cryptsetup -q --type luks2 luksFormat X`);
+/// clap wants them after the subcommand. Moves everything between the program name and a
+/// LUKS verb to just after the verb; other commands are left untouched.
+pub fn reorder_args(args: Vec<String>) -> Vec<String> {
+    let Some(pos) = args
+        .iter()
+        .skip(1)
+        .position(|a| VERBS.contains(&a.as_str()))
+    else {
+        return args;
+    };
+    let pos = pos + 1;
+    if pos == 1 || !args[1].starts_with('-') {
+        return args;
+    }
+    let mut out = vec![args[0].clone(), args[pos].clone()];
+    out.extend_from_slice(&args[1..pos]);
+    out.extend_from_slice(&args[pos + 1..]);
+    out
+}
+
+/// cryptsetup's exit code for an error.
+pub fn exit_code(e: &Error) -> i32 {
+    match e {
+        Error::WrongPassphrase => 2,
+        Error::Io { source, .. } => match source.kind() {
+            std::io::ErrorKind::NotFound => 4,
+            std::io::ErrorKind::PermissionDenied => 2,
+            std::io::ErrorKind::OutOfMemory => 3,
+            _ => match source.raw_os_error() {
+                Some(libc::EBUSY) => 5,
+                Some(libc::ENOMEM) => 3,
+                Some(libc::ENODEV) | Some(libc::ENXIO) => 4,
+                _ => 1,
+            },
+        },
+        _ => 1,
+    }
+}
+
+pub fn run(cmd: LuksCmd) -> i32 {
+    ucrypt::secret::disable_core_dumps();
+    match dispatch(cmd) {
+        Ok(code) => code,
+        Err(Error::NotLuks(dev)) => {
+            eprintln!("Device {dev} is not a valid LUKS device.");
+            1
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            exit_code(&e)
+        }
+    }
+}
+
+fn dispatch(cmd: LuksCmd) -> Result<i32> {
+    match cmd {
+        LuksCmd::Format {
+            device,
+            pos_key_file,
+            o,
+        } => format(&device, pos_key_file.as_deref(), &o),
+        LuksCmd::Dump { device, o } => dump(&device, &o),
+        LuksCmd::AddKey {
+            device,
+            new_key_file,
+            o,
+        } => add_key(&device, new_key_file.as_deref(), &o),
+        LuksCmd::RemoveKey {
+            device,
+            pos_key_file,
+            o,
+        } => remove_key(&device, pos_key_file.as_deref(), &o),
+        LuksCmd::ChangeKey {
+            device,
+            new_key_file,
+            o,
+        } => change_key(&device, new_key_file.as_deref(), &o),
+        LuksCmd::KillSlot {
+            device,
+            slot,
+            pos_key_file,
+            o,
+        } => kill_slot(&device, slot, pos_key_file.as_deref(), &o),
+        LuksCmd::HeaderBackup { device, o } => header_backup(&device, &o),
+        LuksCmd::HeaderRestore { device, o } => header_restore(&device, &o),
+        LuksCmd::Uuid { device, o } => uuid(&device, &o),
+        LuksCmd::IsLuks { device, o } => is_luks(&device, &o),
+        LuksCmd::Open { device, name, o } => open(&device, name.as_deref(), &o),
+        LuksCmd::Config { device, o } => config(&device, &o),
+        LuksCmd::Repair { device, o } => repair(&device, &o),
+        LuksCmd::Export { volume, file, o } => data::export(&volume, &file, &o),
+        LuksCmd::Import { file, volume, o } => data::import(&file, &volume, &o),
+    }
+}
+
+/// The header device: --header if given, else the device itself.
+fn header_path<'a>(device: &'a Path, o: &'a LuksOpts) -> &'a Path {
+    o.header.as_deref().unwrap_or(device)
+}
+
+fn print_warnings(h: &Header) {
+    for w in h.warnings() {
+        eprintln!("WARNING: {w}");
+    }
+}
+
+/// Opens the header device and parses its header (printing recovery warnings).
+fn load(device: &Path, o: &LuksOpts, writable: bool) -> Result<(HeaderDev, Header)> {
+    let dev = HeaderDev::open(header_path(device, o), writable)?;
+    let hdr = dev.read_header().map_err(|e| match e {
+        Error::NotLuks(_) => Error::NotLuks(header_path(device, o).display().to_string()),
+        other => other,
+    })?;
+    print_warnings(&hdr);
+    Ok((dev, hdr))
+}
+
+fn kdf_request(o: &LuksOpts, version: u32) -> Result<KdfRequest> {
+    let mut k = if version == 1 {
+        KdfRequest::luks1_default()
+    } else {
+        KdfRequest::luks2_default()
+    };
+    if let Some(h) = &o.hash {
+        k.hash = HashAlg::from_name(h)?;
+    }
+    if let Some(p) = &o.pbkdf {
+        if version == 1 && p != "pbkdf2" {
+            return Err(Error::InvalidArgument(
+                "LUKS1 supports only --pbkdf pbkdf2".into(),
+            ));
+        }
+        k.kind = p.clone();
+    }
+    if let Some(t) = o.iter_time {
+        k.iter_time_ms = t.max(1);
+    }
+    if let Some(m) = o.pbkdf_memory {
+        k.memory_kib = m;
+    }
+    if let Some(p) = o.pbkdf_parallel {
+        k.parallel = p;
+    }
+    k.force_iterations = o.pbkdf_force_iterations;
+    Ok(k)
+}
+
+fn existing_source<'a>(o: &'a LuksOpts, positional: Option<&'a str>) -> Source<'a> {
+    Source {
+        key_file: o.key_file.as_deref().or(positional),
+        offset: o.keyfile_offset.unwrap_or(0),
+        size: o.keyfile_size,
+    }
+}
+
+fn new_source<'a>(o: &'a LuksOpts, positional: Option<&'a str>) -> Source<'a> {
+    Source {
+        key_file: positional,
+        offset: o.new_keyfile_offset.unwrap_or(0),
+        size: o.new_keyfile_size,
+    }
+}
+
+/// Unlocks with a passphrase from `src`, reading keyslot areas from the header device.
+fn unlock_with(
+    dev: &HeaderDev,
+    hdr: &Header,
+    src: &Source<'_>,
+    slot: Option<u32>,
+    prompt: &str,
+) -> Result<(u32, VolumeKey)> {
+    let p = pass::read_passphrase(src, prompt, false)?;
+    luks::unlock(hdr, p.as_ref(), slot, &mut |off, len| dev.read_at(off, len))
+}
+
+fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes> {
+    let raw = std::fs::read(path)
+        .map_err(|e| Error::io(format!("Cannot read volume key file {}", path.display()), e))?;
+    let s = SecretBytes::from_vec(raw);
+    if let Some(n) = bytes {
+        if s.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "volume key file {} has {} bytes, expected {n}",
+                path.display(),
+                s.len()
+            )));
+        }
+    }
+    Ok(s)
+}
+
+// ---------------------------------------------------------------- format
+
+fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    let version = match o.luks_type.as_deref().unwrap_or("luks2") {
+        "luks2" => 2,
+        "luks1" | "luks" => 1,
+        t => {
+            return Err(Error::InvalidArgument(format!(
+                "unsupported --type '{t}' (luks1, luks2)"
+            )))
+        }
+    };
+    let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
+    let key_bytes = match o.key_size {
+        Some(bits) if bits % 8 == 0 => bits as usize / 8,
+        Some(bits) => {
+            return Err(Error::InvalidArgument(format!(
+                "key size {bits} bits is not a multiple of 8"
+            )))
+        }
+        None => cipher.default_key_bytes(),
+    };
+    cipher.check_key_len(key_bytes)?;
+    let uuid = match &o.uuid {
+        Some(u) => {
+            util::check_uuid(u)?;
+            u.to_lowercase()
+        }
+        None => util::random_uuid()?,
+    };
+    let detached = o.header.is_some();
+    let data_dev = dev::DataDev::open(device, !detached)?;
+    let data_size = data_dev.size()?;
+    pass::confirm(
+        o.batch_mode,
+        &format!(
+            "This will overwrite data on {} irrevocably.",
+            header_path(device, o).display()
+        ),
+    )?;
+    let passphrase = pass::read_passphrase(
+        &existing_source(o, pos_key_file),
+        &format!("Enter passphrase for {}: ", device.display()),
+        true,
+    )?;
+    let vk_secret = match &o.volume_key_file {
+        Some(p) => read_volume_key_file(p, Some(key_bytes))?,
+        None => util::random_secret(key_bytes)?,
+    };
+    let kdf = kdf_request(o, version)?;
+    let mut ops: Vec<WriteOp> = Vec::new();
+    let (hdr_path, slot) = if version == 2 {
+        let mut f = luks2::FormatLuks2::defaults(uuid);
+        f.cipher = cipher;
+        f.key_bytes = key_bytes;
+        f.kdf = kdf.clone();
+        f.label = o.label.clone().unwrap_or_default();
+        f.subsystem = o.subsystem.clone().unwrap_or_default();
+        f.detached = detached;
+        if let Some(h) = o.luks2_metadata_size {
+            f.hdr_size = h;
+        }
+        let default_keyslots = (16u64 << 20) - 2 * f.hdr_size;
+        f.keyslots_size = o.luks2_keyslots_size.unwrap_or(default_keyslots);
+        let metadata_end = 2 * f.hdr_size + f.keyslots_size;
+        f.data_offset = match (o.offset, detached) {
+            (Some(s), _) => s * 512,
+            (None, true) => 0,
+            (None, false) => metadata_end.div_ceil(1 << 20) * (1 << 20),
+        };
+        if !detached && f.data_offset < metadata_end {
+            return Err(Error::InvalidArgument(format!(
+                "data offset {} is inside the LUKS2 metadata ({metadata_end} bytes)",
+                f.data_offset
+            )));
+        }
+        let data_bytes = data_size.saturating_sub(f.data_offset);
+        if data_bytes == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "Device {} is too small. (LUKS2 requires at least {} bytes.)",
+                device.display(),
+                f.data_offset + 4096
+            )));
+        }
+        f.sector_size = match o.sector_size {
+            Some(s) => SectorSize::new(s)?,
+            // cryptsetup picks 4096 when the data area allows it.
+            None if data_bytes % 4096 == 0 && f.data_offset % 4096 == 0 => SectorSize::S4096,
+            None => SectorSize::new(512)?,
+        };
+        let (mut hdr, vk) = luks2::format(&f, vk_secret)?;
+        ops.push(WriteOp::Zero {
+            offset: 0,
+            len: metadata_end,
+        });
+        let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), &kdf, o.key_slot, None)?;
+        ops.extend(add);
+        (header_path(device, o).to_path_buf(), slot)
+    } else {
+        if o.sector_size.is_some_and(|s| s != 512) {
+            return Err(Error::InvalidArgument(
+                "LUKS1 supports only 512-byte sectors".into(),
+            ));
+        }
+        let hash = kdf.hash;
+        let payload = match (o.offset, detached) {
+            (Some(s), _) => Some(
+                u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?,
+            ),
+            (None, true) => Some(0),
+            (None, false) => None,
+        };
+        let (mut hdr, vk) = luks1::format(cipher, hash, uuid, vk_secret, &kdf, payload)?;
+        let meta = Header::Luks1(hdr.clone()).metadata_area_bytes();
+        if !detached && data_size <= u64::from(hdr.payload_offset) * 512 {
+            return Err(Error::InvalidArgument(format!(
+                "Device {} is too small. (LUKS1 requires at least {} bytes.)",
+                device.display(),
+                u64::from(hdr.payload_offset) * 512 + 512
+            )));
+        }
+        ops.push(WriteOp::Zero {
+            offset: 0,
+            len: meta,
+        });
+        ops.push(WriteOp::Write {
+            offset: 0,
+            data: hdr.encode()?,
+        });
+        let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), &kdf, o.key_slot)?;
+        ops.extend(add);
+        (header_path(device, o).to_path_buf(), slot)
+    };
+    drop(data_dev);
+    let hdev = HeaderDev::open_or_create(&hdr_path)?;
+    hdev.apply(&ops)?;
+    if o.verbose {
+        eprintln!("Key slot {slot} created.");
+    }
+    Ok(0)
+}
+
+// ---------------------------------------------------------------- dump
+
+fn dump(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let (dev, hdr) = load(device, o, false)?;
+    let name = device.display().to_string();
+    if !o.dump_volume_key {
+        print!("{}", luks::dump(&hdr, &name, None));
+        return Ok(0);
+    }
+    pass::confirm(
+        o.batch_mode,
+        "Header dump with volume key is sensitive information\nthat allows access to encrypted partition without a passphrase.\nThis dump should be stored encrypted in a safe place.",
+    )?;
+    let (_, vk) = unlock_with(
+        &dev,
+        &hdr,
+        &existing_source(o, None),
+        o.key_slot,
+        &format!("Enter passphrase for {name}: "),
+    )?;
+    if let Some(p) = &o.volume_key_file {
+        dev::write_new_file(p, vk.bytes())?;
+        println!("Key stored to file {}.", p.display());
+    } else {
+        print!("{}", luks::dump(&hdr, &name, Some(&vk)));
+    }
+    Ok(0)
+}
+
+// ---------------------------------------------------------------- keys
+
+fn add_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    let (dev, mut hdr) = load(device, o, true)?;
+    hdr.check_requirements()?;
+    let vk = match &o.volume_key_file {
+        Some(p) => hdr.verify_key(read_volume_key_file(p, None)?)?,
+        None => {
+            unlock_with(
+                &dev,
+                &hdr,
+                &existing_source(o, None),
+                None,
+                "Enter any existing passphrase: ",
+            )?
+            .1
+        }
+    };
+    let newp = pass::read_passphrase(
+        &new_source(o, new_key_file),
+        "Enter new passphrase for key slot: ",
+        true,
+    )?;
+    let kdf = kdf_request(o, hdr.version())?;
+    let slot = o.new_key_slot.or(o.key_slot);
+    let (id, ops) = hdr.add_keyslot(&vk, newp.as_ref(), &kdf, slot)?;
+    dev.apply(&ops)?;
+    if o.verbose {
+        eprintln!("Key slot {id} created.");
+    }
+    Ok(0)
+}
+
+fn remove_key(device: &Path, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    let (dev, mut hdr) = load(device, o, true)?;
+    hdr.check_requirements()?;
+    let (slot, _) = unlock_with(
+        &dev,
+        &hdr,
+        &existing_source(o, key_file),
+        o.key_slot,
+        "Enter passphrase to be deleted: ",
+    )?;
+    if hdr.active_keyslots().len() == 1 {
+        pass::confirm(
+            o.batch_mode,
+            "This is the last keyslot. Device will become unusable after purging this key.",
+        )?;
+    }
+    let ops = hdr.remove_keyslot(slot)?;
+    dev.apply(&ops)?;
+    if o.verbose {
+        eprintln!("Key slot {slot} removed.");
+    }
+    Ok(0)
+}
+
+fn change_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    let (dev, mut hdr) = load(device, o, true)?;
+    hdr.check_requirements()?;
+    let (old, vk) = unlock_with(
+        &dev,
+        &hdr,
+        &existing_source(o, None),
+        o.key_slot,
+        "Enter passphrase to be changed: ",
+    )?;
+    let newp = pass::read_passphrase(&new_source(o, new_key_file), "Enter new passphrase: ", true)?;
+    let kdf = kdf_request(o, hdr.version())?;
+    // Write the new keyslot first, then remove the old one: a crash in between leaves both
+    // passphrases working, never neither.
+    let (new, ops) = match &mut hdr {
+        Header::Luks2(h) => h.change_keyslot(old, &vk, newp.as_ref(), &kdf)?,
+        Header::Luks1(_) => {
+            let (new, mut ops) = hdr.add_keyslot(&vk, newp.as_ref(), &kdf, None)?;
+            ops.extend(hdr.remove_keyslot(old)?);
+            (new, ops)
+        }
+    };
+    dev.apply(&ops)?;
+    if o.verbose {
+        eprintln!("Key slot {old} changed (now {new}).");
+    }
+    Ok(0)
+}
+
+fn kill_slot(device: &Path, slot: u32, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    let (dev, mut hdr) = load(device, o, true)?;
+    hdr.check_requirements()?;
+    if !hdr.active_keyslots().contains(&slot) {
+        return Err(Error::Keyslot {
+            slot,
+            reason: "Keyslot is not active.".into(),
+        });
+    }
+    // Like cryptsetup: without --batch-mode, prove knowledge of a remaining passphrase.
+    if !o.batch_mode || key_file.is_some() || o.key_file.is_some() {
+        unlock_with(
+            &dev,
+            &hdr,
+            &existing_source(o, key_file),
+            None,
+            "Enter any remaining passphrase: ",
+        )?;
+    }
+    if hdr.active_keyslots().len() == 1 {
+        pass::confirm(
+            o.batch_mode,
+            "This is the last keyslot. Device will become unusable after purging this key.",
+        )?;
+    }
+    dev.apply(&hdr.remove_keyslot(slot)?)?;
+    Ok(0)
+}
+
+// ---------------------------------------------------------------- header files
+
+fn header_backup(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let file = o
+        .header_backup_file
+        .as_deref()
+        .ok_or_else(|| Error::InvalidArgument("--header-backup-file is required".into()))?;
+    let (dev, hdr) = load(device, o, false)?;
+    let len = hdr.metadata_area_bytes();
+    let bytes = dev.read_at(0, len)?;
+    dev::write_new_file(file, &bytes)?;
+    Ok(0)
+}
+
+fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let file = o
+        .header_backup_file
+        .as_deref()
+        .ok_or_else(|| Error::InvalidArgument("--header-backup-file is required".into()))?;
+    let backup = HeaderDev::open(file, false)?;
+    let bhdr = backup.read_header().map_err(|e| {
+        Error::InvalidArgument(format!(
+            "Backup file doesn't contain valid LUKS header ({e})."
+        ))
+    })?;
+    bhdr.check_requirements()?;
+    let len = bhdr.metadata_area_bytes();
+    let bytes = backup.read_at(0, len)?;
+    let target = header_path(device, o);
+    let dev = HeaderDev::open(target, true)?;
+    let existing = dev.read_header().ok();
+    if let Some(cur) = &existing {
+        if cur.metadata_area_bytes() != len
+            || cur.data_layout().ok().map(|l| l.offset_bytes)
+                != bhdr.data_layout().ok().map(|l| l.offset_bytes)
+        {
+            return Err(Error::InvalidArgument(
+                "Data offset or header size differ on device and backup, restore failed.".into(),
+            ));
+        }
+    }
+    let msg = match &existing {
+        Some(cur) if cur.uuid() != bhdr.uuid() => format!(
+            "Device {} already contains LUKS header. Replacing header will destroy existing keyslots.\nWARNING: real device header has different UUID than backup!",
+            target.display()
+        ),
+        Some(_) => format!(
+            "Device {} already contains LUKS header. Replacing header will destroy existing keyslots.",
+            target.display()
+        ),
+        None => format!(
+            "Device {} does not contain LUKS header. Replacing header can destroy data on that device.",
+            target.display()
+        ),
+    };
+    pass::confirm(o.batch_mode, &msg)?;
+    dev.apply(&[
+        WriteOp::Write {
+            offset: 0,
+            data: bytes,
+        },
+        WriteOp::Sync,
+    ])?;
+    Ok(0)
+}
+
+fn uuid(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let writable = o.uuid.is_some();
+    let (dev, mut hdr) = load(device, o, writable)?;
+    let Some(new) = &o.uuid else {
+        println!("{}", hdr.uuid());
+        return Ok(0);
+    };
+    hdr.check_requirements()?;
+    util::check_uuid(new)?;
+    let ops = match &mut hdr {
+        Header::Luks1(h) => {
+            h.uuid = new.to_lowercase();
+            vec![
+                WriteOp::Write {
+                    offset: 0,
+                    data: h.encode()?,
+                },
+                WriteOp::Sync,
+            ]
+        }
+        Header::Luks2(h) => {
+            h.bin.uuid = new.to_lowercase();
+            h.commit()?
+        }
+    };
+    dev.apply(&ops)?;
+    Ok(0)
+}
+
+fn is_luks(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let dev = match HeaderDev::open(header_path(device, o), false) {
+        Ok(d) => d,
+        Err(e) => {
+            if o.verbose {
+                eprintln!("{e}");
+            }
+            return Ok(4);
+        }
+    };
+    let res = dev.read_header();
+    let ok = match (&res, o.luks_type.as_deref()) {
+        (Ok(h), Some("luks1")) => h.version() == 1,
+        (Ok(h), Some("luks2")) => h.version() == 2,
+        (Ok(_), _) => true,
+        (Err(_), _) => false,
+    };
+    if o.verbose {
+        match &res {
+            Ok(_) if ok => eprintln!("Command successful."),
+            _ => eprintln!("Device {} is not a valid LUKS device.", device.display()),
+        }
+    }
+    Ok(if ok { 0 } else { 1 })
+}
+
+fn open(device: &Path, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    if !o.test_passphrase {
+        return Err(Error::InvalidArgument(
+            "ucrypt cannot create device-mapper devices; use 'open --test-passphrase', or serve the volume with ucrypt's NBD/FUSE front ends".into(),
+        ));
+    }
+    let (dev, hdr) = load(device, o, false)?;
+    hdr.check_requirements()?;
+    let (slot, _vk) = unlock_with(
+        &dev,
+        &hdr,
+        &existing_source(o, None),
+        o.key_slot,
+        &format!("Enter passphrase for {}: ", device.display()),
+    )?;
+    if o.verbose {
+        eprintln!("Key slot {slot} unlocked.");
+    }
+    Ok(0)
+}
+
+/// The flags named on the command line, in cryptsetup's on-disk spelling.
+fn requested_flags(o: &LuksOpts) -> Vec<String> {
+    let mut f = Vec::new();
+    let pairs = [
+        (o.allow_discards, "allow-discards"),
+        (o.perf_same_cpu_crypt, "same-cpu-crypt"),
+        (o.perf_submit_from_crypt_cpus, "submit-from-crypt-cpus"),
+        (o.perf_no_read_workqueue, "no-read-workqueue"),
+        (o.perf_no_write_workqueue, "no-write-workqueue"),
+        (o.perf_high_priority, "high_priority"),
+    ];
+    for (on, name) in pairs {
+        if on {
+            f.push(name.to_string());
+        }
+    }
+    f
+}
+
+fn config(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let (dev, mut hdr) = load(device, o, true)?;
+    hdr.check_requirements()?;
+    let Header::Luks2(h) = &mut hdr else {
+        return Err(Error::InvalidArgument(
+            "config needs a LUKS2 header (LUKS1 has no labels, priorities or flags)".into(),
+        ));
+    };
+    let mut changed = false;
+    if let Some(l) = &o.label {
+        h.bin.label = l.clone();
+        changed = true;
+    }
+    if let Some(s) = &o.subsystem {
+        h.bin.subsystem = s.clone();
+        changed = true;
+    }
+    if let Some(p) = &o.priority {
+        let slot = o
+            .key_slot
+            .ok_or_else(|| Error::InvalidArgument("--priority needs --key-slot".into()))?;
+        let v = match p.as_str() {
+            "prefer" => Some(2),
+            "normal" => None,
+            "ignore" => Some(0),
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "priority '{other}' (prefer, normal, ignore)"
+                )))
+            }
+        };
+        let ks = h
+            .meta
+            .keyslots
+            .get_mut(&slot.to_string())
+            .ok_or(Error::Keyslot {
+                slot,
+                reason: "keyslot is not in use".into(),
+            })?;
+        ks.priority = v;
+        changed = true;
+    }
+    if o.persistent {
+        // Replace the known flags, keep unknown ones (a newer cryptsetup's).
+        let mut flags: Vec<String> = h
+            .flags()
+            .into_iter()
+            .filter(|f| !json::KNOWN_FLAGS.contains(&f.as_str()))
+            .collect();
+        flags.extend(requested_flags(o));
+        h.meta.config.flags = if flags.is_empty() { None } else { Some(flags) };
+        changed = true;
+    }
+    if !changed {
+        println!("Flags: {}", h.flags().join(" "));
+        return Ok(0);
+    }
+    dev.apply(&h.commit()?)?;
+    Ok(0)
+}
+
+fn repair(device: &Path, o: &LuksOpts) -> Result<i32> {
+    let (dev, mut hdr) = load(device, o, true)?;
+    match &mut hdr {
+        Header::Luks2(h) => {
+            if h.repair.is_none() {
+                if o.verbose {
+                    eprintln!("No known problems detected for LUKS header.");
+                }
+                return Ok(0);
+            }
+            hdr.check_requirements()?;
+            let Header::Luks2(h) = &mut hdr else {
+                return Err(Error::Bug("header changed type"));
+            };
+            dev.apply(&h.repair_plan()?)?;
+            eprintln!("LUKS2 header repaired.");
+        }
+        Header::Luks1(_) => {
+            if o.verbose {
+                eprintln!("No known problems detected for LUKS header.");
+            }
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,170 @@
+//! Passphrases and key files, read the way cryptsetup reads them:
+//! - `--key-file F`: the file's bytes (after `--keyfile-offset`, at most `--keyfile-size`);
+//!   `-` reads standard input the same way (binary, newlines included);
+//! - no key file, stdin a terminal: a prompt without echo (asked twice when creating);
+//! - no key file, stdin not a terminal: one line of standard input, newline stripped.
+
+use std::io::{Read, Write};
+
+use ucrypt::{Error, Result, SecretBytes};
+
+/// cryptsetup's default maximum key file size (8 MiB).
+pub const KEYFILE_BYTES_MAX: u64 = 8 << 20;
+/// Longest passphrase read from a prompt or a line of stdin.
+pub const PASSPHRASE_BYTES_MAX: usize = 512;
+
+pub fn stdin_is_tty() -> bool {
+    // SAFETY: isatty only inspects the descriptor.
+    unsafe { libc::isatty(0) == 1 }
+}
+
+pub fn stderr_is_tty() -> bool {
+    // SAFETY: as above.
+    unsafe { libc::isatty(2) == 1 }
+}
+
+/// Reads a key file (or stdin for "-") with cryptsetup's offset/size semantics.
+pub fn read_key_file(path: &str, offset: u64, size: Option<u64>) -> Result<SecretBytes> {
+    let limit = size.unwrap_or(KEYFILE_BYTES_MAX).min(KEYFILE_BYTES_MAX);
+    let mut raw = Vec::new();
+    let res = if path == "-" {
+        std::io::stdin()
+            .lock()
+            .take(offset + limit)
+            .read_to_end(&mut raw)
+    } else {
+        std::fs::File::open(path)
+            .map_err(|e| Error::io(format!("Failed to open key file {path}"), e))?
+            .take(offset + limit)
+            .read_to_end(&mut raw)
+    };
+    let secret = SecretBytes::from_vec(raw);
+    res.map_err(|e| Error::io(format!("reading key file {path}"), e))?;
+    let data = secret.as_ref();
+    if (data.len() as u64) < offset {
+        return Err(Error::InvalidArgument(format!(
+            "cannot seek to requested keyfile offset {offset} in {path}"
+        )));
+    }
+    let rest = &data[offset as usize..];
+    if let Some(n) = size {
+        if (rest.len() as u64) < n {
+            return Err(Error::InvalidArgument(format!(
+                "cannot read {n} bytes from key file {path}"
+            )));
+        }
+    }
+    if rest.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "nothing to read from key file {path}"
+        )));
+    }
+    Ok(SecretBytes::from_slice(rest))
+}
+
+/// One line from stdin without buffering past the newline (a later read gets the next line).
+fn read_stdin_line() -> Result<SecretBytes> {
+    let mut line = SecretBytes::zeroed(PASSPHRASE_BYTES_MAX);
+    let mut n = 0usize;
+    let mut byte = [0u8; 1];
+    loop {
+        // SAFETY: reading one byte into a valid one-byte buffer.
+        let r = unsafe { libc::read(0, byte.as_mut_ptr().cast(), 1) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("reading passphrase from standard input", e));
+        }
+        if r == 0 || byte[0] == b'\n' {
+            break;
+        }
+        if n == PASSPHRASE_BYTES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "passphrase longer than {PASSPHRASE_BYTES_MAX} bytes"
+            )));
+        }
+        line.as_mut()[n] = byte[0];
+        n += 1;
+    }
+    Ok(line.slice(0..n))
+}
+
+/// Terminal echo off while reading; restored on drop (also on error).
+struct NoEcho {
+    saved: Option<libc::termios>,
+}
+
+impl NoEcho {
+    fn new() -> Self {
+        // SAFETY: termios is plain data; tcgetattr fills it or fails.
+        let mut t: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: fd 0 and a valid termios pointer.
+        if unsafe { libc::tcgetattr(0, &mut t) } != 0 {
+            return NoEcho { saved: None };
+        }
+        let saved = t;
+        t.c_lflag &= !libc::ECHO;
+        t.c_lflag |= libc::ECHONL;
+        // SAFETY: as above.
+        unsafe { libc::tcsetattr(0, libc::TCSAFLUSH, &t) };
+        NoEcho { saved: Some(saved) }
+    }
+}
+
+impl Drop for NoEcho {
+    fn drop(&mut self) {
+        if let Some(t) = self.saved {
+            // SAFETY: restoring the attributes read in new().
+            unsafe { libc::tcsetattr(0, libc::TCSAFLUSH, &t) };
+        }
+    }
+}
+
+fn prompt(text: &str) -> Result<SecretBytes> {
+    eprint!("{text}");
+    let _ = std::io::stderr().flush();
+    let _guard = NoEcho::new();
+    read_stdin_line()
+}
+
+/// Where a passphrase comes from.
+pub struct Source<'a> {
+    pub key_file: Option<&'a str>,
+    pub offset: u64,
+    pub size: Option<u64>,
+}
+
+/// Reads a passphrase. `verify` asks twice on a terminal (for new passphrases).
+pub fn read_passphrase(src: &Source<'_>, prompt_text: &str, verify: bool) -> Result<SecretBytes> {
+    if let Some(f) = src.key_file {
+        return read_key_file(f, src.offset, src.size);
+    }
+    if !stdin_is_tty() {
+        return read_stdin_line();
+    }
+    let p = prompt(prompt_text)?;
+    if verify {
+        let again = prompt("Verify passphrase: ")?;
+        if !again.ct_eq(p.as_ref()) {
+            return Err(Error::InvalidArgument("Passphrases do not match.".into()));
+        }
+    }
+    Ok(p)
+}
+
+/// cryptsetup's confirmation: the answer must be "YES". Batch mode skips it.
+pub fn confirm(batch: bool, message: &str) -> Result<()> {
+    if batch {
+        return Ok(());
+    }
+    eprint!("\nWARNING!\n========\n{message}\n\nAre you sure? (Type 'yes' in capital letters): ");
+    let _ = std::io::stderr().flush();
+    let answer = read_stdin_line()?;
+    if answer.as_ref() == b"YES" {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument("Operation aborted.".into()))
+    }
+}
