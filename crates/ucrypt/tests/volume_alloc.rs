@@ -107,8 +107,10 @@ fn steady_state_io_does_not_allocate() {
                 "{kind:?} {policy}: {n} allocations in 10,003 I/Os ({} split)",
                 stats.split
             ));
+            // `parallel` must have exercised the hand-off path (auto's threshold is calibrated
+            // at start-up and may exceed these sizes on a loaded machine).
             assert!(
-                policy == Policy::Inline || stats.split > 0,
+                policy != Policy::Parallel || stats.split > 0,
                 "{policy}: nothing was split"
             );
         }

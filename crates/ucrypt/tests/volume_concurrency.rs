@@ -222,3 +222,48 @@ fn tiny_pool_big_requests_no_deadlock() {
         }
     }
 }
+
+/// The engine benchmark's 12-job mix (256 KiB random reads and writes) under every splitting
+/// policy: callers hand chunks to the workers and take back unstarted ones, hard, for a while.
+/// Regression: this once hung when taken-back chunks filled the job queue with tombstones.
+#[test]
+fn many_callers_splitting_requests_no_deadlock() {
+    let base = seed(12);
+    for policy in [
+        Policy::Parallel,
+        Policy::Ordered,
+        Policy::Auto,
+        Policy::Queued,
+    ] {
+        let r = rig(RigCfg {
+            policy,
+            size: 16 << 20,
+            pool_bytes: 2 << 20,
+            seed: base,
+            ..RigCfg::default()
+        });
+        let vol = r.vol.clone();
+        with_deadline(format!("{policy}"), 120, move || {
+            let threads: Vec<_> = (0..12u64)
+                .map(|t| {
+                    let vol = vol.clone();
+                    std::thread::spawn(move || {
+                        let mut rng = StdRng::seed_from_u64(base ^ t);
+                        let mut buf = vec![t as u8; 256 << 10];
+                        for _ in 0..150 {
+                            let off = rng.random_range(0..64u64) * (256 << 10);
+                            if rng.random_bool(0.5) {
+                                vol.read_at(&mut buf, off).unwrap();
+                            } else {
+                                vol.write_at(&buf, off).unwrap();
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+        });
+    }
+}

@@ -73,11 +73,13 @@ impl<T> BoundedQueue<T> {
     pub fn pop(&self) -> Option<T> {
         let mut r = self.lock();
         loop {
+            let mut freed = false;
             while r.len > 0 {
                 let head = r.head;
                 let item = r.slots[head].take();
                 r.head = (head + 1) % r.slots.len();
                 r.len -= 1;
+                freed = true;
                 // An empty slot is a tombstone left by `steal`: skip it.
                 if item.is_some() {
                     self.mirror(&r);
@@ -87,6 +89,10 @@ impl<T> BoundedQueue<T> {
                 }
             }
             self.mirror(&r);
+            if freed {
+                // Skipped tombstones freed room: producers may be waiting for it.
+                self.not_full.notify_all();
+            }
             if r.closed {
                 return None;
             }
@@ -106,7 +112,16 @@ impl<T> BoundedQueue<T> {
         for i in 0..r.len {
             let at = (r.head + i) % cap;
             if r.slots[at].as_ref().is_some_and(&pred) {
-                return r.slots[at].take();
+                let item = r.slots[at].take();
+                if i + 1 == r.len {
+                    // The newest item (the usual case: a caller taking back what it just
+                    // queued): shrink instead of leaving a tombstone.
+                    r.len -= 1;
+                    self.mirror(&r);
+                    drop(r);
+                    self.not_full.notify_one();
+                }
+                return item;
             }
         }
         None
@@ -118,20 +133,24 @@ impl<T> BoundedQueue<T> {
         let mut r = self.lock();
         loop {
             let mut n = 0;
+            let mut freed = false;
             while r.len > 0 && n < out.len() {
                 let head = r.head;
                 let item = r.slots[head].take();
                 r.head = (head + 1) % r.slots.len();
                 r.len -= 1;
+                freed = true;
                 if item.is_some() {
                     out[n] = item;
                     n += 1;
                 }
             }
             self.mirror(&r);
-            if n > 0 {
-                drop(r);
+            if freed {
+                // Room was freed (items or tombstones): wake waiting producers.
                 self.not_full.notify_all();
+            }
+            if n > 0 {
                 return n;
             }
             if r.closed {
@@ -183,6 +202,39 @@ mod tests {
         q.close();
         assert_eq!(q.push(7), Err(7));
         assert_eq!(c.join().unwrap(), (0..100).collect::<Vec<_>>());
+    }
+
+    /// Regression: a full queue of tombstones drained by a consumer must wake the producer
+    /// waiting for room (it once did not, and the engine benchmark hung).
+    #[test]
+    fn draining_tombstones_wakes_producers() {
+        let q = Arc::new(BoundedQueue::new(2));
+        q.push(1).unwrap();
+        q.push(2).unwrap();
+        assert_eq!(q.steal(|_| true), Some(1));
+        assert_eq!(q.steal(|_| true), Some(2));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                q.push(3).unwrap();
+                q.push(4).unwrap();
+                q.push(5).unwrap();
+            })
+        };
+        let c = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                let got: Vec<_> = (0..3).map(|_| q.pop().unwrap()).collect();
+                let _ = tx.send(got);
+            })
+        };
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("producer and consumer deadlocked");
+        assert_eq!(got, vec![3, 4, 5]);
+        p.join().unwrap();
+        c.join().unwrap();
     }
 
     #[test]

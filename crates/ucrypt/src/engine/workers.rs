@@ -71,6 +71,17 @@ impl Completion {
     }
 }
 
+impl Drop for Completion {
+    /// Waits for every pending part even if the caller is unwinding from a panic: workers hold
+    /// pointers to this completion (and to the caller's buffers) until they call `done`.
+    fn drop(&mut self) {
+        let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        while s.remaining > 0 {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 /// A pointer to a caller's stack `Completion`, sendable to a worker.
 #[derive(Clone, Copy)]
 pub struct DoneRef(pub *const Completion);
