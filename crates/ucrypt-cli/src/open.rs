@@ -39,6 +39,21 @@ pub struct VolumeArgs {
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
+    /// LUKS: passphrase from this file ("-" = stdin); without it, a prompt (or a line of stdin).
+    #[arg(long)]
+    pub key_file: Option<String>,
+    /// LUKS: skip this many bytes of the key file.
+    #[arg(long)]
+    pub keyfile_offset: Option<u64>,
+    /// LUKS: read at most this many bytes of the key file.
+    #[arg(long)]
+    pub keyfile_size: Option<u64>,
+    /// LUKS: try only this keyslot.
+    #[arg(long)]
+    pub key_slot: Option<u32>,
+    /// LUKS: detached header file.
+    #[arg(long)]
+    pub header: Option<PathBuf>,
     /// Open read-only.
     #[arg(long)]
     pub read_only: bool,
@@ -70,10 +85,18 @@ impl VolumeArgs {
     pub fn open(&self) -> Result<Arc<dyn BlockDev>, String> {
         let policy = self.policy()?;
         let Some(cipher) = &self.cipher else {
-            return Err(format!(
-                "{}: LUKS volumes are not supported by this build yet; give --cipher and --volume-key-file for a raw volume",
-                self.volume.display()
-            ));
+            // No --cipher: a LUKS volume (header on the device or --header).
+            let o = crate::luks_cli::LuksOpts {
+                key_file: self.key_file.clone(),
+                keyfile_offset: self.keyfile_offset,
+                keyfile_size: self.keyfile_size,
+                key_slot: self.key_slot,
+                header: self.header.clone(),
+                volume_key_file: self.volume_key_file.clone(),
+                ..Default::default()
+            };
+            return crate::luks_cli::open_luks_blockdev(&self.volume, &o, !self.read_only, policy)
+                .map_err(|e| format!("{}: {e}", self.volume.display()));
         };
         let spec: CipherSpec = cipher.parse().map_err(|e: ucrypt::Error| e.to_string())?;
         let key = read_volume_key(
