@@ -605,6 +605,18 @@ fn header_verbs_interoperate() {
             .code(),
         Some(4)
     );
+    // Wrong parameters: exit 1 like cryptsetup (not clap's 2, which means a bad passphrase).
+    let code = |args: &[&str]| run(UCRYPT, args).status.code();
+    assert_eq!(code(&["luksFormat"]), Some(1));
+    assert_eq!(code(&["luksDump", "--no-such-option", s(&img)]), Some(1));
+    let bad_cipher = [
+        "luksFormat",
+        "-q",
+        "--cipher",
+        "serpent-xts-plain64",
+        s(&plain),
+    ];
+    assert_eq!(code(&bad_cipher), Some(1));
     // uuid
     ok(
         UCRYPT,

@@ -1,7 +1,6 @@
 //! Keyslot key derivation: PBKDF2 (sha1/sha256/sha512), Argon2i and Argon2id, with cost
 //! calibration the way cryptsetup does it (target time, bounded memory).
 
-
 use super::util::HashAlg;
 use crate::{Error, Result, SecretBytes};
 
