@@ -5,6 +5,7 @@
 mod bench;
 mod luks_cli;
 mod mount;
+mod nbd_server;
 mod open;
 mod ublk;
 
@@ -28,6 +29,8 @@ enum Cmd {
     /// LUKS verbs (cryptsetup spellings accepted as aliases).
     #[command(flatten)]
     Luks(Box<luks_cli::LuksCmd>),
+    /// Serve volumes to NBD clients (qemu, nbd-client, libnbd tools, fio).
+    Serve(Box<nbd_server::ServeArgs>),
     /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
     Ublk {
         #[command(flatten)]
@@ -52,6 +55,7 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),
+        Cmd::Serve(a) => nbd_server::run_serve(*a),
         Cmd::Ublk { volume, queues } => {
             let mut opts = ublk::UblkOptions::default();
             if let Some(q) = queues {

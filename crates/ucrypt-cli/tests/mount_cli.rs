@@ -163,7 +163,8 @@ fn mount_cli_raw_mode_end_to_end() {
 
     let file = tmp.join("plain");
     std::fs::write(&file, b"").expect("mount point");
-    let off = DATA_OFFSET.to_string();
+    // --offset counts 512-byte sectors, like cryptsetup plain.
+    let off = (DATA_OFFSET / 512).to_string();
     let raw = [
         "--cipher",
         "aes-xts-plain64",

@@ -52,6 +52,17 @@ for i in $(seq 1 150); do grep -q '^ready: ' /tmp/ublk.out && break; sleep 0.2; 
 cat /tmp/ublk.out
 dev=$(sed -n 's/^ready: //p' /tmp/ublk.out)
 [ -b "$dev" ] || { echo "no ublk device"; exit 10; }
+q=/sys/block/${dev#/dev/}/queue
+echo "limits: lbs=$(cat $q/logical_block_size) queues=$(ls /sys/block/${dev#/dev/}/mq | wc -l) cpus=$(nproc) fua=$(cat $q/fua) cache=$(cat $q/write_cache) discard_max=$(cat $q/discard_max_bytes) wz_max=$(cat $q/write_zeroes_max_bytes)"
+[ "$(cat $q/logical_block_size)" = 4096 ] && echo "LBS-IS-SECTOR-SIZE"
+[ "$(ls /sys/block/${dev#/dev/}/mq | wc -l)" = "$(nproc)" ] && echo "QUEUE-PER-CPU"
+[ "$(cat $q/fua)" = 1 ] && [ "$(cat $q/write_cache)" = "write back" ] && echo "FLUSH-FUA"
+# util-linux blkdiscard by full path: busybox's applet (no -z) shadows PATH in busybox sh.
+dd if=/dev/zero of=/tmp/zero bs=65536 count=16 2>/dev/null
+dd if=/dev/urandom of="$dev" bs=65536 count=16 oflag=direct 2>/dev/null
+/usr/local/sbin/blkdiscard -z -o 0 -l 1048576 "$dev"
+dd if="$dev" bs=65536 count=16 iflag=direct 2>/dev/null | cmp -s - /tmp/zero && echo "WRITE-ZEROES-READ-ZERO"
+/usr/local/sbin/blkdiscard "$dev" && echo "DISCARD-OK"
 mkfs.ext4 -q -F "$dev"
 mkdir -p /m && mount "$dev" /m
 echo hello-from-ublk > /m/hello
@@ -109,6 +120,11 @@ fn ublk_device_filesystem_read_back_by_kernel_dm_crypt() {
     run.modroot = Some(modroot);
     let out = run.run(&tmp.0);
     for marker in [
+        "LBS-IS-SECTOR-SIZE",
+        "QUEUE-PER-CPU",
+        "FLUSH-FUA",
+        "WRITE-ZEROES-READ-ZERO",
+        "DISCARD-OK",
         "UCRYPT-EXIT-0",
         "DEVICE-REMOVED",
         "DMCRYPT-READS-FILE",

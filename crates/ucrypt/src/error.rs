@@ -61,6 +61,10 @@ pub enum Error {
     #[error("keyslot {slot}: {reason}")]
     Keyslot { slot: u32, reason: String },
 
+    // ---- bad data from the network ----
+    #[error("NBD protocol violation by the client: {0}")]
+    NbdProtocol(String),
+
     // ---- the crypto library ----
     #[error("cipher library call {call} failed")]
     CipherLibrary { call: &'static str },

@@ -14,6 +14,7 @@ pub mod blockdev;
 pub mod engine;
 pub mod error;
 pub mod luks;
+pub mod nbd;
 pub mod pool;
 pub mod secret;
 pub mod sector;

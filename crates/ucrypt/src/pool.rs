@@ -10,8 +10,10 @@
 //! - Waiters are served first come, first served (a ticket queue): a big request is not starved
 //!   by a stream of small ones, and since every holder releases without waiting for anything
 //!   else, the head of the queue is always eventually served.
-//! - Grants are zeroised on release (they held ciphertext or plaintext), so a fresh grant is
-//!   always all zeroes; the write-zeroes path relies on that.
+//! - Grants are zeroised on release, unless their holder declared that they only ever held
+//!   ciphertext ([`Grant::held_only_ciphertext`]: it is on the disk anyway, and wiping 1 MiB
+//!   costs a third of encrypting it). So a fresh grant holds zeroes or old ciphertext, never
+//!   plaintext; nobody may assume it is zero.
 //!
 //! The arena is page-aligned (O_DIRECT), locked in memory and excluded from core dumps where the
 //! kernel allows (best effort, like secrets).
@@ -56,6 +58,7 @@ pub struct Grant<'a> {
     first_page: usize,
     pages: usize,
     len: usize,
+    wipe: bool,
 }
 
 impl BufferPool {
@@ -101,7 +104,8 @@ impl BufferPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes `len` bytes (rounded up to pages) as one contiguous, zero-filled buffer, waiting
+    /// Takes `len` bytes (rounded up to pages) as one contiguous buffer (holding zeroes or old
+    /// ciphertext, never old plaintext), waiting
     /// in line while the pool is short. `len` must be at most [`Self::capacity`].
     pub fn take(&self, len: usize) -> Result<Grant<'_>> {
         let pages = len.div_ceil(POOL_PAGE_BYTES).max(1);
@@ -129,6 +133,7 @@ impl BufferPool {
                         first_page: first,
                         pages,
                         len,
+                        wipe: true,
                     });
                 }
             }
@@ -206,6 +211,12 @@ impl Grant<'_> {
         }
     }
 
+    /// The holder promises this buffer never held plaintext (e.g. it only received the output
+    /// of a successful `encrypt_to`): it need not be wiped on release.
+    pub fn held_only_ciphertext(&mut self) {
+        self.wipe = false;
+    }
+
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         let len = self.len;
         // SAFETY: these pages belong to this grant alone until it is dropped.
@@ -217,7 +228,9 @@ impl Drop for Grant<'_> {
     fn drop(&mut self) {
         // Zeroise what this grant could have written. A plain memset cannot be optimised away:
         // the pool keeps the memory alive and later hands it out again.
-        self.as_mut_slice().fill(0);
+        if self.wipe {
+            self.as_mut_slice().fill(0);
+        }
         let mut st = self.pool.lock();
         for p in self.first_page..self.first_page + self.pages {
             st.used[p / 64] &= !(1 << (p % 64));

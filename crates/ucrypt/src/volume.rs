@@ -13,8 +13,14 @@
 //! A write is the mirror image (`write_piece`): lock the sectors, take a bounce buffer, fill in
 //! partial edge sectors (read-modify-write), encrypt into the bounce buffer, backend write.
 //! The caller's buffer is never modified.
+//!
+//! The file reads top-down: configuration and the small types a request carries, then
+//! **the data path** (`BlockDev` entry points, `read`/`read_piece`, `write`/`write_piece`,
+//! `discard`), then construction (threads, calibration), then the **drivers** that run a task
+//! inline, split among workers (`run_split`), in submission order, or through the `queued`
+//! model's worker queue and writer thread.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -163,6 +169,15 @@ impl Drop for Turn<'_> {
     }
 }
 
+/// Counts a big request of the `auto` policy while it runs.
+struct BigGuard<'a>(&'a AtomicU32);
+
+impl Drop for BigGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 /// The state shared by the volume's callers and its threads.
 pub struct Core {
     backend: Arc<dyn Backend>,
@@ -174,6 +189,8 @@ pub struct Core {
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
+    /// `auto` requests at or above the threshold running now.
+    big_inflight: AtomicU32,
     policy: AtomicU8,
     pool: BufferPool,
     locks: RangeLock,
@@ -196,6 +213,219 @@ enum Source<'a> {
     Buf(&'a [u8]),
     Zeroes,
 }
+
+// ================================================================ the data path
+
+impl BlockDev for Volume {
+    fn size(&self) -> u64 {
+        self.core.size
+    }
+
+    fn block_size(&self) -> u32 {
+        1 << self.core.shift
+    }
+
+    fn read_only(&self) -> bool {
+        self.core.read_only
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.core.read(buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.core
+            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64)
+    }
+
+    fn flush(&self) -> Result<()> {
+        // Every acknowledged write has reached the backend (all policies acknowledge after the
+        // backend write), so syncing the backend makes them durable.
+        self.core.backend.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.core.discard(offset, len)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.core
+            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
+    }
+}
+
+impl Core {
+    // ---------------------------------------------------------------- reads
+
+    fn read_piece(&self, plan: &Plan, piece: &Piece, out: &mut [u8], t: &mut Times) -> Result<()> {
+        let bytes = (piece.sectors.len() << self.shift) as usize;
+        let dst = &mut out[piece.buf_off..piece.buf_off + piece.buf_len];
+        // Straight into the caller's buffer when it holds whole sectors at an address the
+        // backend accepts: no bounce buffer, no copy.
+        let in_place = piece.aligned() && (dst.as_ptr() as usize) % self.mem_align == 0;
+        if in_place {
+            let task = Task {
+                write: false,
+                sectors: piece.sectors,
+                buf: dst.as_mut_ptr(),
+                src: std::ptr::null(),
+                io: true,
+            };
+            return self.run(plan, piece, task, t);
+        }
+        let t0 = t.clock();
+        let mut g = self.pool.take(bytes)?;
+        t.wait += t.clock().wrapping_sub(t0);
+        let task = Task {
+            write: false,
+            sectors: piece.sectors,
+            buf: g.as_mut_ptr(),
+            src: std::ptr::null(),
+            io: true,
+        };
+        self.run(plan, piece, task, t)?;
+        dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
+        Ok(())
+    }
+
+    fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
+        let mut t = Times::start();
+        self.check(offset, out.len() as u64)?;
+        let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
+        let mut r = Ok(());
+        for piece in plan.pieces() {
+            r = self.read_piece(&plan, &piece, out, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let split = plan.dispatch.splits();
+        self.stats
+            .record(Kind::Read, out.len() as u64, &t, split, false);
+        r
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    /// Reads and decrypts one sector into `dst` (the edge of a read-modify-write).
+    fn read_sector_plain(&self, sector: u64, dst: &mut [u8], t: &mut Times) -> Result<()> {
+        let task = Task {
+            write: false,
+            sectors: SectorRange {
+                first: sector,
+                end: sector + 1,
+            },
+            buf: dst.as_mut_ptr(),
+            src: std::ptr::null(),
+            io: true,
+        };
+        self.exec_task(None, &task, t)
+    }
+
+    fn write_piece(
+        &self,
+        plan: &Plan,
+        piece: &Piece,
+        src: Source<'_>,
+        t: &mut Times,
+    ) -> Result<()> {
+        let ss = 1usize << self.shift;
+        let bytes = (piece.sectors.len() << self.shift) as usize;
+        let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
+        if self.null_cipher && unordered && piece.aligned() && matches!(src, Source::Zeroes) {
+            // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
+            let t0 = t.clock();
+            let r = self
+                .backend
+                .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
+            t.backend += t.clock().wrapping_sub(t0);
+            return r;
+        }
+        let t0 = t.clock();
+        let mut g = self.pool.take(bytes)?;
+        t.wait += t.clock().wrapping_sub(t0);
+        let plain_src = match src {
+            Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
+            _ => {
+                // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
+                // sectors, then the new data (or zeroes), then is encrypted in place.
+                let b = g.as_mut_slice();
+                if piece.partial_first {
+                    self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
+                }
+                if piece.partial_last {
+                    self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
+                }
+                let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
+                match src {
+                    Source::Buf(s) => {
+                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
+                    }
+                    Source::Zeroes => dst.fill(0),
+                }
+                std::ptr::null()
+            }
+        };
+        let task = Task {
+            write: true,
+            sectors: piece.sectors,
+            buf: g.as_mut_ptr(),
+            src: plain_src,
+            io: true,
+        };
+        self.run(plan, piece, task, t)?;
+        if !plain_src.is_null() && !self.null_cipher {
+            // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
+            g.held_only_ciphertext();
+        }
+        Ok(())
+    }
+
+    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
+        let mut t = Times::start();
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let (plan, _big) = self.plan(op, offset, len);
+        let t0 = t.clock();
+        let _lock = plan.lock.map(|r| self.locks.lock(r));
+        t.wait += t.clock().wrapping_sub(t0);
+        let mut r = Ok(());
+        let mut rmw = false;
+        for piece in plan.pieces() {
+            rmw |= !piece.aligned();
+            r = self.write_piece(&plan, &piece, src, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let split = plan.dispatch.splits();
+        self.stats.record(Kind::Write, len, &t, split, rmw);
+        r
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let mut t = Times::start();
+        self.check(offset, len)?;
+        self.check_writable()?;
+        let (plan, _big) = self.plan(Op::Discard, offset, len);
+        let r = match plan.discard {
+            None => Ok(()),
+            Some(range) => {
+                let _lock = self.locks.lock(range);
+                let t0 = t.clock();
+                let r = self
+                    .backend
+                    .discard(self.backend_offset(range.first), range.len() << self.shift);
+                t.backend += t.clock().wrapping_sub(t0);
+                r
+            }
+        };
+        self.stats.record(Kind::Write, len, &t, false, false);
+        r
+    }
+}
+
+// ================================================================ construction
 
 impl Volume {
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
@@ -263,6 +493,7 @@ impl Volume {
             read_only: cfg.read_only,
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
+            big_inflight: AtomicU32::new(0),
             policy: AtomicU8::new(cfg.policy.to_u8()),
             pool,
             locks: RangeLock::default(),
@@ -315,6 +546,11 @@ impl Volume {
     /// A snapshot of where time went so far.
     pub fn stats(&self) -> StatsSnapshot {
         self.core.stats.snapshot()
+    }
+
+    /// Zeroes the counters behind [`Volume::stats`].
+    pub fn reset_stats(&self) {
+        self.core.stats.reset()
     }
 
     /// The request size from which `auto` splits (calibrated at start-up).
@@ -396,6 +632,8 @@ impl Drop for Volume {
     }
 }
 
+// ================================================================ drivers: how tasks run
+
 impl Core {
     fn check(&self, offset: u64, len: u64) -> Result<()> {
         match offset.checked_add(len) {
@@ -415,19 +653,26 @@ impl Core {
         Ok(())
     }
 
-    fn plan(&self, op: Op, offset: u64, len: u64) -> Plan {
+    /// Plans a request. For `auto`, a request big enough to split is counted while it runs
+    /// (the guard): split only if a worker is idle AND fewer big requests than cores are
+    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
+    /// shared counter off their path.
+    fn plan(&self, op: Op, offset: u64, len: u64) -> (Plan, Option<BigGuard<'_>>) {
         let policy = Policy::from_u8(self.policy.load(Relaxed));
         let planner = Planner {
             auto_min_bytes: self.auto_min_bytes.load(Relaxed),
             ..self.planner
         };
-        let idle = if policy == Policy::Auto {
-            self.jobs.idle()
-        } else {
-            0
-        };
+        let mut guard = None;
+        let mut idle = 0;
+        if policy == Policy::Auto && len >= planner.auto_min_bytes {
+            let others = self.big_inflight.fetch_add(1, Relaxed);
+            guard = Some(BigGuard(&self.big_inflight));
+            let free_cores = planner.lanes.saturating_sub(others + 1);
+            idle = self.jobs.idle().min(free_cores);
+        }
         let dispatch = planner.dispatch(policy, op, len, idle);
-        planner.plan(op, offset, len, dispatch)
+        (planner.plan(op, offset, len, dispatch), guard)
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
@@ -473,24 +718,24 @@ impl Core {
         let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
         if !task.write {
             if task.io {
-                let t0 = now();
+                let t0 = t.clock();
                 let r = self
                     .backend
                     .read_exact_at(buf, self.backend_offset(task.sectors.first));
-                t.backend += now().wrapping_sub(t0);
+                t.backend += t.clock().wrapping_sub(t0);
                 r?;
             }
-            let t0 = now();
+            let t0 = t.clock();
             let r = self.crypt(own, false, task.sectors.first, buf, None);
-            t.crypto += now().wrapping_sub(t0);
+            t.crypto += t.clock().wrapping_sub(t0);
             return r;
         }
         // SAFETY: a non-null src covers the same sectors in the caller's (read-only) buffer.
         let src =
             (!task.src.is_null()).then(|| unsafe { std::slice::from_raw_parts(task.src, len) });
-        let t0 = now();
+        let t0 = t.clock();
         let r = self.crypt(own, true, task.sectors.first, buf, src);
-        t.crypto += now().wrapping_sub(t0);
+        t.crypto += t.clock().wrapping_sub(t0);
         r?;
         if task.io {
             self.write_task_io(task, t)?;
@@ -503,11 +748,11 @@ impl Core {
         let len = (task.sectors.len() << self.shift) as usize;
         // SAFETY: as in exec_task; the buffer now holds ciphertext.
         let buf = unsafe { std::slice::from_raw_parts(task.buf as *const u8, len) };
-        let t0 = now();
+        let t0 = t.clock();
         let r = self
             .backend
             .write_at(buf, self.backend_offset(task.sectors.first));
-        t.backend += now().wrapping_sub(t0);
+        t.backend += t.clock().wrapping_sub(t0);
         r
     }
 
@@ -526,7 +771,7 @@ impl Core {
             let job = Job::Chunk {
                 task: sub,
                 done: DoneRef(&comp),
-                queued_at: now(),
+                queued_at: t.clock(),
             };
             if self.jobs.push(job).is_err() {
                 comp.done(
@@ -539,6 +784,20 @@ impl Core {
             Some(m) => self.exec_task(None, &m, t),
             None => Ok(()),
         };
+        // Take back our chunks no worker has started (all cores busy): the request then never
+        // waits for a worker to be scheduled, and degrades to inline under load.
+        let me: *const Completion = &comp;
+        while let Some(Job::Chunk { task, done, .. }) = self
+            .jobs
+            .steal(|j| matches!(j, Job::Chunk { done, .. } if std::ptr::eq(done.0, me)))
+        {
+            let mut tt = Times {
+                on: t.on,
+                ..Times::default()
+            };
+            let rs = self.exec_task(None, &task, &mut tt);
+            done.done(rs, &tt);
+        }
         let (rw, tw) = comp.wait();
         t.add(&tw);
         r.and(rw)
@@ -548,7 +807,7 @@ impl Core {
     fn run_queued(&self, task: Task, write: bool, t: &mut Times) -> Result<()> {
         let comp = Completion::new(1);
         let done = DoneRef(&comp);
-        let queued_at = now();
+        let queued_at = t.clock();
         let job = if write {
             Job::QueuedWrite {
                 task,
@@ -580,9 +839,9 @@ impl Core {
                 // Writes: crypto in parallel, then the backend write when it is our turn.
                 let io_now = !task.write;
                 let r = self.run_split(&Task { io: io_now, ..task }, chunks, piece, t);
-                let t0 = now();
+                let t0 = t.clock();
                 turn.wait();
-                t.wait += now().wrapping_sub(t0);
+                t.wait += t.clock().wrapping_sub(t0);
                 r?;
                 if task.write {
                     self.write_task_io(&task, t)?;
@@ -595,225 +854,14 @@ impl Core {
                 let len = (task.sectors.len() << self.shift) as usize;
                 // SAFETY: as in exec_task.
                 let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
-                let t0 = now();
+                let t0 = t.clock();
                 let r = self
                     .backend
                     .read_exact_at(buf, self.backend_offset(task.sectors.first));
-                t.backend += now().wrapping_sub(t0);
+                t.backend += t.clock().wrapping_sub(t0);
                 r?;
                 self.run_queued(Task { io: false, ..task }, false, t)
             }
         }
-    }
-
-    // ---------------------------------------------------------------- reads
-
-    fn read_piece(&self, plan: &Plan, piece: &Piece, out: &mut [u8], t: &mut Times) -> Result<()> {
-        let bytes = (piece.sectors.len() << self.shift) as usize;
-        let dst = &mut out[piece.buf_off..piece.buf_off + piece.buf_len];
-        // Straight into the caller's buffer when it holds whole sectors at an address the
-        // backend accepts: no bounce buffer, no copy.
-        let in_place = piece.aligned() && (dst.as_ptr() as usize) % self.mem_align == 0;
-        if in_place {
-            let task = Task {
-                write: false,
-                sectors: piece.sectors,
-                buf: dst.as_mut_ptr(),
-                src: std::ptr::null(),
-                io: true,
-            };
-            return self.run(plan, piece, task, t);
-        }
-        let t0 = now();
-        let mut g = self.pool.take(bytes)?;
-        t.wait += now().wrapping_sub(t0);
-        let task = Task {
-            write: false,
-            sectors: piece.sectors,
-            buf: g.as_mut_ptr(),
-            src: std::ptr::null(),
-            io: true,
-        };
-        self.run(plan, piece, task, t)?;
-        dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
-        Ok(())
-    }
-
-    fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
-        let start = now();
-        self.check(offset, out.len() as u64)?;
-        let plan = self.plan(Op::Read, offset, out.len() as u64);
-        let mut t = Times::default();
-        let mut r = Ok(());
-        for piece in plan.pieces() {
-            r = self.read_piece(&plan, &piece, out, &mut t);
-            if r.is_err() {
-                break;
-            }
-        }
-        let split = !matches!(
-            plan.dispatch,
-            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
-        );
-        self.stats
-            .record(Kind::Read, out.len() as u64, start, &t, split, false);
-        r
-    }
-
-    // ---------------------------------------------------------------- writes
-
-    /// Reads and decrypts one sector into `dst` (the edge of a read-modify-write).
-    fn read_sector_plain(&self, sector: u64, dst: &mut [u8], t: &mut Times) -> Result<()> {
-        let task = Task {
-            write: false,
-            sectors: SectorRange {
-                first: sector,
-                end: sector + 1,
-            },
-            buf: dst.as_mut_ptr(),
-            src: std::ptr::null(),
-            io: true,
-        };
-        self.exec_task(None, &task, t)
-    }
-
-    fn write_piece(
-        &self,
-        plan: &Plan,
-        piece: &Piece,
-        src: Source<'_>,
-        t: &mut Times,
-    ) -> Result<()> {
-        let ss = 1usize << self.shift;
-        let bytes = (piece.sectors.len() << self.shift) as usize;
-        if self.null_cipher && piece.aligned() && matches!(src, Source::Zeroes) {
-            // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
-            let t0 = now();
-            let r = self
-                .backend
-                .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
-            t.backend += now().wrapping_sub(t0);
-            return r;
-        }
-        let t0 = now();
-        let mut g = self.pool.take(bytes)?;
-        t.wait += now().wrapping_sub(t0);
-        let plain_src = match src {
-            Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
-            _ => {
-                // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
-                // sectors, then the new data (a fresh grant is all zeroes: write-zeroes needs
-                // nothing more), then is encrypted in place.
-                let b = g.as_mut_slice();
-                if piece.partial_first {
-                    self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
-                }
-                if piece.partial_last {
-                    self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
-                }
-                let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
-                match src {
-                    Source::Buf(s) => {
-                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
-                    }
-                    Source::Zeroes => dst.fill(0),
-                }
-                std::ptr::null()
-            }
-        };
-        let task = Task {
-            write: true,
-            sectors: piece.sectors,
-            buf: g.as_mut_ptr(),
-            src: plain_src,
-            io: true,
-        };
-        self.run(plan, piece, task, t)
-    }
-
-    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
-        let start = now();
-        self.check(offset, len)?;
-        self.check_writable()?;
-        let plan = self.plan(op, offset, len);
-        let mut t = Times::default();
-        let t0 = now();
-        let _lock = plan.lock.map(|r| self.locks.lock(r));
-        t.wait += now().wrapping_sub(t0);
-        let mut r = Ok(());
-        let mut rmw = false;
-        for piece in plan.pieces() {
-            rmw |= !piece.aligned();
-            r = self.write_piece(&plan, &piece, src, &mut t);
-            if r.is_err() {
-                break;
-            }
-        }
-        let split = !matches!(
-            plan.dispatch,
-            Dispatch::Inline | Dispatch::Ordered { chunks: 1 }
-        );
-        self.stats.record(Kind::Write, len, start, &t, split, rmw);
-        r
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        let start = now();
-        self.check(offset, len)?;
-        self.check_writable()?;
-        let plan = self.plan(Op::Discard, offset, len);
-        let mut t = Times::default();
-        let r = match plan.discard {
-            None => Ok(()),
-            Some(range) => {
-                let _lock = self.locks.lock(range);
-                let t0 = now();
-                let r = self
-                    .backend
-                    .discard(self.backend_offset(range.first), range.len() << self.shift);
-                t.backend += now().wrapping_sub(t0);
-                r
-            }
-        };
-        self.stats.record(Kind::Write, len, start, &t, false, false);
-        r
-    }
-}
-
-impl BlockDev for Volume {
-    fn size(&self) -> u64 {
-        self.core.size
-    }
-
-    fn block_size(&self) -> u32 {
-        1 << self.core.shift
-    }
-
-    fn read_only(&self) -> bool {
-        self.core.read_only
-    }
-
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.core.read(buf, offset)
-    }
-
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.core
-            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64)
-    }
-
-    fn flush(&self) -> Result<()> {
-        // Every acknowledged write has reached the backend (all policies acknowledge after the
-        // backend write), so syncing the backend makes them durable.
-        self.core.backend.flush()
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.core.discard(offset, len)
-    }
-
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.core
-            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
     }
 }

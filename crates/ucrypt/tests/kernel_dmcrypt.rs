@@ -254,6 +254,8 @@ fn kernel_dmcrypt_reads_and_writes_match_ucrypt() {
         keys.push(key);
         expected_ct.push(ct);
     }
+    let fs = FsStage::prepare(dir, &mut rng, &mut run, CASES.len() * 2);
+    script.push_str(&fs.script);
     script.push_str("sync\nexit $fail\n");
     run.script = script;
 
@@ -329,5 +331,171 @@ fn kernel_dmcrypt_reads_and_writes_match_ucrypt() {
         "VM script failed (exit {}); failures: {failures:#?}",
         out.status
     );
+    fs.check(dir, &out.output, &mut failures);
     assert!(failures.is_empty(), "seed {seed}: {failures:#?}");
+}
+
+/// Size of each ext4 image of the filesystem stage.
+const FS_BYTES: u64 = 8 << 20;
+/// The filesystem stage's cipher: what cryptsetup picks by default (LUKS2 data segment).
+const FS_SPEC: &str = "aes-xts-plain64";
+const FS_SECTOR: u64 = 4096;
+
+/// A filesystem made on one side and checked on the other, in the same boot:
+/// - host: `mkfs.ext4 -d TREE` on a plain file, encrypted with the sector layer; VM: dm-crypt
+///   maps it, `e2fsck -f -n` is clean, every file's sha256 matches;
+/// - VM: `mkfs.ext4` on dm-crypt, the tree copied in, `e2fsck`; host: decrypts with the sector
+///   layer, `fsck.ext4 -f -n` is clean, `debugfs rdump` gives back the tree.
+struct FsStage {
+    script: String,
+    key: Vec<u8>,
+    tree: Vec<(String, Vec<u8>)>,
+}
+
+fn fs_cipher(key: &[u8]) -> SectorCipher {
+    let spec: CipherSpec = FS_SPEC.parse().expect("spec");
+    SectorCipher::new(
+        spec,
+        key,
+        Geometry::new(SectorSize::new(FS_SECTOR).expect("size")),
+    )
+    .expect("cipher")
+}
+
+fn host_cmd(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "{cmd} {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+impl FsStage {
+    fn prepare(
+        dir: &std::path::Path,
+        rng: &mut vm::SplitMix,
+        run: &mut vm::VmRun,
+        first_disk: usize,
+    ) -> FsStage {
+        let rows: &[(&str, usize)] = &[
+            ("hello", 6),
+            ("a/b/unaligned", 12_345),
+            ("a/big", 1 << 20),
+            ("a/odd", (256 << 10) + 3),
+        ];
+        let src = dir.join("src");
+        let mut tree = Vec::new();
+        for &(rel, n) in rows {
+            let mut v = vec![0u8; n];
+            rng.fill(&mut v);
+            let p = src.join(rel);
+            std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+            std::fs::write(&p, &v).expect("write tree");
+            tree.push((rel.to_string(), v));
+        }
+        let manifest: String = tree
+            .iter()
+            .map(|(rel, v)| {
+                use sha2::Digest;
+                format!("{}  {rel}\n", vm::hex(&sha2::Sha256::digest(v)))
+            })
+            .collect();
+        std::fs::write(dir.join("manifest"), manifest).expect("manifest");
+
+        let mut key = vec![0u8; 64];
+        rng.fill(&mut key);
+        // Host-made filesystem, encrypted by ucrypt. 4 KiB blocks: the dm device has 4 KiB logical
+        // blocks (sector_size:4096), on which a 1 KiB-block ext4 cannot mount.
+        let plain = dir.join("fs-host-plain.img");
+        std::fs::File::create(&plain)
+            .expect("create")
+            .set_len(FS_BYTES)
+            .expect("size");
+        let p = plain.to_str().expect("utf-8");
+        host_cmd(
+            "mkfs.ext4",
+            &[
+                "-q",
+                "-F",
+                "-b",
+                "4096",
+                "-d",
+                src.to_str().expect("utf-8"),
+                p,
+            ],
+        )
+        .expect("host mkfs.ext4 -d");
+        let mut img = std::fs::read(&plain).expect("read fs");
+        fs_cipher(&key).encrypt(0, &mut img).expect("encrypt fs");
+        let host_img = dir.join("fs-host.img");
+        std::fs::write(&host_img, &img).expect("write fs image");
+        let vm_img = dir.join("fs-vm.img");
+        std::fs::write(&vm_img, vec![0u8; FS_BYTES as usize]).expect("zero image");
+        run.disk(&host_img, true);
+        run.disk(&vm_img, false);
+        let dev = |i: usize| format!("/dev/vd{}", (b'a' + i as u8) as char);
+        let table = |d: &str| {
+            format!(
+                "0 {} crypt {FS_SPEC} {} 0 {d} 0 1 sector_size:{FS_SECTOR}",
+                FS_BYTES / 512,
+                vm::hex(&key)
+            )
+        };
+        let script = format!(
+            r#"echo "== fs: ext4 made by the host (mkfs -d), encrypted by ucrypt; checked by the VM"
+mkdir -p /mnt/fsh /mnt/fsv
+if dmsetup create fsh --readonly --table "{th}" && dmsetup mknodes fsh && e2fsck -f -n /dev/mapper/fsh && mount -o ro /dev/mapper/fsh /mnt/fsh && (cd /mnt/fsh && sha256sum -c /mnt/host/manifest); then echo "FS HOST-MADE-OK"; else echo "FS HOST-MADE-FAIL"; fail=1; fi
+umount /mnt/fsh 2>/dev/null; dmsetup remove fsh
+echo "== fs: ext4 made and filled by the VM on dm-crypt"
+if dmsetup create fsv --table "{tv}" && dmsetup mknodes fsv && mkfs.ext4 -q /dev/mapper/fsv && mount /dev/mapper/fsv /mnt/fsv && cp -a /mnt/host/src/. /mnt/fsv/ && umount /mnt/fsv && e2fsck -f -n /dev/mapper/fsv; then echo "FS VM-MADE-DONE"; else echo "FS VM-MADE-FAIL"; fail=1; fi
+dmsetup remove fsv
+"#,
+            th = table(&dev(first_disk)),
+            tv = table(&dev(first_disk + 1)),
+        );
+        FsStage { script, key, tree }
+    }
+
+    fn check(&self, dir: &std::path::Path, output: &str, failures: &mut Vec<String>) {
+        if !output.contains("FS HOST-MADE-OK") {
+            failures.push("fs: the VM could not fsck/mount/verify the ext4 made by the host and encrypted by ucrypt".into());
+        }
+        if !output.contains("FS VM-MADE-DONE") {
+            failures.push("fs: the VM could not make its ext4 on dm-crypt".into());
+            return;
+        }
+        let mut img = std::fs::read(dir.join("fs-vm.img")).expect("read VM fs image");
+        fs_cipher(&self.key).decrypt(0, &mut img).expect("decrypt");
+        let plain = dir.join("fs-vm-plain.img");
+        std::fs::write(&plain, &img).expect("write decrypted");
+        let p = plain.to_str().expect("utf-8");
+        if let Err(e) = host_cmd("fsck.ext4", &["-f", "-n", p]) {
+            failures.push(format!(
+                "fs: fsck of the VM's ext4, decrypted by ucrypt, failed: {e}"
+            ));
+            return;
+        }
+        let out = dir.join("rdump");
+        std::fs::create_dir_all(&out).expect("mkdir rdump");
+        if let Err(e) = host_cmd("debugfs", &["-R", &format!("rdump / {}", out.display()), p]) {
+            failures.push(format!("fs: debugfs rdump failed: {e}"));
+            return;
+        }
+        for (rel, want) in &self.tree {
+            match std::fs::read(out.join(rel)) {
+                Ok(got) if got == *want => {}
+                Ok(_) => failures.push(format!("fs: {rel} differs in the VM-made ext4")),
+                Err(e) => failures.push(format!("fs: {rel} missing from the VM-made ext4: {e}")),
+            }
+        }
+        println!("FS host check of the VM-made ext4 (decrypted by ucrypt): fsck clean, {} files identical", self.tree.len());
+    }
 }

@@ -3,6 +3,7 @@
 //! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
 
 mod cipher;
+mod engine;
 pub mod stats;
 
 use clap::{Args, Subcommand};
@@ -36,6 +37,8 @@ impl Common {
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
     Cipher(Common),
+    /// The volume engine: dispatch policies side by side with the raw backend.
+    Engine(Common),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
@@ -49,6 +52,18 @@ pub fn run(a: BenchArgs) -> i32 {
                 );
             } else {
                 print!("{}", cipher::markdown(&report));
+            }
+            0
+        }
+        Which::Engine(c) => {
+            let report = engine::measure(c.runs(), c.quick, !c.json);
+            if c.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("report serialises")
+                );
+            } else {
+                print!("{}", engine::markdown(&report));
             }
             0
         }

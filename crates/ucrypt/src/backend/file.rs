@@ -179,6 +179,32 @@ impl FileBackend {
         })
     }
 
+    /// Like [`FileBackend::open`], for a volume with `sector_bytes` encryption sectors: if
+    /// O_DIRECT would need bigger blocks than that (a 512-byte-sector volume on a 4096-byte
+    /// device or filesystem), a regular file is reopened buffered (with a note) instead of
+    /// failing; a block device is returned as is (the volume will refuse it, as dm-crypt does).
+    pub fn open_for_sector(
+        path: impl AsRef<Path>,
+        writable: bool,
+        mode: DirectMode,
+        sector_bytes: u32,
+    ) -> Result<Self> {
+        let b = Self::open(path.as_ref(), writable, mode)?;
+        if b.direct
+            && !b.block_device
+            && b.logical_block_bytes > sector_bytes
+            && mode == DirectMode::Auto
+        {
+            let mut again = Self::open(path.as_ref(), writable, DirectMode::Never)?;
+            again.note = Some(format!(
+                "O_DIRECT on {} needs {}-byte blocks, more than the {sector_bytes}-byte sectors; using buffered I/O",
+                b.path, b.logical_block_bytes
+            ));
+            return Ok(again);
+        }
+        Ok(b)
+    }
+
     /// True if opened with O_DIRECT.
     pub fn is_direct(&self) -> bool {
         self.direct

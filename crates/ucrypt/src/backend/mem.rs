@@ -8,7 +8,7 @@ use crate::{Error, Result};
 /// Memory is split in stripes, each behind its own lock, so that concurrent requests to
 /// different places do not serialise on one lock. A request touching several stripes locks them
 /// one at a time: each stripe's part is atomic, the whole is not (like a disk).
-const STRIPE_BYTES: usize = 1 << 20;
+const STRIPE_BYTES: usize = 64 << 10;
 
 pub struct MemBackend {
     stripes: Vec<RwLock<Vec<u8>>>,

@@ -48,6 +48,13 @@ pub enum Dispatch {
     Queued,
 }
 
+impl Dispatch {
+    /// True if pieces are cut into several chunks for the workers.
+    pub fn splits(&self) -> bool {
+        matches!(self, Dispatch::Parallel { chunks } | Dispatch::Ordered { chunks } if *chunks > 1)
+    }
+}
+
 /// Static facts the planner and dispatcher need; fixed when the volume is built.
 #[derive(Debug, Clone, Copy)]
 pub struct Planner {

@@ -113,17 +113,23 @@ pub fn worker_loop(core: &Core) {
     // A worker without a cipher context fails the jobs it takes instead of dying silently.
     let mut cipher = core.ciphers.clone_cipher();
     while let Some(job) = core.jobs.pop() {
-        let started = now();
+        // Timed only if the request is sampled (see stats): it then sent a non-zero time.
+        let times_for = |queued_at: u64| Times {
+            on: queued_at != 0,
+            queue: if queued_at != 0 {
+                now().wrapping_sub(queued_at)
+            } else {
+                0
+            },
+            ..Times::default()
+        };
         match job {
             Job::Chunk {
                 task,
                 done,
                 queued_at,
             } => {
-                let mut t = Times {
-                    queue: started.wrapping_sub(queued_at),
-                    ..Times::default()
-                };
+                let mut t = times_for(queued_at);
                 let r = match cipher.as_mut() {
                     Ok(c) => core.exec_task(Some(c), &task, &mut t),
                     Err(_) => Err(Error::Bug("worker has no cipher context")),
@@ -135,10 +141,7 @@ pub fn worker_loop(core: &Core) {
                 done,
                 queued_at,
             } => {
-                let mut t = Times {
-                    queue: started.wrapping_sub(queued_at),
-                    ..Times::default()
-                };
+                let mut t = times_for(queued_at);
                 let r = match cipher.as_mut() {
                     Ok(c) => core.exec_task(Some(c), &task, &mut t),
                     Err(_) => Err(Error::Bug("worker has no cipher context")),

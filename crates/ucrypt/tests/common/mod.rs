@@ -116,14 +116,8 @@ pub fn rig_over(c: RigCfg, wrap: Option<Wrap<'_>>) -> Rig {
         BackendKind::Mem => (Arc::new(MemBackend::new(total)), None),
         BackendKind::File => {
             let f = TempFile::new(total);
-            let b = FileBackend::open(&f.0, true, DirectMode::Auto).unwrap();
-            // tmpfs may ask for larger O_DIRECT alignment than a 512-byte sector: then test
-            // the buffered path for that row instead.
-            let b = if b.logical_block_bytes() > c.sector {
-                FileBackend::open(&f.0, true, DirectMode::Never).unwrap()
-            } else {
-                b
-            };
+            // O_DIRECT unless the filesystem wants bigger blocks than the sector size.
+            let b = FileBackend::open_for_sector(&f.0, true, DirectMode::Auto, c.sector).unwrap();
             (Arc::new(b), Some(f))
         }
     };

@@ -1,0 +1,775 @@
+//! `ucrypt bench engine`: the volume engine's dispatch policies side by side with the raw
+//! backend, on a /dev/shm file (O_DIRECT) and on the memory backend. Every scenario runs its
+//! variants round-robin in one process; each number is the median of the runs (min–max shown).
+//!
+//! Scenarios (numbered as in the engine's brief):
+//! 1. 4 KiB sequential reads, QD1, null cipher and aes-xts-plain64: raw vs inline vs queued.
+//! 2. 1 MiB writes, 64 in flight (64 threads): throughput vs raw, heap allocations per I/O.
+//! 3. 12 concurrent jobs of 256 KiB random reads/writes: inline vs parallel vs auto.
+//! 4. One stream of 1 MiB reads, and of 1 MiB writes: parallel vs inline.
+//! 5. 4 KiB random reads QD1 while two busy-loop threads compete: latency percentiles.
+//! 6. Many independent streams of mixed sizes: auto vs the best static policy.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use ucrypt::backend::{Backend, DirectMode, FileBackend, MemBackend};
+use ucrypt::engine::Policy;
+use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+use ucrypt::volume::{Volume, VolumeConfig};
+use ucrypt::{BlockDev, SecretBytes};
+
+use super::stats::{Machine, Summary};
+
+// ---------------------------------------------------------------- allocation counting
+
+/// Counts heap allocations of the whole process (one relaxed add per allocation); scenario 2
+/// divides the count by the I/Os done meanwhile.
+struct Counting;
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call unchanged to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Relaxed);
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Relaxed);
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Relaxed);
+        // SAFETY: same contract as ours.
+        unsafe { System.realloc(p, l, n) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+// ---------------------------------------------------------------- set-up
+
+/// Data offset inside the backend, like a LUKS2 data segment (cryptsetup default 16 MiB; 1 MiB
+/// keeps the file small).
+const DATA_OFFSET: u64 = 1 << 20;
+
+/// A buffer aligned to 4096 bytes (O_DIRECT), carved out of a bigger Vec without unsafe.
+struct Aligned {
+    store: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let store = vec![0x5au8; len + 4096];
+        let start = (4096 - store.as_ptr() as usize % 4096) % 4096;
+        Aligned { store, start, len }
+    }
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.store[self.start..self.start + self.len]
+    }
+}
+
+/// What a workload runs against: the raw backend (at the data offset) or a volume.
+#[derive(Clone)]
+enum Target {
+    Raw(Arc<dyn Backend>),
+    Vol(Arc<Volume>),
+}
+
+impl Target {
+    fn read(&self, buf: &mut [u8], off: u64) {
+        match self {
+            Target::Raw(b) => b.read_exact_at(buf, DATA_OFFSET + off).expect("raw read"),
+            Target::Vol(v) => v.read_at(buf, off).expect("volume read"),
+        }
+    }
+    fn write(&self, buf: &[u8], off: u64) {
+        match self {
+            Target::Raw(b) => b.write_at(buf, DATA_OFFSET + off).expect("raw write"),
+            Target::Vol(v) => v.write_at(buf, off).expect("volume write"),
+        }
+    }
+}
+
+struct Setup {
+    name: &'static str,
+    backend: Arc<dyn Backend>,
+    null: Arc<Volume>,
+    xts: Arc<Volume>,
+    data_bytes: u64,
+    _file: Option<TempFile>,
+}
+
+struct TempFile(std::path::PathBuf);
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn volume(backend: &Arc<dyn Backend>, spec: CipherSpec, data_bytes: u64) -> Arc<Volume> {
+    let key: Vec<u8> = (0..spec.default_key_bytes())
+        .map(|i| i as u8 ^ 0xa5)
+        .collect();
+    let mut cfg = VolumeConfig::new(
+        spec,
+        SecretBytes::from_slice(&key),
+        Geometry::new(SectorSize::S4096),
+    );
+    cfg.data_offset_bytes = DATA_OFFSET;
+    cfg.size_bytes = Some(data_bytes);
+    Arc::new(Volume::new(backend.clone(), cfg).expect("volume"))
+}
+
+fn setups(data_bytes: u64, log: &mut Vec<String>) -> Vec<Setup> {
+    let total = DATA_OFFSET + data_bytes;
+    let mut v = Vec::new();
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        "/dev/shm".into()
+    } else {
+        std::env::temp_dir()
+    };
+    let path = dir.join(format!("ucrypt-bench-engine-{}", std::process::id()));
+    let file = std::fs::File::create(&path)
+        .and_then(|f| f.set_len(total))
+        .map(|_| TempFile(path.clone()));
+    match file.map_err(|e| e.to_string()).and_then(|tf| {
+        FileBackend::open(&tf.0, true, DirectMode::Auto)
+            .map(|b| (tf, b))
+            .map_err(|e| e.to_string())
+    }) {
+        Ok((tf, b)) => {
+            if let Some(n) = b.note() {
+                log.push(n.to_string());
+            }
+            let backend: Arc<dyn Backend> = Arc::new(b);
+            v.push(Setup {
+                name: "shm-file",
+                null: volume(&backend, CipherSpec::NULL, data_bytes),
+                xts: volume(&backend, CipherSpec::AES_XTS_PLAIN64, data_bytes),
+                backend,
+                data_bytes,
+                _file: Some(tf),
+            });
+        }
+        Err(e) => log.push(format!("no /dev/shm file backend: {e}")),
+    }
+    let backend: Arc<dyn Backend> = Arc::new(MemBackend::new(total));
+    v.push(Setup {
+        name: "memory",
+        null: volume(&backend, CipherSpec::NULL, data_bytes),
+        xts: volume(&backend, CipherSpec::AES_XTS_PLAIN64, data_bytes),
+        backend,
+        data_bytes,
+        _file: None,
+    });
+    // Fill the data area so that reads hit real pages, not holes.
+    for s in &v {
+        let mut buf = Aligned::new(1 << 20);
+        let mut off = 0;
+        while off < data_bytes {
+            let n = (data_bytes - off).min(1 << 20) as usize;
+            s.xts.write_at(&buf.get()[..n], off).expect("fill");
+            off += n as u64;
+        }
+    }
+    v
+}
+
+// ---------------------------------------------------------------- measuring
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub scenario: &'static str,
+    pub backend: &'static str,
+    pub cipher: &'static str,
+    pub variant: String,
+    pub unit: &'static str,
+    pub value: Summary,
+    /// Extra per-variant numbers (e.g. allocations per I/O, latency percentiles).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub extra: Vec<(String, Summary)>,
+}
+
+#[derive(Serialize)]
+pub struct EngineReport {
+    pub machine: Machine,
+    pub quick: bool,
+    pub runs: usize,
+    pub notes: Vec<String>,
+    pub rows: Vec<Row>,
+    /// Target checks: (what, measured ratio, target, met).
+    pub targets: Vec<(String, f64, f64, bool)>,
+    /// `Volume::stats()` of each variant's last run: where the time went.
+    pub stats: Vec<(String, String)>,
+}
+
+/// (what, `Volume::stats()` text) pairs for the report.
+type StatsLog = Vec<(String, String)>;
+
+struct Knobs {
+    runs: usize,
+    /// Time each variant runs per repetition.
+    slice: Duration,
+}
+
+/// Runs `variants` round-robin `runs` times; `f(i)` returns (value, extras) for variant i.
+/// In the last round, the volume's stats are reset before each variant and kept after it, so
+/// that `stats_out` gets one `Volume::stats()` per variant: where its time went.
+fn round_robin(
+    knobs: &Knobs,
+    names: &[&str],
+    vol: Option<&Volume>,
+    stats_out: &mut Vec<(String, String)>,
+    mut f: impl FnMut(usize) -> (f64, Vec<(String, f64)>),
+) -> Vec<(Summary, Vec<(String, Summary)>)> {
+    let variants = names.len();
+    let mut vals: Vec<Vec<f64>> = vec![Vec::new(); variants];
+    let mut extras: Vec<Vec<(String, Vec<f64>)>> = vec![Vec::new(); variants];
+    for round in 0..knobs.runs {
+        let last = round + 1 == knobs.runs;
+        for i in 0..variants {
+            let keep = last && names[i] != "raw";
+            if let (true, Some(v)) = (keep, vol) {
+                v.reset_stats();
+            }
+            let (v, ex) = f(i);
+            if let (true, Some(vol)) = (keep, vol) {
+                stats_out.push((names[i].to_string(), vol.stats().to_string()));
+            }
+            vals[i].push(v);
+            for (k, x) in ex {
+                match extras[i].iter_mut().find(|(n, _)| *n == k) {
+                    Some((_, xs)) => xs.push(x),
+                    None => extras[i].push((k, vec![x])),
+                }
+            }
+        }
+    }
+    vals.iter()
+        .zip(extras)
+        .map(|(v, ex)| {
+            (
+                Summary::of(v),
+                ex.into_iter()
+                    .map(|(k, xs)| (k, Summary::of(&xs)))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// `threads` threads run `body(thread, buffer, stop)` until `dur` passes; returns (MB/s, I/Os,
+/// allocations during the timed part). `body` returns (bytes, ios) done.
+fn timed_threads(
+    threads: usize,
+    buf_bytes: usize,
+    dur: Duration,
+    body: impl Fn(usize, &mut [u8], &AtomicBool) -> (u64, u64) + Sync,
+) -> (f64, u64, u64) {
+    let stop = AtomicBool::new(false);
+    // Two start lines: everyone ready (buffers allocated), then the clock and the allocation
+    // counter start, then everyone goes. Starting the clock after "go" would miss the work of
+    // threads that run before the main thread is scheduled again (many threads, 2 cores).
+    let ready = Barrier::new(threads + 1);
+    let go = Barrier::new(threads + 1);
+    let (bytes, ios, allocs, secs) = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|t| {
+                let (stop, ready, go, body) = (&stop, &ready, &go, &body);
+                s.spawn(move || {
+                    let mut buf = Aligned::new(buf_bytes);
+                    ready.wait();
+                    go.wait();
+                    body(t, buf.get(), stop)
+                })
+            })
+            .collect();
+        ready.wait();
+        let a0 = ALLOCS.load(Relaxed);
+        let t0 = Instant::now();
+        go.wait();
+        std::thread::sleep(dur);
+        stop.store(true, Relaxed);
+        let mut bytes = 0;
+        let mut ios = 0;
+        for h in hs {
+            let (b, n) = h.join().expect("bench thread");
+            bytes += b;
+            ios += n;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        (bytes, ios, ALLOCS.load(Relaxed) - a0, secs)
+    });
+    (bytes as f64 / secs / 1e6, ios, allocs)
+}
+
+fn variant_target(s: &Setup, xts: bool, v: &str) -> Target {
+    if v == "raw" {
+        return Target::Raw(s.backend.clone());
+    }
+    let vol = if xts { &s.xts } else { &s.null };
+    vol.set_policy(v.parse().expect("policy name"));
+    Target::Vol(vol.clone())
+}
+
+/// Simple xorshift for offsets (no allocation, reproducible per thread).
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+// ---------------------------------------------------------------- scenarios
+
+fn s1_seq_reads(
+    s: &Setup,
+    k: &Knobs,
+    log: &mut StatsLog,
+    rows: &mut Vec<Row>,
+    targets: &mut Vec<(String, f64, f64, bool)>,
+) {
+    let variants = ["raw", "inline", "queued"];
+    for (xts, cipher) in [(false, "cipher_null-ecb"), (true, "aes-xts-plain64")] {
+        let vol = if xts { &s.xts } else { &s.null };
+        let mut st = Vec::new();
+        let res = round_robin(k, &variants, Some(vol), &mut st, |i| {
+            let t = variant_target(s, xts, variants[i]);
+            let (mbps, _, _) = timed_threads(1, 4096, k.slice, |_, buf, stop| {
+                let (mut off, mut n) = (0u64, 0u64);
+                while !stop.load(Relaxed) {
+                    for _ in 0..64 {
+                        t.read(buf, off);
+                        off = (off + 4096) % s.data_bytes;
+                    }
+                    n += 64;
+                }
+                (n * 4096, n)
+            });
+            (mbps, vec![])
+        });
+        log.extend(st.into_iter().map(|(v, t)| {
+            (
+                format!("{} | {} | {cipher} | {v}", s.name, "1. 4K seq reads"),
+                t,
+            )
+        }));
+        // The cipher's own cost for 4 KiB, to state the aes-xts target.
+        let cipher_ns = if xts {
+            let key: Vec<u8> = (0..64).map(|i| i as u8 ^ 0xa5).collect();
+            let mut c = SectorCipher::new(
+                CipherSpec::AES_XTS_PLAIN64,
+                &key,
+                Geometry::new(SectorSize::S4096),
+            )
+            .expect("cipher");
+            let mut buf = vec![0u8; 4096];
+            let n = 20_000;
+            let t0 = Instant::now();
+            for i in 0..n {
+                c.decrypt(i, black_box(&mut buf)).expect("decrypt");
+            }
+            t0.elapsed().as_nanos() as f64 / n as f64
+        } else {
+            0.0
+        };
+        let raw = res[0].0.median;
+        let inline = res[1].0.median;
+        let t_raw_ns = 4096.0 / raw * 1e3; // MB/s -> ns per 4 KiB
+        let limit = 4096.0 / (t_raw_ns + cipher_ns) * 1e3;
+        let (what, target) = if xts {
+            (
+                format!(
+                    "{}: 4K seq read, aes-xts: inline / (t_raw + t_cipher={cipher_ns:.0} ns)",
+                    s.name
+                ),
+                0.95,
+            )
+        } else {
+            (
+                format!("{}: 4K seq read, null cipher: inline / raw", s.name),
+                0.97,
+            )
+        };
+        let ratio = inline / limit;
+        targets.push((what, ratio, target, ratio >= target));
+        for (i, v) in variants.iter().enumerate() {
+            rows.push(Row {
+                scenario: "1. 4 KiB sequential reads QD1",
+                backend: s.name,
+                cipher,
+                variant: v.to_string(),
+                unit: "MB/s",
+                value: res[i].0,
+                extra: vec![],
+            });
+        }
+    }
+}
+
+fn s2_big_writes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+    let variants = ["raw", "inline", "parallel", "queued", "auto"];
+    let threads = 64;
+    let region = s.data_bytes / threads as u64 / (1 << 20) * (1 << 20);
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
+        let t = variant_target(s, true, variants[i]);
+        let (mbps, ios, allocs) = timed_threads(threads, 1 << 20, k.slice, |th, buf, stop| {
+            let base = th as u64 * region;
+            let (mut off, mut n) = (0u64, 0u64);
+            while !stop.load(Relaxed) {
+                t.write(buf, base + off);
+                off = (off + (1 << 20)) % region.max(1 << 20);
+                n += 1;
+            }
+            (n << 20, n)
+        });
+        (
+            mbps,
+            vec![("allocs/IO".into(), allocs as f64 / ios.max(1) as f64)],
+        )
+    });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | {} | {v}", s.name, "2. 1 MiB writes x64"), t)),
+    );
+    for (i, v) in variants.iter().enumerate() {
+        rows.push(Row {
+            scenario: "2. 1 MiB writes, 64 in flight",
+            backend: s.name,
+            cipher: "aes-xts-plain64",
+            variant: v.to_string(),
+            unit: "MB/s",
+            value: res[i].0,
+            extra: res[i].1.clone(),
+        });
+    }
+}
+
+fn s3_twelve_jobs(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+    let variants = ["raw", "inline", "parallel", "auto"];
+    let blocks = s.data_bytes / (256 << 10);
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
+        let t = variant_target(s, true, variants[i]);
+        let (mbps, _, _) = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ th as u64;
+            let mut n = 0u64;
+            while !stop.load(Relaxed) {
+                let r = xorshift(&mut x);
+                let off = (r % blocks) * (256 << 10);
+                if r & (1 << 40) == 0 {
+                    t.read(buf, off);
+                } else {
+                    t.write(buf, off);
+                }
+                n += 1;
+            }
+            (n * (256 << 10), n)
+        });
+        (mbps, vec![])
+    });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | {} | {v}", s.name, "3. 12 jobs 256K"), t)),
+    );
+    for (i, v) in variants.iter().enumerate() {
+        rows.push(Row {
+            scenario: "3. 12 jobs, 256 KiB random read/write",
+            backend: s.name,
+            cipher: "aes-xts-plain64",
+            variant: v.to_string(),
+            unit: "MB/s",
+            value: res[i].0,
+            extra: vec![],
+        });
+    }
+}
+
+fn s4_one_stream(
+    s: &Setup,
+    k: &Knobs,
+    log: &mut StatsLog,
+    rows: &mut Vec<Row>,
+    targets: &mut Vec<(String, f64, f64, bool)>,
+) {
+    let variants = ["raw", "inline", "parallel"];
+    for write in [false, true] {
+        let mut st = Vec::new();
+        let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
+            let t = variant_target(s, true, variants[i]);
+            let (mbps, _, _) = timed_threads(1, 1 << 20, k.slice, |_, buf, stop| {
+                let (mut off, mut n) = (0u64, 0u64);
+                while !stop.load(Relaxed) {
+                    if write {
+                        t.write(buf, off);
+                    } else {
+                        t.read(buf, off);
+                    }
+                    off = (off + (1 << 20)) % s.data_bytes;
+                    n += 1;
+                }
+                (n << 20, n)
+            });
+            (mbps, vec![])
+        });
+        let dir = if write { "writes" } else { "reads" };
+        log.extend(
+            st.into_iter()
+                .map(|(v, t)| (format!("{} | 4. one stream 1 MiB {dir} | {v}", s.name), t)),
+        );
+        let ratio = res[2].0.median / res[1].0.median;
+        targets.push((
+            format!(
+                "{}: one stream of 1 MiB {dir}: parallel / inline ({} cores)",
+                s.name,
+                s.xts.workers()
+            ),
+            ratio,
+            1.8,
+            ratio >= 1.8,
+        ));
+        for (i, v) in variants.iter().enumerate() {
+            rows.push(Row {
+                scenario: if write {
+                    "4. one stream, 1 MiB writes"
+                } else {
+                    "4. one stream, 1 MiB reads"
+                },
+                backend: s.name,
+                cipher: "aes-xts-plain64",
+                variant: v.to_string(),
+                unit: "MB/s",
+                value: res[i].0,
+                extra: vec![],
+            });
+        }
+    }
+}
+
+fn s5_latency(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+    let variants = ["raw", "inline", "queued"];
+    let blocks = s.data_bytes / 4096;
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
+        let t = variant_target(s, true, variants[i]);
+        let stop = AtomicBool::new(false);
+        let ops = (k.slice.as_secs_f64() * 100_000.0) as usize;
+        let mut lat_ns: Vec<f64> = Vec::with_capacity(ops);
+        std::thread::scope(|sc| {
+            for _ in 0..2 {
+                let stop = &stop;
+                sc.spawn(move || {
+                    let mut x = 1u64;
+                    while !stop.load(Relaxed) {
+                        x = black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                    }
+                });
+            }
+            let mut buf = Aligned::new(4096);
+            let mut x = 0x1234_5678u64;
+            for _ in 0..ops {
+                let off = (xorshift(&mut x) % blocks) * 4096;
+                let t0 = Instant::now();
+                t.read(buf.get(), off);
+                lat_ns.push(t0.elapsed().as_nanos() as f64);
+            }
+            stop.store(true, Relaxed);
+        });
+        lat_ns.sort_by(|a, b| a.total_cmp(b));
+        let q = |p: f64| lat_ns[((lat_ns.len() as f64 * p) as usize).min(lat_ns.len() - 1)] / 1e3;
+        (
+            q(0.5),
+            vec![("p99 µs".into(), q(0.99)), ("p99.9 µs".into(), q(0.999))],
+        )
+    });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | 5. QD1 + busy | {v}", s.name), t)),
+    );
+    for (i, v) in variants.iter().enumerate() {
+        rows.push(Row {
+            scenario: "5. 4 KiB random reads QD1 + 2 busy threads",
+            backend: s.name,
+            cipher: "aes-xts-plain64",
+            variant: v.to_string(),
+            unit: "p50 µs",
+            value: res[i].0,
+            extra: res[i].1.clone(),
+        });
+    }
+}
+
+fn s6_many_streams(
+    s: &Setup,
+    k: &Knobs,
+    log: &mut StatsLog,
+    rows: &mut Vec<Row>,
+    targets: &mut Vec<(String, f64, f64, bool)>,
+) {
+    let variants = ["raw", "inline", "parallel", "auto"];
+    // Each stream: sequential, sizes cycling 4 KiB .. 1 MiB, 2 reads per write.
+    const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 4 << 10, 256 << 10, 1 << 20];
+    let streams = 6;
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
+        let t = variant_target(s, true, variants[i]);
+        let (mbps, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
+            // Whole MiB per stream, so that every request is sector-aligned.
+            let region = s.data_bytes / streams as u64 / (1 << 20) * (1 << 20);
+            let base = th as u64 * region;
+            let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
+            while !stop.load(Relaxed) {
+                let len = SIZES[(n as usize + th) % SIZES.len()];
+                if off + len as u64 > region {
+                    off = 0;
+                }
+                let b = &mut buf[..len];
+                if n % 3 == 2 {
+                    t.write(b, base + off);
+                } else {
+                    t.read(b, base + off);
+                }
+                off += len as u64;
+                bytes += len as u64;
+                n += 1;
+            }
+            (bytes, n)
+        });
+        (mbps, vec![])
+    });
+    log.extend(
+        st.into_iter()
+            .map(|(v, t)| (format!("{} | {} | {v}", s.name, "6. many streams"), t)),
+    );
+    let best_static = res[1].0.median.max(res[2].0.median);
+    let ratio = res[3].0.median / best_static;
+    targets.push((
+        format!("{}: many streams: auto / best static", s.name),
+        ratio,
+        0.95,
+        ratio >= 0.95,
+    ));
+    for (i, v) in variants.iter().enumerate() {
+        rows.push(Row {
+            scenario: "6. 6 streams, mixed 4 KiB-1 MiB",
+            backend: s.name,
+            cipher: "aes-xts-plain64",
+            variant: v.to_string(),
+            unit: "MB/s",
+            value: res[i].0,
+            extra: vec![],
+        });
+    }
+}
+
+pub fn measure(runs: usize, quick: bool, progress: bool) -> EngineReport {
+    let knobs = Knobs {
+        runs,
+        slice: Duration::from_millis(if quick { 120 } else { 400 }),
+    };
+    let data_bytes = if quick { 64 << 20 } else { 256 << 20 };
+    let mut notes = Vec::new();
+    let sets = setups(data_bytes, &mut notes);
+    let (mut rows, mut targets, mut stats) = (Vec::new(), Vec::new(), Vec::new());
+    for s in &sets {
+        notes.push(format!(
+            "{}: {}; {} workers; auto splits from {} KiB",
+            s.name,
+            s.backend.describe(),
+            s.xts.workers(),
+            s.xts.auto_threshold_bytes() >> 10
+        ));
+        let say = |what: &str| {
+            if progress {
+                eprintln!("bench engine: {} {what}", s.name);
+            }
+        };
+        say("1: 4 KiB sequential reads");
+        s1_seq_reads(s, &knobs, &mut stats, &mut rows, &mut targets);
+        say("2: 1 MiB writes, 64 in flight");
+        s2_big_writes(s, &knobs, &mut stats, &mut rows);
+        say("3: 12 jobs of 256 KiB");
+        s3_twelve_jobs(s, &knobs, &mut stats, &mut rows);
+        say("4: one stream of 1 MiB");
+        s4_one_stream(s, &knobs, &mut stats, &mut rows, &mut targets);
+        say("5: QD1 latency with busy threads");
+        s5_latency(s, &knobs, &mut stats, &mut rows);
+        say("6: many streams");
+        s6_many_streams(s, &knobs, &mut stats, &mut rows, &mut targets);
+        s.xts.set_policy(Policy::Inline);
+        s.null.set_policy(Policy::Inline);
+    }
+    EngineReport {
+        machine: Machine::detect(),
+        quick,
+        runs,
+        notes,
+        rows,
+        targets,
+        stats,
+    }
+}
+
+pub fn markdown(r: &EngineReport) -> String {
+    let mut o = String::new();
+    o += &format!(
+        "# ucrypt bench engine{}\n\nMachine: {}. {} round-robin runs; median (min–max).\n\n",
+        if r.quick { " --quick" } else { "" },
+        r.machine.describe(),
+        r.runs
+    );
+    for n in &r.notes {
+        o += &format!("- {n}\n");
+    }
+    let mut last = "";
+    for row in &r.rows {
+        if row.scenario != last {
+            o += &format!(
+                "\n## {}\n\n| backend | cipher | variant | {} | |\n|---|---|---|---|---|\n",
+                row.scenario, row.unit
+            );
+            last = row.scenario;
+        }
+        let extra: Vec<String> = row
+            .extra
+            .iter()
+            .map(|(k, v)| format!("{k} {}", v.show(2)))
+            .collect();
+        o += &format!(
+            "| {} | {} | {} | {} | {} |\n",
+            row.backend,
+            row.cipher,
+            row.variant,
+            row.value.show(if row.unit.contains("µs") { 2 } else { 0 }),
+            extra.join(", ")
+        );
+    }
+    o += "\n## Targets\n\n| check | measured | target | |\n|---|---|---|---|\n";
+    for (what, got, want, ok) in &r.targets {
+        o += &format!(
+            "| {what} | {got:.2} | ≥ {want:.2} | {} |\n",
+            if *ok { "met" } else { "MISSED" }
+        );
+    }
+    o += "\n## Where time went (Volume::stats of each variant's last run; ns)\n\n```\n";
+    for (what, s) in &r.stats {
+        o += &format!("{what}\n  {}\n", s.replace('\n', "\n  "));
+    }
+    o += "```\n";
+    o
+}

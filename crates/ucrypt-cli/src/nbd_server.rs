@@ -1,0 +1,489 @@
+//! The NBD server: serves any number of [`BlockDev`]s by name over a unix socket or TCP
+//! (TLS via `NBD_OPT_STARTTLS`, required on TCP unless explicitly waived).
+//!
+//! Threads, all bounded by named limits:
+//! - the accept loop (the caller's thread) polls the listener and the stop flag;
+//! - one thread per connection ([`CONNECTIONS_MAX`]) runs the handshake, then reads requests;
+//! - [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each reply as
+//!   soon as it completes (replies serialised by a writer lock), so many requests are in flight;
+//! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
+//!
+//! The protocol itself (parsing, validation, replies) is the sans-I/O codec in `ucrypt::nbd`.
+
+mod conn;
+pub mod dev;
+mod tls;
+
+#[cfg(test)]
+mod tests;
+
+use std::io::{self, Write};
+use std::net::{TcpListener, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ucrypt::nbd::{self, ExportInfo};
+use ucrypt::{BlockDev, Error, Result};
+
+pub use conn::Sock;
+pub use tls::{load_tls_config, TlsFiles};
+
+/// Simultaneous connections; more are closed at once. Each may hold up to
+/// [`conn::INFLIGHT_BYTES_MAX`] of buffers, so this bounds memory at 16 × 64 MiB.
+pub const CONNECTIONS_MAX: usize = 16;
+/// Requests executed at once per connection. Two cores here; the device may parallelise
+/// further inside. Four keeps a queue-depth-32 client busy without oversubscribing.
+pub const WORKERS_PER_CONNECTION: usize = 4;
+/// How often the accept loop looks at the stop flag.
+const ACCEPT_POLL_MS: i32 = 200;
+
+/// Where to listen: `unix:PATH` or `tcp:HOST:PORT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Listen {
+    Unix(PathBuf),
+    Tcp { host: String, port: u16 },
+}
+
+impl FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            if p.is_empty() {
+                return Err("unix: needs a socket path".into());
+            }
+            return Ok(Listen::Unix(PathBuf::from(p)));
+        }
+        if let Some(hp) = s.strip_prefix("tcp:") {
+            let (host, port) = hp.rsplit_once(':').ok_or("tcp: needs HOST:PORT")?;
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            if host.is_empty() {
+                return Err("tcp: needs a host".into());
+            }
+            let port = port.parse().map_err(|_| format!("bad port '{port}'"))?;
+            return Ok(Listen::Tcp {
+                host: host.into(),
+                port,
+            });
+        }
+        Err(format!("'{s}': expected unix:PATH or tcp:HOST:PORT"))
+    }
+}
+
+pub struct ServerOptions {
+    pub read_only: bool,
+    /// TLS server configuration; `None` serves plaintext.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Allow plaintext on TCP (without it, TCP without TLS is refused).
+    pub insecure_plaintext: bool,
+    pub pid_file: Option<PathBuf>,
+    /// Print `ready: URI` lines on stdout and notify systemd once accepting.
+    pub announce: bool,
+}
+
+/// One export at run time.
+pub(crate) struct Export {
+    pub dev: Arc<dyn BlockDev>,
+    pub info: ExportInfo,
+}
+
+/// What every connection thread shares.
+pub(crate) struct Shared {
+    pub exports: Vec<Export>,
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    pub stop: Arc<AtomicBool>,
+    /// Clones of live connection sockets, to shut their read side down on stop.
+    pub live: Mutex<Vec<(u64, Sock)>>,
+}
+
+/// Transmission flags for a device. CAN_MULTI_CONN holds because every connection reaches the
+/// same `BlockDev` (no per-connection cache) and its `flush` makes every acknowledged write
+/// durable, whichever connection made it.
+pub fn tx_flags(read_only: bool) -> u16 {
+    let mut f = nbd::TX_HAS_FLAGS | nbd::TX_SEND_FLUSH | nbd::TX_SEND_FUA | nbd::TX_CAN_MULTI_CONN;
+    if read_only {
+        f |= nbd::TX_READ_ONLY;
+    } else {
+        f |= nbd::TX_SEND_TRIM | nbd::TX_SEND_WRITE_ZEROES;
+    }
+    f
+}
+
+fn export_info(name: &str, dev: &dyn BlockDev, read_only: bool) -> Result<ExportInfo> {
+    if name.len() > nbd::EXPORT_NAME_MAX_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "export name longer than {} bytes",
+            nbd::EXPORT_NAME_MAX_BYTES
+        )));
+    }
+    let size = dev.size();
+    if size % u64::from(nbd::MIN_BLOCK_BYTES) != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "export '{name}': size {size} is not a multiple of {} bytes",
+            nbd::MIN_BLOCK_BYTES
+        )));
+    }
+    let preferred = dev
+        .block_size()
+        .clamp(nbd::PREFERRED_BLOCK_BYTES, 65536)
+        .next_power_of_two();
+    Ok(ExportInfo {
+        name: name.to_string(),
+        description: format!("ucrypt volume, {} byte sectors", dev.block_size()),
+        size_bytes: size,
+        tx_flags: tx_flags(read_only || dev.read_only()),
+        min_block_bytes: nbd::MIN_BLOCK_BYTES,
+        preferred_block_bytes: preferred,
+        max_payload_bytes: nbd::MAX_PAYLOAD_BYTES,
+    })
+}
+
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+fn bind_unix(path: &Path) -> Result<UnixListener> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            return Err(Error::InvalidArgument(format!(
+                "{} exists and is not a socket",
+                path.display()
+            )));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(Error::InvalidArgument(format!(
+                "{} is in use by another server",
+                path.display()
+            )));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| Error::io(format!("removing stale {}", path.display()), e))?;
+    }
+    // Bind with a umask that leaves the socket 0600 from its first instant: a chmod after bind
+    // would leave a window in which anyone could connect.
+    // SAFETY: umask only swaps the process file mode mask; it cannot fail or touch memory.
+    let old = unsafe { libc::umask(0o177) };
+    let r = UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old) };
+    let l = r.map_err(|e| Error::io(format!("binding {}", path.display()), e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
+    Ok(l)
+}
+
+/// URIs a client would use, one per export.
+fn uris(listen: &Listener, names: &[&str], tls: bool) -> Vec<String> {
+    names
+        .iter()
+        .map(|n| match listen {
+            Listener::Unix(_, p) => {
+                let s = if tls { "nbds+unix" } else { "nbd+unix" };
+                format!("{s}:///{n}?socket={}", p.display())
+            }
+            Listener::Tcp(l) => {
+                let s = if tls { "nbds" } else { "nbd" };
+                match l.local_addr() {
+                    Ok(a) if a.is_ipv6() => format!("{s}://[{}]:{}/{n}", a.ip(), a.port()),
+                    Ok(a) => format!("{s}://{}:{}/{n}", a.ip(), a.port()),
+                    Err(_) => format!("{s}://?/{n}"),
+                }
+            }
+        })
+        .collect()
+}
+
+/// Tells systemd we are ready if it asked (`NOTIFY_SOCKET`); a datagram, no library needed.
+fn sd_notify_ready() {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = UnixDatagram::unbound() else {
+        return;
+    };
+    let bytes = path.as_encoded_bytes();
+    let r = if let Some(name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(name)
+            .and_then(|a| sock.send_to_addr(b"READY=1", &a))
+    } else {
+        sock.send_to(b"READY=1", Path::new(&path))
+    };
+    if let Err(e) = r {
+        eprintln!("ucrypt: sd_notify failed: {e}");
+    }
+}
+
+/// Waits up to `ms` for the listener to become readable.
+fn poll_readable(fd: i32, ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `p` is a valid, initialised pollfd array of length 1 living across the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n > 0 && p.revents & libc::POLLIN != 0
+}
+
+/// Serves `exports` (the first is the default export) until `stop` becomes true, then stops
+/// accepting, lets every connection finish its in-flight requests, flushes every device and
+/// returns.
+pub fn serve(
+    exports: Vec<(String, Arc<dyn BlockDev>)>,
+    listen: &Listen,
+    opts: ServerOptions,
+    stop: Arc<AtomicBool>,
+) -> Result<()> {
+    if exports.is_empty() {
+        return Err(Error::InvalidArgument("no export to serve".into()));
+    }
+    let mut rt = Vec::new();
+    for (name, dev) in exports {
+        if rt.iter().any(|e: &Export| e.info.name == name) {
+            return Err(Error::InvalidArgument(format!(
+                "export name '{name}' given twice"
+            )));
+        }
+        let info = export_info(&name, dev.as_ref(), opts.read_only)?;
+        rt.push(Export { dev, info });
+    }
+    if matches!(listen, Listen::Tcp { .. }) && opts.tls.is_none() && !opts.insecure_plaintext {
+        return Err(Error::InvalidArgument(
+            "TCP without TLS exposes the plaintext volume to the network: give --tls-cert and \
+             --tls-key, or --insecure-plaintext"
+                .into(),
+        ));
+    }
+    let listener = match listen {
+        Listen::Unix(p) => Listener::Unix(bind_unix(p)?, p.clone()),
+        Listen::Tcp { host, port } => {
+            let addrs: Vec<_> = (host.as_str(), *port)
+                .to_socket_addrs()
+                .map_err(|e| Error::io(format!("resolving {host}"), e))?
+                .collect();
+            Listener::Tcp(
+                TcpListener::bind(&addrs[..])
+                    .map_err(|e| Error::io(format!("binding {host}:{port}"), e))?,
+            )
+        }
+    };
+    if let Some(pf) = &opts.pid_file {
+        std::fs::write(pf, format!("{}\n", std::process::id()))
+            .map_err(|e| Error::io(format!("writing pid file {}", pf.display()), e))?;
+    }
+    let names: Vec<&str> = rt.iter().map(|e| e.info.name.as_str()).collect();
+    let announce = uris(&listener, &names, opts.tls.is_some());
+    let shared = Arc::new(Shared {
+        exports: rt,
+        tls: opts.tls.clone(),
+        stop: stop.clone(),
+        live: Mutex::new(Vec::new()),
+    });
+    if opts.announce {
+        let mut out = io::stdout().lock();
+        for u in &announce {
+            let _ = writeln!(out, "ready: {u}");
+        }
+        let _ = out.flush();
+        sd_notify_ready();
+    }
+
+    let fd = match &listener {
+        Listener::Unix(l, _) => l.as_raw_fd(),
+        Listener::Tcp(l) => l.as_raw_fd(),
+    };
+    let next_id = AtomicU64::new(0);
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        if !poll_readable(fd, ACCEPT_POLL_MS) {
+            continue;
+        }
+        let sock = match &listener {
+            Listener::Unix(l, _) => l.accept().map(|(s, _)| Sock::Unix(s)),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nodelay(true);
+                Sock::Tcp(s)
+            }),
+        };
+        let sock = match sock {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("ucrypt: accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        threads.retain(|t| !t.is_finished());
+        if threads.len() >= CONNECTIONS_MAX {
+            eprintln!("ucrypt: refusing connection: {CONNECTIONS_MAX} already open");
+            drop(sock);
+            continue;
+        }
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        match sock.try_clone() {
+            Ok(c) => lock(&shared.live).push((id, c)),
+            Err(e) => {
+                eprintln!("ucrypt: {e}");
+                continue;
+            }
+        }
+        let sh = shared.clone();
+        let t = std::thread::Builder::new()
+            .name(format!("nbd-conn-{id}"))
+            .spawn(move || {
+                if let Err(e) = conn::run(sock, &sh) {
+                    eprintln!("ucrypt: connection {id}: {e}");
+                }
+                lock(&sh.live).retain(|(i, _)| *i != id);
+            });
+        match t {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                eprintln!("ucrypt: cannot start connection thread: {e}");
+                lock(&shared.live).retain(|(i, _)| *i != id);
+            }
+        }
+    }
+
+    // Stop: no new connections; end every connection's read side so it stops taking
+    // requests, finishes what is in flight and replies; then flush.
+    listener_close(listener);
+    for (_, s) in lock(&shared.live).iter() {
+        let _ = s.shutdown_read();
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    let mut result = Ok(());
+    for e in &shared.exports {
+        if e.info.tx_flags & nbd::TX_READ_ONLY == 0 {
+            if let Err(err) = e.dev.flush() {
+                eprintln!("ucrypt: flushing export '{}': {err}", e.info.name);
+                result = Err(err);
+            }
+        }
+    }
+    if let Some(pf) = &opts.pid_file {
+        let _ = std::fs::remove_file(pf);
+    }
+    result
+}
+
+fn listener_close(l: Listener) {
+    if let Listener::Unix(l, p) = l {
+        drop(l);
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+/// Locks a mutex, taking the data even if another thread panicked while holding it: every
+/// structure guarded here stays consistent between statements.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `ucrypt serve`: serve volumes to NBD clients.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    volume: crate::open::VolumeArgs,
+    /// Where to listen: unix:PATH (socket mode 0600) or tcp:HOST:PORT (TLS required).
+    #[arg(long)]
+    nbd: Listen,
+    /// Export name of VOLUME (default: its file name). It is also the default export.
+    #[arg(long = "export-name")]
+    export_name: Option<String>,
+    /// More exports from the same process, NAME=PATH, opened with the same options.
+    #[arg(long = "add-export", value_name = "NAME=PATH")]
+    add_export: Vec<String>,
+    #[arg(long)]
+    pid_file: Option<PathBuf>,
+    /// Server certificate (PEM) for NBD_OPT_STARTTLS.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
+    /// Serve TCP without TLS (anyone on the network path sees the plaintext volume).
+    #[arg(long)]
+    insecure_plaintext: bool,
+    /// Serve the files as they are, without encryption (tests and benchmark baseline).
+    #[arg(long, conflicts_with = "cipher")]
+    unencrypted: bool,
+}
+
+fn open_one(a: &ServeArgs, path: &Path) -> Result<Arc<dyn BlockDev>> {
+    if a.unencrypted {
+        return Ok(Arc::new(dev::FileDev::open(path, a.volume.read_only)?));
+    }
+    let mut v = a.volume.clone();
+    v.volume = path.to_path_buf();
+    v.open().map_err(Error::InvalidArgument)
+}
+
+fn open_volumes(a: &ServeArgs) -> Result<Vec<(String, Arc<dyn BlockDev>)>> {
+    let file_name = |p: &Path| {
+        p.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let first = a
+        .export_name
+        .clone()
+        .unwrap_or_else(|| file_name(&a.volume.volume));
+    let mut out = vec![(first, open_one(a, &a.volume.volume)?)];
+    for spec in &a.add_export {
+        let (name, path) = spec.split_once('=').ok_or_else(|| {
+            Error::InvalidArgument(format!("--add-export '{spec}': expected NAME=PATH"))
+        })?;
+        out.push((name.to_string(), open_one(a, Path::new(path))?));
+    }
+    Ok(out)
+}
+
+pub fn run_serve(a: ServeArgs) -> i32 {
+    match serve_cli(a) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("ucrypt serve: {e}");
+            1
+        }
+    }
+}
+
+fn serve_cli(a: ServeArgs) -> Result<()> {
+    let exports = open_volumes(&a)?;
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: a.tls_ca.clone(),
+        })?),
+        _ => None,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| Error::io("installing signal handler", e))?;
+    }
+    let opts = ServerOptions {
+        read_only: a.volume.read_only,
+        tls,
+        insecure_plaintext: a.insecure_plaintext,
+        pid_file: a.pid_file.clone(),
+        announce: true,
+    };
+    serve(exports, &a.nbd, opts, stop)
+}

@@ -1,0 +1,440 @@
+//! One connection: the handshake (driven over the codec), then the transmission phase with a
+//! reader (this thread), a bounded worker pool and a writer lock.
+
+use std::io::{self, BufReader, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use ucrypt::nbd::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
+use ucrypt::nbd::{self, Command, Decoded, Handshake, NbdError, RequestHeader, Step, TlsPolicy};
+use ucrypt::{BlockDev, Error, Result};
+
+use super::{lock, tls, Export, Shared, WORKERS_PER_CONNECTION};
+
+/// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
+/// At least one maximum payload so any single valid request can proceed.
+pub const INFLIGHT_BYTES_MAX: u64 = 2 * nbd::MAX_PAYLOAD_BYTES as u64;
+/// Requests parsed but not yet picked up by a worker; beyond this the reader stops reading
+/// and the client's socket buffer fills (back-pressure).
+pub const QUEUED_REQUESTS_MAX: usize = 64;
+/// A client must finish option haggling within this time, so a silent client cannot hold a
+/// connection slot forever.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A reply that cannot be written for this long means the client stopped reading: the
+/// connection is dropped, so a stuck client cannot pin workers (or block server shutdown).
+const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Reader buffer: many 28-byte headers (and small writes) per syscall.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// Chunk used to read and drop the payload of a refused write.
+const DISCARD_CHUNK_BYTES: usize = 64 * 1024;
+
+/// A connected stream socket of either family.
+pub enum Sock {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Sock {
+    pub fn try_clone(&self) -> io::Result<Sock> {
+        Ok(match self {
+            Sock::Unix(s) => Sock::Unix(s.try_clone()?),
+            Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
+        })
+    }
+    pub fn shutdown_read(&self) -> io::Result<()> {
+        self.shutdown(Shutdown::Read)
+    }
+    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Sock::Unix(s) => s.shutdown(how),
+            Sock::Tcp(s) => s.shutdown(how),
+        }
+    }
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Unix(s) => s.set_read_timeout(t),
+            Sock::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Unix(s) => s.set_write_timeout(t),
+            Sock::Tcp(s) => s.set_write_timeout(t),
+        }
+    }
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Sock::Unix(s) => s.set_nonblocking(on),
+            Sock::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+}
+
+impl AsRawFd for Sock {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Sock::Unix(s) => s.as_raw_fd(),
+            Sock::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl Read for Sock {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Sock::Unix(s) => s.read(buf),
+            Sock::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Sock {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Sock::Unix(s) => s.write(buf),
+            Sock::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn net(context: &str, e: io::Error) -> Error {
+    Error::io(context.to_string(), e)
+}
+
+/// Serves one connection to its end.
+pub fn run(sock: Sock, shared: &Shared) -> Result<()> {
+    let Some((sock, export)) = negotiate(sock, shared)? else {
+        return Ok(());
+    };
+    transmit(sock, &shared.exports[export])
+}
+
+/// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first byte.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Runs the handshake; `None` if the client left or aborted.
+fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
+    let policy = if shared.tls.is_some() {
+        TlsPolicy::Required
+    } else {
+        TlsPolicy::Disabled
+    };
+    let infos = shared.exports.iter().map(|e| e.info.clone()).collect();
+    let mut hs = Handshake::new(infos, policy);
+    sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(|e| net("socket", e))?;
+    let mut buf = Vec::new();
+    loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            hs.set_shutting_down();
+        }
+        let out = hs.take_output();
+        if !out.is_empty() {
+            sock.write_all(&out)
+                .map_err(|e| net("sending handshake", e))?;
+        }
+        let want = hs.bytes_wanted();
+        buf.resize(want, 0);
+        match read_full(&mut sock, &mut buf) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(e) => return Err(net("reading handshake", e)),
+        }
+        match hs.feed(&buf)? {
+            Step::Continue => {}
+            Step::StartTls => {
+                sock.write_all(&hs.take_output())
+                    .map_err(|e| net("sending handshake", e))?;
+                let Some(cfg) = shared.tls.clone() else {
+                    return Err(Error::Bug("STARTTLS accepted without a TLS configuration"));
+                };
+                sock = tls::upgrade(sock, cfg).map_err(|e| net("starting TLS", e))?;
+                sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+                    .map_err(|e| net("socket", e))?;
+                hs.tls_established();
+            }
+            Step::Transmission(n) => {
+                sock.write_all(&hs.take_output())
+                    .map_err(|e| net("sending handshake", e))?;
+                sock.set_read_timeout(None).map_err(|e| net("socket", e))?;
+                return Ok(Some((sock, n.export)));
+            }
+            Step::Abort => {
+                let _ = sock.write_all(&hs.take_output());
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// Counts payload bytes held by a connection; the reader waits when the budget is spent.
+struct Budget {
+    used: Mutex<u64>,
+    freed: Condvar,
+}
+
+impl Budget {
+    fn acquire(&self, n: u64) {
+        let mut used = lock(&self.used);
+        // A request larger than what is left waits until others finish; alone it always
+        // proceeds (its size is bounded by the maximum payload).
+        while *used > 0 && *used + n > INFLIGHT_BYTES_MAX {
+            used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+        }
+        *used += n;
+    }
+    fn release(&self, n: u64) {
+        *lock(&self.used) -= n;
+        self.freed.notify_all();
+    }
+}
+
+struct Job {
+    cookie: u64,
+    command: Command,
+    /// For writes: the payload. For reads: empty, the worker allocates.
+    payload: Vec<u8>,
+    charged: u64,
+}
+
+/// Everything a worker needs.
+struct Ctx {
+    dev: Arc<dyn BlockDev>,
+    /// Requests handed to workers and not yet finished.
+    queued: AtomicUsize,
+    writer: Mutex<Sock>,
+    budget: Budget,
+}
+
+impl Ctx {
+    /// Sends one reply; on failure the connection is dead: shut it so the reader stops too.
+    fn send(&self, bytes: &[u8]) {
+        let mut w = lock(&self.writer);
+        if w.write_all(bytes).is_err() {
+            let _ = w.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn reply(&self, cookie: u64, r: Result<()>) {
+        let err = r.err().map(|e| NbdError::from_error(&e));
+        self.send(&nbd::encode_simple_reply(cookie, err));
+    }
+
+    fn execute(&self, job: Job) {
+        let dev = self.dev.as_ref();
+        let durable = |r: Result<()>, fua: bool| if r.is_ok() && fua { dev.flush() } else { r };
+        match job.command {
+            Command::Read { offset, len } => {
+                // Header and data in one buffer so the reply is a single write.
+                let mut buf = vec![0u8; SIMPLE_REPLY_BYTES + len as usize];
+                match dev.read_at(&mut buf[SIMPLE_REPLY_BYTES..], offset) {
+                    Ok(()) => {
+                        buf[..SIMPLE_REPLY_BYTES]
+                            .copy_from_slice(&nbd::encode_simple_reply(job.cookie, None));
+                        self.send(&buf);
+                    }
+                    // On error no data follows the header (simple replies, spec).
+                    Err(e) => self.reply(job.cookie, Err(e)),
+                }
+            }
+            Command::Write { offset, fua, .. } => {
+                self.reply(job.cookie, durable(dev.write_at(&job.payload, offset), fua))
+            }
+            Command::Flush => self.reply(job.cookie, dev.flush()),
+            Command::Trim { offset, len, fua } => self.reply(
+                job.cookie,
+                durable(dev.discard(offset, u64::from(len)), fua),
+            ),
+            // NO_HOLE needs nothing extra: the BlockDev writes zeroes as data (on an encrypted
+            // volume, zeroes are ciphertext), so the range is always provisioned.
+            Command::WriteZeroes {
+                offset, len, fua, ..
+            } => self.reply(
+                job.cookie,
+                durable(dev.write_zeroes(offset, u64::from(len)), fua),
+            ),
+            Command::Disconnect => {}
+        }
+        self.budget.release(job.charged);
+    }
+}
+
+fn worker(ctx: Arc<Ctx>, rx: Arc<Mutex<Receiver<Job>>>) {
+    loop {
+        let job = match lock(&rx).recv() {
+            Ok(j) => j,
+            Err(_) => return,
+        };
+        ctx.execute(job);
+        ctx.queued.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The transmission phase: this thread reads and validates requests; workers execute them.
+fn transmit(sock: Sock, export: &Export) -> Result<()> {
+    let info = &export.info;
+    let limits = nbd::TransmissionLimits {
+        size_bytes: info.size_bytes,
+        tx_flags: info.tx_flags,
+        min_block_bytes: info.min_block_bytes,
+        max_payload_bytes: info.max_payload_bytes,
+    };
+    let writer = sock.try_clone().map_err(|e| net("socket", e))?;
+    writer
+        .set_write_timeout(Some(REPLY_WRITE_TIMEOUT))
+        .map_err(|e| net("socket", e))?;
+    let ctx = Arc::new(Ctx {
+        dev: export.dev.clone(),
+        queued: AtomicUsize::new(0),
+        writer: Mutex::new(writer),
+        budget: Budget {
+            used: Mutex::new(0),
+            freed: Condvar::new(),
+        },
+    });
+    let (tx, rx) = sync_channel::<Job>(QUEUED_REQUESTS_MAX);
+    let rx = Arc::new(Mutex::new(rx));
+    let mut workers = Vec::with_capacity(WORKERS_PER_CONNECTION);
+    for i in 0..WORKERS_PER_CONNECTION {
+        let (c, r) = (ctx.clone(), rx.clone());
+        match std::thread::Builder::new()
+            .name(format!("nbd-worker-{i}"))
+            .spawn(move || worker(c, r))
+        {
+            Ok(t) => workers.push(t),
+            Err(e) if workers.is_empty() => return Err(net("starting workers", e)),
+            Err(_) => break,
+        }
+    }
+
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, sock);
+    let mut outcome: Result<()> = Ok(());
+    let mut hdr = [0u8; REQUEST_HEADER_BYTES];
+    loop {
+        match read_full(&mut reader, &mut hdr) {
+            Ok(true) => {}
+            Ok(false) => break, // client closed (or server stopping): finish in-flight work
+            Err(e) => {
+                outcome = Err(net("reading request", e));
+                break;
+            }
+        }
+        let h = match RequestHeader::parse(&hdr) {
+            Ok(h) => h,
+            Err(e) => {
+                outcome = Err(e);
+                break;
+            }
+        };
+        match nbd::decode_request(&h, &limits) {
+            Decoded::Fatal(why) => {
+                outcome = Err(Error::NbdProtocol(why.into()));
+                break;
+            }
+            Decoded::Reject {
+                cookie,
+                error,
+                skip_payload_bytes,
+            } => {
+                if let Err(e) = discard(&mut reader, skip_payload_bytes as usize) {
+                    outcome = Err(net("reading refused payload", e));
+                    break;
+                }
+                ctx.send(&nbd::encode_simple_reply(cookie, Some(error)));
+            }
+            Decoded::Ok(req) => {
+                let mut job = Job {
+                    cookie: req.cookie,
+                    command: req.command,
+                    payload: Vec::new(),
+                    charged: 0,
+                };
+                match req.command {
+                    Command::Disconnect => break,
+                    Command::Write { len, .. } => {
+                        job.charged = u64::from(len);
+                        ctx.budget.acquire(job.charged);
+                        job.payload = vec![0u8; len as usize];
+                        if let Err(e) = reader.read_exact(&mut job.payload) {
+                            ctx.budget.release(job.charged);
+                            // A client that vanishes mid-payload: this write was never
+                            // acknowledged, so dropping it loses nothing promised.
+                            outcome = Err(net("reading write payload", e));
+                            break;
+                        }
+                    }
+                    Command::Read { len, .. } => {
+                        job.charged = u64::from(len);
+                        ctx.budget.acquire(job.charged);
+                    }
+                    _ => {}
+                }
+                // Fast path for a client with one request at a time (QD1): when no worker is
+                // busy and no further request is already buffered, executing here saves two
+                // thread hand-offs; the next request could not have been read any sooner.
+                if ctx.queued.load(Ordering::Acquire) == 0 && reader.buffer().is_empty() {
+                    ctx.execute(job);
+                    continue;
+                }
+                ctx.queued.fetch_add(1, Ordering::AcqRel);
+                if tx.send(job).is_err() {
+                    outcome = Err(Error::Bug("nbd workers exited early"));
+                    break;
+                }
+            }
+        }
+    }
+    drop(tx);
+    for w in workers {
+        let _ = w.join();
+    }
+    // Every reply is out. Make acknowledged writes durable before the connection goes away,
+    // so a client that disconnects without a flush loses nothing it was told succeeded.
+    if info.tx_flags & nbd::TX_READ_ONLY == 0 {
+        export.dev.flush()?;
+    }
+    let w = lock(&ctx.writer);
+    let _ = w.shutdown(Shutdown::Both);
+    // A peer that hangs up is the normal end of a session, not an error worth reporting.
+    match outcome {
+        Err(Error::Io { ref source, .. })
+            if matches!(
+                source.kind(),
+                io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+            ) =>
+        {
+            Ok(())
+        }
+        o => o,
+    }
+}
+
+fn discard(r: &mut impl Read, mut n: usize) -> io::Result<()> {
+    let mut sink = [0u8; DISCARD_CHUNK_BYTES];
+    while n > 0 {
+        let k = n.min(sink.len());
+        r.read_exact(&mut sink[..k])?;
+        n -= k;
+    }
+    Ok(())
+}

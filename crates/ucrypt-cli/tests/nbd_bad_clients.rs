@@ -1,0 +1,317 @@
+//! Hostile and broken clients against a running server, over a raw unix socket: truncated and
+//! malformed handshakes, unknown options and commands, out-of-range, unaligned and oversized
+//! requests, clients that vanish mid-request. After each, the server must still be alive and
+//! serve a well-behaved client; nothing acknowledged may be lost.
+
+mod nbd_common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use nbd_common::*;
+
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const SIZE: u64 = 4 << 20;
+
+struct Raw(UnixStream);
+
+impl Raw {
+    fn connect(dir: &TempDir) -> Raw {
+        let s = UnixStream::connect(dir.path("sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut r = Raw(s);
+        let mut greet = [0u8; 18];
+        r.0.read_exact(&mut greet).unwrap();
+        assert_eq!(&greet[..8], b"NBDMAGIC");
+        r
+    }
+    fn send(&mut self, b: &[u8]) -> bool {
+        self.0.write_all(b).is_ok()
+    }
+    fn option(&mut self, code: u32, data: &[u8]) -> bool {
+        let mut v = IHAVEOPT.to_be_bytes().to_vec();
+        v.extend_from_slice(&code.to_be_bytes());
+        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        v.extend_from_slice(data);
+        self.send(&v)
+    }
+    /// Reads one option reply: (option, type, data).
+    fn opt_reply(&mut self) -> Option<(u32, u32, Vec<u8>)> {
+        let mut h = [0u8; 20];
+        self.0.read_exact(&mut h).ok()?;
+        assert_eq!(
+            u64::from_be_bytes(h[..8].try_into().unwrap()),
+            OPT_REPLY_MAGIC
+        );
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut d = vec![0u8; len];
+        self.0.read_exact(&mut d).ok()?;
+        Some((
+            u32::from_be_bytes(h[8..12].try_into().unwrap()),
+            u32::from_be_bytes(h[12..16].try_into().unwrap()),
+            d,
+        ))
+    }
+    /// Sends GO for `name` and reads replies up to the final one; returns its type.
+    fn go(&mut self, name: &str) -> u32 {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        d.extend_from_slice(&1u16.to_be_bytes());
+        d.extend_from_slice(&3u16.to_be_bytes()); // NBD_INFO_BLOCK_SIZE
+        assert!(self.option(7, &d));
+        loop {
+            let (_, t, _) = self.opt_reply().expect("GO reply");
+            if t != 3 {
+                return t;
+            }
+        }
+    }
+    fn start(dir: &TempDir) -> Raw {
+        let mut r = Raw::connect(dir);
+        assert!(r.send(&1u32.to_be_bytes()));
+        assert_eq!(r.go("disk"), 1, "GO not acknowledged");
+        r
+    }
+    fn request(&mut self, kind: u16, flags: u16, cookie: u64, offset: u64, len: u32) -> bool {
+        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
+        b.extend_from_slice(&flags.to_be_bytes());
+        b.extend_from_slice(&kind.to_be_bytes());
+        b.extend_from_slice(&cookie.to_be_bytes());
+        b.extend_from_slice(&offset.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        self.send(&b)
+    }
+    /// Reads a simple reply: (error, cookie).
+    fn reply(&mut self) -> Option<(u32, u64)> {
+        let mut h = [0u8; 16];
+        self.0.read_exact(&mut h).ok()?;
+        assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), 0x6744_6698);
+        Some((
+            u32::from_be_bytes(h[4..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        ))
+    }
+    /// True if the server closed the connection (EOF) within the read timeout.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.0.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+fn serve(dir: &TempDir) -> Server {
+    make_image(&dir.path("disk"), SIZE as usize, Some(0xbad));
+    let disk = dir.s("disk");
+    let listen = format!("unix:{}", dir.s("sock"));
+    Server::start(
+        &[
+            &disk,
+            "--nbd",
+            &listen,
+            "--unencrypted",
+            "--export-name",
+            "disk",
+        ],
+        1,
+    )
+}
+
+/// A well-behaved session: write, read back, flush.
+fn healthy(dir: &TempDir) {
+    let mut c = Raw::start(dir);
+    let data = pattern(8192, 42);
+    assert!(c.request(1, 0, 1, SIZE - 8192, 8192) && c.send(&data));
+    assert_eq!(c.reply(), Some((0, 1)));
+    assert!(c.request(0, 0, 2, SIZE - 8192, 8192));
+    assert_eq!(c.reply(), Some((0, 2)));
+    let mut back = vec![0u8; 8192];
+    c.0.read_exact(&mut back).unwrap();
+    assert_eq!(back, data);
+    assert!(c.request(3, 0, 3, 0, 0));
+    assert_eq!(c.reply(), Some((0, 3)));
+    assert!(c.request(2, 0, 4, 0, 0));
+    assert!(c.closed());
+}
+
+#[test]
+fn malformed_handshakes_are_disconnected_and_server_survives() {
+    let dir = TempDir::new("bad-hs");
+    let mut srv = serve(&dir);
+    type Case = (&'static str, fn(&mut Raw) -> bool);
+    #[rustfmt::skip]
+    let cases: Vec<Case> = vec![
+        ("close at once", |_| true),
+        ("truncated client flags", |c| c.send(&[0, 0])),
+        ("unknown client flags", |c| c.send(&0xffff_ffffu32.to_be_bytes())),
+        ("bad option magic", |c| c.send(&1u32.to_be_bytes()) && c.send(&[0u8; 16])),
+        ("4 GiB option length", |c| c.send(&1u32.to_be_bytes()) && c.send(&IHAVEOPT.to_be_bytes()) && c.send(&[0, 0, 0, 9, 0xff, 0xff, 0xff, 0xff])),
+        ("truncated option data", |c| c.send(&1u32.to_be_bytes()) && c.send(&IHAVEOPT.to_be_bytes()) && c.send(&[0, 0, 0, 7, 0, 0, 1, 0, 1, 2, 3])),
+        ("EXPORT_NAME of unknown export", |c| c.send(&1u32.to_be_bytes()) && c.option(1, b"nope")),
+        ("EXPORT_NAME of 5000 bytes", |c| c.send(&1u32.to_be_bytes()) && c.option(1, &[b'x'; 5000])),
+    ];
+    for (name, act) in cases {
+        let mut c = Raw::connect(&dir);
+        act(&mut c);
+        drop(c);
+        assert!(srv.alive(), "server died after '{name}'");
+        healthy(&dir);
+    }
+    // Disconnects that the server must cause itself (not just notice).
+    for (name, payload) in [
+        ("unknown client flags", vec![0xffu8; 4]),
+        (
+            "bad option magic",
+            [1u32.to_be_bytes().to_vec(), vec![0u8; 16]].concat(),
+        ),
+    ] {
+        let mut c = Raw::connect(&dir);
+        c.send(&payload);
+        assert!(c.closed(), "'{name}' did not disconnect");
+    }
+    assert_eq!(srv.stop(), Some(0));
+}
+
+#[test]
+fn option_errors_are_replies_not_disconnects() {
+    let dir = TempDir::new("bad-opt");
+    let srv = serve(&dir);
+    let mut c = Raw::connect(&dir);
+    assert!(c.send(&1u32.to_be_bytes()));
+    #[rustfmt::skip]
+    let cases: Vec<(&str, u32, Vec<u8>, u32)> = vec![
+        ("unknown option", 0x4242, b"junk".to_vec(), 0x8000_0001),
+        ("structured replies unsupported", 8, vec![], 0x8000_0001),
+        ("STARTTLS without TLS", 5, vec![], 0x8000_0002),
+        ("LIST with data", 3, vec![1], 0x8000_0003),
+        ("INFO too short", 6, vec![0, 0], 0x8000_0003),
+        ("INFO name past end", 6, vec![0, 0, 1, 0, 0, 0], 0x8000_0003),
+        ("INFO unknown export", 6, [3u32.to_be_bytes().to_vec(), b"zzz".to_vec(), vec![0, 0]].concat(), 0x8000_0006),
+        ("GO unknown export", 7, [3u32.to_be_bytes().to_vec(), b"zzz".to_vec(), vec![0, 0]].concat(), 0x8000_0006),
+    ];
+    for (name, code, data, want) in cases {
+        assert!(c.option(code, &data));
+        let (o, t, _) = c
+            .opt_reply()
+            .unwrap_or_else(|| panic!("'{name}': no reply"));
+        assert_eq!((o, t), (code, want), "case '{name}'");
+    }
+    assert_eq!(c.go("disk"), 1);
+    assert!(c.request(2, 0, 0, 0, 0));
+    drop(srv);
+}
+
+#[test]
+fn bad_requests_get_errors_and_the_stream_stays_in_sync() {
+    let dir = TempDir::new("bad-req");
+    let mut srv = serve(&dir);
+    let mut c = Raw::start(&dir);
+    const EPERM: u32 = 1;
+    const EINVAL: u32 = 22;
+    const ENOSPC: u32 = 28;
+    let _ = EPERM;
+    #[rustfmt::skip]
+    let cases: Vec<(&str, u16, u16, u64, u32, bool, u32)> = vec![
+        // name, kind, flags, offset, len, sends payload, expected error
+        ("unknown command", 0x55, 0, 0, 0, false, EINVAL),
+        ("block status not negotiated", 7, 0, 0, 512, false, EINVAL),
+        ("read past end", 0, 0, SIZE - 512, 1024, false, EINVAL),
+        ("read offset overflow", 0, 0, u64::MAX - 511, 1024, false, EINVAL),
+        ("read unaligned", 0, 0, 100, 512, false, EINVAL),
+        ("read over max payload", 0, 0, 0, (32 << 20) + 512, false, EINVAL),
+        ("write past end (payload skipped)", 1, 0, SIZE, 4096, true, ENOSPC),
+        ("write unaligned (payload skipped)", 1, 0, 3, 512, true, EINVAL),
+        ("write with unknown flag", 1, 0x80, 0, 512, true, EINVAL),
+        ("trim past end", 4, 0, SIZE, 512, false, EINVAL),
+        ("write zeroes past end", 6, 0, SIZE - 512, 4096, false, ENOSPC),
+        ("flush with a length", 3, 0, 0, 512, false, EINVAL),
+    ];
+    for (i, (name, kind, flags, off, len, payload, want)) in cases.into_iter().enumerate() {
+        let cookie = 0x1000 + i as u64;
+        assert!(c.request(kind, flags, cookie, off, len));
+        if payload {
+            assert!(c.send(&vec![0xee; len as usize]));
+        }
+        assert_eq!(c.reply(), Some((want, cookie)), "case '{name}'");
+    }
+    // Still in sync: a valid read returns the original data.
+    assert!(c.request(0, 0, 9, 0, 4096));
+    assert_eq!(c.reply(), Some((0, 9)));
+    let mut back = vec![0u8; 4096];
+    c.0.read_exact(&mut back).unwrap();
+    assert_eq!(back, pattern(SIZE as usize, 0xbad)[..4096]);
+    // A write larger than the maximum payload cannot be skipped safely: disconnect.
+    assert!(c.request(1, 0, 10, 0, (32 << 20) + 1));
+    assert!(c.closed());
+    // Bad request magic: disconnect.
+    let mut c = Raw::start(&dir);
+    assert!(c.send(&[0u8; 28]));
+    assert!(c.closed());
+    assert!(srv.alive());
+    healthy(&dir);
+    drop(srv);
+}
+
+#[test]
+fn vanishing_clients_lose_nothing_acknowledged() {
+    let dir = TempDir::new("vanish");
+    let mut srv = serve(&dir);
+    // Acknowledged write, then a second write whose payload is cut off, then gone.
+    let mut c = Raw::start(&dir);
+    assert!(c.request(1, 0, 1, 0, 4096) && c.send(&[0x61; 4096]));
+    assert_eq!(c.reply(), Some((0, 1)));
+    assert!(c.request(1, 0, 2, 4096, 1 << 20) && c.send(&[0x62; 1000]));
+    drop(c);
+    // A client that pipelines many reads and never reads the replies.
+    let mut c = Raw::start(&dir);
+    for i in 0..200 {
+        if !c.request(0, 0, i, 0, 1 << 20) {
+            break;
+        }
+    }
+    drop(c);
+    // A client that sends half a header.
+    let mut c = Raw::start(&dir);
+    assert!(c.send(&[0x25, 0x60, 0x95]));
+    drop(c);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(srv.alive());
+    healthy(&dir);
+    assert_eq!(srv.stop(), Some(0));
+    let data = std::fs::read(dir.path("disk")).unwrap();
+    assert!(
+        data[..4096].iter().all(|&b| b == 0x61),
+        "acknowledged write lost"
+    );
+    assert_eq!(
+        data[4096..8192],
+        pattern(SIZE as usize, 0xbad)[4096..8192],
+        "unacknowledged partial write applied"
+    );
+}
+
+#[test]
+fn many_connections_are_bounded_and_recover() {
+    let dir = TempDir::new("many");
+    let mut srv = serve(&dir);
+    // Open more handshaking connections than the limit; the extra ones are closed.
+    let mut conns: Vec<UnixStream> = Vec::new();
+    for _ in 0..24 {
+        let s = UnixStream::connect(dir.path("sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        conns.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    let mut served = 0;
+    for s in conns.iter_mut() {
+        let mut g = [0u8; 18];
+        if s.read_exact(&mut g).is_ok() {
+            served += 1;
+        }
+    }
+    assert!(served <= 16, "{served} connections served at once");
+    drop(conns);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(srv.alive());
+    healthy(&dir);
+}

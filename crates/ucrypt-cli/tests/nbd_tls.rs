@@ -1,0 +1,269 @@
+//! TLS (NBD_OPT_STARTTLS) with x509 certificates made at test time by the `openssl` CLI:
+//! qemu-img and libnbd connect with the right CA and client certificate; clients with a
+//! certificate from another CA, without a certificate, or without TLS are refused.
+//! Debian packages: openssl, qemu-utils, libnbd-bin.
+
+mod nbd_common;
+
+use nbd_common::*;
+
+/// Makes a CA and a certificate signed by it into `dir` (`{name}-cert.pem`, `{name}-key.pem`).
+fn ca(dir: &TempDir, name: &str) {
+    ok(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &dir.s(&format!("{name}-key.pem")),
+            "-out",
+            &dir.s(&format!("{name}-cert.pem")),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+    );
+}
+
+fn leaf(dir: &TempDir, ca_name: &str, name: &str, ext: &str) {
+    let key = dir.s(&format!("{name}-key.pem"));
+    let csr = dir.s(&format!("{name}.csr"));
+    let extf = dir.s(&format!("{name}.ext"));
+    std::fs::write(&extf, ext).unwrap();
+    ok(
+        "openssl",
+        &[
+            "req",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &format!("/CN={name}"),
+        ],
+    );
+    ok(
+        "openssl",
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &dir.s(&format!("{ca_name}-cert.pem")),
+            "-CAkey",
+            &dir.s(&format!("{ca_name}-key.pem")),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            &dir.s(&format!("{name}-cert.pem")),
+            "-extfile",
+            &extf,
+        ],
+    );
+}
+
+const SERVER_EXT: &str = "basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n";
+const CLIENT_EXT: &str = "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n";
+
+/// A qemu/libnbd client credentials directory: ca-cert.pem and optionally a client pair.
+fn client_dir(dir: &TempDir, sub: &str, ca: &str, client: Option<&str>) -> String {
+    let d = dir.path(sub);
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::copy(dir.path(&format!("{ca}-cert.pem")), d.join("ca-cert.pem")).unwrap();
+    if let Some(c) = client {
+        std::fs::copy(
+            dir.path(&format!("{c}-cert.pem")),
+            d.join("client-cert.pem"),
+        )
+        .unwrap();
+        std::fs::copy(dir.path(&format!("{c}-key.pem")), d.join("client-key.pem")).unwrap();
+    }
+    d.to_string_lossy().into_owned()
+}
+
+fn port_of(uri: &str) -> String {
+    // nbds://127.0.0.1:PORT/NAME
+    uri.rsplit_once(':')
+        .unwrap()
+        .1
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+fn qemu_img(creds: &str, port: &str, cmd: &[&str]) -> (bool, String) {
+    let obj = format!("tls-creds-x509,id=tls0,dir={creds},endpoint=client");
+    let opts = format!("driver=nbd,host=127.0.0.1,port={port},export=disk,tls-creds=tls0");
+    let mut args: Vec<&str> = vec![cmd[0], "--object", &obj, "--image-opts"];
+    args.extend_from_slice(&cmd[1..]);
+    args.push(&opts);
+    run("qemu-img", &args)
+}
+
+#[test]
+fn tls_with_client_certificates() {
+    if !need("openssl", "openssl")
+        || !need("qemu-img", "qemu-utils")
+        || !need("nbdinfo", "libnbd-bin")
+    {
+        return;
+    }
+    let dir = TempDir::new("tls");
+    ca(&dir, "ca");
+    ca(&dir, "rogue");
+    leaf(&dir, "ca", "server", SERVER_EXT);
+    leaf(&dir, "ca", "client", CLIENT_EXT);
+    leaf(&dir, "rogue", "intruder", CLIENT_EXT);
+    make_image(&dir.path("disk"), 8 << 20, Some(0x7e5));
+    let (cert, key, cacert, disk) = (
+        dir.s("server-cert.pem"),
+        dir.s("server-key.pem"),
+        dir.s("ca-cert.pem"),
+        dir.s("disk"),
+    );
+    let srv = Server::start(
+        &[
+            &disk,
+            "--nbd",
+            "tcp:127.0.0.1:0",
+            "--unencrypted",
+            "--export-name",
+            "disk",
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--tls-ca",
+            &cacert,
+        ],
+        1,
+    );
+    assert!(srv.uri().starts_with("nbds://127.0.0.1:"), "{}", srv.uri());
+    let port = port_of(srv.uri());
+
+    let good = client_dir(&dir, "good", "ca", Some("client"));
+    let (yes, out) = qemu_img(&good, &port, &["info"]);
+    assert!(
+        yes && out.contains("8 MiB"),
+        "qemu-img over TLS failed:\n{out}"
+    );
+    ok(
+        "qemu-io",
+        &[
+            "--object",
+            &format!("tls-creds-x509,id=tls0,dir={good},endpoint=client"),
+            "--image-opts",
+            "-c",
+            "write -P 0x3c 0 1M",
+            "-c",
+            "read -P 0x3c 0 1M",
+            &format!("driver=nbd,host=127.0.0.1,port={port},export=disk,tls-creds=tls0"),
+        ],
+    );
+    let info = ok(
+        "nbdinfo",
+        &[&format!(
+            "nbds://127.0.0.1:{port}/disk?tls-certificates={good}"
+        )],
+    );
+    assert!(
+        info.contains("with TLS") && info.contains("8388608"),
+        "{info}"
+    );
+
+    // Refusals, each must fail; the server must keep serving afterwards.
+    let wrong_cert = client_dir(&dir, "rogue", "ca", Some("intruder"));
+    let no_cert = client_dir(&dir, "nocert", "ca", None);
+    let distrusting = client_dir(&dir, "distrust", "rogue", Some("intruder"));
+    for (what, creds) in [
+        ("client cert from another CA", &wrong_cert),
+        ("no client cert", &no_cert),
+        ("client does not trust server", &distrusting),
+    ] {
+        let (yes, out) = qemu_img(creds, &port, &["info"]);
+        assert!(!yes, "{what}: accepted:\n{out}");
+    }
+    let (yes, out) = run("nbdinfo", &[&format!("nbd://127.0.0.1:{port}/disk")]);
+    assert!(!yes, "plaintext client accepted:\n{out}");
+    let (yes, out) = qemu_img(&good, &port, &["info"]);
+    assert!(yes, "server stopped serving after refusals:\n{out}");
+    assert_eq!(srv.stop(), Some(0));
+    assert!(std::fs::read(dir.path("disk")).unwrap()[..1 << 20]
+        .iter()
+        .all(|&b| b == 0x3c));
+}
+
+#[test]
+fn tls_without_client_ca_accepts_any_tls_client() {
+    if !need("openssl", "openssl") || !need("nbdinfo", "libnbd-bin") {
+        return;
+    }
+    let dir = TempDir::new("tls-anon");
+    ca(&dir, "ca");
+    leaf(&dir, "ca", "server", SERVER_EXT);
+    make_image(&dir.path("disk"), 1 << 20, None);
+    let (cert, key, disk) = (
+        dir.s("server-cert.pem"),
+        dir.s("server-key.pem"),
+        dir.s("disk"),
+    );
+    let srv = Server::start(
+        &[
+            &disk,
+            "--nbd",
+            "tcp:127.0.0.1:0",
+            "--unencrypted",
+            "--export-name",
+            "disk",
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+        ],
+        1,
+    );
+    let port = port_of(srv.uri());
+    let creds = client_dir(&dir, "c", "ca", None);
+    let info = ok(
+        "nbdinfo",
+        &[&format!(
+            "nbds://127.0.0.1:{port}/disk?tls-certificates={creds}"
+        )],
+    );
+    assert!(info.contains("1048576"), "{info}");
+    // Certificate and key problems are reported at start-up, not at the first client.
+    let (yes, out) = run(
+        UCRYPT,
+        &[
+            "serve",
+            &disk,
+            "--nbd",
+            "tcp:127.0.0.1:0",
+            "--unencrypted",
+            "--tls-cert",
+            &key,
+            "--tls-key",
+            &key,
+        ],
+    );
+    assert!(!yes && out.contains("certificate"), "{out}");
+}

@@ -1,0 +1,139 @@
+//! The Volume's contract at its edges: configuration checks, read-only, ranges, zero-length
+//! requests, policy names, stats.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ucrypt::backend::{Backend, MemBackend};
+use ucrypt::engine::Policy;
+use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
+use ucrypt::volume::{Volume, VolumeConfig};
+use ucrypt::{BlockDev, Error, SecretBytes};
+
+fn cfg(sector: SectorSize) -> VolumeConfig {
+    let key: Vec<u8> = (0..64u8).collect();
+    VolumeConfig::new(
+        CipherSpec::AES_XTS_PLAIN64,
+        SecretBytes::from_slice(&key),
+        Geometry::new(sector),
+    )
+}
+
+#[test]
+fn config_errors_table() {
+    let mem = |size: u64, lbs: u32| -> Arc<dyn Backend> {
+        Arc::new(MemBackend::with_block_bytes(size, lbs))
+    };
+    // (what, backend, edit, error must mention)
+    type Edit = fn(&mut VolumeConfig);
+    let rows: Vec<(&str, Arc<dyn Backend>, Edit, &str)> = vec![
+        (
+            "size not a sector multiple",
+            mem(1 << 20, 512),
+            |c| c.size_bytes = Some(1000),
+            "multiple",
+        ),
+        (
+            "size beyond backend",
+            mem(1 << 20, 512),
+            |c| c.size_bytes = Some(2 << 20),
+            "does not fit",
+        ),
+        (
+            "offset beyond backend",
+            mem(1 << 20, 512),
+            |c| c.data_offset_bytes = 4 << 20,
+            "beyond",
+        ),
+        (
+            "offset unaligned",
+            mem(1 << 20, 512),
+            |c| c.data_offset_bytes = 100,
+            "multiple",
+        ),
+        (
+            "sector below block size",
+            mem(1 << 20, 4096),
+            |c| c.geometry = Geometry::new(SectorSize::S512),
+            "smaller",
+        ),
+        (
+            "huge pool",
+            mem(1 << 20, 512),
+            |c| c.pool_bytes = 1 << 40,
+            "pool",
+        ),
+    ];
+    for (what, b, edit, needle) in rows {
+        let mut c = cfg(SectorSize::S4096);
+        edit(&mut c);
+        match Volume::new(b, c) {
+            Err(e) => assert!(e.to_string().contains(needle), "{what}: {e}"),
+            Ok(_) => panic!("{what}: accepted"),
+        }
+    }
+    // None = to the end, rounded down to whole sectors.
+    let mut c = cfg(SectorSize::S4096);
+    c.data_offset_bytes = 4096;
+    let v = Volume::new(mem((1 << 20) + 5000, 512), c).unwrap();
+    // Backend 1 MiB + 5000 bytes, minus 4096 of offset = 1 MiB + 904: rounds down to 1 MiB.
+    assert_eq!(v.size(), 1 << 20);
+}
+
+#[test]
+fn read_only_ranges_and_zero_length() {
+    let mut c = cfg(SectorSize::S4096);
+    c.read_only = true;
+    let v = Volume::new(Arc::new(MemBackend::new(1 << 20)), c).unwrap();
+    assert!(v.read_only());
+    assert_eq!(v.block_size(), 4096);
+    let mut b = [0u8; 10];
+    v.read_at(&mut b, 0).unwrap();
+    for r in [
+        v.write_at(&b, 0),
+        v.discard(0, 4096),
+        v.write_zeroes(0, 4096),
+    ] {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::ReadOnly(_)), "{e}");
+        assert_eq!(e.errno(), libc::EROFS);
+    }
+    v.flush().unwrap();
+    // Ranges: the last byte is fine, one past is not, overflow is not.
+    v.read_at(&mut b[..1], (1 << 20) - 1).unwrap();
+    assert!(matches!(
+        v.read_at(&mut b[..2], (1 << 20) - 1),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        v.read_at(&mut b, u64::MAX - 2),
+        Err(Error::OutOfRange { .. })
+    ));
+    v.read_at(&mut [], 1 << 20).unwrap();
+}
+
+#[test]
+fn policies_parse_and_switch_stats_count() {
+    for p in Policy::ALL {
+        assert_eq!(p.name().parse::<Policy>().unwrap(), p);
+    }
+    assert!("fast".parse::<Policy>().is_err());
+    let r = rig(RigCfg::default());
+    for p in Policy::ALL {
+        r.vol.set_policy(p);
+        assert_eq!(r.vol.policy(), p);
+        r.vol.write_at(&[1u8; 5000], 100).unwrap();
+        let mut b = vec![0u8; 300 << 10];
+        r.vol.read_at(&mut b, 0).unwrap();
+        assert!(b[100..5100].iter().all(|&x| x == 1), "{p}");
+    }
+    let s = r.vol.stats();
+    assert_eq!(s.read.requests, 5);
+    assert_eq!(s.write.requests, 5);
+    assert_eq!(s.write.bytes, 25000);
+    assert_eq!(s.rmw, 5);
+    assert!(s.split >= 1, "parallel/ordered split a 300 KiB read");
+    eprintln!("{s}");
+}
