@@ -7,6 +7,8 @@ APT_PACKAGES=(
   # interop peers and references
   cryptsetup-bin python3-cryptography python3-cryptography-vectors
   qemu-utils nbdkit libnbd-bin python3-libnbd fio
+  # TLS test certificates; qemu-storage-daemon (the FUSE/NBD peer in benchmarks)
+  openssl qemu-system-common
   # FUSE front end
   fuse3 libfuse3-dev pkg-config
   # filesystems for end-to-end tests

@@ -7,6 +7,7 @@ mod luks_cli;
 mod mount;
 mod nbd_server;
 mod open;
+mod signals;
 mod ublk;
 
 use clap::{Parser, Subcommand};
@@ -62,7 +63,7 @@ fn main() {
                 opts.queues = q;
             }
             let opened =
-                ublk::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
+                signals::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
             match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
                 Ok(()) => 0,
                 Err(e) => {

@@ -1,6 +1,5 @@
-//! `ucrypt mount VOLUME MOUNTPOINT`: the decrypted volume as one regular file over FUSE, for
-//! `losetup` (also `--direct-io=on`), VMs and `mkfs`. The volume is opened like every front
-//! end's ([`crate::open::VolumeArgs`]); `ucrypt_fuse::mount` takes any `Arc<dyn BlockDev>`.
+//! `ucrypt mount VOLUME MOUNTPOINT`: the decrypted volume as one regular file over FUSE, which
+//! `losetup` (also `--direct-io=on`) attaches, `mkfs` formats and VMs use as a disk.
 
 use std::path::PathBuf;
 
@@ -34,27 +33,24 @@ pub struct MountArgs {
 }
 
 pub fn run(a: MountArgs) -> i32 {
-    let dev = match a.volume.open() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("ucrypt mount: {e}");
-            return 1;
-        }
-    };
-    let opts = MountOptions {
-        file_name: a.file_name,
-        threads: a.threads,
-        allow_other: a.allow_other,
-        direct_io: a.direct_io,
-        punch_hole: if a.punch_hole_discards {
-            PunchHole::Discard
-        } else {
-            PunchHole::Zeroes
-        },
-        fs_name: format!("ucrypt:{}", a.volume.volume.display()),
-    };
-    ucrypt::secret::disable_core_dumps();
-    match ucrypt_fuse::mount(dev, &a.mountpoint, &opts) {
+    // Before the volume's threads exist: see crate::signals.
+    let served = crate::signals::block_stop_signals().and_then(|_| {
+        let dev = a.volume.open()?;
+        let opts = MountOptions {
+            file_name: a.file_name,
+            threads: a.threads,
+            allow_other: a.allow_other,
+            direct_io: a.direct_io,
+            punch_hole: if a.punch_hole_discards {
+                PunchHole::Discard
+            } else {
+                PunchHole::Zeroes
+            },
+            fs_name: format!("ucrypt:{}", a.volume.volume.display()),
+        };
+        ucrypt_fuse::mount(dev, &a.mountpoint, &opts).map_err(|e| e.to_string())
+    });
+    match served {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("ucrypt mount: {e}");

@@ -340,10 +340,17 @@ pub fn serve(
         let t = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
+                // Deregisters the connection however the thread ends (a panic included).
+                struct Live<'a>(&'a Shared, u64);
+                impl Drop for Live<'_> {
+                    fn drop(&mut self) {
+                        lock(&self.0.live).retain(|(i, _)| *i != self.1);
+                    }
+                }
+                let _live = Live(&sh, id);
                 if let Err(e) = conn::run(sock, &sh) {
                     eprintln!("ucrypt: connection {id}: {e}");
                 }
-                lock(&sh.live).retain(|(i, _)| *i != id);
             });
         match t {
             Ok(t) => threads.push(t),
@@ -405,6 +412,7 @@ pub struct ServeArgs {
     /// More exports from the same process, NAME=PATH, opened with the same options.
     #[arg(long = "add-export", value_name = "NAME=PATH")]
     add_export: Vec<String>,
+    /// Write the server's process id here once listening (removed on exit).
     #[arg(long)]
     pid_file: Option<PathBuf>,
     /// Server certificate (PEM) for NBD_OPT_STARTTLS.
@@ -464,6 +472,18 @@ pub fn run_serve(a: ServeArgs) -> i32 {
 }
 
 fn serve_cli(a: ServeArgs) -> Result<()> {
+    if !a.unencrypted {
+        // The volume key lives in this process for its whole life: keep it out of core dumps.
+        ucrypt::secret::disable_core_dumps();
+    }
+    // Handlers first, so that a SIGINT/SIGTERM arriving while volumes open (and the engine
+    // starts its workers) only sets the flag: the handler is process-wide, whichever thread
+    // takes the signal, and the accept loop sees the flag within ACCEPT_POLL_MS.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| Error::io("installing signal handler", e))?;
+    }
     let exports = open_volumes(&a)?;
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
@@ -473,11 +493,6 @@ fn serve_cli(a: ServeArgs) -> Result<()> {
         })?),
         _ => None,
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())
-            .map_err(|e| Error::io("installing signal handler", e))?;
-    }
     let opts = ServerOptions {
         read_only: a.volume.read_only,
         tls,

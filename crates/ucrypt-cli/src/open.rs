@@ -3,6 +3,8 @@
 //!
 //! Raw mode (`--cipher` with `--volume-key-file`) mirrors `cryptsetup open --type plain`:
 //! `--offset` is the data start and `--skip` the IV offset, both in 512-byte sectors.
+//! Without `--cipher` the volume is LUKS1/LUKS2, unlocked like `cryptsetup open`: passphrase
+//! from `--key-file` (or asked), or `--volume-key-file`; `--header` for a detached header.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,20 +41,20 @@ pub struct VolumeArgs {
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
-    /// LUKS: passphrase from this file ("-" = stdin); without it, a prompt (or a line of stdin).
-    #[arg(long)]
+    /// LUKS: passphrase from this file ("-" = stdin); without it the passphrase is asked.
+    #[arg(long, short = 'd', conflicts_with = "cipher")]
     pub key_file: Option<String>,
     /// LUKS: skip this many bytes of the key file.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cipher")]
     pub keyfile_offset: Option<u64>,
     /// LUKS: read at most this many bytes of the key file.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cipher")]
     pub keyfile_size: Option<u64>,
     /// LUKS: try only this keyslot.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cipher")]
     pub key_slot: Option<u32>,
     /// LUKS: detached header file.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cipher")]
     pub header: Option<PathBuf>,
     /// Open read-only.
     #[arg(long)]
@@ -83,9 +85,11 @@ impl VolumeArgs {
 
     /// Opens the volume as a block device for a front end.
     pub fn open(&self) -> Result<Arc<dyn BlockDev>, String> {
+        // This process is about to hold key material: keep it out of core dumps.
+        ucrypt::secret::disable_core_dumps();
         let policy = self.policy()?;
         let Some(cipher) = &self.cipher else {
-            // No --cipher: a LUKS volume (header on the device or --header).
+            // LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
             let o = crate::luks_cli::LuksOpts {
                 key_file: self.key_file.clone(),
                 keyfile_offset: self.keyfile_offset,

@@ -105,7 +105,7 @@ fn queue_loop(qid: u16, udev: &UblkDev, dev: &dyn BlockDev) {
 /// Creates the device, prints `ready: /dev/ublkbN`, serves until SIGINT/SIGTERM, then flushes
 /// the volume and deletes the device.
 ///
-/// `signals` must come from [`block_stop_signals`], called before the volume was opened, so that
+/// `signals` must come from [`crate::signals::block_stop_signals`], called before the volume was opened, so that
 /// no thread (the volume's workers included) takes SIGINT/SIGTERM's default action.
 pub fn run(
     dev: Arc<dyn BlockDev>,
@@ -171,21 +171,4 @@ pub fn run(
     let flushed = dev.flush().map_err(|e| format!("flushing the volume: {e}"));
     let _ = ctrl.del_dev();
     served.and(flushed).map(|_| ())
-}
-
-/// Blocks SIGINT and SIGTERM in this thread (and so in every thread spawned after it), so the
-/// dedicated waiter thread receives them. Call it first, before any thread is spawned.
-pub fn block_stop_signals() -> Result<libc::sigset_t, String> {
-    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only
-    // reads it.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
-            return Err("cannot block SIGINT/SIGTERM".into());
-        }
-        Ok(set)
-    }
 }

@@ -284,3 +284,79 @@ fn mount_cli_raw_mode_end_to_end() {
     );
     assert!(!is_fuse_mount(&dir));
 }
+
+/// A LUKS2 volume made by `ucrypt format`, served by `ucrypt mount --key-file`: losetup
+/// --direct-io=on, mkfs.ext4, files, fsck; SIGTERM; cryptsetup still accepts the passphrase;
+/// `ucrypt export` gives a clean ext4 holding the file.
+#[test]
+fn mount_cli_luks2_end_to_end() {
+    if let Some(r) = skip_reason() {
+        println!("SKIPPED: {r}");
+        return;
+    }
+    let tmp = std::env::temp_dir().join(format!("ucrypt-mount-luks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).expect("tmp");
+    let mut cleanup = Cleanup(vec![(
+        "rm".into(),
+        vec!["-rf".into(), tmp.display().to_string()],
+    )]);
+    let img = tmp.join("luks.img");
+    std::fs::File::create(&img)
+        .expect("img")
+        .set_len(IMG_BYTES)
+        .expect("size");
+    let key = tmp.join("pass");
+    std::fs::write(&key, b"correct horse battery staple").expect("pass");
+    let (i, k) = (img.to_str().expect("utf-8"), key.to_str().expect("utf-8"));
+    run(
+        BIN,
+        &[
+            "format",
+            i,
+            k,
+            "--type",
+            "luks2",
+            "--sector-size",
+            "4096",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--batch-mode",
+        ],
+    );
+    let file = tmp.join("plain");
+    std::fs::write(&file, b"").expect("mount point");
+    let f = file.to_str().expect("utf-8");
+    let mut srv = Server::start(&[i, f, "--key-file", k], &file);
+    let lo = run("losetup", &["--find", "--show", "--direct-io=on", f]);
+    cleanup
+        .0
+        .push(("losetup".into(), vec!["-d".into(), lo.clone()]));
+    run("mkfs.ext4", &["-q", "-F", &lo]);
+    let mnt = tmp.join("mnt");
+    std::fs::create_dir_all(&mnt).expect("mnt");
+    let m = mnt.to_str().expect("utf-8");
+    run("mount", &[&lo, m]);
+    cleanup.0.push(("umount".into(), vec![m.to_string()]));
+    std::fs::write(mnt.join("hello"), b"hello luks\n").expect("write file");
+    run("umount", &[m]);
+    run("fsck.ext4", &["-f", "-n", &lo]);
+    run("losetup", &["-d", &lo]);
+    srv.signal(libc::SIGTERM);
+    assert_eq!(
+        srv.wait_exit(WAIT),
+        Some(0),
+        "ucrypt mount did not exit cleanly"
+    );
+    run(
+        "cryptsetup",
+        &["open", "--test-passphrase", "--key-file", k, i],
+    );
+    let plain = tmp.join("exported.img");
+    let p = plain.to_str().expect("utf-8");
+    run(BIN, &["export", i, p, "--key-file", k]);
+    run("fsck.ext4", &["-f", "-n", p]);
+    assert_eq!(run("debugfs", &["-R", "cat /hello", p]), "hello luks");
+}

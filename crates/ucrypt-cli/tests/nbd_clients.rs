@@ -218,6 +218,8 @@ fn fio(uri: &str, qd: u32, jobs: u32, bs: &str, seed: u32) -> String {
         "--offset_increment=8M".into(),
         "--verify=crc32c".into(),
         "--do_verify=1".into(),
+        // fio would otherwise leave verify state files in the working directory.
+        "--verify_state_save=0".into(),
         format!("--randseed={seed}"),
         "--group_reporting".into(),
     ];

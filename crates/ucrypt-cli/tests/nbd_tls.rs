@@ -206,10 +206,31 @@ fn tls_with_client_certificates() {
     assert!(!yes, "plaintext client accepted:\n{out}");
     let (yes, out) = qemu_img(&good, &port, &["info"]);
     assert!(yes, "server stopped serving after refusals:\n{out}");
+    // Stop while a TLS client is mid-session: its acknowledged write must be on disk and the
+    // server must exit 0 (the TLS relay half-closes so in-flight replies still go out).
+    let mut client = std::process::Command::new("qemu-io")
+        .args([
+            "--object",
+            &format!("tls-creds-x509,id=tls0,dir={good},endpoint=client"),
+            "--image-opts",
+            "-c",
+            "write -P 0x4d 1M 1M",
+            "-c",
+            "sleep 2000",
+            &format!("driver=nbd,host=127.0.0.1,port={port},export=disk,tls-creds=tls0"),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = client.stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+    assert!(lines.any(|l| l.map(|l| l.starts_with("wrote 1048576/")).unwrap_or(false)));
     assert_eq!(srv.stop(), Some(0));
-    assert!(std::fs::read(dir.path("disk")).unwrap()[..1 << 20]
-        .iter()
-        .all(|&b| b == 0x3c));
+    let _ = wait_timeout(&mut client, std::time::Duration::from_secs(20));
+    let data = std::fs::read(dir.path("disk")).unwrap();
+    assert!(data[..1 << 20].iter().all(|&b| b == 0x3c));
+    assert!(data[1 << 20..2 << 20].iter().all(|&b| b == 0x4d));
 }
 
 #[test]
@@ -220,7 +241,7 @@ fn tls_without_client_ca_accepts_any_tls_client() {
     let dir = TempDir::new("tls-anon");
     ca(&dir, "ca");
     leaf(&dir, "ca", "server", SERVER_EXT);
-    make_image(&dir.path("disk"), 1 << 20, None);
+    make_image(&dir.path("disk"), 8 << 20, None);
     let (cert, key, disk) = (
         dir.s("server-cert.pem"),
         dir.s("server-key.pem"),
@@ -249,7 +270,33 @@ fn tls_without_client_ca_accepts_any_tls_client() {
             "nbds://127.0.0.1:{port}/disk?tls-certificates={creds}"
         )],
     );
-    assert!(info.contains("1048576"), "{info}");
+    assert!(info.contains("8388608"), "{info}");
+    // Many requests in flight on several TLS connections, both directions, exact round trip:
+    // exercises the relay's back-pressure.
+    if need("nbdcopy", "libnbd-bin") {
+        let uri = format!("nbds://127.0.0.1:{port}/disk?tls-certificates={creds}");
+        make_image(&dir.path("src"), 8 << 20, Some(0x715));
+        ok(
+            "nbdcopy",
+            &[
+                "--connections=4",
+                "--requests=64",
+                "--request-size=65536",
+                &dir.s("src"),
+                &uri,
+            ],
+        );
+        ok(
+            "nbdcopy",
+            &["--connections=4", "--requests=64", &uri, &dir.s("back")],
+        );
+        assert!(
+            std::fs::read(dir.path("back")).unwrap() == std::fs::read(dir.path("src")).unwrap()
+        );
+        assert!(
+            std::fs::read(dir.path("disk")).unwrap() == std::fs::read(dir.path("src")).unwrap()
+        );
+    }
     // Certificate and key problems are reported at start-up, not at the first client.
     let (yes, out) = run(
         UCRYPT,

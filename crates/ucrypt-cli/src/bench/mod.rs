@@ -4,6 +4,8 @@
 
 mod cipher;
 mod engine;
+mod fio;
+mod fuse;
 pub mod stats;
 
 use clap::{Args, Subcommand};
@@ -39,6 +41,8 @@ enum Which {
     Cipher(Common),
     /// The volume engine: dispatch policies side by side with the raw backend.
     Engine(Common),
+    /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
+    Fuse(Common),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
@@ -67,5 +71,22 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             0
         }
+        Which::Fuse(c) => match fuse::measure(c.runs(), c.quick, !c.json) {
+            Ok(report) => {
+                if c.json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report).expect("report serialises")
+                    );
+                } else {
+                    print!("{}", fuse::markdown(&report));
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("ucrypt bench fuse: {e}");
+                1
+            }
+        },
     }
 }

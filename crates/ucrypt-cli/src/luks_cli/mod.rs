@@ -5,7 +5,7 @@
 //! Exit codes follow cryptsetup(8): 1 wrong parameters, 2 no permission / bad passphrase,
 //! 3 out of memory, 4 wrong device, 5 device busy.
 
-mod data;
+pub(crate) mod data;
 mod dev;
 mod pass;
 

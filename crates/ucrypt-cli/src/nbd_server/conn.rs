@@ -240,6 +240,20 @@ impl Ctx {
         self.send(&nbd::encode_simple_reply(cookie, err));
     }
 
+    /// Executes a job; a panic inside the device (a bug) becomes an EIO reply for that
+    /// request only, and its budget is returned, so the connection keeps going.
+    fn execute_guarded(&self, job: Job) {
+        let (cookie, charged) = (job.cookie, job.charged);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.execute(job)));
+        if r.is_err() {
+            self.reply(
+                cookie,
+                Err(Error::Bug("panic while serving an NBD request")),
+            );
+            self.budget.release(charged);
+        }
+    }
+
     fn execute(&self, job: Job) {
         let dev = self.dev.as_ref();
         let durable = |r: Result<()>, fua: bool| if r.is_ok() && fua { dev.flush() } else { r };
@@ -285,7 +299,7 @@ fn worker(ctx: Arc<Ctx>, rx: Arc<Mutex<Receiver<Job>>>) {
             Ok(j) => j,
             Err(_) => return,
         };
-        ctx.execute(job);
+        ctx.execute_guarded(job);
         ctx.queued.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -393,7 +407,7 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
                 // busy and no further request is already buffered, executing here saves two
                 // thread hand-offs; the next request could not have been read any sooner.
                 if ctx.queued.load(Ordering::Acquire) == 0 && reader.buffer().is_empty() {
-                    ctx.execute(job);
+                    ctx.execute_guarded(job);
                     continue;
                 }
                 ctx.queued.fetch_add(1, Ordering::AcqRel);

@@ -15,6 +15,8 @@ use super::{serve, Listen, ServerOptions};
 const SIZE: u64 = 1 << 20;
 /// Reads here fail with EIO, writes with ENOSPC.
 const BAD: std::ops::Range<u64> = 65536..131072;
+/// Reads here panic (a device bug): the request must fail alone, the connection go on.
+const PANIC_AT: u64 = 196608;
 
 struct MemDev {
     data: Mutex<Vec<u8>>,
@@ -39,6 +41,7 @@ impl BlockDev for MemDev {
         if BAD.contains(&offset) {
             return Err(io(libc::EIO));
         }
+        assert_ne!(offset, PANIC_AT, "injected device bug");
         let d = self.data.lock().unwrap();
         buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
         Ok(())
@@ -130,8 +133,9 @@ fn device_errors_fua_flush_and_stop() {
 
     // (kind, flags, offset, len, expected NBD error)
     #[rustfmt::skip]
-    let cases: [(u16, u16, u64, u32, u32); 6] = [
+    let cases: [(u16, u16, u64, u32, u32); 7] = [
         (0, 0, BAD.start, 4096, 5),   // read fails: EIO, and no payload follows
+        (0, 0, PANIC_AT, 4096, 5),    // device panics: EIO for this request only
         (1, 0, BAD.start, 4096, 28),  // write fails: ENOSPC
         (4, 0, 0, 4096, 95),          // trim unsupported by the device: ENOTSUP
         (1, 1, 0, 4096, 0),           // FUA write: succeeds, flushes

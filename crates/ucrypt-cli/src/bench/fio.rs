@@ -1,0 +1,142 @@
+//! Running fio and reading its JSON: the load generator of the front-end benchmarks (FUSE,
+//! NBD), so ucrypt and its peers are measured by the same client with the same job.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde::Serialize;
+
+/// One fio job: what a row of a front-end benchmark measures.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Job {
+    pub name: &'static str,
+    /// fio's --rw: read, write, randread, randwrite.
+    pub rw: &'static str,
+    pub block_bytes: u32,
+    pub ioengine: &'static str,
+    pub iodepth: u32,
+}
+
+impl Job {
+    pub const fn new(
+        name: &'static str,
+        rw: &'static str,
+        block_bytes: u32,
+        ioengine: &'static str,
+        iodepth: u32,
+    ) -> Job {
+        Job {
+            name,
+            rw,
+            block_bytes,
+            ioengine,
+            iodepth,
+        }
+    }
+
+    fn is_write(&self) -> bool {
+        self.rw.contains("write")
+    }
+}
+
+/// What one fio run measured.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct FioResult {
+    pub mib_s: f64,
+    pub iops: f64,
+    pub lat_p50_us: f64,
+    pub lat_p99_us: f64,
+    pub lat_p999_us: f64,
+}
+
+/// Runs `job` for `runtime_s` seconds against `target` (a file path, or with `ioengine` "nbd"
+/// an NBD URI given as `uri`), over the first `size_bytes`.
+pub fn run(
+    job: &Job,
+    target: &Path,
+    size_bytes: u64,
+    runtime_s: u32,
+    direct: bool,
+) -> Result<FioResult, String> {
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        "--name=ucrypt-bench",
+        "--output-format=json",
+        "--time_based",
+        "--group_reporting",
+    ])
+    .arg(format!("--rw={}", job.rw))
+    .arg(format!("--bs={}", job.block_bytes))
+    .arg(format!("--ioengine={}", job.ioengine))
+    .arg(format!("--iodepth={}", job.iodepth))
+    .arg(format!("--runtime={runtime_s}"))
+    .arg(format!("--size={size_bytes}"))
+    .arg(format!("--direct={}", direct as u8))
+    .arg("--randrepeat=0")
+    .arg("--norandommap");
+    if job.ioengine == "nbd" {
+        cmd.arg(format!("--uri={}", target.display()));
+    } else {
+        cmd.arg(format!("--filename={}", target.display()));
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| format!("running fio: {e} (apt-get install fio)"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fio {} on {} failed: {}",
+            job.name,
+            target.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    parse(&String::from_utf8_lossy(&out.stdout), job.is_write())
+}
+
+/// Reads bandwidth, IOPS and completion-latency percentiles of the read or write side.
+pub fn parse(json: &str, write: bool) -> Result<FioResult, String> {
+    // fio may print warnings before the JSON document.
+    let start = json.find('{').ok_or("fio printed no JSON")?;
+    let v: serde_json::Value =
+        serde_json::from_str(&json[start..]).map_err(|e| format!("fio JSON: {e}"))?;
+    let side = &v["jobs"][0][if write { "write" } else { "read" }];
+    let num = |x: &serde_json::Value| {
+        x.as_f64()
+            .ok_or_else(|| format!("fio JSON lacks a number at {x}"))
+    };
+    let pct = |p: &str| {
+        side["clat_ns"]["percentile"][p]
+            .as_f64()
+            .map(|ns| ns / 1000.0)
+            .unwrap_or(f64::NAN)
+    };
+    Ok(FioResult {
+        mib_s: num(&side["bw_bytes"])? / (1024.0 * 1024.0),
+        iops: num(&side["iops"])?,
+        lat_p50_us: pct("50.000000"),
+        lat_p99_us: pct("99.000000"),
+        lat_p999_us: pct("99.900000"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_fio_json() {
+        let json = r#"note: a warning line
+        {"jobs":[{"read":{"bw_bytes":104857600,"iops":25600.0,
+          "clat_ns":{"percentile":{"50.000000":30000,"99.000000":90000,"99.900000":150000}}},
+          "write":{"bw_bytes":0,"iops":0.0,"clat_ns":{}}}]}"#;
+        let r = parse(json, false).unwrap();
+        assert_eq!(
+            (r.mib_s, r.iops, r.lat_p50_us, r.lat_p99_us, r.lat_p999_us),
+            (100.0, 25600.0, 30.0, 90.0, 150.0)
+        );
+        let w = parse(json, true).unwrap();
+        assert_eq!(w.mib_s, 0.0);
+        assert!(w.lat_p99_us.is_nan());
+        assert!(parse("no json", false).is_err());
+    }
+}

@@ -1,0 +1,379 @@
+//! `ucrypt bench fuse`: the decrypted volume as a file over FUSE, measured with fio, side by
+//! side with qemu-storage-daemon's FUSE export of the same LUKS1 image and with the plain
+//! storage (a tmpfs file, no encryption, no FUSE). Round-robin over targets; medians.
+//!
+//! The LUKS1 image is made by cryptsetup (aes-xts-plain64, 512-bit key, 512-byte sectors).
+//! ucrypt serves it in raw mode with the volume key and payload offset that
+//! `cryptsetup luksDump --dump-volume-key` reports: the same ciphertext layout and the same
+//! cipher work as opening the LUKS header, without timing the KDF.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::fio::{self, FioResult, Job};
+use super::stats::{Machine, Summary};
+
+const JOBS: &[Job] = &[
+    Job::new("4k randread psync QD1", "randread", 4096, "psync", 1),
+    Job::new("4k randwrite psync QD1", "randwrite", 4096, "psync", 1),
+    Job::new(
+        "4k randread io_uring QD32",
+        "randread",
+        4096,
+        "io_uring",
+        32,
+    ),
+    Job::new(
+        "4k randwrite io_uring QD32",
+        "randwrite",
+        4096,
+        "io_uring",
+        32,
+    ),
+    Job::new("1M read psync", "read", 1 << 20, "psync", 1),
+    Job::new("1M write psync", "write", 1 << 20, "psync", 1),
+];
+/// Plaintext bytes of the benchmark volume (and of the region fio touches).
+const VOLUME_BYTES: u64 = 256 << 20;
+const PASSPHRASE: &str = "ucrypt-bench";
+/// How long a FUSE server may take to show its file.
+const MOUNT_WAIT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum Target {
+    /// The storage itself: a tmpfs file, no encryption, no FUSE.
+    Plain,
+    /// `ucrypt mount` (FUSE), aes-xts-plain64.
+    Ucrypt,
+    /// qemu-storage-daemon's luks driver exported over FUSE.
+    QemuStorageDaemon,
+}
+
+impl Target {
+    fn name(self) -> &'static str {
+        match self {
+            Target::Plain => "plain tmpfs file",
+            Target::Ucrypt => "ucrypt (FUSE)",
+            Target::QemuStorageDaemon => "qemu-storage-daemon luks (FUSE)",
+        }
+    }
+}
+
+#[derive(Serialize)]
+pub struct Row {
+    pub job: Job,
+    pub target: Target,
+    pub mib_s: Summary,
+    pub lat_p99_us: Summary,
+}
+
+#[derive(Serialize)]
+pub struct FuseReport {
+    pub machine: Machine,
+    pub runs: usize,
+    pub runtime_s: u32,
+    pub skipped: Vec<String>,
+    pub rows: Vec<Row>,
+}
+
+fn run_ok(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn have(program: &str) -> bool {
+    Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// The benchmark's files in /dev/shm, removed on drop.
+struct Setup {
+    dir: PathBuf,
+    image: PathBuf,
+    key_file: PathBuf,
+    pass_file: PathBuf,
+    payload_sectors: u64,
+    plain: PathBuf,
+}
+
+impl Setup {
+    fn new() -> Result<Setup, String> {
+        let dir = PathBuf::from(format!("/dev/shm/ucrypt-bench-fuse-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut s = Setup {
+            image: dir.join("luks1.img"),
+            key_file: dir.join("volume.key"),
+            pass_file: dir.join("pass"),
+            plain: dir.join("plain.img"),
+            payload_sectors: 0,
+            dir,
+        };
+        std::fs::write(&s.pass_file, PASSPHRASE).map_err(|e| e.to_string())?;
+        // LUKS1 header + key material fit in 2 MiB (cryptsetup's default payload offset).
+        let f = std::fs::File::create(&s.image).map_err(|e| e.to_string())?;
+        f.set_len(VOLUME_BYTES + (2 << 20))
+            .map_err(|e| e.to_string())?;
+        std::fs::File::create(&s.plain)
+            .and_then(|f| f.set_len(VOLUME_BYTES))
+            .map_err(|e| e.to_string())?;
+        run_ok(
+            Command::new("cryptsetup")
+                .args([
+                    "luksFormat",
+                    "--type",
+                    "luks1",
+                    "-q",
+                    "--pbkdf-force-iterations",
+                    "1000",
+                    "--key-file",
+                ])
+                .arg(&s.pass_file)
+                .arg(&s.image),
+        )?;
+        let dump = run_ok(
+            Command::new("cryptsetup")
+                .args(["luksDump", "--dump-volume-key", "-q", "--key-file"])
+                .arg(&s.pass_file)
+                .arg(&s.image),
+        )?;
+        let payload = dump
+            .lines()
+            .find_map(|l| l.strip_prefix("Payload offset:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or("luksDump printed no payload offset")?;
+        let key = mk_dump(&dump)?;
+        std::fs::write(&s.key_file, key).map_err(|e| e.to_string())?;
+        s.payload_sectors = payload;
+        Ok(s)
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The volume key in `luksDump --dump-volume-key` output ("MK dump:" and hex byte pairs).
+fn mk_dump(text: &str) -> Result<Vec<u8>, String> {
+    let start = text.find("MK dump:").ok_or("luksDump printed no MK dump")? + "MK dump:".len();
+    let mut bytes = Vec::new();
+    for (i, line) in text[start..].lines().enumerate() {
+        if i > 0 && !line.starts_with(char::is_whitespace) {
+            break;
+        }
+        for tok in line.split_whitespace() {
+            bytes.push(u8::from_str_radix(tok, 16).map_err(|_| format!("bad key byte {tok:?}"))?);
+        }
+    }
+    Ok(bytes)
+}
+
+/// A FUSE server process; unmounted and reaped on drop.
+struct Server {
+    child: Child,
+    mountpoint: PathBuf,
+}
+
+impl Server {
+    fn start(target: Target, s: &Setup, mountpoint: &Path) -> Result<Server, String> {
+        std::fs::write(mountpoint, b"").map_err(|e| e.to_string())?;
+        let mut cmd = match target {
+            Target::Ucrypt => {
+                let mut c = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+                c.arg("mount").arg(&s.image).arg(mountpoint);
+                // Direct I/O (FOPEN_DIRECT_IO with parallel direct writes): fio opens O_DIRECT, and
+                // without it the kernel serialises writes to a FUSE file.
+                c.args([
+                    "--cipher",
+                    "aes-xts-plain64",
+                    "--sector-size",
+                    "512",
+                    "--direct-io",
+                ]);
+                c.arg("--volume-key-file").arg(&s.key_file);
+                c.arg("--offset").arg(s.payload_sectors.to_string());
+                c
+            }
+            Target::QemuStorageDaemon => {
+                let mut c = Command::new("qemu-storage-daemon");
+                c.arg("--object")
+                    .arg(format!("secret,id=s0,file={}", s.pass_file.display()));
+                c.arg("--blockdev").arg(format!(
+                    "driver=file,node-name=f0,filename={}",
+                    s.image.display()
+                ));
+                c.arg("--blockdev")
+                    .arg("driver=luks,node-name=l0,file=f0,key-secret=s0");
+                c.arg("--export").arg(format!(
+                    "type=fuse,id=e0,node-name=l0,mountpoint={},writable=on",
+                    mountpoint.display()
+                ));
+                c
+            }
+            Target::Plain => return Err("the plain target has no server".into()),
+        };
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{}: {e}", target.name()))?;
+        let server = Server {
+            child,
+            mountpoint: mountpoint.to_path_buf(),
+        };
+        let t = Instant::now();
+        while t.elapsed() < MOUNT_WAIT {
+            if std::fs::metadata(mountpoint)
+                .map(|m| m.len() >= VOLUME_BYTES)
+                .unwrap_or(false)
+            {
+                return Ok(server);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(format!(
+            "{} did not mount within {MOUNT_WAIT:?}",
+            target.name()
+        ))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg(&self.mountpoint)
+            .stderr(Stdio::null())
+            .status();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, String> {
+    for (p, pkg) in [
+        ("fio", "fio"),
+        ("cryptsetup", "cryptsetup-bin"),
+        ("fusermount3", "fuse3"),
+    ] {
+        if !have(p) {
+            return Err(format!("{p} not found (apt-get install {pkg})"));
+        }
+    }
+    let runtime_s = if quick { 1 } else { 3 };
+    let mut skipped = Vec::new();
+    let mut targets = vec![Target::Plain, Target::Ucrypt];
+    if have("qemu-storage-daemon") {
+        targets.push(Target::QemuStorageDaemon);
+    } else {
+        skipped.push(
+            "qemu-storage-daemon luks (FUSE): not installed (apt-get install qemu-system-common)"
+                .into(),
+        );
+    }
+    let setup = Setup::new()?;
+    let mountpoint = setup.dir.join("export");
+    let mut samples: Vec<Vec<Vec<FioResult>>> = vec![vec![Vec::new(); JOBS.len()]; targets.len()];
+    for run in 0..runs {
+        for (ti, &target) in targets.iter().enumerate() {
+            if progress {
+                eprintln!("bench fuse: run {}/{runs}: {}", run + 1, target.name());
+            }
+            let (_server, file) = match target {
+                Target::Plain => (None, setup.plain.clone()),
+                _ => (
+                    Some(Server::start(target, &setup, &mountpoint)?),
+                    mountpoint.clone(),
+                ),
+            };
+            for (ji, job) in JOBS.iter().enumerate() {
+                samples[ti][ji].push(fio::run(job, &file, VOLUME_BYTES, runtime_s, true)?);
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for (ji, job) in JOBS.iter().enumerate() {
+        for (ti, &target) in targets.iter().enumerate() {
+            let s = &samples[ti][ji];
+            rows.push(Row {
+                job: *job,
+                target,
+                mib_s: Summary::of(&s.iter().map(|r| r.mib_s).collect::<Vec<_>>()),
+                lat_p99_us: Summary::of(&s.iter().map(|r| r.lat_p99_us).collect::<Vec<_>>()),
+            });
+        }
+    }
+    Ok(FuseReport {
+        machine: Machine::detect(),
+        runs,
+        runtime_s,
+        skipped,
+        rows,
+    })
+}
+
+pub fn markdown(r: &FuseReport) -> String {
+    let mut s = format!(
+        "Machine: {}. fio --direct=1 on the exported file, {} s per job, {} round-robin runs; MiB/s median (min–max).\n\n",
+        r.machine.describe(),
+        r.runtime_s,
+        r.runs
+    );
+    let find = |job: &str, t: Target| r.rows.iter().find(|x| x.job.name == job && x.target == t);
+    s.push_str("| job | plain tmpfs | ucrypt (FUSE) | qemu-storage-daemon luks (FUSE) | ucrypt ÷ qsd | ucrypt p99 µs | qsd p99 µs |\n");
+    s.push_str("|---|---|---|---|---|---|---|\n");
+    for job in JOBS {
+        let cell = |t| {
+            find(job.name, t)
+                .map(|x| x.mib_s.show(0))
+                .unwrap_or_else(|| "–".into())
+        };
+        let p99 = |t| {
+            find(job.name, t)
+                .map(|x| format!("{:.0}", x.lat_p99_us.median))
+                .unwrap_or_else(|| "–".into())
+        };
+        let ratio = match (
+            find(job.name, Target::Ucrypt),
+            find(job.name, Target::QemuStorageDaemon),
+        ) {
+            (Some(u), Some(q)) => format!("{:.2}", u.mib_s.median / q.mib_s.median),
+            _ => "–".into(),
+        };
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            job.name,
+            cell(Target::Plain),
+            cell(Target::Ucrypt),
+            cell(Target::QemuStorageDaemon),
+            ratio,
+            p99(Target::Ucrypt),
+            p99(Target::QemuStorageDaemon)
+        ));
+    }
+    for sk in &r.skipped {
+        s.push_str(&format!("\nSkipped: {sk}\n"));
+    }
+    s
+}
