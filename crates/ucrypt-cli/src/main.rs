@@ -45,7 +45,14 @@ enum Cmd {
 }
 
 fn main() {
-    let cli = Cli::parse_from(luks_cli::reorder_args(std::env::args().collect()));
+    // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
+    let cli = match Cli::try_parse_from(luks_cli::reorder_args(std::env::args().collect())) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(if e.use_stderr() { 1 } else { 0 });
+        }
+    };
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),

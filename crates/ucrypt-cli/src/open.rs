@@ -44,6 +44,15 @@ pub struct VolumeArgs {
     /// LUKS: passphrase from this file ("-" = stdin); without it the passphrase is asked.
     #[arg(long, short = 'd', conflicts_with = "cipher")]
     pub key_file: Option<String>,
+    /// LUKS: skip this many bytes of the key file.
+    #[arg(long, conflicts_with = "cipher")]
+    pub keyfile_offset: Option<u64>,
+    /// LUKS: read at most this many bytes of the key file.
+    #[arg(long, conflicts_with = "cipher")]
+    pub keyfile_size: Option<u64>,
+    /// LUKS: try only this keyslot.
+    #[arg(long, conflicts_with = "cipher")]
+    pub key_slot: Option<u32>,
     /// LUKS: detached header file.
     #[arg(long, conflicts_with = "cipher")]
     pub header: Option<PathBuf>,
@@ -83,17 +92,15 @@ impl VolumeArgs {
             // LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
             let o = crate::luks_cli::LuksOpts {
                 key_file: self.key_file.clone(),
+                keyfile_offset: self.keyfile_offset,
+                keyfile_size: self.keyfile_size,
+                key_slot: self.key_slot,
                 header: self.header.clone(),
                 volume_key_file: self.volume_key_file.clone(),
                 ..Default::default()
             };
-            return crate::luks_cli::data::open_luks_blockdev(
-                &self.volume,
-                &o,
-                !self.read_only,
-                policy,
-            )
-            .map_err(|e| format!("{}: {e}", self.volume.display()));
+            return crate::luks_cli::open_luks_blockdev(&self.volume, &o, !self.read_only, policy)
+                .map_err(|e| format!("{}: {e}", self.volume.display()));
         };
         let spec: CipherSpec = cipher.parse().map_err(|e: ucrypt::Error| e.to_string())?;
         let key = read_volume_key(

@@ -605,6 +605,18 @@ fn header_verbs_interoperate() {
             .code(),
         Some(4)
     );
+    // Wrong parameters: exit 1 like cryptsetup (not clap's 2, which means a bad passphrase).
+    let code = |args: &[&str]| run(UCRYPT, args).status.code();
+    assert_eq!(code(&["luksFormat"]), Some(1));
+    assert_eq!(code(&["luksDump", "--no-such-option", s(&img)]), Some(1));
+    let bad_cipher = [
+        "luksFormat",
+        "-q",
+        "--cipher",
+        "serpent-xts-plain64",
+        s(&plain),
+    ];
+    assert_eq!(code(&bad_cipher), Some(1));
     // uuid
     ok(
         UCRYPT,
@@ -975,4 +987,107 @@ fn luks2_data_matches_cryptsetup_reencrypt_decrypt() {
             "cryptsetup decrypted something else ({name})"
         );
     }
+}
+
+fn fuse_mounted(p: &Path) -> bool {
+    let canon = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            l.split(' ').nth(4) == canon.to_str()
+                && l.split(" - ").nth(1).unwrap_or("").starts_with("fuse")
+        })
+}
+
+/// The whole stack on a cryptsetup volume: LUKS2 header → engine → FUSE file. Data written
+/// through `ucrypt mount` is what cryptsetup's offline decryption recovers.
+#[test]
+fn luks2_volume_served_over_fuse_matches_cryptsetup() {
+    if !have("cryptsetup", "cryptsetup-bin") {
+        return;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        println!("SKIPPED: /dev/fuse missing");
+        return;
+    }
+    let t = TempDir::new("fuse");
+    let k = t.file("k", b"fuse-pass");
+    let img = t.image("f.img", 8);
+    let hdr = t.path("f.hdr");
+    let mut f = vec!["luksFormat", "-q", "--header", s(&hdr)];
+    f.extend(FAST_PBKDF2);
+    f.extend([s(&img), s(&k)]);
+    ok("cryptsetup", &f);
+    let mnt = t.file("mnt", b"");
+    let mut child = Command::new(UCRYPT)
+        .args([
+            "mount",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&k),
+            s(&img),
+            s(&mnt),
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn ucrypt mount");
+    let t0 = std::time::Instant::now();
+    while !fuse_mounted(&mnt) {
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("ucrypt mount exited early: {st}");
+        }
+        assert!(
+            t0.elapsed().as_secs() < 20,
+            "ucrypt mount did not mount in time"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let data: Vec<u8> = (0..8u32 << 20)
+        .map(|i| (i.wrapping_mul(40503) >> 7) as u8)
+        .collect();
+    let result = std::panic::catch_unwind(|| {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&mnt)
+            .expect("open");
+        assert_eq!(file.metadata().expect("stat").len(), 8 << 20);
+        file.write_all_at(&data, 0).expect("write through FUSE");
+        file.sync_all().expect("sync");
+        let mut back = vec![0u8; data.len()];
+        file.read_exact_at(&mut back, 0).expect("read back");
+        assert!(back == data, "read back differs");
+    });
+    // SIGTERM makes ucrypt mount unmount and exit cleanly.
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    if fuse_mounted(&mnt) {
+        let _ = Command::new("fusermount3").args(["-u", s(&mnt)]).status();
+    }
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    ok(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--decrypt",
+            "-q",
+            "--force-offline-reencrypt",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&k),
+            s(&img),
+        ],
+    );
+    assert!(
+        std::fs::read(&img).expect("img") == data,
+        "cryptsetup decrypted something else"
+    );
 }

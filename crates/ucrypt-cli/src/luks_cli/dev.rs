@@ -31,6 +31,31 @@ pub fn size_of(file: &File, path: &Path) -> Result<u64> {
         .map_err(|e| Error::io(format!("size of {}", path.display()), e))
 }
 
+/// Takes cryptsetup's lock on a header file: shared to read, exclusive to update, so a
+/// concurrent cryptsetup (or ucrypt) never sees a half-written header. Held until the file is
+/// closed.
+fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    use std::os::unix::io::AsRawFd;
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    };
+    loop {
+        // SAFETY: flock on a descriptor we own; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::io(
+                format!("Failed to acquire lock on {}", path.display()),
+                e,
+            ));
+        }
+    }
+}
+
 impl HeaderDev {
     pub fn open(path: &Path, writable: bool) -> Result<Self> {
         let file = OpenOptions::new()
@@ -38,6 +63,7 @@ impl HeaderDev {
             .write(writable)
             .open(path)
             .map_err(|e| open_err(path, e))?;
+        lock(&file, path, writable)?;
         Ok(HeaderDev {
             file,
             path: path.to_path_buf(),
@@ -53,6 +79,7 @@ impl HeaderDev {
             .truncate(false)
             .open(path)
             .map_err(|e| open_err(path, e))?;
+        lock(&file, path, true)?;
         Ok(HeaderDev {
             file,
             path: path.to_path_buf(),

@@ -18,6 +18,7 @@ use ucrypt::luks::{
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
+pub use data::open_luks_blockdev;
 use dev::HeaderDev;
 use pass::Source;
 

@@ -23,43 +23,55 @@ pub fn stderr_is_tty() -> bool {
     unsafe { libc::isatty(2) == 1 }
 }
 
-/// Reads a key file (or stdin for "-") with cryptsetup's offset/size semantics.
+/// Reads a key file (or stdin for "-") with cryptsetup's offset/size semantics. The key bytes
+/// go straight into a [`SecretBytes`] (no growing Vec leaving copies behind); the skipped
+/// offset goes through a small scratch buffer.
 pub fn read_key_file(path: &str, offset: u64, size: Option<u64>) -> Result<SecretBytes> {
-    let limit = size.unwrap_or(KEYFILE_BYTES_MAX).min(KEYFILE_BYTES_MAX);
-    let mut raw = Vec::new();
-    let res = if path == "-" {
-        std::io::stdin()
-            .lock()
-            .take(offset + limit)
-            .read_to_end(&mut raw)
+    let limit = size.unwrap_or(KEYFILE_BYTES_MAX).min(KEYFILE_BYTES_MAX) as usize;
+    let mut src: Box<dyn Read> = if path == "-" {
+        Box::new(std::io::stdin().lock())
     } else {
-        std::fs::File::open(path)
-            .map_err(|e| Error::io(format!("Failed to open key file {path}"), e))?
-            .take(offset + limit)
-            .read_to_end(&mut raw)
+        Box::new(
+            std::fs::File::open(path)
+                .map_err(|e| Error::io(format!("Failed to open key file {path}"), e))?,
+        )
     };
-    let secret = SecretBytes::from_vec(raw);
-    res.map_err(|e| Error::io(format!("reading key file {path}"), e))?;
-    let data = secret.as_ref();
-    if (data.len() as u64) < offset {
-        return Err(Error::InvalidArgument(format!(
-            "cannot seek to requested keyfile offset {offset} in {path}"
-        )));
+    let ctx = |e| Error::io(format!("reading key file {path}"), e);
+    let mut skip = offset;
+    let mut scratch = SecretBytes::zeroed(4096);
+    while skip > 0 {
+        let want = skip.min(scratch.len() as u64) as usize;
+        let n = src.read(&mut scratch.as_mut()[..want]).map_err(ctx)?;
+        if n == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "cannot seek to requested keyfile offset {offset} in {path}"
+            )));
+        }
+        skip -= n as u64;
     }
-    let rest = &data[offset as usize..];
+    let mut buf = SecretBytes::zeroed(limit);
+    let mut got = 0usize;
+    while got < limit {
+        match src.read(&mut buf.as_mut()[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ctx(e)),
+        }
+    }
     if let Some(n) = size {
-        if (rest.len() as u64) < n {
+        if (got as u64) < n {
             return Err(Error::InvalidArgument(format!(
                 "cannot read {n} bytes from key file {path}"
             )));
         }
     }
-    if rest.is_empty() {
+    if got == 0 {
         return Err(Error::InvalidArgument(format!(
             "nothing to read from key file {path}"
         )));
     }
-    Ok(SecretBytes::from_slice(rest))
+    Ok(buf.slice(0..got))
 }
 
 /// One line from stdin without buffering past the newline (a later read gets the next line).

@@ -15,9 +15,11 @@ fn diffuse(hash: HashAlg, buf: &mut [u8]) {
     let ds = hash.output_bytes();
     for (i, piece) in buf.chunks_mut(ds).enumerate() {
         let iv = (i as u32).to_be_bytes();
-        let d = hash.digest(&[&iv, piece]);
+        let mut d = hash.digest(&[&iv, piece]);
         let n = piece.len();
         piece.copy_from_slice(&d[..n]);
+        // The digest is derived from key material: wipe it.
+        zeroize::Zeroize::zeroize(&mut d);
     }
 }
 

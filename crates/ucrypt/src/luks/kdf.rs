@@ -1,8 +1,6 @@
 //! Keyslot key derivation: PBKDF2 (sha1/sha256/sha512), Argon2i and Argon2id, with cost
 //! calibration the way cryptsetup does it (target time, bounded memory).
 
-use std::time::Instant;
-
 use super::util::HashAlg;
 use crate::{Error, Result, SecretBytes};
 
@@ -238,6 +236,19 @@ impl KdfRequest {
     }
 }
 
+/// CPU time of the calling thread in milliseconds. Calibration measures CPU time, not wall
+/// time, so a busy machine does not make us pick weaker parameters (both KDF implementations
+/// here run on the calling thread).
+fn thread_cpu_ms() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the valid, exclusively borrowed `ts`.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 * 1000.0 + ts.tv_nsec as f64 / 1e6
+}
+
 /// cryptsetup's default Argon2 memory: 1 GiB, but at most half of the physical memory.
 pub fn default_memory_kib() -> u32 {
     // SAFETY: sysconf takes integer constants and returns a value or -1.
@@ -260,9 +271,9 @@ pub fn calibrate_pbkdf2(hash: HashAlg, target_ms: u32, key_len: usize) -> u32 {
     let mut out = vec![0u8; key_len.max(1)];
     let mut iters: u32 = 1000;
     loop {
-        let t = Instant::now();
+        let t = thread_cpu_ms();
         hash.pbkdf2(b"calibration", &[0u8; SALT_BYTES], iters, &mut out);
-        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        let ms = thread_cpu_ms() - t;
         // Measure at least 50 ms (or the target) before extrapolating.
         if ms >= 50.0_f64.min(f64::from(target_ms)) || iters >= u32::MAX / 2 {
             let scaled = f64::from(iters) * f64::from(target_ms) / ms.max(0.001);
@@ -289,9 +300,9 @@ pub fn calibrate_argon2(
             cpus,
             salt: vec![0u8; SALT_BYTES],
         };
-        let t = Instant::now();
+        let t = thread_cpu_ms();
         kdf.derive(b"calibration", key_len.max(4))?;
-        Ok(t.elapsed().as_secs_f64() * 1000.0)
+        Ok(thread_cpu_ms() - t)
     };
     let target = f64::from(target_ms.max(1));
     let mut mem = memory_kib;

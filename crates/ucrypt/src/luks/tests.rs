@@ -1055,3 +1055,52 @@ fn seeded_mutations_never_panic() {
     }
     eprintln!("{parsed} of {CASES} mutated headers still parsed ({t_parse:?} parsing, {t_unlock:?} in cases with unlock)");
 }
+
+/// Real cryptsetup 2.6 headers (also the fuzz seeds), parsed without cryptsetup installed.
+#[test]
+fn cryptsetup_written_headers_parse() {
+    let l2 = include_bytes!("../../../../fuzz/seeds/luks_parse/luks2-pbkdf2");
+    let a2 = include_bytes!("../../../../fuzz/seeds/luks_parse/luks2-argon2id");
+    let l1 = include_bytes!("../../../../fuzz/seeds/luks_parse/luks1");
+    let Header::Luks2(h) = parse_any(l2).expect("luks2-pbkdf2") else {
+        panic!("not LUKS2")
+    };
+    assert_eq!(h.bin.label, "seed");
+    assert!(h.warnings.is_empty());
+    let p = h.meta.keyslot_params("0").expect("keyslot 0");
+    assert!(matches!(
+        p.kdf,
+        Kdf::Pbkdf2 {
+            iterations: 1000,
+            ..
+        }
+    ));
+    assert_eq!((p.key_bytes, p.area_offset, p.stripes), (64, 32768, 4000));
+    let l = Header::Luks2(h.clone()).data_layout().expect("layout");
+    assert_eq!(
+        (l.offset_bytes, l.sector_size.bytes(), l.size_bytes),
+        (16 << 20, 4096, None)
+    );
+    let Header::Luks2(h) = parse_any(a2).expect("luks2-argon2id") else {
+        panic!("not LUKS2")
+    };
+    let p = h.meta.keyslot_params("0").expect("keyslot 0");
+    assert_eq!(p.priority, 2);
+    assert!(matches!(
+        p.kdf,
+        Kdf::Argon2 {
+            variant: kdf::Argon2Variant::Id,
+            time: 4,
+            memory_kib: 32,
+            ..
+        }
+    ));
+    let h = parse_any(l1).expect("luks1");
+    assert_eq!(h.version(), 1);
+    assert_eq!(h.active_keyslots(), vec![0]);
+    assert_eq!(h.data_layout().expect("layout").offset_bytes, 4096 * 512);
+    // The same bytes with the primary header destroyed: recovered from the secondary.
+    let mut bad = l2.to_vec();
+    bad[..4096].fill(0);
+    assert_eq!(parse_any(&bad).expect("secondary").warnings().len(), 1);
+}
