@@ -433,6 +433,14 @@ fn kdf_request(o: &LuksOpts, version: u32) -> Result<KdfRequest> {
         k.parallel = p;
     }
     k.force_iterations = o.pbkdf_force_iterations;
+    // Calibration runs the KDF for about iter_time: say so on a terminal, since the command
+    // otherwise sits silent for seconds (scripts, with stderr redirected, see nothing).
+    if k.force_iterations.is_none() && pass::stderr_is_tty() {
+        eprintln!(
+            "Calibrating {} to take about {} ms per unlock...",
+            k.kind, k.iter_time_ms
+        );
+    }
     Ok(k)
 }
 
