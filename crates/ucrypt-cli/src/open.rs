@@ -56,6 +56,10 @@ pub struct VolumeArgs {
     /// LUKS: detached header file.
     #[arg(long, conflicts_with = "cipher")]
     pub header: Option<PathBuf>,
+    /// LUKS: pass discards (TRIM) down to the backing store even if the header does not
+    /// carry the allow-discards flag. Discards reveal which blocks are unused.
+    #[arg(long)]
+    pub allow_discards: bool,
     /// Open read-only.
     #[arg(long)]
     pub read_only: bool,
@@ -97,6 +101,7 @@ impl VolumeArgs {
                 key_slot: self.key_slot,
                 header: self.header.clone(),
                 volume_key_file: self.volume_key_file.clone(),
+                allow_discards: self.allow_discards,
                 ..Default::default()
             };
             return crate::luks_cli::open_luks_blockdev(&self.volume, &o, !self.read_only, policy)

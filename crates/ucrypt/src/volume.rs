@@ -66,6 +66,9 @@ pub struct VolumeConfig {
     /// Bounce buffer memory (see `pool`).
     pub pool_bytes: usize,
     pub read_only: bool,
+    /// Pass discards down to the backend. Off, a discard succeeds and leaves the ciphertext in
+    /// place, as dm-crypt does without `allow_discards`: discards reveal which blocks are unused.
+    pub allow_discards: bool,
 }
 
 impl VolumeConfig {
@@ -80,6 +83,7 @@ impl VolumeConfig {
             policy: Policy::Inline,
             pool_bytes: POOL_BYTES_DEFAULT,
             read_only: false,
+            allow_discards: true,
         }
     }
 }
@@ -186,6 +190,7 @@ pub struct Core {
     shift: u32,
     null_cipher: bool,
     read_only: bool,
+    allow_discards: bool,
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
@@ -410,6 +415,7 @@ impl Core {
         let (plan, _big) = self.plan(Op::Discard, offset, len);
         let r = match plan.discard {
             None => Ok(()),
+            Some(_) if !self.allow_discards => Ok(()),
             Some(range) => {
                 let _lock = self.locks.lock(range);
                 let t0 = t.clock();
@@ -491,6 +497,7 @@ impl Volume {
             shift,
             null_cipher: cfg.spec.mode == Mode::Null,
             read_only: cfg.read_only,
+            allow_discards: cfg.allow_discards,
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
             big_inflight: AtomicU32::new(0),

@@ -137,3 +137,34 @@ fn policies_parse_and_switch_stats_count() {
     assert!(s.split >= 1, "parallel/ordered split a 300 KiB read");
     eprintln!("{s}");
 }
+
+/// Without allow_discards (a LUKS2 header lacking the flag) a discard succeeds and leaves the
+/// ciphertext in place, as dm-crypt does; with it, the backend sees the discard (MemBackend
+/// zero-fills discarded ranges).
+#[test]
+fn discards_reach_the_backend_only_when_allowed() {
+    for allow in [false, true] {
+        let backend = Arc::new(MemBackend::new(1 << 20));
+        let mut c = cfg(SectorSize::S4096);
+        c.allow_discards = allow;
+        let vol = Volume::new(backend.clone(), c).unwrap();
+        vol.write_at(&vec![0xa5; 64 << 10], 0).unwrap();
+        let mut before = vec![0u8; 64 << 10];
+        backend.read_at(&mut before, 0).unwrap();
+        assert!(before.iter().any(|&b| b != 0));
+        vol.discard(0, 64 << 10).unwrap();
+        let mut after = vec![0u8; 64 << 10];
+        backend.read_at(&mut after, 0).unwrap();
+        if allow {
+            assert!(
+                after.iter().all(|&b| b == 0),
+                "allowed discard must reach the backend"
+            );
+        } else {
+            assert_eq!(
+                after, before,
+                "discard without allow_discards must not touch the ciphertext"
+            );
+        }
+    }
+}

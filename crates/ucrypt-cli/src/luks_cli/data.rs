@@ -57,6 +57,8 @@ pub fn open_luks_blockdev(
     drop(vk);
     cfg.policy = policy;
     cfg.read_only = cfg.read_only || !writable;
+    // --allow-discards at open time, like cryptsetup open (the header flag also enables it).
+    cfg.allow_discards |= o.allow_discards;
     let backend = FileBackend::open(volume, writable, DirectMode::Auto)?;
     Ok(Arc::new(Volume::new(Arc::new(backend), cfg)?))
 }

@@ -194,6 +194,14 @@ pub fn parse_any(bytes: &[u8]) -> Result<Header> {
 }
 
 impl Header {
+    /// Persistent activation flags (LUKS2 `config.flags`; LUKS1 has none).
+    pub fn activation_flags(&self) -> Vec<String> {
+        match self {
+            Header::Luks1(_) => Vec::new(),
+            Header::Luks2(h) => h.flags(),
+        }
+    }
+
     pub fn version(&self) -> u32 {
         match self {
             Header::Luks1(_) => 1,
@@ -395,5 +403,9 @@ pub fn volume_config(hdr: &Header, vk: &VolumeKey) -> Result<crate::volume::Volu
     cfg.size_bytes = l.size_bytes;
     // Unknown mandatory requirements: never writable.
     cfg.read_only = !hdr.unmet_requirements().is_empty();
+    // Persistent activation flags. Discards leak which blocks are in use, so like dm-crypt they
+    // reach the backend only with allow-discards. The workqueue and CPU flags ask for what
+    // ucrypt's default inline policy already does (crypto on the submitting thread).
+    cfg.allow_discards = hdr.activation_flags().iter().any(|f| f == "allow-discards");
     Ok(cfg)
 }
