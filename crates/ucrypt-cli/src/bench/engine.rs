@@ -220,6 +220,29 @@ pub struct EngineReport {
 /// (what, `Volume::stats()` text) pairs for the report.
 type StatsLog = Vec<(String, String)>;
 
+/// One row per variant of a scenario's round-robin results (in variant order).
+fn push_rows(
+    rows: &mut Vec<Row>,
+    scenario: &'static str,
+    backend: &'static str,
+    cipher: &'static str,
+    unit: &'static str,
+    variants: &[&str],
+    res: Vec<(Summary, Vec<(String, Summary)>)>,
+) {
+    for (v, (value, extra)) in variants.iter().zip(res) {
+        rows.push(Row {
+            scenario,
+            backend,
+            cipher,
+            variant: v.to_string(),
+            unit,
+            value,
+            extra,
+        });
+    }
+}
+
 struct Knobs {
     runs: usize,
     /// Time each variant runs per repetition.
@@ -407,17 +430,15 @@ fn s1_seq_reads(
         };
         let ratio = inline / limit;
         targets.push((what, ratio, target, ratio >= target));
-        for (i, v) in variants.iter().enumerate() {
-            rows.push(Row {
-                scenario: "1. 4 KiB sequential reads QD1",
-                backend: s.name,
-                cipher,
-                variant: v.to_string(),
-                unit: "MB/s",
-                value: res[i].0,
-                extra: vec![],
-            });
-        }
+        push_rows(
+            rows,
+            "1. 4 KiB sequential reads QD1",
+            s.name,
+            cipher,
+            "MB/s",
+            &variants,
+            res,
+        );
     }
 }
 
@@ -447,17 +468,15 @@ fn s2_big_writes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) 
         st.into_iter()
             .map(|(v, t)| (format!("{} | {} | {v}", s.name, "2. 1 MiB writes x64"), t)),
     );
-    for (i, v) in variants.iter().enumerate() {
-        rows.push(Row {
-            scenario: "2. 1 MiB writes, 64 in flight",
-            backend: s.name,
-            cipher: "aes-xts-plain64",
-            variant: v.to_string(),
-            unit: "MB/s",
-            value: res[i].0,
-            extra: res[i].1.clone(),
-        });
-    }
+    push_rows(
+        rows,
+        "2. 1 MiB writes, 64 in flight",
+        s.name,
+        "aes-xts-plain64",
+        "MB/s",
+        &variants,
+        res,
+    );
 }
 
 fn s3_twelve_jobs(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
@@ -487,17 +506,15 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
         st.into_iter()
             .map(|(v, t)| (format!("{} | {} | {v}", s.name, "3. 12 jobs 256K"), t)),
     );
-    for (i, v) in variants.iter().enumerate() {
-        rows.push(Row {
-            scenario: "3. 12 jobs, 256 KiB random read/write",
-            backend: s.name,
-            cipher: "aes-xts-plain64",
-            variant: v.to_string(),
-            unit: "MB/s",
-            value: res[i].0,
-            extra: vec![],
-        });
-    }
+    push_rows(
+        rows,
+        "3. 12 jobs, 256 KiB random read/write",
+        s.name,
+        "aes-xts-plain64",
+        "MB/s",
+        &variants,
+        res,
+    );
 }
 
 fn s4_one_stream(
@@ -543,21 +560,19 @@ fn s4_one_stream(
             1.8,
             ratio >= 1.8,
         ));
-        for (i, v) in variants.iter().enumerate() {
-            rows.push(Row {
-                scenario: if write {
-                    "4. one stream, 1 MiB writes"
-                } else {
-                    "4. one stream, 1 MiB reads"
-                },
-                backend: s.name,
-                cipher: "aes-xts-plain64",
-                variant: v.to_string(),
-                unit: "MB/s",
-                value: res[i].0,
-                extra: vec![],
-            });
-        }
+        push_rows(
+            rows,
+            if write {
+                "4. one stream, 1 MiB writes"
+            } else {
+                "4. one stream, 1 MiB reads"
+            },
+            s.name,
+            "aes-xts-plain64",
+            "MB/s",
+            &variants,
+            res,
+        );
     }
 }
 
@@ -601,17 +616,15 @@ fn s5_latency(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
         st.into_iter()
             .map(|(v, t)| (format!("{} | 5. QD1 + busy | {v}", s.name), t)),
     );
-    for (i, v) in variants.iter().enumerate() {
-        rows.push(Row {
-            scenario: "5. 4 KiB random reads QD1 + 2 busy threads",
-            backend: s.name,
-            cipher: "aes-xts-plain64",
-            variant: v.to_string(),
-            unit: "p50 µs",
-            value: res[i].0,
-            extra: res[i].1.clone(),
-        });
-    }
+    push_rows(
+        rows,
+        "5. 4 KiB random reads QD1 + 2 busy threads",
+        s.name,
+        "aes-xts-plain64",
+        "p50 µs",
+        &variants,
+        res,
+    );
 }
 
 fn s6_many_streams(
@@ -664,17 +677,15 @@ fn s6_many_streams(
         0.95,
         ratio >= 0.95,
     ));
-    for (i, v) in variants.iter().enumerate() {
-        rows.push(Row {
-            scenario: "6. 6 streams, mixed 4 KiB-1 MiB",
-            backend: s.name,
-            cipher: "aes-xts-plain64",
-            variant: v.to_string(),
-            unit: "MB/s",
-            value: res[i].0,
-            extra: vec![],
-        });
-    }
+    push_rows(
+        rows,
+        "6. 6 streams, mixed 4 KiB-1 MiB",
+        s.name,
+        "aes-xts-plain64",
+        "MB/s",
+        &variants,
+        res,
+    );
 }
 
 pub fn measure(runs: usize, quick: bool, progress: bool) -> EngineReport {
