@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use clap::Args;
-use ucrypt_fuse::{MountOptions, PunchHole};
+use clap::{Args, ValueEnum};
+use ucrypt_fuse::{MountOptions, PunchHole, Transport};
 
 use crate::open::VolumeArgs;
 
@@ -30,6 +30,18 @@ pub struct MountArgs {
     /// breaks loop devices' write-zeroes). Default: PUNCH_HOLE writes zeroes.
     #[arg(long)]
     punch_hole_discards: bool,
+    /// How requests travel between the kernel and ucrypt: auto = FUSE-over-io_uring when the
+    /// kernel has it enabled (/sys/module/fuse/parameters/enable_uring = Y), else classic
+    /// /dev/fuse; io-uring fails, saying why, when it is unavailable.
+    #[arg(long, value_enum, default_value_t = FuseTransport::Auto)]
+    fuse_transport: FuseTransport,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum FuseTransport {
+    Auto,
+    Classic,
+    IoUring,
 }
 
 pub fn run(a: MountArgs) -> i32 {
@@ -47,6 +59,11 @@ pub fn run(a: MountArgs) -> i32 {
                 PunchHole::Zeroes
             },
             fs_name: format!("ucrypt:{}", a.volume.volume.display()),
+            transport: match a.fuse_transport {
+                FuseTransport::Auto => Transport::Auto,
+                FuseTransport::Classic => Transport::Classic,
+                FuseTransport::IoUring => Transport::IoUring,
+            },
         };
         ucrypt_fuse::mount(dev, &a.mountpoint, &opts).map_err(|e| e.to_string())
     });

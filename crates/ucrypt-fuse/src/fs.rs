@@ -1,28 +1,22 @@
 //! The FUSE filesystem: one regular file whose bytes are the plaintext of a [`BlockDev`].
 //!
-//! The request-to-device mapping is a set of pure functions ([`plan_read`], [`plan_write`],
-//! [`plan_fallocate`]) tested as tables; [`VolumeFs`] only performs what they decide.
+//! Sans-I/O as far as FUSE goes: [`VolumeFs::handle`] takes the bytes of one request (header,
+//! per-opcode struct, payload) and leaves the reply in the caller's buffer; both transports
+//! (classic `/dev/fuse` and io_uring) call it. The request-to-device mapping is a set of pure
+//! functions ([`plan_read`], [`plan_write`], [`plan_fallocate`]) tested as tables; `handle` only
+//! performs what they decide on the [`BlockDev`].
 
-use std::cell::RefCell;
-use std::ffi::OsStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, WriteFlags,
-};
 use ucrypt::BlockDev;
+
+use crate::proto::{self, fattr, fopen, init_flag, Attr, InHeader, InitOut, Op, Out};
 
 /// Largest single read or write the kernel sends us (FUSE allows up to 16 MiB; 1 MiB is what
 /// the kernel's max_pages default of 256 pages allows and what loop and mkfs issue at most).
 pub const REQUEST_BYTES_MAX: u32 = 1 << 20;
-
-/// How long the kernel may cache attributes and lookups. The file never changes size.
-const ATTR_TTL: Duration = Duration::from_secs(3600);
-
-const FILE_INO: INodeNo = INodeNo(2);
 
 /// What a read of `len` bytes at `offset` must return from a file of `size` bytes: how many
 /// bytes to read from the device (0 at or past the end, as for any file).
@@ -116,6 +110,18 @@ pub fn plan_fallocate(size: u64, offset: u64, len: u64, mode: i32, punch: PunchH
     }
 }
 
+/// How long the kernel may cache attributes and lookups, in seconds. The file never changes.
+const ATTR_TTL_S: u64 = 3600;
+/// Inode of the file in directory mode (the root directory is inode 1).
+const FILE_INO: u64 = 2;
+/// Background requests (readahead, async direct I/O) the kernel may have in flight at once.
+const MAX_BACKGROUND: u16 = 64;
+/// Above this many background requests the kernel marks the mount congested (3/4 of the above).
+const CONGESTION_THRESHOLD: u16 = 48;
+const PAGE_BYTES: u32 = 4096;
+const DT_DIR: u32 = 4;
+const DT_REG: u32 = 8;
+
 /// Settings of one mounted file.
 #[derive(Debug, Clone)]
 pub struct FsConfig {
@@ -127,22 +133,44 @@ pub struct FsConfig {
     pub punch_hole: PunchHole,
     pub uid: u32,
     pub gid: u32,
+    /// Offer FUSE_OVER_IO_URING in the INIT reply when the kernel offers it.
+    pub want_io_uring: bool,
+}
+
+/// What one request asks of the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Send a reply: `error` 0 with the first `len` bytes of the buffer as body, or a positive
+    /// errno with no body.
+    Reply { error: i32, len: usize },
+    /// Send nothing (FORGET, INTERRUPT).
+    NoReply,
+}
+
+impl Outcome {
+    fn ok(len: usize) -> Outcome {
+        Outcome::Reply { error: 0, len }
+    }
+    fn err(errno: i32) -> Outcome {
+        Outcome::Reply {
+            error: errno,
+            len: 0,
+        }
+    }
 }
 
 pub struct VolumeFs {
     dev: Arc<dyn BlockDev>,
     cfg: FsConfig,
     mounted_at: SystemTime,
+    /// Set once our INIT reply advertised FUSE_OVER_IO_URING.
+    io_uring: AtomicBool,
+    /// Set once INIT was answered.
+    initialised: AtomicBool,
 }
 
-thread_local! {
-    /// One read buffer per FUSE worker thread, grown to the largest read seen (bounded by
-    /// REQUEST_BYTES_MAX, which the kernel never exceeds because we told it so in init).
-    static READ_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
-
-fn errno(e: &ucrypt::Error) -> Errno {
-    Errno::from_i32(e.errno())
+fn errno(e: &ucrypt::Error) -> i32 {
+    e.errno()
 }
 
 impl VolumeFs {
@@ -151,285 +179,311 @@ impl VolumeFs {
             dev,
             cfg,
             mounted_at: SystemTime::now(),
+            io_uring: AtomicBool::new(false),
+            initialised: AtomicBool::new(false),
         }
     }
 
-    fn file_ino(&self) -> INodeNo {
+    /// True once INIT was answered with FUSE_OVER_IO_URING (the kernel offered it and we want it).
+    pub fn io_uring_negotiated(&self) -> bool {
+        self.io_uring.load(Ordering::Acquire)
+    }
+
+    pub fn initialised(&self) -> bool {
+        self.initialised.load(Ordering::Acquire)
+    }
+
+    fn file_ino(&self) -> u64 {
         if self.cfg.file_name.is_some() {
             FILE_INO
         } else {
-            INodeNo::ROOT
+            proto::ROOT_ID
         }
     }
 
-    fn attr(&self, ino: INodeNo) -> Option<FileAttr> {
-        let t = self.mounted_at;
-        let mut a = FileAttr {
+    fn attr(&self, ino: u64) -> Option<Attr> {
+        let t = self
+            .mounted_at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut a = Attr {
             ino,
             size: 0,
             blocks: 0,
-            atime: t,
-            mtime: t,
-            ctime: t,
-            crtime: t,
-            kind: FileType::Directory,
-            perm: 0o755,
+            time_s: t.as_secs(),
+            time_ns: t.subsec_nanos(),
+            mode: libc::S_IFDIR | 0o755,
             nlink: 2,
             uid: self.cfg.uid,
             gid: self.cfg.gid,
-            rdev: 0,
             blksize: self.dev.block_size(),
-            flags: 0,
         };
         if ino == self.file_ino() {
-            a.kind = FileType::RegularFile;
             a.size = self.dev.size();
             a.blocks = a.size.div_ceil(512);
             a.nlink = 1;
-            a.perm = if self.dev.read_only() { 0o400 } else { 0o600 };
+            a.mode = libc::S_IFREG | if self.dev.read_only() { 0o400 } else { 0o600 };
             Some(a)
-        } else if ino == INodeNo::ROOT {
+        } else if ino == proto::ROOT_ID {
             Some(a)
         } else {
             None
         }
     }
-}
 
-impl Filesystem for VolumeFs {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+    fn init(
+        &self,
+        kernel_major: u32,
+        kernel_minor: u32,
+        readahead: u32,
+        kflags: u64,
+        out: &mut [u8],
+    ) -> Outcome {
+        if kernel_major < proto::MAJOR {
+            return Outcome::err(libc::EPROTO);
+        }
+        let mut o = Out::new(out);
+        if kernel_major > proto::MAJOR {
+            // The kernel retries INIT with the major we name; only major and minor count.
+            proto::init_out(
+                &mut o,
+                &InitOut {
+                    minor: proto::MINOR,
+                    max_readahead: 0,
+                    flags: 0,
+                    max_background: 0,
+                    congestion_threshold: 0,
+                    max_write: 0,
+                    max_pages: 0,
+                },
+            );
+            return Outcome::ok(o.len());
+        }
         // Requests of up to 1 MiB; async direct I/O so loop --direct-io=on keeps many requests
-        // in flight. Capabilities the kernel lacks are simply not enabled.
-        let _ = config.set_max_write(REQUEST_BYTES_MAX);
-        let _ = config.set_max_readahead(REQUEST_BYTES_MAX);
-        let _ =
-            config.add_capabilities(InitFlags::FUSE_ASYNC_DIO | InitFlags::FUSE_PARALLEL_DIROPS);
-        Ok(())
-    }
-
-    fn destroy(&mut self) {
-        // Everything acknowledged becomes durable before the session ends.
-        if let Err(e) = self.dev.flush() {
-            eprintln!("ucrypt mount: flush at unmount failed: {e}");
+        // in flight. Flags the kernel did not offer are not enabled.
+        let mut want = init_flag::ASYNC_READ
+            | init_flag::BIG_WRITES
+            | init_flag::ASYNC_DIO
+            | init_flag::PARALLEL_DIROPS
+            | init_flag::MAX_PAGES
+            | init_flag::INIT_EXT;
+        if self.cfg.want_io_uring {
+            want |= init_flag::OVER_IO_URING;
         }
-    }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match (&self.cfg.file_name, self.attr(FILE_INO)) {
-            (Some(n), Some(a)) if parent == INodeNo::ROOT && name == OsStr::new(n) => {
-                reply.entry(&ATTR_TTL, &a, Generation(0))
-            }
-            _ => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.attr(ino) {
-            Some(a) => reply.attr(&ATTR_TTL, &a),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn setattr(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        _atime: Option<fuser::TimeOrNow>,
-        _mtime: Option<fuser::TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        let Some(a) = self.attr(ino) else {
-            return reply.error(Errno::ENOENT);
+        let flags = want & kflags;
+        let i = InitOut {
+            minor: kernel_minor.min(proto::MINOR),
+            max_readahead: readahead.min(REQUEST_BYTES_MAX),
+            flags,
+            max_background: MAX_BACKGROUND,
+            congestion_threshold: CONGESTION_THRESHOLD,
+            max_write: REQUEST_BYTES_MAX,
+            max_pages: (REQUEST_BYTES_MAX / PAGE_BYTES) as u16,
         };
-        // The file is the volume: its size is fixed; ownership and mode are set at mount time.
-        // Time updates (touch, O_TRUNC of an empty range) are accepted and ignored.
-        if size.is_some_and(|s| s != a.size) {
-            return reply.error(Errno::from_i32(libc::EPERM));
-        }
-        if mode.is_some() || uid.is_some() || gid.is_some() {
-            return reply.error(Errno::from_i32(libc::EPERM));
-        }
-        reply.attr(&ATTR_TTL, &a)
+        proto::init_out(&mut o, &i);
+        self.io_uring
+            .store(flags & init_flag::OVER_IO_URING != 0, Ordering::Release);
+        self.initialised.store(true, Ordering::Release);
+        Outcome::ok(o.len())
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        if ino != self.file_ino() {
-            return reply.error(Errno::from_i32(libc::EISDIR));
-        }
-        let writes = flags.0 & libc::O_ACCMODE != libc::O_RDONLY;
-        if writes && self.dev.read_only() {
-            return reply.error(Errno::from_i32(libc::EROFS));
-        }
-        let mut f = FopenFlags::empty();
-        if self.cfg.direct_io {
-            f |= FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
-        }
-        reply.opened(FileHandle(0), f)
-    }
-
-    fn read(
+    /// Serves one request. `op_in` is the per-opcode struct; `buf[..payload_len]` the variable
+    /// part (a name, write data). The reply body is left in `buf[..len]`: `buf` must hold at
+    /// least [`proto::REPLY_BUF_BYTES_MIN`] bytes, and read replies need room for the data
+    /// (a read larger than `buf` is refused with EINVAL; the kernel never sends one larger than
+    /// [`REQUEST_BYTES_MAX`], as told in INIT).
+    pub fn handle(
         &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        if ino != self.file_ino() {
-            return reply.error(Errno::from_i32(libc::EISDIR));
+        h: &InHeader,
+        op_in: &[u8],
+        buf: &mut [u8],
+        payload_len: usize,
+    ) -> Outcome {
+        if payload_len > buf.len() || buf.len() < proto::REPLY_BUF_BYTES_MIN {
+            return Outcome::err(libc::EIO);
         }
-        let n = plan_read(self.dev.size(), offset, size.min(REQUEST_BYTES_MAX)) as usize;
-        READ_BUF.with(|b| {
-            let mut buf = b.borrow_mut();
-            if buf.len() < n {
-                buf.resize(n, 0);
-            }
-            match self.dev.read_at(&mut buf[..n], offset) {
-                Ok(()) => reply.data(&buf[..n]),
-                Err(e) => reply.error(errno(&e)),
-            }
-        })
-    }
-
-    fn write(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        data: &[u8],
-        _write_flags: WriteFlags,
-        flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        if ino != self.file_ino() {
-            return reply.error(Errno::from_i32(libc::EISDIR));
-        }
-        let n = match plan_write(self.dev.size(), offset, data.len()) {
-            Ok(n) => n,
-            Err(e) => return reply.error(Errno::from_i32(e)),
+        let op = match proto::parse(h.opcode, op_in, &buf[..payload_len]) {
+            Ok(op) => op,
+            Err(e) => return Outcome::err(e),
         };
-        if let Err(e) = self.dev.write_at(&data[..n], offset) {
-            return reply.error(errno(&e));
+        if !self.initialised() && !matches!(op, Op::Init { .. }) {
+            return Outcome::err(libc::EIO);
         }
+        let file = self.file_ino();
+        let ino = h.nodeid;
+        let r: Result<Outcome, i32> = match op {
+            Op::Init {
+                major,
+                minor,
+                max_readahead,
+                flags,
+            } => Ok(self.init(major, minor, max_readahead, flags, buf)),
+            Op::Forget | Op::Interrupt => Ok(Outcome::NoReply),
+            Op::Destroy => {
+                // Everything acknowledged becomes durable before the session ends.
+                self.dev
+                    .flush()
+                    .map(|_| Outcome::ok(0))
+                    .map_err(|e| errno(&e))
+            }
+            Op::Lookup { name_len } => {
+                let hit = ino == proto::ROOT_ID
+                    && self
+                        .cfg
+                        .file_name
+                        .as_deref()
+                        .is_some_and(|n| n.as_bytes() == &buf[..name_len]);
+                match self.attr(FILE_INO).filter(|_| hit) {
+                    Some(a) => {
+                        let mut o = Out::new(buf);
+                        proto::entry_out(&mut o, ATTR_TTL_S, &a);
+                        Ok(Outcome::ok(o.len()))
+                    }
+                    None => Err(libc::ENOENT),
+                }
+            }
+            Op::Getattr => match self.attr(ino) {
+                Some(a) => {
+                    let mut o = Out::new(buf);
+                    proto::attr_out(&mut o, ATTR_TTL_S, &a);
+                    Ok(Outcome::ok(o.len()))
+                }
+                None => Err(libc::ENOENT),
+            },
+            Op::Setattr { valid, size } => match self.attr(ino) {
+                None => Err(libc::ENOENT),
+                // The file is the volume: its size is fixed; ownership and mode are set at
+                // mount time. Time updates (touch) are accepted and ignored.
+                Some(a) if valid & fattr::SIZE != 0 && size != a.size => Err(libc::EPERM),
+                Some(_) if valid & (fattr::MODE | fattr::UID | fattr::GID) != 0 => Err(libc::EPERM),
+                Some(a) => {
+                    let mut o = Out::new(buf);
+                    proto::attr_out(&mut o, ATTR_TTL_S, &a);
+                    Ok(Outcome::ok(o.len()))
+                }
+            },
+            Op::Open { flags } => {
+                if ino != file {
+                    Err(libc::EISDIR)
+                } else if (flags as i32) & libc::O_ACCMODE != libc::O_RDONLY && self.dev.read_only()
+                {
+                    Err(libc::EROFS)
+                } else {
+                    let f = if self.cfg.direct_io {
+                        fopen::DIRECT_IO | fopen::PARALLEL_DIRECT_WRITES
+                    } else {
+                        0
+                    };
+                    let mut o = Out::new(buf);
+                    proto::open_out(&mut o, 0, f);
+                    Ok(Outcome::ok(o.len()))
+                }
+            }
+            Op::Read { offset, size } => {
+                if ino != file {
+                    Err(libc::EISDIR)
+                } else if size as usize > buf.len() {
+                    Err(libc::EINVAL)
+                } else {
+                    let n = plan_read(self.dev.size(), offset, size) as usize;
+                    self.dev
+                        .read_at(&mut buf[..n], offset)
+                        .map(|_| Outcome::ok(n))
+                        .map_err(|e| errno(&e))
+                }
+            }
+            Op::Write {
+                offset,
+                size,
+                flags,
+            } => {
+                if ino != file {
+                    Err(libc::EISDIR)
+                } else {
+                    self.write(offset, size as usize, flags as i32, buf)
+                }
+            }
+            Op::Flush | Op::Fsync | Op::Fsyncdir => {
+                // close(2) and fsync(2): make what was written durable, so a closed file is a
+                // safe file.
+                self.dev
+                    .flush()
+                    .map(|_| Outcome::ok(0))
+                    .map_err(|e| errno(&e))
+            }
+            Op::Release | Op::Releasedir => Ok(Outcome::ok(0)),
+            Op::Fallocate {
+                offset,
+                length,
+                mode,
+            } => {
+                if ino != file {
+                    Err(libc::EISDIR)
+                } else {
+                    let plan =
+                        plan_fallocate(self.dev.size(), offset, length, mode, self.cfg.punch_hole);
+                    let r = match plan {
+                        FallocPlan::Nothing => Ok(()),
+                        FallocPlan::Zeroes { offset, len } => self.dev.write_zeroes(offset, len),
+                        FallocPlan::Discard { offset, len } => self.dev.discard(offset, len),
+                        FallocPlan::Refuse(e) => return Outcome::err(e),
+                    };
+                    r.map(|_| Outcome::ok(0)).map_err(|e| errno(&e))
+                }
+            }
+            Op::Opendir => {
+                if ino == proto::ROOT_ID && self.cfg.file_name.is_some() {
+                    let mut o = Out::new(buf);
+                    proto::open_out(&mut o, 0, 0);
+                    Ok(Outcome::ok(o.len()))
+                } else {
+                    Err(libc::ENOTDIR)
+                }
+            }
+            Op::Readdir { offset, size } => match self.cfg.file_name.as_deref() {
+                Some(name) if ino == proto::ROOT_ID => {
+                    let entries = [
+                        (proto::ROOT_ID, DT_DIR, "."),
+                        (proto::ROOT_ID, DT_DIR, ".."),
+                        (FILE_INO, DT_REG, name),
+                    ];
+                    let limit = (size as usize).min(buf.len());
+                    let mut o = Out::new(buf);
+                    for (i, (ino, typ, name)) in entries.iter().enumerate() {
+                        if (i as u64) < offset {
+                            continue;
+                        }
+                        if !proto::dirent(&mut o, limit, *ino, i as u64 + 1, *typ, name) {
+                            break;
+                        }
+                    }
+                    Ok(Outcome::ok(o.len()))
+                }
+                _ => Err(libc::ENOTDIR),
+            },
+            Op::Statfs => {
+                let bs = self.dev.block_size();
+                let mut o = Out::new(buf);
+                proto::statfs_out(&mut o, self.dev.size() / u64::from(bs), 2, bs, 255);
+                Ok(Outcome::ok(o.len()))
+            }
+            Op::Other(_) => Err(libc::ENOSYS),
+        };
+        r.unwrap_or_else(Outcome::err)
+    }
+
+    fn write(&self, offset: u64, size: usize, flags: i32, buf: &mut [u8]) -> Result<Outcome, i32> {
+        let n = plan_write(self.dev.size(), offset, size)?;
+        self.dev
+            .write_at(&buf[..n], offset)
+            .map_err(|e| errno(&e))?;
         // O_SYNC / O_DSYNC handles: acknowledged means durable.
-        if flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
-            if let Err(e) = self.dev.flush() {
-                return reply.error(errno(&e));
-            }
+        if flags & (libc::O_SYNC | libc::O_DSYNC) != 0 {
+            self.dev.flush().map_err(|e| errno(&e))?;
         }
-        reply.written(n as u32)
-    }
-
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lo: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        // close(2): make what this handle wrote durable, so a closed file is a safe file.
-        match self.dev.flush() {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn fsync(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        match self.dev.flush() {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn fallocate(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        length: u64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
-        if ino != self.file_ino() {
-            return reply.error(Errno::from_i32(libc::EISDIR));
-        }
-        let r = match plan_fallocate(self.dev.size(), offset, length, mode, self.cfg.punch_hole) {
-            FallocPlan::Nothing => Ok(()),
-            FallocPlan::Zeroes { offset, len } => self.dev.write_zeroes(offset, len),
-            FallocPlan::Discard { offset, len } => self.dev.discard(offset, len),
-            FallocPlan::Refuse(e) => return reply.error(Errno::from_i32(e)),
-        };
-        match r {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        if ino == INodeNo::ROOT && self.cfg.file_name.is_some() {
-            reply.opened(FileHandle(0), FopenFlags::empty())
-        } else {
-            reply.error(Errno::from_i32(libc::ENOTDIR))
-        }
-    }
-
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
-        let Some(name) = self
-            .cfg
-            .file_name
-            .as_deref()
-            .filter(|_| ino == INodeNo::ROOT)
-        else {
-            return reply.error(Errno::from_i32(libc::ENOTDIR));
-        };
-        let entries = [
-            (INodeNo::ROOT, FileType::Directory, "."),
-            (INodeNo::ROOT, FileType::Directory, ".."),
-            (FILE_INO, FileType::RegularFile, name),
-        ];
-        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
-            if reply.add(*ino, i as u64 + 1, *kind, name) {
-                break;
-            }
-        }
-        reply.ok()
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let bs = self.dev.block_size();
-        let blocks = self.dev.size() / u64::from(bs);
-        reply.statfs(blocks, 0, 0, 2, 0, bs, 255, bs)
+        let mut o = Out::new(buf);
+        proto::write_out(&mut o, n as u32);
+        Ok(Outcome::ok(o.len()))
     }
 }
 

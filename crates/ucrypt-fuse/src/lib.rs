@@ -5,36 +5,97 @@
 //!   gets SIGINT/SIGTERM, then flushes the device: everything acknowledged is durable on return.
 //! - [`spawn`] mounts and returns a [`Mounted`] handle (for tests and embedding).
 //!
-//! Transport: classic `/dev/fuse`, one worker thread per CPU, each with its own cloned fd
-//! (FUSE_DEV_IOC_CLONE). FUSE-over-io_uring (Linux >= 6.14) would need a server speaking it;
-//! fuser 0.18 does not (see [`transport_note`]).
+//! Own FUSE implementation (no libfuse): [`proto`] is the wire codec, `fs` the sans-I/O request
+//! handler, `transport` the kernel side. Two transports share the handler:
+//! - classic `/dev/fuse`: one worker thread per CPU, each with its own cloned fd
+//!   (FUSE_DEV_IOC_CLONE);
+//! - FUSE-over-io_uring (Linux >= 6.14, `/sys/module/fuse/parameters/enable_uring` = Y): one
+//!   thread and ring per kernel queue (one queue per CPU), [`URING_ENTRIES_PER_QUEUE`] entries
+//!   each, plus one classic thread for FORGET/INTERRUPT, which the kernel still sends there.
 
 mod fs;
+pub mod proto;
+mod transport;
 
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-use fuser::{BackgroundSession, Config, MountOption, Session, SessionACL};
 use ucrypt::{BlockDev, Error, Result};
 
-pub use fs::{plan_fallocate, plan_read, plan_write, FallocPlan, PunchHole, REQUEST_BYTES_MAX};
+pub use fs::{
+    plan_fallocate, plan_read, plan_write, FallocPlan, FsConfig, Outcome, PunchHole, VolumeFs,
+    REQUEST_BYTES_MAX,
+};
+pub use transport::URING_ENTRIES_PER_QUEUE;
 
-/// Upper bound on FUSE worker threads: each holds one request buffer of up to
-/// REQUEST_BYTES_MAX plus fuser's own read buffer, so 16 threads cost at most ~48 MiB.
+/// Upper bound on FUSE worker threads: each classic one holds one request buffer of about
+/// REQUEST_BYTES_MAX, so 16 threads cost at most ~17 MiB. With io_uring, queues beyond this
+/// many share threads; each queue costs URING_ENTRIES_PER_QUEUE payload buffers of
+/// REQUEST_BYTES_MAX.
 pub const THREADS_MAX: usize = 16;
 
 /// How often [`mount`] checks whether the session ended while it waits for signals.
 const SIGNAL_POLL: Duration = Duration::from_millis(200);
+
+/// The kernel switch for FUSE-over-io_uring.
+pub const ENABLE_URING_PATH: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// How requests travel between the kernel and this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// io_uring when the kernel has it enabled and registration succeeds, else classic.
+    #[default]
+    Auto,
+    /// read(2)/writev(2) on `/dev/fuse`.
+    Classic,
+    /// FUSE-over-io_uring; mounting fails, naming the reason, when it is not available.
+    IoUring,
+}
+
+/// The transport a mount ended up with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ActiveTransport {
+    Classic {
+        threads: usize,
+        /// Why io_uring is not in use (None when classic was asked for).
+        io_uring_unused: Option<String>,
+    },
+    IoUring {
+        queues: usize,
+        threads: usize,
+    },
+}
+
+impl std::fmt::Display for ActiveTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ActiveTransport::Classic {
+                threads,
+                io_uring_unused,
+            } => {
+                write!(f, "transport: classic /dev/fuse, {threads} threads")?;
+                if let Some(r) = io_uring_unused {
+                    write!(f, " (FUSE-over-io_uring not used: {r})")?;
+                }
+                Ok(())
+            }
+            ActiveTransport::IoUring { queues, threads } => write!(
+                f,
+                "transport: FUSE-over-io_uring, {queues} queues x {URING_ENTRIES_PER_QUEUE} entries on {threads} threads (+1 classic thread for FORGET/INTERRUPT)"
+            ),
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct MountOptions {
     /// `Some(name)`: the mount point is a directory and the volume appears in it as `name`;
     /// `None`: the mount point (a regular file) becomes the volume.
     pub file_name: Option<String>,
-    /// FUSE worker threads (0 = one per CPU, at least 2, at most [`THREADS_MAX`]).
+    /// Classic FUSE worker threads (0 = one per CPU, at least 2, at most [`THREADS_MAX`]).
     pub threads: usize,
     /// Let other users than the mounting one open the file (FUSE `allow_other`).
     pub allow_other: bool,
@@ -43,6 +104,7 @@ pub struct MountOptions {
     pub punch_hole: PunchHole,
     /// Shown as the source in /proc/mounts.
     pub fs_name: String,
+    pub transport: Transport,
 }
 
 impl Default for MountOptions {
@@ -54,6 +116,7 @@ impl Default for MountOptions {
             direct_io: false,
             punch_hole: PunchHole::Zeroes,
             fs_name: "ucrypt".into(),
+            transport: Transport::Auto,
         }
     }
 }
@@ -70,29 +133,41 @@ impl MountOptions {
     }
 }
 
-/// Which transport is in use and why, for the user.
+/// Whether this kernel and process can use FUSE-over-io_uring; Err names the reason and the fix.
+pub fn io_uring_availability() -> std::result::Result<(), String> {
+    match std::fs::read_to_string(ENABLE_URING_PATH) {
+        Err(_) => Err(format!(
+            "this kernel has no FUSE-over-io_uring ({ENABLE_URING_PATH} missing; needs Linux >= 6.14)"
+        )),
+        Ok(v) if v.trim() != "Y" => Err(format!(
+            "enable_uring is {}: echo Y > {ENABLE_URING_PATH}",
+            v.trim()
+        )),
+        Ok(_) => transport::probe_io_uring()
+            .map_err(|e| format!("cannot create an io_uring with 128-byte SQEs: {e}")),
+    }
+}
+
+/// What the kernel offers, for the user (the transport a mount uses is [`Mounted::transport`]).
 pub fn transport_note() -> String {
-    let uring = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
-        .map(|s| s.trim().to_string())
-        .ok();
-    let kernel = match uring.as_deref() {
-        Some("Y") => "enabled in this kernel",
-        Some(_) => "available in this kernel but disabled (enable_uring=N)",
-        None => "not available in this kernel",
-    };
-    format!(
-        "transport: classic /dev/fuse (FUSE-over-io_uring {kernel}; the fuser crate does not speak it)"
-    )
+    match io_uring_availability() {
+        Ok(()) => "FUSE-over-io_uring available (enable_uring=Y)".into(),
+        Err(r) => format!("FUSE-over-io_uring unavailable: {r}"),
+    }
 }
 
 /// A mounted volume file. Dropping it unmounts lazily; prefer [`Mounted::unmount`].
 pub struct Mounted {
-    session: Option<BackgroundSession>,
+    workers: Vec<JoinHandle<()>>,
+    /// The first error a worker ended with.
+    worker_error: Arc<Mutex<Option<String>>>,
     dev: Arc<dyn BlockDev>,
     mountpoint: PathBuf,
     /// The file users open: the mount point, or `mountpoint/file_name`.
     pub file: PathBuf,
+    /// Worker threads serving requests.
     pub threads: usize,
+    pub transport: ActiveTransport,
 }
 
 impl std::fmt::Debug for Mounted {
@@ -101,51 +176,106 @@ impl std::fmt::Debug for Mounted {
             .field("mountpoint", &self.mountpoint)
             .field("file", &self.file)
             .field("threads", &self.threads)
+            .field("transport", &self.transport)
             .finish()
     }
 }
 
-/// Mounts `dev` at `mountpoint` and serves it from background threads until unmounted.
-pub fn spawn(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> Result<Mounted> {
+fn check_mountpoint(mountpoint: &Path, opts: &MountOptions) -> Result<bool> {
     let meta = std::fs::metadata(mountpoint)
         .map_err(|e| Error::io(format!("mount point {}", mountpoint.display()), e))?;
     match (&opts.file_name, meta.is_dir()) {
-        (None, true) => {
-            return Err(Error::InvalidArgument(format!(
-                "mount point {} is a directory: give --file-name NAME, or mount on a regular file",
-                mountpoint.display()
-            )))
-        }
-        (Some(_), false) => {
-            return Err(Error::InvalidArgument(format!(
-                "--file-name needs a directory as mount point; {} is not one",
-                mountpoint.display()
-            )))
-        }
+        (None, true) => Err(Error::InvalidArgument(format!(
+            "mount point {} is a directory: give --file-name NAME, or mount on a regular file",
+            mountpoint.display()
+        ))),
+        (Some(_), false) => Err(Error::InvalidArgument(format!(
+            "--file-name needs a directory as mount point; {} is not one",
+            mountpoint.display()
+        ))),
         (Some(n), true) if n.is_empty() || n.contains('/') || n == "." || n == ".." => {
-            return Err(Error::InvalidArgument(format!("bad file name '{n}'")))
+            Err(Error::InvalidArgument(format!("bad file name '{n}'")))
         }
-        _ => {}
+        (_, is_dir) => Ok(is_dir),
     }
-    let threads = opts.thread_count();
-    let mut mount_options = vec![
-        MountOption::FSName(opts.fs_name.clone()),
-        MountOption::Subtype("ucrypt".into()),
-        MountOption::DefaultPermissions,
-        MountOption::NoAtime,
-    ];
-    if dev.read_only() {
-        mount_options.push(MountOption::RO);
-    }
-    let mut config = Config::default();
-    config.mount_options = mount_options;
-    config.acl = if opts.allow_other {
-        SessionACL::All
-    } else {
-        SessionACL::Owner
+}
+
+/// Runs `f` on a named thread; its error, if any, is kept for [`Mounted::join`].
+fn worker(
+    name: String,
+    err: &Arc<Mutex<Option<String>>>,
+    f: impl FnOnce() -> std::io::Result<()> + Send + 'static,
+) -> Result<JoinHandle<()>> {
+    let err = err.clone();
+    let n2 = name.clone();
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            if let Err(e) = f() {
+                if let Ok(mut g) = err.lock() {
+                    g.get_or_insert(format!("{n2}: {e}"));
+                }
+            }
+        })
+        .map_err(|e| Error::io("start FUSE worker thread", e))
+}
+
+/// Mounts `dev` at `mountpoint` and serves it from background threads until unmounted.
+pub fn spawn(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> Result<Mounted> {
+    let is_dir = check_mountpoint(mountpoint, opts)?;
+    let uring = match opts.transport {
+        Transport::Classic => Err(None),
+        Transport::Auto => io_uring_availability().map_err(Some),
+        Transport::IoUring => match io_uring_availability() {
+            Ok(()) => Ok(()),
+            Err(r) => {
+                return Err(Error::KernelFeature(format!(
+                    "FUSE-over-io_uring asked for, but {r}"
+                )))
+            }
+        },
     };
-    config.n_threads = Some(threads);
-    config.clone_fd = true;
+    let m = spawn_with(dev.clone(), mountpoint, opts, is_dir, uring.is_ok())?;
+    match (m, uring) {
+        (Ok(m), _) => Ok(m),
+        (Err(reason), _) if opts.transport == Transport::IoUring => Err(Error::KernelFeature(
+            format!("FUSE-over-io_uring asked for, but {reason}"),
+        )),
+        (Err(reason), _) => {
+            let mut m = spawn_with(dev, mountpoint, opts, is_dir, false)?
+                .map_err(|_| Error::Bug("classic FUSE mount reported an io_uring failure"))?;
+            m.transport = ActiveTransport::Classic {
+                threads: m.threads,
+                io_uring_unused: Some(reason),
+            };
+            Ok(m)
+        }
+    }
+    .map(|mut m| {
+        if let (
+            ActiveTransport::Classic {
+                io_uring_unused, ..
+            },
+            Transport::Auto,
+        ) = (&mut m.transport, opts.transport)
+        {
+            if io_uring_unused.is_none() {
+                *io_uring_unused = io_uring_availability().err();
+            }
+        }
+        m
+    })
+}
+
+/// One mount attempt. Outer Err: mounting failed. Inner Err: io_uring was negotiated but its
+/// queues could not be registered; the mount was taken down again (reason given).
+fn spawn_with(
+    dev: Arc<dyn BlockDev>,
+    mountpoint: &Path,
+    opts: &MountOptions,
+    is_dir: bool,
+    want_io_uring: bool,
+) -> Result<std::result::Result<Mounted, String>> {
     let fs_cfg = fs::FsConfig {
         file_name: opts.file_name.clone(),
         direct_io: opts.direct_io,
@@ -154,24 +284,126 @@ pub fn spawn(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> 
         uid: unsafe { libc::getuid() },
         // SAFETY: as above.
         gid: unsafe { libc::getgid() },
+        want_io_uring,
     };
-    let fs = fs::VolumeFs::new(dev.clone(), fs_cfg);
-    let session = Session::new(fs, mountpoint, &config)
-        .map_err(|e| Error::io(format!("FUSE mount on {}", mountpoint.display()), e))?;
-    let session = session
-        .spawn()
-        .map_err(|e| Error::io("start FUSE worker threads", e))?;
+    let fs = Arc::new(fs::VolumeFs::new(dev.clone(), fs_cfg));
+    let spec = transport::MountSpec {
+        fs_name: &opts.fs_name,
+        read_only: dev.read_only(),
+        allow_other: opts.allow_other,
+        is_dir,
+    };
+    let fd: Arc<OwnedFd> = Arc::new(
+        transport::mount(mountpoint, &spec)
+            .map_err(|e| Error::io(format!("FUSE mount on {}", mountpoint.display()), e))?,
+    );
+    if let Err(e) = transport::serve_init(&fd, &fs) {
+        let _ = transport::umount(mountpoint, true);
+        return Err(Error::io("FUSE INIT", e));
+    }
     let file = match &opts.file_name {
         Some(n) => mountpoint.join(n),
         None => mountpoint.to_path_buf(),
     };
-    Ok(Mounted {
-        session: Some(session),
+    let worker_error = Arc::new(Mutex::new(None));
+    let mut workers = Vec::new();
+    let transport;
+    if fs.io_uring_negotiated() {
+        let queues = transport::possible_cpus();
+        let threads = queues.min(THREADS_MAX);
+        let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(), String>>();
+        for t in 0..threads {
+            let qids: Vec<u16> = (t..queues).step_by(threads).map(|q| q as u16).collect();
+            let (fd, fs, tx) = (fd.clone(), fs.clone(), tx.clone());
+            workers.push(worker(
+                format!("fuse-uring-{t}"),
+                &worker_error,
+                move || {
+                    if qids.len() == 1 {
+                        transport::pin_to_cpu(usize::from(qids[0]));
+                    }
+                    let mut q = match transport::UringQueues::new(
+                        std::os::fd::AsRawFd::as_raw_fd(&*fd),
+                        &qids,
+                    ) {
+                        Ok(q) => q,
+                        Err(e) => {
+                            let _ = tx.send(Err(format!("io_uring setup: {e}")));
+                            return Ok(());
+                        }
+                    };
+                    let registered = q.register(&fs);
+                    let _ = tx.send(registered.as_ref().map(|_| ()).map_err(|e| {
+                        if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                            format!(
+                                "the kernel refused registration ({e}; enable_uring switched off?)"
+                            )
+                        } else {
+                            format!("FUSE_IO_URING_CMD_REGISTER failed: {e}")
+                        }
+                    }));
+                    drop(tx);
+                    // Serve what did register; at unmount every entry comes back and this ends.
+                    q.run(&fs)
+                },
+            )?);
+        }
+        drop(tx);
+        let mut failure = None;
+        for _ in 0..threads {
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(r)) => {
+                    failure.get_or_insert(r);
+                }
+                Err(_) => {
+                    failure.get_or_insert("an io_uring queue thread died".to_string());
+                }
+            }
+        }
+        if let Some(reason) = failure {
+            // Take this mount down; the caller remounts classic (auto) or reports (io-uring).
+            let _ = transport::umount(mountpoint, true);
+            drop(fd);
+            for w in workers {
+                let _ = w.join();
+            }
+            return Ok(Err(reason));
+        }
+        // FORGET and INTERRUPT still come over /dev/fuse.
+        let (fd2, fs2) = (fd.clone(), fs.clone());
+        workers.push(worker("fuse-classic".into(), &worker_error, move || {
+            transport::classic_loop(&fd2, &fs2)
+        })?);
+        transport = ActiveTransport::IoUring { queues, threads };
+    } else {
+        let threads = opts.thread_count();
+        for t in 0..threads {
+            let own = if t == 0 {
+                None
+            } else {
+                transport::clone_fd(&fd).ok()
+            };
+            let (fd, fs) = (fd.clone(), fs.clone());
+            workers.push(worker(format!("fuse-{t}"), &worker_error, move || {
+                transport::classic_loop(own.as_ref().unwrap_or(&fd), &fs)
+            })?);
+        }
+        transport = ActiveTransport::Classic {
+            threads,
+            io_uring_unused: None,
+        };
+    }
+    let threads = workers.len();
+    Ok(Ok(Mounted {
+        workers,
+        worker_error,
         dev,
         mountpoint: mountpoint.to_path_buf(),
         file,
         threads,
-    })
+        transport,
+    }))
 }
 
 /// What [`Mounted::request_unmount`] did.
@@ -187,27 +419,19 @@ pub enum Unmount {
 impl Mounted {
     /// True once the session ended (unmounted from outside, or after [`Self::request_unmount`]).
     pub fn finished(&self) -> bool {
-        self.session.as_ref().is_none_or(|s| s.guard.is_finished())
+        self.workers.iter().all(|w| w.is_finished())
     }
 
     /// Unmounts without waiting: a plain unmount, or a lazy one if the file is busy.
     pub fn request_unmount(&self) -> Result<Unmount> {
-        let c = CString::new(self.mountpoint.as_os_str().as_bytes())
-            .map_err(|_| Error::InvalidArgument("mount point contains a NUL byte".into()))?;
-        // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
-        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
-            return Ok(Unmount::Done);
-        }
-        let err = std::io::Error::last_os_error();
+        let err = match transport::umount(&self.mountpoint, false) {
+            Ok(()) => return Ok(Unmount::Done),
+            Err(e) => e,
+        };
         match err.raw_os_error() {
-            Some(libc::EBUSY) => {
-                // SAFETY: as above.
-                if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
-                    Ok(Unmount::Detached)
-                } else {
-                    Err(Error::io("lazy unmount", std::io::Error::last_os_error()))
-                }
-            }
+            Some(libc::EBUSY) => transport::umount(&self.mountpoint, true)
+                .map(|_| Unmount::Detached)
+                .map_err(|e| Error::io("lazy unmount", e)),
             Some(libc::EPERM) => {
                 // Not root: the setuid helper unmounts (lazily) for the mounting user.
                 let st = std::process::Command::new("fusermount3")
@@ -235,10 +459,16 @@ impl Mounted {
 
     /// Waits for the session to end, then flushes the device.
     pub fn join(mut self) -> Result<()> {
-        if let Some(s) = self.session.take() {
-            s.join().map_err(|e| Error::io("FUSE session", e))?;
+        for w in std::mem::take(&mut self.workers) {
+            w.join()
+                .map_err(|_| Error::Bug("a FUSE worker thread panicked"))?;
         }
-        self.dev.flush()
+        let err = self.worker_error.lock().ok().and_then(|mut g| g.take());
+        self.dev.flush()?;
+        match err {
+            Some(e) => Err(Error::io("FUSE session", std::io::Error::other(e))),
+            None => Ok(()),
+        }
     }
 
     /// Unmounts (lazily if busy), waits until the last user is gone, and flushes.
@@ -252,9 +482,11 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        if let Some(s) = self.session.take() {
-            // BackgroundSession's own drop detaches the mount; the workers then end by ENODEV.
-            drop(s);
+        if !self.workers.is_empty() {
+            // Detach the mount; the workers end once its last user is gone.
+            if !self.finished() {
+                let _ = transport::umount(&self.mountpoint, true);
+            }
             let _ = self.dev.flush();
         }
     }
@@ -266,11 +498,10 @@ pub fn mount(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> 
     let sigs = SignalBlock::new(&[libc::SIGINT, libc::SIGTERM])?;
     let m = spawn(dev, mountpoint, opts)?;
     eprintln!(
-        "ucrypt mount: serving {} ({} bytes) with {} threads; {}",
+        "ucrypt mount: serving {} ({} bytes); {}",
         m.file.display(),
         m.dev.size(),
-        m.threads,
-        transport_note()
+        m.transport
     );
     let mut asked = false;
     while !m.finished() {

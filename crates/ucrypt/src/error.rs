@@ -61,6 +61,12 @@ pub enum Error {
     #[error("keyslot {slot}: {reason}")]
     Keyslot { slot: u32, reason: String },
 
+    // ---- the machine ----
+    /// A kernel feature the caller asked for is missing or switched off; the text says which
+    /// and how to turn it on.
+    #[error("kernel feature unavailable: {0}")]
+    KernelFeature(String),
+
     // ---- bad data from the network ----
     #[error("NBD protocol violation by the client: {0}")]
     NbdProtocol(String),
@@ -89,6 +95,7 @@ impl Error {
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::OutOfRange { .. } => libc::ENOSPC,
             Error::ReadOnly(_) => libc::EROFS,
+            Error::KernelFeature(_) => libc::EOPNOTSUPP,
             Error::NotSectorMultiple { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             _ => libc::EIO,
         }
