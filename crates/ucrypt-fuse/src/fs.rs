@@ -6,7 +6,7 @@
 //! functions ([`plan_read`], [`plan_write`], [`plan_fallocate`]) tested as tables; `handle` only
 //! performs what they decide on the [`BlockDev`].
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -167,6 +167,15 @@ pub struct VolumeFs {
     io_uring: AtomicBool,
     /// Set once INIT was answered.
     initialised: AtomicBool,
+    /// Requests served per transport (classic, io_uring), for tests and diagnostics.
+    served: [AtomicU64; 2],
+}
+
+/// Which transport carried a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    Classic = 0,
+    IoUring = 1,
 }
 
 fn errno(e: &ucrypt::Error) -> i32 {
@@ -181,12 +190,26 @@ impl VolumeFs {
             mounted_at: SystemTime::now(),
             io_uring: AtomicBool::new(false),
             initialised: AtomicBool::new(false),
+            served: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
     /// True once INIT was answered with FUSE_OVER_IO_URING (the kernel offered it and we want it).
     pub fn io_uring_negotiated(&self) -> bool {
         self.io_uring.load(Ordering::Acquire)
+    }
+
+    /// Counts one request carried by `via`.
+    pub fn count(&self, via: Via) {
+        self.served[via as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests served so far: (classic /dev/fuse, io_uring).
+    pub fn served(&self) -> (u64, u64) {
+        (
+            self.served[0].load(Ordering::Relaxed),
+            self.served[1].load(Ordering::Relaxed),
+        )
     }
 
     pub fn initialised(&self) -> bool {

@@ -159,6 +159,7 @@ pub fn transport_note() -> String {
 /// A mounted volume file. Dropping it unmounts lazily; prefer [`Mounted::unmount`].
 pub struct Mounted {
     workers: Vec<JoinHandle<()>>,
+    fs: Arc<fs::VolumeFs>,
     /// The first error a worker ended with.
     worker_error: Arc<Mutex<Option<String>>>,
     dev: Arc<dyn BlockDev>,
@@ -397,6 +398,7 @@ fn spawn_with(
     let threads = workers.len();
     Ok(Ok(Mounted {
         workers,
+        fs,
         worker_error,
         dev,
         mountpoint: mountpoint.to_path_buf(),
@@ -417,6 +419,11 @@ pub enum Unmount {
 }
 
 impl Mounted {
+    /// Requests served so far: (over classic /dev/fuse, over io_uring).
+    pub fn requests_served(&self) -> (u64, u64) {
+        self.fs.served()
+    }
+
     /// True once the session ended (unmounted from outside, or after [`Self::request_unmount`]).
     pub fn finished(&self) -> bool {
         self.workers.iter().all(|w| w.is_finished())

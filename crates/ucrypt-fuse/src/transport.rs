@@ -21,7 +21,7 @@ use std::path::Path;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::fs::{Outcome, VolumeFs, REQUEST_BYTES_MAX};
+use crate::fs::{Outcome, Via, VolumeFs, REQUEST_BYTES_MAX};
 use crate::proto::{self, ring, InHeader};
 
 /// Bytes of a classic read buffer: the largest request (a write of REQUEST_BYTES_MAX plus its
@@ -288,6 +288,7 @@ fn serve_classic(fd: RawFd, fs: &VolumeFs, buf: &mut [u8], n: usize) -> io::Resu
         Err((None, _)) => return Ok(true),
     };
     let (head, rest) = buf.split_at_mut(payload_at);
+    fs.count(Via::Classic);
     match fs.handle(&h, &head[op_at..], rest, n - payload_at) {
         Outcome::NoReply => Ok(true),
         Outcome::Reply { error, len } => {
@@ -515,6 +516,7 @@ impl UringQueues {
             Some(h) => {
                 let op_in = &header[ring::OP_IN_AT..ring::OP_IN_AT + proto::op_in_bytes(h.opcode)];
                 let payload_len = ring::ent_payload_bytes(header) as usize;
+                fs.count(Via::IoUring);
                 match fs.handle(&h, op_in, payload, payload_len) {
                     Outcome::Reply { error: 0, len } => (h.unique, 0, len),
                     Outcome::Reply { error, .. } => (h.unique, error, 0),

@@ -1,7 +1,11 @@
 //! The FUSE front end end to end, on this machine's kernel: the served file attached with
 //! `losetup` (page cache and `--direct-io=on`), `mkfs.ext4`, a file tree copied in, `fsck.ext4
 //! -f` clean, unmounted, remounted, read back identical; parallel O_DIRECT I/O against a model;
-//! fallocate semantics. Needs root, /dev/fuse and loop devices: SKIPPED otherwise.
+//! fallocate semantics. Every case runs on both transports: classic /dev/fuse and
+//! FUSE-over-io_uring (which these tests switch on through
+//! /sys/module/fuse/parameters/enable_uring as root, restoring the old value afterwards).
+//! Needs root, /dev/fuse and loop devices: SKIPPED otherwise; io_uring rows are SKIPPED where the
+//! kernel lacks it, but fail under CI as root on Linux >= 6.14.
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
@@ -9,10 +13,10 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use ucrypt::{BlockDev, Error, Result};
-use ucrypt_fuse::{spawn, MountOptions};
+use ucrypt_fuse::{spawn, ActiveTransport, MountOptions, Transport, ENABLE_URING_PATH};
 
 /// Plaintext in memory; discard leaves a recognisable pattern (not zeroes), like a LUKS
 /// volume's freed ciphertext would read as garbage.
@@ -111,6 +115,99 @@ macro_rules! skip_unless_able {
             return;
         }
     };
+}
+
+/// Tests using io_uring and the enable_uring value to restore when the last one ends.
+static URING_USERS: Mutex<(usize, Option<String>)> = Mutex::new((0, None));
+
+/// Holds enable_uring at Y while alive.
+struct UringOn;
+
+fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let r = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut it = r
+        .trim()
+        .split(['.', '-'])
+        .map(|x| x.parse::<u32>().unwrap_or(0));
+    let (a, b) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+    (a, b) >= (major, minor)
+}
+
+impl UringOn {
+    /// Err: why io_uring cannot be had here.
+    fn new() -> std::result::Result<UringOn, String> {
+        let mut g = URING_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        let old = std::fs::read_to_string(ENABLE_URING_PATH)
+            .map_err(|e| format!("{ENABLE_URING_PATH}: {e} (kernel without FUSE-over-io_uring)"))?;
+        if g.0 == 0 {
+            std::fs::write(ENABLE_URING_PATH, "Y")
+                .map_err(|e| format!("cannot set {ENABLE_URING_PATH} to Y: {e}"))?;
+            g.1 = Some(old.trim().to_string());
+        }
+        g.0 += 1;
+        Ok(UringOn)
+    }
+}
+
+impl Drop for UringOn {
+    fn drop(&mut self) {
+        let mut g = URING_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 -= 1;
+        if g.0 == 0 {
+            if let Some(old) = g.1.take() {
+                let _ = std::fs::write(ENABLE_URING_PATH, old);
+            }
+        }
+    }
+}
+
+/// The options for a transport row, and the guard keeping io_uring on; None: SKIPPED.
+fn transport_row(t: Transport) -> Option<(MountOptions, Option<UringOn>)> {
+    let opts = MountOptions {
+        transport: t,
+        ..MountOptions::default()
+    };
+    if t != Transport::IoUring {
+        return Some((opts, None));
+    }
+    match UringOn::new() {
+        Ok(g) => Some((opts, Some(g))),
+        Err(r) => {
+            assert!(
+                std::env::var_os("CI").is_none() || !kernel_at_least(6, 14),
+                "CI as root on Linux >= 6.14 must be able to enable FUSE-over-io_uring: {r}"
+            );
+            println!("SKIPPED: {r}");
+            None
+        }
+    }
+}
+
+/// After use: with io_uring, the ring (not /dev/fuse) must have carried the requests.
+fn check_served(m: &ucrypt_fuse::Mounted, t: Transport) {
+    let (classic, ring) = m.requests_served();
+    println!("requests served: {classic} classic, {ring} io_uring");
+    if t == Transport::IoUring {
+        assert!(
+            ring > 0 && ring > classic,
+            "io_uring carried too few requests"
+        );
+    } else {
+        assert_eq!(ring, 0);
+    }
+}
+
+fn check_transport(m: &ucrypt_fuse::Mounted, t: Transport) {
+    println!("{}", m.transport);
+    match t {
+        Transport::IoUring => assert!(
+            matches!(m.transport, ActiveTransport::IoUring { .. }),
+            "asked for io_uring, got {}",
+            m.transport
+        ),
+        Transport::Classic => assert!(matches!(m.transport, ActiveTransport::Classic { .. })),
+        Transport::Auto => {}
+    }
 }
 
 fn run(cmd: &str, args: &[&str]) -> String {
@@ -245,10 +342,22 @@ fn check_tree(dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) {
 }
 
 #[test]
-fn losetup_mkfs_fsck_remount() {
+fn losetup_mkfs_fsck_remount_classic() {
+    losetup_mkfs_fsck_remount(Transport::Classic)
+}
+
+#[test]
+fn losetup_mkfs_fsck_remount_io_uring() {
+    losetup_mkfs_fsck_remount(Transport::IoUring)
+}
+
+fn losetup_mkfs_fsck_remount(t: Transport) {
     skip_unless_able!();
+    let Some((base, _uring)) = transport_row(t) else {
+        return;
+    };
     let seed = seed();
-    let tmp = Tmp::new("losetup");
+    let tmp = Tmp::new(&format!("losetup-{t:?}"));
     let dev = MemDev::new(64 << 20, 4096);
     let src = tmp.0.join("src");
     let files = make_tree(&src, seed);
@@ -256,7 +365,8 @@ fn losetup_mkfs_fsck_remount() {
     // 1) the mount point is a regular file; loop device through the page cache.
     let file = tmp.0.join("volume");
     std::fs::write(&file, b"").expect("create mount point file");
-    let m = spawn(dev.clone(), &file, &MountOptions::default()).expect("FUSE mount");
+    let m = spawn(dev.clone(), &file, &base).expect("FUSE mount");
+    check_transport(&m, t);
     assert_eq!(std::fs::metadata(&file).expect("stat").len(), 64 << 20);
     {
         let lo = Loop::attach(&file, false);
@@ -277,6 +387,7 @@ fn losetup_mkfs_fsck_remount() {
         drop(fsm);
         run("fsck.ext4", &["-f", "-n", &lo.0]);
     }
+    check_served(&m, t);
     m.unmount().expect("unmount FUSE");
 
     // 2) remount as a named file in a directory; loop with --direct-io=on; fsck, read back.
@@ -284,9 +395,10 @@ fn losetup_mkfs_fsck_remount() {
     std::fs::create_dir_all(&dir).expect("mkdir");
     let opts = MountOptions {
         file_name: Some("disk.img".into()),
-        ..MountOptions::default()
+        ..base.clone()
     };
     let m = spawn(dev.clone(), &dir, &opts).expect("FUSE remount");
+    check_transport(&m, t);
     assert_eq!(m.file, dir.join("disk.img"));
     let names: Vec<_> = std::fs::read_dir(&dir)
         .expect("readdir")
@@ -313,14 +425,27 @@ fn losetup_mkfs_fsck_remount() {
         drop(fsm);
         run("fsck.ext4", &["-f", "-n", &lo.0]);
     }
+    check_served(&m, t);
     m.unmount().expect("unmount FUSE");
 }
 
 #[test]
-fn parallel_direct_io_matches_model_and_fallocate_zeroes() {
+fn parallel_direct_io_matches_model_and_fallocate_zeroes_classic() {
+    parallel_direct_io_matches_model_and_fallocate_zeroes(Transport::Classic)
+}
+
+#[test]
+fn parallel_direct_io_matches_model_and_fallocate_zeroes_io_uring() {
+    parallel_direct_io_matches_model_and_fallocate_zeroes(Transport::IoUring)
+}
+
+fn parallel_direct_io_matches_model_and_fallocate_zeroes(t: Transport) {
     skip_unless_able!();
+    let Some((base, _uring)) = transport_row(t) else {
+        return;
+    };
     let seed = seed();
-    let tmp = Tmp::new("parallel");
+    let tmp = Tmp::new(&format!("parallel-{t:?}"));
     const SIZE: usize = 16 << 20;
     let dev = MemDev::new(SIZE, 4096);
     let dir = tmp.0.join("m");
@@ -328,9 +453,10 @@ fn parallel_direct_io_matches_model_and_fallocate_zeroes() {
     let opts = MountOptions {
         file_name: Some("vol".into()),
         threads: 4,
-        ..MountOptions::default()
+        ..base
     };
     let m = spawn(dev.clone(), &dir, &opts).expect("mount");
+    check_transport(&m, t);
     let path = m.file.clone();
 
     // Each thread owns a disjoint quarter and writes seeded 4 KiB-aligned blocks with O_DIRECT,
@@ -443,5 +569,6 @@ fn parallel_direct_io_matches_model_and_fallocate_zeroes() {
         "fallocate touched bytes outside its range"
     );
     drop(f);
+    check_served(&m, t);
     m.unmount().expect("unmount");
 }
