@@ -308,8 +308,7 @@ fn spawn_with(
     };
     let worker_error = Arc::new(Mutex::new(None));
     let mut workers = Vec::new();
-    let transport;
-    if fs.io_uring_negotiated() {
+    let transport = if fs.io_uring_negotiated() {
         let queues = transport::possible_cpus();
         let threads = queues.min(THREADS_MAX);
         let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(), String>>();
@@ -376,7 +375,7 @@ fn spawn_with(
         workers.push(worker("fuse-classic".into(), &worker_error, move || {
             transport::classic_loop(&fd2, &fs2)
         })?);
-        transport = ActiveTransport::IoUring { queues, threads };
+        ActiveTransport::IoUring { queues, threads }
     } else {
         let threads = opts.thread_count();
         for t in 0..threads {
@@ -390,11 +389,11 @@ fn spawn_with(
                 transport::classic_loop(own.as_ref().unwrap_or(&fd), &fs)
             })?);
         }
-        transport = ActiveTransport::Classic {
+        ActiveTransport::Classic {
             threads,
             io_uring_unused: None,
-        };
-    }
+        }
+    };
     let threads = workers.len();
     Ok(Ok(Mounted {
         workers,

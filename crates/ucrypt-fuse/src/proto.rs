@@ -329,7 +329,7 @@ impl<'a> Out<'a> {
         self.at += n;
         self
     }
-    pub fn len(&self) -> usize {
+    pub fn written(&self) -> usize {
         self.at
     }
     pub fn attr(&mut self, a: &Attr) -> &mut Self {
@@ -405,7 +405,7 @@ pub fn init_out(o: &mut Out<'_>, i: &InitOut) {
 pub fn dirent(o: &mut Out<'_>, limit: usize, ino: u64, off: u64, typ: u32, name: &str) -> bool {
     let n = name.len();
     let rec = (24 + n).next_multiple_of(8);
-    if o.len() + rec > limit {
+    if o.written() + rec > limit {
         return false;
     }
     o.u64(ino)
@@ -512,12 +512,17 @@ mod tests {
                 },
                 64,
             ),
-            (|o, a| drop(o.attr(a)), ATTR_BYTES),
+            (
+                |o, a| {
+                    o.attr(a);
+                },
+                ATTR_BYTES,
+            ),
         ];
         for (i, (enc, want)) in rows.iter().enumerate() {
             let mut o = Out::new(&mut b);
             enc(&mut o, &a);
-            assert_eq!(o.len(), *want, "row {i}");
+            assert_eq!(o.written(), *want, "row {i}");
             assert!(*want <= REPLY_FIXED_BYTES_MAX);
         }
         assert_eq!(ring::HEADER_BYTES, 288);
@@ -528,9 +533,9 @@ mod tests {
         let mut b = [0u8; 64];
         let mut o = Out::new(&mut b);
         assert!(dirent(&mut o, 64, 1, 1, 4, "."));
-        assert_eq!(o.len(), 32);
+        assert_eq!(o.written(), 32);
         assert!(!dirent(&mut o, 64, 2, 2, 8, "0123456789"));
         assert!(dirent(&mut o, 64, 2, 2, 8, "01234567"));
-        assert_eq!(o.len(), 64);
+        assert_eq!(o.written(), 64);
     }
 }

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::fs::{Outcome, Via, VolumeFs, REQUEST_BYTES_MAX};
+use crate::fs::{VolumeFs, REQUEST_BYTES_MAX};
 use crate::proto::{self, ring, InHeader};
 
 /// Bytes of a classic read buffer: the largest request (a write of REQUEST_BYTES_MAX plus its
@@ -282,19 +282,9 @@ fn write_reply(fd: RawFd, unique: u64, error: i32, body: &[u8]) -> io::Result<bo
 
 /// Serves one classic request from `buf[..n]`; false when the connection is gone.
 fn serve_classic(fd: RawFd, fs: &VolumeFs, buf: &mut [u8], n: usize) -> io::Result<bool> {
-    let (h, op_at, payload_at) = match proto::split_classic(&buf[..n]) {
-        Ok(x) => x,
-        Err((Some(unique), e)) => return write_reply(fd, unique, e, &[]),
-        Err((None, _)) => return Ok(true),
-    };
-    let (head, rest) = buf.split_at_mut(payload_at);
-    fs.count(Via::Classic);
-    match fs.handle(&h, &head[op_at..], rest, n - payload_at) {
-        Outcome::NoReply => Ok(true),
-        Outcome::Reply { error, len } => {
-            let len = if error == 0 { len } else { 0 };
-            write_reply(fd, h.unique, error, &rest[..len])
-        }
+    match fs.handle_classic(buf, n) {
+        None => Ok(true),
+        Some(r) => write_reply(fd, r.unique, r.error, &buf[r.body]),
     }
 }
 
@@ -510,24 +500,7 @@ impl UringQueues {
         let header = unsafe { std::slice::from_raw_parts_mut(e.header.ptr, ring::HEADER_BYTES) };
         // SAFETY: as above.
         let payload = unsafe { std::slice::from_raw_parts_mut(e.payload.ptr, URING_PAYLOAD_BYTES) };
-        let commit_id = ring::ent_commit_id(header);
-        let (unique, error, len) = match InHeader::parse(&header[..ring::IN_OUT_BYTES]) {
-            None => (commit_id, libc::EIO, 0),
-            Some(h) => {
-                let op_in = &header[ring::OP_IN_AT..ring::OP_IN_AT + proto::op_in_bytes(h.opcode)];
-                let payload_len = ring::ent_payload_bytes(header) as usize;
-                fs.count(Via::IoUring);
-                match fs.handle(&h, op_in, payload, payload_len) {
-                    Outcome::Reply { error: 0, len } => (h.unique, 0, len),
-                    Outcome::Reply { error, .. } => (h.unique, error, 0),
-                    // FORGET and INTERRUPT travel over /dev/fuse, never the ring; should one
-                    // come here, the kernel still needs the entry back.
-                    Outcome::NoReply => (h.unique, libc::ENOSYS, 0),
-                }
-            }
-        };
-        header[..proto::OUT_HEADER_BYTES].copy_from_slice(&proto::out_header(unique, error, len));
-        ring::set_ent_payload_bytes(header, len as u32);
+        let commit_id = fs.handle_ring(header, payload);
         let sqe = opcode::UringCmd80::new(types::Fd(self.fd), ring::CMD_COMMIT_AND_FETCH)
             .cmd(ring::cmd_req(commit_id, e.qid))
             .build()
