@@ -780,6 +780,9 @@ mod tests {
         Silent,
     }
 
+    /// (row name, opcode, nodeid, op_in, payload, expected)
+    type Row = (&'static str, u32, u64, Vec<u8>, Vec<u8>, Want);
+
     fn want_of(s: &Sent) -> Want {
         match s {
             None => Want::Silent,
@@ -794,7 +797,7 @@ mod tests {
         let name = b"disk.img\0".to_vec();
         // (row name, opcode, nodeid, op_in, payload, expected). File mode: the root (1) is the
         // file; directory rows run on a volume with a file name (file = inode 2).
-        let rows: Vec<(&str, u32, u64, Vec<u8>, Vec<u8>, Want)> = vec![
+        let rows: Vec<Row> = vec![
             (
                 "getattr file",
                 opc::GETATTR,
@@ -994,7 +997,7 @@ mod tests {
             ),
             ("destroy", opc::DESTROY, 1, vec![], vec![], Want::Ok(0)),
         ];
-        let dir_rows: Vec<(&str, u32, u64, Vec<u8>, Vec<u8>, Want)> = vec![
+        let dir_rows: Vec<Row> = vec![
             (
                 "lookup file",
                 opc::LOOKUP,
