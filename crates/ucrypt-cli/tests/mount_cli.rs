@@ -360,3 +360,97 @@ fn mount_cli_luks2_end_to_end() {
     run("fsck.ext4", &["-f", "-n", p]);
     assert_eq!(run("debugfs", &["-R", "cat /hello", p]), "hello luks");
 }
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Restores enable_uring on drop.
+struct RestoreUring(String);
+impl Drop for RestoreUring {
+    fn drop(&mut self) {
+        let _ = std::fs::write(ENABLE_URING, &self.0);
+    }
+}
+
+/// `--fuse-transport io-uring`: refused with the reason and the fix while enable_uring is N
+/// (nothing mounted); with Y it mounts over io_uring, serves reads and writes, and exits 0 on
+/// SIGINT. The test switches the kernel parameter itself (root) and restores it.
+#[test]
+fn mount_cli_fuse_transport_io_uring() {
+    if let Some(r) = skip_reason() {
+        println!("SKIPPED: {r}");
+        return;
+    }
+    let Ok(old) = std::fs::read_to_string(ENABLE_URING) else {
+        let is_ci = std::env::var_os("CI").is_some();
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let mut v = release
+            .trim()
+            .split(['.', '-'])
+            .map(|x| x.parse::<u32>().unwrap_or(0));
+        let new_kernel = (v.next().unwrap_or(0), v.next().unwrap_or(0)) >= (6, 14);
+        assert!(
+            !(is_ci && new_kernel),
+            "CI on Linux >= 6.14 without {ENABLE_URING}"
+        );
+        println!("SKIPPED: {ENABLE_URING} missing (kernel without FUSE-over-io_uring)");
+        return;
+    };
+    let _restore = RestoreUring(old.trim().to_string());
+    let tmp = std::env::temp_dir().join(format!("ucrypt-mount-uring-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).expect("tmp");
+    let _cleanup = Cleanup(vec![(
+        "rm".into(),
+        vec!["-rf".into(), tmp.display().to_string()],
+    )]);
+    let img = tmp.join("vol.img");
+    std::fs::File::create(&img)
+        .expect("img")
+        .set_len(8 << 20)
+        .expect("size");
+    let keyf = tmp.join("key");
+    std::fs::write(&keyf, [7u8; 64]).expect("key");
+    let file = tmp.join("plain");
+    std::fs::write(&file, b"").expect("mount point");
+    let args = [
+        img.to_str().expect("utf-8"),
+        file.to_str().expect("utf-8"),
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        keyf.to_str().expect("utf-8"),
+        "--fuse-transport",
+        "io-uring",
+    ];
+
+    std::fs::write(ENABLE_URING, "N").expect("set enable_uring=N");
+    let out = Command::new(BIN)
+        .arg("mount")
+        .args(args)
+        .output()
+        .expect("run ucrypt mount");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(
+        err.contains("enable_uring is N") && err.contains("echo Y >"),
+        "the refusal does not name the reason and fix: {err}"
+    );
+    assert!(!is_fuse_mount(&file));
+
+    std::fs::write(ENABLE_URING, "Y").expect("set enable_uring=Y");
+    let mut srv = Server::start(&args, &file);
+    let block: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .and_then(|f| std::os::unix::fs::FileExt::write_all_at(&f, &block, 8192))
+        .expect("write through io_uring");
+    let mut got = vec![0u8; 4096];
+    std::fs::File::open(&file)
+        .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 8192))
+        .expect("read through io_uring");
+    assert!(got == block, "read back differs");
+    srv.signal(libc::SIGINT);
+    assert_eq!(srv.wait_exit(WAIT), Some(0), "no clean exit on SIGINT");
+    assert!(!is_fuse_mount(&file));
+}
