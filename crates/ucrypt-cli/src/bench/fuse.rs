@@ -1,6 +1,8 @@
 //! `ucrypt bench fuse`: the decrypted volume as a file over FUSE, measured with fio, side by
 //! side with qemu-storage-daemon's FUSE export of the same LUKS1 image and with the plain
-//! storage (a tmpfs file, no encryption, no FUSE). Round-robin over targets; medians.
+//! storage (a tmpfs file, no encryption, no FUSE). ucrypt runs twice: over classic /dev/fuse
+//! and over FUSE-over-io_uring (only when the kernel has it enabled: the benchmark does not
+//! flip `enable_uring`; it lists the reason under "Skipped"). Round-robin over targets; medians.
 //!
 //! The LUKS1 image is made by cryptsetup (aes-xts-plain64, 512-bit key, 512-byte sectors).
 //! ucrypt serves it in raw mode with the volume key and payload offset that
@@ -46,8 +48,10 @@ const MOUNT_WAIT: Duration = Duration::from_secs(20);
 pub enum Target {
     /// The storage itself: a tmpfs file, no encryption, no FUSE.
     Plain,
-    /// `ucrypt mount` (FUSE), aes-xts-plain64.
+    /// `ucrypt mount` (FUSE over classic /dev/fuse), aes-xts-plain64.
     Ucrypt,
+    /// `ucrypt mount` over FUSE-over-io_uring.
+    UcryptIoUring,
     /// qemu-storage-daemon's luks driver exported over FUSE.
     QemuStorageDaemon,
 }
@@ -56,7 +60,8 @@ impl Target {
     fn name(self) -> &'static str {
         match self {
             Target::Plain => "plain tmpfs file",
-            Target::Ucrypt => "ucrypt (FUSE)",
+            Target::Ucrypt => "ucrypt (FUSE classic)",
+            Target::UcryptIoUring => "ucrypt (FUSE io_uring)",
             Target::QemuStorageDaemon => "qemu-storage-daemon luks (FUSE)",
         }
     }
@@ -192,8 +197,13 @@ impl Server {
     fn start(target: Target, s: &Setup, mountpoint: &Path) -> Result<Server, String> {
         std::fs::write(mountpoint, b"").map_err(|e| e.to_string())?;
         let mut cmd = match target {
-            Target::Ucrypt => {
+            Target::Ucrypt | Target::UcryptIoUring => {
                 let mut c = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+                c.arg("--fuse-transport").arg(if target == Target::Ucrypt {
+                    "classic"
+                } else {
+                    "io-uring"
+                });
                 c.arg("mount").arg(&s.image).arg(mountpoint);
                 // Direct I/O (FOPEN_DIRECT_IO with parallel direct writes): fio opens O_DIRECT, and
                 // without it the kernel serialises writes to a FUSE file.
@@ -284,6 +294,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
     let runtime_s = if quick { 1 } else { 3 };
     let mut skipped = Vec::new();
     let mut targets = vec![Target::Plain, Target::Ucrypt];
+    match ucrypt_fuse::io_uring_availability() {
+        Ok(()) => targets.push(Target::UcryptIoUring),
+        Err(r) => skipped.push(format!("ucrypt (FUSE io_uring): {r}")),
+    }
     if have("qemu-storage-daemon") {
         targets.push(Target::QemuStorageDaemon);
     } else {
@@ -341,8 +355,8 @@ pub fn markdown(r: &FuseReport) -> String {
         r.runs
     );
     let find = |job: &str, t: Target| r.rows.iter().find(|x| x.job.name == job && x.target == t);
-    s.push_str("| job | plain tmpfs | ucrypt (FUSE) | qemu-storage-daemon luks (FUSE) | ucrypt ÷ qsd | ucrypt p99 µs | qsd p99 µs |\n");
-    s.push_str("|---|---|---|---|---|---|---|\n");
+    s.push_str("| job | plain tmpfs | ucrypt classic | ucrypt io_uring | qemu-storage-daemon luks | classic ÷ qsd | io_uring ÷ qsd | p99 µs classic / io_uring / qsd |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|\n");
     for job in JOBS {
         let cell = |t| {
             find(job.name, t)
@@ -354,21 +368,21 @@ pub fn markdown(r: &FuseReport) -> String {
                 .map(|x| format!("{:.0}", x.lat_p99_us.median))
                 .unwrap_or_else(|| "–".into())
         };
-        let ratio = match (
-            find(job.name, Target::Ucrypt),
-            find(job.name, Target::QemuStorageDaemon),
-        ) {
+        let ratio = |t| match (find(job.name, t), find(job.name, Target::QemuStorageDaemon)) {
             (Some(u), Some(q)) => format!("{:.2}", u.mib_s.median / q.mib_s.median),
             _ => "–".into(),
         };
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} / {} / {} |\n",
             job.name,
             cell(Target::Plain),
             cell(Target::Ucrypt),
+            cell(Target::UcryptIoUring),
             cell(Target::QemuStorageDaemon),
-            ratio,
+            ratio(Target::Ucrypt),
+            ratio(Target::UcryptIoUring),
             p99(Target::Ucrypt),
+            p99(Target::UcryptIoUring),
             p99(Target::QemuStorageDaemon)
         ));
     }
