@@ -224,52 +224,44 @@ fn worker(
 /// Mounts `dev` at `mountpoint` and serves it from background threads until unmounted.
 pub fn spawn(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> Result<Mounted> {
     let is_dir = check_mountpoint(mountpoint, opts)?;
-    let uring = match opts.transport {
-        Transport::Classic => Err(None),
-        Transport::Auto => io_uring_availability().map_err(Some),
+    let asked = |r: &str| Error::KernelFeature(format!("FUSE-over-io_uring asked for, but {r}"));
+    // Why io_uring will not be tried (None: it will be, or classic was asked for).
+    let unavailable = match opts.transport {
+        Transport::Classic => None,
+        Transport::Auto => io_uring_availability().err(),
         Transport::IoUring => match io_uring_availability() {
-            Ok(()) => Ok(()),
-            Err(r) => {
-                return Err(Error::KernelFeature(format!(
-                    "FUSE-over-io_uring asked for, but {r}"
-                )))
+            Ok(()) => None,
+            Err(r) => return Err(asked(&r)),
+        },
+    };
+    let try_uring = opts.transport != Transport::Classic && unavailable.is_none();
+    let (mut m, reason) = match spawn_with(dev.clone(), mountpoint, opts, is_dir, try_uring)? {
+        Ok(m) => (m, unavailable),
+        Err(r) if opts.transport == Transport::IoUring => return Err(asked(&r)),
+        // The io_uring mount was taken down again: mount classic.
+        Err(r) => match spawn_with(dev, mountpoint, opts, is_dir, false)? {
+            Ok(m) => (m, Some(r)),
+            Err(_) => {
+                return Err(Error::Bug(
+                    "classic FUSE mount reported an io_uring failure",
+                ))
             }
         },
     };
-    let m = spawn_with(dev.clone(), mountpoint, opts, is_dir, uring.is_ok())?;
-    match (m, uring) {
-        (Ok(m), _) => Ok(m),
-        (Err(reason), _) if opts.transport == Transport::IoUring => Err(Error::KernelFeature(
-            format!("FUSE-over-io_uring asked for, but {reason}"),
-        )),
-        (Err(reason), _) => {
-            let mut m = spawn_with(dev, mountpoint, opts, is_dir, false)?
-                .map_err(|_| Error::Bug("classic FUSE mount reported an io_uring failure"))?;
-            m.transport = ActiveTransport::Classic {
-                threads: m.threads,
-                io_uring_unused: Some(reason),
-            };
-            Ok(m)
+    if let ActiveTransport::Classic {
+        io_uring_unused, ..
+    } = &mut m.transport
+    {
+        if io_uring_unused.is_none() {
+            *io_uring_unused = reason;
         }
     }
-    .map(|mut m| {
-        if let (
-            ActiveTransport::Classic {
-                io_uring_unused, ..
-            },
-            Transport::Auto,
-        ) = (&mut m.transport, opts.transport)
-        {
-            if io_uring_unused.is_none() {
-                *io_uring_unused = io_uring_availability().err();
-            }
-        }
-        m
-    })
+    Ok(m)
 }
 
-/// One mount attempt. Outer Err: mounting failed. Inner Err: io_uring was negotiated but its
-/// queues could not be registered; the mount was taken down again (reason given).
+/// One mount attempt. Outer Err: mounting failed. Inner Err (only when io_uring was wanted and
+/// the options demand it, or its queues failed to register): the mount was taken down again,
+/// with the reason.
 fn spawn_with(
     dev: Arc<dyn BlockDev>,
     mountpoint: &Path,
@@ -308,6 +300,15 @@ fn spawn_with(
     };
     let worker_error = Arc::new(Mutex::new(None));
     let mut workers = Vec::new();
+    let mut not_offered = None;
+    if want_io_uring && !fs.io_uring_negotiated() {
+        let reason = "the kernel did not offer FUSE_OVER_IO_URING in FUSE_INIT".to_string();
+        if opts.transport == Transport::IoUring {
+            let _ = transport::umount(mountpoint, true);
+            return Ok(Err(reason));
+        }
+        not_offered = Some(reason);
+    }
     let transport = if fs.io_uring_negotiated() {
         let queues = transport::possible_cpus();
         let threads = queues.min(THREADS_MAX);
@@ -391,7 +392,7 @@ fn spawn_with(
         }
         ActiveTransport::Classic {
             threads,
-            io_uring_unused: None,
+            io_uring_unused: not_offered,
         }
     };
     let threads = workers.len();
