@@ -412,8 +412,15 @@ impl UringQueues {
     /// `fd` must stay open as long as this value lives.
     pub fn new(fd: RawFd, qids: &[u16]) -> io::Result<UringQueues> {
         let n = qids.len() * URING_ENTRIES_PER_QUEUE;
+        let depth = (n as u32).next_power_of_two();
+        // One thread submits and reaps, so the kernel may run the work that hands us requests
+        // only when we wait for completions (no interrupting task work; Linux >= 6.1), else a
+        // plain ring.
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
-            .build((n as u32).next_power_of_two())?;
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .build(depth)
+            .or_else(|_| IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(depth))?;
         let mut entries = Vec::with_capacity(n);
         for &qid in qids {
             for _ in 0..URING_ENTRIES_PER_QUEUE {
