@@ -291,7 +291,7 @@ fn spawn_with(
             .map_err(|e| Error::io(format!("FUSE mount on {}", mountpoint.display()), e))?,
     );
     if let Err(e) = transport::serve_init(&fd, &fs) {
-        let _ = transport::umount(mountpoint, true);
+        let _ = detach(mountpoint);
         return Err(Error::io("FUSE INIT", e));
     }
     let file = match &opts.file_name {
@@ -304,7 +304,7 @@ fn spawn_with(
     if want_io_uring && !fs.io_uring_negotiated() {
         let reason = "the kernel did not offer FUSE_OVER_IO_URING in FUSE_INIT".to_string();
         if opts.transport == Transport::IoUring {
-            let _ = transport::umount(mountpoint, true);
+            let _ = detach(mountpoint);
             return Ok(Err(reason));
         }
         not_offered = Some(reason);
@@ -364,7 +364,7 @@ fn spawn_with(
         }
         if let Some(reason) = failure {
             // Take this mount down; the caller remounts classic (auto) or reports (io-uring).
-            let _ = transport::umount(mountpoint, true);
+            let _ = detach(mountpoint);
             drop(fd);
             for w in workers {
                 let _ = w.join();
@@ -408,6 +408,30 @@ fn spawn_with(
     }))
 }
 
+/// Lazy unmount that works for root (umount2) and for the mounting user (`fusermount3 -u -z`).
+fn detach(mountpoint: &Path) -> Result<()> {
+    match transport::umount(mountpoint, true) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+            let st = std::process::Command::new("fusermount3")
+                .arg("-u")
+                .arg("-z")
+                .arg(mountpoint)
+                .status()
+                .map_err(|e| Error::io("run fusermount3 -u", e))?;
+            if st.success() {
+                Ok(())
+            } else {
+                Err(Error::io(
+                    "fusermount3 -u",
+                    std::io::Error::other(st.to_string()),
+                ))
+            }
+        }
+        Err(e) => Err(Error::io(format!("unmount {}", mountpoint.display()), e)),
+    }
+}
+
 /// What [`Mounted::request_unmount`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unmount {
@@ -439,23 +463,8 @@ impl Mounted {
             Some(libc::EBUSY) => transport::umount(&self.mountpoint, true)
                 .map(|_| Unmount::Detached)
                 .map_err(|e| Error::io("lazy unmount", e)),
-            Some(libc::EPERM) => {
-                // Not root: the setuid helper unmounts (lazily) for the mounting user.
-                let st = std::process::Command::new("fusermount3")
-                    .arg("-u")
-                    .arg("-z")
-                    .arg(&self.mountpoint)
-                    .status()
-                    .map_err(|e| Error::io("run fusermount3 -u", e))?;
-                if st.success() {
-                    Ok(Unmount::Detached)
-                } else {
-                    Err(Error::io(
-                        "fusermount3 -u",
-                        std::io::Error::other(st.to_string()),
-                    ))
-                }
-            }
+            // Not root: the setuid helper unmounts (lazily) for the mounting user.
+            Some(libc::EPERM) => detach(&self.mountpoint).map(|_| Unmount::Detached),
             Some(libc::EINVAL) if self.finished() => Ok(Unmount::Done),
             _ => Err(Error::io(
                 format!("unmount {}", self.mountpoint.display()),
@@ -492,7 +501,7 @@ impl Drop for Mounted {
         if !self.workers.is_empty() {
             // Detach the mount; the workers end once its last user is gone.
             if !self.finished() {
-                let _ = transport::umount(&self.mountpoint, true);
+                let _ = detach(&self.mountpoint);
             }
             let _ = self.dev.flush();
         }

@@ -10,7 +10,8 @@
 //! buffers at any time: this code holds no reference into them then, only raw pointers. When the
 //! completion arrives the entry belongs to this thread until it submits the next
 //! COMMIT_AND_FETCH. The buffers are freed only after every entry's command has completed (the
-//! kernel completes them all with -ENOTCONN at unmount) and the ring is closed.
+//! kernel completes them all with -ENOTCONN at unmount) and the ring is closed; if the serving
+//! loop ends early with commands still in the kernel, the buffers are leaked instead.
 
 use std::ffi::CString;
 use std::io;
@@ -558,6 +559,17 @@ impl UringQueues {
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+impl Drop for UringQueues {
+    fn drop(&mut self) {
+        // Fields drop after this: the ring first (closing it cancels what is still queued),
+        // then the buffers. If an entry is still in the kernel (run() ended early on an error),
+        // the kernel may yet write into its buffers: leak them rather than free memory it holds.
+        if self.entries.iter().any(|e| e.in_kernel) {
+            std::mem::forget(std::mem::take(&mut self.entries));
         }
     }
 }

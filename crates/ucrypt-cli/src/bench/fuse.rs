@@ -199,12 +199,12 @@ impl Server {
         let mut cmd = match target {
             Target::Ucrypt | Target::UcryptIoUring => {
                 let mut c = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+                c.arg("mount").arg(&s.image).arg(mountpoint);
                 c.arg("--fuse-transport").arg(if target == Target::Ucrypt {
                     "classic"
                 } else {
                     "io-uring"
                 });
-                c.arg("mount").arg(&s.image).arg(mountpoint);
                 // Direct I/O (FOPEN_DIRECT_IO with parallel direct writes): fio opens O_DIRECT, and
                 // without it the kernel serialises writes to a FUSE file.
                 c.args([
