@@ -6,6 +6,7 @@ mod cipher;
 mod engine;
 mod fio;
 mod fuse;
+pub mod plot;
 pub mod stats;
 
 use clap::{Args, Subcommand};
