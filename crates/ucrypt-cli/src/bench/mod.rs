@@ -37,12 +37,21 @@ impl Common {
     }
 }
 
+#[derive(Args, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Run only these scenarios (1-8, comma-separated; default all).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=8))]
+    only: Vec<u8>,
+}
+
 #[derive(Subcommand)]
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
     Cipher(Common),
     /// The volume engine: dispatch policies side by side with the raw backend.
-    Engine(Common),
+    Engine(EngineArgs),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
     Fuse(Common),
     /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
@@ -63,8 +72,8 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             0
         }
-        Which::Engine(c) => {
-            let report = engine::measure(c.runs(), c.quick, !c.json);
+        Which::Engine(EngineArgs { common: c, only }) => {
+            let report = engine::measure(c.runs(), c.quick, !c.json, &only);
             if c.json {
                 println!(
                     "{}",
