@@ -3,10 +3,14 @@
 //!
 //! The JSON shape and the rule used here are documented in docs/bench-json.md: a report is an
 //! object; its arrays of objects are tables of rows; in a row, every object
-//! `{median, min, max, ...}` (a `stats::Summary`) and every non-integer number is a metric, and
-//! every other scalar (string, integer, bool), at any depth, is part of the row's identity.
-//! Rows of OLD and NEW with the same table and identity are compared metric by metric.
-//! An object without those parts (e.g. the file of `bench all`) is walked by key.
+//! `{median, min, max, ...}` (a `stats::Summary`) and every non-integer number is a metric,
+//! every string and integer, at any depth, is part of the row's identity, and booleans are
+//! flags (results such as "target met", compared but not identity). Rows of OLD and NEW with
+//! the same table and identity are compared metric by metric; rows left over are then paired
+//! when their strings alone identify them on both sides, and their differing integers (e.g.
+//! request counts) are shown as compared values. Arrays of plain numbers (raw data such as CDF
+//! points) are not compared. An object without rows or metrics of its own (e.g. the file of
+//! `bench all`) is walked by key.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -57,11 +61,42 @@ pub struct Metric {
     pub range: Option<(f64, f64)>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Row {
-    /// (field path, value as JSON text), sorted by path.
-    identity: Vec<(String, String)>,
+    /// (field path, value) of strings and arrays of strings or integers (as JSON text).
+    text: Vec<(String, String)>,
+    /// (field path, value) of integers.
+    ints: Vec<(String, i128)>,
+    flags: Vec<(String, bool)>,
     metrics: Vec<(String, Metric)>,
+}
+
+impl Row {
+    fn sort(&mut self) {
+        self.text.sort();
+        self.ints.sort();
+        self.flags.sort();
+    }
+
+    /// "aes-xts-plain64 · aws-lc-xts · key_bits=512": strings bare, integers named.
+    fn label(&self) -> String {
+        if self.text.is_empty() && self.ints.is_empty() {
+            return "(report)".to_string();
+        }
+        let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
+        self.text
+            .iter()
+            .map(|(_, v)| v.clone())
+            .chain(self.ints.iter().map(|(p, v)| format!("{}={v}", last(p))))
+            .collect::<Vec<_>>()
+            .join(" · ")
+    }
+}
+
+fn integer(n: &serde_json::Number) -> Option<i128> {
+    n.as_i64()
+        .map(i128::from)
+        .or_else(|| n.as_u64().map(i128::from))
 }
 
 /// One result file, flattened: tables of rows, machines and settings by path.
@@ -137,10 +172,7 @@ fn walk_report(
     if depth > DEPTH_MAX {
         return Err(format!("{path}: nested deeper than {DEPTH_MAX} levels"));
     }
-    let mut own = Row {
-        identity: vec![],
-        metrics: vec![],
-    };
+    let mut own = Row::default();
     for (k, v) in o {
         let p = join(path, k);
         match v {
@@ -155,12 +187,9 @@ fn walk_report(
             Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_object) => {
                 let mut rows = Vec::with_capacity(a.len());
                 for (i, r) in a.iter().enumerate() {
-                    let mut row = Row {
-                        identity: vec![],
-                        metrics: vec![],
-                    };
+                    let mut row = Row::default();
                     walk_row(&format!("{p}[{i}]"), "", r, &mut row, depth + 1)?;
-                    row.identity.sort();
+                    row.sort();
                     rows.push(row);
                 }
                 flat.tables.entry(p).or_default().extend(rows);
@@ -240,18 +269,17 @@ fn walk_row(at: &str, field: &str, v: &Value, row: &mut Row, depth: usize) -> Re
             if let Some(ms) = named_metrics(&join(at, field), a)? {
                 row.metrics
                     .extend(ms.into_iter().map(|(n, m)| (join(field, &n), m)));
-            } else if a
-                .iter()
-                .all(|e| matches!(e, Value::String(_) | Value::Bool(_)))
+            } else if a.iter().all(|e| matches!(e, Value::String(_)))
                 || a.iter()
                     .all(|e| matches!(e, Value::Number(n) if !is_float(n)))
             {
-                row.identity.push((name(field), v.to_string()));
-            } else {
+                row.text.push((name(field), v.to_string()));
+            } else if a.iter().all(Value::is_object) {
                 for (i, e) in a.iter().enumerate() {
                     walk_row(at, &format!("{field}[{i}]"), e, row, depth + 1)?;
                 }
             }
+            // Otherwise raw data (e.g. CDF points of one run): not compared.
         }
         Value::Number(n) if is_float(n) => row.metrics.push((
             name(field),
@@ -260,8 +288,12 @@ fn walk_row(at: &str, field: &str, v: &Value, row: &mut Row, depth: usize) -> Re
                 range: None,
             },
         )),
-        Value::Number(_) | Value::Bool(_) => row.identity.push((name(field), v.to_string())),
-        Value::String(s) => row.identity.push((name(field), s.clone())),
+        Value::Number(n) => match integer(n) {
+            Some(i) => row.ints.push((name(field), i)),
+            None => return Err(format!("{}: number out of range", join(at, field))),
+        },
+        Value::Bool(b) => row.flags.push((name(field), *b)),
+        Value::String(s) => row.text.push((name(field), s.clone())),
         // A NaN written by serde_json: neither identity nor a usable number.
         Value::Null => {}
     }
@@ -302,17 +334,9 @@ pub struct Comparison {
     /// (table, row label)
     pub only_old: Vec<(String, String)>,
     pub only_new: Vec<(String, String)>,
+    /// (table, row label, flag, old, new)
+    pub flags: Vec<(String, String, String, Option<bool>, Option<bool>)>,
     pub warnings: Vec<String>,
-}
-
-fn label(id: &[(String, String)]) -> String {
-    if id.is_empty() {
-        return "(report)".to_string();
-    }
-    id.iter()
-        .map(|(_, v)| v.as_str())
-        .collect::<Vec<_>>()
-        .join(" · ")
 }
 
 pub fn judge(old: Metric, new: Metric, threshold_pct: f64) -> (Option<f64>, Verdict) {
@@ -356,47 +380,118 @@ fn compare(old: &Flat, new: &Flat, threshold_pct: f64) -> Comparison {
     for table in tables {
         let o = old.tables.get(table).unwrap_or(&empty);
         let n = new.tables.get(table).unwrap_or(&empty);
-        // Rows with the same identity pair up in order of appearance.
-        let mut unmatched: Vec<Option<&Row>> = n.iter().map(Some).collect();
-        for orow in o {
-            let found = unmatched
-                .iter_mut()
-                .find(|r| r.is_some_and(|r| r.identity == orow.identity))
-                .and_then(Option::take);
-            let Some(nrow) = found else {
-                c.only_old.push((table.clone(), label(&orow.identity)));
-                continue;
-            };
-            let row = label(&orow.identity);
-            let mut names: Vec<&String> = orow.metrics.iter().map(|(m, _)| m).collect();
-            for (m, _) in &nrow.metrics {
-                if !names.contains(&m) {
-                    names.push(m);
-                }
-            }
-            for metric in names {
-                let get = |r: &Row| r.metrics.iter().find(|(m, _)| m == metric).map(|x| x.1);
-                let (om, nm) = (get(orow), get(nrow));
-                let (pct, verdict) = match (om, nm) {
-                    (Some(a), Some(b)) => judge(a, b, threshold_pct),
-                    _ => (None, Verdict::Unknown),
-                };
-                c.deltas.push(Delta {
-                    table: table.clone(),
-                    row: row.clone(),
-                    metric: metric.clone(),
-                    old: om,
-                    new: nm,
-                    pct,
-                    verdict,
-                });
-            }
-        }
-        for r in unmatched.into_iter().flatten() {
-            c.only_new.push((table.clone(), label(&r.identity)));
+        for (orow, nrow) in pair_rows(o, n, &mut c, table) {
+            compare_rows(table, orow, nrow, threshold_pct, &mut c);
         }
     }
     c
+}
+
+/// Pairs the rows of one table; records the rows left over in `c`.
+fn pair_rows<'a>(
+    o: &'a [Row],
+    n: &'a [Row],
+    c: &mut Comparison,
+    table: &str,
+) -> Vec<(&'a Row, &'a Row)> {
+    let mut pairs = Vec::new();
+    let mut old_left: Vec<Option<&Row>> = o.iter().map(Some).collect();
+    let mut new_left: Vec<Option<&Row>> = n.iter().map(Some).collect();
+    // Pass 1: same strings and integers; duplicates pair up in order of appearance.
+    for slot in old_left.iter_mut() {
+        let Some(orow) = *slot else { continue };
+        let found = new_left
+            .iter_mut()
+            .find(|r| r.is_some_and(|r| r.text == orow.text && r.ints == orow.ints))
+            .and_then(Option::take);
+        if let Some(nrow) = found {
+            pairs.push((orow, nrow));
+            *slot = None;
+        }
+    }
+    // Pass 2: same strings, when those alone identify the row on both sides.
+    let count = |rows: &[Option<&Row>], text: &[(String, String)]| {
+        rows.iter().flatten().filter(|r| r.text == text).count()
+    };
+    for i in 0..old_left.len() {
+        let Some(orow) = old_left[i] else { continue };
+        if orow.text.is_empty()
+            || count(&old_left, &orow.text) != 1
+            || count(&new_left, &orow.text) != 1
+        {
+            continue;
+        }
+        let found = new_left
+            .iter_mut()
+            .find(|r| r.is_some_and(|r| r.text == orow.text))
+            .and_then(Option::take);
+        if let Some(nrow) = found {
+            pairs.push((orow, nrow));
+            old_left[i] = None;
+        }
+    }
+    for r in old_left.into_iter().flatten() {
+        c.only_old.push((table.to_string(), r.label()));
+    }
+    for r in new_left.into_iter().flatten() {
+        c.only_new.push((table.to_string(), r.label()));
+    }
+    pairs
+}
+
+/// A row's metrics, then its integers that differ from `other`'s (compared as plain numbers
+/// when rows were paired by their strings).
+fn metrics_of(r: &Row, other: &Row) -> Vec<(String, Metric)> {
+    let differs = |(p, v): &&(String, i128)| !other.ints.iter().any(|(q, w)| q == p && w == v);
+    let ints = r.ints.iter().filter(differs).map(|(p, v)| {
+        let m = Metric {
+            median: *v as f64,
+            range: None,
+        };
+        (p.clone(), m)
+    });
+    r.metrics.iter().cloned().chain(ints).collect()
+}
+
+fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut Comparison) {
+    let row = orow.label();
+    let (om, nm) = (metrics_of(orow, nrow), metrics_of(nrow, orow));
+    let mut names: Vec<&String> = om.iter().map(|(m, _)| m).collect();
+    for (m, _) in &nm {
+        if !names.contains(&m) {
+            names.push(m);
+        }
+    }
+    for metric in names {
+        let get = |ms: &[(String, Metric)]| ms.iter().find(|(m, _)| m == metric).map(|x| x.1);
+        let (a, b) = (get(&om), get(&nm));
+        let (pct, verdict) = match (a, b) {
+            (Some(a), Some(b)) => judge(a, b, threshold_pct),
+            _ => (None, Verdict::Unknown),
+        };
+        c.deltas.push(Delta {
+            table: table.to_string(),
+            row: row.clone(),
+            metric: metric.clone(),
+            old: a,
+            new: b,
+            pct,
+            verdict,
+        });
+    }
+    let flag = |r: &Row, f: &str| r.flags.iter().find(|(g, _)| g == f).map(|x| x.1);
+    let mut seen: Vec<&String> = Vec::new();
+    for (f, _) in orow.flags.iter().chain(&nrow.flags) {
+        if seen.contains(&f) {
+            continue;
+        }
+        seen.push(f);
+        let (a, b) = (flag(orow, f), flag(nrow, f));
+        if a != b {
+            c.flags
+                .push((table.to_string(), row.clone(), f.clone(), a, b));
+        }
+    }
 }
 
 fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>) {
@@ -510,6 +605,14 @@ fn render(c: &Comparison, threshold_pct: f64) -> String {
         if c.deltas.get(i + 1).is_none_or(|next| next.table != d.table) {
             s += "\n";
         }
+    }
+    if !c.flags.is_empty() {
+        s += "Flags changed:\n";
+        let show = |b: &Option<bool>| b.map(|b| b.to_string()).unwrap_or_else(|| "—".into());
+        for (t, r, f, a, b) in &c.flags {
+            s += &format!("- {t}: {r}: {f} {} -> {}\n", show(a), show(b));
+        }
+        s += "\n";
     }
     for (which, rows) in [("OLD", &c.only_old), ("NEW", &c.only_new)] {
         if !rows.is_empty() {
@@ -671,21 +774,72 @@ mod tests {
     fn rows_added_and_removed() {
         let old = report("EPYC", sum(1.0, 1.0, 1.0), sum(1.0, 1.0, 1.0));
         let mut new = old.clone();
-        // The inline row's job changes (so it is another row), and a row is added.
-        new["rows"][1]["job"]["bs"] = json!(65536);
-        let mut added = new["rows"][0].clone();
-        added["variant"] = json!("parallel");
-        new["rows"].as_array_mut().expect("rows").push(added);
+        // The inline row becomes another row (a string of its identity changes), and two
+        // rows differing only in an integer are added (their strings do not identify them).
+        new["rows"][1]["variant"] = json!("ordered");
+        for bs in [512, 1024] {
+            let mut added = new["rows"][0].clone();
+            added["variant"] = json!("parallel");
+            added["job"]["bs"] = json!(bs);
+            new["rows"].as_array_mut().expect("rows").push(added);
+        }
         let c = run(&old, &new);
-        assert_eq!(c.only_old.len(), 1, "{:?}", c.only_old);
-        assert!(c.only_old[0].1.contains("inline") && c.only_old[0].1.contains("4096"));
-        let mut only_new: Vec<&str> = c.only_new.iter().map(|(_, r)| r.as_str()).collect();
-        only_new.sort();
-        assert_eq!(only_new.len(), 2, "{only_new:?}");
-        assert!(only_new.iter().any(|r| r.contains("65536")));
-        assert!(only_new.iter().any(|r| r.contains("parallel")));
+        let only = |v: &[(String, String)]| -> Vec<String> {
+            let mut v: Vec<String> = v.iter().map(|(t, r)| format!("{t}: {r}")).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            only(&c.only_old),
+            ["rows: read · 4K reads · MB/s · inline · bs=4096"]
+        );
+        assert_eq!(
+            only(&c.only_new),
+            [
+                "rows: read · 4K reads · MB/s · ordered · bs=4096",
+                "rows: read · 4K reads · MB/s · parallel · bs=1024",
+                "rows: read · 4K reads · MB/s · parallel · bs=512",
+            ]
+        );
         let text = render(&c, 5.0);
         assert!(text.contains("Rows only in OLD") && text.contains("Rows only in NEW"));
+    }
+
+    #[test]
+    fn rows_paired_by_strings_compare_their_integers() {
+        // A breakdown-like table: request counts are integers that change from run to run.
+        let r = |requests: u64, ns: f64, met: bool| {
+            json!({"breakdown": [{"variant": "inline", "op": "read", "requests": requests,
+                                  "total_ns": ns}],
+                   "targets": [{"what": "inline / raw", "measured": 0.9, "met": met}]})
+        };
+        let c = run(&r(1000, 500.0, true), &r(1100, 500.0, false));
+        assert!(c.only_old.is_empty() && c.only_new.is_empty(), "{c:#?}");
+        assert_eq!(
+            find(&c, "inline", "requests"),
+            (Some(10.0), Verdict::Unknown)
+        );
+        assert_eq!(find(&c, "inline", "total_ns"), (Some(0.0), Verdict::Same));
+        assert_eq!(
+            c.flags,
+            [(
+                "targets".to_string(),
+                "inline / raw".to_string(),
+                "met".to_string(),
+                Some(true),
+                Some(false)
+            )]
+        );
+        assert!(render(&c, 5.0).contains("- targets: inline / raw: met true -> false"));
+    }
+
+    #[test]
+    fn raw_data_arrays_are_not_compared() {
+        // (percentile, µs) points of one run, beside a Summary.
+        let r = |p99: f64| json!({"rows": [{"k": "a", "v": sum(1.0, 1.0, 1.0), "cdf": [[50.0, 10.0], [99.0, p99]]}]});
+        let c = run(&r(20.0), &r(40.0));
+        let metrics: Vec<&str> = c.deltas.iter().map(|d| d.metric.as_str()).collect();
+        assert_eq!(metrics, ["v"]);
     }
 
     #[test]
