@@ -194,13 +194,13 @@ fn walk_report(
                 }
                 flat.tables.entry(p).or_default().extend(rows);
             }
-            Value::Array(a) => match named_metrics(&p, a)? {
-                Some(ms) => own
-                    .metrics
-                    .extend(ms.into_iter().map(|(n, m)| (join(k, &n), m))),
-                // Notes, targets, logs: not compared.
-                None => {}
-            },
+            // Otherwise notes, logs: not compared.
+            Value::Array(a) => {
+                if let Some(ms) = named_metrics(&p, a)? {
+                    own.metrics
+                        .extend(ms.into_iter().map(|(n, m)| (join(k, &n), m)));
+                }
+            }
             Value::Number(n) if is_float(n) => own.metrics.push((
                 k.clone(),
                 Metric {
@@ -328,14 +328,23 @@ pub struct Delta {
     pub verdict: Verdict,
 }
 
+/// A boolean of a paired row that differs (None: absent on that side).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlagChange {
+    pub table: String,
+    pub row: String,
+    pub flag: String,
+    pub old: Option<bool>,
+    pub new: Option<bool>,
+}
+
 #[derive(Debug, Default)]
 pub struct Comparison {
     pub deltas: Vec<Delta>,
     /// (table, row label)
     pub only_old: Vec<(String, String)>,
     pub only_new: Vec<(String, String)>,
-    /// (table, row label, flag, old, new)
-    pub flags: Vec<(String, String, String, Option<bool>, Option<bool>)>,
+    pub flags: Vec<FlagChange>,
     pub warnings: Vec<String>,
 }
 
@@ -488,8 +497,13 @@ fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut
         seen.push(f);
         let (a, b) = (flag(orow, f), flag(nrow, f));
         if a != b {
-            c.flags
-                .push((table.to_string(), row.clone(), f.clone(), a, b));
+            c.flags.push(FlagChange {
+                table: table.to_string(),
+                row: row.clone(),
+                flag: f.clone(),
+                old: a,
+                new: b,
+            });
         }
     }
 }
@@ -609,8 +623,15 @@ fn render(c: &Comparison, threshold_pct: f64) -> String {
     if !c.flags.is_empty() {
         s += "Flags changed:\n";
         let show = |b: &Option<bool>| b.map(|b| b.to_string()).unwrap_or_else(|| "—".into());
-        for (t, r, f, a, b) in &c.flags {
-            s += &format!("- {t}: {r}: {f} {} -> {}\n", show(a), show(b));
+        for f in &c.flags {
+            s += &format!(
+                "- {}: {}: {} {} -> {}\n",
+                f.table,
+                f.row,
+                f.flag,
+                show(&f.old),
+                show(&f.new)
+            );
         }
         s += "\n";
     }
@@ -822,13 +843,13 @@ mod tests {
         assert_eq!(find(&c, "inline", "total_ns"), (Some(0.0), Verdict::Same));
         assert_eq!(
             c.flags,
-            [(
-                "targets".to_string(),
-                "inline / raw".to_string(),
-                "met".to_string(),
-                Some(true),
-                Some(false)
-            )]
+            [FlagChange {
+                table: "targets".into(),
+                row: "inline / raw".into(),
+                flag: "met".into(),
+                old: Some(true),
+                new: Some(false)
+            }]
         );
         assert!(render(&c, 5.0).contains("- targets: inline / raw: met true -> false"));
     }
