@@ -758,8 +758,18 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
             });
             log_stats(log, s, &format!("{scenario}, {} KiB", bs >> 10), st);
             let first = rows.len();
-            push_rows(rows, scenario, s.name, "aes-xts-plain64", "MB/s", &variants, res);
-            rows[first..].iter_mut().for_each(|r| r.block_bytes = Some(bs));
+            push_rows(
+                rows,
+                scenario,
+                s.name,
+                "aes-xts-plain64",
+                "MB/s",
+                &variants,
+                res,
+            );
+            rows[first..]
+                .iter_mut()
+                .for_each(|r| r.block_bytes = Some(bs));
         }
     }
 }
@@ -796,8 +806,18 @@ fn s8_threads(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
         });
         log_stats(log, s, &format!("{scenario}, {threads} threads"), st);
         let first = rows.len();
-        push_rows(rows, scenario, s.name, "aes-xts-plain64", "MB/s", &variants, res);
-        rows[first..].iter_mut().for_each(|r| r.threads = Some(threads));
+        push_rows(
+            rows,
+            scenario,
+            s.name,
+            "aes-xts-plain64",
+            "MB/s",
+            &variants,
+            res,
+        );
+        rows[first..]
+            .iter_mut()
+            .for_each(|r| r.threads = Some(threads));
     }
 }
 

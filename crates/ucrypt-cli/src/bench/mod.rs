@@ -3,9 +3,11 @@
 //! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
 
 mod cipher;
+mod compare;
 mod engine;
 mod fio;
 mod fuse;
+pub mod plot;
 pub mod stats;
 
 use clap::{Args, Subcommand};
@@ -52,6 +54,8 @@ enum Which {
     Engine(EngineArgs),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
     Fuse(Common),
+    /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
+    Compare(compare::CompareArgs),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
@@ -80,6 +84,7 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             0
         }
+        Which::Compare(a) => compare::run(&a),
         Which::Fuse(c) => match fuse::measure(c.runs(), c.quick, !c.json) {
             Ok(report) => {
                 if c.json {
