@@ -6,6 +6,7 @@ mod cipher;
 mod engine;
 mod fio;
 mod fuse;
+mod nbd;
 pub mod stats;
 
 use clap::{Args, Subcommand};
@@ -43,6 +44,8 @@ enum Which {
     Engine(Common),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
     Fuse(Common),
+    /// The NBD server with fio, beside qemu-storage-daemon's and nbdkit's LUKS exports.
+    Nbd(Common),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
@@ -85,6 +88,23 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             Err(e) => {
                 eprintln!("ucrypt bench fuse: {e}");
+                1
+            }
+        },
+        Which::Nbd(c) => match nbd::measure(c.runs(), c.quick, !c.json) {
+            Ok(report) => {
+                if c.json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report).expect("report serialises")
+                    );
+                } else {
+                    print!("{}", nbd::markdown(&report));
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("ucrypt bench nbd: {e}");
                 1
             }
         },
