@@ -519,6 +519,7 @@ fn report_markdown(
         h.machine.kernel,
         h.clock_note,
     );
+    o += &summary_table(all);
     if !all.skipped.is_empty() {
         o += "\n## Skipped\n\n";
         for s in &all.skipped {
@@ -551,6 +552,87 @@ fn report_markdown(
     o += "\n## Time per scenario\n\n| scenario | seconds |\n|---|---|\n";
     for (n, s) in &all.timings {
         o += &format!("| {n} | {s:.0} |\n");
+    }
+    o
+}
+
+/// One row per target of the briefs that this run checked: (check, measured, target, met).
+fn summary_rows(all: &AllReport) -> Vec<(String, f64, f64, bool)> {
+    let mut out = Vec::new();
+    if let Some(ts) = all.engine.as_ref().and_then(|e| e["targets"].as_array()) {
+        for t in ts {
+            if let (Some(w), Some(m), Some(g), Some(ok)) = (
+                t["what"].as_str(),
+                num(&t["measured"]),
+                num(&t["target"]),
+                t["met"].as_bool(),
+            ) {
+                out.push((format!("engine: {w}"), m, g, ok));
+            }
+        }
+    }
+    if let Some(gs) = all.nbd.as_ref().and_then(|e| e["goals"].as_array()) {
+        for g in gs {
+            if let (Some(job), Some(r), Some(min)) =
+                (g["job"].as_str(), num(&g["ratio"]), num(&g["min_ratio"]))
+            {
+                let name = |v: &Value| match v {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                out.push((
+                    format!("nbd: {job}: {} ÷ {}", name(&g["ours"]), name(&g["peer"])),
+                    r,
+                    min,
+                    r >= min,
+                ));
+            }
+        }
+    }
+    if let Some(rows) = all.fuse.as_ref().and_then(|f| f["rows"].as_array()) {
+        let target = |r: &Value| r["target"].as_str().unwrap_or_default().to_string();
+        for peer in rows.iter().filter(|r| target(r) == "QemuStorageDaemon") {
+            let job = &peer["job"]["name"];
+            for ours in rows
+                .iter()
+                .filter(|r| &r["job"]["name"] == job && target(r).starts_with("Ucrypt"))
+            {
+                if let (Some(a), Some(b)) =
+                    (num(&ours["mib_s"]["median"]), num(&peer["mib_s"]["median"]))
+                {
+                    let r = a / b;
+                    out.push((
+                        format!(
+                            "fuse: {}: {} ÷ qemu-storage-daemon",
+                            job.as_str().unwrap_or_default(),
+                            target(ours)
+                        ),
+                        r,
+                        2.0,
+                        r >= 2.0,
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn summary_table(all: &AllReport) -> String {
+    let rows = summary_rows(all);
+    if rows.is_empty() {
+        return String::new();
+    }
+    let met = rows.iter().filter(|r| r.3).count();
+    let mut o = format!(
+        "\n## Targets: {met} of {} met\n\n| check | measured | target | |\n|---|---|---|---|\n",
+        rows.len()
+    );
+    for (what, m, g, ok) in rows {
+        o += &format!(
+            "| {what} | {m:.2} | ≥ {g:.2} | {} |\n",
+            if ok { "met" } else { "MISSED" }
+        );
     }
     o
 }
