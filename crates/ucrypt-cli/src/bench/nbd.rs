@@ -659,7 +659,8 @@ mod tests {
     fn goal_rows() {
         use Target::*;
         // (ucrypt LUKS2 MiB/s, peer, peer MiB/s, job, expected ratio, expected met)
-        let cases: &[(f64, Target, f64, &str, Option<f64>, Option<bool>)] = &[
+        type Case = (f64, Target, f64, &'static str, Option<f64>, Option<bool>);
+        let cases: &[Case] = &[
             (
                 330.0,
                 QsdLuks1,
