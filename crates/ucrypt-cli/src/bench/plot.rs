@@ -16,7 +16,9 @@ use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::combinators::LogCoord;
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -33,6 +35,8 @@ const FONT_FAMILY: &str = "sans-serif";
 const TITLE_PT: f64 = 24.0;
 const LABEL_PT: f64 = 16.0;
 const TICK_PT: f64 = 14.0;
+/// Series with more points than this are drawn as bare lines (markers would merge).
+const MARKED_POINTS_MAX: usize = 30;
 
 /// Distinct colours (the Tableau 10 palette), cycled when there are more series.
 const PALETTE: [(u8, u8, u8); 10] = [
@@ -74,6 +78,10 @@ pub struct LineChart {
     pub y_label: String,
     pub log_x: bool,
     pub log_y: bool,
+    /// Where x is labelled; empty: 1-2-5 steps. E.g. the block sizes measured.
+    pub x_ticks: Vec<f64>,
+    /// Label x in 1024-based units (512, 4K, 1M): for sizes in bytes.
+    pub x_bytes: bool,
     pub legend: Legend,
     pub series: Vec<Series>,
 }
@@ -134,6 +142,8 @@ pub fn cdf_chart(
         y_label: "percentile (%)".to_string(),
         log_x: true,
         log_y: false,
+        x_ticks: vec![],
+        x_bytes: false,
         legend: Legend::LowerRight,
         series: series
             .iter()
@@ -163,6 +173,8 @@ struct PreparedLine {
     y_label: String,
     log_x: bool,
     log_y: bool,
+    x_ticks: Vec<f64>,
+    x_bytes: bool,
     legend: Legend,
     series: Vec<DrawnSeries>,
     x: (f64, f64),
@@ -260,6 +272,8 @@ fn prepare_line(c: &LineChart) -> Result<(PreparedLine, Vec<String>), String> {
             y_label: c.y_label.clone(),
             log_x: c.log_x,
             log_y: c.log_y,
+            x_ticks: c.x_ticks.clone(),
+            x_bytes: c.x_bytes,
             legend: c.legend,
             series,
             x,
@@ -540,6 +554,41 @@ fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
     }
 }
 
+/// About 5 to 10 ticks at 1, 2 or 5 times a power of ten.
+fn linear_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let raw = (hi - lo) / 8.0;
+    if !(raw.is_finite() && raw > 0.0) {
+        return vec![lo];
+    }
+    let p = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * p)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * p);
+    let first = (lo / step).ceil() as i64;
+    let last = (hi / step).floor() as i64;
+    (first..=last).map(|k| k as f64 * step).collect()
+}
+
+/// Sizes in bytes: "512", "4K", "1.5K", "1M", "2G".
+pub fn fmt_bytes(v: f64) -> String {
+    let mut x = v;
+    let mut unit = "";
+    for u in ["K", "M", "G", "T"] {
+        if x.abs() < 1024.0 {
+            break;
+        }
+        x /= 1024.0;
+        unit = u;
+    }
+    let mut s = format!("{x:.2}");
+    if s.contains('.') {
+        s = s.trim_end_matches('0').trim_end_matches('.').to_string();
+    }
+    s + unit
+}
+
 fn err<T: std::fmt::Display>(e: T) -> String {
     e.to_string()
 }
@@ -548,18 +597,37 @@ fn draw<DB: DrawingBackend>(plot: &Plot, root: &DrawingArea<DB, Shift>) -> Resul
     root.fill(&WHITE).map_err(err)?;
     match plot {
         Plot::Line(p) => {
+            // Ticks are chosen here, at 1, 2 and 5 times powers of ten unless the caller gave
+            // them: plotters' own choice on log axes leaves decades unlabelled or crowds 900
+            // next to 1000.
+            let ticks = |(lo, hi): (f64, f64), log: bool, given: &[f64]| -> Vec<f64> {
+                if !given.is_empty() {
+                    given
+                        .iter()
+                        .copied()
+                        .filter(|t| (lo..=hi).contains(t))
+                        .collect()
+                } else if log {
+                    log_ticks(lo, hi)
+                } else {
+                    linear_ticks(lo, hi)
+                }
+            };
+            let (xt, yt) = (ticks(p.x, p.log_x, &p.x_ticks), ticks(p.y, p.log_y, &[]));
             let (x, y) = (p.x.0..p.x.1, p.y.0..p.y.1);
-            // Log axes get ticks at 1, 2 and 5 times powers of ten: plotters' own choice
-            // leaves decades unlabelled or crowds 900 next to 1000.
-            let log = |r: std::ops::Range<f64>| {
-                let ticks = log_ticks(r.start, r.end);
-                r.log_scale().with_key_points(ticks)
+            let lin = |r: std::ops::Range<f64>, ticks| Ticked {
+                inner: RangedCoordf64::from(r),
+                ticks,
+            };
+            let log = |r: std::ops::Range<f64>, ticks| Ticked {
+                inner: LogCoord::from(r.log_scale()),
+                ticks,
             };
             match (p.log_x, p.log_y) {
-                (false, false) => draw_lines(root, p, x, y),
-                (true, false) => draw_lines(root, p, log(x), y),
-                (false, true) => draw_lines(root, p, x, log(y)),
-                (true, true) => draw_lines(root, p, log(x), log(y)),
+                (false, false) => draw_lines(root, p, lin(x, xt), lin(y, yt)),
+                (true, false) => draw_lines(root, p, log(x, xt), lin(y, yt)),
+                (false, true) => draw_lines(root, p, lin(x, xt), log(y, yt)),
+                (true, true) => draw_lines(root, p, log(x, xt), log(y, yt)),
             }
         }
         Plot::Bars(p) => draw_bars(root, p),
@@ -570,18 +638,42 @@ fn font(pt: f64) -> TextStyle<'static> {
     (FONT_FAMILY, pt).into_font().into()
 }
 
+/// An axis (linear or log) labelled at the ticks we chose.
+struct Ticked<R> {
+    inner: R,
+    ticks: Vec<f64>,
+}
+
+impl<R: Ranged<ValueType = f64>> Ranged for Ticked<R> {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        self.inner.map(value, limit)
+    }
+    fn key_points<H: KeyPointHint>(&self, hint: H) -> Vec<f64> {
+        // Grid lines only at the labelled ticks, none between.
+        if hint.weight().allow_light_points() {
+            vec![]
+        } else {
+            self.ticks.clone()
+        }
+    }
+    fn range(&self) -> std::ops::Range<f64> {
+        self.inner.range()
+    }
+}
+
 fn draw_lines<DB, X, Y>(
     root: &DrawingArea<DB, Shift>,
     p: &PreparedLine,
-    x: X,
-    y: Y,
+    x: Ticked<X>,
+    y: Ticked<Y>,
 ) -> Result<(), String>
 where
     DB: DrawingBackend,
-    X: AsRangedCoord<Value = f64>,
-    Y: AsRangedCoord<Value = f64>,
-    X::CoordDescType: ValueFormatter<f64>,
-    Y::CoordDescType: ValueFormatter<f64>,
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
 {
     let mut chart = ChartBuilder::on(root)
         .caption(&p.title, font(TITLE_PT))
@@ -596,7 +688,13 @@ where
         .y_desc(p.y_label.as_str())
         .axis_desc_style(font(LABEL_PT))
         .label_style(font(TICK_PT))
-        .x_label_formatter(&|v| fmt_tick(*v))
+        .x_label_formatter(&|v| {
+            if p.x_bytes {
+                fmt_bytes(*v)
+            } else {
+                fmt_tick(*v)
+            }
+        })
         .y_label_formatter(&|v| fmt_tick(*v))
         .light_line_style(WHITE.mix(0.0))
         .draw()
@@ -604,7 +702,10 @@ where
     for (name, i, pts) in &p.series {
         let c = colour(*i);
         chart
-            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)).point_size(3))
+            .draw_series(
+                LineSeries::new(pts.iter().copied(), c.stroke_width(2))
+                    .point_size(if pts.len() <= MARKED_POINTS_MAX { 3 } else { 0 }),
+            )
             .map_err(err)?
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
@@ -778,6 +879,8 @@ mod tests {
             y_label: "MB/s".into(),
             log_x,
             log_y,
+            x_ticks: vec![],
+            x_bytes: false,
             legend: Legend::UpperLeft,
             series,
         }
@@ -844,19 +947,35 @@ mod tests {
             ),
         ];
         for (stem, log_x, log_y, series, notes) in rows {
+            let sizes = stem == "logx";
             let names: Vec<String> = series
                 .iter()
                 .filter(|s| !s.points.is_empty())
                 .map(|s| s.name.clone())
                 .collect();
             let stem = dir.join(stem);
-            let w = line_chart(&line(log_x, log_y, series), &stem).expect("chart");
+            let mut c = line(log_x, log_y, series);
+            if sizes {
+                // Labelled at the sizes measured, in 1024-based units.
+                c.x_ticks = vec![512.0, 4096.0, 65536.0];
+                c.x_bytes = true;
+            }
+            let w = line_chart(&c, &stem).expect("chart");
+            if sizes {
+                let svg = std::fs::read_to_string(with_ext(&stem, "svg")).expect("svg");
+                assert!(
+                    svg.contains("\n4K\n") && svg.contains("\n64K\n"),
+                    "byte labels"
+                );
+            }
             let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
             check(&w, &stem, &names);
             let chart_notes = w.notes.iter().filter(|n| !n.contains(".png")).count();
             assert_eq!(chart_notes, notes, "{stem:?}: {:?}", w.notes);
         }
-        let _ = std::fs::remove_dir_all(&dir);
+        if std::env::var_os("UCRYPT_KEEP_PLOTS").is_none() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 
     #[test]
@@ -999,6 +1118,33 @@ mod tests {
         ];
         for (lo, hi, want) in rows {
             assert_eq!(log_ticks(*lo, *hi), *want, "{lo}..{hi}");
+        }
+    }
+
+    #[test]
+    fn linear_tick_rows() {
+        let rows: &[(f64, f64, &[f64])] = &[
+            (0.0, 105.0, &[0.0, 20.0, 40.0, 60.0, 80.0, 100.0]),
+            (0.0, 5.5, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]),
+            (-1.0, 1.0, &[-1.0, -0.5, 0.0, 0.5, 1.0]),
+            (3.0, 3.0, &[3.0]),
+        ];
+        for (lo, hi, want) in rows {
+            assert_eq!(linear_ticks(*lo, *hi), *want, "{lo}..{hi}");
+        }
+    }
+
+    #[test]
+    fn byte_labels() {
+        let rows = [
+            (512.0, "512"),
+            (4096.0, "4K"),
+            (1536.0, "1.5K"),
+            (1048576.0, "1M"),
+            (2.0 * 1073741824.0, "2G"),
+        ];
+        for (v, want) in rows {
+            assert_eq!(fmt_bytes(v), want, "{v}");
         }
     }
 
