@@ -80,16 +80,28 @@ impl Row {
 
     /// "aes-xts-plain64 · aws-lc-xts · key_bits=512": strings bare, integers named.
     fn label(&self) -> String {
-        if self.text.is_empty() && self.ints.is_empty() {
-            return "(report)".to_string();
-        }
+        self.label_with(self)
+    }
+
+    /// The label of a pair: integers that differ in `other` are compared, not named here.
+    fn label_with(&self, other: &Row) -> String {
         let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
-        self.text
+        let parts: Vec<String> = self
+            .text
             .iter()
             .map(|(_, v)| v.clone())
-            .chain(self.ints.iter().map(|(p, v)| format!("{}={v}", last(p))))
-            .collect::<Vec<_>>()
-            .join(" · ")
+            .chain(
+                self.ints
+                    .iter()
+                    .filter(|i| other.ints.contains(i))
+                    .map(|(p, v)| format!("{}={v}", last(p))),
+            )
+            .collect();
+        if parts.is_empty() {
+            "(report)".to_string()
+        } else {
+            parts.join(" · ")
+        }
     }
 }
 
@@ -463,7 +475,7 @@ fn metrics_of(r: &Row, other: &Row) -> Vec<(String, Metric)> {
 }
 
 fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut Comparison) {
-    let row = orow.label();
+    let row = orow.label_with(nrow);
     let (om, nm) = (metrics_of(orow, nrow), metrics_of(nrow, orow));
     let mut names: Vec<&String> = om.iter().map(|(m, _)| m).collect();
     for (m, _) in &nm {
@@ -839,6 +851,14 @@ mod tests {
         assert_eq!(
             find(&c, "inline", "requests"),
             (Some(10.0), Verdict::Unknown)
+        );
+        assert!(
+            c.deltas
+                .iter()
+                .filter(|d| d.table == "breakdown")
+                .all(|d| d.row == "read · inline"),
+            "{:?}",
+            c.deltas
         );
         assert_eq!(find(&c, "inline", "total_ns"), (Some(0.0), Verdict::Same));
         assert_eq!(
