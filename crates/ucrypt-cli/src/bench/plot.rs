@@ -365,8 +365,17 @@ fn with_ext(stem: &Path, ext: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
-fn write_both(plot: &Plot, mut notes: Vec<String>, stem: &Path) -> Result<Written, String> {
-    let font = font_loaded();
+fn write_both(plot: &Plot, notes: Vec<String>, stem: &Path) -> Result<Written, String> {
+    write_files(plot, notes, stem, font_loaded())
+}
+
+/// `font`: whether a font for PNG text was loaded, or why not.
+fn write_files(
+    plot: &Plot,
+    mut notes: Vec<String>,
+    stem: &Path,
+    font: Result<(), String>,
+) -> Result<Written, String> {
     let mut files = Vec::new();
     let svg_path = with_ext(stem, "svg");
     std::fs::write(&svg_path, render_svg(plot, font.is_ok())?)
@@ -1094,15 +1103,26 @@ mod tests {
 
     #[test]
     fn svg_without_font_file() {
-        // The layout path taken when the font file is missing: estimated text widths.
-        let (plot, _) = prepare_line(&line(
+        // The path taken when the font file is missing: the SVG's text is laid out with
+        // estimated widths, the PNG is skipped with a note naming the package.
+        let dir = tmp("nofont");
+        let stem = dir.join("x");
+        let (plot, notes) = prepare_line(&line(
             true,
             false,
             vec![s("inline", &[(1.0, 2.0), (8.0, 3.0)])],
         ))
         .expect("prepare");
-        let svg = render_svg(&Plot::Line(plot), false).expect("svg without font");
+        let missing = Err(format!("{FONT_PATH}: No such file or directory"));
+        let w = write_files(&Plot::Line(plot), notes, &stem, missing).expect("svg without font");
+        assert_eq!(w.files, [with_ext(&stem, "svg")]);
+        let svg = std::fs::read_to_string(&w.files[0]).expect("svg");
+        assert_balanced(&svg);
         assert!(svg.contains("inline") && svg.contains("MB/s"));
+        assert!(!with_ext(&stem, "png").exists());
+        assert_eq!(w.notes.len(), 1, "{:?}", w.notes);
+        assert!(w.notes[0].contains(FONT_PACKAGE) && w.notes[0].contains("x.png"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
