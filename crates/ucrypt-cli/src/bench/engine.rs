@@ -976,7 +976,7 @@ pub fn markdown(r: &EngineReport) -> String {
     for row in plain {
         if row.scenario != last {
             o += &format!(
-                "\n## {}\n\n| backend | cipher | variant | {} | |\n|---|---|---|---|---|\n",
+                "\n## {}\n\n| backend | cipher | variant | {} | ÷ raw | |\n|---|---|---|---|---|---|\n",
                 row.scenario, row.unit
             );
             last = row.scenario;
@@ -986,12 +986,23 @@ pub fn markdown(r: &EngineReport) -> String {
             .iter()
             .map(|(k, v)| format!("{k} {}", v.show(2)))
             .collect();
+        let raw = r.rows.iter().find(|x| {
+            x.variant == "raw"
+                && x.scenario == row.scenario
+                && x.backend == row.backend
+                && x.cipher == row.cipher
+        });
+        let ratio = match raw {
+            Some(x) if row.variant != "raw" => format!("{:.2}", row.value.median / x.value.median),
+            _ => String::new(),
+        };
         o += &format!(
-            "| {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} |\n",
             row.backend,
             row.cipher,
             row.variant,
             row.value.show(if row.unit.contains("µs") { 2 } else { 0 }),
+            ratio,
             extra.join(", ")
         );
     }

@@ -2,11 +2,13 @@
 //! configurations side by side (round-robin) in one process, because this class of machine
 //! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
 
+mod all;
 mod cipher;
 mod compare;
 mod engine;
 mod fio;
 mod fuse;
+mod nbd;
 pub mod plot;
 pub mod stats;
 
@@ -54,6 +56,10 @@ enum Which {
     Engine(EngineArgs),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
     Fuse(Common),
+    /// The NBD server with fio, beside qemu-storage-daemon's and nbdkit's LUKS exports.
+    Nbd(Common),
+    /// Every scenario in one run: a results folder with report.md, JSON and plots.
+    All(all::AllArgs),
     /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
     Compare(compare::CompareArgs),
 }
@@ -85,6 +91,7 @@ pub fn run(a: BenchArgs) -> i32 {
             0
         }
         Which::Compare(a) => compare::run(&a),
+        Which::All(a) => all::run(a),
         Which::Fuse(c) => match fuse::measure(c.runs(), c.quick, !c.json) {
             Ok(report) => {
                 if c.json {
@@ -99,6 +106,23 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             Err(e) => {
                 eprintln!("ucrypt bench fuse: {e}");
+                1
+            }
+        },
+        Which::Nbd(c) => match nbd::measure(c.runs(), c.quick, !c.json) {
+            Ok(report) => {
+                if c.json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report).expect("report serialises")
+                    );
+                } else {
+                    print!("{}", nbd::markdown(&report));
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("ucrypt bench nbd: {e}");
                 1
             }
         },
