@@ -358,6 +358,8 @@ pub struct Comparison {
     pub only_new: Vec<(String, String)>,
     pub flags: Vec<FlagChange>,
     pub warnings: Vec<String>,
+    /// Report settings that differ ("runs 3 -> 7", start times, versions): for information.
+    pub settings: Vec<String>,
 }
 
 pub fn judge(old: Metric, new: Metric, threshold_pct: f64) -> (Option<f64>, Verdict) {
@@ -394,7 +396,7 @@ pub fn judge(old: Metric, new: Metric, threshold_pct: f64) -> (Option<f64>, Verd
 
 fn compare(old: &Flat, new: &Flat, threshold_pct: f64) -> Comparison {
     let mut c = Comparison::default();
-    machine_warnings(old, new, &mut c.warnings);
+    machine_warnings(old, new, &mut c.warnings, &mut c.settings);
     let empty = Vec::new();
     let tables: std::collections::BTreeSet<&String> =
         old.tables.keys().chain(new.tables.keys()).collect();
@@ -520,7 +522,7 @@ fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut
     }
 }
 
-fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>) {
+fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>, settings: &mut Vec<String>) {
     let at = |p: &str| {
         if p.is_empty() {
             String::new()
@@ -553,12 +555,13 @@ fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>) {
     }
     for (k, a) in &old.settings {
         if let Some(b) = new.settings.get(k).filter(|b| *b != a) {
-            let what = if k.ends_with("schema") {
-                " (an incompatible change of the JSON shape)"
+            if k == "schema" || k.ends_with(".schema") {
+                out.push(format!(
+                    "{k} {a} -> {b}: an incompatible change of the JSON shape (docs/bench-json.md)"
+                ));
             } else {
-                ""
-            };
-            out.push(format!("different settings: {k} {a} -> {b}{what}"));
+                settings.push(format!("{k}: {a} -> {b}"));
+            }
         }
     }
 }
@@ -644,6 +647,13 @@ fn render(c: &Comparison, threshold_pct: f64) -> String {
                 show(&f.old),
                 show(&f.new)
             );
+        }
+        s += "\n";
+    }
+    if !c.settings.is_empty() {
+        s += "Settings that differ:\n";
+        for x in &c.settings {
+            s += &format!("- {x}\n");
         }
         s += "\n";
     }
@@ -898,12 +908,18 @@ mod tests {
         let mut new = report("Xeon", v.clone(), v);
         new["machine"]["kernel"] = json!("6.12.0");
         new["runs"] = json!(7);
+        new["schema"] = json!(2);
         let c = run(&old, &new);
         let w = c.warnings.join("\n");
         assert!(w.contains("cpu_model \"EPYC\" -> \"Xeon\""), "{w}");
         assert!(w.contains("kernel"), "{w}");
-        assert!(w.contains("runs 3 -> 7"), "{w}");
-        assert!(render(&c, 5.0).starts_with("warning: "));
+        assert!(w.contains("schema 1 -> 2: an incompatible change"), "{w}");
+        assert_eq!(c.settings, ["runs: 3 -> 7"]);
+        let text = render(&c, 5.0);
+        assert!(
+            text.starts_with("warning: ") && text.contains("- runs: 3 -> 7"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -117,6 +117,19 @@ pub struct Written {
     pub notes: Vec<String>,
 }
 
+/// The distinct x values of `series`, ascending: ticks at the points measured (block sizes,
+/// thread counts) for [`LineChart::x_ticks`].
+pub fn x_values(series: &[Series]) -> Vec<f64> {
+    let mut xs: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .filter(|x| x.is_finite())
+        .collect();
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs.dedup();
+    xs
+}
+
 /// Writes `stem.svg` and `stem.png`.
 pub fn line_chart(c: &LineChart, stem: &Path) -> Result<Written, String> {
     let (plot, notes) = prepare_line(c)?;
@@ -1152,6 +1165,15 @@ mod tests {
         for (lo, hi, want) in rows {
             assert_eq!(linear_ticks(*lo, *hi), *want, "{lo}..{hi}");
         }
+    }
+
+    #[test]
+    fn x_values_are_sorted_and_distinct() {
+        let series = [
+            s("a", &[(4096.0, 1.0), (512.0, 2.0), (f64::NAN, 3.0)]),
+            s("b", &[(512.0, 1.0), (65536.0, 2.0)]),
+        ];
+        assert_eq!(x_values(&series), [512.0, 4096.0, 65536.0]);
     }
 
     #[test]
