@@ -188,7 +188,8 @@ fn walk_report(
     for (k, v) in o {
         let p = join(path, k);
         match v {
-            Value::Object(m) if k == "machine" => {
+            // `machine`, or a host description that embeds one (`bench all`'s `host`).
+            Value::Object(m) if k == "machine" || m.contains_key("cpu_model") => {
                 flat.machines
                     .insert(path.to_string(), Value::Object(m.clone()));
             }
@@ -534,9 +535,22 @@ fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>, settings: &mu
         let Some(nm) = new.machines.get(path) else {
             continue;
         };
+        // Not the floats (current clock of each CPU, ...): they move from run to run.
+        let has_float = |v: &Value| match v {
+            Value::Number(n) => is_float(n),
+            Value::Array(a) => a
+                .iter()
+                .any(|e| matches!(e, Value::Number(n) if is_float(n))),
+            _ => false,
+        };
         let fields = |m: &Value| -> BTreeMap<String, String> {
             m.as_object()
-                .map(|o| o.iter().map(|(k, v)| (k.clone(), v.to_string())).collect())
+                .map(|o| {
+                    o.iter()
+                        .filter(|(_, v)| !has_float(v))
+                        .map(|(k, v)| (k.clone(), v.to_string()))
+                        .collect()
+                })
                 .unwrap_or_default()
         };
         let (of, nf) = (fields(om), fields(nm));
@@ -928,10 +942,13 @@ mod tests {
         let cipher = json!({"machine": machine("EPYC"), "runs": 3,
             "results": [{"spec": "aes-xts-plain64", "key_bits": 512, "gbps": v}]});
         let engine = report("EPYC", v.clone(), v.clone());
-        let old = json!({"schema": 1, "cipher": cipher, "engine": engine});
+        let host = json!({"cpu_model": "EPYC", "cores": 2, "cpu_mhz": [2400.1, 2399.9], "os": "Debian 12"});
+        let old = json!({"schema": 1, "host": host, "started_utc": "08:00", "cipher": cipher, "engine": engine});
         let mut new = old.clone();
         new["engine"]["rows"][0]["value"] = sum(200.0, 199.0, 201.0);
         new["cipher"]["machine"]["cores"] = json!(4);
+        new["host"]["cpu_mhz"] = json!([1800.0, 3000.0]);
+        new["started_utc"] = json!("09:00");
         let c = run(&old, &new);
         let tables: std::collections::BTreeSet<&str> =
             c.deltas.iter().map(|d| d.table.as_str()).collect();
@@ -942,6 +959,7 @@ mod tests {
         assert_eq!(find(&c, "raw", "value"), (Some(100.0), Verdict::Changed));
         assert_eq!(find(&c, "aes-xts", "gbps"), (Some(0.0), Verdict::Same));
         assert_eq!(c.warnings, ["cipher: different machines: cores 2 -> 4"]);
+        assert_eq!(c.settings, [r#"started_utc: "08:00" -> "09:00""#]);
     }
 
     #[test]
