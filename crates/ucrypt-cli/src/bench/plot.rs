@@ -533,14 +533,15 @@ impl DrawingBackend for Svg<'_> {
 
 // ---------------------------------------------------------------- drawing
 
-/// Short tick labels: 3 significant digits, k/M/G for large values.
+/// Short tick labels: 3 significant digits, k/M/G from 100 000 (so an axis to 10 000 reads
+/// 8000, 10000 rather than 8000, 10k).
 pub fn fmt_tick(v: f64) -> String {
     let a = v.abs();
     let (v, suffix) = if a >= 1e9 {
         (v / 1e9, "G")
     } else if a >= 1e6 {
         (v / 1e6, "M")
-    } else if a >= 1e4 {
+    } else if a >= 1e5 {
         (v / 1e3, "k")
     } else {
         (v, "")
@@ -1199,7 +1200,8 @@ mod tests {
             (0.125, "0.125"),
             (512.0, "512"),
             (4096.0, "4096"),
-            (65536.0, "65.5k"),
+            (65536.0, "65536"),
+            (250000.0, "250k"),
             (1048576.0, "1.05M"),
             (2.0e9, "2G"),
             (-20.0, "-20"),
