@@ -8,7 +8,6 @@
 //! Data points that cannot be drawn (NaN, infinite, or <= 0 on a log axis) are skipped with a
 //! note; a chart with nothing left to draw is an error, never a panic.
 
-
 use std::ffi::OsString;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
