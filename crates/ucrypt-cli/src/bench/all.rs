@@ -409,14 +409,17 @@ fn draw_plots(all: &AllReport, dir: &Path) -> (Vec<Drawn>, Vec<String>) {
         }
         let stem = format!("engine-block-size-{dir_name}");
         let title = format!("Throughput by block size and policy, one stream of {label}");
+        let series = lines_by_variant(&rows, "block_bytes", 1.0);
         let chart = LineChart {
             title: title.clone(),
-            x_label: "request size (KiB)".into(),
+            x_label: "request size".into(),
             y_label: "MB/s".into(),
             log_x: true,
             log_y: false,
+            x_ticks: plot::x_values(&series),
+            x_bytes: true,
             legend: Legend::UpperLeft,
-            series: lines_by_variant(&rows, "block_bytes", 1.0 / 1024.0),
+            series,
         };
         keep(&title, &stem, plot::line_chart(&chart, &dir.join(&stem)));
     }
@@ -457,14 +460,17 @@ fn draw_plots(all: &AllReport, dir: &Path) -> (Vec<Drawn>, Vec<String>) {
     if !rows.is_empty() {
         let title = "Scaling with threads, 64 KiB random read/write 2:1";
         let stem = "engine-threads";
+        let series = lines_by_variant(&rows, "threads", 1.0);
         let chart = LineChart {
             title: title.into(),
             x_label: "threads".into(),
             y_label: "MB/s".into(),
             log_x: true,
             log_y: false,
+            x_ticks: plot::x_values(&series),
+            x_bytes: false,
             legend: Legend::UpperLeft,
-            series: lines_by_variant(&rows, "threads", 1.0),
+            series,
         };
         keep(title, stem, plot::line_chart(&chart, &dir.join(stem)));
     }

@@ -80,16 +80,28 @@ impl Row {
 
     /// "aes-xts-plain64 · aws-lc-xts · key_bits=512": strings bare, integers named.
     fn label(&self) -> String {
-        if self.text.is_empty() && self.ints.is_empty() {
-            return "(report)".to_string();
-        }
+        self.label_with(self)
+    }
+
+    /// The label of a pair: integers that differ in `other` are compared, not named here.
+    fn label_with(&self, other: &Row) -> String {
         let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
-        self.text
+        let parts: Vec<String> = self
+            .text
             .iter()
             .map(|(_, v)| v.clone())
-            .chain(self.ints.iter().map(|(p, v)| format!("{}={v}", last(p))))
-            .collect::<Vec<_>>()
-            .join(" · ")
+            .chain(
+                self.ints
+                    .iter()
+                    .filter(|i| other.ints.contains(i))
+                    .map(|(p, v)| format!("{}={v}", last(p))),
+            )
+            .collect();
+        if parts.is_empty() {
+            "(report)".to_string()
+        } else {
+            parts.join(" · ")
+        }
     }
 }
 
@@ -176,7 +188,8 @@ fn walk_report(
     for (k, v) in o {
         let p = join(path, k);
         match v {
-            Value::Object(m) if k == "machine" => {
+            // `machine`, or a host description that embeds one (`bench all`'s `host`).
+            Value::Object(m) if k == "machine" || m.contains_key("cpu_model") => {
                 flat.machines
                     .insert(path.to_string(), Value::Object(m.clone()));
             }
@@ -346,6 +359,8 @@ pub struct Comparison {
     pub only_new: Vec<(String, String)>,
     pub flags: Vec<FlagChange>,
     pub warnings: Vec<String>,
+    /// Report settings that differ ("runs 3 -> 7", start times, versions): for information.
+    pub settings: Vec<String>,
 }
 
 pub fn judge(old: Metric, new: Metric, threshold_pct: f64) -> (Option<f64>, Verdict) {
@@ -382,7 +397,7 @@ pub fn judge(old: Metric, new: Metric, threshold_pct: f64) -> (Option<f64>, Verd
 
 fn compare(old: &Flat, new: &Flat, threshold_pct: f64) -> Comparison {
     let mut c = Comparison::default();
-    machine_warnings(old, new, &mut c.warnings);
+    machine_warnings(old, new, &mut c.warnings, &mut c.settings);
     let empty = Vec::new();
     let tables: std::collections::BTreeSet<&String> =
         old.tables.keys().chain(new.tables.keys()).collect();
@@ -463,7 +478,7 @@ fn metrics_of(r: &Row, other: &Row) -> Vec<(String, Metric)> {
 }
 
 fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut Comparison) {
-    let row = orow.label();
+    let row = orow.label_with(nrow);
     let (om, nm) = (metrics_of(orow, nrow), metrics_of(nrow, orow));
     let mut names: Vec<&String> = om.iter().map(|(m, _)| m).collect();
     for (m, _) in &nm {
@@ -508,7 +523,7 @@ fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut
     }
 }
 
-fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>) {
+fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>, settings: &mut Vec<String>) {
     let at = |p: &str| {
         if p.is_empty() {
             String::new()
@@ -520,9 +535,22 @@ fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>) {
         let Some(nm) = new.machines.get(path) else {
             continue;
         };
+        // Not the floats (current clock of each CPU, ...): they move from run to run.
+        let has_float = |v: &Value| match v {
+            Value::Number(n) => is_float(n),
+            Value::Array(a) => a
+                .iter()
+                .any(|e| matches!(e, Value::Number(n) if is_float(n))),
+            _ => false,
+        };
         let fields = |m: &Value| -> BTreeMap<String, String> {
             m.as_object()
-                .map(|o| o.iter().map(|(k, v)| (k.clone(), v.to_string())).collect())
+                .map(|o| {
+                    o.iter()
+                        .filter(|(_, v)| !has_float(v))
+                        .map(|(k, v)| (k.clone(), v.to_string()))
+                        .collect()
+                })
                 .unwrap_or_default()
         };
         let (of, nf) = (fields(om), fields(nm));
@@ -541,12 +569,13 @@ fn machine_warnings(old: &Flat, new: &Flat, out: &mut Vec<String>) {
     }
     for (k, a) in &old.settings {
         if let Some(b) = new.settings.get(k).filter(|b| *b != a) {
-            let what = if k.ends_with("schema") {
-                " (an incompatible change of the JSON shape)"
+            if k == "schema" || k.ends_with(".schema") {
+                out.push(format!(
+                    "{k} {a} -> {b}: an incompatible change of the JSON shape (docs/bench-json.md)"
+                ));
             } else {
-                ""
-            };
-            out.push(format!("different settings: {k} {a} -> {b}{what}"));
+                settings.push(format!("{k}: {a} -> {b}"));
+            }
         }
     }
 }
@@ -632,6 +661,13 @@ fn render(c: &Comparison, threshold_pct: f64) -> String {
                 show(&f.old),
                 show(&f.new)
             );
+        }
+        s += "\n";
+    }
+    if !c.settings.is_empty() {
+        s += "Settings that differ:\n";
+        for x in &c.settings {
+            s += &format!("- {x}\n");
         }
         s += "\n";
     }
@@ -840,6 +876,14 @@ mod tests {
             find(&c, "inline", "requests"),
             (Some(10.0), Verdict::Unknown)
         );
+        assert!(
+            c.deltas
+                .iter()
+                .filter(|d| d.table == "breakdown")
+                .all(|d| d.row == "read · inline"),
+            "{:?}",
+            c.deltas
+        );
         assert_eq!(find(&c, "inline", "total_ns"), (Some(0.0), Verdict::Same));
         assert_eq!(
             c.flags,
@@ -878,12 +922,18 @@ mod tests {
         let mut new = report("Xeon", v.clone(), v);
         new["machine"]["kernel"] = json!("6.12.0");
         new["runs"] = json!(7);
+        new["schema"] = json!(2);
         let c = run(&old, &new);
         let w = c.warnings.join("\n");
         assert!(w.contains("cpu_model \"EPYC\" -> \"Xeon\""), "{w}");
         assert!(w.contains("kernel"), "{w}");
-        assert!(w.contains("runs 3 -> 7"), "{w}");
-        assert!(render(&c, 5.0).starts_with("warning: "));
+        assert!(w.contains("schema 1 -> 2: an incompatible change"), "{w}");
+        assert_eq!(c.settings, ["runs: 3 -> 7"]);
+        let text = render(&c, 5.0);
+        assert!(
+            text.starts_with("warning: ") && text.contains("- runs: 3 -> 7"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -892,10 +942,13 @@ mod tests {
         let cipher = json!({"machine": machine("EPYC"), "runs": 3,
             "results": [{"spec": "aes-xts-plain64", "key_bits": 512, "gbps": v}]});
         let engine = report("EPYC", v.clone(), v.clone());
-        let old = json!({"schema": 1, "cipher": cipher, "engine": engine});
+        let host = json!({"cpu_model": "EPYC", "cores": 2, "cpu_mhz": [2400.1, 2399.9], "os": "Debian 12"});
+        let old = json!({"schema": 1, "host": host, "started_utc": "08:00", "cipher": cipher, "engine": engine});
         let mut new = old.clone();
         new["engine"]["rows"][0]["value"] = sum(200.0, 199.0, 201.0);
         new["cipher"]["machine"]["cores"] = json!(4);
+        new["host"]["cpu_mhz"] = json!([1800.0, 3000.0]);
+        new["started_utc"] = json!("09:00");
         let c = run(&old, &new);
         let tables: std::collections::BTreeSet<&str> =
             c.deltas.iter().map(|d| d.table.as_str()).collect();
@@ -906,6 +959,7 @@ mod tests {
         assert_eq!(find(&c, "raw", "value"), (Some(100.0), Verdict::Changed));
         assert_eq!(find(&c, "aes-xts", "gbps"), (Some(0.0), Verdict::Same));
         assert_eq!(c.warnings, ["cipher: different machines: cores 2 -> 4"]);
+        assert_eq!(c.settings, [r#"started_utc: "08:00" -> "09:00""#]);
     }
 
     #[test]
