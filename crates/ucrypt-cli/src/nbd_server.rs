@@ -10,6 +10,7 @@
 //!
 //! The protocol itself (parsing, validation, replies) is the sans-I/O codec in `ucrypt::nbd`.
 
+mod buf;
 mod conn;
 pub mod dev;
 mod tls;

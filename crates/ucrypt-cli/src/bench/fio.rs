@@ -3,6 +3,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -58,6 +59,23 @@ pub fn run(
     runtime_s: u32,
     direct: bool,
 ) -> Result<FioResult, String> {
+    run_for(
+        job,
+        target,
+        size_bytes,
+        Duration::from_secs(runtime_s.into()),
+        direct,
+    )
+}
+
+/// [`run`] with a runtime finer than a second (fio takes milliseconds).
+pub fn run_for(
+    job: &Job,
+    target: &Path,
+    size_bytes: u64,
+    runtime: Duration,
+    direct: bool,
+) -> Result<FioResult, String> {
     let mut cmd = Command::new("fio");
     cmd.args([
         "--name=ucrypt-bench",
@@ -69,7 +87,7 @@ pub fn run(
     .arg(format!("--bs={}", job.block_bytes))
     .arg(format!("--ioengine={}", job.ioengine))
     .arg(format!("--iodepth={}", job.iodepth))
-    .arg(format!("--runtime={runtime_s}"))
+    .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
     .arg(format!("--size={size_bytes}"))
     .arg(format!("--direct={}", direct as u8))
     .arg("--randrepeat=0")

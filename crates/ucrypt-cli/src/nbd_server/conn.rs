@@ -14,6 +14,7 @@ use ucrypt::nbd::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
 use ucrypt::nbd::{self, Command, Decoded, Handshake, NbdError, RequestHeader, Step, TlsPolicy};
 use ucrypt::{BlockDev, Error, Result};
 
+use super::buf::{IoBuf, Spares};
 use super::{lock, tls, Export, Shared, WORKERS_PER_CONNECTION};
 
 /// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
@@ -187,33 +188,48 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
     }
 }
 
-/// Counts payload bytes held by a connection; the reader waits when the budget is spent.
+/// Counts payload bytes held by a connection; the reader (the only thread that acquires)
+/// waits when the budget is spent.
 struct Budget {
-    used: Mutex<u64>,
+    state: Mutex<BudgetState>,
     freed: Condvar,
+}
+
+struct BudgetState {
+    used: u64,
+    /// The reader is waiting: only then does a release wake it (a condvar notification is a
+    /// system call even with nobody waiting, and releases happen once per request).
+    waiting: bool,
 }
 
 impl Budget {
     fn acquire(&self, n: u64) {
-        let mut used = lock(&self.used);
+        let mut s = lock(&self.state);
         // A request larger than what is left waits until others finish; alone it always
         // proceeds (its size is bounded by the maximum payload).
-        while *used > 0 && *used + n > INFLIGHT_BYTES_MAX {
-            used = self.freed.wait(used).unwrap_or_else(|e| e.into_inner());
+        while s.used > 0 && s.used + n > INFLIGHT_BYTES_MAX {
+            s.waiting = true;
+            s = self.freed.wait(s).unwrap_or_else(|e| e.into_inner());
         }
-        *used += n;
+        s.waiting = false;
+        s.used += n;
     }
     fn release(&self, n: u64) {
-        *lock(&self.used) -= n;
-        self.freed.notify_all();
+        let mut s = lock(&self.state);
+        s.used -= n;
+        let wake = s.waiting;
+        drop(s);
+        if wake {
+            self.freed.notify_one();
+        }
     }
 }
 
 struct Job {
     cookie: u64,
     command: Command,
-    /// For writes: the payload. For reads: empty, the worker allocates.
-    payload: Vec<u8>,
+    /// For writes: the payload. For reads: None, the worker takes a buffer.
+    payload: Option<IoBuf>,
     charged: u64,
 }
 
@@ -224,6 +240,8 @@ struct Ctx {
     queued: AtomicUsize,
     writer: Mutex<Sock>,
     budget: Budget,
+    /// Buffers for payloads and read replies, reused across requests.
+    spares: Spares,
 }
 
 impl Ctx {
@@ -259,20 +277,28 @@ impl Ctx {
         let durable = |r: Result<()>, fua: bool| if r.is_ok() && fua { dev.flush() } else { r };
         match job.command {
             Command::Read { offset, len } => {
-                // Header and data in one buffer so the reply is a single write.
-                let mut buf = vec![0u8; SIMPLE_REPLY_BYTES + len as usize];
-                match dev.read_at(&mut buf[SIMPLE_REPLY_BYTES..], offset) {
+                let len = len as usize;
+                // Data page-aligned (the volume decrypts in place) with the header right
+                // before it, so the reply is a single write.
+                let mut buf = self.spares.take(len);
+                match dev.read_at(buf.data_mut(len), offset) {
                     Ok(()) => {
-                        buf[..SIMPLE_REPLY_BYTES]
+                        let reply = buf.with_head_mut(SIMPLE_REPLY_BYTES, len);
+                        reply[..SIMPLE_REPLY_BYTES]
                             .copy_from_slice(&nbd::encode_simple_reply(job.cookie, None));
-                        self.send(&buf);
+                        self.send(reply);
                     }
                     // On error no data follows the header (simple replies, spec).
                     Err(e) => self.reply(job.cookie, Err(e)),
                 }
+                self.spares.give(buf);
             }
-            Command::Write { offset, fua, .. } => {
-                self.reply(job.cookie, durable(dev.write_at(&job.payload, offset), fua))
+            Command::Write { offset, fua, len } => {
+                let r = match &job.payload {
+                    Some(p) => dev.write_at(p.data(len as usize), offset),
+                    None => Err(Error::Bug("NBD write job without its payload")),
+                };
+                self.reply(job.cookie, durable(r, fua));
             }
             Command::Flush => self.reply(job.cookie, dev.flush()),
             Command::Trim { offset, len, fua } => self.reply(
@@ -288,6 +314,9 @@ impl Ctx {
                 durable(dev.write_zeroes(offset, u64::from(len)), fua),
             ),
             Command::Disconnect => {}
+        }
+        if let Some(p) = job.payload {
+            self.spares.give(p);
         }
         self.budget.release(job.charged);
     }
@@ -322,9 +351,13 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
         queued: AtomicUsize::new(0),
         writer: Mutex::new(writer),
         budget: Budget {
-            used: Mutex::new(0),
+            state: Mutex::new(BudgetState {
+                used: 0,
+                waiting: false,
+            }),
             freed: Condvar::new(),
         },
+        spares: Spares::new(SIMPLE_REPLY_BYTES),
     });
     let (tx, rx) = sync_channel::<Job>(QUEUED_REQUESTS_MAX);
     let rx = Arc::new(Mutex::new(rx));
@@ -380,7 +413,7 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
                 let mut job = Job {
                     cookie: req.cookie,
                     command: req.command,
-                    payload: Vec::new(),
+                    payload: None,
                     charged: 0,
                 };
                 match req.command {
@@ -388,8 +421,10 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
                     Command::Write { len, .. } => {
                         job.charged = u64::from(len);
                         ctx.budget.acquire(job.charged);
-                        job.payload = vec![0u8; len as usize];
-                        if let Err(e) = reader.read_exact(&mut job.payload) {
+                        let mut payload = ctx.spares.take(len as usize);
+                        let r = reader.read_exact(payload.data_mut(len as usize));
+                        job.payload = Some(payload);
+                        if let Err(e) = r {
                             ctx.budget.release(job.charged);
                             // A client that vanishes mid-payload: this write was never
                             // acknowledged, so dropping it loses nothing promised.

@@ -1,0 +1,766 @@
+//! `ucrypt bench nbd`: ucrypt's NBD server beside qemu-storage-daemon's luks export and
+//! nbdkit's luks filter, all measured by the same client (fio's nbd engine over unix sockets),
+//! each on its own copy of the same image in RAM (/dev/shm, or `$TMPDIR` if set).
+//!
+//! Images (all files of [`IMAGE_BYTES`], AES-256-XTS with a 512-bit key, fast PBKDF2 so that
+//! opening is not what is measured):
+//! - LUKS2 by cryptsetup, 4096-byte encryption sectors (what cryptsetup picks on 4K-capable
+//!   storage, given explicitly here): served by `ucrypt serve` with the inline policy (the
+//!   default) and with `--policy auto`, each from its own copy.
+//! - LUKS1 by cryptsetup (512-byte sectors, the only kind LUKS1 has): one copy each for ucrypt,
+//!   qemu-storage-daemon (`--blockdev driver=luks`) and nbdkit (`--filter=luks`), the two
+//!   peers that read LUKS1 only.
+//! - A plain file served by `ucrypt serve --unencrypted`: the NBD path without any crypto.
+//!
+//! Every file is filled with pseudo-random bytes before it is formatted, so reads hit written
+//! (allocated, non-zero) ciphertext rather than holes. ucrypt opens the LUKS images through its
+//! normal LUKS path (`--key-file`), not raw mode. The servers run for the whole benchmark;
+//! each fio job runs on every target in turn (round-robin), `runs` times; medians.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::fio::{self, FioResult, Job};
+use super::stats::{Machine, Summary};
+
+const JOBS: &[Job] = &[
+    Job::new("4k randread QD1", "randread", 4096, "nbd", 1),
+    Job::new("4k randwrite QD1", "randwrite", 4096, "nbd", 1),
+    Job::new("4k randread QD32", "randread", 4096, "nbd", 32),
+    Job::new("4k randwrite QD32", "randwrite", 4096, "nbd", 32),
+    // Four 1 MiB requests in flight: a sequential stream as a file system or qemu sends it.
+    Job::new("1M read QD4", "read", 1 << 20, "nbd", 4),
+    Job::new("1M write QD4", "write", 1 << 20, "nbd", 4),
+];
+/// The region fio touches: the first bytes of every volume.
+const VOLUME_BYTES: u64 = 256 << 20;
+/// Size of every image file: the volume plus room for the largest header used here (LUKS2's
+/// default 16 MiB data offset; LUKS1's payload starts at 2 MiB).
+const IMAGE_BYTES: u64 = VOLUME_BYTES + (16 << 20);
+const PASSPHRASE: &str = "ucrypt-bench";
+/// PBKDF2 iterations for every keyslot: opening is not what is measured.
+const PBKDF2_ITERATIONS: &str = "1000";
+/// How long a server may take to accept connections.
+const READY_WAIT: Duration = Duration::from_secs(20);
+/// How long a server may take to exit after SIGTERM before it is killed.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+/// Export name every server uses.
+const EXPORT: &str = "disk";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Target {
+    /// `ucrypt serve --unencrypted` on a plain file: the NBD path without crypto.
+    Plain,
+    /// `ucrypt serve` on the LUKS2 image, inline policy (the default).
+    UcryptLuks2,
+    /// `ucrypt serve --policy auto` on the LUKS2 image.
+    UcryptLuks2Auto,
+    /// `ucrypt serve` on the LUKS1 image.
+    UcryptLuks1,
+    /// qemu-storage-daemon's luks driver on the LUKS1 image, NBD export.
+    QsdLuks1,
+    /// nbdkit's luks filter over its file plugin on the LUKS1 image.
+    NbdkitLuks1,
+}
+
+impl Target {
+    const ALL: [Target; 6] = [
+        Target::Plain,
+        Target::UcryptLuks2,
+        Target::UcryptLuks2Auto,
+        Target::UcryptLuks1,
+        Target::QsdLuks1,
+        Target::NbdkitLuks1,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Target::Plain => "plain (no crypto)",
+            Target::UcryptLuks2 => "ucrypt LUKS2",
+            Target::UcryptLuks2Auto => "ucrypt LUKS2 auto",
+            Target::UcryptLuks1 => "ucrypt LUKS1",
+            Target::QsdLuks1 => "qsd LUKS1",
+            Target::NbdkitLuks1 => "nbdkit LUKS1",
+        }
+    }
+
+    /// A short name for files and sockets.
+    fn slug(self) -> &'static str {
+        match self {
+            Target::Plain => "plain",
+            Target::UcryptLuks2 => "ucrypt-luks2",
+            Target::UcryptLuks2Auto => "ucrypt-luks2-auto",
+            Target::UcryptLuks1 => "ucrypt-luks1",
+            Target::QsdLuks1 => "qsd-luks1",
+            Target::NbdkitLuks1 => "nbdkit-luks1",
+        }
+    }
+
+    /// The peer program this target needs and the Debian package that has it.
+    fn peer_program(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Target::QsdLuks1 => Some(("qemu-storage-daemon", "qemu-system-common")),
+            Target::NbdkitLuks1 => Some(("nbdkit", "nbdkit")),
+            _ => None,
+        }
+    }
+}
+
+/// A speed goal of the issue: `ours` at least `min_ratio` × `peer` on `job`.
+struct GoalSpec {
+    job: &'static str,
+    peer: Target,
+    min_ratio: f64,
+}
+
+const GOALS: &[GoalSpec] = &[
+    GoalSpec {
+        job: "4k randread QD1",
+        peer: Target::QsdLuks1,
+        min_ratio: 3.0,
+    },
+    GoalSpec {
+        job: "4k randread QD1",
+        peer: Target::NbdkitLuks1,
+        min_ratio: 3.0,
+    },
+    GoalSpec {
+        job: "4k randwrite QD1",
+        peer: Target::QsdLuks1,
+        min_ratio: 3.0,
+    },
+    GoalSpec {
+        job: "4k randwrite QD1",
+        peer: Target::NbdkitLuks1,
+        min_ratio: 3.0,
+    },
+    GoalSpec {
+        job: "1M write QD4",
+        peer: Target::NbdkitLuks1,
+        min_ratio: 20.0,
+    },
+];
+/// The ucrypt configurations the goals are checked for.
+const OURS: [Target; 2] = [Target::UcryptLuks2, Target::UcryptLuks2Auto];
+
+#[derive(Debug, Serialize)]
+pub struct Row {
+    pub job: Job,
+    pub target: Target,
+    pub mib_s: Summary,
+    pub iops: Summary,
+    pub lat_p99_us: Summary,
+}
+
+/// One goal checked for one ucrypt configuration. `ratio` is ours ÷ peer (medians); `met` is
+/// None when either side was not measured.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct GoalResult {
+    pub job: &'static str,
+    pub ours: Target,
+    pub peer: Target,
+    pub min_ratio: f64,
+    pub ratio: Option<f64>,
+    pub met: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct NbdReport {
+    /// Bumped on an incompatible change of this JSON (see docs/bench-json.md).
+    pub schema: u32,
+    pub machine: Machine,
+    pub runs: usize,
+    pub runtime_s: f64,
+    /// Where the images were (a RAM file system unless `$TMPDIR` says otherwise).
+    pub image_dir: String,
+    pub volume_bytes: u64,
+    pub skipped: Vec<String>,
+    pub rows: Vec<Row>,
+    pub goals: Vec<GoalResult>,
+}
+
+fn find<'a>(rows: &'a [Row], job: &str, t: Target) -> Option<&'a Row> {
+    rows.iter().find(|r| r.job.name == job && r.target == t)
+}
+
+/// Ratio of two medians; None unless both are positive numbers.
+fn ratio(ours: Option<&Row>, peer: Option<&Row>) -> Option<f64> {
+    let (o, p) = (ours?.mib_s.median, peer?.mib_s.median);
+    (o.is_finite() && p.is_finite() && o > 0.0 && p > 0.0).then(|| o / p)
+}
+
+/// Checks every goal for every ucrypt configuration in [`OURS`].
+fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
+    let mut out = Vec::new();
+    for g in GOALS {
+        for ours in OURS {
+            let r = ratio(find(rows, g.job, ours), find(rows, g.job, g.peer));
+            out.push(GoalResult {
+                job: g.job,
+                ours,
+                peer: g.peer,
+                min_ratio: g.min_ratio,
+                ratio: r,
+                met: r.map(|r| r >= g.min_ratio),
+            });
+        }
+    }
+    out
+}
+
+fn run_ok(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn have(program: &str) -> bool {
+    Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// Where the images go: `$TMPDIR` if set, else /dev/shm (RAM, so the storage is not measured).
+fn base_dir() -> PathBuf {
+    std::env::var_os("TMPDIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/dev/shm"))
+}
+
+/// Writes `bytes` of pseudo-random data (xorshift64*, fixed seed: every run the same) to `path`.
+fn write_noise(path: &Path, bytes: u64) -> Result<(), String> {
+    const CHUNK_BYTES: usize = 1 << 20;
+    let f = File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut w = BufWriter::with_capacity(CHUNK_BYTES, f);
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut chunk = vec![0u8; CHUNK_BYTES];
+    let mut left = bytes;
+    while left > 0 {
+        for word in chunk.chunks_exact_mut(8) {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            word.copy_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+        }
+        let n = left.min(CHUNK_BYTES as u64) as usize;
+        w.write_all(&chunk[..n])
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        left -= n as u64;
+    }
+    w.flush().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The benchmark's directory and files; removed on drop.
+struct Setup {
+    dir: PathBuf,
+    pass_file: PathBuf,
+}
+
+impl Setup {
+    fn new() -> Result<Setup, String> {
+        let dir = base_dir().join(format!("ucrypt-bench-nbd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let s = Setup {
+            pass_file: dir.join("pass"),
+            dir,
+        };
+        std::fs::write(&s.pass_file, PASSPHRASE).map_err(|e| e.to_string())?;
+        let noise = s.dir.join("noise.img");
+        write_noise(&noise, IMAGE_BYTES)?;
+        let copy = |to: &Path| {
+            std::fs::copy(&noise, to)
+                .map(|_| ())
+                .map_err(|e| format!("{}: {e}", to.display()))
+        };
+        for (kind, sector) in [("luks2", "4096"), ("luks1", "512")] {
+            let img = s.dir.join(format!("{kind}.img"));
+            copy(&img)?;
+            let mut c = Command::new("cryptsetup");
+            c.args(["luksFormat", "-q", "--type", kind])
+                .args(["--cipher", "aes-xts-plain64", "--key-size", "512"])
+                .args(["--hash", "sha256", "--pbkdf", "pbkdf2"])
+                .args(["--pbkdf-force-iterations", PBKDF2_ITERATIONS]);
+            if kind == "luks2" {
+                c.args(["--sector-size", sector]);
+            }
+            run_ok(c.arg("--key-file").arg(&s.pass_file).arg(&img))?;
+        }
+        for t in Target::ALL {
+            let source = match t {
+                Target::Plain => noise.clone(),
+                Target::UcryptLuks2 | Target::UcryptLuks2Auto => s.dir.join("luks2.img"),
+                _ => s.dir.join("luks1.img"),
+            };
+            std::fs::copy(source, s.image(t)).map_err(|e| format!("{}: {e}", t.name()))?;
+        }
+        // Only the copies are served; the masters would just hold RAM.
+        for f in ["noise.img", "luks2.img", "luks1.img"] {
+            let _ = std::fs::remove_file(s.dir.join(f));
+        }
+        Ok(s)
+    }
+
+    fn image(&self, t: Target) -> PathBuf {
+        self.dir.join(format!("{}.img", t.slug()))
+    }
+
+    fn socket(&self, t: Target) -> PathBuf {
+        self.dir.join(format!("{}.sock", t.slug()))
+    }
+
+    fn log(&self, t: Target) -> PathBuf {
+        self.dir.join(format!("{}.log", t.slug()))
+    }
+
+    fn uri(&self, t: Target) -> PathBuf {
+        PathBuf::from(format!(
+            "nbd+unix:///{EXPORT}?socket={}",
+            self.socket(t).display()
+        ))
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A server process: sent SIGTERM, then SIGKILL if it lingers, and reaped on drop, so no
+/// server outlives the benchmark however it ends (error or panic). If the benchmark itself is
+/// killed, the kernel kills the servers (PR_SET_PDEATHSIG).
+struct Server {
+    child: Child,
+}
+
+impl Server {
+    fn command(t: Target, s: &Setup) -> Result<Command, String> {
+        let img = s.image(t);
+        let sock = s.socket(t);
+        let ucrypt = || -> Result<Command, String> {
+            let mut c = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+            c.arg("serve")
+                .arg(&img)
+                .arg("--nbd")
+                .arg(format!("unix:{}", sock.display()))
+                .args(["--export-name", EXPORT]);
+            Ok(c)
+        };
+        Ok(match t {
+            Target::Plain => {
+                let mut c = ucrypt()?;
+                c.arg("--unencrypted");
+                c
+            }
+            Target::UcryptLuks2 | Target::UcryptLuks1 | Target::UcryptLuks2Auto => {
+                let mut c = ucrypt()?;
+                c.arg("--key-file").arg(&s.pass_file);
+                if t == Target::UcryptLuks2Auto {
+                    c.args(["--policy", "auto"]);
+                }
+                c
+            }
+            Target::QsdLuks1 => {
+                let mut c = Command::new("qemu-storage-daemon");
+                c.arg("--object")
+                    .arg(format!("secret,id=s0,file={}", s.pass_file.display()))
+                    .arg("--blockdev")
+                    .arg(format!(
+                        "driver=file,node-name=f0,filename={}",
+                        img.display()
+                    ))
+                    .arg("--blockdev")
+                    .arg("driver=luks,node-name=l0,file=f0,key-secret=s0")
+                    .arg("--nbd-server")
+                    .arg(format!("addr.type=unix,addr.path={}", sock.display()))
+                    .arg("--export")
+                    .arg(format!(
+                        "type=nbd,id=e0,node-name=l0,name={EXPORT},writable=on"
+                    ));
+                c
+            }
+            Target::NbdkitLuks1 => {
+                let mut c = Command::new("nbdkit");
+                c.args(["-f", "--exit-with-parent", "-U"])
+                    .arg(&sock)
+                    .args(["-e", EXPORT, "--filter=luks", "file"])
+                    .arg(&img)
+                    .arg(format!("passphrase=+{}", s.pass_file.display()));
+                c
+            }
+        })
+    }
+
+    /// Starts the server for `t` and waits until its socket accepts connections.
+    fn start(t: Target, s: &Setup) -> Result<Server, String> {
+        let mut cmd = Self::command(t, s)?;
+        let log = File::create(s.log(t)).map_err(|e| e.to_string())?;
+        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in
+        // the child between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|e| format!("{}: {e}", t.name()))?;
+        let mut server = Server { child };
+        let sock = s.socket(t);
+        let started = Instant::now();
+        while started.elapsed() < READY_WAIT {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                let log = std::fs::read_to_string(s.log(t)).unwrap_or_default();
+                return Err(format!(
+                    "{} exited ({status}) before serving: {}",
+                    t.name(),
+                    log.trim()
+                ));
+            }
+            if UnixStream::connect(&sock).is_ok() {
+                return Ok(server);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(format!("{} did not listen within {READY_WAIT:?}", t.name()))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) on our own child's pid, which stays reserved until we reap it below.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < EXIT_WAIT {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, String> {
+    for (p, pkg) in [("fio", "fio"), ("cryptsetup", "cryptsetup-bin")] {
+        if !have(p) {
+            return Err(format!("{p} not found (apt-get install {pkg})"));
+        }
+    }
+    let runtime = if quick {
+        Duration::from_millis(400)
+    } else {
+        Duration::from_secs(1)
+    };
+    let mut skipped = Vec::new();
+    if progress {
+        eprintln!("bench nbd: preparing images");
+    }
+    let setup = Setup::new()?;
+    // Declared after `setup`, so dropped (servers stopped) before the files go.
+    let mut servers = Vec::new();
+    let mut targets = Vec::new();
+    for t in Target::ALL {
+        if let Some((prog, pkg)) = t.peer_program() {
+            if !have(prog) {
+                skipped.push(format!(
+                    "{}: {prog} not installed (apt-get install {pkg})",
+                    t.name()
+                ));
+                continue;
+            }
+        }
+        match Server::start(t, &setup) {
+            Ok(s) => {
+                servers.push(s);
+                targets.push(t);
+            }
+            // A peer that cannot serve is reported and left out; ucrypt must serve.
+            Err(e) if t.peer_program().is_some() => skipped.push(e),
+            Err(e) => return Err(e),
+        }
+    }
+    let mut samples: Vec<Vec<Vec<FioResult>>> = vec![vec![Vec::new(); JOBS.len()]; targets.len()];
+    for run in 0..runs {
+        if progress {
+            eprintln!("bench nbd: run {}/{runs}", run + 1);
+        }
+        for (ji, job) in JOBS.iter().enumerate() {
+            for (ti, &t) in targets.iter().enumerate() {
+                let r = fio::run_for(job, &setup.uri(t), VOLUME_BYTES, runtime, false)
+                    .map_err(|e| format!("{}: {e}", t.name()))?;
+                samples[ti][ji].push(r);
+            }
+        }
+    }
+    drop(servers);
+    let mut rows = Vec::new();
+    for (ji, job) in JOBS.iter().enumerate() {
+        for (ti, &target) in targets.iter().enumerate() {
+            let s = &samples[ti][ji];
+            let of = |f: fn(&FioResult) -> f64| Summary::of(&s.iter().map(f).collect::<Vec<_>>());
+            rows.push(Row {
+                job: *job,
+                target,
+                mib_s: of(|r| r.mib_s),
+                iops: of(|r| r.iops),
+                lat_p99_us: of(|r| r.lat_p99_us),
+            });
+        }
+    }
+    let goals = check_goals(&rows);
+    Ok(NbdReport {
+        schema: 1,
+        machine: Machine::detect(),
+        runs,
+        runtime_s: runtime.as_secs_f64(),
+        image_dir: base_dir().display().to_string(),
+        volume_bytes: VOLUME_BYTES,
+        skipped,
+        rows,
+        goals,
+    })
+}
+
+fn show_ratio(r: Option<f64>) -> String {
+    match r {
+        Some(r) if r >= 10.0 => format!("{r:.0}×"),
+        Some(r) => format!("{r:.2}×"),
+        None => "–".into(),
+    }
+}
+
+pub fn markdown(r: &NbdReport) -> String {
+    let mut s = format!(
+        "Machine: {}. fio --ioengine=nbd over unix sockets, {} MiB volumes in {}, {} s per job, \
+         {} round-robin runs; MiB/s median (min–max). AES-256-XTS everywhere; LUKS2: 4096-byte \
+         sectors; LUKS1: 512-byte sectors.\n\n",
+        r.machine.describe(),
+        r.volume_bytes >> 20,
+        r.image_dir,
+        r.runtime_s,
+        r.runs
+    );
+    let peers = [Target::QsdLuks1, Target::NbdkitLuks1];
+    s.push_str("| job |");
+    for t in Target::ALL {
+        s.push_str(&format!(" {} |", t.name()));
+    }
+    for p in peers {
+        s.push_str(&format!(" LUKS2 ÷ {} |", p.name()));
+    }
+    s.push_str(&format!(
+        "\n|---|{}\n",
+        "---|".repeat(Target::ALL.len() + 2)
+    ));
+    for job in JOBS {
+        s.push_str(&format!("| {} |", job.name));
+        for t in Target::ALL {
+            let cell = find(&r.rows, job.name, t)
+                .map(|x| x.mib_s.show(0))
+                .unwrap_or_else(|| "–".into());
+            s.push_str(&format!(" {cell} |"));
+        }
+        for p in peers {
+            let q = ratio(
+                find(&r.rows, job.name, Target::UcryptLuks2),
+                find(&r.rows, job.name, p),
+            );
+            s.push_str(&format!(" {} |", show_ratio(q)));
+        }
+        s.push('\n');
+    }
+    s.push_str("\np99 completion latency, µs (median over runs):\n\n| job |");
+    for t in Target::ALL {
+        s.push_str(&format!(" {} |", t.name()));
+    }
+    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
+    for job in JOBS {
+        s.push_str(&format!("| {} |", job.name));
+        for t in Target::ALL {
+            let cell = find(&r.rows, job.name, t)
+                .map(|x| format!("{:.0}", x.lat_p99_us.median))
+                .unwrap_or_else(|| "–".into());
+            s.push_str(&format!(" {cell} |"));
+        }
+        s.push('\n');
+    }
+    s.push_str("\nGoals (ucrypt ÷ peer, medians):\n\n| goal |");
+    for o in OURS {
+        s.push_str(&format!(" {} |", o.name()));
+    }
+    s.push_str(&format!("\n|---|{}\n", "---|".repeat(OURS.len())));
+    for g in GOALS {
+        s.push_str(&format!(
+            "| {} ≥ {}× {} |",
+            g.job,
+            g.min_ratio,
+            g.peer.name()
+        ));
+        for o in OURS {
+            let cell = r
+                .goals
+                .iter()
+                .find(|x| x.job == g.job && x.peer == g.peer && x.ours == o)
+                .map(|x| match x.met {
+                    Some(true) => format!("{} met", show_ratio(x.ratio)),
+                    Some(false) => format!("{} missed", show_ratio(x.ratio)),
+                    None => "not measured".into(),
+                })
+                .unwrap_or_else(|| "–".into());
+            s.push_str(&format!(" {cell} |"));
+        }
+        s.push('\n');
+    }
+    for sk in &r.skipped {
+        s.push_str(&format!("\nSkipped: {sk}\n"));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(job: &'static str, target: Target, mib_s: f64) -> Row {
+        let one = |v| Summary::of(&[v]);
+        Row {
+            job: *JOBS.iter().find(|j| j.name == job).expect("known job"),
+            target,
+            mib_s: one(mib_s),
+            iops: one(mib_s * 256.0),
+            lat_p99_us: one(50.0),
+        }
+    }
+
+    #[test]
+    fn goal_rows() {
+        use Target::*;
+        // (ucrypt LUKS2 MiB/s, peer, peer MiB/s, job, expected ratio, expected met)
+        type Case = (f64, Target, f64, &'static str, Option<f64>, Option<bool>);
+        let cases: &[Case] = &[
+            (
+                330.0,
+                QsdLuks1,
+                110.0,
+                "4k randread QD1",
+                Some(3.0),
+                Some(true),
+            ),
+            (
+                300.0,
+                NbdkitLuks1,
+                110.0,
+                "4k randread QD1",
+                Some(300.0 / 110.0),
+                Some(false),
+            ),
+            (
+                2000.0,
+                NbdkitLuks1,
+                100.0,
+                "1M write QD4",
+                Some(20.0),
+                Some(true),
+            ),
+            (
+                1900.0,
+                NbdkitLuks1,
+                100.0,
+                "1M write QD4",
+                Some(19.0),
+                Some(false),
+            ),
+            (300.0, QsdLuks1, 0.0, "4k randwrite QD1", None, None),
+            (f64::NAN, QsdLuks1, 100.0, "4k randwrite QD1", None, None),
+        ];
+        for &(ours, peer, theirs, job, want_ratio, want_met) in cases {
+            let rows = vec![row(job, UcryptLuks2, ours), row(job, peer, theirs)];
+            let goals = check_goals(&rows);
+            let g = goals
+                .iter()
+                .find(|g| g.job == job && g.peer == peer && g.ours == UcryptLuks2)
+                .expect("goal listed");
+            assert_eq!(
+                (g.ratio, g.met),
+                (want_ratio, want_met),
+                "{job} vs {peer:?}"
+            );
+            // The auto policy was not measured in this row set.
+            let auto = goals
+                .iter()
+                .find(|g| g.job == job && g.peer == peer && g.ours == UcryptLuks2Auto)
+                .expect("goal listed");
+            assert_eq!(auto.met, None);
+        }
+        // Every goal is checked for every ucrypt configuration, even with no rows at all.
+        assert_eq!(check_goals(&[]).len(), GOALS.len() * OURS.len());
+    }
+
+    #[test]
+    fn markdown_cells() {
+        use Target::*;
+        let rows = vec![
+            row("4k randread QD1", UcryptLuks2, 330.0),
+            row("4k randread QD1", QsdLuks1, 110.0),
+            row("1M write QD4", UcryptLuks2, 2500.0),
+            row("1M write QD4", NbdkitLuks1, 100.0),
+        ];
+        let goals = check_goals(&rows);
+        let report = NbdReport {
+            schema: 1,
+            machine: Machine {
+                cpu_model: "cpu".into(),
+                cores: 2,
+                aes_flags: vec![],
+                kernel: "k".into(),
+            },
+            runs: 1,
+            runtime_s: 1.0,
+            image_dir: "/dev/shm".into(),
+            volume_bytes: VOLUME_BYTES,
+            skipped: vec!["nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)".into()],
+            rows,
+            goals,
+        };
+        let md = markdown(&report);
+        // (a line that must appear in the table)
+        let lines = [
+            "| 4k randread QD1 | – | 330 (330–330) | – | – | 110 (110–110) | – | 3.00× | – |",
+            "| 1M write QD4 | – | 2500 (2500–2500) | – | – | – | 100 (100–100) | – | 25× |",
+            "| 4k randread QD1 ≥ 3× qsd LUKS1 | 3.00× met | not measured |",
+            "| 4k randread QD1 ≥ 3× nbdkit LUKS1 | not measured | not measured |",
+            "| 1M write QD4 ≥ 20× nbdkit LUKS1 | 25× met | not measured |",
+            "Skipped: nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)",
+        ];
+        for l in lines {
+            assert!(md.lines().any(|x| x == l), "missing {l:?} in\n{md}");
+        }
+        let json = serde_json::to_value(&report).expect("serialises");
+        assert_eq!(json["rows"][0]["target"], "ucrypt-luks2");
+        assert_eq!(json["rows"][0]["job"]["name"], "4k randread QD1");
+        assert_eq!(json["goals"][0]["met"], true);
+    }
+}
