@@ -17,7 +17,7 @@ pub struct MountArgs {
     /// Serve the volume as MOUNTPOINT/NAME instead of on MOUNTPOINT itself.
     #[arg(long)]
     file_name: Option<String>,
-    /// FUSE worker threads (0 = one per CPU).
+    /// Classic FUSE worker threads (0 = one per CPU); io_uring runs one per CPU queue.
     #[arg(long, default_value_t = 0)]
     threads: usize,
     /// Allow users other than the mounting one.

@@ -96,6 +96,8 @@ pub struct MountOptions {
     /// `None`: the mount point (a regular file) becomes the volume.
     pub file_name: Option<String>,
     /// Classic FUSE worker threads (0 = one per CPU, at least 2, at most [`THREADS_MAX`]).
+    /// The io_uring transport ignores it: it runs one thread per kernel queue (one queue per
+    /// possible CPU, at most [`THREADS_MAX`] threads) plus one classic thread.
     pub threads: usize,
     /// Let other users than the mounting one open the file (FUSE `allow_other`).
     pub allow_other: bool,
