@@ -13,8 +13,11 @@
 //!   thread and ring per kernel queue (one queue per CPU), [`URING_ENTRIES_PER_QUEUE`] entries
 //!   each, plus one classic thread for FORGET/INTERRUPT, which the kernel still sends there.
 
+#![deny(unsafe_code)]
+
 mod fs;
 pub mod proto;
+#[allow(unsafe_code)] // the one module that talks to the kernel (see its docs)
 mod transport;
 
 use std::os::fd::OwnedFd;
@@ -275,10 +278,8 @@ fn spawn_with(
         file_name: opts.file_name.clone(),
         direct_io: opts.direct_io,
         punch_hole: opts.punch_hole,
-        // SAFETY: getuid/getgid cannot fail and touch no memory.
-        uid: unsafe { libc::getuid() },
-        // SAFETY: as above.
-        gid: unsafe { libc::getgid() },
+        uid: transport::ids().0,
+        gid: transport::ids().1,
         want_io_uring,
     };
     let fs = Arc::new(fs::VolumeFs::new(dev.clone(), fs_cfg));
@@ -513,7 +514,7 @@ impl Drop for Mounted {
 /// Serves `dev` at `mountpoint` until it is unmounted or the process receives SIGINT/SIGTERM;
 /// returns after every acknowledged write is flushed. Prints one line when ready.
 pub fn mount(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> Result<()> {
-    let sigs = SignalBlock::new(&[libc::SIGINT, libc::SIGTERM])?;
+    let sigs = transport::SignalBlock::new(&[libc::SIGINT, libc::SIGTERM])?;
     let m = spawn(dev, mountpoint, opts)?;
     eprintln!(
         "ucrypt mount: serving {} ({} bytes); {}",
@@ -544,52 +545,4 @@ pub fn mount(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> 
     eprintln!("ucrypt mount: unmounted, all writes flushed");
     drop(sigs);
     Ok(())
-}
-
-/// Blocks signals in this thread (and the threads it starts) so they can be taken
-/// synchronously with `sigtimedwait`; restores the previous mask on drop.
-struct SignalBlock {
-    set: libc::sigset_t,
-    old: libc::sigset_t,
-}
-
-impl SignalBlock {
-    fn new(signals: &[i32]) -> Result<Self> {
-        // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a valid sigset_t owned by this frame.
-        unsafe { libc::sigemptyset(&mut set) };
-        for &s in signals {
-            // SAFETY: as above; `s` is a valid signal number.
-            unsafe { libc::sigaddset(&mut set, s) };
-        }
-        // SAFETY: both pointers are valid sigset_t values for the duration of the call.
-        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
-        if rc != 0 {
-            return Err(Error::io(
-                "block signals",
-                std::io::Error::from_raw_os_error(rc),
-            ));
-        }
-        Ok(SignalBlock { set, old })
-    }
-
-    fn wait(&self, timeout: Duration) -> Option<i32> {
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: `self.set` and `ts` are valid for the call; siginfo may be null.
-        let s = unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &ts) };
-        (s > 0).then_some(s)
-    }
-}
-
-impl Drop for SignalBlock {
-    fn drop(&mut self) {
-        // SAFETY: `self.old` is the mask saved by pthread_sigmask in `new`.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
-    }
 }

@@ -19,6 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
@@ -73,8 +74,7 @@ pub fn mount(mountpoint: &Path, spec: &MountSpec<'_>) -> io::Result<OwnedFd> {
     } else {
         libc::S_IFREG
     };
-    // SAFETY: getuid/getgid cannot fail and touch no memory.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = ids();
     let mut data = format!(
         "fd={},rootmode={rootmode:o},user_id={uid},group_id={gid},default_permissions",
         fd.as_raw_fd()
@@ -584,5 +584,59 @@ pub fn pin_to_cpu(cpu: usize) {
         libc::CPU_ZERO(&mut set);
         libc::CPU_SET(cpu, &mut set);
         libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set);
+    }
+}
+
+/// The real user and group id of this process.
+pub fn ids() -> (u32, u32) {
+    // SAFETY: getuid/getgid cannot fail and touch no memory.
+    unsafe { (libc::getuid(), libc::getgid()) }
+}
+
+/// Blocks signals in this thread (and the threads it starts) so they can be taken
+/// synchronously with `sigtimedwait`; restores the previous mask on drop.
+pub struct SignalBlock {
+    set: libc::sigset_t,
+    old: libc::sigset_t,
+}
+
+impl SignalBlock {
+    pub fn new(signals: &[i32]) -> ucrypt::Result<Self> {
+        // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a valid sigset_t owned by this frame.
+        unsafe { libc::sigemptyset(&mut set) };
+        for &s in signals {
+            // SAFETY: as above; `s` is a valid signal number.
+            unsafe { libc::sigaddset(&mut set, s) };
+        }
+        // SAFETY: both pointers are valid sigset_t values for the duration of the call.
+        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
+        if rc != 0 {
+            return Err(ucrypt::Error::io(
+                "block signals",
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        Ok(SignalBlock { set, old })
+    }
+
+    pub fn wait(&self, timeout: Duration) -> Option<i32> {
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `self.set` and `ts` are valid for the call; siginfo may be null.
+        let s = unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &ts) };
+        (s > 0).then_some(s)
+    }
+}
+
+impl Drop for SignalBlock {
+    fn drop(&mut self) {
+        // SAFETY: `self.old` is the mask saved by pthread_sigmask in `new`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
     }
 }
