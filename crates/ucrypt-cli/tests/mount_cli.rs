@@ -106,6 +106,16 @@ impl Drop for Server {
 }
 
 struct Cleanup(Vec<(String, Vec<String>)>);
+impl Cleanup {
+    /// Detaches a loop device now and drops its cleanup entry: detaching it again at the end
+    /// could hit a loop device that a test running in parallel has attached since under the
+    /// same name.
+    fn detach_loop(&mut self, lo: &str) {
+        run("losetup", &["-d", lo]);
+        self.0
+            .retain(|(c, a)| !(c == "losetup" && a.iter().any(|x| x == lo)));
+    }
+}
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for (c, a) in self.0.iter().rev() {
@@ -221,7 +231,7 @@ fn mount_cli_raw_mode_end_to_end() {
         "exited while the loop device still used the file"
     );
     run("fsck.ext4", &["-f", "-n", &lo]);
-    run("losetup", &["-d", &lo]);
+    cleanup.detach_loop(&lo);
     assert_eq!(
         srv.wait_exit(WAIT),
         Some(0),
@@ -275,7 +285,7 @@ fn mount_cli_raw_mode_end_to_end() {
     let got = std::fs::read(mnt.join("d/payload")).expect("read payload");
     assert!(got == payload, "payload differs after remount");
     run("umount", &[mnt.to_str().expect("utf-8")]);
-    run("losetup", &["-d", &lo]);
+    cleanup.detach_loop(&lo);
     srv.signal(libc::SIGINT);
     assert_eq!(
         srv.wait_exit(WAIT),
@@ -343,7 +353,7 @@ fn mount_cli_luks2_end_to_end() {
     std::fs::write(mnt.join("hello"), b"hello luks\n").expect("write file");
     run("umount", &[m]);
     run("fsck.ext4", &["-f", "-n", &lo]);
-    run("losetup", &["-d", &lo]);
+    cleanup.detach_loop(&lo);
     srv.signal(libc::SIGTERM);
     assert_eq!(
         srv.wait_exit(WAIT),
