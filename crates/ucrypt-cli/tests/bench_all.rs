@@ -59,11 +59,15 @@ fn bench_all_quick_writes_report_json_and_plots() {
             dir.join(format!("{scenario}.json")).is_file(),
             "{scenario}.json missing"
         );
-        if in_ci() {
+        for w in &why {
+            let reason = w["reason"].as_str().unwrap_or_default();
+            // A kernel switch left off (FUSE-over-io_uring) is the machine's choice; a peer
+            // that is not installed is not, in CI (deps.sh installs them all).
             assert!(
-                why.is_empty(),
-                "{scenario} skipped peers in CI (deps.sh installs them): {why:?}"
+                !(in_ci() && reason.contains("not installed")),
+                "{scenario} skipped a peer in CI: {reason}"
             );
+            println!("SKIPPED bench_all {scenario} part: {reason}");
         }
     }
     let engine_rows = all["engine"]["rows"].as_array().expect("engine rows");
