@@ -112,11 +112,32 @@ impl Write for Sock {
 /// interrupt through the hypervisor) is several times the whole cost of serving 4 KiB.
 const POLL_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 
+/// Requests at least this large check for a waiting next request before running on the
+/// reader's thread (one system call, small beside the work of such a request).
+const INLINE_PEEK_MIN_BYTES: u64 = 64 << 10;
+
 /// The request stream: a socket whose reads may first poll without sleeping.
 struct RequestStream {
     sock: Sock,
     /// Poll for up to [`POLL_BEFORE_SLEEP`] before a sleeping read.
     poll: bool,
+}
+
+impl RequestStream {
+    /// Whether bytes (the next request) are waiting in the socket, without reading them.
+    fn pending(&self) -> bool {
+        let mut byte = 0u8;
+        // SAFETY: recv writes at most 1 byte into `byte`, which lives across the call.
+        let n = unsafe {
+            libc::recv(
+                self.sock.as_raw_fd(),
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n > 0
+    }
 }
 
 impl Read for RequestStream {
@@ -488,7 +509,15 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
                 // Fast path for a client with one request at a time (QD1): when no worker is
                 // busy and no further request is already buffered, executing here saves two
                 // thread hand-offs; the next request could not have been read any sooner.
-                if ctx.queued.load(Ordering::Acquire) == 0 && reader.buffer().is_empty() {
+                // A large request first asks the socket whether another request is waiting
+                // (a payload read straight into its buffer leaves the reader's buffer empty
+                // even then): if so a worker takes it, and receiving the next payload
+                // overlaps with this one's crypto and I/O.
+                let large = job.charged >= INLINE_PEEK_MIN_BYTES;
+                if ctx.queued.load(Ordering::Acquire) == 0
+                    && reader.buffer().is_empty()
+                    && !(large && reader.get_ref().pending())
+                {
                     ctx.execute_guarded(job);
                     reader.get_mut().poll = true;
                     continue;
