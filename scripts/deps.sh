@@ -15,6 +15,8 @@ APT_PACKAGES=(
   e2fsprogs util-linux
   # the ublk crate generates its kernel bindings with bindgen, which needs libclang
   libclang-dev
+  # the font PNG plots of `ucrypt bench all` are drawn with (SVGs need none)
+  fonts-dejavu-core
 )
 
 missing=()

@@ -127,11 +127,27 @@ fn cryptsetup_reencrypt_matches_sector_layer() {
     }
 }
 
-fn tempdir() -> std::path::PathBuf {
+/// A scratch directory, removed when dropped (also when the test fails).
+struct TempDir(std::path::PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir() -> TempDir {
     let base = std::env::var_os("TMPDIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| Path::new("/tmp").into());
     let d = base.join(format!("ucrypt-cs-sector-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir(d)
 }

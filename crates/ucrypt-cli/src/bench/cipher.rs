@@ -78,6 +78,8 @@ pub struct CipherResult {
 
 #[derive(Serialize)]
 pub struct CipherReport {
+    /// Bumped on an incompatible change of this JSON (see docs/bench-json.md).
+    pub schema: u32,
     pub machine: Machine,
     pub runs: usize,
     pub memcpy_hot_gbps: Summary,
@@ -180,6 +182,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
         })
         .collect();
     CipherReport {
+        schema: 1,
         machine: Machine::detect(),
         runs,
         memcpy_hot_gbps,

@@ -72,6 +72,8 @@ pub struct Row {
 
 #[derive(Serialize)]
 pub struct FuseReport {
+    /// Bumped on an incompatible change of this JSON (see docs/bench-json.md).
+    pub schema: u32,
     pub machine: Machine,
     pub runs: usize,
     pub runtime_s: u32,
@@ -325,6 +327,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
         }
     }
     Ok(FuseReport {
+        schema: 1,
         machine: Machine::detect(),
         runs,
         runtime_s,

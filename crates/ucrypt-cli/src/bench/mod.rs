@@ -2,11 +2,14 @@
 //! configurations side by side (round-robin) in one process, because this class of machine
 //! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
 
+mod all;
 mod cipher;
+mod compare;
 mod engine;
 mod fio;
 mod fuse;
 mod nbd;
+pub mod plot;
 pub mod stats;
 
 use clap::{Args, Subcommand};
@@ -36,16 +39,29 @@ impl Common {
     }
 }
 
+#[derive(Args, Clone)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Run only these scenarios (1-8, comma-separated; default all).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=8))]
+    only: Vec<u8>,
+}
+
 #[derive(Subcommand)]
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
     Cipher(Common),
     /// The volume engine: dispatch policies side by side with the raw backend.
-    Engine(Common),
+    Engine(EngineArgs),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
     Fuse(Common),
     /// The NBD server with fio, beside qemu-storage-daemon's and nbdkit's LUKS exports.
     Nbd(Common),
+    /// Every scenario in one run: a results folder with report.md, JSON and plots.
+    All(all::AllArgs),
+    /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
+    Compare(compare::CompareArgs),
 }
 
 pub fn run(a: BenchArgs) -> i32 {
@@ -62,8 +78,8 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             0
         }
-        Which::Engine(c) => {
-            let report = engine::measure(c.runs(), c.quick, !c.json);
+        Which::Engine(EngineArgs { common: c, only }) => {
+            let report = engine::measure(c.runs(), c.quick, !c.json, &only);
             if c.json {
                 println!(
                     "{}",
@@ -74,6 +90,8 @@ pub fn run(a: BenchArgs) -> i32 {
             }
             0
         }
+        Which::Compare(a) => compare::run(&a),
+        Which::All(a) => all::run(a),
         Which::Fuse(c) => match fuse::measure(c.runs(), c.quick, !c.json) {
             Ok(report) => {
                 if c.json {

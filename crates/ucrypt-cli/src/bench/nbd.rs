@@ -174,6 +174,8 @@ pub struct GoalResult {
 
 #[derive(Debug, Serialize)]
 pub struct NbdReport {
+    /// Bumped on an incompatible change of this JSON (see docs/bench-json.md).
+    pub schema: u32,
     pub machine: Machine,
     pub runs: usize,
     pub runtime_s: f64,
@@ -536,6 +538,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
     }
     let goals = check_goals(&rows);
     Ok(NbdReport {
+        schema: 1,
         machine: Machine::detect(),
         runs,
         runtime_s: runtime.as_secs_f64(),
@@ -735,6 +738,7 @@ mod tests {
         ];
         let goals = check_goals(&rows);
         let report = NbdReport {
+            schema: 1,
             machine: Machine {
                 cpu_model: "cpu".into(),
                 cores: 2,

@@ -1,0 +1,120 @@
+//! `ucrypt bench all --quick --runs 1` end to end: the results folder holds a report, JSON that
+//! parses with the documented shape, and the plots; `bench compare` of a file with itself finds
+//! no change. A smoke test of the command (its numbers are not checked: speed targets live in
+//! the benchmark's own report).
+
+use std::path::Path;
+use std::process::Command;
+
+fn ucrypt() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ucrypt"))
+}
+
+fn in_ci() -> bool {
+    std::env::var_os("CI").is_some()
+}
+
+#[test]
+fn bench_all_quick_writes_report_json_and_plots() {
+    let dir = std::env::temp_dir().join(format!("ucrypt-bench-all-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = ucrypt()
+        .args(["bench", "all", "--quick", "--runs", "1", "--out"])
+        .arg(&dir)
+        .output()
+        .expect("run ucrypt bench all");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench all failed:\n{stderr}");
+    assert!(
+        stderr.contains("[1/4] cipher") && stderr.contains("[4/4] nbd"),
+        "no progress lines:\n{stderr}"
+    );
+
+    let all: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("all.json")).expect("all.json"))
+            .expect("all.json parses");
+    assert_eq!(all["schema"], 1);
+    for key in ["host", "started_utc", "command", "timings"] {
+        assert!(!all[key].is_null(), "all.json lacks {key}");
+    }
+    assert!(all["host"]["cpu_model"].is_string());
+    let skipped = all["skipped"].as_array().expect("skipped is an array");
+    for scenario in ["cipher", "engine", "fuse", "nbd"] {
+        let report = &all[scenario];
+        let why: Vec<&serde_json::Value> = skipped
+            .iter()
+            .filter(|s| s["scenario"] == scenario)
+            .collect();
+        if report.is_null() {
+            // Only the front ends may be missing (no FUSE, peers not installed), and never in CI.
+            assert!(
+                matches!(scenario, "fuse" | "nbd") && !why.is_empty() && !in_ci(),
+                "{scenario} missing from all.json (skipped: {why:?})"
+            );
+            println!("SKIPPED bench_all {scenario}: {why:?}");
+            continue;
+        }
+        assert_eq!(report["schema"], 1, "{scenario} schema");
+        assert!(
+            dir.join(format!("{scenario}.json")).is_file(),
+            "{scenario}.json missing"
+        );
+        if in_ci() {
+            assert!(
+                why.is_empty(),
+                "{scenario} skipped peers in CI (deps.sh installs them): {why:?}"
+            );
+        }
+    }
+    let engine_rows = all["engine"]["rows"].as_array().expect("engine rows");
+    assert!(engine_rows.iter().any(|r| r["block_bytes"].is_u64()));
+    assert!(engine_rows.iter().any(|r| r["threads"].is_u64()));
+    assert!(engine_rows.iter().any(|r| r["cdf"].is_array()));
+    assert!(!all["engine"]["breakdown"]
+        .as_array()
+        .expect("breakdown")
+        .is_empty());
+
+    let report = std::fs::read_to_string(dir.join("report.md")).expect("report.md");
+    for want in [
+        "## Machine",
+        "## Scenario: engine",
+        "## Where time went",
+        "plots/engine-latency-cdf-busy.svg",
+    ] {
+        assert!(report.contains(want), "report.md lacks {want:?}");
+    }
+    let font = Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists();
+    for stem in [
+        "engine-block-size-reads",
+        "engine-block-size-writes",
+        "engine-latency-cdf-idle",
+        "engine-latency-cdf-busy",
+        "engine-threads",
+    ] {
+        let svg = std::fs::read_to_string(dir.join("plots").join(format!("{stem}.svg")))
+            .unwrap_or_else(|e| panic!("{stem}.svg: {e}"));
+        assert!(svg.contains("<svg") && svg.contains("inline"), "{stem}.svg");
+        let png = dir.join("plots").join(format!("{stem}.png"));
+        if font || in_ci() {
+            let bytes = std::fs::read(&png).unwrap_or_else(|e| panic!("{stem}.png: {e}"));
+            assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "{stem}.png");
+        } else {
+            println!("SKIPPED bench_all {stem}.png: fonts-dejavu-core not installed");
+        }
+    }
+
+    let cmp = ucrypt()
+        .args(["bench", "compare"])
+        .arg(dir.join("all.json"))
+        .arg(dir.join("all.json"))
+        .output()
+        .expect("run ucrypt bench compare");
+    let text = String::from_utf8_lossy(&cmp.stdout);
+    assert!(cmp.status.success(), "compare failed: {text}");
+    assert!(
+        text.contains("0 probably real") && text.contains("0 within noise"),
+        "compare of a file with itself found changes:\n{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
