@@ -4,6 +4,9 @@
 //! Threads, all bounded by named limits:
 //! - the accept loop (the caller's thread) polls the listener and the stop flag;
 //! - one thread per connection ([`CONNECTIONS_MAX`]) runs the handshake, then reads requests;
+//!   a request arriving alone (queue depth 1) it serves itself, and then polls the socket for
+//!   up to 50 µs (yielding the CPU) before sleeping, since waking a sleeping thread on another
+//!   CPU costs more than serving 4 KiB;
 //! - [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each reply as
 //!   soon as it completes (replies serialised by a writer lock), so many requests are in flight;
 //! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
