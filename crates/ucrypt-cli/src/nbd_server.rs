@@ -4,6 +4,9 @@
 //! Threads, all bounded by named limits:
 //! - the accept loop (the caller's thread) polls the listener and the stop flag;
 //! - one thread per connection ([`CONNECTIONS_MAX`]) runs the handshake, then reads requests;
+//!   a request arriving alone (queue depth 1) it serves itself, and then polls the socket for
+//!   up to 50 µs (yielding the CPU) before sleeping, since waking a sleeping thread on another
+//!   CPU costs more than serving 4 KiB;
 //! - [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each reply as
 //!   soon as it completes (replies serialised by a writer lock), so many requests are in flight;
 //! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
@@ -37,7 +40,8 @@ pub use conn::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 
 /// Simultaneous connections; more are closed at once. Each may hold up to
-/// [`conn::INFLIGHT_BYTES_MAX`] of buffers, so this bounds memory at 16 × 64 MiB.
+/// [`conn::INFLIGHT_BYTES_MAX`] of buffers in use plus [`buf::SPARE_BYTES_MAX`] kept for
+/// reuse, so this bounds memory at 16 × (64 + 8) MiB.
 pub const CONNECTIONS_MAX: usize = 16;
 /// Requests executed at once per connection. Two cores here; the device may parallelise
 /// further inside. Four keeps a queue-depth-32 client busy without oversubscribing.

@@ -64,16 +64,19 @@ pub fn run(
         target,
         size_bytes,
         Duration::from_secs(runtime_s.into()),
+        Duration::ZERO,
         direct,
     )
 }
 
-/// [`run`] with a runtime finer than a second (fio takes milliseconds).
+/// [`run`] with a runtime finer than a second (fio takes milliseconds), after `ramp` of
+/// unmeasured warm-up (the scheduler settles where client and server threads run).
 pub fn run_for(
     job: &Job,
     target: &Path,
     size_bytes: u64,
     runtime: Duration,
+    ramp: Duration,
     direct: bool,
 ) -> Result<FioResult, String> {
     let mut cmd = Command::new("fio");
@@ -88,6 +91,7 @@ pub fn run_for(
     .arg(format!("--ioengine={}", job.ioengine))
     .arg(format!("--iodepth={}", job.iodepth))
     .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
+    .arg(format!("--ramp_time={}ms", ramp.as_millis()))
     .arg(format!("--size={size_bytes}"))
     .arg(format!("--direct={}", direct as u8))
     .arg("--randrepeat=0")

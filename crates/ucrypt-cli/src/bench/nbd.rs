@@ -179,6 +179,8 @@ pub struct NbdReport {
     pub machine: Machine,
     pub runs: usize,
     pub runtime_s: f64,
+    /// Unmeasured warm-up before each fio run.
+    pub ramp_s: f64,
     /// Where the images were (a RAM file system unless `$TMPDIR` says otherwise).
     pub image_dir: String,
     pub volume_bytes: u64,
@@ -469,10 +471,14 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
             return Err(format!("{p} not found (apt-get install {pkg})"));
         }
     }
-    let runtime = if quick {
-        Duration::from_millis(400)
+    // fio itself takes about 0.35 s to start and stop around each run: --quick (3 runs of
+    // 36 job × target pairs) stays near a minute, the full run (7 runs) under six. The ramp
+    // lets the scheduler settle where fio and the server run before measuring (at QD1 that
+    // placement, same CPU or not, matters more than anything the server does).
+    let (runtime, ramp) = if quick {
+        (Duration::from_millis(250), Duration::from_millis(150))
     } else {
-        Duration::from_secs(1)
+        (Duration::from_millis(800), Duration::from_millis(200))
     };
     let mut skipped = Vec::new();
     if progress {
@@ -509,7 +515,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
         }
         for (ji, job) in JOBS.iter().enumerate() {
             for (ti, &t) in targets.iter().enumerate() {
-                let r = fio::run_for(job, &setup.uri(t), VOLUME_BYTES, runtime, false)
+                let r = fio::run_for(job, &setup.uri(t), VOLUME_BYTES, runtime, ramp, false)
                     .map_err(|e| format!("{}: {e}", t.name()))?;
                 samples[ti][ji].push(r);
             }
@@ -536,6 +542,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
         machine: Machine::detect(),
         runs,
         runtime_s: runtime.as_secs_f64(),
+        ramp_s: ramp.as_secs_f64(),
         image_dir: base_dir().display().to_string(),
         volume_bytes: VOLUME_BYTES,
         skipped,
@@ -554,13 +561,14 @@ fn show_ratio(r: Option<f64>) -> String {
 
 pub fn markdown(r: &NbdReport) -> String {
     let mut s = format!(
-        "Machine: {}. fio --ioengine=nbd over unix sockets, {} MiB volumes in {}, {} s per job, \
-         {} round-robin runs; MiB/s median (min–max). AES-256-XTS everywhere; LUKS2: 4096-byte \
-         sectors; LUKS1: 512-byte sectors.\n\n",
+        "Machine: {}. fio --ioengine=nbd over unix sockets, {} MiB volumes in {}, {} s per job \
+         after {} s of warm-up, {} round-robin runs; MiB/s median (min–max). AES-256-XTS \
+         everywhere; LUKS2: 4096-byte sectors; LUKS1: 512-byte sectors.\n\n",
         r.machine.describe(),
         r.volume_bytes >> 20,
         r.image_dir,
         r.runtime_s,
+        r.ramp_s,
         r.runs
     );
     let peers = [Target::QsdLuks1, Target::NbdkitLuks1];
@@ -739,6 +747,7 @@ mod tests {
             },
             runs: 1,
             runtime_s: 1.0,
+            ramp_s: 0.2,
             image_dir: "/dev/shm".into(),
             volume_bytes: VOLUME_BYTES,
             skipped: vec!["nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)".into()],
