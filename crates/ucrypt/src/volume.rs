@@ -204,6 +204,9 @@ pub struct Core {
     pub(crate) jobs: BoundedQueue<Job>,
     pub(crate) writes: BoundedQueue<WriteJob>,
     turns: Turns,
+    /// Workers that may spin for work at once: one CPU less than there are, which is left to
+    /// the callers that produce the work.
+    max_spinners: u32,
 }
 
 /// See the module documentation. Thread-safe: share it (`Arc<Volume>`) between callers.
@@ -513,6 +516,7 @@ impl Volume {
                 serving: Mutex::new(0),
                 cv: Condvar::new(),
             },
+            max_spinners: workers.saturating_sub(1) as u32,
         });
         let mut threads = Vec::with_capacity(workers + 1);
         let mut vol = Volume {
@@ -680,6 +684,10 @@ impl Core {
         }
         let dispatch = planner.dispatch(policy, op, len, idle);
         (planner.plan(op, offset, len, dispatch), guard)
+    }
+
+    pub(crate) fn max_spinners(&self) -> u32 {
+        self.max_spinners
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
