@@ -669,7 +669,13 @@ const CDF_POINTS: [f64; 13] = [
     1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99,
 ];
 
-fn s5_latency(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+fn s5_latency(
+    s: &Setup,
+    k: &Knobs,
+    log: &mut StatsLog,
+    rows: &mut Vec<Row>,
+    targets: &mut Targets,
+) {
     let variants = ["raw", "inline", "queued"];
     let blocks = s.data_bytes / 4096;
     for busy in [0usize, 2] {
@@ -717,6 +723,22 @@ fn s5_latency(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
             "5. 4 KiB random reads QD1 + 2 busy threads"
         };
         log_stats(log, s, scenario, st);
+        if busy > 0 {
+            // The brief: inline p99 <= 0.5 x queued p99, i.e. queued p99 / inline p99 >= 2.
+            let p99 = |i: usize| {
+                res[i]
+                    .1
+                    .iter()
+                    .find(|(k, _)| k == "p99 µs")
+                    .map_or(f64::NAN, |(_, v)| v.median)
+            };
+            target(
+                targets,
+                format!("{}: QD1 + 2 busy threads: queued p99 / inline p99", s.name),
+                p99(2) / p99(1),
+                2.0,
+            );
+        }
         let first = rows.len();
         push_rows(
             rows,
@@ -933,7 +955,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineR
         }
         if run(5) {
             say("5: QD1 latency with busy threads");
-            s5_latency(s, &knobs, &mut stats, &mut rows);
+            s5_latency(s, &knobs, &mut stats, &mut rows, &mut targets);
         }
         if run(6) {
             say("6: many streams");
