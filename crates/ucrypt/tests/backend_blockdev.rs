@@ -21,28 +21,38 @@ impl Drop for Loop {
     }
 }
 
-#[test]
-fn loop_device_backend_and_volume() {
-    let f = TempFile::new(8 << 20);
+/// A loop device with 4096-byte sectors over `file`, detached when dropped; None (after saying
+/// SKIPPED) where loop devices cannot be set up here.
+fn attach_4k_loop(file: &std::path::Path) -> Option<Loop> {
     let out = Command::new("losetup")
         .args(["-f", "--show", "--sector-size", "4096"])
-        .arg(&f.0)
+        .arg(file)
         .output();
-    let dev = match out {
-        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+    match out {
+        Ok(o) if o.status.success() => {
+            Some(Loop(String::from_utf8_lossy(&o.stdout).trim().to_string()))
+        }
         Ok(o) => {
             println!(
                 "SKIPPED: losetup failed: {}",
                 String::from_utf8_lossy(&o.stderr).trim()
             );
-            return;
+            None
         }
         Err(e) => {
             println!("SKIPPED: no losetup: {e}");
-            return;
+            None
         }
+    }
+}
+
+#[test]
+fn loop_device_backend_and_volume() {
+    let f = TempFile::new(8 << 20);
+    let Some(lo) = attach_4k_loop(&f.0) else {
+        return;
     };
-    let _guard = Loop(dev.clone());
+    let dev = lo.0.clone();
     let b = FileBackend::open(&dev, true, DirectMode::Auto).unwrap();
     eprintln!(
         "{} block {} note {:?}",
@@ -101,25 +111,10 @@ impl Drop for Unmount {
 #[test]
 fn file_on_4k_filesystem_with_512_byte_sectors_falls_back_to_buffered() {
     let f = TempFile::new(32 << 20);
-    let dev = match Command::new("losetup")
-        .args(["-f", "--show", "--sector-size", "4096"])
-        .arg(&f.0)
-        .output()
-    {
-        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        Ok(o) => {
-            println!(
-                "SKIPPED: losetup failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            );
-            return;
-        }
-        Err(e) => {
-            println!("SKIPPED: no losetup: {e}");
-            return;
-        }
+    let Some(lo) = attach_4k_loop(&f.0) else {
+        return;
     };
-    let _loop = Loop(dev.clone());
+    let dev = lo.0.clone();
     let mkfs = Command::new("mkfs.ext4")
         .args(["-q", "-F", &dev])
         .status()

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job};
 use super::stats::{Machine, Summary};
 
@@ -84,26 +85,6 @@ pub struct FuseReport {
     pub runtime_s: u32,
     pub skipped: Vec<String>,
     pub rows: Vec<Row>,
-}
-
-fn run_ok(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn have(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok()
 }
 
 /// The benchmark's files in /dev/shm, removed on drop.

@@ -4,6 +4,7 @@
 
 mod all;
 mod cipher;
+mod cmd;
 mod compare;
 mod engine;
 mod fio;
@@ -64,67 +65,59 @@ enum Which {
     Compare(compare::CompareArgs),
 }
 
+/// Prints a scenario's report as JSON or markdown; an error as `ucrypt bench NAME: ...`.
+fn emit<T: serde::Serialize>(
+    name: &str,
+    report: Result<T, String>,
+    json: bool,
+    markdown: fn(&T) -> String,
+) -> i32 {
+    match report {
+        Ok(r) if json => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&r).expect("report serialises")
+            );
+            0
+        }
+        Ok(r) => {
+            print!("{}", markdown(&r));
+            0
+        }
+        Err(e) => {
+            eprintln!("ucrypt bench {name}: {e}");
+            1
+        }
+    }
+}
+
 pub fn run(a: BenchArgs) -> i32 {
     match a.which {
-        Which::Cipher(c) => {
-            let report = cipher::measure(c.runs(), c.quick, !c.json);
-            if c.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("report serialises")
-                );
-            } else {
-                print!("{}", cipher::markdown(&report));
-            }
-            0
-        }
-        Which::Engine(EngineArgs { common: c, only }) => {
-            let report = engine::measure(c.runs(), c.quick, !c.json, &only);
-            if c.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("report serialises")
-                );
-            } else {
-                print!("{}", engine::markdown(&report));
-            }
-            0
-        }
+        Which::Cipher(c) => emit(
+            "cipher",
+            Ok(cipher::measure(c.runs(), c.quick, !c.json)),
+            c.json,
+            cipher::markdown,
+        ),
+        Which::Engine(EngineArgs { common: c, only }) => emit(
+            "engine",
+            Ok(engine::measure(c.runs(), c.quick, !c.json, &only)),
+            c.json,
+            engine::markdown,
+        ),
+        Which::Fuse(c) => emit(
+            "fuse",
+            fuse::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            fuse::markdown,
+        ),
+        Which::Nbd(c) => emit(
+            "nbd",
+            nbd::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            nbd::markdown,
+        ),
         Which::Compare(a) => compare::run(&a),
         Which::All(a) => all::run(a),
-        Which::Fuse(c) => match fuse::measure(c.runs(), c.quick, !c.json) {
-            Ok(report) => {
-                if c.json {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&report).expect("report serialises")
-                    );
-                } else {
-                    print!("{}", fuse::markdown(&report));
-                }
-                0
-            }
-            Err(e) => {
-                eprintln!("ucrypt bench fuse: {e}");
-                1
-            }
-        },
-        Which::Nbd(c) => match nbd::measure(c.runs(), c.quick, !c.json) {
-            Ok(report) => {
-                if c.json {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&report).expect("report serialises")
-                    );
-                } else {
-                    print!("{}", nbd::markdown(&report));
-                }
-                0
-            }
-            Err(e) => {
-                eprintln!("ucrypt bench nbd: {e}");
-                1
-            }
-        },
     }
 }

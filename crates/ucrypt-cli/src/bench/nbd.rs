@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job};
 use super::stats::{Machine, Summary};
 
@@ -216,26 +217,6 @@ fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
         }
     }
     out
-}
-
-fn run_ok(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn have(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok()
 }
 
 /// Where the images go: `$TMPDIR` if set, else /dev/shm (RAM, so the storage is not measured).
