@@ -50,27 +50,9 @@ pub struct FioResult {
     pub lat_p999_us: f64,
 }
 
-/// Runs `job` for `runtime_s` seconds against `target` (a file path, or with `ioengine` "nbd"
-/// an NBD URI given as `uri`), over the first `size_bytes`.
-pub fn run(
-    job: &Job,
-    target: &Path,
-    size_bytes: u64,
-    runtime_s: u32,
-    direct: bool,
-) -> Result<FioResult, String> {
-    run_for(
-        job,
-        target,
-        size_bytes,
-        Duration::from_secs(runtime_s.into()),
-        Duration::ZERO,
-        direct,
-    )
-}
-
-/// [`run`] with a runtime finer than a second (fio takes milliseconds), after `ramp` of
-/// unmeasured warm-up (the scheduler settles where client and server threads run).
+/// Runs `job` for `runtime` (fio takes milliseconds) against `target` (a file path, or with
+/// `ioengine` "nbd" an NBD URI), over the first `size_bytes`, after `ramp` of unmeasured
+/// warm-up (the scheduler settles where client and server threads run).
 pub fn run_for(
     job: &Job,
     target: &Path,
