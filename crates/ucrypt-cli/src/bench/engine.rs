@@ -312,16 +312,18 @@ fn log_stats(log: &mut StatsLog, s: &Setup, scenario: &str, stats: Vec<(String, 
     }
 }
 
-/// One row per variant of a scenario's round-robin results (in variant order).
-fn push_rows(
-    rows: &mut Vec<Row>,
+/// One row per variant of a scenario's round-robin results (in variant order); returns the
+/// new rows, for scenario-specific fields.
+fn push_rows<'a>(
+    rows: &'a mut Vec<Row>,
     scenario: &'static str,
     backend: &'static str,
     cipher: &'static str,
     unit: &'static str,
     variants: &[&str],
     res: Vec<(Summary, Vec<(String, Summary)>)>,
-) {
+) -> &'a mut [Row] {
+    let first = rows.len();
     for (v, (value, extra)) in variants.iter().zip(res) {
         rows.push(Row {
             scenario,
@@ -336,6 +338,7 @@ fn push_rows(
             cdf: Vec::new(),
         });
     }
+    &mut rows[first..]
 }
 
 struct Knobs {
@@ -739,8 +742,7 @@ fn s5_latency(
                 2.0,
             );
         }
-        let first = rows.len();
-        push_rows(
+        let new = push_rows(
             rows,
             scenario,
             s.name,
@@ -749,7 +751,7 @@ fn s5_latency(
             &variants,
             res,
         );
-        for (row, cdf) in rows[first..].iter_mut().zip(cdfs) {
+        for (row, cdf) in new.iter_mut().zip(cdfs) {
             row.cdf = cdf;
         }
     }
@@ -786,7 +788,6 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
                 (mbps, vec![])
             });
             log_stats(log, s, &format!("{scenario}, {} KiB", bs >> 10), st);
-            let first = rows.len();
             push_rows(
                 rows,
                 scenario,
@@ -795,10 +796,9 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
                 "MB/s",
                 &variants,
                 res,
-            );
-            rows[first..]
-                .iter_mut()
-                .for_each(|r| r.block_bytes = Some(bs));
+            )
+            .iter_mut()
+            .for_each(|r| r.block_bytes = Some(bs));
         }
     }
 }
@@ -834,7 +834,6 @@ fn s8_threads(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
             (mbps, vec![])
         });
         log_stats(log, s, &format!("{scenario}, {threads} threads"), st);
-        let first = rows.len();
         push_rows(
             rows,
             scenario,
@@ -843,10 +842,9 @@ fn s8_threads(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
             "MB/s",
             &variants,
             res,
-        );
-        rows[first..]
-            .iter_mut()
-            .for_each(|r| r.threads = Some(threads));
+        )
+        .iter_mut()
+        .for_each(|r| r.threads = Some(threads));
     }
 }
 

@@ -14,6 +14,21 @@ use std::time::{Duration, Instant};
 /// Spin iterations between two looks at the clock.
 const SPIN_CHECK_EVERY: u32 = 64;
 
+/// Busy-waits until `done()` or `deadline`; true if `done()`.
+pub fn spin_until(deadline: Instant, done: impl Fn() -> bool) -> bool {
+    loop {
+        for _ in 0..SPIN_CHECK_EVERY {
+            if done() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+    }
+}
+
 pub struct BoundedQueue<T> {
     state: Mutex<Ring<T>>,
     /// Idle consumers minus queued items, mirrored outside the lock so that the `auto` policy
@@ -133,7 +148,11 @@ impl<T> BoundedQueue<T> {
             if r.spinning < max_spinners && deadline.is_some_and(|d| Instant::now() < d) {
                 r.spinning += 1;
                 drop(r);
-                self.spin_until_item(deadline);
+                if let Some(d) = deadline {
+                    spin_until(d, || {
+                        self.len_hint.load(Acquire) > 0 || self.closed_hint.load(Relaxed)
+                    });
+                }
                 r = self.lock();
                 r.spinning -= 1;
             } else {
@@ -143,22 +162,6 @@ impl<T> BoundedQueue<T> {
             }
             r.idle -= 1;
             self.mirror(&r);
-        }
-    }
-
-    /// Spins until an item is queued, the queue closes or `deadline` passes.
-    fn spin_until_item(&self, deadline: Option<Instant>) {
-        let Some(deadline) = deadline else { return };
-        loop {
-            for _ in 0..SPIN_CHECK_EVERY {
-                if self.len_hint.load(Acquire) > 0 || self.closed_hint.load(Relaxed) {
-                    return;
-                }
-                std::hint::spin_loop();
-            }
-            if Instant::now() >= deadline {
-                return;
-            }
         }
     }
 

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering::Acquire, Ordering::Release};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::queue::spin_until;
 use super::stats::{now, Times};
 use crate::volume::{Core, Task};
 use crate::{Error, Result};
@@ -72,15 +73,9 @@ impl Completion {
     pub fn wait(&self) -> (Result<()>, Times) {
         // Spin first (see SPIN_BEFORE_SLEEP); the lock below is what makes returning safe.
         if self.hint.load(Acquire) > 0 {
-            let deadline = Instant::now() + SPIN_BEFORE_SLEEP;
-            'spin: while Instant::now() < deadline {
-                for _ in 0..64 {
-                    if self.hint.load(Acquire) == 0 {
-                        break 'spin;
-                    }
-                    std::hint::spin_loop();
-                }
-            }
+            spin_until(Instant::now() + SPIN_BEFORE_SLEEP, || {
+                self.hint.load(Acquire) == 0
+            });
         }
         let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
         while s.remaining > 0 {
