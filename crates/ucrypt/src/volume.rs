@@ -296,9 +296,44 @@ impl Core {
         Ok(())
     }
 
+    /// True if a read can skip planning: it runs inline, covers whole sectors and lands at an
+    /// address the backend accepts, so it is one backend read and one decrypt in place. This is
+    /// the common 4 KiB case; the planner would produce the same single inline task.
+    fn read_is_direct(&self, out: &[u8], offset: u64) -> bool {
+        let len = out.len() as u64;
+        let mask = (1u64 << self.shift) - 1;
+        let inline = match Policy::from_u8(self.policy.load(Relaxed)) {
+            Policy::Inline => true,
+            Policy::Auto => len < self.auto_min_bytes.load(Relaxed),
+            _ => false,
+        };
+        inline
+            && (offset | len) & mask == 0
+            && len > 0
+            && (out.as_ptr() as usize) % self.mem_align == 0
+    }
+
     fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
         let mut t = Times::start();
         self.check(offset, out.len() as u64)?;
+        if self.read_is_direct(out, offset) {
+            // The backend read is called from here, not through `exec_task`: every return
+            // between the syscall and the caller costs a mispredicted return after the kernel
+            // (measured: ~10 ns per level on a 4 KiB read).
+            let first = offset >> self.shift;
+            let t0 = t.clock();
+            let r = self.backend.read_exact_at(out, self.backend_offset(first));
+            t.backend += t.clock().wrapping_sub(t0);
+            let r = r.and_then(|()| {
+                let t0 = t.clock();
+                let r = self.crypt(None, false, first, out, None);
+                t.crypto += t.clock().wrapping_sub(t0);
+                r
+            });
+            self.stats
+                .record(Kind::Read, out.len() as u64, &t, false, false);
+            return r;
+        }
         let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
         let mut r = Ok(());
         for piece in plan.pieces() {
@@ -523,12 +558,19 @@ impl Volume {
             core: core.clone(),
             threads: Vec::new(),
         };
+        // Each thread reports once it runs: a thread's start-up allocates (its name, its
+        // thread-locals), and that belongs to building the volume, not to its first requests.
+        let (started, running) = std::sync::mpsc::sync_channel::<()>(workers + 1);
         for i in 0..workers {
-            let c = core.clone();
+            let (c, started) = (core.clone(), started.clone());
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("ucrypt-worker-{i}"))
-                    .spawn(move || workers::worker_loop(&c))
+                    .spawn(move || {
+                        let _ = started.send(());
+                        drop(started);
+                        workers::worker_loop(&c)
+                    })
                     .map_err(|e| Error::io("starting a worker thread", e))?,
             );
         }
@@ -536,9 +578,18 @@ impl Volume {
         threads.push(
             std::thread::Builder::new()
                 .name("ucrypt-writer".into())
-                .spawn(move || workers::writer_loop(&c))
+                .spawn(move || {
+                    let _ = started.send(());
+                    drop(started);
+                    workers::writer_loop(&c)
+                })
                 .map_err(|e| Error::io("starting the writer thread", e))?,
         );
+        for _ in 0..threads.len() {
+            running
+                .recv()
+                .map_err(|_| Error::Bug("a volume thread ended before it started"))?;
+        }
         vol.threads = threads;
         vol.calibrate()?;
         Ok(vol)
