@@ -26,12 +26,12 @@ use std::thread::JoinHandle;
 
 use crate::backend::Backend;
 use crate::engine::ciphers::CipherSlots;
-use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange};
+use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange, CHUNKS_PER_LANE};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
 use crate::engine::stats::{now, ns_per_tick, Kind, Stats, StatsSnapshot, Times};
 use crate::engine::workers::{
-    self, Completion, DoneRef, Job, WriteJob, JOB_QUEUE_MAX, WRITE_QUEUE_MAX,
+    self, Completion, DoneRef, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX, WRITE_QUEUE_MAX,
 };
 use crate::engine::Policy;
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
@@ -110,7 +110,7 @@ unsafe impl Send for Task {}
 
 impl Task {
     /// The part of this task covering `sub` (inside `self.sectors`).
-    fn sub(&self, sub: SectorRange, shift: u32) -> Task {
+    pub(crate) fn sub(&self, sub: SectorRange, shift: u32) -> Task {
         let off = ((sub.first - self.sectors.first) << shift) as usize;
         Task {
             sectors: sub,
@@ -822,49 +822,38 @@ impl Core {
         r
     }
 
-    /// Runs `task` cut into `chunks`: the caller runs the first, the workers the others.
-    /// Returns only when every chunk has finished, error or not.
-    fn run_split(&self, task: &Task, chunks: u32, piece: &Piece, t: &mut Times) -> Result<()> {
-        let n = piece.chunks(chunks).count() as u32;
-        let comp = Completion::new(n.saturating_sub(1));
-        let mut mine = None;
-        for (i, c) in piece.chunks(chunks).enumerate() {
-            let sub = task.sub(c, self.shift);
-            if i == 0 {
-                mine = Some(sub);
-                continue;
-            }
-            let job = Job::Chunk {
-                task: sub,
-                done: DoneRef(&comp),
+    /// Runs `task` on `lanes` threads (the caller and `lanes - 1` workers), cut into
+    /// `lanes * CHUNKS_PER_LANE` chunks they claim one at a time (see [`Split`]). Returns only
+    /// when every chunk has finished, error or not.
+    fn run_split(&self, task: &Task, lanes: u32, piece: &Piece, t: &mut Times) -> Result<()> {
+        let bytes = piece.sectors.len() << self.shift;
+        let by_size = (bytes / self.planner.chunk_min_bytes.max(1)).max(1);
+        let chunks = by_size.min((lanes * CHUNKS_PER_LANE) as u64) as u32;
+        let helpers = lanes.saturating_sub(1).min(chunks.saturating_sub(1));
+        let split = Split::new(*task, chunks, self.shift, helpers);
+        let me: *const Split = &split;
+        for _ in 0..helpers {
+            let job = Job::Help {
+                split: SplitRef(me),
                 queued_at: t.clock(),
             };
             if self.jobs.push(job).is_err() {
-                comp.done(
+                split.helpers.done(
                     Err(Error::Bug("job queue closed while the volume is in use")),
                     &Times::default(),
                 );
             }
         }
-        let r = match mine {
-            Some(m) => self.exec_task(None, &m, t),
-            None => Ok(()),
-        };
-        // Take back our chunks no worker has started (all cores busy): the request then never
-        // waits for a worker to be scheduled, and degrades to inline under load.
-        let me: *const Completion = &comp;
-        while let Some(Job::Chunk { task, done, .. }) = self
+        let r = split.run_chunks(self, None, t);
+        // Take back helper jobs no worker has started (all cores busy): there is nothing left
+        // for them, and the request must not wait for a worker to be scheduled.
+        while let Some(Job::Help { .. }) = self
             .jobs
-            .steal(|j| matches!(j, Job::Chunk { done, .. } if std::ptr::eq(done.0, me)))
+            .steal(|j| matches!(j, Job::Help { split, .. } if std::ptr::eq(split.0, me)))
         {
-            let mut tt = Times {
-                on: t.on,
-                ..Times::default()
-            };
-            let rs = self.exec_task(None, &task, &mut tt);
-            done.done(rs, &tt);
+            split.helpers.done(Ok(()), &Times::default());
         }
-        let (rw, tw) = comp.wait();
+        let (rw, tw) = split.helpers.wait();
         t.add(&tw);
         r.and(rw)
     }

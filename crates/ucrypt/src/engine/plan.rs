@@ -35,12 +35,21 @@ impl SectorRange {
     }
 }
 
+/// A split request is cut into this many chunks per lane (thread running it), which the lanes
+/// claim one at a time: a helper that starts late or runs slower then holds the request up by
+/// one small chunk, not by its whole share, and the phases of the lanes (backend I/O, crypto)
+/// drift apart instead of contending in step. 2 (256 KiB chunks for 1 MiB on 2 cores) measured
+/// best of 1, 2 and 4 (one stream of 1 MiB, parallel ÷ inline, medians of 3 alternating runs):
+/// /dev/shm file writes 1.10 / 1.32 / 1.30, reads 1.60 / 1.75 / 1.61; memory within noise.
+pub const CHUNKS_PER_LANE: u32 = 2;
+
 /// How the pieces of a request are carried out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dispatch {
     /// All work on the caller's thread.
     Inline,
-    /// Each piece cut into `chunks`, run on the caller and the workers; done when all are.
+    /// Each piece run on `chunks` lanes (the caller and `chunks - 1` workers), which claim
+    /// [`CHUNKS_PER_LANE`] chunks each on average; done when all are.
     Parallel { chunks: u32 },
     /// Like `Parallel`, but backend writes and completions leave in submission order.
     Ordered { chunks: u32 },

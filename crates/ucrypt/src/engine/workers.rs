@@ -3,12 +3,14 @@
 //! Work reaches them only through bounded queues; a caller always waits for the completion of
 //! everything it handed off before returning, so tasks may point into the caller's buffers.
 
-use std::sync::atomic::{AtomicU32, Ordering::Acquire, Ordering::Release};
+use std::sync::atomic::{AtomicU32, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::plan::SectorRange;
 use super::queue::spin_until;
 use super::stats::{now, Times};
+use crate::sector::SectorCipher;
 use crate::volume::{Core, Task};
 use crate::{Error, Result};
 
@@ -114,7 +116,77 @@ impl DoneRef {
     }
 }
 
+/// One piece of a request cut into `chunks` nearly equal runs of sectors, which the caller and
+/// its helpers claim one at a time until none is left: whoever is faster (or started earlier)
+/// takes more, so a request waits for at most one small chunk of a late helper, not half of it.
+/// Lives on the caller's stack; `helpers` counts the helper jobs not yet finished.
+pub struct Split {
+    task: Task,
+    chunks: u32,
+    shift: u32,
+    next: AtomicU32,
+    pub helpers: Completion,
+}
+
+impl Split {
+    pub fn new(task: Task, chunks: u32, shift: u32, helpers: u32) -> Self {
+        let chunks = (chunks as u64).clamp(1, task.sectors.len().max(1)) as u32;
+        Split {
+            task,
+            chunks,
+            shift,
+            next: AtomicU32::new(0),
+            helpers: Completion::new(helpers),
+        }
+    }
+
+    /// The next unclaimed chunk, if any.
+    pub fn claim(&self) -> Option<Task> {
+        let i = self.next.fetch_add(1, Relaxed);
+        if i >= self.chunks {
+            return None;
+        }
+        let (first, total, n) = (
+            self.task.sectors.first,
+            self.task.sectors.len(),
+            self.chunks as u64,
+        );
+        let sub = SectorRange {
+            first: first + total * i as u64 / n,
+            end: first + total * (i as u64 + 1) / n,
+        };
+        Some(self.task.sub(sub, self.shift))
+    }
+
+    /// Claims and runs chunks until none is left; returns the first error (later chunks still
+    /// run, so that every chunk is finished when the request returns).
+    pub fn run_chunks(
+        &self,
+        core: &Core,
+        mut own: Option<&mut SectorCipher>,
+        t: &mut Times,
+    ) -> Result<()> {
+        let mut r = Ok(());
+        while let Some(task) = self.claim() {
+            let rc = core.exec_task(own.as_deref_mut(), &task, t);
+            if r.is_ok() {
+                r = rc;
+            }
+        }
+        r
+    }
+}
+
+/// A pointer to a caller's stack `Split`, sendable to a worker.
+#[derive(Clone, Copy)]
+pub struct SplitRef(pub *const Split);
+// SAFETY: Split is Sync (atomics, a Completion, and a Task that is Send and only read); the
+// caller keeps it alive until every helper has called `done` on `helpers` (it blocks in `wait`).
+unsafe impl Send for SplitRef {}
+
 pub enum Job {
+    /// Help with a split request: claim and run its chunks, then complete one helper part.
+    Help { split: SplitRef, queued_at: u64 },
     /// Run a task (crypto, and backend I/O if the task says so), then complete.
     Chunk {
         task: Task,
@@ -153,6 +225,18 @@ pub fn worker_loop(core: &Core) {
             ..Times::default()
         };
         match job {
+            Job::Help { split, queued_at } => {
+                // SAFETY: see SplitRef: the split outlives its helpers.
+                let split = unsafe { &*split.0 };
+                let mut t = times_for(queued_at);
+                // Without a cipher context this worker cannot help; the caller claims every
+                // chunk itself.
+                let r = match cipher.as_mut() {
+                    Ok(c) => split.run_chunks(core, Some(c), &mut t),
+                    Err(_) => Ok(()),
+                };
+                split.helpers.done(r, &t);
+            }
             Job::Chunk {
                 task,
                 done,
