@@ -90,6 +90,9 @@ pub struct ServerOptions {
     pub pid_file: Option<PathBuf>,
     /// Print `ready: URI` lines on stdout and notify systemd once accepting.
     pub announce: bool,
+    /// How long a connection's reader polls for the next request after serving one on its
+    /// own thread, before it sleeps (`--spin-us`; zero = never poll).
+    pub poll: Duration,
 }
 
 /// One export at run time.
@@ -105,6 +108,8 @@ pub(crate) struct Shared {
     pub stop: Arc<AtomicBool>,
     /// Clones of live connection sockets, to shut their read side down on stop.
     pub live: Mutex<Vec<(u64, Sock)>>,
+    /// `ServerOptions::poll`.
+    pub poll: Duration,
 }
 
 /// Transmission flags for a device. CAN_MULTI_CONN holds because every connection reaches the
@@ -292,6 +297,7 @@ pub fn serve(
         tls: opts.tls.clone(),
         stop: stop.clone(),
         live: Mutex::new(Vec::new()),
+        poll: opts.poll,
     });
     if opts.announce {
         let mut out = io::stdout().lock();
@@ -504,6 +510,7 @@ fn serve_cli(a: ServeArgs) -> Result<()> {
         insecure_plaintext: a.insecure_plaintext,
         pid_file: a.pid_file.clone(),
         announce: true,
+        poll: Duration::from_micros(a.volume.spin_us),
     };
     serve(exports, &a.nbd, opts, stop)
 }

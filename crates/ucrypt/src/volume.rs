@@ -23,6 +23,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::engine::ciphers::CipherSlots;
@@ -31,7 +32,8 @@ use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
 use crate::engine::stats::{now, ns_per_tick, Kind, Stats, StatsSnapshot, Times};
 use crate::engine::workers::{
-    self, Completion, DoneRef, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX, WRITE_QUEUE_MAX,
+    self, Completion, DoneRef, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX, SPIN_BEFORE_SLEEP,
+    SPIN_MAX, WRITE_QUEUE_MAX,
 };
 use crate::engine::Policy;
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
@@ -69,6 +71,10 @@ pub struct VolumeConfig {
     /// Pass discards down to the backend. Off, a discard succeeds and leaves the ciphertext in
     /// place, as dm-crypt does without `allow_discards`: discards reveal which blocks are unused.
     pub allow_discards: bool,
+    /// How long idle workers and callers waiting for workers busy-wait before they sleep
+    /// (default [`SPIN_BEFORE_SLEEP`], at most [`SPIN_MAX`]). Zero never spins: no CPU time
+    /// after the last request, but every hand-off to a worker pays a wake-up.
+    pub spin: Duration,
 }
 
 impl VolumeConfig {
@@ -84,6 +90,7 @@ impl VolumeConfig {
             pool_bytes: POOL_BYTES_DEFAULT,
             read_only: false,
             allow_discards: true,
+            spin: SPIN_BEFORE_SLEEP,
         }
     }
 }
@@ -207,6 +214,8 @@ pub struct Core {
     /// Workers that may spin for work at once: one CPU less than there are, which is left to
     /// the callers that produce the work.
     max_spinners: u32,
+    /// `VolumeConfig::spin`.
+    spin: Duration,
 }
 
 /// See the module documentation. Thread-safe: share it (`Arc<Volume>`) between callers.
@@ -473,6 +482,13 @@ impl Core {
 
 impl Volume {
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
+        if cfg.spin > SPIN_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "spin of {} µs is longer than the limit of {} µs",
+                cfg.spin.as_micros(),
+                SPIN_MAX.as_micros()
+            )));
+        }
         let ss = cfg.geometry.sector_size.bytes() as u64;
         let shift = cfg.geometry.sector_size.shift();
         let lbs = backend.logical_block_bytes() as u64;
@@ -552,6 +568,7 @@ impl Volume {
                 cv: Condvar::new(),
             },
             max_spinners: workers.saturating_sub(1) as u32,
+            spin: cfg.spin,
         });
         let mut threads = Vec::with_capacity(workers + 1);
         let mut vol = Volume {
@@ -661,7 +678,7 @@ impl Volume {
             {
                 return Err(Error::Bug("job queue closed during calibration"));
             }
-            let _ = comp.wait();
+            let _ = comp.wait(core.spin);
             best_ping = best_ping.min(now().wrapping_sub(t0));
         }
         let ns = ns_per_tick();
@@ -739,6 +756,10 @@ impl Core {
 
     pub(crate) fn max_spinners(&self) -> u32 {
         self.max_spinners
+    }
+
+    pub(crate) fn spin(&self) -> Duration {
+        self.spin
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
@@ -853,7 +874,7 @@ impl Core {
         {
             split.helpers.done(Ok(()), &Times::default());
         }
-        let (rw, tw) = split.helpers.wait();
+        let (rw, tw) = split.helpers.wait(self.spin);
         t.add(&tw);
         r.and(rw)
     }
@@ -879,7 +900,7 @@ impl Core {
         if self.jobs.push(job).is_err() {
             return Err(Error::Bug("job queue closed while the volume is in use"));
         }
-        let (r, tw) = comp.wait();
+        let (r, tw) = comp.wait(self.spin);
         t.add(&tw);
         r
     }

@@ -65,6 +65,12 @@ fn config_errors_table() {
             |c| c.pool_bytes = 1 << 40,
             "pool",
         ),
+        (
+            "spin beyond the limit",
+            mem(1 << 20, 512),
+            |c| c.spin = std::time::Duration::from_secs(1),
+            "spin",
+        ),
     ];
     for (what, b, edit, needle) in rows {
         let mut c = cfg(SectorSize::S4096);
@@ -165,6 +171,37 @@ fn discards_reach_the_backend_only_when_allowed() {
                 after, before,
                 "discard without allow_discards must not touch the ciphertext"
             );
+        }
+    }
+}
+
+/// With `spin` zero nobody busy-waits: split and queued requests still complete, through
+/// sleeps and wake-ups alone, with the right data.
+#[test]
+fn zero_spin_still_completes_every_policy() {
+    for policy in [
+        Policy::Parallel,
+        Policy::Ordered,
+        Policy::Queued,
+        Policy::Auto,
+    ] {
+        let mut c = cfg(SectorSize::S4096);
+        c.spin = std::time::Duration::ZERO;
+        c.policy = policy;
+        let v = Volume::new(Arc::new(MemBackend::new(8 << 20)), c).unwrap();
+        let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();
+        for round in 0..20u64 {
+            let off = (round % 6) << 20;
+            v.write_at(&data, off).unwrap();
+            let mut back = vec![0u8; data.len()];
+            v.read_at(&mut back, off).unwrap();
+            assert!(
+                back == data,
+                "{policy}: round {round} read back different data"
+            );
+        }
+        if matches!(policy, Policy::Parallel | Policy::Ordered) {
+            assert!(v.stats().split > 0, "{policy}: nothing was split");
         }
     }
 }

@@ -478,14 +478,7 @@ fn s1_seq_reads(
             let plain = variants[i] == "raw+decrypt";
             let t = variant_target(s, xts, if plain { "raw" } else { variants[i] });
             let (mbps, _, _) = timed_threads(1, 4096, k.slice, |_, buf, stop| {
-                let mut own = plain.then(|| {
-                    SectorCipher::new(
-                        CipherSpec::AES_XTS_PLAIN64,
-                        &bench_key(64),
-                        Geometry::new(SectorSize::S4096),
-                    )
-                    .expect("cipher")
-                });
+                let mut own = plain.then(bench_cipher);
                 let (mut off, mut n) = (0u64, 0u64);
                 while !stop.load(Relaxed) {
                     for _ in 0..64 {
@@ -504,12 +497,7 @@ fn s1_seq_reads(
         log_stats(log, s, &format!("1. 4K seq reads, {cipher}"), st);
         // The cipher's own cost for 4 KiB, to state the aes-xts target.
         let cipher_ns = if xts {
-            let mut c = SectorCipher::new(
-                CipherSpec::AES_XTS_PLAIN64,
-                &bench_key(64),
-                Geometry::new(SectorSize::S4096),
-            )
-            .expect("cipher");
+            let mut c = bench_cipher();
             let mut buf = vec![0u8; 4096];
             let n = 20_000;
             let t0 = Instant::now();
@@ -572,6 +560,17 @@ fn s1_seq_reads(
 /// The benchmark volumes' key (any fixed bytes will do).
 fn bench_key(n: usize) -> Vec<u8> {
     (0..n).map(|i| i as u8 ^ 0xa5).collect()
+}
+
+/// An aes-xts-plain64 context with the benchmark key, 4096-byte sectors: for the rows measured
+/// without ucrypt.
+fn bench_cipher() -> SectorCipher {
+    SectorCipher::new(
+        CipherSpec::AES_XTS_PLAIN64,
+        &bench_key(64),
+        Geometry::new(SectorSize::S4096),
+    )
+    .expect("cipher")
 }
 
 fn s2_big_writes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
@@ -663,14 +662,7 @@ fn s4_one_stream(
             let part = (1u64 << 20) / threads as u64;
             let t = variant_target(s, true, if bare { "raw" } else { variants[i] });
             let (mbps, _, _) = timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
-                let mut own = bare.then(|| {
-                    SectorCipher::new(
-                        CipherSpec::AES_XTS_PLAIN64,
-                        &bench_key(64),
-                        Geometry::new(SectorSize::S4096),
-                    )
-                    .expect("cipher")
-                });
+                let mut own = bare.then(bench_cipher);
                 let (mut off, mut n) = (0u64, 0u64);
                 while !stop.load(Relaxed) {
                     let at = off + th as u64 * part;

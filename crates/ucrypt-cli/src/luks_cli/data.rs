@@ -56,6 +56,9 @@ pub fn open_luks_blockdev(
     let mut cfg = luks::volume_config(&hdr, &vk)?;
     drop(vk);
     cfg.policy = policy;
+    if let Some(us) = o.spin_us {
+        cfg.spin = std::time::Duration::from_micros(us);
+    }
     cfg.read_only = cfg.read_only || !writable;
     // --allow-discards at open time, like cryptsetup open (the header flag also enables it).
     cfg.allow_discards |= o.allow_discards;

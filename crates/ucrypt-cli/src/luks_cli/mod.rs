@@ -134,6 +134,9 @@ pub struct LuksOpts {
     /// Number of passphrase attempts (accepted; ucrypt asks once).
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
+    /// Engine workers' busy-wait before sleeping, in µs (default 50; 0 = never spin).
+    #[arg(long, value_name = "US")]
+    pub spin_us: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]

@@ -106,11 +106,11 @@ impl Write for Sock {
     }
 }
 
-/// After serving a request on the reader's own thread (a client with one request at a time),
-/// the reader polls the socket this long for the next request before it sleeps: a sleeping
-/// thread costs a wake-up on every request, which on virtual machines (an inter-processor
-/// interrupt through the hypervisor) is several times the whole cost of serving 4 KiB.
-const POLL_BEFORE_SLEEP: Duration = Duration::from_micros(50);
+// After serving a request on the reader's own thread (a client with one request at a time),
+// the reader polls the socket for the next request for `Shared::poll` (`--spin-us`, default
+// 50 µs) before it sleeps: a sleeping thread costs a wake-up on every request, which on
+// virtual machines (an inter-processor interrupt through the hypervisor) is several times the
+// whole cost of serving 4 KiB.
 
 /// Requests at least this large check for a waiting next request before running on the
 /// reader's thread (one system call, small beside the work of such a request).
@@ -119,8 +119,9 @@ const INLINE_PEEK_MIN_BYTES: u64 = 64 << 10;
 /// The request stream: a socket whose reads may first poll without sleeping.
 struct RequestStream {
     sock: Sock,
-    /// Poll for up to [`POLL_BEFORE_SLEEP`] before a sleeping read.
+    /// Poll for up to `poll_for` before a sleeping read.
     poll: bool,
+    poll_for: Duration,
 }
 
 impl RequestStream {
@@ -142,7 +143,7 @@ impl RequestStream {
 
 impl Read for RequestStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.poll && !buf.is_empty() {
+        if self.poll && !self.poll_for.is_zero() && !buf.is_empty() {
             let fd = self.sock.as_raw_fd();
             let start = std::time::Instant::now();
             loop {
@@ -161,7 +162,7 @@ impl Read for RequestStream {
                 ) {
                     return Err(e);
                 }
-                if start.elapsed() >= POLL_BEFORE_SLEEP {
+                if start.elapsed() >= self.poll_for {
                     break;
                 }
                 // Let a client sharing this CPU run (it is what we wait for).
@@ -182,7 +183,7 @@ pub fn run(sock: Sock, shared: &Shared) -> Result<()> {
     let Some((sock, export)) = negotiate(sock, shared)? else {
         return Ok(());
     };
-    transmit(sock, &shared.exports[export])
+    transmit(sock, &shared.exports[export], shared.poll)
 }
 
 /// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first byte.
@@ -401,7 +402,7 @@ fn worker(ctx: Arc<Ctx>, rx: Arc<Mutex<Receiver<Job>>>) {
 }
 
 /// The transmission phase: this thread reads and validates requests; workers execute them.
-fn transmit(sock: Sock, export: &Export) -> Result<()> {
+fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
     let info = &export.info;
     let limits = nbd::TransmissionLimits {
         size_bytes: info.size_bytes,
@@ -441,8 +442,12 @@ fn transmit(sock: Sock, export: &Export) -> Result<()> {
         }
     }
 
-    let mut reader =
-        BufReader::with_capacity(READ_BUFFER_BYTES, RequestStream { sock, poll: false });
+    let stream = RequestStream {
+        sock,
+        poll: false,
+        poll_for: poll,
+    };
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
     let mut outcome: Result<()> = Ok(());
     let mut hdr = [0u8; REQUEST_HEADER_BYTES];
     loop {

@@ -107,6 +107,7 @@ fn device_errors_fua_flush_and_stop() {
                 insecure_plaintext: false,
                 pid_file: None,
                 announce: false,
+                poll: std::time::Duration::from_micros(50),
             };
             serve(vec![("m".into(), dev)], &Listen::Unix(sock), opts, stop)
         })

@@ -20,11 +20,14 @@ pub const JOB_QUEUE_MAX: usize = 256;
 pub const WRITE_QUEUE_MAX: usize = 256;
 /// Writes the writer takes, sorts and submits in one go (dm-crypt sorts what has piled up).
 pub const WRITE_BATCH_MAX: usize = 64;
-/// How long an idle worker spins for the next job before it sleeps, and how long a caller
-/// spins for its chunks' completion before it sleeps. Waking a sleeping thread on another
-/// (v)CPU costs tens of microseconds here, as much as the crypto of the chunk it would run;
-/// a request stream keeps the worker busy-waiting between chunks instead.
+/// The default of `VolumeConfig::spin`: how long an idle worker spins for the next job before
+/// it sleeps, and how long a caller spins for its chunks' completion before it sleeps. Waking
+/// a sleeping thread on another (v)CPU costs tens of microseconds here, as much as the crypto
+/// of the chunk it would run; a request stream keeps the worker busy-waiting between chunks
+/// instead. The price is up to this much CPU time after the last request.
 pub const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
+/// The most `VolumeConfig::spin` may be: spinning longer than this only burns CPU.
+pub const SPIN_MAX: Duration = Duration::from_millis(10);
 
 /// Counts down the parts of a request handed to other threads. Lives on the caller's stack;
 /// the caller does not return before `remaining` reaches zero.
@@ -71,13 +74,12 @@ impl Completion {
         }
     }
 
-    /// Waits for every part; returns the first error and the parts' summed times.
-    pub fn wait(&self) -> (Result<()>, Times) {
-        // Spin first (see SPIN_BEFORE_SLEEP); the lock below is what makes returning safe.
-        if self.hint.load(Acquire) > 0 {
-            spin_until(Instant::now() + SPIN_BEFORE_SLEEP, || {
-                self.hint.load(Acquire) == 0
-            });
+    /// Waits for every part, spinning for up to `spin` before sleeping (see
+    /// [`SPIN_BEFORE_SLEEP`]); returns the first error and the parts' summed times.
+    pub fn wait(&self, spin: Duration) -> (Result<()>, Times) {
+        // The lock below is what makes returning safe; the spin only saves a sleep.
+        if !spin.is_zero() && self.hint.load(Acquire) > 0 {
+            spin_until(Instant::now() + spin, || self.hint.load(Acquire) == 0);
         }
         let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
         while s.remaining > 0 {
@@ -213,7 +215,7 @@ pub struct WriteJob {
 pub fn worker_loop(core: &Core) {
     // A worker without a cipher context fails the jobs it takes instead of dying silently.
     let mut cipher = core.ciphers.clone_cipher();
-    while let Some(job) = core.jobs.pop_spin(SPIN_BEFORE_SLEEP, core.max_spinners()) {
+    while let Some(job) = core.jobs.pop_spin(core.spin(), core.max_spinners()) {
         // Timed only if the request is sampled (see stats): it then sent a non-zero time.
         let times_for = |queued_at: u64| Times {
             on: queued_at != 0,
