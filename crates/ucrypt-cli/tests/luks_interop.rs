@@ -76,6 +76,15 @@ fn run(prog: &str, args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
 }
 
+/// `PROG luksFormat -q EXTRA... --pbkdf pbkdf2 (fast) IMG KEYFILE`, which must succeed.
+fn luks_format(prog: &str, img: &Path, key: &Path, extra: &[&str]) {
+    let mut f = vec!["luksFormat", "-q"];
+    f.extend(extra);
+    f.extend(FAST_PBKDF2);
+    f.extend([s(img), s(key)]);
+    ok(prog, &f);
+}
+
 fn ok(prog: &str, args: &[&str]) -> String {
     let o = run(prog, args);
     assert!(
@@ -323,10 +332,7 @@ fn cryptsetup_priorities_are_honoured() {
     let k0 = t.file("k0", b"zero");
     let k1 = t.file("k1", b"one");
     let img = t.image("p.img", 20);
-    let mut f = vec!["luksFormat", "-q"];
-    f.extend(FAST_PBKDF2);
-    f.extend([s(&img), s(&k0)]);
-    ok("cryptsetup", &f);
+    luks_format("cryptsetup", &img, &k0, &[]);
     let mut a = vec!["luksAddKey", "-q", "--key-file", s(&k0)];
     a.extend(FAST_PBKDF2);
     a.extend([s(&img), s(&k1)]);
@@ -582,10 +588,7 @@ fn header_verbs_interoperate() {
     let t = TempDir::new("hdr");
     let k0 = t.file("k0", b"pw0");
     let img = t.image("h.img", 20);
-    let mut f = vec!["luksFormat", "-q"];
-    f.extend(FAST_PBKDF2);
-    f.extend([s(&img), s(&k0)]);
-    ok(UCRYPT, &f);
+    luks_format(UCRYPT, &img, &k0, &[]);
     // is-luks
     assert_eq!(run(UCRYPT, &["isLuks", s(&img)]).status.code(), Some(0));
     assert_eq!(
@@ -714,10 +717,7 @@ fn damaged_primary_is_recovered_and_repaired() {
     let t = TempDir::new("rep");
     let k0 = t.file("k0", b"pw");
     let img = t.image("r.img", 20);
-    let mut f = vec!["luksFormat", "-q"];
-    f.extend(FAST_PBKDF2);
-    f.extend([s(&img), s(&k0)]);
-    ok("cryptsetup", &f);
+    luks_format("cryptsetup", &img, &k0, &[]);
     // Break the primary's JSON (its checksum then fails).
     let mut bytes = std::fs::read(&img).expect("read");
     bytes[4096 + 20] ^= 0x55;
@@ -745,10 +745,7 @@ fn passphrase_from_stdin() {
     let t = TempDir::new("stdin");
     let k0 = t.file("k0", b"line-pass");
     let img = t.image("s.img", 20);
-    let mut f = vec!["luksFormat", "-q"];
-    f.extend(FAST_PBKDF2);
-    f.extend([s(&img), s(&k0)]);
-    ok("cryptsetup", &f);
+    luks_format("cryptsetup", &img, &k0, &[]);
     let feed = |args: &[&str], input: &[u8]| -> i32 {
         use std::io::Write;
         let mut c = Command::new(UCRYPT)
@@ -888,10 +885,7 @@ fn qemu_luks1_interop() {
     );
     // A ucrypt LUKS1 volume opens in qemu-io.
     let u = t.image("u.luks", 8);
-    let mut f = vec!["luksFormat", "-q", "--type", "luks1"];
-    f.extend(FAST_PBKDF2);
-    f.extend([s(&u), s(&k)]);
-    ok(UCRYPT, &f);
+    luks_format(UCRYPT, &u, &k, &["--type", "luks1"]);
     let inp2 = t.file("in2", &vec![0x5au8; 1 << 20]);
     ok(UCRYPT, &["import", "--key-file", s(&k), s(&inp2), s(&u)]);
     let uopts = format!("driver=luks,key-secret=s0,file.filename={}", s(&u));
@@ -1016,10 +1010,7 @@ fn luks2_volume_served_over_fuse_matches_cryptsetup() {
     let k = t.file("k", b"fuse-pass");
     let img = t.image("f.img", 8);
     let hdr = t.path("f.hdr");
-    let mut f = vec!["luksFormat", "-q", "--header", s(&hdr)];
-    f.extend(FAST_PBKDF2);
-    f.extend([s(&img), s(&k)]);
-    ok("cryptsetup", &f);
+    luks_format("cryptsetup", &img, &k, &["--header", s(&hdr)]);
     let mnt = t.file("mnt", b"");
     let mut child = Command::new(UCRYPT)
         .args([
