@@ -66,9 +66,10 @@ pub struct VolumeArgs {
     /// Dispatch policy: inline, parallel, ordered, queued, auto.
     #[arg(long, default_value = "inline")]
     pub policy: String,
-    /// How long idle engine workers (and callers waiting for them) busy-wait for more work
-    /// before they sleep, in µs; at most 10000. 0 never spins: no CPU time after the last
-    /// request, but each hand-off to a worker pays a wake-up (tens of µs on a VM).
+    /// How long idle engine workers (and callers waiting for them, and for `serve` an NBD
+    /// connection's reader) busy-wait for more work before they sleep, in µs; at most 10000.
+    /// 0 never spins: no CPU time after the last request, but each hand-off pays a wake-up
+    /// (tens of µs on a VM).
     #[arg(long, value_name = "US", default_value_t = 50)]
     pub spin_us: u64,
 }
