@@ -477,7 +477,11 @@ fn draw_plots(all: &AllReport, dir: &Path) -> (Vec<Drawn>, Vec<String>) {
     }
     for (name, report, title) in [
         ("fuse", &all.fuse, "FUSE export, fio on the file (MiB/s)"),
-        ("nbd", &all.nbd, "NBD server, fio nbd engine (MiB/s)"),
+        (
+            "nbd",
+            &all.nbd,
+            "NBD server, fio nbd engine and qemu-img bench (MiB/s)",
+        ),
     ] {
         if let Some(chart) = report.as_ref().and_then(|r| frontend_bars(title, r)) {
             keep(title, name, plot::bar_chart(&chart, &dir.join(name)));

@@ -1,5 +1,7 @@
 //! Running fio and reading its JSON: the load generator of the front-end benchmarks (FUSE,
-//! NBD), so ucrypt and its peers are measured by the same client with the same job.
+//! NBD), so ucrypt and its peers are measured by the same client with the same job. NBD jobs
+//! can also run through `qemu-img bench` ([`QEMU_IMG`]): QEMU's own NBD client, the one a
+//! virtual machine's disk uses.
 
 use std::path::Path;
 use std::process::Command;
@@ -11,7 +13,8 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Job {
     pub name: &'static str,
-    /// fio's --rw: read, write, randread, randwrite.
+    /// fio's --rw: read, write, randread, randwrite. With [`QEMU_IMG`] as the engine: read,
+    /// write, or write-fua (writethrough cache: every write carries FUA).
     pub rw: &'static str,
     pub block_bytes: u32,
     pub ioengine: &'static str,
@@ -37,6 +40,70 @@ impl Job {
 
     fn is_write(&self) -> bool {
         self.rw.contains("write")
+    }
+}
+
+/// The `ioengine` of jobs run by `qemu-img bench` instead of fio (sequential requests).
+pub const QEMU_IMG: &str = "qemu-img";
+
+/// Runs `job` through `qemu-img bench` on the NBD URI `target`: `count` requests at
+/// `job.iodepth`, sequential from offset 0. qemu-img reports only the elapsed time, so the
+/// result has throughput and IOPS; its latency fields are NaN (not measured).
+pub fn run_qemu_img(job: &Job, target: &Path, count: u64) -> Result<FioResult, String> {
+    let mut cmd = Command::new("qemu-img");
+    cmd.arg("bench")
+        .args(["-f", "raw"])
+        .args(["-c", &count.to_string()])
+        .args(["-d", &job.iodepth.to_string()])
+        .args(["-s", &job.block_bytes.to_string()]);
+    match job.rw {
+        "read" => {}
+        "write" => {
+            cmd.arg("-w");
+        }
+        "write-fua" => {
+            cmd.args(["-w", "-t", "writethrough"]);
+        }
+        other => return Err(format!("qemu-img bench cannot run --rw {other}")),
+    }
+    cmd.arg(target);
+    let out = cmd
+        .output()
+        .map_err(|e| format!("running qemu-img: {e} (apt-get install qemu-utils)"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "qemu-img bench {} on {} failed: {}",
+            job.name,
+            target.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    // qemu-img's own timer starts after the image is open; ours would also count starting
+    // the process and the NBD handshake.
+    let secs = parse_qemu_img(&String::from_utf8_lossy(&out.stdout)).ok_or_else(|| {
+        format!(
+            "qemu-img bench {} printed no \"Run completed\" line: {}",
+            job.name,
+            String::from_utf8_lossy(&out.stdout).trim()
+        )
+    })?;
+    Ok(qemu_img_result(job, count, secs))
+}
+
+/// The elapsed seconds in qemu-img bench's "Run completed in X seconds." line.
+fn parse_qemu_img(out: &str) -> Option<f64> {
+    let rest = out.split("Run completed in ").nth(1)?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+fn qemu_img_result(job: &Job, count: u64, secs: f64) -> FioResult {
+    let secs = secs.max(1e-9);
+    FioResult {
+        mib_s: (count * u64::from(job.block_bytes)) as f64 / secs / (1024.0 * 1024.0),
+        iops: count as f64 / secs,
+        lat_p50_us: f64::NAN,
+        lat_p99_us: f64::NAN,
+        lat_p999_us: f64::NAN,
     }
 }
 
@@ -126,6 +193,24 @@ pub fn parse(json: &str, write: bool) -> Result<FioResult, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_qemu_img_bench() {
+        let job = Job::new("4k read", "read", 4096, QEMU_IMG, 1);
+        // (qemu-img's stdout, requests, seconds used, MiB/s)
+        let rows: &[(&str, u64, f64, f64)] = &[
+            ("Sending 256 read requests, 4096 bytes each, 1 in parallel (starting at offset 0, step size 4096)\nRun completed in 0.500 seconds.\n", 256, 0.5, 2.0),
+            ("Run completed in 2 seconds.", 1024, 2.0, 2.0),
+        ];
+        for &(out, count, secs, mib_s) in rows {
+            let got = parse_qemu_img(out).expect(out);
+            assert_eq!(got, secs, "{out}");
+            let r = qemu_img_result(&job, count, got);
+            assert!((r.mib_s - mib_s).abs() < 1e-9, "{out}: {}", r.mib_s);
+            assert!(r.lat_p99_us.is_nan());
+        }
+        assert_eq!(parse_qemu_img("qemu-img: Could not open"), None);
+    }
 
     #[test]
     fn parses_fio_json() {
