@@ -44,6 +44,9 @@ struct State {
     free_pages: usize,
     next_ticket: u64,
     serving: u64,
+    /// Callers asleep on `cv`: others notify only if there are any (a notify is a system call
+    /// even when nobody waits).
+    waiters: usize,
 }
 
 // SAFETY: the arena is owned by the pool; disjoint page ranges are handed to one grant each
@@ -89,6 +92,7 @@ impl BufferPool {
                 free_pages: pages,
                 next_ticket: 0,
                 serving: 0,
+                waiters: 0,
             }),
             cv: Condvar::new(),
         })
@@ -125,9 +129,12 @@ impl BufferPool {
                     }
                     st.free_pages -= pages;
                     st.serving += 1;
+                    let wake = st.waiters > 0;
                     drop(st);
                     // The next in line may fit too.
-                    self.cv.notify_all();
+                    if wake {
+                        self.cv.notify_all();
+                    }
                     return Ok(Grant {
                         pool: self,
                         first_page: first,
@@ -137,7 +144,9 @@ impl BufferPool {
                     });
                 }
             }
+            st.waiters += 1;
             st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.waiters -= 1;
         }
     }
 
@@ -236,8 +245,12 @@ impl Drop for Grant<'_> {
             st.used[p / 64] &= !(1 << (p % 64));
         }
         st.free_pages += self.pages;
+        // Read under the lock, so a caller about to sleep has counted itself (see `take`).
+        let wake = st.waiters > 0;
         drop(st);
-        self.pool.cv.notify_all();
+        if wake {
+            self.pool.cv.notify_all();
+        }
     }
 }
 

@@ -10,8 +10,15 @@ use super::plan::SectorRange;
 pub const RANGE_LOCK_HOLDERS_MAX: usize = 256;
 
 pub struct RangeLock {
-    held: Mutex<Vec<SectorRange>>,
+    held: Mutex<Held>,
     cv: Condvar,
+}
+
+struct Held {
+    ranges: Vec<SectorRange>,
+    /// Callers asleep on `cv`. Releasing a range wakes them only if there are any: a notify
+    /// is a system call even when nobody waits, and most releases have no waiter.
+    waiters: usize,
 }
 
 pub struct RangeGuard<'a> {
@@ -22,14 +29,17 @@ pub struct RangeGuard<'a> {
 impl Default for RangeLock {
     fn default() -> Self {
         RangeLock {
-            held: Mutex::new(Vec::with_capacity(RANGE_LOCK_HOLDERS_MAX)),
+            held: Mutex::new(Held {
+                ranges: Vec::with_capacity(RANGE_LOCK_HOLDERS_MAX),
+                waiters: 0,
+            }),
             cv: Condvar::new(),
         }
     }
 }
 
 impl RangeLock {
-    fn table(&self) -> MutexGuard<'_, Vec<SectorRange>> {
+    fn table(&self) -> MutexGuard<'_, Held> {
         // Entries are pushed and removed in single steps; a panic cannot leave a half entry.
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -37,10 +47,14 @@ impl RangeLock {
     /// Waits until no held range overlaps `range` and a table slot is free, then holds it.
     pub fn lock(&self, range: SectorRange) -> RangeGuard<'_> {
         let mut held = self.table();
-        while held.len() >= RANGE_LOCK_HOLDERS_MAX || held.iter().any(|r| r.overlaps(&range)) {
+        while held.ranges.len() >= RANGE_LOCK_HOLDERS_MAX
+            || held.ranges.iter().any(|r| r.overlaps(&range))
+        {
+            held.waiters += 1;
             held = self.cv.wait(held).unwrap_or_else(|e| e.into_inner());
+            held.waiters -= 1;
         }
-        held.push(range);
+        held.ranges.push(range);
         RangeGuard { lock: self, range }
     }
 }
@@ -48,11 +62,16 @@ impl RangeLock {
 impl Drop for RangeGuard<'_> {
     fn drop(&mut self) {
         let mut held = self.lock.table();
-        if let Some(i) = held.iter().position(|r| *r == self.range) {
-            held.swap_remove(i);
+        if let Some(i) = held.ranges.iter().position(|r| *r == self.range) {
+            held.ranges.swap_remove(i);
         }
+        // Read under the lock: a caller that found this range held counted itself in
+        // `waiters` before it slept, and one that comes later sees the range gone.
+        let wake = held.waiters > 0;
         drop(held);
-        self.lock.cv.notify_all();
+        if wake {
+            self.lock.cv.notify_all();
+        }
     }
 }
 
