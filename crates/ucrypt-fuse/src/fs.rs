@@ -571,8 +571,9 @@ impl VolumeFs {
     fn write(&self, offset: u64, size: usize, flags: i32, buf: &mut [u8]) -> Result<Outcome, i32> {
         let n = plan_write(self.dev.size(), offset, size)?;
         if n > 0 {
+            // The request buffer is read no more: the volume may encrypt in it.
             self.dev
-                .write_at(&buf[..n], offset)
+                .write_at_mut(&mut buf[..n], offset)
                 .map_err(|e| errno(&e))?;
         }
         // O_SYNC / O_DSYNC handles: acknowledged means durable.

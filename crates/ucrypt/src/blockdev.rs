@@ -21,6 +21,13 @@ pub trait BlockDev: Send + Sync {
     fn read_only(&self) -> bool;
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
+    /// Like `write_at`, for a caller that gives up its buffer's contents (a network payload it
+    /// will not read again): the device may use `buf` as scratch space, so an encrypted volume
+    /// can encrypt an aligned request in place instead of copying it to a bounce buffer.
+    /// Afterwards `buf` holds unspecified bytes (for a volume, ciphertext or the plaintext).
+    fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.write_at(buf, offset)
+    }
     /// Makes every acknowledged write durable on the backing store (fdatasync).
     fn flush(&self) -> Result<()>;
     /// The range may read back as anything afterwards (LUKS: ciphertext hole reads as garbage);

@@ -205,3 +205,55 @@ fn zero_spin_still_completes_every_policy() {
         }
     }
 }
+
+#[test]
+fn write_at_mut_encrypts_in_place_only_when_direct() {
+    // (policy, offset, length, encrypted in the caller's buffer)
+    let rows: &[(Policy, u64, usize, bool)] = &[
+        (Policy::Inline, 0, 4096, true),
+        (Policy::Inline, 8192, 3 * 4096, true),
+        (Policy::Auto, 4096, 4096, true),
+        // Not sector-aligned: read-modify-write through a bounce buffer.
+        (Policy::Inline, 512, 4096, false),
+        (Policy::Inline, 0, 1000, false),
+        // Split across workers: the planned path.
+        (Policy::Parallel, 0, 1 << 20, false),
+        (Policy::Queued, 0, 4096, false),
+    ];
+    for &(policy, off, len, in_place) in rows {
+        let ctx = format!("{policy} {off}+{len}");
+        let mut c = cfg(SectorSize::S4096);
+        c.policy = policy;
+        let backend = Arc::new(MemBackend::new(4 << 20));
+        let v = Volume::new(backend.clone(), c).unwrap();
+        let plain: Vec<u8> = (0..len).map(|i| (i * 13 + 5) as u8).collect();
+        let mut b = OffsetBuf::new(len, 0);
+        b.get().copy_from_slice(&plain);
+        v.write_at_mut(b.get(), off).unwrap();
+        let mut back = vec![0u8; len];
+        v.read_at(&mut back, off).unwrap();
+        assert!(back == plain, "{ctx}: read back different data");
+        let mut ct = vec![0u8; len];
+        backend.read_exact_at(&mut ct, off).unwrap();
+        if in_place {
+            assert!(
+                b.get() == &ct[..],
+                "{ctx}: buffer does not hold the ciphertext"
+            );
+        } else {
+            assert!(
+                b.get() == &plain[..],
+                "{ctx}: buffer changed on the planned path"
+            );
+        }
+    }
+    // A read-only volume refuses it like write_at.
+    let mut c = cfg(SectorSize::S4096);
+    c.read_only = true;
+    let v = Volume::new(Arc::new(MemBackend::new(1 << 20)), c).unwrap();
+    let mut b = OffsetBuf::new(4096, 0);
+    assert!(matches!(
+        v.write_at_mut(b.get(), 0),
+        Err(Error::ReadOnly(_))
+    ));
+}

@@ -1,4 +1,5 @@
-//! Model-based test: seeded random sequences of reads, writes, flushes, discards and
+//! Model-based test: seeded random sequences of reads, writes (`write_at` and, giving up the
+//! buffer, `write_at_mut`), flushes, discards and
 //! write-zeroes (random sizes, offsets, alignments) against a plaintext model, for every policy,
 //! 512- and 4096-byte sectors, memory and O_DIRECT file backends. At the end, the ciphertext on
 //! the backend must equal what `SectorCipher` computes one sector at a time.
@@ -84,13 +85,24 @@ fn run_case(kind: BackendKind, spec: CipherSpec, sector: u32, policy: Policy, se
                 }
             }
             4..=6 => {
-                let mut b = OffsetBuf::new(l, rng.random_range(0..4096));
+                // Half the writes give up their buffer (`write_at_mut`), half of those from an
+                // aligned one: the in-place path when the request is aligned too.
+                let give = rng.random_bool(0.5);
+                let shift = if give && rng.random_bool(0.5) {
+                    0
+                } else {
+                    rng.random_range(0..4096)
+                };
+                let mut b = OffsetBuf::new(l, shift);
                 rng.fill(b.get());
-                r.vol
-                    .write_at(b.get(), off)
-                    .unwrap_or_else(|e| panic!("{ctx} step {step}: write {off}+{len}: {e}"));
                 m.data[o..o + l].copy_from_slice(b.get());
                 m.known[o..o + l].fill(true);
+                let res = if give {
+                    r.vol.write_at_mut(b.get(), off)
+                } else {
+                    r.vol.write_at(b.get(), off)
+                };
+                res.unwrap_or_else(|e| panic!("{ctx} step {step}: write {off}+{len}: {e}"));
             }
             7 => r
                 .vol

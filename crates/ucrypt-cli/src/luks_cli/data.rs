@@ -165,8 +165,9 @@ pub fn import(file: &Path, volume: &Path, o: &LuksOpts) -> Result<i32> {
         input
             .read_exact(&mut buf[..n])
             .map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
-        // The engine handles a partial last sector (read-modify-write).
-        vol.write_at(&buf[..n], done)?;
+        // The engine handles a partial last sector (read-modify-write). The chunk is refilled
+        // next round, so the volume may encrypt in it.
+        vol.write_at_mut(&mut buf[..n], done)?;
         done += n as u64;
         p.tick(done);
     }

@@ -55,10 +55,6 @@ impl IoBuf {
     }
 
     /// The first `len` data bytes.
-    pub fn data(&self, len: usize) -> &[u8] {
-        &self.mem[self.data_at..self.data_at + len]
-    }
-
     pub fn data_mut(&mut self, len: usize) -> &mut [u8] {
         &mut self.mem[self.data_at..self.data_at + len]
     }
@@ -156,11 +152,11 @@ mod tests {
         for (len, head) in rows {
             let mut b = IoBuf::new(len, head);
             assert!(b.capacity() >= len.max(BUF_MIN_BYTES), "{len} {head}");
-            assert_eq!(b.data(len).as_ptr() as usize % BUF_ALIGN_BYTES, 0);
+            assert_eq!(b.data_mut(len).as_ptr() as usize % BUF_ALIGN_BYTES, 0);
             let s = b.with_head_mut(head, len);
             assert_eq!(s.len(), head + len);
             s[head..].fill(7);
-            assert!(b.data(len).iter().all(|&x| x == 7));
+            assert!(b.data_mut(len).iter().all(|&x| x == 7));
         }
     }
 

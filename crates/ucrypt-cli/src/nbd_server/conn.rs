@@ -340,7 +340,7 @@ impl Ctx {
         }
     }
 
-    fn execute(&self, job: Job) {
+    fn execute(&self, mut job: Job) {
         let dev = self.dev.as_ref();
         let durable = |r: Result<()>, fua: bool| if r.is_ok() && fua { dev.flush() } else { r };
         match job.command {
@@ -362,8 +362,9 @@ impl Ctx {
                 self.spares.give(buf);
             }
             Command::Write { offset, fua, len } => {
-                let r = match &job.payload {
-                    Some(p) => dev.write_at(p.data(len as usize), offset),
+                // The payload buffer is ours and read no more: the volume may encrypt in it.
+                let r = match &mut job.payload {
+                    Some(p) => dev.write_at_mut(p.data_mut(len as usize), offset),
                     None => Err(Error::Bug("NBD write job without its payload")),
                 };
                 self.reply(job.cookie, durable(r, fua));
