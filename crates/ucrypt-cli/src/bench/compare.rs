@@ -339,6 +339,81 @@ pub struct Delta {
     /// (new - old) / |old| in percent; None when not computable (0 or NaN old median).
     pub pct: Option<f64>,
     pub verdict: Verdict,
+    /// Which way is better for this metric (from its name or its row's unit).
+    pub better: Better,
+}
+
+/// Which way a metric improves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Better {
+    /// Throughput, IOPS, ratios, speed-ups.
+    Higher,
+    /// Latencies and times.
+    Lower,
+    /// Neither the metric's name nor its row's unit says (e.g. a target's fixed value).
+    Unknown,
+}
+
+/// The direction of `metric` (its field path) in a row whose text fields are `text`. By the
+/// field's name (`mib_s`, `iops`, `*_gbps`, `ratio`, `*_vs_*`, `measured` are higher-better;
+/// `*_ns`, `*_us`, `*_ms`, `lat*`, `alloc*` lower-better), else for a generic `value` by the row's
+/// `unit` ("MB/s" higher-better, "µs"/"ns"/"ms" lower-better).
+pub fn direction(metric: &str, text: &[(String, String)]) -> Better {
+    let name = metric
+        .rsplit('.')
+        .next()
+        .unwrap_or(metric)
+        .to_ascii_lowercase();
+    let time = |n: &str| {
+        n.ends_with("_ns")
+            || n.ends_with("_us")
+            || n.ends_with("_ms")
+            || n.contains("lat")
+            || n.contains("alloc")
+    };
+    if time(&name) {
+        return Better::Lower;
+    }
+    if name.ends_with("gbps")
+        || name.ends_with("mib_s")
+        || name.ends_with("mb_s")
+        || name == "iops"
+        || name.contains("ratio")
+        || name.contains("_vs_")
+        || name == "measured"
+    {
+        return Better::Higher;
+    }
+    if name == "value" {
+        let unit = text
+            .iter()
+            .find(|(p, _)| p.rsplit('.').next() == Some("unit"))
+            .map(|(_, v)| v.trim_matches('"').to_string())
+            .unwrap_or_default();
+        if unit.contains("/s") || unit.contains("IOPS") {
+            return Better::Higher;
+        }
+        if unit.contains("µs") || unit.contains("ns") || unit.contains("ms") {
+            return Better::Lower;
+        }
+    }
+    Better::Unknown
+}
+
+impl Delta {
+    /// Some(true) if the change is an improvement, Some(false) if a regression; None when the
+    /// metric did not move beyond the threshold or its direction is unknown.
+    pub fn improved(&self) -> Option<bool> {
+        let p = self.pct?;
+        if self.verdict == Verdict::Same || p == 0.0 {
+            return None;
+        }
+        match self.better {
+            Better::Higher => Some(p > 0.0),
+            Better::Lower => Some(p < 0.0),
+            Better::Unknown => None,
+        }
+    }
 }
 
 /// A boolean of a paired row that differs (None: absent on that side).
@@ -501,6 +576,7 @@ fn compare_rows(table: &str, orow: &Row, nrow: &Row, threshold_pct: f64, c: &mut
             new: b,
             pct,
             verdict,
+            better: direction(metric, &orow.text),
         });
     }
     let flag = |r: &Row, f: &str| r.flags.iter().find(|(g, _)| g == f).map(|x| x.1);
@@ -629,15 +705,20 @@ fn render(c: &Comparison, threshold_pct: f64) -> String {
         if d.table != table {
             table = &d.table;
             s += &format!(
-                "### {table}\n\n| row | metric | old median (min–max) | new median (min–max) | Δ % | |\n|---|---|---:|---:|---:|---|\n"
+                "### {table}\n\n| row | metric | old median (min–max) | new median (min–max) | Δ % | | |\n|---|---|---:|---:|---:|---|---|\n"
             );
         }
         let pct = d
             .pct
             .map(|p| format!("{p:+.1} %"))
             .unwrap_or_else(|| "n/a".into());
+        let way = match d.improved() {
+            Some(true) => "better",
+            Some(false) => "worse",
+            None => "",
+        };
         s += &format!(
-            "| {} | {} | {} | {} | {pct} | {} |\n",
+            "| {} | {} | {} | {} | {pct} | {} | {way} |\n",
             d.row.replace('|', "\\|"),
             d.metric,
             show(d.old),
@@ -681,11 +762,20 @@ fn render(c: &Comparison, threshold_pct: f64) -> String {
         }
     }
     let count = |v: Verdict| c.deltas.iter().filter(|d| d.verdict == v).count();
+    let real = |up: bool| {
+        c.deltas
+            .iter()
+            .filter(|d| d.verdict == Verdict::Changed && d.improved() == Some(up))
+            .count()
+    };
     s += &format!(
         "{} metrics compared; beyond ±{threshold_pct} %: {} probably real (**!!**: each median outside \
-         the other's min–max range), {} within noise (~), {} without a range to judge (?).\n",
+         the other's min–max range; {} better, {} worse), {} within noise (~), {} without a range \
+         to judge (?).\n",
         c.deltas.len(),
         count(Verdict::Changed),
+        real(true),
+        real(false),
         count(Verdict::Noise),
         count(Verdict::Unknown),
     );
@@ -803,6 +893,60 @@ mod tests {
                 "{old} -> {new}: {p:?}"
             );
             assert_eq!(v, verdict, "{old} -> {new}");
+        }
+    }
+
+    #[test]
+    fn metric_directions() {
+        // (metric path, the row's unit if any, direction)
+        let rows: &[(&str, Option<&str>, Better)] = &[
+            ("mib_s", None, Better::Higher),
+            ("iops", None, Better::Higher),
+            ("hot_gbps", None, Better::Higher),
+            ("cold_vs_memcpy", None, Better::Higher),
+            ("ratio", None, Better::Higher),
+            ("measured", None, Better::Higher),
+            ("lat_p99_us", None, Better::Lower),
+            ("total_ns", None, Better::Lower),
+            ("extra.allocs/IO", None, Better::Lower),
+            ("value", Some("MB/s"), Better::Higher),
+            ("value", Some("p50 µs"), Better::Lower),
+            ("value", None, Better::Unknown),
+            ("target", None, Better::Unknown),
+        ];
+        for &(metric, unit, want) in rows {
+            let text: Vec<(String, String)> = unit
+                .map(|u| ("unit".to_string(), u.to_string()))
+                .into_iter()
+                .collect();
+            assert_eq!(direction(metric, &text), want, "{metric} {unit:?}");
+        }
+        // A change beyond the threshold is an improvement or a regression by direction.
+        let d = |pct: f64, verdict, better| Delta {
+            table: String::new(),
+            row: String::new(),
+            metric: String::new(),
+            old: None,
+            new: None,
+            pct: Some(pct),
+            verdict,
+            better,
+        };
+        // (pct, verdict, direction, improved)
+        let cases = [
+            (10.0, Verdict::Changed, Better::Higher, Some(true)),
+            (-10.0, Verdict::Changed, Better::Higher, Some(false)),
+            (10.0, Verdict::Noise, Better::Lower, Some(false)),
+            (-10.0, Verdict::Unknown, Better::Lower, Some(true)),
+            (3.0, Verdict::Same, Better::Higher, None),
+            (10.0, Verdict::Changed, Better::Unknown, None),
+        ];
+        for (pct, verdict, better, want) in cases {
+            assert_eq!(
+                d(pct, verdict, better).improved(),
+                want,
+                "{pct} {verdict:?} {better:?}"
+            );
         }
     }
 
