@@ -138,7 +138,9 @@ impl Task {
 /// Hands out turns in submission order for the `ordered` policy.
 struct Turns {
     next_ticket: AtomicU64,
-    serving: Mutex<u64>,
+    /// (ticket being served, callers asleep on `cv`: a turn is passed on with a notify only if
+    /// someone sleeps, since a notify is a system call even when nobody waits).
+    serving: Mutex<(u64, usize)>,
     cv: Condvar,
 }
 
@@ -163,8 +165,10 @@ impl Turns {
 impl Turn<'_> {
     fn wait(&mut self) {
         let mut s = self.turns.serving.lock().unwrap_or_else(|e| e.into_inner());
-        while *s != self.ticket {
+        while s.0 != self.ticket {
+            s.1 += 1;
             s = self.turns.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            s.1 -= 1;
         }
         self.waited = true;
     }
@@ -175,8 +179,13 @@ impl Drop for Turn<'_> {
         if !self.waited {
             self.wait();
         }
-        *self.turns.serving.lock().unwrap_or_else(|e| e.into_inner()) = self.ticket + 1;
-        self.turns.cv.notify_all();
+        let mut s = self.turns.serving.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 = self.ticket + 1;
+        let wake = s.1 > 0;
+        drop(s);
+        if wake {
+            self.turns.cv.notify_all();
+        }
     }
 }
 
@@ -600,7 +609,7 @@ impl Volume {
             writes: BoundedQueue::new(WRITE_QUEUE_MAX),
             turns: Turns {
                 next_ticket: AtomicU64::new(0),
-                serving: Mutex::new(0),
+                serving: Mutex::new((0, 0)),
                 cv: Condvar::new(),
             },
             max_spinners: workers.saturating_sub(1) as u32,

@@ -42,6 +42,9 @@ struct CompState {
     remaining: u32,
     err: Option<Error>,
     times: Times,
+    /// The caller sleeps on `cv` (it did not see the last part finish while spinning): only
+    /// then does the last part notify, a system call otherwise wasted.
+    sleeping: bool,
 }
 
 impl Completion {
@@ -51,6 +54,7 @@ impl Completion {
                 remaining: parts,
                 err: None,
                 times: Times::default(),
+                sleeping: false,
             }),
             cv: Condvar::new(),
             hint: AtomicU32::new(parts),
@@ -67,7 +71,7 @@ impl Completion {
         }
         s.remaining -= 1;
         self.hint.store(s.remaining, Release);
-        if s.remaining == 0 {
+        if s.remaining == 0 && s.sleeping {
             // Notify while holding the lock: the waiter cannot return (and free this) before we
             // release it.
             self.cv.notify_all();
@@ -83,6 +87,7 @@ impl Completion {
         }
         let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
         while s.remaining > 0 {
+            s.sleeping = true;
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }
         let r = match s.err.take() {
@@ -99,6 +104,7 @@ impl Drop for Completion {
     fn drop(&mut self) {
         let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
         while s.remaining > 0 {
+            s.sleeping = true;
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }
     }
