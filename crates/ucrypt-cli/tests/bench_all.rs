@@ -79,6 +79,34 @@ fn bench_all_quick_writes_report_json_and_plots() {
         .expect("breakdown")
         .is_empty());
 
+    // The durable-write job on disk: measured for ucrypt and nbdkit, or skipped with a reason
+    // (a RAM-backed /var/tmp).
+    if let Some(nbd) = all.get("nbd").filter(|v| !v.is_null()) {
+        let on_disk = |target: &str| {
+            nbd["rows"].as_array().is_some_and(|rows| {
+                rows.iter().any(|r| {
+                    r["target"] == target
+                        && r["job"]["name"]
+                            .as_str()
+                            .is_some_and(|n| n.contains("on disk"))
+                        && r["mib_s"]["median"].as_f64().is_some_and(|m| m > 0.0)
+                })
+            })
+        };
+        if nbd["disk_image_dir"].is_string() {
+            assert!(on_disk("ucrypt-luks2"), "no durable-write row for ucrypt");
+            assert!(on_disk("nbdkit-luks1"), "no durable-write row for nbdkit");
+        } else {
+            let why: Vec<&str> = skipped
+                .iter()
+                .filter_map(|s| s["reason"].as_str())
+                .filter(|r| r.contains("disk jobs") || r.contains("qemu-img jobs"))
+                .collect();
+            assert!(!why.is_empty(), "disk jobs neither ran nor were skipped");
+            println!("SKIPPED bench_all nbd disk jobs: {why:?}");
+        }
+    }
+
     let report = std::fs::read_to_string(dir.join("report.md")).expect("report.md");
     for want in [
         "## Machine",

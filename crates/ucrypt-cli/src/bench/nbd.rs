@@ -13,6 +13,9 @@
 //! - A plain file served by `ucrypt serve --unencrypted`, and another copy by nbdkit's file
 //!   plugin without a filter: each server's NBD path without any crypto. The nbdkit one bounds
 //!   what any server can reach with this client at QD1, where the round trip dominates.
+//! - On disk (`/var/tmp`, or `UCRYPT_BENCH_DISK_DIR`; skipped with the reason if that is a RAM
+//!   file system): smaller copies of the LUKS images for ucrypt, qemu-storage-daemon and
+//!   nbdkit, for the durable-write job ([`DISK_JOBS`]), where the cost of flushing is real.
 //!
 //! Every file is filled with pseudo-random bytes before it is formatted, so reads hit written
 //! (allocated, non-zero) ciphertext rather than holes. ucrypt opens the LUKS images through its
@@ -54,15 +57,46 @@ const JOBS: &[Job] = &[
         4,
     ),
 ];
+/// Jobs on images on the machine's disk instead of RAM, where making a write durable costs
+/// what it costs on real storage: a server that splits a 1 MiB FUA write into many backend
+/// writes, each made durable on its own (nbdkit's luks filter calls its plugin once per
+/// 512-byte sector), pays for every one of them.
+const DISK_JOBS: &[Job] = &[Job::new(
+    "1M write FUA QD4 on disk, qemu-img",
+    "write-fua",
+    1 << 20,
+    QEMU_IMG,
+    4,
+)];
+/// The servers the disk jobs run on: LUKS ones only (the no-crypto rows bound round trips,
+/// which the disk jobs are not about).
+const DISK_TARGETS: [Target; 5] = [
+    Target::UcryptLuks2,
+    Target::UcryptLuks2Auto,
+    Target::UcryptLuks1,
+    Target::QsdLuks1,
+    Target::NbdkitLuks1,
+];
 /// Requests per `qemu-img bench` run (it counts requests, not time): about as long as a fio
-/// run for ucrypt; (full, --quick) for 4 KiB and for 1 MiB jobs.
+/// run for ucrypt; (full, --quick) for 4 KiB and for 1 MiB jobs, and for the disk jobs (where
+/// nbdkit takes ~0.1 s per durable 1 MiB write; at most the disk volume's MiBs).
 const QEMU_IMG_COUNT_4K: (u64, u64) = (20_000, 4_000);
 const QEMU_IMG_COUNT_1M: (u64, u64) = (600, 120);
+const QEMU_IMG_COUNT_DISK: (u64, u64) = (48, 16);
+/// The volume size of the disk images: the disk jobs write the first MiBs only.
+const DISK_VOLUME_BYTES: u64 = 64 << 20;
+const _: () = assert!(QEMU_IMG_COUNT_DISK.0 << 20 <= DISK_VOLUME_BYTES);
+/// Where the disk images go unless `UCRYPT_BENCH_DISK_DIR` says otherwise: a directory that
+/// is on disk on Debian (/tmp may be a tmpfs).
+const DISK_DIR_DEFAULT: &str = "/var/tmp";
 /// The region fio touches: the first bytes of every volume.
 const VOLUME_BYTES: u64 = 256 << 20;
 /// Size of every image file: the volume plus room for the largest header used here (LUKS2's
 /// default 16 MiB data offset; LUKS1's payload starts at 2 MiB).
-const IMAGE_BYTES: u64 = VOLUME_BYTES + (16 << 20);
+const IMAGE_BYTES: u64 = VOLUME_BYTES + HEADER_ROOM_BYTES;
+/// Room before the data in every image: LUKS2's default 16 MiB data offset (LUKS1's payload
+/// starts at 2 MiB).
+const HEADER_ROOM_BYTES: u64 = 16 << 20;
 const PASSPHRASE: &str = "ucrypt-bench";
 /// PBKDF2 iterations for every keyslot: opening is not what is measured.
 const PBKDF2_ITERATIONS: &str = "1000";
@@ -171,6 +205,11 @@ const GOALS: &[GoalSpec] = &[
         peer: Target::NbdkitLuks1,
         min_ratio: 20.0,
     },
+    GoalSpec {
+        job: "1M write FUA QD4 on disk, qemu-img",
+        peer: Target::NbdkitLuks1,
+        min_ratio: 20.0,
+    },
 ];
 /// The ucrypt configurations the goals are checked for.
 const OURS: [Target; 2] = [Target::UcryptLuks2, Target::UcryptLuks2Auto];
@@ -207,6 +246,8 @@ pub struct NbdReport {
     pub ramp_s: f64,
     /// Where the images were (a RAM file system unless `$TMPDIR` says otherwise).
     pub image_dir: String,
+    /// Where the images of the disk jobs were (None: the disk jobs did not run, see skipped).
+    pub disk_image_dir: Option<String>,
     pub volume_bytes: u64,
     pub skipped: Vec<String>,
     pub rows: Vec<Row>,
@@ -250,6 +291,43 @@ fn base_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/dev/shm"))
 }
 
+/// The file system type of the mount holding `path` (from /proc/self/mounts).
+fn fs_type(path: &Path) -> Option<String> {
+    let path = path.canonicalize().ok()?;
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, at, kind) = (f.next()?, f.next()?, f.next()?);
+            // Mount points with spaces are escaped as \040.
+            let at = PathBuf::from(at.replace("\\040", " "));
+            path.starts_with(&at).then(|| (at, kind.to_string()))
+        })
+        .max_by_key(|(at, _)| at.as_os_str().len())
+        .map(|(_, kind)| kind)
+}
+
+/// The directory for the disk jobs' images, or why there is none.
+fn disk_dir() -> Result<PathBuf, String> {
+    let dir = std::env::var_os("UCRYPT_BENCH_DISK_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DISK_DIR_DEFAULT));
+    match fs_type(&dir) {
+        None => Err(format!(
+            "the disk jobs: {} does not exist (set UCRYPT_BENCH_DISK_DIR to a directory on disk)",
+            dir.display()
+        )),
+        Some(k) if ["tmpfs", "ramfs"].contains(&k.as_str()) => Err(format!(
+            "the disk jobs: {} is on {k}, not on disk (set UCRYPT_BENCH_DISK_DIR to a directory \
+             on disk)",
+            dir.display()
+        )),
+        Some(_) => Ok(dir),
+    }
+}
+
 /// Writes `bytes` of pseudo-random data (xorshift64*, fixed seed: every run the same) to `path`.
 fn write_noise(path: &Path, bytes: u64) -> Result<(), String> {
     const CHUNK_BYTES: usize = 1 << 20;
@@ -280,8 +358,9 @@ struct Setup {
 }
 
 impl Setup {
-    fn new() -> Result<Setup, String> {
-        let dir = base_dir().join(format!("ucrypt-bench-nbd-{}", std::process::id()));
+    /// Images for `targets` in a new directory under `base`, each `image_bytes` long.
+    fn new(base: &Path, image_bytes: u64, targets: &[Target]) -> Result<Setup, String> {
+        let dir = base.join(format!("ucrypt-bench-nbd-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let s = Setup {
             pass_file: dir.join("pass"),
@@ -289,7 +368,7 @@ impl Setup {
         };
         std::fs::write(&s.pass_file, PASSPHRASE).map_err(|e| e.to_string())?;
         let noise = s.dir.join("noise.img");
-        write_noise(&noise, IMAGE_BYTES)?;
+        write_noise(&noise, image_bytes)?;
         let copy = |to: &Path| {
             std::fs::copy(&noise, to)
                 .map(|_| ())
@@ -308,7 +387,7 @@ impl Setup {
             }
             run_ok(c.arg("--key-file").arg(&s.pass_file).arg(&img))?;
         }
-        for t in Target::ALL {
+        for &t in targets {
             let source = match t {
                 Target::Plain | Target::NbdkitPlain => noise.clone(),
                 Target::UcryptLuks2 | Target::UcryptLuks2Auto => s.dir.join("luks2.img"),
@@ -477,6 +556,56 @@ impl Drop for Server {
     }
 }
 
+/// Servers on one set of images, and the jobs they run.
+struct Part {
+    /// Declared before `setup`: the servers stop before their files go.
+    servers: Vec<Server>,
+    setup: Setup,
+    /// The targets that serve (a peer that is not installed or fails is left out).
+    targets: Vec<Target>,
+    jobs: Vec<&'static Job>,
+    volume_bytes: u64,
+}
+
+impl Part {
+    fn start(
+        setup: Setup,
+        want: &[Target],
+        jobs: Vec<&'static Job>,
+        volume_bytes: u64,
+        skipped: &mut Vec<String>,
+    ) -> Result<Part, String> {
+        let mut part = Part {
+            servers: Vec::new(),
+            setup,
+            targets: Vec::new(),
+            jobs,
+            volume_bytes,
+        };
+        for &t in want {
+            if let Some((prog, pkg)) = t.peer_program() {
+                if !have(prog) {
+                    let why = format!("{}: {prog} not installed (apt-get install {pkg})", t.name());
+                    if !skipped.contains(&why) {
+                        skipped.push(why);
+                    }
+                    continue;
+                }
+            }
+            match Server::start(t, &part.setup) {
+                Ok(s) => {
+                    part.servers.push(s);
+                    part.targets.push(t);
+                }
+                // A peer that cannot serve is reported and left out; ucrypt must serve.
+                Err(e) if t.peer_program().is_some() => skipped.push(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(part)
+    }
+}
+
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, String> {
     for (p, pkg) in [("fio", "fio"), ("cryptsetup", "cryptsetup-bin")] {
         if !have(p) {
@@ -496,39 +625,46 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
     if progress {
         eprintln!("bench nbd: preparing images");
     }
-    let setup = Setup::new()?;
-    // Declared after `setup`, so dropped (servers stopped) before the files go.
-    let mut servers = Vec::new();
-    let mut targets = Vec::new();
-    for t in Target::ALL {
-        if let Some((prog, pkg)) = t.peer_program() {
-            if !have(prog) {
-                skipped.push(format!(
-                    "{}: {prog} not installed (apt-get install {pkg})",
-                    t.name()
-                ));
-                continue;
-            }
-        }
-        match Server::start(t, &setup) {
-            Ok(s) => {
-                servers.push(s);
-                targets.push(t);
-            }
-            // A peer that cannot serve is reported and left out; ucrypt must serve.
-            Err(e) if t.peer_program().is_some() => skipped.push(e),
-            Err(e) => return Err(e),
-        }
-    }
-    let jobs: Vec<&Job> = if have("qemu-img") {
-        JOBS.iter().collect()
-    } else {
+    let has_qemu_img = have("qemu-img");
+    if !has_qemu_img {
         skipped
             .push("the qemu-img jobs: qemu-img not installed (apt-get install qemu-utils)".into());
-        JOBS.iter().filter(|j| j.ioengine != QEMU_IMG).collect()
+    }
+    let with_client = |jobs: &'static [Job]| -> Vec<&'static Job> {
+        jobs.iter()
+            .filter(|j| has_qemu_img || j.ioengine != QEMU_IMG)
+            .collect()
     };
+    let mut parts = vec![Part::start(
+        Setup::new(&base_dir(), IMAGE_BYTES, &Target::ALL)?,
+        &Target::ALL,
+        with_client(JOBS),
+        VOLUME_BYTES,
+        &mut skipped,
+    )?];
+    let mut disk_image_dir = None;
+    match disk_dir() {
+        Ok(dir) if has_qemu_img => {
+            if progress {
+                eprintln!("bench nbd: preparing images on disk ({})", dir.display());
+            }
+            let setup = Setup::new(&dir, DISK_VOLUME_BYTES + HEADER_ROOM_BYTES, &DISK_TARGETS)?;
+            disk_image_dir = Some(dir.display().to_string());
+            parts.push(Part::start(
+                setup,
+                &DISK_TARGETS,
+                with_client(DISK_JOBS),
+                DISK_VOLUME_BYTES,
+                &mut skipped,
+            )?);
+        }
+        Ok(_) => {}
+        Err(e) => skipped.push(e),
+    }
     let count = |job: &Job| {
-        let (full, short) = if job.block_bytes >= 1 << 20 {
+        let (full, short) = if DISK_JOBS.iter().any(|d| d.name == job.name) {
+            QEMU_IMG_COUNT_DISK
+        } else if job.block_bytes >= 1 << 20 {
             QEMU_IMG_COUNT_1M
         } else {
             QEMU_IMG_COUNT_4K
@@ -539,38 +675,48 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
             full
         }
     };
-    let mut samples: Vec<Vec<Vec<FioResult>>> = vec![vec![Vec::new(); jobs.len()]; targets.len()];
+    // samples[part][target][job]
+    let mut samples: Vec<Vec<Vec<Vec<FioResult>>>> = parts
+        .iter()
+        .map(|p| vec![vec![Vec::new(); p.jobs.len()]; p.targets.len()])
+        .collect();
     for run in 0..runs {
         if progress {
             eprintln!("bench nbd: run {}/{runs}", run + 1);
         }
-        for (ji, &job) in jobs.iter().enumerate() {
-            for (ti, &t) in targets.iter().enumerate() {
-                let r = if job.ioengine == QEMU_IMG {
-                    fio::run_qemu_img(job, &setup.uri(t), count(job))
-                } else {
-                    fio::run_for(job, &setup.uri(t), VOLUME_BYTES, runtime, ramp, false)
+        for (part, samples) in parts.iter().zip(samples.iter_mut()) {
+            for (ji, &job) in part.jobs.iter().enumerate() {
+                for (ti, &t) in part.targets.iter().enumerate() {
+                    let uri = part.setup.uri(t);
+                    let r = if job.ioengine == QEMU_IMG {
+                        fio::run_qemu_img(job, &uri, count(job))
+                    } else {
+                        fio::run_for(job, &uri, part.volume_bytes, runtime, ramp, false)
+                    }
+                    .map_err(|e| format!("{}: {e}", t.name()))?;
+                    samples[ti][ji].push(r);
                 }
-                .map_err(|e| format!("{}: {e}", t.name()))?;
-                samples[ti][ji].push(r);
             }
         }
     }
-    drop(servers);
     let mut rows = Vec::new();
-    for (ji, &job) in jobs.iter().enumerate() {
-        for (ti, &target) in targets.iter().enumerate() {
-            let s = &samples[ti][ji];
-            let of = |f: fn(&FioResult) -> f64| Summary::of(&s.iter().map(f).collect::<Vec<_>>());
-            rows.push(Row {
-                job: *job,
-                target,
-                mib_s: of(|r| r.mib_s),
-                iops: of(|r| r.iops),
-                lat_p99_us: of(|r| r.lat_p99_us),
-            });
+    for (part, samples) in parts.iter().zip(&samples) {
+        for (ji, &job) in part.jobs.iter().enumerate() {
+            for (ti, &target) in part.targets.iter().enumerate() {
+                let s = &samples[ti][ji];
+                let of =
+                    |f: fn(&FioResult) -> f64| Summary::of(&s.iter().map(f).collect::<Vec<_>>());
+                rows.push(Row {
+                    job: *job,
+                    target,
+                    mib_s: of(|r| r.mib_s),
+                    iops: of(|r| r.iops),
+                    lat_p99_us: of(|r| r.lat_p99_us),
+                });
+            }
         }
     }
+    drop(parts);
     let goals = check_goals(&rows);
     Ok(NbdReport {
         schema: 1,
@@ -579,6 +725,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
         runtime_s: runtime.as_secs_f64(),
         ramp_s: ramp.as_secs_f64(),
         image_dir: base_dir().display().to_string(),
+        disk_image_dir,
         volume_bytes: VOLUME_BYTES,
         skipped,
         rows,
@@ -608,6 +755,13 @@ pub fn markdown(r: &NbdReport) -> String {
         r.ramp_s,
         r.runs
     );
+    if let Some(dir) = &r.disk_image_dir {
+        s.push_str(&format!(
+            "Jobs marked \"on disk\" run on other copies of the LUKS images in {dir} ({}), \
+             where a FUA write costs what making data durable costs on that storage.\n\n",
+            fs_type(Path::new(dir)).unwrap_or_else(|| "file system unknown".into())
+        ));
+    }
     let peers = [Target::QsdLuks1, Target::NbdkitLuks1];
     s.push_str("| job |");
     for t in Target::ALL {
@@ -620,7 +774,7 @@ pub fn markdown(r: &NbdReport) -> String {
         "\n|---|{}\n",
         "---|".repeat(Target::ALL.len() + 2)
     ));
-    for job in JOBS {
+    for job in JOBS.iter().chain(DISK_JOBS) {
         s.push_str(&format!("| {} |", job.name));
         for t in Target::ALL {
             let cell = find(&r.rows, job.name, t)
@@ -818,6 +972,7 @@ mod tests {
             runtime_s: 1.0,
             ramp_s: 0.2,
             image_dir: "/dev/shm".into(),
+            disk_image_dir: None,
             volume_bytes: VOLUME_BYTES,
             skipped: vec!["nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)".into()],
             rows,
