@@ -10,7 +10,8 @@
 //! path: one in 8 still left ~8 ns on every 4 KiB read (inline ÷ raw, null cipher, memory
 //! backend, three interleaved runs each: 0.93–0.97 timing 1 in 8, 0.96–0.99 timing 1 in 1024);
 //! one in 32 leaves ~2 ns and still times ~7,600 requests a second of a 1 GB/s stream of 4 KiB
-//! reads.
+//! reads. The gaps between timed requests are random (mean 32): with a fixed one-in-32, a
+//! benchmark stream cycling six request sizes was timed at three of them only.
 //!
 //! The counters every request bumps (requests, bytes, splits) live in per-thread slots: a thread
 //! holds one of [`COUNTER_SLOTS`] slots exclusively while it lives ([`owned_slot`]), so it adds
@@ -200,6 +201,25 @@ struct Shard {
     hist: [[Hist; PHASES]; 2],
 }
 
+/// The number of requests until the next timed one: uniform in 1..=2*SAMPLE_EVERY-1 (mean
+/// SAMPLE_EVERY), from a per-thread xorshift generator seeded by the thread's address.
+#[cold]
+fn next_gap() -> u32 {
+    thread_local! { static RNG: Cell<u32> = const { Cell::new(0) }; }
+    RNG.with(|r| {
+        let mut x = r.get();
+        if x == 0 {
+            // Any non-zero seed will do; the address of this thread's cell differs per thread.
+            x = (r as *const Cell<u32> as usize as u32) | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        r.set(x);
+        1 + x % (2 * SAMPLE_EVERY - 1)
+    })
+}
+
 /// Per-request phase times in clock ticks, filled in as the request runs (all zero for
 /// requests not sampled).
 #[derive(Debug, Default, Clone, Copy)]
@@ -215,14 +235,23 @@ pub struct Times {
 }
 
 impl Times {
-    /// Starts a request: decides whether to time it (one in SAMPLE_EVERY per thread).
+    /// Starts a request: decides whether to time it (one in SAMPLE_EVERY per thread, on
+    /// average). The gap to the next timed request is drawn at random from
+    /// 1..=2*SAMPLE_EVERY-1, so that a workload repeating a pattern (sizes cycling with a
+    /// period that shares a factor with SAMPLE_EVERY) cannot hide parts of the pattern from the
+    /// statistics; untimed requests pay one decrement.
     #[inline]
     pub fn start() -> Times {
-        thread_local! { static N: Cell<u32> = const { Cell::new(0) }; }
-        let on = N.with(|n| {
-            let v = n.get().wrapping_add(1);
-            n.set(v);
-            v & (SAMPLE_EVERY - 1) == 0
+        thread_local! { static LEFT: Cell<u32> = const { Cell::new(SAMPLE_EVERY) }; }
+        let on = LEFT.with(|left| {
+            let v = left.get() - 1;
+            if v == 0 {
+                left.set(next_gap());
+                true
+            } else {
+                left.set(v);
+                false
+            }
         });
         Times {
             on,
@@ -530,5 +559,43 @@ mod tests {
         }
         assert!(owned > COUNTER_SLOTS, "only {owned} threads owned a slot");
         assert_eq!(stats.snapshot().write.requests, 3 * COUNTER_SLOTS as u64);
+    }
+
+    /// Timed requests are one in SAMPLE_EVERY on average, and a workload whose pattern repeats
+    /// with a period sharing a factor with SAMPLE_EVERY (here 2, 4, 8 and 6) still has every
+    /// position of its pattern timed, in nearly equal shares (a fixed one-in-N counter would
+    /// time one position only, or a few of six).
+    #[test]
+    fn sampling_covers_every_position_of_a_periodic_workload() {
+        std::thread::spawn(|| {
+            let n = 200 * 1024usize;
+            let periods = [2usize, 4, 8, 6];
+            let mut hits: Vec<Vec<usize>> = periods.iter().map(|&p| vec![0; p]).collect();
+            let mut timed = 0;
+            for i in 0..n {
+                if Times::start().on {
+                    timed += 1;
+                    for (h, &p) in hits.iter_mut().zip(&periods) {
+                        h[i % p] += 1;
+                    }
+                }
+            }
+            let expect = n / SAMPLE_EVERY as usize;
+            assert!(
+                timed > expect * 9 / 10 && timed < expect * 11 / 10,
+                "{timed} of {n} timed, expected about {expect}"
+            );
+            for (h, p) in hits.iter().zip(periods) {
+                let share = timed / p;
+                for (pos, &c) in h.iter().enumerate() {
+                    assert!(
+                        c > share * 8 / 10 && c < share * 12 / 10,
+                        "period {p}: position {pos} timed {c} times, expected about {share}: {h:?}"
+                    );
+                }
+            }
+        })
+        .join()
+        .expect("sampling thread");
     }
 }
