@@ -607,14 +607,18 @@ fn interleaved_seq_reads(
     let mut buf = Aligned::new(4096);
     let buf = buf.get();
     let mut vals: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    // Parsed once: None for the rows without ucrypt.
+    let policies: Vec<Option<Policy>> = variants
+        .iter()
+        .map(|v| (!v.starts_with("raw")).then(|| v.parse().expect("policy name")))
+        .collect();
     let mut off = 0u64;
     for _ in 0..k.runs {
         let mut ticks = vec![Duration::ZERO; variants.len()];
         let mut reads = vec![0u64; variants.len()];
         let started = Instant::now();
         while started.elapsed() < k.slice * variants.len() as u32 {
-            for (i, v) in variants.iter().enumerate() {
-                let policy = (!v.starts_with("raw")).then(|| v.parse().expect("policy name"));
+            for (i, (v, &policy)) in variants.iter().zip(&policies).enumerate() {
                 if let Some(p) = policy {
                     vol.set_policy(p);
                 }

@@ -91,8 +91,7 @@ const _: () = assert!(QEMU_IMG_COUNT_DISK.0 << 20 <= DISK_VOLUME_BYTES);
 const DISK_DIR_DEFAULT: &str = "/var/tmp";
 /// The region fio touches: the first bytes of every volume.
 const VOLUME_BYTES: u64 = 256 << 20;
-/// Size of every image file: the volume plus room for the largest header used here (LUKS2's
-/// default 16 MiB data offset; LUKS1's payload starts at 2 MiB).
+/// Size of every image file in RAM: the volume plus the header room.
 const IMAGE_BYTES: u64 = VOLUME_BYTES + HEADER_ROOM_BYTES;
 /// Room before the data in every image: LUKS2's default 16 MiB data offset (LUKS1's payload
 /// starts at 2 MiB).

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Rel
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Time one request in this many (per thread); a power of two.
+/// Time one request in this many (per thread), on average.
 pub const SAMPLE_EVERY: u32 = 32;
 /// Stats shards; a power of two.
 const SHARDS: usize = 8;
