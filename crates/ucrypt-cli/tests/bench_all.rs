@@ -93,6 +93,15 @@ fn bench_all_quick_writes_report_json_and_plots() {
                 })
             })
         };
+        // The QD1 jobs with fio and the server pinned to one CPU ran (pinning worked).
+        let one_cpu = nbd["rows"].as_array().is_some_and(|rows| {
+            rows.iter().any(|r| {
+                r["target"] == "ucrypt-luks2"
+                    && r["job"]["cpus"] == "one"
+                    && r["mib_s"]["median"].as_f64().is_some_and(|m| m > 0.0)
+            })
+        });
+        assert!(one_cpu, "no one-CPU QD1 row for ucrypt");
         if nbd["disk_image_dir"].is_string() {
             assert!(on_disk("ucrypt-luks2"), "no durable-write row for ucrypt");
             assert!(on_disk("nbdkit-luks1"), "no durable-write row for nbdkit");

@@ -19,7 +19,15 @@ pub struct Job {
     pub block_bytes: u32,
     pub ioengine: &'static str,
     pub iodepth: u32,
+    /// Where the client and the server run: [`ANY_CPU`] (where the scheduler puts them) or
+    /// [`ONE_CPU`] (both pinned to the same CPU, so no wake-up crosses CPUs).
+    pub cpus: &'static str,
 }
+
+/// [`Job::cpus`]: the scheduler places client and server.
+pub const ANY_CPU: &str = "any";
+/// [`Job::cpus`]: client and server pinned to one CPU (see [`Job::on_one_cpu`]).
+pub const ONE_CPU: &str = "one";
 
 impl Job {
     pub const fn new(
@@ -35,6 +43,17 @@ impl Job {
             block_bytes,
             ioengine,
             iodepth,
+            cpus: ANY_CPU,
+        }
+    }
+
+    /// The same job with client and server pinned to one CPU: at QD1 a request then costs
+    /// the work of both ends and two context switches, without the wake-up of a sleeping CPU.
+    pub const fn on_one_cpu(self, name: &'static str) -> Job {
+        Job {
+            name,
+            cpus: ONE_CPU,
+            ..self
         }
     }
 
@@ -119,7 +138,8 @@ pub struct FioResult {
 
 /// Runs `job` for `runtime` (fio takes milliseconds) against `target` (a file path, or with
 /// `ioengine` "nbd" an NBD URI), over the first `size_bytes`, after `ramp` of unmeasured
-/// warm-up (the scheduler settles where client and server threads run).
+/// warm-up (the scheduler settles where client and server threads run). `cpu`: the CPU fio is
+/// pinned to (a [`ONE_CPU`] job), None to let the scheduler place it.
 pub fn run_for(
     job: &Job,
     target: &Path,
@@ -127,6 +147,7 @@ pub fn run_for(
     runtime: Duration,
     ramp: Duration,
     direct: bool,
+    cpu: Option<usize>,
 ) -> Result<FioResult, String> {
     let mut cmd = Command::new("fio");
     cmd.args([
@@ -145,6 +166,9 @@ pub fn run_for(
     .arg(format!("--direct={}", direct as u8))
     .arg("--randrepeat=0")
     .arg("--norandommap");
+    if let Some(c) = cpu {
+        cmd.arg(format!("--cpus_allowed={c}"));
+    }
     if job.ioengine == "nbd" {
         cmd.arg(format!("--uri={}", target.display()));
     } else {

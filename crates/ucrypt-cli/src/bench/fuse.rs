@@ -313,6 +313,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
                     Duration::from_secs_f64(runtime_s),
                     Duration::ZERO,
                     true,
+                    None,
                 )?);
             }
         }

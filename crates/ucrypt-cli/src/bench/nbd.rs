@@ -13,6 +13,9 @@
 //! - A plain file served by `ucrypt serve --unencrypted`, and another copy by nbdkit's file
 //!   plugin without a filter: each server's NBD path without any crypto. The nbdkit one bounds
 //!   what any server can reach with this client at QD1, where the round trip dominates.
+//! - The 4 KiB QD1 jobs run twice: with fio and the servers where the scheduler puts them, and
+//!   with fio and the server under test pinned to one CPU (every thread of the server, for
+//!   that job only), which takes the wake-up of a sleeping CPU out of each round trip.
 //! - On disk (`/var/tmp`, or `UCRYPT_BENCH_DISK_DIR`; skipped with the reason if that is a RAM
 //!   file system): smaller copies of the LUKS images for ucrypt, qemu-storage-daemon and
 //!   nbdkit, for the durable-write job ([`DISK_JOBS`]), where the cost of flushing is real.
@@ -36,9 +39,16 @@ use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job, QEMU_IMG};
 use super::stats::{Machine, Summary};
 
+const RANDREAD_QD1: Job = Job::new("4k randread QD1", "randread", 4096, "nbd", 1);
+const RANDWRITE_QD1: Job = Job::new("4k randwrite QD1", "randwrite", 4096, "nbd", 1);
 const JOBS: &[Job] = &[
-    Job::new("4k randread QD1", "randread", 4096, "nbd", 1),
-    Job::new("4k randwrite QD1", "randwrite", 4096, "nbd", 1),
+    RANDREAD_QD1,
+    RANDWRITE_QD1,
+    // The same with fio and the server pinned to one CPU: at QD1 a request is one round trip,
+    // and on virtual machines waking a sleeping CPU costs more than the rest of it. These rows
+    // show what each server's own path costs without that wake-up.
+    RANDREAD_QD1.on_one_cpu("4k randread QD1, one CPU"),
+    RANDWRITE_QD1.on_one_cpu("4k randwrite QD1, one CPU"),
     Job::new("4k randread QD32", "randread", 4096, "nbd", 32),
     Job::new("4k randwrite QD32", "randwrite", 4096, "nbd", 32),
     // Four 1 MiB requests in flight: a sequential stream as a file system or qemu sends it.
@@ -538,9 +548,76 @@ impl Server {
     }
 }
 
+impl Server {
+    fn pid(&self) -> libc::pid_t {
+        self.child.id() as libc::pid_t
+    }
+}
+
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Result<libc::cpu_set_t, String> {
+    // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity writes at most the given size into `set`, which we own.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    if r != 0 {
+        return Err(format!(
+            "sched_getaffinity: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(set)
+}
+
+fn first_cpu(set: &libc::cpu_set_t) -> Option<usize> {
+    // SAFETY: CPU_ISSET only reads the set, for CPU numbers below CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as usize).find(|&c| unsafe { libc::CPU_ISSET(c, set) })
+}
+
+/// Sets the affinity of every thread of process `pid` (threads it starts later inherit it from
+/// the thread that starts them).
+fn set_process_affinity(pid: libc::pid_t, set: &libc::cpu_set_t) -> Result<(), String> {
+    let dir = format!("/proc/{pid}/task");
+    let tasks = std::fs::read_dir(&dir).map_err(|e| format!("{dir}: {e}"))?;
+    for tid in tasks.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<libc::pid_t>().ok()) {
+        // SAFETY: sched_setaffinity reads the set, which outlives the call.
+        let r = unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(set), set) };
+        let e = std::io::Error::last_os_error();
+        // A thread that ended since the directory was read is no error.
+        if r != 0 && e.raw_os_error() != Some(libc::ESRCH) {
+            return Err(format!("pinning thread {tid} of process {pid}: {e}"));
+        }
+    }
+    Ok(())
+}
+
+/// A server pinned to one CPU for a job; on drop it may use `restore` again.
+struct Pinned {
+    pid: libc::pid_t,
+    restore: libc::cpu_set_t,
+}
+
+impl Pinned {
+    fn new(pid: libc::pid_t, cpu: usize, restore: libc::cpu_set_t) -> Result<Pinned, String> {
+        // SAFETY: as in allowed_cpus.
+        let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: CPU_SET writes one bit of `one`; `cpu` came from first_cpu (< CPU_SETSIZE).
+        unsafe { libc::CPU_SET(cpu, &mut one) };
+        let pinned = Pinned { pid, restore };
+        set_process_affinity(pid, &one)?;
+        Ok(pinned)
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        let _ = set_process_affinity(self.pid, &self.restore);
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
-        let pid = self.child.id() as libc::pid_t;
+        let pid = self.pid();
         // SAFETY: kill(2) on our own child's pid, which stays reserved until we reap it below.
         unsafe { libc::kill(pid, libc::SIGTERM) };
         let t = Instant::now();
@@ -674,6 +751,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
             full
         }
     };
+    // The CPU that one-CPU jobs pin fio and the server to; afterwards the server gets back
+    // the CPUs this process (and so every server, which inherited them) may use.
+    let own_cpus = allowed_cpus()?;
+    let one_cpu = first_cpu(&own_cpus).ok_or("this process may run on no CPU")?;
     // samples[part][target][job]
     let mut samples: Vec<Vec<Vec<Vec<FioResult>>>> = parts
         .iter()
@@ -687,10 +768,15 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
             for (ji, &job) in part.jobs.iter().enumerate() {
                 for (ti, &t) in part.targets.iter().enumerate() {
                     let uri = part.setup.uri(t);
+                    let cpu = (job.cpus == fio::ONE_CPU).then_some(one_cpu);
+                    let _pinned = match cpu {
+                        Some(c) => Some(Pinned::new(part.servers[ti].pid(), c, own_cpus)?),
+                        None => None,
+                    };
                     let r = if job.ioengine == QEMU_IMG {
                         fio::run_qemu_img(job, &uri, count(job))
                     } else {
-                        fio::run_for(job, &uri, part.volume_bytes, runtime, ramp, false)
+                        fio::run_for(job, &uri, part.volume_bytes, runtime, ramp, false, cpu)
                     }
                     .map_err(|e| format!("{}: {e}", t.name()))?;
                     samples[ti][ji].push(r);
@@ -862,6 +948,24 @@ fn round_trip_note(r: &NbdReport) -> String {
                 100.0 * ours / plain.max(1e-9)
             ));
         }
+        let pinned = format!("{job}, one CPU");
+        let mib = |t| find(&r.rows, &pinned, t).map(|x| x.mib_s.median);
+        if let Some(ours) = mib(Target::UcryptLuks2) {
+            s.push_str(&format!(
+                "With fio and the server pinned to one CPU (no wake-up of a sleeping CPU per \
+                 request): ucrypt LUKS2 {ours:.0} MiB/s"
+            ));
+            for p in [Target::NbdkitLuks1, Target::QsdLuks1] {
+                if let Some(peer) = mib(p) {
+                    s.push_str(&format!(
+                        ", {} {peer:.0} ({})",
+                        p.name(),
+                        show_ratio(Some(ours / peer.max(1e-9)))
+                    ));
+                }
+            }
+            s.push_str(".\n");
+        }
     }
     s
 }
@@ -957,6 +1061,8 @@ mod tests {
             row("4k randwrite QD1", Plain, 170.0),
             row("4k randwrite QD1", NbdkitLuks1, 80.0),
             row("4k randwrite QD1", NbdkitPlain, 100.0),
+            row("4k randread QD1, one CPU", UcryptLuks2, 600.0),
+            row("4k randread QD1, one CPU", NbdkitLuks1, 240.0),
         ];
         let goals = check_goals(&rows);
         let report = NbdReport {
@@ -989,6 +1095,8 @@ mod tests {
             "| 4k randread QD1 ≥ 3× nbdkit LUKS1 | not measured | not measured |",
             "| 1M write QD4 ≥ 20× nbdkit LUKS1 | 25× met | not measured |",
             "Skipped: nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)",
+            "With fio and the server pinned to one CPU (no wake-up of a sleeping CPU per \
+             request): ucrypt LUKS2 600 MiB/s, nbdkit LUKS1 240 (2.50×).",
         ];
         for l in lines {
             assert!(md.lines().any(|x| x == l), "missing {l:?} in\n{md}");
@@ -996,6 +1104,8 @@ mod tests {
         let json = serde_json::to_value(&report).expect("serialises");
         assert_eq!(json["rows"][0]["target"], "ucrypt-luks2");
         assert_eq!(json["rows"][0]["job"]["name"], "4k randread QD1");
+        assert_eq!(json["rows"][0]["job"]["cpus"], "any");
+        assert_eq!(json["rows"][8]["job"]["cpus"], "one");
         assert_eq!(json["goals"][0]["met"], true);
     }
 }
