@@ -754,10 +754,17 @@ fn draw_bars<DB: DrawingBackend>(
     p: &PreparedBars,
 ) -> Result<(), String> {
     let groups = p.groups.len() as f64;
+    // Group names are wrapped to the width of their group (estimated here, before the chart
+    // exists, from the drawing's width less the margins and the y label area).
+    let group_px = (root.dim_in_pixel().0 as f64 - 2.0 * 16.0 - 80.0) / groups.max(1.0);
+    let max_chars = ((group_px * 0.9) / (TICK_PT * GLYPH_EM)).max(4.0) as usize;
+    let names: Vec<Vec<String>> = p.groups.iter().map(|g| wrap(g, max_chars)).collect();
+    let lines = names.iter().map(Vec::len).max().unwrap_or(1) as u32;
+    let line_px = (TICK_PT * 1.25) as i32;
     let mut chart = ChartBuilder::on(root)
         .caption(&p.title, font(TITLE_PT))
         .margin(16)
-        .x_label_area_size(40)
+        .x_label_area_size(16 + lines * line_px as u32)
         .y_label_area_size(80)
         .build_cartesian_2d(0.0..groups, 0.0..p.y_max)
         .map_err(err)?;
@@ -818,12 +825,37 @@ fn draw_bars<DB: DrawingBackend>(
         .map_err(err)?;
     // Group names under the axis, centred on their group.
     let style = font(TICK_PT).pos(Pos::new(HPos::Center, VPos::Top));
-    for (g, name) in p.groups.iter().enumerate() {
+    for (g, name) in names.iter().enumerate() {
         let (px, py) = chart.backend_coord(&(g as f64 + 0.5, 0.0));
-        root.draw(&Text::new(name.as_str(), (px, py + 8), style.clone()))
-            .map_err(err)?;
+        for (k, line) in name.iter().enumerate() {
+            let y = py + 8 + k as i32 * line_px;
+            root.draw(&Text::new(line.as_str(), (px, y), style.clone()))
+                .map_err(err)?;
+        }
     }
     Ok(())
+}
+
+/// Average glyph width of the plot font, in ems (DejaVu Sans: about 0.55).
+const GLYPH_EM: f64 = 0.55;
+
+/// Splits `text` at spaces into lines of at most `max_chars` characters; a longer word gets a
+/// line of its own.
+fn wrap(text: &str, max_chars: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for word in text.split(' ').filter(|w| !w.is_empty()) {
+        match lines.last_mut() {
+            Some(l) if l.chars().count() + 1 + word.chars().count() <= max_chars => {
+                l.push(' ');
+                l.push_str(word);
+            }
+            _ => lines.push(word.to_string()),
+        }
+    }
+    if lines.is_empty() {
+        lines.push(String::new());
+    }
+    lines
 }
 
 #[cfg(test)]
@@ -835,6 +867,24 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).expect("temp dir");
         d
+    }
+
+    #[test]
+    fn wraps_group_names() {
+        // (text, max chars, lines)
+        let rows: &[(&str, usize, &[&str])] = &[
+            ("4k randread QD1", 20, &["4k randread QD1"]),
+            (
+                "4k randread QD1, one CPU",
+                12,
+                &["4k randread", "QD1, one CPU"],
+            ),
+            ("a verylongword b", 4, &["a", "verylongword", "b"]),
+            ("", 8, &[""]),
+        ];
+        for &(text, max, want) in rows {
+            assert_eq!(wrap(text, max), want, "{text:?} at {max}");
+        }
     }
 
     /// (width, height) from a PNG's IHDR chunk, after checking the signature.
