@@ -19,19 +19,30 @@ APT_PACKAGES=(
   fonts-dejavu-core
 )
 
-missing=()
-for p in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+missing_packages() {
+  missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+}
+# Two passes: installing one package can remove another (Debian's qemu-system-common replaces
+# a qemu-utils from backports), which the second pass puts back in the matching version.
+for pass in 1 2; do
+  missing_packages
+  [ ${#missing[@]} -eq 0 ] && break
   if [ "$(id -u)" != 0 ]; then
     echo "deps: missing Debian packages: ${missing[*]} (run as root or: sudo apt-get install ${missing[*]})" >&2
     exit 1
   fi
   echo "deps: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
+  [ "$pass" = 1 ] && apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+done
+missing_packages
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: still missing after installing: ${missing[*]}" >&2
+  exit 1
 fi
 # the kernel-in-a-VM tests (dm-crypt, ublk): qemu, a stock kernel, busybox, cryptsetup, dmsetup
 if [ "$(id -u)" = 0 ]; then bash "$(dirname "$0")/../tests/vm/install-deps.sh"; fi
