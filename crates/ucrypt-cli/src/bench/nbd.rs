@@ -510,6 +510,10 @@ impl Server {
         })
     }
 
+    fn pid(&self) -> libc::pid_t {
+        self.child.id() as libc::pid_t
+    }
+
     /// Starts the server for `t` and waits until its socket accepts connections.
     fn start(t: Target, s: &Setup) -> Result<Server, String> {
         let mut cmd = Self::command(t, s)?;
@@ -545,12 +549,6 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
         Err(format!("{} did not listen within {READY_WAIT:?}", t.name()))
-    }
-}
-
-impl Server {
-    fn pid(&self) -> libc::pid_t {
-        self.child.id() as libc::pid_t
     }
 }
 
@@ -603,6 +601,7 @@ impl Pinned {
         let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         // SAFETY: CPU_SET writes one bit of `one`; `cpu` came from first_cpu (< CPU_SETSIZE).
         unsafe { libc::CPU_SET(cpu, &mut one) };
+        // The guard exists first: if pinning fails part way, its drop restores every thread.
         let pinned = Pinned { pid, restore };
         set_process_affinity(pid, &one)?;
         Ok(pinned)
