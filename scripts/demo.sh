@@ -2,7 +2,8 @@
 # ucrypt's main job on an embedded default, explained step by step:
 # a LUKS2 volume in a local file, served over FUSE and NBD, with a filesystem on it, data
 # written and verified, and a short benchmark. Sets up what it needs (as root, the Debian
-# packages; without root it uses what is installed and skips the steps that need root).
+# packages ucrypt needs to build and run: `deps.sh run`, which leaves the host's kernel and
+# boot files alone; without root it uses what is installed and skips the steps that need root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${UCRYPT_DEMO_DIR:-/tmp/ucrypt-demo}
@@ -22,7 +23,14 @@ wait_for() { # wait_for SECONDS COMMAND...: poll until COMMAND succeeds
 }
 
 say "1. Dependencies and a release build"
-if [ "$(id -u)" = 0 ]; then bash scripts/deps.sh; else note "not root: using installed packages"; fi
+if [ "$(id -u)" = 0 ]; then
+  bash scripts/deps.sh run
+else
+  note "not root: using installed packages"
+  # As root ucrypt mounts FUSE with mount(2); without root it goes through fusermount3.
+  command -v fusermount3 >/dev/null \
+    || { echo "demo: without root, step 3 needs fusermount3 (Debian package fuse3)" >&2; exit 1; }
+fi
 cargo build --release -q
 U=$PWD/target/release/ucrypt
 rm -rf "$DIR" && mkdir -p "$DIR"

@@ -4,7 +4,7 @@
 # the reason; those are counted as skipped. Under CI=true missing Debian packages fail instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/deps.sh || exit 1
+bash scripts/deps.sh all || exit 1
 log=$(mktemp)
 cargo test --workspace --no-fail-fast -- --show-output 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
