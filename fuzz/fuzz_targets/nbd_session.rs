@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use ucrypt::nbd::transmission::REQUEST_HEADER_BYTES;
-use ucrypt::nbd::*;
+use ucrypt_nbd::proto::transmission::REQUEST_HEADER_BYTES;
+use ucrypt_nbd::proto::*;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&policy, mut rest)) = data.split_first() else { return };

@@ -1,12 +1,16 @@
-//! `ucrypt`: cryptsetup-style verbs, front ends (NBD, FUSE, ublk) and benchmarks.
+//! `ucrypt`: cryptsetup-style verbs and the front ends (NBD, FUSE, ublk) that serve volumes.
 //!
-//! Each verb family lives in its own module and contributes its variants to [`Cmd`].
+//! This crate parses arguments, asks for passphrases, wires the library crates together and
+//! turns their typed errors into one line and cryptsetup's exit code (`error.rs`). Each verb
+//! family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod error;
 mod luks_cli;
 mod mount;
-mod nbd_server;
 mod open;
+mod pass;
+mod serve;
 mod signals;
 mod ublk;
 
@@ -25,21 +29,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Benchmarks: cipher, engine, nbd, fuse, all.
+    /// Benchmarks: cipher, engine, nbd, fuse, all, compare (runs ucrypt-bench).
     Bench(bench::BenchArgs),
     /// LUKS verbs (cryptsetup spellings accepted as aliases).
     #[command(flatten)]
     Luks(Box<luks_cli::LuksCmd>),
     /// Serve volumes to NBD clients (qemu, nbd-client, libnbd tools, fio).
-    Serve(Box<nbd_server::ServeArgs>),
+    Serve(Box<serve::ServeArgs>),
     /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
-    Ublk {
-        #[command(flatten)]
-        volume: open::VolumeArgs,
-        /// Hardware queues (default: one per CPU).
-        #[arg(long)]
-        queues: Option<u16>,
-    },
+    Ublk(ublk::UblkArgs),
     /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
     Mount(mount::MountArgs),
 }
@@ -56,22 +54,8 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),
-        Cmd::Serve(a) => nbd_server::run_serve(*a),
-        Cmd::Ublk { volume, queues } => {
-            let mut opts = ublk::UblkOptions::default();
-            if let Some(q) = queues {
-                opts.queues = q;
-            }
-            let opened =
-                signals::block_stop_signals().and_then(|sigs| volume.open().map(|dev| (dev, sigs)));
-            match opened.and_then(|(dev, sigs)| ublk::run(dev, opts, sigs)) {
-                Ok(()) => 0,
-                Err(e) => {
-                    eprintln!("ucrypt ublk: {e}");
-                    1
-                }
-            }
-        }
+        Cmd::Serve(a) => serve::run(*a),
+        Cmd::Ublk(a) => ublk::run(a),
         Cmd::Mount(a) => mount::run(a),
     };
     std::process::exit(code);

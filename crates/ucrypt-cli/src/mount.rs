@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use ucrypt_fuse::{MountOptions, PunchHole, Transport};
 
+use crate::error::CliResult;
 use crate::open::VolumeArgs;
 
 #[derive(Args, Debug)]
@@ -45,33 +46,30 @@ enum FuseTransport {
 }
 
 pub fn run(a: MountArgs) -> i32 {
+    crate::error::report("mount", mount(a))
+}
+
+fn mount(a: MountArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
-    let served = crate::signals::block_stop_signals().and_then(|_| {
-        let dev = a.volume.open()?;
-        let opts = MountOptions {
-            file_name: a.file_name,
-            threads: a.threads,
-            allow_other: a.allow_other,
-            direct_io: a.direct_io,
-            punch_hole: if a.punch_hole_discards {
-                PunchHole::Discard
-            } else {
-                PunchHole::Zeroes
-            },
-            fs_name: format!("ucrypt:{}", a.volume.volume.display()),
-            transport: match a.fuse_transport {
-                FuseTransport::Auto => Transport::Auto,
-                FuseTransport::Classic => Transport::Classic,
-                FuseTransport::IoUring => Transport::IoUring,
-            },
-        };
-        ucrypt_fuse::mount(dev, &a.mountpoint, &opts).map_err(|e| e.to_string())
-    });
-    match served {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("ucrypt mount: {e}");
-            1
-        }
-    }
+    let stop = crate::signals::stop_on_signals()?;
+    let dev = a.volume.open()?;
+    let opts = MountOptions {
+        file_name: a.file_name,
+        threads: a.threads,
+        allow_other: a.allow_other,
+        direct_io: a.direct_io,
+        punch_hole: if a.punch_hole_discards {
+            PunchHole::Discard
+        } else {
+            PunchHole::Zeroes
+        },
+        fs_name: format!("ucrypt:{}", a.volume.volume.display()),
+        transport: match a.fuse_transport {
+            FuseTransport::Auto => Transport::Auto,
+            FuseTransport::Classic => Transport::Classic,
+            FuseTransport::IoUring => Transport::IoUring,
+        },
+    };
+    ucrypt_fuse::mount(dev, &a.mountpoint, &opts, &stop)?;
+    Ok(())
 }

@@ -118,7 +118,6 @@ const FILE_INO: u64 = 2;
 const MAX_BACKGROUND: u16 = 64;
 /// Above this many background requests the kernel marks the mount congested (3/4 of the above).
 const CONGESTION_THRESHOLD: u16 = 48;
-const PAGE_BYTES: u32 = 4096;
 const DT_DIR: u32 = 4;
 const DT_REG: u32 = 8;
 
@@ -311,7 +310,7 @@ impl VolumeFs {
             max_background: MAX_BACKGROUND,
             congestion_threshold: CONGESTION_THRESHOLD,
             max_write: REQUEST_BYTES_MAX,
-            max_pages: (REQUEST_BYTES_MAX / PAGE_BYTES) as u16,
+            max_pages: (REQUEST_BYTES_MAX / ucrypt::sync::PAGE_BYTES as u32) as u16,
         };
         proto::init_out(&mut o, &i);
         self.io_uring

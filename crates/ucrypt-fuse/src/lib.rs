@@ -40,8 +40,8 @@ pub use transport::URING_ENTRIES_PER_QUEUE;
 /// REQUEST_BYTES_MAX.
 pub const THREADS_MAX: usize = 16;
 
-/// How often [`mount`] checks whether the session ended while it waits for signals.
-const SIGNAL_POLL: Duration = Duration::from_millis(200);
+/// How often [`mount`] checks whether the session ended while it waits for a stop request.
+const STOP_POLL: Duration = Duration::from_millis(200);
 
 /// The kernel switch for FUSE-over-io_uring.
 pub const ENABLE_URING_PATH: &str = "/sys/module/fuse/parameters/enable_uring";
@@ -511,10 +511,15 @@ impl Drop for Mounted {
     }
 }
 
-/// Serves `dev` at `mountpoint` until it is unmounted or the process receives SIGINT/SIGTERM;
-/// returns after every acknowledged write is flushed. Prints one line when ready.
-pub fn mount(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> Result<()> {
-    let sigs = transport::SignalBlock::new(&[libc::SIGINT, libc::SIGTERM])?;
+/// Serves `dev` at `mountpoint` until it is unmounted or `stop` is requested (the `ucrypt`
+/// command ties SIGINT and SIGTERM to it); returns after every acknowledged write is flushed.
+/// Prints one line when ready.
+pub fn mount(
+    dev: Arc<dyn BlockDev>,
+    mountpoint: &Path,
+    opts: &MountOptions,
+    stop: &ucrypt::Stop,
+) -> Result<()> {
     let m = spawn(dev, mountpoint, opts)?;
     eprintln!(
         "ucrypt mount: serving {} ({} bytes); {}",
@@ -522,27 +527,23 @@ pub fn mount(dev: Arc<dyn BlockDev>, mountpoint: &Path, opts: &MountOptions) -> 
         m.dev.size(),
         m.transport
     );
-    let mut asked = false;
+    // Stop requests acted on so far: an unmount that failed is tried again on the next one.
+    let mut handled = 0;
     while !m.finished() {
-        if let Some(sig) = sigs.wait(SIGNAL_POLL) {
-            if !asked {
-                asked = true;
-                match m.request_unmount() {
-                    Ok(Unmount::Done) => eprintln!("ucrypt mount: signal {sig}: unmounted"),
-                    Ok(Unmount::Detached) => eprintln!(
-                        "ucrypt mount: signal {sig}: {} is busy (loop device?); detached, serving until its last user closes it",
-                        m.file.display()
-                    ),
-                    Err(e) => {
-                        eprintln!("ucrypt mount: signal {sig}: unmount failed: {e}");
-                        asked = false;
-                    }
-                }
+        let seen = stop.wait_timeout(handled, STOP_POLL);
+        if seen > handled {
+            handled = seen;
+            match m.request_unmount() {
+                Ok(Unmount::Done) => eprintln!("ucrypt mount: stop requested: unmounted"),
+                Ok(Unmount::Detached) => eprintln!(
+                    "ucrypt mount: stop requested: {} is busy (loop device?); detached, serving until its last user closes it",
+                    m.file.display()
+                ),
+                Err(e) => eprintln!("ucrypt mount: stop requested: unmount failed: {e}"),
             }
         }
     }
     m.join()?;
     eprintln!("ucrypt mount: unmounted, all writes flushed");
-    drop(sigs);
     Ok(())
 }

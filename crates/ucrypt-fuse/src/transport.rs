@@ -19,7 +19,6 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
@@ -35,7 +34,7 @@ pub const URING_ENTRIES_PER_QUEUE: usize = 8;
 /// Bytes of one ring entry's payload buffer; the kernel wants at least max_write and
 /// max_pages pages (both REQUEST_BYTES_MAX here).
 const URING_PAYLOAD_BYTES: usize = REQUEST_BYTES_MAX as usize;
-const PAGE_BYTES: usize = 4096;
+use ucrypt::sync::PAGE_BYTES;
 /// `_IOR(229, 0, uint32_t)`: attach a new /dev/fuse fd to an existing connection.
 const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_e500;
 
@@ -591,52 +590,4 @@ pub fn pin_to_cpu(cpu: usize) {
 pub fn ids() -> (u32, u32) {
     // SAFETY: getuid/getgid cannot fail and touch no memory.
     unsafe { (libc::getuid(), libc::getgid()) }
-}
-
-/// Blocks signals in this thread (and the threads it starts) so they can be taken
-/// synchronously with `sigtimedwait`; restores the previous mask on drop.
-pub struct SignalBlock {
-    set: libc::sigset_t,
-    old: libc::sigset_t,
-}
-
-impl SignalBlock {
-    pub fn new(signals: &[i32]) -> ucrypt::Result<Self> {
-        // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a valid sigset_t owned by this frame.
-        unsafe { libc::sigemptyset(&mut set) };
-        for &s in signals {
-            // SAFETY: as above; `s` is a valid signal number.
-            unsafe { libc::sigaddset(&mut set, s) };
-        }
-        // SAFETY: both pointers are valid sigset_t values for the duration of the call.
-        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
-        if rc != 0 {
-            return Err(ucrypt::Error::io(
-                "block signals",
-                std::io::Error::from_raw_os_error(rc),
-            ));
-        }
-        Ok(SignalBlock { set, old })
-    }
-
-    pub fn wait(&self, timeout: Duration) -> Option<i32> {
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: `self.set` and `ts` are valid for the call; siginfo may be null.
-        let s = unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &ts) };
-        (s > 0).then_some(s)
-    }
-}
-
-impl Drop for SignalBlock {
-    fn drop(&mut self) {
-        // SAFETY: `self.old` is the mask saved by pthread_sigmask in `new`.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
-    }
 }

@@ -2,7 +2,7 @@
 //! [`crate::volume::Volume`] implements it; tests may implement it over plain memory. Front ends
 //! never see keys, cipher contexts or headers, only this.
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// A thread-safe plaintext block device: many callers may issue requests at once (`&self`).
 ///
@@ -35,4 +35,13 @@ pub trait BlockDev: Send + Sync {
     fn discard(&self, offset: u64, len: u64) -> Result<()>;
     /// The range reads back as zeroes afterwards.
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
+}
+
+/// Checks that `offset..offset+len` lies inside a device (or backend) of `size` bytes, without
+/// overflowing: the one range check of every `BlockDev` and `Backend`.
+pub fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::OutOfRange { offset, len, size }),
+    }
 }

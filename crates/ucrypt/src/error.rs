@@ -67,10 +67,6 @@ pub enum Error {
     #[error("kernel feature unavailable: {0}")]
     KernelFeature(String),
 
-    // ---- bad data from the network ----
-    #[error("NBD protocol violation by the client: {0}")]
-    NbdProtocol(String),
-
     // ---- the crypto library ----
     #[error("cipher library call {call} failed")]
     CipherLibrary { call: &'static str },
@@ -80,7 +76,48 @@ pub enum Error {
     Bug(&'static str),
 }
 
+/// Who can act on an error: what a front end or a command needs to decide how to report it
+/// and which exit code to give (see `ucrypt-cli`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The caller's input: arguments, options, a request outside the volume. Fix the call.
+    BadInput,
+    /// The passphrase or key does not open the volume.
+    WrongKey,
+    /// The data on the device is not what it should be (not LUKS, a damaged or unsupported
+    /// header). Repair or restore the device's metadata.
+    BadData,
+    /// The device, the backing store or the machine failed or lacks a feature. Fix the host.
+    Device,
+    /// The other end of a connection broke the protocol. Blame the peer.
+    Peer,
+    /// A ucrypt bug. Report it.
+    Internal,
+}
+
 impl Error {
+    /// Who can act on this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::UnsupportedCipher { .. }
+            | Error::KeySize { .. }
+            | Error::SectorSize(_)
+            | Error::NotSectorMultiple { .. }
+            | Error::OutOfRange { .. }
+            | Error::InvalidArgument(_)
+            | Error::ReadOnly(_) => ErrorKind::BadInput,
+            Error::WrongPassphrase | Error::NoUsableKeyslot => ErrorKind::WrongKey,
+            Error::NotLuks(_)
+            | Error::BadHeader { .. }
+            | Error::UnsupportedLuks(_)
+            | Error::Keyslot { .. } => ErrorKind::BadData,
+            Error::Io { .. } | Error::KernelFeature(_) | Error::CipherLibrary { .. } => {
+                ErrorKind::Device
+            }
+            Error::Bug(_) => ErrorKind::Internal,
+        }
+    }
+
     /// Wraps an `io::Error` with what we were doing.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         Error::Io {

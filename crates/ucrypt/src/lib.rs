@@ -1,25 +1,47 @@
 //! ucrypt: a userspace, dm-crypt and LUKS2 compatible disk encryption engine.
 //!
+//! Open a LUKS volume in one call with [`luks::open`], or build a [`volume::Volume`] from a
+//! [`volume::VolumeConfig`] for a raw dm-crypt mapping; either way you get a [`BlockDev`], the
+//! plaintext device every front end (NBD, FUSE, ublk: the `ucrypt-*` crates) serves.
+//!
 //! The data path, top to bottom:
-//! - [`sector`]: cipher specs in dm-crypt syntax, IV generators, and multi-sector AES-XTS/CBC
-//!   calls byte-compatible with dm-crypt.
 //! - [`volume`]: a [`volume::Volume`] = backend + key + dispatch policy, serving [`BlockDev`];
 //!   read it first: it shows read -> plan -> crypto -> backend.
-//! - [`engine`]: the pure request planner, dispatch policies, workers, range locks, stats.
+//! - [`engine`]: the dispatch [`engine::Policy`] and its statistics; the planner, workers,
+//!   queues and range locks behind them are private to this crate.
+//! - [`sector`]: cipher specs in dm-crypt syntax, IV generators, and multi-sector AES-XTS/CBC
+//!   calls byte-compatible with dm-crypt.
 //! - [`pool`]: bounded, aligned, preallocated bounce buffers.
 //! - [`backend`]: where ciphertext lives (file / block device, memory, fault injection).
+//! - [`luks`]: LUKS2 and LUKS1 headers, sans I/O, and the small driver that performs their
+//!   reads and writes against a backend.
+//!
+//! Engine internals are not reachable from outside the crate:
+//!
+//! ```compile_fail
+//! use ucrypt::engine::workers::DoneRef;
+//! ```
+//!
+//! ```compile_fail
+//! use ucrypt::engine::plan::Planner;
+//! ```
+//!
+//! ```compile_fail
+//! use ucrypt::volume::Task;
+//! ```
 
 pub mod backend;
 pub mod blockdev;
 pub mod engine;
 pub mod error;
 pub mod luks;
-pub mod nbd;
 pub mod pool;
 pub mod secret;
 pub mod sector;
+pub mod sync;
 pub mod volume;
 
 pub use blockdev::BlockDev;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use secret::SecretBytes;
+pub use sync::Stop;

@@ -20,12 +20,13 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
+use crate::sync::{lock, WaitCell, PAGE_BYTES};
 use crate::{Error, Result};
 
 /// Buffers are handed out in pages: the alignment O_DIRECT needs on every device seen so far.
-pub const POOL_PAGE_BYTES: usize = 4096;
+pub const POOL_PAGE_BYTES: usize = PAGE_BYTES;
 /// Default bounce memory per volume: 16 concurrent 1 MiB requests, or 4096 4 KiB ones.
 pub const POOL_BYTES_DEFAULT: usize = 16 << 20;
 /// Refuse silly configurations (a typo adding zeroes) rather than pin gigabytes.
@@ -35,7 +36,8 @@ pub struct BufferPool {
     base: NonNull<u8>,
     pages: usize,
     state: Mutex<State>,
-    cv: Condvar,
+    /// Callers waiting in line; others notify only if there are any.
+    cv: WaitCell,
 }
 
 struct State {
@@ -44,9 +46,6 @@ struct State {
     free_pages: usize,
     next_ticket: u64,
     serving: u64,
-    /// Callers asleep on `cv`: others notify only if there are any (a notify is a system call
-    /// even when nobody waits).
-    waiters: usize,
 }
 
 // SAFETY: the arena is owned by the pool; disjoint page ranges are handed to one grant each
@@ -92,9 +91,8 @@ impl BufferPool {
                 free_pages: pages,
                 next_ticket: 0,
                 serving: 0,
-                waiters: 0,
             }),
-            cv: Condvar::new(),
+            cv: WaitCell::new(),
         })
     }
 
@@ -105,7 +103,7 @@ impl BufferPool {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state is a bitmap updated in single steps; a panic elsewhere cannot corrupt it.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Takes `len` bytes (rounded up to pages) as one contiguous buffer (holding zeroes or old
@@ -124,17 +122,17 @@ impl BufferPool {
         loop {
             if st.serving == ticket && st.free_pages >= pages {
                 if let Some(first) = find_run(&st.used, self.pages, pages) {
+                    // Grants turn `first_page` into pointer offsets: the run must lie inside
+                    // the arena (checked once per grant).
+                    assert!(first + pages <= self.pages, "pool run beyond the arena");
                     for p in first..first + pages {
                         st.used[p / 64] |= 1 << (p % 64);
                     }
                     st.free_pages -= pages;
                     st.serving += 1;
-                    let wake = st.waiters > 0;
                     drop(st);
                     // The next in line may fit too.
-                    if wake {
-                        self.cv.notify_all();
-                    }
+                    self.cv.notify_all();
                     return Ok(Grant {
                         pool: self,
                         first_page: first,
@@ -144,9 +142,7 @@ impl BufferPool {
                     });
                 }
             }
-            st.waiters += 1;
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-            st.waiters -= 1;
+            st = self.cv.wait(st);
         }
     }
 
@@ -245,12 +241,8 @@ impl Drop for Grant<'_> {
             st.used[p / 64] &= !(1 << (p % 64));
         }
         st.free_pages += self.pages;
-        // Read under the lock, so a caller about to sleep has counted itself (see `take`).
-        let wake = st.waiters > 0;
         drop(st);
-        if wake {
-            self.pool.cv.notify_all();
-        }
+        self.pool.cv.notify_all();
     }
 }
 

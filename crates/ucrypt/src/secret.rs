@@ -11,8 +11,8 @@ use std::ptr::NonNull;
 use subtle::ConstantTimeEq;
 use zeroize::Zeroize;
 
-/// Page size assumed for alignment; mlock/madvise round to pages anyway.
-const PAGE_BYTES: usize = 4096;
+// mlock/madvise round to pages anyway.
+use crate::sync::PAGE_BYTES;
 
 /// Largest secret we ever hold: a LUKS anti-forensic split of a 512-byte key is 4000 × 64 bytes
 /// = 256 KiB; leave headroom for keyfiles (cryptsetup caps keyfiles at 8 MiB).

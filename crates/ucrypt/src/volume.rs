@@ -21,7 +21,7 @@
 //! model's worker queue and writer thread.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -30,14 +30,17 @@ use crate::engine::ciphers::CipherSlots;
 use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange, CHUNKS_PER_LANE};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
-use crate::engine::stats::{now, ns_per_tick, Kind, Stats, StatsSnapshot, Times};
+use crate::engine::stats::{now, ns_per_tick, Kind, Stats, Times};
+use crate::engine::task::Task;
 use crate::engine::workers::{
-    self, Completion, DoneRef, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX, SPIN_BEFORE_SLEEP,
-    SPIN_MAX, WRITE_QUEUE_MAX,
+    self, Completion, DoneRef, Executor, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX,
+    WRITE_QUEUE_MAX,
 };
-use crate::engine::Policy;
+pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX};
+use crate::engine::{Policy, StatsSnapshot};
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
 use crate::sector::{CipherSpec, Geometry, Mode, SectorCipher};
+use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
 /// Largest piece of a request processed at once (also bounded by the pool): big enough for the
@@ -95,53 +98,13 @@ impl VolumeConfig {
     }
 }
 
-/// What a task runs on: the encryption sectors, where their ciphertext is (or goes), and for
-/// writes where the plaintext comes from. Raw pointers because chunks of one caller's buffers
-/// go to worker threads; the caller waits for all of them before its buffers go away.
-#[derive(Clone, Copy)]
-pub struct Task {
-    pub write: bool,
-    pub sectors: SectorRange,
-    /// Ciphertext for exactly `sectors` (`sectors.len() << shift` bytes); reads decrypt it in
-    /// place, so for reads it ends up holding plaintext.
-    pub buf: *mut u8,
-    /// Writes: plaintext to encrypt into `buf`; null = `buf` already holds the plaintext.
-    pub src: *const u8,
-    /// Also do the backend I/O (read before decrypting / write after encrypting).
-    pub io: bool,
-}
-
-// SAFETY: a Task is a view of buffers owned by a caller that blocks until every task made from
-// them has completed; disjoint chunks never overlap, so no two threads write the same bytes.
-unsafe impl Send for Task {}
-
-impl Task {
-    /// The part of this task covering `sub` (inside `self.sectors`).
-    pub(crate) fn sub(&self, sub: SectorRange, shift: u32) -> Task {
-        let off = ((sub.first - self.sectors.first) << shift) as usize;
-        Task {
-            sectors: sub,
-            // SAFETY: `sub` lies inside `self.sectors`, so `off` is within the buffer, which
-            // covers all of `self.sectors`.
-            buf: unsafe { self.buf.add(off) },
-            src: if self.src.is_null() {
-                self.src
-            } else {
-                // SAFETY: as above; a non-null src covers the same sectors.
-                unsafe { self.src.add(off) }
-            },
-            ..*self
-        }
-    }
-}
-
 /// Hands out turns in submission order for the `ordered` policy.
 struct Turns {
     next_ticket: AtomicU64,
-    /// (ticket being served, callers asleep on `cv`: a turn is passed on with a notify only if
-    /// someone sleeps, since a notify is a system call even when nobody waits).
-    serving: Mutex<(u64, usize)>,
-    cv: Condvar,
+    /// The ticket being served; a turn is passed on with a notify only if someone sleeps on
+    /// `cv`.
+    serving: Mutex<u64>,
+    cv: WaitCell,
 }
 
 /// Holding a ticket: dropping it waits for its turn (if not yet waited) and passes the turn on,
@@ -164,11 +127,9 @@ impl Turns {
 
 impl Turn<'_> {
     fn wait(&mut self) {
-        let mut s = self.turns.serving.lock().unwrap_or_else(|e| e.into_inner());
-        while s.0 != self.ticket {
-            s.1 += 1;
-            s = self.turns.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-            s.1 -= 1;
+        let mut s = lock(&self.turns.serving);
+        while *s != self.ticket {
+            s = self.turns.cv.wait(s);
         }
         self.waited = true;
     }
@@ -179,13 +140,10 @@ impl Drop for Turn<'_> {
         if !self.waited {
             self.wait();
         }
-        let mut s = self.turns.serving.lock().unwrap_or_else(|e| e.into_inner());
-        s.0 = self.ticket + 1;
-        let wake = s.1 > 0;
+        let mut s = lock(&self.turns.serving);
+        *s = self.ticket + 1;
         drop(s);
-        if wake {
-            self.turns.cv.notify_all();
-        }
+        self.turns.cv.notify_all();
     }
 }
 
@@ -199,7 +157,7 @@ impl Drop for BigGuard<'_> {
 }
 
 /// The state shared by the volume's callers and its threads.
-pub struct Core {
+pub(crate) struct Core {
     backend: Arc<dyn Backend>,
     data_offset: u64,
     size: u64,
@@ -215,10 +173,10 @@ pub struct Core {
     policy: AtomicU8,
     pool: BufferPool,
     locks: RangeLock,
-    pub(crate) ciphers: CipherSlots,
+    ciphers: CipherSlots,
     stats: Stats,
-    pub(crate) jobs: BoundedQueue<Job>,
-    pub(crate) writes: BoundedQueue<WriteJob>,
+    jobs: BoundedQueue<Job>,
+    writes: BoundedQueue<WriteJob>,
     turns: Turns,
     /// Workers that may spin for work at once: one CPU less than there are, which is left to
     /// the callers that produce the work.
@@ -609,8 +567,8 @@ impl Volume {
             writes: BoundedQueue::new(WRITE_QUEUE_MAX),
             turns: Turns {
                 next_ticket: AtomicU64::new(0),
-                serving: Mutex::new((0, 0)),
-                cv: Condvar::new(),
+                serving: Mutex::new(0),
+                cv: WaitCell::new(),
             },
             max_spinners: workers.saturating_sub(1) as u32,
             spin: cfg.spin,
@@ -631,7 +589,7 @@ impl Volume {
                     .spawn(move || {
                         let _ = started.send(());
                         drop(started);
-                        workers::worker_loop(&c)
+                        workers::worker_loop(&*c)
                     })
                     .map_err(|e| Error::io("starting a worker thread", e))?,
             );
@@ -643,7 +601,7 @@ impl Volume {
                 .spawn(move || {
                     let _ = started.send(());
                     drop(started);
-                    workers::writer_loop(&c)
+                    workers::writer_loop(&*c)
                 })
                 .map_err(|e| Error::io("starting the writer thread", e))?,
         );
@@ -759,15 +717,10 @@ impl Drop for Volume {
 // ================================================================ drivers: how tasks run
 
 impl Core {
+    /// The range check every request passes first: the pointer arithmetic of tasks and the
+    /// pool relies on requests lying inside the volume.
     fn check(&self, offset: u64, len: u64) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.size => Ok(()),
-            _ => Err(Error::OutOfRange {
-                offset,
-                len,
-                size: self.size,
-            }),
-        }
+        crate::blockdev::check_range(offset, len, self.size)
     }
 
     fn check_writable(&self) -> Result<()> {
@@ -797,14 +750,6 @@ impl Core {
         }
         let dispatch = planner.dispatch(policy, op, len, idle);
         (planner.plan(op, offset, len, dispatch), guard)
-    }
-
-    pub(crate) fn max_spinners(&self) -> u32 {
-        self.max_spinners
-    }
-
-    pub(crate) fn spin(&self) -> Duration {
-        self.spin
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
@@ -838,16 +783,50 @@ impl Core {
         }
     }
 
+    /// The ciphertext buffer of `task`, after checking (in debug builds; this is every
+    /// request's path) that its sectors lie inside the volume, which is what sizes the buffers
+    /// callers and the pool hand in.
+    ///
+    /// # Safety
+    /// `task.buf` must cover `task.sectors` and belong to this task alone (see [`Task`]).
+    unsafe fn task_buf(&self, task: &Task) -> &mut [u8] {
+        debug_assert!(
+            task.sectors.end << self.shift <= self.size,
+            "task beyond the volume"
+        );
+        debug_assert!(!task.buf.is_null());
+        // SAFETY: the caller's contract above.
+        unsafe { std::slice::from_raw_parts_mut(task.buf, task.bytes(self.shift)) }
+    }
+}
+
+impl Executor for Core {
+    fn jobs(&self) -> &BoundedQueue<Job> {
+        &self.jobs
+    }
+
+    fn writes(&self) -> &BoundedQueue<WriteJob> {
+        &self.writes
+    }
+
+    fn ciphers(&self) -> &CipherSlots {
+        &self.ciphers
+    }
+
+    fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    fn max_spinners(&self) -> u32 {
+        self.max_spinners
+    }
+
     /// Runs a task: backend read + decrypt, or encrypt + backend write (I/O only if `task.io`).
-    pub(crate) fn exec_task(
-        &self,
-        own: Option<&mut SectorCipher>,
-        task: &Task,
-        t: &mut Times,
-    ) -> Result<()> {
-        let len = (task.sectors.len() << self.shift) as usize;
-        // SAFETY: the task's buffer covers its sectors and belongs to this task alone (see Task).
-        let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
+    fn exec_task(&self, own: Option<&mut SectorCipher>, task: &Task, t: &mut Times) -> Result<()> {
+        let len = task.bytes(self.shift);
+        // SAFETY: every task the volume builds covers its sectors with a buffer of its own
+        // (see Task); chunks of a split are disjoint sub-tasks.
+        let buf = unsafe { self.task_buf(task) };
         if !task.write {
             if task.io {
                 let t0 = t.clock();
@@ -876,10 +855,9 @@ impl Core {
     }
 
     /// The backend write of an encrypted task.
-    pub(crate) fn write_task_io(&self, task: &Task, t: &mut Times) -> Result<()> {
-        let len = (task.sectors.len() << self.shift) as usize;
+    fn write_task_io(&self, task: &Task, t: &mut Times) -> Result<()> {
         // SAFETY: as in exec_task; the buffer now holds ciphertext.
-        let buf = unsafe { std::slice::from_raw_parts(task.buf as *const u8, len) };
+        let buf: &[u8] = unsafe { self.task_buf(task) };
         let t0 = t.clock();
         let r = self
             .backend
@@ -887,7 +865,9 @@ impl Core {
         t.backend += t.clock().wrapping_sub(t0);
         r
     }
+}
 
+impl Core {
     /// Runs `task` on `lanes` threads (the caller and `lanes - 1` workers), cut into
     /// `lanes * CHUNKS_PER_LANE` chunks they claim one at a time (see [`Split`]). Returns only
     /// when every chunk has finished, error or not.
@@ -972,9 +952,8 @@ impl Core {
             Dispatch::Queued if task.write => self.run_queued(Task { io: false, ..task }, true, t),
             Dispatch::Queued => {
                 // dm-crypt reads: the I/O completes, then decryption is queued to a worker.
-                let len = (task.sectors.len() << self.shift) as usize;
                 // SAFETY: as in exec_task.
-                let buf = unsafe { std::slice::from_raw_parts_mut(task.buf, len) };
+                let buf = unsafe { self.task_buf(&task) };
                 let t0 = t.clock();
                 let r = self
                     .backend

@@ -1,74 +1,19 @@
-//! `export` and `import`: stream the whole data area of a LUKS volume through the engine
-//! (`ucrypt::volume::Volume` over a `FileBackend`), in large requests so the engine's
-//! parallel dispatch can use every core.
-//!
-//! [`open_luks_blockdev`] is the LUKS path for front ends too: header + passphrase in, a
-//! `BlockDev` out.
+//! `export` and `import`: stream the whole data area of a volume through the engine, opened
+//! like every front end opens it ([`VolumeArgs`]), in large requests so the engine's parallel
+//! dispatch can use every core.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
-use ucrypt::backend::{DirectMode, FileBackend};
-use ucrypt::engine::Policy;
-use ucrypt::luks::{self, Header, VolumeKey};
-use ucrypt::volume::Volume;
-use ucrypt::{BlockDev, Error, Result};
+use ucrypt::Error;
 
-use super::dev::HeaderDev;
-use super::{existing_source, load, read_volume_key_file, unlock_with, LuksOpts};
+use crate::error::{CliError, CliResult};
+use crate::open::VolumeArgs;
 
 /// Bytes per request: large enough that the engine splits it across workers.
 const CHUNK_BYTES: usize = 4 << 20;
-
-/// Unlocks for a data verb: with --volume-key-file or a passphrase.
-fn unlock_volume(volume: &Path, o: &LuksOpts, writable: bool) -> Result<(Header, VolumeKey)> {
-    let (dev, hdr): (HeaderDev, Header) = load(volume, o, false)?;
-    if writable {
-        hdr.check_requirements()?;
-    }
-    let vk = match &o.volume_key_file {
-        Some(p) => hdr.verify_key(read_volume_key_file(p, None)?)?,
-        None => {
-            unlock_with(
-                &dev,
-                &hdr,
-                &existing_source(o, None),
-                o.key_slot,
-                &format!("Enter passphrase for {}: ", volume.display()),
-            )?
-            .1
-        }
-    };
-    Ok((hdr, vk))
-}
-
-/// Opens a LUKS volume (header on the device or --header) as a plaintext block device.
-pub fn open_luks_blockdev(
-    volume: &Path,
-    o: &LuksOpts,
-    writable: bool,
-    policy: Policy,
-) -> Result<Arc<dyn BlockDev>> {
-    let (hdr, vk) = unlock_volume(volume, o, writable)?;
-    let mut cfg = luks::volume_config(&hdr, &vk)?;
-    drop(vk);
-    cfg.policy = policy;
-    if let Some(us) = o.spin_us {
-        cfg.spin = std::time::Duration::from_micros(us);
-    }
-    cfg.read_only = cfg.read_only || !writable;
-    // --allow-discards at open time, like cryptsetup open (the header flag also enables it).
-    cfg.allow_discards |= o.allow_discards;
-    let backend = FileBackend::open(volume, writable, DirectMode::Auto)?;
-    Ok(Arc::new(Volume::new(Arc::new(backend), cfg)?))
-}
-
-fn policy(o: &LuksOpts) -> Result<Policy> {
-    o.policy.as_deref().unwrap_or("auto").parse()
-}
 
 struct Progress {
     start: Instant,
@@ -84,7 +29,7 @@ impl Progress {
             start: now,
             last: now,
             total,
-            show: super::pass::stderr_is_tty(),
+            show: crate::pass::stderr_is_tty(),
         }
     }
 
@@ -118,8 +63,12 @@ impl Progress {
     }
 }
 
-pub fn export(volume: &Path, file: &Path, o: &LuksOpts) -> Result<i32> {
-    let vol = open_luks_blockdev(volume, o, false, policy(o)?)?;
+pub fn export(v: &VolumeArgs, file: &Path) -> CliResult<i32> {
+    let v = VolumeArgs {
+        read_only: true,
+        ..v.clone()
+    };
+    let vol = v.open()?;
     let total = vol.size();
     let mut out = File::create(file)
         .map_err(|e| Error::io(format!("Cannot create {}", file.display()), e))?;
@@ -141,8 +90,8 @@ pub fn export(volume: &Path, file: &Path, o: &LuksOpts) -> Result<i32> {
     Ok(0)
 }
 
-pub fn import(file: &Path, volume: &Path, o: &LuksOpts) -> Result<i32> {
-    let vol = open_luks_blockdev(volume, o, true, policy(o)?)?;
+pub fn import(file: &Path, v: &VolumeArgs) -> CliResult<i32> {
+    let vol = v.open()?;
     let total = vol.size();
     let mut input =
         File::open(file).map_err(|e| Error::io(format!("Cannot open {}", file.display()), e))?;
@@ -151,10 +100,10 @@ pub fn import(file: &Path, volume: &Path, o: &LuksOpts) -> Result<i32> {
         .map_err(|e| Error::io(format!("stat {}", file.display()), e))?
         .len();
     if in_len > total {
-        return Err(Error::InvalidArgument(format!(
+        return Err(CliError::Usage(format!(
             "{} ({in_len} bytes) is larger than the data area of {} ({total} bytes)",
             file.display(),
-            volume.display()
+            v.volume.display()
         )));
     }
     let mut buf = vec![0u8; CHUNK_BYTES];

@@ -5,9 +5,8 @@
 //! Exit codes follow cryptsetup(8): 1 wrong parameters, 2 no permission / bad passphrase,
 //! 3 out of memory, 4 wrong device, 5 device busy.
 
-pub(crate) mod data;
+mod data;
 mod dev;
-mod pass;
 
 use std::path::{Path, PathBuf};
 
@@ -18,9 +17,11 @@ use ucrypt::luks::{
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
-pub use data::open_luks_blockdev;
+use crate::error::{CliError, CliResult};
+use crate::open::VolumeArgs;
+
+use crate::pass::{self, Source};
 use dev::HeaderDev;
-use pass::Source;
 
 /// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
 #[derive(Args, Debug, Clone, Default)]
@@ -128,15 +129,9 @@ pub struct LuksOpts {
     /// Accepted for compatibility (cryptsetup's passphrase quality check is not applied).
     #[arg(long)]
     pub force_password: bool,
-    /// Engine dispatch policy for export/import: inline, parallel, ordered, queued, auto.
-    #[arg(long)]
-    pub policy: Option<String>,
     /// Number of passphrase attempts (accepted; ucrypt asks once).
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
-    /// Engine workers' busy-wait before sleeping, in µs (default 50; 0 = never spin).
-    #[arg(long, value_name = "US")]
-    pub spin_us: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -246,18 +241,16 @@ pub enum LuksCmd {
     /// Decrypt the whole data area of VOLUME into FILE.
     #[command(name = "export")]
     Export {
-        volume: PathBuf,
-        file: PathBuf,
         #[command(flatten)]
-        o: LuksOpts,
+        v: VolumeArgs,
+        file: PathBuf,
     },
     /// Encrypt FILE into the data area of VOLUME.
     #[command(name = "import")]
     Import {
         file: PathBuf,
-        volume: PathBuf,
         #[command(flatten)]
-        o: LuksOpts,
+        v: VolumeArgs,
     },
 }
 
@@ -312,42 +305,24 @@ pub fn reorder_args(args: Vec<String>) -> Vec<String> {
     out
 }
 
-/// cryptsetup's exit code for an error.
-pub fn exit_code(e: &Error) -> i32 {
-    match e {
-        Error::WrongPassphrase => 2,
-        Error::Io { source, .. } => match source.kind() {
-            std::io::ErrorKind::NotFound => 4,
-            std::io::ErrorKind::PermissionDenied => 2,
-            std::io::ErrorKind::OutOfMemory => 3,
-            _ => match source.raw_os_error() {
-                Some(libc::EBUSY) => 5,
-                Some(libc::ENOMEM) => 3,
-                Some(libc::ENODEV) | Some(libc::ENXIO) => 4,
-                _ => 1,
-            },
-        },
-        _ => 1,
-    }
-}
-
 pub fn run(cmd: LuksCmd) -> i32 {
     ucrypt::secret::disable_core_dumps();
     match dispatch(cmd) {
         Ok(code) => code,
-        Err(Error::NotLuks(dev)) => {
+        Err(CliError::Core(Error::NotLuks(dev))) => {
             eprintln!("Device {dev} is not a valid LUKS device.");
             1
         }
+        // cryptsetup's own messages, unprefixed: scripts match them.
         Err(e) => {
             eprintln!("{e}");
-            exit_code(&e)
+            e.exit_code()
         }
     }
 }
 
-fn dispatch(cmd: LuksCmd) -> Result<i32> {
-    match cmd {
+fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
+    let r = match cmd {
         LuksCmd::Format {
             device,
             pos_key_file,
@@ -382,9 +357,10 @@ fn dispatch(cmd: LuksCmd) -> Result<i32> {
         LuksCmd::Open { device, name, o } => open(&device, name.as_deref(), &o),
         LuksCmd::Config { device, o } => config(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
-        LuksCmd::Export { volume, file, o } => data::export(&volume, &file, &o),
-        LuksCmd::Import { file, volume, o } => data::import(&file, &volume, &o),
-    }
+        LuksCmd::Export { v, file } => return data::export(&v, &file),
+        LuksCmd::Import { file, v } => return data::import(&file, &v),
+    };
+    Ok(r?)
 }
 
 /// The header device: --header if given, else the device itself.

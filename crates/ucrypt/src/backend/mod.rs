@@ -61,10 +61,4 @@ pub trait Backend: Send + Sync {
     }
 }
 
-/// Checks that `offset..offset+len` lies inside a backend of `size` bytes.
-pub(crate) fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(Error::OutOfRange { offset, len, size }),
-    }
-}
+pub(crate) use crate::blockdev::check_range;

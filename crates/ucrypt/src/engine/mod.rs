@@ -7,14 +7,22 @@
 //! - [`ciphers`]: cipher contexts reused across requests (one costs ~2 µs to create).
 //! - [`stats`]: cheap per-request timings (log2 histograms).
 //!
-//! The drivers that perform plans live in `volume.rs`, next to the data path they serve.
+//! - [`task`]: a unit of crypto and I/O over one run of sectors, as handed to a thread.
+//!
+//! Only [`Policy`] and the statistics types are public: the rest carries raw pointers into
+//! callers' buffers and is sound only as the volume uses it. The drivers that perform plans
+//! live in `volume.rs`, next to the data path they serve; the workers reach them through the
+//! [`workers::Executor`] trait, so this module never imports the volume.
 
-pub mod ciphers;
-pub mod plan;
-pub mod queue;
-pub mod range_lock;
-pub mod stats;
-pub mod workers;
+pub(crate) mod ciphers;
+pub(crate) mod plan;
+pub(crate) mod queue;
+pub(crate) mod range_lock;
+pub(crate) mod stats;
+pub(crate) mod task;
+pub(crate) mod workers;
+
+pub use stats::{OpStats, Phase, PhaseStats, StatsSnapshot, SAMPLE_EVERY};
 
 use std::fmt;
 use std::str::FromStr;

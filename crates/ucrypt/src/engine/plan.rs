@@ -30,6 +30,16 @@ impl SectorRange {
         self.end <= self.first
     }
 
+    /// Chunk `i` of `n` nearly equal runs this range is cut into (`i < n <= len`).
+    pub fn chunk(&self, i: u64, n: u64) -> SectorRange {
+        debug_assert!(i < n && n <= self.len().max(1));
+        let total = self.len();
+        SectorRange {
+            first: self.first + total * i / n,
+            end: self.first + total * (i + 1) / n,
+        }
+    }
+
     pub fn overlaps(&self, o: &SectorRange) -> bool {
         self.first < o.end && o.first < self.end
     }
@@ -106,15 +116,13 @@ impl Piece {
         !self.partial_first && !self.partial_last
     }
 
-    /// Splits the piece into `n` (at most one per sector) nearly equal chunks of sectors.
+    /// Splits the piece into `n` (at most one per sector) nearly equal chunks of sectors, the
+    /// way a split request's helpers claim them.
+    #[cfg(test)]
     pub fn chunks(&self, n: u32) -> impl Iterator<Item = SectorRange> {
-        let total = self.sectors.len();
-        let n = (n as u64).clamp(1, total.max(1));
-        let first = self.sectors.first;
-        (0..n).map(move |i| SectorRange {
-            first: first + total * i / n,
-            end: first + total * (i + 1) / n,
-        })
+        let sectors = self.sectors;
+        let n = (n as u64).clamp(1, sectors.len().max(1));
+        (0..n).map(move |i| sectors.chunk(i, n))
     }
 }
 

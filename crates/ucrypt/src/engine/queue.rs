@@ -8,7 +8,9 @@
 use std::sync::atomic::{
     AtomicBool, AtomicI64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+
+use crate::sync::{lock, WaitCell};
 use std::time::{Duration, Instant};
 
 /// Spin iterations between two looks at the clock.
@@ -38,7 +40,8 @@ pub struct BoundedQueue<T> {
     /// spinning consumers.
     len_hint: AtomicUsize,
     closed_hint: AtomicBool,
-    not_empty: Condvar,
+    /// Consumers asleep for work: a push wakes one only if there are any.
+    not_empty: WaitCell,
     not_full: Condvar,
 }
 
@@ -49,8 +52,6 @@ struct Ring<T> {
     closed: bool,
     /// Consumers spinning or blocked in `pop` right now (idle workers, for the `auto` policy).
     idle: u32,
-    /// Consumers blocked on `not_empty` (the ones a push must wake).
-    sleeping: u32,
     /// Consumers spinning in `pop_spin` right now.
     spinning: u32,
 }
@@ -65,10 +66,9 @@ impl<T> BoundedQueue<T> {
                 len: 0,
                 closed: false,
                 idle: 0,
-                sleeping: 0,
                 spinning: 0,
             }),
-            not_empty: Condvar::new(),
+            not_empty: WaitCell::new(),
             not_full: Condvar::new(),
             spare: AtomicI64::new(0),
             len_hint: AtomicUsize::new(0),
@@ -82,14 +82,17 @@ impl<T> BoundedQueue<T> {
     }
 
     fn lock(&self) -> MutexGuard<'_, Ring<T>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Adds an item, waiting while the queue is full. Gives the item back if the queue is closed.
     pub fn push(&self, item: T) -> Result<(), T> {
         let mut r = self.lock();
         while r.len == r.slots.len() && !r.closed {
-            r = self.not_full.wait(r).unwrap_or_else(|e| e.into_inner());
+            r = self
+                .not_full
+                .wait(r)
+                .unwrap_or_else(PoisonError::into_inner);
         }
         if r.closed {
             return Err(item);
@@ -99,11 +102,8 @@ impl<T> BoundedQueue<T> {
         r.slots[tail] = Some(item);
         r.len += 1;
         self.mirror(&r);
-        let wake = r.sleeping > 0;
         drop(r);
-        if wake {
-            self.not_empty.notify_one();
-        }
+        self.not_empty.notify_one();
         Ok(())
     }
 
@@ -156,9 +156,7 @@ impl<T> BoundedQueue<T> {
                 r = self.lock();
                 r.spinning -= 1;
             } else {
-                r.sleeping += 1;
-                r = self.not_empty.wait(r).unwrap_or_else(|e| e.into_inner());
-                r.sleeping -= 1;
+                r = self.not_empty.wait(r);
             }
             r.idle -= 1;
             self.mirror(&r);
@@ -218,11 +216,9 @@ impl<T> BoundedQueue<T> {
                 return 0;
             }
             r.idle += 1;
-            r.sleeping += 1;
             self.mirror(&r);
-            r = self.not_empty.wait(r).unwrap_or_else(|e| e.into_inner());
+            r = self.not_empty.wait(r);
             r.idle -= 1;
-            r.sleeping -= 1;
             self.mirror(&r);
         }
     }

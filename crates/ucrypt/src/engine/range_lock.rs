@@ -2,23 +2,22 @@
 //! to different places never wait for each other, and overlapping ones run one after the other
 //! (no torn sector, no lost read-modify-write update).
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use super::plan::SectorRange;
+use crate::sync::{lock, WaitCell};
 
 /// Requests holding a range at once; more wait (bounded, preallocated table).
 pub const RANGE_LOCK_HOLDERS_MAX: usize = 256;
 
 pub struct RangeLock {
     held: Mutex<Held>,
-    cv: Condvar,
+    /// Callers waiting for a range; releasing one wakes them only if there are any.
+    cv: WaitCell,
 }
 
 struct Held {
     ranges: Vec<SectorRange>,
-    /// Callers asleep on `cv`. Releasing a range wakes them only if there are any: a notify
-    /// is a system call even when nobody waits, and most releases have no waiter.
-    waiters: usize,
 }
 
 pub struct RangeGuard<'a> {
@@ -31,9 +30,8 @@ impl Default for RangeLock {
         RangeLock {
             held: Mutex::new(Held {
                 ranges: Vec::with_capacity(RANGE_LOCK_HOLDERS_MAX),
-                waiters: 0,
             }),
-            cv: Condvar::new(),
+            cv: WaitCell::new(),
         }
     }
 }
@@ -41,7 +39,7 @@ impl Default for RangeLock {
 impl RangeLock {
     fn table(&self) -> MutexGuard<'_, Held> {
         // Entries are pushed and removed in single steps; a panic cannot leave a half entry.
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.held)
     }
 
     /// Waits until no held range overlaps `range` and a table slot is free, then holds it.
@@ -50,9 +48,7 @@ impl RangeLock {
         while held.ranges.len() >= RANGE_LOCK_HOLDERS_MAX
             || held.ranges.iter().any(|r| r.overlaps(&range))
         {
-            held.waiters += 1;
-            held = self.cv.wait(held).unwrap_or_else(|e| e.into_inner());
-            held.waiters -= 1;
+            held = self.cv.wait(held);
         }
         held.ranges.push(range);
         RangeGuard { lock: self, range }
@@ -65,13 +61,10 @@ impl Drop for RangeGuard<'_> {
         if let Some(i) = held.ranges.iter().position(|r| *r == self.range) {
             held.ranges.swap_remove(i);
         }
-        // Read under the lock: a caller that found this range held counted itself in
-        // `waiters` before it slept, and one that comes later sees the range gone.
-        let wake = held.waiters > 0;
+        // A caller that found this range held counted itself as a sleeper before the lock was
+        // released; one that comes later sees the range gone.
         drop(held);
-        if wake {
-            self.lock.cv.notify_all();
-        }
+        self.lock.cv.notify_all();
     }
 }
 

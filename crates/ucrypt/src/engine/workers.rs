@@ -4,15 +4,33 @@
 //! everything it handed off before returning, so tasks may point into the caller's buffers.
 
 use std::sync::atomic::{AtomicU32, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::plan::SectorRange;
-use super::queue::spin_until;
+use super::ciphers::CipherSlots;
+use super::queue::{spin_until, BoundedQueue};
 use super::stats::{now, Times};
+use super::task::Task;
 use crate::sector::SectorCipher;
-use crate::volume::{Core, Task};
+use crate::sync::{lock, WaitCell};
 use crate::{Error, Result};
+
+/// What the threads need from the volume they serve: its queues and cipher contexts, and the
+/// two steps of a task it knows how to perform. The volume implements it; this module never
+/// names the volume, so the engine does not depend on it.
+pub(crate) trait Executor: Sync {
+    fn jobs(&self) -> &BoundedQueue<Job>;
+    fn writes(&self) -> &BoundedQueue<WriteJob>;
+    fn ciphers(&self) -> &CipherSlots;
+    /// `VolumeConfig::spin`.
+    fn spin(&self) -> Duration;
+    /// Workers that may spin for work at once.
+    fn max_spinners(&self) -> u32;
+    /// Backend read + decrypt, or encrypt + backend write (I/O only if `task.io`).
+    fn exec_task(&self, own: Option<&mut SectorCipher>, task: &Task, t: &mut Times) -> Result<()>;
+    /// The backend write of an encrypted task.
+    fn write_task_io(&self, task: &Task, t: &mut Times) -> Result<()>;
+}
 
 /// Jobs waiting for a worker: enough for every caller thread to hand off a few chunks.
 pub const JOB_QUEUE_MAX: usize = 256;
@@ -31,9 +49,9 @@ pub const SPIN_MAX: Duration = Duration::from_millis(10);
 
 /// Counts down the parts of a request handed to other threads. Lives on the caller's stack;
 /// the caller does not return before `remaining` reaches zero.
-pub struct Completion {
+pub(crate) struct Completion {
     st: Mutex<CompState>,
-    cv: Condvar,
+    cv: WaitCell,
     /// `remaining`, mirrored for a waiter that spins before it takes the lock.
     hint: AtomicU32,
 }
@@ -42,9 +60,6 @@ struct CompState {
     remaining: u32,
     err: Option<Error>,
     times: Times,
-    /// The caller sleeps on `cv` (it did not see the last part finish while spinning): only
-    /// then does the last part notify, a system call otherwise wasted.
-    sleeping: bool,
 }
 
 impl Completion {
@@ -54,9 +69,10 @@ impl Completion {
                 remaining: parts,
                 err: None,
                 times: Times::default(),
-                sleeping: false,
             }),
-            cv: Condvar::new(),
+            // The last part notifies only if the caller sleeps (it did not see the last part
+            // finish while spinning): a notify is a system call otherwise wasted.
+            cv: WaitCell::new(),
             hint: AtomicU32::new(parts),
         }
     }
@@ -64,14 +80,15 @@ impl Completion {
     /// One part finished. After this returns the completion may be gone: the caller of `done`
     /// must not touch it again.
     pub fn done(&self, r: Result<()>, t: &Times) {
-        let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.st);
         s.times.add(t);
         if let Err(e) = r {
             s.err.get_or_insert(e);
         }
+        assert!(s.remaining > 0, "more parts completed than were handed out");
         s.remaining -= 1;
         self.hint.store(s.remaining, Release);
-        if s.remaining == 0 && s.sleeping {
+        if s.remaining == 0 {
             // Notify while holding the lock: the waiter cannot return (and free this) before we
             // release it.
             self.cv.notify_all();
@@ -85,10 +102,9 @@ impl Completion {
         if !spin.is_zero() && self.hint.load(Acquire) > 0 {
             spin_until(Instant::now() + spin, || self.hint.load(Acquire) == 0);
         }
-        let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.st);
         while s.remaining > 0 {
-            s.sleeping = true;
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self.cv.wait(s);
         }
         let r = match s.err.take() {
             Some(e) => Err(e),
@@ -102,17 +118,16 @@ impl Drop for Completion {
     /// Waits for every pending part even if the caller is unwinding from a panic: workers hold
     /// pointers to this completion (and to the caller's buffers) until they call `done`.
     fn drop(&mut self) {
-        let mut s = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.st);
         while s.remaining > 0 {
-            s.sleeping = true;
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self.cv.wait(s);
         }
     }
 }
 
 /// A pointer to a caller's stack `Completion`, sendable to a worker.
 #[derive(Clone, Copy)]
-pub struct DoneRef(pub *const Completion);
+pub(crate) struct DoneRef(pub *const Completion);
 // SAFETY: Completion is Sync (Mutex + Condvar); the caller keeps it alive until every part
 // referring to it has called `done` (it blocks in `wait`).
 unsafe impl Send for DoneRef {}
@@ -128,7 +143,7 @@ impl DoneRef {
 /// its helpers claim one at a time until none is left: whoever is faster (or started earlier)
 /// takes more, so a request waits for at most one small chunk of a late helper, not half of it.
 /// Lives on the caller's stack; `helpers` counts the helper jobs not yet finished.
-pub struct Split {
+pub(crate) struct Split {
     task: Task,
     chunks: u32,
     shift: u32,
@@ -154,15 +169,10 @@ impl Split {
         if i >= self.chunks {
             return None;
         }
-        let (first, total, n) = (
-            self.task.sectors.first,
-            self.task.sectors.len(),
-            self.chunks as u64,
-        );
-        let sub = SectorRange {
-            first: first + total * i as u64 / n,
-            end: first + total * (i as u64 + 1) / n,
-        };
+        let sub = self
+            .task
+            .sectors
+            .chunk(u64::from(i), u64::from(self.chunks));
         Some(self.task.sub(sub, self.shift))
     }
 
@@ -170,7 +180,7 @@ impl Split {
     /// run, so that every chunk is finished when the request returns).
     pub fn run_chunks(
         &self,
-        core: &Core,
+        core: &impl Executor,
         mut own: Option<&mut SectorCipher>,
         t: &mut Times,
     ) -> Result<()> {
@@ -187,12 +197,12 @@ impl Split {
 
 /// A pointer to a caller's stack `Split`, sendable to a worker.
 #[derive(Clone, Copy)]
-pub struct SplitRef(pub *const Split);
+pub(crate) struct SplitRef(pub *const Split);
 // SAFETY: Split is Sync (atomics, a Completion, and a Task that is Send and only read); the
 // caller keeps it alive until every helper has called `done` on `helpers` (it blocks in `wait`).
 unsafe impl Send for SplitRef {}
 
-pub enum Job {
+pub(crate) enum Job {
     /// Help with a split request: claim and run its chunks, then complete one helper part.
     Help { split: SplitRef, queued_at: u64 },
     /// Run a task (crypto, and backend I/O if the task says so), then complete.
@@ -212,16 +222,16 @@ pub enum Job {
 }
 
 /// A write for the `queued` model's writer.
-pub struct WriteJob {
+pub(crate) struct WriteJob {
     pub task: Task,
     pub done: DoneRef,
     pub times: Times,
 }
 
-pub fn worker_loop(core: &Core) {
+pub(crate) fn worker_loop(core: &impl Executor) {
     // A worker without a cipher context fails the jobs it takes instead of dying silently.
-    let mut cipher = core.ciphers.clone_cipher();
-    while let Some(job) = core.jobs.pop_spin(core.spin(), core.max_spinners()) {
+    let mut cipher = core.ciphers().clone_cipher();
+    while let Some(job) = core.jobs().pop_spin(core.spin(), core.max_spinners()) {
         // Timed only if the request is sampled (see stats): it then sent a non-zero time.
         let times_for = |queued_at: u64| Times {
             on: queued_at != 0,
@@ -275,7 +285,7 @@ pub fn worker_loop(core: &Core) {
                             done,
                             times: t,
                         };
-                        if let Err(w) = core.writes.push(w) {
+                        if let Err(w) = core.writes().push(w) {
                             w.done.done(
                                 Err(Error::Bug("write queue closed with writes pending")),
                                 &w.times,
@@ -289,10 +299,10 @@ pub fn worker_loop(core: &Core) {
     }
 }
 
-pub fn writer_loop(core: &Core) {
+pub(crate) fn writer_loop(core: &impl Executor) {
     let mut batch: [Option<WriteJob>; WRITE_BATCH_MAX] = [const { None }; WRITE_BATCH_MAX];
     loop {
-        let n = core.writes.pop_batch(&mut batch);
+        let n = core.writes().pop_batch(&mut batch);
         if n == 0 {
             return;
         }

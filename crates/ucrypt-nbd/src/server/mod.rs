@@ -11,11 +11,14 @@
 //!   soon as it completes (replies serialised by a writer lock), so many requests are in flight;
 //! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
 //!
-//! The protocol itself (parsing, validation, replies) is the sans-I/O codec in `ucrypt::nbd`.
+//! The protocol itself (parsing, validation, replies) is the sans-I/O codec in [`crate::proto`].
+//! The server stops when its [`Stop`] is requested (the `ucrypt` command ties SIGINT and
+//! SIGTERM to it).
 
 mod buf;
 mod conn;
 pub mod dev;
+mod sock;
 mod tls;
 
 #[cfg(test)]
@@ -28,15 +31,18 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ucrypt::nbd::{self, ExportInfo};
-use ucrypt::{BlockDev, Error, Result};
+use ucrypt::sync::lock;
+use ucrypt::{BlockDev, Stop};
 
-pub use conn::Sock;
+use crate::proto::{self as nbd, ExportInfo};
+use crate::{Error, Result};
+
+pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 
 /// Simultaneous connections; more are closed at once. Each may hold up to
@@ -105,7 +111,7 @@ pub(crate) struct Export {
 pub(crate) struct Shared {
     pub exports: Vec<Export>,
     pub tls: Option<Arc<rustls::ServerConfig>>,
-    pub stop: Arc<AtomicBool>,
+    pub stop: Stop,
     /// Clones of live connection sockets, to shut their read side down on stop.
     pub live: Mutex<Vec<(u64, Sock)>>,
     /// `ServerOptions::poll`.
@@ -127,14 +133,14 @@ pub fn tx_flags(read_only: bool) -> u16 {
 
 fn export_info(name: &str, dev: &dyn BlockDev, read_only: bool) -> Result<ExportInfo> {
     if name.len() > nbd::EXPORT_NAME_MAX_BYTES {
-        return Err(Error::InvalidArgument(format!(
+        return Err(Error::Config(format!(
             "export name longer than {} bytes",
             nbd::EXPORT_NAME_MAX_BYTES
         )));
     }
     let size = dev.size();
     if size % u64::from(nbd::MIN_BLOCK_BYTES) != 0 {
-        return Err(Error::InvalidArgument(format!(
+        return Err(Error::Config(format!(
             "export '{name}': size {size} is not a multiple of {} bytes",
             nbd::MIN_BLOCK_BYTES
         )));
@@ -163,13 +169,13 @@ fn bind_unix(path: &Path) -> Result<UnixListener> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::Config(format!(
                 "{} exists and is not a socket",
                 path.display()
             )));
         }
         if UnixStream::connect(path).is_ok() {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::Config(format!(
                 "{} is in use by another server",
                 path.display()
             )));
@@ -244,30 +250,28 @@ fn poll_readable(fd: i32, ms: i32) -> bool {
     n > 0 && p.revents & libc::POLLIN != 0
 }
 
-/// Serves `exports` (the first is the default export) until `stop` becomes true, then stops
+/// Serves `exports` (the first is the default export) until `stop` is requested, then stops
 /// accepting, lets every connection finish its in-flight requests, flushes every device and
 /// returns.
 pub fn serve(
     exports: Vec<(String, Arc<dyn BlockDev>)>,
     listen: &Listen,
     opts: ServerOptions,
-    stop: Arc<AtomicBool>,
+    stop: Stop,
 ) -> Result<()> {
     if exports.is_empty() {
-        return Err(Error::InvalidArgument("no export to serve".into()));
+        return Err(Error::Config("no export to serve".into()));
     }
     let mut rt = Vec::new();
     for (name, dev) in exports {
         if rt.iter().any(|e: &Export| e.info.name == name) {
-            return Err(Error::InvalidArgument(format!(
-                "export name '{name}' given twice"
-            )));
+            return Err(Error::Config(format!("export name '{name}' given twice")));
         }
         let info = export_info(&name, dev.as_ref(), opts.read_only)?;
         rt.push(Export { dev, info });
     }
     if matches!(listen, Listen::Tcp { .. }) && opts.tls.is_none() && !opts.insecure_plaintext {
-        return Err(Error::InvalidArgument(
+        return Err(Error::Config(
             "TCP without TLS exposes the plaintext volume to the network: give --tls-cert and \
              --tls-key, or --insecure-plaintext"
                 .into(),
@@ -314,7 +318,7 @@ pub fn serve(
     };
     let next_id = AtomicU64::new(0);
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
-    while !stop.load(Ordering::SeqCst) {
+    while !stop.requested() {
         if !poll_readable(fd, ACCEPT_POLL_MS) {
             continue;
         }
@@ -386,7 +390,7 @@ pub fn serve(
         if e.info.tx_flags & nbd::TX_READ_ONLY == 0 {
             if let Err(err) = e.dev.flush() {
                 eprintln!("ucrypt: flushing export '{}': {err}", e.info.name);
-                result = Err(err);
+                result = Err(err.into());
             }
         }
     }
@@ -401,116 +405,4 @@ fn listener_close(l: Listener) {
         drop(l);
         let _ = std::fs::remove_file(p);
     }
-}
-
-/// Locks a mutex, taking the data even if another thread panicked while holding it: every
-/// structure guarded here stays consistent between statements.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `ucrypt serve`: serve volumes to NBD clients.
-#[derive(clap::Args)]
-pub struct ServeArgs {
-    #[command(flatten)]
-    volume: crate::open::VolumeArgs,
-    /// Where to listen: unix:PATH (socket mode 0600) or tcp:HOST:PORT (TLS required).
-    #[arg(long)]
-    nbd: Listen,
-    /// Export name of VOLUME (default: its file name). It is also the default export.
-    #[arg(long = "export-name")]
-    export_name: Option<String>,
-    /// More exports from the same process, NAME=PATH, opened with the same options.
-    #[arg(long = "add-export", value_name = "NAME=PATH")]
-    add_export: Vec<String>,
-    /// Write the server's process id here once listening (removed on exit).
-    #[arg(long)]
-    pid_file: Option<PathBuf>,
-    /// Server certificate (PEM) for NBD_OPT_STARTTLS.
-    #[arg(long, requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// Server private key (PEM).
-    #[arg(long, requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
-    /// Require client certificates signed by this CA (PEM).
-    #[arg(long, requires = "tls_cert")]
-    tls_ca: Option<PathBuf>,
-    /// Serve TCP without TLS (anyone on the network path sees the plaintext volume).
-    #[arg(long)]
-    insecure_plaintext: bool,
-    /// Serve the files as they are, without encryption (tests and benchmark baseline).
-    #[arg(long, conflicts_with = "cipher")]
-    unencrypted: bool,
-}
-
-fn open_one(a: &ServeArgs, path: &Path) -> Result<Arc<dyn BlockDev>> {
-    if a.unencrypted {
-        return Ok(Arc::new(dev::FileDev::open(path, a.volume.read_only)?));
-    }
-    let mut v = a.volume.clone();
-    v.volume = path.to_path_buf();
-    v.open().map_err(Error::InvalidArgument)
-}
-
-fn open_volumes(a: &ServeArgs) -> Result<Vec<(String, Arc<dyn BlockDev>)>> {
-    let file_name = |p: &Path| {
-        p.file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    };
-    let first = a
-        .export_name
-        .clone()
-        .unwrap_or_else(|| file_name(&a.volume.volume));
-    let mut out = vec![(first, open_one(a, &a.volume.volume)?)];
-    for spec in &a.add_export {
-        let (name, path) = spec.split_once('=').ok_or_else(|| {
-            Error::InvalidArgument(format!("--add-export '{spec}': expected NAME=PATH"))
-        })?;
-        out.push((name.to_string(), open_one(a, Path::new(path))?));
-    }
-    Ok(out)
-}
-
-pub fn run_serve(a: ServeArgs) -> i32 {
-    match serve_cli(a) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("ucrypt serve: {e}");
-            1
-        }
-    }
-}
-
-fn serve_cli(a: ServeArgs) -> Result<()> {
-    if !a.unencrypted {
-        // The volume key lives in this process for its whole life: keep it out of core dumps.
-        ucrypt::secret::disable_core_dumps();
-    }
-    // Handlers first, so that a SIGINT/SIGTERM arriving while volumes open (and the engine
-    // starts its workers) only sets the flag: the handler is process-wide, whichever thread
-    // takes the signal, and the accept loop sees the flag within ACCEPT_POLL_MS.
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone())
-            .map_err(|e| Error::io("installing signal handler", e))?;
-    }
-    let exports = open_volumes(&a)?;
-    let tls = match (&a.tls_cert, &a.tls_key) {
-        (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
-            cert: cert.clone(),
-            key: key.clone(),
-            client_ca: a.tls_ca.clone(),
-        })?),
-        _ => None,
-    };
-    let opts = ServerOptions {
-        read_only: a.volume.read_only,
-        tls,
-        insecure_plaintext: a.insecure_plaintext,
-        pid_file: a.pid_file.clone(),
-        announce: true,
-        poll: Duration::from_micros(a.volume.spin_us),
-    };
-    serve(exports, &a.nbd, opts, stop)
 }

@@ -23,7 +23,7 @@ impl RequestHeader {
     pub fn parse(b: &[u8; REQUEST_HEADER_BYTES]) -> Result<Self> {
         let magic = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
         if magic != REQUEST_MAGIC {
-            return Err(Error::NbdProtocol(format!("bad request magic {magic:#x}")));
+            return Err(Error::Protocol(format!("bad request magic {magic:#x}")));
         }
         let mut cookie = [0u8; 8];
         cookie.copy_from_slice(&b[8..16]);
@@ -239,7 +239,8 @@ impl NbdError {
         }
     }
 
-    pub fn from_error(e: &Error) -> Self {
+    /// The NBD error a client gets when the device fails a request.
+    pub fn from_error(e: &ucrypt::Error) -> Self {
         Self::from_errno(e.errno())
     }
 }

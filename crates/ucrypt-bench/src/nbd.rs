@@ -5,8 +5,8 @@
 //! Images (all files of [`IMAGE_BYTES`], AES-256-XTS with a 512-bit key, fast PBKDF2 so that
 //! opening is not what is measured):
 //! - LUKS2 by cryptsetup, 4096-byte encryption sectors (what cryptsetup picks on 4K-capable
-//!   storage, given explicitly here): served by `ucrypt serve` with the inline policy (the
-//!   default) and with `--policy auto`, each from its own copy.
+//!   storage, given explicitly here): served by `ucrypt serve` with the inline policy (named
+//!   explicitly) and with `--policy auto`, each from its own copy.
 //! - LUKS1 by cryptsetup (512-byte sectors, the only kind LUKS1 has): one copy each for ucrypt,
 //!   qemu-storage-daemon (`--blockdev driver=luks`) and nbdkit (`--filter=luks`), the two
 //!   peers that read LUKS1 only.
@@ -121,7 +121,7 @@ const EXPORT: &str = "disk";
 pub enum Target {
     /// `ucrypt serve --unencrypted` on a plain file: the NBD path without crypto.
     Plain,
-    /// `ucrypt serve` on the LUKS2 image, inline policy (the default).
+    /// `ucrypt serve` on the LUKS2 image, inline policy.
     UcryptLuks2,
     /// `ucrypt serve --policy auto` on the LUKS2 image.
     UcryptLuks2Auto,
@@ -449,7 +449,7 @@ impl Server {
         let img = s.image(t);
         let sock = s.socket(t);
         let ucrypt = || -> Result<Command, String> {
-            let mut c = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+            let mut c = Command::new(crate::ucrypt_bin()?);
             c.arg("serve")
                 .arg(&img)
                 .arg("--nbd")
@@ -466,9 +466,13 @@ impl Server {
             Target::UcryptLuks2 | Target::UcryptLuks1 | Target::UcryptLuks2Auto => {
                 let mut c = ucrypt()?;
                 c.arg("--key-file").arg(&s.pass_file);
-                if t == Target::UcryptLuks2Auto {
-                    c.args(["--policy", "auto"]);
-                }
+                // Named explicitly, so the rows mean the same whatever `serve`'s default is.
+                let policy = if t == Target::UcryptLuks2Auto {
+                    "auto"
+                } else {
+                    "inline"
+                };
+                c.args(["--policy", policy]);
                 c
             }
             Target::QsdLuks1 => {

@@ -1,13 +1,21 @@
 //! `ucrypt bench all --quick --runs 1` end to end: the results folder holds a report, JSON that
 //! parses with the documented shape, and the plots; `bench compare` of a file with itself finds
 //! no change. A smoke test of the command (its numbers are not checked: speed targets live in
-//! the benchmark's own report).
+//! the benchmark's own report). It runs as users do, `ucrypt bench ...`, which hands over to
+//! the `ucrypt-bench` binary beside `ucrypt` (`cargo test --workspace` builds both).
 
 use std::path::Path;
 use std::process::Command;
 
+/// The `ucrypt` binary of this build: it sits beside `ucrypt-bench`.
 fn ucrypt() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_ucrypt"))
+    let bin = Path::new(env!("CARGO_BIN_EXE_ucrypt-bench")).with_file_name("ucrypt");
+    assert!(
+        bin.is_file(),
+        "{} missing: run the tests with --workspace",
+        bin.display()
+    );
+    Command::new(bin)
 }
 
 fn in_ci() -> bool {

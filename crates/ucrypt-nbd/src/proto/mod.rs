@@ -1,6 +1,6 @@
 //! Sans-I/O codec for the server side of the NBD protocol (fixed newstyle handshake, simple
 //! replies). Bytes in, typed requests and encoded replies out; this module never touches a
-//! socket, a thread or a [`crate::BlockDev`]. The server that drives it lives in the CLI crate.
+//! socket, a thread or a [`ucrypt::BlockDev`]. The server that drives it is [`crate::server`].
 //!
 //! - [`handshake`]: greeting, client flags, option haggling (`GO`, `INFO`, `EXPORT_NAME`,
 //!   `LIST`, `ABORT`, `STARTTLS`), as a state machine that tells its driver exactly how many

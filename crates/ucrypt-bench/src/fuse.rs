@@ -181,7 +181,7 @@ impl Server {
         std::fs::write(mountpoint, b"").map_err(|e| e.to_string())?;
         let mut cmd = match target {
             Target::Ucrypt | Target::UcryptIoUring => {
-                let mut c = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+                let mut c = Command::new(crate::ucrypt_bin()?);
                 c.arg("mount").arg(&s.image).arg(mountpoint);
                 c.arg("--fuse-transport").arg(if target == Target::Ucrypt {
                     "classic"

@@ -20,8 +20,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig, ServerConnection};
 
-use super::conn::Sock;
-use ucrypt::{Error, Result};
+use super::sock::Sock;
+use crate::{Error, Result};
 
 /// Plaintext that rustls may buffer for sending before the relay stops reading from the app.
 const TLS_SEND_BUFFER_BYTES: usize = 1024 * 1024;
@@ -39,7 +39,7 @@ pub struct TlsFiles {
 }
 
 fn bad(path: &Path, what: &str, e: impl std::fmt::Display) -> Error {
-    Error::InvalidArgument(format!("{}: {what}: {e}", path.display()))
+    Error::Config(format!("{}: {what}: {e}", path.display()))
 }
 
 /// Builds the rustls server configuration from PEM files.

@@ -2,20 +2,24 @@
 //! reader (this thread), a bounded worker pool and a writer lock.
 
 use std::io::{self, BufReader, Read, Write};
-use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use ucrypt::nbd::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
-use ucrypt::nbd::{self, Command, Decoded, Handshake, NbdError, RequestHeader, Step, TlsPolicy};
-use ucrypt::{BlockDev, Error, Result};
+use crate::proto::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
+use crate::proto::{
+    self as nbd, Command, Decoded, Handshake, NbdError, RequestHeader, Step, TlsPolicy,
+};
+use crate::{Error, Result};
+use ucrypt::BlockDev;
 
 use super::buf::{IoBuf, Spares};
-use super::{lock, tls, Export, Shared, WORKERS_PER_CONNECTION};
+use super::sock::Sock;
+use super::{tls, Export, Shared, WORKERS_PER_CONNECTION};
+use ucrypt::sync::lock;
 
 /// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
 /// At least one maximum payload so any single valid request can proceed.
@@ -33,78 +37,6 @@ const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Chunk used to read and drop the payload of a refused write.
 const DISCARD_CHUNK_BYTES: usize = 64 * 1024;
-
-/// A connected stream socket of either family.
-pub enum Sock {
-    Unix(UnixStream),
-    Tcp(TcpStream),
-}
-
-impl Sock {
-    pub fn try_clone(&self) -> io::Result<Sock> {
-        Ok(match self {
-            Sock::Unix(s) => Sock::Unix(s.try_clone()?),
-            Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
-        })
-    }
-    pub fn shutdown_read(&self) -> io::Result<()> {
-        self.shutdown(Shutdown::Read)
-    }
-    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        match self {
-            Sock::Unix(s) => s.shutdown(how),
-            Sock::Tcp(s) => s.shutdown(how),
-        }
-    }
-    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        match self {
-            Sock::Unix(s) => s.set_read_timeout(t),
-            Sock::Tcp(s) => s.set_read_timeout(t),
-        }
-    }
-    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        match self {
-            Sock::Unix(s) => s.set_write_timeout(t),
-            Sock::Tcp(s) => s.set_write_timeout(t),
-        }
-    }
-    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
-        match self {
-            Sock::Unix(s) => s.set_nonblocking(on),
-            Sock::Tcp(s) => s.set_nonblocking(on),
-        }
-    }
-}
-
-impl AsRawFd for Sock {
-    fn as_raw_fd(&self) -> RawFd {
-        match self {
-            Sock::Unix(s) => s.as_raw_fd(),
-            Sock::Tcp(s) => s.as_raw_fd(),
-        }
-    }
-}
-
-impl Read for Sock {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Sock::Unix(s) => s.read(buf),
-            Sock::Tcp(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Sock {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Sock::Unix(s) => s.write(buf),
-            Sock::Tcp(s) => s.write(buf),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
 
 // After serving a request on the reader's own thread (a client with one request at a time),
 // the reader polls the socket for the next request for `Shared::poll` (`--spin-us`, default
@@ -214,7 +146,7 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
         .map_err(|e| net("socket", e))?;
     let mut buf = Vec::new();
     loop {
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.stop.requested() {
             hs.set_shutting_down();
         }
         let out = hs.take_output();
@@ -321,7 +253,7 @@ impl Ctx {
         }
     }
 
-    fn reply(&self, cookie: u64, r: Result<()>) {
+    fn reply(&self, cookie: u64, r: ucrypt::Result<()>) {
         let err = r.err().map(|e| NbdError::from_error(&e));
         self.send(&nbd::encode_simple_reply(cookie, err));
     }
@@ -334,7 +266,7 @@ impl Ctx {
         if r.is_err() {
             self.reply(
                 cookie,
-                Err(Error::Bug("panic while serving an NBD request")),
+                Err(ucrypt::Error::Bug("panic while serving an NBD request")),
             );
             self.budget.release(charged);
         }
@@ -342,7 +274,8 @@ impl Ctx {
 
     fn execute(&self, mut job: Job) {
         let dev = self.dev.as_ref();
-        let durable = |r: Result<()>, fua: bool| if r.is_ok() && fua { dev.flush() } else { r };
+        let durable =
+            |r: ucrypt::Result<()>, fua: bool| if r.is_ok() && fua { dev.flush() } else { r };
         match job.command {
             Command::Read { offset, len } => {
                 let len = len as usize;
@@ -365,7 +298,7 @@ impl Ctx {
                 // The payload buffer is ours and read no more: the volume may encrypt in it.
                 let r = match &mut job.payload {
                     Some(p) => dev.write_at_mut(p.data_mut(len as usize), offset),
-                    None => Err(Error::Bug("NBD write job without its payload")),
+                    None => Err(ucrypt::Error::Bug("NBD write job without its payload")),
                 };
                 self.reply(job.cookie, durable(r, fua));
             }
@@ -469,7 +402,7 @@ fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
         };
         match nbd::decode_request(&h, &limits) {
             Decoded::Fatal(why) => {
-                outcome = Err(Error::NbdProtocol(why.into()));
+                outcome = Err(Error::Protocol(why.into()));
                 break;
             }
             Decoded::Reject {

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use ucrypt::backend::{Backend, DirectMode, FileBackend, MemBackend};
-use ucrypt::engine::stats::{OpStats, Phase, StatsSnapshot};
 use ucrypt::engine::Policy;
+use ucrypt::engine::{OpStats, Phase, StatsSnapshot};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, SecretBytes};

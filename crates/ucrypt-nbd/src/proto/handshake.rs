@@ -79,7 +79,7 @@ pub struct Handshake {
 }
 
 fn violation(msg: impl Into<String>) -> Error {
-    Error::NbdProtocol(msg.into())
+    Error::Protocol(msg.into())
 }
 
 impl Handshake {

@@ -10,12 +10,12 @@
 
 use zeroize::Zeroize;
 
-use super::lock;
 use std::sync::Mutex;
+use ucrypt::sync::lock;
 
 /// Alignment of the data in a buffer: a page, what O_DIRECT asks of memory on every device
 /// seen so far (the volume falls back to a bounce buffer if its backend wants more).
-pub const BUF_ALIGN_BYTES: usize = 4096;
+pub const BUF_ALIGN_BYTES: usize = ucrypt::sync::PAGE_BYTES;
 /// Smallest data capacity allocated, so small requests share buffers.
 const BUF_MIN_BYTES: usize = 4096;
 /// Idle bytes one connection keeps for reuse: a queue-depth-32 4 KiB client or a handful of

@@ -1,6 +1,11 @@
-//! `ucrypt bench ...`: reproducible benchmark scenarios. Every scenario runs its
-//! configurations side by side (round-robin) in one process, because this class of machine
-//! changes its clock by up to 50 % over minutes: only ratios within one run are comparable.
+//! `ucrypt-bench` (run as `ucrypt bench ...`): reproducible benchmark scenarios. Every
+//! scenario runs its configurations side by side (round-robin) in one process, because this
+//! class of machine changes its clock by up to 50 % over minutes: only ratios within one run
+//! are comparable.
+//!
+//! A binary of its own, beside `ucrypt`: its counting allocator (allocations per I/O, see
+//! `engine.rs`) and its plot libraries are never part of the binary that serves volumes. The
+//! NBD and FUSE scenarios run that `ucrypt` binary ([`ucrypt_bin`]).
 
 mod all;
 mod cipher;
@@ -13,12 +18,38 @@ mod nbd;
 pub mod plot;
 pub mod stats;
 
-use clap::{Args, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
-#[derive(Args)]
+/// ucrypt's benchmarks (also run as `ucrypt bench ...`).
+#[derive(Parser)]
+#[command(name = "ucrypt bench", version)]
 pub struct BenchArgs {
     #[command(subcommand)]
     which: Which,
+}
+
+/// The `ucrypt` binary the NBD and FUSE scenarios serve volumes with: the one installed beside
+/// this benchmark (`UCRYPT_BIN` overrides it).
+pub fn ucrypt_bin() -> Result<std::path::PathBuf, String> {
+    if let Some(p) = std::env::var_os("UCRYPT_BIN") {
+        return Ok(p.into());
+    }
+    let me = std::env::current_exe().map_err(|e| format!("locating ucrypt-bench: {e}"))?;
+    let p = me.with_file_name("ucrypt");
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{} not found: build the whole workspace (cargo build --release) so that ucrypt \
+             sits beside ucrypt-bench, or set UCRYPT_BIN",
+            p.display()
+        ))
+    }
+}
+
+fn main() {
+    let args = BenchArgs::parse();
+    std::process::exit(run(args));
 }
 
 #[derive(Args, Clone, Copy)]

@@ -496,13 +496,13 @@ fn request_bad_magic_is_fatal() {
     b[0] ^= 1;
     assert!(matches!(
         RequestHeader::parse(&b),
-        Err(crate::Error::NbdProtocol(_))
+        Err(crate::Error::Protocol(_))
     ));
 }
 
 #[test]
 fn errno_mapping_table() {
-    use crate::Error;
+    use ucrypt::Error;
     let io = |errno| Error::io("backing store", std::io::Error::from_raw_os_error(errno));
     let cases: Vec<(Error, NbdError)> = vec![
         (Error::ReadOnly("x".into()), NbdError::Perm),

@@ -1,21 +1,15 @@
 //! [`FileDev`]: a file served as it is, without encryption (`ucrypt serve --unencrypted`):
 //! the baseline that separates the NBD server's cost from the encryption engine's in tests
-//! and benchmarks. Encrypted volumes come from the shared opener (`crate::open`).
+//! and benchmarks. Encrypted volumes are opened by the caller (`ucrypt::luks::open`, or a `Volume` built by hand).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
+use ucrypt::blockdev::check_range;
 use ucrypt::{BlockDev, Error, Result};
 
 /// Zero buffer size for `write_zeroes` (bounded, reused per call).
 const ZERO_CHUNK_BYTES: usize = 1024 * 1024;
-
-fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(Error::OutOfRange { offset, len, size }),
-    }
-}
 
 fn io_err(what: &str, e: std::io::Error) -> Error {
     Error::io(what.to_string(), e)

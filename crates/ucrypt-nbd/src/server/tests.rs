@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -68,7 +68,7 @@ impl BlockDev for MemDev {
 }
 
 fn req(s: &mut UnixStream, kind: u16, flags: u16, cookie: u64, offset: u64, len: u32) {
-    let h = ucrypt::nbd::RequestHeader {
+    let h = crate::proto::RequestHeader {
         flags,
         kind,
         cookie,
@@ -97,7 +97,7 @@ fn device_errors_fua_flush_and_stop() {
         data: Mutex::new(vec![7u8; SIZE as usize]),
         flushes: AtomicU32::new(0),
     });
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = ucrypt::Stop::new();
     let server = {
         let (dev, stop, sock) = (dev.clone() as Arc<dyn BlockDev>, stop.clone(), sock.clone());
         std::thread::spawn(move || {
@@ -123,7 +123,7 @@ fn device_errors_fua_flush_and_stop() {
     s.read_exact(&mut greet).unwrap();
     // Client flags, then EXPORT_NAME "m" (NO_ZEROES so the reply is 10 bytes).
     s.write_all(&3u32.to_be_bytes()).unwrap();
-    let mut o = ucrypt::nbd::IHAVEOPT.to_be_bytes().to_vec();
+    let mut o = crate::proto::IHAVEOPT.to_be_bytes().to_vec();
     o.extend_from_slice(&1u32.to_be_bytes());
     o.extend_from_slice(&1u32.to_be_bytes());
     o.push(b'm');
@@ -161,7 +161,7 @@ fn device_errors_fua_flush_and_stop() {
     assert!(d[..4096].iter().all(|&b| b == 0x42) && d[4096..].iter().all(|&b| b == 0));
 
     let before = dev.flushes.load(Ordering::SeqCst);
-    stop.store(true, Ordering::SeqCst);
+    stop.request();
     server.join().unwrap().unwrap();
     assert!(
         dev.flushes.load(Ordering::SeqCst) > before,

@@ -1,0 +1,100 @@
+//! The command's error: every library error kept with its type up to here, where it becomes
+//! one line on stderr and cryptsetup's exit code.
+//!
+//! Exit codes follow cryptsetup(8): 1 wrong parameters (and anything else), 2 no permission or
+//! bad passphrase, 3 out of memory, 4 wrong device specified, 5 device already exists or busy.
+
+use ucrypt::ErrorKind;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The core library: LUKS, the volume, backends.
+    #[error(transparent)]
+    Core(#[from] ucrypt::Error),
+    #[error(transparent)]
+    Nbd(#[from] ucrypt_nbd::Error),
+    #[error(transparent)]
+    Ublk(#[from] ucrypt_ublk::Error),
+    /// Arguments that make no sense together, found after parsing.
+    #[error("{0}")]
+    Usage(String),
+    /// An error about one of several things (a volume among exports): named in front.
+    #[error("{what}: {source}")]
+    At { what: String, source: Box<CliError> },
+}
+
+pub type CliResult<T> = Result<T, CliError>;
+
+impl CliError {
+    /// The same error, named as being about `what`.
+    pub fn at(self, what: impl Into<String>) -> Self {
+        CliError::At {
+            what: what.into(),
+            source: Box::new(self),
+        }
+    }
+
+    /// The error underneath any naming.
+    fn inner(&self) -> &CliError {
+        match self {
+            CliError::At { source, .. } => source.inner(),
+            e => e,
+        }
+    }
+
+    /// The library error underneath, if the failure came from the core.
+    fn core(&self) -> Option<&ucrypt::Error> {
+        match self.inner() {
+            CliError::Core(e) => Some(e),
+            CliError::Nbd(ucrypt_nbd::Error::Device(e)) => Some(e),
+            CliError::Ublk(ucrypt_ublk::Error::Device(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Who can act on it.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            CliError::Core(e) => e.kind(),
+            CliError::Nbd(e) => e.kind(),
+            CliError::Ublk(e) => e.kind(),
+            CliError::Usage(_) => ErrorKind::BadInput,
+            CliError::At { source, .. } => source.kind(),
+        }
+    }
+
+    /// cryptsetup's exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        if self.kind() == ErrorKind::WrongKey {
+            return 2;
+        }
+        let io = match (self.core(), self.inner()) {
+            (Some(ucrypt::Error::Io { source, .. }), _) => Some(source),
+            (_, CliError::Nbd(ucrypt_nbd::Error::Io { source, .. })) => Some(source),
+            _ => None,
+        };
+        let Some(source) = io else { return 1 };
+        match source.kind() {
+            std::io::ErrorKind::NotFound => 4,
+            std::io::ErrorKind::PermissionDenied => 2,
+            std::io::ErrorKind::OutOfMemory => 3,
+            _ => match source.raw_os_error() {
+                Some(libc::EBUSY) => 5,
+                Some(libc::ENOMEM) => 3,
+                Some(libc::ENODEV) | Some(libc::ENXIO) => 4,
+                _ => 1,
+            },
+        }
+    }
+}
+
+/// Prints `ucrypt VERB: error` (one line) and returns the exit code; 0 for success.
+pub fn report(verb: &str, r: CliResult<()>) -> i32 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("ucrypt {verb}: {e}");
+            e.exit_code()
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! `ucrypt serve`: volumes served to NBD clients by the `ucrypt-nbd` server, until SIGINT or
+//! SIGTERM.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ucrypt::BlockDev;
+use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
+
+use crate::error::{CliError, CliResult};
+use crate::open::VolumeArgs;
+
+/// `ucrypt serve`: serve volumes to NBD clients.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    volume: VolumeArgs,
+    /// Where to listen: unix:PATH (socket mode 0600) or tcp:HOST:PORT (TLS required).
+    #[arg(long)]
+    nbd: Listen,
+    /// Export name of VOLUME (default: its file name). It is also the default export.
+    #[arg(long = "export-name")]
+    export_name: Option<String>,
+    /// More exports from the same process, NAME=PATH, opened with the same options.
+    #[arg(long = "add-export", value_name = "NAME=PATH")]
+    add_export: Vec<String>,
+    /// Write the server's process id here once listening (removed on exit).
+    #[arg(long)]
+    pid_file: Option<PathBuf>,
+    /// Server certificate (PEM) for NBD_OPT_STARTTLS.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
+    /// Serve TCP without TLS (anyone on the network path sees the plaintext volume).
+    #[arg(long)]
+    insecure_plaintext: bool,
+    /// Serve the files as they are, without encryption (tests and benchmark baseline).
+    #[arg(long, conflicts_with = "cipher")]
+    unencrypted: bool,
+}
+
+fn open_one(a: &ServeArgs, path: &Path) -> CliResult<Arc<dyn BlockDev>> {
+    if a.unencrypted {
+        return Ok(Arc::new(dev::FileDev::open(path, a.volume.read_only)?));
+    }
+    let mut v = a.volume.clone();
+    v.volume = path.to_path_buf();
+    v.open()
+}
+
+fn open_volumes(a: &ServeArgs) -> CliResult<Vec<(String, Arc<dyn BlockDev>)>> {
+    let file_name = |p: &Path| {
+        p.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let first = a
+        .export_name
+        .clone()
+        .unwrap_or_else(|| file_name(&a.volume.volume));
+    let mut out = vec![(first, open_one(a, &a.volume.volume)?)];
+    for spec in &a.add_export {
+        let (name, path) = spec
+            .split_once('=')
+            .ok_or_else(|| CliError::Usage(format!("--add-export '{spec}': expected NAME=PATH")))?;
+        out.push((name.to_string(), open_one(a, Path::new(path))?));
+    }
+    Ok(out)
+}
+
+pub fn run(a: ServeArgs) -> i32 {
+    crate::error::report("serve", serve(a))
+}
+
+fn serve(a: ServeArgs) -> CliResult<()> {
+    if !a.unencrypted {
+        // The volume key lives in this process for its whole life: keep it out of core dumps.
+        ucrypt::secret::disable_core_dumps();
+    }
+    // Before the volumes' threads exist: see crate::signals.
+    let stop = crate::signals::stop_on_signals()?;
+    let exports = open_volumes(&a)?;
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: a.tls_ca.clone(),
+        })?),
+        _ => None,
+    };
+    let opts = ServerOptions {
+        read_only: a.volume.read_only,
+        tls,
+        insecure_plaintext: a.insecure_plaintext,
+        pid_file: a.pid_file.clone(),
+        announce: true,
+        poll: Duration::from_micros(a.volume.spin_us),
+    };
+    Ok(server::serve(exports, &a.nbd, opts, stop)?)
+}

@@ -1,0 +1,201 @@
+//! ublk front end: a `/dev/ublkbN` block device served by ucrypt (Linux ≥ 6.0 with `ublk_drv`).
+//!
+//! One queue per CPU; each queue thread serves its tags synchronously, so crypto runs inline in
+//! the queue thread (the volume's dispatch policy may still split a large request across
+//! cores). Flush, FUA, discard and write-zeroes map onto the `BlockDev` contract. A request on
+//! the caller's [`Stop`] (the `ucrypt` command ties SIGINT and SIGTERM to it) stops the device:
+//! queues drain, the volume is flushed, the device is deleted.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
+use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
+use libublk::sys;
+use libublk::{BufDesc, UblkFlags, UblkIORes};
+use ucrypt::{BlockDev, Stop};
+
+/// What can go wrong serving a ublk device.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The kernel has no ublk driver loaded.
+    #[error("/dev/ublk-control not found: this kernel has no ublk driver loaded (modprobe ublk_drv; Linux ≥ 6.0)")]
+    NoDriver,
+    /// The ublk control or queue machinery failed.
+    #[error("{what}: {detail}")]
+    Ublk { what: &'static str, detail: String },
+    /// The volume failed (flushing it at the end).
+    #[error(transparent)]
+    Device(#[from] ucrypt::Error),
+}
+
+impl Error {
+    /// Who can act on this error (see [`ucrypt::ErrorKind`]).
+    pub fn kind(&self) -> ucrypt::ErrorKind {
+        match self {
+            Error::NoDriver | Error::Ublk { .. } => ucrypt::ErrorKind::Device,
+            Error::Device(e) => e.kind(),
+        }
+    }
+}
+
+fn ublk_err(what: &'static str) -> impl FnOnce(libublk::UblkError) -> Error {
+    move |e| Error::Ublk {
+        what,
+        detail: e.to_string(),
+    }
+}
+
+/// Largest request the kernel may send, bytes (the kernel's max_sectors); also the size of
+/// each tag's bounce buffer, so memory = queues × depth × this.
+pub const IO_BYTES_MAX: u32 = 512 << 10;
+/// Requests in flight per queue.
+pub const QUEUE_DEPTH: u16 = 64;
+
+pub struct UblkOptions {
+    /// Number of hardware queues (default: one per CPU).
+    pub queues: u16,
+    /// Device id to ask for, or -1 for the next free one.
+    pub id: i32,
+}
+
+impl Default for UblkOptions {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        UblkOptions {
+            queues: cpus.min(u16::MAX as usize) as u16,
+            id: -1,
+        }
+    }
+}
+
+fn shift_of(bytes: u32) -> u8 {
+    bytes.trailing_zeros() as u8
+}
+
+/// One request: returns the byte count done, or a negative errno.
+fn handle(dev: &dyn BlockDev, iod: &sys::ublksrv_io_desc, buf: &mut [u8]) -> i32 {
+    let op = iod.op_flags & 0xff;
+    let offset = iod.start_sector << 9;
+    let bytes = (iod.nr_sectors as u64) << 9;
+    let res = match op {
+        sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE if bytes as usize > buf.len() => {
+            return -libc::EINVAL
+        }
+        sys::UBLK_IO_OP_READ => dev.read_at(&mut buf[..bytes as usize], offset),
+        // The I/O buffer is refilled by the kernel for the next request: the volume may
+        // encrypt in it.
+        sys::UBLK_IO_OP_WRITE => dev
+            .write_at_mut(&mut buf[..bytes as usize], offset)
+            .and_then(|()| {
+                if iod.op_flags & sys::UBLK_IO_F_FUA != 0 {
+                    dev.flush()
+                } else {
+                    Ok(())
+                }
+            }),
+        sys::UBLK_IO_OP_FLUSH => dev.flush(),
+        sys::UBLK_IO_OP_DISCARD => dev.discard(offset, bytes),
+        sys::UBLK_IO_OP_WRITE_ZEROES => dev.write_zeroes(offset, bytes),
+        _ => return -libc::EOPNOTSUPP,
+    };
+    match res {
+        Ok(()) => bytes.min(i32::MAX as u64) as i32,
+        Err(e) => {
+            eprintln!("ucrypt ublk: op {op} at {offset} (+{bytes}): {e}");
+            -e.errno()
+        }
+    }
+}
+
+/// Serves one hardware queue until the device is stopped.
+fn queue_loop(qid: u16, udev: &UblkDev, dev: &dyn BlockDev) {
+    // One bounce buffer per tag, allocated once when the queue starts.
+    let bufs = Rc::new(RefCell::new(udev.alloc_queue_io_bufs()));
+    let queue = match UblkQueue::new(qid, udev)
+        .and_then(|q| q.submit_fetch_commands_unified(BufDescList::Slices(Some(&bufs.borrow()))))
+    {
+        Ok(q) => q,
+        Err(e) => {
+            eprintln!("ucrypt ublk: queue {qid} failed to start: {e}");
+            return;
+        }
+    };
+    queue.wait_and_handle_io(move |q: &UblkQueue, tag: u16, _io: &UblkIOCtx| {
+        let iod = *q.get_iod(tag);
+        let res = handle(dev, &iod, bufs.borrow_mut()[tag as usize].as_mut_slice());
+        let all = bufs.borrow();
+        if let Err(e) = q.complete_io_cmd_unified(
+            tag,
+            BufDesc::Slice(all[tag as usize].as_slice()),
+            Ok(UblkIORes::Result(res)),
+        ) {
+            eprintln!("ucrypt ublk: completing tag {tag} on queue {qid}: {e}");
+        }
+    });
+}
+
+/// Creates the device, prints `ready: /dev/ublkbN`, serves until `stop` is requested, then
+/// flushes the volume and deletes the device.
+pub fn run(dev: Arc<dyn BlockDev>, opts: UblkOptions, stop: &Stop) -> Result<(), Error> {
+    if !std::path::Path::new("/dev/ublk-control").exists() {
+        return Err(Error::NoDriver);
+    }
+    let ctrl = UblkCtrlBuilder::default()
+        .name("ucrypt")
+        .id(opts.id)
+        .nr_queues(opts.queues.max(1))
+        .depth(QUEUE_DEPTH)
+        .io_buf_bytes(IO_BYTES_MAX)
+        .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
+        .build()
+        .map_err(ublk_err("creating the ublk device"))?;
+    let dev_id = ctrl.dev_info().dev_id as i32;
+
+    // Stop on request: killing the device makes every queue loop return.
+    stop.on_request(move || {
+        eprintln!("ucrypt ublk: stopping /dev/ublkb{dev_id}");
+        match UblkCtrl::new_simple(dev_id) {
+            Ok(c) => {
+                let _ = c.kill_dev();
+            }
+            Err(e) => eprintln!("ucrypt ublk: cannot stop device: {e}"),
+        }
+    });
+
+    let (size, bs, ro) = (dev.size(), dev.block_size(), dev.read_only());
+    let tgt_init = move |d: &mut UblkDev| {
+        d.set_default_params(size);
+        let p = &mut d.tgt.params;
+        p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
+        p.basic.attrs = sys::UBLK_ATTR_VOLATILE_CACHE
+            | sys::UBLK_ATTR_FUA
+            | if ro { sys::UBLK_ATTR_READ_ONLY } else { 0 };
+        p.basic.logical_bs_shift = shift_of(bs);
+        p.basic.physical_bs_shift = shift_of(bs.max(4096));
+        p.basic.io_min_shift = shift_of(bs.max(4096));
+        p.basic.io_opt_shift = shift_of(bs.max(4096));
+        p.discard.discard_granularity = bs.max(4096);
+        p.discard.max_discard_sectors = u32::MAX >> 9;
+        p.discard.max_write_zeroes_sectors = u32::MAX >> 9;
+        p.discard.max_discard_segments = 1;
+        Ok(())
+    };
+    let qdev = dev.clone();
+    let q_fn = move |qid: u16, udev: &UblkDev| queue_loop(qid, udev, &*qdev);
+    let ready = |c: &UblkCtrl| {
+        println!("ready: {}", c.get_bdev_path());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    };
+    let served = ctrl
+        .run_target(tgt_init, q_fn, ready)
+        .map_err(ublk_err("serving the ublk device"));
+    let flushed = dev.flush().map_err(Error::from);
+    let _ = ctrl.del_dev();
+    served.and(flushed).map(|_| ())
+}
