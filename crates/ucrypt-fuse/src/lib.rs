@@ -166,7 +166,7 @@ pub struct Mounted {
     workers: Vec<JoinHandle<()>>,
     fs: Arc<fs::VolumeFs>,
     /// The first error a worker ended with.
-    worker_error: Arc<Mutex<Option<String>>>,
+    worker_error: WorkerError,
     dev: Arc<dyn BlockDev>,
     mountpoint: PathBuf,
     /// The file users open: the mount point, or `mountpoint/file_name`.
@@ -207,9 +207,12 @@ fn check_mountpoint(mountpoint: &Path, opts: &MountOptions) -> Result<bool> {
 }
 
 /// Runs `f` on a named thread; its error, if any, is kept for [`Mounted::join`].
+/// The first error a FUSE thread ended with, kept for [`Mounted::join`].
+type WorkerError = Arc<Mutex<Option<String>>>;
+
 fn worker(
     name: String,
-    err: &Arc<Mutex<Option<String>>>,
+    err: &WorkerError,
     f: impl FnOnce() -> std::io::Result<()> + Send + 'static,
 ) -> Result<JoinHandle<()>> {
     let err = err.clone();
@@ -313,90 +316,12 @@ fn spawn_with(
         not_offered = Some(reason);
     }
     let transport = if fs.io_uring_negotiated() {
-        let queues = transport::possible_cpus();
-        let threads = queues.min(THREADS_MAX);
-        let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(), String>>();
-        for t in 0..threads {
-            let qids: Vec<u16> = (t..queues).step_by(threads).map(|q| q as u16).collect();
-            let (fd, fs, tx) = (fd.clone(), fs.clone(), tx.clone());
-            workers.push(worker(
-                format!("fuse-uring-{t}"),
-                &worker_error,
-                move || {
-                    if qids.len() == 1 {
-                        transport::pin_to_cpu(usize::from(qids[0]));
-                    }
-                    let mut q = match transport::UringQueues::new(
-                        std::os::fd::AsRawFd::as_raw_fd(&*fd),
-                        &qids,
-                    ) {
-                        Ok(q) => q,
-                        Err(e) => {
-                            let _ = tx.send(Err(format!("io_uring setup: {e}")));
-                            return Ok(());
-                        }
-                    };
-                    let registered = q.register(&fs);
-                    let _ = tx.send(registered.as_ref().map(|_| ()).map_err(|e| {
-                        if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-                            format!(
-                                "the kernel refused registration ({e}; enable_uring switched off?)"
-                            )
-                        } else {
-                            format!("FUSE_IO_URING_CMD_REGISTER failed: {e}")
-                        }
-                    }));
-                    drop(tx);
-                    // Serve what did register; at unmount every entry comes back and this ends.
-                    q.run(&fs)
-                },
-            )?);
+        match start_uring(fd, &fs, &worker_error, &mut workers, mountpoint)? {
+            Ok(t) => t,
+            Err(reason) => return Ok(Err(reason)),
         }
-        drop(tx);
-        let mut failure = None;
-        for _ in 0..threads {
-            match rx.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(r)) => {
-                    failure.get_or_insert(r);
-                }
-                Err(_) => {
-                    failure.get_or_insert("an io_uring queue thread died".to_string());
-                }
-            }
-        }
-        if let Some(reason) = failure {
-            // Take this mount down; the caller remounts classic (auto) or reports (io-uring).
-            let _ = detach(mountpoint);
-            drop(fd);
-            for w in workers {
-                let _ = w.join();
-            }
-            return Ok(Err(reason));
-        }
-        // FORGET and INTERRUPT still come over /dev/fuse.
-        let (fd2, fs2) = (fd.clone(), fs.clone());
-        workers.push(worker("fuse-classic".into(), &worker_error, move || {
-            transport::classic_loop(&fd2, &fs2)
-        })?);
-        ActiveTransport::IoUring { queues, threads }
     } else {
-        let threads = opts.thread_count();
-        for t in 0..threads {
-            let own = if t == 0 {
-                None
-            } else {
-                transport::clone_fd(&fd).ok()
-            };
-            let (fd, fs) = (fd.clone(), fs.clone());
-            workers.push(worker(format!("fuse-{t}"), &worker_error, move || {
-                transport::classic_loop(own.as_ref().unwrap_or(&fd), &fs)
-            })?);
-        }
-        ActiveTransport::Classic {
-            threads,
-            io_uring_unused: not_offered,
-        }
+        start_classic(fd, &fs, &worker_error, &mut workers, opts, not_offered)?
     };
     let threads = workers.len();
     Ok(Ok(Mounted {
@@ -409,6 +334,110 @@ fn spawn_with(
         threads,
         transport,
     }))
+}
+
+/// Serves over FUSE-over-io_uring: one thread per CPU queue (at most [`THREADS_MAX`], queues
+/// shared beyond), plus one classic thread for FORGET and INTERRUPT. `Ok(Err(reason))` when
+/// registration failed; the mount is then taken down.
+fn start_uring(
+    fd: Arc<OwnedFd>,
+    fs: &Arc<fs::VolumeFs>,
+    worker_error: &WorkerError,
+    workers: &mut Vec<JoinHandle<()>>,
+    mountpoint: &Path,
+) -> Result<std::result::Result<ActiveTransport, String>> {
+    let queues = transport::possible_cpus();
+    let threads = queues.min(THREADS_MAX);
+    let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(), String>>();
+    for t in 0..threads {
+        let qids: Vec<u16> = (t..queues).step_by(threads).map(|q| q as u16).collect();
+        let (fd, fs, tx) = (fd.clone(), fs.clone(), tx.clone());
+        workers.push(worker(
+            format!("fuse-uring-{t}"),
+            &worker_error,
+            move || {
+                if qids.len() == 1 {
+                    transport::pin_to_cpu(usize::from(qids[0]));
+                }
+                let mut q =
+                    match transport::UringQueues::new(std::os::fd::AsRawFd::as_raw_fd(&*fd), &qids)
+                    {
+                        Ok(q) => q,
+                        Err(e) => {
+                            let _ = tx.send(Err(format!("io_uring setup: {e}")));
+                            return Ok(());
+                        }
+                    };
+                let registered = q.register(&fs);
+                let _ = tx.send(registered.as_ref().map(|_| ()).map_err(|e| {
+                    if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                        format!("the kernel refused registration ({e}; enable_uring switched off?)")
+                    } else {
+                        format!("FUSE_IO_URING_CMD_REGISTER failed: {e}")
+                    }
+                }));
+                drop(tx);
+                // Serve what did register; at unmount every entry comes back and this ends.
+                q.run(&fs)
+            },
+        )?);
+    }
+    drop(tx);
+    let mut failure = None;
+    for _ in 0..threads {
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(r)) => {
+                failure.get_or_insert(r);
+            }
+            Err(_) => {
+                failure.get_or_insert("an io_uring queue thread died".to_string());
+            }
+        }
+    }
+    if let Some(reason) = failure {
+        // Take this mount down; the caller remounts classic (auto) or reports (io-uring).
+        let _ = detach(mountpoint);
+        drop(fd);
+        for w in workers.drain(..) {
+            let _ = w.join();
+        }
+        return Ok(Err(reason));
+    }
+    // FORGET and INTERRUPT still come over /dev/fuse.
+    let (fd2, fs2) = (fd.clone(), fs.clone());
+    workers.push(worker("fuse-classic".into(), &worker_error, move || {
+        transport::classic_loop(&fd2, &fs2)
+    })?);
+    Ok(Ok(ActiveTransport::IoUring { queues, threads }))
+}
+
+/// Serves over classic /dev/fuse: `opts.thread_count()` threads, each with its own clone of the
+/// descriptor where the kernel allows.
+fn start_classic(
+    fd: Arc<OwnedFd>,
+    fs: &Arc<fs::VolumeFs>,
+    worker_error: &WorkerError,
+    workers: &mut Vec<JoinHandle<()>>,
+    opts: &MountOptions,
+    not_offered: Option<String>,
+) -> Result<ActiveTransport> {
+    let threads = opts.thread_count();
+    for t in 0..threads {
+        let own = if t == 0 {
+            None
+        } else {
+            transport::clone_fd(&fd).ok()
+        };
+        let (fd, fs) = (fd.clone(), fs.clone());
+        workers.push(worker(format!("fuse-{t}"), &worker_error, move || {
+            transport::classic_loop(own.as_ref().unwrap_or(&fd), &fs)
+        })?);
+    }
+    Ok(ActiveTransport::Classic {
+        threads,
+        io_uring_unused: not_offered,
+    })
 }
 
 /// Lazy unmount that works for root (umount2) and for the mounting user (`fusermount3 -u -z`).

@@ -483,54 +483,61 @@ impl Core {
 
 // ================================================================ construction
 
+/// Checks a configuration against its backend; returns the plaintext size in bytes.
+fn checked_size(backend: &dyn Backend, cfg: &VolumeConfig) -> Result<u64> {
+    if cfg.spin > SPIN_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "spin of {} µs is longer than the limit of {} µs",
+            cfg.spin.as_micros(),
+            SPIN_MAX.as_micros()
+        )));
+    }
+    let ss = cfg.geometry.sector_size.bytes() as u64;
+    let lbs = backend.logical_block_bytes() as u64;
+    if ss < lbs {
+        return Err(Error::InvalidArgument(format!(
+            "encryption sector size {ss} is smaller than the backend's logical block size {lbs}"
+        )));
+    }
+    if cfg.data_offset_bytes % lbs.max(512) != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "data offset {} is not a multiple of the backend's block size {}",
+            cfg.data_offset_bytes,
+            lbs.max(512)
+        )));
+    }
+    let room = backend
+        .size()
+        .checked_sub(cfg.data_offset_bytes)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "data offset {} is beyond the end of the backend ({} bytes)",
+                cfg.data_offset_bytes,
+                backend.size()
+            ))
+        })?;
+    let size = match cfg.size_bytes {
+        None => room / ss * ss,
+        Some(s) if s % ss != 0 => {
+            return Err(Error::InvalidArgument(format!(
+                "volume size {s} is not a multiple of the sector size {ss}"
+            )))
+        }
+        Some(s) if s > room => {
+            return Err(Error::InvalidArgument(format!(
+                "volume size {s} does not fit the backend ({room} bytes after the data offset)"
+            )))
+        }
+        Some(s) => s,
+    };
+    Ok(size)
+}
+
 impl Volume {
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
-        if cfg.spin > SPIN_MAX {
-            return Err(Error::InvalidArgument(format!(
-                "spin of {} µs is longer than the limit of {} µs",
-                cfg.spin.as_micros(),
-                SPIN_MAX.as_micros()
-            )));
-        }
+        let size = checked_size(backend.as_ref(), &cfg)?;
         let ss = cfg.geometry.sector_size.bytes() as u64;
         let shift = cfg.geometry.sector_size.shift();
-        let lbs = backend.logical_block_bytes() as u64;
-        if ss < lbs {
-            return Err(Error::InvalidArgument(format!(
-                "encryption sector size {ss} is smaller than the backend's logical block size {lbs}"
-            )));
-        }
-        if cfg.data_offset_bytes % lbs.max(512) != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "data offset {} is not a multiple of the backend's block size {}",
-                cfg.data_offset_bytes,
-                lbs.max(512)
-            )));
-        }
-        let room = backend
-            .size()
-            .checked_sub(cfg.data_offset_bytes)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "data offset {} is beyond the end of the backend ({} bytes)",
-                    cfg.data_offset_bytes,
-                    backend.size()
-                ))
-            })?;
-        let size = match cfg.size_bytes {
-            None => room / ss * ss,
-            Some(s) if s % ss != 0 => {
-                return Err(Error::InvalidArgument(format!(
-                    "volume size {s} is not a multiple of the sector size {ss}"
-                )))
-            }
-            Some(s) if s > room => {
-                return Err(Error::InvalidArgument(format!(
-                    "volume size {s} does not fit the backend ({room} bytes after the data offset)"
-                )))
-            }
-            Some(s) => s,
-        };
         let cipher = SectorCipher::new(cfg.spec, cfg.key.as_ref(), cfg.geometry)?;
         let pool = BufferPool::new(cfg.pool_bytes)?;
         let piece = (pool.capacity().min(PIECE_BYTES_MAX) as u64) / ss * ss;
@@ -573,44 +580,11 @@ impl Volume {
             max_spinners: workers.saturating_sub(1) as u32,
             spin: cfg.spin,
         });
-        let mut threads = Vec::with_capacity(workers + 1);
         let mut vol = Volume {
             core: core.clone(),
             threads: Vec::new(),
         };
-        // Each thread reports once it runs: a thread's start-up allocates (its name, its
-        // thread-locals), and that belongs to building the volume, not to its first requests.
-        let (started, running) = std::sync::mpsc::sync_channel::<()>(workers + 1);
-        for i in 0..workers {
-            let (c, started) = (core.clone(), started.clone());
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("ucrypt-worker-{i}"))
-                    .spawn(move || {
-                        let _ = started.send(());
-                        drop(started);
-                        workers::worker_loop(&*c)
-                    })
-                    .map_err(|e| Error::io("starting a worker thread", e))?,
-            );
-        }
-        let c = core.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("ucrypt-writer".into())
-                .spawn(move || {
-                    let _ = started.send(());
-                    drop(started);
-                    workers::writer_loop(&*c)
-                })
-                .map_err(|e| Error::io("starting the writer thread", e))?,
-        );
-        for _ in 0..threads.len() {
-            running
-                .recv()
-                .map_err(|_| Error::Bug("a volume thread ended before it started"))?;
-        }
-        vol.threads = threads;
+        vol.threads = spawn_threads(&core, workers)?;
         vol.calibrate()?;
         Ok(vol)
     }
@@ -697,6 +671,44 @@ impl Volume {
         core.auto_min_bytes.store(t, Relaxed);
         Ok(())
     }
+}
+
+/// Starts the volume's threads (`workers` workers and the `queued` model's writer) and returns
+/// once each runs: a thread's start-up allocates (its name, its thread-locals), and that belongs
+/// to building the volume, not to its first requests.
+fn spawn_threads(core: &Arc<Core>, workers: usize) -> Result<Vec<JoinHandle<()>>> {
+    let mut threads = Vec::with_capacity(workers + 1);
+    let (started, running) = std::sync::mpsc::sync_channel::<()>(workers + 1);
+    for i in 0..workers {
+        let (c, started) = (core.clone(), started.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("ucrypt-worker-{i}"))
+                .spawn(move || {
+                    let _ = started.send(());
+                    drop(started);
+                    workers::worker_loop(&*c)
+                })
+                .map_err(|e| Error::io("starting a worker thread", e))?,
+        );
+    }
+    let c = core.clone();
+    threads.push(
+        std::thread::Builder::new()
+            .name("ucrypt-writer".into())
+            .spawn(move || {
+                let _ = started.send(());
+                drop(started);
+                workers::writer_loop(&*c)
+            })
+            .map_err(|e| Error::io("starting the writer thread", e))?,
+    );
+    for _ in 0..threads.len() {
+        running
+            .recv()
+            .map_err(|_| Error::Bug("a volume thread ended before it started"))?;
+    }
+    Ok(threads)
 }
 
 impl Drop for Volume {
@@ -788,8 +800,9 @@ impl Core {
     /// callers and the pool hand in.
     ///
     /// # Safety
-    /// `task.buf` must cover `task.sectors` and belong to this task alone (see [`Task`]).
-    unsafe fn task_buf(&self, task: &Task) -> &mut [u8] {
+    /// `task.buf` must cover `task.sectors` and belong to this task alone (see [`Task`]) for
+    /// as long as the returned slice is used.
+    unsafe fn task_buf<'a>(&self, task: &Task) -> &'a mut [u8] {
         debug_assert!(
             task.sectors.end << self.shift <= self.size,
             "task beyond the volume"

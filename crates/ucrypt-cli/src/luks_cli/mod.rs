@@ -517,89 +517,23 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
         None => util::random_secret(key_bytes)?,
     };
     let kdf = kdf_request(o, version)?;
-    let mut ops: Vec<WriteOp> = Vec::new();
-    let (hdr_path, slot) = if version == 2 {
-        let mut f = luks2::FormatLuks2::defaults(uuid);
-        f.cipher = cipher;
-        f.key_bytes = key_bytes;
-        f.kdf = kdf.clone();
-        f.label = o.label.clone().unwrap_or_default();
-        f.subsystem = o.subsystem.clone().unwrap_or_default();
-        f.detached = detached;
-        if let Some(h) = o.luks2_metadata_size {
-            f.hdr_size = h;
-        }
-        let default_keyslots = (16u64 << 20) - 2 * f.hdr_size;
-        f.keyslots_size = o.luks2_keyslots_size.unwrap_or(default_keyslots);
-        let metadata_end = 2 * f.hdr_size + f.keyslots_size;
-        f.data_offset = match (o.offset, detached) {
-            (Some(s), _) => s * 512,
-            (None, true) => 0,
-            (None, false) => metadata_end.div_ceil(1 << 20) * (1 << 20),
-        };
-        if !detached && f.data_offset < metadata_end {
-            return Err(Error::InvalidArgument(format!(
-                "data offset {} is inside the LUKS2 metadata ({metadata_end} bytes)",
-                f.data_offset
-            )));
-        }
-        let data_bytes = data_size.saturating_sub(f.data_offset);
-        if data_bytes == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "Device {} is too small. (LUKS2 requires at least {} bytes.)",
-                device.display(),
-                f.data_offset + 4096
-            )));
-        }
-        f.sector_size = match o.sector_size {
-            Some(s) => SectorSize::new(s)?,
-            // cryptsetup picks 4096 when the data area allows it.
-            None if data_bytes % 4096 == 0 && f.data_offset % 4096 == 0 => SectorSize::S4096,
-            None => SectorSize::new(512)?,
-        };
-        let (mut hdr, vk) = luks2::format(&f, vk_secret)?;
-        ops.push(WriteOp::Zero {
-            offset: 0,
-            len: metadata_end,
-        });
-        let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), &kdf, o.key_slot, None)?;
-        ops.extend(add);
-        (header_path(device, o).to_path_buf(), slot)
-    } else {
-        if o.sector_size.is_some_and(|s| s != 512) {
-            return Err(Error::InvalidArgument(
-                "LUKS1 supports only 512-byte sectors".into(),
-            ));
-        }
-        let hash = kdf.hash;
-        let payload = match (o.offset, detached) {
-            (Some(s), _) => Some(
-                u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?,
-            ),
-            (None, true) => Some(0),
-            (None, false) => None,
-        };
-        let (mut hdr, vk) = luks1::format(cipher, hash, uuid, vk_secret, &kdf, payload)?;
-        let meta = Header::Luks1(hdr.clone()).metadata_area_bytes();
-        if !detached && data_size <= u64::from(hdr.payload_offset) * 512 {
-            return Err(Error::InvalidArgument(format!(
-                "Device {} is too small. (LUKS1 requires at least {} bytes.)",
-                device.display(),
-                u64::from(hdr.payload_offset) * 512 + 512
-            )));
-        }
-        ops.push(WriteOp::Zero {
-            offset: 0,
-            len: meta,
-        });
-        ops.push(WriteOp::Write {
-            offset: 0,
-            data: hdr.encode()?,
-        });
-        let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), &kdf, o.key_slot)?;
-        ops.extend(add);
-        (header_path(device, o).to_path_buf(), slot)
+    let new = NewVolume {
+        device,
+        o,
+        cipher,
+        key_bytes,
+        uuid,
+        detached,
+        data_size,
+        passphrase: &passphrase,
+        kdf: &kdf,
     };
+    let (ops, slot) = if version == 2 {
+        format_luks2(new, vk_secret)?
+    } else {
+        format_luks1(new, vk_secret)?
+    };
+    let hdr_path = header_path(device, o).to_path_buf();
     drop(data_dev);
     let hdev = HeaderDev::open_or_create(&hdr_path)?;
     hdev.apply(&ops)?;
@@ -607,6 +541,130 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
         eprintln!("Key slot {slot} created.");
     }
     Ok(0)
+}
+
+/// What `format` decided before writing a header of either version.
+struct NewVolume<'a> {
+    device: &'a Path,
+    o: &'a LuksOpts,
+    cipher: CipherSpec,
+    key_bytes: usize,
+    uuid: String,
+    detached: bool,
+    data_size: u64,
+    passphrase: &'a SecretBytes,
+    kdf: &'a KdfRequest,
+}
+
+/// The write plan of a new LUKS2 header with its first keyslot.
+fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp>, u32)> {
+    let NewVolume {
+        device,
+        o,
+        cipher,
+        key_bytes,
+        uuid,
+        detached,
+        data_size,
+        passphrase,
+        kdf,
+    } = n;
+    let mut ops: Vec<WriteOp> = Vec::new();
+    let mut f = luks2::FormatLuks2::defaults(uuid);
+    f.cipher = cipher;
+    f.key_bytes = key_bytes;
+    f.kdf = kdf.clone();
+    f.label = o.label.clone().unwrap_or_default();
+    f.subsystem = o.subsystem.clone().unwrap_or_default();
+    f.detached = detached;
+    if let Some(h) = o.luks2_metadata_size {
+        f.hdr_size = h;
+    }
+    let default_keyslots = (16u64 << 20) - 2 * f.hdr_size;
+    f.keyslots_size = o.luks2_keyslots_size.unwrap_or(default_keyslots);
+    let metadata_end = 2 * f.hdr_size + f.keyslots_size;
+    f.data_offset = match (o.offset, detached) {
+        (Some(s), _) => s * 512,
+        (None, true) => 0,
+        (None, false) => metadata_end.div_ceil(1 << 20) * (1 << 20),
+    };
+    if !detached && f.data_offset < metadata_end {
+        return Err(Error::InvalidArgument(format!(
+            "data offset {} is inside the LUKS2 metadata ({metadata_end} bytes)",
+            f.data_offset
+        )));
+    }
+    let data_bytes = data_size.saturating_sub(f.data_offset);
+    if data_bytes == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Device {} is too small. (LUKS2 requires at least {} bytes.)",
+            device.display(),
+            f.data_offset + 4096
+        )));
+    }
+    f.sector_size = match o.sector_size {
+        Some(s) => SectorSize::new(s)?,
+        // cryptsetup picks 4096 when the data area allows it.
+        None if data_bytes % 4096 == 0 && f.data_offset % 4096 == 0 => SectorSize::S4096,
+        None => SectorSize::new(512)?,
+    };
+    let (mut hdr, vk) = luks2::format(&f, vk_secret)?;
+    ops.push(WriteOp::Zero {
+        offset: 0,
+        len: metadata_end,
+    });
+    let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), kdf, o.key_slot, None)?;
+    ops.extend(add);
+    Ok((ops, slot))
+}
+
+/// The write plan of a new LUKS1 header with its first keyslot.
+fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp>, u32)> {
+    let NewVolume {
+        device,
+        o,
+        cipher,
+        uuid,
+        detached,
+        data_size,
+        passphrase,
+        kdf,
+        ..
+    } = n;
+    let mut ops: Vec<WriteOp> = Vec::new();
+    if o.sector_size.is_some_and(|s| s != 512) {
+        return Err(Error::InvalidArgument(
+            "LUKS1 supports only 512-byte sectors".into(),
+        ));
+    }
+    let hash = kdf.hash;
+    let payload = match (o.offset, detached) {
+        (Some(s), _) => {
+            Some(u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?)
+        }
+        (None, true) => Some(0),
+        (None, false) => None,
+    };
+    let (mut hdr, vk) = luks1::format(cipher, hash, uuid, vk_secret, kdf, payload)?;
+    let meta = Header::Luks1(hdr.clone()).metadata_area_bytes();
+    if !detached && data_size <= u64::from(hdr.payload_offset) * 512 {
+        return Err(Error::InvalidArgument(format!(
+            "Device {} is too small. (LUKS1 requires at least {} bytes.)",
+            device.display(),
+            u64::from(hdr.payload_offset) * 512 + 512
+        )));
+    }
+    ops.push(WriteOp::Zero {
+        offset: 0,
+        len: meta,
+    });
+    ops.push(WriteOp::Write {
+        offset: 0,
+        data: hdr.encode()?,
+    });
+    let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), kdf, o.key_slot)?;
+    ops.extend(add);
+    Ok((ops, slot))
 }
 
 // ---------------------------------------------------------------- dump

@@ -5,8 +5,8 @@ use std::io::{self, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::proto::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
@@ -19,7 +19,7 @@ use ucrypt::BlockDev;
 use super::buf::{IoBuf, Spares};
 use super::sock::Sock;
 use super::{tls, Export, Shared, WORKERS_PER_CONNECTION};
-use ucrypt::sync::lock;
+use ucrypt::sync::{lock, WaitCell};
 
 /// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
 /// At least one maximum payload so any single valid request can proceed.
@@ -191,37 +191,28 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
 /// Counts payload bytes held by a connection; the reader (the only thread that acquires)
 /// waits when the budget is spent.
 struct Budget {
-    state: Mutex<BudgetState>,
-    freed: Condvar,
-}
-
-struct BudgetState {
-    used: u64,
-    /// The reader is waiting: only then does a release wake it (a condvar notification is a
-    /// system call even with nobody waiting, and releases happen once per request).
-    waiting: bool,
+    /// Payload bytes charged to requests in flight.
+    used: Mutex<u64>,
+    /// The reader waiting for room: a release wakes it only if it sleeps (releases happen
+    /// once per request).
+    freed: WaitCell,
 }
 
 impl Budget {
     fn acquire(&self, n: u64) {
-        let mut s = lock(&self.state);
+        let mut used = lock(&self.used);
         // A request larger than what is left waits until others finish; alone it always
         // proceeds (its size is bounded by the maximum payload).
-        while s.used > 0 && s.used + n > INFLIGHT_BYTES_MAX {
-            s.waiting = true;
-            s = self.freed.wait(s).unwrap_or_else(|e| e.into_inner());
+        while *used > 0 && *used + n > INFLIGHT_BYTES_MAX {
+            used = self.freed.wait(used);
         }
-        s.waiting = false;
-        s.used += n;
+        *used += n;
     }
     fn release(&self, n: u64) {
-        let mut s = lock(&self.state);
-        s.used -= n;
-        let wake = s.waiting;
-        drop(s);
-        if wake {
-            self.freed.notify_one();
-        }
+        let mut used = lock(&self.used);
+        *used -= n;
+        drop(used);
+        self.freed.notify_one();
     }
 }
 
@@ -335,84 +326,41 @@ fn worker(ctx: Arc<Ctx>, rx: Arc<Mutex<Receiver<Job>>>) {
     }
 }
 
-/// The transmission phase: this thread reads and validates requests; workers execute them.
-fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
-    let info = &export.info;
-    let limits = nbd::TransmissionLimits {
-        size_bytes: info.size_bytes,
-        tx_flags: info.tx_flags,
-        min_block_bytes: info.min_block_bytes,
-        max_payload_bytes: info.max_payload_bytes,
-    };
-    let writer = sock.try_clone().map_err(|e| net("socket", e))?;
-    writer
-        .set_write_timeout(Some(REPLY_WRITE_TIMEOUT))
-        .map_err(|e| net("socket", e))?;
-    let ctx = Arc::new(Ctx {
-        dev: export.dev.clone(),
-        queued: AtomicUsize::new(0),
-        writer: Mutex::new(writer),
-        budget: Budget {
-            state: Mutex::new(BudgetState {
-                used: 0,
-                waiting: false,
-            }),
-            freed: Condvar::new(),
-        },
-        spares: Spares::new(SIMPLE_REPLY_BYTES),
-    });
-    let (tx, rx) = sync_channel::<Job>(QUEUED_REQUESTS_MAX);
-    let rx = Arc::new(Mutex::new(rx));
-    let mut workers = Vec::with_capacity(WORKERS_PER_CONNECTION);
-    for i in 0..WORKERS_PER_CONNECTION {
-        let (c, r) = (ctx.clone(), rx.clone());
-        match std::thread::Builder::new()
-            .name(format!("nbd-worker-{i}"))
-            .spawn(move || worker(c, r))
-        {
-            Ok(t) => workers.push(t),
-            Err(e) if workers.is_empty() => return Err(net("starting workers", e)),
-            Err(_) => break,
-        }
-    }
-
-    let stream = RequestStream {
-        sock,
-        poll: false,
-        poll_for: poll,
-    };
-    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
-    let mut outcome: Result<()> = Ok(());
+/// Reads requests until the client disconnects (Ok) or breaks the protocol (Err): each one
+/// runs on this thread when nothing else is in flight (QD1), else goes to a worker.
+fn read_requests(
+    reader: &mut BufReader<RequestStream>,
+    ctx: &Ctx,
+    tx: &SyncSender<Job>,
+    limits: &nbd::TransmissionLimits,
+) -> Result<()> {
     let mut hdr = [0u8; REQUEST_HEADER_BYTES];
     loop {
-        match read_full(&mut reader, &mut hdr) {
+        match read_full(reader, &mut hdr) {
             Ok(true) => {}
-            Ok(false) => break, // client closed (or server stopping): finish in-flight work
+            // Client closed (or server stopping): finish in-flight work.
+            Ok(false) => return Ok(()),
             Err(e) => {
-                outcome = Err(net("reading request", e));
-                break;
+                return Err(net("reading request", e));
             }
         }
         let h = match RequestHeader::parse(&hdr) {
             Ok(h) => h,
             Err(e) => {
-                outcome = Err(e);
-                break;
+                return Err(e);
             }
         };
-        match nbd::decode_request(&h, &limits) {
+        match nbd::decode_request(&h, limits) {
             Decoded::Fatal(why) => {
-                outcome = Err(Error::Protocol(why.into()));
-                break;
+                return Err(Error::Protocol(why.into()));
             }
             Decoded::Reject {
                 cookie,
                 error,
                 skip_payload_bytes,
             } => {
-                if let Err(e) = discard(&mut reader, skip_payload_bytes as usize) {
-                    outcome = Err(net("reading refused payload", e));
-                    break;
+                if let Err(e) = discard(reader, skip_payload_bytes as usize) {
+                    return Err(net("reading refused payload", e));
                 }
                 ctx.send(&nbd::encode_simple_reply(cookie, Some(error)));
             }
@@ -424,7 +372,7 @@ fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
                     charged: 0,
                 };
                 match req.command {
-                    Command::Disconnect => break,
+                    Command::Disconnect => return Ok(()),
                     Command::Write { len, .. } => {
                         job.charged = u64::from(len);
                         ctx.budget.acquire(job.charged);
@@ -435,8 +383,7 @@ fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
                             ctx.budget.release(job.charged);
                             // A client that vanishes mid-payload: this write was never
                             // acknowledged, so dropping it loses nothing promised.
-                            outcome = Err(net("reading write payload", e));
-                            break;
+                            return Err(net("reading write payload", e));
                         }
                     }
                     Command::Read { len, .. } => {
@@ -464,12 +411,58 @@ fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
                 reader.get_mut().poll = false;
                 ctx.queued.fetch_add(1, Ordering::AcqRel);
                 if tx.send(job).is_err() {
-                    outcome = Err(Error::Bug("nbd workers exited early"));
-                    break;
+                    return Err(Error::Bug("nbd workers exited early"));
                 }
             }
         }
     }
+}
+
+/// The transmission phase: this thread reads and validates requests; workers execute them.
+fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
+    let info = &export.info;
+    let limits = nbd::TransmissionLimits {
+        size_bytes: info.size_bytes,
+        tx_flags: info.tx_flags,
+        min_block_bytes: info.min_block_bytes,
+        max_payload_bytes: info.max_payload_bytes,
+    };
+    let writer = sock.try_clone().map_err(|e| net("socket", e))?;
+    writer
+        .set_write_timeout(Some(REPLY_WRITE_TIMEOUT))
+        .map_err(|e| net("socket", e))?;
+    let ctx = Arc::new(Ctx {
+        dev: export.dev.clone(),
+        queued: AtomicUsize::new(0),
+        writer: Mutex::new(writer),
+        budget: Budget {
+            used: Mutex::new(0),
+            freed: WaitCell::new(),
+        },
+        spares: Spares::new(SIMPLE_REPLY_BYTES),
+    });
+    let (tx, rx) = sync_channel::<Job>(QUEUED_REQUESTS_MAX);
+    let rx = Arc::new(Mutex::new(rx));
+    let mut workers = Vec::with_capacity(WORKERS_PER_CONNECTION);
+    for i in 0..WORKERS_PER_CONNECTION {
+        let (c, r) = (ctx.clone(), rx.clone());
+        match std::thread::Builder::new()
+            .name(format!("nbd-worker-{i}"))
+            .spawn(move || worker(c, r))
+        {
+            Ok(t) => workers.push(t),
+            Err(e) if workers.is_empty() => return Err(net("starting workers", e)),
+            Err(_) => break,
+        }
+    }
+
+    let stream = RequestStream {
+        sock,
+        poll: false,
+        poll_for: poll,
+    };
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+    let outcome = read_requests(&mut reader, &ctx, &tx, &limits);
     drop(tx);
     for w in workers {
         let _ = w.join();

@@ -277,19 +277,7 @@ pub fn serve(
                 .into(),
         ));
     }
-    let listener = match listen {
-        Listen::Unix(p) => Listener::Unix(bind_unix(p)?, p.clone()),
-        Listen::Tcp { host, port } => {
-            let addrs: Vec<_> = (host.as_str(), *port)
-                .to_socket_addrs()
-                .map_err(|e| Error::io(format!("resolving {host}"), e))?
-                .collect();
-            Listener::Tcp(
-                TcpListener::bind(&addrs[..])
-                    .map_err(|e| Error::io(format!("binding {host}:{port}"), e))?,
-            )
-        }
-    };
+    let listener = Listener::bind(listen)?;
     if let Some(pf) = &opts.pid_file {
         std::fs::write(pf, format!("{}\n", std::process::id()))
             .map_err(|e| Error::io(format!("writing pid file {}", pf.display()), e))?;
@@ -312,6 +300,36 @@ pub fn serve(
         sd_notify_ready();
     }
 
+    let threads = accept_loop(&listener, &shared, &stop);
+
+    let result = finish(listener, &shared, threads);
+    if let Some(pf) = &opts.pid_file {
+        let _ = std::fs::remove_file(pf);
+    }
+    result
+}
+
+impl Listener {
+    fn bind(listen: &Listen) -> Result<Listener> {
+        Ok(match listen {
+            Listen::Unix(p) => Listener::Unix(bind_unix(p)?, p.clone()),
+            Listen::Tcp { host, port } => {
+                let addrs: Vec<_> = (host.as_str(), *port)
+                    .to_socket_addrs()
+                    .map_err(|e| Error::io(format!("resolving {host}"), e))?
+                    .collect();
+                Listener::Tcp(
+                    TcpListener::bind(&addrs[..])
+                        .map_err(|e| Error::io(format!("binding {host}:{port}"), e))?,
+                )
+            }
+        })
+    }
+}
+
+/// Accepts connections until `stop` is requested; each gets a thread ([`CONNECTIONS_MAX`] at
+/// once). Returns the connection threads still to be joined.
+fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<JoinHandle<()>> {
     let fd = match &listener {
         Listener::Unix(l, _) => l.as_raw_fd(),
         Listener::Tcp(l) => l.as_raw_fd(),
@@ -376,8 +394,12 @@ pub fn serve(
         }
     }
 
-    // Stop: no new connections; end every connection's read side so it stops taking
-    // requests, finishes what is in flight and replies; then flush.
+    threads
+}
+
+/// Stopping: no new connections; every connection's read side is shut so it stops taking
+/// requests, finishes what is in flight and replies; then every writable export is flushed.
+fn finish(listener: Listener, shared: &Shared, threads: Vec<JoinHandle<()>>) -> Result<()> {
     listener_close(listener);
     for (_, s) in lock(&shared.live).iter() {
         let _ = s.shutdown_read();
@@ -393,9 +415,6 @@ pub fn serve(
                 result = Err(err.into());
             }
         }
-    }
-    if let Some(pf) = &opts.pid_file {
-        let _ = std::fs::remove_file(pf);
     }
     result
 }

@@ -8,7 +8,7 @@
 use std::sync::atomic::{
     AtomicBool, AtomicI64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 use crate::sync::{lock, WaitCell};
 use std::time::{Duration, Instant};
@@ -42,7 +42,8 @@ pub struct BoundedQueue<T> {
     closed_hint: AtomicBool,
     /// Consumers asleep for work: a push wakes one only if there are any.
     not_empty: WaitCell,
-    not_full: Condvar,
+    /// Producers waiting for room.
+    not_full: WaitCell,
 }
 
 struct Ring<T> {
@@ -69,7 +70,7 @@ impl<T> BoundedQueue<T> {
                 spinning: 0,
             }),
             not_empty: WaitCell::new(),
-            not_full: Condvar::new(),
+            not_full: WaitCell::new(),
             spare: AtomicI64::new(0),
             len_hint: AtomicUsize::new(0),
             closed_hint: AtomicBool::new(false),
@@ -89,10 +90,7 @@ impl<T> BoundedQueue<T> {
     pub fn push(&self, item: T) -> Result<(), T> {
         let mut r = self.lock();
         while r.len == r.slots.len() && !r.closed {
-            r = self
-                .not_full
-                .wait(r)
-                .unwrap_or_else(PoisonError::into_inner);
+            r = self.not_full.wait(r);
         }
         if r.closed {
             return Err(item);

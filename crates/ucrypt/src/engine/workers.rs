@@ -128,7 +128,7 @@ impl Drop for Completion {
 /// A pointer to a caller's stack `Completion`, sendable to a worker.
 #[derive(Clone, Copy)]
 pub(crate) struct DoneRef(pub *const Completion);
-// SAFETY: Completion is Sync (Mutex + Condvar); the caller keeps it alive until every part
+// SAFETY: Completion is Sync (Mutex + WaitCell); the caller keeps it alive until every part
 // referring to it has called `done` (it blocks in `wait`).
 unsafe impl Send for DoneRef {}
 
