@@ -354,7 +354,7 @@ fn start_uring(
         let (fd, fs, tx) = (fd.clone(), fs.clone(), tx.clone());
         workers.push(worker(
             format!("fuse-uring-{t}"),
-            &worker_error,
+            worker_error,
             move || {
                 if qids.len() == 1 {
                     transport::pin_to_cpu(usize::from(qids[0]));
@@ -406,7 +406,7 @@ fn start_uring(
     }
     // FORGET and INTERRUPT still come over /dev/fuse.
     let (fd2, fs2) = (fd.clone(), fs.clone());
-    workers.push(worker("fuse-classic".into(), &worker_error, move || {
+    workers.push(worker("fuse-classic".into(), worker_error, move || {
         transport::classic_loop(&fd2, &fs2)
     })?);
     Ok(Ok(ActiveTransport::IoUring { queues, threads }))
@@ -430,7 +430,7 @@ fn start_classic(
             transport::clone_fd(&fd).ok()
         };
         let (fd, fs) = (fd.clone(), fs.clone());
-        workers.push(worker(format!("fuse-{t}"), &worker_error, move || {
+        workers.push(worker(format!("fuse-{t}"), worker_error, move || {
             transport::classic_loop(own.as_ref().unwrap_or(&fd), &fs)
         })?);
     }
