@@ -129,6 +129,12 @@ impl VolumeArgs {
             Some(h) => Some(Arc::new(FileBackend::open(h, false, DirectMode::Never)?)),
             None => None,
         };
+        // The header first (a device that is not LUKS fails before any prompt); read once
+        // here, to show a damaged or stale copy's warnings as cryptsetup does.
+        let hdr = luks::read_header(header.as_deref().unwrap_or(&data))?;
+        for w in hdr.warnings() {
+            eprintln!("WARNING: {w}");
+        }
         let unlock = match &self.volume_key_file {
             Some(p) => Unlock::VolumeKey(read_volume_key(p)?),
             None => Unlock::Passphrase(pass::read_passphrase(
@@ -141,15 +147,14 @@ impl VolumeArgs {
                 false,
             )?),
         };
-        let opts = OpenOptions {
-            key_slot: self.key_slot,
-            read_only: self.read_only,
-            allow_discards: self.allow_discards,
-            policy: self.policy,
-            spin: self.spin(),
-            header,
-        };
-        Ok(luks::open(Arc::new(data), unlock, &opts)?)
+        let mut opts = OpenOptions::default();
+        opts.key_slot = self.key_slot;
+        opts.read_only = self.read_only;
+        opts.allow_discards = self.allow_discards;
+        opts.policy = self.policy;
+        opts.spin = self.spin();
+        opts.header = header;
+        Ok(luks::open_parsed(Arc::new(data), &hdr, unlock, &opts)?)
     }
 
     /// Raw dm-crypt mapping (cryptsetup's plain mode).

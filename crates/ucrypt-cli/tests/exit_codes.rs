@@ -1,0 +1,123 @@
+//! Errors reach the user typed: every verb and front end exits 2 on a wrong passphrase, as
+//! cryptsetup does, and says so in one line; bad arguments exit 1, a missing device 4.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
+const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("ucrypt-exit-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(UCRYPT)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run ucrypt")
+}
+
+/// A small LUKS volume of `version` whose passphrase is in `good`; `bad` holds another one.
+fn volume(t: &TempDir, version: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let img = t.path(&format!("{version}.img"));
+    let good = t.path("good");
+    let bad = t.path("bad");
+    std::fs::write(&good, b"right passphrase").unwrap();
+    std::fs::write(&bad, b"wrong passphrase").unwrap();
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(20 << 20))
+        .unwrap();
+    let mut a = vec!["format", "-q", "--type", version, "--key-file", s(&good)];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let o = run(&a);
+    assert!(o.status.success(), "format: {o:?}");
+    (img, good, bad)
+}
+
+#[test]
+fn wrong_passphrase_exits_2_with_one_line_everywhere() {
+    let t = TempDir::new("wrongkey");
+    for version in ["luks2", "luks1"] {
+        let (img, _good, bad) = volume(&t, version);
+        let (img, bad) = (s(&img), s(&bad));
+        let out = t.path("out.bin");
+        let sock = t.path("nbd.sock");
+        let listen = format!("unix:{}", s(&sock));
+        let mnt = t.path("plain");
+        std::fs::write(&mnt, b"").unwrap();
+        let cases: Vec<(&str, Vec<&str>)> = vec![
+            (
+                "open --test-passphrase",
+                vec!["open", "--test-passphrase", "--key-file", bad, img],
+            ),
+            (
+                "dump --dump-volume-key",
+                vec!["dump", "--dump-volume-key", "-q", "--key-file", bad, img],
+            ),
+            ("add-key", vec!["add-key", "--key-file", bad, img, bad]),
+            ("export", vec!["export", "--key-file", bad, img, s(&out)]),
+            ("import", vec!["import", "--key-file", bad, s(&out), img]),
+            (
+                "serve",
+                vec!["serve", img, "--key-file", bad, "--nbd", &listen],
+            ),
+            ("mount", vec!["mount", img, s(&mnt), "--key-file", bad]),
+            ("ublk", vec!["ublk", img, "--key-file", bad]),
+        ];
+        // import needs an input file that exists.
+        std::fs::write(&out, vec![0u8; 4096]).unwrap();
+        for (verb, args) in cases {
+            let o = run(&args);
+            let stderr = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(
+                o.status.code(),
+                Some(2),
+                "{version} {verb}: exit {:?}, stderr: {stderr}",
+                o.status.code()
+            );
+            let lines: Vec<&str> = stderr.lines().filter(|l| !l.is_empty()).collect();
+            assert_eq!(lines.len(), 1, "{version} {verb}: not one line: {stderr}");
+            assert!(
+                lines[0].contains("No key available with this passphrase"),
+                "{version} {verb}: does not name the problem: {stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_exit_1_and_missing_devices_4() {
+    let t = TempDir::new("args");
+    let (img, good, _bad) = volume(&t, "luks2");
+    let missing = t.path("missing.img");
+    // A policy that does not exist: clap refuses it before anything is opened.
+    let o = run(&["serve", s(&img), "--policy", "fastest", "--nbd", "unix:/tmp/x"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let o = run(&["export", "--key-file", s(&good), s(&missing), "/dev/null"]);
+    assert_eq!(o.status.code(), Some(4), "{o:?}");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("missing.img"), "does not name the device: {stderr}");
+}
