@@ -7,7 +7,7 @@ use super::*;
 use crate::sector::CipherSpec;
 
 /// Fast KDF for tests: pbkdf2-sha256, 1000 iterations (cryptsetup's minimum).
-fn fast_kdf() -> KdfRequest {
+pub(super) fn fast_kdf() -> KdfRequest {
     KdfRequest {
         kind: "pbkdf2".into(),
         hash: HashAlg::Sha256,
