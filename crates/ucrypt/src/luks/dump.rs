@@ -1,11 +1,16 @@
-//! Human-readable header dump in the shape of `cryptsetup luksDump`.
+//! Human-readable header dump in the shape of `cryptsetup luksDump`: one function per printed
+//! section, in the order cryptsetup prints them.
+//!
+//! Every section writes to a `String`, which cannot fail; the `fmt::Result`s exist only so
+//! sections can use `?`, and [`dump`] discards the one it gets back.
 
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
 
-use super::json::SegmentSize;
+use super::json::{DigestJson, KdfJson, Keyslot, SegmentSize};
 use super::kdf::Kdf;
+use super::luks1::{Luks1Header, Luks1Slot};
 use super::util::b64_decode;
-use super::{Header, VolumeKey};
+use super::{Header, Luks2Header, VolumeKey};
 
 fn hex_block(out: &mut String, bytes: &[u8], indent: &str) {
     for (i, b) in bytes.iter().enumerate() {
@@ -22,187 +27,242 @@ fn hex_block(out: &mut String, bytes: &[u8], indent: &str) {
 /// `--dump-volume-key` layout, including the "MK dump:" line scripts look for).
 pub fn dump(hdr: &Header, device: &str, vk: Option<&VolumeKey>) -> String {
     let mut o = String::new();
-    if let Some(vk) = vk {
-        let _ = writeln!(o, "LUKS header information for {device}");
-        if let Ok(l) = hdr.data_layout() {
-            let (name, mode) = l.cipher.luks1_name_mode();
-            let _ = writeln!(o, "Cipher name:   \t{name}");
-            let _ = writeln!(o, "Cipher mode:   \t{mode}");
-            let _ = writeln!(o, "Payload offset:\t{}", l.offset_bytes / 512);
-        }
-        let _ = writeln!(o, "UUID:          \t{}", hdr.uuid());
-        let _ = writeln!(o, "MK bits:       \t{}", vk.len() * 8);
-        o.push_str("MK dump:\t");
-        hex_block(&mut o, vk.bytes(), "\t\t");
-        return o;
-    }
-    match hdr {
-        Header::Luks1(h) => {
-            let _ = writeln!(o, "LUKS header information for {device}\n");
-            let _ = writeln!(o, "Version:       \t1");
-            let _ = writeln!(o, "Cipher name:   \t{}", h.cipher_name);
-            let _ = writeln!(o, "Cipher mode:   \t{}", h.cipher_mode);
-            let _ = writeln!(o, "Hash spec:     \t{}", h.hash_spec);
-            let _ = writeln!(o, "Payload offset:\t{}", h.payload_offset);
-            let _ = writeln!(o, "MK bits:       \t{}", h.key_bytes * 8);
-            o.push_str("MK digest:     \t");
-            hex_block(&mut o, &h.mk_digest, "               \t");
-            o.push_str("MK salt:       \t");
-            hex_block(&mut o, &h.mk_digest_salt, "               \t");
-            let _ = writeln!(o, "MK iterations: \t{}", h.mk_digest_iterations);
-            let _ = writeln!(o, "UUID:          \t{}\n", h.uuid);
-            for (i, s) in h.slots.iter().enumerate() {
-                if s.active {
-                    let _ = writeln!(o, "Key Slot {i}: ENABLED");
-                    let _ = writeln!(o, "\tIterations:         \t{}", s.iterations);
-                    o.push_str("\tSalt:               \t");
-                    hex_block(&mut o, &s.salt, "\t                      \t");
-                    let _ = writeln!(o, "\tKey material offset:\t{}", s.key_material_offset);
-                    let _ = writeln!(o, "\tAF stripes:            \t{}", s.stripes);
-                } else {
-                    let _ = writeln!(o, "Key Slot {i}: DISABLED");
-                }
-            }
-        }
-        Header::Luks2(h) => {
-            let _ = writeln!(o, "LUKS header information");
-            let _ = writeln!(o, "Version:       \t2");
-            let _ = writeln!(o, "Epoch:         \t{}", h.bin.seqid);
-            let _ = writeln!(o, "Metadata area: \t{} [bytes]", h.bin.hdr_size);
-            let _ = writeln!(
-                o,
-                "Keyslots area: \t{} [bytes]",
-                h.meta.config.keyslots_size.0
-            );
-            let _ = writeln!(o, "UUID:          \t{}", h.bin.uuid);
-            let lbl = |s: &str, none: &str| {
-                if s.is_empty() {
-                    none.to_string()
-                } else {
-                    s.to_string()
-                }
-            };
-            let _ = writeln!(o, "Label:         \t{}", lbl(&h.bin.label, "(no label)"));
-            let _ = writeln!(
-                o,
-                "Subsystem:     \t{}",
-                lbl(&h.bin.subsystem, "(no subsystem)")
-            );
-            let flags = h.flags();
-            let _ = writeln!(
-                o,
-                "Flags:       \t{}",
-                if flags.is_empty() {
-                    "(no flags)".into()
-                } else {
-                    flags.join(" ")
-                }
-            );
-            let req = h.meta.requirements();
-            if !req.is_empty() {
-                let _ = writeln!(o, "Requirements:\t{}", req.join(" "));
-            }
-            let _ = writeln!(o, "\nData segments:");
-            for (k, s) in &h.meta.segments {
-                let _ = writeln!(o, "  {k}: {}", s.kind);
-                let _ = writeln!(o, "\toffset: {} [bytes]", s.offset.0);
-                match s.size {
-                    SegmentSize::Dynamic => {
-                        let _ = writeln!(o, "\tlength: (whole device)");
-                    }
-                    SegmentSize::Bytes(n) => {
-                        let _ = writeln!(o, "\tlength: {n} [bytes]");
-                    }
-                }
-                if let Some(e) = &s.encryption {
-                    let _ = writeln!(o, "\tcipher: {e}");
-                }
-                if let Some(ss) = s.sector_size {
-                    let _ = writeln!(o, "\tsector: {ss} [bytes]");
-                }
-            }
-            let _ = writeln!(o, "\nKeyslots:");
-            for (k, ks) in &h.meta.keyslots {
-                let _ = writeln!(o, "  {k}: {}", ks.kind);
-                let _ = writeln!(o, "\tKey:        {} bits", ks.key_size * 8);
-                let prio = match ks.priority.unwrap_or(1) {
-                    0 => "ignored",
-                    2 => "prefer",
-                    _ => "normal",
-                };
-                let _ = writeln!(o, "\tPriority:   {prio}");
-                if let Some(a) = &ks.area {
-                    if let Some(e) = &a.encryption {
-                        let _ = writeln!(o, "\tCipher:     {e}");
-                    }
-                    if let Some(n) = a.key_size {
-                        let _ = writeln!(o, "\tCipher key: {} bits", n * 8);
-                    }
-                }
-                if let Some(kj) = &ks.kdf {
-                    let _ = writeln!(o, "\tPBKDF:      {}", kj.kind);
-                    match super::json::kdf_from_json(kj) {
-                        Ok(Kdf::Pbkdf2 {
-                            hash, iterations, ..
-                        }) => {
-                            let _ = writeln!(o, "\tHash:       {}", hash.name());
-                            let _ = writeln!(o, "\tIterations: {iterations}");
-                        }
-                        Ok(Kdf::Argon2 {
-                            time,
-                            memory_kib,
-                            cpus,
-                            ..
-                        }) => {
-                            let _ = writeln!(o, "\tTime cost:  {time}");
-                            let _ = writeln!(o, "\tMemory:     {memory_kib}");
-                            let _ = writeln!(o, "\tThreads:    {cpus}");
-                        }
-                        Err(e) => {
-                            let _ = writeln!(o, "\t(invalid kdf: {e})");
-                        }
-                    }
-                    if let Some(s) = b64_decode(&kj.salt) {
-                        o.push_str("\tSalt:       ");
-                        hex_block(&mut o, &s, "\t            ");
-                    }
-                }
-                if let Some(af) = &ks.af {
-                    let _ = writeln!(o, "\tAF stripes: {}", af.stripes);
-                    let _ = writeln!(o, "\tAF hash:    {}", af.hash);
-                }
-                if let Some(a) = &ks.area {
-                    let _ = writeln!(o, "\tArea offset:{} [bytes]", a.offset.0);
-                    let _ = writeln!(o, "\tArea length:{} [bytes]", a.size.0);
-                }
-                if let Some((d, _)) = h.meta.digest_for_keyslot(k) {
-                    let _ = writeln!(o, "\tDigest ID:  {d}");
-                }
-            }
-            let _ = writeln!(o, "Tokens:");
-            for (k, t) in &h.meta.tokens {
-                let ty = t.get("type").and_then(|v| v.as_str()).unwrap_or("?");
-                let _ = writeln!(o, "  {k}: {ty}");
-            }
-            let _ = writeln!(o, "Digests:");
-            for (k, d) in &h.meta.digests {
-                let _ = writeln!(o, "  {k}: {}", d.kind);
-                if let Some(hh) = &d.hash {
-                    let _ = writeln!(o, "\tHash:       {hh}");
-                }
-                if let Some(i) = d.iterations {
-                    let _ = writeln!(o, "\tIterations: {i}");
-                }
-                if let Some(s) = d.salt.as_deref().and_then(b64_decode) {
-                    o.push_str("\tSalt:       ");
-                    hex_block(&mut o, &s, "\t            ");
-                }
-                if let Some(s) = d.digest.as_deref().and_then(b64_decode) {
-                    o.push_str("\tDigest:     ");
-                    hex_block(&mut o, &s, "\t            ");
-                }
-            }
-        }
-    }
+    let _ = match (vk, hdr) {
+        (Some(vk), _) => volume_key(&mut o, hdr, device, vk),
+        (None, Header::Luks1(h)) => luks1(&mut o, h, device),
+        (None, Header::Luks2(h)) => luks2(&mut o, h),
+    };
     o
+}
+
+/// `--dump-volume-key`: the same for both versions.
+fn volume_key(o: &mut String, hdr: &Header, device: &str, vk: &VolumeKey) -> fmt::Result {
+    writeln!(o, "LUKS header information for {device}")?;
+    if let Ok(l) = hdr.data_layout() {
+        let (name, mode) = l.cipher.luks1_name_mode();
+        writeln!(o, "Cipher name:   \t{name}")?;
+        writeln!(o, "Cipher mode:   \t{mode}")?;
+        writeln!(o, "Payload offset:\t{}", l.offset_bytes / 512)?;
+    }
+    writeln!(o, "UUID:          \t{}", hdr.uuid())?;
+    writeln!(o, "MK bits:       \t{}", vk.len() * 8)?;
+    o.push_str("MK dump:\t");
+    hex_block(o, vk.bytes(), "\t\t");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- LUKS1
+
+fn luks1(o: &mut String, h: &Luks1Header, device: &str) -> fmt::Result {
+    luks1_phdr(o, h, device)?;
+    for (i, s) in h.slots.iter().enumerate() {
+        luks1_keyslot(o, i, s)?;
+    }
+    Ok(())
+}
+
+/// The phdr fields: cipher, hash, payload offset, master key digest, UUID.
+fn luks1_phdr(o: &mut String, h: &Luks1Header, device: &str) -> fmt::Result {
+    writeln!(o, "LUKS header information for {device}\n")?;
+    writeln!(o, "Version:       \t1")?;
+    writeln!(o, "Cipher name:   \t{}", h.cipher_name)?;
+    writeln!(o, "Cipher mode:   \t{}", h.cipher_mode)?;
+    writeln!(o, "Hash spec:     \t{}", h.hash_spec)?;
+    writeln!(o, "Payload offset:\t{}", h.payload_offset)?;
+    writeln!(o, "MK bits:       \t{}", h.key_bytes * 8)?;
+    o.push_str("MK digest:     \t");
+    hex_block(o, &h.mk_digest, "               \t");
+    o.push_str("MK salt:       \t");
+    hex_block(o, &h.mk_digest_salt, "               \t");
+    writeln!(o, "MK iterations: \t{}", h.mk_digest_iterations)?;
+    writeln!(o, "UUID:          \t{}\n", h.uuid)
+}
+
+fn luks1_keyslot(o: &mut String, i: usize, s: &Luks1Slot) -> fmt::Result {
+    if !s.active {
+        return writeln!(o, "Key Slot {i}: DISABLED");
+    }
+    writeln!(o, "Key Slot {i}: ENABLED")?;
+    writeln!(o, "\tIterations:         \t{}", s.iterations)?;
+    o.push_str("\tSalt:               \t");
+    hex_block(o, &s.salt, "\t                      \t");
+    writeln!(o, "\tKey material offset:\t{}", s.key_material_offset)?;
+    writeln!(o, "\tAF stripes:            \t{}", s.stripes)
+}
+
+// ---------------------------------------------------------------- LUKS2
+
+fn luks2(o: &mut String, h: &Luks2Header) -> fmt::Result {
+    luks2_binary_and_config(o, h)?;
+    luks2_segments(o, h)?;
+    luks2_keyslots(o, h)?;
+    luks2_tokens(o, h)?;
+    luks2_digests(o, h)
+}
+
+/// The binary header's fields, then `config`: flags and requirements.
+fn luks2_binary_and_config(o: &mut String, h: &Luks2Header) -> fmt::Result {
+    writeln!(o, "LUKS header information")?;
+    writeln!(o, "Version:       \t2")?;
+    writeln!(o, "Epoch:         \t{}", h.bin.seqid)?;
+    writeln!(o, "Metadata area: \t{} [bytes]", h.bin.hdr_size)?;
+    writeln!(
+        o,
+        "Keyslots area: \t{} [bytes]",
+        h.meta.config.keyslots_size.0
+    )?;
+    writeln!(o, "UUID:          \t{}", h.bin.uuid)?;
+    let or_none = |s: &str, none: &'static str| if s.is_empty() { none } else { s }.to_string();
+    writeln!(
+        o,
+        "Label:         \t{}",
+        or_none(&h.bin.label, "(no label)")
+    )?;
+    writeln!(
+        o,
+        "Subsystem:     \t{}",
+        or_none(&h.bin.subsystem, "(no subsystem)")
+    )?;
+    let flags = h.flags();
+    writeln!(
+        o,
+        "Flags:       \t{}",
+        if flags.is_empty() {
+            "(no flags)".into()
+        } else {
+            flags.join(" ")
+        }
+    )?;
+    let req = h.meta.requirements();
+    if !req.is_empty() {
+        writeln!(o, "Requirements:\t{}", req.join(" "))?;
+    }
+    Ok(())
+}
+
+fn luks2_segments(o: &mut String, h: &Luks2Header) -> fmt::Result {
+    writeln!(o, "\nData segments:")?;
+    for (k, s) in &h.meta.segments {
+        writeln!(o, "  {k}: {}", s.kind)?;
+        writeln!(o, "\toffset: {} [bytes]", s.offset.0)?;
+        match s.size {
+            SegmentSize::Dynamic => writeln!(o, "\tlength: (whole device)")?,
+            SegmentSize::Bytes(n) => writeln!(o, "\tlength: {n} [bytes]")?,
+        }
+        if let Some(e) = &s.encryption {
+            writeln!(o, "\tcipher: {e}")?;
+        }
+        if let Some(ss) = s.sector_size {
+            writeln!(o, "\tsector: {ss} [bytes]")?;
+        }
+    }
+    Ok(())
+}
+
+fn luks2_keyslots(o: &mut String, h: &Luks2Header) -> fmt::Result {
+    writeln!(o, "\nKeyslots:")?;
+    for (k, ks) in &h.meta.keyslots {
+        luks2_keyslot(o, h, k, ks)?;
+    }
+    Ok(())
+}
+
+fn luks2_keyslot(o: &mut String, h: &Luks2Header, k: &str, ks: &Keyslot) -> fmt::Result {
+    writeln!(o, "  {k}: {}", ks.kind)?;
+    writeln!(o, "\tKey:        {} bits", ks.key_size * 8)?;
+    let prio = match ks.priority.unwrap_or(1) {
+        0 => "ignored",
+        2 => "prefer",
+        _ => "normal",
+    };
+    writeln!(o, "\tPriority:   {prio}")?;
+    if let Some(a) = &ks.area {
+        if let Some(e) = &a.encryption {
+            writeln!(o, "\tCipher:     {e}")?;
+        }
+        if let Some(n) = a.key_size {
+            writeln!(o, "\tCipher key: {} bits", n * 8)?;
+        }
+    }
+    if let Some(kj) = &ks.kdf {
+        luks2_keyslot_kdf(o, kj)?;
+    }
+    if let Some(af) = &ks.af {
+        writeln!(o, "\tAF stripes: {}", af.stripes)?;
+        writeln!(o, "\tAF hash:    {}", af.hash)?;
+    }
+    if let Some(a) = &ks.area {
+        writeln!(o, "\tArea offset:{} [bytes]", a.offset.0)?;
+        writeln!(o, "\tArea length:{} [bytes]", a.size.0)?;
+    }
+    if let Some((d, _)) = h.meta.digest_for_keyslot(k) {
+        writeln!(o, "\tDigest ID:  {d}")?;
+    }
+    Ok(())
+}
+
+/// A keyslot's KDF as typed parameters; one that does not parse is shown with the reason
+/// rather than hidden, since a dump is how a user finds out what is wrong with a header.
+fn luks2_keyslot_kdf(o: &mut String, kj: &KdfJson) -> fmt::Result {
+    writeln!(o, "\tPBKDF:      {}", kj.kind)?;
+    match super::json::kdf_from_json(kj) {
+        Ok(Kdf::Pbkdf2 {
+            hash, iterations, ..
+        }) => {
+            writeln!(o, "\tHash:       {}", hash.name())?;
+            writeln!(o, "\tIterations: {iterations}")?;
+        }
+        Ok(Kdf::Argon2 {
+            time,
+            memory_kib,
+            cpus,
+            ..
+        }) => {
+            writeln!(o, "\tTime cost:  {time}")?;
+            writeln!(o, "\tMemory:     {memory_kib}")?;
+            writeln!(o, "\tThreads:    {cpus}")?;
+        }
+        Err(e) => writeln!(o, "\t(invalid kdf: {e})")?,
+    }
+    if let Some(s) = b64_decode(&kj.salt) {
+        o.push_str("\tSalt:       ");
+        hex_block(o, &s, "\t            ");
+    }
+    Ok(())
+}
+
+fn luks2_tokens(o: &mut String, h: &Luks2Header) -> fmt::Result {
+    writeln!(o, "Tokens:")?;
+    for (k, t) in &h.meta.tokens {
+        let ty = t.get("type").and_then(|v| v.as_str()).unwrap_or("?");
+        writeln!(o, "  {k}: {ty}")?;
+    }
+    Ok(())
+}
+
+fn luks2_digests(o: &mut String, h: &Luks2Header) -> fmt::Result {
+    writeln!(o, "Digests:")?;
+    for (k, d) in &h.meta.digests {
+        luks2_digest(o, k, d)?;
+    }
+    Ok(())
+}
+
+fn luks2_digest(o: &mut String, k: &str, d: &DigestJson) -> fmt::Result {
+    writeln!(o, "  {k}: {}", d.kind)?;
+    if let Some(hh) = &d.hash {
+        writeln!(o, "\tHash:       {hh}")?;
+    }
+    if let Some(i) = d.iterations {
+        writeln!(o, "\tIterations: {i}")?;
+    }
+    if let Some(s) = d.salt.as_deref().and_then(b64_decode) {
+        o.push_str("\tSalt:       ");
+        hex_block(o, &s, "\t            ");
+    }
+    if let Some(s) = d.digest.as_deref().and_then(b64_decode) {
+        o.push_str("\tDigest:     ");
+        hex_block(o, &s, "\t            ");
+    }
+    Ok(())
 }

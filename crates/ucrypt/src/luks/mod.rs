@@ -8,8 +8,14 @@
 //! 3. unlocks with [`unlock`], passing a closure that reads keyslot areas; the result is a
 //!    [`VolumeKey`], which exists only after a digest check succeeded;
 //! 4. applies the [`WriteOp`]s an update returns, in order, syncing where told.
+//!
+//! `driver` is that caller for a [`crate::backend::Backend`]: [`read_header`], [`unlock_key`]
+//! and [`apply`] perform steps 1-2, 3 and 4 through it, and [`open`] goes from a backend and a
+//! passphrase to a [`crate::volume::Volume`] in one call. It is the only part of `luks` that
+//! performs I/O, and only through the backend.
 
 pub mod af;
+mod driver;
 mod dump;
 pub mod json;
 pub mod kdf;
@@ -21,6 +27,7 @@ pub mod util;
 #[cfg(test)]
 mod tests;
 
+pub use driver::{apply, open, read_header, unlock_key, OpenOptions, Unlock};
 pub use dump::dump;
 pub use kdf::{Kdf, KdfRequest};
 pub use luks1::Luks1Header;

@@ -7,7 +7,7 @@ use super::*;
 use crate::sector::CipherSpec;
 
 /// Fast KDF for tests: pbkdf2-sha256, 1000 iterations (cryptsetup's minimum).
-fn fast_kdf() -> KdfRequest {
+pub(super) fn fast_kdf() -> KdfRequest {
     KdfRequest {
         kind: "pbkdf2".into(),
         hash: HashAlg::Sha256,
@@ -1104,3 +1104,112 @@ fn cryptsetup_written_headers_parse() {
     bad[..4096].fill(0);
     assert_eq!(parse_any(&bad).expect("secondary").warnings().len(), 1);
 }
+
+// ------------------------------------------------------------------ dump text
+
+/// `luksDump` output of known headers, pinned byte for byte: scripts parse it (the "MK dump:"
+/// line above all), so reshaping `dump` must not change a character. Trailing spaces after
+/// hex bytes are part of the format.
+#[test]
+fn dump_text_is_pinned() {
+    let text = |lines: &[&str]| lines.iter().map(|l| format!("{l}\n")).collect::<String>();
+    let l1 = include_bytes!("../../../../fuzz/seeds/luks_parse/luks1");
+    let l2 = include_bytes!("../../../../fuzz/seeds/luks_parse/luks2-pbkdf2");
+    let h1 = parse_any(l1).expect("luks1 seed");
+    assert_eq!(dump(&h1, "seed", None), text(DUMP_LUKS1_SEED));
+    let h2 = parse_any(l2).expect("luks2-pbkdf2 seed");
+    assert_eq!(dump(&h2, "seed", None), text(DUMP_LUKS2_PBKDF2_SEED));
+    let (img, vk) = image_luks2();
+    let h = parse_any(&img).expect("image");
+    let vk = h.verify_key(SecretBytes::from_slice(&vk)).expect("vk");
+    assert_eq!(dump(&h, "img", Some(&vk)), text(DUMP_VOLUME_KEY));
+}
+
+const DUMP_LUKS1_SEED: &[&str] = &[
+    "LUKS header information for seed",
+    "",
+    "Version:       \t1",
+    "Cipher name:   \taes",
+    "Cipher mode:   \txts-plain64",
+    "Hash spec:     \tsha256",
+    "Payload offset:\t4096",
+    "MK bits:       \t512",
+    "MK digest:     \t83 c0 b8 8e 6e c7 84 c9 9b e0 9c 7c b8 49 78 a9 ",
+    "               \t89 32 33 32 ",
+    "MK salt:       \t01 f2 20 2b d2 a8 a8 1e 74 82 86 41 19 52 91 0e ",
+    "               \t85 1a e2 23 3b de 04 e9 0c ec 6f ea bf 8c d1 91 ",
+    "MK iterations: \t1000",
+    "UUID:          \tfa6ba24d-83bb-4f36-9017-dbf83a1a7f62",
+    "",
+    "Key Slot 0: ENABLED",
+    "\tIterations:         \t1000",
+    "\tSalt:               \tee f9 28 27 85 36 e7 41 a8 07 2b 7a b3 16 c5 df ",
+    "\t                      \t3a 09 c8 9f 97 20 36 d5 4e 61 c4 4b ca e7 0e 3c ",
+    "\tKey material offset:\t8",
+    "\tAF stripes:            \t4000",
+    "Key Slot 1: DISABLED",
+    "Key Slot 2: DISABLED",
+    "Key Slot 3: DISABLED",
+    "Key Slot 4: DISABLED",
+    "Key Slot 5: DISABLED",
+    "Key Slot 6: DISABLED",
+    "Key Slot 7: DISABLED",
+];
+
+const DUMP_LUKS2_PBKDF2_SEED: &[&str] = &[
+    "LUKS header information",
+    "Version:       \t2",
+    "Epoch:         \t3",
+    "Metadata area: \t16384 [bytes]",
+    "Keyslots area: \t16744448 [bytes]",
+    "UUID:          \teb168cdb-ee75-447c-9d58-eef17290a310",
+    "Label:         \tseed",
+    "Subsystem:     \t(no subsystem)",
+    "Flags:       \t(no flags)",
+    "",
+    "Data segments:",
+    "  0: crypt",
+    "\toffset: 16777216 [bytes]",
+    "\tlength: (whole device)",
+    "\tcipher: aes-xts-plain64",
+    "\tsector: 4096 [bytes]",
+    "",
+    "Keyslots:",
+    "  0: luks2",
+    "\tKey:        512 bits",
+    "\tPriority:   normal",
+    "\tCipher:     aes-xts-plain64",
+    "\tCipher key: 512 bits",
+    "\tPBKDF:      pbkdf2",
+    "\tHash:       sha256",
+    "\tIterations: 1000",
+    "\tSalt:       7c 22 e4 72 c7 d2 93 82 b7 af 99 17 83 a7 08 df ",
+    "\t            bf c5 72 56 75 69 a0 bc e9 a4 11 f1 d7 a6 54 db ",
+    "\tAF stripes: 4000",
+    "\tAF hash:    sha256",
+    "\tArea offset:32768 [bytes]",
+    "\tArea length:258048 [bytes]",
+    "\tDigest ID:  0",
+    "Tokens:",
+    "Digests:",
+    "  0: pbkdf2",
+    "\tHash:       sha256",
+    "\tIterations: 1000",
+    "\tSalt:       b1 c6 de 7b 79 30 4c eb 74 1a 3c b2 27 5a 64 22 ",
+    "\t            8d 77 13 e7 5d 98 0c f1 d5 a2 d0 cf a8 c1 c1 67 ",
+    "\tDigest:     50 e1 d3 79 ad 2e e9 5f 28 fb ac 50 15 3c 83 64 ",
+    "\t            dc 3e fe a0 11 fa e9 41 44 37 96 17 31 d5 70 0d ",
+];
+
+const DUMP_VOLUME_KEY: &[&str] = &[
+    "LUKS header information for img",
+    "Cipher name:   \taes",
+    "Cipher mode:   \txts-plain64",
+    "Payload offset:\t2048",
+    "UUID:          \t0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0",
+    "MK bits:       \t512",
+    "MK dump:\t00 01 02 03 04 05 06 07 08 09 0a 0b 0c 0d 0e 0f ",
+    "\t\t10 11 12 13 14 15 16 17 18 19 1a 1b 1c 1d 1e 1f ",
+    "\t\t20 21 22 23 24 25 26 27 28 29 2a 2b 2c 2d 2e 2f ",
+    "\t\t30 31 32 33 34 35 36 37 38 39 3a 3b 3c 3d 3e 3f ",
+];

@@ -1,0 +1,287 @@
+//! LUKS2 keyslots: the order a passphrase tries them in, the digest check that turns a
+//! candidate into a [`VolumeKey`], and adding, removing and changing passphrase keyslots as
+//! write plans.
+
+use serde_json::Map;
+
+use super::{bad, Luks2Header};
+use crate::luks::af::AF_STRIPES;
+use crate::luks::json::{
+    af_area_bytes, kdf_to_json, round_up, AfJson, Area, Keyslot, KeyslotParams, U64Str,
+};
+use crate::luks::kdf::{Kdf, KdfRequest, SALT_BYTES_MAX};
+use crate::luks::keyslot::SlotCrypto;
+use crate::luks::util::{b64_decode, random_fill, HashAlg};
+use crate::luks::{VolumeKey, WriteOp, DIGEST_BYTES_MAX, KEYSLOTS_MAX};
+use crate::{Error, Result, SecretBytes};
+
+impl Luks2Header {
+    /// Keyslots usable with a passphrase, in the order cryptsetup tries them: high priority
+    /// first, then normal; priority 0 ("ignore") only when asked for by number.
+    pub fn unlock_order(&self, slot: Option<u32>) -> Result<Vec<KeyslotParams>> {
+        if let Some(id) = slot {
+            return Ok(vec![self.meta.keyslot_params(&id.to_string())?]);
+        }
+        let mut v: Vec<KeyslotParams> = self
+            .meta
+            .keyslots
+            .iter()
+            .filter(|(_, k)| k.kind == "luks2")
+            .filter_map(|(id, _)| self.meta.keyslot_params(id).ok())
+            .filter(|p| p.priority > 0)
+            .collect();
+        v.sort_by_key(|p| (std::cmp::Reverse(p.priority), p.id));
+        Ok(v)
+    }
+
+    pub fn slot_crypto(p: &KeyslotParams) -> SlotCrypto {
+        SlotCrypto {
+            key_bytes: p.key_bytes,
+            area_cipher: p.area_cipher,
+            area_key_bytes: p.area_key_bytes,
+            kdf: p.kdf.clone(),
+            af_hash: p.af_hash,
+            stripes: p.stripes,
+        }
+    }
+
+    /// Checks a candidate key against the digest of `keyslot`; the only way to get a
+    /// [`VolumeKey`] for this header.
+    pub fn verify_key(&self, keyslot: Option<u32>, candidate: SecretBytes) -> Result<VolumeKey> {
+        let digest = match keyslot {
+            Some(id) => self.meta.digest_for_keyslot(&id.to_string()),
+            None => self
+                .meta
+                .digests
+                .iter()
+                .find(|(_, d)| !d.segments.is_empty()),
+        };
+        let (id, d) = digest.ok_or(Error::WrongPassphrase)?;
+        if d.kind != "pbkdf2" {
+            return Err(Error::UnsupportedLuks(format!("digest type '{}'", d.kind)));
+        }
+        let hash = HashAlg::from_name(d.hash.as_deref().unwrap_or(""))?;
+        let salt = b64_decode(d.salt.as_deref().unwrap_or(""))
+            .ok_or_else(|| bad("digests", format!("digest {id} salt is not base64")))?;
+        let want = b64_decode(d.digest.as_deref().unwrap_or(""))
+            .ok_or_else(|| bad("digests", format!("digest {id} value is not base64")))?;
+        let iterations = d
+            .iterations
+            .filter(|&n| n > 0)
+            .ok_or_else(|| bad("digests", format!("digest {id} has no iterations")))?;
+        if want.is_empty() || want.len() > DIGEST_BYTES_MAX || salt.len() > SALT_BYTES_MAX {
+            return Err(bad("digests", format!("digest {id} value or salt length")));
+        }
+        let mut got = SecretBytes::zeroed(want.len());
+        hash.pbkdf2(candidate.as_ref(), &salt, iterations, got.as_mut());
+        if got.ct_eq(&want) {
+            Ok(VolumeKey::new_verified(candidate, id.parse().unwrap_or(0)))
+        } else {
+            Err(Error::WrongPassphrase)
+        }
+    }
+
+    /// First gap in the keyslots area that holds `len` bytes (4096-aligned).
+    fn find_area(&self, len: u64) -> Result<u64> {
+        let start = 2 * self.bin.hdr_size;
+        let end = start + self.meta.config.keyslots_size.0;
+        let mut used: Vec<(u64, u64)> = self
+            .meta
+            .keyslots
+            .values()
+            .filter_map(|k| k.area.as_ref().map(|a| (a.offset.0, a.offset.0 + a.size.0)))
+            .collect();
+        used.sort();
+        let mut at = start;
+        for (s, e) in used {
+            if at + len <= s {
+                break;
+            }
+            at = at.max(round_up(e, 4096).unwrap_or(u64::MAX));
+        }
+        if at.checked_add(len).is_some_and(|e| e <= end) {
+            Ok(at)
+        } else {
+            Err(Error::InvalidArgument(
+                "no space for a new keyslot in the LUKS2 keyslots area".into(),
+            ))
+        }
+    }
+
+    /// Adds a passphrase keyslot for `vk`. Returns the writes: key material first, then the
+    /// header update, so a crash never leaves a header pointing at missing material.
+    pub fn add_keyslot(
+        &mut self,
+        vk: &VolumeKey,
+        passphrase: &[u8],
+        kdf: &KdfRequest,
+        slot: Option<u32>,
+        priority: Option<u32>,
+    ) -> Result<(u32, Vec<WriteOp>)> {
+        let used = self.meta.used_keyslots();
+        let id = match slot {
+            Some(id) if id >= KEYSLOTS_MAX => {
+                return Err(Error::InvalidArgument(format!(
+                    "keyslot {id} is out of range (0..{KEYSLOTS_MAX})"
+                )))
+            }
+            Some(id) if used.contains(&id) => {
+                return Err(Error::Keyslot {
+                    slot: id,
+                    reason: "keyslot is already in use".into(),
+                })
+            }
+            Some(id) => id,
+            None => (0..KEYSLOTS_MAX)
+                .find(|i| !used.contains(i))
+                .ok_or_else(|| Error::InvalidArgument("all keyslots are full".into()))?,
+        };
+        let seg = self.meta.crypt_segment()?;
+        let key_bytes = vk.len();
+        let stripes = AF_STRIPES;
+        let area_len = round_up(af_area_bytes(key_bytes, stripes), 4096)
+            .ok_or(Error::Bug("area length overflow"))?;
+        let offset = self.find_area(area_len)?;
+        let kdf_params = kdf.resolve(key_bytes)?;
+        let crypto = SlotCrypto {
+            key_bytes,
+            area_cipher: seg.cipher,
+            area_key_bytes: key_bytes,
+            kdf: kdf_params.clone(),
+            af_hash: kdf.hash,
+            stripes,
+        };
+        let material = crypto.seal(passphrase, vk.bytes())?;
+        let ks = Keyslot {
+            kind: "luks2".into(),
+            key_size: key_bytes as u32,
+            af: Some(AfJson {
+                kind: "luks1".into(),
+                stripes,
+                hash: kdf.hash.name().into(),
+                extra: Map::new(),
+            }),
+            area: Some(Area {
+                kind: "raw".into(),
+                offset: U64Str(offset),
+                size: U64Str(area_len),
+                encryption: Some(seg.cipher.to_string()),
+                key_size: Some(key_bytes as u32),
+                extra: Map::new(),
+            }),
+            kdf: Some(kdf_to_json(&kdf_params)),
+            priority: priority.filter(|&p| p != 1),
+            extra: Map::new(),
+        };
+        let key = id.to_string();
+        self.meta.keyslots.insert(key.clone(), ks);
+        let did = vk.digest_id().to_string();
+        let d = self
+            .meta
+            .digests
+            .get_mut(&did)
+            .ok_or(Error::Bug("volume key digest vanished"))?;
+        if !d.keyslots.contains(&key) {
+            d.keyslots.push(key);
+        }
+        let mut ops = vec![
+            WriteOp::Write {
+                offset,
+                data: material,
+            },
+            WriteOp::Sync,
+        ];
+        ops.extend(self.commit()?);
+        Ok((id, ops))
+    }
+
+    /// Removes keyslot `id`: header first, then the area is overwritten with random bytes.
+    pub fn remove_keyslot(&mut self, id: u32) -> Result<Vec<WriteOp>> {
+        let key = id.to_string();
+        let ks = self
+            .meta
+            .keyslots
+            .remove(&key)
+            .ok_or_else(|| Error::Keyslot {
+                slot: id,
+                reason: "keyslot is not in use".into(),
+            })?;
+        for d in self.meta.digests.values_mut() {
+            d.keyslots.retain(|k| k != &key);
+        }
+        for t in self.meta.tokens.values_mut() {
+            if let Some(serde_json::Value::Array(a)) = t.get_mut("keyslots") {
+                a.retain(|v| v.as_str() != Some(&key));
+            }
+        }
+        let mut ops = self.commit()?;
+        if let Some(a) = ks.area {
+            let mut noise = vec![0u8; a.size.0 as usize];
+            random_fill(&mut noise)?;
+            ops.push(WriteOp::Write {
+                offset: a.offset.0,
+                data: noise,
+            });
+            ops.push(WriteOp::Sync);
+        }
+        Ok(ops)
+    }
+
+    /// Replaces the passphrase of keyslot `id`, keeping its number (as cryptsetup does for
+    /// LUKS2): the new material goes to a fresh area, one header commit swaps the keyslot,
+    /// then the old area is wiped. A crash leaves the old or the new passphrase working.
+    pub fn change_keyslot(
+        &mut self,
+        id: u32,
+        vk: &VolumeKey,
+        passphrase: &[u8],
+        kdf: &KdfRequest,
+    ) -> Result<(u32, Vec<WriteOp>)> {
+        let key = id.to_string();
+        let old = self
+            .meta
+            .keyslots
+            .get(&key)
+            .cloned()
+            .ok_or(Error::Keyslot {
+                slot: id,
+                reason: "keyslot is not in use".into(),
+            })?;
+        let priority = old.priority;
+        // Build the new keyslot under a free id, then move it to `id` in the same commit.
+        let tmp = (0..KEYSLOTS_MAX)
+            .find(|i| !self.meta.used_keyslots().contains(i))
+            .ok_or_else(|| Error::InvalidArgument("all keyslots are full".into()))?;
+        let saved = self.clone();
+        let (_, mut ops) = self.add_keyslot(vk, passphrase, kdf, Some(tmp), priority)?;
+        // Drop the header writes add_keyslot planned; keep its material write.
+        ops.truncate(2);
+        let mut ks = self
+            .meta
+            .keyslots
+            .remove(&tmp.to_string())
+            .ok_or(Error::Bug("new keyslot vanished"))?;
+        ks.priority = priority;
+        self.meta.keyslots.insert(key.clone(), ks);
+        for d in self.meta.digests.values_mut() {
+            d.keyslots.retain(|k| k != &tmp.to_string());
+        }
+        self.bin.seqid = saved.bin.seqid;
+        ops.extend(self.commit()?);
+        if let Some(a) = old.area {
+            let mut noise = vec![0u8; a.size.0 as usize];
+            random_fill(&mut noise)?;
+            ops.push(WriteOp::Write {
+                offset: a.offset.0,
+                data: noise,
+            });
+            ops.push(WriteOp::Sync);
+        }
+        Ok((id, ops))
+    }
+}
+
+/// Used by tests and the fuzz entry: a keyslot's typed KDF.
+pub fn keyslot_kdf(hdr: &Luks2Header, id: u32) -> Result<Kdf> {
+    Ok(hdr.meta.keyslot_params(&id.to_string())?.kdf)
+}
