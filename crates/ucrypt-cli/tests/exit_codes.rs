@@ -114,10 +114,20 @@ fn bad_arguments_exit_1_and_missing_devices_4() {
     let (img, good, _bad) = volume(&t, "luks2");
     let missing = t.path("missing.img");
     // A policy that does not exist: clap refuses it before anything is opened.
-    let o = run(&["serve", s(&img), "--policy", "fastest", "--nbd", "unix:/tmp/x"]);
+    let o = run(&[
+        "serve",
+        s(&img),
+        "--policy",
+        "fastest",
+        "--nbd",
+        "unix:/tmp/x",
+    ]);
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let o = run(&["export", "--key-file", s(&good), s(&missing), "/dev/null"]);
     assert_eq!(o.status.code(), Some(4), "{o:?}");
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(stderr.contains("missing.img"), "does not name the device: {stderr}");
+    assert!(
+        stderr.contains("missing.img"),
+        "does not name the device: {stderr}"
+    );
 }

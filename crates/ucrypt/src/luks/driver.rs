@@ -150,18 +150,29 @@ pub fn unlock_key(
 /// reads the header, refuses unmet mandatory requirements unless read-only, unlocks, and
 /// builds the volume with `opts` applied over what the header says. `data` must be writable
 /// unless `opts.read_only`. Prints nothing: to show the header's warnings (a damaged copy),
-/// call [`read_header`] first.
+/// call [`read_header`] and then [`open_parsed`].
 pub fn open(data: Arc<dyn Backend>, unlock: Unlock, opts: &OpenOptions) -> Result<Volume> {
+    let hdr = read_header(opts.header.as_deref().unwrap_or(data.as_ref()))?;
+    open_parsed(data, &hdr, unlock, opts)
+}
+
+/// [`open`] with the header already read by [`read_header`] from `opts.header` (or `data`),
+/// for a caller that looked at it first (its warnings, its version) without reading it twice.
+pub fn open_parsed(
+    data: Arc<dyn Backend>,
+    hdr: &Header,
+    unlock: Unlock,
+    opts: &OpenOptions,
+) -> Result<Volume> {
     let hdr_dev: &dyn Backend = match &opts.header {
         Some(h) => h.as_ref(),
         None => data.as_ref(),
     };
-    let hdr = read_header(hdr_dev)?;
     if !opts.read_only {
         hdr.check_requirements()?;
     }
-    let (_, vk) = unlock_key(hdr_dev, &hdr, unlock, opts.key_slot)?;
-    let mut cfg = volume_config(&hdr, &vk)?;
+    let (_, vk) = unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
+    let mut cfg = volume_config(hdr, &vk)?;
     drop(vk);
     cfg.policy = opts.policy;
     cfg.spin = opts.spin;
