@@ -795,6 +795,16 @@ impl Core {
         }
     }
 
+    /// The backend read of a task's ciphertext into `buf` (its buffer).
+    fn read_task_io(&self, task: &Task, buf: &mut [u8], t: &mut Times) -> Result<()> {
+        let t0 = t.clock();
+        let r = self
+            .backend
+            .read_exact_at(buf, self.backend_offset(task.sectors.first));
+        t.backend += t.clock().wrapping_sub(t0);
+        r
+    }
+
     /// The ciphertext buffer of `task`, after checking (in debug builds; this is every
     /// request's path) that its sectors lie inside the volume, which is what sizes the buffers
     /// callers and the pool hand in.
@@ -842,12 +852,7 @@ impl Executor for Core {
         let buf = unsafe { self.task_buf(task) };
         if !task.write {
             if task.io {
-                let t0 = t.clock();
-                let r = self
-                    .backend
-                    .read_exact_at(buf, self.backend_offset(task.sectors.first));
-                t.backend += t.clock().wrapping_sub(t0);
-                r?;
+                self.read_task_io(task, buf, t)?;
             }
             let t0 = t.clock();
             let r = self.crypt(own, false, task.sectors.first, buf, None);
@@ -967,12 +972,7 @@ impl Core {
                 // dm-crypt reads: the I/O completes, then decryption is queued to a worker.
                 // SAFETY: as in exec_task.
                 let buf = unsafe { self.task_buf(&task) };
-                let t0 = t.clock();
-                let r = self
-                    .backend
-                    .read_exact_at(buf, self.backend_offset(task.sectors.first));
-                t.backend += t.clock().wrapping_sub(t0);
-                r?;
+                self.read_task_io(&task, buf, t)?;
                 self.run_queued(Task { io: false, ..task }, false, t)
             }
         }

@@ -58,28 +58,24 @@ fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
 
 impl HeaderDev {
     pub fn open(path: &Path, writable: bool) -> Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(writable)
-            .open(path)
-            .map_err(|e| open_err(path, e))?;
-        lock(&file, path, writable)?;
-        Ok(HeaderDev {
-            file,
-            path: path.to_path_buf(),
-        })
+        Self::open_with(
+            path,
+            writable,
+            OpenOptions::new().read(true).write(writable),
+        )
     }
 
     /// A detached header file may not exist yet at format time.
     pub fn open_or_create(path: &Path) -> Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(|e| open_err(path, e))?;
-        lock(&file, path, true)?;
+        let mut o = OpenOptions::new();
+        o.read(true).write(true).create(true).truncate(false);
+        Self::open_with(path, true, &o)
+    }
+
+    /// Opens with `how` and takes the lock (exclusive to update).
+    fn open_with(path: &Path, exclusive: bool, how: &OpenOptions) -> Result<Self> {
+        let file = how.open(path).map_err(|e| open_err(path, e))?;
+        lock(&file, path, exclusive)?;
         Ok(HeaderDev {
             file,
             path: path.to_path_buf(),

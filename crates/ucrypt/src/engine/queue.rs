@@ -57,6 +57,18 @@ struct Ring<T> {
     spinning: u32,
 }
 
+impl<T> Ring<T> {
+    /// Takes the oldest slot (`len > 0`): an item, or a tombstone left by `steal`.
+    fn take_head(&mut self) -> Option<T> {
+        debug_assert!(self.len > 0);
+        let head = self.head;
+        let item = self.slots[head].take();
+        self.head = (head + 1) % self.slots.len();
+        self.len -= 1;
+        item
+    }
+}
+
 impl<T> BoundedQueue<T> {
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
@@ -120,10 +132,7 @@ impl<T> BoundedQueue<T> {
         loop {
             let mut freed = false;
             while r.len > 0 {
-                let head = r.head;
-                let item = r.slots[head].take();
-                r.head = (head + 1) % r.slots.len();
-                r.len -= 1;
+                let item = r.take_head();
                 freed = true;
                 // An empty slot is a tombstone left by `steal`: skip it.
                 if item.is_some() {
@@ -192,10 +201,7 @@ impl<T> BoundedQueue<T> {
             let mut n = 0;
             let mut freed = false;
             while r.len > 0 && n < out.len() {
-                let head = r.head;
-                let item = r.slots[head].take();
-                r.head = (head + 1) % r.slots.len();
-                r.len -= 1;
+                let item = r.take_head();
                 freed = true;
                 if item.is_some() {
                     out[n] = item;

@@ -231,6 +231,10 @@ pub(crate) struct WriteJob {
 pub(crate) fn worker_loop(core: &impl Executor) {
     // A worker without a cipher context fails the jobs it takes instead of dying silently.
     let mut cipher = core.ciphers().clone_cipher();
+    let exec = |cipher: &mut Result<SectorCipher>, task: &Task, t: &mut Times| match cipher {
+        Ok(c) => core.exec_task(Some(c), task, t),
+        Err(_) => Err(Error::Bug("worker has no cipher context")),
+    };
     while let Some(job) = core.jobs().pop_spin(core.spin(), core.max_spinners()) {
         // Timed only if the request is sampled (see stats): it then sent a non-zero time.
         let times_for = |queued_at: u64| Times {
@@ -261,10 +265,7 @@ pub(crate) fn worker_loop(core: &impl Executor) {
                 queued_at,
             } => {
                 let mut t = times_for(queued_at);
-                let r = match cipher.as_mut() {
-                    Ok(c) => core.exec_task(Some(c), &task, &mut t),
-                    Err(_) => Err(Error::Bug("worker has no cipher context")),
-                };
+                let r = exec(&mut cipher, &task, &mut t);
                 done.done(r, &t);
             }
             Job::QueuedWrite {
@@ -273,11 +274,7 @@ pub(crate) fn worker_loop(core: &impl Executor) {
                 queued_at,
             } => {
                 let mut t = times_for(queued_at);
-                let r = match cipher.as_mut() {
-                    Ok(c) => core.exec_task(Some(c), &task, &mut t),
-                    Err(_) => Err(Error::Bug("worker has no cipher context")),
-                };
-                match r {
+                match exec(&mut cipher, &task, &mut t) {
                     Err(e) => done.done(Err(e), &t),
                     Ok(()) => {
                         let w = WriteJob {

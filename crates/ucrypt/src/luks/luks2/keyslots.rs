@@ -216,13 +216,7 @@ impl Luks2Header {
         }
         let mut ops = self.commit()?;
         if let Some(a) = ks.area {
-            let mut noise = vec![0u8; a.size.0 as usize];
-            random_fill(&mut noise)?;
-            ops.push(WriteOp::Write {
-                offset: a.offset.0,
-                data: noise,
-            });
-            ops.push(WriteOp::Sync);
+            ops.extend(wipe_area(&a)?);
         }
         Ok(ops)
     }
@@ -269,13 +263,7 @@ impl Luks2Header {
         self.bin.seqid = saved.bin.seqid;
         ops.extend(self.commit()?);
         if let Some(a) = old.area {
-            let mut noise = vec![0u8; a.size.0 as usize];
-            random_fill(&mut noise)?;
-            ops.push(WriteOp::Write {
-                offset: a.offset.0,
-                data: noise,
-            });
-            ops.push(WriteOp::Sync);
+            ops.extend(wipe_area(&a)?);
         }
         Ok((id, ops))
     }
@@ -284,4 +272,18 @@ impl Luks2Header {
 /// Used by tests and the fuzz entry: a keyslot's typed KDF.
 pub fn keyslot_kdf(hdr: &Luks2Header, id: u32) -> Result<Kdf> {
     Ok(hdr.meta.keyslot_params(&id.to_string())?.kdf)
+}
+
+/// Writes that overwrite a retired keyslot's area with random bytes, then sync: its key
+/// material must not survive on the disk.
+fn wipe_area(a: &Area) -> Result<Vec<WriteOp>> {
+    let mut noise = vec![0u8; a.size.0 as usize];
+    random_fill(&mut noise)?;
+    Ok(vec![
+        WriteOp::Write {
+            offset: a.offset.0,
+            data: noise,
+        },
+        WriteOp::Sync,
+    ])
 }
