@@ -106,8 +106,11 @@ impl Error {
             | Error::OutOfRange { .. }
             | Error::InvalidArgument(_)
             | Error::ReadOnly(_) => ErrorKind::BadInput,
-            Error::WrongPassphrase | Error::NoUsableKeyslot => ErrorKind::WrongKey,
-            Error::NotLuks(_)
+            Error::WrongPassphrase => ErrorKind::WrongKey,
+            // No keyslot left to try: the header cannot be opened by any passphrase
+            // (cryptsetup exits 1 here, not 2).
+            Error::NoUsableKeyslot
+            | Error::NotLuks(_)
             | Error::BadHeader { .. }
             | Error::UnsupportedLuks(_)
             | Error::Keyslot { .. } => ErrorKind::BadData,
