@@ -620,49 +620,38 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
 
 /// The write plan of a new LUKS1 header with its first keyslot.
 fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp>, u32)> {
-    let NewVolume {
-        device,
-        o,
-        cipher,
-        uuid,
-        detached,
-        data_size,
-        passphrase,
-        kdf,
-        ..
-    } = n;
-    let mut ops: Vec<WriteOp> = Vec::new();
-    if o.sector_size.is_some_and(|s| s != 512) {
+    if n.o.sector_size.is_some_and(|s| s != 512) {
         return Err(Error::InvalidArgument(
             "LUKS1 supports only 512-byte sectors".into(),
         ));
     }
-    let hash = kdf.hash;
-    let payload = match (o.offset, detached) {
+    let payload = match (n.o.offset, n.detached) {
         (Some(s), _) => {
             Some(u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?)
         }
         (None, true) => Some(0),
         (None, false) => None,
     };
-    let (mut hdr, vk) = luks1::format(cipher, hash, uuid, vk_secret, kdf, payload)?;
-    let meta = Header::Luks1(hdr.clone()).metadata_area_bytes();
-    if !detached && data_size <= u64::from(hdr.payload_offset) * 512 {
+    let (mut hdr, vk) = luks1::format(n.cipher, n.kdf.hash, n.uuid, vk_secret, n.kdf, payload)?;
+    let payload_bytes = u64::from(hdr.payload_offset) * 512;
+    if !n.detached && n.data_size <= payload_bytes {
         return Err(Error::InvalidArgument(format!(
             "Device {} is too small. (LUKS1 requires at least {} bytes.)",
-            device.display(),
-            u64::from(hdr.payload_offset) * 512 + 512
+            n.device.display(),
+            payload_bytes + 512
         )));
     }
-    ops.push(WriteOp::Zero {
-        offset: 0,
-        len: meta,
-    });
-    ops.push(WriteOp::Write {
-        offset: 0,
-        data: hdr.encode()?,
-    });
-    let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), kdf, o.key_slot)?;
+    let mut ops = vec![
+        WriteOp::Zero {
+            offset: 0,
+            len: Header::Luks1(hdr.clone()).metadata_area_bytes(),
+        },
+        WriteOp::Write {
+            offset: 0,
+            data: hdr.encode()?,
+        },
+    ];
+    let (slot, add) = hdr.add_keyslot(&vk, n.passphrase.as_ref(), n.kdf, n.o.key_slot)?;
     ops.extend(add);
     Ok((ops, slot))
 }
