@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use ucrypt::backend::{Backend, DirectMode, FileBackend};
+use ucrypt::backend::{DirectMode, FileBackend};
 use ucrypt::engine::Policy;
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
@@ -21,6 +21,7 @@ use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, Error, SecretBytes};
 
 use crate::error::{CliError, CliResult};
+use crate::luks_cli::open_header;
 use crate::pass::{self, Source};
 
 /// Largest volume key file accepted (a 512-bit key is 64 bytes; leave room for hex forms).
@@ -125,13 +126,12 @@ impl VolumeArgs {
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
     fn open_luks(&self) -> CliResult<Volume> {
         let data = FileBackend::open(&self.volume, !self.read_only, DirectMode::Auto)?;
-        let header: Option<Arc<dyn Backend>> = match &self.header {
-            Some(h) => Some(Arc::new(FileBackend::open(h, false, DirectMode::Never)?)),
-            None => None,
-        };
+        // The header device (--header, else the volume itself) under cryptsetup's shared lock
+        // until the volume is unlocked, so a concurrent keyslot change is never half seen.
+        let header = open_header(self.header.as_deref().unwrap_or(&self.volume), false)?;
         // The header first (a device that is not LUKS fails before any prompt); read once
         // here, to show a damaged or stale copy's warnings as cryptsetup does.
-        let hdr = luks::read_header(header.as_deref().unwrap_or(&data))?;
+        let hdr = luks::read_header(header.as_ref())?;
         for w in hdr.warnings() {
             eprintln!("WARNING: {w}");
         }
@@ -153,7 +153,7 @@ impl VolumeArgs {
         opts.allow_discards = self.allow_discards;
         opts.policy = self.policy;
         opts.spin = self.spin();
-        opts.header = header;
+        opts.header = Some(header);
         Ok(luks::open_parsed(Arc::new(data), &hdr, unlock, &opts)?)
     }
 

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
-    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, VolumeKey, WriteOp,
+    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, Unlock, VolumeKey, WriteOp,
 };
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -21,6 +21,7 @@ use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
 
 use crate::pass::{self, Source};
+pub use dev::open_header;
 use dev::HeaderDev;
 
 /// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
@@ -376,8 +377,8 @@ fn print_warnings(h: &Header) {
 
 /// Opens the header device and parses its header (printing recovery warnings).
 fn load(device: &Path, o: &LuksOpts, writable: bool) -> Result<(HeaderDev, Header)> {
-    let dev = HeaderDev::open(header_path(device, o), writable)?;
-    let hdr = dev.read_header().map_err(|e| match e {
+    let dev = dev::open_header(header_path(device, o), writable)?;
+    let hdr = luks::read_header(dev.as_ref()).map_err(|e| match e {
         Error::NotLuks(_) => Error::NotLuks(header_path(device, o).display().to_string()),
         other => other,
     })?;
@@ -448,7 +449,10 @@ fn unlock_with(
     prompt: &str,
 ) -> Result<(u32, VolumeKey)> {
     let p = pass::read_passphrase(src, prompt, false)?;
-    luks::unlock(hdr, p.as_ref(), slot, &mut |off, len| dev.read_at(off, len))
+    match luks::unlock_key(dev.as_ref(), hdr, Unlock::Passphrase(p), slot)? {
+        (Some(slot), vk) => Ok((slot, vk)),
+        (None, _) => Err(Error::Bug("a passphrase unlock named no keyslot")),
+    }
 }
 
 fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes> {
@@ -498,8 +502,7 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
         None => util::random_uuid()?,
     };
     let detached = o.header.is_some();
-    let data_dev = dev::DataDev::open(device, !detached)?;
-    let data_size = data_dev.size()?;
+    let data_size = dev::size_of(device)?;
     pass::confirm(
         o.batch_mode,
         &format!(
@@ -533,14 +536,28 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
     } else {
         format_luks1(new, vk_secret)?
     };
-    let hdr_path = header_path(device, o).to_path_buf();
-    drop(data_dev);
-    let hdev = HeaderDev::open_or_create(&hdr_path)?;
-    hdev.apply(&ops)?;
+    let hdev = if detached {
+        dev::create_header(header_path(device, o), plan_end(&ops))?
+    } else {
+        dev::open_header(device, true)?
+    };
+    luks::apply(hdev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {slot} created.");
     }
     Ok(0)
+}
+
+/// Where a write plan ends: the size a new detached header file needs.
+fn plan_end(ops: &[WriteOp]) -> u64 {
+    ops.iter()
+        .map(|op| match op {
+            WriteOp::Write { offset, data } => offset + data.len() as u64,
+            WriteOp::Zero { offset, len } => offset + len,
+            WriteOp::Sync => 0,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// What `format` decided before writing a header of either version.
@@ -711,7 +728,7 @@ fn add_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i3
     let kdf = kdf_request(o, hdr.version())?;
     let slot = o.new_key_slot.or(o.key_slot);
     let (id, ops) = hdr.add_keyslot(&vk, newp.as_ref(), &kdf, slot)?;
-    dev.apply(&ops)?;
+    luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {id} created.");
     }
@@ -735,7 +752,7 @@ fn remove_key(device: &Path, key_file: Option<&str>, o: &LuksOpts) -> Result<i32
         )?;
     }
     let ops = hdr.remove_keyslot(slot)?;
-    dev.apply(&ops)?;
+    luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {slot} removed.");
     }
@@ -764,7 +781,7 @@ fn change_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result
             (new, ops)
         }
     };
-    dev.apply(&ops)?;
+    luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {old} changed (now {new}).");
     }
@@ -796,7 +813,7 @@ fn kill_slot(device: &Path, slot: u32, key_file: Option<&str>, o: &LuksOpts) -> 
             "This is the last keyslot. Device will become unusable after purging this key.",
         )?;
     }
-    dev.apply(&hdr.remove_keyslot(slot)?)?;
+    luks::apply(dev.as_ref(), &hdr.remove_keyslot(slot)?)?;
     Ok(0)
 }
 
@@ -809,7 +826,7 @@ fn header_backup(device: &Path, o: &LuksOpts) -> Result<i32> {
         .ok_or_else(|| Error::InvalidArgument("--header-backup-file is required".into()))?;
     let (dev, hdr) = load(device, o, false)?;
     let len = hdr.metadata_area_bytes();
-    let bytes = dev.read_at(0, len)?;
+    let bytes = luks::read_area(dev.as_ref(), 0, len)?;
     dev::write_new_file(file, &bytes)?;
     Ok(0)
 }
@@ -819,18 +836,18 @@ fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
         .header_backup_file
         .as_deref()
         .ok_or_else(|| Error::InvalidArgument("--header-backup-file is required".into()))?;
-    let backup = HeaderDev::open(file, false)?;
-    let bhdr = backup.read_header().map_err(|e| {
+    let backup = dev::open_header(file, false)?;
+    let bhdr = luks::read_header(backup.as_ref()).map_err(|e| {
         Error::InvalidArgument(format!(
             "Backup file doesn't contain valid LUKS header ({e})."
         ))
     })?;
     bhdr.check_requirements()?;
     let len = bhdr.metadata_area_bytes();
-    let bytes = backup.read_at(0, len)?;
+    let bytes = luks::read_area(backup.as_ref(), 0, len)?;
     let target = header_path(device, o);
-    let dev = HeaderDev::open(target, true)?;
-    let existing = dev.read_header().ok();
+    let dev = dev::open_header(target, true)?;
+    let existing = luks::read_header(dev.as_ref()).ok();
     if let Some(cur) = &existing {
         if cur.metadata_area_bytes() != len
             || cur.data_layout().ok().map(|l| l.offset_bytes)
@@ -856,13 +873,16 @@ fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
         ),
     };
     pass::confirm(o.batch_mode, &msg)?;
-    dev.apply(&[
-        WriteOp::Write {
-            offset: 0,
-            data: bytes,
-        },
-        WriteOp::Sync,
-    ])?;
+    luks::apply(
+        dev.as_ref(),
+        &[
+            WriteOp::Write {
+                offset: 0,
+                data: bytes,
+            },
+            WriteOp::Sync,
+        ],
+    )?;
     Ok(0)
 }
 
@@ -891,12 +911,12 @@ fn uuid(device: &Path, o: &LuksOpts) -> Result<i32> {
             h.commit()?
         }
     };
-    dev.apply(&ops)?;
+    luks::apply(dev.as_ref(), &ops)?;
     Ok(0)
 }
 
 fn is_luks(device: &Path, o: &LuksOpts) -> Result<i32> {
-    let dev = match HeaderDev::open(header_path(device, o), false) {
+    let dev = match dev::open_header(header_path(device, o), false) {
         Ok(d) => d,
         Err(e) => {
             if o.verbose {
@@ -905,7 +925,7 @@ fn is_luks(device: &Path, o: &LuksOpts) -> Result<i32> {
             return Ok(4);
         }
     };
-    let res = dev.read_header();
+    let res = luks::read_header(dev.as_ref());
     let ok = match (&res, o.luks_type.as_deref()) {
         (Ok(h), Some("luks1")) => h.version() == 1,
         (Ok(h), Some("luks2")) => h.version() == 2,
@@ -1018,7 +1038,7 @@ fn config(device: &Path, o: &LuksOpts) -> Result<i32> {
         println!("Flags: {}", h.flags().join(" "));
         return Ok(0);
     }
-    dev.apply(&h.commit()?)?;
+    luks::apply(dev.as_ref(), &h.commit()?)?;
     Ok(0)
 }
 
@@ -1036,7 +1056,7 @@ fn repair(device: &Path, o: &LuksOpts) -> Result<i32> {
             let Header::Luks2(h) = &mut hdr else {
                 return Err(Error::Bug("header changed type"));
             };
-            dev.apply(&h.repair_plan()?)?;
+            luks::apply(dev.as_ref(), &h.repair_plan()?)?;
             eprintln!("LUKS2 header repaired.");
         }
         Header::Luks1(_) => {

@@ -37,6 +37,15 @@ pub enum DirectMode {
     Never,
 }
 
+/// The advisory lock [`FileBackend::lock`] takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileLock {
+    /// Readers share it.
+    Shared,
+    /// One writer, no readers.
+    Exclusive,
+}
+
 pub struct FileBackend {
     file: File,
     path: String,
@@ -203,6 +212,29 @@ impl FileBackend {
             return Ok(again);
         }
         Ok(b)
+    }
+
+    /// Takes cryptsetup's advisory lock on the file (`flock`): shared to read a header,
+    /// exclusive to update one, so a concurrent cryptsetup (or ucrypt) never reads a
+    /// half-written header. Waits for a conflicting holder; held until the backend is dropped.
+    pub fn lock(&self, how: FileLock) -> Result<()> {
+        let op = match how {
+            FileLock::Shared => libc::LOCK_SH,
+            FileLock::Exclusive => libc::LOCK_EX,
+        };
+        loop {
+            // SAFETY: flock on a descriptor this backend owns; no memory is passed.
+            if unsafe { libc::flock(self.file.as_raw_fd(), op) } == 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(Error::io(
+                    format!("Failed to acquire lock on {}", self.path),
+                    e,
+                ));
+            }
+        }
     }
 
     /// True if opened with O_DIRECT.

@@ -11,7 +11,7 @@ mod file;
 mod mem;
 
 pub use fault::{Fault, FaultBackend, FaultOp, FaultRule};
-pub use file::{DirectMode, FileBackend};
+pub use file::{DirectMode, FileBackend, FileLock};
 pub use mem::MemBackend;
 
 use crate::{Error, Result};

@@ -139,7 +139,7 @@ pub fn unlock_key(
     match unlock {
         Unlock::VolumeKey(key) => Ok((None, hdr.verify_key(key)?)),
         Unlock::Passphrase(p) => {
-            let mut read = |offset: u64, len: u64| read_exact(dev, offset, len);
+            let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
             let (slot, vk) = super::unlock(hdr, p.as_ref(), key_slot, &mut read)?;
             Ok((Some(slot), vk))
         }
@@ -293,9 +293,11 @@ fn read_upto(dev: &dyn Backend, offset: u64, len: u64) -> Result<Zeroizing<Vec<u
     Ok(out)
 }
 
-/// Exactly `len` bytes at `offset`: a keyslot area. A device that ends first fails the
-/// header's "truncated" check, as a truncated header image does.
-fn read_exact(dev: &dyn Backend, offset: u64, len: u64) -> Result<Vec<u8>> {
+/// Exactly `len` bytes at `offset` of `dev`, through whole aligned units: a keyslot area, or
+/// the metadata area a header backup saves. A device that ends first fails the header's
+/// "truncated" check, as a truncated header image does. `len` must be bounded by the caller
+/// (a parsed header's areas are).
+pub fn read_area(dev: &dyn Backend, offset: u64, len: u64) -> Result<Vec<u8>> {
     let end = offset.checked_add(len).filter(|&e| e <= dev.size());
     if end.is_none() {
         return Err(Error::BadHeader {

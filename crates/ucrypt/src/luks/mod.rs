@@ -27,7 +27,9 @@ pub mod util;
 #[cfg(test)]
 mod tests;
 
-pub use driver::{apply, open, open_parsed, read_header, unlock_key, OpenOptions, Unlock};
+pub use driver::{
+    apply, open, open_parsed, read_area, read_header, unlock_key, OpenOptions, Unlock,
+};
 pub use dump::dump;
 pub use kdf::{Kdf, KdfRequest};
 pub use luks1::Luks1Header;
