@@ -718,6 +718,11 @@ fn hostile_luks2_rows() -> Vec<(&'static str, Mutation, Expect)> {
             Reject("truncated"),
         ),
         (
+            "device cut 2000 bytes into the primary's binary header",
+            Box::new(|img: &mut Vec<u8>| img.truncate(2000)),
+            Reject("truncated"),
+        ),
+        (
             "device truncated before keyslot material",
             Box::new(|img: &mut Vec<u8>| img.truncate(40000)),
             UnlockFails("truncated"),
@@ -1213,3 +1218,18 @@ const DUMP_VOLUME_KEY: &[&str] = &[
     "\t\t20 21 22 23 24 25 26 27 28 29 2a 2b 2c 2d 2e 2f ",
     "\t\t30 31 32 33 34 35 36 37 38 39 3a 3b 3c 3d 3e 3f ",
 ];
+
+/// Short devices without a magic are not LUKS (exit 1, "not a valid LUKS device"), not
+/// damaged headers: a 0-, 7-, 1000- and 4095-byte prefix of random bytes or zeroes.
+#[test]
+fn short_devices_without_magic_are_not_luks() {
+    for len in [0usize, 7, 1000, 4095, 5000] {
+        for fill in [0u8, 0xa5] {
+            let img = vec![fill; len];
+            match parse_any(&img) {
+                Err(Error::NotLuks(_)) => {}
+                other => panic!("{len} bytes of {fill:#x}: {other:?}"),
+            }
+        }
+    }
+}

@@ -31,14 +31,22 @@ fn be64(b: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(a)
 }
 
+/// The magic a primary or secondary copy starts with.
+fn magic_of(secondary: bool) -> &'static [u8; 6] {
+    if secondary {
+        MAGIC_2ND
+    } else {
+        MAGIC_1ST
+    }
+}
+
 impl BinHeader {
     /// Decodes the binary header found at `offset` (magic must be the copy's own).
     pub fn decode(b: &[u8], secondary: bool) -> Result<BinHeader> {
         if b.len() < BIN_HDR_BYTES as usize {
             return Err(bad("truncated", "device too small for a LUKS2 header"));
         }
-        let magic = if secondary { MAGIC_2ND } else { MAGIC_1ST };
-        if &b[0..6] != magic {
+        if !b.starts_with(magic_of(secondary)) {
             return Err(Error::NotLuks(format!(
                 "no {} LUKS2 magic",
                 if secondary { "secondary" } else { "primary" }
@@ -99,6 +107,13 @@ pub fn read_copy(prefix: &[u8], offset: u64, secondary: bool) -> Result<Copy> {
         None | Some([]) => {
             return Err(Error::NotLuks(format!(
                 "device ends before offset {offset}"
+            )))
+        }
+        // A short tail without the copy's magic is simply not a header; with it, a cut one.
+        Some(r) if r.len() < BIN_HDR_BYTES as usize && !r.starts_with(magic_of(secondary)) => {
+            return Err(Error::NotLuks(format!(
+                "device ends at {} without a LUKS2 header at {offset}",
+                offset + r.len() as u64
             )))
         }
         Some(r) if r.len() < BIN_HDR_BYTES as usize => {
