@@ -277,18 +277,7 @@ impl VolumeFs {
         let mut o = Out::new(out);
         if kernel_major > proto::MAJOR {
             // The kernel retries INIT with the major we name; only major and minor count.
-            proto::init_out(
-                &mut o,
-                &InitOut {
-                    minor: proto::MINOR,
-                    max_readahead: 0,
-                    flags: 0,
-                    max_background: 0,
-                    congestion_threshold: 0,
-                    max_write: 0,
-                    max_pages: 0,
-                },
-            );
+            proto::init_out(&mut o, &InitOut::minor_only(proto::MINOR));
             return Outcome::ok(o.written());
         }
         // Requests of up to 1 MiB; async direct I/O so loop --direct-io=on keeps many requests

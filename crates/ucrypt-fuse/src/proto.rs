@@ -390,6 +390,22 @@ pub struct InitOut {
     pub max_pages: u16,
 }
 
+impl InitOut {
+    /// A reply that names only the protocol minor: what the kernel needs to retry INIT with
+    /// our major (every other field is ignored then).
+    pub fn minor_only(minor: u32) -> InitOut {
+        InitOut {
+            minor,
+            max_readahead: 0,
+            flags: 0,
+            max_background: 0,
+            congestion_threshold: 0,
+            max_write: 0,
+            max_pages: 0,
+        }
+    }
+}
+
 /// `struct fuse_init_out` (64 bytes).
 pub fn init_out(o: &mut Out<'_>, i: &InitOut) {
     o.u32(MAJOR).u32(i.minor).u32(i.max_readahead);
@@ -495,23 +511,7 @@ mod tests {
             (|o, _| open_out(o, 0, 0), 16),
             (|o, _| write_out(o, 0), 8),
             (|o, _| statfs_out(o, 1, 1, 1, 1), 80),
-            (
-                |o, _| {
-                    init_out(
-                        o,
-                        &InitOut {
-                            minor: 42,
-                            max_readahead: 0,
-                            flags: 0,
-                            max_background: 0,
-                            congestion_threshold: 0,
-                            max_write: 0,
-                            max_pages: 0,
-                        },
-                    )
-                },
-                64,
-            ),
+            (|o, _| init_out(o, &InitOut::minor_only(42)), 64),
             (
                 |o, a| {
                     o.attr(a);

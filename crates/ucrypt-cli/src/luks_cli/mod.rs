@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
-    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, Unlock, VolumeKey, WriteOp,
+    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, NewKeyslot, Unlock, VolumeKey,
+    WriteOp,
 };
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -630,7 +631,15 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
         offset: 0,
         len: metadata_end,
     });
-    let (slot, add) = hdr.add_keyslot(&vk, passphrase.as_ref(), kdf, o.key_slot, None)?;
+    let (slot, add) = hdr.add_keyslot(
+        NewKeyslot {
+            vk: &vk,
+            passphrase: passphrase.as_ref(),
+            kdf,
+            slot: o.key_slot,
+        },
+        None,
+    )?;
     ops.extend(add);
     Ok((ops, slot))
 }
@@ -668,7 +677,12 @@ fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
             data: hdr.encode()?,
         },
     ];
-    let (slot, add) = hdr.add_keyslot(&vk, n.passphrase.as_ref(), n.kdf, n.o.key_slot)?;
+    let (slot, add) = hdr.add_keyslot(NewKeyslot {
+        vk: &vk,
+        passphrase: n.passphrase.as_ref(),
+        kdf: n.kdf,
+        slot: n.o.key_slot,
+    })?;
     ops.extend(add);
     Ok((ops, slot))
 }
@@ -727,7 +741,12 @@ fn add_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i3
     )?;
     let kdf = kdf_request(o, hdr.version())?;
     let slot = o.new_key_slot.or(o.key_slot);
-    let (id, ops) = hdr.add_keyslot(&vk, newp.as_ref(), &kdf, slot)?;
+    let (id, ops) = hdr.add_keyslot(NewKeyslot {
+        vk: &vk,
+        passphrase: newp.as_ref(),
+        kdf: &kdf,
+        slot,
+    })?;
     luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {id} created.");
@@ -776,7 +795,12 @@ fn change_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result
     let (new, ops) = match &mut hdr {
         Header::Luks2(h) => h.change_keyslot(old, &vk, newp.as_ref(), &kdf)?,
         Header::Luks1(_) => {
-            let (new, mut ops) = hdr.add_keyslot(&vk, newp.as_ref(), &kdf, None)?;
+            let (new, mut ops) = hdr.add_keyslot(NewKeyslot {
+                vk: &vk,
+                passphrase: newp.as_ref(),
+                kdf: &kdf,
+                slot: None,
+            })?;
             ops.extend(hdr.remove_keyslot(old)?);
             (new, ops)
         }

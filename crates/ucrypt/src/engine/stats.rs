@@ -34,17 +34,20 @@ pub const COUNTER_SLOTS: usize = 64;
 /// log2 buckets of clock ticks: 2^40 ticks is several minutes, longer than any request.
 const BUCKETS: usize = 41;
 
+/// Where a request's time goes. The implicit discriminants, 0 to `PHASES - 1` in this order,
+/// index the per-phase arrays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     /// Range lock, buffer pool, ordering turn.
-    Wait = 0,
+    Wait,
     /// From hand-off to a worker until it starts.
-    Queue = 1,
-    Crypto = 2,
-    Backend = 3,
-    Total = 4,
+    Queue,
+    Crypto,
+    Backend,
+    Total,
 }
 const PHASES: usize = 5;
+const _: () = assert!(Phase::Total as usize == PHASES - 1);
 const PHASE_NAMES: [&str; PHASES] = ["wait", "queue", "crypto", "backend", "total"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -375,7 +375,7 @@ mod tests {
     use crate::luks::json::Requirements;
     use crate::luks::luks2::{self, FormatLuks2};
     use crate::luks::tests::fast_kdf;
-    use crate::luks::{apply_to_image, luks1, HashAlg};
+    use crate::luks::{apply_to_image, luks1, HashAlg, NewKeyslot};
     use crate::sector::CipherSpec;
     use crate::BlockDev;
 
@@ -489,7 +489,15 @@ mod tests {
             len: h.metadata_area_bytes(),
         }];
         let (_, add) = h
-            .add_keyslot(&key, b"pass0", &fast_kdf(), None, None)
+            .add_keyslot(
+                NewKeyslot {
+                    vk: &key,
+                    passphrase: b"pass0",
+                    kdf: &fast_kdf(),
+                    slot: None,
+                },
+                None,
+            )
             .expect("add keyslot");
         plan.extend(add);
         apply(hdr_dev, &plan).expect("apply the format plan");
@@ -520,7 +528,12 @@ mod tests {
             },
         ];
         let (_, add) = h
-            .add_keyslot(&key, b"pass0", &fast_kdf(), None)
+            .add_keyslot(NewKeyslot {
+                vk: &key,
+                passphrase: b"pass0",
+                kdf: &fast_kdf(),
+                slot: None,
+            })
             .expect("add keyslot");
         plan.extend(add);
         apply(dev, &plan).expect("apply the format plan");

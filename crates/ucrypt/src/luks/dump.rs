@@ -212,15 +212,10 @@ fn luks2_keyslot_kdf(o: &mut String, kj: &KdfJson) -> fmt::Result {
             writeln!(o, "\tHash:       {}", hash.name())?;
             writeln!(o, "\tIterations: {iterations}")?;
         }
-        Ok(Kdf::Argon2 {
-            time,
-            memory_kib,
-            cpus,
-            ..
-        }) => {
-            writeln!(o, "\tTime cost:  {time}")?;
-            writeln!(o, "\tMemory:     {memory_kib}")?;
-            writeln!(o, "\tThreads:    {cpus}")?;
+        Ok(Kdf::Argon2 { cost, .. }) => {
+            writeln!(o, "\tTime cost:  {}", cost.time)?;
+            writeln!(o, "\tMemory:     {}", cost.memory_kib)?;
+            writeln!(o, "\tThreads:    {}", cost.cpus)?;
         }
         Err(e) => writeln!(o, "\t(invalid kdf: {e})")?,
     }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use super::af::AF_STRIPES;
-use super::kdf::{Argon2Variant, Kdf};
+use super::kdf::{Argon2Cost, Argon2Variant, Kdf};
 use super::util::{b64_decode, HashAlg};
 use super::{
     BIN_HDR_BYTES, DIGESTS_MAX, KEYSLOTS_AREA_BYTES_MAX, KEYSLOTS_MAX, KEY_BYTES_MAX, SEGMENTS_MAX,
@@ -652,9 +652,11 @@ pub fn kdf_from_json(k: &KdfJson) -> Result<Kdf> {
             } else {
                 Argon2Variant::Id
             },
-            time: k.time.ok_or_else(|| bad("kdf", "argon2 lacks time"))?,
-            memory_kib: k.memory.ok_or_else(|| bad("kdf", "argon2 lacks memory"))?,
-            cpus: k.cpus.ok_or_else(|| bad("kdf", "argon2 lacks cpus"))?,
+            cost: Argon2Cost {
+                time: k.time.ok_or_else(|| bad("kdf", "argon2 lacks time"))?,
+                memory_kib: k.memory.ok_or_else(|| bad("kdf", "argon2 lacks memory"))?,
+                cpus: k.cpus.ok_or_else(|| bad("kdf", "argon2 lacks cpus"))?,
+            },
             salt,
         },
         other => return Err(bad("kdf", format!("unknown kdf type '{other}'"))),
@@ -685,16 +687,10 @@ pub fn kdf_to_json(k: &Kdf) -> KdfJson {
             j.iterations = Some(*iterations);
             j.salt = super::util::b64_encode(salt);
         }
-        Kdf::Argon2 {
-            time,
-            memory_kib,
-            cpus,
-            salt,
-            ..
-        } => {
-            j.time = Some(*time);
-            j.memory = Some(*memory_kib);
-            j.cpus = Some(*cpus);
+        Kdf::Argon2 { cost, salt, .. } => {
+            j.time = Some(cost.time);
+            j.memory = Some(cost.memory_kib);
+            j.cpus = Some(cost.cpus);
             j.salt = super::util::b64_encode(salt);
         }
     }

@@ -46,11 +46,19 @@ pub enum Kdf {
     },
     Argon2 {
         variant: Argon2Variant,
-        time: u32,
-        memory_kib: u32,
-        cpus: u32,
+        cost: Argon2Cost,
         salt: Vec<u8>,
     },
+}
+
+/// Argon2's costs, as a LUKS2 header stores them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Argon2Cost {
+    /// Passes over the memory (the header's `time`).
+    pub time: u32,
+    pub memory_kib: u32,
+    /// Lanes (the header's `cpus`).
+    pub cpus: u32,
 }
 
 impl Kdf {
@@ -80,22 +88,21 @@ impl Kdf {
                     return bad(format!("salt of {} bytes", salt.len()));
                 }
             }
-            Kdf::Argon2 {
-                time,
-                memory_kib,
-                cpus,
-                salt,
-                ..
-            } => {
-                if *time == 0 {
+            Kdf::Argon2 { cost, salt, .. } => {
+                let Argon2Cost {
+                    time,
+                    memory_kib,
+                    cpus,
+                } = *cost;
+                if time == 0 {
                     return bad("argon2 time cost is 0".into());
                 }
-                if *memory_kib > ARGON2_MEMORY_KIB_MAX || *memory_kib < 8 * cpus {
+                if memory_kib > ARGON2_MEMORY_KIB_MAX || memory_kib < 8 * cpus {
                     return bad(format!(
                         "argon2 memory {memory_kib} KiB outside 8*cpus..={ARGON2_MEMORY_KIB_MAX}"
                     ));
                 }
-                if *cpus == 0 || *cpus > ARGON2_CPUS_MAX {
+                if cpus == 0 || cpus > ARGON2_CPUS_MAX {
                     return bad(format!("argon2 cpus {cpus} outside 1..={ARGON2_CPUS_MAX}"));
                 }
                 if salt.len() < 8 || salt.len() > SALT_BYTES_MAX {
@@ -118,16 +125,15 @@ impl Kdf {
             } => hash.pbkdf2(passphrase, salt, *iterations, out.as_mut()),
             Kdf::Argon2 {
                 variant,
-                time,
-                memory_kib,
-                cpus,
+                cost,
                 salt,
             } => {
-                let params = argon2::Params::new(*memory_kib, *time, *cpus, Some(out_len))
-                    .map_err(|e| Error::BadHeader {
-                        check: "kdf",
-                        detail: format!("argon2 parameters: {e}"),
-                    })?;
+                let params =
+                    argon2::Params::new(cost.memory_kib, cost.time, cost.cpus, Some(out_len))
+                        .map_err(|e| Error::BadHeader {
+                            check: "kdf",
+                            detail: format!("argon2 parameters: {e}"),
+                        })?;
                 let alg = match variant {
                     Argon2Variant::I => argon2::Algorithm::Argon2i,
                     Argon2Variant::Id => argon2::Algorithm::Argon2id,
@@ -211,17 +217,19 @@ impl KdfRequest {
                 let memory_kib = self
                     .memory_kib
                     .clamp(ARGON2_MEMORY_KIB_MIN.max(8 * cpus), ARGON2_MEMORY_KIB_MAX);
-                let (time, memory_kib) = match self.force_iterations {
-                    Some(t) => (t.max(ARGON2_TIME_MIN), memory_kib),
+                let cost = match self.force_iterations {
+                    Some(t) => Argon2Cost {
+                        time: t.max(ARGON2_TIME_MIN),
+                        memory_kib,
+                        cpus,
+                    },
                     None => {
                         calibrate_argon2(variant, self.iter_time_ms, memory_kib, cpus, key_len)?
                     }
                 };
                 Kdf::Argon2 {
                     variant,
-                    time,
-                    memory_kib,
-                    cpus,
+                    cost,
                     salt,
                 }
             }
@@ -283,7 +291,7 @@ pub fn calibrate_pbkdf2(hash: HashAlg, target_ms: u32, key_len: usize) -> u32 {
     }
 }
 
-/// Argon2 (time, memory) for about `target_ms`: time cost at least 4; if even that is too slow
+/// Argon2 costs for about `target_ms`: time cost at least 4; if even that is too slow
 /// at the requested memory, memory shrinks (never below the minimum), as cryptsetup does.
 pub fn calibrate_argon2(
     variant: Argon2Variant,
@@ -291,13 +299,15 @@ pub fn calibrate_argon2(
     memory_kib: u32,
     cpus: u32,
     key_len: usize,
-) -> Result<(u32, u32)> {
-    let probe = |time: u32, mem: u32| -> Result<f64> {
+) -> Result<Argon2Cost> {
+    let probe = |time: u32, memory_kib: u32| -> Result<f64> {
         let kdf = Kdf::Argon2 {
             variant,
-            time,
-            memory_kib: mem,
-            cpus,
+            cost: Argon2Cost {
+                time,
+                memory_kib,
+                cpus,
+            },
             salt: vec![0u8; SALT_BYTES],
         };
         let t = thread_cpu_ms();
@@ -310,7 +320,11 @@ pub fn calibrate_argon2(
         let ms_per_pass = probe(1, mem)?.max(0.01);
         let time = (target / ms_per_pass) as u64;
         if time >= u64::from(ARGON2_TIME_MIN) || mem <= ARGON2_MEMORY_KIB_MIN.max(8 * cpus) {
-            return Ok((time.clamp(u64::from(ARGON2_TIME_MIN), 1 << 24) as u32, mem));
+            return Ok(Argon2Cost {
+                time: time.clamp(u64::from(ARGON2_TIME_MIN), 1 << 24) as u32,
+                memory_kib: mem,
+                cpus,
+            });
         }
         // Too slow even at the minimum time cost: scale memory down to fit.
         let factor = (time as f64 / f64::from(ARGON2_TIME_MIN)).max(0.1);

@@ -9,7 +9,7 @@ use super::af::AF_STRIPES;
 use super::kdf::{Kdf, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::keyslot::SlotCrypto;
 use super::util::{c_string, put_c_string, random_fill, HashAlg};
-use super::{VolumeKey, WriteOp, DIGEST_TIME_MS, KEY_BYTES_MAX};
+use super::{NewKeyslot, VolumeKey, WriteOp, DIGEST_TIME_MS, KEY_BYTES_MAX};
 use crate::sector::CipherSpec;
 use crate::{Error, Result, SecretBytes};
 
@@ -49,7 +49,7 @@ pub struct Luks1Header {
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+    u32::from_be_bytes(bytes_at(b, at))
 }
 
 fn bad(check: &'static str, detail: impl Into<String>) -> Error {
@@ -57,6 +57,13 @@ fn bad(check: &'static str, detail: impl Into<String>) -> Error {
         check,
         detail: detail.into(),
     }
+}
+
+/// The `N` bytes at `at` of a phdr the caller has checked is long enough.
+fn bytes_at<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+    let mut out = [0u8; N];
+    out.copy_from_slice(&b[at..at + N]);
+    out
 }
 
 impl Luks1Header {
@@ -76,10 +83,6 @@ impl Luks1Header {
         let hash_spec = c_string(&b[72..104], "hash_spec")?;
         let payload_offset = be32(b, 104);
         let key_bytes = be32(b, 108);
-        let mut mk_digest = [0u8; DIGEST_BYTES];
-        mk_digest.copy_from_slice(&b[112..132]);
-        let mut mk_digest_salt = [0u8; 32];
-        mk_digest_salt.copy_from_slice(&b[132..164]);
         let mk_digest_iterations = be32(b, 164);
         let uuid = c_string(&b[168..208], "uuid")?;
         let hash = HashAlg::from_name(&hash_spec)
@@ -115,12 +118,10 @@ impl Luks1Header {
                     ))
                 }
             };
-            let mut salt = [0u8; 32];
-            salt.copy_from_slice(&b[o + 8..o + 40]);
             let slot = Luks1Slot {
                 active,
                 iterations: be32(b, o + 4),
-                salt,
+                salt: bytes_at(b, o + 8),
                 key_material_offset: be32(b, o + 40),
                 stripes: be32(b, o + 44),
             };
@@ -177,8 +178,8 @@ impl Luks1Header {
             hash_spec,
             payload_offset,
             key_bytes,
-            mk_digest,
-            mk_digest_salt,
+            mk_digest: bytes_at(b, 112),
+            mk_digest_salt: bytes_at(b, 132),
             mk_digest_iterations,
             uuid,
             slots,
@@ -262,13 +263,13 @@ impl Luks1Header {
     }
 
     /// Writes a new passphrase into a free slot: material, then the phdr.
-    pub fn add_keyslot(
-        &mut self,
-        vk: &VolumeKey,
-        passphrase: &[u8],
-        kdf: &KdfRequest,
-        slot: Option<u32>,
-    ) -> Result<(u32, Vec<WriteOp>)> {
+    pub fn add_keyslot(&mut self, new: NewKeyslot<'_>) -> Result<(u32, Vec<WriteOp>)> {
+        let NewKeyslot {
+            vk,
+            passphrase,
+            kdf,
+            slot,
+        } = new;
         let i = match slot {
             Some(i) if i as usize >= KEYSLOTS => {
                 return Err(Error::InvalidArgument(format!(

@@ -100,6 +100,17 @@ impl std::fmt::Debug for VolumeKey {
     }
 }
 
+/// A passphrase keyslot to add ([`Header::add_keyslot`]).
+#[derive(Clone, Copy)]
+pub struct NewKeyslot<'a> {
+    /// The volume key the slot will open.
+    pub vk: &'a VolumeKey,
+    pub passphrase: &'a [u8],
+    pub kdf: &'a KdfRequest,
+    /// This keyslot, or (`None`) the first free one.
+    pub slot: Option<u32>,
+}
+
 /// One step of a header update. Drivers apply them in order.
 #[derive(Clone, PartialEq, Eq)]
 pub enum WriteOp {
@@ -309,17 +320,12 @@ impl Header {
         }
     }
 
-    pub fn add_keyslot(
-        &mut self,
-        vk: &VolumeKey,
-        passphrase: &[u8],
-        kdf: &KdfRequest,
-        slot: Option<u32>,
-    ) -> Result<(u32, Vec<WriteOp>)> {
+    /// Adds a passphrase keyslot; returns its id and the write plan (material first).
+    pub fn add_keyslot(&mut self, new: NewKeyslot<'_>) -> Result<(u32, Vec<WriteOp>)> {
         self.check_requirements()?;
         match self {
-            Header::Luks1(h) => h.add_keyslot(vk, passphrase, kdf, slot),
-            Header::Luks2(h) => h.add_keyslot(vk, passphrase, kdf, slot, None),
+            Header::Luks1(h) => h.add_keyslot(new),
+            Header::Luks2(h) => h.add_keyslot(new, None),
         }
     }
 

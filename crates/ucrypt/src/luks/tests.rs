@@ -30,11 +30,27 @@ fn image_luks2() -> (Vec<u8>, Vec<u8>) {
     let (mut hdr, vk) = format(&o, SecretBytes::from_slice(&vk_bytes)).expect("format");
     let mut img = vec![0u8; DATA_OFFSET as usize + 4096];
     let (_, ops) = hdr
-        .add_keyslot(&vk, b"pass0", &fast_kdf(), None, None)
+        .add_keyslot(
+            NewKeyslot {
+                vk: &vk,
+                passphrase: b"pass0",
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
         .expect("add 0");
     apply_to_image(&mut img, &ops);
     let (_, ops) = hdr
-        .add_keyslot(&vk, b"pass1", &fast_kdf(), None, None)
+        .add_keyslot(
+            NewKeyslot {
+                vk: &vk,
+                passphrase: b"pass1",
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
         .expect("add 1");
     apply_to_image(&mut img, &ops);
     (img, vk_bytes)
@@ -90,10 +106,24 @@ fn luks1_format_add_unlock_remove() {
             data: h.encode().expect("encode"),
         }],
     );
-    let (s, ops) = h.add_keyslot(&vk, b"a", &fast_kdf(), None).expect("add");
+    let (s, ops) = h
+        .add_keyslot(NewKeyslot {
+            vk: &vk,
+            passphrase: b"a",
+            kdf: &fast_kdf(),
+            slot: None,
+        })
+        .expect("add");
     assert_eq!(s, 0);
     apply_to_image(&mut img, &ops);
-    let (s, ops) = h.add_keyslot(&vk, b"b", &fast_kdf(), Some(5)).expect("add");
+    let (s, ops) = h
+        .add_keyslot(NewKeyslot {
+            vk: &vk,
+            passphrase: b"b",
+            kdf: &fast_kdf(),
+            slot: Some(5),
+        })
+        .expect("add");
     assert_eq!(s, 5);
     apply_to_image(&mut img, &ops);
     assert_eq!(open(&img, b"a").expect("a"), (0, vk_bytes.clone()));
@@ -152,9 +182,17 @@ fn crash_at_every_write_step_leaves_old_or_new_keyslots() {
             .expect("vk");
         let ops = match update {
             "add" => {
-                h.add_keyslot(&vkey, b"pass2", &fast_kdf(), None, None)
-                    .expect("add")
-                    .1
+                h.add_keyslot(
+                    NewKeyslot {
+                        vk: &vkey,
+                        passphrase: b"pass2",
+                        kdf: &fast_kdf(),
+                        slot: None,
+                    },
+                    None,
+                )
+                .expect("add")
+                .1
             }
             _ => h.remove_keyslot(0).expect("remove"),
         };
@@ -830,7 +868,12 @@ fn image_luks1() -> Vec<u8> {
     .expect("format");
     let mut img = vec![0u8; h.payload_offset as usize * 512 + 4096];
     let (_, ops) = h
-        .add_keyslot(&vk, b"pass0", &fast_kdf(), None)
+        .add_keyslot(NewKeyslot {
+            vk: &vk,
+            passphrase: b"pass0",
+            kdf: &fast_kdf(),
+            slot: None,
+        })
         .expect("add");
     apply_to_image(&mut img, &ops);
     img
@@ -964,9 +1007,7 @@ impl Rng {
 fn cheap_to_unlock(h: &Header) -> bool {
     let kdf_cheap = |k: &Kdf| match k {
         Kdf::Pbkdf2 { iterations, .. } => *iterations <= 20_000,
-        Kdf::Argon2 {
-            time, memory_kib, ..
-        } => u64::from(*time) * u64::from(*memory_kib) <= 1 << 16,
+        Kdf::Argon2 { cost, .. } => u64::from(cost.time) * u64::from(cost.memory_kib) <= 1 << 16,
     };
     match h {
         Header::Luks1(h) => {
@@ -1095,8 +1136,11 @@ fn cryptsetup_written_headers_parse() {
         p.kdf,
         Kdf::Argon2 {
             variant: kdf::Argon2Variant::Id,
-            time: 4,
-            memory_kib: 32,
+            cost: kdf::Argon2Cost {
+                time: 4,
+                memory_kib: 32,
+                ..
+            },
             ..
         }
     ));

@@ -12,7 +12,7 @@ use crate::luks::json::{
 use crate::luks::kdf::{Kdf, KdfRequest, SALT_BYTES_MAX};
 use crate::luks::keyslot::SlotCrypto;
 use crate::luks::util::{b64_decode, random_fill, HashAlg};
-use crate::luks::{VolumeKey, WriteOp, DIGEST_BYTES_MAX, KEYSLOTS_MAX};
+use crate::luks::{NewKeyslot, VolumeKey, WriteOp, DIGEST_BYTES_MAX, KEYSLOTS_MAX};
 use crate::{Error, Result, SecretBytes};
 
 impl Luks2Header {
@@ -112,12 +112,15 @@ impl Luks2Header {
     /// header update, so a crash never leaves a header pointing at missing material.
     pub fn add_keyslot(
         &mut self,
-        vk: &VolumeKey,
-        passphrase: &[u8],
-        kdf: &KdfRequest,
-        slot: Option<u32>,
+        new: NewKeyslot<'_>,
         priority: Option<u32>,
     ) -> Result<(u32, Vec<WriteOp>)> {
+        let NewKeyslot {
+            vk,
+            passphrase,
+            kdf,
+            slot,
+        } = new;
         let used = self.meta.used_keyslots();
         let id = match slot {
             Some(id) if id >= KEYSLOTS_MAX => {
@@ -247,7 +250,15 @@ impl Luks2Header {
             .find(|i| !self.meta.used_keyslots().contains(i))
             .ok_or_else(|| Error::InvalidArgument("all keyslots are full".into()))?;
         let saved = self.clone();
-        let (_, mut ops) = self.add_keyslot(vk, passphrase, kdf, Some(tmp), priority)?;
+        let (_, mut ops) = self.add_keyslot(
+            NewKeyslot {
+                vk,
+                passphrase,
+                kdf,
+                slot: Some(tmp),
+            },
+            priority,
+        )?;
         // Drop the header writes add_keyslot planned; keep its material write.
         ops.truncate(2);
         let mut ks = self
