@@ -120,6 +120,25 @@ struct Setup {
     _file: Option<TempFile>,
 }
 
+impl Setup {
+    /// A backend with a null-cipher and an aes-xts volume over the same data area.
+    fn new(
+        name: &'static str,
+        backend: Arc<dyn Backend>,
+        data_bytes: u64,
+        file: Option<TempFile>,
+    ) -> Setup {
+        Setup {
+            name,
+            null: volume(&backend, CipherSpec::NULL, data_bytes),
+            xts: volume(&backend, CipherSpec::AES_XTS_PLAIN64, data_bytes),
+            backend,
+            data_bytes,
+            _file: file,
+        }
+    }
+}
+
 struct TempFile(std::path::PathBuf);
 impl Drop for TempFile {
     fn drop(&mut self) {
@@ -160,27 +179,12 @@ fn setups(data_bytes: u64, log: &mut Vec<String>) -> Vec<Setup> {
             if let Some(n) = b.note() {
                 log.push(n.to_string());
             }
-            let backend: Arc<dyn Backend> = Arc::new(b);
-            v.push(Setup {
-                name: "shm-file",
-                null: volume(&backend, CipherSpec::NULL, data_bytes),
-                xts: volume(&backend, CipherSpec::AES_XTS_PLAIN64, data_bytes),
-                backend,
-                data_bytes,
-                _file: Some(tf),
-            });
+            v.push(Setup::new("shm-file", Arc::new(b), data_bytes, Some(tf)));
         }
         Err(e) => log.push(format!("no /dev/shm file backend: {e}")),
     }
-    let backend: Arc<dyn Backend> = Arc::new(MemBackend::new(total));
-    v.push(Setup {
-        name: "memory",
-        null: volume(&backend, CipherSpec::NULL, data_bytes),
-        xts: volume(&backend, CipherSpec::AES_XTS_PLAIN64, data_bytes),
-        backend,
-        data_bytes,
-        _file: None,
-    });
+    let mem = Arc::new(MemBackend::new(total));
+    v.push(Setup::new("memory", mem, data_bytes, None));
     // Fill the data area so that reads hit real pages, not holes.
     for s in &v {
         let mut buf = Aligned::new(1 << 20);
@@ -296,6 +300,15 @@ pub struct EngineReport {
 type StatsLog = Vec<Breakdown>;
 type Targets = Vec<TargetCheck>;
 
+/// What the scenarios produce, gathered into the report.
+#[derive(Default)]
+struct Sink {
+    stats: StatsLog,
+    rows: Vec<Row>,
+    targets: Targets,
+    notes: Vec<String>,
+}
+
 fn target(targets: &mut Targets, what: String, measured: f64, want: f64) {
     targets.push(TargetCheck {
         what,
@@ -314,6 +327,25 @@ fn log_stats(log: &mut StatsLog, s: &Setup, scenario: &str, stats: Vec<(String, 
 
 /// One row per variant of a scenario's round-robin results (in variant order); returns the
 /// new rows, for scenario-specific fields.
+/// [`push_rows`] for the usual case: aes-xts-plain64 on `s`'s backend, in MB/s.
+fn push_mbps<'a>(
+    rows: &'a mut Vec<Row>,
+    s: &Setup,
+    scenario: &'static str,
+    variants: &[&str],
+    res: Vec<(Summary, Vec<(String, Summary)>)>,
+) -> &'a mut [Row] {
+    push_rows(
+        rows,
+        scenario,
+        s.name,
+        "aes-xts-plain64",
+        "MB/s",
+        variants,
+        res,
+    )
+}
+
 fn push_rows<'a>(
     rows: &'a mut Vec<Row>,
     scenario: &'static str,
@@ -486,14 +518,13 @@ fn xorshift(x: &mut u64) -> u64 {
 
 // ---------------------------------------------------------------- scenarios
 
-fn s1_seq_reads(
-    s: &Setup,
-    k: &Knobs,
-    log: &mut StatsLog,
-    rows: &mut Vec<Row>,
-    targets: &mut Targets,
-    notes: &mut Vec<String>,
-) {
+fn s1_seq_reads(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log,
+        rows,
+        targets,
+        notes,
+    } = out;
     for (xts, cipher) in [(false, "cipher_null-ecb"), (true, "aes-xts-plain64")] {
         // With aes-xts, "raw+decrypt" is the same loop without ucrypt: the backend read, then a
         // decrypt in place with a context of its own. It measures what this machine allows for
@@ -661,7 +692,10 @@ fn bench_cipher() -> SectorCipher {
     .expect("cipher")
 }
 
-fn s2_big_writes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+fn s2_big_writes(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log, rows, ..
+    } = out;
     let variants = ["raw", "inline", "parallel", "queued", "auto"];
     let threads = 64;
     let region = s.data_bytes / threads as u64 / (1 << 20) * (1 << 20);
@@ -684,18 +718,13 @@ fn s2_big_writes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) 
         )
     });
     log_stats(log, s, "2. 1 MiB writes x64", st);
-    push_rows(
-        rows,
-        "2. 1 MiB writes, 64 in flight",
-        s.name,
-        "aes-xts-plain64",
-        "MB/s",
-        &variants,
-        res,
-    );
+    push_mbps(rows, s, "2. 1 MiB writes, 64 in flight", &variants, res);
 }
 
-fn s3_twelve_jobs(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+fn s3_twelve_jobs(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log, rows, ..
+    } = out;
     let variants = ["raw", "inline", "parallel", "auto"];
     let blocks = s.data_bytes / (256 << 10);
     let mut st = Vec::new();
@@ -719,25 +748,16 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
         (mbps, vec![])
     });
     log_stats(log, s, "3. 12 jobs 256K", st);
-    push_rows(
+    push_mbps(
         rows,
+        s,
         "3. 12 jobs, 256 KiB random read/write",
-        s.name,
-        "aes-xts-plain64",
-        "MB/s",
         &variants,
         res,
     );
 }
 
-fn s4_one_stream(
-    s: &Setup,
-    k: &Knobs,
-    log: &mut StatsLog,
-    rows: &mut Vec<Row>,
-    targets: &mut Targets,
-    notes: &mut Vec<String>,
-) {
+fn s4_one_stream(s: &Setup, k: &Knobs, out: &mut Sink) {
     // "raw+crypt" is the same stream without ucrypt: the backend I/O and the crypto in place,
     // one thread. "raw+crypt x2" runs two such threads, each on half of every MiB, never
     // waiting for each other: what 2 cores allow at best. "raw+crypt x2 lockstep" is the same,
@@ -792,10 +812,10 @@ fn s4_one_stream(
             (mbps, vec![])
         });
         let dir = if write { "writes" } else { "reads" };
-        log_stats(log, s, &format!("4. one stream 1 MiB {dir}"), st);
+        log_stats(&mut out.stats, s, &format!("4. one stream 1 MiB {dir}"), st);
         let ratio = res[at("parallel")].0.median / res[at("inline")].0.median;
         target(
-            targets,
+            &mut out.targets,
             format!(
                 "{}: one stream of 1 MiB {dir}: parallel / inline ({} cores)",
                 s.name,
@@ -805,7 +825,7 @@ fn s4_one_stream(
             1.8,
         );
         let one = res[at("raw+crypt")].0.median;
-        notes.push(format!(
+        out.notes.push(format!(
             "{}: 1 MiB {dir} without ucrypt, 2 threads ÷ 1 thread: {:.2} running freely (raw+crypt \
              x2), {:.2} finishing each MiB together (raw+crypt x2 lockstep: the most a split of \
              one stream can gain here); parallel ÷ inline = {ratio:.2}",
@@ -813,16 +833,14 @@ fn s4_one_stream(
             res[at("raw+crypt x2")].0.median / one,
             res[at("raw+crypt x2 lockstep")].0.median / one,
         ));
-        push_rows(
-            rows,
+        push_mbps(
+            &mut out.rows,
+            s,
             if write {
                 "4. one stream, 1 MiB writes"
             } else {
                 "4. one stream, 1 MiB reads"
             },
-            s.name,
-            "aes-xts-plain64",
-            "MB/s",
             &variants,
             res,
         );
@@ -834,13 +852,13 @@ const CDF_POINTS: [f64; 13] = [
     1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99,
 ];
 
-fn s5_latency(
-    s: &Setup,
-    k: &Knobs,
-    log: &mut StatsLog,
-    rows: &mut Vec<Row>,
-    targets: &mut Targets,
-) {
+fn s5_latency(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log,
+        rows,
+        targets,
+        ..
+    } = out;
     let variants = ["raw", "inline", "queued"];
     let blocks = s.data_bytes / 4096;
     for busy in [0usize, 2] {
@@ -922,7 +940,10 @@ fn s5_latency(
 /// Request sizes of the block-size sweep.
 const SWEEP_BYTES: [u64; 5] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
 
-fn s7_block_sizes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+fn s7_block_sizes(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log, rows, ..
+    } = out;
     let variants = ["raw", "inline", "parallel", "queued", "auto"];
     for write in [false, true] {
         let scenario = if write {
@@ -950,17 +971,9 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
                 (mbps, vec![])
             });
             log_stats(log, s, &format!("{scenario}, {} KiB", bs >> 10), st);
-            push_rows(
-                rows,
-                scenario,
-                s.name,
-                "aes-xts-plain64",
-                "MB/s",
-                &variants,
-                res,
-            )
-            .iter_mut()
-            .for_each(|r| r.block_bytes = Some(bs));
+            push_mbps(rows, s, scenario, &variants, res)
+                .iter_mut()
+                .for_each(|r| r.block_bytes = Some(bs));
         }
     }
 }
@@ -968,7 +981,10 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>)
 /// Thread counts of the scaling scenario.
 const SCALING_THREADS: [u32; 5] = [1, 2, 4, 8, 16];
 
-fn s8_threads(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
+fn s8_threads(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log, rows, ..
+    } = out;
     let variants = ["raw", "inline", "parallel", "queued", "auto"];
     const BS: u64 = 64 << 10;
     let scenario = "8. scaling with threads, 64 KiB random read/write 2:1";
@@ -996,27 +1012,19 @@ fn s8_threads(s: &Setup, k: &Knobs, log: &mut StatsLog, rows: &mut Vec<Row>) {
             (mbps, vec![])
         });
         log_stats(log, s, &format!("{scenario}, {threads} threads"), st);
-        push_rows(
-            rows,
-            scenario,
-            s.name,
-            "aes-xts-plain64",
-            "MB/s",
-            &variants,
-            res,
-        )
-        .iter_mut()
-        .for_each(|r| r.threads = Some(threads));
+        push_mbps(rows, s, scenario, &variants, res)
+            .iter_mut()
+            .for_each(|r| r.threads = Some(threads));
     }
 }
 
-fn s6_many_streams(
-    s: &Setup,
-    k: &Knobs,
-    log: &mut StatsLog,
-    rows: &mut Vec<Row>,
-    targets: &mut Targets,
-) {
+fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
+    let Sink {
+        stats: log,
+        rows,
+        targets,
+        ..
+    } = out;
     let variants = ["raw", "inline", "parallel", "auto"];
     // Each stream: sequential, sizes cycling 4 KiB .. 1 MiB, 2 reads per write.
     const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 4 << 10, 256 << 10, 1 << 20];
@@ -1057,16 +1065,22 @@ fn s6_many_streams(
         ratio,
         0.98,
     );
-    push_rows(
-        rows,
-        "6. 6 streams, mixed 4 KiB-1 MiB",
-        s.name,
-        "aes-xts-plain64",
-        "MB/s",
-        &variants,
-        res,
-    );
+    push_mbps(rows, s, "6. 6 streams, mixed 4 KiB-1 MiB", &variants, res);
 }
+
+type Scenario = fn(&Setup, &Knobs, &mut Sink);
+
+/// The scenarios: number, what progress says, the code, and whether it is a long sweep.
+const SCENARIOS: [(u8, &str, Scenario, bool); 8] = [
+    (1, "1: 4 KiB sequential reads", s1_seq_reads, false),
+    (2, "2: 1 MiB writes, 64 in flight", s2_big_writes, false),
+    (3, "3: 12 jobs of 256 KiB", s3_twelve_jobs, false),
+    (4, "4: one stream of 1 MiB", s4_one_stream, false),
+    (5, "5: QD1 latency with busy threads", s5_latency, false),
+    (6, "6: many streams", s6_many_streams, false),
+    (7, "7: block size sweep", s7_block_sizes, true),
+    (8, "8: scaling with threads", s8_threads, true),
+];
 
 /// Runs the scenarios numbered in `only` (all if empty).
 pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineReport {
@@ -1081,11 +1095,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineR
         slice: knobs.slice / 2,
     };
     let data_bytes = if quick { 64 << 20 } else { 256 << 20 };
-    let mut notes = Vec::new();
-    let sets = setups(data_bytes, &mut notes);
-    let (mut rows, mut targets, mut stats) = (Vec::new(), Vec::new(), Vec::new());
+    let mut out = Sink::default();
+    let sets = setups(data_bytes, &mut out.notes);
     for s in &sets {
-        notes.push(format!(
+        out.notes.push(format!(
             "{}: {}; {} workers; auto splits from {} KiB",
             s.name,
             s.backend.describe(),
@@ -1097,39 +1110,13 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineR
                 eprintln!("bench engine: {} {what}", s.name);
             }
         };
-        if run(1) {
-            say("1: 4 KiB sequential reads");
-            s1_seq_reads(s, &knobs, &mut stats, &mut rows, &mut targets, &mut notes);
-        }
-        if run(2) {
-            say("2: 1 MiB writes, 64 in flight");
-            s2_big_writes(s, &knobs, &mut stats, &mut rows);
-        }
-        if run(3) {
-            say("3: 12 jobs of 256 KiB");
-            s3_twelve_jobs(s, &knobs, &mut stats, &mut rows);
-        }
-        if run(4) {
-            say("4: one stream of 1 MiB");
-            s4_one_stream(s, &knobs, &mut stats, &mut rows, &mut targets, &mut notes);
-        }
-        if run(5) {
-            say("5: QD1 latency with busy threads");
-            s5_latency(s, &knobs, &mut stats, &mut rows, &mut targets);
-        }
-        if run(6) {
-            say("6: many streams");
-            s6_many_streams(s, &knobs, &mut stats, &mut rows, &mut targets);
-        }
-        // The sweeps are long; they run on the first (file) backend only.
+        // The sweeps are long; they run on the first (file) backend only, with short slices.
         let first = std::ptr::eq(s, &sets[0]);
-        if run(7) && first {
-            say("7: block size sweep");
-            s7_block_sizes(s, &sweep, &mut stats, &mut rows);
-        }
-        if run(8) && first {
-            say("8: scaling with threads");
-            s8_threads(s, &sweep, &mut stats, &mut rows);
+        for (n, what, scenario, sweeps) in SCENARIOS {
+            if run(n) && (first || !sweeps) {
+                say(what);
+                scenario(s, if sweeps { &sweep } else { &knobs }, &mut out);
+            }
         }
         s.xts.set_policy(Policy::Inline);
         s.null.set_policy(Policy::Inline);
@@ -1139,10 +1126,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineR
         machine: Machine::detect(),
         quick,
         runs,
-        notes,
-        rows,
-        targets,
-        breakdown: stats,
+        notes: out.notes,
+        rows: out.rows,
+        targets: out.targets,
+        breakdown: out.stats,
     }
 }
 

@@ -493,22 +493,7 @@ impl DrawingBackend for Svg<'_> {
     ) -> Result<(), DrawingErrorKind<E>> {
         self.inner.draw_path(path, style)
     }
-    fn draw_circle<S: plotters_backend::BackendStyle>(
-        &mut self,
-        center: BackendCoord,
-        radius: u32,
-        style: &S,
-        fill: bool,
-    ) -> Result<(), DrawingErrorKind<E>> {
-        self.inner.draw_circle(center, radius, style, fill)
-    }
-    fn fill_polygon<S: plotters_backend::BackendStyle, I: IntoIterator<Item = BackendCoord>>(
-        &mut self,
-        vert: I,
-        style: &S,
-    ) -> Result<(), DrawingErrorKind<E>> {
-        self.inner.fill_polygon(vert, style)
-    }
+    // Circles and polygons keep the trait's rasterising defaults: no chart here draws one.
     fn draw_text<T: BackendTextStyle>(
         &mut self,
         text: &str,

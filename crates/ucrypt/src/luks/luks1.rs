@@ -264,13 +264,7 @@ impl Luks1Header {
 
     /// Writes a new passphrase into a free slot: material, then the phdr.
     pub fn add_keyslot(&mut self, new: NewKeyslot<'_>) -> Result<(u32, Vec<WriteOp>)> {
-        let NewKeyslot {
-            vk,
-            passphrase,
-            kdf,
-            slot,
-        } = new;
-        let i = match slot {
+        let i = match new.slot {
             Some(i) if i as usize >= KEYSLOTS => {
                 return Err(Error::InvalidArgument(format!(
                     "keyslot {i} out of range (0..8)"
@@ -290,7 +284,7 @@ impl Luks1Header {
         let req = KdfRequest {
             kind: "pbkdf2".into(),
             hash: self.hash,
-            ..kdf.clone()
+            ..new.kdf.clone()
         };
         let Kdf::Pbkdf2 {
             iterations, salt, ..
@@ -303,7 +297,7 @@ impl Luks1Header {
         s.iterations = iterations;
         s.salt.copy_from_slice(&salt);
         s.stripes = AF_STRIPES;
-        let material = self.slot_crypto(i).seal(passphrase, vk.bytes())?;
+        let material = self.slot_crypto(i).seal(new.passphrase, new.vk.bytes())?;
         let offset = u64::from(self.slots[i].key_material_offset) * 512;
         Ok((
             i as u32,
