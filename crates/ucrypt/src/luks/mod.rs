@@ -185,6 +185,7 @@ pub fn probe_len(first: &[u8]) -> Result<u64> {
     if first.len() < 8 {
         return Err(Error::NotLuks("device too small".into()));
     }
+    refuse_rbd_clone(first)?;
     if &first[0..6] != luks1::MAGIC {
         // Maybe the primary is gone and a secondary survives: read the whole probe range.
         return Ok(HEADER_BYTES_MAX);
@@ -199,10 +200,30 @@ pub fn probe_len(first: &[u8]) -> Result<u64> {
     }
 }
 
+/// The magic librbd writes instead of LUKS's on a clone image formatted with its own
+/// encryption (`rbd encryption format` on a clone): the header is LUKS2, but the image's data
+/// below the clone's own writes is its parent's, under the parent's key.
+pub const RBD_CLONE_MAGIC: &[u8; 6] = b"RBDL\xba\xbe";
+
+/// Names a librbd clone header instead of calling it "not LUKS": ucrypt does not open
+/// layered (parent + clone) encryption, which only librbd itself resolves.
+fn refuse_rbd_clone(first: &[u8]) -> Result<()> {
+    if first.starts_with(RBD_CLONE_MAGIC) {
+        return Err(Error::UnsupportedLuks(
+            "librbd clone encryption header (magic RBDL): the image is a clone whose data is \
+             partly its parent's under the parent's key; open it with librbd (rbd, qemu) and \
+             the parent's passphrase too"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Parses a header from the first bytes of a device (any length; the fuzz entry point).
 /// Never panics; reads at most [`HEADER_BYTES_MAX`] bytes of the input.
 pub fn parse_any(bytes: &[u8]) -> Result<Header> {
     let bytes = &bytes[..bytes.len().min(HEADER_BYTES_MAX as usize)];
+    refuse_rbd_clone(bytes)?;
     if bytes.len() >= 8 && &bytes[0..6] == luks1::MAGIC {
         match u16::from_be_bytes([bytes[6], bytes[7]]) {
             1 => return Ok(Header::Luks1(Luks1Header::parse(bytes)?)),

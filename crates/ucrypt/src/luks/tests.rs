@@ -1277,3 +1277,16 @@ fn short_devices_without_magic_are_not_luks() {
         }
     }
 }
+
+/// A librbd clone header (magic `RBDL\xba\xbe`) is named as such, not called "not LUKS".
+#[test]
+fn rbd_clone_header_is_named() {
+    let (mut img, _) = image_luks2();
+    img[..6].copy_from_slice(RBD_CLONE_MAGIC);
+    for r in [parse_any(&img).map(|_| ()), probe_len(&img).map(|_| ())] {
+        match r {
+            Err(Error::UnsupportedLuks(m)) => assert!(m.contains("RBDL"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
