@@ -6,7 +6,7 @@
 //!    encryption sectors, cut into pool-sized pieces, dispatched how (inline, parallel, ...).
 //! 2. For each piece, `read_piece` picks where the ciphertext lands: straight in the caller's
 //!    buffer when the piece is sector-aligned (no copy), else in a bounce buffer from the pool.
-//! 3. A [`Task`] (sectors + buffers) is run by `exec_task`: backend read, then decrypt in place;
+//! 3. A `Task` (sectors + buffers) is run by `exec_task`: backend read, then decrypt in place;
 //!    either on the caller's thread (`inline`) or cut into chunks shared with the workers.
 //! 4. A bounced piece is copied out to the caller.
 //!

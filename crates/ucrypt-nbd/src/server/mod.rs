@@ -46,7 +46,7 @@ pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 
 /// Simultaneous connections; more are closed at once. Each may hold up to
-/// [`conn::INFLIGHT_BYTES_MAX`] of buffers in use plus [`buf::SPARE_BYTES_MAX`] kept for
+/// `conn::INFLIGHT_BYTES_MAX` of buffers in use plus `buf::SPARE_BYTES_MAX` kept for
 /// reuse, so this bounds memory at 16 × (64 + 8) MiB.
 pub const CONNECTIONS_MAX: usize = 16;
 /// Requests executed at once per connection. Two cores here; the device may parallelise

@@ -1,18 +1,18 @@
 //! The engine: how a request's crypto and backend I/O are dispatched.
 //!
-//! - [`plan`]: the pure planner (request -> pieces, chunks, locks; which dispatch).
-//! - [`range_lock`]: sector range locks (writes and read-modify-write lock only what they touch).
-//! - [`queue`]: the bounded queue every hand-off goes through.
-//! - [`workers`]: the worker threads (one per core) and the single writer of the `queued` model.
-//! - [`ciphers`]: cipher contexts reused across requests (one costs ~2 µs to create).
-//! - [`stats`]: cheap per-request timings (log2 histograms).
+//! - `plan`: the pure planner (request -> pieces, chunks, locks; which dispatch).
+//! - `range_lock`: sector range locks (writes and read-modify-write lock only what they touch).
+//! - `queue`: the bounded queue every hand-off goes through.
+//! - `workers`: the worker threads (one per core) and the single writer of the `queued` model.
+//! - `ciphers`: cipher contexts reused across requests (one costs ~2 µs to create).
+//! - `stats`: cheap per-request timings (log2 histograms).
 //!
-//! - [`task`]: a unit of crypto and I/O over one run of sectors, as handed to a thread.
+//! - `task`: a unit of crypto and I/O over one run of sectors, as handed to a thread.
 //!
 //! Only [`Policy`] and the statistics types are public: the rest carries raw pointers into
 //! callers' buffers and is sound only as the volume uses it. The drivers that perform plans
 //! live in `volume.rs`, next to the data path they serve; the workers reach them through the
-//! [`workers::Executor`] trait, so this module never imports the volume.
+//! `workers::Executor` trait, so this module never imports the volume.
 
 pub(crate) mod ciphers;
 pub(crate) mod plan;

@@ -1,9 +1,9 @@
 //! LUKS1: the 592-byte big-endian phdr with 8 keyslots (LUKS1 on-disk format spec 1.2.3).
 //!
-//! Layout: magic[6] version u16 cipher_name[32] cipher_mode[32] hash_spec[32]
-//! payload_offset u32 (sectors) key_bytes u32 mk_digest[20] mk_digest_salt[32]
-//! mk_digest_iterations u32 uuid[40], then 8 × { active u32, iterations u32, salt[32],
-//! key_material_offset u32 (sectors), stripes u32 }.
+//! Layout: `magic[6] version:u16 cipher_name[32] cipher_mode[32] hash_spec[32]
+//! payload_offset:u32 (sectors) key_bytes:u32 mk_digest[20] mk_digest_salt[32]
+//! mk_digest_iterations:u32 uuid[40]`, then 8 × `{ active:u32 iterations:u32 salt[32]
+//! key_material_offset:u32 (sectors) stripes:u32 }`.
 
 use super::af::AF_STRIPES;
 use super::kdf::{Kdf, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
