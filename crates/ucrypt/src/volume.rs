@@ -770,6 +770,11 @@ impl Core {
 
     /// Crypto for whole sectors: decrypt `buf` in place, or encrypt `src` (or `buf` itself)
     /// into `buf`. Uses `own` if given (a worker's context), else borrows one.
+    // Inlined into its four callers: the 4 KiB direct path's null-cipher case is then two
+    // instructions, not a call. Since the workers reach the volume through a trait the
+    // compiler no longer chose to; out of line it cost ~15 instructions per 4 KiB read
+    // (2 % on the memory backend, measured with callgrind).
+    #[inline(always)]
     fn crypt(
         &self,
         own: Option<&mut SectorCipher>,
