@@ -171,9 +171,9 @@ pub fn attach(backing: &Path, block_size: u32, read_only: bool) -> std::io::Resu
 
 impl LoopDevice {
     /// Detaches: LOOP_CLR_FD (the kernel defers it while others hold the device open), then
-    /// closes our descriptor and waits up to [`RELEASE_WAIT`] for the backing file to be let
-    /// go. Returns whether it was.
-    pub fn detach(self) -> std::io::Result<bool> {
+    /// closes our descriptor and waits up to `wait` for the backing file to be let go.
+    /// Returns whether it was.
+    pub fn detach(self, wait: Duration) -> std::io::Result<bool> {
         match ioctl_arg(&self.file, LOOP_CLR_FD, 0) {
             Ok(_) => {}
             // Already cleared (autoclear raced us).
@@ -182,7 +182,7 @@ impl LoopDevice {
         }
         let path = self.path.clone();
         drop(self.file);
-        Ok(wait_released(&path, RELEASE_WAIT))
+        Ok(wait_released(&path, wait))
     }
 }
 

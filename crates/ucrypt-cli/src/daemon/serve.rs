@@ -436,6 +436,21 @@ pub fn remove_stable_path(stable: &Path, device: Option<&Path>) {
     }
 }
 
+/// How long a lazily unmounted FUSE session gets to end by itself before it counts as still
+/// in use.
+const DETACH_SETTLE: Duration = Duration::from_secs(2);
+
+fn settled(m: &Mounted) -> bool {
+    let t0 = std::time::Instant::now();
+    while !m.finished() {
+        if t0.elapsed() >= DETACH_SETTLE {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
 /// Flushes, detaches the front end and removes the names. Returns the answer to `close`,
 /// and a FUSE session to keep serving when something still uses the file (not with force).
 fn teardown(
@@ -463,7 +478,13 @@ fn teardown(
         Front::Fuse { mounted, loopdev } => {
             if let Some(l) = loopdev {
                 let path = l.path.clone();
-                match l.detach() {
+                // With --force nobody waits for users to let go: they will get errors.
+                let wait = if force {
+                    Duration::ZERO
+                } else {
+                    loopdev::RELEASE_WAIT
+                };
+                match l.detach(wait) {
                     Ok(true) => {}
                     Ok(false) => notes.push(format!(
                         "{} is still open: the kernel detaches it when its last user closes it",
@@ -472,7 +493,13 @@ fn teardown(
                     Err(e) => notes.push(format!("detaching {}: {e}", path.display())),
                 }
             }
-            match mounted.request_unmount() {
+            let unmounted = match mounted.request_unmount() {
+                // A user's unmount (fusermount3 -u -z) is always lazy: the session may still
+                // end at once if nothing holds the file.
+                Ok(Unmount::Detached) if settled(&mounted) => Ok(Unmount::Done),
+                r => r,
+            };
+            match unmounted {
                 Ok(Unmount::Done) => {
                     if let Err(e) = mounted.join() {
                         notes.push(e.to_string());
