@@ -116,7 +116,8 @@ pub enum PreparedKind {
     /// LUKS1/LUKS2: unlocked (or refused) by `luks::open_parsed`.
     Luks {
         data: FileBackend,
-        hdr: luks::Header,
+        /// Boxed: a parsed header is large next to the raw variant.
+        hdr: Box<luks::Header>,
         unlock: Unlock,
         opts: OpenOptions,
     },
@@ -204,7 +205,7 @@ impl VolumeArgs {
         opts.header = Some(header);
         Ok(PreparedKind::Luks {
             data,
-            hdr,
+            hdr: Box::new(hdr),
             unlock,
             opts,
         })

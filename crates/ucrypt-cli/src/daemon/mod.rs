@@ -190,7 +190,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             let layout = hdr.data_layout()?;
             info.kind = format!("LUKS{}", hdr.version());
             info.cipher = layout.cipher.to_string();
-            info.key_bits = match hdr {
+            info.key_bits = match &**hdr {
                 Header::Luks1(h) => h.key_bytes * 8,
                 Header::Luks2(h) => h
                     .meta
@@ -200,7 +200,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                     .map(|k| k.key_size * 8)
                     .unwrap_or(0),
             };
-            info.sector_size = layout.sector_size.bytes() as u32;
+            info.sector_size = layout.sector_size.bytes();
             info.offset_sectors = layout.offset_bytes / 512;
             info.skipped_sectors = layout.iv_tweak;
             let flags = hdr.activation_flags();
@@ -212,7 +212,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             info.kind = "PLAIN".into();
             info.cipher = cfg.spec.to_string();
             info.key_bits = (cfg.key.len() * 8) as u32;
-            info.sector_size = cfg.geometry.sector_size.bytes() as u32;
+            info.sector_size = cfg.geometry.sector_size.bytes();
             info.offset_sectors = cfg.data_offset_bytes / 512;
             info.skipped_sectors = cfg.geometry.iv_offset;
             if cfg.allow_discards {
