@@ -18,6 +18,17 @@ pub enum CliError {
     /// Arguments that make no sense together, found after parsing.
     #[error("{0}")]
     Usage(String),
+    /// A name or volume already in use: an open device of that name, or a volume another
+    /// open device serves (cryptsetup exits 5).
+    #[error("{0}")]
+    Busy(String),
+    /// No open device of that name (cryptsetup exits 4).
+    #[error("{0}")]
+    NotActive(String),
+    /// A failure another ucrypt process (an open volume's daemon) reported, with the exit code
+    /// it chose.
+    #[error("{message}")]
+    Remote { code: i32, message: String },
     /// An error about one of several things (a volume among exports): named in front.
     #[error("{what}: {source}")]
     At { what: String, source: Box<CliError> },
@@ -58,13 +69,22 @@ impl CliError {
             CliError::Core(e) => e.kind(),
             CliError::Nbd(e) => e.kind(),
             CliError::Ublk(e) => e.kind(),
-            CliError::Usage(_) => ErrorKind::BadInput,
+            CliError::Usage(_) | CliError::NotActive(_) => ErrorKind::BadInput,
+            CliError::Busy(_) => ErrorKind::Device,
+            CliError::Remote { code: 2, .. } => ErrorKind::WrongKey,
+            CliError::Remote { .. } => ErrorKind::Device,
             CliError::At { source, .. } => source.kind(),
         }
     }
 
     /// cryptsetup's exit code for this error.
     pub fn exit_code(&self) -> i32 {
+        match self.inner() {
+            CliError::Busy(_) => return 5,
+            CliError::NotActive(_) => return 4,
+            CliError::Remote { code, .. } => return *code,
+            _ => {}
+        }
         if self.kind() == ErrorKind::WrongKey {
             return 2;
         }

@@ -5,6 +5,7 @@
 //! family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod daemon;
 mod error;
 mod luks_cli;
 mod mount;
@@ -40,6 +41,13 @@ enum Cmd {
     Ublk(ublk::UblkArgs),
     /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
     Mount(mount::MountArgs),
+    /// Close a volume `open` started: flush, detach, stop its daemon (cryptsetup close).
+    #[command(visible_alias = "luksClose")]
+    Close(daemon::CloseArgs),
+    /// Show an open volume (cryptsetup status), then ucrypt's own lines.
+    Status(daemon::StatusArgs),
+    /// List open volumes: NAME, stable path, device, front end, state.
+    List,
 }
 
 fn main() {
@@ -57,6 +65,9 @@ fn main() {
         Cmd::Serve(a) => serve::run(*a),
         Cmd::Ublk(a) => ublk::run(a),
         Cmd::Mount(a) => mount::run(a),
+        Cmd::Close(a) => daemon::report(daemon::close(a)),
+        Cmd::Status(a) => daemon::report(daemon::status(a)),
+        Cmd::List => daemon::report(daemon::list()),
     };
     std::process::exit(code);
 }

@@ -75,8 +75,8 @@ pub struct VolumeArgs {
     /// carry the allow-discards flag. Discards reveal which blocks are unused.
     #[arg(long)]
     pub allow_discards: bool,
-    /// Open read-only.
-    #[arg(long)]
+    /// Open read-only (`--readonly` as cryptsetup spells it).
+    #[arg(long, alias = "readonly")]
     pub read_only: bool,
     /// Dispatch policy: inline, parallel, ordered, queued, auto (inline for small requests,
     /// split across cores for large ones when a core is idle).
@@ -103,6 +103,51 @@ fn read_volume_key(path: &PathBuf) -> CliResult<SecretBytes> {
     Ok(SecretBytes::from_vec(std::fs::read(path).map_err(ctx)?))
 }
 
+/// A volume whose header was read (and its warnings shown) and whose key material is in hand,
+/// but which is not built yet: nothing here has spawned a thread, so the process may still
+/// fork (`ucrypt open` asks for the passphrase, forks, and opens in the daemon).
+pub struct Prepared {
+    /// The volume as the user named it, for error messages.
+    name: String,
+    pub kind: PreparedKind,
+}
+
+pub enum PreparedKind {
+    /// LUKS1/LUKS2: unlocked (or refused) by `luks::open_parsed`.
+    Luks {
+        data: FileBackend,
+        /// Boxed: a parsed header is large next to the raw variant.
+        hdr: Box<luks::Header>,
+        unlock: Unlock,
+        opts: OpenOptions,
+    },
+    /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
+    Raw {
+        backend: FileBackend,
+        cfg: VolumeConfig,
+    },
+}
+
+impl Prepared {
+    /// Builds the volume: unlocks a keyslot (LUKS) and starts the engine's threads.
+    pub fn open(self) -> CliResult<Volume> {
+        let vol = match self.kind {
+            PreparedKind::Luks {
+                data,
+                hdr,
+                unlock,
+                opts,
+            } => luks::open_parsed(Arc::new(data), &hdr, unlock, &opts).map_err(CliError::from),
+            PreparedKind::Raw { backend, cfg } => {
+                Volume::new(Arc::new(backend), cfg).map_err(CliError::from)
+            }
+        };
+        // Name the volume in the one line the user sees, keeping the error's type (and so its
+        // exit code).
+        vol.map_err(|e| e.at(self.name))
+    }
+}
+
 impl VolumeArgs {
     fn spin(&self) -> Duration {
         Duration::from_micros(self.spin_us)
@@ -110,21 +155,25 @@ impl VolumeArgs {
 
     /// Opens the volume as a block device for a front end or a data verb.
     pub fn open(&self) -> CliResult<Arc<dyn BlockDev>> {
+        Ok(Arc::new(self.prepare()?.open()?))
+    }
+
+    /// Everything of opening that happens before the volume's threads exist: the header read
+    /// (its warnings printed) and the passphrase or key read.
+    pub fn prepare(&self) -> CliResult<Prepared> {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
-        let name = self.volume.display();
-        let vol = match &self.cipher {
-            None => self.open_luks(),
-            Some(cipher) => self.open_raw(cipher),
+        let name = self.volume.display().to_string();
+        let kind = match &self.cipher {
+            None => self.prepare_luks(),
+            Some(cipher) => self.prepare_raw(cipher),
         };
-        // Name the volume in the one line the user sees, keeping the error's type (and so its
-        // exit code).
-        let vol = vol.map_err(|e| e.at(name.to_string()))?;
-        Ok(Arc::new(vol))
+        let kind = kind.map_err(|e| e.at(name.clone()))?;
+        Ok(Prepared { name, kind })
     }
 
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
-    fn open_luks(&self) -> CliResult<Volume> {
+    fn prepare_luks(&self) -> CliResult<PreparedKind> {
         let data = FileBackend::open(&self.volume, !self.read_only, DirectMode::Auto)?;
         // The header device (--header, else the volume itself) under cryptsetup's shared lock
         // until the volume is unlocked, so a concurrent keyslot change is never half seen.
@@ -154,11 +203,16 @@ impl VolumeArgs {
         opts.policy = self.policy;
         opts.spin = self.spin();
         opts.header = Some(header);
-        Ok(luks::open_parsed(Arc::new(data), &hdr, unlock, &opts)?)
+        Ok(PreparedKind::Luks {
+            data,
+            hdr: Box::new(hdr),
+            unlock,
+            opts,
+        })
     }
 
     /// Raw dm-crypt mapping (cryptsetup's plain mode).
-    fn open_raw(&self, cipher: &str) -> CliResult<Volume> {
+    fn prepare_raw(&self, cipher: &str) -> CliResult<PreparedKind> {
         let spec: CipherSpec = cipher.parse()?;
         let key_file = self
             .volume_key_file
@@ -179,6 +233,6 @@ impl VolumeArgs {
         cfg.policy = self.policy;
         cfg.spin = self.spin();
         cfg.read_only = self.read_only;
-        Ok(Volume::new(Arc::new(backend), cfg)?)
+        Ok(PreparedKind::Raw { backend, cfg })
     }
 }

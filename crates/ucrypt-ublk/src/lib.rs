@@ -139,9 +139,46 @@ fn queue_loop(qid: u16, udev: &UblkDev, dev: &dyn BlockDev) {
     });
 }
 
+/// What [`serve`] reports once the device is usable.
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// The kernel's device id (N of `/dev/ublkbN`).
+    pub dev_id: u32,
+    /// The block device, `/dev/ublkbN`.
+    pub path: std::path::PathBuf,
+}
+
 /// Creates the device, prints `ready: /dev/ublkbN`, serves until `stop` is requested, then
 /// flushes the volume and deletes the device.
 pub fn run(dev: Arc<dyn BlockDev>, opts: UblkOptions, stop: &Stop) -> Result<(), Error> {
+    serve(dev, opts, stop, |r: Ready| {
+        println!("ready: {}", r.path.display());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    })
+}
+
+/// Deletes a ublk device whose server is gone (a daemon killed with SIGKILL leaves its
+/// device behind, failing every request): the block device disappears.
+pub fn delete_device(dev_id: u32) -> Result<(), Error> {
+    let id = i32::try_from(dev_id).map_err(|_| Error::Ublk {
+        what: "deleting a ublk device",
+        detail: format!("device id {dev_id} out of range"),
+    })?;
+    let ctrl = UblkCtrl::new_simple(id).map_err(ublk_err("opening the ublk device"))?;
+    ctrl.del_dev()
+        .map_err(ublk_err("deleting the ublk device"))?;
+    Ok(())
+}
+
+/// [`run`] that tells `on_ready` (from another thread) instead of printing, once the device
+/// exists and serves.
+pub fn serve(
+    dev: Arc<dyn BlockDev>,
+    opts: UblkOptions,
+    stop: &Stop,
+    on_ready: impl FnOnce(Ready) + Send + Sync + 'static,
+) -> Result<(), Error> {
     if !std::path::Path::new("/dev/ublk-control").exists() {
         return Err(Error::NoDriver);
     }
@@ -187,10 +224,11 @@ pub fn run(dev: Arc<dyn BlockDev>, opts: UblkOptions, stop: &Stop) -> Result<(),
     };
     let qdev = dev.clone();
     let q_fn = move |qid: u16, udev: &UblkDev| queue_loop(qid, udev, &*qdev);
-    let ready = |c: &UblkCtrl| {
-        println!("ready: {}", c.get_bdev_path());
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
+    let ready = move |c: &UblkCtrl| {
+        on_ready(Ready {
+            dev_id: c.dev_info().dev_id,
+            path: c.get_bdev_path().into(),
+        })
     };
     let served = ctrl
         .run_target(tgt_init, q_fn, ready)

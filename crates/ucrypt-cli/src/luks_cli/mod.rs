@@ -218,14 +218,10 @@ pub enum LuksCmd {
         #[command(flatten)]
         o: LuksOpts,
     },
-    /// Only `open --test-passphrase` here (no device-mapper); serve volumes with nbd/fuse.
+    /// Open VOLUME as the device NAME, served by a background daemon until `close NAME`
+    /// (or, with --test-passphrase, only check the passphrase).
     #[command(name = "open", visible_alias = "luksOpen")]
-    Open {
-        device: PathBuf,
-        name: Option<String>,
-        #[command(flatten)]
-        o: LuksOpts,
-    },
+    Open(Box<crate::daemon::OpenArgs>),
     /// Set label, subsystem, keyslot priority, and (with --persistent) activation flags.
     #[command(name = "config")]
     Config {
@@ -356,7 +352,10 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::HeaderRestore { device, o } => header_restore(&device, &o),
         LuksCmd::Uuid { device, o } => uuid(&device, &o),
         LuksCmd::IsLuks { device, o } => is_luks(&device, &o),
-        LuksCmd::Open { device, name, o } => open(&device, name.as_deref(), &o),
+        LuksCmd::Open(a) => match a.test_passphrase_opts() {
+            Some(o) => open(&a.v.volume, a.name.as_deref(), &o),
+            None => return crate::daemon::open(*a),
+        },
         LuksCmd::Config { device, o } => config(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
         LuksCmd::Export { v, file } => return data::export(&v, &file),

@@ -1,0 +1,746 @@
+//! A volume's life cycle as cryptsetup users know it: `ucrypt open VOLUME NAME` starts a
+//! daemon that serves the volume as a block device until `ucrypt close NAME`; `status NAME`
+//! and `list` look at it.
+//!
+//! - `open` reads the header (and prints its warnings) and the passphrase or key file in the
+//!   foreground, then forks: the child builds the volume (unlocking a keyslot there; a wrong
+//!   passphrase comes back through a pipe as exit 2), starts the front end, names the device
+//!   and answers a control socket; the parent returns once the device is ready. Forking
+//!   before any thread exists is what makes the fork safe (see [`fork_daemon`]).
+//! - Front ends, best first (`--front-end auto`): ublk (`/dev/ublkbN`) as root when
+//!   `/dev/ublk-control` exists; else as root the FUSE file attached to a loop device with
+//!   direct I/O; else (rootless) the FUSE file alone.
+//! - State and names: `state.rs`. Control protocol: `proto.rs` (sans I/O) and `server.rs`.
+//!   The daemon itself: `serve.rs`. Loop devices: `loopdev.rs`. In use or not: `mounts.rs`.
+//!
+//! Not yet (issue 19): `--nbd`, `close --deferred`, suspend/resume, resize, refresh, metrics,
+//! systemd units, ucrypttab, `--perf-*` flags mapped to policies.
+
+mod loopdev;
+mod mounts;
+mod proto;
+mod serve;
+mod server;
+mod state;
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use ucrypt::luks::Header;
+
+use crate::error::{CliError, CliResult};
+use crate::luks_cli::LuksOpts;
+use crate::open::{Prepared, PreparedKind, VolumeArgs};
+use proto::{Ready, Request, Response, StatusReport, VolumeInfo};
+use state::{Identity, RunDir};
+
+/// How long `close` waits for the daemon to exit after it answered.
+const CLOSE_EXIT_WAIT: Duration = Duration::from_secs(10);
+const CLOSE_EXIT_POLL: Duration = Duration::from_millis(20);
+
+/// `ucrypt open` (`luksOpen`): cryptsetup's options, plus the front end's.
+#[derive(Args, Debug)]
+pub struct OpenArgs {
+    #[command(flatten)]
+    pub v: VolumeArgs,
+    /// The device's name: /dev/ucrypt/NAME (root), $XDG_RUNTIME_DIR/ucrypt/NAME/device
+    /// (rootless).
+    pub name: Option<String>,
+    /// Only check the passphrase (no device, no NAME needed).
+    #[arg(long)]
+    pub test_passphrase: bool,
+    /// Stay in the foreground (for service managers): print the ready line, serve until
+    /// SIGTERM/SIGINT or `ucrypt close NAME`.
+    #[arg(long)]
+    pub foreground: bool,
+    /// auto: ublk when /dev/ublk-control exists (root), else as root FUSE + loop device, else
+    /// the FUSE file alone.
+    #[arg(long, value_enum, default_value_t = FrontEnd::Auto)]
+    pub front_end: FrontEnd,
+    /// luks, luks1, luks2 (the header decides), or plain (with --cipher and
+    /// --volume-key-file).
+    #[arg(long = "type", short = 'M')]
+    pub dev_type: Option<String>,
+    /// Accepted for compatibility (no confirmation is asked).
+    #[arg(long, short = 'q')]
+    pub batch_mode: bool,
+    #[arg(long, short = 'v')]
+    pub verbose: bool,
+    /// Accepted for compatibility: ucrypt asks once.
+    #[arg(long, short = 'T')]
+    pub tries: Option<u32>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrontEnd {
+    Auto,
+    Ublk,
+    /// The FUSE file on a loop device (root).
+    Loop,
+    /// The FUSE file alone.
+    Fuse,
+}
+
+impl FrontEnd {
+    pub fn label(self) -> &'static str {
+        match self {
+            FrontEnd::Auto => "auto",
+            FrontEnd::Ublk => "ublk",
+            FrontEnd::Loop => "fuse+loop",
+            FrontEnd::Fuse => "fuse",
+        }
+    }
+
+    fn resolve(self, root: bool) -> CliResult<FrontEnd> {
+        let ublk = Path::new("/dev/ublk-control").exists();
+        match self {
+            FrontEnd::Auto if root && ublk => Ok(FrontEnd::Ublk),
+            FrontEnd::Auto if root => Ok(FrontEnd::Loop),
+            FrontEnd::Auto => Ok(FrontEnd::Fuse),
+            FrontEnd::Ublk if !ublk => Err(ucrypt_ublk::Error::NoDriver.into()),
+            FrontEnd::Ublk | FrontEnd::Loop if !root => Err(CliError::Usage(format!(
+                "--front-end {} needs root",
+                self.label()
+            ))),
+            f => Ok(f),
+        }
+    }
+}
+
+impl OpenArgs {
+    /// With --test-passphrase: the options of the LUKS verb that checks it.
+    pub fn test_passphrase_opts(&self) -> Option<LuksOpts> {
+        if !self.test_passphrase {
+            return None;
+        }
+        let v = &self.v;
+        Some(LuksOpts {
+            luks_type: self.dev_type.clone(),
+            header: v.header.clone(),
+            key_file: v.key_file.clone(),
+            keyfile_offset: v.keyfile_offset,
+            keyfile_size: v.keyfile_size,
+            key_slot: v.key_slot,
+            batch_mode: self.batch_mode,
+            verbose: self.verbose,
+            volume_key_file: v.volume_key_file.clone(),
+            test_passphrase: true,
+            tries: self.tries,
+            ..LuksOpts::default()
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct CloseArgs {
+    pub name: String,
+    /// Close even while the device is mounted or held: it is flushed, then fails every
+    /// request (as `dmsetup remove --force` does).
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    pub name: String,
+}
+
+fn unix_now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn io_err(what: impl Into<String>, e: std::io::Error) -> CliError {
+    CliError::Core(ucrypt::Error::io(what, e))
+}
+
+/// The line `open` prints once the device is ready.
+pub fn ready_line(name: &str, r: &Ready) -> String {
+    let mut s = format!(
+        "{name}: {} -> {} ({})",
+        r.stable_path, r.device, r.front_end
+    );
+    if let Some(n) = &r.note {
+        s.push_str(&format!("; {n}"));
+    }
+    s
+}
+
+/// cryptsetup's status fields of a prepared volume (the size is known once it is open).
+fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInfo> {
+    let mut info = VolumeInfo {
+        kind: String::new(),
+        cipher: String::new(),
+        key_bits: 0,
+        device: volume.display().to_string(),
+        sector_size: 512,
+        offset_sectors: 0,
+        size_sectors: 0,
+        skipped_sectors: 0,
+        read_only,
+        flags: Vec::new(),
+    };
+    match &p.kind {
+        PreparedKind::Luks { hdr, opts, .. } => {
+            let layout = hdr.data_layout()?;
+            info.kind = format!("LUKS{}", hdr.version());
+            info.cipher = layout.cipher.to_string();
+            info.key_bits = match &**hdr {
+                Header::Luks1(h) => h.key_bytes * 8,
+                Header::Luks2(h) => h
+                    .meta
+                    .keyslots
+                    .values()
+                    .find(|k| k.kind == "luks2")
+                    .map(|k| k.key_size * 8)
+                    .unwrap_or(0),
+            };
+            info.sector_size = layout.sector_size.bytes();
+            info.offset_sectors = layout.offset_bytes / 512;
+            info.skipped_sectors = layout.iv_tweak;
+            let flags = hdr.activation_flags();
+            if opts.allow_discards || flags.iter().any(|f| f == "allow-discards") {
+                info.flags.push("discards".into());
+            }
+        }
+        PreparedKind::Raw { cfg, .. } => {
+            info.kind = "PLAIN".into();
+            info.cipher = cfg.spec.to_string();
+            info.key_bits = (cfg.key.len() * 8) as u32;
+            info.sector_size = cfg.geometry.sector_size.bytes();
+            info.offset_sectors = cfg.data_offset_bytes / 512;
+            info.skipped_sectors = cfg.geometry.iv_offset;
+            if cfg.allow_discards {
+                info.flags.push("discards".into());
+            }
+        }
+    }
+    Ok(info)
+}
+
+/// `ucrypt open VOLUME NAME`.
+pub fn open(a: OpenArgs) -> CliResult<i32> {
+    let name = a.name.clone().ok_or_else(|| {
+        CliError::Usage("open needs a NAME for the device (or --test-passphrase)".into())
+    })?;
+    state::check_name(&name)?;
+    match (a.dev_type.as_deref(), a.v.cipher.is_some()) {
+        (None | Some("plain"), true) | (None | Some("luks" | "luks1" | "luks2"), false) => {}
+        (Some("plain"), false) => {
+            return Err(CliError::Usage(
+                "--type plain needs --cipher and --volume-key-file (passphrase hashing is not supported)".into(),
+            ))
+        }
+        (Some(t), _) => {
+            return Err(CliError::Usage(format!(
+                "device type {t} is not supported with{} --cipher",
+                if a.v.cipher.is_some() { "" } else { "out" }
+            )))
+        }
+    }
+    let run = RunDir::locate()?;
+    let front_end = a.front_end.resolve(run.root)?;
+    let volume = std::fs::canonicalize(&a.v.volume).map_err(|e| {
+        io_err(
+            format!(
+                "Device {} does not exist or access denied",
+                a.v.volume.display()
+            ),
+            e,
+        )
+    })?;
+    let meta =
+        std::fs::metadata(&volume).map_err(|e| io_err(format!("stat {}", volume.display()), e))?;
+    let header = match &a.v.header {
+        Some(h) => Some(std::fs::canonicalize(h).map_err(|e| {
+            io_err(
+                format!("Device {} does not exist or access denied", h.display()),
+                e,
+            )
+        })?),
+        None => None,
+    };
+    let ident = Identity {
+        name: name.clone(),
+        volume: volume.clone(),
+        st_dev: meta.dev(),
+        st_ino: meta.ino(),
+        header,
+        stable_path: run.stable_path(&name),
+        policy: a.v.policy.to_string(),
+        pid: std::process::id(),
+        started_unix_s: unix_now_s(),
+        ..Identity::default()
+    };
+    // Name and volume checked before any prompt, as cryptsetup does.
+    let claim = state::claim(&run, &ident)?;
+    let prepared = match a.v.prepare() {
+        Ok(p) => p,
+        Err(e) => {
+            claim.abandon();
+            return Err(e);
+        }
+    };
+    let info = match describe(&prepared, &volume, a.v.read_only) {
+        Ok(i) => i,
+        Err(e) => {
+            claim.abandon();
+            return Err(e);
+        }
+    };
+    let log = claim.dir.join("daemon.log");
+    let d = serve::Daemon {
+        name: name.clone(),
+        run,
+        claim,
+        ident,
+        info,
+        front_end,
+    };
+    if a.foreground {
+        serve::run(d, prepared, serve::Reporter::Foreground)?;
+        return Ok(0);
+    }
+    match fork_daemon(&log)? {
+        Forked::Child(pipe) => {
+            let code = match serve::run(d, prepared, serve::Reporter::Pipe(pipe)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("ucrypt daemon {name}: {e}");
+                    e.exit_code()
+                }
+            };
+            std::process::exit(code);
+        }
+        Forked::Parent { child, ready } => {
+            let dir = d.claim.dir.clone();
+            // The daemon holds the claim now (the lock's description is shared): only close
+            // our copies.
+            drop(d);
+            drop(prepared);
+            wait_ready(&name, child, ready, &dir)
+        }
+    }
+}
+
+enum Forked {
+    Parent {
+        child: libc::pid_t,
+        ready: std::fs::File,
+    },
+    Child(std::fs::File),
+}
+
+/// Threads of this process, from /proc (1 when only the main thread exists).
+fn thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|rd| rd.count())
+        .unwrap_or(0)
+}
+
+/// Forks the daemon: the child starts a session, puts /dev/null on stdin and stdout and
+/// `log` on stderr (so that the `open` it came from, and whoever reads that one's output,
+/// never wait on it), and moves to `/`. A pipe carries the one readiness line back.
+fn fork_daemon(log: &Path) -> CliResult<Forked> {
+    // After fork only the calling thread exists in the child: any lock another thread held
+    // (the allocator's, stdout's) would stay held forever. No other thread may exist yet.
+    let threads = thread_count();
+    if threads != 1 {
+        return Err(CliError::Core(ucrypt::Error::Bug(
+            "ucrypt open: a thread exists before the fork",
+        )));
+    }
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two descriptors into the array, which lives across the call.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io_err("pipe", std::io::Error::last_os_error()));
+    }
+    // SAFETY: both descriptors were just returned by pipe2 and are owned by nothing else.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(log)
+        .map_err(|e| io_err(format!("opening {}", log.display()), e))?;
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(|e| io_err("opening /dev/null", e))?;
+    // SAFETY: the process has one thread (checked above), so the child inherits no lock held
+    // by another thread and may run ordinary Rust code.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(io_err("fork", std::io::Error::last_os_error())),
+        0 => {
+            drop(rd);
+            // SAFETY: setsid, dup2 and chdir take descriptors and a NUL-terminated literal
+            // and touch no Rust-owned memory; their failures leave the daemon usable (with
+            // the parent's terminal), so they are not fatal.
+            unsafe {
+                libc::setsid();
+                libc::dup2(null.as_raw_fd(), 0);
+                libc::dup2(null.as_raw_fd(), 1);
+                libc::dup2(log_file.as_raw_fd(), 2);
+                libc::chdir(c"/".as_ptr());
+            }
+            Ok(Forked::Child(std::fs::File::from(wr)))
+        }
+        child => {
+            drop(wr);
+            Ok(Forked::Parent {
+                child,
+                ready: std::fs::File::from(rd),
+            })
+        }
+    }
+}
+
+/// Waits for the daemon's readiness line; prints it, or returns the daemon's error.
+fn wait_ready(name: &str, child: libc::pid_t, ready: std::fs::File, dir: &Path) -> CliResult<i32> {
+    use std::io::{BufRead, BufReader, Read};
+    let mut line = Vec::new();
+    let got = BufReader::new(ready.take(proto::RESPONSE_LINE_BYTES_MAX as u64))
+        .read_until(b'\n', &mut line);
+    let reap = || {
+        let mut status = 0;
+        // SAFETY: waitpid writes one int; `child` is our own child.
+        unsafe { libc::waitpid(child, &mut status, 0) };
+        status
+    };
+    match got.ok().and_then(|_| proto::parse_response(&line).ok()) {
+        Some(Response::Ready(r)) => {
+            println!("{}", ready_line(name, &r));
+            Ok(0)
+        }
+        Some(Response::Error { code, error }) => {
+            reap();
+            Err(CliError::Remote {
+                code,
+                message: error,
+            })
+        }
+        _ => {
+            let status = reap();
+            // Whatever it left behind (a mount, a loop device) is cleaned as after a crash.
+            let run = RunDir::locate()?;
+            if dir.exists() {
+                let _ = close_stale(&run, name, true);
+            }
+            Err(CliError::Usage(format!(
+                "the daemon for {name} ended before the device was ready (wait status {status})"
+            )))
+        }
+    }
+}
+
+/// `ucrypt close NAME`.
+pub fn close(a: CloseArgs) -> CliResult<i32> {
+    state::check_name(&a.name)?;
+    let run = RunDir::locate()?;
+    let dir = run.dir(&a.name);
+    let not_active = || CliError::NotActive(format!("Device {} is not active.", a.name));
+    if !dir.is_dir() {
+        return Err(not_active());
+    }
+    if !state::is_alive(&dir) {
+        return close_stale(&run, &a.name, a.force);
+    }
+    let sock = dir.join("control.sock");
+    match server::request(&sock, &Request::Close { force: a.force }) {
+        Ok(Response::Closed(c)) => {
+            if let Some(n) = c.note {
+                eprintln!("{}: {n}", a.name);
+            }
+            // The name is free once the daemon is gone (bounded: it may still serve a file
+            // something holds, detached, after a plain close).
+            let t0 = Instant::now();
+            while state::is_alive(&dir) && t0.elapsed() < CLOSE_EXIT_WAIT {
+                std::thread::sleep(CLOSE_EXIT_POLL);
+            }
+            Ok(0)
+        }
+        Ok(Response::Error { code, error }) => Err(CliError::Remote {
+            code,
+            message: error,
+        }),
+        Ok(_) => Err(CliError::Usage(
+            "the daemon answered close with something else".into(),
+        )),
+        Err(server::ClientError::Connect { .. }) if !sock.exists() => Err(CliError::Busy(format!(
+            "Device {} is busy (being opened).",
+            a.name
+        ))),
+        Err(e) => Err(CliError::Usage(e.to_string())),
+    }
+}
+
+/// Cleans what a dead daemon left: the loop device on its FUSE file, the FUSE mount, the
+/// ublk device, the stable path and the state directory.
+fn close_stale(run: &RunDir, name: &str, force: bool) -> CliResult<i32> {
+    let dir = run.dir(name);
+    let ident = Identity::read(&dir).unwrap_or_default();
+    if !force {
+        if let Some(dev) = &ident.device {
+            if let Some(why) = mounts::in_use(dev, None) {
+                return Err(CliError::Busy(format!(
+                    "Cannot close {name}: {why} (umount it first, or close --force)."
+                )));
+            }
+        }
+    }
+    // The FUSE file is at a fixed place: look there even if the daemon died before it wrote
+    // down that it mounted it.
+    let fuse_file = dir.join("volume");
+    let mut loops = loopdev::devices_backed_by(&fuse_file);
+    if let Some(l) = &ident.loop_device {
+        if !loops.contains(l) {
+            loops.push(l.clone());
+        }
+    }
+    let mut problems = Vec::new();
+    for l in &loops {
+        if let Err(e) = loopdev::clear_if_backed_by(l, &fuse_file) {
+            problems.push(format!("detaching {}: {e}", l.display()));
+        }
+    }
+    if let Err(e) = mounts::lazy_unmount(&fuse_file) {
+        problems.push(format!("unmounting {}: {e}", fuse_file.display()));
+    }
+    if let Some(id) = ident.ublk_id {
+        if let Err(e) = ucrypt_ublk::delete_device(id) {
+            problems.push(format!("deleting /dev/ublkb{id}: {e}"));
+        }
+    }
+    let stable = run.stable_path(name);
+    serve::remove_stable_path(&stable, ident.device.as_deref());
+    std::fs::remove_dir_all(&dir).map_err(|e| io_err(format!("removing {}", dir.display()), e))?;
+    let pid = if ident.pid != 0 {
+        format!(" (pid {})", ident.pid)
+    } else {
+        String::new()
+    };
+    eprintln!("{name}: its daemon{pid} was dead; cleaned up.");
+    if problems.is_empty() {
+        Ok(0)
+    } else {
+        Err(CliError::Usage(problems.join("; ")))
+    }
+}
+
+/// cryptsetup's `status` layout, then ucrypt's own lines. Pure: for tests.
+pub fn status_text(path: &str, s: &StatusReport) -> String {
+    let v = &s.volume;
+    let mut o = format!(
+        "{path} is active{}.\n",
+        if s.in_use.is_some() {
+            " and is in use"
+        } else {
+            ""
+        }
+    );
+    o += &format!("  type:    {}\n", v.kind);
+    o += &format!("  cipher:  {}\n", v.cipher);
+    o += &format!("  keysize: {} bits\n", v.key_bits);
+    o += "  key location: ucrypt daemon\n";
+    o += &format!("  device:  {}\n", v.device);
+    o += &format!("  sector size:  {}\n", v.sector_size);
+    o += &format!("  offset:  {} sectors\n", v.offset_sectors);
+    o += &format!("  size:    {} sectors\n", v.size_sectors);
+    if v.skipped_sectors != 0 {
+        o += &format!("  skipped: {} sectors\n", v.skipped_sectors);
+    }
+    o += &format!(
+        "  mode:    {}\n",
+        if v.read_only {
+            "readonly"
+        } else {
+            "read/write"
+        }
+    );
+    if !v.flags.is_empty() {
+        o += &format!("  flags:   {}\n", v.flags.join(" "));
+    }
+    o += &format!("  front end: {}\n", s.front_end);
+    o += &format!("  device path: {}\n", s.device);
+    if let Some(n) = &s.note {
+        o += &format!("  front end notes: {n}\n");
+    }
+    if let Some(u) = &s.in_use {
+        o += &format!("  in use:  {u}\n");
+    }
+    o += &format!("  policy:  {}\n", s.policy);
+    let c = &s.counters;
+    o += &format!(
+        "  reads:   {} requests, {} bytes\n",
+        c.read_requests, c.read_bytes
+    );
+    o += &format!(
+        "  writes:  {} requests, {} bytes\n",
+        c.write_requests, c.write_bytes
+    );
+    o += &format!("  pid:     {}\n", s.pid);
+    o
+}
+
+/// `ucrypt status NAME`: 0 active, 4 inactive (cryptsetup's), 1 when the daemon is dead.
+pub fn status(a: StatusArgs) -> CliResult<i32> {
+    state::check_name(&a.name)?;
+    let run = RunDir::locate()?;
+    let dir = run.dir(&a.name);
+    let path = run.stable_path(&a.name).display().to_string();
+    if !dir.is_dir() {
+        println!("{path} is inactive.");
+        return Ok(4);
+    }
+    if !state::is_alive(&dir) {
+        let ident = Identity::read(&dir).unwrap_or_default();
+        println!("{path} is dead.");
+        println!("  daemon:  pid {} is gone", ident.pid);
+        if let Some(f) = &ident.front_end {
+            println!("  front end: {f}");
+        }
+        if let Some(d) = &ident.device {
+            println!("  device path: {}", d.display());
+        }
+        println!("  device:  {}", ident.volume.display());
+        eprintln!(
+            "Device {} has no daemon: 'ucrypt close {}' cleans up.",
+            a.name, a.name
+        );
+        return Ok(1);
+    }
+    match server::request(&dir.join("control.sock"), &Request::Status) {
+        Ok(Response::Status(s)) => {
+            print!("{}", status_text(&path, &s));
+            Ok(0)
+        }
+        Ok(Response::Error { code, error }) => Err(CliError::Remote {
+            code,
+            message: error,
+        }),
+        Ok(_) => Err(CliError::Usage(
+            "the daemon answered status with something else".into(),
+        )),
+        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
+            "Device {} is busy (being opened or closed).",
+            a.name
+        ))),
+        Err(e) => Err(CliError::Usage(e.to_string())),
+    }
+}
+
+/// `ucrypt list`: one open volume a line: NAME, stable path, device, front end, state.
+pub fn list() -> CliResult<i32> {
+    let run = RunDir::locate()?;
+    for name in run.names() {
+        let dir = run.dir(&name);
+        let ident = Identity::read(&dir).unwrap_or_default();
+        let state = match (state::is_alive(&dir), &ident.device) {
+            (true, Some(_)) => "active",
+            (true, None) => "opening",
+            (false, _) => "dead",
+        };
+        let dev = ident
+            .device
+            .as_deref()
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{name} {} {dev} {} {state}",
+            run.stable_path(&name).display(),
+            ident.front_end.as_deref().unwrap_or("-"),
+        );
+    }
+    Ok(0)
+}
+
+/// For commands outside the LUKS family: one line, cryptsetup's exit code.
+pub fn report(r: CliResult<i32>) -> i32 {
+    match r {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            e.exit_code()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::Counters;
+
+    #[test]
+    fn status_layout() {
+        let s = StatusReport {
+            volume: VolumeInfo {
+                kind: "LUKS2".into(),
+                cipher: "aes-xts-plain64".into(),
+                key_bits: 512,
+                device: "/srv/vol.img".into(),
+                sector_size: 4096,
+                offset_sectors: 32768,
+                size_sectors: 6144,
+                skipped_sectors: 0,
+                read_only: false,
+                flags: vec!["discards".into()],
+            },
+            front_end: "fuse+loop".into(),
+            device: "/dev/loop3".into(),
+            stable_path: "/dev/ucrypt/data".into(),
+            note: Some("loop: direct I/O".into()),
+            policy: "auto".into(),
+            in_use: None,
+            counters: Counters {
+                read_requests: 1,
+                read_bytes: 4096,
+                write_requests: 2,
+                write_bytes: 8192,
+            },
+            pid: 7,
+            started_unix_s: 0,
+        };
+        let want = "\
+/dev/ucrypt/data is active.
+  type:    LUKS2
+  cipher:  aes-xts-plain64
+  keysize: 512 bits
+  key location: ucrypt daemon
+  device:  /srv/vol.img
+  sector size:  4096
+  offset:  32768 sectors
+  size:    6144 sectors
+  mode:    read/write
+  flags:   discards
+  front end: fuse+loop
+  device path: /dev/loop3
+  front end notes: loop: direct I/O
+  policy:  auto
+  reads:   1 requests, 4096 bytes
+  writes:  2 requests, 8192 bytes
+  pid:     7
+";
+        assert_eq!(status_text("/dev/ucrypt/data", &s), want);
+    }
+
+    #[test]
+    fn ready_line_names_everything() {
+        let r = Ready {
+            front_end: "fuse".into(),
+            device: "/run/user/1/ucrypt/x/volume".into(),
+            stable_path: "/run/user/1/ucrypt/x/device".into(),
+            note: None,
+        };
+        assert_eq!(
+            ready_line("x", &r),
+            "x: /run/user/1/ucrypt/x/device -> /run/user/1/ucrypt/x/volume (fuse)"
+        );
+    }
+}

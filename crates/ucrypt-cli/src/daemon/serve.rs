@@ -1,0 +1,530 @@
+//! The daemon's life: build the volume, start the front end, name the device, answer the
+//! control socket, and on `close` (or SIGTERM) flush, detach and remove every trace.
+//!
+//! Runs in the forked child of `ucrypt open` (or in `open --foreground` itself), after the
+//! passphrase was read: this is where the first threads are made.
+
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ucrypt::volume::Volume;
+use ucrypt::{BlockDev, Stop};
+use ucrypt_fuse::{MountOptions, Mounted, PunchHole, Transport, Unmount};
+
+use super::loopdev::{self, LoopDevice};
+use super::proto::{Closed, Counters, Ready, Request, Response, StatusReport, VolumeInfo};
+use super::state::{Claim, Identity, RunDir};
+use super::{mounts, server, FrontEnd};
+use crate::error::{CliError, CliResult};
+use crate::open::Prepared;
+
+/// How often the main loop looks at signals and at a front end that ended on its own.
+const POLL: Duration = Duration::from_millis(200);
+
+/// How long the ublk device may take to appear once the volume is open.
+const UBLK_READY_WAIT: Duration = Duration::from_secs(30);
+
+/// Requests waiting for the main loop, at most: one close at a time is all that makes sense;
+/// a second one is told the daemon is already closing.
+const EVENTS_MAX: usize = 1;
+
+/// How the daemon tells the `open` that started it how things went.
+pub enum Reporter {
+    /// The forked child: one line through the pipe to the waiting parent.
+    Pipe(std::fs::File),
+    /// `--foreground`: the ready line on stdout; failures are returned as errors.
+    Foreground,
+}
+
+impl Reporter {
+    fn ready(&mut self, name: &str, r: &Ready) {
+        match self {
+            Reporter::Pipe(f) => {
+                use std::io::Write;
+                let _ = f.write_all(&super::proto::encode_response(&Response::Ready(r.clone())));
+            }
+            Reporter::Foreground => {
+                use std::io::Write;
+                println!("{}", super::ready_line(name, r));
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+
+    fn failed(&mut self, e: &CliError) {
+        if let Reporter::Pipe(f) = self {
+            use std::io::Write;
+            let _ = f.write_all(&super::proto::encode_response(&Response::Error {
+                code: e.exit_code(),
+                error: e.to_string(),
+            }));
+        }
+    }
+}
+
+/// What the daemon serves, and how it was opened.
+pub struct Daemon {
+    pub name: String,
+    pub run: RunDir,
+    pub claim: Claim,
+    pub ident: Identity,
+    /// Everything but the size, known from the header before the volume is built.
+    pub info: VolumeInfo,
+    pub front_end: FrontEnd,
+}
+
+/// A running front end.
+enum Front {
+    Ublk {
+        thread: JoinHandle<Result<(), ucrypt_ublk::Error>>,
+        stop: Stop,
+    },
+    Fuse {
+        mounted: Mounted,
+        loopdev: Option<LoopDevice>,
+    },
+}
+
+impl Front {
+    fn ended(&self) -> bool {
+        match self {
+            Front::Ublk { thread, .. } => thread.is_finished(),
+            Front::Fuse { mounted, .. } => mounted.finished(),
+        }
+    }
+}
+
+/// What the control thread shares with the main loop.
+struct Shared {
+    name: String,
+    vol: Arc<Volume>,
+    info: VolumeInfo,
+    ident: Identity,
+    note: Option<String>,
+    events: SyncSender<Event>,
+}
+
+enum Event {
+    Close {
+        force: bool,
+        reply: SyncSender<Response>,
+        /// Dropped by the control thread once the answer is written: only then may the
+        /// daemon exit.
+        written: Receiver<()>,
+    },
+}
+
+impl Shared {
+    fn device(&self) -> PathBuf {
+        self.ident.device.clone().unwrap_or_default()
+    }
+
+    fn in_use(&self) -> Option<String> {
+        mounts::in_use(&self.device(), self.ident.loop_device.as_deref())
+    }
+}
+
+impl server::Handler for Shared {
+    fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
+        match req {
+            Request::Status => {
+                let s = self.vol.stats();
+                respond(&Response::Status(Box::new(StatusReport {
+                    volume: self.info.clone(),
+                    front_end: self.ident.front_end.clone().unwrap_or_default(),
+                    device: self.device().display().to_string(),
+                    stable_path: self.ident.stable_path.display().to_string(),
+                    note: self.note.clone(),
+                    policy: self.vol.policy().to_string(),
+                    in_use: self.in_use(),
+                    counters: Counters {
+                        read_requests: s.read.requests,
+                        read_bytes: s.read.bytes,
+                        write_requests: s.write.requests,
+                        write_bytes: s.write.bytes,
+                    },
+                    pid: std::process::id(),
+                    started_unix_s: self.ident.started_unix_s,
+                })));
+            }
+            Request::Close { force } => {
+                if !force {
+                    if let Some(why) = self.in_use() {
+                        return respond(&Response::Error {
+                            code: 5,
+                            error: format!(
+                                "Cannot close {}: {why} (umount it first, or close --force).",
+                                self.name
+                            ),
+                        });
+                    }
+                }
+                let (reply, reply_rx) = sync_channel(1);
+                let (written_tx, written) = sync_channel::<()>(1);
+                if self
+                    .events
+                    .try_send(Event::Close {
+                        force,
+                        reply,
+                        written,
+                    })
+                    .is_err()
+                {
+                    return respond(&Response::Error {
+                        code: 5,
+                        error: format!("Device {} is already being closed.", self.name),
+                    });
+                }
+                let resp = reply_rx.recv().unwrap_or(Response::Error {
+                    code: 1,
+                    error: "the daemon ended without answering".into(),
+                });
+                respond(&resp);
+                drop(written_tx);
+            }
+        }
+    }
+}
+
+/// The daemon: returns its exit code (0 after a clean close). Failures before the device is
+/// ready go to the reporter and remove the claim.
+pub fn run(d: Daemon, prepared: Prepared, mut reporter: Reporter) -> CliResult<()> {
+    let claim_dir = d.claim.dir.clone();
+    match start(d, prepared, &mut reporter) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&claim_dir);
+            reporter.failed(&e);
+            Err(e)
+        }
+    }
+}
+
+fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
+    // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).
+    let signals = crate::signals::stop_on_signals()?;
+    let vol = Arc::new(prepared.open()?);
+    d.info.size_sectors = vol.size() / 512;
+    let dev: Arc<dyn BlockDev> = vol.clone();
+    let (front, device, note) = match d.front_end {
+        FrontEnd::Ublk => start_ublk(dev)?,
+        FrontEnd::Loop | FrontEnd::Fuse => start_fuse(&d, dev)?,
+        FrontEnd::Auto => return Err(CliError::Usage("front end not chosen".into())),
+    };
+    let mut ident = d.ident.clone();
+    ident.front_end = Some(d.front_end.label().into());
+    ident.device = Some(device.clone());
+    ident.pid = std::process::id();
+    match &front {
+        Front::Ublk { .. } => {
+            ident.ublk_id = device
+                .to_str()
+                .and_then(|s| s.strip_prefix("/dev/ublkb"))
+                .and_then(|n| n.parse().ok());
+        }
+        Front::Fuse { mounted, loopdev } => {
+            ident.fuse_file = Some(mounted.file.clone());
+            ident.loop_device = loopdev.as_ref().map(|l| l.path.clone());
+        }
+    }
+    // Recorded before the name is made, so that a crash from here on is cleaned by `close`.
+    let named = ident
+        .write(&d.claim.dir)
+        .and_then(|()| make_stable_path(&d.run, &ident.stable_path, &device))
+        .and_then(|()| server::bind(&d.claim.dir.join("control.sock")));
+    let listener = match named {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
+            return Err(e);
+        }
+    };
+    let (events_tx, events) = sync_channel(EVENTS_MAX);
+    let shared = Arc::new(Shared {
+        name: d.name.clone(),
+        vol: vol.clone(),
+        info: d.info.clone(),
+        ident: ident.clone(),
+        note: note.clone(),
+        events: events_tx,
+    });
+    server::spawn(listener, shared)?;
+    reporter.ready(
+        &d.name,
+        &Ready {
+            front_end: d.front_end.label().into(),
+            device: device.display().to_string(),
+            stable_path: ident.stable_path.display().to_string(),
+            note,
+        },
+    );
+    main_loop(front, &vol, &ident, &d.claim.dir, &signals, &events);
+    Ok(())
+}
+
+fn main_loop(
+    front: Front,
+    vol: &Arc<Volume>,
+    ident: &Identity,
+    dir: &Path,
+    signals: &Stop,
+    events: &Receiver<Event>,
+) {
+    loop {
+        match events.recv_timeout(POLL) {
+            Ok(Event::Close {
+                force,
+                reply,
+                written,
+            }) => {
+                let (resp, rest) = teardown(front, vol, force, ident, dir);
+                let _ = reply.send(resp);
+                // Wait (bounded) until the answer is on its way before anything exits.
+                let _ = written.recv_timeout(server::REQUEST_TIMEOUT);
+                finish(rest);
+                return;
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if signals.requested() {
+                    eprintln!("ucrypt daemon {}: signal: closing", ident.name);
+                    let (_, rest) = teardown(front, vol, false, ident, dir);
+                    finish(rest);
+                    return;
+                }
+                if front.ended() {
+                    eprintln!(
+                        "ucrypt daemon {}: the front end ended (unmounted from outside?): closing",
+                        ident.name
+                    );
+                    let _ = teardown(front, vol, true, ident, dir);
+                    return;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// Serves a detached FUSE file until its last user closes it.
+fn finish(rest: Option<Mounted>) {
+    if let Some(m) = rest {
+        if let Err(e) = m.join() {
+            eprintln!("ucrypt daemon: {e}");
+        }
+    }
+}
+
+fn io_err(what: impl Into<String>, e: std::io::Error) -> CliError {
+    CliError::Core(ucrypt::Error::io(what, e))
+}
+
+fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, Option<String>)> {
+    let stop = Stop::new();
+    let s2 = stop.clone();
+    let (tx, rx) = sync_channel(1);
+    let thread = std::thread::Builder::new()
+        .name("ucrypt-ublk".into())
+        .spawn(move || {
+            ucrypt_ublk::serve(dev, ucrypt_ublk::UblkOptions::default(), &s2, move |r| {
+                let _ = tx.send(r);
+            })
+        })
+        .map_err(|e| io_err("starting the ublk thread", e))?;
+    match rx.recv_timeout(UBLK_READY_WAIT) {
+        Ok(r) => Ok((Front::Ublk { thread, stop }, r.path, None)),
+        Err(_) => {
+            stop.request();
+            match thread.join() {
+                Ok(Err(e)) => Err(e.into()),
+                _ => Err(CliError::Usage(format!(
+                    "the ublk device did not become ready within {} s",
+                    UBLK_READY_WAIT.as_secs()
+                ))),
+            }
+        }
+    }
+}
+
+fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, Option<String>)> {
+    let file = d.claim.dir.join("volume");
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&file)
+        .map_err(|e| io_err(format!("creating {}", file.display()), e))?;
+    let opts = MountOptions {
+        file_name: None,
+        threads: 0,
+        allow_other: false,
+        direct_io: false,
+        punch_hole: PunchHole::Zeroes,
+        fs_name: format!("ucrypt:{}", d.name),
+        transport: Transport::Auto,
+    };
+    let (bs, ro) = (dev.block_size(), dev.read_only());
+    let mounted = ucrypt_fuse::spawn(dev, &file, &opts)?;
+    let fuse_note = format!("FUSE {}", mounted.transport);
+    if d.front_end != FrontEnd::Loop {
+        let path = mounted.file.clone();
+        return Ok((
+            Front::Fuse {
+                mounted,
+                loopdev: None,
+            },
+            path,
+            Some(fuse_note),
+        ));
+    }
+    match loopdev::attach(&file, bs, ro) {
+        Ok(l) => {
+            let io = match &l.note {
+                Some(n) => format!("loop: {n}"),
+                None => "loop: direct I/O".into(),
+            };
+            let path = l.path.clone();
+            Ok((
+                Front::Fuse {
+                    mounted,
+                    loopdev: Some(l),
+                },
+                path,
+                Some(format!("{io}; {fuse_note}")),
+            ))
+        }
+        Err(e) => {
+            let _ = mounted.unmount();
+            Err(io_err(
+                format!("attaching {} to a loop device", file.display()),
+                e,
+            ))
+        }
+    }
+}
+
+/// Points the stable path at the device (root: /dev/ucrypt/NAME, made 0755).
+fn make_stable_path(run: &RunDir, stable: &Path, device: &Path) -> CliResult<()> {
+    if run.root {
+        if let Some(parent) = stable.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(parent)
+                .map_err(|e| io_err(format!("creating {}", parent.display()), e))?;
+        }
+    }
+    // A symlink left by a crashed daemon of this NAME (its state dir was removed by hand).
+    if std::fs::symlink_metadata(stable).is_ok_and(|m| m.file_type().is_symlink()) {
+        let _ = std::fs::remove_file(stable);
+    }
+    std::os::unix::fs::symlink(device, stable)
+        .map_err(|e| io_err(format!("creating {}", stable.display()), e))
+}
+
+/// Removes the stable path if it is a symlink to `device` (nothing else is ours to remove).
+pub fn remove_stable_path(stable: &Path, device: Option<&Path>) {
+    let ours = match std::fs::read_link(stable) {
+        Ok(target) => device.is_none_or(|d| target == d),
+        Err(_) => false,
+    };
+    if ours {
+        let _ = std::fs::remove_file(stable);
+    }
+}
+
+/// How long a lazily unmounted FUSE session gets to end by itself before it counts as still
+/// in use.
+const DETACH_SETTLE: Duration = Duration::from_secs(2);
+
+fn settled(m: &Mounted) -> bool {
+    let t0 = std::time::Instant::now();
+    while !m.finished() {
+        if t0.elapsed() >= DETACH_SETTLE {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+/// Flushes, detaches the front end and removes the names. Returns the answer to `close`,
+/// and a FUSE session to keep serving when something still uses the file (not with force).
+fn teardown(
+    front: Front,
+    vol: &Arc<Volume>,
+    force: bool,
+    ident: &Identity,
+    dir: &Path,
+) -> (Response, Option<Mounted>) {
+    let mut notes: Vec<String> = Vec::new();
+    if let Err(e) = vol.flush() {
+        notes.push(format!("flush failed: {e}"));
+    }
+    let mut rest = None;
+    match front {
+        Front::Ublk { thread, stop } => {
+            // Killing the device makes its queues return; run() then flushes and deletes it.
+            stop.request();
+            match thread.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => notes.push(e.to_string()),
+                Err(_) => notes.push("the ublk thread panicked".into()),
+            }
+        }
+        Front::Fuse { mounted, loopdev } => {
+            if let Some(l) = loopdev {
+                let path = l.path.clone();
+                // With --force nobody waits for users to let go: they will get errors.
+                let wait = if force {
+                    Duration::ZERO
+                } else {
+                    loopdev::RELEASE_WAIT
+                };
+                match l.detach(wait) {
+                    Ok(true) => {}
+                    Ok(false) => notes.push(format!(
+                        "{} is still open: the kernel detaches it when its last user closes it",
+                        path.display()
+                    )),
+                    Err(e) => notes.push(format!("detaching {}: {e}", path.display())),
+                }
+            }
+            let unmounted = match mounted.request_unmount() {
+                // A user's unmount (fusermount3 -u -z) is always lazy: the session may still
+                // end at once if nothing holds the file.
+                Ok(Unmount::Detached) if settled(&mounted) => Ok(Unmount::Done),
+                r => r,
+            };
+            match unmounted {
+                Ok(Unmount::Done) => {
+                    if let Err(e) = mounted.join() {
+                        notes.push(e.to_string());
+                    }
+                }
+                Ok(Unmount::Detached) if force => {
+                    notes.push("the device was still in use: it now fails every request".into());
+                    // Exiting closes /dev/fuse: the kernel aborts the session.
+                    std::mem::forget(mounted);
+                }
+                Ok(Unmount::Detached) => {
+                    notes.push(
+                        "still in use: detached, served until its last user closes it".into(),
+                    );
+                    rest = Some(mounted);
+                }
+                Err(e) => notes.push(format!("unmounting the FUSE file: {e}")),
+            }
+        }
+    }
+    remove_stable_path(&ident.stable_path, ident.device.as_deref());
+    let _ = std::fs::remove_dir_all(dir);
+    let note = (!notes.is_empty()).then(|| notes.join("; "));
+    if let Some(n) = &note {
+        eprintln!("ucrypt daemon {}: {n}", ident.name);
+    }
+    (Response::Closed(Closed { note }), rest)
+}

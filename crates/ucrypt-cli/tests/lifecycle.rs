@@ -1,0 +1,556 @@
+//! A volume's life cycle as a user types it: `open VOLUME NAME` -> a block device named NAME
+//! -> mkfs, mount, copy, umount -> `close NAME` -> `open` again -> fsck clean, tree identical;
+//! `status` field by field; cryptsetup's exit codes for a wrong passphrase (2), a NAME or a
+//! volume in use (5), an unknown NAME (4); `close` refusing a mounted device; a daemon killed
+//! with SIGKILL cleaned up by `close`; the same as a non-root user (FUSE file only).
+//!
+//! Needs root, /dev/fuse, /dev/loop-control, mkfs.ext4 (FUSE + loop); the rootless test also
+//! needs `setpriv` and a setuid `fusermount3`. Otherwise each test prints `SKIPPED: reason`.
+//! Names carry the test's pid, so that runs in other checkouts do not collide.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
+const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+const PASSPHRASE: &[u8] = b"life cycle passphrase";
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn have(cmd: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Why the FUSE + loop tests cannot run here, if they cannot.
+fn missing_root_rig() -> Option<String> {
+    if !is_root() {
+        return Some("not root (open with FUSE + loop needs root)".into());
+    }
+    for dev in ["/dev/fuse", "/dev/loop-control"] {
+        if !Path::new(dev).exists() {
+            return Some(format!("{dev} missing"));
+        }
+    }
+    for cmd in ["mkfs.ext4", "fsck.ext4", "mount", "umount", "losetup"] {
+        if !have(cmd) {
+            return Some(format!("{cmd} not installed (e2fsprogs, mount)"));
+        }
+    }
+    // With ublk_drv loaded `auto` would pick ublk: the tests ask for --front-end loop.
+    None
+}
+
+macro_rules! skip_unless_rig {
+    () => {
+        if let Some(why) = missing_root_rig() {
+            println!("SKIPPED: {why}");
+            return;
+        }
+    };
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("ucrypt-life-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {prog}: {e}"))
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ok(prog: &str, args: &[&str]) -> Output {
+    let o = run(prog, args);
+    assert!(o.status.success(), "{prog} {args:?}: {}", text(&o));
+    o
+}
+
+fn ucrypt(args: &[&str]) -> Output {
+    run(UCRYPT, args)
+}
+
+/// The one non-empty stderr line (asserts there is exactly one).
+fn one_line(o: &Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = e.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "not one line: {}", text(o));
+    lines[0].to_string()
+}
+
+/// A LUKS2 volume of `mib` MiB and its key file.
+fn volume(t: &TempDir, name: &str, mib: u64) -> (PathBuf, PathBuf) {
+    let img = t.path(name);
+    let key = t.path("key");
+    std::fs::write(&key, PASSPHRASE).unwrap();
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(mib << 20))
+        .unwrap();
+    let mut a = vec!["format", "-q", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    (img, key)
+}
+
+fn name(tag: &str) -> String {
+    format!("life-{tag}-{}", std::process::id())
+}
+
+const RUN_DIR: &str = "/run/ucrypt";
+const DEV_DIR: &str = "/dev/ucrypt";
+
+fn open(img: &Path, key: &Path, name: &str) -> Output {
+    let o = ucrypt(&[
+        "open",
+        s(img),
+        name,
+        "--key-file",
+        s(key),
+        "--front-end",
+        "loop",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    o
+}
+
+/// Nothing of NAME is left: state dir, stable path, a loop device on its FUSE file, a mount.
+fn assert_gone(name: &str) {
+    let dir = Path::new(RUN_DIR).join(name);
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    let link = Path::new(DEV_DIR).join(name);
+    assert!(
+        std::fs::symlink_metadata(&link).is_err(),
+        "{} left behind",
+        link.display()
+    );
+    let fuse_file = dir.join("volume");
+    let loops = String::from_utf8_lossy(&ok("losetup", &["-a"]).stdout).to_string();
+    assert!(
+        !loops.contains(s(&fuse_file)),
+        "a loop device still on {}: {loops}",
+        fuse_file.display()
+    );
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(
+        !mounts.contains(&format!("ucrypt:{name} ")),
+        "FUSE mount left: {mounts}"
+    );
+}
+
+/// `status` as key -> value (the first line under "" ).
+fn status_fields(name: &str) -> (i32, Vec<(String, String)>) {
+    let o = ucrypt(&["status", name]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let mut fields = Vec::new();
+    for (i, l) in out.lines().enumerate() {
+        if i == 0 {
+            fields.push((String::new(), l.to_string()));
+            continue;
+        }
+        let (k, v) = l
+            .split_once(':')
+            .unwrap_or_else(|| panic!("not 'key: value': {l}"));
+        fields.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    (o.status.code().unwrap_or(-1), fields)
+}
+
+fn field<'a>(f: &'a [(String, String)], k: &str) -> &'a str {
+    f.iter()
+        .find(|(key, _)| key == k)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no {k:?} in {f:?}"))
+}
+
+/// A tree of files with varied sizes, from this crate's sources.
+fn copy_tree(dst: &Path) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    ok("cp", &["-a", s(&src), s(dst)]);
+}
+
+#[test]
+fn round_trip_as_typed_with_fuse_and_loop() {
+    skip_unless_rig!();
+    let t = TempDir::new("trip");
+    let (img, key) = volume(&t, "vol.img", 64);
+    let n = name("trip");
+    let stable = format!("{DEV_DIR}/{n}");
+    let mnt = t.path("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+
+    let o = open(&img, &key, &n);
+    let ready = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        ready.starts_with(&format!("{n}: {stable} -> /dev/loop")) && ready.contains("(fuse+loop)"),
+        "ready line: {ready}"
+    );
+    let target = std::fs::read_link(&stable).expect("stable symlink");
+    ok("mkfs.ext4", &["-q", "-b", "4096", &stable]);
+    ok("mount", &[&stable, s(&mnt)]);
+    copy_tree(&mnt.join("tree"));
+    ok("sync", &[]);
+
+    // status, field by field, while mounted.
+    let (code, f) = status_fields(&n);
+    assert_eq!(code, 0);
+    assert_eq!(f[0].1, format!("{stable} is active and is in use."));
+    assert_eq!(field(&f, "type"), "LUKS2");
+    assert_eq!(field(&f, "cipher"), "aes-xts-plain64");
+    assert_eq!(field(&f, "keysize"), "512 bits");
+    assert_eq!(field(&f, "key location"), "ucrypt daemon");
+    let canon = std::fs::canonicalize(&img).unwrap();
+    assert_eq!(field(&f, "device"), s(&canon));
+    let sector: u64 = field(&f, "sector size").parse().unwrap();
+    assert!([512, 4096].contains(&sector));
+    let offset: u64 = field(&f, "offset")
+        .strip_suffix(" sectors")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let size: u64 = field(&f, "size")
+        .strip_suffix(" sectors")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        offset + size,
+        (64 << 20) / 512,
+        "offset + size = the volume"
+    );
+    assert_eq!(field(&f, "mode"), "read/write");
+    assert_eq!(field(&f, "front end"), "fuse+loop");
+    assert_eq!(field(&f, "device path"), s(&target));
+    assert!(field(&f, "front end notes").starts_with("loop: "));
+    assert!(field(&f, "in use").contains("is mounted on"));
+    assert_eq!(field(&f, "policy"), "auto");
+    let writes = field(&f, "writes");
+    let w_bytes: u64 = writes
+        .split(", ")
+        .nth(1)
+        .and_then(|b| b.strip_suffix(" bytes"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(w_bytes > 1 << 20, "mkfs and the copy wrote: {writes}");
+    let pid: u32 = field(&f, "pid").parse().unwrap();
+    assert!(Path::new(&format!("/proc/{pid}")).exists());
+
+    // `list` names it with its device.
+    let l = String::from_utf8_lossy(&ok(UCRYPT, &["list"]).stdout).to_string();
+    assert!(
+        l.lines()
+            .any(|line| line == format!("{n} {stable} {} fuse+loop active", target.display())),
+        "list: {l}"
+    );
+
+    ok("umount", &[s(&mnt)]);
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    assert_gone(&n);
+
+    open(&img, &key, &n);
+    ok("fsck.ext4", &["-fn", &stable]);
+    ok("mount", &["-o", "ro", &stable, s(&mnt)]);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let d = run("diff", &["-r", s(&src), s(&mnt.join("tree"))]);
+    ok("umount", &[s(&mnt)]);
+    assert!(d.status.success(), "trees differ: {}", text(&d));
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}
+
+#[test]
+fn wrong_passphrase_exits_2_and_leaves_nothing() {
+    skip_unless_rig!();
+    let t = TempDir::new("wrong");
+    let (img, _key) = volume(&t, "vol.img", 20);
+    let bad = t.path("bad");
+    std::fs::write(&bad, b"not it").unwrap();
+    let n = name("wrong");
+    let o = ucrypt(&["open", s(&img), &n, "--key-file", s(&bad)]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        one_line(&o).contains("No key available with this passphrase"),
+        "{}",
+        text(&o)
+    );
+    assert_gone(&n);
+}
+
+#[test]
+fn names_and_volumes_are_exclusive_and_mounted_devices_stay() {
+    skip_unless_rig!();
+    let t = TempDir::new("excl");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let (img2, _) = volume(&t, "vol2.img", 20);
+    let n = name("excl");
+    let other = name("excl-other");
+    open(&img, &key, &n);
+
+    // The same NAME (another volume): cryptsetup's "already exists", 5.
+    let o = ucrypt(&["open", s(&img2), &n, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert_eq!(one_line(&o), format!("Device {n} already exists."));
+    // The same volume under another NAME (through another path): 5, and no trace of it.
+    let alias = t.path("alias.img");
+    std::os::unix::fs::symlink(&img, &alias).unwrap();
+    let o = ucrypt(&["open", s(&alias), &other, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let canon = std::fs::canonicalize(&img).unwrap();
+    assert_eq!(
+        one_line(&o),
+        format!(
+            "Cannot use device {} which is in use (already mapped or mounted).",
+            canon.display()
+        )
+    );
+    assert_gone(&other);
+
+    // Mounted: close refuses (5, one line) and the device keeps working.
+    let stable = format!("{DEV_DIR}/{n}");
+    let mnt = t.path("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    ok("mkfs.ext4", &["-q", &stable]);
+    ok("mount", &[&stable, s(&mnt)]);
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let line = one_line(&o);
+    assert!(
+        line.starts_with(&format!("Cannot close {n}: /dev/loop"))
+            && line.contains(&format!("is mounted on {}", mnt.display())),
+        "{line}"
+    );
+    std::fs::write(mnt.join("still"), b"works").unwrap();
+    ok("sync", &[]);
+    // --force: closed now; the mounted file system then sees errors and unmounts.
+    let o = ucrypt(&["close", "--force", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(!Path::new(RUN_DIR).join(&n).exists());
+    ok("umount", &[s(&mnt)]);
+    // The loop device goes with its last user (autoclear).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+    // The name and the volume are free again.
+    open(&img, &key, &other);
+    ok(UCRYPT, &["close", &other]);
+    assert_gone(&other);
+}
+
+#[test]
+fn killed_daemon_is_dead_to_status_and_cleaned_by_close() {
+    skip_unless_rig!();
+    let t = TempDir::new("kill");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("kill");
+    open(&img, &key, &n);
+    let stable = format!("{DEV_DIR}/{n}");
+    // Something holds the loop device while the daemon dies, so that it cannot autoclear.
+    let mut holder = Command::new("sleep")
+        .arg("30")
+        .stdin(std::fs::File::open(&stable).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("pid")).unwrap();
+    ok("kill", &["-9", pid.trim()]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+
+    let (code, f) = status_fields(&n);
+    assert_eq!(code, 1, "{f:?}");
+    assert_eq!(f[0].1, format!("{stable} is dead."));
+    assert_eq!(field(&f, "daemon"), format!("pid {} is gone", pid.trim()));
+    let l = String::from_utf8_lossy(&ok(UCRYPT, &["list"]).stdout).to_string();
+    assert!(
+        l.lines()
+            .any(|line| line.starts_with(&format!("{n} ")) && line.ends_with(" dead")),
+        "list: {l}"
+    );
+
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_gone(&n);
+}
+
+#[test]
+fn unknown_names_get_cryptsetups_codes() {
+    if !is_root() && std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        println!("SKIPPED: not root and XDG_RUNTIME_DIR unset");
+        return;
+    }
+    let n = name("nosuch");
+    let o = ucrypt(&["status", &n]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.trim_end().ends_with(&format!("{n} is inactive.")),
+        "{}",
+        text(&o)
+    );
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert_eq!(one_line(&o), format!("Device {n} is not active."));
+    for bad in ["a/b", "..", "-x"] {
+        let o = ucrypt(&["close", "--", bad]);
+        assert_eq!(o.status.code(), Some(1), "{bad}: {}", text(&o));
+        one_line(&o);
+    }
+    let long = "n".repeat(128);
+    let o = ucrypt(&["status", &long]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+}
+
+#[test]
+fn rootless_fuse_file_round_trip() {
+    if !is_root() {
+        println!("SKIPPED: the rootless test switches to user nobody, which needs root");
+        return;
+    }
+    if !have("setpriv") || !have("fusermount3") || !Path::new("/dev/fuse").exists() {
+        println!("SKIPPED: needs setpriv, fusermount3 (fuse3) and /dev/fuse");
+        return;
+    }
+    let t = TempDir::new("rootless");
+    // The user needs to reach the files: the temp dir is root's (0755 here) and the volume,
+    // key and runtime dir are handed over.
+    std::fs::set_permissions(&t.0, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let (img, key) = volume(&t, "vol.img", 20);
+    let xdg = t.path("xdg");
+    std::fs::create_dir(&xdg).unwrap();
+    std::fs::set_permissions(&xdg, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    for p in [&img, &key, &xdg] {
+        ok("chown", &["nobody:nogroup", s(p)]);
+    }
+    let bin_ok = run(
+        "setpriv",
+        &[
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            UCRYPT,
+            "--version",
+        ],
+    );
+    if !bin_ok.status.success() {
+        println!("SKIPPED: user nobody cannot run {UCRYPT}");
+        return;
+    }
+    let as_user = |args: &[&str]| -> Output {
+        let mut a = vec!["--reuid=nobody", "--regid=nogroup", "--clear-groups", "env"];
+        let x = format!("XDG_RUNTIME_DIR={}", s(&xdg));
+        a.push(&x);
+        a.push(UCRYPT);
+        a.extend_from_slice(args);
+        run("setpriv", &a)
+    };
+    let n = name("rootless");
+    let o = as_user(&["open", s(&img), &n, "--key-file", s(&key)]);
+    if o.status.code() != Some(0) && String::from_utf8_lossy(&o.stderr).contains("fusermount") {
+        println!(
+            "SKIPPED: FUSE mounts by non-root users fail here: {}",
+            text(&o)
+        );
+        return;
+    }
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let dir = xdg.join("ucrypt").join(&n);
+    let device = dir.join("device");
+    let ready = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        ready.starts_with(&format!("{n}: {} -> ", device.display())) && ready.contains("(fuse)"),
+        "{ready}"
+    );
+    // Write and read back through the stable path, as the user.
+    let pattern = t.path("pattern");
+    std::fs::write(
+        &pattern,
+        (0..1u32 << 20)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    ok("chown", &["nobody:nogroup", s(&pattern)]);
+    let dd = |args: &[&str]| {
+        let mut a = vec!["--reuid=nobody", "--regid=nogroup", "--clear-groups", "dd"];
+        a.extend_from_slice(args);
+        a.push("status=none");
+        ok("setpriv", &a)
+    };
+    dd(&[
+        &format!("if={}", s(&pattern)),
+        &format!("of={}", s(&device)),
+        "bs=64k",
+        "conv=notrunc,fsync",
+    ]);
+    let o = as_user(&["status", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let st = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        st.starts_with(&format!("{} is active.", device.display())),
+        "{st}"
+    );
+    assert!(st.contains("  front end: fuse\n"), "{st}");
+    assert!(st.contains("  writes:  "), "{st}");
+    let o = as_user(&["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(!dir.exists(), "state left: {}", dir.display());
+    // Open again: the bytes are there.
+    let o = as_user(&["open", s(&img), &n, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let back = t.path("back");
+    std::fs::File::create(&back).unwrap();
+    ok("chown", &["nobody:nogroup", s(&back)]);
+    dd(&[
+        &format!("if={}", s(&device)),
+        &format!("of={}", s(&back)),
+        "bs=64k",
+        "count=16",
+    ]);
+    assert!(
+        std::fs::read(&back).unwrap() == std::fs::read(&pattern).unwrap(),
+        "read back differs"
+    );
+    let o = as_user(&["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(!mounts.contains(&format!("ucrypt:{n} ")), "{mounts}");
+}
