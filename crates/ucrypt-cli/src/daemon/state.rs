@@ -146,13 +146,7 @@ impl RunDir {
     /// claims; that takes milliseconds: nobody holds it across a prompt).
     pub fn lock_all(&self) -> CliResult<File> {
         let path = self.base.join(".lock");
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io(format!("opening {}", path.display())))?;
+        let f = open_lock_file(&path)?;
         // SAFETY: flock on a descriptor this function owns; no memory is passed.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(io(format!("locking {}", path.display()))(
@@ -247,13 +241,7 @@ impl NameLock {
     /// may have removed the directory between our open and our lock.
     pub fn try_take(dir: &Path) -> CliResult<Option<NameLock>> {
         let path = dir.join("lock");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io(format!("opening {}", path.display())))?;
+        let file = open_lock_file(&path)?;
         let fl = whole_file_lock(libc::F_WRLCK as libc::c_short);
         // SAFETY: F_OFD_SETLK reads one struct flock that lives across the call.
         if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
@@ -353,6 +341,17 @@ pub fn claim(run: &RunDir, ident: &Identity) -> CliResult<Claim> {
     }
     drop(all);
     Ok(claim)
+}
+
+/// Opens (creating, owner-only) a file that exists to be locked.
+fn open_lock_file(path: &Path) -> CliResult<File> {
+    OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io(format!("opening {}", path.display())))
 }
 
 #[cfg(test)]
