@@ -1,6 +1,7 @@
 //! `ucrypt mount VOLUME MOUNTPOINT`: the decrypted volume as one regular file over FUSE, which
 //! `losetup` (also `--direct-io=on`) attaches, `mkfs` formats and VMs use as a disk.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
@@ -13,7 +14,8 @@ use crate::open::VolumeArgs;
 pub struct MountArgs {
     #[command(flatten)]
     volume: VolumeArgs,
-    /// A regular file (becomes the volume) or, with --file-name, a directory.
+    /// A regular file (becomes the volume; created if missing, and then removed on unmount) or
+    /// a directory (the volume appears in it as --file-name, by default its own file name).
     mountpoint: PathBuf,
     /// Serve the volume as MOUNTPOINT/NAME instead of on MOUNTPOINT itself.
     #[arg(long)]
@@ -49,12 +51,67 @@ pub fn run(a: MountArgs) -> i32 {
     crate::error::report("mount", mount(a))
 }
 
+/// What the mount point is when the command starts.
+enum MountPoint {
+    /// Missing: created as an empty file for the mount, removed after it.
+    Created,
+    /// A directory without --file-name: the volume appears in it under its own file name.
+    Directory(String),
+    /// As given (a regular file, or a directory with --file-name).
+    AsGiven,
+}
+
+/// Makes `ucrypt mount vol.img ./plain` work as typed: a missing mount point becomes a new
+/// empty file (removed again on unmount), and a directory serves a file named after the volume.
+fn prepare_mount_point(a: &MountArgs) -> CliResult<MountPoint> {
+    let at = &a.mountpoint;
+    match std::fs::symlink_metadata(at) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(at)
+                .map_err(|e| {
+                    ucrypt::Error::io(format!("creating mount point {}", at.display()), e)
+                })?;
+            Ok(MountPoint::Created)
+        }
+        Err(e) => Err(ucrypt::Error::io(format!("mount point {}", at.display()), e).into()),
+        Ok(m) if m.is_dir() && a.file_name.is_none() => {
+            let name = a
+                .volume
+                .volume
+                .file_name()
+                .and_then(|n| n.to_str())
+                .filter(|n| !n.is_empty())
+                .unwrap_or("volume");
+            Ok(MountPoint::Directory(name.to_string()))
+        }
+        Ok(_) => Ok(MountPoint::AsGiven),
+    }
+}
+
 fn mount(a: MountArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
+    let point = prepare_mount_point(&a)?;
+    let r = serve(&a, &point, &stop);
+    if let MountPoint::Created = point {
+        // Unmounted (or never mounted): the empty file we made goes again.
+        let _ = std::fs::remove_file(&a.mountpoint);
+    }
+    r
+}
+
+fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()> {
     let dev = a.volume.open()?;
+    let file_name = match point {
+        MountPoint::Directory(n) => Some(n.clone()),
+        _ => a.file_name.clone(),
+    };
     let opts = MountOptions {
-        file_name: a.file_name,
+        file_name,
         threads: a.threads,
         allow_other: a.allow_other,
         direct_io: a.direct_io,
@@ -70,6 +127,6 @@ fn mount(a: MountArgs) -> CliResult<()> {
             FuseTransport::IoUring => Transport::IoUring,
         },
     };
-    ucrypt_fuse::mount(dev, &a.mountpoint, &opts, &stop)?;
+    ucrypt_fuse::mount(dev, &a.mountpoint, &opts, stop)?;
     Ok(())
 }

@@ -464,3 +464,57 @@ fn mount_cli_fuse_transport_io_uring() {
     assert_eq!(srv.wait_exit(WAIT), Some(0), "no clean exit on SIGINT");
     assert!(!is_fuse_mount(&file));
 }
+
+/// The README's example as typed: `ucrypt mount vol.img ./plain` with no `./plain` creates the
+/// file, serves the volume on it and removes it on SIGTERM; a directory serves a file named
+/// after the volume inside it.
+#[test]
+fn mount_point_missing_or_directory() {
+    if let Some(r) = skip_reason() {
+        println!("SKIPPED: {r}");
+        return;
+    }
+    let tmp = std::env::temp_dir().join(format!("ucrypt-mount-point-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).expect("tmp");
+    let _cleanup = Cleanup(vec![(
+        "rm".into(),
+        vec!["-rf".into(), tmp.display().to_string()],
+    )]);
+    let img = tmp.join("vol.img");
+    std::fs::File::create(&img)
+        .expect("img")
+        .set_len(IMG_BYTES)
+        .expect("size");
+    let key = tmp.join("key");
+    std::fs::write(&key, [0x42u8; 64]).expect("key");
+    let (i, k) = (img.to_str().expect("utf-8"), key.to_str().expect("utf-8"));
+    let raw = ["--cipher", "aes-xts-plain64", "--volume-key-file", k];
+
+    // Missing: created, served, removed again.
+    let plain = tmp.join("plain");
+    let p = plain.to_str().expect("utf-8");
+    let mut s = Server::start(&[&[i, p][..], &raw[..]].concat(), &plain);
+    assert_eq!(
+        std::fs::metadata(&plain).expect("served file").len(),
+        IMG_BYTES
+    );
+    s.signal(libc::SIGTERM);
+    assert_eq!(s.wait_exit(WAIT), Some(0), "mount exits 0 on SIGTERM");
+    assert!(!plain.exists(), "the mount point ucrypt created is removed");
+
+    // A directory: the volume appears in it under its own file name.
+    let dir = tmp.join("dir");
+    std::fs::create_dir(&dir).expect("dir");
+    let d = dir.to_str().expect("utf-8");
+    let mut s = Server::start(&[&[i, d][..], &raw[..]].concat(), &dir);
+    assert_eq!(
+        std::fs::metadata(dir.join("vol.img"))
+            .expect("dir/vol.img")
+            .len(),
+        IMG_BYTES
+    );
+    s.signal(libc::SIGTERM);
+    assert_eq!(s.wait_exit(WAIT), Some(0), "mount exits 0 on SIGTERM");
+    assert!(dir.is_dir(), "a directory given is left alone");
+}
