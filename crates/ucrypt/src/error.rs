@@ -95,6 +95,30 @@ pub enum ErrorKind {
     Internal,
 }
 
+impl ErrorKind {
+    /// Every kind, in the order of their discriminants (which index per-kind counters).
+    pub const ALL: [ErrorKind; 6] = [
+        ErrorKind::BadInput,
+        ErrorKind::WrongKey,
+        ErrorKind::BadData,
+        ErrorKind::Device,
+        ErrorKind::Peer,
+        ErrorKind::Internal,
+    ];
+
+    /// A short lowercase name, for logs and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::BadInput => "bad_input",
+            ErrorKind::WrongKey => "wrong_key",
+            ErrorKind::BadData => "bad_data",
+            ErrorKind::Device => "device",
+            ErrorKind::Peer => "peer",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
 impl Error {
     /// Who can act on this error.
     pub fn kind(&self) -> ErrorKind {

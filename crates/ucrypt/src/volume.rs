@@ -214,17 +214,19 @@ impl BlockDev for Volume {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.core.read(buf, offset)
+        counted(&self.core, Kind::Read, self.core.read(buf, offset))
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.core
-            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64)
+        let r = self
+            .core
+            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64);
+        counted(&self.core, Kind::Write, r)
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.core.is_direct(buf, offset) {
-            return self.core.write_direct(buf, offset);
+            return counted(&self.core, Kind::Write, self.core.write_direct(buf, offset));
         }
         self.write_at(buf, offset)
     }
@@ -232,17 +234,28 @@ impl BlockDev for Volume {
     fn flush(&self) -> Result<()> {
         // Every acknowledged write has reached the backend (all policies acknowledge after the
         // backend write), so syncing the backend makes them durable.
-        self.core.backend.flush()
+        counted(&self.core, Kind::Write, self.core.backend.flush())
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.core.discard(offset, len)
+        counted(&self.core, Kind::Write, self.core.discard(offset, len))
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.core
-            .write(Op::WriteZeroes, Source::Zeroes, offset, len)
+        let r = self
+            .core
+            .write(Op::WriteZeroes, Source::Zeroes, offset, len);
+        counted(&self.core, Kind::Write, r)
     }
+}
+
+/// Counts a failed request in the volume's statistics, by who can act on it.
+#[inline]
+fn counted(core: &Core, k: Kind, r: Result<()>) -> Result<()> {
+    if let Err(e) = &r {
+        core.stats.record_error(k, e.kind());
+    }
+    r
 }
 
 impl Core {

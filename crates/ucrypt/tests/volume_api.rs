@@ -257,3 +257,35 @@ fn write_at_mut_encrypts_in_place_only_when_direct() {
         Err(Error::ReadOnly(_))
     ));
 }
+
+/// Failed requests are counted by direction and by who can act on them; the phase histograms
+/// are cumulative, end at the last non-empty bucket and add up to the phase's count.
+#[test]
+fn stats_count_errors_by_kind_and_expose_histograms() {
+    use ucrypt::backend::{Fault, FaultBackend, FaultOp, FaultRule};
+    use ucrypt::engine::Phase;
+    use ucrypt::ErrorKind;
+    let mem: Arc<dyn Backend> = Arc::new(MemBackend::new(4 << 20));
+    let faulty = Arc::new(FaultBackend::new(mem));
+    let vol = Volume::new(faulty.clone(), cfg(SectorSize::S4096)).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // Outside the volume: bad input, on the read side.
+    assert!(vol.read_at(&mut buf, 4 << 20).is_err());
+    // The backend fails one write: a device error, on the write side.
+    faulty.add_rule(FaultRule::always(FaultOp::Write, Fault::Eio).times(1));
+    assert!(vol.write_at(&buf, 0).is_err());
+    for _ in 0..2000 {
+        vol.read_at(&mut buf, 8192).unwrap();
+    }
+    let s = vol.stats();
+    assert_eq!(s.read.errors_of(ErrorKind::BadInput), 1);
+    assert_eq!(s.write.errors_of(ErrorKind::Device), 1);
+    assert_eq!(s.read.errors.iter().sum::<u64>(), 1);
+    assert_eq!(s.write.errors.iter().sum::<u64>(), 1);
+    let total = s.read.phase(Phase::Total);
+    assert!(total.count > 0, "some of 2000 reads were timed");
+    let h = total.cumulative_ns();
+    assert_eq!(h.last().map(|&(_, c)| c), Some(total.count));
+    assert!(h.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+    assert!(total.sum_ns > 0.0 && total.sum_ns <= h.last().unwrap().0 * total.count as f64);
+}

@@ -22,7 +22,7 @@ pub(crate) mod stats;
 pub(crate) mod task;
 pub(crate) mod workers;
 
-pub use stats::{OpStats, Phase, PhaseStats, StatsSnapshot, SAMPLE_EVERY};
+pub use stats::{OpStats, Phase, PhaseStats, StatsSnapshot, HIST_BUCKETS, SAMPLE_EVERY};
 
 use std::fmt;
 use std::str::FromStr;

@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Rel
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::ErrorKind;
+
 /// Time one request in this many (per thread), on average.
 pub const SAMPLE_EVERY: u32 = 32;
 /// Stats shards; a power of two.
@@ -289,7 +291,12 @@ pub struct Stats {
     /// Counter values at the last `reset`, subtracted by `snapshot` (in `Counters::fields`
     /// order).
     baseline: Mutex<[u64; 6]>,
+    /// Failed requests, by [`Kind`] and by [`ErrorKind`] (rare: plain atomic adds).
+    errors: [[AtomicU64; ERROR_KINDS]; 2],
 }
+
+/// The kinds of error counted ([`ErrorKind::ALL`]).
+const ERROR_KINDS: usize = ErrorKind::ALL.len();
 
 impl Default for Stats {
     fn default() -> Self {
@@ -308,6 +315,7 @@ impl Default for Stats {
                 .collect(),
             counters: (0..=COUNTER_SLOTS).map(|_| Counters::default()).collect(),
             baseline: Mutex::new([0; 6]),
+            errors: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
         }
     }
 }
@@ -368,9 +376,19 @@ impl Stats {
         sum
     }
 
+    /// Counts a failed request of kind `k`.
+    #[cold]
+    pub fn record_error(&self, k: Kind, e: ErrorKind) {
+        self.errors[k as usize][e as usize].fetch_add(1, Relaxed);
+    }
+
     /// Starts counting from zero (benchmarks measure one phase at a time). Requests running
     /// meanwhile may be half counted.
     pub fn reset(&self) {
+        self.errors
+            .iter()
+            .flatten()
+            .for_each(|e| e.store(0, Relaxed));
         for s in self.shards.iter() {
             for h in s.hist.iter().flatten() {
                 h.buckets.iter().for_each(|b| b.store(0, Relaxed));
@@ -390,6 +408,7 @@ impl Stats {
             let mut o = OpStats {
                 requests: c[k],
                 bytes: c[2 + k],
+                errors: std::array::from_fn(|e| self.errors[k][e].load(Relaxed)),
                 ..OpStats::default()
             };
             for (p, ps) in o.phases.iter_mut().enumerate() {
@@ -416,6 +435,9 @@ impl Stats {
                 };
                 *ps = PhaseStats {
                     count,
+                    sum_ns: sum as f64 * ns,
+                    tick_ns: ns,
+                    buckets,
                     mean_ns: if count > 0 {
                         sum as f64 * ns / count as f64
                     } else {
@@ -436,24 +458,77 @@ impl Stats {
     }
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+/// Buckets of a phase's histogram: bucket `b` counts times below `2^b` clock ticks (and at
+/// least `2^(b-1)`); the last one also holds everything longer.
+pub const HIST_BUCKETS: usize = BUCKETS;
+
+/// One phase's timings over the sampled requests (one in [`SAMPLE_EVERY`]).
+#[derive(Debug, Clone, Copy)]
 pub struct PhaseStats {
+    /// Sampled requests that spent time in this phase.
     pub count: u64,
     pub mean_ns: f64,
     /// Percentiles are bucket upper edges (log2 histogram): within 2x, never under.
     pub p50_ns: f64,
     pub p99_ns: f64,
+    /// Total time of the sampled requests in this phase.
+    pub sum_ns: f64,
+    /// Nanoseconds per clock tick (the buckets' unit).
+    pub tick_ns: f64,
+    /// The log2 histogram (see [`HIST_BUCKETS`]).
+    pub buckets: [u64; HIST_BUCKETS],
+}
+
+impl Default for PhaseStats {
+    fn default() -> Self {
+        PhaseStats {
+            count: 0,
+            mean_ns: 0.0,
+            p50_ns: 0.0,
+            p99_ns: 0.0,
+            sum_ns: 0.0,
+            tick_ns: 0.0,
+            buckets: [0; HIST_BUCKETS],
+        }
+    }
+}
+
+impl PhaseStats {
+    /// The histogram as cumulative counts below upper edges in nanoseconds, as Prometheus
+    /// histograms have it: `(le_ns, count of samples at most le_ns)`, one pair per bucket up to
+    /// the last non-empty one (the count of everything is [`PhaseStats::count`]).
+    pub fn cumulative_ns(&self) -> Vec<(f64, u64)> {
+        let last = self
+            .buckets
+            .iter()
+            .rposition(|&c| c > 0)
+            .map_or(0, |i| i + 1);
+        let mut acc = 0;
+        (0..last)
+            .map(|b| {
+                acc += self.buckets[b];
+                ((1u64 << b) as f64 * self.tick_ns, acc)
+            })
+            .collect()
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct OpStats {
     pub requests: u64,
     pub bytes: u64,
+    /// Failed requests, indexed by [`ErrorKind`] (see [`OpStats::errors_of`]).
+    pub errors: [u64; ERROR_KINDS],
     /// Indexed by [`Phase`].
     pub phases: [PhaseStats; PHASES],
 }
 
 impl OpStats {
+    /// Failed requests of one kind.
+    pub fn errors_of(&self, e: ErrorKind) -> u64 {
+        self.errors[e as usize]
+    }
+
     pub fn phase(&self, p: Phase) -> PhaseStats {
         self.phases[p as usize]
     }
