@@ -44,6 +44,8 @@ BENCH=(
 TEST=(
   # independent references for the sector layer: differential test and NIST XTSVS vectors
   python3-cryptography python3-cryptography-vectors
+  # Prometheus' own text-format parser reads `--metrics` scrapes (tests/metrics_scrape.rs)
+  python3-prometheus-client
   # TLS test certificates
   openssl
 )

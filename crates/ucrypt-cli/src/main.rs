@@ -8,6 +8,7 @@ mod bench;
 mod daemon;
 mod error;
 mod luks_cli;
+mod metrics;
 mod mount;
 mod open;
 mod pass;

@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use ucrypt_fuse::{MountOptions, PunchHole, Transport};
 
 use crate::error::CliResult;
+use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
 
 #[derive(Args, Debug)]
@@ -38,6 +39,8 @@ pub struct MountArgs {
     /// /dev/fuse; io-uring fails, saying why, when it is unavailable.
     #[arg(long, value_enum, default_value_t = FuseTransport::Auto)]
     fuse_transport: FuseTransport,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -106,6 +109,9 @@ fn mount(a: MountArgs) -> CliResult<()> {
 
 fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()> {
     let dev = a.volume.open()?;
+    if let Some(at) = &a.metrics.metrics {
+        metrics::start(at, Volumes::one(&a.volume, &dev))?;
+    }
     let file_name = match point {
         MountPoint::Directory(n) => Some(n.clone()),
         _ => a.file_name.clone(),

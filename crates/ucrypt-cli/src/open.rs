@@ -18,7 +18,7 @@ use ucrypt::engine::Policy;
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::{BlockDev, Error, SecretBytes};
+use ucrypt::{Error, SecretBytes};
 
 use crate::error::{CliError, CliResult};
 use crate::luks_cli::open_header;
@@ -153,8 +153,8 @@ impl VolumeArgs {
         Duration::from_micros(self.spin_us)
     }
 
-    /// Opens the volume as a block device for a front end or a data verb.
-    pub fn open(&self) -> CliResult<Arc<dyn BlockDev>> {
+    /// Opens the volume for a front end or a data verb.
+    pub fn open(&self) -> CliResult<Arc<Volume>> {
         Ok(Arc::new(self.prepare()?.open()?))
     }
 

@@ -5,10 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use ucrypt::volume::Volume;
 use ucrypt::BlockDev;
 use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
 
 use crate::error::{CliError, CliResult};
+use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
 
 /// `ucrypt serve`: serve volumes to NBD clients.
@@ -43,18 +45,29 @@ pub struct ServeArgs {
     /// Serve the files as they are, without encryption (tests and benchmark baseline).
     #[arg(long, conflicts_with = "cipher")]
     unencrypted: bool,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
-fn open_one(a: &ServeArgs, path: &Path) -> CliResult<Arc<dyn BlockDev>> {
+/// What the server serves, and the volume behind it (none unencrypted).
+type Opened = (Arc<dyn BlockDev>, Option<Arc<Volume>>);
+/// One export: its name and what was opened for it.
+type Export = (String, Arc<dyn BlockDev>, Option<Arc<Volume>>);
+
+fn open_one(a: &ServeArgs, path: &Path) -> CliResult<Opened> {
     if a.unencrypted {
-        return Ok(Arc::new(dev::FileDev::open(path, a.volume.read_only)?));
+        return Ok((
+            Arc::new(dev::FileDev::open(path, a.volume.read_only)?),
+            None,
+        ));
     }
     let mut v = a.volume.clone();
     v.volume = path.to_path_buf();
-    v.open()
+    let vol = v.open()?;
+    Ok((vol.clone(), Some(vol)))
 }
 
-fn open_volumes(a: &ServeArgs) -> CliResult<Vec<(String, Arc<dyn BlockDev>)>> {
+fn open_volumes(a: &ServeArgs) -> CliResult<Vec<Export>> {
     let file_name = |p: &Path| {
         p.file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -64,12 +77,14 @@ fn open_volumes(a: &ServeArgs) -> CliResult<Vec<(String, Arc<dyn BlockDev>)>> {
         .export_name
         .clone()
         .unwrap_or_else(|| file_name(&a.volume.volume));
-    let mut out = vec![(first, open_one(a, &a.volume.volume)?)];
+    let (dev, vol) = open_one(a, &a.volume.volume)?;
+    let mut out = vec![(first, dev, vol)];
     for spec in &a.add_export {
         let (name, path) = spec
             .split_once('=')
             .ok_or_else(|| CliError::Usage(format!("--add-export '{spec}': expected NAME=PATH")))?;
-        out.push((name.to_string(), open_one(a, Path::new(path))?));
+        let (dev, vol) = open_one(a, Path::new(path))?;
+        out.push((name.to_string(), dev, vol));
     }
     Ok(out)
 }
@@ -85,7 +100,15 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     }
     // Before the volumes' threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
-    let exports = open_volumes(&a)?;
+    let opened = open_volumes(&a)?;
+    if let Some(at) = &a.metrics.metrics {
+        let vols = opened
+            .iter()
+            .filter_map(|(n, _, v)| v.clone().map(|v| (n.clone(), v)))
+            .collect();
+        metrics::start(at, Volumes(vols))?;
+    }
+    let exports = opened.into_iter().map(|(n, d, _)| (n, d)).collect();
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {
             cert: cert.clone(),

@@ -5,6 +5,7 @@ use clap::Args;
 use ucrypt_ublk::UblkOptions;
 
 use crate::error::CliResult;
+use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
 
 #[derive(Args)]
@@ -14,6 +15,8 @@ pub struct UblkArgs {
     /// Hardware queues (default: one per CPU).
     #[arg(long)]
     queues: Option<u16>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 pub fn run(a: UblkArgs) -> i32 {
@@ -24,6 +27,9 @@ fn serve(a: UblkArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
     let dev = a.volume.open()?;
+    if let Some(at) = &a.metrics.metrics {
+        metrics::start(at, Volumes::one(&a.volume, &dev))?;
+    }
     let mut opts = UblkOptions::default();
     if let Some(q) = a.queues {
         opts.queues = q;

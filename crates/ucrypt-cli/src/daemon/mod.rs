@@ -72,6 +72,8 @@ pub struct OpenArgs {
     /// Accepted for compatibility: ucrypt asks once.
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
+    #[command(flatten)]
+    pub metrics: crate::metrics::MetricsArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -301,6 +303,7 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
         ident,
         info,
         front_end,
+        metrics: a.metrics.metrics.clone(),
     };
     if a.foreground {
         serve::run(d, prepared, serve::Reporter::Foreground)?;

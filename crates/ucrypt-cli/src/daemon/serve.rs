@@ -4,6 +4,9 @@
 //! Runs in the forked child of `ucrypt open` (or in `open --foreground` itself), after the
 //! passphrase was read: this is where the first threads are made.
 
+use ucrypt_nbd::server::Listen;
+
+use crate::metrics::Volumes;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
@@ -75,6 +78,8 @@ pub struct Daemon {
     /// Everything but the size, known from the header before the volume is built.
     pub info: VolumeInfo,
     pub front_end: FrontEnd,
+    /// Where to answer Prometheus scrapes, if anywhere.
+    pub metrics: Option<Listen>,
 }
 
 /// A running front end.
@@ -209,6 +214,9 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let signals = crate::signals::stop_on_signals()?;
     let vol = Arc::new(prepared.open()?);
     d.info.size_sectors = vol.size() / 512;
+    if let Some(at) = &d.metrics {
+        crate::metrics::start(at, Volumes(vec![(d.name.clone(), vol.clone())]))?;
+    }
     let dev: Arc<dyn BlockDev> = vol.clone();
     let (front, device, note) = match d.front_end {
         FrontEnd::Ublk => start_ublk(dev)?,

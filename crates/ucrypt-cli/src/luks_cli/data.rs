@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Instant;
 
-use ucrypt::Error;
+use ucrypt::{BlockDev, Error};
 
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
