@@ -14,6 +14,7 @@ mod open;
 mod pass;
 mod serve;
 mod signals;
+mod tab;
 mod ublk;
 
 use clap::{Parser, Subcommand};
@@ -49,6 +50,21 @@ enum Cmd {
     Status(daemon::StatusArgs),
     /// List open volumes: NAME, stable path, device, front end, state.
     List,
+    /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
+    #[command(subcommand)]
+    Tab(tab::TabCmd),
+}
+
+/// Parses a `ucrypt open ...` command line (a ucrypttab entry's) with the command's own parser.
+fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
+    let cli = Cli::try_parse_from(argv).map_err(|e| error::CliError::Usage(e.to_string()))?;
+    match cli.cmd {
+        Cmd::Luks(c) => match *c {
+            luks_cli::LuksCmd::Open(a) => Ok(*a),
+            _ => Err(error::CliError::Usage("not an open command".into())),
+        },
+        _ => Err(error::CliError::Usage("not an open command".into())),
+    }
 }
 
 fn main() {
@@ -69,6 +85,7 @@ fn main() {
         Cmd::Close(a) => daemon::report(daemon::close(a)),
         Cmd::Status(a) => daemon::report(daemon::status(a)),
         Cmd::List => daemon::report(daemon::list()),
+        Cmd::Tab(c) => tab::run(c),
     };
     std::process::exit(code);
 }

@@ -2,7 +2,8 @@
 //! - `--key-file F`: the file's bytes (after `--keyfile-offset`, at most `--keyfile-size`);
 //!   `-` reads standard input the same way (binary, newlines included);
 //! - no key file, stdin a terminal: a prompt without echo (asked twice when creating);
-//! - no key file, stdin not a terminal: one line of standard input, newline stripped.
+//! - no key file, stdin not a terminal: one line of standard input, newline stripped; under
+//!   systemd (a service: INVOCATION_ID set) through `systemd-ask-password` instead.
 
 use std::io::{Read, Write};
 
@@ -141,6 +142,55 @@ fn prompt(text: &str) -> Result<SecretBytes> {
     read_stdin_line()
 }
 
+/// The agent systemd's services ask passphrases through (their stdin is /dev/null).
+const ASK_PASSWORD: &str = "systemd-ask-password";
+
+/// A service that systemd started (it sets INVOCATION_ID) and can ask through its agent.
+fn under_systemd() -> bool {
+    std::env::var_os("INVOCATION_ID").is_some()
+        && std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(ASK_PASSWORD).is_file()))
+}
+
+/// Asks through `systemd-ask-password` (a console, Plymouth or a `systemd-tty-ask-password-agent`
+/// answers); the answer comes back on its standard output, read straight into a secret.
+fn ask_systemd(prompt_text: &str) -> Result<SecretBytes> {
+    let mut child = std::process::Command::new(ASK_PASSWORD)
+        .args(["--id=ucrypt", "--timeout=0", prompt_text.trim_end()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::io(format!("running {ASK_PASSWORD}"), e))?;
+    let mut out = child.stdout.take().ok_or(Error::Bug("no stdout pipe"))?;
+    // One byte more than a passphrase may have, for the newline.
+    let mut buf = SecretBytes::zeroed(PASSPHRASE_BYTES_MAX + 1);
+    let mut n = 0;
+    while n < buf.len() {
+        match out.read(&mut buf.as_mut()[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io(format!("reading from {ASK_PASSWORD}"), e)),
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| Error::io(format!("waiting for {ASK_PASSWORD}"), e))?;
+    if !status.success() {
+        return Err(Error::InvalidArgument(format!(
+            "{ASK_PASSWORD} got no passphrase ({status})"
+        )));
+    }
+    if n > 0 && buf.as_ref()[n - 1] == b'\n' {
+        n -= 1;
+    } else if n > PASSPHRASE_BYTES_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "passphrase longer than {PASSPHRASE_BYTES_MAX} bytes"
+        )));
+    }
+    Ok(buf.slice(0..n))
+}
+
 /// Where a passphrase comes from.
 pub struct Source<'a> {
     pub key_file: Option<&'a str>,
@@ -154,6 +204,9 @@ pub fn read_passphrase(src: &Source<'_>, prompt_text: &str, verify: bool) -> Res
         return read_key_file(f, src.offset, src.size);
     }
     if !stdin_is_tty() {
+        if under_systemd() {
+            return ask_systemd(prompt_text);
+        }
         return read_stdin_line();
     }
     let p = prompt(prompt_text)?;

@@ -54,6 +54,8 @@ impl Reporter {
                 use std::io::Write;
                 println!("{}", super::ready_line(name, r));
                 let _ = std::io::stdout().flush();
+                // Under systemd (the ucrypt@ unit is Type=notify): the device is there.
+                ucrypt_nbd::server::sd_notify_ready();
             }
         }
     }

@@ -218,7 +218,8 @@ fn uris(listen: &Listener, names: &[&str], tls: bool) -> Vec<String> {
 }
 
 /// Tells systemd we are ready if it asked (`NOTIFY_SOCKET`); a datagram, no library needed.
-fn sd_notify_ready() {
+/// Any long-running ucrypt process that systemd starts as `Type=notify` calls it once ready.
+pub fn sd_notify_ready() {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
         return;
     };
