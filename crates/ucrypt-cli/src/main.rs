@@ -48,6 +48,8 @@ enum Cmd {
     Close(daemon::CloseArgs),
     /// Show an open volume (cryptsetup status), then ucrypt's own lines.
     Status(daemon::StatusArgs),
+    /// Change an open volume's run-time settings without closing it (cryptsetup refresh).
+    Refresh(daemon::RefreshArgs),
     /// List open volumes: NAME, stable path, device, front end, state.
     List,
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
@@ -84,6 +86,7 @@ fn main() {
         Cmd::Mount(a) => mount::run(a),
         Cmd::Close(a) => daemon::report(daemon::close(a)),
         Cmd::Status(a) => daemon::report(daemon::status(a)),
+        Cmd::Refresh(a) => daemon::report(daemon::refresh(a)),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Tab(c) => tab::run(c),
     };

@@ -216,3 +216,50 @@ fn foreground_start_notifies_systemd_and_close_ends_it() {
     );
     assert!(!listed(&name));
 }
+
+/// `refresh NAME --policy P` changes the running volume's dispatch policy (shown by `status`)
+/// without closing it; an unknown NAME exits 4.
+#[test]
+fn refresh_changes_the_policy_of_an_open_volume() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let d = volumes("refresh");
+    let name = format!("tab-refresh-{}", std::process::id());
+    let img = d.0.join("raw.img");
+    let key = d.0.join("raw.key");
+    let o = run(&[
+        "open",
+        img.to_str().unwrap(),
+        &name,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        key.to_str().unwrap(),
+        "--front-end",
+        "fuse",
+        "--policy",
+        "inline",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    let policy = |o: &Output| {
+        String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+            l.trim()
+                .strip_prefix("policy:")
+                .map(|p| p.trim().to_string())
+        })
+    };
+    assert_eq!(policy(&run(&["status", &name])).as_deref(), Some("inline"));
+    let o = run(&["refresh", &name, "--policy", "parallel"]);
+    assert_eq!(o.status.code(), Some(0), "refresh: {}", text(&o));
+    assert_eq!(policy(&o).as_deref(), Some("parallel"));
+    assert_eq!(
+        policy(&run(&["status", &name])).as_deref(),
+        Some("parallel")
+    );
+    let o = run(&["close", &name]);
+    assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    let o = run(&["refresh", &name, "--policy", "auto"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+}

@@ -150,6 +150,14 @@ pub struct StatusArgs {
     pub name: String,
 }
 
+#[derive(Args, Debug)]
+pub struct RefreshArgs {
+    pub name: String,
+    /// The new dispatch policy: inline, parallel, ordered, queued, auto.
+    #[arg(long)]
+    pub policy: ucrypt::engine::Policy,
+}
+
 fn unix_now_s() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -593,6 +601,35 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
 }
 
 /// `ucrypt status NAME`: 0 active, 4 inactive (cryptsetup's), 1 when the daemon is dead.
+/// `refresh NAME --policy P`: changes the running volume's settings, then prints its status.
+pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
+    state::check_name(&a.name)?;
+    let run = RunDir::locate()?;
+    let dir = run.dir(&a.name);
+    if !dir.is_dir() || !state::is_alive(&dir) {
+        return Err(CliError::NotActive(format!(
+            "Device {} is not active.",
+            a.name
+        )));
+    }
+    let path = run.stable_path(&a.name).display().to_string();
+    let req = Request::Refresh { policy: a.policy };
+    match server::request(&dir.join("control.sock"), &req) {
+        Ok(Response::Status(s)) => {
+            print!("{}", status_text(&path, &s));
+            Ok(0)
+        }
+        Ok(Response::Error { code, error }) => Err(CliError::Remote {
+            code,
+            message: error,
+        }),
+        Ok(_) => Err(CliError::Usage(
+            "the daemon answered refresh with something else".into(),
+        )),
+        Err(e) => Err(CliError::Usage(e.to_string())),
+    }
+}
+
 pub fn status(a: StatusArgs) -> CliResult<i32> {
     state::check_name(&a.name)?;
     let run = RunDir::locate()?;

@@ -21,6 +21,7 @@
 //! key. (A later `resume` will carry a passphrase; it will be its own request type.)
 
 use serde::{Deserialize, Serialize};
+use ucrypt::engine::Policy;
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
@@ -41,6 +42,9 @@ pub enum Request {
     /// Flush, detach the device and exit. Without `force`, refused while the device is in
     /// use (mounted, or held by another device).
     Close { force: bool },
+    /// Change run-time settings without closing (cryptsetup's `refresh`); answered with the
+    /// status after the change.
+    Refresh { policy: Policy },
 }
 
 /// Why a request line was refused; becomes an error response (exit code 1: bad input).
@@ -82,12 +86,21 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     let fields: &[&str] = match cmd {
         "status" => &["v", "cmd"],
         "close" => &["v", "cmd", "force"],
+        "refresh" => &["v", "cmd", "policy"],
         other => return Err(bad(format!("unknown command {other:?}"))),
     };
     if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
         return Err(bad(format!("unknown field {k:?} for {cmd}")));
     }
     Ok(match cmd {
+        "refresh" => Request::Refresh {
+            policy: obj
+                .get("policy")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("refresh needs a \"policy\""))?
+                .parse()
+                .map_err(|e: ucrypt::Error| bad(e.to_string()))?,
+        },
         "close" => Request::Close {
             force: match obj.get("force") {
                 None => false,
@@ -109,15 +122,19 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         cmd: &'static str,
         #[serde(skip_serializing_if = "Option::is_none")]
         force: Option<bool>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        policy: Option<String>,
     }
-    let (cmd, force) = match req {
-        Request::Status => ("status", None),
-        Request::Close { force } => ("close", Some(*force)),
+    let (cmd, force, policy) = match req {
+        Request::Status => ("status", None, None),
+        Request::Close { force } => ("close", Some(*force), None),
+        Request::Refresh { policy } => ("refresh", None, Some(policy.to_string())),
     };
     line(&Wire {
         v: VERSION,
         cmd,
         force,
+        policy,
     })
 }
 

@@ -130,6 +130,28 @@ impl Shared {
         self.ident.device.clone().unwrap_or_default()
     }
 
+    /// The status report of this volume now.
+    fn status(&self) -> Response {
+        let s = self.vol.stats();
+        Response::Status(Box::new(StatusReport {
+            volume: self.info.clone(),
+            front_end: self.ident.front_end.clone().unwrap_or_default(),
+            device: self.device().display().to_string(),
+            stable_path: self.ident.stable_path.display().to_string(),
+            note: self.note.clone(),
+            policy: self.vol.policy().to_string(),
+            in_use: self.in_use(),
+            counters: Counters {
+                read_requests: s.read.requests,
+                read_bytes: s.read.bytes,
+                write_requests: s.write.requests,
+                write_bytes: s.write.bytes,
+            },
+            pid: std::process::id(),
+            started_unix_s: self.ident.started_unix_s,
+        }))
+    }
+
     fn in_use(&self) -> Option<String> {
         mounts::in_use(&self.device(), self.ident.loop_device.as_deref())
     }
@@ -138,25 +160,10 @@ impl Shared {
 impl server::Handler for Shared {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
         match req {
-            Request::Status => {
-                let s = self.vol.stats();
-                respond(&Response::Status(Box::new(StatusReport {
-                    volume: self.info.clone(),
-                    front_end: self.ident.front_end.clone().unwrap_or_default(),
-                    device: self.device().display().to_string(),
-                    stable_path: self.ident.stable_path.display().to_string(),
-                    note: self.note.clone(),
-                    policy: self.vol.policy().to_string(),
-                    in_use: self.in_use(),
-                    counters: Counters {
-                        read_requests: s.read.requests,
-                        read_bytes: s.read.bytes,
-                        write_requests: s.write.requests,
-                        write_bytes: s.write.bytes,
-                    },
-                    pid: std::process::id(),
-                    started_unix_s: self.ident.started_unix_s,
-                })));
+            Request::Status => respond(&self.status()),
+            Request::Refresh { policy } => {
+                self.vol.set_policy(policy);
+                respond(&self.status())
             }
             Request::Close { force } => {
                 if !force {
