@@ -475,7 +475,7 @@ fn variant_target(s: &Setup, xts: bool, v: &str) -> Target {
         return Target::Raw(s.backend.clone());
     }
     let vol = if xts { &s.xts } else { &s.null };
-    vol.set_policy(v.parse().expect("policy name"));
+    vol.set_policy(v.parse::<Policy>().expect("policy name"));
     Target::Vol(vol.clone())
 }
 
@@ -540,7 +540,7 @@ fn s1_seq_reads(s: &Setup, k: &Knobs, out: &mut Sink) {
         // the policies' stats in the one volume).
         let mut st = Vec::new();
         for v in variants.iter().filter(|v| !v.starts_with("raw")) {
-            vol.set_policy(v.parse().expect("policy name"));
+            vol.set_policy(v.parse::<Policy>().expect("policy name"));
             vol.reset_stats();
             let t = Target::Vol(vol.clone());
             timed_threads(1, 4096, k.slice / 2, |_, buf, stop| {

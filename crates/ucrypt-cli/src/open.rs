@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::Args;
 use ucrypt::backend::{DirectMode, FileBackend};
-use ucrypt::engine::Policy;
+use ucrypt::engine::{Policies, Policy};
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
@@ -32,7 +32,7 @@ const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
 /// splits larger ones across cores when one is idle: measured, one 1 MiB stream reads
 /// 1.3-1.6x faster than inline, and with many streams auto stays within noise of the best
 /// static policy (BENCHMARKS.md, `bench engine` scenarios 4 and 6).
-pub const DEFAULT_POLICY: &str = "auto";
+pub const DEFAULT_POLICY: Policy = Policy::Auto;
 
 #[derive(Args, Debug, Clone)]
 pub struct VolumeArgs {
@@ -79,9 +79,17 @@ pub struct VolumeArgs {
     #[arg(long, alias = "readonly")]
     pub read_only: bool,
     /// Dispatch policy: inline, parallel, ordered, queued, auto (inline for small requests,
-    /// split across cores for large ones when a core is idle).
-    #[arg(long, default_value = DEFAULT_POLICY)]
-    pub policy: Policy,
+    /// split across cores for large ones when a core is idle), or one per direction,
+    /// `read=P,write=Q`. Default: auto, but a direction a LUKS2 header flags
+    /// no-read-workqueue or no-write-workqueue (`config --persistent`) runs inline.
+    #[arg(long, value_name = "POLICY")]
+    pub policy: Option<Policies>,
+    /// Reads run inline, whatever --policy says (dm-crypt's flag: no read workqueue).
+    #[arg(long = "perf-no_read_workqueue")]
+    pub perf_no_read_workqueue: bool,
+    /// Writes run inline, whatever --policy says (dm-crypt's flag: no write workqueue).
+    #[arg(long = "perf-no_write_workqueue")]
+    pub perf_no_write_workqueue: bool,
     /// How long idle engine workers (and callers waiting for them, and for `serve` an NBD
     /// connection's reader) busy-wait for more work before they sleep, in µs; at most 10000.
     /// 0 never spins: no CPU time after the last request, but each hand-off pays a wake-up
@@ -149,6 +157,29 @@ impl Prepared {
 }
 
 impl VolumeArgs {
+    /// The policies to open with: --policy, else the default with the header's persistent
+    /// no-*-workqueue flags applied; then the --perf-no_*_workqueue flags.
+    pub fn policies(&self, header_flags: &[String]) -> Policies {
+        let flagged = |f: &str| header_flags.iter().any(|h| h == f);
+        let mut p = self.policy.unwrap_or_else(|| {
+            let mut p = Policies::from(DEFAULT_POLICY);
+            if flagged("no-read-workqueue") {
+                p.read = Policy::Inline;
+            }
+            if flagged("no-write-workqueue") {
+                p.write = Policy::Inline;
+            }
+            p
+        });
+        if self.perf_no_read_workqueue {
+            p.read = Policy::Inline;
+        }
+        if self.perf_no_write_workqueue {
+            p.write = Policy::Inline;
+        }
+        p
+    }
+
     fn spin(&self) -> Duration {
         Duration::from_micros(self.spin_us)
     }
@@ -200,7 +231,10 @@ impl VolumeArgs {
         opts.key_slot = self.key_slot;
         opts.read_only = self.read_only;
         opts.allow_discards = self.allow_discards;
-        opts.policy = self.policy;
+        opts.policy = self.policies(&match &hdr {
+            luks::Header::Luks2(h) => h.flags(),
+            luks::Header::Luks1(_) => Vec::new(),
+        });
         opts.spin = self.spin();
         opts.header = Some(header);
         Ok(PreparedKind::Luks {
@@ -230,7 +264,7 @@ impl VolumeArgs {
             .offset
             .checked_mul(512)
             .ok_or_else(|| CliError::Usage("--offset too large".into()))?;
-        cfg.policy = self.policy;
+        cfg.policy = self.policies(&[]);
         cfg.spin = self.spin();
         cfg.read_only = self.read_only;
         Ok(PreparedKind::Raw { backend, cfg })

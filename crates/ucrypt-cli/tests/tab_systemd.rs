@@ -263,3 +263,51 @@ fn refresh_changes_the_policy_of_an_open_volume() {
     let o = run(&["refresh", &name, "--policy", "auto"]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
 }
+
+/// The LUKS2 header's persistent no-read-workqueue flag (`config --persistent
+/// --perf-no_read_workqueue`) makes reads inline when `open` is given no --policy; the
+/// command-line flag `--perf-no_write_workqueue` does the same for writes; an explicit
+/// `--policy` wins over the header.
+#[test]
+fn workqueue_flags_map_to_per_direction_policies() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let d = volumes("wq");
+    let img = d.0.join("luks.img");
+    let pass = d.0.join("pass");
+    let (i, k) = (img.to_str().unwrap(), pass.to_str().unwrap());
+    let o = run(&[
+        "config",
+        i,
+        "--persistent",
+        "--perf-no_read_workqueue",
+        "--key-file",
+        k,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "config: {}", text(&o));
+    let policy_of = |extra: &[&str]| {
+        let name = format!("tab-wq-{}", std::process::id());
+        let mut args = vec!["open", i, &name, "--key-file", k, "--front-end", "fuse"];
+        args.extend(extra);
+        let o = run(&args);
+        assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+        let st = run(&["status", &name]);
+        let p = String::from_utf8_lossy(&st.stdout).lines().find_map(|l| {
+            l.trim()
+                .strip_prefix("policy:")
+                .map(|p| p.trim().to_string())
+        });
+        let c = run(&["close", &name]);
+        assert_eq!(c.status.code(), Some(0), "close: {}", text(&c));
+        p.unwrap_or_default()
+    };
+    assert_eq!(policy_of(&[]), "read=inline,write=auto");
+    assert_eq!(policy_of(&["--perf-no_write_workqueue"]), "inline");
+    assert_eq!(policy_of(&["--policy", "parallel"]), "parallel");
+    assert_eq!(
+        policy_of(&["--policy", "read=queued,write=ordered"]),
+        "read=queued,write=ordered"
+    );
+}

@@ -37,7 +37,7 @@ use crate::engine::workers::{
     WRITE_QUEUE_MAX,
 };
 pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX};
-use crate::engine::{Policy, StatsSnapshot};
+use crate::engine::{Policies, Policy, StatsSnapshot};
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
 use crate::sector::{CipherSpec, Geometry, Mode, SectorCipher};
 use crate::sync::{lock, WaitCell};
@@ -67,7 +67,8 @@ pub struct VolumeConfig {
     /// Plaintext size; None = from the data offset to the end of the backend (rounded down to
     /// whole sectors).
     pub size_bytes: Option<u64>,
-    pub policy: Policy,
+    /// How reads and writes are dispatched (one policy for both converts with `.into()`).
+    pub policy: Policies,
     /// Bounce buffer memory (see `pool`).
     pub pool_bytes: usize,
     pub read_only: bool,
@@ -89,7 +90,7 @@ impl VolumeConfig {
             geometry,
             data_offset_bytes: 0,
             size_bytes: None,
-            policy: Policy::Inline,
+            policy: Policy::Inline.into(),
             pool_bytes: POOL_BYTES_DEFAULT,
             read_only: false,
             allow_discards: true,
@@ -170,7 +171,8 @@ pub(crate) struct Core {
     auto_min_bytes: AtomicU64,
     /// `auto` requests at or above the threshold running now.
     big_inflight: AtomicU32,
-    policy: AtomicU8,
+    /// The dispatch policy of reads (0) and of writes (1).
+    policy: [AtomicU8; 2],
     pool: BufferPool,
     locks: RangeLock,
     ciphers: CipherSlots,
@@ -225,7 +227,7 @@ impl BlockDev for Volume {
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        if self.core.is_direct(buf, offset) {
+        if self.core.is_direct(buf, offset, true) {
             return counted(&self.core, Kind::Write, self.core.write_direct(buf, offset));
         }
         self.write_at(buf, offset)
@@ -297,10 +299,10 @@ impl Core {
     /// in place, and a write given its buffer (`write_at_mut`) one encrypt in place and one
     /// backend write. This is the common 4 KiB case; the planner would produce the same single
     /// inline task (and, for a write, a bounce buffer and a copy).
-    fn is_direct(&self, out: &[u8], offset: u64) -> bool {
+    fn is_direct(&self, out: &[u8], offset: u64, write: bool) -> bool {
         let len = out.len() as u64;
         let mask = (1u64 << self.shift) - 1;
-        let inline = match Policy::from_u8(self.policy.load(Relaxed)) {
+        let inline = match Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) {
             Policy::Inline => true,
             Policy::Auto => len < self.auto_min_bytes.load(Relaxed),
             _ => false,
@@ -314,7 +316,7 @@ impl Core {
     fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
         let mut t = Times::start();
         self.check(offset, out.len() as u64)?;
-        if self.is_direct(out, offset) {
+        if self.is_direct(out, offset, false) {
             // The backend read is called from here, not through planning and `exec_task`:
             // fewer frames and branches between the caller and the syscall. With the counters
             // in owned slots this took ~10 ns off a 4 KiB read (see stats.rs).
@@ -578,7 +580,10 @@ impl Volume {
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
             big_inflight: AtomicU32::new(0),
-            policy: AtomicU8::new(cfg.policy.to_u8()),
+            policy: [
+                AtomicU8::new(cfg.policy.read.to_u8()),
+                AtomicU8::new(cfg.policy.write.to_u8()),
+            ],
             pool,
             locks: RangeLock::default(),
             ciphers: CipherSlots::new(cipher),
@@ -602,14 +607,21 @@ impl Volume {
         Ok(vol)
     }
 
-    /// Current dispatch policy.
-    pub fn policy(&self) -> Policy {
-        Policy::from_u8(self.core.policy.load(Relaxed))
+    /// Current dispatch policies.
+    pub fn policy(&self) -> Policies {
+        let get = |i: usize| Policy::from_u8(self.core.policy[i].load(Relaxed));
+        Policies {
+            read: get(0),
+            write: get(1),
+        }
     }
 
-    /// Switches the dispatch policy; requests already running finish under the old one.
-    pub fn set_policy(&self, p: Policy) {
-        self.core.policy.store(p.to_u8(), Relaxed);
+    /// Switches the dispatch policies (`Policy` for both directions, or `Policies`); requests
+    /// already running finish under the old ones.
+    pub fn set_policy(&self, p: impl Into<Policies>) {
+        let p = p.into();
+        self.core.policy[0].store(p.read.to_u8(), Relaxed);
+        self.core.policy[1].store(p.write.to_u8(), Relaxed);
     }
 
     /// A snapshot of where time went so far.
@@ -760,7 +772,8 @@ impl Core {
     /// running, i.e. another core is likely free. Small requests are not counted, to keep the
     /// shared counter off their path.
     fn plan(&self, op: Op, offset: u64, len: u64) -> (Plan, Option<BigGuard<'_>>) {
-        let policy = Policy::from_u8(self.policy.load(Relaxed));
+        let write = !matches!(op, Op::Read);
+        let policy = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed));
         let planner = Planner {
             auto_min_bytes: self.auto_min_bytes.load(Relaxed),
             ..self.planner

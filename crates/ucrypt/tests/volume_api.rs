@@ -129,7 +129,7 @@ fn policies_parse_and_switch_stats_count() {
     let r = rig(RigCfg::default());
     for p in Policy::ALL {
         r.vol.set_policy(p);
-        assert_eq!(r.vol.policy(), p);
+        assert_eq!(r.vol.policy(), p.into());
         r.vol.write_at(&[1u8; 5000], 100).unwrap();
         let mut b = vec![0u8; 300 << 10];
         r.vol.read_at(&mut b, 0).unwrap();
@@ -187,7 +187,7 @@ fn zero_spin_still_completes_every_policy() {
     ] {
         let mut c = cfg(SectorSize::S4096);
         c.spin = std::time::Duration::ZERO;
-        c.policy = policy;
+        c.policy = policy.into();
         let v = Volume::new(Arc::new(MemBackend::new(8 << 20)), c).unwrap();
         let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 7 + 3) as u8).collect();
         for round in 0..20u64 {
@@ -223,7 +223,7 @@ fn write_at_mut_encrypts_in_place_only_when_direct() {
     for &(policy, off, len, in_place) in rows {
         let ctx = format!("{policy} {off}+{len}");
         let mut c = cfg(SectorSize::S4096);
-        c.policy = policy;
+        c.policy = policy.into();
         let backend = Arc::new(MemBackend::new(4 << 20));
         let v = Volume::new(backend.clone(), c).unwrap();
         let plain: Vec<u8> = (0..len).map(|i| (i * 13 + 5) as u8).collect();
@@ -288,4 +288,34 @@ fn stats_count_errors_by_kind_and_expose_histograms() {
     assert_eq!(h.last().map(|&(_, c)| c), Some(total.count));
     assert!(h.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
     assert!(total.sum_ns > 0.0 && total.sum_ns <= h.last().unwrap().0 * total.count as f64);
+}
+
+/// One policy per direction: parsed as `read=P,write=Q` (a direction not named is auto),
+/// shown back the same way, and applied per direction (a big write splits under `parallel`
+/// while a big read of the same volume stays inline).
+#[test]
+fn policies_per_direction() {
+    use ucrypt::engine::Policies;
+    let p: Policies = "read=inline,write=parallel".parse().unwrap();
+    assert_eq!((p.read, p.write), (Policy::Inline, Policy::Parallel));
+    assert_eq!(p.to_string(), "read=inline,write=parallel");
+    assert_eq!("auto".parse::<Policies>().unwrap(), Policy::Auto.into());
+    assert_eq!("auto".parse::<Policies>().unwrap().to_string(), "auto");
+    let w: Policies = "write=ordered".parse().unwrap();
+    assert_eq!((w.read, w.write), (Policy::Auto, Policy::Ordered));
+    for bad in ["read=fast", "up=inline", "read=inline,read=auto", "read"] {
+        assert!(bad.parse::<Policies>().is_err(), "{bad}");
+    }
+    let r = rig(RigCfg::default());
+    r.vol.set_policy(p);
+    assert_eq!(r.vol.policy(), p);
+    let mut big = vec![7u8; 1 << 20];
+    r.vol.read_at(&mut big, 0).unwrap();
+    assert_eq!(r.vol.stats().split, 0, "reads stay inline");
+    r.vol.write_at(&big, 0).unwrap();
+    assert_eq!(
+        r.vol.stats().split,
+        1,
+        "a 1 MiB write splits under parallel"
+    );
 }

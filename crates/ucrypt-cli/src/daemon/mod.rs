@@ -282,7 +282,7 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
         st_ino: meta.ino(),
         header,
         stable_path: run.stable_path(&name),
-        policy: a.v.policy.to_string(),
+        policy: a.v.policies(&[]).to_string(),
         pid: std::process::id(),
         started_unix_s: unix_now_s(),
         ..Identity::default()

@@ -79,6 +79,63 @@ impl Policy {
     }
 }
 
+/// A dispatch policy per direction, as dm-crypt keeps separate read and write workqueue flags
+/// (`no_read_workqueue`, `no_write_workqueue`). Writes include write-zeroes and discards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policies {
+    pub read: Policy,
+    pub write: Policy,
+}
+
+impl From<Policy> for Policies {
+    fn from(p: Policy) -> Self {
+        Policies { read: p, write: p }
+    }
+}
+
+impl fmt::Display for Policies {
+    /// One name when both directions agree, else `read=P,write=Q`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.read == self.write {
+            write!(f, "{}", self.read)
+        } else {
+            write!(f, "read={},write={}", self.read, self.write)
+        }
+    }
+}
+
+impl FromStr for Policies {
+    type Err = Error;
+    /// `P` for both directions, or `read=P`, `write=Q`, comma-separated; a direction not named
+    /// gets `auto`.
+    fn from_str(s: &str) -> Result<Self, Error> {
+        if !s.contains('=') {
+            return s.parse::<Policy>().map(Policies::from);
+        }
+        let mut p = Policies::from(Policy::Auto);
+        let mut seen = [false; 2];
+        for part in s.split(',') {
+            let (dir, name) = part.split_once('=').unwrap_or((part, ""));
+            let (i, slot) = match dir {
+                "read" => (0, &mut p.read),
+                "write" => (1, &mut p.write),
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "policy direction '{other}' in '{s}'; read=P,write=Q"
+                    )))
+                }
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return Err(Error::InvalidArgument(format!(
+                    "'{dir}' named twice in '{s}'"
+                )));
+            }
+            *slot = name.parse()?;
+        }
+        Ok(p)
+    }
+}
+
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

@@ -27,7 +27,7 @@ use super::{
 };
 use crate::backend::{check_range, Backend};
 use crate::engine::workers::SPIN_BEFORE_SLEEP;
-use crate::engine::Policy;
+use crate::engine::{Policies, Policy};
 use crate::volume::Volume;
 use crate::{Error, Result, SecretBytes};
 
@@ -53,8 +53,8 @@ pub struct OpenOptions {
     /// Pass discards down to the backend even without the header's `allow-discards` flag
     /// (cryptsetup's `--allow-discards`); the flag alone also enables them.
     pub allow_discards: bool,
-    /// How requests are dispatched (see [`Policy`]).
-    pub policy: Policy,
+    /// How reads and writes are dispatched (see [`Policies`]).
+    pub policy: Policies,
     /// See [`crate::volume::VolumeConfig::spin`].
     pub spin: Duration,
     /// A detached header (cryptsetup's `--header`); `None`: the header is on the data backend.
@@ -68,7 +68,7 @@ impl Default for OpenOptions {
             read_only: false,
             allow_discards: false,
             // The policy and spin `VolumeConfig::new` starts from.
-            policy: Policy::Inline,
+            policy: Policy::Inline.into(),
             spin: SPIN_BEFORE_SLEEP,
             header: None,
         }

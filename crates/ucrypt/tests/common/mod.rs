@@ -134,7 +134,7 @@ pub fn rig_over(c: RigCfg, wrap: Option<Wrap<'_>>) -> Rig {
     let mut cfg = VolumeConfig::new(c.spec, SecretBytes::from_slice(&key), geometry);
     cfg.data_offset_bytes = c.data_offset;
     cfg.size_bytes = Some(c.size);
-    cfg.policy = c.policy;
+    cfg.policy = c.policy.into();
     cfg.pool_bytes = c.pool_bytes;
     let vol = Arc::new(Volume::new(backend.clone(), cfg).unwrap());
     Rig {
