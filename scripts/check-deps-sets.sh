@@ -33,6 +33,15 @@ for p in 'initramfs-tools*' 'linux-headers*' fuse3; do
   has "$p" "$run" && fail+=("run set holds $p")
 done
 
+# Ceph is for the tests (and `ucrypt bench remote`) only: ucrypt loads librbd at run time, so
+# the demo's machine builds and runs it without any of Ceph's ~200 MB.
+for p in 'ceph*' 'librbd*' 'librados*' qemu-block-extra; do
+  has "$p" "$run" && fail+=("run set holds $p")
+done
+for p in ceph-mon ceph-osd ceph-common librbd-dev; do
+  has "$p" "$test" || fail+=("test set lacks $p")
+done
+
 # The demo installs through `deps.sh run` only: every call of a deps script in its code (not
 # its comments) must be exactly that, and it must not run apt-get itself.
 code=$(grep -v '^[[:space:]]*#' scripts/demo.sh)

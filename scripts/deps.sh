@@ -48,6 +48,10 @@ TEST=(
   python3-prometheus-client
   # TLS test certificates
   openssl
+  # the single-node Ceph cluster of scripts/ceph-cluster.sh (mon, OSD, the ceph and rbd
+  # commands, librbd and librados) and librbd's header for the FFI declarations of ucrypt-rbd;
+  # qemu's rbd driver, which reads images librbd's own LUKS encryption made (ucrypt-rbd tests)
+  ceph-mon ceph-osd ceph-common librbd-dev qemu-block-extra
 )
 # The kernel-in-a-VM tests (dm-crypt, ublk) add tests/vm/install-deps.sh's packages: qemu,
 # a stock kernel, busybox, cryptsetup, dmsetup.

@@ -1,0 +1,316 @@
+//! [`RbdBackend`]: a [`Backend`] over an RBD image.
+//!
+//! Every call submits one asynchronous librbd request (or several in turn, for a request
+//! larger than [`REQUEST_BYTES_MAX`]) and waits for it on the calling thread. Depth comes from
+//! the callers: the engine's workers and the front end's threads each keep a request in flight,
+//! so the number in flight is bounded by the threads calling in; below us librados bounds its
+//! own queue to the OSDs (`objecter_inflight_ops`, `objecter_inflight_op_bytes`).
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ucrypt::backend::Backend;
+use ucrypt::blockdev::check_range;
+use ucrypt::{Error, Result};
+
+use crate::ffi::{self, CallError, Cluster, Image, Lib, LoadError};
+use crate::spec::RbdSpec;
+
+/// Bytes per librbd request at most; a larger write, discard or zeroing is cut into requests of
+/// this size issued one after the other, and a larger read returns short. librbd splits each
+/// request into per-object requests that run in parallel, so bigger requests gain nothing,
+/// while this keeps every request's byte count far from librbd's 32-bit internal counters.
+pub const REQUEST_BYTES_MAX: usize = 64 << 20;
+/// Offsets and lengths of I/O are multiples of this: librbd takes any byte range, but the
+/// volume only issues whole sectors, and 512 is the smallest.
+pub const LOGICAL_BLOCK_BYTES: u32 = 512;
+
+/// The ciphertext in an RBD image. Thread-safe: many threads may have requests in flight.
+pub struct RbdBackend {
+    image: Image,
+    /// `pool/image[@snap]`, for messages.
+    name: String,
+    /// The image's size as of opening or the last [`RbdBackend::resize`]; another client
+    /// resizing the image is not seen until it is reopened.
+    size: AtomicU64,
+    object_bytes: u64,
+    read_only: bool,
+}
+
+impl RbdBackend {
+    /// Connects to the cluster and opens the image `spec` names: read-only for a snapshot or
+    /// with `spec.options.read_only`. Loads librbd on first use; without it the error names the
+    /// Debian package to install.
+    pub fn open(spec: &RbdSpec) -> Result<RbdBackend> {
+        Self::open_with(spec, Lib::system)
+    }
+
+    /// [`RbdBackend::open`] with the libraries from `load`: the seam through which tests name a
+    /// library that does not exist.
+    pub(crate) fn open_with(
+        spec: &RbdSpec,
+        load: impl FnOnce() -> std::result::Result<&'static Lib, LoadError>,
+    ) -> Result<RbdBackend> {
+        let name = spec.image_path();
+        let o = &spec.options;
+        let timeout_secs = o.remote_timeout.as_secs()
+            + u64::from(o.remote_timeout.subsec_nanos() > 0 || o.remote_timeout.is_zero());
+        let lib = load().map_err(|LoadError(why)| {
+            Error::io(
+                format!("{spec}"),
+                std::io::Error::new(std::io::ErrorKind::NotFound, why),
+            )
+        })?;
+        let bad = |e: String| Error::InvalidArgument(format!("{spec}: {e}"));
+        let call_err = |e: CallError| Error::io(format!("{} for rbd {name}", e.call), e.io_error());
+
+        let id =
+            o.id.as_deref()
+                .map(|id| ffi::c_string("client id", id))
+                .transpose()
+                .map_err(bad)?;
+        let cluster = Cluster::create(lib, id.as_deref()).map_err(call_err)?;
+        let conf = o
+            .conf
+            .as_deref()
+            .map(|p| path_c_string("configuration file", p))
+            .transpose()
+            .map_err(bad)?;
+        match cluster.read_conf(conf.as_deref()) {
+            Ok(()) => {}
+            // No file named and none in the default places: the settings may still name the
+            // monitors (as qemu allows); if not, connecting says so.
+            Err(e) if conf.is_none() && e.errno == libc::ENOENT => {}
+            Err(e) => {
+                return Err(Error::io(
+                    format!(
+                        "{} {} for rbd {name}",
+                        e.call,
+                        o.conf.as_deref().map_or_else(
+                            || "($CEPH_CONF or the default places)".to_string(),
+                            |p| p.display().to_string()
+                        )
+                    ),
+                    e.io_error(),
+                ))
+            }
+        }
+        let mut settings: Vec<(String, String)> = Vec::new();
+        if let Some(k) = &o.keyring {
+            settings.push(("keyring".into(), k.display().to_string()));
+        }
+        for key in [
+            "rados_osd_op_timeout",
+            "rados_mon_op_timeout",
+            "client_mount_timeout",
+        ] {
+            settings.push((key.into(), timeout_secs.to_string()));
+        }
+        settings.extend(o.settings.iter().cloned());
+        for (k, v) in &settings {
+            let (ck, cv) = (
+                ffi::c_string("option", k).map_err(bad)?,
+                ffi::c_string("option value", v).map_err(bad)?,
+            );
+            cluster.set(&ck, &cv).map_err(|e| {
+                if e.errno == libc::ENOENT {
+                    bad(format!("'{k}' is not a Ceph option"))
+                } else {
+                    Error::io(
+                        format!("rados_conf_set {k}={v} for rbd {name}"),
+                        e.io_error(),
+                    )
+                }
+            })?;
+        }
+        cluster.connect().map_err(|e| {
+            Error::io(
+                format!(
+                    "{} for rbd {name} (within {timeout_secs} s; is the cluster up, and are \
+                     the configuration and keyring right?)",
+                    e.call
+                ),
+                e.io_error(),
+            )
+        })?;
+        let pool = ffi::c_string("pool", &spec.pool).map_err(bad)?;
+        let ns = spec
+            .namespace
+            .as_deref()
+            .map(|n| ffi::c_string("namespace", n))
+            .transpose()
+            .map_err(bad)?;
+        let pool = cluster
+            .open_pool(&pool, ns.as_deref())
+            .map_err(|e| Error::io(format!("{} {}", e.call, spec.pool), e.io_error()))?;
+        let image = ffi::c_string("image", &spec.image).map_err(bad)?;
+        let snap = spec
+            .snapshot
+            .as_deref()
+            .map(|s| ffi::c_string("snapshot", s))
+            .transpose()
+            .map_err(bad)?;
+        let read_only = o.read_only || spec.snapshot.is_some();
+        let image = pool
+            .open_image(&image, snap.as_deref(), read_only)
+            .map_err(|e| Error::io(format!("{} {name}", e.call), e.io_error()))?;
+        let stat = image.stat().map_err(call_err)?;
+        Ok(RbdBackend {
+            image,
+            name,
+            size: AtomicU64::new(stat.size),
+            object_bytes: stat.object_bytes,
+            read_only,
+        })
+    }
+
+    /// Grows or shrinks the image to `new_size` bytes (`rbd_resize`; shrinking discards the
+    /// data beyond). The caller keeps requests out of the range that goes away.
+    pub fn resize(&self, new_size: u64) -> Result<()> {
+        self.writable("resize")?;
+        self.image
+            .resize(new_size)
+            .map_err(|e| self.err(&e, format_args!("to {new_size} bytes")))?;
+        let size = self
+            .image
+            .size()
+            .map_err(|e| self.err(&e, format_args!("")))?;
+        self.size.store(size, Ordering::Release);
+        Ok(())
+    }
+
+    /// The image's object size in bytes (4 MiB by default): where a layout wants alignment.
+    pub fn object_bytes(&self) -> u64 {
+        self.object_bytes
+    }
+
+    /// Whether the image was opened read-only (a snapshot, or `RbdOptions::read_only`).
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn err(&self, e: &CallError, detail: std::fmt::Arguments<'_>) -> Error {
+        Error::io(
+            format!("{} on rbd {} {detail}", e.call, self.name)
+                .trim_end()
+                .to_string(),
+            e.io_error(),
+        )
+    }
+
+    fn writable(&self, what: &str) -> Result<()> {
+        if self.read_only {
+            return Err(Error::ReadOnly(format!(
+                "rbd {} is open read-only: cannot {what}",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `op` on `offset..offset+len` in pieces of at most [`REQUEST_BYTES_MAX`].
+    fn in_pieces(
+        &self,
+        offset: u64,
+        len: u64,
+        mut op: impl FnMut(u64, usize, usize) -> std::result::Result<(), CallError>,
+    ) -> Result<()> {
+        let mut done = 0u64;
+        while done < len {
+            // Both fit in usize: n is at most REQUEST_BYTES_MAX.
+            let n = (len - done).min(REQUEST_BYTES_MAX as u64) as usize;
+            op(offset + done, done as usize, n).map_err(|e| {
+                self.err(&e, format_args!("at offset {} ({n} bytes)", offset + done))
+            })?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for RbdBackend {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        let size = self.size.load(Ordering::Acquire);
+        if offset >= size || buf.is_empty() {
+            return Ok(0);
+        }
+        let n = (buf.len() as u64)
+            .min(size - offset)
+            .min(REQUEST_BYTES_MAX as u64) as usize;
+        self.image
+            .read(&mut buf[..n], offset)
+            .map_err(|e| self.err(&e, format_args!("at offset {offset} ({n} bytes)")))
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.writable("write")?;
+        check_range(offset, buf.len() as u64, self.size.load(Ordering::Acquire))?;
+        self.in_pieces(offset, buf.len() as u64, |off, at, n| {
+            self.image.write(&buf[at..at + n], off)
+        })
+    }
+
+    fn flush(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.image
+            .flush()
+            .map_err(|e| self.err(&e, format_args!("")))
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.writable("discard")?;
+        check_range(offset, len, self.size.load(Ordering::Acquire))?;
+        self.in_pieces(offset, len, |off, _, n| self.image.discard(off, n as u64))
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.writable("write zeroes")?;
+        check_range(offset, len, self.size.load(Ordering::Acquire))?;
+        self.in_pieces(offset, len, |off, _, n| self.image.write_zeroes(off, n))
+    }
+
+    fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    fn logical_block_bytes(&self) -> u32 {
+        LOGICAL_BLOCK_BYTES
+    }
+
+    fn describe(&self) -> String {
+        format!("rbd {}", self.name)
+    }
+}
+
+fn path_c_string(what: &str, p: &std::path::Path) -> std::result::Result<CString, String> {
+    use std::os::unix::ffi::OsStrExt;
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| format!("{what} path '{}' holds a NUL byte", p.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_library_names_the_package() {
+        let spec = RbdSpec::parse("rbd:rbd/img").unwrap();
+        let err = RbdBackend::open_with(&spec, || {
+            Lib::load("libucrypt-no-such-rados.so.9", "libucrypt-no-such-rbd.so.9")
+                .map(|l| &*Box::leak(Box::new(l)))
+        })
+        .err()
+        .expect("opened with a library that does not exist");
+        let text = err.to_string();
+        assert_eq!(err.kind(), ucrypt::ErrorKind::Device, "{text}");
+        for needle in [
+            "rbd:rbd/img",
+            "libucrypt-no-such-rados.so.9",
+            "Debian package librbd1",
+        ] {
+            assert!(text.contains(needle), "missing '{needle}' in: {text}");
+        }
+    }
+}
