@@ -15,6 +15,7 @@ mod pass;
 mod serve;
 mod signals;
 mod tab;
+mod target;
 mod ublk;
 
 use clap::{Parser, Subcommand};

@@ -50,14 +50,9 @@ pub struct MetricsArgs {
 pub struct Volumes(pub Vec<(String, Arc<Volume>)>);
 
 impl Volumes {
-    /// The one volume of a front end, labelled with its file name.
+    /// The one volume of a front end, labelled with its file or image name.
     pub fn one(args: &crate::open::VolumeArgs, vol: &Arc<Volume>) -> Volumes {
-        let name = args
-            .volume
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| args.volume.display().to_string());
-        Volumes(vec![(name, vol.clone())])
+        Volumes(vec![(args.volume.label(), vol.clone())])
     }
 }
 

@@ -82,14 +82,7 @@ fn prepare_mount_point(a: &MountArgs) -> CliResult<MountPoint> {
         }
         Err(e) => Err(ucrypt::Error::io(format!("mount point {}", at.display()), e).into()),
         Ok(m) if m.is_dir() && a.file_name.is_none() => {
-            let name = a
-                .volume
-                .volume
-                .file_name()
-                .and_then(|n| n.to_str())
-                .filter(|n| !n.is_empty())
-                .unwrap_or("volume");
-            Ok(MountPoint::Directory(name.to_string()))
+            Ok(MountPoint::Directory(a.volume.volume.label()))
         }
         Ok(_) => Ok(MountPoint::AsGiven),
     }
@@ -126,7 +119,7 @@ fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()
         } else {
             PunchHole::Zeroes
         },
-        fs_name: format!("ucrypt:{}", a.volume.volume.display()),
+        fs_name: format!("ucrypt:{}", a.volume.volume),
         transport: match a.fuse_transport {
             FuseTransport::Auto => Transport::Auto,
             FuseTransport::Classic => Transport::Classic,

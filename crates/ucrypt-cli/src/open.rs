@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use ucrypt::backend::{DirectMode, FileBackend};
+use ucrypt::backend::Backend;
 use ucrypt::engine::{Policies, Policy};
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
@@ -23,6 +23,7 @@ use ucrypt::{Error, SecretBytes};
 use crate::error::{CliError, CliResult};
 use crate::luks_cli::open_header;
 use crate::pass::{self, Source};
+use crate::target::{RemoteArgs, Target};
 
 /// Largest volume key file accepted (a 512-bit key is 64 bytes; leave room for hex forms).
 const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
@@ -36,8 +37,8 @@ pub const DEFAULT_POLICY: Policy = Policy::Auto;
 
 #[derive(Args, Debug, Clone)]
 pub struct VolumeArgs {
-    /// The volume: an image file or a block device.
-    pub volume: PathBuf,
+    /// The volume: an image file, a block device, or an RBD image (rbd:POOL/IMAGE[@SNAP]).
+    pub volume: Target,
     /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64.
     #[arg(long, requires = "volume_key_file")]
     pub cipher: Option<String>,
@@ -96,6 +97,8 @@ pub struct VolumeArgs {
     /// (tens of µs on a VM).
     #[arg(long, value_name = "US", default_value_t = 50)]
     pub spin_us: u64,
+    #[command(flatten)]
+    pub remote: RemoteArgs,
 }
 
 fn read_volume_key(path: &PathBuf) -> CliResult<SecretBytes> {
@@ -123,7 +126,7 @@ pub struct Prepared {
 pub enum PreparedKind {
     /// LUKS1/LUKS2: unlocked (or refused) by `luks::open_parsed`.
     Luks {
-        data: FileBackend,
+        data: Arc<dyn Backend>,
         /// Boxed: a parsed header is large next to the raw variant.
         hdr: Box<luks::Header>,
         unlock: Unlock,
@@ -131,7 +134,7 @@ pub enum PreparedKind {
     },
     /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
     Raw {
-        backend: FileBackend,
+        backend: Arc<dyn Backend>,
         cfg: VolumeConfig,
     },
 }
@@ -145,10 +148,8 @@ impl Prepared {
                 hdr,
                 unlock,
                 opts,
-            } => luks::open_parsed(Arc::new(data), &hdr, unlock, &opts).map_err(CliError::from),
-            PreparedKind::Raw { backend, cfg } => {
-                Volume::new(Arc::new(backend), cfg).map_err(CliError::from)
-            }
+            } => luks::open_parsed(data, &hdr, unlock, &opts).map_err(CliError::from),
+            PreparedKind::Raw { backend, cfg } => Volume::new(backend, cfg).map_err(CliError::from),
         };
         // Name the volume in the one line the user sees, keeping the error's type (and so its
         // exit code).
@@ -194,7 +195,7 @@ impl VolumeArgs {
     pub fn prepare(&self) -> CliResult<Prepared> {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
-        let name = self.volume.display().to_string();
+        let name = self.volume.to_string();
         let kind = match &self.cipher {
             None => self.prepare_luks(),
             Some(cipher) => self.prepare_raw(cipher),
@@ -205,10 +206,16 @@ impl VolumeArgs {
 
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
     fn prepare_luks(&self) -> CliResult<PreparedKind> {
-        let data = FileBackend::open(&self.volume, !self.read_only, DirectMode::Auto)?;
-        // The header device (--header, else the volume itself) under cryptsetup's shared lock
-        // until the volume is unlocked, so a concurrent keyslot change is never half seen.
-        let header = open_header(self.header.as_deref().unwrap_or(&self.volume), false)?;
+        let data = self.volume.open_data(!self.read_only, &self.remote)?;
+        // The header device (--header, else the volume itself), a local one under
+        // cryptsetup's shared lock until the volume is unlocked, so that a concurrent keyslot
+        // change is never half seen. A remote volume's header is read through its data
+        // connection.
+        let header = match (&self.header, &self.volume) {
+            (Some(h), _) => open_header(h, false)?,
+            (None, Target::Path(p)) => open_header(p, false)?,
+            (None, _) => data.clone(),
+        };
         // The header first (a device that is not LUKS fails before any prompt); read once
         // here, to show a damaged or stale copy's warnings as cryptsetup does.
         let hdr = luks::read_header(header.as_ref())?;
@@ -223,7 +230,7 @@ impl VolumeArgs {
                     offset: self.keyfile_offset.unwrap_or(0),
                     size: self.keyfile_size,
                 },
-                &format!("Enter passphrase for {}: ", self.volume.display()),
+                &format!("Enter passphrase for {}: ", self.volume),
                 false,
             )?),
         };
@@ -258,7 +265,7 @@ impl VolumeArgs {
             iv_offset: self.skip,
             iv_large_sectors: self.iv_large_sectors,
         };
-        let backend = FileBackend::open(&self.volume, !self.read_only, DirectMode::Auto)?;
+        let backend = self.volume.open_data(!self.read_only, &self.remote)?;
         let mut cfg = VolumeConfig::new(spec, key, geometry);
         cfg.data_offset_bytes = self
             .offset

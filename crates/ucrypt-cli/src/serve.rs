@@ -1,7 +1,7 @@
 //! `ucrypt serve`: volumes served to NBD clients by the `ucrypt-nbd` server, until SIGINT or
 //! SIGTERM.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsF
 use crate::error::{CliError, CliResult};
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
+use crate::target::Target;
 
 /// `ucrypt serve`: serve volumes to NBD clients.
 #[derive(clap::Args)]
@@ -54,36 +55,33 @@ type Opened = (Arc<dyn BlockDev>, Option<Arc<Volume>>);
 /// One export: its name and what was opened for it.
 type Export = (String, Arc<dyn BlockDev>, Option<Arc<Volume>>);
 
-fn open_one(a: &ServeArgs, path: &Path) -> CliResult<Opened> {
+fn open_one(a: &ServeArgs, target: &Target) -> CliResult<Opened> {
     if a.unencrypted {
-        return Ok((
-            Arc::new(dev::FileDev::open(path, a.volume.read_only)?),
-            None,
-        ));
+        let ro = a.volume.read_only;
+        let backend = target.open_plain(!ro, &a.volume.remote)?;
+        return Ok((Arc::new(dev::PlainDev::new(backend, ro)), None));
     }
     let mut v = a.volume.clone();
-    v.volume = path.to_path_buf();
+    v.volume = target.clone();
     let vol = v.open()?;
     Ok((vol.clone(), Some(vol)))
 }
 
 fn open_volumes(a: &ServeArgs) -> CliResult<Vec<Export>> {
-    let file_name = |p: &Path| {
-        p.file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default()
-    };
     let first = a
         .export_name
         .clone()
-        .unwrap_or_else(|| file_name(&a.volume.volume));
+        .unwrap_or_else(|| a.volume.volume.label());
     let (dev, vol) = open_one(a, &a.volume.volume)?;
     let mut out = vec![(first, dev, vol)];
     for spec in &a.add_export {
-        let (name, path) = spec
+        let (name, target) = spec
             .split_once('=')
             .ok_or_else(|| CliError::Usage(format!("--add-export '{spec}': expected NAME=PATH")))?;
-        let (dev, vol) = open_one(a, Path::new(path))?;
+        let target: Target = target
+            .parse()
+            .map_err(|e| CliError::Usage(format!("--add-export '{spec}': {e}")))?;
+        let (dev, vol) = open_one(a, &target)?;
         out.push((name.to_string(), dev, vol));
     }
     Ok(out)

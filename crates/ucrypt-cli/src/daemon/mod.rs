@@ -25,7 +25,7 @@ mod state;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
@@ -34,6 +34,7 @@ use ucrypt::luks::Header;
 use crate::error::{CliError, CliResult};
 use crate::luks_cli::LuksOpts;
 use crate::open::{Prepared, PreparedKind, VolumeArgs};
+use crate::target::Target;
 use proto::{Ready, Request, Response, StatusReport, VolumeInfo};
 use state::{Identity, RunDir};
 
@@ -255,17 +256,21 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
     }
     let run = RunDir::locate()?;
     let front_end = a.front_end.resolve(run.root)?;
-    let volume = std::fs::canonicalize(&a.v.volume).map_err(|e| {
-        io_err(
-            format!(
-                "Device {} does not exist or access denied",
-                a.v.volume.display()
-            ),
-            e,
-        )
-    })?;
-    let meta =
-        std::fs::metadata(&volume).map_err(|e| io_err(format!("stat {}", volume.display()), e))?;
+    // A local volume is known by its device and inode; a remote one by its name.
+    let (volume, st_dev, st_ino) = match &a.v.volume {
+        Target::Path(p) => {
+            let volume = std::fs::canonicalize(p).map_err(|e| {
+                io_err(
+                    format!("Device {} does not exist or access denied", p.display()),
+                    e,
+                )
+            })?;
+            let meta = std::fs::metadata(&volume)
+                .map_err(|e| io_err(format!("stat {}", volume.display()), e))?;
+            (volume, meta.dev(), meta.ino())
+        }
+        remote => (PathBuf::from(remote.to_string()), 0, 0),
+    };
     let header = match &a.v.header {
         Some(h) => Some(std::fs::canonicalize(h).map_err(|e| {
             io_err(
@@ -278,8 +283,8 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
     let ident = Identity {
         name: name.clone(),
         volume: volume.clone(),
-        st_dev: meta.dev(),
-        st_ino: meta.ino(),
+        st_dev,
+        st_ino,
         header,
         stable_path: run.stable_path(&name),
         policy: a.v.policies(&[]).to_string(),

@@ -165,6 +165,7 @@ pub struct Identity {
     /// The volume, canonical path.
     pub volume: PathBuf,
     pub st_dev: u64,
+    /// 0 for a remote volume (then `volume` is its name, e.g. `rbd:pool/image`).
     pub st_ino: u64,
     /// Detached header, canonical path.
     pub header: Option<PathBuf>,
@@ -185,6 +186,16 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// The same volume: a local one by device and inode (whatever path named it), a remote
+    /// one by its name.
+    pub fn same_volume(&self, other: &Identity) -> bool {
+        if self.st_ino != 0 && other.st_ino != 0 {
+            self.st_dev == other.st_dev && self.st_ino == other.st_ino
+        } else {
+            self.st_ino == other.st_ino && self.volume == other.volume
+        }
+    }
+
     pub fn read(dir: &Path) -> Option<Identity> {
         let f = File::open(dir.join("identity.json")).ok()?;
         let mut s = String::new();
@@ -316,7 +327,7 @@ pub fn claim(run: &RunDir, ident: &Identity) -> CliResult<Claim> {
             continue;
         }
         if let Some(o) = Identity::read(&odir) {
-            if o.st_dev == ident.st_dev && o.st_ino == ident.st_ino {
+            if o.same_volume(ident) {
                 return Err(CliError::Busy(format!(
                     "Cannot use device {} which is in use (already mapped or mounted).",
                     ident.volume.display()

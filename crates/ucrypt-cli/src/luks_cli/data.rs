@@ -103,7 +103,7 @@ pub fn import(file: &Path, v: &VolumeArgs) -> CliResult<i32> {
         return Err(CliError::Usage(format!(
             "{} ({in_len} bytes) is larger than the data area of {} ({total} bytes)",
             file.display(),
-            v.volume.display()
+            v.volume
         )));
     }
     let mut buf = vec![0u8; CHUNK_BYTES];

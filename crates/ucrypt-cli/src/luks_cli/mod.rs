@@ -20,6 +20,7 @@ use ucrypt::{Error, Result, SecretBytes};
 
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
+use crate::target::{RemoteArgs, Target};
 
 use crate::pass::{self, Source};
 pub use dev::open_header;
@@ -134,6 +135,8 @@ pub struct LuksOpts {
     /// Number of passphrase attempts (accepted; ucrypt asks once).
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
+    #[command(flatten)]
+    pub remote: RemoteArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -141,7 +144,7 @@ pub enum LuksCmd {
     /// Create a LUKS volume (cryptsetup luksFormat).
     #[command(name = "format", visible_alias = "luksFormat")]
     Format {
-        device: PathBuf,
+        device: Target,
         /// Key file for the first keyslot (as cryptsetup's positional argument).
         #[arg(value_name = "KEY_FILE")]
         pos_key_file: Option<String>,
@@ -151,14 +154,14 @@ pub enum LuksCmd {
     /// Print the header (cryptsetup luksDump).
     #[command(name = "dump", visible_alias = "luksDump")]
     Dump {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
     /// Add a passphrase (cryptsetup luksAddKey).
     #[command(name = "add-key", visible_alias = "luksAddKey")]
     AddKey {
-        device: PathBuf,
+        device: Target,
         new_key_file: Option<String>,
         #[command(flatten)]
         o: LuksOpts,
@@ -166,7 +169,7 @@ pub enum LuksCmd {
     /// Remove the keyslot a passphrase opens (cryptsetup luksRemoveKey).
     #[command(name = "remove-key", visible_alias = "luksRemoveKey")]
     RemoveKey {
-        device: PathBuf,
+        device: Target,
         #[arg(value_name = "KEY_FILE")]
         pos_key_file: Option<String>,
         #[command(flatten)]
@@ -175,7 +178,7 @@ pub enum LuksCmd {
     /// Change a passphrase (cryptsetup luksChangeKey).
     #[command(name = "change-key", visible_alias = "luksChangeKey")]
     ChangeKey {
-        device: PathBuf,
+        device: Target,
         new_key_file: Option<String>,
         #[command(flatten)]
         o: LuksOpts,
@@ -183,7 +186,7 @@ pub enum LuksCmd {
     /// Wipe a keyslot by number (cryptsetup luksKillSlot).
     #[command(name = "kill-slot", visible_alias = "luksKillSlot")]
     KillSlot {
-        device: PathBuf,
+        device: Target,
         slot: u32,
         #[arg(value_name = "KEY_FILE")]
         pos_key_file: Option<String>,
@@ -193,28 +196,28 @@ pub enum LuksCmd {
     /// Save the header and keyslot areas to --header-backup-file (cryptsetup luksHeaderBackup).
     #[command(name = "header-backup", visible_alias = "luksHeaderBackup")]
     HeaderBackup {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
     /// Restore them (cryptsetup luksHeaderRestore).
     #[command(name = "header-restore", visible_alias = "luksHeaderRestore")]
     HeaderRestore {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
     /// Print or (with --uuid) set the UUID (cryptsetup luksUUID).
     #[command(name = "uuid", visible_alias = "luksUUID")]
     Uuid {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
     /// Exit 0 if the device is LUKS (cryptsetup isLuks).
     #[command(name = "is-luks", visible_alias = "isLuks")]
     IsLuks {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
@@ -225,14 +228,14 @@ pub enum LuksCmd {
     /// Set label, subsystem, keyslot priority, and (with --persistent) activation flags.
     #[command(name = "config")]
     Config {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
     /// Rewrite both LUKS2 header copies from the valid one (cryptsetup repair).
     #[command(name = "repair")]
     Repair {
-        device: PathBuf,
+        device: Target,
         #[command(flatten)]
         o: LuksOpts,
     },
@@ -364,9 +367,21 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
     Ok(r?)
 }
 
-/// The header device: --header if given, else the device itself.
-fn header_path<'a>(device: &'a Path, o: &'a LuksOpts) -> &'a Path {
-    o.header.as_deref().unwrap_or(device)
+/// The header device: --header if given (a local file), else the volume itself; a local one
+/// under cryptsetup's lock (exclusive to update).
+fn header_dev(device: &Target, o: &LuksOpts, update: bool) -> Result<HeaderDev> {
+    match &o.header {
+        Some(h) => dev::open_header(h, update),
+        None => device.open_header(update, &o.remote),
+    }
+}
+
+/// The header device's name, for messages.
+fn header_name(device: &Target, o: &LuksOpts) -> String {
+    match &o.header {
+        Some(h) => h.display().to_string(),
+        None => device.to_string(),
+    }
 }
 
 fn print_warnings(h: &Header) {
@@ -376,10 +391,10 @@ fn print_warnings(h: &Header) {
 }
 
 /// Opens the header device and parses its header (printing recovery warnings).
-fn load(device: &Path, o: &LuksOpts, writable: bool) -> Result<(HeaderDev, Header)> {
-    let dev = dev::open_header(header_path(device, o), writable)?;
+fn load(device: &Target, o: &LuksOpts, writable: bool) -> Result<(HeaderDev, Header)> {
+    let dev = header_dev(device, o, writable)?;
     let hdr = luks::read_header(dev.as_ref()).map_err(|e| match e {
-        Error::NotLuks(_) => Error::NotLuks(header_path(device, o).display().to_string()),
+        Error::NotLuks(_) => Error::NotLuks(header_name(device, o)),
         other => other,
     })?;
     print_warnings(&hdr);
@@ -473,7 +488,7 @@ fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes
 
 // ---------------------------------------------------------------- format
 
-fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let version = match o.luks_type.as_deref().unwrap_or("luks2") {
         "luks2" => 2,
         "luks1" | "luks" => 1,
@@ -502,17 +517,33 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
         None => util::random_uuid()?,
     };
     let detached = o.header.is_some();
-    let data_size = dev::size_of(device)?;
+    // librbd's encryption aligns the data offset to the image's object size: so does format
+    // on an rbd: volume, to produce what librbd's own format would.
+    let align = match device.object_bytes(&o.remote)? {
+        Some(obj) if o.offset.is_none() && !detached => {
+            let align = obj.max(CRYPTSETUP_ALIGN_BYTES);
+            eprintln!(
+                "{device}: data offset aligned to the image's object size ({} KiB), as librbd does",
+                align >> 10
+            );
+            align
+        }
+        _ => CRYPTSETUP_ALIGN_BYTES,
+    };
+    let data_size = match device {
+        Target::Path(p) => dev::size_of(p)?,
+        remote => remote.size(&o.remote)?,
+    };
     pass::confirm(
         o.batch_mode,
         &format!(
             "This will overwrite data on {} irrevocably.",
-            header_path(device, o).display()
+            header_name(device, o)
         ),
     )?;
     let passphrase = pass::read_passphrase(
         &existing_source(o, pos_key_file),
-        &format!("Enter passphrase for {}: ", device.display()),
+        &format!("Enter passphrase for {}: ", device),
         true,
     )?;
     let vk_secret = match &o.volume_key_file {
@@ -528,6 +559,7 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
         uuid,
         detached,
         data_size,
+        align,
         passphrase: &passphrase,
         kdf: &kdf,
     };
@@ -536,10 +568,9 @@ fn format(device: &Path, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32
     } else {
         format_luks1(new, vk_secret)?
     };
-    let hdev = if detached {
-        dev::create_header(header_path(device, o), plan_end(&ops))?
-    } else {
-        dev::open_header(device, true)?
+    let hdev = match &o.header {
+        Some(h) => dev::create_header(h, plan_end(&ops))?,
+        None => device.open_header(true, &o.remote)?,
     };
     luks::apply(hdev.as_ref(), &ops)?;
     if o.verbose {
@@ -560,15 +591,21 @@ fn plan_end(ops: &[WriteOp]) -> u64 {
         .unwrap_or(0)
 }
 
+/// cryptsetup's default data alignment.
+const CRYPTSETUP_ALIGN_BYTES: u64 = 1 << 20;
+
 /// What `format` decided before writing a header of either version.
 struct NewVolume<'a> {
-    device: &'a Path,
+    device: &'a Target,
     o: &'a LuksOpts,
     cipher: CipherSpec,
     key_bytes: usize,
     uuid: String,
     detached: bool,
     data_size: u64,
+    /// Default data offsets are aligned to this (bytes): 1 MiB as cryptsetup does, or an RBD
+    /// image's object size, as librbd's encryption does.
+    align: u64,
     passphrase: &'a SecretBytes,
     kdf: &'a KdfRequest,
 }
@@ -583,6 +620,7 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
         uuid,
         detached,
         data_size,
+        align,
         passphrase,
         kdf,
     } = n;
@@ -603,7 +641,7 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
     f.data_offset = match (o.offset, detached) {
         (Some(s), _) => s * 512,
         (None, true) => 0,
-        (None, false) => metadata_end.div_ceil(1 << 20) * (1 << 20),
+        (None, false) => metadata_end.div_ceil(align) * align,
     };
     if !detached && f.data_offset < metadata_end {
         return Err(Error::InvalidArgument(format!(
@@ -615,7 +653,7 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
     if data_bytes == 0 {
         return Err(Error::InvalidArgument(format!(
             "Device {} is too small. (LUKS2 requires at least {} bytes.)",
-            device.display(),
+            device,
             f.data_offset + 4096
         )));
     }
@@ -655,14 +693,18 @@ fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
             Some(u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?)
         }
         (None, true) => Some(0),
-        (None, false) => None,
+        (None, false) => {
+            let align = u32::try_from(n.align / 512)
+                .map_err(|_| Error::InvalidArgument("alignment too large".into()))?;
+            Some(luks1::default_payload_sectors(n.key_bytes).div_ceil(align) * align)
+        }
     };
     let (mut hdr, vk) = luks1::format(n.cipher, n.kdf.hash, n.uuid, vk_secret, n.kdf, payload)?;
     let payload_bytes = u64::from(hdr.payload_offset) * 512;
     if !n.detached && n.data_size <= payload_bytes {
         return Err(Error::InvalidArgument(format!(
             "Device {} is too small. (LUKS1 requires at least {} bytes.)",
-            n.device.display(),
+            n.device,
             payload_bytes + 512
         )));
     }
@@ -688,9 +730,9 @@ fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
 
 // ---------------------------------------------------------------- dump
 
-fn dump(device: &Path, o: &LuksOpts) -> Result<i32> {
+fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, hdr) = load(device, o, false)?;
-    let name = device.display().to_string();
+    let name = device.to_string();
     if !o.dump_volume_key {
         print!("{}", luks::dump(&hdr, &name, None));
         return Ok(0);
@@ -717,7 +759,7 @@ fn dump(device: &Path, o: &LuksOpts) -> Result<i32> {
 
 // ---------------------------------------------------------------- keys
 
-fn add_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let vk = match &o.volume_key_file {
@@ -753,7 +795,7 @@ fn add_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i3
     Ok(0)
 }
 
-fn remove_key(device: &Path, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let (slot, _) = unlock_with(
@@ -777,7 +819,7 @@ fn remove_key(device: &Path, key_file: Option<&str>, o: &LuksOpts) -> Result<i32
     Ok(0)
 }
 
-fn change_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn change_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let (old, vk) = unlock_with(
@@ -811,7 +853,7 @@ fn change_key(device: &Path, new_key_file: Option<&str>, o: &LuksOpts) -> Result
     Ok(0)
 }
 
-fn kill_slot(device: &Path, slot: u32, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn kill_slot(device: &Target, slot: u32, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     if !hdr.active_keyslots().contains(&slot) {
@@ -842,7 +884,7 @@ fn kill_slot(device: &Path, slot: u32, key_file: Option<&str>, o: &LuksOpts) -> 
 
 // ---------------------------------------------------------------- header files
 
-fn header_backup(device: &Path, o: &LuksOpts) -> Result<i32> {
+fn header_backup(device: &Target, o: &LuksOpts) -> Result<i32> {
     let file = o
         .header_backup_file
         .as_deref()
@@ -854,7 +896,7 @@ fn header_backup(device: &Path, o: &LuksOpts) -> Result<i32> {
     Ok(0)
 }
 
-fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
+fn header_restore(device: &Target, o: &LuksOpts) -> Result<i32> {
     let file = o
         .header_backup_file
         .as_deref()
@@ -868,8 +910,8 @@ fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
     bhdr.check_requirements()?;
     let len = bhdr.metadata_area_bytes();
     let bytes = luks::read_area(backup.as_ref(), 0, len)?;
-    let target = header_path(device, o);
-    let dev = dev::open_header(target, true)?;
+    let target = header_name(device, o);
+    let dev = header_dev(device, o, true)?;
     let existing = luks::read_header(dev.as_ref()).ok();
     if let Some(cur) = &existing {
         if cur.metadata_area_bytes() != len
@@ -884,15 +926,15 @@ fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
     let msg = match &existing {
         Some(cur) if cur.uuid() != bhdr.uuid() => format!(
             "Device {} already contains LUKS header. Replacing header will destroy existing keyslots.\nWARNING: real device header has different UUID than backup!",
-            target.display()
+            target
         ),
         Some(_) => format!(
             "Device {} already contains LUKS header. Replacing header will destroy existing keyslots.",
-            target.display()
+            target
         ),
         None => format!(
             "Device {} does not contain LUKS header. Replacing header can destroy data on that device.",
-            target.display()
+            target
         ),
     };
     pass::confirm(o.batch_mode, &msg)?;
@@ -909,7 +951,7 @@ fn header_restore(device: &Path, o: &LuksOpts) -> Result<i32> {
     Ok(0)
 }
 
-fn uuid(device: &Path, o: &LuksOpts) -> Result<i32> {
+fn uuid(device: &Target, o: &LuksOpts) -> Result<i32> {
     let writable = o.uuid.is_some();
     let (dev, mut hdr) = load(device, o, writable)?;
     let Some(new) = &o.uuid else {
@@ -938,8 +980,8 @@ fn uuid(device: &Path, o: &LuksOpts) -> Result<i32> {
     Ok(0)
 }
 
-fn is_luks(device: &Path, o: &LuksOpts) -> Result<i32> {
-    let dev = match dev::open_header(header_path(device, o), false) {
+fn is_luks(device: &Target, o: &LuksOpts) -> Result<i32> {
+    let dev = match header_dev(device, o, false) {
         Ok(d) => d,
         Err(e) => {
             if o.verbose {
@@ -958,13 +1000,13 @@ fn is_luks(device: &Path, o: &LuksOpts) -> Result<i32> {
     if o.verbose {
         match &res {
             Ok(_) if ok => eprintln!("Command successful."),
-            _ => eprintln!("Device {} is not a valid LUKS device.", device.display()),
+            _ => eprintln!("Device {} is not a valid LUKS device.", device),
         }
     }
     Ok(if ok { 0 } else { 1 })
 }
 
-fn open(device: &Path, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
     if !o.test_passphrase {
         return Err(Error::InvalidArgument(
             "ucrypt cannot create device-mapper devices; use 'open --test-passphrase', or serve the volume with ucrypt's NBD/FUSE front ends".into(),
@@ -977,7 +1019,7 @@ fn open(device: &Path, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
         &hdr,
         &existing_source(o, None),
         o.key_slot,
-        &format!("Enter passphrase for {}: ", device.display()),
+        &format!("Enter passphrase for {}: ", device),
     )?;
     if o.verbose {
         eprintln!("Key slot {slot} unlocked.");
@@ -1004,7 +1046,7 @@ fn requested_flags(o: &LuksOpts) -> Vec<String> {
     f
 }
 
-fn config(device: &Path, o: &LuksOpts) -> Result<i32> {
+fn config(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let Header::Luks2(h) = &mut hdr else {
@@ -1065,7 +1107,7 @@ fn config(device: &Path, o: &LuksOpts) -> Result<i32> {
     Ok(0)
 }
 
-fn repair(device: &Path, o: &LuksOpts) -> Result<i32> {
+fn repair(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     match &mut hdr {
         Header::Luks2(h) => {

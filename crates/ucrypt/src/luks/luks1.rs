@@ -345,6 +345,21 @@ impl Luks1Header {
     }
 }
 
+/// Keyslot material stride and the end of the keyslot areas, in 512-byte sectors, for a
+/// volume key of `key_bytes` (cryptsetup's layout: areas aligned to 4 KiB).
+fn keyslot_layout(key_bytes: usize) -> (u32, u32) {
+    let material_sectors = super::json::af_area_bytes(key_bytes, AF_STRIPES) / 512;
+    let stride =
+        (material_sectors as u32).div_ceil(ALIGN_KEYSLOTS_SECTORS) * ALIGN_KEYSLOTS_SECTORS;
+    (stride, ALIGN_KEYSLOTS_SECTORS + KEYSLOTS as u32 * stride)
+}
+
+/// Where cryptsetup puts the payload by default: after the keyslots, aligned to 1 MiB (2048
+/// sectors; 4096 for a 512-bit key).
+pub fn default_payload_sectors(key_bytes: usize) -> u32 {
+    keyslot_layout(key_bytes).1.div_ceil(2048) * 2048
+}
+
 /// Creates a LUKS1 header (cryptsetup's layout: slots 4096-aligned from sector 8, payload
 /// aligned to 1 MiB unless `payload_offset_sectors` is given; 0 with a detached header).
 pub fn format(
@@ -357,13 +372,10 @@ pub fn format(
 ) -> Result<(Luks1Header, VolumeKey)> {
     cipher.check_key_len(volume_key.len())?;
     let key_bytes = volume_key.len() as u32;
-    let material_sectors = super::json::af_area_bytes(volume_key.len(), AF_STRIPES) / 512;
-    let stride =
-        (material_sectors as u32).div_ceil(ALIGN_KEYSLOTS_SECTORS) * ALIGN_KEYSLOTS_SECTORS;
-    let slots_end = ALIGN_KEYSLOTS_SECTORS + KEYSLOTS as u32 * stride;
+    let (stride, slots_end) = keyslot_layout(volume_key.len());
     let payload_offset = match payload_offset_sectors {
         Some(p) => p,
-        None => slots_end.div_ceil(2048) * 2048,
+        None => default_payload_sectors(volume_key.len()),
     };
     if payload_offset != 0 && payload_offset < slots_end {
         return Err(Error::InvalidArgument(format!(

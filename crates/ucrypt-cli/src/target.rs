@@ -1,0 +1,181 @@
+//! Where a volume lives, as the command line names it, parsed once: a file or block device
+//! path, or a Ceph RBD image (`rbd:POOL/IMAGE[@SNAP]`, as qemu spells it). Every verb that
+//! names a volume (format, dump, the keyslot verbs, export/import, serve, mount, ublk, open)
+//! takes a [`Target`] and opens its ciphertext through [`Target::open_data`] and its header
+//! through [`Target::open_header`].
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use ucrypt::backend::{Backend, DirectMode, FileBackend};
+use ucrypt::Result;
+use ucrypt_rbd::{RbdBackend, RbdSpec, RBD_PREFIX};
+
+use crate::luks_cli::open_header;
+
+/// How to reach remote storage; ignored for a local path.
+#[derive(Args, Debug, Clone, Default)]
+pub struct RemoteArgs {
+    /// rbd: a Ceph configuration file (default: $CEPH_CONF, then librados' own places).
+    #[arg(long, value_name = "FILE")]
+    pub rbd_conf: Option<PathBuf>,
+    /// rbd: the Ceph client name without `client.` (default: admin).
+    #[arg(long, value_name = "NAME")]
+    pub rbd_id: Option<String>,
+    /// rbd: a keyring file (default: what the configuration says).
+    #[arg(long, value_name = "FILE")]
+    pub rbd_keyring: Option<PathBuf>,
+    /// How long a remote request (or connecting) may wait before it fails with an I/O error,
+    /// in seconds (default 30).
+    #[arg(long, value_name = "SECONDS")]
+    pub remote_timeout: Option<u64>,
+}
+
+/// A volume's location.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Path(PathBuf),
+    Rbd(Box<RbdSpec>),
+}
+
+impl FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s.is_empty() {
+            return Err("an empty volume name".into());
+        }
+        if s.starts_with(RBD_PREFIX) {
+            return RbdSpec::parse(s)
+                .map(|r| Target::Rbd(Box::new(r)))
+                .map_err(|e| e.to_string());
+        }
+        Ok(Target::Path(PathBuf::from(s)))
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Path(p) => write!(f, "{}", p.display()),
+            Target::Rbd(r) => write!(f, "{r}"),
+        }
+    }
+}
+
+impl From<PathBuf> for Target {
+    fn from(p: PathBuf) -> Self {
+        Target::Path(p)
+    }
+}
+
+impl Target {
+    /// A short name: a file's name, or an RBD image's name (export names, metric labels).
+    pub fn label(&self) -> String {
+        match self {
+            Target::Path(p) => p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string()),
+            Target::Rbd(r) => r.image.clone(),
+        }
+    }
+
+    fn rbd_spec(r: &RbdSpec, writable: bool, remote: &RemoteArgs) -> RbdSpec {
+        let mut spec = r.clone();
+        let o = &mut spec.options;
+        // The command line wins over the spec's `:conf=` suffix, as qemu's options do.
+        if remote.rbd_conf.is_some() {
+            o.conf = remote.rbd_conf.clone();
+        }
+        if remote.rbd_id.is_some() {
+            o.id = remote.rbd_id.clone();
+        }
+        if remote.rbd_keyring.is_some() {
+            o.keyring = remote.rbd_keyring.clone();
+        }
+        if let Some(s) = remote.remote_timeout {
+            o.remote_timeout = Duration::from_secs(s.max(1));
+        }
+        o.read_only = o.read_only || !writable;
+        spec
+    }
+
+    /// The ciphertext, for the data path: a local file or device with O_DIRECT when the
+    /// filesystem allows it, or the remote image.
+    pub fn open_data(&self, writable: bool, remote: &RemoteArgs) -> Result<Arc<dyn Backend>> {
+        Ok(match self {
+            Target::Path(p) => Arc::new(FileBackend::open(p, writable, DirectMode::Auto)?),
+            Target::Rbd(r) => Arc::new(RbdBackend::open(&Self::rbd_spec(r, writable, remote))?),
+        })
+    }
+
+    /// The bytes as they are, for `serve --unencrypted`: a local file buffered (NBD clients
+    /// send 512-byte units from any memory), or the remote image.
+    pub fn open_plain(&self, writable: bool, remote: &RemoteArgs) -> Result<Arc<dyn Backend>> {
+        Ok(match self {
+            Target::Path(p) => Arc::new(FileBackend::open(p, writable, DirectMode::Never)?),
+            other => other.open_data(writable, remote)?,
+        })
+    }
+
+    /// The device a LUKS header is read from and written to: a local one under cryptsetup's
+    /// lock (shared to read, exclusive to update), or the remote image (which librbd's own
+    /// exclusive-lock feature guards, when the image has it).
+    pub fn open_header(&self, update: bool, remote: &RemoteArgs) -> Result<Arc<dyn Backend>> {
+        match self {
+            Target::Path(p) => open_header(p, update),
+            Target::Rbd(r) => Ok(Arc::new(RbdBackend::open(&Self::rbd_spec(
+                r, update, remote,
+            ))?)),
+        }
+    }
+
+    /// The object size of an RBD image, whose data offset librbd aligns to it; `None` for a
+    /// local path.
+    pub fn object_bytes(&self, remote: &RemoteArgs) -> Result<Option<u64>> {
+        match self {
+            Target::Path(_) => Ok(None),
+            Target::Rbd(r) => {
+                let b = RbdBackend::open(&Self::rbd_spec(r, false, remote))?;
+                Ok(Some(b.object_bytes()))
+            }
+        }
+    }
+
+    /// Size in bytes.
+    pub fn size(&self, remote: &RemoteArgs) -> Result<u64> {
+        Ok(self.open_data(false, remote)?.size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_once() {
+        assert_eq!(
+            "vol.img".parse::<Target>().unwrap(),
+            Target::Path("vol.img".into())
+        );
+        let t: Target = "rbd:pool/img@snap".parse().unwrap();
+        match &t {
+            Target::Rbd(r) => {
+                assert_eq!((r.pool.as_str(), r.image.as_str()), ("pool", "img"));
+                assert_eq!(r.snapshot.as_deref(), Some("snap"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(t.label(), "img");
+        assert!("rbd:".parse::<Target>().is_err());
+        assert!("".parse::<Target>().is_err());
+        assert_eq!(
+            "/srv/a/vol.img".parse::<Target>().unwrap().label(),
+            "vol.img"
+        );
+    }
+}
