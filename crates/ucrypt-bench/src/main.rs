@@ -16,6 +16,7 @@ mod fio;
 mod fuse;
 mod nbd;
 pub mod plot;
+mod remote;
 pub mod stats;
 
 use clap::{Args, Parser, Subcommand};
@@ -90,6 +91,9 @@ enum Which {
     Fuse(Common),
     /// The NBD server with fio, beside qemu-storage-daemon's and nbdkit's LUKS exports.
     Nbd(Common),
+    /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
+    /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).
+    Remote(Common),
     /// Every scenario in one run: a results folder with report.md, JSON and plots.
     All(all::AllArgs),
     /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
@@ -147,6 +151,12 @@ pub fn run(a: BenchArgs) -> i32 {
             nbd::measure(c.runs(), c.quick, !c.json),
             c.json,
             nbd::markdown,
+        ),
+        Which::Remote(c) => emit(
+            "remote",
+            remote::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            remote::markdown,
         ),
         Which::Compare(a) => compare::run(&a),
         Which::All(a) => all::run(a),

@@ -1,0 +1,605 @@
+//! `ucrypt bench remote`: encryption in front of a Ceph RBD image, side by side in one run on
+//! one throw-away single-node cluster (scripts/ceph-cluster.sh; memstore, so the OSD keeps
+//! objects in RAM), every target measured by the same client, fio over an NBD unix socket:
+//! - `ucrypt rbd`: `ucrypt serve rbd:rbd/IMG` (LUKS2 made by `ucrypt format`, 4096-byte
+//!   sectors, data offset aligned to the object size as librbd's is);
+//! - `qsd librbd LUKS2`: qemu-storage-daemon exporting its rbd node with librbd's own
+//!   client-side encryption (`encrypt.format=luks2`) on the same kind of image;
+//! - `qsd luks on rbd`: qemu's own `luks` driver (LUKS1, 512-byte sectors) on a raw rbd node;
+//! - `qsd raw` (the ceiling): the raw image exported without encryption;
+//! - `fio rbd` (the floor of the path): fio's own rbd engine on the raw image, no NBD hop.
+//!
+//! Every image is written over in full before it is formatted, so that reads hit real objects,
+//! and every volume is `VOLUME_BYTES` long. Round-robin over targets, `runs` times; medians.
+
+use std::fs::File;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::cmd::{have, run_ok};
+use super::fio::{self, FioResult, Job};
+use super::stats::{Machine, Summary};
+
+/// The jobs of the issue: 4 KiB random at QD1 and QD32, 1 MiB sequential at QD8.
+const JOBS: &[Job] = &[
+    Job::new("4k randread QD1", "randread", 4096, "nbd", 1),
+    Job::new("4k randwrite QD1", "randwrite", 4096, "nbd", 1),
+    Job::new("4k randread QD32", "randread", 4096, "nbd", 32),
+    Job::new("4k randwrite QD32", "randwrite", 4096, "nbd", 32),
+    Job::new("1M read QD8", "read", 1 << 20, "nbd", 8),
+    Job::new("1M write QD8", "write", 1 << 20, "nbd", 8),
+];
+/// What fio touches on every volume.
+const VOLUME_BYTES: u64 = 128 << 20;
+/// Room before the data: LUKS2's 16 MiB (LUKS1 on rbd: 4 MiB, the object size).
+const HEADER_ROOM_BYTES: u64 = 16 << 20;
+const PASSPHRASE: &str = "ucrypt-bench";
+/// How long a server may take to accept connections.
+const READY_WAIT: Duration = Duration::from_secs(60);
+/// How long a server may take to exit after SIGTERM before it is killed.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+const EXPORT: &str = "disk";
+/// RAM the test cluster's OSD may hold: every image once, with room.
+const MEMSTORE_BYTES: u64 = 2 << 30;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Target {
+    UcryptRbd,
+    QsdLibrbdLuks2,
+    QsdLuksOnRbd,
+    QsdRaw,
+    FioRbd,
+}
+
+impl Target {
+    const ALL: [Target; 5] = [
+        Target::UcryptRbd,
+        Target::QsdLibrbdLuks2,
+        Target::QsdLuksOnRbd,
+        Target::QsdRaw,
+        Target::FioRbd,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Target::UcryptRbd => "ucrypt rbd (LUKS2)",
+            Target::QsdLibrbdLuks2 => "qsd librbd LUKS2",
+            Target::QsdLuksOnRbd => "qsd luks on rbd (LUKS1)",
+            Target::QsdRaw => "qsd raw (ceiling)",
+            Target::FioRbd => "fio rbd engine, raw (no NBD)",
+        }
+    }
+
+    fn image(self) -> &'static str {
+        match self {
+            Target::UcryptRbd => "bench-ucrypt",
+            Target::QsdLibrbdLuks2 => "bench-librbd",
+            Target::QsdLuksOnRbd => "bench-luks1",
+            Target::QsdRaw | Target::FioRbd => "bench-raw",
+        }
+    }
+}
+
+/// A speed goal of the issue: ucrypt at least `min_ratio` × `peer` on the jobs named.
+struct GoalSpec {
+    jobs: &'static [&'static str],
+    peer: Target,
+    min_ratio: f64,
+}
+
+const ALL_JOBS: &[&str] = &[
+    "4k randread QD1",
+    "4k randwrite QD1",
+    "4k randread QD32",
+    "4k randwrite QD32",
+    "1M read QD8",
+    "1M write QD8",
+];
+
+const GOALS: &[GoalSpec] = &[
+    GoalSpec {
+        jobs: ALL_JOBS,
+        peer: Target::QsdRaw,
+        min_ratio: 0.9,
+    },
+    GoalSpec {
+        jobs: &["1M read QD8", "1M write QD8"],
+        peer: Target::QsdLibrbdLuks2,
+        min_ratio: 1.5,
+    },
+    GoalSpec {
+        jobs: &[
+            "4k randread QD1",
+            "4k randwrite QD1",
+            "4k randread QD32",
+            "4k randwrite QD32",
+        ],
+        peer: Target::QsdLibrbdLuks2,
+        min_ratio: 1.2,
+    },
+];
+
+#[derive(Debug, Serialize)]
+pub struct Row {
+    pub job: Job,
+    pub target: Target,
+    pub mib_s: Summary,
+    pub iops: Summary,
+    pub lat_p99_us: Summary,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+pub struct GoalResult {
+    pub job: &'static str,
+    pub peer: Target,
+    pub min_ratio: f64,
+    pub ratio: Option<f64>,
+    pub met: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RemoteReport {
+    /// Bumped on an incompatible change of this JSON (see docs/bench-json.md).
+    pub schema: u32,
+    pub machine: Machine,
+    pub runs: usize,
+    pub runtime_s: f64,
+    pub ramp_s: f64,
+    pub volume_bytes: u64,
+    pub skipped: Vec<String>,
+    pub rows: Vec<Row>,
+    pub goals: Vec<GoalResult>,
+}
+
+fn repo_script() -> PathBuf {
+    std::env::var_os("UCRYPT_CEPH_CLUSTER_SCRIPT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-cluster.sh")
+        })
+}
+
+/// The throw-away cluster; stopped (and its directory removed) on drop.
+struct Cluster {
+    dir: PathBuf,
+    conf: PathBuf,
+}
+
+impl Cluster {
+    fn start() -> Result<Cluster, String> {
+        let script = repo_script();
+        if !script.exists() {
+            return Err(format!(
+                "{} not found (set UCRYPT_CEPH_CLUSTER_SCRIPT to the repository's scripts/ceph-cluster.sh)",
+                script.display()
+            ));
+        }
+        let dir = std::env::temp_dir().join(format!("ucrypt-bench-ceph-{}", std::process::id()));
+        run_ok(
+            Command::new("bash")
+                .arg(&script)
+                .arg("start")
+                .arg(&dir)
+                .env("CEPH_MEMSTORE_BYTES", MEMSTORE_BYTES.to_string()),
+        )?;
+        Ok(Cluster {
+            conf: dir.join("ceph.conf"),
+            dir,
+        })
+    }
+
+    fn rbd(&self, args: &[&str]) -> Result<String, String> {
+        run_ok(Command::new("rbd").args(args).env("CEPH_CONF", &self.conf))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(repo_script())
+            .arg("stop")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A server process, stopped on drop (SIGTERM, then SIGKILL); killed with us (PDEATHSIG).
+struct Server {
+    child: Child,
+}
+
+impl Server {
+    fn start(mut cmd: Command, sock: &Path, log: &Path, name: &str) -> Result<Server, String> {
+        let out = File::create(log).map_err(|e| e.to_string())?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in
+        // the child between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut s = Server {
+            child: cmd.spawn().map_err(|e| format!("{name}: {e}"))?,
+        };
+        let t0 = Instant::now();
+        while t0.elapsed() < READY_WAIT {
+            if let Ok(Some(st)) = s.child.try_wait() {
+                let log = std::fs::read_to_string(log).unwrap_or_default();
+                return Err(format!(
+                    "{name} exited ({st}) before serving: {}",
+                    log.trim()
+                ));
+            }
+            if UnixStream::connect(sock).is_ok() {
+                return Ok(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(format!("{name} did not listen within {READY_WAIT:?}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid, reserved until we reap it below.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < EXIT_WAIT {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Setup {
+    dir: PathBuf,
+    cluster: Cluster,
+}
+
+impl Setup {
+    fn p(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+    fn sock(&self, t: Target) -> PathBuf {
+        self.p(&format!("{}.sock", t.image()))
+    }
+    fn uri(&self, t: Target) -> PathBuf {
+        PathBuf::from(format!(
+            "nbd+unix:///{EXPORT}?socket={}",
+            self.sock(t).display()
+        ))
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Creates, fills and formats the images.
+fn images(s: &Setup, progress: bool) -> Result<(), String> {
+    let ucrypt = crate::ucrypt_bin()?;
+    let conf = s.cluster.conf.display().to_string();
+    let size = format!("{}M", (VOLUME_BYTES + HEADER_ROOM_BYTES) >> 20);
+    for img in ["bench-ucrypt", "bench-librbd", "bench-luks1", "bench-raw"] {
+        if progress {
+            eprintln!("bench remote: image {img}");
+        }
+        s.cluster
+            .rbd(&["create", "--size", &size, &format!("rbd/{img}")])?;
+        // Written over in full: reads then fetch real objects, not holes.
+        s.cluster.rbd(&[
+            "bench",
+            "--io-type",
+            "write",
+            "--io-pattern",
+            "seq",
+            "--io-size",
+            "4M",
+            "--io-total",
+            &size,
+            &format!("rbd/{img}"),
+        ])?;
+    }
+    let pass = s.p("pass").display().to_string();
+    for (img, kind) in [
+        ("bench-ucrypt", "luks2"),
+        ("bench-librbd", "luks2"),
+        ("bench-luks1", "luks1"),
+    ] {
+        run_ok(
+            Command::new(&ucrypt)
+                .args(["format", "-q", "--type", kind])
+                .arg(format!("rbd:rbd/{img}"))
+                .arg(&pass)
+                .args(["--rbd-conf", &conf])
+                .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"]),
+        )?;
+    }
+    Ok(())
+}
+
+fn server_command(t: Target, s: &Setup) -> Result<Option<Command>, String> {
+    let sock = s.sock(t).display().to_string();
+    let conf = s.cluster.conf.display().to_string();
+    let pass = s.p("pass").display().to_string();
+    let qsd = |blockdevs: &[String], node: &str| {
+        let mut c = Command::new("qemu-storage-daemon");
+        c.arg("--object").arg(format!("secret,id=s0,file={pass}"));
+        for b in blockdevs {
+            c.arg("--blockdev").arg(b);
+        }
+        c.arg("--nbd-server")
+            .arg(format!("addr.type=unix,addr.path={sock}"))
+            .arg("--export")
+            .arg(format!(
+                "type=nbd,id=e0,node-name={node},name={EXPORT},writable=on"
+            ));
+        c
+    };
+    let rbd_node = |img: &str, extra: &str| {
+        format!("driver=rbd,node-name=r0,pool=rbd,image={img},conf={conf}{extra}")
+    };
+    Ok(Some(match t {
+        Target::UcryptRbd => {
+            let mut c = Command::new(crate::ucrypt_bin()?);
+            c.arg("serve")
+                .arg(format!("rbd:rbd/{}", t.image()))
+                .args(["--nbd", &format!("unix:{sock}")])
+                .args(["--export-name", EXPORT])
+                .args(["--key-file", &pass])
+                .args(["--rbd-conf", &conf]);
+            c
+        }
+        Target::QsdLibrbdLuks2 => qsd(
+            &[rbd_node(
+                t.image(),
+                ",encrypt.format=luks2,encrypt.key-secret=s0",
+            )],
+            "r0",
+        ),
+        Target::QsdLuksOnRbd => qsd(
+            &[
+                rbd_node(t.image(), ""),
+                "driver=luks,node-name=l0,file=r0,key-secret=s0".into(),
+            ],
+            "l0",
+        ),
+        Target::QsdRaw => qsd(&[rbd_node(t.image(), "")], "r0"),
+        Target::FioRbd => return Ok(None),
+    }))
+}
+
+/// fio's own rbd engine on the raw image: librbd straight from fio, no NBD hop.
+fn fio_rbd(job: &Job, s: &Setup, runtime: Duration, ramp: Duration) -> Result<FioResult, String> {
+    let out = Command::new("fio")
+        .args([
+            "--name=ucrypt-bench",
+            "--output-format=json",
+            "--time_based",
+            "--group_reporting",
+            "--ioengine=rbd",
+            "--clientname=admin",
+            "--pool=rbd",
+            "--randrepeat=0",
+            "--norandommap",
+        ])
+        .arg(format!("--rbdname={}", Target::FioRbd.image()))
+        .arg(format!("--rw={}", job.rw))
+        .arg(format!("--bs={}", job.block_bytes))
+        .arg(format!("--iodepth={}", job.iodepth))
+        .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
+        .arg(format!("--ramp_time={}ms", ramp.as_millis()))
+        .arg(format!("--size={VOLUME_BYTES}"))
+        .env("CEPH_CONF", &s.cluster.conf)
+        .output()
+        .map_err(|e| format!("running fio: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fio rbd {}: {}",
+            job.name,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    fio::parse(
+        &String::from_utf8_lossy(&out.stdout),
+        job.rw.contains("write"),
+    )
+}
+
+fn find<'a>(rows: &'a [Row], job: &str, t: Target) -> Option<&'a Row> {
+    rows.iter().find(|r| r.job.name == job && r.target == t)
+}
+
+fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
+    let mut out = Vec::new();
+    for g in GOALS {
+        for &job in g.jobs {
+            let ratio = match (find(rows, job, Target::UcryptRbd), find(rows, job, g.peer)) {
+                (Some(o), Some(p)) if o.mib_s.median > 0.0 && p.mib_s.median > 0.0 => {
+                    Some(o.mib_s.median / p.mib_s.median)
+                }
+                _ => None,
+            };
+            out.push(GoalResult {
+                job,
+                peer: g.peer,
+                min_ratio: g.min_ratio,
+                ratio,
+                met: ratio.map(|r| r >= g.min_ratio),
+            });
+        }
+    }
+    out
+}
+
+pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport, String> {
+    for (p, pkg) in [
+        ("fio", "fio"),
+        ("rbd", "ceph-common"),
+        ("ceph-mon", "ceph-mon"),
+        ("ceph-osd", "ceph-osd"),
+    ] {
+        if !have(p) {
+            return Err(format!(
+                "{p} not found (apt-get install {pkg}; bash scripts/deps.sh test)"
+            ));
+        }
+    }
+    let (runtime, ramp) = if quick {
+        (Duration::from_millis(1000), Duration::from_millis(300))
+    } else {
+        (Duration::from_millis(3000), Duration::from_millis(500))
+    };
+    let dir = std::env::temp_dir().join(format!("ucrypt-bench-remote-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    if progress {
+        eprintln!("bench remote: starting the test cluster");
+    }
+    let cluster = Cluster::start()?;
+    let setup = Setup { dir, cluster };
+    std::fs::write(setup.p("pass"), PASSPHRASE).map_err(|e| e.to_string())?;
+    images(&setup, progress)?;
+    let mut skipped = Vec::new();
+    let mut servers = Vec::new();
+    let mut targets = Vec::new();
+    for t in Target::ALL {
+        let needs_qsd = matches!(
+            t,
+            Target::QsdLibrbdLuks2 | Target::QsdLuksOnRbd | Target::QsdRaw
+        );
+        if needs_qsd && !have("qemu-storage-daemon") {
+            skipped.push(format!(
+                "{}: qemu-storage-daemon not installed (qemu-system-common, qemu-block-extra)",
+                t.name()
+            ));
+            continue;
+        }
+        match server_command(t, &setup)? {
+            None => targets.push(t),
+            Some(cmd) => {
+                let log = setup.p(&format!("{}.log", t.image()));
+                match Server::start(cmd, &setup.sock(t), &log, t.name()) {
+                    Ok(s) => {
+                        servers.push(s);
+                        targets.push(t);
+                    }
+                    Err(e) if t == Target::UcryptRbd => return Err(e),
+                    Err(e) => skipped.push(e),
+                }
+            }
+        }
+    }
+    let mut samples: Vec<Vec<Vec<FioResult>>> = vec![vec![Vec::new(); targets.len()]; JOBS.len()];
+    for run in 0..runs {
+        for (j, job) in JOBS.iter().enumerate() {
+            if progress {
+                eprintln!("bench remote: run {}/{runs}: {}", run + 1, job.name);
+            }
+            for (i, &t) in targets.iter().enumerate() {
+                let r = match t {
+                    Target::FioRbd => fio_rbd(job, &setup, runtime, ramp)?,
+                    _ => {
+                        fio::run_for(job, &setup.uri(t), VOLUME_BYTES, runtime, ramp, false, None)?
+                    }
+                };
+                samples[j][i].push(r);
+            }
+        }
+    }
+    drop(servers);
+    let mut rows = Vec::new();
+    for (j, job) in JOBS.iter().enumerate() {
+        for (i, &t) in targets.iter().enumerate() {
+            let s = &samples[j][i];
+            let of = |f: fn(&FioResult) -> f64| Summary::of(&s.iter().map(f).collect::<Vec<_>>());
+            rows.push(Row {
+                job: *job,
+                target: t,
+                mib_s: of(|r| r.mib_s),
+                iops: of(|r| r.iops),
+                lat_p99_us: of(|r| r.lat_p99_us),
+            });
+        }
+    }
+    let goals = check_goals(&rows);
+    Ok(RemoteReport {
+        schema: 1,
+        machine: Machine::detect(),
+        runs,
+        runtime_s: runtime.as_secs_f64(),
+        ramp_s: ramp.as_secs_f64(),
+        volume_bytes: VOLUME_BYTES,
+        skipped,
+        rows,
+        goals,
+    })
+}
+
+pub fn markdown(r: &RemoteReport) -> String {
+    let mut s = format!(
+        "Machine: {}. A single-node Ceph 16 cluster (memstore OSD, objects in RAM) on this \
+         machine; fio --ioengine=nbd over unix sockets ({} MiB of each volume), except the last \
+         column (fio's rbd engine); {} s per job after {} s of warm-up, {} round-robin runs; \
+         MiB/s median (min–max). AES-256-XTS everywhere.\n\n",
+        r.machine.describe(),
+        r.volume_bytes >> 20,
+        r.runtime_s,
+        r.ramp_s,
+        r.runs
+    );
+    s.push_str("| job |");
+    for t in Target::ALL {
+        s.push_str(&format!(" {} |", t.name()));
+    }
+    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
+    for job in JOBS {
+        s.push_str(&format!("| {} |", job.name));
+        for t in Target::ALL {
+            let cell = find(&r.rows, job.name, t)
+                .map(|x| x.mib_s.show(1))
+                .unwrap_or_else(|| "–".into());
+            s.push_str(&format!(" {cell} |"));
+        }
+        s.push('\n');
+    }
+    s.push_str("\n## Goals (ucrypt rbd ÷ peer, medians)\n\n| job | peer | ratio | goal | |\n|---|---|---|---|---|\n");
+    for g in &r.goals {
+        let (ratio, verdict) = match (g.ratio, g.met) {
+            (Some(x), Some(true)) => (format!("{x:.2}"), "met"),
+            (Some(x), Some(false)) => (format!("{x:.2}"), "MISSED"),
+            _ => ("–".into(), "not measured"),
+        };
+        s.push_str(&format!(
+            "| {} | {} | {ratio} | ≥ {} | {verdict} |\n",
+            g.job,
+            g.peer.name(),
+            g.min_ratio
+        ));
+    }
+    if !r.skipped.is_empty() {
+        s.push_str("\nSkipped:\n");
+        for k in &r.skipped {
+            s.push_str(&format!("- {k}\n"));
+        }
+    }
+    s
+}
