@@ -5,6 +5,11 @@
 //! the callers: the engine's workers and the front end's threads each keep a request in flight,
 //! so the number in flight is bounded by the threads calling in; below us librados bounds its
 //! own queue to the OSDs (`objecter_inflight_ops`, `objecter_inflight_op_bytes`).
+//!
+//! Every call fails after `RbdOptions::remote_timeout` at the latest (see `ffi` for how a
+//! request is given up safely). A change given up may still reach the cluster later, after
+//! writes the caller makes next to the same place; so once one was, the backend refuses all
+//! further changes (fail-stop) until the image is reopened, while reads go on.
 
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
