@@ -5,9 +5,15 @@
 //! the callers: the engine's workers and the front end's threads each keep a request in flight,
 //! so the number in flight is bounded by the threads calling in; below us librados bounds its
 //! own queue to the OSDs (`objecter_inflight_ops`, `objecter_inflight_op_bytes`).
+//!
+//! Every call fails after `RbdOptions::remote_timeout` at the latest (see `ffi` for how a
+//! request is given up safely). A change given up may still reach the cluster later, after
+//! writes the caller makes next to the same place; so once one was, the backend refuses all
+//! further changes (fail-stop) until the image is reopened, while reads go on.
 
 use std::ffi::CString;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use ucrypt::backend::Backend;
 use ucrypt::blockdev::check_range;
@@ -35,6 +41,12 @@ pub struct RbdBackend {
     size: AtomicU64,
     object_bytes: u64,
     read_only: bool,
+    /// How long a request may take (`RbdOptions::remote_timeout`).
+    remote_timeout: Duration,
+    /// Set once a write, discard, zeroing or flush was given up at its deadline: it may still
+    /// reach the cluster, after writes made later to the same place, so from then on every
+    /// change is refused until the image is reopened (fail-stop rather than silent reorder).
+    fenced: AtomicBool,
 }
 
 impl RbdBackend {
@@ -99,6 +111,8 @@ impl RbdBackend {
         if let Some(k) = &o.keyring {
             settings.push(("keyring".into(), k.display().to_string()));
         }
+        // Each RADOS operation and connecting give up after remote_timeout too, so that a
+        // request this backend gave up on ends inside librbd as well (see `ffi`).
         for key in [
             "rados_osd_op_timeout",
             "rados_mon_op_timeout",
@@ -106,6 +120,9 @@ impl RbdBackend {
         ] {
             settings.push((key.into(), timeout_secs.to_string()));
         }
+        // Write buffers belong to the request (see `ffi`), so librbd need not copy them again.
+        // Before the caller's settings, which may turn it back on.
+        settings.push(("rbd_disable_zero_copy_writes".into(), "false".into()));
         settings.extend(o.settings.iter().cloned());
         for (k, v) in &settings {
             let (ck, cv) = (
@@ -152,7 +169,7 @@ impl RbdBackend {
             .map_err(bad)?;
         let read_only = o.read_only || spec.snapshot.is_some();
         let image = pool
-            .open_image(&image, snap.as_deref(), read_only)
+            .open_image(&image, snap.as_deref(), read_only, o.remote_timeout)
             .map_err(|e| Error::io(format!("{} {name}", e.call), e.io_error()))?;
         let stat = image.stat().map_err(call_err)?;
         Ok(RbdBackend {
@@ -161,11 +178,15 @@ impl RbdBackend {
             size: AtomicU64::new(stat.size),
             object_bytes: stat.object_bytes,
             read_only,
+            remote_timeout: o.remote_timeout,
+            fenced: AtomicBool::new(false),
         })
     }
 
     /// Grows or shrinks the image to `new_size` bytes (`rbd_resize`; shrinking discards the
     /// data beyond). The caller keeps requests out of the range that goes away.
+    /// Waits for librados' op time-outs rather than `remote_timeout` alone (a resize is
+    /// synchronous in librbd).
     pub fn resize(&self, new_size: u64) -> Result<()> {
         self.writable("resize")?;
         self.image
@@ -190,12 +211,24 @@ impl RbdBackend {
     }
 
     fn err(&self, e: &CallError, detail: std::fmt::Arguments<'_>) -> Error {
-        Error::io(
-            format!("{} on rbd {} {detail}", e.call, self.name)
-                .trim_end()
-                .to_string(),
-            e.io_error(),
-        )
+        let mut context = format!("{} on rbd {} {detail}", e.call, self.name)
+            .trim_end()
+            .to_string();
+        if e.abandoned {
+            context = format!(
+                "{context}: no answer within {:?} (remote_timeout)",
+                self.remote_timeout
+            );
+            if e.call != "rbd_aio_read" && !self.fenced.swap(true, Ordering::AcqRel) {
+                context = format!("{context}; writes to it are refused from now on");
+            }
+        } else if e.errno == libc::EAGAIN {
+            context = format!(
+                "{context}: {} requests given up at their deadline are still in flight",
+                crate::ffi::ABANDONED_MAX
+            );
+        }
+        Error::io(context, e.io_error())
     }
 
     fn writable(&self, what: &str) -> Result<()> {
@@ -204,6 +237,17 @@ impl RbdBackend {
                 "rbd {} is open read-only: cannot {what}",
                 self.name
             )));
+        }
+        if self.fenced.load(Ordering::Acquire) {
+            return Err(Error::io(
+                format!(
+                    "rbd {}: cannot {what}: an earlier change got no answer within \
+                     remote_timeout and may still land, so changes are refused until the \
+                     image is reopened",
+                    self.name
+                ),
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
         }
         Ok(())
     }
@@ -254,6 +298,7 @@ impl Backend for RbdBackend {
         if self.read_only {
             return Ok(());
         }
+        self.writable("flush")?;
         self.image
             .flush()
             .map_err(|e| self.err(&e, format_args!("")))

@@ -16,13 +16,19 @@
 //! cluster, [`Image`] an `rbd_image_t` and the pool; dropping an image closes it, then destroys
 //! its io context, then shuts its cluster connection down, the reverse of opening.
 //!
-//! Buffer ownership. A request is submitted with `rbd_aio_*` and a completion without callback,
-//! then waited for with `rbd_aio_wait_for_complete` on the calling thread before the call
-//! returns, so the caller's buffer (borrowed by [`Image::read`] or [`Image::write`] for the
-//! whole call) outlives every use librbd makes of it, and the completion is released exactly
-//! once, after the wait. librbd may not return from the wait only if the cluster never answers;
-//! `rados_osd_op_timeout` (set by the caller before connecting) bounds that: the request then
-//! completes with `-ETIMEDOUT`.
+//! Buffer ownership and deadlines. Every request owns its buffer: a [`Request`] holds the
+//! bytes librbd reads from (a copy of the caller's data, for a write) or writes into (copied
+//! out to the caller's buffer after completion, for a read), the return value, and a condvar.
+//! One strong reference to it goes to the completion's callback ([`on_complete`]), which
+//! records the result, releases the completion and drops that reference; the caller holds the
+//! other while it waits. So the caller can stop waiting at its deadline (remote_timeout) and
+//! return an error while librbd still has the request: nothing the caller owns is referenced,
+//! and the request's memory lives until librbd is done with it. Without this, a write whose
+//! object-map update and data write each wait for librados' op time-out takes two of them
+//! (measured: 10 s for a 5 s time-out with the OSD killed). A given-up request may still reach
+//! the cluster later; the backend fences further writes when that happened. The copy costs one
+//! memcpy per request, which librbd makes anyway for writes when it copies (its default,
+//! `rbd_disable_zero_copy_writes`, which the backend turns off since the buffer is ours).
 //!
 //! Threads. librbd's image handle is safe to use from many threads at once: asynchronous
 //! requests go through its own locked queues (qemu and fio issue them from several threads on
@@ -30,7 +36,9 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use libloading::Library;
 
@@ -82,7 +90,6 @@ struct Fns {
     rbd_resize: unsafe extern "C" fn(ImageT, u64) -> c_int,
     rbd_aio_create_completion:
         unsafe extern "C" fn(*mut c_void, CallbackT, *mut CompletionT) -> c_int,
-    rbd_aio_wait_for_complete: unsafe extern "C" fn(CompletionT) -> c_int,
     rbd_aio_get_return_value: unsafe extern "C" fn(CompletionT) -> isize,
     rbd_aio_release: unsafe extern "C" fn(CompletionT),
     rbd_aio_read: unsafe extern "C" fn(ImageT, u64, usize, *mut c_char, CompletionT) -> c_int,
@@ -169,7 +176,6 @@ impl Lib {
             rbd_stat: sym!(rbd, rbd_name, rbd_stat),
             rbd_resize: sym!(rbd, rbd_name, rbd_resize),
             rbd_aio_create_completion: sym!(rbd, rbd_name, rbd_aio_create_completion),
-            rbd_aio_wait_for_complete: sym!(rbd, rbd_name, rbd_aio_wait_for_complete),
             rbd_aio_get_return_value: sym!(rbd, rbd_name, rbd_aio_get_return_value),
             rbd_aio_release: sym!(rbd, rbd_name, rbd_aio_release),
             rbd_aio_read: sym!(rbd, rbd_name, rbd_aio_read),
@@ -191,6 +197,8 @@ impl Lib {
 pub struct CallError {
     pub call: &'static str,
     pub errno: i32,
+    /// The request was given up at its deadline and may still reach the cluster later.
+    pub abandoned: bool,
 }
 
 impl CallError {
@@ -205,6 +213,7 @@ fn check(call: &'static str, rc: c_int) -> Result<(), CallError> {
         Err(CallError {
             call,
             errno: rc.saturating_neg(),
+            abandoned: false,
         })
     } else {
         Ok(())
@@ -294,31 +303,6 @@ pub struct Pool {
     cluster: Cluster,
 }
 
-impl Pool {
-    /// `rbd_open` (or `rbd_open_read_only`) of `image` at `snapshot` (`None`: the head).
-    pub fn open_image(
-        self,
-        image: &CStr,
-        snapshot: Option<&CStr>,
-        read_only: bool,
-    ) -> Result<Image, CallError> {
-        let (call, f) = if read_only {
-            (
-                "rbd_open_read_only",
-                self.cluster.lib.fns.rbd_open_read_only,
-            )
-        } else {
-            ("rbd_open", self.cluster.lib.fns.rbd_open)
-        };
-        let snap = snapshot.map_or(std::ptr::null(), CStr::as_ptr);
-        let mut h: ImageT = std::ptr::null_mut();
-        // SAFETY: a live io context, strings (or NULL for the snapshot) that outlive the call,
-        // and a valid out pointer.
-        check(call, unsafe { f(self.h, image.as_ptr(), &mut h, snap) })?;
-        Ok(Image { h, pool: self })
-    }
-}
-
 impl Drop for Pool {
     fn drop(&mut self) {
         // SAFETY: `h` came from rados_ioctx_create and is destroyed once, here, after every
@@ -328,9 +312,18 @@ impl Drop for Pool {
     }
 }
 
+/// Requests given up at their deadline and not yet completed by librbd, at most. Each holds
+/// its buffer (up to `REQUEST_BYTES_MAX`) until librados' own time-outs end it; past this bound
+/// new requests fail at once instead of piling up memory behind a dead cluster.
+pub const ABANDONED_MAX: usize = 64;
+
 /// An open RBD image (`rbd_image_t`).
 pub struct Image {
     h: ImageT,
+    /// How long a request may take before [`Image`] gives up waiting for it.
+    deadline: Duration,
+    /// Requests given up and still in librbd's hands (see [`ABANDONED_MAX`]).
+    abandoned: Arc<AtomicUsize>,
     pool: Pool,
 }
 
@@ -346,6 +339,38 @@ unsafe impl Sync for Image {}
 pub struct Stat {
     pub size: u64,
     pub object_bytes: u64,
+}
+
+impl Pool {
+    /// `rbd_open` (or `rbd_open_read_only`) of `image` at `snapshot` (`None`: the head); every
+    /// request on it is given up after `deadline`.
+    pub fn open_image(
+        self,
+        image: &CStr,
+        snapshot: Option<&CStr>,
+        read_only: bool,
+        deadline: Duration,
+    ) -> Result<Image, CallError> {
+        let (call, f) = if read_only {
+            (
+                "rbd_open_read_only",
+                self.cluster.lib.fns.rbd_open_read_only,
+            )
+        } else {
+            ("rbd_open", self.cluster.lib.fns.rbd_open)
+        };
+        let snap = snapshot.map_or(std::ptr::null(), CStr::as_ptr);
+        let mut h: ImageT = std::ptr::null_mut();
+        // SAFETY: a live io context, strings (or NULL for the snapshot) that outlive the call,
+        // and a valid out pointer.
+        check(call, unsafe { f(self.h, image.as_ptr(), &mut h, snap) })?;
+        Ok(Image {
+            h,
+            deadline,
+            abandoned: Arc::new(AtomicUsize::new(0)),
+            pool: self,
+        })
+    }
 }
 
 impl Image {
@@ -382,6 +407,7 @@ impl Image {
         })
     }
 
+    /// `rbd_resize`, synchronous: librbd has no deadline for it but librados' op time-outs.
     pub fn resize(&self, size: u64) -> Result<(), CallError> {
         // SAFETY: an open image; librbd locks the image against concurrent I/O itself.
         check("rbd_resize", unsafe {
@@ -390,97 +416,223 @@ impl Image {
     }
 
     /// Reads into `buf` at `offset`; returns the bytes read (fewer at the end of the image).
+    /// librbd reads into a buffer of the request's own, copied into `buf` once it completed,
+    /// so that a request given up at its deadline never writes into `buf` afterwards.
     pub fn read(&self, buf: &mut [u8], offset: u64) -> Result<usize, CallError> {
-        let (ptr, len) = (buf.as_mut_ptr().cast::<c_char>(), buf.len());
-        // SAFETY: `ptr..ptr+len` is `buf`, exclusively borrowed for this whole call, and `aio`
-        // returns only after the request completed, so librbd writes into live memory no one
-        // else touches.
-        let n = self.aio("rbd_aio_read", |c| unsafe {
-            (self.lib().fns.rbd_aio_read)(self.h, offset, len, ptr, c)
+        let len = buf.len();
+        let req = Request::new(self, vec![0u8; len].into_boxed_slice());
+        let ptr = req.buf.cast::<c_char>();
+        let (n, req) = self.aio("rbd_aio_read", req, |c| {
+            // SAFETY: `ptr..ptr+len` is the request's own buffer, which lives until the
+            // request's last reference goes, after librbd completed it (`aio`).
+            unsafe { (self.lib().fns.rbd_aio_read)(self.h, offset, len, ptr, c) }
         })?;
         // librbd returns the bytes read, never more than asked.
-        Ok(n.min(len))
+        let n = n.min(len);
+        buf[..n].copy_from_slice(&req.bytes()[..n]);
+        Ok(n)
     }
 
+    /// Writes `buf` at `offset`, from a copy the request owns (see [`Image::read`]).
     pub fn write(&self, buf: &[u8], offset: u64) -> Result<(), CallError> {
-        let (ptr, len) = (buf.as_ptr().cast::<c_char>(), buf.len());
-        // SAFETY: `ptr..ptr+len` is `buf`, borrowed for this whole call, and `aio` returns only
-        // after the request completed: librbd reads live memory.
-        self.aio("rbd_aio_write", |c| unsafe {
-            (self.lib().fns.rbd_aio_write)(self.h, offset, len, ptr, c)
+        let len = buf.len();
+        let req = Request::new(self, Box::from(buf));
+        let ptr = req.buf.cast::<c_char>().cast_const();
+        self.aio("rbd_aio_write", req, |c| {
+            // SAFETY: as in `read`: the request's own buffer, alive until librbd is done.
+            unsafe { (self.lib().fns.rbd_aio_write)(self.h, offset, len, ptr, c) }
         })
         .map(drop)
     }
 
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), CallError> {
-        // SAFETY: an open image; no buffer.
-        self.aio("rbd_aio_discard", |c| unsafe {
-            (self.lib().fns.rbd_aio_discard)(self.h, offset, len, c)
+        let req = Request::new(self, Box::default());
+        self.aio("rbd_aio_discard", req, |c| {
+            // SAFETY: an open image; no buffer.
+            unsafe { (self.lib().fns.rbd_aio_discard)(self.h, offset, len, c) }
         })
         .map(drop)
     }
 
     pub fn write_zeroes(&self, offset: u64, len: usize) -> Result<(), CallError> {
-        // SAFETY: an open image; no buffer; flags 0 (no thick provisioning, no op flags).
-        self.aio("rbd_aio_write_zeroes", |c| unsafe {
-            (self.lib().fns.rbd_aio_write_zeroes)(self.h, offset, len, c, 0, 0)
+        let req = Request::new(self, Box::default());
+        self.aio("rbd_aio_write_zeroes", req, |c| {
+            // SAFETY: an open image; no buffer; flags 0 (no thick provisioning, no op flags).
+            unsafe { (self.lib().fns.rbd_aio_write_zeroes)(self.h, offset, len, c, 0, 0) }
         })
         .map(drop)
     }
 
     pub fn flush(&self) -> Result<(), CallError> {
-        // SAFETY: an open image; no buffer.
-        self.aio("rbd_aio_flush", |c| unsafe {
-            (self.lib().fns.rbd_aio_flush)(self.h, c)
+        let req = Request::new(self, Box::default());
+        self.aio("rbd_aio_flush", req, |c| {
+            // SAFETY: an open image; no buffer.
+            unsafe { (self.lib().fns.rbd_aio_flush)(self.h, c) }
         })
         .map(drop)
     }
 
-    /// Makes a completion, submits with it, waits, and returns the request's non-negative
-    /// return value. `submit` must hand the completion to one `rbd_aio_*` call and return its
-    /// return code.
+    /// Makes a completion whose callback finishes `req`, submits with it, and waits for the
+    /// request until the image's deadline. Returns the request's non-negative return value
+    /// and the request (for its buffer). `submit` must hand the completion to one `rbd_aio_*`
+    /// call, with no buffer but the request's own, and return that call's return code.
+    ///
+    /// At the deadline the request is given up: the call fails with `ETIMEDOUT` and
+    /// `abandoned` set, while the request, its buffer and the completion stay alive until
+    /// librbd completes it (librados' op time-outs see to that) and the callback frees them.
     fn aio(
         &self,
         call: &'static str,
+        req: Arc<Request>,
         submit: impl FnOnce(CompletionT) -> c_int,
-    ) -> Result<usize, CallError> {
+    ) -> Result<(usize, Arc<Request>), CallError> {
+        let fail = |errno, abandoned| CallError {
+            call,
+            errno,
+            abandoned,
+        };
+        if self.abandoned.load(Ordering::Acquire) >= ABANDONED_MAX {
+            return Err(fail(libc::EAGAIN, false));
+        }
         let fns = &self.lib().fns;
         let mut c: CompletionT = std::ptr::null_mut();
-        // SAFETY: no callback and no argument (the completion is waited for instead), and a
-        // valid out pointer.
-        check("rbd_aio_create_completion", unsafe {
-            (fns.rbd_aio_create_completion)(std::ptr::null_mut(), None, &mut c)
-        })?;
-        let submitted = check(call, submit(c));
-        let rv = match submitted {
-            // SAFETY: `c` is a live completion that librbd accepted; the wait returns once the
-            // request finished, and the return value is read before the release below.
-            Ok(()) => unsafe {
-                (fns.rbd_aio_wait_for_complete)(c);
-                (fns.rbd_aio_get_return_value)(c)
-            },
-            Err(_) => 0,
-        };
-        // SAFETY: `c` is live and released once, here: either its request completed (waited
-        // for above) or it was refused and librbd holds no reference to it.
-        unsafe { (fns.rbd_aio_release)(c) };
-        submitted?;
-        if rv < 0 {
-            return Err(CallError {
-                call,
-                errno: i32::try_from(-rv).unwrap_or(libc::EIO),
-            });
+        let arg = Arc::into_raw(Arc::clone(&req)).cast_mut().cast::<c_void>();
+        // SAFETY: `arg` is one strong reference to `req`, handed to the callback, which takes
+        // it back exactly once when the request completes; `c` is a valid out pointer.
+        let rc = unsafe { (fns.rbd_aio_create_completion)(arg, Some(on_complete), &mut c) };
+        if rc < 0 {
+            // SAFETY: the completion was not made, so no callback will run: take the reference
+            // handed out above back.
+            drop(unsafe { Arc::from_raw(arg.cast_const().cast::<Request>()) });
+            return Err(fail(rc.saturating_neg(), false));
         }
-        // A non-negative `isize` always fits in `usize`.
-        Ok(rv as usize)
+        let rc = submit(c);
+        if rc < 0 {
+            // librbd refused the request. Whether it will still complete the completion (and
+            // so run the callback) is not promised by librbd.h, so the completion and the
+            // request are left to the callback: a leak if it never runs, never a use after
+            // free. (librbd 16 reports errors through the completion and returns 0 here.)
+            return Err(fail(rc.saturating_neg(), false));
+        }
+        let deadline = Instant::now() + self.deadline;
+        let mut st = lock(&req.state);
+        loop {
+            if let Some(rv) = st.rv {
+                drop(st);
+                if rv < 0 {
+                    return Err(fail(i32::try_from(-rv).unwrap_or(libc::EIO), false));
+                }
+                // A non-negative `isize` always fits in `usize`.
+                return Ok((rv as usize, req));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                st.abandoned = true;
+                self.abandoned.fetch_add(1, Ordering::AcqRel);
+                return Err(fail(libc::ETIMEDOUT, true));
+            }
+            st = req
+                .done
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
     }
 }
 
 impl Drop for Image {
     fn drop(&mut self) {
-        // SAFETY: `h` came from rbd_open and is closed once, here; no request is in flight,
-        // since every request is waited for inside the call that made it and those calls
-        // borrow the image. The pool and then the cluster are released after this.
+        // SAFETY: `h` came from rbd_open and is closed once, here. Requests still in flight
+        // (given up at their deadline) own their buffers and completions; librbd completes
+        // them before its close returns, and their callbacks touch only what they own and the
+        // libraries, which outlive this. The pool and then the cluster are released after.
         unsafe { (self.lib().fns.rbd_close)(self.h) };
     }
+}
+
+/// One request in flight: its result, and the buffer librbd reads from or writes into. Shared
+/// by the waiting caller and the completion callback; whichever lets go last frees it.
+struct Request {
+    state: Mutex<RequestState>,
+    done: Condvar,
+    /// From `Box::<[u8]>::into_raw`, freed when the request is dropped. Only librbd touches the
+    /// bytes between submission and completion; only the caller after it saw `rv` set.
+    buf: *mut u8,
+    len: usize,
+    lib: &'static Lib,
+    /// The image's count of abandoned requests, lowered when an abandoned one completes.
+    abandoned_count: Arc<AtomicUsize>,
+}
+
+#[derive(Default)]
+struct RequestState {
+    /// The request's return value, once librbd completed it.
+    rv: Option<isize>,
+    /// The caller gave up waiting at its deadline.
+    abandoned: bool,
+}
+
+// SAFETY: `buf` is the only field that is not Send and Sync by itself. Its bytes are touched
+// by librbd (any thread) only between submission and completion, and by the caller only after
+// it observed completion through `state`'s mutex, which orders the two; the allocation is
+// freed once, by whoever drops the last `Arc`.
+unsafe impl Send for Request {}
+// SAFETY: as for Send: all shared access goes through `state`.
+unsafe impl Sync for Request {}
+
+impl Request {
+    fn new(image: &Image, buf: Box<[u8]>) -> Arc<Request> {
+        let len = buf.len();
+        Arc::new(Request {
+            state: Mutex::new(RequestState::default()),
+            done: Condvar::new(),
+            buf: Box::into_raw(buf).cast::<u8>(),
+            len,
+            lib: image.lib(),
+            abandoned_count: Arc::clone(&image.abandoned),
+        })
+    }
+
+    /// The buffer, for the caller that saw the request complete.
+    fn bytes(&self) -> &[u8] {
+        debug_assert!(lock(&self.state).rv.is_some());
+        // SAFETY: `buf..buf+len` is the live allocation made in `new`; librbd no longer writes
+        // to it once the request completed, which the caller observed under `state`'s mutex.
+        unsafe { std::slice::from_raw_parts(self.buf, self.len) }
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // SAFETY: `buf` and `len` are the parts of the `Box<[u8]>` made in `new`, freed only
+        // here; the last reference is gone, so librbd is done with it (the callback held one).
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.buf, self.len)) });
+    }
+}
+
+/// The completion callback: records the return value, wakes the caller and lets go of the
+/// request. Runs on one of librbd's threads; must not unwind into C (it cannot panic: the lock
+/// is poison-tolerant and nothing here allocates beyond the condvar's wake-up).
+unsafe extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
+    // SAFETY: `arg` is the strong reference handed out in `Image::aio` for this completion,
+    // which librbd passes back exactly once.
+    let req = unsafe { Arc::from_raw(arg.cast_const().cast::<Request>()) };
+    // SAFETY: `c` is this request's live completion; its return value is read before the
+    // completion is released, once, here (the caller never releases it).
+    let rv = unsafe {
+        let rv = (req.lib.fns.rbd_aio_get_return_value)(c);
+        (req.lib.fns.rbd_aio_release)(c);
+        rv
+    };
+    let mut st = lock(&req.state);
+    st.rv = Some(rv);
+    if st.abandoned {
+        req.abandoned_count.fetch_sub(1, Ordering::AcqRel);
+    }
+    drop(st);
+    req.done.notify_all();
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
