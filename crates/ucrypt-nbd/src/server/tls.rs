@@ -3,7 +3,8 @@
 //! After the server acknowledges STARTTLS, the socket is handed to a relay thread that runs
 //! rustls and exchanges plaintext with the rest of the server over a unix socket pair. The
 //! connection code therefore sees a plain byte stream it can split between a reader and a
-//! writer, exactly as without TLS. The relay half-closes in both directions so that stopping
+//! writer, exactly as without TLS. The NBD client (`crate::client`) uses the same relay once
+//! its own TLS handshake is done ([`spawn_relay`]). The relay half-closes in both directions so that stopping
 //! the server (shutdown of the socket's read side) still lets in-flight replies go out.
 //!
 //! PSK: rustls (0.23) has no external pre-shared-key support (only resumption PSKs), so the
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{RootCertStore, ServerConfig, ServerConnection};
+use rustls::{Connection, RootCertStore, ServerConfig, ServerConnection};
 
 use super::sock::Sock;
 use crate::{Error, Result};
@@ -77,14 +78,28 @@ pub fn load_tls_config(f: &TlsFiles) -> Result<Arc<ServerConfig>> {
 /// Starts TLS on `net` (the client speaks first: its ClientHello); returns the plaintext side.
 pub fn upgrade(net: Sock, cfg: Arc<ServerConfig>) -> io::Result<Sock> {
     let conn = ServerConnection::new(cfg).map_err(io::Error::other)?;
+    // Handshake failures (wrong CA, no client cert) end up in the relay's error: the client is
+    // refused by closing the connection, and the server's operator sees why.
+    spawn_relay(
+        net,
+        Connection::Server(conn),
+        Box::new(|e| eprintln!("ucrypt: tls: {e}")),
+    )
+}
+
+/// Runs `tls` over `net` on a relay thread; returns the plaintext side. `on_error` gets the
+/// relay's error if it ends with one (a closed or broken connection, a TLS alert).
+pub(crate) fn spawn_relay(
+    net: Sock,
+    tls: Connection,
+    on_error: Box<dyn FnOnce(io::Error) + Send>,
+) -> io::Result<Sock> {
     let (app, relay_end) = UnixStream::pair()?;
     std::thread::Builder::new()
         .name("nbd-tls".into())
         .spawn(move || {
-            if let Err(e) = relay(net, conn, relay_end) {
-                // Handshake failures (wrong CA, no client cert) end up here: the client is
-                // refused by closing the connection.
-                eprintln!("ucrypt: tls: {e}");
+            if let Err(e) = relay(net, tls, relay_end) {
+                on_error(e);
             }
         })?;
     Ok(Sock::Unix(app))
@@ -97,7 +112,7 @@ fn would_block(e: &io::Error) -> bool {
     )
 }
 
-fn relay(mut net: Sock, mut tls: ServerConnection, mut app: UnixStream) -> io::Result<()> {
+fn relay(mut net: Sock, mut tls: Connection, mut app: UnixStream) -> io::Result<()> {
     net.set_nonblocking(true)?;
     app.set_nonblocking(true)?;
     tls.set_buffer_limit(Some(TLS_SEND_BUFFER_BYTES));
@@ -159,7 +174,7 @@ fn relay(mut net: Sock, mut tls: ServerConnection, mut app: UnixStream) -> io::R
         }
         if net_eof && to_app.is_empty() && !app_write_closed {
             if tls.is_handshaking() {
-                return Err(io::Error::other("client closed during the TLS handshake"));
+                return Err(io::Error::other("peer closed during the TLS handshake"));
             }
             // No more requests will come: the app's reader sees EOF, in-flight replies still
             // flow the other way.
