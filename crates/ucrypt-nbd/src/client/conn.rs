@@ -32,7 +32,7 @@
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
@@ -40,10 +40,10 @@ use std::time::{Duration, Instant};
 use ucrypt::sync::{lock, WaitCell};
 
 use super::dial::{dial, Dialed, Target};
+use crate::proto::transmission::SIMPLE_REPLY_BYTES;
 use crate::proto::{
     ExportGeometry, NbdError, RequestHeader, SimpleReply, CMD_DISC, CMD_FLUSH, CMD_READ,
 };
-use crate::proto::transmission::SIMPLE_REPLY_BYTES;
 use crate::server::Sock;
 
 /// Requests in flight on one connection: the pipelining depth. 64 covers a queue depth of 32
@@ -98,9 +98,14 @@ struct Slot {
 
 enum Link {
     Up,
-    Down { since: Instant, cause: String },
+    Down {
+        since: Instant,
+        cause: String,
+    },
     /// Gave up after the remote timeout; the next request re-arms a `Down`.
-    Failed { cause: String },
+    Failed {
+        cause: String,
+    },
 }
 
 struct State {
@@ -131,6 +136,8 @@ pub(crate) struct Conn {
     writer: Mutex<Option<Writer>>,
     stop: AtomicBool,
     spare: Mutex<Vec<Vec<u8>>>,
+    /// Successful reconnections, for tests and statistics.
+    reconnections: AtomicU64,
 }
 
 fn unavailable_message(t: &Target, cause: &str, timeout: Duration) -> String {
@@ -170,8 +177,14 @@ impl Conn {
             })),
             stop: AtomicBool::new(false),
             spare: Mutex::new(Vec::new()),
+            reconnections: AtomicU64::new(0),
         });
         Ok((c, d.reader))
+    }
+
+    /// Successful reconnections so far.
+    pub fn reconnections(&self) -> u64 {
+        self.reconnections.load(Ordering::Relaxed)
     }
 
     /// Requests on this connection now (in flight or waiting to be resent).
@@ -595,6 +608,7 @@ impl Conn {
                         s.waiter.unpark();
                     }
                     st.replay_pending = pending;
+                    self.reconnections.fetch_add(1, Ordering::Relaxed);
                     return Some((d.reader, gen));
                 }
                 Err(e) => {
@@ -654,11 +668,7 @@ fn same_export(a: &ExportGeometry, b: &ExportGeometry) -> bool {
 }
 
 /// Writes a request header and its payload, in as few system calls as the socket allows.
-fn write_request(
-    sock: &mut Sock,
-    header: &[u8],
-    payload: Option<&[u8]>,
-) -> io::Result<()> {
+fn write_request(sock: &mut Sock, header: &[u8], payload: Option<&[u8]>) -> io::Result<()> {
     let payload = payload.unwrap_or(&[]);
     let total = header.len() + payload.len();
     let mut done = 0;

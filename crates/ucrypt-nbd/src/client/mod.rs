@@ -108,15 +108,17 @@ impl NbdBackend {
             )));
         }
         if opts.remote_timeout.is_zero() {
-            return Err(Error::Config("the remote timeout must be above zero".into()));
+            return Err(Error::Config(
+                "the remote timeout must be above zero".into(),
+            ));
         }
         let target = Arc::new(Target::new(uri, opts)?);
         let deadline = Instant::now() + opts.remote_timeout;
         let first = dial::dial(&target, deadline)?;
         let g = first.geometry;
         let block_bytes = g.min_block_bytes.max(BLOCK_BYTES_MIN);
-        let request_bytes_max = g.max_payload_bytes.min(MAX_PAYLOAD_BYTES) / block_bytes
-            * block_bytes;
+        let request_bytes_max =
+            g.max_payload_bytes.min(MAX_PAYLOAD_BYTES) / block_bytes * block_bytes;
         if request_bytes_max == 0 {
             return Err(Error::ServerProtocol(format!(
                 "{uri}: maximum payload {} is smaller than a {block_bytes}-byte block",
@@ -171,6 +173,11 @@ impl NbdBackend {
     /// What the server said about the export.
     pub fn geometry(&self) -> ExportGeometry {
         self.geometry
+    }
+
+    /// How many times a dropped connection was restored (over all connections).
+    pub fn reconnections(&self) -> u64 {
+        self.conns.iter().map(|c| c.reconnections()).sum()
     }
 
     /// Connections in use.

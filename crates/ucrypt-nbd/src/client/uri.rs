@@ -26,7 +26,10 @@ pub const URI_MAX_BYTES: usize = 4 * EXPORT_NAME_MAX_BYTES;
 /// Where the server listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transport {
-    Tcp { host: String, port: u16 },
+    Tcp {
+        host: String,
+        port: u16,
+    },
     Unix(PathBuf),
     /// A Linux abstract-namespace socket: the name without its leading NUL.
     UnixAbstract(Vec<u8>),
@@ -176,7 +179,10 @@ impl NbdUri {
             }
         } else {
             if socket.is_some() {
-                return Err(bad(s, "socket= is only for the nbd+unix and nbds+unix schemes"));
+                return Err(bad(
+                    s,
+                    "socket= is only for the nbd+unix and nbds+unix schemes",
+                ));
             }
             let (host, port) = parse_authority(s, authority)?;
             Transport::Tcp { host, port }
@@ -229,7 +235,10 @@ fn parse_authority(uri: &str, a: &str) -> Result<(String, u16)> {
         }
     };
     if host.is_empty() {
-        return Err(bad(uri, "a TCP URI needs a host (nbd://HOST[:PORT]/EXPORT)"));
+        return Err(bad(
+            uri,
+            "a TCP URI needs a host (nbd://HOST[:PORT]/EXPORT)",
+        ));
     }
     let port = match port {
         None | Some("") => NBD_DEFAULT_PORT,

@@ -21,6 +21,8 @@ pub mod handshake;
 pub mod transmission;
 
 #[cfg(test)]
+mod client_tests;
+#[cfg(test)]
 mod tests;
 
 pub use client::{ClientHandshake, ClientStep, ExportGeometry};
