@@ -140,11 +140,11 @@ pub(crate) struct Conn {
     reconnections: AtomicU64,
 }
 
-fn unavailable_message(t: &Target, cause: &str, timeout: Duration) -> String {
+/// Why requests fail after the deadline; the caller's error adds the command and the URI.
+fn unavailable_message(cause: &str, timeout: Duration) -> String {
     format!(
-        "NBD server {} unreachable: connection lost ({cause}) and not restored within the \
-         remote timeout of {} ms",
-        t.uri,
+        "server unreachable: connection lost ({cause}) and not restored within the remote \
+         timeout of {} ms",
         timeout.as_millis()
     )
 }
@@ -562,7 +562,7 @@ impl Conn {
             };
             let elapsed = since.elapsed();
             if elapsed >= self.remote_timeout {
-                let msg = unavailable_message(&self.target, &cause, self.remote_timeout);
+                let msg = unavailable_message(&cause, self.remote_timeout);
                 for s in st.slots.values_mut() {
                     if !matches!(s.phase, Phase::Done(_)) {
                         s.phase = Phase::Done(Err(ReqError::Unavailable(msg.clone())));

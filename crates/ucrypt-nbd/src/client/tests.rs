@@ -470,3 +470,100 @@ fn requests_fail_after_the_remote_timeout_and_later_ones_retry() {
     assert!(e.to_string().contains(&u.to_string()), "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A scripted server: the first connection takes requests and never answers, then drops;
+/// the second records the order in which requests arrive and answers them all.
+fn scripted_server(listener: std::os::unix::net::UnixListener, held: usize) -> Vec<(u16, u64)> {
+    use crate::proto::transmission::REQUEST_HEADER_BYTES;
+    use crate::proto::{encode_simple_reply, ExportInfo, Handshake, Step, TlsPolicy};
+    use std::io::{Read, Write};
+
+    let info = ExportInfo {
+        name: "m".into(),
+        description: String::new(),
+        size_bytes: SIZE,
+        tx_flags: crate::server::tx_flags(false) & !crate::proto::TX_CAN_MULTI_CONN,
+        min_block_bytes: 512,
+        preferred_block_bytes: 4096,
+        max_payload_bytes: 1 << 20,
+    };
+    let accept = || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut hs = Handshake::new(vec![info.clone()], TlsPolicy::Disabled);
+        loop {
+            s.write_all(&hs.take_output()).unwrap();
+            let mut b = vec![0u8; hs.bytes_wanted()];
+            s.read_exact(&mut b).unwrap();
+            if let Step::Transmission(_) = hs.feed(&b).unwrap() {
+                s.write_all(&hs.take_output()).unwrap();
+                return s;
+            }
+        }
+    };
+    let read_req = |s: &mut std::os::unix::net::UnixStream| {
+        let mut h = [0u8; REQUEST_HEADER_BYTES];
+        s.read_exact(&mut h).unwrap();
+        let h = crate::proto::RequestHeader::parse(&h).unwrap();
+        if h.kind == crate::proto::CMD_WRITE {
+            let mut payload = vec![0u8; h.length as usize];
+            s.read_exact(&mut payload).unwrap();
+        }
+        h
+    };
+    // 1: swallow `held` requests, answer none, drop the connection.
+    let mut s = accept();
+    for _ in 0..held {
+        read_req(&mut s);
+    }
+    drop(s);
+    // 2: the resent requests, in arrival order.
+    let mut s = accept();
+    let mut order = Vec::new();
+    for _ in 0..held {
+        let h = read_req(&mut s);
+        order.push((h.kind, h.offset));
+        s.write_all(&encode_simple_reply(h.cookie, None)).unwrap();
+    }
+    // Keep answering until the client hangs up.
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut h = [0u8; REQUEST_HEADER_BYTES];
+    while s.read_exact(&mut h).is_ok() {}
+    order
+}
+
+#[test]
+fn a_flush_in_flight_at_a_drop_is_resent_after_the_writes() {
+    let d = dir("order");
+    let sock = d.join("s");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    const WRITERS: u64 = 6;
+    let server = std::thread::spawn(move || scripted_server(listener, WRITERS as usize + 1));
+    let b = Arc::new(NbdBackend::connect(&uri(&sock), &opts(4, 20_000)).unwrap());
+    assert_eq!(b.connections(), 1, "no CAN_MULTI_CONN, one connection");
+    // The writes go out first, then the flush, all unanswered on the first connection.
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|t| {
+            let b = b.clone();
+            std::thread::spawn(move || b.write_at(&pattern(4096, t), t * 4096).unwrap())
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let flusher = {
+        let b = b.clone();
+        std::thread::spawn(move || b.flush().unwrap())
+    };
+    for w in writers {
+        w.join().unwrap();
+    }
+    flusher.join().unwrap();
+    drop(b);
+    let order = server.join().unwrap();
+    let flush_at = order
+        .iter()
+        .position(|(kind, _)| *kind == crate::proto::CMD_FLUSH)
+        .expect("flush resent");
+    assert_eq!(flush_at, WRITERS as usize, "resend order: {order:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}
