@@ -221,20 +221,28 @@ impl NbdBackend {
         }
     }
 
-    /// One request on one connection, start to answer.
+    /// One request on one connection, start to answer; a read's data is passed to `take`
+    /// and its buffer then goes back to that connection's spares.
     fn call(
         &self,
         kind: u16,
         offset: u64,
         len: u32,
         payload: Option<&[u8]>,
-    ) -> ucrypt::Result<Option<Vec<u8>>> {
+        take: impl FnOnce(&[u8]),
+    ) -> ucrypt::Result<()> {
         let c = self.pick();
         let cookie = c
             .start(kind, offset, len, payload)
             .map_err(|e| self.err(kind, offset, len.into(), e))?;
-        c.finish(cookie, payload)
-            .map_err(|e| self.err(kind, offset, len.into(), e))
+        let data = c
+            .finish(cookie, payload)
+            .map_err(|e| self.err(kind, offset, len.into(), e))?;
+        if let Some(d) = data {
+            take(&d);
+            c.recycle(d);
+        }
+        Ok(())
     }
 
     fn check(&self, offset: u64, len: u64, writes: bool) -> ucrypt::Result<()> {
@@ -280,14 +288,17 @@ impl Backend for NbdBackend {
         let len = (buf.len() as u64).min(self.size - offset);
         self.check(offset, len, false)?;
         for (at, n) in self.pieces(offset, len) {
-            let data = self.call(CMD_READ, at, n, None)?;
-            let Some(data) = data else {
-                return Err(ucrypt::Error::Bug("NBD read answered without data"));
-            };
             let from = (at - offset) as usize;
-            buf[from..from + n as usize].copy_from_slice(&data);
-            // Any connection's spare list will do: buffers are plain ciphertext.
-            self.conns[0].recycle(data);
+            let dest = &mut buf[from..from + n as usize];
+            let mut filled = false;
+            self.call(CMD_READ, at, n, None, |d| {
+                // The reader read exactly the request's length.
+                dest.copy_from_slice(d);
+                filled = true;
+            })?;
+            if !filled {
+                return Err(ucrypt::Error::Bug("NBD read answered without data"));
+            }
         }
         Ok(len as usize)
     }
@@ -296,7 +307,13 @@ impl Backend for NbdBackend {
         self.check(offset, buf.len() as u64, true)?;
         for (at, n) in self.pieces(offset, buf.len() as u64) {
             let from = (at - offset) as usize;
-            self.call(CMD_WRITE, at, n, Some(&buf[from..from + n as usize]))?;
+            self.call(
+                CMD_WRITE,
+                at,
+                n,
+                Some(&buf[from..from + n as usize]),
+                |_| {},
+            )?;
         }
         Ok(())
     }
@@ -337,7 +354,7 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         for (at, n) in self.pieces(offset, len) {
-            self.call(CMD_TRIM, at, n, None)?;
+            self.call(CMD_TRIM, at, n, None, |_| {})?;
         }
         Ok(())
     }
@@ -348,7 +365,7 @@ impl Backend for NbdBackend {
         self.check(offset, len, true)?;
         if self.geometry.has(TX_SEND_WRITE_ZEROES) {
             for (at, n) in self.pieces(offset, len) {
-                self.call(CMD_WRITE_ZEROES, at, n, None)?;
+                self.call(CMD_WRITE_ZEROES, at, n, None, |_| {})?;
             }
             return Ok(());
         }
