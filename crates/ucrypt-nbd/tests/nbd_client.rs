@@ -691,3 +691,101 @@ fn volume_ciphertext_on_the_remote_equals_the_local_one() {
         "plaintext reached the server"
     );
 }
+
+#[test]
+fn our_own_tls_server_and_client_agree() {
+    use ucrypt_nbd::server::{load_tls_config, serve, Listen, ServerOptions, TlsFiles};
+    if !need("openssl", "openssl") {
+        return;
+    }
+    let dir = TempDir::new("own-tls");
+    let d = dir.0.clone();
+    make_ca(&d, "ca");
+    make_leaf(
+        &d,
+        "ca",
+        "server",
+        "basicConstraints=CA:FALSE\nsubjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    );
+    make_leaf(
+        &d,
+        "ca",
+        "client",
+        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+    );
+    let tls = load_tls_config(&TlsFiles {
+        cert: d.join("server-cert.pem"),
+        key: d.join("server-key.pem"),
+        client_ca: Some(d.join("ca-cert.pem")),
+    })
+    .unwrap();
+    // The export is itself an encrypted volume over memory.
+    let key: Vec<u8> = (0..64u8).collect();
+    let vol = Volume::new(
+        Arc::new(MemBackend::new(4 << 20)),
+        VolumeConfig::new(
+            CipherSpec::AES_XTS_PLAIN64,
+            SecretBytes::from_slice(&key),
+            Geometry::new(SectorSize::S4096),
+        ),
+    )
+    .unwrap();
+    let sock = dir.path("s");
+    let stop = ucrypt::Stop::new();
+    let server = {
+        let (stop, sock) = (stop.clone(), sock.clone());
+        std::thread::spawn(move || {
+            let opts = ServerOptions {
+                read_only: false,
+                tls: Some(tls),
+                insecure_plaintext: false,
+                pid_file: None,
+                announce: false,
+                poll: Duration::ZERO,
+            };
+            serve(
+                vec![("v".into(), Arc::new(vol) as Arc<dyn BlockDev>)],
+                &Listen::Unix(sock),
+                opts,
+                stop,
+            )
+        })
+    };
+    let addr = Addr::Unix(sock);
+    let t0 = Instant::now();
+    while !addr.reachable() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let o = ClientOptions {
+        tls_ca_file: Some(d.join("ca-cert.pem")),
+        tls_cert_file: Some(d.join("client-cert.pem")),
+        tls_key_file: Some(d.join("client-key.pem")),
+        connections: 2,
+        remote_timeout: Duration::from_secs(10),
+        ..ClientOptions::default()
+    };
+    let b = Arc::new(NbdBackend::connect(&addr.uri(true, "v"), &o).unwrap());
+    assert_eq!(b.connections(), 2);
+    let p = pattern(1 << 20, 3);
+    b.write_at(&p, 4096).unwrap();
+    b.flush().unwrap();
+    let mut r = vec![0u8; 1 << 20];
+    b.read_exact_at(&mut r, 4096).unwrap();
+    assert!(r == p);
+    drop(b);
+    // Without a client certificate the server refuses the session.
+    let no_cert = ClientOptions {
+        tls_cert_file: None,
+        tls_key_file: None,
+        ..o
+    };
+    let e = NbdBackend::connect(&addr.uri(true, "v"), &no_cert).unwrap_err();
+    println!("no client certificate: {e}");
+    assert!(e.to_string().contains("TLS"), "{e}");
+    stop.request();
+    server.join().unwrap().unwrap();
+}

@@ -22,6 +22,9 @@ use crate::{Error, Result};
 
 /// Where the CA bundle is looked for when no CA file is given (Debian's `ca-certificates`).
 pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// How long a closing TLS connection waits for the server's own close before it drops the
+/// socket (the relay thread lingers, never the caller).
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
 /// Shortest timeout given to a socket operation: a zero timeout means "none" to the socket
 /// API, and an operation must get a chance to run even with the deadline almost gone.
 const SOCKET_TIMEOUT_MIN: Duration = Duration::from_millis(10);
@@ -225,6 +228,7 @@ fn tls_upgrade(
     spawn_relay(
         net,
         Connection::Client(tls),
+        Some(CLOSE_LINGER),
         Box::new(move |e| *lock(&keep) = Some(e.to_string())),
     )
     .map_err(|e| io_err(uri, "starting the TLS relay", e))

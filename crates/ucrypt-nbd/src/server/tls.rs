@@ -15,6 +15,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -83,22 +84,26 @@ pub fn upgrade(net: Sock, cfg: Arc<ServerConfig>) -> io::Result<Sock> {
     spawn_relay(
         net,
         Connection::Server(conn),
+        None,
         Box::new(|e| eprintln!("ucrypt: tls: {e}")),
     )
 }
 
 /// Runs `tls` over `net` on a relay thread; returns the plaintext side. `on_error` gets the
-/// relay's error if it ends with one (a closed or broken connection, a TLS alert).
+/// relay's error if it ends with one (a closed or broken connection, a TLS alert). With
+/// `linger`, once the app side has closed, the relay waits up to that long for the peer to
+/// close before it does (a client's courtesy to the server).
 pub(crate) fn spawn_relay(
     net: Sock,
     tls: Connection,
+    linger: Option<Duration>,
     on_error: Box<dyn FnOnce(io::Error) + Send>,
 ) -> io::Result<Sock> {
     let (app, relay_end) = UnixStream::pair()?;
     std::thread::Builder::new()
         .name("nbd-tls".into())
         .spawn(move || {
-            if let Err(e) = relay(net, tls, relay_end) {
+            if let Err(e) = relay(net, tls, relay_end, linger) {
                 on_error(e);
             }
         })?;
@@ -112,13 +117,19 @@ fn would_block(e: &io::Error) -> bool {
     )
 }
 
-fn relay(mut net: Sock, mut tls: Connection, mut app: UnixStream) -> io::Result<()> {
+fn relay(
+    mut net: Sock,
+    mut tls: Connection,
+    mut app: UnixStream,
+    linger: Option<Duration>,
+) -> io::Result<()> {
     net.set_nonblocking(true)?;
     app.set_nonblocking(true)?;
     tls.set_buffer_limit(Some(TLS_SEND_BUFFER_BYTES));
     let mut buf = vec![0u8; RELAY_CHUNK_BYTES];
     let mut to_app: Vec<u8> = Vec::new();
     let (mut net_eof, mut app_eof, mut app_write_closed) = (false, false, false);
+    let mut app_eof_at: Option<Instant> = None;
     loop {
         // 1. TLS records out to the network.
         while tls.wants_write() {
@@ -129,7 +140,15 @@ fn relay(mut net: Sock, mut tls: Connection, mut app: UnixStream) -> io::Result<
             }
         }
         if app_eof && !tls.wants_write() {
-            return Ok(()); // everything the app wrote, and close_notify, has been sent
+            // Everything the app wrote, and close_notify, has been sent. A client waits for
+            // the server to close too (its last replies and close_notify), so the server's
+            // final writes do not meet a closed socket; for at most `linger`.
+            match (linger, app_eof_at) {
+                (None, _) => return Ok(()),
+                (Some(_), _) if net_eof => return Ok(()),
+                (Some(l), Some(t)) if t.elapsed() >= l => return Ok(()),
+                _ => {}
+            }
         }
         // 2. Decrypted bytes to the app.
         if !to_app.is_empty() {
@@ -187,6 +206,7 @@ fn relay(mut net: Sock, mut tls: Connection, mut app: UnixStream) -> io::Result<
             match app.read(&mut buf) {
                 Ok(0) => {
                     app_eof = true;
+                    app_eof_at = Some(Instant::now());
                     tls.send_close_notify();
                     continue;
                 }
