@@ -766,7 +766,6 @@ fn our_own_tls_server_and_client_agree() {
         tls_key_file: Some(d.join("client-key.pem")),
         connections: 2,
         remote_timeout: Duration::from_secs(10),
-        ..ClientOptions::default()
     };
     let b = Arc::new(NbdBackend::connect(&addr.uri(true, "v"), &o).unwrap());
     assert_eq!(b.connections(), 2);
