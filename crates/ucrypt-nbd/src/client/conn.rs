@@ -72,6 +72,8 @@ pub(crate) enum ReqError {
     Unavailable(String),
     /// The backend is being dropped.
     Closed,
+    /// Our own bug.
+    Bug(&'static str),
 }
 
 pub(crate) type Outcome = std::result::Result<Option<Vec<u8>>, ReqError>;
@@ -241,9 +243,7 @@ impl Conn {
         loop {
             let mut st = lock(&self.state);
             let Some(slot) = st.slots.get(&cookie) else {
-                return Err(ReqError::Unavailable(
-                    "internal error: request vanished".into(),
-                ));
+                return Err(ReqError::Bug("an NBD request vanished before its answer"));
             };
             match &slot.phase {
                 Phase::Done(_) => {

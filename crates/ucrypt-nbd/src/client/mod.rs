@@ -214,6 +214,7 @@ impl NbdBackend {
                 format!("{what}: {msg}"),
                 io::Error::from_raw_os_error(libc::ETIMEDOUT),
             ),
+            ReqError::Bug(what) => ucrypt::Error::Bug(what),
             ReqError::Closed => ucrypt::Error::io(
                 format!("{what}: the backend is closing"),
                 io::Error::from_raw_os_error(libc::ESHUTDOWN),
