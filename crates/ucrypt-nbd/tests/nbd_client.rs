@@ -784,7 +784,7 @@ fn our_own_tls_server_and_client_agree() {
     };
     let e = NbdBackend::connect(&addr.uri(true, "v"), &no_cert).unwrap_err();
     println!("no client certificate: {e}");
-    assert!(e.to_string().contains("TLS"), "{e}");
+    assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
     stop.request();
     server.join().unwrap().unwrap();
 }

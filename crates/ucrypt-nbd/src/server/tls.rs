@@ -103,9 +103,13 @@ pub(crate) fn spawn_relay(
     std::thread::Builder::new()
         .name("nbd-tls".into())
         .spawn(move || {
-            if let Err(e) = relay(net, tls, relay_end, linger) {
+            let mut relay_end = relay_end;
+            if let Err(e) = relay(net, tls, &mut relay_end, linger) {
+                // Reported before the app side closes, so the app, seeing the close, can
+                // already find out why.
                 on_error(e);
             }
+            drop(relay_end);
         })?;
     Ok(Sock::Unix(app))
 }
@@ -120,7 +124,7 @@ fn would_block(e: &io::Error) -> bool {
 fn relay(
     mut net: Sock,
     mut tls: Connection,
-    mut app: UnixStream,
+    app: &mut UnixStream,
     linger: Option<Duration>,
 ) -> io::Result<()> {
     net.set_nonblocking(true)?;
