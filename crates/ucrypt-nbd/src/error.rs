@@ -12,6 +12,19 @@ pub enum Error {
     #[error("NBD protocol violation by the client: {0}")]
     Protocol(String),
 
+    /// The server broke the NBD protocol (seen by the client); the connection is closed.
+    #[error("NBD protocol violation by the server: {0}")]
+    ServerProtocol(String),
+
+    /// The server refused what the client asked during the handshake (an option's error
+    /// reply, named as the spec names it, with the server's own message).
+    #[error("NBD server refused {option}: {reply}{}", fmt_message(.message))]
+    Refused {
+        option: &'static str,
+        reply: &'static str,
+        message: String,
+    },
+
     /// A socket, TLS or file operation failed.
     #[error("{context}: {source}")]
     Io { context: String, source: io::Error },
@@ -29,6 +42,14 @@ pub enum Error {
     Bug(&'static str),
 }
 
+fn fmt_message(m: &str) -> String {
+    if m.is_empty() {
+        String::new()
+    } else {
+        format!(" ({m})")
+    }
+}
+
 impl Error {
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         Error::Io {
@@ -40,7 +61,9 @@ impl Error {
     /// Who can act on this error (see [`ucrypt::ErrorKind`]).
     pub fn kind(&self) -> ucrypt::ErrorKind {
         match self {
-            Error::Protocol(_) => ucrypt::ErrorKind::Peer,
+            Error::Protocol(_) | Error::ServerProtocol(_) | Error::Refused { .. } => {
+                ucrypt::ErrorKind::Peer
+            }
             Error::Io { .. } => ucrypt::ErrorKind::Device,
             Error::Config(_) => ucrypt::ErrorKind::BadInput,
             Error::Device(e) => e.kind(),

@@ -366,13 +366,13 @@ fn parse_info_request(data: &[u8]) -> std::result::Result<(&[u8], Vec<u16>), &'s
     Ok((name, requests))
 }
 
-fn take4(b: &[u8], at: usize) -> [u8; 4] {
+pub(super) fn take4(b: &[u8], at: usize) -> [u8; 4] {
     let mut a = [0u8; 4];
     a.copy_from_slice(&b[at..at + 4]);
     a
 }
 
-fn take8(b: &[u8], at: usize) -> [u8; 8] {
+pub(super) fn take8(b: &[u8], at: usize) -> [u8; 8] {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[at..at + 8]);
     a

@@ -1,27 +1,35 @@
-//! Sans-I/O codec for the server side of the NBD protocol (fixed newstyle handshake, simple
+//! Sans-I/O codec for both sides of the NBD protocol (fixed newstyle handshake, simple
 //! replies). Bytes in, typed requests and encoded replies out; this module never touches a
-//! socket, a thread or a [`ucrypt::BlockDev`]. The server that drives it is [`crate::server`].
+//! socket, a thread or a [`ucrypt::BlockDev`]. The server that drives it is [`crate::server`],
+//! the client [`crate::client`].
 //!
-//! - [`handshake`]: greeting, client flags, option haggling (`GO`, `INFO`, `EXPORT_NAME`,
-//!   `LIST`, `ABORT`, `STARTTLS`), as a state machine that tells its driver exactly how many
-//!   bytes to read next, so it never consumes bytes that belong to TLS or to the transmission
-//!   phase.
-//! - [`transmission`]: request header decoding and validation against the export (bounds,
-//!   alignment, flags, read-only), simple reply encoding, and the errno → NBD error mapping.
+//! - [`handshake`]: the server's greeting, client flags, option haggling (`GO`, `INFO`,
+//!   `EXPORT_NAME`, `LIST`, `ABORT`, `STARTTLS`), as a state machine that tells its driver
+//!   exactly how many bytes to read next, so it never consumes bytes that belong to TLS or to
+//!   the transmission phase.
+//! - [`client`]: the client's side of the same handshake (`STARTTLS` when asked, `GO` with
+//!   block sizes requested, `EXPORT_NAME` only as the spec's fallback), in the same shape.
+//! - [`transmission`]: request header encoding, decoding and validation against the export
+//!   (bounds, alignment, flags, read-only), simple reply encoding and decoding, and the errno ↔
+//!   NBD error mapping.
 //!
 //! Limits on everything a client controls are named constants below; a client that exceeds
 //! one is disconnected, never allowed to make the server allocate or loop without bound.
 
+pub mod client;
 pub mod handshake;
 pub mod transmission;
 
 #[cfg(test)]
+mod client_tests;
+#[cfg(test)]
 mod tests;
 
+pub use client::{ClientHandshake, ClientStep, ExportGeometry};
 pub use handshake::{ExportInfo, Handshake, Negotiated, Step, TlsPolicy};
 pub use transmission::{
     decode_request, encode_simple_reply, Command, Decoded, NbdError, Request, RequestHeader,
-    TransmissionLimits,
+    SimpleReply, TransmissionLimits,
 };
 
 // ---- magic numbers (protocol constants) ----
@@ -54,10 +62,50 @@ const REP_ERR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = REP_ERR + 1;
 pub const REP_ERR_POLICY: u32 = REP_ERR + 2;
 pub const REP_ERR_INVALID: u32 = REP_ERR + 3;
+pub const REP_ERR_PLATFORM: u32 = REP_ERR + 4;
 pub const REP_ERR_TLS_REQD: u32 = REP_ERR + 5;
 pub const REP_ERR_UNKNOWN: u32 = REP_ERR + 6;
 pub const REP_ERR_SHUTDOWN: u32 = REP_ERR + 7;
+pub const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_ERR + 8;
 pub const REP_ERR_TOO_BIG: u32 = REP_ERR + 9;
+
+/// True for the option reply types that report an error (bit 31 set).
+pub const fn is_rep_err(reply_type: u32) -> bool {
+    reply_type & REP_ERR != 0
+}
+
+/// The spec's name of an option reply type, for error messages.
+pub fn rep_name(reply_type: u32) -> &'static str {
+    match reply_type {
+        REP_ACK => "NBD_REP_ACK",
+        REP_SERVER => "NBD_REP_SERVER",
+        REP_INFO => "NBD_REP_INFO",
+        REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
+        REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
+        REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
+        REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
+        REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD",
+        REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN",
+        REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
+        REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
+        REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
+        t if is_rep_err(t) => "an unknown NBD_REP_ERR",
+        _ => "an unknown option reply",
+    }
+}
+
+/// The spec's name of a command, for error messages.
+pub fn cmd_name(kind: u16) -> &'static str {
+    match kind {
+        CMD_READ => "NBD_CMD_READ",
+        CMD_WRITE => "NBD_CMD_WRITE",
+        CMD_DISC => "NBD_CMD_DISC",
+        CMD_FLUSH => "NBD_CMD_FLUSH",
+        CMD_TRIM => "NBD_CMD_TRIM",
+        CMD_WRITE_ZEROES => "NBD_CMD_WRITE_ZEROES",
+        _ => "an unknown command",
+    }
+}
 
 // ---- information types in NBD_REP_INFO ----
 pub const INFO_EXPORT: u16 = 0;
@@ -105,3 +153,12 @@ pub const MAX_PAYLOAD_BYTES: u32 = 32 * 1024 * 1024;
 pub const MIN_BLOCK_BYTES: u32 = 512;
 /// Preferred block size floor: 4096, the common page and LUKS2 sector size.
 pub const PREFERRED_BLOCK_BYTES: u32 = 4096;
+/// Largest minimum block size a server may advertise (the spec's bound, 2^16).
+pub const MIN_BLOCK_BYTES_MAX: u32 = 64 * 1024;
+/// Largest option reply a client reads from a server: an `NBD_REP_INFO` is at most a few
+/// bytes plus a 4096-byte NBD string, an error reply carries a short message. A longer reply
+/// is a hostile or broken server and ends the connection rather than being buffered.
+pub const OPTION_REPLY_MAX_BYTES: usize = 16 * 1024;
+/// Option replies a client accepts to one option before giving up on the server (a `GO` gets
+/// a handful of `NBD_REP_INFO`s and one `ACK`); bounds a server that replies forever.
+pub const REPLIES_PER_OPTION_MAX: u32 = 64;

@@ -1,4 +1,5 @@
-//! Transmission phase: request headers in, typed commands out; simple replies encoded.
+//! Transmission phase: request headers in, typed commands out; simple replies encoded (server)
+//! and decoded (client).
 
 use super::*;
 use crate::{Error, Result};
@@ -224,6 +225,51 @@ pub enum NbdError {
 }
 
 impl NbdError {
+    /// Reads the error field of a reply; 0 is success. The spec asks clients to treat an
+    /// unexpected value as `NBD_EINVAL` rather than disconnect.
+    pub fn from_wire(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => return None,
+            1 => NbdError::Perm,
+            5 => NbdError::Io,
+            12 => NbdError::NoMem,
+            28 => NbdError::NoSpc,
+            75 => NbdError::Overflow,
+            95 => NbdError::NotSup,
+            108 => NbdError::Shutdown,
+            _ => NbdError::Inval,
+        })
+    }
+
+    /// The spec's name of the error, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            NbdError::Perm => "NBD_EPERM",
+            NbdError::Io => "NBD_EIO",
+            NbdError::NoMem => "NBD_ENOMEM",
+            NbdError::Inval => "NBD_EINVAL",
+            NbdError::NoSpc => "NBD_ENOSPC",
+            NbdError::Overflow => "NBD_EOVERFLOW",
+            NbdError::NotSup => "NBD_ENOTSUP",
+            NbdError::Shutdown => "NBD_ESHUTDOWN",
+        }
+    }
+
+    /// The local errno for the error (the wire values were chosen as Linux errnos, but the
+    /// mapping is spelled out rather than assumed).
+    pub fn errno(self) -> i32 {
+        match self {
+            NbdError::Perm => libc::EPERM,
+            NbdError::Io => libc::EIO,
+            NbdError::NoMem => libc::ENOMEM,
+            NbdError::Inval => libc::EINVAL,
+            NbdError::NoSpc => libc::ENOSPC,
+            NbdError::Overflow => libc::EOVERFLOW,
+            NbdError::NotSup => libc::ENOTSUP,
+            NbdError::Shutdown => libc::ESHUTDOWN,
+        }
+    }
+
     /// Maps an errno to the closest NBD error; unknown ones become EIO.
     pub fn from_errno(errno: i32) -> Self {
         match errno {
@@ -252,4 +298,30 @@ pub fn encode_simple_reply(cookie: u64, error: Option<NbdError>) -> [u8; SIMPLE_
     b[4..8].copy_from_slice(&error.map_or(0, |e| e as u32).to_be_bytes());
     b[8..16].copy_from_slice(&cookie.to_be_bytes());
     b
+}
+
+/// A simple reply header as a client reads it; a successful read's `length` bytes follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimpleReply {
+    pub cookie: u64,
+    pub error: Option<NbdError>,
+}
+
+impl SimpleReply {
+    /// Parses a reply header. A wrong magic (including the structured reply magic, which this
+    /// client never negotiates) means the stream is out of sync: hard disconnect.
+    pub fn parse(b: &[u8; SIMPLE_REPLY_BYTES]) -> Result<Self> {
+        let magic = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != SIMPLE_REPLY_MAGIC {
+            return Err(Error::ServerProtocol(format!(
+                "bad reply magic {magic:#x} (expected a simple reply)"
+            )));
+        }
+        let mut cookie = [0u8; 8];
+        cookie.copy_from_slice(&b[8..16]);
+        Ok(SimpleReply {
+            cookie: u64::from_be_bytes(cookie),
+            error: NbdError::from_wire(u32::from_be_bytes([b[4], b[5], b[6], b[7]])),
+        })
+    }
 }

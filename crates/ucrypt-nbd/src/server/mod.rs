@@ -19,7 +19,7 @@ mod buf;
 mod conn;
 pub mod dev;
 mod sock;
-mod tls;
+pub(crate) mod tls;
 
 #[cfg(test)]
 mod tests;

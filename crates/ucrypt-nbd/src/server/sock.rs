@@ -74,6 +74,12 @@ impl Write for Sock {
             Sock::Tcp(s) => s.write(buf),
         }
     }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Sock::Unix(s) => s.write_vectored(bufs),
+            Sock::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }

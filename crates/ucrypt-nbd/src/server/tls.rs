@@ -3,7 +3,8 @@
 //! After the server acknowledges STARTTLS, the socket is handed to a relay thread that runs
 //! rustls and exchanges plaintext with the rest of the server over a unix socket pair. The
 //! connection code therefore sees a plain byte stream it can split between a reader and a
-//! writer, exactly as without TLS. The relay half-closes in both directions so that stopping
+//! writer, exactly as without TLS. The NBD client (`crate::client`) uses the same relay once
+//! its own TLS handshake is done ([`spawn_relay`]). The relay half-closes in both directions so that stopping
 //! the server (shutdown of the socket's read side) still lets in-flight replies go out.
 //!
 //! PSK: rustls (0.23) has no external pre-shared-key support (only resumption PSKs), so the
@@ -14,11 +15,12 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{RootCertStore, ServerConfig, ServerConnection};
+use rustls::{Connection, RootCertStore, ServerConfig, ServerConnection};
 
 use super::sock::Sock;
 use crate::{Error, Result};
@@ -77,15 +79,37 @@ pub fn load_tls_config(f: &TlsFiles) -> Result<Arc<ServerConfig>> {
 /// Starts TLS on `net` (the client speaks first: its ClientHello); returns the plaintext side.
 pub fn upgrade(net: Sock, cfg: Arc<ServerConfig>) -> io::Result<Sock> {
     let conn = ServerConnection::new(cfg).map_err(io::Error::other)?;
+    // Handshake failures (wrong CA, no client cert) end up in the relay's error: the client is
+    // refused by closing the connection, and the server's operator sees why.
+    spawn_relay(
+        net,
+        Connection::Server(conn),
+        None,
+        Box::new(|e| eprintln!("ucrypt: tls: {e}")),
+    )
+}
+
+/// Runs `tls` over `net` on a relay thread; returns the plaintext side. `on_error` gets the
+/// relay's error if it ends with one (a closed or broken connection, a TLS alert). With
+/// `linger`, once the app side has closed, the relay waits up to that long for the peer to
+/// close before it does (a client's courtesy to the server).
+pub(crate) fn spawn_relay(
+    net: Sock,
+    tls: Connection,
+    linger: Option<Duration>,
+    on_error: Box<dyn FnOnce(io::Error) + Send>,
+) -> io::Result<Sock> {
     let (app, relay_end) = UnixStream::pair()?;
     std::thread::Builder::new()
         .name("nbd-tls".into())
         .spawn(move || {
-            if let Err(e) = relay(net, conn, relay_end) {
-                // Handshake failures (wrong CA, no client cert) end up here: the client is
-                // refused by closing the connection.
-                eprintln!("ucrypt: tls: {e}");
+            let mut relay_end = relay_end;
+            if let Err(e) = relay(net, tls, &mut relay_end, linger) {
+                // Reported before the app side closes, so the app, seeing the close, can
+                // already find out why.
+                on_error(e);
             }
+            drop(relay_end);
         })?;
     Ok(Sock::Unix(app))
 }
@@ -97,13 +121,19 @@ fn would_block(e: &io::Error) -> bool {
     )
 }
 
-fn relay(mut net: Sock, mut tls: ServerConnection, mut app: UnixStream) -> io::Result<()> {
+fn relay(
+    mut net: Sock,
+    mut tls: Connection,
+    app: &mut UnixStream,
+    linger: Option<Duration>,
+) -> io::Result<()> {
     net.set_nonblocking(true)?;
     app.set_nonblocking(true)?;
     tls.set_buffer_limit(Some(TLS_SEND_BUFFER_BYTES));
     let mut buf = vec![0u8; RELAY_CHUNK_BYTES];
     let mut to_app: Vec<u8> = Vec::new();
     let (mut net_eof, mut app_eof, mut app_write_closed) = (false, false, false);
+    let mut app_eof_at: Option<Instant> = None;
     loop {
         // 1. TLS records out to the network.
         while tls.wants_write() {
@@ -114,7 +144,15 @@ fn relay(mut net: Sock, mut tls: ServerConnection, mut app: UnixStream) -> io::R
             }
         }
         if app_eof && !tls.wants_write() {
-            return Ok(()); // everything the app wrote, and close_notify, has been sent
+            // Everything the app wrote, and close_notify, has been sent. A client waits for
+            // the server to close too (its last replies and close_notify), so the server's
+            // final writes do not meet a closed socket; for at most `linger`.
+            match (linger, app_eof_at) {
+                (None, _) => return Ok(()),
+                (Some(_), _) if net_eof => return Ok(()),
+                (Some(l), Some(t)) if t.elapsed() >= l => return Ok(()),
+                _ => {}
+            }
         }
         // 2. Decrypted bytes to the app.
         if !to_app.is_empty() {
@@ -159,7 +197,7 @@ fn relay(mut net: Sock, mut tls: ServerConnection, mut app: UnixStream) -> io::R
         }
         if net_eof && to_app.is_empty() && !app_write_closed {
             if tls.is_handshaking() {
-                return Err(io::Error::other("client closed during the TLS handshake"));
+                return Err(io::Error::other("peer closed during the TLS handshake"));
             }
             // No more requests will come: the app's reader sees EOF, in-flight replies still
             // flow the other way.
@@ -172,6 +210,7 @@ fn relay(mut net: Sock, mut tls: ServerConnection, mut app: UnixStream) -> io::R
             match app.read(&mut buf) {
                 Ok(0) => {
                     app_eof = true;
+                    app_eof_at = Some(Instant::now());
                     tls.send_close_notify();
                     continue;
                 }
