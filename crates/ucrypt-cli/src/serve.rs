@@ -50,6 +50,9 @@ pub struct ServeArgs {
     metrics: MetricsArgs,
 }
 
+/// NBD workers per connection when the volume is remote (see `ServerOptions::workers`).
+const REMOTE_WORKERS_PER_CONNECTION: usize = 32;
+
 /// What the server serves, and the volume behind it (none unencrypted).
 type Opened = (Arc<dyn BlockDev>, Option<Arc<Volume>>);
 /// One export: its name and what was opened for it.
@@ -122,6 +125,13 @@ fn serve(a: ServeArgs) -> CliResult<()> {
         pid_file: a.pid_file.clone(),
         announce: true,
         poll: Duration::from_micros(a.volume.spin_us),
+        // On remote storage a request waits on the network, not a core: give every request a
+        // QD32 client keeps in flight its worker, so that they reach the remote at once.
+        workers: if a.volume.volume.is_remote() {
+            REMOTE_WORKERS_PER_CONNECTION
+        } else {
+            server::WORKERS_PER_CONNECTION
+        },
     };
     Ok(server::serve(exports, &a.nbd, opts, stop)?)
 }

@@ -742,6 +742,7 @@ fn our_own_tls_server_and_client_agree() {
                 pid_file: None,
                 announce: false,
                 poll: Duration::ZERO,
+                workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
             };
             serve(
                 vec![("v".into(), Arc::new(vol) as Arc<dyn BlockDev>)],

@@ -225,6 +225,7 @@ impl Server {
                 pid_file: None,
                 announce: false,
                 poll: Duration::ZERO,
+                workers: crate::server::WORKERS_PER_CONNECTION,
             };
             serve(vec![("m".into(), d)], &Listen::Unix(p), opts, s)
         });

@@ -18,7 +18,7 @@ use ucrypt::BlockDev;
 
 use super::buf::{IoBuf, Spares};
 use super::sock::Sock;
-use super::{tls, Export, Shared, WORKERS_PER_CONNECTION};
+use super::{tls, Export, Shared};
 use ucrypt::sync::{lock, WaitCell};
 
 /// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
@@ -115,7 +115,7 @@ pub fn run(sock: Sock, shared: &Shared) -> Result<()> {
     let Some((sock, export)) = negotiate(sock, shared)? else {
         return Ok(());
     };
-    transmit(sock, &shared.exports[export], shared.poll)
+    transmit(sock, &shared.exports[export], shared.poll, shared.workers)
 }
 
 /// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first byte.
@@ -419,7 +419,7 @@ fn read_requests(
 }
 
 /// The transmission phase: this thread reads and validates requests; workers execute them.
-fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
+fn transmit(sock: Sock, export: &Export, poll: Duration, workers: usize) -> Result<()> {
     let info = &export.info;
     let limits = nbd::TransmissionLimits {
         size_bytes: info.size_bytes,
@@ -443,8 +443,9 @@ fn transmit(sock: Sock, export: &Export, poll: Duration) -> Result<()> {
     });
     let (tx, rx) = sync_channel::<Job>(QUEUED_REQUESTS_MAX);
     let rx = Arc::new(Mutex::new(rx));
-    let mut workers = Vec::with_capacity(WORKERS_PER_CONNECTION);
-    for i in 0..WORKERS_PER_CONNECTION {
+    let count = workers;
+    let mut workers = Vec::with_capacity(count);
+    for i in 0..count {
         let (c, r) = (ctx.clone(), rx.clone());
         match std::thread::Builder::new()
             .name(format!("nbd-worker-{i}"))

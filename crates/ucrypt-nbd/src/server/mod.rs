@@ -49,9 +49,14 @@ pub use tls::{load_tls_config, TlsFiles};
 /// `conn::INFLIGHT_BYTES_MAX` of buffers in use plus `buf::SPARE_BYTES_MAX` kept for
 /// reuse, so this bounds memory at 16 × (64 + 8) MiB.
 pub const CONNECTIONS_MAX: usize = 16;
-/// Requests executed at once per connection. Two cores here; the device may parallelise
-/// further inside. Four keeps a queue-depth-32 client busy without oversubscribing.
+/// Requests executed at once per connection, by default. Two cores here; the device may
+/// parallelise further inside. Four keeps a queue-depth-32 client busy without
+/// oversubscribing, when the device's time is CPU time.
 pub const WORKERS_PER_CONNECTION: usize = 4;
+/// The most workers a connection may have ([`ServerOptions::workers`]). A device on remote
+/// storage spends its time waiting for the network, not on a core: there each request in
+/// flight needs a worker (a QD32 client, 32).
+pub const WORKERS_PER_CONNECTION_MAX: usize = 64;
 /// How often the accept loop looks at the stop flag.
 const ACCEPT_POLL_MS: i32 = 200;
 
@@ -99,6 +104,8 @@ pub struct ServerOptions {
     /// How long a connection's reader polls for the next request after serving one on its
     /// own thread, before it sleeps (`--spin-us`; zero = never poll).
     pub poll: Duration,
+    /// Requests executed at once per connection (1 to [`WORKERS_PER_CONNECTION_MAX`]).
+    pub workers: usize,
 }
 
 /// One export at run time.
@@ -116,6 +123,8 @@ pub(crate) struct Shared {
     pub live: Mutex<Vec<(u64, Sock)>>,
     /// `ServerOptions::poll`.
     pub poll: Duration,
+    /// `ServerOptions::workers`.
+    pub workers: usize,
 }
 
 /// Transmission flags for a device. CAN_MULTI_CONN holds because every connection reaches the
@@ -291,6 +300,7 @@ pub fn serve(
         stop: stop.clone(),
         live: Mutex::new(Vec::new()),
         poll: opts.poll,
+        workers: opts.workers.clamp(1, WORKERS_PER_CONNECTION_MAX),
     });
     if opts.announce {
         let mut out = io::stdout().lock();

@@ -108,6 +108,7 @@ fn device_errors_fua_flush_and_stop() {
                 pid_file: None,
                 announce: false,
                 poll: std::time::Duration::from_micros(50),
+                workers: crate::server::WORKERS_PER_CONNECTION,
             };
             serve(vec![("m".into(), dev)], &Listen::Unix(sock), opts, stop)
         })
