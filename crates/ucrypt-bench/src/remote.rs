@@ -9,6 +9,12 @@
 //! - `qsd raw` (the ceiling): the raw image exported without encryption;
 //! - `fio rbd` (the floor of the path): fio's own rbd engine on the raw image, no NBD hop.
 //!
+//! And without Ceph, the NBD client backend in front of nbdkit's memory plugin:
+//! - `ucrypt nbd`: `ucrypt serve nbd+unix:///?socket=KIT` (LUKS2 made by `ucrypt format` on
+//!   the remote);
+//! - `ucrypt nbd plain`: the same relay with `--unencrypted` (the cost of the second hop alone);
+//! - `nbdkit direct`: fio straight to nbdkit (the ceiling).
+//!
 //! Every image is written over in full before it is formatted, so that reads hit real objects,
 //! and every volume is `VOLUME_BYTES` long. Round-robin over targets, `runs` times; medians.
 
@@ -55,16 +61,34 @@ pub enum Target {
     QsdLuksOnRbd,
     QsdRaw,
     FioRbd,
+    UcryptNbd,
+    UcryptNbdPlain,
+    NbdkitDirect,
 }
 
 impl Target {
-    const ALL: [Target; 5] = [
+    const ALL: [Target; 8] = [
         Target::UcryptRbd,
         Target::QsdLibrbdLuks2,
         Target::QsdLuksOnRbd,
         Target::QsdRaw,
         Target::FioRbd,
+        Target::UcryptNbd,
+        Target::UcryptNbdPlain,
+        Target::NbdkitDirect,
     ];
+
+    /// Needs the Ceph test cluster.
+    fn on_ceph(self) -> bool {
+        matches!(
+            self,
+            Target::UcryptRbd
+                | Target::QsdLibrbdLuks2
+                | Target::QsdLuksOnRbd
+                | Target::QsdRaw
+                | Target::FioRbd
+        )
+    }
 
     fn name(self) -> &'static str {
         match self {
@@ -73,6 +97,9 @@ impl Target {
             Target::QsdLuksOnRbd => "qsd luks on rbd (LUKS1)",
             Target::QsdRaw => "qsd raw (ceiling)",
             Target::FioRbd => "fio rbd engine, raw (no NBD)",
+            Target::UcryptNbd => "ucrypt nbd→nbdkit (LUKS2)",
+            Target::UcryptNbdPlain => "ucrypt nbd→nbdkit, no crypto",
+            Target::NbdkitDirect => "nbdkit direct (ceiling)",
         }
     }
 
@@ -82,12 +109,16 @@ impl Target {
             Target::QsdLibrbdLuks2 => "bench-librbd",
             Target::QsdLuksOnRbd => "bench-luks1",
             Target::QsdRaw | Target::FioRbd => "bench-raw",
+            Target::UcryptNbd => "kit-luks",
+            Target::UcryptNbdPlain => "kit-plain",
+            Target::NbdkitDirect => "kit-direct",
         }
     }
 }
 
-/// A speed goal of the issue: ucrypt at least `min_ratio` × `peer` on the jobs named.
+/// A speed goal of the issue: `ours` at least `min_ratio` × `peer` on the jobs named.
 struct GoalSpec {
+    ours: Target,
     jobs: &'static [&'static str],
     peer: Target,
     min_ratio: f64,
@@ -104,16 +135,19 @@ const ALL_JOBS: &[&str] = &[
 
 const GOALS: &[GoalSpec] = &[
     GoalSpec {
+        ours: Target::UcryptRbd,
         jobs: ALL_JOBS,
         peer: Target::QsdRaw,
         min_ratio: 0.9,
     },
     GoalSpec {
+        ours: Target::UcryptRbd,
         jobs: &["1M read QD8", "1M write QD8"],
         peer: Target::QsdLibrbdLuks2,
         min_ratio: 1.5,
     },
     GoalSpec {
+        ours: Target::UcryptRbd,
         jobs: &[
             "4k randread QD1",
             "4k randwrite QD1",
@@ -122,6 +156,21 @@ const GOALS: &[GoalSpec] = &[
         ],
         peer: Target::QsdLibrbdLuks2,
         min_ratio: 1.2,
+    },
+    GoalSpec {
+        ours: Target::UcryptNbd,
+        jobs: ALL_JOBS,
+        peer: Target::NbdkitDirect,
+        min_ratio: 0.9,
+    },
+    // The ceiling of a relay: the same second hop without crypto. Where the goal above is
+    // out of reach (a relay's request is two round trips on the same cores), this says what
+    // the crypto costs.
+    GoalSpec {
+        ours: Target::UcryptNbd,
+        jobs: ALL_JOBS,
+        peer: Target::UcryptNbdPlain,
+        min_ratio: 0.9,
     },
 ];
 
@@ -137,6 +186,7 @@ pub struct Row {
 #[derive(Debug, Serialize, PartialEq)]
 pub struct GoalResult {
     pub job: &'static str,
+    pub ours: Target,
     pub peer: Target,
     pub min_ratio: f64,
     pub ratio: Option<f64>,
@@ -270,7 +320,8 @@ impl Drop for Server {
 
 struct Setup {
     dir: PathBuf,
-    cluster: Cluster,
+    /// None: Ceph is not installed; its targets are skipped.
+    cluster: Option<Cluster>,
 }
 
 impl Setup {
@@ -280,11 +331,26 @@ impl Setup {
     fn sock(&self, t: Target) -> PathBuf {
         self.p(&format!("{}.sock", t.image()))
     }
+    /// The socket of the nbdkit behind an NBD target.
+    fn kit_sock(&self, t: Target) -> PathBuf {
+        self.p(&format!("{}.kit", t.image()))
+    }
+    fn kit_uri(&self, t: Target) -> String {
+        format!("nbd+unix:///?socket={}", self.kit_sock(t).display())
+    }
     fn uri(&self, t: Target) -> PathBuf {
+        if t == Target::NbdkitDirect {
+            return PathBuf::from(self.kit_uri(t));
+        }
         PathBuf::from(format!(
             "nbd+unix:///{EXPORT}?socket={}",
             self.sock(t).display()
         ))
+    }
+    fn cluster(&self) -> Result<&Cluster, String> {
+        self.cluster
+            .as_ref()
+            .ok_or_else(|| "no Ceph cluster".to_string())
     }
 }
 
@@ -297,16 +363,16 @@ impl Drop for Setup {
 /// Creates, fills and formats the images.
 fn images(s: &Setup, progress: bool) -> Result<(), String> {
     let ucrypt = crate::ucrypt_bin()?;
-    let conf = s.cluster.conf.display().to_string();
+    let cluster = s.cluster()?;
+    let conf = cluster.conf.display().to_string();
     let size = format!("{}M", (VOLUME_BYTES + HEADER_ROOM_BYTES) >> 20);
     for img in ["bench-ucrypt", "bench-librbd", "bench-luks1", "bench-raw"] {
         if progress {
             eprintln!("bench remote: image {img}");
         }
-        s.cluster
-            .rbd(&["create", "--size", &size, &format!("rbd/{img}")])?;
+        cluster.rbd(&["create", "--size", &size, &format!("rbd/{img}")])?;
         // Written over in full: reads then fetch real objects, not holes.
-        s.cluster.rbd(&[
+        cluster.rbd(&[
             "bench",
             "--io-type",
             "write",
@@ -339,7 +405,11 @@ fn images(s: &Setup, progress: bool) -> Result<(), String> {
 
 fn server_command(t: Target, s: &Setup) -> Result<Option<Command>, String> {
     let sock = s.sock(t).display().to_string();
-    let conf = s.cluster.conf.display().to_string();
+    let conf = s
+        .cluster
+        .as_ref()
+        .map(|c| c.conf.display().to_string())
+        .unwrap_or_default();
     let pass = s.p("pass").display().to_string();
     let qsd = |blockdevs: &[String], node: &str| {
         let mut c = Command::new("qemu-storage-daemon");
@@ -384,7 +454,20 @@ fn server_command(t: Target, s: &Setup) -> Result<Option<Command>, String> {
             "l0",
         ),
         Target::QsdRaw => qsd(&[rbd_node(t.image(), "")], "r0"),
-        Target::FioRbd => return Ok(None),
+        Target::FioRbd | Target::NbdkitDirect => return Ok(None),
+        Target::UcryptNbd | Target::UcryptNbdPlain => {
+            let mut c = Command::new(crate::ucrypt_bin()?);
+            c.arg("serve")
+                .arg(s.kit_uri(t))
+                .args(["--nbd", &format!("unix:{sock}")])
+                .args(["--export-name", EXPORT]);
+            if t == Target::UcryptNbd {
+                c.args(["--key-file", &pass]);
+            } else {
+                c.arg("--unencrypted");
+            }
+            c
+        }
     }))
 }
 
@@ -409,7 +492,7 @@ fn fio_rbd(job: &Job, s: &Setup, runtime: Duration, ramp: Duration) -> Result<Fi
         .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
         .arg(format!("--ramp_time={}ms", ramp.as_millis()))
         .arg(format!("--size={VOLUME_BYTES}"))
-        .env("CEPH_CONF", &s.cluster.conf)
+        .env("CEPH_CONF", &s.cluster()?.conf)
         .output()
         .map_err(|e| format!("running fio: {e}"))?;
     if !out.status.success() {
@@ -429,11 +512,44 @@ fn find<'a>(rows: &'a [Row], job: &str, t: Target) -> Option<&'a Row> {
     rows.iter().find(|r| r.job.name == job && r.target == t)
 }
 
+/// One nbdkit memory instance per NBD target, written over in full (so reads hit real pages),
+/// and the encrypted one formatted by `ucrypt format` on the remote.
+fn kits(s: &Setup, servers: &mut Vec<Server>) -> Result<(), String> {
+    let size = format!("{}M", (VOLUME_BYTES + HEADER_ROOM_BYTES) >> 20);
+    for t in [
+        Target::UcryptNbd,
+        Target::UcryptNbdPlain,
+        Target::NbdkitDirect,
+    ] {
+        let sock = s.kit_sock(t);
+        let mut c = Command::new("nbdkit");
+        c.args(["-f", "--exit-with-parent", "-U"])
+            .arg(&sock)
+            .args(["memory", &size]);
+        let log = s.p(&format!("{}.kitlog", t.image()));
+        servers.push(Server::start(c, &sock, &log, "nbdkit memory")?);
+        run_ok(
+            Command::new("fio")
+                .args(["--name=fill", "--ioengine=nbd", "--rw=write", "--bs=1M"])
+                .arg(format!("--uri={}", s.kit_uri(t)))
+                .arg(format!("--size={size}")),
+        )?;
+    }
+    run_ok(
+        Command::new(crate::ucrypt_bin()?)
+            .args(["format", "-q", "--type", "luks2"])
+            .arg(s.kit_uri(Target::UcryptNbd))
+            .arg(s.p("pass"))
+            .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"]),
+    )?;
+    Ok(())
+}
+
 fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
     let mut out = Vec::new();
     for g in GOALS {
         for &job in g.jobs {
-            let ratio = match (find(rows, job, Target::UcryptRbd), find(rows, job, g.peer)) {
+            let ratio = match (find(rows, job, g.ours), find(rows, job, g.peer)) {
                 (Some(o), Some(p)) if o.mib_s.median > 0.0 && p.mib_s.median > 0.0 => {
                     Some(o.mib_s.median / p.mib_s.median)
                 }
@@ -441,6 +557,7 @@ fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
             };
             out.push(GoalResult {
                 job,
+                ours: g.ours,
                 peer: g.peer,
                 min_ratio: g.min_ratio,
                 ratio,
@@ -452,18 +569,19 @@ fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
 }
 
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport, String> {
-    for (p, pkg) in [
-        ("fio", "fio"),
+    for (p, pkg) in [("fio", "fio"), ("nbdkit", "nbdkit")] {
+        if !have(p) {
+            return Err(format!("{p} not found (apt-get install {pkg})"));
+        }
+    }
+    let mut skipped = Vec::new();
+    let ceph_missing = [
         ("rbd", "ceph-common"),
         ("ceph-mon", "ceph-mon"),
         ("ceph-osd", "ceph-osd"),
-    ] {
-        if !have(p) {
-            return Err(format!(
-                "{p} not found (apt-get install {pkg}; bash scripts/deps.sh test)"
-            ));
-        }
-    }
+    ]
+    .into_iter()
+    .find(|(p, _)| !have(p));
     let (runtime, ramp) = if quick {
         (Duration::from_millis(1000), Duration::from_millis(300))
     } else {
@@ -471,17 +589,32 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport,
     };
     let dir = std::env::temp_dir().join(format!("ucrypt-bench-remote-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    if progress {
-        eprintln!("bench remote: starting the test cluster");
-    }
-    let cluster = Cluster::start()?;
+    let cluster = match ceph_missing {
+        Some((p, pkg)) => {
+            skipped.push(format!(
+                "the Ceph RBD targets: {p} not installed (apt-get install {pkg}; bash scripts/deps.sh test)"
+            ));
+            None
+        }
+        None => {
+            if progress {
+                eprintln!("bench remote: starting the test cluster");
+            }
+            Some(Cluster::start()?)
+        }
+    };
     let setup = Setup { dir, cluster };
     std::fs::write(setup.p("pass"), PASSPHRASE).map_err(|e| e.to_string())?;
-    images(&setup, progress)?;
-    let mut skipped = Vec::new();
+    if setup.cluster.is_some() {
+        images(&setup, progress)?;
+    }
     let mut servers = Vec::new();
+    kits(&setup, &mut servers)?;
     let mut targets = Vec::new();
     for t in Target::ALL {
+        if t.on_ceph() && setup.cluster.is_none() {
+            continue;
+        }
         let needs_qsd = matches!(
             t,
             Target::QsdLibrbdLuks2 | Target::QsdLuksOnRbd | Target::QsdRaw
@@ -502,7 +635,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport,
                         servers.push(s);
                         targets.push(t);
                     }
-                    Err(e) if t == Target::UcryptRbd => return Err(e),
+                    Err(e) if matches!(t, Target::UcryptRbd | Target::UcryptNbd) => return Err(e),
                     Err(e) => skipped.push(e),
                 }
             }
@@ -581,7 +714,7 @@ pub fn markdown(r: &RemoteReport) -> String {
         }
         s.push('\n');
     }
-    s.push_str("\n## Goals (ucrypt rbd ÷ peer, medians)\n\n| job | peer | ratio | goal | |\n|---|---|---|---|---|\n");
+    s.push_str("\n## Goals (ours ÷ peer, medians)\n\n| job | ours | peer | ratio | goal | |\n|---|---|---|---|---|---|\n");
     for g in &r.goals {
         let (ratio, verdict) = match (g.ratio, g.met) {
             (Some(x), Some(true)) => (format!("{x:.2}"), "met"),
@@ -589,8 +722,9 @@ pub fn markdown(r: &RemoteReport) -> String {
             _ => ("–".into(), "not measured"),
         };
         s.push_str(&format!(
-            "| {} | {} | {ratio} | ≥ {} | {verdict} |\n",
+            "| {} | {} | {} | {ratio} | ≥ {} | {verdict} |\n",
             g.job,
+            g.ours.name(),
             g.peer.name(),
             g.min_ratio
         ));
