@@ -254,6 +254,14 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
             )))
         }
     }
+    if a.v.volume.is_remote() && !a.foreground {
+        // The daemon forks with one thread alive; a remote backend starts its connection's
+        // threads as soon as the header is read, before the passphrase is asked.
+        return Err(CliError::Usage(format!(
+            "open of a remote volume ({}) runs only with --foreground for now; or serve, mount or ublk it",
+            a.v.volume
+        )));
+    }
     let run = RunDir::locate()?;
     let front_end = a.front_end.resolve(run.root)?;
     // A local volume is known by its device and inode; a remote one by its name.
