@@ -17,6 +17,7 @@ mod fuse;
 mod nbd;
 pub mod plot;
 mod remote;
+mod server;
 pub mod stats;
 
 use clap::{Args, Parser, Subcommand};

@@ -27,16 +27,15 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use serde::Serialize;
 
 use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job, QEMU_IMG};
+use super::server::Server;
 use super::stats::{Machine, Summary};
 
 const RANDREAD_QD1: Job = Job::new("4k randread QD1", "randread", 4096, "nbd", 1);
@@ -111,8 +110,6 @@ const PASSPHRASE: &str = "ucrypt-bench";
 const PBKDF2_ITERATIONS: &str = "1000";
 /// How long a server may take to accept connections.
 const READY_WAIT: Duration = Duration::from_secs(20);
-/// How long a server may take to exit after SIGTERM before it is killed.
-const EXIT_WAIT: Duration = Duration::from_secs(5);
 /// Export name every server uses.
 const EXPORT: &str = "disk";
 
@@ -437,123 +434,85 @@ impl Drop for Setup {
     }
 }
 
-/// A server process: sent SIGTERM, then SIGKILL if it lingers, and reaped on drop, so no
-/// server outlives the benchmark however it ends (error or panic). If the benchmark itself is
-/// killed, the kernel kills the servers (PR_SET_PDEATHSIG).
-struct Server {
-    child: Child,
+/// How ucrypt or a peer is run to serve target `t`.
+fn server_command(t: Target, s: &Setup) -> Result<Command, String> {
+    let img = s.image(t);
+    let sock = s.socket(t);
+    let ucrypt = || -> Result<Command, String> {
+        let mut c = Command::new(crate::ucrypt_bin()?);
+        c.arg("serve")
+            .arg(&img)
+            .arg("--nbd")
+            .arg(format!("unix:{}", sock.display()))
+            .args(["--export-name", EXPORT]);
+        Ok(c)
+    };
+    Ok(match t {
+        Target::Plain => {
+            let mut c = ucrypt()?;
+            c.arg("--unencrypted");
+            c
+        }
+        Target::UcryptLuks2 | Target::UcryptLuks1 | Target::UcryptLuks2Auto => {
+            let mut c = ucrypt()?;
+            c.arg("--key-file").arg(&s.pass_file);
+            // Named explicitly, so the rows mean the same whatever `serve`'s default is.
+            let policy = if t == Target::UcryptLuks2Auto {
+                "auto"
+            } else {
+                "inline"
+            };
+            c.args(["--policy", policy]);
+            c
+        }
+        Target::QsdLuks1 => {
+            let mut c = Command::new("qemu-storage-daemon");
+            c.arg("--object")
+                .arg(format!("secret,id=s0,file={}", s.pass_file.display()))
+                .arg("--blockdev")
+                .arg(format!(
+                    "driver=file,node-name=f0,filename={}",
+                    img.display()
+                ))
+                .arg("--blockdev")
+                .arg("driver=luks,node-name=l0,file=f0,key-secret=s0")
+                .arg("--nbd-server")
+                .arg(format!("addr.type=unix,addr.path={}", sock.display()))
+                .arg("--export")
+                .arg(format!(
+                    "type=nbd,id=e0,node-name=l0,name={EXPORT},writable=on"
+                ));
+            c
+        }
+        Target::NbdkitLuks1 => {
+            let mut c = Command::new("nbdkit");
+            c.args(["-f", "--exit-with-parent", "-U"])
+                .arg(&sock)
+                .args(["-e", EXPORT, "--filter=luks", "file"])
+                .arg(&img)
+                .arg(format!("passphrase=+{}", s.pass_file.display()));
+            c
+        }
+        Target::NbdkitPlain => {
+            let mut c = Command::new("nbdkit");
+            c.args(["-f", "--exit-with-parent", "-U"])
+                .arg(&sock)
+                .args(["-e", EXPORT, "file"])
+                .arg(&img);
+            c
+        }
+    })
 }
 
-impl Server {
-    fn command(t: Target, s: &Setup) -> Result<Command, String> {
-        let img = s.image(t);
-        let sock = s.socket(t);
-        let ucrypt = || -> Result<Command, String> {
-            let mut c = Command::new(crate::ucrypt_bin()?);
-            c.arg("serve")
-                .arg(&img)
-                .arg("--nbd")
-                .arg(format!("unix:{}", sock.display()))
-                .args(["--export-name", EXPORT]);
-            Ok(c)
-        };
-        Ok(match t {
-            Target::Plain => {
-                let mut c = ucrypt()?;
-                c.arg("--unencrypted");
-                c
-            }
-            Target::UcryptLuks2 | Target::UcryptLuks1 | Target::UcryptLuks2Auto => {
-                let mut c = ucrypt()?;
-                c.arg("--key-file").arg(&s.pass_file);
-                // Named explicitly, so the rows mean the same whatever `serve`'s default is.
-                let policy = if t == Target::UcryptLuks2Auto {
-                    "auto"
-                } else {
-                    "inline"
-                };
-                c.args(["--policy", policy]);
-                c
-            }
-            Target::QsdLuks1 => {
-                let mut c = Command::new("qemu-storage-daemon");
-                c.arg("--object")
-                    .arg(format!("secret,id=s0,file={}", s.pass_file.display()))
-                    .arg("--blockdev")
-                    .arg(format!(
-                        "driver=file,node-name=f0,filename={}",
-                        img.display()
-                    ))
-                    .arg("--blockdev")
-                    .arg("driver=luks,node-name=l0,file=f0,key-secret=s0")
-                    .arg("--nbd-server")
-                    .arg(format!("addr.type=unix,addr.path={}", sock.display()))
-                    .arg("--export")
-                    .arg(format!(
-                        "type=nbd,id=e0,node-name=l0,name={EXPORT},writable=on"
-                    ));
-                c
-            }
-            Target::NbdkitLuks1 => {
-                let mut c = Command::new("nbdkit");
-                c.args(["-f", "--exit-with-parent", "-U"])
-                    .arg(&sock)
-                    .args(["-e", EXPORT, "--filter=luks", "file"])
-                    .arg(&img)
-                    .arg(format!("passphrase=+{}", s.pass_file.display()));
-                c
-            }
-            Target::NbdkitPlain => {
-                let mut c = Command::new("nbdkit");
-                c.args(["-f", "--exit-with-parent", "-U"])
-                    .arg(&sock)
-                    .args(["-e", EXPORT, "file"])
-                    .arg(&img);
-                c
-            }
-        })
-    }
-
-    fn pid(&self) -> libc::pid_t {
-        self.child.id() as libc::pid_t
-    }
-
-    /// Starts the server for `t` and waits until its socket accepts connections.
-    fn start(t: Target, s: &Setup) -> Result<Server, String> {
-        let mut cmd = Self::command(t, s)?;
-        let log = File::create(s.log(t)).map_err(|e| e.to_string())?;
-        let log2 = log.try_clone().map_err(|e| e.to_string())?;
-        cmd.stdin(Stdio::null()).stdout(log).stderr(log2);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in
-        // the child between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().map_err(|e| format!("{}: {e}", t.name()))?;
-        let mut server = Server { child };
-        let sock = s.socket(t);
-        let started = Instant::now();
-        while started.elapsed() < READY_WAIT {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                let log = std::fs::read_to_string(s.log(t)).unwrap_or_default();
-                return Err(format!(
-                    "{} exited ({status}) before serving: {}",
-                    t.name(),
-                    log.trim()
-                ));
-            }
-            if UnixStream::connect(&sock).is_ok() {
-                return Ok(server);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Err(format!("{} did not listen within {READY_WAIT:?}", t.name()))
-    }
+/// Starts the server for `t` and waits until its socket accepts connections.
+fn start_server(t: Target, s: &Setup) -> Result<Server, String> {
+    Server::start(
+        server_command(t, s)?,
+        &s.socket(t),
+        &s.log(t),
+        t.name(),
+        READY_WAIT,
+    )
 }
 
 /// The CPUs this process may run on.
@@ -618,23 +577,6 @@ impl Drop for Pinned {
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let pid = self.pid();
-        // SAFETY: kill(2) on our own child's pid, which stays reserved until we reap it below.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < EXIT_WAIT {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Servers on one set of images, and the jobs they run.
 struct Part {
     /// Declared before `setup`: the servers stop before their files go.
@@ -671,7 +613,7 @@ impl Part {
                     continue;
                 }
             }
-            match Server::start(t, &part.setup) {
+            match start_server(t, &part.setup) {
                 Ok(s) => {
                     part.servers.push(s);
                     part.targets.push(t);

@@ -18,17 +18,15 @@
 //! Every image is written over in full before it is formatted, so that reads hit real objects,
 //! and every volume is `VOLUME_BYTES` long. Round-robin over targets, `runs` times; medians.
 
-use std::fs::File;
-use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde::Serialize;
 
 use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job};
+use super::server::Server;
 use super::stats::{Machine, Summary};
 
 /// The jobs of the issue: 4 KiB random at QD1 and QD32, 1 MiB sequential at QD8.
@@ -47,8 +45,6 @@ const HEADER_ROOM_BYTES: u64 = 16 << 20;
 const PASSPHRASE: &str = "ucrypt-bench";
 /// How long a server may take to accept connections.
 const READY_WAIT: Duration = Duration::from_secs(60);
-/// How long a server may take to exit after SIGTERM before it is killed.
-const EXIT_WAIT: Duration = Duration::from_secs(5);
 const EXPORT: &str = "disk";
 /// RAM the test cluster's OSD may hold: every image once, with room.
 const MEMSTORE_BYTES: u64 = 2 << 30;
@@ -261,63 +257,6 @@ impl Drop for Cluster {
     }
 }
 
-/// A server process, stopped on drop (SIGTERM, then SIGKILL); killed with us (PDEATHSIG).
-struct Server {
-    child: Child,
-}
-
-impl Server {
-    fn start(mut cmd: Command, sock: &Path, log: &Path, name: &str) -> Result<Server, String> {
-        let out = File::create(log).map_err(|e| e.to_string())?;
-        let err = out.try_clone().map_err(|e| e.to_string())?;
-        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in
-        // the child between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut s = Server {
-            child: cmd.spawn().map_err(|e| format!("{name}: {e}"))?,
-        };
-        let t0 = Instant::now();
-        while t0.elapsed() < READY_WAIT {
-            if let Ok(Some(st)) = s.child.try_wait() {
-                let log = std::fs::read_to_string(log).unwrap_or_default();
-                return Err(format!(
-                    "{name} exited ({st}) before serving: {}",
-                    log.trim()
-                ));
-            }
-            if UnixStream::connect(sock).is_ok() {
-                return Ok(s);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Err(format!("{name} did not listen within {READY_WAIT:?}"))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid, reserved until we reap it below.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < EXIT_WAIT {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 struct Setup {
     dir: PathBuf,
     /// None: Ceph is not installed; its targets are skipped.
@@ -527,7 +466,7 @@ fn kits(s: &Setup, servers: &mut Vec<Server>) -> Result<(), String> {
             .arg(&sock)
             .args(["memory", &size]);
         let log = s.p(&format!("{}.kitlog", t.image()));
-        servers.push(Server::start(c, &sock, &log, "nbdkit memory")?);
+        servers.push(Server::start(c, &sock, &log, "nbdkit memory", READY_WAIT)?);
         run_ok(
             Command::new("fio")
                 .args(["--name=fill", "--ioengine=nbd", "--rw=write", "--bs=1M"])
@@ -630,7 +569,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport,
             None => targets.push(t),
             Some(cmd) => {
                 let log = setup.p(&format!("{}.log", t.image()));
-                match Server::start(cmd, &setup.sock(t), &log, t.name()) {
+                match Server::start(cmd, &setup.sock(t), &log, t.name(), READY_WAIT) {
                     Ok(s) => {
                         servers.push(s);
                         targets.push(t);

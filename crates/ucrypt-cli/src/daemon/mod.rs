@@ -627,9 +627,14 @@ pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
     }
     let path = run.stable_path(&a.name).display().to_string();
     let req = Request::Refresh { policy: a.policy };
-    match server::request(&dir.join("control.sock"), &req) {
+    print_status(&path, &a.name, &dir, &req)
+}
+
+/// Sends `req` (status, or a change answered with the status) and prints the status.
+fn print_status(path: &str, name: &str, dir: &Path, req: &Request) -> CliResult<i32> {
+    match server::request(&dir.join("control.sock"), req) {
         Ok(Response::Status(s)) => {
-            print!("{}", status_text(&path, &s));
+            print!("{}", status_text(path, &s));
             Ok(0)
         }
         Ok(Response::Error { code, error }) => Err(CliError::Remote {
@@ -637,8 +642,11 @@ pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
             message: error,
         }),
         Ok(_) => Err(CliError::Usage(
-            "the daemon answered refresh with something else".into(),
+            "the daemon answered with something else than a status".into(),
         )),
+        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
+            "Device {name} is busy (being opened or closed)."
+        ))),
         Err(e) => Err(CliError::Usage(e.to_string())),
     }
 }
@@ -669,24 +677,7 @@ pub fn status(a: StatusArgs) -> CliResult<i32> {
         );
         return Ok(1);
     }
-    match server::request(&dir.join("control.sock"), &Request::Status) {
-        Ok(Response::Status(s)) => {
-            print!("{}", status_text(&path, &s));
-            Ok(0)
-        }
-        Ok(Response::Error { code, error }) => Err(CliError::Remote {
-            code,
-            message: error,
-        }),
-        Ok(_) => Err(CliError::Usage(
-            "the daemon answered status with something else".into(),
-        )),
-        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
-            "Device {} is busy (being opened or closed).",
-            a.name
-        ))),
-        Err(e) => Err(CliError::Usage(e.to_string())),
-    }
+    print_status(&path, &a.name, &dir, &Request::Status)
 }
 
 /// `ucrypt list`: one open volume a line: NAME, stable path, device, front end, state.
