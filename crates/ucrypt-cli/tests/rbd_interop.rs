@@ -6,6 +6,9 @@
 //!   `ucrypt export`, and that plaintext is a clean ext4;
 //! - the reverse: an image formatted by `rbd encryption format` (librbd's argon2id) and written
 //!   through qemu opens in ucrypt, which reads what qemu wrote;
+//! - ucrypt's NBD client in front of qemu-storage-daemon exporting a raw rbd image: fio
+//!   verifies through it at QD1 and QD32, and the same image opened as `rbd:` directly holds
+//!   the plaintext that went through NBD;
 //! - a clone header (magic RBDL, what later librbd writes on a clone formatted on its own) is
 //!   named in the error.
 //!
@@ -39,6 +42,7 @@ fn ucrypt_on_rbd_against_librbd() {
                 rbd_encryption_format_opens_in_ucrypt,
             ),
             ("rbd_clone_header_is_named", rbd_clone_header_is_named),
+            ("nbd_backend_over_qsd_rbd", nbd_backend_over_qsd_rbd),
         ],
     );
 }
@@ -376,5 +380,110 @@ fn rbd_clone_header_is_named(c: &Cluster) {
         String::from_utf8_lossy(&o.stderr).contains("RBDL"),
         "{}",
         text(&o)
+    );
+}
+
+fn nbd_backend_over_qsd_rbd(c: &Cluster) {
+    if !need_qemu_rbd() {
+        return;
+    }
+    let s = Scratch::new("qsdrbd");
+    let img = image_name("qsdrbd");
+    c.create_image(&img, "64M");
+    let qsd_sock = s.p("qsd.sock");
+    let qsd = Command::new("qemu-storage-daemon")
+        .arg("--blockdev")
+        .arg(format!(
+            "driver=rbd,node-name=r0,pool=rbd,image={img},conf={}",
+            c.conf.display()
+        ))
+        .args([
+            "--nbd-server",
+            &format!("addr.type=unix,addr.path={qsd_sock}"),
+        ])
+        .args([
+            "--export",
+            "type=nbd,id=e0,node-name=r0,name=disk,writable=on",
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("qemu-storage-daemon");
+    let _qsd = ServeGuard(qsd);
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&qsd_sock).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "qsd did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let remote = format!("nbd+unix:///disk?socket={qsd_sock}");
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            &remote,
+            &s.p("pass"),
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+        ],
+    );
+    let served = Command::new(UCRYPT)
+        .args(["serve", &remote, "--nbd", &format!("unix:{}", s.p("sock"))])
+        .args(["--export-name", "v", "--key-file", &s.p("pass")])
+        .stdout(Stdio::null())
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("serve");
+    let mut served = ServeGuard(served);
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(s.p("sock")).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "serve did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let uri = format!("nbd+unix:///v?socket={}", s.p("sock"));
+    for qd in ["1", "32"] {
+        ok(
+            "fio",
+            &[
+                "--name=v",
+                "--ioengine=nbd",
+                &format!("--uri={uri}"),
+                "--rw=randwrite",
+                "--bs=4k",
+                &format!("--iodepth={qd}"),
+                "--size=8M",
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_state_save=0",
+            ],
+        );
+    }
+    let pattern: Vec<u8> = (0..1u32 << 20).map(|i| (i * 13 + 5) as u8).collect();
+    std::fs::write(s.p("pattern"), &pattern).unwrap();
+    ok("nbdcopy", &[&s.p("pattern"), &uri]);
+    served.stop();
+    drop(_qsd);
+    let out = s.p("plain.img");
+    let conf = c.conf.display().to_string();
+    ok(
+        UCRYPT,
+        &[
+            "export",
+            &format!("rbd:rbd/{img}"),
+            &out,
+            "--key-file",
+            &s.p("pass"),
+            "--rbd-conf",
+            &conf,
+        ],
+    );
+    let plain = std::fs::read(&out).unwrap();
+    assert!(
+        plain[..1 << 20] == pattern[..],
+        "the rbd image holds, as ciphertext, what went through ucrypt -> NBD -> qemu -> librbd"
     );
 }
