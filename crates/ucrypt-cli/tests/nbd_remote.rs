@@ -10,7 +10,10 @@
 //! - behind an nbdkit that is killed and restarted during a verifying fio run: the run
 //!   completes (reconnect, resend) and verifies.
 //!
-//! Debian packages: nbdkit, qemu-system-common (qemu-storage-daemon), fio.
+//! - `nbds+unix://` to an nbdkit that requires TLS: the right CA works, another CA and plain
+//!   NBD are refused with one line naming why.
+//!
+//! Debian packages: nbdkit, qemu-system-common (qemu-storage-daemon), fio, openssl.
 
 mod nbd_common;
 
@@ -247,4 +250,69 @@ fn survives_a_server_restart_during_a_verifying_run() {
     let _kit = nbdkit(&sock, &["file", &back]);
     let out = f.join().expect("fio completes after the restart");
     assert!(out.contains("\"error\" : 0"), "fio verified without errors");
+}
+
+#[test]
+fn tls_with_the_right_ca_only() {
+    if !need("nbdkit", "nbdkit") || !need("openssl", "openssl") {
+        return;
+    }
+    let dir = TempDir::new("remote-tls");
+    ca(&dir, "ca");
+    ca(&dir, "other");
+    leaf(&dir, "ca", "server", SERVER_EXT);
+    // nbdkit's certificates directory: ca-cert.pem, server-cert.pem, server-key.pem.
+    let pki = dir.path("pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    for f in ["ca-cert.pem", "server-cert.pem", "server-key.pem"] {
+        std::fs::copy(dir.path(f), pki.join(f)).unwrap();
+    }
+    let sock = dir.s("kit");
+    let _kit = nbdkit(
+        &sock,
+        &[
+            "--tls=require",
+            &format!("--tls-certificates={}", pki.display()),
+            "memory",
+            "64M",
+        ],
+    );
+    std::fs::write(dir.path("pass"), PASS).unwrap();
+    let tls = format!("nbds+unix:///?socket={sock}");
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            &tls,
+            &dir.s("pass"),
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--remote-tls-ca",
+            &dir.s("ca-cert.pem"),
+        ],
+    );
+    let dump = ok(
+        UCRYPT,
+        &["dump", &tls, "--remote-tls-ca", &dir.s("ca-cert.pem")],
+    );
+    assert!(dump.contains("LUKS header information"), "{dump}");
+    for (uri, ca_file, why) in [
+        (tls.as_str(), dir.s("other-cert.pem"), "certificate"),
+        (
+            &format!("nbd+unix:///?socket={sock}"),
+            dir.s("ca-cert.pem"),
+            "TLS",
+        ),
+    ] {
+        let (okay, out) = run(UCRYPT, &["dump", uri, "--remote-tls-ca", &ca_file]);
+        assert!(!okay, "{uri} with {ca_file} must be refused");
+        let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert!(
+            lines.iter().any(|l| l.contains(why)),
+            "{uri}: the refusal names {why}: {out}"
+        );
+    }
 }

@@ -198,3 +198,80 @@ pub fn ok(prog: &str, args: &[&str]) -> String {
     assert!(good, "{prog} {args:?} failed:\n{out}");
     out
 }
+
+/// A self-signed CA `NAME-cert.pem`/`NAME-key.pem` in `dir`, made by the `openssl` CLI.
+pub fn ca(dir: &TempDir, name: &str) {
+    ok(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &dir.s(&format!("{name}-key.pem")),
+            "-out",
+            &dir.s(&format!("{name}-cert.pem")),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ],
+    );
+}
+
+/// A key and certificate `NAME-*.pem` signed by CA `ca_name`, with extensions `ext`.
+pub fn leaf(dir: &TempDir, ca_name: &str, name: &str, ext: &str) {
+    let key = dir.s(&format!("{name}-key.pem"));
+    let csr = dir.s(&format!("{name}.csr"));
+    let extf = dir.s(&format!("{name}.ext"));
+    std::fs::write(&extf, ext).unwrap();
+    ok(
+        "openssl",
+        &[
+            "req",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &format!("/CN={name}"),
+        ],
+    );
+    ok(
+        "openssl",
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &dir.s(&format!("{ca_name}-cert.pem")),
+            "-CAkey",
+            &dir.s(&format!("{ca_name}-key.pem")),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            &dir.s(&format!("{name}-cert.pem")),
+            "-extfile",
+            &extf,
+        ],
+    );
+}
+
+/// A TLS server's extensions, for 127.0.0.1 and localhost.
+pub const SERVER_EXT: &str = "basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n";
