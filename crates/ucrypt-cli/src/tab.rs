@@ -267,6 +267,7 @@ fn stop(a: &TabArgs) -> CliResult<i32> {
         let close = crate::daemon::CloseArgs {
             name: e.name.clone(),
             force: false,
+            deferred: false,
         };
         let c = match crate::daemon::close(close) {
             Ok(c) => c,

@@ -554,3 +554,45 @@ fn rootless_fuse_file_round_trip() {
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     assert!(!mounts.contains(&format!("ucrypt:{n} ")), "{mounts}");
 }
+
+/// `close --deferred` of a mounted device: exit 0 at once, the device keeps serving while it
+/// is mounted, and once it is unmounted the daemon closes by itself and leaves nothing behind.
+/// Of an unused device: closes at once.
+#[test]
+fn deferred_close_waits_for_the_last_user() {
+    skip_unless_rig!();
+    let t = TempDir::new("deferred");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("deferred");
+    open(&img, &key, &n);
+    let stable = format!("{DEV_DIR}/{n}");
+    let mnt = t.path("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    ok("mkfs.ext4", &["-q", &stable]);
+    ok("mount", &[&stable, s(&mnt)]);
+    let o = ucrypt(&["close", "--deferred", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        Path::new(RUN_DIR).join(&n).exists(),
+        "still open while mounted"
+    );
+    std::fs::write(mnt.join("after"), b"deferred").unwrap();
+    ok("sync", &[]);
+    ok("umount", &[s(&mnt)]);
+    let t0 = std::time::Instant::now();
+    while Path::new(RUN_DIR).join(&n).exists() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(15),
+            "the daemon did not close after the last user went"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+    // Unused: --deferred closes at once.
+    open(&img, &key, &n);
+    let o = ucrypt(&["close", "--deferred", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}

@@ -142,8 +142,11 @@ pub struct CloseArgs {
     pub name: String,
     /// Close even while the device is mounted or held: it is flushed, then fails every
     /// request (as `dmsetup remove --force` does).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "deferred")]
     pub force: bool,
+    /// Close once the device's last user goes (now if there is none), and return at once.
+    #[arg(long)]
+    pub deferred: bool,
 }
 
 #[derive(Args, Debug)]
@@ -477,10 +480,18 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
         return close_stale(&run, &a.name, a.force);
     }
     let sock = dir.join("control.sock");
-    match server::request(&sock, &Request::Close { force: a.force }) {
+    let req = if a.deferred {
+        Request::CloseDeferred
+    } else {
+        Request::Close { force: a.force }
+    };
+    match server::request(&sock, &req) {
         Ok(Response::Closed(c)) => {
             if let Some(n) = c.note {
                 eprintln!("{}: {n}", a.name);
+                if a.deferred {
+                    return Ok(0);
+                }
             }
             // The name is free once the daemon is gone (bounded: it may still serve a file
             // something holds, detached, after a plain close).

@@ -42,6 +42,9 @@ pub enum Request {
     /// Flush, detach the device and exit. Without `force`, refused while the device is in
     /// use (mounted, or held by another device).
     Close { force: bool },
+    /// Close now if nothing uses the device, else once its last user goes (cryptsetup's
+    /// `close --deferred`).
+    CloseDeferred,
     /// Change run-time settings without closing (cryptsetup's `refresh`); answered with the
     /// status after the change.
     Refresh { policy: Policy },
@@ -85,7 +88,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
         .ok_or_else(|| bad("no \"cmd\""))?;
     let fields: &[&str] = match cmd {
         "status" => &["v", "cmd"],
-        "close" => &["v", "cmd", "force"],
+        "close" => &["v", "cmd", "force", "deferred"],
         "refresh" => &["v", "cmd", "policy"],
         other => return Err(bad(format!("unknown command {other:?}"))),
     };
@@ -101,14 +104,19 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 .parse()
                 .map_err(|e: ucrypt::Error| bad(e.to_string()))?,
         },
-        "close" => Request::Close {
-            force: match obj.get("force") {
-                None => false,
+        "close" => {
+            let flag = |k: &str| match obj.get(k) {
+                None => Ok(false),
                 Some(f) => f
                     .as_bool()
-                    .ok_or_else(|| bad("\"force\" must be true or false"))?,
-            },
-        },
+                    .ok_or_else(|| bad(format!("\"{k}\" must be true or false"))),
+            };
+            match (flag("force")?, flag("deferred")?) {
+                (true, true) => return Err(bad("close is either forced or deferred")),
+                (false, true) => Request::CloseDeferred,
+                (force, false) => Request::Close { force },
+            }
+        }
         _ => Request::Status,
     })
 }
@@ -123,19 +131,24 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         #[serde(skip_serializing_if = "Option::is_none")]
         force: Option<bool>,
         #[serde(skip_serializing_if = "Option::is_none")]
+        deferred: Option<bool>,
+        #[serde(skip_serializing_if = "Option::is_none")]
         policy: Option<String>,
     }
-    let (cmd, force, policy) = match req {
-        Request::Status => ("status", None, None),
-        Request::Close { force } => ("close", Some(*force), None),
-        Request::Refresh { policy } => ("refresh", None, Some(policy.to_string())),
-    };
-    line(&Wire {
+    let mut w = Wire {
         v: VERSION,
-        cmd,
-        force,
-        policy,
-    })
+        cmd: "status",
+        force: None,
+        deferred: None,
+        policy: None,
+    };
+    match req {
+        Request::Status => {}
+        Request::Close { force } => (w.cmd, w.force) = ("close", Some(*force)),
+        Request::CloseDeferred => (w.cmd, w.deferred) = ("close", Some(true)),
+        Request::Refresh { policy } => (w.cmd, w.policy) = ("refresh", Some(policy.to_string())),
+    }
+    line(&w)
 }
 
 /// The volume as cryptsetup's `status` describes it.
@@ -301,6 +314,14 @@ mod tests {
                 r#"{"v":1,"cmd":"close","force":true}"#,
                 Ok(Request::Close { force: true }),
             ),
+            (
+                r#"{"v":1,"cmd":"close","deferred":true}"#,
+                Ok(Request::CloseDeferred),
+            ),
+            (
+                r#"{"v":1,"cmd":"close","deferred":true,"force":true}"#,
+                Err(bad("close is either forced or deferred")),
+            ),
             (r#"{"v":2,"cmd":"suspend"}"#, Err(ProtoError::Version(2))),
             (r#"{"v":2,"cmd":"status"}"#, Err(ProtoError::Version(2))),
         ];
@@ -335,6 +356,7 @@ mod tests {
             Request::Status,
             Request::Close { force: false },
             Request::Close { force: true },
+            Request::CloseDeferred,
         ] {
             let l = encode_request(&r);
             assert_eq!(l.last(), Some(&b'\n'));

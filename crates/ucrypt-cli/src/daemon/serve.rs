@@ -9,6 +9,7 @@ use ucrypt_nbd::server::Listen;
 use crate::metrics::Volumes;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -113,6 +114,8 @@ struct Shared {
     ident: Identity,
     note: Option<String>,
     events: SyncSender<Event>,
+    /// A deferred close is pending: the main loop closes once nothing uses the device.
+    deferred: Arc<AtomicBool>,
 }
 
 enum Event {
@@ -165,6 +168,13 @@ impl server::Handler for Shared {
                 self.vol.set_policy(policy);
                 respond(&self.status())
             }
+            Request::CloseDeferred if self.in_use().is_some() => {
+                self.deferred.store(true, Ordering::Relaxed);
+                respond(&Response::Closed(Closed {
+                    note: Some("deferred: the device closes when its last user goes".into()),
+                }))
+            }
+            Request::CloseDeferred => self.handle(Request::Close { force: false }, respond),
             Request::Close { force } => {
                 if !force {
                     if let Some(why) = self.in_use() {
@@ -261,6 +271,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         }
     };
     let (events_tx, events) = sync_channel(EVENTS_MAX);
+    let deferred = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         name: d.name.clone(),
         vol: vol.clone(),
@@ -268,8 +279,9 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         ident: ident.clone(),
         note: note.clone(),
         events: events_tx,
+        deferred: deferred.clone(),
     });
-    server::spawn(listener, shared)?;
+    server::spawn(listener, shared.clone())?;
     reporter.ready(
         &d.name,
         &Ready {
@@ -279,7 +291,19 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
             note,
         },
     );
-    main_loop(front, &vol, &ident, &d.claim.dir, &signals, &events);
+    let in_use = {
+        let s = shared.clone();
+        move || s.in_use().is_some()
+    };
+    main_loop(
+        front,
+        &vol,
+        &ident,
+        &d.claim.dir,
+        &signals,
+        &events,
+        (&deferred, &in_use),
+    );
     Ok(())
 }
 
@@ -290,6 +314,7 @@ fn main_loop(
     dir: &Path,
     signals: &Stop,
     events: &Receiver<Event>,
+    (deferred, in_use): (&AtomicBool, &dyn Fn() -> bool),
 ) {
     loop {
         match events.recv_timeout(POLL) {
@@ -306,6 +331,15 @@ fn main_loop(
                 return;
             }
             Err(RecvTimeoutError::Timeout) => {
+                if deferred.load(Ordering::Relaxed) && !in_use() {
+                    eprintln!(
+                        "ucrypt daemon {}: the last user went: deferred close",
+                        ident.name
+                    );
+                    let (_, rest) = teardown(front, vol, false, ident, dir);
+                    finish(rest);
+                    return;
+                }
                 if signals.requested() {
                     eprintln!("ucrypt daemon {}: signal: closing", ident.name);
                     let (_, rest) = teardown(front, vol, false, ident, dir);
