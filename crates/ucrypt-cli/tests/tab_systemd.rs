@@ -311,3 +311,68 @@ fn workqueue_flags_map_to_per_direction_policies() {
         "read=queued,write=ordered"
     );
 }
+
+/// `open --nbd unix:PATH` serves the volume to NBD clients beside its device: what is written
+/// to /dev/ucrypt/NAME reads back over NBD, and `close` removes the socket.
+#[test]
+fn open_also_serves_nbd() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    if Command::new("nbdcopy").arg("--version").output().is_err() {
+        println!("SKIPPED: nbdcopy not installed (libnbd-bin)");
+        return;
+    }
+    let d = volumes("nbd");
+    let name = format!("tab-nbd-{}", std::process::id());
+    let sock = d.0.join("nbd.sock");
+    let o = run(&[
+        "open",
+        d.0.join("raw.img").to_str().unwrap(),
+        &name,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        d.0.join("raw.key").to_str().unwrap(),
+        "--front-end",
+        "fuse",
+        "--nbd",
+        &format!("unix:{}", sock.display()),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i * 31 + 7) as u8).collect();
+    {
+        use std::os::unix::fs::FileExt;
+        // No truncation: the device's size is the volume's.
+        let dev = std::fs::OpenOptions::new()
+            .write(true)
+            .open(Path::new("/dev/ucrypt").join(&name))
+            .expect("open the device");
+        dev.write_all_at(&data, 0).expect("write the device");
+        dev.sync_all().expect("sync");
+    }
+    let back = d.0.join("back");
+    let uri = format!("nbd+unix:///{name}?socket={}", sock.display());
+    let o = Command::new("nbdcopy")
+        .args([&uri, back.to_str().unwrap()])
+        .output()
+        .expect("nbdcopy");
+    assert!(o.status.success(), "nbdcopy: {}", text(&o));
+    assert!(std::fs::read(&back).unwrap()[..1 << 20] == data[..]);
+    let o = run(&["close", &name]);
+    assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    assert!(!sock.exists(), "the NBD socket goes with the volume");
+    let o = run(&[
+        "open",
+        d.0.join("raw.img").to_str().unwrap(),
+        &name,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        d.0.join("raw.key").to_str().unwrap(),
+        "--nbd",
+        "tcp:127.0.0.1:10809",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "tcp is serve's: {}", text(&o));
+}

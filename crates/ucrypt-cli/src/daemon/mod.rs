@@ -75,6 +75,9 @@ pub struct OpenArgs {
     pub tries: Option<u32>,
     #[command(flatten)]
     pub metrics: crate::metrics::MetricsArgs,
+    /// Also serve the volume to NBD clients on this socket: unix:PATH (mode 0600; export NAME).
+    #[arg(long, value_name = "unix:PATH")]
+    pub nbd: Option<ucrypt_nbd::server::Listen>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -257,6 +260,11 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
             )))
         }
     }
+    if matches!(a.nbd, Some(ucrypt_nbd::server::Listen::Tcp { .. })) {
+        return Err(CliError::Usage(
+            "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
+        ));
+    }
     if a.v.volume.is_remote() && !a.foreground {
         // The daemon forks with one thread alive; a remote backend starts its connection's
         // threads as soon as the header is read, before the passphrase is asked.
@@ -328,6 +336,7 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
         info,
         front_end,
         metrics: a.metrics.metrics.clone(),
+        nbd: a.nbd.clone(),
     };
     if a.foreground {
         serve::run(d, prepared, serve::Reporter::Foreground)?;

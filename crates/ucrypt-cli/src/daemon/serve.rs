@@ -83,7 +83,74 @@ pub struct Daemon {
     pub front_end: FrontEnd,
     /// Where to answer Prometheus scrapes, if anywhere.
     pub metrics: Option<Listen>,
+    /// Also serve the volume to NBD clients on this unix socket.
+    pub nbd: Option<Listen>,
 }
+
+/// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
+struct NbdSide {
+    thread: JoinHandle<Result<(), ucrypt_nbd::Error>>,
+    stop: Stop,
+}
+
+impl NbdSide {
+    fn start(name: &str, vol: &Arc<Volume>, at: &Listen) -> CliResult<NbdSide> {
+        let stop = Stop::new();
+        let (s2, at2) = (stop.clone(), at.clone());
+        let dev: Arc<dyn BlockDev> = vol.clone();
+        let exports = vec![(name.to_string(), dev)];
+        let opts = ucrypt_nbd::server::ServerOptions {
+            read_only: vol.read_only(),
+            tls: None,
+            insecure_plaintext: false,
+            pid_file: None,
+            announce: false,
+            poll: Duration::ZERO,
+            workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
+        };
+        let thread = std::thread::Builder::new()
+            .name("ucrypt-nbd".into())
+            .spawn(move || ucrypt_nbd::server::serve(exports, &at2, opts, s2))
+            .map_err(|e| io_err("starting the NBD server", e))?;
+        // Serving once the socket accepts (or the thread ended with its error).
+        if let Listen::Unix(p) = at {
+            let t0 = std::time::Instant::now();
+            while std::os::unix::net::UnixStream::connect(p).is_err() && !thread.is_finished() {
+                if t0.elapsed() > NBD_READY_WAIT {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        if thread.is_finished() {
+            return match thread.join() {
+                Ok(Err(e)) => Err(e.into()),
+                _ => Err(CliError::Usage("the NBD server ended at once".into())),
+            };
+        }
+        Ok(NbdSide { thread, stop })
+    }
+
+    fn stop(self) {
+        self.stop.request();
+        match self.thread.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("ucrypt daemon: NBD server: {e}"),
+            Err(_) => eprintln!("ucrypt daemon: the NBD server thread panicked"),
+        }
+    }
+}
+
+/// What the main loop watches besides its events: a pending deferred close (and whether the
+/// device is in use), and the NBD server to stop first.
+struct Beside<'a> {
+    deferred: &'a AtomicBool,
+    in_use: &'a dyn Fn() -> bool,
+    nbd: Option<NbdSide>,
+}
+
+/// How long `open --nbd` waits for its NBD socket to accept.
+const NBD_READY_WAIT: Duration = Duration::from_secs(10);
 
 /// A running front end.
 enum Front {
@@ -282,6 +349,25 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         deferred: deferred.clone(),
     });
     server::spawn(listener, shared.clone())?;
+    let nbd = match &d.nbd {
+        Some(at) => match NbdSide::start(&d.name, &vol, at) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
+                return Err(e);
+            }
+        },
+        None => None,
+    };
+    let note = match (&d.nbd, note) {
+        (Some(Listen::Unix(p)), n) => Some(format!(
+            "{}NBD: nbd+unix:///{}?socket={}",
+            n.map(|n| format!("{n}; ")).unwrap_or_default(),
+            d.name,
+            p.display()
+        )),
+        (_, n) => n,
+    };
     reporter.ready(
         &d.name,
         &Ready {
@@ -302,7 +388,11 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         &d.claim.dir,
         &signals,
         &events,
-        (&deferred, &in_use),
+        Beside {
+            deferred: &deferred,
+            in_use: &in_use,
+            nbd,
+        },
     );
     Ok(())
 }
@@ -314,8 +404,19 @@ fn main_loop(
     dir: &Path,
     signals: &Stop,
     events: &Receiver<Event>,
-    (deferred, in_use): (&AtomicBool, &dyn Fn() -> bool),
+    beside: Beside<'_>,
 ) {
+    let Beside {
+        deferred,
+        in_use,
+        mut nbd,
+    } = beside;
+    // NBD clients go first: after this nothing reaches the volume but the device's users.
+    let mut stop_nbd = || {
+        if let Some(n) = nbd.take() {
+            n.stop();
+        }
+    };
     loop {
         match events.recv_timeout(POLL) {
             Ok(Event::Close {
@@ -323,6 +424,7 @@ fn main_loop(
                 reply,
                 written,
             }) => {
+                stop_nbd();
                 let (resp, rest) = teardown(front, vol, force, ident, dir);
                 let _ = reply.send(resp);
                 // Wait (bounded) until the answer is on its way before anything exits.
@@ -336,12 +438,14 @@ fn main_loop(
                         "ucrypt daemon {}: the last user went: deferred close",
                         ident.name
                     );
+                    stop_nbd();
                     let (_, rest) = teardown(front, vol, false, ident, dir);
                     finish(rest);
                     return;
                 }
                 if signals.requested() {
                     eprintln!("ucrypt daemon {}: signal: closing", ident.name);
+                    stop_nbd();
                     let (_, rest) = teardown(front, vol, false, ident, dir);
                     finish(rest);
                     return;
@@ -351,6 +455,7 @@ fn main_loop(
                         "ucrypt daemon {}: the front end ended (unmounted from outside?): closing",
                         ident.name
                     );
+                    stop_nbd();
                     let _ = teardown(front, vol, true, ident, dir);
                     return;
                 }
