@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ucrypt::{BlockDev, Error};
 
@@ -15,46 +15,80 @@ use crate::open::VolumeArgs;
 /// Bytes per request: large enough that the engine splits it across workers.
 const CHUNK_BYTES: usize = 4 << 20;
 
+/// How often a terminal's progress line is redrawn.
+const TTY_REFRESH: Duration = Duration::from_millis(500);
+
+/// Progress of a long verb: a line redrawn on a terminal, nothing when stderr is not one,
+/// or with `--progress-frequency N` a line every N seconds wherever stderr goes.
 struct Progress {
     start: Instant,
     last: Instant,
     total: u64,
-    show: bool,
+    /// None: silent.
+    every: Option<Duration>,
+    /// Lines (--progress-frequency) rather than one line redrawn.
+    lines: bool,
 }
 
 impl Progress {
-    fn new(total: u64) -> Self {
+    fn new(total: u64, frequency_s: Option<u64>) -> Self {
         let now = Instant::now();
+        let (every, lines) = match frequency_s {
+            Some(s) => (Some(Duration::from_secs(s.max(1))), true),
+            None if crate::pass::stderr_is_tty() => (Some(TTY_REFRESH), false),
+            None => (None, false),
+        };
         Progress {
             start: now,
             last: now,
             total,
-            show: crate::pass::stderr_is_tty(),
+            every,
+            lines,
         }
     }
 
     fn tick(&mut self, done: u64) {
-        if self.show && self.last.elapsed().as_millis() >= 500 {
-            self.last = Instant::now();
-            let pct = if self.total == 0 {
-                100.0
-            } else {
-                done as f64 * 100.0 / self.total as f64
-            };
-            let mibs =
-                done as f64 / (1 << 20) as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
-            eprint!(
-                "\rProgress: {pct:5.1}%, {} MiB of {} MiB, {mibs:.0} MiB/s",
-                done >> 20,
-                self.total >> 20
-            );
+        let Some(every) = self.every else { return };
+        if self.last.elapsed() < every {
+            return;
+        }
+        self.last = Instant::now();
+        let pct = if self.total == 0 {
+            100.0
+        } else {
+            done as f64 * 100.0 / self.total as f64
+        };
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let rate = done as f64 / secs;
+        let eta = if rate > 0.0 {
+            let left = self.total.saturating_sub(done) as f64 / rate;
+            format!("{}m{:02}s", left as u64 / 60, left as u64 % 60)
+        } else {
+            "?".into()
+        };
+        let line = format!(
+            "Progress: {pct:5.1}%, ETA {eta}, {} MiB of {} MiB, {:.0} MiB/s",
+            done >> 20,
+            self.total >> 20,
+            rate / (1 << 20) as f64
+        );
+        if self.lines {
+            eprintln!("{line}");
+        } else {
+            eprint!("\r{line}");
         }
     }
 
-    fn finish(&self, verb: &str, done: u64) {
+    fn finish(&mut self, verb: &str, done: u64) {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-        if self.show {
+        if self.every.is_some() && !self.lines {
             eprintln!();
+        }
+        if self.lines {
+            // The last line says where it ended, however short the run.
+            self.last = self.start;
+            self.every = Some(Duration::ZERO);
+            self.tick(done);
         }
         eprintln!(
             "{verb} {done} bytes in {secs:.2} s ({:.0} MiB/s).",
@@ -63,7 +97,7 @@ impl Progress {
     }
 }
 
-pub fn export(v: &VolumeArgs, file: &Path) -> CliResult<i32> {
+pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult<i32> {
     let v = VolumeArgs {
         read_only: true,
         ..v.clone()
@@ -74,7 +108,7 @@ pub fn export(v: &VolumeArgs, file: &Path) -> CliResult<i32> {
         .map_err(|e| Error::io(format!("Cannot create {}", file.display()), e))?;
     let mut buf = vec![0u8; CHUNK_BYTES];
     let mut done = 0u64;
-    let mut p = Progress::new(total);
+    let mut p = Progress::new(total, progress_s);
     while done < total {
         let n = (total - done).min(CHUNK_BYTES as u64) as usize;
         vol.read_at(&mut buf[..n], done)?;
@@ -90,7 +124,7 @@ pub fn export(v: &VolumeArgs, file: &Path) -> CliResult<i32> {
     Ok(0)
 }
 
-pub fn import(file: &Path, v: &VolumeArgs) -> CliResult<i32> {
+pub fn import(file: &Path, v: &VolumeArgs, progress_s: Option<u64>) -> CliResult<i32> {
     let vol = v.open()?;
     let total = vol.size();
     let mut input =
@@ -108,7 +142,7 @@ pub fn import(file: &Path, v: &VolumeArgs) -> CliResult<i32> {
     }
     let mut buf = vec![0u8; CHUNK_BYTES];
     let mut done = 0u64;
-    let mut p = Progress::new(in_len);
+    let mut p = Progress::new(in_len, progress_s);
     while done < in_len {
         let n = (in_len - done).min(CHUNK_BYTES as u64) as usize;
         input

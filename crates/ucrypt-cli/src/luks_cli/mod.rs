@@ -245,6 +245,10 @@ pub enum LuksCmd {
         #[command(flatten)]
         v: VolumeArgs,
         file: PathBuf,
+        /// Print progress every this many seconds, a line each (also when stderr is not a
+        /// terminal), as cryptsetup's option does.
+        #[arg(long, value_name = "SECONDS")]
+        progress_frequency: Option<u64>,
     },
     /// Encrypt FILE into the data area of VOLUME.
     #[command(name = "import")]
@@ -252,6 +256,9 @@ pub enum LuksCmd {
         file: PathBuf,
         #[command(flatten)]
         v: VolumeArgs,
+        /// Print progress every this many seconds, a line each.
+        #[arg(long, value_name = "SECONDS")]
+        progress_frequency: Option<u64>,
     },
 }
 
@@ -361,8 +368,16 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         },
         LuksCmd::Config { device, o } => config(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
-        LuksCmd::Export { v, file } => return data::export(&v, &file),
-        LuksCmd::Import { file, v } => return data::import(&file, &v),
+        LuksCmd::Export {
+            v,
+            file,
+            progress_frequency,
+        } => return data::export(&v, &file, progress_frequency),
+        LuksCmd::Import {
+            file,
+            v,
+            progress_frequency,
+        } => return data::import(&file, &v, progress_frequency),
     };
     Ok(r?)
 }
