@@ -6,10 +6,12 @@
 //! says so, comes from memory aligned to [`Backend::mem_align_bytes`] (the buffer pool's
 //! buffers always are).
 
+mod crash;
 mod fault;
 mod file;
 mod mem;
 
+pub use crash::{CrashBackend, CRASH_BACKEND_BYTES_MAX};
 pub use fault::{Fault, FaultBackend, FaultOp, FaultRule};
 pub use file::{DirectMode, FileBackend, FileLock};
 pub use mem::MemBackend;
