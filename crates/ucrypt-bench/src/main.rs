@@ -82,6 +82,15 @@ pub struct EngineArgs {
     only: Vec<u8>,
 }
 
+#[derive(Args)]
+pub struct RemoteArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Only the NBD targets (nbdkit behind ucrypt's NBD client and its peers): no Ceph cluster.
+    #[arg(long)]
+    nbd_only: bool,
+}
+
 #[derive(Subcommand)]
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
@@ -94,7 +103,7 @@ enum Which {
     Nbd(Common),
     /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
     /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).
-    Remote(Common),
+    Remote(RemoteArgs),
     /// Every scenario in one run: a results folder with report.md, JSON and plots.
     All(all::AllArgs),
     /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
@@ -153,9 +162,12 @@ pub fn run(a: BenchArgs) -> i32 {
             c.json,
             nbd::markdown,
         ),
-        Which::Remote(c) => emit(
+        Which::Remote(RemoteArgs {
+            common: c,
+            nbd_only,
+        }) => emit(
             "remote",
-            remote::measure(c.runs(), c.quick, !c.json),
+            remote::measure(c.runs(), c.quick, !c.json, nbd_only),
             c.json,
             remote::markdown,
         ),

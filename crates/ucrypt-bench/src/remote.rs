@@ -13,7 +13,11 @@
 //! - `ucrypt nbd`: `ucrypt serve nbd+unix:///?socket=KIT` (LUKS2 made by `ucrypt format` on
 //!   the remote);
 //! - `ucrypt nbd plain`: the same relay with `--unencrypted` (the cost of the second hop alone);
-//! - `nbdkit direct`: fio straight to nbdkit (the ceiling).
+//! - `nbdkit direct`: fio straight to nbdkit (the ceiling of one hop);
+//! - `nbdkit relay`: nbdkit's own `nbd` plugin relaying to nbdkit memory, no crypto (a peer's
+//!   two-hop path: the ceiling of any relay on this machine);
+//! - `nbdkit luks relay`: the same with nbdkit's `luks` filter (LUKS1, the peer's encrypting
+//!   relay).
 //!
 //! Every image is written over in full before it is formatted, so that reads hit real objects,
 //! and every volume is `VOLUME_BYTES` long. Round-robin over targets, `runs` times; medians.
@@ -60,10 +64,12 @@ pub enum Target {
     UcryptNbd,
     UcryptNbdPlain,
     NbdkitDirect,
+    NbdkitRelay,
+    NbdkitLuksRelay,
 }
 
 impl Target {
-    const ALL: [Target; 8] = [
+    const ALL: [Target; 10] = [
         Target::UcryptRbd,
         Target::QsdLibrbdLuks2,
         Target::QsdLuksOnRbd,
@@ -72,6 +78,8 @@ impl Target {
         Target::UcryptNbd,
         Target::UcryptNbdPlain,
         Target::NbdkitDirect,
+        Target::NbdkitRelay,
+        Target::NbdkitLuksRelay,
     ];
 
     /// Needs the Ceph test cluster.
@@ -96,6 +104,8 @@ impl Target {
             Target::UcryptNbd => "ucrypt nbd→nbdkit (LUKS2)",
             Target::UcryptNbdPlain => "ucrypt nbd→nbdkit, no crypto",
             Target::NbdkitDirect => "nbdkit direct (ceiling)",
+            Target::NbdkitRelay => "nbdkit nbd→nbdkit, no crypto (relay ceiling)",
+            Target::NbdkitLuksRelay => "nbdkit luks nbd→nbdkit (LUKS1)",
         }
     }
 
@@ -108,6 +118,8 @@ impl Target {
             Target::UcryptNbd => "kit-luks",
             Target::UcryptNbdPlain => "kit-plain",
             Target::NbdkitDirect => "kit-direct",
+            Target::NbdkitRelay => "kit-relay",
+            Target::NbdkitLuksRelay => "kit-luks-relay",
         }
     }
 }
@@ -159,9 +171,15 @@ const GOALS: &[GoalSpec] = &[
         peer: Target::NbdkitDirect,
         min_ratio: 0.9,
     },
-    // The ceiling of a relay: the same second hop without crypto. Where the goal above is
-    // out of reach (a relay's request is two round trips on the same cores), this says what
-    // the crypto costs.
+    // The ceiling of a relay: a peer's second hop without crypto (nbdkit relaying to nbdkit).
+    // Where the goal above is out of reach (a relay's request is two round trips on the same
+    // cores), this is the limit the machine allows; ours without crypto says what crypto costs.
+    GoalSpec {
+        ours: Target::UcryptNbd,
+        jobs: ALL_JOBS,
+        peer: Target::NbdkitRelay,
+        min_ratio: 0.9,
+    },
     GoalSpec {
         ours: Target::UcryptNbd,
         jobs: ALL_JOBS,
@@ -394,6 +412,19 @@ fn server_command(t: Target, s: &Setup) -> Result<Option<Command>, String> {
         ),
         Target::QsdRaw => qsd(&[rbd_node(t.image(), "")], "r0"),
         Target::FioRbd | Target::NbdkitDirect => return Ok(None),
+        Target::NbdkitRelay | Target::NbdkitLuksRelay => {
+            let mut c = Command::new("nbdkit");
+            c.args(["-f", "--exit-with-parent", "-U", &sock]);
+            if t == Target::NbdkitLuksRelay {
+                c.arg("--filter=luks");
+            }
+            c.arg("nbd")
+                .arg(format!("socket={}", s.kit_sock(t).display()));
+            if t == Target::NbdkitLuksRelay {
+                c.arg(format!("passphrase=+{pass}"));
+            }
+            c
+        }
         Target::UcryptNbd | Target::UcryptNbdPlain => {
             let mut c = Command::new(crate::ucrypt_bin()?);
             c.arg("serve")
@@ -459,6 +490,8 @@ fn kits(s: &Setup, servers: &mut Vec<Server>) -> Result<(), String> {
         Target::UcryptNbd,
         Target::UcryptNbdPlain,
         Target::NbdkitDirect,
+        Target::NbdkitRelay,
+        Target::NbdkitLuksRelay,
     ] {
         let sock = s.kit_sock(t);
         let mut c = Command::new("nbdkit");
@@ -478,6 +511,14 @@ fn kits(s: &Setup, servers: &mut Vec<Server>) -> Result<(), String> {
         Command::new(crate::ucrypt_bin()?)
             .args(["format", "-q", "--type", "luks2"])
             .arg(s.kit_uri(Target::UcryptNbd))
+            .arg(s.p("pass"))
+            .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"]),
+    )?;
+    // nbdkit's luks filter reads LUKS1 only.
+    run_ok(
+        Command::new(crate::ucrypt_bin()?)
+            .args(["format", "-q", "--type", "luks1"])
+            .arg(s.kit_uri(Target::NbdkitLuksRelay))
             .arg(s.p("pass"))
             .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"]),
     )?;
@@ -507,7 +548,12 @@ fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
     out
 }
 
-pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport, String> {
+pub fn measure(
+    runs: usize,
+    quick: bool,
+    progress: bool,
+    nbd_only: bool,
+) -> Result<RemoteReport, String> {
     for (p, pkg) in [("fio", "fio"), ("nbdkit", "nbdkit")] {
         if !have(p) {
             return Err(format!("{p} not found (apt-get install {pkg})"));
@@ -520,7 +566,8 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport,
         ("ceph-osd", "ceph-osd"),
     ]
     .into_iter()
-    .find(|(p, _)| !have(p));
+    .find(|(p, _)| !have(p))
+    .filter(|_| !nbd_only);
     let (runtime, ramp) = if quick {
         (Duration::from_millis(1000), Duration::from_millis(300))
     } else {
@@ -529,6 +576,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<RemoteReport,
     let dir = std::env::temp_dir().join(format!("ucrypt-bench-remote-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let cluster = match ceph_missing {
+        None if nbd_only => {
+            skipped.push("the Ceph RBD targets: --nbd-only".to_string());
+            None
+        }
         Some((p, pkg)) => {
             skipped.push(format!(
                 "the Ceph RBD targets: {p} not installed (apt-get install {pkg}; bash scripts/deps.sh test)"
@@ -638,14 +689,19 @@ pub fn markdown(r: &RemoteReport) -> String {
         r.ramp_s,
         r.runs
     );
+    // Only the targets this run measured (--nbd-only or a missing peer leaves some out).
+    let shown: Vec<Target> = Target::ALL
+        .into_iter()
+        .filter(|&t| r.rows.iter().any(|x| x.target == t))
+        .collect();
     s.push_str("| job |");
-    for t in Target::ALL {
+    for t in &shown {
         s.push_str(&format!(" {} |", t.name()));
     }
-    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
+    s.push_str(&format!("\n|---|{}\n", "---|".repeat(shown.len())));
     for job in JOBS {
         s.push_str(&format!("| {} |", job.name));
-        for t in Target::ALL {
+        for &t in &shown {
             let cell = find(&r.rows, job.name, t)
                 .map(|x| x.mib_s.show(1))
                 .unwrap_or_else(|| "–".into());
@@ -654,7 +710,7 @@ pub fn markdown(r: &RemoteReport) -> String {
         s.push('\n');
     }
     s.push_str("\n## Goals (ours ÷ peer, medians)\n\n| job | ours | peer | ratio | goal | |\n|---|---|---|---|---|---|\n");
-    for g in &r.goals {
+    for g in r.goals.iter().filter(|g| g.ratio.is_some()) {
         let (ratio, verdict) = match (g.ratio, g.met) {
             (Some(x), Some(true)) => (format!("{x:.2}"), "met"),
             (Some(x), Some(false)) => (format!("{x:.2}"), "MISSED"),

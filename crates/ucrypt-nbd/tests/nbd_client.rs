@@ -789,3 +789,46 @@ fn our_own_tls_server_and_client_agree() {
     stop.request();
     server.join().unwrap().unwrap();
 }
+
+#[test]
+fn fua_writes_carry_the_fua_flag_and_send_no_flush() {
+    if !need("nbdkit", "nbdkit") {
+        return;
+    }
+    let dir = TempDir::new("fua");
+    let log = dir.path("log");
+    let addr = Addr::Unix(dir.path("s"));
+    let logfile = format!("logfile={}", log.display());
+    let srv = nbdkit(&addr, &["--filter=log", "memory", "8M", &logfile]);
+    let b = NbdBackend::connect(&addr.uri(false, ""), &ClientOptions::default()).unwrap();
+    let data = pattern(8192, 7);
+    b.write_at_fua(&data, 4096).unwrap();
+    b.write_at(&data, 65536).unwrap();
+    let mut back = vec![0u8; 8192];
+    b.read_exact_at(&mut back, 4096).unwrap();
+    assert_eq!(back, data);
+    drop(b);
+    drop(srv);
+    // nbdkit's log filter writes one line per request, with its flags.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let writes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(" Write ") && !l.contains("...Write"))
+        .collect();
+    assert!(
+        writes
+            .iter()
+            .any(|l| l.contains("offset=0x1000") && l.contains("fua=1")),
+        "no FUA write at 4096 in nbdkit's log:\n{text}"
+    );
+    assert!(
+        writes
+            .iter()
+            .any(|l| l.contains("offset=0x10000") && l.contains("fua=0")),
+        "the plain write at 65536 should carry no FUA:\n{text}"
+    );
+    assert!(
+        !text.lines().any(|l| l.contains(" Flush ")),
+        "a FUA write needs no flush:\n{text}"
+    );
+}

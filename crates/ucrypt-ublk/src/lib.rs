@@ -89,15 +89,10 @@ fn handle(dev: &dyn BlockDev, iod: &sys::ublksrv_io_desc, buf: &mut [u8]) -> i32
         sys::UBLK_IO_OP_READ => dev.read_at(&mut buf[..bytes as usize], offset),
         // The I/O buffer is refilled by the kernel for the next request: the volume may
         // encrypt in it.
-        sys::UBLK_IO_OP_WRITE => dev
-            .write_at_mut(&mut buf[..bytes as usize], offset)
-            .and_then(|()| {
-                if iod.op_flags & sys::UBLK_IO_F_FUA != 0 {
-                    dev.flush()
-                } else {
-                    Ok(())
-                }
-            }),
+        sys::UBLK_IO_OP_WRITE if iod.op_flags & sys::UBLK_IO_F_FUA != 0 => {
+            dev.write_fua(&mut buf[..bytes as usize], offset)
+        }
+        sys::UBLK_IO_OP_WRITE => dev.write_at_mut(&mut buf[..bytes as usize], offset),
         sys::UBLK_IO_OP_FLUSH => dev.flush(),
         sys::UBLK_IO_OP_DISCARD => dev.discard(offset, bytes),
         sys::UBLK_IO_OP_WRITE_ZEROES => dev.write_zeroes(offset, bytes),

@@ -10,7 +10,7 @@ use crate::{Error, Result};
 /// - Offsets and lengths are bytes; a request must lie within `size()` (else `OutOfRange`).
 /// - Requests need not be aligned to `block_size()`; unaligned ones cost a read-modify-write.
 /// - `write_at` returning `Ok` means the data is visible to later reads; it is durable only
-///   after a later `flush` returns `Ok` (FUA = write then flush).
+///   after a later `flush` returns `Ok`, or when it was written with `write_fua`.
 /// - Errors affect only the request that returned them; the device stays usable.
 pub trait BlockDev: Send + Sync {
     /// Size in bytes.
@@ -27,6 +27,12 @@ pub trait BlockDev: Send + Sync {
     /// Afterwards `buf` holds unspecified bytes (for a volume, ciphertext or the plaintext).
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.write_at(buf, offset)
+    }
+    /// Like `write_at_mut`, and durable when it returns `Ok` (Force Unit Access): a front end's
+    /// FUA write. Other writes are not made durable by it. The default writes, then flushes.
+    fn write_fua(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.write_at_mut(buf, offset)?;
+        self.flush()
     }
     /// Makes every acknowledged write durable on the backing store (fdatasync).
     fn flush(&self) -> Result<()>;

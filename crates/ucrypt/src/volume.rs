@@ -222,15 +222,29 @@ impl BlockDev for Volume {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         let r = self
             .core
-            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64);
+            .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64, false);
         counted(&self.core, Kind::Write, r)
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.core.is_direct(buf, offset, true) {
-            return counted(&self.core, Kind::Write, self.core.write_direct(buf, offset));
+            let r = self.core.write_direct(buf, offset, false);
+            return counted(&self.core, Kind::Write, r);
         }
         self.write_at(buf, offset)
+    }
+
+    /// Each backend write of the request is itself FUA (`Backend::write_at_fua`): no flush of
+    /// the whole backend, and other writes in flight stay unordered.
+    fn write_fua(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let r = if self.core.is_direct(buf, offset, true) {
+            self.core.write_direct(buf, offset, true)
+        } else {
+            let len = buf.len() as u64;
+            self.core
+                .write(Op::Write, Source::Buf(buf), offset, len, true)
+        };
+        counted(&self.core, Kind::Write, r)
     }
 
     fn flush(&self) -> Result<()> {
@@ -246,7 +260,7 @@ impl BlockDev for Volume {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         let r = self
             .core
-            .write(Op::WriteZeroes, Source::Zeroes, offset, len);
+            .write(Op::WriteZeroes, Source::Zeroes, offset, len, false);
         counted(&self.core, Kind::Write, r)
     }
 }
@@ -276,6 +290,7 @@ impl Core {
                 buf: dst.as_mut_ptr(),
                 src: std::ptr::null(),
                 io: true,
+                fua: false,
             };
             return self.run(plan, piece, task, t);
         }
@@ -288,6 +303,7 @@ impl Core {
             buf: g.as_mut_ptr(),
             src: std::ptr::null(),
             io: true,
+            fua: false,
         };
         self.run(plan, piece, task, t)?;
         dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
@@ -351,8 +367,8 @@ impl Core {
     // ---------------------------------------------------------------- writes
 
     /// A write that passed [`Core::is_direct`], encrypted in the caller's buffer: lock its
-    /// sectors, encrypt in place, one backend write.
-    fn write_direct(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+    /// sectors, encrypt in place, one backend write (durable when it returns, with `fua`).
+    fn write_direct(&self, buf: &mut [u8], offset: u64, fua: bool) -> Result<()> {
         let mut t = Times::start();
         let len = buf.len() as u64;
         self.check(offset, len)?;
@@ -369,7 +385,12 @@ impl Core {
         t.crypto += t.clock().wrapping_sub(t0);
         let r = r.and_then(|()| {
             let t0 = t.clock();
-            let r = self.backend.write_at(buf, self.backend_offset(first));
+            let at = self.backend_offset(first);
+            let r = if fua {
+                self.backend.write_at_fua(buf, at)
+            } else {
+                self.backend.write_at(buf, at)
+            };
             t.backend += t.clock().wrapping_sub(t0);
             r
         });
@@ -388,6 +409,7 @@ impl Core {
             buf: dst.as_mut_ptr(),
             src: std::ptr::null(),
             io: true,
+            fua: false,
         };
         self.exec_task(None, &task, t)
     }
@@ -397,6 +419,7 @@ impl Core {
         plan: &Plan,
         piece: &Piece,
         src: Source<'_>,
+        fua: bool,
         t: &mut Times,
     ) -> Result<()> {
         let ss = 1usize << self.shift;
@@ -408,6 +431,11 @@ impl Core {
             let r = self
                 .backend
                 .write_zeroes(self.backend_offset(piece.sectors.first), bytes as u64);
+            let r = if fua {
+                r.and_then(|()| self.backend.flush())
+            } else {
+                r
+            };
             t.backend += t.clock().wrapping_sub(t0);
             return r;
         }
@@ -442,6 +470,7 @@ impl Core {
             buf: g.as_mut_ptr(),
             src: plain_src,
             io: true,
+            fua,
         };
         self.run(plan, piece, task, t)?;
         if !plain_src.is_null() && !self.null_cipher {
@@ -451,7 +480,8 @@ impl Core {
         Ok(())
     }
 
-    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64) -> Result<()> {
+    /// A write of `len` bytes from `src`; with `fua`, durable when it returns.
+    fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64, fua: bool) -> Result<()> {
         let mut t = Times::start();
         self.check(offset, len)?;
         self.check_writable()?;
@@ -463,7 +493,7 @@ impl Core {
         let mut rmw = false;
         for piece in plan.pieces() {
             rmw |= !piece.aligned();
-            r = self.write_piece(&plan, &piece, src, &mut t);
+            r = self.write_piece(&plan, &piece, src, fua, &mut t);
             if r.is_err() {
                 break;
             }
@@ -908,9 +938,12 @@ impl Executor for Core {
         // SAFETY: as in exec_task; the buffer now holds ciphertext.
         let buf: &[u8] = unsafe { self.task_buf(task) };
         let t0 = t.clock();
-        let r = self
-            .backend
-            .write_at(buf, self.backend_offset(task.sectors.first));
+        let at = self.backend_offset(task.sectors.first);
+        let r = if task.fua {
+            self.backend.write_at_fua(buf, at)
+        } else {
+            self.backend.write_at(buf, at)
+        };
         t.backend += t.clock().wrapping_sub(t0);
         r
     }

@@ -89,6 +89,8 @@ enum Phase {
 
 struct Slot {
     kind: u16,
+    /// Command flags (`CMD_FLAG_FUA`), sent again on a resend.
+    flags: u16,
     offset: u64,
     len: u32,
     phase: Phase,
@@ -198,6 +200,7 @@ impl Conn {
     pub fn start(
         &self,
         kind: u16,
+        flags: u16,
         offset: u64,
         len: u32,
         payload: Option<&[u8]>,
@@ -226,6 +229,7 @@ impl Conn {
             cookie,
             Slot {
                 kind,
+                flags,
                 offset,
                 len,
                 phase: Phase::Unsent,
@@ -330,7 +334,7 @@ impl Conn {
             at: Instant::now(),
         };
         let header = RequestHeader {
-            flags: 0,
+            flags: slot.flags,
             kind: slot.kind,
             cookie,
             offset: slot.offset,

@@ -28,9 +28,9 @@ use ucrypt::backend::Backend;
 use ucrypt::sync::lock;
 
 use crate::proto::{
-    cmd_name, ExportGeometry, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES,
-    MAX_PAYLOAD_BYTES, TX_CAN_MULTI_CONN, TX_READ_ONLY, TX_SEND_FLUSH, TX_SEND_TRIM,
-    TX_SEND_WRITE_ZEROES,
+    cmd_name, ExportGeometry, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE,
+    CMD_WRITE_ZEROES, MAX_PAYLOAD_BYTES, TX_CAN_MULTI_CONN, TX_READ_ONLY, TX_SEND_FLUSH,
+    TX_SEND_FUA, TX_SEND_TRIM, TX_SEND_WRITE_ZEROES,
 };
 use crate::{Error, Result};
 use conn::{Conn, ReqError};
@@ -227,6 +227,7 @@ impl NbdBackend {
     fn call(
         &self,
         kind: u16,
+        flags: u16,
         offset: u64,
         len: u32,
         payload: Option<&[u8]>,
@@ -234,7 +235,7 @@ impl NbdBackend {
     ) -> ucrypt::Result<()> {
         let c = self.pick();
         let cookie = c
-            .start(kind, offset, len, payload)
+            .start(kind, flags, offset, len, payload)
             .map_err(|e| self.err(kind, offset, len.into(), e))?;
         let data = c
             .finish(cookie, payload)
@@ -279,6 +280,17 @@ impl NbdBackend {
             Some(piece)
         })
     }
+
+    /// `NBD_CMD_WRITE` with `flags`, cut into requests the server accepts.
+    fn write(&self, buf: &[u8], offset: u64, flags: u16) -> ucrypt::Result<()> {
+        self.check(offset, buf.len() as u64, true)?;
+        for (at, n) in self.pieces(offset, buf.len() as u64) {
+            let from = (at - offset) as usize;
+            let piece = Some(&buf[from..from + n as usize]);
+            self.call(CMD_WRITE, flags, at, n, piece, |_| {})?;
+        }
+        Ok(())
+    }
 }
 
 impl Backend for NbdBackend {
@@ -292,7 +304,7 @@ impl Backend for NbdBackend {
             let from = (at - offset) as usize;
             let dest = &mut buf[from..from + n as usize];
             let mut filled = false;
-            self.call(CMD_READ, at, n, None, |d| {
+            self.call(CMD_READ, 0, at, n, None, |d| {
                 // The reader read exactly the request's length.
                 dest.copy_from_slice(d);
                 filled = true;
@@ -305,18 +317,17 @@ impl Backend for NbdBackend {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
-        self.check(offset, buf.len() as u64, true)?;
-        for (at, n) in self.pieces(offset, buf.len() as u64) {
-            let from = (at - offset) as usize;
-            self.call(
-                CMD_WRITE,
-                at,
-                n,
-                Some(&buf[from..from + n as usize]),
-                |_| {},
-            )?;
+        self.write(buf, offset, 0)
+    }
+
+    /// `NBD_CMD_WRITE` with `NBD_CMD_FLAG_FUA` when the server advertises `SEND_FUA` (the
+    /// server makes that write durable before answering); otherwise a write and a flush.
+    fn write_at_fua(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
+        if !self.geometry.has(TX_SEND_FUA) {
+            self.write_at(buf, offset)?;
+            return self.flush();
         }
-        Ok(())
+        self.write(buf, offset, CMD_FLAG_FUA)
     }
 
     /// `NBD_CMD_FLUSH` on every connection at once; returns when all have answered (the
@@ -332,7 +343,7 @@ impl Backend for NbdBackend {
         let mut started = Vec::with_capacity(self.conns.len());
         let mut first_err = None;
         for c in &self.conns {
-            match c.start(CMD_FLUSH, 0, 0, None) {
+            match c.start(CMD_FLUSH, 0, 0, 0, None) {
                 Ok(cookie) => started.push((c, cookie)),
                 Err(e) => {
                     first_err.get_or_insert(self.err(CMD_FLUSH, 0, 0, e));
@@ -355,7 +366,7 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         for (at, n) in self.pieces(offset, len) {
-            self.call(CMD_TRIM, at, n, None, |_| {})?;
+            self.call(CMD_TRIM, 0, at, n, None, |_| {})?;
         }
         Ok(())
     }
@@ -366,7 +377,7 @@ impl Backend for NbdBackend {
         self.check(offset, len, true)?;
         if self.geometry.has(TX_SEND_WRITE_ZEROES) {
             for (at, n) in self.pieces(offset, len) {
-                self.call(CMD_WRITE_ZEROES, at, n, None, |_| {})?;
+                self.call(CMD_WRITE_ZEROES, 0, at, n, None, |_| {})?;
             }
             return Ok(());
         }

@@ -287,11 +287,13 @@ impl Ctx {
             }
             Command::Write { offset, fua, len } => {
                 // The payload buffer is ours and read no more: the volume may encrypt in it.
+                // A FUA write is made durable by itself, not by flushing everything.
                 let r = match &mut job.payload {
+                    Some(p) if fua => dev.write_fua(p.data_mut(len as usize), offset),
                     Some(p) => dev.write_at_mut(p.data_mut(len as usize), offset),
                     None => Err(ucrypt::Error::Bug("NBD write job without its payload")),
                 };
-                self.reply(job.cookie, durable(r, fua));
+                self.reply(job.cookie, r);
             }
             Command::Flush => self.reply(job.cookie, dev.flush()),
             Command::Trim { offset, len, fua } => self.reply(

@@ -144,6 +144,10 @@ impl Backend for CrashBackend {
         Ok(())
     }
 
+    fn write_at_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
+        CrashBackend::write_at_fua(self, buf, offset)
+    }
+
     fn flush(&self) -> Result<()> {
         let mut s = lock(&self.state);
         let s = &mut *s;

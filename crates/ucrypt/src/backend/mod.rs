@@ -27,6 +27,13 @@ pub trait Backend: Send + Sync {
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
     /// Makes completed writes durable (`fdatasync`).
     fn flush(&self) -> Result<()>;
+    /// Writes all of `buf` at `offset` and returns once that write is durable (Force Unit
+    /// Access); says nothing of other writes. The default is a write and then a flush; backends
+    /// with a cheaper way (RWF_DSYNC, NBD's FUA flag) override it.
+    fn write_at_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.write_at(buf, offset)?;
+        self.flush()
+    }
     /// Frees the range where the storage can; it may read back as anything afterwards.
     fn discard(&self, offset: u64, len: u64) -> Result<()>;
     /// The range reads back as zeroes afterwards.

@@ -17,6 +17,8 @@ pub(crate) struct Task {
     pub src: *const u8,
     /// Also do the backend I/O (read before decrypting / write after encrypting).
     pub io: bool,
+    /// Writes: the backend write must be durable when it completes (FUA).
+    pub fua: bool,
 }
 
 // SAFETY: a Task is a view of buffers owned by a caller that blocks until every task made from
