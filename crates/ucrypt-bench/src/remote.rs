@@ -3,6 +3,7 @@
 //! objects in RAM), every target measured by the same client, fio over an NBD unix socket:
 //! - `ucrypt rbd`: `ucrypt serve rbd:rbd/IMG` (LUKS2 made by `ucrypt format`, 4096-byte
 //!   sectors, data offset aligned to the object size as librbd's is);
+//! - `ucrypt rbd plain`: the same path with `serve --unencrypted` (what the crypto costs on it);
 //! - `qsd librbd LUKS2`: qemu-storage-daemon exporting its rbd node with librbd's own
 //!   client-side encryption (`encrypt.format=luks2`) on the same kind of image;
 //! - `qsd luks on rbd`: qemu's own `luks` driver (LUKS1, 512-byte sectors) on a raw rbd node;
@@ -57,6 +58,7 @@ const MEMSTORE_BYTES: u64 = 2 << 30;
 #[serde(rename_all = "kebab-case")]
 pub enum Target {
     UcryptRbd,
+    UcryptRbdPlain,
     QsdLibrbdLuks2,
     QsdLuksOnRbd,
     QsdRaw,
@@ -69,8 +71,9 @@ pub enum Target {
 }
 
 impl Target {
-    const ALL: [Target; 10] = [
+    const ALL: [Target; 11] = [
         Target::UcryptRbd,
+        Target::UcryptRbdPlain,
         Target::QsdLibrbdLuks2,
         Target::QsdLuksOnRbd,
         Target::QsdRaw,
@@ -87,6 +90,7 @@ impl Target {
         matches!(
             self,
             Target::UcryptRbd
+                | Target::UcryptRbdPlain
                 | Target::QsdLibrbdLuks2
                 | Target::QsdLuksOnRbd
                 | Target::QsdRaw
@@ -97,6 +101,7 @@ impl Target {
     fn name(self) -> &'static str {
         match self {
             Target::UcryptRbd => "ucrypt rbd (LUKS2)",
+            Target::UcryptRbdPlain => "ucrypt rbd, no crypto",
             Target::QsdLibrbdLuks2 => "qsd librbd LUKS2",
             Target::QsdLuksOnRbd => "qsd luks on rbd (LUKS1)",
             Target::QsdRaw => "qsd raw (ceiling)",
@@ -112,6 +117,7 @@ impl Target {
     fn image(self) -> &'static str {
         match self {
             Target::UcryptRbd => "bench-ucrypt",
+            Target::UcryptRbdPlain => "bench-plain",
             Target::QsdLibrbdLuks2 => "bench-librbd",
             Target::QsdLuksOnRbd => "bench-luks1",
             Target::QsdRaw | Target::FioRbd => "bench-raw",
@@ -146,6 +152,13 @@ const GOALS: &[GoalSpec] = &[
         ours: Target::UcryptRbd,
         jobs: ALL_JOBS,
         peer: Target::QsdRaw,
+        min_ratio: 0.9,
+    },
+    // The ceiling of ucrypt's own path: the same serve over the same image, without crypto.
+    GoalSpec {
+        ours: Target::UcryptRbd,
+        jobs: ALL_JOBS,
+        peer: Target::UcryptRbdPlain,
         min_ratio: 0.9,
     },
     GoalSpec {
@@ -323,7 +336,13 @@ fn images(s: &Setup, progress: bool) -> Result<(), String> {
     let cluster = s.cluster()?;
     let conf = cluster.conf.display().to_string();
     let size = format!("{}M", (VOLUME_BYTES + HEADER_ROOM_BYTES) >> 20);
-    for img in ["bench-ucrypt", "bench-librbd", "bench-luks1", "bench-raw"] {
+    for img in [
+        "bench-ucrypt",
+        "bench-plain",
+        "bench-librbd",
+        "bench-luks1",
+        "bench-raw",
+    ] {
         if progress {
             eprintln!("bench remote: image {img}");
         }
@@ -386,14 +405,18 @@ fn server_command(t: Target, s: &Setup) -> Result<Option<Command>, String> {
         format!("driver=rbd,node-name=r0,pool=rbd,image={img},conf={conf}{extra}")
     };
     Ok(Some(match t {
-        Target::UcryptRbd => {
+        Target::UcryptRbd | Target::UcryptRbdPlain => {
             let mut c = Command::new(crate::ucrypt_bin()?);
             c.arg("serve")
                 .arg(format!("rbd:rbd/{}", t.image()))
                 .args(["--nbd", &format!("unix:{sock}")])
                 .args(["--export-name", EXPORT])
-                .args(["--key-file", &pass])
                 .args(["--rbd-conf", &conf]);
+            if t == Target::UcryptRbd {
+                c.args(["--key-file", &pass]);
+            } else {
+                c.arg("--unencrypted");
+            }
             c
         }
         Target::QsdLibrbdLuks2 => qsd(

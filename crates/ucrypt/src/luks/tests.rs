@@ -843,14 +843,46 @@ fn check_row(name: &str, img: &[u8], expect: &Expect) {
     }
 }
 
+/// With `UCRYPT_FUZZ_SEEDS=DIR`, writes `bytes` as the seed `DIR/TARGET/NAME` (the fuzz
+/// corpora under fuzz/seeds/ are made this way from the tables of hostile headers).
+fn fuzz_seed(target: &str, name: &str, bytes: &[u8]) {
+    let Some(dir) = std::env::var_os("UCRYPT_FUZZ_SEEDS") else {
+        return;
+    };
+    let dir = std::path::Path::new(&dir).join(target);
+    std::fs::create_dir_all(&dir).expect("seed directory");
+    let file: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    std::fs::write(dir.join(format!("hostile-{file}")), bytes).expect("seed written");
+}
+
+/// A LUKS2 image's two header copies, and the primary's JSON area up to its NUL padding.
+fn luks2_seeds(name: &str, img: &[u8]) {
+    let hdr_size = u64::from_be_bytes(img[8..16].try_into().expect("8 bytes")) as usize;
+    let copies = hdr_size
+        .saturating_mul(2)
+        .max(4096)
+        .min(img.len().min(64 << 10));
+    fuzz_seed("luks_parse", name, &img[..copies]);
+    if (4096..=32 << 10).contains(&hdr_size) && img.len() >= hdr_size {
+        let json = &img[4096..hdr_size];
+        let end = json.iter().position(|&b| b == 0).unwrap_or(json.len());
+        fuzz_seed("luks2_json", name, &json[..end]);
+    }
+}
+
 #[test]
 fn hostile_luks2_headers_are_rejected_or_repaired() {
     let (good, _) = image_luks2();
     let rows = hostile_luks2_rows();
     assert!(rows.len() >= 40);
+    luks2_seeds("good", &good);
     for (name, mutate, expect) in &rows {
         let mut img = good.clone();
         mutate(&mut img);
+        luks2_seeds(name, &img);
         check_row(name, &img, expect);
     }
 }
@@ -953,9 +985,15 @@ fn hostile_luks1_headers_are_rejected() {
             "truncated",
         ),
     ];
+    fuzz_seed("luks_parse", "luks1-good", &good[..good.len().min(4096)]);
     for (name, f, want) in &rows {
         let mut img = good.clone();
         f(&mut img);
+        fuzz_seed(
+            "luks_parse",
+            &format!("luks1-{name}"),
+            &img[..img.len().min(4096)],
+        );
         match parse_any(&img) {
             Err(Error::BadHeader { check, detail }) => {
                 assert_eq!(check, *want, "{name}: rejected by '{check}' ({detail})")
