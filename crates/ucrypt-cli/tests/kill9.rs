@@ -267,8 +267,8 @@ fn block_of(trial: u64, i: usize, b: usize) -> Vec<u8> {
 fn check(trial: u64, before: &[u8], after: &[u8], writes: &[Write]) -> Result<(), String> {
     let mut by_block: Vec<Vec<usize>> = vec![Vec::new(); REGION / BLOCK];
     for (i, w) in writes.iter().enumerate() {
-        for b in w.first..w.first + w.blocks {
-            by_block[b].push(i);
+        for ws in &mut by_block[w.first..w.first + w.blocks] {
+            ws.push(i);
         }
     }
     for (b, ws) in by_block.iter().enumerate() {

@@ -43,6 +43,8 @@ const VOLUME_BYTES: usize = 64 << 10;
 /// Room before it (the data offset), as a header would take.
 const DATA_OFFSET: u64 = 4096;
 const OPS_MAX: u64 = 40;
+/// Bounce buffers of each volume: room for the largest request of the workload.
+const POOL_BYTES: usize = 1 << 20;
 /// (encryption sector, device atomic unit) pairs the crash points cycle through.
 const GEOMETRIES: [(u64, u64); 4] = [(512, 512), (512, 4096), (4096, 4096), (4096, 512)];
 
@@ -64,6 +66,10 @@ fn volume(backend: Arc<dyn Backend>, sector: SectorSize, policy: Policy) -> Volu
     cfg.size_bytes = Some(VOLUME_BYTES as u64);
     cfg.policy = policy.into();
     cfg.allow_discards = true;
+    // Two volumes a crash point: a small pool and no busy-waiting keep them cheap to build
+    // and idle (neither changes what reaches the device, or in which order).
+    cfg.pool_bytes = POOL_BYTES;
+    cfg.spin = std::time::Duration::ZERO;
     Volume::new(backend, cfg).expect("volume")
 }
 
