@@ -414,6 +414,16 @@ fn unmount(file: &Path) {
     }
 }
 
+struct UnmountOnDrop(PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        if is_fuse_mount(&self.0) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+}
+
 #[test]
 fn fuse_daemon_killed_keeps_every_fsynced_write() {
     // SAFETY: geteuid has no preconditions.
@@ -428,6 +438,8 @@ fn fuse_daemon_killed_keeps_every_fsynced_write() {
     let (img, key) = luks2_volume(&dir);
     let file: PathBuf = dir.path("plain");
     std::fs::write(&file, b"").expect("mount point");
+    // Dropped before `dir`: a failed trial leaves no mount behind (and its daemon then exits).
+    let _unmount = UnmountOnDrop(file.clone());
     let target = file.to_str().expect("utf-8").to_string();
     let first = first_seed();
     let n = trials();
