@@ -1311,3 +1311,33 @@ fn rbd_clone_header_is_named() {
         }
     }
 }
+
+/// The images of cryptsetup 2.6.1's LUKS2 validation suite with 16 KiB headers (first 32 KiB,
+/// kept as fuzz seeds, named by the suite's verdict: `cryptsetup-2.6.1-loads-*` or
+/// `-refused-*`) parse or are refused as cryptsetup's `luksDump` does, without fetching the
+/// suite (`ucrypt-cli/tests/luks2_validation.rs` runs all 83 from cryptsetup's source).
+#[test]
+fn cryptsetup_validation_suite_seeds_agree() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/luks_parse");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).expect("seed dir") {
+        let p = e.expect("entry").path();
+        let name = p
+            .file_name()
+            .and_then(|s| s.to_str())
+            .unwrap_or("")
+            .to_string();
+        let Some(rest) = name.strip_prefix("cryptsetup-2.6.1-") else {
+            continue;
+        };
+        let loads = rest.starts_with("loads-");
+        assert!(
+            loads || rest.starts_with("refused-"),
+            "{name}: no verdict in the name"
+        );
+        let got = parse_any(&std::fs::read(&p).expect("seed"));
+        assert_eq!(got.is_ok(), loads, "{name}: {:?}", got.map(|h| h.version()));
+        n += 1;
+    }
+    assert!(n >= 60, "only {n} suite images among the seeds");
+}
