@@ -55,6 +55,11 @@ TEST=(
   # commands, librbd and librados) and librbd's header for the FFI declarations of ucrypt-rbd;
   # qemu's rbd driver, which reads images librbd's own LUKS encryption made (ucrypt-rbd tests)
   ceph-mon ceph-osd ceph-common librbd-dev qemu-block-extra
+  # libnbd's Python binding: the client of the NBD kill -9 test (tests/kill9.rs)
+  python3-libnbd
+  # cryptsetup's LUKS2 validation suite (tests/luks2_validation.rs): its generators edit the
+  # base header with jq and dd, unpacked with xz
+  jq xz-utils
 )
 # The kernel-in-a-VM tests (dm-crypt, ublk) add tests/vm/install-deps.sh's packages: qemu,
 # a stock kernel, busybox, cryptsetup, dmsetup.

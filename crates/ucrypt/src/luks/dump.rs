@@ -217,6 +217,25 @@ fn luks2_keyslot_kdf(o: &mut String, kj: &KdfJson) -> fmt::Result {
             writeln!(o, "\tMemory:     {}", cost.memory_kib)?;
             writeln!(o, "\tThreads:    {}", cost.cpus)?;
         }
+        Err(_) if !["pbkdf2", "argon2i", "argon2id"].contains(&kj.kind.as_str()) => {
+            // A type the header may name but ucrypt cannot run ("argon2", an old name): its
+            // fields as stored, as cryptsetup shows them.
+            if let Some(h) = &kj.hash {
+                writeln!(o, "\tHash:       {h}")?;
+            }
+            let fields = [
+                ("Iterations: ", kj.iterations),
+                ("Time cost:  ", kj.time),
+                ("Memory:     ", kj.memory),
+                ("Threads:    ", kj.cpus),
+            ];
+            for (name, v) in fields {
+                if let Some(v) = v {
+                    writeln!(o, "\t{name}{v}")?;
+                }
+            }
+            writeln!(o, "\t(unknown PBKDF type: this keyslot cannot be unlocked)")?;
+        }
         Err(e) => writeln!(o, "\t(invalid kdf: {e})")?,
     }
     if let Some(s) = b64_decode(&kj.salt) {

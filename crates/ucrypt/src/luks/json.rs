@@ -366,6 +366,35 @@ impl Metadata {
         if self.segments.is_empty() {
             return Err(bad("segments", "empty segments section"));
         }
+        // Keys 0..n without a gap: the regular segments first, then the backups (a flag
+        // "backup-..."), which reencryption keeps.
+        let is_backup = |s: &Segment| {
+            s.flags
+                .as_ref()
+                .is_some_and(|f| f.iter().any(|f| f.starts_with("backup-")))
+        };
+        let mut ids: Vec<(u64, bool)> = Vec::with_capacity(self.segments.len());
+        for (k, s) in &self.segments {
+            ids.push((
+                u64::from(numbered_key("segments", k, u32::MAX)?),
+                is_backup(s),
+            ));
+        }
+        ids.sort_unstable();
+        for (i, &(id, backup)) in ids.iter().enumerate() {
+            if id != i as u64 {
+                return Err(bad("segments", format!("gap in segment keys before {id}")));
+            }
+            if i == 0 && backup {
+                return Err(bad("segments", "no regular segment"));
+            }
+            if !backup && i > 0 && ids[i - 1].1 {
+                return Err(bad(
+                    "segments",
+                    format!("regular segment {id} after a backup segment"),
+                ));
+            }
+        }
         for (k, s) in &self.segments {
             numbered_key("segments", k, SEGMENTS_MAX)?;
             if s.offset.0 % 512 != 0 {
@@ -388,7 +417,7 @@ impl Metadata {
                 ));
             }
             if s.kind == "crypt" {
-                if s.iv_tweak.is_none() || s.encryption.is_none() {
+                if s.iv_tweak.is_none() || s.encryption.as_deref().is_none_or(str::is_empty) {
                     return Err(bad(
                         "segments",
                         format!("crypt segment {k} lacks iv_tweak or encryption"),
@@ -418,7 +447,20 @@ impl Metadata {
         for (k, ks) in &self.keyslots {
             numbered_key("keyslots", k, KEYSLOTS_MAX)?;
             if ks.kind == "luks2" {
-                self.keyslot_params(k)?;
+                // A KDF of a type ucrypt does not know ("argon2", an old name) passes, as in
+                // cryptsetup: such a keyslot is listed but cannot be unlocked.
+                let _kdf_known_or_not = self.keyslot_checked(k)?;
+                let digests = self
+                    .digests
+                    .values()
+                    .filter(|d| d.keyslots.iter().any(|s| s == k))
+                    .count();
+                if digests != 1 {
+                    return Err(bad(
+                        "keyslots",
+                        format!("keyslot {k} is in {digests} digests (must be in exactly one)"),
+                    ));
+                }
             }
         }
         Ok(())
@@ -506,8 +548,18 @@ impl Metadata {
         Ok(())
     }
 
-    /// The typed parameters of a "luks2" keyslot.
+    /// The typed parameters of a "luks2" keyslot whose KDF ucrypt can run.
     pub fn keyslot_params(&self, key: &str) -> Result<KeyslotParams> {
+        self.keyslot_checked(key)?.map_err(|kind| Error::Keyslot {
+            slot: numbered_key("keyslots", key, KEYSLOTS_MAX).unwrap_or(0),
+            reason: format!("unknown kdf type '{kind}'"),
+        })
+    }
+
+    /// A "luks2" keyslot with every field checked (an error if one is invalid): its typed
+    /// parameters, or the type name of a KDF ucrypt does not know. The fields of known KDF
+    /// types are checked; an unknown type passes, as cryptsetup lets it.
+    fn keyslot_checked(&self, key: &str) -> Result<std::result::Result<KeyslotParams, String>> {
         let id = numbered_key("keyslots", key, KEYSLOTS_MAX)?;
         let ks = self.keyslots.get(key).ok_or_else(|| Error::Keyslot {
             slot: id,
@@ -565,13 +617,16 @@ impl Metadata {
                 area.size.0
             )));
         }
-        let kdf = kdf_from_json(ks.kdf.as_ref().ok_or_else(|| kb("missing kdf".into()))?)
-            .map_err(|e| kb(e.to_string()))?;
+        let kj = ks.kdf.as_ref().ok_or_else(|| kb("missing kdf".into()))?;
         let priority = ks.priority.unwrap_or(1);
         if priority > 2 {
             return Err(kb(format!("priority {priority}")));
         }
-        Ok(KeyslotParams {
+        if ![KDF_PBKDF2, KDF_ARGON2I, KDF_ARGON2ID].contains(&kj.kind.as_str()) {
+            return Ok(Err(kj.kind.clone()));
+        }
+        let kdf = kdf_from_json(kj).map_err(|e| kb(e.to_string()))?;
+        Ok(Ok(KeyslotParams {
             id,
             key_bytes,
             area_offset: area.offset.0,
@@ -582,7 +637,7 @@ impl Metadata {
             af_hash,
             stripes: af.stripes,
             priority,
-        })
+        }))
     }
 
     /// Unknown mandatory requirements (everything: ucrypt implements none of cryptsetup's
@@ -635,19 +690,24 @@ impl Metadata {
     }
 }
 
+/// The KDF types ucrypt runs (a header may name others; their keyslots cannot be unlocked).
+const KDF_PBKDF2: &str = "pbkdf2";
+const KDF_ARGON2I: &str = "argon2i";
+const KDF_ARGON2ID: &str = "argon2id";
+
 /// Typed KDF from its JSON object.
 pub fn kdf_from_json(k: &KdfJson) -> Result<Kdf> {
     let salt = b64_decode(&k.salt).ok_or_else(|| bad("kdf", "salt is not valid base64"))?;
     let kdf = match k.kind.as_str() {
-        "pbkdf2" => Kdf::Pbkdf2 {
+        KDF_PBKDF2 => Kdf::Pbkdf2 {
             hash: HashAlg::from_name(k.hash.as_deref().unwrap_or(""))?,
             iterations: k
                 .iterations
                 .ok_or_else(|| bad("kdf", "pbkdf2 lacks iterations"))?,
             salt,
         },
-        "argon2i" | "argon2id" => Kdf::Argon2 {
-            variant: if k.kind == "argon2i" {
+        KDF_ARGON2I | KDF_ARGON2ID => Kdf::Argon2 {
+            variant: if k.kind == KDF_ARGON2I {
                 Argon2Variant::I
             } else {
                 Argon2Variant::Id

@@ -171,6 +171,23 @@ pub fn read_copy(prefix: &[u8], offset: u64, secondary: bool) -> Result<Copy> {
         .iter()
         .position(|&c| c == 0)
         .ok_or_else(|| bad("json-unterminated", "JSON area has no terminating NUL"))?;
+    // As cryptsetup: the text is one object, `{` first and `}` last, and the rest of the
+    // area is NUL bytes.
+    if json_area.first() != Some(&b'{') || end == 0 || json_area[end - 1] != b'}' {
+        return Err(bad(
+            "json-syntax",
+            "JSON area does not hold exactly one object from its first byte",
+        ));
+    }
+    if let Some(i) = json_area[end..].iter().position(|&c| c != 0) {
+        return Err(bad(
+            "json-trailing",
+            format!(
+                "byte {} of the JSON area, after the JSON, is not NUL",
+                end + i
+            ),
+        ));
+    }
     let meta = Metadata::parse(&json_area[..end])?;
     meta.validate(bin.hdr_size)?;
     Ok(Copy { bin, meta })

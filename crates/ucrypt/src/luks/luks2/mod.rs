@@ -171,9 +171,11 @@ impl Luks2Header {
         Ok((p, s))
     }
 
-    /// Validates, bumps seqid and returns the writes of an update in cryptsetup's order:
-    /// primary, sync, secondary, sync. A crash between them leaves one valid copy with the
-    /// old or the new content.
+    /// Validates, bumps seqid and returns the writes of an update: one copy, sync, the other,
+    /// sync (cryptsetup writes the primary first). A crash between them leaves one valid copy
+    /// with the old or the new content, so the copy written first must be one the reader can
+    /// lose: the damaged or stale copy when there is one ([`Luks2Header::repair`]; writing the
+    /// only valid copy first would leave none if that write tore), else the primary.
     pub fn commit(&mut self) -> Result<Vec<WriteOp>> {
         self.meta.validate(self.bin.hdr_size)?;
         self.bin.seqid = self
@@ -182,16 +184,16 @@ impl Luks2Header {
             .checked_add(1)
             .ok_or_else(|| bad("seqid", "seqid overflow"))?;
         let (p, s) = self.to_disk()?;
-        self.repair = None;
-        Ok(vec![
-            WriteOp::Write { offset: 0, data: p },
-            WriteOp::Sync,
-            WriteOp::Write {
-                offset: self.bin.hdr_size,
-                data: s,
-            },
-            WriteOp::Sync,
-        ])
+        let primary = WriteOp::Write { offset: 0, data: p };
+        let secondary = WriteOp::Write {
+            offset: self.bin.hdr_size,
+            data: s,
+        };
+        let (first, second) = match self.repair.take() {
+            Some(Which::Secondary) => (secondary, primary),
+            Some(Which::Primary) | None => (primary, secondary),
+        };
+        Ok(vec![first, WriteOp::Sync, second, WriteOp::Sync])
     }
 
     /// Sets the persistent activation flags (`config.flags`).
