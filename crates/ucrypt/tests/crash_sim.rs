@@ -7,9 +7,9 @@
 //! last acknowledged flush (or by a FUA write) lost.
 //!
 //! What the Volume promises, and this checks:
-//! - a flush makes every write acknowledged before it durable; a FUA write is a write and then
-//!   a flush (the `BlockDev` contract; the front ends do exactly that), so it is durable when
-//!   acknowledged, and so is everything before it;
+//! - a flush makes every write acknowledged before it durable; a FUA write (`write_fua`) makes
+//!   the encryption sectors it touched durable when acknowledged, and nothing else (each of
+//!   its backend writes is FUA; the device writes whole atomic units);
 //! - a discard (volume opened with discards allowed) passes the whole encryption sectors of its
 //!   range to the device, which may then read back anything: the volume reads back the
 //!   decryption of that, unspecified bytes, until the sector is written again; the partial
@@ -102,6 +102,17 @@ impl Model {
         }
     }
 
+    /// A FUA write: every encryption sector it touched is durable as it is now (the volume
+    /// writes whole sectors, each backend write FUA), nothing else is.
+    fn wrote_fua(&mut self, offset: usize, data: &[u8]) {
+        self.wrote(offset, data);
+        let sz = self.sector;
+        for s in offset / sz..(offset + data.len()).div_ceil(sz) {
+            self.durable[s].copy_from_slice(&self.plain[s * sz..(s + 1) * sz]);
+            self.since[s].clear();
+        }
+    }
+
     fn flushed(&mut self) {
         let sz = self.sector;
         for (s, d) in self.durable.iter_mut().enumerate() {
@@ -165,15 +176,17 @@ fn one_crash_point(
         let r = xorshift(&mut x);
         match r % 12 {
             // Writes of any size and alignment (the engine reads, modifies and writes partial
-            // sectors); some with FUA: a write, then a flush.
+            // sectors); some with FUA (`write_fua`: durable by itself, with no flush).
             0..=4 => {
                 let (off, len) = range(&mut x, 9000);
-                let data: Vec<u8> = (0..len).map(|_| xorshift(&mut x) as u8).collect();
-                vol.write_at(&data, off as u64).expect("write");
-                m.wrote(off, &data);
+                let mut data: Vec<u8> = (0..len).map(|_| xorshift(&mut x) as u8).collect();
                 if r % 12 == 4 {
-                    vol.flush().expect("FUA write's flush");
-                    m.flushed();
+                    let want = data.clone();
+                    vol.write_fua(&mut data, off as u64).expect("FUA write");
+                    m.wrote_fua(off, &want);
+                } else {
+                    vol.write_at(&data, off as u64).expect("write");
+                    m.wrote(off, &data);
                 }
             }
             5 => {

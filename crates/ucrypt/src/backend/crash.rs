@@ -78,22 +78,18 @@ impl CrashBackend {
         lock(&self.state).pending.len()
     }
 
-    /// A write that is durable when it returns (Force Unit Access).
+    /// A write that is durable when it returns (Force Unit Access). A device writes whole
+    /// atomic units, so every unit the write touches is durable afterwards with what it holds
+    /// now (for a partly covered unit, the device's own read-modify-write made it so).
     pub fn write_at_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.write_at(buf, offset)?;
         let mut s = lock(&self.state);
-        let (start, end) = (offset as usize, offset as usize + buf.len());
-        s.durable[start..end].copy_from_slice(buf);
-        // Units written only by this write are settled; a unit written before it in the same
-        // flush epoch keeps its older candidates only if this write did not cover it whole.
+        let s = &mut *s;
         let unit = self.unit;
-        let first = offset / unit;
-        let last = (offset + buf.len() as u64).div_ceil(unit);
-        for u in first..last {
-            let covered = u * unit >= offset && (u + 1) * unit <= offset + buf.len() as u64;
-            if covered {
-                s.pending.remove(&u);
-            }
+        for u in offset / unit..(offset + buf.len() as u64).div_ceil(unit) {
+            let at = (u * unit) as usize..((u + 1) * unit) as usize;
+            s.durable[at.clone()].copy_from_slice(&s.current[at]);
+            s.pending.remove(&u);
         }
         Ok(())
     }
