@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use ucrypt::backend::Backend;
+use ucrypt::backend::{Backend, CacheMode};
 use ucrypt::engine::{Policies, Policy};
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
@@ -97,6 +97,12 @@ pub struct VolumeArgs {
     /// (tens of µs on a VM).
     #[arg(long, value_name = "US", default_value_t = 50)]
     pub spin_us: u64,
+    /// A local volume's use of the host's page cache, as qemu spells it: none (O_DIRECT; the
+    /// default: whoever reads the plaintext caches it already), writeback (page cache, durable
+    /// at a flush), writethrough (page cache, every write durable), directsync (O_DIRECT,
+    /// every write durable), unsafe (flushes ignored: scratch volumes only).
+    #[arg(long, value_name = "MODE", default_value_t = CacheMode::None)]
+    pub cache: CacheMode,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -206,7 +212,9 @@ impl VolumeArgs {
 
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
     fn prepare_luks(&self) -> CliResult<PreparedKind> {
-        let data = self.volume.open_data(!self.read_only, &self.remote)?;
+        let data = self
+            .volume
+            .open_data(!self.read_only, &self.remote, self.cache)?;
         // The header device (--header, else the volume itself), a local one under
         // cryptsetup's shared lock until the volume is unlocked, so that a concurrent keyslot
         // change is never half seen. A remote volume's header is read through its data
@@ -265,7 +273,9 @@ impl VolumeArgs {
             iv_offset: self.skip,
             iv_large_sectors: self.iv_large_sectors,
         };
-        let backend = self.volume.open_data(!self.read_only, &self.remote)?;
+        let backend = self
+            .volume
+            .open_data(!self.read_only, &self.remote, self.cache)?;
         let mut cfg = VolumeConfig::new(spec, key, geometry);
         cfg.data_offset_bytes = self
             .offset

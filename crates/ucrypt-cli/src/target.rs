@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use ucrypt::backend::{Backend, DirectMode, FileBackend};
+use ucrypt::backend::{Backend, CacheMode, DirectMode, FileBackend};
 use ucrypt::Result;
 use ucrypt_nbd::{ClientOptions, NbdBackend, NbdUri};
 use ucrypt_rbd::{RbdBackend, RbdSpec, RBD_PREFIX};
@@ -176,11 +176,17 @@ impl Target {
         spec
     }
 
-    /// The ciphertext, for the data path: a local file or device with O_DIRECT when the
-    /// filesystem allows it, or the remote image.
-    pub fn open_data(&self, writable: bool, remote: &RemoteArgs) -> Result<Arc<dyn Backend>> {
+    /// The ciphertext, for the data path: a local file or device in the cache mode asked for
+    /// (default: O_DIRECT when the filesystem allows it), or the remote image (which has its
+    /// own cache settings: librbd's `rbd_cache`, the NBD server's).
+    pub fn open_data(
+        &self,
+        writable: bool,
+        remote: &RemoteArgs,
+        cache: CacheMode,
+    ) -> Result<Arc<dyn Backend>> {
         Ok(match self {
-            Target::Path(p) => Arc::new(FileBackend::open(p, writable, DirectMode::Auto)?),
+            Target::Path(p) => Arc::new(FileBackend::open_cached(p, writable, cache)?),
             Target::Nbd(u) => Self::nbd(u, remote)?,
             Target::Rbd(r) => Arc::new(RbdBackend::open(&Self::rbd_spec(r, writable, remote))?),
         })
@@ -191,7 +197,7 @@ impl Target {
     pub fn open_plain(&self, writable: bool, remote: &RemoteArgs) -> Result<Arc<dyn Backend>> {
         Ok(match self {
             Target::Path(p) => Arc::new(FileBackend::open(p, writable, DirectMode::Never)?),
-            other => other.open_data(writable, remote)?,
+            other => other.open_data(writable, remote, CacheMode::None)?,
         })
     }
 
@@ -222,7 +228,7 @@ impl Target {
 
     /// Size in bytes.
     pub fn size(&self, remote: &RemoteArgs) -> Result<u64> {
-        Ok(self.open_data(false, remote)?.size())
+        Ok(self.open_data(false, remote, CacheMode::None)?.size())
     }
 }
 

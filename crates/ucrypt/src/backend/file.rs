@@ -37,6 +37,74 @@ pub enum DirectMode {
     Never,
 }
 
+/// How a file volume uses the host's page cache and when its writes are durable, as qemu's
+/// `cache=` modes are spelled (`--cache` of the CLI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheMode {
+    /// O_DIRECT (buffered only where the filesystem refuses it): no ciphertext in the page
+    /// cache; writes durable at a flush. The default: the plaintext above a ucrypt volume is
+    /// already cached by whoever reads it (the page cache over FUSE/loop/ublk, a guest's own
+    /// cache over NBD), and a second copy of it as ciphertext is memory spent twice.
+    #[default]
+    None,
+    /// Through the page cache; writes durable at a flush (fdatasync).
+    Writeback,
+    /// Through the page cache; every write durable when it completes (RWF_DSYNC).
+    Writethrough,
+    /// O_DIRECT and every write durable when it completes.
+    Directsync,
+    /// Through the page cache, and flushes do nothing: for scratch volumes only; a crash of the
+    /// host loses acknowledged writes.
+    Unsafe,
+}
+
+impl CacheMode {
+    pub const NAMES: &'static str = "none, writeback, writethrough, directsync, unsafe";
+
+    /// Whether the file is opened with O_DIRECT.
+    pub fn direct_mode(self) -> DirectMode {
+        match self {
+            CacheMode::None | CacheMode::Directsync => DirectMode::Auto,
+            _ => DirectMode::Never,
+        }
+    }
+
+    fn write_through(self) -> bool {
+        matches!(self, CacheMode::Writethrough | CacheMode::Directsync)
+    }
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "none" => CacheMode::None,
+            "writeback" => CacheMode::Writeback,
+            "writethrough" => CacheMode::Writethrough,
+            "directsync" => CacheMode::Directsync,
+            "unsafe" => CacheMode::Unsafe,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown cache mode '{s}' (one of {})",
+                    CacheMode::NAMES
+                )))
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CacheMode::None => "none",
+            CacheMode::Writeback => "writeback",
+            CacheMode::Writethrough => "writethrough",
+            CacheMode::Directsync => "directsync",
+            CacheMode::Unsafe => "unsafe",
+        })
+    }
+}
+
 /// The advisory lock [`FileBackend::lock`] takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileLock {
@@ -55,6 +123,7 @@ pub struct FileBackend {
     logical_block_bytes: u32,
     mem_align_bytes: usize,
     note: Option<String>,
+    cache: CacheMode,
 }
 
 fn open_file(path: &Path, writable: bool, direct: bool) -> io::Result<File> {
@@ -170,6 +239,7 @@ impl FileBackend {
                         logical_block_bytes: 512,
                         mem_align_bytes: 1,
                         note,
+                        cache: CacheMode::None,
                     });
                 }
                 // Kernel too old to say: assume the strictest common rule.
@@ -185,7 +255,21 @@ impl FileBackend {
             logical_block_bytes: lbs,
             mem_align_bytes: mem_align,
             note,
+            cache: CacheMode::None,
         })
+    }
+
+    /// Opens a volume's data device in a cache mode (see [`CacheMode`]).
+    pub fn open_cached(path: impl AsRef<Path>, writable: bool, cache: CacheMode) -> Result<Self> {
+        let mut b = Self::open(path, writable, cache.direct_mode())?;
+        b.cache = cache;
+        Ok(b)
+    }
+
+    /// The cache mode it was opened in ([`CacheMode::None`] unless [`FileBackend::open_cached`]
+    /// said otherwise; see [`FileBackend::is_direct`] for whether O_DIRECT was granted).
+    pub fn cache_mode(&self) -> CacheMode {
+        self.cache
     }
 
     /// Like [`FileBackend::open`], for a volume with `sector_bytes` encryption sectors: if
@@ -245,6 +329,12 @@ impl FileBackend {
     /// Why the backend is not what was asked for (e.g. O_DIRECT refused), if anything.
     pub fn note(&self) -> Option<&str> {
         self.note.as_deref()
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| Error::io(format!("fdatasync {}", self.path), e))
     }
 
     fn err(&self, what: &str, offset: u64, len: u64, e: io::Error) -> Error {
@@ -311,6 +401,9 @@ impl Backend for FileBackend {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        if self.cache.write_through() {
+            return self.write_at_fua(buf, offset);
+        }
         check_range(offset, buf.len() as u64, self.size)?;
         self.file
             .write_all_at(buf, offset)
@@ -352,8 +445,10 @@ impl Backend for FileBackend {
                         Some(libc::EINTR) => continue,
                         // An old kernel without pwritev2 flags: write, then fdatasync.
                         Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => {
-                            self.write_at(rest, at)?;
-                            return self.flush();
+                            self.file
+                                .write_all_at(rest, at)
+                                .map_err(|e| self.err("write", at, rest.len() as u64, e))?;
+                            return self.sync();
                         }
                         _ => return Err(self.err("write (FUA)", at, rest.len() as u64, e)),
                     }
@@ -364,9 +459,10 @@ impl Backend for FileBackend {
     }
 
     fn flush(&self) -> Result<()> {
-        self.file
-            .sync_data()
-            .map_err(|e| Error::io(format!("fdatasync {}", self.path), e))
+        if self.cache == CacheMode::Unsafe {
+            return Ok(());
+        }
+        self.sync()
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
@@ -419,10 +515,11 @@ impl Backend for FileBackend {
                 "file"
             },
             self.path,
-            if self.direct {
-                " (O_DIRECT)"
-            } else {
-                " (buffered)"
+            match (self.direct, self.cache) {
+                (true, CacheMode::None) => " (O_DIRECT)".to_string(),
+                (true, c) => format!(" (O_DIRECT, cache={c})"),
+                (false, CacheMode::None) => " (buffered)".to_string(),
+                (false, c) => format!(" (buffered, cache={c})"),
             }
         )
     }

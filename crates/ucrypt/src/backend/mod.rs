@@ -13,7 +13,7 @@ mod mem;
 
 pub use crash::{CrashBackend, CRASH_BACKEND_BYTES_MAX};
 pub use fault::{Fault, FaultBackend, FaultOp, FaultRule};
-pub use file::{DirectMode, FileBackend, FileLock};
+pub use file::{CacheMode, DirectMode, FileBackend, FileLock};
 pub use mem::MemBackend;
 
 use crate::{Error, Result};
