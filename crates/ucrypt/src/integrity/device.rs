@@ -122,6 +122,20 @@ impl IntegrityVolume {
         self.mode
     }
 
+    /// Where data sector `sector` (512-byte units) and its block's tag lie on the backend, in
+    /// bytes: `(data, tag)`. For tools and tests that inspect or damage a volume on purpose.
+    pub fn locate(&self, sector: u64) -> Option<(u64, u64)> {
+        if sector >= self.layout.sb.provided_data_sectors {
+            return None;
+        }
+        let data = self.layout.data_sector(sector)?.checked_mul(512)?;
+        let tag = self.layout.tag_byte(sector)?;
+        Some((
+            self.start_bytes.checked_add(data)?,
+            self.start_bytes.checked_add(tag)?,
+        ))
+    }
+
     /// Blocks whose tag did not verify, since opening.
     pub fn integrity_errors(&self) -> u64 {
         self.integrity_errors.load(Ordering::Relaxed)
