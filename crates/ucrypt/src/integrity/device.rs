@@ -365,6 +365,26 @@ impl BlockDev for IntegrityVolume {
     }
 }
 
+/// The dm-integrity superblock under a LUKS2 header's authenticated segment (at the segment
+/// offset of `data`), with its layout checked against `data`'s size; `None` if the header has
+/// no authenticated segment.
+pub fn read_superblock(data: &dyn Backend, hdr: &Header) -> Result<Option<Layout>> {
+    let Header::Luks2(h) = hdr else {
+        return Ok(None);
+    };
+    let Some(seg) = h
+        .meta
+        .segments
+        .values()
+        .find(|s| s.kind == "crypt" && s.integrity.is_some())
+    else {
+        return Ok(None);
+    };
+    let start = seg.offset.0;
+    let sb = Superblock::parse(&read_area(data, start, SB_BYTES as u64)?)?;
+    Layout::for_device(sb, start / 512, data.size() / 512).map(Some)
+}
+
 /// Opens the authenticated data segment of a LUKS2 volume whose key is already unlocked:
 /// reads the dm-integrity superblock at the segment offset and checks it against the header.
 pub fn open_luks2(
