@@ -777,6 +777,9 @@ fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
 /// is the header device unless `--header` names another). A damaged or unreadable superblock
 /// is reported on stderr; the header dump stands on its own.
 fn dump_integrity(device: &Target, o: &LuksOpts, dev: &HeaderDev, hdr: &Header) {
+    if ucrypt::integrity::superblock_offset(hdr).is_none() {
+        return;
+    }
     let data = match &o.header {
         None => Ok(dev.clone()),
         Some(_) => device.open_data(false, &o.remote),

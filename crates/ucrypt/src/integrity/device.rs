@@ -369,22 +369,26 @@ impl BlockDev for IntegrityVolume {
     }
 }
 
+/// The byte offset of the dm-integrity superblock of a LUKS2 header's authenticated data
+/// segment (the segment offset); `None` if the header has none.
+pub fn superblock_offset(hdr: &Header) -> Option<u64> {
+    let Header::Luks2(h) = hdr else {
+        return None;
+    };
+    h.meta
+        .segments
+        .values()
+        .find(|s| s.kind == "crypt" && s.integrity.is_some())
+        .map(|s| s.offset.0)
+}
+
 /// The dm-integrity superblock under a LUKS2 header's authenticated segment (at the segment
 /// offset of `data`), with its layout checked against `data`'s size; `None` if the header has
 /// no authenticated segment.
 pub fn read_superblock(data: &dyn Backend, hdr: &Header) -> Result<Option<Layout>> {
-    let Header::Luks2(h) = hdr else {
+    let Some(start) = superblock_offset(hdr) else {
         return Ok(None);
     };
-    let Some(seg) = h
-        .meta
-        .segments
-        .values()
-        .find(|s| s.kind == "crypt" && s.integrity.is_some())
-    else {
-        return Ok(None);
-    };
-    let start = seg.offset.0;
     let sb = Superblock::parse(&read_area(data, start, SB_BYTES as u64)?)?;
     Layout::for_device(sb, start / 512, data.size() / 512).map(Some)
 }

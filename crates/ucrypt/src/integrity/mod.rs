@@ -15,7 +15,7 @@ pub mod layout;
 pub mod superblock;
 pub mod tag;
 
-pub use device::{open_luks2, read_superblock, IntegrityVolume};
+pub use device::{open_luks2, read_superblock, superblock_offset, IntegrityVolume};
 pub use layout::Layout;
 pub use superblock::Superblock;
 pub use tag::{HmacHash, TagCipher, TagMode};
