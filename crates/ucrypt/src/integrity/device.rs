@@ -184,6 +184,7 @@ impl IntegrityVolume {
             let e = self
                 .layout
                 .extent(sector, want)
+                .filter(|e| e.blocks > 0)
                 .ok_or(Error::Bug("integrity extent outside the device"))?;
             let n = e.blocks as usize;
             let data_len = n * bb;
@@ -219,6 +220,7 @@ impl IntegrityVolume {
             let e = self
                 .layout
                 .extent(sector, want)
+                .filter(|e| e.blocks > 0)
                 .ok_or(Error::Bug("integrity extent outside the device"))?;
             let n = e.blocks as usize;
             let data_len = n * bb;
