@@ -61,6 +61,12 @@ pub enum Error {
     #[error("keyslot {slot}: {reason}")]
     Keyslot { slot: u32, reason: String },
 
+    // ---- bad data from disk (authenticated sectors) ----
+    /// A sector's data does not match its authentication tag (changed, moved, replayed or never
+    /// written through the integrity layer). Reported as `EILSEQ`, as dm-integrity does.
+    #[error("integrity check failed: sector {sector} (512-byte units of the data) does not match its tag")]
+    Integrity { sector: u64 },
+
     // ---- the machine ----
     /// A kernel feature the caller asked for is missing or switched off; the text says which
     /// and how to turn it on.
@@ -137,7 +143,8 @@ impl Error {
             | Error::NotLuks(_)
             | Error::BadHeader { .. }
             | Error::UnsupportedLuks(_)
-            | Error::Keyslot { .. } => ErrorKind::BadData,
+            | Error::Keyslot { .. }
+            | Error::Integrity { .. } => ErrorKind::BadData,
             Error::Io { .. } | Error::KernelFeature(_) | Error::CipherLibrary { .. } => {
                 ErrorKind::Device
             }
@@ -159,6 +166,7 @@ impl Error {
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::OutOfRange { .. } => libc::ENOSPC,
             Error::ReadOnly(_) => libc::EROFS,
+            Error::Integrity { .. } => libc::EILSEQ,
             Error::KernelFeature(_) => libc::EOPNOTSUPP,
             Error::NotSectorMultiple { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             _ => libc::EIO,

@@ -34,6 +34,7 @@ pub mod backend;
 pub mod blockdev;
 pub mod engine;
 pub mod error;
+pub mod integrity;
 pub mod luks;
 pub mod pool;
 pub mod secret;

@@ -750,6 +750,7 @@ fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
     let name = device.to_string();
     if !o.dump_volume_key {
         print!("{}", luks::dump(&hdr, &name, None));
+        dump_integrity(device, o, &dev, &hdr);
         return Ok(0);
     }
     pass::confirm(
@@ -770,6 +771,25 @@ fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
         print!("{}", luks::dump(&hdr, &name, Some(&vk)));
     }
     Ok(0)
+}
+
+/// The dm-integrity superblock of an authenticated volume, read from the data device (which
+/// is the header device unless `--header` names another). A damaged or unreadable superblock
+/// is reported on stderr; the header dump stands on its own.
+fn dump_integrity(device: &Target, o: &LuksOpts, dev: &HeaderDev, hdr: &Header) {
+    if ucrypt::integrity::superblock_offset(hdr).is_none() {
+        return;
+    }
+    let data = match &o.header {
+        None => Ok(dev.clone()),
+        Some(_) => device.open_data(false, &o.remote),
+    };
+    let r = data.and_then(|d| ucrypt::integrity::read_superblock(d.as_ref(), hdr));
+    match r {
+        Ok(Some(layout)) => print!("{}", ucrypt::integrity::dump(&layout)),
+        Ok(None) => {}
+        Err(e) => eprintln!("Cannot read the integrity superblock: {e}"),
+    }
 }
 
 // ---------------------------------------------------------------- keys

@@ -155,6 +155,9 @@ fn luks2_segments(o: &mut String, h: &Luks2Header) -> fmt::Result {
         if let Some(ss) = s.sector_size {
             writeln!(o, "\tsector: {ss} [bytes]")?;
         }
+        if let Some(i) = &s.integrity {
+            writeln!(o, "\tintegrity: {}", i.kind)?;
+        }
     }
     Ok(())
 }

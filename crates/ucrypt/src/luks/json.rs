@@ -165,6 +165,23 @@ pub struct Segment {
     pub sector_size: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flags: Option<Vec<String>>,
+    /// Authenticated encryption on dm-integrity (LUKS2 format document, section 3.3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<SegmentIntegrity>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// A segment's `integrity` object: the tag algorithm dm-crypt uses over dm-integrity, and how
+/// dm-integrity's journal is protected ("none" when dm-crypt makes the tags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SegmentIntegrity {
+    /// "aead", or a MAC such as "hmac(sha256)".
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub journal_encryption: String,
+    pub journal_integrity: String,
+    /// Kept through a rewrite: fields newer cryptsetup versions add (e.g. a key size).
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
@@ -663,6 +680,14 @@ impl Metadata {
                 crypt.len()
             )));
         };
+        if let Some(i) = &s.integrity {
+            return Err(Error::UnsupportedLuks(format!(
+                "the data segment is authenticated ({} with integrity {}): it has no plain \
+                 dm-crypt mapping; open it with ucrypt's integrity support (ucrypt::integrity)",
+                s.encryption.as_deref().unwrap_or("?"),
+                i.kind
+            )));
+        }
         let enc = s.encryption.as_deref().unwrap_or("");
         Ok(CryptSegment {
             offset_bytes: s.offset.0,

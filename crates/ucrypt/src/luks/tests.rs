@@ -1379,3 +1379,43 @@ fn cryptsetup_validation_suite_seeds_agree() {
     }
     assert!(n >= 60, "only {n} suite images among the seeds");
 }
+
+/// A segment with an `integrity` object (as cryptsetup writes it for `--integrity aead`): typed
+/// on parse, printed by dump as cryptsetup prints it, and never opened as plain dm-crypt.
+#[test]
+fn integrity_segment_is_typed_dumped_and_not_opened_plain() {
+    let (mut img, _) = image_luks2();
+    mutate_json(&mut img, &[0, 1], &|v| {
+        let s = &mut v["segments"]["0"];
+        s["encryption"] = "aes-gcm-random".into();
+        s["integrity"] = serde_json::json!({
+            "type": "aead", "journal_encryption": "none", "journal_integrity": "none"
+        });
+    });
+    let h = parse_any(&img).expect("parse");
+    let Header::Luks2(l2) = &h else {
+        panic!("LUKS2")
+    };
+    let i = l2.meta.segments["0"]
+        .integrity
+        .as_ref()
+        .expect("typed integrity");
+    assert_eq!(
+        (
+            i.kind.as_str(),
+            i.journal_encryption.as_str(),
+            i.journal_integrity.as_str()
+        ),
+        ("aead", "none", "none")
+    );
+    let text = dump(&h, "img", None);
+    assert!(
+        text.contains("\tcipher: aes-gcm-random\n\tsector: 4096 [bytes]\n\tintegrity: aead\n"),
+        "{text}"
+    );
+    let e = h.data_layout().expect_err("no plain mapping");
+    assert!(
+        matches!(e, Error::UnsupportedLuks(ref m) if m.contains("authenticated")),
+        "{e}"
+    );
+}

@@ -159,3 +159,121 @@ impl Drop for EvpCtx {
         unsafe { sys::EVP_CIPHER_CTX_free(self.ctx) };
     }
 }
+
+/// AES-GCM through AWS-LC's `EVP_AEAD` interface with a detached 16-byte tag, for dm-crypt's
+/// authenticated sectors. Keyed once; the nonce comes with each call.
+pub(crate) struct GcmCtx {
+    ctx: *mut sys::EVP_AEAD_CTX,
+}
+
+// SAFETY: an EVP_AEAD_CTX is immutable after init (seal and open take it by const pointer) and
+// has no thread affinity; it is moved, never shared (the type is not Sync).
+unsafe impl Send for GcmCtx {}
+
+/// GCM's tag length as dm-crypt uses it (the full 16 bytes).
+pub(crate) const GCM_TAG_BYTES: usize = 16;
+/// GCM's nonce length (96 bits, what dm-crypt's `gcm(aes)` takes as its IV).
+pub(crate) const GCM_NONCE_BYTES: usize = 12;
+
+impl GcmCtx {
+    pub(crate) fn new(key: &[u8]) -> Result<Self> {
+        // SAFETY: static algorithm tables.
+        let aead = unsafe {
+            match key.len() {
+                16 => sys::EVP_aead_aes_128_gcm(),
+                32 => sys::EVP_aead_aes_256_gcm(),
+                _ => {
+                    return Err(Error::Bug(
+                        "GcmCtx::new called with a key size the spec rejects",
+                    ))
+                }
+            }
+        };
+        // SAFETY: key is valid for key.len() bytes, the length the algorithm takes (matched
+        // above); AWS-LC copies the key schedule. Checked for NULL below.
+        let ctx = unsafe { sys::EVP_AEAD_CTX_new(aead, key.as_ptr(), key.len(), GCM_TAG_BYTES) };
+        if ctx.is_null() {
+            // SAFETY: clears this thread's error queue.
+            unsafe { sys::ERR_clear_error() };
+            return Err(Error::CipherLibrary {
+                call: "EVP_AEAD_CTX_new",
+            });
+        }
+        Ok(GcmCtx { ctx })
+    }
+
+    /// Encrypts `data` in place and writes its tag.
+    pub(crate) fn seal_in_place(
+        &mut self,
+        nonce: &[u8; GCM_NONCE_BYTES],
+        ad: &[u8],
+        data: &mut [u8],
+        tag: &mut [u8; GCM_TAG_BYTES],
+    ) -> Result<()> {
+        let mut tag_len = 0usize;
+        // SAFETY: in == out is allowed by AWS-LC when the two alias exactly; every pointer is
+        // valid for the length passed with it; the tag buffer holds max_out_tag_len bytes.
+        let rc = unsafe {
+            sys::EVP_AEAD_CTX_seal_scatter(
+                self.ctx,
+                data.as_mut_ptr(),
+                tag.as_mut_ptr(),
+                &mut tag_len,
+                GCM_TAG_BYTES,
+                nonce.as_ptr(),
+                nonce.len(),
+                data.as_ptr(),
+                data.len(),
+                ptr::null(),
+                0,
+                ad.as_ptr(),
+                ad.len(),
+            )
+        };
+        check(rc, "EVP_AEAD_CTX_seal_scatter")?;
+        if tag_len != GCM_TAG_BYTES {
+            return Err(Error::Bug("EVP_AEAD_CTX_seal_scatter returned a short tag"));
+        }
+        Ok(())
+    }
+
+    /// Decrypts `data` in place if `tag` verifies; returns false (and wipes `data`, which may
+    /// hold unauthenticated plaintext) if it does not.
+    pub(crate) fn open_in_place(
+        &mut self,
+        nonce: &[u8; GCM_NONCE_BYTES],
+        ad: &[u8],
+        data: &mut [u8],
+        tag: &[u8; GCM_TAG_BYTES],
+    ) -> bool {
+        // SAFETY: as for seal: exact aliasing of in and out is allowed; lengths match buffers.
+        let rc = unsafe {
+            sys::EVP_AEAD_CTX_open_gather(
+                self.ctx,
+                data.as_mut_ptr(),
+                nonce.as_ptr(),
+                nonce.len(),
+                data.as_ptr(),
+                data.len(),
+                tag.as_ptr(),
+                tag.len(),
+                ad.as_ptr(),
+                ad.len(),
+            )
+        };
+        if rc == 1 {
+            return true;
+        }
+        // SAFETY: clears this thread's error queue.
+        unsafe { sys::ERR_clear_error() };
+        data.fill(0);
+        false
+    }
+}
+
+impl Drop for GcmCtx {
+    fn drop(&mut self) {
+        // SAFETY: ctx came from EVP_AEAD_CTX_new and is freed once (AWS-LC cleanses it).
+        unsafe { sys::EVP_AEAD_CTX_free(self.ctx) };
+    }
+}

@@ -5,7 +5,7 @@
 //! dm-crypt exactly ([`Geometry::iv_sector`]): it counts 512-byte units from the start of the
 //! data segment, plus the IV offset, unless `iv_large_sectors` is set.
 
-mod evp;
+pub(crate) mod evp;
 mod spec;
 
 pub use spec::{CipherSpec, IvMode, Mode, SUPPORTED_SPECS};

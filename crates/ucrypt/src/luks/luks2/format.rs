@@ -89,6 +89,7 @@ pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Heade
             encryption: Some(opts.cipher.to_string()),
             sector_size: Some(opts.sector_size.bytes()),
             flags: None,
+            integrity: None,
             extra: Map::new(),
         },
     );
