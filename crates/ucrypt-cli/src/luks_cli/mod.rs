@@ -782,7 +782,7 @@ fn dump_integrity(device: &Target, o: &LuksOpts, dev: &HeaderDev, hdr: &Header) 
     }
     let data = match &o.header {
         None => Ok(dev.clone()),
-        Some(_) => device.open_data(false, &o.remote),
+        Some(_) => device.open_data(false, &o.remote, ucrypt::backend::CacheMode::None),
     };
     let r = data.and_then(|d| ucrypt::integrity::read_superblock(d.as_ref(), hdr));
     match r {
