@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::cmd::{have, run_ok};
+use super::cpu::CpuWatch;
 use super::fio::{self, FioResult, Job};
 use super::stats::{Machine, Summary};
 
@@ -74,6 +75,10 @@ pub struct Row {
     pub target: Target,
     pub mib_s: Summary,
     pub lat_p99_us: Summary,
+    /// The FUSE server's CPU time per request, µs (all its threads; the plain file: NaN).
+    pub server_cpu_us_per_req: Summary,
+    /// The server's CPU seconds per wall second (cores it kept busy).
+    pub server_cpu_cores: Summary,
 }
 
 #[derive(Serialize)]
@@ -292,13 +297,15 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
     }
     let setup = Setup::new()?;
     let mountpoint = setup.dir.join("export");
-    let mut samples: Vec<Vec<Vec<FioResult>>> = vec![vec![Vec::new(); JOBS.len()]; targets.len()];
+    // (fio's result, the server's busy cores, its CPU µs per request)
+    let mut samples: Vec<Vec<Vec<(FioResult, f64, f64)>>> =
+        vec![vec![Vec::new(); JOBS.len()]; targets.len()];
     for run in 0..runs {
         for (ti, &target) in targets.iter().enumerate() {
             if progress {
                 eprintln!("bench fuse: run {}/{runs}: {}", run + 1, target.name());
             }
-            let (_server, file) = match target {
+            let (server, file) = match target {
                 Target::Plain => (None, setup.plain.clone()),
                 _ => (
                     Some(Server::start(target, &setup, &mountpoint)?),
@@ -306,7 +313,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
                 ),
             };
             for (ji, job) in JOBS.iter().enumerate() {
-                samples[ti][ji].push(fio::run_for(
+                let watch = server
+                    .as_ref()
+                    .map(|s| CpuWatch::start(s.child.id() as libc::pid_t));
+                let r = fio::run_for(
                     job,
                     &file,
                     VOLUME_BYTES,
@@ -314,7 +324,9 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
                     Duration::ZERO,
                     true,
                     None,
-                )?);
+                )?;
+                let (cores, per_req) = watch.map_or((f64::NAN, f64::NAN), |w| w.stop(r.iops));
+                samples[ti][ji].push((r, cores, per_req));
             }
         }
     }
@@ -325,8 +337,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
             rows.push(Row {
                 job: *job,
                 target,
-                mib_s: Summary::of(&s.iter().map(|r| r.mib_s).collect::<Vec<_>>()),
-                lat_p99_us: Summary::of(&s.iter().map(|r| r.lat_p99_us).collect::<Vec<_>>()),
+                mib_s: Summary::of(&s.iter().map(|r| r.0.mib_s).collect::<Vec<_>>()),
+                lat_p99_us: Summary::of(&s.iter().map(|r| r.0.lat_p99_us).collect::<Vec<_>>()),
+                server_cpu_us_per_req: Summary::of(&s.iter().map(|r| r.2).collect::<Vec<_>>()),
+                server_cpu_cores: Summary::of(&s.iter().map(|r| r.1).collect::<Vec<_>>()),
             });
         }
     }
@@ -377,6 +391,31 @@ pub fn markdown(r: &FuseReport) -> String {
             p99(Target::Ucrypt),
             p99(Target::UcryptIoUring),
             p99(Target::QemuStorageDaemon)
+        ));
+    }
+    s.push_str(
+        "\nServer CPU per request, µs (median; all the FUSE server's threads), and in \
+         parentheses the cores it kept busy:\n\n| job | ucrypt classic | ucrypt io_uring | \
+         qemu-storage-daemon luks |\n|---|---|---|---|\n",
+    );
+    for job in JOBS {
+        let cpu = |t| {
+            find(job.name, t)
+                .filter(|x| x.server_cpu_us_per_req.median.is_finite())
+                .map(|x| {
+                    format!(
+                        "{:.1} ({:.2})",
+                        x.server_cpu_us_per_req.median, x.server_cpu_cores.median
+                    )
+                })
+                .unwrap_or_else(|| "–".into())
+        };
+        s.push_str(&format!(
+            "| {} | {} | {} | {} |\n",
+            job.name,
+            cpu(Target::Ucrypt),
+            cpu(Target::UcryptIoUring),
+            cpu(Target::QemuStorageDaemon)
         ));
     }
     for sk in &r.skipped {

@@ -11,6 +11,7 @@ mod all;
 mod cipher;
 mod cmd;
 mod compare;
+mod cpu;
 mod engine;
 mod fio;
 mod fuse;

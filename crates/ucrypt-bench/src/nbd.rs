@@ -34,6 +34,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::cmd::{have, run_ok};
+use super::cpu::CpuWatch;
 use super::fio::{self, FioResult, Job, QEMU_IMG};
 use super::server::Server;
 use super::stats::{Machine, Summary};
@@ -217,6 +218,9 @@ const GOALS: &[GoalSpec] = &[
         min_ratio: 20.0,
     },
 ];
+/// One fio run: its result, the server's busy cores and its CPU µs per request.
+type Sample = (FioResult, f64, f64);
+
 /// The ucrypt configurations the goals are checked for.
 const OURS: [Target; 2] = [Target::UcryptLuks2, Target::UcryptLuks2Auto];
 
@@ -227,6 +231,10 @@ pub struct Row {
     pub mib_s: Summary,
     pub iops: Summary,
     pub lat_p99_us: Summary,
+    /// The server's CPU time per request, µs (all its threads; qemu-img jobs: NaN).
+    pub server_cpu_us_per_req: Summary,
+    /// The server's CPU seconds per wall second (cores it kept busy).
+    pub server_cpu_cores: Summary,
 }
 
 /// One goal checked for one ucrypt configuration. `ratio` is ours ÷ peer (medians); `met` is
@@ -701,7 +709,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
     let own_cpus = allowed_cpus()?;
     let one_cpu = first_cpu(&own_cpus).ok_or("this process may run on no CPU")?;
     // samples[part][target][job]
-    let mut samples: Vec<Vec<Vec<Vec<FioResult>>>> = parts
+    let mut samples: Vec<Vec<Vec<Vec<Sample>>>> = parts
         .iter()
         .map(|p| vec![vec![Vec::new(); p.jobs.len()]; p.targets.len()])
         .collect();
@@ -718,13 +726,15 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
                         Some(c) => Some(Pinned::new(part.servers[ti].pid(), c, own_cpus)?),
                         None => None,
                     };
+                    let watch = CpuWatch::start(part.servers[ti].pid());
                     let r = if job.ioengine == QEMU_IMG {
                         fio::run_qemu_img(job, &uri, count(job))
                     } else {
                         fio::run_for(job, &uri, part.volume_bytes, runtime, ramp, false, cpu)
                     }
                     .map_err(|e| format!("{}: {e}", t.name()))?;
-                    samples[ti][ji].push(r);
+                    let (cores, per_req) = watch.stop(r.iops);
+                    samples[ti][ji].push((r, cores, per_req));
                 }
             }
         }
@@ -734,14 +744,21 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
         for (ji, &job) in part.jobs.iter().enumerate() {
             for (ti, &target) in part.targets.iter().enumerate() {
                 let s = &samples[ti][ji];
-                let of =
-                    |f: fn(&FioResult) -> f64| Summary::of(&s.iter().map(f).collect::<Vec<_>>());
+                let of = |f: fn(&Sample) -> f64| Summary::of(&s.iter().map(f).collect::<Vec<_>>());
                 rows.push(Row {
                     job: *job,
                     target,
-                    mib_s: of(|r| r.mib_s),
-                    iops: of(|r| r.iops),
-                    lat_p99_us: of(|r| r.lat_p99_us),
+                    mib_s: of(|r| r.0.mib_s),
+                    iops: of(|r| r.0.iops),
+                    lat_p99_us: of(|r| r.0.lat_p99_us),
+                    server_cpu_us_per_req: of(|r| {
+                        if r.0.lat_p99_us.is_finite() {
+                            r.2
+                        } else {
+                            f64::NAN
+                        }
+                    }),
+                    server_cpu_cores: of(|r| r.1),
                 });
             }
         }
@@ -839,6 +856,30 @@ pub fn markdown(r: &NbdReport) -> String {
         }
         s.push('\n');
     }
+    s.push_str(
+        "\nServer CPU per request, µs (median; all the server's threads, the warm-up counted at \
+         the measured rate), and in parentheses the cores it kept busy:\n\n| job |",
+    );
+    for t in Target::ALL {
+        s.push_str(&format!(" {} |", t.name()));
+    }
+    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
+    for job in JOBS.iter().filter(|j| j.ioengine != QEMU_IMG) {
+        s.push_str(&format!("| {} |", job.name));
+        for t in Target::ALL {
+            let cell = find(&r.rows, job.name, t)
+                .filter(|x| x.server_cpu_us_per_req.median.is_finite())
+                .map(|x| {
+                    format!(
+                        "{:.1} ({:.2})",
+                        x.server_cpu_us_per_req.median, x.server_cpu_cores.median
+                    )
+                })
+                .unwrap_or_else(|| "–".into());
+            s.push_str(&format!(" {cell} |"));
+        }
+        s.push('\n');
+    }
     s.push_str("\nGoals (ucrypt ÷ peer, medians):\n\n| goal |");
     for o in OURS {
         s.push_str(&format!(" {} |", o.name()));
@@ -927,6 +968,8 @@ mod tests {
             mib_s: one(mib_s),
             iops: one(mib_s * 256.0),
             lat_p99_us: one(50.0),
+            server_cpu_us_per_req: one(10.0),
+            server_cpu_cores: one(0.5),
         }
     }
 
