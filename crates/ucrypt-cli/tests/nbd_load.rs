@@ -4,6 +4,7 @@
 //!   is in flight, so its memory stays within that budget above what it used idle;
 //! - fio, 4 KiB random writes at QD 256 over 4 connections: the peak RSS stays within the
 //!   volume's buffer pool (16 MiB) + 32 MiB above the idle server.
+//!
 //! The RSS figures are printed; they are bounds checked in a test, not speed targets.
 
 mod nbd_common;
