@@ -71,17 +71,25 @@ const JOBS: &[Job] = &[
 /// what it costs on real storage: a server that splits a 1 MiB FUA write into many backend
 /// writes, each made durable on its own (nbdkit's luks filter calls its plugin once per
 /// 512-byte sector), pays for every one of them.
-const DISK_JOBS: &[Job] = &[Job::new(
-    "1M write FUA QD4 on disk, qemu-img",
-    "write-fua",
-    1 << 20,
-    QEMU_IMG,
-    4,
-)];
+/// And 4 KiB random reads and writes at QD1 on a disk file, where the servers that use the
+/// page cache (qemu-storage-daemon, nbdkit, ucrypt with `--cache writeback`) differ from
+/// O_DIRECT (ucrypt's default `--cache none`).
+const DISK_JOBS: &[Job] = &[
+    Job::new(
+        "1M write FUA QD4 on disk, qemu-img",
+        "write-fua",
+        1 << 20,
+        QEMU_IMG,
+        4,
+    ),
+    Job::new("4k randread QD1 on disk", "randread", 4096, "nbd", 1),
+    Job::new("4k randwrite QD1 on disk", "randwrite", 4096, "nbd", 1),
+];
 /// The servers the disk jobs run on: LUKS ones only (the no-crypto rows bound round trips,
 /// which the disk jobs are not about).
-const DISK_TARGETS: [Target; 5] = [
+const DISK_TARGETS: [Target; 6] = [
     Target::UcryptLuks2,
+    Target::UcryptLuks2Writeback,
     Target::UcryptLuks2Auto,
     Target::UcryptLuks1,
     Target::QsdLuks1,
@@ -123,6 +131,8 @@ pub enum Target {
     UcryptLuks2,
     /// `ucrypt serve --policy auto` on the LUKS2 image.
     UcryptLuks2Auto,
+    /// `ucrypt serve --cache writeback` on the LUKS2 image (disk jobs only).
+    UcryptLuks2Writeback,
     /// `ucrypt serve` on the LUKS1 image.
     UcryptLuks1,
     /// qemu-storage-daemon's luks driver on the LUKS1 image, NBD export.
@@ -134,9 +144,20 @@ pub enum Target {
 }
 
 impl Target {
-    const ALL: [Target; 7] = [
+    /// The targets of the jobs on RAM.
+    const RAM: [Target; 7] = [
         Target::Plain,
         Target::UcryptLuks2,
+        Target::UcryptLuks2Auto,
+        Target::UcryptLuks1,
+        Target::QsdLuks1,
+        Target::NbdkitLuks1,
+        Target::NbdkitPlain,
+    ];
+    const ALL: [Target; 8] = [
+        Target::Plain,
+        Target::UcryptLuks2,
+        Target::UcryptLuks2Writeback,
         Target::UcryptLuks2Auto,
         Target::UcryptLuks1,
         Target::QsdLuks1,
@@ -149,6 +170,7 @@ impl Target {
             Target::Plain => "plain (no crypto)",
             Target::UcryptLuks2 => "ucrypt LUKS2",
             Target::UcryptLuks2Auto => "ucrypt LUKS2 auto",
+            Target::UcryptLuks2Writeback => "ucrypt LUKS2 cache=writeback",
             Target::UcryptLuks1 => "ucrypt LUKS1",
             Target::QsdLuks1 => "qsd LUKS1",
             Target::NbdkitLuks1 => "nbdkit LUKS1",
@@ -162,6 +184,7 @@ impl Target {
             Target::Plain => "plain",
             Target::UcryptLuks2 => "ucrypt-luks2",
             Target::UcryptLuks2Auto => "ucrypt-luks2-auto",
+            Target::UcryptLuks2Writeback => "ucrypt-luks2-writeback",
             Target::UcryptLuks1 => "ucrypt-luks1",
             Target::QsdLuks1 => "qsd-luks1",
             Target::NbdkitLuks1 => "nbdkit-luks1",
@@ -404,7 +427,9 @@ impl Setup {
         for &t in targets {
             let source = match t {
                 Target::Plain | Target::NbdkitPlain => noise.clone(),
-                Target::UcryptLuks2 | Target::UcryptLuks2Auto => s.dir.join("luks2.img"),
+                Target::UcryptLuks2 | Target::UcryptLuks2Auto | Target::UcryptLuks2Writeback => {
+                    s.dir.join("luks2.img")
+                }
                 _ => s.dir.join("luks1.img"),
             };
             std::fs::copy(source, s.image(t)).map_err(|e| format!("{}: {e}", t.name()))?;
@@ -461,8 +486,14 @@ fn server_command(t: Target, s: &Setup) -> Result<Command, String> {
             c.arg("--unencrypted");
             c
         }
-        Target::UcryptLuks2 | Target::UcryptLuks1 | Target::UcryptLuks2Auto => {
+        Target::UcryptLuks2
+        | Target::UcryptLuks1
+        | Target::UcryptLuks2Auto
+        | Target::UcryptLuks2Writeback => {
             let mut c = ucrypt()?;
+            if t == Target::UcryptLuks2Writeback {
+                c.args(["--cache", "writeback"]);
+            }
             c.arg("--key-file").arg(&s.pass_file);
             // Named explicitly, so the rows mean the same whatever `serve`'s default is.
             let policy = if t == Target::UcryptLuks2Auto {
@@ -665,8 +696,8 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
             .collect()
     };
     let mut parts = vec![Part::start(
-        Setup::new(&base_dir(), IMAGE_BYTES, &Target::ALL)?,
-        &Target::ALL,
+        Setup::new(&base_dir(), IMAGE_BYTES, &Target::RAM)?,
+        &Target::RAM,
         with_client(JOBS),
         VOLUME_BYTES,
         &mut skipped,
@@ -844,7 +875,11 @@ pub fn markdown(r: &NbdReport) -> String {
     }
     s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
     // qemu-img reports no latencies.
-    for job in JOBS.iter().filter(|j| j.ioengine != QEMU_IMG) {
+    for job in JOBS
+        .iter()
+        .chain(DISK_JOBS)
+        .filter(|j| j.ioengine != QEMU_IMG)
+    {
         s.push_str(&format!("| {} |", job.name));
         for t in Target::ALL {
             let cell = find(&r.rows, job.name, t)
@@ -864,7 +899,11 @@ pub fn markdown(r: &NbdReport) -> String {
         s.push_str(&format!(" {} |", t.name()));
     }
     s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
-    for job in JOBS.iter().filter(|j| j.ioengine != QEMU_IMG) {
+    for job in JOBS
+        .iter()
+        .chain(DISK_JOBS)
+        .filter(|j| j.ioengine != QEMU_IMG)
+    {
         s.push_str(&format!("| {} |", job.name));
         for t in Target::ALL {
             let cell = find(&r.rows, job.name, t)
