@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ucrypt::{BlockDev, Error};
+use ucrypt::Error;
 
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
@@ -102,7 +102,7 @@ pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult
         read_only: true,
         ..v.clone()
     };
-    let vol = v.open()?;
+    let vol = v.open()?.dev();
     let total = vol.size();
     let mut out = File::create(file)
         .map_err(|e| Error::io(format!("Cannot create {}", file.display()), e))?;
@@ -125,7 +125,7 @@ pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult
 }
 
 pub fn import(file: &Path, v: &VolumeArgs, progress_s: Option<u64>) -> CliResult<i32> {
-    let vol = v.open()?;
+    let vol = v.open()?.dev();
     let total = vol.size();
     let mut input =
         File::open(file).map_err(|e| Error::io(format!("Cannot open {}", file.display()), e))?;
