@@ -20,7 +20,7 @@ const TTY_REFRESH: Duration = Duration::from_millis(500);
 
 /// Progress of a long verb: a line redrawn on a terminal, nothing when stderr is not one,
 /// or with `--progress-frequency N` a line every N seconds wherever stderr goes.
-struct Progress {
+pub(crate) struct Progress {
     start: Instant,
     last: Instant,
     total: u64,
@@ -31,7 +31,7 @@ struct Progress {
 }
 
 impl Progress {
-    fn new(total: u64, frequency_s: Option<u64>) -> Self {
+    pub(crate) fn new(total: u64, frequency_s: Option<u64>) -> Self {
         let now = Instant::now();
         let (every, lines) = match frequency_s {
             Some(s) => (Some(Duration::from_secs(s.max(1))), true),
@@ -47,7 +47,7 @@ impl Progress {
         }
     }
 
-    fn tick(&mut self, done: u64) {
+    pub(crate) fn tick(&mut self, done: u64) {
         let Some(every) = self.every else { return };
         if self.last.elapsed() < every {
             return;
@@ -79,7 +79,7 @@ impl Progress {
         }
     }
 
-    fn finish(&mut self, verb: &str, done: u64) {
+    pub(crate) fn finish(&mut self, verb: &str, done: u64) {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
         if self.every.is_some() && !self.lines {
             eprintln!();
