@@ -679,8 +679,8 @@ fn integrity_choice(o: &LuksOpts, t: &str) -> Result<IntegrityChoice> {
 const INTEGRITY_WIPE_CHUNK_BYTES: u64 = 4 << 20;
 
 /// After the LUKS2 header of an authenticated volume: the dm-integrity superblock the kernel
-/// would write (its journal area zeroed: the kernel starts an unrecognised journal afresh),
-/// then, unless --integrity-no-wipe, zeroes written through the integrity layer over the
+/// would write, and its journal as the kernel initialises it (the kernel checks it on every
+/// activation, also in direct mode), then, unless --integrity-no-wipe, zeroes written through the integrity layer over the
 /// whole data area so that every block's tag verifies.
 fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()> {
     let data = device.open_data(true, &o.remote, ucrypt::backend::CacheMode::Writeback)?;
@@ -717,20 +717,19 @@ fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()>
         start / 512,
         data.size() / 512,
     )?;
-    luks::apply(
-        data.as_ref(),
-        &[
-            WriteOp::Zero {
-                offset: start,
-                len: layout.initial_sectors * 512,
-            },
-            WriteOp::Write {
-                offset: start,
-                data: layout.sb.serialize().to_vec(),
-            },
-            WriteOp::Sync,
-        ],
-    )?;
+    let mut ops = vec![WriteOp::Write {
+        offset: start,
+        data: layout.sb.serialize().to_vec(),
+    }];
+    let journal_start = start + ucrypt::integrity::superblock::SB_SECTORS * 512;
+    for i in 0..layout.sb.journal_sections {
+        ops.push(WriteOp::Write {
+            offset: journal_start + u64::from(i) * layout.journal_section_sectors * 512,
+            data: ucrypt::integrity::format::initial_journal_section(&layout, i),
+        });
+    }
+    ops.push(WriteOp::Sync);
+    luks::apply(data.as_ref(), &ops)?;
     let vol = ucrypt::integrity::open_luks2(data, &hdr, vk, false)?;
     let total = ucrypt::BlockDev::size(&vol);
     if o.integrity_no_wipe {
