@@ -6,6 +6,9 @@
 //!   plaintext back byte for byte and reads the whole device (every tag verifies: the wipe);
 //! - kernel-made: cryptsetup formats (wiping through the kernel) and the kernel writes the
 //!   plaintext; `ucrypt export` yields the plaintext followed by zeroes;
+//! - header: cryptsetup's JSON metadata of the ucrypt-made volume equals that of the one
+//!   cryptsetup made with the same options, but for salts, digests and the UUID, and the
+//!   dm-integrity superblock and journal are byte for byte the kernel's;
 //! - filesystem: on a volume `ucrypt format` made, the kernel makes an ext4 and writes a file;
 //!   the image `ucrypt export` gives is clean (`e2fsck -f -n`) and holds the file.
 //!
@@ -112,6 +115,28 @@ fn ucrypt_format(img: &Path, key: &Path, c: &Case) {
     .unwrap_or_else(|e| panic!("{}: {e}", c.name));
 }
 
+/// The dm-integrity superblock and journal of an image (LUKS2 data offset 16 MiB).
+fn integrity_metadata(img: &Path) -> Vec<u8> {
+    const SB_AT: usize = 16 << 20;
+    let b = std::fs::read(img).expect("image");
+    let sb = ucrypt::integrity::Superblock::parse(&b[SB_AT..SB_AT + 4096]).expect("superblock");
+    let l = ucrypt::integrity::Layout::new(sb).expect("layout");
+    b[SB_AT..SB_AT + (l.initial_sectors * 512) as usize].to_vec()
+}
+
+/// Removes what differs between any two formats: salts, digests (and the UUID, not in the JSON).
+fn scrub(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("salt");
+            m.remove("digest");
+            m.values_mut().for_each(scrub);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(scrub),
+        _ => {}
+    }
+}
+
 #[test]
 fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
     if let Err(reason) = vm::require_vm() {
@@ -161,6 +186,7 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             script,
             "if cryptsetup open $O {du} u && cmp -n {PLAIN_BYTES} /dev/mapper/u $P; then \
              echo \"CASE {n} KERNEL-READ-OK\"; else echo \"CASE {n} KERNEL-READ-FAIL\"; fi\n\
+             cryptsetup luksDump --dump-json-metadata {du} > /mnt/host/{n}-u.json\n\
              if dd if=/dev/mapper/u of=/dev/null bs=1M 2>/dev/null; then \
              echo \"CASE {n} KERNEL-FULL-READ-OK\"; else echo \"CASE {n} KERNEL-FULL-READ-FAIL\"; fi\n\
              cryptsetup close u",
@@ -178,7 +204,8 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
              --batch-mode --key-file $K {dk} >/dev/null 2>&1 && cryptsetup open $O {dk} k && \
              dd if=$P of=/dev/mapper/k bs=65536 count={plain_blocks} conv=fsync 2>/dev/null && \
              cryptsetup close k; then echo \"CASE {n} KERNEL-WROTE\"; \
-             else echo \"CASE {n} KERNEL-WRITE-FAIL\"; fi",
+             else echo \"CASE {n} KERNEL-WRITE-FAIL\"; fi\n\
+             cryptsetup luksDump --dump-json-metadata {dk} > /mnt/host/{n}-k.json",
             c.cipher,
             c.integrity,
             c.key_bits,
@@ -219,11 +246,43 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         kernel_wrote.push(expect(format!("CASE {} KERNEL-WROTE", c.name)));
     }
     let fs_made = expect("FS KERNEL-MADE".into());
+    for c in CASES {
+        let load = |side: &str| -> Option<serde_json::Value> {
+            let text = std::fs::read_to_string(dir.join(format!("{}-{side}.json", c.name))).ok()?;
+            let mut v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            scrub(&mut v);
+            Some(v)
+        };
+        match (load("u"), load("k")) {
+            (Some(u), Some(k)) if u == k => {
+                println!("CASE {} LUKS2 metadata = cryptsetup's OK", c.name)
+            }
+            (Some(u), Some(k)) => failures.push(format!(
+                "{}: LUKS2 metadata differs from cryptsetup's:\nucrypt:     {u}\ncryptsetup: {k}",
+                c.name
+            )),
+            _ => failures.push(format!("{}: no JSON metadata from the VM", c.name)),
+        }
+    }
     for (c, wrote) in CASES.iter().zip(kernel_wrote) {
         if !wrote {
             continue;
         }
         let kimg = dir.join(format!("k-{}.img", c.name));
+        let uimg = dir.join(format!("u-{}.img", c.name));
+        let (km, um) = (integrity_metadata(&kimg), integrity_metadata(&uimg));
+        if km == um {
+            println!(
+                "CASE {} dm-integrity superblock + journal = the kernel's OK ({} bytes)",
+                c.name,
+                km.len()
+            );
+        } else {
+            failures.push(format!(
+                "{}: dm-integrity superblock or journal differs from the kernel's",
+                c.name
+            ));
+        }
         let exported = dir.join(format!("k-{}.out", c.name));
         match run(
             BIN,
