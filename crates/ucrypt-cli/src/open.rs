@@ -104,6 +104,10 @@ pub struct VolumeArgs {
     /// every write durable), unsafe (flushes ignored: scratch volumes only).
     #[arg(long, value_name = "MODE", default_value_t = CacheMode::None)]
     pub cache: CacheMode,
+    /// Accepted as cryptsetup's open takes it: ucrypt serves authenticated volumes in
+    /// dm-integrity's direct mode (no journal) always.
+    #[arg(long)]
+    pub integrity_no_journal: bool,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
