@@ -51,8 +51,14 @@ pub struct Volumes(pub Vec<(String, Arc<Volume>)>);
 
 impl Volumes {
     /// The one volume of a front end, labelled with its file or image name.
-    pub fn one(args: &crate::open::VolumeArgs, vol: &Arc<Volume>) -> Volumes {
-        Volumes(vec![(args.volume.label(), vol.clone())])
+    /// An authenticated volume has no engine statistics yet: it is left out.
+    pub fn one(args: &crate::open::VolumeArgs, vol: &crate::open::Opened) -> Volumes {
+        Volumes(
+            vol.plain()
+                .map(|v| (args.volume.label(), v.clone()))
+                .into_iter()
+                .collect(),
+        )
     }
 }
 

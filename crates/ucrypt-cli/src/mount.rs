@@ -126,6 +126,6 @@ fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()
             FuseTransport::IoUring => Transport::IoUring,
         },
     };
-    ucrypt_fuse::mount(dev, &a.mountpoint, &opts, stop)?;
+    ucrypt_fuse::mount(dev.dev(), &a.mountpoint, &opts, stop)?;
     Ok(())
 }

@@ -15,10 +15,11 @@ use std::time::Duration;
 use clap::Args;
 use ucrypt::backend::{Backend, CacheMode};
 use ucrypt::engine::{Policies, Policy};
+use ucrypt::integrity::{self, superblock::flags as sb_flags, IntegrityVolume};
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::{Error, SecretBytes};
+use ucrypt::{BlockDev, Error, SecretBytes};
 
 use crate::error::{CliError, CliResult};
 use crate::luks_cli::open_header;
@@ -103,6 +104,10 @@ pub struct VolumeArgs {
     /// every write durable), unsafe (flushes ignored: scratch volumes only).
     #[arg(long, value_name = "MODE", default_value_t = CacheMode::None)]
     pub cache: CacheMode,
+    /// Accepted as cryptsetup's open takes it: ucrypt serves authenticated volumes in
+    /// dm-integrity's direct mode (no journal) always.
+    #[arg(long)]
+    pub integrity_no_journal: bool,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -145,17 +150,158 @@ pub enum PreparedKind {
     },
 }
 
+/// An opened volume: the engine's dm-crypt [`Volume`], or a LUKS2 volume with authenticated
+/// encryption (dm-crypt over dm-integrity, [`IntegrityVolume`]). Front ends need only
+/// [`Opened::dev`]; statistics, metrics and run-time policy changes exist for plain volumes
+/// only ([`Opened::plain`]).
+#[derive(Clone)]
+pub enum Opened {
+    Plain(Arc<Volume>),
+    Integrity(Arc<Authenticated>),
+}
+
+impl Opened {
+    /// The volume as the front ends serve it.
+    pub fn dev(&self) -> Arc<dyn BlockDev> {
+        match self {
+            Opened::Plain(v) => v.clone(),
+            Opened::Integrity(v) => v.clone(),
+        }
+    }
+
+    /// The engine's volume, for statistics and metrics; `None` for an authenticated volume,
+    /// which has neither yet.
+    pub fn plain(&self) -> Option<&Arc<Volume>> {
+        match self {
+            Opened::Plain(v) => Some(v),
+            Opened::Integrity(_) => None,
+        }
+    }
+}
+
+/// An [`IntegrityVolume`] as the command line serves it: a block that fails authentication
+/// is logged as one line on standard error (the request fails with the error's errno,
+/// EILSEQ; NBD, which has no such error, sends NBD_EIO).
+pub struct Authenticated {
+    name: String,
+    inner: IntegrityVolume,
+}
+
+impl Authenticated {
+    fn logged<T>(&self, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
+        if let Err(Error::Integrity { sector }) = &r {
+            eprintln!(
+                "{}: integrity error: block at data sector {sector} failed authentication",
+                self.name
+            );
+        }
+        r
+    }
+}
+
+impl BlockDev for Authenticated {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn block_size(&self) -> u32 {
+        self.inner.block_size()
+    }
+    fn read_only(&self) -> bool {
+        self.inner.read_only()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
+        self.logged(self.inner.read_at(buf, offset))
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
+        // An unaligned write reads (and verifies) the blocks at its ends.
+        self.logged(self.inner.write_at(buf, offset))
+    }
+    fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
+        self.logged(self.inner.write_at_mut(buf, offset))
+    }
+    fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
+        self.logged(self.inner.write_fua(buf, offset))
+    }
+    fn flush(&self) -> ucrypt::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.inner.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.logged(self.inner.write_zeroes(offset, len))
+    }
+}
+
+/// Opens the authenticated segment of a LUKS2 volume. Refuses a dm-integrity superblock whose
+/// flags say its tags are not all valid: recalculation in progress (tags beyond
+/// `recalc_sector` were never written) or a dirty bitmap (bitmap mode left blocks whose tags
+/// are stale). dm-integrity keeps no "journal dirty" flag in the superblock: a journal left
+/// with committed, unapplied entries can only be told by reading the journal, which ucrypt
+/// does not do (docs/integrity.md).
+fn open_authenticated(
+    name: &str,
+    data: Arc<dyn Backend>,
+    hdr: &luks::Header,
+    unlock: Unlock,
+    opts: &OpenOptions,
+) -> ucrypt::Result<Opened> {
+    let hdr_dev: &dyn Backend = match &opts.header {
+        Some(h) => h.as_ref(),
+        None => data.as_ref(),
+    };
+    if !opts.read_only {
+        hdr.check_requirements()?;
+    }
+    let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
+    let vol = integrity::open_luks2(data, hdr, &vk, opts.read_only)?;
+    drop(vk);
+    let sb = &vol.layout().sb;
+    for (flag, what) in [
+        (
+            sb_flags::RECALCULATING,
+            "its tags are being recalculated (not all are valid)",
+        ),
+        (
+            sb_flags::DIRTY_BITMAP,
+            "its bitmap is dirty (tags of some blocks are stale)",
+        ),
+    ] {
+        if sb.has(flag) {
+            return Err(Error::UnsupportedLuks(format!(
+                "the dm-integrity superblock says {what}; let the kernel finish with it \
+                 (cryptsetup open, then close) before ucrypt opens it"
+            )));
+        }
+    }
+    Ok(Opened::Integrity(Arc::new(Authenticated {
+        name: name.to_string(),
+        inner: vol,
+    })))
+}
+
 impl Prepared {
     /// Builds the volume: unlocks a keyslot (LUKS) and starts the engine's threads.
-    pub fn open(self) -> CliResult<Volume> {
+    pub fn open(self) -> CliResult<Opened> {
         let vol = match self.kind {
             PreparedKind::Luks {
                 data,
                 hdr,
                 unlock,
                 opts,
-            } => luks::open_parsed(data, &hdr, unlock, &opts).map_err(CliError::from),
-            PreparedKind::Raw { backend, cfg } => Volume::new(backend, cfg).map_err(CliError::from),
+            } => {
+                if integrity::superblock_offset(&hdr).is_some() {
+                    open_authenticated(&self.name, data, &hdr, unlock, &opts)
+                        .map_err(CliError::from)
+                } else {
+                    luks::open_parsed(data, &hdr, unlock, &opts)
+                        .map(|v| Opened::Plain(Arc::new(v)))
+                        .map_err(CliError::from)
+                }
+            }
+            PreparedKind::Raw { backend, cfg } => Volume::new(backend, cfg)
+                .map(|v| Opened::Plain(Arc::new(v)))
+                .map_err(CliError::from),
         };
         // Name the volume in the one line the user sees, keeping the error's type (and so its
         // exit code).
@@ -192,8 +338,8 @@ impl VolumeArgs {
     }
 
     /// Opens the volume for a front end or a data verb.
-    pub fn open(&self) -> CliResult<Arc<Volume>> {
-        Ok(Arc::new(self.prepare()?.open()?))
+    pub fn open(&self) -> CliResult<Opened> {
+        self.prepare()?.open()
     }
 
     /// Everything of opening that happens before the volume's threads exist: the header read

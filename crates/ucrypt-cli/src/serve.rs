@@ -67,7 +67,7 @@ fn open_one(a: &ServeArgs, target: &Target) -> CliResult<Opened> {
     let mut v = a.volume.clone();
     v.volume = target.clone();
     let vol = v.open()?;
-    Ok((vol.clone(), Some(vol)))
+    Ok((vol.dev(), vol.plain().cloned()))
 }
 
 fn open_volumes(a: &ServeArgs) -> CliResult<Vec<Export>> {

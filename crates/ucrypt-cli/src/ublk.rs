@@ -34,5 +34,5 @@ fn serve(a: UblkArgs) -> CliResult<()> {
     if let Some(q) = a.queues {
         opts.queues = q;
     }
-    Ok(ucrypt_ublk::run(dev, opts, &stop)?)
+    Ok(ucrypt_ublk::run(dev.dev(), opts, &stop)?)
 }

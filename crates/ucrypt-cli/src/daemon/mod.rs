@@ -204,6 +204,9 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
     };
     match &p.kind {
         PreparedKind::Luks { hdr, opts, .. } => {
+            if ucrypt::integrity::superblock_offset(hdr).is_some() {
+                return Err(CliError::Usage(serve::AUTHENTICATED_NOT_OPENED.into()));
+            }
             let layout = hdr.data_layout()?;
             info.kind = format!("LUKS{}", hdr.version());
             info.cipher = layout.cipher.to_string();

@@ -295,10 +295,20 @@ pub fn run(d: Daemon, prepared: Prepared, mut reporter: Reporter) -> CliResult<(
     }
 }
 
+/// Why `ucrypt open` refuses a LUKS2 volume with integrity: the daemon's status, refresh and
+/// metrics are built on the engine's plain volume.
+pub const AUTHENTICATED_NOT_OPENED: &str = "ucrypt open does not serve volumes with \
+     authenticated encryption (integrity) yet; use ucrypt serve, mount, ublk, export or import";
+
 fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
     // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).
     let signals = crate::signals::stop_on_signals()?;
-    let vol = Arc::new(prepared.open()?);
+    let vol = match prepared.open()? {
+        crate::open::Opened::Plain(v) => v,
+        crate::open::Opened::Integrity(_) => {
+            return Err(CliError::Usage(AUTHENTICATED_NOT_OPENED.into()))
+        }
+    };
     d.info.size_sectors = vol.size() / 512;
     if let Some(at) = &d.metrics {
         crate::metrics::start(at, Volumes(vec![(d.name.clone(), vol.clone())]))?;

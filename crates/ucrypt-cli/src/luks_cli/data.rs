@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ucrypt::{BlockDev, Error};
+use ucrypt::Error;
 
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
@@ -20,7 +20,7 @@ const TTY_REFRESH: Duration = Duration::from_millis(500);
 
 /// Progress of a long verb: a line redrawn on a terminal, nothing when stderr is not one,
 /// or with `--progress-frequency N` a line every N seconds wherever stderr goes.
-struct Progress {
+pub(crate) struct Progress {
     start: Instant,
     last: Instant,
     total: u64,
@@ -31,7 +31,7 @@ struct Progress {
 }
 
 impl Progress {
-    fn new(total: u64, frequency_s: Option<u64>) -> Self {
+    pub(crate) fn new(total: u64, frequency_s: Option<u64>) -> Self {
         let now = Instant::now();
         let (every, lines) = match frequency_s {
             Some(s) => (Some(Duration::from_secs(s.max(1))), true),
@@ -47,7 +47,7 @@ impl Progress {
         }
     }
 
-    fn tick(&mut self, done: u64) {
+    pub(crate) fn tick(&mut self, done: u64) {
         let Some(every) = self.every else { return };
         if self.last.elapsed() < every {
             return;
@@ -79,7 +79,7 @@ impl Progress {
         }
     }
 
-    fn finish(&mut self, verb: &str, done: u64) {
+    pub(crate) fn finish(&mut self, verb: &str, done: u64) {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
         if self.every.is_some() && !self.lines {
             eprintln!();
@@ -102,7 +102,7 @@ pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult
         read_only: true,
         ..v.clone()
     };
-    let vol = v.open()?;
+    let vol = v.open()?.dev();
     let total = vol.size();
     let mut out = File::create(file)
         .map_err(|e| Error::io(format!("Cannot create {}", file.display()), e))?;
@@ -125,7 +125,7 @@ pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult
 }
 
 pub fn import(file: &Path, v: &VolumeArgs, progress_s: Option<u64>) -> CliResult<i32> {
-    let vol = v.open()?;
+    let vol = v.open()?.dev();
     let total = vol.size();
     let mut input =
         File::open(file).map_err(|e| Error::io(format!("Cannot open {}", file.display()), e))?;

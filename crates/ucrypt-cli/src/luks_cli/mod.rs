@@ -126,6 +126,22 @@ pub struct LuksOpts {
     /// LUKS2 keyslots area size in bytes.
     #[arg(long)]
     pub luks2_keyslots_size: Option<u64>,
+    /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random),
+    /// hmac-sha256 or hmac-sha512 (with --cipher aes-xts-random). --key-size is the cipher's
+    /// key; the MAC key is added to the volume key, as cryptsetup does.
+    #[arg(long, value_name = "TYPE")]
+    pub integrity: Option<String>,
+    /// format --integrity: accepted (ucrypt writes and serves dm-integrity without its journal,
+    /// the kernel's direct mode, always).
+    #[arg(long)]
+    pub integrity_no_journal: bool,
+    /// format --integrity: do not write the data area (its blocks fail authentication until
+    /// written). Without it every block is written with zeroes so that every tag verifies.
+    #[arg(long)]
+    pub integrity_no_wipe: bool,
+    /// format --integrity: print the wipe's progress every this many seconds.
+    #[arg(long)]
+    pub progress_frequency: Option<u64>,
     /// Accepted for compatibility; ucrypt reads files without device-mapper.
     #[arg(long)]
     pub disable_locks: bool,
@@ -513,8 +529,22 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
             )))
         }
     };
-    let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
+    let integrity = match &o.integrity {
+        Some(t) if version == 2 => Some(integrity_choice(o, t)?),
+        Some(_) => {
+            return Err(Error::InvalidArgument(
+                "--integrity needs LUKS2 (--type luks2)".into(),
+            ))
+        }
+        None => None,
+    };
+    let cipher: CipherSpec = match &integrity {
+        // Not used: the segment's encryption comes from the integrity choice.
+        Some(_) => CipherSpec::AES_XTS_PLAIN64,
+        None => o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?,
+    };
     let key_bytes = match o.key_size {
+        _ if integrity.is_some() => integrity.as_ref().map_or(0, |i| i.key_bytes),
         Some(bits) if bits % 8 == 0 => bits as usize / 8,
         Some(bits) => {
             return Err(Error::InvalidArgument(format!(
@@ -523,7 +553,9 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         }
         None => cipher.default_key_bytes(),
     };
-    cipher.check_key_len(key_bytes)?;
+    if integrity.is_none() {
+        cipher.check_key_len(key_bytes)?;
+    }
     let uuid = match &o.uuid {
         Some(u) => {
             util::check_uuid(u)?;
@@ -577,8 +609,9 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         align,
         passphrase: &passphrase,
         kdf: &kdf,
+        integrity: integrity.as_ref(),
     };
-    let (ops, slot) = if version == 2 {
+    let (ops, slot, vk) = if version == 2 {
         format_luks2(new, vk_secret)?
     } else {
         format_luks1(new, vk_secret)?
@@ -588,10 +621,135 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         None => device.open_header(true, &o.remote)?,
     };
     luks::apply(hdev.as_ref(), &ops)?;
+    drop(hdev);
     if o.verbose {
         eprintln!("Key slot {slot} created.");
     }
+    if integrity.is_some() {
+        format_integrity(device, o, &vk)?;
+    }
     Ok(0)
+}
+
+/// `format --integrity`: the segment's cipher, its integrity type as LUKS2 spells it, and the
+/// volume key's length (the cipher's key, then the MAC key).
+struct IntegrityChoice {
+    encryption: String,
+    kind: String,
+    key_bytes: usize,
+}
+
+fn integrity_choice(o: &LuksOpts, t: &str) -> Result<IntegrityChoice> {
+    let (kind, mac_key_bytes) = match t {
+        "aead" => ("aead", 0),
+        "hmac-sha256" | "hmac(sha256)" => ("hmac(sha256)", 32),
+        "hmac-sha512" | "hmac(sha512)" => ("hmac(sha512)", 64),
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "--integrity {t}: ucrypt supports aead, hmac-sha256 and hmac-sha512"
+            )))
+        }
+    };
+    let encryption = o.cipher.clone().ok_or_else(|| {
+        Error::InvalidArgument(
+            "--integrity needs --cipher aes-gcm-random (aead) or aes-xts-random (hmac-*)".into(),
+        )
+    })?;
+    let default_bits = match encryption.as_str() {
+        "aes-gcm-random" => 256,
+        _ => 512,
+    };
+    let bits = o.key_size.unwrap_or(default_bits);
+    if bits % 8 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "key size {bits} bits is not a multiple of 8"
+        )));
+    }
+    let key_bytes = bits as usize / 8 + mac_key_bytes;
+    // Refuses a cipher, type or key size the integrity layer cannot serve.
+    ucrypt::integrity::TagMode::from_luks2(&encryption, kind, key_bytes)?;
+    Ok(IntegrityChoice {
+        encryption,
+        kind: kind.into(),
+        key_bytes,
+    })
+}
+
+/// Bytes per zero write of the integrity wipe.
+const INTEGRITY_WIPE_CHUNK_BYTES: u64 = 4 << 20;
+
+/// After the LUKS2 header of an authenticated volume: the dm-integrity superblock the kernel
+/// would write, and its journal as the kernel initialises it (the kernel checks it on every
+/// activation, also in direct mode), then, unless --integrity-no-wipe, zeroes written through the integrity layer over the
+/// whole data area so that every block's tag verifies.
+fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()> {
+    let data = device.open_data(true, &o.remote, ucrypt::backend::CacheMode::Writeback)?;
+    let hdr = match &o.header {
+        Some(h) => luks::read_header(open_header(h, false)?.as_ref())?,
+        None => luks::read_header(data.as_ref())?,
+    };
+    let Some(start) = ucrypt::integrity::superblock_offset(&hdr) else {
+        return Err(Error::Bug("formatted header has no authenticated segment"));
+    };
+    let seg = match &hdr {
+        Header::Luks2(h) => h
+            .meta
+            .segments
+            .values()
+            .find(|s| s.kind == "crypt")
+            .cloned(),
+        Header::Luks1(_) => None,
+    }
+    .ok_or(Error::Bug("formatted header has no crypt segment"))?;
+    let integ = seg
+        .integrity
+        .as_ref()
+        .ok_or(Error::Bug("formatted segment has no integrity"))?;
+    let mode = ucrypt::integrity::TagMode::from_luks2(
+        seg.encryption.as_deref().unwrap_or(""),
+        &integ.kind,
+        vk.bytes().len(),
+    )?;
+    let tag_bytes = u16::try_from(mode.tuple_bytes()).map_err(|_| Error::Bug("tag size"))?;
+    let layout = ucrypt::integrity::new_superblock(
+        tag_bytes,
+        seg.sector_size.unwrap_or(512),
+        start / 512,
+        data.size() / 512,
+    )?;
+    let mut ops = vec![WriteOp::Write {
+        offset: start,
+        data: layout.sb.serialize().to_vec(),
+    }];
+    let journal_start = start + ucrypt::integrity::superblock::SB_SECTORS * 512;
+    for i in 0..layout.sb.journal_sections {
+        ops.push(WriteOp::Write {
+            offset: journal_start + u64::from(i) * layout.journal_section_sectors * 512,
+            data: ucrypt::integrity::format::initial_journal_section(&layout, i),
+        });
+    }
+    ops.push(WriteOp::Sync);
+    luks::apply(data.as_ref(), &ops)?;
+    let vol = ucrypt::integrity::open_luks2(data, &hdr, vk, false)?;
+    let total = ucrypt::BlockDev::size(&vol);
+    if o.integrity_no_wipe {
+        eprintln!(
+            "{device}: integrity data area not wiped ({total} bytes): blocks fail \
+             authentication until written."
+        );
+        return Ok(());
+    }
+    let mut p = data::Progress::new(total, o.progress_frequency);
+    let mut done = 0u64;
+    while done < total {
+        let n = (total - done).min(INTEGRITY_WIPE_CHUNK_BYTES);
+        ucrypt::BlockDev::write_zeroes(&vol, done, n)?;
+        done += n;
+        p.tick(done);
+    }
+    ucrypt::BlockDev::flush(&vol)?;
+    p.finish("Wiped", done);
+    Ok(())
 }
 
 /// Where a write plan ends: the size a new detached header file needs.
@@ -623,10 +781,14 @@ struct NewVolume<'a> {
     align: u64,
     passphrase: &'a SecretBytes,
     kdf: &'a KdfRequest,
+    integrity: Option<&'a IntegrityChoice>,
 }
 
 /// The write plan of a new LUKS2 header with its first keyslot.
-fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp>, u32)> {
+fn format_luks2(
+    n: NewVolume<'_>,
+    vk_secret: SecretBytes,
+) -> Result<(Vec<WriteOp>, u32, VolumeKey)> {
     let NewVolume {
         device,
         o,
@@ -638,6 +800,7 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
         align,
         passphrase,
         kdf,
+        integrity,
     } = n;
     let mut ops: Vec<WriteOp> = Vec::new();
     let mut f = luks2::FormatLuks2::defaults(uuid);
@@ -647,6 +810,10 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
     f.label = o.label.clone().unwrap_or_default();
     f.subsystem = o.subsystem.clone().unwrap_or_default();
     f.detached = detached;
+    f.integrity = integrity.map(|i| luks2::FormatIntegrity {
+        encryption: i.encryption.clone(),
+        kind: i.kind.clone(),
+    });
     if let Some(h) = o.luks2_metadata_size {
         f.hdr_size = h;
     }
@@ -693,11 +860,14 @@ fn format_luks2(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
         None,
     )?;
     ops.extend(add);
-    Ok((ops, slot))
+    Ok((ops, slot, vk))
 }
 
 /// The write plan of a new LUKS1 header with its first keyslot.
-fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp>, u32)> {
+fn format_luks1(
+    n: NewVolume<'_>,
+    vk_secret: SecretBytes,
+) -> Result<(Vec<WriteOp>, u32, VolumeKey)> {
     if n.o.sector_size.is_some_and(|s| s != 512) {
         return Err(Error::InvalidArgument(
             "LUKS1 supports only 512-byte sectors".into(),
@@ -740,7 +910,7 @@ fn format_luks1(n: NewVolume<'_>, vk_secret: SecretBytes) -> Result<(Vec<WriteOp
         slot: n.o.key_slot,
     })?;
     ops.extend(add);
-    Ok((ops, slot))
+    Ok((ops, slot, vk))
 }
 
 // ---------------------------------------------------------------- dump

@@ -11,11 +11,13 @@
 //! Only dm-integrity's direct mode (no journal) is implemented; see docs/integrity.md.
 
 pub mod device;
+pub mod format;
 pub mod layout;
 pub mod superblock;
 pub mod tag;
 
 pub use device::{open_luks2, read_superblock, superblock_offset, IntegrityVolume};
+pub use format::new_superblock;
 pub use layout::Layout;
 pub use superblock::Superblock;
 pub use tag::{HmacHash, TagCipher, TagMode};

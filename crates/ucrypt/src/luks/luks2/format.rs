@@ -3,7 +3,9 @@
 use serde_json::Map;
 
 use super::{BinHeader, Luks2Header, HDR_SIZES};
-use crate::luks::json::{Config, DigestJson, Metadata, Segment, SegmentSize, U64Str};
+use crate::luks::json::{
+    Config, DigestJson, Metadata, Segment, SegmentIntegrity, SegmentSize, U64Str,
+};
 use crate::luks::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use crate::luks::util::{b64_encode, random_fill};
 use crate::luks::{VolumeKey, BIN_HDR_BYTES, DIGEST_TIME_MS};
@@ -29,6 +31,18 @@ pub struct FormatLuks2 {
     /// Bytes reserved for keyslot material after the two header copies.
     pub keyslots_size: u64,
     pub detached: bool,
+    /// Authenticated encryption (dm-crypt over dm-integrity): the segment's encryption and
+    /// integrity type replace `cipher`, which is then ignored.
+    pub integrity: Option<FormatIntegrity>,
+}
+
+/// The data segment of an authenticated volume, as cryptsetup 2.6 writes it.
+#[derive(Debug, Clone)]
+pub struct FormatIntegrity {
+    /// The segment's cipher, e.g. "aes-gcm-random" or "aes-xts-random".
+    pub encryption: String,
+    /// The integrity type: "aead", "hmac(sha256)", "hmac(sha512)".
+    pub kind: String,
 }
 
 impl FormatLuks2 {
@@ -47,6 +61,7 @@ impl FormatLuks2 {
             hdr_size: HDR_SIZE_DEFAULT,
             keyslots_size: (16 << 20) - 2 * HDR_SIZE_DEFAULT,
             detached: false,
+            integrity: None,
         }
     }
 }
@@ -54,7 +69,15 @@ impl FormatLuks2 {
 /// Creates a new LUKS2 header around `volume_key` (random from the caller, or a user's
 /// --volume-key-file), with a pbkdf2 digest, and no keyslot yet.
 pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Header, VolumeKey)> {
-    opts.cipher.check_key_len(volume_key.len())?;
+    match &opts.integrity {
+        // Checks the cipher, the integrity type and the key length together.
+        Some(i) => drop(crate::integrity::TagMode::from_luks2(
+            &i.encryption,
+            &i.kind,
+            volume_key.len(),
+        )?),
+        None => opts.cipher.check_key_len(volume_key.len())?,
+    }
     if !HDR_SIZES.contains(&opts.hdr_size) {
         return Err(Error::InvalidArgument(format!(
             "header size {}",
@@ -86,10 +109,18 @@ pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Heade
             offset: U64Str(opts.data_offset),
             size: SegmentSize::Dynamic,
             iv_tweak: Some(U64Str(0)),
-            encryption: Some(opts.cipher.to_string()),
+            encryption: Some(match &opts.integrity {
+                Some(i) => i.encryption.clone(),
+                None => opts.cipher.to_string(),
+            }),
             sector_size: Some(opts.sector_size.bytes()),
             flags: None,
-            integrity: None,
+            integrity: opts.integrity.as_ref().map(|i| SegmentIntegrity {
+                kind: i.kind.clone(),
+                journal_encryption: "none".into(),
+                journal_integrity: "none".into(),
+                extra: Map::new(),
+            }),
             extra: Map::new(),
         },
     );

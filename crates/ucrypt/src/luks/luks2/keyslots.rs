@@ -13,7 +13,12 @@ use crate::luks::kdf::{Kdf, KdfRequest, SALT_BYTES_MAX};
 use crate::luks::keyslot::SlotCrypto;
 use crate::luks::util::{b64_decode, random_fill, HashAlg};
 use crate::luks::{NewKeyslot, VolumeKey, WriteOp, DIGEST_BYTES_MAX, KEYSLOTS_MAX};
+use crate::sector::CipherSpec;
 use crate::{Error, Result, SecretBytes};
+
+/// The key size of cryptsetup's default keyslot cipher (aes-xts-plain64, 512 bits), used for
+/// the keyslot areas of an authenticated volume.
+const KEYSLOT_DEFAULT_KEY_BYTES: usize = 64;
 
 impl Luks2Header {
     /// Keyslots usable with a passphrase, in the order cryptsetup tries them: high priority
@@ -139,8 +144,20 @@ impl Luks2Header {
                 .find(|i| !used.contains(i))
                 .ok_or_else(|| Error::InvalidArgument("all keyslots are full".into()))?,
         };
-        let seg = self.meta.crypt_segment()?;
         let key_bytes = vk.len();
+        // cryptsetup encrypts keyslot areas with the segment's cipher, except when that cipher
+        // cannot encrypt a keyslot area (an authenticated one, with random IVs): then with its
+        // default keyslot cipher.
+        let authenticated = self
+            .meta
+            .segments
+            .values()
+            .any(|s| s.kind == "crypt" && s.integrity.is_some());
+        let (area_cipher, area_key_bytes) = if authenticated {
+            (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_DEFAULT_KEY_BYTES)
+        } else {
+            (self.meta.crypt_segment()?.cipher, key_bytes)
+        };
         let stripes = AF_STRIPES;
         let area_len = round_up(af_area_bytes(key_bytes, stripes), 4096)
             .ok_or(Error::Bug("area length overflow"))?;
@@ -148,8 +165,8 @@ impl Luks2Header {
         let kdf_params = kdf.resolve(key_bytes)?;
         let crypto = SlotCrypto {
             key_bytes,
-            area_cipher: seg.cipher,
-            area_key_bytes: key_bytes,
+            area_cipher,
+            area_key_bytes,
             kdf: kdf_params.clone(),
             af_hash: kdf.hash,
             stripes,
@@ -168,8 +185,8 @@ impl Luks2Header {
                 kind: "raw".into(),
                 offset: U64Str(offset),
                 size: U64Str(area_len),
-                encryption: Some(seg.cipher.to_string()),
-                key_size: Some(key_bytes as u32),
+                encryption: Some(area_cipher.to_string()),
+                key_size: Some(area_key_bytes as u32),
                 extra: Map::new(),
             }),
             kdf: Some(kdf_to_json(&kdf_params)),

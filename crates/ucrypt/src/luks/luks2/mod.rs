@@ -12,7 +12,7 @@ mod keyslots;
 mod select;
 
 pub use binary::{read_copy, BinHeader, Copy, HDR_SIZES, MAGIC_1ST, MAGIC_2ND};
-pub use format::{format, FormatLuks2, HDR_SIZE_DEFAULT};
+pub use format::{format, FormatIntegrity, FormatLuks2, HDR_SIZE_DEFAULT};
 pub use keyslots::keyslot_kdf;
 pub use select::{select_copy, Selection, Which};
 

@@ -1,0 +1,322 @@
+//! LUKS2 volumes with authenticated encryption (dm-crypt over dm-integrity, direct mode)
+//! between the `ucrypt` command and the kernel with cryptsetup 2.6, in one boot of a stock
+//! Debian kernel under qemu (tests/vm/):
+//! - ucrypt-made: `ucrypt format --integrity ...` (wiped) and `ucrypt import` of a seeded
+//!   plaintext; in the VM `cryptsetup open --integrity-no-journal` opens it, reads the
+//!   plaintext back byte for byte and reads the whole device (every tag verifies: the wipe);
+//! - kernel-made: cryptsetup formats (wiping through the kernel) and the kernel writes the
+//!   plaintext; `ucrypt export` yields the plaintext followed by zeroes;
+//! - header: cryptsetup's JSON metadata of the ucrypt-made volume equals that of the one
+//!   cryptsetup made with the same options, but for salts, digests and the UUID, and the
+//!   dm-integrity superblock and journal are byte for byte the kernel's;
+//! - filesystem: on a volume `ucrypt format` made, the kernel makes an ext4 and writes a file;
+//!   the image `ucrypt export` gives is clean (`e2fsck -f -n`) and holds the file.
+//!
+//! Cases: aes-gcm-random + aead (4096-byte sectors), aes-xts-random + hmac-sha256 (512).
+//! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
+//! CI is set.
+
+#[path = "../../../tests/vm/harness.rs"]
+mod vm;
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ucrypt");
+/// Each image: 16 MiB of LUKS2 header, then dm-integrity.
+const IMAGE_BYTES: u64 = 48 << 20;
+/// Plaintext per case.
+const PLAIN_BYTES: u64 = 2 << 20;
+/// The file the kernel writes into the ext4 it makes.
+const FS_FILE: &str = "hello.txt";
+
+struct Case {
+    name: &'static str,
+    cipher: &'static str,
+    integrity: &'static str,
+    key_bits: u32,
+    sector: u64,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "gcm-4096",
+        cipher: "aes-gcm-random",
+        integrity: "aead",
+        key_bits: 256,
+        sector: 4096,
+    },
+    Case {
+        name: "xts-hmac256-512",
+        cipher: "aes-xts-random",
+        integrity: "hmac-sha256",
+        key_bits: 512,
+        sector: 512,
+    },
+];
+
+fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("spawn {cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "{cmd} {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn image(p: &Path) {
+    std::fs::File::create(p)
+        .and_then(|f| f.set_len(IMAGE_BYTES))
+        .expect("image");
+}
+
+/// `ucrypt format --integrity ...` with every block wiped.
+fn ucrypt_format(img: &Path, key: &Path, c: &Case) {
+    image(img);
+    let bits = c.key_bits.to_string();
+    let sector = c.sector.to_string();
+    run(
+        BIN,
+        &[
+            "format",
+            "--batch-mode",
+            "--type",
+            "luks2",
+            "--cipher",
+            c.cipher,
+            "--integrity",
+            c.integrity,
+            "--integrity-no-journal",
+            "--key-size",
+            &bits,
+            "--sector-size",
+            &sector,
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file",
+            s(key),
+            s(img),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+}
+
+/// The dm-integrity superblock and journal of an image (LUKS2 data offset 16 MiB).
+fn integrity_metadata(img: &Path) -> Vec<u8> {
+    const SB_AT: usize = 16 << 20;
+    let b = std::fs::read(img).expect("image");
+    let sb = ucrypt::integrity::Superblock::parse(&b[SB_AT..SB_AT + 4096]).expect("superblock");
+    let l = ucrypt::integrity::Layout::new(sb).expect("layout");
+    b[SB_AT..SB_AT + (l.initial_sectors * 512) as usize].to_vec()
+}
+
+/// Removes what differs between any two formats: salts, digests (and the UUID, not in the JSON).
+fn scrub(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("salt");
+            m.remove("digest");
+            m.values_mut().for_each(scrub);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(scrub),
+        _ => {}
+    }
+}
+
+#[test]
+fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
+    if let Err(reason) = vm::require_vm() {
+        println!("SKIPPED: {reason}");
+        return;
+    }
+    let seed = vm::seed();
+    let mut rng = vm::SplitMix(seed);
+    let tmp = vm::TempDir::new("kernel-integrity-cli");
+    let dir = &tmp.0;
+    let key = dir.join("key");
+    let mut k = vec![0u8; 32];
+    rng.fill(&mut k);
+    std::fs::write(&key, &k).expect("key file");
+    let plain_path = dir.join("plain.bin");
+    let mut plain = vec![0u8; PLAIN_BYTES as usize];
+    rng.fill(&mut plain);
+    std::fs::write(&plain_path, &plain).expect("plaintext");
+    let fs_text = format!("ucrypt integrity seed {seed}\n");
+    std::fs::write(dir.join("fs.txt"), &fs_text).expect("fs text");
+
+    let mut vmrun = vm::VmRun::new("");
+    vmrun.share = Some(dir.clone());
+    let mut script = String::from(
+        "set -u\nK=/mnt/host/key\nP=/mnt/host/plain.bin\nmkdir -p /mnt/f\n\
+         O='--integrity-no-journal --key-file /mnt/host/key'\n",
+    );
+    let mut disk = 0u8;
+    let mut next_dev = |vmrun: &mut vm::VmRun, img: &Path| {
+        vmrun.disk(img, false);
+        let d = format!("/dev/vd{}", (b'a' + disk) as char);
+        disk += 1;
+        d
+    };
+    let plain_blocks = PLAIN_BYTES / 65536;
+    for c in CASES {
+        // ucrypt-made, ucrypt-written: the kernel reads.
+        let u = dir.join(format!("u-{}.img", c.name));
+        ucrypt_format(&u, &key, c);
+        run(
+            BIN,
+            &["import", s(&plain_path), s(&u), "--key-file", s(&key)],
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        let du = next_dev(&mut vmrun, &u);
+        writeln!(
+            script,
+            "if cryptsetup open $O {du} u && cmp -n {PLAIN_BYTES} /dev/mapper/u $P; then \
+             echo \"CASE {n} KERNEL-READ-OK\"; else echo \"CASE {n} KERNEL-READ-FAIL\"; fi\n\
+             cryptsetup luksDump --dump-json-metadata {du} > /mnt/host/{n}-u.json\n\
+             if dd if=/dev/mapper/u of=/dev/null bs=1M 2>/dev/null; then \
+             echo \"CASE {n} KERNEL-FULL-READ-OK\"; else echo \"CASE {n} KERNEL-FULL-READ-FAIL\"; fi\n\
+             cryptsetup close u",
+            n = c.name
+        )
+        .expect("script");
+        // kernel-made, kernel-written: ucrypt exports.
+        let kimg = dir.join(format!("k-{}.img", c.name));
+        image(&kimg);
+        let dk = next_dev(&mut vmrun, &kimg);
+        writeln!(
+            script,
+            "if cryptsetup luksFormat --type luks2 --cipher {} --integrity {} --key-size {} \
+             --sector-size {} --integrity-no-journal --pbkdf pbkdf2 --pbkdf-force-iterations 1000 \
+             --batch-mode --key-file $K {dk} >/dev/null 2>&1 && cryptsetup open $O {dk} k && \
+             dd if=$P of=/dev/mapper/k bs=65536 count={plain_blocks} conv=fsync 2>/dev/null && \
+             cryptsetup close k; then echo \"CASE {n} KERNEL-WROTE\"; \
+             else echo \"CASE {n} KERNEL-WRITE-FAIL\"; fi\n\
+             cryptsetup luksDump --dump-json-metadata {dk} > /mnt/host/{n}-k.json",
+            c.cipher,
+            c.integrity,
+            c.key_bits,
+            c.sector,
+            n = c.name
+        )
+        .expect("script");
+    }
+    // Filesystem: ucrypt formats, the kernel makes an ext4 and writes a file.
+    let fs_case = &CASES[0];
+    let f = dir.join("fs.img");
+    ucrypt_format(&f, &key, fs_case);
+    let df = next_dev(&mut vmrun, &f);
+    writeln!(
+        script,
+        "if cryptsetup open $O {df} f && mkfs.ext4 -q /dev/mapper/f && mount /dev/mapper/f /mnt/f \
+         && cp /mnt/host/fs.txt /mnt/f/{FS_FILE} && umount /mnt/f && cryptsetup close f; then \
+         echo \"FS KERNEL-MADE\"; else echo \"FS KERNEL-MADE-FAIL\"; fi"
+    )
+    .expect("script");
+    vmrun.script = script;
+    let out = vmrun.run(dir);
+    assert_eq!(out.status, 0, "seed {seed}: VM boot failed");
+
+    let mut failures = Vec::new();
+    let mut expect = |line: String| {
+        if !out.output.contains(&line) {
+            failures.push(format!("missing in the VM output: {line}"));
+            false
+        } else {
+            true
+        }
+    };
+    let mut kernel_wrote = Vec::new();
+    for c in CASES {
+        expect(format!("CASE {} KERNEL-READ-OK", c.name));
+        expect(format!("CASE {} KERNEL-FULL-READ-OK", c.name));
+        kernel_wrote.push(expect(format!("CASE {} KERNEL-WROTE", c.name)));
+    }
+    let fs_made = expect("FS KERNEL-MADE".into());
+    for c in CASES {
+        let load = |side: &str| -> Option<serde_json::Value> {
+            let text = std::fs::read_to_string(dir.join(format!("{}-{side}.json", c.name))).ok()?;
+            let mut v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            scrub(&mut v);
+            Some(v)
+        };
+        match (load("u"), load("k")) {
+            (Some(u), Some(k)) if u == k => {
+                println!("CASE {} LUKS2 metadata = cryptsetup's OK", c.name)
+            }
+            (Some(u), Some(k)) => failures.push(format!(
+                "{}: LUKS2 metadata differs from cryptsetup's:\nucrypt:     {u}\ncryptsetup: {k}",
+                c.name
+            )),
+            _ => failures.push(format!("{}: no JSON metadata from the VM", c.name)),
+        }
+    }
+    for (c, wrote) in CASES.iter().zip(kernel_wrote) {
+        if !wrote {
+            continue;
+        }
+        let kimg = dir.join(format!("k-{}.img", c.name));
+        let uimg = dir.join(format!("u-{}.img", c.name));
+        let (km, um) = (integrity_metadata(&kimg), integrity_metadata(&uimg));
+        if km == um {
+            println!(
+                "CASE {} dm-integrity superblock + journal = the kernel's OK ({} bytes)",
+                c.name,
+                km.len()
+            );
+        } else {
+            failures.push(format!(
+                "{}: dm-integrity superblock or journal differs from the kernel's",
+                c.name
+            ));
+        }
+        let exported = dir.join(format!("k-{}.out", c.name));
+        match run(
+            BIN,
+            &["export", s(&kimg), s(&exported), "--key-file", s(&key)],
+        ) {
+            Err(e) => failures.push(format!("{}: ucrypt export: {e}", c.name)),
+            Ok(_) => {
+                let got = std::fs::read(&exported).expect("exported");
+                if got.len() < plain.len() || got[..plain.len()] != plain[..] {
+                    failures.push(format!(
+                        "{}: ucrypt export differs from what the kernel wrote",
+                        c.name
+                    ));
+                } else if got[plain.len()..].iter().any(|&b| b != 0) {
+                    failures.push(format!(
+                        "{}: the kernel's wipe does not export as zeroes",
+                        c.name
+                    ));
+                } else {
+                    println!("CASE {} ucrypt export = the kernel's writes OK", c.name);
+                }
+            }
+        }
+    }
+    if fs_made {
+        let exported = dir.join("fs.out");
+        let r = run(BIN, &["export", s(&f), s(&exported), "--key-file", s(&key)])
+            .and_then(|_| run("e2fsck", &["-f", "-n", s(&exported)]))
+            .and_then(|_| run("debugfs", &["-R", &format!("cat /{FS_FILE}"), s(&exported)]));
+        match r {
+            Err(e) => failures.push(format!("fs: {e}")),
+            Ok(text) if text == fs_text => println!("FS ucrypt export is clean ext4 OK"),
+            Ok(text) => failures.push(format!("fs: {FS_FILE} reads {text:?}")),
+        }
+    }
+    assert!(failures.is_empty(), "seed {seed}: {failures:#?}");
+}
