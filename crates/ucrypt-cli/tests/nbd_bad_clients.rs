@@ -101,20 +101,29 @@ impl Raw {
 }
 
 fn serve(dir: &TempDir) -> Server {
+    serve_with(dir, &["--unencrypted"])
+}
+
+fn serve_with(dir: &TempDir, extra: &[&str]) -> Server {
     make_image(&dir.path("disk"), SIZE as usize, Some(0xbad));
     let disk = dir.s("disk");
     let listen = format!("unix:{}", dir.s("sock"));
-    Server::start(
-        &[
-            &disk,
-            "--nbd",
-            &listen,
-            "--unencrypted",
-            "--export-name",
-            "disk",
-        ],
-        1,
-    )
+    let mut args = vec![disk.as_str(), "--nbd", &listen, "--export-name", "disk"];
+    args.extend_from_slice(extra);
+    Server::start(&args, 1)
+}
+
+/// CPU time (user + system) the process has used so far.
+fn cpu_time(pid: i32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) start at its closing ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of stat (11 and 12 after the name and state).
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis(ticks * 1000 / hz)
 }
 
 /// A well-behaved session: write, read back, flush.
@@ -314,4 +323,99 @@ fn many_connections_are_bounded_and_recover() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(srv.alive());
     healthy(&dir);
+}
+
+#[test]
+fn idle_clients_give_their_slots_to_a_new_client() {
+    let dir = TempDir::new("idle");
+    let mut srv = serve_with(&dir, &["--unencrypted", "--idle-timeout", "1"]);
+    // Every slot taken by a client that finished its handshake and then sends nothing.
+    let idle: Vec<Raw> = (0..16).map(|_| Raw::start(&dir)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    // A good client is served within a bounded time: it takes the slot of an idle one.
+    let t0 = std::time::Instant::now();
+    healthy(&dir);
+    assert!(t0.elapsed() < Duration::from_secs(10), "new client waited");
+    assert!(srv.alive());
+    // One idle client gave its slot up (closed); the others are still connected.
+    let closed = idle
+        .into_iter()
+        .filter_map(|mut c| {
+            c.0.set_read_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            let mut b = [0u8; 1];
+            match c.0.read(&mut b) {
+                Ok(0) => Some(()),
+                _ => None,
+            }
+        })
+        .count();
+    assert!((1..16).contains(&closed), "{closed} idle clients closed");
+    assert_eq!(srv.stop(), Some(0));
+}
+
+#[test]
+fn a_vanished_clients_queued_requests_are_dropped() {
+    let dir = TempDir::new("gone");
+    // An encrypted volume (plain dm-crypt mapping), so that each read costs CPU time.
+    std::fs::write(dir.path("key"), pattern(64, 7)).unwrap();
+    let size = 64u64 << 20;
+    make_image(&dir.path("disk"), size as usize, None);
+    let disk = dir.s("disk");
+    let key = dir.s("key");
+    let listen = format!("unix:{}", dir.s("sock"));
+    let srv = Server::start(
+        &[
+            &disk,
+            "--nbd",
+            &listen,
+            "--export-name",
+            "disk",
+            "--cipher",
+            "aes-xts-plain64",
+            "--volume-key-file",
+            &key,
+        ],
+        1,
+    );
+    let pid = srv.pid();
+    // Thousands of pipelined 32 MiB reads (a few hundred KiB of headers), then gone.
+    // (The server's first reply blocks: nobody reads it. The client sends what the socket
+    // buffers take, at most 10,000 requests.)
+    let mut c = Raw::start(&dir);
+    c.0.set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut reqs = Vec::new();
+    for i in 0..10_000u64 {
+        reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        reqs.extend_from_slice(&[0, 0, 0, 0]); // flags, NBD_CMD_READ
+        reqs.extend_from_slice(&i.to_be_bytes());
+        reqs.extend_from_slice(&0u64.to_be_bytes());
+        reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
+    }
+    let mut sent = 0;
+    while sent < reqs.len() {
+        match c.0.write(&reqs[sent..]) {
+            Ok(n) => sent += n,
+            Err(_) => break,
+        }
+    }
+    assert!(sent >= 1000 * 28, "only {sent} bytes of requests sent");
+    drop(c);
+    std::thread::sleep(Duration::from_millis(1000));
+    // Nobody can read the replies: the server stops working on them at once.
+    let before = cpu_time(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let spent = cpu_time(pid) - before;
+    assert!(
+        spent < Duration::from_millis(250),
+        "server still busy for a vanished client: {spent:?} CPU in 2 s"
+    );
+    let t0 = std::time::Instant::now();
+    assert_eq!(srv.stop(), Some(0));
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "SIGTERM took {:?}",
+        t0.elapsed()
+    );
 }

@@ -107,6 +107,7 @@ impl NbdSide {
             announce: false,
             poll: Duration::ZERO,
             workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
+            idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
         };
         let thread = std::thread::Builder::new()
             .name("ucrypt-nbd".into())
