@@ -419,3 +419,96 @@ fn a_vanished_clients_queued_requests_are_dropped() {
         t0.elapsed()
     );
 }
+
+/// Where in `pid`'s memory that a core dump would include (readable mappings not marked
+/// `dd`, MADV_DONTDUMP, in /proc/PID/smaps) `needle` occurs: one line per hit.
+fn dumpable_copies(pid: i32, needle: &[u8]) -> Vec<String> {
+    use std::os::unix::fs::FileExt;
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    // (start, end, description, dumpable)
+    let mut maps: Vec<(u64, u64, String, bool)> = Vec::new();
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                let readable = line
+                    .split_whitespace()
+                    .nth(1)
+                    .is_some_and(|p| p.starts_with('r'));
+                maps.push((a, b, line.to_string(), readable));
+                continue;
+            }
+        }
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if let Some(m) = maps.last_mut() {
+                m.3 &= !flags.split_whitespace().any(|f| f == "dd");
+            }
+        }
+    }
+    let mut hits = Vec::new();
+    for (a, b, desc, dumpable) in maps {
+        if !dumpable || desc.contains("[vsyscall]") || desc.contains("[vvar") {
+            continue;
+        }
+        let mut buf = vec![0u8; (b - a) as usize];
+        if mem.read_exact_at(&mut buf, a).is_err() {
+            continue;
+        }
+        for (i, w) in buf.windows(needle.len()).enumerate() {
+            if w == needle {
+                hits.push(format!("{:#x} in {desc}", a + i as u64));
+            }
+        }
+    }
+    hits
+}
+
+#[test]
+fn no_copy_of_the_volume_key_in_dumpable_memory() {
+    let dir = TempDir::new("key-mem");
+    let key = pattern(64, 0x006b_6579);
+    std::fs::write(dir.path("key"), &key).unwrap();
+    make_image(&dir.path("disk"), SIZE as usize, None);
+    let listen = format!("unix:{}", dir.s("sock"));
+    let (disk, keyf) = (dir.s("disk"), dir.s("key"));
+    let srv = Server::start(
+        &[
+            &disk,
+            "--nbd",
+            &listen,
+            "--export-name",
+            "disk",
+            "--cipher",
+            "aes-xts-plain64",
+            "--volume-key-file",
+            &keyf,
+        ],
+        1,
+    );
+    // Serve requests (at queue depth 1 and pipelined), so that every context exists.
+    healthy(&dir);
+    let mut c = Raw::start(&dir);
+    for i in 0..64 {
+        assert!(c.request(0, 0, i, (i % 64) * 65536, 65536));
+    }
+    for _ in 0..64 {
+        let (err, _) = c.reply().unwrap();
+        assert_eq!(err, 0);
+        let mut d = vec![0u8; 65536];
+        c.0.read_exact(&mut d).unwrap();
+    }
+    let mut found = Vec::new();
+    for (name, half) in [("first", &key[..32]), ("second", &key[32..])] {
+        for h in dumpable_copies(srv.pid(), half) {
+            found.push(format!("{name} XTS key half at {h}"));
+        }
+    }
+    drop(c);
+    assert!(
+        found.is_empty(),
+        "volume key in memory a core dump would hold:\n{}",
+        found.join("\n")
+    );
+    assert_eq!(srv.stop(), Some(0));
+}
