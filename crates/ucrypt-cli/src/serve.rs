@@ -107,6 +107,7 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     // Before the volumes' threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
     let opened = open_volumes(&a)?;
+    crate::signals::started();
     if let Some(at) = &a.metrics.metrics {
         let vols = opened
             .iter()

@@ -131,3 +131,99 @@ fn bad_arguments_exit_1_and_missing_devices_4() {
         "does not name the device: {stderr}"
     );
 }
+
+/// Waits up to `t` for `child` to end; its exit code (None: still running, then killed).
+fn exit_within(child: &mut std::process::Child, t: std::time::Duration) -> Option<i32> {
+    let deadline = std::time::Instant::now() + t;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            return st.code();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+#[test]
+fn sigterm_interrupts_opening_a_volume() {
+    let t = TempDir::new("sigstart");
+    let fifo = t.path("fifo");
+    let c = std::ffi::CString::new(s(&fifo)).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let good = t.path("good");
+    std::fs::write(&good, b"right passphrase").unwrap();
+    // A volume whose KDF takes seconds (the format takes as long).
+    let slow = t.path("slow.img");
+    std::fs::File::create(&slow)
+        .and_then(|f| f.set_len(20 << 20))
+        .unwrap();
+    let o = run(&[
+        "format",
+        "-q",
+        "--type",
+        "luks2",
+        "--key-file",
+        s(&good),
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "10000000",
+        s(&slow),
+    ]);
+    assert!(o.status.success(), "format: {o:?}");
+    let listen = format!("unix:{}", s(&t.path("sock")));
+    let mnt = t.path("mnt");
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        // A FIFO nobody writes to: opening it waits for a writer.
+        (
+            "serve, key file a FIFO",
+            vec!["serve", s(&slow), "--key-file", s(&fifo), "--nbd", &listen],
+        ),
+        (
+            "serve, header a FIFO",
+            vec![
+                "serve",
+                s(&slow),
+                "--header",
+                s(&fifo),
+                "--key-file",
+                s(&good),
+                "--nbd",
+                &listen,
+            ],
+        ),
+        (
+            "mount, key file a FIFO",
+            vec!["mount", s(&slow), s(&mnt), "--key-file", s(&fifo)],
+        ),
+        (
+            "serve, slow KDF",
+            vec!["serve", s(&slow), "--key-file", s(&good), "--nbd", &listen],
+        ),
+        (
+            "mount, slow KDF",
+            vec!["mount", s(&slow), s(&mnt), "--key-file", s(&good)],
+        ),
+    ];
+    for (what, args) in cases {
+        let mut child = Command::new(UCRYPT)
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(700));
+        assert!(
+            matches!(child.try_wait(), Ok(None)),
+            "{what}: ended before the signal"
+        );
+        // SAFETY: kill sends a signal to our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let code = exit_within(&mut child, std::time::Duration::from_secs(3));
+        assert_eq!(code, Some(128 + libc::SIGTERM), "{what}: SIGTERM ignored");
+        assert!(!mnt.exists(), "{what}: mount point it made left behind");
+    }
+}

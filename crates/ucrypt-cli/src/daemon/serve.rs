@@ -299,6 +299,8 @@ pub fn run(d: Daemon, prepared: Prepared, mut reporter: Reporter) -> CliResult<(
 fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
     // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).
     let signals = crate::signals::stop_on_signals()?;
+    // A signal during the open stops in order too: the daemon's claim is undone on the way out.
+    crate::signals::started();
     let vol = Arc::new(prepared.open()?);
     d.info.size_sectors = vol.size() / 512;
     if let Some(at) = &d.metrics {
