@@ -311,3 +311,48 @@ fn add_key_on_an_immutable_file_exits_1() {
         assert_eq!(code, 1, "cryptsetup exits {code}");
     }
 }
+
+#[test]
+fn truncated_headers_and_header_only_files_are_refused() {
+    let t = TempDir::new("truncated");
+    for version in ["luks2", "luks1"] {
+        let (img, good, _bad) = volume(&t, version);
+        let whole = std::fs::read(&img).unwrap();
+        for cut in [16usize << 10, 32 << 10] {
+            let short = t.path(&format!("{version}-{cut}"));
+            std::fs::write(&short, &whole[..cut]).unwrap();
+            for (verb, theirs) in [("dump", "luksDump"), ("isLuks", "isLuks")] {
+                let o = run(&[verb, s(&short)]);
+                let what = format!("{verb} of a {version} header cut to {cut} bytes");
+                assert_eq!(o.status.code(), Some(1), "{what}: {o:?}");
+                if verb == "dump" {
+                    let stderr = String::from_utf8_lossy(&o.stderr);
+                    assert!(stderr.contains("too small"), "{what}: {stderr}");
+                }
+                if let Some(code) = cryptsetup(&[theirs, s(&short)]) {
+                    assert_eq!(code, 1, "{what}: cryptsetup exits {code}");
+                }
+            }
+        }
+        // A header backup holds the header and keyslots only: nothing to serve.
+        let backup = t.path(&format!("{version}-backup"));
+        let o = run(&["header-backup", s(&img), "--header-backup-file", s(&backup)]);
+        assert!(o.status.success(), "header-backup: {o:?}");
+        let listen = format!("unix:{}", s(&t.path("sock")));
+        let o = run(&[
+            "serve",
+            s(&backup),
+            "--key-file",
+            s(&good),
+            "--nbd",
+            &listen,
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{version} serve a header backup: {stderr}"
+        );
+        assert!(stderr.contains("no data"), "{version}: unclear: {stderr}");
+    }
+}
