@@ -111,9 +111,13 @@ pub fn read_header(dev: &dyn Backend) -> Result<Header> {
     // as cryptsetup says: its keyslots cannot be read.
     let (need, have) = (hdr.areas_end(), dev.size());
     if have < need {
-        return Err(Error::InvalidArgument(format!(
-            "Device is too small: its LUKS header and keyslots need at least {need} bytes, it has {have}"
-        )));
+        return Err(Error::BadHeader {
+            check: "truncated",
+            detail: format!(
+                "device too small: its header and keyslots need at least {need} bytes, it has \
+                 {have}"
+            ),
+        });
     }
     Ok(hdr)
 }
