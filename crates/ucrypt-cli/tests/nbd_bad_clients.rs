@@ -469,46 +469,67 @@ fn no_copy_of_the_volume_key_in_dumpable_memory() {
     let dir = TempDir::new("key-mem");
     let key = pattern(64, 0x006b_6579);
     std::fs::write(dir.path("key"), &key).unwrap();
-    make_image(&dir.path("disk"), SIZE as usize, None);
+    std::fs::write(dir.path("pass"), b"passphrase").unwrap();
     let listen = format!("unix:{}", dir.s("sock"));
-    let (disk, keyf) = (dir.s("disk"), dir.s("key"));
-    let srv = Server::start(
+    let (disk, keyf, pass) = (dir.s("disk"), dir.s("key"), dir.s("pass"));
+    // A LUKS2 volume made with that volume key, unlocked by passphrase.
+    let luks = dir.s("luks");
+    make_image(&dir.path("luks"), 20 << 20, None);
+    ok(
+        UCRYPT,
         &[
-            &disk,
-            "--nbd",
-            &listen,
-            "--export-name",
-            "disk",
-            "--cipher",
-            "aes-xts-plain64",
+            "format",
+            "-q",
+            "--type",
+            "luks2",
+            "--key-file",
+            &pass,
             "--volume-key-file",
             &keyf,
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            &luks,
         ],
-        1,
     );
-    // Serve requests (at queue depth 1 and pipelined), so that every context exists.
-    healthy(&dir);
-    let mut c = Raw::start(&dir);
-    for i in 0..64 {
-        assert!(c.request(0, 0, i, (i % 64) * 65536, 65536));
-    }
-    for _ in 0..64 {
-        let (err, _) = c.reply().unwrap();
-        assert_eq!(err, 0);
-        let mut d = vec![0u8; 65536];
-        c.0.read_exact(&mut d).unwrap();
-    }
-    let mut found = Vec::new();
-    for (name, half) in [("first", &key[..32]), ("second", &key[32..])] {
-        for h in dumpable_copies(srv.pid(), half) {
-            found.push(format!("{name} XTS key half at {h}"));
+    make_image(&dir.path("disk"), SIZE as usize, None);
+    let plain: Vec<&str> = vec![
+        &disk,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        &keyf,
+    ];
+    let unlocked: Vec<&str> = vec![&luks, "--key-file", &pass];
+    for (what, volume) in [("plain", plain), ("LUKS2", unlocked)] {
+        let mut args = volume.clone();
+        args.extend(["--nbd", &listen, "--export-name", "disk"]);
+        let srv = Server::start(&args, 1);
+        // Serve requests (at queue depth 1 and pipelined), so that every context exists.
+        healthy(&dir);
+        let mut c = Raw::start(&dir);
+        for i in 0..64 {
+            assert!(c.request(0, 0, i, (i % 32) * 65536, 65536));
         }
+        for _ in 0..64 {
+            let (err, _) = c.reply().unwrap();
+            assert_eq!(err, 0);
+            let mut d = vec![0u8; 65536];
+            c.0.read_exact(&mut d).unwrap();
+        }
+        let mut found = Vec::new();
+        for (name, half) in [("first", &key[..32]), ("second", &key[32..])] {
+            for h in dumpable_copies(srv.pid(), half) {
+                found.push(format!("{name} XTS key half at {h}"));
+            }
+        }
+        drop(c);
+        assert!(
+            found.is_empty(),
+            "{what}: volume key in memory a core dump would hold:\n{}",
+            found.join("\n")
+        );
+        assert_eq!(srv.stop(), Some(0));
     }
-    drop(c);
-    assert!(
-        found.is_empty(),
-        "volume key in memory a core dump would hold:\n{}",
-        found.join("\n")
-    );
-    assert_eq!(srv.stop(), Some(0));
 }
