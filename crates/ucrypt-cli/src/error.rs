@@ -94,6 +94,11 @@ impl CliError {
             _ => None,
         };
         let Some(source) = io else { return 1 };
+        // EPERM is no missing permission but a file that refuses the operation (immutable,
+        // append-only, sealed): cryptsetup fails such a write with its generic 1.
+        if source.raw_os_error() == Some(libc::EPERM) {
+            return 1;
+        }
         match source.kind() {
             std::io::ErrorKind::NotFound => 4,
             std::io::ErrorKind::PermissionDenied => 2,

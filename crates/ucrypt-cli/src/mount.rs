@@ -92,6 +92,9 @@ fn mount(a: MountArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
     let point = prepare_mount_point(&a)?;
+    if let MountPoint::Created = point {
+        crate::signals::remove_if_interrupted(a.mountpoint.clone());
+    }
     let r = serve(&a, &point, &stop);
     if let MountPoint::Created = point {
         // Unmounted (or never mounted): the empty file we made goes again.
@@ -102,6 +105,7 @@ fn mount(a: MountArgs) -> CliResult<()> {
 
 fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()> {
     let dev = a.volume.open()?;
+    crate::signals::started();
     if let Some(at) = &a.metrics.metrics {
         metrics::start(at, Volumes::one(&a.volume, &dev))?;
     }

@@ -339,7 +339,17 @@ impl VolumeArgs {
 
     /// Opens the volume for a front end or a data verb.
     pub fn open(&self) -> CliResult<Opened> {
-        self.prepare()?.open()
+        let opened = self.prepare()?.open()?;
+        // Nothing to serve: a header backup, or a detached header given as the volume.
+        if opened.dev().size() == 0 {
+            return Err(CliError::Usage(format!(
+                "{}: the volume has no data (the device ends where its data would begin: a \
+                 header backup, or a detached header to give with --header beside the data \
+                 device?)",
+                self.volume
+            )));
+        }
+        Ok(opened)
     }
 
     /// Everything of opening that happens before the volume's threads exist: the header read

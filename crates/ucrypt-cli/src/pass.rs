@@ -33,8 +33,11 @@ pub fn read_key_file(path: &str, offset: u64, size: Option<u64>) -> Result<Secre
         Box::new(std::io::stdin().lock())
     } else {
         Box::new(
-            std::fs::File::open(path)
-                .map_err(|e| Error::io(format!("Failed to open key file {path}"), e))?,
+            // A key file that cannot be opened is a wrong parameter (cryptsetup exits 1), not a
+            // wrong device.
+            std::fs::File::open(path).map_err(|e| {
+                Error::InvalidArgument(format!("Failed to open key file {path}: {e}"))
+            })?,
         )
     };
     let ctx = |e| Error::io(format!("reading key file {path}"), e);
@@ -58,6 +61,15 @@ pub fn read_key_file(path: &str, offset: u64, size: Option<u64>) -> Result<Secre
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(ctx(e)),
+        }
+    }
+    if size.is_none() && got == limit {
+        // More than the most a key file may hold (/dev/zero, a disk given by mistake).
+        let mut more = [0u8; 1];
+        if src.read(&mut more).map_err(ctx)? > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "Maximum keyfile size exceeded: {path} holds more than {KEYFILE_BYTES_MAX} bytes"
+            )));
         }
     }
     if let Some(n) = size {

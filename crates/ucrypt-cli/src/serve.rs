@@ -46,6 +46,11 @@ pub struct ServeArgs {
     /// Serve the files as they are, without encryption (tests and benchmark baseline).
     #[arg(long, conflicts_with = "cipher")]
     unencrypted: bool,
+    /// Seconds a connection may sit idle (nothing received, nothing in flight) before a new
+    /// client may take its slot when all are taken; idle connections stay while slots are
+    /// free.
+    #[arg(long, value_name = "SECS", default_value_t = server::IDLE_TIMEOUT_DEFAULT.as_secs_f64())]
+    idle_timeout: f64,
     #[command(flatten)]
     metrics: MetricsArgs,
 }
@@ -102,6 +107,7 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     // Before the volumes' threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
     let opened = open_volumes(&a)?;
+    crate::signals::started();
     if let Some(at) = &a.metrics.metrics {
         let vols = opened
             .iter()
@@ -132,6 +138,9 @@ fn serve(a: ServeArgs) -> CliResult<()> {
         } else {
             server::WORKERS_PER_CONNECTION
         },
+        idle_timeout: Duration::try_from_secs_f64(a.idle_timeout).map_err(|_| {
+            CliError::Usage(format!("--idle-timeout {}: not a duration", a.idle_timeout))
+        })?,
     };
     Ok(server::serve(exports, &a.nbd, opts, stop)?)
 }

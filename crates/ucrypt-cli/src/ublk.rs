@@ -27,6 +27,7 @@ fn serve(a: UblkArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
     let dev = a.volume.open()?;
+    crate::signals::started();
     if let Some(at) = &a.metrics.metrics {
         metrics::start(at, Volumes::one(&a.volume, &dev))?;
     }

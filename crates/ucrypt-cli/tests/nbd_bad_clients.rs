@@ -101,20 +101,29 @@ impl Raw {
 }
 
 fn serve(dir: &TempDir) -> Server {
+    serve_with(dir, &["--unencrypted"])
+}
+
+fn serve_with(dir: &TempDir, extra: &[&str]) -> Server {
     make_image(&dir.path("disk"), SIZE as usize, Some(0xbad));
     let disk = dir.s("disk");
     let listen = format!("unix:{}", dir.s("sock"));
-    Server::start(
-        &[
-            &disk,
-            "--nbd",
-            &listen,
-            "--unencrypted",
-            "--export-name",
-            "disk",
-        ],
-        1,
-    )
+    let mut args = vec![disk.as_str(), "--nbd", &listen, "--export-name", "disk"];
+    args.extend_from_slice(extra);
+    Server::start(&args, 1)
+}
+
+/// CPU time (user + system) the process has used so far.
+fn cpu_time(pid: i32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) start at its closing ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of stat (11 and 12 after the name and state).
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis(ticks * 1000 / hz)
 }
 
 /// A well-behaved session: write, read back, flush.
@@ -314,4 +323,213 @@ fn many_connections_are_bounded_and_recover() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(srv.alive());
     healthy(&dir);
+}
+
+#[test]
+fn idle_clients_give_their_slots_to_a_new_client() {
+    let dir = TempDir::new("idle");
+    let mut srv = serve_with(&dir, &["--unencrypted", "--idle-timeout", "1"]);
+    // Every slot taken by a client that finished its handshake and then sends nothing.
+    let idle: Vec<Raw> = (0..16).map(|_| Raw::start(&dir)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    // A good client is served within a bounded time: it takes the slot of an idle one.
+    let t0 = std::time::Instant::now();
+    healthy(&dir);
+    assert!(t0.elapsed() < Duration::from_secs(10), "new client waited");
+    assert!(srv.alive());
+    // One idle client gave its slot up (closed); the others are still connected.
+    let closed = idle
+        .into_iter()
+        .filter_map(|mut c| {
+            c.0.set_read_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            let mut b = [0u8; 1];
+            match c.0.read(&mut b) {
+                Ok(0) => Some(()),
+                _ => None,
+            }
+        })
+        .count();
+    assert!((1..16).contains(&closed), "{closed} idle clients closed");
+    assert_eq!(srv.stop(), Some(0));
+}
+
+#[test]
+fn a_vanished_clients_queued_requests_are_dropped() {
+    let dir = TempDir::new("gone");
+    // An encrypted volume (plain dm-crypt mapping), so that each read costs CPU time.
+    std::fs::write(dir.path("key"), pattern(64, 7)).unwrap();
+    let size = 64u64 << 20;
+    make_image(&dir.path("disk"), size as usize, None);
+    let disk = dir.s("disk");
+    let key = dir.s("key");
+    let listen = format!("unix:{}", dir.s("sock"));
+    let srv = Server::start(
+        &[
+            &disk,
+            "--nbd",
+            &listen,
+            "--export-name",
+            "disk",
+            "--cipher",
+            "aes-xts-plain64",
+            "--volume-key-file",
+            &key,
+        ],
+        1,
+    );
+    let pid = srv.pid();
+    // Thousands of pipelined 32 MiB reads (a few hundred KiB of headers), then gone.
+    // (The server's first reply blocks: nobody reads it. The client sends what the socket
+    // buffers take, at most 10,000 requests.)
+    let mut c = Raw::start(&dir);
+    c.0.set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut reqs = Vec::new();
+    for i in 0..10_000u64 {
+        reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        reqs.extend_from_slice(&[0, 0, 0, 0]); // flags, NBD_CMD_READ
+        reqs.extend_from_slice(&i.to_be_bytes());
+        reqs.extend_from_slice(&0u64.to_be_bytes());
+        reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
+    }
+    let mut sent = 0;
+    while sent < reqs.len() {
+        match c.0.write(&reqs[sent..]) {
+            Ok(n) => sent += n,
+            Err(_) => break,
+        }
+    }
+    assert!(sent >= 1000 * 28, "only {sent} bytes of requests sent");
+    drop(c);
+    std::thread::sleep(Duration::from_millis(1000));
+    // Nobody can read the replies: the server stops working on them at once.
+    let before = cpu_time(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let spent = cpu_time(pid) - before;
+    assert!(
+        spent < Duration::from_millis(250),
+        "server still busy for a vanished client: {spent:?} CPU in 2 s"
+    );
+    let t0 = std::time::Instant::now();
+    assert_eq!(srv.stop(), Some(0));
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "SIGTERM took {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Where in `pid`'s memory that a core dump would include (readable mappings not marked
+/// `dd`, MADV_DONTDUMP, in /proc/PID/smaps) `needle` occurs: one line per hit.
+fn dumpable_copies(pid: i32, needle: &[u8]) -> Vec<String> {
+    use std::os::unix::fs::FileExt;
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    // (start, end, description, dumpable)
+    let mut maps: Vec<(u64, u64, String, bool)> = Vec::new();
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                let readable = line
+                    .split_whitespace()
+                    .nth(1)
+                    .is_some_and(|p| p.starts_with('r'));
+                maps.push((a, b, line.to_string(), readable));
+                continue;
+            }
+        }
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if let Some(m) = maps.last_mut() {
+                m.3 &= !flags.split_whitespace().any(|f| f == "dd");
+            }
+        }
+    }
+    let mut hits = Vec::new();
+    for (a, b, desc, dumpable) in maps {
+        if !dumpable || desc.contains("[vsyscall]") || desc.contains("[vvar") {
+            continue;
+        }
+        let mut buf = vec![0u8; (b - a) as usize];
+        if mem.read_exact_at(&mut buf, a).is_err() {
+            continue;
+        }
+        for (i, w) in buf.windows(needle.len()).enumerate() {
+            if w == needle {
+                hits.push(format!("{:#x} in {desc}", a + i as u64));
+            }
+        }
+    }
+    hits
+}
+
+#[test]
+fn no_copy_of_the_volume_key_in_dumpable_memory() {
+    let dir = TempDir::new("key-mem");
+    let key = pattern(64, 0x006b_6579);
+    std::fs::write(dir.path("key"), &key).unwrap();
+    std::fs::write(dir.path("pass"), b"passphrase").unwrap();
+    let listen = format!("unix:{}", dir.s("sock"));
+    let (disk, keyf, pass) = (dir.s("disk"), dir.s("key"), dir.s("pass"));
+    // A LUKS2 volume made with that volume key, unlocked by passphrase.
+    let luks = dir.s("luks");
+    make_image(&dir.path("luks"), 20 << 20, None);
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            "--type",
+            "luks2",
+            "--key-file",
+            &pass,
+            "--volume-key-file",
+            &keyf,
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            &luks,
+        ],
+    );
+    make_image(&dir.path("disk"), SIZE as usize, None);
+    let plain: Vec<&str> = vec![
+        &disk,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        &keyf,
+    ];
+    let unlocked: Vec<&str> = vec![&luks, "--key-file", &pass];
+    for (what, volume) in [("plain", plain), ("LUKS2", unlocked)] {
+        let mut args = volume.clone();
+        args.extend(["--nbd", &listen, "--export-name", "disk"]);
+        let srv = Server::start(&args, 1);
+        // Serve requests (at queue depth 1 and pipelined), so that every context exists.
+        healthy(&dir);
+        let mut c = Raw::start(&dir);
+        for i in 0..64 {
+            assert!(c.request(0, 0, i, (i % 32) * 65536, 65536));
+        }
+        for _ in 0..64 {
+            let (err, _) = c.reply().unwrap();
+            assert_eq!(err, 0);
+            let mut d = vec![0u8; 65536];
+            c.0.read_exact(&mut d).unwrap();
+        }
+        let mut found = Vec::new();
+        for (name, half) in [("first", &key[..32]), ("second", &key[32..])] {
+            for h in dumpable_copies(srv.pid(), half) {
+                found.push(format!("{name} XTS key half at {h}"));
+            }
+        }
+        drop(c);
+        assert!(
+            found.is_empty(),
+            "{what}: volume key in memory a core dump would hold:\n{}",
+            found.join("\n")
+        );
+        assert_eq!(srv.stop(), Some(0));
+    }
 }

@@ -743,6 +743,7 @@ fn our_own_tls_server_and_client_agree() {
                 announce: false,
                 poll: Duration::ZERO,
                 workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
+                idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
             };
             serve(
                 vec![("v".into(), Arc::new(vol) as Arc<dyn BlockDev>)],

@@ -107,6 +107,7 @@ impl NbdSide {
             announce: false,
             poll: Duration::ZERO,
             workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
+            idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
         };
         let thread = std::thread::Builder::new()
             .name("ucrypt-nbd".into())
@@ -303,6 +304,8 @@ pub const AUTHENTICATED_NOT_OPENED: &str = "ucrypt open does not serve volumes w
 fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
     // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).
     let signals = crate::signals::stop_on_signals()?;
+    // A signal during the open stops in order too: the daemon's claim is undone on the way out.
+    crate::signals::started();
     let vol = match prepared.open()? {
         crate::open::Opened::Plain(v) => v,
         crate::open::Opened::Integrity(_) => {

@@ -16,12 +16,25 @@ pub type HeaderDev = Arc<dyn Backend>;
 /// code: 4 for a missing device, 2 for no permission).
 fn open_err(path: &Path, e: Error) -> Error {
     match e {
+        Error::Io { source, .. } if source.raw_os_error() == Some(libc::EPERM) => Error::io(
+            format!(
+                "Cannot open device {} for writing (immutable or append-only file?)",
+                path.display()
+            ),
+            source,
+        ),
+        // The backend's own words: not a file or block device.
+        e @ Error::Io { .. } if is_enodev(&e) => e,
         Error::Io { source, .. } => Error::io(
             format!("Device {} does not exist or access denied", path.display()),
             source,
         ),
         other => other,
     }
+}
+
+fn is_enodev(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENODEV))
 }
 
 /// Opens the header device (the volume, or its `--header`) buffered and takes cryptsetup's

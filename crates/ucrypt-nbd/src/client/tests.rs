@@ -226,6 +226,7 @@ impl Server {
                 announce: false,
                 poll: Duration::ZERO,
                 workers: crate::server::WORKERS_PER_CONNECTION,
+                idle_timeout: crate::server::IDLE_TIMEOUT_DEFAULT,
             };
             serve(vec![("m".into(), d)], &Listen::Unix(p), opts, s)
         });

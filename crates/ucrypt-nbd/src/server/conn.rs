@@ -4,7 +4,7 @@
 use std::io::{self, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,7 +18,7 @@ use ucrypt::BlockDev;
 
 use super::buf::{IoBuf, Spares};
 use super::sock::Sock;
-use super::{tls, Export, Shared};
+use super::{tls, Activity, Export, Shared};
 use ucrypt::sync::{lock, WaitCell};
 
 /// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
@@ -110,12 +110,12 @@ fn net(context: &str, e: io::Error) -> Error {
     Error::io(context.to_string(), e)
 }
 
-/// Serves one connection to its end.
-pub fn run(sock: Sock, shared: &Shared) -> Result<()> {
+/// Serves one connection to its end, keeping `activity` up to date.
+pub fn run(sock: Sock, shared: &Shared, activity: &Arc<Activity>) -> Result<()> {
     let Some((sock, export)) = negotiate(sock, shared)? else {
         return Ok(());
     };
-    transmit(sock, &shared.exports[export], shared.poll, shared.workers)
+    transmit(sock, &shared.exports[export], shared, activity.clone())
 }
 
 /// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first byte.
@@ -227,6 +227,11 @@ struct Job {
 /// Everything a worker needs.
 struct Ctx {
     dev: Arc<dyn BlockDev>,
+    /// A reply could not be sent: the client is gone (or stopped reading), so requests not
+    /// yet executed are dropped, not run for nobody.
+    dead: AtomicBool,
+    /// Requests received and not finished, for the accept loop's idle check.
+    activity: Arc<Activity>,
     /// Requests handed to workers and not yet finished.
     queued: AtomicUsize,
     writer: Mutex<Sock>,
@@ -240,8 +245,13 @@ impl Ctx {
     fn send(&self, bytes: &[u8]) {
         let mut w = lock(&self.writer);
         if w.write_all(bytes).is_err() {
+            self.dead.store(true, Ordering::Release);
             let _ = w.shutdown(Shutdown::Both);
         }
+    }
+
+    fn dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
     }
 
     fn reply(&self, cookie: u64, r: ucrypt::Result<()>) {
@@ -253,6 +263,15 @@ impl Ctx {
     /// request only, and its budget is returned, so the connection keeps going.
     fn execute_guarded(&self, job: Job) {
         let (cookie, charged) = (job.cookie, job.charged);
+        if self.dead() {
+            // Nobody will read the reply: drop the request (never acknowledged) at once.
+            if let Some(p) = job.payload {
+                self.spares.give(p);
+            }
+            self.budget.release(charged);
+            self.activity.done();
+            return;
+        }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.execute(job)));
         if r.is_err() {
             self.reply(
@@ -261,6 +280,7 @@ impl Ctx {
             );
             self.budget.release(charged);
         }
+        self.activity.done();
     }
 
     fn execute(&self, mut job: Job) {
@@ -335,9 +355,15 @@ fn read_requests(
     ctx: &Ctx,
     tx: &SyncSender<Job>,
     limits: &nbd::TransmissionLimits,
+    stop: &ucrypt::Stop,
 ) -> Result<()> {
     let mut hdr = [0u8; REQUEST_HEADER_BYTES];
     loop {
+        // A dead client's requests still buffered here are never read (see `Ctx::dead`);
+        // once the server stops, no new request is taken (those taken finish).
+        if ctx.dead() || stop.requested() {
+            return Ok(());
+        }
         match read_full(reader, &mut hdr) {
             Ok(true) => {}
             // Client closed (or server stopping): finish in-flight work.
@@ -361,12 +387,19 @@ fn read_requests(
                 error,
                 skip_payload_bytes,
             } => {
-                if let Err(e) = discard(reader, skip_payload_bytes as usize) {
+                ctx.activity.begin();
+                let r = discard(reader, skip_payload_bytes as usize);
+                if r.is_ok() {
+                    ctx.send(&nbd::encode_simple_reply(cookie, Some(error)));
+                }
+                ctx.activity.done();
+                if let Err(e) = r {
                     return Err(net("reading refused payload", e));
                 }
-                ctx.send(&nbd::encode_simple_reply(cookie, Some(error)));
             }
             Decoded::Ok(req) => {
+                // Done in `execute_guarded` (or below, if the request ends here).
+                ctx.activity.begin();
                 let mut job = Job {
                     cookie: req.cookie,
                     command: req.command,
@@ -374,7 +407,10 @@ fn read_requests(
                     charged: 0,
                 };
                 match req.command {
-                    Command::Disconnect => return Ok(()),
+                    Command::Disconnect => {
+                        ctx.activity.done();
+                        return Ok(());
+                    }
                     Command::Write { len, .. } => {
                         job.charged = u64::from(len);
                         ctx.budget.acquire(job.charged);
@@ -383,6 +419,7 @@ fn read_requests(
                         job.payload = Some(payload);
                         if let Err(e) = r {
                             ctx.budget.release(job.charged);
+                            ctx.activity.done();
                             // A client that vanishes mid-payload: this write was never
                             // acknowledged, so dropping it loses nothing promised.
                             return Err(net("reading write payload", e));
@@ -421,7 +458,8 @@ fn read_requests(
 }
 
 /// The transmission phase: this thread reads and validates requests; workers execute them.
-fn transmit(sock: Sock, export: &Export, poll: Duration, workers: usize) -> Result<()> {
+fn transmit(sock: Sock, export: &Export, shared: &Shared, activity: Arc<Activity>) -> Result<()> {
+    let (poll, workers) = (shared.poll, shared.workers);
     let info = &export.info;
     let limits = nbd::TransmissionLimits {
         size_bytes: info.size_bytes,
@@ -435,6 +473,8 @@ fn transmit(sock: Sock, export: &Export, poll: Duration, workers: usize) -> Resu
         .map_err(|e| net("socket", e))?;
     let ctx = Arc::new(Ctx {
         dev: export.dev.clone(),
+        dead: AtomicBool::new(false),
+        activity,
         queued: AtomicUsize::new(0),
         writer: Mutex::new(writer),
         budget: Budget {
@@ -465,7 +505,7 @@ fn transmit(sock: Sock, export: &Export, poll: Duration, workers: usize) -> Resu
         poll_for: poll,
     };
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
-    let outcome = read_requests(&mut reader, &ctx, &tx, &limits);
+    let outcome = read_requests(&mut reader, &ctx, &tx, &limits, &shared.stop);
     drop(tx);
     for w in workers {
         let _ = w.join();

@@ -4,6 +4,9 @@
 //! Threads, all bounded by named limits:
 //! - the accept loop (the caller's thread) polls the listener and the stop flag;
 //! - one thread per connection ([`CONNECTIONS_MAX`]) runs the handshake, then reads requests;
+//!   when every slot is taken, a new client takes the slot of the connection idle longest
+//!   (nothing received and nothing in flight for [`ServerOptions::idle_timeout`]), else it is
+//!   refused with a log line;
 //!   a request arriving alone (queue depth 1) it serves itself, and then polls the socket for
 //!   up to 50 µs (yielding the CPU) before sleeping, since waking a sleeping thread on another
 //!   CPU costs more than serving 4 KiB;
@@ -31,10 +34,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};
@@ -57,6 +60,11 @@ pub const WORKERS_PER_CONNECTION: usize = 4;
 /// storage spends its time waiting for the network, not on a core: there each request in
 /// flight needs a worker (a QD32 client, 32).
 pub const WORKERS_PER_CONNECTION_MAX: usize = 64;
+/// A connection idle this long (nothing received, nothing in flight) gives its slot up to a
+/// new client when all [`CONNECTIONS_MAX`] are taken (`ucrypt serve --idle-timeout`). Idle
+/// connections are never closed while slots are free: a kernel NBD client on a quiet file
+/// system sends nothing for hours, and a closed connection is an I/O error to it.
+pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 /// How often the accept loop looks at the stop flag.
 const ACCEPT_POLL_MS: i32 = 200;
 
@@ -106,6 +114,9 @@ pub struct ServerOptions {
     pub poll: Duration,
     /// Requests executed at once per connection (1 to [`WORKERS_PER_CONNECTION_MAX`]).
     pub workers: usize,
+    /// How long a connection must be idle before a new client may take its slot when all
+    /// are taken ([`IDLE_TIMEOUT_DEFAULT`]).
+    pub idle_timeout: Duration,
 }
 
 /// One export at run time.
@@ -119,12 +130,70 @@ pub(crate) struct Shared {
     pub exports: Vec<Export>,
     pub tls: Option<Arc<rustls::ServerConfig>>,
     pub stop: Stop,
-    /// Clones of live connection sockets, to shut their read side down on stop.
-    pub live: Mutex<Vec<(u64, Sock)>>,
+    /// The live connections: their sockets (clones, to shut their read side down on stop or
+    /// to close an idle one) and activity.
+    pub live: Mutex<Vec<LiveConn>>,
     /// `ServerOptions::poll`.
     pub poll: Duration,
     /// `ServerOptions::workers`.
     pub workers: usize,
+    /// `ServerOptions::idle_timeout`.
+    pub idle_timeout: Duration,
+}
+
+/// A live connection as the accept loop sees it.
+pub(crate) struct LiveConn {
+    id: u64,
+    sock: Sock,
+    activity: Arc<Activity>,
+    /// Closed to make room for a new client; no longer counted against the limit.
+    evicted: bool,
+}
+
+/// What a connection is doing, for choosing which idle one gives up its slot.
+pub(crate) struct Activity {
+    /// When the server started, the origin of `last_ms`.
+    origin: Instant,
+    /// Milliseconds since `origin` of the connection's last request (or its accept).
+    last_ms: AtomicU64,
+    /// Requests received and not yet finished (replied to or dropped).
+    busy: AtomicUsize,
+}
+
+impl Activity {
+    fn new(origin: Instant) -> Activity {
+        let a = Activity {
+            origin,
+            last_ms: AtomicU64::new(0),
+            busy: AtomicUsize::new(0),
+        };
+        a.touch();
+        a
+    }
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+    /// A request arrived: busy until [`Activity::done`].
+    pub fn begin(&self) {
+        self.busy.fetch_add(1, Ordering::AcqRel);
+        self.touch();
+    }
+    /// A request begun with [`Activity::begin`] finished.
+    pub fn done(&self) {
+        self.touch();
+        self.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+    fn touch(&self) {
+        self.last_ms.store(self.now_ms(), Ordering::Release);
+    }
+    /// How long the connection has been idle; `None` while it has requests.
+    fn idle_for(&self) -> Option<Duration> {
+        if self.busy.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let last = self.last_ms.load(Ordering::Acquire);
+        Some(Duration::from_millis(self.now_ms().saturating_sub(last)))
+    }
 }
 
 /// Transmission flags for a device. CAN_MULTI_CONN holds because every connection reaches the
@@ -301,6 +370,7 @@ pub fn serve(
         live: Mutex::new(Vec::new()),
         poll: opts.poll,
         workers: opts.workers.clamp(1, WORKERS_PER_CONNECTION_MAX),
+        idle_timeout: opts.idle_timeout,
     });
     if opts.announce {
         let mut out = io::stdout().lock();
@@ -346,6 +416,7 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
         Listener::Tcp(l) => l.as_raw_fd(),
     };
     let next_id = AtomicU64::new(0);
+    let origin = Instant::now();
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
     while !stop.requested() {
         if !poll_readable(fd, ACCEPT_POLL_MS) {
@@ -367,14 +438,18 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
             }
         };
         threads.retain(|t| !t.is_finished());
-        if threads.len() >= CONNECTIONS_MAX {
-            eprintln!("ucrypt: refusing connection: {CONNECTIONS_MAX} already open");
-            drop(sock);
+        if !make_room(shared) {
             continue;
         }
         let id = next_id.fetch_add(1, Ordering::Relaxed);
+        let activity = Arc::new(Activity::new(origin));
         match sock.try_clone() {
-            Ok(c) => lock(&shared.live).push((id, c)),
+            Ok(c) => lock(&shared.live).push(LiveConn {
+                id,
+                sock: c,
+                activity: activity.clone(),
+                evicted: false,
+            }),
             Err(e) => {
                 eprintln!("ucrypt: {e}");
                 continue;
@@ -388,11 +463,11 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
                 struct Live<'a>(&'a Shared, u64);
                 impl Drop for Live<'_> {
                     fn drop(&mut self) {
-                        lock(&self.0.live).retain(|(i, _)| *i != self.1);
+                        lock(&self.0.live).retain(|c| c.id != self.1);
                     }
                 }
                 let _live = Live(&sh, id);
-                if let Err(e) = conn::run(sock, &sh) {
+                if let Err(e) = conn::run(sock, &sh, &activity) {
                     eprintln!("ucrypt: connection {id}: {e}");
                 }
             });
@@ -400,7 +475,7 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
             Ok(t) => threads.push(t),
             Err(e) => {
                 eprintln!("ucrypt: cannot start connection thread: {e}");
-                lock(&shared.live).retain(|(i, _)| *i != id);
+                lock(&shared.live).retain(|c| c.id != id);
             }
         }
     }
@@ -408,12 +483,48 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
     threads
 }
 
+/// Whether a new connection may have a slot: yes while fewer than [`CONNECTIONS_MAX`] are
+/// open; when all are taken, the connection idle longest gives its slot up if it has been
+/// idle for `Shared::idle_timeout` (it is shut down and ends on its own). Otherwise the new
+/// client is refused (closed at once) with a log line.
+fn make_room(shared: &Shared) -> bool {
+    let mut live = lock(&shared.live);
+    let open = live.iter().filter(|c| !c.evicted).count();
+    if open < CONNECTIONS_MAX {
+        return true;
+    }
+    let idlest = live
+        .iter_mut()
+        .filter(|c| !c.evicted)
+        .filter_map(|c| c.activity.idle_for().map(|d| (d, c)))
+        .max_by_key(|(d, _)| *d);
+    match idlest {
+        Some((idle, c)) if idle >= shared.idle_timeout => {
+            eprintln!(
+                "ucrypt: closing connection {} (idle for {} s) to admit a new client",
+                c.id,
+                idle.as_secs()
+            );
+            let _ = c.sock.shutdown(std::net::Shutdown::Both);
+            c.evicted = true;
+            true
+        }
+        _ => {
+            eprintln!(
+                "ucrypt: refusing connection: {CONNECTIONS_MAX} open, none idle for {} s",
+                shared.idle_timeout.as_secs_f64()
+            );
+            false
+        }
+    }
+}
+
 /// Stopping: no new connections; every connection's read side is shut so it stops taking
 /// requests, finishes what is in flight and replies; then every writable export is flushed.
 fn finish(listener: Listener, shared: &Shared, threads: Vec<JoinHandle<()>>) -> Result<()> {
     listener_close(listener);
-    for (_, s) in lock(&shared.live).iter() {
-        let _ = s.shutdown_read();
+    for c in lock(&shared.live).iter() {
+        let _ = c.sock.shutdown_read();
     }
     for t in threads {
         let _ = t.join();

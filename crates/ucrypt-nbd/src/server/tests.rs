@@ -109,6 +109,7 @@ fn device_errors_fua_flush_and_stop() {
                 announce: false,
                 poll: std::time::Duration::from_micros(50),
                 workers: crate::server::WORKERS_PER_CONNECTION,
+                idle_timeout: crate::server::IDLE_TIMEOUT_DEFAULT,
             };
             serve(vec![("m".into(), dev)], &Listen::Unix(sock), opts, stop)
         })

@@ -163,6 +163,20 @@ impl FileBackend {
         let name = path.display().to_string();
         let ctx = |what: &str| format!("{what} {name}");
         let mut note = None;
+        // Before opening: opening a FIFO waits for a writer, a directory is no device. Both
+        // (and character devices) are "not compatible", as cryptsetup says, with its exit
+        // code 4 (ENODEV).
+        let kind = std::fs::metadata(path)
+            .map_err(|e| Error::io(ctx("stat"), e))?
+            .file_type();
+        if !kind.is_file() && !kind.is_block_device() {
+            return Err(Error::io(
+                format!(
+                    "Device {name} is not compatible (neither a regular file nor a block device)"
+                ),
+                io::Error::from_raw_os_error(libc::ENODEV),
+            ));
+        }
         let (file, direct) = match mode {
             DirectMode::Never => (
                 open_file(path, writable, false).map_err(|e| Error::io(ctx("open"), e))?,

@@ -106,7 +106,20 @@ pub fn read_header(dev: &dyn Backend) -> Result<Header> {
     let first = read_upto(dev, 0, PROBE_BYTES)?;
     let need = probe_len(&first)?;
     let bytes = read_upto(dev, 0, need.min(HEADER_BYTES_MAX))?;
-    parse_any(&bytes)
+    let hdr = parse_any(&bytes)?;
+    // A device cut short inside its keyslot areas (a truncated header copy) is no LUKS device,
+    // as cryptsetup says: its keyslots cannot be read.
+    let (need, have) = (hdr.areas_end(), dev.size());
+    if have < need {
+        return Err(Error::BadHeader {
+            check: "truncated",
+            detail: format!(
+                "device too small: its header and keyslots need at least {need} bytes, it has \
+                 {have}"
+            ),
+        });
+    }
+    Ok(hdr)
 }
 
 /// Performs a write plan on `dev` in order: writes (through whole aligned units), zeroing in

@@ -331,6 +331,23 @@ impl Header {
         }
     }
 
+    /// Where the header copies and keyslot areas end: a device must be at least this large
+    /// (cryptsetup's check). LUKS2: both header copies and `keyslots_size`; LUKS1: the end of
+    /// the last keyslot's key material.
+    pub fn areas_end(&self) -> u64 {
+        match self {
+            Header::Luks1(h) => h
+                .slots
+                .iter()
+                .map(|s| u64::from(s.key_material_offset) * 512 + h.material_bytes())
+                .max()
+                .unwrap_or(0),
+            Header::Luks2(h) => {
+                2 * (h.meta.config.json_size.0 + BIN_HDR_BYTES) + h.meta.config.keyslots_size.0
+            }
+        }
+    }
+
     /// Keyslot ids in use (LUKS2: all types; LUKS1: active).
     pub fn active_keyslots(&self) -> Vec<u32> {
         match self {

@@ -3,13 +3,23 @@
 //!
 //! Contract: an [`EvpCtx`] is used by one thread at a time (`Send`, not `Sync`); in-place
 //! operation (`input == output`) is allowed by AWS-LC for ECB, CBC and XTS.
+//!
+//! Key hygiene: the key schedule (for XTS both halves; an AES schedule's first round key is
+//! the key itself) lives in the context's `cipher_data`, which AWS-LC would put on the
+//! ordinary heap. [`EvpCtx::new`] selects the cipher first, without a key, moves the (still
+//! keyless) `cipher_data` into a [`SecretBytes`] (locked, `MADV_DONTDUMP`, zeroised on drop)
+//! and only then gives AWS-LC the key, so the schedule is written into those pages alone.
 
 use std::os::raw::c_int;
 use std::ptr;
 
 use aws_lc_sys as sys;
 
+use crate::secret::SecretBytes;
 use crate::{Error, Result};
+
+/// The most bytes a cipher's per-key context may take here (AES-XTS needs about 520).
+const CIPHER_DATA_BYTES_MAX: usize = 4096;
 
 /// The AWS-LC algorithms ucrypt uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +31,8 @@ pub(crate) enum Alg {
 
 pub(crate) struct EvpCtx {
     ctx: *mut sys::EVP_CIPHER_CTX,
+    /// The context's `cipher_data` (the key schedule), owned here, not by AWS-LC.
+    schedule: Option<SecretBytes>,
 }
 
 // SAFETY: an EVP_CIPHER_CTX has no thread affinity; it may move between threads as long as it is
@@ -65,18 +77,36 @@ impl EvpCtx {
                 call: "EVP_CIPHER_CTX_new",
             });
         }
-        let this = EvpCtx { ctx };
-        let zero_iv = [0u8; 16];
-        // SAFETY: ctx is valid; key.len() equals the cipher's key length (checked by the match
-        // above); the IV buffer is 16 bytes, the IV length of every cipher above (ECB ignores it).
+        let mut this = EvpCtx {
+            ctx,
+            schedule: None,
+        };
+        // The cipher alone first: AWS-LC allocates an unkeyed cipher_data.
+        // SAFETY: ctx is valid; NULL key and IV only select the cipher (and reset its state).
         let rc = unsafe {
             sys::EVP_CipherInit_ex(
                 this.ctx,
                 cipher,
                 ptr::null_mut(),
+                ptr::null(),
+                ptr::null(),
+                encrypt as c_int,
+            )
+        };
+        check(rc, "EVP_CipherInit_ex(cipher)")?;
+        this.adopt_cipher_data(cipher)?;
+        let zero_iv = [0u8; 16];
+        // SAFETY: ctx is valid and has its cipher; NULL cipher keeps it (and its cipher_data,
+        // now ours); key.len() equals the cipher's key length (checked by the match above); the
+        // IV buffer is 16 bytes, the IV length of every cipher above (ECB ignores it).
+        let rc = unsafe {
+            sys::EVP_CipherInit_ex(
+                this.ctx,
+                ptr::null(),
+                ptr::null_mut(),
                 key.as_ptr(),
                 zero_iv.as_ptr(),
-                encrypt as c_int,
+                -1,
             )
         };
         check(rc, "EVP_CipherInit_ex")?;
@@ -84,6 +114,29 @@ impl EvpCtx {
         let rc = unsafe { sys::EVP_CIPHER_CTX_set_padding(this.ctx, 0) };
         check(rc, "EVP_CIPHER_CTX_set_padding")?;
         Ok(this)
+    }
+
+    /// Moves the context's keyless `cipher_data` into `self.schedule` (locked, non-dumpable
+    /// pages), so that keying writes the schedule there and nowhere else.
+    fn adopt_cipher_data(&mut self, cipher: *const sys::EVP_CIPHER) -> Result<()> {
+        let size = cipher_data_bytes(cipher)?;
+        // SAFETY: ctx is valid; the bindings give the full layout of EVP_CIPHER_CTX.
+        let data = unsafe { (*self.ctx).cipher_data };
+        if size == 0 || data.is_null() {
+            return Ok(());
+        }
+        let mut schedule = SecretBytes::zeroed(size);
+        // SAFETY: AWS-LC allocated `data` with the cipher's ctx_size, `size` bytes (read from
+        // the checked layout); `schedule` holds `size` bytes; the two do not overlap. It holds
+        // no key yet (the cipher was selected without one). OPENSSL_free wipes and frees it;
+        // the context then points at our buffer, which outlives it (see Drop).
+        unsafe {
+            ptr::copy_nonoverlapping(data.cast::<u8>(), schedule.as_mut().as_mut_ptr(), size);
+            sys::OPENSSL_free(data);
+            (*self.ctx).cipher_data = schedule.as_mut().as_mut_ptr().cast();
+        }
+        self.schedule = Some(schedule);
+        Ok(())
     }
 
     /// Sets a new 16-byte IV (XTS tweak) without re-keying.
@@ -154,9 +207,15 @@ impl EvpCtx {
 
 impl Drop for EvpCtx {
     fn drop(&mut self) {
-        // SAFETY: ctx came from EVP_CIPHER_CTX_new and is freed once; AWS-LC cleanses the key
-        // schedule in EVP_CIPHER_CTX_free.
-        unsafe { sys::EVP_CIPHER_CTX_free(self.ctx) };
+        // SAFETY: ctx came from EVP_CIPHER_CTX_new and is freed once. A cipher_data we own is
+        // detached first so AWS-LC does not free it (the ciphers used here have no cleanup
+        // hook that would touch it); `schedule` wipes it when dropped right after.
+        unsafe {
+            if self.schedule.is_some() {
+                (*self.ctx).cipher_data = ptr::null_mut();
+            }
+            sys::EVP_CIPHER_CTX_free(self.ctx)
+        };
     }
 }
 
@@ -276,4 +335,37 @@ impl Drop for GcmCtx {
         // SAFETY: ctx came from EVP_AEAD_CTX_new and is freed once (AWS-LC cleanses it).
         unsafe { sys::EVP_AEAD_CTX_free(self.ctx) };
     }
+}
+
+/// The size of `cipher`'s per-key context. AWS-LC keeps it in the private `EVP_CIPHER`
+/// struct, whose first fields are `int nid; unsigned block_size, key_len, iv_len, ctx_size`:
+/// the first four are checked against the public getters before the fifth is trusted.
+fn cipher_data_bytes(cipher: *const sys::EVP_CIPHER) -> Result<usize> {
+    let bad = Error::Bug("AWS-LC's EVP_CIPHER layout is not the one expected");
+    // SAFETY: cipher points at a static EVP_CIPHER table (from an EVP_aes_* getter), at least
+    // five 4-byte fields long (see above); the getters take that pointer.
+    let (fields, nid, block, key, iv) = unsafe {
+        let f = cipher.cast::<u32>();
+        (
+            [
+                f.read(),
+                f.add(1).read(),
+                f.add(2).read(),
+                f.add(3).read(),
+                f.add(4).read(),
+            ],
+            sys::EVP_CIPHER_nid(cipher) as u32,
+            sys::EVP_CIPHER_block_size(cipher),
+            sys::EVP_CIPHER_key_length(cipher),
+            sys::EVP_CIPHER_iv_length(cipher),
+        )
+    };
+    if fields[..4] != [nid, block, key, iv] {
+        return Err(bad);
+    }
+    let size = fields[4] as usize;
+    if size > CIPHER_DATA_BYTES_MAX {
+        return Err(bad);
+    }
+    Ok(size)
 }
