@@ -192,3 +192,12 @@ fn cryptsetup_init_only_journal() {
 fn cryptsetup_init_only_none() {
     check_init_only(&["--resilience", "none"], Resilience::None);
 }
+
+/// The dump of the stored header is what cryptsetup 2.6.1's luksDump printed for the image
+/// (hotzone flagged in-reencryption, backups, the reencrypt keyslot).
+#[test]
+fn stored_crash_header_dump_is_cryptsetups() {
+    let (hdr, _, _) = stored();
+    let want = std::fs::read_to_string(format!("{DATA}/reencrypt-crash-luksdump.txt")).unwrap();
+    assert_eq!(luks::dump(&hdr, "unused", None), want);
+}
