@@ -361,7 +361,7 @@ fn cryptsetup_priorities_are_honoured() {
     );
     assert_opens(UCRYPT, &img, &k1, None, 1);
     let dump = ok(UCRYPT, &["luksDump", s(&img)]);
-    assert!(dump.contains("Priority:   prefer"), "{dump}");
+    assert!(dump.contains("Priority:   preferred\n"), "{dump}");
 }
 
 /// ucrypt → cryptsetup: formats, key management and header verbs checked by cryptsetup.
@@ -1081,5 +1081,72 @@ fn luks2_volume_served_over_fuse_matches_cryptsetup() {
     assert!(
         std::fs::read(&img).expect("img") == data,
         "cryptsetup decrypted something else"
+    );
+}
+
+/// A volume cryptsetup left in reencryption (`reencrypt --init-only`): ucrypt's luksDump is
+/// cryptsetup's byte for byte; the passphrase test unlocks the new key's keyslot as
+/// cryptsetup does, a wrong one and a named keyslot are refused with cryptsetup's exit code;
+/// header verbs refuse with cryptsetup's message and leave the header as it was.
+#[test]
+fn reencryption_in_progress_is_recognised() {
+    if !have("cryptsetup", "cryptsetup-bin") {
+        return;
+    }
+    let t = TempDir::new("reenc");
+    let key = t.file("key", b"pass");
+    let bad = t.file("bad", b"wrong");
+    let img = t.image("r.img", 32);
+    luks_format("cryptsetup", &img, &key, &[]);
+    let mut a = vec![
+        "reencrypt",
+        "-q",
+        "--init-only",
+        "--force-offline-reencrypt",
+        "--resilience",
+        "checksum",
+        "--hotzone-size",
+        "4M",
+        "--key-file",
+        s(&key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok("cryptsetup", &a);
+    let before = std::fs::read(&img).unwrap();
+
+    assert_eq!(
+        ok(UCRYPT, &["luksDump", s(&img)]),
+        ok("cryptsetup", &["luksDump", s(&img)])
+    );
+    for prog in ["cryptsetup", UCRYPT] {
+        assert_opens(prog, &img, &key, None, 1);
+        assert_no_keyslot(prog, &img, &bad, None);
+        let named = run(
+            prog,
+            &[
+                "open",
+                "--test-passphrase",
+                "--key-file",
+                s(&key),
+                "--key-slot",
+                "0",
+                s(&img),
+            ],
+        );
+        assert_eq!(named.status.code(), Some(1), "{prog} --key-slot 0");
+        let o = run(prog, &["config", "--label", "x", s(&img)]);
+        assert_eq!(o.status.code(), Some(1), "{prog} config");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains(
+                "Operation incompatible with device marked for LUKS2 reencryption. Aborting."
+            ),
+            "{prog}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "a refused verb wrote"
     );
 }

@@ -55,6 +55,11 @@ pub enum Error {
     #[error("No usable keyslot is available.")]
     NoUsableKeyslot,
 
+    /// The header carries an unfinished reencryption (cryptsetup's words for a verb that
+    /// cannot run on it).
+    #[error("Operation incompatible with device marked for LUKS2 reencryption. Aborting.")]
+    InReencryption,
+
     #[error("unsupported LUKS feature: {0}")]
     UnsupportedLuks(String),
 
@@ -135,7 +140,8 @@ impl Error {
             | Error::NotSectorMultiple { .. }
             | Error::OutOfRange { .. }
             | Error::InvalidArgument(_)
-            | Error::ReadOnly(_) => ErrorKind::BadInput,
+            | Error::ReadOnly(_)
+            | Error::InReencryption => ErrorKind::BadInput,
             Error::WrongPassphrase => ErrorKind::WrongKey,
             // No keyslot left to try: the header cannot be opened by any passphrase
             // (cryptsetup exits 1 here, not 2).
@@ -165,7 +171,7 @@ impl Error {
         match self {
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::OutOfRange { .. } => libc::ENOSPC,
-            Error::ReadOnly(_) => libc::EROFS,
+            Error::ReadOnly(_) | Error::InReencryption => libc::EROFS,
             Error::Integrity { .. } => libc::EILSEQ,
             Error::KernelFeature(_) => libc::EOPNOTSUPP,
             Error::NotSectorMultiple { .. } | Error::InvalidArgument(_) => libc::EINVAL,

@@ -1218,18 +1218,40 @@ fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
         ));
     }
     let (dev, hdr) = load(device, o, false)?;
-    hdr.check_requirements()?;
+    hdr.check_requirements_for_unlock()?;
+    if in_reencryption(&hdr) && o.key_slot.is_some() {
+        // cryptsetup 2.6 refuses a passphrase test on one named keyslot of a header in
+        // reencryption ("wrong or missing parameters", exit 1; measured).
+        return Err(Error::InvalidArgument(
+            "wrong or missing parameters: --key-slot cannot be used on a device in reencryption"
+                .into(),
+        ));
+    }
     let (slot, _vk) = unlock_with(
         &dev,
         &hdr,
         &existing_source(o, None),
         o.key_slot,
         &format!("Enter passphrase for {}: ", device),
-    )?;
+    )
+    .map_err(|e| match e {
+        // cryptsetup 2.6 answers a wrong passphrase on a header in reencryption with "No
+        // usable keyslot is available." and exit code 1 (measured), not its usual exit 2.
+        Error::WrongPassphrase if in_reencryption(&hdr) => Error::NoUsableKeyslot,
+        e => e,
+    })?;
     if o.verbose {
         eprintln!("Key slot {slot} unlocked.");
     }
     Ok(0)
+}
+
+/// Whether the header carries a reencryption requirement (an unfinished reencryption).
+fn in_reencryption(hdr: &Header) -> bool {
+    match hdr {
+        Header::Luks2(h) => luks::reencrypt::requirement_version(&h.meta).is_some(),
+        Header::Luks1(_) => false,
+    }
 }
 
 /// The flags named on the command line, in cryptsetup's on-disk spelling.

@@ -130,27 +130,33 @@ fn luks2_binary_and_config(o: &mut String, h: &Luks2Header) -> fmt::Result {
         if flags.is_empty() {
             "(no flags)".into()
         } else {
-            flags.join(" ")
+            // cryptsetup prints each flag followed by a space.
+            flags.iter().map(|f| format!("{f} ")).collect::<String>()
         }
     )?;
     let req = h.meta.requirements();
     if !req.is_empty() {
-        writeln!(o, "Requirements:\t{}", req.join(" "))?;
+        let names: String = req.iter().map(|r| format!("{r} ")).collect();
+        writeln!(o, "Requirements:\t{names}")?;
     }
     Ok(())
 }
 
 fn luks2_segments(o: &mut String, h: &Luks2Header) -> fmt::Result {
     writeln!(o, "\nData segments:")?;
-    for (k, s) in &h.meta.segments {
+    // In numeric order, as cryptsetup prints them (the map's order is the keys' text order).
+    let mut segs: Vec<_> = h.meta.segments.iter().collect();
+    segs.sort_by_key(|(k, _)| k.parse::<u32>().unwrap_or(u32::MAX));
+    for (k, s) in segs {
         writeln!(o, "  {k}: {}", s.kind)?;
         writeln!(o, "\toffset: {} [bytes]", s.offset.0)?;
         match s.size {
             SegmentSize::Dynamic => writeln!(o, "\tlength: (whole device)")?,
             SegmentSize::Bytes(n) => writeln!(o, "\tlength: {n} [bytes]")?,
         }
-        if let Some(e) = &s.encryption {
-            writeln!(o, "\tcipher: {e}")?;
+        match &s.encryption {
+            Some(e) => writeln!(o, "\tcipher: {e}")?,
+            None => writeln!(o, "\tcipher: (no SW encryption)")?,
         }
         if let Some(ss) = s.sector_size {
             writeln!(o, "\tsector: {ss} [bytes]")?;
@@ -158,12 +164,18 @@ fn luks2_segments(o: &mut String, h: &Luks2Header) -> fmt::Result {
         if let Some(i) = &s.integrity {
             writeln!(o, "\tintegrity: {}", i.kind)?;
         }
+        // Reencryption marks its hotzone and backup segments.
+        if let Some(f) = s.flags.as_ref().filter(|f| !f.is_empty()) {
+            writeln!(o, "\tflags : {}", f.join(", "))?;
+        }
+        // Every segment ends with an empty line.
+        writeln!(o)?;
     }
     Ok(())
 }
 
 fn luks2_keyslots(o: &mut String, h: &Luks2Header) -> fmt::Result {
-    writeln!(o, "\nKeyslots:")?;
+    writeln!(o, "Keyslots:")?;
     for (k, ks) in &h.meta.keyslots {
         luks2_keyslot(o, h, k, ks)?;
     }
@@ -171,14 +183,23 @@ fn luks2_keyslots(o: &mut String, h: &Luks2Header) -> fmt::Result {
 }
 
 fn luks2_keyslot(o: &mut String, h: &Luks2Header, k: &str, ks: &Keyslot) -> fmt::Result {
-    writeln!(o, "  {k}: {}", ks.kind)?;
+    let unbound = if keyslot_unbound(h, k) {
+        " (unbound)"
+    } else {
+        ""
+    };
+    writeln!(o, "  {k}: {}{unbound}", ks.kind)?;
     writeln!(o, "\tKey:        {} bits", ks.key_size * 8)?;
     let prio = match ks.priority.unwrap_or(1) {
         0 => "ignored",
-        2 => "prefer",
-        _ => "normal",
+        1 => "normal",
+        2 => "preferred",
+        _ => "invalid",
     };
     writeln!(o, "\tPriority:   {prio}")?;
+    if ks.kind == "reencrypt" {
+        reencrypt_keyslot(o, k, ks)?;
+    }
     if let Some(a) = &ks.area {
         if let Some(e) = &a.encryption {
             writeln!(o, "\tCipher:     {e}")?;
@@ -200,6 +221,57 @@ fn luks2_keyslot(o: &mut String, h: &Luks2Header, k: &str, ks: &Keyslot) -> fmt:
     }
     if let Some((d, _)) = h.meta.digest_for_keyslot(k) {
         writeln!(o, "\tDigest ID:  {d}")?;
+    }
+    Ok(())
+}
+
+/// Whether cryptsetup calls a keyslot "unbound": its digest serves none of the live segments
+/// (the backups a reencryption keeps do not count), where a segment's digest is the first
+/// digest that lists it.
+fn keyslot_unbound(h: &Luks2Header, k: &str) -> bool {
+    let Some((mine, _)) = h.meta.digest_for_keyslot(k) else {
+        return true;
+    };
+    let is_backup = |s: &super::json::Segment| {
+        s.flags
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|f| f.starts_with("backup-")))
+    };
+    !h.meta
+        .segments
+        .iter()
+        .filter(|(_, s)| !is_backup(s))
+        .any(|(id, _)| {
+            h.meta
+                .digests
+                .iter()
+                .find(|(_, d)| d.segments.contains(id))
+                .is_some_and(|(d, _)| d == mine)
+        })
+}
+
+/// The `reencrypt` keyslot's own fields, as cryptsetup prints them; one that does not parse is
+/// shown with the reason.
+fn reencrypt_keyslot(o: &mut String, k: &str, ks: &Keyslot) -> fmt::Result {
+    use super::reencrypt::{parse_keyslot, Resilience};
+    let r = match parse_keyslot(k.parse().unwrap_or(u32::MAX), ks) {
+        Ok(r) => r,
+        Err(e) => return writeln!(o, "\t(invalid reencrypt keyslot: {e})"),
+    };
+    writeln!(o, "\t{:<12}{}", "Mode:", r.mode.name())?;
+    writeln!(o, "\t{:<12}{}", "Direction:", r.direction.name())?;
+    writeln!(o, "\t{:<12}{}", "Resilience:", r.resilience.name())?;
+    match &r.resilience {
+        Resilience::Checksum { hash, sector_size } => {
+            writeln!(o, "\t{:<12}{hash}", "Hash:")?;
+            writeln!(o, "\t{:<12}{sector_size} [bytes]", "Hash data:")?;
+        }
+        // cryptsetup prints no space before "[bytes]" here, and shows the shift only for the
+        // plain datashift type.
+        Resilience::Datashift { shift_size } => {
+            writeln!(o, "\t{:<12}{shift_size}[bytes]", "Shift size:")?;
+        }
+        _ => {}
     }
     Ok(())
 }

@@ -478,7 +478,27 @@ impl Metadata {
                         format!("keyslot {k} is in {digests} digests (must be in exactly one)"),
                     ));
                 }
+            } else if ks.kind == "reencrypt" {
+                // Its mode, direction and resilience fields, checked as cryptsetup does on load.
+                let id = numbered_key("keyslots", k, KEYSLOTS_MAX)?;
+                super::reencrypt::parse_keyslot(id, ks)?;
             }
+        }
+        // At most one reencrypt keyslot, and one whenever a reencryption is required.
+        let reencrypt = self
+            .keyslots
+            .values()
+            .filter(|k| k.kind == "reencrypt")
+            .count();
+        let required = super::reencrypt::requirement_version(self).is_some();
+        if reencrypt > 1 || (required && reencrypt == 0) {
+            return Err(bad(
+                "reencrypt",
+                format!(
+                    "{reencrypt} reencrypt keyslots with the reencryption requirement {}",
+                    if required { "set" } else { "absent" }
+                ),
+            ));
         }
         Ok(())
     }

@@ -22,6 +22,8 @@ pub mod kdf;
 pub mod keyslot;
 pub mod luks1;
 pub mod luks2;
+pub mod reencrypt;
+pub mod reencrypt_plan;
 pub mod util;
 
 #[cfg(test)]
@@ -278,9 +280,31 @@ impl Header {
         let r = self.unmet_requirements();
         if r.is_empty() {
             Ok(())
+        } else if r.iter().all(|r| reencrypt::is_reencrypt_requirement(r)) {
+            // An unfinished reencryption: cryptsetup's words (exit code 1).
+            Err(Error::InReencryption)
         } else {
             Err(Error::ReadOnly(format!(
                 "the LUKS2 header has unmet mandatory requirements ({}); refusing to activate or modify it",
+                r.join(", ")
+            )))
+        }
+    }
+
+    /// [`Self::check_requirements`] for a passphrase check only (`open --test-passphrase`):
+    /// cryptsetup unlocks a header in reencryption (its keyslots stay usable), so the
+    /// reencryption requirements do not stop it; any other unmet requirement does.
+    pub fn check_requirements_for_unlock(&self) -> Result<()> {
+        let r: Vec<String> = self
+            .unmet_requirements()
+            .into_iter()
+            .filter(|r| !reencrypt::is_reencrypt_requirement(r))
+            .collect();
+        if r.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::ReadOnly(format!(
+                "the LUKS2 header has unmet mandatory requirements ({}); refusing to unlock it",
                 r.join(", ")
             )))
         }

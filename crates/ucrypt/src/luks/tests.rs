@@ -756,6 +756,32 @@ fn hostile_luks2_rows() -> Vec<(&'static str, Mutation, Expect)> {
             ReadOnly,
         ),
         (
+            "reencryption required but no reencrypt keyslot",
+            both_json(|v| {
+                v["config"]["requirements"] = json!({"mandatory": ["online-reencrypt-v2"]})
+            }),
+            Reject("reencrypt"),
+        ),
+        (
+            "reencrypt keyslot with an unknown direction",
+            both_json(|v| {
+                v["keyslots"]["5"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt",
+                    "direction": "sideways", "priority": 0,
+                    "area": {"type": "none", "offset": "32768", "size": "4096"}});
+            }),
+            Reject("reencrypt"),
+        ),
+        (
+            "reencrypt keyslot with a checksum block that is not a power of two",
+            both_json(|v| {
+                v["keyslots"]["5"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt",
+                    "direction": "forward", "priority": 0,
+                    "area": {"type": "checksum", "offset": "32768", "size": "4096",
+                        "hash": "sha256", "sector_size": 3000}});
+            }),
+            Reject("reencrypt"),
+        ),
+        (
             "device truncated inside the primary",
             Box::new(|img: &mut Vec<u8>| img.truncate(10000)),
             Reject("truncated"),

@@ -7,7 +7,7 @@ use serde_json::Map;
 use super::{bad, Luks2Header};
 use crate::luks::af::AF_STRIPES;
 use crate::luks::json::{
-    af_area_bytes, kdf_to_json, round_up, AfJson, Area, Keyslot, KeyslotParams, U64Str,
+    af_area_bytes, kdf_to_json, round_up, AfJson, Area, DigestJson, Keyslot, KeyslotParams, U64Str,
 };
 use crate::luks::kdf::{Kdf, KdfRequest, SALT_BYTES_MAX};
 use crate::luks::keyslot::SlotCrypto;
@@ -27,6 +27,11 @@ impl Luks2Header {
         if let Some(id) = slot {
             return Ok(vec![self.meta.keyslot_params(&id.to_string())?]);
         }
+        let reencrypt_final = crate::luks::reencrypt::ReencryptState::from_metadata(&self.meta)
+            .ok()
+            .flatten()
+            .and_then(|st| crate::luks::reencrypt::digest_of_segment(&self.meta, st.backup_final))
+            .map(|d| d.to_string());
         let mut v: Vec<KeyslotParams> = self
             .meta
             .keyslots
@@ -34,6 +39,15 @@ impl Luks2Header {
             .filter(|(_, k)| k.kind == "luks2")
             .filter_map(|(id, _)| self.meta.keyslot_params(id).ok())
             .filter(|p| p.priority > 0)
+            .filter(|p| match &reencrypt_final {
+                // In reencryption cryptsetup unlocks for its default segment, the
+                // backup-final one: only keyslots of the new key's digest are tried.
+                Some(d) => self
+                    .meta
+                    .digest_for_keyslot(&p.id.to_string())
+                    .is_some_and(|(id, _)| id == d),
+                None => true,
+            })
             .collect();
         v.sort_by_key(|p| (std::cmp::Reverse(p.priority), p.id));
         Ok(v)
@@ -62,27 +76,42 @@ impl Luks2Header {
                 .find(|(_, d)| !d.segments.is_empty()),
         };
         let (id, d) = digest.ok_or(Error::WrongPassphrase)?;
-        if d.kind != "pbkdf2" {
-            return Err(Error::UnsupportedLuks(format!("digest type '{}'", d.kind)));
-        }
-        let hash = HashAlg::from_name(d.hash.as_deref().unwrap_or(""))?;
-        let salt = b64_decode(d.salt.as_deref().unwrap_or(""))
-            .ok_or_else(|| bad("digests", format!("digest {id} salt is not base64")))?;
-        let want = b64_decode(d.digest.as_deref().unwrap_or(""))
-            .ok_or_else(|| bad("digests", format!("digest {id} value is not base64")))?;
-        let iterations = d
-            .iterations
-            .filter(|&n| n > 0)
-            .ok_or_else(|| bad("digests", format!("digest {id} has no iterations")))?;
-        if want.is_empty() || want.len() > DIGEST_BYTES_MAX || salt.len() > SALT_BYTES_MAX {
-            return Err(bad("digests", format!("digest {id} value or salt length")));
-        }
-        let mut got = SecretBytes::zeroed(want.len());
-        hash.pbkdf2(candidate.as_ref(), &salt, iterations, got.as_mut());
-        if got.ct_eq(&want) {
+        if digest_matches(id, d, candidate.as_ref())? {
             Ok(VolumeKey::new_verified(candidate, id.parse().unwrap_or(0)))
         } else {
             Err(Error::WrongPassphrase)
+        }
+    }
+
+    /// Checks the reencryption digest (bound to the `reencrypt` keyslot) against the header's
+    /// reencryption metadata and the volume keys: `Ok(())` when they match, a
+    /// [`Error::BadHeader`] ("reencrypt-digest") when not. `None` for a key the layout does
+    /// not use (encryption has no old key, decryption no new one).
+    pub fn verify_reencrypt_digest(
+        &self,
+        old: Option<&VolumeKey>,
+        new: Option<&VolumeKey>,
+    ) -> Result<()> {
+        use crate::luks::reencrypt::{verification_data, ReencryptState};
+        let st = ReencryptState::from_metadata(&self.meta)?
+            .ok_or_else(|| bad("reencrypt-digest", "the header is not in reencryption"))?;
+        let data = verification_data(
+            &self.meta,
+            &st,
+            old.map(VolumeKey::bytes),
+            new.map(VolumeKey::bytes),
+        )?;
+        let (id, d) = self
+            .meta
+            .digest_for_keyslot(&st.keyslot.id.to_string())
+            .ok_or_else(|| bad("reencrypt-digest", "the reencrypt keyslot has no digest"))?;
+        if digest_matches(id, d, data.as_ref())? {
+            Ok(())
+        } else {
+            Err(bad(
+                "reencrypt-digest",
+                "reencryption metadata is invalid (its digest does not match)",
+            ))
         }
     }
 
@@ -314,4 +343,26 @@ fn wipe_area(a: &Area) -> Result<Vec<WriteOp>> {
         },
         WriteOp::Sync,
     ])
+}
+
+/// Whether `candidate` hashes to the pbkdf2 digest `d` (LUKS2's only digest type).
+fn digest_matches(id: &str, d: &DigestJson, candidate: &[u8]) -> Result<bool> {
+    if d.kind != "pbkdf2" {
+        return Err(Error::UnsupportedLuks(format!("digest type '{}'", d.kind)));
+    }
+    let hash = HashAlg::from_name(d.hash.as_deref().unwrap_or(""))?;
+    let salt = b64_decode(d.salt.as_deref().unwrap_or(""))
+        .ok_or_else(|| bad("digests", format!("digest {id} salt is not base64")))?;
+    let want = b64_decode(d.digest.as_deref().unwrap_or(""))
+        .ok_or_else(|| bad("digests", format!("digest {id} value is not base64")))?;
+    let iterations = d
+        .iterations
+        .filter(|&n| n > 0)
+        .ok_or_else(|| bad("digests", format!("digest {id} has no iterations")))?;
+    if want.is_empty() || want.len() > DIGEST_BYTES_MAX || salt.len() > SALT_BYTES_MAX {
+        return Err(bad("digests", format!("digest {id} value or salt length")));
+    }
+    let mut got = SecretBytes::zeroed(want.len());
+    hash.pbkdf2(candidate, &salt, iterations, got.as_mut());
+    Ok(got.ct_eq(&want))
 }
