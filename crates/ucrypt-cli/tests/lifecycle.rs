@@ -744,8 +744,11 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     }
     drop(core);
 
-    // Already suspended: busy. A wrong passphrase: exit 2, still suspended.
+    // Already suspended: busy; closing waits for a resume (exit 5). A wrong passphrase:
+    // exit 2, still suspended.
     assert_eq!(ucrypt(&["suspend", &n]).status.code(), Some(5));
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(5), "close while suspended: {}", text(&o));
     let bad = t.path("bad");
     std::fs::write(&bad, b"not it").unwrap();
     let o = ucrypt(&["resume", &n, "--key-file", s(&bad)]);

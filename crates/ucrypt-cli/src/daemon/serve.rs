@@ -354,6 +354,13 @@ impl server::Handler for Shared {
             Request::Suspend => respond(&self.suspend()),
             Request::Resume { key, key_slot } => respond(&self.resume(key, key_slot)),
             Request::Resize { size_sectors } => respond(&self.resize(size_sectors)),
+            Request::Close { .. } | Request::CloseDeferred if self.vol.is_suspended() => {
+                // Closing flushes, and a flush waits at the closed gate like any request.
+                respond(&Self::error(
+                    5,
+                    format!("Device {} is suspended: resume it first.", self.name),
+                ))
+            }
             Request::CloseDeferred if self.in_use().is_some() => {
                 self.deferred.store(true, Ordering::Relaxed);
                 respond(&Response::Closed(Closed {
