@@ -677,6 +677,28 @@ fn written(name: &str) -> u64 {
         .unwrap()
 }
 
+/// On a failed assertion: resumes and closes the volume and stops fio, so that nothing waits on
+/// a suspended device after the test.
+struct SuspendCleanup {
+    name: String,
+    key: PathBuf,
+    fio: Option<std::process::Child>,
+}
+
+impl Drop for SuspendCleanup {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let _ = ucrypt(&["resume", &self.name, "--key-file", s(&self.key)]);
+        if let Some(mut f) = self.fio.take() {
+            let _ = f.kill();
+            let _ = f.wait();
+        }
+        let _ = ucrypt(&["close", "--force", &self.name]);
+    }
+}
+
 #[test]
 fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     skip_unless_rig!();
@@ -698,13 +720,21 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     // The test can see the key: before suspending, the daemon's memory holds it.
     let core = core_dump(pid, &t.path("core0"));
     for h in halves {
-        assert!(contains(&core, h), "volume key half not found in an open daemon's core");
+        assert!(
+            contains(&core, h),
+            "volume key half not found in an open daemon's core"
+        );
     }
     drop(core);
 
     // fio writes 48 MiB at 8 MiB/s (about 6 s) and then reads it all back, checking crc32c.
     let fio_out = t.path("fio.out");
-    let mut fio = Command::new("fio")
+    let mut cleanup = SuspendCleanup {
+        name: n.clone(),
+        key: key.clone(),
+        fio: None,
+    };
+    let fio = Command::new("fio")
         .args([
             "--name=suspend",
             &format!("--filename={stable}"),
@@ -720,8 +750,10 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
             &format!("--output={}", s(&fio_out)),
         ])
         .stdin(Stdio::null())
+        .stdout(Stdio::null())
         .spawn()
         .unwrap();
+    let fio = cleanup.fio.insert(fio);
     std::thread::sleep(std::time::Duration::from_millis(1500));
     let o = ucrypt(&["suspend", &n]);
     assert_eq!(o.status.code(), Some(0), "suspend: {}", text(&o));
@@ -733,14 +765,27 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     let w0 = written(&n);
     std::thread::sleep(std::time::Duration::from_secs(2));
     assert_eq!(written(&n), w0, "writes went on while suspended");
-    assert!(fio.try_wait().unwrap().is_none(), "fio ended while suspended");
-    assert!(w0 > 0 && w0 < 48 << 20, "fio was midway: {w0} bytes written");
+    assert!(
+        fio.try_wait().unwrap().is_none(),
+        "fio ended while suspended"
+    );
+    assert!(
+        w0 > 0 && w0 < 48 << 20,
+        "fio was midway: {w0} bytes written"
+    );
 
     // No copy of either half of the key is left in the daemon's memory.
     let core = core_dump(pid, &t.path("core1"));
-    assert!(core.len() > 1 << 20, "core dump too small: {} bytes", core.len());
+    assert!(
+        core.len() > 1 << 20,
+        "core dump too small: {} bytes",
+        core.len()
+    );
     for (i, h) in halves.iter().enumerate() {
-        assert!(!contains(&core, h), "XTS key half {i} found in a suspended daemon's core");
+        assert!(
+            !contains(&core, h),
+            "XTS key half {i} found in a suspended daemon's core"
+        );
     }
     drop(core);
 
@@ -748,7 +793,12 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     // exit 2, still suspended.
     assert_eq!(ucrypt(&["suspend", &n]).status.code(), Some(5));
     let o = ucrypt(&["close", &n]);
-    assert_eq!(o.status.code(), Some(5), "close while suspended: {}", text(&o));
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "close while suspended: {}",
+        text(&o)
+    );
     let bad = t.path("bad");
     std::fs::write(&bad, b"not it").unwrap();
     let o = ucrypt(&["resume", &n, "--key-file", s(&bad)]);
@@ -766,9 +816,13 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     let o = ucrypt(&["luksResume", &n, "--key-file", s(&key)]);
     assert_eq!(o.status.code(), Some(0), "resume: {}", text(&o));
     let st = fio.wait().unwrap();
+    cleanup.fio = None;
     let report = std::fs::read_to_string(&fio_out).unwrap_or_default();
     assert!(st.success(), "fio failed after resume: {report}");
-    assert!(!report.contains("verify:") || !report.contains("bad"), "{report}");
+    assert!(
+        !report.contains("verify:") || !report.contains("bad"),
+        "{report}"
+    );
     assert!(written(&n) >= 48 << 20);
 
     // The key is back in memory (what the absence above is measured against).
@@ -780,7 +834,12 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     let (_, f) = status_fields(&n);
     assert_eq!(f[0].1, format!("{stable} is active."));
     let o = ucrypt(&["resume", &n, "--key-file", s(&key)]);
-    assert_eq!(o.status.code(), Some(1), "resume when not suspended: {}", text(&o));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "resume when not suspended: {}",
+        text(&o)
+    );
     ok(UCRYPT, &["close", &n]);
     assert_gone(&n);
 }
@@ -893,11 +952,20 @@ fn refresh_and_cancel_deferred() {
             .unwrap_or_default()
     };
     assert_eq!(flags(&n), "");
-    ok(UCRYPT, &["refresh", &n, "--allow-discards", "--spin-us", "0"]);
+    ok(
+        UCRYPT,
+        &["refresh", &n, "--allow-discards", "--spin-us", "0"],
+    );
     assert_eq!(flags(&n), "discards");
     ok(
         UCRYPT,
-        &["refresh", &n, "--allow-discards=false", "--policy", "read=inline,write=auto"],
+        &[
+            "refresh",
+            &n,
+            "--allow-discards=false",
+            "--policy",
+            "read=inline,write=auto",
+        ],
     );
     assert_eq!(flags(&n), "");
     let (_, f) = status_fields(&n);
@@ -912,7 +980,11 @@ fn refresh_and_cancel_deferred() {
     ok(UCRYPT, &["close", "--deferred", &n]);
     let o = ucrypt(&["close", "--cancel-deferred", &n]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert!(text(&o).contains("deferred close cancelled"), "{}", text(&o));
+    assert!(
+        text(&o).contains("deferred close cancelled"),
+        "{}",
+        text(&o)
+    );
     ok("umount", &[s(&mnt)]);
     std::thread::sleep(std::time::Duration::from_secs(1));
     let (code, _) = status_fields(&n);

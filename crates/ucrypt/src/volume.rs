@@ -656,7 +656,9 @@ impl Volume {
     pub fn suspend(&self) -> Result<()> {
         let mut suspended = lock(&self.core.suspended);
         if *suspended {
-            return Err(Error::InvalidArgument("the volume is already suspended".into()));
+            return Err(Error::InvalidArgument(
+                "the volume is already suspended".into(),
+            ));
         }
         self.core.gate.close();
         if let Err(e) = self.core.backend.flush() {
@@ -703,12 +705,7 @@ impl Volume {
         }
         let c = &*self.core;
         let backend_bytes = c.backend.refresh_size()?;
-        let size = fitted_size(
-            backend_bytes,
-            c.data_offset,
-            1u64 << c.shift,
-            size_bytes,
-        )?;
+        let size = fitted_size(backend_bytes, c.data_offset, 1u64 << c.shift, size_bytes)?;
         c.gate.close();
         c.size.store(size, Relaxed);
         c.gate.open();

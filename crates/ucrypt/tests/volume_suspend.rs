@@ -18,7 +18,12 @@ const BLOCKED_FOR: Duration = Duration::from_millis(300);
 
 #[test]
 fn suspended_requests_wait_and_resume_with_the_key_releases_them() {
-    for policy in [Policy::Inline, Policy::Parallel, Policy::Queued, Policy::Auto] {
+    for policy in [
+        Policy::Inline,
+        Policy::Parallel,
+        Policy::Queued,
+        Policy::Auto,
+    ] {
         let r = rig(RigCfg {
             policy,
             ..RigCfg::default()
@@ -42,7 +47,11 @@ fn suspended_requests_wait_and_resume_with_the_key_releases_them() {
             }));
         }
         std::thread::sleep(BLOCKED_FOR);
-        assert_eq!(done.load(SeqCst), 0, "{policy}: a request ran while suspended");
+        assert_eq!(
+            done.load(SeqCst),
+            0,
+            "{policy}: a request ran while suspended"
+        );
         // A wrong-length key is refused and the volume stays suspended.
         assert!(r.vol.resume(SecretBytes::from_slice(&[1u8; 7])).is_err());
         assert!(r.vol.is_suspended());
@@ -82,8 +91,7 @@ fn resume_with_another_key_reads_other_plaintext() {
 #[test]
 fn resize_follows_the_backing_file() {
     let f = TempFile::new(1 << 20);
-    let b: Arc<dyn Backend> =
-        Arc::new(FileBackend::open(&f.0, true, DirectMode::Never).unwrap());
+    let b: Arc<dyn Backend> = Arc::new(FileBackend::open(&f.0, true, DirectMode::Never).unwrap());
     let key = key_for(ucrypt::sector::CipherSpec::AES_XTS_PLAIN64, 3);
     let geometry = ucrypt::sector::Geometry {
         sector_size: ucrypt::sector::SectorSize::new(4096).unwrap(),
@@ -115,7 +123,10 @@ fn resize_follows_the_backing_file() {
     assert_eq!(vol.resize(Some(1 << 20)).unwrap(), 1 << 20);
     assert!(vol.read_at(&mut buf, 1 << 20).is_err());
     assert!(vol.resize(Some(4 << 20)).is_err());
-    assert!(vol.resize(Some((2 << 20) + 4096)).is_err(), "a sector beyond the backend");
+    assert!(
+        vol.resize(Some((2 << 20) + 4096)).is_err(),
+        "a sector beyond the backend"
+    );
     assert!(vol.resize(Some(1000)).is_err());
     assert_eq!(vol.size(), 1 << 20);
 }

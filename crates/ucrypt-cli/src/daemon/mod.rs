@@ -756,9 +756,10 @@ pub fn resume(a: ResumeArgs) -> CliResult<i32> {
     ucrypt::secret::disable_core_dumps();
     let (_, dir) = live_dir(&a.name)?;
     let key = match &a.volume_key_file {
-        Some(f) => proto::ResumeKey::VolumeKeyFile(std::fs::canonicalize(f).map_err(|e| {
-            io_err(format!("volume key file {}", f.display()), e)
-        })?),
+        Some(f) => proto::ResumeKey::VolumeKeyFile(
+            std::fs::canonicalize(f)
+                .map_err(|e| io_err(format!("volume key file {}", f.display()), e))?,
+        ),
         None => {
             let p = pass::read_passphrase(
                 &pass::Source {

@@ -280,9 +280,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                     .ok_or_else(|| bad(format!("\"{k}\" must be true or false"))),
             };
             match (flag("force")?, flag("deferred")?, flag("cancel_deferred")?) {
-                (_, _, true) if obj.len() > 3 => {
-                    return Err(bad("cancel_deferred goes alone"))
-                }
+                (_, _, true) if obj.len() > 3 => return Err(bad("cancel_deferred goes alone")),
                 (_, _, true) => Request::CancelDeferred,
                 (true, true, _) => return Err(bad("close is either forced or deferred")),
                 (false, true, _) => Request::CloseDeferred,

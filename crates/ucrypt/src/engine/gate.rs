@@ -140,7 +140,10 @@ mod tests {
             d2.load(Relaxed)
         });
         std::thread::sleep(Duration::from_millis(50));
-        assert!(!closer.is_finished(), "close returned with a request inside");
+        assert!(
+            !closer.is_finished(),
+            "close returned with a request inside"
+        );
         drop(p);
         assert_eq!(closer.join().unwrap(), 0);
         assert!(gate.is_closed());
@@ -166,7 +169,8 @@ mod tests {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         for _ in 0..4 {
-            let (g, drained, bad, stop) = (gate.clone(), drained.clone(), bad.clone(), stop.clone());
+            let (g, drained, bad, stop) =
+                (gate.clone(), drained.clone(), bad.clone(), stop.clone());
             threads.push(std::thread::spawn(move || {
                 while !stop.load(Relaxed) {
                     let _p = g.enter();
@@ -187,6 +191,10 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(bad.load(Relaxed), 0, "a request ran while the gate was closed");
+        assert_eq!(
+            bad.load(Relaxed),
+            0,
+            "a request ran while the gate was closed"
+        );
     }
 }
