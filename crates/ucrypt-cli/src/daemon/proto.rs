@@ -177,7 +177,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
         Some(Value::String(h)) => {
             let mut h = h.into_bytes();
             let r = unhex_secret(&h);
-            h.iter_mut().for_each(|b| wipe_byte(b));
+            h.iter_mut().for_each(wipe_byte);
             Some(r?)
         }
         Some(_) => return Err(bad("\"passphrase_hex\" must be a string")),
