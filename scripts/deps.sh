@@ -51,6 +51,9 @@ TEST=(
   python3-prometheus-client
   # TLS test certificates
   openssl
+  # suspend/resume (tests/lifecycle.rs): fio writes through a suspend and verifies after
+  # resume; gdb's gcore dumps the daemon to look for the volume key
+  fio gdb
   # the single-node Ceph cluster of scripts/ceph-cluster.sh (mon, OSD, the ceph and rbd
   # commands, librbd and librados) and librbd's header for the FFI declarations of ucrypt-rbd;
   # qemu's rbd driver, which reads images librbd's own LUKS encryption made (ucrypt-rbd tests)

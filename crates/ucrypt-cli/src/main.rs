@@ -51,6 +51,15 @@ enum Cmd {
     Status(daemon::StatusArgs),
     /// Change an open volume's run-time settings without closing it (cryptsetup refresh).
     Refresh(daemon::RefreshArgs),
+    /// Flush, hold new I/O (it waits) and wipe the key from memory (cryptsetup luksSuspend).
+    #[command(visible_alias = "luksSuspend")]
+    Suspend(daemon::SuspendArgs),
+    /// Re-derive the key from a passphrase and release the held I/O (cryptsetup luksResume).
+    #[command(visible_alias = "luksResume")]
+    Resume(daemon::ResumeArgs),
+    /// Grow or shrink an open volume to its backing file or device, or to --size (cryptsetup
+    /// resize).
+    Resize(daemon::ResizeArgs),
     /// List open volumes: NAME, stable path, device, front end, state.
     List,
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
@@ -88,6 +97,9 @@ fn main() {
         Cmd::Close(a) => daemon::report(daemon::close(a)),
         Cmd::Status(a) => daemon::report(daemon::status(a)),
         Cmd::Refresh(a) => daemon::report(daemon::refresh(a)),
+        Cmd::Suspend(a) => daemon::report(daemon::suspend(a)),
+        Cmd::Resume(a) => daemon::report(daemon::resume(a)),
+        Cmd::Resize(a) => daemon::report(daemon::resize(a)),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Tab(c) => tab::run(c),
     };

@@ -112,7 +112,7 @@ pub struct VolumeArgs {
     pub remote: RemoteArgs,
 }
 
-fn read_volume_key(path: &PathBuf) -> CliResult<SecretBytes> {
+pub(crate) fn read_volume_key(path: &std::path::Path) -> CliResult<SecretBytes> {
     let ctx = |e| Error::io(format!("volume key file {}", path.display()), e);
     let meta = std::fs::metadata(path).map_err(ctx)?;
     if meta.len() > VOLUME_KEY_FILE_BYTES_MAX {
@@ -281,6 +281,16 @@ fn open_authenticated(
 }
 
 impl Prepared {
+    /// LUKS: the device the header is read from (the volume, or --header).
+    pub fn header_device(&self) -> Option<Arc<dyn Backend>> {
+        match &self.kind {
+            PreparedKind::Luks { data, opts, .. } => {
+                Some(opts.header.clone().unwrap_or_else(|| data.clone()))
+            }
+            PreparedKind::Raw { .. } => None,
+        }
+    }
+
     /// Builds the volume: unlocks a keyslot (LUKS) and starts the engine's threads.
     pub fn open(self) -> CliResult<Opened> {
         let vol = match self.kind {

@@ -268,6 +268,7 @@ fn stop(a: &TabArgs) -> CliResult<i32> {
             name: e.name.clone(),
             force: false,
             deferred: false,
+            cancel_deferred: false,
         };
         let c = match crate::daemon::close(close) {
             Ok(c) => c,

@@ -596,3 +596,399 @@ fn deferred_close_waits_for_the_last_user() {
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_gone(&n);
 }
+
+/// A LUKS2 volume of `mib` MiB made with a known volume key (returned), and its key file.
+fn volume_with_key(t: &TempDir, name: &str, mib: u64) -> (PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path(name);
+    let key = t.path("key");
+    let vk_file = t.path("vk");
+    std::fs::write(&key, PASSPHRASE).unwrap();
+    // Distinct, non-repeating bytes in each half, so that a find in a core dump means the key.
+    let mut vk = vec![0u8; 64];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut vk))
+        .unwrap();
+    std::fs::write(&vk_file, &vk).unwrap();
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(mib << 20))
+        .unwrap();
+    let mut a = vec![
+        "format",
+        "-q",
+        "--key-file",
+        s(&key),
+        "--volume-key-file",
+        s(&vk_file),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    std::fs::remove_file(&vk_file).unwrap();
+    (img, key, vk)
+}
+
+/// A core dump of `pid` by gdb's gcore, with the mappings the process marked not to dump
+/// (MADV_DONTDUMP: its locked secrets) included, so that a key anywhere in memory is found.
+fn core_dump(pid: u32, out: &Path) -> Vec<u8> {
+    let _ = std::fs::remove_file(out);
+    let o = run(
+        "gdb",
+        &[
+            "-nx",
+            "-batch",
+            "-p",
+            &pid.to_string(),
+            "-ex",
+            "set use-coredump-filter off",
+            "-ex",
+            "set dump-excluded-mappings on",
+            "-ex",
+            &format!("gcore {}", s(out)),
+        ],
+    );
+    let core = std::fs::read(out).unwrap_or_else(|e| panic!("gcore: {e}: {}", text(&o)));
+    std::fs::remove_file(out).unwrap();
+    core
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    let first = needle[0];
+    let mut i = 0;
+    while let Some(p) = hay[i..].iter().position(|&b| b == first) {
+        let at = i + p;
+        if hay[at..].starts_with(needle) {
+            return true;
+        }
+        i = at + 1;
+    }
+    false
+}
+
+/// Bytes the volume has written so far, from `status`.
+fn written(name: &str) -> u64 {
+    let (code, f) = status_fields(name);
+    assert_eq!(code, 0);
+    field(&f, "writes")
+        .split(", ")
+        .nth(1)
+        .and_then(|b| b.strip_suffix(" bytes"))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// On a failed assertion: resumes and closes the volume and stops fio, so that nothing waits on
+/// a suspended device after the test.
+struct SuspendCleanup {
+    name: String,
+    key: PathBuf,
+    fio: Option<std::process::Child>,
+}
+
+impl Drop for SuspendCleanup {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let _ = ucrypt(&["resume", &self.name, "--key-file", s(&self.key)]);
+        if let Some(mut f) = self.fio.take() {
+            let _ = f.kill();
+            let _ = f.wait();
+        }
+        let _ = ucrypt(&["close", "--force", &self.name]);
+    }
+}
+
+#[test]
+fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
+    skip_unless_rig!();
+    for cmd in ["fio", "gdb"] {
+        if !have(cmd) {
+            println!("SKIPPED: {cmd} not installed (scripts/deps.sh test)");
+            return;
+        }
+    }
+    let t = TempDir::new("susp");
+    let (img, key, vk) = volume_with_key(&t, "vol.img", 96);
+    let n = name("susp");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let (_, f) = status_fields(&n);
+    let pid: u32 = field(&f, "pid").parse().unwrap();
+    let halves = [&vk[..32], &vk[32..]];
+
+    // The test can see the key: before suspending, the daemon's memory holds it.
+    let core = core_dump(pid, &t.path("core0"));
+    for h in halves {
+        assert!(
+            contains(&core, h),
+            "volume key half not found in an open daemon's core"
+        );
+    }
+    drop(core);
+
+    // fio writes 48 MiB at 8 MiB/s (about 6 s) and then reads it all back, checking crc32c.
+    let fio_out = t.path("fio.out");
+    let mut cleanup = SuspendCleanup {
+        name: n.clone(),
+        key: key.clone(),
+        fio: None,
+    };
+    let fio = Command::new("fio")
+        .args([
+            "--name=suspend",
+            &format!("--filename={stable}"),
+            "--rw=write",
+            "--bs=64k",
+            "--size=48m",
+            "--direct=1",
+            "--ioengine=psync",
+            "--rate=8m",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            &format!("--output={}", s(&fio_out)),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let fio = cleanup.fio.insert(fio);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let o = ucrypt(&["suspend", &n]);
+    assert_eq!(o.status.code(), Some(0), "suspend: {}", text(&o));
+    let (code, f) = status_fields(&n);
+    assert_eq!(code, 0);
+    assert_eq!(f[0].1, format!("{stable} is active and is suspended."));
+
+    // fio stalls: nothing more is written, and it has not failed.
+    let w0 = written(&n);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert_eq!(written(&n), w0, "writes went on while suspended");
+    assert!(
+        fio.try_wait().unwrap().is_none(),
+        "fio ended while suspended"
+    );
+    assert!(
+        w0 > 0 && w0 < 48 << 20,
+        "fio was midway: {w0} bytes written"
+    );
+
+    // No copy of either half of the key is left in the daemon's memory.
+    let core = core_dump(pid, &t.path("core1"));
+    assert!(
+        core.len() > 1 << 20,
+        "core dump too small: {} bytes",
+        core.len()
+    );
+    for (i, h) in halves.iter().enumerate() {
+        assert!(
+            !contains(&core, h),
+            "XTS key half {i} found in a suspended daemon's core"
+        );
+    }
+    drop(core);
+
+    // Already suspended: busy; closing waits for a resume (exit 5). A wrong passphrase:
+    // exit 2, still suspended.
+    assert_eq!(ucrypt(&["suspend", &n]).status.code(), Some(5));
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "close while suspended: {}",
+        text(&o)
+    );
+    let bad = t.path("bad");
+    std::fs::write(&bad, b"not it").unwrap();
+    let o = ucrypt(&["resume", &n, "--key-file", s(&bad)]);
+    assert_eq!(o.status.code(), Some(2), "wrong passphrase: {}", text(&o));
+    assert!(
+        one_line(&o).contains("No key available with this passphrase"),
+        "{}",
+        text(&o)
+    );
+    let (_, f) = status_fields(&n);
+    assert_eq!(f[0].1, format!("{stable} is active and is suspended."));
+    assert_eq!(written(&n), w0);
+
+    // luksResume with the right one: fio completes and verifies.
+    let o = ucrypt(&["luksResume", &n, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(0), "resume: {}", text(&o));
+    let st = fio.wait().unwrap();
+    cleanup.fio = None;
+    let report = std::fs::read_to_string(&fio_out).unwrap_or_default();
+    assert!(st.success(), "fio failed after resume: {report}");
+    assert!(
+        !report.contains("verify:") || !report.contains("bad"),
+        "{report}"
+    );
+    assert!(written(&n) >= 48 << 20);
+
+    // The key is back in memory (what the absence above is measured against).
+    let core = core_dump(pid, &t.path("core2"));
+    for h in halves {
+        assert!(contains(&core, h), "volume key half not found after resume");
+    }
+    drop(core);
+    let (_, f) = status_fields(&n);
+    assert_eq!(f[0].1, format!("{stable} is active."));
+    let o = ucrypt(&["resume", &n, "--key-file", s(&key)]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "resume when not suspended: {}",
+        text(&o)
+    );
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}
+
+/// Whether this process has CAP_SYS_RESOURCE (bit 24 of CapEff), which ext4's online resize
+/// needs.
+fn cap_sys_resource() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|st| {
+            st.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps >> CAP_SYS_RESOURCE & 1 == 1)
+}
+
+#[test]
+fn resize_grows_a_mounted_ext4_and_refuses_a_size_beyond_the_volume() {
+    skip_unless_rig!();
+    if !have("resize2fs") {
+        println!("SKIPPED: resize2fs not installed (e2fsprogs)");
+        return;
+    }
+    let t = TempDir::new("resize");
+    let (img, key) = volume(&t, "vol.img", 64);
+    let n = name("resize");
+    let stable = format!("{DEV_DIR}/{n}");
+    let mnt = t.path("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    open(&img, &key, &n);
+    let size_of = |dev: &str| -> u64 {
+        let o = ok("blockdev", &["--getsize64", dev]);
+        String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+    };
+    let before = size_of(&stable);
+    ok("mkfs.ext4", &["-q", "-b", "4096", &stable]);
+    ok("mount", &[&stable, s(&mnt)]);
+    copy_tree(&mnt.join("tree"));
+
+    ok("truncate", &["-s", "128M", s(&img)]);
+    let o = ucrypt(&["resize", &n]);
+    assert_eq!(o.status.code(), Some(0), "resize: {}", text(&o));
+    let after = size_of(&stable);
+    assert_eq!(after, before + (64 << 20), "the device did not grow");
+    let (_, f) = status_fields(&n);
+    assert_eq!(
+        field(&f, "size"),
+        format!("{} sectors", after / 512),
+        "status size"
+    );
+    let df = |p: &Path| -> u64 {
+        let o = ok("df", &["--output=size", "-B1", s(p)]);
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .nth(1)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let fs_before = df(&mnt);
+    if cap_sys_resource() {
+        // Online, as the issue asks: the mounted ext4 grows into the new device size.
+        ok("resize2fs", &[&stable]);
+    } else {
+        // ext4's online resize needs CAP_SYS_RESOURCE (the kernel answers EPERM without it);
+        // where it is dropped, the same size change is checked offline.
+        println!("NOTE: no CAP_SYS_RESOURCE: resize2fs runs on the unmounted filesystem");
+        ok("umount", &[s(&mnt)]);
+        ok("e2fsck", &["-fy", &stable]);
+        ok("resize2fs", &[&stable]);
+        ok("mount", &[&stable, s(&mnt)]);
+    }
+    let fs_after = df(&mnt);
+    assert!(
+        fs_after > fs_before + (48 << 20),
+        "ext4 did not grow: {fs_before} -> {fs_after}"
+    );
+
+    // A size beyond the backing file: a clear error, cryptsetup's exit code (1), no change.
+    let beyond = (256u64 << 20) / 512;
+    let o = ucrypt(&["resize", &n, "--size", &beyond.to_string()]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(one_line(&o).contains("does not fit"), "{}", text(&o));
+    assert_eq!(size_of(&stable), after);
+
+    ok("umount", &[s(&mnt)]);
+    ok("fsck.ext4", &["-fn", &stable]);
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}
+
+#[test]
+fn refresh_and_cancel_deferred() {
+    skip_unless_rig!();
+    let t = TempDir::new("refresh");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("refresh");
+    let stable = format!("{DEV_DIR}/{n}");
+    let mnt = t.path("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    open(&img, &key, &n);
+    let flags = |n: &str| {
+        let (_, f) = status_fields(n);
+        f.iter()
+            .find(|(k, _)| k == "flags")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(flags(&n), "");
+    ok(
+        UCRYPT,
+        &["refresh", &n, "--allow-discards", "--spin-us", "0"],
+    );
+    assert_eq!(flags(&n), "discards");
+    ok(
+        UCRYPT,
+        &[
+            "refresh",
+            &n,
+            "--allow-discards=false",
+            "--policy",
+            "read=inline,write=auto",
+        ],
+    );
+    assert_eq!(flags(&n), "");
+    let (_, f) = status_fields(&n);
+    assert_eq!(field(&f, "policy"), "read=inline,write=auto");
+    let o = ucrypt(&["refresh", &n, "--spin-us", "20000"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert_eq!(ucrypt(&["refresh", &n]).status.code(), Some(1));
+
+    // A deferred close, cancelled: the last user going no longer closes it.
+    ok("mkfs.ext4", &["-q", &stable]);
+    ok("mount", &[&stable, s(&mnt)]);
+    ok(UCRYPT, &["close", "--deferred", &n]);
+    let o = ucrypt(&["close", "--cancel-deferred", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        text(&o).contains("deferred close cancelled"),
+        "{}",
+        text(&o)
+    );
+    ok("umount", &[s(&mnt)]);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let (code, _) = status_fields(&n);
+    assert_eq!(code, 0, "closed although the deferred close was cancelled");
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}

@@ -225,7 +225,7 @@ impl VolumeFs {
         self.initialised.load(Ordering::Acquire)
     }
 
-    fn file_ino(&self) -> u64 {
+    pub(crate) fn file_ino(&self) -> u64 {
         if self.cfg.file_name.is_some() {
             FILE_INO
         } else {

@@ -174,6 +174,30 @@ pub struct Mounted {
     /// Worker threads serving requests.
     pub threads: usize,
     pub transport: ActiveTransport,
+    fd: Arc<OwnedFd>,
+}
+
+/// Tells the kernel the volume's size changed (after `Volume::resize`): it drops the file's
+/// cached attributes, and a `stat` then reads the new size. Cloneable, usable from any
+/// thread but the FUSE workers.
+#[derive(Clone)]
+pub struct SizeNotifier {
+    fd: Arc<OwnedFd>,
+    ino: u64,
+    file: PathBuf,
+}
+
+impl SizeNotifier {
+    /// Sends FUSE_NOTIFY_INVAL_INODE for the file, then stats it so that the kernel's size
+    /// (which the loop driver reads) is the new one. Returns the size the kernel now has.
+    pub fn size_changed(&self) -> Result<u64> {
+        use std::os::fd::AsRawFd;
+        transport::notify_inval_inode(self.fd.as_raw_fd(), self.ino)
+            .map_err(|e| Error::io("FUSE notify (inval inode)", e))?;
+        std::fs::metadata(&self.file)
+            .map(|m| m.len())
+            .map_err(|e| Error::io(format!("stat {}", self.file.display()), e))
+    }
 }
 
 impl std::fmt::Debug for Mounted {
@@ -315,6 +339,7 @@ fn spawn_with(
         }
         not_offered = Some(reason);
     }
+    let notify_fd = fd.clone();
     let transport = if fs.io_uring_negotiated() {
         match start_uring(fd, &fs, &worker_error, &mut workers, mountpoint)? {
             Ok(t) => t,
@@ -333,6 +358,7 @@ fn spawn_with(
         file,
         threads,
         transport,
+        fd: notify_fd,
     }))
 }
 
@@ -475,6 +501,15 @@ pub enum Unmount {
 }
 
 impl Mounted {
+    /// A handle to tell the kernel the size changed.
+    pub fn size_notifier(&self) -> SizeNotifier {
+        SizeNotifier {
+            fd: self.fd.clone(),
+            ino: self.fs.file_ino(),
+            file: self.file.clone(),
+        }
+    }
+
     /// Requests served so far: (over classic /dev/fuse, over io_uring).
     pub fn requests_served(&self) -> (u64, u64) {
         self.fs.served()

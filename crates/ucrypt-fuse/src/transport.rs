@@ -250,6 +250,23 @@ fn read_request(fd: RawFd, buf: &mut [u8]) -> io::Result<Read> {
     }
 }
 
+/// FUSE_NOTIFY_INVAL_INODE (linux/fuse.h): the kernel drops the inode's cached attributes.
+const FUSE_NOTIFY_INVAL_INODE: i32 = 2;
+
+/// Tells the kernel to drop inode `ino`'s cached attributes (offset -1: not its pages).
+pub fn notify_inval_inode(fd: RawFd, ino: u64) -> io::Result<()> {
+    // struct fuse_notify_inval_inode_out { u64 ino; s64 off; s64 len; }
+    let mut body = [0u8; 24];
+    body[0..8].copy_from_slice(&ino.to_ne_bytes());
+    body[8..16].copy_from_slice(&(-1i64).to_ne_bytes());
+    // A notification is a reply with unique 0 and the notify code in the error field (which
+    // `write_reply` negates).
+    match write_reply(fd, 0, -FUSE_NOTIFY_INVAL_INODE, &body)? {
+        true => Ok(()),
+        false => Err(io::Error::from_raw_os_error(libc::ENODEV)),
+    }
+}
+
 /// Writes one reply; false when the connection is gone.
 fn write_reply(fd: RawFd, unique: u64, error: i32, body: &[u8]) -> io::Result<bool> {
     let hdr = proto::out_header(unique, error, body.len());

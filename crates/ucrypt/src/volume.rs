@@ -20,13 +20,14 @@
 //! inline, split among workers (`run_split`), in submission order, or through the `queued`
 //! model's worker queue and writer thread.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::engine::ciphers::CipherSlots;
+use crate::engine::gate::Gate;
 use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange, CHUNKS_PER_LANE};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
@@ -39,7 +40,7 @@ use crate::engine::workers::{
 pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX};
 use crate::engine::{Policies, Policy, StatsSnapshot};
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
-use crate::sector::{CipherSpec, Geometry, Mode, SectorCipher};
+use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher};
 use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
@@ -161,11 +162,13 @@ impl Drop for BigGuard<'_> {
 pub(crate) struct Core {
     backend: Arc<dyn Backend>,
     data_offset: u64,
-    size: u64,
+    /// Plaintext bytes; changed only by `Volume::resize`, with the gate closed.
+    size: AtomicU64,
     shift: u32,
     null_cipher: bool,
     read_only: bool,
-    allow_discards: bool,
+    /// `VolumeConfig::allow_discards`; changed by `Volume::set_allow_discards`.
+    allow_discards: AtomicBool,
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
@@ -183,8 +186,16 @@ pub(crate) struct Core {
     /// Workers that may spin for work at once: one CPU less than there are, which is left to
     /// the callers that produce the work.
     max_spinners: u32,
-    /// `VolumeConfig::spin`.
-    spin: Duration,
+    /// `VolumeConfig::spin` in nanoseconds; changed by `Volume::set_spin`.
+    spin_ns: AtomicU64,
+    /// Every request passes it; closed while the volume is suspended or resized.
+    gate: Gate,
+    /// What a new key is installed with on resume.
+    spec: CipherSpec,
+    geometry: Geometry,
+    provider: Provider,
+    /// Serialises suspend, resume and resize; true while suspended.
+    suspended: Mutex<bool>,
 }
 
 /// See the module documentation. Thread-safe: share it (`Arc<Volume>`) between callers.
@@ -204,7 +215,7 @@ enum Source<'a> {
 
 impl BlockDev for Volume {
     fn size(&self) -> u64 {
-        self.core.size
+        self.core.size.load(Relaxed)
     }
 
     fn block_size(&self) -> u32 {
@@ -216,10 +227,12 @@ impl BlockDev for Volume {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let _in = self.core.gate.enter();
         counted(&self.core, Kind::Read, self.core.read(buf, offset))
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let _in = self.core.gate.enter();
         let r = self
             .core
             .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64, false);
@@ -228,6 +241,7 @@ impl BlockDev for Volume {
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         if self.core.is_direct(buf, offset, true) {
+            let _in = self.core.gate.enter();
             let r = self.core.write_direct(buf, offset, false);
             return counted(&self.core, Kind::Write, r);
         }
@@ -237,6 +251,7 @@ impl BlockDev for Volume {
     /// Each backend write of the request is itself FUA (`Backend::write_at_fua`): no flush of
     /// the whole backend, and other writes in flight stay unordered.
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let _in = self.core.gate.enter();
         let r = if self.core.is_direct(buf, offset, true) {
             self.core.write_direct(buf, offset, true)
         } else {
@@ -250,14 +265,17 @@ impl BlockDev for Volume {
     fn flush(&self) -> Result<()> {
         // Every acknowledged write has reached the backend (all policies acknowledge after the
         // backend write), so syncing the backend makes them durable.
+        let _in = self.core.gate.enter();
         counted(&self.core, Kind::Write, self.core.backend.flush())
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let _in = self.core.gate.enter();
         counted(&self.core, Kind::Write, self.core.discard(offset, len))
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        let _in = self.core.gate.enter();
         let r = self
             .core
             .write(Op::WriteZeroes, Source::Zeroes, offset, len, false);
@@ -510,7 +528,7 @@ impl Core {
         let (plan, _big) = self.plan(Op::Discard, offset, len);
         let r = match plan.discard {
             None => Ok(()),
-            Some(_) if !self.allow_discards => Ok(()),
+            Some(_) if !self.allow_discards.load(Relaxed) => Ok(()),
             Some(range) => {
                 let _lock = self.locks.lock(range);
                 let t0 = t.clock();
@@ -551,17 +569,19 @@ fn checked_size(backend: &dyn Backend, cfg: &VolumeConfig) -> Result<u64> {
             lbs.max(512)
         )));
     }
-    let room = backend
-        .size()
-        .checked_sub(cfg.data_offset_bytes)
-        .ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "data offset {} is beyond the end of the backend ({} bytes)",
-                cfg.data_offset_bytes,
-                backend.size()
-            ))
-        })?;
-    let size = match cfg.size_bytes {
+    fitted_size(backend.size(), cfg.data_offset_bytes, ss, cfg.size_bytes)
+}
+
+/// The plaintext size on a backend of `backend_bytes` with data from `data_offset`: `want`
+/// if it is whole `ss`-byte sectors and fits, else (None) the room after the offset in whole
+/// sectors.
+fn fitted_size(backend_bytes: u64, data_offset: u64, ss: u64, want: Option<u64>) -> Result<u64> {
+    let room = backend_bytes.checked_sub(data_offset).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "data offset {data_offset} is beyond the end of the backend ({backend_bytes} bytes)"
+        ))
+    })?;
+    let size = match want {
         None => room / ss * ss,
         Some(s) if s % ss != 0 => {
             return Err(Error::InvalidArgument(format!(
@@ -598,15 +618,16 @@ impl Volume {
             chunk_min_bytes: CHUNK_MIN_BYTES,
             lanes: workers as u32,
         };
+        let provider = cipher.provider();
         let core = Arc::new(Core {
             mem_align: backend.mem_align_bytes(),
             backend,
             data_offset: cfg.data_offset_bytes,
-            size,
+            size: AtomicU64::new(size),
             shift,
             null_cipher: cfg.spec.mode == Mode::Null,
             read_only: cfg.read_only,
-            allow_discards: cfg.allow_discards,
+            allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
             big_inflight: AtomicU32::new(0),
@@ -626,7 +647,12 @@ impl Volume {
                 cv: WaitCell::new(),
             },
             max_spinners: workers.saturating_sub(1) as u32,
-            spin: cfg.spin,
+            spin_ns: AtomicU64::new(cfg.spin.as_nanos() as u64),
+            gate: Gate::default(),
+            spec: cfg.spec,
+            geometry: cfg.geometry,
+            provider,
+            suspended: Mutex::new(false),
         });
         let mut vol = Volume {
             core: core.clone(),
@@ -652,6 +678,98 @@ impl Volume {
         let p = p.into();
         self.core.policy[0].store(p.read.to_u8(), Relaxed);
         self.core.policy[1].store(p.write.to_u8(), Relaxed);
+    }
+
+    /// Suspends the volume (cryptsetup's `luksSuspend`): new requests wait (they do not fail),
+    /// the requests running finish, the backend is flushed, then every cipher context, each
+    /// holding a copy of the key, is dropped (wiped). Until [`Volume::resume`], nothing in this
+    /// volume holds the key. Must not be called from inside a request (it waits for them).
+    pub fn suspend(&self) -> Result<()> {
+        let mut suspended = lock(&self.core.suspended);
+        if *suspended {
+            return Err(Error::InvalidArgument(
+                "the volume is already suspended".into(),
+            ));
+        }
+        self.core.gate.close();
+        if let Err(e) = self.core.backend.flush() {
+            self.core.gate.open();
+            return Err(e);
+        }
+        self.core.ciphers.clear();
+        *suspended = true;
+        Ok(())
+    }
+
+    /// Resumes a suspended volume with `key`, which must be its volume key: the volume cannot
+    /// tell a wrong key of the right length (the caller checks it, e.g. against the LUKS
+    /// digest: [`crate::luks::unlock_key`]). Releases the waiting requests.
+    pub fn resume(&self, key: SecretBytes) -> Result<()> {
+        let mut suspended = lock(&self.core.suspended);
+        if !*suspended {
+            return Err(Error::InvalidArgument("the volume is not suspended".into()));
+        }
+        let c = &*self.core;
+        let cipher = SectorCipher::with_provider(c.spec, key.as_ref(), c.geometry, c.provider)?;
+        drop(key);
+        c.ciphers.install(cipher);
+        *suspended = false;
+        c.gate.open();
+        Ok(())
+    }
+
+    /// True between [`Volume::suspend`] and [`Volume::resume`].
+    pub fn is_suspended(&self) -> bool {
+        *lock(&self.core.suspended)
+    }
+
+    /// Changes the plaintext size after the backend grew or shrank (cryptsetup's `resize`):
+    /// `size_bytes`, or with None everything from the data offset to the backend's end, as
+    /// measured now. Requests wait while the size changes. Refused while suspended, and for a
+    /// size that is not whole sectors or does not fit the backend. Returns the new size.
+    pub fn resize(&self, size_bytes: Option<u64>) -> Result<u64> {
+        let suspended = lock(&self.core.suspended);
+        if *suspended {
+            return Err(Error::InvalidArgument(
+                "the volume is suspended: resume it first".into(),
+            ));
+        }
+        let c = &*self.core;
+        let backend_bytes = c.backend.refresh_size()?;
+        let size = fitted_size(backend_bytes, c.data_offset, 1u64 << c.shift, size_bytes)?;
+        c.gate.close();
+        c.size.store(size, Relaxed);
+        c.gate.open();
+        drop(suspended);
+        Ok(size)
+    }
+
+    /// Whether discards reach the backend (`VolumeConfig::allow_discards`).
+    pub fn allow_discards(&self) -> bool {
+        self.core.allow_discards.load(Relaxed)
+    }
+
+    /// Lets discards through to the backend, or not, from the next request on.
+    pub fn set_allow_discards(&self, on: bool) {
+        self.core.allow_discards.store(on, Relaxed)
+    }
+
+    /// `VolumeConfig::spin`, as now.
+    pub fn spin(&self) -> Duration {
+        self.core.spin()
+    }
+
+    /// Changes `VolumeConfig::spin` (at most [`SPIN_MAX`]) for the next waits.
+    pub fn set_spin(&self, spin: Duration) -> Result<()> {
+        if spin > SPIN_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "spin of {} µs is longer than the limit of {} µs",
+                spin.as_micros(),
+                SPIN_MAX.as_micros()
+            )));
+        }
+        self.core.spin_ns.store(spin.as_nanos() as u64, Relaxed);
+        Ok(())
     }
 
     /// A snapshot of where time went so far.
@@ -710,7 +828,7 @@ impl Volume {
             {
                 return Err(Error::Bug("job queue closed during calibration"));
             }
-            let _ = comp.wait(core.spin);
+            let _ = comp.wait(core.spin());
             best_ping = best_ping.min(now().wrapping_sub(t0));
         }
         let ns = ns_per_tick();
@@ -787,7 +905,7 @@ impl Core {
     /// The range check every request passes first: the pointer arithmetic of tasks and the
     /// pool relies on requests lying inside the volume.
     fn check(&self, offset: u64, len: u64) -> Result<()> {
-        crate::blockdev::check_range(offset, len, self.size)
+        crate::blockdev::check_range(offset, len, self.size.load(Relaxed))
     }
 
     fn check_writable(&self) -> Result<()> {
@@ -875,7 +993,7 @@ impl Core {
     /// as long as the returned slice is used.
     unsafe fn task_buf<'a>(&self, task: &Task) -> &'a mut [u8] {
         debug_assert!(
-            task.sectors.end << self.shift <= self.size,
+            task.sectors.end << self.shift <= self.size.load(Relaxed),
             "task beyond the volume"
         );
         debug_assert!(!task.buf.is_null());
@@ -893,12 +1011,8 @@ impl Executor for Core {
         &self.writes
     }
 
-    fn ciphers(&self) -> &CipherSlots {
-        &self.ciphers
-    }
-
     fn spin(&self) -> Duration {
-        self.spin
+        Duration::from_nanos(self.spin_ns.load(Relaxed))
     }
 
     fn max_spinners(&self) -> u32 {
@@ -981,7 +1095,7 @@ impl Core {
         {
             split.helpers.done(Ok(()), &Times::default());
         }
-        let (rw, tw) = split.helpers.wait(self.spin);
+        let (rw, tw) = split.helpers.wait(self.spin());
         t.add(&tw);
         r.and(rw)
     }
@@ -1007,7 +1121,7 @@ impl Core {
         if self.jobs.push(job).is_err() {
             return Err(Error::Bug("job queue closed while the volume is in use"));
         }
-        let (r, tw) = comp.wait(self.spin);
+        let (r, tw) = comp.wait(self.spin());
         t.add(&tw);
         r
     }

@@ -18,6 +18,7 @@ const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LOOP_SET_CAPACITY: libc::c_ulong = 0x4C07;
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_FLAGS_DIRECT_IO: u32 = 16;
@@ -75,8 +76,8 @@ pub struct LoopDevice {
 }
 
 fn ioctl_arg(fd: &File, req: libc::c_ulong, arg: libc::c_ulong) -> std::io::Result<libc::c_int> {
-    // SAFETY: the requests used with this helper (LOOP_CTL_GET_FREE, LOOP_CLR_FD) take an
-    // integer argument, not a pointer.
+    // SAFETY: the requests used with this helper (LOOP_CTL_GET_FREE, LOOP_CLR_FD,
+    // LOOP_SET_CAPACITY) take an integer argument, not a pointer.
     let rc = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, arg) };
     if rc < 0 {
         Err(std::io::Error::last_os_error())
@@ -184,6 +185,13 @@ impl LoopDevice {
         drop(self.file);
         Ok(wait_released(&path, wait))
     }
+}
+
+/// LOOP_SET_CAPACITY on the loop device at `dev`: it takes its backing file's size again
+/// (after the FUSE file's size changed and the kernel has seen it).
+pub fn set_capacity(dev: &Path) -> std::io::Result<()> {
+    let f = File::open(dev)?;
+    ioctl_arg(&f, LOOP_SET_CAPACITY, 0).map(|_| ())
 }
 
 /// The sysfs name of a loop device path: "/dev/loop3" -> "loop3".

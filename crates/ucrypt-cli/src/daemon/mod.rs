@@ -13,8 +13,9 @@
 //! - State and names: `state.rs`. Control protocol: `proto.rs` (sans I/O) and `server.rs`.
 //!   The daemon itself: `serve.rs`. Loop devices: `loopdev.rs`. In use or not: `mounts.rs`.
 //!
-//! Not yet (issue 19): `--nbd`, `close --deferred`, suspend/resume, resize, refresh, metrics,
-//! systemd units, ucrypttab, `--perf-*` flags mapped to policies.
+//! - Control verbs over the socket: `close` (`--deferred`, `--cancel-deferred`), `status`,
+//!   `refresh`, `suspend`/`resume` (the daemon re-derives the key from the passphrase the
+//!   verb sends; the volume key never crosses the socket), `resize`.
 
 mod loopdev;
 mod mounts;
@@ -150,6 +151,49 @@ pub struct CloseArgs {
     /// Close once the device's last user goes (now if there is none), and return at once.
     #[arg(long)]
     pub deferred: bool,
+    /// Cancel a pending --deferred close.
+    #[arg(long, conflicts_with_all = ["deferred", "force"])]
+    pub cancel_deferred: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SuspendArgs {
+    pub name: String,
+}
+
+#[derive(Args, Debug)]
+pub struct ResumeArgs {
+    pub name: String,
+    /// Passphrase from this file ("-" = stdin); without it the passphrase is asked.
+    #[arg(long, short = 'd')]
+    pub key_file: Option<String>,
+    /// Skip this many bytes of the key file.
+    #[arg(long)]
+    pub keyfile_offset: Option<u64>,
+    /// Read at most this many bytes of the key file.
+    #[arg(long, short = 'l')]
+    pub keyfile_size: Option<u64>,
+    /// Try only this keyslot.
+    #[arg(long, short = 'S')]
+    pub key_slot: Option<u32>,
+    /// Resume with the volume key in this file (checked against the header's digest).
+    #[arg(long, conflicts_with_all = ["key_file", "key_slot"])]
+    pub volume_key_file: Option<PathBuf>,
+    /// Accepted for compatibility: ucrypt asks once.
+    #[arg(long, short = 'T')]
+    pub tries: Option<u32>,
+    /// Accepted for compatibility.
+    #[arg(long, short = 'q')]
+    pub batch_mode: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ResizeArgs {
+    pub name: String,
+    /// The new size in 512-byte sectors; default: all of the backing file or device after
+    /// the data offset.
+    #[arg(long, short = 'b')]
+    pub size: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -160,9 +204,15 @@ pub struct StatusArgs {
 #[derive(Args, Debug)]
 pub struct RefreshArgs {
     pub name: String,
-    /// The new dispatch policy: inline, parallel, ordered, queued, auto.
+    /// The new dispatch policy: inline, parallel, ordered, queued, auto, or read=P,write=Q.
     #[arg(long)]
-    pub policy: ucrypt::engine::Policy,
+    pub policy: Option<ucrypt::engine::Policies>,
+    /// Pass discards down (`--allow-discards`), or stop (`--allow-discards=false`).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub allow_discards: Option<bool>,
+    /// The engine's spin before sleeping, µs (as `open --spin-us`).
+    #[arg(long, value_name = "US")]
+    pub spin_us: Option<u64>,
 }
 
 fn unix_now_s() -> u64 {
@@ -492,7 +542,9 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
         return close_stale(&run, &a.name, a.force);
     }
     let sock = dir.join("control.sock");
-    let req = if a.deferred {
+    let req = if a.cancel_deferred {
+        Request::CancelDeferred
+    } else if a.deferred {
         Request::CloseDeferred
     } else {
         Request::Close { force: a.force }
@@ -501,7 +553,7 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
         Ok(Response::Closed(c)) => {
             if let Some(n) = c.note {
                 eprintln!("{}: {n}", a.name);
-                if a.deferred {
+                if a.deferred || a.cancel_deferred {
                     return Ok(0);
                 }
             }
@@ -586,7 +638,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     let v = &s.volume;
     let mut o = format!(
         "{path} is active{}.\n",
-        if s.in_use.is_some() {
+        if s.suspended {
+            " and is suspended"
+        } else if s.in_use.is_some() {
             " and is in use"
         } else {
             ""
@@ -649,8 +703,105 @@ pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
         )));
     }
     let path = run.stable_path(&a.name).display().to_string();
-    let req = Request::Refresh { policy: a.policy };
-    print_status(&path, &a.name, &dir, &req)
+    let r = proto::RefreshSettings {
+        policy: a.policy,
+        allow_discards: a.allow_discards,
+        spin_us: a.spin_us,
+    };
+    if r == proto::RefreshSettings::default() {
+        return Err(CliError::Usage(
+            "refresh: give --policy, --allow-discards or --spin-us".into(),
+        ));
+    }
+    print_status(&path, &a.name, &dir, &Request::Refresh(r))
+}
+
+/// The state directory of a live daemon, or cryptsetup's "not active" (exit 4).
+fn live_dir(name: &str) -> CliResult<(RunDir, PathBuf)> {
+    state::check_name(name)?;
+    let run = RunDir::locate()?;
+    let dir = run.dir(name);
+    if !dir.is_dir() || !state::is_alive(&dir) {
+        return Err(CliError::NotActive(format!("Device {name} is not active.")));
+    }
+    Ok((run, dir))
+}
+
+/// Sends `req` and expects a status back (printed only with `print`).
+fn expect_status(name: &str, dir: &Path, req: &Request) -> CliResult<StatusReport> {
+    match server::request(&dir.join("control.sock"), req) {
+        Ok(Response::Status(s)) => Ok(*s),
+        Ok(Response::Error { code, error }) => Err(CliError::Remote {
+            code,
+            message: error,
+        }),
+        Ok(_) => Err(CliError::Usage(
+            "the daemon answered with something else than a status".into(),
+        )),
+        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
+            "Device {name} is busy (being opened or closed)."
+        ))),
+        Err(e) => Err(CliError::Usage(e.to_string())),
+    }
+}
+
+/// `ucrypt suspend NAME` (`luksSuspend`).
+pub fn suspend(a: SuspendArgs) -> CliResult<i32> {
+    let (_, dir) = live_dir(&a.name)?;
+    expect_status(&a.name, &dir, &Request::Suspend)?;
+    Ok(0)
+}
+
+/// `ucrypt resume NAME` (`luksResume`): the passphrase (or key file) is read here and sent to
+/// the daemon, which unlocks a keyslot with it; a wrong one exits 2, still suspended.
+pub fn resume(a: ResumeArgs) -> CliResult<i32> {
+    use crate::pass;
+    ucrypt::secret::disable_core_dumps();
+    let (_, dir) = live_dir(&a.name)?;
+    let key = match &a.volume_key_file {
+        Some(f) => proto::ResumeKey::VolumeKeyFile(
+            std::fs::canonicalize(f)
+                .map_err(|e| io_err(format!("volume key file {}", f.display()), e))?,
+        ),
+        None => {
+            let p = pass::read_passphrase(
+                &pass::Source {
+                    key_file: a.key_file.as_deref(),
+                    offset: a.keyfile_offset.unwrap_or(0),
+                    size: a.keyfile_size,
+                },
+                &format!("Enter passphrase for {}: ", a.name),
+                false,
+            )?;
+            if p.len() > proto::RESUME_KEY_BYTES_MAX {
+                return Err(CliError::Usage(format!(
+                    "resume takes a passphrase or key file of at most {} bytes",
+                    proto::RESUME_KEY_BYTES_MAX
+                )));
+            }
+            proto::ResumeKey::Passphrase(p)
+        }
+    };
+    let req = Request::Resume {
+        key,
+        key_slot: a.key_slot,
+    };
+    expect_status(&a.name, &dir, &req)?;
+    Ok(0)
+}
+
+/// `ucrypt resize NAME [--size SECTORS]`.
+pub fn resize(a: ResizeArgs) -> CliResult<i32> {
+    let (_, dir) = live_dir(&a.name)?;
+    let s = expect_status(
+        &a.name,
+        &dir,
+        &Request::Resize {
+            size_sectors: a.size,
+        },
+    )?;
+    eprintln!("{}: {} sectors", a.name, s.volume.size_sectors);
+    Ok(0)
 }
 
 /// Sends `req` (status, or a change answered with the status) and prints the status.
@@ -773,6 +924,7 @@ mod tests {
             },
             pid: 7,
             started_unix_s: 0,
+            suspended: false,
         };
         let want = "\
 /dev/ucrypt/data is active.

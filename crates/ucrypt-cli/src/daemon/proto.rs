@@ -17,11 +17,16 @@
 //! guessing. `code` is the exit code the client exits with (cryptsetup's). The same response
 //! shape carries the daemon's readiness report to the `open` that forked it (`ready`).
 //!
-//! Nothing here carries key material: no request or response has a field for a passphrase or
-//! key. (A later `resume` will carry a passphrase; it will be its own request type.)
+//! Key material: only `resume` carries any, the passphrase (or key file contents) the user
+//! gave, hex-encoded, to the daemon that re-derives the volume key from it (the volume key
+//! itself never crosses the socket). A volume key file (`--volume-key-file`) is sent as its
+//! path, for the daemon to read. The daemon reads request lines into wiped memory.
+
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use ucrypt::engine::Policy;
+use ucrypt::engine::Policies;
+use ucrypt::SecretBytes;
 
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
@@ -29,6 +34,17 @@ pub const VERSION: u32 = 1;
 /// Longest request line, bytes, newline included. Requests are a few dozen bytes; anything
 /// longer is refused before it is parsed, so a client cannot make the daemon buffer much.
 pub const REQUEST_LINE_BYTES_MAX: usize = 1024;
+
+/// Longest passphrase or key file `resume` sends (cryptsetup takes key files of up to 8 MiB;
+/// a resume through the control socket takes this much).
+pub const RESUME_KEY_BYTES_MAX: usize = 64 << 10;
+
+/// How a `resume` line starts (what `encode_request` writes): the only request that may be
+/// longer than [`REQUEST_LINE_BYTES_MAX`].
+const RESUME_PREFIX: &[u8] = b"{\"v\":1,\"cmd\":\"resume\"";
+
+/// Longest `resume` line: the key hex-encoded, and the rest.
+pub const RESUME_LINE_BYTES_MAX: usize = 2 * RESUME_KEY_BYTES_MAX + REQUEST_LINE_BYTES_MAX;
 
 /// Longest response line, bytes. A status report is well under 2 KiB (paths are at most
 /// PATH_MAX = 4096 bytes each, and there are three); the client refuses longer lines.
@@ -45,9 +61,88 @@ pub enum Request {
     /// Close now if nothing uses the device, else once its last user goes (cryptsetup's
     /// `close --deferred`).
     CloseDeferred,
+    /// Cancel a pending deferred close (cryptsetup's `close --cancel-deferred`).
+    CancelDeferred,
     /// Change run-time settings without closing (cryptsetup's `refresh`); answered with the
-    /// status after the change.
-    Refresh { policy: Policy },
+    /// status after the change. A setting not given is kept.
+    Refresh(RefreshSettings),
+    /// Flush, hold new requests, wipe the key (cryptsetup's `luksSuspend`).
+    Suspend,
+    /// Re-derive the key and release the held requests (cryptsetup's `luksResume`).
+    Resume {
+        key: ResumeKey,
+        key_slot: Option<u32>,
+    },
+    /// Set the plaintext size (512-byte sectors), or with None fit it to the backing file or
+    /// device as it is now (cryptsetup's `resize`).
+    Resize { size_sectors: Option<u64> },
+}
+
+/// What `refresh` changes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RefreshSettings {
+    pub policy: Option<Policies>,
+    pub allow_discards: Option<bool>,
+    pub spin_us: Option<u64>,
+}
+
+/// What `resume` unlocks with.
+#[derive(Debug)]
+pub enum ResumeKey {
+    /// A passphrase or key file's contents (at most [`RESUME_KEY_BYTES_MAX`] bytes).
+    Passphrase(SecretBytes),
+    /// A file holding the volume key, read by the daemon.
+    VolumeKeyFile(PathBuf),
+}
+
+impl Clone for ResumeKey {
+    fn clone(&self) -> Self {
+        match self {
+            ResumeKey::Passphrase(p) => ResumeKey::Passphrase(SecretBytes::from_slice(p.as_ref())),
+            ResumeKey::VolumeKeyFile(f) => ResumeKey::VolumeKeyFile(f.clone()),
+        }
+    }
+}
+
+impl PartialEq for ResumeKey {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (ResumeKey::Passphrase(a), ResumeKey::Passphrase(b)) => a.ct_eq(b.as_ref()),
+            (ResumeKey::VolumeKeyFile(a), ResumeKey::VolumeKeyFile(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for ResumeKey {}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Hex of a secret, into a secret.
+fn hex_secret(b: &[u8]) -> SecretBytes {
+    let mut out = SecretBytes::zeroed(b.len() * 2);
+    for (o, x) in out.as_mut().chunks_exact_mut(2).zip(b) {
+        o[0] = HEX[usize::from(x >> 4)];
+        o[1] = HEX[usize::from(x & 15)];
+    }
+    out
+}
+
+/// A secret from its hex form.
+fn unhex_secret(h: &[u8]) -> Result<SecretBytes, ProtoError> {
+    if h.len() % 2 != 0 || h.len() / 2 > RESUME_KEY_BYTES_MAX {
+        return Err(bad("\"passphrase_hex\" has a bad length"));
+    }
+    let nib = |c: u8| match c {
+        b'0'..=b'9' => Ok(c - b'0'),
+        b'a'..=b'f' => Ok(c - b'a' + 10),
+        _ => Err(bad("\"passphrase_hex\" is not lower-case hex")),
+    };
+    let mut out = SecretBytes::zeroed(h.len() / 2);
+    for (o, pair) in out.as_mut().iter_mut().zip(h.chunks_exact(2)) {
+        *o = nib(pair[0])? << 4 | nib(pair[1])?;
+    }
+    Ok(out)
 }
 
 /// Why a request line was refused; becomes an error response (exit code 1: bad input).
@@ -69,10 +164,25 @@ fn bad(what: impl Into<String>) -> ProtoError {
 /// refused, not ignored: a request that means more than this daemon understands must fail.
 pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     use serde_json::Value;
-    if line.len() > REQUEST_LINE_BYTES_MAX {
+    // Only a resume line may be longer than REQUEST_LINE_BYTES_MAX, and it says so first.
+    if line.len() > RESUME_LINE_BYTES_MAX
+        || (line.len() > REQUEST_LINE_BYTES_MAX && !line.starts_with(RESUME_PREFIX))
+    {
         return Err(ProtoError::TooLong);
     }
-    let val: Value = serde_json::from_slice(line).map_err(|e| bad(e.to_string()))?;
+    let mut val: Value = serde_json::from_slice(line).map_err(|e| bad(e.to_string()))?;
+    // The passphrase is taken out first, into wiped memory, and its string wiped: whatever
+    // else the line holds, it leaves no copy behind.
+    let pass_hex = match val.as_object_mut().and_then(|o| o.remove("passphrase_hex")) {
+        Some(Value::String(h)) => {
+            let mut h = h.into_bytes();
+            let r = unhex_secret(&h);
+            h.iter_mut().for_each(wipe_byte);
+            Some(r?)
+        }
+        Some(_) => return Err(bad("\"passphrase_hex\" must be a string")),
+        None => None,
+    };
     let obj = val.as_object().ok_or_else(|| bad("not a JSON object"))?;
     // The version first, so that a newer command is reported as a version mismatch.
     let v = obj
@@ -87,23 +197,81 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
         .and_then(Value::as_str)
         .ok_or_else(|| bad("no \"cmd\""))?;
     let fields: &[&str] = match cmd {
-        "status" => &["v", "cmd"],
-        "close" => &["v", "cmd", "force", "deferred"],
-        "refresh" => &["v", "cmd", "policy"],
+        "status" | "suspend" => &["v", "cmd"],
+        "close" => &["v", "cmd", "force", "deferred", "cancel_deferred"],
+        "refresh" => &["v", "cmd", "policy", "allow_discards", "spin_us"],
+        "resume" => &["v", "cmd", "volume_key_file", "key_slot"],
+        "resize" => &["v", "cmd", "size_sectors"],
         other => return Err(bad(format!("unknown command {other:?}"))),
     };
     if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
         return Err(bad(format!("unknown field {k:?} for {cmd}")));
     }
+    if pass_hex.is_some() && cmd != "resume" {
+        return Err(bad(format!("unknown field \"passphrase_hex\" for {cmd}")));
+    }
+    if line.len() > REQUEST_LINE_BYTES_MAX && cmd != "resume" {
+        return Err(ProtoError::TooLong);
+    }
+    let num = |k: &str| match obj.get(k) {
+        None => Ok(None),
+        Some(n) => n
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| bad(format!("\"{k}\" must be a number"))),
+    };
     Ok(match cmd {
-        "refresh" => Request::Refresh {
-            policy: obj
-                .get("policy")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("refresh needs a \"policy\""))?
-                .parse()
-                .map_err(|e: ucrypt::Error| bad(e.to_string()))?,
+        "suspend" => Request::Suspend,
+        "resize" => Request::Resize {
+            size_sectors: num("size_sectors")?,
         },
+        "resume" => {
+            let key_slot = num("key_slot")?
+                .map(|n| u32::try_from(n).map_err(|_| bad("\"key_slot\" out of range")))
+                .transpose()?;
+            let file = obj.get("volume_key_file").map(|f| {
+                f.as_str()
+                    .map(PathBuf::from)
+                    .ok_or_else(|| bad("\"volume_key_file\" must be a string"))
+            });
+            let key = match (pass_hex, file) {
+                (Some(p), None) => ResumeKey::Passphrase(p),
+                (None, Some(f)) => ResumeKey::VolumeKeyFile(f?),
+                _ => {
+                    return Err(bad(
+                        "resume needs exactly one of \"passphrase_hex\", \"volume_key_file\"",
+                    ))
+                }
+            };
+            Request::Resume { key, key_slot }
+        }
+        "refresh" => {
+            let policy = match obj.get("policy") {
+                None => None,
+                Some(p) => Some(
+                    p.as_str()
+                        .ok_or_else(|| bad("\"policy\" must be a string"))?
+                        .parse()
+                        .map_err(|e: ucrypt::Error| bad(e.to_string()))?,
+                ),
+            };
+            let allow_discards = match obj.get("allow_discards") {
+                None => None,
+                Some(f) => Some(
+                    f.as_bool()
+                        .ok_or_else(|| bad("\"allow_discards\" must be true or false"))?,
+                ),
+            };
+            let r = RefreshSettings {
+                policy,
+                allow_discards,
+                spin_us: num("spin_us")?,
+            };
+            if r == RefreshSettings::default() {
+                return Err(bad("refresh needs a setting to change"));
+            }
+            Request::Refresh(r)
+        }
         "close" => {
             let flag = |k: &str| match obj.get(k) {
                 None => Ok(false),
@@ -111,10 +279,12 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                     .as_bool()
                     .ok_or_else(|| bad(format!("\"{k}\" must be true or false"))),
             };
-            match (flag("force")?, flag("deferred")?) {
-                (true, true) => return Err(bad("close is either forced or deferred")),
-                (false, true) => Request::CloseDeferred,
-                (force, false) => Request::Close { force },
+            match (flag("force")?, flag("deferred")?, flag("cancel_deferred")?) {
+                (_, _, true) if obj.len() > 3 => return Err(bad("cancel_deferred goes alone")),
+                (_, _, true) => Request::CancelDeferred,
+                (true, true, _) => return Err(bad("close is either forced or deferred")),
+                (false, true, _) => Request::CloseDeferred,
+                (force, false, _) => Request::Close { force },
             }
         }
         _ => Request::Status,
@@ -133,22 +303,80 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         #[serde(skip_serializing_if = "Option::is_none")]
         deferred: Option<bool>,
         #[serde(skip_serializing_if = "Option::is_none")]
+        cancel_deferred: Option<bool>,
+        #[serde(skip_serializing_if = "Option::is_none")]
         policy: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        allow_discards: Option<bool>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        spin_us: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        size_sectors: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        key_slot: Option<u32>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        volume_key_file: Option<String>,
     }
     let mut w = Wire {
         v: VERSION,
         cmd: "status",
         force: None,
         deferred: None,
+        cancel_deferred: None,
         policy: None,
+        allow_discards: None,
+        spin_us: None,
+        size_sectors: None,
+        key_slot: None,
+        volume_key_file: None,
     };
+    let mut passphrase = None;
     match req {
         Request::Status => {}
+        Request::Suspend => w.cmd = "suspend",
         Request::Close { force } => (w.cmd, w.force) = ("close", Some(*force)),
         Request::CloseDeferred => (w.cmd, w.deferred) = ("close", Some(true)),
-        Request::Refresh { policy } => (w.cmd, w.policy) = ("refresh", Some(policy.to_string())),
+        Request::CancelDeferred => (w.cmd, w.cancel_deferred) = ("close", Some(true)),
+        Request::Refresh(r) => {
+            w.cmd = "refresh";
+            w.policy = r.policy.map(|p| p.to_string());
+            w.allow_discards = r.allow_discards;
+            w.spin_us = r.spin_us;
+        }
+        Request::Resize { size_sectors } => (w.cmd, w.size_sectors) = ("resize", *size_sectors),
+        Request::Resume { key, key_slot } => {
+            w.cmd = "resume";
+            w.key_slot = *key_slot;
+            match key {
+                ResumeKey::Passphrase(p) => passphrase = Some(p),
+                ResumeKey::VolumeKeyFile(f) => {
+                    w.volume_key_file = Some(f.to_string_lossy().into_owned())
+                }
+            }
+        }
     }
-    line(&w)
+    let out = line(&w);
+    match passphrase {
+        None => out,
+        Some(p) => {
+            // Spliced in by hand, into a vector sized once (no reallocation leaves a copy):
+            // the object's closing brace is replaced by the field.
+            let hex = hex_secret(p.as_ref());
+            let head = &out[..out.len() - 2];
+            let mut v = Vec::with_capacity(head.len() + hex.len() + 24);
+            v.extend_from_slice(head);
+            v.extend_from_slice(b",\"passphrase_hex\":\"");
+            v.extend_from_slice(hex.as_ref());
+            v.extend_from_slice(b"\"}\n");
+            v
+        }
+    }
+}
+
+/// Wipes one byte so that the compiler keeps the write (the buffer is freed next).
+fn wipe_byte(b: &mut u8) {
+    // SAFETY: a volatile write to a byte we hold a unique reference to.
+    unsafe { std::ptr::write_volatile(b, 0) };
 }
 
 /// The volume as cryptsetup's `status` describes it.
@@ -200,6 +428,9 @@ pub struct StatusReport {
     pub counters: Counters,
     pub pid: u32,
     pub started_unix_s: u64,
+    /// Suspended (`ucrypt suspend`): requests wait, the key is wiped.
+    #[serde(default)]
+    pub suspended: bool,
 }
 
 /// The daemon's report to the `open` that forked it: the device is there.
@@ -333,7 +564,13 @@ mod tests {
             "{}",
             r#"{"cmd":"status"}"#,
             r#"{"v":1}"#,
-            r#"{"v":1,"cmd":"resize"}"#,
+            r#"{"v":1,"cmd":"resize","size_sectors":"x"}"#,
+            r#"{"v":1,"cmd":"refresh"}"#,
+            r#"{"v":1,"cmd":"resume"}"#,
+            r#"{"v":1,"cmd":"resume","passphrase_hex":"0g"}"#,
+            r#"{"v":1,"cmd":"resume","passphrase_hex":"abc"}"#,
+            r#"{"v":1,"cmd":"status","passphrase_hex":"00"}"#,
+            r#"{"v":1,"cmd":"resume","passphrase_hex":"00","volume_key_file":"/k"}"#,
             r#"{"v":1,"cmd":"status","passphrase":"x"}"#,
             r#"{"v":"1","cmd":"status"}"#,
             "not json",
@@ -357,6 +594,29 @@ mod tests {
             Request::Close { force: false },
             Request::Close { force: true },
             Request::CloseDeferred,
+            Request::CancelDeferred,
+            Request::Suspend,
+            Request::Resize { size_sectors: None },
+            Request::Resize {
+                size_sectors: Some(2048),
+            },
+            Request::Refresh(RefreshSettings {
+                policy: Some("read=inline,write=auto".parse().unwrap()),
+                allow_discards: Some(true),
+                spin_us: Some(0),
+            }),
+            Request::Refresh(RefreshSettings {
+                allow_discards: Some(false),
+                ..RefreshSettings::default()
+            }),
+            Request::Resume {
+                key: ResumeKey::Passphrase(SecretBytes::from_slice(b"p\n\"\x00\xff")),
+                key_slot: Some(3),
+            },
+            Request::Resume {
+                key: ResumeKey::VolumeKeyFile("/run/k".into()),
+                key_slot: None,
+            },
         ] {
             let l = encode_request(&r);
             assert_eq!(l.last(), Some(&b'\n'));
@@ -397,6 +657,7 @@ mod tests {
             },
             pid: 42,
             started_unix_s: 1_700_000_000,
+            suspended: true,
         }
     }
 

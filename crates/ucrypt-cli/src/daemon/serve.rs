@@ -11,16 +11,22 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use ucrypt::backend::Backend;
+use ucrypt::luks::{self, Unlock};
+use ucrypt::sync::lock;
 use ucrypt::volume::Volume;
-use ucrypt::{BlockDev, Stop};
-use ucrypt_fuse::{MountOptions, Mounted, PunchHole, Transport, Unmount};
+use ucrypt::{BlockDev, SecretBytes, Stop};
+use ucrypt_fuse::{MountOptions, Mounted, PunchHole, SizeNotifier, Transport, Unmount};
 
 use super::loopdev::{self, LoopDevice};
-use super::proto::{Closed, Counters, Ready, Request, Response, StatusReport, VolumeInfo};
+use super::proto::{
+    Closed, Counters, Ready, RefreshSettings, Request, Response, ResumeKey, StatusReport,
+    VolumeInfo,
+};
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
 use crate::error::{CliError, CliResult};
@@ -178,7 +184,13 @@ impl Front {
 struct Shared {
     name: String,
     vol: Arc<Volume>,
-    info: VolumeInfo,
+    /// Changes with resize (size) and refresh (flags).
+    info: Mutex<VolumeInfo>,
+    /// LUKS: the device the header is on, read again to unlock on resume. None for a plain
+    /// volume, which cannot be suspended (a wrong key could not be told on resume).
+    header_dev: Option<Arc<dyn Backend>>,
+    /// Resize: tells the FUSE file's users the new size (None for ublk).
+    size_notifier: Option<SizeNotifier>,
     ident: Identity,
     note: Option<String>,
     events: SyncSender<Event>,
@@ -205,7 +217,7 @@ impl Shared {
     fn status(&self) -> Response {
         let s = self.vol.stats();
         Response::Status(Box::new(StatusReport {
-            volume: self.info.clone(),
+            volume: lock(&self.info).clone(),
             front_end: self.ident.front_end.clone().unwrap_or_default(),
             device: self.device().display().to_string(),
             stable_path: self.ident.stable_path.display().to_string(),
@@ -220,7 +232,114 @@ impl Shared {
             },
             pid: std::process::id(),
             started_unix_s: self.ident.started_unix_s,
+            suspended: self.vol.is_suspended(),
         }))
+    }
+
+    fn error(code: i32, error: impl Into<String>) -> Response {
+        Response::Error {
+            code,
+            error: error.into(),
+        }
+    }
+
+    /// An error from the library, with cryptsetup's exit code for it.
+    fn failed(e: impl Into<CliError>) -> Response {
+        let e = e.into();
+        Self::error(e.exit_code(), e.to_string())
+    }
+
+    fn refresh(&self, r: RefreshSettings) -> Response {
+        if let Some(us) = r.spin_us {
+            if let Err(e) = self.vol.set_spin(Duration::from_micros(us)) {
+                return Self::failed(e);
+            }
+        }
+        if let Some(p) = r.policy {
+            self.vol.set_policy(p);
+        }
+        if let Some(on) = r.allow_discards {
+            self.vol.set_allow_discards(on);
+            let mut info = lock(&self.info);
+            info.flags.retain(|f| f != "discards");
+            if on {
+                info.flags.push("discards".into());
+            }
+        }
+        self.status()
+    }
+
+    fn suspend(&self) -> Response {
+        if self.header_dev.is_none() {
+            return Self::error(
+                1,
+                format!(
+                    "Device {} is a plain volume: suspend needs a LUKS header to check the key on resume.",
+                    self.name
+                ),
+            );
+        }
+        if self.vol.is_suspended() {
+            return Self::error(5, format!("Device {} is already suspended.", self.name));
+        }
+        match self.vol.suspend() {
+            Ok(()) => self.status(),
+            Err(e) => Self::failed(e),
+        }
+    }
+
+    fn resume(&self, key: ResumeKey, key_slot: Option<u32>) -> Response {
+        let Some(dev) = &self.header_dev else {
+            return Self::error(1, format!("Device {} is not suspended.", self.name));
+        };
+        if !self.vol.is_suspended() {
+            return Self::error(1, format!("Device {} is not suspended.", self.name));
+        }
+        let unlock = match key {
+            ResumeKey::Passphrase(p) => Unlock::Passphrase(p),
+            ResumeKey::VolumeKeyFile(f) => match crate::open::read_volume_key(&f) {
+                Ok(k) => Unlock::VolumeKey(k),
+                Err(e) => return Self::failed(e),
+            },
+        };
+        // The header is read again: a keyslot may have changed since the volume was opened.
+        let vk = luks::read_header(dev.as_ref())
+            .and_then(|hdr| luks::unlock_key(dev.as_ref(), &hdr, unlock, key_slot));
+        match vk {
+            Ok((_, vk)) => match self.vol.resume(SecretBytes::from_slice(vk.bytes())) {
+                Ok(()) => self.status(),
+                Err(e) => Self::failed(e),
+            },
+            Err(e) => Self::failed(e),
+        }
+    }
+
+    fn resize(&self, size_sectors: Option<u64>) -> Response {
+        let Some(notifier) = &self.size_notifier else {
+            return Self::error(
+                1,
+                "resize: the ublk front end cannot change its device's size (libublk has no size update); open with --front-end loop or fuse",
+            );
+        };
+        let bytes = match size_sectors.map(|s| s.checked_mul(512)) {
+            Some(None) => return Self::error(1, "resize: --size too large"),
+            Some(Some(b)) => Some(b),
+            None => None,
+        };
+        let new = match self.vol.resize(bytes) {
+            Ok(n) => n,
+            Err(e) => return Self::failed(CliError::from(e).at(format!("resize {}", self.name))),
+        };
+        lock(&self.info).size_sectors = new / 512;
+        if let Err(e) = notifier.size_changed() {
+            return Self::failed(e);
+        }
+        if let Some(l) = &self.ident.loop_device {
+            if let Err(e) = loopdev::set_capacity(l) {
+                return Self::failed(io_err(format!("LOOP_SET_CAPACITY on {}", l.display()), e));
+            }
+        }
+        self.status()
     }
 
     fn in_use(&self) -> Option<String> {
@@ -232,9 +351,16 @@ impl server::Handler for Shared {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
         match req {
             Request::Status => respond(&self.status()),
-            Request::Refresh { policy } => {
-                self.vol.set_policy(policy);
-                respond(&self.status())
+            Request::Refresh(r) => respond(&self.refresh(r)),
+            Request::Suspend => respond(&self.suspend()),
+            Request::Resume { key, key_slot } => respond(&self.resume(key, key_slot)),
+            Request::Resize { size_sectors } => respond(&self.resize(size_sectors)),
+            Request::Close { .. } | Request::CloseDeferred if self.vol.is_suspended() => {
+                // Closing flushes, and a flush waits at the closed gate like any request.
+                respond(&Self::error(
+                    5,
+                    format!("Device {} is suspended: resume it first.", self.name),
+                ))
             }
             Request::CloseDeferred if self.in_use().is_some() => {
                 self.deferred.store(true, Ordering::Relaxed);
@@ -243,6 +369,19 @@ impl server::Handler for Shared {
                 }))
             }
             Request::CloseDeferred => self.handle(Request::Close { force: false }, respond),
+            Request::CancelDeferred => {
+                let was = self.deferred.swap(false, Ordering::Relaxed);
+                respond(&Response::Closed(Closed {
+                    note: Some(
+                        if was {
+                            "deferred close cancelled"
+                        } else {
+                            "no deferred close was pending"
+                        }
+                        .into(),
+                    ),
+                }))
+            }
             Request::Close { force } => {
                 if !force {
                     if let Some(why) = self.in_use() {
@@ -306,6 +445,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let signals = crate::signals::stop_on_signals()?;
     // A signal during the open stops in order too: the daemon's claim is undone on the way out.
     crate::signals::started();
+    let header_dev = prepared.header_device();
     let vol = match prepared.open()? {
         crate::open::Opened::Plain(v) => v,
         crate::open::Opened::Integrity(_) => {
@@ -352,10 +492,16 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     };
     let (events_tx, events) = sync_channel(EVENTS_MAX);
     let deferred = Arc::new(AtomicBool::new(false));
+    let size_notifier = match &front {
+        Front::Fuse { mounted, .. } => Some(mounted.size_notifier()),
+        Front::Ublk { .. } => None,
+    };
     let shared = Arc::new(Shared {
         name: d.name.clone(),
         vol: vol.clone(),
-        info: d.info.clone(),
+        info: Mutex::new(d.info.clone()),
+        header_dev,
+        size_notifier,
         ident: ident.clone(),
         note: note.clone(),
         events: events_tx,

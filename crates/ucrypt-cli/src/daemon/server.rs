@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use super::proto::{self, Request, Response};
 use crate::error::{CliError, CliResult};
+use ucrypt::SecretBytes;
 
 /// Control connections served at once, at most; one more is answered "busy" and closed. A
 /// status or close takes milliseconds, so this only bounds threads against a misbehaving
@@ -87,11 +88,40 @@ fn read_line(r: impl Read, max: usize) -> std::io::Result<Option<Vec<u8>>> {
     Ok(Some(line))
 }
 
+/// Reads one request line of at most `max` bytes into wiped memory (a `resume` line holds a
+/// passphrase): no buffer that grows, no reader's buffer left behind. None if longer or cut.
+fn read_request_line(r: &mut impl Read, max: usize) -> std::io::Result<Option<SecretBytes>> {
+    let mut buf = SecretBytes::zeroed(max + 1);
+    let mut len = 0;
+    loop {
+        let n = match r.read(&mut buf.as_mut()[len..]) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            return Ok(None);
+        }
+        let nl = buf.as_ref()[len..len + n].contains(&b'\n');
+        len += n;
+        if nl {
+            // One request per connection: nothing may follow its newline.
+            if buf.as_ref()[len - 1] != b'\n' {
+                return Ok(None);
+            }
+            return Ok(Some(buf.slice(0..len)));
+        }
+        if len > max {
+            return Ok(None);
+        }
+    }
+}
+
 fn serve_one(mut conn: UnixStream, h: &dyn Handler) {
     let _ = conn.set_read_timeout(Some(REQUEST_TIMEOUT));
     let _ = conn.set_write_timeout(Some(REQUEST_TIMEOUT));
-    let err = match read_line(&mut conn, proto::REQUEST_LINE_BYTES_MAX) {
-        Ok(Some(line)) => match proto::parse_request(&line) {
+    let err = match read_request_line(&mut conn, proto::RESUME_LINE_BYTES_MAX) {
+        Ok(Some(line)) => match proto::parse_request(line.as_ref()) {
             Ok(req) => {
                 h.handle(req, &mut |resp: &Response| {
                     let _ = conn.write_all(&proto::encode_response(resp));
@@ -135,7 +165,14 @@ pub fn request(sock: &Path, req: &Request) -> Result<Response, ClientError> {
     })?;
     conn.set_write_timeout(Some(REQUEST_TIMEOUT))?;
     conn.set_read_timeout(Some(REPLY_TIMEOUT))?;
-    conn.write_all(&proto::encode_request(req))?;
+    let mut line = proto::encode_request(req);
+    let sent = conn.write_all(&line);
+    // A resume line holds the passphrase: wipe it before anything else can fail.
+    line.iter_mut().for_each(|b| {
+        // SAFETY: a volatile write to a byte of our own vector.
+        unsafe { std::ptr::write_volatile(b, 0) }
+    });
+    sent?;
     match read_line(&mut conn, proto::RESPONSE_LINE_BYTES_MAX)? {
         Some(line) => Ok(proto::parse_response(&line)?),
         None => Err(ClientError::NoAnswer),

@@ -11,6 +11,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::{check_range, Backend};
 use crate::{Error, Result};
@@ -117,7 +118,8 @@ pub enum FileLock {
 pub struct FileBackend {
     file: File,
     path: String,
-    size: u64,
+    /// Changed only by `refresh_size`.
+    size: AtomicU64,
     block_device: bool,
     direct: bool,
     logical_block_bytes: u32,
@@ -203,15 +205,8 @@ impl FileBackend {
         };
         let meta = file.metadata().map_err(|e| Error::io(ctx("stat"), e))?;
         let block_device = meta.file_type().is_block_device();
-        let size = if block_device {
-            // SAFETY: lseek on our own fd; only moves the (unused) file position.
-            let end = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_END) };
-            if end < 0 {
-                return Err(Error::io(ctx("size of"), io::Error::last_os_error()));
-            }
-            end as u64
-        } else if meta.file_type().is_file() {
-            meta.len()
+        let size = if block_device || meta.file_type().is_file() {
+            measure_size(&file, block_device).map_err(|e| Error::io(ctx("size of"), e))?
         } else {
             return Err(Error::InvalidArgument(format!(
                 "{name} is neither a regular file nor a block device"
@@ -247,7 +242,7 @@ impl FileBackend {
                     return Ok(FileBackend {
                         file: f,
                         path: name,
-                        size,
+                        size: AtomicU64::new(size),
                         block_device,
                         direct: false,
                         logical_block_bytes: 512,
@@ -263,7 +258,7 @@ impl FileBackend {
         Ok(FileBackend {
             file,
             path: name,
-            size,
+            size: AtomicU64::new(size),
             block_device,
             direct,
             logical_block_bytes: lbs,
@@ -396,6 +391,19 @@ impl FileBackend {
     }
 }
 
+/// The size of a regular file or block device now.
+fn measure_size(file: &File, block_device: bool) -> io::Result<u64> {
+    if !block_device {
+        return Ok(file.metadata()?.len());
+    }
+    // SAFETY: lseek on our own fd; only moves the (unused) file position.
+    let end = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_END) };
+    if end < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(end as u64)
+}
+
 fn unsupported(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
@@ -418,7 +426,7 @@ impl Backend for FileBackend {
         if self.cache.write_through() {
             return self.write_at_fua(buf, offset);
         }
-        check_range(offset, buf.len() as u64, self.size)?;
+        check_range(offset, buf.len() as u64, self.size.load(Relaxed))?;
         self.file
             .write_all_at(buf, offset)
             .map_err(|e| self.err("write", offset, buf.len() as u64, e))
@@ -427,7 +435,7 @@ impl Backend for FileBackend {
     /// `pwritev2` with `RWF_DSYNC`: only this write is made durable, as a disk's FUA write
     /// (the kernel turns it into a FUA write or a cache flush on the device beneath).
     fn write_at_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
-        check_range(offset, buf.len() as u64, self.size)?;
+        check_range(offset, buf.len() as u64, self.size.load(Relaxed))?;
         let mut done = 0usize;
         while done < buf.len() {
             let rest = &buf[done..];
@@ -480,7 +488,7 @@ impl Backend for FileBackend {
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        check_range(offset, len, self.size)?;
+        check_range(offset, len, self.size.load(Relaxed))?;
         let r = if self.block_device {
             self.range_ioctl(BLKDISCARD, offset, len)
         } else {
@@ -495,7 +503,7 @@ impl Backend for FileBackend {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        check_range(offset, len, self.size)?;
+        check_range(offset, len, self.size.load(Relaxed))?;
         let r = if self.block_device {
             self.range_ioctl(BLKZEROOUT, offset, len)
         } else {
@@ -509,7 +517,14 @@ impl Backend for FileBackend {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Relaxed)
+    }
+
+    fn refresh_size(&self) -> Result<u64> {
+        let n = measure_size(&self.file, self.block_device)
+            .map_err(|e| Error::io(format!("size of {}", self.path), e))?;
+        self.size.store(n, Relaxed);
+        Ok(n)
     }
 
     fn logical_block_bytes(&self) -> u32 {

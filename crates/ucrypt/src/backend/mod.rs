@@ -40,6 +40,12 @@ pub trait Backend: Send + Sync {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
     /// Size in bytes.
     fn size(&self) -> u64;
+    /// Measures the size again, after the file or device grew or shrank underneath, and
+    /// returns it; [`Backend::size`] answers the new size from then on. A backend whose size
+    /// cannot change returns its size.
+    fn refresh_size(&self) -> Result<u64> {
+        Ok(self.size())
+    }
     /// Offsets and lengths of I/O must be multiples of this.
     fn logical_block_bytes(&self) -> u32;
     /// I/O buffers must start at a multiple of this (1: any address). O_DIRECT needs > 1.

@@ -2,11 +2,14 @@
 //! create, so callers borrow one from a fixed table of slots: each thread starts at "its" slot
 //! (by thread number), so in the common case the slot is uncontended and stays in that core's
 //! cache; a busy slot is skipped. Contexts are created lazily, once per slot, from a prototype.
+//! Workers borrow theirs here too, so that [`CipherSlots::clear`] reaches every context of
+//! the volume: a suspended volume holds no key.
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use super::stats::thread_index;
 use crate::sector::SectorCipher;
+use crate::sync::lock;
 use crate::{Error, Result};
 
 /// Cipher contexts per volume for callers' threads (workers own theirs). More concurrent callers
@@ -14,24 +17,49 @@ use crate::{Error, Result};
 pub const CIPHER_SLOTS: usize = 64;
 
 pub struct CipherSlots {
-    proto: Mutex<SectorCipher>,
+    /// None while the volume is suspended (its key wiped).
+    proto: Mutex<Option<SectorCipher>>,
     slots: Box<[Mutex<Option<SectorCipher>>]>,
 }
 
 impl CipherSlots {
     pub fn new(proto: SectorCipher) -> Self {
         CipherSlots {
-            proto: Mutex::new(proto),
+            proto: Mutex::new(Some(proto)),
             slots: (0..CIPHER_SLOTS).map(|_| Mutex::new(None)).collect(),
         }
     }
 
-    /// Another context for a worker thread to own.
-    pub fn clone_cipher(&self) -> Result<SectorCipher> {
-        self.proto
+    /// Another context from the prototype.
+    fn clone_cipher(&self) -> Result<SectorCipher> {
+        match self
+            .proto
             .lock()
             .map_err(|_| Error::Bug("cipher prototype lock poisoned"))?
-            .try_clone()
+            .as_ref()
+        {
+            Some(p) => p.try_clone(),
+            None => Err(Error::Bug("cipher used while the volume is suspended")),
+        }
+    }
+
+    /// Drops the prototype and every context made from it (each wipes its key material as it
+    /// goes). A context in use is waited for; the volume calls this with its gate closed, so
+    /// none is.
+    pub fn clear(&self) {
+        drop(lock(&self.proto).take());
+        for s in self.slots.iter() {
+            drop(lock(s).take());
+        }
+    }
+
+    /// Installs a new prototype (after [`CipherSlots::clear`]); contexts are made from it
+    /// lazily, as at the start.
+    pub fn install(&self, proto: SectorCipher) {
+        for s in self.slots.iter() {
+            drop(lock(s).take());
+        }
+        *lock(&self.proto) = Some(proto);
     }
 
     /// Runs `f` with a context borrowed for the duration of the call.

@@ -5,6 +5,7 @@
 //! - `queue`: the bounded queue every hand-off goes through.
 //! - `workers`: the worker threads (one per core) and the single writer of the `queued` model.
 //! - `ciphers`: cipher contexts reused across requests (one costs ~2 µs to create).
+//! - `gate`: the gate every request passes, closed while a volume is suspended or resized.
 //! - `stats`: cheap per-request timings (log2 histograms).
 //!
 //! - `task`: a unit of crypto and I/O over one run of sectors, as handed to a thread.
@@ -15,6 +16,7 @@
 //! `workers::Executor` trait, so this module never imports the volume.
 
 pub(crate) mod ciphers;
+pub(crate) mod gate;
 pub(crate) mod plan;
 pub(crate) mod queue;
 pub(crate) mod range_lock;
@@ -22,6 +24,7 @@ pub(crate) mod stats;
 pub(crate) mod task;
 pub(crate) mod workers;
 
+pub use gate::{GATE_DRAIN_POLL, GATE_SHARDS};
 pub use stats::{OpStats, Phase, PhaseStats, StatsSnapshot, HIST_BUCKETS, SAMPLE_EVERY};
 
 use std::fmt;

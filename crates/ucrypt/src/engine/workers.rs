@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU32, Ordering::Acquire, Ordering::Relaxed, Orderin
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::ciphers::CipherSlots;
 use super::queue::{spin_until, BoundedQueue};
 use super::stats::{now, Times};
 use super::task::Task;
@@ -15,13 +14,12 @@ use crate::sector::SectorCipher;
 use crate::sync::{lock, WaitCell};
 use crate::{Error, Result};
 
-/// What the threads need from the volume they serve: its queues and cipher contexts, and the
+/// What the threads need from the volume they serve: its queues, and the
 /// two steps of a task it knows how to perform. The volume implements it; this module never
 /// names the volume, so the engine does not depend on it.
 pub(crate) trait Executor: Sync {
     fn jobs(&self) -> &BoundedQueue<Job>;
     fn writes(&self) -> &BoundedQueue<WriteJob>;
-    fn ciphers(&self) -> &CipherSlots;
     /// `VolumeConfig::spin`.
     fn spin(&self) -> Duration;
     /// Workers that may spin for work at once.
@@ -229,12 +227,10 @@ pub(crate) struct WriteJob {
 }
 
 pub(crate) fn worker_loop(core: &impl Executor) {
-    // A worker without a cipher context fails the jobs it takes instead of dying silently.
-    let mut cipher = core.ciphers().clone_cipher();
-    let exec = |cipher: &mut Result<SectorCipher>, task: &Task, t: &mut Times| match cipher {
-        Ok(c) => core.exec_task(Some(c), task, t),
-        Err(_) => Err(Error::Bug("worker has no cipher context")),
-    };
+    // A worker borrows a cipher context per job from the volume's table (its thread starts at
+    // a slot of its own, so the borrow is uncontended), rather than owning one: a suspended
+    // volume must be able to wipe every context, and an idle worker would keep its own.
+    let exec = |task: &Task, t: &mut Times| core.exec_task(None, task, t);
     while let Some(job) = core.jobs().pop_spin(core.spin(), core.max_spinners()) {
         // Timed only if the request is sampled (see stats): it then sent a non-zero time.
         let times_for = |queued_at: u64| Times {
@@ -251,12 +247,7 @@ pub(crate) fn worker_loop(core: &impl Executor) {
                 // SAFETY: see SplitRef: the split outlives its helpers.
                 let split = unsafe { &*split.0 };
                 let mut t = times_for(queued_at);
-                // Without a cipher context this worker cannot help; the caller claims every
-                // chunk itself.
-                let r = match cipher.as_mut() {
-                    Ok(c) => split.run_chunks(core, Some(c), &mut t),
-                    Err(_) => Ok(()),
-                };
+                let r = split.run_chunks(core, None, &mut t);
                 split.helpers.done(r, &t);
             }
             Job::Chunk {
@@ -265,7 +256,7 @@ pub(crate) fn worker_loop(core: &impl Executor) {
                 queued_at,
             } => {
                 let mut t = times_for(queued_at);
-                let r = exec(&mut cipher, &task, &mut t);
+                let r = exec(&task, &mut t);
                 done.done(r, &t);
             }
             Job::QueuedWrite {
@@ -274,7 +265,7 @@ pub(crate) fn worker_loop(core: &impl Executor) {
                 queued_at,
             } => {
                 let mut t = times_for(queued_at);
-                match exec(&mut cipher, &task, &mut t) {
+                match exec(&task, &mut t) {
                     Err(e) => done.done(Err(e), &t),
                     Ok(()) => {
                         let w = WriteJob {
