@@ -869,56 +869,23 @@ pub fn markdown(r: &NbdReport) -> String {
         }
         s.push('\n');
     }
-    s.push_str("\np99 completion latency, µs (median over runs):\n\n| job |");
-    for t in Target::ALL {
-        s.push_str(&format!(" {} |", t.name()));
-    }
-    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
-    // qemu-img reports no latencies.
-    for job in JOBS
-        .iter()
-        .chain(DISK_JOBS)
-        .filter(|j| j.ioengine != QEMU_IMG)
-    {
-        s.push_str(&format!("| {} |", job.name));
-        for t in Target::ALL {
-            let cell = find(&r.rows, job.name, t)
-                .map(|x| x.lat_p99_us.median)
-                .filter(|v| v.is_finite())
-                .map(|v| format!("{v:.0}"))
-                .unwrap_or_else(|| "–".into());
-            s.push_str(&format!(" {cell} |"));
-        }
-        s.push('\n');
-    }
-    s.push_str(
-        "\nServer CPU per request, µs (median; all the server's threads, the warm-up counted at \
-         the measured rate), and in parentheses the cores it kept busy:\n\n| job |",
-    );
-    for t in Target::ALL {
-        s.push_str(&format!(" {} |", t.name()));
-    }
-    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
-    for job in JOBS
-        .iter()
-        .chain(DISK_JOBS)
-        .filter(|j| j.ioengine != QEMU_IMG)
-    {
-        s.push_str(&format!("| {} |", job.name));
-        for t in Target::ALL {
-            let cell = find(&r.rows, job.name, t)
-                .filter(|x| x.server_cpu_us_per_req.median.is_finite())
-                .map(|x| {
-                    format!(
-                        "{:.1} ({:.2})",
-                        x.server_cpu_us_per_req.median, x.server_cpu_cores.median
-                    )
-                })
-                .unwrap_or_else(|| "–".into());
-            s.push_str(&format!(" {cell} |"));
-        }
-        s.push('\n');
-    }
+    s.push_str(&fio_jobs_table(
+        r,
+        "p99 completion latency, µs (median over runs)",
+        |x| {
+            let v = x.lat_p99_us.median;
+            v.is_finite().then(|| format!("{v:.0}"))
+        },
+    ));
+    s.push_str(&fio_jobs_table(
+        r,
+        "Server CPU per request, µs (median; all the server's threads, the warm-up counted at \
+         the measured rate), and in parentheses the cores it kept busy",
+        |x| {
+            let (us, cores) = (x.server_cpu_us_per_req.median, x.server_cpu_cores.median);
+            us.is_finite().then(|| format!("{us:.1} ({cores:.2})"))
+        },
+    ));
     s.push_str("\nGoals (ucrypt ÷ peer, medians):\n\n| goal |");
     for o in OURS {
         s.push_str(&format!(" {} |", o.name()));
@@ -949,6 +916,29 @@ pub fn markdown(r: &NbdReport) -> String {
     s.push_str(&round_trip_note(r));
     for sk in &r.skipped {
         s.push_str(&format!("\nSkipped: {sk}\n"));
+    }
+    s
+}
+
+/// A table of one figure per fio job (qemu-img jobs report no latencies or CPU per request)
+/// and target, "–" where `cell` has nothing.
+fn fio_jobs_table(r: &NbdReport, title: &str, cell: impl Fn(&Row) -> Option<String>) -> String {
+    let mut s = format!("\n{title}:\n\n| job |");
+    for t in Target::ALL {
+        s.push_str(&format!(" {} |", t.name()));
+    }
+    s.push_str(&format!("\n|---|{}\n", "---|".repeat(Target::ALL.len())));
+    for job in JOBS
+        .iter()
+        .chain(DISK_JOBS)
+        .filter(|j| j.ioengine != QEMU_IMG)
+    {
+        s.push_str(&format!("| {} |", job.name));
+        for t in Target::ALL {
+            let c = find(&r.rows, job.name, t).and_then(&cell);
+            s.push_str(&format!(" {} |", c.as_deref().unwrap_or("–")));
+        }
+        s.push('\n');
     }
     s
 }

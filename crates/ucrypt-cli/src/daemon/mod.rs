@@ -806,23 +806,9 @@ pub fn resize(a: ResizeArgs) -> CliResult<i32> {
 
 /// Sends `req` (status, or a change answered with the status) and prints the status.
 fn print_status(path: &str, name: &str, dir: &Path, req: &Request) -> CliResult<i32> {
-    match server::request(&dir.join("control.sock"), req) {
-        Ok(Response::Status(s)) => {
-            print!("{}", status_text(path, &s));
-            Ok(0)
-        }
-        Ok(Response::Error { code, error }) => Err(CliError::Remote {
-            code,
-            message: error,
-        }),
-        Ok(_) => Err(CliError::Usage(
-            "the daemon answered with something else than a status".into(),
-        )),
-        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
-            "Device {name} is busy (being opened or closed)."
-        ))),
-        Err(e) => Err(CliError::Usage(e.to_string())),
-    }
+    let s = expect_status(name, dir, req)?;
+    print!("{}", status_text(path, &s));
+    Ok(0)
 }
 
 pub fn status(a: StatusArgs) -> CliResult<i32> {
