@@ -760,6 +760,12 @@ fn suspend_holds_io_and_wipes_the_key_resume_releases_it() {
     let (code, f) = status_fields(&n);
     assert_eq!(code, 0);
     assert_eq!(f[0].1, format!("{stable} is active and is suspended."));
+    let l = String::from_utf8_lossy(&ucrypt(&["list"]).stdout).to_string();
+    assert!(
+        l.lines()
+            .any(|line| line.starts_with(&format!("{n} ")) && line.ends_with(" suspended")),
+        "list while suspended: {l}"
+    );
 
     // fio stalls: nothing more is written, and it has not failed.
     let w0 = written(&n);

@@ -847,7 +847,11 @@ pub fn list() -> CliResult<i32> {
         let dir = run.dir(&name);
         let ident = Identity::read(&dir).unwrap_or_default();
         let state = match (state::is_alive(&dir), &ident.device) {
-            (true, Some(_)) => "active",
+            // Asked of the daemon: a suspended volume is still active, but its I/O waits.
+            (true, Some(_)) => match expect_status(&name, &dir, &Request::Status) {
+                Ok(s) if s.suspended => "suspended",
+                _ => "active",
+            },
             (true, None) => "opening",
             (false, _) => "dead",
         };
