@@ -976,6 +976,11 @@ fn refresh_and_cancel_deferred() {
     assert_eq!(flags(&n), "");
     let (_, f) = status_fields(&n);
     assert_eq!(field(&f, "policy"), "read=inline,write=auto");
+    // cryptsetup's flag, on top of the policy the volume runs now.
+    let o = ucrypt(&["refresh", &n, "--perf-no_write_workqueue"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let (_, f) = status_fields(&n);
+    assert_eq!(field(&f, "policy"), "inline");
     let o = ucrypt(&["refresh", &n, "--spin-us", "20000"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert_eq!(ucrypt(&["refresh", &n]).status.code(), Some(1));

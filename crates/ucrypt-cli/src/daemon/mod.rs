@@ -213,6 +213,12 @@ pub struct RefreshArgs {
     /// The engine's spin before sleeping, µs (as `open --spin-us`).
     #[arg(long, value_name = "US")]
     pub spin_us: Option<u64>,
+    /// Reads run inline from now on (dm-crypt's flag, as `cryptsetup refresh` takes it).
+    #[arg(long = "perf-no_read_workqueue")]
+    pub perf_no_read_workqueue: bool,
+    /// Writes run inline from now on.
+    #[arg(long = "perf-no_write_workqueue")]
+    pub perf_no_write_workqueue: bool,
 }
 
 fn unix_now_s() -> u64 {
@@ -703,14 +709,36 @@ pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
         )));
     }
     let path = run.stable_path(&a.name).display().to_string();
+    let mut policy = a.policy;
+    if a.perf_no_read_workqueue || a.perf_no_write_workqueue {
+        // On top of --policy, or of the policy the volume runs now.
+        let mut p = match policy {
+            Some(p) => p,
+            None => {
+                let now = expect_status(&a.name, &dir, &Request::Status)?.policy;
+                now.parse().map_err(|e: ucrypt::Error| {
+                    CliError::Usage(format!("the daemon's policy {now:?}: {e}"))
+                })?
+            }
+        };
+        if a.perf_no_read_workqueue {
+            p.read = ucrypt::engine::Policy::Inline;
+        }
+        if a.perf_no_write_workqueue {
+            p.write = ucrypt::engine::Policy::Inline;
+        }
+        policy = Some(p);
+    }
     let r = proto::RefreshSettings {
-        policy: a.policy,
+        policy,
         allow_discards: a.allow_discards,
         spin_us: a.spin_us,
     };
     if r == proto::RefreshSettings::default() {
         return Err(CliError::Usage(
-            "refresh: give --policy, --allow-discards or --spin-us".into(),
+            "refresh: give --policy, --perf-no_read_workqueue, --perf-no_write_workqueue, \
+             --allow-discards or --spin-us"
+                .into(),
         ));
     }
     print_status(&path, &a.name, &dir, &Request::Refresh(r))
