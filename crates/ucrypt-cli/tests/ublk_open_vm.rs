@@ -1,0 +1,138 @@
+//! A volume's life cycle with ublk, in a VM (this host's kernel has no ublk_drv): boots Debian
+//! trixie's stock kernel under qemu (TCG), then as a user would type it: `ucrypt open` of a
+//! LUKS2 volume (made by `ucrypt format` on the host) picks ublk, `/dev/ucrypt/NAME` points at
+//! `/dev/ublkbN`; mkfs.ext4 on it, mount, copy a tree, umount, `ucrypt close` (device and link
+//! gone), `ucrypt open` again, fsck clean and the tree identical, `ucrypt close`.
+
+#[path = "../../../tests/vm/harness.rs"]
+mod vm;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The trixie kernel (6.12) has ublk_drv; fetched once into the harness cache (as ublk_vm.rs).
+fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
+    let root = vm::vm_dir().join("cache/trixie");
+    let find = || -> Option<PathBuf> {
+        std::fs::read_dir(root.join("boot"))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("vmlinuz-"))
+            })
+    };
+    if let Some(k) = find() {
+        return Ok((k, root));
+    }
+    let out = Command::new("bash")
+        .arg(vm::vm_dir().join("fetch-kernel.sh"))
+        .arg(&root)
+        .arg("trixie")
+        .output()
+        .map_err(|e| format!("fetch-kernel.sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fetching Debian trixie's kernel failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    find()
+        .map(|k| (k, root))
+        .ok_or_else(|| "fetch-kernel.sh produced no vmlinuz".to_string())
+}
+
+const SCRIPT: &str = r#"
+set -e
+modprobe ublk_drv
+mkdir -p /run /m
+U=/mnt/host/ucrypt
+$U open /dev/vda data --key-file /mnt/host/pass > /tmp/open.out 2>&1 || { cat /tmp/open.out; exit 11; }
+cat /tmp/open.out
+dev=$(readlink -f /dev/ucrypt/data)
+echo "device: $dev"
+case "$dev" in /dev/ublkb*) echo "FRONT-END-UBLK";; esac
+$U status data | sed -n 1p
+mkfs.ext4 -q -F /dev/ucrypt/data
+mount /dev/ucrypt/data /m
+mkdir -p /m/tree/a/b
+i=0; while [ $i -lt 20 ]; do dd if=/dev/urandom of=/m/tree/a/f$i bs=4k count=$((i + 1)) 2>/dev/null; i=$((i + 1)); done
+echo hello-from-open > /m/tree/a/b/hello
+(cd /m/tree && find . -type f | sort | xargs sha256sum) > /tmp/sums
+umount /m
+$U close data && echo "CLOSED"
+[ ! -e /dev/ucrypt/data ] && echo "LINK-REMOVED"
+[ ! -e "$dev" ] && echo "DEVICE-REMOVED"
+$U open /dev/vda data --key-file /mnt/host/pass > /tmp/open2.out 2>&1 || { cat /tmp/open2.out; exit 12; }
+e2fsck -f -n /dev/ucrypt/data && echo "FSCK-CLEAN"
+mount -o ro /dev/ucrypt/data /m
+(cd /m/tree && sha256sum -c /tmp/sums > /dev/null) && echo "TREE-IDENTICAL"
+umount /m
+$U close data && echo "CLOSED-AGAIN"
+echo "UBLK-OPEN-VM-OK"
+"#;
+
+#[test]
+fn open_close_reopen_with_ublk_keeps_the_filesystem() {
+    if let Err(reason) = vm::require_vm() {
+        println!("SKIPPED ublk_open_vm: {reason}");
+        return;
+    }
+    let (kernel, modroot) = match trixie_kernel() {
+        Ok(k) => k,
+        Err(e) if vm::under_ci() => panic!("{e}"),
+        Err(e) => {
+            println!("SKIPPED ublk_open_vm: {e}");
+            return;
+        }
+    };
+    let tmp = vm::TempDir::new("ublk-open-vm");
+    let share = tmp.0.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let ucrypt = env!("CARGO_BIN_EXE_ucrypt");
+    std::fs::copy(ucrypt, share.join("ucrypt")).unwrap();
+    std::fs::write(share.join("pass"), "open-in-the-vm").unwrap();
+    let img = tmp.0.join("vol.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let out = Command::new(ucrypt)
+        .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
+        .args(["--pbkdf-force-iterations", "1000"])
+        .arg(&img)
+        .arg(share.join("pass"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "format: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut run = vm::VmRun::new(SCRIPT);
+    run.disk(&img, false);
+    run.share = Some(share);
+    run.kernel = Some(kernel);
+    run.modroot = Some(modroot);
+    let out = run.run(&tmp.0);
+    for marker in [
+        "FRONT-END-UBLK",
+        "CLOSED",
+        "LINK-REMOVED",
+        "DEVICE-REMOVED",
+        "FSCK-CLEAN",
+        "TREE-IDENTICAL",
+        "CLOSED-AGAIN",
+        "UBLK-OPEN-VM-OK",
+    ] {
+        assert!(
+            out.output.contains(marker),
+            "missing {marker} in VM output (status {}):\n{}",
+            out.status,
+            out.output
+        );
+    }
+    assert_eq!(out.status, 0);
+}
