@@ -2,7 +2,10 @@
 //! trixie's stock kernel under qemu (TCG), then as a user would type it: `ucrypt open` of a
 //! LUKS2 volume (made by `ucrypt format` on the host) picks ublk, `/dev/ucrypt/NAME` points at
 //! `/dev/ublkbN`; mkfs.ext4 on it, mount, copy a tree, umount, `ucrypt close` (device and link
-//! gone), `ucrypt open` again, fsck clean and the tree identical, `ucrypt close`.
+//! gone), `ucrypt open` again, fsck clean and the tree identical, `ucrypt close`. Then a
+//! volume in a file grown while its ext4 is mounted (FUSE + loop, where the kernel, unlike this
+//! container, lets `resize2fs` grow a mounted filesystem): `truncate`, `ucrypt resize`, online
+//! `resize2fs`, the filesystem bigger and clean.
 
 #[path = "../../../tests/vm/harness.rs"]
 mod vm;
@@ -71,6 +74,23 @@ mount -o ro /dev/ucrypt/data /m
 umount /m
 $U close data && echo "CLOSED-AGAIN"
 echo "UBLK-OPEN-VM-OK"
+cp /mnt/host/small.img /tmp/small.img
+$U open /tmp/small.img grow --front-end loop --key-file /mnt/host/pass > /tmp/open3.out 2>&1 || { cat /tmp/open3.out; exit 13; }
+cat /tmp/open3.out
+mkfs.ext4 -q -F /dev/ucrypt/grow
+mount /dev/ucrypt/grow /m
+echo kept > /m/kept
+before=$(df -k /m | awk 'NR==2 {print $2}')
+truncate -s 80M /tmp/small.img
+$U resize grow
+resize2fs /dev/ucrypt/grow && echo "ONLINE-RESIZE2FS-OK"
+after=$(df -k /m | awk 'NR==2 {print $2}')
+echo "ext4 size: $before KiB -> $after KiB"
+[ "$after" -gt $((before + 20000)) ] && echo "FILESYSTEM-GREW"
+grep -q kept /m/kept && echo "DATA-KEPT"
+umount /m
+e2fsck -f -n /dev/ucrypt/grow && echo "FSCK-CLEAN-AFTER-GROW"
+$U close grow && echo "RESIZE-VM-OK"
 "#;
 
 #[test]
@@ -111,6 +131,21 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // The volume grown in the VM: 32 MiB of data after LUKS2's 16 MiB header.
+    let small = share.join("small.img");
+    std::fs::File::create(&small)
+        .unwrap()
+        .set_len(48 << 20)
+        .unwrap();
+    let out = Command::new(ucrypt)
+        .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
+        .args(["--pbkdf-force-iterations", "1000"])
+        .arg(&small)
+        .arg(share.join("pass"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "format small");
+
     let mut run = vm::VmRun::new(SCRIPT);
     run.disk(&img, false);
     run.share = Some(share);
@@ -126,6 +161,11 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         "TREE-IDENTICAL",
         "CLOSED-AGAIN",
         "UBLK-OPEN-VM-OK",
+        "ONLINE-RESIZE2FS-OK",
+        "FILESYSTEM-GREW",
+        "DATA-KEPT",
+        "FSCK-CLEAN-AFTER-GROW",
+        "RESIZE-VM-OK",
     ] {
         assert!(
             out.output.contains(marker),
