@@ -223,3 +223,37 @@ pub fn seed() -> u64 {
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+/// Debian trixie's stock kernel (6.12, which has ublk_drv) and its module root, fetched once
+/// into the harness cache by `fetch-kernel.sh`.
+pub fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
+    let root = vm_dir().join("cache/trixie");
+    let find = || -> Option<PathBuf> {
+        std::fs::read_dir(root.join("boot"))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("vmlinuz-"))
+            })
+    };
+    if let Some(k) = find() {
+        return Ok((k, root));
+    }
+    let out = Command::new("bash")
+        .arg(vm_dir().join("fetch-kernel.sh"))
+        .arg(&root)
+        .arg("trixie")
+        .output()
+        .map_err(|e| format!("fetch-kernel.sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fetching Debian trixie's kernel failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    find()
+        .map(|k| (k, root))
+        .ok_or_else(|| "fetch-kernel.sh produced no vmlinuz".to_string())
+}

@@ -10,41 +10,7 @@
 #[path = "../../../tests/vm/harness.rs"]
 mod vm;
 
-use std::path::PathBuf;
 use std::process::Command;
-
-/// The trixie kernel (6.12) has ublk_drv; fetched once into the harness cache (as ublk_vm.rs).
-fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
-    let root = vm::vm_dir().join("cache/trixie");
-    let find = || -> Option<PathBuf> {
-        std::fs::read_dir(root.join("boot"))
-            .ok()?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("vmlinuz-"))
-            })
-    };
-    if let Some(k) = find() {
-        return Ok((k, root));
-    }
-    let out = Command::new("bash")
-        .arg(vm::vm_dir().join("fetch-kernel.sh"))
-        .arg(&root)
-        .arg("trixie")
-        .output()
-        .map_err(|e| format!("fetch-kernel.sh: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "fetching Debian trixie's kernel failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    find()
-        .map(|k| (k, root))
-        .ok_or_else(|| "fetch-kernel.sh produced no vmlinuz".to_string())
-}
 
 const SCRIPT: &str = r#"
 set -e
@@ -99,7 +65,7 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         println!("SKIPPED ublk_open_vm: {reason}");
         return;
     }
-    let (kernel, modroot) = match trixie_kernel() {
+    let (kernel, modroot) = match vm::trixie_kernel() {
         Ok(k) => k,
         Err(e) if vm::under_ci() => panic!("{e}"),
         Err(e) => {
