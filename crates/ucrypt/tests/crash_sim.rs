@@ -34,17 +34,15 @@ use std::sync::{Arc, Mutex};
 
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::engine::Policy;
-use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
-use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::{BlockDev, SecretBytes};
+use ucrypt::sector::SectorSize;
+use ucrypt::volume::Volume;
+use ucrypt::BlockDev;
 
 /// The plaintext the volume serves.
 const VOLUME_BYTES: usize = 64 << 10;
 /// Room before it (the data offset), as a header would take.
 const DATA_OFFSET: u64 = 4096;
 const OPS_MAX: u64 = 40;
-/// Bounce buffers of each volume: room for the largest request of the workload.
-const POOL_BYTES: usize = 1 << 20;
 /// (encryption sector, device atomic unit) pairs the crash points cycle through.
 const GEOMETRIES: [(u64, u64); 4] = [(512, 512), (512, 4096), (4096, 4096), (4096, 512)];
 
@@ -56,21 +54,7 @@ fn xorshift(x: &mut u64) -> u64 {
 }
 
 fn volume(backend: Arc<dyn Backend>, sector: SectorSize, policy: Policy) -> Volume {
-    let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(29) ^ 0x5a).collect();
-    let mut cfg = VolumeConfig::new(
-        CipherSpec::AES_XTS_PLAIN64,
-        SecretBytes::from_slice(&key),
-        Geometry::new(sector),
-    );
-    cfg.data_offset_bytes = DATA_OFFSET;
-    cfg.size_bytes = Some(VOLUME_BYTES as u64);
-    cfg.policy = policy.into();
-    cfg.allow_discards = true;
-    // Two volumes a crash point: a small pool and no busy-waiting keep them cheap to build
-    // and idle (neither changes what reaches the device, or in which order).
-    cfg.pool_bytes = POOL_BYTES;
-    cfg.spin = std::time::Duration::ZERO;
-    Volume::new(backend, cfg).expect("volume")
+    common::crash_volume(backend, sector, policy, DATA_OFFSET, VOLUME_BYTES as u64, true)
 }
 
 /// Per encryption sector: its plaintext as of the last flush, and each plaintext written to

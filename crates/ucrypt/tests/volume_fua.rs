@@ -3,29 +3,22 @@
 //! Checked on a `CrashBackend`: after any seeded power cut the FUA'd range reads back, while
 //! the same write without FUA is lost at some crash point (so the check can fail).
 
+mod common;
+
 use std::sync::Arc;
 
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::engine::Policy;
-use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
-use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::{BlockDev, SecretBytes};
+use ucrypt::sector::SectorSize;
+use ucrypt::volume::Volume;
+use ucrypt::BlockDev;
 
 const VOLUME_BYTES: usize = 256 << 10;
 const DATA_OFFSET: u64 = 4096;
 const SEEDS: u64 = 12;
 
 fn volume(backend: Arc<dyn Backend>, sector: SectorSize, policy: Policy) -> Volume {
-    let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(31) ^ 0x3c).collect();
-    let mut cfg = VolumeConfig::new(
-        CipherSpec::AES_XTS_PLAIN64,
-        SecretBytes::from_slice(&key),
-        Geometry::new(sector),
-    );
-    cfg.data_offset_bytes = DATA_OFFSET;
-    cfg.size_bytes = Some(VOLUME_BYTES as u64);
-    cfg.policy = policy.into();
-    Volume::new(backend, cfg).expect("volume")
+    common::crash_volume(backend, sector, policy, DATA_OFFSET, VOLUME_BYTES as u64, false)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

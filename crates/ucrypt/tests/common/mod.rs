@@ -167,3 +167,33 @@ impl OffsetBuf {
         &mut self.store[self.start..self.start + self.len]
     }
 }
+
+/// Bounce buffers of a power-cut test's volume: room for its largest request.
+pub const CRASH_POOL_BYTES: usize = 1 << 20;
+
+/// The aes-xts-plain64 volume the power-cut tests open, before and after each crash, on a
+/// `CrashBackend` (or a wrapper of one): `bytes` of plaintext after `data_offset`, a fixed key,
+/// a small pool and no busy-waiting, so that building two volumes a crash point stays cheap
+/// (neither changes what reaches the device, or in which order).
+pub fn crash_volume(
+    backend: Arc<dyn Backend>,
+    sector: SectorSize,
+    policy: Policy,
+    data_offset: u64,
+    bytes: u64,
+    allow_discards: bool,
+) -> Volume {
+    let key: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(29) ^ 0x5a).collect();
+    let mut cfg = VolumeConfig::new(
+        CipherSpec::AES_XTS_PLAIN64,
+        SecretBytes::from_slice(&key),
+        Geometry::new(sector),
+    );
+    cfg.data_offset_bytes = data_offset;
+    cfg.size_bytes = Some(bytes);
+    cfg.policy = policy.into();
+    cfg.allow_discards = allow_discards;
+    cfg.pool_bytes = CRASH_POOL_BYTES;
+    cfg.spin = std::time::Duration::ZERO;
+    Volume::new(backend, cfg).expect("volume")
+}
