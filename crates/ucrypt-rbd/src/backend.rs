@@ -31,6 +31,42 @@ pub const REQUEST_BYTES_MAX: usize = 64 << 20;
 /// volume only issues whole sectors, and 512 is the smallest.
 pub const LOGICAL_BLOCK_BYTES: u32 = 512;
 
+/// How a FUA write ([`Backend::write_at_fua`]) is made durable, decided at open from the
+/// image's effective cache settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FuaPath {
+    /// One write with librados' FUA op flag: with librbd's cache off, write-through or
+    /// write-around (its default) the write completes once the OSDs committed it.
+    Native,
+    /// A write, then a flush of the image: librbd's write-back caches (`rbd_cache_policy =
+    /// writeback`, the persistent write-log cache) may hold a FUA write back, so only a flush
+    /// is sure. The string says which setting chose this.
+    WriteThenFlush(String),
+}
+
+impl FuaPath {
+    /// The choice for an image's effective settings (`Image::config`).
+    pub fn for_settings(settings: &[(String, String)]) -> FuaPath {
+        let get = |k: &str| {
+            settings
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+        };
+        if let Some(p) = get("rbd_plugins").filter(|p| p.contains("pwl_cache")) {
+            return FuaPath::WriteThenFlush(format!("rbd_plugins = {p}"));
+        }
+        if get("rbd_cache") == Some("false") {
+            return FuaPath::Native;
+        }
+        match get("rbd_cache_policy") {
+            Some("writethrough") | Some("writearound") => FuaPath::Native,
+            Some(p) => FuaPath::WriteThenFlush(format!("rbd_cache_policy = {p}")),
+            None => FuaPath::WriteThenFlush("rbd_cache_policy not listed by librbd".into()),
+        }
+    }
+}
+
 /// The ciphertext in an RBD image. Thread-safe: many threads may have requests in flight.
 pub struct RbdBackend {
     image: Image,
@@ -47,6 +83,8 @@ pub struct RbdBackend {
     /// reach the cluster, after writes made later to the same place, so from then on every
     /// change is refused until the image is reopened (fail-stop rather than silent reorder).
     fenced: AtomicBool,
+    /// How FUA writes are made durable.
+    fua: FuaPath,
 }
 
 impl RbdBackend {
@@ -172,6 +210,7 @@ impl RbdBackend {
             .open_image(&image, snap.as_deref(), read_only, o.remote_timeout)
             .map_err(|e| Error::io(format!("{} {name}", e.call), e.io_error()))?;
         let stat = image.stat().map_err(call_err)?;
+        let fua = FuaPath::for_settings(&image.config().map_err(call_err)?);
         Ok(RbdBackend {
             image,
             name,
@@ -180,6 +219,7 @@ impl RbdBackend {
             read_only,
             remote_timeout: o.remote_timeout,
             fenced: AtomicBool::new(false),
+            fua,
         })
     }
 
@@ -203,6 +243,11 @@ impl RbdBackend {
     /// The image's object size in bytes (4 MiB by default): where a layout wants alignment.
     pub fn object_bytes(&self) -> u64 {
         self.object_bytes
+    }
+
+    /// How this image's FUA writes are made durable.
+    pub fn fua_path(&self) -> &FuaPath {
+        &self.fua
     }
 
     /// Whether the image was opened read-only (a snapshot, or `RbdOptions::read_only`).
@@ -290,7 +335,19 @@ impl Backend for RbdBackend {
         self.writable("write")?;
         check_range(offset, buf.len() as u64, self.size.load(Ordering::Acquire))?;
         self.in_pieces(offset, buf.len() as u64, |off, at, n| {
-            self.image.write(&buf[at..at + n], off)
+            self.image.write(&buf[at..at + n], off, 0)
+        })
+    }
+
+    fn write_at_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
+        if self.fua != FuaPath::Native {
+            self.write_at(buf, offset)?;
+            return self.flush();
+        }
+        self.writable("write")?;
+        check_range(offset, buf.len() as u64, self.size.load(Ordering::Acquire))?;
+        self.in_pieces(offset, buf.len() as u64, |off, at, n| {
+            self.image.write(&buf[at..at + n], off, ffi::OP_FLAG_FUA)
         })
     }
 
@@ -356,6 +413,45 @@ mod tests {
             "Debian package librbd1",
         ] {
             assert!(text.contains(needle), "missing '{needle}' in: {text}");
+        }
+    }
+
+    fn settings(kv: &[(&str, &str)]) -> Vec<(String, String)> {
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn fua_path_follows_the_cache_settings() {
+        let native = [
+            &[("rbd_cache", "true"), ("rbd_cache_policy", "writearound")][..],
+            &[("rbd_cache", "true"), ("rbd_cache_policy", "writethrough")],
+            &[("rbd_cache", "false"), ("rbd_cache_policy", "writeback")],
+        ];
+        for s in native {
+            assert_eq!(
+                FuaPath::for_settings(&settings(s)),
+                FuaPath::Native,
+                "{s:?}"
+            );
+        }
+        let flush = [
+            &[("rbd_cache", "true"), ("rbd_cache_policy", "writeback")][..],
+            &[
+                ("rbd_cache_policy", "writearound"),
+                ("rbd_plugins", "pwl_cache"),
+            ],
+            &[("rbd_cache", "true")],
+        ];
+        for s in flush {
+            assert!(
+                matches!(
+                    FuaPath::for_settings(&settings(s)),
+                    FuaPath::WriteThenFlush(_)
+                ),
+                "{s:?}"
+            );
         }
     }
 }

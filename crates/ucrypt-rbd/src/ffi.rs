@@ -71,6 +71,19 @@ struct ImageInfo {
     parent_name: [c_char; IMAGE_NAME_BYTES],
 }
 
+/// `rbd_config_option_t`: one of an image's settings, as `rbd_config_image_list` lists them.
+#[repr(C)]
+struct ConfigOption {
+    name: *mut c_char,
+    value: *mut c_char,
+    /// `rbd_config_source_t` (config file, pool or image metadata): not used.
+    source: c_int,
+}
+
+/// `LIBRADOS_OP_FLAG_FADVISE_FUA` in librados.h: librbd's write-around cache lets such a write
+/// through, and the request completes once the OSDs committed it.
+pub const OP_FLAG_FUA: c_int = 0x80;
+
 /// The functions used, copied out of the loaded libraries.
 struct Fns {
     rados_create: unsafe extern "C" fn(*mut RadosT, *const c_char) -> c_int,
@@ -93,7 +106,10 @@ struct Fns {
     rbd_aio_get_return_value: unsafe extern "C" fn(CompletionT) -> isize,
     rbd_aio_release: unsafe extern "C" fn(CompletionT),
     rbd_aio_read: unsafe extern "C" fn(ImageT, u64, usize, *mut c_char, CompletionT) -> c_int,
-    rbd_aio_write: unsafe extern "C" fn(ImageT, u64, usize, *const c_char, CompletionT) -> c_int,
+    rbd_aio_write2:
+        unsafe extern "C" fn(ImageT, u64, usize, *const c_char, CompletionT, c_int) -> c_int,
+    rbd_config_image_list: unsafe extern "C" fn(ImageT, *mut ConfigOption, *mut c_int) -> c_int,
+    rbd_config_image_list_cleanup: unsafe extern "C" fn(*mut ConfigOption, c_int),
     rbd_aio_discard: unsafe extern "C" fn(ImageT, u64, u64, CompletionT) -> c_int,
     rbd_aio_write_zeroes:
         unsafe extern "C" fn(ImageT, u64, usize, CompletionT, c_int, c_int) -> c_int,
@@ -179,7 +195,9 @@ impl Lib {
             rbd_aio_get_return_value: sym!(rbd, rbd_name, rbd_aio_get_return_value),
             rbd_aio_release: sym!(rbd, rbd_name, rbd_aio_release),
             rbd_aio_read: sym!(rbd, rbd_name, rbd_aio_read),
-            rbd_aio_write: sym!(rbd, rbd_name, rbd_aio_write),
+            rbd_aio_write2: sym!(rbd, rbd_name, rbd_aio_write2),
+            rbd_config_image_list: sym!(rbd, rbd_name, rbd_config_image_list),
+            rbd_config_image_list_cleanup: sym!(rbd, rbd_name, rbd_config_image_list_cleanup),
             rbd_aio_discard: sym!(rbd, rbd_name, rbd_aio_discard),
             rbd_aio_write_zeroes: sym!(rbd, rbd_name, rbd_aio_write_zeroes),
             rbd_aio_flush: sym!(rbd, rbd_name, rbd_aio_flush),
@@ -433,16 +451,61 @@ impl Image {
         Ok(n)
     }
 
-    /// Writes `buf` at `offset`, from a copy the request owns (see [`Image::read`]).
-    pub fn write(&self, buf: &[u8], offset: u64) -> Result<(), CallError> {
+    /// Writes `buf` at `offset`, from a copy the request owns (see [`Image::read`]), with
+    /// librados op flags (`0`, or [`OP_FLAG_FUA`]).
+    pub fn write(&self, buf: &[u8], offset: u64, op_flags: c_int) -> Result<(), CallError> {
         let len = buf.len();
         let req = Request::new(self, Box::from(buf));
         let ptr = req.buf.cast::<c_char>().cast_const();
-        self.aio("rbd_aio_write", req, |c| {
+        self.aio("rbd_aio_write2", req, |c| {
             // SAFETY: as in `read`: the request's own buffer, alive until librbd is done.
-            unsafe { (self.lib().fns.rbd_aio_write)(self.h, offset, len, ptr, c) }
+            unsafe { (self.lib().fns.rbd_aio_write2)(self.h, offset, len, ptr, c, op_flags) }
         })
         .map(drop)
+    }
+
+    /// The image's effective settings (from the configuration, the pool and the image's own
+    /// metadata, as librbd resolved them at open), as (name, value) pairs.
+    pub fn config(&self) -> Result<Vec<(String, String)>, CallError> {
+        // librbd fills at most `max` entries and says how many it has; a first call with none
+        // returns -ERANGE and the count. Settings can only be added between the calls by an
+        // upgrade of librbd, so two rounds suffice; a third -ERANGE is returned as the error.
+        let mut max: c_int = 0;
+        for _ in 0..2 {
+            let mut opts: Vec<ConfigOption> = (0..max)
+                .map(|_| ConfigOption {
+                    name: std::ptr::null_mut(),
+                    value: std::ptr::null_mut(),
+                    source: 0,
+                })
+                .collect();
+            let mut n = max;
+            // SAFETY: an open image, and `opts` has room for `n` entries (`n` = its length).
+            let r = unsafe {
+                (self.lib().fns.rbd_config_image_list)(self.h, opts.as_mut_ptr(), &mut n)
+            };
+            if r == -libc::ERANGE {
+                max = n;
+                continue;
+            }
+            check("rbd_config_image_list", r)?;
+            assert!(n <= max, "librbd listed more settings than it had room for");
+            let list = opts[..n as usize]
+                .iter()
+                .map(|o| {
+                    // SAFETY: librbd filled the first `n` entries with NUL-terminated strings
+                    // it allocated, alive until the clean-up call below.
+                    let text = |p: *mut c_char| {
+                        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+                    };
+                    (text(o.name), text(o.value))
+                })
+                .collect();
+            // SAFETY: the `n` entries librbd filled, freed once; `opts` itself is ours.
+            unsafe { (self.lib().fns.rbd_config_image_list_cleanup)(opts.as_mut_ptr(), n) };
+            return Ok(list);
+        }
+        check("rbd_config_image_list", -libc::ERANGE).map(|()| Vec::new())
     }
 
     pub fn discard(&self, offset: u64, len: u64) -> Result<(), CallError> {

@@ -13,7 +13,7 @@ use ucrypt::backend::{Backend, MemBackend};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
-use ucrypt_rbd::RbdBackend;
+use ucrypt_rbd::{FuaPath, RbdBackend};
 
 const MIB: u64 = 1 << 20;
 
@@ -24,6 +24,7 @@ fn against_a_ceph_cluster() {
         &[
             ("concurrent_random_io", concurrent_random_io),
             ("zeroes_discard_flush", zeroes_discard_flush),
+            ("fua_follows_the_cache_policy", fua_follows_the_cache_policy),
             ("range_and_read_only_errors", range_and_read_only_errors),
             ("resize", resize),
             ("snapshot", snapshot),
@@ -166,6 +167,75 @@ fn zeroes_discard_flush(c: &Cluster) {
     assert!(all == expect, "image differs after zeroes and discards");
     drop(b);
     assert!(c.export(&name) == expect, "rbd export differs");
+}
+
+/// A FUA write takes librados' FUA flag where librbd's cache lets it through (the default,
+/// write-around) and a write plus a flush where a write-back cache may hold it, as the image's
+/// effective settings say: the client's configuration or the image's own metadata. Either way,
+/// once it returns another client (`rbd export`) reads it, with no flush and the image still
+/// open.
+fn fua_follows_the_cache_policy(c: &Cluster) {
+    let name = image_name("fua");
+    c.create_image(&name, "8M");
+    let check = |b: &RbdBackend, at: u64, seed: u8| {
+        // A first flush ends librbd's write-through start (rbd_cache_writethrough_until_flush).
+        b.flush().unwrap();
+        let data: Vec<u8> = (0..64u32 << 10).map(|i| (i as u8) ^ seed).collect();
+        b.write_at_fua(&data, at).unwrap();
+        let img = c.export(&name);
+        assert!(
+            img[at as usize..at as usize + data.len()] == data[..],
+            "{:?}: a FUA write is not on the cluster when it returns",
+            b.fua_path()
+        );
+    };
+    // Defaults: rbd_cache on, write-around.
+    let b = open(c, &name);
+    assert_eq!(b.fua_path(), &FuaPath::Native);
+    check(&b, MIB, 1);
+    drop(b);
+    // Write-back named by the client. Dirty data may stay in the cache for 30 s, so a write
+    // that is not made durable is not in the export.
+    let mut spec = c.spec(&name);
+    spec.options
+        .settings
+        .push(("rbd_cache_max_dirty_age".into(), "30".into()));
+    let lazy = spec.clone();
+    spec.options
+        .settings
+        .push(("rbd_cache_policy".into(), "writeback".into()));
+    let b = RbdBackend::open(&spec).unwrap();
+    assert_eq!(
+        b.fua_path(),
+        &FuaPath::WriteThenFlush("rbd_cache_policy = writeback".into())
+    );
+    check(&b, 2 * MIB, 2);
+    drop(b);
+    // Write-back named by the image's own metadata.
+    c.rbd(&[
+        "config",
+        "image",
+        "set",
+        &format!("rbd/{name}"),
+        "rbd_cache_policy",
+        "writeback",
+    ]);
+    let b = RbdBackend::open(&lazy).unwrap();
+    assert!(
+        matches!(b.fua_path(), FuaPath::WriteThenFlush(_)),
+        "the image's metadata says writeback, got {:?}",
+        b.fua_path()
+    );
+    check(&b, 3 * MIB, 3);
+    drop(b);
+    // The cache off: FUA is a plain write that completes on commit.
+    let mut spec = c.spec(&name);
+    spec.options
+        .settings
+        .push(("rbd_cache".into(), "false".into()));
+    let b = RbdBackend::open(&spec).unwrap();
+    assert_eq!(b.fua_path(), &FuaPath::Native);
+    check(&b, 4 * MIB, 4);
 }
 
 fn range_and_read_only_errors(c: &Cluster) {
