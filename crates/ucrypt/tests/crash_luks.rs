@@ -18,8 +18,18 @@ use ucrypt::SecretBytes;
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DEVICE_BYTES: u64 = DATA_OFFSET + 4096;
-/// Seeded power cuts at each step of a plan.
+/// Seeded power cuts at each step of a plan, unless `UCRYPT_CRASH_CUTS_PER_STEP` says (the
+/// long mode recorded in BENCHMARKS.md).
 const CUTS_PER_STEP: u64 = 12;
+
+fn cuts_per_step() -> u64 {
+    let n = std::env::var("UCRYPT_CRASH_CUTS_PER_STEP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CUTS_PER_STEP);
+    eprintln!("{n} power cuts per step (UCRYPT_CRASH_CUTS_PER_STEP)");
+    n
+}
 const UNITS: [u64; 2] = [512, 4096];
 const LABEL: &str = "after-the-update";
 
@@ -197,6 +207,7 @@ fn check(update: Update, dev: &dyn Backend, old_seqid: u64, row: &str) {
 
 #[test]
 fn power_cuts_during_header_updates_leave_the_old_or_the_new_header() {
+    let per_step = cuts_per_step();
     let (base, vk) = base_image();
     let t0 = std::time::Instant::now();
     let mut cuts = 0u64;
@@ -215,7 +226,7 @@ fn power_cuts_during_header_updates_leave_the_old_or_the_new_header() {
                 if let Some(op @ WriteOp::Write { .. }) = ops.get(step) {
                     luks::apply(&dev, std::slice::from_ref(op)).expect("apply");
                 }
-                for seed in 0..CUTS_PER_STEP {
+                for seed in 0..per_step {
                     let img = dev.crash_image(seed.wrapping_mul(0x9E37_79B9) ^ step as u64);
                     let row = format!(
                         "{update:?}, {unit}-byte units: power cut at step {step} of {:?} \
@@ -282,6 +293,7 @@ fn power_cuts_during_luks1_keyslot_updates_keep_the_header_and_other_keyslots() 
         luks::apply(&dev, &ops).expect("apply");
     }
     let base = dev.crash_image(0);
+    let per_step = cuts_per_step();
     let mut cuts = 0;
     // (update, passphrase it adds or removes)
     for (what, changed) in [
@@ -311,7 +323,7 @@ fn power_cuts_during_luks1_keyslot_updates_keep_the_header_and_other_keyslots() 
                 if let Some(op @ WriteOp::Write { .. }) = ops.get(step) {
                     luks::apply(&d, std::slice::from_ref(op)).expect("apply");
                 }
-                for seed in 0..CUTS_PER_STEP {
+                for seed in 0..per_step {
                     let img = d.crash_image(seed.wrapping_mul(0x9E37_79B9) ^ step as u64);
                     let after = CrashBackend::from_image(img, unit);
                     let row = format!("LUKS1 {what}, {unit}-byte units, step {step}, seed {seed}");
