@@ -502,7 +502,41 @@ fn no_copy_of_the_volume_key_in_dumpable_memory() {
         &keyf,
     ];
     let unlocked: Vec<&str> = vec![&luks, "--key-file", &pass];
-    for (what, volume) in [("plain", plain), ("LUKS2", unlocked)] {
+    // An authenticated volume (aes-gcm-random + aead) keyed with the first 32 bytes: its
+    // AEAD context holds the AES key schedule, whose first round keys are the key itself.
+    std::fs::write(dir.path("key32"), &key[..32]).unwrap();
+    let aead = dir.s("aead");
+    make_image(&dir.path("aead"), 40 << 20, None);
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            "--type",
+            "luks2",
+            "--cipher",
+            "aes-gcm-random",
+            "--integrity",
+            "aead",
+            "--key-size",
+            "256",
+            "--key-file",
+            &pass,
+            "--volume-key-file",
+            &dir.s("key32"),
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            &aead,
+        ],
+    );
+    let authenticated: Vec<&str> = vec![&aead, "--key-file", &pass];
+    for (what, volume) in [
+        ("plain", plain),
+        ("LUKS2", unlocked),
+        ("LUKS2 aes-gcm-random", authenticated),
+    ] {
         let mut args = volume.clone();
         args.extend(["--nbd", &listen, "--export-name", "disk"]);
         let srv = Server::start(&args, 1);
@@ -519,9 +553,18 @@ fn no_copy_of_the_volume_key_in_dumpable_memory() {
             c.0.read_exact(&mut d).unwrap();
         }
         let mut found = Vec::new();
-        for (name, half) in [("first", &key[..32]), ("second", &key[32..])] {
+        // The two XTS halves; for the AEAD volume, the halves of its 32-byte key.
+        let halves: [(&str, &[u8]); 2] = if what.contains("gcm") {
+            [
+                ("first AES-GCM", &key[..16]),
+                ("second AES-GCM", &key[16..32]),
+            ]
+        } else {
+            [("first XTS", &key[..32]), ("second XTS", &key[32..])]
+        };
+        for (name, half) in halves {
             for h in dumpable_copies(srv.pid(), half) {
-                found.push(format!("{name} XTS key half at {h}"));
+                found.push(format!("{name} key half at {h}"));
             }
         }
         drop(c);

@@ -7,7 +7,6 @@
 #[path = "../../../tests/vm/harness.rs"]
 mod vm;
 
-
 const SCRIPT: &str = r#"
 set -e
 modprobe ublk_drv

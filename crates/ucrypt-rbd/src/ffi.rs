@@ -493,9 +493,9 @@ impl Image {
             let list = opts[..n as usize]
                 .iter()
                 .map(|o| {
-                    // SAFETY: librbd filled the first `n` entries with NUL-terminated strings
-                    // it allocated, alive until the clean-up call below.
                     let text = |p: *mut c_char| {
+                        // SAFETY: librbd filled the first `n` entries with NUL-terminated
+                        // strings it allocated, alive until the clean-up call below.
                         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
                     };
                     (text(o.name), text(o.value))

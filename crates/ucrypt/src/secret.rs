@@ -118,6 +118,85 @@ impl std::fmt::Debug for SecretBytes {
     }
 }
 
+/// A value kept in a [`SecretBytes`] allocation (locked, non-dumpable, wiped when dropped):
+/// for keyed cipher states whose fields hold key material, such as key schedules and HMAC
+/// pads. The value never moves once boxed. A value built on the stack and then boxed leaves a
+/// transient stack copy; C states are better initialised in place ([`SecretBox::zeroed`]).
+pub struct SecretBox<T> {
+    mem: SecretBytes,
+    _holds: std::marker::PhantomData<T>,
+}
+
+impl<T> SecretBox<T> {
+    fn alloc() -> SecretBytes {
+        // SecretBytes' allocation is page-aligned, which satisfies any alignment up to a page.
+        assert!(
+            std::mem::align_of::<T>() <= PAGE_BYTES,
+            "SecretBox: over-aligned type"
+        );
+        SecretBytes::zeroed(std::mem::size_of::<T>())
+    }
+
+    pub fn new(value: T) -> Self {
+        let mut mem = Self::alloc();
+        // SAFETY: `mem` holds size_of::<T>() bytes (it rounds up, never down), page-aligned
+        // and so aligned for T (asserted in `alloc`), owned by us and holding no value yet.
+        unsafe { std::ptr::write(mem.as_mut().as_mut_ptr().cast::<T>(), value) };
+        SecretBox {
+            mem,
+            _holds: std::marker::PhantomData,
+        }
+    }
+
+    /// A box holding all-zero bytes as its value.
+    ///
+    /// # Safety
+    /// The all-zero bit pattern must be a valid `T` (a plain C struct such as AWS-LC's
+    /// `EVP_AEAD_CTX` after `EVP_AEAD_CTX_zero`).
+    pub unsafe fn zeroed() -> Self {
+        SecretBox {
+            mem: Self::alloc(),
+            _holds: std::marker::PhantomData,
+        }
+    }
+
+    pub fn as_ptr(&self) -> *const T {
+        self.mem.as_ref().as_ptr().cast()
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut T {
+        self.mem.as_mut().as_mut_ptr().cast()
+    }
+}
+
+impl<T> std::ops::Deref for SecretBox<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the allocation holds an initialised, aligned T for as long as `self` lives.
+        unsafe { &*self.as_ptr() }
+    }
+}
+
+impl<T> std::ops::DerefMut for SecretBox<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as in `deref`; `&mut self` gives exclusive access.
+        unsafe { &mut *self.as_mut_ptr() }
+    }
+}
+
+impl<T> Drop for SecretBox<T> {
+    fn drop(&mut self) {
+        // SAFETY: the value is initialised and dropped once, here; `mem` then wipes the bytes.
+        unsafe { std::ptr::drop_in_place(self.as_mut_ptr()) };
+    }
+}
+
+impl<T> std::fmt::Debug for SecretBox<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SecretBox({}, redacted)", std::any::type_name::<T>())
+    }
+}
+
 /// Asks the kernel not to write this process's memory to core dumps at all (`PR_SET_DUMPABLE`
 /// = 0). The CLI calls it at start-up when it will handle passphrases or keys.
 pub fn disable_core_dumps() {
@@ -152,5 +231,25 @@ mod tests {
         let s = SecretBytes::zeroed(0);
         assert!(s.is_empty());
         assert_eq!(s.as_ref(), &[] as &[u8]);
+    }
+
+    #[test]
+    fn secret_box_holds_and_drops_its_value() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static DROPS: AtomicUsize = AtomicUsize::new(0);
+        struct Keyed([u64; 100]);
+        impl Drop for Keyed {
+            fn drop(&mut self) {
+                DROPS.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let mut b = SecretBox::new(Keyed([7; 100]));
+        assert_eq!(b.0[99], 7);
+        b.0[0] = 9;
+        assert_eq!(b.0[0], 9);
+        assert_eq!(b.as_ptr() as usize % PAGE_BYTES, 0);
+        assert!(!format!("{b:?}").contains('9'));
+        drop(b);
+        assert_eq!(DROPS.load(Ordering::SeqCst), 1);
     }
 }

@@ -54,7 +54,14 @@ fn xorshift(x: &mut u64) -> u64 {
 }
 
 fn volume(backend: Arc<dyn Backend>, sector: SectorSize, policy: Policy) -> Volume {
-    common::crash_volume(backend, sector, policy, DATA_OFFSET, VOLUME_BYTES as u64, true)
+    common::crash_volume(
+        backend,
+        sector,
+        policy,
+        DATA_OFFSET,
+        VOLUME_BYTES as u64,
+        true,
+    )
 }
 
 /// Per encryption sector: its plaintext as of the last flush, and each plaintext written to

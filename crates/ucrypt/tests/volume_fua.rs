@@ -18,7 +18,14 @@ const DATA_OFFSET: u64 = 4096;
 const SEEDS: u64 = 12;
 
 fn volume(backend: Arc<dyn Backend>, sector: SectorSize, policy: Policy) -> Volume {
-    common::crash_volume(backend, sector, policy, DATA_OFFSET, VOLUME_BYTES as u64, false)
+    common::crash_volume(
+        backend,
+        sector,
+        policy,
+        DATA_OFFSET,
+        VOLUME_BYTES as u64,
+        false,
+    )
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -18,6 +18,7 @@
 use hmac::{Hmac, Mac};
 use sha2::{Sha256, Sha512};
 
+use crate::secret::SecretBox;
 use crate::sector::evp::{Alg, EvpCtx, GcmCtx, GCM_NONCE_BYTES, GCM_TAG_BYTES};
 use crate::{Error, Result};
 
@@ -129,8 +130,9 @@ impl TagMode {
 
 enum Imp {
     Gcm(GcmCtx),
-    /// Boxed: the keyed HMAC states are several hundred bytes.
-    XtsHmac(Box<XtsHmac>),
+    /// In a secret box: the keyed HMAC states (the key's inner and outer pads, hashed) are
+    /// key material, and several hundred bytes.
+    XtsHmac(SecretBox<XtsHmac>),
 }
 
 struct XtsHmac {
@@ -175,7 +177,7 @@ impl TagCipher {
                         Hmac::new_from_slice(mk).map_err(|_| Error::Bug("HMAC key"))?,
                     ),
                 };
-                Imp::XtsHmac(Box::new(XtsHmac {
+                Imp::XtsHmac(SecretBox::new(XtsHmac {
                     enc: EvpCtx::new(Alg::Aes256Xts, xk, true)?,
                     dec: EvpCtx::new(Alg::Aes256Xts, xk, false)?,
                     mac,

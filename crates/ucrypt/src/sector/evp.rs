@@ -15,7 +15,7 @@ use std::ptr;
 
 use aws_lc_sys as sys;
 
-use crate::secret::SecretBytes;
+use crate::secret::{SecretBox, SecretBytes};
 use crate::{Error, Result};
 
 /// The most bytes a cipher's per-key context may take here (AES-XTS needs about 520).
@@ -220,9 +220,12 @@ impl Drop for EvpCtx {
 }
 
 /// AES-GCM through AWS-LC's `EVP_AEAD` interface with a detached 16-byte tag, for dm-crypt's
-/// authenticated sectors. Keyed once; the nonce comes with each call.
+/// authenticated sectors. Keyed once; the nonce comes with each call. The context, whose
+/// inline state holds the key schedule, lives in a [`SecretBox`] (locked, non-dumpable, wiped)
+/// and is initialised there in place (`EVP_AEAD_CTX_init`), so no copy of the key is left on
+/// the ordinary heap.
 pub(crate) struct GcmCtx {
-    ctx: *mut sys::EVP_AEAD_CTX,
+    ctx: SecretBox<sys::EVP_AEAD_CTX>,
 }
 
 // SAFETY: an EVP_AEAD_CTX is immutable after init (seal and open take it by const pointer) and
@@ -248,17 +251,25 @@ impl GcmCtx {
                 }
             }
         };
-        // SAFETY: key is valid for key.len() bytes, the length the algorithm takes (matched
-        // above); AWS-LC copies the key schedule. Checked for NULL below.
-        let ctx = unsafe { sys::EVP_AEAD_CTX_new(aead, key.as_ptr(), key.len(), GCM_TAG_BYTES) };
-        if ctx.is_null() {
-            // SAFETY: clears this thread's error queue.
-            unsafe { sys::ERR_clear_error() };
-            return Err(Error::CipherLibrary {
-                call: "EVP_AEAD_CTX_new",
-            });
-        }
-        Ok(GcmCtx { ctx })
+        // SAFETY: all-zero is the state EVP_AEAD_CTX_zero leaves (no algorithm, nothing to
+        // free), a valid EVP_AEAD_CTX.
+        let mut ctx = unsafe { SecretBox::<sys::EVP_AEAD_CTX>::zeroed() };
+        // SAFETY: ctx points at a zeroed context of the bindings' full size in memory we own;
+        // key is valid for key.len() bytes, the length the algorithm takes (matched above);
+        // AES-GCM keeps its state inside the context (no allocation); no engine.
+        let rc = unsafe {
+            sys::EVP_AEAD_CTX_init(
+                ctx.as_mut_ptr(),
+                aead,
+                key.as_ptr(),
+                key.len(),
+                GCM_TAG_BYTES,
+                ptr::null_mut(),
+            )
+        };
+        let ctx = GcmCtx { ctx };
+        check(rc, "EVP_AEAD_CTX_init")?;
+        Ok(ctx)
     }
 
     /// Encrypts `data` in place and writes its tag.
@@ -274,7 +285,7 @@ impl GcmCtx {
         // valid for the length passed with it; the tag buffer holds max_out_tag_len bytes.
         let rc = unsafe {
             sys::EVP_AEAD_CTX_seal_scatter(
-                self.ctx,
+                self.ctx.as_ptr(),
                 data.as_mut_ptr(),
                 tag.as_mut_ptr(),
                 &mut tag_len,
@@ -308,7 +319,7 @@ impl GcmCtx {
         // SAFETY: as for seal: exact aliasing of in and out is allowed; lengths match buffers.
         let rc = unsafe {
             sys::EVP_AEAD_CTX_open_gather(
-                self.ctx,
+                self.ctx.as_ptr(),
                 data.as_mut_ptr(),
                 nonce.as_ptr(),
                 nonce.len(),
@@ -332,8 +343,10 @@ impl GcmCtx {
 
 impl Drop for GcmCtx {
     fn drop(&mut self) {
-        // SAFETY: ctx came from EVP_AEAD_CTX_new and is freed once (AWS-LC cleanses it).
-        unsafe { sys::EVP_AEAD_CTX_free(self.ctx) };
+        // SAFETY: the context was zeroed and then initialised (or left zeroed by a failed
+        // init, which cleanup accepts) and is cleaned up once, here; the SecretBox wipes and
+        // frees its memory afterwards.
+        unsafe { sys::EVP_AEAD_CTX_cleanup(self.ctx.as_mut_ptr()) };
     }
 }
 
