@@ -22,6 +22,9 @@ pub struct Job {
     /// Where the client and the server run: [`ANY_CPU`] (where the scheduler puts them) or
     /// [`ONE_CPU`] (both pinned to the same CPU, so no wake-up crosses CPUs).
     pub cpus: &'static str,
+    /// fio's --fdatasync: a data sync after every this many writes (0: none), so that the
+    /// job measures durable writes.
+    pub fdatasync: u32,
 }
 
 /// [`Job::cpus`]: the scheduler places client and server.
@@ -44,6 +47,16 @@ impl Job {
             ioengine,
             iodepth,
             cpus: ANY_CPU,
+            fdatasync: 0,
+        }
+    }
+
+    /// The same job with a data sync after every `writes` writes.
+    pub const fn synced(self, name: &'static str, writes: u32) -> Job {
+        Job {
+            name,
+            fdatasync: writes,
+            ..self
         }
     }
 
@@ -168,6 +181,9 @@ pub fn run_for(
     .arg("--norandommap");
     if let Some(c) = cpu {
         cmd.arg(format!("--cpus_allowed={c}"));
+    }
+    if job.fdatasync > 0 {
+        cmd.arg(format!("--fdatasync={}", job.fdatasync));
     }
     if job.ioengine == "nbd" {
         cmd.arg(format!("--uri={}", target.display()));

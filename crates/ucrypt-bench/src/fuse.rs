@@ -4,6 +4,12 @@
 //! and over FUSE-over-io_uring (only when the kernel has it enabled: the benchmark does not
 //! flip `enable_uring`; it lists the reason under "Skipped"). Round-robin over targets; medians.
 //!
+//! On disk (`/var/tmp`, or `UCRYPT_BENCH_DISK_DIR`; skipped with the reason if that is a RAM
+//! file system): the same servers on copies of the image filled with data on the machine's
+//! disk, where qemu-storage-daemon's page cache and ucrypt's O_DIRECT (`--cache none`, its
+//! default) differ, beside ucrypt with `--cache writeback` and the plain disk file: 4 KiB
+//! random reads and writes at QD1 and 1 MiB writes made durable one by one (fdatasync).
+//!
 //! The LUKS1 image is made by cryptsetup (aes-xts-plain64, 512-bit key, 512-byte sectors).
 //! ucrypt serves it in raw mode with the volume key and payload offset that
 //! `cryptsetup luksDump --dump-volume-key` reports: the same ciphertext layout and the same
@@ -17,6 +23,7 @@ use serde::Serialize;
 
 use super::cmd::{have, run_ok};
 use super::cpu::CpuWatch;
+use super::disk::{disk_dir, fs_type, write_noise};
 use super::fio::{self, FioResult, Job};
 use super::stats::{Machine, Summary};
 
@@ -40,8 +47,38 @@ const JOBS: &[Job] = &[
     Job::new("1M read psync", "read", 1 << 20, "psync", 1),
     Job::new("1M write psync", "write", 1 << 20, "psync", 1),
 ];
+/// Jobs on the disk copies (see the module documentation).
+const DISK_JOBS: &[Job] = &[
+    Job::new(
+        "4k randread psync QD1 on disk",
+        "randread",
+        4096,
+        "psync",
+        1,
+    ),
+    Job::new(
+        "4k randwrite psync QD1 on disk",
+        "randwrite",
+        4096,
+        "psync",
+        1,
+    ),
+    Job::new("1M write psync", "write", 1 << 20, "psync", 1)
+        .synced("1M write fdatasync on disk", 1),
+];
+/// The servers the disk jobs run on.
+const DISK_TARGETS: &[Target] = &[
+    Target::Plain,
+    Target::Ucrypt,
+    Target::UcryptWriteback,
+    Target::QemuStorageDaemon,
+];
 /// Plaintext bytes of the benchmark volume (and of the region fio touches).
 const VOLUME_BYTES: u64 = 256 << 20;
+/// The same on disk: filled with data first, so reads are not of holes.
+const DISK_VOLUME_BYTES: u64 = 64 << 20;
+/// Room before the data in the LUKS1 image: cryptsetup's default payload offset.
+const HEADER_ROOM_BYTES: u64 = 2 << 20;
 const PASSPHRASE: &str = "ucrypt-bench";
 /// How long a FUSE server may take to show its file.
 const MOUNT_WAIT: Duration = Duration::from_secs(20);
@@ -54,6 +91,8 @@ pub enum Target {
     Ucrypt,
     /// `ucrypt mount` over FUSE-over-io_uring.
     UcryptIoUring,
+    /// `ucrypt mount --cache writeback` (classic FUSE): the image through the page cache.
+    UcryptWriteback,
     /// qemu-storage-daemon's luks driver exported over FUSE.
     QemuStorageDaemon,
 }
@@ -64,6 +103,7 @@ impl Target {
             Target::Plain => "plain tmpfs file",
             Target::Ucrypt => "ucrypt (FUSE classic)",
             Target::UcryptIoUring => "ucrypt (FUSE io_uring)",
+            Target::UcryptWriteback => "ucrypt (FUSE classic, cache=writeback)",
             Target::QemuStorageDaemon => "qemu-storage-daemon luks (FUSE)",
         }
     }
@@ -89,10 +129,12 @@ pub struct FuseReport {
     pub runs: usize,
     pub runtime_s: f64,
     pub skipped: Vec<String>,
+    /// Where the images of the disk jobs were (None: the disk jobs did not run, see skipped).
+    pub disk_image_dir: Option<String>,
     pub rows: Vec<Row>,
 }
 
-/// The benchmark's files in /dev/shm, removed on drop.
+/// The benchmark's files (in /dev/shm, or on disk), removed on drop.
 struct Setup {
     dir: PathBuf,
     image: PathBuf,
@@ -100,11 +142,14 @@ struct Setup {
     pass_file: PathBuf,
     payload_sectors: u64,
     plain: PathBuf,
+    volume_bytes: u64,
 }
 
 impl Setup {
-    fn new() -> Result<Setup, String> {
-        let dir = PathBuf::from(format!("/dev/shm/ucrypt-bench-fuse-{}", std::process::id()));
+    /// The images in a new directory under `base`: `volume_bytes` of plaintext each, filled
+    /// with data first when `fill` (on disk, where reading a hole costs nothing).
+    fn new(base: &Path, volume_bytes: u64, fill: bool) -> Result<Setup, String> {
+        let dir = base.join(format!("ucrypt-bench-fuse-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let mut s = Setup {
             image: dir.join("luks1.img"),
@@ -112,16 +157,22 @@ impl Setup {
             pass_file: dir.join("pass"),
             plain: dir.join("plain.img"),
             payload_sectors: 0,
+            volume_bytes,
             dir,
         };
         std::fs::write(&s.pass_file, PASSPHRASE).map_err(|e| e.to_string())?;
         // LUKS1 header + key material fit in 2 MiB (cryptsetup's default payload offset).
-        let f = std::fs::File::create(&s.image).map_err(|e| e.to_string())?;
-        f.set_len(VOLUME_BYTES + (2 << 20))
-            .map_err(|e| e.to_string())?;
-        std::fs::File::create(&s.plain)
-            .and_then(|f| f.set_len(VOLUME_BYTES))
-            .map_err(|e| e.to_string())?;
+        let image_bytes = volume_bytes + HEADER_ROOM_BYTES;
+        if fill {
+            write_noise(&s.image, image_bytes)?;
+            write_noise(&s.plain, volume_bytes)?;
+        } else {
+            let f = std::fs::File::create(&s.image).map_err(|e| e.to_string())?;
+            f.set_len(image_bytes).map_err(|e| e.to_string())?;
+            std::fs::File::create(&s.plain)
+                .and_then(|f| f.set_len(volume_bytes))
+                .map_err(|e| e.to_string())?;
+        }
         run_ok(
             Command::new("cryptsetup")
                 .args([
@@ -185,14 +236,18 @@ impl Server {
     fn start(target: Target, s: &Setup, mountpoint: &Path) -> Result<Server, String> {
         std::fs::write(mountpoint, b"").map_err(|e| e.to_string())?;
         let mut cmd = match target {
-            Target::Ucrypt | Target::UcryptIoUring => {
+            Target::Ucrypt | Target::UcryptIoUring | Target::UcryptWriteback => {
                 let mut c = Command::new(crate::ucrypt_bin()?);
                 c.arg("mount").arg(&s.image).arg(mountpoint);
-                c.arg("--fuse-transport").arg(if target == Target::Ucrypt {
-                    "classic"
-                } else {
-                    "io-uring"
-                });
+                c.arg("--fuse-transport")
+                    .arg(if target == Target::UcryptIoUring {
+                        "io-uring"
+                    } else {
+                        "classic"
+                    });
+                if target == Target::UcryptWriteback {
+                    c.args(["--cache", "writeback"]);
+                }
                 // Direct I/O (FOPEN_DIRECT_IO with parallel direct writes): fio opens O_DIRECT, and
                 // without it the kernel serialises writes to a FUSE file.
                 c.args([
@@ -236,7 +291,7 @@ impl Server {
         let t = Instant::now();
         while t.elapsed() < MOUNT_WAIT {
             if std::fs::metadata(mountpoint)
-                .map(|m| m.len() >= VOLUME_BYTES)
+                .map(|m| m.len() >= s.volume_bytes)
                 .unwrap_or(false)
             {
                 return Ok(server);
@@ -269,6 +324,16 @@ impl Drop for Server {
     }
 }
 
+/// One fio run: its result, the server's busy cores, its CPU µs per request.
+type Sample = (FioResult, f64, f64);
+
+/// One set of images with the servers and jobs that run on it.
+struct Part {
+    setup: Setup,
+    targets: Vec<Target>,
+    jobs: &'static [Job],
+}
+
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, String> {
     for (p, pkg) in [
         ("fio", "fio"),
@@ -287,7 +352,8 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
         Ok(()) => targets.push(Target::UcryptIoUring),
         Err(r) => skipped.push(format!("ucrypt (FUSE io_uring): {r}")),
     }
-    if have("qemu-storage-daemon") {
+    let has_qsd = have("qemu-storage-daemon");
+    if has_qsd {
         targets.push(Target::QemuStorageDaemon);
     } else {
         skipped.push(
@@ -295,53 +361,82 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
                 .into(),
         );
     }
-    let setup = Setup::new()?;
-    let mountpoint = setup.dir.join("export");
-    // (fio's result, the server's busy cores, its CPU µs per request)
-    let mut samples: Vec<Vec<Vec<(FioResult, f64, f64)>>> =
-        vec![vec![Vec::new(); JOBS.len()]; targets.len()];
-    for run in 0..runs {
-        for (ti, &target) in targets.iter().enumerate() {
+    let mut parts = vec![Part {
+        setup: Setup::new(Path::new("/dev/shm"), VOLUME_BYTES, false)?,
+        targets,
+        jobs: JOBS,
+    }];
+    let mut disk_image_dir = None;
+    match disk_dir() {
+        Ok(dir) => {
             if progress {
-                eprintln!("bench fuse: run {}/{runs}: {}", run + 1, target.name());
+                eprintln!("bench fuse: preparing images on disk ({})", dir.display());
             }
-            let (server, file) = match target {
-                Target::Plain => (None, setup.plain.clone()),
-                _ => (
-                    Some(Server::start(target, &setup, &mountpoint)?),
-                    mountpoint.clone(),
-                ),
-            };
-            for (ji, job) in JOBS.iter().enumerate() {
-                let watch = server
-                    .as_ref()
-                    .map(|s| CpuWatch::start(s.child.id() as libc::pid_t));
-                let r = fio::run_for(
-                    job,
-                    &file,
-                    VOLUME_BYTES,
-                    Duration::from_secs_f64(runtime_s),
-                    Duration::ZERO,
-                    true,
-                    None,
-                )?;
-                let (cores, per_req) = watch.map_or((f64::NAN, f64::NAN), |w| w.stop(r.iops));
-                samples[ti][ji].push((r, cores, per_req));
+            disk_image_dir = Some(dir.display().to_string());
+            parts.push(Part {
+                setup: Setup::new(&dir, DISK_VOLUME_BYTES, true)?,
+                targets: DISK_TARGETS
+                    .iter()
+                    .copied()
+                    .filter(|&t| has_qsd || t != Target::QemuStorageDaemon)
+                    .collect(),
+                jobs: DISK_JOBS,
+            });
+        }
+        Err(e) => skipped.push(e),
+    }
+    // samples[part][target][job]
+    let mut samples: Vec<Vec<Vec<Vec<Sample>>>> = parts
+        .iter()
+        .map(|p| vec![vec![Vec::new(); p.jobs.len()]; p.targets.len()])
+        .collect();
+    for run in 0..runs {
+        for (part, samples) in parts.iter().zip(samples.iter_mut()) {
+            let mountpoint = part.setup.dir.join("export");
+            for (ti, &target) in part.targets.iter().enumerate() {
+                if progress {
+                    eprintln!("bench fuse: run {}/{runs}: {}", run + 1, target.name());
+                }
+                let (server, file) = match target {
+                    Target::Plain => (None, part.setup.plain.clone()),
+                    _ => (
+                        Some(Server::start(target, &part.setup, &mountpoint)?),
+                        mountpoint.clone(),
+                    ),
+                };
+                for (ji, job) in part.jobs.iter().enumerate() {
+                    let watch = server
+                        .as_ref()
+                        .map(|s| CpuWatch::start(s.child.id() as libc::pid_t));
+                    let r = fio::run_for(
+                        job,
+                        &file,
+                        part.setup.volume_bytes,
+                        Duration::from_secs_f64(runtime_s),
+                        Duration::ZERO,
+                        true,
+                        None,
+                    )?;
+                    let (cores, per_req) = watch.map_or((f64::NAN, f64::NAN), |w| w.stop(r.iops));
+                    samples[ti][ji].push((r, cores, per_req));
+                }
             }
         }
     }
     let mut rows = Vec::new();
-    for (ji, job) in JOBS.iter().enumerate() {
-        for (ti, &target) in targets.iter().enumerate() {
-            let s = &samples[ti][ji];
-            rows.push(Row {
-                job: *job,
-                target,
-                mib_s: Summary::of(&s.iter().map(|r| r.0.mib_s).collect::<Vec<_>>()),
-                lat_p99_us: Summary::of(&s.iter().map(|r| r.0.lat_p99_us).collect::<Vec<_>>()),
-                server_cpu_us_per_req: Summary::of(&s.iter().map(|r| r.2).collect::<Vec<_>>()),
-                server_cpu_cores: Summary::of(&s.iter().map(|r| r.1).collect::<Vec<_>>()),
-            });
+    for (part, samples) in parts.iter().zip(samples.iter()) {
+        for (ji, job) in part.jobs.iter().enumerate() {
+            for (ti, &target) in part.targets.iter().enumerate() {
+                let s = &samples[ti][ji];
+                rows.push(Row {
+                    job: *job,
+                    target,
+                    mib_s: Summary::of(&s.iter().map(|r| r.0.mib_s).collect::<Vec<_>>()),
+                    lat_p99_us: Summary::of(&s.iter().map(|r| r.0.lat_p99_us).collect::<Vec<_>>()),
+                    server_cpu_us_per_req: Summary::of(&s.iter().map(|r| r.2).collect::<Vec<_>>()),
+                    server_cpu_cores: Summary::of(&s.iter().map(|r| r.1).collect::<Vec<_>>()),
+                });
+            }
         }
     }
     Ok(FuseReport {
@@ -350,6 +445,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
         runs,
         runtime_s,
         skipped,
+        disk_image_dir,
         rows,
     })
 }
@@ -417,6 +513,48 @@ pub fn markdown(r: &FuseReport) -> String {
             cpu(Target::UcryptIoUring),
             cpu(Target::QemuStorageDaemon)
         ));
+    }
+    if let Some(dir) = &r.disk_image_dir {
+        s.push_str(&format!(
+            "\nOn disk: copies of the images in {dir} ({}), {} MiB of each filled with data \
+             first; fio --direct=1 on the exported file (on the plain file: O_DIRECT to the \
+             disk), the 1 MiB writes each followed by fdatasync. MiB/s median (min–max):\n\n\
+             | job | plain disk file | ucrypt cache=none | ucrypt cache=writeback | \
+             qemu-storage-daemon luks | none ÷ qsd | writeback ÷ qsd | server CPU µs/request \
+             none / writeback / qsd |\n|---|---|---|---|---|---|---|---|\n",
+            fs_type(Path::new(dir)).unwrap_or_else(|| "file system unknown".into()),
+            DISK_VOLUME_BYTES >> 20
+        ));
+        for job in DISK_JOBS {
+            let cell = |t| {
+                find(job.name, t)
+                    .map(|x| x.mib_s.show(0))
+                    .unwrap_or_else(|| "–".into())
+            };
+            let ratio = |t| match (find(job.name, t), find(job.name, Target::QemuStorageDaemon)) {
+                (Some(u), Some(q)) => format!("{:.2}", u.mib_s.median / q.mib_s.median),
+                _ => "–".into(),
+            };
+            let cpu = |t| {
+                find(job.name, t)
+                    .filter(|x| x.server_cpu_us_per_req.median.is_finite())
+                    .map(|x| format!("{:.1}", x.server_cpu_us_per_req.median))
+                    .unwrap_or_else(|| "–".into())
+            };
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} / {} / {} |\n",
+                job.name,
+                cell(Target::Plain),
+                cell(Target::Ucrypt),
+                cell(Target::UcryptWriteback),
+                cell(Target::QemuStorageDaemon),
+                ratio(Target::Ucrypt),
+                ratio(Target::UcryptWriteback),
+                cpu(Target::Ucrypt),
+                cpu(Target::UcryptWriteback),
+                cpu(Target::QemuStorageDaemon)
+            ));
+        }
     }
     for sk in &r.skipped {
         s.push_str(&format!("\nSkipped: {sk}\n"));

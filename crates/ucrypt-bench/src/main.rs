@@ -12,6 +12,7 @@ mod cipher;
 mod cmd;
 mod compare;
 mod cpu;
+mod disk;
 mod engine;
 mod fio;
 mod fuse;

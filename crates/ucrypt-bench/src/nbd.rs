@@ -25,8 +25,6 @@
 //! normal LUKS path (`--key-file`), not raw mode. The servers run for the whole benchmark;
 //! each fio job runs on every target in turn (round-robin), `runs` times; medians.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -35,6 +33,7 @@ use serde::Serialize;
 
 use super::cmd::{have, run_ok};
 use super::cpu::CpuWatch;
+use super::disk::{disk_dir, fs_type, settle, write_noise};
 use super::fio::{self, FioResult, Job, QEMU_IMG};
 use super::server::Server;
 use super::stats::{Machine, Summary};
@@ -104,9 +103,6 @@ const QEMU_IMG_COUNT_DISK: (u64, u64) = (48, 16);
 /// The volume size of the disk images: the disk jobs write the first MiBs only.
 const DISK_VOLUME_BYTES: u64 = 64 << 20;
 const _: () = assert!(QEMU_IMG_COUNT_DISK.0 << 20 <= DISK_VOLUME_BYTES);
-/// Where the disk images go unless `UCRYPT_BENCH_DISK_DIR` says otherwise: a directory that
-/// is on disk on Debian (/tmp may be a tmpfs).
-const DISK_DIR_DEFAULT: &str = "/var/tmp";
 /// The region fio touches: the first bytes of every volume.
 const VOLUME_BYTES: u64 = 256 << 20;
 /// Size of every image file in RAM: the volume plus the header room.
@@ -328,66 +324,6 @@ fn base_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/dev/shm"))
 }
 
-/// The file system type of the mount holding `path` (from /proc/self/mounts).
-fn fs_type(path: &Path) -> Option<String> {
-    let path = path.canonicalize().ok()?;
-    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, at, kind) = (f.next()?, f.next()?, f.next()?);
-            // Mount points with spaces are escaped as \040.
-            let at = PathBuf::from(at.replace("\\040", " "));
-            path.starts_with(&at).then(|| (at, kind.to_string()))
-        })
-        .max_by_key(|(at, _)| at.as_os_str().len())
-        .map(|(_, kind)| kind)
-}
-
-/// The directory for the disk jobs' images, or why there is none.
-fn disk_dir() -> Result<PathBuf, String> {
-    let dir = std::env::var_os("UCRYPT_BENCH_DISK_DIR")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(DISK_DIR_DEFAULT));
-    match fs_type(&dir) {
-        None => Err(format!(
-            "the disk jobs: {} does not exist (set UCRYPT_BENCH_DISK_DIR to a directory on disk)",
-            dir.display()
-        )),
-        Some(k) if ["tmpfs", "ramfs"].contains(&k.as_str()) => Err(format!(
-            "the disk jobs: {} is on {k}, not on disk (set UCRYPT_BENCH_DISK_DIR to a directory \
-             on disk)",
-            dir.display()
-        )),
-        Some(_) => Ok(dir),
-    }
-}
-
-/// Writes `bytes` of pseudo-random data (xorshift64*, fixed seed: every run the same) to `path`.
-fn write_noise(path: &Path, bytes: u64) -> Result<(), String> {
-    const CHUNK_BYTES: usize = 1 << 20;
-    let f = File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut w = BufWriter::with_capacity(CHUNK_BYTES, f);
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut chunk = vec![0u8; CHUNK_BYTES];
-    let mut left = bytes;
-    while left > 0 {
-        for word in chunk.chunks_exact_mut(8) {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            word.copy_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
-        }
-        let n = left.min(CHUNK_BYTES as u64) as usize;
-        w.write_all(&chunk[..n])
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        left -= n as u64;
-    }
-    w.flush().map_err(|e| format!("{}: {e}", path.display()))
-}
-
 /// The benchmark's directory and files; removed on drop.
 struct Setup {
     dir: PathBuf,
@@ -433,6 +369,7 @@ impl Setup {
                 _ => s.dir.join("luks1.img"),
             };
             std::fs::copy(source, s.image(t)).map_err(|e| format!("{}: {e}", t.name()))?;
+            settle(&s.image(t))?;
         }
         // Only the copies are served; the masters would just hold RAM.
         for f in ["noise.img", "luks2.img", "luks1.img"] {
