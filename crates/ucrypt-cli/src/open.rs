@@ -110,6 +110,10 @@ pub struct VolumeArgs {
     pub integrity_no_journal: bool,
     #[command(flatten)]
     pub remote: RemoteArgs,
+    /// The passphrase, already read (`ucrypt open` of a remote volume reads it before it
+    /// forks, and the daemon connects and unlocks with it): used instead of asking again.
+    #[arg(skip)]
+    pub passphrase_read: Option<std::sync::Arc<SecretBytes>>,
 }
 
 pub(crate) fn read_volume_key(path: &std::path::Path) -> CliResult<SecretBytes> {
@@ -376,6 +380,20 @@ impl VolumeArgs {
         Ok(Prepared { name, kind })
     }
 
+    /// The passphrase from --key-file (with its offset and size) or, without one, asked on
+    /// the terminal.
+    pub fn read_passphrase(&self) -> CliResult<SecretBytes> {
+        Ok(pass::read_passphrase(
+            &Source {
+                key_file: self.key_file.as_deref(),
+                offset: self.keyfile_offset.unwrap_or(0),
+                size: self.keyfile_size,
+            },
+            &format!("Enter passphrase for {}: ", self.volume),
+            false,
+        )?)
+    }
+
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
     fn prepare_luks(&self) -> CliResult<PreparedKind> {
         let data = self
@@ -396,17 +414,12 @@ impl VolumeArgs {
         for w in hdr.warnings() {
             eprintln!("WARNING: {w}");
         }
-        let unlock = match &self.volume_key_file {
-            Some(p) => Unlock::VolumeKey(read_volume_key(p)?),
-            None => Unlock::Passphrase(pass::read_passphrase(
-                &Source {
-                    key_file: self.key_file.as_deref(),
-                    offset: self.keyfile_offset.unwrap_or(0),
-                    size: self.keyfile_size,
-                },
-                &format!("Enter passphrase for {}: ", self.volume),
-                false,
-            )?),
+        let unlock = match (&self.volume_key_file, &self.passphrase_read) {
+            (Some(p), _) => Unlock::VolumeKey(read_volume_key(p)?),
+            (None, Some(read)) => {
+                Unlock::Passphrase(SecretBytes::from_slice(read.as_ref().as_ref()))
+            }
+            (None, None) => Unlock::Passphrase(self.read_passphrase()?),
         };
         let mut opts = OpenOptions::default();
         opts.key_slot = self.key_slot;

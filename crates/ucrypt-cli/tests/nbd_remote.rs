@@ -316,3 +316,82 @@ fn tls_with_the_right_ca_only() {
         );
     }
 }
+
+#[test]
+fn open_runs_a_remote_volume_in_the_background() {
+    if !need("nbdkit", "nbdkit") || !need("fio", "fio") {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    if unsafe { libc::geteuid() } != 0 && std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        println!("SKIPPED: not root and XDG_RUNTIME_DIR unset (no place for open's state)");
+        return;
+    }
+    let dir = TempDir::new("remote-open");
+    let sock = dir.s("kit");
+    let _kit = nbdkit(&sock, &["memory", "64M"]);
+    let remote = format!("nbd+unix:///?socket={sock}");
+    std::fs::write(dir.path("pass"), PASS).unwrap();
+    std::fs::write(dir.path("bad"), b"not it").unwrap();
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            &remote,
+            &dir.s("pass"),
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+        ],
+    );
+    let name = format!("remote-bg-{}", std::process::id());
+    let served = dir.s("served");
+    let open = |key: &str| {
+        Command::new(UCRYPT)
+            .args(["open", &remote, &name, "--key-file", key])
+            .args(["--front-end", "fuse", "--nbd", &format!("unix:{served}")])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ucrypt open")
+    };
+    // A wrong passphrase: found in the daemon, reported by `open` with cryptsetup's code.
+    let o = open(&dir.s("bad"));
+    let said = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{said}");
+    assert!(said.contains("No key available"), "{said}");
+    let (found, _) = run(UCRYPT, &["status", &name]);
+    assert!(!found, "a failed open left {name} behind");
+    // The right one: `open` returns once the daemon serves.
+    let o = open(&dir.s("pass"));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let uri = format!("nbd+unix:///{name}?socket={served}");
+    let verified = std::panic::catch_unwind(|| {
+        fio(
+            &uri,
+            &[
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=8",
+                "--size=8M",
+                "--verify=crc32c",
+                "--do_verify=1",
+            ],
+        )
+    });
+    let status = ok(UCRYPT, &["status", &name]);
+    ok(UCRYPT, &["close", &name]);
+    verified.expect("fio through the background daemon");
+    assert!(
+        status.contains(&remote),
+        "status names the volume: {status}"
+    );
+    let (found, _) = run(UCRYPT, &["status", &name]);
+    assert!(!found, "{name} still open after close");
+}

@@ -6,7 +6,10 @@
 //!   foreground, then forks: the child builds the volume (unlocking a keyslot there; a wrong
 //!   passphrase comes back through a pipe as exit 2), starts the front end, names the device
 //!   and answers a control socket; the parent returns once the device is ready. Forking
-//!   before any thread exists is what makes the fork safe (see [`fork_daemon`]).
+//!   before any thread exists is what makes the fork safe (see [`fork_daemon`]). A remote
+//!   volume (NBD, RBD) starts threads as soon as it connects, so for it only the passphrase
+//!   is read before the fork; the daemon connects, checks the header and unlocks
+//!   ([`open_remote_in_daemon`]).
 //! - Front ends, best first (`--front-end auto`): ublk (`/dev/ublkbN`) as root when
 //!   `/dev/ublk-control` exists; else as root the FUSE file attached to a loop device with
 //!   direct I/O; else (rootless) the FUSE file alone.
@@ -324,14 +327,6 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
             "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
         ));
     }
-    if a.v.volume.is_remote() && !a.foreground {
-        // The daemon forks with one thread alive; a remote backend starts its connection's
-        // threads as soon as the header is read, before the passphrase is asked.
-        return Err(CliError::Usage(format!(
-            "open of a remote volume ({}) runs only with --foreground for now; or serve, mount or ublk it",
-            a.v.volume
-        )));
-    }
     let run = RunDir::locate()?;
     let front_end = a.front_end.resolve(run.root)?;
     // A local volume is known by its device and inode; a remote one by its name.
@@ -372,6 +367,9 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
     };
     // Name and volume checked before any prompt, as cryptsetup does.
     let claim = state::claim(&run, &ident)?;
+    if a.v.volume.is_remote() && !a.foreground {
+        return open_remote_in_daemon(a, name, run, claim, ident, front_end);
+    }
     let prepared = match a.v.prepare() {
         Ok(p) => p,
         Err(e) => {
@@ -418,6 +416,77 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
             // our copies.
             drop(d);
             drop(prepared);
+            wait_ready(&name, child, ready, &dir)
+        }
+    }
+}
+
+/// `open` of a remote volume without `--foreground`. A remote backend starts its
+/// connection's threads as soon as it connects, and the daemon must fork while only one thread
+/// exists: so the passphrase (or key file) is read here, before any connection, and the daemon
+/// connects, reads and checks the header, unlocks and serves. A failure there (not LUKS, a
+/// wrong passphrase, an unreachable server) comes back through the readiness pipe with its
+/// exit code, as a local volume's would.
+fn open_remote_in_daemon(
+    mut a: OpenArgs,
+    name: String,
+    run: RunDir,
+    claim: state::Claim,
+    ident: Identity,
+    front_end: FrontEnd,
+) -> CliResult<i32> {
+    if a.v.cipher.is_none() && a.v.volume_key_file.is_none() {
+        match a.v.read_passphrase() {
+            Ok(p) => a.v.passphrase_read = Some(std::sync::Arc::new(p)),
+            Err(e) => {
+                claim.abandon();
+                return Err(e);
+            }
+        }
+    }
+    let log = claim.dir.join("daemon.log");
+    let volume = ident.volume.clone();
+    match fork_daemon(&log)? {
+        Forked::Child(pipe) => {
+            let mut reporter = serve::Reporter::Pipe(pipe);
+            let opened = a.v.prepare().and_then(|p| {
+                let info = describe(&p, &volume, a.v.read_only)?;
+                Ok((p, info))
+            });
+            let code = match opened {
+                Ok((prepared, info)) => {
+                    let d = serve::Daemon {
+                        name: name.clone(),
+                        run,
+                        claim,
+                        ident,
+                        info,
+                        front_end,
+                        metrics: a.metrics.metrics.clone(),
+                        nbd: a.nbd.clone(),
+                    };
+                    match serve::run(d, prepared, reporter) {
+                        Ok(()) => 0,
+                        Err(e) => {
+                            eprintln!("ucrypt daemon {name}: {e}");
+                            e.exit_code()
+                        }
+                    }
+                }
+                Err(e) => {
+                    eprintln!("ucrypt daemon {name}: {e}");
+                    reporter.failed(&e);
+                    claim.abandon();
+                    e.exit_code()
+                }
+            };
+            std::process::exit(code);
+        }
+        Forked::Parent { child, ready } => {
+            let dir = claim.dir.clone();
+            // The daemon holds the claim now: only close our copies.
+            drop(claim);
+            drop(a);
             wait_ready(&name, child, ready, &dir)
         }
     }

@@ -67,7 +67,7 @@ impl Reporter {
         }
     }
 
-    fn failed(&mut self, e: &CliError) {
+    pub(super) fn failed(&mut self, e: &CliError) {
         if let Reporter::Pipe(f) = self {
             use std::io::Write;
             let _ = f.write_all(&super::proto::encode_response(&Response::Error {
