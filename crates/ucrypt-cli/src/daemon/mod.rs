@@ -385,31 +385,13 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
         }
     };
     let log = claim.dir.join("daemon.log");
-    let d = serve::Daemon {
-        name: name.clone(),
-        run,
-        claim,
-        ident,
-        info,
-        front_end,
-        metrics: a.metrics.metrics.clone(),
-        nbd: a.nbd.clone(),
-    };
+    let d = daemon_for(&a, name.clone(), run, claim, ident, info, front_end);
     if a.foreground {
         serve::run(d, prepared, serve::Reporter::Foreground)?;
         return Ok(0);
     }
     match fork_daemon(&log)? {
-        Forked::Child(pipe) => {
-            let code = match serve::run(d, prepared, serve::Reporter::Pipe(pipe)) {
-                Ok(()) => 0,
-                Err(e) => {
-                    eprintln!("ucrypt daemon {name}: {e}");
-                    e.exit_code()
-                }
-            };
-            std::process::exit(code);
-        }
+        Forked::Child(pipe) => run_forked(d, prepared, serve::Reporter::Pipe(pipe)),
         Forked::Parent { child, ready } => {
             let dir = d.claim.dir.clone();
             // The daemon holds the claim now (the lock's description is shared): only close
@@ -419,6 +401,41 @@ pub fn open(a: OpenArgs) -> CliResult<i32> {
             wait_ready(&name, child, ready, &dir)
         }
     }
+}
+
+/// The daemon of `open` NAME, built from its options and what was checked or opened.
+fn daemon_for(
+    a: &OpenArgs,
+    name: String,
+    run: RunDir,
+    claim: state::Claim,
+    ident: Identity,
+    info: VolumeInfo,
+    front_end: FrontEnd,
+) -> serve::Daemon {
+    serve::Daemon {
+        name,
+        run,
+        claim,
+        ident,
+        info,
+        front_end,
+        metrics: a.metrics.metrics.clone(),
+        nbd: a.nbd.clone(),
+    }
+}
+
+/// The forked daemon: serves until closed, then exits with the code of how it ended.
+fn run_forked(d: serve::Daemon, prepared: Prepared, reporter: serve::Reporter) -> ! {
+    let name = d.name.clone();
+    let code = match serve::run(d, prepared, reporter) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("ucrypt daemon {name}: {e}");
+            e.exit_code()
+        }
+    };
+    std::process::exit(code)
 }
 
 /// `open` of a remote volume without `--foreground`. A remote backend starts its
@@ -453,34 +470,19 @@ fn open_remote_in_daemon(
                 let info = describe(&p, &volume, a.v.read_only)?;
                 Ok((p, info))
             });
-            let code = match opened {
-                Ok((prepared, info)) => {
-                    let d = serve::Daemon {
-                        name: name.clone(),
-                        run,
-                        claim,
-                        ident,
-                        info,
-                        front_end,
-                        metrics: a.metrics.metrics.clone(),
-                        nbd: a.nbd.clone(),
-                    };
-                    match serve::run(d, prepared, reporter) {
-                        Ok(()) => 0,
-                        Err(e) => {
-                            eprintln!("ucrypt daemon {name}: {e}");
-                            e.exit_code()
-                        }
-                    }
-                }
+            match opened {
+                Ok((prepared, info)) => run_forked(
+                    daemon_for(&a, name, run, claim, ident, info, front_end),
+                    prepared,
+                    reporter,
+                ),
                 Err(e) => {
                     eprintln!("ucrypt daemon {name}: {e}");
                     reporter.failed(&e);
                     claim.abandon();
-                    e.exit_code()
+                    std::process::exit(e.exit_code());
                 }
-            };
-            std::process::exit(code);
+            }
         }
         Forked::Parent { child, ready } => {
             let dir = claim.dir.clone();
