@@ -137,7 +137,6 @@ impl Collector for Volumes {
                 }
             }
         }
-        drop(m);
         if !auth.is_empty() {
             let mut m = enc.encode_descriptor(
                 "ucrypt_integrity_mismatches",
