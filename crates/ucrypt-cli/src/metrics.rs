@@ -1,12 +1,15 @@
 //! `--metrics tcp:HOST:PORT|unix:PATH`: every served volume's counters and timing histograms
 //! in Prometheus' text format, answered to `GET /metrics` over HTTP/1.x.
 //!
-//! Read at scrape time from `Volume::stats()`, nothing is recorded twice. Per volume (label
+//! Read at scrape time from `Volume::stats()` (an authenticated volume: the counters of
+//! `open::Authenticated`), nothing is recorded twice. Per volume (label
 //! `volume`) and direction (label `op`: read; write, which also counts write-zeroes and
 //! discards):
 //! - `ucrypt_requests_total`, `ucrypt_bytes_total`;
 //! - `ucrypt_errors_total` by `kind` (who can act: bad_input, wrong_key, bad_data, device,
 //!   peer, internal);
+//! - `ucrypt_integrity_mismatches_total` (authenticated volumes only, label `volume`): blocks
+//!   whose tag did not verify, dm-integrity's "number of integrity mismatches";
 //! - `ucrypt_request_seconds` histograms by `phase` (wait, queue, crypto, backend, total). As
 //!   the engine times one request in `SAMPLE_EVERY` (32) at random, their counts are of the
 //!   sampled requests; bucket edges are the engine's log2 clock-tick buckets in seconds.
@@ -18,7 +21,6 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
@@ -27,11 +29,11 @@ use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use ucrypt::engine::{OpStats, Phase};
-use ucrypt::volume::Volume;
 use ucrypt::ErrorKind;
 use ucrypt_nbd::server::Listen;
 
 use crate::error::{CliError, CliResult};
+use crate::open::{Authenticated, Opened};
 
 /// Longest request head (request line and headers) read from a scraper.
 pub const REQUEST_HEAD_BYTES_MAX: usize = 8 << 10;
@@ -47,18 +49,12 @@ pub struct MetricsArgs {
 
 /// The volumes a process serves, named as their `volume` label.
 #[derive(Clone)]
-pub struct Volumes(pub Vec<(String, Arc<Volume>)>);
+pub struct Volumes(pub Vec<(String, Opened)>);
 
 impl Volumes {
     /// The one volume of a front end, labelled with its file or image name.
-    /// An authenticated volume has no engine statistics yet: it is left out.
-    pub fn one(args: &crate::open::VolumeArgs, vol: &crate::open::Opened) -> Volumes {
-        Volumes(
-            vol.plain()
-                .map(|v| (args.volume.label(), v.clone()))
-                .into_iter()
-                .collect(),
-        )
+    pub fn one(args: &crate::open::VolumeArgs, vol: &Opened) -> Volumes {
+        Volumes(vec![(args.volume.label(), vol.clone())])
     }
 }
 
@@ -83,24 +79,39 @@ const PHASES: [(Phase, &str); 5] = [
 
 impl Collector for Volumes {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        // Plain volumes: the engine's statistics. Authenticated ones: the counters their
+        // wrapper keeps (no timings: they do not run on the engine).
         let snaps: Vec<(&str, [(&str, OpStats); 2])> = self
             .0
             .iter()
-            .map(|(n, v)| {
-                let s = v.stats();
-                (n.as_str(), [("read", s.read), ("write", s.write)])
+            .filter_map(|(n, v)| v.plain().map(|v| (n, v.stats())))
+            .map(|(n, s)| (n.as_str(), [("read", s.read), ("write", s.write)]))
+            .collect();
+        let auth: Vec<(&str, &Authenticated)> = self
+            .0
+            .iter()
+            .filter_map(|(n, v)| match v {
+                Opened::Integrity(a) => Some((n.as_str(), &**a)),
+                Opened::Plain(_) => None,
             })
             .collect();
         let counters: [Counter; 2] = [
             ("ucrypt_requests", "Requests served.", |o| o.requests),
             ("ucrypt_bytes", "Bytes of plaintext moved.", |o| o.bytes),
         ];
-        for (name, help, value) in counters {
+        for (i, (name, help, value)) in counters.into_iter().enumerate() {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (vol, ops) in &snaps {
                 for (op, o) in ops {
                     m.encode_family(&[("volume", *vol), ("op", *op)])?
                         .encode_counter::<NoLabelSet, _, u64>(&value(o), None)?;
+                }
+            }
+            for (vol, a) in &auth {
+                for (op, c) in ["read", "write"].into_iter().zip(a.op_counts()) {
+                    let v = if i == 0 { c.requests } else { c.bytes };
+                    m.encode_family(&[("volume", *vol), ("op", op)])?
+                        .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
                 }
             }
         }
@@ -116,6 +127,27 @@ impl Collector for Volumes {
                     m.encode_family(&[("volume", *vol), ("op", *op), ("kind", k.name())])?
                         .encode_counter::<NoLabelSet, _, u64>(&o.errors_of(k), None)?;
                 }
+            }
+        }
+        for (vol, a) in &auth {
+            for (op, write) in [("read", false), ("write", true)] {
+                for k in ErrorKind::ALL {
+                    m.encode_family(&[("volume", *vol), ("op", op), ("kind", k.name())])?
+                        .encode_counter::<NoLabelSet, _, u64>(&a.errors_of(write, k), None)?;
+                }
+            }
+        }
+        if !auth.is_empty() {
+            let mut m = enc.encode_descriptor(
+                "ucrypt_integrity_mismatches",
+                "Blocks whose authentication tag did not verify (dm-integrity's number of \
+                 integrity mismatches).",
+                None,
+                MetricType::Counter,
+            )?;
+            for (vol, a) in &auth {
+                m.encode_family(&[("volume", *vol)])?
+                    .encode_counter::<NoLabelSet, _, u64>(&a.integrity_mismatches(), None)?;
             }
         }
         let mut m = enc.encode_descriptor(

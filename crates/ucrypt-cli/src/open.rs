@@ -9,7 +9,8 @@
 //! The LUKS work itself is one library call, `ucrypt::luks::open`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use clap::Args;
@@ -18,8 +19,9 @@ use ucrypt::engine::{Policies, Policy};
 use ucrypt::integrity::{self, superblock::flags as sb_flags, IntegrityVolume};
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
+use ucrypt::sync::lock;
 use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::{BlockDev, Error, SecretBytes};
+use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
 
 use crate::error::{CliError, CliResult};
 use crate::luks_cli::open_header;
@@ -155,13 +157,19 @@ pub enum PreparedKind {
 }
 
 /// An opened volume: the engine's dm-crypt [`Volume`], or a LUKS2 volume with authenticated
-/// encryption (dm-crypt over dm-integrity, [`IntegrityVolume`]). Front ends need only
-/// [`Opened::dev`]; statistics, metrics and run-time policy changes exist for plain volumes
-/// only ([`Opened::plain`]).
+/// encryption (dm-crypt over dm-integrity, [`IntegrityVolume`] behind [`Authenticated`]).
+/// Front ends need only [`Opened::dev`]; the life-cycle daemon and metrics use the rest.
 #[derive(Clone)]
 pub enum Opened {
     Plain(Arc<Volume>),
     Integrity(Arc<Authenticated>),
+}
+
+/// Requests and bytes of one direction, as `status` reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpCounts {
+    pub requests: u64,
+    pub bytes: u64,
 }
 
 impl Opened {
@@ -173,25 +181,167 @@ impl Opened {
         }
     }
 
-    /// The engine's volume, for statistics and metrics; `None` for an authenticated volume,
-    /// which has neither yet.
+    /// The engine's volume (statistics with timings, run-time policy); `None` for an
+    /// authenticated volume, which does not run on the engine.
     pub fn plain(&self) -> Option<&Arc<Volume>> {
         match self {
             Opened::Plain(v) => Some(v),
             Opened::Integrity(_) => None,
         }
     }
+
+    /// Reads and writes (write-zeroes and discards count as writes) served so far.
+    pub fn op_counts(&self) -> [OpCounts; 2] {
+        match self {
+            Opened::Plain(v) => {
+                let s = v.stats();
+                [
+                    OpCounts {
+                        requests: s.read.requests,
+                        bytes: s.read.bytes,
+                    },
+                    OpCounts {
+                        requests: s.write.requests,
+                        bytes: s.write.bytes,
+                    },
+                ]
+            }
+            Opened::Integrity(a) => a.op_counts(),
+        }
+    }
+
+    /// dm-integrity's "number of integrity mismatches" (the first field of `dmsetup status`
+    /// of an integrity target): blocks whose tag did not verify since the volume was opened.
+    /// `None` for a volume without authentication.
+    pub fn integrity_mismatches(&self) -> Option<u64> {
+        match self {
+            Opened::Plain(_) => None,
+            Opened::Integrity(a) => Some(a.integrity_mismatches()),
+        }
+    }
+
+    /// The dispatch policy as `status` prints it.
+    pub fn policy(&self) -> String {
+        match self {
+            Opened::Plain(v) => v.policy().to_string(),
+            Opened::Integrity(_) => AUTHENTICATED_POLICY.into(),
+        }
+    }
+
+    pub fn is_suspended(&self) -> bool {
+        match self {
+            Opened::Plain(v) => v.is_suspended(),
+            Opened::Integrity(a) => a.is_suspended(),
+        }
+    }
+
+    /// Holds new requests, waits for those inside, flushes and drops every copy of the key
+    /// (the cipher contexts of a plain volume; the whole tag layer of an authenticated one).
+    pub fn suspend(&self) -> ucrypt::Result<()> {
+        match self {
+            Opened::Plain(v) => v.suspend(),
+            Opened::Integrity(a) => a.suspend(),
+        }
+    }
+
+    /// Rebuilds what `suspend` dropped from the volume key (verified against `hdr`, the header
+    /// as read again) and lets the held requests go.
+    pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
+        match self {
+            Opened::Plain(v) => v.resume(SecretBytes::from_slice(vk.bytes())),
+            Opened::Integrity(a) => a.resume(hdr, vk),
+        }
+    }
+}
+
+/// What `status` says of an authenticated volume's dispatch: its crypto runs on the caller's
+/// thread (docs/integrity.md, "Dispatch").
+pub const AUTHENTICATED_POLICY: &str = "inline (authenticated)";
+
+/// How often `suspend` looks whether the requests inside an authenticated volume are done.
+const SUSPEND_POLL: Duration = Duration::from_millis(1);
+
+/// Requests and bytes of one direction, counted as they are served.
+#[derive(Default)]
+struct OpCounters {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+    /// Failed requests by [`ucrypt::ErrorKind`] (indexed as `ErrorKind::ALL`).
+    errors: [AtomicU64; ErrorKind::ALL.len()],
+}
+
+impl OpCounters {
+    fn count<T>(&self, bytes: u64, r: &ucrypt::Result<T>) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        match r {
+            Ok(_) => {
+                self.bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.errors[e.kind() as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn snapshot(&self) -> OpCounts {
+        OpCounts {
+            requests: self.requests.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// An [`IntegrityVolume`] as the command line serves it: a block that fails authentication
 /// is logged as one line on standard error (the request fails with the error's errno,
-/// EILSEQ; NBD, which has no such error, sends NBD_EIO).
+/// EILSEQ; NBD, which has no such error, sends NBD_EIO); requests, bytes and errors are
+/// counted for `status` and metrics; and it can be suspended: the whole `IntegrityVolume`
+/// (its key, its keyed tag ciphers) is dropped and built again from the volume key on
+/// resume, while requests wait.
 pub struct Authenticated {
     name: String,
-    inner: IntegrityVolume,
+    /// The dm-integrity device (the LUKS2 data device), kept to rebuild the volume on resume.
+    data: Arc<dyn Backend>,
+    read_only: bool,
+    /// Fixed by the dm-integrity superblock: known while suspended too.
+    size: u64,
+    block_size: u32,
+    /// `None` while suspended.
+    inner: Mutex<Option<Arc<IntegrityVolume>>>,
+    resumed: Condvar,
+    /// Mismatches counted by the volumes dropped at earlier suspends.
+    mismatches_before: AtomicU64,
+    ops: [OpCounters; 2],
 }
 
+const READ: usize = 0;
+const WRITE: usize = 1;
+
 impl Authenticated {
+    fn new(name: &str, data: Arc<dyn Backend>, vol: IntegrityVolume) -> Self {
+        Authenticated {
+            name: name.to_string(),
+            data,
+            read_only: vol.read_only(),
+            size: vol.size(),
+            block_size: vol.block_size(),
+            inner: Mutex::new(Some(Arc::new(vol))),
+            resumed: Condvar::new(),
+            mismatches_before: AtomicU64::new(0),
+            ops: Default::default(),
+        }
+    }
+
+    /// The volume to serve a request with; waits while suspended.
+    fn vol(&self) -> Arc<IntegrityVolume> {
+        let mut g = lock(&self.inner);
+        loop {
+            if let Some(v) = &*g {
+                return v.clone();
+            }
+            g = self.resumed.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
     fn logged<T>(&self, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
         if let Err(Error::Integrity { sector }) = &r {
             eprintln!(
@@ -201,65 +351,129 @@ impl Authenticated {
         }
         r
     }
+
+    fn served<T>(&self, op: usize, bytes: u64, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
+        self.ops[op].count(bytes, &r);
+        self.logged(r)
+    }
+
+    /// Reads and writes served so far (write-zeroes and discards count as writes).
+    pub fn op_counts(&self) -> [OpCounts; 2] {
+        [self.ops[READ].snapshot(), self.ops[WRITE].snapshot()]
+    }
+
+    /// Failed reads (or writes, with `write`) whose error is of `kind`.
+    pub fn errors_of(&self, write: bool, kind: ErrorKind) -> u64 {
+        self.ops[usize::from(write)].errors[kind as usize].load(Ordering::Relaxed)
+    }
+
+    /// Blocks whose tag did not verify since opening (across suspends).
+    pub fn integrity_mismatches(&self) -> u64 {
+        let now = lock(&self.inner)
+            .as_ref()
+            .map_or(0, |v| v.integrity_errors());
+        self.mismatches_before.load(Ordering::Relaxed) + now
+    }
+
+    pub fn is_suspended(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    /// Takes the volume away from new requests, waits for the requests inside to finish,
+    /// flushes and drops it: its `SecretBytes` key and keyed contexts are wiped on drop.
+    pub fn suspend(&self) -> ucrypt::Result<()> {
+        let Some(mut v) = lock(&self.inner).take() else {
+            return Err(Error::InvalidArgument("already suspended".into()));
+        };
+        let vol = loop {
+            match Arc::try_unwrap(v) {
+                Ok(vol) => break vol,
+                Err(still_used) => {
+                    v = still_used;
+                    std::thread::sleep(SUSPEND_POLL);
+                }
+            }
+        };
+        if let Err(e) = vol.flush() {
+            // Not suspended: the volume serves on.
+            *lock(&self.inner) = Some(Arc::new(vol));
+            self.resumed.notify_all();
+            return Err(e);
+        }
+        self.mismatches_before
+            .fetch_add(vol.integrity_errors(), Ordering::Relaxed);
+        drop(vol);
+        Ok(())
+    }
+
+    /// Builds the volume again from `vk` and lets the waiting requests in.
+    pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
+        let vol = integrity::open_luks2(self.data.clone(), hdr, vk, self.read_only)?;
+        check_superblock_flags(&vol)?;
+        if vol.size() != self.size || vol.block_size() != self.block_size {
+            return Err(Error::InvalidArgument(format!(
+                "{}: the dm-integrity superblock changed while suspended",
+                self.name
+            )));
+        }
+        let mut g = lock(&self.inner);
+        if g.is_some() {
+            return Err(Error::InvalidArgument("not suspended".into()));
+        }
+        *g = Some(Arc::new(vol));
+        drop(g);
+        self.resumed.notify_all();
+        Ok(())
+    }
 }
 
 impl BlockDev for Authenticated {
     fn size(&self) -> u64 {
-        self.inner.size()
+        self.size
     }
     fn block_size(&self) -> u32 {
-        self.inner.block_size()
+        self.block_size
     }
     fn read_only(&self) -> bool {
-        self.inner.read_only()
+        self.read_only
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
-        self.logged(self.inner.read_at(buf, offset))
+        let n = buf.len() as u64;
+        let r = self.vol().read_at(buf, offset);
+        self.served(READ, n, r)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
         // An unaligned write reads (and verifies) the blocks at its ends.
-        self.logged(self.inner.write_at(buf, offset))
+        let r = self.vol().write_at(buf, offset);
+        self.served(WRITE, buf.len() as u64, r)
     }
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
-        self.logged(self.inner.write_at_mut(buf, offset))
+        let n = buf.len() as u64;
+        let r = self.vol().write_at_mut(buf, offset);
+        self.served(WRITE, n, r)
     }
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
-        self.logged(self.inner.write_fua(buf, offset))
+        let n = buf.len() as u64;
+        let r = self.vol().write_fua(buf, offset);
+        self.served(WRITE, n, r)
     }
     fn flush(&self) -> ucrypt::Result<()> {
-        self.inner.flush()
+        self.vol().flush()
     }
     fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        self.inner.discard(offset, len)
+        let r = self.vol().discard(offset, len);
+        self.served(WRITE, len, r)
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        self.logged(self.inner.write_zeroes(offset, len))
+        let r = self.vol().write_zeroes(offset, len);
+        self.served(WRITE, len, r)
     }
 }
 
-/// Opens the authenticated segment of a LUKS2 volume. Refuses a dm-integrity superblock whose
-/// flags say its tags are not all valid: recalculation in progress (tags beyond
-/// `recalc_sector` were never written) or a dirty bitmap (bitmap mode left blocks whose tags
-/// are stale). dm-integrity keeps no "journal dirty" flag in the superblock: a journal left
-/// with committed, unapplied entries can only be told by reading the journal, which ucrypt
-/// does not do (docs/integrity.md).
-fn open_authenticated(
-    name: &str,
-    data: Arc<dyn Backend>,
-    hdr: &luks::Header,
-    unlock: Unlock,
-    opts: &OpenOptions,
-) -> ucrypt::Result<Opened> {
-    let hdr_dev: &dyn Backend = match &opts.header {
-        Some(h) => h.as_ref(),
-        None => data.as_ref(),
-    };
-    if !opts.read_only {
-        hdr.check_requirements()?;
-    }
-    let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
-    let vol = integrity::open_luks2(data, hdr, &vk, opts.read_only)?;
-    drop(vk);
+/// Refuses a dm-integrity superblock whose flags say its tags are not all valid:
+/// recalculation in progress (tags beyond `recalc_sector` were never written) or a dirty
+/// bitmap (bitmap mode left blocks whose tags are stale).
+fn check_superblock_flags(vol: &IntegrityVolume) -> ucrypt::Result<()> {
     let sb = &vol.layout().sb;
     for (flag, what) in [
         (
@@ -278,10 +492,34 @@ fn open_authenticated(
             )));
         }
     }
-    Ok(Opened::Integrity(Arc::new(Authenticated {
-        name: name.to_string(),
-        inner: vol,
-    })))
+    Ok(())
+}
+
+/// Opens the authenticated segment of a LUKS2 volume (see [`check_superblock_flags`] for the
+/// superblocks refused). dm-integrity keeps no "journal dirty" flag in the superblock: a
+/// journal left with committed, unapplied entries can only be told by reading the journal,
+/// which ucrypt does not do (docs/integrity.md).
+fn open_authenticated(
+    name: &str,
+    data: Arc<dyn Backend>,
+    hdr: &luks::Header,
+    unlock: Unlock,
+    opts: &OpenOptions,
+) -> ucrypt::Result<Opened> {
+    let hdr_dev: &dyn Backend = match &opts.header {
+        Some(h) => h.as_ref(),
+        None => data.as_ref(),
+    };
+    if !opts.read_only {
+        hdr.check_requirements()?;
+    }
+    let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
+    let vol = integrity::open_luks2(data.clone(), hdr, &vk, opts.read_only)?;
+    drop(vk);
+    check_superblock_flags(&vol)?;
+    Ok(Opened::Integrity(Arc::new(Authenticated::new(
+        name, data, vol,
+    ))))
 }
 
 impl Prepared {

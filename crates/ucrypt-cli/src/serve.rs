@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ucrypt::volume::Volume;
 use ucrypt::BlockDev;
 use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
 
@@ -59,9 +58,9 @@ pub struct ServeArgs {
 const REMOTE_WORKERS_PER_CONNECTION: usize = 32;
 
 /// What the server serves, and the volume behind it (none unencrypted).
-type Opened = (Arc<dyn BlockDev>, Option<Arc<Volume>>);
+type Opened = (Arc<dyn BlockDev>, Option<crate::open::Opened>);
 /// One export: its name and what was opened for it.
-type Export = (String, Arc<dyn BlockDev>, Option<Arc<Volume>>);
+type Export = (String, Arc<dyn BlockDev>, Option<crate::open::Opened>);
 
 fn open_one(a: &ServeArgs, target: &Target) -> CliResult<Opened> {
     if a.unencrypted {
@@ -72,7 +71,7 @@ fn open_one(a: &ServeArgs, target: &Target) -> CliResult<Opened> {
     let mut v = a.volume.clone();
     v.volume = target.clone();
     let vol = v.open()?;
-    Ok((vol.dev(), vol.plain().cloned()))
+    Ok((vol.dev(), Some(vol)))
 }
 
 fn open_volumes(a: &ServeArgs) -> CliResult<Vec<Export>> {

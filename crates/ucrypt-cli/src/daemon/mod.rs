@@ -260,11 +260,40 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
         skipped_sectors: 0,
         read_only,
         flags: Vec::new(),
+        integrity: None,
     };
     match &p.kind {
         PreparedKind::Luks { hdr, opts, .. } => {
-            if ucrypt::integrity::superblock_offset(hdr).is_some() {
-                return Err(CliError::Usage(serve::AUTHENTICATED_NOT_OPENED.into()));
+            if let Header::Luks2(h) = &**hdr {
+                if let Some(seg) = h.meta.segments.values().find(|s| s.integrity.is_some()) {
+                    // dm-crypt over dm-integrity, as cryptsetup's status shows it: the cipher
+                    // key's size, then the integrity type and its key's size.
+                    let integ = seg.integrity.as_ref().map(|i| i.kind.clone());
+                    let integ = integ.unwrap_or_default();
+                    let total_bits = h
+                        .meta
+                        .keyslots
+                        .values()
+                        .find(|k| k.kind == "luks2")
+                        .map(|k| k.key_size * 8)
+                        .unwrap_or(0);
+                    let mac_bits = match integ.as_str() {
+                        "hmac(sha256)" => 256,
+                        "hmac(sha512)" => 512,
+                        _ => 0,
+                    };
+                    info.kind = "LUKS2".into();
+                    info.cipher = seg.encryption.clone().unwrap_or_default();
+                    info.key_bits = total_bits.saturating_sub(mac_bits);
+                    info.integrity = Some(if mac_bits > 0 {
+                        format!("{integ} ({mac_bits}-bit key)")
+                    } else {
+                        integ
+                    });
+                    info.sector_size = seg.sector_size.unwrap_or(512);
+                    info.offset_sectors = seg.offset.0 / 512;
+                    return Ok(info);
+                }
             }
             let layout = hdr.data_layout()?;
             info.kind = format!("LUKS{}", hdr.version());
@@ -727,6 +756,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     o += &format!("  cipher:  {}\n", v.cipher);
     o += &format!("  keysize: {} bits\n", v.key_bits);
     o += "  key location: ucrypt daemon\n";
+    if let Some(i) = &v.integrity {
+        o += &format!("  integrity: {i}\n");
+    }
     o += &format!("  device:  {}\n", v.device);
     o += &format!("  sector size:  {}\n", v.sector_size);
     o += &format!("  offset:  {} sectors\n", v.offset_sectors);
@@ -763,6 +795,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
         "  writes:  {} requests, {} bytes\n",
         c.write_requests, c.write_bytes
     );
+    if let Some(m) = s.integrity_mismatches {
+        o += &format!("  integrity mismatches: {m}\n");
+    }
     o += &format!("  pid:     {}\n", s.pid);
     o
 }
@@ -998,6 +1033,7 @@ mod tests {
                 skipped_sectors: 0,
                 read_only: false,
                 flags: vec!["discards".into()],
+                integrity: None,
             },
             front_end: "fuse+loop".into(),
             device: "/dev/loop3".into(),
@@ -1014,6 +1050,7 @@ mod tests {
             pid: 7,
             started_unix_s: 0,
             suspended: false,
+            integrity_mismatches: None,
         };
         let want = "\
 /dev/ucrypt/data is active.

@@ -399,6 +399,10 @@ pub struct VolumeInfo {
     pub read_only: bool,
     /// cryptsetup's flag names: "discards".
     pub flags: Vec<String>,
+    /// Authenticated encryption: the integrity type (`aead`, `hmac(sha256)` with its key
+    /// size), as cryptsetup's status prints it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<String>,
 }
 
 /// Counters from `Volume::stats` (reads; writes with write-zeroes and discards).
@@ -431,6 +435,10 @@ pub struct StatusReport {
     /// Suspended (`ucrypt suspend`): requests wait, the key is wiped.
     #[serde(default)]
     pub suspended: bool,
+    /// Authenticated volumes: blocks whose tag did not verify since opening (dm-integrity's
+    /// "number of integrity mismatches"); absent for a plain volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity_mismatches: Option<u64>,
 }
 
 /// The daemon's report to the `open` that forked it: the device is there.
@@ -642,6 +650,7 @@ mod tests {
                 skipped_sectors: 0,
                 read_only: false,
                 flags: vec!["discards".into()],
+                integrity: Some("aead".into()),
             },
             front_end: "fuse+loop".into(),
             device: "/dev/loop3".into(),
@@ -658,6 +667,7 @@ mod tests {
             pid: 42,
             started_unix_s: 1_700_000_000,
             suspended: true,
+            integrity_mismatches: Some(3),
         }
     }
 

@@ -18,8 +18,7 @@ use std::time::Duration;
 use ucrypt::backend::Backend;
 use ucrypt::luks::{self, Unlock};
 use ucrypt::sync::lock;
-use ucrypt::volume::Volume;
-use ucrypt::{BlockDev, SecretBytes, Stop};
+use ucrypt::{BlockDev, Stop};
 use ucrypt_fuse::{MountOptions, Mounted, PunchHole, SizeNotifier, Transport, Unmount};
 
 use super::loopdev::{self, LoopDevice};
@@ -30,7 +29,7 @@ use super::proto::{
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
 use crate::error::{CliError, CliResult};
-use crate::open::Prepared;
+use crate::open::{Opened, Prepared};
 
 /// How often the main loop looks at signals and at a front end that ended on its own.
 const POLL: Duration = Duration::from_millis(200);
@@ -100,13 +99,12 @@ struct NbdSide {
 }
 
 impl NbdSide {
-    fn start(name: &str, vol: &Arc<Volume>, at: &Listen) -> CliResult<NbdSide> {
+    fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<NbdSide> {
         let stop = Stop::new();
         let (s2, at2) = (stop.clone(), at.clone());
-        let dev: Arc<dyn BlockDev> = vol.clone();
-        let exports = vec![(name.to_string(), dev)];
+        let exports = vec![(name.to_string(), dev.clone())];
         let opts = ucrypt_nbd::server::ServerOptions {
-            read_only: vol.read_only(),
+            read_only: dev.read_only(),
             tls: None,
             insecure_plaintext: false,
             pid_file: None,
@@ -183,7 +181,7 @@ impl Front {
 /// What the control thread shares with the main loop.
 struct Shared {
     name: String,
-    vol: Arc<Volume>,
+    vol: Opened,
     /// Changes with resize (size) and refresh (flags).
     info: Mutex<VolumeInfo>,
     /// LUKS: the device the header is on, read again to unlock on resume. None for a plain
@@ -215,24 +213,25 @@ impl Shared {
 
     /// The status report of this volume now.
     fn status(&self) -> Response {
-        let s = self.vol.stats();
+        let [r, w] = self.vol.op_counts();
         Response::Status(Box::new(StatusReport {
             volume: lock(&self.info).clone(),
             front_end: self.ident.front_end.clone().unwrap_or_default(),
             device: self.device().display().to_string(),
             stable_path: self.ident.stable_path.display().to_string(),
             note: self.note.clone(),
-            policy: self.vol.policy().to_string(),
+            policy: self.vol.policy(),
             in_use: self.in_use(),
             counters: Counters {
-                read_requests: s.read.requests,
-                read_bytes: s.read.bytes,
-                write_requests: s.write.requests,
-                write_bytes: s.write.bytes,
+                read_requests: r.requests,
+                read_bytes: r.bytes,
+                write_requests: w.requests,
+                write_bytes: w.bytes,
             },
             pid: std::process::id(),
             started_unix_s: self.ident.started_unix_s,
             suspended: self.vol.is_suspended(),
+            integrity_mismatches: self.vol.integrity_mismatches(),
         }))
     }
 
@@ -250,16 +249,29 @@ impl Shared {
     }
 
     fn refresh(&self, r: RefreshSettings) -> Response {
+        let Some(vol) = self.vol.plain() else {
+            if r.spin_us.is_some() || r.policy.is_some() || r.allow_discards.is_some() {
+                return Self::error(
+                    1,
+                    format!(
+                        "refresh: {} has authenticated encryption (integrity): its crypto runs \
+                         inline and it passes no discards; there is nothing to change",
+                        self.name
+                    ),
+                );
+            }
+            return self.status();
+        };
         if let Some(us) = r.spin_us {
-            if let Err(e) = self.vol.set_spin(Duration::from_micros(us)) {
+            if let Err(e) = vol.set_spin(Duration::from_micros(us)) {
                 return Self::failed(e);
             }
         }
         if let Some(p) = r.policy {
-            self.vol.set_policy(p);
+            vol.set_policy(p);
         }
         if let Some(on) = r.allow_discards {
-            self.vol.set_allow_discards(on);
+            vol.set_allow_discards(on);
             let mut info = lock(&self.info);
             info.flags.retain(|f| f != "discards");
             if on {
@@ -303,10 +315,11 @@ impl Shared {
             },
         };
         // The header is read again: a keyslot may have changed since the volume was opened.
-        let vk = luks::read_header(dev.as_ref())
-            .and_then(|hdr| luks::unlock_key(dev.as_ref(), &hdr, unlock, key_slot));
+        let vk = luks::read_header(dev.as_ref()).and_then(|hdr| {
+            luks::unlock_key(dev.as_ref(), &hdr, unlock, key_slot).map(|(_, vk)| (hdr, vk))
+        });
         match vk {
-            Ok((_, vk)) => match self.vol.resume(SecretBytes::from_slice(vk.bytes())) {
+            Ok((hdr, vk)) => match self.vol.resume(&hdr, &vk) {
                 Ok(()) => self.status(),
                 Err(e) => Self::failed(e),
             },
@@ -315,6 +328,9 @@ impl Shared {
     }
 
     fn resize(&self, size_sectors: Option<u64>) -> Response {
+        let Some(vol) = self.vol.plain() else {
+            return Self::error(1, AUTHENTICATED_NO_RESIZE);
+        };
         let Some(notifier) = &self.size_notifier else {
             return Self::error(
                 1,
@@ -326,7 +342,7 @@ impl Shared {
             Some(Some(b)) => Some(b),
             None => None,
         };
-        let new = match self.vol.resize(bytes) {
+        let new = match vol.resize(bytes) {
             Ok(n) => n,
             Err(e) => return Self::failed(CliError::from(e).at(format!("resize {}", self.name))),
         };
@@ -435,10 +451,10 @@ pub fn run(d: Daemon, prepared: Prepared, mut reporter: Reporter) -> CliResult<(
     }
 }
 
-/// Why `ucrypt open` refuses a LUKS2 volume with integrity: the daemon's status, refresh and
-/// metrics are built on the engine's plain volume.
-pub const AUTHENTICATED_NOT_OPENED: &str = "ucrypt open does not serve volumes with \
-     authenticated encryption (integrity) yet; use ucrypt serve, mount, ublk, export or import";
+/// Why `resize` refuses a volume with authenticated encryption.
+pub const AUTHENTICATED_NO_RESIZE: &str = "resize: the volume has authenticated encryption \
+     (integrity): its size is the data area recorded in its dm-integrity superblock, which \
+     ucrypt does not grow or shrink (the tags of a new area would have to be written first)";
 
 fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
     // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).
@@ -446,15 +462,11 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     // A signal during the open stops in order too: the daemon's claim is undone on the way out.
     crate::signals::started();
     let header_dev = prepared.header_device();
-    let vol = match prepared.open()? {
-        crate::open::Opened::Plain(v) => v,
-        crate::open::Opened::Integrity(_) => {
-            return Err(CliError::Usage(AUTHENTICATED_NOT_OPENED.into()))
-        }
-    };
+    let opened = prepared.open()?;
+    let vol = opened.dev();
     d.info.size_sectors = vol.size() / 512;
     if let Some(at) = &d.metrics {
-        crate::metrics::start(at, Volumes(vec![(d.name.clone(), vol.clone())]))?;
+        crate::metrics::start(at, Volumes(vec![(d.name.clone(), opened.clone())]))?;
     }
     let dev: Arc<dyn BlockDev> = vol.clone();
     let (front, device, note) = match d.front_end {
@@ -498,7 +510,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     };
     let shared = Arc::new(Shared {
         name: d.name.clone(),
-        vol: vol.clone(),
+        vol: opened,
         info: Mutex::new(d.info.clone()),
         header_dev,
         size_notifier,
@@ -558,7 +570,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
 
 fn main_loop(
     front: Front,
-    vol: &Arc<Volume>,
+    vol: &Arc<dyn BlockDev>,
     ident: &Identity,
     dir: &Path,
     signals: &Stop,
@@ -770,7 +782,7 @@ fn settled(m: &Mounted) -> bool {
 /// and a FUSE session to keep serving when something still uses the file (not with force).
 fn teardown(
     front: Front,
-    vol: &Arc<Volume>,
+    vol: &Arc<dyn BlockDev>,
     force: bool,
     ident: &Identity,
     dir: &Path,
