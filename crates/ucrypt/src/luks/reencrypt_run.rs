@@ -197,12 +197,12 @@ pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Res
     let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
     let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
 
-    // The new key and its digest (bound to backup-final, id 2 below).
+    // The new key and its digest (bound to backup-final, segment 2, below).
     let new_key = random_secret(old_vk.len())?;
     let new_did = free_id(h.meta.digests.keys())?;
     h.meta.digests.insert(
         new_did.to_string(),
-        make_digest(opts.kdf, new_key.as_ref(), vec![], vec!["2".into()])?,
+        make_digest(opts.kdf, new_key.as_ref(), vec![], vec![])?,
     );
     let new_vk = VolumeKey::new_verified(new_key, new_did);
 
@@ -266,6 +266,11 @@ pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Res
         .get_mut(&old_vk.digest_id().to_string())
         .ok_or(Error::Bug("old key digest vanished"))?
         .segments = vec!["0".into(), "1".into()];
+    h.meta
+        .digests
+        .get_mut(&new_did.to_string())
+        .ok_or(Error::Bug("new key digest vanished"))?
+        .segments = vec!["2".into()];
     let reqs = h
         .meta
         .config
