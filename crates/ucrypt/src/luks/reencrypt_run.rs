@@ -44,6 +44,10 @@ pub const CHECKSUM_BLOCK_BYTES: u32 = 4096;
 pub const HOTZONE_BYTES_DEFAULT: u64 = 64 << 20;
 /// The largest hotzone buffer (the buffer pool's limit).
 pub const HOTZONE_BYTES_MAX: u64 = crate::pool::POOL_BYTES_MAX as u64;
+/// Most threads a hotzone's crypto is spread over (one per CPU up to this).
+const REKEY_LANES_MAX: usize = 16;
+/// Smaller buffers are rekeyed on one thread (a thread costs more than it saves).
+const LANE_BYTES_MIN: usize = 256 << 10;
 /// Bytes of the keyslot area alignment cryptsetup uses.
 const AREA_ALIGN_BYTES: u64 = 4096;
 
@@ -304,8 +308,8 @@ struct Unlocked {
     h: Luks2Header,
     st: ReencryptState,
     protect: Protect,
-    old: SectorCipher,
-    new: SectorCipher,
+    /// One (old, new) cipher pair per worker thread, keyed once.
+    lanes: Vec<(SectorCipher, SectorCipher)>,
     data_offset: u64,
     data_bytes: u64,
     align: u64,
@@ -388,12 +392,19 @@ fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
             .ok_or_else(|| bad("the device ends before its data offset"))?,
     };
     let align = ss_old.max(ss_new);
+    let n = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, REKEY_LANES_MAX);
+    let mut lanes = Vec::with_capacity(n);
+    for _ in 1..n {
+        lanes.push((old.try_clone()?, new.try_clone()?));
+    }
+    lanes.push((old, new));
     Ok(Unlocked {
         h,
         st,
         protect,
-        old,
-        new,
+        lanes,
         data_offset: off_old,
         data_bytes: data_bytes / align * align,
         align,
@@ -415,12 +426,57 @@ pub struct RunOptions {
 }
 
 /// Decrypts `buf` (ciphertext at data offset `offset`) with the old key and encrypts it with
-/// the new one, in place.
+/// the new one, in place: cut into one piece per lane (whole `align` units), each on its own
+/// thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
-    let ss_old = u.old.sector_bytes() as u64;
-    let ss_new = u.new.sector_bytes() as u64;
-    u.old.decrypt(offset / ss_old, buf)?;
-    u.new.encrypt(offset / ss_new, buf)
+    let lanes = if buf.len() < LANE_BYTES_MIN {
+        1
+    } else {
+        u.lanes.len()
+    };
+    let align = u.align as usize;
+    let piece = (buf.len() / align).div_ceil(lanes).max(1) * align;
+    let one = |(old, new): &mut (SectorCipher, SectorCipher), at: u64, b: &mut [u8]| {
+        old.decrypt(at / old.sector_bytes() as u64, b)?;
+        new.encrypt(at / new.sector_bytes() as u64, b)
+    };
+    if lanes == 1 {
+        return one(&mut u.lanes[0], offset, buf);
+    }
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = buf
+            .chunks_mut(piece)
+            .zip(u.lanes.iter_mut())
+            .enumerate()
+            .map(|(i, (b, lane))| {
+                let at = offset + (i * piece) as u64;
+                sc.spawn(move || one(lane, at, b))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| Error::Bug("rekey thread panicked"))?)
+    })
+}
+
+/// Hashes each `block` bytes of `data` into `out` (one digest after the other), on up to
+/// `lanes` threads.
+fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: usize) {
+    let hb = hash.output_bytes();
+    let n = data.len() / block;
+    let per = n.div_ceil(lanes.max(1)).max(1);
+    std::thread::scope(|sc| {
+        for (d, o) in data[..n * block]
+            .chunks(per * block)
+            .zip(out[..n * hb].chunks_mut(per * hb))
+        {
+            sc.spawn(move || {
+                for (c, h) in d.chunks(block).zip(o.chunks_mut(hb)) {
+                    h.copy_from_slice(&hash.digest(&[c]));
+                }
+            });
+        }
+    });
 }
 
 fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
@@ -508,9 +564,7 @@ pub fn resume(
                     let n = (cur / u64::from(block)) as usize;
                     let data = &hot.as_mut_slice()[..cur as usize];
                     let out = sums.as_mut_slice();
-                    for (i, chunk) in data.chunks(block as usize).enumerate().take(n) {
-                        out[i * hb..(i + 1) * hb].copy_from_slice(&hash.digest(&[chunk]));
-                    }
+                    checksums(data, block as usize, hash, out, u.lanes.len());
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
                     out[n * hb..len as usize].fill(0);
                     dev.write_at(&out[..len as usize], area_offset)?;
