@@ -426,3 +426,51 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
     }
     println!("{mid_way} of {ROUNDS_KILL_CRYPTSETUP} rounds left mid-way and finished by ucrypt");
 }
+
+/// Two keyslots: without `--key-slot` a key file is refused (exit 1, cryptsetup's rule); with
+/// it the named keyslot's passphrase gets the new key, and finalisation drops every old
+/// keyslot (cryptsetup 2.6.1 does the same); a wrong passphrase exits 2 as cryptsetup's.
+#[test]
+fn key_slot_rotation_with_two_keyslots() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("slots");
+    let (img, key, plain) = volume(&t, 20, 4096);
+    let key2 = t.path("key2");
+    std::fs::write(&key2, b"second").expect("key2");
+    let mut a = vec!["luksAddKey", "-q", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.extend([s(&img), s(&key2)]);
+    ok("cryptsetup", &a);
+    let o = run(UCRYPT, &["reencrypt", "-q", "--key-file", s(&key), s(&img)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("exactly one key slot active"));
+    let wrong = t.path("wrong");
+    std::fs::write(&wrong, b"nope").expect("wrong");
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "-q",
+            "--key-slot",
+            "1",
+            "--key-file",
+            s(&wrong),
+            s(&img),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!in_reencryption(&img));
+    let mut a = vec!["reencrypt", "-q", "--key-slot", "1", "--key-file", s(&key2)];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    cryptsetup_accepts(&img, &key2);
+    let o = run(
+        "cryptsetup",
+        &["open", "--test-passphrase", "--key-file", s(&key), s(&img)],
+    );
+    assert_eq!(o.status.code(), Some(2), "the other old keyslot is gone");
+    assert!(exported(&t, &img, &key2) == plain);
+}
