@@ -60,6 +60,11 @@ pub enum Error {
     #[error("Operation incompatible with device marked for LUKS2 reencryption. Aborting.")]
     InReencryption,
 
+    /// The reencryption metadata was committed inside a hotzone (a crash there): the hotzone
+    /// must be recovered (`repair`) before the reencryption resumes (cryptsetup's words).
+    #[error("Device requires reencryption recovery. Run repair first.")]
+    NeedsRecovery,
+
     #[error("unsupported LUKS feature: {0}")]
     UnsupportedLuks(String),
 
@@ -141,7 +146,8 @@ impl Error {
             | Error::OutOfRange { .. }
             | Error::InvalidArgument(_)
             | Error::ReadOnly(_)
-            | Error::InReencryption => ErrorKind::BadInput,
+            | Error::InReencryption
+            | Error::NeedsRecovery => ErrorKind::BadInput,
             Error::WrongPassphrase => ErrorKind::WrongKey,
             // No keyslot left to try: the header cannot be opened by any passphrase
             // (cryptsetup exits 1 here, not 2).

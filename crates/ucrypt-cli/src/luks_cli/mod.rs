@@ -7,6 +7,7 @@
 
 mod data;
 mod dev;
+mod reencrypt;
 
 use std::path::{Path, PathBuf};
 
@@ -255,6 +256,16 @@ pub enum LuksCmd {
         #[command(flatten)]
         o: LuksOpts,
     },
+    /// Rotate the volume key in place, offline (cryptsetup reencrypt): resumable by either
+    /// tool, crash-safe with --resilience checksum or journal.
+    #[command(name = "reencrypt")]
+    Reencrypt {
+        device: Target,
+        #[command(flatten)]
+        r: reencrypt::ReencryptOpts,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
     /// Decrypt the whole data area of VOLUME into FILE.
     #[command(name = "export")]
     Export {
@@ -304,6 +315,7 @@ const VERBS: &[&str] = &[
     "luksOpen",
     "config",
     "repair",
+    "reencrypt",
     "export",
     "import",
 ];
@@ -384,6 +396,7 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         },
         LuksCmd::Config { device, o } => config(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
+        LuksCmd::Reencrypt { device, r, o } => reencrypt::reencrypt(&device, &r, &o),
         LuksCmd::Export {
             v,
             file,
@@ -1336,6 +1349,12 @@ fn config(device: &Target, o: &LuksOpts) -> Result<i32> {
 
 fn repair(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
+    let in_reencryption = matches!(&hdr, Header::Luks2(h)
+        if luks::reencrypt::ReencryptState::from_metadata(&h.meta).ok().flatten().is_some());
+    if in_reencryption {
+        drop(dev);
+        return reencrypt::repair_reencryption(device, o);
+    }
     match &mut hdr {
         Header::Luks2(h) => {
             if h.repair.is_none() {

@@ -1,12 +1,14 @@
 //! The planner for offline key rotation (mode `reencrypt`, direction `forward`, resilience
-//! `checksum`, no data shift), sans I/O: where the rotation stands ([`position`]), the
-//! segments and digests for a position ([`set_segments`]), and the steps of the next hotzone
-//! ([`next_hotzone`]) as effects a driver performs in order. No driver exists yet.
+//! `checksum`, `journal` or `none`, no data shift), sans I/O: where the rotation stands
+//! ([`position`]), the segments and digests for a position ([`set_segments`]), the steps of
+//! the next hotzone ([`next_hotzone`]) as effects a driver performs in order, and the plain
+//! header the rotation ends with ([`finalise`]). The driver is `luks::reencrypt_run`.
 //!
-//! The step order is cryptsetup's: read the old hotzone, store its checksums in the reencrypt
-//! keyslot area and commit the metadata with the hotzone flagged `in-reencryption` (a crash
-//! after this point needs recovery), write the hotzone under the new key, flush, then commit
-//! the metadata with the boundary moved past the hotzone.
+//! The step order is cryptsetup's: read the old hotzone, store its resilience data (checksums
+//! of the old ciphertext, or a copy of it) in the reencrypt keyslot area and flush it, commit
+//! the metadata with the hotzone flagged `in-reencryption` (a crash after this point needs
+//! recovery), write the hotzone under the new key, flush, then commit the metadata with the
+//! boundary moved past the hotzone (after the last hotzone: finalise).
 
 use super::json::{Metadata, Segment, SegmentSize, U64Str};
 use super::reencrypt::{
@@ -55,8 +57,27 @@ pub enum Step {
     CommitSegments(Position),
     /// Decrypt what was read with the old key, encrypt it with the new, write it at `offset`.
     WriteNew { offset: u64, len: u64 },
+    /// Copy what was read (the old ciphertext, as it is on the disk) to `area_offset`
+    /// (absolute, inside the reencrypt keyslot area): the journal.
+    WriteJournal { area_offset: u64 },
     /// Flush the data device.
     SyncData,
+    /// Every byte is under the new key: commit the plain header ([`finalise`]), then wipe the
+    /// retired keyslots' areas.
+    Finalise,
+}
+
+/// How a hotzone is protected, typed from the reencrypt keyslot's area.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protect {
+    None,
+    /// One `hash` of each `block` bytes of the old ciphertext.
+    Checksum {
+        hash: HashAlg,
+        block: u32,
+    },
+    /// A copy of the old ciphertext.
+    Journal,
 }
 
 fn live_segments(meta: &Metadata) -> Vec<(u32, &Segment)> {
@@ -87,8 +108,8 @@ fn fixed(s: &Segment) -> Result<u64> {
     }
 }
 
-/// Only what this planner handles: forward key rotation with checksums, no data shift.
-fn check_supported(st: &ReencryptState) -> Result<(HashAlg, u32)> {
+/// Only what this planner handles: forward key rotation, no data shift.
+pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
     let k = &st.keyslot;
     if k.mode != Mode::Reencrypt || k.direction != Direction::Forward || st.backup_moved.is_some() {
         return Err(unsupported(format!(
@@ -98,9 +119,14 @@ fn check_supported(st: &ReencryptState) -> Result<(HashAlg, u32)> {
         )));
     }
     match &k.resilience {
-        Resilience::Checksum { hash, sector_size } => Ok((HashAlg::from_name(hash)?, *sector_size)),
+        Resilience::Checksum { hash, sector_size } => Ok(Protect::Checksum {
+            hash: HashAlg::from_name(hash)?,
+            block: *sector_size,
+        }),
+        Resilience::Journal => Ok(Protect::Journal),
+        Resilience::None => Ok(Protect::None),
         r => Err(unsupported(format!(
-            "resilience {} (the planner does checksum only)",
+            "resilience {} (a data shift; the planner rotates keys in place)",
             r.name()
         ))),
     }
@@ -254,16 +280,30 @@ pub fn set_segments(meta: &mut Metadata, st: &mut ReencryptState, pos: Position)
     Ok(())
 }
 
+/// The largest hotzone the reencrypt keyslot area can protect: as many checksum blocks as
+/// hashes fit, the area's size for a journal, unbounded for `none`.
+pub fn area_limit(st: &ReencryptState) -> Result<u64> {
+    Ok(match check_supported(st)? {
+        Protect::None => u64::MAX,
+        Protect::Checksum { hash, block } => {
+            st.keyslot.area_bytes / hash.output_bytes() as u64 * u64::from(block)
+        }
+        Protect::Journal => st.keyslot.area_bytes,
+    })
+}
+
 /// The steps of the next hotzone of `data_bytes` bytes of data, hotzones of at most
-/// `hotzone_max` bytes; `None` when every byte is done (finalisation is not planned here).
+/// `hotzone_max` bytes, each a multiple of `align` (the larger sector size, and the checksum
+/// block); `None` when every byte is done. The last hotzone ends with [`Step::Finalise`].
 /// Refuses a position inside a hotzone: that needs recovery first.
 pub fn next_hotzone(
     st: &ReencryptState,
     pos: Position,
     data_bytes: u64,
     hotzone_max: u64,
+    align: u64,
 ) -> Result<Option<Vec<Step>>> {
-    let (hash, block) = check_supported(st)?;
+    let protect = check_supported(st)?;
     if pos.hotzone.is_some() {
         return Err(bad(
             "the metadata was committed inside a hotzone: recover it first (repair)",
@@ -272,29 +312,45 @@ pub fn next_hotzone(
     if pos.done >= data_bytes {
         return Ok(None);
     }
-    let block64 = u64::from(block);
-    // The checksums of one hotzone must fit in the reencrypt keyslot area.
-    let hash_bytes = hash.output_bytes() as u64;
-    let area_capacity = st.keyslot.area_bytes / hash_bytes * block64;
-    let len = hotzone_max.min(data_bytes - pos.done).min(area_capacity) / block64 * block64;
+    let align = match protect {
+        Protect::Checksum { block, .. } => align.max(u64::from(block)),
+        _ => align,
+    };
+    if align == 0 || !align.is_power_of_two() {
+        return Err(bad(format!("alignment {align} is not a power of two")));
+    }
+    let remaining = data_bytes - pos.done;
+    if remaining % align != 0 {
+        return Err(bad(format!(
+            "{remaining} bytes left is not a multiple of the {align}-byte alignment"
+        )));
+    }
+    let len = hotzone_max.min(remaining).min(area_limit(st)?) / align * align;
     if len == 0 {
         return Err(bad(format!(
-            "no whole {block}-byte checksum block fits (remaining {}, hotzone {hotzone_max}, \
-             area {} bytes)",
-            data_bytes - pos.done,
+            "no whole {align}-byte block fits a hotzone (remaining {remaining}, hotzone \
+             {hotzone_max}, area {} bytes)",
             st.keyslot.area_bytes
         )));
     }
-    Ok(Some(vec![
-        Step::ReadOld {
-            offset: pos.done,
-            len,
-        },
-        Step::WriteChecksums {
-            area_offset: st.keyslot.area_offset,
-            block,
-            hash,
-        },
+    let mut steps = vec![Step::ReadOld {
+        offset: pos.done,
+        len,
+    }];
+    let area_offset = st.keyslot.area_offset;
+    match protect {
+        Protect::Checksum { hash, block } => steps.extend([
+            Step::WriteChecksums {
+                area_offset,
+                block,
+                hash,
+            },
+            Step::SyncData,
+        ]),
+        Protect::Journal => steps.extend([Step::WriteJournal { area_offset }, Step::SyncData]),
+        Protect::None => {}
+    }
+    steps.extend([
         Step::CommitSegments(Position {
             done: pos.done,
             hotzone: Some(len),
@@ -304,11 +360,81 @@ pub fn next_hotzone(
             len,
         },
         Step::SyncData,
+    ]);
+    steps.push(if pos.done + len == data_bytes {
+        Step::Finalise
+    } else {
         Step::CommitSegments(Position {
             done: pos.done + len,
             hotzone: None,
-        }),
-    ]))
+        })
+    });
+    Ok(Some(steps))
+}
+
+/// What finalisation retires: keyslot areas to wipe (offset, length).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retired {
+    pub keyslots: Vec<u32>,
+    pub areas: Vec<(u64, u64)>,
+}
+
+/// The plain LUKS2 metadata a finished rotation leaves (as cryptsetup leaves it): one segment
+/// `0` (backup-final without its flag), the new key's digest listing it, the old key's
+/// keyslots and digest gone, the reencrypt keyslot and its digest gone, the requirement gone.
+/// Digest and keyslot ids are kept, not renumbered.
+pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
+    check_supported(st)?;
+    let mut fin = template(meta, st.backup_final)?;
+    fin.flags = None;
+    let d_old = digest_of_segment(meta, st.backup_previous)
+        .ok_or_else(|| bad("backup-previous has no digest"))?;
+    let d_new = digest_of_segment(meta, st.backup_final)
+        .ok_or_else(|| bad("backup-final has no digest"))?;
+    let rk = st.keyslot.id.to_string();
+    let d_reenc = meta
+        .digest_for_keyslot(&rk)
+        .map(|(id, _)| id.clone())
+        .ok_or_else(|| bad("the reencrypt keyslot has no digest"))?;
+    let old = meta
+        .digests
+        .remove(&d_old.to_string())
+        .ok_or_else(|| bad(format!("digest {d_old} missing")))?;
+    meta.digests.remove(&d_reenc);
+    let mut retired = Retired {
+        keyslots: Vec::new(),
+        areas: Vec::new(),
+    };
+    for k in old.keyslots.iter().chain(std::iter::once(&rk)) {
+        if let Some(ks) = meta.keyslots.remove(k) {
+            retired.keyslots.push(k.parse().unwrap_or(u32::MAX));
+            if let Some(a) = ks.area.filter(|_| ks.kind == "luks2") {
+                retired.areas.push((a.offset.0, a.size.0));
+            }
+        }
+        for t in meta.tokens.values_mut() {
+            if let Some(serde_json::Value::Array(a)) = t.get_mut("keyslots") {
+                a.retain(|v| v.as_str() != Some(k.as_str()));
+            }
+        }
+    }
+    meta.segments = std::collections::BTreeMap::from([("0".to_string(), fin)]);
+    meta.digests
+        .get_mut(&d_new.to_string())
+        .ok_or_else(|| bad(format!("digest {d_new} missing")))?
+        .segments = vec!["0".into()];
+    if let Some(r) = meta.config.requirements.as_mut() {
+        if let Some(m) = r.mandatory.as_mut() {
+            m.retain(|n| !super::reencrypt::is_reencrypt_requirement(n));
+            if m.is_empty() {
+                r.mandatory = None;
+            }
+        }
+        if r.mandatory.is_none() && r.extra.is_empty() {
+            meta.config.requirements = None;
+        }
+    }
+    Ok(retired)
 }
 
 #[cfg(test)]
@@ -418,7 +544,9 @@ mod tests {
             done: 32 * MIB,
             hotzone: None,
         };
-        let steps = next_hotzone(&st, pos, data, 4 * MIB).unwrap().unwrap();
+        let steps = next_hotzone(&st, pos, data, 4 * MIB, 4096)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             steps,
             vec![
@@ -431,6 +559,7 @@ mod tests {
                     block: 4096,
                     hash: HashAlg::Sha256
                 },
+                Step::SyncData,
                 Step::CommitSegments(Position {
                     done: 32 * MIB,
                     hotzone: Some(4 * MIB)
@@ -455,6 +584,7 @@ mod tests {
             },
             data,
             4 * MIB,
+            4096,
         )
         .unwrap()
         .unwrap();
@@ -465,6 +595,7 @@ mod tests {
                 len: 2 * MIB
             }
         );
+        assert_eq!(last.last(), Some(&Step::Finalise));
         assert_eq!(
             next_hotzone(
                 &st,
@@ -473,13 +604,14 @@ mod tests {
                     hotzone: None
                 },
                 data,
-                4 * MIB
+                4 * MIB,
+                4096
             )
             .unwrap(),
             None
         );
         // Inside a hotzone: recovery first.
-        assert!(next_hotzone(&st, position(&m, &st).unwrap(), data, 4 * MIB).is_err());
+        assert!(next_hotzone(&st, position(&m, &st).unwrap(), data, 4 * MIB, 4096).is_err());
     }
 
     #[test]
@@ -496,6 +628,7 @@ mod tests {
             },
             80 * MIB,
             4 * MIB,
+            4096,
         )
         .unwrap()
         .unwrap();
@@ -512,7 +645,7 @@ mod tests {
     fn other_modes_are_refused() {
         let m = crash();
         let mut st = state(&m);
-        st.keyslot.resilience = Resilience::Journal;
+        st.keyslot.resilience = Resilience::Datashift { shift_size: MIB };
         assert!(matches!(
             next_hotzone(
                 &st,
@@ -521,7 +654,8 @@ mod tests {
                     hotzone: None
                 },
                 MIB,
-                MIB
+                MIB,
+                4096
             ),
             Err(Error::UnsupportedLuks(_))
         ));

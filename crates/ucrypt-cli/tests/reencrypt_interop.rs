@@ -1,0 +1,476 @@
+//! `ucrypt reencrypt` (offline key rotation) against the real cryptsetup 2.6 on files:
+//! - ucrypt rotates, cryptsetup accepts the result (`open --test-passphrase`, `luksDump`) and
+//!   the data read back with `ucrypt export` is the original plaintext; sector sizes 512 and
+//!   4096, resilience checksum, journal and none;
+//! - ucrypt is SIGKILLed at a random point, cryptsetup (`repair` if it was inside a hotzone,
+//!   then `reencrypt --resume-only --force-offline-reencrypt`) finishes, data intact;
+//! - cryptsetup is SIGKILLed mid-way (`--resilience checksum --hotzone-size 4M`), ucrypt
+//!   (`repair` if needed, then `reencrypt --resume-only`) finishes, data intact.
+//!
+//! Needs `cryptsetup` (Debian package cryptsetup-bin); without it each test prints
+//! `SKIPPED: <reason>` (or fails when the env var CI is set). Kill delays come from a seed
+//! printed as `REENCRYPT_KILL_SEED=n` (set it to replay).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
+const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+/// cryptsetup's default LUKS2 data offset.
+const DATA_OFFSET: u64 = 16 << 20;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!(
+            "ucrypt-reenc-{tag}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        ));
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn have_cryptsetup() -> bool {
+    let ok = Command::new("cryptsetup")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok();
+    if !ok {
+        if std::env::var_os("CI").is_some() {
+            panic!("cryptsetup missing under CI: install the Debian package cryptsetup-bin");
+        }
+        println!("SKIPPED: cryptsetup not installed (Debian package cryptsetup-bin)");
+    }
+    ok
+}
+
+fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
+}
+
+fn ok(prog: &str, args: &[&str]) -> String {
+    let o = run(prog, args);
+    assert!(
+        o.status.success(),
+        "{prog} {args:?} failed ({:?}):\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+fn plaintext(len: u64, salt: u64) -> Vec<u8> {
+    let mut x = salt | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A cryptsetup-formatted LUKS2 file of `mib` MiB with one passphrase (key file `k`) and
+/// known plaintext written through ucrypt; returns (image, key file, plaintext).
+fn volume(t: &TempDir, mib: u64, sector: u32) -> (PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path("vol.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(mib << 20))
+        .expect("image");
+    let key = t.path("key");
+    std::fs::write(&key, b"rotate-me").expect("key");
+    let ss = sector.to_string();
+    let mut f = vec!["luksFormat", "-q", "--type", "luks2", "--sector-size", &ss];
+    f.extend(FAST_PBKDF2);
+    f.extend([s(&img), s(&key)]);
+    ok("cryptsetup", &f);
+    let plain = plaintext((mib << 20) - DATA_OFFSET, mib ^ u64::from(sector));
+    let pf = t.path("plain");
+    std::fs::write(&pf, &plain).expect("plain");
+    ok(UCRYPT, &["import", s(&pf), s(&img), "--key-file", s(&key)]);
+    (img, key, plain)
+}
+
+fn exported(t: &TempDir, img: &Path, key: &Path) -> Vec<u8> {
+    let out = t.path("out");
+    let _ = std::fs::remove_file(&out);
+    ok(UCRYPT, &["export", "--key-file", s(key), s(img), s(&out)]);
+    std::fs::read(&out).expect("export")
+}
+
+fn dump(img: &Path) -> String {
+    ok("cryptsetup", &["luksDump", s(img)])
+}
+
+fn in_reencryption(img: &Path) -> bool {
+    dump(img).contains("online-reencrypt")
+}
+
+fn in_hotzone(img: &Path) -> bool {
+    dump(img).contains("in-reencryption")
+}
+
+/// cryptsetup accepts the finished volume as a plain LUKS2 volume.
+fn cryptsetup_accepts(img: &Path, key: &Path) {
+    ok(
+        "cryptsetup",
+        &["open", "--test-passphrase", "--key-file", s(key), s(img)],
+    );
+    let d = dump(img);
+    assert!(!d.contains("reencrypt"), "reencryption left in:\n{d}");
+    assert_eq!(d.matches(": luks2").count(), 1, "one keyslot left:\n{d}");
+}
+
+fn seed() -> u64 {
+    let seed = std::env::var("REENCRYPT_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    println!("REENCRYPT_KILL_SEED={seed}");
+    seed
+}
+
+#[test]
+fn ucrypt_rotates_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in [512u32, 4096] {
+        for resilience in ["checksum", "journal", "none"] {
+            let t = TempDir::new("rot");
+            let (img, key, plain) = volume(&t, 24, sector);
+            let before = dump(&img);
+            ok(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--batch-mode",
+                    "--force-offline-reencrypt",
+                    "--resilience",
+                    resilience,
+                    "--hotzone-size",
+                    "1M",
+                    "--pbkdf",
+                    "pbkdf2",
+                    "--pbkdf-force-iterations",
+                    "1000",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            cryptsetup_accepts(&img, &key);
+            assert_ne!(before, dump(&img), "the header changed");
+            assert!(
+                exported(&t, &img, &key) == plain,
+                "sector {sector} {resilience}: plaintext changed"
+            );
+        }
+    }
+}
+
+/// `--init-only` leaves what cryptsetup's `--init-only` leaves; cryptsetup finishes it.
+#[test]
+fn ucrypt_init_only_cryptsetup_finishes() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for resilience in ["checksum", "journal", "none"] {
+        let t = TempDir::new("init");
+        let (img, key, plain) = volume(&t, 24, 4096);
+        ok(
+            UCRYPT,
+            &[
+                "reencrypt",
+                "--init-only",
+                "--resilience",
+                resilience,
+                "--pbkdf",
+                "pbkdf2",
+                "--pbkdf-force-iterations",
+                "1000",
+                "--key-file",
+                s(&key),
+                s(&img),
+            ],
+        );
+        let d = dump(&img);
+        assert!(d.contains("online-reencrypt-v2"), "{d}");
+        assert!(d.contains(&format!("Resilience: {resilience}")), "{d}");
+        // Where cryptsetup 2.6.1 puts the area on the same volume (measured).
+        assert!(d.contains("Area offset:548864 [bytes]"), "{d}");
+        assert!(d.contains("Area length:16228352 [bytes]"), "{d}");
+        ok(
+            "cryptsetup",
+            &[
+                "reencrypt",
+                "--resume-only",
+                "--force-offline-reencrypt",
+                "-q",
+                "--key-file",
+                s(&key),
+                s(&img),
+            ],
+        );
+        cryptsetup_accepts(&img, &key);
+        assert!(exported(&t, &img, &key) == plain, "{resilience}: data");
+    }
+}
+
+/// `reencrypt` refuses what is not built, naming it, with cryptsetup's exit code 1.
+#[test]
+fn unbuilt_modes_are_refused_by_name() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("refuse");
+    let (img, key, _) = volume(&t, 20, 512);
+    for (args, word) in [
+        (vec!["--encrypt"], "--encrypt"),
+        (vec!["--decrypt"], "--decrypt"),
+        (vec!["--cipher", "aes-cbc-essiv:sha256"], "--cipher"),
+        (vec!["--reduce-device-size", "32M"], "datashift"),
+    ] {
+        let mut a = vec!["reencrypt", "-q", "--key-file", s(&key)];
+        a.extend(args.iter());
+        a.push(s(&img));
+        let o = run(UCRYPT, &a);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(word), "{args:?}: {err}");
+    }
+    assert!(!in_reencryption(&img));
+}
+
+/// Kills `cmd` after `delay`, returns whether it was still running.
+fn kill_after(mut cmd: Command, delay: Duration) -> bool {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    std::thread::sleep(delay);
+    let running = child.try_wait().expect("wait").is_none();
+    // SIGKILL, as a crash would.
+    let _ = child.kill();
+    let _ = child.wait();
+    running
+}
+
+#[test]
+fn cryptsetup_resumes_after_ucrypt_is_killed() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    for round in 0..6 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let resilience = ["checksum", "journal"][round % 2];
+        let t = TempDir::new("kill-u");
+        let (img, key, plain) = volume(&t, 80, [512, 4096][round / 2 % 2]);
+        let delay = Duration::from_millis(20 + x % 400);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args([
+            "reencrypt",
+            "-q",
+            "--resilience",
+            resilience,
+            "--hotzone-size",
+            "1M",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ]);
+        let killed = kill_after(cmd, delay);
+        let state = if !in_reencryption(&img) {
+            "not in reencryption"
+        } else if in_hotzone(&img) {
+            ok(
+                "cryptsetup",
+                &["repair", "-q", "--key-file", s(&key), s(&img)],
+            );
+            "inside a hotzone"
+        } else {
+            "between hotzones"
+        };
+        println!("round {round} {resilience}: killed={killed} after {delay:?}: {state}");
+        if in_reencryption(&img) {
+            mid_way += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            cryptsetup_accepts(&img, &key);
+        }
+        assert!(exported(&t, &img, &key) == plain, "round {round}: data");
+    }
+    println!("{mid_way} of 6 rounds left mid-way and finished by cryptsetup");
+}
+
+/// Rounds of killing cryptsetup (each a 208 MiB volume).
+const ROUNDS_KILL_CRYPTSETUP: usize = 6;
+
+#[test]
+fn ucrypt_resumes_after_cryptsetup_is_killed() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    for round in 0..ROUNDS_KILL_CRYPTSETUP {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = TempDir::new("kill-c");
+        let (img, key, plain) = volume(&t, 208, [512, 4096][round % 2]);
+        let delay = Duration::from_millis(40 + x % 260);
+        let mut cmd = Command::new("cryptsetup");
+        cmd.args([
+            "reencrypt",
+            "-q",
+            "--force-offline-reencrypt",
+            "--resilience",
+            "checksum",
+            "--hotzone-size",
+            "4M",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ]);
+        let killed = kill_after(cmd, delay);
+        let hot = in_reencryption(&img) && in_hotzone(&img);
+        if hot {
+            // As cryptsetup: --resume-only refuses until repair recovered the hotzone.
+            let o = run(
+                UCRYPT,
+                &["reencrypt", "--resume-only", "--key-file", s(&key), s(&img)],
+            );
+            assert_eq!(o.status.code(), Some(1));
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            ok(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
+        }
+        println!(
+            "round {round}: killed={killed} after {delay:?}: in reencryption {}, inside a \
+             hotzone {hot}",
+            in_reencryption(&img)
+        );
+        if in_reencryption(&img) {
+            mid_way += 1;
+            ok(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            cryptsetup_accepts(&img, &key);
+        }
+        assert!(exported(&t, &img, &key) == plain, "round {round}: data");
+    }
+    println!("{mid_way} of {ROUNDS_KILL_CRYPTSETUP} rounds left mid-way and finished by ucrypt");
+}
+
+/// Two keyslots: without `--key-slot` a key file is refused (exit 1, cryptsetup's rule); with
+/// it the named keyslot's passphrase gets the new key, and finalisation drops every old
+/// keyslot (cryptsetup 2.6.1 does the same); a wrong passphrase exits 2 as cryptsetup's.
+#[test]
+fn key_slot_rotation_with_two_keyslots() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("slots");
+    let (img, key, plain) = volume(&t, 20, 4096);
+    let key2 = t.path("key2");
+    std::fs::write(&key2, b"second").expect("key2");
+    let mut a = vec!["luksAddKey", "-q", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.extend([s(&img), s(&key2)]);
+    ok("cryptsetup", &a);
+    let o = run(UCRYPT, &["reencrypt", "-q", "--key-file", s(&key), s(&img)]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("exactly one key slot active"));
+    let wrong = t.path("wrong");
+    std::fs::write(&wrong, b"nope").expect("wrong");
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "-q",
+            "--key-slot",
+            "1",
+            "--key-file",
+            s(&wrong),
+            s(&img),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!in_reencryption(&img));
+    let mut a = vec!["reencrypt", "-q", "--key-slot", "1", "--key-file", s(&key2)];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    cryptsetup_accepts(&img, &key2);
+    let o = run(
+        "cryptsetup",
+        &["open", "--test-passphrase", "--key-file", s(&key), s(&img)],
+    );
+    assert_eq!(o.status.code(), Some(2), "the other old keyslot is gone");
+    assert!(exported(&t, &img, &key2) == plain);
+}

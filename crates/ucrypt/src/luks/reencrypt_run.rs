@@ -1,0 +1,671 @@
+//! The driver of offline key rotation: performs what `reencrypt_plan` plans against a
+//! [`Backend`] holding the header and the data, with the engine's sector ciphers.
+//!
+//! - [`init`] turns a plain LUKS2 volume into one in reencryption, as cryptsetup 2.6's
+//!   `reencrypt --init-only` does: a new random volume key with its digest, a new keyslot for
+//!   the passphrase (first free id), a `reencrypt` keyslot whose area is the rest of the
+//!   keyslots area, the segments (`0` = the whole device under the old key, then
+//!   backup-previous and backup-final), the `online-reencrypt-v2` requirement and the
+//!   reencryption digest. The new keyslot's material is written and flushed first, then one
+//!   header commit makes it all visible: a crash leaves the old header or the new one.
+//! - [`resume`] rewrites hotzone after hotzone and finalises (the old keyslots, the reencrypt
+//!   keyslot, the backups and the requirement removed: a plain LUKS2 header is left). One
+//!   hotzone buffer (page-aligned, locked, wiped) is taken at the start and reused.
+//! - [`recover`] brings a volume whose metadata was committed inside a hotzone (a crash there)
+//!   back to a consistent state from the resilience data, as cryptsetup's `repair` does.
+
+use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
+use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
+use super::reencrypt::{digest_of_segment, verification_data, ReencryptState};
+use super::reencrypt_plan::{
+    area_limit, check_supported, finalise, next_hotzone, position, set_segments, Position, Protect,
+    Step,
+};
+use super::util::{b64_encode, random_fill, random_secret, HashAlg};
+use super::{
+    apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, WriteOp,
+    DIGEST_TIME_MS, KEYSLOTS_MAX,
+};
+use crate::backend::Backend;
+use crate::pool::BufferPool;
+use crate::sector::{Geometry, SectorCipher, SectorSize};
+use crate::{Error, Result};
+
+/// The requirement cryptsetup 2.6 writes for key rotation.
+pub const REQUIREMENT_V2: &str = "online-reencrypt-v2";
+/// The checksum cryptsetup uses by default (`--resilience-hash`).
+pub const CHECKSUM_HASH: HashAlg = HashAlg::Sha256;
+/// Bytes per checksum: cryptsetup's alignment of the hotzone (4 KiB, also for 512-byte
+/// sectors, as measured with 2.6.1).
+pub const CHECKSUM_BLOCK_BYTES: u32 = 4096;
+/// The hotzone when `--hotzone-size` is not given. cryptsetup's default is as large as the
+/// resilience data allows (the whole device for checksum on most volumes), bounded by a share
+/// of the memory; ucrypt bounds its one hotzone buffer by this instead.
+pub const HOTZONE_BYTES_DEFAULT: u64 = 64 << 20;
+/// The largest hotzone buffer (the buffer pool's limit).
+pub const HOTZONE_BYTES_MAX: u64 = crate::pool::POOL_BYTES_MAX as u64;
+/// Most threads a hotzone's crypto is spread over (one per CPU up to this).
+const REKEY_LANES_MAX: usize = 16;
+/// Smaller buffers are rekeyed on one thread (a thread costs more than it saves).
+const LANE_BYTES_MIN: usize = 256 << 10;
+/// Bytes of the keyslot area alignment cryptsetup uses.
+const AREA_ALIGN_BYTES: u64 = 4096;
+
+fn bad(detail: impl Into<String>) -> Error {
+    Error::BadHeader {
+        check: "reencrypt",
+        detail: detail.into(),
+    }
+}
+
+/// The resilience of a new rotation (`--resilience`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResilienceKind {
+    None,
+    Checksum,
+    Journal,
+}
+
+impl ResilienceKind {
+    pub fn from_name(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(ResilienceKind::None),
+            "checksum" => Ok(ResilienceKind::Checksum),
+            "journal" => Ok(ResilienceKind::Journal),
+            o => Err(Error::InvalidArgument(format!(
+                "resilience '{o}' (ucrypt rotates keys with checksum, journal or none)"
+            ))),
+        }
+    }
+}
+
+/// How to start a rotation ([`init`]).
+pub struct InitOptions<'a> {
+    pub resilience: ResilienceKind,
+    /// The KDF of the new keyslot (and whether digests are calibrated: forced iterations use
+    /// the minimum, as cryptsetup does).
+    pub kdf: &'a KdfRequest,
+    /// The keyslot the passphrase opens (`--key-slot`); without it the volume must have
+    /// exactly one keyslot.
+    pub key_slot: Option<u32>,
+}
+
+/// What [`init`] made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Started {
+    /// The keyslot the passphrase opened (old key).
+    pub old_keyslot: u32,
+    /// The new keyslot (new key).
+    pub new_keyslot: u32,
+    pub reencrypt_keyslot: u32,
+}
+
+fn luks2(hdr: Header) -> Result<Luks2Header> {
+    match hdr {
+        Header::Luks2(h) => Ok(h),
+        Header::Luks1(_) => Err(Error::UnsupportedLuks(
+            "reencryption of LUKS1 (convert it to LUKS2 first)".into(),
+        )),
+    }
+}
+
+fn free_id<'a>(used: impl Iterator<Item = &'a String>) -> Result<u32> {
+    let used: Vec<u32> = used.filter_map(|k| k.parse().ok()).collect();
+    (0..KEYSLOTS_MAX)
+        .find(|i| !used.contains(i))
+        .ok_or_else(|| Error::InvalidArgument("no free id left in the LUKS2 header".into()))
+}
+
+/// A pbkdf2 digest of `secret` (the volume key digest LUKS2 uses), calibrated as format does.
+fn make_digest(
+    kdf: &KdfRequest,
+    secret: &[u8],
+    keyslots: Vec<String>,
+    segments: Vec<String>,
+) -> Result<DigestJson> {
+    let hash = kdf.hash;
+    let mut salt = vec![0u8; SALT_BYTES];
+    random_fill(&mut salt)?;
+    let iterations = if kdf.force_iterations.is_some() {
+        PBKDF2_ITERATIONS_MIN
+    } else {
+        calibrate_pbkdf2(hash, DIGEST_TIME_MS, secret.len())
+    };
+    let mut out = vec![0u8; hash.output_bytes()];
+    hash.pbkdf2(secret, &salt, iterations, &mut out);
+    Ok(DigestJson {
+        kind: "pbkdf2".into(),
+        keyslots,
+        segments,
+        hash: Some(hash.name().into()),
+        iterations: Some(iterations),
+        salt: Some(b64_encode(&salt)),
+        digest: Some(b64_encode(&out)),
+        extra: Default::default(),
+    })
+}
+
+/// The reencrypt keyslot for `kind` over the area `[offset, offset + size)`.
+fn reencrypt_keyslot(kind: ResilienceKind, offset: u64, size: u64) -> Keyslot {
+    let mut area_extra = serde_json::Map::new();
+    let area_kind = match kind {
+        ResilienceKind::None => "none",
+        ResilienceKind::Journal => "journal",
+        ResilienceKind::Checksum => {
+            area_extra.insert("hash".into(), CHECKSUM_HASH.name().into());
+            area_extra.insert("sector_size".into(), CHECKSUM_BLOCK_BYTES.into());
+            "checksum"
+        }
+    };
+    let mut extra = serde_json::Map::new();
+    extra.insert("mode".into(), "reencrypt".into());
+    extra.insert("direction".into(), "forward".into());
+    Keyslot {
+        kind: "reencrypt".into(),
+        key_size: 1,
+        af: None,
+        area: Some(super::json::Area {
+            kind: area_kind.into(),
+            offset: U64Str(offset),
+            size: U64Str(size),
+            encryption: None,
+            key_size: None,
+            extra: area_extra,
+        }),
+        kdf: None,
+        priority: Some(0),
+        extra,
+    }
+}
+
+/// Starts a key rotation on the plain LUKS2 volume whose header is on `dev` (cryptsetup's
+/// `reencrypt --init-only`). Nothing is rewritten yet; [`resume`] does that.
+pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    let header = read_header(dev)?;
+    header.check_requirements()?;
+    let mut h = luks2(header)?;
+    let seg = h.meta.crypt_segment()?;
+    let luks2_slots: Vec<u32> = h
+        .meta
+        .keyslots
+        .iter()
+        .filter(|(_, k)| k.kind == "luks2")
+        .filter_map(|(id, _)| id.parse().ok())
+        .collect();
+    if opts.key_slot.is_none() && luks2_slots.len() != 1 {
+        return Err(Error::InvalidArgument(
+            "Key file can be used only with --key-slot or with exactly one key slot active.".into(),
+        ));
+    }
+    let hdr_any = Header::Luks2(h.clone());
+    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
+    let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
+
+    // The new key and its digest (bound to backup-final, segment 2, below).
+    let new_key = random_secret(old_vk.len())?;
+    let new_did = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        new_did.to_string(),
+        make_digest(opts.kdf, new_key.as_ref(), vec![], vec![])?,
+    );
+    let new_vk = VolumeKey::new_verified(new_key, new_did);
+
+    // The new keyslot: its material is written first; the header write comes below.
+    let seqid = h.bin.seqid;
+    let (new_slot, mut ops) = h.add_keyslot(
+        NewKeyslot {
+            vk: &new_vk,
+            passphrase,
+            kdf: opts.kdf,
+            slot: None,
+        },
+        None,
+    )?;
+    ops.truncate(2); // the material and its flush
+    h.bin.seqid = seqid;
+
+    // The reencrypt keyslot: the rest of the keyslots area after the last used area.
+    let start = 2 * h.bin.hdr_size;
+    let end = start + h.meta.config.keyslots_size.0;
+    let used_end = h
+        .meta
+        .keyslots
+        .values()
+        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
+        .max()
+        .unwrap_or(start)
+        .div_ceil(AREA_ALIGN_BYTES)
+        * AREA_ALIGN_BYTES;
+    if used_end >= end {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencryption data".into(),
+        ));
+    }
+    let rk = free_id(h.meta.keyslots.keys())?;
+    h.meta.keyslots.insert(
+        rk.to_string(),
+        reencrypt_keyslot(opts.resilience, used_end, end - used_end),
+    );
+
+    // Segments: the whole device under the old key, then the two backups.
+    let live = h
+        .meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or_else(|| bad("segment 0 missing"))?;
+    let _ = seg;
+    let flagged = |f: &str| {
+        let mut s = live.clone();
+        s.flags = Some(vec![f.to_string()]);
+        s
+    };
+    h.meta.segments = std::collections::BTreeMap::from([
+        ("0".to_string(), live.clone()),
+        ("1".to_string(), flagged("backup-previous")),
+        ("2".to_string(), flagged("backup-final")),
+    ]);
+    h.meta
+        .digests
+        .get_mut(&old_vk.digest_id().to_string())
+        .ok_or(Error::Bug("old key digest vanished"))?
+        .segments = vec!["0".into(), "1".into()];
+    h.meta
+        .digests
+        .get_mut(&new_did.to_string())
+        .ok_or(Error::Bug("new key digest vanished"))?
+        .segments = vec!["2".into()];
+    let reqs = h
+        .meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default);
+    reqs.mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+
+    // The reencryption digest over both keys and the metadata.
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, Some(old_vk.bytes()), Some(new_vk.bytes()))?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    ops.extend(h.commit()?);
+    apply(dev, &ops)?;
+    Ok(Started {
+        old_keyslot: old_slot,
+        new_keyslot: new_slot,
+        reencrypt_keyslot: rk,
+    })
+}
+
+/// A volume in rotation, unlocked: header, state, both keys checked against the
+/// reencryption digest.
+struct Unlocked {
+    h: Luks2Header,
+    st: ReencryptState,
+    protect: Protect,
+    /// One (old, new) cipher pair per worker thread, keyed once.
+    lanes: Vec<(SectorCipher, SectorCipher)>,
+    data_offset: u64,
+    data_bytes: u64,
+    align: u64,
+}
+
+fn unlock_digest(
+    dev: &dyn Backend,
+    hdr: &Header,
+    meta: &Metadata,
+    did: u32,
+    passphrase: &[u8],
+) -> Result<VolumeKey> {
+    let slots = meta
+        .digests
+        .get(&did.to_string())
+        .map(|d| d.keyslots.clone())
+        .unwrap_or_default();
+    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
+    let mut last = Error::NoUsableKeyslot;
+    for s in slots.iter().filter_map(|s| s.parse::<u32>().ok()) {
+        match unlock(hdr, passphrase, Some(s), &mut read) {
+            Ok((_, vk)) => return Ok(vk),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+fn cipher_of(meta: &Metadata, seg: u32, key: &VolumeKey) -> Result<(SectorCipher, u64, u64)> {
+    let s = meta
+        .segments
+        .get(&seg.to_string())
+        .ok_or_else(|| bad(format!("segment {seg} missing")))?;
+    let spec = s
+        .encryption
+        .as_deref()
+        .ok_or_else(|| bad("crypt segment lacks encryption"))?
+        .parse()?;
+    let ss = SectorSize::new(u64::from(s.sector_size.unwrap_or(512)))?;
+    let geometry = Geometry {
+        sector_size: ss,
+        iv_offset: s.iv_tweak.map_or(0, |v| v.0),
+        iv_large_sectors: false,
+    };
+    Ok((
+        SectorCipher::new(spec, key.bytes(), geometry)?,
+        s.offset.0,
+        u64::from(ss.bytes()),
+    ))
+}
+
+fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
+    let header = read_header(dev)?;
+    let hdr_any = header.clone();
+    let h = luks2(header)?;
+    let st = ReencryptState::from_metadata(&h.meta)?.ok_or_else(|| {
+        Error::InvalidArgument("the device is not in reencryption (nothing to resume)".into())
+    })?;
+    let protect = check_supported(&st)?;
+    let d_old = digest_of_segment(&h.meta, st.backup_previous)
+        .ok_or_else(|| bad("backup-previous has no digest"))?;
+    let d_new = digest_of_segment(&h.meta, st.backup_final)
+        .ok_or_else(|| bad("backup-final has no digest"))?;
+    let new_vk = unlock_digest(dev, &hdr_any, &h.meta, d_new, passphrase)?;
+    let old_vk = unlock_digest(dev, &hdr_any, &h.meta, d_old, passphrase)?;
+    h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
+    let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, &old_vk)?;
+    let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, &new_vk)?;
+    if off_old != off_new {
+        return Err(Error::UnsupportedLuks(
+            "reencryption that moves the data (ucrypt rotates keys in place)".into(),
+        ));
+    }
+    let seg = &h.meta.segments[&st.backup_previous.to_string()];
+    let data_bytes = match seg.size {
+        super::json::SegmentSize::Bytes(n) => n,
+        super::json::SegmentSize::Dynamic => dev
+            .size()
+            .checked_sub(off_old)
+            .ok_or_else(|| bad("the device ends before its data offset"))?,
+    };
+    let align = ss_old.max(ss_new);
+    let n = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, REKEY_LANES_MAX);
+    let mut lanes = Vec::with_capacity(n);
+    for _ in 1..n {
+        lanes.push((old.try_clone()?, new.try_clone()?));
+    }
+    lanes.push((old, new));
+    Ok(Unlocked {
+        h,
+        st,
+        protect,
+        lanes,
+        data_offset: off_old,
+        data_bytes: data_bytes / align * align,
+        align,
+    })
+}
+
+/// Progress of a rotation: bytes under the new key, of `total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    pub done: u64,
+    pub total: u64,
+}
+
+/// How to run the hotzones ([`resume`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// `--hotzone-size`: the largest hotzone; `None`: [`HOTZONE_BYTES_DEFAULT`].
+    pub hotzone_bytes: Option<u64>,
+}
+
+/// Decrypts `buf` (ciphertext at data offset `offset`) with the old key and encrypts it with
+/// the new one, in place: cut into one piece per lane (whole `align` units), each on its own
+/// thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
+fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
+    let lanes = if buf.len() < LANE_BYTES_MIN {
+        1
+    } else {
+        u.lanes.len()
+    };
+    let align = u.align as usize;
+    let piece = (buf.len() / align).div_ceil(lanes).max(1) * align;
+    let one = |(old, new): &mut (SectorCipher, SectorCipher), at: u64, b: &mut [u8]| {
+        old.decrypt(at / old.sector_bytes() as u64, b)?;
+        new.encrypt(at / new.sector_bytes() as u64, b)
+    };
+    if lanes == 1 {
+        return one(&mut u.lanes[0], offset, buf);
+    }
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = buf
+            .chunks_mut(piece)
+            .zip(u.lanes.iter_mut())
+            .enumerate()
+            .map(|(i, (b, lane))| {
+                let at = offset + (i * piece) as u64;
+                sc.spawn(move || one(lane, at, b))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| Error::Bug("rekey thread panicked"))?)
+    })
+}
+
+/// Hashes each `block` bytes of `data` into `out` (one digest after the other), on up to
+/// `lanes` threads.
+fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: usize) {
+    let hb = hash.output_bytes();
+    let n = data.len() / block;
+    let per = n.div_ceil(lanes.max(1)).max(1);
+    std::thread::scope(|sc| {
+        for (d, o) in data[..n * block]
+            .chunks(per * block)
+            .zip(out[..n * hb].chunks_mut(per * hb))
+        {
+            sc.spawn(move || {
+                for (c, h) in d.chunks(block).zip(o.chunks_mut(hb)) {
+                    h.copy_from_slice(&hash.digest(&[c]));
+                }
+            });
+        }
+    });
+}
+
+fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
+    set_segments(&mut u.h.meta, &mut u.st, pos)?;
+    let ops = u.h.commit()?;
+    apply(dev, &ops)
+}
+
+fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
+    let retired = finalise(&mut u.h.meta, &u.st)?;
+    let mut ops = u.h.commit()?;
+    for (offset, len) in retired.areas {
+        let mut noise = vec![0u8; len as usize];
+        random_fill(&mut noise)?;
+        ops.push(WriteOp::Write {
+            offset,
+            data: noise,
+        });
+    }
+    ops.push(WriteOp::Sync);
+    apply(dev, &ops)
+}
+
+/// Rewrites the rest of a rotation [`init`] (or cryptsetup) started, hotzone after hotzone,
+/// then finalises. `progress` is called after each hotzone. A volume whose metadata was
+/// committed inside a hotzone needs [`recover`] first (as cryptsetup's `--resume-only`
+/// requires `repair`).
+pub fn resume(
+    dev: &dyn Backend,
+    passphrase: &[u8],
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<()> {
+    let mut u = open_rotation(dev, passphrase)?;
+    let mut pos = position(&u.h.meta, &u.st)?;
+    if pos.hotzone.is_some() {
+        return Err(Error::NeedsRecovery);
+    }
+    let hot_max = opts
+        .hotzone_bytes
+        .unwrap_or(HOTZONE_BYTES_DEFAULT)
+        .clamp(1, HOTZONE_BYTES_MAX);
+    // One buffer for every hotzone, and one for the checksums of a hotzone.
+    let buf_len = hot_max
+        .min(area_limit(&u.st)?)
+        .min(u.data_bytes.saturating_sub(pos.done))
+        .max(u.align)
+        .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
+        * crate::pool::POOL_PAGE_BYTES as u64;
+    let sums_len = match u.protect {
+        Protect::Checksum { hash, block } => {
+            (buf_len / u64::from(block) * hash.output_bytes() as u64).div_ceil(AREA_ALIGN_BYTES)
+                * AREA_ALIGN_BYTES
+        }
+        _ => 0,
+    };
+    let pool = BufferPool::new((buf_len + sums_len.max(AREA_ALIGN_BYTES)) as usize)?;
+    let mut hot = pool.take(buf_len as usize)?;
+    let mut sums = pool.take(sums_len.max(AREA_ALIGN_BYTES) as usize)?;
+    progress(Progress {
+        done: pos.done,
+        total: u.data_bytes,
+    });
+    loop {
+        let Some(steps) = next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)? else {
+            // Every byte done, but not finalised (left so by a crash or by cryptsetup).
+            return finish(dev, &mut u);
+        };
+        let mut cur = 0u64;
+        for step in steps {
+            match step {
+                Step::ReadOld { offset, len } => {
+                    cur = len;
+                    dev.read_exact_at(
+                        &mut hot.as_mut_slice()[..len as usize],
+                        u.data_offset + offset,
+                    )?;
+                }
+                Step::WriteChecksums {
+                    area_offset,
+                    block,
+                    hash,
+                } => {
+                    let hb = hash.output_bytes();
+                    let n = (cur / u64::from(block)) as usize;
+                    let data = &hot.as_mut_slice()[..cur as usize];
+                    let out = sums.as_mut_slice();
+                    checksums(data, block as usize, hash, out, u.lanes.len());
+                    let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
+                    out[n * hb..len as usize].fill(0);
+                    dev.write_at(&out[..len as usize], area_offset)?;
+                }
+                Step::WriteJournal { area_offset } => {
+                    dev.write_at(&hot.as_mut_slice()[..cur as usize], area_offset)?;
+                }
+                Step::SyncData => dev.flush()?,
+                Step::CommitSegments(p) => {
+                    commit(dev, &mut u, p)?;
+                    pos = p;
+                }
+                Step::WriteNew { offset, len } => {
+                    let buf = &mut hot.as_mut_slice()[..len as usize];
+                    rekey(&mut u, offset, buf)?;
+                    dev.write_at(buf, u.data_offset + offset)?;
+                }
+                Step::Finalise => {
+                    finish(dev, &mut u)?;
+                    progress(Progress {
+                        done: u.data_bytes,
+                        total: u.data_bytes,
+                    });
+                    return Ok(());
+                }
+            }
+        }
+        progress(Progress {
+            done: pos.done,
+            total: u.data_bytes,
+        });
+    }
+}
+
+/// What [`recover`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    /// The metadata was not inside a hotzone: nothing to do.
+    NotNeeded,
+    /// The hotzone (offset, length) was brought under the new key from the resilience data
+    /// (for `none`: taken as written, as cryptsetup does; its data may be lost).
+    Recovered { offset: u64, len: u64 },
+}
+
+/// Recovers a hotzone the metadata was committed inside (a crash between the hotzone's two
+/// commits), as cryptsetup's `repair` does: `checksum` rewrites each block whose ciphertext
+/// still hashes to the stored old checksum; `journal` rewrites the whole hotzone from the
+/// stored copy of its old ciphertext; `none` has nothing to recover from. Then the boundary
+/// is committed past the hotzone.
+pub fn recover(dev: &dyn Backend, passphrase: &[u8]) -> Result<Recovery> {
+    let mut u = open_rotation(dev, passphrase)?;
+    let pos = position(&u.h.meta, &u.st)?;
+    let Some(len) = pos.hotzone else {
+        return Ok(Recovery::NotNeeded);
+    };
+    let offset = pos.done;
+    if len % u.align != 0 || len > area_limit(&u.st)? {
+        return Err(bad(format!(
+            "hotzone of {len} bytes does not fit its resilience data"
+        )));
+    }
+    let area = u.st.keyslot.area_offset;
+    let pool = BufferPool::new(len.max(u.align) as usize)?;
+    let mut g = pool.take(len as usize)?;
+    let buf = g.as_mut_slice();
+    match u.protect {
+        Protect::None => {}
+        Protect::Journal => {
+            dev.read_exact_at(buf, area)?;
+            rekey(&mut u, offset, buf)?;
+            dev.write_at(buf, u.data_offset + offset)?;
+        }
+        Protect::Checksum { hash, block } => {
+            let hb = hash.output_bytes();
+            let block = u64::from(block);
+            let n = (len / block) as usize;
+            let sums = read_area(dev, area, (n * hb) as u64)?;
+            dev.read_exact_at(buf, u.data_offset + offset)?;
+            for i in 0..n {
+                let at = i * block as usize;
+                let chunk = &mut buf[at..at + block as usize];
+                if hash.digest(&[chunk]) == sums[i * hb..(i + 1) * hb] {
+                    let o = offset + at as u64;
+                    rekey(&mut u, o, chunk)?;
+                    dev.write_at(chunk, u.data_offset + o)?;
+                }
+            }
+        }
+    }
+    dev.flush()?;
+    if offset + len >= u.data_bytes {
+        finish(dev, &mut u)?;
+    } else {
+        commit(
+            dev,
+            &mut u,
+            Position {
+                done: offset + len,
+                hotzone: None,
+            },
+        )?;
+    }
+    Ok(Recovery::Recovered { offset, len })
+}
