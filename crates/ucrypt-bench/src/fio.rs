@@ -22,6 +22,8 @@ pub struct Job {
     /// Where the client and the server run: [`ANY_CPU`] (where the scheduler puts them) or
     /// [`ONE_CPU`] (both pinned to the same CPU, so no wake-up crosses CPUs).
     pub cpus: &'static str,
+    /// fio's --thinktime in µs: the client's pause after each request (0: none).
+    pub think_us: u32,
 }
 
 /// [`Job::cpus`]: the scheduler places client and server.
@@ -44,6 +46,17 @@ impl Job {
             ioengine,
             iodepth,
             cpus: ANY_CPU,
+            think_us: 0,
+        }
+    }
+
+    /// The same job with the client pausing `think_us` after each request: a client whose
+    /// requests come further apart than a server's poll for the next one lasts.
+    pub const fn thinking(self, name: &'static str, think_us: u32) -> Job {
+        Job {
+            name,
+            think_us,
+            ..self
         }
     }
 
@@ -166,6 +179,9 @@ pub fn run_for(
     .arg(format!("--direct={}", direct as u8))
     .arg("--randrepeat=0")
     .arg("--norandommap");
+    if job.think_us > 0 {
+        cmd.arg(format!("--thinktime={}", job.think_us));
+    }
     if let Some(c) = cpu {
         cmd.arg(format!("--cpus_allowed={c}"));
     }
