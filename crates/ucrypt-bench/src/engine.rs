@@ -812,7 +812,13 @@ fn s2_big_writes(s: &Setup, k: &Knobs, out: &mut Sink) {
             extra.insert(0, ("÷ limit".into(), ratio(i)));
         }
         if i > ceiling {
-            extra.insert(1, ("÷ raw+crypt x64".into(), per_run_ratio(i, &per_run[ceiling])));
+            extra.insert(
+                1,
+                (
+                    "÷ raw+crypt x64".into(),
+                    per_run_ratio(i, &per_run[ceiling]),
+                ),
+            );
         }
     }
     for p in ["inline", "parallel", "queued", "auto"] {
@@ -901,32 +907,33 @@ fn s4_one_stream(s: &Setup, k: &Knobs, out: &mut Sink) {
                 .then(|| SpinBarrier::new(threads));
             let part = (1u64 << 20) / threads as u64;
             let t = variant_target(s, true, if bare { "raw" } else { variants[i] });
-            let (mbps, _, _, _) = timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
-                let mut own = bare.then(bench_cipher);
-                let (mut off, mut n) = (0u64, 0u64);
-                while !stop.load(Relaxed) {
-                    if let Some(b) = &lockstep {
-                        if !b.wait(stop) {
-                            break;
+            let (mbps, _, _, _) =
+                timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
+                    let mut own = bare.then(bench_cipher);
+                    let (mut off, mut n) = (0u64, 0u64);
+                    while !stop.load(Relaxed) {
+                        if let Some(b) = &lockstep {
+                            if !b.wait(stop) {
+                                break;
+                            }
                         }
+                        let at = off + th as u64 * part;
+                        if write {
+                            if let Some(c) = own.as_mut() {
+                                c.encrypt(at / 4096, buf).expect("encrypt");
+                            }
+                            t.write(buf, at);
+                        } else {
+                            t.read(buf, at);
+                            if let Some(c) = own.as_mut() {
+                                c.decrypt(at / 4096, buf).expect("decrypt");
+                            }
+                        }
+                        off = (off + (1 << 20)) % s.data_bytes;
+                        n += 1;
                     }
-                    let at = off + th as u64 * part;
-                    if write {
-                        if let Some(c) = own.as_mut() {
-                            c.encrypt(at / 4096, buf).expect("encrypt");
-                        }
-                        t.write(buf, at);
-                    } else {
-                        t.read(buf, at);
-                        if let Some(c) = own.as_mut() {
-                            c.decrypt(at / 4096, buf).expect("decrypt");
-                        }
-                    }
-                    off = (off + (1 << 20)) % s.data_bytes;
-                    n += 1;
-                }
-                (n * part, n)
-            });
+                    (n * part, n)
+                });
             (mbps, vec![])
         });
         let dir = if write { "writes" } else { "reads" };

@@ -417,7 +417,10 @@ fn a_thousand_idle_connections_beside_a_busy_client() {
          connection attempts ({} admitted, {refused} refused): ratio {ratio:.2}",
         idle.len()
     );
-    assert!(srv.alive(), "server died under {IDLE_CONNECTIONS} connections");
+    assert!(
+        srv.alive(),
+        "server died under {IDLE_CONNECTIONS} connections"
+    );
     assert_eq!(idle.len() + refused, IDLE_CONNECTIONS);
     assert!(
         idle.len() < 16,
@@ -433,7 +436,10 @@ fn a_thousand_idle_connections_beside_a_busy_client() {
     assert_eq!(srv.stop(), Some(0));
     let log = std::fs::read_to_string(dir.path("log")).unwrap();
     let lines = log.matches("refusing connection").count();
-    assert_eq!(lines, refused, "one log line per refused connection:\n{log}");
+    assert_eq!(
+        lines, refused,
+        "one log line per refused connection:\n{log}"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(120),
         "took {:?}",
