@@ -1012,6 +1012,42 @@ fn round_trip_note(r: &NbdReport) -> String {
     s
 }
 
+/// Polling back-off at a glance: ucrypt LUKS2 (polling backs off where it does not pay) ÷
+/// the same server with `--spin-always`, measured in the same round-robin: server CPU per
+/// request where the client thinks between requests (polling does not pay: lower is the
+/// point), and IOPS at QD1 without think time (polling pays: should stay ~1).
+fn spin_backoff_note(rows: &[Row]) -> String {
+    let pair = |job: &str| {
+        Some((
+            find(rows, job, Target::UcryptLuks2)?,
+            find(rows, job, Target::UcryptLuks2SpinAlways)?,
+        ))
+    };
+    let mut s = String::new();
+    if let Some((a, b)) = pair(THINK_JOB) {
+        s.push_str(&format!(
+            "\nPolling back-off, {THINK_JOB}: server CPU per request {:.1} µs with back-off, \
+             {:.1} µs with --spin-always (÷ {:.2}); IOPS ÷ {:.2}.\n",
+            a.server_cpu_us_per_req.median,
+            b.server_cpu_us_per_req.median,
+            a.server_cpu_us_per_req.median / b.server_cpu_us_per_req.median,
+            a.iops.median / b.iops.median,
+        ));
+    }
+    for job in [RANDREAD_QD1.name, RANDWRITE_QD1.name] {
+        if let Some((a, b)) = pair(job) {
+            s.push_str(&format!(
+                "\nPolling back-off, {job} (polling pays): IOPS with back-off ÷ --spin-always \
+                 {:.2}, p99 latency ÷ {:.2}, CPU per request ÷ {:.2}.\n",
+                a.iops.median / b.iops.median,
+                a.lat_p99_us.median / b.lat_p99_us.median,
+                a.server_cpu_us_per_req.median / b.server_cpu_us_per_req.median,
+            ));
+        }
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1154,40 +1190,4 @@ mod tests {
         assert_eq!(json["rows"][8]["job"]["cpus"], "one");
         assert_eq!(json["goals"][0]["met"], true);
     }
-}
-
-/// Polling back-off at a glance: ucrypt LUKS2 (polling backs off where it does not pay) ÷
-/// the same server with `--spin-always`, measured in the same round-robin: server CPU per
-/// request where the client thinks between requests (polling does not pay: lower is the
-/// point), and IOPS at QD1 without think time (polling pays: should stay ~1).
-fn spin_backoff_note(rows: &[Row]) -> String {
-    let pair = |job: &str| {
-        Some((
-            find(rows, job, Target::UcryptLuks2)?,
-            find(rows, job, Target::UcryptLuks2SpinAlways)?,
-        ))
-    };
-    let mut s = String::new();
-    if let Some((a, b)) = pair(THINK_JOB) {
-        s.push_str(&format!(
-            "\nPolling back-off, {THINK_JOB}: server CPU per request {:.1} µs with back-off, \
-             {:.1} µs with --spin-always (÷ {:.2}); IOPS ÷ {:.2}.\n",
-            a.server_cpu_us_per_req.median,
-            b.server_cpu_us_per_req.median,
-            a.server_cpu_us_per_req.median / b.server_cpu_us_per_req.median,
-            a.iops.median / b.iops.median,
-        ));
-    }
-    for job in [RANDREAD_QD1.name, RANDWRITE_QD1.name] {
-        if let Some((a, b)) = pair(job) {
-            s.push_str(&format!(
-                "\nPolling back-off, {job} (polling pays): IOPS with back-off ÷ --spin-always \
-                 {:.2}, p99 latency ÷ {:.2}, CPU per request ÷ {:.2}.\n",
-                a.iops.median / b.iops.median,
-                a.lat_p99_us.median / b.lat_p99_us.median,
-                a.server_cpu_us_per_req.median / b.server_cpu_us_per_req.median,
-            ));
-        }
-    }
-    s
 }
