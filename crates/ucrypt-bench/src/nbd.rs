@@ -1166,8 +1166,8 @@ mod tests {
         let md = markdown(&report);
         // (a line that must appear in the table)
         let lines = [
-            "| 4k randread QD1 | – | 330 (330–330) | – | – | – | 110 (110–110) | – | – | 3.00× | – |",
-            "| 1M write QD4 | – | 2500 (2500–2500) | – | – | – | – | 100 (100–100) | – | – | 25× |",
+            "| 4k randread QD1 | – | 330 (330–330) | – | – | – | – | 110 (110–110) | – | – | 3.00× | – |",
+            "| 1M write QD4 | – | 2500 (2500–2500) | – | – | – | – | – | 100 (100–100) | – | – | 25× |",
             "4k randwrite QD1: 3× nbdkit LUKS1 would be 240 MiB/s. Without any crypto, nbdkit \
              reaches 100 and ucrypt 170; ucrypt LUKS2 reaches 165 (97 % of its own no-crypto \
              path).",
@@ -1176,7 +1176,7 @@ mod tests {
             "| 1M write QD4 ≥ 20× nbdkit LUKS1 | 25× met | not measured |",
             "Skipped: nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)",
             // Server CPU per request and busy cores.
-            "| 4k randread QD1 | – | 10.0 (0.50) | – | – | – | 10.0 (0.50) | – | – |",
+            "| 4k randread QD1 | – | 10.0 (0.50) | – | – | – | – | 10.0 (0.50) | – | – |",
             "With fio and the server pinned to one CPU (no wake-up of a sleeping CPU per \
              request): ucrypt LUKS2 600 MiB/s, nbdkit LUKS1 240 (2.50×).",
         ];
