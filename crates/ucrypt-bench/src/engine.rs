@@ -425,21 +425,34 @@ fn round_robin(
         .collect()
 }
 
+/// Context switches of the whole process so far (voluntary and involuntary, every thread,
+/// the volume's workers included).
+fn context_switches() -> u64 {
+    // SAFETY: getrusage fills the zeroed struct we own; RUSAGE_SELF is always valid.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    (ru.ru_nvcsw + ru.ru_nivcsw) as u64
+}
+
 /// `threads` threads run `body(thread, buffer, stop)` until `dur` passes; returns (MB/s, I/Os,
-/// allocations during the timed part). `body` returns (bytes, ios) done.
+/// allocations, context switches of the process during the timed part). `body` returns
+/// (bytes, ios) done.
 fn timed_threads(
     threads: usize,
     buf_bytes: usize,
     dur: Duration,
     body: impl Fn(usize, &mut [u8], &AtomicBool) -> (u64, u64) + Sync,
-) -> (f64, u64, u64) {
+) -> (f64, u64, u64, u64) {
     let stop = AtomicBool::new(false);
     // Two start lines: everyone ready (buffers allocated), then the clock and the allocation
     // counter start, then everyone goes. Starting the clock after "go" would miss the work of
     // threads that run before the main thread is scheduled again (many threads, 2 cores).
     let ready = Barrier::new(threads + 1);
     let go = Barrier::new(threads + 1);
-    let (bytes, ios, allocs, secs) = std::thread::scope(|s| {
+    let (bytes, ios, allocs, csw, secs) = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
                 let (stop, ready, go, body) = (&stop, &ready, &go, &body);
@@ -453,6 +466,7 @@ fn timed_threads(
             .collect();
         ready.wait();
         let a0 = ALLOCS.load(Relaxed);
+        let c0 = context_switches();
         let t0 = Instant::now();
         go.wait();
         std::thread::sleep(dur);
@@ -465,9 +479,10 @@ fn timed_threads(
             ios += n;
         }
         let secs = t0.elapsed().as_secs_f64();
-        (bytes, ios, ALLOCS.load(Relaxed) - a0, secs)
+        let csw = context_switches().saturating_sub(c0);
+        (bytes, ios, ALLOCS.load(Relaxed) - a0, csw, secs)
     });
-    (bytes as f64 / secs / 1e6, ios, allocs)
+    (bytes as f64 / secs / 1e6, ios, allocs, csw)
 }
 
 fn variant_target(s: &Setup, xts: bool, v: &str) -> Target {
@@ -692,33 +707,142 @@ fn bench_cipher() -> SectorCipher {
     .expect("cipher")
 }
 
+/// Scenario 2's target: each policy's throughput ÷ the limit of the machine.
+const S2_TARGET: f64 = 0.9;
+
+/// Scenario 2: 64 threads each writing 1 MiB at a time. Beside the policies it measures, in
+/// the same round-robin, what bounds them: `raw` (the backend alone), `cipher x cores` (one
+/// thread per core, each encrypting 1 MiB from one buffer into another, as a write does: the
+/// cores × cipher of the formula, as measured while the machine carries the load it carries)
+/// and `raw+crypt x64` (the same 64 threads encrypting into a buffer of their own and writing
+/// it, without ucrypt: the ceiling of this workload on this machine as loaded now). The limit
+/// of a write that must be encrypted, then written, is 1 / (1/raw + 1/(cores × cipher)),
+/// computed per run from that run's raw and cipher; each policy's ratio to it (and to the
+/// ceiling) is taken per run too.
 fn s2_big_writes(s: &Setup, k: &Knobs, out: &mut Sink) {
     let Sink {
-        stats: log, rows, ..
+        stats: log,
+        rows,
+        targets,
+        notes,
     } = out;
-    let variants = ["raw", "inline", "parallel", "queued", "auto"];
+    let variants = [
+        "raw",
+        "cipher x cores",
+        "raw+crypt x64",
+        "inline",
+        "parallel",
+        "queued",
+        "auto",
+    ];
+    let at = |name: &str| variants.iter().position(|v| *v == name).expect("variant");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = 64;
     let region = s.data_bytes / threads as u64 / (1 << 20) * (1 << 20);
     let mut st = Vec::new();
+    // Every run's value per variant, for the per-run ratios.
+    let mut per_run: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
-        let t = variant_target(s, true, variants[i]);
-        let (mbps, ios, allocs) = timed_threads(threads, 1 << 20, k.slice, |th, buf, stop| {
-            let base = th as u64 * region;
-            let (mut off, mut n) = (0u64, 0u64);
-            while !stop.load(Relaxed) {
-                t.write(buf, base + off);
-                off = (off + (1 << 20)) % region.max(1 << 20);
-                n += 1;
-            }
-            (n << 20, n)
-        });
+        let v = variants[i];
+        let (mbps, ios, allocs, csw) = if v == "cipher x cores" {
+            timed_threads(cores, 1 << 20, k.slice, |_, buf, stop| {
+                let mut c = bench_cipher();
+                let mut dst = Aligned::new(1 << 20);
+                let mut n = 0u64;
+                while !stop.load(Relaxed) {
+                    c.encrypt_to(n * 256, buf, dst.get()).expect("encrypt");
+                    black_box(dst.get()[0]);
+                    n += 1;
+                }
+                (n << 20, n)
+            })
+        } else {
+            let bare = v == "raw+crypt x64";
+            let t = variant_target(s, true, if bare { "raw" } else { v });
+            timed_threads(threads, 1 << 20, k.slice, |th, buf, stop| {
+                let mut own = bare.then(|| (bench_cipher(), Aligned::new(1 << 20)));
+                let base = th as u64 * region;
+                let (mut off, mut n) = (0u64, 0u64);
+                while !stop.load(Relaxed) {
+                    match own.as_mut() {
+                        Some((c, dst)) => {
+                            c.encrypt_to((base + off) / 4096, buf, dst.get())
+                                .expect("encrypt");
+                            t.write(dst.get(), base + off);
+                        }
+                        None => t.write(buf, base + off),
+                    }
+                    off = (off + (1 << 20)) % region.max(1 << 20);
+                    n += 1;
+                }
+                (n << 20, n)
+            })
+        };
+        per_run[i].push(mbps);
+        let per_io = |x: u64| x as f64 / ios.max(1) as f64;
         (
             mbps,
-            vec![("allocs/IO".into(), allocs as f64 / ios.max(1) as f64)],
+            vec![
+                ("allocs/IO".into(), per_io(allocs)),
+                ("csw/IO".into(), per_io(csw)),
+            ],
         )
     });
     log_stats(log, s, "2. 1 MiB writes x64", st);
-    push_mbps(rows, s, "2. 1 MiB writes, 64 in flight", &variants, res);
+    // Per run: the limit from that run's raw and cipher, and each variant's ratio to it.
+    let limits: Vec<f64> = per_run[at("raw")]
+        .iter()
+        .zip(&per_run[at("cipher x cores")])
+        .map(|(raw, c)| 1.0 / (1.0 / raw + 1.0 / c))
+        .collect();
+    let per_run_ratio = |i: usize, to: &[f64]| -> Summary {
+        Summary::of(
+            &per_run[i]
+                .iter()
+                .zip(to)
+                .map(|(x, l)| x / l)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let ratio = |i: usize| per_run_ratio(i, &limits);
+    let ceiling = at("raw+crypt x64");
+    let mut res = res;
+    for (i, (_, extra)) in res.iter_mut().enumerate() {
+        if i != at("raw") && i != at("cipher x cores") {
+            extra.insert(0, ("÷ limit".into(), ratio(i)));
+        }
+        if i > ceiling {
+            extra.insert(
+                1,
+                (
+                    "÷ raw+crypt x64".into(),
+                    per_run_ratio(i, &per_run[ceiling]),
+                ),
+            );
+        }
+    }
+    for p in ["inline", "parallel", "queued", "auto"] {
+        target(
+            targets,
+            format!("{}: 1 MiB writes x64: {p} / limit", s.name),
+            ratio(at(p)).median,
+            S2_TARGET,
+        );
+    }
+    let lim = Summary::of(&limits);
+    notes.push(format!(
+        "{}: scenario 2's limit = 1 / (1/raw + 1/({cores} cores × cipher)) per run = {} MB/s \
+         (cipher x cores: {cores} threads encrypting at once, measured in the same run); \
+         the same writes without ucrypt (raw+crypt x64) reach {} of it: the ceiling this \
+         machine allowed while the run lasted",
+        s.name,
+        lim.show(0),
+        ratio(ceiling).show(2),
+    ));
+    let mut names: Vec<&str> = variants.to_vec();
+    names.push("limit");
+    res.push((lim, Vec::new()));
+    push_mbps(rows, s, "2. 1 MiB writes, 64 in flight", &names, res);
 }
 
 fn s3_twelve_jobs(s: &Setup, k: &Knobs, out: &mut Sink) {
@@ -730,7 +854,7 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, out: &mut Sink) {
     let mut st = Vec::new();
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _) = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
+        let (mbps, _, _, _) = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ th as u64;
             let mut n = 0u64;
             while !stop.load(Relaxed) {
@@ -783,32 +907,33 @@ fn s4_one_stream(s: &Setup, k: &Knobs, out: &mut Sink) {
                 .then(|| SpinBarrier::new(threads));
             let part = (1u64 << 20) / threads as u64;
             let t = variant_target(s, true, if bare { "raw" } else { variants[i] });
-            let (mbps, _, _) = timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
-                let mut own = bare.then(bench_cipher);
-                let (mut off, mut n) = (0u64, 0u64);
-                while !stop.load(Relaxed) {
-                    if let Some(b) = &lockstep {
-                        if !b.wait(stop) {
-                            break;
+            let (mbps, _, _, _) =
+                timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
+                    let mut own = bare.then(bench_cipher);
+                    let (mut off, mut n) = (0u64, 0u64);
+                    while !stop.load(Relaxed) {
+                        if let Some(b) = &lockstep {
+                            if !b.wait(stop) {
+                                break;
+                            }
                         }
+                        let at = off + th as u64 * part;
+                        if write {
+                            if let Some(c) = own.as_mut() {
+                                c.encrypt(at / 4096, buf).expect("encrypt");
+                            }
+                            t.write(buf, at);
+                        } else {
+                            t.read(buf, at);
+                            if let Some(c) = own.as_mut() {
+                                c.decrypt(at / 4096, buf).expect("decrypt");
+                            }
+                        }
+                        off = (off + (1 << 20)) % s.data_bytes;
+                        n += 1;
                     }
-                    let at = off + th as u64 * part;
-                    if write {
-                        if let Some(c) = own.as_mut() {
-                            c.encrypt(at / 4096, buf).expect("encrypt");
-                        }
-                        t.write(buf, at);
-                    } else {
-                        t.read(buf, at);
-                        if let Some(c) = own.as_mut() {
-                            c.decrypt(at / 4096, buf).expect("decrypt");
-                        }
-                    }
-                    off = (off + (1 << 20)) % s.data_bytes;
-                    n += 1;
-                }
-                (n * part, n)
-            });
+                    (n * part, n)
+                });
             (mbps, vec![])
         });
         let dir = if write { "writes" } else { "reads" };
@@ -955,7 +1080,7 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, out: &mut Sink) {
             let mut st = Vec::new();
             let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
                 let t = variant_target(s, true, variants[i]);
-                let (mbps, _, _) = timed_threads(1, bs as usize, k.slice, |_, buf, stop| {
+                let (mbps, _, _, _) = timed_threads(1, bs as usize, k.slice, |_, buf, stop| {
                     let (mut off, mut n) = (0u64, 0u64);
                     while !stop.load(Relaxed) {
                         if write {
@@ -993,7 +1118,7 @@ fn s8_threads(s: &Setup, k: &Knobs, out: &mut Sink) {
         let mut st = Vec::new();
         let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
             let t = variant_target(s, true, variants[i]);
-            let (mbps, _, _) =
+            let (mbps, _, _, _) =
                 timed_threads(threads as usize, BS as usize, k.slice, |th, buf, stop| {
                     let mut x = 0x51_7cc1_b727_220au64 ^ (th as u64 + 1);
                     let mut n = 0u64;
@@ -1032,7 +1157,7 @@ fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
     let mut st = Vec::new();
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
+        let (mbps, _, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
             // Whole MiB per stream, so that every request is sector-aligned.
             let region = s.data_bytes / streams as u64 / (1 << 20) * (1 << 20);
             let base = th as u64 * region;

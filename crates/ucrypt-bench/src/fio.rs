@@ -25,6 +25,8 @@ pub struct Job {
     /// fio's --fdatasync: a data sync after every this many writes (0: none), so that the
     /// job measures durable writes.
     pub fdatasync: u32,
+    /// fio's --thinktime in µs: the client's pause after each request (0: none).
+    pub think_us: u32,
 }
 
 /// [`Job::cpus`]: the scheduler places client and server.
@@ -48,6 +50,7 @@ impl Job {
             iodepth,
             cpus: ANY_CPU,
             fdatasync: 0,
+            think_us: 0,
         }
     }
 
@@ -56,6 +59,16 @@ impl Job {
         Job {
             name,
             fdatasync: writes,
+            ..self
+        }
+    }
+
+    /// The same job with the client pausing `think_us` after each request: a client whose
+    /// requests come further apart than a server's poll for the next one lasts.
+    pub const fn thinking(self, name: &'static str, think_us: u32) -> Job {
+        Job {
+            name,
+            think_us,
             ..self
         }
     }
@@ -179,6 +192,9 @@ pub fn run_for(
     .arg(format!("--direct={}", direct as u8))
     .arg("--randrepeat=0")
     .arg("--norandommap");
+    if job.think_us > 0 {
+        cmd.arg(format!("--thinktime={}", job.think_us));
+    }
     if let Some(c) = cpu {
         cmd.arg(format!("--cpus_allowed={c}"));
     }

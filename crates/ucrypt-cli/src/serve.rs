@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// free.
     #[arg(long, value_name = "SECS", default_value_t = server::IDLE_TIMEOUT_DEFAULT.as_secs_f64())]
     idle_timeout: f64,
+    /// Poll for the next request after every request (--spin-us), even on a connection where
+    /// polls rarely see one arrive; by default polling pauses there and tries again later.
+    #[arg(long)]
+    spin_always: bool,
     #[command(flatten)]
     metrics: MetricsArgs,
 }
@@ -130,6 +134,7 @@ fn serve(a: ServeArgs) -> CliResult<()> {
         pid_file: a.pid_file.clone(),
         announce: true,
         poll: Duration::from_micros(a.volume.spin_us),
+        poll_backoff: !a.spin_always,
         // On remote storage a request waits on the network, not a core: give every request a
         // QD32 client keeps in flight its worker, so that they reach the remote at once.
         workers: if a.volume.volume.is_remote() {

@@ -354,6 +354,105 @@ fn idle_clients_give_their_slots_to_a_new_client() {
     assert_eq!(srv.stop(), Some(0));
 }
 
+/// Idle connections opened beside the busy client (the issue's load: 1,000).
+const IDLE_CONNECTIONS: usize = 1000;
+/// How long the busy client's throughput is measured, alone and beside the idle ones.
+const BUSY_WINDOW: Duration = Duration::from_millis(1500);
+
+/// The busy client's loop for `dur`: a 64 KiB write, then reading it back. Returns MiB/s.
+fn busy_rate(c: &mut Raw, dur: Duration, seed: u64) -> f64 {
+    const LEN: u32 = 64 << 10;
+    let data = pattern(LEN as usize, seed);
+    let mut back = vec![0u8; LEN as usize];
+    let t0 = std::time::Instant::now();
+    let mut n = 0u64;
+    while t0.elapsed() < dur {
+        let off = (n % (SIZE / u64::from(LEN))) * u64::from(LEN);
+        assert!(c.request(1, 0, 2 * n, off, LEN) && c.send(&data));
+        assert_eq!(c.reply(), Some((0, 2 * n)));
+        assert!(c.request(0, 0, 2 * n + 1, off, LEN));
+        assert_eq!(c.reply(), Some((0, 2 * n + 1)));
+        c.0.read_exact(&mut back).unwrap();
+        assert!(back == data, "read back differs at {off}");
+        n += 1;
+    }
+    (n * u64::from(LEN) * 2) as f64 / t0.elapsed().as_secs_f64() / f64::from(1 << 20)
+}
+
+#[test]
+fn a_thousand_idle_connections_beside_a_busy_client() {
+    let started = std::time::Instant::now();
+    let dir = TempDir::new("thousand");
+    make_image(&dir.path("disk"), SIZE as usize, Some(0xbad));
+    let (disk, listen) = (dir.s("disk"), format!("unix:{}", dir.s("sock")));
+    let log = std::fs::File::create(dir.path("log")).unwrap();
+    let args = [disk.as_str(), "--nbd", &listen, "--export-name", "disk"];
+    let mut args = args.to_vec();
+    args.push("--unencrypted");
+    let mut srv = Server::try_start_logged(&args, 1, log.into()).expect("server");
+    let mut busy = Raw::start(&dir);
+    let alone = busy_rate(&mut busy, BUSY_WINDOW, 1);
+    // Every client connects and, if greeted, finishes its handshake and then sends nothing.
+    // The server admits as many as it has slots and closes the others at once.
+    let (mut idle, mut refused) = (Vec::new(), 0usize);
+    for _ in 0..IDLE_CONNECTIONS {
+        let mut s = UnixStream::connect(dir.path("sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut greet = [0u8; 18];
+        match s.read_exact(&mut greet) {
+            Ok(()) => {
+                let mut r = Raw(s);
+                assert!(r.send(&1u32.to_be_bytes()));
+                assert_eq!(r.go("disk"), 1, "GO not acknowledged");
+                idle.push(r);
+            }
+            // Refused: closed before the greeting (EOF, or a reset).
+            Err(_) => refused += 1,
+        }
+    }
+    let during = busy_rate(&mut busy, BUSY_WINDOW, 2);
+    let ratio = during / alone;
+    eprintln!(
+        "busy client: {alone:.0} MiB/s alone, {during:.0} MiB/s beside {IDLE_CONNECTIONS} idle \
+         connection attempts ({} admitted, {refused} refused): ratio {ratio:.2}",
+        idle.len()
+    );
+    assert!(
+        srv.alive(),
+        "server died under {IDLE_CONNECTIONS} connections"
+    );
+    assert_eq!(idle.len() + refused, IDLE_CONNECTIONS);
+    assert!(
+        idle.len() < 16,
+        "{} idle connections admitted beside the busy one",
+        idle.len()
+    );
+    // The admitted idle ones still hold working sessions; the busy client is still served.
+    let mut one = idle.pop().expect("some idle connection admitted");
+    assert!(one.request(0, 0, 7, 0, 4096));
+    assert_eq!(one.reply(), Some((0, 7)));
+    drop((idle, one));
+    healthy_beside(&mut busy);
+    assert_eq!(srv.stop(), Some(0));
+    let log = std::fs::read_to_string(dir.path("log")).unwrap();
+    let lines = log.matches("refusing connection").count();
+    assert_eq!(
+        lines, refused,
+        "one log line per refused connection:\n{log}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(120),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+/// The busy client's session is still in sync: a flush is acknowledged.
+fn healthy_beside(c: &mut Raw) {
+    assert!(c.request(3, 0, u64::MAX, 0, 0));
+    assert_eq!(c.reply(), Some((0, u64::MAX)));
+}
+
 #[test]
 fn a_vanished_clients_queued_requests_are_dropped() {
     let dir = TempDir::new("gone");

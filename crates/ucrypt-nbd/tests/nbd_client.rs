@@ -742,6 +742,7 @@ fn our_own_tls_server_and_client_agree() {
                 pid_file: None,
                 announce: false,
                 poll: Duration::ZERO,
+                poll_backoff: true,
                 workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
                 idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
             };

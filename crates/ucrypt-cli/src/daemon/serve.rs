@@ -110,6 +110,7 @@ impl NbdSide {
             pid_file: None,
             announce: false,
             poll: Duration::ZERO,
+            poll_backoff: true,
             workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
             idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
         };

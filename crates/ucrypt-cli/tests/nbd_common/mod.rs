@@ -94,11 +94,16 @@ impl Server {
     }
 
     pub fn try_start(args: &[&str], exports: usize) -> Result<Server, String> {
+        Self::try_start_logged(args, exports, Stdio::inherit())
+    }
+
+    /// Like [`Server::try_start`], with the server's log (stderr) going to `log`.
+    pub fn try_start_logged(args: &[&str], exports: usize, log: Stdio) -> Result<Server, String> {
         let mut child = Command::new(UCRYPT)
             .arg("serve")
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(log)
             .spawn()
             .map_err(|e| e.to_string())?;
         let stdout = child.stdout.take().ok_or("no stdout")?;

@@ -225,6 +225,7 @@ impl Server {
                 pid_file: None,
                 announce: false,
                 poll: Duration::ZERO,
+                poll_backoff: true,
                 workers: crate::server::WORKERS_PER_CONNECTION,
                 idle_timeout: crate::server::IDLE_TIMEOUT_DEFAULT,
             };

@@ -112,6 +112,10 @@ pub struct ServerOptions {
     /// How long a connection's reader polls for the next request after serving one on its
     /// own thread, before it sleeps (`--spin-us`; zero = never poll).
     pub poll: Duration,
+    /// Stop polling on a connection for a while when its polls rarely see the next request
+    /// arrive (the client's requests come further apart than `poll`); false polls after every
+    /// request served inline (`--spin-always`).
+    pub poll_backoff: bool,
     /// Requests executed at once per connection (1 to [`WORKERS_PER_CONNECTION_MAX`]).
     pub workers: usize,
     /// How long a connection must be idle before a new client may take its slot when all
@@ -135,6 +139,8 @@ pub(crate) struct Shared {
     pub live: Mutex<Vec<LiveConn>>,
     /// `ServerOptions::poll`.
     pub poll: Duration,
+    /// `ServerOptions::poll_backoff`.
+    pub poll_backoff: bool,
     /// `ServerOptions::workers`.
     pub workers: usize,
     /// `ServerOptions::idle_timeout`.
@@ -369,6 +375,7 @@ pub fn serve(
         stop: stop.clone(),
         live: Mutex::new(Vec::new()),
         poll: opts.poll,
+        poll_backoff: opts.poll_backoff,
         workers: opts.workers.clamp(1, WORKERS_PER_CONNECTION_MAX),
         idle_timeout: opts.idle_timeout,
     });

@@ -108,6 +108,7 @@ fn device_errors_fua_flush_and_stop() {
                 pid_file: None,
                 announce: false,
                 poll: std::time::Duration::from_micros(50),
+                poll_backoff: true,
                 workers: crate::server::WORKERS_PER_CONNECTION,
                 idle_timeout: crate::server::IDLE_TIMEOUT_DEFAULT,
             };
