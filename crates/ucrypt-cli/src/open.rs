@@ -104,8 +104,10 @@ pub struct VolumeArgs {
     /// every write durable), unsafe (flushes ignored: scratch volumes only).
     #[arg(long, value_name = "MODE", default_value_t = CacheMode::None)]
     pub cache: CacheMode,
-    /// Accepted as cryptsetup's open takes it: ucrypt serves authenticated volumes in
-    /// dm-integrity's direct mode (no journal) always.
+    /// Authenticated volumes: write in dm-integrity's direct mode (no journal: faster, but a
+    /// crash mid-write may leave blocks that fail authentication), as cryptsetup's open does.
+    /// Without it, writes go through the journal (unless the header's persistent flags say
+    /// `no-journal`).
     #[arg(long)]
     pub integrity_no_journal: bool,
     #[command(flatten)]
@@ -142,6 +144,8 @@ pub enum PreparedKind {
         hdr: Box<luks::Header>,
         unlock: Unlock,
         opts: OpenOptions,
+        /// Authenticated volumes: dm-integrity's direct mode (`--integrity-no-journal`).
+        integrity_no_journal: bool,
     },
     /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
     Raw {
@@ -245,6 +249,7 @@ fn open_authenticated(
     hdr: &luks::Header,
     unlock: Unlock,
     opts: &OpenOptions,
+    integrity_no_journal: bool,
 ) -> ucrypt::Result<Opened> {
     let hdr_dev: &dyn Backend = match &opts.header {
         Some(h) => h.as_ref(),
@@ -254,7 +259,14 @@ fn open_authenticated(
         hdr.check_requirements()?;
     }
     let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
-    let vol = integrity::open_luks2(data, hdr, &vk, opts.read_only)?;
+    // cryptsetup's `--integrity-no-journal` (or the header's persistent `no-journal` flag):
+    // dm-integrity's direct mode; else its journal.
+    let write_mode = if integrity_no_journal {
+        integrity::WriteMode::Direct
+    } else {
+        integrity::luks2_write_mode(hdr)
+    };
+    let vol = integrity::open_luks2_mode(data, hdr, &vk, opts.read_only, write_mode)?;
     drop(vk);
     let sb = &vol.layout().sb;
     for (flag, what) in [
@@ -299,9 +311,10 @@ impl Prepared {
                 hdr,
                 unlock,
                 opts,
+                integrity_no_journal,
             } => {
                 if integrity::superblock_offset(&hdr).is_some() {
-                    open_authenticated(&self.name, data, &hdr, unlock, &opts)
+                    open_authenticated(&self.name, data, &hdr, unlock, &opts, integrity_no_journal)
                         .map_err(CliError::from)
                 } else {
                     luks::open_parsed(data, &hdr, unlock, &opts)
@@ -423,6 +436,7 @@ impl VolumeArgs {
             hdr: Box::new(hdr),
             unlock,
             opts,
+            integrity_no_journal: self.integrity_no_journal,
         })
     }
 

@@ -534,7 +534,7 @@ impl IntegrityVolume {
     fn commit_inner(&self, j: &mut JournalState) -> Result<()> {
         let geo = j.geo;
         let s = j.section;
-        if j.hold_writeback && j.held_sections + 1 >= geo.sections {
+        if j.hold_writeback && j.held_sections >= geo.sections {
             return Err(Error::InvalidArgument(
                 "journal write-back held for a test: the ring is full".into(),
             ));
