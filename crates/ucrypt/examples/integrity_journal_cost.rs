@@ -24,13 +24,27 @@ const WRITE_BYTES: u64 = 64 << 20;
 const WRITE_BYTES_FLUSH_EACH: u64 = 8 << 20;
 
 fn open(path: &std::path::Path, mode: TagMode, wm: WriteMode) -> IntegrityVolume {
-    let be: Arc<dyn Backend> = Arc::new(FileBackend::open(path, true, DirectMode::Never).expect("file"));
-    let l = new_superblock(mode.tuple_bytes() as u16, 4096, START_BYTES / 512, DEVICE_BYTES / 512)
-        .expect("superblock");
+    let be: Arc<dyn Backend> =
+        Arc::new(FileBackend::open(path, true, DirectMode::Never).expect("file"));
+    let l = new_superblock(
+        mode.tuple_bytes() as u16,
+        4096,
+        START_BYTES / 512,
+        DEVICE_BYTES / 512,
+    )
+    .expect("superblock");
     write_new_device(be.as_ref(), START_BYTES, &l).expect("format");
     let key: Vec<u8> = (0..mode.key_bytes() as u8).collect();
-    IntegrityVolume::with_write_mode(be, START_BYTES, l.sb, mode, SecretBytes::from_slice(&key), false, wm)
-        .expect("volume")
+    IntegrityVolume::with_write_mode(
+        be,
+        START_BYTES,
+        l.sb,
+        mode,
+        SecretBytes::from_slice(&key),
+        false,
+        wm,
+    )
+    .expect("volume")
 }
 
 fn rate(bytes: u64, t: Instant) -> f64 {
@@ -39,7 +53,8 @@ fn rate(bytes: u64, t: Instant) -> f64 {
 
 fn main() {
     let dir = std::env::args().nth(1).unwrap_or_else(|| "/dev/shm".into());
-    let path = std::path::Path::new(&dir).join(format!("ucrypt-journal-cost-{}", std::process::id()));
+    let path =
+        std::path::Path::new(&dir).join(format!("ucrypt-journal-cost-{}", std::process::id()));
     let mode = TagMode::AesGcmRandom { key_bytes: 32 };
     println!("| write | direct MiB/s | journal MiB/s | journal / direct |");
     println!("|---|---|---|---|");
@@ -48,7 +63,10 @@ fn main() {
         ("4 KiB random, flush after each", [0.0; 2]),
         ("1 MiB sequential, flush after each", [0.0; 2]),
     ];
-    for (k, wm) in [WriteMode::Direct, WriteMode::Journal].into_iter().enumerate() {
+    for (k, wm) in [WriteMode::Direct, WriteMode::Journal]
+        .into_iter()
+        .enumerate()
+    {
         std::fs::File::create(&path)
             .and_then(|f| f.set_len(DEVICE_BYTES))
             .expect("backing file");

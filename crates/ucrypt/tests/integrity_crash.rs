@@ -103,8 +103,12 @@ fn volume(
 
 fn new_device(unit: u64, sb: Superblock) -> Arc<CrashBackend> {
     let crash = Arc::new(CrashBackend::new(DEVICE_BYTES, unit).expect("crash backend"));
-    write_new_device(crash.as_ref(), START_BYTES, &Layout::new(sb).expect("layout"))
-        .expect("format");
+    write_new_device(
+        crash.as_ref(),
+        START_BYTES,
+        &Layout::new(sb).expect("layout"),
+    )
+    .expect("format");
     crash
 }
 

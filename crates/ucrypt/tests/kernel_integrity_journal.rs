@@ -222,7 +222,10 @@ fn journal_replay_between_kernel_and_ucrypt() {
     let mut failures = Vec::new();
     let mut ucrypt_wrote = Vec::new();
     for (i, c) in CASES.iter().enumerate() {
-        if !out.output.contains(&format!("CASE {} CRASH-COPIED", c.name)) {
+        if !out
+            .output
+            .contains(&format!("CASE {} CRASH-COPIED", c.name))
+        {
             failures.push(format!("{}: the kernel did not write and copy", c.name));
             continue;
         }
@@ -232,12 +235,22 @@ fn journal_replay_between_kernel_and_ucrypt() {
         let orig = open_file(img, &key, false).expect("open the cleanly closed original");
         assert_eq!(orig.replay_report().entries, 0, "{}", c.name);
         let mut got = vec![0u8; KERNEL_WRITE.1 as usize];
-        orig.read_at(&mut got, KERNEL_WRITE.0).expect("read original");
-        assert!(got == plain, "seed {seed}: {}: the original differs", c.name);
+        orig.read_at(&mut got, KERNEL_WRITE.0)
+            .expect("read original");
+        assert!(
+            got == plain,
+            "seed {seed}: {}: the original differs",
+            c.name
+        );
         let placed = data_place(&orig, img, KERNEL_WRITE, bb);
         drop(orig);
         assert_ne!(
-            data_place(&open_file(img, &key, false).expect("reopen"), copy, KERNEL_WRITE, bb),
+            data_place(
+                &open_file(img, &key, false).expect("reopen"),
+                copy,
+                KERNEL_WRITE,
+                bb
+            ),
             placed,
             "{}: the copy already holds the data in place: it tests no replay",
             c.name
@@ -252,7 +265,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
         println!("CASE {} ucrypt replayed {rep:?}", c.name);
         assert!(rep.entries > 0 && rep.cleared, "{}: {rep:?}", c.name);
         assert_eq!(v.write_mode(), WriteMode::Journal);
-        v.read_at(&mut got, KERNEL_WRITE.0).expect("read the replayed copy");
+        v.read_at(&mut got, KERNEL_WRITE.0)
+            .expect("read the replayed copy");
         assert!(
             got == plain,
             "seed {seed}: {}: ucrypt's replay of the kernel's journal differs",
@@ -260,7 +274,12 @@ fn journal_replay_between_kernel_and_ucrypt() {
         );
         drop(v);
         assert_eq!(
-            data_place(&open_file(img, &key, false).expect("reopen"), copy, KERNEL_WRITE, bb),
+            data_place(
+                &open_file(img, &key, false).expect("reopen"),
+                copy,
+                KERNEL_WRITE,
+                bb
+            ),
             placed,
             "{}: after the replay the data is in place",
             c.name
@@ -302,8 +321,12 @@ fn journal_replay_between_kernel_and_ucrypt() {
         let exported = dir.join("fs.out");
         std::fs::write(&exported, &fs).expect("export");
         let s = |p: &Path| p.display().to_string();
-        let r = run("e2fsck", &["-f", "-n", &s(&exported)])
-            .and_then(|_| run("debugfs", &["-R", &format!("cat /{FS_FILE}"), &s(&exported)]));
+        let r = run("e2fsck", &["-f", "-n", &s(&exported)]).and_then(|_| {
+            run(
+                "debugfs",
+                &["-R", &format!("cat /{FS_FILE}"), &s(&exported)],
+            )
+        });
         match r {
             Err(e) => failures.push(format!("fs (kernel -> ucrypt): {e}")),
             Ok(t) if t == fs_text => println!("FS kernel's ext4 replayed by ucrypt is clean OK"),
@@ -338,7 +361,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
                 v.write_at(&body, 0).expect("write the ext4 body");
                 v.flush().expect("flush");
                 v.hold_writeback_for_tests();
-                v.write_at(&img[..FS_HEAD_BYTES], 0).expect("write the ext4 head");
+                v.write_at(&img[..FS_HEAD_BYTES], 0)
+                    .expect("write the ext4 head");
                 v.flush().expect("commit");
                 drop(v);
                 std::fs::write(dir.join("mine.txt.expect"), &mine_text).expect("text");
@@ -389,8 +413,13 @@ fn journal_replay_between_kernel_and_ucrypt() {
     assert_eq!(out2.status, 0, "seed {seed}: VM boot 2 failed");
     for &i in &ucrypt_wrote {
         let n = CASES[i].name;
-        if !out2.output.contains(&format!("CASE {n} KERNEL-REPLAYED-OK")) {
-            failures.push(format!("{n}: the kernel did not read ucrypt's journalled data"));
+        if !out2
+            .output
+            .contains(&format!("CASE {n} KERNEL-REPLAYED-OK"))
+        {
+            failures.push(format!(
+                "{n}: the kernel did not read ucrypt's journalled data"
+            ));
         }
     }
     if fs_ready {
@@ -400,6 +429,10 @@ fn journal_replay_between_kernel_and_ucrypt() {
             }
         }
     }
-    assert_eq!(ucrypt_wrote.len(), CASES.len(), "seed {seed}: {failures:#?}");
+    assert_eq!(
+        ucrypt_wrote.len(),
+        CASES.len(),
+        "seed {seed}: {failures:#?}"
+    );
     assert!(failures.is_empty(), "seed {seed}: {failures:#?}");
 }

@@ -270,10 +270,7 @@ impl IntegrityVolume {
 
     /// How writes reach the disk.
     pub fn write_mode(&self) -> WriteMode {
-        self.io_lock
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .mode
+        self.io_lock.read().unwrap_or_else(|p| p.into_inner()).mode
     }
 
     /// What opening replayed from the journal.
@@ -364,7 +361,8 @@ impl IntegrityVolume {
             self.backend
                 .read_exact_at(j.buf.as_mut_slice(), self.section_byte(&geo, i))?;
             let seq = scan.section(&geo, j.buf.as_slice(), i)?;
-            let used = (0..geo.section_entries).any(|n| geo.entry(j.buf.as_slice(), n) != Entry::Unused);
+            let used =
+                (0..geo.section_entries).any(|n| geo.entry(j.buf.as_slice(), n) != Entry::Unused);
             committed.push((seq, used));
         }
         let plan = scan.plan(geo.sections)?;
@@ -568,7 +566,13 @@ impl IntegrityVolume {
 
     /// Encrypts whole blocks starting at data sector `first` into the open journal section,
     /// committing each section that fills.
-    fn journal_blocks(&self, j: &mut JournalState, first: u64, len: usize, src: Src<'_>) -> Result<()> {
+    fn journal_blocks(
+        &self,
+        j: &mut JournalState,
+        first: u64,
+        len: usize,
+        src: Src<'_>,
+    ) -> Result<()> {
         let bb = self.block_bytes();
         let tb = usize::from(self.layout.sb.tag_bytes);
         let spb = u64::from(j.geo.sectors_per_block);
@@ -705,7 +709,13 @@ impl IntegrityVolume {
 
     /// Encrypts and writes whole blocks starting at data sector `first`: through the journal,
     /// or in direct mode data then tags. The caller holds `self.io_lock` exclusively.
-    fn write_blocks(&self, j: &mut JournalState, first: u64, len: usize, src: Src<'_>) -> Result<()> {
+    fn write_blocks(
+        &self,
+        j: &mut JournalState,
+        first: u64,
+        len: usize,
+        src: Src<'_>,
+    ) -> Result<()> {
         if j.failed {
             return Err(journal_failed());
         }
@@ -801,7 +811,13 @@ impl IntegrityVolume {
         let bb = self.block_bytes() as u64;
         if head > 0 {
             let block_off = align_down(offset, bb);
-            self.rmw(j, block_off, (offset - block_off) as usize, sub(0, head), head)?;
+            self.rmw(
+                j,
+                block_off,
+                (offset - block_off) as usize,
+                sub(0, head),
+                head,
+            )?;
         }
         if mid > 0 {
             self.write_blocks(j, (offset + head as u64) / 512, mid, sub(head, mid))?;
@@ -1098,9 +1114,7 @@ mod tests {
             .max_provided_sectors(0, DEVICE_BYTES / 512);
         let key: Vec<u8> = (0..mode.key_bytes() as u8).collect();
         let l = Layout::new(sb).expect("layout");
-        if Superblock::parse(&read_area(be.as_ref(), 0, SB_BYTES as u64).expect("read"))
-            .is_err()
-        {
+        if Superblock::parse(&read_area(be.as_ref(), 0, SB_BYTES as u64).expect("read")).is_err() {
             write_new_device(be.as_ref(), 0, &l).expect("format");
         }
         IntegrityVolume::new(be, 0, sb, mode, SecretBytes::from_slice(&key), read_only)

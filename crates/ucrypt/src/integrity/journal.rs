@@ -165,7 +165,8 @@ impl Geometry {
     pub fn stamp(&self, sec: &mut [u8], section: u32, seq: u8) {
         for j in 0..self.section_sectors {
             let end = (j as usize + 1) * 512;
-            sec[end - COMMIT_ID_BYTES..end].copy_from_slice(&commit_id(section, j, seq).to_le_bytes());
+            sec[end - COMMIT_ID_BYTES..end]
+                .copy_from_slice(&commit_id(section, j, seq).to_le_bytes());
         }
     }
 
@@ -250,10 +251,12 @@ impl Scan {
             }
             u
         } else {
-            (0..n).find(|&u| !self.used[u]).ok_or_else(|| Error::BadHeader {
-                check: "integrity journal commit id",
-                detail: "the journal carries all four commit sequences".into(),
-            })?
+            (0..n)
+                .find(|&u| !self.used[u])
+                .ok_or_else(|| Error::BadHeader {
+                    check: "integrity journal commit id",
+                    detail: "the journal carries all four commit sequences".into(),
+                })?
         } as u8;
         let last_used = prev_seq(unused);
         let mut want = prev_seq(last_used);
@@ -326,7 +329,11 @@ mod tests {
         g.stamp(&mut sec, 1, 2);
         assert!(g.section_committed(&sec, 1, 2));
         assert!(!g.section_committed(&sec, 1, 3));
-        assert_ne!(&sec[d..d + 4096], &block[..], "the ids replace the last bytes");
+        assert_ne!(
+            &sec[d..d + 4096],
+            &block[..],
+            "the ids replace the last bytes"
+        );
         g.restore_last_bytes(&mut sec);
         assert_eq!(&sec[d..d + 4096], &block[..]);
     }
