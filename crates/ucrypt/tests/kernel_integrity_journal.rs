@@ -21,7 +21,7 @@
 //! Cases: aes-gcm-random + aead with 4096-byte sectors (a 64 MiB image: three journal
 //! sections, so one commit stays under the kernel's write-back watermark),
 //! aes-xts-random + hmac-sha256 with 512-byte sectors (48 MiB: twelve sections); the ext4 on
-//! aes-gcm-random 4096 (24 MiB: one section). Needs qemu-system-x86_64 and a kernel
+//! aes-gcm-random 4096 (32 MiB: one section). Needs qemu-system-x86_64 and a kernel
 //! (tests/vm/install-deps.sh), and mkfs.ext4/e2fsck/debugfs on the host: SKIPPED otherwise,
 //! unless CI is set.
 
@@ -72,7 +72,7 @@ const FS: Case = Case {
     integrity: "aead",
     key_bits: 256,
     sector: 4096,
-    image_bytes: 24 << 20,
+    image_bytes: 32 << 20,
 };
 
 /// What the kernel writes and leaves in its journal: 64 KiB at the start.
@@ -171,7 +171,7 @@ fn journal_replay_between_kernel_and_ucrypt() {
     let mut vmrun = vm::VmRun::new("");
     vmrun.timeout_s = VM_TIMEOUT_S;
     vmrun.share = Some(dir.clone());
-    let mut script = String::from("set -u\nK=/mnt/host/key\nP=/mnt/host/plain.bin\n");
+    let mut script = String::from("set -u\nK=/mnt/host/key\nP=/mnt/host/plain.bin\nmkdir -p /mnt/f\n");
     let mut ndev = 0u8;
     let mut attach = |vmrun: &mut vm::VmRun, img: &Path, bytes: u64| -> String {
         std::fs::File::create(img)
@@ -375,7 +375,7 @@ fn journal_replay_between_kernel_and_ucrypt() {
     let mut vmrun = vm::VmRun::new("");
     vmrun.timeout_s = VM_TIMEOUT_S;
     vmrun.share = Some(dir.clone());
-    let mut script = String::from("set -u\nK=/mnt/host/key\n");
+    let mut script = String::from("set -u\nK=/mnt/host/key\nmkdir -p /mnt/f\n");
     for (img, copy) in &imgs {
         vmrun.disk(img, false);
         vmrun.disk(copy, false);
