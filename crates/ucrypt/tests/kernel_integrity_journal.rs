@@ -340,7 +340,7 @@ fn journal_replay_between_kernel_and_ucrypt() {
             .expect("ext4 image");
         let mine_text = format!("written by ucrypt through its journal, seed {seed}\n");
         std::fs::write(dir.join("mine.txt"), &mine_text).expect("text");
-        let r = run("mkfs.ext4", &["-q", "-F", &s(&mkimg)]).and_then(|_| {
+        let r = run("mkfs.ext4", &["-q", "-F", "-b", "4096", &s(&mkimg)]).and_then(|_| {
             run(
                 "debugfs",
                 &[
