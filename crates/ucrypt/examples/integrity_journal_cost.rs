@@ -6,6 +6,7 @@
 //! - 4 KiB random writes, each followed by a flush (a journal section per write);
 //! - 1 MiB sequential writes, one flush each.
 //!
+//! Each measurement runs 5 rounds, direct and journal alternating; medians are printed.
 //! `cargo run --release -p ucrypt --example integrity_journal_cost [DIR]` (default /dev/shm:
 //! the backing file's flushes are then cheap and the numbers show the journal's extra work,
 //! not the disk's).
@@ -22,6 +23,8 @@ const START_BYTES: u64 = 16 << 20;
 /// Bytes written per measurement.
 const WRITE_BYTES: u64 = 64 << 20;
 const WRITE_BYTES_FLUSH_EACH: u64 = 8 << 20;
+/// Rounds of each measurement; the median is reported.
+const ROUNDS: usize = 5;
 
 fn open(path: &std::path::Path, mode: TagMode, wm: WriteMode) -> IntegrityVolume {
     let be: Arc<dyn Backend> =
@@ -58,15 +61,18 @@ fn main() {
     let mode = TagMode::AesGcmRandom { key_bytes: 32 };
     println!("| write | direct MiB/s | journal MiB/s | journal / direct |");
     println!("|---|---|---|---|");
-    let mut rows: Vec<(&str, [f64; 2])> = vec![
-        ("4 KiB random, flush at the end", [0.0; 2]),
-        ("4 KiB random, flush after each", [0.0; 2]),
-        ("1 MiB sequential, flush after each", [0.0; 2]),
+    // Per row and mode, one rate per round; the modes alternate round by round (the machine's
+    // clock drifts), and the median is reported.
+    let mut rows: Vec<(&str, [Vec<f64>; 2])> = vec![
+        ("4 KiB random, flush at the end", [vec![], vec![]]),
+        ("4 KiB random, flush after each", [vec![], vec![]]),
+        ("1 MiB sequential, flush after each", [vec![], vec![]]),
     ];
-    for (k, wm) in [WriteMode::Direct, WriteMode::Journal]
-        .into_iter()
-        .enumerate()
-    {
+    for (k, wm) in (0..ROUNDS).flat_map(|_| {
+        [WriteMode::Direct, WriteMode::Journal]
+            .into_iter()
+            .enumerate()
+    }) {
         std::fs::File::create(&path)
             .and_then(|f| f.set_len(DEVICE_BYTES))
             .expect("backing file");
@@ -85,13 +91,13 @@ fn main() {
             v.write_at(&buf4, next() * 4096).expect("write");
         }
         v.flush().expect("flush");
-        rows[0].1[k] = rate(WRITE_BYTES, t);
+        rows[0].1[k].push(rate(WRITE_BYTES, t));
         let t = Instant::now();
         for _ in 0..WRITE_BYTES_FLUSH_EACH / 4096 {
             v.write_at(&buf4, next() * 4096).expect("write");
             v.flush().expect("flush");
         }
-        rows[1].1[k] = rate(WRITE_BYTES_FLUSH_EACH, t);
+        rows[1].1[k].push(rate(WRITE_BYTES_FLUSH_EACH, t));
         let buf1m = vec![0xa5u8; 1 << 20];
         let t = Instant::now();
         let mib = (v.size() >> 20).min(WRITE_BYTES >> 20);
@@ -99,11 +105,16 @@ fn main() {
             v.write_at(&buf1m, i << 20).expect("write");
             v.flush().expect("flush");
         }
-        rows[2].1[k] = rate(mib << 20, t);
+        rows[2].1[k].push(rate(mib << 20, t));
         drop(v);
     }
     let _ = std::fs::remove_file(&path);
-    for (what, [d, j]) in rows {
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (what, [mut d, mut j]) in rows {
+        let (d, j) = (median(&mut d), median(&mut j));
         println!("| {what} | {d:.1} | {j:.1} | {:.2} |", j / d);
     }
 }

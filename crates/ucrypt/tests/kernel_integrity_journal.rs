@@ -171,7 +171,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
     let mut vmrun = vm::VmRun::new("");
     vmrun.timeout_s = VM_TIMEOUT_S;
     vmrun.share = Some(dir.clone());
-    let mut script = String::from("set -u\nK=/mnt/host/key\nP=/mnt/host/plain.bin\nmkdir -p /mnt/f\n");
+    let mut script =
+        String::from("set -u\nK=/mnt/host/key\nP=/mnt/host/plain.bin\nmkdir -p /mnt/f\n");
     let mut ndev = 0u8;
     let mut attach = |vmrun: &mut vm::VmRun, img: &Path, bytes: u64| -> String {
         std::fs::File::create(img)
