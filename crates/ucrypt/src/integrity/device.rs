@@ -380,18 +380,12 @@ impl IntegrityVolume {
                     .filter(|&n| geo.entry(j.buf.as_slice(), n) != Entry::Unused)
                     .count() as u64;
                 if entries > 0 {
-                    if self.read_only {
-                        return Err(Error::ReadOnly(format!(
-                            "{}: the dm-integrity journal holds committed writes not yet in \
-                             place (the volume was not closed cleanly); open it read-write \
-                             once to replay them",
-                            self.backend.describe()
-                        )));
-                    }
                     geo.restore_last_bytes(j.buf.as_mut_slice());
-                    self.write_back(j, geo.section_entries, true)?;
-                    report.sections += 1;
-                    report.entries += entries;
+                    if !self.read_only {
+                        self.write_back(j, geo.section_entries, true)?;
+                        report.sections += 1;
+                        report.entries += entries;
+                    }
                 }
             }
             run += 1;
@@ -402,7 +396,16 @@ impl IntegrityVolume {
             }
         }
         if self.read_only {
-            // Nothing to replay; the ring's position does not matter without writes.
+            // Without writes the ring's position does not matter; what matters is whether a
+            // replay would change anything: the newest entry of every sector in the committed
+            // run must already be in place, data and tag.
+            if !plan.empty && !self.run_in_place(j, plan.start, run, &committed)? {
+                return Err(Error::ReadOnly(format!(
+                    "{}: the dm-integrity journal holds committed writes not yet in place (the \
+                     volume was not closed cleanly); open it read-write once to replay them",
+                    self.backend.describe()
+                )));
+            }
             return Ok(report);
         }
         if report.entries > 0 {
@@ -510,6 +513,76 @@ impl IntegrityVolume {
             n += len;
         }
         Ok(())
+    }
+
+    /// True if the newest entry of every sector in the `run` committed sections from `start`
+    /// already lies in its place, data and tag: a replay would change nothing, and a read-only
+    /// open may go on. Walks the sections newest first (one set of the sectors seen, bounded
+    /// by the journal's entries, allocated here).
+    fn run_in_place(
+        &self,
+        j: &mut JournalState,
+        start: u32,
+        run: u32,
+        committed: &[(Option<u8>, bool)],
+    ) -> Result<bool> {
+        let geo = j.geo;
+        let mut seen = std::collections::HashSet::new();
+        for k in (0..run).rev() {
+            let i = (start + k) % geo.sections;
+            if !committed[i as usize].1 {
+                continue;
+            }
+            self.backend
+                .read_exact_at(j.buf.as_mut_slice(), self.section_byte(&geo, i))?;
+            geo.restore_last_bytes(j.buf.as_mut_slice());
+            if !self.entries_in_place(j, &mut seen)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// True if every used entry of the section in `j.buf` (last bytes restored) whose sector is
+    /// not in `seen` (newer entries) already lies in its place; adds its sectors to `seen`.
+    fn entries_in_place(
+        &self,
+        j: &JournalState,
+        seen: &mut std::collections::HashSet<u64>,
+    ) -> Result<bool> {
+        let geo = &j.geo;
+        let sec = j.buf.as_slice();
+        let bb = geo.block_bytes();
+        let tb = geo.tag_bytes;
+        let spb = u64::from(geo.sectors_per_block);
+        let provided = self.layout.sb.provided_data_sectors;
+        let mut g = self
+            .pool
+            .take(bb + 2 * self.io_align as usize + TUPLE_BYTES_MAX)?;
+        for n in (0..geo.section_entries).rev() {
+            let Entry::Sector(s) = geo.entry(sec, n) else {
+                continue;
+            };
+            if s % spb != 0 || s >= provided || !seen.insert(s) {
+                continue;
+            }
+            let e = self
+                .layout
+                .extent(s, 1)
+                .filter(|e| e.blocks == 1)
+                .ok_or(Error::Bug("integrity extent outside the device"))?;
+            let (tag_lo, span, at) = self.tag_span(e.tag_byte, 1);
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(bb);
+            let tbuf = &mut tbuf[..span];
+            self.backend
+                .read_exact_at(dbuf, self.start_bytes + e.data_byte)?;
+            self.backend.read_exact_at(tbuf, tag_lo)?;
+            let (d, t) = (geo.data_at(n), geo.tag_at(n));
+            if dbuf[..] != sec[d..d + bb] || tbuf[at..at + tb] != sec[t..t + tb] {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Commits the open section (if it holds entries): stamps every sector with the commit
@@ -1190,6 +1263,21 @@ mod tests {
         want[3000..3200].fill(0);
         assert_eq!(&b[..3333], &want[1..3334]);
         v.flush().expect("flush: commits the open journal section");
+        // Committed and written back: a read-only open checks the entries are in place.
+        let ro = mem_volume_on(be.clone(), mode, true);
+        let mut b = vec![0u8; 4096];
+        ro.read_at(&mut b[..3333], 1)
+            .expect("read-only, entries in place");
+        assert_eq!(&b[..3333], &want[1..3334]);
+        assert!(matches!(
+            ro.write_at(&[0u8; 512], 0),
+            Err(Error::ReadOnly(_))
+        ));
+        drop(ro);
+        // Committed, not written back (as after a crash): a read-only open refuses.
+        v.hold_writeback_for_tests();
+        v.write_at(&[3u8; 1024], 2048).expect("write");
+        v.flush().expect("commit");
         let ro = IntegrityVolume::new(
             v.backend.clone(),
             0,
@@ -1203,13 +1291,13 @@ mod tests {
             "a journal with entries not in place refuses a read-only open"
         );
         drop(v);
+        // A read-write open replays them; afterwards the journal is empty.
+        let rw = mem_volume_on(be.clone(), mode, false);
+        assert_eq!(rw.replay_report().entries, 2);
+        drop(rw);
         let ro = mem_volume_on(be, mode, true);
-        assert!(matches!(
-            ro.write_at(&[0u8; 512], 0),
-            Err(Error::ReadOnly(_))
-        ));
-        let mut b = vec![0u8; 4096];
-        ro.read_at(&mut b[..3333], 1).expect("read after close");
-        assert_eq!(&b[..3333], &want[1..3334]);
+        want[2048..3072].fill(3);
+        ro.read_at(&mut b, 0).expect("read after the replay");
+        assert_eq!(b, want);
     }
 }
