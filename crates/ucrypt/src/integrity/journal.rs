@@ -363,8 +363,10 @@ mod tests {
         // Wrapping from sequence 3 to 0.
         let p = plan_of(&[0, 3, 3], true);
         assert_eq!((p.start, p.start_seq, p.last_used), (1, 3, 0));
-        let mut s = Scan::default();
-        s.used = [true; 4];
+        let s = Scan {
+            used: [true; 4],
+            ..Scan::default()
+        };
         assert!(s.plan(4).is_err(), "four sequences at once");
     }
 }
