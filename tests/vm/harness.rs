@@ -83,6 +83,8 @@ pub struct VmRun {
     pub modroot: Option<PathBuf>,
     pub mem_mb: u32,
     pub extra_bins: Vec<PathBuf>,
+    /// Overall timeout of the boot, seconds.
+    pub timeout_s: u32,
 }
 
 pub struct VmOutput {
@@ -101,6 +103,7 @@ impl VmRun {
             modroot: None,
             mem_mb: 1024,
             extra_bins: Vec::new(),
+            timeout_s: VM_TIMEOUT_S,
         }
     }
 
@@ -114,7 +117,7 @@ impl VmRun {
         let script = work.join("vm-script.sh");
         std::fs::write(&script, &self.script).expect("write VM script");
         let mut cmd = Command::new(vm_dir().join("run-in-vm.sh"));
-        cmd.arg("-t").arg(VM_TIMEOUT_S.to_string());
+        cmd.arg("-t").arg(self.timeout_s.to_string());
         cmd.arg("-m").arg(self.mem_mb.to_string());
         cmd.arg("-l").arg(work.join("serial.log"));
         for (d, ro) in &self.disks {

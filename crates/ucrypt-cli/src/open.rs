@@ -106,8 +106,10 @@ pub struct VolumeArgs {
     /// every write durable), unsafe (flushes ignored: scratch volumes only).
     #[arg(long, value_name = "MODE", default_value_t = CacheMode::None)]
     pub cache: CacheMode,
-    /// Accepted as cryptsetup's open takes it: ucrypt serves authenticated volumes in
-    /// dm-integrity's direct mode (no journal) always.
+    /// Authenticated volumes: write in dm-integrity's direct mode (no journal: faster, but a
+    /// crash mid-write may leave blocks that fail authentication), as cryptsetup's open does.
+    /// Without it, writes go through the journal (unless the header's persistent flags say
+    /// `no-journal`).
     #[arg(long)]
     pub integrity_no_journal: bool,
     #[command(flatten)]
@@ -148,6 +150,8 @@ pub enum PreparedKind {
         hdr: Box<luks::Header>,
         unlock: Unlock,
         opts: OpenOptions,
+        /// Authenticated volumes: dm-integrity's direct mode (`--integrity-no-journal`).
+        integrity_no_journal: bool,
     },
     /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
     Raw {
@@ -302,6 +306,8 @@ pub struct Authenticated {
     /// The dm-integrity device (the LUKS2 data device), kept to rebuild the volume on resume.
     data: Arc<dyn Backend>,
     read_only: bool,
+    /// Journal or direct, as opened; kept for resume.
+    write_mode: integrity::WriteMode,
     /// Fixed by the dm-integrity superblock: known while suspended too.
     size: u64,
     block_size: u32,
@@ -317,11 +323,17 @@ const READ: usize = 0;
 const WRITE: usize = 1;
 
 impl Authenticated {
-    fn new(name: &str, data: Arc<dyn Backend>, vol: IntegrityVolume) -> Self {
+    fn new(
+        name: &str,
+        data: Arc<dyn Backend>,
+        vol: IntegrityVolume,
+        write_mode: integrity::WriteMode,
+    ) -> Self {
         Authenticated {
             name: name.to_string(),
             data,
             read_only: vol.read_only(),
+            write_mode,
             size: vol.size(),
             block_size: vol.block_size(),
             inner: Mutex::new(Some(Arc::new(vol))),
@@ -408,7 +420,13 @@ impl Authenticated {
 
     /// Builds the volume again from `vk` and lets the waiting requests in.
     pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
-        let vol = integrity::open_luks2(self.data.clone(), hdr, vk, self.read_only)?;
+        let vol = integrity::open_luks2_mode(
+            self.data.clone(),
+            hdr,
+            vk,
+            self.read_only,
+            self.write_mode,
+        )?;
         check_superblock_flags(&vol)?;
         if vol.size() != self.size || vol.block_size() != self.block_size {
             return Err(Error::InvalidArgument(format!(
@@ -496,15 +514,16 @@ fn check_superblock_flags(vol: &IntegrityVolume) -> ucrypt::Result<()> {
 }
 
 /// Opens the authenticated segment of a LUKS2 volume (see [`check_superblock_flags`] for the
-/// superblocks refused). dm-integrity keeps no "journal dirty" flag in the superblock: a
-/// journal left with committed, unapplied entries can only be told by reading the journal,
-/// which ucrypt does not do (docs/integrity.md).
+/// superblocks refused), in dm-integrity's direct mode with cryptsetup's
+/// `--integrity-no-journal` (or the header's persistent `no-journal` flag), else through its
+/// journal; a journal left with committed entries is replayed first (docs/integrity.md).
 fn open_authenticated(
     name: &str,
     data: Arc<dyn Backend>,
     hdr: &luks::Header,
     unlock: Unlock,
     opts: &OpenOptions,
+    integrity_no_journal: bool,
 ) -> ucrypt::Result<Opened> {
     let hdr_dev: &dyn Backend = match &opts.header {
         Some(h) => h.as_ref(),
@@ -514,11 +533,16 @@ fn open_authenticated(
         hdr.check_requirements()?;
     }
     let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
-    let vol = integrity::open_luks2(data.clone(), hdr, &vk, opts.read_only)?;
+    let write_mode = if integrity_no_journal {
+        integrity::WriteMode::Direct
+    } else {
+        integrity::luks2_write_mode(hdr)
+    };
+    let vol = integrity::open_luks2_mode(data.clone(), hdr, &vk, opts.read_only, write_mode)?;
     drop(vk);
     check_superblock_flags(&vol)?;
     Ok(Opened::Integrity(Arc::new(Authenticated::new(
-        name, data, vol,
+        name, data, vol, write_mode,
     ))))
 }
 
@@ -541,9 +565,10 @@ impl Prepared {
                 hdr,
                 unlock,
                 opts,
+                integrity_no_journal,
             } => {
                 if integrity::superblock_offset(&hdr).is_some() {
-                    open_authenticated(&self.name, data, &hdr, unlock, &opts)
+                    open_authenticated(&self.name, data, &hdr, unlock, &opts, integrity_no_journal)
                         .map_err(CliError::from)
                 } else {
                     luks::open_parsed(data, &hdr, unlock, &opts)
@@ -674,6 +699,7 @@ impl VolumeArgs {
             hdr: Box::new(hdr),
             unlock,
             opts,
+            integrity_no_journal: self.integrity_no_journal,
         })
     }
 

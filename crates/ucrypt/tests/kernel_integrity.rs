@@ -26,7 +26,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ucrypt::backend::{Backend, DirectMode, FileBackend, MemBackend};
-use ucrypt::integrity::{open_luks2, IntegrityVolume};
+use ucrypt::integrity::{open_luks2_mode, IntegrityVolume, WriteMode};
 use ucrypt::luks::{read_header, unlock_key, Unlock};
 use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
 
@@ -110,7 +110,9 @@ fn open_backend(be: Arc<dyn Backend>, key: &[u8], writable: bool) -> IntegrityVo
         None,
     )
     .expect("unlock");
-    open_luks2(be, &hdr, &vk, !writable).expect("open integrity volume")
+    // Direct mode, as the kernel's side of this test (`--integrity-no-journal`); the journal
+    // has its own test (kernel_integrity_journal).
+    open_luks2_mode(be, &hdr, &vk, !writable, WriteMode::Direct).expect("open integrity volume")
 }
 
 fn read(v: &IntegrityVolume, (off, len): (u64, u64)) -> ucrypt::Result<Vec<u8>> {

@@ -132,8 +132,8 @@ pub struct LuksOpts {
     /// key; the MAC key is added to the volume key, as cryptsetup does.
     #[arg(long, value_name = "TYPE")]
     pub integrity: Option<String>,
-    /// format --integrity: accepted (ucrypt writes and serves dm-integrity without its journal,
-    /// the kernel's direct mode, always).
+    /// format --integrity: accepted, as cryptsetup's format takes it (the wipe is written
+    /// without the journal either way, as cryptsetup wipes; nothing is recorded in the header).
     #[arg(long)]
     pub integrity_no_journal: bool,
     /// format --integrity: do not write the data area (its blocks fail authentication until
@@ -743,7 +743,15 @@ fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()>
     }
     ops.push(WriteOp::Sync);
     luks::apply(data.as_ref(), &ops)?;
-    let vol = ucrypt::integrity::open_luks2(data, &hdr, vk, false)?;
+    // The wipe goes straight to the data and tag areas (direct mode), as cryptsetup's wipe
+    // activates without the journal: nothing of it needs to be atomic.
+    let vol = ucrypt::integrity::open_luks2_mode(
+        data,
+        &hdr,
+        vk,
+        false,
+        ucrypt::integrity::WriteMode::Direct,
+    )?;
     let total = ucrypt::BlockDev::size(&vol);
     if o.integrity_no_wipe {
         eprintln!(

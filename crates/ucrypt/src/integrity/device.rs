@@ -1,18 +1,29 @@
 //! [`IntegrityVolume`]: a [`BlockDev`] over a LUKS2 volume with authenticated sectors, reading
-//! and writing dm-integrity's on-disk format directly (no journal: the kernel's direct mode
-//! 'D', see docs/integrity.md for what that guarantees after a crash).
+//! and writing dm-integrity's on-disk format, in the kernel's journal mode ('J', the default)
+//! or its direct mode ('D', cryptsetup's `--integrity-no-journal`); see docs/integrity.md for
+//! what each guarantees after a crash.
 //!
 //! Every read fetches the data and the tags of whole blocks, verifies each block's tag before
 //! its plaintext leaves this module, and fails the request with [`Error::Integrity`] (EILSEQ)
-//! on the first block that does not verify. Every write encrypts with fresh random IVs and
-//! stores the data, then the tags (a read-modify-write of the 512-byte tag sectors it shares
-//! with neighbours). Writes exclude each other and reads; reads run together.
+//! on the first block that does not verify. Every write encrypts with fresh random IVs.
+//! - Journal mode: the blocks and their tags go to the open journal section in memory (reads
+//!   see them there); a flush, a FUA write or a full section commits it (every sector stamped
+//!   with the commit id, written, flushed), and only then are data and tags written to their
+//!   places. A crash at any point leaves each block with its old or its new data and a tag
+//!   that verifies: the journal is replayed when the volume is opened again (by ucrypt or
+//!   the kernel).
+//! - Direct mode: the data, then the tags (a read-modify-write of the 512-byte tag sectors it
+//!   shares with neighbours).
+//!
+//! Opening replays the journal as the kernel does on activation (committed sections, oldest
+//! first) and leaves it empty. Writes exclude each other and reads; reads run together.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
 
+use super::journal::{self, Entry, Geometry, Scan};
 use super::layout::Layout;
-use super::superblock::{Superblock, SB_BYTES};
+use super::superblock::{Superblock, SB_BYTES, SB_SECTORS};
 use super::tag::{TagCipher, TagMode};
 use crate::backend::Backend;
 use crate::blockdev::check_range;
@@ -32,6 +43,84 @@ pub const TUPLE_BYTES_MAX: usize = 128;
 pub const CIPHERS_CACHED_MAX: usize = 16;
 /// The largest block dm-integrity supports.
 const BLOCK_BYTES_MAX: usize = 4096;
+/// Alignment of the journal section buffer (the largest memory alignment O_DIRECT asks).
+const JOURNAL_BUF_ALIGN: usize = 4096;
+/// The largest journal section accepted: 8 entry sectors of 21 entries (the smallest entry,
+/// 24 bytes) of 4 KiB blocks, plus the entry sectors. Bounds the one section buffer.
+const JOURNAL_SECTION_BYTES_MAX: usize = (8 + 8 * 21 * 8) * 512;
+
+/// How writes reach the disk (the kernel's dm-integrity modes ucrypt implements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMode {
+    /// 'J': through the journal; data and tag of a block change together (the default, as in
+    /// the kernel).
+    Journal,
+    /// 'D': straight to their places, data then tag; a crash mid-write may leave a block that
+    /// fails verification (cryptsetup's `--integrity-no-journal`).
+    Direct,
+}
+
+/// What opening found in the journal and did about it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplayReport {
+    /// Committed sections whose entries were written to their places.
+    pub sections: u32,
+    /// Entries (blocks) written to their places.
+    pub entries: u64,
+    /// The journal was rewritten empty afterwards.
+    pub cleared: bool,
+}
+
+/// A buffer of `len` bytes starting at a [`JOURNAL_BUF_ALIGN`] boundary, allocated once.
+struct AlignedBuf {
+    raw: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> Self {
+        let raw = vec![0u8; len + JOURNAL_BUF_ALIGN];
+        let off = raw.as_ptr().align_offset(JOURNAL_BUF_ALIGN);
+        assert!(off < JOURNAL_BUF_ALIGN, "alignment offset inside the slack");
+        AlignedBuf { raw, off, len }
+    }
+    fn as_slice(&self) -> &[u8] {
+        &self.raw[self.off..self.off + self.len]
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.raw[self.off..self.off + self.len]
+    }
+}
+
+/// The journal's state in memory: the open section (entries not yet committed) and where the
+/// ring goes on. Lives inside the volume's reader-writer lock: writers change it, readers look
+/// up blocks in the open section.
+struct JournalState {
+    geo: Geometry,
+    mode: WriteMode,
+    /// The open section's index in the ring and the sequence its commit will carry.
+    section: u32,
+    seq: u8,
+    /// Entries filled in the open section.
+    used: u32,
+    /// Data sectors the open section's entries cover: `lo..hi` (empty when `used == 0`).
+    lo: u64,
+    hi: u64,
+    /// The open section in its on-disk layout; data blocks hold their own last bytes (the
+    /// commit ids are stamped only while the section is written).
+    buf: AlignedBuf,
+    /// The section whose entries were last written to their places without a flush since.
+    unflushed_writeback: Option<u32>,
+    /// Something was committed since opening: closing marks the journal empty, as the kernel
+    /// does when it suspends.
+    wrote: bool,
+    /// Test hook: committed sections are not written to their places.
+    hold_writeback: bool,
+    held_sections: u32,
+    /// A journal write failed: the volume refuses further I/O (the kernel fails the device).
+    failed: bool,
+}
 
 /// Where and how a LUKS2 volume's data is authenticated.
 pub struct IntegrityVolume {
@@ -43,15 +132,16 @@ pub struct IntegrityVolume {
     key: SecretBytes,
     ciphers: Mutex<Vec<TagCipher>>,
     pool: BufferPool,
-    /// Writes hold it exclusively (tag sectors are shared between neighbouring blocks, and a
-    /// write stores data and tags in two steps); reads hold it shared, so a read never sees a
-    /// block between its data and its tag and fails spuriously (dm-integrity's range locks
-    /// give the kernel the same).
-    io_lock: RwLock<()>,
+    /// Writes hold it exclusively (tag sectors are shared between neighbouring blocks, a
+    /// direct write stores data and tags in two steps, a journal write fills the open
+    /// section); reads hold it shared, so a read never sees a block between its data and its
+    /// tag (dm-integrity's range locks give the kernel the same).
+    io_lock: RwLock<JournalState>,
     /// Backend I/O alignment (at least 512).
     io_align: u64,
     read_only: bool,
     integrity_errors: AtomicU64,
+    replay: ReplayReport,
 }
 
 /// Where the bytes of a write come from.
@@ -65,9 +155,17 @@ fn align_down(v: u64, a: u64) -> u64 {
     v / a * a
 }
 
+fn journal_failed() -> Error {
+    Error::io(
+        "integrity journal",
+        std::io::Error::other("an earlier journal write failed; the volume refuses I/O"),
+    )
+}
+
 impl IntegrityVolume {
     /// A volume over `backend` whose dm-integrity superblock `sb` lies at `start_bytes`, with
-    /// tags made by `mode` under `key`.
+    /// tags made by `mode` under `key`, writing through the journal (the kernel's default).
+    /// Replays the journal first (see [`IntegrityVolume::with_write_mode`]).
     pub fn new(
         backend: Arc<dyn Backend>,
         start_bytes: u64,
@@ -75,6 +173,29 @@ impl IntegrityVolume {
         mode: TagMode,
         key: SecretBytes,
         read_only: bool,
+    ) -> Result<Self> {
+        Self::with_write_mode(
+            backend,
+            start_bytes,
+            sb,
+            mode,
+            key,
+            read_only,
+            WriteMode::Journal,
+        )
+    }
+
+    /// As [`IntegrityVolume::new`], writing in `write_mode`. Opening replays committed journal
+    /// sections the kernel or ucrypt left unapplied (a crash) and leaves the journal empty; a
+    /// read-only open refuses a journal that needs a replay.
+    pub fn with_write_mode(
+        backend: Arc<dyn Backend>,
+        start_bytes: u64,
+        sb: Superblock,
+        mode: TagMode,
+        key: SecretBytes,
+        read_only: bool,
+        write_mode: WriteMode,
     ) -> Result<Self> {
         if usize::from(sb.tag_bytes) != mode.tuple_bytes() {
             return Err(Error::BadHeader {
@@ -101,8 +222,27 @@ impl IntegrityVolume {
                 sb.block_bytes()
             )));
         }
+        let geo = Geometry::new(&layout)?;
+        if geo.section_bytes() > JOURNAL_SECTION_BYTES_MAX {
+            return Err(Error::Bug("journal section larger than its bound"));
+        }
         let cipher = TagCipher::new(mode, key.as_ref())?;
-        Ok(IntegrityVolume {
+        let state = JournalState {
+            geo,
+            mode: write_mode,
+            section: 0,
+            seq: 0,
+            used: 0,
+            lo: 0,
+            hi: 0,
+            buf: AlignedBuf::new(geo.section_bytes()),
+            unflushed_writeback: None,
+            wrote: false,
+            hold_writeback: false,
+            held_sections: 0,
+            failed: false,
+        };
+        let mut v = IntegrityVolume {
             backend,
             start_bytes,
             layout,
@@ -110,11 +250,14 @@ impl IntegrityVolume {
             key,
             ciphers: Mutex::new(vec![cipher]),
             pool: BufferPool::new(SCRATCH_POOL_BYTES)?,
-            io_lock: RwLock::new(()),
+            io_lock: RwLock::new(state),
             io_align,
             read_only,
             integrity_errors: AtomicU64::new(0),
-        })
+            replay: ReplayReport::default(),
+        };
+        v.replay = v.recover()?;
+        Ok(v)
     }
 
     pub fn layout(&self) -> &Layout {
@@ -123,6 +266,25 @@ impl IntegrityVolume {
 
     pub fn mode(&self) -> TagMode {
         self.mode
+    }
+
+    /// How writes reach the disk.
+    pub fn write_mode(&self) -> WriteMode {
+        self.io_lock.read().unwrap_or_else(|p| p.into_inner()).mode
+    }
+
+    /// What opening replayed from the journal.
+    pub fn replay_report(&self) -> ReplayReport {
+        self.replay
+    }
+
+    /// Test hook: from now on, committed journal sections stay in the journal only (not
+    /// written to their places) and closing leaves the journal as it is, as after a crash
+    /// right after each commit. Reads of such blocks then see their old contents; use it only
+    /// to hand a journal to another implementation's replay.
+    #[doc(hidden)]
+    pub fn hold_writeback_for_tests(&self) {
+        self.write_lock().hold_writeback = true;
     }
 
     /// Where data sector `sector` (512-byte units) and its block's tag lie on the backend, in
@@ -144,6 +306,10 @@ impl IntegrityVolume {
         self.integrity_errors.load(Ordering::Relaxed)
     }
 
+    fn write_lock(&self) -> RwLockWriteGuard<'_, JournalState> {
+        self.io_lock.write().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn with_cipher<T>(&self, f: impl FnOnce(&mut TagCipher) -> Result<T>) -> Result<T> {
         let cached = lock(&self.ciphers).pop();
         let mut c = match cached {
@@ -162,6 +328,11 @@ impl IntegrityVolume {
         self.layout.sb.block_bytes() as usize
     }
 
+    /// The backend byte offset of journal section `i`.
+    fn section_byte(&self, geo: &Geometry, i: u32) -> u64 {
+        self.start_bytes + (SB_SECTORS + u64::from(i) * u64::from(geo.section_sectors)) * 512
+    }
+
     /// The aligned byte span on the backend holding the tags of `blocks` blocks from
     /// `tag_byte` (relative to the superblock), and where they start inside it.
     fn tag_span(&self, tag_byte: u64, blocks: u64) -> (u64, usize, usize) {
@@ -172,8 +343,409 @@ impl IntegrityVolume {
         (lo, (hi - lo) as usize, (lo_abs - lo) as usize)
     }
 
+    // ---- the journal: replay, commit, write-back ----
+
+    /// Replays the journal as the kernel does when it activates the device (`replay_journal`):
+    /// scans every section's commit ids, then writes the entries of the committed sections to
+    /// their places, oldest first, stopping at the first section not wholly committed; then
+    /// leaves the journal empty (cleared, or marked empty as the kernel does on suspend).
+    fn recover(&self) -> Result<ReplayReport> {
+        let mut g = self.write_lock();
+        let j = &mut *g;
+        let geo = j.geo;
+        let mut scan = Scan::default();
+        // Per section: the sequence all its sectors carry, and whether it has entries (one
+        // allocation at open, a few bytes per section).
+        let mut committed = Vec::with_capacity(geo.sections as usize);
+        for i in 0..geo.sections {
+            self.backend
+                .read_exact_at(j.buf.as_mut_slice(), self.section_byte(&geo, i))?;
+            let seq = scan.section(&geo, j.buf.as_slice(), i)?;
+            let used =
+                (0..geo.section_entries).any(|n| geo.entry(j.buf.as_slice(), n) != Entry::Unused);
+            committed.push((seq, used));
+        }
+        let plan = scan.plan(geo.sections)?;
+        let mut report = ReplayReport::default();
+        let (mut i, mut want, mut run) = (plan.start, plan.start_seq, 0u32);
+        while run < geo.sections {
+            let (seq, used) = committed[i as usize];
+            if seq != Some(want) {
+                break;
+            }
+            if !plan.empty && used {
+                self.backend
+                    .read_exact_at(j.buf.as_mut_slice(), self.section_byte(&geo, i))?;
+                let entries = (0..geo.section_entries)
+                    .filter(|&n| geo.entry(j.buf.as_slice(), n) != Entry::Unused)
+                    .count() as u64;
+                if entries > 0 {
+                    geo.restore_last_bytes(j.buf.as_mut_slice());
+                    if !self.read_only {
+                        self.write_back(j, geo.section_entries, true)?;
+                        report.sections += 1;
+                        report.entries += entries;
+                    }
+                }
+            }
+            run += 1;
+            i += 1;
+            if i >= geo.sections {
+                i = 0;
+                want = journal::next_seq(want);
+            }
+        }
+        if self.read_only {
+            // Without writes the ring's position does not matter; what matters is whether a
+            // replay would change anything: the newest entry of every sector in the committed
+            // run must already be in place, data and tag.
+            if !plan.empty && !self.run_in_place(j, plan.start, run, &committed)? {
+                return Err(Error::ReadOnly(format!(
+                    "{}: the dm-integrity journal holds committed writes not yet in place (the \
+                     volume was not closed cleanly); open it read-write once to replay them",
+                    self.backend.describe()
+                )));
+            }
+            return Ok(report);
+        }
+        if report.entries > 0 {
+            self.backend.flush()?;
+        }
+        if run == geo.sections && (j.mode == WriteMode::Journal || plan.empty) {
+            j.section = plan.start;
+            j.seq = want;
+            if report.entries > 0 {
+                // Mark it empty as the kernel's suspend does after writing back.
+                self.mark_empty(j)?;
+                report.cleared = true;
+            }
+        } else {
+            let erase = journal::erase_seq(plan.last_used);
+            for n in 0..geo.sections {
+                let s = (plan.start + n) % geo.sections;
+                geo.init_section(j.buf.as_mut_slice(), s, erase);
+                self.backend
+                    .write_at(j.buf.as_slice(), self.section_byte(&geo, s))?;
+            }
+            self.backend.flush()?;
+            j.section = 0;
+            j.seq = journal::next_seq(erase);
+            report.cleared = true;
+        }
+        geo.init_section(j.buf.as_mut_slice(), j.section, j.seq);
+        Ok(report)
+    }
+
+    /// Rewrites every section with all entries unused, keeping the ring's position: from the
+    /// open section to the end in its sequence, the sections before it in the next (the
+    /// kernel's suspend). Clobbers the section buffer.
+    fn mark_empty(&self, j: &mut JournalState) -> Result<()> {
+        let geo = j.geo;
+        for s in 0..geo.sections {
+            let seq = if s >= j.section {
+                j.seq
+            } else {
+                journal::next_seq(j.seq)
+            };
+            geo.init_section(j.buf.as_mut_slice(), s, seq);
+            self.backend
+                .write_at(j.buf.as_slice(), self.section_byte(&geo, s))?;
+        }
+        self.backend.flush()
+    }
+
+    /// Writes the used entries (of the first `entries`) of the section in `j.buf` (last bytes
+    /// restored) to their places: data runs of consecutive sectors in one area in one write,
+    /// their tags patched into the tag sectors. From a replay, an entry beyond the device is
+    /// skipped, as the kernel does.
+    fn write_back(&self, j: &JournalState, entries: u32, from_replay: bool) -> Result<()> {
+        let geo = &j.geo;
+        let sec = j.buf.as_slice();
+        let bb = geo.block_bytes();
+        let tb = geo.tag_bytes;
+        let spb = u64::from(geo.sectors_per_block);
+        let provided = self.layout.sb.provided_data_sectors;
+        let run_max = (CHUNK_BYTES / bb) as u32;
+        let mut n = 0u32;
+        while n < entries {
+            let Entry::Sector(first) = geo.entry(sec, n) else {
+                n += 1;
+                continue;
+            };
+            if first % spb != 0 || first >= provided {
+                if from_replay {
+                    n += 1;
+                    continue;
+                }
+                return Err(Error::Bug("journal entry outside the device"));
+            }
+            let e = self
+                .layout
+                .extent(first, u64::from(run_max.min(entries - n)))
+                .filter(|e| e.blocks > 0)
+                .ok_or(Error::Bug("integrity extent outside the device"))?;
+            // The run: following entries for the following sectors, inside this extent.
+            let mut len = 1u32;
+            while u64::from(len) < e.blocks
+                && n + len < entries
+                && geo.entry(sec, n + len) == Entry::Sector(first + u64::from(len) * spb)
+            {
+                len += 1;
+            }
+            let data_len = len as usize * bb;
+            let (tag_lo, span, at) = self.tag_span(e.tag_byte, u64::from(len));
+            let mut g = self.pool.take(data_len + span)?;
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(data_len);
+            let tbuf = &mut tbuf[..span];
+            let d0 = geo.data_at(n);
+            dbuf.copy_from_slice(&sec[d0..d0 + data_len]);
+            if at != 0 || len as usize * tb != span {
+                self.backend.read_exact_at(tbuf, tag_lo)?;
+            }
+            for k in 0..len {
+                let t = geo.tag_at(n + k);
+                let o = at + k as usize * tb;
+                tbuf[o..o + tb].copy_from_slice(&sec[t..t + tb]);
+            }
+            self.backend
+                .write_at(dbuf, self.start_bytes + e.data_byte)?;
+            self.backend.write_at(tbuf, tag_lo)?;
+            n += len;
+        }
+        Ok(())
+    }
+
+    /// True if the newest entry of every sector in the `run` committed sections from `start`
+    /// already lies in its place, data and tag: a replay would change nothing, and a read-only
+    /// open may go on. Walks the sections newest first (one set of the sectors seen, bounded
+    /// by the journal's entries, allocated here).
+    fn run_in_place(
+        &self,
+        j: &mut JournalState,
+        start: u32,
+        run: u32,
+        committed: &[(Option<u8>, bool)],
+    ) -> Result<bool> {
+        let geo = j.geo;
+        let mut seen = std::collections::HashSet::new();
+        for k in (0..run).rev() {
+            let i = (start + k) % geo.sections;
+            if !committed[i as usize].1 {
+                continue;
+            }
+            self.backend
+                .read_exact_at(j.buf.as_mut_slice(), self.section_byte(&geo, i))?;
+            geo.restore_last_bytes(j.buf.as_mut_slice());
+            if !self.entries_in_place(j, &mut seen)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// True if every used entry of the section in `j.buf` (last bytes restored) whose sector is
+    /// not in `seen` (newer entries) already lies in its place; adds its sectors to `seen`.
+    fn entries_in_place(
+        &self,
+        j: &JournalState,
+        seen: &mut std::collections::HashSet<u64>,
+    ) -> Result<bool> {
+        let geo = &j.geo;
+        let sec = j.buf.as_slice();
+        let bb = geo.block_bytes();
+        let tb = geo.tag_bytes;
+        let spb = u64::from(geo.sectors_per_block);
+        let provided = self.layout.sb.provided_data_sectors;
+        let mut g = self
+            .pool
+            .take(bb + 2 * self.io_align as usize + TUPLE_BYTES_MAX)?;
+        for n in (0..geo.section_entries).rev() {
+            let Entry::Sector(s) = geo.entry(sec, n) else {
+                continue;
+            };
+            if s % spb != 0 || s >= provided || !seen.insert(s) {
+                continue;
+            }
+            let e = self
+                .layout
+                .extent(s, 1)
+                .filter(|e| e.blocks == 1)
+                .ok_or(Error::Bug("integrity extent outside the device"))?;
+            let (tag_lo, span, at) = self.tag_span(e.tag_byte, 1);
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(bb);
+            let tbuf = &mut tbuf[..span];
+            self.backend
+                .read_exact_at(dbuf, self.start_bytes + e.data_byte)?;
+            self.backend.read_exact_at(tbuf, tag_lo)?;
+            let (d, t) = (geo.data_at(n), geo.tag_at(n));
+            if dbuf[..] != sec[d..d + bb] || tbuf[at..at + tb] != sec[t..t + tb] {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Commits the open section (if it holds entries): stamps every sector with the commit
+    /// id, writes the section and flushes (the writes in it are durable from here), then
+    /// writes its entries to their places and opens the next section of the ring.
+    fn commit(&self, j: &mut JournalState) -> Result<()> {
+        if j.failed {
+            return Err(journal_failed());
+        }
+        if j.used == 0 {
+            return Ok(());
+        }
+        let r = self.commit_inner(j);
+        if r.is_err() {
+            j.failed = true;
+        }
+        r
+    }
+
+    fn commit_inner(&self, j: &mut JournalState) -> Result<()> {
+        let geo = j.geo;
+        let s = j.section;
+        if j.hold_writeback && j.held_sections >= geo.sections {
+            return Err(Error::InvalidArgument(
+                "journal write-back held for a test: the ring is full".into(),
+            ));
+        }
+        if j.unflushed_writeback == Some(s) {
+            // Overwriting this section's entries: their places must be durable first.
+            self.backend.flush()?;
+        }
+        geo.stamp(j.buf.as_mut_slice(), s, j.seq);
+        self.backend
+            .write_at(j.buf.as_slice(), self.section_byte(&geo, s))?;
+        self.backend.flush()?;
+        j.unflushed_writeback = None;
+        j.wrote = true;
+        geo.restore_last_bytes(j.buf.as_mut_slice());
+        if j.hold_writeback {
+            j.held_sections += 1;
+        } else {
+            self.write_back(j, j.used, false)?;
+            j.unflushed_writeback = Some(s);
+        }
+        j.section += 1;
+        if j.section >= geo.sections {
+            j.section = 0;
+            j.seq = journal::next_seq(j.seq);
+        }
+        geo.init_section(j.buf.as_mut_slice(), j.section, j.seq);
+        j.used = 0;
+        Ok(())
+    }
+
+    /// Encrypts whole blocks starting at data sector `first` into the open journal section,
+    /// committing each section that fills.
+    fn journal_blocks(
+        &self,
+        j: &mut JournalState,
+        first: u64,
+        len: usize,
+        src: Src<'_>,
+    ) -> Result<()> {
+        let bb = self.block_bytes();
+        let tb = usize::from(self.layout.sb.tag_bytes);
+        let spb = u64::from(j.geo.sectors_per_block);
+        debug_assert!(len % bb == 0);
+        let mut done = 0usize;
+        while done < len {
+            if j.used == j.geo.section_entries {
+                self.commit(j)?;
+            }
+            let sector = first + (done / 512) as u64;
+            let free = (j.geo.section_entries - j.used) as usize;
+            let n = ((len - done) / bb).min(free).min(CHUNK_BYTES / bb);
+            let data_len = n * bb;
+            let d0 = j.geo.data_at(j.used);
+            let mut g = self.pool.take(n * tb)?;
+            let tuples = &mut g.as_mut_slice()[..n * tb];
+            {
+                let dbuf = &mut j.buf.as_mut_slice()[d0..d0 + data_len];
+                match src {
+                    Src::Bytes(b) => dbuf.copy_from_slice(&b[done..done + data_len]),
+                    Src::Zeroes => dbuf.fill(0),
+                }
+                self.with_cipher(|c| c.seal(sector, bb, dbuf, tuples))?;
+            }
+            for k in 0..n {
+                let s = sector + k as u64 * spb;
+                j.geo.set_entry(
+                    j.buf.as_mut_slice(),
+                    j.used + k as u32,
+                    s,
+                    &tuples[k * tb..(k + 1) * tb],
+                );
+            }
+            let end = sector + n as u64 * spb;
+            if j.used == 0 {
+                (j.lo, j.hi) = (sector, end);
+            } else {
+                (j.lo, j.hi) = (j.lo.min(sector), j.hi.max(end));
+            }
+            j.used += n as u32;
+            done += data_len;
+        }
+        Ok(())
+    }
+
+    /// Copies the open section's newest entries for blocks `first..` (`dbuf.len()` bytes) over
+    /// what was read from their places, tags included.
+    fn overlay(&self, j: &JournalState, first: u64, dbuf: &mut [u8], tuples: &mut [u8]) {
+        let bb = self.block_bytes();
+        let end = first + (dbuf.len() / 512) as u64;
+        if j.used == 0 || j.hi <= first || j.lo >= end {
+            return;
+        }
+        let geo = &j.geo;
+        let tb = geo.tag_bytes;
+        let spb = u64::from(geo.sectors_per_block);
+        let sec = j.buf.as_slice();
+        for n in 0..j.used {
+            let Entry::Sector(s) = geo.entry(sec, n) else {
+                continue;
+            };
+            if s < first || s >= end {
+                continue;
+            }
+            let k = ((s - first) / spb) as usize;
+            let d = geo.data_at(n);
+            dbuf[k * bb..(k + 1) * bb].copy_from_slice(&sec[d..d + bb]);
+            let t = geo.tag_at(n);
+            tuples[k * tb..(k + 1) * tb].copy_from_slice(&sec[t..t + tb]);
+        }
+    }
+
+    /// Marks the journal empty when closing after writes, as the kernel does when it suspends:
+    /// commits what is open, writes it back, flushes, rewrites every section unused.
+    fn finish(&self) -> Result<()> {
+        let mut g = self.write_lock();
+        let j = &mut *g;
+        if self.read_only || j.failed || j.hold_writeback || j.mode != WriteMode::Journal {
+            return Ok(());
+        }
+        self.commit(j)?;
+        if !j.wrote {
+            return Ok(());
+        }
+        self.backend.flush()?;
+        j.unflushed_writeback = None;
+        self.mark_empty(j)?;
+        j.wrote = false;
+        let (s, q) = (j.section, j.seq);
+        j.geo.init_section(j.buf.as_mut_slice(), s, q);
+        Ok(())
+    }
+
+    // ---- reads and direct writes ----
+
     /// Reads, verifies and decrypts whole blocks starting at data sector `first` into `out`.
-    fn read_blocks(&self, first: u64, out: &mut [u8]) -> Result<()> {
+    fn read_blocks(&self, j: &JournalState, first: u64, out: &mut [u8]) -> Result<()> {
+        if j.failed {
+            return Err(journal_failed());
+        }
         let bb = self.block_bytes();
         let tb = usize::from(self.layout.sb.tag_bytes);
         debug_assert!(out.len() % bb == 0);
@@ -195,7 +767,8 @@ impl IntegrityVolume {
             self.backend
                 .read_exact_at(dbuf, self.start_bytes + e.data_byte)?;
             self.backend.read_exact_at(tbuf, tag_lo)?;
-            let tuples = &tbuf[at..at + n * tb];
+            let tuples = &mut tbuf[at..at + n * tb];
+            self.overlay(j, sector, dbuf, tuples);
             let verdict = self.with_cipher(|c| c.open(sector, bb, dbuf, tuples))?;
             if let Err(m) = verdict {
                 self.integrity_errors.fetch_add(1, Ordering::Relaxed);
@@ -207,9 +780,21 @@ impl IntegrityVolume {
         Ok(())
     }
 
-    /// Encrypts and writes whole blocks starting at data sector `first`; the caller holds
-    /// `self.io_lock` exclusively.
-    fn write_blocks(&self, first: u64, len: usize, src: Src<'_>) -> Result<()> {
+    /// Encrypts and writes whole blocks starting at data sector `first`: through the journal,
+    /// or in direct mode data then tags. The caller holds `self.io_lock` exclusively.
+    fn write_blocks(
+        &self,
+        j: &mut JournalState,
+        first: u64,
+        len: usize,
+        src: Src<'_>,
+    ) -> Result<()> {
+        if j.failed {
+            return Err(journal_failed());
+        }
+        if j.mode == WriteMode::Journal {
+            return self.journal_blocks(j, first, len, src);
+        }
         let bb = self.block_bytes();
         let tb = usize::from(self.layout.sb.tag_bytes);
         debug_assert!(len % bb == 0);
@@ -260,6 +845,28 @@ impl IntegrityVolume {
         (head, mid, len - head - mid)
     }
 
+    /// A partial block: read it whole (verified), patch `n` bytes at `within`, write it whole.
+    fn rmw(
+        &self,
+        j: &mut JournalState,
+        block_off: u64,
+        within: usize,
+        piece: Src<'_>,
+        n: usize,
+    ) -> Result<()> {
+        let bb = self.block_bytes();
+        let mut blk = [0u8; BLOCK_BYTES_MAX];
+        let blk = &mut blk[..bb];
+        self.read_blocks(j, block_off / 512, blk)?;
+        match piece {
+            Src::Bytes(b) => blk[within..within + n].copy_from_slice(b),
+            Src::Zeroes => blk[within..within + n].fill(0),
+        }
+        let r = self.write_blocks(j, block_off / 512, bb, Src::Bytes(blk));
+        blk.fill(0);
+        r
+    }
+
     fn write_any(&self, offset: u64, len: usize, src: Src<'_>) -> Result<()> {
         check_range(offset, len as u64, self.size())?;
         if self.read_only {
@@ -267,38 +874,40 @@ impl IntegrityVolume {
                 "the integrity volume was opened read-only".into(),
             ));
         }
-        let _w = self.io_lock.write().unwrap_or_else(|p| p.into_inner());
-        let bb = self.block_bytes();
+        let mut g = self.write_lock();
+        let j = &mut *g;
         let (head, mid, tail) = self.split(offset, len);
         let sub = |from: usize, n: usize| match src {
             Src::Bytes(b) => Src::Bytes(&b[from..from + n]),
             Src::Zeroes => Src::Zeroes,
         };
-        // A partial block: read it whole (verified), patch, write it whole.
-        let rmw = |block_off: u64, within: usize, piece: Src<'_>, n: usize| -> Result<()> {
-            let mut blk = [0u8; BLOCK_BYTES_MAX];
-            let blk = &mut blk[..bb];
-            self.read_blocks(block_off / 512, blk)?;
-            match piece {
-                Src::Bytes(b) => blk[within..within + n].copy_from_slice(b),
-                Src::Zeroes => blk[within..within + n].fill(0),
-            }
-            let r = self.write_blocks(block_off / 512, bb, Src::Bytes(blk));
-            blk.fill(0);
-            r
-        };
+        let bb = self.block_bytes() as u64;
         if head > 0 {
-            let block_off = align_down(offset, bb as u64);
-            rmw(block_off, (offset - block_off) as usize, sub(0, head), head)?;
+            let block_off = align_down(offset, bb);
+            self.rmw(
+                j,
+                block_off,
+                (offset - block_off) as usize,
+                sub(0, head),
+                head,
+            )?;
         }
         if mid > 0 {
-            self.write_blocks((offset + head as u64) / 512, mid, sub(head, mid))?;
+            self.write_blocks(j, (offset + head as u64) / 512, mid, sub(head, mid))?;
         }
         if tail > 0 {
             let block_off = offset + (head + mid) as u64;
-            rmw(block_off, 0, sub(head + mid, tail), tail)?;
+            self.rmw(j, block_off, 0, sub(head + mid, tail), tail)?;
         }
         Ok(())
+    }
+}
+
+impl Drop for IntegrityVolume {
+    fn drop(&mut self) {
+        // Errors cannot be returned here; the journal stays valid either way (a later open
+        // replays what was committed).
+        let _ = self.finish();
     }
 }
 
@@ -320,19 +929,20 @@ impl BlockDev for IntegrityVolume {
         let bb = self.block_bytes();
         let (head, mid, tail) = self.split(offset, buf.len());
         let mut blk = [0u8; BLOCK_BYTES_MAX];
-        let _r = self.io_lock.read().unwrap_or_else(|p| p.into_inner());
+        let g = self.io_lock.read().unwrap_or_else(|p| p.into_inner());
+        let j = &*g;
         let r = (|| {
             if head > 0 {
                 let block_off = align_down(offset, bb as u64);
-                self.read_blocks(block_off / 512, &mut blk[..bb])?;
+                self.read_blocks(j, block_off / 512, &mut blk[..bb])?;
                 let within = (offset - block_off) as usize;
                 buf[..head].copy_from_slice(&blk[within..within + head]);
             }
             if mid > 0 {
-                self.read_blocks((offset + head as u64) / 512, &mut buf[head..head + mid])?;
+                self.read_blocks(j, (offset + head as u64) / 512, &mut buf[head..head + mid])?;
             }
             if tail > 0 {
-                self.read_blocks((offset + (head + mid) as u64) / 512, &mut blk[..bb])?;
+                self.read_blocks(j, (offset + (head + mid) as u64) / 512, &mut blk[..bb])?;
                 buf[head + mid..].copy_from_slice(&blk[..tail]);
             }
             Ok(())
@@ -345,8 +955,19 @@ impl BlockDev for IntegrityVolume {
         self.write_any(offset, buf.len(), Src::Bytes(buf))
     }
 
+    /// Journal mode: commits the open section (its writes are then durable). Direct mode:
+    /// flushes the backend.
     fn flush(&self) -> Result<()> {
-        self.backend.flush()
+        let mut g = self.write_lock();
+        let j = &mut *g;
+        if j.failed {
+            return Err(journal_failed());
+        }
+        if j.used > 0 {
+            self.commit(j)
+        } else {
+            self.backend.flush()
+        }
     }
 
     /// Discards are advisory and dm-crypt refuses them on authenticated volumes unless asked;
@@ -369,6 +990,21 @@ impl BlockDev for IntegrityVolume {
         })?;
         self.write_any(offset, len, Src::Zeroes)
     }
+}
+
+/// Writes the superblock of `l` at `start_bytes` and its journal as the kernel initialises it
+/// when it formats (every section in sequence 0, every entry unused), then flushes: a new
+/// dm-integrity device. Without a valid journal the kernel (and ucrypt) refuse the device.
+pub fn write_new_device(backend: &dyn Backend, start_bytes: u64, l: &Layout) -> Result<()> {
+    backend.write_at(&l.sb.serialize(), start_bytes)?;
+    let geo = Geometry::new(l)?;
+    let mut sec = AlignedBuf::new(geo.section_bytes());
+    for i in 0..geo.sections {
+        geo.init_section(sec.as_mut_slice(), i, 0);
+        let at = start_bytes + (SB_SECTORS + u64::from(i) * u64::from(geo.section_sectors)) * 512;
+        backend.write_at(sec.as_slice(), at)?;
+    }
+    backend.flush()
 }
 
 /// The byte offset of the dm-integrity superblock of a LUKS2 header's authenticated data
@@ -395,13 +1031,37 @@ pub fn read_superblock(data: &dyn Backend, hdr: &Header) -> Result<Option<Layout
     Layout::for_device(sb, start / 512, data.size() / 512).map(Some)
 }
 
+/// The write mode cryptsetup would activate a LUKS2 volume in: direct when its persistent
+/// flags say `no-journal` (`cryptsetup refresh --integrity-no-journal --persistent`), else
+/// the journal.
+pub fn luks2_write_mode(hdr: &Header) -> WriteMode {
+    if hdr.activation_flags().iter().any(|f| f == "no-journal") {
+        WriteMode::Direct
+    } else {
+        WriteMode::Journal
+    }
+}
+
 /// Opens the authenticated data segment of a LUKS2 volume whose key is already unlocked:
-/// reads the dm-integrity superblock at the segment offset and checks it against the header.
+/// reads the dm-integrity superblock at the segment offset and checks it against the header;
+/// writes in the mode the header's flags ask ([`luks2_write_mode`]). Replays the journal.
 pub fn open_luks2(
     backend: Arc<dyn Backend>,
     hdr: &Header,
     vk: &VolumeKey,
     read_only: bool,
+) -> Result<IntegrityVolume> {
+    open_luks2_mode(backend, hdr, vk, read_only, luks2_write_mode(hdr))
+}
+
+/// [`open_luks2`] in an explicit write mode (cryptsetup's `open --integrity-no-journal` asks
+/// for [`WriteMode::Direct`]).
+pub fn open_luks2_mode(
+    backend: Arc<dyn Backend>,
+    hdr: &Header,
+    vk: &VolumeKey,
+    read_only: bool,
+    write_mode: WriteMode,
 ) -> Result<IntegrityVolume> {
     let Header::Luks2(h) = hdr else {
         return Err(Error::UnsupportedLuks(
@@ -453,13 +1113,14 @@ pub fn open_luks2(
         });
     }
     let read_only = read_only || !hdr.unmet_requirements().is_empty();
-    IntegrityVolume::new(
+    IntegrityVolume::with_write_mode(
         backend,
         start,
         sb,
         mode,
         SecretBytes::from_slice(vk.bytes()),
         read_only,
+        write_mode,
     )
 }
 
@@ -504,6 +1165,11 @@ mod tests {
     }
 
     fn mem_volume(mode: TagMode) -> IntegrityVolume {
+        let be: Arc<dyn Backend> = Arc::new(SlowWrites(MemBackend::new(DEVICE_BYTES)));
+        mem_volume_on(be, mode, false)
+    }
+
+    fn mem_volume_on(be: Arc<dyn Backend>, mode: TagMode, read_only: bool) -> IntegrityVolume {
         let mut sb = Superblock {
             version: 4,
             log2_interleave_sectors: 10,
@@ -520,8 +1186,12 @@ mod tests {
             .expect("layout")
             .max_provided_sectors(0, DEVICE_BYTES / 512);
         let key: Vec<u8> = (0..mode.key_bytes() as u8).collect();
-        let be = Arc::new(SlowWrites(MemBackend::new(DEVICE_BYTES)));
-        IntegrityVolume::new(be, 0, sb, mode, SecretBytes::from_slice(&key), false).expect("volume")
+        let l = Layout::new(sb).expect("layout");
+        if Superblock::parse(&read_area(be.as_ref(), 0, SB_BYTES as u64).expect("read")).is_err() {
+            write_new_device(be.as_ref(), 0, &l).expect("format");
+        }
+        IntegrityVolume::new(be, 0, sb, mode, SecretBytes::from_slice(&key), read_only)
+            .expect("volume")
     }
 
     /// Readers racing writers over the same blocks (which share tag sectors) never see a block
@@ -575,9 +1245,9 @@ mod tests {
 
     #[test]
     fn ranges_read_only_and_unaligned_requests() {
-        let v = mem_volume(TagMode::AesXtsRandomHmac(
-            crate::integrity::HmacHash::Sha256,
-        ));
+        let mode = TagMode::AesXtsRandomHmac(crate::integrity::HmacHash::Sha256);
+        let be: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
+        let v = mem_volume_on(be.clone(), mode, false);
         let size = v.size();
         assert!(matches!(
             v.read_at(&mut [0u8; 512], size),
@@ -592,13 +1262,42 @@ mod tests {
         want[100..1100].fill(9);
         want[3000..3200].fill(0);
         assert_eq!(&b[..3333], &want[1..3334]);
-        let ro = IntegrityVolume {
-            read_only: true,
-            ..v
-        };
+        v.flush().expect("flush: commits the open journal section");
+        // Committed and written back: a read-only open checks the entries are in place.
+        let ro = mem_volume_on(be.clone(), mode, true);
+        let mut b = vec![0u8; 4096];
+        ro.read_at(&mut b[..3333], 1)
+            .expect("read-only, entries in place");
+        assert_eq!(&b[..3333], &want[1..3334]);
         assert!(matches!(
             ro.write_at(&[0u8; 512], 0),
             Err(Error::ReadOnly(_))
         ));
+        drop(ro);
+        // Committed, not written back (as after a crash): a read-only open refuses.
+        v.hold_writeback_for_tests();
+        v.write_at(&[3u8; 1024], 2048).expect("write");
+        v.flush().expect("commit");
+        let ro = IntegrityVolume::new(
+            v.backend.clone(),
+            0,
+            v.layout.sb,
+            v.mode,
+            SecretBytes::from_slice(v.key.as_ref()),
+            true,
+        );
+        assert!(
+            matches!(ro, Err(Error::ReadOnly(_))),
+            "a journal with entries not in place refuses a read-only open"
+        );
+        drop(v);
+        // A read-write open replays them; afterwards the journal is empty.
+        let rw = mem_volume_on(be.clone(), mode, false);
+        assert_eq!(rw.replay_report().entries, 2);
+        drop(rw);
+        let ro = mem_volume_on(be, mode, true);
+        want[2048..3072].fill(3);
+        ro.read_at(&mut b, 0).expect("read after the replay");
+        assert_eq!(b, want);
     }
 }

@@ -8,15 +8,22 @@
 //! - [`device`]: [`IntegrityVolume`], the [`crate::BlockDev`] that reads, verifies, encrypts
 //!   and writes through a [`crate::backend::Backend`]; [`open_luks2`] builds one from a header.
 //!
-//! Only dm-integrity's direct mode (no journal) is implemented; see docs/integrity.md.
+//! - [`journal`]: dm-integrity's journal layout and replay decision (sans I/O).
+//!
+//! dm-integrity's journal mode (the default) and direct mode are implemented; see
+//! docs/integrity.md.
 
 pub mod device;
 pub mod format;
+pub mod journal;
 pub mod layout;
 pub mod superblock;
 pub mod tag;
 
-pub use device::{open_luks2, read_superblock, superblock_offset, IntegrityVolume};
+pub use device::{
+    luks2_write_mode, open_luks2, open_luks2_mode, read_superblock, superblock_offset,
+    write_new_device, IntegrityVolume, ReplayReport, WriteMode,
+};
 pub use format::new_superblock;
 pub use layout::Layout;
 pub use superblock::Superblock;
