@@ -29,6 +29,8 @@ pub const REQUIREMENT_VERSIONS: &[(&str, u8)] = &[
     ("online-reencrypt-v2", 2),
     ("online-reencrypt-v3", 3),
 ];
+/// What every reencryption requirement name starts with.
+const REQUIREMENT_PREFIX: &str = "online-reencrypt";
 /// The legacy offline requirement of cryptsetup 2.0/2.1 (never resumable by 2.6).
 pub const OFFLINE_REENCRYPT: &str = "offline-reencrypt";
 /// The largest requirement version the digest encoding allows (one byte `0x30 + version`).
@@ -206,6 +208,22 @@ impl ReencryptState {
     /// that failed, otherwise.
     pub fn from_metadata(meta: &Metadata) -> Result<Option<ReencryptState>> {
         let Some(version) = requirement_version(meta) else {
+            // A reencryption requirement of a version no cryptsetup release writes: the
+            // header is in reencryption, under rules nobody here knows.
+            if let Some(r) = meta
+                .requirements()
+                .iter()
+                .find(|r| r.starts_with(REQUIREMENT_PREFIX))
+            {
+                return Err(bad(format!(
+                    "unknown reencryption requirement '{r}' (known: {})",
+                    REQUIREMENT_VERSIONS
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
             return Ok(None);
         };
         let slots: Vec<(&String, &Keyslot)> = meta

@@ -437,6 +437,87 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
     Ok(retired)
 }
 
+fn layout(detail: impl Into<String>) -> Error {
+    Error::BadHeader {
+        check: "reencrypt-segments",
+        detail: detail.into(),
+    }
+}
+
+/// The ids of the digests that list segment `id`.
+fn keyed_by(meta: &Metadata, id: u32) -> Vec<&str> {
+    let s = id.to_string();
+    meta.digests
+        .iter()
+        .filter(|(_, d)| d.segments.contains(&s))
+        .map(|(k, _)| k.as_str())
+        .collect()
+}
+
+/// Checks that the live segments are the layout [`set_segments`] gives for their position:
+/// contiguous from the data offset, each with its backup's cipher and sector size, IV tweaks
+/// at their offsets, each under the key it must be under, nothing past the `data_bytes` of
+/// data. The reencryption digest covers the reencrypt keyslot and the backup segments, not
+/// the live segments: a header whose live segments disagree with them is refused here, before
+/// anything is read or written.
+pub fn check_layout(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<()> {
+    let pos = position(meta, st)?;
+    let end = pos
+        .done
+        .checked_add(pos.hotzone.unwrap_or(0))
+        .ok_or_else(|| layout("position overflow"))?;
+    if end > data_bytes {
+        return Err(layout(format!(
+            "the done part and the hotzone end at byte {end}, past the {data_bytes} bytes of data"
+        )));
+    }
+    let mut want_meta = meta.clone();
+    let mut want_st = st.clone();
+    set_segments(&mut want_meta, &mut want_st, pos)?;
+    let have = live_segments(meta);
+    let want = live_segments(&want_meta);
+    if have.len() != want.len() {
+        return Err(layout(format!(
+            "{} live segments where the position needs {}",
+            have.len(),
+            want.len()
+        )));
+    }
+    for ((hid, h), (wid, w)) in have.iter().zip(&want) {
+        let same = h.kind == w.kind
+            && h.offset == w.offset
+            && h.size == w.size
+            && h.iv_tweak.map_or(0, |t| t.0) == w.iv_tweak.map_or(0, |t| t.0)
+            && h.encryption == w.encryption
+            && h.sector_size == w.sector_size;
+        if !same {
+            return Err(layout(format!(
+                "segment {hid} is {} at offset {} (size {:?}, IV tweak {:?}, {:?}, sector {:?}); \
+                 its position needs {} at offset {} (size {:?}, IV tweak {:?}, {:?}, sector {:?})",
+                h.kind,
+                h.offset.0,
+                h.size,
+                h.iv_tweak.map(|t| t.0),
+                h.encryption,
+                h.sector_size,
+                w.kind,
+                w.offset.0,
+                w.size,
+                w.iv_tweak.map(|t| t.0),
+                w.encryption,
+                w.sector_size,
+            )));
+        }
+        let (hk, wk) = (keyed_by(meta, *hid), keyed_by(&want_meta, *wid));
+        if hk != wk {
+            return Err(layout(format!(
+                "segment {hid} is under the key of digest(s) {hk:?}; its position needs {wk:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

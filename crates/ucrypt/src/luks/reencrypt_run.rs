@@ -18,8 +18,8 @@ use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::reencrypt::{digest_of_segment, verification_data, ReencryptState};
 use super::reencrypt_plan::{
-    area_limit, check_supported, finalise, next_hotzone, position, set_segments, Position, Protect,
-    Step,
+    area_limit, check_layout, check_supported, finalise, next_hotzone, position, set_segments,
+    Position, Protect, Step,
 };
 use super::util::{b64_encode, random_fill, random_secret, HashAlg};
 use super::{
@@ -392,6 +392,7 @@ fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
             .ok_or_else(|| bad("the device ends before its data offset"))?,
     };
     let align = ss_old.max(ss_new);
+    check_layout(&h.meta, &st, data_bytes / align * align)?;
     let n = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, REKEY_LANES_MAX);

@@ -1,0 +1,467 @@
+//! Hostile reencryption metadata: a volume caught in the middle of a key rotation (between two
+//! hotzones, and inside one), its header mangled the way a buggy tool or a tampering storage
+//! could mangle it, with the checksums of both header copies made valid again. `resume` and
+//! `recover` must refuse each with a named check and write nothing; activation refuses too.
+//!
+//! The reencryption digest covers the reencrypt keyslot and the backup segments only, so
+//! mangled live segments (where the hotzone is, which key maps where) must be caught by the
+//! layout checks, not by the digest.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use ucrypt::backend::{Backend, CrashBackend};
+use ucrypt::blockdev::BlockDev;
+use ucrypt::luks::luks2::{format, FormatLuks2};
+use ucrypt::luks::reencrypt::ReencryptState;
+use ucrypt::luks::reencrypt_plan::position;
+use ucrypt::luks::reencrypt_run::{init, recover, resume, InitOptions, ResilienceKind, RunOptions};
+use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::sector::SectorSize;
+use ucrypt::{Error, Result, SecretBytes};
+
+const DATA_OFFSET: u64 = 1 << 20;
+const HDR: u64 = 0x4000;
+const DATA_BYTES: u64 = 256 << 10;
+const HOTZONE_BYTES: u64 = 64 << 10;
+const PASS: &[u8] = b"hostile";
+
+fn fast_kdf() -> KdfRequest {
+    KdfRequest {
+        kind: "pbkdf2".into(),
+        hash: HashAlg::Sha256,
+        iter_time_ms: 1,
+        memory_kib: 32,
+        parallel: 1,
+        force_iterations: Some(1000),
+    }
+}
+
+/// A filled volume with one keyslot, 4096-byte sectors.
+fn base() -> Vec<u8> {
+    let mut o = FormatLuks2::defaults("5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f0".into());
+    o.kdf = fast_kdf();
+    o.data_offset = DATA_OFFSET;
+    o.hdr_size = HDR;
+    o.keyslots_size = DATA_OFFSET - 2 * HDR;
+    o.sector_size = SectorSize::new(4096).unwrap();
+    let vk: Vec<u8> = (0..64u8).collect();
+    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
+    let dev = Arc::new(CrashBackend::new(DATA_OFFSET + DATA_BYTES, 512).expect("device"));
+    let (_, ops) = hdr
+        .add_keyslot(
+            NewKeyslot {
+                vk: &key,
+                passphrase: PASS,
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
+        .expect("keyslot");
+    luks::apply(dev.as_ref(), &ops).expect("apply");
+    let vol = luks::open(
+        dev.clone(),
+        Unlock::Passphrase(SecretBytes::from_slice(PASS)),
+        &OpenOptions::default(),
+    )
+    .expect("open");
+    let fill: Vec<u8> = (0..DATA_BYTES).map(|i| (i * 7 + i / 4096) as u8).collect();
+    vol.write_at(&fill, 0).expect("fill");
+    vol.flush().expect("flush");
+    drop(vol);
+    dev.crash_image(0)
+}
+
+/// A backend that stops (as a killed process) after `budget` writes and flushes, or that
+/// counts the writes a refused call attempted (`budget` 0 and a look at `used`).
+struct Stop {
+    inner: CrashBackend,
+    budget: u64,
+    used: AtomicU64,
+}
+
+impl Stop {
+    fn new(img: Vec<u8>, budget: u64) -> Self {
+        Stop {
+            inner: CrashBackend::from_image(img, 512),
+            budget,
+            used: AtomicU64::new(0),
+        }
+    }
+    fn spend(&self) -> Result<()> {
+        if self.used.fetch_add(1, Ordering::SeqCst) >= self.budget {
+            Err(Error::InvalidArgument("stopped".into()))
+        } else {
+            Ok(())
+        }
+    }
+    /// Everything written so far (a kill, not a power cut).
+    fn image(&self) -> Vec<u8> {
+        self.inner.flush().expect("flush");
+        self.inner.crash_image(0)
+    }
+}
+
+impl Backend for Stop {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.spend()?;
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> Result<()> {
+        self.spend()?;
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.spend()?;
+        self.inner.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.spend()?;
+        self.inner.write_zeroes(offset, len)
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn logical_block_bytes(&self) -> u32 {
+        self.inner.logical_block_bytes()
+    }
+    fn describe(&self) -> String {
+        "stop".into()
+    }
+}
+
+fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
+    init(
+        dev,
+        PASS,
+        &InitOptions {
+            resilience: kind,
+            kdf: &fast_kdf(),
+            key_slot: None,
+        },
+    )?;
+    resume(
+        dev,
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(HOTZONE_BYTES),
+        },
+        &mut |_| {},
+    )
+}
+
+/// (done, hotzone) of a header in reencryption.
+fn where_is(img: &[u8]) -> Option<(u64, Option<u64>)> {
+    let hdr = luks::read_header(&CrashBackend::from_image(img.to_vec(), 512)).ok()?;
+    let Header::Luks2(h) = hdr else { return None };
+    let st = ReencryptState::from_metadata(&h.meta).ok()??;
+    let p = position(&h.meta, &st).ok()?;
+    Some((p.done, p.hotzone))
+}
+
+/// The rotation stopped with some data done and no hotzone open, and stopped inside a hotzone
+/// past the first.
+fn stopped_images(kind: ResilienceKind) -> (Vec<u8>, Vec<u8>) {
+    let img = base();
+    let mut between = None;
+    let mut inside = None;
+    for budget in 0.. {
+        let dev = Stop::new(img.clone(), budget);
+        if rotate(&dev, kind).is_ok() {
+            break;
+        }
+        let got = dev.image();
+        // Only stops where both header copies were written (the rows mangle both).
+        let json = |c: usize| &got[c * HDR as usize + 4096..(c + 1) * HDR as usize];
+        if json(0) != json(1) {
+            continue;
+        }
+        match where_is(&got) {
+            Some((done, None)) if done > 0 && between.is_none() => between = Some(got),
+            Some((done, Some(_))) if done > 0 && inside.is_none() => inside = Some(got),
+            _ => {}
+        }
+        if between.is_some() && inside.is_some() {
+            break;
+        }
+    }
+    (
+        between.expect("a stop between hotzones"),
+        inside.expect("a stop inside a hotzone"),
+    )
+}
+
+fn fix_checksum(copy: &mut [u8]) {
+    copy[448..512].fill(0);
+    let sum = HashAlg::Sha256.digest(&[copy]);
+    copy[448..480].copy_from_slice(&sum);
+}
+
+/// Applies `f` to the JSON of both header copies and makes their checksums valid again.
+fn mutate_json(img: &mut [u8], f: &dyn Fn(&mut Value)) {
+    for c in 0..2 {
+        let copy = &mut img[c * HDR as usize..(c + 1) * HDR as usize];
+        let area = &mut copy[4096..];
+        let end = area.iter().position(|&b| b == 0).expect("NUL");
+        let mut v: Value = serde_json::from_slice(&area[..end]).expect("JSON");
+        f(&mut v);
+        let text = serde_json::to_vec(&v).expect("serialise");
+        assert!(text.len() < area.len(), "mutated JSON fits");
+        area.fill(0);
+        area[..text.len()].copy_from_slice(&text);
+        fix_checksum(copy);
+    }
+}
+
+/// The id of the segment carrying `flag`.
+fn flagged(v: &Value, flag: &str) -> String {
+    v["segments"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, s)| {
+            s["flags"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|x| x == flag))
+        })
+        .map(|(k, _)| k.clone())
+        .unwrap_or_else(|| panic!("no segment flagged {flag}"))
+}
+
+fn reencrypt_keyslot_id(v: &Value) -> String {
+    v["keyslots"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, k)| k["type"] == "reencrypt")
+        .map(|(k, _)| k.clone())
+        .expect("a reencrypt keyslot")
+}
+
+fn reencrypt_keyslot(v: &mut Value) -> &mut Value {
+    let id = reencrypt_keyslot_id(v);
+    &mut v["keyslots"][&id]
+}
+
+fn set_size(s: &mut Value, n: u64) {
+    s["size"] = json!(n.to_string());
+}
+
+fn num(s: &Value, field: &str) -> u64 {
+    s[field].as_str().unwrap().parse().unwrap()
+}
+
+/// Which stopped image a row mangles.
+#[derive(Clone, Copy, Debug)]
+enum At {
+    Between,
+    Inside,
+}
+
+type Mangle = Box<dyn Fn(&mut Value)>;
+
+/// (name, image, mutation, the check the refusal names)
+fn rows() -> Vec<(&'static str, At, Mangle, &'static str)> {
+    use At::*;
+    vec![
+        (
+            "reencryption digest flipped",
+            Between,
+            Box::new(|v: &mut Value| {
+                let id = reencrypt_keyslot_id(v);
+                let d = v["digests"]
+                    .as_object_mut()
+                    .unwrap()
+                    .values_mut()
+                    .find(|d| {
+                        d["keyslots"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .any(|k| k == id.as_str())
+                    })
+                    .expect("the reencryption digest");
+                let s = d["digest"].as_str().unwrap().to_string();
+                let flipped = if s.starts_with('A') { "B" } else { "A" };
+                d["digest"] = json!(format!("{flipped}{}", &s[1..]));
+            }),
+            "reencrypt-digest",
+        ),
+        (
+            "backup-final segment given another cipher",
+            Between,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "backup-final");
+                v["segments"][&id]["encryption"] = json!("aes-cbc-essiv:sha256");
+            }),
+            "reencrypt-digest",
+        ),
+        (
+            "resilience changed from checksum to none",
+            Between,
+            Box::new(|v: &mut Value| {
+                let ks = reencrypt_keyslot(v);
+                ks["area"] = json!({
+                    "type": "none",
+                    "offset": ks["area"]["offset"].clone(),
+                    "size": ks["area"]["size"].clone(),
+                });
+            }),
+            "reencrypt-digest",
+        ),
+        (
+            "requirement of an unknown reencryption version",
+            Between,
+            Box::new(|v: &mut Value| {
+                v["config"]["requirements"] = json!({"mandatory": ["online-reencrypt-v9"]});
+            }),
+            "reencrypt",
+        ),
+        (
+            "hotzone past the end of the device",
+            Inside,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "in-reencryption");
+                set_size(&mut v["segments"][&id], DATA_BYTES);
+            }),
+            "reencrypt-segments",
+        ),
+        (
+            "done part past the end of the device",
+            Between,
+            Box::new(|v: &mut Value| set_size(&mut v["segments"]["0"], DATA_BYTES + 4096)),
+            "reencrypt-segments",
+        ),
+        (
+            "gap between the done part and the rest",
+            Between,
+            Box::new(|v: &mut Value| {
+                let off = num(&v["segments"]["1"], "offset");
+                v["segments"]["1"]["offset"] = json!((off + 4096).to_string());
+            }),
+            "reencrypt-segments",
+        ),
+        (
+            "hotzone overlapping the done part",
+            Inside,
+            Box::new(|v: &mut Value| {
+                let off = num(&v["segments"]["1"], "offset");
+                let size = num(&v["segments"]["1"], "size");
+                v["segments"]["1"]["offset"] = json!((off - 4096).to_string());
+                set_size(&mut v["segments"]["1"], size + 4096);
+            }),
+            "reencrypt-segments",
+        ),
+        (
+            "IV tweak of the rest not at its offset",
+            Between,
+            Box::new(|v: &mut Value| {
+                v["segments"]["1"]["iv_tweak"] = json!("0");
+            }),
+            "reencrypt-segments",
+        ),
+        (
+            "done part keyed with the old key",
+            Between,
+            Box::new(|v: &mut Value| {
+                let digests = v["digests"].as_object_mut().unwrap();
+                for d in digests.values_mut() {
+                    let segs = d["segments"].as_array_mut().unwrap();
+                    segs.retain(|s| s != "0");
+                }
+                let prev = flagged(v, "backup-previous");
+                for d in v["digests"].as_object_mut().unwrap().values_mut() {
+                    let segs = d["segments"].as_array_mut().unwrap();
+                    if segs.iter().any(|s| s == prev.as_str()) {
+                        segs.push(json!("0"));
+                    }
+                }
+            }),
+            "reencrypt-segments",
+        ),
+        (
+            "done part with the old cipher's sector size",
+            Between,
+            Box::new(|v: &mut Value| {
+                v["segments"]["0"]["sector_size"] = json!(512);
+            }),
+            "reencrypt-segments",
+        ),
+        (
+            "hotzone larger than its checksums cover",
+            Inside,
+            Box::new(|v: &mut Value| {
+                let ks = reencrypt_keyslot(v);
+                // 32 bytes of sha256 per 4 KiB block: room for one block only.
+                ks["area"]["size"] = json!("4096");
+            }),
+            "reencrypt-digest",
+        ),
+    ]
+}
+
+fn check_named(what: &str, r: Result<impl std::fmt::Debug>, want: &str) {
+    match r {
+        Err(Error::BadHeader { check, detail }) => assert_eq!(
+            check, want,
+            "{what}: refused by check '{check}' ({detail}), expected '{want}'"
+        ),
+        other => panic!("{what}: expected a refusal naming '{want}', got {other:?}"),
+    }
+}
+
+#[test]
+fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
+    let (between, inside) = stopped_images(ResilienceKind::Checksum);
+    // The unmangled images go on: the rows below fail for their mangling alone.
+    for (name, img) in [("between", &between), ("inside", &inside)] {
+        let dev = Stop::new(img.clone(), u64::MAX);
+        if name == "inside" {
+            recover(&dev, PASS).expect("recover the unmangled hotzone");
+        }
+        resume(
+            &dev,
+            PASS,
+            RunOptions {
+                hotzone_bytes: Some(HOTZONE_BYTES),
+            },
+            &mut |_| {},
+        )
+        .unwrap_or_else(|e| panic!("{name}: the unmangled rotation resumes: {e}"));
+    }
+    for (name, at, mangle, want) in rows() {
+        let mut img = match at {
+            At::Between => between.clone(),
+            At::Inside => inside.clone(),
+        };
+        mutate_json(&mut img, &*mangle);
+        let dev = Stop::new(img.clone(), 0);
+        let r = resume(
+            &dev,
+            PASS,
+            RunOptions {
+                hotzone_bytes: Some(HOTZONE_BYTES),
+            },
+            &mut |_| {},
+        );
+        check_named(&format!("{name} (resume)"), r, want);
+        check_named(&format!("{name} (recover)"), recover(&dev, PASS), want);
+        assert_eq!(
+            dev.used.load(Ordering::SeqCst),
+            0,
+            "{name}: a refused call wrote"
+        );
+        let opened = luks::open(
+            Arc::new(CrashBackend::from_image(img, 512)),
+            Unlock::Passphrase(SecretBytes::from_slice(PASS)),
+            &OpenOptions::default(),
+        );
+        assert!(opened.is_err(), "{name}: activation refused");
+        println!("{name}: refused by '{want}'");
+    }
+}
