@@ -19,6 +19,7 @@ mod fuse;
 mod integrity;
 mod nbd;
 pub mod plot;
+mod reencrypt;
 mod remote;
 mod server;
 pub mod stats;
@@ -107,6 +108,9 @@ enum Which {
     Integrity(Common),
     /// The NBD server with fio, beside qemu-storage-daemon's and nbdkit's LUKS exports.
     Nbd(Common),
+    /// Offline key rotation of a file volume: `ucrypt reencrypt` beside `cryptsetup reencrypt`
+    /// per resilience, and beside `ucrypt export` + `import` of the same bytes; idle and busy.
+    Reencrypt(Common),
     /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
     /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).
     Remote(RemoteArgs),
@@ -173,6 +177,12 @@ pub fn run(a: BenchArgs) -> i32 {
             nbd::measure(c.runs(), c.quick, !c.json),
             c.json,
             nbd::markdown,
+        ),
+        Which::Reencrypt(c) => emit(
+            "reencrypt",
+            reencrypt::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            reencrypt::markdown,
         ),
         Which::Remote(RemoteArgs {
             common: c,

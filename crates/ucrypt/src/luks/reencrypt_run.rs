@@ -430,6 +430,18 @@ pub struct RunOptions {
 /// the new one, in place: cut into one piece per lane (whole `align` units), each on its own
 /// thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
+    rekey_then(u, offset, buf, &|_, _| Ok(()))
+}
+
+/// [`rekey`], each lane then handing its piece (data offset, bytes) to `then` — the write of
+/// the new ciphertext, so that the lanes' writes overlap each other's crypto and the copies
+/// into the device run on every lane.
+fn rekey_then(
+    u: &mut Unlocked,
+    offset: u64,
+    buf: &mut [u8],
+    then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
+) -> Result<()> {
     let lanes = if buf.len() < LANE_BYTES_MIN {
         1
     } else {
@@ -439,7 +451,8 @@ fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
     let piece = (buf.len() / align).div_ceil(lanes).max(1) * align;
     let one = |(old, new): &mut (SectorCipher, SectorCipher), at: u64, b: &mut [u8]| {
         old.decrypt(at / old.sector_bytes() as u64, b)?;
-        new.encrypt(at / new.sector_bytes() as u64, b)
+        new.encrypt(at / new.sector_bytes() as u64, b)?;
+        then(at, b)
     };
     if lanes == 1 {
         return one(&mut u.lanes[0], offset, buf);
@@ -457,6 +470,51 @@ fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
         handles
             .into_iter()
             .try_for_each(|h| h.join().map_err(|_| Error::Bug("rekey thread panicked"))?)
+    })
+}
+
+/// Reads `buf` from `at`, one piece per lane on its own thread (the copies out of the device
+/// run on every CPU); one read for buffers under [`LANE_BYTES_MIN`].
+fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: usize) -> Result<()> {
+    if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
+        return dev.read_exact_at(buf, at);
+    }
+    let piece = buf
+        .len()
+        .div_ceil(lanes)
+        .div_ceil(AREA_ALIGN_BYTES as usize)
+        * AREA_ALIGN_BYTES as usize;
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = buf
+            .chunks_mut(piece)
+            .enumerate()
+            .map(|(i, b)| sc.spawn(move || dev.read_exact_at(b, at + (i * piece) as u64)))
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| Error::Bug("read thread panicked"))?)
+    })
+}
+
+/// Writes `buf` at `at`, one piece per lane as [`read_lanes`] reads.
+fn write_lanes(dev: &dyn Backend, buf: &[u8], at: u64, lanes: usize) -> Result<()> {
+    if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
+        return dev.write_at(buf, at);
+    }
+    let piece = buf
+        .len()
+        .div_ceil(lanes)
+        .div_ceil(AREA_ALIGN_BYTES as usize)
+        * AREA_ALIGN_BYTES as usize;
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = buf
+            .chunks(piece)
+            .enumerate()
+            .map(|(i, b)| sc.spawn(move || dev.write_at(b, at + (i * piece) as u64)))
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| Error::Bug("write thread panicked"))?)
     })
 }
 
@@ -551,9 +609,11 @@ pub fn resume(
             match step {
                 Step::ReadOld { offset, len } => {
                     cur = len;
-                    dev.read_exact_at(
+                    read_lanes(
+                        dev,
                         &mut hot.as_mut_slice()[..len as usize],
                         u.data_offset + offset,
+                        u.lanes.len(),
                     )?;
                 }
                 Step::WriteChecksums {
@@ -571,7 +631,12 @@ pub fn resume(
                     dev.write_at(&out[..len as usize], area_offset)?;
                 }
                 Step::WriteJournal { area_offset } => {
-                    dev.write_at(&hot.as_mut_slice()[..cur as usize], area_offset)?;
+                    write_lanes(
+                        dev,
+                        &hot.as_mut_slice()[..cur as usize],
+                        area_offset,
+                        u.lanes.len(),
+                    )?;
                 }
                 Step::SyncData => dev.flush()?,
                 Step::CommitSegments(p) => {
@@ -580,8 +645,8 @@ pub fn resume(
                 }
                 Step::WriteNew { offset, len } => {
                     let buf = &mut hot.as_mut_slice()[..len as usize];
-                    rekey(&mut u, offset, buf)?;
-                    dev.write_at(buf, u.data_offset + offset)?;
+                    let base = u.data_offset;
+                    rekey_then(&mut u, offset, buf, &|at, b| dev.write_at(b, base + at))?;
                 }
                 Step::Finalise => {
                     finish(dev, &mut u)?;
