@@ -213,3 +213,96 @@ mod tests {
         assert!(!c.has_sleepers());
     }
 }
+
+/// Spins judged together by [`SpinGovernor`].
+pub const SPIN_WINDOW: u32 = 16;
+/// A window in which fewer than this many spins in 100 saw the awaited thing arrive pauses
+/// spinning: it comes further apart than a spin lasts.
+pub const SPIN_PAY_MIN_PERCENT: u32 = 50;
+/// Waits without spinning after the first window that did not pay; each further such window
+/// doubles it, up to [`SPIN_PAUSE_MAX`], and a window that pays resets it. So a waiter whose
+/// spins never pay spins for one window of 16 waits in every 4,112 at worst.
+pub const SPIN_PAUSE_MIN: u32 = 64;
+pub const SPIN_PAUSE_MAX: u32 = 4096;
+
+/// Whether spinning (busy-waiting) for the next piece of work pays for one waiter: it counts
+/// the spins that saw the work arrive before the spin ran out, and stops spinning for a while
+/// (then tries again) when too few did. A wait that finds the work already there says nothing
+/// and is not counted: a sleeping wait would have returned as fast. Used by the NBD server's
+/// request reads and by the engine's idle workers: on a busy host, a spin that does not pay
+/// takes a CPU from the thread that would produce the work.
+#[derive(Debug, Default)]
+pub struct SpinGovernor {
+    tries: u32,
+    paid: u32,
+    /// Waits left before spinning resumes.
+    paused: u32,
+    /// The pause the next window that does not pay starts (0 until one did not).
+    next_pause: u32,
+}
+
+impl SpinGovernor {
+    /// Whether the next wait may spin (counts a paused wait).
+    pub fn may_spin(&mut self) -> bool {
+        if self.paused > 0 {
+            self.paused -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// Whether spinning is paused now.
+    pub fn paused(&self) -> bool {
+        self.paused > 0
+    }
+
+    /// Records a spin: `paid` if the work arrived before the spin gave up.
+    pub fn record(&mut self, paid: bool) {
+        self.tries += 1;
+        self.paid += u32::from(paid);
+        if self.tries < SPIN_WINDOW {
+            return;
+        }
+        if self.paid * 100 < self.tries * SPIN_PAY_MIN_PERCENT {
+            self.next_pause = (self.next_pause * 2).clamp(SPIN_PAUSE_MIN, SPIN_PAUSE_MAX);
+            self.paused = self.next_pause;
+        } else {
+            self.next_pause = 0;
+        }
+        self.tries = 0;
+        self.paid = 0;
+    }
+}
+
+#[cfg(test)]
+mod spin_tests {
+    use super::*;
+
+    /// Waits that spin out of `waits`, with every spin ending as `paid` says.
+    fn spins(g: &mut SpinGovernor, waits: u32, paid: impl Fn(u32) -> bool) -> u32 {
+        let mut n = 0;
+        for i in 0..waits {
+            if g.may_spin() {
+                g.record(paid(i));
+                n += 1;
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn spinning_backs_off_when_it_does_not_pay_and_resumes_when_it_does() {
+        let mut g = SpinGovernor::default();
+        // Always paying: every wait spins.
+        assert_eq!(spins(&mut g, 1000, |_| true), 1000);
+        // Never paying: one window, then pauses of 64, 128, ... 4096 waits between windows.
+        let n = spins(&mut g, 100_000, |_| false);
+        assert!(n < 100_000 / 50, "{n} spins of 100000 waits that never pay");
+        // Paying again: spinning comes back within one pause and stays.
+        let first = spins(&mut g, SPIN_PAUSE_MAX + 1000, |_| true);
+        assert!(first >= 1000, "{first}");
+        assert_eq!(spins(&mut g, 1000, |_| true), 1000);
+        // Half paying is enough to keep spinning.
+        assert_eq!(spins(&mut g, 1000, |i| i % 2 == 0), 1000);
+    }
+}

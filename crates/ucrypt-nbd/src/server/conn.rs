@@ -19,7 +19,7 @@ use ucrypt::BlockDev;
 use super::buf::{IoBuf, Spares};
 use super::sock::Sock;
 use super::{tls, Activity, Export, Shared};
-use ucrypt::sync::{lock, WaitCell};
+use ucrypt::sync::{lock, SpinGovernor, WaitCell};
 
 /// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
 /// At least one maximum payload so any single valid request can proceed.
@@ -48,59 +48,6 @@ const DISCARD_CHUNK_BYTES: usize = 64 * 1024;
 /// reader's thread (one system call, small beside the work of such a request).
 const INLINE_PEEK_MIN_BYTES: u64 = 64 << 10;
 
-/// Polls judged together by [`PollGovernor`].
-const POLL_WINDOW: u32 = 16;
-/// A window in which fewer than this many polls in 100 saw the next request arrive pauses
-/// polling: the client's requests come further apart than the poll lasts.
-const POLL_PAY_MIN_PERCENT: u32 = 50;
-/// Reads without polling after the first window that did not pay; each further such window
-/// doubles it, up to [`POLL_PAUSE_MAX`], and a window that pays resets it. So a connection
-/// whose polls never pay polls for one window of 16 reads in every 4,112 at worst.
-const POLL_PAUSE_MIN: u32 = 64;
-const POLL_PAUSE_MAX: u32 = 4096;
-
-/// Whether polling for the next request pays on this connection: it counts the polls that saw
-/// a request arrive before the time ran out, and stops polling for a while (then tries again)
-/// when too few did. A poll that finds a request already there says nothing and is not
-/// counted: a sleeping read would have returned as fast.
-#[derive(Debug, Default)]
-struct PollGovernor {
-    tries: u32,
-    paid: u32,
-    /// Reads left before polling resumes.
-    paused: u32,
-    /// The pause the next window that does not pay starts (0 until one did not).
-    next_pause: u32,
-}
-
-impl PollGovernor {
-    /// Whether the next read may poll (counts a paused read).
-    fn may_poll(&mut self) -> bool {
-        if self.paused > 0 {
-            self.paused -= 1;
-            return false;
-        }
-        true
-    }
-
-    /// Records a poll that waited: `paid` if the request arrived before the poll gave up.
-    fn record(&mut self, paid: bool) {
-        self.tries += 1;
-        self.paid += u32::from(paid);
-        if self.tries < POLL_WINDOW {
-            return;
-        }
-        if self.paid * 100 < self.tries * POLL_PAY_MIN_PERCENT {
-            self.next_pause = (self.next_pause * 2).clamp(POLL_PAUSE_MIN, POLL_PAUSE_MAX);
-            self.paused = self.next_pause;
-        } else {
-            self.next_pause = 0;
-        }
-        self.tries = 0;
-        self.paid = 0;
-    }
-}
-
 /// The request stream: a socket whose reads may first poll without sleeping.
 struct RequestStream {
     sock: Sock,
@@ -108,7 +55,7 @@ struct RequestStream {
     poll: bool,
     poll_for: Duration,
     /// Backs polling off when it does not pay (`None`: always poll, `--spin-always`).
-    governor: Option<PollGovernor>,
+    governor: Option<SpinGovernor>,
 }
 
 impl RequestStream {
@@ -133,7 +80,7 @@ impl Read for RequestStream {
         let may_poll = self.poll
             && !self.poll_for.is_zero()
             && !buf.is_empty()
-            && self.governor.as_mut().is_none_or(PollGovernor::may_poll);
+            && self.governor.as_mut().is_none_or(SpinGovernor::may_spin);
         if may_poll {
             let fd = self.sock.as_raw_fd();
             let start = std::time::Instant::now();
@@ -527,7 +474,7 @@ fn read_requests(
 /// The transmission phase: this thread reads and validates requests; workers execute them.
 fn transmit(sock: Sock, export: &Export, shared: &Shared, activity: Arc<Activity>) -> Result<()> {
     let (poll, workers) = (shared.poll, shared.workers);
-    let governor = shared.poll_backoff.then(PollGovernor::default);
+    let governor = shared.poll_backoff.then(SpinGovernor::default);
     let info = &export.info;
     let limits = nbd::TransmissionLimits {
         size_bytes: info.size_bytes,
@@ -608,37 +555,4 @@ fn discard(r: &mut impl Read, mut n: usize) -> io::Result<()> {
         n -= k;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod poll_tests {
-    use super::*;
-
-    /// Reads that poll out of `reads`, with every poll that waits ending as `paid` says.
-    fn polls(g: &mut PollGovernor, reads: u32, paid: impl Fn(u32) -> bool) -> u32 {
-        let mut n = 0;
-        for i in 0..reads {
-            if g.may_poll() {
-                g.record(paid(i));
-                n += 1;
-            }
-        }
-        n
-    }
-
-    #[test]
-    fn polling_backs_off_when_it_does_not_pay_and_resumes_when_it_does() {
-        let mut g = PollGovernor::default();
-        // Always paying: every read polls.
-        assert_eq!(polls(&mut g, 1000, |_| true), 1000);
-        // Never paying: one window, then pauses of 64, 128, ... 4096 reads between windows.
-        let n = polls(&mut g, 100_000, |_| false);
-        assert!(n < 100_000 / 50, "{n} polls of 100000 reads that never pay");
-        // Paying again: polling comes back within one pause and stays.
-        let first = polls(&mut g, POLL_PAUSE_MAX + 1000, |_| true);
-        assert!(first >= 1000, "{first}");
-        assert_eq!(polls(&mut g, 1000, |_| true), 1000);
-        // Half paying is enough to keep polling.
-        assert_eq!(polls(&mut g, 1000, |i| i % 2 == 0), 1000);
-    }
 }

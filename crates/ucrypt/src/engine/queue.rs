@@ -10,7 +10,7 @@ use std::sync::atomic::{
 };
 use std::sync::{Mutex, MutexGuard};
 
-use crate::sync::{lock, WaitCell};
+use crate::sync::{lock, SpinGovernor, WaitCell};
 use std::time::{Duration, Instant};
 
 /// Spin iterations between two looks at the clock.
@@ -120,14 +120,21 @@ impl<T> BoundedQueue<T> {
     /// Takes the oldest item, waiting while empty; None once closed and drained.
     #[cfg(test)]
     pub fn pop(&self) -> Option<T> {
-        self.pop_spin(Duration::ZERO, 0)
+        self.pop_spin(Duration::ZERO, 0, &mut SpinGovernor::default())
     }
 
     /// Like `pop`, but while the queue is empty, spins for up to `spin` (counting as idle)
     /// before it sleeps, if fewer than `max_spinners` consumers are spinning already (spinners
-    /// take CPUs from the threads that produce the work).
-    pub fn pop_spin(&self, spin: Duration, max_spinners: u32) -> Option<T> {
-        let deadline = (!spin.is_zero()).then(|| Instant::now() + spin);
+    /// take CPUs from the threads that produce the work) and `governor` says spinning has
+    /// been paying for this consumer (it is told whether each spin did).
+    pub fn pop_spin(
+        &self,
+        spin: Duration,
+        max_spinners: u32,
+        governor: &mut SpinGovernor,
+    ) -> Option<T> {
+        let mut deadline = (!spin.is_zero()).then(|| Instant::now() + spin);
+        let mut asked = false;
         let mut r = self.lock();
         loop {
             let mut freed = false;
@@ -152,13 +159,21 @@ impl<T> BoundedQueue<T> {
             }
             r.idle += 1;
             self.mirror(&r);
+            if deadline.is_some() && !asked {
+                // One question per wait: a paused governor counts waits, not spins.
+                asked = true;
+                if !governor.may_spin() {
+                    deadline = None;
+                }
+            }
             if r.spinning < max_spinners && deadline.is_some_and(|d| Instant::now() < d) {
                 r.spinning += 1;
                 drop(r);
                 if let Some(d) = deadline {
-                    spin_until(d, || {
+                    let paid = spin_until(d, || {
                         self.len_hint.load(Acquire) > 0 || self.closed_hint.load(Relaxed)
                     });
+                    governor.record(paid);
                 }
                 r = self.lock();
                 r.spinning -= 1;
@@ -246,6 +261,36 @@ impl<T> BoundedQueue<T> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// A consumer whose spins never see the next item arrive in time stops spinning: after
+    /// one window of waits its governor is paused (and while paused its waits sleep).
+    #[test]
+    fn a_consumer_stops_spinning_when_items_come_later_than_its_spins() {
+        let q = Arc::new(BoundedQueue::new(4));
+        let p = {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                for i in 0..crate::sync::SPIN_WINDOW + 4 {
+                    std::thread::sleep(Duration::from_millis(2));
+                    q.push(i).unwrap();
+                }
+                q.close();
+            })
+        };
+        let mut g = SpinGovernor::default();
+        let mut got = 0;
+        let mut paused_after = None;
+        while q.pop_spin(Duration::from_micros(20), 1, &mut g).is_some() {
+            got += 1;
+            if g.paused() && paused_after.is_none() {
+                paused_after = Some(got);
+            }
+        }
+        p.join().unwrap();
+        assert_eq!(got, crate::sync::SPIN_WINDOW + 4);
+        let n = paused_after.expect("spinning paused");
+        assert!(n <= crate::sync::SPIN_WINDOW + 1, "paused after {n} waits");
+    }
 
     #[test]
     fn bounded_fifo_with_back_pressure() {

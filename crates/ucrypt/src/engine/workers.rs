@@ -11,7 +11,7 @@ use super::queue::{spin_until, BoundedQueue};
 use super::stats::{now, Times};
 use super::task::Task;
 use crate::sector::SectorCipher;
-use crate::sync::{lock, WaitCell};
+use crate::sync::{lock, SpinGovernor, WaitCell};
 use crate::{Error, Result};
 
 /// What the threads need from the volume they serve: its queues, and the
@@ -231,7 +231,14 @@ pub(crate) fn worker_loop(core: &impl Executor) {
     // a slot of its own, so the borrow is uncontended), rather than owning one: a suspended
     // volume must be able to wipe every context, and an idle worker would keep its own.
     let exec = |task: &Task, t: &mut Times| core.exec_task(None, task, t);
-    while let Some(job) = core.jobs().pop_spin(core.spin(), core.max_spinners()) {
+    // Spinning for the next job stops for a while when it stops paying (jobs come further
+    // apart than the spin lasts): on a busy host a spin that does not pay takes a CPU from
+    // the thread that would produce the job.
+    let mut governor = SpinGovernor::default();
+    while let Some(job) = core
+        .jobs()
+        .pop_spin(core.spin(), core.max_spinners(), &mut governor)
+    {
         // Timed only if the request is sampled (see stats): it then sent a non-zero time.
         let times_for = |queued_at: u64| Times {
             on: queued_at != 0,
