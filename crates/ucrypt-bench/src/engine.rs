@@ -8,7 +8,8 @@
 //! 3. 12 concurrent jobs of 256 KiB random reads/writes: inline vs parallel vs auto.
 //! 4. One stream of 1 MiB reads, and of 1 MiB writes: parallel vs inline.
 //! 5. 4 KiB random reads QD1 while two busy-loop threads compete: latency percentiles.
-//! 6. Many independent streams of mixed sizes: auto vs the best static policy.
+//! 6. Many independent streams of mixed sizes: auto vs the best static policy; again (6c)
+//!    while a background load comes and goes every 150 ms.
 //! 7. Throughput by block size (4 KiB .. 1 MiB), one stream, per policy (file backend only).
 //! 8. Scaling with threads (1 .. 16 threads of 64 KiB random I/O), per policy (file backend).
 //!
@@ -1191,6 +1192,102 @@ fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
         0.98,
     );
     push_mbps(rows, s, "6. 6 streams, mixed 4 KiB-1 MiB", &variants, res);
+
+    // The same streams while the host's load changes under them: two busy-loop threads that
+    // run for CHURN_PHASE, pause for CHURN_PHASE, and so on, for the whole scenario (each
+    // variant sees busy and quiet phases; the round-robin spreads them alike).
+    let churn = Churn::start(CHURN_THREADS, CHURN_PHASE);
+    let mut st = Vec::new();
+    let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
+        let t = variant_target(s, true, variants[i]);
+        let (mbps, _, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
+            let region = s.data_bytes / streams as u64 / (1 << 20) * (1 << 20);
+            let base = th as u64 * region;
+            let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
+            while !stop.load(Relaxed) {
+                let len = SIZES[(n as usize + th) % SIZES.len()];
+                if off + len as u64 > region {
+                    off = 0;
+                }
+                let b = &mut buf[..len];
+                if n % 3 == 2 {
+                    t.write(b, base + off);
+                } else {
+                    t.read(b, base + off);
+                }
+                off += len as u64;
+                bytes += len as u64;
+                n += 1;
+            }
+            (bytes, n)
+        });
+        (mbps, vec![])
+    });
+    drop(churn);
+    log_stats(log, s, "6c. many streams, changing load", st);
+    let best_static = res[1].0.median.max(res[2].0.median);
+    target(
+        targets,
+        format!(
+            "{}: many streams, changing load: auto / best static",
+            s.name
+        ),
+        res[3].0.median / best_static,
+        0.95,
+    );
+    push_mbps(
+        rows,
+        s,
+        "6c. 6 streams, mixed 4 KiB-1 MiB, load changing every 150 ms",
+        &variants,
+        res,
+    );
+}
+
+/// Busy-loop threads of the changing-load job, and how long each busy or quiet phase lasts.
+const CHURN_THREADS: usize = 2;
+const CHURN_PHASE: Duration = Duration::from_millis(150);
+
+/// Background load that comes and goes: `threads` spinners, busy for a phase, asleep for the
+/// next, until dropped.
+struct Churn {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Churn {
+    fn start(threads: usize, phase: Duration) -> Churn {
+        let stop = Arc::new(AtomicBool::new(false));
+        let t0 = Instant::now();
+        let threads = (0..threads)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = 1u64;
+                    while !stop.load(Relaxed) {
+                        let busy = (t0.elapsed().as_millis() / phase.as_millis().max(1)) % 2 == 0;
+                        if busy {
+                            for _ in 0..10_000 {
+                                x = black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                            }
+                        } else {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                })
+            })
+            .collect();
+        Churn { stop, threads }
+    }
+}
+
+impl Drop for Churn {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 type Scenario = fn(&Setup, &Knobs, &mut Sink);
