@@ -31,9 +31,8 @@ use crate::engine::gate::Gate;
 use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange, CHUNKS_PER_LANE};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
-use crate::engine::stats::{now, Kind, Stats, Times};
+use crate::engine::stats::{now, ns_per_tick, Kind, Stats, Times};
 use crate::engine::task::Task;
-use crate::engine::tune::AutoTuner;
 use crate::engine::workers::{
     self, Completion, DoneRef, Executor, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX,
     WRITE_QUEUE_MAX,
@@ -173,8 +172,6 @@ pub(crate) struct Core {
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
-    /// Keeps `auto_min_bytes` current from the requests timed while serving.
-    tuner: AutoTuner,
     /// `auto` requests at or above the threshold running now.
     big_inflight: AtomicU32,
     /// The dispatch policy of reads (0) and of writes (1).
@@ -369,14 +366,11 @@ impl Core {
             });
             self.stats
                 .record(Kind::Read, out.len() as u64, &t, false, false);
-            self.learn(false, &t, out.len() as u64, Dispatch::Inline, 1);
             return r;
         }
         let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
         let mut r = Ok(());
-        let mut pieces = 0;
         for piece in plan.pieces() {
-            pieces += 1;
             r = self.read_piece(&plan, &piece, out, &mut t);
             if r.is_err() {
                 break;
@@ -385,7 +379,6 @@ impl Core {
         let split = plan.dispatch.splits();
         self.stats
             .record(Kind::Read, out.len() as u64, &t, split, false);
-        self.learn(false, &t, out.len() as u64, plan.dispatch, pieces);
         r
     }
 
@@ -516,9 +509,7 @@ impl Core {
         t.wait += t.clock().wrapping_sub(t0);
         let mut r = Ok(());
         let mut rmw = false;
-        let mut pieces = 0;
         for piece in plan.pieces() {
-            pieces += 1;
             rmw |= !piece.aligned();
             r = self.write_piece(&plan, &piece, src, fua, &mut t);
             if r.is_err() {
@@ -527,7 +518,6 @@ impl Core {
         }
         let split = plan.dispatch.splits();
         self.stats.record(Kind::Write, len, &t, split, rmw);
-        self.learn(true, &t, len, plan.dispatch, pieces);
         r
     }
 
@@ -640,7 +630,6 @@ impl Volume {
             allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
-            tuner: AutoTuner::default(),
             big_inflight: AtomicU32::new(0),
             policy: [
                 AtomicU8::new(cfg.policy.read.to_u8()),
@@ -842,10 +831,17 @@ impl Volume {
             let _ = comp.wait(core.spin());
             best_ping = best_ping.min(now().wrapping_sub(t0));
         }
-        // Splitting L bytes in two saves L*c/2 and costs one hand-off; the tuner asks for a
-        // 2x margin, and keeps both measures current while the volume serves (`learn`).
-        core.tuner.seed(best_ping, best_crypto, probe.max(1));
-        core.auto_min_bytes.store(core.auto_threshold(), Relaxed);
+        let ns = ns_per_tick();
+        let per_byte_ns = (best_crypto as f64 * ns / probe.max(1) as f64).max(1e-3);
+        let handoff_ns = best_ping as f64 * ns;
+        // Splitting L bytes in two saves L*c/2 and costs one hand-off; ask for a 2x margin.
+        let t = (4.0 * handoff_ns / per_byte_ns) as u64;
+        let ss = 1u64 << core.shift;
+        let t = t
+            .clamp(AUTO_MIN_BYTES_FLOOR, AUTO_MIN_BYTES_CEIL)
+            .div_ceil(ss)
+            * ss;
+        core.auto_min_bytes.store(t, Relaxed);
         Ok(())
     }
 }
@@ -940,34 +936,6 @@ impl Core {
         }
         let dispatch = planner.dispatch(policy, op, len, idle);
         (planner.plan(op, offset, len, dispatch), guard)
-    }
-
-    /// `auto`'s threshold from the tuner's current measures.
-    fn auto_threshold(&self) -> u64 {
-        self.tuner
-            .threshold(AUTO_MIN_BYTES_FLOOR, AUTO_MIN_BYTES_CEIL, 1 << self.shift)
-    }
-
-    /// Feeds a timed request of an `auto` volume to the tuner and updates the threshold: its
-    /// crypto cost per byte; for a split, the hand-off per chunk the workers took
-    /// (`chunks - 1` per piece: the caller runs one); for a request that could have split but
-    /// ran inline, a step back toward the calibrated hand-off.
-    fn learn(&self, write: bool, t: &Times, len: u64, dispatch: Dispatch, pieces: u64) {
-        if !t.on || Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) != Policy::Auto {
-            return;
-        }
-        self.tuner.crypto(t.crypto, len);
-        match dispatch {
-            Dispatch::Parallel { chunks } if chunks > 1 => {
-                // Calibration times a round trip (hand-off, then the completion back); a
-                // request times the way there: twice that stands for the round trip.
-                self.tuner
-                    .handoff(t.queue.saturating_mul(2), u64::from(chunks - 1) * pieces)
-            }
-            _ if len >= AUTO_MIN_BYTES_FLOOR => self.tuner.revert(),
-            _ => return,
-        }
-        self.auto_min_bytes.store(self.auto_threshold(), Relaxed);
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
