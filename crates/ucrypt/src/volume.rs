@@ -33,6 +33,7 @@ use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
 use crate::engine::stats::{now, ns_per_tick, Kind, Stats, Times};
 use crate::engine::task::Task;
+use crate::engine::tune::{AutoTuner, CLASS_MIN_BYTES};
 use crate::engine::workers::{
     self, Completion, DoneRef, Executor, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX,
     WRITE_QUEUE_MAX,
@@ -172,6 +173,8 @@ pub(crate) struct Core {
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
+    /// Whether `auto` splits a request of a given size, learnt from the requests it served.
+    tuner: AutoTuner,
     /// `auto` requests at or above the threshold running now.
     big_inflight: AtomicU32,
     /// The dispatch policy of reads (0) and of writes (1).
@@ -338,7 +341,7 @@ impl Core {
         let mask = (1u64 << self.shift) - 1;
         let inline = match Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) {
             Policy::Inline => true,
-            Policy::Auto => len < self.auto_min_bytes.load(Relaxed),
+            Policy::Auto => !self.tuner.choose(len),
             _ => false,
         };
         inline
@@ -349,6 +352,7 @@ impl Core {
 
     fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
         let mut t = Times::start();
+        let began = self.learning(false, out.len() as u64);
         self.check(offset, out.len() as u64)?;
         if self.is_direct(out, offset, false) {
             // The backend read is called from here, not through planning and `exec_task`:
@@ -366,6 +370,7 @@ impl Core {
             });
             self.stats
                 .record(Kind::Read, out.len() as u64, &t, false, false);
+            self.learn(began, out.len() as u64, false);
             return r;
         }
         let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
@@ -379,6 +384,7 @@ impl Core {
         let split = plan.dispatch.splits();
         self.stats
             .record(Kind::Read, out.len() as u64, &t, split, false);
+        self.learn(began, out.len() as u64, split);
         r
     }
 
@@ -389,6 +395,7 @@ impl Core {
     fn write_direct(&self, buf: &mut [u8], offset: u64, fua: bool) -> Result<()> {
         let mut t = Times::start();
         let len = buf.len() as u64;
+        let began = self.learning(true, len);
         self.check(offset, len)?;
         self.check_writable()?;
         let first = offset >> self.shift;
@@ -413,6 +420,7 @@ impl Core {
             r
         });
         self.stats.record(Kind::Write, len, &t, false, false);
+        self.learn(began, len, false);
         r
     }
 
@@ -501,6 +509,7 @@ impl Core {
     /// A write of `len` bytes from `src`; with `fua`, durable when it returns.
     fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64, fua: bool) -> Result<()> {
         let mut t = Times::start();
+        let began = self.learning(true, len);
         self.check(offset, len)?;
         self.check_writable()?;
         let (plan, _big) = self.plan(op, offset, len);
@@ -518,6 +527,7 @@ impl Core {
         }
         let split = plan.dispatch.splits();
         self.stats.record(Kind::Write, len, &t, split, rmw);
+        self.learn(began, len, split);
         r
     }
 
@@ -630,6 +640,7 @@ impl Volume {
             allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
+            tuner: AutoTuner::default(),
             big_inflight: AtomicU32::new(0),
             policy: [
                 AtomicU8::new(cfg.policy.read.to_u8()),
@@ -787,6 +798,12 @@ impl Volume {
         self.core.auto_min_bytes.load(Relaxed)
     }
 
+    /// The request size from which `auto` splits now, as learnt while serving (the smallest
+    /// size class that splits; larger than every class when none does).
+    pub fn auto_learnt_threshold_bytes(&self) -> u64 {
+        self.core.tuner.threshold()
+    }
+
     /// Worker threads (one per core).
     pub fn workers(&self) -> usize {
         self.core.planner.lanes as usize
@@ -842,6 +859,7 @@ impl Volume {
             .div_ceil(ss)
             * ss;
         core.auto_min_bytes.store(t, Relaxed);
+        core.tuner.seed(t);
         Ok(())
     }
 }
@@ -923,7 +941,11 @@ impl Core {
         let write = !matches!(op, Op::Read);
         let policy = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed));
         let planner = Planner {
-            auto_min_bytes: self.auto_min_bytes.load(Relaxed),
+            auto_min_bytes: if policy == Policy::Auto && self.tuner.choose(len) {
+                0
+            } else {
+                u64::MAX
+            },
             ..self.planner
         };
         let mut guard = None;
@@ -936,6 +958,24 @@ impl Core {
         }
         let dispatch = planner.dispatch(policy, op, len, idle);
         (planner.plan(op, offset, len, dispatch), guard)
+    }
+
+    /// The clock at the start of a request `auto`'s tuner learns from (an `auto` request of
+    /// at least [`CLASS_MIN_BYTES`]), else 0.
+    fn learning(&self, write: bool, len: u64) -> u64 {
+        let auto = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) == Policy::Auto;
+        if auto && len >= CLASS_MIN_BYTES {
+            now()
+        } else {
+            0
+        }
+    }
+
+    /// Tells the tuner how long a request [`Core::learning`] started took, split or not.
+    fn learn(&self, began: u64, len: u64, split: bool) {
+        if began != 0 {
+            self.tuner.learn(len, split, now().wrapping_sub(began));
+        }
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
