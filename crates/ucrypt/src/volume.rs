@@ -20,7 +20,7 @@
 //! inline, split among workers (`run_split`), in submission order, or through the `queued`
 //! model's worker queue and writer thread.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -150,15 +150,6 @@ impl Drop for Turn<'_> {
     }
 }
 
-/// Counts a big request of the `auto` policy while it runs.
-struct BigGuard<'a>(&'a AtomicU32);
-
-impl Drop for BigGuard<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
-}
-
 /// The state shared by the volume's callers and its threads.
 pub(crate) struct Core {
     backend: Arc<dyn Backend>,
@@ -175,8 +166,6 @@ pub(crate) struct Core {
     auto_min_bytes: AtomicU64,
     /// Whether `auto` splits a request of a given size, learnt from the requests it served.
     tuner: AutoTuner,
-    /// `auto` requests at or above the threshold running now.
-    big_inflight: AtomicU32,
     /// The dispatch policy of reads (0) and of writes (1).
     policy: [AtomicU8; 2],
     pool: BufferPool,
@@ -373,7 +362,7 @@ impl Core {
             self.learn(began, out.len() as u64, false);
             return r;
         }
-        let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
+        let plan = self.plan(Op::Read, offset, out.len() as u64);
         let mut r = Ok(());
         for piece in plan.pieces() {
             r = self.read_piece(&plan, &piece, out, &mut t);
@@ -512,7 +501,7 @@ impl Core {
         let began = self.learning(true, len);
         self.check(offset, len)?;
         self.check_writable()?;
-        let (plan, _big) = self.plan(op, offset, len);
+        let plan = self.plan(op, offset, len);
         let t0 = t.clock();
         let _lock = plan.lock.map(|r| self.locks.lock(r));
         t.wait += t.clock().wrapping_sub(t0);
@@ -535,7 +524,7 @@ impl Core {
         let mut t = Times::start();
         self.check(offset, len)?;
         self.check_writable()?;
-        let (plan, _big) = self.plan(Op::Discard, offset, len);
+        let plan = self.plan(Op::Discard, offset, len);
         let r = match plan.discard {
             None => Ok(()),
             Some(_) if !self.allow_discards.load(Relaxed) => Ok(()),
@@ -641,7 +630,6 @@ impl Volume {
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
             tuner: AutoTuner::default(),
-            big_inflight: AtomicU32::new(0),
             policy: [
                 AtomicU8::new(cfg.policy.read.to_u8()),
                 AtomicU8::new(cfg.policy.write.to_u8()),
@@ -933,31 +921,21 @@ impl Core {
         Ok(())
     }
 
-    /// Plans a request. For `auto`, a request big enough to split is counted while it runs
-    /// (the guard): split only if a worker is idle AND fewer big requests than cores are
-    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
-    /// shared counter off their path.
-    fn plan(&self, op: Op, offset: u64, len: u64) -> (Plan, Option<BigGuard<'_>>) {
+    /// Plans a request. `auto` splits when its tuner says splitting pays for requests of this
+    /// size (it learnt that from the requests it served, whatever else was running), and
+    /// then as `parallel` does: the caller claims chunks too, so a split never waits for a
+    /// busy worker longer than running inline would take.
+    fn plan(&self, op: Op, offset: u64, len: u64) -> Plan {
         let write = !matches!(op, Op::Read);
         let policy = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed));
+        let split = policy == Policy::Auto && self.tuner.choose(len);
         let planner = Planner {
-            auto_min_bytes: if policy == Policy::Auto && self.tuner.choose(len) {
-                0
-            } else {
-                u64::MAX
-            },
+            auto_min_bytes: if split { 0 } else { u64::MAX },
             ..self.planner
         };
-        let mut guard = None;
-        let mut idle = 0;
-        if policy == Policy::Auto && len >= planner.auto_min_bytes {
-            let others = self.big_inflight.fetch_add(1, Relaxed);
-            guard = Some(BigGuard(&self.big_inflight));
-            let free_cores = planner.lanes.saturating_sub(others + 1);
-            idle = self.jobs.idle().min(free_cores);
-        }
+        let idle = if split { planner.lanes } else { 0 };
         let dispatch = planner.dispatch(policy, op, len, idle);
-        (planner.plan(op, offset, len, dispatch), guard)
+        planner.plan(op, offset, len, dispatch)
     }
 
     /// The clock at the start of a request `auto`'s tuner learns from (an `auto` request of
