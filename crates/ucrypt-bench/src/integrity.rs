@@ -211,6 +211,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             data,
         )?,
         authenticated(
+            "chacha20-random + poly1305",
+            TagMode::ChaCha20RandomPoly1305,
+            data,
+        )?,
+        authenticated(
             "aes-xts-random + hmac-sha256",
             TagMode::AesXtsRandomHmac(HmacHash::Sha256),
             data,
