@@ -220,6 +220,8 @@ fn poly1305_volume_through_the_command() {
         "chacha20-random",
         "--integrity",
         "poly1305",
+        "--sector-size",
+        "512",
         "--pbkdf",
         "pbkdf2",
         "--pbkdf-force-iterations",
