@@ -473,7 +473,7 @@ fn bitmap_mode_and_aegis128_in_the_kernel() {
          done\n\
          dmesg | grep -o 'Bitmap mode can be only used with internal hash'\n\
          if cryptsetup --help | grep -q bitmap; then echo CRYPTSETUP-HAS-BITMAP; fi\n\
-         if cryptsetup luksFormat $F --cipher aegis128-random --integrity aead /dev/vdb && \
+         if cryptsetup luksFormat $F --cipher aegis128-random --key-size 128 --integrity aead /dev/vdb && \
          cryptsetup open --integrity-no-journal --key-file $K /dev/vdb a && \
          dd if=/dev/zero of=/dev/mapper/a bs=4096 count=16 conv=fsync 2>/dev/null && \
          cmp -n 65536 /dev/mapper/a /dev/zero && cryptsetup close a; \
