@@ -264,7 +264,9 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         std::fs::File::create(&host_fs)
             .and_then(|f| f.set_len(HOST_FS_BYTES))
             .expect("host fs image");
-        run("mkfs.ext4", &["-q", "-F", s(&host_fs)]).expect("mkfs.ext4 on the host");
+        // 4096-byte blocks: a filesystem block must not be smaller than the device's sector
+        // (mkfs picks 1024 for a file this small, which a 4096-byte-sector volume cannot mount).
+        run("mkfs.ext4", &["-q", "-F", "-b", "4096", s(&host_fs)]).expect("mkfs.ext4 on the host");
         run(
             "debugfs",
             &[
@@ -295,9 +297,9 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         let dg = next_dev(&mut vmrun, &g);
         writeln!(
             script,
-            "if cryptsetup open $O {dg} g && e2fsck -f -n /dev/mapper/g >/dev/null 2>&1 && \
-             mount -o ro /dev/mapper/g /mnt/f && cmp /mnt/f/{FS_FILE} /mnt/host/fs.txt && \
-             umount /mnt/f && cryptsetup close g; then echo \"FS {n} KERNEL-FSCK-OK\"; \
+            "if cryptsetup open $O {dg} g-{n} && e2fsck -f -n /dev/mapper/g-{n} >/dev/null 2>&1 && \
+             mount -o ro /dev/mapper/g-{n} /mnt/f && cmp /mnt/f/{FS_FILE} /mnt/host/fs.txt && \
+             umount /mnt/f && cryptsetup close g-{n}; then echo \"FS {n} KERNEL-FSCK-OK\"; \
              else echo \"FS {n} KERNEL-FSCK-FAIL\"; fi"
         )
         .expect("script");
