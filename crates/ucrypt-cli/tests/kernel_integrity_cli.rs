@@ -9,10 +9,14 @@
 //! - header: cryptsetup's JSON metadata of the ucrypt-made volume equals that of the one
 //!   cryptsetup made with the same options, but for salts, digests and the UUID, and the
 //!   dm-integrity superblock and journal are byte for byte the kernel's;
-//! - filesystem: on a volume `ucrypt format` made, the kernel makes an ext4 and writes a file;
-//!   the image `ucrypt export` gives is clean (`e2fsck -f -n`) and holds the file.
+//! - filesystem, both ways (for the cases in `FS_CASES`): on a volume `ucrypt format` made, the
+//!   kernel makes an ext4 and writes a file; the image `ucrypt export` gives is clean
+//!   (`e2fsck -f -n`) and holds the file. And an ext4 made on the host and put in place by
+//!   `ucrypt import` is clean for the kernel's `e2fsck -f -n` and holds its file.
 //!
-//! Cases: aes-gcm-random + aead (4096-byte sectors), aes-xts-random + hmac-sha256 (512).
+//! Cases: aes-gcm-random + aead (4096-byte sectors), aes-xts-random + hmac-sha256 (512),
+//! chacha20-random + poly1305 (512). `UCRYPT_INTEGRITY_CASES=chacha` runs only the cases whose
+//! names contain one of the comma-separated words (the guest's crypto is emulated).
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set.
 
@@ -54,7 +58,30 @@ const CASES: &[Case] = &[
         key_bits: 512,
         sector: 512,
     },
+    Case {
+        name: "chacha-512",
+        cipher: "chacha20-random",
+        integrity: "poly1305",
+        key_bits: 256,
+        sector: 512,
+    },
 ];
+
+/// The cases that also carry an ext4 both ways.
+const FS_CASES: &[&str] = &["gcm-4096", "chacha-512"];
+/// The ext4 made on the host for `ucrypt import` (smaller than the volume, as a filesystem may
+/// be).
+const HOST_FS_BYTES: u64 = 8 << 20;
+
+/// The cases selected by `UCRYPT_INTEGRITY_CASES` (all when unset).
+fn selected_cases() -> Vec<&'static Case> {
+    let filter = std::env::var("UCRYPT_INTEGRITY_CASES").unwrap_or_default();
+    let words: Vec<&str> = filter.split(',').filter(|w| !w.is_empty()).collect();
+    CASES
+        .iter()
+        .filter(|c| words.is_empty() || words.iter().any(|w| c.name.contains(w)))
+        .collect()
+}
 
 fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
     let out = Command::new(cmd)
@@ -143,6 +170,8 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         println!("SKIPPED: {reason}");
         return;
     }
+    let cases = selected_cases();
+    assert!(!cases.is_empty(), "UCRYPT_INTEGRITY_CASES selects no case");
     let seed = vm::seed();
     let mut rng = vm::SplitMix(seed);
     let tmp = vm::TempDir::new("kernel-integrity-cli");
@@ -172,7 +201,7 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         d
     };
     let plain_blocks = PLAIN_BYTES / 65536;
-    for c in CASES {
+    for c in &cases {
         // ucrypt-made, ucrypt-written: the kernel reads. Written in direct mode, as the kernel
         // writes its own image here, so that the two journals can be compared below (journal
         // mode between the two sides: tests/kernel_integrity_journal.rs).
@@ -223,18 +252,58 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         )
         .expect("script");
     }
-    // Filesystem: ucrypt formats, the kernel makes an ext4 and writes a file.
-    let fs_case = &CASES[0];
-    let f = dir.join("fs.img");
-    ucrypt_format(&f, &key, fs_case);
-    let df = next_dev(&mut vmrun, &f);
-    writeln!(
-        script,
-        "if cryptsetup open $O {df} f && mkfs.ext4 -q /dev/mapper/f && mount /dev/mapper/f /mnt/f \
-         && cp /mnt/host/fs.txt /mnt/f/{FS_FILE} && umount /mnt/f && cryptsetup close f; then \
-         echo \"FS KERNEL-MADE\"; else echo \"FS KERNEL-MADE-FAIL\"; fi"
-    )
-    .expect("script");
+    // Filesystem: ucrypt formats, the kernel makes an ext4 and writes a file; and an ext4 made
+    // on the host, imported by ucrypt, checked by the kernel.
+    let fs_cases: Vec<&Case> = cases
+        .iter()
+        .copied()
+        .filter(|c| FS_CASES.contains(&c.name))
+        .collect();
+    let host_fs = dir.join("host-fs.img");
+    if !fs_cases.is_empty() {
+        std::fs::File::create(&host_fs)
+            .and_then(|f| f.set_len(HOST_FS_BYTES))
+            .expect("host fs image");
+        // 4096-byte blocks: a filesystem block must not be smaller than the device's sector
+        // (mkfs picks 1024 for a file this small, which a 4096-byte-sector volume cannot mount).
+        run("mkfs.ext4", &["-q", "-F", "-b", "4096", s(&host_fs)]).expect("mkfs.ext4 on the host");
+        run(
+            "debugfs",
+            &[
+                "-w",
+                "-R",
+                &format!("write {} {FS_FILE}", s(&dir.join("fs.txt"))),
+                s(&host_fs),
+            ],
+        )
+        .expect("debugfs write");
+    }
+    for c in &fs_cases {
+        let n = c.name;
+        let f = dir.join(format!("fs-{n}.img"));
+        ucrypt_format(&f, &key, c);
+        let df = next_dev(&mut vmrun, &f);
+        writeln!(
+            script,
+            "if cryptsetup open $O {df} f && mkfs.ext4 -q /dev/mapper/f && mount /dev/mapper/f /mnt/f \
+             && cp /mnt/host/fs.txt /mnt/f/{FS_FILE} && umount /mnt/f && cryptsetup close f; then \
+             echo \"FS {n} KERNEL-MADE\"; else echo \"FS {n} KERNEL-MADE-FAIL\"; fi"
+        )
+        .expect("script");
+        let g = dir.join(format!("gs-{n}.img"));
+        ucrypt_format(&g, &key, c);
+        run(BIN, &["import", s(&host_fs), s(&g), "--key-file", s(&key)])
+            .unwrap_or_else(|e| panic!("{n}: import of the host's ext4: {e}"));
+        let dg = next_dev(&mut vmrun, &g);
+        writeln!(
+            script,
+            "if cryptsetup open $O {dg} g-{n} && e2fsck -f -n /dev/mapper/g-{n} >/dev/null 2>&1 && \
+             mount -o ro /dev/mapper/g-{n} /mnt/f && cmp /mnt/f/{FS_FILE} /mnt/host/fs.txt && \
+             umount /mnt/f && cryptsetup close g-{n}; then echo \"FS {n} KERNEL-FSCK-OK\"; \
+             else echo \"FS {n} KERNEL-FSCK-FAIL\"; fi"
+        )
+        .expect("script");
+    }
     vmrun.script = script;
     let out = vmrun.run(dir);
     assert_eq!(out.status, 0, "seed {seed}: VM boot failed");
@@ -249,13 +318,19 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         }
     };
     let mut kernel_wrote = Vec::new();
-    for c in CASES {
+    for c in &cases {
         expect(format!("CASE {} KERNEL-READ-OK", c.name));
         expect(format!("CASE {} KERNEL-FULL-READ-OK", c.name));
         kernel_wrote.push(expect(format!("CASE {} KERNEL-WROTE", c.name)));
     }
-    let fs_made = expect("FS KERNEL-MADE".into());
-    for c in CASES {
+    let fs_made: Vec<bool> = fs_cases
+        .iter()
+        .map(|c| {
+            expect(format!("FS {} KERNEL-FSCK-OK", c.name));
+            expect(format!("FS {} KERNEL-MADE", c.name))
+        })
+        .collect();
+    for c in &cases {
         let load = |side: &str| -> Option<serde_json::Value> {
             let text = std::fs::read_to_string(dir.join(format!("{}-{side}.json", c.name))).ok()?;
             let mut v: serde_json::Value = serde_json::from_str(&text).ok()?;
@@ -273,7 +348,7 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             _ => failures.push(format!("{}: no JSON metadata from the VM", c.name)),
         }
     }
-    for (c, wrote) in CASES.iter().zip(kernel_wrote) {
+    for (c, wrote) in cases.iter().zip(kernel_wrote) {
         if !wrote {
             continue;
         }
@@ -321,15 +396,23 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             }
         }
     }
-    if fs_made {
-        let exported = dir.join("fs.out");
+    for (c, made) in fs_cases.iter().zip(fs_made) {
+        let n = c.name;
+        if out.output.contains(&format!("FS {n} KERNEL-FSCK-OK")) {
+            println!("FS {n} the kernel's e2fsck of ucrypt's ext4 is clean OK");
+        }
+        if !made {
+            continue;
+        }
+        let f = dir.join(format!("fs-{n}.img"));
+        let exported = dir.join(format!("fs-{n}.out"));
         let r = run(BIN, &["export", s(&f), s(&exported), "--key-file", s(&key)])
             .and_then(|_| run("e2fsck", &["-f", "-n", s(&exported)]))
             .and_then(|_| run("debugfs", &["-R", &format!("cat /{FS_FILE}"), s(&exported)]));
         match r {
-            Err(e) => failures.push(format!("fs: {e}")),
-            Ok(text) if text == fs_text => println!("FS ucrypt export is clean ext4 OK"),
-            Ok(text) => failures.push(format!("fs: {FS_FILE} reads {text:?}")),
+            Err(e) => failures.push(format!("fs {n}: {e}")),
+            Ok(text) if text == fs_text => println!("FS {n} ucrypt export is clean ext4 OK"),
+            Ok(text) => failures.push(format!("fs {n}: {FS_FILE} reads {text:?}")),
         }
     }
     assert!(failures.is_empty(), "seed {seed}: {failures:#?}");

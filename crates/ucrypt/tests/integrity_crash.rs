@@ -14,8 +14,9 @@
 //! of the plaintexts written to it since, or fails with the integrity error. Never wrong
 //! plaintext, never a failure of a block left alone since the flush.
 //!
-//! Both tag modes, 512- and 4096-byte blocks, 512- and 4096-byte atomic units; areas of
-//! 512 KiB so writes cross area boundaries; journals of a few sections so the ring wraps.
+//! GCM, ChaCha20-Poly1305 and XTS + HMAC-SHA256 tags, 512- and 4096-byte blocks, 512- and
+//! 4096-byte atomic units; areas of 512 KiB so writes cross area boundaries; journals of a few
+//! sections so the ring wraps.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -60,8 +61,9 @@ fn seed() -> u64 {
     seed
 }
 
-const MODES: [TagMode; 2] = [
+const MODES: [TagMode; 3] = [
     TagMode::AesGcmRandom { key_bytes: 32 },
+    TagMode::ChaCha20RandomPoly1305,
     TagMode::AesXtsRandomHmac(HmacHash::Sha256),
 ];
 

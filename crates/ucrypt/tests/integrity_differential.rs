@@ -36,6 +36,7 @@ fn tag_layer_matches_python_cryptography() {
     let modes = [
         (TagMode::AesGcmRandom { key_bytes: 32 }, "gcm"),
         (TagMode::AesGcmRandom { key_bytes: 16 }, "gcm"),
+        (TagMode::ChaCha20RandomPoly1305, "chacha20-poly1305"),
         (
             TagMode::AesXtsRandomHmac(HmacHash::Sha256),
             "xts-hmac-sha256",

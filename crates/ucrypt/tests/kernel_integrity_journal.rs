@@ -20,7 +20,8 @@
 //!
 //! Cases: aes-gcm-random + aead with 4096-byte sectors (a 64 MiB image: three journal
 //! sections, so one commit stays under the kernel's write-back watermark),
-//! aes-xts-random + hmac-sha256 with 512-byte sectors (48 MiB: twelve sections); the ext4 on
+//! aes-xts-random + hmac-sha256 and chacha20-random + poly1305 with 512-byte sectors (48 MiB);
+//! the ext4 on
 //! aes-gcm-random 4096 (32 MiB: one section). Needs qemu-system-x86_64 and a kernel
 //! (tests/vm/install-deps.sh), and mkfs.ext4/e2fsck/debugfs on the host: SKIPPED otherwise,
 //! unless CI is set.
@@ -62,6 +63,14 @@ const CASES: &[Case] = &[
         cipher: "aes-xts-random",
         integrity: "hmac-sha256",
         key_bits: 512,
+        sector: 512,
+        image_bytes: 48 << 20,
+    },
+    Case {
+        name: "chacha-512",
+        cipher: "chacha20-random",
+        integrity: "poly1305",
+        key_bits: 256,
         sector: 512,
         image_bytes: 48 << 20,
     },

@@ -128,7 +128,7 @@ pub struct LuksOpts {
     #[arg(long)]
     pub luks2_keyslots_size: Option<u64>,
     /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random),
-    /// hmac-sha256 or hmac-sha512 (with --cipher aes-xts-random). --key-size is the cipher's
+    /// poly1305 (with --cipher chacha20-random), hmac-sha256 or hmac-sha512 (with --cipher aes-xts-random). --key-size is the cipher's
     /// key; the MAC key is added to the volume key, as cryptsetup does.
     #[arg(long, value_name = "TYPE")]
     pub integrity: Option<String>,
@@ -655,21 +655,25 @@ struct IntegrityChoice {
 fn integrity_choice(o: &LuksOpts, t: &str) -> Result<IntegrityChoice> {
     let (kind, mac_key_bytes) = match t {
         "aead" => ("aead", 0),
+        // An AEAD too, spelled by its MAC as cryptsetup spells it (and writes it in LUKS2).
+        "poly1305" => ("poly1305", 0),
         "hmac-sha256" | "hmac(sha256)" => ("hmac(sha256)", 32),
         "hmac-sha512" | "hmac(sha512)" => ("hmac(sha512)", 64),
         _ => {
             return Err(Error::InvalidArgument(format!(
-                "--integrity {t}: ucrypt supports aead, hmac-sha256 and hmac-sha512"
+                "--integrity {t}: ucrypt supports aead, poly1305, hmac-sha256 and hmac-sha512"
             )))
         }
     };
     let encryption = o.cipher.clone().ok_or_else(|| {
         Error::InvalidArgument(
-            "--integrity needs --cipher aes-gcm-random (aead) or aes-xts-random (hmac-*)".into(),
+            "--integrity needs --cipher aes-gcm-random (aead), chacha20-random (poly1305) \
+             or aes-xts-random (hmac-*)"
+                .into(),
         )
     })?;
     let default_bits = match encryption.as_str() {
-        "aes-gcm-random" => 256,
+        "aes-gcm-random" | "chacha20-random" => 256,
         _ => 512,
     };
     let bits = o.key_size.unwrap_or(default_bits);

@@ -6,20 +6,23 @@
 //! start of the integrity device's data, whatever the sector size):
 //! - AEAD (`aes-gcm-random`, integrity `aead`): GCM with the 12-byte IV as nonce, associated
 //!   data `le64(s) || IV`, 16-byte tag. Tuple: 16 + 12 = 28 bytes.
+//! - AEAD (`chacha20-random`, integrity `poly1305`): the kernel's `rfc7539(chacha20,poly1305)`
+//!   (RFC 8439's ChaCha20-Poly1305, 256-bit key) with the same nonce, associated data and tuple
+//!   as GCM: dm-crypt builds every AEAD request alike.
 //! - `aes-xts-random` + `hmac(H)`: the sector is encrypted with AES-XTS using the 16-byte IV as
 //!   the tweak, then the tag is `HMAC-H(mac key, le64(s) || IV || ciphertext)` (the kernel's
 //!   `authenc(hmac(H),xts(aes))`). Tuple: |H| + 16 bytes. The volume key is the XTS key
 //!   followed by the MAC key.
 //!
 //! IVs come from the operating system's CSPRNG (getrandom(2)), a fresh one for every sector
-//! written: with 96-bit GCM nonces the chance of a repeat stays negligible up to the usual
+//! written: with 96-bit nonces (GCM, ChaCha20-Poly1305) the chance of a repeat stays negligible up to the usual
 //! 2^32 writes per key bound NIST gives for random nonces.
 
 use hmac::{Hmac, Mac};
 use sha2::{Sha256, Sha512};
 
 use crate::secret::SecretBox;
-use crate::sector::evp::{Alg, EvpCtx, GcmCtx, GCM_NONCE_BYTES, GCM_TAG_BYTES};
+use crate::sector::evp::{AeadAlg, AeadCtx, Alg, EvpCtx, AEAD_NONCE_BYTES, AEAD_TAG_BYTES};
 use crate::{Error, Result};
 
 /// XTS IV (tweak) bytes kept in each tuple.
@@ -55,14 +58,20 @@ impl HmacHash {
 pub enum TagMode {
     /// `aes-gcm-random` with integrity `aead`; key 16 or 32 bytes.
     AesGcmRandom { key_bytes: usize },
+    /// `chacha20-random` with integrity `poly1305`; key 32 bytes.
+    ChaCha20RandomPoly1305,
     /// `aes-xts-random` with integrity `hmac(sha256)` / `hmac(sha512)`; key = 64-byte XTS key
     /// + MAC key of the hash's size.
     AesXtsRandomHmac(HmacHash),
 }
 
 /// What this code supports, for error messages.
-pub const SUPPORTED_MODES: &str =
-    "aes-gcm-random + aead (128/256-bit key), aes-xts-random + hmac(sha256)|hmac(sha512) (512-bit XTS key)";
+pub const SUPPORTED_MODES: &str = "aes-gcm-random + aead (128/256-bit key), \
+     chacha20-random + poly1305 (256-bit key), \
+     aes-xts-random + hmac(sha256)|hmac(sha512) (512-bit XTS key)";
+
+/// ChaCha20's key bytes (the only size it has).
+pub const CHACHA20_KEY_BYTES: usize = 32;
 
 impl TagMode {
     /// From the LUKS2 segment's `encryption`, `integrity.type` and the volume key length.
@@ -76,6 +85,10 @@ impl TagMode {
             ("aes-gcm-random", "aead") => match key_bytes {
                 16 | 32 => Ok(TagMode::AesGcmRandom { key_bytes }),
                 n => Err(unsupported(format!("{}-bit GCM key", n * 8))),
+            },
+            ("chacha20-random", "poly1305") => match key_bytes {
+                CHACHA20_KEY_BYTES => Ok(TagMode::ChaCha20RandomPoly1305),
+                n => Err(unsupported(format!("a {}-bit ChaCha20 key", n * 8))),
             },
             ("aes-xts-random", "hmac(sha256)" | "hmac(sha512)") => {
                 let h = if integrity == "hmac(sha256)" {
@@ -102,7 +115,7 @@ impl TagMode {
     /// Bytes of the authentication tag.
     pub fn auth_bytes(self) -> usize {
         match self {
-            TagMode::AesGcmRandom { .. } => GCM_TAG_BYTES,
+            TagMode::AesGcmRandom { .. } | TagMode::ChaCha20RandomPoly1305 => AEAD_TAG_BYTES,
             TagMode::AesXtsRandomHmac(h) => h.bytes(),
         }
     }
@@ -110,7 +123,7 @@ impl TagMode {
     /// Bytes of the IV kept in the tuple.
     pub fn iv_bytes(self) -> usize {
         match self {
-            TagMode::AesGcmRandom { .. } => GCM_NONCE_BYTES,
+            TagMode::AesGcmRandom { .. } | TagMode::ChaCha20RandomPoly1305 => AEAD_NONCE_BYTES,
             TagMode::AesXtsRandomHmac(_) => XTS_IV_BYTES,
         }
     }
@@ -123,13 +136,15 @@ impl TagMode {
     pub fn key_bytes(self) -> usize {
         match self {
             TagMode::AesGcmRandom { key_bytes } => key_bytes,
+            TagMode::ChaCha20RandomPoly1305 => CHACHA20_KEY_BYTES,
             TagMode::AesXtsRandomHmac(h) => XTS_KEY_BYTES + h.bytes(),
         }
     }
 }
 
 enum Imp {
-    Gcm(GcmCtx),
+    /// GCM or ChaCha20-Poly1305: the context lives in a secret box inside `AeadCtx`.
+    Aead(AeadCtx),
     /// In a secret box: the keyed HMAC states (the key's inner and outer pads, hashed) are
     /// key material, and several hundred bytes.
     XtsHmac(SecretBox<XtsHmac>),
@@ -166,7 +181,10 @@ impl TagCipher {
             ));
         }
         let imp = match mode {
-            TagMode::AesGcmRandom { .. } => Imp::Gcm(GcmCtx::new(key)?),
+            TagMode::AesGcmRandom { .. } => Imp::Aead(AeadCtx::new(AeadAlg::AesGcm, key)?),
+            TagMode::ChaCha20RandomPoly1305 => {
+                Imp::Aead(AeadCtx::new(AeadAlg::ChaCha20Poly1305, key)?)
+            }
             TagMode::AesXtsRandomHmac(h) => {
                 let (xk, mk) = key.split_at(XTS_KEY_BYTES);
                 let mac = match h {
@@ -225,10 +243,10 @@ impl TagCipher {
             let s = first_sector + i as u64 * step;
             let (tag, iv) = t.split_at_mut(auth);
             match &mut self.imp {
-                Imp::Gcm(g) => {
-                    let nonce: &[u8; GCM_NONCE_BYTES] = (&*iv).try_into().expect("12-byte IV");
-                    let ad = gcm_ad(s, nonce);
-                    let tag: &mut [u8; GCM_TAG_BYTES] = tag.try_into().expect("16-byte tag");
+                Imp::Aead(g) => {
+                    let nonce: &[u8; AEAD_NONCE_BYTES] = (&*iv).try_into().expect("12-byte IV");
+                    let ad = aead_ad(s, nonce);
+                    let tag: &mut [u8; AEAD_TAG_BYTES] = tag.try_into().expect("16-byte tag");
                     g.seal_in_place(nonce, &ad, sec, tag)?;
                 }
                 Imp::XtsHmac(x) => {
@@ -265,10 +283,10 @@ impl TagCipher {
             let sec = &mut data[i * sector_bytes..(i + 1) * sector_bytes];
             let (tag, iv) = tuples[i * tb..(i + 1) * tb].split_at(auth);
             let ok = match &mut self.imp {
-                Imp::Gcm(g) => {
-                    let nonce: &[u8; GCM_NONCE_BYTES] = iv.try_into().expect("12-byte IV");
-                    let tag: &[u8; GCM_TAG_BYTES] = tag.try_into().expect("16-byte tag");
-                    g.open_in_place(nonce, &gcm_ad(s, nonce), sec, tag)
+                Imp::Aead(g) => {
+                    let nonce: &[u8; AEAD_NONCE_BYTES] = iv.try_into().expect("12-byte IV");
+                    let tag: &[u8; AEAD_TAG_BYTES] = tag.try_into().expect("16-byte tag");
+                    g.open_in_place(nonce, &aead_ad(s, nonce), sec, tag)
                 }
                 Imp::XtsHmac(x) => {
                     let XtsHmac { dec, mac, .. } = &mut **x;
@@ -314,9 +332,9 @@ fn fill_random_ivs(tuples: &mut [u8], auth: usize, ivb: usize) -> Result<()> {
     Ok(())
 }
 
-/// GCM's associated data: the sector number then the IV (20 bytes).
-fn gcm_ad(sector: u64, nonce: &[u8; GCM_NONCE_BYTES]) -> [u8; 8 + GCM_NONCE_BYTES] {
-    let mut ad = [0u8; 8 + GCM_NONCE_BYTES];
+/// An AEAD's associated data, as dm-crypt passes it: the sector number then the IV (20 bytes).
+fn aead_ad(sector: u64, nonce: &[u8; AEAD_NONCE_BYTES]) -> [u8; 8 + AEAD_NONCE_BYTES] {
+    let mut ad = [0u8; 8 + AEAD_NONCE_BYTES];
     ad[..8].copy_from_slice(&sector.to_le_bytes());
     ad[8..].copy_from_slice(nonce);
     ad
@@ -362,6 +380,7 @@ mod tests {
         vec![
             TagMode::AesGcmRandom { key_bytes: 32 },
             TagMode::AesGcmRandom { key_bytes: 16 },
+            TagMode::ChaCha20RandomPoly1305,
             TagMode::AesXtsRandomHmac(HmacHash::Sha256),
             TagMode::AesXtsRandomHmac(HmacHash::Sha512),
         ]
@@ -389,7 +408,14 @@ mod tests {
         );
         assert!(TagMode::from_luks2("aes-xts-random", "hmac(sha256)", 64).is_err());
         assert!(TagMode::from_luks2("aes-xts-plain64", "hmac(sha256)", 96).is_err());
-        assert!(TagMode::from_luks2("chacha20-random", "poly1305", 32).is_err());
+        assert_eq!(
+            TagMode::from_luks2("chacha20-random", "poly1305", 32)
+                .unwrap()
+                .tuple_bytes(),
+            28
+        );
+        assert!(TagMode::from_luks2("chacha20-random", "poly1305", 16).is_err());
+        assert!(TagMode::from_luks2("chacha20-random", "aead", 32).is_err());
     }
 
     /// Every mode: round trip; a flipped bit of ciphertext, auth tag or IV, or the right data

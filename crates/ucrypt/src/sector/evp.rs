@@ -219,34 +219,45 @@ impl Drop for EvpCtx {
     }
 }
 
-/// AES-GCM through AWS-LC's `EVP_AEAD` interface with a detached 16-byte tag, for dm-crypt's
-/// authenticated sectors. Keyed once; the nonce comes with each call. The context, whose
+/// The AEADs dm-crypt uses with random IVs, each with a 96-bit nonce and a 16-byte tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AeadAlg {
+    /// `gcm(aes)`, 128- or 256-bit key.
+    AesGcm,
+    /// `rfc7539(chacha20,poly1305)` (RFC 8439), 256-bit key.
+    ChaCha20Poly1305,
+}
+
+/// AES-GCM or ChaCha20-Poly1305 through AWS-LC's `EVP_AEAD` interface with a detached 16-byte
+/// tag, for dm-crypt's authenticated sectors. Keyed once; the nonce comes with each call. The context, whose
 /// inline state holds the key schedule, lives in a [`SecretBox`] (locked, non-dumpable, wiped)
 /// and is initialised there in place (`EVP_AEAD_CTX_init`), so no copy of the key is left on
 /// the ordinary heap.
-pub(crate) struct GcmCtx {
+pub(crate) struct AeadCtx {
     ctx: SecretBox<sys::EVP_AEAD_CTX>,
 }
 
 // SAFETY: an EVP_AEAD_CTX is immutable after init (seal and open take it by const pointer) and
 // has no thread affinity; it is moved, never shared (the type is not Sync).
-unsafe impl Send for GcmCtx {}
+unsafe impl Send for AeadCtx {}
 
-/// GCM's tag length as dm-crypt uses it (the full 16 bytes).
-pub(crate) const GCM_TAG_BYTES: usize = 16;
-/// GCM's nonce length (96 bits, what dm-crypt's `gcm(aes)` takes as its IV).
-pub(crate) const GCM_NONCE_BYTES: usize = 12;
+/// The AEAD tag length as dm-crypt uses it (the full 16 bytes, GCM and Poly1305 alike).
+pub(crate) const AEAD_TAG_BYTES: usize = 16;
+/// The AEAD nonce length: 96 bits, what dm-crypt's `gcm(aes)` and `rfc7539(chacha20,poly1305)`
+/// take as their IV.
+pub(crate) const AEAD_NONCE_BYTES: usize = 12;
 
-impl GcmCtx {
-    pub(crate) fn new(key: &[u8]) -> Result<Self> {
+impl AeadCtx {
+    pub(crate) fn new(alg: AeadAlg, key: &[u8]) -> Result<Self> {
         // SAFETY: static algorithm tables.
         let aead = unsafe {
-            match key.len() {
-                16 => sys::EVP_aead_aes_128_gcm(),
-                32 => sys::EVP_aead_aes_256_gcm(),
+            match (alg, key.len()) {
+                (AeadAlg::AesGcm, 16) => sys::EVP_aead_aes_128_gcm(),
+                (AeadAlg::AesGcm, 32) => sys::EVP_aead_aes_256_gcm(),
+                (AeadAlg::ChaCha20Poly1305, 32) => sys::EVP_aead_chacha20_poly1305(),
                 _ => {
                     return Err(Error::Bug(
-                        "GcmCtx::new called with a key size the spec rejects",
+                        "AeadCtx::new called with a key size the spec rejects",
                     ))
                 }
             }
@@ -256,18 +267,19 @@ impl GcmCtx {
         let mut ctx = unsafe { SecretBox::<sys::EVP_AEAD_CTX>::zeroed() };
         // SAFETY: ctx points at a zeroed context of the bindings' full size in memory we own;
         // key is valid for key.len() bytes, the length the algorithm takes (matched above);
-        // AES-GCM keeps its state inside the context (no allocation); no engine.
+        // AES-GCM and ChaCha20-Poly1305 keep their key state inside the context (no
+        // allocation); no engine.
         let rc = unsafe {
             sys::EVP_AEAD_CTX_init(
                 ctx.as_mut_ptr(),
                 aead,
                 key.as_ptr(),
                 key.len(),
-                GCM_TAG_BYTES,
+                AEAD_TAG_BYTES,
                 ptr::null_mut(),
             )
         };
-        let ctx = GcmCtx { ctx };
+        let ctx = AeadCtx { ctx };
         check(rc, "EVP_AEAD_CTX_init")?;
         Ok(ctx)
     }
@@ -275,10 +287,10 @@ impl GcmCtx {
     /// Encrypts `data` in place and writes its tag.
     pub(crate) fn seal_in_place(
         &mut self,
-        nonce: &[u8; GCM_NONCE_BYTES],
+        nonce: &[u8; AEAD_NONCE_BYTES],
         ad: &[u8],
         data: &mut [u8],
-        tag: &mut [u8; GCM_TAG_BYTES],
+        tag: &mut [u8; AEAD_TAG_BYTES],
     ) -> Result<()> {
         let mut tag_len = 0usize;
         // SAFETY: in == out is allowed by AWS-LC when the two alias exactly; every pointer is
@@ -289,7 +301,7 @@ impl GcmCtx {
                 data.as_mut_ptr(),
                 tag.as_mut_ptr(),
                 &mut tag_len,
-                GCM_TAG_BYTES,
+                AEAD_TAG_BYTES,
                 nonce.as_ptr(),
                 nonce.len(),
                 data.as_ptr(),
@@ -301,7 +313,7 @@ impl GcmCtx {
             )
         };
         check(rc, "EVP_AEAD_CTX_seal_scatter")?;
-        if tag_len != GCM_TAG_BYTES {
+        if tag_len != AEAD_TAG_BYTES {
             return Err(Error::Bug("EVP_AEAD_CTX_seal_scatter returned a short tag"));
         }
         Ok(())
@@ -311,10 +323,10 @@ impl GcmCtx {
     /// hold unauthenticated plaintext) if it does not.
     pub(crate) fn open_in_place(
         &mut self,
-        nonce: &[u8; GCM_NONCE_BYTES],
+        nonce: &[u8; AEAD_NONCE_BYTES],
         ad: &[u8],
         data: &mut [u8],
-        tag: &[u8; GCM_TAG_BYTES],
+        tag: &[u8; AEAD_TAG_BYTES],
     ) -> bool {
         // SAFETY: as for seal: exact aliasing of in and out is allowed; lengths match buffers.
         let rc = unsafe {
@@ -341,7 +353,7 @@ impl GcmCtx {
     }
 }
 
-impl Drop for GcmCtx {
+impl Drop for AeadCtx {
     fn drop(&mut self) {
         // SAFETY: the context was zeroed and then initialised (or left zeroed by a failed
         // init, which cleanup accepts) and is cleaned up once, here; the SecretBox wipes and
