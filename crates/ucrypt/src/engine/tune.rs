@@ -1,10 +1,13 @@
 //! Whether `auto` splits a request, learnt from what splitting gave. Start-up calibration
 //! guesses a threshold once (crypto per byte against one hand-off round trip); on a host whose
-//! load changes by the minute the guess goes stale either way. So for each size class (powers
-//! of two from [`CLASS_MIN_BYTES`]) the tuner keeps two moving averages of the whole request's
-//! time per byte: requests that were split and requests that ran inline. A class splits while
-//! its split average is the lower one (with a margin against flapping). To keep both averages
-//! current, one request in [`EXPLORE_EVERY`] of a class takes the other way.
+//! load changes by the minute the guess goes stale either way. So the tuner runs a running A/B
+//! test per size class (powers of two from [`CLASS_MIN_BYTES`]): a class goes its current way
+//! (split or inline), and about one request in [`EXPLORE_EVERY`] (drawn at random, so that a
+//! workload cycling its sizes cannot hide a class) goes the other way. Both ways add their
+//! wall time and bytes to the class's window; once the other way has [`WINDOW_EXPLORED`]
+//! requests in it, the class takes whichever way cost less time per byte in that window (by
+//! [`MARGIN_PERCENT`] at least) and starts a new window. Both ways are measured over the same
+//! stretch of time, so a load that comes or goes favours neither.
 //!
 //! The measure is the outcome (the caller's wall time per byte), not a model of it: under CPU
 //! contention a worker waits long to start, yet splitting may still win (more threads share
@@ -12,32 +15,49 @@
 //! version that raised the threshold from the queue wait stopped `auto` splitting at load 7 on
 //! 2 cores, 0.58 of `parallel`).
 //!
-//! State is relaxed atomics without locks: racing updates may lose a sample, which a moving
-//! average does not notice.
+//! State is relaxed atomics without locks: a sample racing with the end of a window may land
+//! in either window, which a comparison of sums does not notice.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 
 /// The smallest request `auto` may split (the first class); below it, always inline.
 pub const CLASS_MIN_BYTES: u64 = 16 << 10;
 const CLASS_MIN_SHIFT: u32 = CLASS_MIN_BYTES.trailing_zeros();
 /// Size classes: 16 KiB, 32 KiB, ... 2 MiB, then 4 MiB and above.
 const CLASSES: usize = 9;
-/// One request in this many (per thread) of a class takes the way its class does not.
+/// About one request in this many (per thread, at random) goes the way its class does not.
 pub const EXPLORE_EVERY: u32 = 32;
-/// Moving averages weigh a new sample 1 / 2^this.
-const EWMA_SHIFT: u32 = 3;
-/// A class changes its way only when the other is faster by this many percent.
+/// Requests that went the other way before a class compares the two ways.
+pub const WINDOW_EXPLORED: u32 = 4;
+/// A class changes its way only when the other cost this many percent less per byte.
 const MARGIN_PERCENT: u64 = 5;
-/// Costs are kept per this many bytes (ticks per MiB keep precision for 16 KiB requests).
-const COST_UNIT_SHIFT: u32 = 20;
+
+#[derive(Debug, Default)]
+struct Way {
+    ticks: AtomicU64,
+    bytes: AtomicU64,
+    requests: AtomicU32,
+}
+
+impl Way {
+    fn add(&self, ticks: u64, bytes: u64) -> u32 {
+        self.ticks.fetch_add(ticks, Relaxed);
+        self.bytes.fetch_add(bytes, Relaxed);
+        self.requests.fetch_add(1, Relaxed) + 1
+    }
+    /// (ticks, bytes), and starts over.
+    fn take(&self) -> (u64, u64) {
+        self.requests.store(0, Relaxed);
+        (self.ticks.swap(0, Relaxed), self.bytes.swap(0, Relaxed))
+    }
+}
 
 #[derive(Debug, Default)]
 struct Class {
-    /// Ticks per 2^COST_UNIT_SHIFT bytes of split and of inline requests (0: none seen yet).
-    split_cost: AtomicU64,
-    inline_cost: AtomicU64,
     split: AtomicBool,
+    /// The window's split and inline requests.
+    ways: [Way; 2],
 }
 
 #[derive(Debug, Default)]
@@ -55,14 +75,17 @@ fn class_bytes(c: usize) -> u64 {
     CLASS_MIN_BYTES << c
 }
 
-fn fold(a: &AtomicU64, sample: u64) {
-    let old = a.load(Relaxed);
-    let new = if old == 0 {
-        sample
-    } else {
-        old - (old >> EWMA_SHIFT) + (sample >> EWMA_SHIFT)
-    };
-    a.store(new.max(1), Relaxed);
+/// True about once in [`EXPLORE_EVERY`] calls on this thread (xorshift).
+fn explore() -> bool {
+    thread_local! { static X: Cell<u32> = const { Cell::new(0x9e37_79b9) }; }
+    X.with(|c| {
+        let mut x = c.get();
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        c.set(x);
+        x % EXPLORE_EVERY == 0
+    })
 }
 
 impl AutoTuner {
@@ -70,46 +93,43 @@ impl AutoTuner {
     pub fn seed(&self, threshold: u64) {
         for (c, k) in self.classes.iter().enumerate() {
             k.split.store(class_bytes(c) >= threshold, Relaxed);
-            k.split_cost.store(0, Relaxed);
-            k.inline_cost.store(0, Relaxed);
+            k.ways.iter().for_each(|w| {
+                w.take();
+            });
         }
     }
 
-    /// Whether a request of `len` bytes should split now: its class's way, or, one time in
-    /// [`EXPLORE_EVERY`] on this thread, the other one.
+    /// Whether a request of `len` bytes should split now: its class's way, or, about one
+    /// time in [`EXPLORE_EVERY`], the other one.
     pub fn choose(&self, len: u64) -> bool {
         if len < CLASS_MIN_BYTES {
             return false;
         }
-        thread_local! { static TURN: Cell<u32> = const { Cell::new(0) }; }
-        let explore = TURN.with(|t| {
-            let v = t.get().wrapping_add(1);
-            t.set(v);
-            v % EXPLORE_EVERY == 0
-        });
-        self.classes[class(len)].split.load(Relaxed) != explore
+        self.classes[class(len)].split.load(Relaxed) != explore()
     }
 
     /// A request of `len` bytes took `ticks`, split or not.
     pub fn learn(&self, len: u64, split: bool, ticks: u64) {
-        if len < CLASS_MIN_BYTES || ticks == 0 {
+        if len < CLASS_MIN_BYTES {
             return;
         }
         let k = &self.classes[class(len)];
-        let cost = u64::try_from((u128::from(ticks) << COST_UNIT_SHIFT) / u128::from(len))
-            .unwrap_or(u64::MAX);
-        fold(if split { &k.split_cost } else { &k.inline_cost }, cost);
-        let (s, i) = (k.split_cost.load(Relaxed), k.inline_cost.load(Relaxed));
-        if s == 0 || i == 0 {
+        let n = k.ways[usize::from(split)].add(ticks, len);
+        let current = k.split.load(Relaxed);
+        if split == current || n < WINDOW_EXPLORED {
             return;
         }
-        let margin = |c: u64| u128::from(c) * u128::from(100 + MARGIN_PERCENT);
-        if k.split.load(Relaxed) {
-            if u128::from(s) * 100 > margin(i) {
-                k.split.store(false, Relaxed);
-            }
-        } else if u128::from(i) * 100 > margin(s) {
-            k.split.store(true, Relaxed);
+        // The other way has its samples: compare the window's costs per byte.
+        let (ot, ob) = k.ways[usize::from(split)].take();
+        let (ct, cb) = k.ways[usize::from(current)].take();
+        if ob == 0 || cb == 0 {
+            return;
+        }
+        // other/ob * 100 + margin < current/cb * 100, in integers.
+        let other = u128::from(ot) * u128::from(cb) * u128::from(100 + MARGIN_PERCENT);
+        let cur = u128::from(ct) * u128::from(ob) * 100;
+        if other < cur {
+            k.split.store(split, Relaxed);
         }
     }
 
