@@ -1321,7 +1321,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineR
     let sets = setups(data_bytes, &mut out.notes);
     for s in &sets {
         out.notes.push(format!(
-            "{}: {}; {} workers; auto splits from {} KiB (calibrated at start-up)",
+            "{}: {}; {} workers; auto splits from {} KiB",
             s.name,
             s.backend.describe(),
             s.xts.workers(),
@@ -1340,11 +1340,6 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[u8]) -> EngineR
                 scenario(s, if sweeps { &sweep } else { &knobs }, &mut out);
             }
         }
-        out.notes.push(format!(
-            "{}: after the scenarios, auto splits from {} KiB (learnt while serving)",
-            s.name,
-            s.xts.auto_learnt_threshold_bytes() >> 10
-        ));
         s.xts.set_policy(Policy::Inline);
         s.null.set_policy(Policy::Inline);
     }

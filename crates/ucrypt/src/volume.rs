@@ -20,7 +20,7 @@
 //! inline, split among workers (`run_split`), in submission order, or through the `queued`
 //! model's worker queue and writer thread.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -33,7 +33,6 @@ use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
 use crate::engine::stats::{now, ns_per_tick, Kind, Stats, Times};
 use crate::engine::task::Task;
-use crate::engine::tune::{AutoTuner, CLASS_MIN_BYTES};
 use crate::engine::workers::{
     self, Completion, DoneRef, Executor, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX,
     WRITE_QUEUE_MAX,
@@ -150,6 +149,15 @@ impl Drop for Turn<'_> {
     }
 }
 
+/// Counts a big request of the `auto` policy while it runs.
+struct BigGuard<'a>(&'a AtomicU32);
+
+impl Drop for BigGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 /// The state shared by the volume's callers and its threads.
 pub(crate) struct Core {
     backend: Arc<dyn Backend>,
@@ -164,8 +172,8 @@ pub(crate) struct Core {
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
-    /// Whether `auto` splits a request of a given size, learnt from the requests it served.
-    tuner: AutoTuner,
+    /// `auto` requests at or above the threshold running now.
+    big_inflight: AtomicU32,
     /// The dispatch policy of reads (0) and of writes (1).
     policy: [AtomicU8; 2],
     pool: BufferPool,
@@ -330,7 +338,7 @@ impl Core {
         let mask = (1u64 << self.shift) - 1;
         let inline = match Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) {
             Policy::Inline => true,
-            Policy::Auto => !self.tuner.choose(len),
+            Policy::Auto => len < self.auto_min_bytes.load(Relaxed),
             _ => false,
         };
         inline
@@ -341,7 +349,6 @@ impl Core {
 
     fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
         let mut t = Times::start();
-        let began = self.learning(false, out.len() as u64);
         self.check(offset, out.len() as u64)?;
         if self.is_direct(out, offset, false) {
             // The backend read is called from here, not through planning and `exec_task`:
@@ -359,10 +366,9 @@ impl Core {
             });
             self.stats
                 .record(Kind::Read, out.len() as u64, &t, false, false);
-            self.learn(began, out.len() as u64, false);
             return r;
         }
-        let plan = self.plan(Op::Read, offset, out.len() as u64);
+        let (plan, _big) = self.plan(Op::Read, offset, out.len() as u64);
         let mut r = Ok(());
         for piece in plan.pieces() {
             r = self.read_piece(&plan, &piece, out, &mut t);
@@ -373,7 +379,6 @@ impl Core {
         let split = plan.dispatch.splits();
         self.stats
             .record(Kind::Read, out.len() as u64, &t, split, false);
-        self.learn(began, out.len() as u64, split);
         r
     }
 
@@ -384,7 +389,6 @@ impl Core {
     fn write_direct(&self, buf: &mut [u8], offset: u64, fua: bool) -> Result<()> {
         let mut t = Times::start();
         let len = buf.len() as u64;
-        let began = self.learning(true, len);
         self.check(offset, len)?;
         self.check_writable()?;
         let first = offset >> self.shift;
@@ -409,7 +413,6 @@ impl Core {
             r
         });
         self.stats.record(Kind::Write, len, &t, false, false);
-        self.learn(began, len, false);
         r
     }
 
@@ -498,10 +501,9 @@ impl Core {
     /// A write of `len` bytes from `src`; with `fua`, durable when it returns.
     fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64, fua: bool) -> Result<()> {
         let mut t = Times::start();
-        let began = self.learning(true, len);
         self.check(offset, len)?;
         self.check_writable()?;
-        let plan = self.plan(op, offset, len);
+        let (plan, _big) = self.plan(op, offset, len);
         let t0 = t.clock();
         let _lock = plan.lock.map(|r| self.locks.lock(r));
         t.wait += t.clock().wrapping_sub(t0);
@@ -516,7 +518,6 @@ impl Core {
         }
         let split = plan.dispatch.splits();
         self.stats.record(Kind::Write, len, &t, split, rmw);
-        self.learn(began, len, split);
         r
     }
 
@@ -524,7 +525,7 @@ impl Core {
         let mut t = Times::start();
         self.check(offset, len)?;
         self.check_writable()?;
-        let plan = self.plan(Op::Discard, offset, len);
+        let (plan, _big) = self.plan(Op::Discard, offset, len);
         let r = match plan.discard {
             None => Ok(()),
             Some(_) if !self.allow_discards.load(Relaxed) => Ok(()),
@@ -629,7 +630,7 @@ impl Volume {
             allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
-            tuner: AutoTuner::default(),
+            big_inflight: AtomicU32::new(0),
             policy: [
                 AtomicU8::new(cfg.policy.read.to_u8()),
                 AtomicU8::new(cfg.policy.write.to_u8()),
@@ -786,12 +787,6 @@ impl Volume {
         self.core.auto_min_bytes.load(Relaxed)
     }
 
-    /// The request size from which `auto` splits now, as learnt while serving (the smallest
-    /// size class that splits; larger than every class when none does).
-    pub fn auto_learnt_threshold_bytes(&self) -> u64 {
-        self.core.tuner.threshold()
-    }
-
     /// Worker threads (one per core).
     pub fn workers(&self) -> usize {
         self.core.planner.lanes as usize
@@ -847,7 +842,6 @@ impl Volume {
             .div_ceil(ss)
             * ss;
         core.auto_min_bytes.store(t, Relaxed);
-        core.tuner.seed(t);
         Ok(())
     }
 }
@@ -921,39 +915,27 @@ impl Core {
         Ok(())
     }
 
-    /// Plans a request. `auto` splits when its tuner says splitting pays for requests of this
-    /// size (it learnt that from the requests it served, whatever else was running), and
-    /// then as `parallel` does: the caller claims chunks too, so a split never waits for a
-    /// busy worker longer than running inline would take.
-    fn plan(&self, op: Op, offset: u64, len: u64) -> Plan {
+    /// Plans a request. For `auto`, a request big enough to split is counted while it runs
+    /// (the guard): split only if a worker is idle AND fewer big requests than cores are
+    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
+    /// shared counter off their path.
+    fn plan(&self, op: Op, offset: u64, len: u64) -> (Plan, Option<BigGuard<'_>>) {
         let write = !matches!(op, Op::Read);
         let policy = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed));
-        let split = policy == Policy::Auto && self.tuner.choose(len);
         let planner = Planner {
-            auto_min_bytes: if split { 0 } else { u64::MAX },
+            auto_min_bytes: self.auto_min_bytes.load(Relaxed),
             ..self.planner
         };
-        let idle = if split { planner.lanes } else { 0 };
+        let mut guard = None;
+        let mut idle = 0;
+        if policy == Policy::Auto && len >= planner.auto_min_bytes {
+            let others = self.big_inflight.fetch_add(1, Relaxed);
+            guard = Some(BigGuard(&self.big_inflight));
+            let free_cores = planner.lanes.saturating_sub(others + 1);
+            idle = self.jobs.idle().min(free_cores);
+        }
         let dispatch = planner.dispatch(policy, op, len, idle);
-        planner.plan(op, offset, len, dispatch)
-    }
-
-    /// The clock at the start of a request `auto`'s tuner learns from (an `auto` request of
-    /// at least [`CLASS_MIN_BYTES`]), else 0.
-    fn learning(&self, write: bool, len: u64) -> u64 {
-        let auto = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) == Policy::Auto;
-        if auto && len >= CLASS_MIN_BYTES {
-            now()
-        } else {
-            0
-        }
-    }
-
-    /// Tells the tuner how long a request [`Core::learning`] started took, split or not.
-    fn learn(&self, began: u64, len: u64, split: bool) {
-        if began != 0 {
-            self.tuner.learn(len, split, now().wrapping_sub(began));
-        }
+        (planner.plan(op, offset, len, dispatch), guard)
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {

@@ -22,7 +22,6 @@ pub(crate) mod queue;
 pub(crate) mod range_lock;
 pub(crate) mod stats;
 pub(crate) mod task;
-pub(crate) mod tune;
 pub(crate) mod workers;
 
 pub use gate::{GATE_DRAIN_POLL, GATE_SHARDS};

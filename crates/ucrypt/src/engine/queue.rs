@@ -6,7 +6,7 @@
 //! chunk of work a caller hands off. A spinning consumer picks the next item up at once.
 
 use std::sync::atomic::{
-    AtomicBool, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    AtomicBool, AtomicI64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
 use std::sync::{Mutex, MutexGuard};
 
@@ -33,6 +33,9 @@ pub fn spin_until(deadline: Instant, done: impl Fn() -> bool) -> bool {
 
 pub struct BoundedQueue<T> {
     state: Mutex<Ring<T>>,
+    /// Idle consumers minus queued items, mirrored outside the lock so that the `auto` policy
+    /// can look without contending with the queue's users.
+    spare: AtomicI64,
     /// Queued items (tombstones included) and whether the queue is closed, mirrored for
     /// spinning consumers.
     len_hint: AtomicUsize,
@@ -48,6 +51,8 @@ struct Ring<T> {
     head: usize,
     len: usize,
     closed: bool,
+    /// Consumers spinning or blocked in `pop` right now (idle workers, for the `auto` policy).
+    idle: u32,
     /// Consumers spinning in `pop_spin` right now.
     spinning: u32,
 }
@@ -73,16 +78,19 @@ impl<T> BoundedQueue<T> {
                 head: 0,
                 len: 0,
                 closed: false,
+                idle: 0,
                 spinning: 0,
             }),
             not_empty: WaitCell::new(),
             not_full: WaitCell::new(),
+            spare: AtomicI64::new(0),
             len_hint: AtomicUsize::new(0),
             closed_hint: AtomicBool::new(false),
         }
     }
 
     fn mirror(&self, r: &Ring<T>) {
+        self.spare.store(r.idle as i64 - r.len as i64, Relaxed);
         self.len_hint.store(r.len, Release);
     }
 
@@ -149,6 +157,8 @@ impl<T> BoundedQueue<T> {
             if r.closed {
                 return None;
             }
+            r.idle += 1;
+            self.mirror(&r);
             if deadline.is_some() && !asked {
                 // One question per wait: a paused governor counts waits, not spins.
                 asked = true;
@@ -170,6 +180,8 @@ impl<T> BoundedQueue<T> {
             } else {
                 r = self.not_empty.wait(r);
             }
+            r.idle -= 1;
+            self.mirror(&r);
         }
     }
 
@@ -222,8 +234,18 @@ impl<T> BoundedQueue<T> {
             if r.closed {
                 return 0;
             }
+            r.idle += 1;
+            self.mirror(&r);
             r = self.not_empty.wait(r);
+            r.idle -= 1;
+            self.mirror(&r);
         }
+    }
+
+    /// Consumers waiting for work right now, less the work already waiting for them (a
+    /// lock-free, possibly slightly stale reading).
+    pub fn idle(&self) -> u32 {
+        self.spare.load(Relaxed).max(0) as u32
     }
 
     /// Refuses further pushes; consumers drain what is left, then get None.
