@@ -261,7 +261,6 @@ fn unbuilt_modes_are_refused_by_name() {
     for (args, word) in [
         (vec!["--encrypt"], "--encrypt"),
         (vec!["--decrypt"], "--decrypt"),
-        (vec!["--cipher", "aes-cbc-essiv:sha256"], "--cipher"),
         (vec!["--reduce-device-size", "32M"], "datashift"),
     ] {
         let mut a = vec!["reencrypt", "-q", "--key-file", s(&key)];
@@ -296,9 +295,16 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
     if !have_cryptsetup() {
         return;
     }
+    kill_ucrypt_rounds(6, &[]);
+}
+
+/// ucrypt is SIGKILLed at seeded random points of a run with `extra` options (a cipher
+/// change), then cryptsetup (`repair` if inside a hotzone, `reencrypt --resume-only`)
+/// finishes it; the data must be intact.
+fn kill_ucrypt_rounds(rounds: usize, extra: &[&str]) {
     let mut x = seed() | 1;
     let mut mid_way = 0;
-    for round in 0..6 {
+    for round in 0..rounds {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -320,8 +326,9 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
             "1000",
             "--key-file",
             s(&key),
-            s(&img),
         ]);
+        cmd.args(extra);
+        cmd.arg(s(&img));
         let killed = kill_after(cmd, delay);
         let state = if !in_reencryption(&img) {
             "not in reencryption"
@@ -334,7 +341,7 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
         } else {
             "between hotzones"
         };
-        println!("round {round} {resilience}: killed={killed} after {delay:?}: {state}");
+        println!("round {round} {resilience} {extra:?}: killed={killed} after {delay:?}: {state}");
         if in_reencryption(&img) {
             mid_way += 1;
             ok(
@@ -353,7 +360,7 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
         }
         assert!(exported(&t, &img, &key) == plain, "round {round}: data");
     }
-    println!("{mid_way} of 6 rounds left mid-way and finished by cryptsetup");
+    println!("{mid_way} of {rounds} rounds left mid-way and finished by cryptsetup");
 }
 
 /// Rounds of killing cryptsetup (each a 208 MiB volume).
@@ -364,9 +371,16 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
     if !have_cryptsetup() {
         return;
     }
+    kill_cryptsetup_rounds(ROUNDS_KILL_CRYPTSETUP, &[]);
+}
+
+/// cryptsetup is SIGKILLed mid-way through a run with `extra` options (`--resilience
+/// checksum --hotzone-size 4M` on a 208 MiB file), then ucrypt (`repair` if inside a hotzone,
+/// after checking that `--resume-only` refuses it; `reencrypt --resume-only`) finishes it.
+fn kill_cryptsetup_rounds(rounds: usize, extra: &[&str]) {
     let mut x = seed() | 1;
     let mut mid_way = 0;
-    for round in 0..ROUNDS_KILL_CRYPTSETUP {
+    for round in 0..rounds {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -388,8 +402,9 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
             "1000",
             "--key-file",
             s(&key),
-            s(&img),
         ]);
+        cmd.args(extra);
+        cmd.arg(s(&img));
         let killed = kill_after(cmd, delay);
         let hot = in_reencryption(&img) && in_hotzone(&img);
         if hot {
@@ -403,8 +418,8 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
             ok(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
         }
         println!(
-            "round {round}: killed={killed} after {delay:?}: in reencryption {}, inside a \
-             hotzone {hot}",
+            "round {round} {extra:?}: killed={killed} after {delay:?}: in reencryption {}, \
+             inside a hotzone {hot}",
             in_reencryption(&img)
         );
         if in_reencryption(&img) {
@@ -424,7 +439,86 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
         }
         assert!(exported(&t, &img, &key) == plain, "round {round}: data");
     }
-    println!("{mid_way} of {ROUNDS_KILL_CRYPTSETUP} rounds left mid-way and finished by ucrypt");
+    println!("{mid_way} of {rounds} rounds left mid-way and finished by ucrypt");
+}
+
+/// The cipher, key size and sector size changes the interop rows make (each from a volume of
+/// either sector size), with what luksDump must show after: cipher, sector size, key bits.
+const CHANGES: &[(&[&str], &str, u32, u32)] = &[
+    (
+        &["--key-size", "256", "--sector-size", "4096"],
+        "aes-xts-plain64",
+        4096,
+        256,
+    ),
+    (
+        &["--cipher", "aes-cbc-essiv:sha256", "--sector-size", "512"],
+        "aes-cbc-essiv:sha256",
+        512,
+        256,
+    ),
+];
+
+/// ucrypt changes cipher, key size and sector size; cryptsetup reads the result and the
+/// data is the original plaintext.
+#[test]
+fn ucrypt_changes_cipher_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (args, cipher, sector_new, bits) in CHANGES {
+        for sector in [512u32, 4096] {
+            for resilience in ["checksum", "journal", "none"] {
+                let t = TempDir::new("cipher");
+                let (img, key, plain) = volume(&t, 24, sector);
+                let mut a = vec![
+                    "reencrypt",
+                    "--batch-mode",
+                    "--resilience",
+                    resilience,
+                    "--hotzone-size",
+                    "1M",
+                    "--key-file",
+                    s(&key),
+                ];
+                a.extend(FAST_PBKDF2);
+                a.extend(args.iter());
+                a.push(s(&img));
+                ok(UCRYPT, &a);
+                cryptsetup_accepts(&img, &key);
+                let d = dump(&img);
+                assert!(d.contains(&format!("cipher: {cipher}\n")), "{args:?}:\n{d}");
+                assert!(d.contains(&format!("sector: {sector_new} [bytes]")), "{d}");
+                assert!(d.contains(&format!("Key:        {bits} bits")), "{d}");
+                assert!(
+                    exported(&t, &img, &key) == plain,
+                    "{args:?} from {sector} {resilience}: plaintext changed"
+                );
+            }
+        }
+    }
+}
+
+/// ucrypt killed during a cipher change; cryptsetup finishes.
+#[test]
+fn cryptsetup_finishes_a_cipher_change_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (args, ..) in CHANGES {
+        kill_ucrypt_rounds(4, args);
+    }
+}
+
+/// cryptsetup killed during a cipher change; ucrypt finishes.
+#[test]
+fn ucrypt_finishes_a_cipher_change_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (args, ..) in CHANGES {
+        kill_cryptsetup_rounds(4, args);
+    }
 }
 
 /// Two keyslots: without `--key-slot` a key file is refused (exit 1, cryptsetup's rule); with

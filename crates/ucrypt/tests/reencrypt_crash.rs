@@ -18,10 +18,12 @@ use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
 use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt_run::{
-    init, recover, resume, InitOptions, Recovery, ResilienceKind, RunOptions,
+    init, init_on, recover, recover_on, resume, resume_on, Devices, InitOptions, Recovery,
+    ResilienceKind, RunOptions, SegmentChange,
 };
+use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
-use ucrypt::sector::SectorSize;
+use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 const DATA_OFFSET: u64 = 1 << 20;
@@ -103,6 +105,11 @@ fn contents(img: Vec<u8>) -> Result<Vec<u8>> {
 
 /// The whole rotation: init, then every hotzone and finalisation.
 fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
+    rotate_to(dev, kind, SegmentChange::default())
+}
+
+/// [`rotate`] to a new cipher, key size or sector size.
+fn rotate_to(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) -> Result<()> {
     init(
         dev,
         PASS,
@@ -110,6 +117,8 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
             resilience: kind,
             kdf: &fast_kdf(),
             key_slot: None,
+            change,
+            mode: Mode::Reencrypt,
         },
     )?;
     resume(
@@ -247,21 +256,79 @@ fn rotation_changes_the_key() {
     ));
 }
 
+/// xorshift64 from the printed seed.
+fn rng() -> impl FnMut() -> u64 {
+    let seed = seed();
+    println!("REENCRYPT_CRASH_SEED={seed}");
+    let mut x = seed | 1;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+/// Cuts the power after every write and flush of one whole run (`rotate_to` with `change`,
+/// from a volume of `sector`-byte sectors), keeps a seeded choice of the unsynced writes at
+/// atomic `unit`s, recovers and resumes, and checks every byte. Returns (cuts, cuts that
+/// lost a `none` hotzone).
+fn cut_everywhere(
+    kind: ResilienceKind,
+    unit: u64,
+    sector: u32,
+    change: SegmentChange,
+    next: &mut dyn FnMut() -> u64,
+) -> (u64, u64) {
+    let want = plaintext();
+    let img = base(sector);
+    // Count the run's writes and flushes.
+    let counter = Cut {
+        inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+        budget: u64::MAX,
+        used: AtomicU64::new(0),
+    };
+    rotate_to(&counter, kind, change).expect("uncut rotation");
+    let total = counter.used.load(Ordering::SeqCst);
+    let mut lost_in_hotzone = 0;
+    for budget in 0..=total {
+        let cut = Cut {
+            inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+            budget,
+            used: AtomicU64::new(0),
+        };
+        let r = rotate_to(&cut, kind, change);
+        assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
+        let s = next();
+        let kept = cut.inner.crash_image(s);
+        let dev = CrashBackend::from_image(kept, unit);
+        let rec = finish(&dev).unwrap_or_else(|e| {
+            panic!(
+                "{kind:?} sector {sector} unit {unit} {change:?}: cut after {budget} of {total} \
+                 (crash seed {s}): recovery failed: {e}"
+            )
+        });
+        let got = contents(dev.crash_image(0)).expect("finished volume opens");
+        if got != want {
+            if kind == ResilienceKind::None && matches!(rec, Recovery::Recovered { .. }) {
+                lost_in_hotzone += 1;
+                continue;
+            }
+            panic!(
+                "{kind:?} sector {sector} unit {unit} {change:?}: cut after {budget} of {total} \
+                 (crash seed {s}): data differs after recovery ({rec:?})"
+            );
+        }
+    }
+    (total + 1, lost_in_hotzone)
+}
+
 /// Power cut at every write and flush of a whole rotation, per resilience and sector size,
 /// at atomic units of 4 KiB (cryptsetup's checksum block: a torn block inside it cannot be
 /// told apart) and, for the journal, 512 bytes too.
 #[test]
 fn power_cut_at_every_write() {
-    let seed = seed();
-    println!("REENCRYPT_CRASH_SEED={seed}");
-    let mut x = seed | 1;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let want = plaintext();
+    let mut next = rng();
     for (kind, unit) in [
         (ResilienceKind::Checksum, 4096u64),
         (ResilienceKind::Journal, 4096),
@@ -269,34 +336,367 @@ fn power_cut_at_every_write() {
         (ResilienceKind::None, 4096),
     ] {
         for sector in [512u32, 4096] {
-            let img = base(sector);
-            // Count the run's writes and flushes.
-            let counter = Cut {
+            let (cuts, lost) =
+                cut_everywhere(kind, unit, sector, SegmentChange::default(), &mut next);
+            println!("{kind:?} sector {sector} unit {unit}: {cuts} cuts, {lost} lost a hotzone");
+        }
+    }
+}
+
+/// The cipher, key size and sector size changes the tests make: (old sector size, change,
+/// what the new segment's `encryption` and `sector_size` and the new key size must be).
+fn changes() -> Vec<(u32, SegmentChange, &'static str, u32, u32)> {
+    let ss = |n| Some(SectorSize::new(n).unwrap());
+    vec![
+        (
+            512,
+            SegmentChange {
+                cipher: None,
+                key_bytes: Some(32),
+                sector_size: ss(4096),
+            },
+            "aes-xts-plain64",
+            4096,
+            32,
+        ),
+        (
+            4096,
+            SegmentChange {
+                cipher: Some("aes-cbc-essiv:sha256".parse::<CipherSpec>().unwrap()),
+                key_bytes: None,
+                sector_size: ss(512),
+            },
+            "aes-cbc-essiv:sha256",
+            512,
+            32,
+        ),
+    ]
+}
+
+/// A cipher, key size or sector size change keeps the data; the plain header left has the
+/// new segment, and the new keyslot's area keeps the old cipher (as cryptsetup's).
+#[test]
+fn cipher_change_keeps_the_data() {
+    for (sector, change, enc, new_sector, key_bytes) in changes() {
+        for kind in [
+            ResilienceKind::Checksum,
+            ResilienceKind::Journal,
+            ResilienceKind::None,
+        ] {
+            let dev = CrashBackend::from_image(base(sector), 512);
+            rotate_to(&dev, kind, change).expect("rotate");
+            let after = dev.crash_image(0);
+            let hdr = luks::read_header(&CrashBackend::from_image(after.clone(), 512)).unwrap();
+            let Header::Luks2(h) = hdr else { panic!() };
+            let seg = &h.meta.segments["0"];
+            assert_eq!(seg.encryption.as_deref(), Some(enc), "{kind:?}");
+            assert_eq!(seg.sector_size, Some(new_sector), "{kind:?}");
+            let ks: Vec<_> = h.meta.keyslots.values().collect();
+            assert_eq!(ks.len(), 1);
+            assert_eq!(ks[0].key_size, key_bytes);
+            let area = ks[0].area.as_ref().unwrap();
+            assert_eq!(area.encryption.as_deref(), Some("aes-xts-plain64"));
+            assert_eq!(area.key_size, Some(64));
+            let got = contents(after).expect("read back");
+            assert!(got == plaintext(), "{kind:?} {change:?}: data changed");
+        }
+    }
+}
+
+/// A change of the new segment's size the data is not aligned to is refused before anything
+/// is written.
+#[test]
+fn sector_size_change_needs_aligned_data() {
+    let img = base(512);
+    let dev = CrashBackend::from_image(img, 512);
+    // 2 KiB less data: a multiple of 512 but not of 4096.
+    let short = CrashBackend::from_image(dev.crash_image(0)[..(DEVICE_BYTES - 2048) as usize].to_vec(), 512);
+    let before = short.crash_image(0);
+    let r = rotate_to(
+        &short,
+        ResilienceKind::Checksum,
+        SegmentChange {
+            sector_size: Some(SectorSize::new(4096).unwrap()),
+            ..SegmentChange::default()
+        },
+    );
+    assert!(matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("not aligned")), "{r:?}");
+    assert!(short.crash_image(0) == before, "nothing written");
+}
+
+/// Power cuts at every write of a cipher and sector size change, checksum and journal.
+#[test]
+fn power_cut_during_cipher_change() {
+    let mut next = rng();
+    for (sector, change, ..) in changes() {
+        for (kind, unit) in [
+            (ResilienceKind::Checksum, 4096u64),
+            (ResilienceKind::Journal, 512),
+        ] {
+            let (cuts, lost) = cut_everywhere(kind, unit, sector, change, &mut next);
+            assert_eq!(lost, 0);
+            println!("{kind:?} sector {sector} {change:?} unit {unit}: {cuts} cuts");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- decryption (detached header)
+
+/// Bytes of the header device of a detached-header volume: both header copies and the
+/// keyslots area (which holds the reencrypt area).
+const DETACHED_HDR_BYTES: u64 = 1 << 20;
+
+/// A window `[offset, offset + len)` of another backend: the header device and the data
+/// device of a detached-header volume as two devices on one crash-simulated disk, so that a
+/// power cut hits both at the same moment.
+struct Slice {
+    inner: Arc<dyn Backend>,
+    offset: u64,
+    len: u64,
+}
+
+impl Backend for Slice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.inner.read_at(buf, self.offset + offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        assert!(offset + buf.len() as u64 <= self.len, "write past the slice");
+        self.inner.write_at(buf, self.offset + offset)
+    }
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.discard(self.offset + offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.write_zeroes(self.offset + offset, len)
+    }
+    fn size(&self) -> u64 {
+        self.len
+    }
+    fn logical_block_bytes(&self) -> u32 {
+        self.inner.logical_block_bytes()
+    }
+    fn describe(&self) -> String {
+        "slice".into()
+    }
+}
+
+/// The header and data devices of a detached-header disk image.
+fn split(disk: Arc<dyn Backend>) -> (Slice, Slice) {
+    (
+        Slice {
+            inner: disk.clone(),
+            offset: 0,
+            len: DETACHED_HDR_BYTES,
+        },
+        Slice {
+            inner: disk,
+            offset: DETACHED_HDR_BYTES,
+            len: DATA_BYTES,
+        },
+    )
+}
+
+/// A disk image holding a detached LUKS2 header (data offset 0, one keyslot for `PASS`) in
+/// its first [`DETACHED_HDR_BYTES`] and the ciphertext of [`plaintext`] after it.
+fn base_detached(sector: u32) -> Vec<u8> {
+    let mut o = FormatLuks2::defaults("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1".into());
+    o.kdf = fast_kdf();
+    o.data_offset = 0;
+    o.detached = true;
+    o.hdr_size = HDR_SIZE;
+    o.keyslots_size = DETACHED_HDR_BYTES - 2 * HDR_SIZE;
+    o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
+    let vk: Vec<u8> = (0..64u8).collect();
+    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
+    let disk = Arc::new(CrashBackend::new(DETACHED_HDR_BYTES + DATA_BYTES, 512).expect("disk"));
+    let (h, d) = split(disk.clone());
+    let (_, ops) = hdr
+        .add_keyslot(
+            NewKeyslot {
+                vk: &key,
+                passphrase: PASS,
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
+        .expect("keyslot");
+    luks::apply(&h, &ops).expect("apply");
+    let mut c = SectorCipher::new(
+        CipherSpec::AES_XTS_PLAIN64,
+        &vk,
+        Geometry {
+            sector_size: o.sector_size,
+            iv_offset: 0,
+            iv_large_sectors: false,
+        },
+    )
+    .expect("cipher");
+    let mut data = plaintext();
+    c.encrypt(0, &mut data).expect("encrypt");
+    d.write_at(&data, 0).expect("fill");
+    disk.flush().expect("flush");
+    disk.crash_image(0)
+}
+
+fn decrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind) -> Result<()> {
+    let (h, d) = split(disk);
+    let devs = Devices {
+        header: &h,
+        data: &d,
+    };
+    init_on(
+        devs,
+        PASS,
+        &InitOptions {
+            resilience: kind,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Decrypt,
+        },
+    )?;
+    resume_on(
+        devs,
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(HOTZONE_BYTES),
+        },
+        &mut |_| {},
+    )
+}
+
+/// After a crash during a decryption: repair, then resume, if the header says one is under
+/// way. Returns what recovery found, and the data device's bytes and header after it.
+fn finish_decrypt(disk: Arc<CrashBackend>) -> Result<(Recovery, Vec<u8>, luks::Header)> {
+    let (h, d) = split(disk.clone());
+    let devs = Devices {
+        header: &h,
+        data: &d,
+    };
+    let mut rec = Recovery::NotNeeded;
+    if !luks::read_header(&h)?.unmet_requirements().is_empty() {
+        rec = recover_on(devs, PASS)?;
+        if !luks::read_header(&h)?.unmet_requirements().is_empty() {
+            resume_on(
+                devs,
+                PASS,
+                RunOptions {
+                    hotzone_bytes: Some(HOTZONE_BYTES),
+                },
+                &mut |_| {},
+            )?;
+        }
+    }
+    let mut out = vec![0u8; DATA_BYTES as usize];
+    d.read_exact_at(&mut out, 0)?;
+    Ok((rec, out, luks::read_header(&h)?))
+}
+
+/// The header a finished decryption leaves: one linear segment, no keyslot, no digest, no
+/// requirement (as cryptsetup 2.6.1 leaves it).
+fn assert_decrypted_header(hdr: &luks::Header) {
+    let Header::Luks2(h) = hdr else {
+        panic!("not LUKS2")
+    };
+    assert_eq!(h.meta.segments.len(), 1);
+    assert_eq!(h.meta.segments["0"].kind, "linear");
+    assert!(h.meta.keyslots.is_empty(), "{:?}", h.meta.keyslots.keys());
+    assert!(h.meta.digests.is_empty());
+    assert!(h.meta.config.requirements.is_none());
+}
+
+#[test]
+fn decryption_leaves_the_plaintext() {
+    for sector in [512u32, 4096] {
+        for kind in [
+            ResilienceKind::Checksum,
+            ResilienceKind::Journal,
+            ResilienceKind::None,
+        ] {
+            let disk = Arc::new(CrashBackend::from_image(base_detached(sector), 512));
+            decrypt_all(disk.clone(), kind).expect("decrypt");
+            let (rec, data, hdr) = finish_decrypt(disk).expect("read back");
+            assert_eq!(rec, Recovery::NotNeeded);
+            assert_decrypted_header(&hdr);
+            assert!(data == plaintext(), "{kind:?} {sector}: data differs");
+        }
+    }
+}
+
+/// Decryption needs a detached header (cryptsetup 2.6's rule), refused before any write.
+#[test]
+fn decryption_needs_a_detached_header() {
+    let dev = CrashBackend::from_image(base(4096), 512);
+    let before = dev.crash_image(0);
+    let r = init(
+        &dev,
+        PASS,
+        &InitOptions {
+            resilience: ResilienceKind::Checksum,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Decrypt,
+        },
+    );
+    assert!(matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("detached header")));
+    assert!(dev.crash_image(0) == before);
+}
+
+/// Power cut at every write and flush of a whole decryption (header and data on one
+/// simulated disk), recovery and resume: every byte is the plaintext, the header plain.
+#[test]
+fn power_cut_during_decryption() {
+    let mut next = rng();
+    let want = plaintext();
+    for (kind, unit) in [
+        (ResilienceKind::Checksum, 4096u64),
+        (ResilienceKind::Journal, 512),
+        (ResilienceKind::None, 4096),
+    ] {
+        for sector in [512u32, 4096] {
+            let img = base_detached(sector);
+            let counter = Arc::new(Cut {
                 inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
                 budget: u64::MAX,
                 used: AtomicU64::new(0),
-            };
-            rotate(&counter, kind).expect("uncut rotation");
+            });
+            decrypt_all(counter.clone(), kind).expect("uncut decryption");
             let total = counter.used.load(Ordering::SeqCst);
-            let mut lost_in_hotzone = 0;
+            let mut lost = 0;
             for budget in 0..=total {
-                let cut = Cut {
+                let cut = Arc::new(Cut {
                     inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
                     budget,
                     used: AtomicU64::new(0),
-                };
-                let r = rotate(&cut, kind);
+                });
+                let r = decrypt_all(cut.clone(), kind);
                 assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
                 let s = next();
-                let kept = cut.inner.crash_image(s);
-                let dev = CrashBackend::from_image(kept, unit);
-                let rec = finish(&dev).unwrap_or_else(|e| {
-                    panic!("{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} (crash seed {s}): recovery failed: {e}")
+                let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(s), unit));
+                let (rec, got, hdr) = finish_decrypt(kept).unwrap_or_else(|e| {
+                    panic!(
+                        "{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} \
+                         (crash seed {s}): recovery failed: {e}"
+                    )
                 });
-                let got = contents(dev.crash_image(0)).expect("finished volume opens");
+                let Header::Luks2(h) = &hdr else { panic!() };
+                if h.meta.segments["0"].kind == "crypt" && h.meta.config.requirements.is_none() {
+                    // Cut before the init's commit: still the encrypted volume.
+                    let (_, d) = split(Arc::new(CrashBackend::from_image(img.clone(), unit)));
+                    let mut was = vec![0u8; DATA_BYTES as usize];
+                    d.read_exact_at(&mut was, 0).unwrap();
+                    assert!(got == was, "budget {budget}: untouched volume changed");
+                    continue;
+                }
+                assert_decrypted_header(&hdr);
                 if got != want {
                     if kind == ResilienceKind::None && matches!(rec, Recovery::Recovered { .. }) {
-                        lost_in_hotzone += 1;
+                        lost += 1;
                         continue;
                     }
                     panic!(
@@ -306,7 +706,7 @@ fn power_cut_at_every_write() {
                 }
             }
             println!(
-                "{kind:?} sector {sector} unit {unit}: {} cuts, {lost_in_hotzone} lost a hotzone",
+                "decrypt {kind:?} sector {sector} unit {unit}: {} cuts, {lost} lost a hotzone",
                 total + 1
             );
         }

@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use ucrypt::luks::reencrypt::ReencryptState;
+use ucrypt::backend::{Backend, CacheMode};
+use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_run::{
-    self, InitOptions, Progress, Recovery, ResilienceKind, RunOptions,
+    self, Devices, InitOptions, Progress, Recovery, ResilienceKind, RunOptions, SegmentChange,
 };
 use ucrypt::luks::Header;
+use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result};
 
 use super::{existing_source, kdf_request, load, LuksOpts};
@@ -41,7 +44,7 @@ pub struct ReencryptOpts {
     /// Encrypt a plaintext device in place (not built yet in ucrypt).
     #[arg(long, short = 'N', alias = "new")]
     pub encrypt: bool,
-    /// Decrypt the device in place (not built yet in ucrypt).
+    /// Decrypt the device in place (needs a detached `--header`, as cryptsetup 2.6).
     #[arg(long)]
     pub decrypt: bool,
     /// Move the data to make room for a header (datashift; not built yet in ucrypt).
@@ -89,9 +92,6 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
     if r.encrypt {
         return Err(not_built("--encrypt (encrypting a plaintext device)"));
     }
-    if r.decrypt {
-        return Err(not_built("--decrypt"));
-    }
     if r.reduce_device_size.is_some() {
         return Err(not_built(
             "--reduce-device-size (moving the data: datashift)",
@@ -100,45 +100,53 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
     if r.active_name.is_some() {
         return Err(not_built("--active-name (online reencryption)"));
     }
-    if o.header.is_some() {
-        return Err(not_built("--header (a detached header)"));
+    if r.decrypt && o.header.is_none() {
+        return Err(Error::InvalidArgument(
+            reencrypt_run::DECRYPT_NEEDS_DETACHED_HEADER.into(),
+        ));
     }
     if let Some(h) = &r.resilience_hash {
         if h != reencrypt_run::CHECKSUM_HASH.name() {
             return Err(not_built("--resilience-hash other than sha256"));
         }
     }
-    let Header::Luks2(h) = hdr else {
+    let Header::Luks2(_) = hdr else {
         return Err(Error::UnsupportedLuks(
             "reencryption of LUKS1 (convert it to LUKS2 first)".into(),
         ));
     };
-    // A cipher, key size or sector size change: refused unless it changes nothing.
-    if let Ok(seg) = h.meta.crypt_segment() {
-        if o.cipher
-            .as_deref()
-            .is_some_and(|c| c != seg.cipher.to_string())
-        {
-            return Err(not_built("--cipher (a cipher change)"));
-        }
-        if o.sector_size
-            .is_some_and(|s| s != u64::from(seg.sector_size.bytes()))
-        {
-            return Err(not_built("--sector-size (a sector size change)"));
-        }
-        if let Some(bits) = o.key_size {
-            let have = h
-                .meta
-                .keyslots
-                .values()
-                .find(|k| k.kind == "luks2")
-                .map(|k| k.key_size * 8);
-            if have.is_some_and(|b| b != bits) {
-                return Err(not_built("--key-size (a key size change)"));
-            }
-        }
-    }
     Ok(())
+}
+
+/// The new segment's parameters from `--cipher`, `--key-size` and `--sector-size`, as
+/// cryptsetup reads them: a cipher equal to the old one is no change; `--key-size` is in bits.
+fn segment_change(o: &LuksOpts, hdr: &Header) -> Result<SegmentChange> {
+    let old = match hdr {
+        Header::Luks2(h) => h.meta.crypt_segment().ok(),
+        Header::Luks1(_) => None,
+    };
+    let cipher = match o.cipher.as_deref() {
+        None => None,
+        Some(c) => {
+            let spec: CipherSpec = c.parse()?;
+            (old.as_ref().map(|s| s.cipher) != Some(spec)).then_some(spec)
+        }
+    };
+    let key_bytes = match o.key_size {
+        None => None,
+        Some(bits) if bits % 8 == 0 => Some(bits as usize / 8),
+        Some(bits) => {
+            return Err(Error::InvalidArgument(format!(
+                "Key size in bits must be a multiple of 8 bits ({bits})."
+            )))
+        }
+    };
+    let sector_size = o.sector_size.map(SectorSize::new).transpose()?;
+    Ok(SegmentChange {
+        cipher,
+        key_bytes,
+        sector_size,
+    })
 }
 
 /// Prints progress as cryptsetup does: a line every `every` (`--progress-frequency`), or an
@@ -199,6 +207,16 @@ impl Meter {
     }
 }
 
+/// The data device when the header is detached (`--header`): the volume itself, opened
+/// buffered (the driver flushes it at each step); `None` when the header is in front of the
+/// data on one device.
+fn data_dev(device: &Target, o: &LuksOpts) -> Result<Option<std::sync::Arc<dyn Backend>>> {
+    o.header
+        .as_ref()
+        .map(|_| device.open_data(true, &o.remote, CacheMode::Writeback))
+        .transpose()
+}
+
 pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     if r.init_only && r.resume_only {
         return Err(Error::InvalidArgument(
@@ -207,6 +225,11 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     }
     let (dev, hdr) = load(device, o, true)?;
     check_supported(r, o, &hdr)?;
+    let data = data_dev(device, o)?;
+    let devs = Devices {
+        header: dev.as_ref(),
+        data: data.as_deref().unwrap_or(dev.as_ref()),
+    };
     let in_progress = match &hdr {
         Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?,
         Header::Luks1(_) => None,
@@ -240,20 +263,26 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             let resilience =
                 ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
             let kdf = kdf_request(o, 2)?;
-            let started = reencrypt_run::init(
-                dev.as_ref(),
+            let started = reencrypt_run::init_on(
+                devs,
                 passphrase.as_ref(),
                 &InitOptions {
                     resilience,
                     kdf: &kdf,
                     key_slot: o.key_slot,
+                    change: segment_change(o, &hdr)?,
+                    mode: if r.decrypt {
+                        Mode::Decrypt
+                    } else {
+                        Mode::Reencrypt
+                    },
                 },
             )?;
             if o.verbose {
-                eprintln!(
-                    "Key slot {} created. Reencryption keyslot {}.",
-                    started.new_keyslot, started.reencrypt_keyslot
-                );
+                if let Some(k) = started.new_keyslot {
+                    eprintln!("Key slot {k} created.");
+                }
+                eprintln!("Reencryption keyslot {}.", started.reencrypt_keyslot);
             }
             if r.init_only {
                 return Ok(0);
@@ -261,8 +290,8 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         }
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume(
-        dev.as_ref(),
+    reencrypt_run::resume_on(
+        devs,
         passphrase.as_ref(),
         RunOptions { hotzone_bytes },
         &mut |p| meter.show(p),
@@ -282,7 +311,12 @@ pub fn repair_reencryption(device: &Target, o: &LuksOpts) -> Result<i32> {
         false,
     )?;
     let (dev, _) = load(device, o, true)?;
-    match reencrypt_run::recover(dev.as_ref(), passphrase.as_ref())? {
+    let data = data_dev(device, o)?;
+    let devs = Devices {
+        header: dev.as_ref(),
+        data: data.as_deref().unwrap_or(dev.as_ref()),
+    };
+    match reencrypt_run::recover_on(devs, passphrase.as_ref())? {
         Recovery::NotNeeded => {
             if o.verbose {
                 eprintln!("No known problems detected for LUKS header.");
