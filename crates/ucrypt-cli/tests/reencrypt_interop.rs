@@ -260,7 +260,6 @@ fn unbuilt_modes_are_refused_by_name() {
     let (img, key, _) = volume(&t, 20, 512);
     for (args, word) in [
         (vec!["--encrypt"], "--encrypt"),
-        (vec!["--decrypt"], "--decrypt"),
         (vec!["--reduce-device-size", "32M"], "datashift"),
     ] {
         let mut a = vec!["reencrypt", "-q", "--key-file", s(&key)];
@@ -567,4 +566,310 @@ fn key_slot_rotation_with_two_keyslots() {
     );
     assert_eq!(o.status.code(), Some(2), "the other old keyslot is gone");
     assert!(exported(&t, &img, &key2) == plain);
+}
+
+// ---------------------------------------------------------------- decryption (detached header)
+
+/// A cryptsetup-formatted volume with a detached header: the data file of `mib` MiB (data
+/// offset 0) holds known plaintext written through ucrypt; returns (data, header, key file,
+/// plaintext).
+fn detached_volume(t: &TempDir, mib: u64, sector: u32) -> (PathBuf, PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path("data.img");
+    let hdr = t.path("hdr.img");
+    for (p, len) in [(&img, mib << 20), (&hdr, 16 << 20)] {
+        std::fs::File::create(p)
+            .and_then(|f| f.set_len(len))
+            .expect("file");
+    }
+    let key = t.path("key");
+    std::fs::write(&key, b"decrypt-me").expect("key");
+    let ss = sector.to_string();
+    let mut f = vec![
+        "luksFormat",
+        "-q",
+        "--type",
+        "luks2",
+        "--sector-size",
+        &ss,
+        "--header",
+        s(&hdr),
+    ];
+    f.extend(FAST_PBKDF2);
+    f.extend([s(&img), s(&key)]);
+    ok("cryptsetup", &f);
+    let plain = plaintext(mib << 20, mib ^ u64::from(sector) ^ 0xdec);
+    let pf = t.path("plain");
+    std::fs::write(&pf, &plain).expect("plain");
+    ok(
+        UCRYPT,
+        &[
+            "import",
+            s(&pf),
+            s(&img),
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+        ],
+    );
+    assert!(std::fs::read(&img).expect("data") != plain, "encrypted");
+    (img, hdr, key, plain)
+}
+
+/// cryptsetup reads the header a finished decryption leaves (one linear segment, no
+/// keyslot, no reencryption), and the data file is the plaintext.
+fn decrypted(img: &Path, hdr: &Path, plain: &[u8], what: &str) {
+    let d = dump(hdr);
+    assert!(!d.contains("reencrypt"), "{what}: reencryption left in:\n{d}");
+    assert!(d.contains("0: linear"), "{what}: {d}");
+    assert!(!d.contains(": luks2"), "{what}: keyslots left:\n{d}");
+    assert!(
+        std::fs::read(img).expect("data") == plain,
+        "{what}: the data file is not the plaintext"
+    );
+}
+
+#[test]
+fn ucrypt_decrypts_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in [512u32, 4096] {
+        for resilience in ["checksum", "journal", "none"] {
+            let t = TempDir::new("decrypt");
+            let (img, hdr, key, plain) = detached_volume(&t, 24, sector);
+            ok(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--decrypt",
+                    "--header",
+                    s(&hdr),
+                    "-q",
+                    "--resilience",
+                    resilience,
+                    "--hotzone-size",
+                    "1M",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            decrypted(&img, &hdr, &plain, &format!("{sector} {resilience}"));
+        }
+    }
+    // Without --header: cryptsetup's refusal, exit 1, nothing written.
+    let t = TempDir::new("decrypt-nohdr");
+    let (img, key, _) = volume(&t, 20, 512);
+    let o = run(
+        UCRYPT,
+        &["reencrypt", "--decrypt", "-q", "--key-file", s(&key), s(&img)],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("detached header"));
+    assert!(!in_reencryption(&img));
+}
+
+/// ucrypt's decryption `--init-only`, then cryptsetup finishes it.
+#[test]
+fn ucrypt_init_decrypt_cryptsetup_finishes() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("decrypt-init");
+    let (img, hdr, key, plain) = detached_volume(&t, 24, 4096);
+    ok(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--decrypt",
+            "--init-only",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    let d = dump(&hdr);
+    assert!(d.contains("Mode:       decrypt"), "{d}");
+    assert!(d.contains("Direction:  backward"), "{d}");
+    assert!(d.contains("2: linear"), "{d}");
+    ok(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--resume-only",
+            "--force-offline-reencrypt",
+            "-q",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    decrypted(&img, &hdr, &plain, "init-only");
+}
+
+#[test]
+fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let resilience = ["checksum", "journal"][round % 2];
+        let t = TempDir::new("kill-ud");
+        let (img, hdr, key, plain) = detached_volume(&t, 80, [512, 4096][round / 2 % 2]);
+        let delay = Duration::from_millis(20 + x % 400);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args([
+            "reencrypt",
+            "--decrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--resilience",
+            resilience,
+            "--hotzone-size",
+            "1M",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ]);
+        let killed = kill_after(cmd, delay);
+        let state = if !in_reencryption(&hdr) {
+            "not in reencryption"
+        } else if in_hotzone(&hdr) {
+            ok(
+                "cryptsetup",
+                &[
+                    "repair",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            "inside a hotzone"
+        } else {
+            "between hotzones"
+        };
+        println!("decrypt round {round} {resilience}: killed={killed} after {delay:?}: {state}");
+        if in_reencryption(&hdr) {
+            mid_way += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        if dump(&hdr).contains(": luks2") {
+            // Killed before the init's commit: still the encrypted volume.
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--decrypt",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        decrypted(&img, &hdr, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} decryptions left mid-way and finished by cryptsetup");
+}
+
+#[test]
+fn ucrypt_finishes_a_decryption_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = TempDir::new("kill-cd");
+        let (img, hdr, key, plain) = detached_volume(&t, 208, [512, 4096][round % 2]);
+        // cryptsetup calibrates the reencryption digest for about a second first.
+        let delay = Duration::from_millis(1000 + x % 1800);
+        let mut cmd = Command::new("cryptsetup");
+        cmd.args([
+            "reencrypt",
+            "--decrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--force-offline-reencrypt",
+            "--resilience",
+            "checksum",
+            "--hotzone-size",
+            "4M",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ]);
+        let killed = kill_after(cmd, delay);
+        let hot = in_reencryption(&hdr) && in_hotzone(&hdr);
+        let with_hdr = |verb: &[&str]| -> Vec<String> {
+            let mut a: Vec<String> = verb.iter().map(|v| v.to_string()).collect();
+            a.extend(
+                ["--header", s(&hdr), "--key-file", s(&key), s(&img)]
+                    .iter()
+                    .map(|v| v.to_string()),
+            );
+            a
+        };
+        if hot {
+            let a = with_hdr(&["reencrypt", "--resume-only"]);
+            let o = run(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+            assert_eq!(o.status.code(), Some(1));
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            let a = with_hdr(&["repair", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        println!(
+            "decrypt round {round}: killed={killed} after {delay:?}: in reencryption {}, \
+             inside a hotzone {hot}",
+            in_reencryption(&hdr)
+        );
+        if in_reencryption(&hdr) {
+            mid_way += 1;
+            let a = with_hdr(&["reencrypt", "--resume-only", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        if dump(&hdr).contains(": luks2") {
+            // Killed before the init's commit: ucrypt decrypts it whole.
+            let a = with_hdr(&["reencrypt", "--decrypt", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        decrypted(&img, &hdr, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} decryptions left mid-way and finished by ucrypt");
 }
