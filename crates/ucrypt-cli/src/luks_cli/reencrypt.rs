@@ -41,7 +41,7 @@ pub struct ReencryptOpts {
     /// Accepted for scripts: ucrypt always reencrypts a file or device it opens itself offline.
     #[arg(long)]
     pub force_offline_reencrypt: bool,
-    /// Encrypt a plaintext device in place (not built yet in ucrypt).
+    /// Encrypt a plaintext device in place (needs a detached `--header`, created here).
     #[arg(long, short = 'N', alias = "new")]
     pub encrypt: bool,
     /// Decrypt the device in place (needs a detached `--header`, as cryptsetup 2.6).
@@ -89,9 +89,6 @@ fn not_built(what: &str) -> Error {
 
 /// Refuses what is not built, naming it.
 fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> {
-    if r.encrypt {
-        return Err(not_built("--encrypt (encrypting a plaintext device)"));
-    }
     if r.reduce_device_size.is_some() {
         return Err(not_built(
             "--reduce-device-size (moving the data: datashift)",
@@ -223,6 +220,14 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             "Options --init-only and --resume-only cannot be combined.".into(),
         ));
     }
+    if r.encrypt && r.reduce_device_size.is_some() {
+        return Err(not_built(
+            "--reduce-device-size (moving the data: datashift)",
+        ));
+    }
+    if r.encrypt && !encryption_in_progress(o) {
+        return encrypt(device, r, o);
+    }
     let (dev, hdr) = load(device, o, true)?;
     check_supported(r, o, &hdr)?;
     let data = data_dev(device, o)?;
@@ -299,6 +304,89 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     if o.verbose {
         eprintln!("Command successful.");
     }
+    Ok(0)
+}
+
+/// Bytes of the detached header `--encrypt` makes: cryptsetup's default LUKS2 metadata
+/// (two 16 KiB copies and the keyslots area), 16 MiB.
+const ENCRYPT_HEADER_BYTES: u64 = 16 << 20;
+
+/// Whether `--header` already holds a LUKS2 header in reencryption (an encryption to resume).
+fn encryption_in_progress(o: &LuksOpts) -> bool {
+    let Some(h) = &o.header else { return false };
+    let Ok(dev) = super::dev::open_header(h, false) else {
+        return false;
+    };
+    matches!(
+        ucrypt::luks::read_header(dev.as_ref()),
+        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(&h.meta).ok().flatten().is_some()
+    )
+}
+
+/// `reencrypt --encrypt --header H`: a new detached header for the plaintext device, then the
+/// hotzones (as cryptsetup 2.6; `--init-only` stops after the header).
+fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
+    let Some(hpath) = &o.header else {
+        return Err(Error::InvalidArgument(
+            reencrypt_run::ENCRYPT_NEEDS_DETACHED_HEADER.into(),
+        ));
+    };
+    if r.resume_only {
+        return Err(Error::InvalidArgument(format!(
+            "Device {device} is not in reencryption."
+        )));
+    }
+    let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
+    let key_bytes = match o.key_size {
+        None => cipher.default_key_bytes(),
+        Some(bits) if bits % 8 == 0 => bits as usize / 8,
+        Some(bits) => {
+            return Err(Error::InvalidArgument(format!(
+                "Key size in bits must be a multiple of 8 bits ({bits})."
+            )))
+        }
+    };
+    // cryptsetup 2.6.1 encrypts in 512-byte sectors unless told otherwise (measured).
+    let sector_size = SectorSize::new(o.sector_size.unwrap_or(512))?;
+    let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
+    let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
+    let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
+    let kdf = kdf_request(o, 2)?;
+    let uuid = match &o.uuid {
+        Some(u) => {
+            ucrypt::luks::util::check_uuid(u)?;
+            u.clone()
+        }
+        None => ucrypt::luks::util::random_uuid()?,
+    };
+    let hdr = super::dev::create_header(hpath, ENCRYPT_HEADER_BYTES)?;
+    let devs = Devices {
+        header: hdr.as_ref(),
+        data: data.as_ref(),
+    };
+    reencrypt_run::init_encrypt(
+        devs,
+        passphrase.as_ref(),
+        &reencrypt_run::EncryptOptions {
+            resilience,
+            kdf: &kdf,
+            cipher,
+            key_bytes,
+            sector_size,
+            uuid,
+        },
+    )?;
+    if r.init_only {
+        return Ok(0);
+    }
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    reencrypt_run::resume_on(
+        devs,
+        passphrase.as_ref(),
+        RunOptions { hotzone_bytes },
+        &mut |p| meter.show(p),
+    )?;
     Ok(0)
 }
 

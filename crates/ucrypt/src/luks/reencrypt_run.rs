@@ -404,6 +404,152 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
     })
 }
 
+/// How to start an encryption of a plaintext device ([`init_encrypt`]).
+pub struct EncryptOptions<'a> {
+    pub resilience: ResilienceKind,
+    pub kdf: &'a KdfRequest,
+    /// The new segment: cipher, key size in bytes, sector size.
+    pub cipher: CipherSpec,
+    pub key_bytes: usize,
+    pub sector_size: SectorSize,
+    /// The new header's UUID.
+    pub uuid: String,
+}
+
+/// The message cryptsetup 2.6 refuses an encryption with, without a detached header.
+pub const ENCRYPT_NEEDS_DETACHED_HEADER: &str = "Encryption without detached header (--header) \
+     is not possible without data device size reduction (--reduce-device-size).";
+
+/// Starts the encryption of the plaintext on `devs.data` in place, with a new detached LUKS2
+/// header on `devs.header` (cryptsetup 2.6's `reencrypt --encrypt --header --init-only`): a
+/// header with data offset 0 and a new random volume key, a keyslot for the passphrase, a
+/// `reencrypt` keyslot with mode `encrypt`, direction `forward`; segments `0` (the whole
+/// device, `linear`), `1` backup-previous (`linear`) and `2` backup-final (`crypt`, the new
+/// cipher); the new key's digest listing `2`; the requirement and the reencryption digest over
+/// the new key alone. The keyslot's material is written and flushed first, then one header
+/// write makes the whole header visible: a crash leaves no header (or the old bytes of the
+/// header device) or a header in reencryption, never one that calls the plaintext encrypted.
+pub fn init_encrypt(
+    devs: Devices<'_>,
+    passphrase: &[u8],
+    opts: &EncryptOptions<'_>,
+) -> Result<Started> {
+    if !devs.detached() {
+        return Err(Error::InvalidArgument(ENCRYPT_NEEDS_DETACHED_HEADER.into()));
+    }
+    opts.cipher.check_key_len(opts.key_bytes)?;
+    let data_bytes = devs.data.size();
+    let align = u64::from(opts.sector_size.bytes());
+    if data_bytes == 0 || data_bytes % align != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data device is not aligned to encryption sector size ({align} bytes)."
+        )));
+    }
+    let mut f = super::luks2::FormatLuks2::defaults(opts.uuid.clone());
+    f.cipher = opts.cipher;
+    f.key_bytes = opts.key_bytes;
+    f.sector_size = opts.sector_size;
+    f.kdf = opts.kdf.clone();
+    f.data_offset = 0;
+    f.detached = true;
+    // cryptsetup's default keyslots area, or what a smaller header device holds.
+    let room = devs.header.size().saturating_sub(2 * f.hdr_size) / AREA_ALIGN_BYTES
+        * AREA_ALIGN_BYTES;
+    f.keyslots_size = f.keyslots_size.min(room);
+    let (mut h, vk) = super::luks2::format(&f, random_secret(opts.key_bytes)?)?;
+    let seqid = h.bin.seqid;
+    let (slot, mut ops) = h.add_keyslot(
+        NewKeyslot {
+            vk: &vk,
+            passphrase,
+            kdf: opts.kdf,
+            slot: None,
+        },
+        None,
+    )?;
+    ops.truncate(2); // the material and its flush; the one header write comes below
+    h.bin.seqid = seqid;
+
+    let start = 2 * h.bin.hdr_size;
+    let end = start + h.meta.config.keyslots_size.0;
+    let used_end = h
+        .meta
+        .keyslots
+        .values()
+        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
+        .max()
+        .unwrap_or(start)
+        .div_ceil(AREA_ALIGN_BYTES)
+        * AREA_ALIGN_BYTES;
+    if used_end >= end {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencryption data".into(),
+        ));
+    }
+    let rk = free_id(h.meta.keyslots.keys())?;
+    h.meta.keyslots.insert(
+        rk.to_string(),
+        reencrypt_keyslot(
+            Mode::Encrypt,
+            Direction::Forward,
+            opts.resilience,
+            used_end,
+            end - used_end,
+        ),
+    );
+    let crypt = h
+        .meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or(Error::Bug("format made no segment 0"))?;
+    let linear = |flag: Option<&str>| super::json::Segment {
+        kind: "linear".into(),
+        offset: crypt.offset,
+        size: crypt.size,
+        iv_tweak: None,
+        encryption: None,
+        sector_size: None,
+        flags: flag.map(|f| vec![f.to_string()]),
+        integrity: None,
+        extra: Default::default(),
+    };
+    let mut fin = crypt.clone();
+    fin.flags = Some(vec!["backup-final".into()]);
+    h.meta.segments = std::collections::BTreeMap::from([
+        ("0".to_string(), linear(None)),
+        ("1".to_string(), linear(Some("backup-previous"))),
+        ("2".to_string(), fin),
+    ]);
+    h.meta
+        .digests
+        .get_mut(&vk.digest_id().to_string())
+        .ok_or(Error::Bug("new key digest vanished"))?
+        .segments = vec!["2".into()];
+    h.meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default)
+        .mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    ops.extend(h.commit()?);
+    apply(devs.header, &ops)?;
+    Ok(Started {
+        old_keyslot: slot,
+        new_keyslot: Some(slot),
+        reencrypt_keyslot: rk,
+    })
+}
+
 /// A volume in rotation, unlocked: header, state, both keys checked against the
 /// reencryption digest.
 struct Unlocked {
