@@ -259,7 +259,10 @@ fn unbuilt_modes_are_refused_by_name() {
     let t = TempDir::new("refuse");
     let (img, key, _) = volume(&t, 20, 512);
     for (args, word) in [
-        (vec!["--encrypt"], "--encrypt"),
+        (
+            vec!["--encrypt", "--reduce-device-size", "32M"],
+            "datashift",
+        ),
         (vec!["--reduce-device-size", "32M"], "datashift"),
     ] {
         let mut a = vec!["reencrypt", "-q", "--key-file", s(&key)];
@@ -385,7 +388,7 @@ fn kill_cryptsetup_rounds(rounds: usize, extra: &[&str]) {
         x ^= x << 17;
         let t = TempDir::new("kill-c");
         let (img, key, plain) = volume(&t, 208, [512, 4096][round % 2]);
-        let delay = Duration::from_millis(40 + x % 260);
+        let delay = Duration::from_millis(80 + x % 260);
         let mut cmd = Command::new("cryptsetup");
         cmd.args([
             "reencrypt",
@@ -620,7 +623,10 @@ fn detached_volume(t: &TempDir, mib: u64, sector: u32) -> (PathBuf, PathBuf, Pat
 /// keyslot, no reencryption), and the data file is the plaintext.
 fn decrypted(img: &Path, hdr: &Path, plain: &[u8], what: &str) {
     let d = dump(hdr);
-    assert!(!d.contains("reencrypt"), "{what}: reencryption left in:\n{d}");
+    assert!(
+        !d.contains("reencrypt"),
+        "{what}: reencryption left in:\n{d}"
+    );
     assert!(d.contains("0: linear"), "{what}: {d}");
     assert!(!d.contains(": luks2"), "{what}: keyslots left:\n{d}");
     assert!(
@@ -663,7 +669,14 @@ fn ucrypt_decrypts_cryptsetup_reads() {
     let (img, key, _) = volume(&t, 20, 512);
     let o = run(
         UCRYPT,
-        &["reencrypt", "--decrypt", "-q", "--key-file", s(&key), s(&img)],
+        &[
+            "reencrypt",
+            "--decrypt",
+            "-q",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
     );
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("detached header"));
@@ -741,8 +754,9 @@ fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
             "1M",
             "--key-file",
             s(&key),
-            s(&img),
         ]);
+        cmd.args(FAST_PBKDF2);
+        cmd.arg(s(&img));
         let killed = kill_after(cmd, delay);
         let state = if !in_reencryption(&hdr) {
             "not in reencryption"
@@ -872,4 +886,323 @@ fn ucrypt_finishes_a_decryption_cryptsetup_was_killed_in() {
         decrypted(&img, &hdr, &plain, &format!("round {round}"));
     }
     println!("{mid_way} of {rounds} decryptions left mid-way and finished by ucrypt");
+}
+
+// ---------------------------------------------------------------- encryption (detached header)
+
+/// A plaintext data file of `mib` MiB; returns (data, header path (not created), key file,
+/// plaintext).
+fn plain_volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path("data.img");
+    let plain = plaintext(mib << 20, mib ^ 0xe4c);
+    std::fs::write(&img, &plain).expect("data");
+    let key = t.path("key");
+    std::fs::write(&key, b"encrypt-me").expect("key");
+    (img, t.path("hdr.img"), key, plain)
+}
+
+/// cryptsetup accepts the finished encryption (`open --test-passphrase`, `luksDump` of the
+/// header: one keyslot, no reencryption) and `ucrypt export` through the header gives the
+/// plaintext, while the data file itself no longer holds it.
+fn encrypted(t: &TempDir, img: &Path, hdr: &Path, key: &Path, plain: &[u8], what: &str) {
+    ok(
+        "cryptsetup",
+        &[
+            "open",
+            "--test-passphrase",
+            "--header",
+            s(hdr),
+            "--key-file",
+            s(key),
+            s(img),
+        ],
+    );
+    let d = dump(hdr);
+    assert!(
+        !d.contains("reencrypt"),
+        "{what}: reencryption left in:\n{d}"
+    );
+    assert_eq!(d.matches(": luks2").count(), 1, "{what}: one keyslot:\n{d}");
+    assert!(
+        std::fs::read(img).expect("data") != plain,
+        "{what}: still plaintext"
+    );
+    let out = t.path("out");
+    let _ = std::fs::remove_file(&out);
+    ok(
+        UCRYPT,
+        &[
+            "export",
+            "--header",
+            s(hdr),
+            "--key-file",
+            s(key),
+            s(img),
+            s(&out),
+        ],
+    );
+    assert!(
+        std::fs::read(&out).expect("export") == plain,
+        "{what}: the plaintext changed"
+    );
+}
+
+#[test]
+fn ucrypt_encrypts_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in ["512", "4096"] {
+        for resilience in ["checksum", "journal", "none"] {
+            let t = TempDir::new("encrypt");
+            let (img, hdr, key, plain) = plain_volume(&t, 24);
+            let mut a = vec![
+                "reencrypt",
+                "--encrypt",
+                "--header",
+                s(&hdr),
+                "-q",
+                "--sector-size",
+                sector,
+                "--resilience",
+                resilience,
+                "--hotzone-size",
+                "1M",
+                "--key-file",
+                s(&key),
+            ];
+            a.extend(FAST_PBKDF2);
+            a.push(s(&img));
+            ok(UCRYPT, &a);
+            let d = dump(&hdr);
+            assert!(d.contains(&format!("sector: {sector} [bytes]")), "{d}");
+            encrypted(
+                &t,
+                &img,
+                &hdr,
+                &key,
+                &plain,
+                &format!("{sector} {resilience}"),
+            );
+        }
+    }
+    // Without --header: cryptsetup's refusal, exit 1, the data untouched.
+    let t = TempDir::new("encrypt-nohdr");
+    let (img, _, key, plain) = plain_volume(&t, 20);
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--encrypt",
+            "-q",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--reduce-device-size"));
+    assert!(std::fs::read(&img).expect("data") == plain);
+}
+
+/// ucrypt's `--encrypt --init-only` header, then cryptsetup finishes the encryption.
+#[test]
+fn ucrypt_init_encrypt_cryptsetup_finishes() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("encrypt-init");
+    let (img, hdr, key, plain) = plain_volume(&t, 24);
+    let mut a = vec![
+        "reencrypt",
+        "--encrypt",
+        "--init-only",
+        "--header",
+        s(&hdr),
+        "--key-file",
+        s(&key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    let d = dump(&hdr);
+    assert!(d.contains("Mode:       encrypt"), "{d}");
+    assert!(d.contains("0: linear"), "{d}");
+    ok(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--resume-only",
+            "--force-offline-reencrypt",
+            "-q",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    encrypted(&t, &img, &hdr, &key, &plain, "init-only");
+}
+
+#[test]
+fn cryptsetup_finishes_an_encryption_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let resilience = ["checksum", "journal"][round % 2];
+        let sector = ["512", "4096"][round / 2 % 2];
+        let t = TempDir::new("kill-ue");
+        let (img, hdr, key, plain) = plain_volume(&t, 80);
+        let delay = Duration::from_millis(20 + x % 400);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args([
+            "reencrypt",
+            "--encrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--sector-size",
+            sector,
+            "--resilience",
+            resilience,
+            "--hotzone-size",
+            "1M",
+            "--key-file",
+            s(&key),
+        ]);
+        cmd.args(FAST_PBKDF2);
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let have_hdr = run("cryptsetup", &["isLuks", s(&hdr)]).status.success();
+        let state = if !have_hdr {
+            "no header yet"
+        } else if !in_reencryption(&hdr) {
+            "not in reencryption"
+        } else if in_hotzone(&hdr) {
+            ok(
+                "cryptsetup",
+                &[
+                    "repair",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            "inside a hotzone"
+        } else {
+            "between hotzones"
+        };
+        println!(
+            "encrypt round {round} {resilience} {sector}: killed={killed} after {delay:?}: {state}"
+        );
+        if !have_hdr {
+            assert!(std::fs::read(&img).expect("data") == plain, "untouched");
+            continue;
+        }
+        if in_reencryption(&hdr) {
+            mid_way += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        encrypted(&t, &img, &hdr, &key, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} encryptions left mid-way and finished by cryptsetup");
+}
+
+#[test]
+fn ucrypt_finishes_an_encryption_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = TempDir::new("kill-ce");
+        let (img, hdr, key, plain) = plain_volume(&t, 208);
+        let delay = Duration::from_millis(100 + x % 1500);
+        let mut cmd = Command::new("cryptsetup");
+        cmd.args([
+            "reencrypt",
+            "--encrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--force-offline-reencrypt",
+            "--sector-size",
+            ["512", "4096"][round % 2],
+            "--resilience",
+            "checksum",
+            "--hotzone-size",
+            "4M",
+            "--key-file",
+            s(&key),
+        ]);
+        cmd.args(FAST_PBKDF2);
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let have_hdr = run("cryptsetup", &["isLuks", s(&hdr)]).status.success();
+        let hot = have_hdr && in_reencryption(&hdr) && in_hotzone(&hdr);
+        let args = |verb: &[&str]| -> Vec<String> {
+            verb.iter()
+                .chain(&["--header", s(&hdr), "--key-file", s(&key), s(&img)])
+                .map(|v| v.to_string())
+                .collect()
+        };
+        if hot {
+            let a = args(&["reencrypt", "--resume-only"]);
+            let o = run(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+            assert_eq!(o.status.code(), Some(1));
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            let a = args(&["repair", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        let mid = have_hdr && in_reencryption(&hdr);
+        println!(
+            "encrypt round {round}: killed={killed} after {delay:?}: header {have_hdr}, in \
+             reencryption {mid}, inside a hotzone {hot}"
+        );
+        if !have_hdr {
+            continue;
+        }
+        if !mid && std::fs::read(&img).expect("data") == plain {
+            // cryptsetup writes its new header in several commits: killed between them it
+            // leaves a header without reencryption metadata over the plaintext.
+            println!("encrypt round {round}: cryptsetup left a plain header over plaintext");
+            continue;
+        }
+        if mid {
+            mid_way += 1;
+            let a = args(&["reencrypt", "--resume-only", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        encrypted(&t, &img, &hdr, &key, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} encryptions left mid-way and finished by ucrypt");
 }

@@ -17,11 +17,11 @@ use std::sync::Arc;
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
 use ucrypt::luks::luks2::{format, FormatLuks2};
+use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_run::{
     init, init_encrypt, init_on, recover, recover_on, resume, resume_on, Devices, EncryptOptions,
     InitOptions, Recovery, ResilienceKind, RunOptions, SegmentChange,
 };
-use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -410,7 +410,10 @@ fn sector_size_change_needs_aligned_data() {
     let img = base(512);
     let dev = CrashBackend::from_image(img, 512);
     // 2 KiB less data: a multiple of 512 but not of 4096.
-    let short = CrashBackend::from_image(dev.crash_image(0)[..(DEVICE_BYTES - 2048) as usize].to_vec(), 512);
+    let short = CrashBackend::from_image(
+        dev.crash_image(0)[..(DEVICE_BYTES - 2048) as usize].to_vec(),
+        512,
+    );
     let before = short.crash_image(0);
     let r = rotate_to(
         &short,
@@ -420,7 +423,10 @@ fn sector_size_change_needs_aligned_data() {
             ..SegmentChange::default()
         },
     );
-    assert!(matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("not aligned")), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("not aligned")),
+        "{r:?}"
+    );
     assert!(short.crash_image(0) == before, "nothing written");
 }
 
@@ -460,7 +466,10 @@ impl Backend for Slice {
         self.inner.read_at(buf, self.offset + offset)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        assert!(offset + buf.len() as u64 <= self.len, "write past the slice");
+        assert!(
+            offset + buf.len() as u64 <= self.len,
+            "write past the slice"
+        );
         self.inner.write_at(buf, self.offset + offset)
     }
     fn flush(&self) -> Result<()> {
@@ -808,7 +817,10 @@ fn encryption_keeps_the_data() {
             assert!(raw != plaintext(), "{kind:?} {sector}: still plaintext");
             let (rec, got) = finish_encrypt(disk).expect("read back");
             assert_eq!(rec, Recovery::NotNeeded);
-            assert!(got.unwrap() == plaintext(), "{kind:?} {sector}: data differs");
+            assert!(
+                got.unwrap() == plaintext(),
+                "{kind:?} {sector}: data differs"
+            );
         }
     }
 }

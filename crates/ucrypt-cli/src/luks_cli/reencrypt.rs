@@ -6,9 +6,9 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use ucrypt::luks::reencrypt::ReencryptState;
 use ucrypt::backend::{Backend, CacheMode};
 use ucrypt::luks::reencrypt::Mode;
+use ucrypt::luks::reencrypt::ReencryptState;
 use ucrypt::luks::reencrypt_run::{
     self, Devices, InitOptions, Progress, Recovery, ResilienceKind, RunOptions, SegmentChange,
 };

@@ -210,9 +210,9 @@ pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result
             Some((_, s)) => match s.size {
                 SegmentSize::Bytes(n) => Ok(Some(n)),
                 // Only the part that ends at the end of the data may be dynamic.
-                SegmentSize::Dynamic if parts.last().is_some_and(|(p, _)| *p == want) => {
-                    Ok(Some(data_bytes.saturating_sub(s.offset.0 - parts[0].1.offset.0)))
-                }
+                SegmentSize::Dynamic if parts.last().is_some_and(|(p, _)| *p == want) => Ok(Some(
+                    data_bytes.saturating_sub(s.offset.0 - parts[0].1.offset.0),
+                )),
                 SegmentSize::Dynamic => Err(bad("a segment before the last has dynamic size")),
             },
         }
@@ -226,7 +226,9 @@ pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result
         Direction::Backward => {
             let not_done = size_of(Part::Old)?.unwrap_or(0) + hotzone.unwrap_or(0);
             data_bytes.checked_sub(not_done).ok_or_else(|| {
-                bad(format!("{not_done} bytes left is past the {data_bytes}-byte data"))
+                bad(format!(
+                    "{not_done} bytes left is past the {data_bytes}-byte data"
+                ))
             })?
         }
     };

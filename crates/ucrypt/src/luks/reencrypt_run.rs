@@ -453,8 +453,8 @@ pub fn init_encrypt(
     f.data_offset = 0;
     f.detached = true;
     // cryptsetup's default keyslots area, or what a smaller header device holds.
-    let room = devs.header.size().saturating_sub(2 * f.hdr_size) / AREA_ALIGN_BYTES
-        * AREA_ALIGN_BYTES;
+    let room =
+        devs.header.size().saturating_sub(2 * f.hdr_size) / AREA_ALIGN_BYTES * AREA_ALIGN_BYTES;
     f.keyslots_size = f.keyslots_size.min(room);
     let (mut h, vk) = super::luks2::format(&f, random_secret(opts.key_bytes)?)?;
     let seqid = h.bin.seqid;
@@ -585,7 +585,10 @@ impl<'a> Devices<'a> {
     }
 
     fn detached(&self) -> bool {
-        !std::ptr::addr_eq(self.header as *const dyn Backend, self.data as *const dyn Backend)
+        !std::ptr::addr_eq(
+            self.header as *const dyn Backend,
+            self.data as *const dyn Backend,
+        )
     }
 
     /// Flushes the data device, and the header device when it is another one.
