@@ -484,7 +484,8 @@ pub fn next_hotzone(
     Ok(Some(steps))
 }
 
-/// What finalisation retires: keyslot areas to wipe (offset, length).
+/// What finalisation retires: keyslot areas to wipe (offset, length), the reencrypt
+/// keyslot's among them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retired {
     pub keyslots: Vec<u32>,
@@ -523,7 +524,10 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
     for k in old_keyslots.iter().chain(std::iter::once(&rk)) {
         if let Some(ks) = meta.keyslots.remove(k) {
             retired.keyslots.push(k.parse().unwrap_or(u32::MAX));
-            if let Some(a) = ks.area.filter(|_| ks.kind == "luks2") {
+            // The old keys' material and the resilience data (checksums or a journal of
+            // old ciphertext, or plaintext for an encryption): cryptsetup overwrites both
+            // areas when it destroys the keyslots (measured: the whole reencrypt area).
+            if let Some(a) = ks.area {
                 retired.areas.push((a.offset.0, a.size.0));
             }
         }

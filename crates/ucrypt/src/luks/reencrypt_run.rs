@@ -48,6 +48,8 @@ pub const HOTZONE_BYTES_MAX: u64 = crate::pool::POOL_BYTES_MAX as u64;
 const REKEY_LANES_MAX: usize = 16;
 /// Smaller buffers are rekeyed on one thread (a thread costs more than it saves).
 const LANE_BYTES_MIN: usize = 256 << 10;
+/// Largest piece of random bytes written at a time when finalisation wipes retired areas.
+const WIPE_PIECE_BYTES: u64 = 1 << 20;
 /// Bytes of the keyslot area alignment cryptsetup uses.
 const AREA_ALIGN_BYTES: u64 = 4096;
 
@@ -802,16 +804,25 @@ fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
 fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     let retired = finalise(&mut u.h.meta, &u.st)?;
     let mut ops = u.h.commit()?;
-    for (offset, len) in retired.areas {
-        let mut noise = vec![0u8; len as usize];
-        random_fill(&mut noise)?;
-        ops.push(WriteOp::Write {
-            offset,
-            data: noise,
-        });
-    }
     ops.push(WriteOp::Sync);
-    apply(dev, &ops)
+    apply(dev, &ops)?;
+    // Then the retired areas (up to the whole reencrypt area, megabytes) get random bytes,
+    // a bounded piece at a time.
+    let mut noise = vec![
+        0u8;
+        WIPE_PIECE_BYTES.min(retired.areas.iter().map(|a| a.1).max().unwrap_or(0))
+            as usize
+    ];
+    for (offset, len) in retired.areas {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(noise.len() as u64) as usize;
+            random_fill(&mut noise[..n])?;
+            dev.write_at(&noise[..n], offset + at)?;
+            at += n as u64;
+        }
+    }
+    dev.flush()
 }
 
 /// Rewrites the rest of a reencryption [`init`] (or cryptsetup) started, hotzone after
