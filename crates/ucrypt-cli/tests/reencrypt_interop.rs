@@ -1,4 +1,6 @@
-//! `ucrypt reencrypt` (offline key rotation) against the real cryptsetup 2.6 on files:
+//! `ucrypt reencrypt` (offline key rotation, cipher / key size / sector size change,
+//! decryption and encryption with a detached header; the rows of each below) against the real
+//! cryptsetup 2.6 on files:
 //! - ucrypt rotates, cryptsetup accepts the result (`open --test-passphrase`, `luksDump`) and
 //!   the data read back with `ucrypt export` is the original plaintext; sector sizes 512 and
 //!   4096, resilience checksum, journal and none;

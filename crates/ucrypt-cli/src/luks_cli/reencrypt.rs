@@ -1,6 +1,7 @@
-//! `ucrypt reencrypt`: offline key rotation on cryptsetup's on-disk protocol
-//! (`ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on a volume
-//! left inside a hotzone.
+//! `ucrypt reencrypt`: offline reencryption on cryptsetup's on-disk protocol (key rotation,
+//! cipher / key size / sector size change, `--decrypt` and `--encrypt` with a detached
+//! `--header`; `ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on
+//! a volume left inside a hotzone.
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
@@ -82,8 +83,8 @@ fn parse_size(s: &str) -> Result<u64> {
 
 fn not_built(what: &str) -> Error {
     Error::InvalidArgument(format!(
-        "ucrypt reencrypt does not support {what} yet (it rotates the volume key of a LUKS2 \
-         volume in place)."
+        "ucrypt reencrypt does not support {what} yet (it reencrypts, decrypts or encrypts \
+         in place, offline)."
     ))
 }
 

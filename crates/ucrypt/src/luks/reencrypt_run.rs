@@ -1,5 +1,7 @@
-//! The driver of offline key rotation: performs what `reencrypt_plan` plans against a
-//! [`Backend`] holding the header and the data, with the engine's sector ciphers.
+//! The driver of offline reencryption (key rotation, optionally to a new cipher, key size or
+//! sector size; decryption and encryption with a detached header): performs what
+//! `reencrypt_plan` plans against a [`Backend`] holding the header and the data, or two
+//! ([`Devices`]) for a detached header, with the engine's sector ciphers.
 //!
 //! - [`init`] turns a plain LUKS2 volume into one in reencryption, as cryptsetup 2.6's
 //!   `reencrypt --init-only` does: a new random volume key with its digest, a new keyslot for
@@ -13,6 +15,8 @@
 //!   hotzone buffer (page-aligned, locked, wiped) is taken at the start and reused.
 //! - [`recover`] brings a volume whose metadata was committed inside a hotzone (a crash there)
 //!   back to a consistent state from the resilience data, as cryptsetup's `repair` does.
+//! - [`init_on`] with [`Mode::Decrypt`] starts a decryption, [`init_encrypt`] an encryption
+//!   with a new detached header; [`resume_on`] and [`recover_on`] take the two devices.
 
 use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
@@ -736,8 +740,8 @@ pub struct RunOptions {
     pub hotzone_bytes: Option<u64>,
 }
 
-/// Decrypts `buf` (ciphertext at data offset `offset`) with the old key and encrypts it with
-/// the new one, in place: cut into one piece per lane (whole `align` units), each on its own
+/// Decrypts `buf` (the old bytes at data offset `offset`) with the old key and encrypts it
+/// with the new one, in place (a linear side is left as it is): cut into one piece per lane (whole `align` units), each on its own
 /// thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
     let lanes = if buf.len() < LANE_BYTES_MIN {
