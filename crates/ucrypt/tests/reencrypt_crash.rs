@@ -315,6 +315,13 @@ fn cut_everywhere(
         let s = next();
         let kept = cut.inner.crash_image(s);
         let dev = CrashBackend::from_image(kept, unit);
+        check_layout(
+            &dev,
+            &dev,
+            DATA_OFFSET,
+            &want,
+            &format!("{kind:?} {change:?} budget {budget}"),
+        );
         let rec = finish(&dev).unwrap_or_else(|e| {
             panic!(
                 "{kind:?} sector {sector} unit {unit} {change:?}: cut after {budget} of {total} \
@@ -669,35 +676,54 @@ fn decryption_needs_a_detached_header() {
     assert!(dev.crash_image(0) == before);
 }
 
-/// Before any recovery: every live segment of a header in decryption but the hotzone says
+/// Before any recovery: every live segment of a header in reencryption but the hotzone says
 /// what its bytes are: a linear one holds the plaintext, a crypt one decrypts to it with the
-/// old key (`0..64`), its sector size and IV tweak.
-fn check_decrypt_layout(disk: &Arc<CrashBackend>, want: &[u8], budget: u64) {
-    let (h, d) = split(disk.clone());
-    let Ok(Header::Luks2(hdr)) = luks::read_header(&h) else {
+/// key of its digest (unlocked with the passphrase), its cipher, sector size and IV tweak.
+/// `data_offset` is where the data starts on `data`.
+fn check_layout(
+    hdr_dev: &dyn Backend,
+    data: &dyn Backend,
+    data_offset: u64,
+    want: &[u8],
+    what: &str,
+) {
+    let Ok(hdr_any) = luks::read_header(hdr_dev) else {
         return;
     };
-    let mut data = vec![0u8; DATA_BYTES as usize];
-    d.read_exact_at(&mut data, 0).unwrap();
-    let vk: Vec<u8> = (0..64u8).collect();
+    let Header::Luks2(hdr) = &hdr_any else {
+        return;
+    };
+    if ucrypt::luks::reencrypt::ReencryptState::from_metadata(&hdr.meta)
+        .unwrap()
+        .is_none()
+    {
+        return;
+    }
+    let mut bytes = vec![0u8; DATA_BYTES as usize];
+    data.read_exact_at(&mut bytes, data_offset).unwrap();
     for (id, seg) in &hdr.meta.segments {
-        let flags = seg.flags.clone().unwrap_or_default();
-        if !flags.is_empty() {
+        if seg.flags.as_ref().is_some_and(|f| !f.is_empty()) {
             continue; // backups, and the hotzone (old or new per block)
         }
-        let start = seg.offset.0 as usize;
+        let start = (seg.offset.0 - data_offset) as usize;
         let end = match seg.size {
             ucrypt::luks::json::SegmentSize::Bytes(n) => start + n as usize,
             ucrypt::luks::json::SegmentSize::Dynamic => DATA_BYTES as usize,
         };
-        let mut part = data[start..end].to_vec();
+        let mut part = bytes[start..end].to_vec();
         if seg.kind == "crypt" {
-            let ss = SectorSize::new(u64::from(seg.sector_size.unwrap())).unwrap();
+            let n: u32 = id.parse().unwrap();
+            let d = ucrypt::luks::reencrypt::digest_of_segment(&hdr.meta, n).unwrap();
+            let slot: u32 = hdr.meta.digests[&d.to_string()].keyslots[0]
+                .parse()
+                .unwrap();
+            let mut read = |o: u64, l: u64| luks::read_area(hdr_dev, o, l);
+            let (_, vk) = luks::unlock(&hdr_any, PASS, Some(slot), &mut read).unwrap();
             let mut c = SectorCipher::new(
-                CipherSpec::AES_XTS_PLAIN64,
-                &vk,
+                seg.encryption.as_deref().unwrap().parse().unwrap(),
+                vk.bytes(),
                 Geometry {
-                    sector_size: ss,
+                    sector_size: SectorSize::new(u64::from(seg.sector_size.unwrap())).unwrap(),
                     iv_offset: seg.iv_tweak.unwrap().0,
                     iv_large_sectors: false,
                 },
@@ -707,7 +733,7 @@ fn check_decrypt_layout(disk: &Arc<CrashBackend>, want: &[u8], budget: u64) {
         }
         assert!(
             part == want[start..end],
-            "budget {budget}: segment {id} ({} at {start}..{end}) does not hold what it says",
+            "{what}: segment {id} ({} at {start}..{end}) does not hold what it says",
             seg.kind
         );
     }
@@ -744,7 +770,8 @@ fn power_cut_during_decryption() {
                 assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
                 let s = next();
                 let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(s), unit));
-                check_decrypt_layout(&kept, &want, budget);
+                let (h, d) = split(kept.clone());
+                check_layout(&h, &d, 0, &want, &format!("decrypt budget {budget}"));
                 let (rec, got, hdr) = finish_decrypt(kept).unwrap_or_else(|e| {
                     panic!(
                         "{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} \
@@ -914,6 +941,8 @@ fn power_cut_during_encryption() {
                 assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
                 let s = next();
                 let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(s), unit));
+                let (h, d) = split(kept.clone());
+                check_layout(&h, &d, 0, &want, &format!("encrypt budget {budget}"));
                 let (rec, got) = finish_encrypt(kept.clone()).unwrap_or_else(|e| {
                     panic!(
                         "{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} \
