@@ -787,4 +787,104 @@ mod tests {
         st.keyslot.direction = Direction::Backward;
         assert!(position(&m, &st, DATA).is_err());
     }
+
+    /// The metadata cryptsetup 2.6.1 left when SIGKILLed inside a hotzone of a decryption
+    /// (detached header, 200 MiB of data, `--resilience checksum --hotzone-size 4M`; salts and
+    /// digests left out).
+    fn decrypt_crash() -> Metadata {
+        serde_json::from_str(
+            r#"{
+  "keyslots": {
+    "0": {"type": "luks2", "key_size": 64,
+          "af": {"type": "luks1", "stripes": 4000, "hash": "sha256"},
+          "area": {"type": "raw", "offset": "32768", "size": "258048",
+                   "encryption": "aes-xts-plain64", "key_size": 64},
+          "kdf": {"type": "pbkdf2", "hash": "sha256", "iterations": 1000, "salt": "AA=="}},
+    "1": {"type": "reencrypt", "key_size": 1, "mode": "decrypt", "direction": "backward",
+          "priority": 0,
+          "area": {"offset": "290816", "size": "16486400", "type": "checksum",
+                   "hash": "sha256", "sector_size": 4096}}
+  },
+  "tokens": {},
+  "segments": {
+    "0": {"type": "crypt", "offset": "0", "size": "125829120", "iv_tweak": "0",
+          "encryption": "aes-xts-plain64", "sector_size": 4096},
+    "1": {"type": "linear", "offset": "125829120", "size": "4194304",
+          "flags": ["in-reencryption"]},
+    "2": {"type": "linear", "offset": "130023424", "size": "dynamic"},
+    "3": {"type": "crypt", "offset": "0", "size": "dynamic", "iv_tweak": "0",
+          "encryption": "aes-xts-plain64", "sector_size": 4096, "flags": ["backup-previous"]},
+    "4": {"type": "linear", "offset": "0", "size": "dynamic", "flags": ["backup-final"]}
+  },
+  "digests": {
+    "0": {"type": "pbkdf2", "keyslots": ["0"], "segments": ["3", "0"], "hash": "sha256",
+          "iterations": 1000, "salt": "AA==", "digest": "AA=="},
+    "1": {"type": "pbkdf2", "keyslots": ["1"], "segments": [], "hash": "sha256",
+          "iterations": 50257, "salt": "AA==", "digest": "AA=="}
+  },
+  "config": {"json_size": "12288", "keyslots_size": "16744448",
+             "requirements": {"mandatory": ["online-reencrypt-v2"]}}
+}"#,
+        )
+        .unwrap()
+    }
+
+    /// A backward decryption: the position read from cryptsetup's segments, the hotzone
+    /// before the done part, and the segments and digest lists rebuilt to the byte.
+    #[test]
+    fn backward_decryption_reproduces_cryptsetups_layout() {
+        const DATA_200M: u64 = 200 * MIB;
+        let m = decrypt_crash();
+        let mut st = state(&m);
+        assert_eq!(st.keyslot.direction, Direction::Backward);
+        let pos = position(&m, &st, DATA_200M).unwrap();
+        let done = DATA_200M - 130023424;
+        assert_eq!(
+            pos,
+            Position {
+                done,
+                hotzone: Some(4 * MIB)
+            }
+        );
+        assert_eq!(hotzone_offset(&st, pos, 4 * MIB, DATA_200M), 120 * MIB);
+        let mut rebuilt = m.clone();
+        set_segments(
+            &mut rebuilt,
+            &mut st,
+            Position {
+                done: 0,
+                hotzone: None,
+            },
+            DATA_200M,
+        )
+        .unwrap();
+        assert_eq!(rebuilt.segments.len(), 3);
+        set_segments(&mut rebuilt, &mut st, pos, DATA_200M).unwrap();
+        assert_eq!(
+            serde_json::to_value(&rebuilt.segments).unwrap(),
+            serde_json::to_value(&m.segments).unwrap()
+        );
+        assert_eq!(digest_lists(&rebuilt), digest_lists(&m));
+        // The next hotzone after this one ends where the done part begins.
+        let after = Position {
+            done: done + 4 * MIB,
+            hotzone: None,
+        };
+        let steps = next_hotzone(&st, after, DATA_200M, 4 * MIB, 4096)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            steps[0],
+            Step::ReadOld {
+                offset: 116 * MIB,
+                len: 4 * MIB
+            }
+        );
+        // Finalising leaves one linear segment and no keyslot or digest.
+        finalise(&mut rebuilt, &st).unwrap();
+        assert_eq!(rebuilt.segments["0"].kind, "linear");
+        assert!(rebuilt.keyslots.is_empty());
+        assert!(rebuilt.digests.is_empty());
+        assert!(rebuilt.config.requirements.is_none());
+    }
 }
