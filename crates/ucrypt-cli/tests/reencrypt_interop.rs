@@ -1,4 +1,6 @@
-//! `ucrypt reencrypt` (offline key rotation) against the real cryptsetup 2.6 on files:
+//! `ucrypt reencrypt` (offline key rotation, cipher / key size / sector size change,
+//! decryption and encryption with a detached header; the rows of each below) against the real
+//! cryptsetup 2.6 on files:
 //! - ucrypt rotates, cryptsetup accepts the result (`open --test-passphrase`, `luksDump`) and
 //!   the data read back with `ucrypt export` is the original plaintext; sector sizes 512 and
 //!   4096, resilience checksum, journal and none;
@@ -259,9 +261,10 @@ fn unbuilt_modes_are_refused_by_name() {
     let t = TempDir::new("refuse");
     let (img, key, _) = volume(&t, 20, 512);
     for (args, word) in [
-        (vec!["--encrypt"], "--encrypt"),
-        (vec!["--decrypt"], "--decrypt"),
-        (vec!["--cipher", "aes-cbc-essiv:sha256"], "--cipher"),
+        (
+            vec!["--encrypt", "--reduce-device-size", "32M"],
+            "datashift",
+        ),
         (vec!["--reduce-device-size", "32M"], "datashift"),
     ] {
         let mut a = vec!["reencrypt", "-q", "--key-file", s(&key)];
@@ -296,9 +299,16 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
     if !have_cryptsetup() {
         return;
     }
+    kill_ucrypt_rounds(6, &[]);
+}
+
+/// ucrypt is SIGKILLed at seeded random points of a run with `extra` options (a cipher
+/// change), then cryptsetup (`repair` if inside a hotzone, `reencrypt --resume-only`)
+/// finishes it; the data must be intact.
+fn kill_ucrypt_rounds(rounds: usize, extra: &[&str]) {
     let mut x = seed() | 1;
     let mut mid_way = 0;
-    for round in 0..6 {
+    for round in 0..rounds {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -320,8 +330,9 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
             "1000",
             "--key-file",
             s(&key),
-            s(&img),
         ]);
+        cmd.args(extra);
+        cmd.arg(s(&img));
         let killed = kill_after(cmd, delay);
         let state = if !in_reencryption(&img) {
             "not in reencryption"
@@ -334,7 +345,7 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
         } else {
             "between hotzones"
         };
-        println!("round {round} {resilience}: killed={killed} after {delay:?}: {state}");
+        println!("round {round} {resilience} {extra:?}: killed={killed} after {delay:?}: {state}");
         if in_reencryption(&img) {
             mid_way += 1;
             ok(
@@ -353,7 +364,7 @@ fn cryptsetup_resumes_after_ucrypt_is_killed() {
         }
         assert!(exported(&t, &img, &key) == plain, "round {round}: data");
     }
-    println!("{mid_way} of 6 rounds left mid-way and finished by cryptsetup");
+    println!("{mid_way} of {rounds} rounds left mid-way and finished by cryptsetup");
 }
 
 /// Rounds of killing cryptsetup (each a 208 MiB volume).
@@ -364,15 +375,22 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
     if !have_cryptsetup() {
         return;
     }
+    kill_cryptsetup_rounds(ROUNDS_KILL_CRYPTSETUP, &[]);
+}
+
+/// cryptsetup is SIGKILLed mid-way through a run with `extra` options (`--resilience
+/// checksum --hotzone-size 4M` on a 208 MiB file), then ucrypt (`repair` if inside a hotzone,
+/// after checking that `--resume-only` refuses it; `reencrypt --resume-only`) finishes it.
+fn kill_cryptsetup_rounds(rounds: usize, extra: &[&str]) {
     let mut x = seed() | 1;
     let mut mid_way = 0;
-    for round in 0..ROUNDS_KILL_CRYPTSETUP {
+    for round in 0..rounds {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         let t = TempDir::new("kill-c");
         let (img, key, plain) = volume(&t, 208, [512, 4096][round % 2]);
-        let delay = Duration::from_millis(40 + x % 260);
+        let delay = Duration::from_millis(80 + x % 260);
         let mut cmd = Command::new("cryptsetup");
         cmd.args([
             "reencrypt",
@@ -388,8 +406,9 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
             "1000",
             "--key-file",
             s(&key),
-            s(&img),
         ]);
+        cmd.args(extra);
+        cmd.arg(s(&img));
         let killed = kill_after(cmd, delay);
         let hot = in_reencryption(&img) && in_hotzone(&img);
         if hot {
@@ -403,8 +422,8 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
             ok(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
         }
         println!(
-            "round {round}: killed={killed} after {delay:?}: in reencryption {}, inside a \
-             hotzone {hot}",
+            "round {round} {extra:?}: killed={killed} after {delay:?}: in reencryption {}, \
+             inside a hotzone {hot}",
             in_reencryption(&img)
         );
         if in_reencryption(&img) {
@@ -424,7 +443,86 @@ fn ucrypt_resumes_after_cryptsetup_is_killed() {
         }
         assert!(exported(&t, &img, &key) == plain, "round {round}: data");
     }
-    println!("{mid_way} of {ROUNDS_KILL_CRYPTSETUP} rounds left mid-way and finished by ucrypt");
+    println!("{mid_way} of {rounds} rounds left mid-way and finished by ucrypt");
+}
+
+/// The cipher, key size and sector size changes the interop rows make (each from a volume of
+/// either sector size), with what luksDump must show after: cipher, sector size, key bits.
+const CHANGES: &[(&[&str], &str, u32, u32)] = &[
+    (
+        &["--key-size", "256", "--sector-size", "4096"],
+        "aes-xts-plain64",
+        4096,
+        256,
+    ),
+    (
+        &["--cipher", "aes-cbc-essiv:sha256", "--sector-size", "512"],
+        "aes-cbc-essiv:sha256",
+        512,
+        256,
+    ),
+];
+
+/// ucrypt changes cipher, key size and sector size; cryptsetup reads the result and the
+/// data is the original plaintext.
+#[test]
+fn ucrypt_changes_cipher_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (args, cipher, sector_new, bits) in CHANGES {
+        for sector in [512u32, 4096] {
+            for resilience in ["checksum", "journal", "none"] {
+                let t = TempDir::new("cipher");
+                let (img, key, plain) = volume(&t, 24, sector);
+                let mut a = vec![
+                    "reencrypt",
+                    "--batch-mode",
+                    "--resilience",
+                    resilience,
+                    "--hotzone-size",
+                    "1M",
+                    "--key-file",
+                    s(&key),
+                ];
+                a.extend(FAST_PBKDF2);
+                a.extend(args.iter());
+                a.push(s(&img));
+                ok(UCRYPT, &a);
+                cryptsetup_accepts(&img, &key);
+                let d = dump(&img);
+                assert!(d.contains(&format!("cipher: {cipher}\n")), "{args:?}:\n{d}");
+                assert!(d.contains(&format!("sector: {sector_new} [bytes]")), "{d}");
+                assert!(d.contains(&format!("Key:        {bits} bits")), "{d}");
+                assert!(
+                    exported(&t, &img, &key) == plain,
+                    "{args:?} from {sector} {resilience}: plaintext changed"
+                );
+            }
+        }
+    }
+}
+
+/// ucrypt killed during a cipher change; cryptsetup finishes.
+#[test]
+fn cryptsetup_finishes_a_cipher_change_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (args, ..) in CHANGES {
+        kill_ucrypt_rounds(4, args);
+    }
+}
+
+/// cryptsetup killed during a cipher change; ucrypt finishes.
+#[test]
+fn ucrypt_finishes_a_cipher_change_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (args, ..) in CHANGES {
+        kill_cryptsetup_rounds(4, args);
+    }
 }
 
 /// Two keyslots: without `--key-slot` a key file is refused (exit 1, cryptsetup's rule); with
@@ -473,4 +571,640 @@ fn key_slot_rotation_with_two_keyslots() {
     );
     assert_eq!(o.status.code(), Some(2), "the other old keyslot is gone");
     assert!(exported(&t, &img, &key2) == plain);
+}
+
+// ---------------------------------------------------------------- decryption (detached header)
+
+/// A cryptsetup-formatted volume with a detached header: the data file of `mib` MiB (data
+/// offset 0) holds known plaintext written through ucrypt; returns (data, header, key file,
+/// plaintext).
+fn detached_volume(t: &TempDir, mib: u64, sector: u32) -> (PathBuf, PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path("data.img");
+    let hdr = t.path("hdr.img");
+    for (p, len) in [(&img, mib << 20), (&hdr, 16 << 20)] {
+        std::fs::File::create(p)
+            .and_then(|f| f.set_len(len))
+            .expect("file");
+    }
+    let key = t.path("key");
+    std::fs::write(&key, b"decrypt-me").expect("key");
+    let ss = sector.to_string();
+    let mut f = vec![
+        "luksFormat",
+        "-q",
+        "--type",
+        "luks2",
+        "--sector-size",
+        &ss,
+        "--header",
+        s(&hdr),
+    ];
+    f.extend(FAST_PBKDF2);
+    f.extend([s(&img), s(&key)]);
+    ok("cryptsetup", &f);
+    let plain = plaintext(mib << 20, mib ^ u64::from(sector) ^ 0xdec);
+    let pf = t.path("plain");
+    std::fs::write(&pf, &plain).expect("plain");
+    ok(
+        UCRYPT,
+        &[
+            "import",
+            s(&pf),
+            s(&img),
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+        ],
+    );
+    assert!(std::fs::read(&img).expect("data") != plain, "encrypted");
+    (img, hdr, key, plain)
+}
+
+/// cryptsetup reads the header a finished decryption leaves (one linear segment, no
+/// keyslot, no reencryption), and the data file is the plaintext.
+fn decrypted(img: &Path, hdr: &Path, plain: &[u8], what: &str) {
+    let d = dump(hdr);
+    assert!(
+        !d.contains("reencrypt"),
+        "{what}: reencryption left in:\n{d}"
+    );
+    assert!(d.contains("0: linear"), "{what}: {d}");
+    assert!(!d.contains(": luks2"), "{what}: keyslots left:\n{d}");
+    assert!(
+        std::fs::read(img).expect("data") == plain,
+        "{what}: the data file is not the plaintext"
+    );
+}
+
+#[test]
+fn ucrypt_decrypts_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in [512u32, 4096] {
+        for resilience in ["checksum", "journal", "none"] {
+            let t = TempDir::new("decrypt");
+            let (img, hdr, key, plain) = detached_volume(&t, 24, sector);
+            ok(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--decrypt",
+                    "--header",
+                    s(&hdr),
+                    "-q",
+                    "--resilience",
+                    resilience,
+                    "--hotzone-size",
+                    "1M",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            decrypted(&img, &hdr, &plain, &format!("{sector} {resilience}"));
+        }
+    }
+    // Without --header: cryptsetup's refusal, exit 1, nothing written.
+    let t = TempDir::new("decrypt-nohdr");
+    let (img, key, _) = volume(&t, 20, 512);
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--decrypt",
+            "-q",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("detached header"));
+    assert!(!in_reencryption(&img));
+}
+
+/// ucrypt's decryption `--init-only`, then cryptsetup finishes it.
+#[test]
+fn ucrypt_init_decrypt_cryptsetup_finishes() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("decrypt-init");
+    let (img, hdr, key, plain) = detached_volume(&t, 24, 4096);
+    ok(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--decrypt",
+            "--init-only",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    let d = dump(&hdr);
+    assert!(d.contains("Mode:       decrypt"), "{d}");
+    assert!(d.contains("Direction:  backward"), "{d}");
+    assert!(d.contains("2: linear"), "{d}");
+    ok(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--resume-only",
+            "--force-offline-reencrypt",
+            "-q",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    decrypted(&img, &hdr, &plain, "init-only");
+}
+
+#[test]
+fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let resilience = ["checksum", "journal"][round % 2];
+        let t = TempDir::new("kill-ud");
+        let (img, hdr, key, plain) = detached_volume(&t, 80, [512, 4096][round / 2 % 2]);
+        let delay = Duration::from_millis(20 + x % 400);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args([
+            "reencrypt",
+            "--decrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--resilience",
+            resilience,
+            "--hotzone-size",
+            "1M",
+            "--key-file",
+            s(&key),
+        ]);
+        cmd.args(FAST_PBKDF2);
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let state = if !in_reencryption(&hdr) {
+            "not in reencryption"
+        } else if in_hotzone(&hdr) {
+            ok(
+                "cryptsetup",
+                &[
+                    "repair",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            "inside a hotzone"
+        } else {
+            "between hotzones"
+        };
+        println!("decrypt round {round} {resilience}: killed={killed} after {delay:?}: {state}");
+        if in_reencryption(&hdr) {
+            mid_way += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        if dump(&hdr).contains(": luks2") {
+            // Killed before the init's commit: still the encrypted volume.
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--decrypt",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        decrypted(&img, &hdr, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} decryptions left mid-way and finished by cryptsetup");
+}
+
+#[test]
+fn ucrypt_finishes_a_decryption_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = TempDir::new("kill-cd");
+        let (img, hdr, key, plain) = detached_volume(&t, 208, [512, 4096][round % 2]);
+        // cryptsetup calibrates the reencryption digest for about a second first.
+        let delay = Duration::from_millis(1000 + x % 1800);
+        let mut cmd = Command::new("cryptsetup");
+        cmd.args([
+            "reencrypt",
+            "--decrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--force-offline-reencrypt",
+            "--resilience",
+            "checksum",
+            "--hotzone-size",
+            "4M",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ]);
+        let killed = kill_after(cmd, delay);
+        let hot = in_reencryption(&hdr) && in_hotzone(&hdr);
+        let with_hdr = |verb: &[&str]| -> Vec<String> {
+            let mut a: Vec<String> = verb.iter().map(|v| v.to_string()).collect();
+            a.extend(
+                ["--header", s(&hdr), "--key-file", s(&key), s(&img)]
+                    .iter()
+                    .map(|v| v.to_string()),
+            );
+            a
+        };
+        if hot {
+            let a = with_hdr(&["reencrypt", "--resume-only"]);
+            let o = run(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+            assert_eq!(o.status.code(), Some(1));
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            let a = with_hdr(&["repair", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        println!(
+            "decrypt round {round}: killed={killed} after {delay:?}: in reencryption {}, \
+             inside a hotzone {hot}",
+            in_reencryption(&hdr)
+        );
+        if in_reencryption(&hdr) {
+            mid_way += 1;
+            let a = with_hdr(&["reencrypt", "--resume-only", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        if dump(&hdr).contains(": luks2") {
+            // Killed before the init's commit: ucrypt decrypts it whole.
+            let a = with_hdr(&["reencrypt", "--decrypt", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        decrypted(&img, &hdr, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} decryptions left mid-way and finished by ucrypt");
+}
+
+// ---------------------------------------------------------------- encryption (detached header)
+
+/// A plaintext data file of `mib` MiB; returns (data, header path (not created), key file,
+/// plaintext).
+fn plain_volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path("data.img");
+    let plain = plaintext(mib << 20, mib ^ 0xe4c);
+    std::fs::write(&img, &plain).expect("data");
+    let key = t.path("key");
+    std::fs::write(&key, b"encrypt-me").expect("key");
+    (img, t.path("hdr.img"), key, plain)
+}
+
+/// cryptsetup accepts the finished encryption (`open --test-passphrase`, `luksDump` of the
+/// header: one keyslot, no reencryption) and `ucrypt export` through the header gives the
+/// plaintext, while the data file itself no longer holds it.
+fn encrypted(t: &TempDir, img: &Path, hdr: &Path, key: &Path, plain: &[u8], what: &str) {
+    ok(
+        "cryptsetup",
+        &[
+            "open",
+            "--test-passphrase",
+            "--header",
+            s(hdr),
+            "--key-file",
+            s(key),
+            s(img),
+        ],
+    );
+    let d = dump(hdr);
+    assert!(
+        !d.contains("reencrypt"),
+        "{what}: reencryption left in:\n{d}"
+    );
+    assert_eq!(d.matches(": luks2").count(), 1, "{what}: one keyslot:\n{d}");
+    assert!(
+        std::fs::read(img).expect("data") != plain,
+        "{what}: still plaintext"
+    );
+    let out = t.path("out");
+    let _ = std::fs::remove_file(&out);
+    ok(
+        UCRYPT,
+        &[
+            "export",
+            "--header",
+            s(hdr),
+            "--key-file",
+            s(key),
+            s(img),
+            s(&out),
+        ],
+    );
+    assert!(
+        std::fs::read(&out).expect("export") == plain,
+        "{what}: the plaintext changed"
+    );
+}
+
+#[test]
+fn ucrypt_encrypts_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in ["512", "4096"] {
+        for resilience in ["checksum", "journal", "none"] {
+            let t = TempDir::new("encrypt");
+            let (img, hdr, key, plain) = plain_volume(&t, 24);
+            let mut a = vec![
+                "reencrypt",
+                "--encrypt",
+                "--header",
+                s(&hdr),
+                "-q",
+                "--sector-size",
+                sector,
+                "--resilience",
+                resilience,
+                "--hotzone-size",
+                "1M",
+                "--key-file",
+                s(&key),
+            ];
+            a.extend(FAST_PBKDF2);
+            a.push(s(&img));
+            ok(UCRYPT, &a);
+            let d = dump(&hdr);
+            assert!(d.contains(&format!("sector: {sector} [bytes]")), "{d}");
+            encrypted(
+                &t,
+                &img,
+                &hdr,
+                &key,
+                &plain,
+                &format!("{sector} {resilience}"),
+            );
+        }
+    }
+    // Without --header: cryptsetup's refusal, exit 1, the data untouched.
+    let t = TempDir::new("encrypt-nohdr");
+    let (img, _, key, plain) = plain_volume(&t, 20);
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--encrypt",
+            "-q",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--reduce-device-size"));
+    assert!(std::fs::read(&img).expect("data") == plain);
+}
+
+/// ucrypt's `--encrypt --init-only` header, then cryptsetup finishes the encryption.
+#[test]
+fn ucrypt_init_encrypt_cryptsetup_finishes() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("encrypt-init");
+    let (img, hdr, key, plain) = plain_volume(&t, 24);
+    let mut a = vec![
+        "reencrypt",
+        "--encrypt",
+        "--init-only",
+        "--header",
+        s(&hdr),
+        "--key-file",
+        s(&key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    let d = dump(&hdr);
+    assert!(d.contains("Mode:       encrypt"), "{d}");
+    assert!(d.contains("0: linear"), "{d}");
+    ok(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--resume-only",
+            "--force-offline-reencrypt",
+            "-q",
+            "--header",
+            s(&hdr),
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    encrypted(&t, &img, &hdr, &key, &plain, "init-only");
+}
+
+#[test]
+fn cryptsetup_finishes_an_encryption_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let resilience = ["checksum", "journal"][round % 2];
+        let sector = ["512", "4096"][round / 2 % 2];
+        let t = TempDir::new("kill-ue");
+        let (img, hdr, key, plain) = plain_volume(&t, 80);
+        let delay = Duration::from_millis(20 + x % 400);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args([
+            "reencrypt",
+            "--encrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--sector-size",
+            sector,
+            "--resilience",
+            resilience,
+            "--hotzone-size",
+            "1M",
+            "--key-file",
+            s(&key),
+        ]);
+        cmd.args(FAST_PBKDF2);
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let have_hdr = run("cryptsetup", &["isLuks", s(&hdr)]).status.success();
+        let state = if !have_hdr {
+            "no header yet"
+        } else if !in_reencryption(&hdr) {
+            "not in reencryption"
+        } else if in_hotzone(&hdr) {
+            ok(
+                "cryptsetup",
+                &[
+                    "repair",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            "inside a hotzone"
+        } else {
+            "between hotzones"
+        };
+        println!(
+            "encrypt round {round} {resilience} {sector}: killed={killed} after {delay:?}: {state}"
+        );
+        if !have_hdr {
+            assert!(std::fs::read(&img).expect("data") == plain, "untouched");
+            continue;
+        }
+        if in_reencryption(&hdr) {
+            mid_way += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        encrypted(&t, &img, &hdr, &key, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} encryptions left mid-way and finished by cryptsetup");
+}
+
+#[test]
+fn ucrypt_finishes_an_encryption_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut mid_way = 0;
+    let rounds = 4;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = TempDir::new("kill-ce");
+        let (img, hdr, key, plain) = plain_volume(&t, 208);
+        let delay = Duration::from_millis(100 + x % 1500);
+        let mut cmd = Command::new("cryptsetup");
+        cmd.args([
+            "reencrypt",
+            "--encrypt",
+            "--header",
+            s(&hdr),
+            "-q",
+            "--force-offline-reencrypt",
+            "--sector-size",
+            ["512", "4096"][round % 2],
+            "--resilience",
+            "checksum",
+            "--hotzone-size",
+            "4M",
+            "--key-file",
+            s(&key),
+        ]);
+        cmd.args(FAST_PBKDF2);
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let have_hdr = run("cryptsetup", &["isLuks", s(&hdr)]).status.success();
+        let hot = have_hdr && in_reencryption(&hdr) && in_hotzone(&hdr);
+        let args = |verb: &[&str]| -> Vec<String> {
+            verb.iter()
+                .chain(&["--header", s(&hdr), "--key-file", s(&key), s(&img)])
+                .map(|v| v.to_string())
+                .collect()
+        };
+        if hot {
+            let a = args(&["reencrypt", "--resume-only"]);
+            let o = run(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+            assert_eq!(o.status.code(), Some(1));
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            let a = args(&["repair", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        let mid = have_hdr && in_reencryption(&hdr);
+        println!(
+            "encrypt round {round}: killed={killed} after {delay:?}: header {have_hdr}, in \
+             reencryption {mid}, inside a hotzone {hot}"
+        );
+        if !have_hdr {
+            continue;
+        }
+        if !mid && std::fs::read(&img).expect("data") == plain {
+            // cryptsetup writes its new header in several commits: killed between them it
+            // leaves a header without reencryption metadata over the plaintext.
+            println!("encrypt round {round}: cryptsetup left a plain header over plaintext");
+            continue;
+        }
+        if mid {
+            mid_way += 1;
+            let a = args(&["reencrypt", "--resume-only", "-q"]);
+            ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+        }
+        encrypted(&t, &img, &hdr, &key, &plain, &format!("round {round}"));
+    }
+    println!("{mid_way} of {rounds} encryptions left mid-way and finished by ucrypt");
 }

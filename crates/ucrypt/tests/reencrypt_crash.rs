@@ -17,11 +17,13 @@ use std::sync::Arc;
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
 use ucrypt::luks::luks2::{format, FormatLuks2};
+use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_run::{
-    init, recover, resume, InitOptions, Recovery, ResilienceKind, RunOptions,
+    init, init_encrypt, init_on, recover, recover_on, resume, resume_on, Devices, EncryptOptions,
+    InitOptions, Recovery, ResilienceKind, RunOptions, SegmentChange,
 };
 use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
-use ucrypt::sector::SectorSize;
+use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 const DATA_OFFSET: u64 = 1 << 20;
@@ -103,6 +105,11 @@ fn contents(img: Vec<u8>) -> Result<Vec<u8>> {
 
 /// The whole rotation: init, then every hotzone and finalisation.
 fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
+    rotate_to(dev, kind, SegmentChange::default())
+}
+
+/// [`rotate`] to a new cipher, key size or sector size.
+fn rotate_to(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) -> Result<()> {
     init(
         dev,
         PASS,
@@ -110,6 +117,8 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
             resilience: kind,
             kdf: &fast_kdf(),
             key_slot: None,
+            change,
+            mode: Mode::Reencrypt,
         },
     )?;
     resume(
@@ -215,9 +224,22 @@ fn rotation_keeps_the_data() {
             ResilienceKind::None,
         ] {
             let img = base(sector);
-            let dev = CrashBackend::from_image(img, 512);
+            let dev = CrashBackend::from_image(img.clone(), 512);
             rotate(&dev, kind).expect("rotate");
             let after = dev.crash_image(0);
+            // The reencrypt area (the rest of the keyslots area, up to the data) is wiped
+            // with random bytes at finalisation, as cryptsetup does: its tail, which no
+            // resilience data reached, changed.
+            let tail = (DATA_OFFSET - (64 << 10)) as usize..DATA_OFFSET as usize;
+            let changed = img[tail.clone()]
+                .iter()
+                .zip(&after[tail])
+                .filter(|(a, b)| a != b)
+                .count();
+            assert!(
+                changed > 60 << 10,
+                "{kind:?}: reencrypt area not wiped ({changed})"
+            );
             let hdr = luks::read_header(&CrashBackend::from_image(after.clone(), 512)).unwrap();
             let Header::Luks2(h) = hdr else { panic!() };
             assert_eq!(h.meta.segments.len(), 1, "{kind:?}");
@@ -247,21 +269,86 @@ fn rotation_changes_the_key() {
     ));
 }
 
+/// xorshift64 from the printed seed.
+fn rng() -> impl FnMut() -> u64 {
+    let seed = seed();
+    println!("REENCRYPT_CRASH_SEED={seed}");
+    let mut x = seed | 1;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+/// Cuts the power after every write and flush of one whole run (`rotate_to` with `change`,
+/// from a volume of `sector`-byte sectors), keeps a seeded choice of the unsynced writes at
+/// atomic `unit`s, recovers and resumes, and checks every byte. Returns (cuts, cuts that
+/// lost a `none` hotzone).
+fn cut_everywhere(
+    kind: ResilienceKind,
+    unit: u64,
+    sector: u32,
+    change: SegmentChange,
+    next: &mut dyn FnMut() -> u64,
+) -> (u64, u64) {
+    let want = plaintext();
+    let img = base(sector);
+    // Count the run's writes and flushes.
+    let counter = Cut {
+        inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+        budget: u64::MAX,
+        used: AtomicU64::new(0),
+    };
+    rotate_to(&counter, kind, change).expect("uncut rotation");
+    let total = counter.used.load(Ordering::SeqCst);
+    let mut lost_in_hotzone = 0;
+    for budget in 0..=total {
+        let cut = Cut {
+            inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+            budget,
+            used: AtomicU64::new(0),
+        };
+        let r = rotate_to(&cut, kind, change);
+        assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
+        let s = next();
+        let kept = cut.inner.crash_image(s);
+        let dev = CrashBackend::from_image(kept, unit);
+        check_layout(
+            &dev,
+            &dev,
+            DATA_OFFSET,
+            &want,
+            &format!("{kind:?} {change:?} budget {budget}"),
+        );
+        let rec = finish(&dev).unwrap_or_else(|e| {
+            panic!(
+                "{kind:?} sector {sector} unit {unit} {change:?}: cut after {budget} of {total} \
+                 (crash seed {s}): recovery failed: {e}"
+            )
+        });
+        let got = contents(dev.crash_image(0)).expect("finished volume opens");
+        if got != want {
+            if kind == ResilienceKind::None && matches!(rec, Recovery::Recovered { .. }) {
+                lost_in_hotzone += 1;
+                continue;
+            }
+            panic!(
+                "{kind:?} sector {sector} unit {unit} {change:?}: cut after {budget} of {total} \
+                 (crash seed {s}): data differs after recovery ({rec:?})"
+            );
+        }
+    }
+    (total + 1, lost_in_hotzone)
+}
+
 /// Power cut at every write and flush of a whole rotation, per resilience and sector size,
 /// at atomic units of 4 KiB (cryptsetup's checksum block: a torn block inside it cannot be
 /// told apart) and, for the journal, 512 bytes too.
 #[test]
 fn power_cut_at_every_write() {
-    let seed = seed();
-    println!("REENCRYPT_CRASH_SEED={seed}");
-    let mut x = seed | 1;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let want = plaintext();
+    let mut next = rng();
     for (kind, unit) in [
         (ResilienceKind::Checksum, 4096u64),
         (ResilienceKind::Journal, 4096),
@@ -269,34 +356,441 @@ fn power_cut_at_every_write() {
         (ResilienceKind::None, 4096),
     ] {
         for sector in [512u32, 4096] {
-            let img = base(sector);
-            // Count the run's writes and flushes.
-            let counter = Cut {
+            let (cuts, lost) =
+                cut_everywhere(kind, unit, sector, SegmentChange::default(), &mut next);
+            println!("{kind:?} sector {sector} unit {unit}: {cuts} cuts, {lost} lost a hotzone");
+        }
+    }
+}
+
+/// The cipher, key size and sector size changes the tests make: (old sector size, change,
+/// what the new segment's `encryption` and `sector_size` and the new key size must be).
+fn changes() -> Vec<(u32, SegmentChange, &'static str, u32, u32)> {
+    let ss = |n| Some(SectorSize::new(n).unwrap());
+    vec![
+        (
+            512,
+            SegmentChange {
+                cipher: None,
+                key_bytes: Some(32),
+                sector_size: ss(4096),
+            },
+            "aes-xts-plain64",
+            4096,
+            32,
+        ),
+        (
+            4096,
+            SegmentChange {
+                cipher: Some("aes-cbc-essiv:sha256".parse::<CipherSpec>().unwrap()),
+                key_bytes: None,
+                sector_size: ss(512),
+            },
+            "aes-cbc-essiv:sha256",
+            512,
+            32,
+        ),
+    ]
+}
+
+/// A cipher, key size or sector size change keeps the data; the plain header left has the
+/// new segment, and the new keyslot's area keeps the old cipher (as cryptsetup's).
+#[test]
+fn cipher_change_keeps_the_data() {
+    for (sector, change, enc, new_sector, key_bytes) in changes() {
+        for kind in [
+            ResilienceKind::Checksum,
+            ResilienceKind::Journal,
+            ResilienceKind::None,
+        ] {
+            let dev = CrashBackend::from_image(base(sector), 512);
+            rotate_to(&dev, kind, change).expect("rotate");
+            let after = dev.crash_image(0);
+            let hdr = luks::read_header(&CrashBackend::from_image(after.clone(), 512)).unwrap();
+            let Header::Luks2(h) = hdr else { panic!() };
+            let seg = &h.meta.segments["0"];
+            assert_eq!(seg.encryption.as_deref(), Some(enc), "{kind:?}");
+            assert_eq!(seg.sector_size, Some(new_sector), "{kind:?}");
+            let ks: Vec<_> = h.meta.keyslots.values().collect();
+            assert_eq!(ks.len(), 1);
+            assert_eq!(ks[0].key_size, key_bytes);
+            let area = ks[0].area.as_ref().unwrap();
+            assert_eq!(area.encryption.as_deref(), Some("aes-xts-plain64"));
+            assert_eq!(area.key_size, Some(64));
+            let got = contents(after).expect("read back");
+            assert!(got == plaintext(), "{kind:?} {change:?}: data changed");
+        }
+    }
+}
+
+/// A change of the new segment's size the data is not aligned to is refused before anything
+/// is written.
+#[test]
+fn sector_size_change_needs_aligned_data() {
+    let img = base(512);
+    let dev = CrashBackend::from_image(img, 512);
+    // 2 KiB less data: a multiple of 512 but not of 4096.
+    let short = CrashBackend::from_image(
+        dev.crash_image(0)[..(DEVICE_BYTES - 2048) as usize].to_vec(),
+        512,
+    );
+    let before = short.crash_image(0);
+    let r = rotate_to(
+        &short,
+        ResilienceKind::Checksum,
+        SegmentChange {
+            sector_size: Some(SectorSize::new(4096).unwrap()),
+            ..SegmentChange::default()
+        },
+    );
+    assert!(
+        matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("not aligned")),
+        "{r:?}"
+    );
+    assert!(short.crash_image(0) == before, "nothing written");
+}
+
+/// Power cuts at every write of a cipher and sector size change, checksum and journal.
+#[test]
+fn power_cut_during_cipher_change() {
+    let mut next = rng();
+    for (sector, change, ..) in changes() {
+        for (kind, unit) in [
+            (ResilienceKind::Checksum, 4096u64),
+            (ResilienceKind::Journal, 512),
+        ] {
+            let (cuts, lost) = cut_everywhere(kind, unit, sector, change, &mut next);
+            assert_eq!(lost, 0);
+            println!("{kind:?} sector {sector} {change:?} unit {unit}: {cuts} cuts");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- decryption (detached header)
+
+/// Bytes of the header device of a detached-header volume: both header copies and the
+/// keyslots area (which holds the reencrypt area).
+const DETACHED_HDR_BYTES: u64 = 1 << 20;
+
+/// A window `[offset, offset + len)` of another backend: the header device and the data
+/// device of a detached-header volume as two devices on one crash-simulated disk, so that a
+/// power cut hits both at the same moment.
+struct Slice {
+    inner: Arc<dyn Backend>,
+    offset: u64,
+    len: u64,
+}
+
+impl Backend for Slice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.inner.read_at(buf, self.offset + offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        assert!(
+            offset + buf.len() as u64 <= self.len,
+            "write past the slice"
+        );
+        self.inner.write_at(buf, self.offset + offset)
+    }
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.discard(self.offset + offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.write_zeroes(self.offset + offset, len)
+    }
+    fn size(&self) -> u64 {
+        self.len
+    }
+    fn logical_block_bytes(&self) -> u32 {
+        self.inner.logical_block_bytes()
+    }
+    fn describe(&self) -> String {
+        "slice".into()
+    }
+}
+
+/// The header and data devices of a detached-header disk image.
+fn split(disk: Arc<dyn Backend>) -> (Slice, Slice) {
+    (
+        Slice {
+            inner: disk.clone(),
+            offset: 0,
+            len: DETACHED_HDR_BYTES,
+        },
+        Slice {
+            inner: disk,
+            offset: DETACHED_HDR_BYTES,
+            len: DATA_BYTES,
+        },
+    )
+}
+
+/// A disk image holding a detached LUKS2 header (data offset 0, one keyslot for `PASS`) in
+/// its first [`DETACHED_HDR_BYTES`] and the ciphertext of [`plaintext`] after it.
+fn base_detached(sector: u32) -> Vec<u8> {
+    let mut o = FormatLuks2::defaults("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1".into());
+    o.kdf = fast_kdf();
+    o.data_offset = 0;
+    o.detached = true;
+    o.hdr_size = HDR_SIZE;
+    o.keyslots_size = DETACHED_HDR_BYTES - 2 * HDR_SIZE;
+    o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
+    let vk: Vec<u8> = (0..64u8).collect();
+    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
+    let disk = Arc::new(CrashBackend::new(DETACHED_HDR_BYTES + DATA_BYTES, 512).expect("disk"));
+    let (h, d) = split(disk.clone());
+    let (_, ops) = hdr
+        .add_keyslot(
+            NewKeyslot {
+                vk: &key,
+                passphrase: PASS,
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
+        .expect("keyslot");
+    luks::apply(&h, &ops).expect("apply");
+    let mut c = SectorCipher::new(
+        CipherSpec::AES_XTS_PLAIN64,
+        &vk,
+        Geometry {
+            sector_size: o.sector_size,
+            iv_offset: 0,
+            iv_large_sectors: false,
+        },
+    )
+    .expect("cipher");
+    let mut data = plaintext();
+    c.encrypt(0, &mut data).expect("encrypt");
+    d.write_at(&data, 0).expect("fill");
+    disk.flush().expect("flush");
+    disk.crash_image(0)
+}
+
+fn decrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind) -> Result<()> {
+    let (h, d) = split(disk);
+    let devs = Devices {
+        header: &h,
+        data: &d,
+    };
+    init_on(
+        devs,
+        PASS,
+        &InitOptions {
+            resilience: kind,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Decrypt,
+        },
+    )?;
+    resume_on(
+        devs,
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(HOTZONE_BYTES),
+        },
+        &mut |_| {},
+    )
+}
+
+/// After a crash during a decryption: repair, then resume, if the header says one is under
+/// way. Returns what recovery found, and the data device's bytes and header after it.
+fn finish_decrypt(disk: Arc<CrashBackend>) -> Result<(Recovery, Vec<u8>, luks::Header)> {
+    let (h, d) = split(disk.clone());
+    let devs = Devices {
+        header: &h,
+        data: &d,
+    };
+    let mut rec = Recovery::NotNeeded;
+    if !luks::read_header(&h)?.unmet_requirements().is_empty() {
+        rec = recover_on(devs, PASS)?;
+        if !luks::read_header(&h)?.unmet_requirements().is_empty() {
+            resume_on(
+                devs,
+                PASS,
+                RunOptions {
+                    hotzone_bytes: Some(HOTZONE_BYTES),
+                },
+                &mut |_| {},
+            )?;
+        }
+    }
+    let mut out = vec![0u8; DATA_BYTES as usize];
+    d.read_exact_at(&mut out, 0)?;
+    Ok((rec, out, luks::read_header(&h)?))
+}
+
+/// The header a finished decryption leaves: one linear segment, no keyslot, no digest, no
+/// requirement (as cryptsetup 2.6.1 leaves it).
+fn assert_decrypted_header(hdr: &luks::Header) {
+    let Header::Luks2(h) = hdr else {
+        panic!("not LUKS2")
+    };
+    assert_eq!(h.meta.segments.len(), 1);
+    assert_eq!(h.meta.segments["0"].kind, "linear");
+    assert!(h.meta.keyslots.is_empty(), "{:?}", h.meta.keyslots.keys());
+    assert!(h.meta.digests.is_empty());
+    assert!(h.meta.config.requirements.is_none());
+}
+
+#[test]
+fn decryption_leaves_the_plaintext() {
+    for sector in [512u32, 4096] {
+        for kind in [
+            ResilienceKind::Checksum,
+            ResilienceKind::Journal,
+            ResilienceKind::None,
+        ] {
+            let disk = Arc::new(CrashBackend::from_image(base_detached(sector), 512));
+            decrypt_all(disk.clone(), kind).expect("decrypt");
+            let (rec, data, hdr) = finish_decrypt(disk).expect("read back");
+            assert_eq!(rec, Recovery::NotNeeded);
+            assert_decrypted_header(&hdr);
+            assert!(data == plaintext(), "{kind:?} {sector}: data differs");
+        }
+    }
+}
+
+/// Decryption needs a detached header (cryptsetup 2.6's rule), refused before any write.
+#[test]
+fn decryption_needs_a_detached_header() {
+    let dev = CrashBackend::from_image(base(4096), 512);
+    let before = dev.crash_image(0);
+    let r = init(
+        &dev,
+        PASS,
+        &InitOptions {
+            resilience: ResilienceKind::Checksum,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Decrypt,
+        },
+    );
+    assert!(matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("detached header")));
+    assert!(dev.crash_image(0) == before);
+}
+
+/// Before any recovery: every live segment of a header in reencryption but the hotzone says
+/// what its bytes are: a linear one holds the plaintext, a crypt one decrypts to it with the
+/// key of its digest (unlocked with the passphrase), its cipher, sector size and IV tweak.
+/// `data_offset` is where the data starts on `data`.
+fn check_layout(
+    hdr_dev: &dyn Backend,
+    data: &dyn Backend,
+    data_offset: u64,
+    want: &[u8],
+    what: &str,
+) {
+    let Ok(hdr_any) = luks::read_header(hdr_dev) else {
+        return;
+    };
+    let Header::Luks2(hdr) = &hdr_any else {
+        return;
+    };
+    if ucrypt::luks::reencrypt::ReencryptState::from_metadata(&hdr.meta)
+        .unwrap()
+        .is_none()
+    {
+        return;
+    }
+    let mut bytes = vec![0u8; DATA_BYTES as usize];
+    data.read_exact_at(&mut bytes, data_offset).unwrap();
+    for (id, seg) in &hdr.meta.segments {
+        if seg.flags.as_ref().is_some_and(|f| !f.is_empty()) {
+            continue; // backups, and the hotzone (old or new per block)
+        }
+        let start = (seg.offset.0 - data_offset) as usize;
+        let end = match seg.size {
+            ucrypt::luks::json::SegmentSize::Bytes(n) => start + n as usize,
+            ucrypt::luks::json::SegmentSize::Dynamic => DATA_BYTES as usize,
+        };
+        let mut part = bytes[start..end].to_vec();
+        if seg.kind == "crypt" {
+            let n: u32 = id.parse().unwrap();
+            let d = ucrypt::luks::reencrypt::digest_of_segment(&hdr.meta, n).unwrap();
+            let slot: u32 = hdr.meta.digests[&d.to_string()].keyslots[0]
+                .parse()
+                .unwrap();
+            let mut read = |o: u64, l: u64| luks::read_area(hdr_dev, o, l);
+            let (_, vk) = luks::unlock(&hdr_any, PASS, Some(slot), &mut read).unwrap();
+            let mut c = SectorCipher::new(
+                seg.encryption.as_deref().unwrap().parse().unwrap(),
+                vk.bytes(),
+                Geometry {
+                    sector_size: SectorSize::new(u64::from(seg.sector_size.unwrap())).unwrap(),
+                    iv_offset: seg.iv_tweak.unwrap().0,
+                    iv_large_sectors: false,
+                },
+            )
+            .unwrap();
+            c.decrypt(0, &mut part).unwrap();
+        }
+        assert!(
+            part == want[start..end],
+            "{what}: segment {id} ({} at {start}..{end}) does not hold what it says",
+            seg.kind
+        );
+    }
+}
+
+/// Power cut at every write and flush of a whole decryption (header and data on one
+/// simulated disk), recovery and resume: every byte is the plaintext, the header plain.
+#[test]
+fn power_cut_during_decryption() {
+    let mut next = rng();
+    let want = plaintext();
+    for (kind, unit) in [
+        (ResilienceKind::Checksum, 4096u64),
+        (ResilienceKind::Journal, 512),
+        (ResilienceKind::None, 4096),
+    ] {
+        for sector in [512u32, 4096] {
+            let img = base_detached(sector);
+            let counter = Arc::new(Cut {
                 inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
                 budget: u64::MAX,
                 used: AtomicU64::new(0),
-            };
-            rotate(&counter, kind).expect("uncut rotation");
+            });
+            decrypt_all(counter.clone(), kind).expect("uncut decryption");
             let total = counter.used.load(Ordering::SeqCst);
-            let mut lost_in_hotzone = 0;
+            let mut lost = 0;
             for budget in 0..=total {
-                let cut = Cut {
+                let cut = Arc::new(Cut {
                     inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
                     budget,
                     used: AtomicU64::new(0),
-                };
-                let r = rotate(&cut, kind);
+                });
+                let r = decrypt_all(cut.clone(), kind);
                 assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
                 let s = next();
-                let kept = cut.inner.crash_image(s);
-                let dev = CrashBackend::from_image(kept, unit);
-                let rec = finish(&dev).unwrap_or_else(|e| {
-                    panic!("{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} (crash seed {s}): recovery failed: {e}")
+                let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(s), unit));
+                let (h, d) = split(kept.clone());
+                check_layout(&h, &d, 0, &want, &format!("decrypt budget {budget}"));
+                let (rec, got, hdr) = finish_decrypt(kept).unwrap_or_else(|e| {
+                    panic!(
+                        "{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} \
+                         (crash seed {s}): recovery failed: {e}"
+                    )
                 });
-                let got = contents(dev.crash_image(0)).expect("finished volume opens");
+                let Header::Luks2(h) = &hdr else { panic!() };
+                if h.meta.segments["0"].kind == "crypt" && h.meta.config.requirements.is_none() {
+                    // Cut before the init's commit: still the encrypted volume.
+                    let (_, d) = split(Arc::new(CrashBackend::from_image(img.clone(), unit)));
+                    let mut was = vec![0u8; DATA_BYTES as usize];
+                    d.read_exact_at(&mut was, 0).unwrap();
+                    assert!(got == was, "budget {budget}: untouched volume changed");
+                    continue;
+                }
+                assert_decrypted_header(&hdr);
                 if got != want {
                     if kind == ResilienceKind::None && matches!(rec, Recovery::Recovered { .. }) {
-                        lost_in_hotzone += 1;
+                        lost += 1;
                         continue;
                     }
                     panic!(
@@ -306,7 +800,179 @@ fn power_cut_at_every_write() {
                 }
             }
             println!(
-                "{kind:?} sector {sector} unit {unit}: {} cuts, {lost_in_hotzone} lost a hotzone",
+                "decrypt {kind:?} sector {sector} unit {unit}: {} cuts, {lost} lost a hotzone",
+                total + 1
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------- encryption (detached header)
+
+/// A disk image with an empty header region and [`plaintext`] as the data.
+fn base_plain() -> Vec<u8> {
+    let mut img = vec![0u8; (DETACHED_HDR_BYTES + DATA_BYTES) as usize];
+    img[DETACHED_HDR_BYTES as usize..].copy_from_slice(&plaintext());
+    img
+}
+
+fn encrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind, sector: u32) -> Result<()> {
+    let (h, d) = split(disk);
+    let devs = Devices {
+        header: &h,
+        data: &d,
+    };
+    init_encrypt(
+        devs,
+        PASS,
+        &EncryptOptions {
+            resilience: kind,
+            kdf: &fast_kdf(),
+            cipher: CipherSpec::AES_XTS_PLAIN64,
+            key_bytes: 64,
+            sector_size: SectorSize::new(u64::from(sector)).unwrap(),
+            uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f2".into(),
+        },
+    )?;
+    resume_on(
+        devs,
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(HOTZONE_BYTES),
+        },
+        &mut |_| {},
+    )
+}
+
+/// After a crash during an encryption: repair and resume if the header says one is under
+/// way. Returns what recovery found and the plaintext read through the header, or `None`
+/// when no header was written (the data device must then be untouched plaintext).
+fn finish_encrypt(disk: Arc<CrashBackend>) -> Result<(Recovery, Option<Vec<u8>>)> {
+    let (h, d) = split(disk.clone());
+    let Ok(hdr) = luks::read_header(&h) else {
+        return Ok((Recovery::NotNeeded, None));
+    };
+    let devs = Devices {
+        header: &h,
+        data: &d,
+    };
+    let mut rec = Recovery::NotNeeded;
+    if !hdr.unmet_requirements().is_empty() {
+        rec = recover_on(devs, PASS)?;
+        if !luks::read_header(&h)?.unmet_requirements().is_empty() {
+            resume_on(
+                devs,
+                PASS,
+                RunOptions {
+                    hotzone_bytes: Some(HOTZONE_BYTES),
+                },
+                &mut |_| {},
+            )?;
+        }
+    }
+    if !luks::read_header(&h)?.unmet_requirements().is_empty() {
+        return Err(Error::InReencryption);
+    }
+    let (h, d) = split(disk);
+    let mut opts = OpenOptions::default();
+    opts.header = Some(Arc::new(h));
+    let vol = luks::open(
+        Arc::new(d),
+        Unlock::Passphrase(SecretBytes::from_slice(PASS)),
+        &opts,
+    )?;
+    let mut out = vec![0u8; DATA_BYTES as usize];
+    vol.read_at(&mut out, 0)?;
+    Ok((rec, Some(out)))
+}
+
+#[test]
+fn encryption_keeps_the_data() {
+    for sector in [512u32, 4096] {
+        for kind in [
+            ResilienceKind::Checksum,
+            ResilienceKind::Journal,
+            ResilienceKind::None,
+        ] {
+            let disk = Arc::new(CrashBackend::from_image(base_plain(), 512));
+            encrypt_all(disk.clone(), kind, sector).expect("encrypt");
+            let (_, d) = split(disk.clone());
+            let mut raw = vec![0u8; DATA_BYTES as usize];
+            d.read_exact_at(&mut raw, 0).unwrap();
+            assert!(raw != plaintext(), "{kind:?} {sector}: still plaintext");
+            let (rec, got) = finish_encrypt(disk).expect("read back");
+            assert_eq!(rec, Recovery::NotNeeded);
+            assert!(
+                got.unwrap() == plaintext(),
+                "{kind:?} {sector}: data differs"
+            );
+        }
+    }
+}
+
+/// Power cut at every write and flush of a whole encryption (header and data on one
+/// simulated disk), recovery and resume: every byte reads back as the plaintext.
+#[test]
+fn power_cut_during_encryption() {
+    let mut next = rng();
+    let want = plaintext();
+    for (kind, unit) in [
+        (ResilienceKind::Checksum, 4096u64),
+        (ResilienceKind::Journal, 512),
+        (ResilienceKind::None, 4096),
+    ] {
+        for sector in [512u32, 4096] {
+            let img = base_plain();
+            let counter = Arc::new(Cut {
+                inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+                budget: u64::MAX,
+                used: AtomicU64::new(0),
+            });
+            encrypt_all(counter.clone(), kind, sector).expect("uncut encryption");
+            let total = counter.used.load(Ordering::SeqCst);
+            let mut lost = 0;
+            for budget in 0..=total {
+                let cut = Arc::new(Cut {
+                    inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+                    budget,
+                    used: AtomicU64::new(0),
+                });
+                let r = encrypt_all(cut.clone(), kind, sector);
+                assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
+                let s = next();
+                let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(s), unit));
+                let (h, d) = split(kept.clone());
+                check_layout(&h, &d, 0, &want, &format!("encrypt budget {budget}"));
+                let (rec, got) = finish_encrypt(kept.clone()).unwrap_or_else(|e| {
+                    panic!(
+                        "{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} \
+                         (crash seed {s}): recovery failed: {e}"
+                    )
+                });
+                let got = match got {
+                    Some(g) => g,
+                    None => {
+                        // No header yet: the data must be the untouched plaintext.
+                        let (_, d) = split(kept);
+                        let mut raw = vec![0u8; DATA_BYTES as usize];
+                        d.read_exact_at(&mut raw, 0).unwrap();
+                        assert!(raw == want, "budget {budget}: no header, data changed");
+                        continue;
+                    }
+                };
+                if got != want {
+                    if kind == ResilienceKind::None && matches!(rec, Recovery::Recovered { .. }) {
+                        lost += 1;
+                        continue;
+                    }
+                    panic!(
+                        "{kind:?} sector {sector} unit {unit}: cut after {budget} of {total} \
+                         (crash seed {s}): data differs after recovery ({rec:?})"
+                    );
+                }
+            }
+            println!(
+                "encrypt {kind:?} sector {sector} unit {unit}: {} cuts, {lost} lost a hotzone",
                 total + 1
             );
         }

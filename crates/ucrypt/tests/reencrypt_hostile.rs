@@ -14,9 +14,11 @@ use serde_json::{json, Value};
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
 use ucrypt::luks::luks2::{format, FormatLuks2};
-use ucrypt::luks::reencrypt::ReencryptState;
+use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::reencrypt_plan::position;
-use ucrypt::luks::reencrypt_run::{init, recover, resume, InitOptions, ResilienceKind, RunOptions};
+use ucrypt::luks::reencrypt_run::{
+    init, recover, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
+};
 use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::SectorSize;
 use ucrypt::{Error, Result, SecretBytes};
@@ -143,6 +145,8 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
             resilience: kind,
             kdf: &fast_kdf(),
             key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Reencrypt,
         },
     )?;
     resume(
@@ -160,7 +164,7 @@ fn where_is(img: &[u8]) -> Option<(u64, Option<u64>)> {
     let hdr = luks::read_header(&CrashBackend::from_image(img.to_vec(), 512)).ok()?;
     let Header::Luks2(h) = hdr else { return None };
     let st = ReencryptState::from_metadata(&h.meta).ok()??;
-    let p = position(&h.meta, &st).ok()?;
+    let p = position(&h.meta, &st, DATA_BYTES).ok()?;
     Some((p.done, p.hotzone))
 }
 
@@ -329,13 +333,14 @@ fn rows() -> Vec<(&'static str, At, Mangle, &'static str)> {
                 let id = flagged(v, "in-reencryption");
                 set_size(&mut v["segments"][&id], DATA_BYTES);
             }),
-            "reencrypt-segments",
+            // The planner reads the position back and finds it past the data.
+            "reencrypt-plan",
         ),
         (
             "done part past the end of the device",
             Between,
             Box::new(|v: &mut Value| set_size(&mut v["segments"]["0"], DATA_BYTES + 4096)),
-            "reencrypt-segments",
+            "reencrypt-plan",
         ),
         (
             "gap between the done part and the rest",
@@ -382,7 +387,7 @@ fn rows() -> Vec<(&'static str, At, Mangle, &'static str)> {
                     }
                 }
             }),
-            "reencrypt-segments",
+            "reencrypt-plan",
         ),
         (
             "done part with the old cipher's sector size",

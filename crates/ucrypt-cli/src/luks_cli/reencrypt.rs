@@ -1,16 +1,20 @@
-//! `ucrypt reencrypt`: offline key rotation on cryptsetup's on-disk protocol
-//! (`ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on a volume
-//! left inside a hotzone.
+//! `ucrypt reencrypt`: offline reencryption on cryptsetup's on-disk protocol (key rotation,
+//! cipher / key size / sector size change, `--decrypt` and `--encrypt` with a detached
+//! `--header`; `ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on
+//! a volume left inside a hotzone.
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use ucrypt::backend::{Backend, CacheMode};
+use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt::ReencryptState;
 use ucrypt::luks::reencrypt_run::{
-    self, InitOptions, Progress, Recovery, ResilienceKind, RunOptions,
+    self, Devices, InitOptions, Progress, Recovery, ResilienceKind, RunOptions, SegmentChange,
 };
 use ucrypt::luks::Header;
+use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result};
 
 use super::{existing_source, kdf_request, load, LuksOpts};
@@ -38,10 +42,10 @@ pub struct ReencryptOpts {
     /// Accepted for scripts: ucrypt always reencrypts a file or device it opens itself offline.
     #[arg(long)]
     pub force_offline_reencrypt: bool,
-    /// Encrypt a plaintext device in place (not built yet in ucrypt).
+    /// Encrypt a plaintext device in place (needs a detached `--header`, created here).
     #[arg(long, short = 'N', alias = "new")]
     pub encrypt: bool,
-    /// Decrypt the device in place (not built yet in ucrypt).
+    /// Decrypt the device in place (needs a detached `--header`, as cryptsetup 2.6).
     #[arg(long)]
     pub decrypt: bool,
     /// Move the data to make room for a header (datashift; not built yet in ucrypt).
@@ -79,19 +83,13 @@ fn parse_size(s: &str) -> Result<u64> {
 
 fn not_built(what: &str) -> Error {
     Error::InvalidArgument(format!(
-        "ucrypt reencrypt does not support {what} yet (it rotates the volume key of a LUKS2 \
-         volume in place)."
+        "ucrypt reencrypt does not support {what} yet (it reencrypts, decrypts or encrypts \
+         in place, offline)."
     ))
 }
 
 /// Refuses what is not built, naming it.
 fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> {
-    if r.encrypt {
-        return Err(not_built("--encrypt (encrypting a plaintext device)"));
-    }
-    if r.decrypt {
-        return Err(not_built("--decrypt"));
-    }
     if r.reduce_device_size.is_some() {
         return Err(not_built(
             "--reduce-device-size (moving the data: datashift)",
@@ -100,45 +98,53 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
     if r.active_name.is_some() {
         return Err(not_built("--active-name (online reencryption)"));
     }
-    if o.header.is_some() {
-        return Err(not_built("--header (a detached header)"));
+    if r.decrypt && o.header.is_none() {
+        return Err(Error::InvalidArgument(
+            reencrypt_run::DECRYPT_NEEDS_DETACHED_HEADER.into(),
+        ));
     }
     if let Some(h) = &r.resilience_hash {
         if h != reencrypt_run::CHECKSUM_HASH.name() {
             return Err(not_built("--resilience-hash other than sha256"));
         }
     }
-    let Header::Luks2(h) = hdr else {
+    let Header::Luks2(_) = hdr else {
         return Err(Error::UnsupportedLuks(
             "reencryption of LUKS1 (convert it to LUKS2 first)".into(),
         ));
     };
-    // A cipher, key size or sector size change: refused unless it changes nothing.
-    if let Ok(seg) = h.meta.crypt_segment() {
-        if o.cipher
-            .as_deref()
-            .is_some_and(|c| c != seg.cipher.to_string())
-        {
-            return Err(not_built("--cipher (a cipher change)"));
-        }
-        if o.sector_size
-            .is_some_and(|s| s != u64::from(seg.sector_size.bytes()))
-        {
-            return Err(not_built("--sector-size (a sector size change)"));
-        }
-        if let Some(bits) = o.key_size {
-            let have = h
-                .meta
-                .keyslots
-                .values()
-                .find(|k| k.kind == "luks2")
-                .map(|k| k.key_size * 8);
-            if have.is_some_and(|b| b != bits) {
-                return Err(not_built("--key-size (a key size change)"));
-            }
-        }
-    }
     Ok(())
+}
+
+/// The new segment's parameters from `--cipher`, `--key-size` and `--sector-size`, as
+/// cryptsetup reads them: a cipher equal to the old one is no change; `--key-size` is in bits.
+fn segment_change(o: &LuksOpts, hdr: &Header) -> Result<SegmentChange> {
+    let old = match hdr {
+        Header::Luks2(h) => h.meta.crypt_segment().ok(),
+        Header::Luks1(_) => None,
+    };
+    let cipher = match o.cipher.as_deref() {
+        None => None,
+        Some(c) => {
+            let spec: CipherSpec = c.parse()?;
+            (old.as_ref().map(|s| s.cipher) != Some(spec)).then_some(spec)
+        }
+    };
+    let key_bytes = match o.key_size {
+        None => None,
+        Some(bits) if bits % 8 == 0 => Some(bits as usize / 8),
+        Some(bits) => {
+            return Err(Error::InvalidArgument(format!(
+                "Key size in bits must be a multiple of 8 bits ({bits})."
+            )))
+        }
+    };
+    let sector_size = o.sector_size.map(SectorSize::new).transpose()?;
+    Ok(SegmentChange {
+        cipher,
+        key_bytes,
+        sector_size,
+    })
 }
 
 /// Prints progress as cryptsetup does: a line every `every` (`--progress-frequency`), or an
@@ -199,14 +205,37 @@ impl Meter {
     }
 }
 
+/// The data device when the header is detached (`--header`): the volume itself, opened
+/// buffered (the driver flushes it at each step); `None` when the header is in front of the
+/// data on one device.
+fn data_dev(device: &Target, o: &LuksOpts) -> Result<Option<std::sync::Arc<dyn Backend>>> {
+    o.header
+        .as_ref()
+        .map(|_| device.open_data(true, &o.remote, CacheMode::Writeback))
+        .transpose()
+}
+
 pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     if r.init_only && r.resume_only {
         return Err(Error::InvalidArgument(
             "Options --init-only and --resume-only cannot be combined.".into(),
         ));
     }
+    if r.encrypt && r.reduce_device_size.is_some() {
+        return Err(not_built(
+            "--reduce-device-size (moving the data: datashift)",
+        ));
+    }
+    if r.encrypt && !encryption_in_progress(o) {
+        return encrypt(device, r, o);
+    }
     let (dev, hdr) = load(device, o, true)?;
     check_supported(r, o, &hdr)?;
+    let data = data_dev(device, o)?;
+    let devs = Devices {
+        header: dev.as_ref(),
+        data: data.as_deref().unwrap_or(dev.as_ref()),
+    };
     let in_progress = match &hdr {
         Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?,
         Header::Luks1(_) => None,
@@ -240,20 +269,26 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             let resilience =
                 ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
             let kdf = kdf_request(o, 2)?;
-            let started = reencrypt_run::init(
-                dev.as_ref(),
+            let started = reencrypt_run::init_on(
+                devs,
                 passphrase.as_ref(),
                 &InitOptions {
                     resilience,
                     kdf: &kdf,
                     key_slot: o.key_slot,
+                    change: segment_change(o, &hdr)?,
+                    mode: if r.decrypt {
+                        Mode::Decrypt
+                    } else {
+                        Mode::Reencrypt
+                    },
                 },
             )?;
             if o.verbose {
-                eprintln!(
-                    "Key slot {} created. Reencryption keyslot {}.",
-                    started.new_keyslot, started.reencrypt_keyslot
-                );
+                if let Some(k) = started.new_keyslot {
+                    eprintln!("Key slot {k} created.");
+                }
+                eprintln!("Reencryption keyslot {}.", started.reencrypt_keyslot);
             }
             if r.init_only {
                 return Ok(0);
@@ -261,8 +296,8 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         }
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume(
-        dev.as_ref(),
+    reencrypt_run::resume_on(
+        devs,
         passphrase.as_ref(),
         RunOptions { hotzone_bytes },
         &mut |p| meter.show(p),
@@ -270,6 +305,89 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     if o.verbose {
         eprintln!("Command successful.");
     }
+    Ok(0)
+}
+
+/// Bytes of the detached header `--encrypt` makes: cryptsetup's default LUKS2 metadata
+/// (two 16 KiB copies and the keyslots area), 16 MiB.
+const ENCRYPT_HEADER_BYTES: u64 = 16 << 20;
+
+/// Whether `--header` already holds a LUKS2 header in reencryption (an encryption to resume).
+fn encryption_in_progress(o: &LuksOpts) -> bool {
+    let Some(h) = &o.header else { return false };
+    let Ok(dev) = super::dev::open_header(h, false) else {
+        return false;
+    };
+    matches!(
+        ucrypt::luks::read_header(dev.as_ref()),
+        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(&h.meta).ok().flatten().is_some()
+    )
+}
+
+/// `reencrypt --encrypt --header H`: a new detached header for the plaintext device, then the
+/// hotzones (as cryptsetup 2.6; `--init-only` stops after the header).
+fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
+    let Some(hpath) = &o.header else {
+        return Err(Error::InvalidArgument(
+            reencrypt_run::ENCRYPT_NEEDS_DETACHED_HEADER.into(),
+        ));
+    };
+    if r.resume_only {
+        return Err(Error::InvalidArgument(format!(
+            "Device {device} is not in reencryption."
+        )));
+    }
+    let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
+    let key_bytes = match o.key_size {
+        None => cipher.default_key_bytes(),
+        Some(bits) if bits % 8 == 0 => bits as usize / 8,
+        Some(bits) => {
+            return Err(Error::InvalidArgument(format!(
+                "Key size in bits must be a multiple of 8 bits ({bits})."
+            )))
+        }
+    };
+    // cryptsetup 2.6.1 encrypts in 512-byte sectors unless told otherwise (measured).
+    let sector_size = SectorSize::new(o.sector_size.unwrap_or(512))?;
+    let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
+    let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
+    let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
+    let kdf = kdf_request(o, 2)?;
+    let uuid = match &o.uuid {
+        Some(u) => {
+            ucrypt::luks::util::check_uuid(u)?;
+            u.clone()
+        }
+        None => ucrypt::luks::util::random_uuid()?,
+    };
+    let hdr = super::dev::create_header(hpath, ENCRYPT_HEADER_BYTES)?;
+    let devs = Devices {
+        header: hdr.as_ref(),
+        data: data.as_ref(),
+    };
+    reencrypt_run::init_encrypt(
+        devs,
+        passphrase.as_ref(),
+        &reencrypt_run::EncryptOptions {
+            resilience,
+            kdf: &kdf,
+            cipher,
+            key_bytes,
+            sector_size,
+            uuid,
+        },
+    )?;
+    if r.init_only {
+        return Ok(0);
+    }
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    reencrypt_run::resume_on(
+        devs,
+        passphrase.as_ref(),
+        RunOptions { hotzone_bytes },
+        &mut |p| meter.show(p),
+    )?;
     Ok(0)
 }
 
@@ -282,7 +400,12 @@ pub fn repair_reencryption(device: &Target, o: &LuksOpts) -> Result<i32> {
         false,
     )?;
     let (dev, _) = load(device, o, true)?;
-    match reencrypt_run::recover(dev.as_ref(), passphrase.as_ref())? {
+    let data = data_dev(device, o)?;
+    let devs = Devices {
+        header: dev.as_ref(),
+        data: data.as_deref().unwrap_or(dev.as_ref()),
+    };
+    match reencrypt_run::recover_on(devs, passphrase.as_ref())? {
         Recovery::NotNeeded => {
             if o.verbose {
                 eprintln!("No known problems detected for LUKS header.");

@@ -1,14 +1,19 @@
-//! The planner for offline key rotation (mode `reencrypt`, direction `forward`, resilience
-//! `checksum`, `journal` or `none`, no data shift), sans I/O: where the rotation stands
-//! ([`position`]), the segments and digests for a position ([`set_segments`]), the steps of
-//! the next hotzone ([`next_hotzone`]) as effects a driver performs in order, and the plain
-//! header the rotation ends with ([`finalise`]). The driver is `luks::reencrypt_run`.
+//! The planner of offline reencryption (modes `reencrypt`, `encrypt` and `decrypt`, directions
+//! `forward` and `backward`, resilience `checksum`, `journal` or `none`, no data shift), sans
+//! I/O: where it stands ([`position`]), the segments and digests for a position
+//! ([`set_segments`]), the steps of the next hotzone ([`next_hotzone`]) as effects a driver
+//! performs in order, and the plain header it ends with ([`finalise`]). The driver is
+//! `luks::reencrypt_run`.
 //!
 //! The step order is cryptsetup's: read the old hotzone, store its resilience data (checksums
-//! of the old ciphertext, or a copy of it) in the reencrypt keyslot area and flush it, commit
-//! the metadata with the hotzone flagged `in-reencryption` (a crash after this point needs
-//! recovery), write the hotzone under the new key, flush, then commit the metadata with the
-//! boundary moved past the hotzone (after the last hotzone: finalise).
+//! of the old bytes on the disk, or a copy of them) in the reencrypt keyslot area and flush it,
+//! commit the metadata with the hotzone flagged `in-reencryption` (a crash after this point
+//! needs recovery), write the hotzone in its new form, flush, then commit the metadata with
+//! the boundary moved past the hotzone (after the last hotzone: finalise).
+//!
+//! A [`Position`] counts in the direction of the walk: forward, the first `done` bytes are new
+//! and the hotzone follows them; backward, the last `done` bytes are new and the hotzone ends
+//! where they begin ([`hotzone_offset`]).
 
 use super::json::{Metadata, Segment, SegmentSize, U64Str};
 use super::reencrypt::{
@@ -31,10 +36,11 @@ fn unsupported(detail: impl Into<String>) -> Error {
 /// Bytes per IV step of `iv_tweak` (the kernel's 512-byte sectors).
 const IV_UNIT_BYTES: u64 = 512;
 
-/// Where a forward rotation stands, in bytes from the start of the data.
+/// Where a reencryption stands, in bytes in the direction of its walk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Position {
-    /// Bytes already under the new key.
+    /// Bytes already in their new form (from the start going forward, from the end going
+    /// backward).
     pub done: u64,
     /// Length of the hotzone after `done`, when the metadata was committed inside one.
     pub hotzone: Option<u64>,
@@ -101,19 +107,13 @@ fn has_flag(s: &Segment, f: SegmentFlag) -> bool {
         .is_some_and(|v| v.iter().any(|x| x == f.name()))
 }
 
-fn fixed(s: &Segment) -> Result<u64> {
-    match s.size {
-        SegmentSize::Bytes(n) => Ok(n),
-        SegmentSize::Dynamic => Err(bad("a done or hotzone segment has dynamic size")),
-    }
-}
-
-/// Only what this planner handles: forward key rotation, no data shift.
+/// Only what this planner handles: modes `reencrypt`, `encrypt` and `decrypt`, either
+/// direction, no data shift.
 pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
     let k = &st.keyslot;
-    if k.mode != Mode::Reencrypt || k.direction != Direction::Forward || st.backup_moved.is_some() {
+    if st.backup_moved.is_some() {
         return Err(unsupported(format!(
-            "reencryption {} {} (the planner does forward key rotation only)",
+            "reencryption {} {} with a moved segment (a data shift)",
             k.mode.name(),
             k.direction.name()
         )));
@@ -126,41 +126,126 @@ pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
         Resilience::Journal => Ok(Protect::Journal),
         Resilience::None => Ok(Protect::None),
         r => Err(unsupported(format!(
-            "resilience {} (a data shift; the planner rotates keys in place)",
+            "resilience {} (a data shift; the planner rewrites data in place)",
             r.name()
         ))),
     }
 }
 
-/// Reads the live segments back into a [`Position`]: `[old]`, `[new, old]` or
-/// `[new, hotzone, old]` (the first `new` absent at the start).
-pub fn position(meta: &Metadata, st: &ReencryptState) -> Result<Position> {
+/// What a live segment holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Old,
+    Hot,
+    New,
+}
+
+/// The digests of the old and new keys (`None`: encryption has no old key, decryption no new
+/// one).
+fn key_digests(meta: &Metadata, st: &ReencryptState) -> Result<(Option<u32>, Option<u32>)> {
+    let d_old = digest_of_segment(meta, st.backup_previous);
+    let d_new = digest_of_segment(meta, st.backup_final);
+    let want_old = st.keyslot.mode != Mode::Encrypt;
+    let want_new = st.keyslot.mode != Mode::Decrypt;
+    if d_old.is_some() != want_old || d_new.is_some() != want_new {
+        return Err(bad(format!(
+            "mode {} with backup-previous digest {d_old:?} and backup-final digest {d_new:?}",
+            st.keyslot.mode.name()
+        )));
+    }
+    if d_old.is_some() && d_old == d_new {
+        return Err(bad("old and new keys share a digest: nothing to rotate"));
+    }
+    Ok((d_old, d_new))
+}
+
+/// Which part a live segment is: the hotzone by its flag; otherwise new if the new key's
+/// digest lists it (or, for decryption, if it is linear), old if not.
+fn part_of(meta: &Metadata, st: &ReencryptState, id: u32, s: &Segment) -> Result<Part> {
+    if has_flag(s, SegmentFlag::InReencryption) {
+        return Ok(Part::Hot);
+    }
+    let (_, d_new) = key_digests(meta, st)?;
+    let new = match d_new {
+        Some(d) => meta
+            .digests
+            .get(&d.to_string())
+            .is_some_and(|x| x.segments.contains(&id.to_string())),
+        None => s.kind == "linear",
+    };
+    Ok(if new { Part::New } else { Part::Old })
+}
+
+/// Reads the live segments back into a [`Position`] for a volume of `data_bytes` bytes of
+/// data: forward `[new] [hotzone] [old]`, backward `[old] [hotzone] [new]`, each part
+/// optional but not all.
+pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<Position> {
     check_supported(st)?;
     let live = live_segments(meta);
-    let segs: Vec<&Segment> = live.iter().map(|(_, s)| *s).collect();
-    let hot_at = segs
-        .iter()
-        .position(|s| has_flag(s, SegmentFlag::InReencryption));
-    match (segs.len(), hot_at) {
-        (1, None) => Ok(Position {
-            done: 0,
-            hotzone: None,
-        }),
-        (2, None) => Ok(Position {
-            done: fixed(segs[0])?,
-            hotzone: None,
-        }),
-        (2, Some(0)) => Ok(Position {
-            done: 0,
-            hotzone: Some(fixed(segs[0])?),
-        }),
-        (3, Some(1)) => Ok(Position {
-            done: fixed(segs[0])?,
-            hotzone: Some(fixed(segs[1])?),
-        }),
-        (n, h) => Err(bad(format!(
-            "{n} live segments with the hotzone at {h:?}: not a forward rotation's layout"
-        ))),
+    let mut parts = Vec::with_capacity(live.len());
+    for (id, s) in &live {
+        parts.push((part_of(meta, st, *id, s)?, *s));
+    }
+    let order: &[Part] = match st.keyslot.direction {
+        Direction::Forward => &[Part::New, Part::Hot, Part::Old],
+        Direction::Backward => &[Part::Old, Part::Hot, Part::New],
+    };
+    // Each part at most once, in the direction's order.
+    let mut at = 0;
+    for (p, _) in &parts {
+        match order[at..].iter().position(|o| o == p) {
+            Some(i) => at += i + 1,
+            None => {
+                return Err(bad(format!(
+                    "live segments {:?} are not a {} layout",
+                    parts.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+                    st.keyslot.direction.name()
+                )))
+            }
+        }
+    }
+    let size_of = |want: Part| -> Result<Option<u64>> {
+        match parts.iter().find(|(p, _)| *p == want) {
+            None => Ok(None),
+            Some((_, s)) => match s.size {
+                SegmentSize::Bytes(n) => Ok(Some(n)),
+                // Only the part that ends at the end of the data may be dynamic.
+                SegmentSize::Dynamic if parts.last().is_some_and(|(p, _)| *p == want) => Ok(Some(
+                    data_bytes.saturating_sub(s.offset.0 - parts[0].1.offset.0),
+                )),
+                SegmentSize::Dynamic => Err(bad("a segment before the last has dynamic size")),
+            },
+        }
+    };
+    let hotzone = size_of(Part::Hot)?;
+    if hotzone == Some(0) {
+        return Err(bad("an empty hotzone"));
+    }
+    let done = match st.keyslot.direction {
+        Direction::Forward => size_of(Part::New)?.unwrap_or(0),
+        Direction::Backward => {
+            let not_done = size_of(Part::Old)?.unwrap_or(0) + hotzone.unwrap_or(0);
+            data_bytes.checked_sub(not_done).ok_or_else(|| {
+                bad(format!(
+                    "{not_done} bytes left is past the {data_bytes}-byte data"
+                ))
+            })?
+        }
+    };
+    if done + hotzone.unwrap_or(0) > data_bytes {
+        return Err(bad(format!(
+            "position {done} + hotzone {hotzone:?} is past the {data_bytes}-byte data"
+        )));
+    }
+    Ok(Position { done, hotzone })
+}
+
+/// Where `pos`'s hotzone of `len` bytes lies in the data (offset from its start): after the
+/// done part going forward, before it going backward.
+pub fn hotzone_offset(st: &ReencryptState, pos: Position, len: u64, data_bytes: u64) -> u64 {
+    match st.keyslot.direction {
+        Direction::Forward => pos.done,
+        Direction::Backward => data_bytes - pos.done - len,
     }
 }
 
@@ -174,7 +259,8 @@ fn template(meta: &Metadata, id: u32) -> Result<Segment> {
     Ok(s)
 }
 
-/// `s` moved `skip` bytes into the data: offset and IV tweak advanced, size as given.
+/// `s` moved `skip` bytes into the data: offset (and a crypt segment's IV tweak) advanced,
+/// size as given.
 fn advanced(s: &Segment, skip: u64, size: SegmentSize) -> Result<Segment> {
     if skip % IV_UNIT_BYTES != 0 {
         return Err(bad(format!("boundary {skip} is not 512-byte aligned")));
@@ -186,97 +272,128 @@ fn advanced(s: &Segment, skip: u64, size: SegmentSize) -> Result<Segment> {
             .checked_add(skip)
             .ok_or_else(|| bad("offset overflow"))?,
     );
-    out.iv_tweak = Some(U64Str(s.iv_tweak.map_or(0, |v| v.0) + skip / IV_UNIT_BYTES));
+    if s.kind == "crypt" {
+        out.iv_tweak = Some(U64Str(s.iv_tweak.map_or(0, |v| v.0) + skip / IV_UNIT_BYTES));
+    }
     out.size = size;
     Ok(out)
 }
 
-/// Rewrites the segments (and the old and new digests' segment lists) for `pos`, as
-/// cryptsetup lays them out: done part (new key), hotzone (`in-reencryption`, both keys), rest
-/// (old key), then backup-previous and backup-final. `st` is updated to the new backup ids.
-pub fn set_segments(meta: &mut Metadata, st: &mut ReencryptState, pos: Position) -> Result<()> {
+/// Rewrites the segments (and the keys' digests' segment lists) for `pos` on `data_bytes`
+/// bytes of data, as cryptsetup lays them out: forward done part (new), hotzone
+/// (`in-reencryption`), rest (old); backward rest (old), hotzone, done part (new); then
+/// backup-previous and backup-final. The part that ends at the end of the data keeps its
+/// backup's size (`dynamic` as a rule), the others get fixed sizes. A key rotation lists the
+/// hotzone first in both keys' digests; encryption and decryption list the key's backup
+/// first, then every crypt segment. `st` is updated to the new backup ids.
+pub fn set_segments(
+    meta: &mut Metadata,
+    st: &mut ReencryptState,
+    pos: Position,
+    data_bytes: u64,
+) -> Result<()> {
     check_supported(st)?;
     let old = template(meta, st.backup_previous)?;
     let new = template(meta, st.backup_final)?;
-    let d_old = digest_of_segment(meta, st.backup_previous)
-        .ok_or_else(|| bad("backup-previous has no digest"))?;
-    let d_new = digest_of_segment(meta, st.backup_final)
-        .ok_or_else(|| bad("backup-final has no digest"))?;
-    if d_old == d_new {
-        return Err(bad("old and new keys share a digest: nothing to rotate"));
-    }
+    let (d_old, d_new) = key_digests(meta, st)?;
     let hot = pos.hotzone.unwrap_or(0);
     let moved = pos
         .done
         .checked_add(hot)
-        .ok_or_else(|| bad("position overflow"))?;
-    let rest_size = match old.size {
-        SegmentSize::Dynamic => SegmentSize::Dynamic,
-        SegmentSize::Bytes(n) if n > moved => SegmentSize::Bytes(n - moved),
-        SegmentSize::Bytes(n) => {
-            return Err(bad(format!(
-                "position {moved} is not inside the {n}-byte data"
-            )))
-        }
+        .filter(|&m| m <= data_bytes)
+        .ok_or_else(|| {
+            bad(format!(
+                "position {} + {hot} is not inside the {data_bytes}-byte data",
+                pos.done
+            ))
+        })?;
+    let forward = st.keyslot.direction == Direction::Forward;
+    // (part, start, length) in data order.
+    let spans: Vec<(Part, u64, u64)> = if forward {
+        vec![
+            (Part::New, 0, pos.done),
+            (Part::Hot, pos.done, hot),
+            (Part::Old, moved, data_bytes - moved),
+        ]
+    } else {
+        let b = data_bytes - moved;
+        vec![
+            (Part::Old, 0, b),
+            (Part::Hot, b, hot),
+            (Part::New, b + hot, pos.done),
+        ]
     };
-    let mut live: Vec<(Segment, bool, bool)> = Vec::new(); // (segment, old key, new key)
-    if pos.done > 0 {
-        live.push((
-            advanced(&new, 0, SegmentSize::Bytes(pos.done))?,
-            false,
-            true,
-        ));
-    }
-    if hot > 0 {
-        let mut h = advanced(&new, pos.done, SegmentSize::Bytes(hot))?;
-        h.flags = Some(vec![SegmentFlag::InReencryption.name().into()]);
-        live.push((h, true, true));
-    }
-    live.push((advanced(&old, moved, rest_size)?, true, false));
-
-    let mut segments = std::collections::BTreeMap::new();
-    // cryptsetup lists the hotzone first in both digests, then the key's own segment.
-    let (mut old_list, mut new_list) = (Vec::new(), Vec::new());
-    let hot_id = live.iter().position(|(s, _, _)| {
-        s.flags
-            .as_ref()
-            .is_some_and(|f| f.iter().any(|x| x == SegmentFlag::InReencryption.name()))
-    });
-    if let Some(h) = hot_id {
-        old_list.push(h.to_string());
-        new_list.push(h.to_string());
-    }
-    for (i, (s, o, n)) in live.into_iter().enumerate() {
-        if Some(i) != hot_id {
-            if o {
-                old_list.push(i.to_string());
+    let mut live: Vec<(Segment, Part)> = Vec::new();
+    for (part, start, len) in spans.into_iter().filter(|s| s.2 > 0) {
+        let base = if part == Part::Old { &old } else { &new };
+        let size = match base.size {
+            SegmentSize::Dynamic if part != Part::Hot && start + len == data_bytes => {
+                SegmentSize::Dynamic
             }
-            if n {
-                new_list.push(i.to_string());
+            _ => SegmentSize::Bytes(len),
+        };
+        let mut seg = advanced(base, start, size)?;
+        if part == Part::Hot {
+            seg.flags = Some(vec![SegmentFlag::InReencryption.name().into()]);
+        }
+        live.push((seg, part));
+    }
+    let n = live.len() as u32;
+    let (mut old_list, mut new_list) = (Vec::new(), Vec::new());
+    if st.keyslot.mode == Mode::Reencrypt {
+        // cryptsetup lists the hotzone first in both digests, then the key's own segment.
+        if let Some(h) = live.iter().position(|(_, p)| *p == Part::Hot) {
+            old_list.push(h.to_string());
+            new_list.push(h.to_string());
+        }
+        for (i, (_, p)) in live.iter().enumerate() {
+            match p {
+                Part::Old => old_list.push(i.to_string()),
+                Part::New => new_list.push(i.to_string()),
+                Part::Hot => {}
             }
         }
-        segments.insert(i.to_string(), s);
+        old_list.push(n.to_string());
+        new_list.push((n + 1).to_string());
+    } else {
+        let (list, backup) = if d_new.is_some() {
+            (&mut new_list, n + 1)
+        } else {
+            (&mut old_list, n)
+        };
+        list.push(backup.to_string());
+        for (i, (s, _)) in live.iter().enumerate() {
+            if s.kind == "crypt" {
+                list.push(i.to_string());
+            }
+        }
     }
-    let n = segments.len() as u32;
+    st.in_reencryption = live
+        .iter()
+        .position(|(_, p)| *p == Part::Hot)
+        .map(|h| h as u32);
+    let mut segments: std::collections::BTreeMap<String, Segment> = live
+        .into_iter()
+        .enumerate()
+        .map(|(i, (s, _))| (i.to_string(), s))
+        .collect();
     let mut prev = old;
     prev.flags = Some(vec![SegmentFlag::BackupPrevious.name().into()]);
     let mut fin = new;
     fin.flags = Some(vec![SegmentFlag::BackupFinal.name().into()]);
     segments.insert(n.to_string(), prev);
     segments.insert((n + 1).to_string(), fin);
-    old_list.push(n.to_string());
-    new_list.push((n + 1).to_string());
-
     for (id, list) in [(d_old, old_list), (d_new, new_list)] {
-        meta.digests
-            .get_mut(&id.to_string())
-            .ok_or_else(|| bad(format!("digest {id} missing")))?
-            .segments = list;
+        if let Some(id) = id {
+            meta.digests
+                .get_mut(&id.to_string())
+                .ok_or_else(|| bad(format!("digest {id} missing")))?
+                .segments = list;
+        }
     }
     meta.segments = segments;
     st.backup_previous = n;
     st.backup_final = n + 1;
-    st.in_reencryption = hot_id.map(|h| h as u32);
     Ok(())
 }
 
@@ -333,10 +450,8 @@ pub fn next_hotzone(
             st.keyslot.area_bytes
         )));
     }
-    let mut steps = vec![Step::ReadOld {
-        offset: pos.done,
-        len,
-    }];
+    let offset = hotzone_offset(st, pos, len, data_bytes);
+    let mut steps = vec![Step::ReadOld { offset, len }];
     let area_offset = st.keyslot.area_offset;
     match protect {
         Protect::Checksum { hash, block } => steps.extend([
@@ -355,10 +470,7 @@ pub fn next_hotzone(
             done: pos.done,
             hotzone: Some(len),
         }),
-        Step::WriteNew {
-            offset: pos.done,
-            len,
-        },
+        Step::WriteNew { offset, len },
         Step::SyncData,
     ]);
     steps.push(if pos.done + len == data_bytes {
@@ -372,43 +484,50 @@ pub fn next_hotzone(
     Ok(Some(steps))
 }
 
-/// What finalisation retires: keyslot areas to wipe (offset, length).
+/// What finalisation retires: keyslot areas to wipe (offset, length), the reencrypt
+/// keyslot's among them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retired {
     pub keyslots: Vec<u32>,
     pub areas: Vec<(u64, u64)>,
 }
 
-/// The plain LUKS2 metadata a finished rotation leaves (as cryptsetup leaves it): one segment
-/// `0` (backup-final without its flag), the new key's digest listing it, the old key's
-/// keyslots and digest gone, the reencrypt keyslot and its digest gone, the requirement gone.
-/// Digest and keyslot ids are kept, not renumbered.
+/// The plain LUKS2 metadata a finished reencryption leaves (as cryptsetup leaves it): one
+/// segment `0` (backup-final without its flag: linear after a decryption), the new key's
+/// digest listing it, the old key's keyslots and digest gone, the reencrypt keyslot and its
+/// digest gone, the requirement gone. Digest and keyslot ids are kept, not renumbered. After a
+/// decryption no keyslot and no digest is left, as cryptsetup leaves a detached header.
 pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
     check_supported(st)?;
     let mut fin = template(meta, st.backup_final)?;
     fin.flags = None;
-    let d_old = digest_of_segment(meta, st.backup_previous)
-        .ok_or_else(|| bad("backup-previous has no digest"))?;
-    let d_new = digest_of_segment(meta, st.backup_final)
-        .ok_or_else(|| bad("backup-final has no digest"))?;
+    let (d_old, d_new) = key_digests(meta, st)?;
     let rk = st.keyslot.id.to_string();
     let d_reenc = meta
         .digest_for_keyslot(&rk)
         .map(|(id, _)| id.clone())
         .ok_or_else(|| bad("the reencrypt keyslot has no digest"))?;
-    let old = meta
-        .digests
-        .remove(&d_old.to_string())
-        .ok_or_else(|| bad(format!("digest {d_old} missing")))?;
+    let old_keyslots = match d_old {
+        Some(d) => {
+            meta.digests
+                .remove(&d.to_string())
+                .ok_or_else(|| bad(format!("digest {d} missing")))?
+                .keyslots
+        }
+        None => Vec::new(),
+    };
     meta.digests.remove(&d_reenc);
     let mut retired = Retired {
         keyslots: Vec::new(),
         areas: Vec::new(),
     };
-    for k in old.keyslots.iter().chain(std::iter::once(&rk)) {
+    for k in old_keyslots.iter().chain(std::iter::once(&rk)) {
         if let Some(ks) = meta.keyslots.remove(k) {
             retired.keyslots.push(k.parse().unwrap_or(u32::MAX));
-            if let Some(a) = ks.area.filter(|_| ks.kind == "luks2") {
+            // The old keys' material and the resilience data (checksums or a journal of
+            // old ciphertext, or plaintext for an encryption): cryptsetup overwrites both
+            // areas when it destroys the keyslots (measured: the whole reencrypt area).
+            if let Some(a) = ks.area {
                 retired.areas.push((a.offset.0, a.size.0));
             }
         }
@@ -419,10 +538,12 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
         }
     }
     meta.segments = std::collections::BTreeMap::from([("0".to_string(), fin)]);
-    meta.digests
-        .get_mut(&d_new.to_string())
-        .ok_or_else(|| bad(format!("digest {d_new} missing")))?
-        .segments = vec!["0".into()];
+    if let Some(d) = d_new {
+        meta.digests
+            .get_mut(&d.to_string())
+            .ok_or_else(|| bad(format!("digest {d} missing")))?
+            .segments = vec!["0".into()];
+    }
     if let Some(r) = meta.config.requirements.as_mut() {
         if let Some(m) = r.mandatory.as_mut() {
             m.retain(|n| !super::reencrypt::is_reencrypt_requirement(n));
@@ -461,7 +582,7 @@ fn keyed_by(meta: &Metadata, id: u32) -> Vec<&str> {
 /// the live segments: a header whose live segments disagree with them is refused here, before
 /// anything is read or written.
 pub fn check_layout(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<()> {
-    let pos = position(meta, st)?;
+    let pos = position(meta, st, data_bytes)?;
     let end = pos
         .done
         .checked_add(pos.hotzone.unwrap_or(0))
@@ -473,7 +594,7 @@ pub fn check_layout(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Re
     }
     let mut want_meta = meta.clone();
     let mut want_st = st.clone();
-    set_segments(&mut want_meta, &mut want_st, pos)?;
+    set_segments(&mut want_meta, &mut want_st, pos, data_bytes)?;
     let have = live_segments(meta);
     let want = live_segments(&want_meta);
     if have.len() != want.len() {
@@ -524,6 +645,8 @@ mod tests {
     use crate::luks::{parse_any, Header};
 
     const MIB: u64 = 1 << 20;
+    /// The data size of the volume the stored crash header comes from.
+    const DATA: u64 = 192 * MIB;
 
     /// The first 32 KiB of a volume cryptsetup 2.6.1 was SIGKILLed in, inside its hotzone.
     fn crash() -> Metadata {
@@ -546,7 +669,7 @@ mod tests {
     fn position_of_cryptsetups_crash() {
         let m = crash();
         assert_eq!(
-            position(&m, &state(&m)).unwrap(),
+            position(&m, &state(&m), DATA).unwrap(),
             Position {
                 done: 28 * MIB,
                 hotzone: Some(4 * MIB)
@@ -560,16 +683,16 @@ mod tests {
     fn set_segments_reproduces_cryptsetups_layout() {
         let m = crash();
         let mut st = state(&m);
-        let pos = position(&m, &st).unwrap();
+        let pos = position(&m, &st, DATA).unwrap();
         // From another layout (the start) back to cryptsetup's position.
         let mut rebuilt = m.clone();
         let start = Position {
             done: 0,
             hotzone: None,
         };
-        set_segments(&mut rebuilt, &mut st, start).unwrap();
+        set_segments(&mut rebuilt, &mut st, start, DATA).unwrap();
         assert_eq!(rebuilt.segments.len(), 3);
-        set_segments(&mut rebuilt, &mut st, pos).unwrap();
+        set_segments(&mut rebuilt, &mut st, pos, DATA).unwrap();
         assert_eq!(
             serde_json::to_value(&rebuilt.segments).unwrap(),
             serde_json::to_value(&m.segments).unwrap()
@@ -592,6 +715,7 @@ mod tests {
                 done,
                 hotzone: None,
             },
+            DATA,
         )
         .unwrap();
         assert_eq!(m.segments.len(), 4);
@@ -607,7 +731,7 @@ mod tests {
                 .collect::<Vec<_>>()
         );
         assert_eq!(
-            position(&m, &st).unwrap(),
+            position(&m, &st, DATA).unwrap(),
             Position {
                 done,
                 hotzone: None
@@ -692,7 +816,7 @@ mod tests {
             None
         );
         // Inside a hotzone: recovery first.
-        assert!(next_hotzone(&st, position(&m, &st).unwrap(), data, 4 * MIB, 4096).is_err());
+        assert!(next_hotzone(&st, position(&m, &st, DATA).unwrap(), data, 4 * MIB, 4096).is_err());
     }
 
     #[test]
@@ -742,6 +866,106 @@ mod tests {
         ));
         let mut st = state(&m);
         st.keyslot.direction = Direction::Backward;
-        assert!(position(&m, &st).is_err());
+        assert!(position(&m, &st, DATA).is_err());
+    }
+
+    /// The metadata cryptsetup 2.6.1 left when SIGKILLed inside a hotzone of a decryption
+    /// (detached header, 200 MiB of data, `--resilience checksum --hotzone-size 4M`; salts and
+    /// digests left out).
+    fn decrypt_crash() -> Metadata {
+        serde_json::from_str(
+            r#"{
+  "keyslots": {
+    "0": {"type": "luks2", "key_size": 64,
+          "af": {"type": "luks1", "stripes": 4000, "hash": "sha256"},
+          "area": {"type": "raw", "offset": "32768", "size": "258048",
+                   "encryption": "aes-xts-plain64", "key_size": 64},
+          "kdf": {"type": "pbkdf2", "hash": "sha256", "iterations": 1000, "salt": "AA=="}},
+    "1": {"type": "reencrypt", "key_size": 1, "mode": "decrypt", "direction": "backward",
+          "priority": 0,
+          "area": {"offset": "290816", "size": "16486400", "type": "checksum",
+                   "hash": "sha256", "sector_size": 4096}}
+  },
+  "tokens": {},
+  "segments": {
+    "0": {"type": "crypt", "offset": "0", "size": "125829120", "iv_tweak": "0",
+          "encryption": "aes-xts-plain64", "sector_size": 4096},
+    "1": {"type": "linear", "offset": "125829120", "size": "4194304",
+          "flags": ["in-reencryption"]},
+    "2": {"type": "linear", "offset": "130023424", "size": "dynamic"},
+    "3": {"type": "crypt", "offset": "0", "size": "dynamic", "iv_tweak": "0",
+          "encryption": "aes-xts-plain64", "sector_size": 4096, "flags": ["backup-previous"]},
+    "4": {"type": "linear", "offset": "0", "size": "dynamic", "flags": ["backup-final"]}
+  },
+  "digests": {
+    "0": {"type": "pbkdf2", "keyslots": ["0"], "segments": ["3", "0"], "hash": "sha256",
+          "iterations": 1000, "salt": "AA==", "digest": "AA=="},
+    "1": {"type": "pbkdf2", "keyslots": ["1"], "segments": [], "hash": "sha256",
+          "iterations": 50257, "salt": "AA==", "digest": "AA=="}
+  },
+  "config": {"json_size": "12288", "keyslots_size": "16744448",
+             "requirements": {"mandatory": ["online-reencrypt-v2"]}}
+}"#,
+        )
+        .unwrap()
+    }
+
+    /// A backward decryption: the position read from cryptsetup's segments, the hotzone
+    /// before the done part, and the segments and digest lists rebuilt to the byte.
+    #[test]
+    fn backward_decryption_reproduces_cryptsetups_layout() {
+        const DATA_200M: u64 = 200 * MIB;
+        let m = decrypt_crash();
+        let mut st = state(&m);
+        assert_eq!(st.keyslot.direction, Direction::Backward);
+        let pos = position(&m, &st, DATA_200M).unwrap();
+        let done = DATA_200M - 130023424;
+        assert_eq!(
+            pos,
+            Position {
+                done,
+                hotzone: Some(4 * MIB)
+            }
+        );
+        assert_eq!(hotzone_offset(&st, pos, 4 * MIB, DATA_200M), 120 * MIB);
+        let mut rebuilt = m.clone();
+        set_segments(
+            &mut rebuilt,
+            &mut st,
+            Position {
+                done: 0,
+                hotzone: None,
+            },
+            DATA_200M,
+        )
+        .unwrap();
+        assert_eq!(rebuilt.segments.len(), 3);
+        set_segments(&mut rebuilt, &mut st, pos, DATA_200M).unwrap();
+        assert_eq!(
+            serde_json::to_value(&rebuilt.segments).unwrap(),
+            serde_json::to_value(&m.segments).unwrap()
+        );
+        assert_eq!(digest_lists(&rebuilt), digest_lists(&m));
+        // The next hotzone after this one ends where the done part begins.
+        let after = Position {
+            done: done + 4 * MIB,
+            hotzone: None,
+        };
+        let steps = next_hotzone(&st, after, DATA_200M, 4 * MIB, 4096)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            steps[0],
+            Step::ReadOld {
+                offset: 116 * MIB,
+                len: 4 * MIB
+            }
+        );
+        // Finalising leaves one linear segment and no keyslot or digest.
+        finalise(&mut rebuilt, &st).unwrap();
+        assert_eq!(rebuilt.segments["0"].kind, "linear");
+        assert!(rebuilt.keyslots.is_empty());
+        assert!(rebuilt.digests.is_empty());
+        assert!(rebuilt.config.requirements.is_none());
     }
 }

@@ -1,5 +1,7 @@
-//! The driver of offline key rotation: performs what `reencrypt_plan` plans against a
-//! [`Backend`] holding the header and the data, with the engine's sector ciphers.
+//! The driver of offline reencryption (key rotation, optionally to a new cipher, key size or
+//! sector size; decryption and encryption with a detached header): performs what
+//! `reencrypt_plan` plans against a [`Backend`] holding the header and the data, or two
+//! ([`Devices`]) for a detached header, with the engine's sector ciphers.
 //!
 //! - [`init`] turns a plain LUKS2 volume into one in reencryption, as cryptsetup 2.6's
 //!   `reencrypt --init-only` does: a new random volume key with its digest, a new keyslot for
@@ -13,13 +15,15 @@
 //!   hotzone buffer (page-aligned, locked, wiped) is taken at the start and reused.
 //! - [`recover`] brings a volume whose metadata was committed inside a hotzone (a crash there)
 //!   back to a consistent state from the resilience data, as cryptsetup's `repair` does.
+//! - [`init_on`] with [`Mode::Decrypt`] starts a decryption, [`init_encrypt`] an encryption
+//!   with a new detached header; [`resume_on`] and [`recover_on`] take the two devices.
 
 use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
-use super::reencrypt::{digest_of_segment, verification_data, ReencryptState};
+use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
 use super::reencrypt_plan::{
-    area_limit, check_layout, check_supported, finalise, next_hotzone, position, set_segments,
-    Position, Protect, Step,
+    area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone, position,
+    set_segments, Position, Protect, Step,
 };
 use super::util::{b64_encode, random_fill, random_secret, HashAlg};
 use super::{
@@ -28,7 +32,7 @@ use super::{
 };
 use crate::backend::Backend;
 use crate::pool::BufferPool;
-use crate::sector::{Geometry, SectorCipher, SectorSize};
+use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::{Error, Result};
 
 /// The requirement cryptsetup 2.6 writes for key rotation.
@@ -48,6 +52,8 @@ pub const HOTZONE_BYTES_MAX: u64 = crate::pool::POOL_BYTES_MAX as u64;
 const REKEY_LANES_MAX: usize = 16;
 /// Smaller buffers are rekeyed on one thread (a thread costs more than it saves).
 const LANE_BYTES_MIN: usize = 256 << 10;
+/// Largest piece of random bytes written at a time when finalisation wipes retired areas.
+const WIPE_PIECE_BYTES: u64 = 1 << 20;
 /// Bytes of the keyslot area alignment cryptsetup uses.
 const AREA_ALIGN_BYTES: u64 = 4096;
 
@@ -79,6 +85,16 @@ impl ResilienceKind {
     }
 }
 
+/// What the new segment changes (`--cipher`, `--key-size`, `--sector-size`); `None` keeps
+/// the old segment's. As cryptsetup: a new cipher without a key size gets that cipher's
+/// default key size, the same cipher keeps the old key size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SegmentChange {
+    pub cipher: Option<CipherSpec>,
+    pub key_bytes: Option<usize>,
+    pub sector_size: Option<SectorSize>,
+}
+
 /// How to start a rotation ([`init`]).
 pub struct InitOptions<'a> {
     pub resilience: ResilienceKind,
@@ -88,6 +104,10 @@ pub struct InitOptions<'a> {
     /// The keyslot the passphrase opens (`--key-slot`); without it the volume must have
     /// exactly one keyslot.
     pub key_slot: Option<u32>,
+    /// The new segment's cipher, key size and sector size.
+    pub change: SegmentChange,
+    /// [`Mode::Reencrypt`] (a new key) or [`Mode::Decrypt`] (to plaintext, detached header).
+    pub mode: Mode,
 }
 
 /// What [`init`] made.
@@ -95,8 +115,8 @@ pub struct InitOptions<'a> {
 pub struct Started {
     /// The keyslot the passphrase opened (old key).
     pub old_keyslot: u32,
-    /// The new keyslot (new key).
-    pub new_keyslot: u32,
+    /// The new keyslot (new key); none for a decryption.
+    pub new_keyslot: Option<u32>,
     pub reencrypt_keyslot: u32,
 }
 
@@ -145,8 +165,15 @@ fn make_digest(
     })
 }
 
-/// The reencrypt keyslot for `kind` over the area `[offset, offset + size)`.
-fn reencrypt_keyslot(kind: ResilienceKind, offset: u64, size: u64) -> Keyslot {
+/// The reencrypt keyslot for `mode`, `direction` and `kind` over the area
+/// `[offset, offset + size)`.
+fn reencrypt_keyslot(
+    mode: Mode,
+    direction: Direction,
+    kind: ResilienceKind,
+    offset: u64,
+    size: u64,
+) -> Keyslot {
     let mut area_extra = serde_json::Map::new();
     let area_kind = match kind {
         ResilienceKind::None => "none",
@@ -158,8 +185,8 @@ fn reencrypt_keyslot(kind: ResilienceKind, offset: u64, size: u64) -> Keyslot {
         }
     };
     let mut extra = serde_json::Map::new();
-    extra.insert("mode".into(), "reencrypt".into());
-    extra.insert("direction".into(), "forward".into());
+    extra.insert("mode".into(), mode.name().into());
+    extra.insert("direction".into(), direction.name().into());
     Keyslot {
         kind: "reencrypt".into(),
         key_size: 1,
@@ -181,10 +208,35 @@ fn reencrypt_keyslot(kind: ResilienceKind, offset: u64, size: u64) -> Keyslot {
 /// Starts a key rotation on the plain LUKS2 volume whose header is on `dev` (cryptsetup's
 /// `reencrypt --init-only`). Nothing is rewritten yet; [`resume`] does that.
 pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    init_on(Devices::one(dev), passphrase, opts)
+}
+
+/// The message cryptsetup 2.6 refuses a decryption with, unless the header is detached.
+pub const DECRYPT_NEEDS_DETACHED_HEADER: &str =
+    "LUKS2 decryption is supported with detached header device only (with data offset set to 0).";
+
+/// [`init`] with the header on its own device. `opts.mode` [`Mode::Decrypt`] starts a
+/// decryption as cryptsetup 2.6 does (a detached header with data offset 0 only): no new key
+/// or keyslot; the reencrypt keyslot says `decrypt`, `backward`; backup-final is a `linear`
+/// segment; the reencryption digest covers the old key alone.
+pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    let dev = devs.header;
     let header = read_header(dev)?;
     header.check_requirements()?;
     let mut h = luks2(header)?;
     let seg = h.meta.crypt_segment()?;
+    let decrypt = match opts.mode {
+        Mode::Reencrypt => false,
+        Mode::Decrypt => true,
+        Mode::Encrypt => {
+            return Err(Error::InvalidArgument(
+                "encryption starts from a plaintext device (not from a LUKS2 header)".into(),
+            ))
+        }
+    };
+    if decrypt && (!devs.detached() || seg.offset_bytes != 0) {
+        return Err(Error::InvalidArgument(DECRYPT_NEEDS_DETACHED_HEADER.into()));
+    }
     let luks2_slots: Vec<u32> = h
         .meta
         .keyslots
@@ -201,28 +253,63 @@ pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Res
     let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
     let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
 
-    // The new key and its digest (bound to backup-final, segment 2, below).
-    let new_key = random_secret(old_vk.len())?;
-    let new_did = free_id(h.meta.digests.keys())?;
-    h.meta.digests.insert(
-        new_did.to_string(),
-        make_digest(opts.kdf, new_key.as_ref(), vec![], vec![])?,
-    );
-    let new_vk = VolumeKey::new_verified(new_key, new_did);
+    // The new segment's parameters, checked before anything is written.
+    let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
+    let new_key_bytes = match opts.change.key_bytes {
+        Some(n) => n,
+        None if new_cipher != seg.cipher => new_cipher.default_key_bytes(),
+        None => old_vk.len(),
+    };
+    let new_sector = opts.change.sector_size.unwrap_or(seg.sector_size);
+    if decrypt {
+        if opts.change != SegmentChange::default() {
+            return Err(Error::InvalidArgument(
+                "a decryption has no new cipher, key size or sector size".into(),
+            ));
+        }
+    } else {
+        new_cipher.check_key_len(new_key_bytes)?;
+    }
+    let align = u64::from(new_sector.bytes().max(seg.sector_size.bytes()));
+    let data_bytes = match seg.size {
+        super::json::SegmentSize::Bytes(n) => n,
+        super::json::SegmentSize::Dynamic => devs.data.size().saturating_sub(seg.offset_bytes),
+    };
+    if data_bytes % align != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data device is not aligned to encryption sector size ({align} bytes)."
+        )));
+    }
 
-    // The new keyslot: its material is written first; the header write comes below.
-    let seqid = h.bin.seqid;
-    let (new_slot, mut ops) = h.add_keyslot(
-        NewKeyslot {
-            vk: &new_vk,
-            passphrase,
-            kdf: opts.kdf,
-            slot: None,
-        },
-        None,
-    )?;
-    ops.truncate(2); // the material and its flush
-    h.bin.seqid = seqid;
+    // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for the
+    // passphrase, whose material is written first; the header write comes below.
+    let (new_vk, new_slot, mut ops) = if decrypt {
+        (None, None, Vec::new())
+    } else {
+        let new_key = random_secret(new_key_bytes)?;
+        let new_did = free_id(h.meta.digests.keys())?;
+        h.meta.digests.insert(
+            new_did.to_string(),
+            make_digest(opts.kdf, new_key.as_ref(), vec![], vec![])?,
+        );
+        let new_vk = VolumeKey::new_verified(new_key, new_did);
+        let seqid = h.bin.seqid;
+        // Its area is encrypted with the old segment's cipher and key size (cryptsetup adds
+        // the keyslot while the old segment is the default one).
+        let (new_slot, mut ops) = h.add_keyslot_with_area(
+            NewKeyslot {
+                vk: &new_vk,
+                passphrase,
+                kdf: opts.kdf,
+                slot: None,
+            },
+            None,
+            Some((seg.cipher, old_vk.len())),
+        )?;
+        ops.truncate(2); // the material and its flush
+        h.bin.seqid = seqid;
+        (Some(new_vk), Some(new_slot), ops)
+    };
 
     // The reencrypt keyslot: the rest of the keyslots area after the last used area.
     let start = 2 * h.bin.hdr_size;
@@ -242,39 +329,55 @@ pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Res
         ));
     }
     let rk = free_id(h.meta.keyslots.keys())?;
+    let (mode, direction) = if decrypt {
+        (Mode::Decrypt, Direction::Backward)
+    } else {
+        (Mode::Reencrypt, Direction::Forward)
+    };
     h.meta.keyslots.insert(
         rk.to_string(),
-        reencrypt_keyslot(opts.resilience, used_end, end - used_end),
+        reencrypt_keyslot(mode, direction, opts.resilience, used_end, end - used_end),
     );
 
-    // Segments: the whole device under the old key, then the two backups.
+    // Segments: the whole device as it is, then the two backups.
     let live = h
         .meta
         .segments
         .get("0")
         .cloned()
         .ok_or_else(|| bad("segment 0 missing"))?;
-    let _ = seg;
     let flagged = |f: &str| {
         let mut s = live.clone();
         s.flags = Some(vec![f.to_string()]);
         s
     };
+    let mut fin = flagged("backup-final");
+    if decrypt {
+        fin.kind = "linear".into();
+        fin.iv_tweak = None;
+        fin.encryption = None;
+        fin.sector_size = None;
+    } else {
+        fin.encryption = Some(new_cipher.to_string());
+        fin.sector_size = Some(new_sector.bytes());
+    }
     h.meta.segments = std::collections::BTreeMap::from([
         ("0".to_string(), live.clone()),
         ("1".to_string(), flagged("backup-previous")),
-        ("2".to_string(), flagged("backup-final")),
+        ("2".to_string(), fin),
     ]);
     h.meta
         .digests
         .get_mut(&old_vk.digest_id().to_string())
         .ok_or(Error::Bug("old key digest vanished"))?
         .segments = vec!["0".into(), "1".into()];
-    h.meta
-        .digests
-        .get_mut(&new_did.to_string())
-        .ok_or(Error::Bug("new key digest vanished"))?
-        .segments = vec!["2".into()];
+    if let Some(vk) = &new_vk {
+        h.meta
+            .digests
+            .get_mut(&vk.digest_id().to_string())
+            .ok_or(Error::Bug("new key digest vanished"))?
+            .segments = vec!["2".into()];
+    }
     let reqs = h
         .meta
         .config
@@ -284,10 +387,15 @@ pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Res
         .get_or_insert_with(Vec::new)
         .push(REQUIREMENT_V2.into());
 
-    // The reencryption digest over both keys and the metadata.
+    // The reencryption digest over the keys and the metadata.
     let st = ReencryptState::from_metadata(&h.meta)?
         .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(&h.meta, &st, Some(old_vk.bytes()), Some(new_vk.bytes()))?;
+    let data = verification_data(
+        &h.meta,
+        &st,
+        Some(old_vk.bytes()),
+        new_vk.as_ref().map(VolumeKey::bytes),
+    )?;
     let rdid = free_id(h.meta.digests.keys())?;
     h.meta.digests.insert(
         rdid.to_string(),
@@ -302,17 +410,201 @@ pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Res
     })
 }
 
+/// How to start an encryption of a plaintext device ([`init_encrypt`]).
+pub struct EncryptOptions<'a> {
+    pub resilience: ResilienceKind,
+    pub kdf: &'a KdfRequest,
+    /// The new segment: cipher, key size in bytes, sector size.
+    pub cipher: CipherSpec,
+    pub key_bytes: usize,
+    pub sector_size: SectorSize,
+    /// The new header's UUID.
+    pub uuid: String,
+}
+
+/// The message cryptsetup 2.6 refuses an encryption with, without a detached header.
+pub const ENCRYPT_NEEDS_DETACHED_HEADER: &str = "Encryption without detached header (--header) \
+     is not possible without data device size reduction (--reduce-device-size).";
+
+/// Starts the encryption of the plaintext on `devs.data` in place, with a new detached LUKS2
+/// header on `devs.header` (cryptsetup 2.6's `reencrypt --encrypt --header --init-only`): a
+/// header with data offset 0 and a new random volume key, a keyslot for the passphrase, a
+/// `reencrypt` keyslot with mode `encrypt`, direction `forward`; segments `0` (the whole
+/// device, `linear`), `1` backup-previous (`linear`) and `2` backup-final (`crypt`, the new
+/// cipher); the new key's digest listing `2`; the requirement and the reencryption digest over
+/// the new key alone. The keyslot's material is written and flushed first, then one header
+/// write makes the whole header visible: a crash leaves no header (or the old bytes of the
+/// header device) or a header in reencryption, never one that calls the plaintext encrypted.
+pub fn init_encrypt(
+    devs: Devices<'_>,
+    passphrase: &[u8],
+    opts: &EncryptOptions<'_>,
+) -> Result<Started> {
+    if !devs.detached() {
+        return Err(Error::InvalidArgument(ENCRYPT_NEEDS_DETACHED_HEADER.into()));
+    }
+    opts.cipher.check_key_len(opts.key_bytes)?;
+    let data_bytes = devs.data.size();
+    let align = u64::from(opts.sector_size.bytes());
+    if data_bytes == 0 || data_bytes % align != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data device is not aligned to encryption sector size ({align} bytes)."
+        )));
+    }
+    let mut f = super::luks2::FormatLuks2::defaults(opts.uuid.clone());
+    f.cipher = opts.cipher;
+    f.key_bytes = opts.key_bytes;
+    f.sector_size = opts.sector_size;
+    f.kdf = opts.kdf.clone();
+    f.data_offset = 0;
+    f.detached = true;
+    // cryptsetup's default keyslots area, or what a smaller header device holds.
+    let room =
+        devs.header.size().saturating_sub(2 * f.hdr_size) / AREA_ALIGN_BYTES * AREA_ALIGN_BYTES;
+    f.keyslots_size = f.keyslots_size.min(room);
+    let (mut h, vk) = super::luks2::format(&f, random_secret(opts.key_bytes)?)?;
+    let seqid = h.bin.seqid;
+    let (slot, mut ops) = h.add_keyslot(
+        NewKeyslot {
+            vk: &vk,
+            passphrase,
+            kdf: opts.kdf,
+            slot: None,
+        },
+        None,
+    )?;
+    ops.truncate(2); // the material and its flush; the one header write comes below
+    h.bin.seqid = seqid;
+
+    let start = 2 * h.bin.hdr_size;
+    let end = start + h.meta.config.keyslots_size.0;
+    let used_end = h
+        .meta
+        .keyslots
+        .values()
+        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
+        .max()
+        .unwrap_or(start)
+        .div_ceil(AREA_ALIGN_BYTES)
+        * AREA_ALIGN_BYTES;
+    if used_end >= end {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencryption data".into(),
+        ));
+    }
+    let rk = free_id(h.meta.keyslots.keys())?;
+    h.meta.keyslots.insert(
+        rk.to_string(),
+        reencrypt_keyslot(
+            Mode::Encrypt,
+            Direction::Forward,
+            opts.resilience,
+            used_end,
+            end - used_end,
+        ),
+    );
+    let crypt = h
+        .meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or(Error::Bug("format made no segment 0"))?;
+    let linear = |flag: Option<&str>| super::json::Segment {
+        kind: "linear".into(),
+        offset: crypt.offset,
+        size: crypt.size,
+        iv_tweak: None,
+        encryption: None,
+        sector_size: None,
+        flags: flag.map(|f| vec![f.to_string()]),
+        integrity: None,
+        extra: Default::default(),
+    };
+    let mut fin = crypt.clone();
+    fin.flags = Some(vec!["backup-final".into()]);
+    h.meta.segments = std::collections::BTreeMap::from([
+        ("0".to_string(), linear(None)),
+        ("1".to_string(), linear(Some("backup-previous"))),
+        ("2".to_string(), fin),
+    ]);
+    h.meta
+        .digests
+        .get_mut(&vk.digest_id().to_string())
+        .ok_or(Error::Bug("new key digest vanished"))?
+        .segments = vec!["2".into()];
+    h.meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default)
+        .mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    ops.extend(h.commit()?);
+    apply(devs.header, &ops)?;
+    Ok(Started {
+        old_keyslot: slot,
+        new_keyslot: Some(slot),
+        reencrypt_keyslot: rk,
+    })
+}
+
 /// A volume in rotation, unlocked: header, state, both keys checked against the
 /// reencryption digest.
 struct Unlocked {
     h: Luks2Header,
     st: ReencryptState,
     protect: Protect,
-    /// One (old, new) cipher pair per worker thread, keyed once.
-    lanes: Vec<(SectorCipher, SectorCipher)>,
+    /// One (old, new) cipher pair per worker thread, keyed once; `None` for a linear
+    /// (plaintext) side: the old one of an encryption, the new one of a decryption.
+    lanes: Vec<Lane>,
     data_offset: u64,
     data_bytes: u64,
     align: u64,
+}
+
+/// The ciphers of one worker thread.
+type Lane = (Option<SectorCipher>, Option<SectorCipher>);
+
+/// The header device and the data device of a reencryption: the same backend for a volume
+/// with its header in front, two for a detached header (`--header`).
+#[derive(Clone, Copy)]
+pub struct Devices<'a> {
+    pub header: &'a dyn Backend,
+    pub data: &'a dyn Backend,
+}
+
+impl<'a> Devices<'a> {
+    /// Header and data on one device.
+    pub fn one(dev: &'a dyn Backend) -> Self {
+        Devices {
+            header: dev,
+            data: dev,
+        }
+    }
+
+    fn detached(&self) -> bool {
+        !std::ptr::addr_eq(
+            self.header as *const dyn Backend,
+            self.data as *const dyn Backend,
+        )
+    }
+
+    /// Flushes the data device, and the header device when it is another one.
+    fn flush(&self) -> Result<()> {
+        self.data.flush()?;
+        if self.detached() {
+            self.header.flush()?;
+        }
+        Ok(())
+    }
 }
 
 fn unlock_digest(
@@ -338,11 +630,27 @@ fn unlock_digest(
     Err(last)
 }
 
-fn cipher_of(meta: &Metadata, seg: u32, key: &VolumeKey) -> Result<(SectorCipher, u64, u64)> {
+/// The cipher of segment `seg` (`None` for a linear one, with no key), its offset and its
+/// sector size (512 for linear, as cryptsetup counts it).
+fn cipher_of(
+    meta: &Metadata,
+    seg: u32,
+    key: Option<&VolumeKey>,
+) -> Result<(Option<SectorCipher>, u64, u64)> {
     let s = meta
         .segments
         .get(&seg.to_string())
         .ok_or_else(|| bad(format!("segment {seg} missing")))?;
+    let key = match (s.kind.as_str(), key) {
+        ("linear", None) => return Ok((None, s.offset.0, 512)),
+        ("crypt", Some(k)) => k,
+        (kind, k) => {
+            return Err(bad(format!(
+                "segment {seg} of type {kind} with{} a key",
+                if k.is_some() { "" } else { "out" }
+            )))
+        }
+    };
     let spec = s
         .encryption
         .as_deref()
@@ -355,13 +663,14 @@ fn cipher_of(meta: &Metadata, seg: u32, key: &VolumeKey) -> Result<(SectorCipher
         iv_large_sectors: false,
     };
     Ok((
-        SectorCipher::new(spec, key.bytes(), geometry)?,
+        Some(SectorCipher::new(spec, key.bytes(), geometry)?),
         s.offset.0,
         u64::from(ss.bytes()),
     ))
 }
 
-fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
+fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
+    let dev = devs.header;
     let header = read_header(dev)?;
     let hdr_any = header.clone();
     let h = luks2(header)?;
@@ -369,24 +678,27 @@ fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
         Error::InvalidArgument("the device is not in reencryption (nothing to resume)".into())
     })?;
     let protect = check_supported(&st)?;
-    let d_old = digest_of_segment(&h.meta, st.backup_previous)
-        .ok_or_else(|| bad("backup-previous has no digest"))?;
-    let d_new = digest_of_segment(&h.meta, st.backup_final)
-        .ok_or_else(|| bad("backup-final has no digest"))?;
-    let new_vk = unlock_digest(dev, &hdr_any, &h.meta, d_new, passphrase)?;
-    let old_vk = unlock_digest(dev, &hdr_any, &h.meta, d_old, passphrase)?;
-    h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
-    let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, &old_vk)?;
-    let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, &new_vk)?;
+    let d_old = digest_of_segment(&h.meta, st.backup_previous);
+    let d_new = digest_of_segment(&h.meta, st.backup_final);
+    let new_vk = d_new
+        .map(|d| unlock_digest(dev, &hdr_any, &h.meta, d, passphrase))
+        .transpose()?;
+    let old_vk = d_old
+        .map(|d| unlock_digest(dev, &hdr_any, &h.meta, d, passphrase))
+        .transpose()?;
+    h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
+    let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, old_vk.as_ref())?;
+    let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, new_vk.as_ref())?;
     if off_old != off_new {
         return Err(Error::UnsupportedLuks(
-            "reencryption that moves the data (ucrypt rotates keys in place)".into(),
+            "reencryption that moves the data (ucrypt reencrypts in place)".into(),
         ));
     }
     let seg = &h.meta.segments[&st.backup_previous.to_string()];
     let data_bytes = match seg.size {
         super::json::SegmentSize::Bytes(n) => n,
-        super::json::SegmentSize::Dynamic => dev
+        super::json::SegmentSize::Dynamic => devs
+            .data
             .size()
             .checked_sub(off_old)
             .ok_or_else(|| bad("the device ends before its data offset"))?,
@@ -398,7 +710,10 @@ fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
         .clamp(1, REKEY_LANES_MAX);
     let mut lanes = Vec::with_capacity(n);
     for _ in 1..n {
-        lanes.push((old.try_clone()?, new.try_clone()?));
+        lanes.push((
+            old.as_ref().map(SectorCipher::try_clone).transpose()?,
+            new.as_ref().map(SectorCipher::try_clone).transpose()?,
+        ));
     }
     lanes.push((old, new));
     Ok(Unlocked {
@@ -426,8 +741,8 @@ pub struct RunOptions {
     pub hotzone_bytes: Option<u64>,
 }
 
-/// Decrypts `buf` (ciphertext at data offset `offset`) with the old key and encrypts it with
-/// the new one, in place: cut into one piece per lane (whole `align` units), each on its own
+/// Decrypts `buf` (the old bytes at data offset `offset`) with the old key and encrypts it
+/// with the new one, in place (a linear side is left as it is): cut into one piece per lane (whole `align` units), each on its own
 /// thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
     rekey_then(u, offset, buf, &|_, _| Ok(()))
@@ -449,9 +764,13 @@ fn rekey_then(
     };
     let align = u.align as usize;
     let piece = (buf.len() / align).div_ceil(lanes).max(1) * align;
-    let one = |(old, new): &mut (SectorCipher, SectorCipher), at: u64, b: &mut [u8]| {
-        old.decrypt(at / old.sector_bytes() as u64, b)?;
-        new.encrypt(at / new.sector_bytes() as u64, b)?;
+    let one = |(old, new): &mut Lane, at: u64, b: &mut [u8]| {
+        if let Some(old) = old {
+            old.decrypt(at / old.sector_bytes() as u64, b)?;
+        }
+        if let Some(new) = new {
+            new.encrypt(at / new.sector_bytes() as u64, b)?;
+        }
         then(at, b)
     };
     if lanes == 1 {
@@ -539,7 +858,7 @@ fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: us
 }
 
 fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
-    set_segments(&mut u.h.meta, &mut u.st, pos)?;
+    set_segments(&mut u.h.meta, &mut u.st, pos, u.data_bytes)?;
     let ops = u.h.commit()?;
     apply(dev, &ops)
 }
@@ -547,21 +866,30 @@ fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
 fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     let retired = finalise(&mut u.h.meta, &u.st)?;
     let mut ops = u.h.commit()?;
-    for (offset, len) in retired.areas {
-        let mut noise = vec![0u8; len as usize];
-        random_fill(&mut noise)?;
-        ops.push(WriteOp::Write {
-            offset,
-            data: noise,
-        });
-    }
     ops.push(WriteOp::Sync);
-    apply(dev, &ops)
+    apply(dev, &ops)?;
+    // Then the retired areas (up to the whole reencrypt area, megabytes) get random bytes,
+    // a bounded piece at a time.
+    let mut noise = vec![
+        0u8;
+        WIPE_PIECE_BYTES.min(retired.areas.iter().map(|a| a.1).max().unwrap_or(0))
+            as usize
+    ];
+    for (offset, len) in retired.areas {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(noise.len() as u64) as usize;
+            random_fill(&mut noise[..n])?;
+            dev.write_at(&noise[..n], offset + at)?;
+            at += n as u64;
+        }
+    }
+    dev.flush()
 }
 
-/// Rewrites the rest of a rotation [`init`] (or cryptsetup) started, hotzone after hotzone,
-/// then finalises. `progress` is called after each hotzone. A volume whose metadata was
-/// committed inside a hotzone needs [`recover`] first (as cryptsetup's `--resume-only`
+/// Rewrites the rest of a reencryption [`init`] (or cryptsetup) started, hotzone after
+/// hotzone, then finalises. `progress` is called after each hotzone. A volume whose metadata
+/// was committed inside a hotzone needs [`recover`] first (as cryptsetup's `--resume-only`
 /// requires `repair`).
 pub fn resume(
     dev: &dyn Backend,
@@ -569,8 +897,19 @@ pub fn resume(
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
-    let mut u = open_rotation(dev, passphrase)?;
-    let mut pos = position(&u.h.meta, &u.st)?;
+    resume_on(Devices::one(dev), passphrase, opts, progress)
+}
+
+/// [`resume`] with the header on its own device (`--header`).
+pub fn resume_on(
+    devs: Devices<'_>,
+    passphrase: &[u8],
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<()> {
+    let (hdr_dev, data_dev) = (devs.header, devs.data);
+    let mut u = open_rotation(devs, passphrase)?;
+    let mut pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
     }
@@ -602,7 +941,7 @@ pub fn resume(
     loop {
         let Some(steps) = next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)? else {
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
-            return finish(dev, &mut u);
+            return finish(hdr_dev, &mut u);
         };
         let mut cur = 0u64;
         for step in steps {
@@ -610,7 +949,7 @@ pub fn resume(
                 Step::ReadOld { offset, len } => {
                     cur = len;
                     read_lanes(
-                        dev,
+                        data_dev,
                         &mut hot.as_mut_slice()[..len as usize],
                         u.data_offset + offset,
                         u.lanes.len(),
@@ -628,28 +967,30 @@ pub fn resume(
                     checksums(data, block as usize, hash, out, u.lanes.len());
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
                     out[n * hb..len as usize].fill(0);
-                    dev.write_at(&out[..len as usize], area_offset)?;
+                    hdr_dev.write_at(&out[..len as usize], area_offset)?;
                 }
                 Step::WriteJournal { area_offset } => {
                     write_lanes(
-                        dev,
+                        hdr_dev,
                         &hot.as_mut_slice()[..cur as usize],
                         area_offset,
                         u.lanes.len(),
                     )?;
                 }
-                Step::SyncData => dev.flush()?,
+                Step::SyncData => devs.flush()?,
                 Step::CommitSegments(p) => {
-                    commit(dev, &mut u, p)?;
+                    commit(hdr_dev, &mut u, p)?;
                     pos = p;
                 }
                 Step::WriteNew { offset, len } => {
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.data_offset;
-                    rekey_then(&mut u, offset, buf, &|at, b| dev.write_at(b, base + at))?;
+                    rekey_then(&mut u, offset, buf, &|at, b| {
+                        data_dev.write_at(b, base + at)
+                    })?;
                 }
                 Step::Finalise => {
-                    finish(dev, &mut u)?;
+                    finish(hdr_dev, &mut u)?;
                     progress(Progress {
                         done: u.data_bytes,
                         total: u.data_bytes,
@@ -670,23 +1011,29 @@ pub fn resume(
 pub enum Recovery {
     /// The metadata was not inside a hotzone: nothing to do.
     NotNeeded,
-    /// The hotzone (offset, length) was brought under the new key from the resilience data
+    /// The hotzone (offset, length) was brought to its new form from the resilience data
     /// (for `none`: taken as written, as cryptsetup does; its data may be lost).
     Recovered { offset: u64, len: u64 },
 }
 
 /// Recovers a hotzone the metadata was committed inside (a crash between the hotzone's two
-/// commits), as cryptsetup's `repair` does: `checksum` rewrites each block whose ciphertext
-/// still hashes to the stored old checksum; `journal` rewrites the whole hotzone from the
-/// stored copy of its old ciphertext; `none` has nothing to recover from. Then the boundary
-/// is committed past the hotzone.
+/// commits), as cryptsetup's `repair` does: `checksum` rewrites each block whose bytes still
+/// hash to the stored old checksum; `journal` rewrites the whole hotzone from the stored copy
+/// of its old bytes; `none` has nothing to recover from. Then the boundary is committed past
+/// the hotzone.
 pub fn recover(dev: &dyn Backend, passphrase: &[u8]) -> Result<Recovery> {
-    let mut u = open_rotation(dev, passphrase)?;
-    let pos = position(&u.h.meta, &u.st)?;
+    recover_on(Devices::one(dev), passphrase)
+}
+
+/// [`recover`] with the header on its own device (`--header`).
+pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
+    let (hdr_dev, data_dev) = (devs.header, devs.data);
+    let mut u = open_rotation(devs, passphrase)?;
+    let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     let Some(len) = pos.hotzone else {
         return Ok(Recovery::NotNeeded);
     };
-    let offset = pos.done;
+    let offset = hotzone_offset(&u.st, pos, len, u.data_bytes);
     if len % u.align != 0 || len > area_limit(&u.st)? {
         return Err(bad(format!(
             "hotzone of {len} bytes does not fit its resilience data"
@@ -699,39 +1046,36 @@ pub fn recover(dev: &dyn Backend, passphrase: &[u8]) -> Result<Recovery> {
     match u.protect {
         Protect::None => {}
         Protect::Journal => {
-            dev.read_exact_at(buf, area)?;
+            hdr_dev.read_exact_at(buf, area)?;
             rekey(&mut u, offset, buf)?;
-            dev.write_at(buf, u.data_offset + offset)?;
+            data_dev.write_at(buf, u.data_offset + offset)?;
         }
         Protect::Checksum { hash, block } => {
             let hb = hash.output_bytes();
             let block = u64::from(block);
             let n = (len / block) as usize;
-            let sums = read_area(dev, area, (n * hb) as u64)?;
-            dev.read_exact_at(buf, u.data_offset + offset)?;
+            let sums = read_area(hdr_dev, area, (n * hb) as u64)?;
+            data_dev.read_exact_at(buf, u.data_offset + offset)?;
             for i in 0..n {
                 let at = i * block as usize;
                 let chunk = &mut buf[at..at + block as usize];
                 if hash.digest(&[chunk]) == sums[i * hb..(i + 1) * hb] {
                     let o = offset + at as u64;
                     rekey(&mut u, o, chunk)?;
-                    dev.write_at(chunk, u.data_offset + o)?;
+                    data_dev.write_at(chunk, u.data_offset + o)?;
                 }
             }
         }
     }
-    dev.flush()?;
-    if offset + len >= u.data_bytes {
-        finish(dev, &mut u)?;
+    devs.flush()?;
+    let after = Position {
+        done: pos.done + len,
+        hotzone: None,
+    };
+    if after.done >= u.data_bytes {
+        finish(hdr_dev, &mut u)?;
     } else {
-        commit(
-            dev,
-            &mut u,
-            Position {
-                done: offset + len,
-                hotzone: None,
-            },
-        )?;
+        commit(hdr_dev, &mut u, after)?;
     }
     Ok(Recovery::Recovered { offset, len })
 }

@@ -149,6 +149,19 @@ impl Luks2Header {
         new: NewKeyslot<'_>,
         priority: Option<u32>,
     ) -> Result<(u32, Vec<WriteOp>)> {
+        self.add_keyslot_with_area(new, priority, None)
+    }
+
+    /// [`Luks2Header::add_keyslot`] with the keyslot area's cipher and key size given
+    /// (`area`), instead of the segment's cipher and `vk`'s size: a reencryption that changes
+    /// the cipher or key size keeps the old segment's for the new keyslot's area, as
+    /// cryptsetup does (it adds the keyslot before the new segment exists).
+    pub fn add_keyslot_with_area(
+        &mut self,
+        new: NewKeyslot<'_>,
+        priority: Option<u32>,
+        area: Option<(CipherSpec, usize)>,
+    ) -> Result<(u32, Vec<WriteOp>)> {
         let NewKeyslot {
             vk,
             passphrase,
@@ -182,7 +195,9 @@ impl Luks2Header {
             .segments
             .values()
             .any(|s| s.kind == "crypt" && s.integrity.is_some());
-        let (area_cipher, area_key_bytes) = if authenticated {
+        let (area_cipher, area_key_bytes) = if let Some(a) = area {
+            a
+        } else if authenticated {
             (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_DEFAULT_KEY_BYTES)
         } else {
             (self.meta.crypt_segment()?.cipher, key_bytes)
