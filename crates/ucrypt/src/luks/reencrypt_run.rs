@@ -313,9 +313,11 @@ struct Unlocked {
     data_offset: u64,
     data_bytes: u64,
     align: u64,
+    /// The new volume key, for a volume that serves the data meanwhile ([`Serving::start`]).
+    new_key: crate::SecretBytes,
 }
 
-fn unlock_digest(
+pub(crate) fn unlock_digest(
     dev: &dyn Backend,
     hdr: &Header,
     meta: &Metadata,
@@ -378,6 +380,7 @@ fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
     h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
     let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, &old_vk)?;
     let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, &new_vk)?;
+    let new_key = crate::SecretBytes::from_slice(new_vk.bytes());
     if off_old != off_new {
         return Err(Error::UnsupportedLuks(
             "reencryption that moves the data (ucrypt rotates keys in place)".into(),
@@ -408,6 +411,7 @@ fn open_rotation(dev: &dyn Backend, passphrase: &[u8]) -> Result<Unlocked> {
         data_offset: off_old,
         data_bytes: data_bytes / align * align,
         align,
+        new_key,
     })
 }
 
@@ -500,6 +504,33 @@ fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     apply(dev, &ops)
 }
 
+/// What the hotzone loop tells a volume that serves the data while it runs (online
+/// rotation, `luks::reencrypt_online`). Offsets are bytes from the start of the data.
+pub trait Serving {
+    /// Before the first hotzone, with the new key (checked against the reencryption digest)
+    /// and the bytes already under it.
+    fn start(&mut self, new_key: &[u8], done: u64) -> Result<()>;
+    /// Before the hotzone `[offset, offset + len)` is read: returns once no request touches
+    /// it, and none will until [`Serving::release`].
+    fn hold(&mut self, offset: u64, len: u64);
+    /// After the hotzone's last commit: the data below `done` is under the new key.
+    fn release(&mut self, done: u64);
+    /// The loop failed while a hotzone was held: its data may be half rewritten.
+    fn failed(&mut self);
+}
+
+/// The offline driver: nobody serves the data meanwhile.
+struct Offline;
+
+impl Serving for Offline {
+    fn start(&mut self, _: &[u8], _: u64) -> Result<()> {
+        Ok(())
+    }
+    fn hold(&mut self, _: u64, _: u64) {}
+    fn release(&mut self, _: u64) {}
+    fn failed(&mut self) {}
+}
+
 /// Rewrites the rest of a rotation [`init`] (or cryptsetup) started, hotzone after hotzone,
 /// then finalises. `progress` is called after each hotzone. A volume whose metadata was
 /// committed inside a hotzone needs [`recover`] first (as cryptsetup's `--resume-only`
@@ -510,11 +541,41 @@ pub fn resume(
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
+    resume_serving(dev, passphrase, opts, progress, &mut Offline)
+}
+
+/// [`resume`] while `serving` serves the data: each hotzone is held from before its read to
+/// after its last commit.
+pub fn resume_serving(
+    dev: &dyn Backend,
+    passphrase: &[u8],
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+    serving: &mut dyn Serving,
+) -> Result<()> {
     let mut u = open_rotation(dev, passphrase)?;
-    let mut pos = position(&u.h.meta, &u.st)?;
+    let pos = position(&u.h.meta, &u.st)?;
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
     }
+    serving.start(u.new_key.as_ref(), pos.done)?;
+    let mut held = false;
+    let r = run_hotzones(dev, &mut u, pos, opts, progress, serving, &mut held);
+    if r.is_err() && held {
+        serving.failed();
+    }
+    r
+}
+
+fn run_hotzones(
+    dev: &dyn Backend,
+    u: &mut Unlocked,
+    mut pos: Position,
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+    serving: &mut dyn Serving,
+    held: &mut bool,
+) -> Result<()> {
     let hot_max = opts
         .hotzone_bytes
         .unwrap_or(HOTZONE_BYTES_DEFAULT)
@@ -543,13 +604,15 @@ pub fn resume(
     loop {
         let Some(steps) = next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)? else {
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
-            return finish(dev, &mut u);
+            return finish(dev, u);
         };
         let mut cur = 0u64;
         for step in steps {
             match step {
                 Step::ReadOld { offset, len } => {
                     cur = len;
+                    serving.hold(offset, len);
+                    *held = true;
                     dev.read_exact_at(
                         &mut hot.as_mut_slice()[..len as usize],
                         u.data_offset + offset,
@@ -574,16 +637,22 @@ pub fn resume(
                 }
                 Step::SyncData => dev.flush()?,
                 Step::CommitSegments(p) => {
-                    commit(dev, &mut u, p)?;
+                    commit(dev, u, p)?;
                     pos = p;
+                    if p.hotzone.is_none() {
+                        *held = false;
+                        serving.release(p.done);
+                    }
                 }
                 Step::WriteNew { offset, len } => {
                     let buf = &mut hot.as_mut_slice()[..len as usize];
-                    rekey(&mut u, offset, buf)?;
+                    rekey(u, offset, buf)?;
                     dev.write_at(buf, u.data_offset + offset)?;
                 }
                 Step::Finalise => {
-                    finish(dev, &mut u)?;
+                    finish(dev, u)?;
+                    *held = false;
+                    serving.release(u.data_bytes);
                     progress(Progress {
                         done: u.data_bytes,
                         total: u.data_bytes,
