@@ -35,7 +35,8 @@ pub struct ReencryptOpts {
     /// Largest hotzone, in bytes or with a unit (4M, 64MiB...).
     #[arg(long)]
     pub hotzone_size: Option<String>,
-    /// Accepted for scripts: ucrypt always reencrypts a file or device it opens itself offline.
+    /// Accepted for scripts on a volume no ucrypt daemon serves (that one is reencrypted
+    /// offline anyway); refused on one a daemon serves (reencrypted online, through it).
     #[arg(long)]
     pub force_offline_reencrypt: bool,
     /// Encrypt a plaintext device in place (not built yet in ucrypt).
@@ -47,7 +48,8 @@ pub struct ReencryptOpts {
     /// Move the data to make room for a header (datashift; not built yet in ucrypt).
     #[arg(long)]
     pub reduce_device_size: Option<String>,
-    /// Reencrypt the volume of this active mapping (online; not built yet in ucrypt).
+    /// Reencrypt online the volume the daemon of this name serves (`ucrypt open VOLUME NAME`);
+    /// without it, a volume a daemon serves is found by its file.
     #[arg(long)]
     pub active_name: Option<String>,
 }
@@ -96,9 +98,6 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
         return Err(not_built(
             "--reduce-device-size (moving the data: datashift)",
         ));
-    }
-    if r.active_name.is_some() {
-        return Err(not_built("--active-name (online reencryption)"));
     }
     if o.header.is_some() {
         return Err(not_built("--header (a detached header)"));
@@ -205,6 +204,34 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             "Options --init-only and --resume-only cannot be combined.".into(),
         ));
     }
+    // A volume a live daemon serves is rotated by that daemon, online.
+    let holder = match (&r.active_name, device) {
+        (Some(name), _) => match crate::daemon::online::by_name(name) {
+            Ok(h) => Some(h),
+            Err(e) => return Ok(crate::daemon::report(Err(e))),
+        },
+        (None, Target::Path(p)) => crate::daemon::online::holder_of(p),
+        (None, _) => None,
+    };
+    if let Some(h) = &holder {
+        if let Target::Path(p) = device {
+            if !h.serves(p) {
+                return Err(Error::InvalidArgument(format!(
+                    "Device {} serves {}, not {device}.",
+                    h.name,
+                    h.volume().unwrap_or_default().display()
+                )));
+            }
+        }
+        if r.force_offline_reencrypt {
+            eprintln!(
+                "Device {device} is in use by the ucrypt daemon {}: it is reencrypted online \
+                 through it (drop --force-offline-reencrypt, or close it first).",
+                h.name
+            );
+            return Ok(5);
+        }
+    }
     let (dev, hdr) = load(device, o, true)?;
     check_supported(r, o, &hdr)?;
     let in_progress = match &hdr {
@@ -261,6 +288,16 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         }
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    if let Some(h) = holder {
+        drop(dev);
+        let r = h.rotate(passphrase, hotzone_bytes, &mut |done, total| {
+            meter.show(Progress { done, total })
+        });
+        if r.is_ok() && o.verbose {
+            eprintln!("Command successful.");
+        }
+        return Ok(crate::daemon::report(r));
+    }
     reencrypt_run::resume(
         dev.as_ref(),
         passphrase.as_ref(),
