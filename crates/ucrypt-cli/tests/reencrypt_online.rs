@@ -137,7 +137,15 @@ fn volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf) {
 fn open(img: &Path, key: &Path, name: &str) {
     let o = run(
         UCRYPT,
-        &["open", s(img), name, "--key-file", s(key), "--front-end", "loop"],
+        &[
+            "open",
+            s(img),
+            name,
+            "--key-file",
+            s(key),
+            "--front-end",
+            "loop",
+        ],
     );
     assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
 }
@@ -201,7 +209,14 @@ fn cryptsetup_accepts(img: &Path, key: &Path) {
     assert!(!dump.contains("reencrypt"), "still in reencryption: {dump}");
     let o = ok(
         "cryptsetup",
-        &["open", "--test-passphrase", "-v", "--key-file", s(key), s(img)],
+        &[
+            "open",
+            "--test-passphrase",
+            "-v",
+            "--key-file",
+            s(key),
+            s(img),
+        ],
     );
     println!("cryptsetup: {}", String::from_utf8_lossy(&o.stdout).trim());
 }
@@ -225,7 +240,8 @@ fn fio_verifies_during_an_online_key_rotation() {
     let before = keyslots(&img);
     // fio writes 48 MiB at 8 MiB/s (about 6 s), then reads it all back and verifies.
     let out = t.path("fio.out");
-    c.procs.push(fio(&dev, "48m", Some("8m"), false, &out).spawn().unwrap());
+    c.procs
+        .push(fio(&dev, "48m", Some("8m"), false, &out).spawn().unwrap());
     std::thread::sleep(Duration::from_millis(500));
     let t0 = Instant::now();
     let mut a = vec![
@@ -247,7 +263,10 @@ fn fio_verifies_during_an_online_key_rotation() {
     );
     println!("online rotation of 96 MiB took {secs:.1} s while fio ran");
     let st = status(&n);
-    assert!(st.contains("reencryption: ") && st.contains(", finished"), "{st}");
+    assert!(
+        st.contains("reencryption: ") && st.contains(", finished"),
+        "{st}"
+    );
     fio_ok(&mut c.procs[0], &out, "during the rotation");
     c.procs.clear();
     // The header is plain again, with the new keyslot only.
@@ -289,11 +308,21 @@ fn offline_reencrypt_is_refused_on_a_volume_a_daemon_serves() {
     let o = run(UCRYPT, &a);
     assert_eq!(o.status.code(), Some(5), "{}", text(&o));
     assert!(text(&o).contains("reencrypted online"), "{}", text(&o));
-    assert!(std::fs::read(&img).unwrap() == before, "the refused verb wrote");
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "the refused verb wrote"
+    );
     // --active-name of a name nobody serves: cryptsetup's "not active", exit 4.
     let o = run(
         UCRYPT,
-        &["reencrypt", "--active-name", "no-such-volume", "--key-file", s(&key), s(&img)],
+        &[
+            "reencrypt",
+            "--active-name",
+            "no-such-volume",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
     );
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     ok(UCRYPT, &["close", &n]);
@@ -348,7 +377,10 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
         if done > 0 {
             break done;
         }
-        assert!(Instant::now() < deadline, "the rotation never started: {st}");
+        assert!(
+            Instant::now() < deadline,
+            "the rotation never started: {st}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     ok("kill", &["-9", pid.trim()]);
@@ -371,7 +403,10 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
     assert_eq!(o.status.code(), Some(0), "close after kill: {}", text(&o));
     open(&img, &key, &n);
     let st = status(&n);
-    assert!(st.contains("reencryption: ") && st.contains("interrupted"), "{st}");
+    assert!(
+        st.contains("reencryption: ") && st.contains("interrupted"),
+        "{st}"
+    );
     let out2 = t.path("fio2.out");
     let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
     fio_ok(&mut v, &out2, "verifying in reencryption");

@@ -21,8 +21,8 @@
 //!   verb sends; the volume key never crosses the socket), `resize`.
 
 mod loopdev;
-pub mod online;
 mod mounts;
+pub mod online;
 mod proto;
 mod serve;
 mod server;
@@ -300,9 +300,9 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                 // In reencryption: the volume as it was (backup-previous; a key rotation keeps
                 // cipher, sector size and offset).
                 let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)?;
-                if let Some(seg) = st.and_then(|st| {
-                    h.meta.segments.get(&st.backup_previous.to_string())
-                }) {
+                if let Some(seg) =
+                    st.and_then(|st| h.meta.segments.get(&st.backup_previous.to_string()))
+                {
                     info.kind = "LUKS2".into();
                     info.cipher = seg.encryption.clone().unwrap_or_default();
                     info.key_bits = h

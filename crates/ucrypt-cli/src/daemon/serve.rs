@@ -266,15 +266,24 @@ impl Shared {
             );
         };
         let ResumeKey::Passphrase(pass) = key else {
-            return Self::error(1, "reencrypt needs the passphrase (both keys come from keyslots)");
+            return Self::error(
+                1,
+                "reencrypt needs the passphrase (both keys come from keyslots)",
+            );
         };
         if self.vol.is_suspended() {
-            return Self::error(5, format!("Device {} is suspended: resume it first.", self.name));
+            return Self::error(
+                5,
+                format!("Device {} is suspended: resume it first.", self.name),
+            );
         }
         {
             let mut r = lock(&self.rotation);
             if r.as_ref().is_some_and(|r| r.running) {
-                return Self::error(5, format!("Device {} is already being reencrypted.", self.name));
+                return Self::error(
+                    5,
+                    format!("Device {} is already being reencrypted.", self.name),
+                );
             }
             *r = Some(ReencryptionReport {
                 done_bytes: vol.reencrypted_bytes().unwrap_or(0),

@@ -232,7 +232,20 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             return Ok(5);
         }
     }
-    let (dev, hdr) = load(device, o, true)?;
+    let (dev, hdr) = match (&holder, device) {
+        // The daemon holds cryptsetup's shared lock on the header for its whole life (it
+        // checks the key on resume), so the exclusive one would wait for ever: the init is
+        // written without it. The daemon is the header's only other user, and writes it only
+        // once asked to rotate, after the init.
+        (Some(_), Target::Path(p)) => {
+            let d: std::sync::Arc<dyn ucrypt::backend::Backend> = std::sync::Arc::new(
+                ucrypt::backend::FileBackend::open(p, true, ucrypt::backend::DirectMode::Never)?,
+            );
+            let h = ucrypt::luks::read_header(d.as_ref())?;
+            (d, h)
+        }
+        _ => load(device, o, true)?,
+    };
     check_supported(r, o, &hdr)?;
     let in_progress = match &hdr {
         Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?,
