@@ -32,11 +32,11 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
     run.names().into_iter().find_map(|name| {
         let dir = run.dir(&name);
         let ident = Identity::read(&dir)?;
-        (ident.st_ino != 0
+        let serves = ident.st_ino != 0
             && ident.st_dev == md.dev()
             && ident.st_ino == md.ino()
-            && state::is_alive(&dir))
-        .then(|| Holder {
+            && state::is_alive(&dir);
+        serves.then_some(Holder {
             name,
             dir,
             ident: Some(ident),
