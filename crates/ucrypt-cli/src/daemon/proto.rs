@@ -676,6 +676,14 @@ mod tests {
                 key: ResumeKey::VolumeKeyFile("/run/k".into()),
                 key_slot: None,
             },
+            Request::Reencrypt {
+                key: ResumeKey::Passphrase(SecretBytes::from_slice(b"rot\x00")),
+                hotzone_bytes: Some(1 << 20),
+            },
+            Request::Reencrypt {
+                key: ResumeKey::Passphrase(SecretBytes::from_slice(&[7u8; 8 << 10])),
+                hotzone_bytes: None,
+            },
         ] {
             let l = encode_request(&r);
             assert_eq!(l.last(), Some(&b'\n'));
@@ -686,6 +694,9 @@ mod tests {
             encode_request(&Request::Status),
             b"{\"v\":1,\"cmd\":\"status\"}\n"
         );
+        // reencrypt needs the passphrase; other commands refuse one.
+        assert!(parse_request(br#"{"v":1,"cmd":"reencrypt"}"#).is_err());
+        assert!(parse_request(br#"{"v":1,"cmd":"status","passphrase_hex":"00"}"#).is_err());
     }
 
     fn sample_status() -> StatusReport {
