@@ -24,7 +24,9 @@ fio_start() { # $1 = 4k|1m, $2 = seconds; runs fio in the background (its pid in
   fio --name=j --filename=/dev/ucrypt/$N $a --direct=1 --time_based --runtime=$2 \
       --output-format=json --output=$D/$1.json >/dev/null 2>&1 & FIO=$!
 }
-mibs() { python3 -c "import json; j=json.load(open('$D/$1.json'))['jobs'][0]['read']; print('%.1f' % (j['bw']/1024))"; }
+mibs() { python3 -c "
+t = open('$D/$1.json').read(); import json
+j = json.loads(t[t.index('{'):])['jobs'][0]['read']; print('%.1f' % (j['bw'] / 1024))"; }
 rotate() { $U reencrypt -q $P --hotzone-size $HOT --key-file $D/k $D/a.img; }
 echo "host load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 # Offline rotation of the same bytes.
