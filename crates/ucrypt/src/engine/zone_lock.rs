@@ -1,8 +1,11 @@
 //! The hotzone lock of a volume in reencryption: requests hold their byte range shared (any
-//! number of them, overlapping or not), the reencryption driver holds one hotzone exclusive.
-//! A request that touches the hotzone waits for it alone; every other request passes. Once
-//! the driver has asked for a hotzone, new requests touching it wait, so the driver waits only
-//! for the requests already inside it (no starvation).
+//! number of them, overlapping or not), the reencryption driver holds one hotzone in two
+//! stages. First against writes only: while the driver reads the hotzone and stores its
+//! resilience data, the data there is still the old ciphertext, so reads of it go on; then,
+//! from the rewrite to the release, against every request. A request that touches the hotzone
+//! waits for it alone; every other request passes. Once the driver has asked for a stage, new
+//! requests it excludes wait, so the driver waits only for those already inside (no
+//! starvation).
 
 use std::sync::Mutex;
 
@@ -27,10 +30,12 @@ impl ByteRange {
 }
 
 struct State {
-    /// Ranges of the requests inside (shared holders).
-    held: Vec<ByteRange>,
+    /// Ranges of the requests inside (shared holders), and whether each writes.
+    held: Vec<(ByteRange, bool)>,
     /// The hotzone the driver holds or waits for.
     hot: Option<ByteRange>,
+    /// The hotzone excludes reads too (the rewrite stage).
+    hot_reads: bool,
     /// The driver failed inside the hotzone: its data is neither all old nor all new, so the
     /// requests touching it fail instead of waiting forever.
     broken: bool,
@@ -44,6 +49,7 @@ pub struct ZoneLock {
 pub struct SharedGuard<'a> {
     lock: &'a ZoneLock,
     range: ByteRange,
+    write: bool,
 }
 
 impl Default for ZoneLock {
@@ -52,6 +58,7 @@ impl Default for ZoneLock {
             state: Mutex::new(State {
                 held: Vec::with_capacity(ZONE_HOLDERS_MAX),
                 hot: None,
+                hot_reads: false,
                 broken: false,
             }),
             cv: WaitCell::new(),
@@ -60,12 +67,14 @@ impl Default for ZoneLock {
 }
 
 impl ZoneLock {
-    /// Holds `range` for a request: waits while it touches the hotzone (or the table is full).
-    /// Fails if the driver left the hotzone broken.
-    pub fn shared(&self, range: ByteRange) -> Result<SharedGuard<'_>> {
+    /// Holds `range` for a request (`write`: one that changes the data): waits while it
+    /// touches the hotzone at a stage that excludes it (or the table is full). Fails if the
+    /// driver left the hotzone broken.
+    pub fn shared(&self, range: ByteRange, write: bool) -> Result<SharedGuard<'_>> {
         let mut s = lock(&self.state);
         loop {
-            let hot = s.hot.is_some_and(|h| h.overlaps(&range));
+            let touches = s.hot.is_some_and(|h| h.overlaps(&range));
+            let hot = touches && (write || s.hot_reads || s.broken);
             if hot && s.broken {
                 return Err(Error::Io {
                     context: "the reencryption failed inside this hotzone: close the volume \
@@ -79,18 +88,34 @@ impl ZoneLock {
             }
             s = self.cv.wait(s);
         }
-        s.held.push(range);
-        Ok(SharedGuard { lock: self, range })
+        s.held.push((range, write));
+        Ok(SharedGuard {
+            lock: self,
+            range,
+            write,
+        })
     }
 
-    /// Holds `range` as the hotzone: new requests touching it wait from now on; returns once
-    /// the requests already inside it have left. One hotzone at a time (the driver's), until
-    /// [`ZoneLock::release_hotzone`] or [`ZoneLock::break_hotzone`].
+    /// Holds `range` as the hotzone against writes: new writes touching it wait from now on;
+    /// returns once the writes already inside it have left. One hotzone at a time (the
+    /// driver's), until [`ZoneLock::release_hotzone`] or [`ZoneLock::break_hotzone`].
     pub fn hold_hotzone(&self, range: ByteRange) {
         let mut s = lock(&self.state);
         assert!(s.hot.is_none(), "two hotzones held at once");
         s.hot = Some(range);
-        while s.held.iter().any(|r| r.overlaps(&range)) {
+        s.hot_reads = false;
+        while s.held.iter().any(|(r, w)| *w && r.overlaps(&range)) {
+            s = self.cv.wait(s);
+        }
+    }
+
+    /// The rewrite stage: the held hotzone excludes reads too; returns once the reads already
+    /// inside it have left.
+    pub fn exclude_reads(&self) {
+        let mut s = lock(&self.state);
+        let range = s.hot.expect("no hotzone held");
+        s.hot_reads = true;
+        while s.held.iter().any(|(r, _)| r.overlaps(&range)) {
             s = self.cv.wait(s);
         }
     }
@@ -100,6 +125,7 @@ impl ZoneLock {
         let mut s = lock(&self.state);
         assert!(s.hot.is_some() && !s.broken, "no hotzone held");
         s.hot = None;
+        s.hot_reads = false;
         drop(s);
         self.cv.notify_all();
     }
@@ -119,7 +145,8 @@ impl ZoneLock {
 impl Drop for SharedGuard<'_> {
     fn drop(&mut self) {
         let mut s = lock(&self.lock.state);
-        if let Some(i) = s.held.iter().position(|r| *r == self.range) {
+        let me = (self.range, self.write);
+        if let Some(i) = s.held.iter().position(|h| *h == me) {
             s.held.swap_remove(i);
         }
         let wake = s.hot.is_some() || s.held.len() + 1 == ZONE_HOLDERS_MAX;
@@ -145,14 +172,17 @@ mod tests {
     fn requests_outside_the_hotzone_pass_inside_wait() {
         let z = Arc::new(ZoneLock::default());
         z.hold_hotzone(r(100, 200));
-        // Outside: passes at once, while the hotzone is held.
-        drop(z.shared(r(0, 100)).unwrap());
-        drop(z.shared(r(200, 300)).unwrap());
+        // Outside: passes at once, while the hotzone is held; a read inside passes until the
+        // rewrite stage.
+        drop(z.shared(r(0, 100), true).unwrap());
+        drop(z.shared(r(200, 300), true).unwrap());
+        drop(z.shared(r(150, 160), false).unwrap());
+        z.exclude_reads();
         let entered = Arc::new(AtomicBool::new(false));
         let t = {
             let (z, entered) = (z.clone(), entered.clone());
             std::thread::spawn(move || {
-                let _g = z.shared(r(150, 160)).unwrap();
+                let _g = z.shared(r(150, 160), false).unwrap();
                 entered.store(true, Ordering::SeqCst);
             })
         };
@@ -166,7 +196,7 @@ mod tests {
     #[test]
     fn the_driver_waits_for_requests_inside() {
         let z = Arc::new(ZoneLock::default());
-        let inside = z.shared(r(0, 4096)).unwrap();
+        let inside = z.shared(r(0, 4096), true).unwrap();
         let got = Arc::new(AtomicBool::new(false));
         let t = {
             let (z, got) = (z.clone(), got.clone());
@@ -186,7 +216,7 @@ mod tests {
         let z = ZoneLock::default();
         z.hold_hotzone(r(0, 10));
         z.break_hotzone();
-        assert!(z.shared(r(5, 6)).is_err());
-        assert!(z.shared(r(10, 20)).is_ok());
+        assert!(z.shared(r(5, 6), false).is_err());
+        assert!(z.shared(r(10, 20), true).is_ok());
     }
 }

@@ -166,6 +166,11 @@ impl Serving for Online<'_> {
         debug_assert!(r.is_ok(), "hotzone held without segments");
     }
 
+    fn rewrite(&mut self) {
+        let r = self.vol.hotzone_rewrite();
+        debug_assert!(r.is_ok(), "hotzone rewritten without segments");
+    }
+
     fn release(&mut self, done: u64) {
         let r = self.vol.release_hotzone(done);
         debug_assert!(r.is_ok(), "hotzone released without segments");

@@ -510,9 +510,11 @@ pub trait Serving {
     /// Before the first hotzone, with the new key (checked against the reencryption digest)
     /// and the bytes already under it.
     fn start(&mut self, new_key: &[u8], done: u64) -> Result<()>;
-    /// Before the hotzone `[offset, offset + len)` is read: returns once no request touches
-    /// it, and none will until [`Serving::release`].
+    /// Before the hotzone `[offset, offset + len)` is read: returns once no write touches it,
+    /// and none will until [`Serving::release`] (its data stays the old ciphertext).
     fn hold(&mut self, offset: u64, len: u64);
+    /// Before the hotzone is rewritten: returns once no request at all touches it.
+    fn rewrite(&mut self) {}
     /// After the hotzone's last commit: the data below `done` is under the new key.
     fn release(&mut self, done: u64);
     /// The loop failed while a hotzone was held: its data may be half rewritten.
@@ -645,6 +647,7 @@ fn run_hotzones(
                     }
                 }
                 Step::WriteNew { offset, len } => {
+                    serving.rewrite();
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     rekey(u, offset, buf)?;
                     dev.write_at(buf, u.data_offset + offset)?;

@@ -4,7 +4,8 @@
 //! key). A request is cut at the mark; each part runs on its side's engine.
 //!
 //! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
-//! [`ZoneLock`]: requests touching it wait for it alone, the others keep flowing. The mark
+//! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only from its rewrite
+//! on; the others keep flowing. The mark
 //! moves only while the hotzone past it is held, and a request reads the mark only after it
 //! holds its range, so a request never sees a sector change sides under it.
 //!
@@ -128,6 +129,12 @@ impl Volume {
         Ok(())
     }
 
+    /// The hotzone's rewrite starts: reads of it wait from now on too.
+    pub(crate) fn hotzone_rewrite(&self) -> Result<()> {
+        self.segments()?.zones.exclude_reads();
+        Ok(())
+    }
+
     /// Everything below `done` is now under the new key; the hotzone is released.
     pub(crate) fn release_hotzone(&self, done: u64) -> Result<()> {
         let seg = self.segments()?;
@@ -156,12 +163,13 @@ impl Volume {
         &self,
         offset: u64,
         len: u64,
+        write: bool,
         mut f: impl FnMut(&Core, u64, std::ops::Range<usize>) -> Result<()>,
     ) -> Result<()> {
         self.core.check(offset, len)?;
         let seg = self.segments()?;
         let end = offset + len;
-        let _held = seg.zones.shared(ByteRange { start: offset, end })?;
+        let _held = seg.zones.shared(ByteRange { start: offset, end }, write)?;
         let cut = seg.mark_bytes.load(Relaxed).clamp(offset, end);
         if cut > offset {
             f(&seg.new.core, offset, 0..(cut - offset) as usize)?;
@@ -173,7 +181,9 @@ impl Volume {
     }
 
     pub(super) fn seg_read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.seg_run(offset, buf.len() as u64, |c, at, r| c.read(&mut buf[r], at))
+        self.seg_run(offset, buf.len() as u64, false, |c, at, r| {
+            c.read(&mut buf[r], at)
+        })
     }
 
     pub(super) fn seg_write(
@@ -184,7 +194,7 @@ impl Volume {
         len: u64,
         fua: bool,
     ) -> Result<()> {
-        self.seg_run(offset, len, |c, at, r| {
+        self.seg_run(offset, len, true, |c, at, r| {
             let n = r.len() as u64;
             let part = match src {
                 Source::Buf(b) => Source::Buf(&b[r]),
@@ -195,6 +205,6 @@ impl Volume {
     }
 
     pub(super) fn seg_discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.seg_run(offset, len, |c, at, r| c.discard(at, r.len() as u64))
+        self.seg_run(offset, len, true, |c, at, r| c.discard(at, r.len() as u64))
     }
 }
