@@ -18,7 +18,8 @@
 //!
 //! - Control verbs over the socket: `close` (`--deferred`, `--cancel-deferred`), `status`,
 //!   `refresh`, `suspend`/`resume` (the daemon re-derives the key from the passphrase the
-//!   verb sends; the volume key never crosses the socket), `resize`.
+//!   verb sends; the volume key never crosses the socket), `resize`, `reencrypt` (online key
+//!   rotation in the daemon, followed through `status`: `online.rs`).
 
 mod loopdev;
 mod mounts;
