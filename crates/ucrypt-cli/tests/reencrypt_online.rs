@@ -410,15 +410,17 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
     let out2 = t.path("fio2.out");
     let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
     fio_ok(&mut v, &out2, "verifying in reencryption");
-    // The rotation resumes online and finishes.
-    let mut a = vec![
+    // The rotation resumes online and finishes (the daemon named as cryptsetup does, with
+    // --active-name and no device).
+    let a = vec![
         "reencrypt",
         "--resume-only",
+        "--active-name",
+        &n,
         "--batch-mode",
         "--key-file",
         s(&key),
     ];
-    a.push(s(&img));
     let o = run(UCRYPT, &a);
     assert_eq!(o.status.code(), Some(0), "resume online: {}", text(&o));
     let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();

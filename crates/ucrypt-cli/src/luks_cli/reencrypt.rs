@@ -198,6 +198,25 @@ impl Meter {
     }
 }
 
+/// `reencrypt [DEVICE]`: without DEVICE, `--active-name` names the daemon and so the volume.
+pub fn reencrypt_cmd(device: Option<Target>, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
+    match (device, &r.active_name) {
+        (Some(d), _) => reencrypt(&d, r, o),
+        (None, Some(name)) => match crate::daemon::online::by_name(name) {
+            Ok(h) => match h.volume() {
+                Some(v) => reencrypt(&Target::Path(v), r, o),
+                None => Err(Error::InvalidArgument(format!(
+                    "Device {name}: its daemon does not say which volume it serves."
+                ))),
+            },
+            Err(e) => Ok(crate::daemon::report(Err(e))),
+        },
+        (None, None) => Err(Error::InvalidArgument(
+            "Command requires device as argument.".into(),
+        )),
+    }
+}
+
 pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     if r.init_only && r.resume_only {
         return Err(Error::InvalidArgument(
