@@ -44,6 +44,9 @@ use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher};
 use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
+mod segments;
+use segments::Segments;
+
 /// Largest piece of a request processed at once (also bounded by the pool): big enough for the
 /// workers to share, small enough that many requests progress side by side.
 pub const PIECE_BYTES_MAX: usize = 4 << 20;
@@ -196,12 +199,16 @@ pub(crate) struct Core {
     provider: Provider,
     /// Serialises suspend, resume and resize; true while suspended.
     suspended: Mutex<bool>,
+    /// In reencryption: requests go through `Volume::segments` (changed with the gate closed).
+    segmented: AtomicBool,
 }
 
 /// See the module documentation. Thread-safe: share it (`Arc<Volume>`) between callers.
 pub struct Volume {
     core: Arc<Core>,
     threads: Vec<JoinHandle<()>>,
+    /// In reencryption: the new key's side and the hotzone (see `segments`).
+    segments: Mutex<Option<Arc<Segments>>>,
 }
 
 /// Where a write's plaintext comes from.
@@ -228,11 +235,18 @@ impl BlockDev for Volume {
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let _in = self.core.gate.enter();
+        if self.core.segmented.load(Relaxed) {
+            return counted(&self.core, Kind::Read, self.seg_read(buf, offset));
+        }
         counted(&self.core, Kind::Read, self.core.read(buf, offset))
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         let _in = self.core.gate.enter();
+        if self.core.segmented.load(Relaxed) {
+            let r = self.seg_write(Op::Write, Source::Buf(buf), offset, buf.len() as u64, false);
+            return counted(&self.core, Kind::Write, r);
+        }
         let r = self
             .core
             .write(Op::Write, Source::Buf(buf), offset, buf.len() as u64, false);
@@ -240,8 +254,13 @@ impl BlockDev for Volume {
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        if self.core.is_direct(buf, offset, true) {
+        if self.core.is_direct(buf, offset, true) && !self.core.segmented.load(Relaxed) {
             let _in = self.core.gate.enter();
+            if self.core.segmented.load(Relaxed) {
+                let len = buf.len() as u64;
+                let r = self.seg_write(Op::Write, Source::Buf(buf), offset, len, false);
+                return counted(&self.core, Kind::Write, r);
+            }
             let r = self.core.write_direct(buf, offset, false);
             return counted(&self.core, Kind::Write, r);
         }
@@ -252,10 +271,12 @@ impl BlockDev for Volume {
     /// the whole backend, and other writes in flight stay unordered.
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let _in = self.core.gate.enter();
-        let r = if self.core.is_direct(buf, offset, true) {
+        let len = buf.len() as u64;
+        let r = if self.core.segmented.load(Relaxed) {
+            self.seg_write(Op::Write, Source::Buf(buf), offset, len, true)
+        } else if self.core.is_direct(buf, offset, true) {
             self.core.write_direct(buf, offset, true)
         } else {
-            let len = buf.len() as u64;
             self.core
                 .write(Op::Write, Source::Buf(buf), offset, len, true)
         };
@@ -271,11 +292,18 @@ impl BlockDev for Volume {
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let _in = self.core.gate.enter();
+        if self.core.segmented.load(Relaxed) {
+            return counted(&self.core, Kind::Write, self.seg_discard(offset, len));
+        }
         counted(&self.core, Kind::Write, self.core.discard(offset, len))
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         let _in = self.core.gate.enter();
+        if self.core.segmented.load(Relaxed) {
+            let r = self.seg_write(Op::WriteZeroes, Source::Zeroes, offset, len, false);
+            return counted(&self.core, Kind::Write, r);
+        }
         let r = self
             .core
             .write(Op::WriteZeroes, Source::Zeroes, offset, len, false);
@@ -653,10 +681,12 @@ impl Volume {
             geometry: cfg.geometry,
             provider,
             suspended: Mutex::new(false),
+            segmented: AtomicBool::new(false),
         });
         let mut vol = Volume {
             core: core.clone(),
             threads: Vec::new(),
+            segments: Mutex::new(None),
         };
         vol.threads = spawn_threads(&core, workers)?;
         vol.calibrate()?;
@@ -690,6 +720,9 @@ impl Volume {
             return Err(Error::InvalidArgument(
                 "the volume is already suspended".into(),
             ));
+        }
+        if self.core.segmented.load(Relaxed) {
+            return Err(Error::InReencryption);
         }
         self.core.gate.close();
         if let Err(e) = self.core.backend.flush() {
@@ -733,6 +766,9 @@ impl Volume {
             return Err(Error::InvalidArgument(
                 "the volume is suspended: resume it first".into(),
             ));
+        }
+        if self.core.segmented.load(Relaxed) {
+            return Err(Error::InReencryption);
         }
         let c = &*self.core;
         let backend_bytes = c.backend.refresh_size()?;

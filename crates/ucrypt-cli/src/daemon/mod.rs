@@ -18,10 +18,12 @@
 //!
 //! - Control verbs over the socket: `close` (`--deferred`, `--cancel-deferred`), `status`,
 //!   `refresh`, `suspend`/`resume` (the daemon re-derives the key from the passphrase the
-//!   verb sends; the volume key never crosses the socket), `resize`.
+//!   verb sends; the volume key never crosses the socket), `resize`, `reencrypt` (online key
+//!   rotation in the daemon, followed through `status`: `online.rs`).
 
 mod loopdev;
 mod mounts;
+pub mod online;
 mod proto;
 mod serve;
 mod server;
@@ -292,6 +294,31 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                     });
                     info.sector_size = seg.sector_size.unwrap_or(512);
                     info.offset_sectors = seg.offset.0 / 512;
+                    return Ok(info);
+                }
+            }
+            if let Header::Luks2(h) = &**hdr {
+                // In reencryption: the volume as it was (backup-previous; a key rotation keeps
+                // cipher, sector size and offset).
+                let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)?;
+                if let Some(seg) =
+                    st.and_then(|st| h.meta.segments.get(&st.backup_previous.to_string()))
+                {
+                    info.kind = "LUKS2".into();
+                    info.cipher = seg.encryption.clone().unwrap_or_default();
+                    info.key_bits = h
+                        .meta
+                        .keyslots
+                        .values()
+                        .find(|k| k.kind == "luks2")
+                        .map(|k| k.key_size * 8)
+                        .unwrap_or(0);
+                    info.sector_size = seg.sector_size.unwrap_or(512);
+                    info.offset_sectors = seg.offset.0 / 512;
+                    let flags = hdr.activation_flags();
+                    if opts.allow_discards || flags.iter().any(|f| f == "allow-discards") {
+                        info.flags.push("discards".into());
+                    }
                     return Ok(info);
                 }
             }
@@ -798,6 +825,18 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     if let Some(m) = s.integrity_mismatches {
         o += &format!("  integrity mismatches: {m}\n");
     }
+    if let Some(r) = &s.reencryption {
+        let state = match (r.running, r.finished) {
+            (true, _) => "running",
+            (false, Some(true)) => "finished",
+            (false, Some(false)) => "failed",
+            (false, None) => "interrupted",
+        };
+        o += &format!(
+            "  reencryption: {} of {} bytes, {state}\n",
+            r.done_bytes, r.total_bytes
+        );
+    }
     o += &format!("  pid:     {}\n", s.pid);
     o
 }
@@ -1051,6 +1090,7 @@ mod tests {
             started_unix_s: 0,
             suspended: false,
             integrity_mismatches: None,
+            reencryption: None,
         };
         let want = "\
 /dev/ucrypt/data is active.

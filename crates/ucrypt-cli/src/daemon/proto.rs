@@ -43,7 +43,10 @@ pub const RESUME_KEY_BYTES_MAX: usize = 64 << 10;
 /// longer than [`REQUEST_LINE_BYTES_MAX`].
 const RESUME_PREFIX: &[u8] = b"{\"v\":1,\"cmd\":\"resume\"";
 
-/// Longest `resume` line: the key hex-encoded, and the rest.
+/// How a `reencrypt` line starts: it carries the passphrase too, so may be as long.
+const REENCRYPT_PREFIX: &[u8] = b"{\"v\":1,\"cmd\":\"reencrypt\"";
+
+/// Longest `resume` (or `reencrypt`) line: the key hex-encoded, and the rest.
 pub const RESUME_LINE_BYTES_MAX: usize = 2 * RESUME_KEY_BYTES_MAX + REQUEST_LINE_BYTES_MAX;
 
 /// Longest response line, bytes. A status report is well under 2 KiB (paths are at most
@@ -76,6 +79,13 @@ pub enum Request {
     /// Set the plaintext size (512-byte sectors), or with None fit it to the backing file or
     /// device as it is now (cryptsetup's `resize`).
     Resize { size_sectors: Option<u64> },
+    /// Rotate the volume key while serving (the header is already in reencryption: the verb
+    /// started it); answered at once with the status, whose `reencryption` then reports the
+    /// progress. Only a passphrase unlocks both keys.
+    Reencrypt {
+        key: ResumeKey,
+        hotzone_bytes: Option<u64>,
+    },
 }
 
 /// What `refresh` changes.
@@ -166,7 +176,9 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     use serde_json::Value;
     // Only a resume line may be longer than REQUEST_LINE_BYTES_MAX, and it says so first.
     if line.len() > RESUME_LINE_BYTES_MAX
-        || (line.len() > REQUEST_LINE_BYTES_MAX && !line.starts_with(RESUME_PREFIX))
+        || (line.len() > REQUEST_LINE_BYTES_MAX
+            && !line.starts_with(RESUME_PREFIX)
+            && !line.starts_with(REENCRYPT_PREFIX))
     {
         return Err(ProtoError::TooLong);
     }
@@ -202,15 +214,17 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
         "refresh" => &["v", "cmd", "policy", "allow_discards", "spin_us"],
         "resume" => &["v", "cmd", "volume_key_file", "key_slot"],
         "resize" => &["v", "cmd", "size_sectors"],
+        "reencrypt" => &["v", "cmd", "hotzone_bytes"],
         other => return Err(bad(format!("unknown command {other:?}"))),
     };
     if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
         return Err(bad(format!("unknown field {k:?} for {cmd}")));
     }
-    if pass_hex.is_some() && cmd != "resume" {
+    let with_pass = cmd == "resume" || cmd == "reencrypt";
+    if pass_hex.is_some() && !with_pass {
         return Err(bad(format!("unknown field \"passphrase_hex\" for {cmd}")));
     }
-    if line.len() > REQUEST_LINE_BYTES_MAX && cmd != "resume" {
+    if line.len() > REQUEST_LINE_BYTES_MAX && !with_pass {
         return Err(ProtoError::TooLong);
     }
     let num = |k: &str| match obj.get(k) {
@@ -222,6 +236,12 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     };
     Ok(match cmd {
         "suspend" => Request::Suspend,
+        "reencrypt" => Request::Reencrypt {
+            key: ResumeKey::Passphrase(
+                pass_hex.ok_or_else(|| bad("reencrypt needs \"passphrase_hex\""))?,
+            ),
+            hotzone_bytes: num("hotzone_bytes")?,
+        },
         "resize" => Request::Resize {
             size_sectors: num("size_sectors")?,
         },
@@ -316,6 +336,8 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         key_slot: Option<u32>,
         #[serde(skip_serializing_if = "Option::is_none")]
         volume_key_file: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        hotzone_bytes: Option<u64>,
     }
     let mut w = Wire {
         v: VERSION,
@@ -329,6 +351,7 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         size_sectors: None,
         key_slot: None,
         volume_key_file: None,
+        hotzone_bytes: None,
     };
     let mut passphrase = None;
     match req {
@@ -344,6 +367,14 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
             w.spin_us = r.spin_us;
         }
         Request::Resize { size_sectors } => (w.cmd, w.size_sectors) = ("resize", *size_sectors),
+        Request::Reencrypt { key, hotzone_bytes } => {
+            w.cmd = "reencrypt";
+            w.hotzone_bytes = *hotzone_bytes;
+            // A volume key file cannot rotate (both keys come from keyslots).
+            if let ResumeKey::Passphrase(p) = key {
+                passphrase = Some(p);
+            }
+        }
         Request::Resume { key, key_slot } => {
             w.cmd = "resume";
             w.key_slot = *key_slot;
@@ -439,6 +470,26 @@ pub struct StatusReport {
     /// "number of integrity mismatches"); absent for a plain volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity_mismatches: Option<u64>,
+    /// A volume in reencryption, or one whose online rotation ran in this daemon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reencryption: Option<ReencryptionReport>,
+}
+
+/// Where an online key rotation stands (`status` while `reencrypt` runs in the daemon).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReencryptionReport {
+    /// Bytes under the new key, of `total_bytes`.
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+    /// The rotation runs in the daemon now.
+    pub running: bool,
+    /// Set when it ended: success, or the failure with its exit code.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<i32>,
 }
 
 /// The daemon's report to the `open` that forked it: the device is there.
@@ -625,6 +676,14 @@ mod tests {
                 key: ResumeKey::VolumeKeyFile("/run/k".into()),
                 key_slot: None,
             },
+            Request::Reencrypt {
+                key: ResumeKey::Passphrase(SecretBytes::from_slice(b"rot\x00")),
+                hotzone_bytes: Some(1 << 20),
+            },
+            Request::Reencrypt {
+                key: ResumeKey::Passphrase(SecretBytes::from_slice(&[7u8; 8 << 10])),
+                hotzone_bytes: None,
+            },
         ] {
             let l = encode_request(&r);
             assert_eq!(l.last(), Some(&b'\n'));
@@ -635,6 +694,9 @@ mod tests {
             encode_request(&Request::Status),
             b"{\"v\":1,\"cmd\":\"status\"}\n"
         );
+        // reencrypt needs the passphrase; other commands refuse one.
+        assert!(parse_request(br#"{"v":1,"cmd":"reencrypt"}"#).is_err());
+        assert!(parse_request(br#"{"v":1,"cmd":"status","passphrase_hex":"00"}"#).is_err());
     }
 
     fn sample_status() -> StatusReport {
@@ -668,6 +730,7 @@ mod tests {
             started_unix_s: 1_700_000_000,
             suspended: true,
             integrity_mismatches: Some(3),
+            reencryption: None,
         }
     }
 

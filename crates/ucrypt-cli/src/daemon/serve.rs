@@ -23,8 +23,8 @@ use ucrypt_fuse::{MountOptions, Mounted, PunchHole, SizeNotifier, Transport, Unm
 
 use super::loopdev::{self, LoopDevice};
 use super::proto::{
-    Closed, Counters, Ready, RefreshSettings, Request, Response, ResumeKey, StatusReport,
-    VolumeInfo,
+    Closed, Counters, Ready, ReencryptionReport, RefreshSettings, Request, Response, ResumeKey,
+    StatusReport, VolumeInfo,
 };
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
@@ -195,6 +195,8 @@ struct Shared {
     events: SyncSender<Event>,
     /// A deferred close is pending: the main loop closes once nothing uses the device.
     deferred: Arc<AtomicBool>,
+    /// The online key rotation this daemon runs or ran (`reencrypt`), shared with its thread.
+    rotation: Arc<Mutex<Option<ReencryptionReport>>>,
 }
 
 enum Event {
@@ -233,7 +235,95 @@ impl Shared {
             started_unix_s: self.ident.started_unix_s,
             suspended: self.vol.is_suspended(),
             integrity_mismatches: self.vol.integrity_mismatches(),
+            reencryption: self.reencryption(),
         }))
+    }
+
+    /// The rotation's report: the one this daemon runs or ran, else the volume's own state (a
+    /// volume opened in reencryption, not rotating now).
+    fn reencryption(&self) -> Option<ReencryptionReport> {
+        let vol = self.vol.plain()?;
+        if let Some(r) = lock(&self.rotation).clone() {
+            return Some(r);
+        }
+        vol.reencrypted_bytes().map(|done| ReencryptionReport {
+            done_bytes: done,
+            total_bytes: vol.size(),
+            ..Default::default()
+        })
+    }
+
+    /// `reencrypt`: rotates the key on a thread of its own while the front end serves; the
+    /// verb follows it through `status`.
+    fn reencrypt(&self, key: ResumeKey, hotzone_bytes: Option<u64>) -> Response {
+        let Some(vol) = self.vol.plain().cloned() else {
+            return Self::error(
+                1,
+                format!(
+                    "{} has authenticated encryption: ucrypt reencrypts it offline only",
+                    self.name
+                ),
+            );
+        };
+        let ResumeKey::Passphrase(pass) = key else {
+            return Self::error(
+                1,
+                "reencrypt needs the passphrase (both keys come from keyslots)",
+            );
+        };
+        if self.vol.is_suspended() {
+            return Self::error(
+                5,
+                format!("Device {} is suspended: resume it first.", self.name),
+            );
+        }
+        {
+            let mut r = lock(&self.rotation);
+            if r.as_ref().is_some_and(|r| r.running) {
+                return Self::error(
+                    5,
+                    format!("Device {} is already being reencrypted.", self.name),
+                );
+            }
+            *r = Some(ReencryptionReport {
+                done_bytes: vol.reencrypted_bytes().unwrap_or(0),
+                total_bytes: vol.size(),
+                running: true,
+                ..Default::default()
+            });
+        }
+        let report = self.rotation.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ucrypt-reencrypt".into())
+            .spawn(move || {
+                let opts = luks::reencrypt_run::RunOptions { hotzone_bytes };
+                let r = luks::reencrypt_online::rotate(&vol, pass.as_ref(), opts, &mut |p| {
+                    if let Some(rep) = lock(&report).as_mut() {
+                        rep.done_bytes = p.done;
+                        rep.total_bytes = p.total;
+                    }
+                });
+                drop(pass);
+                let mut g = lock(&report);
+                if let Some(rep) = g.as_mut() {
+                    rep.running = false;
+                    rep.finished = Some(r.is_ok());
+                    if let Err(e) = r {
+                        let e = CliError::from(e);
+                        rep.code = Some(e.exit_code());
+                        rep.error = Some(e.to_string());
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            *lock(&self.rotation) = None;
+            return Self::failed(CliError::Usage(format!("starting the reencryption: {e}")));
+        }
+        self.status()
+    }
+
+    fn rotating(&self) -> bool {
+        lock(&self.rotation).as_ref().is_some_and(|r| r.running)
     }
 
     fn error(code: i32, error: impl Into<String>) -> Response {
@@ -372,6 +462,19 @@ impl server::Handler for Shared {
             Request::Suspend => respond(&self.suspend()),
             Request::Resume { key, key_slot } => respond(&self.resume(key, key_slot)),
             Request::Resize { size_sectors } => respond(&self.resize(size_sectors)),
+            Request::Reencrypt { key, hotzone_bytes } => {
+                respond(&self.reencrypt(key, hotzone_bytes))
+            }
+            Request::Close { force: false } | Request::CloseDeferred if self.rotating() => {
+                respond(&Self::error(
+                    5,
+                    format!(
+                        "Device {} is being reencrypted: wait for it to finish (or close \
+                         --force: the rotation resumes after the next open).",
+                        self.name
+                    ),
+                ))
+            }
             Request::Close { .. } | Request::CloseDeferred if self.vol.is_suspended() => {
                 // Closing flushes, and a flush waits at the closed gate like any request.
                 respond(&Self::error(
@@ -519,6 +622,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         note: note.clone(),
         events: events_tx,
         deferred: deferred.clone(),
+        rotation: Arc::new(Mutex::new(None)),
     });
     server::spawn(listener, shared.clone())?;
     let nbd = match &d.nbd {

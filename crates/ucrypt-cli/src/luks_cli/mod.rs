@@ -256,11 +256,12 @@ pub enum LuksCmd {
         #[command(flatten)]
         o: LuksOpts,
     },
-    /// Rotate the volume key in place, offline (cryptsetup reencrypt): resumable by either
-    /// tool, crash-safe with --resilience checksum or journal.
+    /// Rotate the volume key in place (cryptsetup reencrypt): offline, or online through the
+    /// `ucrypt open` daemon serving the volume; resumable by either tool, crash-safe with
+    /// --resilience checksum or journal. DEVICE may be left out with --active-name.
     #[command(name = "reencrypt")]
     Reencrypt {
-        device: Target,
+        device: Option<Target>,
         #[command(flatten)]
         r: reencrypt::ReencryptOpts,
         #[command(flatten)]
@@ -396,7 +397,7 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         },
         LuksCmd::Config { device, o } => config(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
-        LuksCmd::Reencrypt { device, r, o } => reencrypt::reencrypt(&device, &r, &o),
+        LuksCmd::Reencrypt { device, r, o } => reencrypt::reencrypt_cmd(device, &r, &o),
         LuksCmd::Export {
             v,
             file,

@@ -39,7 +39,8 @@ pub struct ReencryptOpts {
     /// Largest hotzone, in bytes or with a unit (4M, 64MiB...).
     #[arg(long)]
     pub hotzone_size: Option<String>,
-    /// Accepted for scripts: ucrypt always reencrypts a file or device it opens itself offline.
+    /// Accepted for scripts on a volume no ucrypt daemon serves (that one is reencrypted
+    /// offline anyway); refused on one a daemon serves (reencrypted online, through it).
     #[arg(long)]
     pub force_offline_reencrypt: bool,
     /// Encrypt a plaintext device in place (needs a detached `--header`, created here).
@@ -51,7 +52,8 @@ pub struct ReencryptOpts {
     /// Move the data to make room for a header (datashift; not built yet in ucrypt).
     #[arg(long)]
     pub reduce_device_size: Option<String>,
-    /// Reencrypt the volume of this active mapping (online; not built yet in ucrypt).
+    /// Reencrypt online the volume the daemon of this name serves (`ucrypt open VOLUME NAME`);
+    /// without it, a volume a daemon serves is found by its file.
     #[arg(long)]
     pub active_name: Option<String>,
 }
@@ -94,9 +96,6 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
         return Err(not_built(
             "--reduce-device-size (moving the data: datashift)",
         ));
-    }
-    if r.active_name.is_some() {
-        return Err(not_built("--active-name (online reencryption)"));
     }
     if r.decrypt && o.header.is_none() {
         return Err(Error::InvalidArgument(
@@ -215,6 +214,25 @@ fn data_dev(device: &Target, o: &LuksOpts) -> Result<Option<std::sync::Arc<dyn B
         .transpose()
 }
 
+/// `reencrypt [DEVICE]`: without DEVICE, `--active-name` names the daemon and so the volume.
+pub fn reencrypt_cmd(device: Option<Target>, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
+    match (device, &r.active_name) {
+        (Some(d), _) => reencrypt(&d, r, o),
+        (None, Some(name)) => match crate::daemon::online::by_name(name) {
+            Ok(h) => match h.volume() {
+                Some(v) => reencrypt(&Target::Path(v), r, o),
+                None => Err(Error::InvalidArgument(format!(
+                    "Device {name}: its daemon does not say which volume it serves."
+                ))),
+            },
+            Err(e) => Ok(crate::daemon::report(Err(e))),
+        },
+        (None, None) => Err(Error::InvalidArgument(
+            "Command requires device as argument.".into(),
+        )),
+    }
+}
+
 pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     if r.init_only && r.resume_only {
         return Err(Error::InvalidArgument(
@@ -229,7 +247,61 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     if r.encrypt && !encryption_in_progress(o) {
         return encrypt(device, r, o);
     }
-    let (dev, hdr) = load(device, o, true)?;
+    // A volume a live daemon serves is rotated by that daemon, online.
+    let holder = match (&r.active_name, device) {
+        (Some(name), _) => match crate::daemon::online::by_name(name) {
+            Ok(h) => Some(h),
+            Err(e) => return Ok(crate::daemon::report(Err(e))),
+        },
+        (None, Target::Path(p)) => crate::daemon::online::holder_of(p),
+        (None, _) => None,
+    };
+    if let Some(h) = &holder {
+        if let Target::Path(p) = device {
+            if !h.serves(p) {
+                return Err(Error::InvalidArgument(format!(
+                    "Device {} serves {}, not {device}.",
+                    h.name,
+                    h.volume().unwrap_or_default().display()
+                )));
+            }
+        }
+        if r.encrypt
+            || r.decrypt
+            || o.header.is_some()
+            || o.cipher.is_some()
+            || o.key_size.is_some()
+            || o.sector_size.is_some()
+        {
+            return Err(not_built(
+                "online encryption, decryption, detached headers or cipher changes (a volume \
+                 a ucrypt daemon serves gets a new key of the same cipher online; close it to \
+                 do more offline)",
+            ));
+        }
+        if r.force_offline_reencrypt {
+            eprintln!(
+                "Device {device} is in use by the ucrypt daemon {}: it is reencrypted online \
+                 through it (drop --force-offline-reencrypt, or close it first).",
+                h.name
+            );
+            return Ok(5);
+        }
+    }
+    let (dev, hdr) = match (&holder, device) {
+        // The daemon holds cryptsetup's shared lock on the header for its whole life (it
+        // checks the key on resume), so the exclusive one would wait for ever: the init is
+        // written without it. The daemon is the header's only other user, and writes it only
+        // once asked to rotate, after the init.
+        (Some(_), Target::Path(p)) => {
+            let d: std::sync::Arc<dyn ucrypt::backend::Backend> = std::sync::Arc::new(
+                ucrypt::backend::FileBackend::open(p, true, ucrypt::backend::DirectMode::Never)?,
+            );
+            let h = ucrypt::luks::read_header(d.as_ref())?;
+            (d, h)
+        }
+        _ => load(device, o, true)?,
+    };
     check_supported(r, o, &hdr)?;
     let data = data_dev(device, o)?;
     let devs = Devices {
@@ -296,6 +368,16 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         }
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    if let Some(h) = holder {
+        drop(dev);
+        let r = h.rotate(passphrase, hotzone_bytes, &mut |done, total| {
+            meter.show(Progress { done, total })
+        });
+        if r.is_ok() && o.verbose {
+            eprintln!("Command successful.");
+        }
+        return Ok(crate::daemon::report(r));
+    }
     reencrypt_run::resume_on(
         devs,
         passphrase.as_ref(),

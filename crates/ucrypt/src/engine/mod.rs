@@ -23,6 +23,7 @@ pub(crate) mod range_lock;
 pub(crate) mod stats;
 pub(crate) mod task;
 pub(crate) mod workers;
+pub(crate) mod zone_lock;
 
 pub use gate::{GATE_DRAIN_POLL, GATE_SHARDS};
 pub use stats::{OpStats, Phase, PhaseStats, StatsSnapshot, HIST_BUCKETS, SAMPLE_EVERY};

@@ -181,6 +181,20 @@ pub fn open_parsed(
         Some(h) => h.as_ref(),
         None => data.as_ref(),
     };
+    if let Header::Luks2(h) = hdr {
+        if super::reencrypt::ReencryptState::from_metadata(&h.meta)?.is_some()
+            && hdr.check_requirements_for_unlock().is_ok()
+        {
+            // In reencryption: served as two segments (as cryptsetup activates such a volume).
+            let Unlock::Passphrase(p) = unlock else {
+                return Err(Error::UnsupportedLuks(
+                    "opening a volume in reencryption with a volume key (both keys are needed:                      give the passphrase)"
+                        .into(),
+                ));
+            };
+            return super::reencrypt_online::open(data, hdr, p.as_ref(), opts);
+        }
+    }
     if !opts.read_only {
         hdr.check_requirements()?;
     }

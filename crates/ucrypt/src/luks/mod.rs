@@ -23,6 +23,7 @@ pub mod keyslot;
 pub mod luks1;
 pub mod luks2;
 pub mod reencrypt;
+pub mod reencrypt_online;
 pub mod reencrypt_plan;
 pub mod reencrypt_run;
 pub mod util;

@@ -568,6 +568,9 @@ struct Unlocked {
     data_offset: u64,
     data_bytes: u64,
     align: u64,
+    /// The new volume key, for a volume that serves the data meanwhile ([`Serving::start`]);
+    /// `None` for a decryption (the new side is linear).
+    new_key: Option<crate::SecretBytes>,
 }
 
 /// The ciphers of one worker thread.
@@ -607,7 +610,7 @@ impl<'a> Devices<'a> {
     }
 }
 
-fn unlock_digest(
+pub(crate) fn unlock_digest(
     dev: &dyn Backend,
     hdr: &Header,
     meta: &Metadata,
@@ -689,6 +692,9 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
     h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
     let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, old_vk.as_ref())?;
     let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, new_vk.as_ref())?;
+    let new_key = new_vk
+        .as_ref()
+        .map(|k| crate::SecretBytes::from_slice(k.bytes()));
     if off_old != off_new {
         return Err(Error::UnsupportedLuks(
             "reencryption that moves the data (ucrypt reencrypts in place)".into(),
@@ -724,6 +730,7 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
         data_offset: off_old,
         data_bytes: data_bytes / align * align,
         align,
+        new_key,
     })
 }
 
@@ -887,6 +894,35 @@ fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     dev.flush()
 }
 
+/// What the hotzone loop tells a volume that serves the data while it runs (online
+/// rotation, `luks::reencrypt_online`). Offsets are bytes from the start of the data.
+pub trait Serving {
+    /// Before the first hotzone, with the new key (checked against the reencryption digest;
+    /// `None` for a decryption) and the bytes already done.
+    fn start(&mut self, new_key: Option<&[u8]>, done: u64) -> Result<()>;
+    /// Before the hotzone `[offset, offset + len)` is read: returns once no write touches it,
+    /// and none will until [`Serving::release`] (its data stays the old ciphertext).
+    fn hold(&mut self, offset: u64, len: u64);
+    /// Before the hotzone is rewritten: returns once no request at all touches it.
+    fn rewrite(&mut self) {}
+    /// After the hotzone's last commit: the data below `done` is under the new key.
+    fn release(&mut self, done: u64);
+    /// The loop failed while a hotzone was held: its data may be half rewritten.
+    fn failed(&mut self);
+}
+
+/// The offline driver: nobody serves the data meanwhile.
+struct Offline;
+
+impl Serving for Offline {
+    fn start(&mut self, _: Option<&[u8]>, _: u64) -> Result<()> {
+        Ok(())
+    }
+    fn hold(&mut self, _: u64, _: u64) {}
+    fn release(&mut self, _: u64) {}
+    fn failed(&mut self) {}
+}
+
 /// Rewrites the rest of a reencryption [`init`] (or cryptsetup) started, hotzone after
 /// hotzone, then finalises. `progress` is called after each hotzone. A volume whose metadata
 /// was committed inside a hotzone needs [`recover`] first (as cryptsetup's `--resume-only`
@@ -907,12 +943,41 @@ pub fn resume_on(
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
-    let (hdr_dev, data_dev) = (devs.header, devs.data);
+    resume_serving(devs, passphrase, opts, progress, &mut Offline)
+}
+
+/// [`resume_on`] while `serving` serves the data: each hotzone is held from before its read
+/// to after its last commit.
+pub fn resume_serving(
+    devs: Devices<'_>,
+    passphrase: &[u8],
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+    serving: &mut dyn Serving,
+) -> Result<()> {
     let mut u = open_rotation(devs, passphrase)?;
-    let mut pos = position(&u.h.meta, &u.st, u.data_bytes)?;
+    let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
     }
+    serving.start(u.new_key.as_ref().map(|k| k.as_ref()), pos.done)?;
+    let mut held = false;
+    let r = run_hotzones(devs, &mut u, pos, opts, progress, serving, &mut held);
+    if r.is_err() && held {
+        serving.failed();
+    }
+    r
+}
+
+fn run_hotzones(
+    devs: Devices<'_>,
+    u: &mut Unlocked,
+    mut pos: Position,
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+    serving: &mut dyn Serving,
+    held: &mut bool,
+) -> Result<()> {
     let hot_max = opts
         .hotzone_bytes
         .unwrap_or(HOTZONE_BYTES_DEFAULT)
@@ -941,15 +1006,17 @@ pub fn resume_on(
     loop {
         let Some(steps) = next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)? else {
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
-            return finish(hdr_dev, &mut u);
+            return finish(devs.header, u);
         };
         let mut cur = 0u64;
         for step in steps {
             match step {
                 Step::ReadOld { offset, len } => {
                     cur = len;
+                    serving.hold(offset, len);
+                    *held = true;
                     read_lanes(
-                        data_dev,
+                        devs.data,
                         &mut hot.as_mut_slice()[..len as usize],
                         u.data_offset + offset,
                         u.lanes.len(),
@@ -967,11 +1034,11 @@ pub fn resume_on(
                     checksums(data, block as usize, hash, out, u.lanes.len());
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
                     out[n * hb..len as usize].fill(0);
-                    hdr_dev.write_at(&out[..len as usize], area_offset)?;
+                    devs.header.write_at(&out[..len as usize], area_offset)?;
                 }
                 Step::WriteJournal { area_offset } => {
                     write_lanes(
-                        hdr_dev,
+                        devs.header,
                         &hot.as_mut_slice()[..cur as usize],
                         area_offset,
                         u.lanes.len(),
@@ -979,18 +1046,23 @@ pub fn resume_on(
                 }
                 Step::SyncData => devs.flush()?,
                 Step::CommitSegments(p) => {
-                    commit(hdr_dev, &mut u, p)?;
+                    commit(devs.header, u, p)?;
                     pos = p;
+                    if p.hotzone.is_none() {
+                        *held = false;
+                        serving.release(p.done);
+                    }
                 }
                 Step::WriteNew { offset, len } => {
+                    serving.rewrite();
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.data_offset;
-                    rekey_then(&mut u, offset, buf, &|at, b| {
-                        data_dev.write_at(b, base + at)
-                    })?;
+                    rekey_then(u, offset, buf, &|at, b| devs.data.write_at(b, base + at))?;
                 }
                 Step::Finalise => {
-                    finish(hdr_dev, &mut u)?;
+                    finish(devs.header, u)?;
+                    *held = false;
+                    serving.release(u.data_bytes);
                     progress(Progress {
                         done: u.data_bytes,
                         total: u.data_bytes,

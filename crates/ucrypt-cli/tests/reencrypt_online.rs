@@ -1,0 +1,435 @@
+//! Online key rotation through a live `ucrypt open` daemon: `ucrypt reencrypt VOLUME` hands the
+//! hotzones to the daemon serving VOLUME, which rotates while fio writes and verifies
+//! (crc32c) through the daemon's device; cryptsetup then accepts the result. And a daemon
+//! SIGKILLed mid-rotation: the volume opens again in reencryption (recovered), fio's data
+//! verifies, `reencrypt --resume-only` finishes online, fio's data verifies again.
+//!
+//! Runs as root with FUSE + loop (as tests/lifecycle.rs), fio installed; cryptsetup checks
+//! run when it is installed. Otherwise each test prints `SKIPPED: reason`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
+const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+const PASSPHRASE: &[u8] = b"online rotation passphrase";
+const RUN_DIR: &str = "/run/ucrypt";
+const DEV_DIR: &str = "/dev/ucrypt";
+/// Small hotzones: many per rotation, each a commit, so the rotation lasts while fio runs.
+const HOTZONE: &str = "1M";
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn have(cmd: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn missing_rig() -> Option<String> {
+    if !is_root() {
+        return Some("not root (open with FUSE + loop needs root)".into());
+    }
+    for dev in ["/dev/fuse", "/dev/loop-control"] {
+        if !Path::new(dev).exists() {
+            return Some(format!("{dev} missing"));
+        }
+    }
+    if !have("fio") {
+        return Some("fio not installed (scripts/deps.sh test)".into());
+    }
+    None
+}
+
+macro_rules! skip_unless_rig {
+    () => {
+        if let Some(why) = missing_rig() {
+            println!("SKIPPED: {why}");
+            return;
+        }
+    };
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("ucrypt-online-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Closes the volume (forced) and stops fio whatever happens, so that no device is left.
+struct Cleanup {
+    name: String,
+    procs: Vec<Child>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        let _ = run(UCRYPT, &["close", "--force", &self.name]);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {prog}: {e}"))
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ok(prog: &str, args: &[&str]) -> Output {
+    let o = run(prog, args);
+    assert!(o.status.success(), "{prog} {args:?}: {}", text(&o));
+    o
+}
+
+fn volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf) {
+    let img = t.path("vol.img");
+    let key = t.path("key");
+    std::fs::write(&key, PASSPHRASE).unwrap();
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(mib << 20))
+        .unwrap();
+    let mut a = vec!["format", "-q", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    (img, key)
+}
+
+fn open(img: &Path, key: &Path, name: &str) {
+    let o = run(
+        UCRYPT,
+        &[
+            "open",
+            s(img),
+            name,
+            "--key-file",
+            s(key),
+            "--front-end",
+            "loop",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+}
+
+fn status(name: &str) -> String {
+    String::from_utf8_lossy(&run(UCRYPT, &["status", name]).stdout).to_string()
+}
+
+/// fio over the device: `size` written with crc32c verification headers (at `rate` if given),
+/// then read back and verified; `verify_only` reads back what such a job wrote and verifies.
+fn fio(dev: &str, size: &str, rate: Option<&str>, verify_only: bool, out: &Path) -> Command {
+    let mut c = Command::new("fio");
+    c.args([
+        "--name=online",
+        &format!("--filename={dev}"),
+        "--rw=randwrite",
+        "--bs=4k",
+        "--randrepeat=1",
+        "--random_generator=tausworthe64",
+        &format!("--size={size}"),
+        "--direct=1",
+        "--ioengine=psync",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        &format!("--output={}", s(out)),
+    ]);
+    if let Some(r) = rate {
+        c.arg(format!("--rate={r}"));
+    }
+    if verify_only {
+        c.arg("--verify_only");
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::null());
+    c
+}
+
+fn fio_ok(child: &mut Child, out: &Path, what: &str) {
+    let st = child.wait().unwrap();
+    let report = std::fs::read_to_string(out).unwrap_or_default();
+    assert!(st.success(), "fio {what} failed: {report}");
+    assert!(!report.contains("verify: bad"), "fio {what}: {report}");
+}
+
+fn keyslots(img: &Path) -> String {
+    let d = String::from_utf8_lossy(&ok(UCRYPT, &["luksDump", s(img)]).stdout).to_string();
+    d.lines()
+        .filter(|l| l.trim_end().ends_with(": luks2") || l.contains("reencrypt"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// cryptsetup (when installed) reads the result: no reencryption left, the passphrase opens.
+fn cryptsetup_accepts(img: &Path, key: &Path) {
+    if !have("cryptsetup") {
+        println!("SKIPPED (part): cryptsetup not installed");
+        return;
+    }
+    let d = ok("cryptsetup", &["luksDump", s(img)]);
+    let dump = String::from_utf8_lossy(&d.stdout);
+    assert!(!dump.contains("reencrypt"), "still in reencryption: {dump}");
+    let o = ok(
+        "cryptsetup",
+        &[
+            "open",
+            "--test-passphrase",
+            "-v",
+            "--key-file",
+            s(key),
+            s(img),
+        ],
+    );
+    println!("cryptsetup: {}", String::from_utf8_lossy(&o.stdout).trim());
+}
+
+fn name(tag: &str) -> String {
+    format!("online-{tag}-{}", std::process::id())
+}
+
+#[test]
+fn fio_verifies_during_an_online_key_rotation() {
+    skip_unless_rig!();
+    let t = TempDir::new("fio");
+    let (img, key) = volume(&t, 96);
+    let n = name("fio");
+    let dev = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let mut c = Cleanup {
+        name: n.clone(),
+        procs: vec![],
+    };
+    let before = keyslots(&img);
+    // fio writes 48 MiB at 8 MiB/s (about 6 s), then reads it all back and verifies.
+    let out = t.path("fio.out");
+    c.procs
+        .push(fio(&dev, "48m", Some("8m"), false, &out).spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    let mut a = vec![
+        "reencrypt",
+        "--batch-mode",
+        "--key-file",
+        s(&key),
+        "--hotzone-size",
+        HOTZONE,
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let o = run(UCRYPT, &a);
+    let secs = t0.elapsed().as_secs_f64();
+    assert_eq!(o.status.code(), Some(0), "online reencrypt: {}", text(&o));
+    assert!(
+        c.procs[0].try_wait().unwrap().is_none(),
+        "fio ended before the rotation did ({secs:.1} s): the rotation did not run under I/O"
+    );
+    println!("online rotation of 96 MiB took {secs:.1} s while fio ran");
+    let st = status(&n);
+    assert!(
+        st.contains("reencryption: ") && st.contains(", finished"),
+        "{st}"
+    );
+    fio_ok(&mut c.procs[0], &out, "during the rotation");
+    c.procs.clear();
+    // The header is plain again, with the new keyslot only.
+    let after = keyslots(&img);
+    assert_ne!(before, after, "keyslots unchanged:\n{after}");
+    assert!(!after.contains("reencrypt"), "{after}");
+    // Closed and opened again from the header (new key alone): fio's data verifies.
+    ok(UCRYPT, &["close", &n]);
+    cryptsetup_accepts(&img, &key);
+    open(&img, &key, &n);
+    let out2 = t.path("fio2.out");
+    let mut v = fio(&dev, "48m", None, true, &out2).spawn().unwrap();
+    fio_ok(&mut v, &out2, "after reopening");
+    ok(UCRYPT, &["close", &n]);
+    drop(c);
+}
+
+#[test]
+fn offline_reencrypt_is_refused_on_a_volume_a_daemon_serves() {
+    skip_unless_rig!();
+    let t = TempDir::new("refuse");
+    let (img, key) = volume(&t, 24);
+    let n = name("refuse");
+    open(&img, &key, &n);
+    let c = Cleanup {
+        name: n.clone(),
+        procs: vec![],
+    };
+    let before = std::fs::read(&img).unwrap();
+    let mut a = vec![
+        "reencrypt",
+        "--batch-mode",
+        "--force-offline-reencrypt",
+        "--key-file",
+        s(&key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let o = run(UCRYPT, &a);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert!(text(&o).contains("reencrypted online"), "{}", text(&o));
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "the refused verb wrote"
+    );
+    // --active-name of a name nobody serves: cryptsetup's "not active", exit 4.
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--active-name",
+            "no-such-volume",
+            "--key-file",
+            s(&key),
+            s(&img),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    ok(UCRYPT, &["close", &n]);
+    drop(c);
+}
+
+#[test]
+fn daemon_killed_mid_rotation_reopens_and_resumes() {
+    skip_unless_rig!();
+    let t = TempDir::new("kill");
+    let (img, key) = volume(&t, 96);
+    let n = name("kill");
+    let dev = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let mut c = Cleanup {
+        name: n.clone(),
+        procs: vec![],
+    };
+    // fio's data first (written and verified), then the rotation, killed mid-way.
+    let out = t.path("fio.out");
+    let mut w = fio(&dev, "64m", None, false, &out).spawn().unwrap();
+    fio_ok(&mut w, &out, "writing");
+    let mut a = vec![
+        "reencrypt",
+        "--batch-mode",
+        "--key-file",
+        s(&key),
+        "--hotzone-size",
+        "256K",
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let verb = Command::new(UCRYPT)
+        .args(&a)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    c.procs.push(verb);
+    let pid = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("pid")).unwrap();
+    // Wait until some of it is done, then SIGKILL the daemon.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let done = loop {
+        let st = status(&n);
+        let done: u64 = st
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("reencryption: "))
+            .and_then(|r| r.split(' ').next())
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(0);
+        if done > 0 {
+            break done;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rotation never started: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    ok("kill", &["-9", pid.trim()]);
+    let st = c.procs[0].wait().unwrap();
+    assert!(!st.success(), "the verb succeeded although its daemon died");
+    c.procs.clear();
+    std::thread::sleep(Duration::from_millis(300));
+    let dump = String::from_utf8_lossy(&ok(UCRYPT, &["luksDump", s(&img)]).stdout).to_string();
+    assert!(
+        dump.contains("online-reencrypt"),
+        "killed after {done} bytes, but not left in reencryption:\n{dump}"
+    );
+    println!(
+        "killed with {done} bytes reported done; inside a hotzone: {}",
+        dump.contains("in-reencryption")
+    );
+    // The dead daemon cleaned up, then open again: recovered if needed, served in two
+    // segments; fio's data verifies.
+    let o = run(UCRYPT, &["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "close after kill: {}", text(&o));
+    open(&img, &key, &n);
+    let st = status(&n);
+    assert!(
+        st.contains("reencryption: ") && st.contains("interrupted"),
+        "{st}"
+    );
+    let out2 = t.path("fio2.out");
+    let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
+    fio_ok(&mut v, &out2, "verifying in reencryption");
+    // The rotation resumes online and finishes (the daemon named as cryptsetup does, with
+    // --active-name and no device).
+    let a = vec![
+        "reencrypt",
+        "--resume-only",
+        "--active-name",
+        &n,
+        "--batch-mode",
+        "--key-file",
+        s(&key),
+    ];
+    let o = run(UCRYPT, &a);
+    assert_eq!(o.status.code(), Some(0), "resume online: {}", text(&o));
+    let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
+    fio_ok(&mut v, &out2, "verifying after the rotation");
+    ok(UCRYPT, &["close", &n]);
+    cryptsetup_accepts(&img, &key);
+    open(&img, &key, &n);
+    let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
+    fio_ok(&mut v, &out2, "verifying after reopening");
+    ok(UCRYPT, &["close", &n]);
+    drop(c);
+}

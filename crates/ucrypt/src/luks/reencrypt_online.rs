@@ -1,0 +1,217 @@
+//! Online key rotation: the same hotzones as `reencrypt_run`, while a [`Volume`] serves the
+//! data. The volume maps each request by offset to the new key (below the reencrypted mark)
+//! or the old one (`volume/segments.rs`); the driver holds each hotzone from before its read
+//! to after its last commit, so only the requests touching it wait. Header, resilience data
+//! and hotzones go through the volume's own backend.
+//!
+//! - [`open`]: a volume whose header is in reencryption (a rotation interrupted, by a crash or
+//!   a close) opens as cryptsetup activates one: a hotzone left by a crash is recovered first
+//!   (as `repair` does), then both keys are unlocked and checked against the reencryption
+//!   digest, and the volume serves the two segments.
+//! - [`rotate`]: runs (or continues) the rotation on an open volume, then switches it to the
+//!   new key. The header must already be in reencryption (`reencrypt_run::init`).
+
+use std::sync::Arc;
+
+use super::json::{Metadata, SegmentSize};
+use super::reencrypt::{digest_of_segment, ReencryptState};
+use super::reencrypt_plan::position;
+use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
+use super::{read_header, Header, OpenOptions};
+use crate::backend::Backend;
+use crate::sector::{CipherSpec, Geometry, SectorSize};
+use crate::volume::{Volume, VolumeConfig};
+use crate::{Error, Result, SecretBytes};
+
+fn bad(detail: impl Into<String>) -> Error {
+    Error::BadHeader {
+        check: "reencrypt",
+        detail: detail.into(),
+    }
+}
+
+/// The cipher, sector size, data offset and size (`None`: dynamic) of segment `seg`.
+fn segment_params(meta: &Metadata, seg: u32) -> Result<(CipherSpec, SectorSize, u64, Option<u64>)> {
+    let s = meta
+        .segments
+        .get(&seg.to_string())
+        .ok_or_else(|| bad(format!("segment {seg} missing")))?;
+    let spec: CipherSpec = s
+        .encryption
+        .as_deref()
+        .ok_or_else(|| bad("crypt segment lacks encryption"))?
+        .parse()?;
+    let ss = SectorSize::new(u64::from(s.sector_size.unwrap_or(512)))?;
+    if s.iv_tweak.is_some_and(|t| t.0 != 0) {
+        return Err(bad("a backup segment with a non-zero iv_tweak"));
+    }
+    let size = match s.size {
+        SegmentSize::Bytes(n) => Some(n),
+        SegmentSize::Dynamic => None,
+    };
+    Ok((spec, ss, s.offset.0, size))
+}
+
+/// Opens a volume whose header (on `data`; a detached header is refused) is in reencryption,
+/// serving both segments. A hotzone left by a crash is recovered first (not read-only: then
+/// refused with [`Error::NeedsRecovery`]). Only a passphrase unlocks both keys.
+pub fn open(
+    data: Arc<dyn Backend>,
+    hdr: &Header,
+    passphrase: &[u8],
+    opts: &OpenOptions,
+) -> Result<Volume> {
+    let on_data = read_header(data.as_ref());
+    let same = match (&on_data, hdr) {
+        (Ok(Header::Luks2(a)), Header::Luks2(b)) => a.bin.uuid == b.bin.uuid,
+        _ => false,
+    };
+    if !same {
+        return Err(Error::UnsupportedLuks(
+            "serving a volume in reencryption with a detached header".into(),
+        ));
+    }
+    let mut hdr = on_data?;
+    let needs_recovery = match &hdr {
+        Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?
+            .ok_or_else(|| bad("not in reencryption"))?
+            .needs_recovery(),
+        Header::Luks1(_) => return Err(bad("LUKS1 has no reencryption")),
+    };
+    if needs_recovery {
+        if opts.read_only {
+            return Err(Error::NeedsRecovery);
+        }
+        reencrypt_run::recover(data.as_ref(), passphrase)?;
+        hdr = read_header(data.as_ref())?;
+    }
+    let Header::Luks2(h) = &hdr else {
+        return Err(bad("LUKS1 has no reencryption"));
+    };
+    let Some(st) = ReencryptState::from_metadata(&h.meta)? else {
+        // The recovered hotzone was the last one: the rotation is finished.
+        let mut o = opts.clone();
+        o.header = None;
+        return super::open_parsed(
+            data,
+            &hdr,
+            super::Unlock::Passphrase(SecretBytes::from_slice(passphrase)),
+            &o,
+        );
+    };
+    let d_old = digest_of_segment(&h.meta, st.backup_previous)
+        .ok_or_else(|| bad("backup-previous has no digest"))?;
+    let d_new = digest_of_segment(&h.meta, st.backup_final)
+        .ok_or_else(|| bad("backup-final has no digest"))?;
+    let new_vk = unlock_digest(data.as_ref(), &hdr, &h.meta, d_new, passphrase)?;
+    let old_vk = unlock_digest(data.as_ref(), &hdr, &h.meta, d_old, passphrase)?;
+    h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
+    let old = segment_params(&h.meta, st.backup_previous)?;
+    let new = segment_params(&h.meta, st.backup_final)?;
+    if old != new {
+        return Err(Error::UnsupportedLuks(
+            "serving a volume whose reencryption changes the cipher, the sector size or the \
+             data offset (ucrypt serves key rotation)"
+                .into(),
+        ));
+    }
+    let (spec, sector_size, offset, size) = old;
+    let ss = u64::from(sector_size.bytes());
+    let data_bytes = match size {
+        Some(n) => n,
+        None => data
+            .size()
+            .checked_sub(offset)
+            .ok_or_else(|| bad("the device ends before its data offset"))?,
+    } / ss
+        * ss;
+    let done = position(&h.meta, &st, data_bytes)?.done;
+    let geometry = Geometry {
+        sector_size,
+        iv_offset: 0,
+        iv_large_sectors: false,
+    };
+    let mut cfg = VolumeConfig::new(spec, SecretBytes::from_slice(old_vk.bytes()), geometry);
+    drop(old_vk);
+    cfg.data_offset_bytes = offset;
+    cfg.size_bytes = size;
+    cfg.policy = opts.policy;
+    cfg.spin = opts.spin;
+    cfg.read_only = opts.read_only;
+    cfg.allow_discards =
+        opts.allow_discards || hdr.activation_flags().iter().any(|f| f == "allow-discards");
+    let vol = Volume::new(data, cfg)?;
+    vol.begin_segments(SecretBytes::from_slice(new_vk.bytes()), done)?;
+    Ok(vol)
+}
+
+/// The hotzone loop's link to the volume.
+struct Online<'a> {
+    vol: &'a Volume,
+}
+
+impl Serving for Online<'_> {
+    fn start(&mut self, new_key: Option<&[u8]>, done: u64) -> Result<()> {
+        let new_key = new_key.ok_or_else(|| {
+            Error::UnsupportedLuks("online decryption (the new side is plaintext)".into())
+        })?;
+        match self.vol.reencrypted_bytes() {
+            None if done == 0 => self.vol.begin_segments(SecretBytes::from_slice(new_key), 0),
+            // Opened before the rotation started, the volume holds the old key only: the bytes
+            // already rewritten would be read with the wrong key.
+            None => Err(Error::InvalidArgument(format!(
+                "the volume was opened before this rotation started and {done} bytes are \
+                 already under the new key: close and open it again to continue online"
+            ))),
+            Some(mark) if mark == done => Ok(()),
+            Some(mark) => Err(Error::Bug(if mark < done {
+                "the volume's reencryption mark is behind the header's"
+            } else {
+                "the volume's reencryption mark is ahead of the header's"
+            })),
+        }
+    }
+
+    fn hold(&mut self, offset: u64, len: u64) {
+        // start() made the segments; the hotzone lock asserts one hotzone at a time.
+        let r = self.vol.hold_hotzone(offset, len);
+        debug_assert!(r.is_ok(), "hotzone held without segments");
+    }
+
+    fn rewrite(&mut self) {
+        let r = self.vol.hotzone_rewrite();
+        debug_assert!(r.is_ok(), "hotzone rewritten without segments");
+    }
+
+    fn release(&mut self, done: u64) {
+        let r = self.vol.release_hotzone(done);
+        debug_assert!(r.is_ok(), "hotzone released without segments");
+    }
+
+    fn failed(&mut self) {
+        self.vol.break_hotzone();
+    }
+}
+
+/// Rotates the key of `vol` while it serves I/O: the header (on the volume's backend) must be
+/// in reencryption ([`reencrypt_run::init`] started it, or [`open`] opened it so). Each
+/// hotzone is rewritten through the volume's backend while only the requests touching it
+/// wait; at the end the header is finalised and the volume serves under the new key alone.
+/// `progress` is called after each hotzone. A failure inside a hotzone leaves it blocked
+/// (requests touching it fail) until the volume is closed and repaired.
+pub fn rotate(
+    vol: &Volume,
+    passphrase: &[u8],
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<()> {
+    let dev = vol.backend().clone();
+    reencrypt_run::resume_serving(
+        reencrypt_run::Devices::one(dev.as_ref()),
+        passphrase,
+        opts,
+        progress,
+        &mut Online { vol },
+    )?;
+    vol.end_segments()
+}

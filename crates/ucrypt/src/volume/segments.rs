@@ -1,0 +1,210 @@
+//! A volume in reencryption: two segments split at a mark. Data below the mark is under the
+//! new key, data above under the old one (key rotation keeps the cipher, the sector size and
+//! every sector's IV, so each side is a whole-volume view over the same backend with its own
+//! key). A request is cut at the mark; each part runs on its side's engine.
+//!
+//! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
+//! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only from its rewrite
+//! on; the others keep flowing. The mark
+//! moves only while the hotzone past it is held, and a request reads the mark only after it
+//! holds its range, so a request never sees a sector change sides under it.
+//!
+//! Switching in and out happens with the volume's gate closed (no request inside):
+//! [`Volume::begin_segments`] and [`Volume::end_segments`] (the old side's engine then takes
+//! the new key, and the new side's engine is dropped).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use super::{Core, Source, Volume, VolumeConfig};
+use crate::engine::plan::Op;
+use crate::engine::zone_lock::{ByteRange, ZoneLock};
+use crate::sector::SectorCipher;
+use crate::sync::lock;
+use crate::{Error, Result, SecretBytes};
+
+pub(crate) struct Segments {
+    /// The new key's side: a volume over the same backend (its own engine, pool and cipher
+    /// contexts), reached only through this module.
+    new: Volume,
+    zones: ZoneLock,
+    /// Plaintext bytes from the start under the new key.
+    mark_bytes: AtomicU64,
+}
+
+impl Volume {
+    /// Starts serving the volume as two segments: bytes below `done_bytes` under `new_key`
+    /// (same cipher and geometry), the rest under the volume's own key. Waits for the
+    /// requests inside to finish (the gate), as `resize` does.
+    pub fn begin_segments(&self, new_key: SecretBytes, done_bytes: u64) -> Result<()> {
+        let suspended = lock(&self.core.suspended);
+        if *suspended {
+            return Err(Error::InvalidArgument(
+                "the volume is suspended: resume it first".into(),
+            ));
+        }
+        let c = &*self.core;
+        let size = c.size.load(Relaxed);
+        if done_bytes > size || done_bytes & ((1u64 << c.shift) - 1) != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "reencryption mark {done_bytes} is not a sector boundary inside the volume \
+                 ({size} bytes)"
+            )));
+        }
+        if c.segmented.load(Relaxed) {
+            return Err(Error::InvalidArgument(
+                "the volume is already in reencryption".into(),
+            ));
+        }
+        let p = self.policy();
+        let cfg = VolumeConfig {
+            spec: c.spec,
+            key: new_key,
+            geometry: c.geometry,
+            data_offset_bytes: c.data_offset,
+            size_bytes: Some(size),
+            policy: p,
+            pool_bytes: c.pool.capacity(),
+            read_only: c.read_only,
+            allow_discards: c.allow_discards.load(Relaxed),
+            spin: self.spin(),
+        };
+        let new = Volume::new(c.backend.clone(), cfg)?;
+        let seg = Arc::new(Segments {
+            new,
+            zones: ZoneLock::default(),
+            mark_bytes: AtomicU64::new(done_bytes),
+        });
+        c.gate.close();
+        *lock(&self.segments) = Some(seg);
+        c.segmented.store(true, Relaxed);
+        c.gate.open();
+        drop(suspended);
+        Ok(())
+    }
+
+    /// True while the volume serves two segments.
+    pub fn in_reencryption(&self) -> bool {
+        self.core.segmented.load(Relaxed)
+    }
+
+    /// Bytes under the new key while in reencryption.
+    pub fn reencrypted_bytes(&self) -> Option<u64> {
+        lock(&self.segments)
+            .as_ref()
+            .map(|s| s.mark_bytes.load(Relaxed))
+    }
+
+    /// Ends the two segments once the rotation has finished (every byte under the new key; the
+    /// caller, the reencryption driver, knows): the volume's own engine takes the new key, so
+    /// it serves as a plain volume under it again.
+    pub fn end_segments(&self) -> Result<()> {
+        let _suspended = lock(&self.core.suspended);
+        let c = &*self.core;
+        let Some(seg) = lock(&self.segments).clone() else {
+            return Err(Error::InvalidArgument(
+                "the volume is not in reencryption".into(),
+            ));
+        };
+        // A context of the new side's engine, cloned (the key never leaves the engines).
+        let proto: SectorCipher = seg.new.core.ciphers.with(|k| k.try_clone())?;
+        c.gate.close();
+        c.ciphers.install(proto);
+        c.segmented.store(false, Relaxed);
+        let seg = lock(&self.segments).take();
+        c.gate.open();
+        // The new side's engine (its threads, contexts) goes once no request holds it.
+        drop(seg);
+        Ok(())
+    }
+
+    /// The hotzone `[offset, offset + len)` (plaintext bytes): returns once no request touches
+    /// it; new ones wait until [`Volume::release_hotzone`].
+    pub(crate) fn hold_hotzone(&self, offset: u64, len: u64) -> Result<()> {
+        let seg = self.segments()?;
+        seg.zones.hold_hotzone(ByteRange {
+            start: offset,
+            end: offset + len,
+        });
+        Ok(())
+    }
+
+    /// The hotzone's rewrite starts: reads of it wait from now on too.
+    pub(crate) fn hotzone_rewrite(&self) -> Result<()> {
+        self.segments()?.zones.exclude_reads();
+        Ok(())
+    }
+
+    /// Everything below `done` is now under the new key; the hotzone is released.
+    pub(crate) fn release_hotzone(&self, done: u64) -> Result<()> {
+        let seg = self.segments()?;
+        seg.mark_bytes.store(done, Relaxed);
+        seg.zones.release_hotzone();
+        Ok(())
+    }
+
+    /// The driver failed inside the hotzone: requests touching it fail from now on.
+    pub(crate) fn break_hotzone(&self) {
+        if let Ok(seg) = self.segments() {
+            seg.zones.break_hotzone();
+        }
+    }
+
+    fn segments(&self) -> Result<Arc<Segments>> {
+        lock(&self.segments)
+            .clone()
+            .ok_or(Error::Bug("segmented request without segments"))
+    }
+
+    /// Runs `f` on each side's core for the part of `[offset, offset + len)` it holds (below
+    /// the mark: new key), with the range held shared against the hotzone. `f` gets the core,
+    /// the part's offset and its place in the request's buffer.
+    fn seg_run(
+        &self,
+        offset: u64,
+        len: u64,
+        write: bool,
+        mut f: impl FnMut(&Core, u64, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        self.core.check(offset, len)?;
+        let seg = self.segments()?;
+        let end = offset + len;
+        let _held = seg.zones.shared(ByteRange { start: offset, end }, write)?;
+        let cut = seg.mark_bytes.load(Relaxed).clamp(offset, end);
+        if cut > offset {
+            f(&seg.new.core, offset, 0..(cut - offset) as usize)?;
+        }
+        if cut < end || len == 0 {
+            f(&self.core, cut, (cut - offset) as usize..len as usize)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn seg_read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.seg_run(offset, buf.len() as u64, false, |c, at, r| {
+            c.read(&mut buf[r], at)
+        })
+    }
+
+    pub(super) fn seg_write(
+        &self,
+        op: Op,
+        src: Source<'_>,
+        offset: u64,
+        len: u64,
+        fua: bool,
+    ) -> Result<()> {
+        self.seg_run(offset, len, true, |c, at, r| {
+            let n = r.len() as u64;
+            let part = match src {
+                Source::Buf(b) => Source::Buf(&b[r]),
+                Source::Zeroes => Source::Zeroes,
+            };
+            c.write(op, part, at, n, fua)
+        })
+    }
+
+    pub(super) fn seg_discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.seg_run(offset, len, true, |c, at, r| c.discard(at, r.len() as u64))
+    }
+}
