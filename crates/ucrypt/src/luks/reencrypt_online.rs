@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use super::json::{Metadata, SegmentSize};
 use super::reencrypt::{digest_of_segment, ReencryptState};
-use super::reencrypt_plan::position;
+use super::reencrypt_plan::{check_layout, position};
 use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
 use super::{read_header, Header, OpenOptions};
 use crate::backend::Backend;
@@ -125,6 +125,8 @@ pub fn open(
             .ok_or_else(|| bad("the device ends before its data offset"))?,
     } / ss
         * ss;
+    // The live segments say where the mark is; the reencryption digest does not cover them.
+    check_layout(&h.meta, &st, data_bytes)?;
     let done = position(&h.meta, &st, data_bytes)?.done;
     let geometry = Geometry {
         sector_size,
