@@ -1144,6 +1144,39 @@ fn s8_threads(s: &Setup, k: &Knobs, out: &mut Sink) {
     }
 }
 
+/// Scenario 6's job: [`STREAMS_6`] sequential streams, sizes cycling 4 KiB .. 1 MiB, 2 reads
+/// per write, against `variant`; MB/s.
+fn mixed_streams(s: &Setup, k: &Knobs, variant: &str) -> f64 {
+    const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 4 << 10, 256 << 10, 1 << 20];
+    let t = variant_target(s, true, variant);
+    let (mbps, _, _, _) = timed_threads(STREAMS_6, 1 << 20, k.slice, |th, buf, stop| {
+        // Whole MiB per stream, so that every request is sector-aligned.
+        let region = s.data_bytes / STREAMS_6 as u64 / (1 << 20) * (1 << 20);
+        let base = th as u64 * region;
+        let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
+        while !stop.load(Relaxed) {
+            let len = SIZES[(n as usize + th) % SIZES.len()];
+            if off + len as u64 > region {
+                off = 0;
+            }
+            let b = &mut buf[..len];
+            if n % 3 == 2 {
+                t.write(b, base + off);
+            } else {
+                t.read(b, base + off);
+            }
+            off += len as u64;
+            bytes += len as u64;
+            n += 1;
+        }
+        (bytes, n)
+    });
+    mbps
+}
+
+/// Streams of scenario 6.
+const STREAMS_6: usize = 6;
+
 fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
     let Sink {
         stats: log,
@@ -1152,35 +1185,9 @@ fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
         ..
     } = out;
     let variants = ["raw", "inline", "parallel", "auto"];
-    // Each stream: sequential, sizes cycling 4 KiB .. 1 MiB, 2 reads per write.
-    const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 4 << 10, 256 << 10, 1 << 20];
-    let streams = 6;
     let mut st = Vec::new();
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
-        let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
-            // Whole MiB per stream, so that every request is sector-aligned.
-            let region = s.data_bytes / streams as u64 / (1 << 20) * (1 << 20);
-            let base = th as u64 * region;
-            let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
-            while !stop.load(Relaxed) {
-                let len = SIZES[(n as usize + th) % SIZES.len()];
-                if off + len as u64 > region {
-                    off = 0;
-                }
-                let b = &mut buf[..len];
-                if n % 3 == 2 {
-                    t.write(b, base + off);
-                } else {
-                    t.read(b, base + off);
-                }
-                off += len as u64;
-                bytes += len as u64;
-                n += 1;
-            }
-            (bytes, n)
-        });
-        (mbps, vec![])
+        (mixed_streams(s, k, variants[i]), vec![])
     });
     log_stats(log, s, "6. many streams", st);
     let best_static = res[1].0.median.max(res[2].0.median);
@@ -1199,29 +1206,7 @@ fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
     let churn = Churn::start(CHURN_THREADS, CHURN_PHASE);
     let mut st = Vec::new();
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
-        let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _, _) = timed_threads(streams, 1 << 20, k.slice, |th, buf, stop| {
-            let region = s.data_bytes / streams as u64 / (1 << 20) * (1 << 20);
-            let base = th as u64 * region;
-            let (mut off, mut n, mut bytes) = (0u64, 0u64, 0u64);
-            while !stop.load(Relaxed) {
-                let len = SIZES[(n as usize + th) % SIZES.len()];
-                if off + len as u64 > region {
-                    off = 0;
-                }
-                let b = &mut buf[..len];
-                if n % 3 == 2 {
-                    t.write(b, base + off);
-                } else {
-                    t.read(b, base + off);
-                }
-                off += len as u64;
-                bytes += len as u64;
-                n += 1;
-            }
-            (bytes, n)
-        });
-        (mbps, vec![])
+        (mixed_streams(s, k, variants[i]), vec![])
     });
     drop(churn);
     log_stats(log, s, "6c. many streams, changing load", st);

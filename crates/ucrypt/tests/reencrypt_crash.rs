@@ -22,10 +22,12 @@ use ucrypt::luks::reencrypt_run::{
     init, init_encrypt, init_on, recover, recover_on, resume, resume_on, Devices, EncryptOptions,
     InitOptions, Recovery, ResilienceKind, RunOptions, SegmentChange,
 };
-use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::luks::{self, Header, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
+mod common;
+use common::{fast_kdf, Cut};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
@@ -33,17 +35,6 @@ const DEVICE_BYTES: u64 = DATA_OFFSET + DATA_BYTES;
 /// Small hotzones: several per run, so cuts land between and inside them.
 const HOTZONE_BYTES: u64 = 64 << 10;
 const PASS: &[u8] = b"rotate me";
-
-fn fast_kdf() -> KdfRequest {
-    KdfRequest {
-        kind: "pbkdf2".into(),
-        hash: HashAlg::Sha256,
-        iter_time_ms: 1,
-        memory_kib: 32,
-        parallel: 1,
-        force_iterations: Some(1000),
-    }
-}
 
 fn plaintext() -> Vec<u8> {
     (0..DATA_BYTES)
@@ -152,55 +143,6 @@ fn finish(dev: &dyn Backend) -> Result<Recovery> {
         &mut |_| {},
     )?;
     Ok(r)
-}
-
-/// A backend that loses power after `budget` writes and flushes: from then on every call
-/// fails, as the process would be gone.
-struct Cut {
-    inner: Arc<CrashBackend>,
-    budget: u64,
-    used: AtomicU64,
-}
-
-impl Cut {
-    fn spend(&self) -> Result<()> {
-        if self.used.fetch_add(1, Ordering::SeqCst) >= self.budget {
-            Err(Error::InvalidArgument("power cut".into()))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-impl Backend for Cut {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.spend()?;
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> Result<()> {
-        self.spend()?;
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.spend()?;
-        self.inner.discard(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.spend()?;
-        self.inner.write_zeroes(offset, len)
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn logical_block_bytes(&self) -> u32 {
-        self.inner.logical_block_bytes()
-    }
-    fn describe(&self) -> String {
-        "cut".into()
-    }
 }
 
 fn seed() -> u64 {

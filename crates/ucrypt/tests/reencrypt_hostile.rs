@@ -7,7 +7,7 @@
 //! mangled live segments (where the hotzone is, which key maps where) must be caught by the
 //! layout checks, not by the digest.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
@@ -19,26 +19,17 @@ use ucrypt::luks::reencrypt_plan::position;
 use ucrypt::luks::reencrypt_run::{
     init, recover, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
 };
-use ucrypt::luks::{self, HashAlg, Header, KdfRequest, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::luks::{self, HashAlg, Header, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::SectorSize;
 use ucrypt::{Error, Result, SecretBytes};
 
+mod common;
+use common::{fast_kdf, Cut};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
 const HOTZONE_BYTES: u64 = 64 << 10;
 const PASS: &[u8] = b"hostile";
-
-fn fast_kdf() -> KdfRequest {
-    KdfRequest {
-        kind: "pbkdf2".into(),
-        hash: HashAlg::Sha256,
-        iter_time_ms: 1,
-        memory_kib: 32,
-        parallel: 1,
-        force_iterations: Some(1000),
-    }
-}
 
 /// A filled volume with one keyslot, 4096-byte sectors.
 fn base() -> Vec<u8> {
@@ -74,67 +65,6 @@ fn base() -> Vec<u8> {
     vol.flush().expect("flush");
     drop(vol);
     dev.crash_image(0)
-}
-
-/// A backend that stops (as a killed process) after `budget` writes and flushes, or that
-/// counts the writes a refused call attempted (`budget` 0 and a look at `used`).
-struct Stop {
-    inner: CrashBackend,
-    budget: u64,
-    used: AtomicU64,
-}
-
-impl Stop {
-    fn new(img: Vec<u8>, budget: u64) -> Self {
-        Stop {
-            inner: CrashBackend::from_image(img, 512),
-            budget,
-            used: AtomicU64::new(0),
-        }
-    }
-    fn spend(&self) -> Result<()> {
-        if self.used.fetch_add(1, Ordering::SeqCst) >= self.budget {
-            Err(Error::InvalidArgument("stopped".into()))
-        } else {
-            Ok(())
-        }
-    }
-    /// Everything written so far (a kill, not a power cut).
-    fn image(&self) -> Vec<u8> {
-        self.inner.flush().expect("flush");
-        self.inner.crash_image(0)
-    }
-}
-
-impl Backend for Stop {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.spend()?;
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> Result<()> {
-        self.spend()?;
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.spend()?;
-        self.inner.discard(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.spend()?;
-        self.inner.write_zeroes(offset, len)
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn logical_block_bytes(&self) -> u32 {
-        self.inner.logical_block_bytes()
-    }
-    fn describe(&self) -> String {
-        "stop".into()
-    }
 }
 
 fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
@@ -175,7 +105,7 @@ fn stopped_images(kind: ResilienceKind) -> (Vec<u8>, Vec<u8>) {
     let mut between = None;
     let mut inside = None;
     for budget in 0.. {
-        let dev = Stop::new(img.clone(), budget);
+        let dev = Cut::new(img.clone(), 512, budget);
         if rotate(&dev, kind).is_ok() {
             break;
         }
@@ -425,7 +355,7 @@ fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
     let (between, inside) = stopped_images(ResilienceKind::Checksum);
     // The unmangled images go on: the rows below fail for their mangling alone.
     for (name, img) in [("between", &between), ("inside", &inside)] {
-        let dev = Stop::new(img.clone(), u64::MAX);
+        let dev = Cut::new(img.clone(), 512, u64::MAX);
         if name == "inside" {
             recover(&dev, PASS).expect("recover the unmangled hotzone");
         }
@@ -445,7 +375,7 @@ fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
             At::Inside => inside.clone(),
         };
         mutate_json(&mut img, &*mangle);
-        let dev = Stop::new(img.clone(), 0);
+        let dev = Cut::new(img.clone(), 512, 0);
         let r = resume(
             &dev,
             PASS,

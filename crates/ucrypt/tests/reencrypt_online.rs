@@ -18,11 +18,13 @@ use ucrypt::luks::reencrypt_online;
 use ucrypt::luks::reencrypt_run::{
     init, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
 };
-use ucrypt::luks::{self, HashAlg, KdfRequest, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::luks::{self, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::SectorSize;
 use ucrypt::volume::Volume;
 use ucrypt::SecretBytes;
 
+mod common;
+use common::fast_kdf;
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 4 << 20;
@@ -33,17 +35,6 @@ const IO_THREADS: u64 = 3;
 /// Largest request of the I/O threads.
 const REQUEST_BYTES_MAX: u64 = 96 << 10;
 const PASS: &[u8] = b"rotate me online";
-
-fn fast_kdf() -> KdfRequest {
-    KdfRequest {
-        kind: "pbkdf2".into(),
-        hash: HashAlg::Sha256,
-        iter_time_ms: 1,
-        memory_kib: 32,
-        parallel: 1,
-        force_iterations: Some(1000),
-    }
-}
 
 fn seed() -> u64 {
     let s = std::env::var("REENCRYPT_ONLINE_SEED")

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use ucrypt::backend::{Backend, DirectMode, FileBackend, MemBackend};
+use ucrypt::backend::{Backend, CrashBackend, DirectMode, FileBackend, MemBackend};
 use ucrypt::engine::Policy;
+use ucrypt::luks::{HashAlg, KdfRequest};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::SecretBytes;
@@ -196,4 +197,81 @@ pub fn crash_volume(
     cfg.pool_bytes = CRASH_POOL_BYTES;
     cfg.spin = std::time::Duration::ZERO;
     Volume::new(backend, cfg).expect("volume")
+}
+
+/// A KDF that costs nothing (pbkdf2, 1000 iterations): for tests that make many keyslots.
+pub fn fast_kdf() -> KdfRequest {
+    KdfRequest {
+        kind: "pbkdf2".into(),
+        hash: HashAlg::Sha256,
+        iter_time_ms: 1,
+        memory_kib: 32,
+        parallel: 1,
+        force_iterations: Some(1000),
+    }
+}
+
+/// A crash-simulating backend that stops after `budget` writes, flushes, discards and
+/// write-zeroes: from then on each fails, as after a power cut or a kill -9. `used` counts the
+/// calls (also those refused), so a run with budget `u64::MAX` counts a whole run's.
+pub struct Cut {
+    pub inner: Arc<CrashBackend>,
+    pub budget: u64,
+    pub used: AtomicU64,
+}
+
+impl Cut {
+    pub fn new(image: Vec<u8>, unit: u64, budget: u64) -> Cut {
+        Cut {
+            inner: Arc::new(CrashBackend::from_image(image, unit)),
+            budget,
+            used: AtomicU64::new(0),
+        }
+    }
+
+    fn spend(&self) -> ucrypt::Result<()> {
+        if self.used.fetch_add(1, Ordering::SeqCst) >= self.budget {
+            Err(ucrypt::Error::InvalidArgument("power cut".into()))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Everything written so far, unsynced writes included (a killed process, not a power
+    /// cut).
+    pub fn image(&self) -> Vec<u8> {
+        self.inner.flush().expect("flush");
+        self.inner.crash_image(0)
+    }
+}
+
+impl Backend for Cut {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<usize> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
+        self.spend()?;
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> ucrypt::Result<()> {
+        self.spend()?;
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.spend()?;
+        self.inner.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.spend()?;
+        self.inner.write_zeroes(offset, len)
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn logical_block_bytes(&self) -> u32 {
+        self.inner.logical_block_bytes()
+    }
+    fn describe(&self) -> String {
+        "cut".into()
+    }
 }
