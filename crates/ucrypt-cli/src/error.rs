@@ -113,12 +113,25 @@ impl CliError {
     }
 }
 
+impl CliError {
+    /// The line the user reads: the error as it displays, except that the core's invalid
+    /// arguments, most of them cryptsetup's own sentences, are printed bare (without the
+    /// library's "invalid argument: " in front), as cryptsetup prints them.
+    pub fn message(&self) -> String {
+        match self {
+            CliError::Core(ucrypt::Error::InvalidArgument(m)) => m.clone(),
+            CliError::At { what, source } => format!("{what}: {}", source.message()),
+            e => e.to_string(),
+        }
+    }
+}
+
 /// Prints `ucrypt VERB: error` (one line) and returns the exit code; 0 for success.
 pub fn report(verb: &str, r: CliResult<()>) -> i32 {
     match r {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("ucrypt {verb}: {e}");
+            eprintln!("ucrypt {verb}: {}", e.message());
             e.exit_code()
         }
     }

@@ -1047,7 +1047,7 @@ pub fn report(r: CliResult<i32>) -> i32 {
     match r {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("{}", e.message());
             e.exit_code()
         }
     }

@@ -352,7 +352,7 @@ pub fn run(cmd: LuksCmd) -> i32 {
         }
         // cryptsetup's own messages, unprefixed: scripts match them.
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("{}", e.message());
             e.exit_code()
         }
     }

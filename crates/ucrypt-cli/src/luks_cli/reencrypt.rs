@@ -313,9 +313,10 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         Header::Luks1(_) => None,
     };
     if r.resume_only && in_progress.is_none() {
-        return Err(Error::InvalidArgument(format!(
-            "Device {device} is not in reencryption."
-        )));
+        // cryptsetup 2.6.1's words.
+        return Err(Error::InvalidArgument(
+            "Device reencryption not in progress.".into(),
+        ));
     }
     let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     if let Some(n) = hotzone_bytes {
@@ -415,9 +416,10 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         ));
     };
     if r.resume_only {
-        return Err(Error::InvalidArgument(format!(
-            "Device {device} is not in reencryption."
-        )));
+        // cryptsetup 2.6.1's words.
+        return Err(Error::InvalidArgument(
+            "Device reencryption not in progress.".into(),
+        ));
     }
     let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
     let key_bytes = match o.key_size {
