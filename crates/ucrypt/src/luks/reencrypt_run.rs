@@ -877,11 +877,14 @@ fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     apply(dev, &ops)?;
     // Then the retired areas (up to the whole reencrypt area, megabytes) get random bytes,
     // a bounded piece at a time.
-    let mut noise = vec![
-        0u8;
-        WIPE_PIECE_BYTES.min(retired.areas.iter().map(|a| a.1).max().unwrap_or(0))
-            as usize
-    ];
+    // Page-aligned (the pool's buffers), as a device opened with O_DIRECT needs: the `open`
+    // daemon's is.
+    let piece = WIPE_PIECE_BYTES
+        .min(retired.areas.iter().map(|a| a.1).max().unwrap_or(0))
+        .max(AREA_ALIGN_BYTES) as usize;
+    let pool = BufferPool::new(piece)?;
+    let mut g = pool.take(piece)?;
+    let noise = g.as_mut_slice();
     for (offset, len) in retired.areas {
         let mut at = 0;
         while at < len {
