@@ -27,7 +27,7 @@ use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 mod common;
-use common::{fast_kdf, Cut};
+use common::{fast_kdf, format_filled, Cut};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
@@ -44,36 +44,16 @@ fn plaintext() -> Vec<u8> {
 
 /// A volume with one keyslot (`PASS`) holding [`plaintext`].
 fn base(sector: u32) -> Vec<u8> {
-    let mut o = FormatLuks2::defaults("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0".into());
-    o.kdf = fast_kdf();
-    o.data_offset = DATA_OFFSET;
-    o.hdr_size = HDR_SIZE;
-    o.keyslots_size = DATA_OFFSET - 2 * HDR_SIZE;
-    o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
-    let vk: Vec<u8> = (0..64u8).collect();
-    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
     let dev = Arc::new(CrashBackend::new(DEVICE_BYTES, 512).expect("device"));
-    let (_, ops) = hdr
-        .add_keyslot(
-            NewKeyslot {
-                vk: &key,
-                passphrase: PASS,
-                kdf: &fast_kdf(),
-                slot: None,
-            },
-            None,
-        )
-        .expect("keyslot");
-    luks::apply(dev.as_ref(), &ops).expect("apply");
-    let vol = luks::open(
-        dev.clone(),
-        Unlock::Passphrase(SecretBytes::from_slice(PASS)),
-        &OpenOptions::default(),
-    )
-    .expect("open");
-    vol.write_at(&plaintext(), 0).expect("fill");
-    vol.flush().expect("flush");
-    drop(vol);
+    let vk: Vec<u8> = (0..64u8).collect();
+    format_filled(
+        &(dev.clone() as Arc<dyn Backend>),
+        "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0",
+        (DATA_OFFSET, HDR_SIZE, sector),
+        &vk,
+        PASS,
+        &plaintext(),
+    );
     dev.crash_image(0)
 }
 

@@ -12,19 +12,16 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use ucrypt::backend::{Backend, CrashBackend};
-use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::reencrypt_plan::position;
 use ucrypt::luks::reencrypt_run::{
     init, recover, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
 };
-use ucrypt::luks::{self, HashAlg, Header, NewKeyslot, OpenOptions, Unlock};
-use ucrypt::sector::SectorSize;
+use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::{Error, Result, SecretBytes};
 
 mod common;
-use common::{fast_kdf, Cut};
+use common::{fast_kdf, format_filled, Cut};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
@@ -33,37 +30,17 @@ const PASS: &[u8] = b"hostile";
 
 /// A filled volume with one keyslot, 4096-byte sectors.
 fn base() -> Vec<u8> {
-    let mut o = FormatLuks2::defaults("5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f0".into());
-    o.kdf = fast_kdf();
-    o.data_offset = DATA_OFFSET;
-    o.hdr_size = HDR;
-    o.keyslots_size = DATA_OFFSET - 2 * HDR;
-    o.sector_size = SectorSize::new(4096).unwrap();
-    let vk: Vec<u8> = (0..64u8).collect();
-    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
     let dev = Arc::new(CrashBackend::new(DATA_OFFSET + DATA_BYTES, 512).expect("device"));
-    let (_, ops) = hdr
-        .add_keyslot(
-            NewKeyslot {
-                vk: &key,
-                passphrase: PASS,
-                kdf: &fast_kdf(),
-                slot: None,
-            },
-            None,
-        )
-        .expect("keyslot");
-    luks::apply(dev.as_ref(), &ops).expect("apply");
-    let vol = luks::open(
-        dev.clone(),
-        Unlock::Passphrase(SecretBytes::from_slice(PASS)),
-        &OpenOptions::default(),
-    )
-    .expect("open");
+    let vk: Vec<u8> = (0..64u8).collect();
     let fill: Vec<u8> = (0..DATA_BYTES).map(|i| (i * 7 + i / 4096) as u8).collect();
-    vol.write_at(&fill, 0).expect("fill");
-    vol.flush().expect("flush");
-    drop(vol);
+    format_filled(
+        &(dev.clone() as Arc<dyn Backend>),
+        "5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f0",
+        (DATA_OFFSET, HDR, 4096),
+        &vk,
+        PASS,
+        &fill,
+    );
     dev.crash_image(0)
 }
 

@@ -12,19 +12,17 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, Fault, FaultBackend, FaultOp, FaultRule, MemBackend};
 use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_online;
 use ucrypt::luks::reencrypt_run::{
     init, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
 };
-use ucrypt::luks::{self, NewKeyslot, OpenOptions, Unlock};
-use ucrypt::sector::SectorSize;
+use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::volume::Volume;
 use ucrypt::SecretBytes;
 
 mod common;
-use common::fast_kdf;
+use common::{fast_kdf, format_filled};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 4 << 20;
@@ -71,29 +69,15 @@ fn plaintext() -> Vec<u8> {
 
 /// A LUKS2 volume with one keyslot (`PASS`) holding [`plaintext`], on `dev`.
 fn formatted(dev: &Arc<dyn Backend>, sector: u32) {
-    let mut o = FormatLuks2::defaults("5e0b8a1c-2d3e-4f50-8172-93a4b5c6d7e8".into());
-    o.kdf = fast_kdf();
-    o.data_offset = DATA_OFFSET;
-    o.hdr_size = HDR_SIZE;
-    o.keyslots_size = DATA_OFFSET - 2 * HDR_SIZE;
-    o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
     let vk: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
-    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
-    let (_, ops) = hdr
-        .add_keyslot(
-            NewKeyslot {
-                vk: &key,
-                passphrase: PASS,
-                kdf: &fast_kdf(),
-                slot: None,
-            },
-            None,
-        )
-        .expect("keyslot");
-    luks::apply(dev.as_ref(), &ops).expect("apply");
-    let vol = open(dev.clone());
-    vol.write_at(&plaintext(), 0).expect("fill");
-    vol.flush().expect("flush");
+    format_filled(
+        dev,
+        "5e0b8a1c-2d3e-4f50-8172-93a4b5c6d7e8",
+        (DATA_OFFSET, HDR_SIZE, sector),
+        &vk,
+        PASS,
+        &plaintext(),
+    );
 }
 
 fn open(dev: Arc<dyn Backend>) -> Volume {

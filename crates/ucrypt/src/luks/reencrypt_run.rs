@@ -165,6 +165,28 @@ fn make_digest(
     })
 }
 
+/// The reencrypt keyslot's area: the rest of the keyslots area after the last used area
+/// (4 KiB aligned), as `(offset, end)`.
+fn reencrypt_area(h: &Luks2Header) -> Result<(u64, u64)> {
+    let start = 2 * h.bin.hdr_size;
+    let end = start + h.meta.config.keyslots_size.0;
+    let used_end = h
+        .meta
+        .keyslots
+        .values()
+        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
+        .max()
+        .unwrap_or(start)
+        .div_ceil(AREA_ALIGN_BYTES)
+        * AREA_ALIGN_BYTES;
+    if used_end >= end {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencryption data".into(),
+        ));
+    }
+    Ok((used_end, end))
+}
+
 /// The reencrypt keyslot for `mode`, `direction` and `kind` over the area
 /// `[offset, offset + size)`.
 fn reencrypt_keyslot(
@@ -312,22 +334,7 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
     };
 
     // The reencrypt keyslot: the rest of the keyslots area after the last used area.
-    let start = 2 * h.bin.hdr_size;
-    let end = start + h.meta.config.keyslots_size.0;
-    let used_end = h
-        .meta
-        .keyslots
-        .values()
-        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
-        .max()
-        .unwrap_or(start)
-        .div_ceil(AREA_ALIGN_BYTES)
-        * AREA_ALIGN_BYTES;
-    if used_end >= end {
-        return Err(Error::InvalidArgument(
-            "no room left in the keyslots area for the reencryption data".into(),
-        ));
-    }
+    let (used_end, end) = reencrypt_area(&h)?;
     let rk = free_id(h.meta.keyslots.keys())?;
     let (mode, direction) = if decrypt {
         (Mode::Decrypt, Direction::Backward)
@@ -476,22 +483,7 @@ pub fn init_encrypt(
     ops.truncate(2); // the material and its flush; the one header write comes below
     h.bin.seqid = seqid;
 
-    let start = 2 * h.bin.hdr_size;
-    let end = start + h.meta.config.keyslots_size.0;
-    let used_end = h
-        .meta
-        .keyslots
-        .values()
-        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
-        .max()
-        .unwrap_or(start)
-        .div_ceil(AREA_ALIGN_BYTES)
-        * AREA_ALIGN_BYTES;
-    if used_end >= end {
-        return Err(Error::InvalidArgument(
-            "no room left in the keyslots area for the reencryption data".into(),
-        ));
-    }
+    let (used_end, end) = reencrypt_area(&h)?;
     let rk = free_id(h.meta.keyslots.keys())?;
     h.meta.keyslots.insert(
         rk.to_string(),

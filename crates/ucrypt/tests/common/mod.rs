@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, CrashBackend, DirectMode, FileBackend, MemBackend};
 use ucrypt::engine::Policy;
-use ucrypt::luks::{HashAlg, KdfRequest};
+use ucrypt::luks::luks2::{format, FormatLuks2};
+use ucrypt::luks::{self, HashAlg, KdfRequest, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::SecretBytes;
+use ucrypt::{BlockDev, SecretBytes};
 
 /// The seed for a randomized test: `UCRYPT_SEED` if set, else `default`. Printed, so a failure
 /// can be replayed.
@@ -274,4 +275,44 @@ impl Backend for Cut {
     fn describe(&self) -> String {
         "cut".into()
     }
+}
+
+/// Formats a LUKS2 volume on `dev` (header copies of `hdr_size`, data at `data_offset`,
+/// `sector`-byte sectors, volume key `vk`, one keyslot for `pass` with [`fast_kdf`]) and
+/// writes `data` at its start through the volume, flushed.
+pub fn format_filled(
+    dev: &Arc<dyn Backend>,
+    uuid: &str,
+    (data_offset, hdr_size, sector): (u64, u64, u32),
+    vk: &[u8],
+    pass: &[u8],
+    data: &[u8],
+) {
+    let mut o = FormatLuks2::defaults(uuid.into());
+    o.kdf = fast_kdf();
+    o.data_offset = data_offset;
+    o.hdr_size = hdr_size;
+    o.keyslots_size = data_offset - 2 * hdr_size;
+    o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
+    let (mut hdr, key) = format(&o, SecretBytes::from_slice(vk)).expect("format");
+    let (_, ops) = hdr
+        .add_keyslot(
+            NewKeyslot {
+                vk: &key,
+                passphrase: pass,
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
+        .expect("keyslot");
+    luks::apply(dev.as_ref(), &ops).expect("apply");
+    let vol = luks::open(
+        dev.clone(),
+        Unlock::Passphrase(SecretBytes::from_slice(pass)),
+        &OpenOptions::default(),
+    )
+    .expect("open");
+    vol.write_at(data, 0).expect("fill");
+    vol.flush().expect("flush");
 }
