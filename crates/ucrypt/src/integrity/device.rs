@@ -151,6 +151,17 @@ enum Src<'a> {
     Zeroes,
 }
 
+/// One run of whole blocks in one area, as reads and direct writes walk it: its data on the
+/// backend and the aligned span holding its tags.
+struct Run {
+    data_byte: u64,
+    blocks: usize,
+    tag_lo: u64,
+    tag_span: usize,
+    /// Where the run's first tag sits inside the span.
+    tag_at: usize,
+}
+
 fn align_down(v: u64, a: u64) -> u64 {
     v / a * a
 }
@@ -341,6 +352,25 @@ impl IntegrityVolume {
         let lo = align_down(lo_abs, self.io_align);
         let hi = (lo_abs + blocks * tb).next_multiple_of(self.io_align);
         (lo, (hi - lo) as usize, (lo_abs - lo) as usize)
+    }
+
+    /// Where the next run of whole blocks at data sector `sector` lives: at most
+    /// `blocks_left` blocks and one chunk, all in one area.
+    fn run_at(&self, sector: u64, blocks_left: usize) -> Result<Run> {
+        let want = blocks_left.min(CHUNK_BYTES / self.block_bytes()) as u64;
+        let e = self
+            .layout
+            .extent(sector, want)
+            .filter(|e| e.blocks > 0)
+            .ok_or(Error::Bug("integrity extent outside the device"))?;
+        let (tag_lo, tag_span, tag_at) = self.tag_span(e.tag_byte, e.blocks);
+        Ok(Run {
+            data_byte: self.start_bytes + e.data_byte,
+            blocks: e.blocks as usize,
+            tag_lo,
+            tag_span,
+            tag_at,
+        })
     }
 
     // ---- the journal: replay, commit, write-back ----
@@ -752,20 +782,18 @@ impl IntegrityVolume {
         let mut done = 0usize;
         while done < out.len() {
             let sector = first + (done / 512) as u64;
-            let want = ((out.len() - done) / bb).min(CHUNK_BYTES / bb) as u64;
-            let e = self
-                .layout
-                .extent(sector, want)
-                .filter(|e| e.blocks > 0)
-                .ok_or(Error::Bug("integrity extent outside the device"))?;
-            let n = e.blocks as usize;
+            let Run {
+                data_byte,
+                blocks: n,
+                tag_lo,
+                tag_span: span,
+                tag_at: at,
+            } = self.run_at(sector, (out.len() - done) / bb)?;
             let data_len = n * bb;
-            let (tag_lo, span, at) = self.tag_span(e.tag_byte, e.blocks);
             let mut g = self.pool.take(data_len + span)?;
             let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(data_len);
             let tbuf = &mut tbuf[..span];
-            self.backend
-                .read_exact_at(dbuf, self.start_bytes + e.data_byte)?;
+            self.backend.read_exact_at(dbuf, data_byte)?;
             self.backend.read_exact_at(tbuf, tag_lo)?;
             let tuples = &mut tbuf[at..at + n * tb];
             self.overlay(j, sector, dbuf, tuples);
@@ -801,15 +829,14 @@ impl IntegrityVolume {
         let mut done = 0usize;
         while done < len {
             let sector = first + (done / 512) as u64;
-            let want = ((len - done) / bb).min(CHUNK_BYTES / bb) as u64;
-            let e = self
-                .layout
-                .extent(sector, want)
-                .filter(|e| e.blocks > 0)
-                .ok_or(Error::Bug("integrity extent outside the device"))?;
-            let n = e.blocks as usize;
+            let Run {
+                data_byte,
+                blocks: n,
+                tag_lo,
+                tag_span: span,
+                tag_at: at,
+            } = self.run_at(sector, (len - done) / bb)?;
             let data_len = n * bb;
-            let (tag_lo, span, at) = self.tag_span(e.tag_byte, e.blocks);
             let mut g = self.pool.take(data_len + span + n * tb)?;
             let (dbuf, rest) = g.as_mut_slice().split_at_mut(data_len);
             let (tbuf, tuples) = rest.split_at_mut(span);
@@ -824,8 +851,7 @@ impl IntegrityVolume {
                 self.backend.read_exact_at(tbuf, tag_lo)?;
             }
             tbuf[at..at + n * tb].copy_from_slice(tuples);
-            self.backend
-                .write_at(dbuf, self.start_bytes + e.data_byte)?;
+            self.backend.write_at(dbuf, data_byte)?;
             self.backend.write_at(tbuf, tag_lo)?;
             done += data_len;
         }
