@@ -1,42 +1,14 @@
 //! Errors reach the user typed: every verb and front end exits 2 on a wrong passphrase, as
 //! cryptsetup does, and says so in one line; bad arguments exit 1, a missing device 4.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
-const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
-const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ucrypt-exit-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("temp dir");
-        TempDir(p)
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+mod cli_common;
+use cli_common::{s, TempDir, FAST_PBKDF2, UCRYPT};
 
 fn run(args: &[&str]) -> Output {
-    Command::new(UCRYPT)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run ucrypt")
+    cli_common::run(UCRYPT, args)
 }
 
 /// A small LUKS volume of `version` whose passphrase is in `good`; `bad` holds another one.

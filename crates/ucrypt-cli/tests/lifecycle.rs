@@ -11,91 +11,22 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
-const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+mod cli_common;
+use cli_common::{have, is_root, missing_root_rig, run, s, text, TempDir, FAST_PBKDF2, UCRYPT};
+
 const PASSPHRASE: &[u8] = b"life cycle passphrase";
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn have(cmd: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {cmd}")])
-        .stdout(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-/// Why the FUSE + loop tests cannot run here, if they cannot.
-fn missing_root_rig() -> Option<String> {
-    if !is_root() {
-        return Some("not root (open with FUSE + loop needs root)".into());
-    }
-    for dev in ["/dev/fuse", "/dev/loop-control"] {
-        if !Path::new(dev).exists() {
-            return Some(format!("{dev} missing"));
-        }
-    }
-    for cmd in ["mkfs.ext4", "fsck.ext4", "mount", "umount", "losetup"] {
-        if !have(cmd) {
-            return Some(format!("{cmd} not installed (e2fsprogs, mount)"));
-        }
-    }
-    // With ublk_drv loaded `auto` would pick ublk: the tests ask for --front-end loop.
-    None
-}
+/// What the FUSE + loop tests need besides root and the devices. With ublk_drv loaded `auto`
+/// would pick ublk: the tests ask for --front-end loop.
+const RIG_CMDS: &[&str] = &["mkfs.ext4", "fsck.ext4", "mount", "umount", "losetup"];
 
 macro_rules! skip_unless_rig {
     () => {
-        if let Some(why) = missing_root_rig() {
+        if let Some(why) = missing_root_rig(RIG_CMDS) {
             println!("SKIPPED: {why}");
             return;
         }
     };
-}
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ucrypt-life-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("temp dir");
-        TempDir(p)
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
-fn run(prog: &str, args: &[&str]) -> Output {
-    Command::new(prog)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("run {prog}: {e}"))
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn ok(prog: &str, args: &[&str]) -> Output {
@@ -452,7 +383,7 @@ fn rootless_fuse_file_round_trip() {
     let t = TempDir::new("rootless");
     // The user needs to reach the files: the temp dir is root's (0755 here) and the volume,
     // key and runtime dir are handed over.
-    std::fs::set_permissions(&t.0, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(t.dir(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let (img, key) = volume(&t, "vol.img", 20);
     let xdg = t.path("xdg");
     std::fs::create_dir(&xdg).unwrap();

@@ -4,77 +4,11 @@
 //! Needs the Debian packages `cryptsetup-bin` and `qemu-utils`; a missing tool prints
 //! `SKIPPED: <reason>` (or fails when the env var CI is set, since CI installs them).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
-
-/// Fast KDF settings shared by both tools, so the suite stays quick.
-const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!(
-            "ucrypt-luks-{tag}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0)
-        ));
-        std::fs::create_dir_all(&p).expect("temp dir");
-        TempDir(p)
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-    /// A file with the given contents.
-    fn file(&self, name: &str, data: &[u8]) -> PathBuf {
-        let p = self.path(name);
-        std::fs::write(&p, data).expect("write temp file");
-        p
-    }
-    /// A zero-filled image of `mib` MiB.
-    fn image(&self, name: &str, mib: u64) -> PathBuf {
-        let p = self.path(name);
-        let f = std::fs::File::create(&p).expect("create image");
-        f.set_len(mib << 20).expect("size image");
-        p
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Whether `tool` runs here; prints SKIPPED (or panics under CI) when not.
-fn have(tool: &str, package: &str) -> bool {
-    let ok = Command::new(tool)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok();
-    if !ok {
-        if std::env::var_os("CI").is_some() {
-            panic!("{tool} missing under CI: install the Debian package {package}");
-        }
-        eprintln!("SKIPPED: {tool} not installed (Debian package {package})");
-    }
-    ok
-}
-
-fn run(prog: &str, args: &[&str]) -> Output {
-    Command::new(prog)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
-}
+mod cli_common;
+use cli_common::{ok, require as have, run, s, TempDir, FAST_PBKDF2, UCRYPT};
 
 /// `PROG luksFormat -q EXTRA... --pbkdf pbkdf2 (fast) IMG KEYFILE`, which must succeed.
 fn luks_format(prog: &str, img: &Path, key: &Path, extra: &[&str]) {
@@ -83,22 +17,6 @@ fn luks_format(prog: &str, img: &Path, key: &Path, extra: &[&str]) {
     f.extend(FAST_PBKDF2);
     f.extend([s(img), s(key)]);
     ok(prog, &f);
-}
-
-fn ok(prog: &str, args: &[&str]) -> String {
-    let o = run(prog, args);
-    assert!(
-        o.status.success(),
-        "{prog} {args:?} failed ({:?}):\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 temp path")
 }
 
 /// The volume key from a `--dump-volume-key` output ("MK dump:" hex lines).
