@@ -17,6 +17,7 @@ mod engine;
 mod fio;
 mod fuse;
 mod integrity;
+mod limit;
 mod nbd;
 pub mod plot;
 mod reencrypt;

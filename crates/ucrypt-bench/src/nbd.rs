@@ -35,6 +35,7 @@ use super::cmd::{have, run_ok};
 use super::cpu::CpuWatch;
 use super::disk::{disk_dir, fs_type, settle, write_noise};
 use super::fio::{self, FioResult, Job, QEMU_IMG};
+use super::limit::{self, LimitResult};
 use super::server::Server;
 use super::stats::{Machine, Summary};
 
@@ -306,7 +307,16 @@ pub struct NbdReport {
     pub skipped: Vec<String>,
     pub rows: Vec<Row>,
     pub goals: Vec<GoalResult>,
+    /// AES-256-XTS on every core at once, MiB/s, measured once per round.
+    pub cipher_x_cores_mib_s: Summary,
+    /// The large jobs of each ucrypt configuration against their limit (see `limit.rs`):
+    /// the ceiling is ucrypt's own server without crypto in the same run.
+    pub limits: Vec<LimitResult>,
 }
+
+/// The jobs checked against the limit: large requests in RAM, where the cipher's share of the
+/// CPU shows (at 4 KiB the limit is the ceiling).
+const LIMIT_JOBS: &[&str] = &["1M read QD4", "1M write QD4"];
 
 fn find<'a>(rows: &'a [Row], job: &str, t: Target) -> Option<&'a Row> {
     rows.iter().find(|r| r.job.name == job && r.target == t)
@@ -707,6 +717,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
         .iter()
         .map(|p| vec![vec![Vec::new(); p.jobs.len()]; p.targets.len()])
         .collect();
+    let mut cipher = Vec::new();
     for run in 0..runs {
         if progress {
             eprintln!("bench nbd: run {}/{runs}", run + 1);
@@ -732,7 +743,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
                 }
             }
         }
+        // Once a round, beside the jobs: the cipher on every core, under the same load.
+        cipher.push(limit::cipher_x_cores_mib_s(limit::CIPHER_MEASURE));
     }
+    let limits = limit_rows(&parts[0], &samples[0], &cipher);
     let mut rows = Vec::new();
     for (part, samples) in parts.iter().zip(&samples) {
         for (ji, &job) in part.jobs.iter().enumerate() {
@@ -771,7 +785,36 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<NbdReport, St
         skipped,
         rows,
         goals,
+        cipher_x_cores_mib_s: Summary::of(&cipher),
+        limits,
     })
+}
+
+/// Limit rows of the RAM part (`samples[target][job]`, in run order).
+fn limit_rows(part: &Part, samples: &[Vec<Vec<Sample>>], cipher: &[f64]) -> Vec<LimitResult> {
+    let per_run = |t: Target, job: &str| -> Option<Vec<f64>> {
+        let ti = part.targets.iter().position(|&x| x == t)?;
+        let ji = part.jobs.iter().position(|j| j.name == job)?;
+        Some(samples[ti][ji].iter().map(|s| s.0.mib_s).collect())
+    };
+    let mut out = Vec::new();
+    for &job in LIMIT_JOBS {
+        let Some(ceiling) = per_run(Target::Plain, job) else {
+            continue;
+        };
+        for ours in OURS {
+            let Some(o) = per_run(ours, job) else {
+                continue;
+            };
+            out.push(LimitResult::of(
+                job,
+                (ours.name(), &o),
+                &[(Target::Plain.name(), &ceiling)],
+                cipher,
+            ));
+        }
+    }
+    out
 }
 
 fn show_ratio(r: Option<f64>) -> String {
@@ -875,6 +918,13 @@ pub fn markdown(r: &NbdReport) -> String {
             s.push_str(&format!(" {cell} |"));
         }
         s.push('\n');
+    }
+    if !r.limits.is_empty() {
+        s.push_str(&limit::markdown(
+            "Against the limit of this machine",
+            &r.limits,
+            &r.cipher_x_cores_mib_s,
+        ));
     }
     s.push_str(&round_trip_note(r));
     for sk in &r.skipped {
@@ -1099,6 +1149,13 @@ mod tests {
             skipped: vec!["nbdkit LUKS1: nbdkit not installed (apt-get install nbdkit)".into()],
             rows,
             goals,
+            cipher_x_cores_mib_s: Summary::of(&[10000.0]),
+            limits: vec![LimitResult::of(
+                "1M write QD4",
+                ("ucrypt LUKS2", &[2000.0]),
+                &[("plain (no crypto)", &[2500.0])],
+                &[10000.0],
+            )],
         };
         let md = markdown(&report);
         // (a line that must appear in the table)
@@ -1116,6 +1173,8 @@ mod tests {
             "| 4k randread QD1 | – | 10.0 (0.50) | – | – | – | – | 10.0 (0.50) | – | – |",
             "With fio and the server pinned to one CPU (no wake-up of a sleeping CPU per \
              request): ucrypt LUKS2 600 MiB/s, nbdkit LUKS1 240 (2.50×).",
+            // 1 / (1/2500 + 1/10000) = 2000: ours at 1.00 of it.
+            "| 1M write QD4 | ucrypt LUKS2 | plain (no crypto) | 2000 (2000–2000) | 1.00 (1.00–1.00) | ≥ 0.9 | met |",
         ];
         for l in lines {
             assert!(md.lines().any(|x| x == l), "missing {l:?} in\n{md}");

@@ -31,6 +31,7 @@ use serde::Serialize;
 
 use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job};
+use super::limit::{self, LimitResult};
 use super::server::Server;
 use super::stats::{Machine, Summary};
 
@@ -232,6 +233,49 @@ pub struct RemoteReport {
     pub skipped: Vec<String>,
     pub rows: Vec<Row>,
     pub goals: Vec<GoalResult>,
+    /// AES-256-XTS on every core at once, MiB/s, measured once per round.
+    pub cipher_x_cores_mib_s: Summary,
+    /// Each encrypting ucrypt target against the limit of its job (see `limit.rs`).
+    pub limits: Vec<LimitResult>,
+}
+
+/// The encrypting ucrypt targets and the unencrypted NBD paths of the same kind whose best,
+/// run by run, is their ceiling: the image exported without crypto (qemu-storage-daemon's, and
+/// ucrypt's own), and a relay without crypto (nbdkit's, and ucrypt's own).
+const LIMITS: &[(Target, &[Target])] = &[
+    (Target::UcryptRbd, &[Target::QsdRaw, Target::UcryptRbdPlain]),
+    (
+        Target::UcryptNbd,
+        &[Target::NbdkitRelay, Target::UcryptNbdPlain],
+    ),
+];
+
+/// Limit rows from the per-run samples (`samples[job][target]`, in run order).
+fn limit_rows(
+    targets: &[Target],
+    samples: &[Vec<Vec<FioResult>>],
+    cipher: &[f64],
+) -> Vec<LimitResult> {
+    let per_run = |j: usize, t: Target| -> Option<Vec<f64>> {
+        let i = targets.iter().position(|&x| x == t)?;
+        Some(samples[j][i].iter().map(|r| r.mib_s).collect())
+    };
+    let mut out = Vec::new();
+    for &(ours, ceilings) in LIMITS {
+        for (j, job) in JOBS.iter().enumerate() {
+            let Some(o) = per_run(j, ours) else { continue };
+            let cs: Vec<(&str, Vec<f64>)> = ceilings
+                .iter()
+                .filter_map(|&c| Some((c.name(), per_run(j, c)?)))
+                .collect();
+            if cs.is_empty() {
+                continue;
+            }
+            let cs: Vec<(&str, &[f64])> = cs.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+            out.push(LimitResult::of(job.name, (ours.name(), &o), &cs, cipher));
+        }
+    }
+    out
 }
 
 fn repo_script() -> PathBuf {
@@ -655,6 +699,7 @@ pub fn measure(
         }
     }
     let mut samples: Vec<Vec<Vec<FioResult>>> = vec![vec![Vec::new(); targets.len()]; JOBS.len()];
+    let mut cipher = Vec::new();
     for run in 0..runs {
         for (j, job) in JOBS.iter().enumerate() {
             if progress {
@@ -670,8 +715,11 @@ pub fn measure(
                 samples[j][i].push(r);
             }
         }
+        // Once a round, beside the jobs: the cipher on every core, under the same load.
+        cipher.push(limit::cipher_x_cores_mib_s(limit::CIPHER_MEASURE));
     }
     drop(servers);
+    let limits = limit_rows(&targets, &samples, &cipher);
     let mut rows = Vec::new();
     for (j, job) in JOBS.iter().enumerate() {
         for (i, &t) in targets.iter().enumerate() {
@@ -697,7 +745,44 @@ pub fn measure(
         skipped,
         rows,
         goals,
+        cipher_x_cores_mib_s: Summary::of(&cipher),
+        limits,
     })
+}
+
+/// Where a goal over librbd's LUKS2 asks more than the limit allows: `min_ratio` × librbd's
+/// median above ucrypt's limit for that job (both medians of this run).
+fn librbd_goal_note(r: &RemoteReport) -> String {
+    let mut s = String::new();
+    for g in GOALS.iter().filter(|g| g.peer == Target::QsdLibrbdLuks2) {
+        for &job in g.jobs {
+            let peer = find(&r.rows, job, g.peer).map(|x| x.mib_s.median);
+            let lim = r
+                .limits
+                .iter()
+                .find(|l| l.job == job && l.ours == g.ours.name())
+                .map(|l| l.limit_mib_s.median);
+            if let (Some(p), Some(l)) = (peer, lim) {
+                if p * g.min_ratio > l {
+                    s.push_str(&format!(
+                        "- {job}: {}× {} would be {:.0} MiB/s, above the limit of {:.0} MiB/s \
+                         this machine allowed {} in this run ({:.2} of it).\n",
+                        g.min_ratio,
+                        g.peer.name(),
+                        p * g.min_ratio,
+                        l,
+                        g.ours.name(),
+                        p * g.min_ratio / l
+                    ));
+                }
+            }
+        }
+    }
+    if s.is_empty() {
+        s
+    } else {
+        format!("\nGoals above the limit:\n\n{s}")
+    }
 }
 
 pub fn markdown(r: &RemoteReport) -> String {
@@ -746,6 +831,14 @@ pub fn markdown(r: &RemoteReport) -> String {
             g.peer.name(),
             g.min_ratio
         ));
+    }
+    if !r.limits.is_empty() {
+        s.push_str(&limit::markdown(
+            "## Against the limit of this machine",
+            &r.limits,
+            &r.cipher_x_cores_mib_s,
+        ));
+        s.push_str(&librbd_goal_note(r));
     }
     if !r.skipped.is_empty() {
         s.push_str("\nSkipped:\n");
