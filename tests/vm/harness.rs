@@ -260,3 +260,53 @@ pub fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
         .map(|k| (k, root))
         .ok_or_else(|| "fetch-kernel.sh produced no vmlinuz".to_string())
 }
+
+/// Runs a command on the host (not in the VM): its stdout, or an error naming the command, its
+/// arguments, its exit status and both outputs.
+pub fn host(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "{cmd} {args:?}: {}\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A path as the `&str` a command line takes (the tests' paths are UTF-8).
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// `n` bytes from `rng`, also written to `path` (a key file, a plaintext image).
+pub fn random_file(rng: &mut SplitMix, path: &Path, n: usize) -> Vec<u8> {
+    let mut b = vec![0u8; n];
+    rng.fill(&mut b);
+    std::fs::write(path, &b).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    b
+}
+
+/// For a test that boots Debian trixie's kernel (ublk): the kernel and its module root, or
+/// `None` after printing `SKIPPED <test>: <reason>` where the VM or the kernel is not to be had
+/// here. Under CI a missing kernel fails the test instead.
+pub fn require_trixie_vm(test: &str) -> Option<(PathBuf, PathBuf)> {
+    if let Err(reason) = require_vm() {
+        println!("SKIPPED {test}: {reason}");
+        return None;
+    }
+    match trixie_kernel() {
+        Ok(k) => Some(k),
+        Err(e) if under_ci() => panic!("{e}"),
+        Err(e) => {
+            println!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}

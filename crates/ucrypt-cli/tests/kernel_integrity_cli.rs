@@ -25,7 +25,6 @@ mod vm;
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ucrypt");
 /// Each image: 16 MiB of LUKS2 header, then dm-integrity.
@@ -83,26 +82,6 @@ fn selected_cases() -> Vec<&'static Case> {
         .collect()
 }
 
-fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("spawn {cmd}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "{cmd} {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
 fn image(p: &Path) {
     std::fs::File::create(p)
         .and_then(|f| f.set_len(IMAGE_BYTES))
@@ -114,7 +93,7 @@ fn ucrypt_format(img: &Path, key: &Path, c: &Case) {
     image(img);
     let bits = c.key_bits.to_string();
     let sector = c.sector.to_string();
-    run(
+    vm::host(
         BIN,
         &[
             "format",
@@ -135,8 +114,8 @@ fn ucrypt_format(img: &Path, key: &Path, c: &Case) {
             "--pbkdf-force-iterations",
             "1000",
             "--key-file",
-            s(key),
-            s(img),
+            vm::s(key),
+            vm::s(img),
         ],
     )
     .unwrap_or_else(|e| panic!("{}: {e}", c.name));
@@ -177,13 +156,9 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
     let tmp = vm::TempDir::new("kernel-integrity-cli");
     let dir = &tmp.0;
     let key = dir.join("key");
-    let mut k = vec![0u8; 32];
-    rng.fill(&mut k);
-    std::fs::write(&key, &k).expect("key file");
+    vm::random_file(&mut rng, &key, 32);
     let plain_path = dir.join("plain.bin");
-    let mut plain = vec![0u8; PLAIN_BYTES as usize];
-    rng.fill(&mut plain);
-    std::fs::write(&plain_path, &plain).expect("plaintext");
+    let plain = vm::random_file(&mut rng, &plain_path, PLAIN_BYTES as usize);
     let fs_text = format!("ucrypt integrity seed {seed}\n");
     std::fs::write(dir.join("fs.txt"), &fs_text).expect("fs text");
 
@@ -207,14 +182,14 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         // mode between the two sides: tests/kernel_integrity_journal.rs).
         let u = dir.join(format!("u-{}.img", c.name));
         ucrypt_format(&u, &key, c);
-        run(
+        vm::host(
             BIN,
             &[
                 "import",
-                s(&plain_path),
-                s(&u),
+                vm::s(&plain_path),
+                vm::s(&u),
                 "--key-file",
-                s(&key),
+                vm::s(&key),
                 "--integrity-no-journal",
             ],
         )
@@ -266,14 +241,15 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             .expect("host fs image");
         // 4096-byte blocks: a filesystem block must not be smaller than the device's sector
         // (mkfs picks 1024 for a file this small, which a 4096-byte-sector volume cannot mount).
-        run("mkfs.ext4", &["-q", "-F", "-b", "4096", s(&host_fs)]).expect("mkfs.ext4 on the host");
-        run(
+        vm::host("mkfs.ext4", &["-q", "-F", "-b", "4096", vm::s(&host_fs)])
+            .expect("mkfs.ext4 on the host");
+        vm::host(
             "debugfs",
             &[
                 "-w",
                 "-R",
-                &format!("write {} {FS_FILE}", s(&dir.join("fs.txt"))),
-                s(&host_fs),
+                &format!("write {} {FS_FILE}", vm::s(&dir.join("fs.txt"))),
+                vm::s(&host_fs),
             ],
         )
         .expect("debugfs write");
@@ -292,8 +268,17 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         .expect("script");
         let g = dir.join(format!("gs-{n}.img"));
         ucrypt_format(&g, &key, c);
-        run(BIN, &["import", s(&host_fs), s(&g), "--key-file", s(&key)])
-            .unwrap_or_else(|e| panic!("{n}: import of the host's ext4: {e}"));
+        vm::host(
+            BIN,
+            &[
+                "import",
+                vm::s(&host_fs),
+                vm::s(&g),
+                "--key-file",
+                vm::s(&key),
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{n}: import of the host's ext4: {e}"));
         let dg = next_dev(&mut vmrun, &g);
         writeln!(
             script,
@@ -373,9 +358,15 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             ));
         }
         let exported = dir.join(format!("k-{}.out", c.name));
-        match run(
+        match vm::host(
             BIN,
-            &["export", s(&kimg), s(&exported), "--key-file", s(&key)],
+            &[
+                "export",
+                vm::s(&kimg),
+                vm::s(&exported),
+                "--key-file",
+                vm::s(&key),
+            ],
         ) {
             Err(e) => failures.push(format!("{}: ucrypt export: {e}", c.name)),
             Ok(_) => {
@@ -406,9 +397,23 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         }
         let f = dir.join(format!("fs-{n}.img"));
         let exported = dir.join(format!("fs-{n}.out"));
-        let r = run(BIN, &["export", s(&f), s(&exported), "--key-file", s(&key)])
-            .and_then(|_| run("e2fsck", &["-f", "-n", s(&exported)]))
-            .and_then(|_| run("debugfs", &["-R", &format!("cat /{FS_FILE}"), s(&exported)]));
+        let r = vm::host(
+            BIN,
+            &[
+                "export",
+                vm::s(&f),
+                vm::s(&exported),
+                "--key-file",
+                vm::s(&key),
+            ],
+        )
+        .and_then(|_| vm::host("e2fsck", &["-f", "-n", vm::s(&exported)]))
+        .and_then(|_| {
+            vm::host(
+                "debugfs",
+                &["-R", &format!("cat /{FS_FILE}"), vm::s(&exported)],
+            )
+        });
         match r {
             Err(e) => failures.push(format!("fs {n}: {e}")),
             Ok(text) if text == fs_text => println!("FS {n} ucrypt export is clean ext4 OK"),

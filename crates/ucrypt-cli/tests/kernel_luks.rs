@@ -71,26 +71,6 @@ fn ucrypt(args: &[&str]) -> Result<String, String> {
     }
 }
 
-fn host(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "{cmd} {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
 /// A fresh LUKS2 image made by `ucrypt format` with a data area of `data_bytes`.
 fn format(path: &Path, key: &Path, case: &Case, data_bytes: u64) {
     std::fs::File::create(path)
@@ -101,8 +81,8 @@ fn format(path: &Path, key: &Path, case: &Case, data_bytes: u64) {
     let off = DATA_OFFSET_SECTORS.to_string();
     ucrypt(&[
         "format",
-        s(path),
-        s(key),
+        vm::s(path),
+        vm::s(key),
         "--type",
         "luks2",
         "--cipher",
@@ -158,7 +138,14 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
     for (i, case) in CASES.iter().enumerate() {
         let r = dir.join(format!("read{i}.img"));
         format(&r, &key, case, PLAIN_BYTES);
-        ucrypt(&["import", s(&plain_path), s(&r), "--key-file", s(&key)]).expect("ucrypt import");
+        ucrypt(&[
+            "import",
+            vm::s(&plain_path),
+            vm::s(&r),
+            "--key-file",
+            vm::s(&key),
+        ])
+        .expect("ucrypt import");
         let w = dir.join(format!("write{i}.img"));
         format(&w, &key, case, PLAIN_BYTES);
         let dr = next_dev(&mut run, &r, true);
@@ -201,7 +188,7 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
     std::fs::File::create(&fs_plain)
         .and_then(|f| f.set_len(FS_BYTES))
         .expect("fs plain");
-    host(
+    vm::host(
         "mkfs.ext4",
         &[
             "-q",
@@ -209,14 +196,21 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
             "-b",
             "4096",
             "-d",
-            s(&dir.join("src")),
-            s(&fs_plain),
+            vm::s(&dir.join("src")),
+            vm::s(&fs_plain),
         ],
     )
     .expect("mkfs.ext4 -d");
     let fs_host = dir.join("fs-host.img");
     format(&fs_host, &key, fs_case, FS_BYTES);
-    ucrypt(&["import", s(&fs_plain), s(&fs_host), "--key-file", s(&key)]).expect("import fs");
+    ucrypt(&[
+        "import",
+        vm::s(&fs_plain),
+        vm::s(&fs_host),
+        "--key-file",
+        vm::s(&key),
+    ])
+    .expect("import fs");
     let fs_vm = dir.join("fs-vm.img");
     format(&fs_vm, &key, fs_case, FS_BYTES);
     let dh = next_dev(&mut run, &fs_host, true);
@@ -258,7 +252,13 @@ exit $fail
             continue;
         }
         let back = dir.join(format!("back{i}.bin"));
-        match ucrypt(&["export", s(&write_imgs[i]), s(&back), "--key-file", s(&key)]) {
+        match ucrypt(&[
+            "export",
+            vm::s(&write_imgs[i]),
+            vm::s(&back),
+            "--key-file",
+            vm::s(&key),
+        ]) {
             Ok(_) => {
                 let got = std::fs::read(&back).expect("read export");
                 if got != plain {
@@ -284,15 +284,21 @@ exit $fail
     }
     if out.output.contains("FS VM-MADE-DONE") {
         let back = dir.join("fs-vm-plain.img");
-        match ucrypt(&["export", s(&fs_vm), s(&back), "--key-file", s(&key)])
-            .and_then(|_| host("fsck.ext4", &["-f", "-n", s(&back)]))
+        match ucrypt(&[
+            "export",
+            vm::s(&fs_vm),
+            vm::s(&back),
+            "--key-file",
+            vm::s(&key),
+        ])
+        .and_then(|_| vm::host("fsck.ext4", &["-f", "-n", vm::s(&back)]))
         {
             Ok(_) => {
                 let rd = dir.join("rdump");
                 std::fs::create_dir_all(&rd).expect("mkdir");
-                host(
+                vm::host(
                     "debugfs",
-                    &["-R", &format!("rdump / {}", rd.display()), s(&back)],
+                    &["-R", &format!("rdump / {}", rd.display()), vm::s(&back)],
                 )
                 .expect("debugfs rdump");
                 for (rel, want) in &tree {

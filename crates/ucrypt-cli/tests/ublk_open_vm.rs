@@ -61,17 +61,8 @@ $U close grow && echo "RESIZE-VM-OK"
 
 #[test]
 fn open_close_reopen_with_ublk_keeps_the_filesystem() {
-    if let Err(reason) = vm::require_vm() {
-        println!("SKIPPED ublk_open_vm: {reason}");
+    let Some((kernel, modroot)) = vm::require_trixie_vm("ublk_open_vm") else {
         return;
-    }
-    let (kernel, modroot) = match vm::trixie_kernel() {
-        Ok(k) => k,
-        Err(e) if vm::under_ci() => panic!("{e}"),
-        Err(e) => {
-            println!("SKIPPED ublk_open_vm: {e}");
-            return;
-        }
     };
     let tmp = vm::TempDir::new("ublk-open-vm");
     let share = tmp.0.join("share");

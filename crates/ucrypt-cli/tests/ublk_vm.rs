@@ -52,17 +52,8 @@ echo "UBLK-VM-OK"
 
 #[test]
 fn ublk_device_filesystem_read_back_by_kernel_dm_crypt() {
-    if let Err(reason) = vm::require_vm() {
-        println!("SKIPPED ublk_vm: {reason}");
+    let Some((kernel, modroot)) = vm::require_trixie_vm("ublk_vm") else {
         return;
-    }
-    let (kernel, modroot) = match vm::trixie_kernel() {
-        Ok(k) => k,
-        Err(e) if vm::under_ci() => panic!("{e}"),
-        Err(e) => {
-            println!("SKIPPED ublk_vm: {e}");
-            return;
-        }
     };
     let tmp = vm::TempDir::new("ublk-vm");
     let share = tmp.0.join("share");

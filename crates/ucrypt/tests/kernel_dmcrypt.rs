@@ -362,22 +362,6 @@ fn fs_cipher(key: &[u8]) -> SectorCipher {
     .expect("cipher")
 }
 
-fn host_cmd(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = std::process::Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "{cmd} {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
 impl FsStage {
     fn prepare(
         dir: &std::path::Path,
@@ -420,7 +404,7 @@ impl FsStage {
             .set_len(FS_BYTES)
             .expect("size");
         let p = plain.to_str().expect("utf-8");
-        host_cmd(
+        vm::host(
             "mkfs.ext4",
             &[
                 "-q",
@@ -477,7 +461,7 @@ dmsetup remove fsv
         let plain = dir.join("fs-vm-plain.img");
         std::fs::write(&plain, &img).expect("write decrypted");
         let p = plain.to_str().expect("utf-8");
-        if let Err(e) = host_cmd("fsck.ext4", &["-f", "-n", p]) {
+        if let Err(e) = vm::host("fsck.ext4", &["-f", "-n", p]) {
             failures.push(format!(
                 "fs: fsck of the VM's ext4, decrypted by ucrypt, failed: {e}"
             ));
@@ -485,7 +469,7 @@ dmsetup remove fsv
         }
         let out = dir.join("rdump");
         std::fs::create_dir_all(&out).expect("mkdir rdump");
-        if let Err(e) = host_cmd("debugfs", &["-R", &format!("rdump / {}", out.display()), p]) {
+        if let Err(e) = vm::host("debugfs", &["-R", &format!("rdump / {}", out.display()), p]) {
             failures.push(format!("fs: debugfs rdump failed: {e}"));
             return;
         }

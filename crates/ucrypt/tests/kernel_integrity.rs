@@ -264,12 +264,8 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
     let tmp = vm::TempDir::new("kernel-integrity");
     let dir = &tmp.0;
     let key_path = dir.join("key");
-    let mut key = vec![0u8; 32];
-    rng.fill(&mut key);
-    std::fs::write(&key_path, &key).expect("key file");
-    let mut plain = vec![0u8; (K1.1 + K2.1) as usize];
-    rng.fill(&mut plain);
-    std::fs::write(dir.join("plain.bin"), &plain).expect("plaintext");
+    let key = vm::random_file(&mut rng, &key_path, 32);
+    let plain = vm::random_file(&mut rng, &dir.join("plain.bin"), (K1.1 + K2.1) as usize);
 
     // ---- boot 1: cryptsetup formats, the kernel writes ----
     let mut run = vm::VmRun::new("");

@@ -116,22 +116,6 @@ fn raw(img: &Path, at: u64, len: usize) -> Vec<u8> {
     b
 }
 
-fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd} {args:?}: {}\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 fn format_line(c: &Case, dev: &str, wipe: bool) -> String {
     format!(
         "cryptsetup luksFormat --type luks2 --cipher {} --integrity {} --key-size {} \
@@ -331,8 +315,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
         let exported = dir.join("fs.out");
         std::fs::write(&exported, &fs).expect("export");
         let s = |p: &Path| p.display().to_string();
-        let r = run("e2fsck", &["-f", "-n", &s(&exported)]).and_then(|_| {
-            run(
+        let r = vm::host("e2fsck", &["-f", "-n", &s(&exported)]).and_then(|_| {
+            vm::host(
                 "debugfs",
                 &["-R", &format!("cat /{FS_FILE}"), &s(&exported)],
             )
@@ -350,8 +334,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
             .expect("ext4 image");
         let mine_text = format!("written by ucrypt through its journal, seed {seed}\n");
         std::fs::write(dir.join("mine.txt"), &mine_text).expect("text");
-        let r = run("mkfs.ext4", &["-q", "-F", "-b", "4096", &s(&mkimg)]).and_then(|_| {
-            run(
+        let r = vm::host("mkfs.ext4", &["-q", "-F", "-b", "4096", &s(&mkimg)]).and_then(|_| {
+            vm::host(
                 "debugfs",
                 &[
                     "-w",
