@@ -1480,7 +1480,7 @@ fn cryptsetup_finishes_a_shift_ucrypt_was_killed_in() {
         let sector = ["512", "4096"][round % 2];
         let t = TempDir::new("kill-us");
         let (img, key, plain) = shift_volume(&t, 200);
-        let delay = Duration::from_millis(20 + x % 700);
+        let delay = Duration::from_millis(150 + x % 900);
         let mut cmd = Command::new(UCRYPT);
         cmd.args(shift_args(
             &key,
@@ -1556,7 +1556,7 @@ fn ucrypt_finishes_a_shift_cryptsetup_was_killed_in() {
         let sector = ["512", "4096"][round % 2];
         let t = TempDir::new("kill-cs");
         let (img, key, plain) = shift_volume(&t, 300);
-        let delay = Duration::from_millis(100 + x % 900);
+        let delay = Duration::from_millis(300 + x % 1200);
         let mut cmd = Command::new("cryptsetup");
         cmd.args(shift_args(
             &key,

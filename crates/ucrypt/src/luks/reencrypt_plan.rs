@@ -1406,15 +1406,15 @@ mod tests {
             }
         );
         let pos = position(&m, &st, SHIFT_DATA).unwrap();
-        // Hotzone [214, 230) MiB, done [230, 268) MiB.
+        // Hotzone [204, 220) MiB of data (at 220 MiB on the device), done [220, 268) MiB.
         assert_eq!(
             pos,
             Position {
-                done: 38 * MIB,
+                done: 48 * MIB,
                 hotzone: Some(SHIFT)
             }
         );
-        assert_eq!(hotzone_offset(&st, pos, SHIFT, SHIFT_DATA), 214 * MIB);
+        assert_eq!(hotzone_offset(&st, pos, SHIFT, SHIFT_DATA), 204 * MIB);
         check_layout(&m, &st, SHIFT_DATA).unwrap();
         let mut rebuilt = m.clone();
         let start = Position {
