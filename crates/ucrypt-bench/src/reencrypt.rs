@@ -2,7 +2,9 @@
 //! `cryptsetup reencrypt --force-offline-reencrypt` on a copy of the same volume, per
 //! resilience mode; and the ceiling the rotation is judged against: `ucrypt export` then
 //! `ucrypt import` of the same bytes (one decrypting pass and one encrypting pass, each
-//! through the engine), timed in the same round.
+//! through the engine), timed in the same round. One more row: the encryption of the same
+//! plaintext with the header in front (`reencrypt --encrypt --reduce-device-size 32M`, the
+//! data moved by 16 MiB: datashift), by both tools on copies of one plaintext file.
 //!
 //! Each round formats one volume with cryptsetup (aes-xts-plain64, 512-bit key, 4096-byte
 //! sectors, pbkdf2 at 1000 iterations so the unlocks cost little), fills it through `ucrypt
@@ -36,6 +38,11 @@ const PBKDF2_ITERATIONS: &str = "1000";
 const BUSY_THREADS: usize = 2;
 /// The resilience modes both tools rotate with.
 const MODES: [&str; 3] = ["checksum", "journal", "none"];
+/// The datashift row: its name, and the free space at the end of the plaintext file (the
+/// header takes half of it, the data moves by that half).
+const SHIFT_ROW: &str = "datashift (encrypt)";
+const REDUCE: &str = "32M";
+const REDUCE_BYTES: u64 = 32 << 20;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
@@ -209,8 +216,9 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
     std::fs::write(&key, PASSPHRASE).map_err(|e| e.to_string())?;
     let mut rows = Vec::new();
     for busy in [0, BUSY_THREADS] {
-        let mut u: Vec<Vec<f64>> = vec![Vec::new(); MODES.len()];
-        let mut c: Vec<Vec<f64>> = vec![Vec::new(); MODES.len()];
+        // One column per mode, and the datashift encryption last.
+        let mut u: Vec<Vec<f64>> = vec![Vec::new(); MODES.len() + 1];
+        let mut c: Vec<Vec<f64>> = vec![Vec::new(); MODES.len() + 1];
         let mut ei = Vec::new();
         for round in 0..runs {
             let base = make_volume(
@@ -260,6 +268,39 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                     .arg(&base)
                     .arg(&plain),
             )?;
+            // The datashift encryption of the same plaintext, with the free space after it.
+            let shift = MODES.len();
+            let encrypt = |tool: &str| -> Result<f64, String> {
+                copy(&plain, &work)?;
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&work)
+                    .and_then(|f| f.set_len(data + REDUCE_BYTES))
+                    .map_err(|e| format!("{}: {e}", work.display()))?;
+                let mut cmd = Command::new(tool);
+                cmd.args([
+                    "reencrypt",
+                    "-q",
+                    "--encrypt",
+                    "--reduce-device-size",
+                    REDUCE,
+                ])
+                .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
+                .arg(PBKDF2_ITERATIONS)
+                .arg("--key-file")
+                .arg(&key)
+                .arg(&work)
+                // cryptsetup builds the header in a temporary file here.
+                .current_dir(dir);
+                if tool == "cryptsetup" {
+                    cmd.arg("--force-offline-reencrypt");
+                }
+                timed(&mut cmd)
+            };
+            u[shift].push(encrypt(&ucrypt.display().to_string())?);
+            if with_cryptsetup {
+                c[shift].push(encrypt("cryptsetup")?);
+            }
             let ti = timed(
                 Command::new(&ucrypt)
                     .arg("import")
@@ -281,7 +322,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             }
         }
         let ceiling = Summary::of(&ei);
-        for (m, mode) in MODES.iter().enumerate() {
+        for (m, mode) in MODES.iter().chain(&[SHIFT_ROW]).enumerate() {
             let us = Summary::of(&u[m]);
             let cs = with_cryptsetup.then(|| Summary::of(&c[m]));
             rows.push(Row {
@@ -313,6 +354,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             "ucrypt rotates with its default 64 MiB hotzones, cryptsetup with its default (one \
              hotzone as large as the resilience area protects)"
                 .into(),
+            format!(
+                "{SHIFT_ROW}: reencrypt --encrypt --reduce-device-size {REDUCE} of the exported \
+                 plaintext with {REDUCE} free after it, both tools (hotzones of the 16 MiB \
+                 shift); its ceiling column is the same export+import"
+            ),
         ],
     })
 }

@@ -260,12 +260,29 @@ fn unbuilt_modes_are_refused_by_name() {
     }
     let t = TempDir::new("refuse");
     let (img, key, _) = volume(&t, 20, 512);
+    let new_hdr = t.path("exported.hdr");
     for (args, word) in [
+        // The volume is LUKS already (cryptsetup's words).
         (
             vec!["--encrypt", "--reduce-device-size", "32M"],
-            "datashift",
+            "already LUKS",
         ),
-        (vec!["--reduce-device-size", "32M"], "datashift"),
+        (vec!["--reduce-device-size", "32M"], "--reduce-device-size"),
+        (
+            vec![
+                "--encrypt",
+                "--reduce-device-size",
+                "32M",
+                "--header",
+                s(&new_hdr),
+            ],
+            "detached --header",
+        ),
+        // cryptsetup 2.6 exports the header and moves the data back (datashift decryption).
+        (
+            vec!["--decrypt", "--header", s(&new_hdr)],
+            "moves the data back",
+        ),
     ] {
         let mut a = vec!["reencrypt", "-q", "--key-file", s(&key)];
         a.extend(args.iter());
@@ -276,6 +293,7 @@ fn unbuilt_modes_are_refused_by_name() {
         assert!(err.contains(word), "{args:?}: {err}");
     }
     assert!(!in_reencryption(&img));
+    assert!(!new_hdr.exists(), "no header exported");
 }
 
 /// Kills `cmd` after `delay`, returns whether it was still running.
@@ -1242,4 +1260,349 @@ fn ucrypt_finishes_an_encryption_cryptsetup_was_killed_in() {
         encrypted(&t, &img, &hdr, &key, &plain, &format!("round {round}"));
     }
     println!("{mid_way} of {rounds} encryptions left mid-way and finished by ucrypt");
+}
+
+// ---------------------------------------------------------------- encryption moving the data
+
+/// `--reduce-device-size` of the data-moving rows: a shift (and data offset) of 16 MiB, the
+/// moved segment's hotzone 16 MiB.
+const REDUCE: &str = "32M";
+const SHIFT: u64 = 16 << 20;
+
+/// A plaintext file of `mib` MiB whose last 32 MiB are free (a filesystem shrunk by
+/// --reduce-device-size); returns (image, key file, the plaintext before the free space).
+fn shift_volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf, Vec<u8>) {
+    let img = t.path("data.img");
+    let all = plaintext(mib << 20, mib ^ 0x5417);
+    std::fs::write(&img, &all).expect("data");
+    let key = t.path("key");
+    std::fs::write(&key, b"shift-me").expect("key");
+    let plain = all[..all.len() - 2 * SHIFT as usize].to_vec();
+    (img, key, plain)
+}
+
+/// cryptsetup accepts the finished volume (`open --test-passphrase`, `luksDump`: one keyslot,
+/// no reencryption, the data at the shift) and `ucrypt export` gives the plaintext first
+/// (the volume grew by the shift).
+fn shift_encrypted(t: &TempDir, img: &Path, key: &Path, plain: &[u8], what: &str) {
+    cryptsetup_accepts(img, key);
+    let d = dump(img);
+    assert!(
+        d.contains(&format!("offset: {SHIFT} [bytes]")),
+        "{what}:\n{d}"
+    );
+    let raw = std::fs::read(img).expect("data");
+    assert!(
+        raw[SHIFT as usize..SHIFT as usize + plain.len()] != plain[..],
+        "{what}: still plaintext"
+    );
+    let got = exported(t, img, key);
+    assert_eq!(got.len(), plain.len() + SHIFT as usize, "{what}: size");
+    assert!(
+        got[..plain.len()] == plain[..],
+        "{what}: the plaintext changed"
+    );
+}
+
+fn shift_args<'a>(key: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "reencrypt",
+        "--encrypt",
+        "--reduce-device-size",
+        REDUCE,
+        "-q",
+        "--key-file",
+        s(key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.extend(extra);
+    a
+}
+
+#[test]
+fn ucrypt_shift_encrypts_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in ["512", "4096"] {
+        let t = TempDir::new("shift");
+        let (img, key, plain) = shift_volume(&t, 84);
+        let mut a = shift_args(&key, &["--sector-size", sector]);
+        a.push(s(&img));
+        ok(UCRYPT, &a);
+        let d = dump(&img);
+        assert!(d.contains(&format!("sector: {sector} [bytes]")), "{d}");
+        shift_encrypted(&t, &img, &key, &plain, sector);
+    }
+}
+
+/// The metadata cryptsetup's JSON carries, minus what is random (salts, digests, UUIDs,
+/// iterations of calibrated digests) and what orders keys.
+fn shift_metadata(img: &Path) -> String {
+    let j = ok("cryptsetup", &["luksDump", "--dump-json-metadata", s(img)]);
+    let v: serde_json::Value = serde_json::from_str(&j).expect("json");
+    let digests: Vec<_> = v["digests"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|d| (d["keyslots"].clone(), d["segments"].clone()))
+        .collect();
+    let mut ks = v["keyslots"].clone();
+    for k in ks.as_object_mut().unwrap().values_mut() {
+        if let Some(kdf) = k.get_mut("kdf") {
+            kdf["salt"] = serde_json::Value::Null;
+        }
+    }
+    format!(
+        "keyslots {}\nsegments {}\ndigests {digests:?}\nconfig {}",
+        ks, v["segments"], v["config"]
+    )
+}
+
+/// Both tools' `--init-only` on the same plaintext: the same keyslots (reencrypt keyslot:
+/// mode, direction, datashift area at the same place, shift size), segments (moved segment,
+/// backups, in cryptsetup's order) and digest lists, the same bytes moved to the same
+/// place; then each tool finishes what the other started.
+#[test]
+fn shift_init_matches_cryptsetup_and_each_finishes_the_other() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for sector in ["512", "4096"] {
+        let t = TempDir::new("shift-init");
+        let (img, key, plain) = shift_volume(&t, 72);
+        let theirs = t.path("theirs.img");
+        std::fs::copy(&img, &theirs).expect("copy");
+        let mut a = shift_args(&key, &["--init-only", "--sector-size", sector]);
+        a.push(s(&img));
+        ok(UCRYPT, &a);
+        let mut c = shift_args(
+            &key,
+            &[
+                "--init-only",
+                "--force-offline-reencrypt",
+                "--sector-size",
+                sector,
+            ],
+        );
+        c.push(s(&theirs));
+        let o = Command::new("cryptsetup")
+            .args(&c)
+            .current_dir(&t.0)
+            .stdin(Stdio::null())
+            .output()
+            .expect("cryptsetup");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(shift_metadata(&img), shift_metadata(&theirs), "{sector}");
+        // `dump` shows the state as luksDump does, to the byte.
+        for f in [&img, &theirs] {
+            assert_eq!(ok(UCRYPT, &["dump", s(f)]), dump(f), "{sector}: dump");
+        }
+        let (mine_raw, their_raw) = (
+            std::fs::read(&img).expect("mine"),
+            std::fs::read(&theirs).expect("theirs"),
+        );
+        let moved = mine_raw.len() - SHIFT as usize;
+        assert!(
+            mine_raw[moved..] == plain[..SHIFT as usize],
+            "moved segment"
+        );
+        assert!(mine_raw[moved..] == their_raw[moved..]);
+        assert!(
+            mine_raw[SHIFT as usize..moved - SHIFT as usize]
+                == their_raw[SHIFT as usize..moved - SHIFT as usize],
+            "the rest in place"
+        );
+        // The header area no longer holds the first shift of plaintext.
+        assert!(mine_raw[1 << 20..SHIFT as usize] != plain[1 << 20..SHIFT as usize]);
+        // Each finishes the other's.
+        ok(
+            "cryptsetup",
+            &[
+                "reencrypt",
+                "--resume-only",
+                "--force-offline-reencrypt",
+                "-q",
+                "--key-file",
+                s(&key),
+                s(&img),
+            ],
+        );
+        shift_encrypted(&t, &img, &key, &plain, "ucrypt init, cryptsetup run");
+        ok(
+            UCRYPT,
+            &[
+                "reencrypt",
+                "--resume-only",
+                "-q",
+                "--key-file",
+                s(&key),
+                s(&theirs),
+            ],
+        );
+        shift_encrypted(&t, &theirs, &key, &plain, "cryptsetup init, ucrypt run");
+    }
+}
+
+/// After a kill: no header (the init was cut: the plaintext beyond the first shift must be
+/// in place, the first shift in place or in the moved segment), or a volume in reencryption
+/// (`repair` first when inside a hotzone, by `repair_with`) that `finish_with` completes.
+fn shift_after_kill(img: &Path, plain: &[u8], what: &str) -> Option<bool> {
+    if !run("cryptsetup", &["isLuks", s(img)]).status.success() {
+        let raw = std::fs::read(img).expect("data");
+        let sh = SHIFT as usize;
+        let moved = raw.len() - sh;
+        assert!(
+            raw[sh..plain.len()] == plain[sh..],
+            "{what}: no header, data moved"
+        );
+        assert!(
+            raw[..sh] == plain[..sh] || raw[moved..] == plain[..sh],
+            "{what}: no header, first shift lost"
+        );
+        return None;
+    }
+    Some(in_reencryption(img))
+}
+
+#[test]
+fn cryptsetup_finishes_a_shift_ucrypt_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let (mut mid_way, mut hot_hits) = (0, 0);
+    let rounds = 6;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let sector = ["512", "4096"][round % 2];
+        let t = TempDir::new("kill-us");
+        let (img, key, plain) = shift_volume(&t, 200);
+        let delay = Duration::from_millis(150 + x % 900);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args(shift_args(
+            &key,
+            &["--sector-size", sector, "--hotzone-size", "4M"],
+        ));
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let what = format!("round {round} sector {sector}: killed={killed} after {delay:?}");
+        let Some(mid) = shift_after_kill(&img, &plain, &what) else {
+            println!("{what}: no header yet");
+            continue;
+        };
+        let hot = mid && in_hotzone(&img);
+        println!("{what}: in reencryption {mid}, inside a hotzone {hot}");
+        if mid {
+            assert_eq!(ok(UCRYPT, &["dump", s(&img)]), dump(&img), "{what}: dump");
+            // Serving it is refused before anything is written (also a hotzone to recover).
+            let before = std::fs::read(&img).expect("image");
+            let out = t.path("refused.out");
+            let o = run(UCRYPT, &["export", "--key-file", s(&key), s(&img), s(&out)]);
+            assert_ne!(o.status.code(), Some(0), "{what}: export served it");
+            assert!(
+                String::from_utf8_lossy(&o.stderr).contains("finish it offline"),
+                "{what}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert!(
+                std::fs::read(&img).expect("image") == before,
+                "{what}: written"
+            );
+        }
+        if hot {
+            hot_hits += 1;
+            ok(
+                "cryptsetup",
+                &["repair", "-q", "--key-file", s(&key), s(&img)],
+            );
+        }
+        if mid {
+            mid_way += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        shift_encrypted(&t, &img, &key, &plain, &what);
+    }
+    println!(
+        "{mid_way} of {rounds} left mid-way ({hot_hits} inside a hotzone), finished by cryptsetup"
+    );
+}
+
+#[test]
+fn ucrypt_finishes_a_shift_cryptsetup_was_killed_in() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let (mut mid_way, mut hot_hits) = (0, 0);
+    let rounds = 6;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let sector = ["512", "4096"][round % 2];
+        let t = TempDir::new("kill-cs");
+        let (img, key, plain) = shift_volume(&t, 300);
+        let delay = Duration::from_millis(300 + x % 1200);
+        let mut cmd = Command::new("cryptsetup");
+        cmd.args(shift_args(
+            &key,
+            &["--force-offline-reencrypt", "--sector-size", sector],
+        ));
+        cmd.arg(s(&img));
+        // cryptsetup builds the header in a temporary file in its working directory.
+        cmd.current_dir(&t.0);
+        let killed = kill_after(cmd, delay);
+        let what = format!("round {round} sector {sector}: killed={killed} after {delay:?}");
+        let Some(mid) = shift_after_kill(&img, &plain, &what) else {
+            println!("{what}: no header yet");
+            continue;
+        };
+        let hot = mid && in_hotzone(&img);
+        println!("{what}: in reencryption {mid}, inside a hotzone {hot}");
+        if mid {
+            assert_eq!(ok(UCRYPT, &["dump", s(&img)]), dump(&img), "{what}: dump");
+        }
+        if hot {
+            hot_hits += 1;
+            let o = run(
+                UCRYPT,
+                &["reencrypt", "--resume-only", "--key-file", s(&key), s(&img)],
+            );
+            assert_eq!(o.status.code(), Some(1), "{what}");
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            ok(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
+        }
+        if mid {
+            mid_way += 1;
+            ok(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "-q",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        shift_encrypted(&t, &img, &key, &plain, &what);
+    }
+    println!(
+        "{mid_way} of {rounds} left mid-way ({hot_hits} inside a hotzone), finished by ucrypt"
+    );
 }

@@ -15,9 +15,11 @@ use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::reencrypt_plan::position;
 use ucrypt::luks::reencrypt_run::{
-    init, recover, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
+    init, init_encrypt_shift, recover, resume, EncryptOptions, InitOptions, ResilienceKind,
+    RunOptions, SegmentChange,
 };
 use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
+use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 mod common;
@@ -361,6 +363,209 @@ fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
             },
             &mut |_| {},
         );
+        check_named(&format!("{name} (resume)"), r, want);
+        check_named(&format!("{name} (recover)"), recover(&dev, PASS), want);
+        assert_eq!(
+            dev.used.load(Ordering::SeqCst),
+            0,
+            "{name}: a refused call wrote"
+        );
+        let opened = luks::open(
+            Arc::new(CrashBackend::from_image(img, 512)),
+            Unlock::Passphrase(SecretBytes::from_slice(PASS)),
+            &OpenOptions::default(),
+        );
+        assert!(opened.is_err(), "{name}: activation refused");
+        println!("{name}: refused by '{want}'");
+    }
+}
+
+// ---------------------------------------------------------------- encryption moving the data
+
+/// The shift of the data-moving rows, and the plaintext (three shifts), on a device with
+/// the two shifts of free space after it.
+const SHIFT: u64 = 512 << 10;
+const SHIFT_DATA: u64 = 3 * SHIFT;
+
+fn shift_base() -> Vec<u8> {
+    (0..SHIFT_DATA + 2 * SHIFT)
+        .map(|i| (i * 13 + i / 512) as u8)
+        .collect()
+}
+
+fn encrypt_shift(dev: &dyn Backend) -> Result<()> {
+    init_encrypt_shift(
+        dev,
+        PASS,
+        &EncryptOptions {
+            resilience: ResilienceKind::None,
+            kdf: &fast_kdf(),
+            cipher: CipherSpec::AES_XTS_PLAIN64,
+            key_bytes: 64,
+            sector_size: SectorSize::S512,
+            uuid: "5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f1".into(),
+        },
+        2 * SHIFT,
+    )?;
+    resume(dev, PASS, RunOptions::default(), &mut |_| {})
+}
+
+/// The data-moving encryption stopped between hotzones and inside one (past the first).
+fn shift_stopped() -> (Vec<u8>, Vec<u8>) {
+    let img = shift_base();
+    let (mut between, mut inside) = (None, None);
+    for budget in 0.. {
+        let dev = Cut::new(img.clone(), 512, budget);
+        if encrypt_shift(&dev).is_ok() {
+            break;
+        }
+        let got = dev.image();
+        let json = |c: usize| &got[c * HDR as usize + 4096..(c + 1) * HDR as usize];
+        if json(0) != json(1) {
+            continue;
+        }
+        let Ok(Header::Luks2(h)) = luks::read_header(&CrashBackend::from_image(got.clone(), 512))
+        else {
+            continue;
+        };
+        let Ok(Some(st)) = ReencryptState::from_metadata(&h.meta) else {
+            continue;
+        };
+        match position(&h.meta, &st, SHIFT_DATA) {
+            Ok(p) if p.done > 0 && p.hotzone.is_none() && between.is_none() => between = Some(got),
+            Ok(p) if p.done > 0 && p.hotzone.is_some() && inside.is_none() => inside = Some(got),
+            _ => {}
+        }
+        if between.is_some() && inside.is_some() {
+            break;
+        }
+    }
+    (between.expect("between"), inside.expect("inside"))
+}
+
+/// Recomputes the reencryption digest of both copies with the volume key, as a tool holding
+/// the key would write it: the rows then reach the checks behind the digest.
+fn redigest(img: &mut [u8]) {
+    let dev = CrashBackend::from_image(img.to_vec(), 512);
+    let hdr = luks::read_header(&dev).expect("header");
+    let Header::Luks2(h) = &hdr else { panic!() };
+    let st = ReencryptState::from_metadata(&h.meta).unwrap().unwrap();
+    let mut read = |o: u64, l: u64| luks::read_area(&dev, o, l);
+    let (_, vk) = luks::unlock(&hdr, PASS, Some(0), &mut read).expect("unlock");
+    let data =
+        ucrypt::luks::reencrypt::verification_data(&h.meta, &st, None, Some(vk.bytes())).unwrap();
+    let rk = st.keyslot.id.to_string();
+    let (id, d) = h.meta.digest_for_keyslot(&rk).expect("reencryption digest");
+    let salt = ucrypt::luks::util::b64_decode(d.salt.as_deref().unwrap()).unwrap();
+    let mut out = vec![0u8; 32];
+    HashAlg::Sha256.pbkdf2(data.as_ref(), &salt, d.iterations.unwrap(), &mut out);
+    let digest = ucrypt::luks::util::b64_encode(&out);
+    let id = id.clone();
+    mutate_json(img, &move |v: &mut Value| {
+        v["digests"][&id]["digest"] = json!(digest.clone());
+    });
+}
+
+/// (name, image, mutation, recompute the digest, the check the refusal names)
+fn shift_rows() -> Vec<(&'static str, At, Mangle, bool, &'static str)> {
+    use At::*;
+    let moved_to = |v: &mut Value, offset: u64| {
+        let id = flagged(v, "backup-moved-segment");
+        v["segments"][&id]["offset"] = json!(offset.to_string());
+        v["segments"]["0"]["offset"] = json!(offset.to_string());
+    };
+    vec![
+        (
+            "shift size not matching the moved segment",
+            Between,
+            Box::new(|v: &mut Value| {
+                reencrypt_keyslot(v)["area"]["shift_size"] = json!((SHIFT / 2).to_string());
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "new data offset not the old one plus the shift",
+            Between,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "backup-final");
+                v["segments"][&id]["offset"] = json!((2 * SHIFT).to_string());
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "moved segment inside what the hotzones write",
+            Between,
+            Box::new(move |v: &mut Value| moved_to(v, SHIFT_DATA)),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "moved segment past the end of the device",
+            Inside,
+            Box::new(move |v: &mut Value| moved_to(v, SHIFT_DATA + 2 * SHIFT)),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "moved segment resized, digest not recomputed",
+            Between,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "backup-moved-segment");
+                set_size(&mut v["segments"][&id], SHIFT / 2);
+            }),
+            false,
+            "reencrypt-digest",
+        ),
+        (
+            "live moved segment away from its backup",
+            Between,
+            Box::new(|v: &mut Value| {
+                v["segments"]["0"]["offset"] = json!((SHIFT_DATA + SHIFT + 4096).to_string());
+            }),
+            false,
+            "reencrypt-segments",
+        ),
+        (
+            "hotzone not ending where the done part begins",
+            Inside,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "in-reencryption");
+                let off = num(&v["segments"][&id], "offset");
+                v["segments"][&id]["offset"] = json!((off - 4096).to_string());
+            }),
+            false,
+            "reencrypt-plan",
+        ),
+    ]
+}
+
+#[test]
+fn mangled_datashift_metadata_is_refused_and_nothing_is_written() {
+    let (between, inside) = shift_stopped();
+    for (name, img) in [("between", &between), ("inside", &inside)] {
+        let mut img = img.clone();
+        // Recomputing the digest of unmangled metadata changes nothing that matters.
+        redigest(&mut img);
+        let dev = Cut::new(img, 512, u64::MAX);
+        if name == "inside" {
+            recover(&dev, PASS).expect("recover the unmangled hotzone");
+        }
+        resume(&dev, PASS, RunOptions::default(), &mut |_| {})
+            .unwrap_or_else(|e| panic!("{name}: the unmangled encryption resumes: {e}"));
+    }
+    for (name, at, mangle, digest, want) in shift_rows() {
+        let mut img = match at {
+            At::Between => between.clone(),
+            At::Inside => inside.clone(),
+        };
+        mutate_json(&mut img, &*mangle);
+        if digest {
+            redigest(&mut img);
+        }
+        let dev = Cut::new(img.clone(), 512, 0);
+        let r = resume(&dev, PASS, RunOptions::default(), &mut |_| {});
         check_named(&format!("{name} (resume)"), r, want);
         check_named(&format!("{name} (recover)"), recover(&dev, PASS), want);
         assert_eq!(

@@ -1,6 +1,7 @@
 //! `ucrypt reencrypt`: offline reencryption on cryptsetup's on-disk protocol (key rotation,
 //! cipher / key size / sector size change, `--decrypt` and `--encrypt` with a detached
-//! `--header`; `ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on
+//! `--header`, `--encrypt --reduce-device-size` with the header in front of the data moved
+//! by half of it; `ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on
 //! a volume left inside a hotzone.
 
 use std::io::IsTerminal;
@@ -49,7 +50,8 @@ pub struct ReencryptOpts {
     /// Decrypt the device in place (needs a detached `--header`, as cryptsetup 2.6).
     #[arg(long)]
     pub decrypt: bool,
-    /// Move the data to make room for a header (datashift; not built yet in ucrypt).
+    /// With --encrypt: the last SIZE bytes of the device are free; the header takes the first
+    /// SIZE/2 and the data moves up by SIZE/2 (datashift), as cryptsetup does.
     #[arg(long)]
     pub reduce_device_size: Option<String>,
     /// Reencrypt online the volume the daemon of this name serves (`ucrypt open VOLUME NAME`);
@@ -92,9 +94,10 @@ fn not_built(what: &str) -> Error {
 
 /// Refuses what is not built, naming it.
 fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> {
-    if r.reduce_device_size.is_some() {
+    if r.reduce_device_size.is_some() && !r.encrypt {
         return Err(not_built(
-            "--reduce-device-size (moving the data: datashift)",
+            "--reduce-device-size without --encrypt (ucrypt moves the data only to encrypt \
+             with the header in front)",
         ));
     }
     if r.decrypt && o.header.is_none() {
@@ -239,13 +242,29 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             "Options --init-only and --resume-only cannot be combined.".into(),
         ));
     }
-    if r.encrypt && r.reduce_device_size.is_some() {
-        return Err(not_built(
-            "--reduce-device-size (moving the data: datashift)",
-        ));
+    if r.encrypt && !encryption_in_progress(o) && !shift_in_progress(device, o) {
+        return match (&r.reduce_device_size, &o.header) {
+            (Some(_), Some(_)) => Err(not_built(
+                "--reduce-device-size with a detached --header (it moves the data by \
+                 --reduce-device-size; ucrypt moves it only to put the header in front)",
+            )),
+            (Some(size), None) => encrypt_shift(device, r, o, parse_size(size)?),
+            (None, _) => encrypt(device, r, o),
+        };
     }
-    if r.encrypt && !encryption_in_progress(o) {
-        return encrypt(device, r, o);
+    if r.decrypt {
+        if let Some(h) = &o.header {
+            if !h.exists() {
+                // cryptsetup 2.6 then exports the header to that file and moves the data back
+                // to the start of the device (datashift-checksum, online-reencrypt-v3).
+                return Err(not_built(&format!(
+                    "decryption that moves the data back to the start of the device (--decrypt \
+                     with --header {} not existing: the header in front is exported there); \
+                     decrypt a volume with a detached header",
+                    h.display()
+                )));
+            }
+        }
     }
     // A volume a live daemon serves is rotated by that daemon, online.
     let holder = match (&r.active_name, device) {
@@ -407,6 +426,94 @@ fn encryption_in_progress(o: &LuksOpts) -> bool {
     )
 }
 
+/// Whether, without `--header`, the device holds a LUKS2 header in reencryption (an
+/// encryption with the header in front to resume).
+fn shift_in_progress(device: &Target, o: &LuksOpts) -> bool {
+    if o.header.is_some() {
+        return false;
+    }
+    let Ok(dev) = device.open_header(false, &o.remote) else {
+        return false;
+    };
+    matches!(
+        ucrypt::luks::read_header(dev.as_ref()),
+        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(&h.meta).ok().flatten().is_some()
+    )
+}
+
+/// `reencrypt --encrypt --reduce-device-size R DEVICE`: the header in front of the data, the
+/// data moved by R/2 (as cryptsetup 2.6; `--init-only` stops after the header).
+fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) -> Result<i32> {
+    if r.resume_only {
+        // cryptsetup 2.6.1's words.
+        return Err(Error::InvalidArgument(
+            "Device reencryption not in progress.".into(),
+        ));
+    }
+    // `--resilience` is ignored, as cryptsetup 2.6.1 ignores it here: a data shift's
+    // resilience is `datashift` (its source stays intact), whatever is asked.
+    let (cipher, key_bytes, sector_size) = new_segment(o)?;
+    let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let dev = device.open_data(true, &o.remote, CacheMode::Writeback)?;
+    let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
+    let kdf = kdf_request(o, 2)?;
+    let uuid = new_uuid(o)?;
+    reencrypt_run::init_encrypt_shift(
+        dev.as_ref(),
+        passphrase.as_ref(),
+        &reencrypt_run::EncryptOptions {
+            resilience: ResilienceKind::None,
+            kdf: &kdf,
+            cipher,
+            key_bytes,
+            sector_size,
+            uuid,
+        },
+        reduce,
+    )?;
+    if r.init_only {
+        return Ok(0);
+    }
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    reencrypt_run::resume(
+        dev.as_ref(),
+        passphrase.as_ref(),
+        RunOptions { hotzone_bytes },
+        &mut |p| meter.show(p),
+    )?;
+    Ok(0)
+}
+
+/// The new segment of an encryption: `--cipher` (aes-xts-plain64), `--key-size` in bits (the
+/// cipher's default), `--sector-size` (512, as cryptsetup 2.6.1 chose on a file).
+fn new_segment(o: &LuksOpts) -> Result<(CipherSpec, usize, SectorSize)> {
+    let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
+    let key_bytes = match o.key_size {
+        None => cipher.default_key_bytes(),
+        Some(bits) if bits % 8 == 0 => bits as usize / 8,
+        Some(bits) => {
+            return Err(Error::InvalidArgument(format!(
+                "Key size in bits must be a multiple of 8 bits ({bits})."
+            )))
+        }
+    };
+    Ok((
+        cipher,
+        key_bytes,
+        SectorSize::new(o.sector_size.unwrap_or(512))?,
+    ))
+}
+
+fn new_uuid(o: &LuksOpts) -> Result<String> {
+    match &o.uuid {
+        Some(u) => {
+            ucrypt::luks::util::check_uuid(u)?;
+            Ok(u.clone())
+        }
+        None => ucrypt::luks::util::random_uuid(),
+    }
+}
+
 /// `reencrypt --encrypt --header H`: a new detached header for the plaintext device, then the
 /// hotzones (as cryptsetup 2.6; `--init-only` stops after the header).
 fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
@@ -421,30 +528,14 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
             "Device reencryption not in progress.".into(),
         ));
     }
-    let cipher: CipherSpec = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
-    let key_bytes = match o.key_size {
-        None => cipher.default_key_bytes(),
-        Some(bits) if bits % 8 == 0 => bits as usize / 8,
-        Some(bits) => {
-            return Err(Error::InvalidArgument(format!(
-                "Key size in bits must be a multiple of 8 bits ({bits})."
-            )))
-        }
-    };
     // cryptsetup 2.6.1 encrypts in 512-byte sectors unless told otherwise (measured).
-    let sector_size = SectorSize::new(o.sector_size.unwrap_or(512))?;
+    let (cipher, key_bytes, sector_size) = new_segment(o)?;
     let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
     let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
     let kdf = kdf_request(o, 2)?;
-    let uuid = match &o.uuid {
-        Some(u) => {
-            ucrypt::luks::util::check_uuid(u)?;
-            u.clone()
-        }
-        None => ucrypt::luks::util::random_uuid()?,
-    };
+    let uuid = new_uuid(o)?;
     let hdr = super::dev::create_header(hpath, ENCRYPT_HEADER_BYTES)?;
     let devs = Devices {
         header: hdr.as_ref(),

@@ -154,9 +154,9 @@ fn luks2_segments(o: &mut String, h: &Luks2Header) -> fmt::Result {
             SegmentSize::Dynamic => writeln!(o, "\tlength: (whole device)")?,
             SegmentSize::Bytes(n) => writeln!(o, "\tlength: {n} [bytes]")?,
         }
-        match &s.encryption {
-            Some(e) => writeln!(o, "\tcipher: {e}")?,
-            None => writeln!(o, "\tcipher: (no SW encryption)")?,
+        // As cryptsetup: only a segment with an `encryption` field (a linear one has none).
+        if let Some(e) = &s.encryption {
+            writeln!(o, "\tcipher: {e}")?;
         }
         if let Some(ss) = s.sector_size {
             writeln!(o, "\tsector: {ss} [bytes]")?;

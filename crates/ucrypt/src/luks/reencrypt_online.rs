@@ -73,9 +73,26 @@ pub fn open(
     }
     let mut hdr = on_data?;
     let needs_recovery = match &hdr {
-        Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?
-            .ok_or_else(|| bad("not in reencryption"))?
-            .needs_recovery(),
+        Header::Luks2(h) => {
+            let st = ReencryptState::from_metadata(&h.meta)?
+                .ok_or_else(|| bad("not in reencryption"))?;
+            // Refused before anything is written (no recovery first): only a rotation is
+            // served. An encryption with the header in front (a data shift) is finished
+            // offline, `ucrypt reencrypt --resume-only` (cryptsetup activates it with
+            // dm-linear and dm-crypt segments; ucrypt's volume has one cipher per side).
+            if st.keyslot.mode != super::reencrypt::Mode::Reencrypt {
+                return Err(Error::UnsupportedLuks(format!(
+                    "serving a volume in {} (resilience {}): finish it offline with ucrypt \
+                     reencrypt --resume-only",
+                    match st.keyslot.mode {
+                        super::reencrypt::Mode::Encrypt => "encryption",
+                        _ => "decryption",
+                    },
+                    st.keyslot.resilience.name()
+                )));
+            }
+            st.needs_recovery()
+        }
         Header::Luks1(_) => return Err(bad("LUKS1 has no reencryption")),
     };
     if needs_recovery {

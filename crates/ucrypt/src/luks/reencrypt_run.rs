@@ -22,8 +22,9 @@ use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
 use super::reencrypt_plan::{
-    area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone, position,
-    set_segments, Position, Protect, Step,
+    area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
+    next_hotzone_shift, position, set_segments, shift_geometry, shift_source, Position, Protect,
+    Shift, Step,
 };
 use super::util::{b64_encode, random_fill, random_secret, HashAlg};
 use super::{
@@ -548,6 +549,234 @@ pub fn init_encrypt(
     })
 }
 
+/// The largest `--reduce-device-size` cryptsetup accepts (1 GiB: a shift of 512 MiB).
+pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
+/// The reencrypt keyslot's area of a data shift: it holds nothing, so cryptsetup gives it the
+/// first free gap of the keyslots area, 4 KiB (measured: 4096 bytes after keyslot 0's area).
+const SHIFT_AREA_BYTES: u64 = 4096;
+/// Largest piece of the first shift copied at a time into the moved segment at init, and of
+/// the header area wiped after it.
+const COPY_PIECE_BYTES: u64 = 4 << 20;
+
+/// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
+/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)`. One buffer of at most
+/// [`COPY_PIECE_BYTES`].
+fn copy_then_wipe(dev: &dyn Backend, from: u64, to: u64, len: u64, wipe: (u64, u64)) -> Result<()> {
+    let piece = len
+        .max(wipe.1)
+        .clamp(AREA_ALIGN_BYTES, COPY_PIECE_BYTES)
+        .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
+        * crate::pool::POOL_PAGE_BYTES as u64;
+    let pool = BufferPool::new(piece as usize)?;
+    let mut g = pool.take(piece as usize)?;
+    let buf = g.as_mut_slice();
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(piece) as usize;
+        dev.read_exact_at(&mut buf[..n], from + at)?;
+        dev.write_at(&buf[..n], to + at)?;
+        at += n as u64;
+    }
+    dev.flush()?;
+    let mut at = 0;
+    while at < wipe.1 {
+        let n = (wipe.1 - at).min(piece) as usize;
+        random_fill(&mut buf[..n])?;
+        dev.write_at(&buf[..n], wipe.0 + at)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// Starts the encryption of the plaintext on `dev` in place with the header in front of the
+/// data, as cryptsetup 2.6's `reencrypt --encrypt --reduce-device-size R` (without
+/// `--header`) does: the last `R` bytes of the device must be free (the filesystem shrunk by
+/// `R`); the data moves by the shift `S = R / 2` (the new data offset), and the data grows by
+/// `S` when done. `D = size - R` bytes of plaintext are encrypted.
+///
+/// The header (a new random volume key, keyslot 0 for the passphrase, a `reencrypt` keyslot
+/// with mode `encrypt`, direction `backward`, resilience `datashift` with `shift_size` S over
+/// a 4 KiB area; the segments of [`super::reencrypt_plan::Shift`]: `0` the moved segment
+/// (linear at `D + S`, S bytes), `1` the plaintext beyond the first shift at its place
+/// (linear at S), then backup-moved-segment, backup-previous (linear at 0, D bytes) and
+/// backup-final (crypt at S); the `online-reencrypt-v2` requirement; the reencryption digest
+/// over the new key) is what cryptsetup 2.6.1 writes (compared field by field in the
+/// interop test).
+///
+/// Writes, in order: the first S bytes of plaintext copied to the moved segment (free
+/// space), flush; the header area's keyslots area filled with random bytes (it held that
+/// plaintext, as cryptsetup's header restore overwrites it); the keyslot's material, flush;
+/// the header. A crash before the header's commit leaves no header, the plaintext beyond the
+/// first shift untouched and its first shift in the moved segment.
+pub fn init_encrypt_shift(
+    dev: &dyn Backend,
+    passphrase: &[u8],
+    opts: &EncryptOptions<'_>,
+    reduce_bytes: u64,
+) -> Result<Started> {
+    if reduce_bytes == 0 || reduce_bytes % 512 != 0 {
+        return Err(Error::InvalidArgument(
+            "Reduce size must be multiple of 512 bytes sector.".into(),
+        ));
+    }
+    if reduce_bytes > REDUCE_BYTES_MAX {
+        return Err(Error::InvalidArgument(
+            "Maximum device reduce size is 1 GiB.".into(),
+        ));
+    }
+    opts.cipher.check_key_len(opts.key_bytes)?;
+    if read_header(dev).is_ok() {
+        return Err(Error::InvalidArgument(
+            "Device is already LUKS device. Aborting operation.".into(),
+        ));
+    }
+    let shift = reduce_bytes / 2;
+    let ss = u64::from(opts.sector_size.bytes());
+    if shift % ss != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data shift value is not aligned to encryption sector size ({ss} bytes)."
+        )));
+    }
+    let dev_bytes = dev.size();
+    // At least one shift of data: cryptsetup 2.6.1 starts with less, but its first hotzone
+    // then reads past the moved segment (a layout ucrypt does not take).
+    let data_bytes = dev_bytes
+        .checked_sub(reduce_bytes)
+        .filter(|&d| d >= shift)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "Device is too small: {dev_bytes} bytes hold less than one shift ({shift} \
+                 bytes) of data besides the {reduce_bytes} bytes of --reduce-device-size."
+            ))
+        })?;
+    if data_bytes % ss != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data device is not aligned to encryption sector size ({ss} bytes)."
+        )));
+    }
+    let mut f = super::luks2::FormatLuks2::defaults(opts.uuid.clone());
+    f.cipher = opts.cipher;
+    f.key_bytes = opts.key_bytes;
+    f.sector_size = opts.sector_size;
+    f.kdf = opts.kdf.clone();
+    f.data_offset = shift;
+    // As cryptsetup: the keyslots area is what the shift leaves after the two copies.
+    f.keyslots_size = shift
+        .checked_sub(2 * f.hdr_size)
+        .filter(|&n| n >= AREA_ALIGN_BYTES)
+        .ok_or_else(|| {
+            Error::InvalidArgument("LUKS2 metadata size is larger than data shift value.".into())
+        })?
+        / AREA_ALIGN_BYTES
+        * AREA_ALIGN_BYTES;
+    let (mut h, vk) = super::luks2::format(&f, random_secret(opts.key_bytes)?)?;
+    let seqid = h.bin.seqid;
+    let (slot, mut ops) = h.add_keyslot(
+        NewKeyslot {
+            vk: &vk,
+            passphrase,
+            kdf: opts.kdf,
+            slot: None,
+        },
+        None,
+    )?;
+    ops.truncate(2); // the material and its flush; the one header write comes below
+    h.bin.seqid = seqid;
+
+    let (used_end, end) = reencrypt_area(&h)?;
+    if end - used_end < SHIFT_AREA_BYTES {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencrypt keyslot".into(),
+        ));
+    }
+    let rk = free_id(h.meta.keyslots.keys())?;
+    let mut ks = reencrypt_keyslot(
+        Mode::Encrypt,
+        Direction::Backward,
+        ResilienceKind::None,
+        used_end,
+        SHIFT_AREA_BYTES,
+    );
+    if let Some(a) = ks.area.as_mut() {
+        a.kind = "datashift".into();
+        a.extra
+            .insert("shift_size".into(), shift.to_string().into());
+    }
+    h.meta.keyslots.insert(rk.to_string(), ks);
+    let crypt = h
+        .meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or(Error::Bug("format made no segment 0"))?;
+    let linear = |offset: u64, size: u64, flag: Option<&str>| super::json::Segment {
+        kind: "linear".into(),
+        offset: U64Str(offset),
+        size: super::json::SegmentSize::Bytes(size),
+        iv_tweak: None,
+        encryption: None,
+        sector_size: None,
+        flags: flag.map(|f| vec![f.to_string()]),
+        integrity: None,
+        extra: Default::default(),
+    };
+    let moved_offset = data_bytes + shift;
+    let mut segs = vec![linear(moved_offset, shift, None)];
+    if data_bytes > shift {
+        segs.push(linear(shift, data_bytes - shift, None));
+    }
+    segs.push(linear(moved_offset, shift, Some("backup-moved-segment")));
+    segs.push(linear(0, data_bytes, Some("backup-previous")));
+    let mut fin = crypt;
+    fin.flags = Some(vec!["backup-final".into()]);
+    segs.push(fin);
+    let final_id = segs.len() - 1;
+    h.meta.segments = segs
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (i.to_string(), s))
+        .collect();
+    h.meta
+        .digests
+        .get_mut(&vk.digest_id().to_string())
+        .ok_or(Error::Bug("new key digest vanished"))?
+        .segments = vec![final_id.to_string()];
+    h.meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default)
+        .mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    // What is written is what the planner reads back: the start of the walk.
+    check_layout(&h.meta, &st, data_bytes)?;
+    if position(&h.meta, &st, data_bytes)?
+        != (Position {
+            done: 0,
+            hotzone: None,
+        })
+    {
+        return Err(Error::Bug("a new data shift does not start at the end"));
+    }
+    ops.extend(h.commit()?);
+    let hdr_end = 2 * h.bin.hdr_size;
+    copy_then_wipe(dev, 0, moved_offset, shift, (hdr_end, shift - hdr_end))?;
+    apply(dev, &ops)?;
+    Ok(Started {
+        old_keyslot: slot,
+        new_keyslot: Some(slot),
+        reencrypt_keyslot: rk,
+    })
+}
+
 /// A volume in rotation, unlocked: header, state, both keys checked against the
 /// reencryption digest.
 struct Unlocked {
@@ -557,9 +786,14 @@ struct Unlocked {
     /// One (old, new) cipher pair per worker thread, keyed once; `None` for a linear
     /// (plaintext) side: the old one of an encryption, the new one of a decryption.
     lanes: Vec<Lane>,
+    /// Where the data is read (backup-previous's offset) and written (backup-final's): the
+    /// same but for a data shift.
     data_offset: u64,
+    new_offset: u64,
     data_bytes: u64,
     align: u64,
+    /// The geometry of a data shift ([`Shift`]); `None` in place.
+    shift: Option<Shift>,
     /// The new volume key, for a volume that serves the data meanwhile ([`Serving::start`]);
     /// `None` for a decryption (the new side is linear).
     new_key: Option<crate::SecretBytes>,
@@ -687,22 +921,51 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
     let new_key = new_vk
         .as_ref()
         .map(|k| crate::SecretBytes::from_slice(k.bytes()));
-    if off_old != off_new {
-        return Err(Error::UnsupportedLuks(
-            "reencryption that moves the data (ucrypt reencrypts in place)".into(),
-        ));
-    }
-    let seg = &h.meta.segments[&st.backup_previous.to_string()];
-    let data_bytes = match seg.size {
-        super::json::SegmentSize::Bytes(n) => n,
-        super::json::SegmentSize::Dynamic => devs
-            .data
-            .size()
-            .checked_sub(off_old)
-            .ok_or_else(|| bad("the device ends before its data offset"))?,
-    };
+    let shift = shift_geometry(&h.meta, &st)?;
     let align = ss_old.max(ss_new);
-    check_layout(&h.meta, &st, data_bytes / align * align)?;
+    let data_bytes = match shift {
+        Some(sh) => {
+            // The moved segment must be on the device, and the data a whole number of
+            // sectors (cryptsetup checks both at init).
+            let have = devs.data.size();
+            if have < sh.device_bytes_min() {
+                return Err(Error::BadHeader {
+                    check: "reencrypt-datashift",
+                    detail: format!(
+                        "the moved segment ends at {}, past the device's {have} bytes",
+                        sh.device_bytes_min()
+                    ),
+                });
+            }
+            if sh.data_bytes % align != 0 || sh.shift_bytes % align != 0 {
+                return Err(bad(format!(
+                    "data of {} bytes shifted by {} is not aligned to {align}-byte sectors",
+                    sh.data_bytes, sh.shift_bytes
+                )));
+            }
+            sh.data_bytes
+        }
+        None => {
+            if off_old != off_new {
+                return Err(Error::UnsupportedLuks(
+                    "reencryption that moves the data other than an encryption with the \
+                     header in front (ucrypt reencrypts in place)"
+                        .into(),
+                ));
+            }
+            let seg = &h.meta.segments[&st.backup_previous.to_string()];
+            let n = match seg.size {
+                super::json::SegmentSize::Bytes(n) => n,
+                super::json::SegmentSize::Dynamic => devs
+                    .data
+                    .size()
+                    .checked_sub(off_old)
+                    .ok_or_else(|| bad("the device ends before its data offset"))?,
+            };
+            n / align * align
+        }
+    };
+    check_layout(&h.meta, &st, data_bytes)?;
     let n = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, REKEY_LANES_MAX);
@@ -720,8 +983,10 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
         protect,
         lanes,
         data_offset: off_old,
-        data_bytes: data_bytes / align * align,
+        new_offset: off_new,
+        data_bytes,
         align,
+        shift,
         new_key,
     })
 }
@@ -862,7 +1127,7 @@ fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
     apply(dev, &ops)
 }
 
-fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
+fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     let retired = finalise(&mut u.h.meta, &u.st)?;
     let mut ops = u.h.commit()?;
     ops.push(WriteOp::Sync);
@@ -871,21 +1136,36 @@ fn finish(dev: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     // a bounded piece at a time.
     // Page-aligned (the pool's buffers), as a device opened with O_DIRECT needs: the `open`
     // daemon's is.
+    // A data shift's moved segment (a plaintext copy of the first shift) goes after the
+    // commit, unlike cryptsetup, which wipes it first: a crash between its wipe and its
+    // commit would leave a header whose last hotzone a resume redoes from wiped bytes. Here a
+    // crash between them leaves that copy readable past the data until wiped by hand.
     let piece = WIPE_PIECE_BYTES
-        .min(retired.areas.iter().map(|a| a.1).max().unwrap_or(0))
+        .min(
+            retired
+                .areas
+                .iter()
+                .chain(&retired.data_areas)
+                .map(|a| a.1)
+                .max()
+                .unwrap_or(0),
+        )
         .max(AREA_ALIGN_BYTES) as usize;
     let pool = BufferPool::new(piece)?;
     let mut g = pool.take(piece)?;
     let noise = g.as_mut_slice();
-    for (offset, len) in retired.areas {
+    let areas = retired.areas.iter().map(|a| (dev, *a));
+    let data_areas = retired.data_areas.iter().map(|a| (data, *a));
+    for (d, (offset, len)) in areas.chain(data_areas) {
         let mut at = 0;
         while at < len {
             let n = (len - at).min(noise.len() as u64) as usize;
             random_fill(&mut noise[..n])?;
-            dev.write_at(&noise[..n], offset + at)?;
+            d.write_at(&noise[..n], offset + at)?;
             at += n as u64;
         }
     }
+    data.flush()?;
     dev.flush()
 }
 
@@ -999,9 +1279,13 @@ fn run_hotzones(
         total: u.data_bytes,
     });
     loop {
-        let Some(steps) = next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)? else {
+        let next = match &u.shift {
+            Some(sh) => next_hotzone_shift(sh, pos, u.align)?,
+            None => next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)?,
+        };
+        let Some(steps) = next else {
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
-            return finish(devs.header, u);
+            return finish(devs.header, devs.data, u);
         };
         let mut cur = 0u64;
         for step in steps {
@@ -1048,14 +1332,20 @@ fn run_hotzones(
                         serving.release(p.done);
                     }
                 }
+                Step::MoveNew { from, offset, len } => {
+                    serving.hold(offset, len);
+                    *held = true;
+                    serving.rewrite();
+                    move_new(devs.data, u, from, offset, len, hot.as_mut_slice())?;
+                }
                 Step::WriteNew { offset, len } => {
                     serving.rewrite();
                     let buf = &mut hot.as_mut_slice()[..len as usize];
-                    let base = u.data_offset;
+                    let base = u.new_offset;
                     rekey_then(u, offset, buf, &|at, b| devs.data.write_at(b, base + at))?;
                 }
                 Step::Finalise => {
-                    finish(devs.header, u)?;
+                    finish(devs.header, devs.data, u)?;
                     *held = false;
                     serving.release(u.data_bytes);
                     progress(Progress {
@@ -1071,6 +1361,34 @@ fn run_hotzones(
             total: u.data_bytes,
         });
     }
+}
+
+/// A data shift's hotzone ([`Step::MoveNew`]): the plaintext at `from` read, encrypted for
+/// data offset `offset` and written at the new data offset, in pieces of `buf` (the one
+/// hotzone buffer: a hotzone of the shift may be larger). Source and target never overlap,
+/// so the pieces' order does not matter, and a crash anywhere is recovered by doing it again.
+fn move_new(
+    data: &dyn Backend,
+    u: &mut Unlocked,
+    from: u64,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+) -> Result<()> {
+    let piece = (buf.len() as u64 / u.align * u.align).min(len);
+    if piece == 0 {
+        return Err(Error::Bug("hotzone buffer smaller than a sector"));
+    }
+    let (base, lanes) = (u.new_offset, u.lanes.len());
+    let mut at = 0;
+    while at < len {
+        let n = piece.min(len - at) as usize;
+        let b = &mut buf[..n];
+        read_lanes(data, b, from + at, lanes)?;
+        rekey_then(u, offset + at, b, &|o, p| data.write_at(p, base + o))?;
+        at += n as u64;
+    }
+    Ok(())
 }
 
 /// What [`recover`] found.
@@ -1106,12 +1424,28 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
             "hotzone of {len} bytes does not fit its resilience data"
         )));
     }
+    if let Some(sh) = u.shift {
+        // The hotzone's source is intact (nothing writes it before the hotzone is committed
+        // done): move it again, as cryptsetup's datashift recovery does.
+        let piece = len
+            .min(HOTZONE_BYTES_DEFAULT)
+            .max(u.align)
+            .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
+            * crate::pool::POOL_PAGE_BYTES as u64;
+        let pool = BufferPool::new(piece as usize)?;
+        let mut g = pool.take(piece as usize)?;
+        let from = shift_source(&sh, offset);
+        move_new(data_dev, &mut u, from, offset, len, g.as_mut_slice())?;
+        drop(g);
+        return finish_recovery(devs, &mut u, pos, offset, len);
+    }
     let area = u.st.keyslot.area_offset;
     let pool = BufferPool::new(len.max(u.align) as usize)?;
     let mut g = pool.take(len as usize)?;
     let buf = g.as_mut_slice();
     match u.protect {
         Protect::None => {}
+        Protect::Datashift => return Err(Error::Bug("datashift recovered above")),
         Protect::Journal => {
             hdr_dev.read_exact_at(buf, area)?;
             rekey(&mut u, offset, buf)?;
@@ -1134,15 +1468,28 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
             }
         }
     }
+    drop(g);
+    finish_recovery(devs, &mut u, pos, offset, len)
+}
+
+/// After a recovered hotzone: flush, then commit the boundary past it (finalise after the
+/// last one).
+fn finish_recovery(
+    devs: Devices<'_>,
+    u: &mut Unlocked,
+    pos: Position,
+    offset: u64,
+    len: u64,
+) -> Result<Recovery> {
     devs.flush()?;
     let after = Position {
         done: pos.done + len,
         hotzone: None,
     };
     if after.done >= u.data_bytes {
-        finish(hdr_dev, &mut u)?;
+        finish(devs.header, devs.data, u)?;
     } else {
-        commit(hdr_dev, &mut u, after)?;
+        commit(devs.header, u, after)?;
     }
     Ok(Recovery::Recovered { offset, len })
 }
