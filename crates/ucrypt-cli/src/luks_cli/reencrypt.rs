@@ -252,20 +252,13 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             (None, _) => encrypt(device, r, o),
         };
     }
-    if r.decrypt {
-        if let Some(h) = &o.header {
-            if !h.exists() {
-                // cryptsetup 2.6 then exports the header to that file and moves the data back
-                // to the start of the device (datashift-checksum, online-reencrypt-v3).
-                return Err(not_built(&format!(
-                    "decryption that moves the data back to the start of the device (--decrypt \
-                     with --header {} not existing: the header in front is exported there); \
-                     decrypt a volume with a detached header",
-                    h.display()
-                )));
-            }
-        }
-    }
+    // cryptsetup 2.6: `--decrypt --header NEW` with NEW not existing exports the header in
+    // front to NEW and moves the data back to the start of the device (datashift-checksum,
+    // online-reencrypt-v3).
+    let unshift = match (&o.header, r.decrypt) {
+        (Some(h), true) if !h.exists() => Some(h.clone()),
+        _ => None,
+    };
     // A volume a live daemon serves is rotated by that daemon, online.
     let holder = match (&r.active_name, device) {
         (Some(name), _) => match crate::daemon::online::by_name(name) {
@@ -306,6 +299,9 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             );
             return Ok(5);
         }
+    }
+    if let Some(h) = unshift {
+        return decrypt_unshift(device, r, o, &h);
     }
     let (dev, hdr) = match (&holder, device) {
         // The daemon holds cryptsetup's shared lock on the header for its whole life (it
@@ -564,6 +560,127 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         &mut |p| meter.show(p),
     )?;
     Ok(0)
+}
+
+/// `reencrypt --decrypt --header NEW DEVICE` with NEW not existing, DEVICE a LUKS2 volume
+/// whose header is in front of its data: the header is exported to NEW (created, mode 0600)
+/// and the data decrypted to the start of the device (as cryptsetup 2.6; `--init-only` stops
+/// after the init). `--hotzone-size` is the moved segment's size, as cryptsetup reads it here.
+/// An init refused before it wrote anything removes NEW; one that failed after leaves it (it
+/// is the volume's header then), saying so in cryptsetup's words.
+fn decrypt_unshift(
+    device: &Target,
+    r: &ReencryptOpts,
+    o: &LuksOpts,
+    hpath: &std::path::Path,
+) -> Result<i32> {
+    if r.resume_only {
+        // cryptsetup 2.6.1's words.
+        return Err(Error::InvalidArgument(
+            "Device reencryption not in progress.".into(),
+        ));
+    }
+    match r.resilience.as_deref() {
+        None | Some("checksum") | Some("datashift-checksum") => {}
+        Some("journal") | Some("datashift-journal") => {
+            return Err(not_built(
+                "--resilience journal for a decryption that moves the data \
+                 (datashift-journal; the default, datashift-checksum, is built)",
+            ))
+        }
+        // cryptsetup 2.6.1's words for both.
+        Some("none") | Some("datashift") => {
+            return Err(Error::InvalidArgument(
+                "Requested --resilience option cannot be applied to current reencryption \
+                 operation."
+                    .into(),
+            ))
+        }
+        Some(other) => {
+            return Err(Error::InvalidArgument(format!(
+                "Unsupported resilience mode {other}"
+            )))
+        }
+    }
+    if let Some(h) = &r.resilience_hash {
+        if h != reencrypt_run::CHECKSUM_HASH.name() {
+            return Err(not_built("--resilience-hash other than sha256"));
+        }
+    }
+    let moved_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
+    let meta_bytes = match ucrypt::luks::read_header(data.as_ref())? {
+        Header::Luks2(h) => 2 * h.bin.hdr_size + h.meta.config.keyslots_size.0,
+        Header::Luks1(_) => {
+            return Err(Error::UnsupportedLuks(
+                "reencryption of LUKS1 (convert it to LUKS2 first)".into(),
+            ))
+        }
+    };
+    let prompt = match o.key_slot {
+        Some(s) => format!("Enter passphrase for key slot {s}: "),
+        None => "Enter passphrase: ".to_string(),
+    };
+    let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
+    let kdf = kdf_request(o, 2)?;
+    new_header_file(hpath, meta_bytes)?;
+    let hdr = super::dev::open_header(hpath, true)?;
+    let devs = Devices {
+        header: hdr.as_ref(),
+        data: data.as_ref(),
+    };
+    let started = reencrypt_run::init_decrypt_unshift(
+        devs,
+        passphrase.as_ref(),
+        &reencrypt_run::UnshiftOptions {
+            kdf: &kdf,
+            key_slot: o.key_slot,
+            moved_bytes,
+        },
+    );
+    if let Err(e) = started {
+        drop(hdr);
+        if ucrypt::luks::read_header(data.as_ref()).is_ok() {
+            // Refused before the data device was written: its header is still in front.
+            let _ = std::fs::remove_file(hpath);
+        } else {
+            eprintln!(
+                "Reencryption initialization failed. Header backup is available in {}.",
+                hpath.display()
+            );
+        }
+        return Err(e);
+    }
+    if r.init_only {
+        return Ok(0);
+    }
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    reencrypt_run::resume_on(
+        devs,
+        passphrase.as_ref(),
+        RunOptions {
+            hotzone_bytes: None,
+        },
+        &mut |p| meter.show(p),
+    )?;
+    if o.verbose {
+        eprintln!("Command successful.");
+    }
+    Ok(0)
+}
+
+/// Creates the file a header is exported to: new (an existing one is never overwritten),
+/// mode 0600 (as cryptsetup leaves its export), `bytes` long.
+fn new_header_file(path: &std::path::Path, bytes: u64) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| Error::io(format!("Cannot create header file {}", path.display()), e))?;
+    f.set_len(bytes)
+        .map_err(|e| Error::io(format!("Cannot size header file {}", path.display()), e))
 }
 
 /// `repair` of a volume in reencryption: recovers the hotzone from the resilience data (as

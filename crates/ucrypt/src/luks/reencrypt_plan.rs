@@ -1,7 +1,8 @@
 //! The planner of offline reencryption (modes `reencrypt`, `encrypt` and `decrypt`, directions
 //! `forward` and `backward`, resilience `checksum`, `journal` or `none`; and the encryption
 //! that moves the data to make room for the header in front of it, resilience `datashift`,
-//! [`Shift`]), sans I/O: where it stands ([`position`]), the segments and digests for a position
+//! [`Shift`]; and the decryption that moves the data back to the start of the device,
+//! resilience `datashift-checksum`, [`Unshift`]), sans I/O: where it stands ([`position`]), the segments and digests for a position
 //! ([`set_segments`]), the steps of the next hotzone ([`next_hotzone`]) as effects a driver
 //! performs in order, and the plain header it ends with ([`finalise`]). The driver is
 //! `luks::reencrypt_run`.
@@ -52,6 +53,10 @@ pub struct Position {
 pub enum Step {
     /// Read `len` bytes of ciphertext at `offset` through the old segment.
     ReadOld { offset: u64, len: u64 },
+    /// Read `len` bytes of old data for data offset `offset` at the absolute device offset
+    /// `from`, where they are now (a decryption that moves the data: the moved segment, a
+    /// copy of the first bytes of ciphertext at the start of the device).
+    ReadAt { from: u64, offset: u64, len: u64 },
     /// Hash each `block` bytes of what was read with `hash`, and write the hashes one after
     /// the other at `area_offset` (absolute, inside the reencrypt keyslot area).
     WriteChecksums {
@@ -94,6 +99,13 @@ pub enum Protect {
     /// The data moves by the shift: the source of a hotzone stays intact until the hotzone is
     /// committed done, so it needs no copy ([`Shift`]).
     Datashift,
+    /// A decryption that moves the data back ([`Unshift`]): the hotzones that move data are
+    /// protected as [`Protect::Datashift`]; the moved segment's, rewritten in place, by one
+    /// `hash` of each `block` bytes of its old ciphertext (`datashift-checksum`).
+    Unshift {
+        hash: HashAlg,
+        block: u32,
+    },
 }
 
 fn live_segments(meta: &Metadata) -> Vec<(u32, &Segment)> {
@@ -122,14 +134,45 @@ fn has_flag(s: &Segment, f: SegmentFlag) -> bool {
 /// `backup-moved-segment`, as cryptsetup's `--encrypt --reduce-device-size` writes it).
 pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
     let k = &st.keyslot;
-    if st.backup_moved.is_some() || matches!(k.resilience, Resilience::Datashift { .. }) {
+    if let (
+        Resilience::DatashiftChecksum {
+            hash, sector_size, ..
+        },
+        Mode::Decrypt,
+        Direction::Forward,
+        Some(_),
+    ) = (&k.resilience, k.mode, k.direction, st.backup_moved)
+    {
+        // The resilience type was added with the version: cryptsetup writes it under v3 only,
+        // and the version is part of the reencryption digest.
+        if st.version != UNSHIFT_REQUIREMENT_VERSION {
+            return Err(shift_bad(format!(
+                "resilience datashift-checksum under requirement version {} (cryptsetup \
+                 writes it under online-reencrypt-v{UNSHIFT_REQUIREMENT_VERSION})",
+                st.version
+            )));
+        }
+        return Ok(Protect::Unshift {
+            hash: HashAlg::from_name(hash)?,
+            block: *sector_size,
+        });
+    }
+    if st.backup_moved.is_some()
+        || matches!(
+            k.resilience,
+            Resilience::Datashift { .. }
+                | Resilience::DatashiftChecksum { .. }
+                | Resilience::DatashiftJournal { .. }
+        )
+    {
         return match (&k.resilience, k.mode, k.direction, st.backup_moved) {
             (Resilience::Datashift { .. }, Mode::Encrypt, Direction::Backward, Some(_)) => {
                 Ok(Protect::Datashift)
             }
             _ => Err(unsupported(format!(
-                "reencryption {} {} with resilience {}{} (ucrypt moves the data only to \
-                 encrypt with the header in front: encrypt, backward, datashift, with a moved \
+                "reencryption {} {} with resilience {}{} (ucrypt moves the data to encrypt \
+                 with the header in front: encrypt, backward, datashift; and to decrypt it \
+                 back to the start: decrypt, forward, datashift-checksum; each with a moved \
                  segment)",
                 k.mode.name(),
                 k.direction.name(),
@@ -149,10 +192,10 @@ pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
         }),
         Resilience::Journal => Ok(Protect::Journal),
         Resilience::None => Ok(Protect::None),
-        r => Err(unsupported(format!(
-            "resilience {} (a decryption that moves the data)",
-            r.name()
-        ))),
+        r => Err(Error::Bug(match r {
+            Resilience::Datashift { .. } => "datashift resilience past its check",
+            _ => "datashift-checksum or datashift-journal resilience past its check",
+        })),
     }
 }
 
@@ -275,6 +318,449 @@ pub fn shift_geometry(meta: &Metadata, st: &ReencryptState) -> Result<Option<Shi
     }))
 }
 
+/// The requirement version of a decryption that moves the data (`online-reencrypt-v3`).
+pub const UNSHIFT_REQUIREMENT_VERSION: u8 = 3;
+
+/// The geometry of a decryption that moves the data back to the start of the device, as
+/// cryptsetup 2.6 does it for `reencrypt --decrypt --header NEW.hdr` of a volume whose header
+/// is in front (the header is exported to NEW.hdr), read from the backup segments and checked:
+///
+/// ```text
+/// before:  [ header, S ][ ciphertext of 0..D                              ]
+/// init:    [ ct 0..M ][  ][ ciphertext of 0..D at its place                ]  (header: NEW.hdr)
+/// after:   [ plaintext of 0..D                              ][ wiped, S    ]
+/// ```
+///
+/// Data byte `x` moves from device offset `S + x` (ciphertext, old data offset) to `x`
+/// (plaintext, new data offset). The init copies the ciphertext of the first `M <= S` bytes
+/// over the header (the *moved segment*, at the new data offset); the walk then goes forward
+/// from `M` in hotzones of at most `S`, each never overlapping its source (resilience
+/// datashift: nothing stored, recovery moves it again), and ends with the moved segment,
+/// decrypted in place (resilience checksum: one hash per block of its ciphertext, stored
+/// before it is rewritten).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unshift {
+    /// `shift_size`: how far the data moves (the old data offset minus the new one).
+    pub shift_bytes: u64,
+    /// Where the ciphertext is (backup-previous).
+    pub old_offset: u64,
+    /// Where the plaintext goes (backup-final), and where the moved segment lies.
+    pub new_offset: u64,
+    /// `M`: bytes of ciphertext copied to the moved segment (backup-moved-segment's size).
+    pub moved_bytes: u64,
+    /// `D`: bytes of data.
+    pub data_bytes: u64,
+}
+
+impl Unshift {
+    /// Bytes the forward walk moves before the moved segment's hotzone: `D - M`.
+    pub fn walk_bytes(&self) -> u64 {
+        self.data_bytes - self.moved_bytes
+    }
+
+    /// The data offset of the hotzone that follows `done` bytes done: `M + done` during the
+    /// walk, 0 (the moved segment) once the walk is done.
+    pub fn hotzone_offset(&self, done: u64) -> u64 {
+        if done >= self.walk_bytes() {
+            0
+        } else {
+            self.moved_bytes + done
+        }
+    }
+
+    /// The absolute device offset where the ciphertext of data offset `offset` is read: the
+    /// moved segment for the first `M` bytes, its old place otherwise.
+    pub fn source(&self, offset: u64) -> u64 {
+        if offset < self.moved_bytes {
+            self.new_offset + offset
+        } else {
+            self.old_offset + offset
+        }
+    }
+
+    /// What the end leaves behind the plaintext: the last `S` bytes of the device, the old
+    /// ciphertext of the last `S` bytes of data (cryptsetup wipes them with random bytes).
+    pub fn tail(&self) -> (u64, u64) {
+        (self.new_offset + self.data_bytes, self.shift_bytes)
+    }
+}
+
+/// The [`Unshift`] of a decryption that moves the data, for `data_bytes` bytes of data (the
+/// device's bytes past the old data offset, or backup-previous's fixed size); `None` for any
+/// other reencryption. Every relation the walk relies on is checked (named check
+/// `reencrypt-datashift`): the shift is the distance from the new data offset to the old; the
+/// moved segment lies at the new data offset, holds at most one shift and at most the data,
+/// under the old key with backup-previous's cipher and sector size (both IV tweaks 0, as
+/// cryptsetup's recovery assumes); its checksums fit the reencrypt keyslot's area.
+pub fn unshift_geometry(
+    meta: &Metadata,
+    st: &ReencryptState,
+    data_bytes: u64,
+) -> Result<Option<Unshift>> {
+    let Protect::Unshift { hash, block } = check_supported(st)? else {
+        return Ok(None);
+    };
+    let Resilience::DatashiftChecksum { shift_size, .. } = st.keyslot.resilience else {
+        return Err(Error::Bug("unshift protection without datashift-checksum"));
+    };
+    let moved_id = st
+        .backup_moved
+        .ok_or(Error::Bug("unshift protection without a moved segment"))?;
+    let prev = segment_of(meta, st.backup_previous)?;
+    let fin = segment_of(meta, st.backup_final)?;
+    let moved = segment_of(meta, moved_id)?;
+    if prev.kind != "crypt" || moved.kind != "crypt" || fin.kind != "linear" {
+        return Err(shift_bad(format!(
+            "backup-previous {}, backup-moved-segment {}, backup-final {} (a decryption moves \
+             crypt data into a linear segment)",
+            prev.kind, moved.kind, fin.kind
+        )));
+    }
+    let tweak = |s: &Segment| s.iv_tweak.map_or(0, |t| t.0);
+    if tweak(prev) != 0 || tweak(moved) != 0 {
+        return Err(shift_bad(format!(
+            "IV tweak {} of backup-previous, {} of the moved segment (both start the data: 0)",
+            tweak(prev),
+            tweak(moved)
+        )));
+    }
+    if moved.encryption != prev.encryption || moved.sector_size != prev.sector_size {
+        return Err(shift_bad(format!(
+            "the moved segment is {:?} in {:?}-byte sectors, the data {:?} in {:?}",
+            moved.encryption, moved.sector_size, prev.encryption, prev.sector_size
+        )));
+    }
+    let (old_offset, new_offset) = (prev.offset.0, fin.offset.0);
+    if old_offset.checked_sub(new_offset) != Some(shift_size) {
+        return Err(shift_bad(format!(
+            "the data moves from offset {old_offset} to {new_offset}, not back by the \
+             shift_size {shift_size}"
+        )));
+    }
+    if moved.offset.0 != new_offset {
+        return Err(shift_bad(format!(
+            "the moved segment at {} is not at the new data offset {new_offset}",
+            moved.offset.0
+        )));
+    }
+    let SegmentSize::Bytes(moved_bytes) = moved.size else {
+        return Err(shift_bad("backup-moved-segment has dynamic size"));
+    };
+    if moved_bytes == 0
+        || moved_bytes > shift_size
+        || moved_bytes > data_bytes
+        || moved_bytes % u64::from(block) != 0
+    {
+        return Err(shift_bad(format!(
+            "a moved segment of {moved_bytes} bytes for a shift of {shift_size} and \
+             {data_bytes} bytes of data (it holds at most both, in whole {block}-byte \
+             checksum blocks)"
+        )));
+    }
+    if let SegmentSize::Bytes(n) = prev.size {
+        if n != data_bytes {
+            return Err(shift_bad(format!(
+                "backup-previous holds {n} bytes, the device {data_bytes}"
+            )));
+        }
+    }
+    if data_bytes % IV_UNIT_BYTES != 0 {
+        return Err(shift_bad(format!(
+            "{data_bytes} bytes of data is not a whole number of 512-byte units"
+        )));
+    }
+    let sums = moved_bytes / u64::from(block) * hash.output_bytes() as u64;
+    if sums > st.keyslot.area_bytes {
+        return Err(shift_bad(format!(
+            "the moved segment's {sums} bytes of checksums do not fit the {}-byte reencrypt \
+             area",
+            st.keyslot.area_bytes
+        )));
+    }
+    Ok(Some(Unshift {
+        shift_bytes: shift_size,
+        old_offset,
+        new_offset,
+        moved_bytes,
+        data_bytes,
+    }))
+}
+
+/// [`position`] of a decryption that moves the data: the hotzone (flagged) is the moved
+/// segment's once it lies at the new data offset, else the walk's at `M + done`; without one,
+/// the done part is the linear segment after the moved one (`dynamic` once the walk is done),
+/// or the one linear segment at the start once all is done. The exact layout is
+/// [`check_layout`]'s.
+fn position_unshift(meta: &Metadata, u: &Unshift) -> Result<Position> {
+    let (mut moved, mut hot, mut done_part) = (false, None, None);
+    for (id, s) in live_segments(meta) {
+        let at = s.offset.0.checked_sub(u.new_offset).ok_or_else(|| {
+            bad(format!(
+                "segment {id} at {} is before the new data offset {}",
+                s.offset.0, u.new_offset
+            ))
+        })?;
+        if has_flag(s, SegmentFlag::InReencryption) {
+            let SegmentSize::Bytes(len) = s.size else {
+                return Err(bad("the hotzone has dynamic size"));
+            };
+            if hot.replace((at, len)).is_some() {
+                return Err(bad("two segments in reencryption"));
+            }
+        } else if s.kind == "crypt" && at == 0 {
+            moved = true;
+        } else if s.kind == "linear" && done_part.replace((at, s.size)).is_some() {
+            return Err(bad("two plaintext segments besides the hotzone"));
+        }
+    }
+    let walk = u.walk_bytes();
+    let pos = match (hot, done_part) {
+        (Some((0, len)), _) if !moved => {
+            if len != u.moved_bytes {
+                return Err(bad(format!(
+                    "the moved segment's hotzone holds {len} bytes, the moved segment {}",
+                    u.moved_bytes
+                )));
+            }
+            Position {
+                done: walk,
+                hotzone: Some(len),
+            }
+        }
+        (Some((at, len)), _) => {
+            let done = at.checked_sub(u.moved_bytes).ok_or_else(|| {
+                bad(format!(
+                    "a hotzone at {at} inside the {}-byte moved segment",
+                    u.moved_bytes
+                ))
+            })?;
+            if len == 0 || len > u.shift_bytes || done.checked_add(len).is_none_or(|e| e > walk) {
+                return Err(bad(format!(
+                    "a hotzone of {len} bytes after {done} done (a shift of {}, a walk of \
+                     {walk} bytes)",
+                    u.shift_bytes
+                )));
+            }
+            Position {
+                done,
+                hotzone: Some(len),
+            }
+        }
+        (None, None) => Position {
+            done: 0,
+            hotzone: None,
+        },
+        (None, Some((0, SegmentSize::Dynamic))) if !moved => Position {
+            done: u.data_bytes,
+            hotzone: None,
+        },
+        (None, Some((_, SegmentSize::Dynamic))) => Position {
+            done: walk,
+            hotzone: None,
+        },
+        (None, Some((_, SegmentSize::Bytes(n)))) => Position {
+            done: n,
+            hotzone: None,
+        },
+    };
+    if pos.hotzone.is_none() && pos.done > walk && pos.done != u.data_bytes {
+        return Err(bad(format!(
+            "{} bytes done, past the {walk} bytes the walk moves",
+            pos.done
+        )));
+    }
+    Ok(pos)
+}
+
+/// [`set_segments`] of a decryption that moves the data, as cryptsetup 2.6 lays them out
+/// (measured between and inside every hotzone of a run): the moved segment (crypt, until its
+/// hotzone), the plaintext done (linear at `M`: fixed size, `dynamic` once the walk is done),
+/// the hotzone (linear, `in-reencryption`), the ciphertext left (crypt at its old place, IV
+/// tweak its data offset, backup-previous's size rule); then backup-previous, backup-final and
+/// backup-moved-segment. The old key's digest lists backup-previous, backup-moved-segment,
+/// then every live crypt segment. Once all is done: one linear segment at the new data offset.
+fn set_segments_unshift(
+    meta: &mut Metadata,
+    st: &mut ReencryptState,
+    u: &Unshift,
+    pos: Position,
+) -> Result<()> {
+    let moved_id = st
+        .backup_moved
+        .ok_or(Error::Bug("unshift protection without a moved segment"))?;
+    let prev = template(meta, st.backup_previous)?;
+    let fin = template(meta, st.backup_final)?;
+    let moved = template(meta, moved_id)?;
+    let (d_old, _) = key_digests(meta, st)?;
+    let d_old = d_old.ok_or(Error::Bug("a decryption without an old key"))?;
+    let (m, walk, d) = (u.moved_bytes, u.walk_bytes(), u.data_bytes);
+    let hot = pos.hotzone.unwrap_or(0);
+    let linear = |at: u64, size: SegmentSize| advanced(&fin, at, size);
+    let mut live: Vec<Segment> = Vec::new();
+    let mut hot_id = None;
+    if pos.done >= walk && (pos.hotzone.is_some() || pos.done >= d) {
+        // The moved segment's hotzone, or all done.
+        if pos.hotzone.is_some() {
+            if hot != m {
+                return Err(bad(format!("a moved hotzone of {hot} bytes, not {m}")));
+            }
+            let mut seg = linear(0, SegmentSize::Bytes(m))?;
+            seg.flags = Some(vec![SegmentFlag::InReencryption.name().into()]);
+            hot_id = Some(0);
+            live.push(seg);
+            if d > m {
+                live.push(linear(m, SegmentSize::Dynamic)?);
+            }
+        } else {
+            live.push(linear(0, SegmentSize::Dynamic)?);
+        }
+    } else {
+        let end = pos
+            .done
+            .checked_add(hot)
+            .filter(|&e| e <= walk)
+            .ok_or_else(|| {
+                bad(format!(
+                    "position {} + hotzone {hot} is past the {walk} bytes the walk moves",
+                    pos.done
+                ))
+            })?;
+        live.push(moved);
+        if pos.done > 0 {
+            let size = if end == walk && hot == 0 {
+                SegmentSize::Dynamic
+            } else {
+                SegmentSize::Bytes(pos.done)
+            };
+            live.push(linear(m, size)?);
+        }
+        if hot > 0 {
+            let mut seg = linear(m + pos.done, SegmentSize::Bytes(hot))?;
+            seg.flags = Some(vec![SegmentFlag::InReencryption.name().into()]);
+            hot_id = Some(live.len() as u32);
+            live.push(seg);
+        }
+        if end < walk {
+            let size = match prev.size {
+                SegmentSize::Dynamic => SegmentSize::Dynamic,
+                SegmentSize::Bytes(_) => SegmentSize::Bytes(walk - end),
+            };
+            live.push(advanced(&prev, m + end, size)?);
+        }
+    }
+    let n = live.len() as u32;
+    let mut list = vec![n.to_string(), (n + 2).to_string()];
+    list.extend(
+        live.iter()
+            .enumerate()
+            .filter(|(_, s)| s.kind == "crypt")
+            .map(|(i, _)| i.to_string()),
+    );
+    let mut segments: std::collections::BTreeMap<String, Segment> = live
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (i.to_string(), s))
+        .collect();
+    let moved_backup = template(meta, moved_id)?;
+    for (id, mut s, flag) in [
+        (n, prev, SegmentFlag::BackupPrevious),
+        (n + 1, fin, SegmentFlag::BackupFinal),
+        (n + 2, moved_backup, SegmentFlag::BackupMovedSegment),
+    ] {
+        s.flags = Some(vec![flag.name().into()]);
+        segments.insert(id.to_string(), s);
+    }
+    meta.digests
+        .get_mut(&d_old.to_string())
+        .ok_or_else(|| bad(format!("digest {d_old} missing")))?
+        .segments = list;
+    meta.segments = segments;
+    st.backup_previous = n;
+    st.backup_final = n + 1;
+    st.backup_moved = Some(n + 2);
+    st.in_reencryption = hot_id;
+    Ok(())
+}
+
+/// The steps of the next hotzone of a decryption that moves the data, as cryptsetup 2.6 walks
+/// it (measured with `--debug` and by stopping it between and inside hotzones): forward from
+/// `M` in hotzones of the shift (the last one what is left), each: commit the hotzone, move it
+/// ([`Step::MoveNew`]: the ciphertext at its old place decrypted to the new), flush, commit
+/// past it; then the moved segment's hotzone in place: read it ([`Step::ReadAt`]), store its
+/// checksums, flush, commit the hotzone, decrypt it in place ([`Step::WriteNew`]), flush,
+/// finalise. `align` is the sector size every hotzone must be a multiple of. `None` when every
+/// byte is done.
+pub fn next_hotzone_unshift(
+    st: &ReencryptState,
+    u: &Unshift,
+    pos: Position,
+    align: u64,
+) -> Result<Option<Vec<Step>>> {
+    let Protect::Unshift { hash, block } = check_supported(st)? else {
+        return Err(Error::Bug("next_hotzone_unshift of another reencryption"));
+    };
+    if pos.hotzone.is_some() {
+        return Err(bad(
+            "the metadata was committed inside a hotzone: recover it first (repair)",
+        ));
+    }
+    let walk = u.walk_bytes();
+    if pos.done >= u.data_bytes {
+        return Ok(None);
+    }
+    let (offset, len) = if pos.done < walk {
+        (u.moved_bytes + pos.done, u.shift_bytes.min(walk - pos.done))
+    } else if pos.done == walk {
+        (0, u.moved_bytes)
+    } else {
+        return Err(bad(format!(
+            "{} bytes done: past the {walk}-byte walk, short of the {}-byte data",
+            pos.done, u.data_bytes
+        )));
+    };
+    if align == 0 || !align.is_power_of_two() || len % align != 0 || offset % align != 0 {
+        return Err(bad(format!(
+            "hotzone [{offset}, +{len}) is not aligned to {align} bytes"
+        )));
+    }
+    let hotzone = Step::CommitSegments(Position {
+        done: pos.done,
+        hotzone: Some(len),
+    });
+    if offset > 0 {
+        return Ok(Some(vec![
+            hotzone,
+            Step::MoveNew {
+                from: u.source(offset),
+                offset,
+                len,
+            },
+            Step::SyncData,
+            Step::CommitSegments(Position {
+                done: pos.done + len,
+                hotzone: None,
+            }),
+        ]));
+    }
+    Ok(Some(vec![
+        Step::ReadAt {
+            from: u.source(0),
+            offset: 0,
+            len,
+        },
+        Step::WriteChecksums {
+            area_offset: st.keyslot.area_offset,
+            block,
+            hash,
+        },
+        Step::SyncData,
+        hotzone,
+        Step::WriteNew { offset: 0, len },
+        Step::SyncData,
+        Step::Finalise,
+    ]))
+}
+
 /// What a live segment holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Part {
@@ -325,6 +811,9 @@ fn part_of(meta: &Metadata, st: &ReencryptState, id: u32, s: &Segment) -> Result
 pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<Position> {
     if let Some(sh) = shift_geometry(meta, st)? {
         return position_shift(meta, &sh, data_bytes);
+    }
+    if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
+        return position_unshift(meta, &u);
     }
     let live = live_segments(meta);
     let mut parts = Vec::with_capacity(live.len());
@@ -499,6 +988,9 @@ pub fn set_segments(
 ) -> Result<()> {
     if let Some(sh) = shift_geometry(meta, st)? {
         return set_segments_shift(meta, st, &sh, pos);
+    }
+    if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
+        return set_segments_unshift(meta, st, &u, pos);
     }
     let old = template(meta, st.backup_previous)?;
     let new = template(meta, st.backup_final)?;
@@ -701,8 +1193,9 @@ pub fn area_limit(st: &ReencryptState) -> Result<u64> {
         }
         Protect::Journal => st.keyslot.area_bytes,
         // The shift bounds the hotzone, not the area (which holds nothing).
-        Protect::Datashift => match st.keyslot.resilience {
-            Resilience::Datashift { shift_size } => shift_size,
+        Protect::Datashift | Protect::Unshift { .. } => match st.keyslot.resilience {
+            Resilience::Datashift { shift_size }
+            | Resilience::DatashiftChecksum { shift_size, .. } => shift_size,
             _ => return Err(Error::Bug("datashift protection without a shift")),
         },
     })
@@ -720,8 +1213,10 @@ pub fn next_hotzone(
     align: u64,
 ) -> Result<Option<Vec<Step>>> {
     let protect = check_supported(st)?;
-    if protect == Protect::Datashift {
-        return Err(Error::Bug("a data shift is planned by next_hotzone_shift"));
+    if matches!(protect, Protect::Datashift | Protect::Unshift { .. }) {
+        return Err(Error::Bug(
+            "a data shift is planned by next_hotzone_shift or next_hotzone_unshift",
+        ));
     }
     if pos.hotzone.is_some() {
         return Err(bad(
@@ -765,7 +1260,7 @@ pub fn next_hotzone(
             Step::SyncData,
         ]),
         Protect::Journal => steps.extend([Step::WriteJournal { area_offset }, Step::SyncData]),
-        Protect::None | Protect::Datashift => {}
+        Protect::None | Protect::Datashift | Protect::Unshift { .. } => {}
     }
     steps.extend([
         Step::CommitSegments(Position {
@@ -1542,6 +2037,303 @@ mod tests {
         // Less than one shift of data.
         assert_eq!(
             check(&|m| set(m, "4", None, Some(8 * MIB))),
+            "reencrypt-datashift"
+        );
+    }
+
+    // ------------------------------------------------------------ decryption moving the data
+
+    /// The data of the volume cryptsetup 2.6.1 decrypted for the stored states: 256 MiB with
+    /// the header in front (data offset 16 MiB).
+    const UNSHIFT_DATA: u64 = 240 * MIB;
+
+    /// cryptsetup 2.6.1's exported header after `reencrypt --decrypt --header NEW.hdr
+    /// --init-only` of that volume.
+    fn unshift_init() -> Metadata {
+        Metadata::parse(include_bytes!(
+            "../../tests/data/reencrypt-unshift-init.json"
+        ))
+        .unwrap()
+    }
+
+    /// The segments and the old key's digest list of every state cryptsetup 2.6.1 committed
+    /// while it ran that decryption (read from the exported header while the process was
+    /// stopped between its writes, after every header write): (seqid, metadata).
+    fn unshift_states() -> Vec<(u64, Metadata)> {
+        let v: serde_json::Value = serde_json::from_slice(include_bytes!(
+            "../../tests/data/reencrypt-unshift-states.json"
+        ))
+        .unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|st| {
+                let mut m = unshift_init();
+                m.segments = serde_json::from_value(st["segments"].clone()).unwrap();
+                let d = &st["digest_segments"];
+                m.digests.get_mut("0").unwrap().segments =
+                    serde_json::from_value(d["0"].clone()).unwrap_or_default();
+                (st["seqid"].as_u64().unwrap(), m)
+            })
+            .collect()
+    }
+
+    fn unshift_snapshot(m: &Metadata) -> (serde_json::Value, Vec<String>) {
+        (
+            serde_json::to_value(&m.segments).unwrap(),
+            m.digests["0"].segments.clone(),
+        )
+    }
+
+    #[test]
+    fn unshift_geometry_of_cryptsetups_init() {
+        let m = unshift_init();
+        let st = state(&m);
+        assert_eq!(st.version, UNSHIFT_REQUIREMENT_VERSION);
+        assert!(matches!(
+            check_supported(&st).unwrap(),
+            Protect::Unshift {
+                hash: HashAlg::Sha256,
+                block: 4096
+            }
+        ));
+        let u = unshift_geometry(&m, &st, UNSHIFT_DATA).unwrap().unwrap();
+        assert_eq!(
+            u,
+            Unshift {
+                shift_bytes: 16 * MIB,
+                old_offset: 16 * MIB,
+                new_offset: 0,
+                moved_bytes: 16 * MIB,
+                data_bytes: UNSHIFT_DATA,
+            }
+        );
+        assert_eq!(
+            position(&m, &st, UNSHIFT_DATA).unwrap(),
+            Position {
+                done: 0,
+                hotzone: None
+            }
+        );
+        check_layout(&m, &st, UNSHIFT_DATA).unwrap();
+        // Not a plain data shift, nor a reencryption in place.
+        assert_eq!(shift_geometry(&m, &st).unwrap(), None);
+        assert!(next_hotzone(
+            &st,
+            Position {
+                done: 0,
+                hotzone: None
+            },
+            UNSHIFT_DATA,
+            MIB,
+            4096
+        )
+        .is_err());
+    }
+
+    /// Every state cryptsetup committed (between and inside each hotzone, the moved segment's
+    /// hotzone, and all done before finalisation) is read back to a position, passes the
+    /// layout check, and is rebuilt from that position to the byte of its segments and digest
+    /// list; and the planner's own walk from the init commits exactly cryptsetup's sequence.
+    #[test]
+    fn unshift_walk_reproduces_cryptsetups_states() {
+        let init = unshift_init();
+        let st0 = state(&init);
+        let u = unshift_geometry(&init, &st0, UNSHIFT_DATA)
+            .unwrap()
+            .unwrap();
+        let mut theirs = Vec::new();
+        for (seqid, m) in unshift_states() {
+            // The first two are the init (seqid 4) and the reencryption digest cryptsetup
+            // writes again when it resumes (5); the last, the finalised header.
+            if !(6..=35).contains(&seqid) {
+                continue;
+            }
+            let st = state(&m);
+            let pos =
+                position(&m, &st, UNSHIFT_DATA).unwrap_or_else(|e| panic!("seqid {seqid}: {e}"));
+            check_layout(&m, &st, UNSHIFT_DATA).unwrap_or_else(|e| panic!("seqid {seqid}: {e}"));
+            let mut rebuilt = init.clone();
+            let mut st1 = st0.clone();
+            set_segments(&mut rebuilt, &mut st1, pos, UNSHIFT_DATA).unwrap();
+            assert_eq!(
+                unshift_snapshot(&rebuilt),
+                unshift_snapshot(&m),
+                "seqid {seqid} at {pos:?}"
+            );
+            assert_eq!(st1, st, "seqid {seqid}");
+            theirs.push((pos, unshift_snapshot(&m)));
+        }
+        assert_eq!(theirs.len(), 30);
+        // The planner's walk: each commit as cryptsetup's, in order.
+        let (mut meta, mut st) = (init.clone(), st0.clone());
+        let mut pos = position(&meta, &st, UNSHIFT_DATA).unwrap();
+        let mut mine = Vec::new();
+        let mut walk = Vec::new();
+        'walk: while let Some(steps) = next_hotzone_unshift(&st, &u, pos, 4096).unwrap() {
+            for step in steps {
+                match step {
+                    Step::CommitSegments(p) => {
+                        set_segments(&mut meta, &mut st, p, UNSHIFT_DATA).unwrap();
+                        pos = p;
+                        mine.push((p, unshift_snapshot(&meta)));
+                    }
+                    Step::MoveNew { from, offset, len } => {
+                        assert_eq!(from, offset + 16 * MIB);
+                        walk.push((offset / MIB, len / MIB));
+                    }
+                    Step::ReadAt { from, offset, len } => {
+                        assert_eq!((from, offset, len), (0, 0, 16 * MIB));
+                        walk.push((0, len / MIB));
+                    }
+                    Step::WriteChecksums { area_offset, .. } => {
+                        assert_eq!(area_offset, 290816)
+                    }
+                    Step::Finalise => break 'walk,
+                    _ => {}
+                }
+            }
+        }
+        let want_walk: Vec<(u64, u64)> = (1..15).map(|i| (i * 16, 16)).chain([(0, 16)]).collect();
+        assert_eq!(walk, want_walk);
+        // cryptsetup commits "all done" once more before finalising; the planner finalises
+        // at once (a header left there finalises on resume: next below).
+        assert_eq!(mine.len(), theirs.len() - 1);
+        for (i, (m, t)) in mine.iter().zip(&theirs).enumerate() {
+            assert_eq!(m, t, "commit {i}");
+        }
+        let (done, _) = &theirs[theirs.len() - 1];
+        assert_eq!(
+            *done,
+            Position {
+                done: UNSHIFT_DATA,
+                hotzone: None
+            }
+        );
+        assert_eq!(next_hotzone_unshift(&st, &u, *done, 4096).unwrap(), None);
+        // Finalisation: one linear segment, no keyslot, the stale tail to wipe.
+        let mut m = meta.clone();
+        set_segments(&mut m, &mut st, *done, UNSHIFT_DATA).unwrap();
+        let retired = finalise(&mut m, &st).unwrap();
+        assert_eq!(retired.keyslots, vec![0, 1]);
+        assert_eq!(m.segments.len(), 1);
+        assert_eq!(m.segments["0"].kind, "linear");
+        assert!(m.keyslots.is_empty() && m.digests.is_empty());
+        assert!(m.config.requirements.is_none());
+        assert_eq!(u.tail(), (UNSHIFT_DATA, 16 * MIB));
+    }
+
+    /// A moved segment smaller than the shift (`--hotzone-size`): the walk starts after it and
+    /// still moves whole shifts, the last hotzone shortened, then the moved segment.
+    #[test]
+    fn unshift_walk_with_a_small_moved_segment() {
+        let u = Unshift {
+            shift_bytes: 16 * MIB,
+            old_offset: 16 * MIB,
+            new_offset: 0,
+            moved_bytes: MIB,
+            data_bytes: 48 * MIB,
+        };
+        let st = state(&unshift_init());
+        let mut pos = Position {
+            done: 0,
+            hotzone: None,
+        };
+        let mut walk = Vec::new();
+        while let Some(steps) = next_hotzone_unshift(&st, &u, pos, 4096).unwrap() {
+            let Step::CommitSegments(Position {
+                hotzone: Some(len), ..
+            }) = steps
+                .iter()
+                .find(|s| matches!(s, Step::CommitSegments(_)))
+                .unwrap()
+            else {
+                panic!("{steps:?}")
+            };
+            walk.push((u.hotzone_offset(pos.done) / MIB, len / MIB));
+            match steps.last().unwrap() {
+                Step::CommitSegments(p) => pos = *p,
+                _ => break,
+            }
+        }
+        assert_eq!(walk, vec![(1, 16), (17, 16), (33, 15), (0, 1)]);
+    }
+
+    /// Each relation of a decryption that moves the data is checked by name.
+    #[test]
+    fn unshift_geometry_is_checked() {
+        let check = |f: &dyn Fn(&mut Metadata)| {
+            let mut m = unshift_init();
+            f(&mut m);
+            match ReencryptState::from_metadata(&m)
+                .and_then(|st| unshift_geometry(&m, &st.unwrap(), UNSHIFT_DATA))
+            {
+                Err(Error::BadHeader { check, .. }) => check,
+                r => panic!("{r:?}"),
+            }
+        };
+        let seg = |m: &mut Metadata, id: &str| m.segments.get_mut(id).unwrap().clone();
+        let put = |m: &mut Metadata, id: &str, s: Segment| {
+            m.segments.insert(id.into(), s);
+        };
+        // Moved segment larger than the shift.
+        assert_eq!(
+            check(&|m| {
+                let mut s = seg(m, "2");
+                s.size = SegmentSize::Bytes(32 * MIB);
+                put(m, "2", s)
+            }),
+            "reencrypt-datashift"
+        );
+        // Moved segment away from the new data offset.
+        assert_eq!(
+            check(&|m| {
+                let mut s = seg(m, "2");
+                s.offset = U64Str(4096);
+                put(m, "2", s)
+            }),
+            "reencrypt-datashift"
+        );
+        // The shift is not the distance between the data offsets.
+        assert_eq!(
+            check(&|m| {
+                let mut s = seg(m, "3");
+                s.offset = U64Str(8 * MIB);
+                put(m, "3", s)
+            }),
+            "reencrypt-datashift"
+        );
+        // The moved segment under another cipher.
+        assert_eq!(
+            check(&|m| {
+                let mut s = seg(m, "2");
+                s.encryption = Some("aes-cbc-essiv:sha256".into());
+                put(m, "2", s)
+            }),
+            "reencrypt-datashift"
+        );
+        // A non-zero IV tweak of the data.
+        assert_eq!(
+            check(&|m| {
+                let mut s = seg(m, "3");
+                s.iv_tweak = Some(U64Str(8));
+                put(m, "3", s)
+            }),
+            "reencrypt-datashift"
+        );
+        // datashift-checksum under the v2 requirement.
+        assert_eq!(
+            check(&|m| {
+                m.config.requirements.as_mut().unwrap().mandatory =
+                    Some(vec!["online-reencrypt-v2".into()]);
+            }),
+            "reencrypt-datashift"
+        );
+        // Checksums of the moved segment that do not fit the area.
+        assert_eq!(
+            check(&|m| {
+                m.keyslots.get_mut("1").unwrap().area.as_mut().unwrap().size = U64Str(4096);
+            }),
             "reencrypt-datashift"
         );
     }

@@ -17,14 +17,17 @@
 //!   back to a consistent state from the resilience data, as cryptsetup's `repair` does.
 //! - [`init_on`] with [`Mode::Decrypt`] starts a decryption, [`init_encrypt`] an encryption
 //!   with a new detached header; [`resume_on`] and [`recover_on`] take the two devices.
+//! - [`init_encrypt_shift`] starts an encryption that moves the data up to put the header in
+//!   front, [`init_decrypt_unshift`] a decryption that exports the header in front to a new
+//!   file and moves the data back to the start of the device.
 
 use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
 use super::reencrypt_plan::{
     area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
-    next_hotzone_shift, position, set_segments, shift_geometry, shift_source, Position, Protect,
-    Shift, Step,
+    next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry, shift_source,
+    unshift_geometry, Position, Protect, Shift, Step, Unshift, UNSHIFT_REQUIREMENT_VERSION,
 };
 use super::util::{b64_encode, random_fill, random_secret, HashAlg};
 use super::{
@@ -38,6 +41,10 @@ use crate::{Error, Result};
 
 /// The requirement cryptsetup 2.6 writes for key rotation.
 pub const REQUIREMENT_V2: &str = "online-reencrypt-v2";
+/// The requirement cryptsetup 2.6 writes for a decryption that moves the data back
+/// (`datashift-checksum`): version 3, part of the reencryption digest.
+pub const REQUIREMENT_V3: &str = "online-reencrypt-v3";
+const _: () = assert!(UNSHIFT_REQUIREMENT_VERSION == 3);
 /// The checksum cryptsetup uses by default (`--resilience-hash`).
 pub const CHECKSUM_HASH: HashAlg = HashAlg::Sha256;
 /// Bytes per checksum: cryptsetup's alignment of the hotzone (4 KiB, also for 512-byte
@@ -777,6 +784,280 @@ pub fn init_encrypt_shift(
     })
 }
 
+/// The moved segment of a decryption that moves the data, unless `--hotzone-size` says
+/// otherwise: the shift, at most this (cryptsetup 2.6's `LUKS2_DEFAULT_NONE_REENCRYPTION_LENGTH`,
+/// 20 MiB), at most the data.
+pub const MOVED_BYTES_DEFAULT: u64 = 20 << 20;
+
+/// How to start a decryption that moves the data back ([`init_decrypt_unshift`]).
+pub struct UnshiftOptions<'a> {
+    /// Whether the reencryption digest is calibrated (forced iterations use the minimum).
+    pub kdf: &'a KdfRequest,
+    /// The keyslot the passphrase opens (`--key-slot`); without it the volume must have
+    /// exactly one keyslot.
+    pub key_slot: Option<u32>,
+    /// `--hotzone-size`: the moved segment's size (at most the shift); `None`:
+    /// [`MOVED_BYTES_DEFAULT`] or less.
+    pub moved_bytes: Option<u64>,
+}
+
+/// Copies `len` bytes from `src` at `from` to `dst` at `to` through one buffer of at most
+/// [`COPY_PIECE_BYTES`] (the ranges do not overlap if `src` is `dst`). No flush.
+fn copy_across(src: &dyn Backend, from: u64, dst: &dyn Backend, to: u64, len: u64) -> Result<()> {
+    let page = crate::pool::POOL_PAGE_BYTES as u64;
+    let piece = len.clamp(page, COPY_PIECE_BYTES).div_ceil(page) * page;
+    let pool = BufferPool::new(piece as usize)?;
+    let mut g = pool.take(piece as usize)?;
+    let buf = g.as_mut_slice();
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(piece) as usize;
+        src.read_exact_at(&mut buf[..n], from + at)?;
+        dst.write_at(&buf[..n], to + at)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// Bytes zeroed over each binary header copy left on the data device (a whole 512-byte
+/// sector holding the magic), so that nothing finds a LUKS header there once the data is
+/// moved: cryptsetup wipes the signatures too before it moves anything.
+const MAGIC_WIPE_BYTES: usize = 512;
+
+/// Starts the decryption of the LUKS2 volume whose header is in front of its data on
+/// `devs.data`, moving the plaintext to the start of the device, as cryptsetup 2.6's
+/// `reencrypt --decrypt --header NEW.hdr` does when NEW.hdr does not exist: the header is
+/// exported to `devs.header` (a new file of at least the metadata and keyslots area) and
+/// carries the reencryption from then on; the walk is [`Unshift`]'s.
+///
+/// The exported header, as cryptsetup 2.6.1 writes it (compared field by field in the interop
+/// test): the old header, plus a `reencrypt` keyslot (mode `decrypt`, direction `forward`,
+/// area `datashift-checksum` with sha256 over 4096-byte blocks and `shift_size` = the old data
+/// offset `S`, over the rest of the keyslots area); segments `0` crypt at 0 (the moved
+/// segment: `M` bytes, IV tweak 0), `1` crypt at `S + M` (the rest of the ciphertext, IV tweak
+/// `M / 512`, dynamic), `2` backup-moved-segment (as `0`), `3` backup-previous (crypt at `S`,
+/// dynamic), `4` backup-final (linear at 0, dynamic); the old key's digest listing 0-3; the
+/// `online-reencrypt-v3` requirement; the reencryption digest (version 3) over the old key.
+///
+/// Everything is checked before the first write. Writes, in order: the old header and
+/// keyslots area copied to `devs.header`, flushed (from here the volume opens with the new
+/// file as its detached header); the magic of both header copies on the data device zeroed;
+/// the ciphertext of the first `M` bytes copied over the header (the moved segment), flushed;
+/// the new header committed. A crash before that commit leaves the data at its place and a
+/// plain detached header describing it.
+pub fn init_decrypt_unshift(
+    devs: Devices<'_>,
+    passphrase: &[u8],
+    opts: &UnshiftOptions<'_>,
+) -> Result<Started> {
+    if !devs.detached() {
+        return Err(Error::InvalidArgument(
+            "a decryption that moves the data exports the header to a new file (--header)".into(),
+        ));
+    }
+    let header = read_header(devs.data)?;
+    header.check_requirements()?;
+    let mut h = luks2(header)?;
+    let seg = h.meta.crypt_segment()?;
+    if h.meta.segments.len() != 1 || seg.iv_tweak != 0 {
+        return Err(Error::UnsupportedLuks(
+            "a decryption that moves the data of a volume with more than one segment or an \
+             IV tweak"
+                .into(),
+        ));
+    }
+    let s = seg.offset_bytes;
+    if s == 0 {
+        return Err(Error::InvalidArgument(
+            "the data starts at offset 0: there is no header in front to move it over".into(),
+        ));
+    }
+    let super::json::SegmentSize::Dynamic = seg.size else {
+        return Err(Error::UnsupportedLuks(
+            "a decryption that moves the data of a segment with a fixed size (ucrypt moves a \
+             segment that runs to the end of the device)"
+                .into(),
+        ));
+    };
+    let luks2_slots = h
+        .meta
+        .keyslots
+        .values()
+        .filter(|k| k.kind == "luks2")
+        .count();
+    if opts.key_slot.is_none() && luks2_slots != 1 {
+        return Err(Error::InvalidArgument(
+            "Key file can be used only with --key-slot or with exactly one key slot active.".into(),
+        ));
+    }
+    let hdr_any = Header::Luks2(h.clone());
+    let mut read = |offset: u64, len: u64| read_area(devs.data, offset, len);
+    let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
+
+    let ss = u64::from(seg.sector_size.bytes());
+    let data_bytes = devs.data.size().saturating_sub(s) / ss * ss;
+    if data_bytes == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Device is too small: no data past the data offset {s}."
+        )));
+    }
+    // Every hotzone is a whole number of checksum blocks and sectors (cryptsetup's zone
+    // alignment, 4096 bytes on files for both sector sizes, as measured).
+    let align = ss.max(u64::from(CHECKSUM_BLOCK_BYTES));
+    let moved_bytes = match opts.moved_bytes {
+        Some(m) if m > s => {
+            return Err(Error::InvalidArgument(
+                "Moved segment size can not be greater than data shift value.".into(),
+            ))
+        }
+        Some(m) => m,
+        None => s.min(MOVED_BYTES_DEFAULT),
+    }
+    .min(data_bytes);
+    if moved_bytes == 0 || moved_bytes % align != 0 || s % align != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Hotzone size must be multiple of calculated zone alignment ({align} bytes)."
+        )));
+    }
+    if moved_bytes > HOTZONE_BYTES_MAX {
+        return Err(Error::InvalidArgument(format!(
+            "A moved segment of {moved_bytes} bytes is larger than ucrypt's hotzone buffer \
+             ({HOTZONE_BYTES_MAX} bytes): give a smaller --hotzone-size."
+        )));
+    }
+    let meta_bytes = 2 * h.bin.hdr_size + h.meta.config.keyslots_size.0;
+    if meta_bytes > s {
+        return Err(Error::BadHeader {
+            check: "reencrypt-datashift",
+            detail: format!("the metadata ({meta_bytes} bytes) runs past the data offset {s}"),
+        });
+    }
+    if devs.header.size() < meta_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "The header device holds {} bytes, the header to export {meta_bytes}.",
+            devs.header.size()
+        )));
+    }
+
+    // The reencrypt keyslot: datashift-checksum over the rest of the keyslots area.
+    let (used_end, end) = reencrypt_area(&h)?;
+    let area_bytes = end - used_end;
+    let sums_room =
+        area_bytes / CHECKSUM_HASH.output_bytes() as u64 * u64::from(CHECKSUM_BLOCK_BYTES);
+    if moved_bytes > sums_room {
+        return Err(Error::InvalidArgument(format!(
+            "Moved segment too large. Requested size {moved_bytes}, available space for: \
+             {sums_room}."
+        )));
+    }
+    let rk = free_id(h.meta.keyslots.keys())?;
+    let mut ks = reencrypt_keyslot(
+        Mode::Decrypt,
+        Direction::Forward,
+        ResilienceKind::Checksum,
+        used_end,
+        area_bytes,
+    );
+    if let Some(a) = ks.area.as_mut() {
+        a.kind = "datashift-checksum".into();
+        a.extra.insert("shift_size".into(), s.to_string().into());
+    }
+    h.meta.keyslots.insert(rk.to_string(), ks);
+
+    // Segments, in cryptsetup's order at init: the moved segment, the rest of the ciphertext
+    // at its place, then backup-moved-segment, backup-previous, backup-final.
+    let crypt = |offset: u64, size: super::json::SegmentSize, iv: u64, flag: Option<&str>| {
+        super::json::Segment {
+            kind: "crypt".into(),
+            offset: U64Str(offset),
+            size,
+            iv_tweak: Some(U64Str(iv)),
+            encryption: Some(seg.cipher.to_string()),
+            sector_size: Some(seg.sector_size.bytes()),
+            flags: flag.map(|f| vec![f.to_string()]),
+            integrity: None,
+            extra: Default::default(),
+        }
+    };
+    let moved = super::json::SegmentSize::Bytes(moved_bytes);
+    let dynamic = super::json::SegmentSize::Dynamic;
+    let mut segs = vec![crypt(0, moved, 0, None)];
+    if data_bytes > moved_bytes {
+        segs.push(crypt(s + moved_bytes, dynamic, moved_bytes / 512, None));
+    }
+    segs.push(crypt(0, moved, 0, Some("backup-moved-segment")));
+    segs.push(crypt(s, dynamic, 0, Some("backup-previous")));
+    segs.push(super::json::Segment {
+        kind: "linear".into(),
+        offset: U64Str(0),
+        size: dynamic,
+        iv_tweak: None,
+        encryption: None,
+        sector_size: None,
+        flags: Some(vec!["backup-final".into()]),
+        integrity: None,
+        extra: Default::default(),
+    });
+    let old_list: Vec<String> = (0..segs.len() - 1).map(|i| i.to_string()).collect();
+    h.meta.segments = segs
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (i.to_string(), s))
+        .collect();
+    h.meta
+        .digests
+        .get_mut(&old_vk.digest_id().to_string())
+        .ok_or(Error::Bug("old key digest vanished"))?
+        .segments = old_list;
+    h.meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default)
+        .mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V3.into());
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, Some(old_vk.bytes()), None)?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    // What is written is what the planner reads back: the start of the walk.
+    let geometry = unshift_geometry(&h.meta, &st, data_bytes)?.ok_or(Error::Bug(
+        "a new decryption that moves the data is not one",
+    ))?;
+    check_layout(&h.meta, &st, data_bytes)?;
+    if position(&h.meta, &st, data_bytes)?
+        != (Position {
+            done: 0,
+            hotzone: None,
+        })
+        || geometry.moved_bytes != moved_bytes
+    {
+        return Err(Error::Bug(
+            "a new decryption that moves the data does not start",
+        ));
+    }
+    let ops = h.commit()?;
+
+    copy_across(devs.data, 0, devs.header, 0, meta_bytes)?;
+    devs.header.flush()?;
+    let zeros = [0u8; MAGIC_WIPE_BYTES];
+    for copy in [0, h.bin.hdr_size] {
+        devs.data.write_at(&zeros, copy)?;
+    }
+    copy_across(devs.data, s, devs.data, 0, moved_bytes)?;
+    devs.data.flush()?;
+    apply(devs.header, &ops)?;
+    Ok(Started {
+        old_keyslot: old_slot,
+        new_keyslot: None,
+        reencrypt_keyslot: rk,
+    })
+}
+
 /// A volume in rotation, unlocked: header, state, both keys checked against the
 /// reencryption digest.
 struct Unlocked {
@@ -794,6 +1075,8 @@ struct Unlocked {
     align: u64,
     /// The geometry of a data shift ([`Shift`]); `None` in place.
     shift: Option<Shift>,
+    /// The geometry of a decryption that moves the data back ([`Unshift`]).
+    unshift: Option<Unshift>,
     /// The new volume key, for a volume that serves the data meanwhile ([`Serving::start`]);
     /// `None` for a decryption (the new side is linear).
     new_key: Option<crate::SecretBytes>,
@@ -946,7 +1229,7 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
             sh.data_bytes
         }
         None => {
-            if off_old != off_new {
+            if off_old != off_new && !matches!(protect, Protect::Unshift { .. }) {
                 return Err(Error::UnsupportedLuks(
                     "reencryption that moves the data other than an encryption with the \
                      header in front (ucrypt reencrypts in place)"
@@ -965,6 +1248,26 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
             n / align * align
         }
     };
+    let unshift = unshift_geometry(&h.meta, &st, data_bytes)?;
+    if let Some(us) = unshift {
+        let have = devs.data.size();
+        if have < us.old_offset + us.data_bytes {
+            return Err(Error::BadHeader {
+                check: "reencrypt-datashift",
+                detail: format!(
+                    "the data ends at {}, past the device's {have} bytes",
+                    us.old_offset + us.data_bytes
+                ),
+            });
+        }
+        // The moved segment's hotzone is rewritten in place from one buffer.
+        if us.moved_bytes > HOTZONE_BYTES_MAX {
+            return Err(Error::UnsupportedLuks(format!(
+                "a moved segment of {} bytes (ucrypt's hotzone buffer holds at most {})",
+                us.moved_bytes, HOTZONE_BYTES_MAX
+            )));
+        }
+    }
     check_layout(&h.meta, &st, data_bytes)?;
     let n = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -987,6 +1290,7 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
         data_bytes,
         align,
         shift,
+        unshift,
         new_key,
     })
 }
@@ -1128,7 +1432,12 @@ fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
 }
 
 fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) -> Result<()> {
-    let retired = finalise(&mut u.h.meta, &u.st)?;
+    let mut retired = finalise(&mut u.h.meta, &u.st)?;
+    if let Some(us) = u.unshift {
+        // The old ciphertext of the last shift of data, past the plaintext (cryptsetup
+        // wipes it too).
+        retired.data_areas.push(us.tail());
+    }
     let mut ops = u.h.commit()?;
     ops.push(WriteOp::Sync);
     apply(dev, &ops)?;
@@ -1258,14 +1567,20 @@ fn run_hotzones(
         .unwrap_or(HOTZONE_BYTES_DEFAULT)
         .clamp(1, HOTZONE_BYTES_MAX);
     // One buffer for every hotzone, and one for the checksums of a hotzone.
+    // A decryption that moves the data rewrites its moved segment in place, whole.
+    let in_place_min = match u.unshift {
+        Some(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
+        _ => 0,
+    };
     let buf_len = hot_max
         .min(area_limit(&u.st)?)
         .min(u.data_bytes.saturating_sub(pos.done))
         .max(u.align)
+        .max(in_place_min)
         .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
         * crate::pool::POOL_PAGE_BYTES as u64;
     let sums_len = match u.protect {
-        Protect::Checksum { hash, block } => {
+        Protect::Checksum { hash, block } | Protect::Unshift { hash, block } => {
             (buf_len / u64::from(block) * hash.output_bytes() as u64).div_ceil(AREA_ALIGN_BYTES)
                 * AREA_ALIGN_BYTES
         }
@@ -1279,9 +1594,10 @@ fn run_hotzones(
         total: u.data_bytes,
     });
     loop {
-        let next = match &u.shift {
-            Some(sh) => next_hotzone_shift(sh, pos, u.align)?,
-            None => next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)?,
+        let next = match (&u.shift, &u.unshift) {
+            (Some(sh), _) => next_hotzone_shift(sh, pos, u.align)?,
+            (None, Some(us)) => next_hotzone_unshift(&u.st, us, pos, u.align)?,
+            (None, None) => next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)?,
         };
         let Some(steps) = next else {
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
@@ -1298,6 +1614,17 @@ fn run_hotzones(
                         devs.data,
                         &mut hot.as_mut_slice()[..len as usize],
                         u.data_offset + offset,
+                        u.lanes.len(),
+                    )?;
+                }
+                Step::ReadAt { from, offset, len } => {
+                    cur = len;
+                    serving.hold(offset, len);
+                    *held = true;
+                    read_lanes(
+                        devs.data,
+                        &mut hot.as_mut_slice()[..len as usize],
+                        from,
                         u.lanes.len(),
                     )?;
                 }
@@ -1418,7 +1745,10 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
     let Some(len) = pos.hotzone else {
         return Ok(Recovery::NotNeeded);
     };
-    let offset = hotzone_offset(&u.st, pos, len, u.data_bytes);
+    let offset = match u.unshift {
+        Some(us) => us.hotzone_offset(pos.done),
+        None => hotzone_offset(&u.st, pos, len, u.data_bytes),
+    };
     if len % u.align != 0 || len > area_limit(&u.st)? {
         return Err(bad(format!(
             "hotzone of {len} bytes does not fit its resilience data"
@@ -1439,31 +1769,58 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
         drop(g);
         return finish_recovery(devs, &mut u, pos, offset, len);
     }
+    if let Some(us) = u.unshift.filter(|_| offset > 0) {
+        // A hotzone of the walk: its ciphertext at the old place is intact (the hotzone is
+        // at most the shift, so nothing written overlaps it): decrypt and move it again, as
+        // cryptsetup's datashift recovery does. The moved segment's (offset 0) is rewritten
+        // in place, from its checksums, below.
+        let piece = len
+            .min(HOTZONE_BYTES_DEFAULT)
+            .max(u.align)
+            .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
+            * crate::pool::POOL_PAGE_BYTES as u64;
+        let pool = BufferPool::new(piece as usize)?;
+        let mut g = pool.take(piece as usize)?;
+        move_new(
+            data_dev,
+            &mut u,
+            us.source(offset),
+            offset,
+            len,
+            g.as_mut_slice(),
+        )?;
+        drop(g);
+        return finish_recovery(devs, &mut u, pos, offset, len);
+    }
     let area = u.st.keyslot.area_offset;
     let pool = BufferPool::new(len.max(u.align) as usize)?;
     let mut g = pool.take(len as usize)?;
     let buf = g.as_mut_slice();
+    // The hotzone's place: where its old data is and its new data goes (the same for a
+    // reencryption in place; the moved segment of a decryption that moves the data lies at
+    // the new data offset).
+    let place = u.new_offset + offset;
     match u.protect {
         Protect::None => {}
         Protect::Datashift => return Err(Error::Bug("datashift recovered above")),
         Protect::Journal => {
             hdr_dev.read_exact_at(buf, area)?;
             rekey(&mut u, offset, buf)?;
-            data_dev.write_at(buf, u.data_offset + offset)?;
+            data_dev.write_at(buf, place)?;
         }
-        Protect::Checksum { hash, block } => {
+        Protect::Checksum { hash, block } | Protect::Unshift { hash, block } => {
             let hb = hash.output_bytes();
             let block = u64::from(block);
             let n = (len / block) as usize;
             let sums = read_area(hdr_dev, area, (n * hb) as u64)?;
-            data_dev.read_exact_at(buf, u.data_offset + offset)?;
+            data_dev.read_exact_at(buf, place)?;
             for i in 0..n {
                 let at = i * block as usize;
                 let chunk = &mut buf[at..at + block as usize];
                 if hash.digest(&[chunk]) == sums[i * hb..(i + 1) * hb] {
                     let o = offset + at as u64;
                     rekey(&mut u, o, chunk)?;
-                    data_dev.write_at(chunk, u.data_offset + o)?;
+                    data_dev.write_at(chunk, u.new_offset + o)?;
                 }
             }
         }
