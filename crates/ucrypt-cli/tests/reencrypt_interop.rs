@@ -280,7 +280,13 @@ fn unbuilt_modes_are_refused_by_name() {
         ),
         // The decryption that moves the data back is built, with datashift-checksum only.
         (
-            vec!["--decrypt", "--header", s(&new_hdr), "--resilience", "journal"],
+            vec![
+                "--decrypt",
+                "--header",
+                s(&new_hdr),
+                "--resilience",
+                "journal",
+            ],
             "datashift-journal",
         ),
     ] {

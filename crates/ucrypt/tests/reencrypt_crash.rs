@@ -19,8 +19,9 @@ use ucrypt::blockdev::BlockDev;
 use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_run::{
-    init, init_encrypt, init_encrypt_shift, init_on, recover, recover_on, resume, resume_on,
-    Devices, EncryptOptions, InitOptions, Recovery, ResilienceKind, RunOptions, SegmentChange,
+    init, init_decrypt_unshift, init_encrypt, init_encrypt_shift, init_on, recover, recover_on,
+    resume, resume_on, Devices, EncryptOptions, InitOptions, Recovery, ResilienceKind, RunOptions,
+    SegmentChange, UnshiftOptions,
 };
 use ucrypt::luks::{self, Header, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
@@ -983,7 +984,12 @@ fn shift_contents(dev: Arc<dyn Backend>) -> Result<Vec<u8>> {
 /// data in order: a linear one its plaintext, a crypt one its ciphertext under the new key
 /// (its IV tweak), the hotzone skipped.
 fn check_shift_layout(dev: &dyn Backend, want: &[u8], what: &str) {
-    let Ok(hdr_any) = luks::read_header(dev) else {
+    check_moved_layout(dev, dev, want, what)
+}
+
+/// [`check_shift_layout`] with the header on `hdr` and the data on `data`.
+fn check_moved_layout(hdr_dev: &dyn Backend, dev: &dyn Backend, want: &[u8], what: &str) {
+    let Ok(hdr_any) = luks::read_header(hdr_dev) else {
         return;
     };
     let Header::Luks2(hdr) = &hdr_any else {
@@ -1022,7 +1028,7 @@ fn check_shift_layout(dev: &dyn Backend, want: &[u8], what: &str) {
                 let slot: u32 = hdr.meta.digests[&d.to_string()].keyslots[0]
                     .parse()
                     .unwrap();
-                let mut read = |o: u64, l: u64| luks::read_area(dev, o, l);
+                let mut read = |o: u64, l: u64| luks::read_area(hdr_dev, o, l);
                 let (_, vk) = luks::unlock(&hdr_any, PASS, Some(slot), &mut read).unwrap();
                 let mut c = SectorCipher::new(
                     seg.encryption.as_deref().unwrap().parse().unwrap(),
@@ -1192,5 +1198,326 @@ fn power_cut_during_shift_encryption() {
             total + 1
         );
         assert!(recovered > 0, "no cut landed inside a hotzone");
+    }
+}
+
+// ---------------------------------------------------------- decryption moving the data back
+
+/// The old data offset of the tests of a decryption that moves the data back: the shift, and
+/// the header file's size (two 16 KiB copies and the keyslots area: keyslot 0's 258048 bytes
+/// and the reencrypt area after it).
+const UNSHIFT_S: u64 = 512 << 10;
+/// Ciphertext to move: two shifts and a bit, so the walk has a whole hotzone and a
+/// shortened one before the moved segment's.
+const UNSHIFT_DATA: u64 = 2 * UNSHIFT_S + (384 << 10);
+/// The volume: the header in front, then the data.
+const UNSHIFT_DEV: u64 = UNSHIFT_S + UNSHIFT_DATA;
+/// The driver's buffer (`--hotzone-size`): smaller than the shift, so that a hotzone of the
+/// walk is moved in several pieces.
+const UNSHIFT_PIECE: u64 = 128 << 10;
+
+fn unshift_plaintext() -> Vec<u8> {
+    (0..UNSHIFT_DATA)
+        .map(|i| (i.wrapping_mul(0x2545_f491) >> 9) as u8 ^ 0x3c)
+        .collect()
+}
+
+/// The new header file and the volume as two devices on one crash-simulated disk:
+/// `[header file, UNSHIFT_S][volume: header in front, then the data]`.
+fn unshift_devs(disk: &Arc<dyn Backend>) -> (Arc<Slice>, Arc<Slice>) {
+    (
+        Arc::new(Slice {
+            inner: disk.clone(),
+            offset: 0,
+            len: UNSHIFT_S,
+        }),
+        Arc::new(Slice {
+            inner: disk.clone(),
+            offset: UNSHIFT_S,
+            len: UNSHIFT_DEV,
+        }),
+    )
+}
+
+/// A disk image: an empty header file, then a LUKS2 volume (`sector`-byte sectors, data
+/// offset [`UNSHIFT_S`], one keyslot for `PASS`) holding [`unshift_plaintext`].
+fn base_unshift(sector: u32) -> Vec<u8> {
+    let disk: Arc<dyn Backend> =
+        Arc::new(CrashBackend::new(UNSHIFT_S + UNSHIFT_DEV, 512).expect("disk"));
+    let (_, vol) = unshift_devs(&disk);
+    let vk: Vec<u8> = (0..64u8).map(|i| i ^ 0x6b).collect();
+    format_filled(
+        &(vol as Arc<dyn Backend>),
+        "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f5",
+        (UNSHIFT_S, HDR_SIZE, sector),
+        &vk,
+        PASS,
+        &unshift_plaintext(),
+    );
+    disk.flush().expect("flush");
+    let mut img = vec![0u8; (UNSHIFT_S + UNSHIFT_DEV) as usize];
+    disk.read_exact_at(&mut img, 0).expect("image");
+    img
+}
+
+/// `reencrypt --decrypt --header NEW` of the volume: init (the header exported, the moved
+/// segment copied; `moved` is `--hotzone-size`), then every hotzone.
+fn unshift_all(disk: Arc<dyn Backend>, moved: Option<u64>) -> Result<()> {
+    let (h, d) = unshift_devs(&disk);
+    let devs = Devices {
+        header: h.as_ref(),
+        data: d.as_ref(),
+    };
+    init_decrypt_unshift(
+        devs,
+        PASS,
+        &UnshiftOptions {
+            kdf: &fast_kdf(),
+            key_slot: None,
+            moved_bytes: moved,
+        },
+    )?;
+    resume_on(
+        devs,
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(UNSHIFT_PIECE),
+        },
+        &mut |_| {},
+    )
+}
+
+/// Where a cut decryption that moves the data was left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unshifted {
+    /// No header exported yet: the volume is untouched.
+    NoHeader,
+    /// The header exported, the reencryption not committed: the volume opens through it.
+    Exported,
+    /// Recovered (if inside a hotzone) and finished: the plaintext at the start.
+    Decrypted,
+}
+
+/// After a crash during a decryption that moves the data: what an operator finds and does
+/// (repair and resume when the new header is in reencryption). Checks the plaintext in each
+/// case; `base` is the disk before the run.
+fn finish_unshift(disk: Arc<CrashBackend>, base: &[u8]) -> Result<(Recovery, Unshifted)> {
+    let whole: Arc<dyn Backend> = disk.clone();
+    let (h, d) = unshift_devs(&whole);
+    let want = unshift_plaintext();
+    let untouched = || {
+        let img = disk.crash_image(0);
+        let s = UNSHIFT_S as usize;
+        assert!(
+            img[s..] == base[s..],
+            "no header exported, the volume changed"
+        );
+        Ok((Recovery::NotNeeded, Unshifted::NoHeader))
+    };
+    let Ok(hdr) = luks::read_header(h.as_ref()) else {
+        return untouched();
+    };
+    let devs = Devices {
+        header: h.as_ref(),
+        data: d.as_ref(),
+    };
+    let mut rec = Recovery::NotNeeded;
+    if hdr.unmet_requirements().is_empty() {
+        let Header::Luks2(plain) = &hdr else {
+            panic!("LUKS1")
+        };
+        if plain.meta.segments["0"].kind == "crypt" {
+            // The export, complete (the volume then opens through it) or cut (the volume is
+            // then untouched: the export is flushed before the volume is written).
+            let mut o = OpenOptions::default();
+            o.header = Some(h.clone());
+            let Ok(vol) = luks::open(
+                d.clone(),
+                Unlock::Passphrase(SecretBytes::from_slice(PASS)),
+                &o,
+            ) else {
+                return untouched();
+            };
+            let mut out = vec![0u8; UNSHIFT_DATA as usize];
+            vol.read_at(&mut out, 0)?;
+            assert!(out == want, "exported header: the data differs");
+            return Ok((Recovery::NotNeeded, Unshifted::Exported));
+        }
+    } else {
+        rec = recover_on(devs, PASS)?;
+        if !luks::read_header(h.as_ref())?
+            .unmet_requirements()
+            .is_empty()
+        {
+            resume_on(devs, PASS, RunOptions::default(), &mut |_| {})?;
+        }
+    }
+    assert_decrypted_header(&luks::read_header(h.as_ref())?);
+    let mut out = vec![0u8; UNSHIFT_DATA as usize];
+    d.read_exact_at(&mut out, 0)?;
+    if out != want {
+        return Err(Error::InvalidArgument(format!(
+            "data differs after recovery ({rec:?}) from byte {}",
+            out.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0)
+        )));
+    }
+    Ok((rec, Unshifted::Decrypted))
+}
+
+/// The decryption leaves the plaintext at the start of the device (sector sizes 512 and
+/// 4096; the moved segment of one shift, cryptsetup's default here, and of 128 KiB), the
+/// stale tail wiped, no LUKS header on the device, and the exported header plain.
+#[test]
+fn unshift_decryption_leaves_the_plaintext() {
+    let want = unshift_plaintext();
+    for sector in [512u32, 4096] {
+        for moved in [None, Some(128 << 10)] {
+            let base = base_unshift(sector);
+            let disk = Arc::new(CrashBackend::from_image(base.clone(), 512));
+            unshift_all(disk.clone(), moved).expect("decrypt");
+            let img = disk.crash_image(0);
+            let v = UNSHIFT_S as usize;
+            assert!(
+                img[v..v + want.len()] == want[..],
+                "{sector} {moved:?}: data"
+            );
+            let tail = v + want.len();
+            assert!(
+                img[tail..] != base[tail..],
+                "{sector} {moved:?}: old ciphertext left in the tail"
+            );
+            let whole: Arc<dyn Backend> = disk.clone();
+            let (h, d) = unshift_devs(&whole);
+            assert!(
+                luks::read_header(d.as_ref()).is_err(),
+                "a header left on the device"
+            );
+            assert_decrypted_header(&luks::read_header(h.as_ref()).unwrap());
+            assert_eq!(
+                finish_unshift(disk, &base).unwrap(),
+                (Recovery::NotNeeded, Unshifted::Decrypted)
+            );
+        }
+    }
+}
+
+/// What cannot start is refused before anything is written: a moved segment larger than the
+/// shift or not a whole number of 4 KiB blocks, no separate header device, a wrong
+/// passphrase, a volume already in reencryption.
+#[test]
+fn unshift_refusals_write_nothing() {
+    let base = base_unshift(4096);
+    for (moved, what) in [
+        (Some(UNSHIFT_S + 4096), "greater than data shift"),
+        (Some(6000), "zone alignment"),
+    ] {
+        let disk = Arc::new(CrashBackend::from_image(base.clone(), 512));
+        let e = unshift_all(disk.clone(), moved).unwrap_err().to_string();
+        assert!(e.contains(what), "{moved:?}: {e}");
+        assert!(disk.crash_image(0) == base, "{moved:?}: written");
+    }
+    let disk: Arc<dyn Backend> = Arc::new(CrashBackend::from_image(base.clone(), 512));
+    let (h, d) = unshift_devs(&disk);
+    let opts = UnshiftOptions {
+        kdf: &fast_kdf(),
+        key_slot: None,
+        moved_bytes: None,
+    };
+    let e = init_decrypt_unshift(Devices::one(d.as_ref()), PASS, &opts).unwrap_err();
+    assert!(e.to_string().contains("new file"), "{e}");
+    let devs = Devices {
+        header: h.as_ref(),
+        data: d.as_ref(),
+    };
+    let e = init_decrypt_unshift(devs, b"wrong", &opts).unwrap_err();
+    assert!(
+        matches!(e, Error::NoUsableKeyslot | Error::WrongPassphrase),
+        "{e}"
+    );
+    let mut img = vec![0u8; base.len()];
+    disk.read_exact_at(&mut img, 0).unwrap();
+    assert!(img == base, "written");
+    // Started, then asked again (the exported header in front of nothing): the volume has no
+    // header left to export.
+    init_decrypt_unshift(devs, PASS, &opts).unwrap();
+    disk.read_exact_at(&mut img, 0).unwrap();
+    assert!(init_decrypt_unshift(devs, PASS, &opts).is_err());
+    let mut again = vec![0u8; base.len()];
+    disk.read_exact_at(&mut again, 0).unwrap();
+    assert!(again == img, "written by a refused init");
+}
+
+/// Power cut at every write and flush of a whole decryption that moves the data (init: the
+/// export, the wipe of the old header's magic, the moved segment; two hotzones of the walk,
+/// each moved in pieces; the moved segment's hotzone, decrypted in place; finalisation), at
+/// atomic units of 4 KiB (the checksum block: a torn block of the moved segment's hotzone
+/// cannot be told apart, in cryptsetup as here), sector sizes 512 and 4096, the moved segment
+/// of one shift and of 128 KiB: before recovery the live segments hold what they say; then
+/// the plaintext is at the start of the device after `recover` and `resume`, or (cut before
+/// the reencryption was committed) the volume reads the plaintext through the exported
+/// header, or (cut before the export) is untouched.
+#[test]
+fn power_cut_during_unshift_decryption() {
+    let mut next = rng();
+    let want = unshift_plaintext();
+    for (sector, unit, moved) in [
+        (512u32, 4096u64, None),
+        (4096, 4096, None),
+        (4096, 4096, Some(128 << 10)),
+    ] {
+        let base = base_unshift(sector);
+        let counter = Arc::new(Cut::new(base.clone(), unit, u64::MAX));
+        unshift_all(counter.clone(), moved).expect("uncut decryption");
+        let total = counter.used.load(Ordering::SeqCst);
+        let mut seen = std::collections::BTreeMap::new();
+        let mut moved_recovered = 0;
+        for budget in 0..=total {
+            let cut = Arc::new(Cut::new(base.clone(), unit, budget));
+            let r = unshift_all(cut.clone(), moved);
+            assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
+            let seed = next();
+            let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(seed), unit));
+            let what = format!(
+                "sector {sector} unit {unit} moved {moved:?}: cut after {budget} of {total} \
+                 (crash seed {seed})"
+            );
+            let whole: Arc<dyn Backend> = kept.clone();
+            let (h, d) = unshift_devs(&whole);
+            let mut in_order = Vec::with_capacity(want.len());
+            in_order.extend_from_slice(&want);
+            check_moved_layout(h.as_ref(), d.as_ref(), &in_order, &what);
+            let (rec, at) = finish_unshift(kept, &base)
+                .unwrap_or_else(|e| panic!("{what}: recovery failed: {e}"));
+            if let Recovery::Recovered { offset: 0, .. } = rec {
+                moved_recovered += 1;
+            }
+            *seen
+                .entry(format!(
+                    "{at:?} {}",
+                    matches!(rec, Recovery::Recovered { .. })
+                ))
+                .or_insert(0) += 1;
+        }
+        println!(
+            "unshift sector {sector} unit {unit} moved {moved:?}: {} cuts: {seen:?}, {moved_recovered} \
+             inside the moved segment's hotzone",
+            total + 1
+        );
+        assert!(
+            seen.contains_key("NoHeader false"),
+            "no cut before the export"
+        );
+        assert!(
+            seen.contains_key("Exported false"),
+            "no cut after the export"
+        );
+        assert!(
+            moved_recovered > 0,
+            "no cut inside the moved segment's hotzone"
+        );
+        assert!(
+            seen.get("Decrypted true").copied().unwrap_or(0) > moved_recovered,
+            "no cut inside a hotzone of the walk"
+        );
     }
 }
