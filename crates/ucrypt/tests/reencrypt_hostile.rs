@@ -15,8 +15,9 @@ use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::reencrypt_plan::position;
 use ucrypt::luks::reencrypt_run::{
-    init, init_encrypt_shift, recover, resume, EncryptOptions, InitOptions, ResilienceKind,
-    RunOptions, SegmentChange,
+    init, init_decrypt_unshift, init_encrypt_shift, recover, recover_on, resume, resume_on,
+    Devices, EncryptOptions, InitOptions, ResilienceKind, RunOptions, SegmentChange,
+    UnshiftOptions,
 };
 use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, SectorSize};
@@ -446,14 +447,23 @@ fn shift_stopped() -> (Vec<u8>, Vec<u8>) {
 /// Recomputes the reencryption digest of both copies with the volume key, as a tool holding
 /// the key would write it: the rows then reach the checks behind the digest.
 fn redigest(img: &mut [u8]) {
+    redigest_with(img, false)
+}
+
+/// [`redigest`] over the old key (a decryption) when `old`, else the new one.
+fn redigest_with(img: &mut [u8], old: bool) {
     let dev = CrashBackend::from_image(img.to_vec(), 512);
     let hdr = luks::read_header(&dev).expect("header");
     let Header::Luks2(h) = &hdr else { panic!() };
     let st = ReencryptState::from_metadata(&h.meta).unwrap().unwrap();
     let mut read = |o: u64, l: u64| luks::read_area(&dev, o, l);
     let (_, vk) = luks::unlock(&hdr, PASS, Some(0), &mut read).expect("unlock");
-    let data =
-        ucrypt::luks::reencrypt::verification_data(&h.meta, &st, None, Some(vk.bytes())).unwrap();
+    let (o, n) = if old {
+        (Some(vk.bytes()), None)
+    } else {
+        (None, Some(vk.bytes()))
+    };
+    let data = ucrypt::luks::reencrypt::verification_data(&h.meta, &st, o, n).unwrap();
     let rk = st.keyslot.id.to_string();
     let (id, d) = h.meta.digest_for_keyslot(&rk).expect("reencryption digest");
     let salt = ucrypt::luks::util::b64_decode(d.salt.as_deref().unwrap()).unwrap();
@@ -578,6 +588,370 @@ fn mangled_datashift_metadata_is_refused_and_nothing_is_written() {
             Unlock::Passphrase(SecretBytes::from_slice(PASS)),
             &OpenOptions::default(),
         );
+        assert!(opened.is_err(), "{name}: activation refused");
+        println!("{name}: refused by '{want}'");
+    }
+}
+
+// ------------------------------------------------------ decryption moving the data back
+
+/// The old data offset (the shift) of the rows of a decryption that moves the data back, and
+/// its data (three shifts): the disk is the new header file (one shift: the metadata and
+/// keyslots area), then the volume with its header in front.
+const UNSHIFT_S: u64 = 512 << 10;
+const UNSHIFT_DATA: u64 = 3 * UNSHIFT_S;
+const UNSHIFT_VOL: u64 = UNSHIFT_S + UNSHIFT_DATA;
+
+struct Slice {
+    inner: Arc<dyn Backend>,
+    offset: u64,
+    len: u64,
+}
+
+impl Backend for Slice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        self.inner.read_at(buf, self.offset + offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        assert!(
+            offset + buf.len() as u64 <= self.len,
+            "write past the slice"
+        );
+        self.inner.write_at(buf, self.offset + offset)
+    }
+    fn flush(&self) -> Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.discard(self.offset + offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.write_zeroes(self.offset + offset, len)
+    }
+    fn size(&self) -> u64 {
+        self.len
+    }
+    fn logical_block_bytes(&self) -> u32 {
+        self.inner.logical_block_bytes()
+    }
+    fn describe(&self) -> String {
+        "slice".into()
+    }
+}
+
+/// The header file and the volume on `disk`.
+fn unshift_devs(disk: Arc<dyn Backend>) -> (Arc<Slice>, Arc<Slice>) {
+    (
+        Arc::new(Slice {
+            inner: disk.clone(),
+            offset: 0,
+            len: UNSHIFT_S,
+        }),
+        Arc::new(Slice {
+            inner: disk,
+            offset: UNSHIFT_S,
+            len: UNSHIFT_VOL,
+        }),
+    )
+}
+
+fn unshift_base() -> Vec<u8> {
+    let disk = Arc::new(CrashBackend::new(UNSHIFT_S + UNSHIFT_VOL, 512).expect("disk"));
+    let (_, vol) = unshift_devs(disk.clone());
+    let vk: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(3)).collect();
+    let fill: Vec<u8> = (0..UNSHIFT_DATA)
+        .map(|i| (i * 11 + i / 512) as u8)
+        .collect();
+    format_filled(
+        &(vol as Arc<dyn Backend>),
+        "5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f2",
+        (UNSHIFT_S, HDR, 4096),
+        &vk,
+        PASS,
+        &fill,
+    );
+    disk.crash_image(0)
+}
+
+/// `resume` of a decryption that moves the data back, on `disk`.
+fn unshift_resume(disk: Arc<dyn Backend>) -> Result<()> {
+    let (h, d) = unshift_devs(disk);
+    let devs = Devices {
+        header: h.as_ref(),
+        data: d.as_ref(),
+    };
+    resume_on(devs, PASS, RunOptions::default(), &mut |_| {})
+}
+
+fn unshift_recover(disk: Arc<dyn Backend>) -> Result<ucrypt::luks::reencrypt_run::Recovery> {
+    let (h, d) = unshift_devs(disk);
+    recover_on(
+        Devices {
+            header: h.as_ref(),
+            data: d.as_ref(),
+        },
+        PASS,
+    )
+}
+
+fn unshift_all(disk: Arc<dyn Backend>) -> Result<()> {
+    let (h, d) = unshift_devs(disk.clone());
+    init_decrypt_unshift(
+        Devices {
+            header: h.as_ref(),
+            data: d.as_ref(),
+        },
+        PASS,
+        &UnshiftOptions {
+            kdf: &fast_kdf(),
+            key_slot: None,
+            moved_bytes: None,
+        },
+    )?;
+    unshift_resume(disk)
+}
+
+/// The decryption stopped between hotzones of the walk (some done), inside one of them (some
+/// done), and inside the moved segment's hotzone.
+fn unshift_stopped() -> [Vec<u8>; 3] {
+    let img = unshift_base();
+    let (mut between, mut inside, mut moved) = (None, None, None);
+    for budget in 0.. {
+        let dev = Arc::new(Cut::new(img.clone(), 512, budget));
+        if unshift_all(dev.clone()).is_ok() {
+            break;
+        }
+        let got = dev.image();
+        let json = |c: usize| &got[c * HDR as usize + 4096..(c + 1) * HDR as usize];
+        if json(0) != json(1) {
+            continue;
+        }
+        let Ok(Header::Luks2(h)) = luks::read_header(&CrashBackend::from_image(got.clone(), 512))
+        else {
+            continue;
+        };
+        let Ok(Some(st)) = ReencryptState::from_metadata(&h.meta) else {
+            continue;
+        };
+        let walk = UNSHIFT_DATA - UNSHIFT_S;
+        match position(&h.meta, &st, UNSHIFT_DATA) {
+            Ok(p) if p.done > 0 && p.done < walk && p.hotzone.is_none() && between.is_none() => {
+                between = Some(got)
+            }
+            Ok(p) if p.done > 0 && p.done < walk && p.hotzone.is_some() && inside.is_none() => {
+                inside = Some(got)
+            }
+            Ok(p) if p.done == walk && p.hotzone.is_some() && moved.is_none() => moved = Some(got),
+            _ => {}
+        }
+        if between.is_some() && inside.is_some() && moved.is_some() {
+            break;
+        }
+    }
+    [
+        between.expect("between"),
+        inside.expect("inside"),
+        moved.expect("inside the moved segment's hotzone"),
+    ]
+}
+
+/// Which stopped decryption a row mangles.
+#[derive(Clone, Copy, Debug)]
+enum UnshiftAt {
+    Between,
+    Inside,
+    Moved,
+}
+
+/// (name, image, mutation, recompute the digest over the old key, the check the refusal names)
+fn unshift_rows() -> Vec<(&'static str, UnshiftAt, Mangle, bool, &'static str)> {
+    use UnshiftAt::*;
+    let backup = |v: &mut Value, flag: &str, f: &dyn Fn(&mut Value)| {
+        let id = flagged(v, flag);
+        f(&mut v["segments"][&id]);
+    };
+    vec![
+        (
+            "v3 reencryption digest flipped",
+            Between,
+            Box::new(|v: &mut Value| {
+                let id = reencrypt_keyslot_id(v);
+                let (did, _) = v["digests"]
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .find(|(_, d)| d["keyslots"].as_array().unwrap().contains(&json!(id)))
+                    .map(|(k, d)| (k.clone(), d.clone()))
+                    .unwrap();
+                let d = v["digests"][&did]["digest"].as_str().unwrap().to_string();
+                let flipped = if d.starts_with('A') { "B" } else { "A" };
+                v["digests"][&did]["digest"] = json!(format!("{flipped}{}", &d[1..]));
+            }),
+            false,
+            "reencrypt-digest",
+        ),
+        (
+            "datashift-checksum under the v2 requirement",
+            Between,
+            Box::new(|v: &mut Value| {
+                v["config"]["requirements"]["mandatory"] = json!(["online-reencrypt-v2"]);
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "shift size not the distance between the data offsets",
+            Between,
+            Box::new(|v: &mut Value| {
+                reencrypt_keyslot(v)["area"]["shift_size"] = json!((UNSHIFT_S / 2).to_string());
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "moved segment larger than the shift",
+            Between,
+            Box::new(move |v: &mut Value| {
+                backup(v, "backup-moved-segment", &|s| set_size(s, 2 * UNSHIFT_S))
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "moved segment away from the new data offset",
+            Inside,
+            Box::new(move |v: &mut Value| {
+                backup(v, "backup-moved-segment", &|s| {
+                    s["offset"] = json!("4096");
+                })
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "moved segment under another cipher",
+            Moved,
+            Box::new(move |v: &mut Value| {
+                backup(v, "backup-moved-segment", &|s| {
+                    s["encryption"] = json!("aes-cbc-essiv:sha256");
+                })
+            }),
+            true,
+            "reencrypt-datashift",
+        ),
+        (
+            "backup-previous moved, digest not recomputed",
+            Between,
+            Box::new(move |v: &mut Value| {
+                backup(v, "backup-previous", &|s| {
+                    s["offset"] = json!((UNSHIFT_S + 4096).to_string());
+                })
+            }),
+            false,
+            "reencrypt-digest",
+        ),
+        (
+            "live moved segment away from its backup",
+            Between,
+            Box::new(|v: &mut Value| {
+                v["segments"]["0"]["offset"] = json!("4096");
+            }),
+            false,
+            "reencrypt-segments",
+        ),
+        (
+            "ciphertext left with an IV tweak off its offset",
+            Between,
+            Box::new(|v: &mut Value| {
+                let last = v["segments"]
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .filter(|(_, s)| s["type"] == "crypt" && s.get("flags").is_none())
+                    .map(|(k, _)| k.clone())
+                    .next_back()
+                    .unwrap();
+                let t = num(&v["segments"][&last], "iv_tweak");
+                v["segments"][&last]["iv_tweak"] = json!((t + 8).to_string());
+            }),
+            false,
+            "reencrypt-segments",
+        ),
+        (
+            "hotzone not beginning where the plaintext done ends",
+            Inside,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "in-reencryption");
+                let off = num(&v["segments"][&id], "offset");
+                v["segments"][&id]["offset"] = json!((off + 4096).to_string());
+            }),
+            false,
+            "reencrypt-plan",
+        ),
+        (
+            "moved segment's hotzone shorter than the moved segment",
+            Moved,
+            Box::new(|v: &mut Value| {
+                let id = flagged(v, "in-reencryption");
+                set_size(&mut v["segments"][&id], UNSHIFT_S / 2);
+            }),
+            false,
+            "reencrypt-plan",
+        ),
+    ]
+}
+
+#[test]
+fn mangled_unshift_metadata_is_refused_and_nothing_is_written() {
+    let stopped = unshift_stopped();
+    let names = ["between", "inside", "moved"];
+    for (name, img) in names.iter().zip(&stopped) {
+        let mut img = img.clone();
+        redigest_with(&mut img, true);
+        let dev: Arc<dyn Backend> = Arc::new(Cut::new(img, 512, u64::MAX));
+        if *name != "between" {
+            unshift_recover(dev.clone()).expect("recover the unmangled hotzone");
+        }
+        // Recovering the moved segment's hotzone, the last, finalises.
+        if *name != "moved" {
+            unshift_resume(dev.clone())
+                .unwrap_or_else(|e| panic!("{name}: the unmangled decryption resumes: {e}"));
+        }
+        let (h, _) = unshift_devs(dev);
+        assert!(
+            luks::read_header(h.as_ref())
+                .unwrap()
+                .unmet_requirements()
+                .is_empty(),
+            "{name}: finished"
+        );
+    }
+    for (name, at, mangle, digest, want) in unshift_rows() {
+        let mut img = stopped[at as usize].clone();
+        mutate_json(&mut img, &*mangle);
+        if digest {
+            redigest_with(&mut img, true);
+        }
+        let cut = Arc::new(Cut::new(img.clone(), 512, 0));
+        check_named(
+            &format!("{name} (resume)"),
+            unshift_resume(cut.clone()),
+            want,
+        );
+        check_named(
+            &format!("{name} (recover)"),
+            unshift_recover(cut.clone()),
+            want,
+        );
+        assert_eq!(
+            cut.used.load(Ordering::SeqCst),
+            0,
+            "{name}: a refused call wrote"
+        );
+        let (h, d) = unshift_devs(Arc::new(CrashBackend::from_image(img, 512)));
+        let mut o = OpenOptions::default();
+        o.header = Some(h);
+        let opened = luks::open(d, Unlock::Passphrase(SecretBytes::from_slice(PASS)), &o);
         assert!(opened.is_err(), "{name}: activation refused");
         println!("{name}: refused by '{want}'");
     }

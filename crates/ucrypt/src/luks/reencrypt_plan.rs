@@ -541,6 +541,17 @@ fn position_unshift(meta: &Metadata, u: &Unshift) -> Result<Position> {
                     u.shift_bytes
                 )));
             }
+            match done_part {
+                Some((part_at, SegmentSize::Bytes(n))) if part_at == u.moved_bytes && n == done => {
+                }
+                None if done == 0 => {}
+                _ => {
+                    return Err(bad(format!(
+                        "the hotzone at {at} does not begin where the plaintext done ends \
+                         ({done_part:?})"
+                    )))
+                }
+            }
             Position {
                 done,
                 hotzone: Some(len),
