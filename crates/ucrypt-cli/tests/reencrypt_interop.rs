@@ -1612,3 +1612,587 @@ fn ucrypt_finishes_a_shift_cryptsetup_was_killed_in() {
         "{mid_way} of {rounds} left mid-way ({hot_hits} inside a hotzone), finished by ucrypt"
     );
 }
+
+// ------------------------------------- decryption moving the data back (header exported)
+
+/// `reencrypt --decrypt --header NEW` (NEW not existing) with `extra` options, as both tools
+/// spell it.
+fn unshift_args<'a>(key: &'a Path, hdr: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "reencrypt",
+        "--decrypt",
+        "--header",
+        s(hdr),
+        "-q",
+        "--key-file",
+        s(key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.extend(extra);
+    a
+}
+
+/// The finished decryption: the exported header is plain (one linear segment at 0, no
+/// keyslot, no reencryption, as cryptsetup reads it), the device holds no LUKS header and
+/// starts with the plaintext, and the old ciphertext of the last shift past it is wiped.
+fn unshift_decrypted(img: &Path, hdr: &Path, plain: &[u8], before: &[u8], what: &str) {
+    let d = dump(hdr);
+    assert!(
+        !d.contains("reencrypt"),
+        "{what}: reencryption left in:\n{d}"
+    );
+    assert!(
+        d.contains("0: linear") && d.contains("offset: 0 [bytes]"),
+        "{what}: {d}"
+    );
+    assert!(!d.contains(": luks2"), "{what}: keyslots left:\n{d}");
+    assert!(
+        !run("cryptsetup", &["isLuks", s(img)]).status.success(),
+        "{what}: a LUKS header left on the device"
+    );
+    let raw = std::fs::read(img).expect("data");
+    assert_eq!(raw.len(), before.len(), "{what}: the device changed size");
+    assert!(raw[..plain.len()] == plain[..], "{what}: not the plaintext");
+    assert!(
+        raw[plain.len()..] != before[plain.len()..],
+        "{what}: the old ciphertext left past the data"
+    );
+}
+
+/// ucrypt decrypts (sector sizes 512 and 4096; the default moved segment and a 1 MiB one):
+/// cryptsetup reads the exported header, the device holds the plaintext at offset 0.
+#[test]
+fn unshift_ucrypt_decrypts_cryptsetup_reads() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (sector, extra) in [
+        (512u32, &[][..]),
+        (4096, &[][..]),
+        (4096, &["--hotzone-size", "1M"][..]),
+    ] {
+        let t = TempDir::new("unshift");
+        let (img, key, plain) = volume(&t, 72, sector);
+        let before = std::fs::read(&img).expect("image");
+        let hdr = t.path("exported.hdr");
+        let mut a = unshift_args(&key, &hdr, extra);
+        a.push(s(&img));
+        ok(UCRYPT, &a);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&hdr)
+            .expect("header")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "exported header mode");
+        unshift_decrypted(&img, &hdr, &plain, &before, &format!("{sector} {extra:?}"));
+    }
+}
+
+/// Both tools' `--init-only` on copies of one volume: the same metadata (keyslots, the
+/// reencrypt keyslot's datashift-checksum area, segments in cryptsetup's order, digest lists,
+/// config with the v3 requirement: JSON compared), the same bytes in the exported header's
+/// keyslots area and on the device (the moved segment over the old header); `dump` equals
+/// luksDump; then each tool finishes the other's.
+#[test]
+fn unshift_init_matches_cryptsetup_and_each_finishes_the_other() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (sector, extra) in [
+        (512u32, &[][..]),
+        (4096, &[][..]),
+        (4096, &["--hotzone-size", "1M"][..]),
+    ] {
+        let what = format!("{sector} {extra:?}");
+        let t = TempDir::new("unshift-init");
+        let (img, key, plain) = volume(&t, 64, sector);
+        let before = std::fs::read(&img).expect("image");
+        let theirs = t.path("theirs.img");
+        std::fs::copy(&img, &theirs).expect("copy");
+        let (my_hdr, their_hdr) = (t.path("mine.hdr"), t.path("theirs.hdr"));
+        let mut a = unshift_args(&key, &my_hdr, &["--init-only"]);
+        a.extend(extra);
+        a.push(s(&img));
+        ok(UCRYPT, &a);
+        let mut c = unshift_args(
+            &key,
+            &their_hdr,
+            &["--init-only", "--force-offline-reencrypt"],
+        );
+        c.extend(extra);
+        c.push(s(&theirs));
+        ok("cryptsetup", &c);
+        let (mine, theirs_meta) = (shift_metadata(&my_hdr), shift_metadata(&their_hdr));
+        assert_eq!(mine, theirs_meta, "{what}");
+        assert!(mine.contains("online-reencrypt-v3"), "{mine}");
+        assert!(mine.contains("datashift-checksum"), "{mine}");
+        for f in [&my_hdr, &their_hdr] {
+            assert_eq!(ok(UCRYPT, &["dump", s(f)]), dump(f), "{what}: dump");
+        }
+        let (my_raw, their_raw) = (
+            std::fs::read(&img).expect("mine"),
+            std::fs::read(&theirs).expect("theirs"),
+        );
+        assert!(my_raw == their_raw, "{what}: the devices differ after init");
+        let (my_h, their_h) = (
+            std::fs::read(&my_hdr).expect("mine"),
+            std::fs::read(&their_hdr).expect("theirs"),
+        );
+        assert_eq!(my_h.len(), their_h.len(), "{what}: header file size");
+        assert!(
+            my_h[32 << 10..] == their_h[32 << 10..],
+            "{what}: keyslots area"
+        );
+        // The moved segment: the first ciphertext over the old header.
+        let m = if extra.is_empty() { 16 << 20 } else { 1 << 20 };
+        assert!(my_raw[..m] == before[DATA_OFFSET as usize..DATA_OFFSET as usize + m]);
+        // Each finishes the other's.
+        ok(
+            "cryptsetup",
+            &[
+                "reencrypt",
+                "--resume-only",
+                "--force-offline-reencrypt",
+                "-q",
+                "--header",
+                s(&my_hdr),
+                "--key-file",
+                s(&key),
+                s(&img),
+            ],
+        );
+        unshift_decrypted(
+            &img,
+            &my_hdr,
+            &plain,
+            &before,
+            &format!("{what}: ucrypt init"),
+        );
+        ok(
+            UCRYPT,
+            &[
+                "reencrypt",
+                "--resume-only",
+                "-q",
+                "--header",
+                s(&their_hdr),
+                "--key-file",
+                s(&key),
+                s(&theirs),
+            ],
+        );
+        unshift_decrypted(
+            &theirs,
+            &their_hdr,
+            &plain,
+            &before,
+            &format!("{what}: cryptsetup init"),
+        );
+    }
+}
+
+/// Where a killed decryption that moves the data was left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UnshiftLeft {
+    /// No exported header that opens (none, or its export was cut): the volume untouched.
+    NotExported,
+    /// A plain exported header, the reencryption not committed: the volume reads the
+    /// plaintext through it.
+    Exported,
+    /// In reencryption (inside a hotzone or not): `dump` equals luksDump, serving it is
+    /// refused without writing.
+    Mid { hot: bool },
+    /// Finished (the tail may still be being wiped by ucrypt's last step).
+    Finished,
+}
+
+/// Checks and names where a kill left a decryption that moves the data.
+fn unshift_after_kill(
+    t: &TempDir,
+    img: &Path,
+    hdr: &Path,
+    key: &Path,
+    plain: &[u8],
+    before: &[u8],
+    what: &str,
+) -> UnshiftLeft {
+    let out = t.path("out");
+    let _ = std::fs::remove_file(&out);
+    let header_ok = hdr.exists() && run("cryptsetup", &["isLuks", s(hdr)]).status.success();
+    if header_ok && !in_reencryption(hdr) && dump(hdr).contains("0: linear") {
+        return UnshiftLeft::Finished;
+    }
+    if !header_ok || !in_reencryption(hdr) {
+        let o = run(
+            UCRYPT,
+            &[
+                "export",
+                "--header",
+                s(hdr),
+                "--key-file",
+                s(key),
+                s(img),
+                s(&out),
+            ],
+        );
+        if header_ok && o.status.success() {
+            assert!(
+                std::fs::read(&out).expect("export") == plain,
+                "{what}: the volume through the exported header"
+            );
+            return UnshiftLeft::Exported;
+        }
+        assert!(
+            std::fs::read(img).expect("image") == before,
+            "{what}: no usable exported header, the volume changed"
+        );
+        return UnshiftLeft::NotExported;
+    }
+    assert_eq!(ok(UCRYPT, &["dump", s(hdr)]), dump(hdr), "{what}: dump");
+    let now = std::fs::read(img).expect("image");
+    let o = run(
+        UCRYPT,
+        &[
+            "export",
+            "--header",
+            s(hdr),
+            "--key-file",
+            s(key),
+            s(img),
+            s(&out),
+        ],
+    );
+    assert_ne!(o.status.code(), Some(0), "{what}: export served it");
+    assert!(std::fs::read(img).expect("image") == now, "{what}: written");
+    UnshiftLeft::Mid {
+        hot: in_hotzone(hdr),
+    }
+}
+
+/// Whether the header file holds cryptsetup's v3 requirement in its first JSON area: the
+/// reencryption is committed (read without locking, as the writer holds the lock).
+fn v3_committed(hdr: &Path) -> bool {
+    std::fs::read(hdr)
+        .map(|b| {
+            let json = &b[..b.len().min(16 << 10)];
+            json.windows(19).any(|w| w == b"online-reencrypt-v3")
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn unshift_cryptsetup_finishes_after_ucrypt_is_killed() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let (mut mid_way, mut hot_hits) = (0, 0);
+    let rounds = 6;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let sector = [512u32, 4096][round % 2];
+        let t = TempDir::new("unshift-kill-us");
+        let (img, key, plain) = volume(&t, 200, sector);
+        let before = std::fs::read(&img).expect("image");
+        let hdr = t.path("exported.hdr");
+        let delay = Duration::from_millis(50 + x % 1200);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args(unshift_args(&key, &hdr, &[]));
+        cmd.arg(s(&img));
+        let killed = kill_after(cmd, delay);
+        let what = format!("round {round} sector {sector}: killed={killed} after {delay:?}");
+        let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
+        println!("{what}: {left:?}");
+        let hot = match left {
+            UnshiftLeft::NotExported | UnshiftLeft::Exported => continue,
+            UnshiftLeft::Mid { hot } => {
+                mid_way += 1;
+                hot
+            }
+            UnshiftLeft::Finished => false,
+        };
+        if hot {
+            hot_hits += 1;
+            ok(
+                "cryptsetup",
+                &[
+                    "repair",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        if in_reencryption(&hdr) {
+            ok(
+                "cryptsetup",
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        unshift_decrypted(&img, &hdr, &plain, &before, &what);
+    }
+    println!(
+        "{mid_way} of {rounds} left mid-way ({hot_hits} inside a hotzone), finished by cryptsetup"
+    );
+}
+
+#[test]
+fn unshift_ucrypt_finishes_after_cryptsetup_is_killed() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let (mut mid_way, mut hot_hits) = (0, 0);
+    let rounds = 6;
+    for round in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let sector = [512u32, 4096][round % 2];
+        let t = TempDir::new("unshift-kill-cs");
+        let (img, key, plain) = volume(&t, 300, sector);
+        let before = std::fs::read(&img).expect("image");
+        let hdr = t.path("exported.hdr");
+        // cryptsetup calibrates its reencryption digest before it commits (one to two
+        // seconds here, more under load): the kill comes a seeded delay after the commit,
+        // or (one round in three) a seeded delay after the start.
+        let delay = Duration::from_millis(x % 1500);
+        let after_commit = round % 3 != 2;
+        let mut child = Command::new("cryptsetup")
+            .args(unshift_args(&key, &hdr, &["--force-offline-reencrypt"]))
+            .arg(s(&img))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let start = std::time::Instant::now();
+        while after_commit
+            && !v3_committed(&hdr)
+            && child.try_wait().expect("wait").is_none()
+            && start.elapsed() < Duration::from_secs(60)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(delay);
+        let killed = child.try_wait().expect("wait").is_none();
+        // SIGKILL, as a crash would.
+        let _ = child.kill();
+        let _ = child.wait();
+        let delay = format!(
+            "{delay:?} after {}",
+            if after_commit {
+                "its commit"
+            } else {
+                "its start"
+            }
+        );
+        let what = format!("round {round} sector {sector}: killed={killed} after {delay:?}");
+        let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
+        println!("{what}: {left:?}");
+        let hot = match left {
+            UnshiftLeft::NotExported | UnshiftLeft::Exported => continue,
+            UnshiftLeft::Mid { hot } => {
+                mid_way += 1;
+                hot
+            }
+            UnshiftLeft::Finished => false,
+        };
+        if hot {
+            hot_hits += 1;
+            let o = run(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+            assert_eq!(o.status.code(), Some(1), "{what}");
+            assert!(String::from_utf8_lossy(&o.stderr).contains("Run repair first"));
+            ok(
+                UCRYPT,
+                &[
+                    "repair",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        if in_reencryption(&hdr) {
+            ok(
+                UCRYPT,
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ],
+            );
+        }
+        unshift_decrypted(&img, &hdr, &plain, &before, &what);
+    }
+    println!(
+        "{mid_way} of {rounds} left mid-way ({hot_hits} inside a hotzone), finished by ucrypt"
+    );
+}
+
+/// Whether the header file's first copy says the moved segment's hotzone is open (segment
+/// `0` linear at 0, flagged in-reencryption): the last hotzone, rewritten in place and
+/// protected by checksums. Read without locking, as the writer holds the lock.
+fn in_moved_hotzone(hdr: &Path) -> bool {
+    let Ok(b) = std::fs::read(hdr) else {
+        return false;
+    };
+    let Some(area) = b.get(4096..16 << 10) else {
+        return false;
+    };
+    let end = area.iter().position(|&c| c == 0).unwrap_or(area.len());
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&area[..end]) else {
+        return false;
+    };
+    let s0 = &v["segments"]["0"];
+    s0["type"] == "linear"
+        && s0["offset"] == "0"
+        && s0["flags"]
+            .as_array()
+            .is_some_and(|f| f.iter().any(|x| x == "in-reencryption"))
+}
+
+/// Each tool SIGKILLed inside the moved segment's hotzone (caught by watching the exported
+/// header, then a seeded delay of up to 60 ms into the in-place rewrite), the other repairs
+/// it from the checksums and finishes: the plaintext is intact.
+#[test]
+fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    let mut caught = 0;
+    for (round, (runner, finisher)) in [("ucrypt", "cryptsetup"), ("cryptsetup", "ucrypt")]
+        .iter()
+        .cycle()
+        .take(6)
+        .enumerate()
+    {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let sector = [512u32, 4096, 4096][round / 2];
+        let t = TempDir::new("unshift-moved");
+        let (img, key, plain) = volume(&t, 96, sector);
+        let before = std::fs::read(&img).expect("image");
+        let hdr = t.path("exported.hdr");
+        let prog = if *runner == "ucrypt" {
+            UCRYPT
+        } else {
+            "cryptsetup"
+        };
+        let mut extra = vec![];
+        if *runner == "cryptsetup" {
+            extra.push("--force-offline-reencrypt");
+        }
+        let mut child = Command::new(prog)
+            .args(unshift_args(&key, &hdr, &extra))
+            .arg(s(&img))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let start = std::time::Instant::now();
+        while !in_moved_hotzone(&hdr)
+            && child.try_wait().expect("wait").is_none()
+            && start.elapsed() < Duration::from_secs(120)
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // cryptsetup rewrites the moved segment faster than ucrypt (one pass, no lanes).
+        let window_ms = if *runner == "cryptsetup" { 8 } else { 60 };
+        std::thread::sleep(Duration::from_millis(x % window_ms));
+        let killed = child.try_wait().expect("wait").is_none();
+        let _ = child.kill();
+        let _ = child.wait();
+        let what = format!("round {round}: {runner} killed={killed}, sector {sector}");
+        let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
+        println!("{what}: {left:?}");
+        let fin = if *finisher == "ucrypt" {
+            UCRYPT
+        } else {
+            "cryptsetup"
+        };
+        if let UnshiftLeft::Mid { hot } = left {
+            if hot && in_moved_hotzone(&hdr) {
+                caught += 1;
+                println!("{what}: inside the moved segment's hotzone, repaired by {finisher}");
+            }
+            if hot {
+                ok(
+                    fin,
+                    &[
+                        "repair",
+                        "-q",
+                        "--header",
+                        s(&hdr),
+                        "--key-file",
+                        s(&key),
+                        s(&img),
+                    ],
+                );
+            }
+            if in_reencryption(&hdr) {
+                let mut a = vec![
+                    "reencrypt",
+                    "--resume-only",
+                    "-q",
+                    "--header",
+                    s(&hdr),
+                    "--key-file",
+                    s(&key),
+                ];
+                if *finisher == "cryptsetup" {
+                    a.push("--force-offline-reencrypt");
+                }
+                a.push(s(&img));
+                ok(fin, &a);
+            }
+        }
+        assert!(
+            !matches!(left, UnshiftLeft::NotExported | UnshiftLeft::Exported),
+            "{what}: killed before the reencryption started"
+        );
+        unshift_decrypted(&img, &hdr, &plain, &before, &what);
+    }
+    println!("{caught} of 6 kills inside the moved segment's hotzone, repaired by the other tool");
+    assert!(
+        caught > 0,
+        "no kill landed inside the moved segment's hotzone"
+    );
+}

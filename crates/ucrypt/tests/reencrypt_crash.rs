@@ -1353,6 +1353,18 @@ fn finish_unshift(disk: Arc<CrashBackend>, base: &[u8]) -> Result<(Recovery, Uns
         }
     }
     assert_decrypted_header(&luks::read_header(h.as_ref())?);
+    // The old ciphertext of the last shift, past the plaintext, is wiped before the header
+    // says done.
+    let (tail, base_tail) = (
+        disk.crash_image(0)[(UNSHIFT_S + UNSHIFT_DATA) as usize..].to_vec(),
+        &base[(UNSHIFT_S + UNSHIFT_DATA) as usize..],
+    );
+    assert!(
+        tail.chunks(4096)
+            .zip(base_tail.chunks(4096))
+            .all(|(a, b)| a != b),
+        "finished with old ciphertext left past the data"
+    );
     let mut out = vec![0u8; UNSHIFT_DATA as usize];
     d.read_exact_at(&mut out, 0)?;
     if out != want {

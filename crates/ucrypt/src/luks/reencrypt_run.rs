@@ -1432,40 +1432,44 @@ fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
 }
 
 fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) -> Result<()> {
-    let mut retired = finalise(&mut u.h.meta, &u.st)?;
+    let retired = finalise(&mut u.h.meta, &u.st)?;
+    // A decryption that moved the data back leaves the old ciphertext of its last shift past
+    // the plaintext: wiped before the commit, as cryptsetup does. No recovery reads it (the
+    // last hotzone, the moved segment's, is rewritten in place), so a crash between the wipe
+    // and the commit finalises again on resume.
     if let Some(us) = u.unshift {
-        // The old ciphertext of the last shift of data, past the plaintext (cryptsetup
-        // wipes it too).
-        retired.data_areas.push(us.tail());
+        wipe_random(std::iter::once((data, us.tail())))?;
+        data.flush()?;
     }
     let mut ops = u.h.commit()?;
     ops.push(WriteOp::Sync);
     apply(dev, &ops)?;
-    // Then the retired areas (up to the whole reencrypt area, megabytes) get random bytes,
-    // a bounded piece at a time.
-    // Page-aligned (the pool's buffers), as a device opened with O_DIRECT needs: the `open`
-    // daemon's is.
+    // Then the retired areas (up to the whole reencrypt area, megabytes) get random bytes.
     // A data shift's moved segment (a plaintext copy of the first shift) goes after the
     // commit, unlike cryptsetup, which wipes it first: a crash between its wipe and its
     // commit would leave a header whose last hotzone a resume redoes from wiped bytes. Here a
     // crash between them leaves that copy readable past the data until wiped by hand.
-    let piece = WIPE_PIECE_BYTES
-        .min(
-            retired
-                .areas
-                .iter()
-                .chain(&retired.data_areas)
-                .map(|a| a.1)
-                .max()
-                .unwrap_or(0),
-        )
-        .max(AREA_ALIGN_BYTES) as usize;
+    let areas = retired.areas.iter().map(|a| (dev, *a));
+    let data_areas = retired.data_areas.iter().map(|a| (data, *a));
+    wipe_random(areas.chain(data_areas))?;
+    data.flush()?;
+    dev.flush()
+}
+
+/// Writes random bytes over each (device, (offset, length)), a bounded piece
+/// ([`WIPE_PIECE_BYTES`]) at a time from one page-aligned buffer (the pool's, as a device
+/// opened with O_DIRECT needs: the `open` daemon's is). No flush.
+fn wipe_random<'a>(
+    ranges: impl Iterator<Item = (&'a dyn Backend, (u64, u64))> + Clone,
+) -> Result<()> {
+    let Some(longest) = ranges.clone().map(|(_, a)| a.1).max() else {
+        return Ok(());
+    };
+    let piece = WIPE_PIECE_BYTES.min(longest).max(AREA_ALIGN_BYTES) as usize;
     let pool = BufferPool::new(piece)?;
     let mut g = pool.take(piece)?;
     let noise = g.as_mut_slice();
-    let areas = retired.areas.iter().map(|a| (dev, *a));
-    let data_areas = retired.data_areas.iter().map(|a| (data, *a));
-    for (d, (offset, len)) in areas.chain(data_areas) {
+    for (d, (offset, len)) in ranges {
         let mut at = 0;
         while at < len {
             let n = (len - at).min(noise.len() as u64) as usize;
@@ -1474,8 +1478,7 @@ fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) -> Result<()>
             at += n as u64;
         }
     }
-    data.flush()?;
-    dev.flush()
+    Ok(())
 }
 
 /// What the hotzone loop tells a volume that serves the data while it runs (online
