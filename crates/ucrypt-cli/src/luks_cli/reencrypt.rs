@@ -37,7 +37,8 @@ pub struct ReencryptOpts {
     /// Checksum hash (only sha256, cryptsetup's default, is written).
     #[arg(long)]
     pub resilience_hash: Option<String>,
-    /// Largest hotzone, in bytes or with a unit (4M, 64MiB...).
+    /// Largest hotzone, in bytes or with a unit (4M, 64MiB...); for a decryption that moves
+    /// the data, the moved segment's size (as cryptsetup reads it there).
     #[arg(long)]
     pub hotzone_size: Option<String>,
     /// Accepted for scripts on a volume no ucrypt daemon serves (that one is reencrypted
@@ -47,7 +48,9 @@ pub struct ReencryptOpts {
     /// Encrypt a plaintext device in place (needs a detached `--header`, created here).
     #[arg(long, short = 'N', alias = "new")]
     pub encrypt: bool,
-    /// Decrypt the device in place (needs a detached `--header`, as cryptsetup 2.6).
+    /// Decrypt the device in place (needs `--header`, as cryptsetup 2.6: a detached header,
+    /// or a file that does not exist yet: the header in front is exported to it and the data
+    /// moved back to the start of the device).
     #[arg(long)]
     pub decrypt: bool,
     /// With --encrypt: the last SIZE bytes of the device are free; the header takes the first
