@@ -7,7 +7,8 @@
 //! cargo build --release -p ucrypt --example write1m
 //! # write1m MODE CIPHER N [THREADS] [POLICY] [POOL_MIB]
 //! #   MODE: vol (Volume::write_at), volmut (Volume::write_at_mut, as the NBD server calls it),
-//! #         bare (encrypt into an own buffer + backend write); CIPHER: null | xts
+//! #         vol256 (each MiB as four 256 KiB writes), bare (encrypt into an own buffer +
+//! #         backend write); CIPHER: null | xts
 //! valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.a target/release/examples/write1m vol xts 200
 //! valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.b target/release/examples/write1m vol xts 400
 //! ```
