@@ -56,11 +56,13 @@ pub const CHUNK_BYTES: usize = 256 << 10;
 /// ciphertext, tuples and tag span; the piece's seal is what a split shares between lanes.
 pub const WRITE_PIECE_BYTES: usize = 1 << 20;
 /// The pool grant of one write piece at most: ciphertext, tuples, and the tag span of its
-/// largest run (direct mode; two alignment units of slack at 4096 bytes).
+/// run (direct mode), with three 4 KiB units of alignment slack (the span's ends, and the
+/// span's start after the ciphertext).
 const WRITE_GRANT_BYTES_MAX: usize =
-    WRITE_PIECE_BYTES + 2 * (WRITE_PIECE_BYTES / 512) * TUPLE_BYTES_MAX + 2 * 4096;
-/// The pool grant of one read run or journal write-back run at most (data, tag span).
-const RUN_GRANT_BYTES_MAX: usize = CHUNK_BYTES + (CHUNK_BYTES / 512) * TUPLE_BYTES_MAX + 2 * 4096;
+    WRITE_PIECE_BYTES + 2 * (WRITE_PIECE_BYTES / 512) * TUPLE_BYTES_MAX + 3 * 4096;
+/// The pool grant of one read run or journal write-back run at most (data, tag span, the
+/// same slack).
+const RUN_GRANT_BYTES_MAX: usize = CHUNK_BYTES + (CHUNK_BYTES / 512) * TUPLE_BYTES_MAX + 3 * 4096;
 /// Scratch memory per volume: 8 read runs in flight at once (readers and their lanes).
 pub const SCRATCH_POOL_BYTES: usize = 8 * RUN_GRANT_BYTES_MAX;
 // A journal write holds its piece's grant while a commit writes a section back (one run's
@@ -193,6 +195,8 @@ pub struct IntegrityVolume {
     auto_min_bytes: AtomicU64,
     /// `auto` requests at or above the threshold running now.
     big_inflight: AtomicU32,
+    /// Pieces of requests handed to the crew since opening (see `split_pieces`).
+    splits: AtomicU64,
 }
 
 /// How one request's crypto runs.
@@ -265,14 +269,18 @@ fn journal_failed() -> Error {
 /// whatever order the lanes ran them in).
 struct SplitState {
     chunks: usize,
+    /// Chunk boundaries fall on multiples of this many blocks (so that each chunk's part of
+    /// the caller's buffer starts where the backend accepts a buffer, when the whole does).
+    granule: usize,
     next: AtomicUsize,
     failed: Mutex<Option<(usize, Error)>>,
 }
 
 impl SplitState {
-    fn new(chunks: usize) -> Self {
+    fn new(chunks: usize, granule: usize) -> Self {
         SplitState {
             chunks: chunks.max(1),
+            granule: granule.max(1),
             next: AtomicUsize::new(0),
             failed: Mutex::new(None),
         }
@@ -284,9 +292,17 @@ impl SplitState {
         (i < self.chunks).then_some(i)
     }
 
-    /// Blocks `lo..hi` of chunk `i` of `blocks` (nearly equal runs, none empty).
+    /// Blocks `lo..hi` of chunk `i` of `blocks`: nearly equal runs, cut at multiples of the
+    /// granule (so one may be empty when there are few granules), the last up to `blocks`.
     fn bounds(&self, i: usize, blocks: usize) -> (usize, usize) {
-        (blocks * i / self.chunks, blocks * (i + 1) / self.chunks)
+        let cut = |k: usize| {
+            if k >= self.chunks {
+                blocks
+            } else {
+                blocks * k / self.chunks / self.granule * self.granule
+            }
+        };
+        (cut(i), cut(i + 1))
     }
 
     fn record(&self, i: usize, r: Result<()>) {
@@ -303,7 +319,9 @@ impl SplitState {
     fn run_all(&self, blocks: usize, mut run: impl FnMut(usize, usize) -> Result<()>) {
         while let Some(i) = self.claim() {
             let (lo, hi) = self.bounds(i, blocks);
-            self.record(i, run(lo, hi));
+            if lo < hi {
+                self.record(i, run(lo, hi));
+            }
         }
     }
 
@@ -478,6 +496,13 @@ impl IntegrityVolume {
         let layout = Layout::for_device(sb, start_bytes / 512, backend.size() / 512)?;
         let io_align = u64::from(backend.logical_block_bytes()).max(512);
         let backend_mem_align = backend.mem_align_bytes().max(1);
+        if backend_mem_align > crate::pool::POOL_PAGE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "{}: buffers aligned to {backend_mem_align} bytes (at most {} supported)",
+                backend.describe(),
+                crate::pool::POOL_PAGE_BYTES
+            )));
+        }
         if io_align > u64::from(sb.block_bytes()) || start_bytes % io_align != 0 {
             return Err(Error::InvalidArgument(format!(
                 "{}: {io_align}-byte I/O cannot address {}-byte integrity blocks at byte {start_bytes}",
@@ -539,6 +564,7 @@ impl IntegrityVolume {
             ],
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
             big_inflight: AtomicU32::new(0),
+            splits: AtomicU64::new(0),
         };
         v.replay = v.recover()?;
         v.calibrate()?;
@@ -572,6 +598,12 @@ impl IntegrityVolume {
     /// Worker threads large requests are split across (besides the caller).
     pub fn workers(&self) -> usize {
         self.crew.workers()
+    }
+
+    /// Reads and write pieces (up to [`WRITE_PIECE_BYTES`]) whose crypto went to the crew's
+    /// workers since opening: split across lanes, or (`queued`) handed off whole.
+    pub fn split_pieces(&self) -> u64 {
+        self.splits.load(Ordering::Relaxed)
     }
 
     /// The request size from which `auto` splits (calibrated when opening).
@@ -724,6 +756,12 @@ impl IntegrityVolume {
 
     fn block_bytes(&self) -> usize {
         self.layout.sb.block_bytes() as usize
+    }
+
+    /// `bytes` rounded up to the backend's memory alignment: where, in a pool grant (page
+    /// aligned), the next buffer the backend reads or writes may start.
+    fn io_offset(&self, bytes: usize) -> usize {
+        bytes.next_multiple_of(self.mem_align)
     }
 
     /// The backend byte offset of journal section `i`.
@@ -917,11 +955,11 @@ impl IntegrityVolume {
             // (the section is page-aligned, a block starts at a multiple of its size); else
             // through a bounce buffer. The grant holds ciphertext and tags only.
             let bounce = (data.as_ptr() as usize) % self.mem_align != 0;
-            let mut g = self.pool.take(if bounce { data_len } else { 0 } + span)?;
+            let tags_at = if bounce { self.io_offset(data_len) } else { 0 };
+            let mut g = self.pool.take(tags_at + span)?;
             g.held_only_ciphertext();
-            let (dbuf, tbuf) = g
-                .as_mut_slice()
-                .split_at_mut(if bounce { data_len } else { 0 });
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(tags_at);
+            let dbuf = &mut dbuf[..if bounce { data_len } else { 0 }];
             let tbuf = &mut tbuf[..span];
             if at != 0 || len as usize * tb != span {
                 self.backend.read_exact_at(tbuf, tag_lo)?;
@@ -987,7 +1025,7 @@ impl IntegrityVolume {
         let provided = self.layout.sb.provided_data_sectors;
         let mut g = self
             .pool
-            .take(bb + 2 * self.io_align as usize + TUPLE_BYTES_MAX)?;
+            .take(self.io_offset(bb) + 2 * self.io_align as usize + TUPLE_BYTES_MAX)?;
         for n in (0..geo.section_entries).rev() {
             let Entry::Sector(s) = geo.entry(sec, n) else {
                 continue;
@@ -1001,8 +1039,8 @@ impl IntegrityVolume {
                 .filter(|e| e.blocks == 1)
                 .ok_or(Error::Bug("integrity extent outside the device"))?;
             let (tag_lo, span, at) = self.tag_span(e.tag_byte, 1);
-            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(bb);
-            let tbuf = &mut tbuf[..span];
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(self.io_offset(bb));
+            let (dbuf, tbuf) = (&mut dbuf[..bb], &mut tbuf[..span]);
             self.backend
                 .read_exact_at(dbuf, self.start_bytes + e.data_byte)?;
             self.backend.read_exact_at(tbuf, tag_lo)?;
@@ -1164,8 +1202,9 @@ impl IntegrityVolume {
             first,
             out: out.as_mut_ptr(),
             blocks: out.len() / bb,
-            split: SplitState::new(chunks),
+            split: SplitState::new(chunks, self.mem_align.div_ceil(bb)),
         };
+        self.splits.fetch_add(1, Ordering::Relaxed);
         self.crew.run(&work, helpers, caller_helps)?;
         work.split.result()
     }
@@ -1182,14 +1221,13 @@ impl IntegrityVolume {
     ) -> Result<()> {
         let bb = self.block_bytes();
         debug_assert!(out.len() % bb == 0);
-        let in_place = (out.as_ptr() as usize) % self.mem_align == 0;
         let mut done = 0usize;
         while done < out.len() {
             let sector = first + (done / 512) as u64;
             let run = self.run_at(sector, ((out.len() - done) / bb).min(CHUNK_BYTES / bb))?;
             let data_len = run.blocks * bb;
             let dst = &mut out[done..done + data_len];
-            if in_place {
+            if (dst.as_ptr() as usize) % self.mem_align == 0 {
                 // Only tags in the grant: nothing secret to wipe.
                 let mut g = self.pool.take(run.tag_span)?;
                 g.held_only_ciphertext();
@@ -1202,8 +1240,10 @@ impl IntegrityVolume {
                     &mut g.as_mut_slice()[..run.tag_span],
                 )?;
             } else {
-                let mut g = self.pool.take(data_len + run.tag_span)?;
-                let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(data_len);
+                let tags_at = self.io_offset(data_len);
+                let mut g = self.pool.take(tags_at + run.tag_span)?;
+                let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(tags_at);
+                let dbuf = &mut dbuf[..data_len];
                 self.verify_run(c, j, sector, &run, dbuf, &mut tbuf[..run.tag_span])?;
                 dst.copy_from_slice(dbuf);
             }
@@ -1237,9 +1277,9 @@ impl IntegrityVolume {
     }
 
     /// Seals (fresh IVs, encryption, tuples) and writes whole blocks starting at data sector
-    /// `first`, in pieces of at most [`WRITE_PIECE_BYTES`]: each piece's seal is split across
-    /// lanes as `lanes` says, then written by the caller, through the journal or in direct
-    /// mode data then tags. The caller holds `self.io_lock` exclusively.
+    /// `first`, in pieces of at most [`WRITE_PIECE_BYTES`] inside one area: each piece's seal
+    /// is split across lanes as `lanes` says, then written by the caller, through the journal
+    /// or in direct mode data then tags. The caller holds `self.io_lock` exclusively.
     fn write_blocks(
         &self,
         j: &mut JournalState,
@@ -1258,21 +1298,22 @@ impl IntegrityVolume {
         let direct = j.mode == WriteMode::Direct;
         let mut done = 0usize;
         while done < len {
-            let n = (len - done).min(piece_max);
-            let blocks = n / bb;
             let sector = first + (done / 512) as u64;
-            // One grant for the piece: ciphertext, tuples and (direct mode) the tag span of its
-            // largest run. It never holds plaintext: the seal reads the caller's buffer and
-            // writes ciphertext here (zeroes are no secret).
-            let span_max = if direct {
-                blocks * tb + 2 * self.io_align as usize
-            } else {
-                0
-            };
-            let mut g = self.pool.take(n + blocks * tb + span_max)?;
+            // A piece is one run: its data is one backend write from the start of the grant.
+            let run = self.run_at(sector, (len - done).min(piece_max) / bb)?;
+            let blocks = run.blocks;
+            let n = blocks * bb;
+            // One grant for the piece: ciphertext, (direct mode) the run's tag span, tuples.
+            // It never holds plaintext: the seal reads the caller's buffer and writes
+            // ciphertext here (zeroes are no secret).
+            let tags_at = self.io_offset(n);
+            let span = if direct { run.tag_span } else { 0 };
+            let mut g = self.pool.take(tags_at + span + blocks * tb)?;
             g.held_only_ciphertext();
-            let (dbuf, rest) = g.as_mut_slice().split_at_mut(n);
-            let (tuples, tscratch) = rest.split_at_mut(blocks * tb);
+            let (dbuf, rest) = g.as_mut_slice().split_at_mut(tags_at);
+            let dbuf = &mut dbuf[..n];
+            let (tbuf, tuples) = rest.split_at_mut(span);
+            let tuples = &mut tuples[..blocks * tb];
             let plain = match src {
                 Src::Bytes(b) => Some(&b[done..done + n]),
                 Src::Zeroes => {
@@ -1282,7 +1323,7 @@ impl IntegrityVolume {
             };
             self.seal_blocks(sector, plain, dbuf, tuples, lanes)?;
             if direct {
-                self.write_sealed(sector, dbuf, tuples, &mut tscratch[..span_max])?;
+                self.write_sealed(&run, dbuf, tuples, tbuf)?;
             } else {
                 self.journal_sealed(j, sector, dbuf, tuples)?;
             }
@@ -1316,10 +1357,11 @@ impl IntegrityVolume {
                     dbuf: dbuf.as_mut_ptr(),
                     tuples: tuples.as_mut_ptr(),
                     blocks: dbuf.len() / bb,
-                    split: SplitState::new(chunks),
+                    split: SplitState::new(chunks, 1),
                 };
                 assert!(plain.is_none_or(|p| p.len() == dbuf.len()));
                 assert_eq!(tuples.len(), work.blocks * self.mode.tuple_bytes());
+                self.splits.fetch_add(1, Ordering::Relaxed);
                 self.crew.run(&work, helpers, caller_helps)?;
                 work.split.result()
             }
@@ -1327,36 +1369,24 @@ impl IntegrityVolume {
         }
     }
 
-    /// Direct mode: writes sealed blocks from data sector `first` to their places, run by run
-    /// (one area each): the data, then the tags, patched into the tag sectors they share with
-    /// neighbouring blocks (read, patch, write; `tscratch` holds the largest run's span).
-    fn write_sealed(
-        &self,
-        first: u64,
-        dbuf: &[u8],
-        tuples: &[u8],
-        tscratch: &mut [u8],
-    ) -> Result<()> {
-        let bb = self.block_bytes();
+    /// Direct mode: writes one run of sealed blocks to its place: the data, then the tags,
+    /// patched into the tag sectors they share with neighbouring blocks (read, patch, write;
+    /// `tbuf` holds the run's tag span).
+    fn write_sealed(&self, run: &Run, dbuf: &[u8], tuples: &[u8], tbuf: &mut [u8]) -> Result<()> {
         let tb = usize::from(self.layout.sb.tag_bytes);
-        let spb = (bb / 512) as u64;
-        let blocks = dbuf.len() / bb;
-        let mut k = 0usize;
-        while k < blocks {
-            let run = self.run_at(first + k as u64 * spb, blocks - k)?;
-            let n = run.blocks;
-            let tbuf = &mut tscratch[..run.tag_span];
-            // Tag sectors are shared with the neighbours: read, patch, write back.
-            if run.tag_at != 0 || n * tb != run.tag_span {
-                self.backend.read_exact_at(tbuf, run.tag_lo)?;
-            }
-            tbuf[run.tag_at..run.tag_at + n * tb].copy_from_slice(&tuples[k * tb..(k + n) * tb]);
-            self.backend
-                .write_at(&dbuf[k * bb..(k + n) * bb], run.data_byte)?;
-            self.backend.write_at(tbuf, run.tag_lo)?;
-            k += n;
+        let n = run.blocks;
+        assert!(
+            dbuf.len() == n * self.block_bytes()
+                && tuples.len() == n * tb
+                && tbuf.len() == run.tag_span,
+            "write_sealed: buffer sizes"
+        );
+        if run.tag_at != 0 || n * tb != run.tag_span {
+            self.backend.read_exact_at(tbuf, run.tag_lo)?;
         }
-        Ok(())
+        tbuf[run.tag_at..run.tag_at + n * tb].copy_from_slice(tuples);
+        self.backend.write_at(dbuf, run.data_byte)?;
+        self.backend.write_at(tbuf, run.tag_lo)
     }
 
     /// Journal mode: copies sealed blocks from data sector `first` into the open section,
