@@ -11,9 +11,10 @@
 //! ```
 //!
 //! Modes: `gcm`, `chacha`, `hmac256`, `hmac512`; operations: `read`, `write`; the size in bytes
-//! (a multiple of 4096). Every request runs inline on this thread (policy `inline`): callgrind
-//! counts a thread's instructions wherever they run, and one thread keeps the count simple.
-//! With a fifth argument `journal`, writes go through the journal (a flush every request).
+//! (a multiple of 4096). A fifth argument `journal` sends writes through the journal (a flush
+//! every request; default `direct`); a sixth names the dispatch policy (default `inline`:
+//! everything on this thread; callgrind counts every thread's instructions either way, so
+//! `parallel` shows what a split adds in total).
 
 use std::sync::Arc;
 
@@ -64,7 +65,8 @@ fn main() {
         wm,
     )
     .expect("volume");
-    v.set_policy(Policy::Inline);
+    let policy: Policy = arg(6, "inline").parse().expect("policy");
+    v.set_policy(policy);
     let mut store = vec![0u8; size + 4096];
     let off = store.as_ptr().align_offset(4096);
     let buf = &mut store[off..off + size];
