@@ -378,22 +378,28 @@ impl Chunks for ReadSplit<'_> {
     fn run_chunks(&self, lane: usize) {
         let v = self.vol;
         let bb = v.block_bytes();
-        self.split.run_lane(
-            self.blocks,
-            |f| v.with_lane_cipher(lane, f),
-            |c, lo, hi| {
-                assert!(
-                    lo < hi && hi <= self.blocks,
-                    "read chunk outside the request"
-                );
-                // SAFETY: blocks lo..hi lie inside `out` (asserted) and belong to this chunk
-                // alone (see the Sync impl).
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(self.out.add(lo * bb), (hi - lo) * bb)
-                };
-                v.read_blocks_with(c, self.j, self.first + (lo * bb / 512) as u64, out)
-            },
-        );
+        let read = |c: Option<&mut TagCipher>, lo: usize, hi: usize| {
+            assert!(
+                lo < hi && hi <= self.blocks,
+                "read chunk outside the request"
+            );
+            // SAFETY: blocks lo..hi lie inside `out` (asserted) and belong to this chunk
+            // alone (see the Sync impl).
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(self.out.add(lo * bb), (hi - lo) * bb) };
+            v.read_blocks_with(c, self.j, self.first + (lo * bb / 512) as u64, out)
+        };
+        if lane == 0 {
+            // The caller borrows a cached cipher per run, for its crypto only, as an inline
+            // read does: many concurrent readers then share the cache without waiting on I/O.
+            self.split.run_all(self.blocks, |lo, hi| read(None, lo, hi));
+        } else {
+            self.split.run_lane(
+                self.blocks,
+                |f| v.with_lane_cipher(lane, f),
+                |c, lo, hi| read(Some(c), lo, hi),
+            );
+        }
     }
 }
 
@@ -1191,10 +1197,10 @@ impl IntegrityVolume {
             ..
         } = lanes
         else {
-            return self.with_cipher(|c| self.read_blocks_with(c, j, first, out));
+            return self.read_blocks_with(None, j, first, out);
         };
         if chunks < 2 && caller_helps {
-            return self.with_cipher(|c| self.read_blocks_with(c, j, first, out));
+            return self.read_blocks_with(None, j, first, out);
         }
         let work = ReadSplit {
             vol: self,
@@ -1209,12 +1215,13 @@ impl IntegrityVolume {
         work.split.result()
     }
 
-    /// [`IntegrityVolume::read_blocks`] on one thread with cipher `c`: runs of at most
+    /// [`IntegrityVolume::read_blocks`] on one thread with cipher `c` (or, with `None`, one
+    /// borrowed from the cache for each run's crypto): runs of at most
     /// [`CHUNK_BYTES`] in one area, each read in two backend calls (data and tags). The data
     /// lands straight in `out` when `out` sits at an address the backend accepts (no copy).
     fn read_blocks_with(
         &self,
-        c: &mut TagCipher,
+        mut c: Option<&mut TagCipher>,
         j: &JournalState,
         first: u64,
         out: &mut [u8],
@@ -1232,7 +1239,7 @@ impl IntegrityVolume {
                 let mut g = self.pool.take(run.tag_span)?;
                 g.held_only_ciphertext();
                 self.verify_run(
-                    c,
+                    c.as_deref_mut(),
                     j,
                     sector,
                     &run,
@@ -1244,7 +1251,8 @@ impl IntegrityVolume {
                 let mut g = self.pool.take(tags_at + run.tag_span)?;
                 let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(tags_at);
                 let dbuf = &mut dbuf[..data_len];
-                self.verify_run(c, j, sector, &run, dbuf, &mut tbuf[..run.tag_span])?;
+                let tbuf = &mut tbuf[..run.tag_span];
+                self.verify_run(c.as_deref_mut(), j, sector, &run, dbuf, tbuf)?;
                 dst.copy_from_slice(dbuf);
             }
             done += data_len;
@@ -1257,7 +1265,7 @@ impl IntegrityVolume {
     /// that fails leaves `dbuf` wiped (no unauthenticated plaintext) and is counted.
     fn verify_run(
         &self,
-        c: &mut TagCipher,
+        c: Option<&mut TagCipher>,
         j: &JournalState,
         sector: u64,
         run: &Run,
@@ -1269,7 +1277,12 @@ impl IntegrityVolume {
         self.backend.read_exact_at(tbuf, run.tag_lo)?;
         let tuples = &mut tbuf[run.tag_at..run.tag_at + run.blocks * tb];
         self.overlay(j, sector, dbuf, tuples);
-        if let Err(m) = c.open(sector, self.block_bytes(), dbuf, tuples)? {
+        let bb = self.block_bytes();
+        let verdict = match c {
+            Some(c) => c.open(sector, bb, dbuf, tuples)?,
+            None => self.with_cipher(|c| c.open(sector, bb, dbuf, tuples))?,
+        };
+        if let Err(m) = verdict {
             self.integrity_errors.fetch_add(1, Ordering::Relaxed);
             return Err(Error::Integrity { sector: m.sector });
         }
