@@ -461,6 +461,14 @@ mod tests {
                 let mut d = data.clone();
                 assert_eq!(c.open(80, ss, &mut d, &tuples).unwrap(), Ok(()));
                 assert_eq!(d, plain, "{mode:?}/{ss}: round trip");
+                // Sealed from a separate plaintext buffer (left as it is): the same round trip.
+                let mut out = vec![0u8; 3 * ss];
+                let mut tuples3 = vec![0u8; 3 * tb];
+                c.seal_to(80, ss, Some(&plain), &mut out, &mut tuples3)
+                    .unwrap();
+                assert_ne!(out, plain, "{mode:?}/{ss}: seal_to encrypted");
+                assert_eq!(c.open(80, ss, &mut out, &tuples3).unwrap(), Ok(()));
+                assert_eq!(out, plain, "{mode:?}/{ss}: seal_to round trip");
                 let step = (ss / 512) as u64;
                 let tampers: Vec<(&str, usize, usize)> = vec![
                     ("ciphertext", 1, ss + 17),
