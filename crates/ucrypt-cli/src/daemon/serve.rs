@@ -341,15 +341,19 @@ impl Shared {
 
     fn refresh(&self, r: RefreshSettings) -> Response {
         let Some(vol) = self.vol.plain() else {
-            if r.spin_us.is_some() || r.policy.is_some() || r.allow_discards.is_some() {
+            if r.spin_us.is_some() || r.allow_discards.is_some() {
                 return Self::error(
                     1,
                     format!(
-                        "refresh: {} has authenticated encryption (integrity): its crypto runs \
-                         inline and it passes no discards; there is nothing to change",
+                        "refresh: {} has authenticated encryption (integrity): it passes no \
+                         discards and its workers spin as the engine's default; only --policy \
+                         changes",
                         self.name
                     ),
                 );
+            }
+            if let (Some(p), Opened::Integrity(a)) = (r.policy, &self.vol) {
+                a.set_policy(p);
             }
             return self.status();
         };
