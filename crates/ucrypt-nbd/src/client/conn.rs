@@ -502,7 +502,14 @@ impl Conn {
         let mut spare = lock(&self.spare);
         if let Some(i) = spare.iter().position(|b| b.capacity() >= len) {
             let mut b = spare.swap_remove(i);
-            b.resize(len, 0);
+            // A spare keeps the length it had (ciphertext of an earlier read, which the
+            // socket overwrites): only bytes beyond it are zeroed, so reads of one size
+            // never clear their buffer before the socket fills it.
+            if b.len() >= len {
+                b.truncate(len);
+            } else {
+                b.resize(len, 0);
+            }
             return b;
         }
         drop(spare);
@@ -510,11 +517,10 @@ impl Conn {
     }
 
     /// Gives a read buffer back for reuse, within [`SPARE_BYTES_MAX`].
-    pub fn recycle(&self, mut b: Vec<u8>) {
+    pub fn recycle(&self, b: Vec<u8>) {
         let mut spare = lock(&self.spare);
         let held: usize = spare.iter().map(|b| b.capacity()).sum();
         if held + b.capacity() <= SPARE_BYTES_MAX {
-            b.clear();
             spare.push(b);
         }
     }
