@@ -165,6 +165,38 @@ pub struct KdfRequest {
 }
 
 impl KdfRequest {
+    /// The request that makes a keyslot with `kdf`'s type and costs again, without
+    /// calibration (a fresh salt): what cryptsetup's reencrypt gives each new keyslot when no
+    /// PBKDF option is given, copying the keyslot whose passphrase it takes. Argon2 keyslots
+    /// get sha256 for the anti-forensic split (their KDF names no hash; cryptsetup's
+    /// default).
+    pub fn same_as(kdf: &Kdf) -> Self {
+        match kdf {
+            Kdf::Pbkdf2 {
+                hash, iterations, ..
+            } => KdfRequest {
+                kind: "pbkdf2".into(),
+                hash: *hash,
+                iter_time_ms: 0,
+                memory_kib: 0,
+                parallel: 0,
+                force_iterations: Some(*iterations),
+            },
+            Kdf::Argon2 { variant, cost, .. } => KdfRequest {
+                kind: match variant {
+                    Argon2Variant::I => "argon2i",
+                    Argon2Variant::Id => "argon2id",
+                }
+                .into(),
+                hash: HashAlg::Sha256,
+                iter_time_ms: 0,
+                memory_kib: cost.memory_kib,
+                parallel: cost.cpus,
+                force_iterations: Some(cost.time),
+            },
+        }
+    }
+
     /// cryptsetup 2.6's LUKS2 defaults: argon2id, 2 s, 1 GiB (at most half the RAM), 4 threads
     /// (at most the CPU count).
     pub fn luks2_default() -> Self {

@@ -116,15 +116,102 @@ pub struct InitOptions<'a> {
     pub change: SegmentChange,
     /// [`Mode::Reencrypt`] (a new key) or [`Mode::Decrypt`] (to plaintext, detached header).
     pub mode: Mode,
+    /// Where each new keyslot's PBKDF comes from.
+    pub keyslot_kdf: KeyslotKdf,
 }
 
-/// What [`init`] made.
+/// Where the PBKDF of a rotation's new keyslots comes from (cryptsetup 2.6.1's
+/// `set_keyslot_params`, measured).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyslotKdf {
+    /// [`InitOptions::kdf`]: cryptsetup's choice when `--pbkdf`, `--hash`, `--iter-time` or
+    /// `--pbkdf-force-iterations` is given.
+    Given,
+    /// Each new keyslot copies the type and costs of the old keyslot whose passphrase it
+    /// takes, uncalibrated, and the new digests get the least iterations (cryptsetup's
+    /// default: no benchmark runs).
+    SameAsOld,
+}
+
+/// A passphrase that opens one keyslot of the volume's key: made only by
+/// [`check_passphrase`], which unlocks that keyslot with it. A rotation gives each such
+/// keyslot a twin for the new key, with the same passphrase (cryptsetup asks one per active
+/// keyslot). Not `Clone`, not printable; the passphrase and the key are wiped on drop.
+pub struct SlotPassphrase {
+    slot: u32,
+    passphrase: crate::SecretBytes,
+    vk: VolumeKey,
+}
+
+impl SlotPassphrase {
+    /// The keyslot the passphrase opens.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub fn passphrase(&self) -> &[u8] {
+        self.passphrase.as_ref()
+    }
+}
+
+impl std::fmt::Debug for SlotPassphrase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SlotPassphrase(keyslot {}, redacted)", self.slot)
+    }
+}
+
+/// Unlocks keyslot `slot` of the header on `dev` with `passphrase` (cryptsetup's check after
+/// each "Enter passphrase for key slot N: "): the proof a rotation takes, or
+/// [`Error::WrongPassphrase`].
+pub fn check_passphrase(
+    dev: &dyn Backend,
+    hdr: &Header,
+    slot: u32,
+    passphrase: crate::SecretBytes,
+) -> Result<SlotPassphrase> {
+    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
+    let (slot, vk) = unlock(hdr, passphrase.as_ref(), Some(slot), &mut read)?;
+    Ok(SlotPassphrase {
+        slot,
+        passphrase,
+        vk,
+    })
+}
+
+/// The keyslots a rotation asks a passphrase for, by number: those whose digest covers a
+/// segment (cryptsetup's "active" keyslots, of any type). Unbound keyslots (a digest of no
+/// segment) are not asked for and are kept as they are.
+pub fn passphrase_keyslots(hdr: &Header) -> Vec<u32> {
+    let Header::Luks2(h) = hdr else {
+        return Vec::new();
+    };
+    let mut v: Vec<u32> = h
+        .meta
+        .keyslots
+        .keys()
+        .filter(|id| {
+            h.meta
+                .digest_for_keyslot(id)
+                .is_some_and(|(_, d)| !d.segments.is_empty())
+        })
+        .filter_map(|id| id.parse().ok())
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// cryptsetup's words when a rotation would need more keyslots than are free.
+pub const NOT_ENOUGH_KEYSLOTS: &str = "Not enough free keyslots for reencryption.";
+
+/// What [`init`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Started {
-    /// The keyslot the passphrase opened (old key).
+    /// The keyslot the passphrase opened (old key); the first one given to [`init_slots`].
     pub old_keyslot: u32,
-    /// The new keyslot (new key); none for a decryption.
+    /// The new keyslot (new key) of `old_keyslot`; none for a decryption.
     pub new_keyslot: Option<u32>,
+    /// Each old keyslot given and the new keyslot made for its passphrase, in order.
+    pub new_keyslots: Vec<(u32, u32)>,
     pub reencrypt_keyslot: u32,
 }
 
@@ -250,8 +337,52 @@ pub const DECRYPT_NEEDS_DETACHED_HEADER: &str =
 /// or keyslot; the reencrypt keyslot says `decrypt`, `backward`; backup-final is a `linear`
 /// segment; the reencryption digest covers the old key alone.
 pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    // A rotation gives every active keyslot a twin for the new key, so one passphrase can
+    // start it only on a volume with one active keyslot, or for the one `key_slot` names
+    // (cryptsetup's rule for a key file); a decryption takes any keyslot's passphrase.
+    if opts.mode == Mode::Reencrypt
+        && opts.key_slot.is_none()
+        && passphrase_keyslots(&header).len() > 1
+    {
+        return Err(Error::InvalidArgument(KEY_FILE_NEEDS_ONE_KEYSLOT.into()));
+    }
+    let mut read = |offset: u64, len: u64| read_area(devs.header, offset, len);
+    let (slot, vk) = unlock(&header, passphrase, opts.key_slot, &mut read)?;
+    let one = SlotPassphrase {
+        slot,
+        passphrase: crate::SecretBytes::from_slice(passphrase),
+        vk,
+    };
+    init_checked(devs, header, std::slice::from_ref(&one), opts)
+}
+
+/// cryptsetup's words when a key file (one passphrase) is given for a rotation of a volume
+/// with several active keyslots and no `--key-slot`.
+pub const KEY_FILE_NEEDS_ONE_KEYSLOT: &str =
+    "Key file can be used only with --key-slot or with exactly one key slot active.";
+
+/// [`init_on`] with a passphrase for each of several keyslots of the old key (cryptsetup's
+/// prompt per active keyslot): each gets a new keyslot for the new key with its passphrase
+/// (first free id, in the order given), and the tokens of each old keyslot are assigned to
+/// its new one too. The old keyslots, and every other keyslot of the old key, are removed at
+/// finalisation, as cryptsetup does. `opts.key_slot` is not read.
+pub fn init_slots(
+    devs: Devices<'_>,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    init_checked(devs, header, slots, opts)
+}
+
+fn init_checked(
+    devs: Devices<'_>,
+    header: Header,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
     let dev = devs.header;
-    let header = read_header(dev)?;
     header.check_requirements()?;
     let mut h = luks2(header)?;
     let seg = h.meta.crypt_segment()?;
@@ -267,21 +398,49 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
     if decrypt && (!devs.detached() || seg.offset_bytes != 0) {
         return Err(Error::InvalidArgument(DECRYPT_NEEDS_DETACHED_HEADER.into()));
     }
-    let luks2_slots: Vec<u32> = h
-        .meta
-        .keyslots
-        .iter()
-        .filter(|(_, k)| k.kind == "luks2")
-        .filter_map(|(id, _)| id.parse().ok())
-        .collect();
-    if opts.key_slot.is_none() && luks2_slots.len() != 1 {
+    let Some(first) = slots.first() else {
         return Err(Error::InvalidArgument(
-            "Key file can be used only with --key-slot or with exactly one key slot active.".into(),
+            "a reencryption needs the passphrase of a keyslot".into(),
+        ));
+    };
+    let (old_slot, old_vk) = (first.slot, &first.vk);
+    // Each proof still holds for this header: its keyslot is there, of the old key, once.
+    let old_did = old_vk.digest_id();
+    for (i, sp) in slots.iter().enumerate() {
+        let bound = h
+            .meta
+            .digest_for_keyslot(&sp.slot.to_string())
+            .is_some_and(|(id, d)| id == &old_did.to_string() && !d.segments.is_empty());
+        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "keyslot {} is not an active keyslot of the volume key, or is given twice",
+                sp.slot
+            )));
+        }
+    }
+    if decrypt && slots.len() != 1 {
+        return Err(Error::InvalidArgument(
+            "a decryption takes the passphrase of one keyslot".into(),
         ));
     }
-    let hdr_any = Header::Luks2(h.clone());
-    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
-    let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
+    // cryptsetup's bound: the new keyslots and the reencrypt keyslot must fit.
+    let new_ids_needed = if decrypt { 0 } else { slots.len() } + 1;
+    if h.meta.keyslots.len() + new_ids_needed > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    // The PBKDF of each new keyslot, and the digests' (cryptsetup makes the new key's digest
+    // with the first keyslot's settings and the reencryption digest with the last one's).
+    let kdfs: Vec<KdfRequest> = slots
+        .iter()
+        .map(|sp| match opts.keyslot_kdf {
+            KeyslotKdf::Given => Ok(opts.kdf.clone()),
+            KeyslotKdf::SameAsOld => h
+                .meta
+                .keyslot_params(&sp.slot.to_string())
+                .map(|p| KdfRequest::same_as(&p.kdf)),
+        })
+        .collect::<Result<_>>()?;
 
     // The new segment's parameters, checked before anything is written.
     let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
@@ -311,35 +470,50 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
         )));
     }
 
-    // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for the
+    // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
     // passphrase, whose material is written first; the header write comes below.
-    let (new_vk, new_slot, mut ops) = if decrypt {
-        (None, None, Vec::new())
+    let mut new_keyslots = Vec::new();
+    let (new_vk, mut ops) = if decrypt {
+        (None, Vec::new())
     } else {
         let new_key = random_secret(new_key_bytes)?;
         let new_did = free_id(h.meta.digests.keys())?;
         h.meta.digests.insert(
             new_did.to_string(),
-            make_digest(opts.kdf, new_key.as_ref(), vec![], vec![])?,
+            make_digest(&kdfs[0], new_key.as_ref(), vec![], vec![])?,
         );
         let new_vk = VolumeKey::new_verified(new_key, new_did);
-        let seqid = h.bin.seqid;
-        // Its area is encrypted with the old segment's cipher and key size (cryptsetup adds
-        // the keyslot while the old segment is the default one).
-        let (new_slot, mut ops) = h.add_keyslot_with_area(
-            NewKeyslot {
-                vk: &new_vk,
-                passphrase,
-                kdf: opts.kdf,
-                slot: None,
-            },
-            None,
-            Some((seg.cipher, old_vk.len())),
-        )?;
-        ops.truncate(2); // the material and its flush
-        h.bin.seqid = seqid;
-        (Some(new_vk), Some(new_slot), ops)
+        let mut ops = Vec::new();
+        for (sp, kdf) in slots.iter().zip(&kdfs) {
+            let seqid = h.bin.seqid;
+            // Its area is encrypted as the old keyslot's is (cryptsetup adds it while the
+            // old segment is the default one, with the old keyslot's encryption; a
+            // cipher_null one gets cryptsetup's default keyslot cipher).
+            let old = h.meta.keyslot_params(&sp.slot.to_string())?;
+            let area = if old.area_cipher == CipherSpec::NULL {
+                (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_AREA_KEY_BYTES_DEFAULT)
+            } else {
+                (old.area_cipher, old.area_key_bytes)
+            };
+            let (new_slot, mut more) = h.add_keyslot_with_area(
+                NewKeyslot {
+                    vk: &new_vk,
+                    passphrase: sp.passphrase(),
+                    kdf,
+                    slot: None,
+                },
+                None,
+                Some(area),
+            )?;
+            more.truncate(2); // the material and its flush
+            ops.extend(more);
+            h.bin.seqid = seqid;
+            assign_tokens(&mut h.meta, sp.slot, new_slot);
+            new_keyslots.push((sp.slot, new_slot));
+        }
+        (Some(new_vk), ops)
     };
+    let new_slot = new_keyslots.first().map(|&(_, n)| n);
 
     // The reencrypt keyslot: the rest of the keyslots area after the last used area.
     let (used_end, end) = reencrypt_area(&h)?;
@@ -412,17 +586,38 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
         new_vk.as_ref().map(VolumeKey::bytes),
     )?;
     let rdid = free_id(h.meta.digests.keys())?;
+    let last_kdf = kdfs.last().unwrap_or(opts.kdf);
     h.meta.digests.insert(
         rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+        make_digest(last_kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
     );
     ops.extend(h.commit()?);
     apply(dev, &ops)?;
     Ok(Started {
         old_keyslot: old_slot,
         new_keyslot: new_slot,
+        new_keyslots,
         reencrypt_keyslot: rk,
     })
+}
+
+/// The key size of cryptsetup's default keyslot cipher (aes-xts-plain64, 512 bits), which
+/// replaces a cipher_null keyslot's encryption in the new keyslot.
+const KEYSLOT_AREA_KEY_BYTES_DEFAULT: usize = 64;
+
+/// Assigns every token of keyslot `old` to keyslot `new` as well (appended to its list), as
+/// cryptsetup's reencrypt does for each new keyslot; finalisation then drops `old`.
+fn assign_tokens(meta: &mut Metadata, old: u32, new: u32) {
+    let (old, new) = (old.to_string(), new.to_string());
+    for t in meta.tokens.values_mut() {
+        if let Some(serde_json::Value::Array(a)) = t.get_mut("keyslots") {
+            if a.iter().any(|v| v.as_str() == Some(old.as_str()))
+                && !a.iter().any(|v| v.as_str() == Some(new.as_str()))
+            {
+                a.push(new.clone().into());
+            }
+        }
+    }
 }
 
 /// How to start an encryption of a plaintext device ([`init_encrypt`]).
