@@ -426,34 +426,50 @@ fn round_robin(
         .collect()
 }
 
-/// Context switches of the whole process so far (voluntary and involuntary, every thread,
-/// the volume's workers included).
-fn context_switches() -> u64 {
+/// Context switches (voluntary and involuntary) and CPU seconds (user and system) of the
+/// whole process so far: every thread, the volume's workers included.
+fn usage() -> (u64, f64) {
     // SAFETY: getrusage fills the zeroed struct we own; RUSAGE_SELF is always valid.
     let ru = unsafe {
         let mut ru: libc::rusage = std::mem::zeroed();
         libc::getrusage(libc::RUSAGE_SELF, &mut ru);
         ru
     };
-    (ru.ru_nvcsw + ru.ru_nivcsw) as u64
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    (
+        (ru.ru_nvcsw + ru.ru_nivcsw) as u64,
+        secs(ru.ru_utime) + secs(ru.ru_stime),
+    )
 }
 
-/// `threads` threads run `body(thread, buffer, stop)` until `dur` passes; returns (MB/s, I/Os,
-/// allocations, context switches of the process during the timed part). `body` returns
-/// (bytes, ios) done.
+/// What [`timed_threads`] measured over its timed part.
+struct Timed {
+    mbps: f64,
+    ios: u64,
+    /// Heap allocations of the process.
+    allocs: u64,
+    /// Context switches of the process.
+    csw: u64,
+    /// CPU seconds of the process (user + system): on a shared host the throughput depends
+    /// on the CPU share the process gets; the CPU time per request much less.
+    cpu_s: f64,
+}
+
+/// `threads` threads run `body(thread, buffer, stop)` until `dur` passes; returns what
+/// [`Timed`] says. `body` returns (bytes, ios) done.
 fn timed_threads(
     threads: usize,
     buf_bytes: usize,
     dur: Duration,
     body: impl Fn(usize, &mut [u8], &AtomicBool) -> (u64, u64) + Sync,
-) -> (f64, u64, u64, u64) {
+) -> Timed {
     let stop = AtomicBool::new(false);
     // Two start lines: everyone ready (buffers allocated), then the clock and the allocation
     // counter start, then everyone goes. Starting the clock after "go" would miss the work of
     // threads that run before the main thread is scheduled again (many threads, 2 cores).
     let ready = Barrier::new(threads + 1);
     let go = Barrier::new(threads + 1);
-    let (bytes, ios, allocs, csw, secs) = std::thread::scope(|s| {
+    let (bytes, ios, allocs, csw, cpu_s, secs) = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
                 let (stop, ready, go, body) = (&stop, &ready, &go, &body);
@@ -467,7 +483,7 @@ fn timed_threads(
             .collect();
         ready.wait();
         let a0 = ALLOCS.load(Relaxed);
-        let c0 = context_switches();
+        let (c0, cpu0) = usage();
         let t0 = Instant::now();
         go.wait();
         std::thread::sleep(dur);
@@ -480,10 +496,17 @@ fn timed_threads(
             ios += n;
         }
         let secs = t0.elapsed().as_secs_f64();
-        let csw = context_switches().saturating_sub(c0);
-        (bytes, ios, ALLOCS.load(Relaxed) - a0, csw, secs)
+        let (c1, cpu1) = usage();
+        let allocs = ALLOCS.load(Relaxed) - a0;
+        (bytes, ios, allocs, c1.saturating_sub(c0), cpu1 - cpu0, secs)
     });
-    (bytes as f64 / secs / 1e6, ios, allocs, csw)
+    Timed {
+        mbps: bytes as f64 / secs / 1e6,
+        ios,
+        allocs,
+        csw,
+        cpu_s,
+    }
 }
 
 fn variant_target(s: &Setup, xts: bool, v: &str) -> Target {
@@ -741,11 +764,12 @@ fn s2_big_writes(s: &Setup, k: &Knobs, out: &mut Sink) {
     let threads = 64;
     let region = s.data_bytes / threads as u64 / (1 << 20) * (1 << 20);
     let mut st = Vec::new();
-    // Every run's value per variant, for the per-run ratios.
+    // Every run's value per variant, for the per-run ratios; and its CPU µs per MiB written.
     let mut per_run: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut cpu_per_run: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let v = variants[i];
-        let (mbps, ios, allocs, csw) = if v == "cipher x cores" {
+        let m = if v == "cipher x cores" {
             timed_threads(cores, 1 << 20, k.slice, |_, buf, stop| {
                 let mut c = bench_cipher();
                 let mut dst = Aligned::new(1 << 20);
@@ -779,13 +803,16 @@ fn s2_big_writes(s: &Setup, k: &Knobs, out: &mut Sink) {
                 (n << 20, n)
             })
         };
-        per_run[i].push(mbps);
-        let per_io = |x: u64| x as f64 / ios.max(1) as f64;
+        per_run[i].push(m.mbps);
+        let per_io = |x: u64| x as f64 / m.ios.max(1) as f64;
+        let cpu_us = m.cpu_s * 1e6 / m.ios.max(1) as f64;
+        cpu_per_run[i].push(cpu_us);
         (
-            mbps,
+            m.mbps,
             vec![
-                ("allocs/IO".into(), per_io(allocs)),
-                ("csw/IO".into(), per_io(csw)),
+                ("allocs/IO".into(), per_io(m.allocs)),
+                ("csw/IO".into(), per_io(m.csw)),
+                ("CPU µs/IO".into(), cpu_us),
             ],
         )
     });
@@ -830,6 +857,26 @@ fn s2_big_writes(s: &Setup, k: &Knobs, out: &mut Sink) {
             S2_TARGET,
         );
     }
+    // CPU time per MiB beside the same writes without ucrypt, per run: what ucrypt adds to
+    // each write, and much less at the mercy of other load on the host than the throughput.
+    let cpu_ratio = |i: usize| -> Summary {
+        Summary::of(
+            &cpu_per_run[i]
+                .iter()
+                .zip(&cpu_per_run[ceiling])
+                .map(|(x, b)| x / b.max(f64::MIN_POSITIVE))
+                .collect::<Vec<_>>(),
+        )
+    };
+    notes.push(format!(
+        "{}: scenario 2's CPU time per MiB ÷ raw+crypt x64's (per run): {}",
+        s.name,
+        ["inline", "parallel", "queued", "auto"]
+            .iter()
+            .map(|p| format!("{p} {}", cpu_ratio(at(p)).show(2)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
     let lim = Summary::of(&limits);
     notes.push(format!(
         "{}: scenario 2's limit = 1 / (1/raw + 1/({cores} cores × cipher)) per run = {} MB/s \
@@ -855,7 +902,7 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, out: &mut Sink) {
     let mut st = Vec::new();
     let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
         let t = variant_target(s, true, variants[i]);
-        let (mbps, _, _, _) = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
+        let mbps = timed_threads(12, 256 << 10, k.slice, |th, buf, stop| {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ th as u64;
             let mut n = 0u64;
             while !stop.load(Relaxed) {
@@ -869,7 +916,8 @@ fn s3_twelve_jobs(s: &Setup, k: &Knobs, out: &mut Sink) {
                 n += 1;
             }
             (n * (256 << 10), n)
-        });
+        })
+        .mbps;
         (mbps, vec![])
     });
     log_stats(log, s, "3. 12 jobs 256K", st);
@@ -908,33 +956,33 @@ fn s4_one_stream(s: &Setup, k: &Knobs, out: &mut Sink) {
                 .then(|| SpinBarrier::new(threads));
             let part = (1u64 << 20) / threads as u64;
             let t = variant_target(s, true, if bare { "raw" } else { variants[i] });
-            let (mbps, _, _, _) =
-                timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
-                    let mut own = bare.then(bench_cipher);
-                    let (mut off, mut n) = (0u64, 0u64);
-                    while !stop.load(Relaxed) {
-                        if let Some(b) = &lockstep {
-                            if !b.wait(stop) {
-                                break;
-                            }
+            let mbps = timed_threads(threads, part as usize, k.slice, |th, buf, stop| {
+                let mut own = bare.then(bench_cipher);
+                let (mut off, mut n) = (0u64, 0u64);
+                while !stop.load(Relaxed) {
+                    if let Some(b) = &lockstep {
+                        if !b.wait(stop) {
+                            break;
                         }
-                        let at = off + th as u64 * part;
-                        if write {
-                            if let Some(c) = own.as_mut() {
-                                c.encrypt(at / 4096, buf).expect("encrypt");
-                            }
-                            t.write(buf, at);
-                        } else {
-                            t.read(buf, at);
-                            if let Some(c) = own.as_mut() {
-                                c.decrypt(at / 4096, buf).expect("decrypt");
-                            }
-                        }
-                        off = (off + (1 << 20)) % s.data_bytes;
-                        n += 1;
                     }
-                    (n * part, n)
-                });
+                    let at = off + th as u64 * part;
+                    if write {
+                        if let Some(c) = own.as_mut() {
+                            c.encrypt(at / 4096, buf).expect("encrypt");
+                        }
+                        t.write(buf, at);
+                    } else {
+                        t.read(buf, at);
+                        if let Some(c) = own.as_mut() {
+                            c.decrypt(at / 4096, buf).expect("decrypt");
+                        }
+                    }
+                    off = (off + (1 << 20)) % s.data_bytes;
+                    n += 1;
+                }
+                (n * part, n)
+            })
+            .mbps;
             (mbps, vec![])
         });
         let dir = if write { "writes" } else { "reads" };
@@ -1081,7 +1129,7 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, out: &mut Sink) {
             let mut st = Vec::new();
             let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
                 let t = variant_target(s, true, variants[i]);
-                let (mbps, _, _, _) = timed_threads(1, bs as usize, k.slice, |_, buf, stop| {
+                let mbps = timed_threads(1, bs as usize, k.slice, |_, buf, stop| {
                     let (mut off, mut n) = (0u64, 0u64);
                     while !stop.load(Relaxed) {
                         if write {
@@ -1093,7 +1141,8 @@ fn s7_block_sizes(s: &Setup, k: &Knobs, out: &mut Sink) {
                         n += 1;
                     }
                     (n * bs, n)
-                });
+                })
+                .mbps;
                 (mbps, vec![])
             });
             log_stats(log, s, &format!("{scenario}, {} KiB", bs >> 10), st);
@@ -1119,22 +1168,22 @@ fn s8_threads(s: &Setup, k: &Knobs, out: &mut Sink) {
         let mut st = Vec::new();
         let res = round_robin(k, &variants, Some(&s.xts), &mut st, |i| {
             let t = variant_target(s, true, variants[i]);
-            let (mbps, _, _, _) =
-                timed_threads(threads as usize, BS as usize, k.slice, |th, buf, stop| {
-                    let mut x = 0x51_7cc1_b727_220au64 ^ (th as u64 + 1);
-                    let mut n = 0u64;
-                    while !stop.load(Relaxed) {
-                        let r = xorshift(&mut x);
-                        let off = (r % blocks) * BS;
-                        if r % 3 == 2 {
-                            t.write(buf, off);
-                        } else {
-                            t.read(buf, off);
-                        }
-                        n += 1;
+            let mbps = timed_threads(threads as usize, BS as usize, k.slice, |th, buf, stop| {
+                let mut x = 0x51_7cc1_b727_220au64 ^ (th as u64 + 1);
+                let mut n = 0u64;
+                while !stop.load(Relaxed) {
+                    let r = xorshift(&mut x);
+                    let off = (r % blocks) * BS;
+                    if r % 3 == 2 {
+                        t.write(buf, off);
+                    } else {
+                        t.read(buf, off);
                     }
-                    (n * BS, n)
-                });
+                    n += 1;
+                }
+                (n * BS, n)
+            })
+            .mbps;
             (mbps, vec![])
         });
         log_stats(log, s, &format!("{scenario}, {threads} threads"), st);
@@ -1149,7 +1198,7 @@ fn s8_threads(s: &Setup, k: &Knobs, out: &mut Sink) {
 fn mixed_streams(s: &Setup, k: &Knobs, variant: &str) -> f64 {
     const SIZES: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 4 << 10, 256 << 10, 1 << 20];
     let t = variant_target(s, true, variant);
-    let (mbps, _, _, _) = timed_threads(STREAMS_6, 1 << 20, k.slice, |th, buf, stop| {
+    timed_threads(STREAMS_6, 1 << 20, k.slice, |th, buf, stop| {
         // Whole MiB per stream, so that every request is sector-aligned.
         let region = s.data_bytes / STREAMS_6 as u64 / (1 << 20) * (1 << 20);
         let base = th as u64 * region;
@@ -1170,8 +1219,8 @@ fn mixed_streams(s: &Setup, k: &Knobs, variant: &str) -> f64 {
             n += 1;
         }
         (bytes, n)
-    });
-    mbps
+    })
+    .mbps
 }
 
 /// Streams of scenario 6.

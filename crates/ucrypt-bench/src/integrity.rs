@@ -4,7 +4,10 @@
 //! read and write latency. Every configuration runs once per round, round-robin; each cell is
 //! the median of the rounds with their minimum and maximum, and the ratio of medians to the
 //! plain XTS volume (the engine's default policy, `auto`) is printed per row. A second plain
-//! XTS row runs `inline` (one core, as the integrity volumes do).
+//! XTS row runs `inline` (one core). Each authenticated mode runs with `auto` (large requests
+//! split across cores, as `ucrypt` opens volumes) and with `inline` (the caller's thread
+//! only, as before authenticated volumes split), and aes-gcm-random + aead once more in
+//! journal mode.
 //!
 //! The volumes are built through the library (`IntegrityVolume::new` over the superblock the
 //! kernel would write, `Volume::new`), not through `ucrypt format`, so no KDF runs.
@@ -43,6 +46,26 @@ const SMALL_OPS_QUICK: usize = 1000;
 /// modes here at 4 KiB blocks, plus the journal's 1/128).
 const BACKING_SLACK_NUM: u64 = 9;
 const BACKING_SLACK_DEN: u64 = 100;
+
+/// The authenticated modes, as the rows name them.
+const MODES: [(&str, TagMode); 4] = [
+    (
+        "aes-gcm-random + aead",
+        TagMode::AesGcmRandom { key_bytes: 32 },
+    ),
+    (
+        "chacha20-random + poly1305",
+        TagMode::ChaCha20RandomPoly1305,
+    ),
+    (
+        "aes-xts-random + hmac-sha256",
+        TagMode::AesXtsRandomHmac(HmacHash::Sha256),
+    ),
+    (
+        "aes-xts-random + hmac-sha512",
+        TagMode::AesXtsRandomHmac(HmacHash::Sha512),
+    ),
+];
 
 /// What the kernel comparison column says.
 const KERNEL_SKIPPED: &str = "SKIPPED: dm-integrity + dm-crypt run only in the test VM, which \
@@ -130,25 +153,25 @@ fn plain_xts(data: u64, policy: Policy) -> Result<Config, String> {
     })
 }
 
-fn authenticated(name: &str, mode: TagMode, data: u64) -> Result<Config, String> {
+fn authenticated(
+    name: &str,
+    mode: TagMode,
+    data: u64,
+    policy: Policy,
+    wm: WriteMode,
+) -> Result<Config, String> {
     let total = data + data * BACKING_SLACK_NUM / BACKING_SLACK_DEN + (4 << 20);
     let (tf, b) = backing(&name.replace([' ', '+', '(', ')'], "_"), total)?;
     let tag = u16::try_from(mode.tuple_bytes()).map_err(|_| "tag size".to_string())?;
     let layout = new_superblock(tag, 4096, 0, total / 512).map_err(|e| e.to_string())?;
     // The superblock and an initialised journal, as `ucrypt format` writes them (opening checks
     // the journal's commit ids); then direct mode, to measure the tag layer alone (the
-    // journal's cost: docs/integrity.md, "What it costs").
+    // journal's cost: docs/integrity.md, "What it costs"), except in the journal row.
     write_new_device(b.as_ref(), 0, &layout).map_err(|e| e.to_string())?;
-    let v = IntegrityVolume::with_write_mode(
-        b,
-        0,
-        layout.sb,
-        mode,
-        key(mode.key_bytes()),
-        false,
-        WriteMode::Direct,
-    )
-    .map_err(|e| e.to_string())?;
+    let v =
+        IntegrityVolume::with_write_mode(b, 0, layout.sb, mode, key(mode.key_bytes()), false, wm)
+            .map_err(|e| e.to_string())?;
+    v.set_policy(policy);
     if v.size() < data {
         return Err(format!("{name}: provides {} < {data} bytes", v.size()));
     }
@@ -216,30 +239,40 @@ fn small(dev: &dyn BlockDev, data: u64, write: bool, ops: usize, buf: &mut Align
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, String> {
     let data = if quick { DATA_BYTES_QUICK } else { DATA_BYTES };
     let ops = if quick { SMALL_OPS_QUICK } else { SMALL_OPS };
-    let configs = vec![
+    let mut configs = vec![
         plain_xts(data, Policy::Auto)?,
         plain_xts(data, Policy::Inline)?,
-        authenticated(
-            "aes-gcm-random + aead",
-            TagMode::AesGcmRandom { key_bytes: 32 },
-            data,
-        )?,
-        authenticated(
-            "chacha20-random + poly1305",
-            TagMode::ChaCha20RandomPoly1305,
-            data,
-        )?,
-        authenticated(
-            "aes-xts-random + hmac-sha256",
-            TagMode::AesXtsRandomHmac(HmacHash::Sha256),
-            data,
-        )?,
-        authenticated(
-            "aes-xts-random + hmac-sha512",
-            TagMode::AesXtsRandomHmac(HmacHash::Sha512),
-            data,
-        )?,
     ];
+    // Each mode with the default policy (`auto`: large requests split across cores), then
+    // `inline` (the caller's thread only); aes-gcm-random once more through the journal.
+    for (name, mode) in MODES {
+        configs.push(authenticated(
+            name,
+            mode,
+            data,
+            Policy::Auto,
+            WriteMode::Direct,
+        )?);
+    }
+    for (name, mode) in MODES {
+        let name = format!("{name} (policy inline)");
+        configs.push(authenticated(
+            &name,
+            mode,
+            data,
+            Policy::Inline,
+            WriteMode::Direct,
+        )?);
+    }
+    let (name, mode) = MODES[0];
+    let name = format!("{name} (journal)");
+    configs.push(authenticated(
+        &name,
+        mode,
+        data,
+        Policy::Auto,
+        WriteMode::Journal,
+    )?);
     let mut buf = Aligned::new(BIG_BYTES);
     // Every block written once, so that reads verify real tags.
     for c in &configs {
@@ -286,9 +319,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
         rows,
         kernel: KERNEL_SKIPPED.into(),
         notes: vec![
-            "integrity volumes: dm-integrity direct mode (no journal), crypto inline on the \
-             caller's thread; plain XTS: the engine's default policy (auto: 1 MiB requests \
-             split across cores when one is idle)"
+            "integrity volumes: dm-integrity direct mode (no journal) unless the row says \
+             journal; policy auto unless the row says inline (auto: requests above a \
+             threshold calibrated at open split across cores when one is idle, as the \
+             engine's default for plain XTS)"
                 .into(),
         ],
     })

@@ -5,13 +5,18 @@
 
 use std::process::Command;
 
-const ROWS: [&str; 6] = [
+const ROWS: [&str; 11] = [
     "plain aes-xts-plain64 (policy auto)",
     "plain aes-xts-plain64 (policy inline)",
     "aes-gcm-random + aead",
     "chacha20-random + poly1305",
     "aes-xts-random + hmac-sha256",
     "aes-xts-random + hmac-sha512",
+    "aes-gcm-random + aead (policy inline)",
+    "chacha20-random + poly1305 (policy inline)",
+    "aes-xts-random + hmac-sha256 (policy inline)",
+    "aes-xts-random + hmac-sha512 (policy inline)",
+    "aes-gcm-random + aead (journal)",
 ];
 
 #[test]

@@ -228,7 +228,7 @@ impl Opened {
     pub fn policy(&self) -> String {
         match self {
             Opened::Plain(v) => v.policy().to_string(),
-            Opened::Integrity(_) => AUTHENTICATED_POLICY.into(),
+            Opened::Integrity(a) => a.policy().to_string(),
         }
     }
 
@@ -257,10 +257,6 @@ impl Opened {
         }
     }
 }
-
-/// What `status` says of an authenticated volume's dispatch: its crypto runs on the caller's
-/// thread (docs/integrity.md, "Dispatch").
-pub const AUTHENTICATED_POLICY: &str = "inline (authenticated)";
 
 /// How often `suspend` looks whether the requests inside an authenticated volume are done.
 const SUSPEND_POLL: Duration = Duration::from_millis(1);
@@ -308,6 +304,9 @@ pub struct Authenticated {
     read_only: bool,
     /// Journal or direct, as opened; kept for resume.
     write_mode: integrity::WriteMode,
+    /// The dispatch policies (docs/integrity.md, "Dispatch"): set at open and by `refresh`,
+    /// given to the volume built again on resume.
+    policy: Mutex<Policies>,
     /// Fixed by the dm-integrity superblock: known while suspended too.
     size: u64,
     block_size: u32,
@@ -334,6 +333,7 @@ impl Authenticated {
             data,
             read_only: vol.read_only(),
             write_mode,
+            policy: Mutex::new(vol.policy()),
             size: vol.size(),
             block_size: vol.block_size(),
             inner: Mutex::new(Some(Arc::new(vol))),
@@ -391,6 +391,20 @@ impl Authenticated {
         lock(&self.inner).is_none()
     }
 
+    /// The dispatch policies requests run with (also while suspended: those of the resume).
+    pub fn policy(&self) -> Policies {
+        *lock(&self.policy)
+    }
+
+    /// Switches the dispatch policies for the next requests (and the volume built on resume).
+    pub fn set_policy(&self, p: Policies) {
+        let mut g = lock(&self.policy);
+        *g = p;
+        if let Some(v) = &*lock(&self.inner) {
+            v.set_policy(p);
+        }
+    }
+
     /// Takes the volume away from new requests, waits for the requests inside to finish,
     /// flushes and drops it: its `SecretBytes` key and keyed contexts are wiped on drop.
     pub fn suspend(&self) -> ucrypt::Result<()> {
@@ -438,6 +452,7 @@ impl Authenticated {
         if g.is_some() {
             return Err(Error::InvalidArgument("not suspended".into()));
         }
+        vol.set_policy(self.policy());
         *g = Some(Arc::new(vol));
         drop(g);
         self.resumed.notify_all();
@@ -540,6 +555,7 @@ fn open_authenticated(
     };
     let vol = integrity::open_luks2_mode(data.clone(), hdr, &vk, opts.read_only, write_mode)?;
     drop(vk);
+    vol.set_policy(opts.policy);
     check_superblock_flags(&vol)?;
     Ok(Opened::Integrity(Arc::new(Authenticated::new(
         name, data, vol, write_mode,

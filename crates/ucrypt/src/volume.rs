@@ -55,6 +55,10 @@ pub const PIECE_BYTES_MAX: usize = 4 << 20;
 pub const PARALLEL_MIN_BYTES: u64 = 64 << 10;
 /// No chunk smaller than this: below it the hand-off costs more than the crypto it moves.
 pub const CHUNK_MIN_BYTES: u64 = 32 << 10;
+/// The least an aligned write takes of the pool at once when many share it (see
+/// `BufferPool::take_share`): the split policies cut it into chunks of at least
+/// [`CHUNK_MIN_BYTES`] for two lanes.
+pub const GRANT_SHARE_MIN_BYTES: usize = 2 * CHUNK_MIN_BYTES as usize;
 /// Bounds for the calibrated `auto` threshold.
 pub const AUTO_MIN_BYTES_FLOOR: u64 = 16 << 10;
 pub const AUTO_MIN_BYTES_CEIL: u64 = 4 << 20;
@@ -175,6 +179,8 @@ pub(crate) struct Core {
     mem_align: usize,
     planner: Planner,
     auto_min_bytes: AtomicU64,
+    /// The cipher's cost in picoseconds per byte, measured at start-up (see `calibrate`).
+    crypto_ps_per_byte: AtomicU64,
     /// `auto` requests at or above the threshold running now.
     big_inflight: AtomicU32,
     /// The dispatch policy of reads (0) and of writes (1).
@@ -182,7 +188,8 @@ pub(crate) struct Core {
     pool: BufferPool,
     locks: RangeLock,
     ciphers: CipherSlots,
-    stats: Stats,
+    /// Shared with the new key's side while in reencryption (`volume/segments.rs`).
+    stats: Arc<Stats>,
     jobs: BoundedQueue<Job>,
     writes: BoundedQueue<WriteJob>,
     turns: Turns,
@@ -485,43 +492,112 @@ impl Core {
             t.backend += t.clock().wrapping_sub(t0);
             return r;
         }
+        if piece.aligned() {
+            return self.write_aligned(plan, piece, src, fua, t);
+        }
+        // Read-modify-write: the bounce buffer gets the old plaintext of partial edge sectors,
+        // then the new data (or zeroes), then is encrypted in place (and wiped on release).
         let t0 = t.clock();
         let mut g = self.pool.take(bytes)?;
         t.wait += t.clock().wrapping_sub(t0);
-        let plain_src = match src {
-            Source::Buf(b) if piece.aligned() => b[piece.buf_off..piece.buf_off + bytes].as_ptr(),
-            _ => {
-                // Read-modify-write: the bounce buffer gets the old plaintext of partial edge
-                // sectors, then the new data (or zeroes), then is encrypted in place.
-                let b = g.as_mut_slice();
-                if piece.partial_first {
-                    self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
-                }
-                if piece.partial_last {
-                    self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
-                }
-                let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
-                match src {
-                    Source::Buf(s) => {
-                        dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len])
-                    }
-                    Source::Zeroes => dst.fill(0),
-                }
-                std::ptr::null()
-            }
-        };
+        let b = g.as_mut_slice();
+        if piece.partial_first {
+            self.read_sector_plain(piece.sectors.first, &mut b[..ss], t)?;
+        }
+        if piece.partial_last {
+            self.read_sector_plain(piece.sectors.end - 1, &mut b[bytes - ss..], t)?;
+        }
+        let dst = &mut b[piece.head_skip..piece.head_skip + piece.buf_len];
+        match src {
+            Source::Buf(s) => dst.copy_from_slice(&s[piece.buf_off..piece.buf_off + piece.buf_len]),
+            Source::Zeroes => dst.fill(0),
+        }
         let task = Task {
             write: true,
             sectors: piece.sectors,
             buf: g.as_mut_ptr(),
-            src: plain_src,
+            src: std::ptr::null(),
             io: true,
             fua,
         };
-        self.run(plan, piece, task, t)?;
-        if !plain_src.is_null() && !self.null_cipher {
-            // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
-            g.held_only_ciphertext();
+        self.run(plan, piece, task, t)
+    }
+
+    /// A piece of whole sectors, in parts of the pool's fair share (`BufferPool::take_share`):
+    /// each part is encrypted from the caller's buffer (or zeroes) into a grant and written, so
+    /// that many writers share the pool without taking turns. The parts of a piece are written
+    /// one after the other; like a piece's, they are acknowledged together, with the request.
+    fn write_aligned(
+        &self,
+        plan: &Plan,
+        piece: &Piece,
+        src: Source<'_>,
+        fua: bool,
+        t: &mut Times,
+    ) -> Result<()> {
+        let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
+        if let (true, true, Source::Buf(b)) = (self.null_cipher, unordered, src) {
+            // The null cipher's ciphertext is the plaintext: write it from where it is, with
+            // no copy into a grant and no wipe of one.
+            let data = &b[piece.buf_off..piece.buf_off + piece.buf_len];
+            let t0 = t.clock();
+            let at = self.backend_offset(piece.sectors.first);
+            let r = if fua {
+                self.backend.write_at_fua(data, at)
+            } else {
+                self.backend.write_at(data, at)
+            };
+            t.backend += t.clock().wrapping_sub(t0);
+            return r;
+        }
+        let ss = 1usize << self.shift;
+        let bytes = piece.buf_len;
+        // The `queued` model hands each part to a worker and then to the writer thread: there
+        // parts would multiply the hand-offs, so it takes the piece whole.
+        let whole = matches!(plan.dispatch, Dispatch::Queued);
+        let mut done = 0usize;
+        while done < bytes {
+            let t0 = t.clock();
+            let mut g = if whole {
+                self.pool.take(bytes - done)?
+            } else {
+                self.pool
+                    .take_share(bytes - done, ss, GRANT_SHARE_MIN_BYTES)?
+            };
+            t.wait += t.clock().wrapping_sub(t0);
+            let len = g.len();
+            let first = piece.sectors.first + (done >> self.shift) as u64;
+            let part = Piece {
+                buf_off: piece.buf_off + done,
+                buf_len: len,
+                sectors: SectorRange {
+                    first,
+                    end: first + (len >> self.shift) as u64,
+                },
+                ..*piece
+            };
+            let plain_src = match src {
+                Source::Buf(b) => b[part.buf_off..part.buf_off + len].as_ptr(),
+                Source::Zeroes => {
+                    // A grant holds zeroes or old ciphertext: zeroes are encrypted in place.
+                    g.as_mut_slice().fill(0);
+                    std::ptr::null()
+                }
+            };
+            let task = Task {
+                write: true,
+                sectors: part.sectors,
+                buf: g.as_mut_ptr(),
+                src: plain_src,
+                io: true,
+                fua,
+            };
+            self.run(plan, &part, task, t)?;
+            if !plain_src.is_null() && !self.null_cipher {
+                // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
+                g.held_only_ciphertext();
+            }
+            done += len;
         }
         Ok(())
     }
@@ -628,6 +704,12 @@ fn fitted_size(backend_bytes: u64, data_offset: u64, ss: u64, want: Option<u64>)
 
 impl Volume {
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
+        Self::with_stats(backend, cfg, Arc::new(Stats::default()))
+    }
+
+    /// [`Volume::new`] counting into `stats` (the new key's side of a volume in reencryption
+    /// counts into the volume's own).
+    fn with_stats(backend: Arc<dyn Backend>, cfg: VolumeConfig, stats: Arc<Stats>) -> Result<Self> {
         let size = checked_size(backend.as_ref(), &cfg)?;
         let ss = cfg.geometry.sector_size.bytes() as u64;
         let shift = cfg.geometry.sector_size.shift();
@@ -658,6 +740,7 @@ impl Volume {
             allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,
             auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
+            crypto_ps_per_byte: AtomicU64::new(0),
             big_inflight: AtomicU32::new(0),
             policy: [
                 AtomicU8::new(cfg.policy.read.to_u8()),
@@ -666,7 +749,7 @@ impl Volume {
             pool,
             locks: RangeLock::default(),
             ciphers: CipherSlots::new(cipher),
-            stats: Stats::default(),
+            stats,
             jobs: BoundedQueue::new(JOB_QUEUE_MAX),
             writes: BoundedQueue::new(WRITE_QUEUE_MAX),
             turns: Turns {
@@ -869,6 +952,8 @@ impl Volume {
         }
         let ns = ns_per_tick();
         let per_byte_ns = (best_crypto as f64 * ns / probe.max(1) as f64).max(1e-3);
+        core.crypto_ps_per_byte
+            .store((per_byte_ns * 1e3) as u64, Relaxed);
         let handoff_ns = best_ping as f64 * ns;
         // Splitting L bytes in two saves L*c/2 and costs one hand-off; ask for a 2x margin.
         let t = (4.0 * handoff_ns / per_byte_ns) as u64;
@@ -1157,7 +1242,19 @@ impl Core {
         if self.jobs.push(job).is_err() {
             return Err(Error::Bug("job queue closed while the volume is in use"));
         }
-        let (r, tw) = comp.wait(self.spin());
+        // Spin for the completion only if it can come within the spin: a worker was idle to
+        // take the job at once, and its crypto alone is shorter than the spin. A caller that
+        // spins for longer work takes a CPU from the worker doing it (64 writers of 1 MiB
+        // spent a tenth of their CPU time spinning here).
+        let spin = self.spin();
+        let crypto_ns =
+            task.bytes(self.shift) as u64 * self.crypto_ps_per_byte.load(Relaxed) / 1000;
+        let spin = if self.jobs.idle() > 0 && crypto_ns < spin.as_nanos() as u64 {
+            spin
+        } else {
+            Duration::ZERO
+        };
+        let (r, tw) = comp.wait(spin);
         t.add(&tw);
         r
     }

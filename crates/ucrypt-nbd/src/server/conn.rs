@@ -1,7 +1,7 @@
 //! One connection: the handshake (driven over the codec), then the transmission phase with a
 //! reader (this thread), a bounded worker pool and a writer lock.
 
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -47,6 +47,11 @@ const DISCARD_CHUNK_BYTES: usize = 64 * 1024;
 /// Requests at least this large check for a waiting next request before running on the
 /// reader's thread (one system call, small beside the work of such a request).
 const INLINE_PEEK_MIN_BYTES: u64 = 64 << 10;
+/// Write payloads at least this large are received straight into their buffer (after what
+/// the read buffer already holds of them), never through the read buffer: with the read
+/// buffer's read-ahead, a quarter of every 1 MiB payload was copied once more (a memcpy of
+/// 242,000 of the server's 2.42 million instructions per 1 MiB write, callgrind).
+const DIRECT_PAYLOAD_MIN_BYTES: u64 = 64 << 10;
 
 /// The request stream: a socket whose reads may first poll without sleeping.
 struct RequestStream {
@@ -372,13 +377,24 @@ fn read_requests(
     stop: &ucrypt::Stop,
 ) -> Result<()> {
     let mut hdr = [0u8; REQUEST_HEADER_BYTES];
+    // The last request was a large write (see `read_payload`).
+    let mut after_large_write = false;
     loop {
         // A dead client's requests still buffered here are never read (see `Ctx::dead`);
         // once the server stops, no new request is taken (those taken finish).
         if ctx.dead() || stop.requested() {
             return Ok(());
         }
-        match read_full(reader, &mut hdr) {
+        // After a large write, the next request is likely one too: its header is read alone
+        // when nothing is buffered, so that its payload does not land in the read buffer
+        // (read ahead with the header) and get copied out of it.
+        let header = if after_large_write && reader.buffer().is_empty() {
+            read_full(reader.get_mut(), &mut hdr)
+        } else {
+            read_full(reader, &mut hdr)
+        };
+        after_large_write = false;
+        match header {
             Ok(true) => {}
             // Client closed (or server stopping): finish in-flight work.
             Ok(false) => return Ok(()),
@@ -429,7 +445,12 @@ fn read_requests(
                         job.charged = u64::from(len);
                         ctx.budget.acquire(job.charged);
                         let mut payload = ctx.spares.take(len as usize);
-                        let r = reader.read_exact(payload.data_mut(len as usize));
+                        let r = if u64::from(len) >= DIRECT_PAYLOAD_MIN_BYTES {
+                            after_large_write = true;
+                            read_payload(reader, payload.data_mut(len as usize))
+                        } else {
+                            reader.read_exact(payload.data_mut(len as usize))
+                        };
                         job.payload = Some(payload);
                         if let Err(e) = r {
                             ctx.budget.release(job.charged);
@@ -545,6 +566,17 @@ fn transmit(sock: Sock, export: &Export, shared: &Shared, activity: Arc<Activity
         }
         o => o,
     }
+}
+
+/// Fills `buf` with what `reader` has buffered, then with reads straight from the socket.
+fn read_payload(reader: &mut BufReader<RequestStream>, buf: &mut [u8]) -> io::Result<()> {
+    let have = reader.buffer().len().min(buf.len());
+    buf[..have].copy_from_slice(&reader.buffer()[..have]);
+    reader.consume(have);
+    if have < buf.len() {
+        reader.get_mut().read_exact(&mut buf[have..])?;
+    }
+    Ok(())
 }
 
 fn discard(r: &mut impl Read, mut n: usize) -> io::Result<()> {

@@ -9,6 +9,8 @@
 //! - `stats`: cheap per-request timings (log2 histograms).
 //!
 //! - `task`: a unit of crypto and I/O over one run of sectors, as handed to a thread.
+//! - `crew`: a small bounded executor for split work that is not a sector task (the chunks of
+//!   an authenticated volume's requests), with the same rules as the workers.
 //!
 //! Only [`Policy`] and the statistics types are public: the rest carries raw pointers into
 //! callers' buffers and is sound only as the volume uses it. The drivers that perform plans
@@ -16,6 +18,7 @@
 //! `workers::Executor` trait, so this module never imports the volume.
 
 pub(crate) mod ciphers;
+pub(crate) mod crew;
 pub(crate) mod gate;
 pub(crate) mod plan;
 pub(crate) mod queue;

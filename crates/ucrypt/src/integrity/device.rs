@@ -17,8 +17,20 @@
 //!
 //! Opening replays the journal as the kernel does on activation (committed sections, oldest
 //! first) and leaves it empty. Writes exclude each other and reads; reads run together.
+//!
+//! Dispatch (docs/integrity.md, "Dispatch"): a large request is split across cores as a plain
+//! volume's engine splits one, under the volume's [`Policies`]. A read's whole blocks are cut
+//! into chunks that the caller and the workers of the volume's crew (`engine::crew`) claim one at a time,
+//! each fetching its blocks' data and tags, verifying and decrypting them (`ReadSplit`). A
+//! write is cut into pieces of at most [`WRITE_PIECE_BYTES`]: a piece's blocks are sealed
+//! (fresh IVs, encryption, tags) in chunks on the caller and the workers (`SealSplit`), then
+//! the caller alone writes them, to the journal or in direct mode to their places, in the
+//! order a write on one thread would: the backend sees the same writes, in the same order,
+//! whatever the policy. The locks do not change: the caller holds the volume's lock (shared
+//! for a read, exclusive for a write, from the first seal to the last tag write) until every
+//! chunk has finished, so the workers run inside the request's critical section.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
 
 use super::journal::{self, Entry, Geometry, Scan};
@@ -27,20 +39,46 @@ use super::superblock::{Superblock, SB_BYTES, SB_SECTORS};
 use super::tag::{TagCipher, TagMode};
 use crate::backend::Backend;
 use crate::blockdev::check_range;
+use crate::engine::crew::{Chunks, Crew, CREW_WORKERS_MAX};
+use crate::engine::plan::CHUNKS_PER_LANE;
+use crate::engine::stats::{now, ns_per_tick};
+use crate::engine::{Policies, Policy};
 use crate::luks::{read_area, Header, VolumeKey};
 use crate::pool::BufferPool;
 use crate::sync::lock;
+use crate::volume::{AUTO_MIN_BYTES_CEIL, AUTO_MIN_BYTES_FLOOR, PARALLEL_MIN_BYTES};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
-/// Blocks handled per backend call pair (data + tags); bounds the scratch each request takes.
+/// Blocks handled per backend call pair (data + tags) of a read, and per write-back run of
+/// the journal; bounds the scratch each takes.
 pub const CHUNK_BYTES: usize = 256 << 10;
-/// Scratch memory per volume: enough for 8 chunks in flight at once (data, tag span, tuples).
-pub const SCRATCH_POOL_BYTES: usize =
-    8 * (CHUNK_BYTES + (CHUNK_BYTES / 512) * TUPLE_BYTES_MAX + 2 * 4096);
+/// A write is sealed and written in pieces of at most this: one pool grant holds a piece's
+/// ciphertext, tuples and tag span; the piece's seal is what a split shares between lanes.
+pub const WRITE_PIECE_BYTES: usize = 1 << 20;
+/// The pool grant of one write piece at most: ciphertext, tuples, and the tag span of its
+/// run (direct mode), with three 4 KiB units of alignment slack (the span's ends, and the
+/// span's start after the ciphertext).
+const WRITE_GRANT_BYTES_MAX: usize =
+    WRITE_PIECE_BYTES + 2 * (WRITE_PIECE_BYTES / 512) * TUPLE_BYTES_MAX + 3 * 4096;
+/// The pool grant of one read run or journal write-back run at most (data, tag span, the
+/// same slack).
+const RUN_GRANT_BYTES_MAX: usize = CHUNK_BYTES + (CHUNK_BYTES / 512) * TUPLE_BYTES_MAX + 3 * 4096;
+/// Scratch memory per volume: 8 read runs in flight at once (readers and their lanes).
+pub const SCRATCH_POOL_BYTES: usize = 8 * RUN_GRANT_BYTES_MAX;
+// A journal write holds its piece's grant while a commit writes a section back (one run's
+// grant more). Writers are exclusive and readers hold no grant outside the lock, so both are
+// then the only grants: they must fit together, or the writer would wait for itself.
+const _: () = assert!(WRITE_GRANT_BYTES_MAX + RUN_GRANT_BYTES_MAX <= SCRATCH_POOL_BYTES);
 /// Largest tuple accepted (dm-integrity's tag size for the modes here is at most 80).
 pub const TUPLE_BYTES_MAX: usize = 128;
-/// Keyed ciphers kept for reuse between requests (one per concurrent caller at most).
+/// Keyed ciphers kept for reuse between requests on callers' threads (one per concurrent
+/// caller at most); the crew's workers have one each besides.
 pub const CIPHERS_CACHED_MAX: usize = 16;
+/// No chunk of a split smaller than this: below it the hand-off costs more than the crypto
+/// it moves (the engine's bound, `volume::CHUNK_MIN_BYTES`).
+pub const SPLIT_CHUNK_MIN_BYTES: usize = 32 << 10;
+/// Most lanes (the caller and workers) one request is split across.
+pub const LANES_MAX: usize = 4;
 /// The largest block dm-integrity supports.
 const BLOCK_BYTES_MAX: usize = 4096;
 /// Alignment of the journal section buffer (the largest memory alignment O_DIRECT asks).
@@ -139,9 +177,62 @@ pub struct IntegrityVolume {
     io_lock: RwLock<JournalState>,
     /// Backend I/O alignment (at least 512).
     io_align: u64,
+    /// Backend memory alignment: a read into a caller's buffer aligned to it needs no copy.
+    mem_align: usize,
     read_only: bool,
     integrity_errors: AtomicU64,
     replay: ReplayReport,
+    /// The threads large requests are split across (lanes `1..=workers`; the caller is 0).
+    crew: Crew,
+    /// One keyed tag cipher per crew worker (lane `i + 1` uses `lane_ciphers[i]`), made when
+    /// the volume opens: each lives in its `SecretBox`es, and only its worker locks it.
+    lane_ciphers: Box<[Mutex<TagCipher>]>,
+    /// Threads that can do crypto at once: the machine's cores (at most [`LANES_MAX`]).
+    lanes: usize,
+    /// The dispatch policy of reads (0) and writes (1) ([`Policy::to_u8`]).
+    policy: [AtomicU8; 2],
+    /// `auto` splits requests of at least this many bytes (calibrated when opening).
+    auto_min_bytes: AtomicU64,
+    /// `auto` requests at or above the threshold running now.
+    big_inflight: AtomicU32,
+    /// Pieces of requests handed to the crew since opening (see `split_pieces`).
+    splits: AtomicU64,
+}
+
+/// How one request's crypto runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lanes {
+    /// On the caller's thread alone.
+    Inline,
+    /// In `chunks` chunks claimed by `helpers` crew workers and, if `caller_helps`, the caller.
+    Split {
+        helpers: usize,
+        chunks: usize,
+        caller_helps: bool,
+    },
+}
+
+impl Lanes {
+    /// `chunks` for `bytes` of work: the lanes' count times [`CHUNKS_PER_LANE`], none smaller
+    /// than [`SPLIT_CHUNK_MIN_BYTES`], none smaller than a block.
+    fn chunks_for(self, bytes: usize, block_bytes: usize) -> usize {
+        match self {
+            Lanes::Inline => 1,
+            Lanes::Split { chunks, .. } => chunks
+                .min(bytes / SPLIT_CHUNK_MIN_BYTES)
+                .min(bytes / block_bytes)
+                .max(1),
+        }
+    }
+}
+
+/// Counts a big request of the `auto` policy while it runs.
+struct BigGuard<'a>(&'a AtomicU32);
+
+impl Drop for BigGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Where the bytes of a write come from.
@@ -171,6 +262,190 @@ fn journal_failed() -> Error {
         "integrity journal",
         std::io::Error::other("an earlier journal write failed; the volume refuses I/O"),
     )
+}
+
+/// The chunks of one split request: which is next to claim, and the error of the lowest
+/// failing chunk (so the request reports what a run on one thread would have met first,
+/// whatever order the lanes ran them in).
+struct SplitState {
+    chunks: usize,
+    /// Chunk boundaries fall on multiples of this many blocks (so that each chunk's part of
+    /// the caller's buffer starts where the backend accepts a buffer, when the whole does).
+    granule: usize,
+    next: AtomicUsize,
+    failed: Mutex<Option<(usize, Error)>>,
+}
+
+impl SplitState {
+    fn new(chunks: usize, granule: usize) -> Self {
+        SplitState {
+            chunks: chunks.max(1),
+            granule: granule.max(1),
+            next: AtomicUsize::new(0),
+            failed: Mutex::new(None),
+        }
+    }
+
+    /// The next unclaimed chunk, if any.
+    fn claim(&self) -> Option<usize> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        (i < self.chunks).then_some(i)
+    }
+
+    /// Blocks `lo..hi` of chunk `i` of `blocks`: nearly equal runs, cut at multiples of the
+    /// granule (so one may be empty when there are few granules), the last up to `blocks`.
+    fn bounds(&self, i: usize, blocks: usize) -> (usize, usize) {
+        let cut = |k: usize| {
+            if k >= self.chunks {
+                blocks
+            } else {
+                blocks * k / self.chunks / self.granule * self.granule
+            }
+        };
+        (cut(i), cut(i + 1))
+    }
+
+    fn record(&self, i: usize, r: Result<()>) {
+        if let Err(e) = r {
+            let mut f = lock(&self.failed);
+            if f.as_ref().is_none_or(|(at, _)| i < *at) {
+                *f = Some((i, e));
+            }
+        }
+    }
+
+    /// Claims and runs chunks with `run(lo, hi)` until none is left; every chunk runs, also
+    /// after one failed (the request returns only when all have finished).
+    fn run_all(&self, blocks: usize, mut run: impl FnMut(usize, usize) -> Result<()>) {
+        while let Some(i) = self.claim() {
+            let (lo, hi) = self.bounds(i, blocks);
+            if lo < hi {
+                self.record(i, run(lo, hi));
+            }
+        }
+    }
+
+    /// Runs every chunk left with `cipher`, or, if the lane's cipher could not be had, fails
+    /// every chunk left with that error.
+    fn run_lane(
+        &self,
+        blocks: usize,
+        with_cipher: impl FnOnce(&mut dyn FnMut(&mut TagCipher) -> Result<()>) -> Result<()>,
+        mut run: impl FnMut(&mut TagCipher, usize, usize) -> Result<()>,
+    ) {
+        let r = with_cipher(&mut |c: &mut TagCipher| {
+            self.run_all(blocks, |lo, hi| run(c, lo, hi));
+            Ok(())
+        });
+        if let Err(e) = r {
+            let mut first = Some(e);
+            while let Some(i) = self.claim() {
+                let e = first
+                    .take()
+                    .unwrap_or(Error::Bug("tag cipher unavailable for a chunk"));
+                self.record(i, Err(e));
+            }
+        }
+    }
+
+    fn result(&self) -> Result<()> {
+        match lock(&self.failed).take() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A read's whole blocks, verified and decrypted in chunks by the caller and crew workers.
+/// Lives on the caller's stack, which holds the volume's lock shared until the crew returns.
+struct ReadSplit<'a> {
+    vol: &'a IntegrityVolume,
+    j: &'a JournalState,
+    /// Data sector of the first block.
+    first: u64,
+    /// The caller's buffer: `blocks` whole blocks.
+    out: *mut u8,
+    blocks: usize,
+    split: SplitState,
+}
+
+// SAFETY: `out` is a caller's `&mut [u8]` of `blocks` blocks that outlives the split (the
+// caller waits in `Crew::run`); chunks are disjoint block ranges of it, each claimed by one
+// lane, so no two threads touch the same bytes. The rest is shared read-only or Sync.
+unsafe impl Sync for ReadSplit<'_> {}
+
+impl Chunks for ReadSplit<'_> {
+    fn run_chunks(&self, lane: usize) {
+        let v = self.vol;
+        let bb = v.block_bytes();
+        let read = |c: Option<&mut TagCipher>, lo: usize, hi: usize| {
+            assert!(
+                lo < hi && hi <= self.blocks,
+                "read chunk outside the request"
+            );
+            // SAFETY: blocks lo..hi lie inside `out` (asserted) and belong to this chunk
+            // alone (see the Sync impl).
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(self.out.add(lo * bb), (hi - lo) * bb) };
+            v.read_blocks_with(c, self.j, self.first + (lo * bb / 512) as u64, out)
+        };
+        if lane == 0 {
+            // The caller borrows a cached cipher per run, for its crypto only, as an inline
+            // read does: many concurrent readers then share the cache without waiting on I/O.
+            self.split.run_all(self.blocks, |lo, hi| read(None, lo, hi));
+        } else {
+            self.split.run_lane(
+                self.blocks,
+                |f| v.with_lane_cipher(lane, f),
+                |c, lo, hi| read(Some(c), lo, hi),
+            );
+        }
+    }
+}
+
+/// A write piece's blocks, sealed in chunks by the caller and crew workers: plaintext from
+/// `plain` (or `dbuf` itself when null) into `dbuf`, tuples into `tuples`. Lives on the
+/// caller's stack, which holds the volume's lock exclusively until the crew returns.
+struct SealSplit<'a> {
+    vol: &'a IntegrityVolume,
+    first: u64,
+    plain: *const u8,
+    dbuf: *mut u8,
+    tuples: *mut u8,
+    blocks: usize,
+    split: SplitState,
+}
+
+// SAFETY: the three buffers are the caller's, of `blocks` blocks (and tuples) each, and outlive
+// the split (the caller waits in `Crew::run`); `plain` is only read; chunks are disjoint block
+// ranges, each claimed by one lane, so no two threads write the same bytes.
+unsafe impl Sync for SealSplit<'_> {}
+
+impl Chunks for SealSplit<'_> {
+    fn run_chunks(&self, lane: usize) {
+        let v = self.vol;
+        let bb = v.block_bytes();
+        let tb = v.mode.tuple_bytes();
+        self.split.run_lane(
+            self.blocks,
+            |f| v.with_lane_cipher(lane, f),
+            |c, lo, hi| {
+                assert!(lo < hi && hi <= self.blocks, "seal chunk outside the piece");
+                let len = (hi - lo) * bb;
+                // SAFETY: blocks lo..hi lie inside each buffer (asserted against `blocks`,
+                // which sized them) and belong to this chunk alone (see the Sync impl).
+                let (plain, dbuf, tuples) = unsafe {
+                    (
+                        (!self.plain.is_null())
+                            .then(|| std::slice::from_raw_parts(self.plain.add(lo * bb), len)),
+                        std::slice::from_raw_parts_mut(self.dbuf.add(lo * bb), len),
+                        std::slice::from_raw_parts_mut(self.tuples.add(lo * tb), (hi - lo) * tb),
+                    )
+                };
+                c.seal_to(self.first + (lo * bb / 512) as u64, bb, plain, dbuf, tuples)
+            },
+        );
+    }
 }
 
 impl IntegrityVolume {
@@ -226,6 +501,14 @@ impl IntegrityVolume {
         }
         let layout = Layout::for_device(sb, start_bytes / 512, backend.size() / 512)?;
         let io_align = u64::from(backend.logical_block_bytes()).max(512);
+        let backend_mem_align = backend.mem_align_bytes().max(1);
+        if backend_mem_align > crate::pool::POOL_PAGE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "{}: buffers aligned to {backend_mem_align} bytes (at most {} supported)",
+                backend.describe(),
+                crate::pool::POOL_PAGE_BYTES
+            )));
+        }
         if io_align > u64::from(sb.block_bytes()) || start_bytes % io_align != 0 {
             return Err(Error::InvalidArgument(format!(
                 "{}: {io_align}-byte I/O cannot address {}-byte integrity blocks at byte {start_bytes}",
@@ -238,6 +521,17 @@ impl IntegrityVolume {
             return Err(Error::Bug("journal section larger than its bound"));
         }
         let cipher = TagCipher::new(mode, key.as_ref())?;
+        let mut cached = Vec::with_capacity(CIPHERS_CACHED_MAX);
+        cached.push(cipher);
+        let lanes = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, LANES_MAX.min(CREW_WORKERS_MAX));
+        // One worker per core, as the engine has: the caller is a lane too, so a split uses
+        // `lanes - 1` of them and the others serve concurrent requests.
+        let crew = Crew::new("ucrypt-integrity", lanes, crate::volume::SPIN_BEFORE_SLEEP)?;
+        let lane_ciphers = (0..crew.workers())
+            .map(|_| TagCipher::new(mode, key.as_ref()).map(Mutex::new))
+            .collect::<Result<Box<[_]>>>()?;
         let state = JournalState {
             geo,
             mode: write_mode,
@@ -259,16 +553,147 @@ impl IntegrityVolume {
             layout,
             mode,
             key,
-            ciphers: Mutex::new(vec![cipher]),
+            ciphers: Mutex::new(cached),
             pool: BufferPool::new(SCRATCH_POOL_BYTES)?,
             io_lock: RwLock::new(state),
             io_align,
+            mem_align: backend_mem_align,
             read_only,
             integrity_errors: AtomicU64::new(0),
             replay: ReplayReport::default(),
+            crew,
+            lane_ciphers,
+            lanes,
+            policy: [
+                AtomicU8::new(Policy::Auto.to_u8()),
+                AtomicU8::new(Policy::Auto.to_u8()),
+            ],
+            auto_min_bytes: AtomicU64::new(AUTO_MIN_BYTES_CEIL),
+            big_inflight: AtomicU32::new(0),
+            splits: AtomicU64::new(0),
         };
         v.replay = v.recover()?;
+        v.calibrate()?;
         Ok(v)
+    }
+
+    /// The dispatch policies (`auto` for both directions unless set, as `ucrypt` opens
+    /// volumes). See [`IntegrityVolume::set_policy`].
+    pub fn policy(&self) -> Policies {
+        let get = |i: usize| Policy::from_u8(self.policy[i].load(Ordering::Relaxed));
+        Policies {
+            read: get(0),
+            write: get(1),
+        }
+    }
+
+    /// Switches the dispatch policies for the next requests. What each means here
+    /// (docs/integrity.md, "Dispatch"): `inline`, crypto on the caller's thread only;
+    /// `parallel`, requests of [`PARALLEL_MIN_BYTES`] or more split across the caller and the
+    /// crew; `auto`, split from a threshold calibrated at open, when a worker is idle and
+    /// fewer large requests than cores run; `ordered`, as `parallel` (writes already leave in
+    /// the order they take the exclusive lock, each whole before the next starts); `queued`,
+    /// every request's crypto handed to a worker while the caller waits (dm-crypt's kcryptd
+    /// model, the baseline).
+    pub fn set_policy(&self, p: impl Into<Policies>) {
+        let p = p.into();
+        self.policy[0].store(p.read.to_u8(), Ordering::Relaxed);
+        self.policy[1].store(p.write.to_u8(), Ordering::Relaxed);
+    }
+
+    /// Worker threads large requests are split across (besides the caller).
+    pub fn workers(&self) -> usize {
+        self.crew.workers()
+    }
+
+    /// Reads and write pieces (up to [`WRITE_PIECE_BYTES`]) whose crypto went to the crew's
+    /// workers since opening: split across lanes, or (`queued`) handed off whole.
+    pub fn split_pieces(&self) -> u64 {
+        self.splits.load(Ordering::Relaxed)
+    }
+
+    /// The request size from which `auto` splits (calibrated when opening).
+    pub fn auto_threshold_bytes(&self) -> u64 {
+        self.auto_min_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Measures the tag cipher's cost per byte and the crew's hand-off round trip, and sets
+    /// the `auto` threshold where splitting a request in two saves more than the hand-off
+    /// costs, as the engine does for a plain volume (`Volume::calibrate`).
+    fn calibrate(&self) -> Result<()> {
+        const PROBE_BYTES: usize = 64 << 10;
+        const ROUNDS: usize = 8;
+        let bb = self.block_bytes();
+        let blocks = PROBE_BYTES / bb;
+        let tb = self.mode.tuple_bytes();
+        let mut g = self.pool.take(blocks * bb + blocks * tb)?;
+        let (data, tuples) = g.as_mut_slice().split_at_mut(blocks * bb);
+        let tuples = &mut tuples[..blocks * tb];
+        let mut best_crypto = u64::MAX;
+        self.with_cipher(|c| {
+            for _ in 0..ROUNDS {
+                let t0 = now();
+                c.seal(0, bb, data, tuples)?;
+                best_crypto = best_crypto.min(now().wrapping_sub(t0));
+            }
+            Ok(())
+        })?;
+        drop(g);
+        let best_ping = self.crew.ping_ticks(ROUNDS * 4)?;
+        let ns = ns_per_tick();
+        let per_byte_ns = (best_crypto as f64 * ns / (blocks * bb) as f64).max(1e-3);
+        let handoff_ns = best_ping as f64 * ns;
+        // Splitting L bytes in two saves L*c/2 and costs one hand-off; ask for a 2x margin.
+        let t = (4.0 * handoff_ns / per_byte_ns) as u64;
+        let t = t
+            .clamp(AUTO_MIN_BYTES_FLOOR, AUTO_MIN_BYTES_CEIL)
+            .next_multiple_of(bb as u64);
+        self.auto_min_bytes.store(t, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// How a request of `bytes` runs under the direction's policy; for a large `auto` request,
+    /// a guard that counts it while it runs.
+    fn lanes_for(&self, write: bool, bytes: usize) -> (Lanes, Option<BigGuard<'_>>) {
+        let policy = Policy::from_u8(self.policy[usize::from(write)].load(Ordering::Relaxed));
+        let bytes = bytes as u64;
+        let split = |helpers: usize| {
+            let helpers = helpers.min(self.lanes - 1).min(self.crew.workers());
+            if helpers == 0 {
+                Lanes::Inline
+            } else {
+                Lanes::Split {
+                    helpers,
+                    chunks: (helpers + 1) * CHUNKS_PER_LANE as usize,
+                    caller_helps: true,
+                }
+            }
+        };
+        match policy {
+            Policy::Inline => (Lanes::Inline, None),
+            Policy::Parallel | Policy::Ordered if bytes >= PARALLEL_MIN_BYTES => {
+                (split(self.lanes - 1), None)
+            }
+            Policy::Parallel | Policy::Ordered => (Lanes::Inline, None),
+            Policy::Queued => (
+                Lanes::Split {
+                    helpers: 1,
+                    chunks: 1,
+                    caller_helps: false,
+                },
+                None,
+            ),
+            Policy::Auto if bytes >= self.auto_min_bytes.load(Ordering::Relaxed) => {
+                // Split only if a worker is idle AND fewer big requests than cores are
+                // running, i.e. another core is likely free (the engine's rule).
+                let others = self.big_inflight.fetch_add(1, Ordering::Relaxed) as usize;
+                let guard = BigGuard(&self.big_inflight);
+                let free_cores = self.lanes.saturating_sub(others + 1);
+                let idle = (self.crew.idle() as usize).min(free_cores);
+                (split(idle), Some(guard))
+            }
+            Policy::Auto => (Lanes::Inline, None),
+        }
     }
 
     pub fn layout(&self) -> &Layout {
@@ -339,6 +764,12 @@ impl IntegrityVolume {
         self.layout.sb.block_bytes() as usize
     }
 
+    /// `bytes` rounded up to the backend's memory alignment: where, in a pool grant (page
+    /// aligned), the next buffer the backend reads or writes may start.
+    fn io_offset(&self, bytes: usize) -> usize {
+        bytes.next_multiple_of(self.mem_align)
+    }
+
     /// The backend byte offset of journal section `i`.
     fn section_byte(&self, geo: &Geometry, i: u32) -> u64 {
         self.start_bytes + (SB_SECTORS + u64::from(i) * u64::from(geo.section_sectors)) * 512
@@ -355,9 +786,9 @@ impl IntegrityVolume {
     }
 
     /// Where the next run of whole blocks at data sector `sector` lives: at most
-    /// `blocks_left` blocks and one chunk, all in one area.
-    fn run_at(&self, sector: u64, blocks_left: usize) -> Result<Run> {
-        let want = blocks_left.min(CHUNK_BYTES / self.block_bytes()) as u64;
+    /// `blocks_max` blocks, all in one area.
+    fn run_at(&self, sector: u64, blocks_max: usize) -> Result<Run> {
+        let want = blocks_max as u64;
         let e = self
             .layout
             .extent(sector, want)
@@ -524,11 +955,18 @@ impl IntegrityVolume {
             }
             let data_len = len as usize * bb;
             let (tag_lo, span, at) = self.tag_span(e.tag_byte, u64::from(len));
-            let mut g = self.pool.take(data_len + span)?;
-            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(data_len);
-            let tbuf = &mut tbuf[..span];
             let d0 = geo.data_at(n);
-            dbuf.copy_from_slice(&sec[d0..d0 + data_len]);
+            let data = &sec[d0..d0 + data_len];
+            // The section's blocks go out as they are when the backend accepts their address
+            // (the section is page-aligned, a block starts at a multiple of its size); else
+            // through a bounce buffer. The grant holds ciphertext and tags only.
+            let bounce = (data.as_ptr() as usize) % self.mem_align != 0;
+            let tags_at = if bounce { self.io_offset(data_len) } else { 0 };
+            let mut g = self.pool.take(tags_at + span)?;
+            g.held_only_ciphertext();
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(tags_at);
+            let dbuf = &mut dbuf[..if bounce { data_len } else { 0 }];
+            let tbuf = &mut tbuf[..span];
             if at != 0 || len as usize * tb != span {
                 self.backend.read_exact_at(tbuf, tag_lo)?;
             }
@@ -537,8 +975,13 @@ impl IntegrityVolume {
                 let o = at + k as usize * tb;
                 tbuf[o..o + tb].copy_from_slice(&sec[t..t + tb]);
             }
-            self.backend
-                .write_at(dbuf, self.start_bytes + e.data_byte)?;
+            let at_data = self.start_bytes + e.data_byte;
+            if bounce {
+                dbuf.copy_from_slice(data);
+                self.backend.write_at(dbuf, at_data)?;
+            } else {
+                self.backend.write_at(data, at_data)?;
+            }
             self.backend.write_at(tbuf, tag_lo)?;
             n += len;
         }
@@ -588,7 +1031,7 @@ impl IntegrityVolume {
         let provided = self.layout.sb.provided_data_sectors;
         let mut g = self
             .pool
-            .take(bb + 2 * self.io_align as usize + TUPLE_BYTES_MAX)?;
+            .take(self.io_offset(bb) + 2 * self.io_align as usize + TUPLE_BYTES_MAX)?;
         for n in (0..geo.section_entries).rev() {
             let Entry::Sector(s) = geo.entry(sec, n) else {
                 continue;
@@ -602,8 +1045,8 @@ impl IntegrityVolume {
                 .filter(|e| e.blocks == 1)
                 .ok_or(Error::Bug("integrity extent outside the device"))?;
             let (tag_lo, span, at) = self.tag_span(e.tag_byte, 1);
-            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(bb);
-            let tbuf = &mut tbuf[..span];
+            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(self.io_offset(bb));
+            let (dbuf, tbuf) = (&mut dbuf[..bb], &mut tbuf[..span]);
             self.backend
                 .read_exact_at(dbuf, self.start_bytes + e.data_byte)?;
             self.backend.read_exact_at(tbuf, tag_lo)?;
@@ -667,60 +1110,6 @@ impl IntegrityVolume {
         Ok(())
     }
 
-    /// Encrypts whole blocks starting at data sector `first` into the open journal section,
-    /// committing each section that fills.
-    fn journal_blocks(
-        &self,
-        j: &mut JournalState,
-        first: u64,
-        len: usize,
-        src: Src<'_>,
-    ) -> Result<()> {
-        let bb = self.block_bytes();
-        let tb = usize::from(self.layout.sb.tag_bytes);
-        let spb = u64::from(j.geo.sectors_per_block);
-        debug_assert!(len % bb == 0);
-        let mut done = 0usize;
-        while done < len {
-            if j.used == j.geo.section_entries {
-                self.commit(j)?;
-            }
-            let sector = first + (done / 512) as u64;
-            let free = (j.geo.section_entries - j.used) as usize;
-            let n = ((len - done) / bb).min(free).min(CHUNK_BYTES / bb);
-            let data_len = n * bb;
-            let d0 = j.geo.data_at(j.used);
-            let mut g = self.pool.take(n * tb)?;
-            let tuples = &mut g.as_mut_slice()[..n * tb];
-            {
-                let dbuf = &mut j.buf.as_mut_slice()[d0..d0 + data_len];
-                match src {
-                    Src::Bytes(b) => dbuf.copy_from_slice(&b[done..done + data_len]),
-                    Src::Zeroes => dbuf.fill(0),
-                }
-                self.with_cipher(|c| c.seal(sector, bb, dbuf, tuples))?;
-            }
-            for k in 0..n {
-                let s = sector + k as u64 * spb;
-                j.geo.set_entry(
-                    j.buf.as_mut_slice(),
-                    j.used + k as u32,
-                    s,
-                    &tuples[k * tb..(k + 1) * tb],
-                );
-            }
-            let end = sector + n as u64 * spb;
-            if j.used == 0 {
-                (j.lo, j.hi) = (sector, end);
-            } else {
-                (j.lo, j.hi) = (j.lo.min(sector), j.hi.max(end));
-            }
-            j.used += n as u32;
-            done += data_len;
-        }
-        Ok(())
-    }
-
     /// Copies the open section's newest entries for blocks `first..` (`dbuf.len()` bytes) over
     /// what was read from their places, tags included.
     fn overlay(&self, j: &JournalState, first: u64, dbuf: &mut [u8], tuples: &mut [u8]) {
@@ -769,46 +1158,140 @@ impl IntegrityVolume {
         Ok(())
     }
 
-    // ---- reads and direct writes ----
+    // ---- reads and writes of whole blocks ----
 
-    /// Reads, verifies and decrypts whole blocks starting at data sector `first` into `out`.
-    fn read_blocks(&self, j: &JournalState, first: u64, out: &mut [u8]) -> Result<()> {
+    /// Runs `f` with the tag cipher of `lane`: the caller's (lane 0) from the shared cache, a
+    /// worker's its own.
+    fn with_lane_cipher(
+        &self,
+        lane: usize,
+        f: impl FnOnce(&mut TagCipher) -> Result<()>,
+    ) -> Result<()> {
+        if lane == 0 {
+            return self.with_cipher(f);
+        }
+        let slot = self
+            .lane_ciphers
+            .get(lane - 1)
+            .ok_or(Error::Bug("a crew lane without its tag cipher"))?;
+        f(&mut lock(slot))
+    }
+
+    /// Reads, verifies and decrypts whole blocks starting at data sector `first` into `out`,
+    /// split across lanes as `lanes` says. On failure, the error of the lowest failing chunk.
+    fn read_blocks(
+        &self,
+        j: &JournalState,
+        first: u64,
+        out: &mut [u8],
+        lanes: Lanes,
+    ) -> Result<()> {
         if j.failed {
             return Err(journal_failed());
         }
         let bb = self.block_bytes();
-        let tb = usize::from(self.layout.sb.tag_bytes);
+        let chunks = lanes.chunks_for(out.len(), bb);
+        let Lanes::Split {
+            helpers,
+            caller_helps,
+            ..
+        } = lanes
+        else {
+            return self.read_blocks_with(None, j, first, out);
+        };
+        if chunks < 2 && caller_helps {
+            return self.read_blocks_with(None, j, first, out);
+        }
+        let work = ReadSplit {
+            vol: self,
+            j,
+            first,
+            out: out.as_mut_ptr(),
+            blocks: out.len() / bb,
+            split: SplitState::new(chunks, self.mem_align.div_ceil(bb)),
+        };
+        self.splits.fetch_add(1, Ordering::Relaxed);
+        self.crew.run(&work, helpers, caller_helps)?;
+        work.split.result()
+    }
+
+    /// [`IntegrityVolume::read_blocks`] on one thread with cipher `c` (or, with `None`, one
+    /// borrowed from the cache for each run's crypto): runs of at most
+    /// [`CHUNK_BYTES`] in one area, each read in two backend calls (data and tags). The data
+    /// lands straight in `out` when `out` sits at an address the backend accepts (no copy).
+    fn read_blocks_with(
+        &self,
+        mut c: Option<&mut TagCipher>,
+        j: &JournalState,
+        first: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let bb = self.block_bytes();
         debug_assert!(out.len() % bb == 0);
         let mut done = 0usize;
         while done < out.len() {
             let sector = first + (done / 512) as u64;
-            let Run {
-                data_byte,
-                blocks: n,
-                tag_lo,
-                tag_span: span,
-                tag_at: at,
-            } = self.run_at(sector, (out.len() - done) / bb)?;
-            let data_len = n * bb;
-            let mut g = self.pool.take(data_len + span)?;
-            let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(data_len);
-            let tbuf = &mut tbuf[..span];
-            self.backend.read_exact_at(dbuf, data_byte)?;
-            self.backend.read_exact_at(tbuf, tag_lo)?;
-            let tuples = &mut tbuf[at..at + n * tb];
-            self.overlay(j, sector, dbuf, tuples);
-            let verdict = self.with_cipher(|c| c.open(sector, bb, dbuf, tuples))?;
-            if let Err(m) = verdict {
-                self.integrity_errors.fetch_add(1, Ordering::Relaxed);
-                return Err(Error::Integrity { sector: m.sector });
+            let run = self.run_at(sector, ((out.len() - done) / bb).min(CHUNK_BYTES / bb))?;
+            let data_len = run.blocks * bb;
+            let dst = &mut out[done..done + data_len];
+            if (dst.as_ptr() as usize) % self.mem_align == 0 {
+                // Only tags in the grant: nothing secret to wipe.
+                let mut g = self.pool.take(run.tag_span)?;
+                g.held_only_ciphertext();
+                self.verify_run(
+                    c.as_deref_mut(),
+                    j,
+                    sector,
+                    &run,
+                    dst,
+                    &mut g.as_mut_slice()[..run.tag_span],
+                )?;
+            } else {
+                let tags_at = self.io_offset(data_len);
+                let mut g = self.pool.take(tags_at + run.tag_span)?;
+                let (dbuf, tbuf) = g.as_mut_slice().split_at_mut(tags_at);
+                let dbuf = &mut dbuf[..data_len];
+                let tbuf = &mut tbuf[..run.tag_span];
+                self.verify_run(c.as_deref_mut(), j, sector, &run, dbuf, tbuf)?;
+                dst.copy_from_slice(dbuf);
             }
-            out[done..done + data_len].copy_from_slice(dbuf);
             done += data_len;
         }
         Ok(())
     }
 
-    /// Encrypts and writes whole blocks starting at data sector `first`: through the journal,
+    /// Reads one run's data into `dbuf` and its tag span into `tbuf`, lays the open journal
+    /// section's newer blocks over them, then verifies and decrypts `dbuf` in place. A block
+    /// that fails leaves `dbuf` wiped (no unauthenticated plaintext) and is counted.
+    fn verify_run(
+        &self,
+        c: Option<&mut TagCipher>,
+        j: &JournalState,
+        sector: u64,
+        run: &Run,
+        dbuf: &mut [u8],
+        tbuf: &mut [u8],
+    ) -> Result<()> {
+        let tb = usize::from(self.layout.sb.tag_bytes);
+        self.backend.read_exact_at(dbuf, run.data_byte)?;
+        self.backend.read_exact_at(tbuf, run.tag_lo)?;
+        let tuples = &mut tbuf[run.tag_at..run.tag_at + run.blocks * tb];
+        self.overlay(j, sector, dbuf, tuples);
+        let bb = self.block_bytes();
+        let verdict = match c {
+            Some(c) => c.open(sector, bb, dbuf, tuples)?,
+            None => self.with_cipher(|c| c.open(sector, bb, dbuf, tuples))?,
+        };
+        if let Err(m) = verdict {
+            self.integrity_errors.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Integrity { sector: m.sector });
+        }
+        Ok(())
+    }
+
+    /// Seals (fresh IVs, encryption, tuples) and writes whole blocks starting at data sector
+    /// `first`, in pieces of at most [`WRITE_PIECE_BYTES`] inside one area: each piece's seal
+    /// is split across lanes as `lanes` says, then written by the caller, through the journal
     /// or in direct mode data then tags. The caller holds `self.io_lock` exclusively.
     fn write_blocks(
         &self,
@@ -816,44 +1299,149 @@ impl IntegrityVolume {
         first: u64,
         len: usize,
         src: Src<'_>,
+        lanes: Lanes,
     ) -> Result<()> {
         if j.failed {
             return Err(journal_failed());
         }
-        if j.mode == WriteMode::Journal {
-            return self.journal_blocks(j, first, len, src);
-        }
         let bb = self.block_bytes();
         let tb = usize::from(self.layout.sb.tag_bytes);
         debug_assert!(len % bb == 0);
+        let piece_max = WRITE_PIECE_BYTES / bb * bb;
+        let direct = j.mode == WriteMode::Direct;
         let mut done = 0usize;
         while done < len {
             let sector = first + (done / 512) as u64;
-            let Run {
-                data_byte,
-                blocks: n,
-                tag_lo,
-                tag_span: span,
-                tag_at: at,
-            } = self.run_at(sector, (len - done) / bb)?;
-            let data_len = n * bb;
-            let mut g = self.pool.take(data_len + span + n * tb)?;
-            let (dbuf, rest) = g.as_mut_slice().split_at_mut(data_len);
+            // A piece is one run: its data is one backend write from the start of the grant.
+            let run = self.run_at(sector, (len - done).min(piece_max) / bb)?;
+            let blocks = run.blocks;
+            let n = blocks * bb;
+            // One grant for the piece: ciphertext, (direct mode) the run's tag span, tuples.
+            // It never holds plaintext: the seal reads the caller's buffer and writes
+            // ciphertext here (zeroes are no secret).
+            let tags_at = self.io_offset(n);
+            let span = if direct { run.tag_span } else { 0 };
+            let mut g = self.pool.take(tags_at + span + blocks * tb)?;
+            g.held_only_ciphertext();
+            let (dbuf, rest) = g.as_mut_slice().split_at_mut(tags_at);
+            let dbuf = &mut dbuf[..n];
             let (tbuf, tuples) = rest.split_at_mut(span);
-            let tuples = &mut tuples[..n * tb];
-            match src {
-                Src::Bytes(b) => dbuf.copy_from_slice(&b[done..done + data_len]),
-                Src::Zeroes => dbuf.fill(0),
+            let tuples = &mut tuples[..blocks * tb];
+            let plain = match src {
+                Src::Bytes(b) => Some(&b[done..done + n]),
+                Src::Zeroes => {
+                    dbuf.fill(0);
+                    None
+                }
+            };
+            self.seal_blocks(sector, plain, dbuf, tuples, lanes)?;
+            if direct {
+                self.write_sealed(&run, dbuf, tuples, tbuf)?;
+            } else {
+                self.journal_sealed(j, sector, dbuf, tuples)?;
             }
-            self.with_cipher(|c| c.seal(sector, bb, dbuf, tuples))?;
-            // Tag sectors are shared with the neighbours: read, patch, write back.
-            if at != 0 || n * tb != span {
-                self.backend.read_exact_at(tbuf, tag_lo)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Seals the blocks of `dbuf` (from `plain`, or in place) and fills `tuples`, on the
+    /// caller alone or split across lanes.
+    fn seal_blocks(
+        &self,
+        first: u64,
+        plain: Option<&[u8]>,
+        dbuf: &mut [u8],
+        tuples: &mut [u8],
+        lanes: Lanes,
+    ) -> Result<()> {
+        let bb = self.block_bytes();
+        let chunks = lanes.chunks_for(dbuf.len(), bb);
+        match lanes {
+            Lanes::Split {
+                helpers,
+                caller_helps,
+                ..
+            } if chunks >= 2 || !caller_helps => {
+                let work = SealSplit {
+                    vol: self,
+                    first,
+                    plain: plain.map_or(std::ptr::null(), |p| p.as_ptr()),
+                    dbuf: dbuf.as_mut_ptr(),
+                    tuples: tuples.as_mut_ptr(),
+                    blocks: dbuf.len() / bb,
+                    split: SplitState::new(chunks, 1),
+                };
+                assert!(plain.is_none_or(|p| p.len() == dbuf.len()));
+                assert_eq!(tuples.len(), work.blocks * self.mode.tuple_bytes());
+                self.splits.fetch_add(1, Ordering::Relaxed);
+                self.crew.run(&work, helpers, caller_helps)?;
+                work.split.result()
             }
-            tbuf[at..at + n * tb].copy_from_slice(tuples);
-            self.backend.write_at(dbuf, data_byte)?;
-            self.backend.write_at(tbuf, tag_lo)?;
-            done += data_len;
+            _ => self.with_cipher(|c| c.seal_to(first, bb, plain, dbuf, tuples)),
+        }
+    }
+
+    /// Direct mode: writes one run of sealed blocks to its place: the data, then the tags,
+    /// patched into the tag sectors they share with neighbouring blocks (read, patch, write;
+    /// `tbuf` holds the run's tag span).
+    fn write_sealed(&self, run: &Run, dbuf: &[u8], tuples: &[u8], tbuf: &mut [u8]) -> Result<()> {
+        let tb = usize::from(self.layout.sb.tag_bytes);
+        let n = run.blocks;
+        assert!(
+            dbuf.len() == n * self.block_bytes()
+                && tuples.len() == n * tb
+                && tbuf.len() == run.tag_span,
+            "write_sealed: buffer sizes"
+        );
+        if run.tag_at != 0 || n * tb != run.tag_span {
+            self.backend.read_exact_at(tbuf, run.tag_lo)?;
+        }
+        tbuf[run.tag_at..run.tag_at + n * tb].copy_from_slice(tuples);
+        self.backend.write_at(dbuf, run.data_byte)?;
+        self.backend.write_at(tbuf, run.tag_lo)
+    }
+
+    /// Journal mode: copies sealed blocks from data sector `first` into the open section,
+    /// committing each section that fills.
+    fn journal_sealed(
+        &self,
+        j: &mut JournalState,
+        first: u64,
+        dbuf: &[u8],
+        tuples: &[u8],
+    ) -> Result<()> {
+        let bb = self.block_bytes();
+        let tb = usize::from(self.layout.sb.tag_bytes);
+        let spb = u64::from(j.geo.sectors_per_block);
+        let blocks = dbuf.len() / bb;
+        let mut k = 0usize;
+        while k < blocks {
+            if j.used == j.geo.section_entries {
+                self.commit(j)?;
+            }
+            let sector = first + k as u64 * spb;
+            let free = (j.geo.section_entries - j.used) as usize;
+            let n = (blocks - k).min(free);
+            let d0 = j.geo.data_at(j.used);
+            // The data first: an entry keeps the last bytes of its block's sectors.
+            j.buf.as_mut_slice()[d0..d0 + n * bb].copy_from_slice(&dbuf[k * bb..(k + n) * bb]);
+            for i in 0..n {
+                j.geo.set_entry(
+                    j.buf.as_mut_slice(),
+                    j.used + i as u32,
+                    sector + i as u64 * spb,
+                    &tuples[(k + i) * tb..(k + i + 1) * tb],
+                );
+            }
+            let end = sector + n as u64 * spb;
+            if j.used == 0 {
+                (j.lo, j.hi) = (sector, end);
+            } else {
+                (j.lo, j.hi) = (j.lo.min(sector), j.hi.max(end));
+            }
+            j.used += n as u32;
+            k += n;
         }
         Ok(())
     }
@@ -883,12 +1471,14 @@ impl IntegrityVolume {
         let bb = self.block_bytes();
         let mut blk = [0u8; BLOCK_BYTES_MAX];
         let blk = &mut blk[..bb];
-        self.read_blocks(j, block_off / 512, blk)?;
-        match piece {
-            Src::Bytes(b) => blk[within..within + n].copy_from_slice(b),
-            Src::Zeroes => blk[within..within + n].fill(0),
-        }
-        let r = self.write_blocks(j, block_off / 512, bb, Src::Bytes(blk));
+        let r = (|| {
+            self.read_blocks(j, block_off / 512, blk, Lanes::Inline)?;
+            match piece {
+                Src::Bytes(b) => blk[within..within + n].copy_from_slice(b),
+                Src::Zeroes => blk[within..within + n].fill(0),
+            }
+            self.write_blocks(j, block_off / 512, bb, Src::Bytes(blk), Lanes::Inline)
+        })();
         blk.fill(0);
         r
     }
@@ -900,9 +1490,10 @@ impl IntegrityVolume {
                 "the integrity volume was opened read-only".into(),
             ));
         }
+        let (head, mid, tail) = self.split(offset, len);
+        let (lanes, _big) = self.lanes_for(true, mid);
         let mut g = self.write_lock();
         let j = &mut *g;
-        let (head, mid, tail) = self.split(offset, len);
         let sub = |from: usize, n: usize| match src {
             Src::Bytes(b) => Src::Bytes(&b[from..from + n]),
             Src::Zeroes => Src::Zeroes,
@@ -919,7 +1510,7 @@ impl IntegrityVolume {
             )?;
         }
         if mid > 0 {
-            self.write_blocks(j, (offset + head as u64) / 512, mid, sub(head, mid))?;
+            self.write_blocks(j, (offset + head as u64) / 512, mid, sub(head, mid), lanes)?;
         }
         if tail > 0 {
             let block_off = offset + (head + mid) as u64;
@@ -954,21 +1545,24 @@ impl BlockDev for IntegrityVolume {
         check_range(offset, buf.len() as u64, self.size())?;
         let bb = self.block_bytes();
         let (head, mid, tail) = self.split(offset, buf.len());
+        let (lanes, _big) = self.lanes_for(false, mid);
         let mut blk = [0u8; BLOCK_BYTES_MAX];
         let g = self.io_lock.read().unwrap_or_else(|p| p.into_inner());
         let j = &*g;
         let r = (|| {
             if head > 0 {
                 let block_off = align_down(offset, bb as u64);
-                self.read_blocks(j, block_off / 512, &mut blk[..bb])?;
+                self.read_blocks(j, block_off / 512, &mut blk[..bb], Lanes::Inline)?;
                 let within = (offset - block_off) as usize;
                 buf[..head].copy_from_slice(&blk[within..within + head]);
             }
             if mid > 0 {
-                self.read_blocks(j, (offset + head as u64) / 512, &mut buf[head..head + mid])?;
+                let at = (offset + head as u64) / 512;
+                self.read_blocks(j, at, &mut buf[head..head + mid], lanes)?;
             }
             if tail > 0 {
-                self.read_blocks(j, (offset + (head + mid) as u64) / 512, &mut blk[..bb])?;
+                let at = (offset + (head + mid) as u64) / 512;
+                self.read_blocks(j, at, &mut blk[..bb], Lanes::Inline)?;
                 buf[head + mid..].copy_from_slice(&blk[..tail]);
             }
             Ok(())

@@ -292,20 +292,52 @@ impl AeadCtx {
         data: &mut [u8],
         tag: &mut [u8; AEAD_TAG_BYTES],
     ) -> Result<()> {
+        let p = data.as_mut_ptr();
+        // SAFETY: in == out (exact aliasing, which AWS-LC allows), both `data.len()` bytes.
+        unsafe { self.seal_raw(nonce, ad, p, p, data.len(), tag) }
+    }
+
+    /// Encrypts `src` into `dst` (same length, distinct buffers) and writes the tag: a
+    /// plaintext that must stay as it is (a caller's write buffer) is read once, not copied
+    /// first.
+    pub(crate) fn seal_to(
+        &mut self,
+        nonce: &[u8; AEAD_NONCE_BYTES],
+        ad: &[u8],
+        src: &[u8],
+        dst: &mut [u8],
+        tag: &mut [u8; AEAD_TAG_BYTES],
+    ) -> Result<()> {
+        assert_eq!(src.len(), dst.len(), "seal_to: lengths");
+        // SAFETY: two distinct borrows (they cannot overlap), each `src.len()` bytes.
+        unsafe { self.seal_raw(nonce, ad, src.as_ptr(), dst.as_mut_ptr(), src.len(), tag) }
+    }
+
+    /// # Safety
+    /// `src` and `dst` are valid for `len` bytes (reads, writes) and either equal or disjoint.
+    unsafe fn seal_raw(
+        &mut self,
+        nonce: &[u8; AEAD_NONCE_BYTES],
+        ad: &[u8],
+        src: *const u8,
+        dst: *mut u8,
+        len: usize,
+        tag: &mut [u8; AEAD_TAG_BYTES],
+    ) -> Result<()> {
         let mut tag_len = 0usize;
-        // SAFETY: in == out is allowed by AWS-LC when the two alias exactly; every pointer is
-        // valid for the length passed with it; the tag buffer holds max_out_tag_len bytes.
+        // SAFETY: the caller's contract (AWS-LC allows in == out when the two alias exactly);
+        // nonce and ad are valid for their lengths; the tag buffer holds max_out_tag_len bytes.
         let rc = unsafe {
             sys::EVP_AEAD_CTX_seal_scatter(
                 self.ctx.as_ptr(),
-                data.as_mut_ptr(),
+                dst,
                 tag.as_mut_ptr(),
                 &mut tag_len,
                 AEAD_TAG_BYTES,
                 nonce.as_ptr(),
                 nonce.len(),
-                data.as_ptr(),
-                data.len(),
+                src,
+                len,
                 ptr::null(),
                 0,
                 ad.as_ptr(),
