@@ -46,7 +46,7 @@ pub const REQUIREMENT_V2: &str = "online-reencrypt-v2";
 /// (`datashift-checksum`): version 3, part of the reencryption digest.
 pub const REQUIREMENT_V3: &str = "online-reencrypt-v3";
 const _: () = assert!(UNSHIFT_REQUIREMENT_VERSION == 3);
-/// The checksum cryptsetup uses by default (`--resilience-hash`).
+/// The checksum cryptsetup uses when `--resilience-hash` is not given.
 pub const CHECKSUM_HASH: HashAlg = HashAlg::Sha256;
 /// Bytes per checksum: cryptsetup's alignment of the hotzone (4 KiB, also for 512-byte
 /// sectors, as measured with 2.6.1).
@@ -119,6 +119,9 @@ pub struct InitOptions<'a> {
     pub mode: Mode,
     /// Where each new keyslot's PBKDF comes from.
     pub keyslot_kdf: KeyslotKdf,
+    /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`; cryptsetup's
+    /// default [`CHECKSUM_HASH`]); not read for the other kinds.
+    pub resilience_hash: HashAlg,
 }
 
 /// Where the PBKDF of a rotation's new keyslots comes from (cryptsetup 2.6.1's
@@ -204,6 +207,23 @@ pub fn passphrase_keyslots(hdr: &Header) -> Vec<u32> {
 /// cryptsetup's words when a rotation would need more keyslots than are free.
 pub const NOT_ENOUGH_KEYSLOTS: &str = "Not enough free keyslots for reencryption.";
 
+/// cryptsetup 2.6.1's count before it asks any passphrase (`_check_luks2_keyslots`): a
+/// rotation needs, beside the keyslots there are, one for the reencryption and one for the
+/// new key, and without `--key-slot` (`one_keyslot` false) one new keyslot per active
+/// keyslot. [`NOT_ENOUGH_KEYSLOTS`] otherwise.
+pub fn check_free_keyslots(hdr: &Header, one_keyslot: bool) -> Result<()> {
+    let Header::Luks2(h) = hdr else {
+        return Ok(());
+    };
+    let there = h.meta.keyslots.len();
+    let active = passphrase_keyslots(hdr).len();
+    let new = if one_keyslot { 1 } else { active.max(1) };
+    if there + new + 1 > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    Ok(())
+}
+
 /// What [`init`] made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Started {
@@ -211,7 +231,8 @@ pub struct Started {
     pub old_keyslot: u32,
     /// The new keyslot (new key) of `old_keyslot`; none for a decryption.
     pub new_keyslot: Option<u32>,
-    /// Each old keyslot given and the new keyslot made for its passphrase, in order.
+    /// Each old keyslot given and the new keyslot made for its passphrase, in order (a
+    /// rotation; empty for a decryption or an encryption).
     pub new_keyslots: Vec<(u32, u32)>,
     pub reencrypt_keyslot: u32,
 }
@@ -283,12 +304,13 @@ fn reencrypt_area(h: &Luks2Header) -> Result<(u64, u64)> {
     Ok((used_end, end))
 }
 
-/// The reencrypt keyslot for `mode`, `direction` and `kind` over the area
-/// `[offset, offset + size)`.
+/// The reencrypt keyslot for `mode`, `direction` and `kind` (checksums with `hash`) over the
+/// area `[offset, offset + size)`.
 fn reencrypt_keyslot(
     mode: Mode,
     direction: Direction,
     kind: ResilienceKind,
+    hash: HashAlg,
     offset: u64,
     size: u64,
 ) -> Keyslot {
@@ -297,7 +319,7 @@ fn reencrypt_keyslot(
         ResilienceKind::None => "none",
         ResilienceKind::Journal => "journal",
         ResilienceKind::Checksum => {
-            area_extra.insert("hash".into(), CHECKSUM_HASH.name().into());
+            area_extra.insert("hash".into(), hash.name().into());
             area_extra.insert("sector_size".into(), CHECKSUM_BLOCK_BYTES.into());
             "checksum"
         }
@@ -412,8 +434,7 @@ fn init_checked(
             .meta
             .digest_for_keyslot(&sp.slot.to_string())
             .is_some_and(|(id, d)| id == &old_did.to_string() && !d.segments.is_empty());
-        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot)
-        {
+        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot) {
             return Err(Error::InvalidArgument(format!(
                 "keyslot {} is not an active keyslot of the volume key, or is given twice",
                 sp.slot
@@ -526,7 +547,14 @@ fn init_checked(
     };
     h.meta.keyslots.insert(
         rk.to_string(),
-        reencrypt_keyslot(mode, direction, opts.resilience, used_end, end - used_end),
+        reencrypt_keyslot(
+            mode,
+            direction,
+            opts.resilience,
+            opts.resilience_hash,
+            used_end,
+            end - used_end,
+        ),
     );
 
     // Segments: the whole device as it is, then the two backups.
@@ -624,6 +652,8 @@ fn assign_tokens(meta: &mut Metadata, old: u32, new: u32) {
 /// How to start an encryption of a plaintext device ([`init_encrypt`]).
 pub struct EncryptOptions<'a> {
     pub resilience: ResilienceKind,
+    /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`).
+    pub resilience_hash: HashAlg,
     pub kdf: &'a KdfRequest,
     /// The new segment: cipher, key size in bytes, sector size.
     pub cipher: CipherSpec,
@@ -695,6 +725,7 @@ pub fn init_encrypt(
             Mode::Encrypt,
             Direction::Forward,
             opts.resilience,
+            opts.resilience_hash,
             used_end,
             end - used_end,
         ),
@@ -748,6 +779,7 @@ pub fn init_encrypt(
     Ok(Started {
         old_keyslot: slot,
         new_keyslot: Some(slot),
+        new_keyslots: Vec::new(),
         reencrypt_keyslot: rk,
     })
 }
@@ -897,6 +929,7 @@ pub fn init_encrypt_shift(
         Mode::Encrypt,
         Direction::Backward,
         ResilienceKind::None,
+        CHECKSUM_HASH,
         used_end,
         SHIFT_AREA_BYTES,
     );
@@ -976,6 +1009,7 @@ pub fn init_encrypt_shift(
     Ok(Started {
         old_keyslot: slot,
         new_keyslot: Some(slot),
+        new_keyslots: Vec::new(),
         reencrypt_keyslot: rk,
     })
 }
@@ -995,6 +1029,8 @@ pub struct UnshiftOptions<'a> {
     /// `--hotzone-size`: the moved segment's size (at most the shift); `None`:
     /// [`MOVED_BYTES_DEFAULT`] or less.
     pub moved_bytes: Option<u64>,
+    /// The checksum of the moved segment (`--resilience-hash`).
+    pub resilience_hash: HashAlg,
 }
 
 /// Copies `len` bytes from `src` at `from` to `dst` at `to` through one buffer of at most
@@ -1028,7 +1064,7 @@ const MAGIC_WIPE_BYTES: usize = 512;
 ///
 /// The exported header, as cryptsetup 2.6.1 writes it (compared field by field in the interop
 /// test): the old header, plus a `reencrypt` keyslot (mode `decrypt`, direction `forward`,
-/// area `datashift-checksum` with sha256 over 4096-byte blocks and `shift_size` = the old data
+/// area `datashift-checksum` with sha256 (or `--resilience-hash`) over 4096-byte blocks and `shift_size` = the old data
 /// offset `S`, over the rest of the keyslots area); segments `0` crypt at 0 (the moved
 /// segment: `M` bytes, IV tweak 0), `1` crypt at `S + M` (the rest of the ciphertext, IV tweak
 /// `M / 512`, dynamic), `2` backup-moved-segment (as `0`), `3` backup-previous (crypt at `S`,
@@ -1139,7 +1175,7 @@ pub fn init_decrypt_unshift(
     let (used_end, end) = reencrypt_area(&h)?;
     let area_bytes = end - used_end;
     let sums_room =
-        area_bytes / CHECKSUM_HASH.output_bytes() as u64 * u64::from(CHECKSUM_BLOCK_BYTES);
+        area_bytes / opts.resilience_hash.output_bytes() as u64 * u64::from(CHECKSUM_BLOCK_BYTES);
     if moved_bytes > sums_room {
         return Err(Error::InvalidArgument(format!(
             "Moved segment too large. Requested size {moved_bytes}, available space for: \
@@ -1151,6 +1187,7 @@ pub fn init_decrypt_unshift(
         Mode::Decrypt,
         Direction::Forward,
         ResilienceKind::Checksum,
+        opts.resilience_hash,
         used_end,
         area_bytes,
     );
@@ -1250,6 +1287,7 @@ pub fn init_decrypt_unshift(
     Ok(Started {
         old_keyslot: old_slot,
         new_keyslot: None,
+        new_keyslots: Vec::new(),
         reencrypt_keyslot: rk,
     })
 }
