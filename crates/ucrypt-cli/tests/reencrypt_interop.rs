@@ -2196,3 +2196,498 @@ fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
         "no kill landed inside the moved segment's hotzone"
     );
 }
+
+// ------------------------------------------------- several keyslots, --resilience-hash
+
+/// Runs `prog` with `input` on its standard input (a pipe, not a terminal: both tools read
+/// one passphrase per line from it).
+fn run_input(prog: &str, args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"));
+    let mut stdin = child.stdin.take().expect("stdin");
+    // A tool that refuses before reading closes the pipe: a failed write is no error here.
+    let _ = stdin.write_all(input);
+    drop(stdin);
+    child.wait_with_output().expect("wait")
+}
+
+fn ok_input(prog: &str, args: &[&str], input: &[u8]) -> String {
+    let o = run_input(prog, args, input);
+    assert!(
+        o.status.success(),
+        "{prog} {args:?} failed ({:?}):\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The passphrases of keyslots 0, 1 and 2 of [`three_keyslots`].
+const PASSPHRASES: [&str; 3] = ["rotate-me", "second passphrase", "third"];
+
+/// [`volume`] with two more keyslots added by cryptsetup, each of another PBKDF: keyslot 1
+/// pbkdf2-sha512 of 1500 iterations, keyslot 2 argon2id (4 passes, 64 KiB, 1 thread).
+/// Returns (image, the key files of the three passphrases, plaintext).
+fn three_keyslots(t: &TempDir, mib: u64, sector: u32) -> (PathBuf, Vec<PathBuf>, Vec<u8>) {
+    let (img, key, plain) = volume(t, mib, sector);
+    let mut keys = vec![key.clone()];
+    let kdfs: [&[&str]; 2] = [
+        &[
+            "--pbkdf",
+            "pbkdf2",
+            "--hash",
+            "sha512",
+            "--pbkdf-force-iterations",
+            "1500",
+        ],
+        &[
+            "--pbkdf",
+            "argon2id",
+            "--pbkdf-force-iterations",
+            "4",
+            "--pbkdf-memory",
+            "64",
+            "--pbkdf-parallel",
+            "1",
+        ],
+    ];
+    for (i, kdf) in kdfs.iter().enumerate() {
+        let k = t.path(&format!("key{}", i + 1));
+        std::fs::write(&k, PASSPHRASES[i + 1]).expect("key");
+        let mut a = vec!["luksAddKey", "-q", "--key-file", s(&key)];
+        a.extend(kdf.iter());
+        a.extend([s(&img), s(&k)]);
+        ok("cryptsetup", &a);
+        keys.push(k);
+    }
+    (img, keys, plain)
+}
+
+/// The passphrases of [`three_keyslots`] as both tools read them from a pipe: one a line.
+fn passphrase_lines() -> Vec<u8> {
+    PASSPHRASES
+        .iter()
+        .flat_map(|p| [p.as_bytes(), b"\n"])
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// The keyslots luksDump lists, by number and type.
+fn keyslot_list(img: &Path) -> Vec<String> {
+    let j = ok("cryptsetup", &["luksDump", "--dump-json-metadata", s(img)]);
+    let v: serde_json::Value = serde_json::from_str(&j).expect("json");
+    let mut l: Vec<String> = v["keyslots"]
+        .as_object()
+        .expect("keyslots")
+        .iter()
+        .map(|(id, k)| format!("{id}:{}", k["type"].as_str().unwrap_or("?")))
+        .collect();
+    l.sort();
+    l
+}
+
+/// The PBKDF of keyslot `slot` without its salt (type, hash or costs), from luksDump's JSON.
+fn keyslot_kdf(img: &Path, slot: u32) -> serde_json::Value {
+    let j = ok("cryptsetup", &["luksDump", "--dump-json-metadata", s(img)]);
+    let v: serde_json::Value = serde_json::from_str(&j).expect("json");
+    let mut kdf = v["keyslots"][slot.to_string()]["kdf"].clone();
+    kdf["salt"] = serde_json::Value::Null;
+    kdf
+}
+
+/// cryptsetup opens keyslot `slot` with the passphrase in `key`, and no other.
+fn cryptsetup_opens_slot(img: &Path, key: &Path, slot: u32) {
+    let n = slot.to_string();
+    ok(
+        "cryptsetup",
+        &[
+            "open",
+            "--test-passphrase",
+            "--key-slot",
+            &n,
+            "--key-file",
+            s(key),
+            s(img),
+        ],
+    );
+}
+
+/// A volume with three keyslots of three PBKDFs, rotated from a pipe of three passphrases,
+/// by ucrypt and by cryptsetup from copies of one image: `--init-only` leaves the same
+/// keyslots (3, 4, 5 for the new key, each with its old keyslot's PBKDF, the reencrypt
+/// keyslot after them), segments, digest lists and config; each finishes the other's; the
+/// result opens with each passphrase in its new keyslot (cryptsetup `--key-slot N`), the old
+/// keyslots are gone, and the data is the original.
+#[test]
+fn several_keyslots_init_matches_cryptsetup_and_each_finishes_the_other() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("slots3");
+    let (img, keys, plain) = three_keyslots(&t, 20, 4096);
+    let theirs = t.path("theirs.img");
+    std::fs::copy(&img, &theirs).expect("copy");
+    let init = |prog: &str, img: &Path| {
+        ok_input(
+            prog,
+            &[
+                "reencrypt",
+                "--init-only",
+                "-q",
+                "--force-offline-reencrypt",
+                s(img),
+            ],
+            &passphrase_lines(),
+        )
+    };
+    init(UCRYPT, &img);
+    init("cryptsetup", &theirs);
+    assert_eq!(shift_metadata(&img), shift_metadata(&theirs), "init");
+    let want = [
+        "0:luks2",
+        "1:luks2",
+        "2:luks2",
+        "3:luks2",
+        "4:luks2",
+        "5:luks2",
+        "6:reencrypt",
+    ];
+    assert_eq!(keyslot_list(&img), want);
+    for (old, new) in [(0u32, 3u32), (1, 4), (2, 5)] {
+        assert_eq!(
+            keyslot_kdf(&img, new),
+            keyslot_kdf(&img, old),
+            "keyslot {new}"
+        );
+    }
+    for (name, img, finisher) in [
+        ("ucrypt", &img, "cryptsetup"),
+        ("cryptsetup", &theirs, UCRYPT),
+    ] {
+        ok(
+            finisher,
+            &[
+                "reencrypt",
+                "--resume-only",
+                "-q",
+                "--force-offline-reencrypt",
+                "--key-file",
+                s(&keys[1]),
+                s(img),
+            ],
+        );
+        assert_eq!(
+            keyslot_list(img),
+            ["3:luks2", "4:luks2", "5:luks2"],
+            "{name} init"
+        );
+        for (i, key) in keys.iter().enumerate() {
+            cryptsetup_opens_slot(img, key, i as u32 + 3);
+            assert!(exported(&t, img, key) == plain, "{name} init: data");
+        }
+    }
+}
+
+/// A whole run from a pipe each way: ucrypt rotates and cryptsetup opens each passphrase in
+/// its keyslot; cryptsetup rotates and ucrypt reads the data with each passphrase.
+#[test]
+fn several_keyslots_rotated_by_either_tool() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for tool in [UCRYPT, "cryptsetup"] {
+        let t = TempDir::new("slots-run");
+        let (img, keys, plain) = three_keyslots(&t, 20, 512);
+        ok_input(
+            tool,
+            &[
+                "reencrypt",
+                "-q",
+                "--force-offline-reencrypt",
+                "--hotzone-size",
+                "1M",
+                s(&img),
+            ],
+            &passphrase_lines(),
+        );
+        assert_eq!(
+            keyslot_list(&img),
+            ["3:luks2", "4:luks2", "5:luks2"],
+            "{tool}"
+        );
+        assert_eq!(keyslot_kdf(&img, 4)["hash"], "sha512", "{tool}");
+        assert_eq!(keyslot_kdf(&img, 5)["type"], "argon2id", "{tool}");
+        for (i, key) in keys.iter().enumerate() {
+            cryptsetup_opens_slot(&img, key, i as u32 + 3);
+            assert!(
+                exported(&t, &img, key) == plain,
+                "{tool}: data, passphrase {i}"
+            );
+        }
+    }
+}
+
+/// What both tools refuse on a volume of several keyslots, with the same exit code and
+/// cryptsetup's words, writing nothing: a key file without `--key-slot`; a wrong passphrase
+/// for one keyslot (exit 2); `--key-slot` of a keyslot that is not there (exit 1, no words
+/// from cryptsetup); a volume whose keyslots leave no room for the new ones (16 active
+/// keyslots need 16 more and the reencrypt keyslot). And a `--resilience-hash` that is no
+/// hash: exit 1 from both, but cryptsetup adds the new keyslots, fails ("Failed to
+/// initialize LUKS2 reencryption in metadata.") and destroys them again (its header
+/// changed), while ucrypt refuses before any write.
+#[test]
+fn several_keyslots_refusals_match_cryptsetup() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("slots-refuse");
+    let (img, keys, _) = three_keyslots(&t, 20, 4096);
+    let before = std::fs::read(&img).expect("image");
+    let wrong = b"rotate-me\nnot the second\nthird\n";
+    let rows: [(&[&str], &[u8], i32, &str); 3] = [
+        (
+            &["--key-file", s(&keys[0])],
+            b"",
+            1,
+            "Key file can be used only with --key-slot or with exactly one key slot active.",
+        ),
+        (&[], wrong, 2, "No key available with this passphrase."),
+        (&["--key-slot", "7", "--key-file", s(&keys[0])], b"", 1, ""),
+    ];
+    for (extra, input, code, words) in rows {
+        for tool in [UCRYPT, "cryptsetup"] {
+            let mut a = vec!["reencrypt", "-q", "--force-offline-reencrypt"];
+            a.extend(extra);
+            a.push(s(&img));
+            let o = run_input(tool, &a, input);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(code), "{tool} {extra:?}: {err}");
+            assert!(err.contains(words), "{tool} {extra:?}: {err}");
+            assert!(
+                std::fs::read(&img).expect("image") == before,
+                "{tool} {extra:?} wrote"
+            );
+        }
+    }
+    for tool in [UCRYPT, "cryptsetup"] {
+        let copy = t.path("nohash.img");
+        std::fs::copy(&img, &copy).expect("copy");
+        let o = run_input(
+            tool,
+            &[
+                "reencrypt",
+                "-q",
+                "--force-offline-reencrypt",
+                "--resilience-hash",
+                "nohash",
+                s(&copy),
+            ],
+            &passphrase_lines(),
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{tool}: {err}");
+        assert_eq!(
+            keyslot_list(&copy),
+            ["0:luks2", "1:luks2", "2:luks2"],
+            "{tool}"
+        );
+        if tool == UCRYPT {
+            assert!(
+                err.contains("Hash algorithm nohash is not available"),
+                "{err}"
+            );
+            assert!(
+                std::fs::read(&copy).expect("image") == before,
+                "ucrypt wrote"
+            );
+        }
+    }
+    // 16 active keyslots.
+    for i in 3..16 {
+        let mut a = vec!["luksAddKey", "-q", "--key-file", s(&keys[0])];
+        a.extend(FAST_PBKDF2);
+        a.extend([s(&img), s(&keys[i % 3])]);
+        ok("cryptsetup", &a);
+    }
+    let full = std::fs::read(&img).expect("image");
+    let lines: Vec<u8> = (0..16)
+        .flat_map(|i| [PASSPHRASES[if i < 3 { i } else { i % 3 }].as_bytes(), b"\n"])
+        .flatten()
+        .copied()
+        .collect();
+    for tool in [UCRYPT, "cryptsetup"] {
+        let o = run_input(
+            tool,
+            &["reencrypt", "-q", "--force-offline-reencrypt", s(&img)],
+            &lines,
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{tool}: {err}");
+        assert!(
+            err.contains("Not enough free keyslots for reencryption."),
+            "{tool}: {err}"
+        );
+        assert!(std::fs::read(&img).expect("image") == full, "{tool} wrote");
+    }
+}
+
+/// `--resilience-hash` sha512 and sha1, each way: both tools' `--init-only` name the hash in
+/// the reencrypt keyslot (the same metadata); each finishes the other's; a whole ucrypt run
+/// with it is accepted by cryptsetup.
+#[test]
+fn resilience_hash_each_way() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for hash in ["sha512", "sha1"] {
+        let t = TempDir::new("rhash");
+        let (img, key, plain) = volume(&t, 24, 4096);
+        let theirs = t.path("theirs.img");
+        std::fs::copy(&img, &theirs).expect("copy");
+        let init = |prog: &str, img: &Path| {
+            ok(
+                prog,
+                &[
+                    "reencrypt",
+                    "--init-only",
+                    "-q",
+                    "--force-offline-reencrypt",
+                    "--resilience",
+                    "checksum",
+                    "--resilience-hash",
+                    hash,
+                    "--pbkdf",
+                    "pbkdf2",
+                    "--pbkdf-force-iterations",
+                    "1000",
+                    "--key-file",
+                    s(&key),
+                    s(img),
+                ],
+            )
+        };
+        init(UCRYPT, &img);
+        init("cryptsetup", &theirs);
+        assert_eq!(shift_metadata(&img), shift_metadata(&theirs), "{hash}");
+        let d = dump(&img);
+        assert!(d.contains(&format!("Hash:       {hash}")), "{hash}:\n{d}");
+        for (img, finisher) in [(&img, "cryptsetup"), (&theirs, UCRYPT)] {
+            ok(
+                finisher,
+                &[
+                    "reencrypt",
+                    "--resume-only",
+                    "-q",
+                    "--force-offline-reencrypt",
+                    "--hotzone-size",
+                    "1M",
+                    "--key-file",
+                    s(&key),
+                    s(img),
+                ],
+            );
+            cryptsetup_accepts(img, &key);
+            assert!(
+                exported(&t, img, &key) == plain,
+                "{hash} finished by {finisher}"
+            );
+        }
+    }
+}
+
+/// cryptsetup with `--resilience-hash sha512` SIGKILLed mid-way, ucrypt repairs and
+/// finishes; and the other way round with sha1.
+#[test]
+fn resilience_hash_kills_either_way() {
+    if !have_cryptsetup() {
+        return;
+    }
+    kill_cryptsetup_rounds(2, &["--resilience-hash", "sha512"]);
+    // One round: the first is a checksum one (the second would be journal).
+    kill_ucrypt_rounds(1, &["--resilience-hash", "sha1"]);
+}
+
+/// An Argon2 keyslot of 4 threads (made by `ucrypt add-key`: cryptsetup caps the threads at
+/// the CPUs online when it makes one) rotated by both tools from copies of one image: the
+/// new keyslots get the same PBKDF, its threads capped as cryptsetup caps them (2 on a
+/// 2-CPU machine, measured), its passes and memory copied.
+#[test]
+fn argon2_keyslot_copied_as_cryptsetup_copies_it() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("slots-argon");
+    let (img, key, plain) = volume(&t, 20, 4096);
+    let key2 = t.path("key2");
+    std::fs::write(&key2, "argon").expect("key2");
+    ok(
+        UCRYPT,
+        &[
+            "add-key",
+            "-q",
+            "--key-file",
+            s(&key),
+            "--pbkdf",
+            "argon2id",
+            "--pbkdf-force-iterations",
+            "4",
+            "--pbkdf-memory",
+            "64",
+            "--pbkdf-parallel",
+            "4",
+            s(&img),
+            s(&key2),
+        ],
+    );
+    ok("cryptsetup", &["luksKillSlot", "-q", s(&img), "0"]);
+    assert_eq!(keyslot_kdf(&img, 1)["cpus"], 4);
+    let theirs = t.path("theirs.img");
+    std::fs::copy(&img, &theirs).expect("copy");
+    let args = |img: &Path| -> Vec<String> {
+        [
+            "reencrypt",
+            "--init-only",
+            "-q",
+            "--key-file",
+            s(&key2),
+            s(img),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let a = args(&img);
+    ok(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let c = args(&theirs);
+    ok(
+        "cryptsetup",
+        &c.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let cpus = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(4);
+    assert_eq!(keyslot_kdf(&img, 0), keyslot_kdf(&theirs, 0));
+    assert_eq!(keyslot_kdf(&img, 0)["cpus"], cpus);
+    assert_eq!(shift_metadata(&img), shift_metadata(&theirs));
+    ok(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--resume-only",
+            "-q",
+            "--force-offline-reencrypt",
+            "--key-file",
+            s(&key2),
+            s(&img),
+        ],
+    );
+    cryptsetup_opens_slot(&img, &key2, 0);
+    assert!(exported(&t, &img, &key2) == plain);
+}

@@ -20,10 +20,10 @@ use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_run::{
     init, init_decrypt_unshift, init_encrypt, init_encrypt_shift, init_on, recover, recover_on,
-    resume, resume_on, Devices, EncryptOptions, InitOptions, Recovery, ResilienceKind, RunOptions,
-    SegmentChange, UnshiftOptions,
+    resume, resume_on, Devices, EncryptOptions, InitOptions, KeyslotKdf, Recovery, ResilienceKind,
+    RunOptions, SegmentChange, UnshiftOptions, CHECKSUM_HASH,
 };
-use ucrypt::luks::{self, Header, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::luks::{self, HashAlg, Header, NewKeyslot, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
@@ -82,6 +82,16 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
 
 /// [`rotate`] to a new cipher, key size or sector size.
 fn rotate_to(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) -> Result<()> {
+    rotate_hashed(dev, kind, CHECKSUM_HASH, change)
+}
+
+/// [`rotate_to`] with checksums of `hash` (`--resilience-hash`).
+fn rotate_hashed(
+    dev: &dyn Backend,
+    kind: ResilienceKind,
+    hash: HashAlg,
+    change: SegmentChange,
+) -> Result<()> {
     init(
         dev,
         PASS,
@@ -91,6 +101,8 @@ fn rotate_to(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) -> 
             key_slot: None,
             change,
             mode: Mode::Reencrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: hash,
         },
     )?;
     resume(
@@ -216,6 +228,18 @@ fn cut_everywhere(
     change: SegmentChange,
     next: &mut dyn FnMut() -> u64,
 ) -> (u64, u64) {
+    cut_everywhere_hashed(kind, CHECKSUM_HASH, unit, sector, change, next)
+}
+
+/// [`cut_everywhere`] with checksums of `hash`.
+fn cut_everywhere_hashed(
+    kind: ResilienceKind,
+    hash: HashAlg,
+    unit: u64,
+    sector: u32,
+    change: SegmentChange,
+    next: &mut dyn FnMut() -> u64,
+) -> (u64, u64) {
     let want = plaintext();
     let img = base(sector);
     // Count the run's writes and flushes.
@@ -224,7 +248,7 @@ fn cut_everywhere(
         budget: u64::MAX,
         used: AtomicU64::new(0),
     };
-    rotate_to(&counter, kind, change).expect("uncut rotation");
+    rotate_hashed(&counter, kind, hash, change).expect("uncut rotation");
     let total = counter.used.load(Ordering::SeqCst);
     let mut lost_in_hotzone = 0;
     for budget in 0..=total {
@@ -233,7 +257,7 @@ fn cut_everywhere(
             budget,
             used: AtomicU64::new(0),
         };
-        let r = rotate_to(&cut, kind, change);
+        let r = rotate_hashed(&cut, kind, hash, change);
         assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
         let s = next();
         let kept = cut.inner.crash_image(s);
@@ -283,6 +307,53 @@ fn power_cut_at_every_write() {
                 cut_everywhere(kind, unit, sector, SegmentChange::default(), &mut next);
             println!("{kind:?} sector {sector} unit {unit}: {cuts} cuts, {lost} lost a hotzone");
         }
+    }
+}
+
+/// Checksums of another hash than sha256 (`--resilience-hash`): the reencrypt keyslot names
+/// it, and a power cut at every write and flush of a rotation recovers with it (at atomic
+/// units of 4 KiB, as above).
+#[test]
+fn power_cut_with_other_checksum_hashes() {
+    let mut next = rng();
+    for (hash, sector) in [(HashAlg::Sha512, 512u32), (HashAlg::Sha1, 4096)] {
+        let dev = CrashBackend::from_image(base(sector), 512);
+        init(
+            &dev,
+            PASS,
+            &InitOptions {
+                resilience: ResilienceKind::Checksum,
+                kdf: &fast_kdf(),
+                key_slot: None,
+                change: SegmentChange::default(),
+                mode: Mode::Reencrypt,
+                keyslot_kdf: KeyslotKdf::Given,
+                resilience_hash: hash,
+            },
+        )
+        .expect("init");
+        let Header::Luks2(h) = luks::read_header(&dev).expect("header") else {
+            panic!("LUKS2")
+        };
+        let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)
+            .expect("state")
+            .expect("in reencryption");
+        assert_eq!(
+            st.keyslot.resilience,
+            ucrypt::luks::reencrypt::Resilience::Checksum {
+                hash: hash.name().into(),
+                sector_size: 4096
+            }
+        );
+        let (cuts, _) = cut_everywhere_hashed(
+            ResilienceKind::Checksum,
+            hash,
+            4096,
+            sector,
+            SegmentChange::default(),
+            &mut next,
+        );
+        println!("{hash:?} sector {sector}: {cuts} cuts recovered");
     }
 }
 
@@ -509,6 +580,8 @@ fn decrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind) -> Result<()> {
             key_slot: None,
             change: SegmentChange::default(),
             mode: Mode::Decrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
         },
     )?;
     resume_on(
@@ -593,6 +666,8 @@ fn decryption_needs_a_detached_header() {
             key_slot: None,
             change: SegmentChange::default(),
             mode: Mode::Decrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
         },
     );
     assert!(matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("detached header")));
@@ -755,6 +830,7 @@ fn encrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind, sector: u32) -> Res
             key_bytes: 64,
             sector_size: SectorSize::new(u64::from(sector)).unwrap(),
             uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f2".into(),
+            resilience_hash: CHECKSUM_HASH,
         },
     )?;
     resume_on(
@@ -940,6 +1016,7 @@ fn encrypt_shift_all(dev: &dyn Backend, sector: u32) -> Result<()> {
             key_bytes: 64,
             sector_size: SectorSize::new(u64::from(sector)).unwrap(),
             uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f3".into(),
+            resilience_hash: CHECKSUM_HASH,
         },
         2 * SHIFT_BYTES,
     )?;
@@ -1111,6 +1188,7 @@ fn shift_encryption_refusals_write_nothing() {
                 key_bytes: 64,
                 sector_size: SectorSize::new(u64::from(sector)).unwrap(),
                 uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f4".into(),
+                resilience_hash: CHECKSUM_HASH,
             },
             reduce,
         )
@@ -1275,6 +1353,7 @@ fn unshift_all(disk: Arc<dyn Backend>, moved: Option<u64>) -> Result<()> {
             kdf: &fast_kdf(),
             key_slot: None,
             moved_bytes: moved,
+            resilience_hash: CHECKSUM_HASH,
         },
     )?;
     resume_on(
@@ -1434,6 +1513,7 @@ fn unshift_refusals_write_nothing() {
         kdf: &fast_kdf(),
         key_slot: None,
         moved_bytes: None,
+        resilience_hash: CHECKSUM_HASH,
     };
     let e = init_decrypt_unshift(Devices::one(d.as_ref()), PASS, &opts).unwrap_err();
     assert!(e.to_string().contains("new file"), "{e}");

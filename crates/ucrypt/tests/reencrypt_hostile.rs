@@ -16,8 +16,8 @@ use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::reencrypt_plan::position;
 use ucrypt::luks::reencrypt_run::{
     init, init_decrypt_unshift, init_encrypt_shift, recover, recover_on, resume, resume_on,
-    Devices, EncryptOptions, InitOptions, ResilienceKind, RunOptions, SegmentChange,
-    UnshiftOptions,
+    Devices, EncryptOptions, InitOptions, KeyslotKdf, ResilienceKind, RunOptions, SegmentChange,
+    UnshiftOptions, CHECKSUM_HASH,
 };
 use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, SectorSize};
@@ -57,6 +57,8 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
             key_slot: None,
             change: SegmentChange::default(),
             mode: Mode::Reencrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
         },
     )?;
     resume(
@@ -405,6 +407,7 @@ fn encrypt_shift(dev: &dyn Backend) -> Result<()> {
             key_bytes: 64,
             sector_size: SectorSize::S512,
             uuid: "5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f1".into(),
+            resilience_hash: CHECKSUM_HASH,
         },
         2 * SHIFT,
     )?;
@@ -706,6 +709,7 @@ fn unshift_all(disk: Arc<dyn Backend>) -> Result<()> {
             kdf: &fast_kdf(),
             key_slot: None,
             moved_bytes: None,
+            resilience_hash: CHECKSUM_HASH,
         },
     )?;
     unshift_resume(disk)

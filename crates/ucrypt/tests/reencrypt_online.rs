@@ -15,7 +15,7 @@ use ucrypt::blockdev::BlockDev;
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_online;
 use ucrypt::luks::reencrypt_run::{
-    init, resume, InitOptions, ResilienceKind, RunOptions, SegmentChange,
+    init, resume, InitOptions, KeyslotKdf, ResilienceKind, RunOptions, SegmentChange, CHECKSUM_HASH,
 };
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::volume::Volume;
@@ -99,6 +99,8 @@ fn start(dev: &dyn Backend, kind: ResilienceKind) {
             key_slot: None,
             change: SegmentChange::default(),
             mode: Mode::Reencrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
         },
     )
     .expect("init");

@@ -258,7 +258,8 @@ pub enum LuksCmd {
     },
     /// Rotate the volume key in place (cryptsetup reencrypt): offline, or online through the
     /// `ucrypt open` daemon serving the volume; resumable by either tool, crash-safe with
-    /// --resilience checksum or journal. DEVICE may be left out with --active-name.
+    /// --resilience checksum or journal. Asks a passphrase per active keyslot (one a line
+    /// from a pipe), or for --key-slot's alone. DEVICE may be left out with --active-name.
     #[command(name = "reencrypt")]
     Reencrypt {
         device: Option<Target>,

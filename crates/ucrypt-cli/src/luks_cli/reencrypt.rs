@@ -12,8 +12,10 @@ use ucrypt::backend::{Backend, CacheMode};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt::ReencryptState;
 use ucrypt::luks::reencrypt_run::{
-    self, Devices, InitOptions, Progress, Recovery, ResilienceKind, RunOptions, SegmentChange,
+    self, Devices, InitOptions, KeyslotKdf, Progress, Recovery, ResilienceKind, RunOptions,
+    SegmentChange,
 };
+use ucrypt::luks::util::HashAlg;
 use ucrypt::luks::Header;
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result};
@@ -34,7 +36,8 @@ pub struct ReencryptOpts {
     /// How a hotzone survives a crash: checksum (default), journal or none.
     #[arg(long)]
     pub resilience: Option<String>,
-    /// Checksum hash (only sha256, cryptsetup's default, is written).
+    /// Checksum hash of a new reencryption's checksum resilience: sha256 (cryptsetup's
+    /// default), sha1, sha224, sha384 or sha512. A reencryption in progress keeps its own.
     #[arg(long)]
     pub resilience_hash: Option<String>,
     /// Largest hotzone, in bytes or with a unit (4M, 64MiB...); for a decryption that moves
@@ -112,11 +115,7 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
             reencrypt_run::DECRYPT_NEEDS_DETACHED_HEADER.into(),
         ));
     }
-    if let Some(h) = &r.resilience_hash {
-        if h != reencrypt_run::CHECKSUM_HASH.name() {
-            return Err(not_built("--resilience-hash other than sha256"));
-        }
-    }
+    resilience_hash(r)?;
     let Header::Luks2(_) = hdr else {
         return Err(Error::UnsupportedLuks(
             "reencryption of LUKS1 (convert it to LUKS2 first)".into(),
@@ -359,35 +358,61 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         Some(s) => format!("Enter passphrase for key slot {s}: "),
         None => "Enter passphrase: ".to_string(),
     };
-    let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
-    match &in_progress {
+    let passphrase = match &in_progress {
         Some(st) => {
+            let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
             if st.needs_recovery() {
                 return Err(Error::NeedsRecovery);
             }
             // cryptsetup resumes an interrupted reencryption when asked to reencrypt again.
+            passphrase
         }
         None => {
             let resilience =
                 ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
-            let kdf = kdf_request(o, 2)?;
-            let started = reencrypt_run::init_on(
-                devs,
-                passphrase.as_ref(),
-                &InitOptions {
-                    resilience,
-                    kdf: &kdf,
-                    key_slot: o.key_slot,
-                    change: segment_change(o, &hdr)?,
-                    mode: if r.decrypt {
-                        Mode::Decrypt
-                    } else {
-                        Mode::Reencrypt
-                    },
-                },
-            )?;
+            let change = segment_change(o, &hdr)?;
+            let mode = if r.decrypt {
+                Mode::Decrypt
+            } else {
+                Mode::Reencrypt
+            };
+            // A rotation's new keyslots copy the old ones' PBKDF unless one is asked for (as
+            // cryptsetup 2.6.1); the decryption's digest follows the options.
+            let keyslot_kdf = if new_kdf_given(o) || mode == Mode::Decrypt {
+                KeyslotKdf::Given
+            } else {
+                KeyslotKdf::SameAsOld
+            };
+            let kdf = if keyslot_kdf == KeyslotKdf::Given {
+                kdf_request(o, 2)?
+            } else {
+                ucrypt::luks::kdf::KdfRequest::luks2_default()
+            };
+            let opts = InitOptions {
+                resilience,
+                kdf: &kdf,
+                key_slot: o.key_slot,
+                change,
+                mode,
+                keyslot_kdf,
+                resilience_hash: resilience_hash(r)?,
+            };
+            let (started, passphrase) = if mode == Mode::Decrypt {
+                let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
+                (
+                    reencrypt_run::init_on(devs, passphrase.as_ref(), &opts)?,
+                    passphrase,
+                )
+            } else {
+                let slots = slot_passphrases(devs.header, &hdr, o)?;
+                let first = slots
+                    .first()
+                    .map(|sp| ucrypt::SecretBytes::from_slice(sp.passphrase()))
+                    .ok_or(Error::Bug("a rotation with no passphrase"))?;
+                (reencrypt_run::init_slots(devs, &slots, &opts)?, first)
+            };
             if o.verbose {
-                if let Some(k) = started.new_keyslot {
+                for (_, k) in &started.new_keyslots {
                     eprintln!("Key slot {k} created.");
                 }
                 eprintln!("Reencryption keyslot {}.", started.reencrypt_keyslot);
@@ -395,8 +420,9 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             if r.init_only {
                 return Ok(0);
             }
+            passphrase
         }
-    }
+    };
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     if let Some(h) = holder {
         drop(dev);
@@ -418,6 +444,60 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         eprintln!("Command successful.");
     }
     Ok(0)
+}
+
+/// Whether a PBKDF option was given (`--pbkdf`, `--hash`, `--iter-time`,
+/// `--pbkdf-force-iterations`): then cryptsetup 2.6.1 makes every new keyslot with it, else
+/// each copies the old keyslot's (`set_keyslot_params`).
+fn new_kdf_given(o: &LuksOpts) -> bool {
+    o.pbkdf.is_some()
+        || o.hash.is_some()
+        || o.iter_time.is_some()
+        || o.pbkdf_force_iterations.is_some()
+}
+
+/// `--resilience-hash`, or cryptsetup's default; refused unless ucrypt computes it.
+fn resilience_hash(r: &ReencryptOpts) -> Result<HashAlg> {
+    match r.resilience_hash.as_deref() {
+        None => Ok(reencrypt_run::CHECKSUM_HASH),
+        Some(h) => HashAlg::from_name(h).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "Hash algorithm {h} is not available (ucrypt checksums with sha1, sha224, \
+                 sha256, sha384 or sha512)."
+            ))
+        }),
+    }
+}
+
+/// The passphrases of a rotation, asked as cryptsetup 2.6.1 asks them: after checking that
+/// the new keyslots fit, "Enter passphrase for key slot N: " for the keyslot `--key-slot`
+/// names, or for each active keyslot in order (a key file only when there is one); each is
+/// checked against its keyslot before the next is read. From a pipe, one line each.
+fn slot_passphrases(
+    dev: &dyn Backend,
+    hdr: &Header,
+    o: &LuksOpts,
+) -> Result<Vec<reencrypt_run::SlotPassphrase>> {
+    reencrypt_run::check_free_keyslots(hdr, o.key_slot.is_some())?;
+    let active = reencrypt_run::passphrase_keyslots(hdr);
+    let slots = match o.key_slot {
+        Some(s) => vec![s],
+        None if o.key_file.is_some() && active.len() > 1 => {
+            return Err(Error::InvalidArgument(
+                reencrypt_run::KEY_FILE_NEEDS_ONE_KEYSLOT.into(),
+            ))
+        }
+        None => active,
+    };
+    let src = existing_source(o, None);
+    slots
+        .into_iter()
+        .map(|slot| {
+            let prompt = format!("Enter passphrase for key slot {slot}: ");
+            let p = pass::read_passphrase(&src, &prompt, false)?;
+            reencrypt_run::check_passphrase(dev, hdr, slot, p)
+        })
+        .collect()
 }
 
 /// Bytes of the detached header `--encrypt` makes: cryptsetup's default LUKS2 metadata
@@ -473,6 +553,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
         passphrase.as_ref(),
         &reencrypt_run::EncryptOptions {
             resilience: ResilienceKind::None,
+            resilience_hash: reencrypt_run::CHECKSUM_HASH,
             kdf: &kdf,
             cipher,
             key_bytes,
@@ -541,6 +622,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     // cryptsetup 2.6.1 encrypts in 512-byte sectors unless told otherwise (measured).
     let (cipher, key_bytes, sector_size) = new_segment(o)?;
     let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
+    let resilience_hash = resilience_hash(r)?;
     let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
@@ -556,6 +638,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         passphrase.as_ref(),
         &reencrypt_run::EncryptOptions {
             resilience,
+            resilience_hash,
             kdf: &kdf,
             cipher,
             key_bytes,
@@ -616,11 +699,7 @@ fn decrypt_unshift(
             )))
         }
     }
-    if let Some(h) = &r.resilience_hash {
-        if h != reencrypt_run::CHECKSUM_HASH.name() {
-            return Err(not_built("--resilience-hash other than sha256"));
-        }
-    }
+    let resilience_hash = resilience_hash(r)?;
     let moved_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let meta_bytes = match ucrypt::luks::read_header(data.as_ref())? {
@@ -650,6 +729,7 @@ fn decrypt_unshift(
             kdf: &kdf,
             key_slot: o.key_slot,
             moved_bytes,
+            resilience_hash,
         },
     );
     if let Err(e) = started {

@@ -165,6 +165,45 @@ pub struct KdfRequest {
 }
 
 impl KdfRequest {
+    /// The request that makes a keyslot with `kdf`'s type and costs again, without
+    /// calibration (a fresh salt): what cryptsetup's reencrypt gives each new keyslot when no
+    /// PBKDF option is given, copying the keyslot whose passphrase it takes. Argon2 keyslots
+    /// get sha256 for the anti-forensic split (their KDF names no hash; cryptsetup's
+    /// default), and their threads and memory are capped as cryptsetup caps any request: at
+    /// the CPUs online and half the physical memory.
+    pub fn same_as(kdf: &Kdf) -> Self {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        Self::same_as_on(kdf, cpus, half_ram_kib())
+    }
+
+    /// [`KdfRequest::same_as`] on a machine with `cpus` CPUs online and `half_ram_kib`.
+    pub fn same_as_on(kdf: &Kdf, cpus: u32, half_ram_kib: u32) -> Self {
+        match kdf {
+            Kdf::Pbkdf2 {
+                hash, iterations, ..
+            } => KdfRequest {
+                kind: "pbkdf2".into(),
+                hash: *hash,
+                iter_time_ms: 0,
+                memory_kib: 0,
+                parallel: 0,
+                force_iterations: Some(*iterations),
+            },
+            Kdf::Argon2 { variant, cost, .. } => KdfRequest {
+                kind: match variant {
+                    Argon2Variant::I => "argon2i",
+                    Argon2Variant::Id => "argon2id",
+                }
+                .into(),
+                hash: HashAlg::Sha256,
+                iter_time_ms: 0,
+                memory_kib: cost.memory_kib.min(half_ram_kib),
+                parallel: cost.cpus.min(cpus.max(1)),
+                force_iterations: Some(cost.time),
+            },
+        }
+    }
+
     /// cryptsetup 2.6's LUKS2 defaults: argon2id, 2 s, 1 GiB (at most half the RAM), 4 threads
     /// (at most the CPU count).
     pub fn luks2_default() -> Self {
@@ -274,6 +313,27 @@ pub fn default_memory_kib() -> u32 {
     (1u32 << 20).min(half_ram_kib).max(ARGON2_MEMORY_KIB_MIN)
 }
 
+/// Half the physical memory in KiB (cryptsetup's `adjusted_phys_memory`: 1 GiB when the
+/// machine reports less than 128 MiB or more than 4 TiB).
+fn half_ram_kib() -> u32 {
+    // SAFETY: sysconf takes integer constants and returns a value or -1.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let kib = if pages > 0 && page > 0 {
+        pages as u64 * page as u64 / 1024
+    } else {
+        0
+    };
+    if !(128 * 1024..=u64::from(u32::MAX)).contains(&kib) {
+        return 1 << 20;
+    }
+    (kib / 2) as u32
+}
+
 /// PBKDF2 iterations that take about `target_ms` on this machine (at least 1000).
 pub fn calibrate_pbkdf2(hash: HashAlg, target_ms: u32, key_len: usize) -> u32 {
     let mut out = vec![0u8; key_len.max(1)];
@@ -329,5 +389,82 @@ pub fn calibrate_argon2(
         // Too slow even at the minimum time cost: scale memory down to fit.
         let factor = (time as f64 / f64::from(ARGON2_TIME_MIN)).max(0.1);
         mem = ((f64::from(mem) * factor) as u32).max(ARGON2_MEMORY_KIB_MIN.max(8 * cpus));
+    }
+}
+
+#[cfg(test)]
+mod same_as_tests {
+    use super::*;
+
+    fn request_of(kdf: &Kdf, cpus: u32, half_ram_kib: u32) -> Kdf {
+        let r = KdfRequest::same_as_on(kdf, cpus, half_ram_kib);
+        assert!(r.force_iterations.is_some(), "no calibration: {r:?}");
+        r.resolve(64).expect("resolve")
+    }
+
+    /// A pbkdf2 keyslot's hash and iterations are copied with a fresh salt.
+    #[test]
+    fn pbkdf2_keyslot_is_copied() {
+        for (hash, iterations) in [(HashAlg::Sha512, 2345), (HashAlg::Sha1, 1000)] {
+            let old = Kdf::Pbkdf2 {
+                hash,
+                iterations,
+                salt: vec![7; SALT_BYTES],
+            };
+            match request_of(&old, 2, 1 << 20) {
+                Kdf::Pbkdf2 {
+                    hash: h,
+                    iterations: i,
+                    salt,
+                } => {
+                    assert_eq!((h, i), (hash, iterations));
+                    assert_ne!(salt, vec![7; SALT_BYTES], "a fresh salt");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// An Argon2 keyslot's variant and costs are copied; threads and memory are capped at
+    /// the CPUs online and half the memory, as cryptsetup's `init_pbkdf_type` caps them.
+    #[test]
+    fn argon2_keyslot_is_copied_within_the_machine() {
+        let cost = Argon2Cost {
+            time: 5,
+            memory_kib: 64,
+            cpus: 4,
+        };
+        for (variant, cpus, half, want_cpus, want_mem) in [
+            (Argon2Variant::Id, 8, 1 << 20, 4, 64),
+            (Argon2Variant::I, 2, 1 << 20, 2, 64),
+            (Argon2Variant::Id, 1, 48, 1, 48),
+        ] {
+            let old = Kdf::Argon2 {
+                variant,
+                cost,
+                salt: vec![1; SALT_BYTES],
+            };
+            let r = KdfRequest::same_as_on(&old, cpus, half);
+            assert_eq!(r.hash, HashAlg::Sha256, "AF hash of an Argon2 keyslot");
+            match r.resolve(64).expect("resolve") {
+                Kdf::Argon2 {
+                    variant: v,
+                    cost: c,
+                    ..
+                } => {
+                    assert_eq!(v, variant);
+                    assert_eq!(
+                        c,
+                        Argon2Cost {
+                            time: 5,
+                            memory_kib: want_mem,
+                            cpus: want_cpus
+                        },
+                        "{cpus} CPUs, {half} KiB"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

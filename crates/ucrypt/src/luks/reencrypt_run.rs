@@ -46,7 +46,7 @@ pub const REQUIREMENT_V2: &str = "online-reencrypt-v2";
 /// (`datashift-checksum`): version 3, part of the reencryption digest.
 pub const REQUIREMENT_V3: &str = "online-reencrypt-v3";
 const _: () = assert!(UNSHIFT_REQUIREMENT_VERSION == 3);
-/// The checksum cryptsetup uses by default (`--resilience-hash`).
+/// The checksum cryptsetup uses when `--resilience-hash` is not given.
 pub const CHECKSUM_HASH: HashAlg = HashAlg::Sha256;
 /// Bytes per checksum: cryptsetup's alignment of the hotzone (4 KiB, also for 512-byte
 /// sectors, as measured with 2.6.1).
@@ -117,15 +117,123 @@ pub struct InitOptions<'a> {
     pub change: SegmentChange,
     /// [`Mode::Reencrypt`] (a new key) or [`Mode::Decrypt`] (to plaintext, detached header).
     pub mode: Mode,
+    /// Where each new keyslot's PBKDF comes from.
+    pub keyslot_kdf: KeyslotKdf,
+    /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`; cryptsetup's
+    /// default [`CHECKSUM_HASH`]); not read for the other kinds.
+    pub resilience_hash: HashAlg,
+}
+
+/// Where the PBKDF of a rotation's new keyslots comes from (cryptsetup 2.6.1's
+/// `set_keyslot_params`, measured).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyslotKdf {
+    /// [`InitOptions::kdf`]: cryptsetup's choice when `--pbkdf`, `--hash`, `--iter-time` or
+    /// `--pbkdf-force-iterations` is given.
+    Given,
+    /// Each new keyslot copies the type and costs of the old keyslot whose passphrase it
+    /// takes, uncalibrated, and the new digests get the least iterations (cryptsetup's
+    /// default: no benchmark runs).
+    SameAsOld,
+}
+
+/// A passphrase that opens one keyslot of the volume's key: made only by
+/// [`check_passphrase`], which unlocks that keyslot with it. A rotation gives each such
+/// keyslot a twin for the new key, with the same passphrase (cryptsetup asks one per active
+/// keyslot). Not `Clone`, not printable; the passphrase and the key are wiped on drop.
+pub struct SlotPassphrase {
+    slot: u32,
+    passphrase: crate::SecretBytes,
+    vk: VolumeKey,
+}
+
+impl SlotPassphrase {
+    /// The keyslot the passphrase opens.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub fn passphrase(&self) -> &[u8] {
+        self.passphrase.as_ref()
+    }
+}
+
+impl std::fmt::Debug for SlotPassphrase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SlotPassphrase(keyslot {}, redacted)", self.slot)
+    }
+}
+
+/// Unlocks keyslot `slot` of the header on `dev` with `passphrase` (cryptsetup's check after
+/// each "Enter passphrase for key slot N: "): the proof a rotation takes, or
+/// [`Error::WrongPassphrase`].
+pub fn check_passphrase(
+    dev: &dyn Backend,
+    hdr: &Header,
+    slot: u32,
+    passphrase: crate::SecretBytes,
+) -> Result<SlotPassphrase> {
+    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
+    let (slot, vk) = unlock(hdr, passphrase.as_ref(), Some(slot), &mut read)?;
+    Ok(SlotPassphrase {
+        slot,
+        passphrase,
+        vk,
+    })
+}
+
+/// The keyslots a rotation asks a passphrase for, by number: those whose digest covers a
+/// segment (cryptsetup's "active" keyslots, of any type). Unbound keyslots (a digest of no
+/// segment) are not asked for and are kept as they are.
+pub fn passphrase_keyslots(hdr: &Header) -> Vec<u32> {
+    let Header::Luks2(h) = hdr else {
+        return Vec::new();
+    };
+    let mut v: Vec<u32> = h
+        .meta
+        .keyslots
+        .keys()
+        .filter(|id| {
+            h.meta
+                .digest_for_keyslot(id)
+                .is_some_and(|(_, d)| !d.segments.is_empty())
+        })
+        .filter_map(|id| id.parse().ok())
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// cryptsetup's words when a rotation would need more keyslots than are free.
+pub const NOT_ENOUGH_KEYSLOTS: &str = "Not enough free keyslots for reencryption.";
+
+/// cryptsetup 2.6.1's count before it asks any passphrase (`_check_luks2_keyslots`): a
+/// rotation needs, beside the keyslots there are, one for the reencryption and one for the
+/// new key, and without `--key-slot` (`one_keyslot` false) one new keyslot per active
+/// keyslot. [`NOT_ENOUGH_KEYSLOTS`] otherwise.
+pub fn check_free_keyslots(hdr: &Header, one_keyslot: bool) -> Result<()> {
+    let Header::Luks2(h) = hdr else {
+        return Ok(());
+    };
+    let there = h.meta.keyslots.len();
+    let active = passphrase_keyslots(hdr).len();
+    let new = if one_keyslot { 1 } else { active.max(1) };
+    if there + new + 1 > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    Ok(())
 }
 
 /// What [`init`] made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Started {
-    /// The keyslot the passphrase opened (old key).
+    /// The keyslot the passphrase opened (old key); the first one given to [`init_slots`].
     pub old_keyslot: u32,
-    /// The new keyslot (new key); none for a decryption.
+    /// The new keyslot (new key) of `old_keyslot`; none for a decryption.
     pub new_keyslot: Option<u32>,
+    /// Each old keyslot given and the new keyslot made for its passphrase, in order (a
+    /// rotation; empty for a decryption or an encryption).
+    pub new_keyslots: Vec<(u32, u32)>,
     pub reencrypt_keyslot: u32,
 }
 
@@ -196,12 +304,13 @@ fn reencrypt_area(h: &Luks2Header) -> Result<(u64, u64)> {
     Ok((used_end, end))
 }
 
-/// The reencrypt keyslot for `mode`, `direction` and `kind` over the area
-/// `[offset, offset + size)`.
+/// The reencrypt keyslot for `mode`, `direction` and `kind` (checksums with `hash`) over the
+/// area `[offset, offset + size)`.
 fn reencrypt_keyslot(
     mode: Mode,
     direction: Direction,
     kind: ResilienceKind,
+    hash: HashAlg,
     offset: u64,
     size: u64,
 ) -> Keyslot {
@@ -210,7 +319,7 @@ fn reencrypt_keyslot(
         ResilienceKind::None => "none",
         ResilienceKind::Journal => "journal",
         ResilienceKind::Checksum => {
-            area_extra.insert("hash".into(), CHECKSUM_HASH.name().into());
+            area_extra.insert("hash".into(), hash.name().into());
             area_extra.insert("sector_size".into(), CHECKSUM_BLOCK_BYTES.into());
             "checksum"
         }
@@ -251,8 +360,52 @@ pub const DECRYPT_NEEDS_DETACHED_HEADER: &str =
 /// or keyslot; the reencrypt keyslot says `decrypt`, `backward`; backup-final is a `linear`
 /// segment; the reencryption digest covers the old key alone.
 pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    // A rotation gives every active keyslot a twin for the new key, so one passphrase can
+    // start it only on a volume with one active keyslot, or for the one `key_slot` names
+    // (cryptsetup's rule for a key file); a decryption takes any keyslot's passphrase.
+    if opts.mode == Mode::Reencrypt
+        && opts.key_slot.is_none()
+        && passphrase_keyslots(&header).len() > 1
+    {
+        return Err(Error::InvalidArgument(KEY_FILE_NEEDS_ONE_KEYSLOT.into()));
+    }
+    let mut read = |offset: u64, len: u64| read_area(devs.header, offset, len);
+    let (slot, vk) = unlock(&header, passphrase, opts.key_slot, &mut read)?;
+    let one = SlotPassphrase {
+        slot,
+        passphrase: crate::SecretBytes::from_slice(passphrase),
+        vk,
+    };
+    init_checked(devs, header, std::slice::from_ref(&one), opts)
+}
+
+/// cryptsetup's words when a key file (one passphrase) is given for a rotation of a volume
+/// with several active keyslots and no `--key-slot`.
+pub const KEY_FILE_NEEDS_ONE_KEYSLOT: &str =
+    "Key file can be used only with --key-slot or with exactly one key slot active.";
+
+/// [`init_on`] with a passphrase for each of several keyslots of the old key (cryptsetup's
+/// prompt per active keyslot): each gets a new keyslot for the new key with its passphrase
+/// (first free id, in the order given), and the tokens of each old keyslot are assigned to
+/// its new one too. The old keyslots, and every other keyslot of the old key, are removed at
+/// finalisation, as cryptsetup does. `opts.key_slot` is not read.
+pub fn init_slots(
+    devs: Devices<'_>,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    init_checked(devs, header, slots, opts)
+}
+
+fn init_checked(
+    devs: Devices<'_>,
+    header: Header,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
     let dev = devs.header;
-    let header = read_header(dev)?;
     header.check_requirements()?;
     let mut h = luks2(header)?;
     let seg = h.meta.crypt_segment()?;
@@ -268,21 +421,48 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
     if decrypt && (!devs.detached() || seg.offset_bytes != 0) {
         return Err(Error::InvalidArgument(DECRYPT_NEEDS_DETACHED_HEADER.into()));
     }
-    let luks2_slots: Vec<u32> = h
-        .meta
-        .keyslots
-        .iter()
-        .filter(|(_, k)| k.kind == "luks2")
-        .filter_map(|(id, _)| id.parse().ok())
-        .collect();
-    if opts.key_slot.is_none() && luks2_slots.len() != 1 {
+    let Some(first) = slots.first() else {
         return Err(Error::InvalidArgument(
-            "Key file can be used only with --key-slot or with exactly one key slot active.".into(),
+            "a reencryption needs the passphrase of a keyslot".into(),
+        ));
+    };
+    let (old_slot, old_vk) = (first.slot, &first.vk);
+    // Each proof still holds for this header: its keyslot is there, of the old key, once.
+    let old_did = old_vk.digest_id();
+    for (i, sp) in slots.iter().enumerate() {
+        let bound = h
+            .meta
+            .digest_for_keyslot(&sp.slot.to_string())
+            .is_some_and(|(id, d)| id == &old_did.to_string() && !d.segments.is_empty());
+        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot) {
+            return Err(Error::InvalidArgument(format!(
+                "keyslot {} is not an active keyslot of the volume key, or is given twice",
+                sp.slot
+            )));
+        }
+    }
+    if decrypt && slots.len() != 1 {
+        return Err(Error::InvalidArgument(
+            "a decryption takes the passphrase of one keyslot".into(),
         ));
     }
-    let hdr_any = Header::Luks2(h.clone());
-    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
-    let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
+    // cryptsetup's bound: the new keyslots and the reencrypt keyslot must fit.
+    let new_ids_needed = if decrypt { 0 } else { slots.len() } + 1;
+    if h.meta.keyslots.len() + new_ids_needed > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    // The PBKDF of each new keyslot, and the digests' (cryptsetup makes the new key's digest
+    // with the first keyslot's settings and the reencryption digest with the last one's).
+    let kdfs: Vec<KdfRequest> = slots
+        .iter()
+        .map(|sp| match opts.keyslot_kdf {
+            KeyslotKdf::Given => Ok(opts.kdf.clone()),
+            KeyslotKdf::SameAsOld => h
+                .meta
+                .keyslot_params(&sp.slot.to_string())
+                .map(|p| KdfRequest::same_as(&p.kdf)),
+        })
+        .collect::<Result<_>>()?;
 
     // The new segment's parameters, checked before anything is written.
     let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
@@ -312,35 +492,50 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
         )));
     }
 
-    // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for the
+    // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
     // passphrase, whose material is written first; the header write comes below.
-    let (new_vk, new_slot, mut ops) = if decrypt {
-        (None, None, Vec::new())
+    let mut new_keyslots = Vec::new();
+    let (new_vk, mut ops) = if decrypt {
+        (None, Vec::new())
     } else {
         let new_key = random_secret(new_key_bytes)?;
         let new_did = free_id(h.meta.digests.keys())?;
         h.meta.digests.insert(
             new_did.to_string(),
-            make_digest(opts.kdf, new_key.as_ref(), vec![], vec![])?,
+            make_digest(&kdfs[0], new_key.as_ref(), vec![], vec![])?,
         );
         let new_vk = VolumeKey::new_verified(new_key, new_did);
-        let seqid = h.bin.seqid;
-        // Its area is encrypted with the old segment's cipher and key size (cryptsetup adds
-        // the keyslot while the old segment is the default one).
-        let (new_slot, mut ops) = h.add_keyslot_with_area(
-            NewKeyslot {
-                vk: &new_vk,
-                passphrase,
-                kdf: opts.kdf,
-                slot: None,
-            },
-            None,
-            Some((seg.cipher, old_vk.len())),
-        )?;
-        ops.truncate(2); // the material and its flush
-        h.bin.seqid = seqid;
-        (Some(new_vk), Some(new_slot), ops)
+        let mut ops = Vec::new();
+        for (sp, kdf) in slots.iter().zip(&kdfs) {
+            let seqid = h.bin.seqid;
+            // Its area is encrypted as the old keyslot's is (cryptsetup adds it while the
+            // old segment is the default one, with the old keyslot's encryption; a
+            // cipher_null one gets cryptsetup's default keyslot cipher).
+            let old = h.meta.keyslot_params(&sp.slot.to_string())?;
+            let area = if old.area_cipher == CipherSpec::NULL {
+                (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_AREA_KEY_BYTES_DEFAULT)
+            } else {
+                (old.area_cipher, old.area_key_bytes)
+            };
+            let (new_slot, mut more) = h.add_keyslot_with_area(
+                NewKeyslot {
+                    vk: &new_vk,
+                    passphrase: sp.passphrase(),
+                    kdf,
+                    slot: None,
+                },
+                None,
+                Some(area),
+            )?;
+            more.truncate(2); // the material and its flush
+            ops.extend(more);
+            h.bin.seqid = seqid;
+            assign_tokens(&mut h.meta, sp.slot, new_slot);
+            new_keyslots.push((sp.slot, new_slot));
+        }
+        (Some(new_vk), ops)
     };
+    let new_slot = new_keyslots.first().map(|&(_, n)| n);
 
     // The reencrypt keyslot: the rest of the keyslots area after the last used area.
     let (used_end, end) = reencrypt_area(&h)?;
@@ -352,7 +547,14 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
     };
     h.meta.keyslots.insert(
         rk.to_string(),
-        reencrypt_keyslot(mode, direction, opts.resilience, used_end, end - used_end),
+        reencrypt_keyslot(
+            mode,
+            direction,
+            opts.resilience,
+            opts.resilience_hash,
+            used_end,
+            end - used_end,
+        ),
     );
 
     // Segments: the whole device as it is, then the two backups.
@@ -413,22 +615,45 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
         new_vk.as_ref().map(VolumeKey::bytes),
     )?;
     let rdid = free_id(h.meta.digests.keys())?;
+    let last_kdf = kdfs.last().unwrap_or(opts.kdf);
     h.meta.digests.insert(
         rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+        make_digest(last_kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
     );
     ops.extend(h.commit()?);
     apply(dev, &ops)?;
     Ok(Started {
         old_keyslot: old_slot,
         new_keyslot: new_slot,
+        new_keyslots,
         reencrypt_keyslot: rk,
     })
+}
+
+/// The key size of cryptsetup's default keyslot cipher (aes-xts-plain64, 512 bits), which
+/// replaces a cipher_null keyslot's encryption in the new keyslot.
+const KEYSLOT_AREA_KEY_BYTES_DEFAULT: usize = 64;
+
+/// Assigns every token of keyslot `old` to keyslot `new` as well (appended to its list), as
+/// cryptsetup's reencrypt does for each new keyslot; finalisation then drops `old`.
+fn assign_tokens(meta: &mut Metadata, old: u32, new: u32) {
+    let (old, new) = (old.to_string(), new.to_string());
+    for t in meta.tokens.values_mut() {
+        if let Some(serde_json::Value::Array(a)) = t.get_mut("keyslots") {
+            if a.iter().any(|v| v.as_str() == Some(old.as_str()))
+                && !a.iter().any(|v| v.as_str() == Some(new.as_str()))
+            {
+                a.push(new.clone().into());
+            }
+        }
+    }
 }
 
 /// How to start an encryption of a plaintext device ([`init_encrypt`]).
 pub struct EncryptOptions<'a> {
     pub resilience: ResilienceKind,
+    /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`).
+    pub resilience_hash: HashAlg,
     pub kdf: &'a KdfRequest,
     /// The new segment: cipher, key size in bytes, sector size.
     pub cipher: CipherSpec,
@@ -500,6 +725,7 @@ pub fn init_encrypt(
             Mode::Encrypt,
             Direction::Forward,
             opts.resilience,
+            opts.resilience_hash,
             used_end,
             end - used_end,
         ),
@@ -553,6 +779,7 @@ pub fn init_encrypt(
     Ok(Started {
         old_keyslot: slot,
         new_keyslot: Some(slot),
+        new_keyslots: Vec::new(),
         reencrypt_keyslot: rk,
     })
 }
@@ -702,6 +929,7 @@ pub fn init_encrypt_shift(
         Mode::Encrypt,
         Direction::Backward,
         ResilienceKind::None,
+        CHECKSUM_HASH,
         used_end,
         SHIFT_AREA_BYTES,
     );
@@ -781,6 +1009,7 @@ pub fn init_encrypt_shift(
     Ok(Started {
         old_keyslot: slot,
         new_keyslot: Some(slot),
+        new_keyslots: Vec::new(),
         reencrypt_keyslot: rk,
     })
 }
@@ -800,6 +1029,8 @@ pub struct UnshiftOptions<'a> {
     /// `--hotzone-size`: the moved segment's size (at most the shift); `None`:
     /// [`MOVED_BYTES_DEFAULT`] or less.
     pub moved_bytes: Option<u64>,
+    /// The checksum of the moved segment (`--resilience-hash`).
+    pub resilience_hash: HashAlg,
 }
 
 /// Copies `len` bytes from `src` at `from` to `dst` at `to` through one buffer of at most
@@ -833,7 +1064,7 @@ const MAGIC_WIPE_BYTES: usize = 512;
 ///
 /// The exported header, as cryptsetup 2.6.1 writes it (compared field by field in the interop
 /// test): the old header, plus a `reencrypt` keyslot (mode `decrypt`, direction `forward`,
-/// area `datashift-checksum` with sha256 over 4096-byte blocks and `shift_size` = the old data
+/// area `datashift-checksum` with sha256 (or `--resilience-hash`) over 4096-byte blocks and `shift_size` = the old data
 /// offset `S`, over the rest of the keyslots area); segments `0` crypt at 0 (the moved
 /// segment: `M` bytes, IV tweak 0), `1` crypt at `S + M` (the rest of the ciphertext, IV tweak
 /// `M / 512`, dynamic), `2` backup-moved-segment (as `0`), `3` backup-previous (crypt at `S`,
@@ -944,7 +1175,7 @@ pub fn init_decrypt_unshift(
     let (used_end, end) = reencrypt_area(&h)?;
     let area_bytes = end - used_end;
     let sums_room =
-        area_bytes / CHECKSUM_HASH.output_bytes() as u64 * u64::from(CHECKSUM_BLOCK_BYTES);
+        area_bytes / opts.resilience_hash.output_bytes() as u64 * u64::from(CHECKSUM_BLOCK_BYTES);
     if moved_bytes > sums_room {
         return Err(Error::InvalidArgument(format!(
             "Moved segment too large. Requested size {moved_bytes}, available space for: \
@@ -956,6 +1187,7 @@ pub fn init_decrypt_unshift(
         Mode::Decrypt,
         Direction::Forward,
         ResilienceKind::Checksum,
+        opts.resilience_hash,
         used_end,
         area_bytes,
     );
@@ -1055,6 +1287,7 @@ pub fn init_decrypt_unshift(
     Ok(Started {
         old_keyslot: old_slot,
         new_keyslot: None,
+        new_keyslots: Vec::new(),
         reencrypt_keyslot: rk,
     })
 }

@@ -3,7 +3,7 @@
 
 use hmac::Hmac;
 use sha1::Sha1;
-use sha2::{Digest, Sha256, Sha512};
+use sha2::{Digest, Sha224, Sha256, Sha384, Sha512};
 
 use crate::{Error, Result, SecretBytes};
 
@@ -11,7 +11,9 @@ use crate::{Error, Result, SecretBytes};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HashAlg {
     Sha1,
+    Sha224,
     Sha256,
+    Sha384,
     Sha512,
 }
 
@@ -19,10 +21,12 @@ impl HashAlg {
     pub fn from_name(name: &str) -> Result<Self> {
         match name.to_ascii_lowercase().as_str() {
             "sha1" => Ok(HashAlg::Sha1),
+            "sha224" => Ok(HashAlg::Sha224),
             "sha256" => Ok(HashAlg::Sha256),
+            "sha384" => Ok(HashAlg::Sha384),
             "sha512" => Ok(HashAlg::Sha512),
             other => Err(Error::UnsupportedLuks(format!(
-                "hash '{other}' (supported: sha1, sha256, sha512)"
+                "hash '{other}' (supported: sha1, sha224, sha256, sha384, sha512)"
             ))),
         }
     }
@@ -30,7 +34,9 @@ impl HashAlg {
     pub fn name(self) -> &'static str {
         match self {
             HashAlg::Sha1 => "sha1",
+            HashAlg::Sha224 => "sha224",
             HashAlg::Sha256 => "sha256",
+            HashAlg::Sha384 => "sha384",
             HashAlg::Sha512 => "sha512",
         }
     }
@@ -39,7 +45,9 @@ impl HashAlg {
     pub fn output_bytes(self) -> usize {
         match self {
             HashAlg::Sha1 => 20,
+            HashAlg::Sha224 => 28,
             HashAlg::Sha256 => 32,
+            HashAlg::Sha384 => 48,
             HashAlg::Sha512 => 64,
         }
     }
@@ -55,7 +63,9 @@ impl HashAlg {
         }
         match self {
             HashAlg::Sha1 => run::<Sha1>(parts),
+            HashAlg::Sha224 => run::<Sha224>(parts),
             HashAlg::Sha256 => run::<Sha256>(parts),
+            HashAlg::Sha384 => run::<Sha384>(parts),
             HashAlg::Sha512 => run::<Sha512>(parts),
         }
     }
@@ -64,7 +74,9 @@ impl HashAlg {
     pub fn pbkdf2(self, password: &[u8], salt: &[u8], iterations: u32, out: &mut [u8]) {
         match self {
             HashAlg::Sha1 => pbkdf2::pbkdf2::<Hmac<Sha1>>(password, salt, iterations, out),
+            HashAlg::Sha224 => pbkdf2::pbkdf2::<Hmac<Sha224>>(password, salt, iterations, out),
             HashAlg::Sha256 => pbkdf2::pbkdf2::<Hmac<Sha256>>(password, salt, iterations, out),
+            HashAlg::Sha384 => pbkdf2::pbkdf2::<Hmac<Sha384>>(password, salt, iterations, out),
             HashAlg::Sha512 => pbkdf2::pbkdf2::<Hmac<Sha512>>(password, salt, iterations, out),
         }
         // The only error is an invalid HMAC key length, which HMAC never reports.
