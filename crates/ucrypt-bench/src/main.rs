@@ -22,6 +22,7 @@ mod limit;
 mod nbd;
 pub mod plot;
 mod reencrypt;
+mod reencrypt_online;
 mod remote;
 mod server;
 pub mod stats;
@@ -89,6 +90,16 @@ pub struct EngineArgs {
 }
 
 #[derive(Args)]
+pub struct ReencryptArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Rotate online (through the `ucrypt open` daemon) under fio, instead of offline beside
+    /// cryptsetup.
+    #[arg(long)]
+    online: bool,
+}
+
+#[derive(Args)]
 pub struct RemoteArgs {
     #[command(flatten)]
     common: Common,
@@ -143,7 +154,9 @@ enum Which {
     Nbd(Common),
     /// Offline key rotation of a file volume: `ucrypt reencrypt` beside `cryptsetup reencrypt`
     /// per resilience, and beside `ucrypt export` + `import` of the same bytes; idle and busy.
-    Reencrypt(Common),
+    /// With --online: the rotation through the `ucrypt open` daemon while fio reads, against
+    /// fio alone and the offline rotation (root, FUSE + loop).
+    Reencrypt(ReencryptArgs),
     /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
     /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).
     Remote(RemoteArgs),
@@ -218,7 +231,13 @@ pub fn run(a: BenchArgs) -> i32 {
             c.json,
             nbd::markdown,
         ),
-        Which::Reencrypt(c) => emit(
+        Which::Reencrypt(ReencryptArgs { common: c, online }) if online => emit(
+            "reencrypt --online",
+            reencrypt_online::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            reencrypt_online::markdown,
+        ),
+        Which::Reencrypt(ReencryptArgs { common: c, .. }) => emit(
             "reencrypt",
             reencrypt::measure(c.runs(), c.quick, !c.json),
             c.json,

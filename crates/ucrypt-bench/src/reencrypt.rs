@@ -172,13 +172,13 @@ fn copy(from: &Path, to: &Path) -> Result<(), String> {
 }
 
 /// Spins `n` threads until dropped.
-struct Busy {
+pub(crate) struct Busy {
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Busy {
-    fn start(n: usize) -> Busy {
+    pub(crate) fn start(n: usize) -> Busy {
         let stop = Arc::new(AtomicBool::new(false));
         let threads = (0..n)
             .map(|_| {

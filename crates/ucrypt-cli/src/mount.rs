@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use ucrypt_fuse::{MountOptions, PunchHole, Transport};
 
+use crate::daemon::control::{self, ControlArgs};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
@@ -41,6 +42,8 @@ pub struct MountArgs {
     fuse_transport: FuseTransport,
     #[command(flatten)]
     metrics: MetricsArgs,
+    #[command(flatten)]
+    control: ControlArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -109,6 +112,7 @@ fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()
     if let Some(at) = &a.metrics.metrics {
         metrics::start(at, Volumes::one(&a.volume, &dev))?;
     }
+    let _control = control::start(&a.control, &a.volume, &dev, "fuse")?;
     let file_name = match point {
         MountPoint::Directory(n) => Some(n.clone()),
         _ => a.file_name.clone(),

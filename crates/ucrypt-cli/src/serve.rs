@@ -8,6 +8,7 @@ use std::time::Duration;
 use ucrypt::BlockDev;
 use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
 
+use crate::daemon::control::{self, ControlArgs};
 use crate::error::{CliError, CliResult};
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
@@ -56,6 +57,9 @@ pub struct ServeArgs {
     spin_always: bool,
     #[command(flatten)]
     metrics: MetricsArgs,
+    // For VOLUME, not the --add-export ones.
+    #[command(flatten)]
+    control: ControlArgs,
 }
 
 /// NBD workers per connection when the volume is remote (see `ServerOptions::workers`).
@@ -118,6 +122,15 @@ fn serve(a: ServeArgs) -> CliResult<()> {
             .collect();
         metrics::start(at, Volumes(vols))?;
     }
+    let _control = match opened.first() {
+        Some((_, _, Some(v))) => control::start(&a.control, &a.volume, v, "nbd")?,
+        _ if a.control.control.is_some() => {
+            return Err(CliError::Usage(
+                "--control needs an encrypted volume (not --unencrypted)".into(),
+            ))
+        }
+        _ => None,
+    };
     let exports = opened.into_iter().map(|(n, d, _)| (n, d)).collect();
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(load_tls_config(&TlsFiles {

@@ -4,6 +4,7 @@
 use clap::Args;
 use ucrypt_ublk::UblkOptions;
 
+use crate::daemon::control::{self, ControlArgs};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
@@ -17,6 +18,8 @@ pub struct UblkArgs {
     queues: Option<u16>,
     #[command(flatten)]
     metrics: MetricsArgs,
+    #[command(flatten)]
+    control: ControlArgs,
 }
 
 pub fn run(a: UblkArgs) -> i32 {
@@ -31,6 +34,7 @@ fn serve(a: UblkArgs) -> CliResult<()> {
     if let Some(at) = &a.metrics.metrics {
         metrics::start(at, Volumes::one(&a.volume, &dev))?;
     }
+    let _control = control::start(&a.control, &a.volume, &dev, "ublk")?;
     let mut opts = UblkOptions::default();
     if let Some(q) = a.queues {
         opts.queues = q;

@@ -433,3 +433,195 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
     ok(UCRYPT, &["close", &n]);
     drop(c);
 }
+
+/// fio with its NBD engine (libnbd), if this fio has it.
+fn fio_has_nbd() -> bool {
+    Command::new("fio")
+        .arg("--enghelp")
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.trim() == "nbd")
+        })
+        .unwrap_or(false)
+}
+
+/// [`fio`]'s job over NBD: the export at the unix socket `sock`.
+fn fio_nbd(sock: &Path, size: &str, rate: Option<&str>, verify_only: bool, out: &Path) -> Command {
+    let mut c = Command::new("fio");
+    c.args([
+        "--name=online-nbd",
+        "--ioengine=nbd",
+        &format!("--uri=nbd+unix:///?socket={}", s(sock)),
+        "--rw=randwrite",
+        "--bs=4k",
+        "--randrepeat=1",
+        "--random_generator=tausworthe64",
+        &format!("--size={size}"),
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        &format!("--output={}", s(out)),
+    ]);
+    if let Some(r) = rate {
+        c.arg(format!("--rate={r}"));
+    }
+    if verify_only {
+        c.arg("--verify_only");
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::null());
+    c
+}
+
+/// A server process, killed and reaped on drop (a failed test leaves none behind).
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One request line on a control socket; the answer line.
+fn control(sock: &Path, line: &str) -> String {
+    use std::io::{BufRead, Write};
+    let mut c = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    c.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(c).read_line(&mut answer).unwrap();
+    answer
+}
+
+/// Waits until `path` exists (a socket the server binds), or panics after 30 s.
+fn wait_for(path: &Path, server: &mut Child) {
+    let t = Instant::now();
+    while !path.exists() {
+        assert!(
+            server.try_wait().unwrap().is_none(),
+            "the server exited before {} appeared",
+            path.display()
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `ucrypt serve --control PATH`: `ucrypt reencrypt VOLUME --control PATH` rotates the key of
+/// the volume the server serves over NBD while fio (its nbd engine) writes with crc32c headers
+/// and reads back through it; then the server stops, a new one serves the volume under the new
+/// key alone, and fio's data verifies again. The control socket answers `status` (with the
+/// rotation) and refuses the open daemon's other requests by name.
+#[test]
+fn serve_with_a_control_socket_rotates_under_nbd_io() {
+    if !have("fio") || !fio_has_nbd() {
+        println!("SKIPPED: fio with its nbd engine not installed (scripts/deps.sh test)");
+        return;
+    }
+    let t = TempDir::new("serve");
+    let (img, key) = volume(&t, 96);
+    let (sock, ctl) = (t.path("nbd.sock"), t.path("control.sock"));
+    let serve = || {
+        Command::new(UCRYPT)
+            .args(["serve", s(&img), "--key-file", s(&key)])
+            .arg("--nbd")
+            .arg(format!("unix:{}", s(&sock)))
+            .arg("--control")
+            .arg(&ctl)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut server = Reaped(serve());
+    let mut c = Cleanup {
+        name: name("serve-none"),
+        procs: vec![],
+    };
+    wait_for(&ctl, &mut server.0);
+    wait_for(&sock, &mut server.0);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&ctl).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "control socket mode");
+    let before = keyslots(&img);
+    let out = t.path("fio.out");
+    c.procs.push(
+        fio_nbd(&sock, "48m", Some("8m"), false, &out)
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let mut a = vec![
+        "reencrypt",
+        "--batch-mode",
+        "--key-file",
+        s(&key),
+        "--hotzone-size",
+        HOTZONE,
+        "--control",
+        s(&ctl),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let t0 = Instant::now();
+    let o = run(UCRYPT, &a);
+    let secs = t0.elapsed().as_secs_f64();
+    assert_eq!(o.status.code(), Some(0), "online reencrypt: {}", text(&o));
+    assert!(
+        c.procs[0].try_wait().unwrap().is_none(),
+        "fio ended before the rotation did ({secs:.1} s): the rotation did not run under I/O"
+    );
+    println!("online rotation of 96 MiB through serve --control took {secs:.1} s while fio ran");
+    fio_ok(&mut c.procs[0], &out, "during the rotation");
+    c.procs.clear();
+    // The status tells how the rotation ended; a request of the open daemon's life cycle is
+    // refused by name, and the process goes on; the verb refuses a volume it does not serve.
+    let st = control(&ctl, r#"{"v":1,"cmd":"status"}"#);
+    assert!(st.contains(r#""finished":true"#), "{st}");
+    let cl = control(&ctl, r#"{"v":1,"cmd":"close","force":false}"#);
+    assert!(cl.contains("answers status and reencrypt only"), "{cl}");
+    assert!(
+        server.0.try_wait().unwrap().is_none(),
+        "the server exited on close"
+    );
+    let other = t.path("other.img");
+    std::fs::write(&other, b"").unwrap();
+    let o = run(
+        UCRYPT,
+        &[
+            "reencrypt",
+            "--control",
+            s(&ctl),
+            "--key-file",
+            s(&key),
+            s(&other),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("not "), "{}", text(&o));
+    let after = keyslots(&img);
+    assert_ne!(before, after, "keyslots unchanged:\n{after}");
+    assert!(!after.contains("reencrypt"), "{after}");
+    // SIGTERM stops the server (flushing); a new one serves the new key, fio verifies.
+    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
+    unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
+    let st = server.0.wait().unwrap();
+    assert!(st.success(), "serve exited with {st}");
+    assert!(!ctl.exists(), "the control socket was left behind");
+    let _ = std::fs::remove_file(&sock);
+    let mut server = Reaped(serve());
+    wait_for(&sock, &mut server.0);
+    let out2 = t.path("fio2.out");
+    let mut v = fio_nbd(&sock, "48m", None, true, &out2).spawn().unwrap();
+    fio_ok(&mut v, &out2, "after restarting the server");
+    // SAFETY: as above.
+    unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
+    server.0.wait().unwrap();
+    cryptsetup_accepts(&img, &key);
+    drop(c);
+}

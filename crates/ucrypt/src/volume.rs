@@ -188,7 +188,8 @@ pub(crate) struct Core {
     pool: BufferPool,
     locks: RangeLock,
     ciphers: CipherSlots,
-    stats: Stats,
+    /// Shared with the new key's side while in reencryption (`volume/segments.rs`).
+    stats: Arc<Stats>,
     jobs: BoundedQueue<Job>,
     writes: BoundedQueue<WriteJob>,
     turns: Turns,
@@ -703,6 +704,12 @@ fn fitted_size(backend_bytes: u64, data_offset: u64, ss: u64, want: Option<u64>)
 
 impl Volume {
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
+        Self::with_stats(backend, cfg, Arc::new(Stats::default()))
+    }
+
+    /// [`Volume::new`] counting into `stats` (the new key's side of a volume in reencryption
+    /// counts into the volume's own).
+    fn with_stats(backend: Arc<dyn Backend>, cfg: VolumeConfig, stats: Arc<Stats>) -> Result<Self> {
         let size = checked_size(backend.as_ref(), &cfg)?;
         let ss = cfg.geometry.sector_size.bytes() as u64;
         let shift = cfg.geometry.sector_size.shift();
@@ -742,7 +749,7 @@ impl Volume {
             pool,
             locks: RangeLock::default(),
             ciphers: CipherSlots::new(cipher),
-            stats: Stats::default(),
+            stats,
             jobs: BoundedQueue::new(JOB_QUEUE_MAX),
             writes: BoundedQueue::new(WRITE_QUEUE_MAX),
             turns: Turns {

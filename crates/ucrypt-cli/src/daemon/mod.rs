@@ -21,6 +21,7 @@
 //!   verb sends; the volume key never crosses the socket), `resize`, `reencrypt` (online key
 //!   rotation in the daemon, followed through `status`: `online.rs`).
 
+pub mod control;
 mod loopdev;
 mod mounts;
 pub mod online;
@@ -902,7 +903,12 @@ fn live_dir(name: &str) -> CliResult<(RunDir, PathBuf)> {
 
 /// Sends `req` and expects a status back (printed only with `print`).
 fn expect_status(name: &str, dir: &Path, req: &Request) -> CliResult<StatusReport> {
-    match server::request(&dir.join("control.sock"), req) {
+    expect_status_at(name, &dir.join("control.sock"), req)
+}
+
+/// [`expect_status`] over the control socket `sock`.
+fn expect_status_at(name: &str, sock: &Path, req: &Request) -> CliResult<StatusReport> {
+    match server::request(sock, req) {
         Ok(Response::Status(s)) => Ok(*s),
         Ok(Response::Error { code, error }) => Err(CliError::Remote {
             code,

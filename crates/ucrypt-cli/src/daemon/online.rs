@@ -1,27 +1,118 @@
 //! `ucrypt reencrypt` on a volume a live daemon serves: the verb starts the rotation in the
 //! header itself (init), then hands the hotzones to the daemon over its control socket (the
 //! passphrase as `resume` sends it) and follows the progress through `status` until the
-//! daemon reports the end.
+//! daemon reports the end. The daemon is an `ucrypt open` daemon (found by the volume's file
+//! or `--active-name`), or a `serve`, `mount` or `ublk` process with `--control PATH` (named
+//! by `reencrypt --control PATH`); [`start_rotation`] is their side of it.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ucrypt::SecretBytes;
+use ucrypt::luks;
+use ucrypt::sync::lock;
+use ucrypt::volume::Volume;
+use ucrypt::{BlockDev, SecretBytes};
 
-use super::proto::{self, Request, ResumeKey};
+use super::proto::{self, ReencryptionReport, Request, Response, ResumeKey};
 use super::state::{self, Identity, RunDir};
-use super::{expect_status, live_dir};
+use super::{expect_status_at, live_dir};
 use crate::error::{CliError, CliResult};
 
 /// How often the verb asks the daemon how far the rotation got.
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
 
-/// A live daemon serving a volume.
+/// The online rotation a process runs or ran on its volume, shared with the thread that runs
+/// it (`status` reports it).
+pub type Rotation = Arc<Mutex<Option<ReencryptionReport>>>;
+
+fn refused(code: i32, error: impl Into<String>) -> Response {
+    Response::Error {
+        code,
+        error: error.into(),
+    }
+}
+
+/// `reencrypt` on a control socket (the `ucrypt open` daemon's, or `--control` of `serve`,
+/// `mount` and `ublk`): starts rotating the key of `vol`, whose header the verb already put in
+/// reencryption, on a thread of its own (`ucrypt-reencrypt`) while the front end serves, and
+/// returns; `rotation` follows it. The refusal to answer otherwise (one already running, the
+/// volume suspended, no passphrase).
+pub fn start_rotation(
+    name: &str,
+    vol: &Arc<Volume>,
+    rotation: &Rotation,
+    key: ResumeKey,
+    hotzone_bytes: Option<u64>,
+) -> Result<(), Response> {
+    let ResumeKey::Passphrase(pass) = key else {
+        return Err(refused(
+            1,
+            "reencrypt needs the passphrase (both keys come from keyslots)",
+        ));
+    };
+    if vol.is_suspended() {
+        return Err(refused(
+            5,
+            format!("Device {name} is suspended: resume it first."),
+        ));
+    }
+    {
+        let mut r = lock(rotation);
+        if r.as_ref().is_some_and(|r| r.running) {
+            return Err(refused(
+                5,
+                format!("Device {name} is already being reencrypted."),
+            ));
+        }
+        *r = Some(ReencryptionReport {
+            done_bytes: vol.reencrypted_bytes().unwrap_or(0),
+            total_bytes: vol.size(),
+            running: true,
+            ..Default::default()
+        });
+    }
+    let (vol, report) = (vol.clone(), rotation.clone());
+    let spawned = std::thread::Builder::new()
+        .name("ucrypt-reencrypt".into())
+        .spawn(move || {
+            let opts = luks::reencrypt_run::RunOptions { hotzone_bytes };
+            let r = luks::reencrypt_online::rotate(&vol, pass.as_ref(), opts, &mut |p| {
+                if let Some(rep) = lock(&report).as_mut() {
+                    rep.done_bytes = p.done;
+                    rep.total_bytes = p.total;
+                }
+            });
+            drop(pass);
+            let mut g = lock(&report);
+            if let Some(rep) = g.as_mut() {
+                rep.running = false;
+                rep.finished = Some(r.is_ok());
+                if let Err(e) = r {
+                    let e = CliError::from(e);
+                    rep.code = Some(e.exit_code());
+                    rep.error = Some(e.to_string());
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        *lock(rotation) = None;
+        let e = CliError::Usage(format!("starting the reencryption: {e}"));
+        return Err(refused(e.exit_code(), e.to_string()));
+    }
+    Ok(())
+}
+
+/// A live daemon serving a volume: an `ucrypt open` daemon, or a `serve`, `mount` or `ublk`
+/// process with a control socket (`--control`).
 pub struct Holder {
     pub name: String,
-    dir: PathBuf,
+    /// Its control socket.
+    sock: PathBuf,
     ident: Option<Identity>,
+    /// The volume a `--control` process serves, as its status names it.
+    volume: Option<PathBuf>,
 }
 
 /// The live daemon serving the local volume at `path` (by device and inode, whatever path
@@ -38,8 +129,9 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
             && state::is_alive(&dir);
         serves.then_some(Holder {
             name,
-            dir,
+            sock: dir.join("control.sock"),
             ident: Some(ident),
+            volume: None,
         })
     })
 }
@@ -50,8 +142,22 @@ pub fn by_name(name: &str) -> CliResult<Holder> {
     let ident = Identity::read(&dir);
     Ok(Holder {
         name: name.to_string(),
-        dir,
+        sock: dir.join("control.sock"),
         ident,
+        volume: None,
+    })
+}
+
+/// The `serve`, `mount` or `ublk` process answering on the control socket `sock`
+/// (`--control`); it says which volume it serves.
+pub fn by_control(sock: &Path) -> CliResult<Holder> {
+    let name = sock.display().to_string();
+    let s = expect_status_at(&name, sock, &Request::Status)?;
+    Ok(Holder {
+        name,
+        sock: sock.to_path_buf(),
+        ident: None,
+        volume: Some(PathBuf::from(s.volume.device)),
     })
 }
 
@@ -61,6 +167,9 @@ impl Holder {
         let Ok(md) = std::fs::metadata(path) else {
             return false;
         };
+        if let Some(v) = &self.volume {
+            return std::fs::metadata(v).is_ok_and(|m| m.dev() == md.dev() && m.ino() == md.ino());
+        }
         self.ident
             .as_ref()
             .is_some_and(|i| i.st_ino != 0 && i.st_dev == md.dev() && i.st_ino == md.ino())
@@ -68,7 +177,9 @@ impl Holder {
 
     /// The volume the daemon serves, as it named it.
     pub fn volume(&self) -> Option<PathBuf> {
-        self.ident.as_ref().map(|i| i.volume.clone())
+        self.volume
+            .clone()
+            .or_else(|| self.ident.as_ref().map(|i| i.volume.clone()))
     }
 
     /// Has the daemon rotate the key (the header already in reencryption) and waits for the
@@ -89,9 +200,9 @@ impl Holder {
             key: ResumeKey::Passphrase(passphrase),
             hotzone_bytes,
         };
-        expect_status(&self.name, &self.dir, &req)?;
+        expect_status_at(&self.name, &self.sock, &req)?;
         loop {
-            let s = expect_status(&self.name, &self.dir, &Request::Status)?;
+            let s = expect_status_at(&self.name, &self.sock, &Request::Status)?;
             let Some(r) = s.reencryption else {
                 return Err(CliError::Usage(format!(
                     "the daemon of {} lost track of the reencryption",

@@ -256,7 +256,7 @@ impl Shared {
     /// `reencrypt`: rotates the key on a thread of its own while the front end serves; the
     /// verb follows it through `status`.
     fn reencrypt(&self, key: ResumeKey, hotzone_bytes: Option<u64>) -> Response {
-        let Some(vol) = self.vol.plain().cloned() else {
+        let Some(vol) = self.vol.plain() else {
             return Self::error(
                 1,
                 format!(
@@ -265,61 +265,10 @@ impl Shared {
                 ),
             );
         };
-        let ResumeKey::Passphrase(pass) = key else {
-            return Self::error(
-                1,
-                "reencrypt needs the passphrase (both keys come from keyslots)",
-            );
-        };
-        if self.vol.is_suspended() {
-            return Self::error(
-                5,
-                format!("Device {} is suspended: resume it first.", self.name),
-            );
+        match super::online::start_rotation(&self.name, vol, &self.rotation, key, hotzone_bytes) {
+            Ok(()) => self.status(),
+            Err(e) => e,
         }
-        {
-            let mut r = lock(&self.rotation);
-            if r.as_ref().is_some_and(|r| r.running) {
-                return Self::error(
-                    5,
-                    format!("Device {} is already being reencrypted.", self.name),
-                );
-            }
-            *r = Some(ReencryptionReport {
-                done_bytes: vol.reencrypted_bytes().unwrap_or(0),
-                total_bytes: vol.size(),
-                running: true,
-                ..Default::default()
-            });
-        }
-        let report = self.rotation.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ucrypt-reencrypt".into())
-            .spawn(move || {
-                let opts = luks::reencrypt_run::RunOptions { hotzone_bytes };
-                let r = luks::reencrypt_online::rotate(&vol, pass.as_ref(), opts, &mut |p| {
-                    if let Some(rep) = lock(&report).as_mut() {
-                        rep.done_bytes = p.done;
-                        rep.total_bytes = p.total;
-                    }
-                });
-                drop(pass);
-                let mut g = lock(&report);
-                if let Some(rep) = g.as_mut() {
-                    rep.running = false;
-                    rep.finished = Some(r.is_ok());
-                    if let Err(e) = r {
-                        let e = CliError::from(e);
-                        rep.code = Some(e.exit_code());
-                        rep.error = Some(e.to_string());
-                    }
-                }
-            });
-        if let Err(e) = spawned {
-            *lock(&self.rotation) = None;
-            return Self::failed(CliError::Usage(format!("starting the reencryption: {e}")));
-        }
-        self.status()
     }
 
     fn rotating(&self) -> bool {

@@ -61,6 +61,10 @@ pub struct ReencryptOpts {
     /// without it, a volume a daemon serves is found by its file.
     #[arg(long)]
     pub active_name: Option<String>,
+    /// Reencrypt online the volume a `serve`, `mount` or `ublk` process serves with this
+    /// control socket (their `--control PATH`).
+    #[arg(long, value_name = "PATH", conflicts_with = "active_name")]
+    pub control: Option<std::path::PathBuf>,
 }
 
 /// cryptsetup's size syntax: a number with an optional unit (K, M, G, T with or without
@@ -263,13 +267,20 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         _ => None,
     };
     // A volume a live daemon serves is rotated by that daemon, online.
-    let holder = match (&r.active_name, device) {
-        (Some(name), _) => match crate::daemon::online::by_name(name) {
+    let holder = if let Some(sock) = &r.control {
+        match crate::daemon::online::by_control(sock) {
             Ok(h) => Some(h),
             Err(e) => return Ok(crate::daemon::report(Err(e))),
-        },
-        (None, Target::Path(p)) => crate::daemon::online::holder_of(p),
-        (None, _) => None,
+        }
+    } else {
+        match (&r.active_name, device) {
+            (Some(name), _) => match crate::daemon::online::by_name(name) {
+                Ok(h) => Some(h),
+                Err(e) => return Ok(crate::daemon::report(Err(e))),
+            },
+            (None, Target::Path(p)) => crate::daemon::online::holder_of(p),
+            (None, _) => None,
+        }
     };
     if let Some(h) = &holder {
         if let Target::Path(p) = device {

@@ -1,8 +1,12 @@
 //! The hotzone lock of a volume in reencryption: requests hold their byte range shared (any
-//! number of them, overlapping or not), the reencryption driver holds one hotzone in two
-//! stages. First against writes only: while the driver reads the hotzone and stores its
-//! resilience data, the data there is still the old ciphertext, so reads of it go on; then,
-//! from the rewrite to the release, against every request. A request that touches the hotzone
+//! number of them, overlapping or not), the reencryption driver holds one hotzone against
+//! writes from before its read to its release, and against reads only the piece of it being
+//! rewritten. While the driver reads the hotzone and stores its resilience data, the data
+//! there is still the old ciphertext, so reads of it go on; during the rewrite, piece after
+//! piece, a read waits only if it touches the piece being rewritten (the pieces before it are
+//! under the new key, the ones after under the old, and the volume routes reads by that mark);
+//! writes wait until the release, so that none lands in a hotzone whose resilience data could
+//! still be replayed over it. A request that touches the hotzone at a stage that excludes it
 //! waits for it alone; every other request passes. Once the driver has asked for a stage, new
 //! requests it excludes wait, so the driver waits only for those already inside (no
 //! starvation).
@@ -34,8 +38,8 @@ struct State {
     held: Vec<(ByteRange, bool)>,
     /// The hotzone the driver holds or waits for.
     hot: Option<ByteRange>,
-    /// The hotzone excludes reads too (the rewrite stage).
-    hot_reads: bool,
+    /// The piece of the hotzone being rewritten: it excludes reads too.
+    hot_reads: Option<ByteRange>,
     /// The driver failed inside the hotzone: its data is neither all old nor all new, so the
     /// requests touching it fail instead of waiting forever.
     broken: bool,
@@ -58,7 +62,7 @@ impl Default for ZoneLock {
             state: Mutex::new(State {
                 held: Vec::with_capacity(ZONE_HOLDERS_MAX),
                 hot: None,
-                hot_reads: false,
+                hot_reads: None,
                 broken: false,
             }),
             cv: WaitCell::new(),
@@ -74,7 +78,8 @@ impl ZoneLock {
         let mut s = lock(&self.state);
         loop {
             let touches = s.hot.is_some_and(|h| h.overlaps(&range));
-            let hot = touches && (write || s.hot_reads || s.broken);
+            let rewriting = s.hot_reads.is_some_and(|p| p.overlaps(&range));
+            let hot = touches && (write || rewriting || s.broken);
             if hot && s.broken {
                 return Err(Error::Io {
                     context: "the reencryption failed inside this hotzone: close the volume \
@@ -103,21 +108,35 @@ impl ZoneLock {
         let mut s = lock(&self.state);
         assert!(s.hot.is_none(), "two hotzones held at once");
         s.hot = Some(range);
-        s.hot_reads = false;
+        s.hot_reads = None;
         while s.held.iter().any(|(r, w)| *w && r.overlaps(&range)) {
             s = self.cv.wait(s);
         }
     }
 
-    /// The rewrite stage: the held hotzone excludes reads too; returns once the reads already
-    /// inside it have left.
-    pub fn exclude_reads(&self) {
+    /// The rewrite of `piece` (inside the held hotzone): it excludes reads too; returns once
+    /// the reads already inside it have left. One piece at a time, until
+    /// [`ZoneLock::allow_reads`].
+    pub fn exclude_reads(&self, piece: ByteRange) {
         let mut s = lock(&self.state);
-        let range = s.hot.expect("no hotzone held");
-        s.hot_reads = true;
-        while s.held.iter().any(|(r, _)| r.overlaps(&range)) {
+        let hot = s.hot.expect("no hotzone held");
+        assert!(
+            hot.start <= piece.start && piece.end <= hot.end,
+            "rewritten piece outside the hotzone"
+        );
+        assert!(s.hot_reads.is_none(), "two pieces rewritten at once");
+        s.hot_reads = Some(piece);
+        while s.held.iter().any(|(r, _)| r.overlaps(&piece)) {
             s = self.cv.wait(s);
         }
+    }
+
+    /// The piece is rewritten (and the volume's mark moved past it): reads of it go on.
+    pub fn allow_reads(&self) {
+        let mut s = lock(&self.state);
+        s.hot_reads = None;
+        drop(s);
+        self.cv.notify_all();
     }
 
     /// Lets the requests waiting for the hotzone in.
@@ -125,7 +144,7 @@ impl ZoneLock {
         let mut s = lock(&self.state);
         assert!(s.hot.is_some() && !s.broken, "no hotzone held");
         s.hot = None;
-        s.hot_reads = false;
+        s.hot_reads = None;
         drop(s);
         self.cv.notify_all();
     }
@@ -177,7 +196,11 @@ mod tests {
         drop(z.shared(r(0, 100), true).unwrap());
         drop(z.shared(r(200, 300), true).unwrap());
         drop(z.shared(r(150, 160), false).unwrap());
-        z.exclude_reads();
+        // The rewrite of the piece [140, 170): a read of it waits, reads of the rest of the
+        // hotzone pass, writes anywhere in it still wait.
+        z.exclude_reads(r(140, 170));
+        drop(z.shared(r(100, 140), false).unwrap());
+        drop(z.shared(r(170, 200), false).unwrap());
         let entered = Arc::new(AtomicBool::new(false));
         let t = {
             let (z, entered) = (z.clone(), entered.clone());
@@ -186,11 +209,40 @@ mod tests {
                 entered.store(true, Ordering::SeqCst);
             })
         };
+        let w = {
+            let z = z.clone();
+            std::thread::spawn(move || drop(z.shared(r(180, 190), true).unwrap()))
+        };
         std::thread::sleep(Duration::from_millis(50));
-        assert!(!entered.load(Ordering::SeqCst), "entered the hotzone");
-        z.release_hotzone();
+        assert!(!entered.load(Ordering::SeqCst), "entered the piece");
+        z.allow_reads();
         t.join().unwrap();
         assert!(entered.load(Ordering::SeqCst));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!w.is_finished(), "a write entered the hotzone");
+        z.release_hotzone();
+        w.join().unwrap();
+    }
+
+    #[test]
+    fn the_rewrite_waits_for_reads_inside_its_piece_only() {
+        let z = Arc::new(ZoneLock::default());
+        z.hold_hotzone(r(0, 100));
+        let outside_piece = z.shared(r(60, 70), false).unwrap();
+        let inside_piece = z.shared(r(10, 20), false).unwrap();
+        let got = Arc::new(AtomicBool::new(false));
+        let t = {
+            let (z, got) = (z.clone(), got.clone());
+            std::thread::spawn(move || {
+                z.exclude_reads(r(0, 50));
+                got.store(true, Ordering::SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!got.load(Ordering::SeqCst), "piece rewritten under a read");
+        drop(inside_piece);
+        t.join().unwrap();
+        drop(outside_piece);
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //!
 //! Dispatch (docs/integrity.md, "Dispatch"): a large request is split across cores as a plain
 //! volume's engine splits one, under the volume's [`Policies`]. A read's whole blocks are cut
-//! into chunks that the caller and the workers of the volume's [`Crew`] claim one at a time,
+//! into chunks that the caller and the workers of the volume's crew (`engine::crew`) claim one at a time,
 //! each fetching its blocks' data and tags, verifying and decrypting them (`ReadSplit`). A
 //! write is cut into pieces of at most [`WRITE_PIECE_BYTES`]: a piece's blocks are sealed
 //! (fresh IVs, encryption, tags) in chunks on the caller and the workers (`SealSplit`), then

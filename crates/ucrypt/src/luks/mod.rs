@@ -24,6 +24,7 @@ pub mod luks1;
 pub mod luks2;
 pub mod reencrypt;
 pub mod reencrypt_online;
+mod reencrypt_pieces;
 pub mod reencrypt_plan;
 pub mod reencrypt_run;
 pub mod util;

@@ -164,6 +164,29 @@ pub fn open(
     Ok(vol)
 }
 
+/// The largest piece of a hotzone read, journalled or rewritten at a time while the volume
+/// serves: a read touching the hotzone waits for one piece's write at most (milliseconds), not
+/// for the whole hotzone's rewrite, and the device's queue holds one piece of the rotation's
+/// I/O at a time, so the front end's requests do not queue behind a whole hotzone.
+pub const PIECE_BYTES_MAX: u64 = 4 << 20;
+/// Pieces per hotzone at least (smaller hotzones get smaller pieces, down to one page), so
+/// that a small hotzone is cut too.
+pub const PIECES_PER_HOTZONE_MIN: u64 = 16;
+
+/// The piece of a hotzone of `hotzone_bytes` (the driver rounds it to whole sectors and pages).
+pub fn piece_bytes(hotzone_bytes: u64) -> u64 {
+    (hotzone_bytes / PIECES_PER_HOTZONE_MIN).clamp(4096, PIECE_BYTES_MAX)
+}
+
+/// Threads the rotation's crypto and I/O run on while the volume serves: one CPU fewer than
+/// there are (at least one), so the front end and its clients keep a CPU.
+pub fn rekey_lanes_serving() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .saturating_sub(1)
+        .max(1)
+}
+
 /// The hotzone loop's link to the volume.
 struct Online<'a> {
     vol: &'a Volume,
@@ -197,9 +220,22 @@ impl Serving for Online<'_> {
         debug_assert!(r.is_ok(), "hotzone held without segments");
     }
 
-    fn rewrite(&mut self) {
-        let r = self.vol.hotzone_rewrite();
+    fn rewrite(&mut self, offset: u64, len: u64) {
+        let r = self.vol.hotzone_rewrite(offset, len);
         debug_assert!(r.is_ok(), "hotzone rewritten without segments");
+    }
+
+    fn rewritten(&mut self, end: u64) {
+        let r = self.vol.hotzone_rewritten(end);
+        debug_assert!(r.is_ok(), "hotzone rewritten without segments");
+    }
+
+    fn piece_bytes(&self, hotzone_bytes: u64) -> Option<u64> {
+        Some(piece_bytes(hotzone_bytes))
+    }
+
+    fn rekey_lanes_max(&self) -> Option<usize> {
+        Some(rekey_lanes_serving())
     }
 
     fn release(&mut self, done: u64) {

@@ -24,6 +24,7 @@
 use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
+use super::reencrypt_pieces::{pieces, read_summing, rewrite_pieces};
 use super::reencrypt_plan::{
     area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
     next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry, shift_source,
@@ -1490,8 +1491,21 @@ pub trait Serving {
     /// Before the hotzone `[offset, offset + len)` is read: returns once no write touches it,
     /// and none will until [`Serving::release`] (its data stays the old ciphertext).
     fn hold(&mut self, offset: u64, len: u64);
-    /// Before the hotzone is rewritten: returns once no request at all touches it.
-    fn rewrite(&mut self) {}
+    /// Before the piece `[offset, offset + len)` of the hotzone is rewritten: returns once no
+    /// request at all touches the piece.
+    fn rewrite(&mut self, _offset: u64, _len: u64) {}
+    /// After the piece ending at `end` was rewritten (written, not yet flushed).
+    fn rewritten(&mut self, _end: u64) {}
+    /// The pieces a hotzone of `hotzone_bytes` is read, journalled and rewritten in (`None`:
+    /// the whole hotzone at once), so that a request waits for one piece at most, and the
+    /// device's queue holds one piece of the rotation's I/O at a time.
+    fn piece_bytes(&self, _hotzone_bytes: u64) -> Option<u64> {
+        None
+    }
+    /// The most threads a hotzone's crypto and I/O run on (`None`: one per CPU).
+    fn rekey_lanes_max(&self) -> Option<usize> {
+        None
+    }
     /// After the hotzone's last commit: the data below `done` is under the new key.
     fn release(&mut self, done: u64);
     /// The loop failed while a hotzone was held: its data may be half rewritten.
@@ -1548,6 +1562,9 @@ pub fn resume_serving(
         return Err(Error::NeedsRecovery);
     }
     serving.start(u.new_key.as_ref().map(|k| k.as_ref()), pos.done)?;
+    if let Some(n) = serving.rekey_lanes_max() {
+        u.lanes.truncate(n.max(1));
+    }
     let mut held = false;
     let r = run_hotzones(devs, &mut u, pos, opts, progress, serving, &mut held);
     if r.is_err() && held {
@@ -1592,6 +1609,11 @@ fn run_hotzones(
     let pool = BufferPool::new((buf_len + sums_len.max(AREA_ALIGN_BYTES)) as usize)?;
     let mut hot = pool.take(buf_len as usize)?;
     let mut sums = pool.take(sums_len.max(AREA_ALIGN_BYTES) as usize)?;
+    // The hotzone's pieces: whole sectors and pages (the buffer's O_DIRECT alignment).
+    let unit = u.align.max(AREA_ALIGN_BYTES);
+    let piece_max = serving
+        .piece_bytes(buf_len)
+        .map_or(buf_len, |p| (p / unit).max(1) * unit);
     progress(Progress {
         done: pos.done,
         total: u.data_bytes,
@@ -1607,18 +1629,35 @@ fn run_hotzones(
             return finish(devs.header, devs.data, u);
         };
         let mut cur = 0u64;
+        // The checksums of the hotzone were taken while it was read.
+        let mut summed = false;
         for step in steps {
             match step {
                 Step::ReadOld { offset, len } => {
                     cur = len;
                     serving.hold(offset, len);
                     *held = true;
-                    read_lanes(
-                        devs.data,
-                        &mut hot.as_mut_slice()[..len as usize],
-                        u.data_offset + offset,
-                        u.lanes.len(),
-                    )?;
+                    let buf = &mut hot.as_mut_slice()[..len as usize];
+                    let at = u.data_offset + offset;
+                    summed = false;
+                    match u.protect {
+                        // In pieces: the checksums of each piece are taken while the next one
+                        // is read.
+                        Protect::Checksum { hash, block }
+                            if len > piece_max && piece_max % u64::from(block) == 0 =>
+                        {
+                            let block = block as usize;
+                            let sums = sums.as_mut_slice();
+                            read_summing(devs.data, buf, at, piece_max, block, hash, sums)?;
+                            summed = true;
+                        }
+                        _ => {
+                            for r in pieces(len, piece_max) {
+                                let a = at + r.start as u64;
+                                read_lanes(devs.data, &mut buf[r], a, u.lanes.len())?;
+                            }
+                        }
+                    }
                 }
                 Step::ReadAt { from, offset, len } => {
                     cur = len;
@@ -1640,18 +1679,19 @@ fn run_hotzones(
                     let n = (cur / u64::from(block)) as usize;
                     let data = &hot.as_mut_slice()[..cur as usize];
                     let out = sums.as_mut_slice();
-                    checksums(data, block as usize, hash, out, u.lanes.len());
+                    if !summed {
+                        checksums(data, block as usize, hash, out, u.lanes.len());
+                    }
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
                     out[n * hb..len as usize].fill(0);
                     devs.header.write_at(&out[..len as usize], area_offset)?;
                 }
                 Step::WriteJournal { area_offset } => {
-                    write_lanes(
-                        devs.header,
-                        &hot.as_mut_slice()[..cur as usize],
-                        area_offset,
-                        u.lanes.len(),
-                    )?;
+                    let buf = &hot.as_mut_slice()[..cur as usize];
+                    for r in pieces(cur, piece_max) {
+                        let at = area_offset + r.start as u64;
+                        write_lanes(devs.header, &buf[r], at, u.lanes.len())?;
+                    }
                 }
                 Step::SyncData => devs.flush()?,
                 Step::CommitSegments(p) => {
@@ -1665,14 +1705,21 @@ fn run_hotzones(
                 Step::MoveNew { from, offset, len } => {
                     serving.hold(offset, len);
                     *held = true;
-                    serving.rewrite();
+                    serving.rewrite(offset, len);
                     move_new(devs.data, u, from, offset, len, hot.as_mut_slice())?;
                 }
+                Step::WriteNew { offset, len } if len > piece_max => {
+                    let buf = &mut hot.as_mut_slice()[..len as usize];
+                    let base = u.new_offset;
+                    let rekey = &mut |at, b: &mut [u8]| rekey(u, at, b);
+                    rewrite_pieces(devs.data, base, offset, buf, piece_max, serving, rekey)?;
+                }
                 Step::WriteNew { offset, len } => {
-                    serving.rewrite();
+                    serving.rewrite(offset, len);
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.new_offset;
                     rekey_then(u, offset, buf, &|at, b| devs.data.write_at(b, base + at))?;
+                    serving.rewritten(offset + len);
                 }
                 Step::Finalise => {
                     finish(devs.header, devs.data, u)?;

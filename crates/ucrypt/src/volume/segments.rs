@@ -4,10 +4,11 @@
 //! key). A request is cut at the mark; each part runs on its side's engine.
 //!
 //! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
-//! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only from its rewrite
-//! on; the others keep flowing. The mark
-//! moves only while the hotzone past it is held, and a request reads the mark only after it
-//! holds its range, so a request never sees a sector change sides under it.
+//! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only for the piece of
+//! it being rewritten; the others keep flowing. The mark moves only while the hotzone past it
+//! is held, past a piece once that piece is rewritten (reads of it excluded meanwhile), and a
+//! request reads the mark only after it holds its range, so a request never sees a sector
+//! change sides under it.
 //!
 //! Switching in and out happens with the volume's gate closed (no request inside):
 //! [`Volume::begin_segments`] and [`Volume::end_segments`] (the old side's engine then takes
@@ -69,7 +70,8 @@ impl Volume {
             allow_discards: c.allow_discards.load(Relaxed),
             spin: self.spin(),
         };
-        let new = Volume::new(c.backend.clone(), cfg)?;
+        // The same counters: requests served by either side count as the volume's.
+        let new = Volume::with_stats(c.backend.clone(), cfg, c.stats.clone())?;
         let seg = Arc::new(Segments {
             new,
             zones: ZoneLock::default(),
@@ -129,9 +131,25 @@ impl Volume {
         Ok(())
     }
 
-    /// The hotzone's rewrite starts: reads of it wait from now on too.
-    pub(crate) fn hotzone_rewrite(&self) -> Result<()> {
-        self.segments()?.zones.exclude_reads();
+    /// The rewrite of `[offset, offset + len)`, a piece of the held hotzone, starts: reads of
+    /// it wait from now on too, until [`Volume::hotzone_rewritten`].
+    pub(crate) fn hotzone_rewrite(&self, offset: u64, len: u64) -> Result<()> {
+        self.segments()?.zones.exclude_reads(ByteRange {
+            start: offset,
+            end: offset + len,
+        });
+        Ok(())
+    }
+
+    /// The piece ending at `end` is rewritten (its new ciphertext written, not yet flushed):
+    /// reads below `end` go to the new key, and reads of the piece go on. Writes still wait for
+    /// the release. (A read of a written but unflushed piece returns the same plaintext as the
+    /// old ciphertext it replaces: a crash then leaves sectors that recovery rewrites to the
+    /// same plaintext.)
+    pub(crate) fn hotzone_rewritten(&self, end: u64) -> Result<()> {
+        let seg = self.segments()?;
+        seg.mark_bytes.store(end, Relaxed);
+        seg.zones.allow_reads();
         Ok(())
     }
 

@@ -1,0 +1,182 @@
+//! `--control PATH` of `serve`, `mount` and `ublk`: the `ucrypt open` daemon's control protocol
+//! (`proto.rs`, served by `server.rs`) on a socket the caller names, answering `status` and
+//! `reencrypt` for the volume the process serves, so that `ucrypt reencrypt VOLUME --control
+//! PATH` rotates its key online as it does through an `ucrypt open` daemon. The other requests
+//! (close, suspend, resume, resize, refresh) belong to the open daemon's life cycle and are
+//! refused by name: these processes stop on SIGINT or SIGTERM.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use clap::Args;
+use ucrypt::BlockDev;
+
+use super::online::{start_rotation, Rotation};
+use super::proto::{Counters, Request, Response, StatusReport, VolumeInfo};
+use super::server;
+use crate::error::CliResult;
+use crate::open::{Opened, VolumeArgs};
+
+#[derive(Args, Clone, Debug, Default)]
+pub struct ControlArgs {
+    /// Answer `status` and `reencrypt` on this unix socket (mode 0600; the open daemon's
+    /// protocol), so that `ucrypt reencrypt VOLUME --control PATH` rotates the key online.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+}
+
+/// What the control socket answers for.
+struct Control {
+    name: String,
+    vol: Opened,
+    volume: String,
+    read_only: bool,
+    front_end: &'static str,
+    sock: PathBuf,
+    started_unix_s: u64,
+    rotation: Rotation,
+}
+
+impl Control {
+    fn status(&self) -> Response {
+        let [r, w] = self.vol.op_counts();
+        let size = self.vol.dev().size();
+        let reencryption = self.vol.plain().and_then(|v| {
+            lock_clone(&self.rotation).or_else(|| {
+                v.reencrypted_bytes()
+                    .map(|done| super::proto::ReencryptionReport {
+                        done_bytes: done,
+                        total_bytes: v.size(),
+                        ..Default::default()
+                    })
+            })
+        });
+        Response::Status(Box::new(StatusReport {
+            // The header's fields are `ucrypt dump`'s; this status says what is served.
+            volume: VolumeInfo {
+                kind: String::new(),
+                cipher: String::new(),
+                key_bits: 0,
+                device: self.volume.clone(),
+                sector_size: 512,
+                offset_sectors: 0,
+                size_sectors: size / 512,
+                skipped_sectors: 0,
+                read_only: self.read_only,
+                flags: Vec::new(),
+                integrity: None,
+            },
+            front_end: self.front_end.into(),
+            device: self.sock.display().to_string(),
+            stable_path: String::new(),
+            note: None,
+            policy: self.vol.policy(),
+            in_use: None,
+            counters: Counters {
+                read_requests: r.requests,
+                read_bytes: r.bytes,
+                write_requests: w.requests,
+                write_bytes: w.bytes,
+            },
+            pid: std::process::id(),
+            started_unix_s: self.started_unix_s,
+            suspended: false,
+            integrity_mismatches: self.vol.integrity_mismatches(),
+            reencryption,
+        }))
+    }
+}
+
+fn lock_clone<T: Clone>(m: &Mutex<T>) -> T {
+    ucrypt::sync::lock(m).clone()
+}
+
+impl server::Handler for Control {
+    fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
+        match req {
+            Request::Status => respond(&self.status()),
+            Request::Reencrypt { key, hotzone_bytes } => {
+                let Some(vol) = self.vol.plain() else {
+                    return respond(&Response::Error {
+                        code: 1,
+                        error: format!(
+                            "{} has authenticated encryption: ucrypt reencrypts it offline only",
+                            self.name
+                        ),
+                    });
+                };
+                match start_rotation(&self.name, vol, &self.rotation, key, hotzone_bytes) {
+                    Ok(()) => respond(&self.status()),
+                    Err(e) => respond(&e),
+                }
+            }
+            other => respond(&Response::Error {
+                code: 1,
+                error: format!(
+                    "{}: the control socket of serve, mount and ublk answers status and \
+                     reencrypt only ({} belongs to `ucrypt open`'s daemon; stop this process \
+                     with SIGTERM)",
+                    self.name,
+                    request_name(&other)
+                ),
+            }),
+        }
+    }
+}
+
+fn request_name(r: &Request) -> &'static str {
+    match r {
+        Request::Status => "status",
+        Request::Close { .. } | Request::CloseDeferred | Request::CancelDeferred => "close",
+        Request::Refresh(_) => "refresh",
+        Request::Suspend => "suspend",
+        Request::Resume { .. } => "resume",
+        Request::Resize { .. } => "resize",
+        Request::Reencrypt { .. } => "reencrypt",
+    }
+}
+
+/// The control socket while the process serves; removed on drop.
+pub struct Served(PathBuf);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Starts answering on `a.control`, if given, for the volume `vol` opened from `v`, served by
+/// `front_end` ("nbd", "fuse", "ublk"). The socket is bound at once (mode 0600) and served
+/// from a thread until the process exits.
+pub fn start(
+    a: &ControlArgs,
+    v: &VolumeArgs,
+    vol: &Opened,
+    front_end: &'static str,
+) -> CliResult<Option<Served>> {
+    let Some(path) = &a.control else {
+        return Ok(None);
+    };
+    let l = server::bind(path)?;
+    let volume = v.volume.to_string();
+    let h = Control {
+        name: volume.clone(),
+        vol: vol.clone(),
+        volume: canonical(&volume),
+        read_only: v.read_only,
+        front_end,
+        sock: path.clone(),
+        started_unix_s: super::unix_now_s(),
+        rotation: Arc::new(Mutex::new(None)),
+    };
+    server::spawn(l, Arc::new(h))?;
+    Ok(Some(Served(path.clone())))
+}
+
+/// The volume's canonical path when it is a local file or device (the verb compares it with
+/// the file it was given), else its name as given.
+fn canonical(volume: &str) -> String {
+    std::fs::canonicalize(Path::new(volume))
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| volume.to_string())
+}

@@ -1,0 +1,156 @@
+//! A hotzone in pieces, for a rotation that shares the machine with the volume's requests
+//! (`reencrypt_online`; the offline driver takes a hotzone whole): read, hashed and rewritten
+//! piece after piece, each piece's CPU work overlapping the next piece's (or the previous
+//! one's) I/O. The order of what reaches the device is the
+//! offline driver's: the old bytes read, the resilience data written and flushed, the
+//! hotzone committed, then the new bytes written; only how the hotzone is cut changes, and
+//! recovery works per checksum block or from the journal whatever part of it was rewritten.
+
+use super::reencrypt_run::Serving;
+use super::util::HashAlg;
+use crate::backend::Backend;
+use crate::{Error, Result};
+
+/// `[0, len)` cut into ranges of at most `piece` bytes, in order.
+pub(super) fn pieces(len: u64, piece: u64) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let piece = piece.max(1);
+    (0..len.div_ceil(piece)).map(move |i| {
+        let start = i * piece;
+        start as usize..(start + piece).min(len) as usize
+    })
+}
+
+/// Reads `buf` from `at` in pieces of `piece` bytes (a multiple of `block`), in order, and
+/// hashes each `block` bytes into `sums` (one digest after the other, as the offline
+/// driver's checksums): the hashing of each piece (on a thread of its own) overlaps the read
+/// of the next one.
+pub(super) fn read_summing(
+    dev: &dyn Backend,
+    buf: &mut [u8],
+    at: u64,
+    piece: u64,
+    block: usize,
+    hash: HashAlg,
+    sums: &mut [u8],
+) -> Result<()> {
+    let hb = hash.output_bytes();
+    let piece = piece as usize;
+    let hash_piece = |data: &[u8], out: &mut [u8]| {
+        for (c, h) in data.chunks_exact(block).zip(out.chunks_exact_mut(hb)) {
+            h.copy_from_slice(&hash.digest(&[c]));
+        }
+    };
+    let (mut rest, mut sums_rest) = (buf, sums);
+    let mut read_at = at;
+    let mut last: Option<(&[u8], &mut [u8])> = None;
+    loop {
+        let n = piece.min(rest.len());
+        let (cur, after) = std::mem::take(&mut rest).split_at_mut(n);
+        let k = (n / block * hb).min(sums_rest.len());
+        let (cur_sums, sums_after) = std::mem::take(&mut sums_rest).split_at_mut(k);
+        let read = std::thread::scope(|sc| {
+            let hashing = last.take().map(|(d, o)| sc.spawn(move || hash_piece(d, o)));
+            let read = if n > 0 {
+                dev.read_exact_at(cur, read_at)
+            } else {
+                Ok(())
+            };
+            match hashing.map(|h| h.join()) {
+                Some(Err(_)) => Err(Error::Bug("checksum thread panicked")),
+                _ => read,
+            }
+        });
+        read?;
+        if n == 0 {
+            return Ok(());
+        }
+        let cur: &[u8] = cur;
+        last = Some((cur, cur_sums));
+        (rest, sums_rest, read_at) = (after, sums_after, read_at + n as u64);
+    }
+}
+
+/// Rewrites the hotzone in `buf` (the old bytes at data offset `offset`, on `data` from byte
+/// `base`) in pieces of `piece` bytes, in order: `rekey` turns a piece's old bytes into its
+/// new ones, and the write of each piece overlaps the rekeying of the next one (on a thread of
+/// its own), so that the device and a CPU work at once. `serving` is told before each piece is
+/// written and after.
+pub(super) fn rewrite_pieces(
+    data: &dyn Backend,
+    base: u64,
+    offset: u64,
+    buf: &mut [u8],
+    piece: u64,
+    serving: &mut dyn Serving,
+    rekey: &mut (dyn FnMut(u64, &mut [u8]) -> Result<()> + Send),
+) -> Result<()> {
+    let piece = (piece as usize).clamp(1, buf.len().max(1));
+    let (mut cur, mut rest) = buf.split_at_mut(piece.min(buf.len()));
+    let mut at = offset;
+    rekey(at, cur)?;
+    loop {
+        let n = piece.min(rest.len());
+        let (next, after) = std::mem::take(&mut rest).split_at_mut(n);
+        let next_at = at + cur.len() as u64;
+        serving.rewrite(at, cur.len() as u64);
+        let (wrote, keyed) = std::thread::scope(|sc| {
+            let keying = (n > 0).then(|| sc.spawn(|| rekey(next_at, next)));
+            let wrote = data.write_at(cur, base + at);
+            (wrote, keying.map(|h| h.join()))
+        });
+        wrote?;
+        serving.rewritten(next_at);
+        if let Some(k) = keyed {
+            k.map_err(|_| Error::Bug("rekey thread panicked"))??;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        (at, cur, rest) = (next_at, next, after);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::MemBackend;
+
+    #[test]
+    fn pieces_cover_the_range_in_order() {
+        // (len, piece, expected ranges as (start, end))
+        type Row = (u64, u64, &'static [(usize, usize)]);
+        let rows: &[Row] = &[
+            (10, 4, &[(0, 4), (4, 8), (8, 10)]),
+            (8, 4, &[(0, 4), (4, 8)]),
+            (3, 8, &[(0, 3)]),
+            (0, 8, &[]),
+        ];
+        for (len, piece, want) in rows {
+            let got: Vec<(usize, usize)> = pieces(*len, *piece).map(|r| (r.start, r.end)).collect();
+            assert_eq!(got, *want, "len {len}, piece {piece}");
+        }
+    }
+
+    #[test]
+    fn read_summing_reads_and_hashes_as_whole() {
+        let block = 4096;
+        let len = 10 * block;
+        let dev = MemBackend::new((len + 8192) as u64);
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        dev.write_at(&data, 8192).unwrap();
+        for piece in [block, 3 * block, len] {
+            let mut buf = vec![0u8; len];
+            let mut sums = vec![0u8; 10 * 32];
+            let h = HashAlg::Sha256;
+            read_summing(&dev, &mut buf, 8192, piece as u64, block, h, &mut sums).unwrap();
+            assert_eq!(buf, data, "piece {piece}");
+            for (i, s) in sums.chunks(32).enumerate() {
+                assert_eq!(
+                    s,
+                    h.digest(&[&data[i * block..(i + 1) * block]]),
+                    "piece {piece}"
+                );
+            }
+        }
+    }
+}
