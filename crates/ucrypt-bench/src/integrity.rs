@@ -99,7 +99,11 @@ pub struct Report {
     pub data_bytes: u64,
     pub runs: usize,
     pub rows: Vec<Row>,
-    pub kernel: KernelColumn,
+    /// The kernel column in one line: `SKIPPED: why`, or where the measurement is.
+    pub kernel: String,
+    /// The kernel column itself (`--vm`): `status` "skipped" with a `reason`, or "measured"
+    /// with the VM's report.
+    pub kernel_vm: KernelColumn,
     pub notes: Vec<String>,
 }
 
@@ -261,7 +265,11 @@ pub(crate) fn small(
 pub fn measure(runs: usize, quick: bool, progress: bool, vm: bool) -> Result<Report, String> {
     let mut r = measure_here(runs, quick, progress)?;
     if vm {
-        r.kernel = integrity_vm::measure(runs, quick, progress)?;
+        r.kernel_vm = integrity_vm::measure(runs, quick, progress)?;
+        r.kernel = match &r.kernel_vm {
+            KernelColumn::Skipped { reason } => format!("SKIPPED: {reason}"),
+            KernelColumn::Measured(_) => "measured in the test VM (ratios): kernel_vm".into(),
+        };
     }
     Ok(r)
 }
@@ -347,7 +355,8 @@ fn measure_here(runs: usize, quick: bool, progress: bool) -> Result<Report, Stri
         data_bytes: data,
         runs,
         rows,
-        kernel: KernelColumn::Skipped {
+        kernel: format!("SKIPPED: {KERNEL_NOT_ASKED}"),
+        kernel_vm: KernelColumn::Skipped {
             reason: KERNEL_NOT_ASKED.into(),
         },
         notes: vec![
@@ -395,12 +404,12 @@ pub fn markdown(r: &Report) -> String {
             row.read_4k_ratio,
             row.write_4k_us.show(1),
             row.write_4k_ratio,
-            kernel_cell(&r.kernel, &row.name),
+            kernel_cell(&r.kernel_vm, &row.name),
         );
     }
     o +=
         "\nRatios: to the plain XTS row, medians; for latencies plain / this (below 1 = slower).\n";
-    o += &integrity_vm::markdown(&r.kernel);
+    o += &integrity_vm::markdown(&r.kernel_vm);
     for n in &r.notes {
         o += &format!("\nNote: {n}.\n");
     }

@@ -82,12 +82,12 @@ const GUEST_EXTRA_MODS: [&str; 4] = [
 
 /// Sizes. Each image holds a 16 MiB LUKS2 header, dm-integrity's journal and tags, and the
 /// measured region (the first `*_MIB` of the volume) with room to spare.
-const IMAGE_MIB: u64 = 96;
-const REGION_MIB: u64 = 64;
+const IMAGE_MIB: u64 = 64;
+const REGION_MIB: u64 = 32;
 const IMAGE_MIB_QUICK: u64 = 40;
 const REGION_MIB_QUICK: u64 = 8;
 /// 4 KiB requests per latency sample (each direction, each round, each configuration).
-const OPS_4K: usize = 1000;
+const OPS_4K: usize = 500;
 const OPS_4K_QUICK: usize = 100;
 /// Guest memory: the 1 GiB the VM tests use (ucrypt's pool and the initramfs fit easily).
 const GUEST_MEM_MB: u32 = 1024;
@@ -120,6 +120,9 @@ pub struct VmSide {
     pub write_4k_us: Summary,
     /// To this side's plain XTS volume: throughput this / plain, latency plain / this.
     pub ratios: Ratios,
+    /// The device's size in bytes as the probe saw it (the kernel's and ucrypt's must agree:
+    /// both compute the data area dm-integrity provides from the same superblock).
+    pub device_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -241,7 +244,7 @@ modprobe ublk_drv 2>/dev/null
 echo "@@CPU $(nproc) $(sed -n 's/^flags[^:]*: //p' /proc/cpuinfo | head -1)"
 F="--type luks2 --sector-size 4096 --pbkdf pbkdf2 --pbkdf-force-iterations 1000 --batch-mode --key-file $K"
 probe() {{ $B integrity-vm-probe "$1" --bytes $((MIB << 20)) --ops $OPS --tag "$2" || echo "@@FAIL $2 probe"; }}
-maxkb() {{ echo "@@SETUP $1: $(cat /sys/block/$(basename $(readlink -f "$2"))/queue/max_sectors_kb) max_sectors_kb"; }}
+maxkb() {{ set -- "$1" $(stat -L -c '%t %T' "$2"); echo "@@SETUP $1: $(cat /sys/dev/block/$((0x$2)):$((0x$3))/queue/max_sectors_kb) max_sectors_kb"; }}
 kernel() {{
   c=$1; d=$2; r=$3; shift 3
   cryptsetup open "$@" --key-file $K $d k || {{ echo "@@FAIL kernel:$c:$r open"; return; }}
@@ -402,6 +405,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
 /// round, else an error quoting the failures.
 fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmReport, String> {
     let mut samples = vec![[const { Vec::new() }; 4]; cfgs.len() * 2];
+    let mut sizes = vec![0u64; cfgs.len() * 2];
     let mut failures = Vec::new();
     let mut kernel_setup = Vec::new();
     let (mut kernel, mut guest_cpus, mut flags) = (String::new(), 0, Vec::new());
@@ -459,10 +463,11 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
                 let Some(c) = t.next().and_then(|c| c.parse::<usize>().ok()) else {
                     continue;
                 };
-                if c < cfgs.len() && vals.len() == 4 {
-                    for (k, v) in vals.iter().enumerate() {
+                if c < cfgs.len() && vals.len() == 5 {
+                    for (k, v) in vals[..4].iter().enumerate() {
                         samples[c * 2 + side][k].push(*v);
                     }
+                    sizes[c * 2 + side] = vals[4] as u64;
                 }
             }
             _ => {}
@@ -497,6 +502,7 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
         read_4k_us: sums[i][2],
         write_4k_us: sums[i][3],
         ratios: Ratios::to_plain(&sums[i], &sums[plain]),
+        device_bytes: sizes[i],
     };
     let rows = cfgs
         .iter()
@@ -510,7 +516,17 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
                 ucrypt: u,
             }
         })
-        .collect();
+        .collect::<Vec<VmRow>>();
+    let mut notes = Vec::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.kernel.device_bytes != r.ucrypt.device_bytes)
+    {
+        notes.push(format!(
+            "{}: the kernel's device has {} bytes, ucrypt's {}: they should agree",
+            r.name, r.kernel.device_bytes, r.ucrypt.device_bytes
+        ));
+    }
     Ok(VmReport {
         kernel,
         guest_cpus,
@@ -524,7 +540,7 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
         vm_seconds: 0.0,
         rows,
         kernel_setup,
-        notes: vec![
+        notes: [
             "the guest's CPU is emulated (qemu TCG): compare ratios only, never an absolute \
              number with the host's rows"
                 .into(),
@@ -543,13 +559,16 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
              neither side's journal commit per flush is in these numbers (docs/integrity.md, \
              \"What it costs\")"
                 .into(),
-        ],
+        ]
+        .into_iter()
+        .chain(notes)
+        .collect(),
     })
 }
 
 /// The hidden `integrity-vm-probe` subcommand: the in-process scenario's four measurements on
 /// a block device (O_DIRECT), printed as one `@@PROBE TAG read_mib_s write_mib_s read_4k_us
-/// write_4k_us` line.
+/// write_4k_us device_bytes` line.
 pub fn probe(dev: &Path, bytes: u64, ops: usize, tag: &str) -> Result<(), String> {
     let f = std::fs::OpenOptions::new()
         .read(true)
@@ -583,7 +602,7 @@ pub fn probe(dev: &Path, bytes: u64, ops: usize, tag: &str) -> Result<(), String
     let w = sequential(io, data, true, &mut buf)?;
     let r4 = small(io, data, false, ops, &mut buf)?;
     let w4 = small(io, data, true, ops, &mut buf)?;
-    println!("@@PROBE {tag} {r:.3} {w:.3} {r4:.3} {w4:.3}");
+    println!("@@PROBE {tag} {r:.3} {w:.3} {r4:.3} {w4:.3} {size}");
     Ok(())
 }
 
@@ -702,14 +721,14 @@ mod tests {
                 // three quarters on ucrypt's.
                 let (k, u) = if c == 0 { (1.0, 1.0) } else { (0.5, 0.75) };
                 out += &format!(
-                    "@@PROBE kernel:{c}:{r} {} {} {} {}\n",
+                    "@@PROBE kernel:{c}:{r} {} {} {} {} 8388608\n",
                     100.0 * k,
                     100.0 * k,
                     100.0 / k,
                     100.0 / k
                 );
                 out += &format!(
-                    "@@PROBE ucrypt:{c}:{r} {} {} {} {}\n",
+                    "@@PROBE ucrypt:{c}:{r} {} {} {} {} 8388608\n",
                     100.0 * u,
                     100.0 * u,
                     100.0 / u,
@@ -725,6 +744,7 @@ mod tests {
         assert_eq!(gcm.kernel.ratios.cells(), [0.5; 4]);
         assert_eq!(gcm.ucrypt.ratios.cells(), [0.75; 4]);
         assert_eq!(gcm.ucrypt_over_kernel.cells(), [1.5; 4]);
+        assert_eq!(gcm.ucrypt.device_bytes, 8 << 20);
         // One round fewer than asked for: an error naming the cell.
         let e = parse(&out, 0, &cfgs, 3).expect_err("missing rounds");
         assert!(
