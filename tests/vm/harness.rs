@@ -53,19 +53,29 @@ pub fn default_kernel() -> Option<PathBuf> {
     })
 }
 
-/// `Err(reason)` when the VM cannot run here. Under CI this panics instead (CI installs qemu
-/// and a kernel), so a CI run can never count a skipped VM test as passed.
-pub fn require_vm() -> Result<(), String> {
-    let reason = if !on_path("qemu-system-x86_64") {
+/// Why the VM cannot run here, or `None` when it can. Never panics (for callers that report
+/// SKIPPED themselves, such as `ucrypt bench integrity --vm`); tests use [`require_vm`].
+pub fn vm_missing() -> Option<String> {
+    if !on_path("qemu-system-x86_64") {
         Some("qemu-system-x86_64 not found (Debian package qemu-system-x86)".to_string())
     } else if default_kernel().is_none() {
         Some("no /boot/vmlinuz-* with dm-crypt modules (Debian package linux-image-amd64)".into())
     } else if !on_path("busybox") && !Path::new("/bin/busybox").exists() {
         Some("busybox not found (Debian package busybox-static)".into())
+    } else if !vm_dir().join("run-in-vm.sh").is_file() {
+        Some(format!(
+            "{} not found (the VM kit of ucrypt's source tree)",
+            vm_dir().display()
+        ))
     } else {
         None
-    };
-    match reason {
+    }
+}
+
+/// `Err(reason)` when the VM cannot run here. Under CI this panics instead (CI installs qemu
+/// and a kernel), so a CI run can never count a skipped VM test as passed.
+pub fn require_vm() -> Result<(), String> {
+    match vm_missing() {
         None => Ok(()),
         Some(r) if under_ci() => {
             panic!("CI is set but the VM cannot run: {r}; run tests/vm/install-deps.sh")
@@ -85,6 +95,12 @@ pub struct VmRun {
     pub extra_bins: Vec<PathBuf>,
     /// Overall timeout of the boot, seconds.
     pub timeout_s: u32,
+    /// Guest CPUs (`run-in-vm.sh -c`; default: the host's, at most 4).
+    pub cpus: Option<u32>,
+    /// Kernel modules loaded at boot besides build-initramfs.sh's list (`EXTRA_MODS`).
+    pub extra_mods: Vec<String>,
+    /// Print the VM's output to stdout when it ends (tests); off where stdout is a report.
+    pub echo: bool,
 }
 
 pub struct VmOutput {
@@ -104,6 +120,9 @@ impl VmRun {
             mem_mb: 1024,
             extra_bins: Vec::new(),
             timeout_s: VM_TIMEOUT_S,
+            cpus: None,
+            extra_mods: Vec::new(),
+            echo: true,
         }
     }
 
@@ -133,6 +152,12 @@ impl VmRun {
         if let Some(k) = &self.kernel {
             cmd.arg("-k").arg(k);
         }
+        if let Some(c) = self.cpus {
+            cmd.arg("-c").arg(c.to_string());
+        }
+        if !self.extra_mods.is_empty() {
+            cmd.env("EXTRA_MODS", self.extra_mods.join(" "));
+        }
         if let Some(m) = &self.modroot {
             cmd.env("MODROOT", m);
         }
@@ -150,10 +175,12 @@ impl VmRun {
         let elapsed = t0.elapsed();
         let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
         output.push_str(&String::from_utf8_lossy(&out.stderr));
-        println!(
-            "---- VM output ({:.1} s) ----\n{output}---- end of VM output ----",
-            elapsed.as_secs_f64()
-        );
+        if self.echo {
+            println!(
+                "---- VM output ({:.1} s) ----\n{output}---- end of VM output ----",
+                elapsed.as_secs_f64()
+            );
+        }
         VmOutput {
             status: out.status.code().unwrap_or(-1),
             output,

@@ -12,9 +12,11 @@
 //! The volumes are built through the library (`IntegrityVolume::new` over the superblock the
 //! kernel would write, `Volume::new`), not through `ucrypt format`, so no KDF runs.
 //!
-//! The kernel's dm-integrity + dm-crypt is not measured: it runs only in the test VM, which
-//! emulates its CPU (TCG; AES there is software, ≈ 35 MiB/s), so its ratios would say how
-//! qemu emulates AES-NI and SHA, not how the kernel's data path compares.
+//! The kernel column: with `--vm`, the kernel's dm-integrity + dm-crypt and ucrypt (over ublk)
+//! on the same volumes in one boot of the test VM, as ratios to plain XTS on each side
+//! ([`super::integrity_vm`]); the host has no dm-integrity, and the VM's emulated CPU makes
+//! its absolute numbers incomparable with these. Without `--vm`, or where the VM cannot run,
+//! the column says SKIPPED and why.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +31,7 @@ use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, SecretBytes};
 
+use super::integrity_vm::{self, KernelColumn};
 use super::stats::{Machine, Summary};
 
 /// Plaintext bytes of each volume (the integrity ones provide a little less: the size of the
@@ -36,9 +39,9 @@ use super::stats::{Machine, Summary};
 const DATA_BYTES: u64 = 64 << 20;
 const DATA_BYTES_QUICK: u64 = 16 << 20;
 /// The large request size.
-const BIG_BYTES: usize = 1 << 20;
+pub(crate) const BIG_BYTES: usize = 1 << 20;
 /// The small request size, as a file system's block.
-const SMALL_BYTES: usize = 4096;
+pub(crate) const SMALL_BYTES: usize = 4096;
 /// 4 KiB requests per latency sample (each round, each direction).
 const SMALL_OPS: usize = 4000;
 const SMALL_OPS_QUICK: usize = 1000;
@@ -67,10 +70,10 @@ const MODES: [(&str, TagMode); 4] = [
     ),
 ];
 
-/// What the kernel comparison column says.
-const KERNEL_SKIPPED: &str = "SKIPPED: dm-integrity + dm-crypt run only in the test VM, which \
-     emulates the CPU (TCG, software AES ≈ 35 MiB/s): a ratio there measures qemu, not the \
-     kernel's data path";
+/// What the kernel column says without `--vm`.
+const KERNEL_NOT_ASKED: &str = "not asked for: dm-integrity + dm-crypt run only in the test VM; \
+     `ucrypt bench integrity --vm` boots it (tests/vm/, qemu) and measures the kernel and \
+     ucrypt there as ratios to plain XTS";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Row {
@@ -96,7 +99,11 @@ pub struct Report {
     pub data_bytes: u64,
     pub runs: usize,
     pub rows: Vec<Row>,
+    /// The kernel column in one line: `SKIPPED: why`, or where the measurement is.
     pub kernel: String,
+    /// The kernel column itself (`--vm`): `status` "skipped" with a `reason`, or "measured"
+    /// with the VM's report.
+    pub kernel_vm: KernelColumn,
     pub notes: Vec<String>,
 }
 
@@ -183,14 +190,14 @@ fn authenticated(
 }
 
 /// A 4096-aligned buffer.
-struct Aligned {
+pub(crate) struct Aligned {
     store: Vec<u8>,
     start: usize,
     len: usize,
 }
 
 impl Aligned {
-    fn new(len: usize) -> Self {
+    pub(crate) fn new(len: usize) -> Self {
         let store: Vec<u8> = (0..len + 4096).map(|i| (i * 7) as u8).collect();
         let start = (4096 - store.as_ptr() as usize % 4096) % 4096;
         Aligned { store, start, len }
@@ -200,24 +207,47 @@ impl Aligned {
     }
 }
 
+/// One request of a measurement: (buffer, byte offset, write?). The in-process rows call a
+/// `BlockDev`; `ucrypt bench integrity --vm` calls a block device of the guest (O_DIRECT), so
+/// both make the same requests in the same order.
+pub(crate) type Io<'a> = dyn FnMut(&mut [u8], u64, bool) -> Result<(), String> + 'a;
+
+fn blockdev_io(dev: &dyn BlockDev) -> impl FnMut(&mut [u8], u64, bool) -> Result<(), String> + '_ {
+    move |b, off, write| {
+        if write {
+            dev.write_at(b, off)
+        } else {
+            dev.read_at(b, off)
+        }
+        .map_err(|e| format!("{} at {off}: {e}", if write { "write" } else { "read" }))
+    }
+}
+
 /// MiB/s of sequential `BIG_BYTES` requests over the first `data` bytes.
-fn sequential(dev: &dyn BlockDev, data: u64, write: bool, buf: &mut Aligned) -> f64 {
+pub(crate) fn sequential(
+    io: &mut Io,
+    data: u64,
+    write: bool,
+    buf: &mut Aligned,
+) -> Result<f64, String> {
     let b = buf.get();
     let t0 = Instant::now();
     let mut off = 0;
     while off + BIG_BYTES as u64 <= data {
-        if write {
-            dev.write_at(b, off).expect("write");
-        } else {
-            dev.read_at(b, off).expect("read");
-        }
+        io(b, off, write)?;
         off += BIG_BYTES as u64;
     }
-    off as f64 / (1 << 20) as f64 / t0.elapsed().as_secs_f64()
+    Ok(off as f64 / (1 << 20) as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// Mean µs per `SMALL_BYTES` request at random aligned offsets (a fixed xorshift sequence).
-fn small(dev: &dyn BlockDev, data: u64, write: bool, ops: usize, buf: &mut Aligned) -> f64 {
+pub(crate) fn small(
+    io: &mut Io,
+    data: u64,
+    write: bool,
+    ops: usize,
+    buf: &mut Aligned,
+) -> Result<f64, String> {
     let b = &mut buf.get()[..SMALL_BYTES];
     let blocks = data / SMALL_BYTES as u64;
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -226,17 +256,25 @@ fn small(dev: &dyn BlockDev, data: u64, write: bool, ops: usize, buf: &mut Align
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let off = (x % blocks) * SMALL_BYTES as u64;
-        if write {
-            dev.write_at(b, off).expect("write");
-        } else {
-            dev.read_at(b, off).expect("read");
-        }
+        io(b, (x % blocks) * SMALL_BYTES as u64, write)?;
     }
-    t0.elapsed().as_secs_f64() * 1e6 / ops as f64
+    Ok(t0.elapsed().as_secs_f64() * 1e6 / ops as f64)
 }
 
-pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, String> {
+/// The in-process rows on this host, then (with `vm`) the kernel column from the test VM.
+pub fn measure(runs: usize, quick: bool, progress: bool, vm: bool) -> Result<Report, String> {
+    let mut r = measure_here(runs, quick, progress)?;
+    if vm {
+        r.kernel_vm = integrity_vm::measure(runs, quick, progress)?;
+        r.kernel = match &r.kernel_vm {
+            KernelColumn::Skipped { reason } => format!("SKIPPED: {reason}"),
+            KernelColumn::Measured(_) => "measured in the test VM (ratios): kernel_vm".into(),
+        };
+    }
+    Ok(r)
+}
+
+fn measure_here(runs: usize, quick: bool, progress: bool) -> Result<Report, String> {
     let data = if quick { DATA_BYTES_QUICK } else { DATA_BYTES };
     let ops = if quick { SMALL_OPS_QUICK } else { SMALL_OPS };
     let mut configs = vec![
@@ -276,7 +314,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
     let mut buf = Aligned::new(BIG_BYTES);
     // Every block written once, so that reads verify real tags.
     for c in &configs {
-        sequential(c.dev.as_ref(), data, true, &mut buf);
+        sequential(&mut blockdev_io(c.dev.as_ref()), data, true, &mut buf)?;
     }
     let mut samples = vec![[const { Vec::new() }; 4]; configs.len()];
     for round in 0..runs {
@@ -284,11 +322,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             eprintln!("ucrypt bench integrity: round {}/{runs}", round + 1);
         }
         for (i, c) in configs.iter().enumerate() {
-            let d = c.dev.as_ref();
-            samples[i][0].push(sequential(d, data, false, &mut buf));
-            samples[i][1].push(sequential(d, data, true, &mut buf));
-            samples[i][2].push(small(d, data, false, ops, &mut buf));
-            samples[i][3].push(small(d, data, true, ops, &mut buf));
+            let io = &mut blockdev_io(c.dev.as_ref());
+            samples[i][0].push(sequential(io, data, false, &mut buf)?);
+            samples[i][1].push(sequential(io, data, true, &mut buf)?);
+            samples[i][2].push(small(io, data, false, ops, &mut buf)?);
+            samples[i][3].push(small(io, data, true, ops, &mut buf)?);
         }
     }
     let sums: Vec<[Summary; 4]> = samples
@@ -317,7 +355,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
         data_bytes: data,
         runs,
         rows,
-        kernel: KERNEL_SKIPPED.into(),
+        kernel: format!("SKIPPED: {KERNEL_NOT_ASKED}"),
+        kernel_vm: KernelColumn::Skipped {
+            reason: KERNEL_NOT_ASKED.into(),
+        },
         notes: vec![
             "integrity volumes: dm-integrity direct mode (no journal) unless the row says \
              journal; policy auto unless the row says inline (auto: requests above a \
@@ -326,6 +367,18 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                 .into(),
         ],
     })
+}
+
+/// The main table's kernel cell of an in-process row: the kernel's 1 MiB read and write ratios
+/// of the corresponding VM row (same mode, same dm-integrity mode).
+fn kernel_cell(k: &KernelColumn, row: &str) -> String {
+    let KernelColumn::Measured(vm) = k else {
+        return "SKIPPED".into();
+    };
+    integrity_vm::vm_row_for(row)
+        .and_then(|n| vm.rows.iter().find(|r| r.name == n))
+        .map(|r| format!("{:.2}, {:.2}", r.kernel.ratios.read, r.kernel.ratios.write))
+        .unwrap_or_else(|| "—".into())
 }
 
 pub fn markdown(r: &Report) -> String {
@@ -337,11 +390,11 @@ pub fn markdown(r: &Report) -> String {
         r.data_bytes >> 20,
         r.runs
     );
-    o += "| volume | 1 MiB read MiB/s | ratio | 1 MiB write MiB/s | ratio | 4 KiB QD1 read µs | ratio | 4 KiB QD1 write µs | ratio | kernel (VM) |\n";
+    o += "| volume | 1 MiB read MiB/s | ratio | 1 MiB write MiB/s | ratio | 4 KiB QD1 read µs | ratio | 4 KiB QD1 write µs | ratio | kernel (VM): 1 MiB read, write ratio |\n";
     o += "|---|---|---|---|---|---|---|---|---|---|\n";
     for row in &r.rows {
         o += &format!(
-            "| {} | {} | {:.2} | {} | {:.2} | {} | {:.2} | {} | {:.2} | SKIPPED |\n",
+            "| {} | {} | {:.2} | {} | {:.2} | {} | {:.2} | {} | {:.2} | {} |\n",
             row.name,
             row.read_mib_s.show(0),
             row.read_ratio,
@@ -351,11 +404,12 @@ pub fn markdown(r: &Report) -> String {
             row.read_4k_ratio,
             row.write_4k_us.show(1),
             row.write_4k_ratio,
+            kernel_cell(&r.kernel_vm, &row.name),
         );
     }
     o +=
         "\nRatios: to the plain XTS row, medians; for latencies plain / this (below 1 = slower).\n";
-    o += &format!("\nKernel column: {}.\n", r.kernel);
+    o += &integrity_vm::markdown(&r.kernel_vm);
     for n in &r.notes {
         o += &format!("\nNote: {n}.\n");
     }

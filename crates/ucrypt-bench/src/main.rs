@@ -17,6 +17,7 @@ mod engine;
 mod fio;
 mod fuse;
 mod integrity;
+mod integrity_vm;
 mod limit;
 mod nbd;
 pub mod plot;
@@ -107,6 +108,33 @@ pub struct RemoteArgs {
     nbd_only: bool,
 }
 
+#[derive(Args)]
+pub struct IntegrityArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Also fill the kernel column: boot the test VM (tests/vm/, qemu, Debian trixie's kernel)
+    /// and measure the kernel's dm-crypt + dm-integrity and `ucrypt ublk` on the same volumes
+    /// there, as ratios to plain XTS on each side (minutes under emulation). SKIPPED, with the
+    /// reason, where the VM cannot run.
+    #[arg(long)]
+    vm: bool,
+}
+
+#[derive(Args)]
+pub struct ProbeArgs {
+    /// The block device.
+    dev: std::path::PathBuf,
+    /// Bytes of the device the requests cover (from offset 0).
+    #[arg(long)]
+    bytes: u64,
+    /// 4 KiB requests each way.
+    #[arg(long)]
+    ops: usize,
+    /// Printed first on the result line.
+    #[arg(long)]
+    tag: String,
+}
+
 #[derive(Subcommand)]
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
@@ -117,7 +145,11 @@ enum Which {
     Fuse(Common),
     /// Authenticated volumes (LUKS2 with integrity) per mode beside a plain XTS volume:
     /// 1 MiB throughput and 4 KiB QD1 latency.
-    Integrity(Common),
+    Integrity(IntegrityArgs),
+    /// (internal) Run inside the test VM by `integrity --vm`: the scenario's requests on a
+    /// block device, one `@@PROBE` line.
+    #[command(hide = true)]
+    IntegrityVmProbe(ProbeArgs),
     /// The NBD server with fio, beside qemu-storage-daemon's and nbdkit's LUKS exports.
     Nbd(Common),
     /// Offline key rotation of a file volume: `ucrypt reencrypt` beside `cryptsetup reencrypt`
@@ -180,12 +212,19 @@ pub fn run(a: BenchArgs) -> i32 {
             c.json,
             fuse::markdown,
         ),
-        Which::Integrity(c) => emit(
+        Which::Integrity(IntegrityArgs { common: c, vm }) => emit(
             "integrity",
-            integrity::measure(c.runs(), c.quick, !c.json),
+            integrity::measure(c.runs(), c.quick, !c.json || vm, vm),
             c.json,
             integrity::markdown,
         ),
+        Which::IntegrityVmProbe(p) => match integrity_vm::probe(&p.dev, p.bytes, p.ops, &p.tag) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("ucrypt bench integrity-vm-probe: {e}");
+                1
+            }
+        },
         Which::Nbd(c) => emit(
             "nbd",
             nbd::measure(c.runs(), c.quick, !c.json),
