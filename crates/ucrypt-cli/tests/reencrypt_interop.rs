@@ -843,6 +843,47 @@ fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
     println!("{mid_way} of {rounds} decryptions left mid-way and finished by cryptsetup");
 }
 
+/// A decryption cryptsetup was killed in after its finalisation destroyed the old key's
+/// keyslots and before it cleared the requirement: no passphrase opens the header any more,
+/// so ucrypt's `--resume-only` failed (`ucrypt`). cryptsetup must refuse to resume it too,
+/// and every byte must already be plaintext (`data_plain`).
+fn killed_in_finalisation(
+    hdr: &Path,
+    key: &Path,
+    img: &Path,
+    ucrypt: &std::process::Output,
+    data_plain: bool,
+    what: &str,
+) {
+    let c = run(
+        "cryptsetup",
+        &[
+            "reencrypt",
+            "--resume-only",
+            "--force-offline-reencrypt",
+            "-q",
+            "--header",
+            s(hdr),
+            "--key-file",
+            s(key),
+            s(img),
+        ],
+    );
+    assert!(
+        !c.status.success(),
+        "{what}: cryptsetup resumed a decryption ucrypt refused ({})",
+        String::from_utf8_lossy(&ucrypt.stderr)
+    );
+    assert!(
+        data_plain,
+        "{what}: killed in finalisation, but the data is not all plaintext"
+    );
+    println!(
+        "{what}: killed in cryptsetup's finalisation (its keyslots destroyed): neither tool \
+         resumes; the data is plaintext"
+    );
+}
+
 #[test]
 fn ucrypt_finishes_a_decryption_cryptsetup_was_killed_in() {
     if !have_cryptsetup() {
@@ -903,33 +944,9 @@ fn ucrypt_finishes_a_decryption_cryptsetup_was_killed_in() {
             let a = with_hdr(&["reencrypt", "--resume-only", "-q"]);
             let o = run(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
             if !o.status.success() && !dump(&hdr).contains(": luks2") {
-                // Killed in cryptsetup's finalisation, after it destroyed the old key's
-                // keyslots and before it cleared the requirement: no passphrase opens the
-                // header any more. cryptsetup cannot resume it either; every byte is already
-                // plaintext.
-                let a = with_hdr(&[
-                    "reencrypt",
-                    "--resume-only",
-                    "--force-offline-reencrypt",
-                    "-q",
-                ]);
-                let c = run(
-                    "cryptsetup",
-                    &a.iter().map(String::as_str).collect::<Vec<_>>(),
-                );
-                assert!(
-                    !c.status.success(),
-                    "round {round}: cryptsetup resumed a decryption ucrypt refused ({})",
-                    String::from_utf8_lossy(&o.stderr)
-                );
-                assert!(
-                    std::fs::read(&img).expect("data") == plain,
-                    "round {round}: killed in finalisation, but the data is not all plaintext"
-                );
-                println!(
-                    "decrypt round {round}: killed in cryptsetup's finalisation (its keyslots \
-                     destroyed): neither tool resumes; the data is plaintext"
-                );
+                let what = format!("decrypt round {round}");
+                let data_plain = std::fs::read(&img).expect("data") == plain;
+                killed_in_finalisation(&hdr, &key, &img, &o, data_plain, &what);
                 continue;
             }
             assert!(
@@ -2043,7 +2060,7 @@ fn unshift_ucrypt_finishes_after_cryptsetup_is_killed() {
             );
         }
         if in_reencryption(&hdr) {
-            ok(
+            let o = run(
                 UCRYPT,
                 &[
                     "reencrypt",
@@ -2055,6 +2072,17 @@ fn unshift_ucrypt_finishes_after_cryptsetup_is_killed() {
                     s(&key),
                     s(&img),
                 ],
+            );
+            if !o.status.success() && !dump(&hdr).contains(": luks2") {
+                let raw = std::fs::read(&img).expect("data");
+                let data_plain = raw[..plain.len()] == plain[..];
+                killed_in_finalisation(&hdr, &key, &img, &o, data_plain, &what);
+                continue;
+            }
+            assert!(
+                o.status.success(),
+                "{what}: ucrypt --resume-only failed: {}",
+                String::from_utf8_lossy(&o.stderr)
             );
         }
         unshift_decrypted(&img, &hdr, &plain, &before, &what);
