@@ -794,25 +794,19 @@ const SHIFT_AREA_BYTES: u64 = 4096;
 const COPY_PIECE_BYTES: u64 = 4 << 20;
 
 /// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
-/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)`. One buffer of at most
+/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)` through one buffer of at most
 /// [`COPY_PIECE_BYTES`].
 fn copy_then_wipe(dev: &dyn Backend, from: u64, to: u64, len: u64, wipe: (u64, u64)) -> Result<()> {
-    let piece = len
-        .max(wipe.1)
+    copy_across(dev, from, dev, to, len)?;
+    dev.flush()?;
+    let piece = wipe
+        .1
         .clamp(AREA_ALIGN_BYTES, COPY_PIECE_BYTES)
         .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
         * crate::pool::POOL_PAGE_BYTES as u64;
     let pool = BufferPool::new(piece as usize)?;
     let mut g = pool.take(piece as usize)?;
     let buf = g.as_mut_slice();
-    let mut at = 0;
-    while at < len {
-        let n = (len - at).min(piece) as usize;
-        dev.read_exact_at(&mut buf[..n], from + at)?;
-        dev.write_at(&buf[..n], to + at)?;
-        at += n as u64;
-    }
-    dev.flush()?;
     let mut at = 0;
     while at < wipe.1 {
         let n = (wipe.1 - at).min(piece) as usize;
