@@ -123,6 +123,18 @@ fn live_segments(meta: &Metadata) -> Vec<(u32, &Segment)> {
     v
 }
 
+/// Records segment `s`, in reencryption at `at` (from the new data offset), as the hotzone
+/// `(at, len)`: refused if its size is dynamic or a hotzone was found already.
+fn note_hotzone(hot: &mut Option<(u64, u64)>, s: &Segment, at: u64) -> Result<()> {
+    let SegmentSize::Bytes(len) = s.size else {
+        return Err(bad("the hotzone has dynamic size"));
+    };
+    if hot.replace((at, len)).is_some() {
+        return Err(bad("two segments in reencryption"));
+    }
+    Ok(())
+}
+
 fn has_flag(s: &Segment, f: SegmentFlag) -> bool {
     s.flags
         .as_ref()
@@ -501,12 +513,7 @@ fn position_unshift(meta: &Metadata, u: &Unshift) -> Result<Position> {
             ))
         })?;
         if has_flag(s, SegmentFlag::InReencryption) {
-            let SegmentSize::Bytes(len) = s.size else {
-                return Err(bad("the hotzone has dynamic size"));
-            };
-            if hot.replace((at, len)).is_some() {
-                return Err(bad("two segments in reencryption"));
-            }
+            note_hotzone(&mut hot, s, at)?;
         } else if s.kind == "crypt" && at == 0 {
             moved = true;
         } else if s.kind == "linear" && done_part.replace((at, s.size)).is_some() {
@@ -907,12 +914,7 @@ fn position_shift(meta: &Metadata, sh: &Shift, data_bytes: u64) -> Result<Positi
             ))
         })?;
         if has_flag(s, SegmentFlag::InReencryption) {
-            let SegmentSize::Bytes(len) = s.size else {
-                return Err(bad("the hotzone has dynamic size"));
-            };
-            if hot.replace((start, len)).is_some() {
-                return Err(bad("two segments in reencryption"));
-            }
+            note_hotzone(&mut hot, s, start)?;
         } else if done_start.replace(start).is_some() {
             return Err(bad("two encrypted segments besides the hotzone"));
         }
