@@ -28,7 +28,7 @@ use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 mod common;
-use common::{fast_kdf, format_filled, Cut};
+use common::{fast_kdf, format_filled, Cut, Slice};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
@@ -469,43 +469,6 @@ const DETACHED_HDR_BYTES: u64 = 1 << 20;
 /// A window `[offset, offset + len)` of another backend: the header device and the data
 /// device of a detached-header volume as two devices on one crash-simulated disk, so that a
 /// power cut hits both at the same moment.
-struct Slice {
-    inner: Arc<dyn Backend>,
-    offset: u64,
-    len: u64,
-}
-
-impl Backend for Slice {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.inner.read_at(buf, self.offset + offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        assert!(
-            offset + buf.len() as u64 <= self.len,
-            "write past the slice"
-        );
-        self.inner.write_at(buf, self.offset + offset)
-    }
-    fn flush(&self) -> Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.discard(self.offset + offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.write_zeroes(self.offset + offset, len)
-    }
-    fn size(&self) -> u64 {
-        self.len
-    }
-    fn logical_block_bytes(&self) -> u32 {
-        self.inner.logical_block_bytes()
-    }
-    fn describe(&self) -> String {
-        "slice".into()
-    }
-}
-
 /// The header and data devices of a detached-header disk image.
 fn split(disk: Arc<dyn Backend>) -> (Slice, Slice) {
     (

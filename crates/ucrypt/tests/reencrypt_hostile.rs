@@ -24,7 +24,7 @@ use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 mod common;
-use common::{fast_kdf, format_filled, Cut};
+use common::{fast_kdf, format_filled, Cut, Slice};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
@@ -604,43 +604,6 @@ fn mangled_datashift_metadata_is_refused_and_nothing_is_written() {
 const UNSHIFT_S: u64 = 512 << 10;
 const UNSHIFT_DATA: u64 = 3 * UNSHIFT_S;
 const UNSHIFT_VOL: u64 = UNSHIFT_S + UNSHIFT_DATA;
-
-struct Slice {
-    inner: Arc<dyn Backend>,
-    offset: u64,
-    len: u64,
-}
-
-impl Backend for Slice {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
-        self.inner.read_at(buf, self.offset + offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        assert!(
-            offset + buf.len() as u64 <= self.len,
-            "write past the slice"
-        );
-        self.inner.write_at(buf, self.offset + offset)
-    }
-    fn flush(&self) -> Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.discard(self.offset + offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner.write_zeroes(self.offset + offset, len)
-    }
-    fn size(&self) -> u64 {
-        self.len
-    }
-    fn logical_block_bytes(&self) -> u32 {
-        self.inner.logical_block_bytes()
-    }
-    fn describe(&self) -> String {
-        "slice".into()
-    }
-}
 
 /// The header file and the volume on `disk`.
 fn unshift_devs(disk: Arc<dyn Backend>) -> (Arc<Slice>, Arc<Slice>) {

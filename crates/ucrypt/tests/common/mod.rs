@@ -316,3 +316,42 @@ pub fn format_filled(
     vol.write_at(data, 0).expect("fill");
     vol.flush().expect("flush");
 }
+
+/// `len` bytes of `inner` from `offset`, as a backend of their own (a detached header and
+/// the volume on one crash-simulated disk); writes past the end are a test bug.
+pub struct Slice {
+    pub inner: Arc<dyn Backend>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl Backend for Slice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<usize> {
+        self.inner.read_at(buf, self.offset + offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
+        assert!(
+            offset + buf.len() as u64 <= self.len,
+            "write past the slice"
+        );
+        self.inner.write_at(buf, self.offset + offset)
+    }
+    fn flush(&self) -> ucrypt::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.inner.discard(self.offset + offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.inner.write_zeroes(self.offset + offset, len)
+    }
+    fn size(&self) -> u64 {
+        self.len
+    }
+    fn logical_block_bytes(&self) -> u32 {
+        self.inner.logical_block_bytes()
+    }
+    fn describe(&self) -> String {
+        "slice".into()
+    }
+}
