@@ -61,6 +61,10 @@ pub const HOTZONE_BYTES_MAX: u64 = crate::pool::POOL_BYTES_MAX as u64;
 const REKEY_LANES_MAX: usize = 16;
 /// Smaller buffers are rekeyed on one thread (a thread costs more than it saves).
 const LANE_BYTES_MIN: usize = 256 << 10;
+/// Bytes a rekeying thread reads, decrypts, encrypts and writes at a time: small enough to
+/// stay in a core's cache between the steps, large enough that a system call per chunk costs
+/// nothing (whole 4096-byte sectors).
+const LANE_CHUNK_BYTES: usize = 1 << 20;
 /// Largest piece of random bytes written at a time when finalisation wipes retired areas.
 const WIPE_PIECE_BYTES: u64 = 1 << 20;
 /// Bytes of the keyslot area alignment cryptsetup uses.
@@ -1538,19 +1542,35 @@ pub struct RunOptions {
 }
 
 /// Decrypts `buf` (the old bytes at data offset `offset`) with the old key and encrypts it
-/// with the new one, in place (a linear side is left as it is): cut into one piece per lane (whole `align` units), each on its own
-/// thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
+/// with the new one, in place (a linear side is left as it is): cut into one piece per lane
+/// (whole `align` units), each on its own thread with its own ciphers; one lane for buffers
+/// under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
     rekey_then(u, offset, buf, &|_, _| Ok(()))
 }
 
-/// [`rekey`], each lane then handing its piece (data offset, bytes) to `then` — the write of
+/// [`rekey`], each lane then handing its bytes (data offset, bytes) to `then` — the write of
 /// the new ciphertext, so that the lanes' writes overlap each other's crypto and the copies
-/// into the device run on every lane.
+/// into the device run on every lane. A lane works through its piece in chunks of
+/// [`LANE_CHUNK_BYTES`], each decrypted, encrypted and handed on while it is in the CPU's
+/// cache: one pass over memory instead of three.
 fn rekey_then(
     u: &mut Unlocked,
     offset: u64,
     buf: &mut [u8],
+    then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
+) -> Result<()> {
+    rekey_stream(u, offset, buf, &|_, _| Ok(()), then)
+}
+
+/// [`rekey_then`], each chunk first filled by `fill` (data offset, bytes): the read of the
+/// old ciphertext, where nothing else needs the hotzone whole in memory (no resilience data),
+/// so that every byte is read, rekeyed and written while it is in the cache.
+fn rekey_stream(
+    u: &mut Unlocked,
+    offset: u64,
+    buf: &mut [u8],
+    fill: &(dyn Fn(u64, &mut [u8]) -> Result<()> + Sync),
     then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
 ) -> Result<()> {
     let lanes = if buf.len() < LANE_BYTES_MIN {
@@ -1559,15 +1579,25 @@ fn rekey_then(
         u.lanes.len()
     };
     let align = u.align as usize;
+    assert!(
+        align > 0 && LANE_CHUNK_BYTES % align == 0,
+        "a lane's chunk holds whole sectors"
+    );
     let piece = (buf.len() / align).div_ceil(lanes).max(1) * align;
-    let one = |(old, new): &mut Lane, at: u64, b: &mut [u8]| {
-        if let Some(old) = old {
-            old.decrypt(at / old.sector_bytes() as u64, b)?;
+    let one = |(old, new): &mut Lane, at: u64, b: &mut [u8]| -> Result<()> {
+        let mut o = at;
+        for c in b.chunks_mut(LANE_CHUNK_BYTES) {
+            fill(o, c)?;
+            if let Some(old) = old {
+                old.decrypt(o / old.sector_bytes() as u64, c)?;
+            }
+            if let Some(new) = new {
+                new.encrypt(o / new.sector_bytes() as u64, c)?;
+            }
+            then(o, c)?;
+            o += c.len() as u64;
         }
-        if let Some(new) = new {
-            new.encrypt(at / new.sector_bytes() as u64, b)?;
-        }
-        then(at, b)
+        Ok(())
     };
     if lanes == 1 {
         return one(&mut u.lanes[0], offset, buf);
@@ -1591,8 +1621,29 @@ fn rekey_then(
 /// Reads `buf` from `at`, one piece per lane on its own thread (the copies out of the device
 /// run on every CPU); one read for buffers under [`LANE_BYTES_MIN`].
 fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: usize) -> Result<()> {
+    read_lanes_then(dev, buf, at, lanes, &|_, _| Ok(()))
+}
+
+/// [`read_lanes`], each lane handing every [`LANE_CHUNK_BYTES`] it read (offset in `buf`,
+/// bytes) to `then` while they are in its cache: the journal's copy of the hotzone.
+fn read_lanes_then(
+    dev: &dyn Backend,
+    buf: &mut [u8],
+    at: u64,
+    lanes: usize,
+    then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
+) -> Result<()> {
+    let one = |b: &mut [u8], start: usize| -> Result<()> {
+        let mut o = start;
+        for c in b.chunks_mut(LANE_CHUNK_BYTES) {
+            dev.read_exact_at(c, at + o as u64)?;
+            then(o as u64, c)?;
+            o += c.len();
+        }
+        Ok(())
+    };
     if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
-        return dev.read_exact_at(buf, at);
+        return one(buf, 0);
     }
     let piece = buf
         .len()
@@ -1603,7 +1654,58 @@ fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: usize) -> Resul
         let handles: Vec<_> = buf
             .chunks_mut(piece)
             .enumerate()
-            .map(|(i, b)| sc.spawn(move || dev.read_exact_at(b, at + (i * piece) as u64)))
+            .map(|(i, b)| sc.spawn(move || one(b, i * piece)))
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| Error::Bug("read thread panicked"))?)
+    })
+}
+
+/// [`read_lanes`], each lane hashing every `block` bytes it read into its part of `sums` (one
+/// digest after the other, as [`checksums`]) a chunk at a time, while they are in its cache.
+fn read_lanes_summing(
+    dev: &dyn Backend,
+    buf: &mut [u8],
+    at: u64,
+    lanes: usize,
+    (hash, block): (HashAlg, usize),
+    sums: &mut [u8],
+) -> Result<()> {
+    let hb = hash.output_bytes();
+    assert!(
+        block > 0 && buf.len() % block == 0 && sums.len() >= buf.len() / block * hb,
+        "whole checksum blocks, a digest for each"
+    );
+    let unit = block.max(AREA_ALIGN_BYTES as usize);
+    assert!(
+        unit % block == 0 && LANE_CHUNK_BYTES % unit == 0,
+        "pieces and chunks of whole blocks"
+    );
+    let one = |b: &mut [u8], out: &mut [u8], start: usize| -> Result<()> {
+        let mut o = start;
+        let mut out = out;
+        for c in b.chunks_mut(LANE_CHUNK_BYTES) {
+            dev.read_exact_at(c, at + o as u64)?;
+            let (mine, rest) = std::mem::take(&mut out).split_at_mut(c.len() / block * hb);
+            for (d, h) in c.chunks_exact(block).zip(mine.chunks_exact_mut(hb)) {
+                h.copy_from_slice(&hash.digest(&[d]));
+            }
+            out = rest;
+            o += c.len();
+        }
+        Ok(())
+    };
+    if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
+        return one(buf, sums, 0);
+    }
+    let piece = buf.len().div_ceil(lanes).div_ceil(unit) * unit;
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = buf
+            .chunks_mut(piece)
+            .zip(sums.chunks_mut(piece / block * hb))
+            .enumerate()
+            .map(|(i, (b, out))| sc.spawn(move || one(b, out, i * piece)))
             .collect();
         handles
             .into_iter()
@@ -1858,8 +1960,27 @@ fn run_hotzones(
         let mut cur = 0u64;
         // The checksums of the hotzone were taken while it was read.
         let mut summed = false;
+        // Without resilience data nothing needs the hotzone whole in memory before it is
+        // rewritten: its read is left to the rewrite, chunk by chunk ([`rekey_stream`]). No
+        // step between the two writes to the data.
+        let mut read_later = false;
+        // Where this hotzone's journal goes, if it has one: written while the hotzone is
+        // read, each chunk while it is in the cache.
+        let journal_area = steps.iter().find_map(|s| match s {
+            Step::WriteJournal { area_offset } => Some(*area_offset),
+            _ => None,
+        });
+        let mut journaled = false;
         for step in steps {
             match step {
+                Step::ReadOld { offset, len }
+                    if matches!(u.protect, Protect::None) && len <= piece_max =>
+                {
+                    cur = len;
+                    serving.hold(offset, len);
+                    *held = true;
+                    read_later = true;
+                }
                 Step::ReadOld { offset, len } => {
                     cur = len;
                     serving.hold(offset, len);
@@ -1877,6 +1998,23 @@ fn run_hotzones(
                             let sums = sums.as_mut_slice();
                             read_summing(devs.data, buf, at, piece_max, block, hash, sums)?;
                             summed = true;
+                        }
+                        // Offline: the checksums taken as the hotzone is read, on every lane.
+                        Protect::Checksum { hash, block }
+                            if AREA_ALIGN_BYTES % u64::from(block) == 0
+                                && len % u64::from(block) == 0 =>
+                        {
+                            let sums = sums.as_mut_slice();
+                            let how = (hash, block as usize);
+                            read_lanes_summing(devs.data, buf, at, u.lanes.len(), how, sums)?;
+                            summed = true;
+                        }
+                        // The journal's copy written as the hotzone is read.
+                        Protect::Journal if len <= piece_max && journal_area.is_some() => {
+                            let area = journal_area.expect("tested in the guard");
+                            let journal = |o: u64, b: &[u8]| devs.header.write_at(b, area + o);
+                            read_lanes_then(devs.data, buf, at, u.lanes.len(), &journal)?;
+                            journaled = true;
                         }
                         _ => {
                             for r in pieces(len, piece_max) {
@@ -1913,6 +2051,7 @@ fn run_hotzones(
                     out[n * hb..len as usize].fill(0);
                     devs.header.write_at(&out[..len as usize], area_offset)?;
                 }
+                Step::WriteJournal { .. } if journaled => journaled = false,
                 Step::WriteJournal { area_offset } => {
                     let buf = &hot.as_mut_slice()[..cur as usize];
                     for r in pieces(cur, piece_max) {
@@ -1934,6 +2073,30 @@ fn run_hotzones(
                     *held = true;
                     serving.rewrite(offset, len);
                     move_new(devs.data, u, from, offset, len, hot.as_mut_slice())?;
+                }
+                Step::WriteNew { offset, len } if read_later => {
+                    assert!(
+                        len <= cur,
+                        "the rewrite stays inside the hotzone read later"
+                    );
+                    read_later = false;
+                    serving.rewrite(offset, len);
+                    let buf = &mut hot.as_mut_slice()[..len as usize];
+                    let (from, to) = (u.data_offset, u.new_offset);
+                    // Each chunk is read, then written where it was: nothing read later was
+                    // overwritten before.
+                    assert_eq!(
+                        from, to,
+                        "a hotzone without resilience data is rewritten in place"
+                    );
+                    rekey_stream(
+                        u,
+                        offset,
+                        buf,
+                        &|at, b| devs.data.read_exact_at(b, from + at),
+                        &|at, b| devs.data.write_at(b, to + at),
+                    )?;
+                    serving.rewritten(offset + len);
                 }
                 Step::WriteNew { offset, len } if len > piece_max => {
                     let buf = &mut hot.as_mut_slice()[..len as usize];
