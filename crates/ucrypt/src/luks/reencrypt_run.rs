@@ -2146,13 +2146,22 @@ fn move_new(
     if piece == 0 {
         return Err(Error::Bug("hotzone buffer smaller than a sector"));
     }
-    let (base, lanes) = (u.new_offset, u.lanes.len());
+    let base = u.new_offset;
     let mut at = 0;
     while at < len {
         let n = piece.min(len - at) as usize;
         let b = &mut buf[..n];
-        read_lanes(data, b, from + at, lanes)?;
-        rekey_then(u, offset + at, b, &|o, p| data.write_at(p, base + o))?;
+        // Source and target do not overlap: each chunk is read, encrypted and written while
+        // it is in the cache.
+        let src = from + at;
+        let start = offset + at;
+        rekey_stream(
+            u,
+            start,
+            b,
+            &|o, c| data.read_exact_at(c, src + (o - start)),
+            &|o, p| data.write_at(p, base + o),
+        )?;
         at += n as u64;
     }
     Ok(())
