@@ -20,6 +20,38 @@ pub(super) fn pieces(len: u64, piece: u64) -> impl Iterator<Item = std::ops::Ran
     })
 }
 
+/// Hashes each whole `block` bytes of `data` into `out`, one digest after the other (the
+/// layout of a checksum area); `out` holds a digest for each block.
+pub(super) fn hash_blocks(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8]) {
+    let hb = hash.output_bytes();
+    assert!(
+        block > 0 && out.len() >= data.len() / block * hb,
+        "a digest for each checksum block"
+    );
+    for (d, h) in data.chunks_exact(block).zip(out.chunks_exact_mut(hb)) {
+        h.copy_from_slice(&hash.digest(&[d]));
+    }
+}
+
+/// Runs `work(i, piece)` for each of `pieces` on a scoped thread of its own (one lane each)
+/// and waits for all of them: the first error comes back, a panic as `Error::Bug(what)`.
+pub(super) fn on_lanes<T: Send>(
+    pieces: impl Iterator<Item = T>,
+    what: &'static str,
+    work: impl Fn(usize, T) -> Result<()> + Sync,
+) -> Result<()> {
+    let work = &work;
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = pieces
+            .enumerate()
+            .map(|(i, p)| sc.spawn(move || work(i, p)))
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| Error::Bug(what))?)
+    })
+}
+
 /// Reads `buf` from `at` in pieces of `piece` bytes (a multiple of `block`), in order, and
 /// hashes each `block` bytes into `sums` (one digest after the other, as the offline
 /// driver's checksums): the hashing of each piece (on a thread of its own) overlaps the read
@@ -35,11 +67,7 @@ pub(super) fn read_summing(
 ) -> Result<()> {
     let hb = hash.output_bytes();
     let piece = piece as usize;
-    let hash_piece = |data: &[u8], out: &mut [u8]| {
-        for (c, h) in data.chunks_exact(block).zip(out.chunks_exact_mut(hb)) {
-            h.copy_from_slice(&hash.digest(&[c]));
-        }
-    };
+    let hash_piece = |data: &[u8], out: &mut [u8]| hash_blocks(data, block, hash, out);
     let (mut rest, mut sums_rest) = (buf, sums);
     let mut read_at = at;
     let mut last: Option<(&[u8], &mut [u8])> = None;
@@ -114,6 +142,22 @@ pub(super) fn rewrite_pieces(
 mod tests {
     use super::*;
     use crate::backend::MemBackend;
+
+    #[test]
+    fn on_lanes_runs_every_piece_and_returns_an_error() {
+        let mut out = [0u8; 4];
+        on_lanes(out.iter_mut(), "lane panicked", |i, b| {
+            *b = i as u8 + 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(out, [1, 2, 3, 4]);
+        let err = on_lanes(0..4, "lane panicked", |i, _| match i {
+            2 => Err(Error::Bug("lane 2 failed")),
+            _ => Ok(()),
+        });
+        assert!(matches!(err, Err(Error::Bug("lane 2 failed"))), "{err:?}");
+    }
 
     #[test]
     fn pieces_cover_the_range_in_order() {

@@ -24,7 +24,7 @@
 use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
-use super::reencrypt_pieces::{pieces, read_summing, rewrite_pieces};
+use super::reencrypt_pieces::{hash_blocks, on_lanes, pieces, read_summing, rewrite_pieces};
 use super::reencrypt_plan::{
     area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
     next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry, shift_source,
@@ -1583,7 +1583,7 @@ fn rekey_stream(
         align > 0 && LANE_CHUNK_BYTES % align == 0,
         "a lane's chunk holds whole sectors"
     );
-    let piece = (buf.len() / align).div_ceil(lanes).max(1) * align;
+    let piece = lane_piece(buf.len(), lanes, align);
     let one = |(old, new): &mut Lane, at: u64, b: &mut [u8]| -> Result<()> {
         let mut o = at;
         for c in b.chunks_mut(LANE_CHUNK_BYTES) {
@@ -1602,20 +1602,15 @@ fn rekey_stream(
     if lanes == 1 {
         return one(&mut u.lanes[0], offset, buf);
     }
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = buf
-            .chunks_mut(piece)
-            .zip(u.lanes.iter_mut())
-            .enumerate()
-            .map(|(i, (b, lane))| {
-                let at = offset + (i * piece) as u64;
-                sc.spawn(move || one(lane, at, b))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().map_err(|_| Error::Bug("rekey thread panicked"))?)
+    let work = buf.chunks_mut(piece).zip(u.lanes.iter_mut());
+    on_lanes(work, "rekey thread panicked", |i, (b, lane)| {
+        one(lane, offset + (i * piece) as u64, b)
     })
+}
+
+/// Each lane's piece of `len` bytes shared by `lanes`: whole `unit`s, at least one.
+fn lane_piece(len: usize, lanes: usize, unit: usize) -> usize {
+    len.div_ceil(lanes.max(1)).div_ceil(unit).max(1) * unit
 }
 
 /// Reads `buf` from `at`, one piece per lane on its own thread (the copies out of the device
@@ -1645,20 +1640,9 @@ fn read_lanes_then(
     if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
         return one(buf, 0);
     }
-    let piece = buf
-        .len()
-        .div_ceil(lanes)
-        .div_ceil(AREA_ALIGN_BYTES as usize)
-        * AREA_ALIGN_BYTES as usize;
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = buf
-            .chunks_mut(piece)
-            .enumerate()
-            .map(|(i, b)| sc.spawn(move || one(b, i * piece)))
-            .collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().map_err(|_| Error::Bug("read thread panicked"))?)
+    let piece = lane_piece(buf.len(), lanes, AREA_ALIGN_BYTES as usize);
+    on_lanes(buf.chunks_mut(piece), "read thread panicked", |i, b| {
+        one(b, i * piece)
     })
 }
 
@@ -1688,9 +1672,7 @@ fn read_lanes_summing(
         for c in b.chunks_mut(LANE_CHUNK_BYTES) {
             dev.read_exact_at(c, at + o as u64)?;
             let (mine, rest) = std::mem::take(&mut out).split_at_mut(c.len() / block * hb);
-            for (d, h) in c.chunks_exact(block).zip(mine.chunks_exact_mut(hb)) {
-                h.copy_from_slice(&hash.digest(&[d]));
-            }
+            hash_blocks(c, block, hash, mine);
             out = rest;
             o += c.len();
         }
@@ -1699,17 +1681,12 @@ fn read_lanes_summing(
     if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
         return one(buf, sums, 0);
     }
-    let piece = buf.len().div_ceil(lanes).div_ceil(unit) * unit;
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = buf
-            .chunks_mut(piece)
-            .zip(sums.chunks_mut(piece / block * hb))
-            .enumerate()
-            .map(|(i, (b, out))| sc.spawn(move || one(b, out, i * piece)))
-            .collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().map_err(|_| Error::Bug("read thread panicked"))?)
+    let piece = lane_piece(buf.len(), lanes, unit);
+    let work = buf
+        .chunks_mut(piece)
+        .zip(sums.chunks_mut(piece / block * hb));
+    on_lanes(work, "read thread panicked", |i, (b, out)| {
+        one(b, out, i * piece)
     })
 }
 
@@ -1718,41 +1695,24 @@ fn write_lanes(dev: &dyn Backend, buf: &[u8], at: u64, lanes: usize) -> Result<(
     if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
         return dev.write_at(buf, at);
     }
-    let piece = buf
-        .len()
-        .div_ceil(lanes)
-        .div_ceil(AREA_ALIGN_BYTES as usize)
-        * AREA_ALIGN_BYTES as usize;
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = buf
-            .chunks(piece)
-            .enumerate()
-            .map(|(i, b)| sc.spawn(move || dev.write_at(b, at + (i * piece) as u64)))
-            .collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().map_err(|_| Error::Bug("write thread panicked"))?)
+    let piece = lane_piece(buf.len(), lanes, AREA_ALIGN_BYTES as usize);
+    on_lanes(buf.chunks(piece), "write thread panicked", |i, b| {
+        dev.write_at(b, at + (i * piece) as u64)
     })
 }
 
-/// Hashes each `block` bytes of `data` into `out` (one digest after the other), on up to
-/// `lanes` threads.
-fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: usize) {
+/// [`hash_blocks`] on up to `lanes` threads.
+fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: usize) -> Result<()> {
     let hb = hash.output_bytes();
     let n = data.len() / block;
     let per = n.div_ceil(lanes.max(1)).max(1);
-    std::thread::scope(|sc| {
-        for (d, o) in data[..n * block]
-            .chunks(per * block)
-            .zip(out[..n * hb].chunks_mut(per * hb))
-        {
-            sc.spawn(move || {
-                for (c, h) in d.chunks(block).zip(o.chunks_mut(hb)) {
-                    h.copy_from_slice(&hash.digest(&[c]));
-                }
-            });
-        }
-    });
+    let work = data[..n * block]
+        .chunks(per * block)
+        .zip(out[..n * hb].chunks_mut(per * hb));
+    on_lanes(work, "checksum thread panicked", |_, (d, o)| {
+        hash_blocks(d, block, hash, o);
+        Ok(())
+    })
 }
 
 fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
@@ -2045,7 +2005,7 @@ fn run_hotzones(
                     let data = &hot.as_mut_slice()[..cur as usize];
                     let out = sums.as_mut_slice();
                     if !summed {
-                        checksums(data, block as usize, hash, out, u.lanes.len());
+                        checksums(data, block as usize, hash, out, u.lanes.len())?;
                     }
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
                     out[n * hb..len as usize].fill(0);
