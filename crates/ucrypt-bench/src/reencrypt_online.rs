@@ -20,6 +20,14 @@
 //! then summarised. The whole scenario runs idle and with [`BUSY_THREADS`] busy threads
 //! beside it (a shared host).
 //!
+//! The device's ceiling, in the same round: the same job while a copy with no crypto moves
+//! what the rotation moved, in the time it took, on the same disk — fio reading and writing
+//! a file of the volume's size beside it ([`Rig::ceiling`]: sequential, 4 MiB requests as the
+//! rotation's pieces, an fsync every [`COPY_FSYNC_EVERY`] writes, each direction capped at
+//! the volume's size ÷ that round's online seconds). Its during ÷ before is what any
+//! rotation at that speed leaves the foreground on this disk; ucrypt's ÷ the ceiling's is the
+//! share of it ucrypt keeps (target ≥ [`CEILING_TARGET`]).
+//!
 //! Needs root, `/dev/fuse`, `/dev/loop-control` and fio; without them the report says
 //! `SKIPPED: reason` (exit 0).
 
@@ -55,6 +63,13 @@ const START_WAIT: Duration = Duration::from_secs(20);
 const BUSY_THREADS: usize = 2;
 /// The issue's goals: during ÷ before and offline ÷ online, each at least this.
 const GOAL: f64 = 0.5;
+/// The target of ucrypt's during ÷ before against the device ceiling's.
+const CEILING_TARGET: f64 = 0.9;
+/// The ceiling copy's request: the rotation's largest piece (`reencrypt_online::PIECE_BYTES_MAX`).
+const COPY_BS: &str = "4M";
+/// The ceiling copy syncs every this many writes: a default 64 MiB hotzone is 16 pieces, and
+/// the rotation flushes about twice per hotzone (resilience data, then the new data).
+const COPY_FSYNC_EVERY: u32 = 8;
 
 /// A fio job of the scenario: what runs on the device before and during the rotation.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -98,6 +113,12 @@ pub struct Row {
     /// Offline ÷ online seconds, per round: the online rotation's speed as a share of the
     /// offline one's (goal ≥ 0.5).
     pub speed_of_offline: Summary,
+    /// The job's MiB/s beside the ceiling copy (no crypto, the rotation's bytes and time).
+    pub ceiling_during_mib_s: Summary,
+    /// The ceiling's during ÷ before, per round: what the disk leaves the job.
+    pub ceiling_of_before: Summary,
+    /// ucrypt's during ÷ before ÷ the ceiling's, per round (target ≥ 0.9).
+    pub of_ceiling: Summary,
 }
 
 /// The two goals for one load (idle or busy).
@@ -108,6 +129,8 @@ pub struct Verdict {
     pub foreground_met: bool,
     /// Every job's median offline ÷ online ≥ 0.5.
     pub rotation_met: bool,
+    /// Every job's median ÷ the device ceiling ≥ 0.9.
+    pub ceiling_met: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -306,6 +329,56 @@ impl Rig {
         Ok((b1 - b0) as f64 / secs / (1024.0 * 1024.0))
     }
 
+    /// MiB/s the daemon served to `job` while a copy with no crypto moved what a rotation of
+    /// `online_s` seconds moves (the volume's size read and written) on the same disk: the
+    /// device's ceiling for the job during a rotation at that speed.
+    fn ceiling(&self, job: &Job, online_s: f64) -> Result<f64, String> {
+        let data = std::fs::metadata(&self.img)
+            .map_err(|e| e.to_string())?
+            .len()
+            .saturating_sub(HEADER_BYTES);
+        let rate = (data as f64 / online_s.max(0.1)) as u64;
+        let ballast = self.dir.join("ceiling.img");
+        if std::fs::metadata(&ballast).map_or(true, |m| m.len() != data) {
+            run_ok(
+                Command::new("fio")
+                    .args(["--name=ballast", "--rw=write", "--bs=4M", "--direct=1"])
+                    .args(["--ioengine=libaio", "--iodepth=4", "--output=/dev/null"])
+                    .arg(format!("--size={data}"))
+                    .arg(format!("--filename={}", ballast.display())),
+            )?;
+        }
+        let fio = self.fio(job)?;
+        let copy = Command::new("fio")
+            .args([
+                "--name=copy",
+                "--thread",
+                "--rw=rw",
+                "--rwmixread=50",
+                "--direct=1",
+            ])
+            .args(["--ioengine=psync", "--time_based", "--output=/dev/null"])
+            .arg(format!("--bs={COPY_BS}"))
+            .arg(format!("--fsync={COPY_FSYNC_EVERY}"))
+            .arg(format!("--rate={rate},{rate}"))
+            .arg(format!("--size={data}"))
+            .arg(format!("--runtime={}ms", (online_s * 1000.0) as u64))
+            .arg(format!("--filename={}", ballast.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("fio copy: {e}"))?;
+        let mut copy = Fio(copy);
+        let (b0, t) = (self.read_bytes()?, Instant::now());
+        let st = copy.0.wait().map_err(|e| e.to_string())?;
+        let (b1, secs) = (self.read_bytes()?, t.elapsed().as_secs_f64());
+        drop(fio);
+        if !st.success() {
+            return Err(format!("the ceiling copy (fio) exited with {st}"));
+        }
+        Ok((b1 - b0) as f64 / secs / (1024.0 * 1024.0))
+    }
+
     /// MiB/s the daemon served to `job` while it rotated the key, and the rotation's wall
     /// seconds.
     fn during(&self, job: &Job) -> Result<(f64, f64), String> {
@@ -349,6 +422,9 @@ struct Samples {
     online: Vec<f64>,
     ratio: Vec<f64>,
     speed: Vec<f64>,
+    ceiling: Vec<f64>,
+    ceiling_ratio: Vec<f64>,
+    of_ceiling: Vec<f64>,
 }
 
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, String> {
@@ -376,6 +452,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
              alike (unlocks at 1000 pbkdf2 iterations, init, hotzones, finalisation)"
                 .into(),
             "resilience checksum (the default)".into(),
+            "ceiling: the same job beside a copy with no crypto (fio, sequential 4 MiB reads and \
+             writes of a file of the volume's size on the same disk, an fsync every 8 writes, \
+             each direction capped at the volume's size ÷ that round's online seconds, for as \
+             long): what the disk leaves the job while a rotation at that speed runs"
+                .into(),
         ],
     };
     if let Some(why) = missing_rig() {
@@ -398,7 +479,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             for (j, job) in JOBS.iter().enumerate() {
                 let before = rig.before(job, window)?;
                 let (during, online) = rig.during(job)?;
+                let ceiling = rig.ceiling(job, online)?;
                 let sj = &mut s[j];
+                sj.ceiling.push(ceiling);
+                sj.ceiling_ratio.push(ceiling / before);
+                sj.of_ceiling.push(during / ceiling);
                 sj.before.push(before);
                 sj.during.push(during);
                 sj.online.push(online);
@@ -408,11 +493,14 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                     eprintln!(
                         "reencrypt --online: busy {busy}, round {}/{runs}, {}: before {before:.1} \
                          MiB/s, during {during:.1} MiB/s ({:.2}); rotation online {online:.2} s, \
-                         offline {off:.2} s ({:.2}); load {}",
+                         offline {off:.2} s ({:.2}); ceiling {ceiling:.1} MiB/s ({:.2} of \
+                         before; ucrypt {:.2} of it); load {}",
                         round + 1,
                         job.name,
                         during / before,
                         off / online,
+                        ceiling / before,
+                        during / ceiling,
                         load()
                     );
                 }
@@ -424,6 +512,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             busy_threads: busy,
             foreground_met: true,
             rotation_met: true,
+            ceiling_met: true,
         };
         for (job, sj) in JOBS.iter().zip(&s) {
             let row = Row {
@@ -435,9 +524,13 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                 online_s: Summary::of(&sj.online),
                 offline_s: off,
                 speed_of_offline: Summary::of(&sj.speed),
+                ceiling_during_mib_s: Summary::of(&sj.ceiling),
+                ceiling_of_before: Summary::of(&sj.ceiling_ratio),
+                of_ceiling: Summary::of(&sj.of_ceiling),
             };
             verdict.foreground_met &= row.during_of_before.median >= GOAL;
             verdict.rotation_met &= row.speed_of_offline.median >= GOAL;
+            verdict.ceiling_met &= row.of_ceiling.median >= CEILING_TARGET;
             report.rows.push(row);
         }
         report.verdicts.push(verdict);
@@ -472,11 +565,11 @@ pub fn markdown(r: &Report) -> String {
         r.load_before,
         r.load_after,
     );
-    o += "| job | busy threads | before MiB/s | during MiB/s | during ÷ before (goal ≥ 0.5) | online s | offline s | offline ÷ online (goal ≥ 0.5) |\n";
-    o += "|---|---|---|---|---|---|---|---|\n";
+    o += "| job | busy threads | before MiB/s | during MiB/s | during ÷ before (goal ≥ 0.5) | online s | offline s | offline ÷ online (goal ≥ 0.5) | ceiling: during MiB/s | ceiling: during ÷ before | ucrypt ÷ ceiling (≥ 0.9) |\n";
+    o += "|---|---|---|---|---|---|---|---|---|---|---|\n";
     for row in &r.rows {
         o += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             row.job,
             row.busy_threads,
             row.before_mib_s.show(1),
@@ -485,16 +578,20 @@ pub fn markdown(r: &Report) -> String {
             row.online_s.show(2),
             row.offline_s.show(2),
             row.speed_of_offline.show(2),
+            row.ceiling_during_mib_s.show(1),
+            row.ceiling_of_before.show(2),
+            row.of_ceiling.show(2),
         );
     }
     o += "\n";
     for v in &r.verdicts {
         o += &format!(
             "Busy threads {}: foreground during ÷ before ≥ {GOAL}: {}; rotation ≥ {GOAL} of its \
-             offline speed: {}.\n",
+             offline speed: {}; foreground ≥ {CEILING_TARGET} of the device ceiling's: {}.\n",
             v.busy_threads,
             met(v.foreground_met),
-            met(v.rotation_met)
+            met(v.rotation_met),
+            met(v.ceiling_met)
         );
     }
     for n in &r.notes {

@@ -59,6 +59,9 @@ fn bench_reencrypt_online_quick_measures_both_jobs_idle_and_busy() {
             "offline_s",
             "during_of_before",
             "speed_of_offline",
+            "ceiling_during_mib_s",
+            "ceiling_of_before",
+            "of_ceiling",
         ] {
             let m = r[field]["median"].as_f64().unwrap_or(0.0);
             assert!(
@@ -72,6 +75,8 @@ fn bench_reencrypt_online_quick_measures_both_jobs_idle_and_busy() {
     let verdicts = v["verdicts"].as_array().expect("verdicts");
     assert_eq!(verdicts.len(), 2);
     for vd in verdicts {
-        assert!(vd["foreground_met"].is_boolean() && vd["rotation_met"].is_boolean());
+        for goal in ["foreground_met", "rotation_met", "ceiling_met"] {
+            assert!(vd[goal].is_boolean(), "{goal}: {vd}");
+        }
     }
 }

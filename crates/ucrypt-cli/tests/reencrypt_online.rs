@@ -512,11 +512,15 @@ fn wait_for(path: &Path, server: &mut Child) {
     }
 }
 
-/// `ucrypt serve --control PATH`: `ucrypt reencrypt VOLUME --control PATH` rotates the key of
-/// the volume the server serves over NBD while fio (its nbd engine) writes with crc32c headers
-/// and reads back through it; then the server stops, a new one serves the volume under the new
-/// key alone, and fio's data verifies again. The control socket answers `status` (with the
+/// `ucrypt serve --control PATH`: `ucrypt reencrypt VOLUME --control PATH --cipher
+/// aes-cbc-essiv:sha256 --key-size 256` moves the volume the server serves over NBD to a new
+/// key of another cipher while fio (its nbd engine) writes with crc32c headers and reads back
+/// through it; then the server stops, a new one serves the volume under the new cipher alone,
+/// and fio's data verifies again. The control socket answers `status` (with the
 /// rotation) and refuses the open daemon's other requests by name.
+/// The cipher the served volume moves to online.
+const NEW_CIPHER: &str = "aes-cbc-essiv:sha256";
+
 #[test]
 fn serve_with_a_control_socket_rotates_under_nbd_io() {
     if !have("fio") || !fio_has_nbd() {
@@ -565,6 +569,10 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
         HOTZONE,
         "--control",
         s(&ctl),
+        "--cipher",
+        NEW_CIPHER,
+        "--key-size",
+        "256",
     ];
     a.extend(FAST_PBKDF2);
     a.push(s(&img));
@@ -583,6 +591,8 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     // refused by name, and the process goes on; the verb refuses a volume it does not serve.
     let st = control(&ctl, r#"{"v":1,"cmd":"status"}"#);
     assert!(st.contains(r#""finished":true"#), "{st}");
+    let served = format!(r#""cipher":"{NEW_CIPHER}","key_bits":256"#);
+    assert!(st.contains(&served), "not serving {served}: {st}");
     let cl = control(&ctl, r#"{"v":1,"cmd":"close","force":false}"#);
     assert!(cl.contains("answers status and reencrypt only"), "{cl}");
     assert!(
@@ -607,6 +617,8 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     let after = keyslots(&img);
     assert_ne!(before, after, "keyslots unchanged:\n{after}");
     assert!(!after.contains("reencrypt"), "{after}");
+    let dump = String::from_utf8_lossy(&ok(UCRYPT, &["luksDump", s(&img)]).stdout).to_string();
+    assert!(dump.contains(NEW_CIPHER), "the header's cipher: {dump}");
     // SIGTERM stops the server (flushing); a new one serves the new key, fio verifies.
     // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
     unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };

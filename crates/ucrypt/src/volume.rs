@@ -200,8 +200,9 @@ pub(crate) struct Core {
     spin_ns: AtomicU64,
     /// Every request passes it; closed while the volume is suspended or resized.
     gate: Gate,
-    /// What a new key is installed with on resume.
-    spec: CipherSpec,
+    /// The cipher a new key is installed with on resume, and its key's length in bytes;
+    /// changed when an online reencryption that changes the cipher ends.
+    spec: Mutex<(CipherSpec, usize)>,
     geometry: Geometry,
     provider: Provider,
     /// Serialises suspend, resume and resize; true while suspended.
@@ -760,7 +761,7 @@ impl Volume {
             max_spinners: workers.saturating_sub(1) as u32,
             spin_ns: AtomicU64::new(cfg.spin.as_nanos() as u64),
             gate: Gate::default(),
-            spec: cfg.spec,
+            spec: Mutex::new((cfg.spec, cfg.key.len())),
             geometry: cfg.geometry,
             provider,
             suspended: Mutex::new(false),
@@ -826,12 +827,19 @@ impl Volume {
             return Err(Error::InvalidArgument("the volume is not suspended".into()));
         }
         let c = &*self.core;
-        let cipher = SectorCipher::with_provider(c.spec, key.as_ref(), c.geometry, c.provider)?;
+        let spec = lock(&c.spec).0;
+        let cipher = SectorCipher::with_provider(spec, key.as_ref(), c.geometry, c.provider)?;
         drop(key);
         c.ciphers.install(cipher);
         *suspended = false;
         c.gate.open();
         Ok(())
+    }
+
+    /// The cipher the volume serves with, and its key's length in bytes (in reencryption: the
+    /// old side's, until [`Volume::end_segments`]).
+    pub fn cipher(&self) -> (CipherSpec, usize) {
+        *lock(&self.core.spec)
     }
 
     /// True between [`Volume::suspend`] and [`Volume::resume`].

@@ -89,7 +89,16 @@ fn open(dev: Arc<dyn Backend>) -> Volume {
     .expect("open")
 }
 
-fn start(dev: &dyn Backend, kind: ResilienceKind) {
+/// A new cipher and key size for the rotation's new segment (`--cipher`, `--key-size`).
+fn new_cipher(spec: &str, key_bytes: usize) -> SegmentChange {
+    SegmentChange {
+        cipher: Some(spec.parse().expect("cipher spec")),
+        key_bytes: Some(key_bytes),
+        sector_size: None,
+    }
+}
+
+fn start(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) {
     init(
         dev,
         PASS,
@@ -97,7 +106,7 @@ fn start(dev: &dyn Backend, kind: ResilienceKind) {
             resilience: kind,
             kdf: &fast_kdf(),
             key_slot: None,
-            change: SegmentChange::default(),
+            change,
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
@@ -207,16 +216,24 @@ fn assert_plain_luks2(dev: &dyn Backend) {
 #[test]
 fn io_flows_and_verifies_during_an_online_rotation() {
     let seed = seed();
-    for (sector, kind) in [
-        (512, ResilienceKind::Checksum),
-        (4096, ResilienceKind::Journal),
-        (4096, ResilienceKind::None),
+    // (sector size, resilience, new cipher and key bytes; `None`: the same)
+    for (sector, kind, cipher) in [
+        (512, ResilienceKind::Checksum, None),
+        (4096, ResilienceKind::Journal, None),
+        (4096, ResilienceKind::None, None),
+        (
+            4096,
+            ResilienceKind::Checksum,
+            Some(("aes-cbc-essiv:sha256", 32)),
+        ),
+        (512, ResilienceKind::Journal, Some(("aes-xts-plain64", 32))),
     ] {
-        println!("sector {sector}, resilience {kind:?}");
+        println!("sector {sector}, resilience {kind:?}, new cipher {cipher:?}");
         let dev: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
         formatted(&dev, sector);
         let vol = Arc::new(open(dev.clone()));
-        start(dev.as_ref(), kind);
+        let change = cipher.map_or_else(SegmentChange::default, |(c, k)| new_cipher(c, k));
+        start(dev.as_ref(), kind, change);
         let hotzones = AtomicU64::new(0);
         let (want, during) = io_during(&vol, seed, plaintext(), || {
             reencrypt_online::rotate(
@@ -236,6 +253,13 @@ fn io_flows_and_verifies_during_an_online_rotation() {
             hotzones.load(Ordering::Relaxed)
         );
         assert!(!vol.in_reencryption());
+        let (spec, key_bytes) = vol.cipher();
+        let want_cipher = cipher.unwrap_or(("aes-xts-plain64", 64));
+        assert_eq!(
+            (spec.to_string().as_str(), key_bytes),
+            want_cipher,
+            "the volume serves with the new cipher"
+        );
         assert!(hotzones.load(Ordering::Relaxed) > 8, "too few hotzones");
         assert!(during > 0, "no request ran during the rotation");
         assert!(read_all(&vol) == want, "contents after the rotation");
@@ -249,10 +273,16 @@ fn io_flows_and_verifies_during_an_online_rotation() {
 #[test]
 fn a_volume_left_in_reencryption_opens_segmented_and_finishes_online() {
     let seed = seed();
-    for kind in [ResilienceKind::Checksum, ResilienceKind::Journal] {
+    for (kind, change) in [
+        (ResilienceKind::Checksum, SegmentChange::default()),
+        (
+            ResilienceKind::Journal,
+            new_cipher("aes-cbc-essiv:sha256", 32),
+        ),
+    ] {
         let mem: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
         formatted(&mem, 4096);
-        start(mem.as_ref(), kind);
+        start(mem.as_ref(), kind, change);
         // The offline driver fails at a data write a few hotzones in: the header is left
         // inside a hotzone, part of which may be rewritten.
         let fault = FaultBackend::new(mem.clone());

@@ -51,12 +51,17 @@ impl Control {
                     })
             })
         });
+        // The cipher served (an online reencryption may have changed it).
+        let (cipher, key_bits) = self.vol.plain().map_or((String::new(), 0), |v| {
+            let (spec, key_bytes) = v.cipher();
+            (spec.to_string(), key_bytes as u32 * 8)
+        });
         Response::Status(Box::new(StatusReport {
             // The header's fields are `ucrypt dump`'s; this status says what is served.
             volume: VolumeInfo {
                 kind: String::new(),
-                cipher: String::new(),
-                key_bits: 0,
+                cipher,
+                key_bits,
                 device: self.volume.clone(),
                 sector_size: 512,
                 offset_sectors: 0,

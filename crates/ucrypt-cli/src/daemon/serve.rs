@@ -217,8 +217,18 @@ impl Shared {
     /// The status report of this volume now.
     fn status(&self) -> Response {
         let [r, w] = self.vol.op_counts();
+        let mut volume = lock(&self.info).clone();
+        // An online reencryption that changed the cipher: the volume serves with the new one
+        // once it ends.
+        if let Some(v) = self.vol.plain() {
+            let (spec, key_bytes) = v.cipher();
+            if volume.cipher.parse::<ucrypt::sector::CipherSpec>().ok() != Some(spec) {
+                volume.cipher = spec.to_string();
+            }
+            volume.key_bits = key_bytes as u32 * 8;
+        }
         Response::Status(Box::new(StatusReport {
-            volume: lock(&self.info).clone(),
+            volume,
             front_end: self.ident.front_end.clone().unwrap_or_default(),
             device: self.device().display().to_string(),
             stable_path: self.ident.stable_path.display().to_string(),

@@ -291,17 +291,13 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                 )));
             }
         }
-        if r.encrypt
-            || r.decrypt
-            || o.header.is_some()
-            || o.cipher.is_some()
-            || o.key_size.is_some()
-            || o.sector_size.is_some()
-        {
+        // Online, the volume serves both sides on the same sectors: a new key, and a new
+        // cipher or key size, but not a new sector size or data offset.
+        if r.encrypt || r.decrypt || o.header.is_some() || o.sector_size.is_some() {
             return Err(not_built(
-                "online encryption, decryption, detached headers or cipher changes (a volume \
-                 a ucrypt daemon serves gets a new key of the same cipher online; close it to \
-                 do more offline)",
+                "online encryption, decryption, detached headers or sector size changes (a \
+                 volume a ucrypt daemon serves gets a new key, cipher or key size online; \
+                 close it to do more offline)",
             ));
         }
         if r.force_offline_reencrypt {

@@ -124,16 +124,16 @@ pub fn open(
     let new_vk = unlock_digest(data.as_ref(), &hdr, &h.meta, d_new, passphrase)?;
     let old_vk = unlock_digest(data.as_ref(), &hdr, &h.meta, d_old, passphrase)?;
     h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
-    let old = segment_params(&h.meta, st.backup_previous)?;
-    let new = segment_params(&h.meta, st.backup_final)?;
-    if old != new {
+    let (spec, sector_size, offset, size) = segment_params(&h.meta, st.backup_previous)?;
+    let (new_spec, new_sector_size, new_offset, new_size) =
+        segment_params(&h.meta, st.backup_final)?;
+    if (new_sector_size, new_offset, new_size) != (sector_size, offset, size) {
         return Err(Error::UnsupportedLuks(
-            "serving a volume whose reencryption changes the cipher, the sector size or the \
-             data offset (ucrypt serves key rotation)"
+            "serving a volume whose reencryption changes the sector size or the data offset \
+             (ucrypt serves a new key, and a new cipher, on the same sectors)"
                 .into(),
         ));
     }
-    let (spec, sector_size, offset, size) = old;
     let ss = u64::from(sector_size.bytes());
     let data_bytes = match size {
         Some(n) => n,
@@ -161,7 +161,7 @@ pub fn open(
     cfg.allow_discards =
         opts.allow_discards || hdr.activation_flags().iter().any(|f| f == "allow-discards");
     let vol = Volume::new(data, cfg)?;
-    vol.begin_segments(SecretBytes::from_slice(new_vk.bytes()), done)?;
+    vol.begin_segments(new_spec, SecretBytes::from_slice(new_vk.bytes()), done)?;
     Ok(vol)
 }
 
@@ -246,12 +246,14 @@ fn pause_after(busy: std::time::Duration, before: u64, now: u64) -> std::time::D
 }
 
 impl Serving for Online<'_> {
-    fn start(&mut self, new_key: Option<&[u8]>, done: u64) -> Result<()> {
-        let new_key = new_key.ok_or_else(|| {
+    fn start(&mut self, new_key: Option<(CipherSpec, &[u8])>, done: u64) -> Result<()> {
+        let (spec, new_key) = new_key.ok_or_else(|| {
             Error::UnsupportedLuks("online decryption (the new side is plaintext)".into())
         })?;
         match self.vol.reencrypted_bytes() {
-            None if done == 0 => self.vol.begin_segments(SecretBytes::from_slice(new_key), 0),
+            None if done == 0 => self
+                .vol
+                .begin_segments(spec, SecretBytes::from_slice(new_key), 0),
             // Opened before the rotation started, the volume holds the old key only: the bytes
             // already rewritten would be read with the wrong key.
             None => Err(Error::InvalidArgument(format!(

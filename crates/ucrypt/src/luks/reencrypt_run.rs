@@ -1309,9 +1309,9 @@ struct Unlocked {
     shift: Option<Shift>,
     /// The geometry of a decryption that moves the data back ([`Unshift`]).
     unshift: Option<Unshift>,
-    /// The new volume key, for a volume that serves the data meanwhile ([`Serving::start`]);
-    /// `None` for a decryption (the new side is linear).
-    new_key: Option<crate::SecretBytes>,
+    /// The new cipher and volume key, for a volume that serves the data meanwhile
+    /// ([`Serving::start`]); `None` for a decryption (the new side is linear).
+    new_key: Option<(CipherSpec, crate::SecretBytes)>,
 }
 
 /// The ciphers of one worker thread.
@@ -1433,9 +1433,10 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
     h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
     let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, old_vk.as_ref())?;
     let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, new_vk.as_ref())?;
-    let new_key = new_vk
+    let new_key = new
         .as_ref()
-        .map(|k| crate::SecretBytes::from_slice(k.bytes()));
+        .zip(new_vk.as_ref())
+        .map(|(c, k)| (c.spec(), crate::SecretBytes::from_slice(k.bytes())));
     let shift = shift_geometry(&h.meta, &st)?;
     let align = ss_old.max(ss_new);
     let data_bytes = match shift {
@@ -1774,9 +1775,9 @@ fn wipe_random<'a>(
 /// What the hotzone loop tells a volume that serves the data while it runs (online
 /// rotation, `luks::reencrypt_online`). Offsets are bytes from the start of the data.
 pub trait Serving {
-    /// Before the first hotzone, with the new key (checked against the reencryption digest;
-    /// `None` for a decryption) and the bytes already done.
-    fn start(&mut self, new_key: Option<&[u8]>, done: u64) -> Result<()>;
+    /// Before the first hotzone, with the new cipher and key (checked against the
+    /// reencryption digest; `None` for a decryption) and the bytes already done.
+    fn start(&mut self, new_key: Option<(CipherSpec, &[u8])>, done: u64) -> Result<()>;
     /// Before the hotzone `[offset, offset + len)` is read: returns once no write touches it,
     /// and none will until [`Serving::release`] (its data stays the old ciphertext).
     fn hold(&mut self, offset: u64, len: u64);
@@ -1805,7 +1806,7 @@ pub trait Serving {
 struct Offline;
 
 impl Serving for Offline {
-    fn start(&mut self, _: Option<&[u8]>, _: u64) -> Result<()> {
+    fn start(&mut self, _: Option<(CipherSpec, &[u8])>, _: u64) -> Result<()> {
         Ok(())
     }
     fn hold(&mut self, _: u64, _: u64) {}
@@ -1850,7 +1851,7 @@ pub fn resume_serving(
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
     }
-    serving.start(u.new_key.as_ref().map(|k| k.as_ref()), pos.done)?;
+    serving.start(u.new_key.as_ref().map(|(c, k)| (*c, k.as_ref())), pos.done)?;
     if let Some(n) = serving.rekey_lanes_max() {
         u.lanes.truncate(n.max(1));
     }

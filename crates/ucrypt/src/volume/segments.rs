@@ -1,7 +1,8 @@
 //! A volume in reencryption: two segments split at a mark. Data below the mark is under the
-//! new key, data above under the old one (key rotation keeps the cipher, the sector size and
-//! every sector's IV, so each side is a whole-volume view over the same backend with its own
-//! key). A request is cut at the mark; each part runs on its side's engine.
+//! new key, data above under the old one (the reencryptions served online keep the sector
+//! size, the data offset and every sector's IV; the cipher may change, so each side is a
+//! whole-volume view over the same backend with its own cipher and key). A request is cut at
+//! the mark; each part runs on its side's engine.
 //!
 //! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
 //! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only for the piece of
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use super::{Core, Source, Volume, VolumeConfig};
 use crate::engine::plan::Op;
 use crate::engine::zone_lock::{ByteRange, ZoneLock};
-use crate::sector::SectorCipher;
+use crate::sector::{CipherSpec, Mode, SectorCipher};
 use crate::sync::lock;
 use crate::{Error, Result, SecretBytes};
 
@@ -34,10 +35,16 @@ pub(crate) struct Segments {
 }
 
 impl Volume {
-    /// Starts serving the volume as two segments: bytes below `done_bytes` under `new_key`
-    /// (same cipher and geometry), the rest under the volume's own key. Waits for the
-    /// requests inside to finish (the gate), as `resize` does.
-    pub fn begin_segments(&self, new_key: SecretBytes, done_bytes: u64) -> Result<()> {
+    /// Starts serving the volume as two segments: bytes below `done_bytes` under `new_key` of
+    /// `new_spec` (same geometry: sector size, data offset, IVs), the rest under the volume's
+    /// own cipher and key. Waits for the requests inside to finish (the gate), as `resize`
+    /// does.
+    pub fn begin_segments(
+        &self,
+        new_spec: CipherSpec,
+        new_key: SecretBytes,
+        done_bytes: u64,
+    ) -> Result<()> {
         let suspended = lock(&self.core.suspended);
         if *suspended {
             return Err(Error::InvalidArgument(
@@ -57,9 +64,16 @@ impl Volume {
                 "the volume is already in reencryption".into(),
             ));
         }
+        // The null cipher's shortcut is decided once per engine (`Core::null_cipher`), and the
+        // old side's engine serves the new key at the end.
+        if (new_spec.mode == Mode::Null) != c.null_cipher {
+            return Err(Error::UnsupportedLuks(
+                "serving a reencryption to or from cipher_null online".into(),
+            ));
+        }
         let p = self.policy();
         let cfg = VolumeConfig {
-            spec: c.spec,
+            spec: new_spec,
             key: new_key,
             geometry: c.geometry,
             data_offset_bytes: c.data_offset,
@@ -110,8 +124,10 @@ impl Volume {
         };
         // A context of the new side's engine, cloned (the key never leaves the engines).
         let proto: SectorCipher = seg.new.core.ciphers.with(|k| k.try_clone())?;
+        let spec = *lock(&seg.new.core.spec);
         c.gate.close();
         c.ciphers.install(proto);
+        *lock(&c.spec) = spec;
         c.segmented.store(false, Relaxed);
         let seg = lock(&self.segments).take();
         c.gate.open();
