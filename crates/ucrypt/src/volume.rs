@@ -262,15 +262,17 @@ impl BlockDev for Volume {
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        if self.core.is_direct(buf, offset, true) && !self.core.segmented.load(Relaxed) {
-            let _in = self.core.gate.enter();
-            if self.core.segmented.load(Relaxed) {
-                let len = buf.len() as u64;
-                let r = self.seg_write(Op::Write, Source::Buf(buf), offset, len, false);
+        if !self.core.segmented.load(Relaxed) {
+            if let Some(_big) = self.core.direct_write(buf, offset) {
+                let _in = self.core.gate.enter();
+                if self.core.segmented.load(Relaxed) {
+                    let len = buf.len() as u64;
+                    let r = self.seg_write(Op::Write, Source::Buf(buf), offset, len, false);
+                    return counted(&self.core, Kind::Write, r);
+                }
+                let r = self.core.write_direct(buf, offset, false);
                 return counted(&self.core, Kind::Write, r);
             }
-            let r = self.core.write_direct(buf, offset, false);
-            return counted(&self.core, Kind::Write, r);
         }
         self.write_at(buf, offset)
     }
@@ -282,7 +284,7 @@ impl BlockDev for Volume {
         let len = buf.len() as u64;
         let r = if self.core.segmented.load(Relaxed) {
             self.seg_write(Op::Write, Source::Buf(buf), offset, len, true)
-        } else if self.core.is_direct(buf, offset, true) {
+        } else if let Some(_big) = self.core.direct_write(buf, offset) {
             self.core.write_direct(buf, offset, true)
         } else {
             self.core
@@ -371,16 +373,58 @@ impl Core {
     /// inline task (and, for a write, a bounce buffer and a copy).
     fn is_direct(&self, out: &[u8], offset: u64, write: bool) -> bool {
         let len = out.len() as u64;
-        let mask = (1u64 << self.shift) - 1;
         let inline = match Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) {
             Policy::Inline => true,
             Policy::Auto => len < self.auto_min_bytes.load(Relaxed),
             _ => false,
         };
-        inline
-            && (offset | len) & mask == 0
-            && len > 0
-            && (out.as_ptr() as usize) % self.mem_align == 0
+        inline && self.fits_direct(out, offset)
+    }
+
+    /// Whole sectors, from a buffer at an address the backend accepts.
+    fn fits_direct(&self, out: &[u8], offset: u64) -> bool {
+        let len = out.len() as u64;
+        let mask = (1u64 << self.shift) - 1;
+        (offset | len) & mask == 0 && len > 0 && (out.as_ptr() as usize) % self.mem_align == 0
+    }
+
+    /// [`Core::is_direct`] for a write given its buffer, and also a big write that `auto`
+    /// would not split now (every core busy with other big requests, or no worker idle):
+    /// then it runs inline all the same, and is encrypted in the caller's buffer instead of a
+    /// bounce buffer (one pass over memory fewer: on a relay to a remote at QD8 that was
+    /// 1 MiB writes' difference between `auto` and `inline`). `None`: plan it; `Some` holds
+    /// what counts a big request while it runs (`None` inside for a small one).
+    fn direct_write(&self, buf: &[u8], offset: u64) -> Option<Option<BigGuard<'_>>> {
+        if self.is_direct(buf, offset, true) {
+            return Some(None);
+        }
+        let len = buf.len() as u64;
+        let auto = Policy::from_u8(self.policy[1].load(Relaxed)) == Policy::Auto;
+        if !auto || !self.fits_direct(buf, offset) {
+            return None;
+        }
+        let (dispatch, big) = self.auto_dispatch(Op::Write, len);
+        (dispatch == Dispatch::Inline).then_some(big)
+    }
+
+    /// What `auto` makes of a request of `len` bytes now, and (for a big one) the count of
+    /// it while it runs: split only if a worker is idle AND fewer big requests than cores are
+    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
+    /// shared counter off their path.
+    fn auto_dispatch(&self, op: Op, len: u64) -> (Dispatch, Option<BigGuard<'_>>) {
+        let planner = Planner {
+            auto_min_bytes: self.auto_min_bytes.load(Relaxed),
+            ..self.planner
+        };
+        let mut guard = None;
+        let mut idle = 0;
+        if len >= planner.auto_min_bytes {
+            let others = self.big_inflight.fetch_add(1, Relaxed);
+            guard = Some(BigGuard(&self.big_inflight));
+            let free_cores = planner.lanes.saturating_sub(others + 1);
+            idle = self.jobs.idle().min(free_cores);
+        }
+        (planner.dispatch(Policy::Auto, op, len, idle), guard)
     }
 
     fn read(&self, out: &mut [u8], offset: u64) -> Result<()> {
@@ -1045,26 +1089,16 @@ impl Core {
     }
 
     /// Plans a request. For `auto`, a request big enough to split is counted while it runs
-    /// (the guard): split only if a worker is idle AND fewer big requests than cores are
-    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
-    /// shared counter off their path.
+    /// (the guard; [`Core::auto_dispatch`]).
     fn plan(&self, op: Op, offset: u64, len: u64) -> (Plan, Option<BigGuard<'_>>) {
         let write = !matches!(op, Op::Read);
         let policy = Policy::from_u8(self.policy[usize::from(write)].load(Relaxed));
-        let planner = Planner {
-            auto_min_bytes: self.auto_min_bytes.load(Relaxed),
-            ..self.planner
+        let (dispatch, guard) = if policy == Policy::Auto {
+            self.auto_dispatch(op, len)
+        } else {
+            (self.planner.dispatch(policy, op, len, 0), None)
         };
-        let mut guard = None;
-        let mut idle = 0;
-        if policy == Policy::Auto && len >= planner.auto_min_bytes {
-            let others = self.big_inflight.fetch_add(1, Relaxed);
-            guard = Some(BigGuard(&self.big_inflight));
-            let free_cores = planner.lanes.saturating_sub(others + 1);
-            idle = self.jobs.idle().min(free_cores);
-        }
-        let dispatch = planner.dispatch(policy, op, len, idle);
-        (planner.plan(op, offset, len, dispatch), guard)
+        (self.planner.plan(op, offset, len, dispatch), guard)
     }
 
     fn backend_offset(&self, sector: u64) -> u64 {
