@@ -12,13 +12,17 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, Fault, FaultBackend, FaultOp, FaultRule, MemBackend};
 use ucrypt::blockdev::BlockDev;
+use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_online;
 use ucrypt::luks::reencrypt_run::{
-    init, resume, InitOptions, KeyslotKdf, ResilienceKind, RunOptions, SegmentChange, CHECKSUM_HASH,
+    init, init_on, recover_on, resume, resume_on, Devices, InitOptions, KeyslotKdf, ResilienceKind,
+    RunOptions, SegmentChange, CHECKSUM_HASH,
 };
-use ucrypt::luks::{self, OpenOptions, Unlock};
+use ucrypt::luks::{self, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::sector::SectorSize;
 use ucrypt::volume::Volume;
+use ucrypt::Error;
 use ucrypt::SecretBytes;
 
 mod common;
@@ -238,6 +242,7 @@ fn io_flows_and_verifies_during_an_online_rotation() {
         let (want, during) = io_during(&vol, seed, plaintext(), || {
             reencrypt_online::rotate(
                 &vol,
+                None,
                 PASS,
                 RunOptions {
                     hotzone_bytes: Some(HOTZONE_BYTES),
@@ -320,6 +325,7 @@ fn a_volume_left_in_reencryption_opens_segmented_and_finishes_online() {
         let (want, _) = io_during(&vol, seed, plaintext(), || {
             reencrypt_online::rotate(
                 &vol,
+                None,
                 PASS,
                 RunOptions {
                     hotzone_bytes: Some(HOTZONE_BYTES),
@@ -332,5 +338,155 @@ fn a_volume_left_in_reencryption_opens_segmented_and_finishes_online() {
         drop(vol);
         assert_plain_luks2(mem.as_ref());
         assert!(read_all(&open(mem)) == want, "contents after reopening");
+    }
+}
+
+/// Bytes of a detached header device: both header copies and the keyslots area (which holds
+/// the reencrypt area).
+const DETACHED_HDR_BYTES: u64 = 1 << 20;
+
+/// A detached LUKS2 header (data offset 0, one keyslot for `PASS`) on its own device, and
+/// [`plaintext`] written through the volume on the data device.
+fn formatted_detached() -> (Arc<dyn Backend>, Arc<dyn Backend>) {
+    let hdr_dev: Arc<dyn Backend> = Arc::new(MemBackend::new(DETACHED_HDR_BYTES));
+    let data: Arc<dyn Backend> = Arc::new(MemBackend::new(DATA_BYTES));
+    let mut o = FormatLuks2::defaults("7a6b5c4d-3e2f-4a1b-9c8d-7e6f5a4b3c2d".into());
+    o.kdf = fast_kdf();
+    o.data_offset = 0;
+    o.detached = true;
+    o.hdr_size = HDR_SIZE;
+    o.keyslots_size = DETACHED_HDR_BYTES - 2 * HDR_SIZE;
+    o.sector_size = SectorSize::new(4096).unwrap();
+    let vk: Vec<u8> = (0..64u8).map(|i| i ^ 0x3c).collect();
+    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
+    let (_, ops) = hdr
+        .add_keyslot(
+            NewKeyslot {
+                vk: &key,
+                passphrase: PASS,
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+        )
+        .expect("keyslot");
+    luks::apply(hdr_dev.as_ref(), &ops).expect("apply");
+    let vol = open_detached(&hdr_dev, &data).expect("open");
+    vol.write_at(&plaintext(), 0).expect("fill");
+    vol.flush().expect("flush");
+    (hdr_dev, data)
+}
+
+fn open_detached(hdr_dev: &Arc<dyn Backend>, data: &Arc<dyn Backend>) -> ucrypt::Result<Volume> {
+    let mut o = OpenOptions::default();
+    o.header = Some(hdr_dev.clone());
+    luks::open(
+        data.clone(),
+        Unlock::Passphrase(SecretBytes::from_slice(PASS)),
+        &o,
+    )
+}
+
+fn start_detached(devs: Devices<'_>, kind: ResilienceKind) {
+    init_on(
+        devs,
+        PASS,
+        &InitOptions {
+            resilience: kind,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: new_cipher("aes-xts-plain64", 32),
+            mode: Mode::Reencrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
+        },
+    )
+    .expect("init");
+}
+
+/// A detached header (`--header`): the rotation runs online with the header and resilience
+/// data on their own device and the hotzones through the volume; and a volume left inside a
+/// hotzone is refused until repaired (its header is served read-only), then opens as two
+/// segments and finishes online.
+#[test]
+fn a_detached_header_rotates_online() {
+    let seed = seed();
+    for kind in [ResilienceKind::Checksum, ResilienceKind::Journal] {
+        let (hdr_dev, data) = formatted_detached();
+        let vol = Arc::new(open_detached(&hdr_dev, &data).expect("open"));
+        let devs = Devices {
+            header: hdr_dev.as_ref(),
+            data: data.as_ref(),
+        };
+        start_detached(devs, kind);
+        let (want, during) = io_during(&vol, seed, plaintext(), || {
+            reencrypt_online::rotate(
+                &vol,
+                Some(hdr_dev.as_ref()),
+                PASS,
+                RunOptions {
+                    hotzone_bytes: Some(HOTZONE_BYTES),
+                },
+                &mut |_| {},
+            )
+            .expect("online rotation");
+        });
+        println!("{kind:?}: {during} requests during the rotation");
+        assert!(during > 0, "no request ran during the rotation");
+        assert!(!vol.in_reencryption());
+        assert_eq!(vol.cipher().1, 32, "the new key's size");
+        assert!(read_all(&vol) == want, "contents after the rotation");
+        drop(vol);
+        assert_plain_luks2(hdr_dev.as_ref());
+        let again = open_detached(&hdr_dev, &data).expect("reopen");
+        assert!(read_all(&again) == want, "contents after reopening");
+        drop(again);
+
+        // Left inside a hotzone by a failed offline run: refused, repaired, served, finished.
+        start_detached(devs, kind);
+        let fault = FaultBackend::new(data.clone());
+        let nth = 3 + seed % 5;
+        fault.add_rule(
+            FaultRule::always(FaultOp::Write, Fault::Eio)
+                .nth(nth)
+                .times(1),
+        );
+        let r = resume_on(
+            Devices {
+                header: hdr_dev.as_ref(),
+                data: &fault,
+            },
+            PASS,
+            RunOptions {
+                hotzone_bytes: Some(HOTZONE_BYTES),
+            },
+            &mut |_| {},
+        );
+        assert!(r.is_err(), "the fault did not stop the offline run");
+        match open_detached(&hdr_dev, &data) {
+            Err(Error::NeedsRecovery) => {}
+            Err(e) => panic!("{kind:?}: a hotzone to recover: {e}"),
+            Ok(_) => panic!("{kind:?}: opened a detached header left inside a hotzone"),
+        }
+        recover_on(devs, PASS).expect("repair");
+        let vol = Arc::new(open_detached(&hdr_dev, &data).expect("open after repair"));
+        assert!(vol.in_reencryption());
+        assert!(read_all(&vol) == want, "contents of the repaired volume");
+        let (want, _) = io_during(&vol, seed, want, || {
+            reencrypt_online::rotate(
+                &vol,
+                Some(hdr_dev.as_ref()),
+                PASS,
+                RunOptions {
+                    hotzone_bytes: Some(HOTZONE_BYTES),
+                },
+                &mut |_| {},
+            )
+            .expect("online rotation after repair");
+        });
+        assert!(read_all(&vol) == want);
+        drop(vol);
+        assert_plain_luks2(hdr_dev.as_ref());
+        assert!(read_all(&open_detached(&hdr_dev, &data).expect("reopen")) == want);
     }
 }

@@ -35,6 +35,8 @@ struct Control {
     sock: PathBuf,
     started_unix_s: u64,
     rotation: Rotation,
+    /// The detached header (`--header`), written by an online reencryption.
+    header: Option<PathBuf>,
 }
 
 impl Control {
@@ -110,7 +112,8 @@ impl server::Handler for Control {
                         ),
                     });
                 };
-                match start_rotation(&self.name, vol, &self.rotation, key, hotzone_bytes) {
+                let header = self.header.as_deref();
+                match start_rotation(&self.name, vol, &self.rotation, key, hotzone_bytes, header) {
                     Ok(()) => respond(&self.status()),
                     Err(e) => respond(&e),
                 }
@@ -173,6 +176,7 @@ pub fn start(
         sock: path.clone(),
         started_unix_s: super::unix_now_s(),
         rotation: Arc::new(Mutex::new(None)),
+        header: v.header.clone(),
     };
     server::spawn(l, Arc::new(h))?;
     Ok(Some(Served(path.clone())))

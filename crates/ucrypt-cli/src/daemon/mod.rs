@@ -479,6 +479,12 @@ fn daemon_for(
         front_end,
         metrics: a.metrics.metrics.clone(),
         nbd: a.nbd.clone(),
+        // Absolute: the daemon runs in /.
+        header: a
+            .v
+            .header
+            .as_ref()
+            .map(|h| std::path::absolute(h).unwrap_or(h.clone())),
     }
 }
 

@@ -45,6 +45,7 @@ pub fn start_rotation(
     rotation: &Rotation,
     key: ResumeKey,
     hotzone_bytes: Option<u64>,
+    header: Option<&Path>,
 ) -> Result<(), Response> {
     let ResumeKey::Passphrase(pass) = key else {
         return Err(refused(
@@ -73,12 +74,29 @@ pub fn start_rotation(
             ..Default::default()
         });
     }
+    // A detached header: a writable handle of the rotation's own, without cryptsetup's lock
+    // (this process holds the shared one for as long as it serves; the verb wrote the init
+    // the same way). The header in front is written through the volume's backend.
+    let header = match header {
+        None => None,
+        Some(p) => {
+            match ucrypt::backend::FileBackend::open(p, true, ucrypt::backend::DirectMode::Never) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    *lock(rotation) = None;
+                    let e = CliError::from(e);
+                    return Err(refused(e.exit_code(), format!("{}: {e}", p.display())));
+                }
+            }
+        }
+    };
     let (vol, report) = (vol.clone(), rotation.clone());
     let spawned = std::thread::Builder::new()
         .name("ucrypt-reencrypt".into())
         .spawn(move || {
             let opts = luks::reencrypt_run::RunOptions { hotzone_bytes };
-            let r = luks::reencrypt_online::rotate(&vol, pass.as_ref(), opts, &mut |p| {
+            let header = header.as_ref().map(|h| h as &dyn ucrypt::backend::Backend);
+            let r = luks::reencrypt_online::rotate(&vol, header, pass.as_ref(), opts, &mut |p| {
                 if let Some(rep) = lock(&report).as_mut() {
                     rep.done_bytes = p.done;
                     rep.total_bytes = p.total;

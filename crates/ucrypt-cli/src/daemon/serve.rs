@@ -90,6 +90,8 @@ pub struct Daemon {
     pub metrics: Option<Listen>,
     /// Also serve the volume to NBD clients on this unix socket.
     pub nbd: Option<Listen>,
+    /// The detached header (`--header`), written by an online reencryption.
+    pub header: Option<PathBuf>,
 }
 
 /// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
@@ -197,6 +199,8 @@ struct Shared {
     deferred: Arc<AtomicBool>,
     /// The online key rotation this daemon runs or ran (`reencrypt`), shared with its thread.
     rotation: Arc<Mutex<Option<ReencryptionReport>>>,
+    /// The detached header (`--header`), written by an online reencryption.
+    header: Option<PathBuf>,
 }
 
 enum Event {
@@ -275,7 +279,15 @@ impl Shared {
                 ),
             );
         };
-        match super::online::start_rotation(&self.name, vol, &self.rotation, key, hotzone_bytes) {
+        let header = self.header.as_deref();
+        match super::online::start_rotation(
+            &self.name,
+            vol,
+            &self.rotation,
+            key,
+            hotzone_bytes,
+            header,
+        ) {
             Ok(()) => self.status(),
             Err(e) => e,
         }
@@ -586,6 +598,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         events: events_tx,
         deferred: deferred.clone(),
         rotation: Arc::new(Mutex::new(None)),
+        header: d.header.clone(),
     });
     server::spawn(listener, shared.clone())?;
     let nbd = match &d.nbd {

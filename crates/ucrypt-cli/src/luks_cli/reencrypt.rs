@@ -293,11 +293,11 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         }
         // Online, the volume serves both sides on the same sectors: a new key, and a new
         // cipher or key size, but not a new sector size or data offset.
-        if r.encrypt || r.decrypt || o.header.is_some() || o.sector_size.is_some() {
+        if r.encrypt || r.decrypt || o.sector_size.is_some() {
             return Err(not_built(
-                "online encryption, decryption, detached headers or sector size changes (a \
-                 volume a ucrypt daemon serves gets a new key, cipher or key size online; \
-                 close it to do more offline)",
+                "online encryption, decryption or sector size changes (a volume a ucrypt \
+                 daemon serves gets a new key, cipher or key size online, its header in front \
+                 or detached; close it to do more offline)",
             ));
         }
         if r.force_offline_reencrypt {
@@ -318,8 +318,9 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         // written without it. The daemon is the header's only other user, and writes it only
         // once asked to rotate, after the init.
         (Some(_), Target::Path(p)) => {
+            let at = o.header.as_deref().unwrap_or(p);
             let d: std::sync::Arc<dyn ucrypt::backend::Backend> = std::sync::Arc::new(
-                ucrypt::backend::FileBackend::open(p, true, ucrypt::backend::DirectMode::Never)?,
+                ucrypt::backend::FileBackend::open(at, true, ucrypt::backend::DirectMode::Never)?,
             );
             let h = ucrypt::luks::read_header(d.as_ref())?;
             (d, h)

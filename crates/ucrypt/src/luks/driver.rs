@@ -188,7 +188,8 @@ pub fn open_parsed(
             // In reencryption: served as two segments (as cryptsetup activates such a volume).
             let Unlock::Passphrase(p) = unlock else {
                 return Err(Error::UnsupportedLuks(
-                    "opening a volume in reencryption with a volume key (both keys are needed:                      give the passphrase)"
+                    "opening a volume in reencryption with a volume key (both keys are needed: \
+                     give the passphrase)"
                         .into(),
                 ));
             };

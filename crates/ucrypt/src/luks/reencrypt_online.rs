@@ -1,13 +1,13 @@
 //! Online key rotation: the same hotzones as `reencrypt_run`, while a [`Volume`] serves the
 //! data. The volume maps each request by offset to the new key (below the reencrypted mark)
 //! or the old one (`volume/segments.rs`); the driver holds each hotzone from before its read
-//! to after its last commit, so only the requests touching it wait. Header, resilience data
-//! and hotzones go through the volume's own backend.
+//! to after its last commit, so only the requests touching it wait. Hotzones go through the
+//! volume's own backend, header and resilience data through it or the detached header's.
 //!
-//! - [`open`]: a volume whose header is in reencryption (a rotation interrupted, by a crash or
-//!   a close) opens as cryptsetup activates one: a hotzone left by a crash is recovered first
-//!   (as `repair` does), then both keys are unlocked and checked against the reencryption
-//!   digest, and the volume serves the two segments.
+//! - [`open`]: a volume whose header (in front or detached) is in reencryption (a rotation
+//!   interrupted, by a crash or a close) opens as cryptsetup activates one: a hotzone left by
+//!   a crash is recovered first (as `repair` does), then both keys are unlocked and checked
+//!   against the reencryption digest, and the volume serves the two segments.
 //! - [`rotate`]: runs (or continues) the rotation on an open volume, then switches it to the
 //!   new key. The header must already be in reencryption (`reencrypt_run::init`).
 
@@ -53,7 +53,7 @@ fn segment_params(meta: &Metadata, seg: u32) -> Result<(CipherSpec, SectorSize, 
     Ok((spec, ss, s.offset.0, size))
 }
 
-/// Opens a volume whose header (on `data`; a detached header is refused) is in reencryption,
+/// Opens a volume whose header (on `data`, or the detached `opts.header`) is in reencryption,
 /// serving both segments. A hotzone left by a crash is recovered first (not read-only: then
 /// refused with [`Error::NeedsRecovery`]). Only a passphrase unlocks both keys.
 pub fn open(
@@ -62,17 +62,28 @@ pub fn open(
     passphrase: &[u8],
     opts: &OpenOptions,
 ) -> Result<Volume> {
-    let on_data = read_header(data.as_ref());
-    let same = match (&on_data, hdr) {
+    let same = |on: &Result<Header>| match (on, hdr) {
         (Ok(Header::Luks2(a)), Header::Luks2(b)) => a.bin.uuid == b.bin.uuid,
         _ => false,
     };
-    if !same {
-        return Err(Error::UnsupportedLuks(
-            "serving a volume in reencryption with a detached header".into(),
-        ));
+    // The header is on the data device (then everything goes through it, as offline), or on
+    // the detached `opts.header` (`--header`; a handle that may be read-only: the daemon's
+    // rotation opens its own writable one).
+    let on_data = read_header(data.as_ref());
+    let (hdr_dev, on_dev) = match &opts.header {
+        _ if same(&on_data) => (data.clone(), on_data),
+        Some(h) => (h.clone(), read_header(h.as_ref())),
+        None => (data.clone(), on_data),
+    };
+    if !same(&on_dev) {
+        return Err(bad("the header given is not the one on its device"));
     }
-    let mut hdr = on_data?;
+    let detached = !Arc::ptr_eq(&hdr_dev, &data);
+    let devs = reencrypt_run::Devices {
+        header: hdr_dev.as_ref(),
+        data: data.as_ref(),
+    };
+    let mut hdr = on_dev?;
     let needs_recovery = match &hdr {
         Header::Luks2(h) => {
             let st = ReencryptState::from_metadata(&h.meta)?
@@ -97,32 +108,31 @@ pub fn open(
         Header::Luks1(_) => return Err(bad("LUKS1 has no reencryption")),
     };
     if needs_recovery {
-        if opts.read_only {
+        // A detached header is held read-only while the volume is served: `repair` first.
+        if opts.read_only || detached {
             return Err(Error::NeedsRecovery);
         }
-        reencrypt_run::recover(data.as_ref(), passphrase)?;
-        hdr = read_header(data.as_ref())?;
+        reencrypt_run::recover_on(devs, passphrase)?;
+        hdr = read_header(hdr_dev.as_ref())?;
     }
     let Header::Luks2(h) = &hdr else {
         return Err(bad("LUKS1 has no reencryption"));
     };
     let Some(st) = ReencryptState::from_metadata(&h.meta)? else {
         // The recovered hotzone was the last one: the rotation is finished.
-        let mut o = opts.clone();
-        o.header = None;
         return super::open_parsed(
             data,
             &hdr,
             super::Unlock::Passphrase(SecretBytes::from_slice(passphrase)),
-            &o,
+            opts,
         );
     };
     let d_old = digest_of_segment(&h.meta, st.backup_previous)
         .ok_or_else(|| bad("backup-previous has no digest"))?;
     let d_new = digest_of_segment(&h.meta, st.backup_final)
         .ok_or_else(|| bad("backup-final has no digest"))?;
-    let new_vk = unlock_digest(data.as_ref(), &hdr, &h.meta, d_new, passphrase)?;
-    let old_vk = unlock_digest(data.as_ref(), &hdr, &h.meta, d_old, passphrase)?;
+    let new_vk = unlock_digest(hdr_dev.as_ref(), &hdr, &h.meta, d_new, passphrase)?;
+    let old_vk = unlock_digest(hdr_dev.as_ref(), &hdr, &h.meta, d_old, passphrase)?;
     h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
     let (spec, sector_size, offset, size) = segment_params(&h.meta, st.backup_previous)?;
     let (new_spec, new_sector_size, new_offset, new_size) =
@@ -307,21 +317,26 @@ impl Serving for Online<'_> {
     }
 }
 
-/// Rotates the key of `vol` while it serves I/O: the header (on the volume's backend) must be
-/// in reencryption ([`reencrypt_run::init`] started it, or [`open`] opened it so). Each
-/// hotzone is rewritten through the volume's backend while only the requests touching it
-/// wait; at the end the header is finalised and the volume serves under the new key alone.
-/// `progress` is called after each hotzone. A failure inside a hotzone leaves it blocked
-/// (requests touching it fail) until the volume is closed and repaired.
+/// Rotates the key of `vol` while it serves I/O: the header (on the volume's backend, or the
+/// detached `header`, `--header`) must be in reencryption ([`reencrypt_run::init`] started
+/// it, or [`open`] opened it so). Each hotzone is rewritten through the volume's backend
+/// while only the requests touching it wait; at the end the header is finalised and the
+/// volume serves under the new key alone. `progress` is called after each hotzone. A failure
+/// inside a hotzone leaves it blocked (requests touching it fail) until the volume is closed
+/// and repaired.
 pub fn rotate(
     vol: &Volume,
+    header: Option<&dyn Backend>,
     passphrase: &[u8],
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
     let dev = vol.backend().clone();
     reencrypt_run::resume_serving(
-        reencrypt_run::Devices::one(dev.as_ref()),
+        reencrypt_run::Devices {
+            header: header.unwrap_or(dev.as_ref()),
+            data: dev.as_ref(),
+        },
         passphrase,
         opts,
         progress,
