@@ -191,10 +191,22 @@ fn copy(from: &Path, to: &Path) -> Result<(), String> {
 /// Bytes each thread of the bare rotation reads, rekeys and writes at a time.
 const BARE_PIECE: usize = 4 << 20;
 
+/// An AES-256-XTS context (4096-byte sectors) with a key made from `seed`: the bare
+/// rotations' old and new keys.
+pub(crate) fn xts_cipher(seed: u8) -> Result<ucrypt::sector::SectorCipher, String> {
+    use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+    let key: Vec<u8> = (0..64u8).map(|i| i ^ seed).collect();
+    SectorCipher::new(
+        CipherSpec::AES_XTS_PLAIN64,
+        &key,
+        Geometry::new(SectorSize::S4096),
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// The bare rotation (module docs) of `len` bytes of `path` from `offset`: wall seconds.
 fn bare_rotation(path: &Path, offset: u64, len: u64) -> Result<f64, String> {
     use std::os::unix::fs::FileExt;
-    use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -202,22 +214,13 @@ fn bare_rotation(path: &Path, offset: u64, len: u64) -> Result<f64, String> {
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pieces = len.div_ceil(BARE_PIECE as u64);
-    let cipher = |seed: u8| {
-        let key: Vec<u8> = (0..64u8).map(|i| i ^ seed).collect();
-        SectorCipher::new(
-            CipherSpec::AES_XTS_PLAIN64,
-            &key,
-            Geometry::new(SectorSize::S4096),
-        )
-        .map_err(|e| e.to_string())
-    };
     let t = Instant::now();
     std::thread::scope(|s| {
         let threads: Vec<_> = (0..cores as u64)
             .map(|lane| {
                 let file = &file;
                 s.spawn(move || -> Result<(), String> {
-                    let (mut old, mut new) = (cipher(0xa5)?, cipher(0x5a)?);
+                    let (mut old, mut new) = (xts_cipher(0xa5)?, xts_cipher(0x5a)?);
                     let mut buf = vec![0u8; BARE_PIECE];
                     let mut piece = lane;
                     while piece < pieces {

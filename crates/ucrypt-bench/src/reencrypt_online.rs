@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::cmd::{have, run_ok};
-use super::reencrypt::Busy;
+use super::reencrypt::{xts_cipher, Busy};
 use super::stats::{Machine, Summary};
 
 /// Data bytes of the volume (the file adds the LUKS2 header).
@@ -435,17 +435,7 @@ impl Drop for Rig {
 /// encrypted with another, then a pause until the pace allows the next.
 fn paced_rekey(rate: u64, stop: &std::sync::atomic::AtomicBool) -> Result<(), String> {
     use ucrypt::luks::HashAlg;
-    use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
-    let cipher = |seed: u8| {
-        let key: Vec<u8> = (0..64u8).map(|i| i ^ seed).collect();
-        SectorCipher::new(
-            CipherSpec::AES_XTS_PLAIN64,
-            &key,
-            Geometry::new(SectorSize::S4096),
-        )
-        .map_err(|e| e.to_string())
-    };
-    let (mut old, mut new) = (cipher(0xa5)?, cipher(0x5a)?);
+    let (mut old, mut new) = (xts_cipher(0xa5)?, xts_cipher(0x5a)?);
     let mut buf = vec![0x3cu8; REKEY_CHUNK];
     let t = Instant::now();
     let mut done = 0u64;

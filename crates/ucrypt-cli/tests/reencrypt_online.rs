@@ -135,18 +135,26 @@ fn volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf) {
 }
 
 fn open(img: &Path, key: &Path, name: &str) {
-    let o = run(
-        UCRYPT,
-        &[
-            "open",
-            s(img),
-            name,
-            "--key-file",
-            s(key),
-            "--front-end",
-            "loop",
-        ],
-    );
+    open_with(img, key, name, &[]);
+}
+
+/// [`open`] with the header in the file `hdr` (`--header`).
+fn open_detached(img: &Path, hdr: &Path, key: &Path, name: &str) {
+    open_with(img, key, name, &["--header", s(hdr)]);
+}
+
+fn open_with(img: &Path, key: &Path, name: &str, extra: &[&str]) {
+    let mut a = vec![
+        "open",
+        s(img),
+        name,
+        "--key-file",
+        s(key),
+        "--front-end",
+        "loop",
+    ];
+    a.extend(extra);
+    let o = run(UCRYPT, &a);
     assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
 }
 
@@ -303,21 +311,7 @@ fn a_detached_header_rotates_online() {
     ok(UCRYPT, &a);
     let n = name("detached");
     let dev = format!("{DEV_DIR}/{n}");
-    let o = run(
-        UCRYPT,
-        &[
-            "open",
-            s(&img),
-            &n,
-            "--header",
-            s(&hdr),
-            "--key-file",
-            s(&key),
-            "--front-end",
-            "loop",
-        ],
-    );
-    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    open_detached(&img, &hdr, &key, &n);
     let mut c = Cleanup {
         name: n.clone(),
         procs: vec![],
@@ -360,21 +354,7 @@ fn a_detached_header_rotates_online() {
         .unwrap();
     assert_ne!(&magic, b"LUKS\xba\xbe", "a header landed on the data file");
     ok(UCRYPT, &["close", &n]);
-    let o = run(
-        UCRYPT,
-        &[
-            "open",
-            s(&img),
-            &n,
-            "--header",
-            s(&hdr),
-            "--key-file",
-            s(&key),
-            "--front-end",
-            "loop",
-        ],
-    );
-    assert_eq!(o.status.code(), Some(0), "open again: {}", text(&o));
+    open_detached(&img, &hdr, &key, &n);
     let out2 = t.path("fio2.out");
     let mut v = fio(&dev, "32m", None, true, &out2).spawn().unwrap();
     fio_ok(&mut v, &out2, "after reopening");

@@ -16,19 +16,18 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_run::{
     init, init_decrypt_unshift, init_encrypt, init_encrypt_shift, init_on, recover, recover_on,
     resume, resume_on, Devices, EncryptOptions, InitOptions, KeyslotKdf, Recovery, ResilienceKind,
     RunOptions, SegmentChange, UnshiftOptions, CHECKSUM_HASH,
 };
-use ucrypt::luks::{self, HashAlg, Header, NewKeyslot, OpenOptions, Unlock};
+use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
 
 mod common;
-use common::{fast_kdf, format_filled, Cut, Slice};
+use common::{fast_kdf, format_detached, format_filled, Cut, Slice};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 256 << 10;
@@ -488,34 +487,21 @@ fn split(disk: Arc<dyn Backend>) -> (Slice, Slice) {
 /// A disk image holding a detached LUKS2 header (data offset 0, one keyslot for `PASS`) in
 /// its first [`DETACHED_HDR_BYTES`] and the ciphertext of [`plaintext`] after it.
 fn base_detached(sector: u32) -> Vec<u8> {
-    let mut o = FormatLuks2::defaults("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1".into());
-    o.kdf = fast_kdf();
-    o.data_offset = 0;
-    o.detached = true;
-    o.hdr_size = HDR_SIZE;
-    o.keyslots_size = DETACHED_HDR_BYTES - 2 * HDR_SIZE;
-    o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
     let vk: Vec<u8> = (0..64u8).collect();
-    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
     let disk = Arc::new(CrashBackend::new(DETACHED_HDR_BYTES + DATA_BYTES, 512).expect("disk"));
     let (h, d) = split(disk.clone());
-    let (_, ops) = hdr
-        .add_keyslot(
-            NewKeyslot {
-                vk: &key,
-                passphrase: PASS,
-                kdf: &fast_kdf(),
-                slot: None,
-            },
-            None,
-        )
-        .expect("keyslot");
-    luks::apply(&h, &ops).expect("apply");
+    format_detached(
+        &h,
+        "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1",
+        (HDR_SIZE, DETACHED_HDR_BYTES, sector),
+        &vk,
+        PASS,
+    );
     let mut c = SectorCipher::new(
         CipherSpec::AES_XTS_PLAIN64,
         &vk,
         Geometry {
-            sector_size: o.sector_size,
+            sector_size: SectorSize::new(u64::from(sector)).unwrap(),
             iv_offset: 0,
             iv_large_sectors: false,
         },

@@ -12,21 +12,19 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, Fault, FaultBackend, FaultOp, FaultRule, MemBackend};
 use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::luks2::{format, FormatLuks2};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt_online;
 use ucrypt::luks::reencrypt_run::{
     init, init_on, recover_on, resume, resume_on, Devices, InitOptions, KeyslotKdf, ResilienceKind,
     RunOptions, SegmentChange, CHECKSUM_HASH,
 };
-use ucrypt::luks::{self, NewKeyslot, OpenOptions, Unlock};
-use ucrypt::sector::SectorSize;
+use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::volume::Volume;
 use ucrypt::Error;
 use ucrypt::SecretBytes;
 
 mod common;
-use common::{fast_kdf, format_filled};
+use common::{fast_kdf, format_detached, format_filled};
 const DATA_OFFSET: u64 = 1 << 20;
 const HDR_SIZE: u64 = 0x4000;
 const DATA_BYTES: u64 = 4 << 20;
@@ -202,6 +200,24 @@ fn io_during(
     (out, during.into_inner())
 }
 
+/// [`reencrypt_online::rotate`] of `vol` in [`HOTZONE_BYTES`] hotzones, its header on the
+/// volume or on `header`.
+fn rotate_online(
+    vol: &Volume,
+    header: Option<&dyn Backend>,
+    progress: &mut dyn FnMut(ucrypt::luks::reencrypt_run::Progress),
+) -> ucrypt::Result<()> {
+    reencrypt_online::rotate(
+        vol,
+        header,
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(HOTZONE_BYTES),
+        },
+        progress,
+    )
+}
+
 fn read_all(vol: &Volume) -> Vec<u8> {
     let mut got = vec![0u8; DATA_BYTES as usize];
     vol.read_at(&mut got, 0).expect("read all");
@@ -240,17 +256,9 @@ fn io_flows_and_verifies_during_an_online_rotation() {
         start(dev.as_ref(), kind, change);
         let hotzones = AtomicU64::new(0);
         let (want, during) = io_during(&vol, seed, plaintext(), || {
-            reencrypt_online::rotate(
-                &vol,
-                None,
-                PASS,
-                RunOptions {
-                    hotzone_bytes: Some(HOTZONE_BYTES),
-                },
-                &mut |_| {
-                    hotzones.fetch_add(1, Ordering::Relaxed);
-                },
-            )
+            rotate_online(&vol, None, &mut |_| {
+                hotzones.fetch_add(1, Ordering::Relaxed);
+            })
             .expect("online rotation");
         });
         println!(
@@ -323,16 +331,7 @@ fn a_volume_left_in_reencryption_opens_segmented_and_finishes_online() {
             "contents of the reopened volume"
         );
         let (want, _) = io_during(&vol, seed, plaintext(), || {
-            reencrypt_online::rotate(
-                &vol,
-                None,
-                PASS,
-                RunOptions {
-                    hotzone_bytes: Some(HOTZONE_BYTES),
-                },
-                &mut |_| {},
-            )
-            .expect("online rotation");
+            rotate_online(&vol, None, &mut |_| {}).expect("online rotation");
         });
         assert!(read_all(&vol) == want);
         drop(vol);
@@ -350,27 +349,14 @@ const DETACHED_HDR_BYTES: u64 = 1 << 20;
 fn formatted_detached() -> (Arc<dyn Backend>, Arc<dyn Backend>) {
     let hdr_dev: Arc<dyn Backend> = Arc::new(MemBackend::new(DETACHED_HDR_BYTES));
     let data: Arc<dyn Backend> = Arc::new(MemBackend::new(DATA_BYTES));
-    let mut o = FormatLuks2::defaults("7a6b5c4d-3e2f-4a1b-9c8d-7e6f5a4b3c2d".into());
-    o.kdf = fast_kdf();
-    o.data_offset = 0;
-    o.detached = true;
-    o.hdr_size = HDR_SIZE;
-    o.keyslots_size = DETACHED_HDR_BYTES - 2 * HDR_SIZE;
-    o.sector_size = SectorSize::new(4096).unwrap();
     let vk: Vec<u8> = (0..64u8).map(|i| i ^ 0x3c).collect();
-    let (mut hdr, key) = format(&o, SecretBytes::from_slice(&vk)).expect("format");
-    let (_, ops) = hdr
-        .add_keyslot(
-            NewKeyslot {
-                vk: &key,
-                passphrase: PASS,
-                kdf: &fast_kdf(),
-                slot: None,
-            },
-            None,
-        )
-        .expect("keyslot");
-    luks::apply(hdr_dev.as_ref(), &ops).expect("apply");
+    format_detached(
+        hdr_dev.as_ref(),
+        "7a6b5c4d-3e2f-4a1b-9c8d-7e6f5a4b3c2d",
+        (HDR_SIZE, DETACHED_HDR_BYTES, 4096),
+        &vk,
+        PASS,
+    );
     let vol = open_detached(&hdr_dev, &data).expect("open");
     vol.write_at(&plaintext(), 0).expect("fill");
     vol.flush().expect("flush");
@@ -420,16 +406,7 @@ fn a_detached_header_rotates_online() {
         };
         start_detached(devs, kind);
         let (want, during) = io_during(&vol, seed, plaintext(), || {
-            reencrypt_online::rotate(
-                &vol,
-                Some(hdr_dev.as_ref()),
-                PASS,
-                RunOptions {
-                    hotzone_bytes: Some(HOTZONE_BYTES),
-                },
-                &mut |_| {},
-            )
-            .expect("online rotation");
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {}).expect("online rotation");
         });
         println!("{kind:?}: {during} requests during the rotation");
         assert!(during > 0, "no request ran during the rotation");
@@ -473,16 +450,8 @@ fn a_detached_header_rotates_online() {
         assert!(vol.in_reencryption());
         assert!(read_all(&vol) == want, "contents of the repaired volume");
         let (want, _) = io_during(&vol, seed, want, || {
-            reencrypt_online::rotate(
-                &vol,
-                Some(hdr_dev.as_ref()),
-                PASS,
-                RunOptions {
-                    hotzone_bytes: Some(HOTZONE_BYTES),
-                },
-                &mut |_| {},
-            )
-            .expect("online rotation after repair");
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {})
+                .expect("online rotation after repair");
         });
         assert!(read_all(&vol) == want);
         drop(vol);

@@ -289,10 +289,42 @@ pub fn format_filled(
     data: &[u8],
 ) {
     let mut o = FormatLuks2::defaults(uuid.into());
-    o.kdf = fast_kdf();
     o.data_offset = data_offset;
     o.hdr_size = hdr_size;
     o.keyslots_size = data_offset - 2 * hdr_size;
+    format_one_keyslot(dev.as_ref(), o, sector, vk, pass);
+    let vol = luks::open(
+        dev.clone(),
+        Unlock::Passphrase(SecretBytes::from_slice(pass)),
+        &OpenOptions::default(),
+    )
+    .expect("open");
+    vol.write_at(data, 0).expect("fill");
+    vol.flush().expect("flush");
+}
+
+/// Writes a detached LUKS2 header to `hdr_dev`: data offset 0, header copies of `hdr_size`
+/// and a keyslots area filling the rest of `hdr_bytes`, `sector`-byte sectors, volume key
+/// `vk`, one keyslot for `pass` with [`fast_kdf`].
+pub fn format_detached(
+    hdr_dev: &dyn Backend,
+    uuid: &str,
+    (hdr_size, hdr_bytes, sector): (u64, u64, u32),
+    vk: &[u8],
+    pass: &[u8],
+) {
+    let mut o = FormatLuks2::defaults(uuid.into());
+    o.data_offset = 0;
+    o.detached = true;
+    o.hdr_size = hdr_size;
+    o.keyslots_size = hdr_bytes - 2 * hdr_size;
+    format_one_keyslot(hdr_dev, o, sector, vk, pass);
+}
+
+/// Formats `o` (with [`fast_kdf`] and `sector`-byte sectors) for the volume key `vk` with one
+/// keyslot for `pass`, and writes it to `dev`.
+fn format_one_keyslot(dev: &dyn Backend, mut o: FormatLuks2, sector: u32, vk: &[u8], pass: &[u8]) {
+    o.kdf = fast_kdf();
     o.sector_size = SectorSize::new(u64::from(sector)).unwrap();
     let (mut hdr, key) = format(&o, SecretBytes::from_slice(vk)).expect("format");
     let (_, ops) = hdr
@@ -306,15 +338,7 @@ pub fn format_filled(
             None,
         )
         .expect("keyslot");
-    luks::apply(dev.as_ref(), &ops).expect("apply");
-    let vol = luks::open(
-        dev.clone(),
-        Unlock::Passphrase(SecretBytes::from_slice(pass)),
-        &OpenOptions::default(),
-    )
-    .expect("open");
-    vol.write_at(data, 0).expect("fill");
-    vol.flush().expect("flush");
+    luks::apply(dev, &ops).expect("apply");
 }
 
 /// `len` bytes of `inner` from `offset`, as a backend of their own (a detached header and
