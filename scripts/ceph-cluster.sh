@@ -185,9 +185,12 @@ osd crush chooseleaf type = 0
 mon allow pool size one = true
 mon allow pool delete = true
 mon warn on pool no redundancy = false
-# The disk under DIR may be fuller than a production mon would accept.
-mon data avail warn = 2
-mon data avail crit = 1
+# The disk under DIR may be fuller than a production mon would accept: the mon refuses to
+# start (and a running one shuts down) when the free percentage, rounded down, is at or under
+# crit. The mon's store here takes ~40 MiB, so only a full disk should stop it: -1 turns the
+# check off (a CI disk at 1% free but 4.8 GiB stopped a crit of 1).
+mon data avail warn = 0
+mon data avail crit = -1
 mon data = $DIR/mon/\$cluster-\$id
 osd data = $DIR/osd/\$cluster-\$id
 osd objectstore = memstore
