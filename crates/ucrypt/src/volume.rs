@@ -28,6 +28,7 @@ use std::time::Duration;
 use crate::backend::Backend;
 use crate::engine::ciphers::CipherSlots;
 use crate::engine::gate::Gate;
+use crate::engine::host;
 use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange, CHUNKS_PER_LANE};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
@@ -408,9 +409,11 @@ impl Core {
     }
 
     /// What `auto` makes of a request of `len` bytes now, and (for a big one) the count of
-    /// it while it runs: split only if a worker is idle AND fewer big requests than cores are
-    /// running, i.e. another core is likely free. Small requests are not counted, to keep the
-    /// shared counter off their path.
+    /// it while it runs: split only if a worker is idle AND fewer big requests than the cores
+    /// this process could use are running, i.e. another core is likely free. The cores are
+    /// the engine's lanes, fewer when the host's other processes held some lately
+    /// (`engine::host`). Small requests are not counted, to keep the shared counter off their
+    /// path.
     fn auto_dispatch(&self, op: Op, len: u64) -> (Dispatch, Option<BigGuard<'_>>) {
         let planner = Planner {
             auto_min_bytes: self.auto_min_bytes.load(Relaxed),
@@ -421,8 +424,8 @@ impl Core {
         if len >= planner.auto_min_bytes {
             let others = self.big_inflight.fetch_add(1, Relaxed);
             guard = Some(BigGuard(&self.big_inflight));
-            let free_cores = planner.lanes.saturating_sub(others + 1);
-            idle = self.jobs.idle().min(free_cores);
+            let cores = host::free_cores(planner.lanes as usize, others as usize);
+            idle = self.jobs.idle().min(cores as u32);
         }
         (planner.dispatch(Policy::Auto, op, len, idle), guard)
     }

@@ -6,6 +6,7 @@
 //! - `workers`: the worker threads (one per core) and the single writer of the `queued` model.
 //! - `ciphers`: cipher contexts reused across requests (one costs ~2 µs to create).
 //! - `gate`: the gate every request passes, closed while a volume is suspended or resized.
+//! - `host`: how many of the host's cores this process could use lately (for `auto`).
 //! - `stats`: cheap per-request timings (log2 histograms).
 //!
 //! - `task`: a unit of crypto and I/O over one run of sectors, as handed to a thread.
@@ -20,6 +21,7 @@
 pub(crate) mod ciphers;
 pub(crate) mod crew;
 pub(crate) mod gate;
+pub(crate) mod host;
 pub(crate) mod plan;
 pub(crate) mod queue;
 pub(crate) mod range_lock;

@@ -40,6 +40,7 @@ use super::tag::{TagCipher, TagMode};
 use crate::backend::Backend;
 use crate::blockdev::check_range;
 use crate::engine::crew::{Chunks, Crew, CREW_WORKERS_MAX};
+use crate::engine::host;
 use crate::engine::plan::CHUNKS_PER_LANE;
 use crate::engine::stats::{now, ns_per_tick};
 use crate::engine::{Policies, Policy};
@@ -684,11 +685,12 @@ impl IntegrityVolume {
                 None,
             ),
             Policy::Auto if bytes >= self.auto_min_bytes.load(Ordering::Relaxed) => {
-                // Split only if a worker is idle AND fewer big requests than cores are
-                // running, i.e. another core is likely free (the engine's rule).
+                // Split only if a worker is idle AND fewer big requests than the cores this
+                // process could use are running, i.e. another core is likely free (the
+                // engine's rule, `engine::host`).
                 let others = self.big_inflight.fetch_add(1, Ordering::Relaxed) as usize;
                 let guard = BigGuard(&self.big_inflight);
-                let free_cores = self.lanes.saturating_sub(others + 1);
+                let free_cores = host::free_cores(self.lanes, others);
                 let idle = (self.crew.idle() as usize).min(free_cores);
                 (split(idle), Some(guard))
             }
