@@ -317,6 +317,29 @@ fn a_detached_header_rotates_online() {
         procs: vec![],
     };
     let before = keyslots(&hdr);
+    // The rotation runs on the daemon's header: a copy of it, or none, is refused before
+    // anything is written (the init would land on one file, the rotation on the other).
+    let copy = t.path("copy.img");
+    std::fs::copy(&hdr, &copy).unwrap();
+    let copy_before = std::fs::read(&copy).unwrap();
+    for given in [Some(s(&copy)), None] {
+        let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
+        a.extend(given.iter().flat_map(|h| ["--header", *h]));
+        a.extend(FAST_PBKDF2);
+        a.push(s(&img));
+        let o = run(UCRYPT, &a);
+        assert_eq!(o.status.code(), Some(1), "{given:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("with the detached header"),
+            "{}",
+            text(&o)
+        );
+    }
+    assert!(
+        std::fs::read(&copy).unwrap() == copy_before,
+        "a refused verb wrote"
+    );
+    assert_eq!(keyslots(&hdr), before, "a refused verb wrote the header");
     let out = t.path("fio.out");
     c.procs
         .push(fio(&dev, "32m", Some("8m"), false, &out).spawn().unwrap());
@@ -650,6 +673,23 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     let mode = std::fs::metadata(&ctl).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "control socket mode");
     let before = keyslots(&img);
+    // The process serves the header in front of the data: a detached --header (here a copy
+    // of that header) is refused, and nothing is written.
+    let copy = t.path("copy.img");
+    std::fs::copy(&img, &copy).unwrap();
+    let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
+    a.extend(["--control", s(&ctl), "--header", s(&copy)]);
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let o = run(UCRYPT, &a);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("with its header in front"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(keyslots(&copy), before, "a refused verb wrote the copy");
+    std::fs::remove_file(&copy).unwrap();
     let out = t.path("fio.out");
     c.procs.push(
         fio_nbd(&sock, "48m", Some("8m"), false, &out)

@@ -90,6 +90,7 @@ impl Control {
             suspended: false,
             integrity_mismatches: self.vol.integrity_mismatches(),
             reencryption,
+            header: self.header.as_ref().map(|h| h.display().to_string()),
         }))
     }
 }
@@ -176,7 +177,12 @@ pub fn start(
         sock: path.clone(),
         started_unix_s: super::unix_now_s(),
         rotation: Arc::new(Mutex::new(None)),
-        header: v.header.clone(),
+        // Absolute: the rotation opens it from this process, the verb compares it from its own
+        // working directory.
+        header: v
+            .header
+            .as_ref()
+            .map(|h| std::fs::canonicalize(h).unwrap_or_else(|_| h.clone())),
     };
     server::spawn(l, Arc::new(h))?;
     Ok(Some(Served(path.clone())))

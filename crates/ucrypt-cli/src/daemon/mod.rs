@@ -1103,6 +1103,7 @@ mod tests {
             suspended: false,
             integrity_mismatches: None,
             reencryption: None,
+            header: None,
         };
         let want = "\
 /dev/ucrypt/data is active.

@@ -131,6 +131,8 @@ pub struct Holder {
     ident: Option<Identity>,
     /// The volume a `--control` process serves, as its status names it.
     volume: Option<PathBuf>,
+    /// The detached header a `--control` process was started with, as its status names it.
+    header: Option<PathBuf>,
 }
 
 /// The live daemon serving the local volume at `path` (by device and inode, whatever path
@@ -150,6 +152,7 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
             sock: dir.join("control.sock"),
             ident: Some(ident),
             volume: None,
+            header: None,
         })
     })
 }
@@ -163,6 +166,7 @@ pub fn by_name(name: &str) -> CliResult<Holder> {
         sock: dir.join("control.sock"),
         ident,
         volume: None,
+        header: None,
     })
 }
 
@@ -176,6 +180,7 @@ pub fn by_control(sock: &Path) -> CliResult<Holder> {
         sock: sock.to_path_buf(),
         ident: None,
         volume: Some(PathBuf::from(s.volume.device)),
+        header: s.header.map(PathBuf::from),
     })
 }
 
@@ -191,6 +196,26 @@ impl Holder {
         self.ident
             .as_ref()
             .is_some_and(|i| i.st_ino != 0 && i.st_dev == md.dev() && i.st_ino == md.ino())
+    }
+
+    /// The detached header the daemon serves the volume with, if any.
+    pub fn header(&self) -> Option<PathBuf> {
+        self.header
+            .clone()
+            .or_else(|| self.ident.as_ref().and_then(|i| i.header.clone()))
+    }
+
+    /// Whether `given` (`--header`, or none) names the daemon's own header: the same file,
+    /// or none for a daemon whose header is in front of the data.
+    pub fn same_header(&self, given: Option<&Path>) -> bool {
+        match (self.header(), given) {
+            (None, None) => true,
+            (Some(a), Some(b)) => match (std::fs::metadata(&a), std::fs::metadata(b)) {
+                (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+                _ => false,
+            },
+            _ => false,
+        }
     }
 
     /// The volume the daemon serves, as it named it.

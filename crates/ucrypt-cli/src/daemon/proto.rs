@@ -473,6 +473,10 @@ pub struct StatusReport {
     /// A volume in reencryption, or one whose online rotation ran in this daemon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reencryption: Option<ReencryptionReport>,
+    /// The detached header the volume was opened with (`--header`), as given; absent when
+    /// the header is in front of the data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
 }
 
 /// Where an online key rotation stands (`status` while `reencrypt` runs in the daemon).
@@ -731,6 +735,7 @@ mod tests {
             suspended: true,
             integrity_mismatches: Some(3),
             reencryption: None,
+            header: None,
         }
     }
 

@@ -250,6 +250,7 @@ impl Shared {
             suspended: self.vol.is_suspended(),
             integrity_mismatches: self.vol.integrity_mismatches(),
             reencryption: self.reencryption(),
+            header: self.header.as_ref().map(|h| h.display().to_string()),
         }))
     }
 

@@ -291,6 +291,23 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                 )));
             }
         }
+        // The init goes to the header the verb was given, the rotation to the daemon's: they
+        // must be one file.
+        if !h.same_header(o.header.as_deref()) {
+            let theirs = h.header().map_or_else(
+                || "its header in front of the data".to_string(),
+                |p| format!("the detached header {}", p.display()),
+            );
+            let ours = o.header.as_ref().map_or_else(
+                || "no --header".to_string(),
+                |p| format!("--header {}", p.display()),
+            );
+            return Err(Error::InvalidArgument(format!(
+                "Device {} serves {} with {theirs}, not {ours}.",
+                h.name,
+                h.volume().unwrap_or_default().display()
+            )));
+        }
         // Online, the volume serves both sides on the same sectors: a new key, and a new
         // cipher or key size, but not a new sector size or data offset.
         if r.encrypt || r.decrypt || o.sector_size.is_some() {
