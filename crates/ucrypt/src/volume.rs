@@ -160,6 +160,17 @@ impl Drop for Turn<'_> {
 /// Counts a big request of the `auto` policy while it runs.
 struct BigGuard<'a>(&'a AtomicU32);
 
+/// `auto`'s decision for one request (made once: it counts the request while it runs).
+type Decided<'a> = (Dispatch, Option<BigGuard<'a>>);
+
+/// How a write given its buffer (`write_at_mut`, `write_fua`) goes.
+enum WriteRoute<'a> {
+    /// Encrypted in the caller's buffer; holds the count of a big request while it runs.
+    InPlace(Option<BigGuard<'a>>),
+    /// Planned, with `auto`'s decision if it already made one.
+    Planned(Option<Decided<'a>>),
+}
+
 impl Drop for BigGuard<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Relaxed);
@@ -263,19 +274,26 @@ impl BlockDev for Volume {
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        if !self.core.segmented.load(Relaxed) {
-            if let Some(_big) = self.core.direct_write(buf, offset) {
-                let _in = self.core.gate.enter();
-                if self.core.segmented.load(Relaxed) {
-                    let len = buf.len() as u64;
-                    let r = self.seg_write(Op::Write, Source::Buf(buf), offset, len, false);
-                    return counted(&self.core, Kind::Write, r);
-                }
-                let r = self.core.write_direct(buf, offset, false);
-                return counted(&self.core, Kind::Write, r);
-            }
+        if self.core.segmented.load(Relaxed) {
+            return self.write_at(buf, offset);
         }
-        self.write_at(buf, offset)
+        let route = self.core.write_route(buf, offset);
+        let _in = self.core.gate.enter();
+        let len = buf.len() as u64;
+        let r = if self.core.segmented.load(Relaxed) {
+            // A rotation began meanwhile: the segments decide.
+            self.seg_write(Op::Write, Source::Buf(buf), offset, len, false)
+        } else {
+            match route {
+                WriteRoute::InPlace(_big) => self.core.write_direct(buf, offset, false),
+                WriteRoute::Planned(decided) => {
+                    let src = Source::Buf(buf);
+                    self.core
+                        .write_decided(Op::Write, src, offset, len, false, decided)
+                }
+            }
+        };
+        counted(&self.core, Kind::Write, r)
     }
 
     /// Each backend write of the request is itself FUA (`Backend::write_at_fua`): no flush of
@@ -285,11 +303,15 @@ impl BlockDev for Volume {
         let len = buf.len() as u64;
         let r = if self.core.segmented.load(Relaxed) {
             self.seg_write(Op::Write, Source::Buf(buf), offset, len, true)
-        } else if let Some(_big) = self.core.direct_write(buf, offset) {
-            self.core.write_direct(buf, offset, true)
         } else {
-            self.core
-                .write(Op::Write, Source::Buf(buf), offset, len, true)
+            match self.core.write_route(buf, offset) {
+                WriteRoute::InPlace(_big) => self.core.write_direct(buf, offset, true),
+                WriteRoute::Planned(decided) => {
+                    let src = Source::Buf(buf);
+                    self.core
+                        .write_decided(Op::Write, src, offset, len, true, decided)
+                }
+            }
         };
         counted(&self.core, Kind::Write, r)
     }
@@ -393,19 +415,21 @@ impl Core {
     /// would not split now (every core busy with other big requests, or no worker idle):
     /// then it runs inline all the same, and is encrypted in the caller's buffer instead of a
     /// bounce buffer (one pass over memory fewer: on a relay to a remote at QD8 that was
-    /// 1 MiB writes' difference between `auto` and `inline`). `None`: plan it; `Some` holds
-    /// what counts a big request while it runs (`None` inside for a small one).
-    fn direct_write(&self, buf: &[u8], offset: u64) -> Option<Option<BigGuard<'_>>> {
+    /// 1 MiB writes' difference between `auto` and `inline`). A big write `auto` splits is
+    /// planned with the decision made here, so it is made (and counted) once.
+    fn write_route(&self, buf: &[u8], offset: u64) -> WriteRoute<'_> {
         if self.is_direct(buf, offset, true) {
-            return Some(None);
+            return WriteRoute::InPlace(None);
         }
         let len = buf.len() as u64;
         let auto = Policy::from_u8(self.policy[1].load(Relaxed)) == Policy::Auto;
         if !auto || !self.fits_direct(buf, offset) {
-            return None;
+            return WriteRoute::Planned(None);
         }
-        let (dispatch, big) = self.auto_dispatch(Op::Write, len);
-        (dispatch == Dispatch::Inline).then_some(big)
+        match self.auto_dispatch(Op::Write, len) {
+            (Dispatch::Inline, big) => WriteRoute::InPlace(big),
+            decided => WriteRoute::Planned(Some(decided)),
+        }
     }
 
     /// What `auto` makes of a request of `len` bytes now, and (for a big one) the count of
@@ -652,10 +676,26 @@ impl Core {
 
     /// A write of `len` bytes from `src`; with `fua`, durable when it returns.
     fn write(&self, op: Op, src: Source<'_>, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.write_decided(op, src, offset, len, fua, None)
+    }
+
+    /// [`Core::write`] with `auto`'s decision already made (`decided`), or not.
+    fn write_decided(
+        &self,
+        op: Op,
+        src: Source<'_>,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        decided: Option<Decided<'_>>,
+    ) -> Result<()> {
         let mut t = Times::start();
         self.check(offset, len)?;
         self.check_writable()?;
-        let (plan, _big) = self.plan(op, offset, len);
+        let (plan, _big) = match decided {
+            Some((dispatch, big)) => (self.planner.plan(op, offset, len, dispatch), big),
+            None => self.plan(op, offset, len),
+        };
         let t0 = t.clock();
         let _lock = plan.lock.map(|r| self.locks.lock(r));
         t.wait += t.clock().wrapping_sub(t0);

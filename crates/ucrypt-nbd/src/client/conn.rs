@@ -47,8 +47,8 @@ use crate::proto::{
 use crate::server::Sock;
 
 /// Requests in flight on one connection: the pipelining depth. 64 covers a queue depth of 32
-/// on each of two callers' paths with room to spare, and bounds the read buffers a
-/// connection can hold at 64 × the largest request.
+/// on each of two callers' paths with room to spare. (A read's data lands in its caller's
+/// buffer: the connection holds no data buffers of its own.)
 pub const INFLIGHT_PER_CONNECTION_MAX: usize = 64;
 /// First pause between reconnection attempts.
 pub const BACKOFF_FIRST: Duration = Duration::from_millis(50);
@@ -60,8 +60,6 @@ const TICK: Duration = Duration::from_millis(200);
 /// Longest single connection attempt, so a black-holed address cannot use up the whole
 /// remote timeout in one try.
 const DIAL_ATTEMPT_MAX: Duration = Duration::from_secs(10);
-/// Read buffers kept for reuse per connection (ciphertext only, never secret).
-const SPARE_BYTES_MAX: usize = 8 * 1024 * 1024;
 
 /// Why a request did not succeed.
 #[derive(Debug)]
@@ -76,7 +74,7 @@ pub(crate) enum ReqError {
     Bug(&'static str),
 }
 
-pub(crate) type Outcome = std::result::Result<Option<Vec<u8>>, ReqError>;
+pub(crate) type Outcome = std::result::Result<(), ReqError>;
 
 enum Phase {
     /// Not on the current connection: new, or lost with a dropped one.
@@ -86,6 +84,21 @@ enum Phase {
     /// Answered (or given up on): the caller takes it.
     Done(Outcome),
 }
+
+/// Where a read's data lands: the buffer the caller of [`Conn::read_into`] lends for the
+/// whole request. Only the reader thread writes through it, and only while the slot is sent
+/// on the connection it reads; the caller returns (and the borrow ends) only once that thread
+/// has marked the slot done or failed, which it does after its last write there.
+#[derive(Clone, Copy)]
+struct Dest {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a Dest is a borrowed `&mut [u8]` of the caller of `read_into`, which stays blocked
+// in `finish` until the reader thread is done with it (see `Dest`); moving the pointer to the
+// reader thread is what the borrow was lent for, and no two threads write through it.
+unsafe impl Send for Dest {}
 
 struct Slot {
     kind: u16,
@@ -98,6 +111,8 @@ struct Slot {
     /// Counted in `replay_pending`: was in flight when the connection dropped, and must be
     /// resent before any flush is.
     replay: bool,
+    /// A read's destination (`read_into`); None for other commands.
+    dest: Option<Dest>,
 }
 
 enum Link {
@@ -139,7 +154,6 @@ pub(crate) struct Conn {
     /// Lock order: never taken while `state` is held by the same thread.
     writer: Mutex<Option<Writer>>,
     stop: AtomicBool,
-    spare: Mutex<Vec<Vec<u8>>>,
     /// Successful reconnections, for tests and statistics.
     reconnections: AtomicU64,
 }
@@ -180,7 +194,6 @@ impl Conn {
                 sock: d.writer,
             })),
             stop: AtomicBool::new(false),
-            spare: Mutex::new(Vec::new()),
             reconnections: AtomicU64::new(0),
         });
         Ok((c, d.reader))
@@ -196,7 +209,8 @@ impl Conn {
         lock(&self.state).slots.len()
     }
 
-    /// Registers a request and sends it if the connection is up. `payload` is a write's data.
+    /// Registers a request other than a read and sends it if the connection is up. `payload`
+    /// is a write's data.
     pub fn start(
         &self,
         kind: u16,
@@ -205,6 +219,34 @@ impl Conn {
         len: u32,
         payload: Option<&[u8]>,
     ) -> Result<u64, ReqError> {
+        debug_assert!(kind != CMD_READ, "reads go through read_into");
+        self.start_with(kind, flags, offset, len, payload, None)
+    }
+
+    /// `NBD_CMD_READ` of `buf.len()` bytes at `offset`, straight into `buf`: the reader thread
+    /// reads the reply's data from the socket into it (no copy through a buffer of ours).
+    pub fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReqError> {
+        let len = u32::try_from(buf.len()).map_err(|_| ReqError::Bug("NBD read over 4 GiB"))?;
+        let dest = Dest {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        };
+        let cookie = self.start_with(CMD_READ, 0, offset, len, None, Some(dest))?;
+        // `finish` returns only after the reader thread marked the slot done or failed (or it
+        // vanished), i.e. after the reader's last write into `buf`: the borrow covers it.
+        self.finish(cookie, None)
+    }
+
+    fn start_with(
+        &self,
+        kind: u16,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        payload: Option<&[u8]>,
+        dest: Option<Dest>,
+    ) -> Result<u64, ReqError> {
+        debug_assert!(dest.is_none_or(|d| kind == CMD_READ && d.len == len as usize));
         let mut st = lock(&self.state);
         while st.slots.len() >= INFLIGHT_PER_CONNECTION_MAX {
             if self.stop.load(Ordering::Acquire) {
@@ -235,6 +277,7 @@ impl Conn {
                 phase: Phase::Unsent,
                 waiter: thread::current(),
                 replay: false,
+                dest,
             },
         );
         self.try_send(st, cookie, payload);
@@ -409,11 +452,11 @@ impl Conn {
                 Ok(r) => r,
                 Err(e) => return e.to_string(),
             };
-            let (kind, len) = {
+            let (kind, len, dest) = {
                 let st = lock(&self.state);
                 match st.slots.get(&reply.cookie) {
                     Some(s) if matches!(s.phase, Phase::Sent { gen: g, .. } if g == gen) => {
-                        (s.kind, s.len)
+                        (s.kind, s.len, s.dest)
                     }
                     _ => {
                         return format!(
@@ -431,13 +474,21 @@ impl Conn {
             }
             let outcome = match reply.error {
                 None if kind == CMD_READ => {
-                    let mut buf = self.take_buffer(len as usize);
-                    if let Err(cause) = self.read_full(sock, &mut buf, gen, &mut last_rx) {
+                    let Some(d) = dest else {
+                        return "an NBD read in flight without its buffer (a ucrypt bug)".into();
+                    };
+                    assert_eq!(d.len, len as usize, "an NBD read's buffer is its length");
+                    // SAFETY: the caller of `read_into` lent this buffer of `d.len` bytes and
+                    // waits in `finish` until this thread marks the slot done or failed, which
+                    // happens below, after this write (and only this thread does either while
+                    // the slot is sent on this connection); nothing else writes it meanwhile.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(d.ptr, d.len) };
+                    if let Err(cause) = self.read_full(sock, buf, gen, &mut last_rx) {
                         return cause;
                     }
-                    Ok(Some(buf))
+                    Ok(())
                 }
-                None => Ok(None),
+                None => Ok(()),
                 Some(e) => Err(ReqError::Server(e)),
             };
             let mut st = lock(&self.state);
@@ -496,33 +547,6 @@ impl Conn {
         st.slots.values().any(|s| {
             matches!(s.phase, Phase::Sent { gen: g, at } if g == gen && at.elapsed() >= self.remote_timeout)
         })
-    }
-
-    fn take_buffer(&self, len: usize) -> Vec<u8> {
-        let mut spare = lock(&self.spare);
-        if let Some(i) = spare.iter().position(|b| b.capacity() >= len) {
-            let mut b = spare.swap_remove(i);
-            // A spare keeps the length it had (ciphertext of an earlier read, which the
-            // socket overwrites): only bytes beyond it are zeroed, so reads of one size
-            // never clear their buffer before the socket fills it.
-            if b.len() >= len {
-                b.truncate(len);
-            } else {
-                b.resize(len, 0);
-            }
-            return b;
-        }
-        drop(spare);
-        vec![0u8; len]
-    }
-
-    /// Gives a read buffer back for reuse, within [`SPARE_BYTES_MAX`].
-    pub fn recycle(&self, b: Vec<u8>) {
-        let mut spare = lock(&self.spare);
-        let held: usize = spare.iter().map(|b| b.capacity()).sum();
-        if held + b.capacity() <= SPARE_BYTES_MAX {
-            spare.push(b);
-        }
     }
 
     /// Connection `gen` is gone: every request on it is unsent again, callers are told.

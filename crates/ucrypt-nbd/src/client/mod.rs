@@ -222,8 +222,8 @@ impl NbdBackend {
         }
     }
 
-    /// One request on one connection, start to answer; a read's data is passed to `take`
-    /// and its buffer then goes back to that connection's spares.
+    /// One request other than a read on one connection, start to answer (reads:
+    /// `Conn::read_into`).
     fn call(
         &self,
         kind: u16,
@@ -231,20 +231,13 @@ impl NbdBackend {
         offset: u64,
         len: u32,
         payload: Option<&[u8]>,
-        take: impl FnOnce(&[u8]),
     ) -> ucrypt::Result<()> {
         let c = self.pick();
         let cookie = c
             .start(kind, flags, offset, len, payload)
             .map_err(|e| self.err(kind, offset, len.into(), e))?;
-        let data = c
-            .finish(cookie, payload)
-            .map_err(|e| self.err(kind, offset, len.into(), e))?;
-        if let Some(d) = data {
-            take(&d);
-            c.recycle(d);
-        }
-        Ok(())
+        c.finish(cookie, payload)
+            .map_err(|e| self.err(kind, offset, len.into(), e))
     }
 
     fn check(&self, offset: u64, len: u64, writes: bool) -> ucrypt::Result<()> {
@@ -287,7 +280,7 @@ impl NbdBackend {
         for (at, n) in self.pieces(offset, buf.len() as u64) {
             let from = (at - offset) as usize;
             let piece = Some(&buf[from..from + n as usize]);
-            self.call(CMD_WRITE, flags, at, n, piece, |_| {})?;
+            self.call(CMD_WRITE, flags, at, n, piece)?;
         }
         Ok(())
     }
@@ -303,15 +296,9 @@ impl Backend for NbdBackend {
         for (at, n) in self.pieces(offset, len) {
             let from = (at - offset) as usize;
             let dest = &mut buf[from..from + n as usize];
-            let mut filled = false;
-            self.call(CMD_READ, 0, at, n, None, |d| {
-                // The reader read exactly the request's length.
-                dest.copy_from_slice(d);
-                filled = true;
-            })?;
-            if !filled {
-                return Err(ucrypt::Error::Bug("NBD read answered without data"));
-            }
+            self.pick()
+                .read_into(at, dest)
+                .map_err(|e| self.err(CMD_READ, at, n.into(), e))?;
         }
         Ok(len as usize)
     }
@@ -366,7 +353,7 @@ impl Backend for NbdBackend {
             return Ok(());
         }
         for (at, n) in self.pieces(offset, len) {
-            self.call(CMD_TRIM, 0, at, n, None, |_| {})?;
+            self.call(CMD_TRIM, 0, at, n, None)?;
         }
         Ok(())
     }
@@ -377,7 +364,7 @@ impl Backend for NbdBackend {
         self.check(offset, len, true)?;
         if self.geometry.has(TX_SEND_WRITE_ZEROES) {
             for (at, n) in self.pieces(offset, len) {
-                self.call(CMD_WRITE_ZEROES, 0, at, n, None, |_| {})?;
+                self.call(CMD_WRITE_ZEROES, 0, at, n, None)?;
             }
             return Ok(());
         }
