@@ -274,46 +274,13 @@ impl BlockDev for Volume {
     }
 
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        if self.core.segmented.load(Relaxed) {
-            return self.write_at(buf, offset);
-        }
-        let route = self.core.write_route(buf, offset);
-        let _in = self.core.gate.enter();
-        let len = buf.len() as u64;
-        let r = if self.core.segmented.load(Relaxed) {
-            // A rotation began meanwhile: the segments decide.
-            self.seg_write(Op::Write, Source::Buf(buf), offset, len, false)
-        } else {
-            match route {
-                WriteRoute::InPlace(_big) => self.core.write_direct(buf, offset, false),
-                WriteRoute::Planned(decided) => {
-                    let src = Source::Buf(buf);
-                    self.core
-                        .write_decided(Op::Write, src, offset, len, false, decided)
-                }
-            }
-        };
-        counted(&self.core, Kind::Write, r)
+        self.write_given(buf, offset, false)
     }
 
     /// Each backend write of the request is itself FUA (`Backend::write_at_fua`): no flush of
     /// the whole backend, and other writes in flight stay unordered.
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let _in = self.core.gate.enter();
-        let len = buf.len() as u64;
-        let r = if self.core.segmented.load(Relaxed) {
-            self.seg_write(Op::Write, Source::Buf(buf), offset, len, true)
-        } else {
-            match self.core.write_route(buf, offset) {
-                WriteRoute::InPlace(_big) => self.core.write_direct(buf, offset, true),
-                WriteRoute::Planned(decided) => {
-                    let src = Source::Buf(buf);
-                    self.core
-                        .write_decided(Op::Write, src, offset, len, true, decided)
-                }
-            }
-        };
-        counted(&self.core, Kind::Write, r)
+        self.write_given(buf, offset, true)
     }
 
     fn flush(&self) -> Result<()> {
@@ -791,6 +758,27 @@ fn fitted_size(backend_bytes: u64, data_offset: u64, ss: u64, want: Option<u64>)
 }
 
 impl Volume {
+    /// A write given its buffer (`write_at_mut`, and `write_fua` with `fua`): encrypted in
+    /// place when it runs inline ([`Core::write_route`]), else planned; by the segments while
+    /// the volume is in reencryption.
+    fn write_given(&self, buf: &mut [u8], offset: u64, fua: bool) -> Result<()> {
+        let _in = self.core.gate.enter();
+        let len = buf.len() as u64;
+        let r = if self.core.segmented.load(Relaxed) {
+            self.seg_write(Op::Write, Source::Buf(buf), offset, len, fua)
+        } else {
+            match self.core.write_route(buf, offset) {
+                WriteRoute::InPlace(_big) => self.core.write_direct(buf, offset, fua),
+                WriteRoute::Planned(decided) => {
+                    let src = Source::Buf(buf);
+                    self.core
+                        .write_decided(Op::Write, src, offset, len, fua, decided)
+                }
+            }
+        };
+        counted(&self.core, Kind::Write, r)
+    }
+
     pub fn new(backend: Arc<dyn Backend>, cfg: VolumeConfig) -> Result<Self> {
         Self::with_stats(backend, cfg, Arc::new(Stats::default()))
     }
