@@ -70,17 +70,7 @@ const RUN_DIR: &str = "/run/ucrypt";
 const DEV_DIR: &str = "/dev/ucrypt";
 
 fn open(img: &Path, key: &Path, name: &str) -> Output {
-    let o = ucrypt(&[
-        "open",
-        s(img),
-        name,
-        "--key-file",
-        s(key),
-        "--front-end",
-        "loop",
-    ]);
-    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
-    o
+    cli_common::open_loop(img, key, name, &[])
 }
 
 /// Nothing of NAME is left: state dir, stable path, a loop device on its FUSE file, a mount.

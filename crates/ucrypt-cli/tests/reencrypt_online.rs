@@ -7,6 +7,8 @@
 //! Runs as root with FUSE + loop (as tests/lifecycle.rs), fio installed; cryptsetup checks
 //! run when it is installed. Otherwise each test prints `SKIPPED: reason`.
 
+mod cli_common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -144,18 +146,7 @@ fn open_detached(img: &Path, hdr: &Path, key: &Path, name: &str) {
 }
 
 fn open_with(img: &Path, key: &Path, name: &str, extra: &[&str]) {
-    let mut a = vec![
-        "open",
-        s(img),
-        name,
-        "--key-file",
-        s(key),
-        "--front-end",
-        "loop",
-    ];
-    a.extend(extra);
-    let o = run(UCRYPT, &a);
-    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    cli_common::open_loop(img, key, name, extra);
 }
 
 fn status(name: &str) -> String {

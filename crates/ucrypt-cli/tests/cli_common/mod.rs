@@ -55,6 +55,24 @@ impl Drop for TempDir {
     }
 }
 
+/// `ucrypt open IMG NAME --key-file KEY --front-end loop EXTRA...` (a daemon serving the
+/// volume on a loop device), asserted to succeed.
+pub fn open_loop(img: &Path, key: &Path, name: &str, extra: &[&str]) -> Output {
+    let mut a = vec![
+        "open",
+        s(img),
+        name,
+        "--key-file",
+        s(key),
+        "--front-end",
+        "loop",
+    ];
+    a.extend(extra);
+    let o = run(UCRYPT, &a);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    o
+}
+
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
