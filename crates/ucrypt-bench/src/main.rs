@@ -104,8 +104,11 @@ pub struct RemoteArgs {
     #[command(flatten)]
     common: Common,
     /// Only the NBD targets (nbdkit behind ucrypt's NBD client and its peers): no Ceph cluster.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "rbd_only")]
     nbd_only: bool,
+    /// Only the Ceph RBD targets.
+    #[arg(long)]
+    rbd_only: bool,
 }
 
 #[derive(Args)]
@@ -246,9 +249,15 @@ pub fn run(a: BenchArgs) -> i32 {
         Which::Remote(RemoteArgs {
             common: c,
             nbd_only,
+            rbd_only,
         }) => emit(
             "remote",
-            remote::measure(c.runs(), c.quick, !c.json, nbd_only),
+            remote::measure(
+                c.runs(),
+                c.quick,
+                !c.json,
+                remote::Part::of(nbd_only, rbd_only),
+            ),
             c.json,
             remote::markdown,
         ),

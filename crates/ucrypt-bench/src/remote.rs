@@ -22,6 +22,12 @@
 //!
 //! Every image is written over in full before it is formatted, so that reads hit real objects,
 //! and every volume is `VOLUME_BYTES` long. Round-robin over targets, `runs` times; medians.
+//!
+//! librbd's cache: every RBD path runs with librbd's cache off, as ucrypt's backend does by
+//! default (`ucrypt_rbd::RBD_CACHE_DEFAULT`; librbd's write-around cache acknowledges writes
+//! before the OSDs commit them): qemu-storage-daemon's nodes with `cache.direct=on`, which makes
+//! qemu's rbd driver set `rbd_cache = false`, and fio's rbd engine through a copy of the
+//! cluster's configuration that says so.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -290,6 +296,8 @@ fn repo_script() -> PathBuf {
 struct Cluster {
     dir: PathBuf,
     conf: PathBuf,
+    /// `conf` with librbd's cache off, for fio.
+    nocache: PathBuf,
 }
 
 impl Cluster {
@@ -309,10 +317,15 @@ impl Cluster {
                 .arg(&dir)
                 .env("CEPH_MEMSTORE_BYTES", MEMSTORE_BYTES.to_string()),
         )?;
-        Ok(Cluster {
-            conf: dir.join("ceph.conf"),
-            dir,
-        })
+        let conf = dir.join("ceph.conf");
+        // fio's rbd engine takes librbd's settings from the file alone: a copy with the cache
+        // off, as every other RBD path here runs (see the module comment).
+        let text =
+            std::fs::read_to_string(&conf).map_err(|e| format!("{}: {e}", conf.display()))?;
+        let nocache = dir.join("ceph-nocache.conf");
+        std::fs::write(&nocache, format!("{text}\n[client]\nrbd cache = false\n"))
+            .map_err(|e| format!("{}: {e}", nocache.display()))?;
+        Ok(Cluster { conf, nocache, dir })
     }
 
     fn rbd(&self, args: &[&str]) -> Result<String, String> {
@@ -445,8 +458,9 @@ fn server_command(t: Target, s: &Setup) -> Result<Option<Command>, String> {
             ));
         c
     };
+    // cache.direct=on: qemu's rbd driver then turns librbd's cache off (see the module comment).
     let rbd_node = |img: &str, extra: &str| {
-        format!("driver=rbd,node-name=r0,pool=rbd,image={img},conf={conf}{extra}")
+        format!("driver=rbd,node-name=r0,pool=rbd,image={img},conf={conf},cache.direct=on{extra}")
     };
     Ok(Some(match t {
         Target::UcryptRbd | Target::UcryptRbdPlain => {
@@ -529,7 +543,7 @@ fn fio_rbd(job: &Job, s: &Setup, runtime: Duration, ramp: Duration) -> Result<Fi
         .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
         .arg(format!("--ramp_time={}ms", ramp.as_millis()))
         .arg(format!("--size={VOLUME_BYTES}"))
-        .env("CEPH_CONF", &s.cluster()?.conf)
+        .env("CEPH_CONF", &s.cluster()?.nocache)
         .output()
         .map_err(|e| format!("running fio: {e}"))?;
     if !out.status.success() {
@@ -615,12 +629,34 @@ fn check_goals(rows: &[Row]) -> Vec<GoalResult> {
     out
 }
 
+/// Which targets a run measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    All,
+    /// The NBD targets: no Ceph cluster.
+    NbdOnly,
+    /// The Ceph RBD targets: no nbdkit.
+    RbdOnly,
+}
+
+impl Part {
+    /// From the command line's `--nbd-only` and `--rbd-only` (which exclude each other).
+    pub fn of(nbd_only: bool, rbd_only: bool) -> Part {
+        match (nbd_only, rbd_only) {
+            (true, _) => Part::NbdOnly,
+            (false, true) => Part::RbdOnly,
+            (false, false) => Part::All,
+        }
+    }
+}
+
 pub fn measure(
     runs: usize,
     quick: bool,
     progress: bool,
-    nbd_only: bool,
+    part: Part,
 ) -> Result<RemoteReport, String> {
+    let nbd_only = part == Part::NbdOnly;
     for (p, pkg) in [("fio", "fio"), ("nbdkit", "nbdkit")] {
         if !have(p) {
             return Err(format!("{p} not found (apt-get install {pkg})"));
@@ -666,10 +702,14 @@ pub fn measure(
         images(&setup, progress)?;
     }
     let mut servers = Vec::new();
-    kits(&setup, &mut servers)?;
+    if part == Part::RbdOnly {
+        skipped.push("the NBD targets: --rbd-only".to_string());
+    } else {
+        kits(&setup, &mut servers)?;
+    }
     let mut targets = Vec::new();
     for t in Target::ALL {
-        if t.on_ceph() && setup.cluster.is_none() {
+        if t.on_ceph() && setup.cluster.is_none() || !t.on_ceph() && part == Part::RbdOnly {
             continue;
         }
         let needs_qsd = matches!(

@@ -31,12 +31,21 @@ pub const REQUEST_BYTES_MAX: usize = 64 << 20;
 /// volume only issues whole sectors, and 512 is the smallest.
 pub const LOGICAL_BLOCK_BYTES: u32 = 512;
 
+/// `rbd_cache` unless the caller's settings say otherwise: off. librbd's default cache policy
+/// (write-around) acknowledges a write before the OSDs commit it and holds a failed write-back
+/// for the next flush to report: one flush, image-wide. With several threads flushing (the
+/// engine's workers do), another thread's flush can succeed although its write never landed:
+/// `tests/rbd_osd_death.rs` saw exactly that with the OSD killed. With the cache off every write
+/// returns the OSDs' own answer. Caching belongs above the volume (the page cache over the NBD,
+/// FUSE or ublk device), where it also holds plaintext rather than ciphertext.
+pub const RBD_CACHE_DEFAULT: &str = "false";
+
 /// How a FUA write ([`Backend::write_at_fua`]) is made durable, decided at open from the
 /// image's effective cache settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FuaPath {
-    /// One write with librados' FUA op flag: with librbd's cache off, write-through or
-    /// write-around (its default) the write completes once the OSDs committed it.
+    /// One write with librados' FUA op flag: with librbd's cache off (ucrypt's default),
+    /// write-through or write-around the write completes once the OSDs committed it.
     Native,
     /// A write, then a flush of the image: librbd's write-back caches (`rbd_cache_policy =
     /// writeback`, the persistent write-log cache) may hold a FUA write back, so only a flush
@@ -158,6 +167,9 @@ impl RbdBackend {
         ] {
             settings.push((key.into(), timeout_secs.to_string()));
         }
+        // librbd's own cache off (see `RBD_CACHE_DEFAULT`). Before the caller's settings, which
+        // may turn it back on.
+        settings.push(("rbd_cache".into(), RBD_CACHE_DEFAULT.into()));
         // Write buffers belong to the request (see `ffi`), so librbd need not copy them again.
         // Before the caller's settings, which may turn it back on.
         settings.push(("rbd_disable_zero_copy_writes".into(), "false".into()));

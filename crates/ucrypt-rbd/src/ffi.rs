@@ -36,6 +36,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -335,6 +336,14 @@ impl Drop for Pool {
 /// new requests fail at once instead of piling up memory behind a dead cluster.
 pub const ABANDONED_MAX: usize = 64;
 
+/// How long dropping an [`Image`] waits for librbd's close, in request deadlines. Closing
+/// waits for what librbd still has in flight and releases the image's lock; against a cluster
+/// that answers, each step ends within librados' op time-outs. With an OSD gone, librbd 16's
+/// close was seen never to return (the cache off, writes given up at their deadline): past
+/// this wait the close is left to finish, or not, on its own thread, holding the image, the
+/// pool and the cluster handle, so that the caller (a daemon shutting down) does not hang.
+pub const CLOSE_WAIT_DEADLINES: u32 = 3;
+
 /// An open RBD image (`rbd_image_t`).
 pub struct Image {
     h: ImageT,
@@ -342,7 +351,8 @@ pub struct Image {
     deadline: Duration,
     /// Requests given up and still in librbd's hands (see [`ABANDONED_MAX`]).
     abandoned: Arc<AtomicUsize>,
-    pool: Pool,
+    /// Taken (once) by `drop`, which hands it to the closing thread.
+    pool: ManuallyDrop<Pool>,
 }
 
 // SAFETY: the handle is a pointer to librbd's ImageCtx, which does not depend on the thread
@@ -386,7 +396,7 @@ impl Pool {
             h,
             deadline,
             abandoned: Arc::new(AtomicUsize::new(0)),
-            pool: self,
+            pool: ManuallyDrop::new(self),
         })
     }
 }
@@ -604,12 +614,50 @@ impl Image {
 }
 
 impl Drop for Image {
+    /// Closes the image on a thread of its own and waits for it at most
+    /// [`CLOSE_WAIT_DEADLINES`] request deadlines.
     fn drop(&mut self) {
-        // SAFETY: `h` came from rbd_open and is closed once, here. Requests still in flight
-        // (given up at their deadline) own their buffers and completions; librbd completes
-        // them before its close returns, and their callbacks touch only what they own and the
-        // libraries, which outlive this. The pool and then the cluster are released after.
-        unsafe { (self.lib().fns.rbd_close)(self.h) };
+        // SAFETY: `pool` is taken once, here, and `self` is not used after this but for `h`
+        // and `deadline`.
+        let pool = unsafe { ManuallyDrop::take(&mut self.pool) };
+        let closing = Closing { h: self.h, pool };
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        // If the thread cannot be made, the closure (and `closing` in it) is dropped here,
+        // which closes the image on this thread.
+        let spawned = std::thread::Builder::new()
+            .name("rbd-close".into())
+            .spawn(move || {
+                drop(closing);
+                let _ = tx.send(());
+            });
+        let wait = self.deadline.saturating_mul(CLOSE_WAIT_DEADLINES);
+        if spawned.is_ok() && rx.recv_timeout(wait).is_err() {
+            eprintln!(
+                "ucrypt: closing an rbd image took longer than {wait:?}; left to finish in the \
+                 background"
+            );
+        }
+    }
+}
+
+/// An image being closed: `rbd_close`, then the pool and the cluster, in that order.
+struct Closing {
+    h: ImageT,
+    pool: Pool,
+}
+
+// SAFETY: see `Image`'s Send: librbd's image handle may be closed on any thread, and the pool
+// and cluster handles are released after it on the same thread.
+unsafe impl Send for Closing {}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        // SAFETY: `h` came from rbd_open and is closed once, here (the `Image` it came from
+        // gave it up). Requests still in flight (given up at their deadline) own their buffers
+        // and completions; librbd completes them before its close returns, and their callbacks
+        // touch only what they own and the libraries, which outlive this. The pool and then the
+        // cluster are released after, when the field drops.
+        unsafe { (self.pool.cluster.lib.fns.rbd_close)(self.h) };
     }
 }
 

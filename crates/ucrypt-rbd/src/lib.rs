@@ -27,6 +27,6 @@ mod backend;
 mod ffi;
 mod spec;
 
-pub use backend::{FuaPath, RbdBackend, LOGICAL_BLOCK_BYTES, REQUEST_BYTES_MAX};
-pub use ffi::{ABANDONED_MAX, RADOS_LIBRARY, RBD_LIBRARY, RBD_PACKAGE};
+pub use backend::{FuaPath, RbdBackend, LOGICAL_BLOCK_BYTES, RBD_CACHE_DEFAULT, REQUEST_BYTES_MAX};
+pub use ffi::{ABANDONED_MAX, CLOSE_WAIT_DEADLINES, RADOS_LIBRARY, RBD_LIBRARY, RBD_PACKAGE};
 pub use spec::{RbdOptions, RbdSpec, RBD_PREFIX, REMOTE_TIMEOUT_DEFAULT, SETTINGS_MAX};

@@ -169,11 +169,11 @@ fn zeroes_discard_flush(c: &Cluster) {
     assert!(c.export(&name) == expect, "rbd export differs");
 }
 
-/// A FUA write takes librados' FUA flag where librbd's cache lets it through (the default,
-/// write-around) and a write plus a flush where a write-back cache may hold it, as the image's
-/// effective settings say: the client's configuration or the image's own metadata. Either way,
-/// once it returns another client (`rbd export`) reads it, with no flush and the image still
-/// open.
+/// A FUA write takes librados' FUA flag where librbd's cache lets it through (off, ucrypt's
+/// default; write-around, librbd's) and a write plus a flush where a write-back cache may hold
+/// it, as the image's effective settings say: the client's configuration or the image's own
+/// metadata. Either way, once it returns another client (`rbd export`) reads it, with no flush
+/// and the image still open.
 fn fua_follows_the_cache_policy(c: &Cluster) {
     let name = image_name("fua");
     c.create_image(&name, "8M");
@@ -189,14 +189,17 @@ fn fua_follows_the_cache_policy(c: &Cluster) {
             b.fua_path()
         );
     };
-    // Defaults: rbd_cache on, write-around.
+    // Defaults: librbd's cache off.
     let b = open(c, &name);
     assert_eq!(b.fua_path(), &FuaPath::Native);
     check(&b, MIB, 1);
     drop(b);
-    // Write-back named by the client. Dirty data may stay in the cache for 30 s, so a write
-    // that is not made durable is not in the export.
+    // The cache turned back on by the client, write-back. Dirty data may stay in the cache for
+    // 30 s, so a write that is not made durable is not in the export.
     let mut spec = c.spec(&name);
+    spec.options
+        .settings
+        .push(("rbd_cache".into(), "true".into()));
     spec.options
         .settings
         .push(("rbd_cache_max_dirty_age".into(), "30".into()));
@@ -228,11 +231,18 @@ fn fua_follows_the_cache_policy(c: &Cluster) {
     );
     check(&b, 3 * MIB, 3);
     drop(b);
-    // The cache off: FUA is a plain write that completes on commit.
+    // The cache on with librbd's own default policy, write-around: FUA goes through.
+    c.rbd(&[
+        "config",
+        "image",
+        "remove",
+        &format!("rbd/{name}"),
+        "rbd_cache_policy",
+    ]);
     let mut spec = c.spec(&name);
     spec.options
         .settings
-        .push(("rbd_cache".into(), "false".into()));
+        .push(("rbd_cache".into(), "true".into()));
     let b = RbdBackend::open(&spec).unwrap();
     assert_eq!(b.fua_path(), &FuaPath::Native);
     check(&b, 4 * MIB, 4);

@@ -4,13 +4,13 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use ucrypt::backend::Backend;
 use ucrypt::ErrorKind;
-use ucrypt_rbd::RbdBackend;
+use ucrypt_rbd::{RbdBackend, CLOSE_WAIT_DEADLINES};
 
 /// Short, so the test is quick; the default is 30 s.
 const REMOTE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -24,32 +24,78 @@ fn osd_killed_mid_run() {
     run_cases("osd-death", &[("io_fails_within_remote_timeout", io_fails)]);
 }
 
+/// One request a worker made after the kill was decided: what, when it began and ended, and
+/// whether it succeeded.
+struct Step {
+    what: &'static str,
+    began: Instant,
+    ended: Instant,
+    ok: bool,
+}
+
+/// How a worker thread ended: its first error, when, and the requests it made after the kill.
+struct Ended {
+    at: Instant,
+    error: ucrypt::Error,
+    after_kill: bool,
+    requests: u64,
+    steps: Vec<Step>,
+}
+
+/// Margin after `kill` returned for the OSD's sockets to close: a request begun later cannot
+/// have reached the OSD.
+const DEAD_MARGIN: Duration = Duration::from_millis(100);
+
 fn io_fails(c: &Cluster) {
     let name = image_name("death");
     c.create_image(&name, "64M");
     let mut spec = c.spec(&name);
     spec.options.remote_timeout = REMOTE_TIMEOUT;
     let b = Arc::new(RbdBackend::open(&spec).unwrap());
-    // Writers and readers at fresh offsets (so that no cache answers), until the first error.
+    // Writers (write, then flush) and readers at fresh offsets (so that no cache answers), each
+    // until its first error; every thread flushes on its own, as the engine's workers do.
     let killed = Arc::new(AtomicBool::new(false));
-    let kill_time = Arc::new(Mutex::new(None::<Instant>));
     let workers: Vec<_> = (0..THREADS)
         .map(|t| {
             let (b, killed) = (Arc::clone(&b), Arc::clone(&killed));
             std::thread::spawn(move || {
+                let mut steps = Vec::new();
+                let mut step = |what: &'static str, began: Instant, r: ucrypt::Result<()>| {
+                    if killed.load(Ordering::SeqCst) {
+                        let (ended, ok) = (Instant::now(), r.is_ok());
+                        steps.push(Step {
+                            what,
+                            began,
+                            ended,
+                            ok,
+                        });
+                    }
+                    r
+                };
                 let mut n = 0u64;
                 loop {
                     let off = ((n * THREADS as u64 + t as u64) * 65536) % (64 << 20);
                     let r = if t % 2 == 0 {
-                        b.write_at(&[t as u8 + 1; 65536], off)
-                            .and_then(|()| b.flush())
+                        let t0 = Instant::now();
+                        step("write", t0, b.write_at(&[t as u8 + 1; 65536], off)).and_then(|()| {
+                            let t1 = Instant::now();
+                            step("flush", t1, b.flush())
+                        })
                     } else {
                         let mut buf = vec![0u8; 65536];
-                        b.read_at(&mut buf, off).map(drop)
+                        let t0 = Instant::now();
+                        step("read", t0, b.read_at(&mut buf, off).map(drop))
                     };
                     n += 1;
-                    if let Err(e) = r {
-                        return (Instant::now(), e, killed.load(Ordering::SeqCst), n);
+                    if let Err(error) = r {
+                        let after_kill = killed.load(Ordering::SeqCst);
+                        return Ended {
+                            at: Instant::now(),
+                            error,
+                            after_kill,
+                            requests: n,
+                            steps,
+                        };
                     }
                 }
             })
@@ -59,30 +105,52 @@ fn io_fails(c: &Cluster) {
     std::thread::sleep(Duration::from_secs(2));
     let pid = c.osd_pid();
     killed.store(true, Ordering::SeqCst);
-    *kill_time.lock().unwrap() = Some(Instant::now());
+    let killed_at = Instant::now();
     let st = std::process::Command::new("kill")
         .args(["-KILL", &pid.to_string()])
         .status()
         .unwrap();
     assert!(st.success(), "kill the OSD");
-    let killed_at = kill_time.lock().unwrap().unwrap();
+    let dead_at = Instant::now() + DEAD_MARGIN;
     println!("killed the OSD (pid {pid})");
     let limit = REMOTE_TIMEOUT + SLACK;
-    let mut results = Vec::new();
+    let since = |i: Instant| i.saturating_duration_since(killed_at).as_secs_f64();
+    let mut ends = Vec::new();
     for (t, w) in workers.into_iter().enumerate() {
-        let (at, e, after_kill, n) = within("an I/O thread", limit * 4, move || w.join().unwrap());
+        let end = within("an I/O thread", limit * 4, move || w.join().unwrap());
         println!(
-            "thread {t}: {n} requests, failed {:.1} s after the kill: {e}",
-            at.duration_since(killed_at).as_secs_f64()
+            "thread {t}: {} requests, failed {:.1} s after the kill: {}",
+            end.requests,
+            since(end.at),
+            end.error
         );
-        results.push((at, e, after_kill));
+        for s in end.steps.iter().rev().take(8).rev() {
+            let ok = if s.ok { "ok" } else { "failed" };
+            println!(
+                "  {} {:.2}..{:.2} s {ok}",
+                s.what,
+                since(s.began),
+                since(s.ended)
+            );
+        }
+        ends.push(end);
     }
-    for (t, (at, e, after_kill)) in results.into_iter().enumerate() {
-        assert!(after_kill, "thread {t} failed before the kill: {e}");
+    for (t, end) in ends.iter().enumerate() {
+        let e = &end.error;
+        assert!(end.after_kill, "thread {t} failed before the kill: {e}");
+        // Nothing acknowledged is lost: no flush succeeds after a write that began once the
+        // OSD was dead (that write cannot be on it).
+        for w in end.steps.windows(2) {
+            assert!(
+                !(w[0].what == "write" && w[0].began > dead_at && w[1].what == "flush" && w[1].ok),
+                "thread {t}: a write begun {:.2} s after the kill was acknowledged by a flush",
+                since(w[0].began)
+            );
+        }
         assert!(
-            at.duration_since(killed_at) <= limit,
+            end.at.duration_since(killed_at) <= limit,
             "thread {t}: the error came {:?} after the kill (limit {limit:?})",
-            at.duration_since(killed_at)
+            end.at.duration_since(killed_at)
         );
         assert_eq!(e.kind(), ErrorKind::Device, "{e}");
         assert!(e.to_string().contains(&name), "{e}");
@@ -108,8 +176,9 @@ fn io_fails(c: &Cluster) {
         t0.elapsed()
     );
     // Closing waits for librbd to finish the given-up requests and to try to release the
-    // image's lock, each bounded by librados' op time-out: a few time-outs, not a hang.
+    // image's lock, at most CLOSE_WAIT_DEADLINES time-outs; then it is left to librbd.
     let t0 = Instant::now();
-    within("closing the image", REMOTE_TIMEOUT * 6, move || drop(b));
+    let wait = REMOTE_TIMEOUT * (CLOSE_WAIT_DEADLINES + 1);
+    within("closing the image", wait, move || drop(b));
     println!("closed in {:.1} s", t0.elapsed().as_secs_f64());
 }
