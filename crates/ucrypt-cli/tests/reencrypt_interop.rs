@@ -2721,3 +2721,121 @@ fn argon2_keyslot_copied_as_cryptsetup_copies_it() {
     cryptsetup_opens_slot(&img, &key2, 0);
     assert!(exported(&t, &img, &key2) == plain);
 }
+
+/// The resilience named in a reencryption's keyslot, as cryptsetup's luksDump shows it.
+fn resilience_shown(img: &Path) -> Option<String> {
+    dump(img).lines().find_map(|l| {
+        l.trim()
+            .strip_prefix("Resilience:")
+            .map(|r| r.trim().to_string())
+    })
+}
+
+/// `--resume-only --resilience` switches a reencryption's resilience (cryptsetup 2.6), both
+/// ways: one tool starts with checksum, the other resumes with journal and is SIGKILLed
+/// mid-way, and the first finishes from the switched header (which its reencryption digest
+/// check accepts); data intact. A switch away from a data shift's resilience is refused with
+/// cryptsetup's words and exit code, nothing written.
+#[test]
+fn resilience_switches_on_resume_both_ways() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let mut x = seed() | 1;
+    // (starts, switches, finishes, MiB, kill after ms at least, plus up to). cryptsetup takes
+    // ~0.8 s to switch here (its start), then ~1.4 s for 80 MiB of 64 KiB hotzones.
+    for (starts, switches, finishes, mib, min_ms, span_ms) in [
+        ("cryptsetup", UCRYPT, "cryptsetup", 80, 150, 450),
+        (UCRYPT, "cryptsetup", UCRYPT, 160, 1000, 2000),
+    ] {
+        let mut switched_mid_way = 0;
+        for round in 0..4 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let t = TempDir::new("switch");
+            let (img, key, plain) = volume(&t, mib, [512, 4096][round % 2]);
+            let mut init = vec!["reencrypt", "-q", "--init-only", "--resilience", "checksum"];
+            init.extend(FAST_PBKDF2);
+            init.extend(["--key-file", s(&key), s(&img)]);
+            ok(starts, &init);
+            // Small hotzones, each committed: the run takes long enough to be cut mid-way.
+            let mut cmd = Command::new(switches);
+            cmd.args([
+                "reencrypt",
+                "-q",
+                "--resume-only",
+                "--force-offline-reencrypt",
+            ])
+            .args(["--resilience", "journal", "--hotzone-size", "64K"])
+            .args(["--key-file", s(&key), s(&img)]);
+            let delay = Duration::from_millis(min_ms + x % span_ms);
+            let killed = kill_after(cmd, delay);
+            let shown = resilience_shown(&img);
+            println!(
+                "{switches} switching, round {round}: killed={killed} after {delay:?}: {shown:?}"
+            );
+            if in_reencryption(&img) {
+                switched_mid_way += usize::from(shown.as_deref() == Some("journal"));
+                if in_hotzone(&img) {
+                    ok(finishes, &["repair", "-q", "--key-file", s(&key), s(&img)]);
+                }
+                let resume = [
+                    "reencrypt",
+                    "-q",
+                    "--resume-only",
+                    "--force-offline-reencrypt",
+                    "--key-file",
+                    s(&key),
+                    s(&img),
+                ];
+                ok(finishes, &resume);
+            }
+            cryptsetup_accepts(&img, &key);
+            assert!(
+                exported(&t, &img, &key) == plain,
+                "{switches} round {round}: data"
+            );
+        }
+        assert!(
+            switched_mid_way > 0,
+            "{switches} never left a switched reencryption mid-way in 4 rounds"
+        );
+    }
+    // A data shift's resilience stays: refused by both, the header untouched.
+    let t = TempDir::new("switch-shift");
+    let img = t.path("plain.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(64 << 20))
+        .expect("image");
+    let key = t.path("key");
+    std::fs::write(&key, b"rotate-me").expect("key");
+    let mut init = vec!["reencrypt", "-q", "--encrypt", "--init-only"];
+    init.extend(["--reduce-device-size", "32M"]);
+    init.extend(FAST_PBKDF2);
+    init.extend(["--key-file", s(&key), s(&img)]);
+    ok("cryptsetup", &init);
+    let before = std::fs::read(&img).expect("read");
+    for tool in [UCRYPT, "cryptsetup"] {
+        let o = run(
+            tool,
+            &[
+                "reencrypt",
+                "--resume-only",
+                "--force-offline-reencrypt",
+                "--resilience",
+                "checksum",
+                "--key-file",
+                s(&key),
+                s(&img),
+            ],
+        );
+        assert_eq!(o.status.code(), Some(1), "{tool}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("Requested --resilience option cannot be applied"),
+            "{tool}: {err}"
+        );
+        assert!(std::fs::read(&img).expect("read") == before, "{tool} wrote");
+    }
+}

@@ -16,11 +16,11 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::reencrypt::Mode;
+use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::reencrypt_run::{
     init, init_decrypt_unshift, init_encrypt, init_encrypt_shift, init_on, recover, recover_on,
-    resume, resume_on, Devices, EncryptOptions, InitOptions, KeyslotKdf, Recovery, ResilienceKind,
-    RunOptions, SegmentChange, UnshiftOptions, CHECKSUM_HASH,
+    resume, resume_on, Devices, EncryptOptions, InitOptions, KeyslotKdf, Recovery, ResilienceAsked,
+    ResilienceKind, RunOptions, SegmentChange, UnshiftOptions, CHECKSUM_HASH,
 };
 use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
@@ -109,6 +109,7 @@ fn rotate_hashed(
         PASS,
         RunOptions {
             hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
         },
         &mut |_| {},
     )
@@ -131,6 +132,7 @@ fn finish(dev: &dyn Backend) -> Result<Recovery> {
         PASS,
         RunOptions {
             hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
         },
         &mut |_| {},
     )?;
@@ -538,6 +540,7 @@ fn decrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind) -> Result<()> {
         PASS,
         RunOptions {
             hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
         },
         &mut |_| {},
     )
@@ -560,6 +563,7 @@ fn finish_decrypt(disk: Arc<CrashBackend>) -> Result<(Recovery, Vec<u8>, luks::H
                 PASS,
                 RunOptions {
                     hotzone_bytes: Some(HOTZONE_BYTES),
+                    ..Default::default()
                 },
                 &mut |_| {},
             )?;
@@ -787,6 +791,7 @@ fn encrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind, sector: u32) -> Res
         PASS,
         RunOptions {
             hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
         },
         &mut |_| {},
     )
@@ -813,6 +818,7 @@ fn finish_encrypt(disk: Arc<CrashBackend>) -> Result<(Recovery, Option<Vec<u8>>)
                 PASS,
                 RunOptions {
                     hotzone_bytes: Some(HOTZONE_BYTES),
+                    ..Default::default()
                 },
                 &mut |_| {},
             )?;
@@ -974,6 +980,7 @@ fn encrypt_shift_all(dev: &dyn Backend, sector: u32) -> Result<()> {
         PASS,
         RunOptions {
             hotzone_bytes: Some(128 << 10),
+            ..Default::default()
         },
         &mut |_| {},
     )
@@ -1310,6 +1317,7 @@ fn unshift_all(disk: Arc<dyn Backend>, moved: Option<u64>) -> Result<()> {
         PASS,
         RunOptions {
             hotzone_bytes: Some(UNSHIFT_PIECE),
+            ..Default::default()
         },
         &mut |_| {},
     )
@@ -1559,6 +1567,90 @@ fn power_cut_during_unshift_decryption() {
         assert!(
             seen.get("Decrypted true").copied().unwrap_or(0) > moved_recovered,
             "no cut inside a hotzone of the walk"
+        );
+    }
+}
+
+/// A resume that switches resilience (`--resume-only --resilience`, as cryptsetup 2.6): a
+/// rotation started with one resilience, cut at every write and flush of the resume that
+/// switches it (the header commit of the switch, then the hotzones). After each cut the
+/// header names the old resilience or the new one, recovery and a resume (without a switch)
+/// finish, and every byte reads back.
+#[test]
+fn power_cut_around_a_resilience_switch() {
+    let mut next = rng();
+    let want = plaintext();
+    let unit = 4096;
+    for (from, to, to_name) in [
+        (
+            ResilienceKind::Checksum,
+            ResilienceAsked::InPlace(ResilienceKind::Journal, CHECKSUM_HASH),
+            "journal",
+        ),
+        (
+            ResilienceKind::Journal,
+            ResilienceAsked::InPlace(ResilienceKind::Checksum, HashAlg::Sha512),
+            "checksum",
+        ),
+        (
+            ResilienceKind::None,
+            ResilienceAsked::InPlace(ResilienceKind::Checksum, CHECKSUM_HASH),
+            "checksum",
+        ),
+    ] {
+        let started = CrashBackend::from_image(base(4096), unit);
+        let opts = InitOptions {
+            resilience: from,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Reencrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
+        };
+        init(&started, PASS, &opts).expect("init");
+        let img = started.crash_image(0);
+        let run = |dev: &dyn Backend| {
+            let opts = RunOptions {
+                hotzone_bytes: Some(HOTZONE_BYTES),
+                resilience: Some(to),
+            };
+            resume(dev, PASS, opts, &mut |_| {})
+        };
+        let counter = Cut {
+            inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+            budget: u64::MAX,
+            used: AtomicU64::new(0),
+        };
+        run(&counter).expect("uncut resume");
+        let total = counter.used.load(Ordering::SeqCst);
+        let mut seen_new = 0;
+        for budget in 0..=total {
+            let cut = Cut {
+                inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
+                budget,
+                used: AtomicU64::new(0),
+            };
+            assert_eq!(run(&cut).is_ok(), budget == total, "budget {budget}");
+            let s = next();
+            let dev = CrashBackend::from_image(cut.inner.crash_image(s), unit);
+            let what = format!("{from:?} to {to_name}: cut after {budget} of {total} (seed {s})");
+            if let Header::Luks2(h) = luks::read_header(&dev).expect("header") {
+                if let Some(st) = ReencryptState::from_metadata(&h.meta).expect("state") {
+                    let name = st.keyslot.resilience.name();
+                    let from_name = format!("{from:?}").to_lowercase();
+                    assert!(name == to_name || name == from_name, "{what}: {name}");
+                    seen_new += usize::from(name == to_name);
+                }
+            }
+            finish(&dev).unwrap_or_else(|e| panic!("{what}: recovery failed: {e}"));
+            let got = contents(dev.crash_image(0)).expect("finished volume opens");
+            assert!(got == want, "{what}: data differs");
+        }
+        assert!(seen_new > 0, "{from:?} to {to_name}: never switched");
+        println!(
+            "{from:?} to {to_name}: {} cuts, {seen_new} left it switched",
+            total + 1
         );
     }
 }

@@ -66,6 +66,7 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
         PASS,
         RunOptions {
             hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
         },
         &mut |_| {},
     )
@@ -346,6 +347,7 @@ fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
             PASS,
             RunOptions {
                 hotzone_bytes: Some(HOTZONE_BYTES),
+                ..Default::default()
             },
             &mut |_| {},
         )
@@ -363,6 +365,7 @@ fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
             PASS,
             RunOptions {
                 hotzone_bytes: Some(HOTZONE_BYTES),
+                ..Default::default()
             },
             &mut |_| {},
         );

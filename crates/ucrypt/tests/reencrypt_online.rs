@@ -213,6 +213,7 @@ fn rotate_online(
         PASS,
         RunOptions {
             hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
         },
         progress,
     )
@@ -311,6 +312,7 @@ fn a_volume_left_in_reencryption_opens_segmented_and_finishes_online() {
             PASS,
             RunOptions {
                 hotzone_bytes: Some(HOTZONE_BYTES),
+                ..Default::default()
             },
             &mut |_| {},
         );
@@ -436,6 +438,7 @@ fn a_detached_header_rotates_online() {
             PASS,
             RunOptions {
                 hotzone_bytes: Some(HOTZONE_BYTES),
+                ..Default::default()
             },
             &mut |_| {},
         );

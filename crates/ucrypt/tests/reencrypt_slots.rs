@@ -136,6 +136,7 @@ fn run(dev: &dyn Backend, pass: &[u8]) {
         pass,
         RunOptions {
             hotzone_bytes: Some(32 << 10),
+            ..Default::default()
         },
         &mut |_| {},
     )

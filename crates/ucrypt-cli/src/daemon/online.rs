@@ -94,7 +94,10 @@ pub fn start_rotation(
     let spawned = std::thread::Builder::new()
         .name("ucrypt-reencrypt".into())
         .spawn(move || {
-            let opts = luks::reencrypt_run::RunOptions { hotzone_bytes };
+            let opts = luks::reencrypt_run::RunOptions {
+                hotzone_bytes,
+                resilience: None,
+            };
             let header = header.as_ref().map(|h| h as &dyn ucrypt::backend::Backend);
             let r = luks::reencrypt_online::rotate(&vol, header, pass.as_ref(), opts, &mut |p| {
                 if let Some(rep) = lock(&report).as_mut() {

@@ -12,8 +12,8 @@ use ucrypt::backend::{Backend, CacheMode};
 use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::reencrypt::ReencryptState;
 use ucrypt::luks::reencrypt_run::{
-    self, Devices, InitOptions, KeyslotKdf, Progress, Recovery, ResilienceKind, RunOptions,
-    SegmentChange,
+    self, Devices, InitOptions, KeyslotKdf, Progress, Recovery, ResilienceAsked, ResilienceKind,
+    RunOptions, SegmentChange,
 };
 use ucrypt::luks::util::HashAlg;
 use ucrypt::luks::Header;
@@ -437,8 +437,19 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             passphrase
         }
     };
+    // On resume, `--resilience` switches the reencryption's resilience (cryptsetup 2.6); a
+    // new one was made with it already.
+    let switch = match (&in_progress, r.resilience.as_deref()) {
+        (Some(_), Some(name)) => Some(ResilienceAsked::from_name(name, resilience_hash(r)?)?),
+        _ => None,
+    };
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     if let Some(h) = holder {
+        if switch.is_some() {
+            return Err(not_built(
+                "--resilience on resume of a reencryption a ucrypt daemon runs",
+            ));
+        }
         drop(dev);
         let r = h.rotate(passphrase, hotzone_bytes, &mut |done, total| {
             meter.show(Progress { done, total })
@@ -451,7 +462,10 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     reencrypt_run::resume_on(
         devs,
         passphrase.as_ref(),
-        RunOptions { hotzone_bytes },
+        RunOptions {
+            hotzone_bytes,
+            resilience: switch,
+        },
         &mut |p| meter.show(p),
     )?;
     if o.verbose {
@@ -583,7 +597,10 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
     reencrypt_run::resume(
         dev.as_ref(),
         passphrase.as_ref(),
-        RunOptions { hotzone_bytes },
+        RunOptions {
+            hotzone_bytes,
+            resilience: None,
+        },
         &mut |p| meter.show(p),
     )?;
     Ok(0)
@@ -667,7 +684,10 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     reencrypt_run::resume_on(
         devs,
         passphrase.as_ref(),
-        RunOptions { hotzone_bytes },
+        RunOptions {
+            hotzone_bytes,
+            resilience: None,
+        },
         &mut |p| meter.show(p),
     )?;
     Ok(0)
@@ -763,14 +783,9 @@ fn decrypt_unshift(
         return Ok(0);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume_on(
-        devs,
-        passphrase.as_ref(),
-        RunOptions {
-            hotzone_bytes: None,
-        },
-        &mut |p| meter.show(p),
-    )?;
+    reencrypt_run::resume_on(devs, passphrase.as_ref(), RunOptions::default(), &mut |p| {
+        meter.show(p)
+    })?;
     if o.verbose {
         eprintln!("Command successful.");
     }

@@ -98,6 +98,42 @@ impl ResilienceKind {
     }
 }
 
+/// A resilience named when a reencryption is resumed (cryptsetup 2.6's `--resilience` with
+/// `--resume-only`), to replace the reencryption's own before its next hotzone
+/// ([`RunOptions::resilience`]). `checksum`, `journal` and `none` replace each other; a data
+/// shift's resilience cannot be switched to or away from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResilienceAsked {
+    /// `checksum` (with its hash), `journal` or `none`.
+    InPlace(ResilienceKind, HashAlg),
+    /// `datashift`.
+    Datashift,
+    /// `datashift-checksum` (with its hash).
+    DatashiftChecksum(HashAlg),
+    /// `datashift-journal`.
+    DatashiftJournal,
+}
+
+impl ResilienceAsked {
+    /// From cryptsetup's name and `--resilience-hash` (for the checksum kinds).
+    pub fn from_name(name: &str, hash: HashAlg) -> Result<Self> {
+        Ok(match name {
+            "datashift" => ResilienceAsked::Datashift,
+            "datashift-checksum" => ResilienceAsked::DatashiftChecksum(hash),
+            "datashift-journal" => ResilienceAsked::DatashiftJournal,
+            // cryptsetup 2.6.1's words.
+            "checksum" | "journal" | "none" => {
+                ResilienceAsked::InPlace(ResilienceKind::from_name(name)?, hash)
+            }
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "Unsupported resilience mode {name}"
+                )))
+            }
+        })
+    }
+}
+
 /// What the new segment changes (`--cipher`, `--key-size`, `--sector-size`); `None` keeps
 /// the old segment's. As cryptsetup: a new cipher without a key size gets that cipher's
 /// default key size, the same cipher keeps the old key size.
@@ -265,13 +301,24 @@ fn make_digest(
     segments: Vec<String>,
 ) -> Result<DigestJson> {
     let hash = kdf.hash;
-    let mut salt = vec![0u8; SALT_BYTES];
-    random_fill(&mut salt)?;
     let iterations = if kdf.force_iterations.is_some() {
         PBKDF2_ITERATIONS_MIN
     } else {
         calibrate_pbkdf2(hash, DIGEST_TIME_MS, secret.len())
     };
+    make_digest_with(hash, iterations, secret, keyslots, segments)
+}
+
+/// [`make_digest`] with a given hash and iteration count (and a new salt).
+fn make_digest_with(
+    hash: HashAlg,
+    iterations: u32,
+    secret: &[u8],
+    keyslots: Vec<String>,
+    segments: Vec<String>,
+) -> Result<DigestJson> {
+    let mut salt = vec![0u8; SALT_BYTES];
+    random_fill(&mut salt)?;
     let mut out = vec![0u8; hash.output_bytes()];
     hash.pbkdf2(secret, &salt, iterations, &mut out);
     Ok(DigestJson {
@@ -1413,15 +1460,19 @@ fn cipher_of(
     ))
 }
 
-fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
+fn open_rotation(
+    devs: Devices<'_>,
+    passphrase: &[u8],
+    asked: Option<ResilienceAsked>,
+) -> Result<Unlocked> {
     let dev = devs.header;
     let header = read_header(dev)?;
     let hdr_any = header.clone();
-    let h = luks2(header)?;
-    let st = ReencryptState::from_metadata(&h.meta)?.ok_or_else(|| {
+    let mut h = luks2(header)?;
+    let mut st = ReencryptState::from_metadata(&h.meta)?.ok_or_else(|| {
         Error::InvalidArgument("the device is not in reencryption (nothing to resume)".into())
     })?;
-    let protect = check_supported(&st)?;
+    let mut protect = check_supported(&st)?;
     let d_old = digest_of_segment(&h.meta, st.backup_previous);
     let d_new = digest_of_segment(&h.meta, st.backup_final);
     let new_vk = d_new
@@ -1431,6 +1482,12 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
         .map(|d| unlock_digest(dev, &hdr_any, &h.meta, d, passphrase))
         .transpose()?;
     h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
+    if let Some(asked) = asked {
+        let keys = (old_vk.as_ref(), new_vk.as_ref());
+        if switch_resilience(dev, &mut h, &mut st, asked, keys)? {
+            protect = check_supported(&st)?;
+        }
+    }
     let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, old_vk.as_ref())?;
     let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, new_vk.as_ref())?;
     let new_key = new
@@ -1528,6 +1585,115 @@ fn open_rotation(devs: Devices<'_>, passphrase: &[u8]) -> Result<Unlocked> {
     })
 }
 
+/// Rewrites the reencrypt keyslot's area for the resilience `asked` (its offset and size
+/// kept) and the reencryption digest over it with the volume `keys` (old, new), and commits
+/// the header: what cryptsetup 2.6 does when a resume names another resilience. Returns
+/// whether anything changed; nothing is written when `asked` is what the header has. Refused
+/// with nothing written: a volume left inside a hotzone (its recovery needs the resilience it
+/// was written with), and a switch to or away from a data shift's resilience (cryptsetup's
+/// words). Crash-safe as any header commit: both copies, the new one or the old one.
+fn switch_resilience(
+    dev: &dyn Backend,
+    h: &mut Luks2Header,
+    st: &mut ReencryptState,
+    asked: ResilienceAsked,
+    keys: (Option<&VolumeKey>, Option<&VolumeKey>),
+) -> Result<bool> {
+    use super::reencrypt::Resilience as R;
+    let invalid =
+        || Error::InvalidArgument("Invalid reencryption resilience mode change requested.".into());
+    let checksum = |hash: HashAlg| R::Checksum {
+        hash: hash.name().into(),
+        sector_size: CHECKSUM_BLOCK_BYTES,
+    };
+    let wanted = match (&st.keyslot.resilience, asked) {
+        (R::Datashift { .. }, ResilienceAsked::Datashift) => return Ok(false),
+        // cryptsetup 2.6.1's words.
+        (R::Datashift { .. }, _) => {
+            return Err(Error::InvalidArgument(
+                "Device is in reencryption using datashift resilience. Requested --resilience \
+                 option cannot be applied."
+                    .into(),
+            ))
+        }
+        (R::DatashiftChecksum { hash, .. }, ResilienceAsked::DatashiftChecksum(a))
+            if hash == a.name() =>
+        {
+            return Ok(false)
+        }
+        (
+            R::DatashiftChecksum { .. } | R::DatashiftJournal { .. },
+            ResilienceAsked::DatashiftChecksum(_) | ResilienceAsked::DatashiftJournal,
+        ) => {
+            return Err(Error::UnsupportedLuks(
+                "switching the resilience of a decryption that moves the data (ucrypt keeps \
+                 its datashift-checksum)"
+                    .into(),
+            ))
+        }
+        (R::None | R::Checksum { .. } | R::Journal, ResilienceAsked::InPlace(kind, hash)) => {
+            match kind {
+                ResilienceKind::None => R::None,
+                ResilienceKind::Journal => R::Journal,
+                ResilienceKind::Checksum => checksum(hash),
+            }
+        }
+        _ => return Err(invalid()),
+    };
+    if wanted == st.keyslot.resilience {
+        return Ok(false);
+    }
+    if st.needs_recovery() {
+        return Err(Error::NeedsRecovery);
+    }
+    let rk = st.keyslot.id.to_string();
+    let area = h
+        .meta
+        .keyslots
+        .get_mut(&rk)
+        .and_then(|k| k.area.as_mut())
+        .ok_or(Error::Bug("the reencrypt keyslot has no area"))?;
+    for field in ["hash", "sector_size", "shift_size"] {
+        area.extra.remove(field);
+    }
+    area.kind = wanted.name().into();
+    if let R::Checksum { hash, sector_size } = &wanted {
+        area.extra.insert("hash".into(), hash.as_str().into());
+        area.extra
+            .insert("sector_size".into(), (*sector_size).into());
+    }
+    *st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(
+        &h.meta,
+        st,
+        keys.0.map(VolumeKey::bytes),
+        keys.1.map(VolumeKey::bytes),
+    )?;
+    let (id, old_digest) = h
+        .meta
+        .digest_for_keyslot(&rk)
+        .ok_or(Error::Bug("the reencrypt keyslot has no digest"))?;
+    let id = id.clone();
+    // The digest's hash and cost kept (it was verified with them), with a new salt.
+    let hash = old_digest
+        .hash
+        .as_deref()
+        .map(HashAlg::from_name)
+        .transpose()?
+        .unwrap_or(HashAlg::Sha256);
+    let iterations = old_digest
+        .iterations
+        .unwrap_or(PBKDF2_ITERATIONS_MIN)
+        .max(PBKDF2_ITERATIONS_MIN);
+    let digest = make_digest_with(hash, iterations, data.as_ref(), vec![rk], vec![])?;
+    h.meta.digests.insert(id, digest);
+    let mut ops = h.commit()?;
+    ops.push(WriteOp::Sync);
+    apply(dev, &ops)?;
+    Ok(true)
+}
+
 /// Progress of a rotation: bytes under the new key, of `total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
@@ -1540,6 +1706,9 @@ pub struct Progress {
 pub struct RunOptions {
     /// `--hotzone-size`: the largest hotzone; `None`: [`HOTZONE_BYTES_DEFAULT`].
     pub hotzone_bytes: Option<u64>,
+    /// A resilience to switch to before the next hotzone ([`ResilienceAsked`]); `None` keeps
+    /// the reencryption's own.
+    pub resilience: Option<ResilienceAsked>,
 }
 
 /// Decrypts `buf` (the old bytes at data offset `offset`) with the old key and encrypts it
@@ -1846,7 +2015,7 @@ pub fn resume_serving(
     progress: &mut dyn FnMut(Progress),
     serving: &mut dyn Serving,
 ) -> Result<()> {
-    let mut u = open_rotation(devs, passphrase)?;
+    let mut u = open_rotation(devs, passphrase, opts.resilience)?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
@@ -2150,7 +2319,7 @@ pub fn recover(dev: &dyn Backend, passphrase: &[u8]) -> Result<Recovery> {
 /// [`recover`] with the header on its own device (`--header`).
 pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
     let (hdr_dev, data_dev) = (devs.header, devs.data);
-    let mut u = open_rotation(devs, passphrase)?;
+    let mut u = open_rotation(devs, passphrase, None)?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     let Some(len) = pos.hotzone else {
         return Ok(Recovery::NotNeeded);
