@@ -1689,6 +1689,10 @@ fn unshift_ucrypt_decrypts_cryptsetup_reads() {
         (512u32, &[][..]),
         (4096, &[][..]),
         (4096, &["--hotzone-size", "1M"][..]),
+        (
+            512,
+            &["--resilience", "journal", "--hotzone-size", "4M"][..],
+        ),
     ] {
         let t = TempDir::new("unshift");
         let (img, key, plain) = volume(&t, 72, sector);
@@ -1717,10 +1721,21 @@ fn unshift_init_matches_cryptsetup_and_each_finishes_the_other() {
     if !have_cryptsetup() {
         return;
     }
-    for (sector, extra) in [
-        (512u32, &[][..]),
-        (4096, &[][..]),
-        (4096, &["--hotzone-size", "1M"][..]),
+    // (sector size, options, the reencrypt keyslot's area type, the moved segment's bytes).
+    // datashift-journal (--resilience journal) needs a moved segment the area holds.
+    let journal_8m = &["--resilience", "journal", "--hotzone-size", "8M"][..];
+    let journal_1m = &["--resilience", "journal", "--hotzone-size", "1M"][..];
+    for (sector, extra, area, m) in [
+        (512u32, &[][..], "datashift-checksum", 16usize << 20),
+        (4096, &[][..], "datashift-checksum", 16 << 20),
+        (
+            4096,
+            &["--hotzone-size", "1M"][..],
+            "datashift-checksum",
+            1 << 20,
+        ),
+        (4096, journal_8m, "datashift-journal", 8 << 20),
+        (512, journal_1m, "datashift-journal", 1 << 20),
     ] {
         let what = format!("{sector} {extra:?}");
         let t = TempDir::new("unshift-init");
@@ -1744,7 +1759,7 @@ fn unshift_init_matches_cryptsetup_and_each_finishes_the_other() {
         let (mine, theirs_meta) = (shift_metadata(&my_hdr), shift_metadata(&their_hdr));
         assert_eq!(mine, theirs_meta, "{what}");
         assert!(mine.contains("online-reencrypt-v3"), "{mine}");
-        assert!(mine.contains("datashift-checksum"), "{mine}");
+        assert!(mine.contains(area), "{what}: {mine}");
         for f in [&my_hdr, &their_hdr] {
             assert_eq!(ok(UCRYPT, &["dump", s(f)]), dump(f), "{what}: dump");
         }
@@ -1763,7 +1778,6 @@ fn unshift_init_matches_cryptsetup_and_each_finishes_the_other() {
             "{what}: keyslots area"
         );
         // The moved segment: the first ciphertext over the old header.
-        let m = if extra.is_empty() { 16 << 20 } else { 1 << 20 };
         assert!(my_raw[..m] == before[DATA_OFFSET as usize..DATA_OFFSET as usize + m]);
         // Each finishes the other's.
         ok(
@@ -2118,7 +2132,8 @@ fn in_moved_hotzone(hdr: &Path) -> bool {
 
 /// Each tool SIGKILLed inside the moved segment's hotzone (caught by watching the exported
 /// header, then a seeded delay of up to 60 ms into the in-place rewrite), the other repairs
-/// it from the checksums and finishes: the plaintext is intact.
+/// it from the checksums (in the last two rounds from the journal: datashift-journal) and
+/// finishes: the plaintext is intact.
 #[test]
 fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
     if !have_cryptsetup() {
@@ -2149,6 +2164,11 @@ fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
         if *runner == "cryptsetup" {
             extra.push("--force-offline-reencrypt");
         }
+        // The last two rounds protect the moved segment with a journal (datashift-journal).
+        let journal = round >= 4;
+        if journal {
+            extra.extend(["--resilience", "journal", "--hotzone-size", "8M"]);
+        }
         let mut child = Command::new(prog)
             .args(unshift_args(&key, &hdr, &extra))
             .arg(s(&img))
@@ -2170,7 +2190,8 @@ fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
         let killed = child.try_wait().expect("wait").is_none();
         let _ = child.kill();
         let _ = child.wait();
-        let what = format!("round {round}: {runner} killed={killed}, sector {sector}");
+        let what =
+            format!("round {round}: {runner} killed={killed}, sector {sector}, journal {journal}");
         let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
         println!("{what}: {left:?}");
         let fin = if *finisher == "ucrypt" {

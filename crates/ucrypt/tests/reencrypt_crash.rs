@@ -1297,6 +1297,16 @@ fn base_unshift(sector: u32) -> Vec<u8> {
 /// `reencrypt --decrypt --header NEW` of the volume: init (the header exported, the moved
 /// segment copied; `moved` is `--hotzone-size`), then every hotzone.
 fn unshift_all(disk: Arc<dyn Backend>, moved: Option<u64>) -> Result<()> {
+    unshift_all_with(disk, moved, ResilienceKind::Checksum)
+}
+
+/// [`unshift_all`] with the moved segment protected by `kind`: `datashift-checksum` or
+/// `datashift-journal`.
+fn unshift_all_with(
+    disk: Arc<dyn Backend>,
+    moved: Option<u64>,
+    kind: ResilienceKind,
+) -> Result<()> {
     let (h, d) = unshift_devs(&disk);
     let devs = Devices {
         header: h.as_ref(),
@@ -1309,6 +1319,7 @@ fn unshift_all(disk: Arc<dyn Backend>, moved: Option<u64>) -> Result<()> {
             kdf: &fast_kdf(),
             key_slot: None,
             moved_bytes: moved,
+            resilience: kind,
             resilience_hash: CHECKSUM_HASH,
         },
     )?;
@@ -1418,11 +1429,18 @@ fn finish_unshift(disk: Arc<CrashBackend>, base: &[u8]) -> Result<(Recovery, Uns
 #[test]
 fn unshift_decryption_leaves_the_plaintext() {
     let want = unshift_plaintext();
-    for sector in [512u32, 4096] {
-        for moved in [None, Some(128 << 10)] {
+    for (sector, moved, kind) in [
+        (512u32, None, ResilienceKind::Checksum),
+        (512, Some(128 << 10), ResilienceKind::Checksum),
+        (4096, None, ResilienceKind::Checksum),
+        (4096, Some(128 << 10), ResilienceKind::Checksum),
+        (512, Some(128 << 10), ResilienceKind::Journal),
+        (4096, Some(64 << 10), ResilienceKind::Journal),
+    ] {
+        {
             let base = base_unshift(sector);
             let disk = Arc::new(CrashBackend::from_image(base.clone(), 512));
-            unshift_all(disk.clone(), moved).expect("decrypt");
+            unshift_all_with(disk.clone(), moved, kind).expect("decrypt");
             let img = disk.crash_image(0);
             let v = UNSHIFT_S as usize;
             assert!(
@@ -1464,12 +1482,26 @@ fn unshift_refusals_write_nothing() {
         assert!(e.contains(what), "{moved:?}: {e}");
         assert!(disk.crash_image(0) == base, "{moved:?}: written");
     }
+    // A journal must hold the whole moved segment (one shift here, more than the area), and
+    // `none` protects nothing: cryptsetup's words for both.
+    for (kind, what) in [
+        (ResilienceKind::Journal, "Moved segment too large"),
+        (ResilienceKind::None, "cannot be applied"),
+    ] {
+        let disk = Arc::new(CrashBackend::from_image(base.clone(), 512));
+        let e = unshift_all_with(disk.clone(), None, kind)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(what), "{kind:?}: {e}");
+        assert!(disk.crash_image(0) == base, "{kind:?}: written");
+    }
     let disk: Arc<dyn Backend> = Arc::new(CrashBackend::from_image(base.clone(), 512));
     let (h, d) = unshift_devs(&disk);
     let opts = UnshiftOptions {
         kdf: &fast_kdf(),
         key_slot: None,
         moved_bytes: None,
+        resilience: ResilienceKind::Checksum,
         resilience_hash: CHECKSUM_HASH,
     };
     let e = init_decrypt_unshift(Devices::one(d.as_ref()), PASS, &opts).unwrap_err();
@@ -1509,26 +1541,30 @@ fn unshift_refusals_write_nothing() {
 fn power_cut_during_unshift_decryption() {
     let mut next = rng();
     let want = unshift_plaintext();
-    for (sector, unit, moved) in [
-        (512u32, 4096u64, None),
-        (4096, 4096, None),
-        (4096, 4096, Some(128 << 10)),
+    for (sector, unit, moved, kind) in [
+        (512u32, 4096u64, None, ResilienceKind::Checksum),
+        (4096, 4096, None, ResilienceKind::Checksum),
+        (4096, 4096, Some(128 << 10), ResilienceKind::Checksum),
+        // datashift-journal: the moved segment's old ciphertext whole in the area, so a
+        // torn 512-byte unit is recovered too.
+        (512, 512, Some(128 << 10), ResilienceKind::Journal),
+        (4096, 4096, Some(128 << 10), ResilienceKind::Journal),
     ] {
         let base = base_unshift(sector);
         let counter = Arc::new(Cut::new(base.clone(), unit, u64::MAX));
-        unshift_all(counter.clone(), moved).expect("uncut decryption");
+        unshift_all_with(counter.clone(), moved, kind).expect("uncut decryption");
         let total = counter.used.load(Ordering::SeqCst);
         let mut seen = std::collections::BTreeMap::new();
         let mut moved_recovered = 0;
         for budget in 0..=total {
             let cut = Arc::new(Cut::new(base.clone(), unit, budget));
-            let r = unshift_all(cut.clone(), moved);
+            let r = unshift_all_with(cut.clone(), moved, kind);
             assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
             let seed = next();
             let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(seed), unit));
             let what = format!(
-                "sector {sector} unit {unit} moved {moved:?}: cut after {budget} of {total} \
-                 (crash seed {seed})"
+                "{kind:?} sector {sector} unit {unit} moved {moved:?}: cut after {budget} of \
+                 {total} (crash seed {seed})"
             );
             let whole: Arc<dyn Backend> = kept.clone();
             let (h, d) = unshift_devs(&whole);
@@ -1548,7 +1584,7 @@ fn power_cut_during_unshift_decryption() {
                 .or_insert(0) += 1;
         }
         println!(
-            "unshift sector {sector} unit {unit} moved {moved:?}: {} cuts: {seen:?}, {moved_recovered} \
+            "unshift {kind:?} sector {sector} unit {unit} moved {moved:?}: {} cuts: {seen:?}, {moved_recovered} \
              inside the moved segment's hotzone",
             total + 1
         );

@@ -675,6 +675,7 @@ fn unshift_all(disk: Arc<dyn Backend>) -> Result<()> {
             kdf: &fast_kdf(),
             key_slot: None,
             moved_bytes: None,
+            resilience: ResilienceKind::Checksum,
             resilience_hash: CHECKSUM_HASH,
         },
     )?;

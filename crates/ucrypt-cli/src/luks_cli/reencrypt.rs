@@ -711,14 +711,9 @@ fn decrypt_unshift(
             "Device reencryption not in progress.".into(),
         ));
     }
-    match r.resilience.as_deref() {
-        None | Some("checksum") | Some("datashift-checksum") => {}
-        Some("journal") | Some("datashift-journal") => {
-            return Err(not_built(
-                "--resilience journal for a decryption that moves the data \
-                 (datashift-journal; the default, datashift-checksum, is built)",
-            ))
-        }
+    let resilience = match r.resilience.as_deref() {
+        None | Some("checksum") | Some("datashift-checksum") => ResilienceKind::Checksum,
+        Some("journal") | Some("datashift-journal") => ResilienceKind::Journal,
         // cryptsetup 2.6.1's words for both.
         Some("none") | Some("datashift") => {
             return Err(Error::InvalidArgument(
@@ -732,7 +727,7 @@ fn decrypt_unshift(
                 "Unsupported resilience mode {other}"
             )))
         }
-    }
+    };
     let resilience_hash = resilience_hash(r)?;
     let moved_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
@@ -763,6 +758,7 @@ fn decrypt_unshift(
             kdf: &kdf,
             key_slot: o.key_slot,
             moved_bytes,
+            resilience,
             resilience_hash,
         },
     );

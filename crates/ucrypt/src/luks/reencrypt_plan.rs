@@ -100,12 +100,19 @@ pub enum Protect {
     /// committed done, so it needs no copy ([`Shift`]).
     Datashift,
     /// A decryption that moves the data back ([`Unshift`]): the hotzones that move data are
-    /// protected as [`Protect::Datashift`]; the moved segment's, rewritten in place, by one
-    /// `hash` of each `block` bytes of its old ciphertext (`datashift-checksum`).
-    Unshift {
-        hash: HashAlg,
-        block: u32,
-    },
+    /// protected as [`Protect::Datashift`]; the moved segment's, rewritten in place, as
+    /// [`MovedGuard`] says.
+    Unshift(MovedGuard),
+}
+
+/// How the moved segment's hotzone of a decryption that moves the data (rewritten in place)
+/// is protected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MovedGuard {
+    /// One `hash` of each `block` bytes of its old ciphertext (`datashift-checksum`).
+    Checksum { hash: HashAlg, block: u32 },
+    /// A copy of its old ciphertext in the reencrypt keyslot's area (`datashift-journal`).
+    Journal,
 }
 
 fn live_segments(meta: &Metadata) -> Vec<(u32, &Segment)> {
@@ -146,28 +153,30 @@ fn has_flag(s: &Segment, f: SegmentFlag) -> bool {
 /// `backup-moved-segment`, as cryptsetup's `--encrypt --reduce-device-size` writes it).
 pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
     let k = &st.keyslot;
-    if let (
+    let moved_guard = match &k.resilience {
         Resilience::DatashiftChecksum {
             hash, sector_size, ..
-        },
-        Mode::Decrypt,
-        Direction::Forward,
-        Some(_),
-    ) = (&k.resilience, k.mode, k.direction, st.backup_moved)
+        } => Some(MovedGuard::Checksum {
+            hash: HashAlg::from_name(hash)?,
+            block: *sector_size,
+        }),
+        Resilience::DatashiftJournal { .. } => Some(MovedGuard::Journal),
+        _ => None,
+    };
+    if let (Some(guard), Mode::Decrypt, Direction::Forward, Some(_)) =
+        (moved_guard, k.mode, k.direction, st.backup_moved)
     {
-        // The resilience type was added with the version: cryptsetup writes it under v3 only,
-        // and the version is part of the reencryption digest.
+        // The resilience types were added with the version: cryptsetup writes them under v3
+        // only, and the version is part of the reencryption digest.
         if st.version != UNSHIFT_REQUIREMENT_VERSION {
             return Err(shift_bad(format!(
-                "resilience datashift-checksum under requirement version {} (cryptsetup \
-                 writes it under online-reencrypt-v{UNSHIFT_REQUIREMENT_VERSION})",
+                "resilience {} under requirement version {} (cryptsetup writes it under \
+                 online-reencrypt-v{UNSHIFT_REQUIREMENT_VERSION})",
+                k.resilience.name(),
                 st.version
             )));
         }
-        return Ok(Protect::Unshift {
-            hash: HashAlg::from_name(hash)?,
-            block: *sector_size,
-        });
+        return Ok(Protect::Unshift(guard));
     }
     if st.backup_moved.is_some()
         || matches!(
@@ -184,8 +193,8 @@ pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
             _ => Err(unsupported(format!(
                 "reencryption {} {} with resilience {}{} (ucrypt moves the data to encrypt \
                  with the header in front: encrypt, backward, datashift; and to decrypt it \
-                 back to the start: decrypt, forward, datashift-checksum; each with a moved \
-                 segment)",
+                 back to the start: decrypt, forward, datashift-checksum or datashift-journal; \
+                 each with a moved segment)",
                 k.mode.name(),
                 k.direction.name(),
                 k.resilience.name(),
@@ -409,11 +418,20 @@ pub fn unshift_geometry(
     st: &ReencryptState,
     data_bytes: u64,
 ) -> Result<Option<Unshift>> {
-    let Protect::Unshift { hash, block } = check_supported(st)? else {
+    let Protect::Unshift(guard) = check_supported(st)? else {
         return Ok(None);
     };
-    let Resilience::DatashiftChecksum { shift_size, .. } = st.keyslot.resilience else {
-        return Err(Error::Bug("unshift protection without datashift-checksum"));
+    let (Resilience::DatashiftChecksum { shift_size, .. }
+    | Resilience::DatashiftJournal { shift_size }) = st.keyslot.resilience
+    else {
+        return Err(Error::Bug(
+            "unshift protection without a datashift- resilience",
+        ));
+    };
+    // A journal copies whole 512-byte units; checksums cover whole blocks.
+    let block = match guard {
+        MovedGuard::Checksum { block, .. } => block,
+        MovedGuard::Journal => IV_UNIT_BYTES as u32,
     };
     let moved_id = st
         .backup_moved
@@ -481,11 +499,16 @@ pub fn unshift_geometry(
             "{data_bytes} bytes of data is not a whole number of 512-byte units"
         )));
     }
-    let sums = moved_bytes / u64::from(block) * hash.output_bytes() as u64;
-    if sums > st.keyslot.area_bytes {
+    let (kept, what) = match guard {
+        MovedGuard::Checksum { hash, block } => (
+            moved_bytes / u64::from(block) * hash.output_bytes() as u64,
+            "checksums",
+        ),
+        MovedGuard::Journal => (moved_bytes, "journal copy"),
+    };
+    if kept > st.keyslot.area_bytes {
         return Err(shift_bad(format!(
-            "the moved segment's {sums} bytes of checksums do not fit the {}-byte reencrypt \
-             area",
+            "the moved segment's {kept}-byte {what} does not fit the {}-byte reencrypt area",
             st.keyslot.area_bytes
         )));
     }
@@ -714,7 +737,7 @@ pub fn next_hotzone_unshift(
     pos: Position,
     align: u64,
 ) -> Result<Option<Vec<Step>>> {
-    let Protect::Unshift { hash, block } = check_supported(st)? else {
+    let Protect::Unshift(guard) = check_supported(st)? else {
         return Err(Error::Bug("next_hotzone_unshift of another reencryption"));
     };
     if pos.hotzone.is_some() {
@@ -766,10 +789,15 @@ pub fn next_hotzone_unshift(
             offset: 0,
             len,
         },
-        Step::WriteChecksums {
-            area_offset: st.keyslot.area_offset,
-            block,
-            hash,
+        match guard {
+            MovedGuard::Checksum { hash, block } => Step::WriteChecksums {
+                area_offset: st.keyslot.area_offset,
+                block,
+                hash,
+            },
+            MovedGuard::Journal => Step::WriteJournal {
+                area_offset: st.keyslot.area_offset,
+            },
         },
         Step::SyncData,
         hotzone,
@@ -1208,7 +1236,8 @@ pub fn area_limit(st: &ReencryptState) -> Result<u64> {
         // The shift bounds the hotzone, not the area (which holds nothing).
         Protect::Datashift | Protect::Unshift { .. } => match st.keyslot.resilience {
             Resilience::Datashift { shift_size }
-            | Resilience::DatashiftChecksum { shift_size, .. } => shift_size,
+            | Resilience::DatashiftChecksum { shift_size, .. }
+            | Resilience::DatashiftJournal { shift_size } => shift_size,
             _ => return Err(Error::Bug("datashift protection without a shift")),
         },
     })
@@ -2105,10 +2134,10 @@ mod tests {
         assert_eq!(st.version, UNSHIFT_REQUIREMENT_VERSION);
         assert!(matches!(
             check_supported(&st).unwrap(),
-            Protect::Unshift {
+            Protect::Unshift(MovedGuard::Checksum {
                 hash: HashAlg::Sha256,
                 block: 4096
-            }
+            })
         ));
         let u = unshift_geometry(&m, &st, UNSHIFT_DATA).unwrap().unwrap();
         assert_eq!(

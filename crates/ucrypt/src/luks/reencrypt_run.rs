@@ -28,7 +28,8 @@ use super::reencrypt_pieces::{hash_blocks, on_lanes, pieces, read_summing, rewri
 use super::reencrypt_plan::{
     area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
     next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry, shift_source,
-    unshift_geometry, Position, Protect, Shift, Step, Unshift, UNSHIFT_REQUIREMENT_VERSION,
+    unshift_geometry, MovedGuard, Position, Protect, Shift, Step, Unshift,
+    UNSHIFT_REQUIREMENT_VERSION,
 };
 use super::util::{b64_encode, random_fill, random_secret, HashAlg};
 use super::{
@@ -1074,6 +1075,11 @@ pub struct UnshiftOptions<'a> {
     /// `--hotzone-size`: the moved segment's size (at most the shift); `None`:
     /// [`MOVED_BYTES_DEFAULT`] or less.
     pub moved_bytes: Option<u64>,
+    /// How the moved segment's hotzone is protected: [`ResilienceKind::Checksum`]
+    /// (`datashift-checksum`, cryptsetup's default) or [`ResilienceKind::Journal`]
+    /// (`datashift-journal`: its old ciphertext copied to the reencrypt keyslot's area, which
+    /// must hold the whole moved segment); `None` is refused, as cryptsetup refuses it.
+    pub resilience: ResilienceKind,
     /// The checksum of the moved segment (`--resilience-hash`).
     pub resilience_hash: HashAlg,
 }
@@ -1216,28 +1222,43 @@ pub fn init_decrypt_unshift(
         )));
     }
 
-    // The reencrypt keyslot: datashift-checksum over the rest of the keyslots area.
+    // The reencrypt keyslot: datashift-checksum (or -journal) over the rest of the keyslots
+    // area, which must hold the moved segment's checksums (or the moved segment).
     let (used_end, end) = reencrypt_area(&h)?;
     let area_bytes = end - used_end;
-    let sums_room =
-        area_bytes / opts.resilience_hash.output_bytes() as u64 * u64::from(CHECKSUM_BLOCK_BYTES);
-    if moved_bytes > sums_room {
+    let (room, kind) = match opts.resilience {
+        ResilienceKind::Checksum => (
+            area_bytes / opts.resilience_hash.output_bytes() as u64
+                * u64::from(CHECKSUM_BLOCK_BYTES),
+            "datashift-checksum",
+        ),
+        ResilienceKind::Journal => (area_bytes, "datashift-journal"),
+        // cryptsetup 2.6.1's words.
+        ResilienceKind::None => {
+            return Err(Error::InvalidArgument(
+                "Requested --resilience option cannot be applied to current reencryption \
+                 operation."
+                    .into(),
+            ))
+        }
+    };
+    if moved_bytes > room {
         return Err(Error::InvalidArgument(format!(
             "Moved segment too large. Requested size {moved_bytes}, available space for: \
-             {sums_room}."
+             {room}."
         )));
     }
     let rk = free_id(h.meta.keyslots.keys())?;
     let mut ks = reencrypt_keyslot(
         Mode::Decrypt,
         Direction::Forward,
-        ResilienceKind::Checksum,
+        opts.resilience,
         opts.resilience_hash,
         used_end,
         area_bytes,
     );
     if let Some(a) = ks.area.as_mut() {
-        a.kind = "datashift-checksum".into();
+        a.kind = kind.into();
         a.extra.insert("shift_size".into(), s.to_string().into());
     }
     h.meta.keyslots.insert(rk.to_string(), ks);
@@ -1519,7 +1540,7 @@ fn open_rotation(
             sh.data_bytes
         }
         None => {
-            if off_old != off_new && !matches!(protect, Protect::Unshift { .. }) {
+            if off_old != off_new && !matches!(protect, Protect::Unshift(_)) {
                 return Err(Error::UnsupportedLuks(
                     "reencryption that moves the data other than an encryption with the \
                      header in front (ucrypt reencrypts in place)"
@@ -1621,13 +1642,14 @@ fn switch_resilience(
         {
             return Ok(false)
         }
+        (R::DatashiftJournal { .. }, ResilienceAsked::DatashiftJournal) => return Ok(false),
         (
             R::DatashiftChecksum { .. } | R::DatashiftJournal { .. },
             ResilienceAsked::DatashiftChecksum(_) | ResilienceAsked::DatashiftJournal,
         ) => {
             return Err(Error::UnsupportedLuks(
                 "switching the resilience of a decryption that moves the data (ucrypt keeps \
-                 its datashift-checksum)"
+                 the datashift-checksum or datashift-journal it started with)"
                     .into(),
             ))
         }
@@ -2059,7 +2081,8 @@ fn run_hotzones(
         .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
         * crate::pool::POOL_PAGE_BYTES as u64;
     let sums_len = match u.protect {
-        Protect::Checksum { hash, block } | Protect::Unshift { hash, block } => {
+        Protect::Checksum { hash, block }
+        | Protect::Unshift(MovedGuard::Checksum { hash, block }) => {
             (buf_len / u64::from(block) * hash.output_bytes() as u64).div_ceil(AREA_ALIGN_BYTES)
                 * AREA_ALIGN_BYTES
         }
@@ -2382,12 +2405,13 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
     match u.protect {
         Protect::None => {}
         Protect::Datashift => return Err(Error::Bug("datashift recovered above")),
-        Protect::Journal => {
+        Protect::Journal | Protect::Unshift(MovedGuard::Journal) => {
             hdr_dev.read_exact_at(buf, area)?;
             rekey(&mut u, offset, buf)?;
             data_dev.write_at(buf, place)?;
         }
-        Protect::Checksum { hash, block } | Protect::Unshift { hash, block } => {
+        Protect::Checksum { hash, block }
+        | Protect::Unshift(MovedGuard::Checksum { hash, block }) => {
             let hb = hash.output_bytes();
             let block = u64::from(block);
             let n = (len / block) as usize;
