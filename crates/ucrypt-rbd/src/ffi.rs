@@ -336,7 +336,7 @@ impl Drop for Pool {
 /// new requests fail at once instead of piling up memory behind a dead cluster.
 pub const ABANDONED_MAX: usize = 64;
 
-/// How long dropping an [`Image`] waits for librbd's close, in request deadlines. Closing
+/// How long dropping an open image waits for librbd's close, in request deadlines. Closing
 /// waits for what librbd still has in flight and releases the image's lock; against a cluster
 /// that answers, each step ends within librados' op time-outs. With an OSD gone, librbd 16's
 /// close was seen never to return (the cache off, writes given up at their deadline): past
