@@ -1690,3 +1690,85 @@ fn power_cut_around_a_resilience_switch() {
         );
     }
 }
+
+/// A decryption that moves the data back, started with one protection of its moved segment
+/// and resumed with the other (`--resume-only --resilience journal|checksum`, which
+/// cryptsetup's command line maps to `datashift-journal` and `datashift-checksum`): cut at
+/// every write and flush of the switching resume; the header names the old or the new type,
+/// and recovery and a resume finish with the plaintext at the start of the device.
+#[test]
+fn power_cut_around_an_unshift_resilience_switch() {
+    let mut next = rng();
+    let unit = 4096;
+    let moved = Some(128 << 10);
+    for (from, to, to_name) in [
+        (
+            ResilienceKind::Checksum,
+            ResilienceAsked::InPlace(ResilienceKind::Journal, CHECKSUM_HASH),
+            "datashift-journal",
+        ),
+        (
+            ResilienceKind::Journal,
+            ResilienceAsked::DatashiftChecksum(HashAlg::Sha512),
+            "datashift-checksum",
+        ),
+    ] {
+        let base = base_unshift(4096);
+        let started = Arc::new(CrashBackend::from_image(base.clone(), unit));
+        {
+            let whole: Arc<dyn Backend> = started.clone();
+            let (h, d) = unshift_devs(&whole);
+            let opts = UnshiftOptions {
+                kdf: &fast_kdf(),
+                key_slot: None,
+                moved_bytes: moved,
+                resilience: from,
+                resilience_hash: CHECKSUM_HASH,
+            };
+            let devs = Devices {
+                header: h.as_ref(),
+                data: d.as_ref(),
+            };
+            init_decrypt_unshift(devs, PASS, &opts).expect("init");
+        }
+        let img = started.crash_image(0);
+        let run = |disk: Arc<dyn Backend>| {
+            let (h, d) = unshift_devs(&disk);
+            let devs = Devices {
+                header: h.as_ref(),
+                data: d.as_ref(),
+            };
+            let opts = RunOptions {
+                hotzone_bytes: Some(UNSHIFT_PIECE),
+                resilience: Some(to),
+            };
+            resume_on(devs, PASS, opts, &mut |_| {})
+        };
+        let counter = Arc::new(Cut::new(img.clone(), unit, u64::MAX));
+        run(counter.clone()).expect("uncut resume");
+        let total = counter.used.load(Ordering::SeqCst);
+        let mut seen_new = 0;
+        for budget in 0..=total {
+            let cut = Arc::new(Cut::new(img.clone(), unit, budget));
+            assert_eq!(run(cut.clone()).is_ok(), budget == total, "budget {budget}");
+            let s = next();
+            let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(s), unit));
+            let what = format!("{from:?} to {to_name}: cut after {budget} of {total} (seed {s})");
+            let whole: Arc<dyn Backend> = kept.clone();
+            let (h, _) = unshift_devs(&whole);
+            if let Header::Luks2(hdr) = luks::read_header(h.as_ref()).expect("header") {
+                if let Some(st) = ReencryptState::from_metadata(&hdr.meta).expect("state") {
+                    let name = st.keyslot.resilience.name();
+                    seen_new += usize::from(name == to_name);
+                    assert!(name.starts_with("datashift-"), "{what}: {name}");
+                }
+            }
+            finish_unshift(kept, &base).unwrap_or_else(|e| panic!("{what}: recovery failed: {e}"));
+        }
+        assert!(seen_new > 0, "{from:?} to {to_name}: never switched");
+        println!(
+            "unshift {from:?} to {to_name}: {} cuts, {seen_new} left it switched",
+            total + 1
+        );
+    }
+}

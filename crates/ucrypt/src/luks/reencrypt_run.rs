@@ -1609,10 +1609,15 @@ fn open_rotation(
 /// Rewrites the reencrypt keyslot's area for the resilience `asked` (its offset and size
 /// kept) and the reencryption digest over it with the volume `keys` (old, new), and commits
 /// the header: what cryptsetup 2.6 does when a resume names another resilience. Returns
-/// whether anything changed; nothing is written when `asked` is what the header has. Refused
-/// with nothing written: a volume left inside a hotzone (its recovery needs the resilience it
-/// was written with), and a switch to or away from a data shift's resilience (cryptsetup's
-/// words). Crash-safe as any header commit: both copies, the new one or the old one.
+/// whether anything changed; nothing is written when `asked` is what the header has.
+///
+/// In place, `checksum`, `journal` and `none` replace each other. A decryption that moves the
+/// data back switches between `datashift-checksum` and `datashift-journal` (asked as those
+/// or as `checksum` and `journal`, as cryptsetup's command line maps them) when the area
+/// holds the moved segment's checksums or copy. Refused with nothing written: a volume left
+/// inside a hotzone (its recovery needs the resilience it was written with), any other
+/// change (cryptsetup's words), and a moved segment the new type's area cannot hold.
+/// Crash-safe as any header commit: both copies, the new one or the old one.
 fn switch_resilience(
     dev: &dyn Backend,
     h: &mut Luks2Header,
@@ -1621,14 +1626,16 @@ fn switch_resilience(
     keys: (Option<&VolumeKey>, Option<&VolumeKey>),
 ) -> Result<bool> {
     use super::reencrypt::Resilience as R;
-    let invalid =
-        || Error::InvalidArgument("Invalid reencryption resilience mode change requested.".into());
-    let checksum = |hash: HashAlg| R::Checksum {
-        hash: hash.name().into(),
-        sector_size: CHECKSUM_BLOCK_BYTES,
+    use ResilienceAsked as A;
+    // cryptsetup 2.6.1's words (its command line's).
+    let cannot = || {
+        Error::InvalidArgument(
+            "Requested --resilience option cannot be applied to current reencryption operation."
+                .into(),
+        )
     };
     let wanted = match (&st.keyslot.resilience, asked) {
-        (R::Datashift { .. }, ResilienceAsked::Datashift) => return Ok(false),
+        (R::Datashift { .. }, A::Datashift) => return Ok(false),
         // cryptsetup 2.6.1's words.
         (R::Datashift { .. }, _) => {
             return Err(Error::InvalidArgument(
@@ -1637,36 +1644,57 @@ fn switch_resilience(
                     .into(),
             ))
         }
-        (R::DatashiftChecksum { hash, .. }, ResilienceAsked::DatashiftChecksum(a))
-            if hash == a.name() =>
-        {
-            return Ok(false)
-        }
-        (R::DatashiftJournal { .. }, ResilienceAsked::DatashiftJournal) => return Ok(false),
         (
-            R::DatashiftChecksum { .. } | R::DatashiftJournal { .. },
-            ResilienceAsked::DatashiftChecksum(_) | ResilienceAsked::DatashiftJournal,
-        ) => {
-            return Err(Error::UnsupportedLuks(
-                "switching the resilience of a decryption that moves the data (ucrypt keeps \
-                 the datashift-checksum or datashift-journal it started with)"
-                    .into(),
-            ))
-        }
-        (R::None | R::Checksum { .. } | R::Journal, ResilienceAsked::InPlace(kind, hash)) => {
-            match kind {
-                ResilienceKind::None => R::None,
-                ResilienceKind::Journal => R::Journal,
-                ResilienceKind::Checksum => checksum(hash),
-            }
-        }
-        _ => return Err(invalid()),
+            R::DatashiftChecksum { shift_size, .. } | R::DatashiftJournal { shift_size },
+            A::DatashiftChecksum(hash) | A::InPlace(ResilienceKind::Checksum, hash),
+        ) => R::DatashiftChecksum {
+            hash: hash.name().into(),
+            sector_size: CHECKSUM_BLOCK_BYTES,
+            shift_size: *shift_size,
+        },
+        (
+            R::DatashiftChecksum { shift_size, .. } | R::DatashiftJournal { shift_size },
+            A::DatashiftJournal | A::InPlace(ResilienceKind::Journal, _),
+        ) => R::DatashiftJournal {
+            shift_size: *shift_size,
+        },
+        (R::None | R::Checksum { .. } | R::Journal, A::InPlace(kind, hash)) => match kind {
+            ResilienceKind::None => R::None,
+            ResilienceKind::Journal => R::Journal,
+            ResilienceKind::Checksum => R::Checksum {
+                hash: hash.name().into(),
+                sector_size: CHECKSUM_BLOCK_BYTES,
+            },
+        },
+        _ => return Err(cannot()),
     };
     if wanted == st.keyslot.resilience {
         return Ok(false);
     }
     if st.needs_recovery() {
         return Err(Error::NeedsRecovery);
+    }
+    // The moved segment's hotzone must fit what the new type keeps in the area.
+    if let Some(moved) = st.backup_moved {
+        let moved_bytes = match h.meta.segments.get(&moved.to_string()).map(|s| s.size) {
+            Some(super::json::SegmentSize::Bytes(n)) => n,
+            _ => return Err(bad("the moved segment has no fixed size")),
+        };
+        let area = st.keyslot.area_bytes;
+        let max = match &wanted {
+            R::DatashiftChecksum { hash, .. } => {
+                area / HashAlg::from_name(hash)?.output_bytes() as u64
+                    * u64::from(CHECKSUM_BLOCK_BYTES)
+            }
+            _ => area,
+        };
+        if moved_bytes > max {
+            // cryptsetup 2.6.1's words.
+            return Err(Error::InvalidArgument(format!(
+                "Can not update resilience type. New type only provides {max} bytes, required \
+                 space is: {moved_bytes} bytes."
+            )));
+        }
     }
     let rk = st.keyslot.id.to_string();
     let area = h
@@ -1679,10 +1707,25 @@ fn switch_resilience(
         area.extra.remove(field);
     }
     area.kind = wanted.name().into();
-    if let R::Checksum { hash, sector_size } = &wanted {
+    let (sums, shift) = match &wanted {
+        R::Checksum { hash, sector_size } => (Some((hash, sector_size)), None),
+        R::DatashiftChecksum {
+            hash,
+            sector_size,
+            shift_size,
+        } => (Some((hash, sector_size)), Some(shift_size)),
+        R::DatashiftJournal { shift_size } => (None, Some(shift_size)),
+        _ => (None, None),
+    };
+    if let Some((hash, sector_size)) = sums {
         area.extra.insert("hash".into(), hash.as_str().into());
         area.extra
             .insert("sector_size".into(), (*sector_size).into());
+    }
+    if let Some(shift) = shift {
+        // A string, as cryptsetup writes 64-bit numbers.
+        area.extra
+            .insert("shift_size".into(), shift.to_string().into());
     }
     *st = ReencryptState::from_metadata(&h.meta)?
         .ok_or(Error::Bug("reencryption state not recognised"))?;
