@@ -522,7 +522,8 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
     let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
     fio_ok(&mut v, &out2, "verifying in reencryption");
     // The rotation resumes online and finishes (the daemon named as cryptsetup does, with
-    // --active-name and no device).
+    // --active-name and no device), switching its resilience from checksum to journal first
+    // (the header shows it while the rotation runs).
     let a = vec![
         "reencrypt",
         "--resume-only",
@@ -531,9 +532,27 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
         "--batch-mode",
         "--key-file",
         s(&key),
+        "--resilience",
+        "journal",
+        "--hotzone-size",
+        "256K",
     ];
-    let o = run(UCRYPT, &a);
+    let mut verb = Command::new(UCRYPT)
+        .args(&a)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut switched = false;
+    while verb.try_wait().unwrap().is_none() {
+        let d = run(UCRYPT, &["luksDump", s(&img)]);
+        switched |= text(&d).lines().any(|l| l.trim() == "Resilience: journal");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let o = verb.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(0), "resume online: {}", text(&o));
+    assert!(switched, "the header never showed the journal resilience");
     let mut v = fio(&dev, "64m", None, true, &out2).spawn().unwrap();
     fio_ok(&mut v, &out2, "verifying after the rotation");
     ok(UCRYPT, &["close", &n]);

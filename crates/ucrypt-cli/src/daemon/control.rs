@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use clap::Args;
+use ucrypt::luks::reencrypt_run::RunOptions;
 use ucrypt::BlockDev;
 
 use super::online::{start_rotation, Rotation};
@@ -103,7 +104,11 @@ impl server::Handler for Control {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
         match req {
             Request::Status => respond(&self.status()),
-            Request::Reencrypt { key, hotzone_bytes } => {
+            Request::Reencrypt {
+                key,
+                hotzone_bytes,
+                resilience,
+            } => {
                 let Some(vol) = self.vol.plain() else {
                     return respond(&Response::Error {
                         code: 1,
@@ -114,7 +119,11 @@ impl server::Handler for Control {
                     });
                 };
                 let header = self.header.as_deref();
-                match start_rotation(&self.name, vol, &self.rotation, key, hotzone_bytes, header) {
+                let opts = RunOptions {
+                    hotzone_bytes,
+                    resilience,
+                };
+                match start_rotation(&self.name, vol, &self.rotation, key, opts, header) {
                     Ok(()) => respond(&self.status()),
                     Err(e) => respond(&e),
                 }

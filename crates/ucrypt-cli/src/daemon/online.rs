@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ucrypt::luks;
+use ucrypt::luks::reencrypt_run::RunOptions;
 use ucrypt::sync::lock;
 use ucrypt::volume::Volume;
 use ucrypt::{BlockDev, SecretBytes};
@@ -44,7 +45,7 @@ pub fn start_rotation(
     vol: &Arc<Volume>,
     rotation: &Rotation,
     key: ResumeKey,
-    hotzone_bytes: Option<u64>,
+    opts: RunOptions,
     header: Option<&Path>,
 ) -> Result<(), Response> {
     let ResumeKey::Passphrase(pass) = key else {
@@ -94,10 +95,6 @@ pub fn start_rotation(
     let spawned = std::thread::Builder::new()
         .name("ucrypt-reencrypt".into())
         .spawn(move || {
-            let opts = luks::reencrypt_run::RunOptions {
-                hotzone_bytes,
-                resilience: None,
-            };
             let header = header.as_ref().map(|h| h as &dyn ucrypt::backend::Backend);
             let r = luks::reencrypt_online::rotate(&vol, header, pass.as_ref(), opts, &mut |p| {
                 if let Some(rep) = lock(&report).as_mut() {
@@ -233,7 +230,7 @@ impl Holder {
     pub fn rotate(
         &self,
         passphrase: SecretBytes,
-        hotzone_bytes: Option<u64>,
+        opts: RunOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> CliResult<i32> {
         if passphrase.len() > proto::RESUME_KEY_BYTES_MAX {
@@ -244,7 +241,8 @@ impl Holder {
         }
         let req = Request::Reencrypt {
             key: ResumeKey::Passphrase(passphrase),
-            hotzone_bytes,
+            hotzone_bytes: opts.hotzone_bytes,
+            resilience: opts.resilience,
         };
         expect_status_at(&self.name, &self.sock, &req)?;
         loop {

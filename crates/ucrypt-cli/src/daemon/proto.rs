@@ -26,6 +26,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use ucrypt::engine::Policies;
+use ucrypt::luks::reencrypt_run::{self, ResilienceAsked};
+use ucrypt::luks::HashAlg;
 use ucrypt::SecretBytes;
 
 /// The protocol version this build speaks.
@@ -85,6 +87,8 @@ pub enum Request {
     Reencrypt {
         key: ResumeKey,
         hotzone_bytes: Option<u64>,
+        /// A resilience to switch to before the next hotzone (`--resilience` on resume).
+        resilience: Option<ResilienceAsked>,
     },
 }
 
@@ -214,7 +218,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
         "refresh" => &["v", "cmd", "policy", "allow_discards", "spin_us"],
         "resume" => &["v", "cmd", "volume_key_file", "key_slot"],
         "resize" => &["v", "cmd", "size_sectors"],
-        "reencrypt" => &["v", "cmd", "hotzone_bytes"],
+        "reencrypt" => &["v", "cmd", "hotzone_bytes", "resilience", "resilience_hash"],
         other => return Err(bad(format!("unknown command {other:?}"))),
     };
     if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
@@ -236,12 +240,31 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     };
     Ok(match cmd {
         "suspend" => Request::Suspend,
-        "reencrypt" => Request::Reencrypt {
-            key: ResumeKey::Passphrase(
-                pass_hex.ok_or_else(|| bad("reencrypt needs \"passphrase_hex\""))?,
-            ),
-            hotzone_bytes: num("hotzone_bytes")?,
-        },
+        "reencrypt" => {
+            let text = |k: &str| match obj.get(k) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_str()
+                    .map(Some)
+                    .ok_or_else(|| bad(format!("\"{k}\" must be a string"))),
+            };
+            let hash = text("resilience_hash")?
+                .map(HashAlg::from_name)
+                .transpose()
+                .map_err(|e| bad(format!("\"resilience_hash\": {e}")))?
+                .unwrap_or(reencrypt_run::CHECKSUM_HASH);
+            let resilience = text("resilience")?
+                .map(|n| ResilienceAsked::from_name(n, hash))
+                .transpose()
+                .map_err(|e| bad(format!("\"resilience\": {e}")))?;
+            Request::Reencrypt {
+                key: ResumeKey::Passphrase(
+                    pass_hex.ok_or_else(|| bad("reencrypt needs \"passphrase_hex\""))?,
+                ),
+                hotzone_bytes: num("hotzone_bytes")?,
+                resilience,
+            }
+        }
         "resize" => Request::Resize {
             size_sectors: num("size_sectors")?,
         },
@@ -338,6 +361,10 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         volume_key_file: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         hotzone_bytes: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        resilience: Option<&'static str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        resilience_hash: Option<&'static str>,
     }
     let mut w = Wire {
         v: VERSION,
@@ -352,6 +379,8 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
         key_slot: None,
         volume_key_file: None,
         hotzone_bytes: None,
+        resilience: None,
+        resilience_hash: None,
     };
     let mut passphrase = None;
     match req {
@@ -367,9 +396,17 @@ pub fn encode_request(req: &Request) -> Vec<u8> {
             w.spin_us = r.spin_us;
         }
         Request::Resize { size_sectors } => (w.cmd, w.size_sectors) = ("resize", *size_sectors),
-        Request::Reencrypt { key, hotzone_bytes } => {
+        Request::Reencrypt {
+            key,
+            hotzone_bytes,
+            resilience,
+        } => {
             w.cmd = "reencrypt";
             w.hotzone_bytes = *hotzone_bytes;
+            w.resilience = resilience.map(ResilienceAsked::name);
+            w.resilience_hash = resilience
+                .and_then(ResilienceAsked::hash)
+                .map(HashAlg::name);
             // A volume key file cannot rotate (both keys come from keyslots).
             if let ResumeKey::Passphrase(p) = key {
                 passphrase = Some(p);
@@ -683,10 +720,20 @@ mod tests {
             Request::Reencrypt {
                 key: ResumeKey::Passphrase(SecretBytes::from_slice(b"rot\x00")),
                 hotzone_bytes: Some(1 << 20),
+                resilience: None,
             },
             Request::Reencrypt {
                 key: ResumeKey::Passphrase(SecretBytes::from_slice(&[7u8; 8 << 10])),
                 hotzone_bytes: None,
+                resilience: Some(ResilienceAsked::InPlace(
+                    reencrypt_run::ResilienceKind::Checksum,
+                    HashAlg::Sha512,
+                )),
+            },
+            Request::Reencrypt {
+                key: ResumeKey::Passphrase(SecretBytes::from_slice(b"j")),
+                hotzone_bytes: None,
+                resilience: Some(ResilienceAsked::DatashiftJournal),
             },
         ] {
             let l = encode_request(&r);

@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ucrypt::backend::Backend;
+use ucrypt::luks::reencrypt_run::RunOptions;
 use ucrypt::luks::{self, Unlock};
 use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};
@@ -270,7 +271,7 @@ impl Shared {
 
     /// `reencrypt`: rotates the key on a thread of its own while the front end serves; the
     /// verb follows it through `status`.
-    fn reencrypt(&self, key: ResumeKey, hotzone_bytes: Option<u64>) -> Response {
+    fn reencrypt(&self, key: ResumeKey, opts: RunOptions) -> Response {
         let Some(vol) = self.vol.plain() else {
             return Self::error(
                 1,
@@ -281,14 +282,7 @@ impl Shared {
             );
         };
         let header = self.header.as_deref();
-        match super::online::start_rotation(
-            &self.name,
-            vol,
-            &self.rotation,
-            key,
-            hotzone_bytes,
-            header,
-        ) {
+        match super::online::start_rotation(&self.name, vol, &self.rotation, key, opts, header) {
             Ok(()) => self.status(),
             Err(e) => e,
         }
@@ -438,9 +432,17 @@ impl server::Handler for Shared {
             Request::Suspend => respond(&self.suspend()),
             Request::Resume { key, key_slot } => respond(&self.resume(key, key_slot)),
             Request::Resize { size_sectors } => respond(&self.resize(size_sectors)),
-            Request::Reencrypt { key, hotzone_bytes } => {
-                respond(&self.reencrypt(key, hotzone_bytes))
-            }
+            Request::Reencrypt {
+                key,
+                hotzone_bytes,
+                resilience,
+            } => respond(&self.reencrypt(
+                key,
+                RunOptions {
+                    hotzone_bytes,
+                    resilience,
+                },
+            )),
             Request::Close { force: false } | Request::CloseDeferred if self.rotating() => {
                 respond(&Self::error(
                     5,

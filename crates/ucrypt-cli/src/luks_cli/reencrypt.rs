@@ -445,13 +445,12 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     };
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     if let Some(h) = holder {
-        if switch.is_some() {
-            return Err(not_built(
-                "--resilience on resume of a reencryption a ucrypt daemon runs",
-            ));
-        }
         drop(dev);
-        let r = h.rotate(passphrase, hotzone_bytes, &mut |done, total| {
+        let opts = RunOptions {
+            hotzone_bytes,
+            resilience: switch,
+        };
+        let r = h.rotate(passphrase, opts, &mut |done, total| {
             meter.show(Progress { done, total })
         });
         if r.is_ok() && o.verbose {

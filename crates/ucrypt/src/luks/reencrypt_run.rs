@@ -116,6 +116,27 @@ pub enum ResilienceAsked {
 }
 
 impl ResilienceAsked {
+    /// cryptsetup's name of it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ResilienceAsked::InPlace(ResilienceKind::None, _) => "none",
+            ResilienceAsked::InPlace(ResilienceKind::Checksum, _) => "checksum",
+            ResilienceAsked::InPlace(ResilienceKind::Journal, _) => "journal",
+            ResilienceAsked::Datashift => "datashift",
+            ResilienceAsked::DatashiftChecksum(_) => "datashift-checksum",
+            ResilienceAsked::DatashiftJournal => "datashift-journal",
+        }
+    }
+
+    /// The checksum's hash, for the kinds that have one.
+    pub fn hash(self) -> Option<HashAlg> {
+        match self {
+            ResilienceAsked::InPlace(ResilienceKind::Checksum, h)
+            | ResilienceAsked::DatashiftChecksum(h) => Some(h),
+            _ => None,
+        }
+    }
+
     /// From cryptsetup's name and `--resilience-hash` (for the checksum kinds).
     pub fn from_name(name: &str, hash: HashAlg) -> Result<Self> {
         Ok(match name {
