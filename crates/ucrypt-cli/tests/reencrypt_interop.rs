@@ -298,16 +298,29 @@ fn unbuilt_modes_are_refused_by_name() {
 }
 
 /// Kills `cmd` after `delay`, returns whether it was still running.
-fn kill_after(mut cmd: Command, delay: Duration) -> bool {
+fn kill_after(cmd: Command, delay: Duration) -> bool {
+    kill_when(cmd, || true, delay)
+}
+
+/// Runs `cmd` until `until` holds (polled every millisecond; or `cmd` ends, or a minute
+/// passed), waits `delay` more, then SIGKILLs it, as a crash would; returns whether it was
+/// still running.
+fn kill_when(mut cmd: Command, until: impl Fn() -> bool, delay: Duration) -> bool {
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn");
+    let start = std::time::Instant::now();
+    while !until()
+        && child.try_wait().expect("wait").is_none()
+        && start.elapsed() < Duration::from_secs(60)
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     std::thread::sleep(delay);
     let running = child.try_wait().expect("wait").is_none();
-    // SIGKILL, as a crash would.
     let _ = child.kill();
     let _ = child.wait();
     running
@@ -2164,27 +2177,12 @@ fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
         if journal {
             extra.extend(["--resilience", "journal", "--hotzone-size", "8M"]);
         }
-        let mut child = Command::new(prog)
-            .args(unshift_args(&key, &hdr, &extra))
-            .arg(s(&img))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn");
-        let start = std::time::Instant::now();
-        while !in_moved_hotzone(&hdr)
-            && child.try_wait().expect("wait").is_none()
-            && start.elapsed() < Duration::from_secs(120)
-        {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let mut cmd = Command::new(prog);
+        cmd.args(unshift_args(&key, &hdr, &extra)).arg(s(&img));
         // cryptsetup rewrites the moved segment faster than ucrypt (one pass, no lanes).
         let window_ms = if *runner == "cryptsetup" { 8 } else { 60 };
-        std::thread::sleep(Duration::from_millis(x % window_ms));
-        let killed = child.try_wait().expect("wait").is_none();
-        let _ = child.kill();
-        let _ = child.wait();
+        let delay = Duration::from_millis(x % window_ms);
+        let killed = kill_when(cmd, || in_moved_hotzone(&hdr), delay);
         let what =
             format!("round {round}: {runner} killed={killed}, sector {sector}, journal {journal}");
         let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
@@ -2750,9 +2748,9 @@ fn resilience_shown(img: &Path) -> Option<String> {
 /// `--resume-only --resilience` switches a reencryption's resilience (cryptsetup 2.6), both
 /// ways: one tool starts with checksum, the other resumes with journal and is SIGKILLed
 /// after its header shows the switch (plus a seeded delay), and the first finishes from the
-/// switched header (which its reencryption digest
-/// check accepts); data intact. A switch away from a data shift's resilience is refused with
-/// cryptsetup's words and exit code, nothing written.
+/// switched header (which its reencryption digest check accepts); data intact. A switch away
+/// from a data shift's resilience is refused with cryptsetup's words and exit code, nothing
+/// written.
 #[test]
 fn resilience_switches_on_resume_both_ways() {
     if !have_cryptsetup() {
@@ -2870,28 +2868,9 @@ fn area_type_raw(hdr: &Path) -> Option<String> {
         .and_then(|k| k["area"]["type"].as_str().map(str::to_string))
 }
 
-/// Runs `cmd` until the header file `hdr` names the reencrypt area type `area` (or `cmd`
-/// ends, or a minute passed), waits `delay` more, then SIGKILLs it; returns whether it was
-/// still running.
-fn kill_after_switch(mut cmd: Command, hdr: &Path, area: &str, delay: Duration) -> bool {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let start = std::time::Instant::now();
-    while area_type_raw(hdr).as_deref() != Some(area)
-        && child.try_wait().expect("wait").is_none()
-        && start.elapsed() < Duration::from_secs(60)
-    {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    std::thread::sleep(delay);
-    let running = child.try_wait().expect("wait").is_none();
-    let _ = child.kill();
-    let _ = child.wait();
-    running
+/// [`kill_when`] the header file `hdr` names the reencrypt area type `area`.
+fn kill_after_switch(cmd: Command, hdr: &Path, area: &str, delay: Duration) -> bool {
+    kill_when(cmd, || area_type_raw(hdr).as_deref() == Some(area), delay)
 }
 
 /// A decryption that moves the data back switches the protection of its moved segment on
