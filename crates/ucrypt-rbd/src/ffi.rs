@@ -36,7 +36,6 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io;
-use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -351,8 +350,9 @@ pub struct Image {
     deadline: Duration,
     /// Requests given up and still in librbd's hands (see [`ABANDONED_MAX`]).
     abandoned: Arc<AtomicUsize>,
-    /// Taken (once) by `drop`, which hands it to the closing thread.
-    pool: ManuallyDrop<Pool>,
+    lib: &'static Lib,
+    /// `Some` while the image is open; taken by `drop`, which hands it to the closing thread.
+    pool: Option<Pool>,
 }
 
 // SAFETY: the handle is a pointer to librbd's ImageCtx, which does not depend on the thread
@@ -396,14 +396,15 @@ impl Pool {
             h,
             deadline,
             abandoned: Arc::new(AtomicUsize::new(0)),
-            pool: ManuallyDrop::new(self),
+            lib: self.cluster.lib,
+            pool: Some(self),
         })
     }
 }
 
 impl Image {
     fn lib(&self) -> &'static Lib {
-        self.pool.cluster.lib
+        self.lib
     }
 
     pub fn size(&self) -> Result<u64, CallError> {
@@ -617,9 +618,9 @@ impl Drop for Image {
     /// Closes the image on a thread of its own and waits for it at most
     /// [`CLOSE_WAIT_DEADLINES`] request deadlines.
     fn drop(&mut self) {
-        // SAFETY: `pool` is taken once, here, and `self` is not used after this but for `h`
-        // and `deadline`.
-        let pool = unsafe { ManuallyDrop::take(&mut self.pool) };
+        let Some(pool) = self.pool.take() else {
+            return;
+        };
         let closing = Closing { h: self.h, pool };
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         // If the thread cannot be made, the closure (and `closing` in it) is dropped here,

@@ -184,7 +184,10 @@ pub(crate) struct Core {
     /// Plaintext bytes; changed only by `Volume::resize`, with the gate closed.
     size: AtomicU64,
     shift: u32,
-    null_cipher: bool,
+    /// The cipher is `cipher_null` (the data is plaintext): writes and reads skip the
+    /// bounce buffers. Changed only by `Volume::end_segments` (a decryption or an encryption
+    /// served online ends), with the gate closed, together with the cipher contexts.
+    null_cipher: AtomicBool,
     read_only: bool,
     /// `VolumeConfig::allow_discards`; changed by `Volume::set_allow_discards`.
     allow_discards: AtomicBool,
@@ -321,6 +324,13 @@ fn counted(core: &Core, k: Kind, r: Result<()>) -> Result<()> {
 }
 
 impl Core {
+    /// See [`Core::null_cipher`]'s field. Relaxed: it changes only with the gate closed,
+    /// which orders it against every request.
+    #[inline(always)]
+    fn null_cipher(&self) -> bool {
+        self.null_cipher.load(Relaxed)
+    }
+
     // ---------------------------------------------------------------- reads
 
     fn read_piece(&self, plan: &Plan, piece: &Piece, out: &mut [u8], t: &mut Times) -> Result<()> {
@@ -517,7 +527,7 @@ impl Core {
         let ss = 1usize << self.shift;
         let bytes = (piece.sectors.len() << self.shift) as usize;
         let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
-        if self.null_cipher && unordered && piece.aligned() && matches!(src, Source::Zeroes) {
+        if self.null_cipher() && unordered && piece.aligned() && matches!(src, Source::Zeroes) {
             // Ciphertext of zeroes is zeroes only for the null cipher: let the storage do it.
             let t0 = t.clock();
             let r = self
@@ -575,7 +585,14 @@ impl Core {
         t: &mut Times,
     ) -> Result<()> {
         let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
-        if let (true, true, Source::Buf(b)) = (self.null_cipher, unordered, src) {
+        let from_caller = match src {
+            // The backend takes the caller's buffer only at an address it accepts (O_DIRECT).
+            Source::Buf(b) => (b[piece.buf_off..].as_ptr() as usize) % self.mem_align == 0,
+            Source::Zeroes => false,
+        };
+        if let (true, true, true, Source::Buf(b)) =
+            (self.null_cipher(), unordered, from_caller, src)
+        {
             // The null cipher's ciphertext is the plaintext: write it from where it is, with
             // no copy into a grant and no wipe of one.
             let data = &b[piece.buf_off..piece.buf_off + piece.buf_len];
@@ -632,7 +649,7 @@ impl Core {
                 fua,
             };
             self.run(plan, &part, task, t)?;
-            if !plain_src.is_null() && !self.null_cipher {
+            if !plain_src.is_null() && !self.null_cipher() {
                 // Encrypted straight from the caller's buffer: only ciphertext ever landed here.
                 g.held_only_ciphertext();
             }
@@ -811,7 +828,7 @@ impl Volume {
             data_offset: cfg.data_offset_bytes,
             size: AtomicU64::new(size),
             shift,
-            null_cipher: cfg.spec.mode == Mode::Null,
+            null_cipher: AtomicBool::new(cfg.spec.mode == Mode::Null),
             read_only: cfg.read_only,
             allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,
@@ -1151,7 +1168,7 @@ impl Core {
         buf: &mut [u8],
         src: Option<&[u8]>,
     ) -> Result<()> {
-        if self.null_cipher {
+        if self.null_cipher() {
             if let Some(s) = src {
                 buf.copy_from_slice(s);
             }

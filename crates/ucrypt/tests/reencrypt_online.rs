@@ -462,3 +462,165 @@ fn a_detached_header_rotates_online() {
         assert!(read_all(&open_detached(&hdr_dev, &data).expect("reopen")) == want);
     }
 }
+
+/// Fails the offline run of `devs` at the `nth` data write (a few hotzones in), leaving the
+/// header inside a hotzone; then repairs it, as `ucrypt repair` does.
+fn leave_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
+    let fault = FaultBackend::new(data.clone());
+    fault.add_rule(
+        FaultRule::always(FaultOp::Write, Fault::Eio)
+            .nth(nth)
+            .times(1),
+    );
+    let r = resume_on(
+        Devices {
+            header: devs.header,
+            data: &fault,
+        },
+        PASS,
+        RunOptions {
+            hotzone_bytes: Some(HOTZONE_BYTES),
+            ..Default::default()
+        },
+        &mut |_| {},
+    );
+    assert!(r.is_err(), "the fault did not stop the offline run");
+    recover_on(devs, PASS).expect("repair");
+}
+
+/// A decryption with a detached header served online: it goes backward (from the end), its
+/// new side plaintext. I/O verifies throughout, the data device holds the plaintext after;
+/// and one left mid-way by a failed offline run opens as two segments (the plaintext side
+/// above the mark) and finishes online.
+#[test]
+fn a_detached_header_decrypts_online() {
+    let seed = seed();
+    for (kind, interrupted) in [
+        (ResilienceKind::Checksum, false),
+        (ResilienceKind::Journal, false),
+        (ResilienceKind::None, false),
+        (ResilienceKind::Checksum, true),
+        (ResilienceKind::Journal, true),
+    ] {
+        let (hdr_dev, data) = formatted_detached();
+        let devs = Devices {
+            header: hdr_dev.as_ref(),
+            data: data.as_ref(),
+        };
+        let opts = InitOptions {
+            resilience: kind,
+            kdf: &fast_kdf(),
+            key_slot: None,
+            change: SegmentChange::default(),
+            mode: Mode::Decrypt,
+            keyslot_kdf: KeyslotKdf::Given,
+            resilience_hash: CHECKSUM_HASH,
+        };
+        let vol = if interrupted {
+            init_on(devs, PASS, &opts).expect("init");
+            leave_mid_way(devs, &data, 3 + seed % 5);
+            let vol = open_detached(&hdr_dev, &data).expect("open mid-way");
+            assert!(vol.in_reencryption());
+            let done = vol.reencrypted_bytes().unwrap();
+            println!("{kind:?}: opened with {done} bytes decrypted (from the end)");
+            assert!(done > 0 && done < DATA_BYTES);
+            assert!(read_all(&vol) == plaintext(), "contents opened mid-way");
+            // The end is plaintext on the device already, the start not.
+            let mut tail = vec![0u8; done as usize];
+            data.read_exact_at(&mut tail, DATA_BYTES - done).unwrap();
+            assert!(tail[..] == plaintext()[(DATA_BYTES - done) as usize..]);
+            vol
+        } else {
+            let vol = open_detached(&hdr_dev, &data).expect("open");
+            init_on(devs, PASS, &opts).expect("init");
+            vol
+        };
+        let vol = Arc::new(vol);
+        let (want, during) = io_during(&vol, seed, plaintext(), || {
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {}).expect("online decryption");
+        });
+        println!("{kind:?}: {during} requests during the decryption");
+        assert!(during > 0, "no request ran during the decryption");
+        assert!(!vol.in_reencryption());
+        assert_eq!(vol.cipher().0.to_string(), "cipher_null-ecb");
+        assert!(read_all(&vol) == want, "contents after the decryption");
+        let mut raw = vec![0u8; DATA_BYTES as usize];
+        data.read_exact_at(&mut raw, 0).unwrap();
+        assert!(raw == want, "the data device holds the plaintext");
+        // Written after the end: plaintext on the device too.
+        vol.write_at(&[0xa5; 4096], 8192).unwrap();
+        data.read_exact_at(&mut raw[..4096], 8192).unwrap();
+        assert!(raw[..4096] == [0xa5; 4096]);
+    }
+}
+
+/// An encryption with a detached header served online: the old side is the plaintext. I/O
+/// verifies throughout; after it the data device holds no plaintext and the header alone
+/// opens it; one left mid-way opens as two segments and finishes online.
+#[test]
+fn a_detached_header_encrypts_online() {
+    use ucrypt::luks::reencrypt_run::{init_encrypt, EncryptOptions};
+    use ucrypt::sector::{CipherSpec, SectorSize};
+    let seed = seed();
+    for (kind, sector, interrupted) in [
+        (ResilienceKind::Checksum, 4096, false),
+        (ResilienceKind::Journal, 512, false),
+        (ResilienceKind::Checksum, 512, true),
+        (ResilienceKind::Journal, 4096, true),
+        (ResilienceKind::None, 4096, false),
+    ] {
+        let hdr_dev: Arc<dyn Backend> = Arc::new(MemBackend::new(DETACHED_HDR_BYTES));
+        let data: Arc<dyn Backend> = Arc::new(MemBackend::new(DATA_BYTES));
+        data.write_at(&plaintext(), 0).unwrap();
+        let devs = Devices {
+            header: hdr_dev.as_ref(),
+            data: data.as_ref(),
+        };
+        init_encrypt(
+            devs,
+            PASS,
+            &EncryptOptions {
+                resilience: kind,
+                kdf: &fast_kdf(),
+                cipher: CipherSpec::AES_XTS_PLAIN64,
+                key_bytes: 64,
+                sector_size: SectorSize::new(sector).unwrap(),
+                uuid: "1f2e3d4c-5b6a-4798-8a9b-acbdcedf0f1e".into(),
+                resilience_hash: CHECKSUM_HASH,
+            },
+        )
+        .expect("init");
+        if interrupted {
+            leave_mid_way(devs, &data, 3 + seed % 5);
+        }
+        let vol = Arc::new(open_detached(&hdr_dev, &data).expect("open in encryption"));
+        assert!(vol.in_reencryption());
+        let done = vol.reencrypted_bytes().unwrap();
+        println!("{kind:?}, sector {sector}: opened with {done} bytes encrypted");
+        assert_eq!(done > 0, interrupted);
+        assert!(
+            read_all(&vol) == plaintext(),
+            "contents opened in encryption"
+        );
+        let (want, during) = io_during(&vol, seed, plaintext(), || {
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {}).expect("online encryption");
+        });
+        println!("{kind:?}: {during} requests during the encryption");
+        assert!(during > 0, "no request ran during the encryption");
+        assert!(!vol.in_reencryption());
+        assert_eq!(vol.cipher().0.to_string(), "aes-xts-plain64");
+        assert!(read_all(&vol) == want, "contents after the encryption");
+        drop(vol);
+        assert_plain_luks2(hdr_dev.as_ref());
+        let mut raw = vec![0u8; DATA_BYTES as usize];
+        data.read_exact_at(&mut raw, 0).unwrap();
+        let plain_sectors = raw
+            .chunks(4096)
+            .zip(want.chunks(4096))
+            .filter(|(a, b)| a == b)
+            .count();
+        assert_eq!(plain_sectors, 0, "plaintext left on the data device");
+        let again = open_detached(&hdr_dev, &data).expect("reopen");
+        assert!(read_all(&again) == want, "contents after reopening");
+    }
+}

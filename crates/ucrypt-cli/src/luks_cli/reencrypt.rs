@@ -98,7 +98,7 @@ fn parse_size(s: &str) -> Result<u64> {
 fn not_built(what: &str) -> Error {
     Error::InvalidArgument(format!(
         "ucrypt reencrypt does not support {what} yet (it reencrypts, decrypts or encrypts \
-         in place, offline)."
+         in place)."
     ))
 }
 
@@ -309,12 +309,13 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             )));
         }
         // Online, the volume serves both sides on the same sectors: a new key, and a new
-        // cipher or key size, but not a new sector size or data offset.
-        if r.encrypt || r.decrypt || o.sector_size.is_some() {
+        // cipher or key size, its header in front or detached; an encryption or a decryption
+        // with a detached header; but not a new sector size or a data shift.
+        if o.sector_size.is_some() || unshift.is_some() || o.header.is_none() && r.encrypt {
             return Err(not_built(
-                "online encryption, decryption or sector size changes (a volume a ucrypt \
-                 daemon serves gets a new key, cipher or key size online, its header in front \
-                 or detached; close it to do more offline)",
+                "online sector size changes or data shifts (a volume a ucrypt daemon serves \
+                 gets a new key, cipher or key size online, and is encrypted or decrypted \
+                 online with a detached header; close it to do more offline)",
             ));
         }
         if r.force_offline_reencrypt {
@@ -710,24 +711,19 @@ fn decrypt_unshift(
             "Device reencryption not in progress.".into(),
         ));
     }
-    let resilience = match r.resilience.as_deref() {
-        None | Some("checksum") | Some("datashift-checksum") => ResilienceKind::Checksum,
-        Some("journal") | Some("datashift-journal") => ResilienceKind::Journal,
-        // cryptsetup 2.6.1's words for both.
-        Some("none") | Some("datashift") => {
-            return Err(Error::InvalidArgument(
-                "Requested --resilience option cannot be applied to current reencryption \
-                 operation."
-                    .into(),
-            ))
-        }
-        Some(other) => {
-            return Err(Error::InvalidArgument(format!(
-                "Unsupported resilience mode {other}"
-            )))
-        }
-    };
     let resilience_hash = resilience_hash(r)?;
+    let asked = ResilienceAsked::from_name(
+        r.resilience.as_deref().unwrap_or("checksum"),
+        resilience_hash,
+    )?;
+    let Some(resilience) = asked.moved_guard() else {
+        // cryptsetup 2.6.1's words, for `none` and `datashift` alike.
+        return Err(Error::InvalidArgument(
+            "Requested --resilience option cannot be applied to current reencryption \
+             operation."
+                .into(),
+        ));
+    };
     let moved_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let meta_bytes = match ucrypt::luks::read_header(data.as_ref())? {

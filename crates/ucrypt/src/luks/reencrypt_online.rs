@@ -1,6 +1,8 @@
-//! Online key rotation: the same hotzones as `reencrypt_run`, while a [`Volume`] serves the
-//! data. The volume maps each request by offset to the new key (below the reencrypted mark)
-//! or the old one (`volume/segments.rs`); the driver holds each hotzone from before its read
+//! Online reencryption: the same hotzones as `reencrypt_run`, while a [`Volume`] serves the
+//! data. A key rotation (or a new cipher), and, with a detached header, an encryption or a
+//! decryption in place (one side is then plaintext, served as `cipher_null`; a decryption
+//! goes backward, from the end). The volume maps each request by offset to the new side (the
+//! bytes done) or the old one (`volume/segments.rs`); the driver holds each hotzone from before its read
 //! to after its last commit, so only the requests touching it wait. Hotzones go through the
 //! volume's own backend, header and resilience data through it or the detached header's.
 //!
@@ -8,13 +10,14 @@
 //!   interrupted, by a crash or a close) opens as cryptsetup activates one: a hotzone left by
 //!   a crash is recovered first (as `repair` does), then both keys are unlocked and checked
 //!   against the reencryption digest, and the volume serves the two segments.
-//! - [`rotate`]: runs (or continues) the rotation on an open volume, then switches it to the
-//!   new key. The header must already be in reencryption (`reencrypt_run::init`).
+//! - [`rotate`]: runs (or continues) the reencryption on an open volume, then switches it to
+//!   the new side. The header must already be in reencryption (`reencrypt_run::init`,
+//!   `init_on`, `init_encrypt`).
 
 use std::sync::Arc;
 
 use super::json::{Metadata, SegmentSize};
-use super::reencrypt::{digest_of_segment, ReencryptState};
+use super::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
 use super::reencrypt_plan::{check_layout, position};
 use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
 use super::{read_header, Header, OpenOptions};
@@ -31,12 +34,35 @@ fn bad(detail: impl Into<String>) -> Error {
     }
 }
 
-/// The cipher, sector size, data offset and size (`None`: dynamic) of segment `seg`.
-fn segment_params(meta: &Metadata, seg: u32) -> Result<(CipherSpec, SectorSize, u64, Option<u64>)> {
+/// One side of a reencryption served online, from its backup segment.
+struct Side {
+    /// `cipher_null` for a `linear` segment (plaintext).
+    spec: CipherSpec,
+    /// `None` for a `linear` segment: it serves in the other side's sectors.
+    sector_size: Option<SectorSize>,
+    offset: u64,
+    /// `None`: dynamic.
+    size: Option<u64>,
+}
+
+/// The side segment `seg` describes.
+fn segment_params(meta: &Metadata, seg: u32) -> Result<Side> {
     let s = meta
         .segments
         .get(&seg.to_string())
         .ok_or_else(|| bad(format!("segment {seg} missing")))?;
+    let size = match s.size {
+        SegmentSize::Bytes(n) => Some(n),
+        SegmentSize::Dynamic => None,
+    };
+    if s.kind == "linear" {
+        return Ok(Side {
+            spec: CipherSpec::NULL,
+            sector_size: None,
+            offset: s.offset.0,
+            size,
+        });
+    }
     let spec: CipherSpec = s
         .encryption
         .as_deref()
@@ -46,11 +72,12 @@ fn segment_params(meta: &Metadata, seg: u32) -> Result<(CipherSpec, SectorSize, 
     if s.iv_tweak.is_some_and(|t| t.0 != 0) {
         return Err(bad("a backup segment with a non-zero iv_tweak"));
     }
-    let size = match s.size {
-        SegmentSize::Bytes(n) => Some(n),
-        SegmentSize::Dynamic => None,
-    };
-    Ok((spec, ss, s.offset.0, size))
+    Ok(Side {
+        spec,
+        sector_size: Some(ss),
+        offset: s.offset.0,
+        size,
+    })
 }
 
 /// Opens a volume whose header (on `data`, or the detached `opts.header`) is in reencryption,
@@ -88,11 +115,16 @@ pub fn open(
         Header::Luks2(h) => {
             let st = ReencryptState::from_metadata(&h.meta)?
                 .ok_or_else(|| bad("not in reencryption"))?;
-            // Refused before anything is written (no recovery first): only a rotation is
-            // served. An encryption with the header in front (a data shift) is finished
-            // offline, `ucrypt reencrypt --resume-only` (cryptsetup activates it with
-            // dm-linear and dm-crypt segments; ucrypt's volume has one cipher per side).
-            if st.keyslot.mode != super::reencrypt::Mode::Reencrypt {
+            // Refused before anything is written (no recovery first): a data shift (an
+            // encryption with the header put in front, a decryption that moves the data back)
+            // is finished offline, `ucrypt reencrypt --resume-only` (cryptsetup activates it
+            // with dm-linear and dm-crypt segments at other offsets; ucrypt's volume serves
+            // both sides on the same sectors).
+            let in_place = matches!(
+                st.keyslot.resilience,
+                Resilience::None | Resilience::Checksum { .. } | Resilience::Journal
+            );
+            if st.keyslot.mode != super::reencrypt::Mode::Reencrypt && !in_place {
                 return Err(Error::UnsupportedLuks(format!(
                     "serving a volume in {} (resilience {}): finish it offline with ucrypt \
                      reencrypt --resume-only",
@@ -127,23 +159,36 @@ pub fn open(
             opts,
         );
     };
-    let d_old = digest_of_segment(&h.meta, st.backup_previous)
-        .ok_or_else(|| bad("backup-previous has no digest"))?;
-    let d_new = digest_of_segment(&h.meta, st.backup_final)
-        .ok_or_else(|| bad("backup-final has no digest"))?;
-    let new_vk = unlock_digest(hdr_dev.as_ref(), &hdr, &h.meta, d_new, passphrase)?;
-    let old_vk = unlock_digest(hdr_dev.as_ref(), &hdr, &h.meta, d_old, passphrase)?;
-    h.verify_reencrypt_digest(Some(&old_vk), Some(&new_vk))?;
-    let (spec, sector_size, offset, size) = segment_params(&h.meta, st.backup_previous)?;
-    let (new_spec, new_sector_size, new_offset, new_size) =
-        segment_params(&h.meta, st.backup_final)?;
-    if (new_sector_size, new_offset, new_size) != (sector_size, offset, size) {
+    let old = segment_params(&h.meta, st.backup_previous)?;
+    let new = segment_params(&h.meta, st.backup_final)?;
+    // A plaintext side (linear) has no key, and so no digest.
+    let key_of = |side: &Side, seg: u32, name: &str| -> Result<Option<_>> {
+        if side.spec == CipherSpec::NULL && side.sector_size.is_none() {
+            return Ok(None);
+        }
+        let d =
+            digest_of_segment(&h.meta, seg).ok_or_else(|| bad(format!("{name} has no digest")))?;
+        unlock_digest(hdr_dev.as_ref(), &hdr, &h.meta, d, passphrase).map(Some)
+    };
+    let new_vk = key_of(&new, st.backup_final, "backup-final")?;
+    let old_vk = key_of(&old, st.backup_previous, "backup-previous")?;
+    h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
+    let sector_size = match (old.sector_size, new.sector_size) {
+        (Some(a), Some(b)) if a != b => None,
+        (Some(a), _) | (None, Some(a)) => Some(a),
+        (None, None) => return Err(bad("neither side of the reencryption is encrypted")),
+    };
+    let (Some(sector_size), true) = (
+        sector_size,
+        (old.offset, old.size) == (new.offset, new.size),
+    ) else {
         return Err(Error::UnsupportedLuks(
             "serving a volume whose reencryption changes the sector size or the data offset \
              (ucrypt serves a new key, and a new cipher, on the same sectors)"
                 .into(),
         ));
-    }
+    };
+    let (spec, offset, size) = (old.spec, old.offset, old.size);
     let ss = u64::from(sector_size.bytes());
     let data_bytes = match size {
         Some(n) => n,
@@ -161,7 +206,8 @@ pub fn open(
         iv_offset: 0,
         iv_large_sectors: false,
     };
-    let mut cfg = VolumeConfig::new(spec, SecretBytes::from_slice(old_vk.bytes()), geometry);
+    let old_key = old_vk.as_ref().map_or(&[][..], |k| k.bytes());
+    let mut cfg = VolumeConfig::new(spec, SecretBytes::from_slice(old_key), geometry);
     drop(old_vk);
     cfg.data_offset_bytes = offset;
     cfg.size_bytes = size;
@@ -171,7 +217,9 @@ pub fn open(
     cfg.allow_discards =
         opts.allow_discards || hdr.activation_flags().iter().any(|f| f == "allow-discards");
     let vol = Volume::new(data, cfg)?;
-    vol.begin_segments(new_spec, SecretBytes::from_slice(new_vk.bytes()), done)?;
+    let new_key = new_vk.as_ref().map_or(&[][..], |k| k.bytes());
+    let backward = st.keyslot.direction == Direction::Backward;
+    vol.begin_segments(new.spec, SecretBytes::from_slice(new_key), done, backward)?;
     Ok(vol)
 }
 
@@ -256,14 +304,28 @@ fn pause_after(busy: std::time::Duration, before: u64, now: u64) -> std::time::D
 }
 
 impl Serving for Online<'_> {
-    fn start(&mut self, new_key: Option<(CipherSpec, &[u8])>, done: u64) -> Result<()> {
-        let (spec, new_key) = new_key.ok_or_else(|| {
-            Error::UnsupportedLuks("online decryption (the new side is plaintext)".into())
-        })?;
+    fn start(
+        &mut self,
+        new_key: Option<(CipherSpec, &[u8])>,
+        done: u64,
+        backward: bool,
+    ) -> Result<()> {
+        // A decryption's new side is plaintext.
+        let (spec, new_key) = new_key.unwrap_or((CipherSpec::NULL, &[]));
+        if self
+            .vol
+            .reencryption_backward()
+            .is_some_and(|b| b != backward)
+        {
+            return Err(Error::Bug(
+                "the volume serves the reencryption in the other direction",
+            ));
+        }
         match self.vol.reencrypted_bytes() {
-            None if done == 0 => self
-                .vol
-                .begin_segments(spec, SecretBytes::from_slice(new_key), 0),
+            None if done == 0 => {
+                self.vol
+                    .begin_segments(spec, SecretBytes::from_slice(new_key), 0, backward)
+            }
             // Opened before the rotation started, the volume holds the old key only: the bytes
             // already rewritten would be read with the wrong key.
             None => Err(Error::InvalidArgument(format!(
@@ -290,8 +352,8 @@ impl Serving for Online<'_> {
         debug_assert!(r.is_ok(), "hotzone rewritten without segments");
     }
 
-    fn rewritten(&mut self, end: u64) {
-        let r = self.vol.hotzone_rewritten(end);
+    fn rewritten(&mut self, offset: u64, len: u64) {
+        let r = self.vol.hotzone_rewritten(offset, len);
         debug_assert!(r.is_ok(), "hotzone rewritten without segments");
     }
 

@@ -99,42 +99,76 @@ pub(super) fn read_summing(
 }
 
 /// Rewrites the hotzone in `buf` (the old bytes at data offset `offset`, on `data` from byte
-/// `base`) in pieces of `piece` bytes, in order: `rekey` turns a piece's old bytes into its
-/// new ones, and the write of each piece overlaps the rekeying of the next one (on a thread of
-/// its own), so that the device and a CPU work at once. `serving` is told before each piece is
-/// written and after.
+/// `base`) in pieces of `piece` bytes, from its start, or from its end when `backward` (so
+/// that the rewritten part always borders the bytes done before): `rekey` turns a piece's old
+/// bytes into its new ones, and the write of each piece overlaps the rekeying of the next one
+/// (on a thread of its own), so that the device and a CPU work at once. `serving` is told
+/// before each piece is written and after.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn rewrite_pieces(
     data: &dyn Backend,
     base: u64,
     offset: u64,
     buf: &mut [u8],
     piece: u64,
+    backward: bool,
     serving: &mut dyn Serving,
     rekey: &mut (dyn FnMut(u64, &mut [u8]) -> Result<()> + Send),
 ) -> Result<()> {
-    let piece = (piece as usize).clamp(1, buf.len().max(1));
-    let (mut cur, mut rest) = buf.split_at_mut(piece.min(buf.len()));
-    let mut at = offset;
-    rekey(at, cur)?;
-    loop {
-        let n = piece.min(rest.len());
-        let (next, after) = std::mem::take(&mut rest).split_at_mut(n);
-        let next_at = at + cur.len() as u64;
+    let len = buf.len();
+    let piece = (piece as usize).clamp(1, len.max(1));
+    let count = len.div_ceil(piece).max(1);
+    // The `k`-th piece rewritten.
+    let range = |k: usize| {
+        let i = if backward { count - 1 - k } else { k };
+        let start = (i * piece).min(len);
+        start..(start + piece).min(len)
+    };
+    let first = range(0);
+    rekey(offset + first.start as u64, &mut buf[first])?;
+    for k in 0..count {
+        let cur = range(k);
+        let next = (k + 1 < count).then(|| range(k + 1));
+        let (cur_buf, next_buf) = two_pieces(buf, cur.clone(), next.clone());
+        let at = offset + cur.start as u64;
         serving.rewrite(at, cur.len() as u64);
         let (wrote, keyed) = std::thread::scope(|sc| {
-            let keying = (n > 0).then(|| sc.spawn(|| rekey(next_at, next)));
-            let wrote = data.write_at(cur, base + at);
+            let keying = next.zip(next_buf).map(|(n, b)| {
+                let rekey = &mut *rekey;
+                sc.spawn(move || rekey(offset + n.start as u64, b))
+            });
+            let wrote = data.write_at(cur_buf, base + at);
             (wrote, keying.map(|h| h.join()))
         });
         wrote?;
-        serving.rewritten(next_at);
+        serving.rewritten(at, cur.len() as u64);
         if let Some(k) = keyed {
             k.map_err(|_| Error::Bug("rekey thread panicked"))??;
         }
-        if n == 0 {
-            return Ok(());
+    }
+    Ok(())
+}
+
+/// The pieces `cur` and `next` (disjoint ranges) of `buf`, borrowed at once.
+fn two_pieces(
+    buf: &mut [u8],
+    cur: std::ops::Range<usize>,
+    next: Option<std::ops::Range<usize>>,
+) -> (&mut [u8], Option<&mut [u8]>) {
+    match next {
+        None => (&mut buf[cur], None),
+        Some(n) if n.start >= cur.end => {
+            let (a, b) = buf.split_at_mut(cur.end);
+            (
+                &mut a[cur.clone()],
+                Some(&mut b[n.start - cur.end..n.end - cur.end]),
+            )
         }
-        (at, cur, rest) = (next_at, next, after);
+        Some(n) => {
+            assert!(n.end <= cur.start, "pieces are disjoint");
+            let (a, b) = buf.split_at_mut(cur.start);
+            (&mut b[..cur.len()], Some(&mut a[n]))
+        }
     }
 }
 
@@ -172,6 +206,86 @@ mod tests {
         for (len, piece, want) in rows {
             let got: Vec<(usize, usize)> = pieces(*len, *piece).map(|r| (r.start, r.end)).collect();
             assert_eq!(got, *want, "len {len}, piece {piece}");
+        }
+    }
+
+    /// Records what the loop tells the volume.
+    #[derive(Default)]
+    struct Told(Vec<(char, u64, u64)>);
+
+    impl Serving for Told {
+        fn start(
+            &mut self,
+            _: Option<(crate::sector::CipherSpec, &[u8])>,
+            _: u64,
+            _: bool,
+        ) -> Result<()> {
+            Ok(())
+        }
+        fn hold(&mut self, _: u64, _: u64) {}
+        fn rewrite(&mut self, offset: u64, len: u64) {
+            self.0.push(('w', offset, len));
+        }
+        fn rewritten(&mut self, offset: u64, len: u64) {
+            self.0.push(('d', offset, len));
+        }
+        fn release(&mut self, _: u64) {}
+        fn failed(&mut self) {}
+    }
+
+    #[test]
+    fn rewrite_pieces_goes_from_the_start_or_from_the_end() {
+        let (base, offset) = (4096u64, 1000u64);
+        for backward in [false, true] {
+            for (len, piece) in [(10usize, 4u64), (8, 4), (3, 8), (12, 1)] {
+                let dev = MemBackend::new(base + offset + 64);
+                let old: Vec<u8> = (0..len as u8).collect();
+                let mut buf = old.clone();
+                let mut told = Told::default();
+                let mut rekey = |at: u64, b: &mut [u8]| {
+                    for (i, x) in b.iter_mut().enumerate() {
+                        assert_eq!(u64::from(*x), at - offset + i as u64, "rekeyed once");
+                        *x ^= 0xff;
+                    }
+                    Ok(())
+                };
+                rewrite_pieces(
+                    &dev, base, offset, &mut buf, piece, backward, &mut told, &mut rekey,
+                )
+                .unwrap();
+                let mut got = vec![0u8; len];
+                dev.read_exact_at(&mut got, base + offset).unwrap();
+                let want: Vec<u8> = old.iter().map(|x| x ^ 0xff).collect();
+                assert_eq!(got, want, "len {len}, piece {piece}, backward {backward}");
+                // Each piece announced then done, in order; the done part is one range that
+                // borders the start (forward) or the end (backward).
+                let mut edge = if backward {
+                    offset + len as u64
+                } else {
+                    offset
+                };
+                for pair in told.0.chunks(2) {
+                    let [('w', o1, l1), ('d', o2, l2)] = pair else {
+                        panic!("{:?}", told.0)
+                    };
+                    assert_eq!((o1, l1), (o2, l2));
+                    if backward {
+                        assert_eq!(o1 + l1, edge, "{:?}", told.0);
+                        edge = *o1;
+                    } else {
+                        assert_eq!(*o1, edge, "{:?}", told.0);
+                        edge = o1 + l1;
+                    }
+                }
+                assert_eq!(
+                    edge,
+                    if backward {
+                        offset
+                    } else {
+                        offset + len as u64
+                    }
+                );
+            }
         }
     }
 

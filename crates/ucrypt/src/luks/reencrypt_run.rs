@@ -137,6 +137,20 @@ impl ResilienceAsked {
         }
     }
 
+    /// How the moved segment of a decryption that moves the data back is guarded when this
+    /// is asked: `checksum` and `datashift-checksum` by a checksum, `journal` and
+    /// `datashift-journal` by a copy (as cryptsetup's command line maps them); `None` for
+    /// `none` and `datashift`, which cannot guard it.
+    pub fn moved_guard(self) -> Option<ResilienceKind> {
+        match self {
+            ResilienceAsked::InPlace(ResilienceKind::Checksum, _)
+            | ResilienceAsked::DatashiftChecksum(_) => Some(ResilienceKind::Checksum),
+            ResilienceAsked::InPlace(ResilienceKind::Journal, _)
+            | ResilienceAsked::DatashiftJournal => Some(ResilienceKind::Journal),
+            ResilienceAsked::InPlace(ResilienceKind::None, _) | ResilienceAsked::Datashift => None,
+        }
+    }
+
     /// From cryptsetup's name and `--resilience-hash` (for the checksum kinds).
     pub fn from_name(name: &str, hash: HashAlg) -> Result<Self> {
         Ok(match name {
@@ -2031,16 +2045,24 @@ fn wipe_random<'a>(
 /// rotation, `luks::reencrypt_online`). Offsets are bytes from the start of the data.
 pub trait Serving {
     /// Before the first hotzone, with the new cipher and key (checked against the
-    /// reencryption digest; `None` for a decryption) and the bytes already done.
-    fn start(&mut self, new_key: Option<(CipherSpec, &[u8])>, done: u64) -> Result<()>;
+    /// reencryption digest; `None` for a decryption), the bytes already done, and the
+    /// direction (`backward`: from the end, a decryption).
+    fn start(
+        &mut self,
+        new_key: Option<(CipherSpec, &[u8])>,
+        done: u64,
+        backward: bool,
+    ) -> Result<()>;
     /// Before the hotzone `[offset, offset + len)` is read: returns once no write touches it,
     /// and none will until [`Serving::release`] (its data stays the old ciphertext).
     fn hold(&mut self, offset: u64, len: u64);
     /// Before the piece `[offset, offset + len)` of the hotzone is rewritten: returns once no
     /// request at all touches the piece.
     fn rewrite(&mut self, _offset: u64, _len: u64) {}
-    /// After the piece ending at `end` was rewritten (written, not yet flushed).
-    fn rewritten(&mut self, _end: u64) {}
+    /// After the piece `[offset, offset + len)` was rewritten (written, not yet flushed). A
+    /// hotzone's pieces are rewritten from its start going forward, from its end going
+    /// backward.
+    fn rewritten(&mut self, _offset: u64, _len: u64) {}
     /// The pieces a hotzone of `hotzone_bytes` is read, journalled and rewritten in (`None`:
     /// the whole hotzone at once), so that a request waits for one piece at most, and the
     /// device's queue holds one piece of the rotation's I/O at a time.
@@ -2061,7 +2083,7 @@ pub trait Serving {
 struct Offline;
 
 impl Serving for Offline {
-    fn start(&mut self, _: Option<(CipherSpec, &[u8])>, _: u64) -> Result<()> {
+    fn start(&mut self, _: Option<(CipherSpec, &[u8])>, _: u64, _: bool) -> Result<()> {
         Ok(())
     }
     fn hold(&mut self, _: u64, _: u64) {}
@@ -2106,7 +2128,9 @@ pub fn resume_serving(
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
     }
-    serving.start(u.new_key.as_ref().map(|(c, k)| (*c, k.as_ref())), pos.done)?;
+    let backward = u.st.keyslot.direction == Direction::Backward;
+    let new_key = u.new_key.as_ref().map(|(c, k)| (*c, k.as_ref()));
+    serving.start(new_key, pos.done, backward)?;
     if let Some(n) = serving.rekey_lanes_max() {
         u.lanes.truncate(n.max(1));
     }
@@ -2313,20 +2337,23 @@ fn run_hotzones(
                         &|at, b| devs.data.read_exact_at(b, from + at),
                         &|at, b| devs.data.write_at(b, to + at),
                     )?;
-                    serving.rewritten(offset + len);
+                    serving.rewritten(offset, len);
                 }
                 Step::WriteNew { offset, len } if len > piece_max => {
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.new_offset;
+                    let backward = u.st.keyslot.direction == Direction::Backward;
                     let rekey = &mut |at, b: &mut [u8]| rekey(u, at, b);
-                    rewrite_pieces(devs.data, base, offset, buf, piece_max, serving, rekey)?;
+                    rewrite_pieces(
+                        devs.data, base, offset, buf, piece_max, backward, serving, rekey,
+                    )?;
                 }
                 Step::WriteNew { offset, len } => {
                     serving.rewrite(offset, len);
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.new_offset;
                     rekey_then(u, offset, buf, &|at, b| devs.data.write_at(b, base + at))?;
-                    serving.rewritten(offset + len);
+                    serving.rewritten(offset, len);
                 }
                 Step::Finalise => {
                     finish(devs.header, devs.data, u)?;

@@ -1,8 +1,11 @@
-//! A volume in reencryption: two segments split at a mark. Data below the mark is under the
-//! new key, data above under the old one (the reencryptions served online keep the sector
-//! size, the data offset and every sector's IV; the cipher may change, so each side is a
-//! whole-volume view over the same backend with its own cipher and key). A request is cut at
-//! the mark; each part runs on its side's engine.
+//! A volume in reencryption: two segments split at a mark. Going forward (a rotation, an
+//! encryption), data below the mark is under the new key and data above under the old one;
+//! going backward (a decryption), the new side is the one above the mark. The reencryptions
+//! served online keep the sector size, the data offset and every sector's IV; the cipher may
+//! change, and either side may be plaintext (`cipher_null`: the new side of a decryption, the
+//! old side of an encryption, with a detached header), so each side is a whole-volume view
+//! over the same backend with its own cipher and key. A request is cut at the mark; each part
+//! runs on its side's engine.
 //!
 //! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
 //! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only for the piece of
@@ -21,7 +24,7 @@ use std::sync::Arc;
 use super::{Core, Source, Volume, VolumeConfig};
 use crate::engine::plan::Op;
 use crate::engine::zone_lock::{ByteRange, ZoneLock};
-use crate::sector::{CipherSpec, Mode, SectorCipher};
+use crate::sector::{CipherSpec, SectorCipher};
 use crate::sync::lock;
 use crate::{Error, Result, SecretBytes};
 
@@ -30,20 +33,34 @@ pub(crate) struct Segments {
     /// contexts), reached only through this module.
     new: Volume,
     zones: ZoneLock,
-    /// Plaintext bytes from the start under the new key.
+    /// Where the new side meets the old one, in bytes from the start of the data.
     mark_bytes: AtomicU64,
+    /// The new side is above the mark (a decryption), not below it.
+    backward: bool,
+}
+
+impl Segments {
+    /// The mark once `done` bytes are under the new key.
+    fn mark_of(&self, done: u64, size: u64) -> u64 {
+        if self.backward {
+            size.saturating_sub(done)
+        } else {
+            done
+        }
+    }
 }
 
 impl Volume {
-    /// Starts serving the volume as two segments: bytes below `done_bytes` under `new_key` of
-    /// `new_spec` (same geometry: sector size, data offset, IVs), the rest under the volume's
-    /// own cipher and key. Waits for the requests inside to finish (the gate), as `resize`
-    /// does.
+    /// Starts serving the volume as two segments: `done_bytes` under `new_key` of `new_spec`
+    /// (same geometry: sector size, data offset, IVs), from the start, or from the end when
+    /// `backward`; the rest under the volume's own cipher and key. Waits for the requests
+    /// inside to finish (the gate), as `resize` does.
     pub fn begin_segments(
         &self,
         new_spec: CipherSpec,
         new_key: SecretBytes,
         done_bytes: u64,
+        backward: bool,
     ) -> Result<()> {
         let suspended = lock(&self.core.suspended);
         if *suspended {
@@ -64,13 +81,6 @@ impl Volume {
                 "the volume is already in reencryption".into(),
             ));
         }
-        // The null cipher's shortcut is decided once per engine (`Core::null_cipher`), and the
-        // old side's engine serves the new key at the end.
-        if (new_spec.mode == Mode::Null) != c.null_cipher {
-            return Err(Error::UnsupportedLuks(
-                "serving a reencryption to or from cipher_null online".into(),
-            ));
-        }
         let p = self.policy();
         let cfg = VolumeConfig {
             spec: new_spec,
@@ -89,8 +99,10 @@ impl Volume {
         let seg = Arc::new(Segments {
             new,
             zones: ZoneLock::default(),
-            mark_bytes: AtomicU64::new(done_bytes),
+            mark_bytes: AtomicU64::new(0),
+            backward,
         });
+        seg.mark_bytes.store(seg.mark_of(done_bytes, size), Relaxed);
         c.gate.close();
         *lock(&self.segments) = Some(seg);
         c.segmented.store(true, Relaxed);
@@ -106,9 +118,20 @@ impl Volume {
 
     /// Bytes under the new key while in reencryption.
     pub fn reencrypted_bytes(&self) -> Option<u64> {
-        lock(&self.segments)
-            .as_ref()
-            .map(|s| s.mark_bytes.load(Relaxed))
+        let size = self.core.size.load(Relaxed);
+        lock(&self.segments).as_ref().map(|s| {
+            let mark = s.mark_bytes.load(Relaxed);
+            if s.backward {
+                size.saturating_sub(mark)
+            } else {
+                mark
+            }
+        })
+    }
+
+    /// The direction of the reencryption served, if any: `true` going backward.
+    pub fn reencryption_backward(&self) -> Option<bool> {
+        lock(&self.segments).as_ref().map(|s| s.backward)
     }
 
     /// Ends the two segments once the rotation has finished (every byte under the new key; the
@@ -125,9 +148,15 @@ impl Volume {
         // A context of the new side's engine, cloned (the key never leaves the engines).
         let proto: SectorCipher = seg.new.core.ciphers.with(|k| k.try_clone())?;
         let spec = *lock(&seg.new.core.spec);
+        let null = seg.new.core.null_cipher();
+        let cost = seg.new.core.crypto_ps_per_byte.load(Relaxed);
         c.gate.close();
         c.ciphers.install(proto);
         *lock(&c.spec) = spec;
+        // A decryption ends in plaintext, an encryption begins in it: the null cipher's
+        // shortcuts and `auto`'s measure of the cipher's cost follow the new side.
+        c.null_cipher.store(null, Relaxed);
+        c.crypto_ps_per_byte.store(cost, Relaxed);
         c.segmented.store(false, Relaxed);
         let seg = lock(&self.segments).take();
         c.gate.open();
@@ -157,22 +186,25 @@ impl Volume {
         Ok(())
     }
 
-    /// The piece ending at `end` is rewritten (its new ciphertext written, not yet flushed):
-    /// reads below `end` go to the new key, and reads of the piece go on. Writes still wait for
-    /// the release. (A read of a written but unflushed piece returns the same plaintext as the
-    /// old ciphertext it replaces: a crash then leaves sectors that recovery rewrites to the
-    /// same plaintext.)
-    pub(crate) fn hotzone_rewritten(&self, end: u64) -> Result<()> {
+    /// The piece `[offset, offset + len)` is rewritten (its new ciphertext written, not yet
+    /// flushed): the mark moves past it (to its end going forward, to its start going
+    /// backward; the driver rewrites a hotzone's pieces in that order, so the new side stays
+    /// one range), and reads of the piece go on. Writes still wait for the release. (A read of
+    /// a written but unflushed piece returns the same plaintext as the old ciphertext it
+    /// replaces: a crash then leaves sectors that recovery rewrites to the same plaintext.)
+    pub(crate) fn hotzone_rewritten(&self, offset: u64, len: u64) -> Result<()> {
         let seg = self.segments()?;
-        seg.mark_bytes.store(end, Relaxed);
+        let mark = if seg.backward { offset } else { offset + len };
+        seg.mark_bytes.store(mark, Relaxed);
         seg.zones.allow_reads();
         Ok(())
     }
 
-    /// Everything below `done` is now under the new key; the hotzone is released.
+    /// `done` bytes are now under the new key; the hotzone is released.
     pub(crate) fn release_hotzone(&self, done: u64) -> Result<()> {
         let seg = self.segments()?;
-        seg.mark_bytes.store(done, Relaxed);
+        let size = self.core.size.load(Relaxed);
+        seg.mark_bytes.store(seg.mark_of(done, size), Relaxed);
         seg.zones.release_hotzone();
         Ok(())
     }
@@ -191,8 +223,9 @@ impl Volume {
     }
 
     /// Runs `f` on each side's core for the part of `[offset, offset + len)` it holds (below
-    /// the mark: new key), with the range held shared against the hotzone. `f` gets the core,
-    /// the part's offset and its place in the request's buffer.
+    /// the mark the new side going forward, the old one going backward), with the range held
+    /// shared against the hotzone. `f` gets the core, the part's offset and its place in the
+    /// request's buffer.
     fn seg_run(
         &self,
         offset: u64,
@@ -205,11 +238,16 @@ impl Volume {
         let end = offset + len;
         let _held = seg.zones.shared(ByteRange { start: offset, end }, write)?;
         let cut = seg.mark_bytes.load(Relaxed).clamp(offset, end);
+        let (below, above) = if seg.backward {
+            (&self.core, &seg.new.core)
+        } else {
+            (&seg.new.core, &self.core)
+        };
         if cut > offset {
-            f(&seg.new.core, offset, 0..(cut - offset) as usize)?;
+            f(below, offset, 0..(cut - offset) as usize)?;
         }
         if cut < end || len == 0 {
-            f(&self.core, cut, (cut - offset) as usize..len as usize)?;
+            f(above, cut, (cut - offset) as usize..len as usize)?;
         }
         Ok(())
     }
