@@ -373,26 +373,30 @@ fn a_detached_header_rotates_online() {
     let mut v = fio(&dev, "32m", None, true, &out2).spawn().unwrap();
     fio_ok(&mut v, &out2, "after reopening");
     ok(UCRYPT, &["close", &n]);
-    if have("cryptsetup") {
-        let d = ok("cryptsetup", &["luksDump", s(&hdr)]);
-        let dump = String::from_utf8_lossy(&d.stdout);
-        assert!(!dump.contains("reencrypt"), "still in reencryption: {dump}");
-        ok(
-            "cryptsetup",
-            &[
-                "open",
-                "--test-passphrase",
-                "--header",
-                s(&hdr),
-                "--key-file",
-                s(&key),
-                s(&img),
-            ],
-        );
-    } else {
-        println!("SKIPPED (part): cryptsetup not installed");
-    }
+    cryptsetup_accepts_detached(&img, &hdr, &key);
     drop(c);
+}
+
+/// cryptsetup (when installed) reads a detached header: no reencryption left, the passphrase
+/// opens it.
+fn cryptsetup_accepts_detached(img: &Path, hdr: &Path, key: &Path) {
+    if !have("cryptsetup") {
+        println!("SKIPPED (part): cryptsetup not installed");
+        return;
+    }
+    let d = ok("cryptsetup", &["luksDump", s(hdr)]);
+    let dump = String::from_utf8_lossy(&d.stdout);
+    assert!(!dump.contains("reencrypt"), "still in reencryption: {dump}");
+    let a = [
+        "open",
+        "--test-passphrase",
+        "--header",
+        s(hdr),
+        "--key-file",
+        s(key),
+        s(img),
+    ];
+    ok("cryptsetup", &a);
 }
 
 #[test]
@@ -785,6 +789,17 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     drop(c);
 }
 
+/// A passphrase file and a 64 MiB data file (nothing on it) in `t`, and where the detached
+/// header goes: (data, header, key).
+fn detached_files(t: &TempDir) -> (PathBuf, PathBuf, PathBuf) {
+    let (img, hdr, key) = (t.path("data.img"), t.path("hdr.img"), t.path("key"));
+    std::fs::write(&key, PASSPHRASE).unwrap();
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(64 << 20))
+        .unwrap();
+    (img, hdr, key)
+}
+
 /// fio over `file` from `offset`, as [`fio`] makes it.
 fn fio_at(
     file: &Path,
@@ -799,6 +814,45 @@ fn fio_at(
     c
 }
 
+/// Opens `img` with the detached header `hdr` as `n`, starts fio writing 48 MiB at 8 MiB/s
+/// from `fio_offset` with verification, runs `ucrypt reencrypt --header hdr` with `extra`
+/// (handed to the daemon), and checks that it ended while fio ran and that fio's data
+/// verified. Returns the volume (still open) for the caller to close.
+fn reencrypt_under_fio(
+    t: &TempDir,
+    n: &str,
+    (img, hdr, key): (&Path, &Path, &Path),
+    fio_offset: &str,
+    extra: &[&str],
+) -> Cleanup {
+    let dev = PathBuf::from(format!("{DEV_DIR}/{n}"));
+    open_detached(img, hdr, key, n);
+    let mut c = Cleanup {
+        name: n.to_string(),
+        procs: vec![],
+    };
+    let out = t.path("fio.out");
+    let mut job = fio_at(&dev, fio_offset, "48m", Some("8m"), false, &out);
+    c.procs.push(job.spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(key)];
+    a.extend(["--hotzone-size", HOTZONE, "--header", s(hdr)]);
+    a.extend(extra);
+    a.extend(FAST_PBKDF2);
+    a.push(s(img));
+    let o = run(UCRYPT, &a);
+    assert_eq!(o.status.code(), Some(0), "online {extra:?}: {}", text(&o));
+    assert!(
+        c.procs[0].try_wait().unwrap().is_none(),
+        "fio ended before the reencryption did: it did not run under I/O"
+    );
+    let st = status(n);
+    assert!(st.contains(", finished"), "{st}");
+    fio_ok(&mut c.procs[0], &out, "during the reencryption");
+    c.procs.clear();
+    c
+}
+
 /// A volume with a detached header (`--header`) decrypted online: `ucrypt reencrypt --decrypt
 /// --header H` hands the decryption to the daemon, which serves while it goes (backward, from
 /// the end); fio writes and verifies throughout; after the close, fio verifies its data on the
@@ -807,59 +861,21 @@ fn fio_at(
 fn a_detached_header_decrypts_online() {
     skip_unless_rig!();
     let t = TempDir::new("decrypt");
-    let (img, hdr, key) = (t.path("data.img"), t.path("hdr.img"), t.path("key"));
-    std::fs::write(&key, PASSPHRASE).unwrap();
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(64 << 20))
-        .unwrap();
+    let (img, hdr, key) = detached_files(&t);
     let mut a = vec!["format", "-q", "--key-file", s(&key), "--header", s(&hdr)];
     a.extend(FAST_PBKDF2);
     a.push(s(&img));
     ok(UCRYPT, &a);
     let n = name("decrypt");
-    let dev = PathBuf::from(format!("{DEV_DIR}/{n}"));
-    open_detached(&img, &hdr, &key, &n);
-    let mut c = Cleanup {
-        name: n.clone(),
-        procs: vec![],
-    };
-    let out = t.path("fio.out");
-    c.procs.push(
-        fio_at(&dev, "0", "48m", Some("8m"), false, &out)
-            .spawn()
-            .unwrap(),
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    let mut a = vec![
-        "reencrypt",
-        "--decrypt",
-        "--batch-mode",
-        "--key-file",
-        s(&key),
-        "--hotzone-size",
-        HOTZONE,
-        "--header",
-        s(&hdr),
-    ];
-    a.extend(FAST_PBKDF2);
-    a.push(s(&img));
-    let o = run(UCRYPT, &a);
-    assert_eq!(o.status.code(), Some(0), "online decryption: {}", text(&o));
-    assert!(
-        c.procs[0].try_wait().unwrap().is_none(),
-        "fio ended before the decryption did: it did not run under I/O"
-    );
+    let c = reencrypt_under_fio(&t, &n, (&img, &hdr, &key), "0", &["--decrypt"]);
     let st = status(&n);
-    assert!(st.contains(", finished"), "{st}");
     assert!(st.contains("cipher_null"), "{st}");
-    fio_ok(&mut c.procs[0], &out, "during the decryption");
-    c.procs.clear();
     ok(UCRYPT, &["close", &n]);
     drop(c);
     // The bare file holds what fio wrote, in plaintext.
-    let out2 = t.path("fio2.out");
-    let mut v = fio_at(&img, "0", "48m", None, true, &out2).spawn().unwrap();
-    fio_ok(&mut v, &out2, "on the decrypted file");
+    let out = t.path("plain.out");
+    let mut v = fio_at(&img, "0", "48m", None, true, &out).spawn().unwrap();
+    fio_ok(&mut v, &out, "on the decrypted file");
 }
 
 /// A plaintext file encrypted online with a detached header: `ucrypt reencrypt --encrypt
@@ -871,103 +887,39 @@ fn a_detached_header_decrypts_online() {
 fn a_detached_header_encrypts_online() {
     skip_unless_rig!();
     let t = TempDir::new("encrypt");
-    let (img, hdr, key) = (t.path("data.img"), t.path("hdr.img"), t.path("key"));
-    std::fs::write(&key, PASSPHRASE).unwrap();
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(64 << 20))
-        .unwrap();
+    let (img, hdr, key) = detached_files(&t);
     let before = t.path("before.out");
     let mut w = fio_at(&img, "0", "16m", None, false, &before)
         .spawn()
         .unwrap();
     fio_ok(&mut w, &before, "on the plaintext file");
-    let mut a = vec![
-        "reencrypt",
-        "--encrypt",
-        "--init-only",
-        "--batch-mode",
-        "--key-file",
-        s(&key),
-        "--header",
-        s(&hdr),
-    ];
+    let mut a = vec!["reencrypt", "--encrypt", "--init-only", "--batch-mode"];
+    a.extend(["--key-file", s(&key), "--header", s(&hdr)]);
     a.extend(FAST_PBKDF2);
     a.push(s(&img));
     ok(UCRYPT, &a);
     let n = name("encrypt");
     let dev = PathBuf::from(format!("{DEV_DIR}/{n}"));
-    open_detached(&img, &hdr, &key, &n);
-    let mut c = Cleanup {
-        name: n.clone(),
-        procs: vec![],
-    };
-    let out = t.path("fio.out");
-    c.procs.push(
-        fio_at(&dev, "16m", "48m", Some("8m"), false, &out)
-            .spawn()
-            .unwrap(),
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    let mut a = vec![
-        "reencrypt",
-        "--batch-mode",
-        "--key-file",
-        s(&key),
-        "--hotzone-size",
-        HOTZONE,
-        "--header",
-        s(&hdr),
-    ];
-    a.push(s(&img));
-    let o = run(UCRYPT, &a);
-    assert_eq!(o.status.code(), Some(0), "online encryption: {}", text(&o));
-    assert!(
-        c.procs[0].try_wait().unwrap().is_none(),
-        "fio ended before the encryption did: it did not run under I/O"
-    );
-    let st = status(&n);
-    assert!(st.contains(", finished"), "{st}");
-    fio_ok(&mut c.procs[0], &out, "during the encryption");
-    c.procs.clear();
-    let out2 = t.path("fio2.out");
-    let mut v = fio_at(&dev, "0", "16m", None, true, &out2).spawn().unwrap();
+    let c = reencrypt_under_fio(&t, &n, (&img, &hdr, &key), "16m", &[]);
+    let out = t.path("fio2.out");
+    let mut v = fio_at(&dev, "0", "16m", None, true, &out).spawn().unwrap();
     fio_ok(
         &mut v,
-        &out2,
+        &out,
         "of the data written before, through the volume",
     );
     ok(UCRYPT, &["close", &n]);
     // The bare file no longer verifies: it is ciphertext.
-    let out3 = t.path("fio3.out");
-    let st = fio_at(&img, "0", "16m", None, true, &out3)
-        .status()
-        .unwrap();
+    let out = t.path("fio3.out");
+    let st = fio_at(&img, "0", "16m", None, true, &out).status().unwrap();
     assert!(!st.success(), "the data file still holds the plaintext");
     open_detached(&img, &hdr, &key, &n);
-    let out4 = t.path("fio4.out");
-    let mut v = fio_at(&dev, "16m", "48m", None, true, &out4)
+    let out = t.path("fio4.out");
+    let mut v = fio_at(&dev, "16m", "48m", None, true, &out)
         .spawn()
         .unwrap();
-    fio_ok(&mut v, &out4, "after reopening");
+    fio_ok(&mut v, &out, "after reopening");
     ok(UCRYPT, &["close", &n]);
     drop(c);
-    if have("cryptsetup") {
-        let d = ok("cryptsetup", &["luksDump", s(&hdr)]);
-        let dump = String::from_utf8_lossy(&d.stdout);
-        assert!(!dump.contains("reencrypt"), "still in reencryption: {dump}");
-        ok(
-            "cryptsetup",
-            &[
-                "open",
-                "--test-passphrase",
-                "--header",
-                s(&hdr),
-                "--key-file",
-                s(&key),
-                s(&img),
-            ],
-        );
-    } else {
-        println!("SKIPPED (part): cryptsetup not installed");
-    }
+    cryptsetup_accepts_detached(&img, &hdr, &key);
 }

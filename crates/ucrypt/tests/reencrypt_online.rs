@@ -423,26 +423,7 @@ fn a_detached_header_rotates_online() {
 
         // Left inside a hotzone by a failed offline run: refused, repaired, served, finished.
         start_detached(devs, kind);
-        let fault = FaultBackend::new(data.clone());
-        let nth = 3 + seed % 5;
-        fault.add_rule(
-            FaultRule::always(FaultOp::Write, Fault::Eio)
-                .nth(nth)
-                .times(1),
-        );
-        let r = resume_on(
-            Devices {
-                header: hdr_dev.as_ref(),
-                data: &fault,
-            },
-            PASS,
-            RunOptions {
-                hotzone_bytes: Some(HOTZONE_BYTES),
-                ..Default::default()
-            },
-            &mut |_| {},
-        );
-        assert!(r.is_err(), "the fault did not stop the offline run");
+        fail_mid_way(devs, &data, 3 + seed % 5);
         match open_detached(&hdr_dev, &data) {
             Err(Error::NeedsRecovery) => {}
             Err(e) => panic!("{kind:?}: a hotzone to recover: {e}"),
@@ -464,8 +445,8 @@ fn a_detached_header_rotates_online() {
 }
 
 /// Fails the offline run of `devs` at the `nth` data write (a few hotzones in), leaving the
-/// header inside a hotzone; then repairs it, as `ucrypt repair` does.
-fn leave_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
+/// header inside a hotzone.
+fn fail_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
     let fault = FaultBackend::new(data.clone());
     fault.add_rule(
         FaultRule::always(FaultOp::Write, Fault::Eio)
@@ -485,6 +466,11 @@ fn leave_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
         &mut |_| {},
     );
     assert!(r.is_err(), "the fault did not stop the offline run");
+}
+
+/// [`fail_mid_way`], then repaired as `ucrypt repair` does.
+fn leave_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
+    fail_mid_way(devs, data, nth);
     recover_on(devs, PASS).expect("repair");
 }
 
