@@ -202,6 +202,37 @@ fn cryptsetup_volumes_open_in_ucrypt() {
             [FAST_PBKDF2, &["--type", "luks1"]].concat(),
             true,
         ),
+        // The hashes beyond SHA-1/SHA-2 that cryptsetup's backend offers.
+        (
+            "luks1-ripemd160",
+            [FAST_PBKDF2, &["--type", "luks1", "--hash", "ripemd160"]].concat(),
+            false,
+        ),
+        (
+            "luks1-whirlpool",
+            [FAST_PBKDF2, &["--type", "luks1", "--hash", "whirlpool"]].concat(),
+            false,
+        ),
+        (
+            "luks1-blake2s-256",
+            [FAST_PBKDF2, &["--type", "luks1", "--hash", "blake2s-256"]].concat(),
+            false,
+        ),
+        (
+            "luks2-pbkdf2-sha3-256",
+            [FAST_PBKDF2, &["--hash", "sha3-256"]].concat(),
+            false,
+        ),
+        (
+            "luks2-pbkdf2-blake2b-512",
+            [FAST_PBKDF2, &["--hash", "blake2b-512"]].concat(),
+            false,
+        ),
+        (
+            "luks2-pbkdf2-sm3",
+            [FAST_PBKDF2, &["--hash", "sm3"]].concat(),
+            false,
+        ),
     ];
     for (name, fmt, detached) in rows {
         let img = t.image(&format!("{name}.img"), 20);
@@ -357,6 +388,26 @@ fn ucrypt_volumes_open_in_cryptsetup() {
                 ],
             ]
             .concat(),
+            false,
+        ),
+        (
+            "luks1-whirlpool",
+            [FAST_PBKDF2, &["--type", "luks1", "--hash", "whirlpool"]].concat(),
+            false,
+        ),
+        (
+            "luks1-sha3-512",
+            [FAST_PBKDF2, &["--type", "luks1", "--hash", "sha3-512"]].concat(),
+            false,
+        ),
+        (
+            "luks2-ripemd160",
+            [FAST_PBKDF2, &["--hash", "ripemd160"]].concat(),
+            false,
+        ),
+        (
+            "luks2-blake2s-256",
+            [FAST_PBKDF2, &["--hash", "blake2s-256"]].concat(),
             false,
         ),
     ];

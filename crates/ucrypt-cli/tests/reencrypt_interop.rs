@@ -2583,15 +2583,23 @@ fn several_keyslots_refusals_match_cryptsetup() {
     }
 }
 
-/// `--resilience-hash` sha512 and sha1, each way: both tools' `--init-only` name the hash in
-/// the reencrypt keyslot (the same metadata); each finishes the other's; a whole ucrypt run
-/// with it is accepted by cryptsetup.
+/// `--resilience-hash` of SHA-2, SHA-1 and the others cryptsetup's backend offers, each
+/// way: both tools' `--init-only` name the hash in the reencrypt keyslot (the same
+/// metadata); each finishes the other's; a whole ucrypt run with it is accepted by
+/// cryptsetup.
 #[test]
 fn resilience_hash_each_way() {
     if !have_cryptsetup() {
         return;
     }
-    for hash in ["sha512", "sha1"] {
+    for hash in [
+        "sha512",
+        "sha1",
+        "whirlpool",
+        "sha3-256",
+        "ripemd160",
+        "blake2b-512",
+    ] {
         let t = TempDir::new("rhash");
         let (img, key, plain) = volume(&t, 24, 4096);
         let theirs = t.path("theirs.img");
@@ -2647,16 +2655,18 @@ fn resilience_hash_each_way() {
     }
 }
 
-/// cryptsetup with `--resilience-hash sha512` SIGKILLed mid-way, ucrypt repairs and
-/// finishes; and the other way round with sha1.
+/// cryptsetup with `--resilience-hash` sha512 and whirlpool SIGKILLed mid-way, ucrypt
+/// repairs and finishes; and the other way round with sha1 and sha3-256.
 #[test]
 fn resilience_hash_kills_either_way() {
     if !have_cryptsetup() {
         return;
     }
     kill_cryptsetup_rounds(2, &["--resilience-hash", "sha512"]);
+    kill_cryptsetup_rounds(1, &["--resilience-hash", "whirlpool"]);
     // One round: the first is a checksum one (the second would be journal).
     kill_ucrypt_rounds(1, &["--resilience-hash", "sha1"]);
+    kill_ucrypt_rounds(1, &["--resilience-hash", "sha3-256"]);
 }
 
 /// An Argon2 keyslot of 4 threads (made by `ucrypt add-key`: cryptsetup caps the threads at

@@ -317,7 +317,12 @@ fn power_cut_at_every_write() {
 #[test]
 fn power_cut_with_other_checksum_hashes() {
     let mut next = rng();
-    for (hash, sector) in [(HashAlg::Sha512, 512u32), (HashAlg::Sha1, 4096)] {
+    for (hash, sector) in [
+        (HashAlg::Sha512, 512u32),
+        (HashAlg::Sha1, 4096),
+        (HashAlg::Whirlpool, 512),
+        (HashAlg::Blake2s256, 4096),
+    ] {
         let dev = CrashBackend::from_image(base(sector), 512);
         init(
             &dev,

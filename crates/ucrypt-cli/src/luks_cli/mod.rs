@@ -42,7 +42,9 @@ pub struct LuksOpts {
     /// Encryption sector size in bytes (LUKS2).
     #[arg(long)]
     pub sector_size: Option<u64>,
-    /// Hash for PBKDF2, AF diffusion and the volume key digest.
+    /// Hash for PBKDF2, AF diffusion and the volume key digest: sha256 (the default), sha1,
+    /// sha224, sha384, sha512, sha3-224/256/384/512, ripemd160, whirlpool, blake2b-512,
+    /// blake2s-256 or sm3.
     #[arg(long)]
     pub hash: Option<String>,
     /// pbkdf2, argon2i or argon2id.

@@ -37,7 +37,8 @@ pub struct ReencryptOpts {
     #[arg(long)]
     pub resilience: Option<String>,
     /// Checksum hash of a new reencryption's checksum resilience: sha256 (cryptsetup's
-    /// default), sha1, sha224, sha384 or sha512. A reencryption in progress keeps its own.
+    /// default), sha1, sha224, sha384, sha512, sha3-224/256/384/512, ripemd160, whirlpool,
+    /// blake2b-512, blake2s-256 or sm3. A reencryption in progress keeps its own.
     #[arg(long)]
     pub resilience_hash: Option<String>,
     /// Largest hotzone, in bytes or with a unit (4M, 64MiB...); for a decryption that moves
@@ -489,9 +490,10 @@ fn resilience_hash(r: &ReencryptOpts) -> Result<HashAlg> {
     match r.resilience_hash.as_deref() {
         None => Ok(reencrypt_run::CHECKSUM_HASH),
         Some(h) => HashAlg::from_name(h).map_err(|_| {
+            let names: Vec<&str> = HashAlg::ALL.iter().map(|a| a.name()).collect();
             Error::InvalidArgument(format!(
-                "Hash algorithm {h} is not available (ucrypt checksums with sha1, sha224, \
-                 sha256, sha384 or sha512)."
+                "Hash algorithm {h} is not available (ucrypt checksums with {}).",
+                names.join(", ")
             ))
         }),
     }

@@ -976,10 +976,10 @@ fn hostile_luks1_headers_are_rejected() {
             "key_bytes",
         ),
         (
-            "hash whirlpool",
+            "hash stribog512",
             Box::new(|b| {
                 b[72..104].fill(0);
-                b[72..81].copy_from_slice(b"whirlpool")
+                b[72..82].copy_from_slice(b"stribog512")
             }),
             "hash_spec",
         ),
