@@ -585,17 +585,17 @@ impl Core {
         t: &mut Times,
     ) -> Result<()> {
         let unordered = matches!(plan.dispatch, Dispatch::Inline | Dispatch::Parallel { .. });
+        // The null cipher's ciphertext is the plaintext: write it from where it is, with no
+        // copy into a grant and no wipe of one, if the backend takes the caller's buffer at
+        // its address (O_DIRECT).
         let from_caller = match src {
-            // The backend takes the caller's buffer only at an address it accepts (O_DIRECT).
-            Source::Buf(b) => (b[piece.buf_off..].as_ptr() as usize) % self.mem_align == 0,
-            Source::Zeroes => false,
+            Source::Buf(b) if unordered && self.null_cipher() => {
+                let data = &b[piece.buf_off..piece.buf_off + piece.buf_len];
+                (data.as_ptr() as usize % self.mem_align == 0).then_some(data)
+            }
+            _ => None,
         };
-        if let (true, true, true, Source::Buf(b)) =
-            (self.null_cipher(), unordered, from_caller, src)
-        {
-            // The null cipher's ciphertext is the plaintext: write it from where it is, with
-            // no copy into a grant and no wipe of one.
-            let data = &b[piece.buf_off..piece.buf_off + piece.buf_len];
+        if let Some(data) = from_caller {
             let t0 = t.clock();
             let at = self.backend_offset(piece.sectors.first);
             let r = if fua {

@@ -119,14 +119,10 @@ impl Volume {
     /// Bytes under the new key while in reencryption.
     pub fn reencrypted_bytes(&self) -> Option<u64> {
         let size = self.core.size.load(Relaxed);
-        lock(&self.segments).as_ref().map(|s| {
-            let mark = s.mark_bytes.load(Relaxed);
-            if s.backward {
-                size.saturating_sub(mark)
-            } else {
-                mark
-            }
-        })
+        // `mark_of` is its own inverse: the bytes done from the mark, as the mark from them.
+        lock(&self.segments)
+            .as_ref()
+            .map(|s| s.mark_of(s.mark_bytes.load(Relaxed), size))
     }
 
     /// The direction of the reencryption served, if any: `true` going backward.
