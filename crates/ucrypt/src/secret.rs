@@ -197,6 +197,28 @@ impl<T> std::fmt::Debug for SecretBox<T> {
     }
 }
 
+/// Bytes of this thread's stack [`scrub_stack`] overwrites: far more than the calls beneath
+/// an unlock use (PBKDF2 and HMAC frames, a keyslot's AES, the anti-forensic merge: a few
+/// KiB), and small beside any thread's stack (2 MiB by default).
+pub const STACK_SCRUB_BYTES: usize = 64 << 10;
+
+/// Zeroes [`STACK_SCRUB_BYTES`] of this thread's stack below the caller's frame.
+///
+/// Hash, HMAC and PBKDF2 functions (RustCrypto) and AES (AWS-LC) leave copies of what they
+/// were given in their stack frames when they return: the volume key as the HMAC key of a
+/// digest check, a keyslot's derived key, pieces of the anti-forensic merge. Nothing wipes
+/// those frames; they stay in memory until later calls happen to overwrite them (a suspended
+/// daemon's core was seen to hold half of an XTS key this way). The LUKS code calls this when
+/// it is done with a key, with the calls that touched it all beneath its own frame, so those
+/// copies are gone before the function returns.
+#[inline(never)]
+pub fn scrub_stack() {
+    let mut area = [0u8; STACK_SCRUB_BYTES];
+    // Volatile writes: not elided although `area` is never read.
+    area.zeroize();
+    std::hint::black_box(&mut area);
+}
+
 /// Asks the kernel not to write this process's memory to core dumps at all (`PR_SET_DUMPABLE`
 /// = 0). The CLI calls it at start-up when it will handle passphrases or keys.
 pub fn disable_core_dumps() {

@@ -255,6 +255,8 @@ impl Luks1Header {
             &mut got,
         );
         let ok = bool::from(subtle::ConstantTimeEq::ct_eq(&got[..], &self.mk_digest[..]));
+        // The candidate was PBKDF2's password: its copies in the frames beneath go.
+        crate::secret::scrub_stack();
         if ok {
             Ok(VolumeKey::new_verified(candidate, 0))
         } else {

@@ -420,6 +420,19 @@ pub fn unlock(
     slot: Option<u32>,
     read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>>,
 ) -> Result<(u32, VolumeKey)> {
+    let r = try_keyslots(hdr, passphrase, slot, read);
+    // The KDF's output, the keyslot's decrypted material and the merge's pieces were in the
+    // frames beneath: they go.
+    crate::secret::scrub_stack();
+    r
+}
+
+fn try_keyslots(
+    hdr: &Header,
+    passphrase: &[u8],
+    slot: Option<u32>,
+    read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>>,
+) -> Result<(u32, VolumeKey)> {
     let mut other_err: Option<Error> = None;
     let note = |e: Error, other: &mut Option<Error>| {
         if !matches!(e, Error::WrongPassphrase) && other.is_none() {

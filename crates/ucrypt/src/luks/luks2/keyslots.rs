@@ -76,7 +76,10 @@ impl Luks2Header {
                 .find(|(_, d)| !d.segments.is_empty()),
         };
         let (id, d) = digest.ok_or(Error::WrongPassphrase)?;
-        if digest_matches(id, d, candidate.as_ref())? {
+        let matches = digest_matches(id, d, candidate.as_ref());
+        // The candidate was PBKDF2's password: its copies in the frames beneath go.
+        crate::secret::scrub_stack();
+        if matches? {
             Ok(VolumeKey::new_verified(candidate, id.parse().unwrap_or(0)))
         } else {
             Err(Error::WrongPassphrase)
@@ -105,7 +108,9 @@ impl Luks2Header {
             .meta
             .digest_for_keyslot(&st.keyslot.id.to_string())
             .ok_or_else(|| bad("reencrypt-digest", "the reencrypt keyslot has no digest"))?;
-        if digest_matches(id, d, data.as_ref())? {
+        let matches = digest_matches(id, d, data.as_ref());
+        crate::secret::scrub_stack();
+        if matches? {
             Ok(())
         } else {
             Err(bad(
