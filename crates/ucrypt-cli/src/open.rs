@@ -118,6 +118,9 @@ pub struct VolumeArgs {
     /// forks, and the daemon connects and unlocks with it): used instead of asking again.
     #[arg(skip)]
     pub passphrase_read: Option<std::sync::Arc<SecretBytes>>,
+    /// `ucrypt open --tries`: how many times a passphrase typed on a terminal is asked for.
+    #[arg(skip)]
+    pub tries: Option<u32>,
 }
 
 pub(crate) fn read_volume_key(path: &std::path::Path) -> CliResult<SecretBytes> {
@@ -673,6 +676,36 @@ impl VolumeArgs {
         )?)
     }
 
+    /// The passphrase, asked for on the terminal (or read from a key file or a pipe). Typed on
+    /// a terminal, it is tried here against the header, and a wrong one asked for again up to
+    /// `--tries` times, as cryptsetup's open does; the volume is then unlocked with the key
+    /// found (one key derivation, not two), or with the passphrase when the volume is in
+    /// reencryption (its two segments need both keys).
+    fn ask_passphrase(&self, header: &dyn Backend, hdr: &luks::Header) -> CliResult<Unlock> {
+        let tries = pass::tries(self.tries, self.key_file.as_deref());
+        if tries <= 1 {
+            return Ok(Unlock::Passphrase(self.read_passphrase()?));
+        }
+        let reencrypting = match hdr {
+            luks::Header::Luks2(h) => luks::reencrypt::requirement_version(&h.meta).is_some(),
+            luks::Header::Luks1(_) => false,
+        };
+        pass::retry_wrong(
+            tries,
+            |e| matches!(e, CliError::Core(Error::WrongPassphrase)),
+            || {
+                let p = self.read_passphrase()?;
+                let test = Unlock::Passphrase(SecretBytes::from_slice(p.as_ref()));
+                let (_, vk) = luks::unlock_key(header, hdr, test, self.key_slot)?;
+                Ok(if reencrypting {
+                    Unlock::Passphrase(p)
+                } else {
+                    Unlock::VolumeKey(SecretBytes::from_slice(vk.bytes()))
+                })
+            },
+        )
+    }
+
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
     fn prepare_luks(&self) -> CliResult<PreparedKind> {
         let data = self
@@ -698,7 +731,7 @@ impl VolumeArgs {
             (None, Some(read)) => {
                 Unlock::Passphrase(SecretBytes::from_slice(read.as_ref().as_ref()))
             }
-            (None, None) => Unlock::Passphrase(self.read_passphrase()?),
+            (None, None) => self.ask_passphrase(header.as_ref(), &hdr)?,
         };
         let mut opts = OpenOptions::default();
         opts.key_slot = self.key_slot;

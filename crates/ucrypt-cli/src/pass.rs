@@ -210,6 +210,41 @@ pub struct Source<'a> {
     pub size: Option<u64>,
 }
 
+/// cryptsetup's default `--tries`.
+pub const TRIES_DEFAULT: u32 = 3;
+
+/// How many times a passphrase is asked for before a wrong one is final (cryptsetup's
+/// `--tries`, default 3): only when it is typed on a terminal; a key file, a pipe or systemd's
+/// agent give one answer. `--tries 0` asks once, as cryptsetup's does.
+pub fn tries(asked: Option<u32>, key_file: Option<&str>) -> u32 {
+    if key_file.is_none() && stdin_is_tty() {
+        asked.unwrap_or(TRIES_DEFAULT).max(1)
+    } else {
+        1
+    }
+}
+
+/// Runs `attempt` (ask for a passphrase and try it) up to `tries` times while it fails with a
+/// wrong passphrase (`is_wrong`), telling the user so before asking again, as cryptsetup
+/// does ("No key available with this passphrase."). The last failure is returned, for the
+/// caller's error path to print and turn into an exit code.
+pub fn retry_wrong<T, E>(
+    tries: u32,
+    is_wrong: impl Fn(&E) -> bool,
+    mut attempt: impl FnMut() -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
+    let mut left = tries.max(1);
+    loop {
+        match attempt() {
+            Err(e) if left > 1 && is_wrong(&e) => {
+                eprintln!("{}", Error::WrongPassphrase);
+                left -= 1;
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Reads a passphrase. `verify` asks twice on a terminal (for new passphrases).
 pub fn read_passphrase(src: &Source<'_>, prompt_text: &str, verify: bool) -> Result<SecretBytes> {
     if let Some(f) = src.key_file {

@@ -77,7 +77,9 @@ pub struct OpenArgs {
     pub batch_mode: bool,
     #[arg(long, short = 'v')]
     pub verbose: bool,
-    /// Accepted for compatibility: ucrypt asks once.
+    /// How many times a passphrase typed on a terminal is asked for (default 3); a key file
+    /// or a pipe is read once. A remote volume's passphrase is asked once (its header is read
+    /// only after the daemon starts).
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
     #[command(flatten)]
@@ -185,7 +187,8 @@ pub struct ResumeArgs {
     /// Resume with the volume key in this file (checked against the header's digest).
     #[arg(long, conflicts_with_all = ["key_file", "key_slot"])]
     pub volume_key_file: Option<PathBuf>,
-    /// Accepted for compatibility: ucrypt asks once.
+    /// How many times a passphrase typed on a terminal is asked for (default 3), as
+    /// cryptsetup's luksResume does; a key file or a pipe is read once.
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
     /// Accepted for compatibility.
@@ -360,7 +363,8 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
 }
 
 /// `ucrypt open VOLUME NAME`.
-pub fn open(a: OpenArgs) -> CliResult<i32> {
+pub fn open(mut a: OpenArgs) -> CliResult<i32> {
+    a.v.tries = a.tries;
     let name = a.name.clone().ok_or_else(|| {
         CliError::Usage("open needs a NAME for the device (or --test-passphrase)".into())
     })?;
@@ -943,12 +947,25 @@ pub fn resume(a: ResumeArgs) -> CliResult<i32> {
     use crate::pass;
     ucrypt::secret::disable_core_dumps();
     let (_, dir) = live_dir(&a.name)?;
-    let key = match &a.volume_key_file {
-        Some(f) => proto::ResumeKey::VolumeKeyFile(
+    if let Some(f) = &a.volume_key_file {
+        let key = proto::ResumeKey::VolumeKeyFile(
             std::fs::canonicalize(f)
                 .map_err(|e| io_err(format!("volume key file {}", f.display()), e))?,
-        ),
-        None => {
+        );
+        let req = Request::Resume {
+            key,
+            key_slot: a.key_slot,
+        };
+        expect_status(&a.name, &dir, &req)?;
+        return Ok(0);
+    }
+    // A wrong passphrase typed on a terminal is asked for again (`--tries`): the daemon
+    // answers it with exit code 2 and stays suspended.
+    let tries = pass::tries(a.tries, a.key_file.as_deref());
+    pass::retry_wrong(
+        tries,
+        |e| matches!(e, CliError::Remote { code: 2, .. }),
+        || {
             let p = pass::read_passphrase(
                 &pass::Source {
                     key_file: a.key_file.as_deref(),
@@ -964,14 +981,13 @@ pub fn resume(a: ResumeArgs) -> CliResult<i32> {
                     proto::RESUME_KEY_BYTES_MAX
                 )));
             }
-            proto::ResumeKey::Passphrase(p)
-        }
-    };
-    let req = Request::Resume {
-        key,
-        key_slot: a.key_slot,
-    };
-    expect_status(&a.name, &dir, &req)?;
+            let req = Request::Resume {
+                key: proto::ResumeKey::Passphrase(p),
+                key_slot: a.key_slot,
+            };
+            expect_status(&a.name, &dir, &req)
+        },
+    )?;
     Ok(0)
 }
 

@@ -151,7 +151,8 @@ pub struct LuksOpts {
     /// Accepted for compatibility (cryptsetup's passphrase quality check is not applied).
     #[arg(long)]
     pub force_password: bool,
-    /// Number of passphrase attempts (accepted; ucrypt asks once).
+    /// How many times a passphrase typed on a terminal is asked for (default 3), as
+    /// cryptsetup does for `open` and `luksResume`; other verbs, key files and pipes ask once.
     #[arg(long, short = 'T')]
     pub tries: Option<u32>,
     #[command(flatten)]
@@ -1256,12 +1257,26 @@ fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
                 .into(),
         ));
     }
-    let (slot, _vk) = unlock_with(
-        &dev,
-        &hdr,
-        &existing_source(o, None),
-        o.key_slot,
-        &format!("Enter passphrase for {}: ", device),
+    // A wrong passphrase typed on a terminal is asked again (`--tries`); cryptsetup does not
+    // on a header in reencryption, where the answer is "no usable keyslot" (below).
+    let src = existing_source(o, None);
+    let tries = if in_reencryption(&hdr) {
+        1
+    } else {
+        pass::tries(o.tries, src.key_file)
+    };
+    let (slot, _vk) = pass::retry_wrong(
+        tries,
+        |e| matches!(e, Error::WrongPassphrase),
+        || {
+            unlock_with(
+                &dev,
+                &hdr,
+                &src,
+                o.key_slot,
+                &format!("Enter passphrase for {}: ", device),
+            )
+        },
     )
     .map_err(|e| match e {
         // cryptsetup 2.6 answers a wrong passphrase on a header in reencryption with "No

@@ -520,12 +520,21 @@ fn slot_passphrases(
         None => active,
     };
     let src = existing_source(o, None);
+    // Each asked for again while wrong, up to `--tries` times on a terminal (as cryptsetup's
+    // reencrypt asks each keyslot's).
+    let tries = pass::tries(o.tries, src.key_file);
     slots
         .into_iter()
         .map(|slot| {
             let prompt = format!("Enter passphrase for key slot {slot}: ");
-            let p = pass::read_passphrase(&src, &prompt, false)?;
-            reencrypt_run::check_passphrase(dev, hdr, slot, p)
+            pass::retry_wrong(
+                tries,
+                |e| matches!(e, Error::WrongPassphrase),
+                || {
+                    let p = pass::read_passphrase(&src, &prompt, false)?;
+                    reencrypt_run::check_passphrase(dev, hdr, slot, p)
+                },
+            )
         })
         .collect()
 }
