@@ -252,8 +252,10 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     if r.encrypt && !encryption_in_progress(o) && !shift_in_progress(device, o) {
         return match (&r.reduce_device_size, &o.header) {
             (Some(_), Some(_)) => Err(not_built(
-                "--reduce-device-size with a detached --header (it moves the data by \
-                 --reduce-device-size; ucrypt moves it only to put the header in front)",
+                "--reduce-device-size with a detached --header (cryptsetup 2.6.1 then makes \
+                 a header of that size and encrypts from the end with datashift resilience, \
+                 the data staying where it is; ucrypt encrypts with a detached header \
+                 without --reduce-device-size)",
             )),
             (Some(size), None) => encrypt_shift(device, r, o, parse_size(size)?),
             (None, _) => encrypt(device, r, o),
