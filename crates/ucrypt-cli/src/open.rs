@@ -686,10 +686,7 @@ impl VolumeArgs {
         if tries <= 1 {
             return Ok(Unlock::Passphrase(self.read_passphrase()?));
         }
-        let reencrypting = match hdr {
-            luks::Header::Luks2(h) => luks::reencrypt::requirement_version(&h.meta).is_some(),
-            luks::Header::Luks1(_) => false,
-        };
+        let reencrypting = crate::luks_cli::in_reencryption(hdr);
         pass::retry_wrong(
             tries,
             |e| matches!(e, CliError::Core(Error::WrongPassphrase)),

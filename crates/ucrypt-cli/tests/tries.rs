@@ -142,6 +142,17 @@ fn luks_volume(t: &TempDir) -> std::path::PathBuf {
     img
 }
 
+/// ucrypt, and cryptsetup beside it where it is installed (its column is SKIPPED, and said
+/// so, where it is not).
+fn tools() -> Vec<&'static str> {
+    if have("cryptsetup") {
+        vec![UCRYPT, "cryptsetup"]
+    } else {
+        println!("SKIPPED (the cryptsetup column): cryptsetup not installed");
+        vec![UCRYPT]
+    }
+}
+
 /// `open --test-passphrase` on a terminal, ucrypt beside cryptsetup: a wrong passphrase and
 /// then the right one opens (two prompts); three wrong ones exit 2 after three prompts, each
 /// answered "No key available with this passphrase."; `--tries 1` asks once; `--tries 2`
@@ -150,12 +161,7 @@ fn luks_volume(t: &TempDir) -> std::path::PathBuf {
 fn test_passphrase_asks_again_like_cryptsetup() {
     let t = TempDir::new("tries");
     let img = luks_volume(&t);
-    let tools: Vec<&str> = if have("cryptsetup") {
-        vec![UCRYPT, "cryptsetup"]
-    } else {
-        println!("SKIPPED (the cryptsetup column): cryptsetup not installed");
-        vec![UCRYPT]
-    };
+    let tools = tools();
     // (extra arguments, answers, exit code, prompts, wrong-passphrase messages)
     type Row<'a> = (&'a [&'a str], &'a [&'a str], i32, usize, usize);
     let rows: [Row; 4] = [
@@ -238,12 +244,7 @@ impl Drop for Closing {
 fn reencrypt_asks_a_keyslot_again() {
     let t = TempDir::new("tries-reencrypt");
     let img = luks_volume(&t);
-    let tools: Vec<&str> = if have("cryptsetup") {
-        vec![UCRYPT, "cryptsetup"]
-    } else {
-        println!("SKIPPED (the cryptsetup column): cryptsetup not installed");
-        vec![UCRYPT]
-    };
+    let tools = tools();
     for tool in tools {
         let copy = t.path(&format!("{}.img", tool.rsplit('/').next().unwrap_or(tool)));
         std::fs::copy(&img, &copy).unwrap();
@@ -264,5 +265,69 @@ fn reencrypt_asks_a_keyslot_again() {
             UCRYPT,
             &["open", "--test-passphrase", "--key-file", s(&key), s(&copy)],
         );
+    }
+}
+
+/// Where cryptsetup 2.6.1 does not ask again, neither does ucrypt (measured): a reencryption
+/// left by `--init-only` and resumed on a terminal reads one passphrase, and a wrong one ends
+/// it with exit code 1 (no usable keyslot); a decryption (detached header) reads one, and a
+/// wrong one ends it with exit code 2. Each then finishes with the right one.
+#[test]
+fn resume_and_decrypt_ask_once() {
+    let t = TempDir::new("tries-resume");
+    let img = luks_volume(&t);
+    let key = t.file("key", RIGHT.as_bytes());
+    for tool in tools() {
+        let name = tool.rsplit('/').next().unwrap_or(tool);
+        let copy = t.path(&format!("{name}-resume.img"));
+        std::fs::copy(&img, &copy).unwrap();
+        let mut a = vec![
+            "reencrypt",
+            "-q",
+            "--init-only",
+            "--force-offline-reencrypt",
+            "--key-file",
+            s(&key),
+        ];
+        a.extend(FAST_PBKDF2);
+        a.push(s(&copy));
+        ok(tool, &a);
+        let resume = [
+            "reencrypt",
+            "-q",
+            "--resume-only",
+            "--force-offline-reencrypt",
+            s(&copy),
+        ];
+        let r = on_terminal(tool, &resume, &["wrong", RIGHT]);
+        let what = format!("{tool} --resume-only; the terminal showed:\n{}", r.screen);
+        assert_eq!((r.code, r.prompts), (Some(1), 1), "{what}");
+        let r = on_terminal(tool, &resume, &[RIGHT]);
+        assert_eq!(r.code, Some(0), "{tool}: {}", r.screen);
+        let d = ok(UCRYPT, &["luksDump", s(&copy)]);
+        assert!(!d.contains("reencrypt"), "{tool} did not finish:\n{d}");
+
+        let data = t.image(&format!("{name}-data.img"), 8);
+        let hdr = t.image(&format!("{name}-hdr.img"), 16);
+        let mut f = vec!["luksFormat", "-q", "--header", s(&hdr)];
+        f.extend(FAST_PBKDF2);
+        f.extend([s(&data), s(&key)]);
+        ok(UCRYPT, &f);
+        let decrypt = [
+            "reencrypt",
+            "-q",
+            "--decrypt",
+            "--force-offline-reencrypt",
+            "--header",
+            s(&hdr),
+            s(&data),
+        ];
+        let r = on_terminal(tool, &decrypt, &["wrong", RIGHT]);
+        let what = format!("{tool} --decrypt; the terminal showed:\n{}", r.screen);
+        assert_eq!((r.code, r.prompts, r.wrong_msgs), (Some(2), 1, 1), "{what}");
+        let r = on_terminal(tool, &decrypt, &[RIGHT]);
+        assert_eq!(r.code, Some(0), "{tool}: {}", r.screen);
+        let d = ok(UCRYPT, &["luksDump", s(&hdr)]);
+        assert!(d.contains("0: linear"), "{tool} did not decrypt:\n{d}");
     }
 }

@@ -1291,7 +1291,7 @@ fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
 }
 
 /// Whether the header carries a reencryption requirement (an unfinished reencryption).
-fn in_reencryption(hdr: &Header) -> bool {
+pub(crate) fn in_reencryption(hdr: &Header) -> bool {
     match hdr {
         Header::Luks2(h) => luks::reencrypt::requirement_version(&h.meta).is_some(),
         Header::Luks1(_) => false,

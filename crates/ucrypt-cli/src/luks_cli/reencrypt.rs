@@ -470,7 +470,14 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             resilience: switch,
         },
         &mut |p| meter.show(p),
-    )?;
+    )
+    .map_err(|e| match e {
+        // cryptsetup 2.6.1 reads the passphrase of a reencryption it resumes once, and
+        // answers a wrong one with exit code 1 (measured, on a terminal too), as its `open`
+        // does on a header in reencryption.
+        Error::WrongPassphrase if in_progress.is_some() => Error::NoUsableKeyslot,
+        e => e,
+    })?;
     if o.verbose {
         eprintln!("Command successful.");
     }
