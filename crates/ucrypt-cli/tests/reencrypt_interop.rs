@@ -663,10 +663,41 @@ fn decrypted(img: &Path, hdr: &Path, plain: &[u8], what: &str) {
     );
     assert!(d.contains("0: linear"), "{what}: {d}");
     assert!(!d.contains(": luks2"), "{what}: keyslots left:\n{d}");
+    let got = std::fs::read(img).expect("data");
     assert!(
-        std::fs::read(img).expect("data") == plain,
-        "{what}: the data file is not the plaintext"
+        got == plain,
+        "{what}: the data file is not the plaintext; {}",
+        differences(&got, plain)
     );
+}
+
+/// Where `got` differs from `want`, in runs of 4 KiB blocks (byte offsets), for a failure's
+/// message: which hotzones went wrong says which step did.
+fn differences(got: &[u8], want: &[u8]) -> String {
+    const BLOCK: usize = 4096;
+    if got.len() != want.len() {
+        return format!("{} bytes, not {}", got.len(), want.len());
+    }
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (i, (g, w)) in got.chunks(BLOCK).zip(want.chunks(BLOCK)).enumerate() {
+        if g != w {
+            match runs.last_mut() {
+                Some((_, end)) if *end == i * BLOCK => *end += g.len(),
+                _ => runs.push((i * BLOCK, i * BLOCK + g.len())),
+            }
+        }
+    }
+    let shown: Vec<String> = runs
+        .iter()
+        .take(20)
+        .map(|(a, b)| format!("[{a:#x}, {b:#x})"))
+        .collect();
+    format!(
+        "{} runs of 4 KiB blocks differ: {}{}",
+        runs.len(),
+        shown.join(" "),
+        if runs.len() > 20 { " ..." } else { "" }
+    )
 }
 
 #[test]
@@ -792,6 +823,8 @@ fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
         cmd.args(FAST_PBKDF2);
         cmd.arg(s(&img));
         let killed = kill_after(cmd, delay);
+        // The header as the kill left it, for a failure's message.
+        let as_killed = dump(&hdr);
         let state = if !in_reencryption(&hdr) {
             "not in reencryption"
         } else if in_hotzone(&hdr) {
@@ -846,7 +879,8 @@ fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
                 ],
             );
         }
-        decrypted(&img, &hdr, &plain, &format!("round {round}"));
+        let what = format!("round {round} ({state}); the header as killed:\n{as_killed}\n");
+        decrypted(&img, &hdr, &plain, &what);
     }
     println!("{mid_way} of {rounds} decryptions left mid-way and finished by cryptsetup");
 }
