@@ -923,3 +923,74 @@ fn a_detached_header_encrypts_online() {
     drop(c);
     cryptsetup_accepts_detached(&img, &hdr, &key);
 }
+
+/// A new sector size online, both ways: 512 → 4096 while fio writes 512-byte blocks (each one
+/// a part of a new 4096-byte sector, which the new side read-modify-writes), and 4096 → 512
+/// while fio writes 4 KiB blocks. The rotation runs while fio writes and verifies; then the
+/// daemon serves the new sectors until it is closed, and refuses to suspend until then, saying
+/// why; after close and open fio's data verifies, and cryptsetup accepts the header with the
+/// new sector size.
+#[test]
+fn a_new_sector_size_online() {
+    skip_unless_rig!();
+    for (from, to, bs) in [("512", "4096", "512"), ("4096", "512", "4k")] {
+        let t = TempDir::new(&format!("sector{from}"));
+        let (img, key) = (t.path("vol.img"), t.path("key"));
+        std::fs::write(&key, PASSPHRASE).unwrap();
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(96 << 20))
+            .unwrap();
+        let mut a = vec!["format", "-q", "--sector-size", from, "--key-file", s(&key)];
+        a.extend(FAST_PBKDF2);
+        a.push(s(&img));
+        ok(UCRYPT, &a);
+        let n = name(&format!("sector{from}"));
+        let dev = format!("{DEV_DIR}/{n}");
+        open(&img, &key, &n);
+        let mut c = Cleanup {
+            name: n.clone(),
+            procs: vec![],
+        };
+        let out = t.path("fio.out");
+        let mut job = fio(&dev, "32m", Some("4m"), false, &out);
+        job.arg(format!("--bs={bs}"));
+        c.procs.push(job.spawn().unwrap());
+        std::thread::sleep(Duration::from_millis(500));
+        let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
+        a.extend(["--hotzone-size", HOTZONE, "--sector-size", to]);
+        a.extend(FAST_PBKDF2);
+        a.push(s(&img));
+        let o = run(UCRYPT, &a);
+        let what = format!("{from} → {to}");
+        assert_eq!(o.status.code(), Some(0), "{what}: {}", text(&o));
+        assert!(
+            c.procs[0].try_wait().unwrap().is_none(),
+            "{what}: fio ended before the rotation did: it did not run under I/O"
+        );
+        let st = status(&n);
+        assert!(st.contains(", finished"), "{what}: {st}");
+        fio_ok(&mut c.procs[0], &out, &format!("during {what}"));
+        c.procs.clear();
+        let o = run(UCRYPT, &["suspend", &n]);
+        assert_ne!(o.status.code(), Some(0), "{what}: suspended");
+        assert!(
+            text(&o).contains("sector size changed online"),
+            "{what}: {}",
+            text(&o)
+        );
+        ok(UCRYPT, &["close", &n]);
+        cryptsetup_accepts(&img, &key);
+        let d = String::from_utf8_lossy(&ok(UCRYPT, &["luksDump", s(&img)]).stdout).to_string();
+        assert!(d.contains(&format!("sector: {to} [bytes]")), "{what}: {d}");
+        open(&img, &key, &n);
+        let out2 = t.path("fio2.out");
+        let mut v = fio(&dev, "32m", None, true, &out2);
+        // Opened in 4096-byte sectors, the device takes no 512-byte direct I/O: the blocks
+        // fio wrote are read back through the page cache.
+        v.args([format!("--bs={bs}"), "--direct=0".to_string()]);
+        let mut v = v.spawn().unwrap();
+        fio_ok(&mut v, &out2, &format!("after reopening ({what})"));
+        ok(UCRYPT, &["close", &n]);
+        drop(c);
+    }
+}

@@ -41,7 +41,7 @@ use crate::engine::workers::{
 pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX};
 use crate::engine::{Policies, Policy, StatsSnapshot};
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
-use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher};
+use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
 use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
@@ -897,9 +897,7 @@ impl Volume {
                 "the volume is already suspended".into(),
             ));
         }
-        if self.core.segmented.load(Relaxed) {
-            return Err(Error::InReencryption);
-        }
+        self.check_not_segmented()?;
         self.core.gate.close();
         if let Err(e) = self.core.backend.flush() {
             self.core.gate.open();
@@ -928,6 +926,23 @@ impl Volume {
         Ok(())
     }
 
+    /// Refuses while two segments are served: in reencryption, or after a reencryption
+    /// that changed the sector size (until the volume is closed).
+    fn check_not_segmented(&self) -> Result<()> {
+        if !self.core.segmented.load(Relaxed) {
+            Ok(())
+        } else if self.sector_size_changed() {
+            Err(Error::InvalidArgument(segments::SECTOR_SIZE_CHANGED.into()))
+        } else {
+            Err(Error::InReencryption)
+        }
+    }
+
+    /// The volume's own encryption sector size (in reencryption, the old side's).
+    pub fn sector_size(&self) -> SectorSize {
+        self.core.geometry.sector_size
+    }
+
     /// The cipher the volume serves with, and its key's length in bytes (in reencryption: the
     /// old side's, until [`Volume::end_segments`]).
     pub fn cipher(&self) -> (CipherSpec, usize) {
@@ -950,9 +965,7 @@ impl Volume {
                 "the volume is suspended: resume it first".into(),
             ));
         }
-        if self.core.segmented.load(Relaxed) {
-            return Err(Error::InReencryption);
-        }
+        self.check_not_segmented()?;
         let c = &*self.core;
         let backend_bytes = c.backend.refresh_size()?;
         let size = fitted_size(backend_bytes, c.data_offset, 1u64 << c.shift, size_bytes)?;

@@ -311,14 +311,14 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                 h.volume().unwrap_or_default().display()
             )));
         }
-        // Online, the volume serves both sides on the same sectors: a new key, and a new
-        // cipher or key size, its header in front or detached; an encryption or a decryption
-        // with a detached header; but not a new sector size or a data shift.
-        if o.sector_size.is_some() || unshift.is_some() || o.header.is_none() && r.encrypt {
+        // Online, the volume serves both sides at the same offset: a new key, cipher, key
+        // size or sector size, its header in front or detached; an encryption or a
+        // decryption with a detached header; but not a data shift.
+        if unshift.is_some() || o.header.is_none() && r.encrypt {
             return Err(not_built(
-                "online sector size changes or data shifts (a volume a ucrypt daemon serves \
-                 gets a new key, cipher or key size online, and is encrypted or decrypted \
-                 online with a detached header; close it to do more offline)",
+                "online data shifts (a volume a ucrypt daemon serves gets a new key, cipher, \
+                 key size or sector size online, and is encrypted or decrypted online with a \
+                 detached header; close it to move its data offline)",
             ));
         }
         if r.force_offline_reencrypt {

@@ -173,23 +173,23 @@ pub fn open(
     let new_vk = key_of(&new, st.backup_final, "backup-final")?;
     let old_vk = key_of(&old, st.backup_previous, "backup-previous")?;
     h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
-    let sector_size = match (old.sector_size, new.sector_size) {
-        (Some(a), Some(b)) if a != b => None,
-        (Some(a), _) | (None, Some(a)) => Some(a),
+    // Each side serves in its own sectors (a linear side in the other's): the volume's own
+    // engine in the old side's, the new side's engine in the new ones. Hotzones and the mark
+    // move in whole sectors of both.
+    let (sector_size, new_sector) = match (old.sector_size, new.sector_size) {
+        (Some(a), Some(b)) => (a, b),
+        (Some(a), None) | (None, Some(a)) => (a, a),
         (None, None) => return Err(bad("neither side of the reencryption is encrypted")),
     };
-    let (Some(sector_size), true) = (
-        sector_size,
-        (old.offset, old.size) == (new.offset, new.size),
-    ) else {
+    if (old.offset, old.size) != (new.offset, new.size) {
         return Err(Error::UnsupportedLuks(
-            "serving a volume whose reencryption changes the sector size or the data offset \
-             (ucrypt serves a new key, and a new cipher, on the same sectors)"
+            "serving a volume whose reencryption moves the data (ucrypt serves both sides \
+             at the same offset)"
                 .into(),
         ));
-    };
+    }
     let (spec, offset, size) = (old.spec, old.offset, old.size);
-    let ss = u64::from(sector_size.bytes());
+    let ss = u64::from(sector_size.bytes().max(new_sector.bytes()));
     let data_bytes = match size {
         Some(n) => n,
         None => data
@@ -219,7 +219,8 @@ pub fn open(
     let vol = Volume::new(data, cfg)?;
     let new_key = new_vk.as_ref().map_or(&[][..], |k| k.bytes());
     let backward = st.keyslot.direction == Direction::Backward;
-    vol.begin_segments(new.spec, SecretBytes::from_slice(new_key), done, backward)?;
+    let new_side = (new.spec, SecretBytes::from_slice(new_key), new_sector);
+    vol.begin_segments(new_side, done, backward)?;
     Ok(vol)
 }
 
@@ -306,12 +307,13 @@ fn pause_after(busy: std::time::Duration, before: u64, now: u64) -> std::time::D
 impl Serving for Online<'_> {
     fn start(
         &mut self,
-        new_key: Option<(CipherSpec, &[u8])>,
+        new_key: Option<(CipherSpec, &[u8], SectorSize)>,
         done: u64,
         backward: bool,
     ) -> Result<()> {
-        // A decryption's new side is plaintext.
-        let (spec, new_key) = new_key.unwrap_or((CipherSpec::NULL, &[]));
+        // A decryption's new side is plaintext, in the old side's sectors.
+        let (spec, new_key, sector) =
+            new_key.unwrap_or((CipherSpec::NULL, &[], self.vol.sector_size()));
         if self
             .vol
             .reencryption_backward()
@@ -323,8 +325,8 @@ impl Serving for Online<'_> {
         }
         match self.vol.reencrypted_bytes() {
             None if done == 0 => {
-                self.vol
-                    .begin_segments(spec, SecretBytes::from_slice(new_key), 0, backward)
+                let new_side = (spec, SecretBytes::from_slice(new_key), sector);
+                self.vol.begin_segments(new_side, 0, backward)
             }
             // Opened before the rotation started, the volume holds the old key only: the bytes
             // already rewritten would be read with the wrong key.

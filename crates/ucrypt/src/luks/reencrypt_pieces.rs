@@ -216,7 +216,7 @@ mod tests {
     impl Serving for Told {
         fn start(
             &mut self,
-            _: Option<(crate::sector::CipherSpec, &[u8])>,
+            _: Option<(crate::sector::CipherSpec, &[u8], crate::sector::SectorSize)>,
             _: u64,
             _: bool,
         ) -> Result<()> {

@@ -1412,10 +1412,13 @@ struct Unlocked {
     shift: Option<Shift>,
     /// The geometry of a decryption that moves the data back ([`Unshift`]).
     unshift: Option<Unshift>,
-    /// The new cipher and volume key, for a volume that serves the data meanwhile
-    /// ([`Serving::start`]); `None` for a decryption (the new side is linear).
-    new_key: Option<(CipherSpec, crate::SecretBytes)>,
+    /// The new cipher, volume key and sector size, for a volume that serves the data
+    /// meanwhile ([`Serving::start`]); `None` for a decryption (the new side is linear).
+    new_key: Option<NewKey>,
 }
+
+/// The new side of a reencryption, for a volume that serves the data meanwhile.
+type NewKey = (CipherSpec, crate::SecretBytes, SectorSize);
 
 /// The ciphers of one worker thread.
 type Lane = (Option<SectorCipher>, Option<SectorCipher>);
@@ -1546,10 +1549,10 @@ fn open_rotation(
     }
     let (old, off_old, ss_old) = cipher_of(&h.meta, st.backup_previous, old_vk.as_ref())?;
     let (new, off_new, ss_new) = cipher_of(&h.meta, st.backup_final, new_vk.as_ref())?;
-    let new_key = new
-        .as_ref()
-        .zip(new_vk.as_ref())
-        .map(|(c, k)| (c.spec(), crate::SecretBytes::from_slice(k.bytes())));
+    let new_key = new.as_ref().zip(new_vk.as_ref()).map(|(c, k)| {
+        let ss = c.geometry().sector_size;
+        (c.spec(), crate::SecretBytes::from_slice(k.bytes()), ss)
+    });
     let shift = shift_geometry(&h.meta, &st)?;
     let align = ss_old.max(ss_new);
     let data_bytes = match shift {
@@ -2044,12 +2047,12 @@ fn wipe_random<'a>(
 /// What the hotzone loop tells a volume that serves the data while it runs (online
 /// rotation, `luks::reencrypt_online`). Offsets are bytes from the start of the data.
 pub trait Serving {
-    /// Before the first hotzone, with the new cipher and key (checked against the
-    /// reencryption digest; `None` for a decryption), the bytes already done, and the
+    /// Before the first hotzone, with the new cipher, key (checked against the reencryption
+    /// digest) and sector size (`None` for a decryption), the bytes already done, and the
     /// direction (`backward`: from the end, a decryption).
     fn start(
         &mut self,
-        new_key: Option<(CipherSpec, &[u8])>,
+        new_key: Option<(CipherSpec, &[u8], SectorSize)>,
         done: u64,
         backward: bool,
     ) -> Result<()>;
@@ -2083,7 +2086,7 @@ pub trait Serving {
 struct Offline;
 
 impl Serving for Offline {
-    fn start(&mut self, _: Option<(CipherSpec, &[u8])>, _: u64, _: bool) -> Result<()> {
+    fn start(&mut self, _: Option<(CipherSpec, &[u8], SectorSize)>, _: u64, _: bool) -> Result<()> {
         Ok(())
     }
     fn hold(&mut self, _: u64, _: u64) {}
@@ -2129,7 +2132,7 @@ pub fn resume_serving(
         return Err(Error::NeedsRecovery);
     }
     let backward = u.st.keyslot.direction == Direction::Backward;
-    let new_key = u.new_key.as_ref().map(|(c, k)| (*c, k.as_ref()));
+    let new_key = u.new_key.as_ref().map(|(c, k, ss)| (*c, k.as_ref(), *ss));
     serving.start(new_key, pos.done, backward)?;
     if let Some(n) = serving.rekey_lanes_max() {
         u.lanes.truncate(n.max(1));

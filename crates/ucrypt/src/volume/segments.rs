@@ -1,11 +1,18 @@
 //! A volume in reencryption: two segments split at a mark. Going forward (a rotation, an
 //! encryption), data below the mark is under the new key and data above under the old one;
 //! going backward (a decryption), the new side is the one above the mark. The reencryptions
-//! served online keep the sector size, the data offset and every sector's IV; the cipher may
-//! change, and either side may be plaintext (`cipher_null`: the new side of a decryption, the
-//! old side of an encryption, with a detached header), so each side is a whole-volume view
-//! over the same backend with its own cipher and key. A request is cut at the mark; each part
-//! runs on its side's engine.
+//! served online keep the data offset; the cipher and the sector size may change, and either
+//! side may be plaintext (`cipher_null`: the new side of a decryption, the old side of an
+//! encryption, with a detached header), so each side is a whole-volume view over the same
+//! backend with its own cipher, key and sectors. A request is cut at the mark; each part runs
+//! on its side's engine, which read-modify-writes a sector the part covers only in part (as
+//! for any request not aligned to its sectors). The mark moves in whole sectors of both
+//! sides, so no sector is ever split between them.
+//!
+//! A volume whose sector size changed keeps serving through the new side once the
+//! reencryption ends (its own engine's sectors are fixed for its life): the segments stay,
+//! marked finished, with every byte on the new side, until the volume is closed; suspend,
+//! resize and another reencryption wait for that reopening.
 //!
 //! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
 //! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only for the piece of
@@ -24,9 +31,15 @@ use std::sync::Arc;
 use super::{Core, Source, Volume, VolumeConfig};
 use crate::engine::plan::Op;
 use crate::engine::zone_lock::{ByteRange, ZoneLock};
-use crate::sector::{CipherSpec, SectorCipher};
+use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::sync::lock;
 use crate::{Error, Result, SecretBytes};
+
+/// Why a volume whose sector size changed online refuses suspend, resize and another
+/// reencryption.
+pub(crate) const SECTOR_SIZE_CHANGED: &str = "the volume's sector size changed online: it \
+     serves the new sectors until it is closed; close it and open it again to suspend, resize \
+     or reencrypt it";
 
 pub(crate) struct Segments {
     /// The new key's side: a volume over the same backend (its own engine, pool and cipher
@@ -37,6 +50,9 @@ pub(crate) struct Segments {
     mark_bytes: AtomicU64,
     /// The new side is above the mark (a decryption), not below it.
     backward: bool,
+    /// The reencryption ended, but the new side's sectors differ from the volume's own: every
+    /// byte is served by the new side until the volume is closed.
+    finished: std::sync::atomic::AtomicBool,
 }
 
 impl Segments {
@@ -52,13 +68,13 @@ impl Segments {
 
 impl Volume {
     /// Starts serving the volume as two segments: `done_bytes` under `new_key` of `new_spec`
-    /// (same geometry: sector size, data offset, IVs), from the start, or from the end when
-    /// `backward`; the rest under the volume's own cipher and key. Waits for the requests
-    /// inside to finish (the gate), as `resize` does.
+    /// in sectors of `new_sector` (same data offset; each sector's IV its number in its own
+    /// sectors), from the start, or from the end when `backward`; the rest under the volume's
+    /// own cipher, key and sectors. Waits for the requests inside to finish (the gate), as
+    /// `resize` does.
     pub fn begin_segments(
         &self,
-        new_spec: CipherSpec,
-        new_key: SecretBytes,
+        (new_spec, new_key, new_sector): (CipherSpec, SecretBytes, SectorSize),
         done_bytes: u64,
         backward: bool,
     ) -> Result<()> {
@@ -70,22 +86,28 @@ impl Volume {
         }
         let c = &*self.core;
         let size = c.size.load(Relaxed);
-        if done_bytes > size || done_bytes & ((1u64 << c.shift) - 1) != 0 {
+        let align = (1u64 << c.shift).max(u64::from(new_sector.bytes()));
+        if done_bytes > size || done_bytes % align != 0 || size % align != 0 {
             return Err(Error::InvalidArgument(format!(
-                "reencryption mark {done_bytes} is not a sector boundary inside the volume \
-                 ({size} bytes)"
+                "reencryption mark {done_bytes} or size {size} is not a boundary of \
+                 {align}-byte sectors"
             )));
         }
         if c.segmented.load(Relaxed) {
-            return Err(Error::InvalidArgument(
-                "the volume is already in reencryption".into(),
-            ));
+            return Err(Error::InvalidArgument(if self.sector_size_changed() {
+                SECTOR_SIZE_CHANGED.into()
+            } else {
+                "the volume is already in reencryption".into()
+            }));
         }
         let p = self.policy();
         let cfg = VolumeConfig {
             spec: new_spec,
             key: new_key,
-            geometry: c.geometry,
+            geometry: Geometry {
+                sector_size: new_sector,
+                ..c.geometry
+            },
             data_offset_bytes: c.data_offset,
             size_bytes: Some(size),
             policy: p,
@@ -101,6 +123,7 @@ impl Volume {
             zones: ZoneLock::default(),
             mark_bytes: AtomicU64::new(0),
             backward,
+            finished: std::sync::atomic::AtomicBool::new(false),
         });
         seg.mark_bytes.store(seg.mark_of(done_bytes, size), Relaxed);
         c.gate.close();
@@ -113,7 +136,15 @@ impl Volume {
 
     /// True while the volume serves two segments.
     pub fn in_reencryption(&self) -> bool {
-        self.core.segmented.load(Relaxed)
+        self.core.segmented.load(Relaxed) && !self.sector_size_changed()
+    }
+
+    /// True once a reencryption that changed the sector size has ended: the volume serves
+    /// through the new side until it is closed (see the module documentation).
+    pub fn sector_size_changed(&self) -> bool {
+        lock(&self.segments)
+            .as_ref()
+            .is_some_and(|s| s.finished.load(Relaxed))
     }
 
     /// Bytes under the new key while in reencryption.
@@ -122,17 +153,22 @@ impl Volume {
         // `mark_of` is its own inverse: the bytes done from the mark, as the mark from them.
         lock(&self.segments)
             .as_ref()
+            .filter(|s| !s.finished.load(Relaxed))
             .map(|s| s.mark_of(s.mark_bytes.load(Relaxed), size))
     }
 
     /// The direction of the reencryption served, if any: `true` going backward.
     pub fn reencryption_backward(&self) -> Option<bool> {
-        lock(&self.segments).as_ref().map(|s| s.backward)
+        lock(&self.segments)
+            .as_ref()
+            .filter(|s| !s.finished.load(Relaxed))
+            .map(|s| s.backward)
     }
 
     /// Ends the two segments once the rotation has finished (every byte under the new key; the
     /// caller, the reencryption driver, knows): the volume's own engine takes the new key, so
-    /// it serves as a plain volume under it again.
+    /// it serves as a plain volume under it again. When the sector size changed, the new side
+    /// goes on serving every byte instead, until the volume is closed.
     pub fn end_segments(&self) -> Result<()> {
         let _suspended = lock(&self.core.suspended);
         let c = &*self.core;
@@ -141,6 +177,20 @@ impl Volume {
                 "the volume is not in reencryption".into(),
             ));
         };
+        if seg.finished.load(Relaxed) {
+            return Err(Error::InvalidArgument(
+                "the volume's reencryption has already ended".into(),
+            ));
+        }
+        if seg.new.core.shift != c.shift {
+            let size = c.size.load(Relaxed);
+            c.gate.close();
+            seg.mark_bytes.store(seg.mark_of(size, size), Relaxed);
+            seg.finished.store(true, Relaxed);
+            *lock(&c.spec) = *lock(&seg.new.core.spec);
+            c.gate.open();
+            return Ok(());
+        }
         // A context of the new side's engine, cloned (the key never leaves the engines).
         let proto: SectorCipher = seg.new.core.ciphers.with(|k| k.try_clone())?;
         let spec = *lock(&seg.new.core.spec);
