@@ -971,12 +971,29 @@ fn a_new_sector_size_online() {
         assert!(st.contains(", finished"), "{what}: {st}");
         fio_ok(&mut c.procs[0], &out, &format!("during {what}"));
         c.procs.clear();
+        assert!(st.contains("close and open the volume"), "{what}: {st}");
         let o = run(UCRYPT, &["suspend", &n]);
         assert_ne!(o.status.code(), Some(0), "{what}: suspended");
         assert!(
             text(&o).contains("sector size changed online"),
             "{what}: {}",
             text(&o)
+        );
+        // Another reencryption is refused before its init is written.
+        let before = std::fs::read(&img).unwrap()[..1 << 20].to_vec();
+        let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
+        a.extend(FAST_PBKDF2);
+        a.push(s(&img));
+        let o = run(UCRYPT, &a);
+        assert_eq!(o.status.code(), Some(1), "{what}: {}", text(&o));
+        assert!(
+            text(&o).contains("close it and open it again"),
+            "{}",
+            text(&o)
+        );
+        assert!(
+            std::fs::read(&img).unwrap()[..1 << 20] == before[..],
+            "{what}: the refused reencryption wrote the header"
         );
         ok(UCRYPT, &["close", &n]);
         cryptsetup_accepts(&img, &key);

@@ -45,7 +45,11 @@ impl Control {
         let [r, w] = self.vol.op_counts();
         let size = self.vol.dev().size();
         let reencryption = self.vol.plain().and_then(|v| {
-            lock_clone(&self.rotation).or_else(|| {
+            let ran = lock_clone(&self.rotation).map(|mut r| {
+                r.reopen_needed = v.sector_size_changed();
+                r
+            });
+            ran.or_else(|| {
                 v.reencrypted_bytes()
                     .map(|done| super::proto::ReencryptionReport {
                         done_bytes: done,

@@ -531,6 +531,11 @@ pub struct ReencryptionReport {
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<i32>,
+    /// It changed the sector size: the volume serves the new sectors through its
+    /// reencryption view until it is closed, and refuses suspend, resize and another
+    /// reencryption until it is opened again.
+    #[serde(default)]
+    pub reopen_needed: bool,
 }
 
 /// The daemon's report to the `open` that forked it: the device is there.

@@ -259,7 +259,8 @@ impl Shared {
     /// volume opened in reencryption, not rotating now).
     fn reencryption(&self) -> Option<ReencryptionReport> {
         let vol = self.vol.plain()?;
-        if let Some(r) = lock(&self.rotation).clone() {
+        if let Some(mut r) = lock(&self.rotation).clone() {
+            r.reopen_needed = vol.sector_size_changed();
             return Some(r);
         }
         vol.reencrypted_bytes().map(|done| ReencryptionReport {

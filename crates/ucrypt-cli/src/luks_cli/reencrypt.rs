@@ -321,6 +321,18 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                  detached header; close it to move its data offline)",
             ));
         }
+        // Checked before the init is written: the daemon would refuse the rotation after it.
+        let reopen = match h.reopen_needed() {
+            Ok(b) => b,
+            Err(e) => return Ok(crate::daemon::report(Err(e))),
+        };
+        if reopen {
+            return Err(Error::InvalidArgument(format!(
+                "Device {} changed its sector size online and serves the new sectors until it \
+                 is closed: close it and open it again before another reencryption.",
+                h.name
+            )));
+        }
         if r.force_offline_reencrypt {
             eprintln!(
                 "Device {device} is in use by the ucrypt daemon {}: it is reencrypted online \
