@@ -134,7 +134,8 @@ impl Volume {
         Ok(())
     }
 
-    /// True while the volume serves two segments.
+    /// True while the volume is in reencryption: two segments, the reencryption not ended
+    /// (after one that changed the sector size, see [`Volume::sector_size_changed`]).
     pub fn in_reencryption(&self) -> bool {
         self.core.segmented.load(Relaxed) && !self.sector_size_changed()
     }
