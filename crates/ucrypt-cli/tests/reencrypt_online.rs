@@ -974,11 +974,7 @@ fn a_new_sector_size_online() {
         assert!(st.contains("close and open the volume"), "{what}: {st}");
         let o = run(UCRYPT, &["suspend", &n]);
         assert_ne!(o.status.code(), Some(0), "{what}: suspended");
-        assert!(
-            text(&o).contains("sector size changed online"),
-            "{what}: {}",
-            text(&o)
-        );
+        assert!(text(&o).contains("changed online"), "{what}: {}", text(&o));
         // Another reencryption is refused before its init is written.
         let before = std::fs::read(&img).unwrap()[..1 << 20].to_vec();
         let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
@@ -1010,4 +1006,92 @@ fn a_new_sector_size_online() {
         ok(UCRYPT, &["close", &n]);
         drop(c);
     }
+}
+
+/// An encryption that moves the data (the header put in front) served online, as cryptsetup
+/// activates one: fio writes 16 MiB on the bare 96 MiB file; `ucrypt reencrypt --encrypt
+/// --reduce-device-size 32M --init-only` starts it (the first 16 MiB moved to the end of the
+/// file); `ucrypt open` serves the 64 MiB of data (the first 16 MiB read from where they
+/// moved); `ucrypt reencrypt` hands the rest to the daemon while fio writes and verifies the
+/// other 48 MiB. The daemon then serves the new layout until it is closed; opened again the
+/// volume has grown by the shift and fio's data verifies; cryptsetup opens the header, with
+/// the data at 16 MiB.
+#[test]
+fn an_encryption_moving_the_data_online() {
+    skip_unless_rig!();
+    let t = TempDir::new("shift");
+    let (img, key) = (t.path("data.img"), t.path("key"));
+    std::fs::write(&key, PASSPHRASE).unwrap();
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(96 << 20))
+        .unwrap();
+    let before = t.path("before.out");
+    let mut w = fio_at(&img, "0", "16m", None, false, &before)
+        .spawn()
+        .unwrap();
+    fio_ok(&mut w, &before, "on the plaintext file");
+    let mut a = vec!["reencrypt", "--encrypt", "--init-only", "--batch-mode"];
+    a.extend(["--reduce-device-size", "32M", "--key-file", s(&key)]);
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    ok(UCRYPT, &a);
+    let n = name("shift");
+    let dev = PathBuf::from(format!("{DEV_DIR}/{n}"));
+    open(&img, &key, &n);
+    let mut c = Cleanup {
+        name: n.clone(),
+        procs: vec![],
+    };
+    let st = status(&n);
+    assert!(st.contains("reencryption: 0 of 67108864 bytes"), "{st}");
+    let out = t.path("head.out");
+    let mut v = fio_at(&dev, "0", "16m", None, true, &out).spawn().unwrap();
+    fio_ok(&mut v, &out, "of the moved head, through the volume");
+    let out = t.path("fio.out");
+    let mut job = fio_at(&dev, "16m", "48m", Some("8m"), false, &out);
+    c.procs.push(job.spawn().unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let o = run(UCRYPT, &a);
+    assert_eq!(o.status.code(), Some(0), "online: {}", text(&o));
+    assert!(
+        c.procs[0].try_wait().unwrap().is_none(),
+        "fio ended before the encryption did: it did not run under I/O"
+    );
+    let st = status(&n);
+    assert!(st.contains(", finished"), "{st}");
+    assert!(st.contains("close and open the volume"), "{st}");
+    fio_ok(&mut c.procs[0], &out, "during the encryption");
+    c.procs.clear();
+    let out = t.path("head2.out");
+    let mut v = fio_at(&dev, "0", "16m", None, true, &out).spawn().unwrap();
+    fio_ok(&mut v, &out, "of the head after the encryption");
+    ok(UCRYPT, &["close", &n]);
+    // The bare file no longer verifies where fio wrote, nor where the data moved.
+    for at in ["0", "16m"] {
+        let out = t.path("bare.out");
+        let st = fio_at(&img, at, "16m", None, true, &out).status().unwrap();
+        assert!(!st.success(), "the file holds plaintext at {at}");
+    }
+    cryptsetup_accepts(&img, &key);
+    let d = String::from_utf8_lossy(&ok(UCRYPT, &["luksDump", s(&img)]).stdout).to_string();
+    assert!(d.contains("offset: 16777216 [bytes]"), "{d}");
+    open(&img, &key, &n);
+    let size = std::fs::metadata(&dev).map(|m| m.len()).unwrap_or(0);
+    let size = if size == 0 {
+        let o = ok("blockdev", &["--getsize64", s(&dev)]);
+        String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+    } else {
+        size
+    };
+    assert_eq!(size, 80 << 20, "reopened: grown by the shift");
+    for (at, len, what) in [("0", "16m", "head"), ("16m", "48m", "the rest")] {
+        let out = t.path("after.out");
+        let mut v = fio_at(&dev, at, len, None, true, &out).spawn().unwrap();
+        fio_ok(&mut v, &out, &format!("{what} after reopening"));
+    }
+    ok(UCRYPT, &["close", &n]);
+    drop(c);
 }

@@ -927,12 +927,12 @@ impl Volume {
     }
 
     /// Refuses while two segments are served: in reencryption, or after a reencryption
-    /// that changed the sector size (until the volume is closed).
+    /// that changed the sector size or the data offset (until the volume is closed).
     fn check_not_segmented(&self) -> Result<()> {
         if !self.core.segmented.load(Relaxed) {
             Ok(())
-        } else if self.sector_size_changed() {
-            Err(Error::InvalidArgument(segments::SECTOR_SIZE_CHANGED.into()))
+        } else if self.reopen_needed() {
+            Err(Error::InvalidArgument(segments::REOPEN_NEEDED.into()))
         } else {
             Err(Error::InReencryption)
         }

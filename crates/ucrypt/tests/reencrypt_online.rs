@@ -392,14 +392,14 @@ fn a_new_sector_size_online() {
         });
         assert!(during > 0, "no request ran during the rotation");
         assert!(!vol.in_reencryption());
-        assert!(vol.sector_size_changed());
+        assert!(vol.reopen_needed());
         assert_eq!(vol.reencrypted_bytes(), None);
         for (verb, r) in [
             ("suspend", vol.suspend()),
             ("resize", vol.resize(None).map(|_| ())),
         ] {
             let e = r.expect_err(verb).to_string();
-            assert!(e.contains("sector size changed online"), "{verb}: {e}");
+            assert!(e.contains("changed online"), "{verb}: {e}");
         }
         assert!(read_all(&vol) == want, "contents after the rotation");
         drop(vol);
@@ -675,6 +675,101 @@ fn a_detached_header_encrypts_online() {
             .count();
         assert_eq!(plain_sectors, 0, "plaintext left on the data device");
         let again = open_detached(&hdr_dev, &data).expect("reopen");
+        assert!(read_all(&again) == want, "contents after reopening");
+    }
+}
+
+/// An encryption that moves the data (the header put in front, `--reduce-device-size`)
+/// served online: the old side is the plaintext at offset 0, its first shift read from the
+/// moved segment; the new side the ciphertext at the shift. I/O verifies throughout (the
+/// volume keeps its size, the data's, until it is closed); after it the device holds no
+/// plaintext, and the volume opens again with the data at the shift and grown by it. One
+/// left inside a hotzone by a failed offline run is recovered when it is opened, and
+/// finishes online.
+#[test]
+fn an_encryption_moving_the_data_online() {
+    use ucrypt::luks::reencrypt_run::{init_encrypt_shift, EncryptOptions};
+    use ucrypt::sector::{CipherSpec, SectorSize};
+    /// Many hotzones (each at most the shift) over the data.
+    const SHIFT: u64 = 512 << 10;
+    let seed = seed();
+    for (sector, interrupted) in [(512u32, false), (4096, true), (4096, false), (512, true)] {
+        let dev: Arc<dyn Backend> = Arc::new(MemBackend::new(DATA_BYTES + 2 * SHIFT));
+        dev.write_at(&plaintext(), 0).unwrap();
+        init_encrypt_shift(
+            dev.as_ref(),
+            PASS,
+            &EncryptOptions {
+                resilience: ResilienceKind::None,
+                kdf: &fast_kdf(),
+                cipher: CipherSpec::AES_XTS_PLAIN64,
+                key_bytes: 64,
+                sector_size: SectorSize::new(u64::from(sector)).unwrap(),
+                uuid: "2a3b4c5d-6e7f-4081-92a3-b4c5d6e7f809".into(),
+                resilience_hash: CHECKSUM_HASH,
+            },
+            2 * SHIFT,
+        )
+        .expect("init");
+        if interrupted {
+            // Left inside a hotzone: `open` moves it again first, as `repair` does.
+            let fault = FaultBackend::new(dev.clone());
+            fault.add_rule(
+                FaultRule::always(FaultOp::Write, Fault::Eio)
+                    .in_range(SHIFT..DATA_BYTES + SHIFT)
+                    .nth(2 + seed % 5)
+                    .times(1),
+            );
+            let run = RunOptions {
+                hotzone_bytes: Some(HOTZONE_BYTES),
+                ..Default::default()
+            };
+            assert!(resume(&fault, PASS, run, &mut |_| {}).is_err(), "no fault");
+            let hdr = luks::read_header(dev.as_ref()).unwrap();
+            let luks::Header::Luks2(h) = &hdr else {
+                panic!("LUKS2")
+            };
+            let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)
+                .unwrap()
+                .expect("in reencryption");
+            assert!(st.needs_recovery(), "left inside a hotzone");
+        }
+        let vol = Arc::new(open(dev.clone()));
+        assert!(vol.in_reencryption());
+        assert_eq!(vol.size(), DATA_BYTES, "served at the data's size");
+        let done = vol.reencrypted_bytes().unwrap();
+        println!("sector {sector}, interrupted {interrupted}: opened with {done} bytes encrypted");
+        assert_eq!(done > 0, interrupted);
+        assert!(
+            read_all(&vol) == plaintext(),
+            "contents opened in encryption"
+        );
+        let (want, during) = io_during(&vol, seed, plaintext(), || {
+            rotate_online(&vol, None, &mut |_| {}).expect("online encryption");
+        });
+        println!("sector {sector}: {during} requests during the encryption");
+        assert!(during > 0, "no request ran during the encryption");
+        assert!(!vol.in_reencryption());
+        assert!(vol.reopen_needed(), "the data offset changed");
+        let e = vol.suspend().expect_err("suspend").to_string();
+        assert!(e.contains("changed online"), "suspend: {e}");
+        assert!(read_all(&vol) == want, "contents after the encryption");
+        // Still written through the new side after the end.
+        vol.write_at(&[0x3c; 4096], 8192).unwrap();
+        let mut want = want;
+        want[8192..8192 + 4096].fill(0x3c);
+        drop(vol);
+        assert_plain_luks2(dev.as_ref());
+        // No 4 KiB of plaintext left anywhere on the device (the moved segment wiped).
+        let mut raw = vec![0u8; (DATA_BYTES + 2 * SHIFT) as usize];
+        dev.read_exact_at(&mut raw, 0).unwrap();
+        let (orig, chunks) = (plaintext(), raw.chunks(4096));
+        let left = chunks
+            .filter(|c| orig.chunks(4096).chain(want.chunks(4096)).any(|p| p == *c))
+            .count();
+        assert_eq!(left, 0, "plaintext left on the device");
+        let again = open(dev);
+        assert_eq!(again.size(), DATA_BYTES + SHIFT, "grown by the shift");
         assert!(read_all(&again) == want, "contents after reopening");
     }
 }

@@ -46,7 +46,7 @@ impl Control {
         let size = self.vol.dev().size();
         let reencryption = self.vol.plain().and_then(|v| {
             let ran = lock_clone(&self.rotation).map(|mut r| {
-                r.reopen_needed = v.sector_size_changed();
+                r.reopen_needed = v.reopen_needed();
                 r
             });
             ran.or_else(|| {

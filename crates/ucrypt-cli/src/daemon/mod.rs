@@ -848,8 +848,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
             r.done_bytes, r.total_bytes
         );
         if r.reopen_needed {
-            o += "  the sector size changed: close and open the volume to serve the new \
-                  sectors alone (until then suspend, resize and reencrypt are refused)\n";
+            o += "  the sector size or data offset changed: close and open the volume to \
+                  serve the new layout alone (until then suspend, resize and reencrypt are \
+                  refused)\n";
         }
     }
     o += &format!("  pid:     {}\n", s.pid);

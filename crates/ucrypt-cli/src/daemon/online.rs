@@ -218,8 +218,8 @@ impl Holder {
         }
     }
 
-    /// Whether the daemon's volume changed its sector size online and must be closed and
-    /// opened again before another reencryption (see `ReencryptionReport::reopen_needed`).
+    /// Whether the daemon's volume changed its sector size or data offset online and must be
+    /// closed and opened again before another reencryption (see `ReencryptionReport::reopen_needed`).
     pub fn reopen_needed(&self) -> CliResult<bool> {
         let s = expect_status_at(&self.name, &self.sock, &Request::Status)?;
         Ok(s.reencryption.is_some_and(|r| r.reopen_needed))

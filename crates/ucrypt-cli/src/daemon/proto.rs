@@ -531,9 +531,9 @@ pub struct ReencryptionReport {
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<i32>,
-    /// It changed the sector size: the volume serves the new sectors through its
-    /// reencryption view until it is closed, and refuses suspend, resize and another
-    /// reencryption until it is opened again.
+    /// It changed the sector size or the data offset: the volume serves the new layout
+    /// through its reencryption view until it is closed, and refuses suspend, resize and
+    /// another reencryption until it is opened again.
     #[serde(default)]
     pub reopen_needed: bool,
 }

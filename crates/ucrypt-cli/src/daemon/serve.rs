@@ -260,7 +260,7 @@ impl Shared {
     fn reencryption(&self) -> Option<ReencryptionReport> {
         let vol = self.vol.plain()?;
         if let Some(mut r) = lock(&self.rotation).clone() {
-            r.reopen_needed = vol.sector_size_changed();
+            r.reopen_needed = vol.reopen_needed();
             return Some(r);
         }
         vol.reencrypted_bytes().map(|done| ReencryptionReport {

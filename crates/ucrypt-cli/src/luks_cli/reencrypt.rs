@@ -311,14 +311,17 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                 h.volume().unwrap_or_default().display()
             )));
         }
-        // Online, the volume serves both sides at the same offset: a new key, cipher, key
-        // size or sector size, its header in front or detached; an encryption or a
-        // decryption with a detached header; but not a data shift.
-        if unshift.is_some() || o.header.is_none() && r.encrypt {
+        // Online: a new key, cipher, key size or sector size, its header in front or
+        // detached; an encryption or a decryption with a detached header; an encryption with
+        // the header put in front, once started (`--init-only`, then `ucrypt open`: the
+        // volume serves the plaintext from the start). Not a decryption that moves the data
+        // back (the header in front is what the daemon serves from).
+        if unshift.is_some() || o.header.is_none() && r.encrypt && !shift_in_progress(device, o) {
             return Err(not_built(
-                "online data shifts (a volume a ucrypt daemon serves gets a new key, cipher, \
-                 key size or sector size online, and is encrypted or decrypted online with a \
-                 detached header; close it to move its data offline)",
+                "online data shifts other than an encryption started with --init-only (a \
+                 volume a ucrypt daemon serves gets a new key, cipher, key size or sector \
+                 size online, and is encrypted or decrypted online with a detached header; \
+                 close it to move its data back offline)",
             ));
         }
         // Checked before the init is written: the daemon would refuse the rotation after it.
@@ -328,8 +331,9 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         };
         if reopen {
             return Err(Error::InvalidArgument(format!(
-                "Device {} changed its sector size online and serves the new sectors until it \
-                 is closed: close it and open it again before another reencryption.",
+                "Device {} changed its sector size or data offset online and serves the new \
+                 layout until it is closed: close it and open it again before another \
+                 reencryption.",
                 h.name
             )));
         }

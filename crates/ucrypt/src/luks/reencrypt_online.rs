@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::json::{Metadata, SegmentSize};
 use super::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
-use super::reencrypt_plan::{check_layout, position};
+use super::reencrypt_plan::{check_layout, position, shift_geometry, Shift};
 use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
 use super::{read_header, Header, OpenOptions};
 use crate::backend::Backend;
@@ -115,16 +115,18 @@ pub fn open(
         Header::Luks2(h) => {
             let st = ReencryptState::from_metadata(&h.meta)?
                 .ok_or_else(|| bad("not in reencryption"))?;
-            // Refused before anything is written (no recovery first): a data shift (an
-            // encryption with the header put in front, a decryption that moves the data back)
-            // is finished offline, `ucrypt reencrypt --resume-only` (cryptsetup activates it
-            // with dm-linear and dm-crypt segments at other offsets; ucrypt's volume serves
-            // both sides on the same sectors).
+            // Refused before anything is written (no recovery first): a decryption that
+            // moves the data back (its new side would be written over the old side's
+            // header area while the old side's reads of it go on; finished offline with
+            // `ucrypt reencrypt --resume-only`). The encryption that moves the data forward
+            // (the header put in front) is served: below.
+            let shifted = st.keyslot.mode == super::reencrypt::Mode::Encrypt
+                && matches!(st.keyslot.resilience, Resilience::Datashift { .. });
             let in_place = matches!(
                 st.keyslot.resilience,
                 Resilience::None | Resilience::Checksum { .. } | Resilience::Journal
             );
-            if st.keyslot.mode != super::reencrypt::Mode::Reencrypt && !in_place {
+            if st.keyslot.mode != super::reencrypt::Mode::Reencrypt && !in_place && !shifted {
                 return Err(Error::UnsupportedLuks(format!(
                     "serving a volume in {} (resilience {}): finish it offline with ucrypt \
                      reencrypt --resume-only",
@@ -181,18 +183,34 @@ pub fn open(
         (Some(a), None) | (None, Some(a)) => (a, a),
         (None, None) => return Err(bad("neither side of the reencryption is encrypted")),
     };
-    if (old.offset, old.size) != (new.offset, new.size) {
+    // An encryption that moves the data: the new side at the shift, the old one over a
+    // backend that reads its first shift from the moved segment.
+    let shift = shift_geometry(&h.meta, &st)?;
+    if shift.is_none() && (old.offset, old.size) != (new.offset, new.size) {
         return Err(Error::UnsupportedLuks(
-            "serving a volume whose reencryption moves the data (ucrypt serves both sides \
-             at the same offset)"
+            "serving a volume whose reencryption moves the data other than an encryption \
+             with the header put in front"
                 .into(),
         ));
     }
     let (spec, offset, size) = (old.spec, old.offset, old.size);
     let ss = u64::from(sector_size.bytes().max(new_sector.bytes()));
-    let data_bytes = match size {
-        Some(n) => n,
-        None => data
+    let data_bytes = match (shift, size) {
+        (Some(sh), _) => {
+            if data.size() < sh.device_bytes_min() {
+                return Err(Error::BadHeader {
+                    check: "reencrypt-datashift",
+                    detail: format!(
+                        "the moved segment ends at {}, past the device's {} bytes",
+                        sh.device_bytes_min(),
+                        data.size()
+                    ),
+                });
+            }
+            sh.data_bytes
+        }
+        (None, Some(n)) => n,
+        (None, None) => data
             .size()
             .checked_sub(offset)
             .ok_or_else(|| bad("the device ends before its data offset"))?,
@@ -210,18 +228,126 @@ pub fn open(
     let mut cfg = VolumeConfig::new(spec, SecretBytes::from_slice(old_key), geometry);
     drop(old_vk);
     cfg.data_offset_bytes = offset;
-    cfg.size_bytes = size;
+    cfg.size_bytes = size.or(shift.map(|sh| sh.data_bytes));
     cfg.policy = opts.policy;
     cfg.spin = opts.spin;
     cfg.read_only = opts.read_only;
     cfg.allow_discards =
         opts.allow_discards || hdr.activation_flags().iter().any(|f| f == "allow-discards");
-    let vol = Volume::new(data, cfg)?;
+    let old_dev: Arc<dyn Backend> = match shift {
+        Some(sh) => Arc::new(MovedHead::new(data.clone(), &sh)?),
+        None => data.clone(),
+    };
+    let vol = Volume::new(old_dev, cfg)?;
     let new_key = new_vk.as_ref().map_or(&[][..], |k| k.bytes());
     let backward = st.keyslot.direction == Direction::Backward;
     let new_side = (new.spec, SecretBytes::from_slice(new_key), new_sector);
-    vol.begin_segments(new_side, done, backward)?;
+    vol.begin_segments_at(new_side, (data, new.offset), done, backward)?;
     Ok(vol)
+}
+
+/// The device as the old side of an encryption that moves the data sees it (plaintext at
+/// offset 0): its first shift, where the header now is, is read and written at the moved
+/// segment; every other byte where it is. The data path's requests cross the boundary, so a
+/// request is cut there.
+struct MovedHead {
+    dev: Arc<dyn Backend>,
+    /// The shift: the bytes of the head that moved.
+    head: u64,
+    /// Where they are.
+    moved_at: u64,
+}
+
+impl MovedHead {
+    fn new(dev: Arc<dyn Backend>, sh: &Shift) -> Result<Self> {
+        // The old side's plaintext starts at 0; the moved segment lies past every byte a
+        // hotzone writes (checked by `shift_geometry`), so no remapped byte is one the new
+        // side serves.
+        if sh.old_offset != 0 {
+            return Err(bad(format!(
+                "a data shift whose plaintext starts at {} (cryptsetup's starts at 0)",
+                sh.old_offset
+            )));
+        }
+        Ok(MovedHead {
+            dev,
+            head: sh.shift_bytes,
+            moved_at: sh.moved_offset,
+        })
+    }
+
+    /// Runs `f` on each part of `[offset, offset + len)`: the part inside the head at its
+    /// moved place, the rest where it is; `f` gets the device offset and the part's range in
+    /// the request.
+    fn split(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(u64, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        let cut = self.head.clamp(offset, offset + len);
+        if cut > offset {
+            f(self.moved_at + offset, 0..(cut - offset) as usize)?;
+        }
+        if cut < offset + len || len == 0 {
+            f(cut, (cut - offset) as usize..len as usize)?;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for MovedHead {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
+        // Whole parts (a short read inside the head would leave a hole before the rest).
+        let len = buf.len() as u64;
+        self.split(offset, len, |at, r| self.dev.read_exact_at(&mut buf[r], at))?;
+        Ok(buf.len())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let len = buf.len() as u64;
+        self.split(offset, len, |at, r| self.dev.write_at(&buf[r], at))
+    }
+
+    fn write_at_fua(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let len = buf.len() as u64;
+        self.split(offset, len, |at, r| self.dev.write_at_fua(&buf[r], at))
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.dev.flush()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.split(offset, len, |at, r| self.dev.discard(at, r.len() as u64))
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.split(offset, len, |at, r| {
+            self.dev.write_zeroes(at, r.len() as u64)
+        })
+    }
+
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+
+    fn logical_block_bytes(&self) -> u32 {
+        self.dev.logical_block_bytes()
+    }
+
+    fn mem_align_bytes(&self) -> usize {
+        self.dev.mem_align_bytes()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (its first {} bytes at {})",
+            self.dev.describe(),
+            self.head,
+            self.moved_at
+        )
+    }
 }
 
 /// The largest piece of a hotzone read, journalled or rewritten at a time while the volume
@@ -395,7 +521,10 @@ pub fn rotate(
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
-    let dev = vol.backend().clone();
+    // The device itself (the volume's own backend may remap a data shift's moved head).
+    let dev = vol
+        .reencryption_backend()
+        .unwrap_or_else(|| vol.backend().clone());
     reencrypt_run::resume_serving(
         reencrypt_run::Devices {
             header: header.unwrap_or(dev.as_ref()),

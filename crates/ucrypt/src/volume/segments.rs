@@ -9,10 +9,15 @@
 //! for any request not aligned to its sectors). The mark moves in whole sectors of both
 //! sides, so no sector is ever split between them.
 //!
-//! A volume whose sector size changed keeps serving through the new side once the
-//! reencryption ends (its own engine's sectors are fixed for its life): the segments stay,
-//! marked finished, with every byte on the new side, until the volume is closed; suspend,
-//! resize and another reencryption wait for that reopening.
+//! The one reencryption that moves the data served online, an encryption with the header put
+//! in front (`--reduce-device-size`), gives the new side its own data offset (the shift) and
+//! the old side a backend that reads its first shift from the moved segment
+//! (`luks::reencrypt_online`); the mark and the hotzones are the same.
+//!
+//! A volume whose sector size or data offset changed keeps serving through the new side once
+//! the reencryption ends (its own engine's sectors and offset are fixed for its life): the
+//! segments stay, marked finished, with every byte on the new side, until the volume is
+//! closed; suspend, resize and another reencryption wait for that reopening.
 //!
 //! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
 //! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only for the piece of
@@ -29,17 +34,18 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::{Core, Source, Volume, VolumeConfig};
+use crate::backend::Backend;
 use crate::engine::plan::Op;
 use crate::engine::zone_lock::{ByteRange, ZoneLock};
 use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::sync::lock;
 use crate::{Error, Result, SecretBytes};
 
-/// Why a volume whose sector size changed online refuses suspend, resize and another
-/// reencryption.
-pub(crate) const SECTOR_SIZE_CHANGED: &str = "the volume's sector size changed online: it \
-     serves the new sectors until it is closed; close it and open it again to suspend, resize \
-     or reencrypt it";
+/// Why a volume whose sector size or data offset changed online refuses suspend, resize and
+/// another reencryption.
+pub(crate) const REOPEN_NEEDED: &str = "the volume's sector size or data offset changed \
+     online: it serves the new layout until it is closed; close it and open it again to \
+     suspend, resize or reencrypt it";
 
 pub(crate) struct Segments {
     /// The new key's side: a volume over the same backend (its own engine, pool and cipher
@@ -50,8 +56,8 @@ pub(crate) struct Segments {
     mark_bytes: AtomicU64,
     /// The new side is above the mark (a decryption), not below it.
     backward: bool,
-    /// The reencryption ended, but the new side's sectors differ from the volume's own: every
-    /// byte is served by the new side until the volume is closed.
+    /// The reencryption ended, but the new side's sectors or data offset differ from the
+    /// volume's own: every byte is served by the new side until the volume is closed.
     finished: std::sync::atomic::AtomicBool,
 }
 
@@ -74,7 +80,20 @@ impl Volume {
     /// `resize` does.
     pub fn begin_segments(
         &self,
+        new_side: (CipherSpec, SecretBytes, SectorSize),
+        done_bytes: u64,
+        backward: bool,
+    ) -> Result<()> {
+        let at = (self.core.backend.clone(), self.core.data_offset);
+        self.begin_segments_at(new_side, at, done_bytes, backward)
+    }
+
+    /// [`Volume::begin_segments`] with the new side on `backend` at `data_offset` (a data
+    /// shift's: the device itself, where the old side's backend remaps the moved head).
+    pub fn begin_segments_at(
+        &self,
         (new_spec, new_key, new_sector): (CipherSpec, SecretBytes, SectorSize),
+        (backend, data_offset): (Arc<dyn Backend>, u64),
         done_bytes: u64,
         backward: bool,
     ) -> Result<()> {
@@ -94,8 +113,8 @@ impl Volume {
             )));
         }
         if c.segmented.load(Relaxed) {
-            return Err(Error::InvalidArgument(if self.sector_size_changed() {
-                SECTOR_SIZE_CHANGED.into()
+            return Err(Error::InvalidArgument(if self.reopen_needed() {
+                REOPEN_NEEDED.into()
             } else {
                 "the volume is already in reencryption".into()
             }));
@@ -108,7 +127,7 @@ impl Volume {
                 sector_size: new_sector,
                 ..c.geometry
             },
-            data_offset_bytes: c.data_offset,
+            data_offset_bytes: data_offset,
             size_bytes: Some(size),
             policy: p,
             pool_bytes: c.pool.capacity(),
@@ -117,7 +136,7 @@ impl Volume {
             spin: self.spin(),
         };
         // The same counters: requests served by either side count as the volume's.
-        let new = Volume::with_stats(c.backend.clone(), cfg, c.stats.clone())?;
+        let new = Volume::with_stats(backend, cfg, c.stats.clone())?;
         let seg = Arc::new(Segments {
             new,
             zones: ZoneLock::default(),
@@ -135,17 +154,28 @@ impl Volume {
     }
 
     /// True while the volume is in reencryption: two segments, the reencryption not ended
-    /// (after one that changed the sector size, see [`Volume::sector_size_changed`]).
+    /// (after one that changed the sector size or the data offset, see
+    /// [`Volume::reopen_needed`]).
     pub fn in_reencryption(&self) -> bool {
-        self.core.segmented.load(Relaxed) && !self.sector_size_changed()
+        self.core.segmented.load(Relaxed) && !self.reopen_needed()
     }
 
-    /// True once a reencryption that changed the sector size has ended: the volume serves
-    /// through the new side until it is closed (see the module documentation).
-    pub fn sector_size_changed(&self) -> bool {
+    /// True once a reencryption that changed the sector size or the data offset has ended:
+    /// the volume serves through the new side until it is closed (see the module
+    /// documentation).
+    pub fn reopen_needed(&self) -> bool {
         lock(&self.segments)
             .as_ref()
             .is_some_and(|s| s.finished.load(Relaxed))
+    }
+
+    /// The backend the new side serves from while in reencryption: the device itself, also
+    /// when the old side reads through a remapping one (a data shift). The reencryption
+    /// driver writes the hotzones and the header there.
+    pub fn reencryption_backend(&self) -> Option<Arc<dyn Backend>> {
+        lock(&self.segments)
+            .as_ref()
+            .map(|s| s.new.core.backend.clone())
     }
 
     /// Bytes under the new key while in reencryption.
@@ -168,8 +198,8 @@ impl Volume {
 
     /// Ends the two segments once the rotation has finished (every byte under the new key; the
     /// caller, the reencryption driver, knows): the volume's own engine takes the new key, so
-    /// it serves as a plain volume under it again. When the sector size changed, the new side
-    /// goes on serving every byte instead, until the volume is closed.
+    /// it serves as a plain volume under it again. When the sector size or the data offset
+    /// changed, the new side goes on serving every byte instead, until the volume is closed.
     pub fn end_segments(&self) -> Result<()> {
         let _suspended = lock(&self.core.suspended);
         let c = &*self.core;
@@ -183,7 +213,7 @@ impl Volume {
                 "the volume's reencryption has already ended".into(),
             ));
         }
-        if seg.new.core.shift != c.shift {
+        if seg.new.core.shift != c.shift || seg.new.core.data_offset != c.data_offset {
             let size = c.size.load(Relaxed);
             c.gate.close();
             seg.mark_bytes.store(seg.mark_of(size, size), Relaxed);
