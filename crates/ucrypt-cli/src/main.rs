@@ -7,6 +7,7 @@
 mod bench;
 mod daemon;
 mod error;
+mod in_use;
 mod luks_cli;
 mod metrics;
 mod mount;

@@ -107,6 +107,8 @@ fn mount(a: MountArgs) -> CliResult<()> {
 }
 
 fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()> {
+    // Marked for as long as it is served: an offline reencrypt or a format refuses it.
+    let _served = a.volume.mark_served()?;
     let dev = a.volume.open()?;
     crate::signals::started();
     if let Some(at) = &a.metrics.metrics {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use clap::Args;
-use ucrypt::backend::{Backend, CacheMode};
+use ucrypt::backend::{Backend, CacheMode, FileBackend};
 use ucrypt::engine::{Policies, Policy};
 use ucrypt::integrity::{self, superblock::flags as sb_flags, IntegrityVolume};
 use ucrypt::luks::{self, OpenOptions, Unlock};
@@ -24,7 +24,7 @@ use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
 
 use crate::error::{CliError, CliResult};
-use crate::luks_cli::open_header;
+use crate::luks_cli::open_header_file;
 use crate::pass::{self, Source};
 use crate::target::{RemoteArgs, Target};
 
@@ -155,6 +155,9 @@ pub enum PreparedKind {
         opts: OpenOptions,
         /// Authenticated volumes: dm-integrity's direct mode (`--integrity-no-journal`).
         integrity_no_journal: bool,
+        /// The local file the header was read from (`opts.header`), under cryptsetup's shared
+        /// lock until released ([`HeaderAt`]); `None` for a remote volume.
+        header_file: Option<Arc<FileBackend>>,
     },
     /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
     Raw {
@@ -565,13 +568,49 @@ fn open_authenticated(
     ))))
 }
 
+/// The header a process serving a LUKS volume reads again (the key checked on resume): the
+/// local file it was opened from, kept open but under cryptsetup's shared lock only while
+/// read, so that keyslot verbs of either tool work on the open volume as on an active
+/// dm-crypt device; or a remote volume's data connection.
+#[derive(Clone)]
+pub struct HeaderAt {
+    dev: Arc<dyn Backend>,
+    file: Option<Arc<FileBackend>>,
+}
+
+impl HeaderAt {
+    /// Releases cryptsetup's lock, held since the header was read at open.
+    pub fn release(&self) -> CliResult<()> {
+        if let Some(f) = &self.file {
+            f.unlock()?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the header device under cryptsetup's shared lock.
+    pub fn read<T>(&self, f: impl FnOnce(&dyn Backend) -> T) -> CliResult<T> {
+        if let Some(file) = &self.file {
+            file.lock(ucrypt::backend::FileLock::Shared)?;
+        }
+        let r = f(self.dev.as_ref());
+        self.release()?;
+        Ok(r)
+    }
+}
+
 impl Prepared {
     /// LUKS: the device the header is read from (the volume, or --header).
-    pub fn header_device(&self) -> Option<Arc<dyn Backend>> {
+    pub fn header_device(&self) -> Option<HeaderAt> {
         match &self.kind {
-            PreparedKind::Luks { data, opts, .. } => {
-                Some(opts.header.clone().unwrap_or_else(|| data.clone()))
-            }
+            PreparedKind::Luks {
+                data,
+                opts,
+                header_file,
+                ..
+            } => Some(HeaderAt {
+                dev: opts.header.clone().unwrap_or_else(|| data.clone()),
+                file: header_file.clone(),
+            }),
             PreparedKind::Raw { .. } => None,
         }
     }
@@ -585,6 +624,7 @@ impl Prepared {
                 unlock,
                 opts,
                 integrity_no_journal,
+                header_file: _,
             } => {
                 if integrity::superblock_offset(&hdr).is_some() {
                     open_authenticated(&self.name, data, &hdr, unlock, &opts, integrity_no_journal)
@@ -631,6 +671,21 @@ impl VolumeArgs {
 
     fn spin(&self) -> Duration {
         Duration::from_micros(self.spin_us)
+    }
+
+    /// Marks the volume (and its detached header) as served by this process while the
+    /// returned guard lives, so that an offline `reencrypt` or a `format` refuses it
+    /// (`crate::in_use`). Taken by the processes that serve it: the `open` daemon, `serve`,
+    /// `mount`, `ublk`.
+    pub fn mark_served(&self) -> CliResult<crate::in_use::InUse> {
+        let mut paths: Vec<&std::path::Path> = Vec::with_capacity(2);
+        if let Target::Path(p) = &self.volume {
+            paths.push(p);
+        }
+        if let Some(h) = &self.header {
+            paths.push(h);
+        }
+        crate::in_use::mark(&paths)
     }
 
     /// Opens the volume for a front end or a data verb.
@@ -712,10 +767,14 @@ impl VolumeArgs {
         // cryptsetup's shared lock until the volume is unlocked, so that a concurrent keyslot
         // change is never half seen. A remote volume's header is read through its data
         // connection.
-        let header = match (&self.header, &self.volume) {
-            (Some(h), _) => open_header(h, false)?,
-            (None, Target::Path(p)) => open_header(p, false)?,
-            (None, _) => data.clone(),
+        let header_file = match (&self.header, &self.volume) {
+            (Some(h), _) => Some(open_header_file(h, false)?),
+            (None, Target::Path(p)) => Some(open_header_file(p, false)?),
+            (None, _) => None,
+        };
+        let header: Arc<dyn Backend> = match &header_file {
+            Some(f) => f.clone(),
+            None => data.clone(),
         };
         // The header first (a device that is not LUKS fails before any prompt); read once
         // here, to show a damaged or stale copy's warnings as cryptsetup does.
@@ -746,6 +805,7 @@ impl VolumeArgs {
             unlock,
             opts,
             integrity_no_journal: self.integrity_no_journal,
+            header_file,
         })
     }
 

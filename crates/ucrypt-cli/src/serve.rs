@@ -10,6 +10,7 @@ use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsF
 
 use crate::daemon::control::{self, ControlArgs};
 use crate::error::{CliError, CliResult};
+use crate::in_use::InUse;
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
 use crate::target::Target;
@@ -70,25 +71,29 @@ type Opened = (Arc<dyn BlockDev>, Option<crate::open::Opened>);
 /// One export: its name and what was opened for it.
 type Export = (String, Arc<dyn BlockDev>, Option<crate::open::Opened>);
 
-fn open_one(a: &ServeArgs, target: &Target) -> CliResult<Opened> {
+fn open_one(a: &ServeArgs, target: &Target) -> CliResult<(Opened, InUse)> {
+    let mut v = a.volume.clone();
+    v.volume = target.clone();
+    // Marked for as long as it is served: an offline reencrypt or a format refuses it.
+    let marked = v.mark_served()?;
     if a.unencrypted {
         let ro = a.volume.read_only;
         let backend = target.open_plain(!ro, &a.volume.remote)?;
-        return Ok((Arc::new(dev::PlainDev::new(backend, ro)), None));
+        return Ok(((Arc::new(dev::PlainDev::new(backend, ro)), None), marked));
     }
-    let mut v = a.volume.clone();
-    v.volume = target.clone();
     let vol = v.open()?;
-    Ok((vol.dev(), Some(vol)))
+    Ok(((vol.dev(), Some(vol)), marked))
 }
 
-fn open_volumes(a: &ServeArgs) -> CliResult<Vec<Export>> {
+/// The exports, and the marks that say their volumes are served (held until the end).
+fn open_volumes(a: &ServeArgs) -> CliResult<(Vec<Export>, Vec<InUse>)> {
     let first = a
         .export_name
         .clone()
         .unwrap_or_else(|| a.volume.volume.label());
-    let (dev, vol) = open_one(a, &a.volume.volume)?;
+    let ((dev, vol), marked) = open_one(a, &a.volume.volume)?;
     let mut out = vec![(first, dev, vol)];
+    let mut marks = vec![marked];
     for spec in &a.add_export {
         let (name, target) = spec
             .split_once('=')
@@ -96,10 +101,11 @@ fn open_volumes(a: &ServeArgs) -> CliResult<Vec<Export>> {
         let target: Target = target
             .parse()
             .map_err(|e| CliError::Usage(format!("--add-export '{spec}': {e}")))?;
-        let (dev, vol) = open_one(a, &target)?;
+        let ((dev, vol), marked) = open_one(a, &target)?;
         out.push((name.to_string(), dev, vol));
+        marks.push(marked);
     }
-    Ok(out)
+    Ok((out, marks))
 }
 
 pub fn run(a: ServeArgs) -> i32 {
@@ -113,7 +119,7 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     }
     // Before the volumes' threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
-    let opened = open_volumes(&a)?;
+    let (opened, _served) = open_volumes(&a)?;
     crate::signals::started();
     if let Some(at) = &a.metrics.metrics {
         let vols = opened

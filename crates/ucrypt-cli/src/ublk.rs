@@ -29,6 +29,8 @@ pub fn run(a: UblkArgs) -> i32 {
 fn serve(a: UblkArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
+    // Marked for as long as it is served: an offline reencrypt or a format refuses it.
+    let _served = a.volume.mark_served()?;
     let dev = a.volume.open()?;
     crate::signals::started();
     if let Some(at) = &a.metrics.metrics {

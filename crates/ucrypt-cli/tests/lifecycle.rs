@@ -1203,3 +1203,87 @@ impl Drop for KillOnDrop {
         let _ = self.0.kill();
     }
 }
+
+/// Runs `prog args` and fails the test if it takes over `secs` (a verb that waits on a lock
+/// would otherwise hang the test).
+fn within(secs: u64, prog: &str, args: &[&str]) -> Output {
+    let mut a = vec![secs.to_string(), prog.to_string()];
+    a.extend(args.iter().map(|s| s.to_string()));
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let o = run("timeout", &a);
+    assert_ne!(
+        o.status.code(),
+        Some(124),
+        "{prog} {args:?} still waiting after {secs} s"
+    );
+    o
+}
+
+/// Keyslots change while the volume is open, as on an active dm-crypt device: the daemon holds
+/// cryptsetup's header lock only to read the header (at open, on resume), so `luksAddKey` of
+/// ucrypt and of cryptsetup go through; `resume` reads the header again and takes a key added
+/// meanwhile. A `format` of the open volume is refused (exit 5, nothing written).
+#[test]
+fn keyslots_change_while_the_volume_is_open() {
+    skip_unless_rig!();
+    let t = TempDir::new("keyslots");
+    let (img, key) = volume(&t, "vol.img", 24);
+    let n = name("keyslots");
+    let o = open(&img, &key, &n);
+    assert!(o.status.success(), "{}", text(&o));
+    let key2 = t.path("key2");
+    std::fs::write(&key2, b"added while open").unwrap();
+    let mut a = vec!["luksAddKey", "--batch-mode", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.extend([s(&img), s(&key2)]);
+    let o = within(30, UCRYPT, &a);
+    assert!(o.status.success(), "ucrypt luksAddKey: {}", text(&o));
+    let key3 = t.path("key3");
+    std::fs::write(&key3, b"added by cryptsetup").unwrap();
+    if have("cryptsetup") {
+        let o = within(
+            30,
+            "cryptsetup",
+            &[
+                "luksAddKey",
+                "-q",
+                "--pbkdf",
+                "pbkdf2",
+                "--pbkdf-force-iterations",
+                "1000",
+                "--key-file",
+                s(&key),
+                s(&img),
+                s(&key3),
+            ],
+        );
+        assert!(o.status.success(), "cryptsetup luksAddKey: {}", text(&o));
+    } else {
+        println!("SKIPPED (part): cryptsetup not installed");
+    }
+    let before = std::fs::read(&img).unwrap();
+    let o = within(
+        30,
+        UCRYPT,
+        &["format", "-q", "--key-file", s(&key), s(&img)],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "format of the open volume: {}",
+        text(&o)
+    );
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "the refused format wrote"
+    );
+    ok(UCRYPT, &["suspend", &n]);
+    let o = within(30, UCRYPT, &["resume", &n, "--key-file", s(&key2)]);
+    assert!(
+        o.status.success(),
+        "resume with the key added while open: {}",
+        text(&o)
+    );
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}

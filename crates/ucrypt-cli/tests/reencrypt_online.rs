@@ -498,6 +498,24 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
+    // A second reencryption meanwhile is refused at once, not queued behind the first.
+    let started = Instant::now();
+    let o = run(UCRYPT, &a);
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "a second reencryption: {}",
+        text(&o)
+    );
+    assert!(
+        text(&o).contains("already being reencrypted"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the second reencryption waited"
+    );
     ok("kill", &["-9", pid.trim()]);
     let st = c.procs[0].wait().unwrap();
     assert!(!st.success(), "the verb succeeded although its daemon died");
@@ -1094,4 +1112,72 @@ fn an_encryption_moving_the_data_online() {
     }
     ok(UCRYPT, &["close", &n]);
     drop(c);
+}
+
+/// A volume `ucrypt serve` serves without `--control` (no way to reencrypt it online): an
+/// offline `reencrypt` (also with `--force-offline-reencrypt`, and `--encrypt` of the file) and
+/// a `format` are refused with exit code 5 before anything is written; keyslot verbs work meanwhile (cryptsetup's header lock
+/// is not held by the server); once the server is gone the reencryption runs. Needs nothing but
+/// ucrypt (NBD on a unix socket).
+#[test]
+fn verbs_that_would_rewrite_a_served_volume_are_refused() {
+    let t = TempDir::new("served");
+    let (img, key) = volume(&t, 24);
+    let sock = t.path("nbd.sock");
+    let mut server = Reaped(
+        Command::new(UCRYPT)
+            .args(["serve", s(&img), "--key-file", s(&key), "--nbd"])
+            .arg(format!("unix:{}", s(&sock)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&sock, &mut server.0);
+    let before = std::fs::read(&img).unwrap();
+    let reencrypt = |extra: &[&str]| {
+        let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
+        a.extend(FAST_PBKDF2);
+        a.extend(extra);
+        a.push(s(&img));
+        run(UCRYPT, &a)
+    };
+    for (what, o) in [
+        ("reencrypt", reencrypt(&[])),
+        (
+            "reencrypt --force-offline-reencrypt",
+            reencrypt(&["--force-offline-reencrypt"]),
+        ),
+        (
+            "reencrypt --encrypt",
+            reencrypt(&["--encrypt", "--reduce-device-size", "2M"]),
+        ),
+        (
+            "format",
+            run(UCRYPT, &["format", "-q", "--key-file", s(&key), s(&img)]),
+        ),
+    ] {
+        assert_eq!(o.status.code(), Some(5), "{what}: {}", text(&o));
+        assert!(
+            text(&o).contains("is in use by a ucrypt process"),
+            "{what}: {}",
+            text(&o)
+        );
+        assert!(std::fs::read(&img).unwrap() == before, "{what} wrote");
+    }
+    // A keyslot verb is not refused and does not wait for the server.
+    let key2 = t.path("key2");
+    std::fs::write(&key2, b"a second passphrase").unwrap();
+    let mut a = vec!["luksAddKey", "--batch-mode", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.extend([s(&img), s(&key2)]);
+    let start = Instant::now();
+    ok(UCRYPT, &a);
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "luksAddKey waited"
+    );
+    drop(server);
+    let o = reencrypt(&["--key-slot", "0"]);
+    assert_eq!(o.status.code(), Some(0), "after the server: {}", text(&o));
 }

@@ -127,7 +127,8 @@ impl server::Handler for Control {
                     hotzone_bytes,
                     resilience,
                 };
-                match start_rotation(&self.name, vol, &self.rotation, key, opts, header) {
+                let at = (vol, Path::new(&self.volume));
+                match start_rotation(&self.name, at, &self.rotation, key, opts, header) {
                     Ok(()) => respond(&self.status()),
                     Err(e) => respond(&e),
                 }

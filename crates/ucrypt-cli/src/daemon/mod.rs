@@ -445,8 +445,18 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
             return Err(e);
         }
     };
+    // Marked before the fork: the daemon shares the lock's description and holds it for its
+    // life (this process only closes its copy).
+    let served = match a.v.mark_served() {
+        Ok(m) => m,
+        Err(e) => {
+            claim.abandon();
+            return Err(e);
+        }
+    };
     let log = claim.dir.join("daemon.log");
-    let d = daemon_for(&a, name.clone(), run, claim, ident, info, front_end);
+    let mut d = daemon_for(&a, name.clone(), run, claim, ident, info, front_end);
+    d.served = Some(served);
     if a.foreground {
         serve::run(d, prepared, serve::Reporter::Foreground)?;
         return Ok(0);
@@ -489,6 +499,7 @@ fn daemon_for(
             .header
             .as_ref()
             .map(|h| std::path::absolute(h).unwrap_or(h.clone())),
+        served: None,
     }
 }
 

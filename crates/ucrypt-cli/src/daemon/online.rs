@@ -42,7 +42,7 @@ fn refused(code: i32, error: impl Into<String>) -> Response {
 /// volume suspended, no passphrase).
 pub fn start_rotation(
     name: &str,
-    vol: &Arc<Volume>,
+    (vol, volume): (&Arc<Volume>, &Path),
     rotation: &Rotation,
     key: ResumeKey,
     opts: RunOptions,
@@ -75,9 +75,12 @@ pub fn start_rotation(
             ..Default::default()
         });
     }
-    // A detached header: a writable handle of the rotation's own, without cryptsetup's lock
-    // (this process holds the shared one for as long as it serves; the verb wrote the init
-    // the same way). The header in front is written through the volume's backend.
+    // A detached header: a writable handle of the rotation's own. The header in front is
+    // written through the volume's backend. Either way cryptsetup's lock is held shared on
+    // the header's file for the whole rotation (on a handle of its own): another writer (a
+    // keyslot verb, an offline reencrypt) waits for the end, readers (`luksDump`, `status`)
+    // do not, as beside cryptsetup's own reencryption. A remote volume has none.
+    let lock_at = header.unwrap_or(volume).to_path_buf();
     let header = match header {
         None => None,
         Some(p) => {
@@ -96,11 +99,21 @@ pub fn start_rotation(
         .name("ucrypt-reencrypt".into())
         .spawn(move || {
             let header = header.as_ref().map(|h| h as &dyn ucrypt::backend::Backend);
-            let r = luks::reencrypt_online::rotate(&vol, header, pass.as_ref(), opts, &mut |p| {
-                if let Some(rep) = lock(&report).as_mut() {
-                    rep.done_bytes = p.done;
-                    rep.total_bytes = p.total;
-                }
+            let locked = if lock_at.exists() {
+                crate::luks_cli::open_header_file(&lock_at, false).map(Some)
+            } else {
+                Ok(None)
+            };
+            let r = locked.and_then(|locked| {
+                let r =
+                    luks::reencrypt_online::rotate(&vol, header, pass.as_ref(), opts, &mut |p| {
+                        if let Some(rep) = lock(&report).as_mut() {
+                            rep.done_bytes = p.done;
+                            rep.total_bytes = p.total;
+                        }
+                    });
+                drop(locked);
+                r
             });
             drop(pass);
             let mut g = lock(&report);
@@ -219,10 +232,15 @@ impl Holder {
     }
 
     /// Whether the daemon's volume changed its sector size or data offset online and must be
-    /// closed and opened again before another reencryption (see `ReencryptionReport::reopen_needed`).
-    pub fn reopen_needed(&self) -> CliResult<bool> {
+    /// closed and opened again before another reencryption (see
+    /// `ReencryptionReport::reopen_needed`), and whether a reencryption runs in it now.
+    pub fn reopen_needed_or_running(&self) -> CliResult<(bool, bool)> {
         let s = expect_status_at(&self.name, &self.sock, &Request::Status)?;
-        Ok(s.reencryption.is_some_and(|r| r.reopen_needed))
+        let r = s.reencryption.as_ref();
+        Ok((
+            r.is_some_and(|r| r.reopen_needed),
+            r.is_some_and(|r| r.running),
+        ))
     }
 
     /// The volume the daemon serves, as it named it.

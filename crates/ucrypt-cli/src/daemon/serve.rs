@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ucrypt::backend::Backend;
 use ucrypt::luks::reencrypt_run::RunOptions;
 use ucrypt::luks::{self, Unlock};
 use ucrypt::sync::lock;
@@ -30,7 +29,7 @@ use super::proto::{
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
 use crate::error::{CliError, CliResult};
-use crate::open::{Opened, Prepared};
+use crate::open::{HeaderAt, Opened, Prepared};
 
 /// How often the main loop looks at signals and at a front end that ended on its own.
 const POLL: Duration = Duration::from_millis(200);
@@ -93,6 +92,9 @@ pub struct Daemon {
     pub nbd: Option<Listen>,
     /// The detached header (`--header`), written by an online reencryption.
     pub header: Option<PathBuf>,
+    /// The mark that says this process serves the volume (`crate::in_use`), held for its
+    /// life; none for a remote volume.
+    pub served: Option<crate::in_use::InUse>,
 }
 
 /// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
@@ -188,9 +190,10 @@ struct Shared {
     vol: Opened,
     /// Changes with resize (size) and refresh (flags).
     info: Mutex<VolumeInfo>,
-    /// LUKS: the device the header is on, read again to unlock on resume. None for a plain
-    /// volume, which cannot be suspended (a wrong key could not be told on resume).
-    header_dev: Option<Arc<dyn Backend>>,
+    /// LUKS: the device the header is on, read again (under cryptsetup's shared lock) to
+    /// unlock on resume. None for a plain volume, which cannot be suspended (a wrong key
+    /// could not be told on resume).
+    header_dev: Option<HeaderAt>,
     /// Resize: tells the FUSE file's users the new size (None for ublk).
     size_notifier: Option<SizeNotifier>,
     ident: Identity,
@@ -283,7 +286,8 @@ impl Shared {
             );
         };
         let header = self.header.as_deref();
-        match super::online::start_rotation(&self.name, vol, &self.rotation, key, opts, header) {
+        let at = (vol, self.ident.volume.as_path());
+        match super::online::start_rotation(&self.name, at, &self.rotation, key, opts, header) {
             Ok(()) => self.status(),
             Err(e) => e,
         }
@@ -377,9 +381,15 @@ impl Shared {
             },
         };
         // The header is read again: a keyslot may have changed since the volume was opened.
-        let vk = luks::read_header(dev.as_ref()).and_then(|hdr| {
-            luks::unlock_key(dev.as_ref(), &hdr, unlock, key_slot).map(|(_, vk)| (hdr, vk))
+        let vk = dev.read(|dev| {
+            luks::read_header(dev).and_then(|hdr| {
+                luks::unlock_key(dev, &hdr, unlock, key_slot).map(|(_, vk)| (hdr, vk))
+            })
         });
+        let vk = match vk {
+            Ok(vk) => vk,
+            Err(e) => return Self::failed(e),
+        };
         match vk {
             Ok((hdr, vk)) => match self.vol.resume(&hdr, &vk) {
                 Ok(()) => self.status(),
@@ -546,6 +556,11 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     crate::signals::started();
     let header_dev = prepared.header_device();
     let opened = prepared.open()?;
+    // cryptsetup's lock was held from the header's read to the unlock: released now, so that
+    // keyslot verbs work on the open volume; the resume takes it again to read.
+    if let Some(h) = &header_dev {
+        h.release()?;
+    }
     let vol = opened.dev();
     d.info.size_sectors = vol.size() / 512;
     if let Some(at) = &d.metrics {

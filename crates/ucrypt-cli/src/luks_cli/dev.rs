@@ -40,6 +40,11 @@ fn is_enodev(e: &Error) -> bool {
 /// Opens the header device (the volume, or its `--header`) buffered and takes cryptsetup's
 /// lock: shared to read, exclusive to update.
 pub fn open_header(path: &Path, update: bool) -> Result<HeaderDev> {
+    Ok(open_header_file(path, update)?)
+}
+
+/// [`open_header`], as the file backend itself (to release the lock and take it again).
+pub fn open_header_file(path: &Path, update: bool) -> Result<Arc<FileBackend>> {
     let dev = FileBackend::open(path, update, DirectMode::Never).map_err(|e| open_err(path, e))?;
     dev.lock(if update {
         FileLock::Exclusive

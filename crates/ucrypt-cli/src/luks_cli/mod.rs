@@ -24,8 +24,8 @@ use crate::open::VolumeArgs;
 use crate::target::{RemoteArgs, Target};
 
 use crate::pass::{self, Source};
-pub use dev::open_header;
 use dev::HeaderDev;
+pub use dev::{open_header, open_header_file};
 
 /// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
 #[derive(Args, Debug, Clone, Default)]
@@ -538,6 +538,12 @@ fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes
 // ---------------------------------------------------------------- format
 
 fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    // cryptsetup refuses to format an active device ("Cannot format device ... in use.").
+    let mut paths: Vec<&std::path::Path> = o.header.iter().map(|h| h.as_path()).collect();
+    if let Target::Path(p) = device {
+        paths.push(p);
+    }
+    crate::in_use::refuse_if_served(&paths, "cannot format it; stop that process first")?;
     let version = match o.luks_type.as_deref().unwrap_or("luks2") {
         "luks2" => 2,
         "luks1" | "luks" => 1,

@@ -249,7 +249,22 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             "Options --init-only and --resume-only cannot be combined.".into(),
         ));
     }
+    // A volume a ucrypt process serves (`crate::in_use`) is reencrypted through that process
+    // or not at all: an offline run under it would be overwritten by the old key's writes.
+    let mut paths: Vec<&std::path::Path> = o.header.iter().map(|h| h.as_path()).collect();
+    if let Target::Path(p) = device {
+        paths.push(p);
+    }
+    let offline_refused = || {
+        crate::in_use::refuse_if_served(
+            &paths,
+            "reencrypt it online through that process (an `ucrypt open` daemon is found by \
+             the file or by --active-name; serve, mount and ublk need their --control PATH), \
+             or stop it first",
+        )
+    };
     if r.encrypt && !encryption_in_progress(o) && !shift_in_progress(device, o) {
+        offline_refused()?;
         return match (&r.reduce_device_size, &o.header) {
             (Some(_), Some(_)) => Err(not_built(
                 "--reduce-device-size with a detached --header (cryptsetup 2.6.1 then makes \
@@ -325,10 +340,16 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             ));
         }
         // Checked before the init is written: the daemon would refuse the rotation after it.
-        let reopen = match h.reopen_needed() {
+        let (reopen, running) = match h.reopen_needed_or_running() {
             Ok(b) => b,
             Err(e) => return Ok(crate::daemon::report(Err(e))),
         };
+        // The daemon holds cryptsetup's lock shared while it reencrypts: refused here rather
+        // than waiting for the end (the daemon's own words and code).
+        if running {
+            eprintln!("Device {} is already being reencrypted.", h.name);
+            return Ok(5);
+        }
         if reopen {
             return Err(Error::InvalidArgument(format!(
                 "Device {} changed its sector size or data offset online and serves the new \
@@ -346,24 +367,16 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             return Ok(5);
         }
     }
+    if holder.is_none() {
+        offline_refused()?;
+    }
     if let Some(h) = unshift {
         return decrypt_unshift(device, r, o, &h);
     }
-    let (dev, hdr) = match (&holder, device) {
-        // The daemon holds cryptsetup's shared lock on the header for its whole life (it
-        // checks the key on resume), so the exclusive one would wait for ever: the init is
-        // written without it. The daemon is the header's only other user, and writes it only
-        // once asked to rotate, after the init.
-        (Some(_), Target::Path(p)) => {
-            let at = o.header.as_deref().unwrap_or(p);
-            let d: std::sync::Arc<dyn ucrypt::backend::Backend> = std::sync::Arc::new(
-                ucrypt::backend::FileBackend::open(at, true, ucrypt::backend::DirectMode::Never)?,
-            );
-            let h = ucrypt::luks::read_header(d.as_ref())?;
-            (d, h)
-        }
-        _ => load(device, o, true)?,
-    };
+    // Under cryptsetup's exclusive lock, also when a daemon serves the volume (it holds the
+    // lock only around its own header reads and for its rotation, which starts once this
+    // process has written the init and let the lock go).
+    let (dev, hdr) = load(device, o, true)?;
     check_supported(r, o, &hdr)?;
     let data = data_dev(device, o)?;
     let devs = Devices {

@@ -330,6 +330,20 @@ impl FileBackend {
         }
     }
 
+    /// Releases the lock [`FileBackend::lock`] took (on this open file description, so for
+    /// every handle that shares it): a process that keeps a header open for its life holds
+    /// the lock only around its reads and writes, as cryptsetup does.
+    pub fn unlock(&self) -> Result<()> {
+        // SAFETY: flock on a descriptor this backend owns; no memory is passed.
+        if unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) } == 0 {
+            return Ok(());
+        }
+        Err(Error::io(
+            format!("Failed to release lock on {}", self.path),
+            io::Error::last_os_error(),
+        ))
+    }
+
     /// True if opened with O_DIRECT.
     pub fn is_direct(&self) -> bool {
         self.direct

@@ -1,0 +1,143 @@
+//! Which local volumes a ucrypt process is serving, so that a verb that would rewrite one
+//! under it (an offline `reencrypt`, `format`) refuses, as cryptsetup refuses an active
+//! device.
+//!
+//! A serving process (the `open` daemon, `serve`, `mount`, `ublk`) holds, for its whole life,
+//! an open file description lock (`F_OFD_SETLK`) for reading on one byte of the volume file
+//! and of its detached header, far past any data: [`IN_USE_BYTE`]. A verb asks whether a
+//! write lock on that byte would conflict (`F_OFD_GETLK`). The marker is not cryptsetup's
+//! header lock (`flock`, taken around each header access): on Linux the two kinds of lock do
+//! not interact, so keyslot verbs of either tool work on a volume being served, as on an
+//! active dm-crypt device; nor does it meet qemu's image locks (bytes 100 to 299).
+//!
+//! A block device is marked through the node named (another node of the same device is not
+//! seen); a remote volume (`rbd:`, `nbd:`) is not marked.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use crate::error::{CliError, CliResult};
+
+/// The byte the marker locks: the last one an `off_t` can name but one, so that no volume's
+/// data or header ever reaches it and the range `[IN_USE_BYTE, IN_USE_BYTE + 1)` stays
+/// representable.
+pub const IN_USE_BYTE: i64 = i64::MAX - 1;
+
+/// A volume marked as served, for as long as this lives.
+#[derive(Debug)]
+pub struct InUse {
+    _files: Vec<File>,
+}
+
+fn lock_request(kind: libc::c_short) -> libc::flock {
+    // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value of it.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = IN_USE_BYTE;
+    fl.l_len = 1;
+    fl
+}
+
+fn os_err(what: String, e: std::io::Error) -> CliError {
+    CliError::Core(ucrypt::Error::io(what, e))
+}
+
+/// Marks the local files among `paths` as served by this process until the returned guard is
+/// dropped. Paths that are not local files or block devices are skipped.
+pub fn mark(paths: &[&Path]) -> CliResult<InUse> {
+    let mut files = Vec::with_capacity(paths.len());
+    for p in paths {
+        let Ok(f) = File::open(p) else {
+            // A remote name, or a path the open itself will report on.
+            continue;
+        };
+        let mut fl = lock_request(libc::F_RDLCK as libc::c_short);
+        // SAFETY: F_OFD_SETLK on a descriptor `f` owns, with a pointer to a live, initialised
+        // `flock`; the kernel only reads it.
+        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(os_err(
+                format!("marking {} as in use (F_OFD_SETLK)", p.display()),
+                e,
+            ));
+        }
+        files.push(f);
+    }
+    Ok(InUse { _files: files })
+}
+
+/// Whether a ucrypt process serves the file at `path` ([`mark`]). `false` for a path that
+/// cannot be opened (the verb reports that itself).
+pub fn is_served(path: &Path) -> CliResult<bool> {
+    let Ok(f) = File::open(path) else {
+        return Ok(false);
+    };
+    let mut fl = lock_request(libc::F_WRLCK as libc::c_short);
+    // SAFETY: F_OFD_GETLK on a descriptor `f` owns, with a pointer to a live, initialised
+    // `flock` the kernel writes the conflicting lock (or F_UNLCK) into.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(os_err(
+            format!("asking whether {} is in use (F_OFD_GETLK)", path.display()),
+            e,
+        ));
+    }
+    Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// Refuses (cryptsetup's exit code 5, device busy) when a ucrypt process serves one of
+/// `paths`; `what` says what was refused and how to go on. Nothing is written either way.
+pub fn refuse_if_served(paths: &[&Path], what: &str) -> ucrypt::Result<()> {
+    for p in paths {
+        let served = is_served(p).map_err(|e| match e {
+            CliError::Core(c) => c,
+            other => ucrypt::Error::InvalidArgument(other.to_string()),
+        })?;
+        if served {
+            return Err(ucrypt::Error::io(
+                format!(
+                    "Device {} is in use by a ucrypt process serving it (open, serve, mount or \
+                     ublk): {what}",
+                    p.display()
+                ),
+                std::io::Error::from_raw_os_error(libc::EBUSY),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mark_is_seen_through_another_descriptor_and_goes_with_its_guard() {
+        let dir = std::env::temp_dir().join(format!("ucrypt-in-use-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("vol.img");
+        std::fs::write(&f, [0u8; 4096]).unwrap();
+        assert!(!is_served(&f).unwrap());
+        let guard = mark(&[&f, Path::new("rbd:pool/not-a-file")]).unwrap();
+        // OFD locks conflict between open file descriptions, also of one process.
+        assert!(is_served(&f).unwrap());
+        let e = CliError::from(refuse_if_served(&[&f], "stop it first").unwrap_err());
+        assert_eq!(e.exit_code(), 5);
+        assert!(e.to_string().contains("stop it first"), "{e}");
+        // cryptsetup's header lock (flock) is not taken by the marker.
+        let h = File::open(&f).unwrap();
+        // SAFETY: flock on a descriptor `h` owns; no memory is passed.
+        let r = unsafe { libc::flock(h.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        assert_eq!(r, 0, "the marker blocked cryptsetup's header lock");
+        drop(h);
+        // The file's contents are untouched: the byte is far past them.
+        assert_eq!(std::fs::read(&f).unwrap(), vec![0u8; 4096]);
+        drop(guard);
+        assert!(!is_served(&f).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
