@@ -79,6 +79,10 @@ impl Reporter {
 
 /// What the daemon serves, and how it was opened.
 pub struct Daemon {
+    /// The mark that says this process serves the volume (`crate::in_use`), held for its
+    /// life; none for a remote volume. The first field, so dropped first: before the claim,
+    /// whose release `close` waits for, so that a verb run after `close` never sees the mark.
+    pub served: Option<crate::in_use::InUse>,
     pub name: String,
     pub run: RunDir,
     pub claim: Claim,
@@ -92,9 +96,6 @@ pub struct Daemon {
     pub nbd: Option<Listen>,
     /// The detached header (`--header`), written by an online reencryption.
     pub header: Option<PathBuf>,
-    /// The mark that says this process serves the volume (`crate::in_use`), held for its
-    /// life; none for a remote volume.
-    pub served: Option<crate::in_use::InUse>,
 }
 
 /// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
