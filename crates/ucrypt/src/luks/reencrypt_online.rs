@@ -116,10 +116,11 @@ pub fn open(
             let st = ReencryptState::from_metadata(&h.meta)?
                 .ok_or_else(|| bad("not in reencryption"))?;
             // Refused before anything is written (no recovery first): a decryption that
-            // moves the data back (its new side would be written over the old side's
-            // header area while the old side's reads of it go on; finished offline with
-            // `ucrypt reencrypt --resume-only`). The encryption that moves the data forward
-            // (the header put in front) is served: below.
+            // moves the data back (its walk goes forward from the moved segment's end and
+            // decrypts the moved segment last, so the volume would be three ranges, old,
+            // new, old, not two sides at a mark; finished offline with `ucrypt reencrypt
+            // --resume-only`, as cryptsetup 2.6.1 also does it online). The encryption that
+            // moves the data forward (the header put in front) is served: below.
             let shifted = st.keyslot.mode == super::reencrypt::Mode::Encrypt
                 && matches!(st.keyslot.resilience, Resilience::Datashift { .. });
             let in_place = matches!(
