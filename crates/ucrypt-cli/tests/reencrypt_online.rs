@@ -1181,3 +1181,87 @@ fn verbs_that_would_rewrite_a_served_volume_are_refused() {
     let o = reencrypt(&["--key-slot", "0"]);
     assert_eq!(o.status.code(), Some(0), "after the server: {}", text(&o));
 }
+
+/// cryptsetup's `reencrypt --encrypt DEVICE NAME` in one command: `ucrypt reencrypt --encrypt
+/// ... DEVICE --active-name NAME` writes the init, opens the volume as NAME (an `open`
+/// daemon) and has it encrypt the volume while it serves; with the header put in front
+/// (`--reduce-device-size`) and with a detached header. fio's data written on the bare file
+/// before verifies through NAME after, and after close and open; cryptsetup opens the result.
+/// A NAME in use is refused (exit 5) before anything is written.
+#[test]
+fn one_command_encrypts_online_under_a_name() {
+    skip_unless_rig!();
+    for detached in [false, true] {
+        let t = TempDir::new(&format!("one-{detached}"));
+        let (img, key, hdr) = (t.path("data.img"), t.path("key"), t.path("hdr.img"));
+        std::fs::write(&key, PASSPHRASE).unwrap();
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(64 << 20))
+            .unwrap();
+        let before = t.path("before.out");
+        let mut w = fio_at(&img, "0", "24m", None, false, &before)
+            .spawn()
+            .unwrap();
+        fio_ok(&mut w, &before, "on the plaintext file");
+        let n = name(&format!("one-{detached}"));
+        let dev = PathBuf::from(format!("{DEV_DIR}/{n}"));
+        let mut a = vec![
+            "reencrypt",
+            "--encrypt",
+            "--batch-mode",
+            "--key-file",
+            s(&key),
+        ];
+        if detached {
+            a.extend(["--header", s(&hdr)]);
+        } else {
+            a.extend(["--reduce-device-size", "8M"]);
+        }
+        a.extend(FAST_PBKDF2);
+        a.extend([s(&img), "--active-name", &n]);
+        let o = run(UCRYPT, &a);
+        let c = Cleanup {
+            name: n.clone(),
+            procs: vec![],
+        };
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "detached {detached}: {}",
+            text(&o)
+        );
+        let st = status(&n);
+        assert!(st.contains(", finished"), "detached {detached}: {st}");
+        let out = t.path("after.out");
+        let mut v = fio_at(&dev, "0", "24m", None, true, &out).spawn().unwrap();
+        fio_ok(&mut v, &out, "through the name after the encryption");
+        // The name is taken: another encryption under it is refused, nothing written.
+        let other = t.path("other.img");
+        std::fs::write(&other, vec![7u8; 16 << 20]).unwrap();
+        let mut a = vec![
+            "reencrypt",
+            "--encrypt",
+            "--batch-mode",
+            "--key-file",
+            s(&key),
+        ];
+        a.extend(["--reduce-device-size", "8M"]);
+        a.extend(FAST_PBKDF2);
+        a.extend([s(&other), "--active-name", &n]);
+        let o = run(UCRYPT, &a);
+        assert_eq!(o.status.code(), Some(5), "a name in use: {}", text(&o));
+        assert!(std::fs::read(&other).unwrap() == vec![7u8; 16 << 20]);
+        ok(UCRYPT, &["close", &n]);
+        if detached {
+            cryptsetup_accepts_detached(&img, &hdr, &key);
+            open_detached(&img, &hdr, &key, &n);
+        } else {
+            cryptsetup_accepts(&img, &key);
+            open(&img, &key, &n);
+        }
+        let mut v = fio_at(&dev, "0", "24m", None, true, &out).spawn().unwrap();
+        fio_ok(&mut v, &out, "after reopening");
+        ok(UCRYPT, &["close", &n]);
+        drop(c);
+    }
+}

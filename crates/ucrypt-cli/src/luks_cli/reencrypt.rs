@@ -62,7 +62,9 @@ pub struct ReencryptOpts {
     #[arg(long)]
     pub reduce_device_size: Option<String>,
     /// Reencrypt online the volume the daemon of this name serves (`ucrypt open VOLUME NAME`);
-    /// without it, a volume a daemon serves is found by its file.
+    /// without it, a volume a daemon serves is found by its file. With a new --encrypt:
+    /// the name the volume is opened as once the encryption is initialised, to be encrypted
+    /// online (cryptsetup's `reencrypt --encrypt DEVICE NAME`).
     #[arg(long)]
     pub active_name: Option<String>,
     /// Reencrypt online the volume a `serve`, `mount` or `ublk` process serves with this
@@ -265,6 +267,23 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     };
     if r.encrypt && !encryption_in_progress(o) && !shift_in_progress(device, o) {
         offline_refused()?;
+        // cryptsetup's `reencrypt --encrypt DEVICE NAME`: NAME is activated once the init is
+        // written, and the encryption runs online in it.
+        if let Some(name) = &r.active_name {
+            if crate::daemon::online::by_name(name).is_ok() {
+                return Err(Error::io(
+                    format!("Device {name} already exists."),
+                    std::io::Error::from_raw_os_error(libc::EBUSY),
+                ));
+            }
+            if r.init_only {
+                return Err(Error::InvalidArgument(
+                    "--init-only and --active-name: the init activates nothing; open the \
+                     volume after it (ucrypt open DEVICE NAME)."
+                        .into(),
+                ));
+            }
+        }
         return match (&r.reduce_device_size, &o.header) {
             (Some(_), Some(_)) => Err(not_built(
                 "--reduce-device-size with a detached --header (cryptsetup 2.6.1 then makes \
@@ -642,6 +661,10 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
     if r.init_only {
         return Ok(0);
     }
+    if let Some(name) = &r.active_name {
+        drop(dev);
+        return encrypt_online(device, o, name, passphrase, hotzone_bytes);
+    }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     reencrypt_run::resume(
         dev.as_ref(),
@@ -729,6 +752,10 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     if r.init_only {
         return Ok(0);
     }
+    if let Some(name) = &r.active_name {
+        drop((hdr, data));
+        return encrypt_online(device, o, name, passphrase, hotzone_bytes);
+    }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     reencrypt_run::resume_on(
         devs,
@@ -740,6 +767,72 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         &mut |p| meter.show(p),
     )?;
     Ok(0)
+}
+
+/// After the init of an encryption, what cryptsetup's `reencrypt --encrypt DEVICE NAME` does:
+/// the volume is opened as NAME (an `ucrypt open` daemon with its default front end, the
+/// passphrase handed over on a pipe, as `--key-file -`), and that daemon encrypts it while it
+/// serves (`--active-name NAME`, since ucrypt's `reencrypt` takes one DEVICE). A failed open
+/// leaves the volume in reencryption, to be opened and resumed by hand; its exit code is
+/// returned.
+fn encrypt_online(
+    device: &Target,
+    o: &LuksOpts,
+    name: &str,
+    passphrase: ucrypt::SecretBytes,
+    hotzone_bytes: Option<u64>,
+) -> Result<i32> {
+    use std::io::Write;
+    let Target::Path(path) = device else {
+        return Err(Error::InvalidArgument(
+            "--encrypt with --active-name opens a local volume only".into(),
+        ));
+    };
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::io("finding this program to open the volume", e))?;
+    let mut open = std::process::Command::new(exe);
+    open.arg("open")
+        .arg(path)
+        .arg(name)
+        .args(["--key-file", "-"]);
+    if let Some(h) = &o.header {
+        open.arg("--header").arg(h);
+    }
+    let mut child = open
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::io(format!("starting ucrypt open {name}"), e))?;
+    if let Some(mut pipe) = child.stdin.take() {
+        // Closed when dropped: the end of the key file.
+        pipe.write_all(passphrase.as_ref())
+            .map_err(|e| Error::io(format!("handing the passphrase to ucrypt open {name}"), e))?;
+    }
+    let st = child
+        .wait()
+        .map_err(|e| Error::io(format!("waiting for ucrypt open {name}"), e))?;
+    if !st.success() {
+        eprintln!(
+            "The encryption is initialised but {name} was not opened: open it (ucrypt open) \
+             and run ucrypt reencrypt again to encrypt it online."
+        );
+        return Ok(st.code().unwrap_or(1));
+    }
+    let h = match crate::daemon::online::by_name(name) {
+        Ok(h) => h,
+        Err(e) => return Ok(crate::daemon::report(Err(e))),
+    };
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    let opts = RunOptions {
+        hotzone_bytes,
+        resilience: None,
+    };
+    let r = h.rotate(passphrase, opts, &mut |done, total| {
+        meter.show(Progress { done, total })
+    });
+    if r.is_ok() && o.verbose {
+        eprintln!("Command successful.");
+    }
+    Ok(crate::daemon::report(r))
 }
 
 /// `reencrypt --decrypt --header NEW DEVICE` with NEW not existing, DEVICE a LUKS2 volume
