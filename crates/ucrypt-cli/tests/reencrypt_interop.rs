@@ -1840,6 +1840,24 @@ fn unshift_init_matches_cryptsetup_and_each_finishes_the_other() {
         );
         // The moved segment: the first ciphertext over the old header.
         assert!(my_raw[..m] == before[DATA_OFFSET as usize..DATA_OFFSET as usize + m]);
+        // Either tool's start serves the plaintext (the moved segment read where it moved),
+        // read-only: nothing written.
+        for (f, h, raw) in [(&img, &my_hdr, &my_raw), (&theirs, &their_hdr, &their_raw)] {
+            let out = t.path("started.out");
+            let a = [
+                "export",
+                "--header",
+                s(h),
+                "--key-file",
+                s(&key),
+                s(f),
+                s(&out),
+            ];
+            ok(UCRYPT, &a);
+            let got = std::fs::read(&out).expect("exported");
+            assert!(got == plain, "{what}: {} exported", f.display());
+            assert!(std::fs::read(f).expect("image") == **raw, "{what}: written");
+        }
         // Each finishes the other's.
         ok(
             "cryptsetup",

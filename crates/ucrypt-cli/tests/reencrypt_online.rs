@@ -1265,3 +1265,89 @@ fn one_command_encrypts_online_under_a_name() {
         drop(c);
     }
 }
+
+/// A decryption that moves the data back (`--decrypt --header NEW` of a volume whose header
+/// is in front) served online, as cryptsetup 2.6 runs one on an active device: `--init-only`
+/// with the volume closed exports the header; `ucrypt open --header NEW` serves the three
+/// ranges (the moved segment and the rest under the old key, the part done in plaintext at
+/// offset 0); `ucrypt reencrypt --header NEW` hands the rest to the daemon while fio writes
+/// and verifies 48 MiB; afterwards fio's data verifies on the bare file from offset 0. Then
+/// the same in one command (`--active-name NAME`) on a second volume, and the refusal of a
+/// new such decryption of a volume a daemon serves from its header in front (exit 1, nothing
+/// written).
+#[test]
+fn a_decryption_moving_the_data_back_online() {
+    skip_unless_rig!();
+    let t = TempDir::new("unshift");
+    let (img, key) = volume(&t, 64);
+    let hdr = t.path("new.hdr");
+    let unshift = |img: &Path, hdr: &Path, extra: &[&str]| {
+        let mut a = vec![
+            "reencrypt",
+            "--decrypt",
+            "--batch-mode",
+            "--key-file",
+            s(&key),
+        ];
+        a.extend(["--header", s(hdr)]);
+        a.extend(extra);
+        a.push(s(img));
+        run(UCRYPT, &a)
+    };
+    // Refused while the volume is served from its header in front.
+    let n = name("unshift");
+    open(&img, &key, &n);
+    let before = std::fs::read(&img).unwrap();
+    let o = unshift(&img, &hdr, &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("starts with the volume closed"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "the refused decryption wrote"
+    );
+    assert!(!hdr.exists(), "the refused decryption exported the header");
+    ok(UCRYPT, &["close", &n]);
+    let o = unshift(&img, &hdr, &["--init-only"]);
+    assert_eq!(o.status.code(), Some(0), "init: {}", text(&o));
+    let c = reencrypt_under_fio(&t, &n, (&img, &hdr, &key), "0", &[]);
+    let st = status(&n);
+    assert!(st.contains("close and open the volume"), "{st}");
+    ok(UCRYPT, &["close", &n]);
+    drop(c);
+    let out = t.path("bare.out");
+    let mut v = fio_at(&img, "0", "48m", None, true, &out).spawn().unwrap();
+    fio_ok(&mut v, &out, "on the bare file, from offset 0");
+
+    // In one command, under a name.
+    let t2 = TempDir::new("unshift-one");
+    let (img2, key2) = volume(&t2, 48);
+    std::fs::copy(&key2, &key).unwrap();
+    let hdr2 = t2.path("new.hdr");
+    let n2 = name("unshift-one");
+    let dev2 = PathBuf::from(format!("{DEV_DIR}/{n2}"));
+    open(&img2, &key, &n2);
+    let out = t2.path("w.out");
+    let mut w = fio_at(&dev2, "0", "24m", None, false, &out)
+        .spawn()
+        .unwrap();
+    fio_ok(&mut w, &out, "before the decryption");
+    ok(UCRYPT, &["close", &n2]);
+    let o = unshift(&img2, &hdr2, &["--active-name", &n2]);
+    let c2 = Cleanup {
+        name: n2.clone(),
+        procs: vec![],
+    };
+    assert_eq!(o.status.code(), Some(0), "one command: {}", text(&o));
+    let st = status(&n2);
+    assert!(st.contains(", finished"), "{st}");
+    let mut v = fio_at(&dev2, "0", "24m", None, true, &out).spawn().unwrap();
+    fio_ok(&mut v, &out, "through the name after the decryption");
+    ok(UCRYPT, &["close", &n2]);
+    drop(c2);
+    let mut v = fio_at(&img2, "0", "24m", None, true, &out).spawn().unwrap();
+    fio_ok(&mut v, &out, "on the bare file after the one command");
+}

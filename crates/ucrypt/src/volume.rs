@@ -46,6 +46,7 @@ use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
 mod segments;
+pub use segments::NewSideAt;
 use segments::Segments;
 
 /// Largest piece of a request processed at once (also bounded by the pool): big enough for the

@@ -310,6 +310,20 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         }
     } else {
         match (&r.active_name, device) {
+            // A new decryption that moves the data back, under a NAME not open: opened as
+            // NAME once initialised (below), as a new encryption is.
+            (Some(name), _)
+                if unshift.is_some() && crate::daemon::online::by_name(name).is_err() =>
+            {
+                if r.init_only {
+                    return Err(Error::InvalidArgument(
+                        "--init-only and --active-name: the init activates nothing; open the \
+                         volume after it (ucrypt open --header NEW DEVICE NAME)."
+                            .into(),
+                    ));
+                }
+                None
+            }
             (Some(name), _) => match crate::daemon::online::by_name(name) {
                 Ok(h) => Some(h),
                 Err(e) => return Ok(crate::daemon::report(Err(e))),
@@ -327,6 +341,15 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                     h.volume().unwrap_or_default().display()
                 )));
             }
+        }
+        if unshift.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "Device {} serves the volume from its header in front of the data: a \
+                 decryption that exports it to a new file starts with the volume closed (ucrypt \
+                 close {}; then ucrypt reencrypt --decrypt --header NEW DEVICE --active-name \
+                 NAME decrypts it online under NAME).",
+                h.name, h.name
+            )));
         }
         // The init goes to the header the verb was given, the rotation to the daemon's: they
         // must be one file.
@@ -350,12 +373,9 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         // the header put in front, once started (`--init-only`, then `ucrypt open`: the
         // volume serves the plaintext from the start). Not a decryption that moves the data
         // back (the header in front is what the daemon serves from).
-        if unshift.is_some() || o.header.is_none() && r.encrypt && !shift_in_progress(device, o) {
+        if o.header.is_none() && r.encrypt && !shift_in_progress(device, o) {
             return Err(not_built(
-                "online data shifts other than an encryption started with --init-only (a \
-                 volume a ucrypt daemon serves gets a new key, cipher, key size or sector \
-                 size online, and is encrypted or decrypted online with a detached header; \
-                 close it to move its data back offline)",
+                "a new encryption of a volume a ucrypt daemon serves (it is encrypted already)",
             ));
         }
         // Checked before the init is written: the daemon would refuse the rotation after it.
@@ -663,7 +683,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
     }
     if let Some(name) = &r.active_name {
         drop(dev);
-        return encrypt_online(device, o, name, passphrase, hotzone_bytes);
+        return open_and_run_online(device, o, name, passphrase, hotzone_bytes);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     reencrypt_run::resume(
@@ -754,7 +774,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     }
     if let Some(name) = &r.active_name {
         drop((hdr, data));
-        return encrypt_online(device, o, name, passphrase, hotzone_bytes);
+        return open_and_run_online(device, o, name, passphrase, hotzone_bytes);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     reencrypt_run::resume_on(
@@ -769,13 +789,13 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     Ok(0)
 }
 
-/// After the init of an encryption, what cryptsetup's `reencrypt --encrypt DEVICE NAME` does:
-/// the volume is opened as NAME (an `ucrypt open` daemon with its default front end, the
+/// After the init of an encryption (or of a decryption that moves the data back), what
+/// cryptsetup's `reencrypt --encrypt DEVICE NAME` does: the volume is opened as NAME (an `ucrypt open` daemon with its default front end, the
 /// passphrase handed over on a pipe, as `--key-file -`), and that daemon encrypts it while it
 /// serves (`--active-name NAME`, since ucrypt's `reencrypt` takes one DEVICE). A failed open
 /// leaves the volume in reencryption, to be opened and resumed by hand; its exit code is
 /// returned.
-fn encrypt_online(
+fn open_and_run_online(
     device: &Target,
     o: &LuksOpts,
     name: &str,
@@ -785,7 +805,7 @@ fn encrypt_online(
     use std::io::Write;
     let Target::Path(path) = device else {
         return Err(Error::InvalidArgument(
-            "--encrypt with --active-name opens a local volume only".into(),
+            "--active-name with a new --encrypt or --decrypt opens a local volume only".into(),
         ));
     };
     let exe = std::env::current_exe()
@@ -914,6 +934,10 @@ fn decrypt_unshift(
     }
     if r.init_only {
         return Ok(0);
+    }
+    if let Some(name) = &r.active_name {
+        drop((hdr, data));
+        return open_and_run_online(device, o, name, passphrase, None);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     reencrypt_run::resume_on(devs, passphrase.as_ref(), RunOptions::default(), &mut |p| {

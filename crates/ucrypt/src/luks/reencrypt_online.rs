@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::json::{Metadata, SegmentSize};
 use super::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
-use super::reencrypt_plan::{check_layout, position, shift_geometry, Shift};
+use super::reencrypt_plan::{check_layout, position, shift_geometry, unshift_geometry};
 use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
 use super::{read_header, Header, OpenOptions};
 use crate::backend::Backend;
@@ -115,14 +115,19 @@ pub fn open(
         Header::Luks2(h) => {
             let st = ReencryptState::from_metadata(&h.meta)?
                 .ok_or_else(|| bad("not in reencryption"))?;
-            // Refused before anything is written (no recovery first): a decryption that
-            // moves the data back (its walk goes forward from the moved segment's end and
-            // decrypts the moved segment last, so the volume would be three ranges, old,
-            // new, old, not two sides at a mark; finished offline with `ucrypt reencrypt
-            // --resume-only`, as cryptsetup 2.6.1 also does it online). The encryption that
-            // moves the data forward (the header put in front) is served: below.
-            let shifted = st.keyslot.mode == super::reencrypt::Mode::Encrypt
-                && matches!(st.keyslot.resilience, Resilience::Datashift { .. });
+            // Served: a reencryption in place, an encryption or decryption with a detached
+            // header, an encryption that puts the header in front (the data moves up) and a
+            // decryption that moves the data back (below).
+            let shifted = matches!(
+                (st.keyslot.mode, &st.keyslot.resilience),
+                (
+                    super::reencrypt::Mode::Encrypt,
+                    Resilience::Datashift { .. }
+                ) | (
+                    super::reencrypt::Mode::Decrypt,
+                    Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
+                )
+            );
             let in_place = matches!(
                 st.keyslot.resilience,
                 Resilience::None | Resilience::Checksum { .. } | Resilience::Journal
@@ -184,10 +189,15 @@ pub fn open(
         (Some(a), None) | (None, Some(a)) => (a, a),
         (None, None) => return Err(bad("neither side of the reencryption is encrypted")),
     };
-    // An encryption that moves the data: the new side at the shift, the old one over a
-    // backend that reads its first shift from the moved segment.
+    // A reencryption that moves the data: the new side at its own offset, the old one over a
+    // backend that reads the moved segment where it moved (`Remap`).
     let shift = shift_geometry(&h.meta, &st)?;
-    if shift.is_none() && (old.offset, old.size) != (new.offset, new.size) {
+    let moves = shift.is_some()
+        || matches!(
+            st.keyslot.resilience,
+            Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
+        );
+    if !moves && (old.offset, old.size) != (new.offset, new.size) {
         return Err(Error::UnsupportedLuks(
             "serving a volume whose reencryption moves the data other than an encryption \
              with the header put in front"
@@ -217,6 +227,21 @@ pub fn open(
             .ok_or_else(|| bad("the device ends before its data offset"))?,
     } / ss
         * ss;
+    // A decryption that moves the data back: its moved segment (the first `M` bytes of
+    // data, at the new data offset) stays on the old side until its hotzone, the last.
+    let unshift = unshift_geometry(&h.meta, &st, data_bytes)?;
+    if let Some(us) = unshift {
+        if data.size() < us.old_offset + us.data_bytes {
+            return Err(Error::BadHeader {
+                check: "reencrypt-datashift",
+                detail: format!(
+                    "the data ends at {}, past the device's {} bytes",
+                    us.old_offset + us.data_bytes,
+                    data.size()
+                ),
+            });
+        }
+    }
     // The live segments say where the mark is; the reencryption digest does not cover them.
     check_layout(&h.meta, &st, data_bytes)?;
     let done = position(&h.meta, &st, data_bytes)?.done;
@@ -235,69 +260,98 @@ pub fn open(
     cfg.read_only = opts.read_only;
     cfg.allow_discards =
         opts.allow_discards || hdr.activation_flags().iter().any(|f| f == "allow-discards");
-    let old_dev: Arc<dyn Backend> = match shift {
-        Some(sh) => Arc::new(MovedHead::new(data.clone(), &sh)?),
-        None => data.clone(),
+    let old_dev: Arc<dyn Backend> = match (shift, unshift) {
+        // The first shift of plaintext (where the header now is) at the moved segment.
+        (Some(sh), _) => Arc::new(Remap::new(
+            data.clone(),
+            (sh.old_offset, sh.shift_bytes),
+            sh.moved_offset,
+        )?),
+        // The first `M` bytes of ciphertext over the old header, at the new data offset.
+        (None, Some(us)) => Arc::new(Remap::new(
+            data.clone(),
+            (us.old_offset, us.moved_bytes),
+            us.new_offset,
+        )?),
+        (None, None) => data.clone(),
     };
     let vol = Volume::new(old_dev, cfg)?;
     let new_key = new_vk.as_ref().map_or(&[][..], |k| k.bytes());
     let backward = st.keyslot.direction == Direction::Backward;
     let new_side = (new.spec, SecretBytes::from_slice(new_key), new_sector);
-    vol.begin_segments_at(new_side, (data, new.offset), done, backward)?;
+    let at = crate::volume::NewSideAt {
+        backend: data,
+        data_offset: new.offset,
+        head_bytes: unshift.map_or(0, |us| us.moved_bytes),
+    };
+    vol.begin_segments_at(new_side, at, done, backward)?;
     Ok(vol)
 }
 
-/// The device as the old side of an encryption that moves the data sees it (plaintext at
-/// offset 0): its first shift, where the header now is, is read and written at the moved
-/// segment; every other byte where it is. The data path's requests cross the boundary, so a
-/// request is cut there.
-struct MovedHead {
+/// The device as the old side of a reencryption that moves the data sees it: the bytes
+/// `[from, from + len)` (where the moved segment's data belongs) are read and written at
+/// `to` (where it moved), every other byte where it is. For an encryption that puts the
+/// header in front, the first shift of plaintext, at the end of the device; for a decryption
+/// that moves the data back, the first `M` bytes of ciphertext, over the old header. The
+/// data path's requests cross the range's ends, so a request is cut there.
+struct Remap {
     dev: Arc<dyn Backend>,
-    /// The shift: the bytes of the head that moved.
-    head: u64,
-    /// Where they are.
-    moved_at: u64,
+    from: u64,
+    len: u64,
+    to: u64,
 }
 
-impl MovedHead {
-    fn new(dev: Arc<dyn Backend>, sh: &Shift) -> Result<Self> {
-        // The old side's plaintext starts at 0; the moved segment lies past every byte a
-        // hotzone writes (checked by `shift_geometry`), so no remapped byte is one the new
-        // side serves.
-        if sh.old_offset != 0 {
+impl Remap {
+    fn new(dev: Arc<dyn Backend>, (from, len): (u64, u64), to: u64) -> Result<Self> {
+        // The planners' checks (`shift_geometry`, `unshift_geometry`) keep the moved segment
+        // apart from every byte the new side writes while the old side serves it; this keeps
+        // the remap itself sane.
+        let (end, to_end) = match (from.checked_add(len), to.checked_add(len)) {
+            (Some(e), Some(t)) => (e, t),
+            _ => (u64::MAX, u64::MAX),
+        };
+        let overlap = len > 0 && from < to_end && to < end;
+        if end == u64::MAX || to_end > dev.size() || overlap {
             return Err(bad(format!(
-                "a data shift whose plaintext starts at {} (cryptsetup's starts at 0)",
-                sh.old_offset
+                "a moved segment of {len} bytes from {from} to {to} (overlapping, or past the \
+                 device's {} bytes)",
+                dev.size()
             )));
         }
-        Ok(MovedHead {
-            dev,
-            head: sh.shift_bytes,
-            moved_at: sh.moved_offset,
-        })
+        Ok(Remap { dev, from, len, to })
     }
 
-    /// Runs `f` on each part of `[offset, offset + len)`: the part inside the head at its
-    /// moved place, the rest where it is; `f` gets the device offset and the part's range in
-    /// the request.
+    /// Runs `f` on each part of `[offset, offset + len)`: the parts inside the moved range at
+    /// its new place, the rest where they are; `f` gets the device offset and the part's
+    /// range in the request.
     fn split(
         &self,
         offset: u64,
         len: u64,
         mut f: impl FnMut(u64, std::ops::Range<usize>) -> Result<()>,
     ) -> Result<()> {
-        let cut = self.head.clamp(offset, offset + len);
-        if cut > offset {
-            f(self.moved_at + offset, 0..(cut - offset) as usize)?;
+        let end = offset + len;
+        let (a, b) = (
+            self.from.clamp(offset, end),
+            (self.from + self.len).clamp(offset, end),
+        );
+        if a > offset || len == 0 {
+            f(offset, 0..(a - offset) as usize)?;
         }
-        if cut < offset + len || len == 0 {
-            f(cut, (cut - offset) as usize..len as usize)?;
+        if b > a {
+            f(
+                self.to + (a - self.from),
+                (a - offset) as usize..(b - offset) as usize,
+            )?;
+        }
+        if end > b {
+            f(b, (b - offset) as usize..len as usize)?;
         }
         Ok(())
     }
 }
 
-impl Backend for MovedHead {
+impl Backend for Remap {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<usize> {
         // Whole parts (a short read inside the head would leave a hole before the rest).
         let len = buf.len() as u64;
@@ -343,10 +397,11 @@ impl Backend for MovedHead {
 
     fn describe(&self) -> String {
         format!(
-            "{} (its first {} bytes at {})",
+            "{} (its bytes {}..{} at {})",
             self.dev.describe(),
-            self.head,
-            self.moved_at
+            self.from,
+            self.from + self.len,
+            self.to
         )
     }
 }

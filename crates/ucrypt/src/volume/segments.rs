@@ -56,20 +56,44 @@ pub(crate) struct Segments {
     mark_bytes: AtomicU64,
     /// The new side is above the mark (a decryption), not below it.
     backward: bool,
+    /// Going forward, a leading range the old side keeps whatever the mark (a decryption that
+    /// moves the data back: its moved segment, done last): `[head_start, head_end)`. The
+    /// walk's mark starts at `head_end`; the moved segment's pieces, rewritten in place from
+    /// its start, move `head_start` up to `head_end`. Empty (`0, 0`) otherwise.
+    head_start: AtomicU64,
+    head_end: u64,
     /// The reencryption ended, but the new side's sectors or data offset differ from the
     /// volume's own: every byte is served by the new side until the volume is closed.
     finished: std::sync::atomic::AtomicBool,
 }
 
 impl Segments {
-    /// The mark once `done` bytes are under the new key.
+    /// The mark once `done` bytes are under the new key (the walk's bytes, the head's last).
     fn mark_of(&self, done: u64, size: u64) -> u64 {
         if self.backward {
             size.saturating_sub(done)
         } else {
-            done
+            self.head_end.saturating_add(done).min(size)
         }
     }
+
+    /// The bytes under the new key, from the mark and the head.
+    fn done_of(&self, mark: u64, size: u64) -> u64 {
+        if self.backward {
+            size.saturating_sub(mark)
+        } else {
+            mark.saturating_sub(self.head_end) + self.head_start.load(Relaxed)
+        }
+    }
+}
+
+/// Where the new side of a reencryption served online lives: on `backend` (the device) at
+/// `data_offset`; `head_bytes`, going forward, the leading range the old side keeps until the
+/// end (see `Segments`).
+pub struct NewSideAt {
+    pub backend: Arc<dyn Backend>,
+    pub data_offset: u64,
+    pub head_bytes: u64,
 }
 
 impl Volume {
@@ -84,19 +108,30 @@ impl Volume {
         done_bytes: u64,
         backward: bool,
     ) -> Result<()> {
-        let at = (self.core.backend.clone(), self.core.data_offset);
+        let at = NewSideAt {
+            backend: self.core.backend.clone(),
+            data_offset: self.core.data_offset,
+            head_bytes: 0,
+        };
         self.begin_segments_at(new_side, at, done_bytes, backward)
     }
 
-    /// [`Volume::begin_segments`] with the new side on `backend` at `data_offset` (a data
-    /// shift's: the device itself, where the old side's backend remaps the moved head).
+    /// [`Volume::begin_segments`] with the new side where `at` says (a data shift's: on the
+    /// device itself at another offset, the old side's backend remapping the moved segment;
+    /// the one that moves the data back also keeps its moved segment on the old side until
+    /// the end).
     pub fn begin_segments_at(
         &self,
         (new_spec, new_key, new_sector): (CipherSpec, SecretBytes, SectorSize),
-        (backend, data_offset): (Arc<dyn Backend>, u64),
+        at: NewSideAt,
         done_bytes: u64,
         backward: bool,
     ) -> Result<()> {
+        let NewSideAt {
+            backend,
+            data_offset,
+            head_bytes,
+        } = at;
         let suspended = lock(&self.core.suspended);
         if *suspended {
             return Err(Error::InvalidArgument(
@@ -106,6 +141,12 @@ impl Volume {
         let c = &*self.core;
         let size = c.size.load(Relaxed);
         let align = (1u64 << c.shift).max(u64::from(new_sector.bytes()));
+        if backward && head_bytes != 0 || head_bytes > size || head_bytes % align != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a head of {head_bytes} bytes kept on the old side (forward only, whole \
+                 {align}-byte sectors, inside the volume)"
+            )));
+        }
         if done_bytes > size || done_bytes % align != 0 || size % align != 0 {
             return Err(Error::InvalidArgument(format!(
                 "reencryption mark {done_bytes} or size {size} is not a boundary of \
@@ -142,9 +183,14 @@ impl Volume {
             zones: ZoneLock::default(),
             mark_bytes: AtomicU64::new(0),
             backward,
+            head_start: AtomicU64::new(0),
+            head_end: head_bytes,
             finished: std::sync::atomic::AtomicBool::new(false),
         });
         seg.mark_bytes.store(seg.mark_of(done_bytes, size), Relaxed);
+        if done_bytes == size {
+            seg.head_start.store(head_bytes, Relaxed);
+        }
         c.gate.close();
         *lock(&self.segments) = Some(seg);
         c.segmented.store(true, Relaxed);
@@ -181,11 +227,10 @@ impl Volume {
     /// Bytes under the new key while in reencryption.
     pub fn reencrypted_bytes(&self) -> Option<u64> {
         let size = self.core.size.load(Relaxed);
-        // `mark_of` is its own inverse: the bytes done from the mark, as the mark from them.
         lock(&self.segments)
             .as_ref()
             .filter(|s| !s.finished.load(Relaxed))
-            .map(|s| s.mark_of(s.mark_bytes.load(Relaxed), size))
+            .map(|s| s.done_of(s.mark_bytes.load(Relaxed), size))
     }
 
     /// The direction of the reencryption served, if any: `true` going backward.
@@ -217,6 +262,7 @@ impl Volume {
             let size = c.size.load(Relaxed);
             c.gate.close();
             seg.mark_bytes.store(seg.mark_of(size, size), Relaxed);
+            seg.head_start.store(seg.head_end, Relaxed);
             seg.finished.store(true, Relaxed);
             *lock(&c.spec) = *lock(&seg.new.core.spec);
             c.gate.open();
@@ -271,8 +317,14 @@ impl Volume {
     /// replaces: a crash then leaves sectors that recovery rewrites to the same plaintext.)
     pub(crate) fn hotzone_rewritten(&self, offset: u64, len: u64) -> Result<()> {
         let seg = self.segments()?;
-        let mark = if seg.backward { offset } else { offset + len };
-        seg.mark_bytes.store(mark, Relaxed);
+        if !seg.backward && offset < seg.head_end {
+            // A piece of the head (rewritten in place from its start): it leaves the old side.
+            seg.head_start
+                .store((offset + len).min(seg.head_end), Relaxed);
+        } else {
+            let mark = if seg.backward { offset } else { offset + len };
+            seg.mark_bytes.store(mark, Relaxed);
+        }
         seg.zones.allow_reads();
         Ok(())
     }
@@ -282,6 +334,9 @@ impl Volume {
         let seg = self.segments()?;
         let size = self.core.size.load(Relaxed);
         seg.mark_bytes.store(seg.mark_of(done, size), Relaxed);
+        if done >= size {
+            seg.head_start.store(seg.head_end, Relaxed);
+        }
         seg.zones.release_hotzone();
         Ok(())
     }
@@ -314,17 +369,36 @@ impl Volume {
         let seg = self.segments()?;
         let end = offset + len;
         let _held = seg.zones.shared(ByteRange { start: offset, end }, write)?;
-        let cut = seg.mark_bytes.load(Relaxed).clamp(offset, end);
-        let (below, above) = if seg.backward {
-            (&self.core, &seg.new.core)
-        } else {
-            (&seg.new.core, &self.core)
-        };
-        if cut > offset {
-            f(below, offset, 0..(cut - offset) as usize)?;
+        let mark = seg.mark_bytes.load(Relaxed);
+        let (old, new) = (&self.core, &seg.new.core);
+        if seg.backward {
+            let cut = mark.clamp(offset, end);
+            if cut > offset {
+                f(old, offset, 0..(cut - offset) as usize)?;
+            }
+            if cut < end || len == 0 {
+                f(new, cut, (cut - offset) as usize..len as usize)?;
+            }
+            return Ok(());
         }
-        if cut < end || len == 0 {
-            f(above, cut, (cut - offset) as usize..len as usize)?;
+        if len == 0 {
+            return f(old, offset, 0..0);
+        }
+        // Forward: the head's rewritten part, the head's rest, the walk's part done, the rest.
+        let head_start = seg.head_start.load(Relaxed);
+        let parts = [
+            (head_start, new),
+            (seg.head_end, old),
+            (mark.max(seg.head_end), new),
+            (u64::MAX, old),
+        ];
+        let mut at = offset;
+        for (until, core) in parts {
+            let stop = until.clamp(at, end);
+            if stop > at {
+                f(core, at, (at - offset) as usize..(stop - offset) as usize)?;
+            }
+            at = stop;
         }
         Ok(())
     }
