@@ -1,10 +1,13 @@
 //! Online reencryption: the same hotzones as `reencrypt_run`, while a [`Volume`] serves the
 //! data. A key rotation (or a new cipher), and, with a detached header, an encryption or a
 //! decryption in place (one side is then plaintext, served as `cipher_null`; a decryption
-//! goes backward, from the end). The volume maps each request by offset to the new side (the
-//! bytes done) or the old one (`volume/segments.rs`); the driver holds each hotzone from before its read
-//! to after its last commit, so only the requests touching it wait. Hotzones go through the
-//! volume's own backend, header and resilience data through it or the detached header's.
+//! goes backward, from the end); and both data shifts, the encryption that puts the header
+//! in front and the decryption that moves the data back (the new side at its own offset, the
+//! old side reading the moved segment where it moved: [`Remap`]). The volume maps each
+//! request by offset to the new side (the bytes done) or the old one (`volume/segments.rs`);
+//! the driver holds each hotzone from before its read to after its last commit, so only the
+//! requests touching it wait. Hotzones, header and resilience data go through the device
+//! itself (or the detached header).
 //!
 //! - [`open`]: a volume whose header (in front or detached) is in reencryption (a rotation
 //!   interrupted, by a crash or a close) opens as cryptsetup activates one: a hotzone left by
@@ -12,7 +15,7 @@
 //!   against the reencryption digest, and the volume serves the two segments.
 //! - [`rotate`]: runs (or continues) the reencryption on an open volume, then switches it to
 //!   the new side. The header must already be in reencryption (`reencrypt_run::init`,
-//!   `init_on`, `init_encrypt`).
+//!   `init_on`, `init_encrypt`, `init_encrypt_shift`, `init_decrypt_unshift`).
 
 use std::sync::Arc;
 

@@ -9,10 +9,13 @@
 //! for any request not aligned to its sectors). The mark moves in whole sectors of both
 //! sides, so no sector is ever split between them.
 //!
-//! The one reencryption that moves the data served online, an encryption with the header put
-//! in front (`--reduce-device-size`), gives the new side its own data offset (the shift) and
-//! the old side a backend that reads its first shift from the moved segment
-//! (`luks::reencrypt_online`); the mark and the hotzones are the same.
+//! The reencryptions that move the data give the new side its own data offset and the old
+//! side a backend that reads the moved segment where it moved (`luks::reencrypt_online`).
+//! The encryption that puts the header in front goes backward with one mark, as any. The
+//! decryption that moves the data back goes forward from the end of its moved segment and
+//! rewrites the moved segment last, so a leading head stays on the old side whatever the
+//! mark, and leaves it piece by piece when it is rewritten: three ranges (old head, new,
+//! old).
 //!
 //! A volume whose sector size or data offset changed keeps serving through the new side once
 //! the reencryption ends (its own engine's sectors and offset are fixed for its life): the
