@@ -3,7 +3,7 @@
 //! decryption in place (one side is then plaintext, served as `cipher_null`; a decryption
 //! goes backward, from the end); and both data shifts, the encryption that puts the header
 //! in front and the decryption that moves the data back (the new side at its own offset, the
-//! old side reading the moved segment where it moved: [`Remap`]). The volume maps each
+//! old side reading the moved segment where it moved: `Remap`). The volume maps each
 //! request by offset to the new side (the bytes done) or the old one (`volume/segments.rs`);
 //! the driver holds each hotzone from before its read to after its last commit, so only the
 //! requests touching it wait. Hotzones, header and resilience data go through the device
