@@ -515,21 +515,15 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         (Some(_), Some(name)) => Some(ResilienceAsked::from_name(name, resilience_hash(r)?)?),
         _ => None,
     };
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     if let Some(h) = holder {
         drop(dev);
         let opts = RunOptions {
             hotzone_bytes,
             resilience: switch,
         };
-        let r = h.rotate(passphrase, opts, &mut |done, total| {
-            meter.show(Progress { done, total })
-        });
-        if r.is_ok() && o.verbose {
-            eprintln!("Command successful.");
-        }
-        return Ok(crate::daemon::report(r));
+        return Ok(run_in_daemon(&h, passphrase, opts, o));
     }
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     reencrypt_run::resume_on(
         devs,
         passphrase.as_ref(),
@@ -841,18 +835,30 @@ fn open_and_run_online(
         Ok(h) => h,
         Err(e) => return Ok(crate::daemon::report(Err(e))),
     };
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     let opts = RunOptions {
         hotzone_bytes,
         resilience: None,
     };
+    Ok(run_in_daemon(&h, passphrase, opts, o))
+}
+
+/// Has the daemon `h` run the reencryption (its header already initialised) while it serves,
+/// showing its progress as the offline run does; returns the exit code, the daemon's failure
+/// reported.
+fn run_in_daemon(
+    h: &crate::daemon::online::Holder,
+    passphrase: ucrypt::SecretBytes,
+    opts: RunOptions,
+    o: &LuksOpts,
+) -> i32 {
+    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
     let r = h.rotate(passphrase, opts, &mut |done, total| {
         meter.show(Progress { done, total })
     });
     if r.is_ok() && o.verbose {
         eprintln!("Command successful.");
     }
-    Ok(crate::daemon::report(r))
+    crate::daemon::report(r)
 }
 
 /// `reencrypt --decrypt --header NEW DEVICE` with NEW not existing, DEVICE a LUKS2 volume
