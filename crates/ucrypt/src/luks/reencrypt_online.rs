@@ -211,16 +211,7 @@ pub fn open(
     let ss = u64::from(sector_size.bytes().max(new_sector.bytes()));
     let data_bytes = match (shift, size) {
         (Some(sh), _) => {
-            if data.size() < sh.device_bytes_min() {
-                return Err(Error::BadHeader {
-                    check: "reencrypt-datashift",
-                    detail: format!(
-                        "the moved segment ends at {}, past the device's {} bytes",
-                        sh.device_bytes_min(),
-                        data.size()
-                    ),
-                });
-            }
+            sh.check_device(data.size())?;
             sh.data_bytes
         }
         (None, Some(n)) => n,
@@ -234,16 +225,7 @@ pub fn open(
     // data, at the new data offset) stays on the old side until its hotzone, the last.
     let unshift = unshift_geometry(&h.meta, &st, data_bytes)?;
     if let Some(us) = unshift {
-        if data.size() < us.old_offset + us.data_bytes {
-            return Err(Error::BadHeader {
-                check: "reencrypt-datashift",
-                detail: format!(
-                    "the data ends at {}, past the device's {} bytes",
-                    us.old_offset + us.data_bytes,
-                    data.size()
-                ),
-            });
-        }
+        us.check_device(data.size())?;
     }
     // The live segments say where the mark is; the reencryption digest does not cover them.
     check_layout(&h.meta, &st, data_bytes)?;

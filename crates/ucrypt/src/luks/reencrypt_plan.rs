@@ -258,6 +258,20 @@ impl Shift {
     pub fn device_bytes_min(&self) -> u64 {
         self.moved_offset + self.shift_bytes
     }
+
+    /// Refuses a device of `have` bytes that ends before the moved segment does.
+    pub fn check_device(&self, have: u64) -> Result<()> {
+        if have < self.device_bytes_min() {
+            return Err(Error::BadHeader {
+                check: "reencrypt-datashift",
+                detail: format!(
+                    "the moved segment ends at {}, past the device's {have} bytes",
+                    self.device_bytes_min()
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 fn segment_of(meta: &Metadata, id: u32) -> Result<&Segment> {
@@ -397,6 +411,20 @@ impl Unshift {
         } else {
             self.old_offset + offset
         }
+    }
+
+    /// Refuses a device of `have` bytes that ends before the data does.
+    pub fn check_device(&self, have: u64) -> Result<()> {
+        if have < self.old_offset + self.data_bytes {
+            return Err(Error::BadHeader {
+                check: "reencrypt-datashift",
+                detail: format!(
+                    "the data ends at {}, past the device's {have} bytes",
+                    self.old_offset + self.data_bytes
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// What the end leaves behind the plaintext: the last `S` bytes of the device, the old

@@ -1559,16 +1559,7 @@ fn open_rotation(
         Some(sh) => {
             // The moved segment must be on the device, and the data a whole number of
             // sectors (cryptsetup checks both at init).
-            let have = devs.data.size();
-            if have < sh.device_bytes_min() {
-                return Err(Error::BadHeader {
-                    check: "reencrypt-datashift",
-                    detail: format!(
-                        "the moved segment ends at {}, past the device's {have} bytes",
-                        sh.device_bytes_min()
-                    ),
-                });
-            }
+            sh.check_device(devs.data.size())?;
             if sh.data_bytes % align != 0 || sh.shift_bytes % align != 0 {
                 return Err(bad(format!(
                     "data of {} bytes shifted by {} is not aligned to {align}-byte sectors",
@@ -1599,16 +1590,7 @@ fn open_rotation(
     };
     let unshift = unshift_geometry(&h.meta, &st, data_bytes)?;
     if let Some(us) = unshift {
-        let have = devs.data.size();
-        if have < us.old_offset + us.data_bytes {
-            return Err(Error::BadHeader {
-                check: "reencrypt-datashift",
-                detail: format!(
-                    "the data ends at {}, past the device's {have} bytes",
-                    us.old_offset + us.data_bytes
-                ),
-            });
-        }
+        us.check_device(devs.data.size())?;
         // The moved segment's hotzone is rewritten in place from one buffer.
         if us.moved_bytes > HOTZONE_BYTES_MAX {
             return Err(Error::UnsupportedLuks(format!(
