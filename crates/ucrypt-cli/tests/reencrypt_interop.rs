@@ -888,7 +888,8 @@ fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
 /// A decryption cryptsetup was killed in after its finalisation destroyed the old key's
 /// keyslots (or wiped one's area) and before it cleared the requirement: no passphrase opens
 /// the header any more,
-/// so ucrypt's `--resume-only` failed (`ucrypt`). cryptsetup must refuse to resume it too,
+/// so ucrypt's `--resume-only` or `export` failed (`ucrypt`). cryptsetup must refuse to
+/// resume it too,
 /// and every byte must already be plaintext (`data_plain`).
 fn killed_in_finalisation(
     hdr: &Path,
@@ -1919,6 +1920,10 @@ enum UnshiftLeft {
     /// In reencryption (inside a hotzone or not): `dump` equals luksDump; `export` serves the
     /// plaintext, or inside a hotzone is refused; nothing written.
     Mid { hot: bool },
+    /// Killed in the finalisation, after the old key's keyslot areas were wiped and before
+    /// the requirement was cleared: no passphrase opens the header, neither tool resumes it,
+    /// and the device already holds the plaintext from offset 0.
+    KeyslotsGone,
     /// Finished (the tail may still be being wiped by ucrypt's last step).
     Finished,
 }
@@ -1982,6 +1987,15 @@ fn unshift_after_kill(
     // Served read-only mid-way (the three ranges: the plaintext); inside a hotzone refused
     // (a read-only open does not recover).
     let hot = in_hotzone(hdr);
+    if !hot
+        && !o.status.success()
+        && String::from_utf8_lossy(&o.stderr).contains("No usable keyslot")
+    {
+        let data_plain = now[..plain.len()] == plain[..];
+        killed_in_finalisation(hdr, key, img, &o, data_plain, what);
+        assert!(std::fs::read(img).expect("image") == now, "{what}: written");
+        return UnshiftLeft::KeyslotsGone;
+    }
     if hot {
         assert_ne!(o.status.code(), Some(0), "{what}: export served a hotzone");
         let err = String::from_utf8_lossy(&o.stderr);
@@ -2039,7 +2053,9 @@ fn unshift_cryptsetup_finishes_after_ucrypt_is_killed() {
         let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
         println!("{what}: {left:?}");
         let hot = match left {
-            UnshiftLeft::NotExported | UnshiftLeft::Exported => continue,
+            UnshiftLeft::NotExported | UnshiftLeft::Exported | UnshiftLeft::KeyslotsGone => {
+                continue
+            }
             UnshiftLeft::Mid { hot } => {
                 mid_way += 1;
                 hot
@@ -2139,7 +2155,9 @@ fn unshift_ucrypt_finishes_after_cryptsetup_is_killed() {
         let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
         println!("{what}: {left:?}");
         let hot = match left {
-            UnshiftLeft::NotExported | UnshiftLeft::Exported => continue,
+            UnshiftLeft::NotExported | UnshiftLeft::Exported | UnshiftLeft::KeyslotsGone => {
+                continue
+            }
             UnshiftLeft::Mid { hot } => {
                 mid_way += 1;
                 hot
@@ -2284,6 +2302,9 @@ fn unshift_moved_hotzone_killed_and_repaired_by_the_other() {
         } else {
             "cryptsetup"
         };
+        if left == UnshiftLeft::KeyslotsGone {
+            continue;
+        }
         if let UnshiftLeft::Mid { hot } = left {
             if hot && in_moved_hotzone(&hdr) {
                 caught += 1;
