@@ -326,6 +326,28 @@ fn kill_when(mut cmd: Command, until: impl Fn() -> bool, delay: Duration) -> boo
     running
 }
 
+/// [`kill_when`] without the millisecond's sleep between polls, for a window of a few
+/// writes.
+fn kill_when_spinning(mut cmd: Command, until: impl Fn() -> bool) -> bool {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let start = std::time::Instant::now();
+    while !until()
+        && child.try_wait().expect("wait").is_none()
+        && start.elapsed() < Duration::from_secs(60)
+    {
+        std::hint::spin_loop();
+    }
+    let running = child.try_wait().expect("wait").is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    running
+}
+
 #[test]
 fn cryptsetup_resumes_after_ucrypt_is_killed() {
     if !have_cryptsetup() {
@@ -988,9 +1010,10 @@ fn ucrypt_finishes_a_decryption_cryptsetup_was_killed_in() {
             let a = with_hdr(&["reencrypt", "--resume-only", "-q"]);
             let o = run(UCRYPT, &a.iter().map(String::as_str).collect::<Vec<_>>());
             // Killed in its finalisation: the keyslots gone from the JSON, or one still listed
-            // whose area was already wiped (no passphrase opens it: cryptsetup wipes the area
-            // before it commits the keyslot's removal).
-            let no_key = String::from_utf8_lossy(&o.stderr).contains("No usable keyslot");
+            // whose area was already (partly) wiped (no passphrase opens it: cryptsetup wipes
+            // the area before it commits the keyslot's removal).
+            let err = String::from_utf8_lossy(&o.stderr);
+            let no_key = err.contains("No usable keyslot") || err.contains("No key available");
             if !o.status.success() && (!dump(&hdr).contains(": luks2") || no_key) {
                 let what = format!("decrypt round {round}");
                 let data_plain = std::fs::read(&img).expect("data") == plain;
@@ -1920,9 +1943,9 @@ enum UnshiftLeft {
     /// In reencryption (inside a hotzone or not): `dump` equals luksDump; `export` serves the
     /// plaintext, or inside a hotzone is refused; nothing written.
     Mid { hot: bool },
-    /// Killed in the finalisation, after the old key's keyslot areas were wiped and before
-    /// the requirement was cleared: no passphrase opens the header, neither tool resumes it,
-    /// and the device already holds the plaintext from offset 0.
+    /// Killed in the finalisation, once it began wiping the old key's keyslot areas and
+    /// before it cleared the requirement: no passphrase opens the header in either tool,
+    /// neither resumes it, and the device already holds the plaintext from offset 0.
     KeyslotsGone,
     /// Finished (the tail may still be being wiped by ucrypt's last step).
     Finished,
@@ -1987,10 +2010,26 @@ fn unshift_after_kill(
     // Served read-only mid-way (the three ranges: the plaintext); inside a hotzone refused
     // (a read-only open does not recover).
     let hot = in_hotzone(hdr);
-    if !hot
-        && !o.status.success()
-        && String::from_utf8_lossy(&o.stderr).contains("No usable keyslot")
-    {
+    let err = String::from_utf8_lossy(&o.stderr);
+    let no_key = err.contains("No usable keyslot") || err.contains("No key available");
+    if !hot && !o.status.success() && no_key {
+        // cryptsetup must not open it either: its finalisation wiped the keyslot's area.
+        let tp = run(
+            "cryptsetup",
+            &[
+                "open",
+                "--test-passphrase",
+                "--header",
+                s(hdr),
+                "--key-file",
+                s(key),
+                s(img),
+            ],
+        );
+        assert!(
+            !tp.status.success(),
+            "{what}: cryptsetup opens a header ucrypt's export refused: {err}"
+        );
         let data_plain = now[..plain.len()] == plain[..];
         killed_in_finalisation(hdr, key, img, &o, data_plain, what);
         assert!(std::fs::read(img).expect("image") == now, "{what}: written");
@@ -1998,7 +2037,6 @@ fn unshift_after_kill(
     }
     if hot {
         assert_ne!(o.status.code(), Some(0), "{what}: export served a hotzone");
-        let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains("Run repair first"), "{what}: {err}");
     } else {
         assert_eq!(
@@ -2246,6 +2284,103 @@ fn in_moved_hotzone(hdr: &Path) -> bool {
         && s0["flags"]
             .as_array()
             .is_some_and(|f| f.iter().any(|x| x == "in-reencryption"))
+}
+
+/// Whether any `luks2` keyslot's area in the header file differs from what `seen` first
+/// recorded for it: the finalisation of a decryption has begun wiping the old key's keyslots.
+/// Read without locking, as the writer holds the lock.
+fn keyslot_area_changed(
+    hdr: &Path,
+    seen: &std::cell::RefCell<std::collections::HashMap<String, Vec<u8>>>,
+) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(hdr) else {
+        return false;
+    };
+    let mut json = vec![0u8; 12 << 10];
+    if f.seek(SeekFrom::Start(4096)).is_err() || f.read_exact(&mut json).is_err() {
+        return false;
+    }
+    let end = json.iter().position(|&c| c == 0).unwrap_or(json.len());
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&json[..end]) else {
+        return false;
+    };
+    let Some(slots) = v["keyslots"].as_object() else {
+        return false;
+    };
+    for (id, k) in slots.iter().filter(|(_, k)| k["type"] == "luks2") {
+        let num = |x: &serde_json::Value| x.as_str().and_then(|t| t.parse::<u64>().ok());
+        let (Some(off), Some(len)) = (num(&k["area"]["offset"]), num(&k["area"]["size"])) else {
+            continue;
+        };
+        // The first 4 KiB tell (the wipe writes the whole area), and keep the poll quick.
+        let mut area = vec![0u8; len.min(4096) as usize];
+        if f.seek(SeekFrom::Start(off)).is_err() || f.read_exact(&mut area).is_err() {
+            continue;
+        }
+        let mut seen = seen.borrow_mut();
+        match seen.get(id) {
+            None => {
+                seen.insert(id.clone(), area);
+            }
+            Some(first) if *first != area => return true,
+            Some(_) => {}
+        }
+    }
+    false
+}
+
+/// cryptsetup SIGKILLed the moment its finalisation of a decryption that moves the data back
+/// has begun wiping the old key's keyslot area (it wipes before the JSON drops the keyslot
+/// and the requirement): both tools refuse the header ("No key available", "No usable
+/// keyslot"), neither resumes it, nothing is written by trying, and the device already
+/// starts with the plaintext. The state a kill at a random time reaches once in many runs,
+/// reached on purpose (up to ten tries, as a poll can miss the window). ucrypt commits the
+/// keyslots' removal before it wipes their areas, so the same watch on ucrypt never finds
+/// that state: its runs end finished.
+#[test]
+fn unshift_killed_while_its_finalisation_wipes_the_keyslots() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let (mut tries, mut gone) = (0, 0);
+    let runs = (0..10)
+        .map(|i| ("cryptsetup", [512u32, 4096][i % 2]))
+        .chain([(UCRYPT, 512), (UCRYPT, 4096)]);
+    for (runner, sector) in runs {
+        if runner == "cryptsetup" && gone == 2 {
+            continue;
+        }
+        let t = TempDir::new("unshift-kill-final");
+        let (img, key, plain) = volume(&t, 64, sector);
+        let before = std::fs::read(&img).expect("image");
+        let hdr = t.path("exported.hdr");
+        let mut extra = Vec::new();
+        if runner == "cryptsetup" {
+            tries += 1;
+            extra.push("--force-offline-reencrypt");
+        }
+        let mut cmd = Command::new(runner);
+        cmd.args(unshift_args(&key, &hdr, &extra)).arg(s(&img));
+        let seen = std::cell::RefCell::new(std::collections::HashMap::new());
+        let killed = kill_when_spinning(cmd, || keyslot_area_changed(&hdr, &seen));
+        let what = format!("{runner} killed={killed}, sector {sector}");
+        let left = unshift_after_kill(&t, &img, &hdr, &key, &plain, &before, &what);
+        println!("{what}: {left:?}");
+        match left {
+            UnshiftLeft::KeyslotsGone if runner == "cryptsetup" => gone += 1,
+            // Done before the kill, or the wipe and the commit came between two polls.
+            UnshiftLeft::Finished => unshift_decrypted(&img, &hdr, &plain, &before, &what),
+            other => panic!("{what}: killed in the finalisation, yet left {other:?}"),
+        }
+    }
+    println!(
+        "{gone} of {tries} kills of cryptsetup landed while its finalisation wiped the keyslots"
+    );
+    assert!(
+        gone > 0,
+        "no kill landed inside cryptsetup's finalisation wipe"
+    );
 }
 
 /// Each tool SIGKILLed inside the moved segment's hotzone (caught by watching the exported
