@@ -678,6 +678,17 @@ impl VolumeArgs {
     /// (`crate::in_use`). Taken by the processes that serve it: the `open` daemon, `serve`,
     /// `mount`, `ublk`.
     pub fn mark_served(&self) -> CliResult<crate::in_use::InUse> {
+        crate::in_use::mark(&self.local_paths())
+    }
+
+    /// Refuses (exit 5) when a ucrypt process serves the volume or its detached header;
+    /// `what` says what was refused and how to go on.
+    pub fn refuse_if_served(&self, what: &str) -> CliResult<()> {
+        Ok(crate::in_use::refuse_if_served(&self.local_paths(), what)?)
+    }
+
+    /// The volume's file or device node and its detached header, where they are local paths.
+    fn local_paths(&self) -> Vec<&std::path::Path> {
         let mut paths: Vec<&std::path::Path> = Vec::with_capacity(2);
         if let Target::Path(p) = &self.volume {
             paths.push(p);
@@ -685,7 +696,7 @@ impl VolumeArgs {
         if let Some(h) = &self.header {
             paths.push(h);
         }
-        crate::in_use::mark(&paths)
+        paths
     }
 
     /// Opens the volume for a front end or a data verb.

@@ -1115,10 +1115,11 @@ fn an_encryption_moving_the_data_online() {
 }
 
 /// A volume `ucrypt serve` serves without `--control` (no way to reencrypt it online): an
-/// offline `reencrypt` (also with `--force-offline-reencrypt`, and `--encrypt` of the file) and
-/// a `format` are refused with exit code 5 before anything is written; keyslot verbs work meanwhile (cryptsetup's header lock
-/// is not held by the server); once the server is gone the reencryption runs. Needs nothing but
-/// ucrypt (NBD on a unix socket).
+/// offline `reencrypt` (also with `--force-offline-reencrypt`, and `--encrypt` of the file),
+/// `format`, `luksHeaderRestore`, `import`, and the `repair` of a reencryption are refused
+/// with exit code 5 before anything is written; keyslot verbs work meanwhile (cryptsetup's
+/// header lock is not held by the server); once the server is gone the refused verbs run.
+/// Needs nothing but ucrypt (NBD on a unix socket).
 #[test]
 fn verbs_that_would_rewrite_a_served_volume_are_refused() {
     let t = TempDir::new("served");
@@ -1134,6 +1135,18 @@ fn verbs_that_would_rewrite_a_served_volume_are_refused() {
             .unwrap(),
     );
     wait_for(&sock, &mut server.0);
+    let backup = t.path("hdr.backup");
+    ok(
+        UCRYPT,
+        &[
+            "luksHeaderBackup",
+            s(&img),
+            "--header-backup-file",
+            s(&backup),
+        ],
+    );
+    let plain = t.path("plain");
+    std::fs::write(&plain, vec![7u8; 1 << 20]).unwrap();
     let before = std::fs::read(&img).unwrap();
     let reencrypt = |extra: &[&str]| {
         let mut a = vec!["reencrypt", "--batch-mode", "--key-file", s(&key)];
@@ -1155,6 +1168,26 @@ fn verbs_that_would_rewrite_a_served_volume_are_refused() {
         (
             "format",
             run(UCRYPT, &["format", "-q", "--key-file", s(&key), s(&img)]),
+        ),
+        (
+            "luksHeaderRestore",
+            run(
+                UCRYPT,
+                &[
+                    "luksHeaderRestore",
+                    "-q",
+                    s(&img),
+                    "--header-backup-file",
+                    s(&backup),
+                ],
+            ),
+        ),
+        (
+            "import",
+            run(
+                UCRYPT,
+                &["import", s(&plain), s(&img), "--key-file", s(&key)],
+            ),
         ),
     ] {
         assert_eq!(o.status.code(), Some(5), "{what}: {}", text(&o));
@@ -1180,6 +1213,35 @@ fn verbs_that_would_rewrite_a_served_volume_are_refused() {
     drop(server);
     let o = reencrypt(&["--key-slot", "0"]);
     assert_eq!(o.status.code(), Some(0), "after the server: {}", text(&o));
+    // A reencryption's recovery (`repair`) belongs to the process serving it.
+    ok(UCRYPT, &{
+        let mut a = vec!["reencrypt", "--init-only", "-q", "--key-file", s(&key)];
+        a.extend(FAST_PBKDF2);
+        a.push(s(&img));
+        a
+    });
+    let _ = std::fs::remove_file(&sock);
+    let mut server = Reaped(
+        Command::new(UCRYPT)
+            .args(["serve", s(&img), "--key-file", s(&key), "--nbd"])
+            .arg(format!("unix:{}", s(&sock)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&sock, &mut server.0);
+    let before = std::fs::read(&img).unwrap();
+    let o = run(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
+    assert_eq!(o.status.code(), Some(5), "repair: {}", text(&o));
+    assert!(
+        text(&o).contains("is in use by a ucrypt process"),
+        "{}",
+        text(&o)
+    );
+    assert!(std::fs::read(&img).unwrap() == before, "repair wrote");
+    drop(server);
+    ok(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
 }
 
 /// cryptsetup's `reencrypt --encrypt DEVICE NAME` in one command: `ucrypt reencrypt --encrypt

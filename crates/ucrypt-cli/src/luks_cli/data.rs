@@ -125,6 +125,8 @@ pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult
 }
 
 pub fn import(file: &Path, v: &VolumeArgs, progress_s: Option<u64>) -> CliResult<i32> {
+    // Written under a process serving the volume, the import would race its users' writes.
+    v.refuse_if_served("cannot import into it while it is served; write through that process")?;
     let vol = v.open()?.dev();
     let total = vol.size();
     let mut input =

@@ -537,13 +537,20 @@ fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes
 
 // ---------------------------------------------------------------- format
 
-fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
-    // cryptsetup refuses to format an active device ("Cannot format device ... in use.").
+/// Refuses (exit 5) a verb that would rewrite data or header under a ucrypt process serving
+/// the volume or its detached header (`crate::in_use`); `what` says what was refused and how
+/// to go on.
+pub(crate) fn refuse_if_served(device: &Target, o: &LuksOpts, what: &str) -> Result<()> {
     let mut paths: Vec<&std::path::Path> = o.header.iter().map(|h| h.as_path()).collect();
     if let Target::Path(p) = device {
         paths.push(p);
     }
-    crate::in_use::refuse_if_served(&paths, "cannot format it; stop that process first")?;
+    crate::in_use::refuse_if_served(&paths, what)
+}
+
+fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    // cryptsetup refuses to format an active device ("Cannot format device ... in use.").
+    refuse_if_served(device, o, "cannot format it; stop that process first")?;
     let version = match o.luks_type.as_deref().unwrap_or("luks2") {
         "luks2" => 2,
         "luks1" | "luks" => 1,
@@ -1138,6 +1145,14 @@ fn header_backup(device: &Target, o: &LuksOpts) -> Result<i32> {
 }
 
 fn header_restore(device: &Target, o: &LuksOpts) -> Result<i32> {
+    // A serving process keeps the volume key and the reencryption's progress of the header it
+    // opened, and writes that header back as it goes: a restored header under it would be
+    // overwritten, or would describe data the process has already rewritten.
+    refuse_if_served(
+        device,
+        o,
+        "cannot restore its header while it is served; stop that process first",
+    )?;
     let file = o
         .header_backup_file
         .as_deref()

@@ -253,13 +253,10 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     }
     // A volume a ucrypt process serves (`crate::in_use`) is reencrypted through that process
     // or not at all: an offline run under it would be overwritten by the old key's writes.
-    let mut paths: Vec<&std::path::Path> = o.header.iter().map(|h| h.as_path()).collect();
-    if let Target::Path(p) = device {
-        paths.push(p);
-    }
     let offline_refused = || {
-        crate::in_use::refuse_if_served(
-            &paths,
+        super::refuse_if_served(
+            device,
+            o,
             "reencrypt it online through that process (an `ucrypt open` daemon is found by \
              the file or by --active-name; serve, mount and ublk need their --control PATH), \
              or stop it first",
@@ -972,6 +969,14 @@ fn new_header_file(path: &std::path::Path, bytes: u64) -> Result<()> {
 /// `repair` of a volume in reencryption: recovers the hotzone from the resilience data (as
 /// cryptsetup's `repair` does), then rewrites the header copies.
 pub fn repair_reencryption(device: &Target, o: &LuksOpts) -> Result<i32> {
+    // The serving process recovered the hotzone when it opened the volume, and owns the
+    // reencryption since: a recovery under it would rewrite data it serves.
+    super::refuse_if_served(
+        device,
+        o,
+        "its reencryption belongs to that process (it recovered the hotzone when it opened \
+         the volume); stop it first to repair offline",
+    )?;
     let passphrase = pass::read_passphrase(
         &existing_source(o, None),
         "Enter passphrase for reencryption recovery: ",
