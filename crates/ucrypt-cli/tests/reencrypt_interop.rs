@@ -1453,6 +1453,116 @@ fn shift_metadata(img: &Path) -> String {
     )
 }
 
+/// `--encrypt --header HDR --reduce-device-size SIZE`: cryptsetup 2.6.1 encrypts from the end
+/// with `datashift` resilience while the data stays where it is, so no hotzone is protected.
+/// ucrypt refuses to start it (nothing written, no header made) and refuses the state
+/// cryptsetup's `--init-only` leaves, naming it, in every verb that would read or write the
+/// data (`export`, `reencrypt --resume-only`, `repair`), writing nothing; cryptsetup finishes
+/// it, and the result is an ordinary detached-header volume ucrypt reads.
+#[test]
+fn reduce_device_size_with_a_detached_header_is_refused_by_name() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let t = TempDir::new("rds-header");
+    let img = t.path("data.img");
+    let plain = plaintext(32 << 20, 0x5eed);
+    std::fs::write(&img, &plain).expect("plaintext");
+    let key = t.path("key");
+    std::fs::write(&key, b"rotate-me").expect("key");
+    let hdr = t.path("hdr");
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "reencrypt",
+            "--encrypt",
+            "--header",
+            s(&hdr),
+            "--reduce-device-size",
+            "4M",
+            "-q",
+            "--key-file",
+            s(&key),
+        ];
+        a.extend(FAST_PBKDF2);
+        a.extend(extra);
+        a.push(s(&img));
+        a
+    };
+    let o = run(UCRYPT, &args(&[]));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--reduce-device-size with a detached --header is refused"),
+        "{err}"
+    );
+    assert!(!hdr.exists(), "a header was made");
+    assert!(std::fs::read(&img).expect("image") == plain, "ucrypt wrote");
+
+    ok("cryptsetup", &args(&["--init-only"]));
+    let out = t.path("out");
+    let base = ["--header", s(&hdr), "--key-file", s(&key)];
+    for (what, a) in [
+        (
+            "export",
+            [&["export"][..], &base, &[s(&img), s(&out)]].concat(),
+        ),
+        (
+            "reencrypt --resume-only",
+            [&["reencrypt", "--resume-only", "-q"][..], &base, &[s(&img)]].concat(),
+        ),
+        (
+            "repair",
+            [&["repair", "-q"][..], &base, &[s(&img)]].concat(),
+        ),
+    ] {
+        let before = (
+            std::fs::read(&hdr).expect("hdr"),
+            std::fs::read(&img).expect("img"),
+        );
+        let o = run(UCRYPT, &a);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_ne!(o.status.code(), Some(0), "{what}: {err}");
+        assert!(err.contains("the data not moved"), "{what}: {err}");
+        assert!(
+            err.contains("cryptsetup reencrypt --resume-only"),
+            "{what}: {err}"
+        );
+        let after = (
+            std::fs::read(&hdr).expect("hdr"),
+            std::fs::read(&img).expect("img"),
+        );
+        assert!(before == after, "{what} wrote");
+    }
+    ok(
+        "cryptsetup",
+        &[
+            &[
+                "reencrypt",
+                "--resume-only",
+                "-q",
+                "--force-offline-reencrypt",
+            ][..],
+            &base,
+            &[s(&img)],
+        ]
+        .concat(),
+    );
+    let _ = std::fs::remove_file(&out);
+    ok(
+        UCRYPT,
+        &[&["export"][..], &base, &[s(&img), s(&out)]].concat(),
+    );
+    assert!(
+        std::fs::read(&out).expect("export") == plain,
+        "finished by cryptsetup"
+    );
+}
+
 /// Both tools' `--init-only` on the same plaintext: the same keyslots (reencrypt keyslot:
 /// mode, direction, datashift area at the same place, shift size), segments (moved segment,
 /// backups, in cryptsetup's order) and digest lists, the same bytes moved to the same

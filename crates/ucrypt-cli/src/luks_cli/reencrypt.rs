@@ -282,11 +282,17 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             }
         }
         return match (&r.reduce_device_size, &o.header) {
-            (Some(_), Some(_)) => Err(not_built(
-                "--reduce-device-size with a detached --header (cryptsetup 2.6.1 then makes \
-                 a header of that size and encrypts from the end with datashift resilience, \
-                 the data staying where it is; ucrypt encrypts with a detached header \
-                 without --reduce-device-size)",
+            // Decided: not built, and not to be: cryptsetup 2.6.1 makes a header of that size
+            // and encrypts from the end with `datashift` resilience while the data stays
+            // where it is, so no hotzone is protected (`reencrypt_plan::UNMOVED_DATASHIFT`).
+            (Some(_), Some(_)) => Err(Error::InvalidArgument(
+                "--reduce-device-size with a detached --header is refused: cryptsetup 2.6.1 \
+                 then encrypts from the end with datashift resilience while the data stays \
+                 where it is, so a crash inside a hotzone loses it (its own repair rewrites \
+                 the hotzone with the data one shift below). Encrypt with the detached \
+                 --header alone (resilience checksum by default, or journal): the same result, \
+                 crash-safe."
+                    .into(),
             )),
             (Some(size), None) => encrypt_shift(device, r, o, parse_size(size)?),
             (None, _) => encrypt(device, r, o),

@@ -31,6 +31,21 @@ fn bad(detail: impl Into<String>) -> Error {
     }
 }
 
+/// Why the state cryptsetup 2.6.1's `reencrypt --encrypt --header HDR --reduce-device-size
+/// SIZE` leaves is refused: an encryption from the end with `datashift` resilience whose data
+/// does not move (the old and new segments both at the data offset), so nothing protects a
+/// hotzone. Measured on 2026-11-28 with a 512 MiB file and an 8 MiB shift: cryptsetup
+/// SIGKILLed inside a hotzone, then its own `repair` and `--resume-only`, left the hotzone's
+/// 8 MiB holding the plaintext of the 8 MiB below it.
+pub const UNMOVED_DATASHIFT: &str =
+    "reencryption encrypt backward with resilience datashift and the data not moved \
+     (cryptsetup's reencrypt --encrypt --header with --reduce-device-size): ucrypt does not \
+     serve or resume it, as nothing protects its hotzones (the data does not move, so a crash \
+     inside one loses it: cryptsetup 2.6.1's own repair rewrites it with the data one shift \
+     below). Finish it with cryptsetup reencrypt --resume-only; ucrypt encrypts with a \
+     detached header without --reduce-device-size, crash-safe (resilience checksum or \
+     journal)";
+
 fn unsupported(detail: impl Into<String>) -> Error {
     Error::UnsupportedLuks(detail.into())
 }
@@ -189,6 +204,9 @@ pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
         return match (&k.resilience, k.mode, k.direction, st.backup_moved) {
             (Resilience::Datashift { .. }, Mode::Encrypt, Direction::Backward, Some(_)) => {
                 Ok(Protect::Datashift)
+            }
+            (Resilience::Datashift { .. }, Mode::Encrypt, Direction::Backward, None) => {
+                Err(unsupported(UNMOVED_DATASHIFT))
             }
             _ => Err(unsupported(format!(
                 "reencryption {} {} with resilience {}{} (ucrypt moves the data to encrypt \
