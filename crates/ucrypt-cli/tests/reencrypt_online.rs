@@ -990,6 +990,10 @@ fn a_new_sector_size_online() {
         fio_ok(&mut c.procs[0], &out, &format!("during {what}"));
         c.procs.clear();
         assert!(st.contains("close and open the volume"), "{what}: {st}");
+        assert!(
+            st.contains(&format!("sector size:  {to}\n")),
+            "{what}: status shows the sectors served: {st}"
+        );
         let o = run(UCRYPT, &["suspend", &n]);
         assert_ne!(o.status.code(), Some(0), "{what}: suspended");
         assert!(text(&o).contains("changed online"), "{what}: {}", text(&o));
@@ -1081,6 +1085,11 @@ fn an_encryption_moving_the_data_online() {
     let st = status(&n);
     assert!(st.contains(", finished"), "{st}");
     assert!(st.contains("close and open the volume"), "{st}");
+    // 32 MiB reduced: the header in front takes half, the data starts at 16 MiB.
+    assert!(
+        st.contains("offset:  32768 sectors\n"),
+        "status shows the data offset served: {st}"
+    );
     fio_ok(&mut c.procs[0], &out, "during the encryption");
     c.procs.clear();
     let out = t.path("head2.out");

@@ -394,6 +394,15 @@ fn a_new_sector_size_online() {
         assert!(!vol.in_reencryption());
         assert!(vol.reopen_needed());
         assert_eq!(vol.reencrypted_bytes(), None);
+        // Served in the new sectors until closed, as `status` says.
+        assert_eq!(
+            vol.serving_layout(),
+            (
+                ucrypt::sector::SectorSize::new(u64::from(to)).unwrap(),
+                DATA_OFFSET
+            )
+        );
+        assert_eq!(vol.sector_size().bytes(), from, "the volume's own sectors");
         for (verb, r) in [
             ("suspend", vol.suspend()),
             ("resize", vol.resize(None).map(|_| ())),
@@ -751,6 +760,11 @@ fn an_encryption_moving_the_data_online() {
         assert!(during > 0, "no request ran during the encryption");
         assert!(!vol.in_reencryption());
         assert!(vol.reopen_needed(), "the data offset changed");
+        assert_eq!(
+            vol.serving_layout(),
+            (SectorSize::new(u64::from(sector)).unwrap(), SHIFT),
+            "served at the new data offset until closed"
+        );
         let e = vol.suspend().expect_err("suspend").to_string();
         assert!(e.contains("changed online"), "suspend: {e}");
         assert!(read_all(&vol) == want, "contents after the encryption");

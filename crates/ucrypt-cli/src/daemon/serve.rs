@@ -235,6 +235,13 @@ impl Shared {
                 volume.cipher = spec.to_string();
             }
             volume.key_bits = key_bytes as u32 * 8;
+            // One that changed the sector size or the data offset: served with the new ones
+            // until the volume is closed.
+            if v.reopen_needed() {
+                let (sector, offset) = v.serving_layout();
+                volume.sector_size = sector.bytes();
+                volume.offset_sectors = offset / 512;
+            }
         }
         Response::Status(Box::new(StatusReport {
             volume,

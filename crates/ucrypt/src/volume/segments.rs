@@ -218,6 +218,18 @@ impl Volume {
             .is_some_and(|s| s.finished.load(Relaxed))
     }
 
+    /// The encryption sector size and the data offset (bytes on the device) every byte is
+    /// served with now: the volume's own, or after a reencryption that changed them (until
+    /// the volume is closed, [`Volume::reopen_needed`]) the new side's.
+    pub fn serving_layout(&self) -> (SectorSize, u64) {
+        match lock(&self.segments).as_ref() {
+            Some(s) if s.finished.load(Relaxed) => {
+                (s.new.core.geometry.sector_size, s.new.core.data_offset)
+            }
+            _ => (self.core.geometry.sector_size, self.core.data_offset),
+        }
+    }
+
     /// The backend the new side serves from while in reencryption: the device itself, also
     /// when the old side reads through a remapping one (a data shift). The reencryption
     /// driver writes the hotzones and the header there.
