@@ -34,7 +34,7 @@ fn bad(detail: impl Into<String>) -> Error {
 /// Why the state cryptsetup 2.6.1's `reencrypt --encrypt --header HDR --reduce-device-size
 /// SIZE` leaves is refused: an encryption from the end with `datashift` resilience whose data
 /// does not move (the old and new segments both at the data offset), so nothing protects a
-/// hotzone. Measured on 2026-11-28 with a 512 MiB file and an 8 MiB shift: cryptsetup
+/// hotzone. Measured on 2026-11-27 with a 512 MiB file and an 8 MiB shift: cryptsetup
 /// SIGKILLed inside a hotzone, then its own `repair` and `--resume-only`, left the hotzone's
 /// 8 MiB holding the plaintext of the 8 MiB below it.
 pub const UNMOVED_DATASHIFT: &str =
