@@ -305,30 +305,22 @@ fn kill_after(cmd: Command, delay: Duration) -> bool {
 /// Runs `cmd` until `until` holds (polled every millisecond; or `cmd` ends, or a minute
 /// passed), waits `delay` more, then SIGKILLs it, as a crash would; returns whether it was
 /// still running.
-fn kill_when(mut cmd: Command, until: impl Fn() -> bool, delay: Duration) -> bool {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let start = std::time::Instant::now();
-    while !until()
-        && child.try_wait().expect("wait").is_none()
-        && start.elapsed() < Duration::from_secs(60)
-    {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    std::thread::sleep(delay);
-    let running = child.try_wait().expect("wait").is_none();
-    let _ = child.kill();
-    let _ = child.wait();
-    running
+fn kill_when(cmd: Command, until: impl Fn() -> bool, delay: Duration) -> bool {
+    kill_polling(cmd, until, delay, Some(Duration::from_millis(1)))
 }
 
-/// [`kill_when`] without the millisecond's sleep between polls, for a window of a few
-/// writes.
-fn kill_when_spinning(mut cmd: Command, until: impl Fn() -> bool) -> bool {
+/// [`kill_when`] without a sleep between polls (`poll` `None`), for a window of a few writes,
+/// and the kill at once.
+fn kill_when_spinning(cmd: Command, until: impl Fn() -> bool) -> bool {
+    kill_polling(cmd, until, Duration::ZERO, None)
+}
+
+fn kill_polling(
+    mut cmd: Command,
+    until: impl Fn() -> bool,
+    delay: Duration,
+    poll: Option<Duration>,
+) -> bool {
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -340,8 +332,12 @@ fn kill_when_spinning(mut cmd: Command, until: impl Fn() -> bool) -> bool {
         && child.try_wait().expect("wait").is_none()
         && start.elapsed() < Duration::from_secs(60)
     {
-        std::hint::spin_loop();
+        match poll {
+            Some(p) => std::thread::sleep(p),
+            None => std::hint::spin_loop(),
+        }
     }
+    std::thread::sleep(delay);
     let running = child.try_wait().expect("wait").is_none();
     let _ = child.kill();
     let _ = child.wait();

@@ -1123,6 +1123,23 @@ fn an_encryption_moving_the_data_online() {
     drop(c);
 }
 
+/// `ucrypt serve IMG` over NBD on the unix socket `sock` (a stale socket file removed
+/// first), once the socket is there.
+fn serve_nbd(img: &Path, key: &Path, sock: &Path) -> Reaped {
+    let _ = std::fs::remove_file(sock);
+    let mut server = Reaped(
+        Command::new(UCRYPT)
+            .args(["serve", s(img), "--key-file", s(key), "--nbd"])
+            .arg(format!("unix:{}", s(sock)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(sock, &mut server.0);
+    server
+}
+
 /// A volume `ucrypt serve` serves without `--control` (no way to reencrypt it online): an
 /// offline `reencrypt` (also with `--force-offline-reencrypt`, and `--encrypt` of the file),
 /// `format`, `luksHeaderRestore`, `import`, and the `repair` of a reencryption are refused
@@ -1134,16 +1151,7 @@ fn verbs_that_would_rewrite_a_served_volume_are_refused() {
     let t = TempDir::new("served");
     let (img, key) = volume(&t, 24);
     let sock = t.path("nbd.sock");
-    let mut server = Reaped(
-        Command::new(UCRYPT)
-            .args(["serve", s(&img), "--key-file", s(&key), "--nbd"])
-            .arg(format!("unix:{}", s(&sock)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for(&sock, &mut server.0);
+    let server = serve_nbd(&img, &key, &sock);
     let backup = t.path("hdr.backup");
     ok(
         UCRYPT,
@@ -1229,17 +1237,7 @@ fn verbs_that_would_rewrite_a_served_volume_are_refused() {
         a.push(s(&img));
         a
     });
-    let _ = std::fs::remove_file(&sock);
-    let mut server = Reaped(
-        Command::new(UCRYPT)
-            .args(["serve", s(&img), "--key-file", s(&key), "--nbd"])
-            .arg(format!("unix:{}", s(&sock)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for(&sock, &mut server.0);
+    let server = serve_nbd(&img, &key, &sock);
     let before = std::fs::read(&img).unwrap();
     let o = run(UCRYPT, &["repair", "-q", "--key-file", s(&key), s(&img)]);
     assert_eq!(o.status.code(), Some(5), "repair: {}", text(&o));
