@@ -1123,6 +1123,154 @@ fn an_encryption_moving_the_data_online() {
     drop(c);
 }
 
+/// A volume with two keyslots, served by `serve --control` under fio's verified NBD writes,
+/// rotated online with one passphrase per keyslot read from a pipe (as cryptsetup asks them,
+/// one line each): both keyslots are replaced under the new key, each passphrase opens the
+/// result (and no other keyslot's), cryptsetup opens it, and fio's data verifies during the
+/// rotation and after a new server. A wrong second passphrase is refused before anything is
+/// written. Needs fio's nbd engine, no root.
+#[test]
+fn two_keyslots_rotate_online() {
+    if !have("fio") || !fio_has_nbd() {
+        println!("SKIPPED: fio with its nbd engine not installed (scripts/deps.sh test)");
+        return;
+    }
+    let t = TempDir::new("two-slots");
+    let (img, key) = volume(&t, 64);
+    let key2 = t.path("key2");
+    std::fs::write(&key2, b"the second keyslot's passphrase").unwrap();
+    let mut a = vec!["luksAddKey", "-q", "--key-file", s(&key)];
+    a.extend(FAST_PBKDF2);
+    a.extend([s(&img), s(&key2)]);
+    ok(UCRYPT, &a);
+    let (sock, ctl) = (t.path("nbd.sock"), t.path("control.sock"));
+    let serve = || {
+        Command::new(UCRYPT)
+            .args(["serve", s(&img), "--key-file", s(&key), "--nbd"])
+            .arg(format!("unix:{}", s(&sock)))
+            .arg("--control")
+            .arg(&ctl)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut server = Reaped(serve());
+    wait_for(&ctl, &mut server.0);
+    wait_for(&sock, &mut server.0);
+    let before = keyslots(&img);
+    let rotate = |input: &[u8]| {
+        use std::io::Write;
+        let mut a = vec!["reencrypt", "--batch-mode", "--hotzone-size", HOTZONE];
+        a.extend(["--control", s(&ctl)]);
+        a.push(s(&img));
+        let mut child = Command::new(UCRYPT)
+            .args(&a)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        // A verb that refuses before reading closes the pipe: no error here.
+        let _ = stdin.write_all(input);
+        drop(stdin);
+        child.wait_with_output().unwrap()
+    };
+    let first = std::fs::read(&key).unwrap();
+    let second = std::fs::read(&key2).unwrap();
+    let lines = |a: &[u8], b: &[u8]| [a, b"\n", b, b"\n"].concat();
+    // A wrong passphrase for keyslot 1: refused (exit 2), nothing written.
+    let o = rotate(&lines(&first, b"not the second one"));
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "wrong second passphrase: {}",
+        text(&o)
+    );
+    assert_eq!(keyslots(&img), before, "a refused rotation wrote");
+    let out = t.path("fio.out");
+    let mut fio = Reaped(
+        fio_nbd(&sock, "32m", Some("6m"), false, &out)
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let o = rotate(&lines(&first, &second));
+    assert_eq!(o.status.code(), Some(0), "online rotation: {}", text(&o));
+    assert!(
+        fio.0.try_wait().unwrap().is_none(),
+        "fio ended before the rotation did: it did not run under I/O"
+    );
+    let st = fio.0.wait().unwrap();
+    assert!(
+        st.success(),
+        "fio during the rotation: {}",
+        std::fs::read_to_string(&out).unwrap_or_default()
+    );
+    let after = keyslots(&img);
+    assert_ne!(before, after, "keyslots unchanged:\n{after}");
+    assert!(!after.contains("reencrypt"), "{after}");
+    assert_eq!(
+        after.matches(": luks2").count(),
+        2,
+        "two keyslots:\n{after}"
+    );
+    // Each passphrase opens exactly one keyslot of the new key, each its own.
+    let ids: Vec<&str> = after
+        .lines()
+        .filter_map(|l| l.trim().strip_suffix(": luks2"))
+        .collect();
+    let mut opened = Vec::new();
+    for k in [&key, &key2] {
+        let by: Vec<&str> = ids
+            .iter()
+            .copied()
+            .filter(|slot| {
+                let a = [
+                    "open",
+                    "--test-passphrase",
+                    "--key-file",
+                    s(k),
+                    "--key-slot",
+                ];
+                run(UCRYPT, &[&a[..], &[*slot, s(&img)]].concat())
+                    .status
+                    .success()
+            })
+            .collect();
+        assert_eq!(
+            by.len(),
+            1,
+            "{} opens keyslots {by:?} of {ids:?}",
+            k.display()
+        );
+        opened.push(by[0]);
+    }
+    assert_ne!(opened[0], opened[1], "both passphrases open one keyslot");
+    if have("cryptsetup") {
+        for k in [&key, &key2] {
+            ok(
+                "cryptsetup",
+                &["open", "--test-passphrase", "--key-file", s(k), s(&img)],
+            );
+        }
+    }
+    // SAFETY: kill has no memory-safety preconditions; the pid is our child's.
+    unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
+    assert!(server.0.wait().unwrap().success(), "serve exited badly");
+    let _ = std::fs::remove_file(&sock);
+    let mut server = Reaped(serve());
+    wait_for(&sock, &mut server.0);
+    let out2 = t.path("fio2.out");
+    let st = fio_nbd(&sock, "32m", None, true, &out2).status().unwrap();
+    assert!(
+        st.success(),
+        "fio's data after the rotation: {}",
+        std::fs::read_to_string(&out2).unwrap_or_default()
+    );
+}
+
 /// `ucrypt serve IMG` over NBD on the unix socket `sock` (a stale socket file removed
 /// first), once the socket is there.
 fn serve_nbd(img: &Path, key: &Path, sock: &Path) -> Reaped {
