@@ -1046,11 +1046,10 @@ fn plain_volume(t: &TempDir, mib: u64) -> (PathBuf, PathBuf, PathBuf, Vec<u8>) {
     (img, t.path("hdr.img"), key, plain)
 }
 
-/// cryptsetup accepts the finished encryption (`open --test-passphrase`, `luksDump` of the
-/// header: one keyslot, no reencryption) and `ucrypt export` through the header gives the
-/// plaintext, while the data file itself no longer holds it.
-fn encrypted(t: &TempDir, img: &Path, hdr: &Path, key: &Path, plain: &[u8], what: &str) {
-    ok(
+/// cryptsetup's `open --test-passphrase` of `img` through the detached header `hdr` with the
+/// passphrase in `key`.
+fn cryptsetup_test_passphrase(img: &Path, hdr: &Path, key: &Path) -> Output {
+    run(
         "cryptsetup",
         &[
             "open",
@@ -1061,6 +1060,18 @@ fn encrypted(t: &TempDir, img: &Path, hdr: &Path, key: &Path, plain: &[u8], what
             s(key),
             s(img),
         ],
+    )
+}
+
+/// cryptsetup accepts the finished encryption (`open --test-passphrase`, `luksDump` of the
+/// header: one keyslot, no reencryption) and `ucrypt export` through the header gives the
+/// plaintext, while the data file itself no longer holds it.
+fn encrypted(t: &TempDir, img: &Path, hdr: &Path, key: &Path, plain: &[u8], what: &str) {
+    let o = cryptsetup_test_passphrase(img, hdr, key);
+    assert!(
+        o.status.success(),
+        "{what}: cryptsetup open --test-passphrase: {}",
+        String::from_utf8_lossy(&o.stderr)
     );
     let d = dump(hdr);
     assert!(
@@ -2120,18 +2131,7 @@ fn unshift_after_kill(
     let no_key = err.contains("No usable keyslot") || err.contains("No key available");
     if !hot && !o.status.success() && no_key {
         // cryptsetup must not open it either: its finalisation wiped the keyslot's area.
-        let tp = run(
-            "cryptsetup",
-            &[
-                "open",
-                "--test-passphrase",
-                "--header",
-                s(hdr),
-                "--key-file",
-                s(key),
-                s(img),
-            ],
-        );
+        let tp = cryptsetup_test_passphrase(img, hdr, key);
         assert!(
             !tp.status.success(),
             "{what}: cryptsetup opens a header ucrypt's export refused: {err}"

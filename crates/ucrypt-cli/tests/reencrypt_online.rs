@@ -683,14 +683,9 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     let (img, key) = volume(&t, 96);
     let (sock, ctl) = (t.path("nbd.sock"), t.path("control.sock"));
     let serve = || {
-        Command::new(UCRYPT)
-            .args(["serve", s(&img), "--key-file", s(&key)])
-            .arg("--nbd")
-            .arg(format!("unix:{}", s(&sock)))
+        serve_cmd(&img, &key, &sock)
             .arg("--control")
             .arg(&ctl)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
             .spawn()
             .unwrap()
     };
@@ -1145,13 +1140,9 @@ fn two_keyslots_rotate_online() {
     ok(UCRYPT, &a);
     let (sock, ctl) = (t.path("nbd.sock"), t.path("control.sock"));
     let serve = || {
-        Command::new(UCRYPT)
-            .args(["serve", s(&img), "--key-file", s(&key), "--nbd"])
-            .arg(format!("unix:{}", s(&sock)))
+        serve_cmd(&img, &key, &sock)
             .arg("--control")
             .arg(&ctl)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
             .spawn()
             .unwrap()
     };
@@ -1275,17 +1266,20 @@ fn two_keyslots_rotate_online() {
 /// first), once the socket is there.
 fn serve_nbd(img: &Path, key: &Path, sock: &Path) -> Reaped {
     let _ = std::fs::remove_file(sock);
-    let mut server = Reaped(
-        Command::new(UCRYPT)
-            .args(["serve", s(img), "--key-file", s(key), "--nbd"])
-            .arg(format!("unix:{}", s(sock)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut server = Reaped(serve_cmd(img, key, sock).spawn().unwrap());
     wait_for(sock, &mut server.0);
     server
+}
+
+/// The command of `ucrypt serve IMG` over NBD on the unix socket `sock`, its standard streams
+/// closed.
+fn serve_cmd(img: &Path, key: &Path, sock: &Path) -> Command {
+    let mut c = Command::new(UCRYPT);
+    c.args(["serve", s(img), "--key-file", s(key), "--nbd"])
+        .arg(format!("unix:{}", s(sock)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    c
 }
 
 /// A volume `ucrypt serve` serves without `--control` (no way to reencrypt it online): an
