@@ -66,6 +66,10 @@ enum Cmd {
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
+    /// The hotzones of an online rotation, in a process of their own (started by the process
+    /// that serves the volume; not for users).
+    #[command(name = daemon::worker::WORKER_VERB, hide = true)]
+    ReencryptWorker(daemon::worker::WorkerArgs),
 }
 
 /// Parses a `ucrypt open ...` command line (a ucrypttab entry's) with the command's own parser.
@@ -103,6 +107,7 @@ fn main() {
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Tab(c) => tab::run(c),
+        Cmd::ReencryptWorker(a) => daemon::worker::run_worker(a),
     };
     std::process::exit(code);
 }

@@ -444,12 +444,55 @@ fn offline_reencrypt_is_refused_on_a_volume_a_daemon_serves() {
     drop(c);
 }
 
+/// Which process a test SIGKILLs mid-rotation.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Victim {
+    /// The `ucrypt open` daemon (its rotation worker dies with it).
+    Daemon,
+    /// The rotation worker alone: the daemon lives on and reports the failure.
+    Worker,
+}
+
+/// The rotation worker the daemon `daemon` (a pid) started: its pid, checked to lead a session
+/// of its own (not the daemon's).
+fn rotation_worker(daemon: &str) -> String {
+    let o = ok("pgrep", &["-P", daemon, "-f", "reencrypt-worker"]);
+    let pid = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    assert!(
+        !pid.is_empty() && !pid.contains('\n'),
+        "one worker: {pid:?}"
+    );
+    let sid = |p: &str| {
+        let o = ok("ps", &["-o", "sid=", "-p", p]);
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    assert_eq!(sid(&pid), pid, "the worker leads a session of its own");
+    assert_ne!(
+        sid(&pid),
+        sid(daemon),
+        "the worker is not in the daemon's session"
+    );
+    pid
+}
+
 #[test]
 fn daemon_killed_mid_rotation_reopens_and_resumes() {
+    killed_mid_rotation_reopens_and_resumes(Victim::Daemon);
+}
+
+#[test]
+fn worker_killed_mid_rotation_fails_it_and_the_volume_reopens_and_resumes() {
+    killed_mid_rotation_reopens_and_resumes(Victim::Worker);
+}
+
+fn killed_mid_rotation_reopens_and_resumes(victim: Victim) {
     skip_unless_rig!();
     let t = TempDir::new("kill");
     let (img, key) = volume(&t, 96);
-    let n = name("kill");
+    let n = name(match victim {
+        Victim::Daemon => "kill",
+        Victim::Worker => "killw",
+    });
     let dev = format!("{DEV_DIR}/{n}");
     open(&img, &key, &n);
     let mut c = Cleanup {
@@ -474,7 +517,7 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
         .args(&a)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     c.procs.push(verb);
@@ -516,10 +559,35 @@ fn daemon_killed_mid_rotation_reopens_and_resumes() {
         started.elapsed() < Duration::from_secs(20),
         "the second reencryption waited"
     );
-    ok("kill", &["-9", pid.trim()]);
-    let st = c.procs[0].wait().unwrap();
-    assert!(!st.success(), "the verb succeeded although its daemon died");
-    c.procs.clear();
+    let worker = rotation_worker(pid.trim());
+    match victim {
+        Victim::Daemon => {
+            ok("kill", &["-9", pid.trim()]);
+            let st = c.procs[0].wait().unwrap();
+            assert!(!st.success(), "the verb succeeded although its daemon died");
+            c.procs.clear();
+            // The worker dies with its daemon.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Path::new(&format!("/proc/{worker}")).exists() {
+                assert!(Instant::now() < deadline, "the worker outlived its daemon");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Victim::Worker => {
+            ok("kill", &["-9", &worker]);
+            let o = c.procs.remove(0).wait_with_output().unwrap();
+            assert_eq!(o.status.code(), Some(1), "the verb: {}", text(&o));
+            assert!(
+                text(&o).contains("rotation worker ended without a word"),
+                "the verb says why: {}",
+                text(&o)
+            );
+            // The daemon lives on and reports the rotation failed.
+            let st = status(&n);
+            assert!(st.contains(", failed"), "{st}");
+            assert!(Path::new(&format!("/proc/{}", pid.trim())).exists());
+        }
+    }
     std::thread::sleep(Duration::from_millis(300));
     let dump = String::from_utf8_lossy(&ok(UCRYPT, &["luksDump", s(&img)]).stdout).to_string();
     assert!(

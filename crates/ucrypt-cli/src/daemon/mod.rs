@@ -29,6 +29,7 @@ mod proto;
 mod serve;
 mod server;
 mod state;
+pub mod worker;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};

@@ -5,7 +5,7 @@
 //! or `--active-name`), or a `serve`, `mount` or `ublk` process with `--control PATH` (named
 //! by `reencrypt --control PATH`); [`start_rotation`] is their side of it.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +18,7 @@ use ucrypt::{BlockDev, SecretBytes};
 
 use super::proto::{self, ReencryptionReport, Request, Response, ResumeKey};
 use super::state::{self, Identity, RunDir};
+use super::worker;
 use super::{expect_status_at, live_dir};
 use crate::error::{CliError, CliResult};
 
@@ -81,6 +82,7 @@ pub fn start_rotation(
     // keyslot verb, an offline reencrypt) waits for the end, readers (`luksDump`, `status`)
     // do not, as beside cryptsetup's own reencryption. A remote volume has none.
     let lock_at = header.unwrap_or(volume).to_path_buf();
+    let header_path = header;
     let header = match header {
         None => None,
         Some(p) => {
@@ -94,6 +96,11 @@ pub fn start_rotation(
             }
         }
     };
+    // A local volume's hotzones run in a worker process of their own session (`worker`); a
+    // remote one's (`rbd:`, `nbd:`) on a thread here, through this process's connection.
+    let local = std::fs::metadata(volume)
+        .is_ok_and(|m| m.is_file() || m.file_type().is_block_device())
+        .then(|| (volume.to_path_buf(), header_path.map(Path::to_path_buf)));
     let (vol, report) = (vol.clone(), rotation.clone());
     let spawned = std::thread::Builder::new()
         .name("ucrypt-reencrypt".into())
@@ -104,26 +111,45 @@ pub fn start_rotation(
             } else {
                 Ok(None)
             };
-            let r = locked.and_then(|locked| {
-                let r =
-                    luks::reencrypt_online::rotate(&vol, header, pass.as_ref(), opts, &mut |p| {
-                        if let Some(rep) = lock(&report).as_mut() {
-                            rep.done_bytes = p.done;
-                            rep.total_bytes = p.total;
+            let mut progress = |p: luks::reencrypt_run::Progress| {
+                if let Some(rep) = lock(&report).as_mut() {
+                    rep.done_bytes = p.done;
+                    rep.total_bytes = p.total;
+                }
+            };
+            let r: Result<(), (i32, String)> = match locked {
+                Err(e) => Err(worker::reported(e)),
+                Ok(locked) => {
+                    let r = match &local {
+                        Some((data, hdr)) => {
+                            let at = (data.as_path(), hdr.as_deref());
+                            match worker::serve_worker(&vol, at, pass.as_ref(), opts, &mut progress)
+                            {
+                                worker::Ended::Finished => Ok(()),
+                                worker::Ended::Failed(code, message) => Err((code, message)),
+                            }
                         }
-                    });
-                drop(locked);
-                r
-            });
+                        None => luks::reencrypt_online::rotate(
+                            &vol,
+                            header,
+                            pass.as_ref(),
+                            opts,
+                            &mut progress,
+                        )
+                        .map_err(worker::reported),
+                    };
+                    drop(locked);
+                    r
+                }
+            };
             drop(pass);
             let mut g = lock(&report);
             if let Some(rep) = g.as_mut() {
                 rep.running = false;
                 rep.finished = Some(r.is_ok());
-                if let Err(e) = r {
-                    let e = CliError::from(e);
-                    rep.code = Some(e.exit_code());
-                    rep.error = Some(e.to_string());
+                if let Err((code, message)) = r {
+                    rep.code = Some(code);
+                    rep.error = Some(message);
                 }
             }
         });

@@ -510,20 +510,17 @@ impl Serving for Online<'_> {
         }
     }
 
-    fn hold(&mut self, offset: u64, len: u64) {
+    fn hold(&mut self, offset: u64, len: u64) -> Result<()> {
         // start() made the segments; the hotzone lock asserts one hotzone at a time.
-        let r = self.vol.hold_hotzone(offset, len);
-        debug_assert!(r.is_ok(), "hotzone held without segments");
+        self.vol.hold_hotzone(offset, len)
     }
 
-    fn rewrite(&mut self, offset: u64, len: u64) {
-        let r = self.vol.hotzone_rewrite(offset, len);
-        debug_assert!(r.is_ok(), "hotzone rewritten without segments");
+    fn rewrite(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.vol.hotzone_rewrite(offset, len)
     }
 
-    fn rewritten(&mut self, offset: u64, len: u64) {
-        let r = self.vol.hotzone_rewritten(offset, len);
-        debug_assert!(r.is_ok(), "hotzone rewritten without segments");
+    fn rewritten(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.vol.hotzone_rewritten(offset, len)
     }
 
     fn piece_bytes(&self, hotzone_bytes: u64) -> Option<u64> {
@@ -534,18 +531,32 @@ impl Serving for Online<'_> {
         Some(rekey_lanes_serving())
     }
 
-    fn release(&mut self, done: u64) {
-        let r = self.vol.release_hotzone(done);
-        debug_assert!(r.is_ok(), "hotzone released without segments");
+    fn release(&mut self, done: u64) -> Result<()> {
+        self.vol.release_hotzone(done)?;
         // After the last hotzone the rotation ends: no pause.
         if done < self.vol.size() {
             self.pace();
         }
+        Ok(())
     }
 
     fn failed(&mut self) {
         self.vol.break_hotzone();
     }
+}
+
+/// The volume's side of the hotzone loop, for a driver that runs the loop somewhere else (the
+/// CLI's rotation worker, a process of its own) and relays its [`Serving`] calls here; after
+/// the loop finished, [`finish_rotation`] switches the volume to the new side, as [`rotate`]
+/// does.
+pub fn serving(vol: &Volume) -> impl Serving + '_ {
+    Online::new(vol)
+}
+
+/// After a hotzone loop relayed through [`serving`] finished: the volume serves the new side
+/// alone.
+pub fn finish_rotation(vol: &Volume) -> Result<()> {
+    vol.end_segments()
 }
 
 /// Rotates the key of `vol` while it serves I/O: the header (on the volume's backend, or the

@@ -131,7 +131,7 @@ pub(super) fn rewrite_pieces(
         let next = (k + 1 < count).then(|| range(k + 1));
         let (cur_buf, next_buf) = two_pieces(buf, cur.clone(), next.clone());
         let at = offset + cur.start as u64;
-        serving.rewrite(at, cur.len() as u64);
+        serving.rewrite(at, cur.len() as u64)?;
         let (wrote, keyed) = std::thread::scope(|sc| {
             let keying = next.zip(next_buf).map(|(n, b)| {
                 let rekey = &mut *rekey;
@@ -141,7 +141,7 @@ pub(super) fn rewrite_pieces(
             (wrote, keying.map(|h| h.join()))
         });
         wrote?;
-        serving.rewritten(at, cur.len() as u64);
+        serving.rewritten(at, cur.len() as u64)?;
         if let Some(k) = keyed {
             k.map_err(|_| Error::Bug("rekey thread panicked"))??;
         }
@@ -222,14 +222,20 @@ mod tests {
         ) -> Result<()> {
             Ok(())
         }
-        fn hold(&mut self, _: u64, _: u64) {}
-        fn rewrite(&mut self, offset: u64, len: u64) {
+        fn hold(&mut self, _: u64, _: u64) -> Result<()> {
+            Ok(())
+        }
+        fn rewrite(&mut self, offset: u64, len: u64) -> Result<()> {
             self.0.push(('w', offset, len));
+            Ok(())
         }
-        fn rewritten(&mut self, offset: u64, len: u64) {
+        fn rewritten(&mut self, offset: u64, len: u64) -> Result<()> {
             self.0.push(('d', offset, len));
+            Ok(())
         }
-        fn release(&mut self, _: u64) {}
+        fn release(&mut self, _: u64) -> Result<()> {
+            Ok(())
+        }
         fn failed(&mut self) {}
     }
 

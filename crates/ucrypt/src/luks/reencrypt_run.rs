@@ -2040,14 +2040,18 @@ pub trait Serving {
     ) -> Result<()>;
     /// Before the hotzone `[offset, offset + len)` is read: returns once no write touches it,
     /// and none will until [`Serving::release`] (its data stays the old ciphertext).
-    fn hold(&mut self, offset: u64, len: u64);
+    fn hold(&mut self, offset: u64, len: u64) -> Result<()>;
     /// Before the piece `[offset, offset + len)` of the hotzone is rewritten: returns once no
     /// request at all touches the piece.
-    fn rewrite(&mut self, _offset: u64, _len: u64) {}
+    fn rewrite(&mut self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
     /// After the piece `[offset, offset + len)` was rewritten (written, not yet flushed). A
     /// hotzone's pieces are rewritten from its start going forward, from its end going
     /// backward.
-    fn rewritten(&mut self, _offset: u64, _len: u64) {}
+    fn rewritten(&mut self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
     /// The pieces a hotzone of `hotzone_bytes` is read, journalled and rewritten in (`None`:
     /// the whole hotzone at once), so that a request waits for one piece at most, and the
     /// device's queue holds one piece of the rotation's I/O at a time.
@@ -2059,7 +2063,7 @@ pub trait Serving {
         None
     }
     /// After the hotzone's last commit: the data below `done` is under the new key.
-    fn release(&mut self, done: u64);
+    fn release(&mut self, done: u64) -> Result<()>;
     /// The loop failed while a hotzone was held: its data may be half rewritten.
     fn failed(&mut self);
 }
@@ -2071,8 +2075,12 @@ impl Serving for Offline {
     fn start(&mut self, _: Option<(CipherSpec, &[u8], SectorSize)>, _: u64, _: bool) -> Result<()> {
         Ok(())
     }
-    fn hold(&mut self, _: u64, _: u64) {}
-    fn release(&mut self, _: u64) {}
+    fn hold(&mut self, _: u64, _: u64) -> Result<()> {
+        Ok(())
+    }
+    fn release(&mut self, _: u64) -> Result<()> {
+        Ok(())
+    }
     fn failed(&mut self) {}
 }
 
@@ -2203,14 +2211,14 @@ fn run_hotzones(
                     if matches!(u.protect, Protect::None) && len <= piece_max =>
                 {
                     cur = len;
-                    serving.hold(offset, len);
                     *held = true;
+                    serving.hold(offset, len)?;
                     read_later = true;
                 }
                 Step::ReadOld { offset, len } => {
                     cur = len;
-                    serving.hold(offset, len);
                     *held = true;
+                    serving.hold(offset, len)?;
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let at = u.data_offset + offset;
                     summed = false;
@@ -2252,8 +2260,8 @@ fn run_hotzones(
                 }
                 Step::ReadAt { from, offset, len } => {
                     cur = len;
-                    serving.hold(offset, len);
                     *held = true;
+                    serving.hold(offset, len)?;
                     read_lanes(
                         devs.data,
                         &mut hot.as_mut_slice()[..len as usize],
@@ -2291,13 +2299,13 @@ fn run_hotzones(
                     pos = p;
                     if p.hotzone.is_none() {
                         *held = false;
-                        serving.release(p.done);
+                        serving.release(p.done)?;
                     }
                 }
                 Step::MoveNew { from, offset, len } => {
-                    serving.hold(offset, len);
                     *held = true;
-                    serving.rewrite(offset, len);
+                    serving.hold(offset, len)?;
+                    serving.rewrite(offset, len)?;
                     move_new(devs.data, u, from, offset, len, hot.as_mut_slice())?;
                 }
                 Step::WriteNew { offset, len } if read_later => {
@@ -2306,7 +2314,7 @@ fn run_hotzones(
                         "the rewrite stays inside the hotzone read later"
                     );
                     read_later = false;
-                    serving.rewrite(offset, len);
+                    serving.rewrite(offset, len)?;
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let (from, to) = (u.data_offset, u.new_offset);
                     // Each chunk is read, then written where it was: nothing read later was
@@ -2322,7 +2330,7 @@ fn run_hotzones(
                         &|at, b| devs.data.read_exact_at(b, from + at),
                         &|at, b| devs.data.write_at(b, to + at),
                     )?;
-                    serving.rewritten(offset, len);
+                    serving.rewritten(offset, len)?;
                 }
                 Step::WriteNew { offset, len } if len > piece_max => {
                     let buf = &mut hot.as_mut_slice()[..len as usize];
@@ -2334,16 +2342,16 @@ fn run_hotzones(
                     )?;
                 }
                 Step::WriteNew { offset, len } => {
-                    serving.rewrite(offset, len);
+                    serving.rewrite(offset, len)?;
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.new_offset;
                     rekey_then(u, offset, buf, &|at, b| devs.data.write_at(b, base + at))?;
-                    serving.rewritten(offset, len);
+                    serving.rewritten(offset, len)?;
                 }
                 Step::Finalise => {
                     finish(devs.header, devs.data, u)?;
                     *held = false;
-                    serving.release(u.data_bytes);
+                    serving.release(u.data_bytes)?;
                     progress(Progress {
                         done: u.data_bytes,
                         total: u.data_bytes,
