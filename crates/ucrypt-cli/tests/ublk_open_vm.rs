@@ -5,7 +5,11 @@
 //! gone), `ucrypt open` again, fsck clean and the tree identical, `ucrypt close`. Then a
 //! volume in a file grown while its ext4 is mounted (FUSE + loop, where the kernel, unlike this
 //! container, lets `resize2fs` grow a mounted filesystem): `truncate`, `ucrypt resize`, online
-//! `resize2fs`, the filesystem bigger and clean.
+//! `resize2fs`, the filesystem bigger and clean. Last, a key rotated online through `ublk
+//! --control`: fio-free, dd writes a pattern through `/dev/ublkbN`, a reader compares it
+//! in a loop while `ucrypt reencrypt --control` rotates the key (its hotzones in a worker
+//! process), then the data reads back, the ciphertext changed, the header finished, and the
+//! export gives the pattern.
 
 #[path = "../../../tests/vm/harness.rs"]
 mod vm;
@@ -57,6 +61,34 @@ grep -q kept /m/kept && echo "DATA-KEPT"
 umount /m
 e2fsck -f -n /dev/ucrypt/grow && echo "FSCK-CLEAN-AFTER-GROW"
 $U close grow && echo "RESIZE-VM-OK"
+cp /mnt/host/rot.img /tmp/rot.img
+$U ublk /tmp/rot.img --key-file /mnt/host/pass --control /run/rot.sock > /tmp/ublk.out 2>&1 &
+UB=$!
+dev=
+i=0; while [ $i -lt 150 ]; do
+  dev=$(grep -o '/dev/ublkb[0-9]*' /tmp/ublk.out | head -n 1)
+  [ -n "$dev" ] && [ -b "$dev" ] && [ -S /run/rot.sock ] && break
+  sleep 0.2; i=$((i + 1))
+done
+[ -n "$dev" ] || { cat /tmp/ublk.out; exit 14; }
+dd if=/dev/urandom of=/tmp/pattern bs=1M count=32 2>/dev/null
+dd if=/tmp/pattern of=$dev bs=1M oflag=direct conv=fsync 2>/dev/null
+before=$(dd if=/tmp/rot.img bs=1M skip=16 count=32 2>/dev/null | sha256sum)
+( while [ ! -e /tmp/rot.done ]; do
+    dd if=$dev bs=1M count=32 iflag=direct 2>/dev/null | cmp -s - /tmp/pattern || echo "READ-DIFFERED"
+  done ) > /tmp/reader.out &
+RD=$!
+$U reencrypt /tmp/rot.img --control /run/rot.sock --batch-mode --key-file /mnt/host/pass \
+  --pbkdf pbkdf2 --pbkdf-force-iterations 1000 --hotzone-size 1M > /tmp/re.out 2>&1 \
+  && echo "UBLK-CONTROL-REENCRYPT-OK" || cat /tmp/re.out
+touch /tmp/rot.done; wait $RD
+grep -q READ-DIFFERED /tmp/reader.out || echo "READS-DURING-ROTATION-OK"
+dd if=$dev bs=1M count=32 iflag=direct 2>/dev/null | cmp -s - /tmp/pattern && echo "UBLK-DATA-AFTER-ROTATION"
+kill $UB; wait $UB || echo "ublk exited $?"
+after=$(dd if=/tmp/rot.img bs=1M skip=16 count=32 2>/dev/null | sha256sum)
+[ "$before" != "$after" ] && echo "CIPHERTEXT-REWRITTEN"
+$U luksDump /tmp/rot.img | grep -q "online-reencrypt" || echo "HEADER-FINISHED"
+$U export /tmp/rot.img /tmp/plain.img --key-file /mnt/host/pass && cmp -s /tmp/plain.img /tmp/pattern && echo "ROTATED-VOLUME-EXPORTS-THE-DATA"
 "#;
 
 #[test]
@@ -103,6 +135,21 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         .unwrap();
     assert!(out.status.success(), "format small");
 
+    // A volume rotated online through `ublk --control` in the VM: 32 MiB of data.
+    let rot = share.join("rot.img");
+    std::fs::File::create(&rot)
+        .unwrap()
+        .set_len(48 << 20)
+        .unwrap();
+    let out = Command::new(ucrypt)
+        .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
+        .args(["--pbkdf-force-iterations", "1000"])
+        .arg(&rot)
+        .arg(share.join("pass"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "format rot");
+
     let mut run = vm::VmRun::new(SCRIPT);
     run.disk(&img, false);
     run.share = Some(share);
@@ -123,6 +170,12 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         "DATA-KEPT",
         "FSCK-CLEAN-AFTER-GROW",
         "RESIZE-VM-OK",
+        "UBLK-CONTROL-REENCRYPT-OK",
+        "READS-DURING-ROTATION-OK",
+        "UBLK-DATA-AFTER-ROTATION",
+        "CIPHERTEXT-REWRITTEN",
+        "HEADER-FINISHED",
+        "ROTATED-VOLUME-EXPORTS-THE-DATA",
     ] {
         assert!(
             out.output.contains(marker),

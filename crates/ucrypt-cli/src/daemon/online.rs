@@ -38,7 +38,8 @@ fn refused(code: i32, error: impl Into<String>) -> Response {
 
 /// `reencrypt` on a control socket (the `ucrypt open` daemon's, or `--control` of `serve`,
 /// `mount` and `ublk`): starts rotating the key of `vol`, whose header the verb already put in
-/// reencryption, on a thread of its own (`ucrypt-reencrypt`) while the front end serves, and
+/// reencryption, on a thread of its own (`ucrypt-reencrypt`; for a local volume that thread
+/// has the hotzones run in a worker process, `worker`) while the front end serves, and
 /// returns; `rotation` follows it. The refusal to answer otherwise (one already running, the
 /// volume suspended, no passphrase).
 pub fn start_rotation(

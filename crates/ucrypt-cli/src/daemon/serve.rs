@@ -281,7 +281,7 @@ impl Shared {
         })
     }
 
-    /// `reencrypt`: rotates the key on a thread of its own while the front end serves; the
+    /// `reencrypt`: rotates the key while the front end serves (`online::start_rotation`); the
     /// verb follows it through `status`.
     fn reencrypt(&self, key: ResumeKey, opts: RunOptions) -> Response {
         let Some(vol) = self.vol.plain() else {
