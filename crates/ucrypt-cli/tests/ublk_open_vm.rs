@@ -102,53 +102,26 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
     let ucrypt = env!("CARGO_BIN_EXE_ucrypt");
     std::fs::copy(ucrypt, share.join("ucrypt")).unwrap();
     std::fs::write(share.join("pass"), "open-in-the-vm").unwrap();
+    // The volume ublk serves from the VM's disk; the one grown in the VM and the one rotated
+    // online through `ublk --control` (32 MiB of data after LUKS2's 16 MiB header each).
     let img = tmp.0.join("vol.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    let out = Command::new(ucrypt)
-        .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
-        .args(["--pbkdf-force-iterations", "1000"])
-        .arg(&img)
-        .arg(share.join("pass"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "format: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    // The volume grown in the VM: 32 MiB of data after LUKS2's 16 MiB header.
-    let small = share.join("small.img");
-    std::fs::File::create(&small)
-        .unwrap()
-        .set_len(48 << 20)
-        .unwrap();
-    let out = Command::new(ucrypt)
-        .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
-        .args(["--pbkdf-force-iterations", "1000"])
-        .arg(&small)
-        .arg(share.join("pass"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "format small");
-
-    // A volume rotated online through `ublk --control` in the VM: 32 MiB of data.
-    let rot = share.join("rot.img");
-    std::fs::File::create(&rot)
-        .unwrap()
-        .set_len(48 << 20)
-        .unwrap();
-    let out = Command::new(ucrypt)
-        .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
-        .args(["--pbkdf-force-iterations", "1000"])
-        .arg(&rot)
-        .arg(share.join("pass"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "format rot");
+    let (small, rot) = (share.join("small.img"), share.join("rot.img"));
+    for (path, bytes) in [(&img, 64u64 << 20), (&small, 48 << 20), (&rot, 48 << 20)] {
+        std::fs::File::create(path).unwrap().set_len(bytes).unwrap();
+        let out = Command::new(ucrypt)
+            .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
+            .args(["--pbkdf-force-iterations", "1000"])
+            .arg(path)
+            .arg(share.join("pass"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "format {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     let mut run = vm::VmRun::new(SCRIPT);
     run.disk(&img, false);

@@ -496,6 +496,16 @@ impl Serving for Link {
 /// calls over the socket on [`LINK_FD`]. Its exit code is the loop's (also sent as `End`).
 pub fn run_worker(a: WorkerArgs) -> i32 {
     ucrypt::secret::disable_core_dumps();
+    use std::os::unix::fs::FileTypeExt;
+    let linked = std::fs::metadata(format!("/proc/self/fd/{LINK_FD}"))
+        .is_ok_and(|m| m.file_type().is_socket());
+    if !linked {
+        eprintln!(
+            "ucrypt {WORKER_VERB}: no link on descriptor {LINK_FD}: the process that serves a \
+             volume starts this verb for an online reencryption (use `ucrypt reencrypt`)"
+        );
+        return 1;
+    }
     // SAFETY: LINK_FD was put there for this process by the serving one (`spawn`), which owns
     // nothing else on it; nothing else in this process uses or closes it.
     let sock = unsafe { <UnixStream as std::os::fd::FromRawFd>::from_raw_fd(LINK_FD) };
@@ -667,7 +677,10 @@ pub fn serve_worker(
         let n = match wire.receive() {
             Ok(Some(n)) => n,
             Ok(None) => break None,
-            Err(e) => break Some(Ended::Failed(CliError::from(e).exit_code(), String::new())),
+            Err(e) => {
+                let (code, message) = reported(e);
+                break Some(Ended::Failed(code, message));
+            }
         };
         let call = match Call::decode(wire.body(n)) {
             Ok(c) => c,
