@@ -124,11 +124,7 @@ pub fn start_rotation(
                     let r = match &local {
                         Some((data, hdr)) => {
                             let at = (data.as_path(), hdr.as_deref());
-                            match worker::serve_worker(&vol, at, pass.as_ref(), opts, &mut progress)
-                            {
-                                worker::Ended::Finished => Ok(()),
-                                worker::Ended::Failed(code, message) => Err((code, message)),
-                            }
+                            worker::serve_worker(&vol, at, pass.as_ref(), opts, &mut progress)
                         }
                         None => luks::reencrypt_online::rotate(
                             &vol,

@@ -606,8 +606,7 @@ fn spawn(
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::null());
     let fd = theirs.as_raw_fd();
-    // SAFETY: getpid takes no argument and cannot fail.
-    let parent = unsafe { libc::getpid() };
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
     // functions (dup2, fcntl, setsid, prctl, getppid, _exit) on plain integers; `fd` is open
     // in the child (inherited from `theirs`, which lives until after spawn returns).
@@ -644,31 +643,19 @@ pub fn reported(e: Error) -> (i32, String) {
     (e.exit_code(), e.to_string())
 }
 
-/// How a rotation in the worker ended, from the serving process's side.
-pub enum Ended {
-    Finished,
-    /// The exit code and message of its failure.
-    Failed(i32, String),
-}
-
 /// Rotates the key of `vol` (served by this process; its header in reencryption) in a worker
 /// process: starts it ([`spawn`]), answers its calls against the volume, and switches the
 /// volume to the new side when it finished. `progress` gets the worker's reports. A worker
-/// that dies while it holds a hotzone leaves the hotzone blocked, as a failed loop does.
+/// that dies while it holds a hotzone leaves the hotzone blocked, as a failed loop does. The
+/// error: the exit code and message the verb reports.
 pub fn serve_worker(
     vol: &Volume,
     (data, header): (&Path, Option<&Path>),
     pass: &[u8],
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
-) -> Ended {
-    let (mut child, mut wire) = match spawn(data, header, opts, pass) {
-        Ok(x) => x,
-        Err(e) => {
-            let e = CliError::from(e);
-            return Ended::Failed(e.exit_code(), e.to_string());
-        }
-    };
+) -> Result<(), (i32, String)> {
+    let (mut child, mut wire) = spawn(data, header, opts, pass).map_err(reported)?;
     let mut serving = reencrypt_online::serving(vol);
     let mut held = false;
     // The volume's own refusal, which says more than the worker's report of it.
@@ -677,14 +664,11 @@ pub fn serve_worker(
         let n = match wire.receive() {
             Ok(Some(n)) => n,
             Ok(None) => break None,
-            Err(e) => {
-                let (code, message) = reported(e);
-                break Some(Ended::Failed(code, message));
-            }
+            Err(e) => break Some(Err(reported(e))),
         };
         let call = match Call::decode(wire.body(n)) {
             Ok(c) => c,
-            Err(e) => break Some(Ended::Failed(1, e.to_string())),
+            Err(e) => break Some(Err(reported(e))),
         };
         let answer = match call {
             Call::Start {
@@ -716,10 +700,7 @@ pub fn serve_worker(
             Call::Rewrite { offset, len } => serving.rewrite(offset, len).map_err(reported),
             Call::Rewritten { offset, len } => match serving.rewritten(offset, len) {
                 Ok(()) => continue,
-                Err(e) => {
-                    let (code, message) = reported(e);
-                    break Some(Ended::Failed(code, message));
-                }
+                Err(e) => break Some(Err(reported(e))),
             },
             Call::Release { done } => {
                 held = false;
@@ -734,8 +715,8 @@ pub fn serve_worker(
                 progress(Progress { done, total });
                 continue;
             }
-            Call::End { code: 0, .. } => break Some(Ended::Finished),
-            Call::End { code, message } => break Some(Ended::Failed(code, message.to_string())),
+            Call::End { code: 0, .. } => break Some(Ok(())),
+            Call::End { code, message } => break Some(Err((code, message.to_string()))),
         };
         // Wipe the frame (a start carries the new key) before answering.
         wire.buf.as_mut()[..n].fill(0);
@@ -758,19 +739,10 @@ pub fn serve_worker(
     if held {
         serving.failed();
     }
-    let ended = match ended {
-        Some(Ended::Finished) => match reencrypt_online::finish_rotation(vol) {
-            Ok(()) => Ended::Finished,
-            Err(e) => {
-                let e = CliError::from(e);
-                Ended::Failed(e.exit_code(), e.to_string())
-            }
-        },
-        Some(Ended::Failed(code, message)) => {
-            let (code, message) = refusal.unwrap_or((code, message));
-            Ended::Failed(code, message)
-        }
-        None => Ended::Failed(
+    match ended {
+        Some(Ok(())) => reencrypt_online::finish_rotation(vol).map_err(reported),
+        Some(Err(e)) => Err(refusal.unwrap_or(e)),
+        None => Err((
             1,
             format!(
                 "the rotation worker ended without a word ({}): its hotzone, if it held one, \
@@ -780,9 +752,8 @@ pub fn serve_worker(
                     Err(e) => e.to_string(),
                 }
             ),
-        ),
-    };
-    ended
+        )),
+    }
 }
 
 #[cfg(test)]
