@@ -491,6 +491,21 @@ impl Metadata {
             .filter(|k| k.kind == "reencrypt")
             .count();
         let required = super::reencrypt::requirement_version(self).is_some();
+        // A reencrypt keyslot needs a requirement of reencryption's shape, as cryptsetup
+        // 2.6.1 refuses such a header on load ("Missing reencryption requirement flag";
+        // measured: `luksDump` and `open --test-passphrase` exit 1).
+        let candidate = self
+            .requirements()
+            .iter()
+            .any(|r| super::reencrypt::is_requirement_candidate(r));
+        if reencrypt > 0 && !candidate {
+            return Err(bad(
+                "reencrypt",
+                "a reencrypt keyslot without the reencryption requirement \
+                 (config.requirements.mandatory has no online-reencrypt flag)"
+                    .to_string(),
+            ));
+        }
         if reencrypt > 1 || (required && reencrypt == 0) {
             return Err(bad(
                 "reencrypt",

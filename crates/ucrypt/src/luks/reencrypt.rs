@@ -167,6 +167,15 @@ pub fn requirement_version(meta: &Metadata) -> Option<u8> {
     })
 }
 
+/// Whether a mandatory requirement has reencryption's shape, of a known version or not:
+/// `online-reencrypt`, or `online-reencrypt-v` and digits (as cryptsetup tells them).
+pub fn is_requirement_candidate(name: &str) -> bool {
+    name == REQUIREMENT_PREFIX
+        || name
+            .strip_prefix("online-reencrypt-v")
+            .is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Whether a mandatory requirement is one of reencryption's (the online ones).
 pub fn is_reencrypt_requirement(name: &str) -> bool {
     REQUIREMENT_VERSIONS.iter().any(|(n, _)| *n == name)
@@ -490,4 +499,31 @@ pub fn verification_data(
     }
     debug_assert_eq!(at, len);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requirement_candidates_are_told_as_cryptsetup_tells_them() {
+        for yes in [
+            "online-reencrypt",
+            "online-reencrypt-v2",
+            "online-reencrypt-v3",
+            "online-reencrypt-v42",
+        ] {
+            assert!(is_requirement_candidate(yes), "{yes}");
+        }
+        for no in [
+            "online-reencrypt-v",
+            "online-reencrypt-vx",
+            "online-reencrypt-v2a",
+            "offline-reencrypt",
+            "online-reencrypt2",
+            "",
+        ] {
+            assert!(!is_requirement_candidate(no), "{no}");
+        }
+    }
 }

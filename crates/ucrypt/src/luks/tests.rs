@@ -763,6 +763,16 @@ fn hostile_luks2_rows() -> Vec<(&'static str, Mutation, Expect)> {
             Reject("reencrypt"),
         ),
         (
+            // cryptsetup 2.6.1: "Missing reencryption requirement flag", not a LUKS device.
+            "reencrypt keyslot without the reencryption requirement",
+            both_json(|v| {
+                v["keyslots"]["5"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt",
+                    "direction": "forward", "priority": 0,
+                    "area": {"type": "none", "offset": "32768", "size": "4096"}});
+            }),
+            Reject("reencrypt"),
+        ),
+        (
             "reencrypt keyslot with an unknown direction",
             both_json(|v| {
                 v["keyslots"]["5"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt",
