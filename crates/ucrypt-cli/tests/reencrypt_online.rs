@@ -750,13 +750,7 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     let t = TempDir::new("serve");
     let (img, key) = volume(&t, 96);
     let (sock, ctl) = (t.path("nbd.sock"), t.path("control.sock"));
-    let serve = || {
-        serve_cmd(&img, &key, &sock)
-            .arg("--control")
-            .arg(&ctl)
-            .spawn()
-            .unwrap()
-    };
+    let serve = || serve_controlled(&img, &key, &sock, &ctl);
     let mut server = Reaped(serve());
     let mut c = Cleanup {
         name: name("serve-none"),
@@ -1207,13 +1201,7 @@ fn two_keyslots_rotate_online() {
     a.extend([s(&img), s(&key2)]);
     ok(UCRYPT, &a);
     let (sock, ctl) = (t.path("nbd.sock"), t.path("control.sock"));
-    let serve = || {
-        serve_cmd(&img, &key, &sock)
-            .arg("--control")
-            .arg(&ctl)
-            .spawn()
-            .unwrap()
-    };
+    let serve = || serve_controlled(&img, &key, &sock, &ctl);
     let mut server = Reaped(serve());
     wait_for(&ctl, &mut server.0);
     wait_for(&sock, &mut server.0);
@@ -1341,6 +1329,15 @@ fn serve_nbd(img: &Path, key: &Path, sock: &Path) -> Reaped {
 
 /// The command of `ucrypt serve IMG` over NBD on the unix socket `sock`, its standard streams
 /// closed.
+/// `serve` over NBD with the control socket `ctl`, started.
+fn serve_controlled(img: &Path, key: &Path, sock: &Path, ctl: &Path) -> Child {
+    serve_cmd(img, key, sock)
+        .arg("--control")
+        .arg(ctl)
+        .spawn()
+        .unwrap()
+}
+
 fn serve_cmd(img: &Path, key: &Path, sock: &Path) -> Command {
     let mut c = Command::new(UCRYPT);
     c.args(["serve", s(img), "--key-file", s(key), "--nbd"])
