@@ -33,22 +33,46 @@ pub(super) fn hash_blocks(data: &[u8], block: usize, hash: HashAlg, out: &mut [u
     }
 }
 
-/// Runs `work(i, piece)` for each of `pieces` on a scoped thread of its own (one lane each)
-/// and waits for all of them: the first error comes back, a panic as `Error::Bug(what)`.
-pub(super) fn on_lanes<T: Send>(
-    pieces: impl Iterator<Item = T>,
+/// Shares `chunks` out among `lanes` (a scoped thread each; the calling thread when there is
+/// one): every lane takes the next chunk as soon as it is free, so that a lane the scheduler
+/// holds back (a busy host) leaves its part to the others instead of making them wait for it
+/// at the end, as fixed shares would. The first error stops the lanes taking more chunks and
+/// comes back; a panic comes back as `Error::Bug(what)`.
+pub(super) fn share_out<L: Send, T: Send>(
+    lanes: impl Iterator<Item = L>,
+    chunks: impl Iterator<Item = T> + Send,
     what: &'static str,
-    work: impl Fn(usize, T) -> Result<()> + Sync,
+    work: impl Fn(&mut L, T) -> Result<()> + Sync,
 ) -> Result<()> {
-    let work = &work;
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::sync::{Mutex, PoisonError};
+    let queue = Mutex::new(chunks);
+    let failed = AtomicBool::new(false);
+    let run = |mut lane: L| -> Result<()> {
+        while !failed.load(Relaxed) {
+            // Held only to take the next chunk, never while working on it.
+            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+            let Some(chunk) = next else { break };
+            work(&mut lane, chunk).inspect_err(|_| failed.store(true, Relaxed))?;
+        }
+        Ok(())
+    };
+    let mut lanes: Vec<L> = lanes.collect();
+    if lanes.len() <= 1 {
+        return lanes.pop().map_or(Ok(()), run);
+    }
+    let run = &run;
     std::thread::scope(|sc| {
-        let handles: Vec<_> = pieces
-            .enumerate()
-            .map(|(i, p)| sc.spawn(move || work(i, p)))
-            .collect();
-        handles
+        let handles: Vec<_> = lanes
             .into_iter()
-            .try_for_each(|h| h.join().map_err(|_| Error::Bug(what))?)
+            .map(|lane| sc.spawn(move || run(lane)))
+            .collect();
+        // Every lane is joined before the first error comes back.
+        let results: Vec<Result<()>> = handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| Error::Bug(what))?)
+            .collect();
+        results.into_iter().collect()
     })
 }
 
@@ -178,19 +202,48 @@ mod tests {
     use crate::backend::MemBackend;
 
     #[test]
-    fn on_lanes_runs_every_piece_and_returns_an_error() {
-        let mut out = [0u8; 4];
-        on_lanes(out.iter_mut(), "lane panicked", |i, b| {
-            *b = i as u8 + 1;
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(out, [1, 2, 3, 4]);
-        let err = on_lanes(0..4, "lane panicked", |i, _| match i {
-            2 => Err(Error::Bug("lane 2 failed")),
+    fn share_out_runs_every_chunk_once_and_returns_an_error() {
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        for lanes in [1, 2, 5] {
+            let mut out = [0u8; 64];
+            let by_lane: Vec<AtomicUsize> = (0..lanes).map(|_| AtomicUsize::new(0)).collect();
+            share_out(
+                0..lanes,
+                out.iter_mut().enumerate(),
+                "lane panicked",
+                |l, (i, b)| {
+                    *b += i as u8 + 1;
+                    by_lane[*l].fetch_add(1, Relaxed);
+                    Ok(())
+                },
+            )
+            .unwrap();
+            let want: Vec<u8> = (1..=64).collect();
+            assert_eq!(out.to_vec(), want, "{lanes} lanes: each chunk once");
+            let done: usize = by_lane.iter().map(|n| n.load(Relaxed)).sum();
+            assert_eq!(done, 64);
+        }
+        let taken = AtomicUsize::new(0);
+        let err = share_out(0..2, 0..1000, "lane panicked", |_, i| {
+            taken.fetch_add(1, Relaxed);
+            match i {
+                3 => Err(Error::Bug("chunk 3 failed")),
+                _ => Ok(()),
+            }
+        });
+        assert!(matches!(err, Err(Error::Bug("chunk 3 failed"))), "{err:?}");
+        assert!(
+            taken.load(Relaxed) < 1000,
+            "the lanes stop taking chunks after an error"
+        );
+        let panicked = share_out(0..2, 0..4, "lane panicked", |_, i| match i {
+            1 => panic!("lane work panics"),
             _ => Ok(()),
         });
-        assert!(matches!(err, Err(Error::Bug("lane 2 failed"))), "{err:?}");
+        assert!(
+            matches!(panicked, Err(Error::Bug("lane panicked"))),
+            "{panicked:?}"
+        );
     }
 
     #[test]

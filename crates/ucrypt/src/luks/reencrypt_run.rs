@@ -24,14 +24,14 @@
 use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
 use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
-use super::reencrypt_pieces::{hash_blocks, on_lanes, pieces, read_summing, rewrite_pieces};
+use super::reencrypt_pieces::{hash_blocks, pieces, read_summing, rewrite_pieces, share_out};
 use super::reencrypt_plan::{
     area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
     next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry, shift_source,
     unshift_geometry, MovedGuard, Position, Protect, Shift, Step, Unshift,
     UNSHIFT_REQUIREMENT_VERSION,
 };
-use super::util::{b64_encode, random_fill, random_secret, HashAlg};
+use super::util::{b64_encode, random_fill, random_secret, HashAlg, Noise};
 use super::{
     apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, WriteOp,
     DIGEST_TIME_MS, KEYSLOTS_MAX,
@@ -881,7 +881,7 @@ const SHIFT_AREA_BYTES: u64 = 4096;
 const COPY_PIECE_BYTES: u64 = 4 << 20;
 
 /// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
-/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)` through one buffer of at most
+/// then writes random bytes ([`Noise`]) over `[wipe.0, wipe.0 + wipe.1)` through one buffer of at most
 /// [`COPY_PIECE_BYTES`].
 fn copy_then_wipe(dev: &dyn Backend, from: u64, to: u64, len: u64, wipe: (u64, u64)) -> Result<()> {
     copy_across(dev, from, dev, to, len)?;
@@ -894,10 +894,11 @@ fn copy_then_wipe(dev: &dyn Backend, from: u64, to: u64, len: u64, wipe: (u64, u
     let pool = BufferPool::new(piece as usize)?;
     let mut g = pool.take(piece as usize)?;
     let buf = g.as_mut_slice();
+    let mut noise = Noise::new()?;
     let mut at = 0;
     while at < wipe.1 {
         let n = (wipe.1 - at).min(piece) as usize;
-        random_fill(&mut buf[..n])?;
+        noise.fill(&mut buf[..n])?;
         dev.write_at(&buf[..n], wipe.0 + at)?;
         at += n as u64;
     }
@@ -1797,18 +1798,17 @@ pub struct RunOptions {
 }
 
 /// Decrypts `buf` (the old bytes at data offset `offset`) with the old key and encrypts it
-/// with the new one, in place (a linear side is left as it is): cut into one piece per lane
-/// (whole `align` units), each on its own thread with its own ciphers; one lane for buffers
-/// under [`LANE_BYTES_MIN`].
+/// with the new one, in place (a linear side is left as it is): cut into chunks of
+/// [`LANE_CHUNK_BYTES`] (whole `align` units) shared out among the lanes ([`share_out`]), each
+/// on its own thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
     rekey_then(u, offset, buf, &|_, _| Ok(()))
 }
 
 /// [`rekey`], each lane then handing its bytes (data offset, bytes) to `then` — the write of
 /// the new ciphertext, so that the lanes' writes overlap each other's crypto and the copies
-/// into the device run on every lane. A lane works through its piece in chunks of
-/// [`LANE_CHUNK_BYTES`], each decrypted, encrypted and handed on while it is in the CPU's
-/// cache: one pass over memory instead of three.
+/// into the device run on every lane. Each chunk is decrypted, encrypted and handed on while
+/// it is in the CPU's cache: one pass over memory instead of three.
 fn rekey_then(
     u: &mut Unlocked,
     offset: u64,
@@ -1838,38 +1838,41 @@ fn rekey_stream(
         align > 0 && LANE_CHUNK_BYTES % align == 0,
         "a lane's chunk holds whole sectors"
     );
-    let piece = lane_piece(buf.len(), lanes, align);
-    let one = |(old, new): &mut Lane, at: u64, b: &mut [u8]| -> Result<()> {
-        let mut o = at;
-        for c in b.chunks_mut(LANE_CHUNK_BYTES) {
-            fill(o, c)?;
-            if let Some(old) = old {
-                old.decrypt(o / old.sector_bytes() as u64, c)?;
-            }
-            if let Some(new) = new {
-                new.encrypt(o / new.sector_bytes() as u64, c)?;
-            }
-            then(o, c)?;
-            o += c.len() as u64;
+    let chunks = buf
+        .chunks_mut(LANE_CHUNK_BYTES)
+        .enumerate()
+        .map(|(i, c)| (offset + (i * LANE_CHUNK_BYTES) as u64, c));
+    let one = |lane: &mut &mut Lane, (o, c): (u64, &mut [u8])| -> Result<()> {
+        let (old, new) = &mut **lane;
+        fill(o, c)?;
+        if let Some(old) = old {
+            old.decrypt(o / old.sector_bytes() as u64, c)?;
         }
-        Ok(())
+        if let Some(new) = new {
+            new.encrypt(o / new.sector_bytes() as u64, c)?;
+        }
+        then(o, c)
     };
-    if lanes == 1 {
-        return one(&mut u.lanes[0], offset, buf);
-    }
-    let work = buf.chunks_mut(piece).zip(u.lanes.iter_mut());
-    on_lanes(work, "rekey thread panicked", |i, (b, lane)| {
-        one(lane, offset + (i * piece) as u64, b)
-    })
+    share_out(
+        u.lanes.iter_mut().take(lanes),
+        chunks,
+        "rekey thread panicked",
+        one,
+    )
 }
 
-/// Each lane's piece of `len` bytes shared by `lanes`: whole `unit`s, at least one.
-fn lane_piece(len: usize, lanes: usize, unit: usize) -> usize {
-    len.div_ceil(lanes.max(1)).div_ceil(unit).max(1) * unit
+/// The lanes `lanes` asks for, or one for a buffer of `len` bytes under [`LANE_BYTES_MIN`].
+fn lanes_for(len: usize, lanes: usize) -> std::iter::RepeatN<()> {
+    let n = if len < LANE_BYTES_MIN {
+        1
+    } else {
+        lanes.max(1)
+    };
+    std::iter::repeat_n((), n)
 }
 
-/// Reads `buf` from `at`, one piece per lane on its own thread (the copies out of the device
-/// run on every CPU); one read for buffers under [`LANE_BYTES_MIN`].
+/// Reads `buf` from `at` in chunks of [`LANE_CHUNK_BYTES`] shared out among the lanes (the
+/// copies out of the device run on every CPU); one lane for buffers under [`LANE_BYTES_MIN`].
 fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: usize) -> Result<()> {
     read_lanes_then(dev, buf, at, lanes, &|_, _| Ok(()))
 }
@@ -1883,26 +1886,17 @@ fn read_lanes_then(
     lanes: usize,
     then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
 ) -> Result<()> {
-    let one = |b: &mut [u8], start: usize| -> Result<()> {
-        let mut o = start;
-        for c in b.chunks_mut(LANE_CHUNK_BYTES) {
-            dev.read_exact_at(c, at + o as u64)?;
-            then(o as u64, c)?;
-            o += c.len();
-        }
-        Ok(())
-    };
-    if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
-        return one(buf, 0);
-    }
-    let piece = lane_piece(buf.len(), lanes, AREA_ALIGN_BYTES as usize);
-    on_lanes(buf.chunks_mut(piece), "read thread panicked", |i, b| {
-        one(b, i * piece)
+    let lanes = lanes_for(buf.len(), lanes);
+    let chunks = buf.chunks_mut(LANE_CHUNK_BYTES).enumerate();
+    share_out(lanes, chunks, "read thread panicked", |_, (i, c)| {
+        let o = (i * LANE_CHUNK_BYTES) as u64;
+        dev.read_exact_at(c, at + o)?;
+        then(o, c)
     })
 }
 
-/// [`read_lanes`], each lane hashing every `block` bytes it read into its part of `sums` (one
-/// digest after the other, as [`checksums`]) a chunk at a time, while they are in its cache.
+/// [`read_lanes`], each lane hashing every `block` bytes of a chunk it read into that chunk's
+/// part of `sums` (one digest after the other, as [`checksums`]) while they are in its cache.
 fn read_lanes_summing(
     dev: &dyn Backend,
     buf: &mut [u8],
@@ -1916,43 +1910,28 @@ fn read_lanes_summing(
         block > 0 && buf.len() % block == 0 && sums.len() >= buf.len() / block * hb,
         "whole checksum blocks, a digest for each"
     );
-    let unit = block.max(AREA_ALIGN_BYTES as usize);
     assert!(
-        unit % block == 0 && LANE_CHUNK_BYTES % unit == 0,
-        "pieces and chunks of whole blocks"
+        LANE_CHUNK_BYTES % block == 0,
+        "chunks of whole checksum blocks"
     );
-    let one = |b: &mut [u8], out: &mut [u8], start: usize| -> Result<()> {
-        let mut o = start;
-        let mut out = out;
-        for c in b.chunks_mut(LANE_CHUNK_BYTES) {
-            dev.read_exact_at(c, at + o as u64)?;
-            let (mine, rest) = std::mem::take(&mut out).split_at_mut(c.len() / block * hb);
-            hash_blocks(c, block, hash, mine);
-            out = rest;
-            o += c.len();
-        }
+    let lanes = lanes_for(buf.len(), lanes);
+    let chunks = buf
+        .chunks_mut(LANE_CHUNK_BYTES)
+        .zip(sums.chunks_mut(LANE_CHUNK_BYTES / block * hb))
+        .enumerate();
+    share_out(lanes, chunks, "read thread panicked", |_, (i, (c, out))| {
+        dev.read_exact_at(c, at + (i * LANE_CHUNK_BYTES) as u64)?;
+        hash_blocks(c, block, hash, out);
         Ok(())
-    };
-    if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
-        return one(buf, sums, 0);
-    }
-    let piece = lane_piece(buf.len(), lanes, unit);
-    let work = buf
-        .chunks_mut(piece)
-        .zip(sums.chunks_mut(piece / block * hb));
-    on_lanes(work, "read thread panicked", |i, (b, out)| {
-        one(b, out, i * piece)
     })
 }
 
-/// Writes `buf` at `at`, one piece per lane as [`read_lanes`] reads.
+/// Writes `buf` at `at`, in chunks shared out among the lanes as [`read_lanes`] reads.
 fn write_lanes(dev: &dyn Backend, buf: &[u8], at: u64, lanes: usize) -> Result<()> {
-    if lanes <= 1 || buf.len() < LANE_BYTES_MIN {
-        return dev.write_at(buf, at);
-    }
-    let piece = lane_piece(buf.len(), lanes, AREA_ALIGN_BYTES as usize);
-    on_lanes(buf.chunks(piece), "write thread panicked", |i, b| {
-        dev.write_at(b, at + (i * piece) as u64)
+    let lanes = lanes_for(buf.len(), lanes);
+    let chunks = buf.chunks(LANE_CHUNK_BYTES).enumerate();
+    share_out(lanes, chunks, "write thread panicked", |_, (i, c)| {
+        dev.write_at(c, at + (i * LANE_CHUNK_BYTES) as u64)
     })
 }
 
@@ -1960,11 +1939,12 @@ fn write_lanes(dev: &dyn Backend, buf: &[u8], at: u64, lanes: usize) -> Result<(
 fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: usize) -> Result<()> {
     let hb = hash.output_bytes();
     let n = data.len() / block;
-    let per = n.div_ceil(lanes.max(1)).max(1);
-    let work = data[..n * block]
+    let per = (LANE_CHUNK_BYTES / block).max(1);
+    let chunks = data[..n * block]
         .chunks(per * block)
         .zip(out[..n * hb].chunks_mut(per * hb));
-    on_lanes(work, "checksum thread panicked", |_, (d, o)| {
+    let lanes = lanes_for(data.len(), lanes);
+    share_out(lanes, chunks, "checksum thread panicked", |_, (d, o)| {
         hash_blocks(d, block, hash, o);
         Ok(())
     })
@@ -2001,7 +1981,7 @@ fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) -> Result<()>
     dev.flush()
 }
 
-/// Writes random bytes over each (device, (offset, length)), a bounded piece
+/// Writes random bytes ([`Noise`]) over each (device, (offset, length)), a bounded piece
 /// ([`WIPE_PIECE_BYTES`]) at a time from one page-aligned buffer (the pool's, as a device
 /// opened with O_DIRECT needs: the `open` daemon's is). No flush.
 fn wipe_random<'a>(
@@ -2013,13 +1993,14 @@ fn wipe_random<'a>(
     let piece = WIPE_PIECE_BYTES.min(longest).max(AREA_ALIGN_BYTES) as usize;
     let pool = BufferPool::new(piece)?;
     let mut g = pool.take(piece)?;
-    let noise = g.as_mut_slice();
+    let buf = g.as_mut_slice();
+    let mut noise = Noise::new()?;
     for (d, (offset, len)) in ranges {
         let mut at = 0;
         while at < len {
-            let n = (len - at).min(noise.len() as u64) as usize;
-            random_fill(&mut noise[..n])?;
-            d.write_at(&noise[..n], offset + at)?;
+            let n = (len - at).min(buf.len() as u64) as usize;
+            noise.fill(&mut buf[..n])?;
+            d.write_at(&buf[..n], offset + at)?;
             at += n as u64;
         }
     }

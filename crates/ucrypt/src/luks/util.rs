@@ -158,6 +158,59 @@ pub fn random_fill(buf: &mut [u8]) -> Result<()> {
     })
 }
 
+/// Random bytes for wiping, where the kernel's generator is the slow part (about 0.4 GB/s
+/// measured here, against several GB/s for AES with AES-NI): zeros encrypted with
+/// aes-xts-plain64 under a fresh random 512-bit key, each 4 KiB sector under its own sector
+/// number, none repeated in one stream. This is cryptsetup's "encrypted zero" wipe pattern.
+/// For overwriting areas only: keys, salts and UUIDs come from [`random_fill`].
+pub struct Noise {
+    cipher: crate::sector::SectorCipher,
+    /// The next sector number of the stream.
+    sector: u64,
+}
+
+impl Noise {
+    /// The bytes of one sector of the stream.
+    const SECTOR_BYTES: usize = 4096;
+
+    /// A stream under a fresh random key (zeroised when the stream is dropped).
+    pub fn new() -> Result<Self> {
+        use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+        let spec: CipherSpec = "aes-xts-plain64".parse()?;
+        let key = random_secret(64)?;
+        let geometry = Geometry::new(SectorSize::new(Self::SECTOR_BYTES as u64)?);
+        Ok(Noise {
+            cipher: SectorCipher::new(spec, key.as_ref(), geometry)?,
+            sector: 0,
+        })
+    }
+
+    /// Fills `buf` with the stream's next bytes (a tail shorter than a sector takes the start
+    /// of a whole one).
+    pub fn fill(&mut self, buf: &mut [u8]) -> Result<()> {
+        let whole = buf.len() / Self::SECTOR_BYTES * Self::SECTOR_BYTES;
+        let (head, tail) = buf.split_at_mut(whole);
+        head.fill(0);
+        self.cipher.encrypt(self.sector, head)?;
+        self.sector += (whole / Self::SECTOR_BYTES) as u64;
+        if !tail.is_empty() {
+            let mut last = [0u8; Self::SECTOR_BYTES];
+            self.cipher.encrypt(self.sector, &mut last)?;
+            self.sector += 1;
+            tail.copy_from_slice(&last[..tail.len()]);
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Noise {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Noise")
+            .field("sector", &self.sector)
+            .finish()
+    }
+}
+
 /// A fresh random secret of `len` bytes.
 pub fn random_secret(len: usize) -> Result<SecretBytes> {
     let mut s = SecretBytes::zeroed(len);
@@ -301,6 +354,40 @@ mod tests {
         for bad in ["A", "AB=C", "A===", "AB\nC", "AB!C", "AA==AAAA"] {
             assert!(b64_decode(bad).is_none(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn noise_never_repeats_a_block_and_streams_differ() {
+        // 1 MiB + 100 bytes in uneven fills: every 16-byte block distinct, none all zero, and
+        // each byte value near its share (a stream that repeated or stuck would fail).
+        let mut n = Noise::new().unwrap();
+        let mut out = vec![0u8; (1 << 20) + 100];
+        let mut at = 0;
+        for len in [4096, 100, 12288, 1, 4095].iter().cycle() {
+            let end = (at + len).min(out.len());
+            n.fill(&mut out[at..end]).unwrap();
+            at = end;
+            if at == out.len() {
+                break;
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for b in out.chunks_exact(16) {
+            assert!(b.iter().any(|&x| x != 0), "an all-zero block");
+            assert!(seen.insert(b.to_vec()), "a repeated block");
+        }
+        let mut count = [0usize; 256];
+        out.iter().for_each(|&b| count[b as usize] += 1);
+        let share = out.len() / 256;
+        assert!(
+            count
+                .iter()
+                .all(|&c| c > share * 9 / 10 && c < share * 11 / 10),
+            "byte counts far from uniform: {count:?}"
+        );
+        let mut other = vec![0u8; 4096];
+        Noise::new().unwrap().fill(&mut other).unwrap();
+        assert_ne!(other, out[..4096], "two streams under two keys");
     }
 
     fn hex(b: &[u8]) -> String {
