@@ -903,6 +903,75 @@ fn cryptsetup_finishes_a_decryption_ucrypt_was_killed_in() {
     println!("{mid_way} of {rounds} decryptions left mid-way and finished by cryptsetup");
 }
 
+/// Whether the primary copy of the LUKS2 header in `hdr` (its JSON area, read straight from
+/// the file: cheap enough to poll without a pause) has a hotzone segment at data offset 0, the
+/// last hotzone of a backward walk. A torn read (a copy being written) says no.
+fn in_last_backward_hotzone(hdr: &Path) -> bool {
+    use std::io::Read;
+    let mut json = vec![0u8; 16384 - 4096];
+    let read = std::fs::File::open(hdr)
+        .and_then(|mut f| {
+            std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(4096))?;
+            f.read_exact(&mut json)
+        })
+        .is_ok();
+    let end = json.iter().position(|&b| b == 0).unwrap_or(json.len());
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&json[..end]) else {
+        return false;
+    };
+    read && v["segments"].as_object().is_some_and(|segs| {
+        segs.values().any(|seg| {
+            seg["offset"] == "0"
+                && seg["flags"]
+                    .as_array()
+                    .is_some_and(|f| f.iter().any(|x| x == "in-reencryption"))
+        })
+    })
+}
+
+/// cryptsetup 2.6.1 mis-finishes a backward reencryption repaired inside its last hotzone
+/// (the one at data offset 0) when that hotzone is shorter than the one it would have cut
+/// itself (the whole journal area, or as many checksum blocks as the area holds hashes, at
+/// most 1 GiB): its `repair` counts its own length as done, so the decryption is not
+/// finished, and its `--resume-only` then takes the one linear segment left for the old one
+/// and decrypts the plaintext again (docs/reencryption.md, "cryptsetup's last-hotzone
+/// repair"). ucrypt plans a decryption's last hotzone that long, so that cryptsetup repairs
+/// and finishes it: here ucrypt is SIGKILLed inside that hotzone, for journal and checksum,
+/// and cryptsetup's repair and resume must give the plaintext.
+#[test]
+fn cryptsetup_repairs_a_decryption_ucrypt_was_killed_in_at_its_last_hotzone() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (resilience, sector) in [("journal", 512), ("checksum", 512), ("journal", 4096)] {
+        let t = TempDir::new("kill-last");
+        let (img, hdr, key, plain) = detached_volume(&t, 24, sector);
+        let mut cmd = Command::new(UCRYPT);
+        cmd.args(["reencrypt", "--decrypt", "--header", s(&hdr), "-q"])
+            .args(["--resilience", resilience, "--hotzone-size", "1M"])
+            .args(["--key-file", s(&key)])
+            .args(FAST_PBKDF2)
+            .arg(s(&img));
+        let killed = kill_when_spinning(cmd, || in_last_backward_hotzone(&hdr));
+        let as_killed = dump(&hdr);
+        let what = format!("{resilience}/{sector}; the header as killed:\n{as_killed}\n");
+        assert!(killed, "{what}: ucrypt ended before the kill");
+        assert!(in_hotzone(&hdr), "{what}: not killed inside a hotzone");
+        assert!(
+            in_last_backward_hotzone(&hdr),
+            "{what}: not the last hotzone"
+        );
+        let args = ["-q", "--header", s(&hdr), "--key-file", s(&key), s(&img)];
+        ok("cryptsetup", &[&["repair"][..], &args].concat());
+        if in_reencryption(&hdr) {
+            let resume = ["reencrypt", "--resume-only", "--force-offline-reencrypt"];
+            ok("cryptsetup", &[&resume[..], &args].concat());
+        }
+        decrypted(&img, &hdr, &plain, &what);
+        println!("{resilience}/{sector}: killed in the last hotzone, cryptsetup finished it");
+    }
+}
+
 /// A decryption cryptsetup was killed in after its finalisation destroyed the old key's
 /// keyslots (or wiped one's area) and before it cleared the requirement: no passphrase opens
 /// the header any more,

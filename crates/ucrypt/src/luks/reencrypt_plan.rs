@@ -1289,10 +1289,47 @@ pub fn area_limit(st: &ReencryptState) -> Result<u64> {
     })
 }
 
+/// The longest hotzone cryptsetup 2.6 cuts (its `LUKS2_REENCRYPT_MAX_HOTZONE_LENGTH`).
+pub const CRYPTSETUP_HOTZONE_BYTES_MAX: u64 = 1 << 30;
+
+/// How long a backward walk's last hotzone (the one at data offset 0) is made, in bytes
+/// (whole `align` units, `align` as [`next_hotzone`] takes it); 0 where it is cut as any
+/// other.
+///
+/// cryptsetup 2.6.1 repairs a hotzone and then counts as done the length it would have cut
+/// itself (the whole journal area, or as many checksum blocks as the area holds hashes, at
+/// most [`CRYPTSETUP_HOTZONE_BYTES_MAX`] and the data), not the hotzone's own. Repairing a
+/// shorter last hotzone, it leaves the reencryption unfinished over one linear segment,
+/// which its `--resume-only` takes for the old one and decrypts again: every byte lost
+/// (measured: a 20 MiB decryption cryptsetup was killed in at its last hotzone, with its
+/// default journal, and one ucrypt was killed in at a 1 MiB last hotzone, both repaired and
+/// resumed by cryptsetup). So a backward walk with a journal or checksums leaves that length
+/// for its last hotzone, and cryptsetup's repair finishes it. A reencryption found with less
+/// than that left keeps what is left.
+pub fn last_backward_hotzone(st: &ReencryptState, data_bytes: u64, align: u64) -> Result<u64> {
+    if st.keyslot.direction != Direction::Backward || align == 0 {
+        return Ok(0);
+    }
+    let theirs = match check_supported(st)? {
+        Protect::Journal => st.keyslot.area_bytes,
+        Protect::Checksum { hash, block } => {
+            st.keyslot.area_bytes / hash.output_bytes() as u64 * u64::from(block)
+        }
+        Protect::None | Protect::Datashift | Protect::Unshift { .. } => return Ok(0),
+    };
+    let want = theirs
+        .min(CRYPTSETUP_HOTZONE_BYTES_MAX)
+        .min(data_bytes)
+        .div_ceil(align)
+        * align;
+    Ok(want.min(area_limit(st)? / align * align).min(data_bytes))
+}
+
 /// The steps of the next hotzone of `data_bytes` bytes of data, hotzones of at most
 /// `hotzone_max` bytes, each a multiple of `align` (the larger sector size, and the checksum
-/// block); `None` when every byte is done. The last hotzone ends with [`Step::Finalise`].
-/// Refuses a position inside a hotzone: that needs recovery first.
+/// block), but for a backward walk's last one ([`last_backward_hotzone`]); `None` when every
+/// byte is done. The last hotzone ends with [`Step::Finalise`]. Refuses a position inside a
+/// hotzone: that needs recovery first.
 pub fn next_hotzone(
     st: &ReencryptState,
     pos: Position,
@@ -1327,7 +1364,16 @@ pub fn next_hotzone(
             "{remaining} bytes left is not a multiple of the {align}-byte alignment"
         )));
     }
-    let len = hotzone_max.min(remaining).min(area_limit(st)?) / align * align;
+    let area = area_limit(st)?;
+    let last = last_backward_hotzone(st, data_bytes, align)?;
+    let len = if last == 0 {
+        hotzone_max.min(remaining).min(area) / align * align
+    } else if remaining > last {
+        // Up to the last hotzone's start, and no further.
+        hotzone_max.min(remaining - last).min(area) / align * align
+    } else {
+        remaining.min(area) / align * align
+    };
     if len == 0 {
         return Err(bad(format!(
             "no whole {align}-byte block fits a hotzone (remaining {remaining}, hotzone \
@@ -1912,22 +1958,84 @@ mod tests {
             done: done + 4 * MIB,
             hotzone: None,
         };
+        // The 120 MiB left are fewer than the checksum blocks the area protects: one last
+        // hotzone, whole, whatever the hotzone size ([`last_backward_hotzone`]).
         let steps = next_hotzone(&st, after, DATA_200M, 4 * MIB, 4096)
             .unwrap()
             .unwrap();
         assert_eq!(
             steps[0],
             Step::ReadOld {
-                offset: 116 * MIB,
-                len: 4 * MIB
+                offset: 0,
+                len: 120 * MIB
             }
         );
+        assert_eq!(steps.last(), Some(&Step::Finalise));
         // Finalising leaves one linear segment and no keyslot or digest.
         finalise(&mut rebuilt, &st).unwrap();
         assert_eq!(rebuilt.segments["0"].kind, "linear");
         assert!(rebuilt.keyslots.is_empty());
         assert!(rebuilt.digests.is_empty());
         assert!(rebuilt.config.requirements.is_none());
+    }
+
+    /// The hotzones (offset, length) of a whole backward walk of `data` bytes.
+    fn walk(st: &ReencryptState, data: u64, hot_max: u64) -> Vec<(u64, u64)> {
+        let mut pos = Position {
+            done: 0,
+            hotzone: None,
+        };
+        let mut out = Vec::new();
+        while let Some(steps) = next_hotzone(st, pos, data, hot_max, 4096).unwrap() {
+            let Step::ReadOld { offset, len } = steps[0] else {
+                panic!("a hotzone starts with its read: {steps:?}")
+            };
+            out.push((offset, len));
+            if steps.last() == Some(&Step::Finalise) {
+                break;
+            }
+            pos.done += len;
+        }
+        out
+    }
+
+    /// A backward walk leaves for its last hotzone the length cryptsetup 2.6.1's repair counts
+    /// as done: the journal area, or the checksum blocks the area protects up to 1 GiB (or
+    /// what is left); the others keep the hotzone size.
+    #[test]
+    fn backward_walk_leaves_cryptsetups_length_for_its_last_hotzone() {
+        let checksum = decrypt_crash();
+        let mut journal = serde_json::to_value(&checksum).unwrap();
+        let reenc_area = &mut journal["keyslots"]["1"]["area"];
+        reenc_area["type"] = "journal".into();
+        for k in ["hash", "sector_size"] {
+            reenc_area.as_object_mut().unwrap().remove(k);
+        }
+        let journal: Metadata = serde_json::from_value(journal).unwrap();
+        let area = 16486400;
+        let st = state(&journal);
+        assert_eq!(st.keyslot.resilience, Resilience::Journal);
+        let zones = walk(&st, 40 * MIB, MIB);
+        assert_eq!(zones.last(), Some(&(0, area)), "the last one: the area");
+        // Whole hotzones from the end, then what is left above the last one.
+        let n = zones.len();
+        assert!(zones[..n - 2].iter().all(|z| z.1 == MIB), "{zones:?}");
+        assert_eq!(zones[n - 2], (area, 40 * MIB - area - (n as u64 - 2) * MIB));
+        assert_eq!(zones.iter().map(|z| z.1).sum::<u64>(), 40 * MIB);
+        assert_eq!(last_backward_hotzone(&st, 40 * MIB, 4096).unwrap(), area);
+        // Less data than the area: one hotzone.
+        assert_eq!(walk(&st, 8 * MIB, MIB), vec![(0, 8 * MIB)]);
+        // Checksums of 4 KiB blocks: the area protects 2 GiB, cryptsetup cuts 1 GiB.
+        let st = state(&checksum);
+        let zones = walk(&st, 1536 * MIB, 64 * MIB);
+        assert_eq!(zones.len(), 9);
+        assert_eq!(zones.last(), Some(&(0, 1024 * MIB)));
+        assert_eq!(zones[0], (1472 * MIB, 64 * MIB));
+        // Forward walks are cut as before.
+        let mut fwd = state(&journal);
+        fwd.keyslot.direction = Direction::Forward;
+        assert_eq!(last_backward_hotzone(&fwd, 40 * MIB, 4096).unwrap(), 0);
+        assert!(walk(&fwd, 40 * MIB, MIB).iter().all(|z| z.1 == MIB));
     }
 
     /// The metadata cryptsetup 2.6.1 left when SIGKILLed inside a hotzone of `reencrypt

@@ -26,9 +26,9 @@ use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
 use super::reencrypt_pieces::{hash_blocks, pieces, read_summing, rewrite_pieces, share_out};
 use super::reencrypt_plan::{
-    area_limit, check_layout, check_supported, finalise, hotzone_offset, next_hotzone,
-    next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry, shift_source,
-    unshift_geometry, MovedGuard, Position, Protect, Shift, Step, Unshift,
+    area_limit, check_layout, check_supported, finalise, hotzone_offset, last_backward_hotzone,
+    next_hotzone, next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry,
+    shift_source, unshift_geometry, MovedGuard, Position, Protect, Shift, Step, Unshift,
     UNSHIFT_REQUIREMENT_VERSION,
 };
 use super::util::{b64_encode, random_fill, random_secret, HashAlg, Noise};
@@ -2142,10 +2142,20 @@ fn run_hotzones(
         .max(in_place_min)
         .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
         * crate::pool::POOL_PAGE_BYTES as u64;
+    // A backward walk's last hotzone may be longer than the buffer (up to a journal area, or
+    // up to 1 GiB of checksum blocks: [`last_backward_hotzone`]); it is read twice, below.
+    let longest = match (&u.shift, &u.unshift, u.protect) {
+        (None, None, Protect::Checksum { block, .. }) => {
+            last_backward_hotzone(&u.st, u.data_bytes, u.align.max(u64::from(block)))?
+        }
+        (None, None, _) => last_backward_hotzone(&u.st, u.data_bytes, u.align)?,
+        _ => 0,
+    }
+    .max(buf_len);
     let sums_len = match u.protect {
         Protect::Checksum { hash, block }
         | Protect::Unshift(MovedGuard::Checksum { hash, block }) => {
-            (buf_len / u64::from(block) * hash.output_bytes() as u64).div_ceil(AREA_ALIGN_BYTES)
+            (longest / u64::from(block) * hash.output_bytes() as u64).div_ceil(AREA_ALIGN_BYTES)
                 * AREA_ALIGN_BYTES
         }
         _ => 0,
@@ -2188,6 +2198,44 @@ fn run_hotzones(
         let mut journaled = false;
         for step in steps {
             match step {
+                // Longer than the buffer: read for its resilience data (checksums or journal)
+                // a buffer at a time, and read again for its rewrite (`read_later`).
+                Step::ReadOld { offset, len } if len > buf_len => {
+                    cur = len;
+                    *held = true;
+                    serving.hold(offset, len)?;
+                    let at = u.data_offset + offset;
+                    let buf = hot.as_mut_slice();
+                    let lanes = u.lanes.len();
+                    for r in pieces(len, buf_len) {
+                        let (b, a) = (&mut buf[..r.len()], at + r.start as u64);
+                        match (u.protect, journal_area) {
+                            (Protect::Checksum { hash, block }, _) => {
+                                let hb = hash.output_bytes();
+                                let out = &mut sums.as_mut_slice()[r.start / block as usize * hb..];
+                                read_lanes_summing(
+                                    devs.data,
+                                    b,
+                                    a,
+                                    lanes,
+                                    (hash, block as usize),
+                                    out,
+                                )?;
+                                summed = true;
+                            }
+                            (Protect::Journal, Some(area)) => {
+                                let area = area + r.start as u64;
+                                let journal = |o: u64, c: &[u8]| devs.header.write_at(c, area + o);
+                                read_lanes_then(devs.data, b, a, lanes, &journal)?;
+                                journaled = true;
+                            }
+                            _ => return Err(Error::Bug(
+                                "a hotzone longer than the buffer without a journal or checksums",
+                            )),
+                        }
+                    }
+                    read_later = true;
+                }
                 Step::ReadOld { offset, len }
                     if matches!(u.protect, Protect::None) && len <= piece_max =>
                 {
@@ -2257,9 +2305,9 @@ fn run_hotzones(
                 } => {
                     let hb = hash.output_bytes();
                     let n = (cur / u64::from(block)) as usize;
-                    let data = &hot.as_mut_slice()[..cur as usize];
                     let out = sums.as_mut_slice();
                     if !summed {
+                        let data = &hot.as_mut_slice()[..cur as usize];
                         checksums(data, block as usize, hash, out, u.lanes.len())?;
                     }
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
@@ -2296,21 +2344,19 @@ fn run_hotzones(
                     );
                     read_later = false;
                     serving.rewrite(offset, len)?;
-                    let buf = &mut hot.as_mut_slice()[..len as usize];
                     let (from, to) = (u.data_offset, u.new_offset);
                     // Each chunk is read, then written where it was: nothing read later was
                     // overwritten before.
-                    assert_eq!(
-                        from, to,
-                        "a hotzone without resilience data is rewritten in place"
-                    );
-                    rekey_stream(
-                        u,
-                        offset,
-                        buf,
-                        &|at, b| devs.data.read_exact_at(b, from + at),
-                        &|at, b| devs.data.write_at(b, to + at),
-                    )?;
+                    assert_eq!(from, to, "a hotzone read later is rewritten in place");
+                    for r in pieces(len, buf_len) {
+                        rekey_stream(
+                            u,
+                            offset + r.start as u64,
+                            &mut hot.as_mut_slice()[..r.len()],
+                            &|at, b| devs.data.read_exact_at(b, from + at),
+                            &|at, b| devs.data.write_at(b, to + at),
+                        )?;
+                    }
                     serving.rewritten(offset, len)?;
                 }
                 Step::WriteNew { offset, len } if len > piece_max => {
