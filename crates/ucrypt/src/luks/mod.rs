@@ -27,6 +27,7 @@ pub mod reencrypt_online;
 mod reencrypt_pieces;
 pub mod reencrypt_plan;
 pub mod reencrypt_run;
+mod sha256_x16;
 pub mod util;
 
 #[cfg(test)]

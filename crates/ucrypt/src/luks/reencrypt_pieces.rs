@@ -7,6 +7,7 @@
 //! recovery works per checksum block or from the journal whatever part of it was rewritten.
 
 use super::reencrypt_run::Serving;
+use super::sha256_x16;
 use super::util::HashAlg;
 use crate::backend::Backend;
 use crate::{Error, Result};
@@ -28,7 +29,26 @@ pub(super) fn hash_blocks(data: &[u8], block: usize, hash: HashAlg, out: &mut [u
         block > 0 && out.len() >= data.len() / block * hb,
         "a digest for each checksum block"
     );
-    for (d, h) in data.chunks_exact(block).zip(out.chunks_exact_mut(hb)) {
+    let n = data.len() / block;
+    let mut done = 0;
+    // SHA-256, sixteen blocks at a time where the CPU allows ([`sha256_x16`]).
+    if hash == HashAlg::Sha256 && block % sha256_x16::BLOCK_BYTES == 0 && sha256_x16::available() {
+        const L: usize = sha256_x16::LANES;
+        let mut digests = [[0u8; 32]; L];
+        while n - done >= L {
+            let msgs: [&[u8]; L] =
+                std::array::from_fn(|i| &data[(done + i) * block..(done + i + 1) * block]);
+            if !sha256_x16::digest16(&msgs, &mut digests) {
+                break;
+            }
+            for (i, d) in digests.iter().enumerate() {
+                out[(done + i) * hb..(done + i + 1) * hb].copy_from_slice(d);
+            }
+            done += L;
+        }
+    }
+    let rest = data[done * block..n * block].chunks_exact(block);
+    for (d, h) in rest.zip(out[done * hb..].chunks_exact_mut(hb)) {
         h.copy_from_slice(&hash.digest(&[d]));
     }
 }
@@ -200,6 +220,31 @@ fn two_pieces(
 mod tests {
     use super::*;
     use crate::backend::MemBackend;
+
+    #[test]
+    fn hash_blocks_gives_each_blocks_digest() {
+        // Counts of blocks around the sixteen SHA-256 takes at once, and a hash it does not.
+        let data: Vec<u8> = (0..40 * 4096u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        for hash in [HashAlg::Sha256, HashAlg::Sha1] {
+            for block in [512, 4096] {
+                for n in [0, 1, 15, 16, 17, 33, 40] {
+                    let d = &data[..n * block];
+                    let hb = hash.output_bytes();
+                    let mut out = vec![0u8; n * hb + 7];
+                    hash_blocks(d, block, hash, &mut out);
+                    let want: Vec<u8> = d.chunks(block).flat_map(|b| hash.digest(&[b])).collect();
+                    assert_eq!(
+                        out[..n * hb],
+                        want[..],
+                        "{hash:?}, {block}-byte blocks, {n}"
+                    );
+                    assert_eq!(out[n * hb..], [0u8; 7], "nothing past the digests");
+                }
+            }
+        }
+    }
 
     #[test]
     fn share_out_runs_every_chunk_once_and_returns_an_error() {
