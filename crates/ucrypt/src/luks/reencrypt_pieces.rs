@@ -6,10 +6,15 @@
 //! hotzone committed, then the new bytes written; only how the hotzone is cut changes, and
 //! recovery works per checksum block or from the journal whatever part of it was rewritten.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Mutex, PoisonError};
+
 use super::reencrypt_run::Serving;
 use super::sha256_x16;
 use super::util::HashAlg;
 use crate::backend::Backend;
+use crate::engine::crew::{Chunks, Crew};
 use crate::{Error, Result};
 
 /// `[0, len)` cut into ranges of at most `piece` bytes, in order.
@@ -53,47 +58,97 @@ pub(super) fn hash_blocks(data: &[u8], block: usize, hash: HashAlg, out: &mut [u
     }
 }
 
-/// Shares `chunks` out among `lanes` (a scoped thread each; the calling thread when there is
-/// one): every lane takes the next chunk as soon as it is free, so that a lane the scheduler
-/// holds back (a busy host) leaves its part to the others instead of making them wait for it
-/// at the end, as fixed shares would. The first error stops the lanes taking more chunks and
-/// comes back; a panic comes back as `Error::Bug(what)`.
-pub(super) fn share_out<L: Send, T: Send>(
+/// Shares `chunks` out among `lanes`: every lane takes the next chunk as soon as it is free,
+/// so that a lane the scheduler holds back (a busy host) leaves its part to the others instead
+/// of making them wait for it at the end, as fixed shares would. With a `crew`, the calling
+/// thread is the first lane and the crew's threads the others (started once per rotation: a
+/// thread started for one hotzone step starts with no scheduler history, and beside busy
+/// threads the scheduler was measured to leave two such threads on one CPU for whole runs);
+/// without one, each lane has a scoped thread. The first error stops the lanes taking more
+/// chunks and comes back; a panic comes back as `Error::Bug(what)`.
+pub(super) fn share_out<L: Send, T: Send, I: Iterator<Item = T> + Send, F>(
+    crew: Option<&Crew>,
     lanes: impl Iterator<Item = L>,
-    chunks: impl Iterator<Item = T> + Send,
+    chunks: I,
     what: &'static str,
-    work: impl Fn(&mut L, T) -> Result<()> + Sync,
-) -> Result<()> {
-    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-    use std::sync::{Mutex, PoisonError};
-    let queue = Mutex::new(chunks);
-    let failed = AtomicBool::new(false);
-    let run = |mut lane: L| -> Result<()> {
-        while !failed.load(Relaxed) {
-            // Held only to take the next chunk, never while working on it.
-            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-            let Some(chunk) = next else { break };
-            work(&mut lane, chunk).inspect_err(|_| failed.store(true, Relaxed))?;
-        }
-        Ok(())
+    work: F,
+) -> Result<()>
+where
+    F: Fn(&mut L, T) -> Result<()> + Sync,
+{
+    let lanes: Vec<L> = lanes.collect();
+    let n = lanes.len();
+    let shared = Shared {
+        lanes: lanes.into_iter().map(Mutex::new).collect(),
+        queue: Mutex::new(chunks),
+        failed: AtomicBool::new(false),
+        error: Mutex::new(None),
+        work,
+        what,
     };
-    let mut lanes: Vec<L> = lanes.collect();
-    if lanes.len() <= 1 {
-        return lanes.pop().map_or(Ok(()), run);
+    match crew {
+        _ if n <= 1 => shared.run_chunks(0),
+        Some(crew) => crew.run(&shared, (n - 1).min(crew.workers()), true)?,
+        None => std::thread::scope(|sc| {
+            let shared = &shared;
+            for lane in 0..n {
+                sc.spawn(move || shared.run_chunks(lane));
+            }
+        }),
     }
-    let run = &run;
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = lanes
-            .into_iter()
-            .map(|lane| sc.spawn(move || run(lane)))
-            .collect();
-        // Every lane is joined before the first error comes back.
-        let results: Vec<Result<()>> = handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| Error::Bug(what))?)
-            .collect();
-        results.into_iter().collect()
-    })
+    match shared
+        .error
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)
+    {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// The work [`share_out`] hands to each lane.
+struct Shared<L, I, F> {
+    /// One per lane; each lane locks only its own (uncontended).
+    lanes: Vec<Mutex<L>>,
+    queue: Mutex<I>,
+    failed: AtomicBool,
+    /// The first error (or panic) any lane met.
+    error: Mutex<Option<Error>>,
+    work: F,
+    what: &'static str,
+}
+
+impl<L: Send, T: Send, I: Iterator<Item = T> + Send, F> Chunks for Shared<L, I, F>
+where
+    F: Fn(&mut L, T) -> Result<()> + Sync,
+{
+    fn run_chunks(&self, lane: usize) {
+        let Some(mine) = self.lanes.get(lane) else {
+            return;
+        };
+        let mut mine = mine.lock().unwrap_or_else(PoisonError::into_inner);
+        let run = || -> Result<()> {
+            while !self.failed.load(Relaxed) {
+                // Held only to take the next chunk, never while working on it.
+                let next = self
+                    .queue
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .next();
+                let Some(chunk) = next else { break };
+                (self.work)(&mut mine, chunk)?;
+            }
+            Ok(())
+        };
+        let r = catch_unwind(AssertUnwindSafe(run)).unwrap_or(Err(Error::Bug(self.what)));
+        if let Err(e) = r {
+            self.failed.store(true, Relaxed);
+            self.error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert(e);
+        }
+    }
 }
 
 /// Reads `buf` from `at` in pieces of `piece` bytes (a multiple of `block`), in order, and
@@ -253,6 +308,7 @@ mod tests {
             let mut out = [0u8; 64];
             let by_lane: Vec<AtomicUsize> = (0..lanes).map(|_| AtomicUsize::new(0)).collect();
             share_out(
+                None,
                 0..lanes,
                 out.iter_mut().enumerate(),
                 "lane panicked",
@@ -269,7 +325,7 @@ mod tests {
             assert_eq!(done, 64);
         }
         let taken = AtomicUsize::new(0);
-        let err = share_out(0..2, 0..1000, "lane panicked", |_, i| {
+        let err = share_out(None, 0..2, 0..1000, "lane panicked", |_, i| {
             taken.fetch_add(1, Relaxed);
             match i {
                 3 => Err(Error::Bug("chunk 3 failed")),
@@ -281,7 +337,45 @@ mod tests {
             taken.load(Relaxed) < 1000,
             "the lanes stop taking chunks after an error"
         );
-        let panicked = share_out(0..2, 0..4, "lane panicked", |_, i| match i {
+        let panicked = share_out(None, 0..2, 0..4, "lane panicked", |_, i| match i {
+            1 => panic!("lane work panics"),
+            _ => Ok(()),
+        });
+        assert!(
+            matches!(panicked, Err(Error::Bug("lane panicked"))),
+            "{panicked:?}"
+        );
+        // The same on a crew's threads, the caller as the first lane.
+        let crew = Crew::new("share-out-test", 2, std::time::Duration::ZERO).unwrap();
+        for lanes in [1, 2, 3, 5] {
+            let mut out = [0u8; 64];
+            let chunks = out.iter_mut().enumerate();
+            share_out(
+                Some(&crew),
+                0..lanes,
+                chunks,
+                "lane panicked",
+                |_, (i, b)| {
+                    *b += i as u8 + 1;
+                    Ok(())
+                },
+            )
+            .unwrap();
+            let want: Vec<u8> = (1..=64).collect();
+            assert_eq!(out.to_vec(), want, "{lanes} lanes on a crew");
+        }
+        let err = share_out(
+            Some(&crew),
+            0..3,
+            0..1000,
+            "lane panicked",
+            |_, i| match i {
+                3 => Err(Error::Bug("chunk 3 failed")),
+                _ => Ok(()),
+            },
+        );
+        assert!(matches!(err, Err(Error::Bug("chunk 3 failed"))), "{err:?}");
+        let panicked = share_out(Some(&crew), 0..3, 0..8, "lane panicked", |_, i| match i {
             1 => panic!("lane work panics"),
             _ => Ok(()),
         });

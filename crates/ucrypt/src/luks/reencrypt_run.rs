@@ -37,6 +37,7 @@ use super::{
     DIGEST_TIME_MS, KEYSLOTS_MAX,
 };
 use crate::backend::Backend;
+use crate::engine::crew::Crew;
 use crate::pool::BufferPool;
 use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::{Error, Result};
@@ -1403,6 +1404,9 @@ struct Unlocked {
     /// One (old, new) cipher pair per worker thread, keyed once; `None` for a linear
     /// (plaintext) side: the old one of an encryption, the new one of a decryption.
     lanes: Vec<Lane>,
+    /// The threads of every lane but the first, started when the hotzones start
+    /// ([`run_hotzones`]); `None` before, and with one lane.
+    crew: Option<Crew>,
     /// Where the data is read (backup-previous's offset) and written (backup-final's): the
     /// same but for a data shift.
     data_offset: u64,
@@ -1423,6 +1427,23 @@ type NewKey = (CipherSpec, crate::SecretBytes, SectorSize);
 
 /// The ciphers of one worker thread.
 type Lane = (Option<SectorCipher>, Option<SectorCipher>);
+
+/// How a step spreads over threads: its lanes, and the crew that runs all but the first
+/// ([`share_out`]; scoped threads without one).
+#[derive(Clone, Copy)]
+struct Spread<'a> {
+    lanes: usize,
+    crew: Option<&'a Crew>,
+}
+
+impl Unlocked {
+    fn spread(&self) -> Spread<'_> {
+        Spread {
+            lanes: self.lanes.len(),
+            crew: self.crew.as_ref(),
+        }
+    }
+}
 
 /// The header device and the data device of a reencryption: the same backend for a volume
 /// with its header in front, two for a detached header (`--header`).
@@ -1617,6 +1638,7 @@ fn open_rotation(
         st,
         protect,
         lanes,
+        crew: None,
         data_offset: off_old,
         new_offset: off_new,
         data_bytes,
@@ -1854,6 +1876,7 @@ fn rekey_stream(
         then(o, c)
     };
     share_out(
+        u.crew.as_ref(),
         u.lanes.iter_mut().take(lanes),
         chunks,
         "rekey thread panicked",
@@ -1861,19 +1884,19 @@ fn rekey_stream(
     )
 }
 
-/// The lanes `lanes` asks for, or one for a buffer of `len` bytes under [`LANE_BYTES_MIN`].
-fn lanes_for(len: usize, lanes: usize) -> std::iter::RepeatN<()> {
+/// The lanes `spread` has, or one for a buffer of `len` bytes under [`LANE_BYTES_MIN`].
+fn lanes_for(len: usize, spread: Spread<'_>) -> std::iter::RepeatN<()> {
     let n = if len < LANE_BYTES_MIN {
         1
     } else {
-        lanes.max(1)
+        spread.lanes.max(1)
     };
     std::iter::repeat_n((), n)
 }
 
 /// Reads `buf` from `at` in chunks of [`LANE_CHUNK_BYTES`] shared out among the lanes (the
 /// copies out of the device run on every CPU); one lane for buffers under [`LANE_BYTES_MIN`].
-fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: usize) -> Result<()> {
+fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: Spread<'_>) -> Result<()> {
     read_lanes_then(dev, buf, at, lanes, &|_, _| Ok(()))
 }
 
@@ -1883,16 +1906,22 @@ fn read_lanes_then(
     dev: &dyn Backend,
     buf: &mut [u8],
     at: u64,
-    lanes: usize,
+    spread: Spread<'_>,
     then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
 ) -> Result<()> {
-    let lanes = lanes_for(buf.len(), lanes);
+    let lanes = lanes_for(buf.len(), spread);
     let chunks = buf.chunks_mut(LANE_CHUNK_BYTES).enumerate();
-    share_out(lanes, chunks, "read thread panicked", |_, (i, c)| {
-        let o = (i * LANE_CHUNK_BYTES) as u64;
-        dev.read_exact_at(c, at + o)?;
-        then(o, c)
-    })
+    share_out(
+        spread.crew,
+        lanes,
+        chunks,
+        "read thread panicked",
+        |_, (i, c)| {
+            let o = (i * LANE_CHUNK_BYTES) as u64;
+            dev.read_exact_at(c, at + o)?;
+            then(o, c)
+        },
+    )
 }
 
 /// [`read_lanes`], each lane hashing every `block` bytes of a chunk it read into that chunk's
@@ -1901,7 +1930,7 @@ fn read_lanes_summing(
     dev: &dyn Backend,
     buf: &mut [u8],
     at: u64,
-    lanes: usize,
+    spread: Spread<'_>,
     (hash, block): (HashAlg, usize),
     sums: &mut [u8],
 ) -> Result<()> {
@@ -1914,40 +1943,62 @@ fn read_lanes_summing(
         LANE_CHUNK_BYTES % block == 0,
         "chunks of whole checksum blocks"
     );
-    let lanes = lanes_for(buf.len(), lanes);
+    let lanes = lanes_for(buf.len(), spread);
     let chunks = buf
         .chunks_mut(LANE_CHUNK_BYTES)
         .zip(sums.chunks_mut(LANE_CHUNK_BYTES / block * hb))
         .enumerate();
-    share_out(lanes, chunks, "read thread panicked", |_, (i, (c, out))| {
-        dev.read_exact_at(c, at + (i * LANE_CHUNK_BYTES) as u64)?;
-        hash_blocks(c, block, hash, out);
-        Ok(())
-    })
+    share_out(
+        spread.crew,
+        lanes,
+        chunks,
+        "read thread panicked",
+        |_, (i, (c, out))| {
+            dev.read_exact_at(c, at + (i * LANE_CHUNK_BYTES) as u64)?;
+            hash_blocks(c, block, hash, out);
+            Ok(())
+        },
+    )
 }
 
 /// Writes `buf` at `at`, in chunks shared out among the lanes as [`read_lanes`] reads.
-fn write_lanes(dev: &dyn Backend, buf: &[u8], at: u64, lanes: usize) -> Result<()> {
-    let lanes = lanes_for(buf.len(), lanes);
+fn write_lanes(dev: &dyn Backend, buf: &[u8], at: u64, spread: Spread<'_>) -> Result<()> {
+    let lanes = lanes_for(buf.len(), spread);
     let chunks = buf.chunks(LANE_CHUNK_BYTES).enumerate();
-    share_out(lanes, chunks, "write thread panicked", |_, (i, c)| {
-        dev.write_at(c, at + (i * LANE_CHUNK_BYTES) as u64)
-    })
+    share_out(
+        spread.crew,
+        lanes,
+        chunks,
+        "write thread panicked",
+        |_, (i, c)| dev.write_at(c, at + (i * LANE_CHUNK_BYTES) as u64),
+    )
 }
 
 /// [`hash_blocks`] on up to `lanes` threads.
-fn checksums(data: &[u8], block: usize, hash: HashAlg, out: &mut [u8], lanes: usize) -> Result<()> {
+fn checksums(
+    data: &[u8],
+    block: usize,
+    hash: HashAlg,
+    out: &mut [u8],
+    spread: Spread<'_>,
+) -> Result<()> {
     let hb = hash.output_bytes();
     let n = data.len() / block;
     let per = (LANE_CHUNK_BYTES / block).max(1);
     let chunks = data[..n * block]
         .chunks(per * block)
         .zip(out[..n * hb].chunks_mut(per * hb));
-    let lanes = lanes_for(data.len(), lanes);
-    share_out(lanes, chunks, "checksum thread panicked", |_, (d, o)| {
-        hash_blocks(d, block, hash, o);
-        Ok(())
-    })
+    let lanes = lanes_for(data.len(), spread);
+    share_out(
+        spread.crew,
+        lanes,
+        chunks,
+        "checksum thread panicked",
+        |_, (d, o)| {
+            hash_blocks(d, block, hash, o);
+            Ok(())
+        },
+    )
 }
 
 fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
@@ -2161,6 +2212,11 @@ fn run_hotzones(
         _ => 0,
     };
     let pool = BufferPool::new((buf_len + sums_len.max(AREA_ALIGN_BYTES)) as usize)?;
+    if u.crew.is_none() && u.lanes.len() > 1 {
+        // Between steps its threads sleep at once: a busy host's CPU is not spun away.
+        let spin = std::time::Duration::ZERO;
+        u.crew = Some(Crew::new("ucrypt-rekey", u.lanes.len() - 1, spin)?);
+    }
     let mut hot = pool.take(buf_len as usize)?;
     let mut sums = pool.take(sums_len.max(AREA_ALIGN_BYTES) as usize)?;
     // The hotzone's pieces: whole sectors and pages (the buffer's O_DIRECT alignment).
@@ -2206,7 +2262,7 @@ fn run_hotzones(
                     serving.hold(offset, len)?;
                     let at = u.data_offset + offset;
                     let buf = hot.as_mut_slice();
-                    let lanes = u.lanes.len();
+                    let lanes = u.spread();
                     for r in pieces(len, buf_len) {
                         let (b, a) = (&mut buf[..r.len()], at + r.start as u64);
                         match (u.protect, journal_area) {
@@ -2269,20 +2325,20 @@ fn run_hotzones(
                         {
                             let sums = sums.as_mut_slice();
                             let how = (hash, block as usize);
-                            read_lanes_summing(devs.data, buf, at, u.lanes.len(), how, sums)?;
+                            read_lanes_summing(devs.data, buf, at, u.spread(), how, sums)?;
                             summed = true;
                         }
                         // The journal's copy written as the hotzone is read.
                         Protect::Journal if len <= piece_max && journal_area.is_some() => {
                             let area = journal_area.expect("tested in the guard");
                             let journal = |o: u64, b: &[u8]| devs.header.write_at(b, area + o);
-                            read_lanes_then(devs.data, buf, at, u.lanes.len(), &journal)?;
+                            read_lanes_then(devs.data, buf, at, u.spread(), &journal)?;
                             journaled = true;
                         }
                         _ => {
                             for r in pieces(len, piece_max) {
                                 let a = at + r.start as u64;
-                                read_lanes(devs.data, &mut buf[r], a, u.lanes.len())?;
+                                read_lanes(devs.data, &mut buf[r], a, u.spread())?;
                             }
                         }
                     }
@@ -2295,7 +2351,7 @@ fn run_hotzones(
                         devs.data,
                         &mut hot.as_mut_slice()[..len as usize],
                         from,
-                        u.lanes.len(),
+                        u.spread(),
                     )?;
                 }
                 Step::WriteChecksums {
@@ -2308,7 +2364,7 @@ fn run_hotzones(
                     let out = sums.as_mut_slice();
                     if !summed {
                         let data = &hot.as_mut_slice()[..cur as usize];
-                        checksums(data, block as usize, hash, out, u.lanes.len())?;
+                        checksums(data, block as usize, hash, out, u.spread())?;
                     }
                     let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
                     out[n * hb..len as usize].fill(0);
@@ -2319,7 +2375,7 @@ fn run_hotzones(
                     let buf = &hot.as_mut_slice()[..cur as usize];
                     for r in pieces(cur, piece_max) {
                         let at = area_offset + r.start as u64;
-                        write_lanes(devs.header, &buf[r], at, u.lanes.len())?;
+                        write_lanes(devs.header, &buf[r], at, u.spread())?;
                     }
                 }
                 Step::SyncData => devs.flush()?,
