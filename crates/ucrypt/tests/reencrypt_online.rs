@@ -554,7 +554,10 @@ fn leave_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
 /// A decryption with a detached header served online: it goes backward (from the end), its
 /// new side plaintext. I/O verifies throughout, the data device holds the plaintext after;
 /// and one left mid-way by a failed offline run opens as two segments (the plaintext side
-/// above the mark) and finishes online.
+/// above the mark) and finishes online. Left mid-way with a journal only: with checksums this
+/// 4 MiB volume is one hotzone, its last, as long as cryptsetup's repair assumes
+/// (`reencrypt_plan::last_backward_hotzone`: the checksum blocks its ~1 MiB header's area
+/// protects), so a failed run is never left between two.
 #[test]
 fn a_detached_header_decrypts_online() {
     let seed = seed();
@@ -562,7 +565,6 @@ fn a_detached_header_decrypts_online() {
         (ResilienceKind::Checksum, false),
         (ResilienceKind::Journal, false),
         (ResilienceKind::None, false),
-        (ResilienceKind::Checksum, true),
         (ResilienceKind::Journal, true),
     ] {
         let (hdr_dev, data) = formatted_detached();
