@@ -829,7 +829,9 @@ fn a_decryption_moving_the_data_back_online() {
         )
         .expect("init");
         if interrupted {
-            leave_mid_way(devs, &dev, 2 + seed % 4);
+            // The 2nd or 3rd data write: one write per 1 MiB chunk leaves the walk mid-way,
+            // before the moved segment's hotzone (the last; a fault there is recovered whole).
+            leave_mid_way(devs, &dev, 2 + seed % 2);
         }
         let vol = Arc::new(open_detached(&hdr, &dev).expect("open in decryption"));
         assert!(vol.in_reencryption(), "{what}");
