@@ -1293,8 +1293,8 @@ pub fn area_limit(st: &ReencryptState) -> Result<u64> {
 pub const CRYPTSETUP_HOTZONE_BYTES_MAX: u64 = 1 << 30;
 
 /// How long a backward walk's last hotzone (the one at data offset 0) is made, in bytes
-/// (whole `align` units, `align` as [`next_hotzone`] takes it); 0 where it is cut as any
-/// other.
+/// (whole units of `align`, the larger sector size, or of the checksum block where larger);
+/// 0 where it is cut as any other (forward walks, no resilience data, data shifts).
 ///
 /// cryptsetup 2.6.1 repairs a hotzone and then counts as done the length it would have cut
 /// itself (the whole journal area, or as many checksum blocks as the area holds hashes, at
@@ -1310,11 +1310,12 @@ pub fn last_backward_hotzone(st: &ReencryptState, data_bytes: u64, align: u64) -
     if st.keyslot.direction != Direction::Backward || align == 0 {
         return Ok(0);
     }
-    let theirs = match check_supported(st)? {
-        Protect::Journal => st.keyslot.area_bytes,
-        Protect::Checksum { hash, block } => {
-            st.keyslot.area_bytes / hash.output_bytes() as u64 * u64::from(block)
-        }
+    let (theirs, align) = match check_supported(st)? {
+        Protect::Journal => (st.keyslot.area_bytes, align),
+        Protect::Checksum { hash, block } => (
+            st.keyslot.area_bytes / hash.output_bytes() as u64 * u64::from(block),
+            align.max(u64::from(block)),
+        ),
         Protect::None | Protect::Datashift | Protect::Unshift { .. } => return Ok(0),
     };
     let want = theirs

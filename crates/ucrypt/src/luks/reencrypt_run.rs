@@ -877,33 +877,15 @@ pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
 /// The reencrypt keyslot's area of a data shift: it holds nothing, so cryptsetup gives it the
 /// first free gap of the keyslots area, 4 KiB (measured: 4096 bytes after keyslot 0's area).
 const SHIFT_AREA_BYTES: u64 = 4096;
-/// Largest piece of the first shift copied at a time into the moved segment at init, and of
-/// the header area wiped after it.
+/// Largest piece of the first shift copied at a time into the moved segment at init.
 const COPY_PIECE_BYTES: u64 = 4 << 20;
 
 /// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
-/// then writes random bytes ([`Noise`]) over `[wipe.0, wipe.0 + wipe.1)` through one buffer of at most
-/// [`COPY_PIECE_BYTES`].
+/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)` ([`wipe_random`]).
 fn copy_then_wipe(dev: &dyn Backend, from: u64, to: u64, len: u64, wipe: (u64, u64)) -> Result<()> {
     copy_across(dev, from, dev, to, len)?;
     dev.flush()?;
-    let piece = wipe
-        .1
-        .clamp(AREA_ALIGN_BYTES, COPY_PIECE_BYTES)
-        .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
-        * crate::pool::POOL_PAGE_BYTES as u64;
-    let pool = BufferPool::new(piece as usize)?;
-    let mut g = pool.take(piece as usize)?;
-    let buf = g.as_mut_slice();
-    let mut noise = Noise::new()?;
-    let mut at = 0;
-    while at < wipe.1 {
-        let n = (wipe.1 - at).min(piece) as usize;
-        noise.fill(&mut buf[..n])?;
-        dev.write_at(&buf[..n], wipe.0 + at)?;
-        at += n as u64;
-    }
-    Ok(())
+    wipe_random(std::iter::once((dev, wipe)))
 }
 
 /// Starts the encryption of the plaintext on `dev` in place with the header in front of the
@@ -2195,14 +2177,7 @@ fn run_hotzones(
         * crate::pool::POOL_PAGE_BYTES as u64;
     // A backward walk's last hotzone may be longer than the buffer (up to a journal area, or
     // up to 1 GiB of checksum blocks: [`last_backward_hotzone`]); it is read twice, below.
-    let longest = match (&u.shift, &u.unshift, u.protect) {
-        (None, None, Protect::Checksum { block, .. }) => {
-            last_backward_hotzone(&u.st, u.data_bytes, u.align.max(u64::from(block)))?
-        }
-        (None, None, _) => last_backward_hotzone(&u.st, u.data_bytes, u.align)?,
-        _ => 0,
-    }
-    .max(buf_len);
+    let longest = last_backward_hotzone(&u.st, u.data_bytes, u.align)?.max(buf_len);
     let sums_len = match u.protect {
         Protect::Checksum { hash, block }
         | Protect::Unshift(MovedGuard::Checksum { hash, block }) => {
