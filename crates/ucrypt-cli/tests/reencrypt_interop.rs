@@ -2463,7 +2463,10 @@ fn in_moved_hotzone(hdr: &Path) -> bool {
 
 /// Whether any `luks2` keyslot's area in the header file differs from what `seen` first
 /// recorded for it: the finalisation of a decryption has begun wiping the old key's keyslots.
-/// Read without locking, as the writer holds the lock.
+/// Read without locking, as the writer holds the lock. Only a header in reencryption (its
+/// requirement set) is looked at: before that the export is still being written (ucrypt
+/// copies the old header across in pieces, so on a busy host a poll may find the JSON
+/// written and the keyslot area not yet), and a change then is no wipe.
 fn keyslot_area_changed(
     hdr: &Path,
     seen: &std::cell::RefCell<std::collections::HashMap<String, Vec<u8>>>,
@@ -2480,7 +2483,15 @@ fn keyslot_area_changed(
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(&json[..end]) else {
         return false;
     };
-    let Some(slots) = v["keyslots"].as_object() else {
+    let in_reencryption = v["config"]["requirements"]["mandatory"]
+        .as_array()
+        .is_some_and(|m| {
+            m.iter().any(|r| {
+                r.as_str()
+                    .is_some_and(|r| r.starts_with("online-reencrypt"))
+            })
+        });
+    let Some(slots) = v["keyslots"].as_object().filter(|_| in_reencryption) else {
         return false;
     };
     for (id, k) in slots.iter().filter(|(_, k)| k["type"] == "luks2") {
