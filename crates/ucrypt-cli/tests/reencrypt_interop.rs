@@ -2483,14 +2483,7 @@ fn keyslot_area_changed(
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(&json[..end]) else {
         return false;
     };
-    let in_reencryption = v["config"]["requirements"]["mandatory"]
-        .as_array()
-        .is_some_and(|m| {
-            m.iter().any(|r| {
-                r.as_str()
-                    .is_some_and(|r| r.starts_with("online-reencrypt"))
-            })
-        });
+    let in_reencryption = json[..end].windows(16).any(|w| w == b"online-reencrypt");
     let Some(slots) = v["keyslots"].as_object().filter(|_| in_reencryption) else {
         return false;
     };

@@ -829,7 +829,7 @@ fn a_decryption_moving_the_data_back_online() {
         )
         .expect("init");
         if interrupted {
-            // The 2nd or 3rd data write: one write per 1 MiB chunk leaves the walk mid-way,
+            // The 2nd or 3rd data write: one write per lane chunk leaves the walk mid-way,
             // before the moved segment's hotzone (the last; a fault there is recovered whole).
             leave_mid_way(devs, &dev, 2 + seed % 2);
         }
