@@ -62,8 +62,13 @@ macro_rules! skip_unless_rig {
 struct TempDir(PathBuf);
 
 impl TempDir {
+    /// A directory of its own: tests in one process may share a tag (both kill tests call
+    /// the same body), so a counter tells them apart.
     fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ucrypt-online-{tag}-{}", std::process::id()));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p =
+            std::env::temp_dir().join(format!("ucrypt-online-{tag}-{}-{k}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).expect("temp dir");
         TempDir(p)

@@ -398,12 +398,22 @@ impl Wire {
         r
     }
 
-    /// Reads the next frame's body into the buffer; its length, or `None` at the end.
+    /// Reads the next frame's body into the buffer; its length, or `None` at the end: the
+    /// other side closed the link or died between frames. A process that dies with a frame
+    /// of ours still unread resets the link (`ECONNRESET`) rather than closing it; that is
+    /// the same end.
     fn receive(&mut self) -> ucrypt::Result<Option<usize>> {
         let mut len = [0u8; 4];
         match self.sock.read_exact(&mut len) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return Ok(None)
+            }
             Err(e) => return Err(Self::io(e)),
         }
         let n = u32::from_le_bytes(len) as usize;
@@ -889,5 +899,38 @@ mod tests {
         };
         assert!(message.len() <= MESSAGE_BYTES_MAX && message.len() >= MESSAGE_BYTES_MAX - 1);
         assert!(long.starts_with(message));
+    }
+
+    #[test]
+    fn a_peer_that_dies_with_our_reply_unread_ends_the_link() {
+        // The serving process's reply sits unread in the worker's socket when the worker is
+        // killed: the serving side's next read fails with ECONNRESET, not EOF. Both are the
+        // link's end, so the verb reports the worker's death rather than a link error.
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut serving = Wire::new(ours);
+        serving.send(|b| Reply::Ok.encode(b)).unwrap();
+        drop(theirs);
+        let raw = (&serving.sock).read(&mut [0u8; 4]);
+        assert_eq!(
+            raw.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::ConnectionReset),
+            "this kernel closes a socket with unread data by a reset"
+        );
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut serving = Wire::new(ours);
+        serving.send(|b| Reply::Ok.encode(b)).unwrap();
+        drop(theirs);
+        assert_eq!(serving.receive().unwrap(), None);
+        // A plain close ends it too; a frame cut short does not pass for an end.
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut serving = Wire::new(ours);
+        drop(theirs);
+        assert_eq!(serving.receive().unwrap(), None);
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let mut serving = Wire::new(ours);
+        theirs.write_all(&8u32.to_le_bytes()).unwrap();
+        theirs.write_all(&[1, 2]).unwrap();
+        drop(theirs);
+        assert!(serving.receive().is_err());
     }
 }
