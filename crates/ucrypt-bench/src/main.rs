@@ -46,6 +46,14 @@ pub fn ucrypt_bin() -> Result<std::path::PathBuf, String> {
     let me = std::env::current_exe().map_err(|e| format!("locating ucrypt-bench: {e}"))?;
     let p = me.with_file_name("ucrypt");
     if p.is_file() {
+        if let Some(src) = newer_source(&p) {
+            return Err(format!(
+                "{} is older than its source {}: a build of ucrypt-bench alone leaves it \
+                 stale; build the whole workspace (cargo build --release), or set UCRYPT_BIN",
+                p.display(),
+                src.display()
+            ));
+        }
         Ok(p)
     } else {
         Err(format!(
@@ -54,6 +62,26 @@ pub fn ucrypt_bin() -> Result<std::path::PathBuf, String> {
             p.display()
         ))
     }
+}
+
+/// A source file of the `ucrypt` binary (the library's or the CLI's, in the checkout this
+/// bench was built from) changed after `bin` was built; `None` when it is up to date or the
+/// sources are not there (an installed bench).
+fn newer_source(bin: &std::path::Path) -> Option<std::path::PathBuf> {
+    let built = std::fs::metadata(bin).and_then(|m| m.modified()).ok()?;
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
+    let mut dirs = vec![crates.join("ucrypt/src"), crates.join("ucrypt-cli/src")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).ok()?.flatten() {
+            let (path, meta) = (e.path(), e.metadata().ok()?);
+            if meta.is_dir() {
+                dirs.push(path);
+            } else if meta.modified().is_ok_and(|m| m > built) {
+                return Some(path);
+            }
+        }
+    }
+    None
 }
 
 fn main() {

@@ -24,6 +24,19 @@
 //! that also writes each piece, as read, to a journal area before rekeying it (the one copy
 //! more a journal must make of every byte), so that its ceiling does the work its mode needs.
 //!
+//! A third, for the rows whose protocol orders the hotzones (journal, datashift): the ordered
+//! bare rotation. The bare loop keeps no order; a rotation on the LUKS2 protocol cannot
+//! start a journal hotzone's rewrite before its whole journal copy is flushed (and committed),
+//! nor the next hotzone's copy before the rewrite is (the journal area holds one hotzone, and
+//! a default header's area bounds the hotzone), nor move a datashift hotzone before the
+//! previous one is flushed (its target is the next one's source). The ordered bare loop does
+//! the same crypto and copies with those order points: per hotzone, every thread claims 256
+//! KiB chunks, then waits for the others, and one flushes (no commit, header or unlock); the
+//! shift encrypts 512-byte sectors, as both tools' `--encrypt` of a file does. On a busy host
+//! a thread the scheduler holds back makes the others wait at each order point; the bare loop
+//! never waits. It bounds a rotation that waits at each order point; one that computed the
+//! next hotzone while the last is written could beat it.
+//!
 //! Needs cryptsetup (2.6 or later for `--force-offline-reencrypt`); without it the cryptsetup
 //! column says SKIPPED and the rest runs.
 
@@ -78,6 +91,14 @@ pub struct Row {
     /// bare ÷ ucrypt (the share of the bare rotation's speed reached; 0.9 is the target where
     /// the 2× goal is out of reach).
     pub of_bare: f64,
+    /// The ordered bare rotation (module docs), for the rows whose protocol orders every
+    /// hotzone (journal and datashift): the bare loop's work with the protocol's order points.
+    pub ordered_s: Option<Summary>,
+    /// cryptsetup ÷ ordered bare: the most a rotation that keeps the protocol's order can
+    /// beat cryptsetup by here.
+    pub cryptsetup_over_ordered: Option<f64>,
+    /// ordered bare ÷ ucrypt.
+    pub of_ordered: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -200,14 +221,18 @@ const BARE_JOURNAL_SLOTS: u64 = HEADER_BYTES / BARE_PIECE as u64;
 /// An AES-256-XTS context (4096-byte sectors) with a key made from `seed`: the bare
 /// rotations' old and new keys.
 pub(crate) fn xts_cipher(seed: u8) -> Result<ucrypt::sector::SectorCipher, String> {
-    use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+    xts_cipher_sectors(seed, ucrypt::sector::SectorSize::S4096)
+}
+
+/// [`xts_cipher`] with sectors of `size`.
+fn xts_cipher_sectors(
+    seed: u8,
+    size: ucrypt::sector::SectorSize,
+) -> Result<ucrypt::sector::SectorCipher, String> {
+    use ucrypt::sector::{CipherSpec, Geometry, SectorCipher};
     let key: Vec<u8> = (0..64u8).map(|i| i ^ seed).collect();
-    SectorCipher::new(
-        CipherSpec::AES_XTS_PLAIN64,
-        &key,
-        Geometry::new(SectorSize::S4096),
-    )
-    .map_err(|e| e.to_string())
+    SectorCipher::new(CipherSpec::AES_XTS_PLAIN64, &key, Geometry::new(size))
+        .map_err(|e| e.to_string())
 }
 
 /// The bare rotation (module docs) of `len` bytes of `path` from `offset`: wall seconds. With
@@ -258,6 +283,159 @@ fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f6
     })?;
     file.sync_all()
         .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// What the ordered bare rotation keeps of the protocol's order (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// Per hotzone of the journal area: every byte read and copied to the journal, a flush,
+    /// then every byte rekeyed and written back, a flush.
+    Journal,
+    /// Per hotzone of the shift: every byte read, encrypted and written a shift lower, a flush.
+    /// In 512-byte sectors: what both tools' `--encrypt` of a file writes (its `luksDump`).
+    Shift,
+}
+
+/// The journal area a default LUKS2 header leaves for the reencryption keyslot (its
+/// `luksDump` "Area length" after either tool's `--init-only --resilience journal` on this
+/// bench's format): the longest journal hotzone of either tool.
+const JOURNAL_AREA_BYTES: u64 = 16_228_352;
+/// The data shift of the datashift row: half the space `--reduce-device-size` frees.
+const SHIFT_BYTES: u64 = REDUCE_BYTES / 2;
+/// Bytes the ordered bare rotation's threads claim at a time within a hotzone.
+const ORDERED_CHUNK: usize = 256 << 10;
+
+/// The ordered bare rotation (module docs) of `len` bytes of `path` from `offset`: wall
+/// seconds. The bare loop's work with the order points the on-disk protocol puts between
+/// hotzones (`order`), where every thread waits for the others and one flushes; the lanes
+/// claim [`ORDERED_CHUNK`] bytes at a time, so a thread held back leaves its share to the
+/// others. No header, no commit, no unlock.
+fn bare_ordered(path: &Path, offset: u64, len: u64, order: Order) -> Result<f64, String> {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::{Barrier, Mutex, PoisonError};
+    use ucrypt::sector::{SectorCipher, SectorSize};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let hot = match order {
+        Order::Journal => JOURNAL_AREA_BYTES,
+        Order::Shift => SHIFT_BYTES,
+    };
+    if order == Order::Shift && offset < hot {
+        return Err("ordered bare shift: nowhere to move the first hotzone".into());
+    }
+    let per_hotzone = hot.div_ceil(ORDERED_CHUNK as u64) as usize;
+    let hotzones = len.div_ceil(hot) as usize;
+    // The hotzone in memory, a chunk per lock (each taken by one thread at a time).
+    let bufs: Vec<Mutex<Vec<u8>>> = (0..per_hotzone)
+        .map(|_| Mutex::new(vec![0u8; ORDERED_CHUNK]))
+        .collect();
+    // One claim counter per phase: two per journal hotzone, one per shift hotzone.
+    let claims: Vec<AtomicUsize> = (0..hotzones * 2).map(|_| AtomicUsize::new(0)).collect();
+    let barrier = Barrier::new(cores);
+    // The first error; the others then only pass the order points, so nobody waits forever.
+    let error: Mutex<Option<String>> = Mutex::new(None);
+    let failed = AtomicBool::new(false);
+    let fail = |e: String| {
+        failed.store(true, Ordering::Relaxed);
+        error
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(e);
+    };
+    // One thread's part: claims the chunks of phase `phase` (of a hotzone `n` bytes long at
+    // data offset `start`) until none is left.
+    let phase =
+        |phase: usize, start: u64, n: u64, ciphers: &mut Option<(SectorCipher, SectorCipher)>| {
+            let k = n.div_ceil(ORDERED_CHUNK as u64) as usize;
+            let journal_copy = order == Order::Journal && phase % 2 == 0;
+            loop {
+                let i = claims[phase].fetch_add(1, Ordering::Relaxed);
+                if i >= k || failed.load(Ordering::Relaxed) {
+                    return;
+                }
+                let at = start + (i * ORDERED_CHUNK) as u64;
+                let c = (start + n - at).min(ORDERED_CHUNK as u64) as usize;
+                let mut b = bufs[i].lock().unwrap_or_else(PoisonError::into_inner);
+                let b = &mut b[..c];
+                let io = |e: std::io::Error| format!("ordered bare rotation: {e}");
+                let r = (|| -> Result<(), String> {
+                    let Some((old, new)) = ciphers.as_mut() else {
+                        return Err("ordered bare rotation: no cipher".into());
+                    };
+                    let sector = at / new.sector_bytes() as u64;
+                    if journal_copy {
+                        file.read_exact_at(b, offset + at).map_err(io)?;
+                        return file.write_all_at(b, (i * ORDERED_CHUNK) as u64).map_err(io);
+                    }
+                    match order {
+                        // Read in the journal's phase, still in memory.
+                        Order::Journal => {
+                            old.decrypt(sector, b).map_err(|e| e.to_string())?;
+                            new.encrypt(sector, b).map_err(|e| e.to_string())?;
+                            file.write_all_at(b, offset + at).map_err(io)
+                        }
+                        Order::Shift => {
+                            file.read_exact_at(b, offset + at).map_err(io)?;
+                            new.encrypt(sector, b).map_err(|e| e.to_string())?;
+                            file.write_all_at(b, offset + at - hot).map_err(io)
+                        }
+                    }
+                })();
+                if let Err(e) = r {
+                    fail(e);
+                }
+            }
+        };
+    // Every thread waits for the others, one flushes, and all wait for the flush.
+    let order_point = || {
+        if barrier.wait().is_leader() {
+            if let Err(e) = file.sync_data() {
+                fail(format!("ordered bare rotation: {e}"));
+            }
+        }
+        barrier.wait();
+    };
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..cores {
+            s.spawn(|| {
+                let sectors = match order {
+                    Order::Journal => SectorSize::S4096,
+                    Order::Shift => SectorSize::S512,
+                };
+                let ciphers = (
+                    xts_cipher_sectors(0xa5, sectors),
+                    xts_cipher_sectors(0x5a, sectors),
+                );
+                let mut ciphers = match ciphers {
+                    (Ok(o), Ok(n)) => Some((o, n)),
+                    (Err(e), _) | (_, Err(e)) => {
+                        fail(e);
+                        None
+                    }
+                };
+                for z in 0..hotzones {
+                    let start = z as u64 * hot;
+                    let n = hot.min(len - start);
+                    if order == Order::Journal {
+                        phase(2 * z, start, n, &mut ciphers);
+                        order_point();
+                    }
+                    phase(2 * z + 1, start, n, &mut ciphers);
+                    order_point();
+                }
+            });
+        }
+    });
+    if let Some(e) = error.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(e);
+    }
     Ok(t.elapsed().as_secs_f64())
 }
 
@@ -312,6 +490,8 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
         let mut ei = Vec::new();
         let mut bare = Vec::new();
         let mut bare_journal = Vec::new();
+        let mut ordered_journal = Vec::new();
+        let mut ordered_shift = Vec::new();
         for round in 0..runs {
             let base = make_volume(
                 &ucrypt,
@@ -355,6 +535,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             bare.push(bare_rotation(&work, HEADER_BYTES, data, false)?);
             copy(&base, &work)?;
             bare_journal.push(bare_rotation(&work, HEADER_BYTES, data, true)?);
+            copy(&base, &work)?;
+            ordered_journal.push(bare_ordered(&work, HEADER_BYTES, data, Order::Journal)?);
+            copy(&base, &work)?;
+            ordered_shift.push(bare_ordered(&work, HEADER_BYTES, data, Order::Shift)?);
             let plain = dir.join("export.bin");
             let te = timed(
                 Command::new(&ucrypt)
@@ -409,13 +593,15 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             let _ = std::fs::remove_file(&plain);
             if progress {
                 eprintln!(
-                    "reencrypt: busy {busy}, round {}/{runs}: ucrypt {:?} cryptsetup {:?} export+import {:.2} bare {:.2} bare+journal {:.2}",
+                    "reencrypt: busy {busy}, round {}/{runs}: ucrypt {:?} cryptsetup {:?} export+import {:.2} bare {:.2} bare+journal {:.2} ordered journal {:.2} ordered shift {:.2}",
                     round + 1,
                     u.iter().map(|v| v.last().copied().unwrap_or(f64::NAN)).collect::<Vec<_>>(),
                     c.iter().map(|v| v.last().copied().unwrap_or(f64::NAN)).collect::<Vec<_>>(),
                     te + ti,
                     bare.last().copied().unwrap_or(f64::NAN),
                     bare_journal.last().copied().unwrap_or(f64::NAN),
+                    ordered_journal.last().copied().unwrap_or(f64::NAN),
+                    ordered_shift.last().copied().unwrap_or(f64::NAN),
                 );
             }
         }
@@ -429,6 +615,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                 bare
             };
             let cs = with_cryptsetup.then(|| Summary::of(&c[m]));
+            let ordered = match *mode {
+                "journal" => Some(Summary::of(&ordered_journal)),
+                SHIFT_ROW => Some(Summary::of(&ordered_shift)),
+                _ => None,
+            };
             rows.push(Row {
                 resilience: (*mode).into(),
                 busy_threads: busy,
@@ -440,6 +631,9 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                 bare_s: bare,
                 cryptsetup_over_bare: cs.map(|c| c.median / bare.median),
                 of_bare: bare.median / us.median,
+                ordered_s: ordered,
+                cryptsetup_over_ordered: cs.zip(ordered).map(|(c, o)| c.median / o.median),
+                of_ordered: ordered.map(|o| o.median / us.median),
             });
         }
     }
@@ -467,6 +661,15 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
              to a journal area first (the journal's one copy more of every byte)"
                 .into(),
             format!(
+                "ordered bare (journal and {SHIFT_ROW} rows): the bare loop with the order the \
+                 protocol puts between hotzones: per hotzone ({JOURNAL_AREA_BYTES}-byte journal \
+                 area; {SHIFT_BYTES}-byte shift), every thread waits for the others and one \
+                 flushes, after the journal's copy and after the rewrite; the threads claim \
+                 {} KiB at a time; the shift's encrypts 512-byte sectors, as both tools' \
+                 --encrypt writes (the bare column's rotation rekeys 4096-byte ones)",
+                ORDERED_CHUNK >> 10
+            ),
+            format!(
                 "{SHIFT_ROW}: reencrypt --encrypt --reduce-device-size {REDUCE} of the exported \
                  plaintext with {REDUCE} free after it, both tools (hotzones of the 16 MiB \
                  shift); its ceiling column is the same export+import"
@@ -485,11 +688,11 @@ pub fn markdown(r: &Report) -> String {
         r.runs,
         r.cryptsetup
     );
-    o += "| resilience | busy threads | ucrypt s | cryptsetup s | cryptsetup ÷ ucrypt (goal ≥ 2) | export+import s | ceiling ÷ ucrypt (goal ≥ 0.8) | bare s | cryptsetup ÷ bare (most reachable) | bare ÷ ucrypt (≥ 0.9 where the 2× goal is out of reach) |\n";
-    o += "|---|---|---|---|---|---|---|---|---|---|\n";
+    o += "| resilience | busy threads | ucrypt s | cryptsetup s | cryptsetup ÷ ucrypt (goal ≥ 2) | export+import s | ceiling ÷ ucrypt (goal ≥ 0.8) | bare s | cryptsetup ÷ bare (most reachable) | bare ÷ ucrypt (≥ 0.9 where the 2× goal is out of reach) | ordered bare s | cryptsetup ÷ ordered bare | ordered bare ÷ ucrypt |\n";
+    o += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for row in &r.rows {
         o += &format!(
-            "| {} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {:.2} | {} | {} | {} |\n",
             row.resilience,
             row.busy_threads,
             row.ucrypt_s.show(2),
@@ -503,6 +706,11 @@ pub fn markdown(r: &Report) -> String {
             row.cryptsetup_over_bare
                 .map_or_else(|| "SKIPPED".into(), |v| format!("{v:.2}")),
             row.of_bare,
+            row.ordered_s.map_or_else(|| "–".into(), |s| s.show(2)),
+            row.cryptsetup_over_ordered
+                .map_or_else(|| "–".into(), |v| format!("{v:.2}")),
+            row.of_ordered
+                .map_or_else(|| "–".into(), |v| format!("{v:.2}")),
         );
     }
     for n in &r.notes {
