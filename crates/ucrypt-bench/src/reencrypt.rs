@@ -235,17 +235,25 @@ fn xts_cipher_sectors(
         .map_err(|e| e.to_string())
 }
 
-/// The bare rotation (module docs) of `len` bytes of `path` from `offset`: wall seconds. With
-/// `journal`, each piece is also written, as read, to a slot of the file's first
-/// [`HEADER_BYTES`] before it is rekeyed.
-fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f64, String> {
-    use std::os::unix::fs::FileExt;
+/// `path` opened for a bare rotation, and its threads: one per core.
+fn open_for_bare(path: &Path) -> Result<(std::fs::File, usize), String> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok((
+        file,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    ))
+}
+
+/// The bare rotation (module docs) of `len` bytes of `path` from `offset`: wall seconds. With
+/// `journal`, each piece is also written, as read, to a slot of the file's first
+/// [`HEADER_BYTES`] before it is rekeyed.
+fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f64, String> {
+    use std::os::unix::fs::FileExt;
+    let (file, cores) = open_for_bare(path)?;
     let pieces = len.div_ceil(BARE_PIECE as u64);
     let t = Instant::now();
     std::thread::scope(|s| {
@@ -316,12 +324,7 @@ fn bare_ordered(path: &Path, offset: u64, len: u64, order: Order) -> Result<f64,
     use std::sync::atomic::AtomicUsize;
     use std::sync::{Barrier, Mutex, PoisonError};
     use ucrypt::sector::{SectorCipher, SectorSize};
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (file, cores) = open_for_bare(path)?;
     let hot = match order {
         Order::Journal => JOURNAL_AREA_BYTES,
         Order::Shift => SHIFT_BYTES,
