@@ -94,8 +94,8 @@ pub struct Row {
     /// The ordered bare rotation (module docs), for the rows whose protocol orders every
     /// hotzone (journal and datashift): the bare loop's work with the protocol's order points.
     pub ordered_s: Option<Summary>,
-    /// cryptsetup ÷ ordered bare: the most a rotation that keeps the protocol's order can
-    /// beat cryptsetup by here.
+    /// cryptsetup ÷ ordered bare: the most a rotation that waits at the protocol's order
+    /// points can beat cryptsetup by here (one that never waited could do better).
     pub cryptsetup_over_ordered: Option<f64>,
     /// ordered bare ÷ ucrypt.
     pub of_ordered: Option<f64>,
