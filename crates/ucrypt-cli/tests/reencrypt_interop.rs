@@ -3313,9 +3313,10 @@ fn kill_after_switch(cmd: Command, hdr: &Path, area: &str, delay: Duration) -> b
 /// A decryption that moves the data back switches the protection of its moved segment on
 /// resume (`--resilience journal`, which both tools map to `datashift-journal`), both ways:
 /// one tool starts it with checksums, the other resumes with a journal and is SIGKILLed once
-/// its header shows the switch (plus a seeded delay of up to 300 ms), and the first finishes
-/// from the switched header (its digest check accepts it); the plaintext is at the start of
-/// the device.
+/// its header shows the switch (plus a seeded delay of up to 300 ms, halved after each round
+/// the tool finished before the kill: ucrypt can finish the rest within 250 ms), and the first
+/// finishes from the switched header (its digest check accepts it); the plaintext is at the
+/// start of the device.
 #[test]
 fn resilience_switches_on_a_moved_back_decryption() {
     if !have_cryptsetup() {
@@ -3334,6 +3335,7 @@ fn resilience_switches_on_a_moved_back_decryption() {
             }
         };
         let mut switched_mid_way = 0;
+        let mut delay_max_ms = 300;
         for round in 0..3 {
             x ^= x << 13;
             x ^= x >> 7;
@@ -3351,8 +3353,11 @@ fn resilience_switches_on_a_moved_back_decryption() {
             cmd.args(["reencrypt", "-q", "--resume-only", "--header", s(&hdr)])
                 .args(offline(switches))
                 .args(["--resilience", "journal", "--key-file", s(&key), s(&img)]);
-            let delay = Duration::from_millis(x % 300);
+            let delay = Duration::from_millis(x % delay_max_ms);
             let killed = kill_after_switch(cmd, &hdr, "datashift-journal", delay);
+            if !killed {
+                delay_max_ms = (delay_max_ms / 2).max(10);
+            }
             let what = format!(
                 "{switches} switching, round {round}: killed={killed} {delay:?} after the switch"
             );
