@@ -14,15 +14,18 @@
 //! idle host and once with two busy-loop threads competing for the CPU (a shared host).
 //!
 //! A second ceiling, for the goal against cryptsetup: the bare rotation. One thread per core
-//! reads the same file's data area in 4 MiB pieces (each thread its own pieces, in turn),
-//! decrypts each piece with one AES-XTS key and encrypts it with another in place, writes it
-//! back, and the file is synced: the crypto and the copies any key rotation of these bytes
-//! must do on this machine, with no header, no resilience data and no unlock. cryptsetup ÷ bare
-//! is the most any tool could beat cryptsetup by here; where it is below 2 the "2×" goal is
-//! above what the machine allows, and ucrypt is judged by bare ÷ ucrypt instead (the brief's
-//! ceiling rule: within 0.9). The journal row has a bare rotation of its own: the same loop
-//! that also writes each piece, as read, to a journal area before rekeying it (the one copy
-//! more a journal must make of every byte), so that its ceiling does the work its mode needs.
+//! claims the same file's data area 256 KiB at a time (ucrypt's lane chunk), reads it,
+//! decrypts it with one AES-XTS key and encrypts it with another in place, and writes it back;
+//! the threads take turns at the writes (`ucrypt::sync::TakeTurns`, as ucrypt's lanes do on a
+//! buffered file, whose every write takes the file's lock anyway), with up to 16 MiB of
+//! chunks waiting for theirs; then the file is synced: the crypto and the copies any key
+//! rotation of these bytes must do on this machine, with no header, no resilience data and no
+//! unlock. cryptsetup ÷ bare is the most any tool could beat cryptsetup by here; where it is
+//! below 2 the "2×" goal is above what the machine allows, and ucrypt is judged by bare ÷
+//! ucrypt instead (the brief's ceiling rule: within 0.9). The journal row has a bare rotation
+//! of its own: the same loop that also writes each chunk, as read, to a journal area before
+//! rekeying it (the one copy more a journal must make of every byte), so that its ceiling
+//! does the work its mode needs.
 //!
 //! A third, for the rows whose protocol orders the hotzones (journal, datashift): the ordered
 //! bare rotation. The bare loop keeps no order; a rotation on the LUKS2 protocol cannot
@@ -31,11 +34,11 @@
 //! a default header's area bounds the hotzone), nor move a datashift hotzone before the
 //! previous one is flushed (its target is the next one's source). The ordered bare loop does
 //! the same crypto and copies with those order points: per hotzone, every thread claims 256
-//! KiB chunks, then waits for the others, and one flushes (no commit, header or unlock); the
-//! shift encrypts 512-byte sectors, as both tools' `--encrypt` of a file does. On a busy host
-//! a thread the scheduler holds back makes the others wait at each order point; the bare loop
-//! never waits. It bounds a rotation that waits at each order point; one that computed the
-//! next hotzone while the last is written could beat it.
+//! KiB chunks (writing in turns, as above), then waits for the others, and one flushes (no
+//! commit, header or unlock); the shift encrypts 512-byte sectors, as both tools' `--encrypt`
+//! of a file does. On a busy host a thread the scheduler holds back makes the others wait at
+//! each order point; the bare loop never waits. It bounds a rotation that waits at each order
+//! point; one that computed the next hotzone while the last is written could beat it.
 //!
 //! Needs cryptsetup (2.6 or later for `--force-offline-reencrypt`); without it the cryptsetup
 //! column says SKIPPED and the rest runs.
@@ -212,11 +215,15 @@ fn copy(from: &Path, to: &Path) -> Result<(), String> {
         .map_err(|e| format!("copy to {}: {e}", to.display()))
 }
 
-/// Bytes each thread of the bare rotation reads, rekeys and writes at a time.
-const BARE_PIECE: usize = 4 << 20;
-/// Slots of [`BARE_PIECE`] bytes for the bare rotation's journal copies, at the start of the
+/// Bytes a thread of the bare rotation claims, reads, rekeys and writes at a time: ucrypt's
+/// lane chunk.
+const BARE_CHUNK: usize = 256 << 10;
+/// Chunks the bare rotation holds in memory (16 MiB): a chunk waits for its slot's last chunk
+/// to be written, so the writes may fall that far behind the crypto.
+const BARE_SLOTS: usize = 64;
+/// Slots of [`BARE_CHUNK`] bytes for the bare rotation's journal copies, at the start of the
 /// file (its header area, [`HEADER_BYTES`]: the bare rotation works on a throw-away copy).
-const BARE_JOURNAL_SLOTS: u64 = HEADER_BYTES / BARE_PIECE as u64;
+const BARE_JOURNAL_SLOTS: u64 = HEADER_BYTES / BARE_CHUNK as u64;
 
 /// An AES-256-XTS context (4096-byte sectors) with a key made from `seed`: the bare
 /// rotations' old and new keys.
@@ -253,34 +260,85 @@ fn open_for_bare(path: &Path) -> Result<(std::fs::File, usize), String> {
 /// [`HEADER_BYTES`] before it is rekeyed.
 fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f64, String> {
     use std::os::unix::fs::FileExt;
+    use std::sync::atomic::AtomicU64;
+    use std::sync::{Mutex, PoisonError};
+    use ucrypt::sync::TakeTurns;
     let (file, cores) = open_for_bare(path)?;
-    let pieces = len.div_ceil(BARE_PIECE as u64);
+    let chunks = len.div_ceil(BARE_CHUNK as u64);
+    let slots: Vec<Mutex<Vec<u8>>> = (0..BARE_SLOTS)
+        .map(|_| Mutex::new(vec![0u8; BARE_CHUNK]))
+        .collect();
+    // The chunk each slot may take next: chunk k takes slot k % BARE_SLOTS once chunk
+    // k - BARE_SLOTS is written from it.
+    let next: Vec<AtomicU64> = (0..BARE_SLOTS as u64).map(AtomicU64::new).collect();
+    // Whether a slot's journal copy is still to be written.
+    let copying: Vec<AtomicBool> = (0..BARE_SLOTS).map(|_| AtomicBool::new(false)).collect();
+    let claimed = AtomicU64::new(0);
+    // Set when a write failed: nobody then waits for one.
+    let failed = AtomicBool::new(false);
+    let io = |e: std::io::Error| format!("bare rotation: {e}");
+    // The writes to the file, one thread at a time (as ucrypt writes a buffered file,
+    // `ucrypt::sync::TakeTurns`): slot, file offset, bytes, and whether the write is the
+    // journal's copy (else the chunk's rekeyed bytes, after which its slot is free).
+    let turns = TakeTurns::<(usize, u64, usize, bool)>::new(BARE_SLOTS);
+    let write = |(s, to, n, copy): (usize, u64, usize, bool)| -> Result<(), String> {
+        let b = slots[s].lock().unwrap_or_else(PoisonError::into_inner);
+        if let Err(e) = file.write_all_at(&b[..n], to) {
+            failed.store(true, Ordering::Release);
+            return Err(io(e));
+        }
+        if copy {
+            copying[s].store(false, Ordering::Release);
+        } else {
+            next[s].fetch_add(BARE_SLOTS as u64, Ordering::Release);
+        }
+        Ok(())
+    };
+    // Waits until `done` holds (another thread's write, in its turn).
+    let wait = |done: &dyn Fn() -> bool| -> Result<(), String> {
+        while !done() {
+            if failed.load(Ordering::Acquire) {
+                return Err("bare rotation: another thread's write failed".into());
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    };
     let t = Instant::now();
-    std::thread::scope(|s| {
-        let threads: Vec<_> = (0..cores as u64)
-            .map(|lane| {
-                let file = &file;
-                s.spawn(move || -> Result<(), String> {
+    std::thread::scope(|sc| {
+        let threads: Vec<_> = (0..cores)
+            .map(|_| {
+                let (file, slots, next, copying) = (&file, &slots, &next, &copying);
+                let (claimed, turns, write, wait) = (&claimed, &turns, &write, &wait);
+                sc.spawn(move || -> Result<(), String> {
                     let (mut old, mut new) = (xts_cipher(0xa5)?, xts_cipher(0x5a)?);
-                    let mut buf = vec![0u8; BARE_PIECE];
-                    let mut piece = lane;
-                    while piece < pieces {
-                        let at = piece * BARE_PIECE as u64;
-                        let n = (len - at).min(BARE_PIECE as u64) as usize;
-                        let b = &mut buf[..n];
-                        let io = |e: std::io::Error| format!("bare rotation: {e}");
-                        file.read_exact_at(b, offset + at).map_err(io)?;
-                        if journal {
-                            let slot = piece % BARE_JOURNAL_SLOTS * BARE_PIECE as u64;
-                            file.write_all_at(b, slot).map_err(io)?;
+                    loop {
+                        let k = claimed.fetch_add(1, Ordering::Relaxed);
+                        if k >= chunks {
+                            return Ok(());
                         }
-                        let sector = at / 4096;
-                        old.decrypt(sector, b).map_err(|e| e.to_string())?;
-                        new.encrypt(sector, b).map_err(|e| e.to_string())?;
-                        file.write_all_at(b, offset + at).map_err(io)?;
-                        piece += cores as u64;
+                        let s = (k % BARE_SLOTS as u64) as usize;
+                        wait(&|| next[s].load(Ordering::Acquire) == k)?;
+                        let at = k * BARE_CHUNK as u64;
+                        let n = (len - at).min(BARE_CHUNK as u64) as usize;
+                        let lock = || slots[s].lock().unwrap_or_else(PoisonError::into_inner);
+                        file.read_exact_at(&mut lock()[..n], offset + at)
+                            .map_err(io)?;
+                        if journal {
+                            let slot = k % BARE_JOURNAL_SLOTS * BARE_CHUNK as u64;
+                            copying[s].store(true, Ordering::Release);
+                            turns.take((s, slot, n, true), write)?;
+                            wait(&|| !copying[s].load(Ordering::Acquire))?;
+                        }
+                        {
+                            let mut g = lock();
+                            let b = &mut g[..n];
+                            let sector = at / 4096;
+                            old.decrypt(sector, b).map_err(|e| e.to_string())?;
+                            new.encrypt(sector, b).map_err(|e| e.to_string())?;
+                        }
+                        turns.take((s, offset + at, n, false), write)?;
                     }
-                    Ok(())
                 })
             })
             .collect();
@@ -289,6 +347,9 @@ fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f6
                 .map_err(|_| "bare rotation thread panicked".to_string())?
         })
     })?;
+    if turns.left() != 0 {
+        return Err("bare rotation: a chunk was left unwritten".into());
+    }
     file.sync_all()
         .map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(t.elapsed().as_secs_f64())
@@ -324,6 +385,7 @@ fn bare_ordered(path: &Path, offset: u64, len: u64, order: Order) -> Result<f64,
     use std::sync::atomic::AtomicUsize;
     use std::sync::{Barrier, Mutex, PoisonError};
     use ucrypt::sector::{SectorCipher, SectorSize};
+    use ucrypt::sync::TakeTurns;
     let (file, cores) = open_for_bare(path)?;
     let hot = match order {
         Order::Journal => JOURNAL_AREA_BYTES,
@@ -341,6 +403,14 @@ fn bare_ordered(path: &Path, offset: u64, len: u64, order: Order) -> Result<f64,
     // One claim counter per phase: two per journal hotzone, one per shift hotzone.
     let claims: Vec<AtomicUsize> = (0..hotzones * 2).map(|_| AtomicUsize::new(0)).collect();
     let barrier = Barrier::new(cores);
+    // The writes to the file, one thread at a time (as ucrypt writes a buffered file,
+    // `ucrypt::sync::TakeTurns`): chunk, file offset, bytes.
+    let turns = TakeTurns::<(usize, u64, usize)>::new(per_hotzone);
+    let write = |(i, to, c): (usize, u64, usize)| -> Result<(), String> {
+        let b = bufs[i].lock().unwrap_or_else(PoisonError::into_inner);
+        file.write_all_at(&b[..c], to)
+            .map_err(|e| format!("ordered bare rotation: {e}"))
+    };
     // The first error; the others then only pass the order points, so nobody waits forever.
     let error: Mutex<Option<String>> = Mutex::new(None);
     let failed = AtomicBool::new(false);
@@ -364,31 +434,36 @@ fn bare_ordered(path: &Path, offset: u64, len: u64, order: Order) -> Result<f64,
                 }
                 let at = start + (i * ORDERED_CHUNK) as u64;
                 let c = (start + n - at).min(ORDERED_CHUNK as u64) as usize;
-                let mut b = bufs[i].lock().unwrap_or_else(PoisonError::into_inner);
-                let b = &mut b[..c];
                 let io = |e: std::io::Error| format!("ordered bare rotation: {e}");
                 let r = (|| -> Result<(), String> {
                     let Some((old, new)) = ciphers.as_mut() else {
                         return Err("ordered bare rotation: no cipher".into());
                     };
                     let sector = at / new.sector_bytes() as u64;
-                    if journal_copy {
+                    let mut guard = bufs[i].lock().unwrap_or_else(PoisonError::into_inner);
+                    let b = &mut guard[..c];
+                    // Where the chunk goes, once it is ready.
+                    let to = if journal_copy {
                         file.read_exact_at(b, offset + at).map_err(io)?;
-                        return file.write_all_at(b, (i * ORDERED_CHUNK) as u64).map_err(io);
-                    }
-                    match order {
-                        // Read in the journal's phase, still in memory.
-                        Order::Journal => {
-                            old.decrypt(sector, b).map_err(|e| e.to_string())?;
-                            new.encrypt(sector, b).map_err(|e| e.to_string())?;
-                            file.write_all_at(b, offset + at).map_err(io)
+                        (i * ORDERED_CHUNK) as u64
+                    } else {
+                        match order {
+                            // Read in the journal's phase, still in memory.
+                            Order::Journal => {
+                                old.decrypt(sector, b).map_err(|e| e.to_string())?;
+                                new.encrypt(sector, b).map_err(|e| e.to_string())?;
+                                offset + at
+                            }
+                            Order::Shift => {
+                                file.read_exact_at(b, offset + at).map_err(io)?;
+                                new.encrypt(sector, b).map_err(|e| e.to_string())?;
+                                offset + at - hot
+                            }
                         }
-                        Order::Shift => {
-                            file.read_exact_at(b, offset + at).map_err(io)?;
-                            new.encrypt(sector, b).map_err(|e| e.to_string())?;
-                            file.write_all_at(b, offset + at - hot).map_err(io)
-                        }
-                    }
+                    };
+                    // Unlocked before the chunk is handed on: the writing thread locks it.
+                    drop(guard);
+                    turns.take((i, to, c), &write)
                 })();
                 if let Err(e) = r {
                     fail(e);
@@ -658,10 +733,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             "ucrypt rotates with its default 64 MiB hotzones, cryptsetup with its default (one \
              hotzone as large as the resilience area protects)"
                 .into(),
-            "bare: the bare rotation of the same bytes (one thread per core, 4 MiB pieces, \
+            "bare: the bare rotation of the same bytes (one thread per core, 256 KiB chunks, \
              decrypt + encrypt in place, then sync; no header, resilience or unlock), timed in \
-             the same rounds; the journal row's bare rotation also writes each piece, as read, \
-             to a journal area first (the journal's one copy more of every byte)"
+             the same rounds; the journal row's bare rotation also writes each chunk, as read, \
+             to a journal area first (the journal's one copy more of every byte); in both bare \
+             loops the threads write the file in turns, as ucrypt's lanes write a buffered file"
                 .into(),
             format!(
                 "ordered bare (journal and {SHIFT_ROW} rows): the bare loop with the order the \

@@ -155,6 +155,87 @@ impl Stop {
     }
 }
 
+/// Work that only one thread at a time does, handed to whichever thread is doing it: a thread
+/// that brings an item while another works leaves it and goes on; the working thread does
+/// every item left to it before it lets go (flat combining, without waiting).
+///
+/// Made for writes to a backend whose writes queue on one lock anyway
+/// ([`crate::backend::Backend::serializes_writes`]: a buffered regular file, whose every
+/// write takes the inode's lock): threads that split the crypto of a large piece of work
+/// would otherwise each wait in the kernel for that lock, and when the holder is preempted
+/// (a busy host) every other thread stops until it runs again. Taking turns here, they keep
+/// on with their crypto instead.
+///
+/// The items left are held in a list sized when the turns are made (`capacity`: at most one
+/// item per chunk of the work, so it never grows). Items are taken last in, first out: the
+/// newest is the one most likely still in a cache.
+pub struct TakeTurns<T> {
+    /// Whether a thread is doing the work.
+    busy: AtomicBool,
+    left: Mutex<Vec<T>>,
+}
+
+impl<T> TakeTurns<T> {
+    pub fn new(capacity: usize) -> Self {
+        TakeTurns {
+            busy: AtomicBool::new(false),
+            left: Mutex::new(Vec::with_capacity(capacity)),
+        }
+    }
+
+    /// Does `work(item)` now, or leaves `item` to the thread doing the work; a thread that
+    /// starts working does every item left until none is. Returns the first error of the work
+    /// this call did (the items it had not done yet stay left: see [`TakeTurns::left`]).
+    pub fn take<E>(
+        &self,
+        item: T,
+        work: &dyn Fn(T) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        /// Lets go of the turn when dropped, also when the work panics.
+        struct Turn<'a>(&'a AtomicBool);
+        impl Drop for Turn<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::SeqCst);
+            }
+        }
+        lock(&self.left).push(item);
+        loop {
+            // SeqCst on both sides: an item pushed by a thread whose exchange fails is seen by
+            // the working thread's check after it let go (below), or that thread's exchange
+            // succeeds after the let-go. Either way someone does it.
+            if self
+                .busy
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                return Ok(());
+            }
+            let turn = Turn(&self.busy);
+            let r = loop {
+                let next = lock(&self.left).pop();
+                match next {
+                    Some(item) => {
+                        if let Err(e) = work(item) {
+                            break Err(e);
+                        }
+                    }
+                    None => break Ok(()),
+                }
+            };
+            drop(turn);
+            r?;
+            if lock(&self.left).is_empty() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Items left and not done: 0 once every call of [`TakeTurns::take`] has returned `Ok`.
+    pub fn left(&self) -> usize {
+        lock(&self.left).len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,5 +385,124 @@ mod spin_tests {
         assert_eq!(spins(&mut g, 1000, |_| true), 1000);
         // Half paying is enough to keep spinning.
         assert_eq!(spins(&mut g, 1000, |i| i % 2 == 0), 1000);
+    }
+}
+
+#[cfg(test)]
+mod take_turns_tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::mpsc;
+
+    /// From several threads at once: every item done once, never two at a time.
+    #[test]
+    fn every_item_is_done_once_by_one_thread_at_a_time() {
+        const THREADS: usize = 4;
+        const EACH: usize = 500;
+        let turns = TakeTurns::new(THREADS);
+        let done: Vec<AtomicUsize> = (0..THREADS * EACH).map(|_| AtomicUsize::new(0)).collect();
+        let inside = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        let work = |i: usize| -> std::result::Result<(), ()> {
+            let n = inside.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(n, Ordering::SeqCst);
+            done[i].fetch_add(1, Ordering::SeqCst);
+            std::hint::spin_loop();
+            inside.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        };
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let (turns, work) = (&turns, &work);
+                s.spawn(move || {
+                    for k in 0..EACH {
+                        turns.take(t * EACH + k, work).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(turns.left(), 0);
+        assert!(done.iter().all(|d| d.load(Ordering::SeqCst) == 1));
+        assert_eq!(most.load(Ordering::SeqCst), 1, "two threads worked at once");
+    }
+
+    /// A thread that brings an item while another works returns at once; the working thread
+    /// does that item before it lets go.
+    #[test]
+    fn an_item_brought_during_a_turn_is_left_to_the_working_thread() {
+        let turns = TakeTurns::new(2);
+        let (entered_tx, entered) = mpsc::channel::<()>();
+        let (go, go_rx) = mpsc::channel::<()>();
+        let go_rx = Mutex::new(go_rx);
+        let by: Mutex<Vec<(u32, std::thread::ThreadId)>> = Mutex::new(Vec::new());
+        let work = |i: u32| -> std::result::Result<(), ()> {
+            if i == 1 {
+                entered_tx.send(()).unwrap();
+                lock(&go_rx).recv().unwrap();
+            }
+            lock(&by).push((i, std::thread::current().id()));
+            Ok(())
+        };
+        std::thread::scope(|s| {
+            let first = s.spawn(|| {
+                turns.take(1, &work).unwrap();
+                std::thread::current().id()
+            });
+            entered.recv().unwrap();
+            // The first thread is inside its turn: this returns without doing item 2.
+            turns.take(2, &work).unwrap();
+            assert!(lock(&by).is_empty(), "item 2 was done outside the turn");
+            assert_eq!(turns.left(), 1);
+            go.send(()).unwrap();
+            let first = first.join().unwrap();
+            let by = lock(&by);
+            assert_eq!(*by, vec![(1, first), (2, first)]);
+        });
+        assert_eq!(turns.left(), 0);
+    }
+
+    /// A failing item ends the turn with its error, and the items not done stay left; a
+    /// panic lets go of the turn, so the next thread works.
+    #[test]
+    fn an_error_or_a_panic_ends_the_turn() {
+        let turns = TakeTurns::new(4);
+        let (entered_tx, entered) = mpsc::channel::<()>();
+        let (go, go_rx) = mpsc::channel::<()>();
+        let go_rx = Mutex::new(go_rx);
+        let fail = |i: u32| match i {
+            1 => {
+                entered_tx.send(()).unwrap();
+                lock(&go_rx).recv().unwrap();
+                Ok(())
+            }
+            7 => Err(i),
+            _ => Ok(()),
+        };
+        std::thread::scope(|s| {
+            let first = s.spawn(|| turns.take(1, &fail));
+            entered.recv().unwrap();
+            // Left in this order, taken last in first out: 7 fails before 8 is done.
+            turns.take(8, &fail).unwrap();
+            turns.take(7, &fail).unwrap();
+            go.send(()).unwrap();
+            assert_eq!(first.join().unwrap(), Err(7));
+        });
+        assert_eq!(turns.left(), 1, "item 8 is left");
+        let boom = |_: u32| -> std::result::Result<(), u32> { panic!("work panics on purpose") };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| turns.take(1, &boom)));
+        assert!(r.is_err());
+        let done = AtomicUsize::new(0);
+        let count = |_: u32| -> std::result::Result<(), u32> {
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        };
+        turns.take(2, &count).unwrap();
+        // Item 2, and item 8 left from before.
+        assert_eq!(
+            done.load(Ordering::SeqCst),
+            2,
+            "the turn was let go after the panic"
+        );
+        assert_eq!(turns.left(), 0);
     }
 }

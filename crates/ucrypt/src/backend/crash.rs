@@ -179,6 +179,11 @@ impl Backend for CrashBackend {
             self.size, self.unit
         )
     }
+
+    /// Every write holds the one state lock.
+    fn serializes_writes(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

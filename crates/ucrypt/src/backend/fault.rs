@@ -207,4 +207,8 @@ impl Backend for FaultBackend {
     fn describe(&self) -> String {
         format!("faults over {}", self.inner.describe())
     }
+
+    fn serializes_writes(&self) -> bool {
+        self.inner.serializes_writes()
+    }
 }

@@ -566,4 +566,11 @@ impl Backend for FileBackend {
             }
         )
     }
+
+    fn serializes_writes(&self) -> bool {
+        // A buffered write to a regular file takes the inode's lock (`generic_file_write_iter`
+        // and each filesystem's own); a block device's does not, and an O_DIRECT overwrite of
+        // a file takes it shared where the filesystem allows (ext4, xfs).
+        !self.block_device && !self.direct
+    }
 }

@@ -54,6 +54,15 @@ pub trait Backend: Send + Sync {
     }
     /// A short human description ("file /dev/shm/x (O_DIRECT)"), for benchmarks and logs.
     fn describe(&self) -> String;
+    /// Whether every write queues on one lock, whichever thread makes it: a buffered regular
+    /// file, whose every write takes the inode's lock (tmpfs, ext4 and xfs alike). Threads
+    /// writing such a backend at once gain nothing, and one preempted while holding the lock
+    /// stops the rest, so work split over threads writes it one thread at a time
+    /// ([`crate::sync::TakeTurns`]). False where writes may run side by side (a block device,
+    /// a file opened with O_DIRECT, a remote volume).
+    fn serializes_writes(&self) -> bool {
+        false
+    }
 
     /// Reads exactly `buf.len()` bytes, retrying short reads; reaching the end first is an error
     /// naming the offset.

@@ -389,6 +389,10 @@ impl Backend for Remap {
             self.to
         )
     }
+
+    fn serializes_writes(&self) -> bool {
+        self.dev.serializes_writes()
+    }
 }
 
 /// The largest piece of a hotzone read, journalled or rewritten at a time while the volume

@@ -40,6 +40,7 @@ use crate::backend::Backend;
 use crate::engine::crew::Crew;
 use crate::pool::BufferPool;
 use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+use crate::sync::TakeTurns;
 use crate::{Error, Result};
 
 /// The requirement cryptsetup 2.6 writes for key rotation.
@@ -1805,24 +1806,80 @@ pub struct RunOptions {
     pub resilience: Option<ResilienceAsked>,
 }
 
+/// Where the lanes hand each chunk they finished (its data offset, or its offset in the
+/// buffer; its bytes): a write, made one lane at a time where the backend it goes to takes
+/// writes one at a time anyway ([`Backend::serializes_writes`], [`TakeTurns`]), else by each
+/// lane for its own chunks.
+#[derive(Clone, Copy)]
+struct Sink<'a> {
+    write: &'a (dyn Fn(u64, &[u8]) -> Result<()> + Sync),
+    in_turns: bool,
+}
+
+impl<'a> Sink<'a> {
+    /// Nothing: the chunk stays in the buffer.
+    const KEEP: Sink<'static> = Sink {
+        write: &|_, _| Ok(()),
+        in_turns: false,
+    };
+
+    /// `write`, which writes to `dev`.
+    fn to(dev: &dyn Backend, write: &'a (dyn Fn(u64, &[u8]) -> Result<()> + Sync)) -> Self {
+        Sink {
+            write,
+            in_turns: dev.serializes_writes(),
+        }
+    }
+}
+
+/// A [`Sink`] for one share-out of `chunks` chunks of a buffer that lives for `'b`.
+struct Handing<'a, 'b> {
+    sink: Sink<'a>,
+    turns: TakeTurns<(u64, &'b [u8])>,
+}
+
+impl<'a, 'b> Handing<'a, 'b> {
+    fn new(sink: Sink<'a>, chunks: usize) -> Self {
+        let cap = if sink.in_turns { chunks } else { 0 };
+        Handing {
+            sink,
+            turns: TakeTurns::new(cap),
+        }
+    }
+
+    fn hand(&self, at: u64, bytes: &'b [u8]) -> Result<()> {
+        if self.sink.in_turns {
+            self.turns
+                .take((at, bytes), &|(o, c)| (self.sink.write)(o, c))
+        } else {
+            (self.sink.write)(at, bytes)
+        }
+    }
+
+    /// After every lane returned `Ok`: each chunk handed was written.
+    fn finished(&self) -> Result<()> {
+        match self.turns.left() {
+            0 => Ok(()),
+            _ => Err(Error::Bug(
+                "a chunk handed to the writing lane was not written",
+            )),
+        }
+    }
+}
+
 /// Decrypts `buf` (the old bytes at data offset `offset`) with the old key and encrypts it
 /// with the new one, in place (a linear side is left as it is): cut into chunks of
 /// [`LANE_CHUNK_BYTES`] (whole `align` units) shared out among the lanes ([`share_out`]), each
 /// on its own thread with its own ciphers; one lane for buffers under [`LANE_BYTES_MIN`].
 fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
-    rekey_then(u, offset, buf, &|_, _| Ok(()))
+    rekey_then(u, offset, buf, Sink::KEEP)
 }
 
 /// [`rekey`], each lane then handing its bytes (data offset, bytes) to `then` — the write of
 /// the new ciphertext, so that the lanes' writes overlap each other's crypto and the copies
 /// into the device run on every lane. Each chunk is decrypted, encrypted and handed on while
 /// it is in the CPU's cache: one pass over memory instead of three.
-fn rekey_then(
-    u: &mut Unlocked,
-    offset: u64,
-    buf: &mut [u8],
-    then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
-) -> Result<()> {
+fn rekey_then(u: &mut Unlocked, offset: u64, buf: &mut [u8], then: Sink<'_>) -> Result<()> {
     rekey_stream(u, offset, buf, &|_, _| Ok(()), then)
 }
 
@@ -1834,7 +1891,7 @@ fn rekey_stream(
     offset: u64,
     buf: &mut [u8],
     fill: &(dyn Fn(u64, &mut [u8]) -> Result<()> + Sync),
-    then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
+    then: Sink<'_>,
 ) -> Result<()> {
     let lanes = if buf.len() < LANE_BYTES_MIN {
         1
@@ -1846,28 +1903,29 @@ fn rekey_stream(
         align > 0 && LANE_CHUNK_BYTES % align == 0,
         "a lane's chunk holds whole sectors"
     );
+    let then = Handing::new(then, buf.len().div_ceil(LANE_CHUNK_BYTES));
     let chunks = buf
         .chunks_mut(LANE_CHUNK_BYTES)
         .enumerate()
         .map(|(i, c)| (offset + (i * LANE_CHUNK_BYTES) as u64, c));
-    let one = |lane: &mut &mut Lane, (o, c): (u64, &mut [u8])| -> Result<()> {
-        let (old, new) = &mut **lane;
-        fill(o, c)?;
-        if let Some(old) = old {
-            old.decrypt(o / old.sector_bytes() as u64, c)?;
-        }
-        if let Some(new) = new {
-            new.encrypt(o / new.sector_bytes() as u64, c)?;
-        }
-        then(o, c)
-    };
     share_out(
         u.crew.as_ref(),
         u.lanes.iter_mut().take(lanes),
         chunks,
         "rekey thread panicked",
-        one,
-    )
+        |lane: &mut &mut Lane, (o, c)| {
+            let (old, new) = &mut **lane;
+            fill(o, c)?;
+            if let Some(old) = old {
+                old.decrypt(o / old.sector_bytes() as u64, c)?;
+            }
+            if let Some(new) = new {
+                new.encrypt(o / new.sector_bytes() as u64, c)?;
+            }
+            then.hand(o, c)
+        },
+    )?;
+    then.finished()
 }
 
 /// The lanes `spread` has, or one for a buffer of `len` bytes under [`LANE_BYTES_MIN`].
@@ -1883,7 +1941,7 @@ fn lanes_for(len: usize, spread: Spread<'_>) -> std::iter::RepeatN<()> {
 /// Reads `buf` from `at` in chunks of [`LANE_CHUNK_BYTES`] shared out among the lanes (the
 /// copies out of the device run on every CPU); one lane for buffers under [`LANE_BYTES_MIN`].
 fn read_lanes(dev: &dyn Backend, buf: &mut [u8], at: u64, lanes: Spread<'_>) -> Result<()> {
-    read_lanes_then(dev, buf, at, lanes, &|_, _| Ok(()))
+    read_lanes_then(dev, buf, at, lanes, Sink::KEEP)
 }
 
 /// [`read_lanes`], each lane handing every [`LANE_CHUNK_BYTES`] it read (offset in `buf`,
@@ -1893,9 +1951,10 @@ fn read_lanes_then(
     buf: &mut [u8],
     at: u64,
     spread: Spread<'_>,
-    then: &(dyn Fn(u64, &[u8]) -> Result<()> + Sync),
+    then: Sink<'_>,
 ) -> Result<()> {
     let lanes = lanes_for(buf.len(), spread);
+    let then = Handing::new(then, buf.len().div_ceil(LANE_CHUNK_BYTES));
     let chunks = buf.chunks_mut(LANE_CHUNK_BYTES).enumerate();
     share_out(
         spread.crew,
@@ -1905,9 +1964,10 @@ fn read_lanes_then(
         |_, (i, c)| {
             let o = (i * LANE_CHUNK_BYTES) as u64;
             dev.read_exact_at(c, at + o)?;
-            then(o, c)
+            then.hand(o, c)
         },
-    )
+    )?;
+    then.finished()
 }
 
 /// [`read_lanes`], each lane hashing every `block` bytes of a chunk it read into that chunk's
@@ -2261,7 +2321,8 @@ fn run_hotzones(
                             (Protect::Journal, Some(area)) => {
                                 let area = area + r.start as u64;
                                 let journal = |o: u64, c: &[u8]| devs.header.write_at(c, area + o);
-                                read_lanes_then(devs.data, b, a, lanes, &journal)?;
+                                let journal = Sink::to(devs.header, &journal);
+                                read_lanes_then(devs.data, b, a, lanes, journal)?;
                                 journaled = true;
                             }
                             _ => return Err(Error::Bug(
@@ -2311,7 +2372,8 @@ fn run_hotzones(
                         Protect::Journal if len <= piece_max && journal_area.is_some() => {
                             let area = journal_area.expect("tested in the guard");
                             let journal = |o: u64, b: &[u8]| devs.header.write_at(b, area + o);
-                            read_lanes_then(devs.data, buf, at, u.spread(), &journal)?;
+                            let journal = Sink::to(devs.header, &journal);
+                            read_lanes_then(devs.data, buf, at, u.spread(), journal)?;
                             journaled = true;
                         }
                         _ => {
@@ -2389,7 +2451,7 @@ fn run_hotzones(
                             offset + r.start as u64,
                             &mut hot.as_mut_slice()[..r.len()],
                             &|at, b| devs.data.read_exact_at(b, from + at),
-                            &|at, b| devs.data.write_at(b, to + at),
+                            Sink::to(devs.data, &|at, b| devs.data.write_at(b, to + at)),
                         )?;
                     }
                     serving.rewritten(offset, len)?;
@@ -2407,7 +2469,8 @@ fn run_hotzones(
                     serving.rewrite(offset, len)?;
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let base = u.new_offset;
-                    rekey_then(u, offset, buf, &|at, b| devs.data.write_at(b, base + at))?;
+                    let write = |at, b: &[u8]| devs.data.write_at(b, base + at);
+                    rekey_then(u, offset, buf, Sink::to(devs.data, &write))?;
                     serving.rewritten(offset, len)?;
                 }
                 Step::Finalise => {
@@ -2459,7 +2522,7 @@ fn move_new(
             start,
             b,
             &|o, c| data.read_exact_at(c, src + (o - start)),
-            &|o, p| data.write_at(p, base + o),
+            Sink::to(data, &|o, p| data.write_at(p, base + o)),
         )?;
         at += n as u64;
     }
