@@ -1877,8 +1877,9 @@ fn rekey(u: &mut Unlocked, offset: u64, buf: &mut [u8]) -> Result<()> {
 
 /// [`rekey`], each lane then handing its bytes (data offset, bytes) to `then` — the write of
 /// the new ciphertext, so that the lanes' writes overlap each other's crypto and the copies
-/// into the device run on every lane. Each chunk is decrypted, encrypted and handed on while
-/// it is in the CPU's cache: one pass over memory instead of three.
+/// into the device run on every lane (or on one lane at a time, where the backend takes
+/// writes one at a time anyway: [`Sink`]). Each chunk is decrypted, encrypted and handed on
+/// while it is in the CPU's cache: one pass over memory instead of three.
 fn rekey_then(u: &mut Unlocked, offset: u64, buf: &mut [u8], then: Sink<'_>) -> Result<()> {
     rekey_stream(u, offset, buf, &|_, _| Ok(()), then)
 }
