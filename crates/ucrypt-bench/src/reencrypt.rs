@@ -25,7 +25,8 @@
 //! ucrypt instead (the brief's ceiling rule: within 0.9). The journal row has a bare rotation
 //! of its own: the same loop that also writes each chunk, as read, to a journal area before
 //! rekeying it (the one copy more a journal must make of every byte), so that its ceiling
-//! does the work its mode needs.
+//! does the work its mode needs; the datashift row's bare loop encrypts 512-byte sectors (as
+//! both tools' `--encrypt` of a file does) and writes each chunk a shift lower.
 //!
 //! A third, for the rows whose protocol orders the hotzones (journal, datashift): the ordered
 //! bare rotation. The bare loop keeps no order; a rotation on the LUKS2 protocol cannot
@@ -38,7 +39,9 @@
 //! commit, header or unlock); the shift encrypts 512-byte sectors, as both tools' `--encrypt`
 //! of a file does. On a busy host a thread the scheduler holds back makes the others wait at
 //! each order point; the bare loop never waits. It bounds a rotation that waits at each order
-//! point; one that computed the next hotzone while the last is written could beat it.
+//! point. ucrypt's offline rotation no longer waits there (it reads and rekeys the next
+//! hotzone while the last one's writes and commits finish), so for it the bare loops are the
+//! ceiling and the ordered ones show what the order points cost a rotation that waits.
 //!
 //! Needs cryptsetup (2.6 or later for `--force-offline-reencrypt`); without it the cryptsetup
 //! column says SKIPPED and the rest runs.
@@ -255,15 +258,31 @@ fn open_for_bare(path: &Path) -> Result<(std::fs::File, usize), String> {
     ))
 }
 
-/// The bare rotation (module docs) of `len` bytes of `path` from `offset`: wall seconds. With
-/// `journal`, each piece is also written, as read, to a slot of the file's first
-/// [`HEADER_BYTES`] before it is rekeyed.
-fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f64, String> {
+/// What a bare loop does with each chunk ([`bare_rotation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bare {
+    /// Decrypts and encrypts it in place, in 4096-byte sectors.
+    Rekey,
+    /// The same, after writing it, as read, to a slot of the file's first [`HEADER_BYTES`]
+    /// (the journal's copy).
+    RekeyJournal,
+    /// Encrypts it in 512-byte sectors and writes it [`SHIFT_BYTES`] lower: a data shift's
+    /// move, in no hotzone order (the datashift row's ceiling for a rotation that never waits
+    /// at the order points).
+    Shift,
+}
+
+/// The bare rotation (module docs) of `len` bytes of `path` from `offset`: wall seconds; each
+/// chunk as `kind` says.
+fn bare_rotation(path: &Path, offset: u64, len: u64, kind: Bare) -> Result<f64, String> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::AtomicU64;
     use std::sync::{Mutex, PoisonError};
     use ucrypt::sync::TakeTurns;
     let (file, cores) = open_for_bare(path)?;
+    if kind == Bare::Shift && offset < SHIFT_BYTES {
+        return Err("bare shift: nowhere to move the first chunks".into());
+    }
     let chunks = len.div_ceil(BARE_CHUNK as u64);
     let slots: Vec<Mutex<Vec<u8>>> = (0..BARE_SLOTS)
         .map(|_| Mutex::new(vec![0u8; BARE_CHUNK]))
@@ -311,7 +330,12 @@ fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f6
                 let (file, slots, next, copying) = (&file, &slots, &next, &copying);
                 let (claimed, turns, write, wait) = (&claimed, &turns, &write, &wait);
                 sc.spawn(move || -> Result<(), String> {
-                    let (mut old, mut new) = (xts_cipher(0xa5)?, xts_cipher(0x5a)?);
+                    let sectors = match kind {
+                        Bare::Rekey | Bare::RekeyJournal => ucrypt::sector::SectorSize::S4096,
+                        Bare::Shift => ucrypt::sector::SectorSize::S512,
+                    };
+                    let mut old = xts_cipher_sectors(0xa5, sectors)?;
+                    let mut new = xts_cipher_sectors(0x5a, sectors)?;
                     loop {
                         let k = claimed.fetch_add(1, Ordering::Relaxed);
                         if k >= chunks {
@@ -324,7 +348,7 @@ fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f6
                         let lock = || slots[s].lock().unwrap_or_else(PoisonError::into_inner);
                         file.read_exact_at(&mut lock()[..n], offset + at)
                             .map_err(io)?;
-                        if journal {
+                        if kind == Bare::RekeyJournal {
                             let slot = k % BARE_JOURNAL_SLOTS * BARE_CHUNK as u64;
                             copying[s].store(true, Ordering::Release);
                             turns.take((s, slot, n, true), write)?;
@@ -333,11 +357,17 @@ fn bare_rotation(path: &Path, offset: u64, len: u64, journal: bool) -> Result<f6
                         {
                             let mut g = lock();
                             let b = &mut g[..n];
-                            let sector = at / 4096;
-                            old.decrypt(sector, b).map_err(|e| e.to_string())?;
+                            let sector = at / new.sector_bytes() as u64;
+                            if kind != Bare::Shift {
+                                old.decrypt(sector, b).map_err(|e| e.to_string())?;
+                            }
                             new.encrypt(sector, b).map_err(|e| e.to_string())?;
                         }
-                        turns.take((s, offset + at, n, false), write)?;
+                        let to = match kind {
+                            Bare::Rekey | Bare::RekeyJournal => offset + at,
+                            Bare::Shift => offset + at - SHIFT_BYTES,
+                        };
+                        turns.take((s, to, n, false), write)?;
                     }
                 })
             })
@@ -568,6 +598,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
         let mut ei = Vec::new();
         let mut bare = Vec::new();
         let mut bare_journal = Vec::new();
+        let mut bare_shift = Vec::new();
         let mut ordered_journal = Vec::new();
         let mut ordered_shift = Vec::new();
         for round in 0..runs {
@@ -610,9 +641,16 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                 }
             }
             copy(&base, &work)?;
-            bare.push(bare_rotation(&work, HEADER_BYTES, data, false)?);
+            bare.push(bare_rotation(&work, HEADER_BYTES, data, Bare::Rekey)?);
             copy(&base, &work)?;
-            bare_journal.push(bare_rotation(&work, HEADER_BYTES, data, true)?);
+            bare_journal.push(bare_rotation(
+                &work,
+                HEADER_BYTES,
+                data,
+                Bare::RekeyJournal,
+            )?);
+            copy(&base, &work)?;
+            bare_shift.push(bare_rotation(&work, HEADER_BYTES, data, Bare::Shift)?);
             copy(&base, &work)?;
             ordered_journal.push(bare_ordered(&work, HEADER_BYTES, data, Order::Journal)?);
             copy(&base, &work)?;
@@ -671,13 +709,14 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             let _ = std::fs::remove_file(&plain);
             if progress {
                 eprintln!(
-                    "reencrypt: busy {busy}, round {}/{runs}: ucrypt {:?} cryptsetup {:?} export+import {:.2} bare {:.2} bare+journal {:.2} ordered journal {:.2} ordered shift {:.2}",
+                    "reencrypt: busy {busy}, round {}/{runs}: ucrypt {:?} cryptsetup {:?} export+import {:.2} bare {:.2} bare+journal {:.2} bare shift {:.2} ordered journal {:.2} ordered shift {:.2}",
                     round + 1,
                     u.iter().map(|v| v.last().copied().unwrap_or(f64::NAN)).collect::<Vec<_>>(),
                     c.iter().map(|v| v.last().copied().unwrap_or(f64::NAN)).collect::<Vec<_>>(),
                     te + ti,
                     bare.last().copied().unwrap_or(f64::NAN),
                     bare_journal.last().copied().unwrap_or(f64::NAN),
+                    bare_shift.last().copied().unwrap_or(f64::NAN),
                     ordered_journal.last().copied().unwrap_or(f64::NAN),
                     ordered_shift.last().copied().unwrap_or(f64::NAN),
                 );
@@ -685,12 +724,13 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
         }
         let ceiling = Summary::of(&ei);
         let (bare, bare_journal) = (Summary::of(&bare), Summary::of(&bare_journal));
+        let bare_shift = Summary::of(&bare_shift);
         for (m, mode) in MODES.iter().chain(&[SHIFT_ROW]).enumerate() {
             let us = Summary::of(&u[m]);
-            let bare = if *mode == "journal" {
-                bare_journal
-            } else {
-                bare
+            let bare = match *mode {
+                "journal" => bare_journal,
+                SHIFT_ROW => bare_shift,
+                _ => bare,
             };
             let cs = with_cryptsetup.then(|| Summary::of(&c[m]));
             let ordered = match *mode {
@@ -736,8 +776,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
             "bare: the bare rotation of the same bytes (one thread per core, 256 KiB chunks, \
              decrypt + encrypt in place, then sync; no header, resilience or unlock), timed in \
              the same rounds; the journal row's bare rotation also writes each chunk, as read, \
-             to a journal area first (the journal's one copy more of every byte); in both bare \
-             loops the threads write the file in turns, as ucrypt's lanes write a buffered file"
+             to a journal area first (the journal's one copy more of every byte); the \
+             datashift row's encrypts 512-byte sectors and writes each chunk 16 MiB lower, in \
+             no hotzone order; in every bare loop the threads write the file in turns, as \
+             ucrypt's lanes write a buffered file"
                 .into(),
             format!(
                 "ordered bare (journal and {SHIFT_ROW} rows): the bare loop with the order the \

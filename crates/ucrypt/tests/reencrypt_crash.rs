@@ -963,9 +963,16 @@ fn base_shift() -> Vec<u8> {
 }
 
 /// `reencrypt --encrypt --reduce-device-size 2S` of the whole device: init, then every
-/// hotzone. `piece` is the driver's buffer (`--hotzone-size`): smaller than the shift, so a
-/// hotzone is moved in several pieces.
+/// hotzone. The driver's buffer (`--hotzone-size`) is smaller than the shift, so a hotzone is
+/// moved in several pieces (one chunk slot at a time, offline).
 fn encrypt_shift_all(dev: &dyn Backend, sector: u32) -> Result<()> {
+    encrypt_shift_all_in(dev, sector, Some(128 << 10))
+}
+
+/// [`encrypt_shift_all`] with a buffer of `hotzone_bytes` (`None`: the default, larger than
+/// the data: offline, the lanes then read and encrypt chunks of the next hotzone while the
+/// last one's are written and committed).
+fn encrypt_shift_all_in(dev: &dyn Backend, sector: u32, hotzone_bytes: Option<u64>) -> Result<()> {
     init_encrypt_shift(
         dev,
         PASS,
@@ -984,7 +991,7 @@ fn encrypt_shift_all(dev: &dyn Backend, sector: u32) -> Result<()> {
         dev,
         PASS,
         RunOptions {
-            hotzone_bytes: Some(128 << 10),
+            hotzone_bytes,
             ..Default::default()
         },
         &mut |_| {},
@@ -1185,14 +1192,20 @@ fn power_cut_during_shift_encryption() {
     let mut next = rng();
     let want = shift_plaintext();
     let s = SHIFT_BYTES as usize;
-    for (sector, unit) in [(512u32, 512u64), (4096, 4096), (512, 4096)] {
+    for (sector, unit, hotzone) in [
+        (512u32, 512u64, Some(128 << 10)),
+        (4096, 4096, Some(128 << 10)),
+        (512, 4096, Some(128 << 10)),
+        (512, 512, None),
+        (4096, 4096, None),
+    ] {
         let img = base_shift();
         let counter = Cut {
             inner: Arc::new(CrashBackend::from_image(img.clone(), unit)),
             budget: u64::MAX,
             used: AtomicU64::new(0),
         };
-        encrypt_shift_all(&counter, sector).expect("uncut encryption");
+        encrypt_shift_all_in(&counter, sector, hotzone).expect("uncut encryption");
         let total = counter.used.load(Ordering::SeqCst);
         let (mut no_header, mut recovered) = (0, 0);
         for budget in 0..=total {
@@ -1201,12 +1214,13 @@ fn power_cut_during_shift_encryption() {
                 budget,
                 used: AtomicU64::new(0),
             };
-            let r = encrypt_shift_all(&cut, sector);
+            let r = encrypt_shift_all_in(&cut, sector, hotzone);
             assert_eq!(r.is_ok(), budget == total, "budget {budget} of {total}");
             let seed = next();
             let kept = Arc::new(CrashBackend::from_image(cut.inner.crash_image(seed), unit));
             let what = format!(
-                "sector {sector} unit {unit} cut after {budget} of {total} (crash seed {seed})"
+                "sector {sector} unit {unit} hotzone {hotzone:?} cut after {budget} of {total} \
+                 (crash seed {seed})"
             );
             check_shift_layout(kept.as_ref(), &want, &what);
             let (rec, got) = finish_shift(kept.clone())
@@ -1232,7 +1246,8 @@ fn power_cut_during_shift_encryption() {
             }
         }
         println!(
-            "shift sector {sector} unit {unit}: {} cuts, {no_header} before the header, \
+            "shift sector {sector} unit {unit} hotzone {hotzone:?}: {} cuts, {no_header} before \
+             the header, \
              {recovered} inside a hotzone recovered",
             total + 1
         );

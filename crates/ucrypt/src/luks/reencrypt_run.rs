@@ -77,6 +77,8 @@ const WIPE_PIECE_BYTES: u64 = 1 << 20;
 /// Bytes of the keyslot area alignment cryptsetup uses.
 const AREA_ALIGN_BYTES: u64 = 4096;
 
+mod walk;
+
 fn bad(detail: impl Into<String>) -> Error {
     Error::BadHeader {
         check: "reencrypt",
@@ -2143,6 +2145,11 @@ pub trait Serving {
     }
     /// After the hotzone's last commit: the data below `done` is under the new key.
     fn release(&mut self, done: u64) -> Result<()>;
+    /// Whether anyone is served meanwhile: where nobody is, hold and release do nothing, and
+    /// the hotzones run back to back ([`walk`]).
+    fn serves(&self) -> bool {
+        true
+    }
     /// The loop failed while a hotzone was held: its data may be half rewritten.
     fn failed(&mut self);
 }
@@ -2151,6 +2158,9 @@ pub trait Serving {
 struct Offline;
 
 impl Serving for Offline {
+    fn serves(&self) -> bool {
+        false
+    }
     fn start(&mut self, _: Option<(CipherSpec, &[u8], SectorSize)>, _: u64, _: bool) -> Result<()> {
         Ok(())
     }
@@ -2233,13 +2243,19 @@ fn run_hotzones(
         Some(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
         _ => 0,
     };
+    // Offline, whole chunk slots ([`walk`]): a journal hotzone's chunks all fit.
+    let unit = if serving.serves() {
+        crate::pool::POOL_PAGE_BYTES
+    } else {
+        LANE_CHUNK_BYTES
+    } as u64;
     let buf_len = hot_max
         .min(area_limit(&u.st)?)
         .min(u.data_bytes.saturating_sub(pos.done))
         .max(u.align)
         .max(in_place_min)
-        .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
-        * crate::pool::POOL_PAGE_BYTES as u64;
+        .div_ceil(unit)
+        * unit;
     // A backward walk's last hotzone may be longer than the buffer (up to a journal area, or
     // up to 1 GiB of checksum blocks: [`last_backward_hotzone`]); it is read twice, below.
     let longest = last_backward_hotzone(&u.st, u.data_bytes, u.align)?.max(buf_len);
@@ -2268,7 +2284,20 @@ fn run_hotzones(
         done: pos.done,
         total: u.data_bytes,
     });
+    let mut run_bytes = walk::RUN_BYTES_FIRST;
     loop {
+        if !serving.serves() {
+            let started = std::time::Instant::now();
+            if let Some(p) = walk::run(devs, u, pos, hot_max, run_bytes, hot.as_mut_slice())? {
+                run_bytes = walk::next_run_bytes(p.done - pos.done, started.elapsed());
+                pos = p;
+                progress(Progress {
+                    done: pos.done,
+                    total: u.data_bytes,
+                });
+                continue;
+            }
+        }
         let next = match (&u.shift, &u.unshift) {
             (Some(sh), _) => next_hotzone_shift(sh, pos, u.align)?,
             (None, Some(us)) => next_hotzone_unshift(&u.st, us, pos, u.align)?,
