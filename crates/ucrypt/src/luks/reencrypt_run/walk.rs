@@ -88,8 +88,8 @@ fn cut(offset: u64, len: u64, chunk: usize) -> impl Iterator<Item = (u64, usize)
         .map(move |at| (offset + at, (chunk as u64).min(len - at) as usize))
 }
 
-/// The hotzones after `pos` that make up a run of about `bytes`, in chunks of `chunk`; `None`
-/// when fewer than two hotzones are left before the last (which finalises and is left to
+/// The hotzones after `pos` that make up a run of about `bytes` (two at least), in chunks of
+/// `chunk`; `None` when fewer than two hotzones are left before the last (which finalises and is left to
 /// the one-step-at-a-time loop), or the rotation is of a kind this walk does not run
 /// (checksums; a decryption that moves the data back). A journal run needs a slot per chunk
 /// of its longest hotzone (`slots`).
@@ -115,8 +115,8 @@ fn plan(
         stages: Vec::new(),
         end: pos,
     };
-    let mut total = 0u64;
-    while total < bytes {
+    let (mut total, mut hotzones) = (0u64, 0);
+    while total < bytes || hotzones < 2 {
         let at = p.end;
         let steps = match u.shift {
             Some(sh) => next_hotzone_shift(&sh, at, u.align)?,
@@ -230,13 +230,9 @@ fn plan(
             });
         }
         total += len;
+        hotzones += 1;
         p.end = done;
     }
-    let hotzones = if journal {
-        p.stages.len() / 2
-    } else {
-        p.stages.len()
-    };
     Ok((hotzones >= 2).then_some(p))
 }
 
