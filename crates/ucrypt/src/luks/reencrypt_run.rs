@@ -12,7 +12,9 @@
 //!   header commit makes it all visible: a crash leaves the old header or the new one.
 //! - [`resume`] rewrites hotzone after hotzone and finalises (the old keyslots, the reencrypt
 //!   keyslot, the backups and the requirement removed: a plain LUKS2 header is left). One
-//!   hotzone buffer (page-aligned, locked, wiped) is taken at the start and reused.
+//!   hotzone buffer (page-aligned, locked, wiped) is taken at the start and reused. Offline,
+//!   `none` and data shift hotzones run back to back ([`walk`]): the lanes read and rekey the
+//!   next hotzone while the last one's writes and commits finish.
 //! - [`recover`] brings a volume whose metadata was committed inside a hotzone (a crash there)
 //!   back to a consistent state from the resilience data, as cryptsetup's `repair` does.
 //! - [`init_on`] with [`Mode::Decrypt`] starts a decryption, [`init_encrypt`] an encryption
@@ -2146,7 +2148,7 @@ pub trait Serving {
     /// After the hotzone's last commit: the data below `done` is under the new key.
     fn release(&mut self, done: u64) -> Result<()>;
     /// Whether anyone is served meanwhile: where nobody is, hold and release do nothing, and
-    /// the hotzones run back to back ([`walk`]).
+    /// `none` and data shift hotzones run back to back ([`walk`]).
     fn serves(&self) -> bool {
         true
     }
@@ -2243,19 +2245,13 @@ fn run_hotzones(
         Some(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
         _ => 0,
     };
-    // Offline, whole chunk slots ([`walk`]): a journal hotzone's chunks all fit.
-    let unit = if serving.serves() {
-        crate::pool::POOL_PAGE_BYTES
-    } else {
-        LANE_CHUNK_BYTES
-    } as u64;
     let buf_len = hot_max
         .min(area_limit(&u.st)?)
         .min(u.data_bytes.saturating_sub(pos.done))
         .max(u.align)
         .max(in_place_min)
-        .div_ceil(unit)
-        * unit;
+        .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
+        * crate::pool::POOL_PAGE_BYTES as u64;
     // A backward walk's last hotzone may be longer than the buffer (up to a journal area, or
     // up to 1 GiB of checksum blocks: [`last_backward_hotzone`]); it is read twice, below.
     let longest = last_backward_hotzone(&u.st, u.data_bytes, u.align)?.max(buf_len);
