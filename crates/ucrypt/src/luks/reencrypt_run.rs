@@ -13,8 +13,8 @@
 //! - [`resume`] rewrites hotzone after hotzone and finalises (the old keyslots, the reencrypt
 //!   keyslot, the backups and the requirement removed: a plain LUKS2 header is left). One
 //!   hotzone buffer (page-aligned, locked, wiped) is taken at the start and reused. Offline,
-//!   `none` and data shift hotzones run back to back ([`walk`]): the lanes read and rekey the
-//!   next hotzone while the last one's writes and commits finish.
+//!   `none` and data shift hotzones run back to back (`reencrypt_run/walk.rs`): the lanes
+//!   read and rekey the next hotzone while the last one's writes and commits finish.
 //! - [`recover`] brings a volume whose metadata was committed inside a hotzone (a crash there)
 //!   back to a consistent state from the resilience data, as cryptsetup's `repair` does.
 //! - [`init_on`] with [`Mode::Decrypt`] starts a decryption, [`init_encrypt`] an encryption
@@ -2148,7 +2148,7 @@ pub trait Serving {
     /// After the hotzone's last commit: the data below `done` is under the new key.
     fn release(&mut self, done: u64) -> Result<()>;
     /// Whether anyone is served meanwhile: where nobody is, hold and release do nothing, and
-    /// `none` and data shift hotzones run back to back ([`walk`]).
+    /// `none` and data shift hotzones run back to back (`reencrypt_run/walk.rs`).
     fn serves(&self) -> bool {
         true
     }
