@@ -204,6 +204,41 @@ fn ucrypt_rotates_cryptsetup_reads() {
     }
 }
 
+/// An offline `none` rotation with its default 64 MiB hotzones rekeys each hotzone through a
+/// 16 MiB buffer (`NONE_BUFFER_BYTES`): a 48 MiB volume is one hotzone three buffers long,
+/// and a 112 MiB one two hotzones (back to back) and a last one. cryptsetup reads the result.
+#[test]
+fn none_hotzones_longer_than_the_buffer() {
+    if !have_cryptsetup() {
+        return;
+    }
+    for (mib, sector) in [(64u64, 512u32), (128, 4096)] {
+        let t = TempDir::new("none-long");
+        let (img, key, plain) = volume(&t, mib, sector);
+        ok(
+            UCRYPT,
+            &[
+                "reencrypt",
+                "--batch-mode",
+                "--resilience",
+                "none",
+                "--pbkdf",
+                "pbkdf2",
+                "--pbkdf-force-iterations",
+                "1000",
+                "--key-file",
+                s(&key),
+                s(&img),
+            ],
+        );
+        cryptsetup_accepts(&img, &key);
+        assert!(
+            exported(&t, &img, &key) == plain,
+            "{mib} MiB, sector {sector}: plaintext changed"
+        );
+    }
+}
+
 /// `--init-only` leaves what cryptsetup's `--init-only` leaves; cryptsetup finishes it.
 #[test]
 fn ucrypt_init_only_cryptsetup_finishes() {

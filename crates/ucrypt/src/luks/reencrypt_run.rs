@@ -74,6 +74,11 @@ const LANE_BYTES_MIN: usize = 256 << 10;
 /// 5–10 % faster than 1 MiB (most beside the spinners, where a lane's last chunk runs at half
 /// a core), and 128 KiB no faster than 256 KiB.
 const LANE_CHUNK_BYTES: usize = 256 << 10;
+/// The buffer of an offline `none` rotation, whatever its hotzone: 64 slots of
+/// [`LANE_CHUNK_BYTES`]. A 64 MiB buffer's allocation, wipes and page faults took 5–10 % of
+/// an idle 1 GiB rotation's samples (`perf`, 2026-11-29); 16 MiB also stays in the cache the
+/// chunks go through.
+const NONE_BUFFER_BYTES: u64 = 16 << 20;
 /// Largest piece of random bytes written at a time when finalisation wipes retired areas.
 const WIPE_PIECE_BYTES: u64 = 1 << 20;
 /// Bytes of the keyslot area alignment cryptsetup uses.
@@ -2245,9 +2250,16 @@ fn run_hotzones(
         Some(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
         _ => 0,
     };
+    // Offline, a `none` hotzone is read, rekeyed and written a buffer at a time (below, and
+    // `walk`): its buffer need not hold it whole.
+    let ring = match (u.protect, u.shift, u.unshift, serving.serves()) {
+        (Protect::None, None, None, false) => NONE_BUFFER_BYTES,
+        _ => u64::MAX,
+    };
     let buf_len = hot_max
         .min(area_limit(&u.st)?)
         .min(u.data_bytes.saturating_sub(pos.done))
+        .min(ring)
         .max(u.align)
         .max(in_place_min)
         .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)
@@ -2319,6 +2331,17 @@ fn run_hotzones(
         let mut journaled = false;
         for step in steps {
             match step {
+                // Without resilience data, read later by the rewrite, a buffer at a time
+                // offline (the buffer may be shorter than the hotzone: `NONE_BUFFER_BYTES`).
+                Step::ReadOld { offset, len }
+                    if matches!(u.protect, Protect::None)
+                        && (len <= piece_max || !serving.serves()) =>
+                {
+                    cur = len;
+                    *held = true;
+                    serving.hold(offset, len)?;
+                    read_later = true;
+                }
                 // Longer than the buffer: read for its resilience data (checksums or journal)
                 // a buffer at a time, and read again for its rewrite (`read_later`).
                 Step::ReadOld { offset, len } if len > buf_len => {
@@ -2356,14 +2379,6 @@ fn run_hotzones(
                             )),
                         }
                     }
-                    read_later = true;
-                }
-                Step::ReadOld { offset, len }
-                    if matches!(u.protect, Protect::None) && len <= piece_max =>
-                {
-                    cur = len;
-                    *held = true;
-                    serving.hold(offset, len)?;
                     read_later = true;
                 }
                 Step::ReadOld { offset, len } => {
