@@ -28,10 +28,10 @@
 //!   costs a third of encrypting it). So a fresh grant holds zeroes or old ciphertext, never
 //!   plaintext; nobody may assume it is zero.
 //!
-//! The arena is page-aligned (O_DIRECT), locked in memory and excluded from core dumps where the
-//! kernel allows (best effort, like secrets).
+//! The arena is an anonymous mapping: page-aligned (O_DIRECT), zeroed by the kernel, locked in
+//! memory and excluded from core dumps where the kernel allows (best effort, like secrets). It
+//! is not wiped at the pool's drop: its grants were, and its pages go back to the kernel.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard};
@@ -115,16 +115,39 @@ impl BufferPool {
             )));
         }
         let pages = bytes.div_ceil(POOL_PAGE_BYTES).max(1);
-        let layout = Layout::from_size_align(pages * POOL_PAGE_BYTES, POOL_PAGE_BYTES)
-            .map_err(|_| Error::Bug("pool layout"))?;
-        // SAFETY: non-zero size layout.
-        let raw = unsafe { alloc_zeroed(layout) };
-        let base = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        // SAFETY: our own page-aligned allocation; both calls are advisory and may fail
+        let size = pages * POOL_PAGE_BYTES;
+        // An anonymous mapping: its pages come zeroed from the kernel (once, as `mlock` below
+        // or the first touch faults them in), page-aligned, and go back to it at the drop.
+        // An allocator's zeroed allocation of this alignment is a memset over pages that the
+        // kernel has just zeroed: a second pass over the arena, 5 % of an offline rotation.
+        // SAFETY: a new private anonymous mapping (no file, no fixed address) aliases nothing.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::Io {
+                context: format!("mapping a buffer pool of {size} bytes"),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let base = NonNull::new(raw.cast::<u8>()).ok_or(Error::Bug("mmap returned null"))?;
+        assert_eq!(
+            raw as usize % POOL_PAGE_BYTES,
+            0,
+            "a mapping starts on a page"
+        );
+        // SAFETY: our own page-aligned mapping; both calls are advisory and may fail
         // (RLIMIT_MEMLOCK) without harm.
         unsafe {
-            libc::madvise(raw.cast(), layout.size(), libc::MADV_DONTDUMP);
-            libc::mlock(raw.cast(), layout.size());
+            libc::madvise(raw, size, libc::MADV_DONTDUMP);
+            libc::mlock(raw, size);
         }
         Ok(BufferPool {
             base,
@@ -327,15 +350,14 @@ fn mark(used: &mut [u64], first: usize, n: usize, on: bool) {
 impl Drop for BufferPool {
     fn drop(&mut self) {
         let size = self.pages * POOL_PAGE_BYTES;
-        // SAFETY: allocated in `new` with this exact layout; no grant outlives the pool (grants
-        // borrow it).
+        // Not wiped here: every grant wiped its pages at its release unless they held only
+        // ciphertext, and the pages go back to the kernel, which zeroes a page before it maps
+        // it anywhere again (a grant leaked with `mem::forget` included).
+        // SAFETY: mapped in `new` with this size; no grant outlives the pool (grants borrow
+        // it).
         unsafe {
-            std::ptr::write_bytes(self.base.as_ptr(), 0, size);
             libc::munlock(self.base.as_ptr().cast(), size);
-            dealloc(
-                self.base.as_ptr(),
-                Layout::from_size_align_unchecked(size, POOL_PAGE_BYTES),
-            );
+            libc::munmap(self.base.as_ptr().cast(), size);
         }
     }
 }

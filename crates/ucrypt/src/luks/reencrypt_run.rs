@@ -1924,18 +1924,25 @@ fn rekey_stream(
         chunks,
         "rekey thread panicked",
         |lane: &mut &mut Lane, (o, c)| {
-            let (old, new) = &mut **lane;
             fill(o, c)?;
-            if let Some(old) = old {
-                old.decrypt(o / old.sector_bytes() as u64, c)?;
-            }
-            if let Some(new) = new {
-                new.encrypt(o / new.sector_bytes() as u64, c)?;
-            }
+            rekey_chunk(lane, o, c)?;
             then.hand(o, c)
         },
     )?;
     then.finished()
+}
+
+/// One lane's rekey of `b`, the old bytes at data offset `offset`: decrypted with the old
+/// cipher and encrypted with the new one, in place, sector numbers counted from the data
+/// offset (a linear side, `None`, is left as it is).
+fn rekey_chunk((old, new): &mut Lane, offset: u64, b: &mut [u8]) -> Result<()> {
+    if let Some(old) = old {
+        old.decrypt(offset / old.sector_bytes() as u64, b)?;
+    }
+    if let Some(new) = new {
+        new.encrypt(offset / new.sector_bytes() as u64, b)?;
+    }
+    Ok(())
 }
 
 /// The lanes `spread` has, or one for a buffer of `len` bytes under [`LANE_BYTES_MIN`].
@@ -2252,14 +2259,14 @@ fn run_hotzones(
     };
     // Offline, a `none` hotzone is read, rekeyed and written a buffer at a time (below, and
     // `walk`): its buffer need not hold it whole.
-    let ring = match (u.protect, u.shift, u.unshift, serving.serves()) {
+    let none_cap = match (u.protect, u.shift, u.unshift, serving.serves()) {
         (Protect::None, None, None, false) => NONE_BUFFER_BYTES,
         _ => u64::MAX,
     };
     let buf_len = hot_max
         .min(area_limit(&u.st)?)
         .min(u.data_bytes.saturating_sub(pos.done))
-        .min(ring)
+        .min(none_cap)
         .max(u.align)
         .max(in_place_min)
         .div_ceil(crate::pool::POOL_PAGE_BYTES as u64)

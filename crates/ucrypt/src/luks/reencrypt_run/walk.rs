@@ -29,7 +29,9 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{commit, Devices, Lane, Position, Protect, Step, Unlocked, LANE_CHUNK_BYTES};
+use super::{
+    commit, rekey_chunk, Devices, Lane, Position, Protect, Step, Unlocked, LANE_CHUNK_BYTES,
+};
 use crate::luks::reencrypt_plan::{next_hotzone, next_hotzone_shift};
 use crate::sync::{lock, TakeTurns, WaitCell};
 use crate::{Error, Result};
@@ -226,7 +228,7 @@ impl Walk<'_> {
                 let mut slot = lock(&self.slots[i % n]);
                 let b = &mut slot[..t.len];
                 self.devs.data.read_exact_at(b, t.from)?;
-                rekey(lane, t.offset, b)?;
+                rekey_chunk(lane, t.offset, b)?;
             }
             {
                 let mut s = lock(&self.state);
@@ -283,18 +285,6 @@ impl Walk<'_> {
         }
         Ok(())
     }
-}
-
-/// Decrypts `b` (data offset `offset`) with the old key and encrypts it with the new one, in
-/// place; a linear side is left as it is.
-fn rekey((old, new): &mut Lane, offset: u64, b: &mut [u8]) -> Result<()> {
-    if let Some(old) = old {
-        old.decrypt(offset / old.sector_bytes() as u64, b)?;
-    }
-    if let Some(new) = new {
-        new.encrypt(offset / new.sector_bytes() as u64, b)?;
-    }
-    Ok(())
 }
 
 /// Runs the hotzones of about `bytes` after `pos` of an offline rotation back to back (the
