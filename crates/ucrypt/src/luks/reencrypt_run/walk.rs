@@ -18,7 +18,10 @@
 //! reaches the device is in the protocol's order, and a crash anywhere leaves what the
 //! one-hotzone-at-a-time loop can leave: the last commit names the hotzone being written, and
 //! its source is intact. A lane waits only when the next chunk's slot still holds a chunk not
-//! written (the ring is full of chunks parked for the next stage).
+//! written (the ring is full of chunks parked for the next stage), and is woken only when that
+//! slot is freed; parked chunks are written oldest first, so it is freed first. (Waking the
+//! lanes at every write: 41–94 voluntary context switches in a busy 1 GiB rotation, against
+//! 16–21; in one, 287 sleeps in the claim. The time did not change.)
 //!
 //! Not for a journal: its rewrite rekeys each chunk in place after the chunk's copy is
 //! written, and lanes that run ahead then wait for those copies chunk by chunk (measured: five
@@ -214,6 +217,12 @@ impl Walk<'_> {
             if !s.slot_used[i % n] {
                 s.slot_used[i % n] = true;
                 s.next += 1;
+                // Another lane may wait for the slot after this one, freed already.
+                let next_free = !s.slot_used[s.next % n];
+                drop(s);
+                if next_free {
+                    self.changed.notify_all();
+                }
                 return Some(i);
             }
             s = self.changed.wait(s);
@@ -257,13 +266,20 @@ impl Walk<'_> {
                 let slot = lock(&self.slots[i % n]);
                 self.devs.data.write_at(&slot[..t.len], t.to)?;
             }
-            let stage_done = {
+            let (stage_done, wake) = {
                 let mut s = lock(&self.state);
                 s.slot_used[i % n] = false;
                 s.written[t.stage] += 1;
-                s.written[t.stage] == self.plan.stages[t.stage].tasks
+                (
+                    s.written[t.stage] == self.plan.stages[t.stage].tasks,
+                    // Lanes wait only for the next task's slot: a wake for any other is a
+                    // context switch for nothing (beside busy threads, hundreds per rotation).
+                    i % n == s.next % n,
+                )
             };
-            self.changed.notify_all();
+            if wake {
+                self.changed.notify_all();
+            }
             if !stage_done {
                 continue;
             }
@@ -278,9 +294,12 @@ impl Walk<'_> {
             let mut s = lock(&self.state);
             s.open = next + 1;
             let tasks = &self.plan.tasks;
-            let (ready, wait): (Vec<usize>, Vec<usize>) =
+            let (mut ready, wait): (Vec<usize>, Vec<usize>) =
                 s.parked.iter().partition(|&&j| tasks[j].stage == next);
             s.parked = wait;
+            // Oldest first (`todo` pops from its end): the oldest chunk's slot is the one the
+            // next claim waits for.
+            ready.sort_unstable_by(|a, b| b.cmp(a));
             todo.extend(ready);
         }
         Ok(())
