@@ -22,8 +22,10 @@ use std::time::Duration;
 
 use zeroize::{Zeroize, Zeroizing};
 
+use super::luks2::MAGIC_2ND;
 use super::{
-    parse_any, probe_len, volume_config, Header, VolumeKey, WriteOp, HEADER_BYTES_MAX, PROBE_BYTES,
+    parse_any, probe_len, volume_config, Header, VolumeKey, WriteOp, HDR2_OFFSETS,
+    HEADER_BYTES_MAX, PROBE_BYTES,
 };
 use crate::backend::{check_range, Backend};
 use crate::engine::workers::SPIN_BEFORE_SLEEP;
@@ -105,6 +107,14 @@ pub enum Unlock {
 pub fn read_header(dev: &dyn Backend) -> Result<Header> {
     let first = read_upto(dev, 0, PROBE_BYTES)?;
     let need = probe_len(&first)?;
+    if need == HEADER_BYTES_MAX && !secondary_magic_anywhere(dev)? {
+        // No usable primary and no secondary's magic at any of its offsets: the whole probe
+        // range says what the first bytes say (every candidate is "not a header"), without
+        // reading 8 MiB of what is likely plaintext (an `--encrypt` probes twice).
+        if let Err(e) = parse_any(&first) {
+            return Err(e);
+        }
+    }
     let bytes = read_upto(dev, 0, need.min(HEADER_BYTES_MAX))?;
     let hdr = parse_any(&bytes)?;
     // A device cut short inside its keyslot areas (a truncated header copy) is no LUKS device,
@@ -120,6 +130,17 @@ pub fn read_header(dev: &dyn Backend) -> Result<Header> {
         });
     }
     Ok(hdr)
+}
+
+/// Whether a LUKS2 secondary header's magic starts at any offset cryptsetup may put one.
+fn secondary_magic_anywhere(dev: &dyn Backend) -> Result<bool> {
+    for off in HDR2_OFFSETS {
+        let magic = read_upto(dev, off, MAGIC_2ND.len() as u64)?;
+        if magic.as_slice() == MAGIC_2ND {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Performs a write plan on `dev` in order: writes (through whole aligned units), zeroing in

@@ -1455,3 +1455,50 @@ fn integrity_segment_is_typed_dumped_and_not_opened_plain() {
         "{e}"
     );
 }
+
+/// `read_header` skips the 8 MiB probe when no secondary magic is anywhere: it must say what
+/// parsing the whole probe range says, and still find a lone secondary copy at any offset.
+#[test]
+fn read_header_probes_secondaries_as_the_whole_range_would() {
+    use crate::backend::{Backend, MemBackend};
+    let dev_of = |bytes: &[u8]| {
+        let dev = MemBackend::new(HEADER_BYTES_MAX + (1 << 20));
+        dev.write_at(bytes, 0).expect("write");
+        dev
+    };
+    let whole = |dev: &MemBackend| {
+        let mut b = vec![0u8; HEADER_BYTES_MAX as usize];
+        dev.read_exact_at(&mut b, 0).expect("read");
+        parse_any(&b)
+    };
+    // Plaintext; plaintext with a LUKS2 primary magic and a bad header size.
+    let plain: Vec<u8> = (0..(2 << 20)).map(|i| (i * 7 % 251) as u8).collect();
+    let mut bad_size = plain.clone();
+    bad_size[..6].copy_from_slice(luks2::MAGIC_1ST);
+    bad_size[6..8].copy_from_slice(&2u16.to_be_bytes());
+    for (name, bytes) in [("plaintext", &plain), ("bad hdr_size", &bad_size)] {
+        let dev = dev_of(bytes);
+        let (got, want) = (driver::read_header(&dev), whole(&dev));
+        assert!(got.is_err() && want.is_err(), "{name}");
+        assert_eq!(
+            got.unwrap_err().to_string(),
+            want.unwrap_err().to_string(),
+            "{name}"
+        );
+    }
+    // A lone secondary copy (the primary wiped) is found at every offset it may sit.
+    for hdr_size in luks2::HDR_SIZES {
+        let mut o = FormatLuks2::defaults("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0".into());
+        o.kdf = fast_kdf();
+        o.hdr_size = hdr_size;
+        o.data_offset = (2 * hdr_size).max(DATA_OFFSET).next_multiple_of(1 << 20) * 2;
+        o.keyslots_size = o.data_offset - 2 * hdr_size;
+        let (mut hdr, _) = format(&o, SecretBytes::from_slice(&[7u8; 64])).expect("format");
+        let dev = MemBackend::new(o.data_offset + (1 << 20));
+        driver::apply(&dev, &hdr.commit().expect("commit")).expect("apply");
+        dev.write_at(&[0u8; 4096], 0).expect("wipe the primary");
+        let h = driver::read_header(&dev).unwrap_or_else(|e| panic!("{hdr_size}: {e}"));
+        assert_eq!(h.uuid(), "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0", "{hdr_size}");
+        assert_eq!(h.warnings().len(), 1, "{hdr_size}: {:?}", h.warnings());
+    }
+}
