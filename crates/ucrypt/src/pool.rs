@@ -119,7 +119,8 @@ impl BufferPool {
         // An anonymous mapping: its pages come zeroed from the kernel (once, as `mlock` below
         // or the first touch faults them in), page-aligned, and go back to it at the drop.
         // An allocator's zeroed allocation of this alignment is a memset over pages that the
-        // kernel has just zeroed: a second pass over the arena, 5 % of an offline rotation.
+        // kernel has just zeroed: a second pass over the arena (with the wipe the drop made,
+        // two of three).
         // SAFETY: a new private anonymous mapping (no file, no fixed address) aliases nothing.
         let raw = unsafe {
             libc::mmap(

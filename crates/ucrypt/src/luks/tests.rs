@@ -1498,7 +1498,11 @@ fn read_header_probes_secondaries_as_the_whole_range_would() {
         driver::apply(&dev, &hdr.commit().expect("commit")).expect("apply");
         dev.write_at(&[0u8; 4096], 0).expect("wipe the primary");
         let h = driver::read_header(&dev).unwrap_or_else(|e| panic!("{hdr_size}: {e}"));
-        assert_eq!(h.uuid(), "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0", "{hdr_size}");
+        assert_eq!(
+            h.uuid(),
+            "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0",
+            "{hdr_size}"
+        );
         assert_eq!(h.warnings().len(), 1, "{hdr_size}: {:?}", h.warnings());
     }
 }
