@@ -107,11 +107,14 @@ pub enum Unlock {
 pub fn read_header(dev: &dyn Backend) -> Result<Header> {
     let first = read_upto(dev, 0, PROBE_BYTES)?;
     let need = probe_len(&first)?;
-    if need == HEADER_BYTES_MAX && !secondary_magic_anywhere(dev)? {
-        // No usable primary and no secondary's magic at any of its offsets: the whole probe
-        // range says what the first bytes say (every candidate is "not a header"), without
-        // reading 8 MiB of what is likely plaintext (an `--encrypt` probes twice).
-        // (It parses no header from them; if it did, the whole range is read below.)
+    // No primary's magic (a valid primary of 4 MiB metadata needs the whole 8 MiB too) and
+    // no secondary's at any of its offsets: the whole probe range says what the first bytes
+    // say (every candidate is "not a header"), without reading 8 MiB of what is likely
+    // plaintext (an `--encrypt` probes twice). (If they parsed, the whole range is read.)
+    if need == HEADER_BYTES_MAX
+        && !first.starts_with(super::luks1::MAGIC)
+        && !secondary_magic_anywhere(dev)?
+    {
         parse_any(&first)?;
     }
     let bytes = read_upto(dev, 0, need.min(HEADER_BYTES_MAX))?;

@@ -1486,8 +1486,13 @@ fn read_header_probes_secondaries_as_the_whole_range_would() {
             "{name}"
         );
     }
-    // A lone secondary copy (the primary wiped) is found at every offset it may sit.
-    for hdr_size in luks2::HDR_SIZES {
+    // A lone secondary copy (the primary wiped) is found at every offset it may sit, and a
+    // lone primary (the secondary wiped) of every size is read whole (4 MiB of metadata
+    // needs all 8 MiB).
+    for (hdr_size, wipe_primary) in luks2::HDR_SIZES
+        .into_iter()
+        .flat_map(|h| [(h, true), (h, false)])
+    {
         let mut o = FormatLuks2::defaults("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0".into());
         o.kdf = fast_kdf();
         o.hdr_size = hdr_size;
@@ -1496,7 +1501,8 @@ fn read_header_probes_secondaries_as_the_whole_range_would() {
         let (mut hdr, _) = format(&o, SecretBytes::from_slice(&[7u8; 64])).expect("format");
         let dev = MemBackend::new(o.data_offset + (1 << 20));
         driver::apply(&dev, &hdr.commit().expect("commit")).expect("apply");
-        dev.write_at(&[0u8; 4096], 0).expect("wipe the primary");
+        let wipe_at = if wipe_primary { 0 } else { hdr_size };
+        dev.write_at(&[0u8; 4096], wipe_at).expect("wipe a copy");
         let h = driver::read_header(&dev).unwrap_or_else(|e| panic!("{hdr_size}: {e}"));
         assert_eq!(
             h.uuid(),
