@@ -70,7 +70,7 @@ pub struct VolumeArgs {
     #[arg(long, conflicts_with = "cipher")]
     pub keyfile_size: Option<u64>,
     /// LUKS: try only this keyslot.
-    #[arg(long, conflicts_with = "cipher")]
+    #[arg(long, short = 'S', conflicts_with = "cipher")]
     pub key_slot: Option<u32>,
     /// LUKS: detached header file.
     #[arg(long, conflicts_with = "cipher")]

@@ -276,9 +276,11 @@ pub fn read_passphrase(src: &Source<'_>, prompt_text: &str, verify: bool) -> Res
     Ok(p)
 }
 
-/// cryptsetup's confirmation: the answer must be "YES". Batch mode skips it.
+/// cryptsetup's confirmation: the answer must be "YES". Batch mode skips it, and so does a
+/// stdin that is no terminal (cryptsetup asks only a terminal: a script's pipe carries
+/// passphrases, not answers).
 pub fn confirm(batch: bool, message: &str) -> Result<()> {
-    if batch {
+    if batch || !stdin_is_tty() {
         return Ok(());
     }
     eprint!("\nWARNING!\n========\n{message}\n\nAre you sure? (Type 'yes' in capital letters): ");

@@ -11,52 +11,14 @@
 //! cryptsetup is installed, its own `luksDump` is judged too, so a harness fault shows as
 //! cryptsetup failing its own suite.
 
+mod cli_common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
+use cli_common::{have, UCRYPT};
 /// Images the 2.6.1 suite judges (28 to load, 55 to refuse).
 const SUITE_IMAGES: usize = 83;
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// The unpacked `tests/` folder of cryptsetup's source, fetched if need be.
-fn suite_dir() -> Result<PathBuf, String> {
-    if let Ok(d) = std::env::var("UCRYPT_CRYPTSETUP_TESTS") {
-        return Ok(PathBuf::from(d));
-    }
-    let cache = std::env::temp_dir().join("ucrypt-cryptsetup-src");
-    let find = |cache: &Path| -> Option<PathBuf> {
-        std::fs::read_dir(cache)
-            .ok()?
-            .filter_map(|e| e.ok())
-            .map(|e| e.path().join("tests"))
-            .find(|t| t.join("luks2-validation-test").is_file())
-    };
-    if let Some(t) = find(&cache) {
-        return Ok(t);
-    }
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fetch-cryptsetup-tests.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(&cache)
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "could not fetch cryptsetup's source package: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    find(&cache).ok_or_else(|| "the source package has no tests/luks2-validation-test".into())
-}
 
 /// The suite's verdicts: (image, must load), from its `RUN image "R|F" ...` lines.
 fn verdicts(test: &str) -> Vec<(String, bool)> {
@@ -119,7 +81,7 @@ fn cryptsetup_luks2_validation_suite_agrees() {
             return;
         }
     }
-    let suite = match suite_dir() {
+    let suite = match cli_common::cryptsetup_tests() {
         Ok(d) => d,
         Err(why) => {
             println!("SKIPPED: {why}");

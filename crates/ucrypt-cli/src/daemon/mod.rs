@@ -61,6 +61,9 @@ pub struct OpenArgs {
     /// Only check the passphrase (no device, no NAME needed).
     #[arg(long)]
     pub test_passphrase: bool,
+    /// With --test-passphrase: unbound keyslots (keys no data segment uses) may answer too.
+    #[arg(long, requires = "test_passphrase")]
+    pub unbound: bool,
     /// Stay in the foreground (for service managers): print the ready line, serve until
     /// SIGTERM/SIGINT or `ucrypt close NAME`.
     #[arg(long)]
@@ -144,6 +147,7 @@ impl OpenArgs {
             verbose: self.verbose,
             volume_key_file: v.volume_key_file.clone(),
             test_passphrase: true,
+            unbound: self.unbound,
             tries: self.tries,
             ..LuksOpts::default()
         })

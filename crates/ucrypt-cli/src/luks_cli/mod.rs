@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
-    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, NewKeyslot, Unlock, VolumeKey,
-    WriteOp,
+    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock,
+    VolumeKey, WriteOp,
 };
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -105,6 +105,11 @@ pub struct LuksOpts {
     /// open: only check the passphrase.
     #[arg(long)]
     pub test_passphrase: bool,
+    /// A key no data segment uses (LUKS2): add-key --unbound (with --key-size) adds one;
+    /// open --test-passphrase --unbound tries the unbound keyslots too; dump --unbound
+    /// --key-slot N prints (or, with --volume-key-file, saves) keyslot N's unbound key.
+    #[arg(long)]
+    pub unbound: bool,
     /// Store the given activation flags in the header.
     #[arg(long)]
     pub persistent: bool,
@@ -396,7 +401,7 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::Uuid { device, o } => uuid(&device, &o),
         LuksCmd::IsLuks { device, o } => is_luks(&device, &o),
         LuksCmd::Open(a) => match a.test_passphrase_opts() {
-            Some(o) => open(&a.v.volume, a.name.as_deref(), &o),
+            Some(o) => test_passphrase(&a.v.volume, &o),
             None => return crate::daemon::open(*a),
         },
         LuksCmd::Config { device, o } => config(&device, &o),
@@ -505,15 +510,19 @@ fn new_source<'a>(o: &'a LuksOpts, positional: Option<&'a str>) -> Source<'a> {
 }
 
 /// Unlocks with a passphrase from `src`, reading keyslot areas from the header device.
+/// `key_use` says which keyslots may answer: [`KeyUse::Data`] for everything that uses the
+/// key on the data or gives it to a new keyslot, [`KeyUse::AnySegment`] where cryptsetup
+/// allows an unbound key (a passphrase test, a passphrase change, a dump of the unbound key).
 fn unlock_with(
     dev: &HeaderDev,
     hdr: &Header,
     src: &Source<'_>,
     slot: Option<u32>,
+    key_use: KeyUse,
     prompt: &str,
 ) -> Result<(u32, VolumeKey)> {
     let p = pass::read_passphrase(src, prompt, false)?;
-    match luks::unlock_key(dev.as_ref(), hdr, Unlock::Passphrase(p), slot)? {
+    match luks::unlock_key_for(dev.as_ref(), hdr, Unlock::Passphrase(p), slot, key_use)? {
         (Some(slot), vk) => Ok((slot, vk)),
         (None, _) => Err(Error::Bug("a passphrase unlock named no keyslot")),
     }
@@ -961,6 +970,9 @@ fn format_luks1(
 fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, hdr) = load(device, o, false)?;
     let name = device.to_string();
+    if o.unbound && !o.dump_volume_key {
+        return dump_unbound(&dev, &hdr, &name, o);
+    }
     if !o.dump_volume_key {
         print!("{}", luks::dump(&hdr, &name, None));
         dump_integrity(device, o, &dev, &hdr);
@@ -975,6 +987,7 @@ fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
         &hdr,
         &existing_source(o, None),
         o.key_slot,
+        KeyUse::Data,
         &format!("Enter passphrase for {name}: "),
     )?;
     if let Some(p) = &o.volume_key_file {
@@ -982,6 +995,48 @@ fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
         println!("Key stored to file {}.", p.display());
     } else {
         print!("{}", luks::dump(&hdr, &name, Some(&vk)));
+    }
+    Ok(0)
+}
+
+/// `luksDump --unbound --key-slot N`: keyslot N's unbound key, printed or (with
+/// `--volume-key-file`) written to a new file, as cryptsetup does; the slot must be named and
+/// must hold an unbound key.
+fn dump_unbound(dev: &HeaderDev, hdr: &Header, name: &str, o: &LuksOpts) -> Result<i32> {
+    let slot = o
+        .key_slot
+        .ok_or_else(|| Error::InvalidArgument("Keyslot specification is required.".into()))?;
+    let unbound = match hdr {
+        Header::Luks2(h) => h
+            .meta
+            .digest_for_keyslot(&slot.to_string())
+            .is_some_and(|(_, d)| d.segments.is_empty()),
+        Header::Luks1(_) => false,
+    };
+    if !unbound {
+        return Err(Error::InvalidArgument(format!(
+            "Keyslot {slot} does not contain unbound key."
+        )));
+    }
+    pass::confirm(
+        o.batch_mode,
+        "The header dump with unbound key is sensitive information.\nThis dump should be stored encrypted in a safe place.",
+    )?;
+    let (_, key) = unlock_with(
+        dev,
+        hdr,
+        &existing_source(o, None),
+        Some(slot),
+        KeyUse::AnySegment,
+        &format!("Enter passphrase for {name}: "),
+    )?;
+    match &o.volume_key_file {
+        Some(p) => {
+            dev::write_new_file(p, key.bytes())?;
+            print!("{}", luks::dump_unbound(hdr, name, slot, &key, false));
+            println!("Key stored to file {}.", p.display());
+        }
+        None => print!("{}", luks::dump_unbound(hdr, name, slot, &key, true)),
     }
     Ok(0)
 }
@@ -1008,6 +1063,9 @@ fn dump_integrity(device: &Target, o: &LuksOpts, dev: &HeaderDev, hdr: &Header) 
 // ---------------------------------------------------------------- keys
 
 fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    if o.unbound {
+        return add_unbound_key(device, new_key_file, o);
+    }
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let vk = match &o.volume_key_file {
@@ -1018,6 +1076,7 @@ fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<
                 &hdr,
                 &existing_source(o, None),
                 None,
+                KeyUse::Data,
                 "Enter any existing passphrase: ",
             )?
             .1
@@ -1043,6 +1102,45 @@ fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<
     Ok(0)
 }
 
+/// `luksAddKey --unbound --key-size BITS`: a keyslot for a key no segment uses, random or
+/// from `--volume-key-file`; the new passphrase only is asked (an unbound key is no volume
+/// key, so no existing passphrase proves anything). LUKS2 only, into a free keyslot.
+fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+    let bits = o.key_size.filter(|&b| b > 0).ok_or_else(|| {
+        Error::InvalidArgument("Key size is required with --unbound option.".into())
+    })?;
+    if bits % 8 != 0 {
+        return Err(Error::InvalidArgument(
+            "Key size must be a multiple of 8 bits".into(),
+        ));
+    }
+    let key_bytes = (bits / 8) as usize;
+    let (dev, mut hdr) = load(device, o, true)?;
+    hdr.check_requirements()?;
+    let Header::Luks2(h) = &mut hdr else {
+        return Err(Error::InvalidArgument(format!(
+            "Device {} is not a valid LUKS2 device.",
+            header_name(device, o)
+        )));
+    };
+    let key = match &o.volume_key_file {
+        Some(p) => read_volume_key_file(p, Some(key_bytes))?,
+        None => util::random_secret(key_bytes)?,
+    };
+    let newp = pass::read_passphrase(
+        &new_source(o, new_key_file),
+        "Enter new passphrase for key slot: ",
+        true,
+    )?;
+    let kdf = kdf_request(o, 2)?;
+    let (id, ops) = h.add_unbound_keyslot(key, newp.as_ref(), &kdf, o.key_slot)?;
+    luks::apply(dev.as_ref(), &ops)?;
+    if o.verbose {
+        eprintln!("Key slot {id} created.");
+    }
+    Ok(0)
+}
+
 fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
@@ -1051,6 +1149,7 @@ fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i
         &hdr,
         &existing_source(o, key_file),
         o.key_slot,
+        KeyUse::Data,
         "Enter passphrase to be deleted: ",
     )?;
     if hdr.active_keyslots().len() == 1 {
@@ -1070,11 +1169,14 @@ fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i
 fn change_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
+    // An unbound keyslot's passphrase may be changed too (cryptsetup allows it); the new
+    // keyslot keeps the old one's digest, so it stays unbound.
     let (old, vk) = unlock_with(
         &dev,
         &hdr,
         &existing_source(o, None),
         o.key_slot,
+        KeyUse::AnySegment,
         "Enter passphrase to be changed: ",
     )?;
     let newp = pass::read_passphrase(&new_source(o, new_key_file), "Enter new passphrase: ", true)?;
@@ -1117,6 +1219,7 @@ fn kill_slot(device: &Target, slot: u32, key_file: Option<&str>, o: &LuksOpts) -
             &hdr,
             &existing_source(o, key_file),
             None,
+            KeyUse::Data,
             "Enter any remaining passphrase: ",
         )?;
     }
@@ -1262,12 +1365,10 @@ fn is_luks(device: &Target, o: &LuksOpts) -> Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
-fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
-    if !o.test_passphrase {
-        return Err(Error::InvalidArgument(
-            "ucrypt cannot create device-mapper devices; use 'open --test-passphrase', or serve the volume with ucrypt's NBD/FUSE front ends".into(),
-        ));
-    }
+/// `open --test-passphrase`: unlocks a keyslot and serves nothing. As cryptsetup does, a
+/// named keyslot (`--key-slot`) or `--unbound` lets an unbound keyslot answer too; without
+/// either only the keyslots of the data segment's key are tried.
+fn test_passphrase(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, hdr) = load(device, o, false)?;
     hdr.check_requirements_for_unlock()?;
     if in_reencryption(&hdr) && o.key_slot.is_some() {
@@ -1281,6 +1382,11 @@ fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
     // A wrong passphrase typed on a terminal is asked again (`--tries`); cryptsetup does not
     // on a header in reencryption, where the answer is "no usable keyslot" (below).
     let src = existing_source(o, None);
+    let key_use = if o.key_slot.is_some() || o.unbound {
+        KeyUse::AnySegment
+    } else {
+        KeyUse::Data
+    };
     let tries = if in_reencryption(&hdr) {
         1
     } else {
@@ -1295,6 +1401,7 @@ fn open(device: &Target, _name: Option<&str>, o: &LuksOpts) -> Result<i32> {
                 &hdr,
                 &src,
                 o.key_slot,
+                key_use,
                 &format!("Enter passphrase for {}: ", device),
             )
         },

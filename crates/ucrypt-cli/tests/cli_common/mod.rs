@@ -151,3 +151,100 @@ pub fn missing_root_rig(cmds: &[&str]) -> Option<String> {
         .find(|c| !have(c))
         .map(|c| format!("{c} not installed (scripts/deps.sh test)"))
 }
+
+/// cryptsetup's upstream `tests/` folder (images, generators, compat scripts), from Debian's
+/// cryptsetup source package: `UCRYPT_CRYPTSETUP_TESTS` names an unpacked one; otherwise it is
+/// fetched once (`scripts/fetch-cryptsetup-tests.sh`) into the temp dir, under a lock so that
+/// tests running at once fetch it once. `Err` says why it cannot be had (the caller SKIPs).
+pub fn cryptsetup_tests() -> Result<PathBuf, String> {
+    if let Ok(d) = std::env::var("UCRYPT_CRYPTSETUP_TESTS") {
+        return Ok(PathBuf::from(d));
+    }
+    let cache = std::env::temp_dir().join("ucrypt-cryptsetup-src");
+    std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
+    let lock = std::fs::File::create(cache.join(".lock")).map_err(|e| e.to_string())?;
+    // SAFETY: flock on a descriptor `lock` owns; no memory is passed. Released when `lock`
+    // is dropped at the end of this function.
+    let r = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+    if r != 0 {
+        return Err(format!(
+            "lock {}: {}",
+            cache.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    let find = |cache: &Path| -> Option<PathBuf> {
+        std::fs::read_dir(cache)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path().join("tests"))
+            .find(|t| t.join("luks2-validation-test").is_file())
+    };
+    if let Some(t) = find(&cache) {
+        return Ok(t);
+    }
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fetch-cryptsetup-tests.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(&cache)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "could not fetch cryptsetup's source package: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    find(&cache).ok_or_else(|| "the source package has no tests/luks2-validation-test".into())
+}
+
+/// Decompresses the `.xz` file `src` to `dst`.
+pub fn unxz(src: &Path, dst: &Path) {
+    let out = Command::new("xz")
+        .arg("-dc")
+        .arg(src)
+        .output()
+        .unwrap_or_else(|e| panic!("xz: {e}"));
+    assert!(
+        out.status.success(),
+        "xz -dc {}: {}",
+        src.display(),
+        text(&out)
+    );
+    std::fs::write(dst, out.stdout).expect("write the unpacked image");
+}
+
+/// Unpacks the tarball `src` (xz) into `dir`.
+pub fn untar(src: &Path, dir: &Path) {
+    let out = Command::new("tar")
+        .arg("-xJf")
+        .arg(src)
+        .arg("-C")
+        .arg(dir)
+        .output()
+        .unwrap_or_else(|e| panic!("tar: {e}"));
+    assert!(
+        out.status.success(),
+        "tar -xJf {}: {}",
+        src.display(),
+        text(&out)
+    );
+}
+
+/// Runs `prog ARGS` with `input` on stdin and collects its output.
+pub fn run_in(prog: &str, args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"));
+    let mut stdin = child.stdin.take().expect("stdin");
+    // The program may exit without reading (a usage error): a broken pipe is its answer.
+    let _ = stdin.write_all(input);
+    drop(stdin);
+    child.wait_with_output().expect("wait")
+}

@@ -1685,6 +1685,7 @@ pub fn open_luks2_mode(
     read_only: bool,
     write_mode: WriteMode,
 ) -> Result<IntegrityVolume> {
+    vk.require_bound()?;
     let Header::Luks2(h) = hdr else {
         return Err(Error::UnsupportedLuks(
             "LUKS1 has no authenticated encryption".into(),

@@ -24,7 +24,7 @@ use zeroize::{Zeroize, Zeroizing};
 
 use super::luks2::MAGIC_2ND;
 use super::{
-    parse_any, probe_len, volume_config, Header, VolumeKey, WriteOp, HDR2_OFFSETS,
+    parse_any, probe_len, volume_config, Header, KeyUse, VolumeKey, WriteOp, HDR2_OFFSETS,
     HEADER_BYTES_MAX, PROBE_BYTES,
 };
 use crate::backend::{check_range, Backend};
@@ -172,11 +172,34 @@ pub fn unlock_key(
     unlock: Unlock,
     key_slot: Option<u32>,
 ) -> Result<(Option<u32>, VolumeKey)> {
+    unlock_key_for(dev, hdr, unlock, key_slot, KeyUse::Data)
+}
+
+/// [`unlock_key`] for `key_use`: with [`KeyUse::AnySegment`] an unbound keyslot (or volume
+/// key) is accepted too, and the key returned may be unbound.
+pub fn unlock_key_for(
+    dev: &dyn Backend,
+    hdr: &Header,
+    unlock: Unlock,
+    key_slot: Option<u32>,
+    key_use: KeyUse,
+) -> Result<(Option<u32>, VolumeKey)> {
     match unlock {
-        Unlock::VolumeKey(key) => Ok((None, hdr.verify_key(key)?)),
+        Unlock::VolumeKey(key) => {
+            let vk = hdr.verify_key(key)?;
+            if key_use == KeyUse::Data {
+                vk.require_bound()?;
+            }
+            Ok((None, vk))
+        }
         Unlock::Passphrase(p) => {
             let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
-            let (slot, vk) = super::unlock(hdr, p.as_ref(), key_slot, &mut read)?;
+            let (slot, vk) = match key_use {
+                KeyUse::Data => super::unlock(hdr, p.as_ref(), key_slot, &mut read)?,
+                KeyUse::AnySegment => {
+                    super::unlock_any_segment(hdr, p.as_ref(), key_slot, &mut read)?
+                }
+            };
             Ok((Some(slot), vk))
         }
     }

@@ -51,6 +51,39 @@ fn volume_key(o: &mut String, hdr: &Header, device: &str, vk: &VolumeKey) -> fmt
     Ok(())
 }
 
+/// `luksDump --unbound --key-slot N`: keyslot `slot`'s unbound key in cryptsetup's layout;
+/// `show_key` false leaves out the key itself (it went to a file).
+pub fn dump_unbound(
+    hdr: &Header,
+    device: &str,
+    slot: u32,
+    key: &VolumeKey,
+    show_key: bool,
+) -> String {
+    let mut o = String::new();
+    let _ = unbound_key(&mut o, hdr, device, slot, key, show_key);
+    o
+}
+
+fn unbound_key(
+    o: &mut String,
+    hdr: &Header,
+    device: &str,
+    slot: u32,
+    key: &VolumeKey,
+    show_key: bool,
+) -> fmt::Result {
+    writeln!(o, "LUKS header information for {device}")?;
+    writeln!(o, "UUID:    \t{}", hdr.uuid())?;
+    writeln!(o, "Keyslot: \t{slot}")?;
+    writeln!(o, "Key bits:\t{}", key.len() * 8)?;
+    if show_key {
+        o.push_str("Unbound Key:\t");
+        hex_block(o, key.bytes(), "\t\t");
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------- LUKS1
 
 fn luks1(o: &mut String, h: &Luks1Header, device: &str) -> fmt::Result {

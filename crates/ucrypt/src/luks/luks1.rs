@@ -258,7 +258,7 @@ impl Luks1Header {
         // The candidate was PBKDF2's password: its copies in the frames beneath go.
         crate::secret::scrub_stack();
         if ok {
-            Ok(VolumeKey::new_verified(candidate, 0))
+            Ok(VolumeKey::new_verified(candidate, 0, true))
         } else {
             Err(Error::WrongPassphrase)
         }

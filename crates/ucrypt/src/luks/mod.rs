@@ -34,9 +34,10 @@ pub mod util;
 mod tests;
 
 pub use driver::{
-    apply, open, open_parsed, read_area, read_header, unlock_key, OpenOptions, Unlock,
+    apply, open, open_parsed, read_area, read_header, unlock_key, unlock_key_for, OpenOptions,
+    Unlock,
 };
-pub use dump::dump;
+pub use dump::{dump, dump_unbound};
 pub use kdf::{Kdf, KdfRequest};
 pub use luks1::Luks1Header;
 pub use luks2::{select_copy, Luks2Header, Selection, Which};
@@ -72,15 +73,43 @@ pub const DIGEST_BYTES_MAX: usize = 256;
 pub const DIGEST_TIME_MS: u32 = 125;
 
 /// The volume key, proven correct: only a successful digest check creates one.
+///
+/// A LUKS2 keyslot may hold a key that no data segment uses (`luksAddKey --unbound`): its
+/// digest names no segment. Such a key is verified like any other but is *unbound*
+/// ([`VolumeKey::is_bound`] is false): the data paths ([`volume_config`], the integrity and
+/// reencryption opens) refuse it, and the passphrase unlock they use ([`unlock`]) never tries
+/// an unbound keyslot. Only [`unlock_any_segment`] (a passphrase test, a dump of the unbound
+/// key, a passphrase change) returns one.
 pub struct VolumeKey {
     key: SecretBytes,
     digest_id: u32,
+    bound: bool,
 }
 
 impl VolumeKey {
-    /// Crate-private: called only by the digest checks in `luks1`/`luks2`.
-    pub(crate) fn new_verified(key: SecretBytes, digest_id: u32) -> Self {
-        VolumeKey { key, digest_id }
+    /// Crate-private: called only by the digest checks in `luks1`/`luks2`. `bound`: the
+    /// digest names at least one segment.
+    pub(crate) fn new_verified(key: SecretBytes, digest_id: u32, bound: bool) -> Self {
+        VolumeKey {
+            key,
+            digest_id,
+            bound,
+        }
+    }
+
+    /// Whether the key encrypts a data segment (its digest is assigned to one). An unbound key
+    /// opens nothing.
+    pub fn is_bound(&self) -> bool {
+        self.bound
+    }
+
+    /// Refuses an unbound key where the data is about to be read or written with it.
+    pub(crate) fn require_bound(&self) -> Result<()> {
+        if self.bound {
+            Ok(())
+        } else {
+            Err(Error::NoUsableKeyslot)
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -412,19 +441,59 @@ impl Header {
     }
 }
 
-/// Unlocks with a passphrase: tries keyslots in cryptsetup's order (or just `slot`), reading
-/// each keyslot's material through `read(offset, len)` on the header device. Returns the slot
-/// that opened and the verified volume key, or [`Error::WrongPassphrase`].
+/// Which keyslots a passphrase may open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyUse {
+    /// The data: only keyslots whose digest is assigned to a data segment (cryptsetup's
+    /// default segment; in reencryption, the segments the protocol names). A named unbound
+    /// keyslot is [`Error::NoUsableKeyslot`].
+    Data,
+    /// Any keyslot, unbound ones too (cryptsetup's `CRYPT_ANY_SEGMENT`): a passphrase test
+    /// with `--key-slot` or `--unbound`, a dump of an unbound key, a passphrase change.
+    AnySegment,
+}
+
+/// Unlocks with a passphrase for the data ([`KeyUse::Data`]): tries keyslots in cryptsetup's
+/// order (or just `slot`), reading each keyslot's material through `read(offset, len)` on the
+/// header device. Returns the slot that opened and the verified, bound volume key, or
+/// [`Error::WrongPassphrase`] / [`Error::NoUsableKeyslot`].
 pub fn unlock(
     hdr: &Header,
     passphrase: &[u8],
     slot: Option<u32>,
     read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>>,
 ) -> Result<(u32, VolumeKey)> {
-    let r = try_keyslots(hdr, passphrase, slot, read);
+    unlock_for(hdr, passphrase, slot, KeyUse::Data, read)
+}
+
+/// [`unlock`] with unbound keyslots allowed ([`KeyUse::AnySegment`]): the key returned may
+/// be unbound, which no data path takes.
+pub fn unlock_any_segment(
+    hdr: &Header,
+    passphrase: &[u8],
+    slot: Option<u32>,
+    read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>>,
+) -> Result<(u32, VolumeKey)> {
+    unlock_for(hdr, passphrase, slot, KeyUse::AnySegment, read)
+}
+
+fn unlock_for(
+    hdr: &Header,
+    passphrase: &[u8],
+    slot: Option<u32>,
+    key_use: KeyUse,
+    read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>>,
+) -> Result<(u32, VolumeKey)> {
+    let r = try_keyslots(hdr, passphrase, slot, key_use, read);
     // The KDF's output, the keyslot's decrypted material and the merge's pieces were in the
     // frames beneath: they go.
     crate::secret::scrub_stack();
+    if let Ok((_, vk)) = &r {
+        assert!(
+            key_use == KeyUse::AnySegment || vk.is_bound(),
+            "a data unlock returned an unbound key"
+        );
+    }
     r
 }
 
@@ -432,6 +501,7 @@ fn try_keyslots(
     hdr: &Header,
     passphrase: &[u8],
     slot: Option<u32>,
+    key_use: KeyUse,
     read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>>,
 ) -> Result<(u32, VolumeKey)> {
     let mut other_err: Option<Error> = None;
@@ -460,7 +530,7 @@ fn try_keyslots(
             }
         }
         Header::Luks2(h) => {
-            let order = h.unlock_order(slot)?;
+            let order = h.unlock_order(slot, key_use)?;
             if order.is_empty() {
                 return Err(Error::NoUsableKeyslot);
             }
@@ -475,6 +545,15 @@ fn try_keyslots(
                     Err(e) => note(e, &mut other_err),
                 }
             }
+            let walked_all = slot.is_none()
+                && key_use == KeyUse::Data
+                && reencrypt::ReencryptState::from_metadata(&h.meta)
+                    .ok()
+                    .flatten()
+                    .is_none();
+            if other_err.is_none() && walked_all {
+                return Err(h.data_unlock_failure());
+            }
         }
     }
     Err(other_err.unwrap_or(Error::WrongPassphrase))
@@ -484,6 +563,7 @@ fn try_keyslots(
 /// size from the header's data segment. The volume does not depend on LUKS; LUKS adapts to
 /// the volume's input type. Policy, pool and read-only are the caller's choice afterwards.
 pub fn volume_config(hdr: &Header, vk: &VolumeKey) -> Result<crate::volume::VolumeConfig> {
+    vk.require_bound()?;
     let l = hdr.data_layout()?;
     let geometry = crate::sector::Geometry {
         sector_size: l.sector_size,

@@ -23,8 +23,9 @@
 //!   front, [`init_decrypt_unshift`] a decryption that exports the header in front to a new
 //!   file and moves the data back to the start of the device.
 
-use super::json::{DigestJson, Keyslot, Metadata, Requirements, U64Str};
-use super::kdf::{calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES};
+use super::json::{Keyslot, Metadata, Requirements, U64Str};
+use super::kdf::{KdfRequest, PBKDF2_ITERATIONS_MIN};
+use super::luks2::digest::{free_id, make_digest, make_digest_with};
 use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
 use super::reencrypt_pieces::{hash_blocks, pieces, read_summing, rewrite_pieces, share_out};
 use super::reencrypt_plan::{
@@ -33,10 +34,10 @@ use super::reencrypt_plan::{
     shift_source, unshift_geometry, MovedGuard, Position, Protect, Shift, Step, Unshift,
     UNSHIFT_REQUIREMENT_VERSION,
 };
-use super::util::{b64_encode, random_fill, random_secret, HashAlg, Noise};
+use super::util::{random_secret, HashAlg, Noise};
 use super::{
     apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, WriteOp,
-    DIGEST_TIME_MS, KEYSLOTS_MAX,
+    KEYSLOTS_MAX,
 };
 use crate::backend::Backend;
 use crate::engine::crew::Crew;
@@ -337,53 +338,6 @@ fn luks2(hdr: Header) -> Result<Luks2Header> {
     }
 }
 
-fn free_id<'a>(used: impl Iterator<Item = &'a String>) -> Result<u32> {
-    let used: Vec<u32> = used.filter_map(|k| k.parse().ok()).collect();
-    (0..KEYSLOTS_MAX)
-        .find(|i| !used.contains(i))
-        .ok_or_else(|| Error::InvalidArgument("no free id left in the LUKS2 header".into()))
-}
-
-/// A pbkdf2 digest of `secret` (the volume key digest LUKS2 uses), calibrated as format does.
-fn make_digest(
-    kdf: &KdfRequest,
-    secret: &[u8],
-    keyslots: Vec<String>,
-    segments: Vec<String>,
-) -> Result<DigestJson> {
-    let hash = kdf.hash;
-    let iterations = if kdf.force_iterations.is_some() {
-        PBKDF2_ITERATIONS_MIN
-    } else {
-        calibrate_pbkdf2(hash, DIGEST_TIME_MS, secret.len())
-    };
-    make_digest_with(hash, iterations, secret, keyslots, segments)
-}
-
-/// [`make_digest`] with a given hash and iteration count (and a new salt).
-fn make_digest_with(
-    hash: HashAlg,
-    iterations: u32,
-    secret: &[u8],
-    keyslots: Vec<String>,
-    segments: Vec<String>,
-) -> Result<DigestJson> {
-    let mut salt = vec![0u8; SALT_BYTES];
-    random_fill(&mut salt)?;
-    let mut out = vec![0u8; hash.output_bytes()];
-    hash.pbkdf2(secret, &salt, iterations, &mut out);
-    Ok(DigestJson {
-        kind: "pbkdf2".into(),
-        keyslots,
-        segments,
-        hash: Some(hash.name().into()),
-        iterations: Some(iterations),
-        salt: Some(b64_encode(&salt)),
-        digest: Some(b64_encode(&out)),
-        extra: Default::default(),
-    })
-}
-
 /// The reencrypt keyslot's area: the rest of the keyslots area after the last used area
 /// (4 KiB aligned), as `(offset, end)`.
 fn reencrypt_area(h: &Luks2Header) -> Result<(u64, u64)> {
@@ -606,7 +560,7 @@ fn init_checked(
             new_did.to_string(),
             make_digest(&kdfs[0], new_key.as_ref(), vec![], vec![])?,
         );
-        let new_vk = VolumeKey::new_verified(new_key, new_did);
+        let new_vk = VolumeKey::new_verified(new_key, new_did, true);
         let mut ops = Vec::new();
         for (sp, kdf) in slots.iter().zip(&kdfs) {
             let seqid = h.bin.seqid;

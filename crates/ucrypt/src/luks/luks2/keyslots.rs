@@ -4,15 +4,16 @@
 
 use serde_json::Map;
 
+use super::digest::{digest_matches, free_id, make_digest};
 use super::{bad, Luks2Header};
 use crate::luks::af::AF_STRIPES;
 use crate::luks::json::{
-    af_area_bytes, kdf_to_json, round_up, AfJson, Area, DigestJson, Keyslot, KeyslotParams, U64Str,
+    af_area_bytes, kdf_to_json, round_up, AfJson, Area, Keyslot, KeyslotParams, U64Str,
 };
-use crate::luks::kdf::{Kdf, KdfRequest, SALT_BYTES_MAX};
+use crate::luks::kdf::{Kdf, KdfRequest};
 use crate::luks::keyslot::SlotCrypto;
-use crate::luks::util::{b64_decode, random_fill, HashAlg};
-use crate::luks::{NewKeyslot, VolumeKey, WriteOp, DIGEST_BYTES_MAX, KEYSLOTS_MAX};
+use crate::luks::util::random_fill;
+use crate::luks::{KeyUse, NewKeyslot, VolumeKey, WriteOp, KEYSLOTS_MAX};
 use crate::sector::CipherSpec;
 use crate::{Error, Result, SecretBytes};
 
@@ -21,11 +22,25 @@ use crate::{Error, Result, SecretBytes};
 const KEYSLOT_DEFAULT_KEY_BYTES: usize = 64;
 
 impl Luks2Header {
-    /// Keyslots usable with a passphrase, in the order cryptsetup tries them: high priority
-    /// first, then normal; priority 0 ("ignore") only when asked for by number.
-    pub fn unlock_order(&self, slot: Option<u32>) -> Result<Vec<KeyslotParams>> {
+    /// Keyslots usable with a passphrase for `key_use`, in the order cryptsetup tries them:
+    /// high priority first, then normal; priority 0 ("ignore") only when asked for by number.
+    /// For the data, a keyslot whose digest is assigned to no segment (an unbound key) is
+    /// skipped, and named by number it is [`Error::NoUsableKeyslot`], as cryptsetup's
+    /// keyslot-for-segment check has it.
+    pub fn unlock_order(&self, slot: Option<u32>, key_use: KeyUse) -> Result<Vec<KeyslotParams>> {
+        let bound = |id: &str| {
+            key_use == KeyUse::AnySegment
+                || self
+                    .meta
+                    .digest_for_keyslot(id)
+                    .is_some_and(|(_, d)| !d.segments.is_empty())
+        };
         if let Some(id) = slot {
-            return Ok(vec![self.meta.keyslot_params(&id.to_string())?]);
+            let params = self.meta.keyslot_params(&id.to_string())?;
+            if !bound(&id.to_string()) {
+                return Err(Error::NoUsableKeyslot);
+            }
+            return Ok(vec![params]);
         }
         let reencrypt_final = crate::luks::reencrypt::ReencryptState::from_metadata(&self.meta)
             .ok()
@@ -36,7 +51,7 @@ impl Luks2Header {
             .meta
             .keyslots
             .iter()
-            .filter(|(_, k)| k.kind == "luks2")
+            .filter(|(id, k)| k.kind == "luks2" && bound(id))
             .filter_map(|(id, _)| self.meta.keyslot_params(id).ok())
             .filter(|p| p.priority > 0)
             .filter(|p| match &reencrypt_final {
@@ -51,6 +66,38 @@ impl Luks2Header {
             .collect();
         v.sort_by_key(|p| (std::cmp::Reverse(p.priority), p.id));
         Ok(v)
+    }
+
+    /// The error cryptsetup gives when no keyslot of [`Self::unlock_order`] (for the data,
+    /// none named) took the passphrase: it walks the preferred keyslots, then the normal ones,
+    /// and answers with what the last keyslot walked said: a wrong passphrase, or, for a
+    /// keyslot of no data segment, "no usable keyslot" (exit 1, not 2); a wrong passphrase
+    /// on a preferred keyslot wins over an unusable normal one.
+    pub(crate) fn data_unlock_failure(&self) -> Error {
+        let bound = |id: &str| {
+            self.meta
+                .digest_for_keyslot(id)
+                .is_some_and(|(_, d)| !d.segments.is_empty())
+        };
+        let mut ids: Vec<(u32, &str, u32)> = self
+            .meta
+            .keyslots
+            .iter()
+            .filter_map(|(id, k)| Some((id.parse().ok()?, id.as_str(), k.priority.unwrap_or(1))))
+            .collect();
+        ids.sort_unstable();
+        // Whether the last keyslot of this priority was a wrong passphrase (true) or
+        // unusable, or there was none (false).
+        let last_wrong = |priority: u32| {
+            ids.iter()
+                .rfind(|(_, _, p)| *p == priority)
+                .is_some_and(|(_, id, _)| bound(id))
+        };
+        if last_wrong(2) || last_wrong(1) {
+            Error::WrongPassphrase
+        } else {
+            Error::NoUsableKeyslot
+        }
     }
 
     pub fn slot_crypto(p: &KeyslotParams) -> SlotCrypto {
@@ -80,7 +127,12 @@ impl Luks2Header {
         // The candidate was PBKDF2's password: its copies in the frames beneath go.
         crate::secret::scrub_stack();
         if matches? {
-            Ok(VolumeKey::new_verified(candidate, id.parse().unwrap_or(0)))
+            let bound = !d.segments.is_empty();
+            Ok(VolumeKey::new_verified(
+                candidate,
+                id.parse().unwrap_or(0),
+                bound,
+            ))
         } else {
             Err(Error::WrongPassphrase)
         }
@@ -264,6 +316,78 @@ impl Luks2Header {
         Ok((id, ops))
     }
 
+    /// Adds a keyslot holding `key`, a key no segment uses (cryptsetup's `luksAddKey
+    /// --unbound`): a new digest of `key` assigned to no segment, and the keyslot assigned to
+    /// it. Its area is encrypted as cryptsetup encrypts a new keyslot's by default (the data
+    /// segment's cipher and volume key size, or aes-xts-plain64 with a 512-bit key where the
+    /// segment's cipher cannot encrypt a keyslot). Returns the keyslot id and the write plan.
+    pub fn add_unbound_keyslot(
+        &mut self,
+        key: SecretBytes,
+        passphrase: &[u8],
+        kdf: &KdfRequest,
+        slot: Option<u32>,
+    ) -> Result<(u32, Vec<WriteOp>)> {
+        if key.is_empty() || key.len() > crate::luks::KEY_BYTES_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "an unbound key of {} bytes (1 to {} bytes)",
+                key.len(),
+                crate::luks::KEY_BYTES_MAX
+            )));
+        }
+        let area = self.keyslot_area_default()?;
+        let did = free_id(self.meta.digests.keys())?;
+        // The keyslot is added to the digest by `add_keyslot_with_area`.
+        self.meta.digests.insert(
+            did.to_string(),
+            make_digest(kdf, key.as_ref(), vec![], vec![])?,
+        );
+        let vk = VolumeKey::new_verified(key, did, false);
+        let r = self.add_keyslot_with_area(
+            NewKeyslot {
+                vk: &vk,
+                passphrase,
+                kdf,
+                slot,
+            },
+            None,
+            Some(area),
+        );
+        if r.is_err() {
+            self.meta.digests.remove(&did.to_string());
+        }
+        r
+    }
+
+    /// The cipher and key size cryptsetup gives a new keyslot's area by default: the data
+    /// segment's cipher with the volume key's size, unless that cipher cannot encrypt a
+    /// keyslot (null, or authenticated with random IVs) or no keyslot says the key's size; then
+    /// aes-xts-plain64 with a 512-bit key.
+    fn keyslot_area_default(&self) -> Result<(CipherSpec, usize)> {
+        let fallback = (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_DEFAULT_KEY_BYTES);
+        let Ok(seg) = self.meta.crypt_segment() else {
+            return Ok(fallback);
+        };
+        let authenticated = self
+            .meta
+            .segments
+            .values()
+            .any(|s| s.kind == "crypt" && s.integrity.is_some());
+        if authenticated || seg.cipher == CipherSpec::NULL {
+            return Ok(fallback);
+        }
+        let key_bytes = self
+            .meta
+            .digests
+            .values()
+            .find(|d| !d.segments.is_empty())
+            .and_then(|d| d.keyslots.first())
+            .and_then(|id| self.meta.keyslots.get(id))
+            .map(|k| k.key_size as usize)
+            .filter(|&n| n > 0);
+        Ok(key_bytes.map_or(fallback, |n| (seg.cipher, n)))
+    }
+
     /// Removes keyslot `id`: header first, then the area is overwritten with random bytes.
     pub fn remove_keyslot(&mut self, id: u32) -> Result<Vec<WriteOp>> {
         let key = id.to_string();
@@ -278,6 +402,11 @@ impl Luks2Header {
         for d in self.meta.digests.values_mut() {
             d.keyslots.retain(|k| k != &key);
         }
+        // A digest left with neither keyslot nor segment (an unbound key's) goes, as
+        // cryptsetup erases unused digests at every header write.
+        self.meta
+            .digests
+            .retain(|_, d| !(d.keyslots.is_empty() && d.segments.is_empty()));
         for t in self.meta.tokens.values_mut() {
             if let Some(serde_json::Value::Array(a)) = t.get_mut("keyslots") {
                 a.retain(|v| v.as_str() != Some(&key));
@@ -316,7 +445,14 @@ impl Luks2Header {
             .find(|i| !self.meta.used_keyslots().contains(i))
             .ok_or_else(|| Error::InvalidArgument("all keyslots are full".into()))?;
         let saved = self.clone();
-        let (_, mut ops) = self.add_keyslot(
+        // An unbound key's size says nothing of the area's cipher: the area gets cryptsetup's
+        // default, as a new unbound keyslot's does.
+        let area = if vk.is_bound() {
+            None
+        } else {
+            Some(self.keyslot_area_default()?)
+        };
+        let (_, mut ops) = self.add_keyslot_with_area(
             NewKeyslot {
                 vk,
                 passphrase,
@@ -324,6 +460,7 @@ impl Luks2Header {
                 slot: Some(tmp),
             },
             priority,
+            area,
         )?;
         // Drop the header writes add_keyslot planned; keep its material write.
         ops.truncate(2);
@@ -363,26 +500,4 @@ fn wipe_area(a: &Area) -> Result<Vec<WriteOp>> {
         },
         WriteOp::Sync,
     ])
-}
-
-/// Whether `candidate` hashes to the pbkdf2 digest `d` (LUKS2's only digest type).
-fn digest_matches(id: &str, d: &DigestJson, candidate: &[u8]) -> Result<bool> {
-    if d.kind != "pbkdf2" {
-        return Err(Error::UnsupportedLuks(format!("digest type '{}'", d.kind)));
-    }
-    let hash = HashAlg::from_name(d.hash.as_deref().unwrap_or(""))?;
-    let salt = b64_decode(d.salt.as_deref().unwrap_or(""))
-        .ok_or_else(|| bad("digests", format!("digest {id} salt is not base64")))?;
-    let want = b64_decode(d.digest.as_deref().unwrap_or(""))
-        .ok_or_else(|| bad("digests", format!("digest {id} value is not base64")))?;
-    let iterations = d
-        .iterations
-        .filter(|&n| n > 0)
-        .ok_or_else(|| bad("digests", format!("digest {id} has no iterations")))?;
-    if want.is_empty() || want.len() > DIGEST_BYTES_MAX || salt.len() > SALT_BYTES_MAX {
-        return Err(bad("digests", format!("digest {id} value or salt length")));
-    }
-    let mut got = SecretBytes::zeroed(want.len());
-    hash.pbkdf2(candidate, &salt, iterations, got.as_mut());
-    Ok(got.ct_eq(&want))
 }

@@ -3,10 +3,12 @@
 //! - `select`: which of the two copies wins (a pure function);
 //! - this file: the parsed header ([`Luks2Header`]), parsing both copies, and serialising
 //!   an update as a write plan;
-//! - `keyslots`: unlock order, the digest check, adding/removing/changing keyslots;
+//! - `digest`: the pbkdf2 digest that proves a key right, and new digests;
+//! - `keyslots`: unlock order, adding/removing/changing keyslots (unbound ones too);
 //! - `format`: a new header.
 
 mod binary;
+pub(crate) mod digest;
 mod format;
 mod keyslots;
 mod select;
