@@ -550,9 +550,7 @@ fn open_authenticated(
         Some(h) => h.as_ref(),
         None => data.as_ref(),
     };
-    if !opts.read_only {
-        hdr.check_requirements()?;
-    }
+    hdr.check_requirements()?;
     let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
     let write_mode = if integrity_no_journal {
         integrity::WriteMode::Direct

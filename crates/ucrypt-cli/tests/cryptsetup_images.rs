@@ -35,14 +35,14 @@ enum Want {
 /// and `OUT` stand for the test's files), what it reads on stdin, and what it must do.
 /// `data: true` marks an activation (`cryptsetup open DEV NAME`), which ucrypt checks with
 /// `export` and cryptsetup cannot run here.
-struct Step {
-    args: &'static [&'static str],
+struct Step<'a> {
+    args: &'a [&'a str],
     input: &'static str,
     want: Want,
     data: bool,
 }
 
-const fn step(args: &'static [&'static str], input: &'static str, want: Want) -> Step {
+const fn step<'a>(args: &'a [&'a str], input: &'static str, want: Want) -> Step<'a> {
     Step {
         args,
         input,
@@ -52,7 +52,7 @@ const fn step(args: &'static [&'static str], input: &'static str, want: Want) ->
 }
 
 /// An activation: ucrypt `export`s the volume with these options.
-const fn data(args: &'static [&'static str], input: &'static str, want: Want) -> Step {
+const fn data<'a>(args: &'a [&'a str], input: &'static str, want: Want) -> Step<'a> {
     Step {
         args,
         input,
@@ -398,4 +398,416 @@ fn unbound_keys_as_compat_test2_adds_tests_and_dumps_them() {
         std::fs::write(dir.join("KF0"), k).expect("KF0");
     };
     play_both("unbound38", None, 32, &steps, &check_key);
+}
+
+/// Grows the test's DEV to 8 MiB: the requirements images end where their data begins.
+fn grow_to_8m(dir: &Path) {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("DEV"))
+        .expect("open DEV");
+    f.set_len(8 << 20).expect("grow DEV");
+}
+
+const BLABLA: &str = "blablabl\n";
+const BLABLA_NEW: &str = "blablabl\nnewpass9\n";
+
+/// api-test-2's Luks2Requirements, through the CLI: a header with mandatory requirements
+/// neither tool knows (`req0 req1`) is read (dump, backup, a passphrase test, the volume
+/// key), keyslots may be removed, but it is never activated, not even read-only, and no
+/// other header write happens.
+#[test]
+fn unknown_requirements_allow_reads_and_refuse_writes_and_activation() {
+    let Some(suite) = suite() else { return };
+    let t = TempDir::new("reqs-src");
+    cli_common::untar(&suite.join("luks2_header_requirements.tar.xz"), t.dir());
+    let steps = [
+        step(&["luksDump", "DEV"], "", Want::Has("req0 req1")),
+        step(&["open", "--test-passphrase", "DEV"], BLABLA, Want::Ok),
+        step(
+            &["luksDump", "-q", "--dump-volume-key", "DEV"],
+            BLABLA,
+            Want::Has("MK dump:"),
+        ),
+        step(
+            &["luksHeaderBackup", "DEV", "--header-backup-file", "KF1"],
+            "",
+            Want::Ok,
+        ),
+        step(&["config", "--label", "x", "DEV"], "", Want::Code(1)),
+        step(
+            &["config", "--priority", "prefer", "-S", "0", "DEV"],
+            "",
+            Want::Code(1),
+        ),
+        step(
+            &[
+                "luksUUID",
+                "--uuid",
+                "11111111-1111-1111-1111-111111111111",
+                "DEV",
+            ],
+            "",
+            Want::Code(1),
+        ),
+        step(&["luksAddKey", "FAST", "DEV"], BLABLA_NEW, Want::Code(1)),
+        step(&["luksChangeKey", "FAST", "DEV"], BLABLA_NEW, Want::Code(1)),
+        step(&["repair", "-q", "DEV"], "", Want::Code(1)),
+        step(
+            &[
+                "luksHeaderRestore",
+                "-q",
+                "DEV",
+                "--header-backup-file",
+                "KF1",
+            ],
+            "",
+            Want::Code(1),
+        ),
+        data(&[], BLABLA, Want::Fail),
+        data(&["--readonly"], BLABLA, Want::Fail),
+        step(&["luksDump", "DEV"], "", Want::Has("req0 req1")),
+        step(&["luksKillSlot", "-q", "DEV", "0"], "", Want::Ok),
+        step(&["luksDump", "DEV"], "", Want::Lacks("0: luks2")),
+    ];
+    play_both(
+        "reqs",
+        Some(&t.path("luks2_header_requirements")),
+        0,
+        &steps,
+        &grow_to_8m,
+    );
+
+    // The same header without requirements: every one of those verbs works.
+    let free = [
+        step(&["open", "--test-passphrase", "DEV"], BLABLA, Want::Ok),
+        step(
+            &["luksHeaderBackup", "DEV", "--header-backup-file", "KF1"],
+            "",
+            Want::Ok,
+        ),
+        data(&[], BLABLA, Want::Ok),
+        step(&["config", "--label", "x", "DEV"], "", Want::Ok),
+        step(
+            &["config", "--priority", "prefer", "-S", "0", "DEV"],
+            "",
+            Want::Ok,
+        ),
+        step(
+            &[
+                "luksUUID",
+                "--uuid",
+                "11111111-1111-1111-1111-111111111111",
+                "DEV",
+            ],
+            "",
+            Want::Ok,
+        ),
+        step(&["luksAddKey", "FAST", "DEV"], BLABLA_NEW, Want::Ok),
+        step(&["luksChangeKey", "FAST", "DEV"], BLABLA_NEW, Want::Ok),
+        step(&["repair", "-q", "DEV"], "", Want::Ok),
+        step(
+            &[
+                "luksHeaderRestore",
+                "-q",
+                "DEV",
+                "--header-backup-file",
+                "KF1",
+            ],
+            "",
+            Want::Ok,
+        ),
+        data(&[], BLABLA, Want::Ok),
+    ];
+    play_both(
+        "reqs-free",
+        Some(&t.path("luks2_header_requirements_free")),
+        0,
+        &free,
+        &grow_to_8m,
+    );
+}
+
+/// The volume key api-test's LuksHeaderRestore formats with (`valid_header_file` holds it).
+const RESTORE_VK_HEX: &str = "bb21158c733229347bd4e681891e213d94c685be6a5b84818afe7a78a6de7a1a";
+
+/// api-test's LuksHeaderRestore through the CLI: the five evil headers of cryptsetup's tests
+/// (a damaged keyslot descriptor, enabled or not; material over the payload; stripes; a
+/// header too small; overlapping keyslots) are refused, on a LUKS1 volume and on one whose
+/// header was wiped, and `valid_header_file` is restored and opens with its volume key; a
+/// backup whose key size or payload offset differs from the volume's is refused.
+#[test]
+fn luks1_header_restore_refuses_every_evil_header_as_api_test_does() {
+    let Some(suite) = suite() else { return };
+    let src = TempDir::new("restore-src");
+    let names = [
+        "evil_hdr-luks_hdr_damage",
+        "evil_hdr-payload_overwrite",
+        "evil_hdr-stripes_payload_dmg",
+        "evil_hdr-small_luks_device",
+        "evil_hdr-keyslot_overlap",
+        "valid_header_file",
+    ];
+    for n in names {
+        cli_common::unxz(&suite.join(format!("{n}.xz")), &src.path(n));
+    }
+    let vk: Vec<u8> = (0..RESTORE_VK_HEX.len() / 2)
+        .map(|i| u8::from_str_radix(&RESTORE_VK_HEX[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect();
+    // Every evil header is refused by the header parser itself (dump), as cryptsetup's load.
+    for n in &names[..5] {
+        for tool in [UCRYPT, "cryptsetup"] {
+            if tool == "cryptsetup" && !have("cryptsetup") {
+                continue;
+            }
+            let o = run_in(tool, &["luksDump", cli_common::s(&src.path(n))], b"");
+            assert_ne!(
+                o.status.code(),
+                Some(0),
+                "{tool} luksDump {n}: {}",
+                text(&o)
+            );
+        }
+    }
+    let restore = |name: &'static str| {
+        [
+            "luksHeaderRestore",
+            "-q",
+            "DEV",
+            "--header-backup-file",
+            name,
+        ]
+    };
+    let evils = [
+        restore("EVIL1"),
+        restore("EVIL2"),
+        restore("EVIL3"),
+        restore("EVIL4"),
+        restore("EVIL5"),
+    ];
+    let valid_args = restore("VALID");
+    let evil = |i: usize| step(&evils[i - 1], "", Want::Fail);
+    let valid = || step(&valid_args, "", Want::Ok);
+    let format = |align: &'static str, key_bits: &'static str| {
+        [
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks1",
+            "--cipher",
+            "aes-cbc-essiv:sha256",
+            "--hash",
+            "sha512",
+            "--key-size",
+            key_bits,
+            "--align-payload",
+            align,
+            "--volume-key-file",
+            "KF0",
+            "FAST",
+            "DEV",
+            "KEY5",
+        ]
+    };
+    let f2048 = format("2048", "256");
+    let f2048_128 = format("2048", "128");
+    let f8192 = format("8192", "256");
+    let steps = [
+        step(&f2048, "", Want::Ok),
+        evil(1),
+        evil(2),
+        evil(3),
+        evil(4),
+        evil(5),
+        valid(),
+        // The volume's own header wiped: the same verdicts, and the valid header opens.
+        step(&["WIPE"], "", Want::Ok),
+        evil(1),
+        evil(2),
+        evil(3),
+        evil(4),
+        evil(5),
+        valid(),
+        step(
+            &[
+                "open",
+                "--test-passphrase",
+                "--volume-key-file",
+                "KF0",
+                "DEV",
+            ],
+            "",
+            Want::Ok,
+        ),
+        // A backup of another key size, or another payload offset, does not fit.
+        step(&f2048_128, "", Want::Ok),
+        step(
+            &[
+                "luksHeaderRestore",
+                "-q",
+                "DEV",
+                "--header-backup-file",
+                "VALID",
+            ],
+            "",
+            Want::Fail,
+        ),
+        step(&f8192, "", Want::Ok),
+        step(
+            &[
+                "luksHeaderRestore",
+                "-q",
+                "DEV",
+                "--header-backup-file",
+                "VALID",
+            ],
+            "",
+            Want::Fail,
+        ),
+    ];
+    for tool in [UCRYPT, "cryptsetup"] {
+        if tool == "cryptsetup" && !have("cryptsetup") {
+            continue;
+        }
+        let t = TempDir::new("restore");
+        // The payload (4096 sectors at 2048-sector alignment) and 5000 sectors of data.
+        t.image("DEV", 0);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(t.path("DEV"))
+            .and_then(|f| f.set_len((4096 + 5000) * 512))
+            .expect("size DEV");
+        std::fs::write(t.path("KEY5"), b"key5").expect("KEY5");
+        for (i, n) in names.iter().enumerate() {
+            let to = if i == 5 {
+                "VALID".to_string()
+            } else {
+                format!("EVIL{}", i + 1)
+            };
+            std::fs::copy(src.path(n), t.path(&to)).expect("copy header");
+        }
+        let mut miss = Vec::new();
+        for (i, s) in steps.iter().enumerate() {
+            if s.args == ["WIPE"] {
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(t.path("DEV"))
+                    .unwrap();
+                std::os::unix::fs::FileExt::write_all_at(&f, &vec![0u8; 4096 * 512], 0).unwrap();
+                continue;
+            }
+            let (kf0, key_bits) = (
+                t.path("KF0"),
+                s.args.iter().position(|a| *a == "--key-size"),
+            );
+            let bits: usize = key_bits.map_or(256, |p| s.args[p + 1].parse().unwrap());
+            std::fs::write(&kf0, &vk[..bits / 8]).expect("KF0");
+            let f = Files {
+                dev: t.path("DEV"),
+                dir: t.dir().to_path_buf(),
+            };
+            let args: Vec<String> = s
+                .args
+                .iter()
+                .flat_map(|a| match *a {
+                    "FAST" => FAST_PBKDF2.iter().map(|s| s.to_string()).collect(),
+                    "VALID" | "EVIL1" | "EVIL2" | "EVIL3" | "EVIL4" | "EVIL5" => {
+                        vec![t.path(a).display().to_string()]
+                    }
+                    a => vec![f.arg(a)],
+                })
+                .collect();
+            let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+            let o = run_in(tool, &argv, b"");
+            let ok = match s.want {
+                Want::Ok => o.status.code() == Some(0),
+                _ => o.status.code().is_some_and(|c| c != 0),
+            };
+            if !ok {
+                miss.push(format!(
+                    "step {i}: {tool} {argv:?} must {:?}: {}",
+                    s.want,
+                    text(&o)
+                ));
+            }
+        }
+        if tool == "cryptsetup" {
+            assert!(
+                miss.is_empty(),
+                "the harness: cryptsetup fails api-test's cases: {miss:#?}"
+            );
+        }
+        assert!(miss.is_empty(), "{miss:#?}");
+    }
+}
+
+/// api-test's "do not restore header over plain device": a device served in plain mode (a raw
+/// dm-crypt mapping, here `ucrypt serve --cipher`) takes no LUKS header restore while it is
+/// served (exit 5, busy), and takes the valid header once it is not.
+#[test]
+fn no_header_restore_over_a_served_plain_device() {
+    let Some(suite) = suite() else { return };
+    let t = TempDir::new("restore-plain");
+    let valid = t.path("valid_header_file");
+    cli_common::unxz(&suite.join("valid_header_file.xz"), &valid);
+    let dev = t.image("DEV", 8);
+    let key: Vec<u8> = (0..RESTORE_VK_HEX.len() / 2)
+        .map(|i| u8::from_str_radix(&RESTORE_VK_HEX[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect();
+    let kf = t.file("KF0", &key);
+    let sock = t.path("plain.sock");
+    let listen = format!("unix:{}", sock.display());
+    let mut serve = std::process::Command::new(UCRYPT)
+        .args([
+            "serve",
+            cli_common::s(&dev),
+            "--cipher",
+            "aes-cbc-essiv:sha256",
+        ])
+        .args(["--volume-key-file", cli_common::s(&kf), "--nbd", &listen])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("serve");
+    let t0 = std::time::Instant::now();
+    while !sock.exists() {
+        assert!(t0.elapsed().as_secs() < 60, "serve did not listen");
+        assert!(
+            serve.try_wait().expect("wait").is_none(),
+            "serve exited early"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let restore = [
+        "luksHeaderRestore",
+        "-q",
+        cli_common::s(&dev),
+        "--header-backup-file",
+    ];
+    let mut args = restore.to_vec();
+    args.push(cli_common::s(&valid));
+    let o = run_in(UCRYPT, &args, b"");
+    let _ = serve.kill();
+    let _ = serve.wait();
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "restore over a served plain device: {}",
+        text(&o)
+    );
+    assert_ne!(
+        run_in(UCRYPT, &["isLuks", cli_common::s(&dev)], b"")
+            .status
+            .code(),
+        Some(0),
+        "the refused restore wrote a header"
+    );
+    let o = run_in(UCRYPT, &args, b"");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "restore once the device is free: {}",
+        text(&o)
+    );
 }

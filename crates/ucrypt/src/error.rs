@@ -55,6 +55,12 @@ pub enum Error {
     #[error("No usable keyslot is available.")]
     NoUsableKeyslot,
 
+    /// The LUKS2 header names mandatory requirements ucrypt does not implement: it may be
+    /// read (dump, header backup, a passphrase test) but neither written nor activated
+    /// (cryptsetup's words, exit 1).
+    #[error("Unmet LUKS2 requirements detected. (unknown to ucrypt: {})", .0.join(", "))]
+    UnmetRequirements(Vec<String>),
+
     /// The header carries an unfinished reencryption (cryptsetup's words for a verb that
     /// cannot run on it).
     #[error("Operation incompatible with device marked for LUKS2 reencryption. Aborting.")]
@@ -148,6 +154,7 @@ impl Error {
             | Error::ReadOnly(_)
             | Error::InReencryption
             | Error::NeedsRecovery => ErrorKind::BadInput,
+            Error::UnmetRequirements(_) => ErrorKind::BadData,
             Error::WrongPassphrase => ErrorKind::WrongKey,
             // No keyslot left to try: the header cannot be opened by any passphrase
             // (cryptsetup exits 1 here, not 2).

@@ -72,8 +72,12 @@ pub struct LuksOpts {
     #[arg(long)]
     pub header: Option<PathBuf>,
     /// Data offset in 512-byte sectors.
-    #[arg(long, short = 'o')]
+    #[arg(long, short = 'o', conflicts_with = "align_payload")]
     pub offset: Option<u64>,
+    /// format: align the data offset to this many 512-byte sectors (with a detached
+    /// --header: the data offset itself), as cryptsetup's option does.
+    #[arg(long, value_name = "SECTORS")]
+    pub align_payload: Option<u64>,
     /// Passphrase from this file ("-" = stdin).
     #[arg(long, short = 'd')]
     pub key_file: Option<String>,
@@ -607,6 +611,11 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     // librbd's encryption aligns the data offset to the image's object size: so does format
     // on an rbd: volume, to produce what librbd's own format would.
     let align = match device.object_bytes(&o.remote)? {
+        _ if o.align_payload.is_some_and(|a| a > 0) => o
+            .align_payload
+            .unwrap_or(0)
+            .checked_mul(512)
+            .ok_or_else(|| Error::InvalidArgument("--align-payload is too large".into()))?,
         Some(obj) if o.offset.is_none() && !detached => {
             let align = obj.max(CRYPTSETUP_ALIGN_BYTES);
             eprintln!(
@@ -874,7 +883,8 @@ fn format_luks2(
     let metadata_end = 2 * f.hdr_size + f.keyslots_size;
     f.data_offset = match (o.offset, detached) {
         (Some(s), _) => s * 512,
-        (None, true) => 0,
+        // With a detached header --align-payload is the data offset, as in cryptsetup.
+        (None, true) => o.align_payload.unwrap_or(0) * 512,
         (None, false) => metadata_end.div_ceil(align) * align,
     };
     if !detached && f.data_offset < metadata_end {
@@ -929,11 +939,14 @@ fn format_luks1(
         (Some(s), _) => {
             Some(u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?)
         }
-        (None, true) => Some(0),
+        (None, true) => Some(
+            u32::try_from(n.o.align_payload.unwrap_or(0))
+                .map_err(|_| Error::InvalidArgument("--align-payload is too large".into()))?,
+        ),
         (None, false) => {
             let align = u32::try_from(n.align / 512)
                 .map_err(|_| Error::InvalidArgument("alignment too large".into()))?;
-            Some(luks1::default_payload_sectors(n.key_bytes).div_ceil(align) * align)
+            Some(luks1::keyslots_end_sectors(n.key_bytes).div_ceil(align) * align)
         }
     };
     let (mut hdr, vk) = luks1::format(n.cipher, n.kdf.hash, n.uuid, vk_secret, n.kdf, payload)?;
@@ -1143,7 +1156,6 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
 
 fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
-    hdr.check_requirements()?;
     let (slot, _) = unlock_with(
         &dev,
         &hdr,
@@ -1205,7 +1217,6 @@ fn change_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Resu
 
 fn kill_slot(device: &Target, slot: u32, key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
-    hdr.check_requirements()?;
     if !hdr.active_keyslots().contains(&slot) {
         return Err(Error::Keyslot {
             slot,
@@ -1266,19 +1277,32 @@ fn header_restore(device: &Target, o: &LuksOpts) -> Result<i32> {
             "Backup file doesn't contain valid LUKS header ({e})."
         ))
     })?;
-    bhdr.check_requirements()?;
+    // A backup in reencryption may be restored (its reencryption then resumes); one with
+    // requirements ucrypt does not know may not (cryptsetup's rule and words).
+    if bhdr.check_known_requirements().is_err() {
+        return Err(Error::InvalidArgument(format!(
+            "Forbidden LUKS2 requirements detected in backup {}.",
+            file.display()
+        )));
+    }
     let len = bhdr.metadata_area_bytes();
     let bytes = luks::read_area(backup.as_ref(), 0, len)?;
     let target = header_name(device, o);
     let dev = header_dev(device, o, true)?;
     let existing = luks::read_header(dev.as_ref()).ok();
     if let Some(cur) = &existing {
+        // LUKS1 also compares the key size (cryptsetup's LUKS_hdr_restore).
+        let key_size_differs = matches!((cur, &bhdr), (Header::Luks1(c), Header::Luks1(b))
+            if c.key_bytes != b.key_bytes);
         if cur.metadata_area_bytes() != len
+            || key_size_differs
             || cur.data_layout().ok().map(|l| l.offset_bytes)
                 != bhdr.data_layout().ok().map(|l| l.offset_bytes)
         {
             return Err(Error::InvalidArgument(
-                "Data offset or header size differ on device and backup, restore failed.".into(),
+                "Data offset, key size or header size differ on device and backup, restore \
+                 failed."
+                    .into(),
             ));
         }
     }
@@ -1369,8 +1393,15 @@ fn is_luks(device: &Target, o: &LuksOpts) -> Result<i32> {
 /// named keyslot (`--key-slot`) or `--unbound` lets an unbound keyslot answer too; without
 /// either only the keyslots of the data segment's key are tried.
 fn test_passphrase(device: &Target, o: &LuksOpts) -> Result<i32> {
+    // Unmet requirements do not stop a passphrase test (cryptsetup's rule): the keyslots
+    // answer, the volume is not activated.
     let (dev, hdr) = load(device, o, false)?;
-    hdr.check_requirements_for_unlock()?;
+    if let Some(p) = &o.volume_key_file {
+        // A volume key is checked against the data segment's digest.
+        let key = read_volume_key_file(p, hdr.volume_key_bytes())?;
+        luks::unlock_key(dev.as_ref(), &hdr, Unlock::VolumeKey(key), None)?;
+        return Ok(0);
+    }
     if in_reencryption(&hdr) && o.key_slot.is_some() {
         // cryptsetup 2.6 refuses a passphrase test on one named keyslot of a header in
         // reencryption ("wrong or missing parameters", exit 1; measured).
@@ -1508,6 +1539,9 @@ fn config(device: &Target, o: &LuksOpts) -> Result<i32> {
 
 fn repair(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
+    // cryptsetup's repair refuses a header with requirements it does not know, repaired or
+    // not.
+    hdr.check_known_requirements()?;
     let in_reencryption = matches!(&hdr, Header::Luks2(h)
         if luks::reencrypt::ReencryptState::from_metadata(&h.meta).ok().flatten().is_some());
     if in_reencryption {

@@ -1735,7 +1735,7 @@ pub fn open_luks2_mode(
             ),
         });
     }
-    let read_only = read_only || !hdr.unmet_requirements().is_empty();
+    hdr.check_requirements()?;
     IntegrityVolume::with_write_mode(
         backend,
         start,

@@ -49,8 +49,8 @@ pub struct OpenOptions {
     /// Try only this keyslot with a passphrase (cryptsetup's `--key-slot`); ignored with a
     /// volume key, which is checked against the data segment's digest.
     pub key_slot: Option<u32>,
-    /// Serve reads only. Without it a header with unmet mandatory requirements is refused;
-    /// with it such a volume opens read-only (as [`volume_config`] makes it anyway).
+    /// Serve reads only. (A header with requirements ucrypt does not know is refused either
+    /// way, as cryptsetup refuses to activate it.)
     pub read_only: bool,
     /// Pass discards down to the backend even without the header's `allow-discards` flag
     /// (cryptsetup's `--allow-discards`); the flag alone also enables them.
@@ -206,7 +206,7 @@ pub fn unlock_key_for(
 }
 
 /// Opens the LUKS volume on `data` (header on `data` or on `opts.header`) as a [`Volume`]:
-/// reads the header, refuses unmet mandatory requirements unless read-only, unlocks, and
+/// reads the header, refuses unmet mandatory requirements, unlocks, and
 /// builds the volume with `opts` applied over what the header says. `data` must be writable
 /// unless `opts.read_only`. Prints nothing: to show the header's warnings (a damaged copy),
 /// call [`read_header`] and then [`open_parsed`].
@@ -227,10 +227,10 @@ pub fn open_parsed(
         Some(h) => h.as_ref(),
         None => data.as_ref(),
     };
+    // A requirement ucrypt does not know: no activation, not even read-only.
+    hdr.check_known_requirements()?;
     if let Header::Luks2(h) = hdr {
-        if super::reencrypt::ReencryptState::from_metadata(&h.meta)?.is_some()
-            && hdr.check_requirements_for_unlock().is_ok()
-        {
+        if super::reencrypt::ReencryptState::from_metadata(&h.meta)?.is_some() {
             // In reencryption: served as two segments (as cryptsetup activates such a volume).
             let Unlock::Passphrase(p) = unlock else {
                 return Err(Error::UnsupportedLuks(
@@ -242,9 +242,7 @@ pub fn open_parsed(
             return super::reencrypt_online::open(data, hdr, p.as_ref(), opts);
         }
     }
-    if !opts.read_only {
-        hdr.check_requirements()?;
-    }
+    hdr.check_requirements()?;
     let (_, vk) = unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
     let mut cfg = volume_config(hdr, &vk)?;
     drop(vk);
@@ -830,7 +828,7 @@ mod tests {
     }
 
     #[test]
-    fn unmet_requirement_is_refused_unless_read_only() {
+    fn unmet_requirement_is_refused_even_read_only() {
         let data: Arc<dyn Backend> = Arc::new(MemBackend::new(4 * MIB));
         format_luks2(data.as_ref(), DATA_OFFSET);
         let Header::Luks2(mut h) = read_header(data.as_ref()).expect("header") else {
@@ -841,18 +839,20 @@ mod tests {
             extra: Default::default(),
         });
         apply(data.as_ref(), &h.commit().expect("commit")).expect("apply");
-        assert!(matches!(
-            open(data.clone(), pass("pass0"), &OpenOptions::default()),
-            Err(Error::ReadOnly(_))
-        ));
         let ro = OpenOptions {
             read_only: true,
             ..OpenOptions::default()
         };
-        let v = open(data.clone(), pass("pass0"), &ro).expect("read-only open");
-        assert!(v.read_only());
-        assert!(matches!(v.write_at(&[0; 4096], 0), Err(Error::ReadOnly(_))));
-        v.read_at(&mut [0; 4096], 0).expect("reads still work");
+        for opts in [OpenOptions::default(), ro] {
+            assert!(matches!(
+                open(data.clone(), pass("pass0"), &opts),
+                Err(Error::UnmetRequirements(r)) if r == ["future-feature"]
+            ));
+        }
+        // The keyslots still answer (a passphrase test), as cryptsetup's do.
+        let hdr = read_header(data.as_ref()).expect("header");
+        let (slot, _) = unlock_key(data.as_ref(), &hdr, pass("pass0"), None).expect("unlock");
+        assert_eq!(slot, Some(0));
     }
 
     #[test]

@@ -12,9 +12,10 @@ use super::luks1::{Luks1Header, Luks1Slot};
 use super::util::b64_decode;
 use super::{Header, Luks2Header, VolumeKey};
 
+/// Bytes as hex, 16 a line with `indent` before each further line; `indent` empty: one line.
 fn hex_block(out: &mut String, bytes: &[u8], indent: &str) {
     for (i, b) in bytes.iter().enumerate() {
-        if i > 0 && i % 16 == 0 {
+        if i > 0 && i % 16 == 0 && !indent.is_empty() {
             out.push('\n');
             out.push_str(indent);
         }
@@ -103,8 +104,9 @@ fn luks1_phdr(o: &mut String, h: &Luks1Header, device: &str) -> fmt::Result {
     writeln!(o, "Hash spec:     \t{}", h.hash_spec)?;
     writeln!(o, "Payload offset:\t{}", h.payload_offset)?;
     writeln!(o, "MK bits:       \t{}", h.key_bytes * 8)?;
+    // The digest on one line, the salt wrapped at 16 bytes, as cryptsetup prints them.
     o.push_str("MK digest:     \t");
-    hex_block(o, &h.mk_digest, "               \t");
+    hex_block(o, &h.mk_digest, "");
     o.push_str("MK salt:       \t");
     hex_block(o, &h.mk_digest_salt, "               \t");
     writeln!(o, "MK iterations: \t{}", h.mk_digest_iterations)?;

@@ -43,9 +43,6 @@ pub struct Luks1Header {
     pub mk_digest_iterations: u32,
     pub uuid: String,
     pub slots: [Luks1Slot; KEYSLOTS],
-    /// Parsed forms of the strings above.
-    pub cipher: CipherSpec,
-    pub hash: HashAlg,
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
@@ -85,16 +82,14 @@ impl Luks1Header {
         let key_bytes = be32(b, 108);
         let mk_digest_iterations = be32(b, 164);
         let uuid = c_string(&b[168..208], "uuid")?;
-        let hash = HashAlg::from_name(&hash_spec)
-            .map_err(|_| bad("hash_spec", format!("unsupported hash '{hash_spec}'")))?;
+        // The cipher and hash are parsed where they are used (unlock, the data): a header
+        // whose cipher ucrypt cannot run still dumps, as cryptsetup's does.
         let spec_text = format!("{cipher_name}-{cipher_mode}");
-        let cipher: CipherSpec = spec_text
-            .parse()
-            .map_err(|_| bad("cipher", format!("unsupported cipher '{spec_text}'")))?;
-        if key_bytes == 0
-            || key_bytes as usize > KEY_BYTES_MAX
-            || cipher.check_key_len(key_bytes as usize).is_err()
-        {
+        let key_len_ok = match spec_text.parse::<CipherSpec>() {
+            Ok(cipher) => cipher.check_key_len(key_bytes as usize).is_ok(),
+            Err(_) => true,
+        };
+        if key_bytes == 0 || key_bytes as usize > KEY_BYTES_MAX || !key_len_ok {
             return Err(bad(
                 "key_bytes",
                 format!("{key_bytes} bytes for {spec_text}"),
@@ -103,7 +98,6 @@ impl Luks1Header {
         if mk_digest_iterations == 0 {
             return Err(bad("mk_digest_iterations", "0"));
         }
-        let material_sectors = super::json::af_area_bytes(key_bytes as usize, AF_STRIPES) / 512;
         let mut slots = Vec::with_capacity(KEYSLOTS);
         for i in 0..KEYSLOTS {
             let o = 208 + i * 48;
@@ -125,51 +119,12 @@ impl Luks1Header {
                 key_material_offset: be32(b, o + 40),
                 stripes: be32(b, o + 44),
             };
-            // Bounds that protect a reader: material after the phdr, before the payload (when
-            // the payload is on this device), and the standard stripe count.
-            if slot.active {
-                if slot.stripes != AF_STRIPES {
-                    return Err(bad(
-                        "stripes",
-                        format!(
-                            "keyslot {i} has {} stripes (must be {AF_STRIPES})",
-                            slot.stripes
-                        ),
-                    ));
-                }
-                if slot.iterations == 0 {
-                    return Err(bad("iterations", format!("keyslot {i} has 0 iterations")));
-                }
-            }
-            if slot.active || slot.key_material_offset != 0 {
-                let start = u64::from(slot.key_material_offset);
-                let end = start + material_sectors;
-                if start == 0 || (payload_offset != 0 && end > u64::from(payload_offset)) {
-                    return Err(bad(
-                        "keyslot-area",
-                        format!(
-                            "keyslot {i} material [{start}, {end}) sectors overlaps the header or the payload at {payload_offset}"
-                        ),
-                    ));
-                }
+            if slot.active && slot.iterations == 0 {
+                return Err(bad("iterations", format!("keyslot {i} has 0 iterations")));
             }
             slots.push(slot);
         }
-        // Active keyslot areas must not overlap each other.
-        for i in 0..KEYSLOTS {
-            for j in 0..KEYSLOTS {
-                let (a, c) = (&slots[i], &slots[j]);
-                if i != j
-                    && a.active
-                    && c.active
-                    && a.key_material_offset >= c.key_material_offset
-                    && u64::from(a.key_material_offset)
-                        < u64::from(c.key_material_offset) + material_sectors
-                {
-                    return Err(bad("keyslot-area", format!("keyslots {i} and {j} overlap")));
-                }
-            }
-        }
+        check_keyslot_areas(&slots, key_bytes, payload_offset)?;
         let slots: [Luks1Slot; KEYSLOTS] =
             slots.try_into().map_err(|_| Error::Bug("eight keyslots"))?;
         Ok(Luks1Header {
@@ -183,9 +138,19 @@ impl Luks1Header {
             mk_digest_iterations,
             uuid,
             slots,
-            cipher,
-            hash,
         })
+    }
+
+    /// The data (and keyslot area) cipher: [`Error::UnsupportedCipher`] for one ucrypt cannot
+    /// run, which only what uses it reports.
+    pub fn cipher(&self) -> Result<CipherSpec> {
+        format!("{}-{}", self.cipher_name, self.cipher_mode).parse()
+    }
+
+    /// The hash of the keyslots' PBKDF2, the AF and the digest, where it is used.
+    pub fn hash(&self) -> Result<HashAlg> {
+        HashAlg::from_name(&self.hash_spec)
+            .map_err(|_| Error::UnsupportedLuks(format!("LUKS1 hash '{}'", self.hash_spec)))
     }
 
     pub fn encode(&self) -> Result<Vec<u8>> {
@@ -216,20 +181,21 @@ impl Luks1Header {
         super::json::af_area_bytes(self.key_bytes as usize, AF_STRIPES)
     }
 
-    pub fn slot_crypto(&self, i: usize) -> SlotCrypto {
+    pub fn slot_crypto(&self, i: usize) -> Result<SlotCrypto> {
         let s = &self.slots[i];
-        SlotCrypto {
+        let hash = self.hash()?;
+        Ok(SlotCrypto {
             key_bytes: self.key_bytes as usize,
-            area_cipher: self.cipher,
+            area_cipher: self.cipher()?,
             area_key_bytes: self.key_bytes as usize,
             kdf: Kdf::Pbkdf2 {
-                hash: self.hash,
+                hash,
                 iterations: s.iterations,
                 salt: s.salt.to_vec(),
             },
-            af_hash: self.hash,
+            af_hash: hash,
             stripes: s.stripes,
-        }
+        })
     }
 
     /// Active slots to try (all, or the one asked for).
@@ -248,7 +214,7 @@ impl Luks1Header {
 
     pub fn verify_key(&self, candidate: SecretBytes) -> Result<VolumeKey> {
         let mut got = [0u8; DIGEST_BYTES];
-        self.hash.pbkdf2(
+        self.hash()?.pbkdf2(
             candidate.as_ref(),
             &self.mk_digest_salt,
             self.mk_digest_iterations,
@@ -285,7 +251,7 @@ impl Luks1Header {
         };
         let req = KdfRequest {
             kind: "pbkdf2".into(),
-            hash: self.hash,
+            hash: self.hash()?,
             ..new.kdf.clone()
         };
         let Kdf::Pbkdf2 {
@@ -299,7 +265,7 @@ impl Luks1Header {
         s.iterations = iterations;
         s.salt.copy_from_slice(&salt);
         s.stripes = AF_STRIPES;
-        let material = self.slot_crypto(i).seal(new.passphrase, new.vk.bytes())?;
+        let material = self.slot_crypto(i)?.seal(new.passphrase, new.vk.bytes())?;
         let offset = u64::from(self.slots[i].key_material_offset) * 512;
         Ok((
             i as u32,
@@ -347,6 +313,60 @@ impl Luks1Header {
     }
 }
 
+/// cryptsetup's check of the keyslot descriptors, enabled or not (a disabled one is where
+/// the next passphrase's material goes): 4000 stripes, material after the phdr and wholly
+/// before the payload (when the payload is on this device), and no two areas overlapping.
+/// Any failure is "LUKS keyslot N is invalid." naming the keyslot cryptsetup names.
+fn check_keyslot_areas(slots: &[Luks1Slot], key_bytes: u32, payload_offset: u32) -> Result<()> {
+    let material_sectors = super::json::af_area_bytes(key_bytes as usize, AF_STRIPES) / 512;
+    let invalid =
+        |check, i: usize, why: String| bad(check, format!("LUKS keyslot {i} is invalid ({why})."));
+    for (i, s) in slots.iter().enumerate() {
+        if s.stripes != AF_STRIPES {
+            return Err(invalid(
+                "stripes",
+                i,
+                format!("{} stripes, must be {AF_STRIPES}", s.stripes),
+            ));
+        }
+        let start = u64::from(s.key_material_offset);
+        let end = start + material_sectors;
+        if start * 512 < PHDR_BYTES as u64 {
+            return Err(invalid(
+                "keyslot-area",
+                i,
+                format!("its material at sector {start} overlaps the header"),
+            ));
+        }
+        if payload_offset != 0 && end > u64::from(payload_offset) {
+            return Err(invalid(
+                "keyslot-area",
+                i,
+                format!(
+                    "its material [{start}, {end}) sectors reaches past the payload at {payload_offset}"
+                ),
+            ));
+        }
+    }
+    // By material offset (a stable sort, as cryptsetup's): each area ends before the next
+    // begins; cryptsetup names the earlier one.
+    let mut order: Vec<usize> = (0..slots.len()).collect();
+    order.sort_by_key(|&i| slots[i].key_material_offset);
+    for w in order.windows(2) {
+        let (prev, next) = (w[0], w[1]);
+        if u64::from(slots[next].key_material_offset)
+            < u64::from(slots[prev].key_material_offset) + material_sectors
+        {
+            return Err(invalid(
+                "keyslot-area",
+                prev,
+                format!("its material overlaps keyslot {next}'s"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Keyslot material stride and the end of the keyslot areas, in 512-byte sectors, for a
 /// volume key of `key_bytes` (cryptsetup's layout: areas aligned to 4 KiB).
 fn keyslot_layout(key_bytes: usize) -> (u32, u32) {
@@ -359,7 +379,13 @@ fn keyslot_layout(key_bytes: usize) -> (u32, u32) {
 /// Where cryptsetup puts the payload by default: after the keyslots, aligned to 1 MiB (2048
 /// sectors; 4096 for a 512-bit key).
 pub fn default_payload_sectors(key_bytes: usize) -> u32 {
-    keyslot_layout(key_bytes).1.div_ceil(2048) * 2048
+    keyslots_end_sectors(key_bytes).div_ceil(2048) * 2048
+}
+
+/// Where the keyslot areas of a new header end, in 512-byte sectors: the payload goes at or
+/// after this, aligned as asked.
+pub fn keyslots_end_sectors(key_bytes: usize) -> u32 {
+    keyslot_layout(key_bytes).1
 }
 
 /// Creates a LUKS1 header (cryptsetup's layout: slots 4096-aligned from sector 8, payload
@@ -417,8 +443,6 @@ pub fn format(
         mk_digest_iterations,
         uuid,
         slots,
-        cipher,
-        hash,
     };
     // Round trip through the parser: what we write is what a reader accepts.
     let check = Luks1Header::parse(&hdr.encode()?)?;

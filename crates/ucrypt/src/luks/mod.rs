@@ -299,8 +299,9 @@ impl Header {
         }
     }
 
-    /// Mandatory requirements this implementation does not meet: the volume may be dumped but
-    /// must not be activated or modified.
+    /// Mandatory requirements this implementation does not meet (an unfinished
+    /// reencryption's among them): the header may be read, its keyslots unlocked, but the
+    /// volume is neither activated nor its header written until they are met.
     pub fn unmet_requirements(&self) -> Vec<String> {
         match self {
             Header::Luks1(_) => vec![],
@@ -308,38 +309,37 @@ impl Header {
         }
     }
 
-    /// Refuses activation/modification when requirements are unmet.
+    /// The unmet requirements other than an unfinished reencryption's (which ucrypt
+    /// implements: the volume opens as two segments, the reencryption resumes).
+    pub fn unknown_requirements(&self) -> Vec<String> {
+        self.unmet_requirements()
+            .into_iter()
+            .filter(|r| !reencrypt::is_reencrypt_requirement(r))
+            .collect()
+    }
+
+    /// Refuses activation and every header write when requirements are unmet, as cryptsetup
+    /// does (api-test-2's Luks2Requirements): an unknown requirement is
+    /// [`Error::UnmetRequirements`], an unfinished reencryption [`Error::InReencryption`]
+    /// (verbs that can continue it call [`Self::check_known_requirements`] instead).
     pub fn check_requirements(&self) -> Result<()> {
-        let r = self.unmet_requirements();
-        if r.is_empty() {
+        self.check_known_requirements()?;
+        if self.unmet_requirements().is_empty() {
             Ok(())
-        } else if r.iter().all(|r| reencrypt::is_reencrypt_requirement(r)) {
+        } else {
             // An unfinished reencryption: cryptsetup's words (exit code 1).
             Err(Error::InReencryption)
-        } else {
-            Err(Error::ReadOnly(format!(
-                "the LUKS2 header has unmet mandatory requirements ({}); refusing to activate or modify it",
-                r.join(", ")
-            )))
         }
     }
 
-    /// [`Self::check_requirements`] for a passphrase check only (`open --test-passphrase`):
-    /// cryptsetup unlocks a header in reencryption (its keyslots stay usable), so the
-    /// reencryption requirements do not stop it; any other unmet requirement does.
-    pub fn check_requirements_for_unlock(&self) -> Result<()> {
-        let r: Vec<String> = self
-            .unmet_requirements()
-            .into_iter()
-            .filter(|r| !reencrypt::is_reencrypt_requirement(r))
-            .collect();
-        if r.is_empty() {
+    /// Refuses a header with requirements ucrypt does not know ([`Error::UnmetRequirements`]);
+    /// an unfinished reencryption passes (opening such a volume, resuming, repairing it).
+    pub fn check_known_requirements(&self) -> Result<()> {
+        let unknown = self.unknown_requirements();
+        if unknown.is_empty() {
             Ok(())
         } else {
-            Err(Error::ReadOnly(format!(
-                "the LUKS2 header has unmet mandatory requirements ({}); refusing to unlock it",
-                r.join(", ")
-            )))
+            Err(Error::UnmetRequirements(unknown))
         }
     }
 
@@ -348,7 +348,7 @@ impl Header {
             Header::Luks1(h) => Ok(DataLayout {
                 offset_bytes: u64::from(h.payload_offset) * 512,
                 size_bytes: None,
-                cipher: h.cipher,
+                cipher: h.cipher()?,
                 sector_size: SectorSize::new(512)?,
                 iv_tweak: 0,
             }),
@@ -405,6 +405,16 @@ impl Header {
         }
     }
 
+    /// The volume key's size in bytes, as the header says it (cryptsetup's
+    /// `crypt_get_volume_key_size`): LUKS1's key_bytes; LUKS2's first keyslot of the data
+    /// segment's key. `None` for a LUKS2 header without such a keyslot.
+    pub fn volume_key_bytes(&self) -> Option<usize> {
+        match self {
+            Header::Luks1(h) => Some(h.key_bytes as usize),
+            Header::Luks2(h) => h.volume_key_bytes(),
+        }
+    }
+
     /// Keyslot ids in use (LUKS2: all types; LUKS1: active).
     pub fn active_keyslots(&self) -> Vec<u32> {
         match self {
@@ -424,8 +434,17 @@ impl Header {
         }
     }
 
+    /// Removes a keyslot. Unlike the other header writes this one is allowed under
+    /// requirements ucrypt does not know, as cryptsetup's `luksKillSlot` and `luksRemoveKey`
+    /// allow it; not during a reencryption.
     pub fn remove_keyslot(&mut self, slot: u32) -> Result<Vec<WriteOp>> {
-        self.check_requirements()?;
+        if self
+            .unmet_requirements()
+            .iter()
+            .any(|r| reencrypt::is_reencrypt_requirement(r))
+        {
+            return Err(Error::InReencryption);
+        }
         match self {
             Header::Luks1(h) => h.remove_keyslot(slot),
             Header::Luks2(h) => h.remove_keyslot(slot),
@@ -518,7 +537,7 @@ fn try_keyslots(
             }
             for i in order {
                 let off = u64::from(h.slots[i].key_material_offset) * 512;
-                let crypto = h.slot_crypto(i);
+                let crypto = h.slot_crypto(i)?;
                 let material = read(off, crypto.material_bytes() as u64)?;
                 match crypto
                     .open(passphrase, &material)
@@ -564,6 +583,9 @@ fn try_keyslots(
 /// the volume's input type. Policy, pool and read-only are the caller's choice afterwards.
 pub fn volume_config(hdr: &Header, vk: &VolumeKey) -> Result<crate::volume::VolumeConfig> {
     vk.require_bound()?;
+    // A requirement ucrypt does not know may change what the data means: no activation, not
+    // even read-only (cryptsetup's rule).
+    hdr.check_known_requirements()?;
     let l = hdr.data_layout()?;
     let geometry = crate::sector::Geometry {
         sector_size: l.sector_size,
@@ -575,8 +597,6 @@ pub fn volume_config(hdr: &Header, vk: &VolumeKey) -> Result<crate::volume::Volu
         crate::volume::VolumeConfig::new(l.cipher, SecretBytes::from_slice(vk.bytes()), geometry);
     cfg.data_offset_bytes = l.offset_bytes;
     cfg.size_bytes = l.size_bytes;
-    // Unknown mandatory requirements: never writable.
-    cfg.read_only = !hdr.unmet_requirements().is_empty();
     // Persistent activation flags. Discards leak which blocks are in use, so like dm-crypt they
     // reach the backend only with allow-discards. The workqueue and CPU flags ask for what
     // ucrypt's default inline policy already does (crypto on the submitting thread).

@@ -376,16 +376,22 @@ impl Luks2Header {
         if authenticated || seg.cipher == CipherSpec::NULL {
             return Ok(fallback);
         }
-        let key_bytes = self
-            .meta
+        Ok(self
+            .volume_key_bytes()
+            .map_or(fallback, |n| (seg.cipher, n)))
+    }
+
+    /// The volume key's size: the key size of the first keyslot of the data segment's
+    /// digest (cryptsetup's rule), if there is one.
+    pub fn volume_key_bytes(&self) -> Option<usize> {
+        self.meta
             .digests
             .values()
             .find(|d| !d.segments.is_empty())
             .and_then(|d| d.keyslots.first())
             .and_then(|id| self.meta.keyslots.get(id))
             .map(|k| k.key_size as usize)
-            .filter(|&n| n > 0);
-        Ok(key_bytes.map_or(fallback, |n| (seg.cipher, n)))
+            .filter(|&n| n > 0)
     }
 
     /// Removes keyslot `id`: header first, then the area is overwritten with random bytes.
