@@ -811,3 +811,114 @@ fn no_header_restore_over_a_served_plain_device() {
         text(&o)
     );
 }
+
+/// luks1-compat-test's images (serpent, twofish, aes-lrw, essiv:wp256 and aes volumes, sha1,
+/// sha256 and whirlpool): the header-only verbs need no data cipher, so `isLuks` and
+/// `luksDump` answer for every one, and the dump is cryptsetup's text byte for byte; unlocking
+/// one whose cipher ucrypt cannot run says so ("unsupported cipher"), not "bad header".
+#[test]
+fn luks1_images_dump_without_their_cipher() {
+    let Some(suite) = suite() else { return };
+    let t = TempDir::new("luks1-images");
+    cli_common::untar(&suite.join("luks1-images.tar.xz"), t.dir());
+    let dir = t.path("luks1-images");
+    let mut images: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("images")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "img"))
+        .collect();
+    images.sort();
+    assert_eq!(images.len(), 12, "luks1-images.tar.xz holds 12 volumes");
+    let mut miss = Vec::new();
+    for img in &images {
+        let i = cli_common::s(img);
+        for verb in ["isLuks", "luksDump"] {
+            let o = run_in(UCRYPT, &[verb, i], b"");
+            if o.status.code() != Some(0) {
+                miss.push(format!("{verb} {i}: {}", text(&o)));
+            }
+        }
+        if have("cryptsetup") {
+            let ours = run_in(UCRYPT, &["luksDump", i], b"");
+            let theirs = run_in("cryptsetup", &["luksDump", i], b"");
+            if ours.stdout != theirs.stdout {
+                miss.push(format!(
+                    "luksDump {i} differs from cryptsetup's:\n{}\n---\n{}",
+                    String::from_utf8_lossy(&ours.stdout),
+                    String::from_utf8_lossy(&theirs.stdout)
+                ));
+            }
+        }
+        let kf = dir.join("keyfile1");
+        let o = run_in(
+            UCRYPT,
+            &[
+                "open",
+                "--test-passphrase",
+                "--key-file",
+                cli_common::s(&kf),
+                i,
+            ],
+            b"",
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        if o.status.code() != Some(0) && !err.contains("unsupported cipher") {
+            miss.push(format!("open --test-passphrase {i}: {}", text(&o)));
+        }
+        if err.contains("LUKS header check") {
+            miss.push(format!(
+                "open --test-passphrase {i} calls the header bad: {}",
+                text(&o)
+            ));
+        }
+    }
+    assert!(miss.is_empty(), "{miss:#?}");
+}
+
+/// compat-test2 "[29] Repair metadata": `blkid-luks2-pv.img` holds a LUKS2 secondary header
+/// and, where the primary was, an LVM2 physical volume's label. Neither tool recovers the
+/// header on its own (isLuks, luksDump refuse: ambiguous signatures); `repair` does, and then
+/// it is LUKS2.
+#[test]
+fn ambiguous_signatures_refused_until_repair() {
+    let Some(suite) = suite() else { return };
+    let t = TempDir::new("pv-src");
+    let img = t.path("blkid-luks2-pv.img");
+    cli_common::unxz(&suite.join("blkid-luks2-pv.img.xz"), &img);
+    let steps = [
+        step(&["isLuks", "--disable-locks", "DEV"], "", Want::Fail),
+        step(&["isLuks", "DEV"], "", Want::Fail),
+        step(
+            &["isLuks", "--disable-locks", "--type", "luks2", "DEV"],
+            "",
+            Want::Fail,
+        ),
+        step(&["isLuks", "--type", "luks2", "DEV"], "", Want::Fail),
+        step(&["luksDump", "DEV"], "", Want::Code(1)),
+        step(&["repair", "-q", "DEV"], "", Want::Ok),
+        step(&["isLuks", "DEV"], "", Want::Ok),
+        step(&["isLuks", "--type", "luks2", "DEV"], "", Want::Ok),
+        step(&["isLuks", "--type", "luks1", "DEV"], "", Want::Fail),
+        step(&["luksDump", "DEV"], "", Want::Has("Version:       \t2")),
+    ];
+    play_both("pv", Some(&img), 0, &steps, &|_| {});
+    // What ucrypt repaired, cryptsetup reads (and the other way round is the run above).
+    if have("cryptsetup") {
+        let t2 = TempDir::new("pv-cross");
+        let dev = t2.path("DEV");
+        std::fs::copy(&img, &dev).expect("copy");
+        assert_eq!(
+            run_in(UCRYPT, &["repair", "-q", cli_common::s(&dev)], b"")
+                .status
+                .code(),
+            Some(0)
+        );
+        let o = run_in("cryptsetup", &["luksDump", cli_common::s(&dev)], b"");
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "cryptsetup reads ucrypt's repair: {}",
+            text(&o)
+        );
+    }
+}

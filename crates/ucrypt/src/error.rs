@@ -49,6 +49,12 @@ pub enum Error {
     #[error("LUKS header check '{check}' failed: {detail}")]
     BadHeader { check: &'static str, detail: String },
 
+    /// One LUKS2 header copy needs recovery and the device also carries another format's
+    /// signature: the surviving copy may be a stale leftover of a reused device, so it is
+    /// not used until `repair` (cryptsetup's rule and words).
+    #[error("Device contains ambiguous signatures ({0} and LUKS2), cannot auto-recover LUKS2. Please run \"ucrypt repair\" for recovery.")]
+    AmbiguousSignatures(&'static str),
+
     #[error("No key available with this passphrase.")]
     WrongPassphrase,
 
@@ -161,6 +167,7 @@ impl Error {
             Error::NoUsableKeyslot
             | Error::NotLuks(_)
             | Error::BadHeader { .. }
+            | Error::AmbiguousSignatures(_)
             | Error::UnsupportedLuks(_)
             | Error::Keyslot { .. }
             | Error::Integrity { .. } => ErrorKind::BadData,

@@ -1538,7 +1538,13 @@ fn config(device: &Target, o: &LuksOpts) -> Result<i32> {
 }
 
 fn repair(device: &Target, o: &LuksOpts) -> Result<i32> {
-    let (dev, mut hdr) = load(device, o, true)?;
+    // Another format's signature does not stop a repair (the user asked for it).
+    let dev = header_dev(device, o, true)?;
+    let mut hdr = luks::read_header_to_repair(dev.as_ref()).map_err(|e| match e {
+        Error::NotLuks(_) => Error::NotLuks(header_name(device, o)),
+        other => other,
+    })?;
+    print_warnings(&hdr);
     // cryptsetup's repair refuses a header with requirements it does not know, repaired or
     // not.
     hdr.check_known_requirements()?;

@@ -104,7 +104,28 @@ pub enum Unlock {
 
 /// Reads and parses the header at the start of `dev`: the first [`PROBE_BYTES`], then as much
 /// as [`probe_len`] asks for (at most [`HEADER_BYTES_MAX`], and never past the end of `dev`).
+/// A LUKS2 header with a copy to recover is refused ([`Error::AmbiguousSignatures`]) when the
+/// device also carries another format's signature ([`super::foreign_signature`]).
 pub fn read_header(dev: &dyn Backend) -> Result<Header> {
+    let (hdr, bytes) = read_header_bytes(dev)?;
+    if let Header::Luks2(h) = &hdr {
+        if h.repair.is_some() {
+            if let Some(sig) = super::foreign_signature(&bytes) {
+                return Err(Error::AmbiguousSignatures(sig));
+            }
+        }
+    }
+    Ok(hdr)
+}
+
+/// [`read_header`] for `repair`, which recovers a copy whatever other signature the device
+/// carries: the user asked for it.
+pub fn read_header_to_repair(dev: &dyn Backend) -> Result<Header> {
+    Ok(read_header_bytes(dev)?.0)
+}
+
+/// The header and the bytes it was parsed from.
+fn read_header_bytes(dev: &dyn Backend) -> Result<(Header, Zeroizing<Vec<u8>>)> {
     let first = read_upto(dev, 0, PROBE_BYTES)?;
     let need = probe_len(&first)?;
     // No primary's magic (a valid primary of 4 MiB metadata needs the whole 8 MiB too) and
@@ -117,8 +138,14 @@ pub fn read_header(dev: &dyn Backend) -> Result<Header> {
     {
         parse_any(&first)?;
     }
-    let bytes = read_upto(dev, 0, need.min(HEADER_BYTES_MAX))?;
+    let mut bytes = read_upto(dev, 0, need.min(HEADER_BYTES_MAX))?;
     let hdr = parse_any(&bytes)?;
+    // A copy to recover: the signatures' region (btrfs's is the farthest) is looked at too.
+    if matches!(&hdr, Header::Luks2(h) if h.repair.is_some())
+        && (bytes.len() as u64) < SIGNATURES_BYTES
+    {
+        bytes = read_upto(dev, 0, SIGNATURES_BYTES)?;
+    }
     // A device cut short inside its keyslot areas (a truncated header copy) is no LUKS device,
     // as cryptsetup says: its keyslots cannot be read.
     let (need, have) = (hdr.areas_end(), dev.size());
@@ -131,8 +158,11 @@ pub fn read_header(dev: &dyn Backend) -> Result<Header> {
             ),
         });
     }
-    Ok(hdr)
+    Ok((hdr, bytes))
 }
+
+/// Bytes from offset 0 that hold every signature [`super::foreign_signature`] looks for.
+const SIGNATURES_BYTES: u64 = 128 << 10;
 
 /// Whether a LUKS2 secondary header's magic starts at any offset cryptsetup may put one.
 fn secondary_magic_anywhere(dev: &dyn Backend) -> Result<bool> {

@@ -28,19 +28,21 @@ mod reencrypt_pieces;
 pub mod reencrypt_plan;
 pub mod reencrypt_run;
 mod sha256_x16;
+mod signatures;
 pub mod util;
 
 #[cfg(test)]
 mod tests;
 
 pub use driver::{
-    apply, open, open_parsed, read_area, read_header, unlock_key, unlock_key_for, OpenOptions,
-    Unlock,
+    apply, open, open_parsed, read_area, read_header, read_header_to_repair, unlock_key,
+    unlock_key_for, OpenOptions, Unlock,
 };
 pub use dump::{dump, dump_unbound};
 pub use kdf::{Kdf, KdfRequest};
 pub use luks1::Luks1Header;
 pub use luks2::{select_copy, Luks2Header, Selection, Which};
+pub use signatures::foreign_signature;
 pub use util::HashAlg;
 
 use crate::sector::{CipherSpec, SectorSize};
