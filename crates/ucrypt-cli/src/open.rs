@@ -38,6 +38,94 @@ const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
 /// static policy (BENCHMARKS.md, `bench engine` scenarios 4 and 6).
 pub const DEFAULT_POLICY: Policy = Policy::Auto;
 
+/// cryptsetup's `--type` for `open`: what the volume is. Parsed once here; a type ucrypt does
+/// not read is refused by name before anything is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceType {
+    /// LUKS of either version, as the header says.
+    Luks,
+    Luks1,
+    Luks2,
+    /// No header: a raw dm-crypt mapping (`--cipher`, `--volume-key-file`).
+    Plain,
+    /// A format cryptsetup opens and ucrypt does not: its cryptsetup name and what it is.
+    Foreign(&'static str, &'static str),
+}
+
+/// The formats cryptsetup's `open --type` takes that ucrypt does not read.
+const FOREIGN_TYPES: [(&str, &str); 4] = [
+    ("tcrypt", "TrueCrypt/VeraCrypt"),
+    ("bitlk", "BitLocker"),
+    ("fvault2", "FileVault2"),
+    ("loopaes", "loop-AES"),
+];
+
+impl std::str::FromStr for DeviceType {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "luks" => Ok(DeviceType::Luks),
+            "luks1" => Ok(DeviceType::Luks1),
+            "luks2" => Ok(DeviceType::Luks2),
+            "plain" => Ok(DeviceType::Plain),
+            _ => FOREIGN_TYPES
+                .iter()
+                .find(|(name, _)| *name == s)
+                .map(|&(name, what)| DeviceType::Foreign(name, what))
+                .ok_or_else(|| {
+                    format!(
+                        "unknown device type '{s}' (cryptsetup's types: luks, luks1, luks2, \
+                         plain, tcrypt, bitlk, fvault2, loopaes)"
+                    )
+                }),
+        }
+    }
+}
+
+impl DeviceType {
+    /// cryptsetup's name of the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceType::Luks => "luks",
+            DeviceType::Luks1 => "luks1",
+            DeviceType::Luks2 => "luks2",
+            DeviceType::Plain => "plain",
+            DeviceType::Foreign(name, _) => name,
+        }
+    }
+
+    /// Refuses a format ucrypt does not read (exit 1, before any passphrase is asked).
+    pub fn check_readable(self) -> CliResult<()> {
+        match self {
+            DeviceType::Foreign(name, what) => Err(CliError::Usage(format!(
+                "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2 \
+                 and plain)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Refuses a LUKS header of another version than the type names, as cryptsetup's
+    /// `crypt_load` with that type does ("not a valid LUKS device", exit 1), saying which it
+    /// is.
+    pub fn check_header(self, hdr: &luks::Header, device: &str) -> ucrypt::Result<()> {
+        let want = match self {
+            DeviceType::Luks1 => 1,
+            DeviceType::Luks2 => 2,
+            _ => return Ok(()),
+        };
+        if hdr.version() == want {
+            return Ok(());
+        }
+        Err(Error::NotLuks(format!(
+            "{device} (it is LUKS{}, and --type {} was given)",
+            hdr.version(),
+            self.name()
+        )))
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct VolumeArgs {
     /// The volume: an image file, a block device, or an RBD image (rbd:POOL/IMAGE[@SNAP]).
@@ -121,6 +209,9 @@ pub struct VolumeArgs {
     /// `ucrypt open --tries`: how many times a passphrase typed on a terminal is asked for.
     #[arg(skip)]
     pub tries: Option<u32>,
+    /// `ucrypt open --type luks1|luks2`: the LUKS version the header must have.
+    #[arg(skip)]
+    pub device_type: Option<DeviceType>,
 }
 
 pub(crate) fn read_volume_key(path: &std::path::Path) -> CliResult<SecretBytes> {
@@ -788,6 +879,9 @@ impl VolumeArgs {
         // The header first (a device that is not LUKS fails before any prompt); read once
         // here, to show a damaged or stale copy's warnings as cryptsetup does.
         let hdr = luks::read_header(header.as_ref())?;
+        if let Some(t) = self.device_type {
+            t.check_header(&hdr, &self.volume.to_string())?;
+        }
         for w in hdr.warnings() {
             eprintln!("WARNING: {w}");
         }

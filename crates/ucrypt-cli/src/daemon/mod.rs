@@ -72,10 +72,11 @@ pub struct OpenArgs {
     /// the FUSE file alone.
     #[arg(long, value_enum, default_value_t = FrontEnd::Auto)]
     pub front_end: FrontEnd,
-    /// luks, luks1, luks2 (the header decides), or plain (with --cipher and
-    /// --volume-key-file).
+    /// luks (the header decides), luks1 or luks2 (the header must be that version), or plain
+    /// (with --cipher and --volume-key-file). cryptsetup's other types (tcrypt, bitlk,
+    /// fvault2, loopaes) are refused by name.
     #[arg(long = "type", short = 'M')]
-    pub dev_type: Option<String>,
+    pub dev_type: Option<crate::open::DeviceType>,
     /// Accepted for compatibility (no confirmation is asked).
     #[arg(long, short = 'q')]
     pub batch_mode: bool,
@@ -137,7 +138,7 @@ impl OpenArgs {
         }
         let v = &self.v;
         Some(LuksOpts {
-            luks_type: self.dev_type.clone(),
+            luks_type: self.dev_type.map(|t| t.name().to_string()),
             header: v.header.clone(),
             key_file: v.key_file.clone(),
             keyfile_offset: v.keyfile_offset,
@@ -367,6 +368,28 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
     Ok(info)
 }
 
+/// The `--type` of `open` against the other options: a format ucrypt does not read, plain
+/// without its cipher, or a LUKS type with --cipher is refused (exit 1).
+fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()> {
+    use crate::open::DeviceType;
+    if let Some(t) = t {
+        t.check_readable()?;
+    }
+    match (t, cipher) {
+        (None | Some(DeviceType::Plain), true) => Ok(()),
+        (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
+        (Some(DeviceType::Plain), false) => Err(CliError::Usage(
+            "--type plain needs --cipher and --volume-key-file (passphrase hashing is not \
+             supported)"
+                .into(),
+        )),
+        (Some(t), _) => Err(CliError::Usage(format!(
+            "--type {} does not take --cipher (a LUKS header says its cipher)",
+            t.name()
+        ))),
+    }
+}
+
 /// `ucrypt open VOLUME NAME`.
 pub fn open(mut a: OpenArgs) -> CliResult<i32> {
     a.v.tries = a.tries;
@@ -374,20 +397,8 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         CliError::Usage("open needs a NAME for the device (or --test-passphrase)".into())
     })?;
     state::check_name(&name)?;
-    match (a.dev_type.as_deref(), a.v.cipher.is_some()) {
-        (None | Some("plain"), true) | (None | Some("luks" | "luks1" | "luks2"), false) => {}
-        (Some("plain"), false) => {
-            return Err(CliError::Usage(
-                "--type plain needs --cipher and --volume-key-file (passphrase hashing is not supported)".into(),
-            ))
-        }
-        (Some(t), _) => {
-            return Err(CliError::Usage(format!(
-                "device type {t} is not supported with{} --cipher",
-                if a.v.cipher.is_some() { "" } else { "out" }
-            )))
-        }
-    }
+    check_type(a.dev_type, a.v.cipher.is_some())?;
+    a.v.device_type = a.dev_type;
     if matches!(a.nbd, Some(ucrypt_nbd::server::Listen::Tcp { .. })) {
         return Err(CliError::Usage(
             "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),

@@ -405,7 +405,7 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::Uuid { device, o } => uuid(&device, &o),
         LuksCmd::IsLuks { device, o } => is_luks(&device, &o),
         LuksCmd::Open(a) => match a.test_passphrase_opts() {
-            Some(o) => test_passphrase(&a.v.volume, &o),
+            Some(o) => return test_passphrase(&a.v.volume, &o),
             None => return crate::daemon::open(*a),
         },
         LuksCmd::Config { device, o } => config(&device, &o),
@@ -1392,10 +1392,28 @@ fn is_luks(device: &Target, o: &LuksOpts) -> Result<i32> {
 /// `open --test-passphrase`: unlocks a keyslot and serves nothing. As cryptsetup does, a
 /// named keyslot (`--key-slot`) or `--unbound` lets an unbound keyslot answer too; without
 /// either only the keyslots of the data segment's key are tried.
-fn test_passphrase(device: &Target, o: &LuksOpts) -> Result<i32> {
+fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
+    use crate::open::DeviceType;
+    let dev_type: Option<DeviceType> = match &o.luks_type {
+        Some(t) => Some(t.parse().map_err(CliError::Usage)?),
+        None => None,
+    };
+    if let Some(t) = dev_type {
+        t.check_readable()?;
+        if t == DeviceType::Plain {
+            return Err(CliError::Usage(
+                "Option --test-passphrase is allowed only for open of LUKS, TCRYPT, BITLK and \
+                 FVAULT2 devices."
+                    .into(),
+            ));
+        }
+    }
     // Unmet requirements do not stop a passphrase test (cryptsetup's rule): the keyslots
     // answer, the volume is not activated.
     let (dev, hdr) = load(device, o, false)?;
+    if let Some(t) = dev_type {
+        t.check_header(&hdr, &device.to_string())?;
+    }
     if let Some(p) = &o.volume_key_file {
         // A volume key is checked against the data segment's digest.
         let key = read_volume_key_file(p, hdr.volume_key_bytes())?;
@@ -1408,7 +1426,8 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> Result<i32> {
         return Err(Error::InvalidArgument(
             "wrong or missing parameters: --key-slot cannot be used on a device in reencryption"
                 .into(),
-        ));
+        )
+        .into());
     }
     // A wrong passphrase typed on a terminal is asked again (`--tries`); cryptsetup does not
     // on a header in reencryption, where the answer is "no usable keyslot" (below).
