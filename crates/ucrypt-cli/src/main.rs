@@ -72,9 +72,37 @@ enum Cmd {
     ReencryptWorker(daemon::worker::WorkerArgs),
 }
 
+/// The command line's grammar: the derived one, with cryptsetup's help flags on every
+/// command. cryptsetup's `-h` is `--hash` and its help is `-?`/`--help`: clap's own `-h` is
+/// taken away everywhere (a script's `-h sha512` must never print help and exit 0 instead
+/// of acting).
+fn command() -> clap::Command {
+    fn cryptsetup_help(c: clap::Command) -> clap::Command {
+        let c = c.mut_subcommands(cryptsetup_help);
+        if c.is_disable_help_flag_set() {
+            // A command that hands its arguments on (`bench`): --help is the callee's.
+            return c;
+        }
+        c.disable_help_flag(true).arg(
+            clap::Arg::new("help")
+                .short('?')
+                .long("help")
+                .action(clap::ArgAction::Help)
+                .help("Print help"),
+        )
+    }
+    cryptsetup_help(<Cli as clap::CommandFactory>::command())
+}
+
+/// Parses `argv` with [`command`].
+fn try_parse(argv: Vec<String>) -> Result<Cli, clap::Error> {
+    let m = command().try_get_matches_from(argv)?;
+    <Cli as clap::FromArgMatches>::from_arg_matches(&m)
+}
+
 /// Parses a `ucrypt open ...` command line (a ucrypttab entry's) with the command's own parser.
 fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
-    let cli = Cli::try_parse_from(argv).map_err(|e| error::CliError::Usage(e.to_string()))?;
+    let cli = try_parse(argv).map_err(|e| error::CliError::Usage(e.to_string()))?;
     match cli.cmd {
         Cmd::Luks(c) => match *c {
             luks_cli::LuksCmd::Open(a) => Ok(*a),
@@ -86,7 +114,7 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let cli = match Cli::try_parse_from(luks_cli::reorder_args(std::env::args().collect())) {
+    let cli = match try_parse(luks_cli::reorder_args(std::env::args().collect())) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();

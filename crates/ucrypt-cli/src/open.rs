@@ -155,7 +155,7 @@ pub struct VolumeArgs {
     #[arg(long, conflicts_with = "cipher")]
     pub keyfile_offset: Option<u64>,
     /// LUKS: read at most this many bytes of the key file.
-    #[arg(long, conflicts_with = "cipher")]
+    #[arg(long, short = 'l', conflicts_with = "cipher")]
     pub keyfile_size: Option<u64>,
     /// LUKS: try only this keyslot.
     #[arg(long, short = 'S', conflicts_with = "cipher")]
@@ -168,7 +168,7 @@ pub struct VolumeArgs {
     #[arg(long)]
     pub allow_discards: bool,
     /// Open read-only (`--readonly` as cryptsetup spells it).
-    #[arg(long, alias = "readonly")]
+    #[arg(long, short = 'r', alias = "readonly")]
     pub read_only: bool,
     /// Dispatch policy: inline, parallel, ordered, queued, auto (inline for small requests,
     /// split across cores for large ones when a core is idle), or one per direction,

@@ -872,6 +872,37 @@ fn luks1_images_dump_without_their_cipher() {
             ));
         }
     }
+    // cryptsetup's legacy LUKS1 images of the null cipher carry a 256-bit key (dm-crypt's
+    // cipher_null ignores it): the header is read, dumped as cryptsetup dumps it, unlocked.
+    let null = t.image("null.img", 20);
+    let n = cli_common::s(&null);
+    let mut fmt = vec![
+        "luksFormat",
+        "-q",
+        "--type",
+        "luks1",
+        "-c",
+        "cipher_null-ecb",
+        "-s",
+        "256",
+    ];
+    fmt.extend(FAST_PBKDF2);
+    fmt.push(n);
+    let o = run_in(UCRYPT, &fmt, b"pw\n");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = run_in(UCRYPT, &["open", "--test-passphrase", n], b"pw\n");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    if have("cryptsetup") {
+        let ours = run_in(UCRYPT, &["luksDump", n], b"");
+        let theirs = run_in("cryptsetup", &["luksDump", n], b"");
+        assert_eq!(theirs.status.code(), Some(0), "{}", text(&theirs));
+        assert_eq!(
+            ours.stdout,
+            theirs.stdout,
+            "cipher_null dump: {}",
+            text(&ours)
+        );
+    }
     assert!(miss.is_empty(), "{miss:#?}");
 }
 

@@ -328,3 +328,76 @@ fn truncated_headers_and_header_only_files_are_refused() {
         assert!(stderr.contains("no data"), "{version}: unclear: {stderr}");
     }
 }
+
+/// cryptsetup's short options mean what they mean there: `-h` is `--hash` (a ported script's
+/// `luksFormat --batch-mode -h sha512` formats with sha512; it must never print help and exit
+/// 0 having done nothing), help is `-?`/`--help` on every command, and `-S`, `-l`, `-r`, `-I`
+/// are accepted where cryptsetup takes them.
+#[test]
+fn short_options_are_cryptsetups() {
+    let t = TempDir::new("shortopts");
+    let img = t.path("h.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(20 << 20))
+        .unwrap();
+    let key = t.file("key", b"short options");
+    let mut a = vec![
+        "luksFormat",
+        "--batch-mode",
+        "-h",
+        "sha512",
+        "--key-file",
+        s(&key),
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let o = run(&a);
+    assert_eq!(o.status.code(), Some(0), "format -h sha512: {o:?}");
+    assert_eq!(
+        run(&["isLuks", s(&img)]).status.code(),
+        Some(0),
+        "nothing was formatted"
+    );
+    let dump = String::from_utf8_lossy(&run(&["luksDump", s(&img)]).stdout).into_owned();
+    assert!(
+        dump.contains("Hash:       sha512"),
+        "the digest's hash is sha512:\n{dump}"
+    );
+    // `-h` with nothing after it is a missing value, not a request for help.
+    let o = run(&["luksFormat", "-h"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(o.stdout.is_empty(), "no help printed: {o:?}");
+    for verb in [
+        vec![],
+        vec!["luksFormat"],
+        vec!["open"],
+        vec!["luksDump"],
+        vec!["serve"],
+        vec!["close"],
+        vec!["export"],
+    ] {
+        for help in ["-?", "--help"] {
+            let mut a = verb.clone();
+            a.push(help);
+            let o = run(&a);
+            assert_eq!(o.status.code(), Some(0), "{a:?}: {o:?}");
+            assert!(
+                String::from_utf8_lossy(&o.stdout).contains("Usage:"),
+                "{a:?}: {o:?}"
+            );
+        }
+    }
+    let o = run(&[
+        "open",
+        "-S",
+        "0",
+        "-l",
+        "13",
+        "-r",
+        "--test-passphrase",
+        "--key-file",
+        s(&key),
+        s(&img),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open -S -l -r: {o:?}");
+}

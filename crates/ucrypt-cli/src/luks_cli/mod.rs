@@ -45,7 +45,7 @@ pub struct LuksOpts {
     /// Hash for PBKDF2, AF diffusion and the volume key digest: sha256 (the default), sha1,
     /// sha224, sha384, sha512, sha3-224/256/384/512, ripemd160, whirlpool, blake2b-512,
     /// blake2s-256 or sm3.
-    #[arg(long)]
+    #[arg(long, short = 'h')]
     pub hash: Option<String>,
     /// pbkdf2, argon2i or argon2id.
     #[arg(long)]
@@ -141,7 +141,7 @@ pub struct LuksOpts {
     /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random),
     /// poly1305 (with --cipher chacha20-random), hmac-sha256 or hmac-sha512 (with --cipher aes-xts-random). --key-size is the cipher's
     /// key; the MAC key is added to the volume key, as cryptsetup does.
-    #[arg(long, value_name = "TYPE")]
+    #[arg(long, short = 'I', value_name = "TYPE")]
     pub integrity: Option<String>,
     /// format --integrity: accepted, as cryptsetup's format takes it (the wipe is written
     /// without the journal either way, as cryptsetup wipes; nothing is recorded in the header).
