@@ -782,9 +782,9 @@ fn exits_within(mut child: Child, secs: u64, what: &str) -> Output {
 /// byte of the plaintext written before reads back right (the hotzone too, no EIO);
 /// `reencrypt --resume-only --active-name` finishes it online, a second one meanwhile is
 /// refused as busy; `close` needs no `--force`; cryptsetup finds no reencryption left and
-/// opens the header with the passphrase; the data reads back after opening it again. Before
-/// the fix the second rotation's thread panicked in the zone lock ("two hotzones held at
-/// once"), `--resume-only` waited for ever and the hotzone answered EIO.
+/// opens the header with the passphrase; the data reads back after opening it again. It
+/// catches a daemon that leaves the hotzone blocked (EIO), or whose next rotation panics in
+/// the zone lock ("two hotzones held at once") and leaves `--resume-only` waiting for ever.
 #[test]
 fn worker_killed_mid_rotation_is_recovered_and_resumed_by_the_daemon() {
     if let Some(why) = cli_common::missing_root_rig(&["pgrep", "ps", "cryptsetup"]) {
