@@ -861,3 +861,131 @@ fn a_decryption_moving_the_data_back_online() {
         );
     }
 }
+
+/// A rotation driven online that stops inside a hotzone (its driver died or failed: here one
+/// of its data or header writes fails, at many points of the first hotzones) while the
+/// volume serves on. Before the recovery another rotation is refused (no panic in the
+/// hotzone lock); `reencrypt_online::recover_stopped` (the recovery `repair` runs) brings
+/// the hotzone back from the resilience data while the volume serves, after which every
+/// byte reads back as it was (the hotzone too, no EIO), the volume's mark is the header's,
+/// and the rotation resumes online to the end under I/O. Without resilience data (`none`)
+/// a hotzone the header records is not recovered online: it stays blocked (reads of it fail,
+/// the rest reads back), and the volume opened again recovers it as cryptsetup does.
+#[test]
+fn a_rotation_stopped_inside_a_hotzone_is_recovered_while_served() {
+    use reencrypt_online::Stopped;
+    let seed = seed();
+    let mut seen = std::collections::BTreeMap::<String, u32>::new();
+    for kind in [
+        ResilienceKind::Checksum,
+        ResilienceKind::Journal,
+        ResilienceKind::None,
+    ] {
+        // The nth write to the data (a piece of a hotzone), or to the header and its
+        // resilience data (checksums, journal, the commits).
+        let data = (DATA_OFFSET..DEVICE_BYTES, 1..=4u64);
+        let header = (0..DATA_OFFSET, 1..=8u64);
+        for (range, nths) in [data, header] {
+            for nth in nths {
+                let case = format!("{kind:?}, write {nth} in {range:?}");
+                let mem: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
+                formatted(&mem, 4096);
+                let fault = Arc::new(FaultBackend::new(mem.clone()));
+                let vol = open(fault.clone());
+                start(mem.as_ref(), kind, SegmentChange::default());
+                fault.add_rule(
+                    FaultRule::always(FaultOp::Write, Fault::Eio)
+                        .in_range(range.clone())
+                        .nth(nth)
+                        .times(1),
+                );
+                let r = rotate_online(&vol, None, &mut |_| {});
+                assert!(r.is_err(), "{case}: the fault did not stop the rotation");
+                fault.clear_rules();
+                // Another rotation before the recovery: refused (busy, or needs recovery).
+                let again = rotate_online(&vol, None, &mut |_| {});
+                assert!(
+                    again.is_err(),
+                    "{case}: a second rotation ran over the first"
+                );
+                let stopped = reencrypt_online::recover_stopped(&vol, None, PASS)
+                    .unwrap_or_else(|e| panic!("{case}: recovery: {e}"));
+                let what = match stopped {
+                    Stopped::Released { recovered, .. } => format!("released {recovered}"),
+                    s => format!("{s:?}").split(' ').next().unwrap_or("").to_string(),
+                };
+                *seen.entry(format!("{kind:?} {what}")).or_default() += 1;
+                if let Stopped::Unrecoverable { offset, len } = stopped {
+                    assert_eq!(kind, ResilienceKind::None, "{case}: {stopped:?}");
+                    let mut got = vec![0u8; len as usize];
+                    assert!(
+                        vol.read_at(&mut got, offset).is_err(),
+                        "{case}: the blocked hotzone read"
+                    );
+                    // The rest reads back; opened again, the hotzone is taken as rewritten.
+                    let want = plaintext();
+                    let mut before = vec![0u8; offset as usize];
+                    vol.read_at(&mut before, 0).expect("read below the hotzone");
+                    assert!(
+                        before == want[..offset as usize],
+                        "{case}: below the hotzone"
+                    );
+                    drop(vol);
+                    let vol = open(mem.clone());
+                    rotate_online(&vol, None, &mut |_| {}).expect("rotation after reopening");
+                    let got = read_all(&vol);
+                    let (a, b) = (offset as usize, (offset + len) as usize);
+                    assert!(got[..a] == want[..a] && got[b..] == want[b..], "{case}");
+                    continue;
+                }
+                assert!(
+                    !matches!(
+                        stopped,
+                        Stopped::Released {
+                            recovered: true,
+                            ..
+                        }
+                    ) || kind != ResilienceKind::None,
+                    "{case}: recovered without resilience data"
+                );
+                let hdr = luks::read_header(mem.as_ref()).expect("header");
+                let luks::Header::Luks2(h) = &hdr else {
+                    panic!("{case}: not LUKS2");
+                };
+                let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)
+                    .expect("state")
+                    .expect("in reencryption");
+                assert!(!st.needs_recovery(), "{case}: left inside a hotzone");
+                if let Stopped::Released { done, .. } = stopped {
+                    assert_eq!(vol.reencrypted_bytes(), Some(done), "{case}: the mark");
+                }
+                assert!(
+                    read_all(&vol) == plaintext(),
+                    "{case}: contents after recovery"
+                );
+                let vol = Arc::new(vol);
+                let (want, _) = io_during(&vol, seed ^ nth, plaintext(), || {
+                    rotate_online(&vol, None, &mut |_| {}).expect("resumed online");
+                });
+                assert!(!vol.in_reencryption(), "{case}");
+                assert!(
+                    read_all(&vol) == want,
+                    "{case}: contents after the rotation"
+                );
+                drop(vol);
+                assert_plain_luks2(mem.as_ref());
+                assert!(read_all(&open(mem)) == want, "{case}: after reopening");
+            }
+        }
+    }
+    println!("{seen:?}");
+    // Each way a stopped rotation can be left was met.
+    for want in [
+        "Checksum released true",
+        "Checksum released false",
+        "Journal released true",
+        "None Unrecoverable",
+    ] {
+        assert!(seen.contains_key(want), "never {want}: {seen:?}");
+    }
+}

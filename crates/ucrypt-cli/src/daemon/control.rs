@@ -128,7 +128,13 @@ impl server::Handler for Control {
                     resilience,
                 };
                 let at = (vol, Path::new(&self.volume));
-                match start_rotation(&self.name, at, &self.rotation, key, opts, header) {
+                let resume = format!(
+                    "ucrypt reencrypt --resume-only {} --control {}",
+                    self.volume,
+                    self.sock.display()
+                );
+                let rotation = &self.rotation;
+                match start_rotation(&self.name, at, rotation, key, opts, header, resume) {
                     Ok(()) => respond(&self.status()),
                     Err(e) => respond(&e),
                 }

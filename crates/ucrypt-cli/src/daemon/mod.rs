@@ -867,6 +867,7 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
         let state = match (r.running, r.finished) {
             (true, _) => "running",
             (false, Some(true)) => "finished",
+            (false, Some(false)) if r.stopped => "stopped",
             (false, Some(false)) => "failed",
             (false, None) => "interrupted",
         };
@@ -874,6 +875,10 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
             "  reencryption: {} of {} bytes, {state}\n",
             r.done_bytes, r.total_bytes
         );
+        // Why it stopped or failed, and what to do.
+        if let (false, Some(false), Some(e)) = (r.running, r.finished, &r.error) {
+            o += &format!("  {state}: {e}\n");
+        }
         if r.reopen_needed {
             o += "  the sector size or data offset changed: close and open the volume to \
                   serve the new layout alone (until then suspend, resize and reencrypt are \

@@ -18,7 +18,7 @@ use ucrypt::{BlockDev, SecretBytes};
 
 use super::proto::{self, ReencryptionReport, Request, Response, ResumeKey};
 use super::state::{self, Identity, RunDir};
-use super::worker;
+use super::worker::{self, Ended};
 use super::{expect_status_at, live_dir};
 use crate::error::{CliError, CliResult};
 
@@ -40,7 +40,9 @@ fn refused(code: i32, error: impl Into<String>) -> Response {
 /// `mount` and `ublk`): starts rotating the key of `vol`, whose header the verb already put in
 /// reencryption, on a thread of its own (`ucrypt-reencrypt`; for a local volume that thread
 /// has the hotzones run in a worker process, `worker`) while the front end serves, and
-/// returns; `rotation` follows it. The refusal to answer otherwise (one already running, the
+/// returns; `rotation` follows it. A rotation that stops before its end (its worker killed,
+/// its loop failed) has its hotzone recovered here and is reported stopped, with `resume`,
+/// the command that resumes it. The refusal to answer otherwise (one already running, the
 /// volume suspended, no passphrase).
 pub fn start_rotation(
     name: &str,
@@ -49,6 +51,7 @@ pub fn start_rotation(
     key: ResumeKey,
     opts: RunOptions,
     header: Option<&Path>,
+    resume: String,
 ) -> Result<(), Response> {
     let ResumeKey::Passphrase(pass) = key else {
         return Err(refused(
@@ -106,6 +109,7 @@ pub fn start_rotation(
     let spawned = std::thread::Builder::new()
         .name("ucrypt-reencrypt".into())
         .spawn(move || {
+            let _ends = EndsReport(report.clone());
             let header = header.as_ref().map(|h| h as &dyn ucrypt::backend::Backend);
             let locked = if lock_at.exists() {
                 crate::luks_cli::open_header_file(&lock_at, false).map(Some)
@@ -118,8 +122,8 @@ pub fn start_rotation(
                     rep.total_bytes = p.total;
                 }
             };
-            let r: Result<(), (i32, String)> = match locked {
-                Err(e) => Err(worker::reported(e)),
+            let outcome = match locked {
+                Err(e) => Outcome::failed(worker::reported(e)),
                 Ok(locked) => {
                     let r = match &local {
                         Some((data, hdr)) => {
@@ -133,21 +137,24 @@ pub fn start_rotation(
                             opts,
                             &mut progress,
                         )
-                        .map_err(worker::reported),
+                        .map_err(|e| {
+                            let (code, message) = worker::reported(e);
+                            Ended::Failed(code, message)
+                        }),
+                    };
+                    // Still under cryptsetup's lock: the hotzone a stopped rotation left is
+                    // recovered before another writer may touch the header.
+                    let outcome = match r {
+                        Ok(()) => Outcome::FINISHED,
+                        Err(end) => after_stop(&vol, header, pass.as_ref(), end, &resume),
                     };
                     drop(locked);
-                    r
+                    outcome
                 }
             };
             drop(pass);
-            let mut g = lock(&report);
-            if let Some(rep) = g.as_mut() {
-                rep.running = false;
-                rep.finished = Some(r.is_ok());
-                if let Err((code, message)) = r {
-                    rep.code = Some(code);
-                    rep.error = Some(message);
-                }
+            if let Some(rep) = lock(&report).as_mut() {
+                outcome.report(rep, &vol);
             }
         });
     if let Err(e) = spawned {
@@ -156,6 +163,137 @@ pub fn start_rotation(
         return Err(refused(e.exit_code(), e.to_string()));
     }
     Ok(())
+}
+
+/// How a rotation ended, as `status` reports it.
+struct Outcome {
+    finished: bool,
+    /// Ended before its end with the volume and its header consistent: `--resume-only`
+    /// continues it online.
+    stopped: bool,
+    /// The exit code and message the verb reports.
+    error: Option<(i32, String)>,
+}
+
+impl Outcome {
+    const FINISHED: Outcome = Outcome {
+        finished: true,
+        stopped: false,
+        error: None,
+    };
+
+    fn failed(error: (i32, String)) -> Self {
+        Outcome {
+            finished: false,
+            stopped: false,
+            error: Some(error),
+        }
+    }
+
+    fn report(self, rep: &mut ReencryptionReport, vol: &Volume) {
+        rep.running = false;
+        rep.finished = Some(self.finished);
+        rep.stopped = self.stopped;
+        if self.finished {
+            rep.done_bytes = rep.total_bytes;
+        } else if self.stopped {
+            // The bytes the header says done, after the recovery.
+            if let Some(done) = vol.reencrypted_bytes() {
+                rep.done_bytes = done;
+            }
+        }
+        if let Some((code, message)) = self.error {
+            rep.code = Some(code);
+            rep.error = Some(message);
+        }
+    }
+}
+
+/// After a rotation of `vol` that ended before its end (`end`): the hotzone its driver held,
+/// or the one the header records, is recovered while the volume serves on
+/// ([`luks::reencrypt_online::recover_stopped`], the recovery `repair` and `open` run), and
+/// the outcome says what is true and what to do (`resume`: the command that resumes it).
+fn after_stop(
+    vol: &Volume,
+    header: Option<&dyn ucrypt::backend::Backend>,
+    pass: &[u8],
+    end: Ended,
+    resume: &str,
+) -> Outcome {
+    use luks::reencrypt_online::Stopped;
+    let (code, cause, died) = match end {
+        Ended::Died(how) => (1, format!("the rotation worker died ({how})"), true),
+        Ended::Failed(code, message) => (code, message, false),
+    };
+    let stopped = |what: String| Outcome {
+        finished: false,
+        stopped: true,
+        error: Some((code, format!("{cause}{what}; resume with `{resume}`"))),
+    };
+    match luks::reencrypt_online::recover_stopped(vol, header, pass) {
+        // Nothing held: a worker that died between hotzones stopped the rotation there; a
+        // failure that held nothing (a refusal before the first hotzone) is reported as it is.
+        Ok(Stopped::Consistent) if died => stopped(String::new()),
+        Ok(Stopped::Consistent) => Outcome::failed((code, cause)),
+        Ok(Stopped::Released {
+            offset,
+            len,
+            recovered,
+            ..
+        }) => stopped(format!(
+            "; its hotzone (bytes {offset}..{}) was {}",
+            offset + len,
+            if recovered {
+                "recovered from the reencryption's resilience data"
+            } else {
+                "released as the header has it (its rewrite not yet begun, or already \
+                 committed)"
+            }
+        )),
+        Ok(Stopped::Finished) => Outcome::FINISHED,
+        Ok(Stopped::Unrecoverable { offset, len }) => Outcome::failed((
+            code,
+            format!(
+                "{cause} inside its hotzone (bytes {offset}..{}), and the reencryption has no \
+                 resilience data (resilience none): the old data of the hotzone is nowhere and \
+                 which of its sectors were rewritten is not known, so it is not recovered \
+                 online and reads of it fail. Close the volume and open it again: the open \
+                 takes the hotzone as rewritten, as cryptsetup's repair does (its data may be \
+                 lost); then resume with `{resume}`",
+                offset + len
+            ),
+        )),
+        Err(e) => Outcome::failed((
+            code,
+            format!(
+                "{cause}; recovering its hotzone failed: {}; close the volume and open it \
+                 again, which recovers it, then resume with `{resume}`",
+                CliError::from(e).message()
+            ),
+        )),
+    }
+}
+
+/// Ends the report of a rotation whose thread unwinds (a ucrypt bug): `status` then says it
+/// failed, and the verb following it returns instead of waiting for ever.
+struct EndsReport(Rotation);
+
+impl Drop for EndsReport {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        if let Some(rep) = lock(&self.0).as_mut().filter(|r| r.running) {
+            rep.running = false;
+            rep.finished = Some(false);
+            rep.code = Some(1);
+            rep.error = Some(
+                "the reencryption stopped on an internal error (a ucrypt bug; the daemon's log \
+                 says where): close the volume and open it again, then resume it"
+                    .into(),
+            );
+        }
+    }
 }
 
 /// A live daemon serving a volume: an `ucrypt open` daemon, or a `serve`, `mount` or `ublk`

@@ -531,6 +531,11 @@ pub struct ReencryptionReport {
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<i32>,
+    /// It ended before its end (`finished` false) with the volume and its header consistent
+    /// (a hotzone its worker held recovered): `reencrypt --resume-only` continues it online;
+    /// `error` says why it stopped and how.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped: bool,
     /// It changed the sector size or the data offset: the volume serves the new layout
     /// through its reencryption view until it is closed, and refuses suspend, resize and
     /// another reencryption until it is opened again.

@@ -295,7 +295,9 @@ impl Shared {
         };
         let header = self.header.as_deref();
         let at = (vol, self.ident.volume.as_path());
-        match super::online::start_rotation(&self.name, at, &self.rotation, key, opts, header) {
+        let resume = format!("ucrypt reencrypt --resume-only --active-name {}", self.name);
+        let rotation = &self.rotation;
+        match super::online::start_rotation(&self.name, at, rotation, key, opts, header, resume) {
             Ok(()) => self.status(),
             Err(e) => e,
         }

@@ -13,7 +13,11 @@
 //! rotation's CPU time is its own, as cryptsetup's reencryption runs in the cryptsetup
 //! process beside the kernel's dm-crypt. The worker keeps the serving process's nice value
 //! and cgroup, and dies with it (`PR_SET_PDEATHSIG`): a worker killed, or a serving process
-//! killed, is a crash the reencryption's resilience recovers from, as in the thread.
+//! killed, is a crash the reencryption's resilience recovers from, as in the thread. A
+//! serving process that outlives its worker notices the death (the link closes; the worker
+//! is waited for), recovers the hotzone the worker held from the resilience data while it
+//! serves on (`reencrypt_online::recover_stopped`, in `online.rs`), and reports the rotation
+//! stopped, to be resumed online.
 //!
 //! The link is a sans-I/O codec ([`Call`], [`Reply`], one length-prefixed frame each, at most
 //! [`FRAME_BYTES_MAX`]) and two drivers: [`Link`] in the worker, [`serve_worker`] in the
@@ -653,24 +657,56 @@ pub fn reported(e: Error) -> (i32, String) {
     (e.exit_code(), e.to_string())
 }
 
+/// How a rotation run in a worker ended before its end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ended {
+    /// The worker ended without its last word (killed, or crashed): its exit status, as
+    /// "signal 9" or "exit code 3".
+    Died(String),
+    /// The worker's loop, or the volume's side of it, failed: the exit code and message the
+    /// verb reports.
+    Failed(i32, String),
+}
+
+/// `status` of a worker that ended without its last word, in few words.
+fn died_how(status: std::io::Result<std::process::ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Ok(s) => match (s.signal(), s.code()) {
+            (Some(sig), _) => format!("signal {sig}"),
+            (None, Some(code)) => format!("exit code {code}"),
+            (None, None) => s.to_string(),
+        },
+        Err(e) => format!("its end unknown: {e}"),
+    }
+}
+
 /// Rotates the key of `vol` (served by this process; its header in reencryption) in a worker
 /// process: starts it ([`spawn`]), answers its calls against the volume, and switches the
 /// volume to the new side when it finished. `progress` gets the worker's reports. A worker
-/// that dies while it holds a hotzone leaves the hotzone blocked, as a failed loop does. The
-/// error: the exit code and message the verb reports.
+/// that ends before its end (killed, or its loop failed) is waited for (killed first if the
+/// link broke under it, so that nothing writes the hotzone any more), and the hotzone it
+/// held stays held: the caller recovers it (`reencrypt_online::recover_stopped`).
 pub fn serve_worker(
     vol: &Volume,
     (data, header): (&Path, Option<&Path>),
     pass: &[u8],
     opts: RunOptions,
     progress: &mut dyn FnMut(Progress),
-) -> Result<(), (i32, String)> {
-    let (mut child, mut wire) = spawn(data, header, opts, pass).map_err(reported)?;
+) -> Result<(), Ended> {
+    let failed = |e| {
+        let (code, message) = reported(e);
+        Ended::Failed(code, message)
+    };
+    let (mut child, mut wire) = spawn(data, header, opts, pass).map_err(failed)?;
     let mut serving = reencrypt_online::serving(vol);
-    let mut held = false;
-    // The volume's own refusal, which says more than the worker's report of it.
+    // The volume's own first refusal of a call (its code and words: a busy hotzone is
+    // cryptsetup's 5), which says more than the worker's report of it.
     let mut refusal: Option<(i32, String)> = None;
-    let ended = loop {
+    // Whether the worker sent its last word (`End`); `ended` is `None` when the link ended
+    // without it.
+    let mut last_word = false;
+    let ended: Option<Result<(), (i32, String)>> = loop {
         let n = match wire.receive() {
             Ok(Some(n)) => n,
             Ok(None) => break None,
@@ -697,27 +733,16 @@ pub fn serve_worker(
                     let new = new.as_ref().map(|(c, k, ss)| (*c, k.as_ref(), *ss));
                     serving.start(new, done, backward)
                 });
-                let r = r.map_err(reported);
-                if let Err(e) = &r {
-                    refusal = Some(e.clone());
-                }
-                r
+                r.map_err(reported)
             }
-            Call::Hold { offset, len } => {
-                held = true;
-                serving.hold(offset, len).map_err(reported)
-            }
+            Call::Hold { offset, len } => serving.hold(offset, len).map_err(reported),
             Call::Rewrite { offset, len } => serving.rewrite(offset, len).map_err(reported),
             Call::Rewritten { offset, len } => match serving.rewritten(offset, len) {
                 Ok(()) => continue,
                 Err(e) => break Some(Err(reported(e))),
             },
-            Call::Release { done } => {
-                held = false;
-                serving.release(done).map_err(reported)
-            }
+            Call::Release { done } => serving.release(done).map_err(reported),
             Call::Failed => {
-                held = false;
                 serving.failed();
                 Ok(())
             }
@@ -725,9 +750,18 @@ pub fn serve_worker(
                 progress(Progress { done, total });
                 continue;
             }
-            Call::End { code: 0, .. } => break Some(Ok(())),
-            Call::End { code, message } => break Some(Err((code, message.to_string()))),
+            Call::End { code, message } => {
+                last_word = true;
+                break Some(if code == 0 {
+                    Ok(())
+                } else {
+                    Err((code, message.to_string()))
+                });
+            }
         };
+        if let Err(e) = &answer {
+            refusal.get_or_insert_with(|| e.clone());
+        }
         // Wipe the frame (a start carries the new key) before answering.
         wire.buf.as_mut()[..n].fill(0);
         let sent = match &answer {
@@ -745,24 +779,20 @@ pub fn serve_worker(
         }
     };
     drop(wire);
-    let status = child.wait();
-    if held {
-        serving.failed();
+    // A worker that sent its last word exits by itself; one whose link broke may still run
+    // (a frame this side refused) and is stopped before anyone recovers its hotzone. A kill
+    // of one that is gone already changes nothing.
+    if !last_word {
+        let _ = child.kill();
     }
+    let status = child.wait();
     match ended {
-        Some(Ok(())) => reencrypt_online::finish_rotation(vol).map_err(reported),
-        Some(Err(e)) => Err(refusal.unwrap_or(e)),
-        None => Err((
-            1,
-            format!(
-                "the rotation worker ended without a word ({}): its hotzone, if it held one, \
-                 stays blocked until the volume is closed and repaired",
-                match status {
-                    Ok(s) => s.to_string(),
-                    Err(e) => e.to_string(),
-                }
-            ),
-        )),
+        Some(Ok(())) => reencrypt_online::finish_rotation(vol).map_err(failed),
+        Some(Err(e)) => {
+            let (code, message) = refusal.unwrap_or(e);
+            Err(Ended::Failed(code, message))
+        }
+        None => Err(Ended::Died(died_how(status))),
     }
 }
 

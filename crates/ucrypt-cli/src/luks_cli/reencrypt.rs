@@ -451,6 +451,16 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         Some(st) => {
             let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
             if st.needs_recovery() {
+                // A daemon recovers the hotzone its rotation stopped in, unless it cannot
+                // (resilience none); `repair` is refused on a volume it serves.
+                if let Some(h) = &holder {
+                    return Err(Error::InvalidArgument(format!(
+                        "The reencryption of {} stopped inside a hotzone its daemon could not \
+                         recover (its status says why): close the volume and open it again, \
+                         which recovers the hotzone, then resume.",
+                        h.name
+                    )));
+                }
                 return Err(Error::NeedsRecovery);
             }
             // cryptsetup resumes an interrupted reencryption when asked to reencrypt again.

@@ -16,6 +16,9 @@
 //! - [`rotate`]: runs (or continues) the reencryption on an open volume, then switches it to
 //!   the new side. The header must already be in reencryption (`reencrypt_run::init`,
 //!   `init_on`, `init_encrypt`, `init_encrypt_shift`, `init_decrypt_unshift`).
+//! - [`recover_stopped`]: after a rotation whose driver died or failed inside a hotzone, the
+//!   same recovery as `repair` (and [`open`]) runs, while the volume serves on: the requests
+//!   touching the hotzone wait for it, and the rotation can then be resumed online.
 
 use std::sync::Arc;
 
@@ -515,7 +518,7 @@ impl Serving for Online<'_> {
     }
 
     fn hold(&mut self, offset: u64, len: u64) -> Result<()> {
-        // start() made the segments; the hotzone lock asserts one hotzone at a time.
+        // start() made the segments; the hotzone lock refuses a second hotzone (busy).
         self.vol.hold_hotzone(offset, len)
     }
 
@@ -563,13 +566,118 @@ pub fn finish_rotation(vol: &Volume) -> Result<()> {
     vol.end_segments()
 }
 
+/// What [`recover_stopped`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Nothing was held and the header records no hotzone: volume and header agree.
+    Consistent,
+    /// The hotzone `[offset, offset + len)` is consistent again and the volume serves it: the
+    /// header recorded it and it was recovered from the resilience data (`recovered`), or the
+    /// driver held it before it committed it or after it committed past it. The rotation
+    /// resumes at `done` bytes.
+    Released {
+        offset: u64,
+        len: u64,
+        recovered: bool,
+        done: u64,
+    },
+    /// The header was finalised (by the driver, or by the recovery of the last hotzone): the
+    /// volume serves the new side alone.
+    Finished,
+    /// The header records the hotzone `[offset, offset + len)` and the reencryption has no
+    /// resilience data (`none`): the old data of the hotzone is nowhere and which of its
+    /// sectors the driver rewrote is not known, so it is not recovered here. It stays blocked
+    /// (requests touching it fail) until the volume is closed and opened again, whose
+    /// recovery takes it as rewritten, as cryptsetup's does (data there may be lost).
+    Unrecoverable { offset: u64, len: u64 },
+}
+
+/// After a rotation of `vol` driven through [`serving`] (or [`rotate`]) stopped before its
+/// end, its driver dead or failed: brings the hotzone it held, or the one the header records,
+/// to a consistent state with the recovery `repair` and `open` run ([`reencrypt_run::
+/// recover_on`], from the resilience data), while the volume serves on. Requests touching
+/// the hotzone wait while it is recovered, and are served from the header's state after it;
+/// then the rotation can be resumed online ([`rotate`], or a new worker). The header is on
+/// the volume's device, or the writable detached `header`. On failure the hotzone held (if
+/// any) is left blocked: requests touching it fail until the volume is closed and opened
+/// again.
+pub fn recover_stopped(
+    vol: &Volume,
+    header: Option<&dyn Backend>,
+    passphrase: &[u8],
+) -> Result<Stopped> {
+    let r = recover_stopped_inner(vol, header, passphrase);
+    if r.is_err() {
+        vol.break_hotzone();
+    }
+    r
+}
+
+fn recover_stopped_inner(
+    vol: &Volume,
+    header: Option<&dyn Backend>,
+    passphrase: &[u8],
+) -> Result<Stopped> {
+    // Not in two segments: the driver stopped before it started, nothing is held.
+    let Some(dev) = vol.reencryption_backend() else {
+        return Ok(Stopped::Consistent);
+    };
+    let held = vol.held_hotzone();
+    let devs = reencrypt_run::Devices {
+        header: header.unwrap_or(dev.as_ref()),
+        data: dev.as_ref(),
+    };
+    let state = match read_header(devs.header)? {
+        Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?,
+        Header::Luks1(_) => return Err(bad("LUKS1 has no reencryption")),
+    };
+    let Some(state) = state else {
+        // Finalised after the last hotzone, before its release.
+        if let Some((offset, len)) = held {
+            vol.fence_hotzone(offset, len)?;
+            vol.release_hotzone(vol.size())?;
+        }
+        vol.end_segments()?;
+        return Ok(Stopped::Finished);
+    };
+    if held.is_none() && !state.needs_recovery() {
+        return Ok(Stopped::Consistent);
+    }
+    // The keys are unlocked before anything is held: requests wait for the recovery's I/O
+    // only, not for its key derivation.
+    let pending = reencrypt_run::prepare_recovery(devs, passphrase)?;
+    let recorded = pending.hotzone();
+    let Some((offset, len)) = recorded.or(held) else {
+        return Ok(Stopped::Consistent);
+    };
+    // A data shift commits its hotzone before it holds it: the recorded one is fenced too.
+    vol.fence_hotzone(offset, len)?;
+    if let Some((offset, len)) = recorded.filter(|_| pending.without_resilience()) {
+        vol.break_hotzone();
+        return Ok(Stopped::Unrecoverable { offset, len });
+    }
+    let (done, finished) = pending.done_after();
+    pending.run()?;
+    vol.release_hotzone(done)?;
+    if finished {
+        vol.end_segments()?;
+        return Ok(Stopped::Finished);
+    }
+    Ok(Stopped::Released {
+        offset,
+        len,
+        recovered: recorded.is_some(),
+        done,
+    })
+}
+
 /// Rotates the key of `vol` while it serves I/O: the header (on the volume's backend, or the
 /// detached `header`, `--header`) must be in reencryption ([`reencrypt_run::init`] started
 /// it, or [`open`] opened it so). Each hotzone is rewritten through the volume's backend
 /// while only the requests touching it wait; at the end the header is finalised and the
 /// volume serves under the new key alone. `progress` is called after each hotzone. A failure
-/// inside a hotzone leaves it blocked (requests touching it fail) until the volume is closed
-/// and repaired.
+/// inside a hotzone leaves it blocked (requests touching it fail) until [`recover_stopped`]
+/// recovers it, or the volume is closed and opened again.
 pub fn rotate(
     vol: &Volume,
     header: Option<&dyn Backend>,

@@ -2184,6 +2184,8 @@ pub fn resume_serving(
     if let Some(n) = serving.rekey_lanes_max() {
         u.lanes.truncate(n.max(1));
     }
+    // Set once a hold succeeded (a refused one holds nothing, and nothing of ours is broken
+    // on failure then), cleared at the release.
     let mut held = false;
     let r = run_hotzones(devs, &mut u, pos, opts, progress, serving, &mut held);
     if r.is_err() && held {
@@ -2299,16 +2301,16 @@ fn run_hotzones(
                         && (len <= piece_max || !serving.serves()) =>
                 {
                     cur = len;
-                    *held = true;
                     serving.hold(offset, len)?;
+                    *held = true;
                     read_later = true;
                 }
                 // Longer than the buffer: read for its resilience data (checksums or journal)
                 // a buffer at a time, and read again for its rewrite (`read_later`).
                 Step::ReadOld { offset, len } if len > buf_len => {
                     cur = len;
-                    *held = true;
                     serving.hold(offset, len)?;
+                    *held = true;
                     let at = u.data_offset + offset;
                     let buf = hot.as_mut_slice();
                     let lanes = u.spread();
@@ -2344,8 +2346,8 @@ fn run_hotzones(
                 }
                 Step::ReadOld { offset, len } => {
                     cur = len;
-                    *held = true;
                     serving.hold(offset, len)?;
+                    *held = true;
                     let buf = &mut hot.as_mut_slice()[..len as usize];
                     let at = u.data_offset + offset;
                     summed = false;
@@ -2388,8 +2390,8 @@ fn run_hotzones(
                 }
                 Step::ReadAt { from, offset, len } => {
                     cur = len;
-                    *held = true;
                     serving.hold(offset, len)?;
+                    *held = true;
                     read_lanes(
                         devs.data,
                         &mut hot.as_mut_slice()[..len as usize],
@@ -2431,8 +2433,8 @@ fn run_hotzones(
                     }
                 }
                 Step::MoveNew { from, offset, len } => {
-                    *held = true;
                     serving.hold(offset, len)?;
+                    *held = true;
                     serving.rewrite(offset, len)?;
                     move_new(devs.data, u, from, offset, len, hot.as_mut_slice())?;
                 }
@@ -2552,21 +2554,97 @@ pub fn recover(dev: &dyn Backend, passphrase: &[u8]) -> Result<Recovery> {
 
 /// [`recover`] with the header on its own device (`--header`).
 pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
-    let (hdr_dev, data_dev) = (devs.header, devs.data);
-    let mut u = open_rotation(devs, passphrase, None)?;
+    prepare_recovery(devs, passphrase)?.run()
+}
+
+/// A reencryption opened for [`recover_on`], its keys unlocked and its position read, before
+/// anything is written: [`recover_on`] in two steps, so that a volume served meanwhile can
+/// hold the hotzone against its requests between them (`reencrypt_online::recover_stopped`,
+/// after an online rotation's driver stopped inside a hotzone).
+pub(crate) struct PendingRecovery<'a> {
+    devs: Devices<'a>,
+    u: Unlocked,
+    pos: Position,
+    /// The hotzone the metadata was committed inside, `(offset, len)` in bytes of the data.
+    hotzone: Option<(u64, u64)>,
+}
+
+/// Opens the reencryption on `devs` for recovery: [`PendingRecovery::run`] recovers it.
+pub(crate) fn prepare_recovery<'a>(
+    devs: Devices<'a>,
+    passphrase: &[u8],
+) -> Result<PendingRecovery<'a>> {
+    let u = open_rotation(devs, passphrase, None)?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
-    let Some(len) = pos.hotzone else {
-        return Ok(Recovery::NotNeeded);
+    let hotzone = match pos.hotzone {
+        None => None,
+        Some(len) => {
+            let offset = match u.unshift {
+                Some(us) => us.hotzone_offset(pos.done),
+                None => hotzone_offset(&u.st, pos, len, u.data_bytes),
+            };
+            if len % u.align != 0 || len > area_limit(&u.st)? {
+                return Err(bad(format!(
+                    "hotzone of {len} bytes does not fit its resilience data"
+                )));
+            }
+            Some((offset, len))
+        }
     };
-    let offset = match u.unshift {
-        Some(us) => us.hotzone_offset(pos.done),
-        None => hotzone_offset(&u.st, pos, len, u.data_bytes),
-    };
-    if len % u.align != 0 || len > area_limit(&u.st)? {
-        return Err(bad(format!(
-            "hotzone of {len} bytes does not fit its resilience data"
-        )));
+    Ok(PendingRecovery {
+        devs,
+        u,
+        pos,
+        hotzone,
+    })
+}
+
+impl PendingRecovery<'_> {
+    /// The hotzone the metadata was committed inside, `(offset, len)` in bytes of the data;
+    /// `None`: nothing to recover.
+    pub(crate) fn hotzone(&self) -> Option<(u64, u64)> {
+        self.hotzone
     }
+
+    /// Whether the hotzone has no resilience data (`none`): its recovery takes it as
+    /// rewritten, as cryptsetup's does, whatever was rewritten of it.
+    pub(crate) fn without_resilience(&self) -> bool {
+        matches!(self.u.protect, Protect::None)
+    }
+
+    /// The bytes done once [`PendingRecovery::run`] has run, and whether that is all of them
+    /// (the header finalised).
+    pub(crate) fn done_after(&self) -> (u64, bool) {
+        let done = self.pos.done + self.hotzone.map_or(0, |(_, len)| len);
+        (done, done >= self.u.data_bytes)
+    }
+
+    /// Recovers the hotzone, if any, and commits the boundary past it (finalises after the
+    /// last one).
+    pub(crate) fn run(self) -> Result<Recovery> {
+        let PendingRecovery {
+            devs,
+            mut u,
+            pos,
+            hotzone,
+        } = self;
+        let Some((offset, len)) = hotzone else {
+            return Ok(Recovery::NotNeeded);
+        };
+        recover_hotzone(devs, &mut u, pos, offset, len)
+    }
+}
+
+/// Brings the hotzone `[offset, offset + len)` the metadata was committed inside (at `pos`)
+/// to its new form from the resilience data, then commits past it.
+fn recover_hotzone(
+    devs: Devices<'_>,
+    u: &mut Unlocked,
+    pos: Position,
+    offset: u64,
+    len: u64,
+) -> Result<Recovery> {
+    let (hdr_dev, data_dev) = (devs.header, devs.data);
     if let Some(sh) = u.shift {
         // The hotzone's source is intact (nothing writes it before the hotzone is committed
         // done): move it again, as cryptsetup's datashift recovery does.
@@ -2578,9 +2656,9 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
         let pool = BufferPool::new(piece as usize)?;
         let mut g = pool.take(piece as usize)?;
         let from = shift_source(&sh, offset);
-        move_new(data_dev, &mut u, from, offset, len, g.as_mut_slice())?;
+        move_new(data_dev, u, from, offset, len, g.as_mut_slice())?;
         drop(g);
-        return finish_recovery(devs, &mut u, pos, offset, len);
+        return finish_recovery(devs, u, pos, offset, len);
     }
     if let Some(us) = u.unshift.filter(|_| offset > 0) {
         // A hotzone of the walk: its ciphertext at the old place is intact (the hotzone is
@@ -2596,14 +2674,14 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
         let mut g = pool.take(piece as usize)?;
         move_new(
             data_dev,
-            &mut u,
+            u,
             us.source(offset),
             offset,
             len,
             g.as_mut_slice(),
         )?;
         drop(g);
-        return finish_recovery(devs, &mut u, pos, offset, len);
+        return finish_recovery(devs, u, pos, offset, len);
     }
     let area = u.st.keyslot.area_offset;
     let pool = BufferPool::new(len.max(u.align) as usize)?;
@@ -2618,7 +2696,7 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
         Protect::Datashift => return Err(Error::Bug("datashift recovered above")),
         Protect::Journal | Protect::Unshift(MovedGuard::Journal) => {
             hdr_dev.read_exact_at(buf, area)?;
-            rekey(&mut u, offset, buf)?;
+            rekey(u, offset, buf)?;
             data_dev.write_at(buf, place)?;
         }
         Protect::Checksum { hash, block }
@@ -2633,14 +2711,14 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
                 let chunk = &mut buf[at..at + block as usize];
                 if hash.digest(&[chunk]) == sums[i * hb..(i + 1) * hb] {
                     let o = offset + at as u64;
-                    rekey(&mut u, o, chunk)?;
+                    rekey(u, o, chunk)?;
                     data_dev.write_at(chunk, u.new_offset + o)?;
                 }
             }
         }
     }
     drop(g);
-    finish_recovery(devs, &mut u, pos, offset, len)
+    finish_recovery(devs, u, pos, offset, len)
 }
 
 /// After a recovered hotzone: flush, then commit the boundary past it (finalise after the

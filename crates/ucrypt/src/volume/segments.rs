@@ -304,23 +304,32 @@ impl Volume {
     }
 
     /// The hotzone `[offset, offset + len)` (plaintext bytes): returns once no request touches
-    /// it; new ones wait until [`Volume::release_hotzone`].
+    /// it; new ones wait until [`Volume::release_hotzone`]. Refused while another is held
+    /// (busy) or broken.
     pub(crate) fn hold_hotzone(&self, offset: u64, len: u64) -> Result<()> {
         let seg = self.segments()?;
-        seg.zones.hold_hotzone(ByteRange {
-            start: offset,
-            end: offset + len,
-        });
+        seg.zones.hold_hotzone(self.zone(offset, len)?)?;
         Ok(())
+    }
+
+    /// `[offset, offset + len)` as a range of the volume, refused if it is not one (the
+    /// driver's calls come from a worker process).
+    fn zone(&self, offset: u64, len: u64) -> Result<ByteRange> {
+        let size = self.core.size.load(Relaxed);
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(ByteRange { start: offset, end }),
+            _ => Err(Error::InvalidArgument(format!(
+                "a hotzone or piece of {len} bytes at {offset} is not inside the volume \
+                 ({size} bytes)"
+            ))),
+        }
     }
 
     /// The rewrite of `[offset, offset + len)`, a piece of the held hotzone, starts: reads of
     /// it wait from now on too, until [`Volume::hotzone_rewritten`].
     pub(crate) fn hotzone_rewrite(&self, offset: u64, len: u64) -> Result<()> {
-        self.segments()?.zones.exclude_reads(ByteRange {
-            start: offset,
-            end: offset + len,
-        });
+        let seg = self.segments()?;
+        seg.zones.exclude_reads(self.zone(offset, len)?)?;
         Ok(())
     }
 
@@ -330,17 +339,20 @@ impl Volume {
     /// one range), and reads of the piece go on. Writes still wait for the release. (A read of
     /// a written but unflushed piece returns the same plaintext as the old ciphertext it
     /// replaces: a crash then leaves sectors that recovery rewrites to the same plaintext.)
+    /// Refused for any other range than the piece being rewritten.
     pub(crate) fn hotzone_rewritten(&self, offset: u64, len: u64) -> Result<()> {
         let seg = self.segments()?;
-        if !seg.backward && offset < seg.head_end {
-            // A piece of the head (rewritten in place from its start): it leaves the old side.
-            seg.head_start
-                .store((offset + len).min(seg.head_end), Relaxed);
-        } else {
-            let mark = if seg.backward { offset } else { offset + len };
-            seg.mark_bytes.store(mark, Relaxed);
-        }
-        seg.zones.allow_reads();
+        let piece = self.zone(offset, len)?;
+        seg.zones.allow_reads(piece, || {
+            if !seg.backward && offset < seg.head_end {
+                // A piece of the head (rewritten in place from its start): it leaves the old
+                // side.
+                seg.head_start.store(piece.end.min(seg.head_end), Relaxed);
+            } else {
+                let mark = if seg.backward { piece.start } else { piece.end };
+                seg.mark_bytes.store(mark, Relaxed);
+            }
+        })?;
         Ok(())
     }
 
@@ -348,11 +360,17 @@ impl Volume {
     pub(crate) fn release_hotzone(&self, done: u64) -> Result<()> {
         let seg = self.segments()?;
         let size = self.core.size.load(Relaxed);
-        seg.mark_bytes.store(seg.mark_of(done, size), Relaxed);
-        if done >= size {
-            seg.head_start.store(seg.head_end, Relaxed);
+        if done > size {
+            return Err(Error::InvalidArgument(format!(
+                "{done} bytes done of a volume of {size}"
+            )));
         }
-        seg.zones.release_hotzone();
+        seg.zones.release_hotzone(|| {
+            seg.mark_bytes.store(seg.mark_of(done, size), Relaxed);
+            if done >= size {
+                seg.head_start.store(seg.head_end, Relaxed);
+            }
+        })?;
         Ok(())
     }
 
@@ -361,6 +379,23 @@ impl Volume {
         if let Ok(seg) = self.segments() {
             seg.zones.break_hotzone();
         }
+    }
+
+    /// The hotzone held now (`offset`, `len`), if any: one a driver that stopped left.
+    pub(crate) fn held_hotzone(&self) -> Option<(u64, u64)> {
+        let seg = lock(&self.segments).clone()?;
+        seg.zones.held_hotzone().map(|h| (h.start, h.end - h.start))
+    }
+
+    /// Holds `[offset, offset + len)` (and the hotzone held now, if any: the two as one)
+    /// against every request, reads too, while a hotzone whose driver stopped is recovered
+    /// under it; returns once the requests inside have left. Then
+    /// [`Volume::release_hotzone`] with the bytes the header says done, or
+    /// [`Volume::break_hotzone`].
+    pub(crate) fn fence_hotzone(&self, offset: u64, len: u64) -> Result<()> {
+        let seg = self.segments()?;
+        seg.zones.fence(self.zone(offset, len)?);
+        Ok(())
     }
 
     fn segments(&self) -> Result<Arc<Segments>> {
