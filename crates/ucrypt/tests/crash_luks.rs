@@ -155,8 +155,9 @@ fn plan(update: Update, base: &[u8], vk: &[u8]) -> (Vec<u8>, Vec<WriteOp>) {
                 .1
         }
         Update::Config => {
-            h.bin.label = LABEL.into();
-            h.set_flags(vec!["allow-discards".into()]).expect("flags")
+            h.set_label(LABEL).expect("label");
+            h.set_persistent_flags(&["allow-discards"]).expect("flags");
+            h.commit().expect("commit")
         }
         Update::RepairPrimary | Update::RepairSecondary => h.repair_plan().expect("repair"),
     };
@@ -167,7 +168,7 @@ fn plan(update: Update, base: &[u8], vk: &[u8]) -> (Vec<u8>, Vec<WriteOp>) {
 /// exactly that version's passphrases.
 fn check(update: Update, dev: &dyn Backend, old_seqid: u64, row: &str) {
     let h = luks2(dev).unwrap_or_else(|e| panic!("{row}: no valid header is left: {e}"));
-    let new = match h.bin.seqid {
+    let new = match h.bin().seqid {
         s if s == old_seqid => false,
         s if s == old_seqid + 1 => true,
         s => panic!("{row}: seqid {s}, neither the old {old_seqid} nor the new"),
@@ -182,7 +183,7 @@ fn check(update: Update, dev: &dyn Backend, old_seqid: u64, row: &str) {
         Update::Config => {
             want.push((b"pass0", true));
             assert_eq!(
-                h.bin.label == LABEL,
+                h.bin().label == LABEL,
                 new,
                 "{row}: label of the other version"
             );
@@ -215,7 +216,7 @@ fn power_cuts_during_header_updates_leave_the_old_or_the_new_header() {
         let (start, ops) = plan(update, &base, &vk);
         let old_seqid = luks2(&CrashBackend::from_image(start.clone(), 512))
             .expect("start")
-            .bin
+            .bin()
             .seqid;
         for unit in UNITS {
             // The power goes just before op `step` would complete (mid-write when it is one),

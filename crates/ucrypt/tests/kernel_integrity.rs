@@ -106,7 +106,7 @@ fn selected_cases() -> Vec<&'static Case> {
 const IMAGE_BYTES: u64 = 48 << 20;
 const MIB: u64 = 1 << 20;
 /// What the kernel writes first: 1 MiB at 0 and 2 MiB across the first area's end (16 MiB of
-/// data sectors), both from plain.bin.
+/// data sectors), both from plain.bin().
 const K1: (u64, u64) = (0, MIB);
 const K2: (u64, u64) = (15 * MIB + MIB / 2, 2 * MIB);
 /// What ucrypt writes: a fresh MiB, then an unaligned patch inside it.

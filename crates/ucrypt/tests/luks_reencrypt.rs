@@ -34,8 +34,12 @@ fn hex_key(s: &str) -> Vec<u8> {
         .collect()
 }
 
+fn stored_bytes() -> Vec<u8> {
+    std::fs::read(format!("{DATA}/reencrypt-crash-hdr.bin")).unwrap()
+}
+
 fn stored() -> (Header, Vec<u8>, Vec<u8>) {
-    let bytes = std::fs::read(format!("{DATA}/reencrypt-crash-hdr.bin")).unwrap();
+    let bytes = stored_bytes();
     let hdr = luks::parse_any(&bytes).unwrap();
     let keys = std::fs::read_to_string(format!("{DATA}/reencrypt-crash-keys.txt")).unwrap();
     let mut lines = keys.lines().filter(|l| !l.starts_with('#'));
@@ -47,7 +51,7 @@ fn stored() -> (Header, Vec<u8>, Vec<u8>) {
 #[test]
 fn stored_crash_header_typed_state() {
     let (hdr, _, _) = stored();
-    let st = ReencryptState::from_metadata(&luks2(&hdr).meta)
+    let st = ReencryptState::from_metadata(luks2(&hdr).meta())
         .unwrap()
         .expect("in reencryption");
     assert_eq!(st.version, 2);
@@ -66,7 +70,7 @@ fn stored_crash_header_typed_state() {
     assert_eq!((st.backup_previous, st.backup_final), (3, 4));
     assert_eq!(st.backup_moved, None);
     // cryptsetup's live segments are the layout ucrypt's planner gives for their position.
-    let meta = &luks2(&hdr).meta;
+    let meta = luks2(&hdr).meta();
     ucrypt::luks::reencrypt_plan::check_layout(meta, &st, u64::MAX >> 1)
         .expect("cryptsetup's layout passes the layout checks");
 }
@@ -84,10 +88,14 @@ fn stored_crash_header_digest_matches_cryptsetup() {
     h.verify_reencrypt_digest(Some(&old), Some(&new)).unwrap();
     // Keys swapped, or the metadata changed by one field: refused.
     assert!(h.verify_reencrypt_digest(Some(&new), Some(&old)).is_err());
-    let mut edited = h.clone();
-    edited.meta.segments.get_mut("4").unwrap().sector_size = Some(512);
+    let mut bytes = stored_bytes();
+    let hdr_size = h.bin().hdr_size;
+    common::mutate_json(hdr_size, &mut bytes, &|v| {
+        v["segments"]["4"]["sector_size"] = serde_json::json!(512)
+    });
+    let edited = luks::parse_any(&bytes).unwrap();
     assert!(matches!(
-        edited.verify_reencrypt_digest(Some(&old), Some(&new)),
+        luks2(&edited).verify_reencrypt_digest(Some(&old), Some(&new)),
         Err(ucrypt::Error::BadHeader {
             check: "reencrypt-digest",
             ..
@@ -164,7 +172,7 @@ fn check_init_only(extra: &[&str], want: Resilience) {
     let dev = Arc::new(FileBackend::open(&img, false, DirectMode::Never).unwrap());
     let hdr = luks::read_header(dev.as_ref() as &dyn Backend).unwrap();
     let h = luks2(&hdr);
-    let st = ReencryptState::from_metadata(&h.meta).unwrap().unwrap();
+    let st = ReencryptState::from_metadata(h.meta()).unwrap().unwrap();
     assert_eq!(st.keyslot.resilience, want);
     assert_eq!(st.in_reencryption, None);
     // cryptsetup's key rotation: keyslot 0 holds the old key, the new keyslot the new one.

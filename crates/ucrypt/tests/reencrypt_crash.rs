@@ -178,13 +178,13 @@ fn rotation_keeps_the_data() {
             );
             let hdr = luks::read_header(&CrashBackend::from_image(after.clone(), 512)).unwrap();
             let Header::Luks2(h) = hdr else { panic!() };
-            assert_eq!(h.meta.segments.len(), 1, "{kind:?}");
+            assert_eq!(h.meta().segments.len(), 1, "{kind:?}");
             assert_eq!(
-                h.meta.keyslots.len(),
+                h.meta().keyslots.len(),
                 1,
                 "{kind:?}: old keyslot and reencrypt gone"
             );
-            assert!(h.meta.config.requirements.is_none());
+            assert!(h.meta().config.requirements.is_none());
             let got = contents(after).expect("read back");
             assert!(got == plaintext(), "{kind:?} {sector}: data changed");
         }
@@ -341,7 +341,7 @@ fn power_cut_with_other_checksum_hashes() {
         let Header::Luks2(h) = luks::read_header(&dev).expect("header") else {
             panic!("LUKS2")
         };
-        let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)
+        let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(h.meta())
             .expect("state")
             .expect("in reencryption");
         assert_eq!(
@@ -408,10 +408,10 @@ fn cipher_change_keeps_the_data() {
             let after = dev.crash_image(0);
             let hdr = luks::read_header(&CrashBackend::from_image(after.clone(), 512)).unwrap();
             let Header::Luks2(h) = hdr else { panic!() };
-            let seg = &h.meta.segments["0"];
+            let seg = &h.meta().segments["0"];
             assert_eq!(seg.encryption.as_deref(), Some(enc), "{kind:?}");
             assert_eq!(seg.sector_size, Some(new_sector), "{kind:?}");
-            let ks: Vec<_> = h.meta.keyslots.values().collect();
+            let ks: Vec<_> = h.meta().keyslots.values().collect();
             assert_eq!(ks.len(), 1);
             assert_eq!(ks[0].key_size, key_bytes);
             let area = ks[0].area.as_ref().unwrap();
@@ -585,11 +585,15 @@ fn assert_decrypted_header(hdr: &luks::Header) {
     let Header::Luks2(h) = hdr else {
         panic!("not LUKS2")
     };
-    assert_eq!(h.meta.segments.len(), 1);
-    assert_eq!(h.meta.segments["0"].kind, "linear");
-    assert!(h.meta.keyslots.is_empty(), "{:?}", h.meta.keyslots.keys());
-    assert!(h.meta.digests.is_empty());
-    assert!(h.meta.config.requirements.is_none());
+    assert_eq!(h.meta().segments.len(), 1);
+    assert_eq!(h.meta().segments["0"].kind, "linear");
+    assert!(
+        h.meta().keyslots.is_empty(),
+        "{:?}",
+        h.meta().keyslots.keys()
+    );
+    assert!(h.meta().digests.is_empty());
+    assert!(h.meta().config.requirements.is_none());
 }
 
 #[test]
@@ -649,7 +653,7 @@ fn check_layout(
     let Header::Luks2(hdr) = &hdr_any else {
         return;
     };
-    if ucrypt::luks::reencrypt::ReencryptState::from_metadata(&hdr.meta)
+    if ucrypt::luks::reencrypt::ReencryptState::from_metadata(hdr.meta())
         .unwrap()
         .is_none()
     {
@@ -657,7 +661,7 @@ fn check_layout(
     }
     let mut bytes = vec![0u8; DATA_BYTES as usize];
     data.read_exact_at(&mut bytes, data_offset).unwrap();
-    for (id, seg) in &hdr.meta.segments {
+    for (id, seg) in &hdr.meta().segments {
         if seg.flags.as_ref().is_some_and(|f| !f.is_empty()) {
             continue; // backups, and the hotzone (old or new per block)
         }
@@ -669,8 +673,8 @@ fn check_layout(
         let mut part = bytes[start..end].to_vec();
         if seg.kind == "crypt" {
             let n: u32 = id.parse().unwrap();
-            let d = ucrypt::luks::reencrypt::digest_of_segment(&hdr.meta, n).unwrap();
-            let slot: u32 = hdr.meta.digests[&d.to_string()].keyslots[0]
+            let d = ucrypt::luks::reencrypt::digest_of_segment(hdr.meta(), n).unwrap();
+            let slot: u32 = hdr.meta().digests[&d.to_string()].keyslots[0]
                 .parse()
                 .unwrap();
             let mut read = |o: u64, l: u64| luks::read_area(hdr_dev, o, l);
@@ -735,7 +739,8 @@ fn power_cut_during_decryption() {
                     )
                 });
                 let Header::Luks2(h) = &hdr else { panic!() };
-                if h.meta.segments["0"].kind == "crypt" && h.meta.config.requirements.is_none() {
+                if h.meta().segments["0"].kind == "crypt" && h.meta().config.requirements.is_none()
+                {
                     // Cut before the init's commit: still the encrypted volume.
                     let (_, d) = split(Arc::new(CrashBackend::from_image(img.clone(), unit)));
                     let mut was = vec![0u8; DATA_BYTES as usize];
@@ -1008,8 +1013,8 @@ fn shift_contents(dev: Arc<dyn Backend>) -> Result<Vec<u8>> {
     let Header::Luks2(h) = &hdr else {
         panic!("LUKS1")
     };
-    assert_eq!(h.meta.segments.len(), 1);
-    assert_eq!(h.meta.segments["0"].offset.0, SHIFT_BYTES);
+    assert_eq!(h.meta().segments.len(), 1);
+    assert_eq!(h.meta().segments["0"].offset.0, SHIFT_BYTES);
     let vol = luks::open(
         dev,
         Unlock::Passphrase(SecretBytes::from_slice(PASS)),
@@ -1040,14 +1045,14 @@ fn check_moved_layout(hdr_dev: &dyn Backend, dev: &dyn Backend, want: &[u8], wha
     let Header::Luks2(hdr) = &hdr_any else {
         return;
     };
-    if ucrypt::luks::reencrypt::ReencryptState::from_metadata(&hdr.meta)
+    if ucrypt::luks::reencrypt::ReencryptState::from_metadata(hdr.meta())
         .unwrap()
         .is_none()
     {
         return;
     }
     let mut live: Vec<(u32, &ucrypt::luks::json::Segment)> = hdr
-        .meta
+        .meta()
         .segments
         .iter()
         .map(|(k, s)| (k.parse().unwrap(), s))
@@ -1069,8 +1074,8 @@ fn check_moved_layout(hdr_dev: &dyn Backend, dev: &dyn Backend, want: &[u8], wha
             let mut part = vec![0u8; len];
             dev.read_exact_at(&mut part, seg.offset.0).unwrap();
             if seg.kind == "crypt" {
-                let d = ucrypt::luks::reencrypt::digest_of_segment(&hdr.meta, id).unwrap();
-                let slot: u32 = hdr.meta.digests[&d.to_string()].keyslots[0]
+                let d = ucrypt::luks::reencrypt::digest_of_segment(hdr.meta(), id).unwrap();
+                let slot: u32 = hdr.meta().digests[&d.to_string()].keyslots[0]
                     .parse()
                     .unwrap();
                 let mut read = |o: u64, l: u64| luks::read_area(hdr_dev, o, l);
@@ -1134,8 +1139,8 @@ fn shift_encryption_keeps_the_data() {
         let Header::Luks2(h) = luks::read_header(dev.as_ref()).unwrap() else {
             panic!()
         };
-        assert_eq!(h.meta.segments["0"].sector_size, Some(sector));
-        assert_eq!(h.meta.keyslots.len(), 1, "reencrypt keyslot gone");
+        assert_eq!(h.meta().segments["0"].sector_size, Some(sector));
+        assert_eq!(h.meta().keyslots.len(), 1, "reencrypt keyslot gone");
         let got = shift_contents(dev).expect("read back");
         assert!(got == want, "{sector}: data differs");
     }
@@ -1393,7 +1398,7 @@ fn finish_unshift(disk: Arc<CrashBackend>, base: &[u8]) -> Result<(Recovery, Uns
         let Header::Luks2(plain) = &hdr else {
             panic!("LUKS1")
         };
-        if plain.meta.segments["0"].kind == "crypt" {
+        if plain.meta().segments["0"].kind == "crypt" {
             // The export, complete (the volume then opens through it) or cut (the volume is
             // then untouched: the export is flushed before the volume is written).
             let mut o = OpenOptions::default();
@@ -1692,7 +1697,7 @@ fn power_cut_around_a_resilience_switch() {
             let dev = CrashBackend::from_image(cut.inner.crash_image(s), unit);
             let what = format!("{from:?} to {to_name}: cut after {budget} of {total} (seed {s})");
             if let Header::Luks2(h) = luks::read_header(&dev).expect("header") {
-                if let Some(st) = ReencryptState::from_metadata(&h.meta).expect("state") {
+                if let Some(st) = ReencryptState::from_metadata(h.meta()).expect("state") {
                     let name = st.keyslot.resilience.name();
                     let from_name = format!("{from:?}").to_lowercase();
                     assert!(name == to_name || name == from_name, "{what}: {name}");
@@ -1777,7 +1782,7 @@ fn power_cut_around_an_unshift_resilience_switch() {
             let whole: Arc<dyn Backend> = kept.clone();
             let (h, _) = unshift_devs(&whole);
             if let Header::Luks2(hdr) = luks::read_header(h.as_ref()).expect("header") {
-                if let Some(st) = ReencryptState::from_metadata(&hdr.meta).expect("state") {
+                if let Some(st) = ReencryptState::from_metadata(hdr.meta()).expect("state") {
                     let name = st.keyslot.resilience.name();
                     seen_new += usize::from(name == to_name);
                     assert!(name.starts_with("datashift-"), "{what}: {name}");

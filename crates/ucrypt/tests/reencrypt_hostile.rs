@@ -76,8 +76,8 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
 fn where_is(img: &[u8]) -> Option<(u64, Option<u64>)> {
     let hdr = luks::read_header(&CrashBackend::from_image(img.to_vec(), 512)).ok()?;
     let Header::Luks2(h) = hdr else { return None };
-    let st = ReencryptState::from_metadata(&h.meta).ok()??;
-    let p = position(&h.meta, &st, DATA_BYTES).ok()?;
+    let st = ReencryptState::from_metadata(h.meta()).ok()??;
+    let p = position(h.meta(), &st, DATA_BYTES).ok()?;
     Some((p.done, p.hotzone))
 }
 
@@ -111,28 +111,6 @@ fn stopped_images(kind: ResilienceKind) -> (Vec<u8>, Vec<u8>) {
         between.expect("a stop between hotzones"),
         inside.expect("a stop inside a hotzone"),
     )
-}
-
-fn fix_checksum(copy: &mut [u8]) {
-    copy[448..512].fill(0);
-    let sum = HashAlg::Sha256.digest(&[copy]);
-    copy[448..480].copy_from_slice(&sum);
-}
-
-/// Applies `f` to the JSON of both header copies and makes their checksums valid again.
-fn mutate_json(img: &mut [u8], f: &dyn Fn(&mut Value)) {
-    for c in 0..2 {
-        let copy = &mut img[c * HDR as usize..(c + 1) * HDR as usize];
-        let area = &mut copy[4096..];
-        let end = area.iter().position(|&b| b == 0).expect("NUL");
-        let mut v: Value = serde_json::from_slice(&area[..end]).expect("JSON");
-        f(&mut v);
-        let text = serde_json::to_vec(&v).expect("serialise");
-        assert!(text.len() < area.len(), "mutated JSON fits");
-        area.fill(0);
-        area[..text.len()].copy_from_slice(&text);
-        fix_checksum(copy);
-    }
 }
 
 /// The id of the segment carrying `flag`.
@@ -358,7 +336,7 @@ fn mangled_reencryption_metadata_is_refused_and_nothing_is_written() {
             At::Between => between.clone(),
             At::Inside => inside.clone(),
         };
-        mutate_json(&mut img, &*mangle);
+        common::mutate_json(HDR, &mut img, &*mangle);
         let dev = Cut::new(img.clone(), 512, 0);
         let r = resume(
             &dev,
@@ -435,10 +413,10 @@ fn shift_stopped() -> (Vec<u8>, Vec<u8>) {
         else {
             continue;
         };
-        let Ok(Some(st)) = ReencryptState::from_metadata(&h.meta) else {
+        let Ok(Some(st)) = ReencryptState::from_metadata(h.meta()) else {
             continue;
         };
-        match position(&h.meta, &st, SHIFT_DATA) {
+        match position(h.meta(), &st, SHIFT_DATA) {
             Ok(p) if p.done > 0 && p.hotzone.is_none() && between.is_none() => between = Some(got),
             Ok(p) if p.done > 0 && p.hotzone.is_some() && inside.is_none() => inside = Some(got),
             _ => {}
@@ -461,7 +439,7 @@ fn redigest_with(img: &mut [u8], old: bool) {
     let dev = CrashBackend::from_image(img.to_vec(), 512);
     let hdr = luks::read_header(&dev).expect("header");
     let Header::Luks2(h) = &hdr else { panic!() };
-    let st = ReencryptState::from_metadata(&h.meta).unwrap().unwrap();
+    let st = ReencryptState::from_metadata(h.meta()).unwrap().unwrap();
     let mut read = |o: u64, l: u64| luks::read_area(&dev, o, l);
     let (_, vk) = luks::unlock(&hdr, PASS, Some(0), &mut read).expect("unlock");
     let (o, n) = if old {
@@ -469,15 +447,18 @@ fn redigest_with(img: &mut [u8], old: bool) {
     } else {
         (None, Some(vk.bytes()))
     };
-    let data = ucrypt::luks::reencrypt::verification_data(&h.meta, &st, o, n).unwrap();
+    let data = ucrypt::luks::reencrypt::verification_data(h.meta(), &st, o, n).unwrap();
     let rk = st.keyslot.id.to_string();
-    let (id, d) = h.meta.digest_for_keyslot(&rk).expect("reencryption digest");
+    let (id, d) = h
+        .meta()
+        .digest_for_keyslot(&rk)
+        .expect("reencryption digest");
     let salt = ucrypt::luks::util::b64_decode(d.salt.as_deref().unwrap()).unwrap();
     let mut out = vec![0u8; 32];
     HashAlg::Sha256.pbkdf2(data.as_ref(), &salt, d.iterations.unwrap(), &mut out);
     let digest = ucrypt::luks::util::b64_encode(&out);
     let id = id.clone();
-    mutate_json(img, &move |v: &mut Value| {
+    common::mutate_json(HDR, img, &move |v: &mut Value| {
         v["digests"][&id]["digest"] = json!(digest.clone());
     });
 }
@@ -576,7 +557,7 @@ fn mangled_datashift_metadata_is_refused_and_nothing_is_written() {
             At::Between => between.clone(),
             At::Inside => inside.clone(),
         };
-        mutate_json(&mut img, &*mangle);
+        common::mutate_json(HDR, &mut img, &*mangle);
         if digest {
             redigest(&mut img);
         }
@@ -701,11 +682,11 @@ fn unshift_stopped() -> [Vec<u8>; 3] {
         else {
             continue;
         };
-        let Ok(Some(st)) = ReencryptState::from_metadata(&h.meta) else {
+        let Ok(Some(st)) = ReencryptState::from_metadata(h.meta()) else {
             continue;
         };
         let walk = UNSHIFT_DATA - UNSHIFT_S;
-        match position(&h.meta, &st, UNSHIFT_DATA) {
+        match position(h.meta(), &st, UNSHIFT_DATA) {
             Ok(p) if p.done > 0 && p.done < walk && p.hotzone.is_none() && between.is_none() => {
                 between = Some(got)
             }
@@ -899,7 +880,7 @@ fn mangled_unshift_metadata_is_refused_and_nothing_is_written() {
     }
     for (name, at, mangle, digest, want) in unshift_rows() {
         let mut img = stopped[at as usize].clone();
-        mutate_json(&mut img, &*mangle);
+        common::mutate_json(HDR, &mut img, &*mangle);
         if digest {
             redigest_with(&mut img, true);
         }

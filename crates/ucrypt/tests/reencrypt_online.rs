@@ -740,7 +740,7 @@ fn an_encryption_moving_the_data_online() {
             let luks::Header::Luks2(h) = &hdr else {
                 panic!("LUKS2")
             };
-            let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)
+            let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(h.meta())
                 .unwrap()
                 .expect("in reencryption");
             assert!(st.needs_recovery(), "left inside a hotzone");
@@ -952,7 +952,7 @@ fn a_rotation_stopped_inside_a_hotzone_is_recovered_while_served() {
                 let luks::Header::Luks2(h) = &hdr else {
                     panic!("{case}: not LUKS2");
                 };
-                let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)
+                let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(h.meta())
                     .expect("state")
                     .expect("in reencryption");
                 assert!(!st.needs_recovery(), "{case}: left inside a hotzone");

@@ -170,7 +170,7 @@ fn opens(dev: &dyn Backend, slot: u32, pass: &[u8]) -> ucrypt::Result<u32> {
 /// The PBKDF type and costs of a keyslot, without its salt.
 fn costs(h: &luks::Luks2Header, slot: u32) -> String {
     match h
-        .meta
+        .meta()
         .keyslot_params(&slot.to_string())
         .expect("keyslot")
         .kdf
@@ -198,13 +198,20 @@ fn active_keyslots_are_the_bound_ones() {
     assert_eq!(passphrase_keyslots(&hdr), vec![0, 1, 2]);
     // A keyslot of a digest of no segment (cryptsetup's "unbound") is not asked for.
     let mut h = luks2(dev.as_ref());
-    let d = h.meta.digests.get_mut("0").unwrap();
-    d.keyslots.retain(|k| k != "1");
-    let mut unbound = d.clone();
-    unbound.keyslots = vec!["1".into()];
-    unbound.segments = vec![];
-    h.meta.digests.insert("1".into(), unbound);
-    assert_eq!(passphrase_keyslots(&Header::Luks2(h)), vec![0, 2]);
+    let (slot, ops) = h
+        .add_unbound_keyslot(
+            SecretBytes::from_slice(&[7; 9]),
+            b"unbound",
+            &fast_kdf(),
+            None,
+        )
+        .unwrap();
+    assert_eq!(slot, 3);
+    luks::apply(dev.as_ref(), &ops).unwrap();
+    assert_eq!(
+        passphrase_keyslots(&Header::Luks2(luks2(dev.as_ref()))),
+        vec![0, 1, 2]
+    );
 }
 
 /// Three keyslots of three PBKDFs, one passphrase each: three new keyslots (3, 4, 5) for the
@@ -216,9 +223,8 @@ fn each_keyslot_gets_a_twin_with_its_pbkdf() {
     // A token assigned to keyslot 1, as `cryptsetup token import --key-slot 1` makes it.
     let mut h = luks2(dev.as_ref());
     let token = json!({"type": "ucrypt-test", "keyslots": ["1"]});
-    h.meta
-        .tokens
-        .insert("0".into(), token.as_object().unwrap().clone());
+    h.import_token(Some(0), token.as_object().unwrap().clone(), false)
+        .unwrap();
     let ops = h.commit().unwrap();
     luks::apply(dev.as_ref(), &ops).unwrap();
     let before = luks2(dev.as_ref());
@@ -242,7 +248,7 @@ fn each_keyslot_gets_a_twin_with_its_pbkdf() {
     for (old, new) in [(0, 3), (1, 4), (2, 5)] {
         assert_eq!(costs(&mid, new), old_costs[old as usize], "keyslot {new}");
     }
-    assert_eq!(mid.meta.tokens["0"]["keyslots"], json!(["1", "4"]));
+    assert_eq!(mid.meta().tokens["0"]["keyslots"], json!(["1", "4"]));
     // Every new keyslot opens the new key with its passphrase, every old one the old key.
     let new_did = opens(dev.as_ref(), 3, PASSES[0]).unwrap();
     for (i, p) in PASSES.iter().enumerate() {
@@ -252,10 +258,10 @@ fn each_keyslot_gets_a_twin_with_its_pbkdf() {
 
     run(dev.as_ref(), PASSES[1]);
     let after = luks2(dev.as_ref());
-    let mut left: Vec<&String> = after.meta.keyslots.keys().collect();
+    let mut left: Vec<&String> = after.meta().keyslots.keys().collect();
     left.sort();
     assert_eq!(left, ["3", "4", "5"]);
-    assert_eq!(after.meta.tokens["0"]["keyslots"], json!(["4"]));
+    assert_eq!(after.meta().tokens["0"]["keyslots"], json!(["4"]));
     for (i, p) in PASSES.iter().enumerate() {
         assert_eq!(costs(&after, i as u32 + 3), old_costs[i]);
         assert!(
@@ -284,7 +290,7 @@ fn a_given_pbkdf_and_one_keyslot_of_several() {
     assert_eq!(costs(&luks2(dev.as_ref()), 3), "pbkdf2 sha256 1111");
     run(dev.as_ref(), PASSES[2]);
     let after = luks2(dev.as_ref());
-    assert_eq!(after.meta.keyslots.keys().collect::<Vec<_>>(), ["3"]);
+    assert_eq!(after.meta().keyslots.keys().collect::<Vec<_>>(), ["3"]);
     assert!(contents(dev.clone(), PASSES[2]) == fill());
 }
 

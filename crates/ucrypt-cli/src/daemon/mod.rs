@@ -277,13 +277,13 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
     match &p.kind {
         PreparedKind::Luks { hdr, opts, .. } => {
             if let Header::Luks2(h) = &**hdr {
-                if let Some(seg) = h.meta.segments.values().find(|s| s.integrity.is_some()) {
+                if let Some(seg) = h.meta().segments.values().find(|s| s.integrity.is_some()) {
                     // dm-crypt over dm-integrity, as cryptsetup's status shows it: the cipher
                     // key's size, then the integrity type and its key's size.
                     let integ = seg.integrity.as_ref().map(|i| i.kind.clone());
                     let integ = integ.unwrap_or_default();
                     let total_bits = h
-                        .meta
+                        .meta()
                         .keyslots
                         .values()
                         .find(|k| k.kind == "luks2")
@@ -310,14 +310,14 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             if let Header::Luks2(h) = &**hdr {
                 // In reencryption: the volume as it was (backup-previous; a key rotation keeps
                 // cipher, sector size and offset).
-                let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(&h.meta)?;
+                let st = ucrypt::luks::reencrypt::ReencryptState::from_metadata(h.meta())?;
                 if let Some(seg) =
-                    st.and_then(|st| h.meta.segments.get(&st.backup_previous.to_string()))
+                    st.and_then(|st| h.meta().segments.get(&st.backup_previous.to_string()))
                 {
                     info.kind = "LUKS2".into();
                     info.cipher = seg.encryption.clone().unwrap_or_default();
                     info.key_bits = h
-                        .meta
+                        .meta()
                         .keyslots
                         .values()
                         .find(|k| k.kind == "luks2")
@@ -338,7 +338,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             info.key_bits = match &**hdr {
                 Header::Luks1(h) => h.key_bytes * 8,
                 Header::Luks2(h) => h
-                    .meta
+                    .meta()
                     .keyslots
                     .values()
                     .find(|k| k.kind == "luks2")

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
-    self, json, luks1, luks2, util, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock,
-    VolumeKey, WriteOp,
+    self, luks1, luks2, util, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock, VolumeKey,
+    WriteOp,
 };
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -746,7 +746,7 @@ fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()>
     };
     let seg = match &hdr {
         Header::Luks2(h) => h
-            .meta
+            .meta()
             .segments
             .values()
             .find(|s| s.kind == "crypt")
@@ -1021,7 +1021,7 @@ fn dump_unbound(dev: &HeaderDev, hdr: &Header, name: &str, o: &LuksOpts) -> Resu
         .ok_or_else(|| Error::InvalidArgument("Keyslot specification is required.".into()))?;
     let unbound = match hdr {
         Header::Luks2(h) => h
-            .meta
+            .meta()
             .digest_for_keyslot(&slot.to_string())
             .is_some_and(|(_, d)| d.segments.is_empty()),
         Header::Luks1(_) => false,
@@ -1342,9 +1342,9 @@ fn uuid(device: &Target, o: &LuksOpts) -> Result<i32> {
         return Ok(0);
     };
     hdr.check_requirements()?;
-    util::check_uuid(new)?;
     let ops = match &mut hdr {
         Header::Luks1(h) => {
+            util::check_uuid(new)?;
             h.uuid = new.to_lowercase();
             vec![
                 WriteOp::Write {
@@ -1355,7 +1355,7 @@ fn uuid(device: &Target, o: &LuksOpts) -> Result<i32> {
             ]
         }
         Header::Luks2(h) => {
-            h.bin.uuid = new.to_lowercase();
+            h.set_uuid(new)?;
             h.commit()?
         }
     };
@@ -1471,7 +1471,7 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
 /// Whether the header carries a reencryption requirement (an unfinished reencryption).
 pub(crate) fn in_reencryption(hdr: &Header) -> bool {
     match hdr {
-        Header::Luks2(h) => luks::reencrypt::requirement_version(&h.meta).is_some(),
+        Header::Luks2(h) => luks::reencrypt::requirement_version(h.meta()).is_some(),
         Header::Luks1(_) => false,
     }
 }
@@ -1505,47 +1505,24 @@ fn config(device: &Target, o: &LuksOpts) -> Result<i32> {
     };
     let mut changed = false;
     if let Some(l) = &o.label {
-        h.bin.label = l.clone();
+        h.set_label(l)?;
         changed = true;
     }
     if let Some(s) = &o.subsystem {
-        h.bin.subsystem = s.clone();
+        h.set_subsystem(s)?;
         changed = true;
     }
     if let Some(p) = &o.priority {
         let slot = o
             .key_slot
             .ok_or_else(|| Error::InvalidArgument("--priority needs --key-slot".into()))?;
-        let v = match p.as_str() {
-            "prefer" => Some(2),
-            "normal" => None,
-            "ignore" => Some(0),
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "priority '{other}' (prefer, normal, ignore)"
-                )))
-            }
-        };
-        let ks = h
-            .meta
-            .keyslots
-            .get_mut(&slot.to_string())
-            .ok_or(Error::Keyslot {
-                slot,
-                reason: "keyslot is not in use".into(),
-            })?;
-        ks.priority = v;
+        h.set_keyslot_priority(slot, p.parse()?)?;
         changed = true;
     }
     if o.persistent {
-        // Replace the known flags, keep unknown ones (a newer cryptsetup's).
-        let mut flags: Vec<String> = h
-            .flags()
-            .into_iter()
-            .filter(|f| !json::KNOWN_FLAGS.contains(&f.as_str()))
-            .collect();
-        flags.extend(requested_flags(o));
-        h.meta.config.flags = if flags.is_empty() { None } else { Some(flags) };
+        let flags = requested_flags(o);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        h.set_persistent_flags(&flags)?;
         changed = true;
     }
     if !changed {
@@ -1568,7 +1545,7 @@ fn repair(device: &Target, o: &LuksOpts) -> Result<i32> {
     // not.
     hdr.check_known_requirements()?;
     let in_reencryption = matches!(&hdr, Header::Luks2(h)
-        if luks::reencrypt::ReencryptState::from_metadata(&h.meta).ok().flatten().is_some());
+        if luks::reencrypt::ReencryptState::from_metadata(h.meta()).ok().flatten().is_some());
     if in_reencryption {
         drop(dev);
         return reencrypt::repair_reencryption(device, o);

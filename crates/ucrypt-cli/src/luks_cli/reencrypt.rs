@@ -131,7 +131,7 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
 /// cryptsetup reads them: a cipher equal to the old one is no change; `--key-size` is in bits.
 fn segment_change(o: &LuksOpts, hdr: &Header) -> Result<SegmentChange> {
     let old = match hdr {
-        Header::Luks2(h) => h.meta.crypt_segment().ok(),
+        Header::Luks2(h) => h.meta().crypt_segment().ok(),
         Header::Luks1(_) => None,
     };
     let cipher = match o.cipher.as_deref() {
@@ -426,7 +426,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         data: data.as_deref().unwrap_or(dev.as_ref()),
     };
     let in_progress = match &hdr {
-        Header::Luks2(h) => ReencryptState::from_metadata(&h.meta)?,
+        Header::Luks2(h) => ReencryptState::from_metadata(h.meta())?,
         Header::Luks1(_) => None,
     };
     if r.resume_only && in_progress.is_none() {
@@ -635,7 +635,7 @@ fn encryption_in_progress(o: &LuksOpts) -> bool {
     };
     matches!(
         ucrypt::luks::read_header(dev.as_ref()),
-        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(&h.meta).ok().flatten().is_some()
+        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(h.meta()).ok().flatten().is_some()
     )
 }
 
@@ -650,7 +650,7 @@ fn shift_in_progress(device: &Target, o: &LuksOpts) -> bool {
     };
     matches!(
         ucrypt::luks::read_header(dev.as_ref()),
-        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(&h.meta).ok().flatten().is_some()
+        Ok(Header::Luks2(h)) if ReencryptState::from_metadata(h.meta()).ok().flatten().is_some()
     )
 }
 
@@ -908,7 +908,7 @@ fn decrypt_unshift(
     let moved_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let meta_bytes = match ucrypt::luks::read_header(data.as_ref())? {
-        Header::Luks2(h) => 2 * h.bin.hdr_size + h.meta.config.keyslots_size.0,
+        Header::Luks2(h) => 2 * h.bin().hdr_size + h.meta().config.keyslots_size.0,
         Header::Luks1(_) => {
             return Err(Error::UnsupportedLuks(
                 "reencryption of LUKS1 (convert it to LUKS2 first)".into(),

@@ -271,10 +271,10 @@ fn unknown_fields_survive_a_rewrite() {
     let Header::Luks2(mut h2) = parse_any(&img2).expect("parse") else {
         panic!()
     };
-    apply_to_image(
-        &mut img2,
-        &h2.set_flags(vec!["allow-discards".into()]).expect("flags"),
-    );
+    apply_to_image(&mut img2, &{
+        h2.set_persistent_flags(&["allow-discards"]).expect("flags");
+        h2.commit().expect("commit")
+    });
     let Header::Luks2(h3) = parse_any(&img2).expect("parse") else {
         panic!()
     };

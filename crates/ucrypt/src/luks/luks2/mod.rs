@@ -4,16 +4,21 @@
 //! - this file: the parsed header ([`Luks2Header`]), parsing both copies, and serialising
 //!   an update as a write plan;
 //! - `digest`: the pbkdf2 digest that proves a key right, and new digests;
+//! - `config`: label, subsystem, UUID, keyslot priority, persistent flags;
 //! - `keyslots`: unlock order, adding/removing/changing keyslots (unbound ones too);
+//! - `tokens`: tokens kept as they are, imported and removed;
 //! - `format`: a new header.
 
 mod binary;
+mod config;
 pub(crate) mod digest;
 mod format;
 mod keyslots;
 mod select;
+mod tokens;
 
 pub use binary::{read_copy, BinHeader, Copy, HDR_SIZES, MAGIC_1ST, MAGIC_2ND};
+pub use config::Priority;
 pub use format::{format, FormatIntegrity, FormatLuks2, HDR_SIZE_DEFAULT};
 pub use keyslots::keyslot_kdf;
 pub use select::{select_copy, Selection, Which};
@@ -33,10 +38,27 @@ fn bad(check: &'static str, detail: impl Into<String>) -> Error {
 }
 
 /// A parsed LUKS2 header: the winning copy, plus what a reader should know about the other.
+///
+/// The binary header and the metadata are read through [`Luks2Header::bin`] and
+/// [`Luks2Header::meta`]; they change only through the header's own methods (keyslots,
+/// settings, reencryption), each of which keeps the header valid, and reach the device only
+/// through [`Luks2Header::commit`]'s plan. A caller cannot edit a validated header:
+///
+/// ```compile_fail
+/// fn edit(h: &mut ucrypt::luks::Luks2Header) {
+///     h.meta.config.flags = None;
+/// }
+/// ```
+///
+/// ```compile_fail
+/// fn edit(h: &mut ucrypt::luks::Luks2Header) {
+///     h.bin.seqid += 1;
+/// }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Luks2Header {
-    pub bin: BinHeader,
-    pub meta: Metadata,
+    pub(crate) bin: BinHeader,
+    pub(crate) meta: Metadata,
     /// Salt of the secondary copy (each copy has its own).
     pub salt2: [u8; 64],
     /// Warnings for the user (a damaged or stale copy recovered from the other one).
@@ -46,6 +68,16 @@ pub struct Luks2Header {
 }
 
 impl Luks2Header {
+    /// The winning copy's binary header.
+    pub fn bin(&self) -> &BinHeader {
+        &self.bin
+    }
+
+    /// The metadata (keyslots, digests, segments, tokens, config), as validated.
+    pub fn meta(&self) -> &Metadata {
+        &self.meta
+    }
+
     /// Parses from the device's first bytes (see [`super::probe_len`]).
     pub fn parse(prefix: &[u8]) -> Result<Luks2Header> {
         let p = read_copy(prefix, 0, false);
@@ -196,16 +228,6 @@ impl Luks2Header {
             Some(Which::Primary) | None => (primary, secondary),
         };
         Ok(vec![first, WriteOp::Sync, second, WriteOp::Sync])
-    }
-
-    /// Sets the persistent activation flags (`config.flags`).
-    pub fn set_flags(&mut self, flags: Vec<String>) -> Result<Vec<WriteOp>> {
-        self.meta.config.flags = if flags.is_empty() { None } else { Some(flags) };
-        self.commit()
-    }
-
-    pub fn flags(&self) -> Vec<String> {
-        self.meta.config.flags.clone().unwrap_or_default()
     }
 
     /// Rewrites both copies from the chosen one (cryptsetup's `repair`).
