@@ -586,7 +586,7 @@ fn assert_decrypted_header(hdr: &luks::Header) {
         panic!("not LUKS2")
     };
     assert_eq!(h.meta().segments.len(), 1);
-    assert_eq!(h.meta().segments["0"].kind, "linear");
+    assert_eq!(h.meta().segments["0"].kind.as_str(), "linear");
     assert!(
         h.meta().keyslots.is_empty(),
         "{:?}",
@@ -671,7 +671,7 @@ fn check_layout(
             ucrypt::luks::json::SegmentSize::Dynamic => DATA_BYTES as usize,
         };
         let mut part = bytes[start..end].to_vec();
-        if seg.kind == "crypt" {
+        if seg.kind.as_str() == "crypt" {
             let n: u32 = id.parse().unwrap();
             let d = ucrypt::luks::reencrypt::digest_of_segment(hdr.meta(), n).unwrap();
             let slot: u32 = hdr.meta().digests[&d.to_string()].keyslots[0]
@@ -739,7 +739,7 @@ fn power_cut_during_decryption() {
                     )
                 });
                 let Header::Luks2(h) = &hdr else { panic!() };
-                if h.meta().segments["0"].kind == "crypt" && h.meta().config.requirements.is_none()
+                if h.meta().segments["0"].kind.as_str() == "crypt" && h.meta().config.requirements.is_none()
                 {
                     // Cut before the init's commit: still the encrypted volume.
                     let (_, d) = split(Arc::new(CrashBackend::from_image(img.clone(), unit)));
@@ -1073,7 +1073,7 @@ fn check_moved_layout(hdr_dev: &dyn Backend, dev: &dyn Backend, want: &[u8], wha
         if !hot {
             let mut part = vec![0u8; len];
             dev.read_exact_at(&mut part, seg.offset.0).unwrap();
-            if seg.kind == "crypt" {
+            if seg.kind.as_str() == "crypt" {
                 let d = ucrypt::luks::reencrypt::digest_of_segment(hdr.meta(), id).unwrap();
                 let slot: u32 = hdr.meta().digests[&d.to_string()].keyslots[0]
                     .parse()
@@ -1398,7 +1398,7 @@ fn finish_unshift(disk: Arc<CrashBackend>, base: &[u8]) -> Result<(Recovery, Uns
         let Header::Luks2(plain) = &hdr else {
             panic!("LUKS1")
         };
-        if plain.meta().segments["0"].kind == "crypt" {
+        if plain.meta().segments["0"].kind.as_str() == "crypt" {
             // The export, complete (the volume then opens through it) or cut (the volume is
             // then untouched: the export is flushed before the volume is written).
             let mut o = OpenOptions::default();

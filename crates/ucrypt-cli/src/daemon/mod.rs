@@ -45,6 +45,7 @@ use crate::open::{Prepared, PreparedKind, VolumeArgs};
 use crate::target::Target;
 use proto::{Ready, Request, Response, StatusReport, VolumeInfo};
 use state::{Identity, RunDir};
+use ucrypt::luks::json::KeyslotKind;
 
 /// How long `close` waits for the daemon to exit after it answered.
 const CLOSE_EXIT_WAIT: Duration = Duration::from_secs(10);
@@ -286,7 +287,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                         .meta()
                         .keyslots
                         .values()
-                        .find(|k| k.kind == "luks2")
+                        .find(|k| k.kind == KeyslotKind::Luks2)
                         .map(|k| k.key_size * 8)
                         .unwrap_or(0);
                     let mac_bits = match integ.as_str() {
@@ -320,7 +321,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                         .meta()
                         .keyslots
                         .values()
-                        .find(|k| k.kind == "luks2")
+                        .find(|k| k.kind == KeyslotKind::Luks2)
                         .map(|k| k.key_size * 8)
                         .unwrap_or(0);
                     info.sector_size = seg.sector_size.unwrap_or(512);
@@ -341,7 +342,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                     .meta()
                     .keyslots
                     .values()
-                    .find(|k| k.kind == "luks2")
+                    .find(|k| k.kind == KeyslotKind::Luks2)
                     .map(|k| k.key_size * 8)
                     .unwrap_or(0),
             };

@@ -26,6 +26,7 @@ use crate::target::{RemoteArgs, Target};
 use crate::pass::{self, Source};
 use dev::HeaderDev;
 pub use dev::{open_header, open_header_file};
+use ucrypt::luks::json::SegmentKind;
 
 /// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
 #[derive(Args, Debug, Clone, Default)]
@@ -749,7 +750,7 @@ fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()>
             .meta()
             .segments
             .values()
-            .find(|s| s.kind == "crypt")
+            .find(|s| s.kind == SegmentKind::Crypt)
             .cloned(),
         Header::Luks1(_) => None,
     }

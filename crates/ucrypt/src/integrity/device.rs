@@ -44,6 +44,7 @@ use crate::engine::host;
 use crate::engine::plan::CHUNKS_PER_LANE;
 use crate::engine::stats::{now, ns_per_tick};
 use crate::engine::{Policies, Policy};
+use crate::luks::json::SegmentKind;
 use crate::luks::{read_area, Header, VolumeKey};
 use crate::pool::BufferPool;
 use crate::sync::lock;
@@ -1638,7 +1639,7 @@ pub fn superblock_offset(hdr: &Header) -> Option<u64> {
     h.meta
         .segments
         .values()
-        .find(|s| s.kind == "crypt" && s.integrity.is_some())
+        .find(|s| s.kind == SegmentKind::Crypt && s.integrity.is_some())
         .map(|s| s.offset.0)
 }
 
@@ -1695,7 +1696,7 @@ pub fn open_luks2_mode(
         .meta
         .segments
         .values()
-        .filter(|s| s.kind == "crypt")
+        .filter(|s| s.kind == SegmentKind::Crypt)
         .collect();
     let [seg] = crypt[..] else {
         return Err(Error::UnsupportedLuks(format!(

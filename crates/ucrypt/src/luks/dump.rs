@@ -11,6 +11,7 @@ use super::kdf::Kdf;
 use super::luks1::{Luks1Header, Luks1Slot};
 use super::util::b64_decode;
 use super::{Header, Luks2Header, VolumeKey};
+use crate::luks::json::{KdfKind, KeyslotKind};
 
 /// Bytes as hex, 16 a line with `indent` before each further line; `indent` empty: one line.
 fn hex_block(out: &mut String, bytes: &[u8], indent: &str) {
@@ -232,7 +233,7 @@ fn luks2_keyslot(o: &mut String, h: &Luks2Header, k: &str, ks: &Keyslot) -> fmt:
         _ => "invalid",
     };
     writeln!(o, "\tPriority:   {prio}")?;
-    if ks.kind == "reencrypt" {
+    if ks.kind == KeyslotKind::Reencrypt {
         reencrypt_keyslot(o, k, ks)?;
     }
     if let Some(a) = &ks.area {
@@ -327,7 +328,7 @@ fn luks2_keyslot_kdf(o: &mut String, kj: &KdfJson) -> fmt::Result {
             writeln!(o, "\tMemory:     {}", cost.memory_kib)?;
             writeln!(o, "\tThreads:    {}", cost.cpus)?;
         }
-        Err(_) if !["pbkdf2", "argon2i", "argon2id"].contains(&kj.kind.as_str()) => {
+        Err(_) if matches!(kj.kind, KdfKind::Other(_)) => {
             // A type the header may name but ucrypt cannot run ("argon2", an old name): its
             // fields as stored, as cryptsetup shows them.
             if let Some(h) = &kj.hash {

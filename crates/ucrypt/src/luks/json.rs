@@ -52,6 +52,106 @@ impl<'de> Deserialize<'de> for U64Str {
     }
 }
 
+/// The `type` of a JSON object, typed: the values ucrypt acts on as variants, any other kept
+/// as it is (a newer cryptsetup's) in `Other`, so that a rewrite keeps it and a comparison
+/// cannot be misspelt.
+macro_rules! json_kind {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $variant:ident = $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub enum $name {
+            $($(#[$vm])* $variant,)+
+            /// A type ucrypt does not know, kept as written.
+            Other(String),
+        }
+
+        impl $name {
+            /// As written on disk.
+            pub fn as_str(&self) -> &str {
+                match self {
+                    $($name::$variant => $s,)+
+                    $name::Other(s) => s,
+                }
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(s: &str) -> Self {
+                match s {
+                    $($s => $name::$variant,)+
+                    other => $name::Other(other.to_string()),
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                Ok($name::from(String::deserialize(d)?.as_str()))
+            }
+        }
+    };
+}
+
+json_kind!(
+    /// A keyslot's `type`.
+    KeyslotKind {
+        /// A passphrase keyslot.
+        Luks2 = "luks2",
+        /// The reencryption's own keyslot (its area holds the resilience data).
+        Reencrypt = "reencrypt",
+    }
+);
+json_kind!(
+    /// A segment's `type`.
+    SegmentKind {
+        /// Encrypted data.
+        Crypt = "crypt",
+        /// Plaintext data (a reencryption's decrypted or not yet encrypted part).
+        Linear = "linear",
+    }
+);
+json_kind!(
+    /// A digest's `type`.
+    DigestKind { Pbkdf2 = "pbkdf2" }
+);
+json_kind!(
+    /// An anti-forensic splitter's `type`.
+    AfKind { Luks1 = "luks1" }
+);
+json_kind!(
+    /// A keyslot area's `type`: `raw` for a passphrase keyslot; a reencrypt keyslot's names
+    /// its resilience.
+    AreaKind {
+        Raw = "raw",
+        None = "none",
+        Journal = "journal",
+        Checksum = "checksum",
+        Datashift = "datashift",
+        DatashiftChecksum = "datashift-checksum",
+        DatashiftJournal = "datashift-journal",
+    }
+);
+json_kind!(
+    /// A keyslot's KDF `type`.
+    KdfKind {
+        Pbkdf2 = "pbkdf2",
+        Argon2i = "argon2i",
+        Argon2id = "argon2id",
+    }
+);
+
 /// A segment's size: bytes, or "dynamic" (to the end of the device).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SegmentSize {
@@ -94,7 +194,7 @@ pub struct Metadata {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Keyslot {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: KeyslotKind,
     pub key_size: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub af: Option<AfJson>,
@@ -111,7 +211,7 @@ pub struct Keyslot {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AfJson {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: AfKind,
     pub stripes: u32,
     pub hash: String,
     #[serde(flatten)]
@@ -121,7 +221,7 @@ pub struct AfJson {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Area {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: AreaKind,
     pub offset: U64Str,
     pub size: U64Str,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -135,7 +235,7 @@ pub struct Area {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KdfJson {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: KdfKind,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -154,7 +254,7 @@ pub struct KdfJson {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Segment {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: SegmentKind,
     pub offset: U64Str,
     pub size: SegmentSize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -189,7 +289,7 @@ pub struct SegmentIntegrity {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DigestJson {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: DigestKind,
     pub keyslots: Vec<String>,
     pub segments: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -347,7 +447,7 @@ impl Metadata {
                     ));
                 }
             }
-            if d.kind == "pbkdf2" {
+            if d.kind == DigestKind::Pbkdf2 {
                 let ok =
                     d.hash
                         .as_deref()
@@ -433,7 +533,7 @@ impl Metadata {
                     format!("segment {k} size {size} not aligned to 512"),
                 ));
             }
-            if s.kind == "crypt" {
+            if s.kind == SegmentKind::Crypt {
                 if s.iv_tweak.is_none() || s.encryption.as_deref().is_none_or(str::is_empty) {
                     return Err(bad(
                         "segments",
@@ -463,7 +563,7 @@ impl Metadata {
     fn validate_keyslots(&self) -> Result<()> {
         for (k, ks) in &self.keyslots {
             numbered_key("keyslots", k, KEYSLOTS_MAX)?;
-            if ks.kind == "luks2" {
+            if ks.kind == KeyslotKind::Luks2 {
                 // A KDF of a type ucrypt does not know ("argon2", an old name) passes, as in
                 // cryptsetup: such a keyslot is listed but cannot be unlocked.
                 let _kdf_known_or_not = self.keyslot_checked(k)?;
@@ -478,7 +578,7 @@ impl Metadata {
                         format!("keyslot {k} is in {digests} digests (must be in exactly one)"),
                     ));
                 }
-            } else if ks.kind == "reencrypt" {
+            } else if ks.kind == KeyslotKind::Reencrypt {
                 // Its mode, direction and resilience fields, checked as cryptsetup does on load.
                 let id = numbered_key("keyslots", k, KEYSLOTS_MAX)?;
                 super::reencrypt::parse_keyslot(id, ks)?;
@@ -488,7 +588,7 @@ impl Metadata {
         let reencrypt = self
             .keyslots
             .values()
-            .filter(|k| k.kind == "reencrypt")
+            .filter(|k| k.kind == KeyslotKind::Reencrypt)
             .count();
         let required = super::reencrypt::requirement_version(self).is_some();
         // A reencrypt keyslot needs a requirement of reencryption's shape, as cryptsetup
@@ -540,7 +640,7 @@ impl Metadata {
         let first_data = self
             .segments
             .values()
-            .filter(|s| s.kind == "crypt")
+            .filter(|s| s.kind == SegmentKind::Crypt)
             .map(|s| s.offset.0)
             .min()
             .unwrap_or(0);
@@ -618,7 +718,7 @@ impl Metadata {
             reason: "keyslot is not in use".into(),
         })?;
         let kb = |d: String| bad("keyslots", format!("keyslot {key}: {d}"));
-        if ks.kind != "luks2" {
+        if ks.kind != KeyslotKind::Luks2 {
             return Err(Error::Keyslot {
                 slot: id,
                 reason: format!(
@@ -634,7 +734,7 @@ impl Metadata {
             )));
         }
         let af = ks.af.as_ref().ok_or_else(|| kb("missing af".into()))?;
-        if af.kind != "luks1" {
+        if af.kind != AfKind::Luks1 {
             return Err(kb(format!("af type '{}'", af.kind)));
         }
         if af.stripes != AF_STRIPES {
@@ -646,7 +746,7 @@ impl Metadata {
         let af_hash =
             HashAlg::from_name(&af.hash).map_err(|_| kb(format!("af hash '{}'", af.hash)))?;
         let area = ks.area.as_ref().ok_or_else(|| kb("missing area".into()))?;
-        if area.kind != "raw" {
+        if area.kind != AreaKind::Raw {
             return Err(kb(format!("area type '{}'", area.kind)));
         }
         let enc = area
@@ -674,8 +774,8 @@ impl Metadata {
         if priority > 2 {
             return Err(kb(format!("priority {priority}")));
         }
-        if ![KDF_PBKDF2, KDF_ARGON2I, KDF_ARGON2ID].contains(&kj.kind.as_str()) {
-            return Ok(Err(kj.kind.clone()));
+        if let KdfKind::Other(other) = &kj.kind {
+            return Ok(Err(other.clone()));
         }
         let kdf = kdf_from_json(kj).map_err(|e| kb(e.to_string()))?;
         Ok(Ok(KeyslotParams {
@@ -707,7 +807,7 @@ impl Metadata {
         let crypt: Vec<_> = self
             .segments
             .values()
-            .filter(|s| s.kind == "crypt")
+            .filter(|s| s.kind == SegmentKind::Crypt)
             .collect();
         let [s] = crypt[..] else {
             return Err(Error::UnsupportedLuks(format!(
@@ -750,24 +850,19 @@ impl Metadata {
     }
 }
 
-/// The KDF types ucrypt runs (a header may name others; their keyslots cannot be unlocked).
-const KDF_PBKDF2: &str = "pbkdf2";
-const KDF_ARGON2I: &str = "argon2i";
-const KDF_ARGON2ID: &str = "argon2id";
-
 /// Typed KDF from its JSON object.
 pub fn kdf_from_json(k: &KdfJson) -> Result<Kdf> {
     let salt = b64_decode(&k.salt).ok_or_else(|| bad("kdf", "salt is not valid base64"))?;
-    let kdf = match k.kind.as_str() {
-        KDF_PBKDF2 => Kdf::Pbkdf2 {
+    let kdf = match &k.kind {
+        KdfKind::Pbkdf2 => Kdf::Pbkdf2 {
             hash: HashAlg::from_name(k.hash.as_deref().unwrap_or(""))?,
             iterations: k
                 .iterations
                 .ok_or_else(|| bad("kdf", "pbkdf2 lacks iterations"))?,
             salt,
         },
-        KDF_ARGON2I | KDF_ARGON2ID => Kdf::Argon2 {
-            variant: if k.kind == KDF_ARGON2I {
+        KdfKind::Argon2i | KdfKind::Argon2id => Kdf::Argon2 {
+            variant: if k.kind == KdfKind::Argon2i {
                 Argon2Variant::I
             } else {
                 Argon2Variant::Id
@@ -779,7 +874,7 @@ pub fn kdf_from_json(k: &KdfJson) -> Result<Kdf> {
             },
             salt,
         },
-        other => return Err(bad("kdf", format!("unknown kdf type '{other}'"))),
+        KdfKind::Other(other) => return Err(bad("kdf", format!("unknown kdf type '{other}'"))),
     };
     kdf.check()?;
     Ok(kdf)
@@ -788,7 +883,7 @@ pub fn kdf_from_json(k: &KdfJson) -> Result<Kdf> {
 /// JSON object for a typed KDF.
 pub fn kdf_to_json(k: &Kdf) -> KdfJson {
     let mut j = KdfJson {
-        kind: k.name().to_string(),
+        kind: KdfKind::from(k.name()),
         hash: None,
         iterations: None,
         time: None,

@@ -247,7 +247,7 @@ impl KdfRequest {
                 }
             }
             "argon2i" | "argon2id" => {
-                let variant = if self.kind == "argon2i" {
+                let variant = if self.kind.as_str() == "argon2i" {
                     Argon2Variant::I
                 } else {
                     Argon2Variant::Id

@@ -13,6 +13,7 @@
 //!   ([`verification_data`]), so metadata edited without the keys is refused.
 
 use super::json::{Keyslot, Metadata, Segment, SegmentSize};
+use crate::luks::json::{AreaKind, KeyslotKind, SegmentKind};
 use crate::{Error, Result, SecretBytes};
 
 fn bad(detail: impl Into<String>) -> Error {
@@ -238,7 +239,7 @@ impl ReencryptState {
         let slots: Vec<(&String, &Keyslot)> = meta
             .keyslots
             .iter()
-            .filter(|(_, k)| k.kind == "reencrypt")
+            .filter(|(_, k)| k.kind == KeyslotKind::Reencrypt)
             .collect();
         let [(id, ks)] = slots[..] else {
             return Err(bad(format!(
@@ -330,17 +331,17 @@ pub fn parse_keyslot(id: u32, ks: &Keyslot) -> Result<ReencryptKeyslot> {
         .area
         .as_ref()
         .ok_or_else(|| bad("reencrypt keyslot lacks 'area'"))?;
-    let resilience = match area.kind.as_str() {
-        "none" => Resilience::None,
-        "journal" => Resilience::Journal,
-        "checksum" => {
+    let resilience = match &area.kind {
+        AreaKind::None => Resilience::None,
+        AreaKind::Journal => Resilience::Journal,
+        AreaKind::Checksum => {
             let (hash, sector_size) = checksum_fields(&area.extra)?;
             Resilience::Checksum { hash, sector_size }
         }
-        "datashift" => Resilience::Datashift {
+        AreaKind::Datashift => Resilience::Datashift {
             shift_size: shift_field(&area.extra)?,
         },
-        "datashift-checksum" => {
+        AreaKind::DatashiftChecksum => {
             let (hash, sector_size) = checksum_fields(&area.extra)?;
             Resilience::DatashiftChecksum {
                 hash,
@@ -348,10 +349,12 @@ pub fn parse_keyslot(id: u32, ks: &Keyslot) -> Result<ReencryptKeyslot> {
                 shift_size: shift_field(&area.extra)?,
             }
         }
-        "datashift-journal" => Resilience::DatashiftJournal {
+        AreaKind::DatashiftJournal => Resilience::DatashiftJournal {
             shift_size: shift_field(&area.extra)?,
         },
-        t => return Err(bad(format!("reencrypt area type '{t}'"))),
+        t @ (AreaKind::Raw | AreaKind::Other(_)) => {
+            return Err(bad(format!("reencrypt area type '{t}'")))
+        }
     };
     Ok(ReencryptKeyslot {
         id,
@@ -379,15 +382,15 @@ fn put_str(out: &mut Vec<u8>, s: &str) -> Result<()> {
 /// One segment as the digest sees it: type, offset (u64 BE), size (u64 BE or the text
 /// "dynamic"), and for crypt segments iv_tweak (u64 BE), encryption and sector_size (u32 BE).
 fn put_segment(out: &mut Vec<u8>, s: &Segment) -> Result<()> {
-    put_str(out, &s.kind)?;
+    put_str(out, s.kind.as_str())?;
     out.extend_from_slice(&s.offset.0.to_be_bytes());
     match s.size {
         SegmentSize::Dynamic => out.extend_from_slice(b"dynamic"),
         SegmentSize::Bytes(n) => out.extend_from_slice(&n.to_be_bytes()),
     }
-    match s.kind.as_str() {
-        "linear" => Ok(()),
-        "crypt" => {
+    match &s.kind {
+        SegmentKind::Linear => Ok(()),
+        SegmentKind::Crypt => {
             let iv = s
                 .iv_tweak
                 .ok_or_else(|| bad("crypt segment lacks iv_tweak"))?;
@@ -404,7 +407,7 @@ fn put_segment(out: &mut Vec<u8>, s: &Segment) -> Result<()> {
             out.extend_from_slice(&ss.to_be_bytes());
             Ok(())
         }
-        k => Err(bad(format!("segment type '{k}' in reencryption"))),
+        SegmentKind::Other(k) => Err(bad(format!("segment type '{k}' in reencryption"))),
     }
 }
 

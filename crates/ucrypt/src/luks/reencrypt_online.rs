@@ -29,6 +29,7 @@ use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
 use super::{read_header, Header, OpenOptions};
 use crate::backend::Backend;
 use crate::blockdev::BlockDev;
+use crate::luks::json::SegmentKind;
 use crate::sector::{CipherSpec, Geometry, SectorSize};
 use crate::volume::{Volume, VolumeConfig};
 use crate::{Error, Result, SecretBytes};
@@ -61,7 +62,7 @@ fn segment_params(meta: &Metadata, seg: u32) -> Result<Side> {
         SegmentSize::Bytes(n) => Some(n),
         SegmentSize::Dynamic => None,
     };
-    if s.kind == "linear" {
+    if s.kind == SegmentKind::Linear {
         return Ok(Side {
             spec: CipherSpec::NULL,
             sector_size: None,

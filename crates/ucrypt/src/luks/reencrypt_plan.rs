@@ -22,6 +22,7 @@ use super::reencrypt::{
     digest_of_segment, Direction, Mode, ReencryptState, Resilience, SegmentFlag,
 };
 use super::util::HashAlg;
+use crate::luks::json::SegmentKind;
 use crate::{Error, Result};
 
 fn bad(detail: impl Into<String>) -> Error {
@@ -317,7 +318,10 @@ pub fn shift_geometry(meta: &Metadata, st: &ReencryptState) -> Result<Option<Shi
     let prev = segment_of(meta, st.backup_previous)?;
     let fin = segment_of(meta, st.backup_final)?;
     let moved = segment_of(meta, moved_id)?;
-    if prev.kind != "linear" || moved.kind != "linear" || fin.kind != "crypt" {
+    if prev.kind != SegmentKind::Linear
+        || moved.kind != SegmentKind::Linear
+        || fin.kind != SegmentKind::Crypt
+    {
         return Err(shift_bad(format!(
             "backup-previous {}, backup-moved-segment {}, backup-final {} (an encryption \
              moves linear data into a crypt segment)",
@@ -485,7 +489,10 @@ pub fn unshift_geometry(
     let prev = segment_of(meta, st.backup_previous)?;
     let fin = segment_of(meta, st.backup_final)?;
     let moved = segment_of(meta, moved_id)?;
-    if prev.kind != "crypt" || moved.kind != "crypt" || fin.kind != "linear" {
+    if prev.kind != SegmentKind::Crypt
+        || moved.kind != SegmentKind::Crypt
+        || fin.kind != SegmentKind::Linear
+    {
         return Err(shift_bad(format!(
             "backup-previous {}, backup-moved-segment {}, backup-final {} (a decryption moves \
              crypt data into a linear segment)",
@@ -583,9 +590,9 @@ fn position_unshift(meta: &Metadata, u: &Unshift) -> Result<Position> {
         })?;
         if has_flag(s, SegmentFlag::InReencryption) {
             note_hotzone(&mut hot, s, at)?;
-        } else if s.kind == "crypt" && at == 0 {
+        } else if s.kind == SegmentKind::Crypt && at == 0 {
             moved = true;
-        } else if s.kind == "linear" && done_part.replace((at, s.size)).is_some() {
+        } else if s.kind == SegmentKind::Linear && done_part.replace((at, s.size)).is_some() {
             return Err(bad("two plaintext segments besides the hotzone"));
         }
     }
@@ -740,7 +747,7 @@ fn set_segments_unshift(
     list.extend(
         live.iter()
             .enumerate()
-            .filter(|(_, s)| s.kind == "crypt")
+            .filter(|(_, s)| s.kind == SegmentKind::Crypt)
             .map(|(i, _)| i.to_string()),
     );
     let mut segments: std::collections::BTreeMap<String, Segment> = live
@@ -892,7 +899,7 @@ fn part_of(meta: &Metadata, st: &ReencryptState, id: u32, s: &Segment) -> Result
             .digests
             .get(&d.to_string())
             .is_some_and(|x| x.segments.contains(&id.to_string())),
-        None => s.kind == "linear",
+        None => s.kind == SegmentKind::Linear,
     };
     Ok(if new { Part::New } else { Part::Old })
 }
@@ -978,7 +985,7 @@ fn position_shift(meta: &Metadata, sh: &Shift, data_bytes: u64) -> Result<Positi
     }
     let (mut hot, mut done_start) = (None, None);
     for (id, s) in live_segments(meta) {
-        if s.kind != "crypt" {
+        if s.kind != SegmentKind::Crypt {
             continue;
         }
         let start = s.offset.0.checked_sub(sh.new_offset).ok_or_else(|| {
@@ -1053,7 +1060,7 @@ fn advanced(s: &Segment, skip: u64, size: SegmentSize) -> Result<Segment> {
             .checked_add(skip)
             .ok_or_else(|| bad("offset overflow"))?,
     );
-    if s.kind == "crypt" {
+    if s.kind == SegmentKind::Crypt {
         out.iv_tweak = Some(U64Str(s.iv_tweak.map_or(0, |v| v.0) + skip / IV_UNIT_BYTES));
     }
     out.size = size;
@@ -1149,7 +1156,7 @@ pub fn set_segments(
         };
         list.push(backup.to_string());
         for (i, (s, _)) in live.iter().enumerate() {
-            if s.kind == "crypt" {
+            if s.kind == SegmentKind::Crypt {
                 list.push(i.to_string());
             }
         }
@@ -1241,7 +1248,7 @@ fn set_segments_shift(
     list.extend(
         live.iter()
             .enumerate()
-            .filter(|(_, s)| s.kind == "crypt")
+            .filter(|(_, s)| s.kind == SegmentKind::Crypt)
             .map(|(i, _)| i.to_string()),
     );
     let mut segments: std::collections::BTreeMap<String, Segment> = live
@@ -1974,7 +1981,7 @@ mod tests {
         assert_eq!(steps.last(), Some(&Step::Finalise));
         // Finalising leaves one linear segment and no keyslot or digest.
         finalise(&mut rebuilt, &st).unwrap();
-        assert_eq!(rebuilt.segments["0"].kind, "linear");
+        assert_eq!(rebuilt.segments["0"].kind.as_str(), "linear");
         assert!(rebuilt.keyslots.is_empty());
         assert!(rebuilt.digests.is_empty());
         assert!(rebuilt.config.requirements.is_none());
@@ -2414,7 +2421,7 @@ mod tests {
         let retired = finalise(&mut m, &st).unwrap();
         assert_eq!(retired.keyslots, vec![0, 1]);
         assert_eq!(m.segments.len(), 1);
-        assert_eq!(m.segments["0"].kind, "linear");
+        assert_eq!(m.segments["0"].kind.as_str(), "linear");
         assert!(m.keyslots.is_empty() && m.digests.is_empty());
         assert!(m.config.requirements.is_none());
         assert_eq!(u.tail(), (UNSHIFT_DATA, 16 * MIB));

@@ -41,6 +41,7 @@ use super::{
 };
 use crate::backend::Backend;
 use crate::engine::crew::Crew;
+use crate::luks::json::{KeyslotKind, SegmentKind};
 use crate::pool::BufferPool;
 use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::sync::TakeTurns;
@@ -1153,7 +1154,7 @@ pub fn init_decrypt_unshift(
         .meta
         .keyslots
         .values()
-        .filter(|k| k.kind == "luks2")
+        .filter(|k| k.kind == KeyslotKind::Luks2)
         .count();
     if opts.key_slot.is_none() && luks2_slots != 1 {
         return Err(Error::InvalidArgument(
@@ -1463,9 +1464,9 @@ fn cipher_of(
         .segments
         .get(&seg.to_string())
         .ok_or_else(|| bad(format!("segment {seg} missing")))?;
-    let key = match (s.kind.as_str(), key) {
-        ("linear", None) => return Ok((None, s.offset.0, 512)),
-        ("crypt", Some(k)) => k,
+    let key = match (&s.kind, key) {
+        (SegmentKind::Linear, None) => return Ok((None, s.offset.0, 512)),
+        (SegmentKind::Crypt, Some(k)) => k,
         (kind, k) => {
             return Err(bad(format!(
                 "segment {seg} of type {kind} with{} a key",

@@ -3,6 +3,7 @@
 
 use super::bad;
 use crate::luks::json::DigestJson;
+use crate::luks::json::DigestKind;
 use crate::luks::kdf::{
     calibrate_pbkdf2, KdfRequest, PBKDF2_ITERATIONS_MIN, SALT_BYTES, SALT_BYTES_MAX,
 };
@@ -12,7 +13,7 @@ use crate::{Error, Result, SecretBytes};
 
 /// Whether `candidate` hashes to the pbkdf2 digest `d` (LUKS2's only digest type).
 pub(crate) fn digest_matches(id: &str, d: &DigestJson, candidate: &[u8]) -> Result<bool> {
-    if d.kind != "pbkdf2" {
+    if d.kind != DigestKind::Pbkdf2 {
         return Err(Error::UnsupportedLuks(format!("digest type '{}'", d.kind)));
     }
     let hash = HashAlg::from_name(d.hash.as_deref().unwrap_or(""))?;

@@ -10,6 +10,7 @@ use crate::luks::af::AF_STRIPES;
 use crate::luks::json::{
     af_area_bytes, kdf_to_json, round_up, AfJson, Area, Keyslot, KeyslotParams, U64Str,
 };
+use crate::luks::json::{KeyslotKind, SegmentKind};
 use crate::luks::kdf::{Kdf, KdfRequest};
 use crate::luks::keyslot::SlotCrypto;
 use crate::luks::util::random_fill;
@@ -51,7 +52,7 @@ impl Luks2Header {
             .meta
             .keyslots
             .iter()
-            .filter(|(id, k)| k.kind == "luks2" && bound(id))
+            .filter(|(id, k)| k.kind == KeyslotKind::Luks2 && bound(id))
             .filter_map(|(id, _)| self.meta.keyslot_params(id).ok())
             .filter(|p| p.priority > 0)
             .filter(|p| match &reencrypt_final {
@@ -251,7 +252,7 @@ impl Luks2Header {
             .meta
             .segments
             .values()
-            .any(|s| s.kind == "crypt" && s.integrity.is_some());
+            .any(|s| s.kind == SegmentKind::Crypt && s.integrity.is_some());
         let (area_cipher, area_key_bytes) = if let Some(a) = area {
             a
         } else if authenticated {
@@ -372,7 +373,7 @@ impl Luks2Header {
             .meta
             .segments
             .values()
-            .any(|s| s.kind == "crypt" && s.integrity.is_some());
+            .any(|s| s.kind == SegmentKind::Crypt && s.integrity.is_some());
         if authenticated || seg.cipher == CipherSpec::NULL {
             return Ok(fallback);
         }
