@@ -739,7 +739,8 @@ fn power_cut_during_decryption() {
                     )
                 });
                 let Header::Luks2(h) = &hdr else { panic!() };
-                if h.meta().segments["0"].kind.as_str() == "crypt" && h.meta().config.requirements.is_none()
+                if h.meta().segments["0"].kind.as_str() == "crypt"
+                    && h.meta().config.requirements.is_none()
                 {
                     // Cut before the init's commit: still the encrypted volume.
                     let (_, d) = split(Arc::new(CrashBackend::from_image(img.clone(), unit)));

@@ -453,10 +453,10 @@ fn redigest_with(img: &mut [u8], old: bool) {
         .meta()
         .digest_for_keyslot(&rk)
         .expect("reencryption digest");
-    let salt = ucrypt::luks::util::b64_decode(d.salt.as_deref().unwrap()).unwrap();
+    let salt = common::b64_decode(d.salt.as_deref().unwrap()).unwrap();
     let mut out = vec![0u8; 32];
     HashAlg::Sha256.pbkdf2(data.as_ref(), &salt, d.iterations.unwrap(), &mut out);
-    let digest = ucrypt::luks::util::b64_encode(&out);
+    let digest = common::b64_encode(&out);
     let id = id.clone();
     common::mutate_json(HDR, img, &move |v: &mut Value| {
         v["digests"][&id]["digest"] = json!(digest.clone());

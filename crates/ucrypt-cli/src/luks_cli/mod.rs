@@ -13,8 +13,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
-    self, luks1, luks2, util, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock, VolumeKey,
-    WriteOp,
+    self, luks1, luks2, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock, VolumeKey, WriteOp,
 };
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -603,10 +602,10 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     }
     let uuid = match &o.uuid {
         Some(u) => {
-            util::check_uuid(u)?;
+            luks::check_uuid(u)?;
             u.to_lowercase()
         }
-        None => util::random_uuid()?,
+        None => luks::random_uuid()?,
     };
     let detached = o.header.is_some();
     // librbd's encryption aligns the data offset to the image's object size: so does format
@@ -645,7 +644,7 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     )?;
     let vk_secret = match &o.volume_key_file {
         Some(p) => read_volume_key_file(p, Some(key_bytes))?,
-        None => util::random_secret(key_bytes)?,
+        None => luks::random_secret(key_bytes)?,
     };
     let kdf = kdf_request(o, version)?;
     let new = NewVolume {
@@ -1139,7 +1138,7 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
     };
     let key = match &o.volume_key_file {
         Some(p) => read_volume_key_file(p, Some(key_bytes))?,
-        None => util::random_secret(key_bytes)?,
+        None => luks::random_secret(key_bytes)?,
     };
     let newp = pass::read_passphrase(
         &new_source(o, new_key_file),
@@ -1345,7 +1344,7 @@ fn uuid(device: &Target, o: &LuksOpts) -> Result<i32> {
     hdr.check_requirements()?;
     let ops = match &mut hdr {
         Header::Luks1(h) => {
-            util::check_uuid(new)?;
+            luks::check_uuid(new)?;
             h.uuid = new.to_lowercase();
             vec![
                 WriteOp::Write {

@@ -15,7 +15,7 @@ use ucrypt::luks::reencrypt_run::{
     self, Devices, InitOptions, KeyslotKdf, Progress, Recovery, ResilienceAsked, ResilienceKind,
     RunOptions, SegmentChange,
 };
-use ucrypt::luks::util::HashAlg;
+use ucrypt::luks::HashAlg;
 use ucrypt::luks::Header;
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result};
@@ -728,10 +728,10 @@ fn new_segment(o: &LuksOpts) -> Result<(CipherSpec, usize, SectorSize)> {
 fn new_uuid(o: &LuksOpts) -> Result<String> {
     match &o.uuid {
         Some(u) => {
-            ucrypt::luks::util::check_uuid(u)?;
+            ucrypt::luks::check_uuid(u)?;
             Ok(u.clone())
         }
-        None => ucrypt::luks::util::random_uuid(),
+        None => ucrypt::luks::random_uuid(),
     }
 }
 

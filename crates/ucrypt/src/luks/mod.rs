@@ -29,7 +29,7 @@ pub mod reencrypt_plan;
 pub mod reencrypt_run;
 mod sha256_x16;
 mod signatures;
-pub mod util;
+pub(crate) mod util;
 
 #[cfg(test)]
 mod tests;
@@ -43,7 +43,7 @@ pub use kdf::{Kdf, KdfRequest};
 pub use luks1::Luks1Header;
 pub use luks2::{select_copy, Luks2Header, Selection, Which};
 pub use signatures::foreign_signature;
-pub use util::HashAlg;
+pub use util::{check_uuid, random_secret, random_uuid, HashAlg};
 
 use crate::sector::{CipherSpec, SectorSize};
 use crate::{Error, Result, SecretBytes};

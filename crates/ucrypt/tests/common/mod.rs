@@ -399,3 +399,40 @@ pub fn mutate_json(hdr_size: u64, img: &mut [u8], f: &dyn Fn(&mut serde_json::Va
         copy[448..480].copy_from_slice(&sum);
     }
 }
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding, as LUKS2's JSON stores binary values.
+pub fn b64_encode(data: &[u8]) -> String {
+    let mut out = String::new();
+    for c in data.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(B64[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The inverse of [`b64_encode`]; `None` for text that is not base64.
+pub fn b64_decode(s: &str) -> Option<Vec<u8>> {
+    let mut bits = 0u32;
+    let mut n = 0;
+    let mut out = Vec::new();
+    for ch in s.bytes().filter(|&b| b != b'=') {
+        let v = B64.iter().position(|&x| x == ch)? as u32;
+        bits = bits << 6 | v;
+        n += 6;
+        if n >= 8 {
+            n -= 8;
+            out.push((bits >> n) as u8);
+        }
+    }
+    Some(out)
+}
