@@ -16,7 +16,7 @@ VM_KIT=$(dirname "$0")/../tests/vm/install-deps.sh
 # ones (every set builds ucrypt, and the test suite runs `ucrypt bench all`: bench_all.rs).
 RUN=(
   # a C toolchain: rustc links through `cc`, and aws-lc-sys (the ciphers) compiles C; a
-  # minimal Debian root has none (docs/demo-setup-proof.md)
+  # minimal Debian root has none (docs/architecture.md, "What the demo needs on a fresh machine")
   build-essential
   # the ublk crate generates its kernel bindings with bindgen, which needs libclang;
   # build scripts ask pkg-config for system libraries (aws-lc-sys, for a system AWS-LC)

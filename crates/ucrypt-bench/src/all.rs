@@ -259,7 +259,7 @@ fn write_json(path: &Path, v: &Value) -> Result<(), String> {
     std::fs::write(path, text + "\n").map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
-/// "2026-11-22T07:30:00Z" without a date crate (civil-from-days, proleptic Gregorian).
+/// `YYYY-MM-DDTHH:MM:SSZ` without a date crate (civil-from-days, proleptic Gregorian).
 pub fn utc_stamp(t: SystemTime) -> String {
     let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));

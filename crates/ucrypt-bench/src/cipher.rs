@@ -13,7 +13,8 @@ use super::stats::{Machine, Summary};
 
 const HOT_BYTES: usize = 256 << 10;
 const COLD_BYTES: usize = 64 << 20;
-/// Bytes processed per hot measurement: enough passes over the hot buffer for ~20-50 ms.
+/// Bytes processed per hot measurement: enough passes over the hot buffer for some tens of
+/// milliseconds at AES-NI speeds.
 const HOT_WORK_BYTES: usize = 256 << 20;
 
 #[derive(Clone, Copy)]

@@ -656,7 +656,7 @@ fn s1_seq_reads(s: &Setup, k: &Knobs, out: &mut Sink) {
     }
 }
 
-/// 4 KiB sequential reads per burst of [`interleaved_seq_reads`]: ~0.3-4 ms, short beside the
+/// 4 KiB sequential reads per burst of [`interleaved_seq_reads`]: milliseconds, short beside the
 /// seconds over which this class of machine changes its clock, long beside a policy switch.
 const BURST_READS: u64 = 512;
 

@@ -344,7 +344,8 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
             return Err(format!("{p} not found (apt-get install {pkg})"));
         }
     }
-    // fio itself takes ~0.35 s to start and stop: --quick keeps the measured part short too.
+    // fio itself takes a good part of a second to start and stop: --quick keeps the timed
+    // part short too.
     let runtime_s = if quick { 0.5 } else { 3.0 };
     let mut skipped = Vec::new();
     let mut targets = vec![Target::Plain, Target::Ucrypt];

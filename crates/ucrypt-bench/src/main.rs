@@ -1,7 +1,7 @@
 //! `ucrypt-bench` (run as `ucrypt bench ...`): reproducible benchmark scenarios. Every
 //! scenario runs its configurations side by side (round-robin) in one process, because this
-//! class of machine changes its clock by up to 50 % over minutes: only ratios within one run
-//! are comparable.
+//! class of machine (virtual, power-managed) changes its clock over minutes: only ratios
+//! within one run are comparable.
 //!
 //! A binary of its own, beside `ucrypt`: its counting allocator (allocations per I/O, see
 //! `engine.rs`) and its plot libraries are never part of the binary that serves volumes. The

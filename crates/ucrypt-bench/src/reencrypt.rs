@@ -39,9 +39,10 @@
 //! commit, header or unlock); the shift encrypts 512-byte sectors, as both tools' `--encrypt`
 //! of a file does. On a busy host a thread the scheduler holds back makes the others wait at
 //! each order point; the bare loop never waits. It bounds a rotation that waits at each order
-//! point. ucrypt's offline rotation no longer waits there (it reads and rekeys the next
-//! hotzone while the last one's writes and commits finish), so for it the bare loops are the
-//! ceiling and the ordered ones show what the order points cost a rotation that waits.
+//! point. ucrypt's offline `none` and datashift rotations do not wait there (they read and
+//! rekey the next hotzone while the last one's writes and commits finish), so for them the
+//! bare loops are the ceiling and the ordered ones show what the order points cost a
+//! rotation that waits, as the journal's does.
 //!
 //! Needs cryptsetup (2.6 or later for `--force-offline-reencrypt`); without it the cryptsetup
 //! column says SKIPPED and the rest runs.

@@ -810,10 +810,10 @@ fn order_seed() -> u64 {
 }
 
 /// The order the targets run in, shuffled afresh for every job of every run, so that no target
-/// always follows the same one. Measured in a fixed order, the relay's encrypting target always
-/// came right after the Ceph targets and read 1 MiB at 0.86–0.88 of its unencrypted twin, while
-/// without the Ceph targets it read at 0.98 of the limit (2026-11-27): a neighbour's after-effects
-/// would otherwise count against one column every time.
+/// always follows the same one. In a fixed order, the relay's encrypting target always came
+/// right after the Ceph targets, whose after-effects (the cluster's threads still busy) then
+/// counted against that one column every time; shuffled, a neighbour's after-effects spread
+/// over every column.
 struct Order {
     state: u64,
     idx: Vec<usize>,

@@ -33,9 +33,9 @@ const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
 
 /// The default dispatch policy of every verb and front end. `auto` is `inline` for requests
 /// below a threshold calibrated at start (a 4 KiB request takes the same direct path) and
-/// splits larger ones across cores when one is idle: measured, one 1 MiB stream reads
-/// 1.3-1.6x faster than inline, and with many streams auto stays within noise of the best
-/// static policy (BENCHMARKS.md, `bench engine` scenarios 4 and 6).
+/// splits larger ones across cores when one is idle: one stream of large requests then gets
+/// more than one core, and many streams, which keep every core busy already, are served as
+/// `inline` would (BENCHMARKS.md, `bench engine` scenarios 4 and 6).
 pub const DEFAULT_POLICY: Policy = Policy::Auto;
 
 /// cryptsetup's `--type` for `open`: what the volume is. Parsed once here; a type ucrypt does

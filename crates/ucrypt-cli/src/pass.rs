@@ -57,7 +57,7 @@ pub fn read_key_file(path: &str, offset: u64, size: Option<u64>) -> Result<Secre
         skip -= n as u64;
     }
     // The buffer grows as the file proves long: a 45-byte key file is not read into 8 MiB of
-    // zeroed, locked memory (3 % of a small volume's key rotation went to that memset).
+    // zeroed, locked memory (zeroing 8 MiB is a visible share of a small volume's key rotation).
     let mut buf = SecretBytes::zeroed(limit.min(KEYFILE_READ_FIRST_BYTES));
     let mut got = 0usize;
     while got < limit {

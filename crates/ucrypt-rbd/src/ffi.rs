@@ -25,8 +25,9 @@
 //! return an error while librbd still has the request: nothing the caller owns is referenced,
 //! and the request's memory lives until librbd is done with it. Without this, a write whose
 //! object-map update and data write each wait for librados' op time-out takes two of them
-//! (measured: 10 s for a 5 s time-out with the OSD killed). A given-up request may still reach
-//! the cluster later; the backend fences further writes when that happened. The copy costs one
+//! with the OSD killed (`tests/rbd_osd_death.rs` holds every request to its deadline). A
+//! given-up request may still reach the cluster later; the backend fences further writes
+//! when that happened. The copy costs one
 //! memcpy per request, which librbd makes anyway for writes when it copies (its default,
 //! `rbd_disable_zero_copy_writes`, which the backend turns off since the buffer is ours).
 //!

@@ -13,20 +13,21 @@
 //!   when what it takes leaves every waiter's pages free (it delays nobody).
 //! - A release wakes only the head of the queue, and only if its request fits; the head, once
 //!   served, wakes the next in the same way. Waking every waiter on each release (a condition
-//!   variable's `notify_all`) made 64 writers of 1 MiB against a 16 MiB pool switch context
-//!   ~48 times per release for one thread's progress, which on 2 cores halved throughput.
+//!   variable's `notify_all`) would have 64 writers of 1 MiB against a 16 MiB pool switch
+//!   context dozens of times per release for one thread's progress, only the head being able
+//!   to go on.
 //! - A request that may be done in parts (an aligned write: each part is encrypted and written
 //!   on its own) asks for its fair share ([`BufferPool::take_share`]): the pool's capacity
 //!   divided among everyone holding or waiting for a grant, so that as many writers as the pool
-//!   holds at a sixty-fourth each go on without waiting. Asking every writer for a whole piece
-//!   made 64 writers of 1 MiB against a 16 MiB pool take turns one write each (a first-come-
-//!   first-served line), so each write started with its data evicted from the caches by the 63
-//!   before it: 40 % more CPU time per MiB than the same writes without the pool (and the same
-//!   as without it with a pool of 72 MiB, or with parts of 256 KiB; see BENCHMARKS.md).
+//!   holds at a sixty-fourth each go on without waiting. If every writer asked for a whole
+//!   piece, 64 writers of 1 MiB against a 16 MiB pool would take turns one write each (a
+//!   first-come-first-served line), so each write would start with its data evicted from the
+//!   caches by the 63 before it, and cost more CPU per MiB than the same writes without the
+//!   pool (BENCHMARKS.md, "Large writes at depth").
 //! - Grants are zeroised on release, unless their holder declared that they only ever held
 //!   ciphertext ([`Grant::held_only_ciphertext`]: it is on the disk anyway, and wiping 1 MiB
-//!   costs a third of encrypting it). So a fresh grant holds zeroes or old ciphertext, never
-//!   plaintext; nobody may assume it is zero.
+//!   is a sizeable fraction of encrypting it). So a fresh grant holds zeroes or old
+//!   ciphertext, never plaintext; nobody may assume it is zero.
 //!
 //! The arena is an anonymous mapping: page-aligned (O_DIRECT), zeroed by the kernel, locked in
 //! memory and excluded from core dumps where the kernel allows (best effort, like secrets). It

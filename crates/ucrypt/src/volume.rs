@@ -437,8 +437,8 @@ impl Core {
         self.check(offset, out.len() as u64)?;
         if self.is_direct(out, offset, false) {
             // The backend read is called from here, not through planning and `exec_task`:
-            // fewer frames and branches between the caller and the syscall. With the counters
-            // in owned slots this took ~10 ns off a 4 KiB read (see stats.rs).
+            // fewer frames and branches between the caller and the syscall, on the request
+            // whose overhead `bench engine` scenario 1 measures (BENCHMARKS.md).
             let first = offset >> self.shift;
             let t0 = t.clock();
             let r = self.backend.read_exact_at(out, self.backend_offset(first));
@@ -1170,9 +1170,9 @@ impl Core {
     /// Crypto for whole sectors: decrypt `buf` in place, or encrypt `src` (or `buf` itself)
     /// into `buf`. Uses `own` if given (a worker's context), else borrows one.
     // Inlined into its four callers: the 4 KiB direct path's null-cipher case is then two
-    // instructions, not a call. Since the workers reach the volume through a trait the
-    // compiler no longer chose to; out of line it cost ~15 instructions per 4 KiB read
-    // (2 % on the memory backend, measured with callgrind).
+    // instructions, not a call. The workers reach the volume through a trait, so the compiler
+    // keeps it out of line unless told, and a call on every 4 KiB read is a visible share of
+    // a read from memory (`read4k` under callgrind: BENCHMARKS.md, "CPU per 4 KiB read").
     #[inline(always)]
     fn crypt(
         &self,

@@ -8,16 +8,16 @@
 //!
 //! Why a process: Linux shares CPU time between sessions (autogroups) before it shares it
 //! between their threads. With the rotation's hashing and crypto on a thread of the serving
-//! process, they competed with the front end's threads for that session's share, and on a
-//! busy host the clients lost (BENCHMARKS.md, 2026-11-28). In a session of its own the
-//! rotation's CPU time is its own, as cryptsetup's reencryption runs in the cryptsetup
-//! process beside the kernel's dm-crypt. The worker keeps the serving process's nice value
-//! and cgroup, and dies with it (`PR_SET_PDEATHSIG`): a worker killed, or a serving process
-//! killed, is a crash the reencryption's resilience recovers from, as in the thread. A
-//! serving process that outlives its worker notices the death (the link closes; the worker
-//! is waited for), recovers the hotzone the worker held from the resilience data while it
-//! serves on (`reencrypt_online::recover_stopped`, in `online.rs`), and reports the rotation
-//! stopped, to be resumed online.
+//! process, they compete with the front end's threads for that session's share, and on a
+//! busy host the clients lose (BENCHMARKS.md, `bench reencrypt --online`). In a session of
+//! its own the rotation's CPU time is its own, as cryptsetup's reencryption runs in the
+//! cryptsetup process beside the kernel's dm-crypt. The worker keeps the serving process's
+//! nice value and cgroup, and dies with it (`PR_SET_PDEATHSIG`): a worker killed, or a
+//! serving process killed, is a crash the reencryption's resilience recovers from, as in the
+//! thread. A serving process that outlives its worker notices the death (the link closes;
+//! the worker is waited for), recovers the hotzone the worker held from the resilience data
+//! while it serves on (`reencrypt_online::recover_stopped`, in `online.rs`), and reports the
+//! rotation stopped, to be resumed online.
 //!
 //! The link is a sans-I/O codec ([`Call`], [`Reply`], one length-prefixed frame each, at most
 //! [`FRAME_BYTES_MAX`]) and two drivers: [`Link`] in the worker, [`serve_worker`] in the

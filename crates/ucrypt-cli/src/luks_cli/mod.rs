@@ -1422,7 +1422,8 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
     }
     if in_reencryption(&hdr) && o.key_slot.is_some() {
         // cryptsetup 2.6 refuses a passphrase test on one named keyslot of a header in
-        // reencryption ("wrong or missing parameters", exit 1; measured).
+        // reencryption ("wrong or missing parameters", exit 1; `luks_interop`'s
+        // `reencryption_in_progress_is_recognised` pins it).
         return Err(Error::InvalidArgument(
             "wrong or missing parameters: --key-slot cannot be used on a device in reencryption"
                 .into(),
@@ -1458,7 +1459,8 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
     )
     .map_err(|e| match e {
         // cryptsetup 2.6 answers a wrong passphrase on a header in reencryption with "No
-        // usable keyslot is available." and exit code 1 (measured), not its usual exit 2.
+        // usable keyslot is available." and exit code 1, not its usual exit 2 (pinned by
+        // `luks_interop`'s `reencryption_in_progress_is_recognised`).
         Error::WrongPassphrase if in_reencryption(&hdr) => Error::NoUsableKeyslot,
         e => e,
     })?;

@@ -282,7 +282,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             }
         }
         return match (&r.reduce_device_size, &o.header) {
-            // Decided: not built, and not to be: cryptsetup 2.6.1 makes a header of that size
+            // Refused: cryptsetup 2.6.1 makes a header of that size
             // and encrypts from the end with `datashift` resilience while the data stays
             // where it is, so no hotzone is protected (`reencrypt_plan::UNMOVED_DATASHIFT`).
             (Some(_), Some(_)) => Err(Error::InvalidArgument(
@@ -548,8 +548,8 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
     )
     .map_err(|e| match e {
         // cryptsetup 2.6.1 reads the passphrase of a reencryption it resumes once, and
-        // answers a wrong one with exit code 1 (measured, on a terminal too), as its `open`
-        // does on a header in reencryption.
+        // answers a wrong one with exit code 1 (on a terminal too), as its `open` does on a
+        // header in reencryption (`tries`' `resume_and_decrypt_ask_once` pins it).
         Error::WrongPassphrase if in_progress.is_some() => Error::NoUsableKeyslot,
         e => e,
     })?;
@@ -749,7 +749,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
             "Device reencryption not in progress.".into(),
         ));
     }
-    // cryptsetup 2.6.1 encrypts in 512-byte sectors unless told otherwise (measured).
+    // cryptsetup 2.6.1 encrypts in 512-byte sectors unless told otherwise.
     let (cipher, key_bytes, sector_size) = new_segment(o)?;
     let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
     let resilience_hash = resilience_hash(r)?;

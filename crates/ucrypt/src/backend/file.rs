@@ -2,8 +2,8 @@
 //!
 //! Opened with `O_DIRECT` when the filesystem allows it, so that ciphertext does not fill the
 //! page cache and reads measure the storage, not a copy. io_uring is deliberately not used:
-//! on RAM-backed files (the benchmark's) it is punted to a kernel worker and is ~10x slower
-//! than `pread` at queue depth 1 (FACTS.md section 4); the engine gets its parallelism from
+//! on RAM-backed files (the benchmark's) a request is punted to a kernel worker, which makes it
+//! several times slower than `pread` at queue depth 1; the engine gets its parallelism from
 //! several threads doing `pread`/`pwrite` at once.
 
 use std::fs::{File, OpenOptions};

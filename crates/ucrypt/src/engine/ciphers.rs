@@ -1,5 +1,6 @@
-//! Cipher contexts reused across requests. A `SectorCipher` is not `Sync` and costs ~2 µs to
-//! create, so callers borrow one from a fixed table of slots: each thread starts at "its" slot
+//! Cipher contexts reused across requests. A `SectorCipher` is not `Sync` and creating one
+//! expands a key schedule and allocates, which costs more than the crypto of a 4 KiB request,
+//! so callers borrow one from a fixed table of slots: each thread starts at "its" slot
 //! (by thread number), so in the common case the slot is uncontended and stays in that core's
 //! cache; a busy slot is skipped. Contexts are created lazily, once per slot, from a prototype.
 //! Workers borrow theirs here too, so that [`CipherSlots::clear`] reaches every context of

@@ -3,8 +3,8 @@
 //! `auto` splits a big request across cores only when another core is free. An idle worker
 //! of ours does not say that on a shared host: other processes (the NBD client and server
 //! beside a relay, other tenants) may hold every core, and then a split only adds hand-offs
-//! and a bounce buffer (measured: 1 MiB writes of an NBD relay at QD8 kept 0.82 of the
-//! unencrypted relay under `auto` and 0.88 under `inline`). So `auto` also asks this module:
+//! and a bounce buffer (an NBD relay's 1 MiB writes are such a case: the relay rows of
+//! `bench remote`, BENCHMARKS.md). So `auto` also asks this module:
 //! the cores that sat idle over the last window, from `/proc/stat`, plus the CPU this process
 //! used itself in it (its own helpers' time is ours to spend again). Splitting onto cores that
 //! others are using is what `parallel` is for.

@@ -4,7 +4,7 @@
 //! - `range_lock`: sector range locks (writes and read-modify-write lock only what they touch).
 //! - `queue`: the bounded queue every hand-off goes through.
 //! - `workers`: the worker threads (one per core) and the single writer of the `queued` model.
-//! - `ciphers`: cipher contexts reused across requests (one costs ~2 µs to create).
+//! - `ciphers`: cipher contexts reused across requests (one is costly to create).
 //! - `gate`: the gate every request passes, closed while a volume is suspended or resized.
 //! - `host`: how many of the host's cores this process could use lately (for `auto`).
 //! - `stats`: cheap per-request timings (log2 histograms).

@@ -48,11 +48,11 @@ impl SectorRange {
 /// A split request is cut into this many chunks per lane (thread running it), which the lanes
 /// claim one at a time: a helper that starts late or runs slower then holds the request up by
 /// one small chunk, not by its whole share, and the phases of the lanes (backend I/O, crypto)
-/// drift apart instead of contending in step. 2 (256 KiB chunks for 1 MiB on 2 cores) measured
-/// best of 1, 2 and 4 (one stream of 1 MiB, parallel ÷ inline, medians of 3 alternating runs):
-/// /dev/shm file writes 1.10 / 1.32 / 1.30, reads 1.60 / 1.75 / 1.61; memory within noise.
-/// Tried and dropped: a half-size first chunk, to offset the lanes' phases, lost 0.05–0.16 on
-/// every row.
+/// drift apart instead of contending in step. More chunks add claims and hand-offs for no
+/// further gain; one chunk per lane is the whole share again. Two (256 KiB chunks for 1 MiB
+/// on 2 cores) does best for one stream of 1 MiB, the split `bench engine` scenario 4 measures
+/// (parallel ÷ inline, BENCHMARKS.md). The chunks are equal: a smaller first one, to offset
+/// the lanes' phases, only adds a claim.
 pub const CHUNKS_PER_LANE: u32 = 2;
 
 /// How the pieces of a request are carried out.

@@ -2,21 +2,21 @@
 //! ordering turn), queued for a worker, in crypto and in backend I/O, each in a log2 histogram
 //! of atomic counters. Callers record into one of several cache-line padded shards picked by
 //! thread, so concurrent callers do not fight over one counter. The clock is the CPU's
-//! time-stamp counter on x86_64 (a few ns per read, vs ~20 ns for `Instant::now`).
+//! time-stamp counter on x86_64, which is read without a system call and far more cheaply than
+//! `Instant::now`.
 //!
 //! Every request is counted, but only one in [`SAMPLE_EVERY`] per thread is timed: the clock
-//! reads and atomic adds of a fully timed request cost ~70 ns, a fifth of a 4 KiB read from
-//! RAM, measured with perf. Sampling keeps the distributions and takes the cost out of the data
-//! path: one in 8 still left ~8 ns on every 4 KiB read (inline ÷ raw, null cipher, memory
-//! backend, three interleaved runs each: 0.93–0.97 timing 1 in 8, 0.96–0.99 timing 1 in 1024);
-//! one in 32 leaves ~2 ns and still times ~7,600 requests a second of a 1 GB/s stream of 4 KiB
-//! reads. The gaps between timed requests are random (mean 32): with a fixed one-in-32, a
-//! benchmark stream cycling six request sizes was timed at three of them only.
+//! reads and atomic adds of a fully timed request are a sizeable share of a 4 KiB read from
+//! RAM, the request whose overhead `bench engine` scenario 1 holds to its target (inline ÷
+//! raw, BENCHMARKS.md). Sampling keeps the distributions and takes that cost out of the data
+//! path; one in 32 still times thousands of requests a second of a fast 4 KiB stream. The gaps
+//! between timed requests are random (mean 32): a fixed one-in-32 aliases with a stream that
+//! cycles through a few request sizes, and times only some of them.
 //!
 //! The counters every request bumps (requests, bytes, splits) live in per-thread slots: a thread
 //! holds one of [`COUNTER_SLOTS`] slots exclusively while it lives ([`owned_slot`]), so it adds
-//! with a plain load and store instead of a locked read-modify-write (two of those were ~10 ns
-//! of a ~30 ns inline overhead, measured with perf). Threads beyond that share one slot with
+//! with a plain load and store instead of a locked read-modify-write, which is a large part of
+//! what ucrypt adds to a 4 KiB read served inline. Threads beyond that share one slot with
 //! atomic adds. `reset` never writes an owned slot: it remembers a baseline instead.
 
 use std::cell::Cell;
@@ -79,7 +79,8 @@ fn epoch() -> Instant {
     *E.get_or_init(Instant::now)
 }
 
-/// Nanoseconds per clock tick, measured once (takes ~2 ms the first time).
+/// Nanoseconds per clock tick, calibrated once against `Instant` (the first call waits a few
+/// milliseconds for it).
 pub fn ns_per_tick() -> f64 {
     static NS: OnceLock<f64> = OnceLock::new();
     *NS.get_or_init(|| {

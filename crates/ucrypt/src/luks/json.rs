@@ -593,7 +593,8 @@ impl Metadata {
         let required = super::reencrypt::requirement_version(self).is_some();
         // A reencrypt keyslot needs a requirement of reencryption's shape, as cryptsetup
         // 2.6.1 refuses such a header on load ("Missing reencryption requirement flag";
-        // measured: `luksDump` and `open --test-passphrase` exit 1).
+        // `luksDump` and `open --test-passphrase` exit 1). Pinned by the row "reencrypt
+        // keyslot without the reencryption requirement" of `luks::tests`.
         let candidate = self
             .requirements()
             .iter()

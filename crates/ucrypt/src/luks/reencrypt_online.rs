@@ -425,9 +425,10 @@ pub fn rekey_lanes_serving() -> usize {
 /// While the volume's clients issue requests, the rotation pauses after each hotzone for this
 /// share of the time the hotzone took (so it runs 1 / (1 + share) of the time, 62 %): the
 /// device and the CPUs are then the clients' alone for a while, and the rotation still goes at
-/// more than half its offline speed. Chosen by measurement (`ucrypt bench reencrypt
-/// --online`, BENCHMARKS.md): 0.3 left 4 KiB reads at QD1 under half their speed, 1.0 took
-/// the rotation under half its offline speed. Nothing is held during the pause; with no
+/// more than half its offline speed. A smaller share leaves the clients' 4 KiB reads at QD1
+/// under half their speed, a larger one takes the rotation under half its offline speed: the
+/// two goals of `ucrypt bench reencrypt --online` (BENCHMARKS.md). Nothing is held during
+/// the pause; with no
 /// requests there is no pause.
 pub const YIELD_SHARE: f64 = 0.6;
 // The share keeps the rotation running more than half the time while clients are busy.

@@ -63,7 +63,7 @@ pub(super) fn hash_blocks(data: &[u8], block: usize, hash: HashAlg, out: &mut [u
 /// of making them wait for it at the end, as fixed shares would. With a `crew`, the calling
 /// thread is the first lane and the crew's threads the others (started once per rotation: a
 /// thread started for one hotzone step starts with no scheduler history, and beside busy
-/// threads the scheduler was measured to leave two such threads on one CPU for whole runs);
+/// threads the scheduler may leave two such threads on one CPU for whole runs);
 /// without one, each lane has a scoped thread. The first error stops the lanes taking more
 /// chunks and comes back; a panic comes back as `Error::Bug(what)`.
 pub(super) fn share_out<L: Send, T: Send, I: Iterator<Item = T> + Send, F>(

@@ -35,9 +35,10 @@ fn bad(detail: impl Into<String>) -> Error {
 /// Why the state cryptsetup 2.6.1's `reencrypt --encrypt --header HDR --reduce-device-size
 /// SIZE` leaves is refused: an encryption from the end with `datashift` resilience whose data
 /// does not move (the old and new segments both at the data offset), so nothing protects a
-/// hotzone. Measured on 2026-11-27 with a 512 MiB file and an 8 MiB shift: cryptsetup
-/// SIGKILLed inside a hotzone, then its own `repair` and `--resume-only`, left the hotzone's
-/// 8 MiB holding the plaintext of the 8 MiB below it.
+/// hotzone: cryptsetup SIGKILLed inside a hotzone, then its own `repair` and `--resume-only`,
+/// leave the hotzone holding the plaintext one shift below it (a 512 MiB file with an 8 MiB
+/// shift shows it). `reencrypt_interop`'s
+/// `reduce_device_size_with_a_detached_header_is_refused_by_name` pins the refusal.
 pub const UNMOVED_DATASHIFT: &str =
     "reencryption encrypt backward with resilience datashift and the data not moved \
      (cryptsetup's reencrypt --encrypt --header with --reduce-device-size): ucrypt does not \
@@ -667,7 +668,9 @@ fn position_unshift(meta: &Metadata, u: &Unshift) -> Result<Position> {
 }
 
 /// [`set_segments`] of a decryption that moves the data, as cryptsetup 2.6 lays them out
-/// (measured between and inside every hotzone of a run): the moved segment (crypt, until its
+/// (seen between and inside every hotzone of a run; `reencrypt_interop`'s
+/// `unshift_init_matches_cryptsetup_and_each_finishes_the_other` and the `unshift_*` kill
+/// tests compare the two tools): the moved segment (crypt, until its
 /// hotzone), the plaintext done (linear at `M`: fixed size, `dynamic` once the walk is done),
 /// the hotzone (linear, `in-reencryption`), the ciphertext left (crypt at its old place, IV
 /// tweak its data offset, backup-previous's size rule); then backup-previous, backup-final and
@@ -777,7 +780,8 @@ fn set_segments_unshift(
 }
 
 /// The steps of the next hotzone of a decryption that moves the data, as cryptsetup 2.6 walks
-/// it (measured with `--debug` and by stopping it between and inside hotzones): forward from
+/// it (seen with `--debug` and by stopping it between and inside hotzones; pinned by the
+/// `unshift_*` tests of `reencrypt_interop`): forward from
 /// `M` in hotzones of the shift (the last one what is left), each: commit the hotzone, move it
 /// ([`Step::MoveNew`]: the ciphertext at its old place decrypted to the new), flush, commit
 /// past it; then the moved segment's hotzone in place: read it ([`Step::ReadAt`]), store its
@@ -1190,8 +1194,10 @@ pub fn set_segments(
     Ok(())
 }
 
-/// [`set_segments`] of a data-moving encryption, as cryptsetup 2.6 lays them out (measured
-/// after `--init-only` and after SIGKILLs between and inside hotzones): the moved segment
+/// [`set_segments`] of a data-moving encryption, as cryptsetup 2.6 lays them out (seen
+/// after `--init-only` and after SIGKILLs between and inside hotzones; `reencrypt_interop`'s
+/// `shift_init_matches_cryptsetup_and_each_finishes_the_other` and the shift kill tests
+/// compare the two tools): the moved segment
 /// (until the last hotzone, which encrypts it), the plaintext still at its old place beyond
 /// the first shift, the hotzone (`in-reencryption`), the done part (fixed size; `dynamic`
 /// once all is done); then backup-previous, backup-final and backup-moved-segment. The new
@@ -1308,9 +1314,11 @@ pub const CRYPTSETUP_HOTZONE_BYTES_MAX: u64 = 1 << 30;
 /// most [`CRYPTSETUP_HOTZONE_BYTES_MAX`] and the data), not the hotzone's own. Repairing a
 /// shorter last hotzone, it leaves the reencryption unfinished over one linear segment,
 /// which its `--resume-only` takes for the old one and decrypts again: every byte lost
-/// (measured: a 20 MiB decryption cryptsetup was killed in at its last hotzone, with its
-/// default journal, and one ucrypt was killed in at a 1 MiB last hotzone, both repaired and
-/// resumed by cryptsetup). So a backward walk with a journal or checksums leaves that length
+/// (a decryption cryptsetup was killed in at its last hotzone, with its default journal, and
+/// one ucrypt was killed in at a short last hotzone, both repaired and resumed by cryptsetup;
+/// `reencrypt_interop`'s
+/// `cryptsetup_repairs_a_decryption_ucrypt_was_killed_in_at_its_last_hotzone` pins the
+/// second). So a backward walk with a journal or checksums leaves that length
 /// for its last hotzone, and cryptsetup's repair finishes it. A reencryption found with less
 /// than that left keeps what is left.
 pub fn last_backward_hotzone(st: &ReencryptState, data_bytes: u64, align: u64) -> Result<u64> {
@@ -1424,7 +1432,8 @@ pub fn next_hotzone(
 }
 
 /// The steps of the next hotzone of a data-moving encryption, as cryptsetup 2.6 walks it
-/// (measured with `--debug` and SIGKILLs): backward from the end of the data in hotzones of
+/// (seen with `--debug` and SIGKILLs; pinned by `reencrypt_interop`'s shift tests): backward
+/// from the end of the data in hotzones of
 /// the shift, the lowest one above the first shift shortened to what is left, and last the
 /// first shift itself, from the moved segment. Each: commit the hotzone, move it
 /// ([`Step::MoveNew`]), flush, commit past it (finalise after the last). No resilience data:
@@ -1541,7 +1550,7 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
             retired.keyslots.push(k.parse().unwrap_or(u32::MAX));
             // The old keys' material and the resilience data (checksums or a journal of
             // old ciphertext, or plaintext for an encryption): cryptsetup overwrites both
-            // areas when it destroys the keyslots (measured: the whole reencrypt area).
+            // areas when it destroys the keyslots (the whole reencrypt area).
             if let Some(a) = ks.area {
                 retired.areas.push((a.offset.0, a.size.0));
             }
@@ -2139,7 +2148,7 @@ mod tests {
         assert!(next_hotzone_shift(&sh, pos, 512).is_err());
     }
 
-    /// The walk cryptsetup 2.6.1 takes (measured with --debug on 68 MiB of data shifted by 16
+    /// The walk cryptsetup 2.6.1 takes (seen with --debug on 68 MiB of data shifted by 16
     /// MiB: hotzones at 52, 36, 20 MiB of 16 MiB, then 16 MiB of 4 MiB, then 0 from the moved
     /// segment), each hotzone's steps, and finalisation to one dynamic crypt segment with the
     /// moved segment's area to wipe.

@@ -56,7 +56,7 @@ const _: () = assert!(UNSHIFT_REQUIREMENT_VERSION == 3);
 /// The checksum cryptsetup uses when `--resilience-hash` is not given.
 pub const CHECKSUM_HASH: HashAlg = HashAlg::Sha256;
 /// Bytes per checksum: cryptsetup's alignment of the hotzone (4 KiB, also for 512-byte
-/// sectors, as measured with 2.6.1).
+/// sectors, in cryptsetup 2.6.1).
 pub const CHECKSUM_BLOCK_BYTES: u32 = 4096;
 /// The hotzone when `--hotzone-size` is not given. cryptsetup's default is as large as the
 /// resilience data allows (the whole device for checksum on most volumes), bounded by a share
@@ -71,15 +71,14 @@ const LANE_BYTES_MIN: usize = 256 << 10;
 /// Bytes a rekeying thread reads, decrypts, encrypts and writes at a time: small enough to
 /// stay in a core's cache between the steps, large enough that a system call per chunk costs
 /// nothing (whole 4096-byte sectors). Also the most one lane can be left working on when the
-/// others have run out of chunks: each step of a hotzone ends when its last chunk does.
-/// Measured on 1 GiB rotations in tmpfs, idle and beside two spinning threads: 256 KiB was
-/// 5–10 % faster than 1 MiB (most beside the spinners, where a lane's last chunk runs at half
-/// a core), and 128 KiB no faster than 256 KiB.
+/// others have run out of chunks: each step of a hotzone ends when its last chunk does, and
+/// beside busy threads that last chunk may run on half a core. Smaller chunks only add
+/// claims and system calls (the busy rows of `bench reencrypt`, BENCHMARKS.md).
 const LANE_CHUNK_BYTES: usize = 256 << 10;
 /// The buffer of an offline `none` rotation, whatever its hotzone: 64 slots of
-/// [`LANE_CHUNK_BYTES`]. A 64 MiB buffer's allocation, wipes and page faults took 5–10 % of
-/// an idle 1 GiB rotation's samples (`perf`, 2026-11-29); 16 MiB also stays in the cache the
-/// chunks go through.
+/// [`LANE_CHUNK_BYTES`]: a buffer of the whole hotzone would cost its allocation, wipes and
+/// page faults on every rotation for no gain, since the lanes reuse slots as writes finish;
+/// 16 MiB also stays closer to the caches the chunks go through.
 const NONE_BUFFER_BYTES: u64 = 16 << 20;
 /// Largest piece of random bytes written at a time when finalisation wipes retired areas.
 const WIPE_PIECE_BYTES: u64 = 1 << 20;
@@ -217,8 +216,9 @@ pub struct InitOptions<'a> {
     pub resilience_hash: HashAlg,
 }
 
-/// Where the PBKDF of a rotation's new keyslots comes from (cryptsetup 2.6.1's
-/// `set_keyslot_params`, measured).
+/// Where the PBKDF of a rotation's new keyslots comes from (as cryptsetup 2.6.1's
+/// `set_keyslot_params` chooses it; `reencrypt_interop`'s
+/// `argon2_keyslot_copied_as_cryptsetup_copies_it` compares the two tools' keyslots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyslotKdf {
     /// [`InitOptions::kdf`]: cryptsetup's choice when `--pbkdf`, `--hash`, `--iter-time` or
@@ -844,7 +844,9 @@ pub fn init_encrypt(
 /// The largest `--reduce-device-size` cryptsetup accepts (1 GiB: a shift of 512 MiB).
 pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
 /// The reencrypt keyslot's area of a data shift: it holds nothing, so cryptsetup gives it the
-/// first free gap of the keyslots area, 4 KiB (measured: 4096 bytes after keyslot 0's area).
+/// first free gap of the keyslots area, 4 KiB (cryptsetup 2.6.1 puts it 4096 bytes after
+/// keyslot 0's area; `reencrypt_interop`'s
+/// `shift_init_matches_cryptsetup_and_each_finishes_the_other` compares the two tools' init).
 const SHIFT_AREA_BYTES: u64 = 4096;
 /// Largest piece of the first shift copied at a time into the moved segment at init.
 const COPY_PIECE_BYTES: u64 = 4 << 20;
@@ -1173,7 +1175,7 @@ pub fn init_decrypt_unshift(
         )));
     }
     // Every hotzone is a whole number of checksum blocks and sectors (cryptsetup's zone
-    // alignment, 4096 bytes on files for both sector sizes, as measured).
+    // alignment, 4096 bytes on files for both sector sizes in cryptsetup 2.6.1).
     let align = ss.max(u64::from(CHECKSUM_BLOCK_BYTES));
     let moved_bytes = match opts.moved_bytes {
         Some(m) if m > s => {

@@ -1,9 +1,10 @@
 //! SHA-256 of sixteen messages of one length at once, one message per 32-bit lane of AVX-512
 //! registers: the checksums of a reencryption hotzone (one digest per checksum block, 16384 per
 //! 64 MiB hotzone) are its largest CPU cost. One message at a time is bound by the SHA
-//! extensions' one execution port (measured here: 1.4 GB/s, OpenSSL the same; two messages
-//! interleaved through them gained 13 %); sixteen independent messages use the vector units
-//! instead. The digests are SHA-256's (the tests compare them with the `sha2` crate's); `sha2`
+//! extensions' one execution port (OpenSSL's SHA-256 is bound the same way, and interleaving
+//! two messages through the port gains little); sixteen independent messages use the vector
+//! units instead (the checksum rows of `bench reencrypt`, BENCHMARKS.md). The digests are
+//! SHA-256's (the tests compare them with the `sha2` crate's); `sha2`
 //! hashes everything else, and everything on a CPU without AVX-512.
 //!
 //! Messages are whole 64-byte blocks (checksum blocks are 512 to 4096 bytes), so the padding

@@ -1,5 +1,6 @@
 //! The only module that calls into AWS-LC. A safe wrapper around one `EVP_CIPHER_CTX`, keyed
-//! once; callers reset only the IV per data unit (re-keying costs 1-2 µs, an IV reset ~40 ns).
+//! once; callers reset only the IV per data unit (re-keying expands the key schedule again,
+//! many times the cost of an IV reset).
 //!
 //! Contract: an [`EvpCtx`] is used by one thread at a time (`Send`, not `Sync`); in-place
 //! operation (`input == output`) is allowed by AWS-LC for ECB, CBC and XTS.
