@@ -71,7 +71,7 @@ fn stored_crash_header_typed_state() {
     assert_eq!(st.backup_moved, None);
     // cryptsetup's live segments are the layout ucrypt's planner gives for their position.
     let meta = luks2(&hdr).meta();
-    ucrypt::luks::reencrypt_plan::check_layout(meta, &st, u64::MAX >> 1)
+    ucrypt::luks::reencrypt::plan::check_layout(meta, &st, u64::MAX >> 1)
         .expect("cryptsetup's layout passes the layout checks");
 }
 

@@ -1,4 +1,4 @@
-//! Offline key rotation (`luks::reencrypt_run`) and power cuts during it.
+//! Offline key rotation (`luks::reencrypt::run`) and power cuts during it.
 //!
 //! A LUKS2 volume on a `CrashBackend` is filled with known plaintext, then rotated: init, the
 //! hotzones, finalisation. The power goes after every write and flush of the whole run (the
@@ -16,12 +16,12 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::reencrypt::{Mode, ReencryptState};
-use ucrypt::luks::reencrypt_run::{
+use ucrypt::luks::reencrypt::run::{
     init, init_decrypt_unshift, init_encrypt, init_encrypt_shift, init_on, recover, recover_on,
     resume, resume_on, Devices, EncryptOptions, InitOptions, KeyslotKdf, Recovery, ResilienceAsked,
     ResilienceKind, RunOptions, SegmentChange, UnshiftOptions, CHECKSUM_HASH,
 };
+use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};

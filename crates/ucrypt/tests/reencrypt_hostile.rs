@@ -12,13 +12,13 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use ucrypt::backend::{Backend, CrashBackend};
-use ucrypt::luks::reencrypt::{Mode, ReencryptState};
-use ucrypt::luks::reencrypt_plan::position;
-use ucrypt::luks::reencrypt_run::{
+use ucrypt::luks::reencrypt::plan::position;
+use ucrypt::luks::reencrypt::run::{
     init, init_decrypt_unshift, init_encrypt_shift, recover, recover_on, resume, resume_on,
     Devices, EncryptOptions, InitOptions, KeyslotKdf, ResilienceKind, RunOptions, SegmentChange,
     UnshiftOptions, CHECKSUM_HASH,
 };
+use ucrypt::luks::reencrypt::{Mode, ReencryptState};
 use ucrypt::luks::{self, HashAlg, Header, OpenOptions, Unlock};
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result, SecretBytes};
@@ -633,7 +633,7 @@ fn unshift_resume(disk: Arc<dyn Backend>) -> Result<()> {
     resume_on(devs, PASS, RunOptions::default(), &mut |_| {})
 }
 
-fn unshift_recover(disk: Arc<dyn Backend>) -> Result<ucrypt::luks::reencrypt_run::Recovery> {
+fn unshift_recover(disk: Arc<dyn Backend>) -> Result<ucrypt::luks::reencrypt::run::Recovery> {
     let (h, d) = unshift_devs(disk);
     recover_on(
         Devices {

@@ -1,4 +1,4 @@
-//! Online key rotation (`luks::reencrypt_online`): a `Volume` serves reads and writes while its
+//! Online key rotation (`luks::reencrypt::online`): a `Volume` serves reads and writes while its
 //! key is rotated hotzone by hotzone, each request mapped by offset to the new key (below the
 //! mark) or the old one; and a volume left in reencryption (the driver failed mid-way) opens
 //! as two segments, recovered first, and its rotation finishes online.
@@ -12,12 +12,11 @@ use std::sync::Arc;
 
 use ucrypt::backend::{Backend, Fault, FaultBackend, FaultOp, FaultRule, MemBackend};
 use ucrypt::blockdev::BlockDev;
-use ucrypt::luks::reencrypt::Mode;
-use ucrypt::luks::reencrypt_online;
-use ucrypt::luks::reencrypt_run::{
+use ucrypt::luks::reencrypt::run::{
     init, init_on, recover_on, resume, resume_on, Devices, InitOptions, KeyslotKdf, ResilienceKind,
     RunOptions, SegmentChange, CHECKSUM_HASH,
 };
+use ucrypt::luks::reencrypt::{self, Mode};
 use ucrypt::luks::{self, OpenOptions, Unlock};
 use ucrypt::volume::Volume;
 use ucrypt::Error;
@@ -200,14 +199,14 @@ fn io_during(
     (out, during.into_inner())
 }
 
-/// [`reencrypt_online::rotate`] of `vol` in [`HOTZONE_BYTES`] hotzones, its header on the
+/// [`reencrypt::online::rotate`] of `vol` in [`HOTZONE_BYTES`] hotzones, its header on the
 /// volume or on `header`.
 fn rotate_online(
     vol: &Volume,
     header: Option<&dyn Backend>,
-    progress: &mut dyn FnMut(ucrypt::luks::reencrypt_run::Progress),
+    progress: &mut dyn FnMut(ucrypt::luks::reencrypt::run::Progress),
 ) -> ucrypt::Result<()> {
-    reencrypt_online::rotate(
+    reencrypt::online::rotate(
         vol,
         header,
         PASS,
@@ -556,7 +555,7 @@ fn leave_mid_way(devs: Devices<'_>, data: &Arc<dyn Backend>, nth: u64) {
 /// and one left mid-way by a failed offline run opens as two segments (the plaintext side
 /// above the mark) and finishes online. Left mid-way with a journal only: with checksums this
 /// 4 MiB volume is one hotzone, its last, as long as cryptsetup's repair assumes
-/// (`reencrypt_plan::last_backward_hotzone`: the checksum blocks its ~1 MiB header's area
+/// (`reencrypt::plan::last_backward_hotzone`: the checksum blocks its ~1 MiB header's area
 /// protects), so a failed run is never left between two.
 #[test]
 fn a_detached_header_decrypts_online() {
@@ -624,7 +623,7 @@ fn a_detached_header_decrypts_online() {
 /// opens it; one left mid-way opens as two segments and finishes online.
 #[test]
 fn a_detached_header_encrypts_online() {
-    use ucrypt::luks::reencrypt_run::{init_encrypt, EncryptOptions};
+    use ucrypt::luks::reencrypt::run::{init_encrypt, EncryptOptions};
     use ucrypt::sector::{CipherSpec, SectorSize};
     let seed = seed();
     for (kind, sector, interrupted) in [
@@ -699,7 +698,7 @@ fn a_detached_header_encrypts_online() {
 /// finishes online.
 #[test]
 fn an_encryption_moving_the_data_online() {
-    use ucrypt::luks::reencrypt_run::{init_encrypt_shift, EncryptOptions};
+    use ucrypt::luks::reencrypt::run::{init_encrypt_shift, EncryptOptions};
     use ucrypt::sector::{CipherSpec, SectorSize};
     /// Many hotzones (each at most the shift) over the data.
     const SHIFT: u64 = 512 << 10;
@@ -800,7 +799,7 @@ fn an_encryption_moving_the_data_online() {
 /// mid-way by a failed offline run and repaired opens as three ranges and finishes online.
 #[test]
 fn a_decryption_moving_the_data_back_online() {
-    use ucrypt::luks::reencrypt_run::{init_decrypt_unshift, UnshiftOptions};
+    use ucrypt::luks::reencrypt::run::{init_decrypt_unshift, UnshiftOptions};
     let seed = seed();
     for (sector, moved, kind, interrupted) in [
         (512u32, None, ResilienceKind::Checksum, false),
@@ -865,7 +864,7 @@ fn a_decryption_moving_the_data_back_online() {
 /// A rotation driven online that stops inside a hotzone (its driver died or failed: here one
 /// of its data or header writes fails, at many points of the first hotzones) while the
 /// volume serves on. Before the recovery another rotation is refused (no panic in the
-/// hotzone lock); `reencrypt_online::recover_stopped` (the recovery `repair` runs) brings
+/// hotzone lock); `reencrypt::online::recover_stopped` (the recovery `repair` runs) brings
 /// the hotzone back from the resilience data while the volume serves, after which every
 /// byte reads back as it was (the hotzone too, no EIO), the volume's mark is the header's,
 /// and the rotation resumes online to the end under I/O. Without resilience data (`none`)
@@ -873,7 +872,7 @@ fn a_decryption_moving_the_data_back_online() {
 /// the rest reads back), and the volume opened again recovers it as cryptsetup does.
 #[test]
 fn a_rotation_stopped_inside_a_hotzone_is_recovered_while_served() {
-    use reencrypt_online::Stopped;
+    use reencrypt::online::Stopped;
     let seed = seed();
     let mut seen = std::collections::BTreeMap::<String, u32>::new();
     for kind in [
@@ -908,7 +907,7 @@ fn a_rotation_stopped_inside_a_hotzone_is_recovered_while_served() {
                     again.is_err(),
                     "{case}: a second rotation ran over the first"
                 );
-                let stopped = reencrypt_online::recover_stopped(&vol, None, PASS)
+                let stopped = reencrypt::online::recover_stopped(&vol, None, PASS)
                     .unwrap_or_else(|e| panic!("{case}: recovery: {e}"));
                 let what = match stopped {
                     Stopped::Released { recovered, .. } => format!("released {recovered}"),

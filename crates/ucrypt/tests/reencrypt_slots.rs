@@ -1,4 +1,4 @@
-//! A rotation of a volume with several keyslots (`reencrypt_run::init_slots`), as cryptsetup
+//! A rotation of a volume with several keyslots (`reencrypt::run::init_slots`), as cryptsetup
 //! 2.6.1's `reencrypt` does it: a passphrase per active keyslot, each checked against its
 //! keyslot (`check_passphrase`); a new keyslot per passphrase for the new key, with the old
 //! keyslot's PBKDF copied ([`KeyslotKdf::SameAsOld`]) or the one asked for; tokens follow;
@@ -11,12 +11,12 @@ use std::sync::Arc;
 use serde_json::json;
 use ucrypt::backend::{Backend, CrashBackend};
 use ucrypt::luks::kdf::Argon2Variant;
-use ucrypt::luks::reencrypt::Mode;
-use ucrypt::luks::reencrypt_run::{
+use ucrypt::luks::reencrypt::run::{
     check_free_keyslots, check_passphrase, init_on, init_slots, passphrase_keyslots, resume,
     Devices, InitOptions, KeyslotKdf, ResilienceKind, RunOptions, SegmentChange, SlotPassphrase,
     CHECKSUM_HASH, KEY_FILE_NEEDS_ONE_KEYSLOT, NOT_ENOUGH_KEYSLOTS,
 };
+use ucrypt::luks::reencrypt::Mode;
 use ucrypt::luks::{
     self, HashAlg, Header, Kdf, KdfRequest, NewKeyslot, OpenOptions, Unlock, VolumeKey,
 };

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use clap::Args;
-use ucrypt::luks::reencrypt_run::RunOptions;
+use ucrypt::luks::reencrypt::run::RunOptions;
 use ucrypt::BlockDev;
 
 use super::online::{start_rotation, Rotation};

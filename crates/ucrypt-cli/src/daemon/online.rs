@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ucrypt::luks;
-use ucrypt::luks::reencrypt_run::RunOptions;
+use ucrypt::luks::reencrypt::run::RunOptions;
 use ucrypt::sync::lock;
 use ucrypt::volume::Volume;
 use ucrypt::{BlockDev, SecretBytes};
@@ -116,7 +116,7 @@ pub fn start_rotation(
             } else {
                 Ok(None)
             };
-            let mut progress = |p: luks::reencrypt_run::Progress| {
+            let mut progress = |p: luks::reencrypt::run::Progress| {
                 if let Some(rep) = lock(&report).as_mut() {
                     rep.done_bytes = p.done;
                     rep.total_bytes = p.total;
@@ -130,7 +130,7 @@ pub fn start_rotation(
                             let at = (data.as_path(), hdr.as_deref());
                             worker::serve_worker(&vol, at, pass.as_ref(), opts, &mut progress)
                         }
-                        None => luks::reencrypt_online::rotate(
+                        None => luks::reencrypt::online::rotate(
                             &vol,
                             header,
                             pass.as_ref(),
@@ -211,7 +211,7 @@ impl Outcome {
 
 /// After a rotation of `vol` that ended before its end (`end`): the hotzone its driver held,
 /// or the one the header records, is recovered while the volume serves on
-/// ([`luks::reencrypt_online::recover_stopped`], the recovery `repair` and `open` run), and
+/// ([`luks::reencrypt::online::recover_stopped`], the recovery `repair` and `open` run), and
 /// the outcome says what is true and what to do (`resume`: the command that resumes it).
 fn after_stop(
     vol: &Volume,
@@ -220,7 +220,7 @@ fn after_stop(
     end: Ended,
     resume: &str,
 ) -> Outcome {
-    use luks::reencrypt_online::Stopped;
+    use luks::reencrypt::online::Stopped;
     let (code, cause, died) = match end {
         Ended::Died(how) => (1, format!("the rotation worker died ({how})"), true),
         Ended::Failed(code, message) => (code, message, false),
@@ -230,7 +230,7 @@ fn after_stop(
         stopped: true,
         error: Some((code, format!("{cause}{what}; resume with `{resume}`"))),
     };
-    match luks::reencrypt_online::recover_stopped(vol, header, pass) {
+    match luks::reencrypt::online::recover_stopped(vol, header, pass) {
         // Nothing held: a worker that died between hotzones stopped the rotation there; a
         // failure that held nothing (a refusal before the first hotzone) is reported as it is.
         Ok(Stopped::Consistent) if died => stopped(String::new()),

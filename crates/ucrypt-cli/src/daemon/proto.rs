@@ -26,7 +26,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use ucrypt::engine::Policies;
-use ucrypt::luks::reencrypt_run::{self, ResilienceAsked};
+use ucrypt::luks::reencrypt;
+use ucrypt::luks::reencrypt::run::ResilienceAsked;
 use ucrypt::luks::HashAlg;
 use ucrypt::SecretBytes;
 
@@ -252,7 +253,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
                 .map(HashAlg::from_name)
                 .transpose()
                 .map_err(|e| bad(format!("\"resilience_hash\": {e}")))?
-                .unwrap_or(reencrypt_run::CHECKSUM_HASH);
+                .unwrap_or(reencrypt::run::CHECKSUM_HASH);
             let resilience = text("resilience")?
                 .map(|n| ResilienceAsked::from_name(n, hash))
                 .transpose()
@@ -736,7 +737,7 @@ mod tests {
                 key: ResumeKey::Passphrase(SecretBytes::from_slice(&[7u8; 8 << 10])),
                 hotzone_bytes: None,
                 resilience: Some(ResilienceAsked::InPlace(
-                    reencrypt_run::ResilienceKind::Checksum,
+                    reencrypt::run::ResilienceKind::Checksum,
                     HashAlg::Sha512,
                 )),
             },

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ucrypt::luks::reencrypt_run::RunOptions;
+use ucrypt::luks::reencrypt::run::RunOptions;
 use ucrypt::luks::{self, Unlock};
 use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};

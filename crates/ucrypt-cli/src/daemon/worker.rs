@@ -16,7 +16,7 @@
 //! serving process killed, is a crash the reencryption's resilience recovers from, as in the
 //! thread. A serving process that outlives its worker notices the death (the link closes;
 //! the worker is waited for), recovers the hotzone the worker held from the resilience data
-//! while it serves on (`reencrypt_online::recover_stopped`, in `online.rs`), and reports the
+//! while it serves on (`reencrypt::online::recover_stopped`, in `online.rs`), and reports the
 //! rotation stopped, to be resumed online.
 //!
 //! The link is a sans-I/O codec ([`Call`], [`Reply`], one length-prefixed frame each, at most
@@ -33,14 +33,15 @@ use std::process::{Command, Stdio};
 
 use clap::Args;
 use ucrypt::backend::{Backend, CacheMode, DirectMode, FileBackend};
-use ucrypt::luks::reencrypt_run::{self, Progress, ResilienceAsked, RunOptions, Serving};
-use ucrypt::luks::{reencrypt_online, HashAlg};
+use ucrypt::luks::reencrypt::run::{Progress, ResilienceAsked, RunOptions, Serving};
+use ucrypt::luks::HashAlg;
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::volume::Volume;
 use ucrypt::{Error, SecretBytes};
 
 use super::proto::RESUME_KEY_BYTES_MAX;
 use crate::error::CliError;
+use ucrypt::luks::reencrypt;
 
 /// The hidden verb the worker runs as.
 pub const WORKER_VERB: &str = "reencrypt-worker";
@@ -492,10 +493,10 @@ impl Serving for Link {
             .send(|b| Call::Rewritten { offset, len }.encode(b))
     }
     fn piece_bytes(&self, hotzone_bytes: u64) -> Option<u64> {
-        Some(reencrypt_online::piece_bytes(hotzone_bytes))
+        Some(reencrypt::online::piece_bytes(hotzone_bytes))
     }
     fn rekey_lanes_max(&self) -> Option<usize> {
-        Some(reencrypt_online::rekey_lanes_serving())
+        Some(reencrypt::online::rekey_lanes_serving())
     }
     fn release(&mut self, done: u64) -> ucrypt::Result<()> {
         self.call(Call::Release { done })
@@ -553,7 +554,7 @@ fn work(a: &WorkerArgs, link: &mut Link) -> Result<(), CliError> {
     link.wire.buf.as_mut()[..n].fill(0);
     let hash = match &a.resilience_hash {
         Some(h) => HashAlg::from_name(h)?,
-        None => reencrypt_run::CHECKSUM_HASH,
+        None => reencrypt::run::CHECKSUM_HASH,
     };
     let opts = RunOptions {
         hotzone_bytes: a.hotzone_size,
@@ -570,7 +571,7 @@ fn work(a: &WorkerArgs, link: &mut Link) -> Result<(), CliError> {
         .as_ref()
         .map(|h| FileBackend::open(h, true, DirectMode::Never))
         .transpose()?;
-    let devs = reencrypt_run::Devices {
+    let devs = reencrypt::run::Devices {
         header: header.as_ref().map_or(&data as &dyn Backend, |h| h),
         data: &data,
     };
@@ -590,7 +591,7 @@ fn work(a: &WorkerArgs, link: &mut Link) -> Result<(), CliError> {
             .encode(b)
         });
     };
-    reencrypt_run::resume_serving(devs, pass.as_ref(), opts, &mut report, link)?;
+    reencrypt::run::resume_serving(devs, pass.as_ref(), opts, &mut report, link)?;
     Ok(())
 }
 
@@ -686,7 +687,7 @@ fn died_how(status: std::io::Result<std::process::ExitStatus>) -> String {
 /// volume to the new side when it finished. `progress` gets the worker's reports. A worker
 /// that ends before its end (killed, or its loop failed) is waited for (killed first if the
 /// link broke under it, so that nothing writes the hotzone any more), and the hotzone it
-/// held stays held: the caller recovers it (`reencrypt_online::recover_stopped`).
+/// held stays held: the caller recovers it (`reencrypt::online::recover_stopped`).
 pub fn serve_worker(
     vol: &Volume,
     (data, header): (&Path, Option<&Path>),
@@ -699,7 +700,7 @@ pub fn serve_worker(
         Ended::Failed(code, message)
     };
     let (mut child, mut wire) = spawn(data, header, opts, pass).map_err(failed)?;
-    let mut serving = reencrypt_online::serving(vol);
+    let mut serving = reencrypt::online::serving(vol);
     // The volume's own first refusal of a call (its code and words: a busy hotzone is
     // cryptsetup's 5), which says more than the worker's report of it.
     let mut refusal: Option<(i32, String)> = None;
@@ -787,7 +788,7 @@ pub fn serve_worker(
     }
     let status = child.wait();
     match ended {
-        Some(Ok(())) => reencrypt_online::finish_rotation(vol).map_err(failed),
+        Some(Ok(())) => reencrypt::online::finish_rotation(vol).map_err(failed),
         Some(Err(e)) => {
             let (code, message) = refusal.unwrap_or(e);
             Err(Ended::Failed(code, message))

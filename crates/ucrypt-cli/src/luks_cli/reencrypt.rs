@@ -1,7 +1,7 @@
 //! `ucrypt reencrypt`: offline reencryption on cryptsetup's on-disk protocol (key rotation,
 //! cipher / key size / sector size change, `--decrypt` and `--encrypt` with a detached
 //! `--header`, `--encrypt --reduce-device-size` with the header in front of the data moved
-//! by half of it; `ucrypt::luks::reencrypt_run` does the work), and the recovery `repair` runs on
+//! by half of it; `ucrypt::luks::reencrypt::run` does the work), and the recovery `repair` runs on
 //! a volume left inside a hotzone.
 
 use std::io::IsTerminal;
@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use ucrypt::backend::{Backend, CacheMode};
-use ucrypt::luks::reencrypt::Mode;
-use ucrypt::luks::reencrypt::ReencryptState;
-use ucrypt::luks::reencrypt_run::{
-    self, Devices, InitOptions, KeyslotKdf, Progress, Recovery, ResilienceAsked, ResilienceKind,
+use ucrypt::luks::reencrypt::run::{
+    Devices, InitOptions, KeyslotKdf, Progress, Recovery, ResilienceAsked, ResilienceKind,
     RunOptions, SegmentChange,
 };
+use ucrypt::luks::reencrypt::Mode;
+use ucrypt::luks::reencrypt::ReencryptState;
 use ucrypt::luks::HashAlg;
 use ucrypt::luks::Header;
 use ucrypt::sector::{CipherSpec, SectorSize};
@@ -23,6 +23,7 @@ use ucrypt::{Error, Result};
 use super::{existing_source, kdf_request, load, LuksOpts};
 use crate::pass;
 use crate::target::Target;
+use ucrypt::luks::reencrypt;
 
 /// Options of `reencrypt` beyond the common LUKS ones (cryptsetup's spellings).
 #[derive(Args, Debug, Clone, Default)]
@@ -115,7 +116,7 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
     }
     if r.decrypt && o.header.is_none() {
         return Err(Error::InvalidArgument(
-            reencrypt_run::DECRYPT_NEEDS_DETACHED_HEADER.into(),
+            reencrypt::run::DECRYPT_NEEDS_DETACHED_HEADER.into(),
         ));
     }
     resilience_hash(r)?;
@@ -284,7 +285,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         return match (&r.reduce_device_size, &o.header) {
             // Refused: cryptsetup 2.6.1 makes a header of that size
             // and encrypts from the end with `datashift` resilience while the data stays
-            // where it is, so no hotzone is protected (`reencrypt_plan::UNMOVED_DATASHIFT`).
+            // where it is, so no hotzone is protected (`reencrypt::plan::UNMOVED_DATASHIFT`).
             (Some(_), Some(_)) => Err(Error::InvalidArgument(
                 "--reduce-device-size with a detached --header is refused: cryptsetup 2.6.1 \
                  then encrypts from the end with datashift resilience while the data stays \
@@ -499,7 +500,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             let (started, passphrase) = if mode == Mode::Decrypt {
                 let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
                 (
-                    reencrypt_run::init_on(devs, passphrase.as_ref(), &opts)?,
+                    reencrypt::run::init_on(devs, passphrase.as_ref(), &opts)?,
                     passphrase,
                 )
             } else {
@@ -508,7 +509,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
                     .first()
                     .map(|sp| ucrypt::SecretBytes::from_slice(sp.passphrase()))
                     .ok_or(Error::Bug("a rotation with no passphrase"))?;
-                (reencrypt_run::init_slots(devs, &slots, &opts)?, first)
+                (reencrypt::run::init_slots(devs, &slots, &opts)?, first)
             };
             if o.verbose {
                 for (_, k) in &started.new_keyslots {
@@ -537,7 +538,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         return Ok(run_in_daemon(&h, passphrase, opts, o));
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume_on(
+    reencrypt::run::resume_on(
         devs,
         passphrase.as_ref(),
         RunOptions {
@@ -572,7 +573,7 @@ fn new_kdf_given(o: &LuksOpts) -> bool {
 /// `--resilience-hash`, or cryptsetup's default; refused unless ucrypt computes it.
 fn resilience_hash(r: &ReencryptOpts) -> Result<HashAlg> {
     match r.resilience_hash.as_deref() {
-        None => Ok(reencrypt_run::CHECKSUM_HASH),
+        None => Ok(reencrypt::run::CHECKSUM_HASH),
         Some(h) => HashAlg::from_name(h).map_err(|_| {
             let names: Vec<&str> = HashAlg::ALL.iter().map(|a| a.name()).collect();
             Error::InvalidArgument(format!(
@@ -591,14 +592,14 @@ fn slot_passphrases(
     dev: &dyn Backend,
     hdr: &Header,
     o: &LuksOpts,
-) -> Result<Vec<reencrypt_run::SlotPassphrase>> {
-    reencrypt_run::check_free_keyslots(hdr, o.key_slot.is_some())?;
-    let active = reencrypt_run::passphrase_keyslots(hdr);
+) -> Result<Vec<reencrypt::run::SlotPassphrase>> {
+    reencrypt::run::check_free_keyslots(hdr, o.key_slot.is_some())?;
+    let active = reencrypt::run::passphrase_keyslots(hdr);
     let slots = match o.key_slot {
         Some(s) => vec![s],
         None if o.key_file.is_some() && active.len() > 1 => {
             return Err(Error::InvalidArgument(
-                reencrypt_run::KEY_FILE_NEEDS_ONE_KEYSLOT.into(),
+                reencrypt::run::KEY_FILE_NEEDS_ONE_KEYSLOT.into(),
             ))
         }
         None => active,
@@ -616,7 +617,7 @@ fn slot_passphrases(
                 |e| matches!(e, Error::WrongPassphrase),
                 || {
                     let p = pass::read_passphrase(&src, &prompt, false)?;
-                    reencrypt_run::check_passphrase(dev, hdr, slot, p)
+                    reencrypt::run::check_passphrase(dev, hdr, slot, p)
                 },
             )
         })
@@ -671,12 +672,12 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
     let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
     let kdf = kdf_request(o, 2)?;
     let uuid = new_uuid(o)?;
-    reencrypt_run::init_encrypt_shift(
+    reencrypt::run::init_encrypt_shift(
         dev.as_ref(),
         passphrase.as_ref(),
-        &reencrypt_run::EncryptOptions {
+        &reencrypt::run::EncryptOptions {
             resilience: ResilienceKind::None,
-            resilience_hash: reencrypt_run::CHECKSUM_HASH,
+            resilience_hash: reencrypt::run::CHECKSUM_HASH,
             kdf: &kdf,
             cipher,
             key_bytes,
@@ -693,7 +694,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
         return open_and_run_online(device, o, name, passphrase, hotzone_bytes);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume(
+    reencrypt::run::resume(
         dev.as_ref(),
         passphrase.as_ref(),
         RunOptions {
@@ -740,7 +741,7 @@ fn new_uuid(o: &LuksOpts) -> Result<String> {
 fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     let Some(hpath) = &o.header else {
         return Err(Error::InvalidArgument(
-            reencrypt_run::ENCRYPT_NEEDS_DETACHED_HEADER.into(),
+            reencrypt::run::ENCRYPT_NEEDS_DETACHED_HEADER.into(),
         ));
     };
     if r.resume_only {
@@ -763,10 +764,10 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         header: hdr.as_ref(),
         data: data.as_ref(),
     };
-    reencrypt_run::init_encrypt(
+    reencrypt::run::init_encrypt(
         devs,
         passphrase.as_ref(),
-        &reencrypt_run::EncryptOptions {
+        &reencrypt::run::EncryptOptions {
             resilience,
             resilience_hash,
             kdf: &kdf,
@@ -784,7 +785,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         return open_and_run_online(device, o, name, passphrase, hotzone_bytes);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume_on(
+    reencrypt::run::resume_on(
         devs,
         passphrase.as_ref(),
         RunOptions {
@@ -927,10 +928,10 @@ fn decrypt_unshift(
         header: hdr.as_ref(),
         data: data.as_ref(),
     };
-    let started = reencrypt_run::init_decrypt_unshift(
+    let started = reencrypt::run::init_decrypt_unshift(
         devs,
         passphrase.as_ref(),
-        &reencrypt_run::UnshiftOptions {
+        &reencrypt::run::UnshiftOptions {
             kdf: &kdf,
             key_slot: o.key_slot,
             moved_bytes,
@@ -959,7 +960,7 @@ fn decrypt_unshift(
         return open_and_run_online(device, o, name, passphrase, None);
     }
     let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
-    reencrypt_run::resume_on(devs, passphrase.as_ref(), RunOptions::default(), &mut |p| {
+    reencrypt::run::resume_on(devs, passphrase.as_ref(), RunOptions::default(), &mut |p| {
         meter.show(p)
     })?;
     if o.verbose {
@@ -1004,7 +1005,7 @@ pub fn repair_reencryption(device: &Target, o: &LuksOpts) -> Result<i32> {
         header: dev.as_ref(),
         data: data.as_deref().unwrap_or(dev.as_ref()),
     };
-    match reencrypt_run::recover_on(devs, passphrase.as_ref())? {
+    match reencrypt::run::recover_on(devs, passphrase.as_ref())? {
         Recovery::NotNeeded => {
             if o.verbose {
                 eprintln!("No known problems detected for LUKS header.");

@@ -269,7 +269,7 @@ pub fn open_parsed(
                         .into(),
                 ));
             };
-            return super::reencrypt_online::open(data, hdr, p.as_ref(), opts);
+            return super::reencrypt::online::open(data, hdr, p.as_ref(), opts);
         }
     }
     hdr.check_requirements()?;

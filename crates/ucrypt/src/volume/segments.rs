@@ -10,7 +10,7 @@
 //! sides, so no sector is ever split between them.
 //!
 //! The reencryptions that move the data give the new side its own data offset and the old
-//! side a backend that reads the moved segment where it moved (`luks::reencrypt_online`).
+//! side a backend that reads the moved segment where it moved (`luks::reencrypt::online`).
 //! The encryption that puts the header in front goes backward with one mark, as any. The
 //! decryption that moves the data back goes forward from the end of its moved segment and
 //! rewrites the moved segment last, so a leading head stays on the old side whatever the
@@ -22,7 +22,7 @@
 //! segments stay, marked finished, with every byte on the new side, until the volume is
 //! closed; suspend, resize and another reencryption wait for that reopening.
 //!
-//! The reencryption driver (`luks::reencrypt_online`) holds one hotzone at a time through the
+//! The reencryption driver (`luks::reencrypt::online`) holds one hotzone at a time through the
 //! [`ZoneLock`]: writes touching it wait for it alone, reads touching it only for the piece of
 //! it being rewritten; the others keep flowing. The mark moves only while the hotzone past it
 //! is held, past a piece once that piece is rewritten (reads of it excluded meanwhile), and a

@@ -23,25 +23,29 @@
 //!   front, [`init_decrypt_unshift`] a decryption that exports the header in front to a new
 //!   file and moves the data back to the start of the device.
 
-use super::json::{Keyslot, Metadata, Requirements, U64Str};
-use super::kdf::{KdfRequest, PBKDF2_ITERATIONS_MIN};
-use super::luks2::digest::{free_id, make_digest, make_digest_with};
-use super::reencrypt::{digest_of_segment, verification_data, Direction, Mode, ReencryptState};
-use super::reencrypt_pieces::{hash_blocks, pieces, read_summing, rewrite_pieces, share_out};
-use super::reencrypt_plan::{
+use crate::backend::Backend;
+use crate::engine::crew::Crew;
+use crate::luks::json::{Keyslot, Metadata, Requirements, U64Str};
+use crate::luks::json::{KeyslotKind, SegmentKind};
+use crate::luks::kdf::{KdfRequest, PBKDF2_ITERATIONS_MIN};
+use crate::luks::luks2::digest::{free_id, make_digest, make_digest_with};
+use crate::luks::reencrypt::pieces::{
+    hash_blocks, pieces, read_summing, rewrite_pieces, share_out,
+};
+use crate::luks::reencrypt::plan::{
     area_limit, check_layout, check_supported, finalise, hotzone_offset, last_backward_hotzone,
     next_hotzone, next_hotzone_shift, next_hotzone_unshift, position, set_segments, shift_geometry,
     shift_source, unshift_geometry, MovedGuard, Position, Protect, Shift, Step, Unshift,
     UNSHIFT_REQUIREMENT_VERSION,
 };
-use super::util::{random_secret, HashAlg, Noise};
-use super::{
+use crate::luks::reencrypt::{
+    digest_of_segment, verification_data, Direction, Mode, ReencryptState,
+};
+use crate::luks::util::{random_secret, HashAlg, Noise};
+use crate::luks::{
     apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, WriteOp,
     KEYSLOTS_MAX,
 };
-use crate::backend::Backend;
-use crate::engine::crew::Crew;
-use crate::luks::json::{KeyslotKind, SegmentKind};
 use crate::pool::BufferPool;
 use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::sync::TakeTurns;
@@ -388,7 +392,7 @@ fn reencrypt_keyslot(
         kind: "reencrypt".into(),
         key_size: 1,
         af: None,
-        area: Some(super::json::Area {
+        area: Some(crate::luks::json::Area {
             kind: area_kind.into(),
             offset: U64Str(offset),
             size: U64Str(size),
@@ -540,8 +544,10 @@ fn init_checked(
     }
     let align = u64::from(new_sector.bytes().max(seg.sector_size.bytes()));
     let data_bytes = match seg.size {
-        super::json::SegmentSize::Bytes(n) => n,
-        super::json::SegmentSize::Dynamic => devs.data.size().saturating_sub(seg.offset_bytes),
+        crate::luks::json::SegmentSize::Bytes(n) => n,
+        crate::luks::json::SegmentSize::Dynamic => {
+            devs.data.size().saturating_sub(seg.offset_bytes)
+        }
     };
     if data_bytes % align != 0 {
         return Err(Error::InvalidArgument(format!(
@@ -749,7 +755,7 @@ pub fn init_encrypt(
             "Data device is not aligned to encryption sector size ({align} bytes)."
         )));
     }
-    let mut f = super::luks2::FormatLuks2::defaults(opts.uuid.clone());
+    let mut f = crate::luks::luks2::FormatLuks2::defaults(opts.uuid.clone());
     f.cipher = opts.cipher;
     f.key_bytes = opts.key_bytes;
     f.sector_size = opts.sector_size;
@@ -760,7 +766,7 @@ pub fn init_encrypt(
     let room =
         devs.header.size().saturating_sub(2 * f.hdr_size) / AREA_ALIGN_BYTES * AREA_ALIGN_BYTES;
     f.keyslots_size = f.keyslots_size.min(room);
-    let (mut h, vk) = super::luks2::format(&f, random_secret(opts.key_bytes)?)?;
+    let (mut h, vk) = crate::luks::luks2::format(&f, random_secret(opts.key_bytes)?)?;
     let seqid = h.bin.seqid;
     let (slot, mut ops) = h.add_keyslot(
         NewKeyslot {
@@ -793,7 +799,7 @@ pub fn init_encrypt(
         .get("0")
         .cloned()
         .ok_or(Error::Bug("format made no segment 0"))?;
-    let linear = |flag: Option<&str>| super::json::Segment {
+    let linear = |flag: Option<&str>| crate::luks::json::Segment {
         kind: "linear".into(),
         offset: crypt.offset,
         size: crypt.size,
@@ -867,7 +873,7 @@ fn copy_then_wipe(dev: &dyn Backend, from: u64, to: u64, len: u64, wipe: (u64, u
 ///
 /// The header (a new random volume key, keyslot 0 for the passphrase, a `reencrypt` keyslot
 /// with mode `encrypt`, direction `backward`, resilience `datashift` with `shift_size` S over
-/// a 4 KiB area; the segments of [`super::reencrypt_plan::Shift`]: `0` the moved segment
+/// a 4 KiB area; the segments of [`crate::luks::reencrypt::plan::Shift`]: `0` the moved segment
 /// (linear at `D + S`, S bytes), `1` the plaintext beyond the first shift at its place
 /// (linear at S), then backup-moved-segment, backup-previous (linear at 0, D bytes) and
 /// backup-final (crypt at S); the `online-reencrypt-v2` requirement; the reencryption digest
@@ -925,7 +931,7 @@ pub fn init_encrypt_shift(
             "Data device is not aligned to encryption sector size ({ss} bytes)."
         )));
     }
-    let mut f = super::luks2::FormatLuks2::defaults(opts.uuid.clone());
+    let mut f = crate::luks::luks2::FormatLuks2::defaults(opts.uuid.clone());
     f.cipher = opts.cipher;
     f.key_bytes = opts.key_bytes;
     f.sector_size = opts.sector_size;
@@ -940,7 +946,7 @@ pub fn init_encrypt_shift(
         })?
         / AREA_ALIGN_BYTES
         * AREA_ALIGN_BYTES;
-    let (mut h, vk) = super::luks2::format(&f, random_secret(opts.key_bytes)?)?;
+    let (mut h, vk) = crate::luks::luks2::format(&f, random_secret(opts.key_bytes)?)?;
     let seqid = h.bin.seqid;
     let (slot, mut ops) = h.add_keyslot(
         NewKeyslot {
@@ -981,10 +987,10 @@ pub fn init_encrypt_shift(
         .get("0")
         .cloned()
         .ok_or(Error::Bug("format made no segment 0"))?;
-    let linear = |offset: u64, size: u64, flag: Option<&str>| super::json::Segment {
+    let linear = |offset: u64, size: u64, flag: Option<&str>| crate::luks::json::Segment {
         kind: "linear".into(),
         offset: U64Str(offset),
-        size: super::json::SegmentSize::Bytes(size),
+        size: crate::luks::json::SegmentSize::Bytes(size),
         iv_tweak: None,
         encryption: None,
         sector_size: None,
@@ -1145,7 +1151,7 @@ pub fn init_decrypt_unshift(
             "the data starts at offset 0: there is no header in front to move it over".into(),
         ));
     }
-    let super::json::SegmentSize::Dynamic = seg.size else {
+    let crate::luks::json::SegmentSize::Dynamic = seg.size else {
         return Err(Error::UnsupportedLuks(
             "a decryption that moves the data of a segment with a fixed size (ucrypt moves a \
              segment that runs to the end of the device)"
@@ -1255,8 +1261,8 @@ pub fn init_decrypt_unshift(
 
     // Segments, in cryptsetup's order at init: the moved segment, the rest of the ciphertext
     // at its place, then backup-moved-segment, backup-previous, backup-final.
-    let crypt = |offset: u64, size: super::json::SegmentSize, iv: u64, flag: Option<&str>| {
-        super::json::Segment {
+    let crypt = |offset: u64, size: crate::luks::json::SegmentSize, iv: u64, flag: Option<&str>| {
+        crate::luks::json::Segment {
             kind: "crypt".into(),
             offset: U64Str(offset),
             size,
@@ -1268,15 +1274,15 @@ pub fn init_decrypt_unshift(
             extra: Default::default(),
         }
     };
-    let moved = super::json::SegmentSize::Bytes(moved_bytes);
-    let dynamic = super::json::SegmentSize::Dynamic;
+    let moved = crate::luks::json::SegmentSize::Bytes(moved_bytes);
+    let dynamic = crate::luks::json::SegmentSize::Dynamic;
     let mut segs = vec![crypt(0, moved, 0, None)];
     if data_bytes > moved_bytes {
         segs.push(crypt(s + moved_bytes, dynamic, moved_bytes / 512, None));
     }
     segs.push(crypt(0, moved, 0, Some("backup-moved-segment")));
     segs.push(crypt(s, dynamic, 0, Some("backup-previous")));
-    segs.push(super::json::Segment {
+    segs.push(crate::luks::json::Segment {
         kind: "linear".into(),
         offset: U64Str(0),
         size: dynamic,
@@ -1553,8 +1559,8 @@ fn open_rotation(
             }
             let seg = &h.meta.segments[&st.backup_previous.to_string()];
             let n = match seg.size {
-                super::json::SegmentSize::Bytes(n) => n,
-                super::json::SegmentSize::Dynamic => devs
+                crate::luks::json::SegmentSize::Bytes(n) => n,
+                crate::luks::json::SegmentSize::Dynamic => devs
                     .data
                     .size()
                     .checked_sub(off_old)
@@ -1621,7 +1627,7 @@ fn switch_resilience(
     asked: ResilienceAsked,
     keys: (Option<&VolumeKey>, Option<&VolumeKey>),
 ) -> Result<bool> {
-    use super::reencrypt::Resilience as R;
+    use crate::luks::reencrypt::Resilience as R;
     use ResilienceAsked as A;
     // cryptsetup 2.6.1's words (its command line's).
     let cannot = || {
@@ -1673,7 +1679,7 @@ fn switch_resilience(
     // The moved segment's hotzone must fit what the new type keeps in the area.
     if let Some(moved) = st.backup_moved {
         let moved_bytes = match h.meta.segments.get(&moved.to_string()).map(|s| s.size) {
-            Some(super::json::SegmentSize::Bytes(n)) => n,
+            Some(crate::luks::json::SegmentSize::Bytes(n)) => n,
             _ => return Err(bad("the moved segment has no fixed size")),
         };
         let area = st.keyslot.area_bytes;
@@ -2562,7 +2568,7 @@ pub fn recover_on(devs: Devices<'_>, passphrase: &[u8]) -> Result<Recovery> {
 
 /// A reencryption opened for [`recover_on`], its keys unlocked and its position read, before
 /// anything is written: [`recover_on`] in two steps, so that a volume served meanwhile can
-/// hold the hotzone against its requests between them (`reencrypt_online::recover_stopped`,
+/// hold the hotzone against its requests between them (`online::recover_stopped`,
 /// after an online rotation's driver stopped inside a hotzone).
 pub(crate) struct PendingRecovery<'a> {
     devs: Devices<'a>,

@@ -10,11 +10,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
-use super::reencrypt_run::Serving;
-use super::sha256_x16;
-use super::util::HashAlg;
 use crate::backend::Backend;
 use crate::engine::crew::{Chunks, Crew};
+use crate::luks::reencrypt::run::Serving;
+use crate::luks::sha256_x16;
+use crate::luks::util::HashAlg;
 use crate::{Error, Result};
 
 /// `[0, len)` cut into ranges of at most `piece` bytes, in order.

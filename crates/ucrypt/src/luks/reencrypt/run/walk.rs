@@ -34,7 +34,7 @@ use std::time::Duration;
 use super::{
     commit, rekey_chunk, Devices, Lane, Position, Protect, Step, Unlocked, LANE_CHUNK_BYTES,
 };
-use crate::luks::reencrypt_plan::{next_hotzone, next_hotzone_shift};
+use crate::luks::reencrypt::plan::{next_hotzone, next_hotzone_shift};
 use crate::sync::{lock, TakeTurns, WaitCell};
 use crate::{Error, Result};
 

@@ -17,12 +17,12 @@
 //! and the hotzone follows them; backward, the last `done` bytes are new and the hotzone ends
 //! where they begin ([`hotzone_offset`]).
 
-use super::json::{Metadata, Segment, SegmentSize, U64Str};
-use super::reencrypt::{
+use crate::luks::json::SegmentKind;
+use crate::luks::json::{Metadata, Segment, SegmentSize, U64Str};
+use crate::luks::reencrypt::{
     digest_of_segment, Direction, Mode, ReencryptState, Resilience, SegmentFlag,
 };
-use super::util::HashAlg;
-use crate::luks::json::SegmentKind;
+use crate::luks::util::HashAlg;
 use crate::{Error, Result};
 
 fn bad(detail: impl Into<String>) -> Error {
@@ -1570,7 +1570,7 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
     }
     if let Some(r) = meta.config.requirements.as_mut() {
         if let Some(m) = r.mandatory.as_mut() {
-            m.retain(|n| !super::reencrypt::is_reencrypt_requirement(n));
+            m.retain(|n| !crate::luks::reencrypt::is_reencrypt_requirement(n));
             if m.is_empty() {
                 r.mandatory = None;
             }
@@ -1674,7 +1674,7 @@ mod tests {
 
     /// The first 32 KiB of a volume cryptsetup 2.6.1 was SIGKILLed in, inside its hotzone.
     fn crash() -> Metadata {
-        let bytes = include_bytes!("../../tests/data/reencrypt-crash-hdr.bin");
+        let bytes = include_bytes!("../../../../tests/data/reencrypt-crash-hdr.bin");
         match parse_any(bytes).unwrap() {
             Header::Luks2(h) => h.meta,
             Header::Luks1(_) => unreachable!(),
@@ -2264,7 +2264,7 @@ mod tests {
     /// --init-only` of that volume.
     fn unshift_init() -> Metadata {
         Metadata::parse(include_bytes!(
-            "../../tests/data/reencrypt-unshift-init.json"
+            "../../../../tests/data/reencrypt-unshift-init.json"
         ))
         .unwrap()
     }
@@ -2274,7 +2274,7 @@ mod tests {
     /// stopped between its writes, after every header write): (seqid, metadata).
     fn unshift_states() -> Vec<(u64, Metadata)> {
         let v: serde_json::Value = serde_json::from_slice(include_bytes!(
-            "../../tests/data/reencrypt-unshift-states.json"
+            "../../../../tests/data/reencrypt-unshift-states.json"
         ))
         .unwrap();
         v.as_array()

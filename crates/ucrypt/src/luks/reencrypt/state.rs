@@ -12,8 +12,8 @@
 //! - a pbkdf2 digest bound to the reencrypt keyslot over the volume keys and those fields
 //!   ([`verification_data`]), so metadata edited without the keys is refused.
 
-use super::json::{Keyslot, Metadata, Segment, SegmentSize};
 use crate::luks::json::{AreaKind, KeyslotKind, SegmentKind};
+use crate::luks::json::{Keyslot, Metadata, Segment, SegmentSize};
 use crate::{Error, Result, SecretBytes};
 
 fn bad(detail: impl Into<String>) -> Error {

@@ -1,4 +1,4 @@
-//! Online reencryption: the same hotzones as `reencrypt_run`, while a [`Volume`] serves the
+//! Online reencryption: the same hotzones as `run`, while a [`Volume`] serves the
 //! data. A key rotation (or a new cipher), and, with a detached header, an encryption or a
 //! decryption in place (one side is then plaintext, served as `cipher_null`; a decryption
 //! goes backward, from the end); and both data shifts, the encryption that puts the header
@@ -14,7 +14,7 @@
 //!   a crash is recovered first (as `repair` does), then both keys are unlocked and checked
 //!   against the reencryption digest, and the volume serves the two segments.
 //! - [`rotate`]: runs (or continues) the reencryption on an open volume, then switches it to
-//!   the new side. The header must already be in reencryption (`reencrypt_run::init`,
+//!   the new side. The header must already be in reencryption (`run::init`,
 //!   `init_on`, `init_encrypt`, `init_encrypt_shift`, `init_decrypt_unshift`).
 //! - [`recover_stopped`]: after a rotation whose driver died or failed inside a hotzone, the
 //!   same recovery as `repair` (and [`open`]) runs, while the volume serves on: the requests
@@ -22,14 +22,14 @@
 
 use std::sync::Arc;
 
-use super::json::{Metadata, SegmentSize};
-use super::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
-use super::reencrypt_plan::{check_layout, position, shift_geometry, unshift_geometry};
-use super::reencrypt_run::{self, unlock_digest, Progress, RunOptions, Serving};
-use super::{read_header, Header, OpenOptions};
 use crate::backend::Backend;
 use crate::blockdev::BlockDev;
 use crate::luks::json::SegmentKind;
+use crate::luks::json::{Metadata, SegmentSize};
+use crate::luks::reencrypt::plan::{check_layout, position, shift_geometry, unshift_geometry};
+use crate::luks::reencrypt::run::{self, unlock_digest, Progress, RunOptions, Serving};
+use crate::luks::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
+use crate::luks::{read_header, Header, OpenOptions};
 use crate::sector::{CipherSpec, Geometry, SectorSize};
 use crate::volume::{Volume, VolumeConfig};
 use crate::{Error, Result, SecretBytes};
@@ -113,7 +113,7 @@ pub fn open(
         return Err(bad("the header given is not the one on its device"));
     }
     let detached = !Arc::ptr_eq(&hdr_dev, &data);
-    let devs = reencrypt_run::Devices {
+    let devs = run::Devices {
         header: hdr_dev.as_ref(),
         data: data.as_ref(),
     };
@@ -128,10 +128,10 @@ pub fn open(
             let shifted = matches!(
                 (st.keyslot.mode, &st.keyslot.resilience),
                 (
-                    super::reencrypt::Mode::Encrypt,
+                    crate::luks::reencrypt::Mode::Encrypt,
                     Resilience::Datashift { .. }
                 ) | (
-                    super::reencrypt::Mode::Decrypt,
+                    crate::luks::reencrypt::Mode::Decrypt,
                     Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
                 )
             );
@@ -139,12 +139,12 @@ pub fn open(
                 st.keyslot.resilience,
                 Resilience::None | Resilience::Checksum { .. } | Resilience::Journal
             );
-            if st.keyslot.mode != super::reencrypt::Mode::Reencrypt && !in_place && !shifted {
+            if st.keyslot.mode != crate::luks::reencrypt::Mode::Reencrypt && !in_place && !shifted {
                 return Err(Error::UnsupportedLuks(format!(
                     "serving a volume in {} (resilience {}): finish it offline with ucrypt \
                      reencrypt --resume-only",
                     match st.keyslot.mode {
-                        super::reencrypt::Mode::Encrypt => "encryption",
+                        crate::luks::reencrypt::Mode::Encrypt => "encryption",
                         _ => "decryption",
                     },
                     st.keyslot.resilience.name()
@@ -159,7 +159,7 @@ pub fn open(
         if opts.read_only || detached {
             return Err(Error::NeedsRecovery);
         }
-        reencrypt_run::recover_on(devs, passphrase)?;
+        run::recover_on(devs, passphrase)?;
         hdr = read_header(hdr_dev.as_ref())?;
     }
     let Header::Luks2(h) = &hdr else {
@@ -167,10 +167,10 @@ pub fn open(
     };
     let Some(st) = ReencryptState::from_metadata(&h.meta)? else {
         // The recovered hotzone was the last one: the rotation is finished.
-        return super::open_parsed(
+        return crate::luks::open_parsed(
             data,
             &hdr,
-            super::Unlock::Passphrase(SecretBytes::from_slice(passphrase)),
+            crate::luks::Unlock::Passphrase(SecretBytes::from_slice(passphrase)),
             opts,
         );
     };
@@ -596,7 +596,7 @@ pub enum Stopped {
 
 /// After a rotation of `vol` driven through [`serving`] (or [`rotate`]) stopped before its
 /// end, its driver dead or failed: brings the hotzone it held, or the one the header records,
-/// to a consistent state with the recovery `repair` and `open` run ([`reencrypt_run::
+/// to a consistent state with the recovery `repair` and `open` run ([`run::
 /// recover_on`], from the resilience data), while the volume serves on. Requests touching
 /// the hotzone wait while it is recovered, and are served from the header's state after it;
 /// then the rotation can be resumed online ([`rotate`], or a new worker). The header is on
@@ -625,7 +625,7 @@ fn recover_stopped_inner(
         return Ok(Stopped::Consistent);
     };
     let held = vol.held_hotzone();
-    let devs = reencrypt_run::Devices {
+    let devs = run::Devices {
         header: header.unwrap_or(dev.as_ref()),
         data: dev.as_ref(),
     };
@@ -647,7 +647,7 @@ fn recover_stopped_inner(
     }
     // The keys are unlocked before anything is held: requests wait for the recovery's I/O
     // only, not for its key derivation.
-    let pending = reencrypt_run::prepare_recovery(devs, passphrase)?;
+    let pending = run::prepare_recovery(devs, passphrase)?;
     let recorded = pending.hotzone();
     let Some((offset, len)) = recorded.or(held) else {
         return Ok(Stopped::Consistent);
@@ -674,7 +674,7 @@ fn recover_stopped_inner(
 }
 
 /// Rotates the key of `vol` while it serves I/O: the header (on the volume's backend, or the
-/// detached `header`, `--header`) must be in reencryption ([`reencrypt_run::init`] started
+/// detached `header`, `--header`) must be in reencryption ([`run::init`] started
 /// it, or [`open`] opened it so). Each hotzone is rewritten through the volume's backend
 /// while only the requests touching it wait; at the end the header is finalised and the
 /// volume serves under the new key alone. `progress` is called after each hotzone. A failure
@@ -691,8 +691,8 @@ pub fn rotate(
     let dev = vol
         .reencryption_backend()
         .unwrap_or_else(|| vol.backend().clone());
-    reencrypt_run::resume_serving(
-        reencrypt_run::Devices {
+    run::resume_serving(
+        run::Devices {
             header: header.unwrap_or(dev.as_ref()),
             data: dev.as_ref(),
         },

@@ -1,0 +1,29 @@
+//! LUKS2 reencryption as cryptsetup 2.x runs it, split by on-disk concept as cryptsetup's
+//! `lib/luks2` splits it (docs/reencryption.md has the whole protocol):
+//!
+//! - `state`: what the header says (sans I/O): the `online-reencrypt` requirement, the
+//!   `reencrypt` keyslot's mode, direction and resilience, the segment flags, and the typed
+//!   [`ReencryptState`] read from them; the keyslot's checks as a header loads;
+//! - `state` also holds the reencryption digest's input ([`verification_data`]): the volume
+//!   keys and the fields above, so that metadata edited without the keys is refused;
+//! - [`plan`] (sans I/O): where the reencryption is ([`plan::Position`]), the next hotzone's
+//!   steps, and the segments each step commits, for the three movements of the data (in
+//!   place, shifted up by an encryption, shifted back by a decryption);
+//! - [`run`]: the driver: starting a reencryption (init), unlocking its keys, switching its
+//!   resilience, running hotzones through lanes of rekeyed chunks, and recovering a hotzone a
+//!   crash interrupted; all I/O through [`crate::backend::Backend`];
+//! - `serving`: the contract between the hotzone loop and whoever serves the volume meanwhile
+//!   (nobody offline; a volume online);
+//! - `pieces`: a hotzone's data read, hashed and rewritten in pieces by a crew of threads;
+//! - [`online`]: a volume served in two segments while its rotation runs.
+//!
+//! Read in that order: the state says what is on disk, the plan what the next step writes, the
+//! run performs it.
+
+pub mod online;
+mod pieces;
+pub mod plan;
+pub mod run;
+mod state;
+
+pub use state::*;
