@@ -402,11 +402,19 @@ impl Metadata {
 
     /// The validation passes cryptsetup runs, in its order, plus the reader-protecting bounds
     /// ucrypt adds. `hdr_size` is the binary header's size field (header + JSON area).
-    pub fn validate(&self, hdr_size: u64) -> Result<()> {
+    /// `keyslot_types` runs after the keyslot pass: each keyslot type's own checks, which live
+    /// with the type (the reencrypt keyslot's in `luks::reencrypt`), as cryptsetup's keyslot
+    /// handlers validate their own.
+    pub(crate) fn validate(
+        &self,
+        hdr_size: u64,
+        keyslot_types: &dyn Fn(&Metadata) -> Result<()>,
+    ) -> Result<()> {
         self.validate_tokens()?;
         self.validate_digests()?;
         self.validate_segments()?;
         self.validate_keyslots()?;
+        keyslot_types(self)?;
         self.validate_config(hdr_size)?;
         self.validate_areas()?;
         Ok(())
@@ -578,43 +586,7 @@ impl Metadata {
                         format!("keyslot {k} is in {digests} digests (must be in exactly one)"),
                     ));
                 }
-            } else if ks.kind == KeyslotKind::Reencrypt {
-                // Its mode, direction and resilience fields, checked as cryptsetup does on load.
-                let id = numbered_key("keyslots", k, KEYSLOTS_MAX)?;
-                super::reencrypt::parse_keyslot(id, ks)?;
             }
-        }
-        // At most one reencrypt keyslot, and one whenever a reencryption is required.
-        let reencrypt = self
-            .keyslots
-            .values()
-            .filter(|k| k.kind == KeyslotKind::Reencrypt)
-            .count();
-        let required = super::reencrypt::requirement_version(self).is_some();
-        // A reencrypt keyslot needs a requirement of reencryption's shape, as cryptsetup
-        // 2.6.1 refuses such a header on load ("Missing reencryption requirement flag";
-        // `luksDump` and `open --test-passphrase` exit 1). Pinned by the row "reencrypt
-        // keyslot without the reencryption requirement" of `luks::tests`.
-        let candidate = self
-            .requirements()
-            .iter()
-            .any(|r| super::reencrypt::is_requirement_candidate(r));
-        if reencrypt > 0 && !candidate {
-            return Err(bad(
-                "reencrypt",
-                "a reencrypt keyslot without the reencryption requirement \
-                 (config.requirements.mandatory has no online-reencrypt flag)"
-                    .to_string(),
-            ));
-        }
-        if reencrypt > 1 || (required && reencrypt == 0) {
-            return Err(bad(
-                "reencrypt",
-                format!(
-                    "{reencrypt} reencrypt keyslots with the reencryption requirement {}",
-                    if required { "set" } else { "absent" }
-                ),
-            ));
         }
         Ok(())
     }

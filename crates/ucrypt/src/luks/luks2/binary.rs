@@ -189,6 +189,6 @@ pub fn read_copy(prefix: &[u8], offset: u64, secondary: bool) -> Result<Copy> {
         ));
     }
     let meta = Metadata::parse(&json_area[..end])?;
-    meta.validate(bin.hdr_size)?;
+    super::validate(&meta, bin.hdr_size)?;
     Ok(Copy { bin, meta })
 }

@@ -173,7 +173,7 @@ pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Heade
         repair: None,
     };
     // Check everything a reader will check before anything is written.
-    hdr.meta.validate(hdr.bin.hdr_size)?;
+    super::validate(&hdr.meta, hdr.bin.hdr_size)?;
     let vk = hdr.verify_key(None, volume_key)?;
     Ok((hdr, vk))
 }

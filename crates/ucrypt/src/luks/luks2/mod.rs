@@ -29,6 +29,14 @@ use super::{WriteOp, BIN_HDR_BYTES, HDR2_OFFSETS};
 use crate::{Error, Result};
 use binary::checksum;
 
+/// Every check a header's metadata passes on load and before it is written: the passes every
+/// object type shares, with each keyslot type's own in the keyslot pass (the `reencrypt`
+/// keyslot's, [`crate::luks::reencrypt::validate`]), as cryptsetup's keyslot handlers add
+/// theirs.
+pub(crate) fn validate(meta: &Metadata, hdr_size: u64) -> Result<()> {
+    meta.validate(hdr_size, &crate::luks::reencrypt::validate)
+}
+
 /// A header that failed `check` (the name tests and callers match on).
 fn bad(check: &'static str, detail: impl Into<String>) -> Error {
     Error::BadHeader {
@@ -211,7 +219,7 @@ impl Luks2Header {
     /// lose: the damaged or stale copy when there is one ([`Luks2Header::repair`]; writing the
     /// only valid copy first would leave none if that write tore), else the primary.
     pub fn commit(&mut self) -> Result<Vec<WriteOp>> {
-        self.meta.validate(self.bin.hdr_size)?;
+        validate(&self.meta, self.bin.hdr_size)?;
         self.bin.seqid = self
             .bin
             .seqid
