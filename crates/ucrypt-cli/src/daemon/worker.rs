@@ -33,7 +33,8 @@ use std::process::{Command, Stdio};
 
 use clap::Args;
 use ucrypt::backend::{Backend, CacheMode, DirectMode, FileBackend};
-use ucrypt::luks::reencrypt::run::{Progress, ResilienceAsked, RunOptions, Serving};
+use ucrypt::luks::reencrypt::run::{Progress, ResilienceAsked, RunOptions};
+use ucrypt::luks::reencrypt::Serving;
 use ucrypt::luks::HashAlg;
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::volume::Volume;

@@ -27,6 +27,7 @@ pub mod online;
 mod pieces;
 pub mod plan;
 pub mod run;
+mod serving;
 mod state;
 
 pub use digest::{digest_of_segment, metadata_bytes, verification_data, DIGEST_STRING_MAX};
@@ -35,4 +36,5 @@ pub use keyslot::{
     validate, Direction, Mode, ReencryptKeyslot, Resilience, OFFLINE_REENCRYPT,
     REQUIREMENT_VERSIONS, REQUIREMENT_VERSION_MAX,
 };
+pub use serving::Serving;
 pub use state::{segment_with_flag, ReencryptState, SegmentFlag};

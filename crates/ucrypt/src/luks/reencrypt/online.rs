@@ -22,12 +22,13 @@
 
 use std::sync::Arc;
 
+use super::run::{self, unlock_digest, Progress, RunOptions};
+use super::serving::Serving;
 use crate::backend::Backend;
 use crate::blockdev::BlockDev;
 use crate::luks::json::SegmentKind;
 use crate::luks::json::{Metadata, SegmentSize};
 use crate::luks::reencrypt::plan::{check_layout, position, shift_geometry, unshift_geometry};
-use crate::luks::reencrypt::run::{self, unlock_digest, Progress, RunOptions, Serving};
 use crate::luks::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
 use crate::luks::{read_header, Header, OpenOptions};
 use crate::sector::{CipherSpec, Geometry, SectorSize};

@@ -10,9 +10,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
+use super::serving::Serving;
 use crate::backend::Backend;
 use crate::engine::crew::{Chunks, Crew};
-use crate::luks::reencrypt::run::Serving;
 use crate::luks::sha256_x16;
 use crate::luks::util::HashAlg;
 use crate::{Error, Result};
