@@ -31,10 +31,12 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{
-    commit, rekey_chunk, Devices, Lane, Position, Protect, Step, Unlocked, LANE_CHUNK_BYTES,
-};
+use super::hotzones::commit;
+use super::lanes::rekey_chunk;
+use super::unlock::{Lane, Unlocked};
+use super::{Devices, LANE_CHUNK_BYTES};
 use crate::luks::reencrypt::plan::{next_hotzone, next_hotzone_shift};
+use crate::luks::reencrypt::plan::{Position, Protect, Step};
 use crate::sync::{lock, TakeTurns, WaitCell};
 use crate::{Error, Result};
 

@@ -1,0 +1,532 @@
+//! Starting a reencryption in place (a new key, cipher or sector size): the checks before
+//! anything is written, a keyslot per passphrase for the new key, the reencrypt keyslot, the
+//! digest and the segments of cryptsetup's layout, committed in one header write.
+
+use crate::backend::Backend;
+use crate::luks::json::{Keyslot, Metadata, Requirements, U64Str};
+use crate::luks::kdf::KdfRequest;
+use crate::luks::luks2::digest::{free_id, make_digest};
+use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
+use crate::luks::util::{random_secret, HashAlg};
+use crate::luks::{
+    apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, KEYSLOTS_MAX,
+};
+use crate::sector::{CipherSpec, SectorSize};
+use crate::{Error, Result};
+
+use super::{
+    bad, luks2, Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_BLOCK_BYTES, REQUIREMENT_V2,
+};
+
+/// What the new segment changes (`--cipher`, `--key-size`, `--sector-size`); `None` keeps
+/// the old segment's. As cryptsetup: a new cipher without a key size gets that cipher's
+/// default key size, the same cipher keeps the old key size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SegmentChange {
+    pub cipher: Option<CipherSpec>,
+    pub key_bytes: Option<usize>,
+    pub sector_size: Option<SectorSize>,
+}
+
+/// How to start a rotation ([`init`]).
+pub struct InitOptions<'a> {
+    pub resilience: ResilienceKind,
+    /// The KDF of the new keyslot (and whether digests are calibrated: forced iterations use
+    /// the minimum, as cryptsetup does).
+    pub kdf: &'a KdfRequest,
+    /// The keyslot the passphrase opens (`--key-slot`); without it the volume must have
+    /// exactly one keyslot.
+    pub key_slot: Option<u32>,
+    /// The new segment's cipher, key size and sector size.
+    pub change: SegmentChange,
+    /// [`Mode::Reencrypt`] (a new key) or [`Mode::Decrypt`] (to plaintext, detached header).
+    pub mode: Mode,
+    /// Where each new keyslot's PBKDF comes from.
+    pub keyslot_kdf: KeyslotKdf,
+    /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`; cryptsetup's
+    /// default [`CHECKSUM_HASH`]); not read for the other kinds.
+    pub resilience_hash: HashAlg,
+}
+
+/// Where the PBKDF of a rotation's new keyslots comes from (as cryptsetup 2.6.1's
+/// `set_keyslot_params` chooses it; `reencrypt_interop`'s
+/// `argon2_keyslot_copied_as_cryptsetup_copies_it` compares the two tools' keyslots).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyslotKdf {
+    /// [`InitOptions::kdf`]: cryptsetup's choice when `--pbkdf`, `--hash`, `--iter-time` or
+    /// `--pbkdf-force-iterations` is given.
+    Given,
+    /// Each new keyslot copies the type and costs of the old keyslot whose passphrase it
+    /// takes, uncalibrated, and the new digests get the least iterations (cryptsetup's
+    /// default: no benchmark runs).
+    SameAsOld,
+}
+
+/// A passphrase that opens one keyslot of the volume's key: made only by
+/// [`check_passphrase`], which unlocks that keyslot with it. A rotation gives each such
+/// keyslot a twin for the new key, with the same passphrase (cryptsetup asks one per active
+/// keyslot). Not `Clone`, not printable; the passphrase and the key are wiped on drop.
+pub struct SlotPassphrase {
+    pub(super) slot: u32,
+    pub(super) passphrase: crate::SecretBytes,
+    pub(super) vk: VolumeKey,
+}
+
+impl SlotPassphrase {
+    /// The keyslot the passphrase opens.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub fn passphrase(&self) -> &[u8] {
+        self.passphrase.as_ref()
+    }
+}
+
+impl std::fmt::Debug for SlotPassphrase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SlotPassphrase(keyslot {}, redacted)", self.slot)
+    }
+}
+
+/// Unlocks keyslot `slot` of the header on `dev` with `passphrase` (cryptsetup's check after
+/// each "Enter passphrase for key slot N: "): the proof a rotation takes, or
+/// [`Error::WrongPassphrase`].
+pub fn check_passphrase(
+    dev: &dyn Backend,
+    hdr: &Header,
+    slot: u32,
+    passphrase: crate::SecretBytes,
+) -> Result<SlotPassphrase> {
+    let mut read = |offset: u64, len: u64| read_area(dev, offset, len);
+    let (slot, vk) = unlock(hdr, passphrase.as_ref(), Some(slot), &mut read)?;
+    Ok(SlotPassphrase {
+        slot,
+        passphrase,
+        vk,
+    })
+}
+
+/// The keyslots a rotation asks a passphrase for, by number: those whose digest covers a
+/// segment (cryptsetup's "active" keyslots, of any type). Unbound keyslots (a digest of no
+/// segment) are not asked for and are kept as they are.
+pub fn passphrase_keyslots(hdr: &Header) -> Vec<u32> {
+    let Header::Luks2(h) = hdr else {
+        return Vec::new();
+    };
+    let mut v: Vec<u32> = h
+        .meta
+        .keyslots
+        .keys()
+        .filter(|id| {
+            h.meta
+                .digest_for_keyslot(id)
+                .is_some_and(|(_, d)| !d.segments.is_empty())
+        })
+        .filter_map(|id| id.parse().ok())
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// cryptsetup's words when a rotation would need more keyslots than are free.
+pub const NOT_ENOUGH_KEYSLOTS: &str = "Not enough free keyslots for reencryption.";
+
+/// cryptsetup 2.6.1's count before it asks any passphrase (`_check_luks2_keyslots`): a
+/// rotation needs, beside the keyslots there are, one for the reencryption and one for the
+/// new key, and without `--key-slot` (`one_keyslot` false) one new keyslot per active
+/// keyslot. [`NOT_ENOUGH_KEYSLOTS`] otherwise.
+pub fn check_free_keyslots(hdr: &Header, one_keyslot: bool) -> Result<()> {
+    let Header::Luks2(h) = hdr else {
+        return Ok(());
+    };
+    let there = h.meta.keyslots.len();
+    let active = passphrase_keyslots(hdr).len();
+    let new = if one_keyslot { 1 } else { active.max(1) };
+    if there + new + 1 > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    Ok(())
+}
+
+/// What [`init`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Started {
+    /// The keyslot the passphrase opened (old key); the first one given to [`init_slots`].
+    pub old_keyslot: u32,
+    /// The new keyslot (new key) of `old_keyslot`; none for a decryption.
+    pub new_keyslot: Option<u32>,
+    /// Each old keyslot given and the new keyslot made for its passphrase, in order (a
+    /// rotation; empty for a decryption or an encryption).
+    pub new_keyslots: Vec<(u32, u32)>,
+    pub reencrypt_keyslot: u32,
+}
+
+/// The reencrypt keyslot's area: the rest of the keyslots area after the last used area
+/// (4 KiB aligned), as `(offset, end)`.
+pub(super) fn reencrypt_area(h: &Luks2Header) -> Result<(u64, u64)> {
+    let start = 2 * h.bin.hdr_size;
+    let end = start + h.meta.config.keyslots_size.0;
+    let used_end = h
+        .meta
+        .keyslots
+        .values()
+        .filter_map(|k| k.area.as_ref().map(|a| a.offset.0 + a.size.0))
+        .max()
+        .unwrap_or(start)
+        .div_ceil(AREA_ALIGN_BYTES)
+        * AREA_ALIGN_BYTES;
+    if used_end >= end {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencryption data".into(),
+        ));
+    }
+    Ok((used_end, end))
+}
+
+/// The reencrypt keyslot for `mode`, `direction` and `kind` (checksums with `hash`) over the
+/// area `[offset, offset + size)`.
+pub(super) fn reencrypt_keyslot(
+    mode: Mode,
+    direction: Direction,
+    kind: ResilienceKind,
+    hash: HashAlg,
+    offset: u64,
+    size: u64,
+) -> Keyslot {
+    let mut area_extra = serde_json::Map::new();
+    let area_kind = match kind {
+        ResilienceKind::None => "none",
+        ResilienceKind::Journal => "journal",
+        ResilienceKind::Checksum => {
+            area_extra.insert("hash".into(), hash.name().into());
+            area_extra.insert("sector_size".into(), CHECKSUM_BLOCK_BYTES.into());
+            "checksum"
+        }
+    };
+    let mut extra = serde_json::Map::new();
+    extra.insert("mode".into(), mode.name().into());
+    extra.insert("direction".into(), direction.name().into());
+    Keyslot {
+        kind: "reencrypt".into(),
+        key_size: 1,
+        af: None,
+        area: Some(crate::luks::json::Area {
+            kind: area_kind.into(),
+            offset: U64Str(offset),
+            size: U64Str(size),
+            encryption: None,
+            key_size: None,
+            extra: area_extra,
+        }),
+        kdf: None,
+        priority: Some(0),
+        extra,
+    }
+}
+
+/// Starts a key rotation on the plain LUKS2 volume whose header is on `dev` (cryptsetup's
+/// `reencrypt --init-only`). Nothing is rewritten yet; [`resume`] does that.
+pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    init_on(Devices::one(dev), passphrase, opts)
+}
+
+/// The message cryptsetup 2.6 refuses a decryption with, unless the header is detached.
+pub const DECRYPT_NEEDS_DETACHED_HEADER: &str =
+    "LUKS2 decryption is supported with detached header device only (with data offset set to 0).";
+
+/// [`init`] with the header on its own device. `opts.mode` [`Mode::Decrypt`] starts a
+/// decryption as cryptsetup 2.6 does (a detached header with data offset 0 only): no new key
+/// or keyslot; the reencrypt keyslot says `decrypt`, `backward`; backup-final is a `linear`
+/// segment; the reencryption digest covers the old key alone.
+pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    // A rotation gives every active keyslot a twin for the new key, so one passphrase can
+    // start it only on a volume with one active keyslot, or for the one `key_slot` names
+    // (cryptsetup's rule for a key file); a decryption takes any keyslot's passphrase.
+    if opts.mode == Mode::Reencrypt
+        && opts.key_slot.is_none()
+        && passphrase_keyslots(&header).len() > 1
+    {
+        return Err(Error::InvalidArgument(KEY_FILE_NEEDS_ONE_KEYSLOT.into()));
+    }
+    let mut read = |offset: u64, len: u64| read_area(devs.header, offset, len);
+    let (slot, vk) = unlock(&header, passphrase, opts.key_slot, &mut read)?;
+    let one = SlotPassphrase {
+        slot,
+        passphrase: crate::SecretBytes::from_slice(passphrase),
+        vk,
+    };
+    init_checked(devs, header, std::slice::from_ref(&one), opts)
+}
+
+/// cryptsetup's words when a key file (one passphrase) is given for a rotation of a volume
+/// with several active keyslots and no `--key-slot`.
+pub const KEY_FILE_NEEDS_ONE_KEYSLOT: &str =
+    "Key file can be used only with --key-slot or with exactly one key slot active.";
+
+/// [`init_on`] with a passphrase for each of several keyslots of the old key (cryptsetup's
+/// prompt per active keyslot): each gets a new keyslot for the new key with its passphrase
+/// (first free id, in the order given), and the tokens of each old keyslot are assigned to
+/// its new one too. The old keyslots, and every other keyslot of the old key, are removed at
+/// finalisation, as cryptsetup does. `opts.key_slot` is not read.
+pub fn init_slots(
+    devs: Devices<'_>,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    init_checked(devs, header, slots, opts)
+}
+
+pub(super) fn init_checked(
+    devs: Devices<'_>,
+    header: Header,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
+    let dev = devs.header;
+    header.check_requirements()?;
+    let mut h = luks2(header)?;
+    let seg = h.meta.crypt_segment()?;
+    let decrypt = match opts.mode {
+        Mode::Reencrypt => false,
+        Mode::Decrypt => true,
+        Mode::Encrypt => {
+            return Err(Error::InvalidArgument(
+                "encryption starts from a plaintext device (not from a LUKS2 header)".into(),
+            ))
+        }
+    };
+    if decrypt && (!devs.detached() || seg.offset_bytes != 0) {
+        return Err(Error::InvalidArgument(DECRYPT_NEEDS_DETACHED_HEADER.into()));
+    }
+    let Some(first) = slots.first() else {
+        return Err(Error::InvalidArgument(
+            "a reencryption needs the passphrase of a keyslot".into(),
+        ));
+    };
+    let (old_slot, old_vk) = (first.slot, &first.vk);
+    // Each proof still holds for this header: its keyslot is there, of the old key, once.
+    let old_did = old_vk.digest_id();
+    for (i, sp) in slots.iter().enumerate() {
+        let bound = h
+            .meta
+            .digest_for_keyslot(&sp.slot.to_string())
+            .is_some_and(|(id, d)| id == &old_did.to_string() && !d.segments.is_empty());
+        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot) {
+            return Err(Error::InvalidArgument(format!(
+                "keyslot {} is not an active keyslot of the volume key, or is given twice",
+                sp.slot
+            )));
+        }
+    }
+    if decrypt && slots.len() != 1 {
+        return Err(Error::InvalidArgument(
+            "a decryption takes the passphrase of one keyslot".into(),
+        ));
+    }
+    // cryptsetup's bound: the new keyslots and the reencrypt keyslot must fit.
+    let new_ids_needed = if decrypt { 0 } else { slots.len() } + 1;
+    if h.meta.keyslots.len() + new_ids_needed > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    // The PBKDF of each new keyslot, and the digests' (cryptsetup makes the new key's digest
+    // with the first keyslot's settings and the reencryption digest with the last one's).
+    let kdfs: Vec<KdfRequest> = slots
+        .iter()
+        .map(|sp| match opts.keyslot_kdf {
+            KeyslotKdf::Given => Ok(opts.kdf.clone()),
+            KeyslotKdf::SameAsOld => h
+                .meta
+                .keyslot_params(&sp.slot.to_string())
+                .map(|p| KdfRequest::same_as(&p.kdf)),
+        })
+        .collect::<Result<_>>()?;
+
+    // The new segment's parameters, checked before anything is written.
+    let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
+    let new_key_bytes = match opts.change.key_bytes {
+        Some(n) => n,
+        None if new_cipher != seg.cipher => new_cipher.default_key_bytes(),
+        None => old_vk.len(),
+    };
+    let new_sector = opts.change.sector_size.unwrap_or(seg.sector_size);
+    if decrypt {
+        if opts.change != SegmentChange::default() {
+            return Err(Error::InvalidArgument(
+                "a decryption has no new cipher, key size or sector size".into(),
+            ));
+        }
+    } else {
+        new_cipher.check_key_len(new_key_bytes)?;
+    }
+    let align = u64::from(new_sector.bytes().max(seg.sector_size.bytes()));
+    let data_bytes = match seg.size {
+        crate::luks::json::SegmentSize::Bytes(n) => n,
+        crate::luks::json::SegmentSize::Dynamic => {
+            devs.data.size().saturating_sub(seg.offset_bytes)
+        }
+    };
+    if data_bytes % align != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data device is not aligned to encryption sector size ({align} bytes)."
+        )));
+    }
+
+    // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
+    // passphrase, whose material is written first; the header write comes below.
+    let mut new_keyslots = Vec::new();
+    let (new_vk, mut ops) = if decrypt {
+        (None, Vec::new())
+    } else {
+        let new_key = random_secret(new_key_bytes)?;
+        let new_did = free_id(h.meta.digests.keys())?;
+        h.meta.digests.insert(
+            new_did.to_string(),
+            make_digest(&kdfs[0], new_key.as_ref(), vec![], vec![])?,
+        );
+        let new_vk = VolumeKey::new_verified(new_key, new_did, true);
+        let mut ops = Vec::new();
+        for (sp, kdf) in slots.iter().zip(&kdfs) {
+            let seqid = h.bin.seqid;
+            // Its area is encrypted as the old keyslot's is (cryptsetup adds it while the
+            // old segment is the default one, with the old keyslot's encryption; a
+            // cipher_null one gets cryptsetup's default keyslot cipher).
+            let old = h.meta.keyslot_params(&sp.slot.to_string())?;
+            let area = if old.area_cipher == CipherSpec::NULL {
+                (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_AREA_KEY_BYTES_DEFAULT)
+            } else {
+                (old.area_cipher, old.area_key_bytes)
+            };
+            let (new_slot, mut more) = h.add_keyslot_with_area(
+                NewKeyslot {
+                    vk: &new_vk,
+                    passphrase: sp.passphrase(),
+                    kdf,
+                    slot: None,
+                },
+                None,
+                Some(area),
+            )?;
+            more.truncate(2); // the material and its flush
+            ops.extend(more);
+            h.bin.seqid = seqid;
+            assign_tokens(&mut h.meta, sp.slot, new_slot);
+            new_keyslots.push((sp.slot, new_slot));
+        }
+        (Some(new_vk), ops)
+    };
+    let new_slot = new_keyslots.first().map(|&(_, n)| n);
+
+    // The reencrypt keyslot: the rest of the keyslots area after the last used area.
+    let (used_end, end) = reencrypt_area(&h)?;
+    let rk = free_id(h.meta.keyslots.keys())?;
+    let (mode, direction) = if decrypt {
+        (Mode::Decrypt, Direction::Backward)
+    } else {
+        (Mode::Reencrypt, Direction::Forward)
+    };
+    h.meta.keyslots.insert(
+        rk.to_string(),
+        reencrypt_keyslot(
+            mode,
+            direction,
+            opts.resilience,
+            opts.resilience_hash,
+            used_end,
+            end - used_end,
+        ),
+    );
+
+    // Segments: the whole device as it is, then the two backups.
+    let live = h
+        .meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or_else(|| bad("segment 0 missing"))?;
+    let flagged = |f: &str| {
+        let mut s = live.clone();
+        s.flags = Some(vec![f.to_string()]);
+        s
+    };
+    let mut fin = flagged("backup-final");
+    if decrypt {
+        fin.kind = "linear".into();
+        fin.iv_tweak = None;
+        fin.encryption = None;
+        fin.sector_size = None;
+    } else {
+        fin.encryption = Some(new_cipher.to_string());
+        fin.sector_size = Some(new_sector.bytes());
+    }
+    h.meta.segments = std::collections::BTreeMap::from([
+        ("0".to_string(), live.clone()),
+        ("1".to_string(), flagged("backup-previous")),
+        ("2".to_string(), fin),
+    ]);
+    h.meta
+        .digests
+        .get_mut(&old_vk.digest_id().to_string())
+        .ok_or(Error::Bug("old key digest vanished"))?
+        .segments = vec!["0".into(), "1".into()];
+    if let Some(vk) = &new_vk {
+        h.meta
+            .digests
+            .get_mut(&vk.digest_id().to_string())
+            .ok_or(Error::Bug("new key digest vanished"))?
+            .segments = vec!["2".into()];
+    }
+    let reqs = h
+        .meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default);
+    reqs.mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+
+    // The reencryption digest over the keys and the metadata.
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(
+        &h.meta,
+        &st,
+        Some(old_vk.bytes()),
+        new_vk.as_ref().map(VolumeKey::bytes),
+    )?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    let last_kdf = kdfs.last().unwrap_or(opts.kdf);
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(last_kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    ops.extend(h.commit()?);
+    apply(dev, &ops)?;
+    Ok(Started {
+        old_keyslot: old_slot,
+        new_keyslot: new_slot,
+        new_keyslots,
+        reencrypt_keyslot: rk,
+    })
+}
+
+/// The key size of cryptsetup's default keyslot cipher (aes-xts-plain64, 512 bits), which
+/// replaces a cipher_null keyslot's encryption in the new keyslot.
+pub(super) const KEYSLOT_AREA_KEY_BYTES_DEFAULT: usize = 64;
+
+/// Assigns every token of keyslot `old` to keyslot `new` as well (appended to its list), as
+/// cryptsetup's reencrypt does for each new keyslot; finalisation then drops `old`.
+pub(super) fn assign_tokens(meta: &mut Metadata, old: u32, new: u32) {
+    let (old, new) = (old.to_string(), new.to_string());
+    for t in meta.tokens.values_mut() {
+        if let Some(serde_json::Value::Array(a)) = t.get_mut("keyslots") {
+            if a.iter().any(|v| v.as_str() == Some(old.as_str()))
+                && !a.iter().any(|v| v.as_str() == Some(new.as_str()))
+            {
+                a.push(new.clone().into());
+            }
+        }
+    }
+}
