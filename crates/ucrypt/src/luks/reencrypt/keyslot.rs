@@ -15,7 +15,7 @@ pub(super) fn bad(detail: impl Into<String>) -> Error {
 }
 
 /// The requirement names cryptsetup uses for reencryption, with the version each stands for.
-/// The version is part of the digest input ([`verification_data`]).
+/// The version is part of the digest input ([`super::verification_data`]).
 pub const REQUIREMENT_VERSIONS: &[(&str, u8)] = &[
     ("online-reencrypt", 1),
     ("online-reencrypt-v2", 2),
@@ -237,7 +237,7 @@ pub fn parse_keyslot(id: u32, ks: &Keyslot) -> Result<ReencryptKeyslot> {
 /// The checks cryptsetup makes of a header's reencryption on load (its keyslot handler's
 /// `validate` and the requirement's shape): each `reencrypt` keyslot's mode, direction and
 /// resilience fields; at most one such keyslot, one whenever a reencryption is required, and
-/// none without the requirement. Run after [`Metadata::validate`], which checks what every
+/// none without the requirement. Run after the passes every keyslot type shares, which checks what every
 /// keyslot type shares.
 pub fn validate(meta: &Metadata) -> Result<()> {
     for (k, ks) in &meta.keyslots {

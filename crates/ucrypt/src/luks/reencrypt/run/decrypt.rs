@@ -76,7 +76,7 @@ pub(super) const MAGIC_WIPE_BYTES: usize = 512;
 /// `devs.data`, moving the plaintext to the start of the device, as cryptsetup 2.6's
 /// `reencrypt --decrypt --header NEW.hdr` does when NEW.hdr does not exist: the header is
 /// exported to `devs.header` (a new file of at least the metadata and keyslots area) and
-/// carries the reencryption from then on; the walk is [`Unshift`]'s.
+/// carries the reencryption from then on; the walk is [`crate::luks::reencrypt::plan::Unshift`]'s.
 ///
 /// The exported header, as cryptsetup 2.6.1 writes it (compared field by field in the interop
 /// test): the old header, plus a `reencrypt` keyslot (mode `decrypt`, direction `forward`,

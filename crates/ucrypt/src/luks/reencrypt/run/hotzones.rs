@@ -83,9 +83,9 @@ pub(super) fn wipe_random<'a>(
     Ok(())
 }
 
-/// Rewrites the rest of a reencryption [`init`] (or cryptsetup) started, hotzone after
+/// Rewrites the rest of a reencryption [`super::init`] (or cryptsetup) started, hotzone after
 /// hotzone, then finalises. `progress` is called after each hotzone. A volume whose metadata
-/// was committed inside a hotzone needs [`recover`] first (as cryptsetup's `--resume-only`
+/// was committed inside a hotzone needs [`super::recover`] first (as cryptsetup's `--resume-only`
 /// requires `repair`).
 pub fn resume(
     dev: &dyn Backend,

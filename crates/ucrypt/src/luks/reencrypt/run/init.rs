@@ -44,7 +44,7 @@ pub struct InitOptions<'a> {
     /// Where each new keyslot's PBKDF comes from.
     pub keyslot_kdf: KeyslotKdf,
     /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`; cryptsetup's
-    /// default [`CHECKSUM_HASH`]); not read for the other kinds.
+    /// default [`super::CHECKSUM_HASH`]); not read for the other kinds.
     pub resilience_hash: HashAlg,
 }
 
@@ -226,7 +226,7 @@ pub(super) fn reencrypt_keyslot(
 }
 
 /// Starts a key rotation on the plain LUKS2 volume whose header is on `dev` (cryptsetup's
-/// `reencrypt --init-only`). Nothing is rewritten yet; [`resume`] does that.
+/// `reencrypt --init-only`). Nothing is rewritten yet; [`super::resume`] does that.
 pub fn init(dev: &dyn Backend, passphrase: &[u8], opts: &InitOptions<'_>) -> Result<Started> {
     init_on(Devices::one(dev), passphrase, opts)
 }
