@@ -7,8 +7,6 @@ use crate::luks::json::{Metadata, Segment, SegmentSize};
 use crate::luks::reencrypt::{digest_of_segment, Direction, Mode, ReencryptState, SegmentFlag};
 use crate::{Error, Result};
 
-use super::shift::{position_shift, set_segments_shift, shift_geometry};
-use super::unshift::{position_unshift, set_segments_unshift, unshift_geometry};
 use super::{
     advanced, area_limit, bad, check_supported, has_flag, hotzone_offset, live_segments, template,
     Position, Protect, Step, CRYPTSETUP_HOTZONE_BYTES_MAX,
@@ -61,16 +59,14 @@ pub(super) fn part_of(meta: &Metadata, st: &ReencryptState, id: u32, s: &Segment
     Ok(if new { Part::New } else { Part::Old })
 }
 
-/// Reads the live segments back into a [`Position`] for a volume of `data_bytes` bytes of
-/// data: forward `[new] [hotzone] [old]`, backward `[old] [hotzone] [new]`, each part
-/// optional but not all.
-pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<Position> {
-    if let Some(sh) = shift_geometry(meta, st)? {
-        return position_shift(meta, &sh, data_bytes);
-    }
-    if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
-        return position_unshift(meta, &u);
-    }
+/// Reads the live segments of data left in place back into a [`Position`] for a volume of
+/// `data_bytes` bytes of data: forward `[new] [hotzone] [old]`, backward `[old] [hotzone]
+/// [new]`, each part optional but not all.
+pub(super) fn position_in_place(
+    meta: &Metadata,
+    st: &ReencryptState,
+    data_bytes: u64,
+) -> Result<Position> {
     let live = live_segments(meta);
     let mut parts = Vec::with_capacity(live.len());
     for (id, s) in &live {
@@ -137,18 +133,12 @@ pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result
 /// backup's size (`dynamic` as a rule), the others get fixed sizes. A key rotation lists the
 /// hotzone first in both keys' digests; encryption and decryption list the key's backup
 /// first, then every crypt segment. `st` is updated to the new backup ids.
-pub fn set_segments(
+pub(super) fn set_segments_in_place(
     meta: &mut Metadata,
     st: &mut ReencryptState,
     pos: Position,
     data_bytes: u64,
 ) -> Result<()> {
-    if let Some(sh) = shift_geometry(meta, st)? {
-        return set_segments_shift(meta, st, &sh, pos);
-    }
-    if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
-        return set_segments_unshift(meta, st, &u, pos);
-    }
     let old = template(meta, st.backup_previous)?;
     let new = template(meta, st.backup_final)?;
     let (d_old, d_new) = key_digests(meta, st)?;
@@ -294,7 +284,7 @@ pub fn last_backward_hotzone(st: &ReencryptState, data_bytes: u64, align: u64) -
 /// block), but for a backward walk's last one ([`last_backward_hotzone`]); `None` when every
 /// byte is done. The last hotzone ends with [`Step::Finalise`]. Refuses a position inside a
 /// hotzone: that needs recovery first.
-pub fn next_hotzone(
+pub(super) fn next_hotzone_in_place(
     st: &ReencryptState,
     pos: Position,
     data_bytes: u64,
@@ -303,9 +293,7 @@ pub fn next_hotzone(
 ) -> Result<Option<Vec<Step>>> {
     let protect = check_supported(st)?;
     if matches!(protect, Protect::Datashift | Protect::Unshift { .. }) {
-        return Err(Error::Bug(
-            "a data shift is planned by next_hotzone_shift or next_hotzone_unshift",
-        ));
+        return Err(Error::Bug("a data shift is planned by its Movement"));
     }
     if pos.hotzone.is_some() {
         return Err(bad(

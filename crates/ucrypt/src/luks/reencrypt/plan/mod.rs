@@ -1,11 +1,13 @@
-//! The planner of offline reencryption (modes `reencrypt`, `encrypt` and `decrypt`, directions
-//! `forward` and `backward`, resilience `checksum`, `journal` or `none`; and the encryption
-//! that moves the data to make room for the header in front of it, resilience `datashift`,
-//! [`Shift`]; and the decryption that moves the data back to the start of the device,
-//! resilience `datashift-checksum`, [`Unshift`]), sans I/O: where it stands ([`position`]), the segments and digests for a position
-//! ([`set_segments`]), the steps of the next hotzone ([`next_hotzone`]) as effects a driver
-//! performs in order, and the plain header it ends with ([`finalise`]). The driver is
-//! `luks::reencrypt_run`.
+//! The planner of reencryption, sans I/O: where a reencryption stands ([`position`]), the
+//! segments and digests for a position ([`set_segments`]), the steps of the next hotzone
+//! ([`Movement::next_hotzone`]) as effects a driver performs in order, and the plain header it
+//! ends with ([`finalise`]), for modes `reencrypt`, `encrypt` and `decrypt`, directions
+//! `forward` and `backward`, resilience `checksum`, `journal` or `none`. What changes the
+//! geometry of every step is how the data moves, one [`Movement`] matched in one place: in
+//! place (`in_place.rs`), shifted up by an encryption that makes room for the header in front
+//! (resilience `datashift`, [`Shift`], `shift.rs`), or back by a decryption that moves it to
+//! the start of the device (`datashift-checksum`/`-journal`, [`Unshift`], `unshift.rs`). The
+//! driver is [`crate::luks::reencrypt::run`].
 //!
 //! The step order is cryptsetup's: read the old hotzone, store its resilience data (checksums
 //! of the old bytes on the disk, or a copy of them) in the reencrypt keyslot area and flush it,
@@ -30,10 +32,102 @@ mod tests;
 mod unshift;
 
 use in_place::key_digests;
-pub use in_place::{last_backward_hotzone, next_hotzone, position, set_segments};
+pub use in_place::last_backward_hotzone;
+use in_place::{next_hotzone_in_place, position_in_place, set_segments_in_place};
 use shift::shift_bad;
-pub use shift::{next_hotzone_shift, shift_geometry, shift_source, Shift};
-pub use unshift::{next_hotzone_unshift, unshift_geometry, Unshift, UNSHIFT_REQUIREMENT_VERSION};
+use shift::{next_hotzone_shift, position_shift, set_segments_shift};
+pub use shift::{shift_geometry, shift_source, Shift};
+use unshift::{next_hotzone_unshift, position_unshift, set_segments_unshift};
+pub use unshift::{unshift_geometry, Unshift, UNSHIFT_REQUIREMENT_VERSION};
+
+/// How the data moves while it is reencrypted: what gives every step its geometry. Read once
+/// from the metadata ([`Movement::of`]) and matched here, in one place, for the position,
+/// the segments each step commits and the next hotzone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Movement {
+    /// The data stays where it is: a key rotation, or an encryption or decryption with a
+    /// detached header.
+    InPlace,
+    /// An encryption that moves the data up to put the header in front (datashift).
+    Shift(Shift),
+    /// A decryption that moves the data back to offset 0 (datashift-checksum or -journal).
+    Unshift(Unshift),
+}
+
+impl Movement {
+    /// The movement the header in reencryption describes, for `data_bytes` bytes of data.
+    pub fn of(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<Movement> {
+        if let Some(sh) = shift_geometry(meta, st)? {
+            return Ok(Movement::Shift(sh));
+        }
+        if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
+            return Ok(Movement::Unshift(u));
+        }
+        Ok(Movement::InPlace)
+    }
+
+    /// Where the reencryption is, read back from the live segments.
+    pub fn position(
+        &self,
+        meta: &Metadata,
+        st: &ReencryptState,
+        data_bytes: u64,
+    ) -> Result<Position> {
+        match self {
+            Movement::InPlace => position_in_place(meta, st, data_bytes),
+            Movement::Shift(sh) => position_shift(meta, sh, data_bytes),
+            Movement::Unshift(u) => position_unshift(meta, u),
+        }
+    }
+
+    /// Rewrites the segments (and the keys' digests' segment lists) for `pos`; `st` is
+    /// updated to the new backup ids.
+    pub fn set_segments(
+        &self,
+        meta: &mut Metadata,
+        st: &mut ReencryptState,
+        pos: Position,
+        data_bytes: u64,
+    ) -> Result<()> {
+        match self {
+            Movement::InPlace => set_segments_in_place(meta, st, pos, data_bytes),
+            Movement::Shift(sh) => set_segments_shift(meta, st, sh, pos),
+            Movement::Unshift(u) => set_segments_unshift(meta, st, u, pos),
+        }
+    }
+
+    /// The steps of the next hotzone after `pos` (hotzones of at most `hotzone_max` bytes in
+    /// place, each a multiple of `align`); `None` when every byte is done.
+    pub fn next_hotzone(
+        &self,
+        st: &ReencryptState,
+        pos: Position,
+        data_bytes: u64,
+        hotzone_max: u64,
+        align: u64,
+    ) -> Result<Option<Vec<Step>>> {
+        match self {
+            Movement::InPlace => next_hotzone_in_place(st, pos, data_bytes, hotzone_max, align),
+            Movement::Shift(sh) => next_hotzone_shift(sh, pos, align),
+            Movement::Unshift(u) => next_hotzone_unshift(st, u, pos, align),
+        }
+    }
+}
+
+/// [`Movement::position`] of the movement the header describes.
+pub fn position(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<Position> {
+    Movement::of(meta, st, data_bytes)?.position(meta, st, data_bytes)
+}
+
+/// [`Movement::set_segments`] of the movement the header describes.
+pub fn set_segments(
+    meta: &mut Metadata,
+    st: &mut ReencryptState,
+    pos: Position,
+    data_bytes: u64,
+) -> Result<()> {
+    Movement::of(meta, st, data_bytes)?.set_segments(meta, st, pos, data_bytes)
+}
 
 pub(super) fn bad(detail: impl Into<String>) -> Error {
     Error::BadHeader {

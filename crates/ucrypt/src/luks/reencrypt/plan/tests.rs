@@ -1,4 +1,4 @@
-use super::in_place::{last_backward_hotzone, next_hotzone, position, set_segments};
+use super::in_place::{last_backward_hotzone, next_hotzone_in_place};
 use super::shift::{next_hotzone_shift, shift_geometry, Shift};
 use super::unshift::{
     next_hotzone_unshift, unshift_geometry, Unshift, UNSHIFT_REQUIREMENT_VERSION,
@@ -6,6 +6,7 @@ use super::unshift::{
 use super::{
     check_layout, check_supported, finalise, hotzone_offset, MovedGuard, Position, Protect, Step,
 };
+use super::{position, set_segments};
 use crate::luks::json::{Metadata, Segment, SegmentSize, U64Str};
 use crate::luks::reencrypt::{Direction, ReencryptState, Resilience};
 use crate::luks::{parse_any, HashAlg, Header};
@@ -116,7 +117,7 @@ fn next_hotzone_steps_in_cryptsetups_order() {
         done: 32 * MIB,
         hotzone: None,
     };
-    let steps = next_hotzone(&st, pos, data, 4 * MIB, 4096)
+    let steps = next_hotzone_in_place(&st, pos, data, 4 * MIB, 4096)
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -148,7 +149,7 @@ fn next_hotzone_steps_in_cryptsetups_order() {
         ]
     );
     // The last hotzone is what remains; then nothing.
-    let last = next_hotzone(
+    let last = next_hotzone_in_place(
         &st,
         Position {
             done: 78 * MIB,
@@ -169,7 +170,7 @@ fn next_hotzone_steps_in_cryptsetups_order() {
     );
     assert_eq!(last.last(), Some(&Step::Finalise));
     assert_eq!(
-        next_hotzone(
+        next_hotzone_in_place(
             &st,
             Position {
                 done: data,
@@ -183,7 +184,9 @@ fn next_hotzone_steps_in_cryptsetups_order() {
         None
     );
     // Inside a hotzone: recovery first.
-    assert!(next_hotzone(&st, position(&m, &st, DATA).unwrap(), data, 4 * MIB, 4096).is_err());
+    assert!(
+        next_hotzone_in_place(&st, position(&m, &st, DATA).unwrap(), data, 4 * MIB, 4096).is_err()
+    );
 }
 
 #[test]
@@ -192,7 +195,7 @@ fn hotzone_is_bounded_by_the_checksum_area() {
     let mut st = state(&m);
     // Room for 10 sha256 hashes: 10 blocks of 4096 bytes.
     st.keyslot.area_bytes = 10 * 32;
-    let s = next_hotzone(
+    let s = next_hotzone_in_place(
         &st,
         Position {
             done: 0,
@@ -219,7 +222,7 @@ fn other_modes_are_refused() {
     let mut st = state(&m);
     st.keyslot.resilience = Resilience::Datashift { shift_size: MIB };
     assert!(matches!(
-        next_hotzone(
+        next_hotzone_in_place(
             &st,
             Position {
                 done: 0,
@@ -320,7 +323,7 @@ fn backward_decryption_reproduces_cryptsetups_layout() {
     };
     // The 120 MiB left are fewer than the checksum blocks the area protects: one last
     // hotzone, whole, whatever the hotzone size ([`last_backward_hotzone`]).
-    let steps = next_hotzone(&st, after, DATA_200M, 4 * MIB, 4096)
+    let steps = next_hotzone_in_place(&st, after, DATA_200M, 4 * MIB, 4096)
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -346,7 +349,7 @@ fn walk(st: &ReencryptState, data: u64, hot_max: u64) -> Vec<(u64, u64)> {
         hotzone: None,
     };
     let mut out = Vec::new();
-    while let Some(steps) = next_hotzone(st, pos, data, hot_max, 4096).unwrap() {
+    while let Some(steps) = next_hotzone_in_place(st, pos, data, hot_max, 4096).unwrap() {
         let Step::ReadOld { offset, len } = steps[0] else {
             panic!("a hotzone starts with its read: {steps:?}")
         };
@@ -674,7 +677,7 @@ fn unshift_geometry_of_cryptsetups_init() {
     check_layout(&m, &st, UNSHIFT_DATA).unwrap();
     // Not a plain data shift, nor a reencryption in place.
     assert_eq!(shift_geometry(&m, &st).unwrap(), None);
-    assert!(next_hotzone(
+    assert!(next_hotzone_in_place(
         &st,
         Position {
             done: 0,

@@ -5,8 +5,8 @@ use crate::backend::Backend;
 use crate::engine::crew::Crew;
 use crate::luks::reencrypt::pieces::{pieces, read_summing, rewrite_pieces};
 use crate::luks::reencrypt::plan::{
-    area_limit, finalise, last_backward_hotzone, next_hotzone, next_hotzone_shift,
-    next_hotzone_unshift, position, set_segments, MovedGuard, Position, Protect, Step,
+    area_limit, finalise, last_backward_hotzone, position, MovedGuard, Movement, Position, Protect,
+    Step,
 };
 use crate::luks::reencrypt::serving::{Offline, Serving};
 use crate::luks::reencrypt::Direction;
@@ -26,8 +26,10 @@ use super::{
     NONE_BUFFER_BYTES, WIPE_PIECE_BYTES,
 };
 
+/// Commits the segments of `pos`: the header says the reencryption is there.
 pub(super) fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
-    set_segments(&mut u.h.meta, &mut u.st, pos, u.data_bytes)?;
+    u.movement
+        .set_segments(&mut u.h.meta, &mut u.st, pos, u.data_bytes)?;
     let ops = u.h.commit()?;
     apply(dev, &ops)
 }
@@ -38,7 +40,7 @@ pub(super) fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) ->
     // the plaintext: wiped before the commit, as cryptsetup does. No recovery reads it (the
     // last hotzone, the moved segment's, is rewritten in place), so a crash between the wipe
     // and the commit finalises again on resume.
-    if let Some(us) = u.unshift {
+    if let Movement::Unshift(us) = u.movement {
         wipe_random(std::iter::once((data, us.tail())))?;
         data.flush()?;
     }
@@ -151,14 +153,14 @@ pub(super) fn run_hotzones(
         .clamp(1, HOTZONE_BYTES_MAX);
     // One buffer for every hotzone, and one for the checksums of a hotzone.
     // A decryption that moves the data rewrites its moved segment in place, whole.
-    let in_place_min = match u.unshift {
-        Some(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
+    let in_place_min = match u.movement {
+        Movement::Unshift(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
         _ => 0,
     };
     // Offline, a `none` hotzone is read, rekeyed and written a buffer at a time (below, and
     // `walk`): its buffer need not hold it whole.
-    let none_cap = match (u.protect, u.shift, u.unshift, serving.serves()) {
-        (Protect::None, None, None, false) => NONE_BUFFER_BYTES,
+    let none_cap = match (u.protect, u.movement, serving.serves()) {
+        (Protect::None, Movement::InPlace, false) => NONE_BUFFER_BYTES,
         _ => u64::MAX,
     };
     let buf_len = hot_max
@@ -211,11 +213,9 @@ pub(super) fn run_hotzones(
                 continue;
             }
         }
-        let next = match (&u.shift, &u.unshift) {
-            (Some(sh), _) => next_hotzone_shift(sh, pos, u.align)?,
-            (None, Some(us)) => next_hotzone_unshift(&u.st, us, pos, u.align)?,
-            (None, None) => next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)?,
-        };
+        let next = u
+            .movement
+            .next_hotzone(&u.st, pos, u.data_bytes, hot_max, u.align)?;
         let Some(steps) = next else {
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
             return finish(devs.header, devs.data, u);

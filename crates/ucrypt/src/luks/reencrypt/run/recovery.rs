@@ -4,7 +4,7 @@
 use crate::backend::Backend;
 use crate::luks::read_area;
 use crate::luks::reencrypt::plan::{
-    area_limit, hotzone_offset, position, shift_source, MovedGuard, Position, Protect,
+    area_limit, hotzone_offset, position, shift_source, MovedGuard, Movement, Position, Protect,
 };
 use crate::pool::BufferPool;
 use crate::{Error, Result};
@@ -60,9 +60,11 @@ pub(crate) fn prepare_recovery<'a>(
     let hotzone = match pos.hotzone {
         None => None,
         Some(len) => {
-            let offset = match u.unshift {
-                Some(us) => us.hotzone_offset(pos.done),
-                None => hotzone_offset(&u.st, pos, len, u.data_bytes),
+            let offset = match u.movement {
+                Movement::Unshift(us) => us.hotzone_offset(pos.done),
+                Movement::InPlace | Movement::Shift(_) => {
+                    hotzone_offset(&u.st, pos, len, u.data_bytes)
+                }
             };
             if len % u.align != 0 || len > area_limit(&u.st)? {
                 return Err(bad(format!(
@@ -126,7 +128,7 @@ pub(super) fn recover_hotzone(
     len: u64,
 ) -> Result<Recovery> {
     let (hdr_dev, data_dev) = (devs.header, devs.data);
-    if let Some(sh) = u.shift {
+    if let Movement::Shift(sh) = u.movement {
         // The hotzone's source is intact (nothing writes it before the hotzone is committed
         // done): move it again, as cryptsetup's datashift recovery does.
         let piece = len
@@ -141,7 +143,7 @@ pub(super) fn recover_hotzone(
         drop(g);
         return finish_recovery(devs, u, pos, offset, len);
     }
-    if let Some(us) = u.unshift.filter(|_| offset > 0) {
+    if let (Movement::Unshift(us), true) = (u.movement, offset > 0) {
         // A hotzone of the walk: its ciphertext at the old place is intact (the hotzone is
         // at most the shift, so nothing written overlaps it): decrypt and move it again, as
         // cryptsetup's datashift recovery does. The moved segment's (offset 0) is rewritten

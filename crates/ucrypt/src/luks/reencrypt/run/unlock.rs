@@ -6,7 +6,7 @@ use crate::engine::crew::Crew;
 use crate::luks::json::Metadata;
 use crate::luks::json::SegmentKind;
 use crate::luks::reencrypt::plan::{
-    check_layout, check_supported, shift_geometry, unshift_geometry, Protect, Shift, Unshift,
+    check_layout, check_supported, shift_geometry, unshift_geometry, Movement, Protect,
 };
 use crate::luks::reencrypt::{digest_of_segment, ReencryptState};
 use crate::luks::{read_area, read_header, unlock, Header, Luks2Header, VolumeKey};
@@ -34,10 +34,8 @@ pub(super) struct Unlocked {
     pub(super) new_offset: u64,
     pub(super) data_bytes: u64,
     pub(super) align: u64,
-    /// The geometry of a data shift ([`Shift`]); `None` in place.
-    pub(super) shift: Option<Shift>,
-    /// The geometry of a decryption that moves the data back ([`Unshift`]).
-    pub(super) unshift: Option<Unshift>,
+    /// How the data moves: in place, shifted up ([`Shift`]) or back ([`Unshift`]).
+    pub(super) movement: Movement,
     /// The new cipher, volume key and sector size, for a volume that serves the data
     /// meanwhile ([`Serving::start`]); `None` for a decryption (the new side is linear).
     pub(super) new_key: Option<NewKey>,
@@ -197,8 +195,14 @@ pub(super) fn open_rotation(
             n / align * align
         }
     };
-    let unshift = unshift_geometry(&h.meta, &st, data_bytes)?;
-    if let Some(us) = unshift {
+    let movement = match shift {
+        Some(sh) => Movement::Shift(sh),
+        None => match unshift_geometry(&h.meta, &st, data_bytes)? {
+            Some(us) => Movement::Unshift(us),
+            None => Movement::InPlace,
+        },
+    };
+    if let Movement::Unshift(us) = movement {
         us.check_device(devs.data.size())?;
         // The moved segment's hotzone is rewritten in place from one buffer.
         if us.moved_bytes > HOTZONE_BYTES_MAX {
@@ -230,8 +234,7 @@ pub(super) fn open_rotation(
         new_offset: off_new,
         data_bytes,
         align,
-        shift,
-        unshift,
+        movement,
         new_key,
     })
 }

@@ -35,7 +35,7 @@ use super::hotzones::commit;
 use super::lanes::rekey_chunk;
 use super::unlock::{Lane, Unlocked};
 use super::{Devices, LANE_CHUNK_BYTES};
-use crate::luks::reencrypt::plan::{next_hotzone, next_hotzone_shift};
+use crate::luks::reencrypt::plan::Movement;
 use crate::luks::reencrypt::plan::{Position, Protect, Step};
 use crate::sync::{lock, TakeTurns, WaitCell};
 use crate::{Error, Result};
@@ -94,8 +94,8 @@ fn plan(
     bytes: u64,
     chunk: usize,
 ) -> Result<Option<Plan>> {
-    match (u.protect, u.shift, u.unshift) {
-        (Protect::None, None, None) | (Protect::Datashift, Some(_), None) => {}
+    match (u.protect, u.movement) {
+        (Protect::None, Movement::InPlace) | (Protect::Datashift, Movement::Shift(_)) => {}
         _ => return Ok(None),
     }
     let mut p = Plan {
@@ -107,10 +107,9 @@ fn plan(
     let (mut total, mut hotzones) = (0u64, 0);
     while total < bytes || hotzones < 2 {
         let at = p.end;
-        let steps = match u.shift {
-            Some(sh) => next_hotzone_shift(&sh, at, u.align)?,
-            None => next_hotzone(&u.st, at, u.data_bytes, hot_max, u.align)?,
-        };
+        let steps = u
+            .movement
+            .next_hotzone(&u.st, at, u.data_bytes, hot_max, u.align)?;
         let Some(steps) = steps else {
             break;
         };
