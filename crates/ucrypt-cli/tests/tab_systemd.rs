@@ -2,7 +2,8 @@
 //! `systemd-analyze verify` without a warning; `ucrypt tab start` opens every line of a test
 //! ucrypttab but its `noauto` one, and `tab stop` closes them; `tab start NAME --foreground`
 //! (what the unit runs) tells systemd READY=1 through NOTIFY_SOCKET once the device is there
-//! and exits 0 after `ucrypt close NAME`.
+//! and exits 0 after `ucrypt close NAME`. A bad line costs only its own volume, and a second
+//! `tab start` leaves the volumes already open alone.
 //!
 //! Needs root and /dev/fuse (the FUSE front end; no loop devices), and systemd-analyze for the
 //! unit check; otherwise SKIPPED with the reason. Names carry the pid.
@@ -169,6 +170,99 @@ fn tab_start_opens_every_line_and_stop_closes_them() {
     let o = run(&["tab", "start", "nosuch", "--tab", t]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not in"));
+}
+
+/// As systemd-cryptsetup does: a bad line (line 3 here) is a warning naming its line and
+/// problem, the other lines' volumes open all the same, and `tab start` exits 1 naming the bad
+/// one last; `tab stop` closes them all the same (exit 0). A second `tab start` leaves the open
+/// volumes alone with a note (exit 0); a name open for another volume is refused (exit 5).
+#[test]
+fn a_bad_line_costs_only_its_volume_and_a_second_start_leaves_open_ones() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let d = volumes("badline");
+    let pid = std::process::id();
+    let (a, b, bad) = (
+        format!("tab-ba-{pid}"),
+        format!("tab-bb-{pid}"),
+        format!("tab-bx-{pid}"),
+    );
+    let p = |f: &str| d.0.join(f).display().to_string();
+    let good_a = format!("{a} {} {} luks,front-end=fuse\n", p("luks.img"), p("pass"));
+    let good_b = format!(
+        "{b} {} {} plain,cipher=aes-xts-plain64,front-end=fuse\n",
+        p("raw.img"),
+        p("raw.key")
+    );
+    let bad_line = format!("{bad} {} - frobnicate\n", p("raw.img"));
+    let with_bad = d.0.join("with-bad");
+    std::fs::write(&with_bad, format!("# table\n{good_a}{bad_line}{good_b}")).expect("tab");
+    let good = d.0.join("good");
+    std::fs::write(&good, format!("{good_a}{good_b}")).expect("tab");
+    let (wb, g) = (with_bad.to_str().unwrap(), good.to_str().unwrap());
+    let stderr = |o: &Output| String::from_utf8_lossy(&o.stderr).to_string();
+
+    let o = run(&["tab", "start", "--tab", wb]);
+    assert_eq!(o.status.code(), Some(1), "tab start: {}", text(&o));
+    assert!(
+        stderr(&o).contains("line 3: unknown option 'frobnicate'"),
+        "the warning names the line and the problem: {}",
+        text(&o)
+    );
+    let last = stderr(&o).lines().last().unwrap_or_default().to_string();
+    assert!(
+        last.contains("failed") && last.contains(&bad) && !last.contains(&a),
+        "the closing line names what failed: {}",
+        text(&o)
+    );
+    assert!(listed(&a) && listed(&b), "{}", text(&run(&["list"])));
+    assert!(!listed(&bad));
+
+    // Again, with the table fixed: both are open already, and left so.
+    let o = run(&["tab", "start", "--tab", g]);
+    assert_eq!(o.status.code(), Some(0), "second tab start: {}", text(&o));
+    for n in [&a, &b] {
+        assert!(
+            stderr(&o).contains(&format!("{n} (line")) && stderr(&o).contains("already open"),
+            "a note for {n}: {}",
+            text(&o)
+        );
+        assert!(listed(n));
+    }
+    // A name that is open for another volume than its line's is refused, as `open` would.
+    let other = d.0.join("other");
+    std::fs::write(
+        &other,
+        format!(
+            "{a} {} {} plain,cipher=aes-xts-plain64,front-end=fuse\n",
+            p("raw.img"),
+            p("raw.key")
+        ),
+    )
+    .expect("tab");
+    let o = run(&["tab", "start", "--tab", other.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert!(stderr(&o).contains("open already"), "{}", text(&o));
+    assert!(listed(&a));
+
+    let o = run(&["tab", "stop", "--tab", wb]);
+    assert_eq!(o.status.code(), Some(0), "tab stop: {}", text(&o));
+    assert!(
+        stderr(&o).contains("line 3: unknown option"),
+        "{}",
+        text(&o)
+    );
+    assert!(!listed(&a) && !listed(&b), "{}", text(&run(&["list"])));
+    // `tab start NAME` of the bad line is that line's error.
+    let o = run(&["tab", "start", &bad, "--tab", wb]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        stderr(&o).contains("line 3: unknown option"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
