@@ -265,6 +265,86 @@ fn a_bad_line_costs_only_its_volume_and_a_second_start_leaves_open_ones() {
     );
 }
 
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Restores enable_uring on drop.
+struct RestoreUring(String);
+impl Drop for RestoreUring {
+    fn drop(&mut self) {
+        let _ = std::fs::write(ENABLE_URING, &self.0);
+    }
+}
+
+/// Why FUSE-over-io_uring is not used (a hint about the kernel, not the volume) is said once,
+/// in `status`'s front end notes, and not on the line `open` and `tab start` print per
+/// volume. With enable_uring at Y the test sets it to N for its run (root), so that there is
+/// a hint to place.
+#[test]
+fn the_io_uring_hint_is_said_once_in_status() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let _restore = match std::fs::read_to_string(ENABLE_URING) {
+        Ok(v) if v.trim() == "Y" => {
+            std::fs::write(ENABLE_URING, "N").expect("set enable_uring=N");
+            Some(RestoreUring(v.trim().to_string()))
+        }
+        // N, or a kernel without it: either way there is a hint.
+        _ => None,
+    };
+    let d = volumes("hint");
+    let pid = std::process::id();
+    let (a, b) = (format!("tab-ha-{pid}"), format!("tab-hb-{pid}"));
+    let p = |f: &str| d.0.join(f).display().to_string();
+    let both = |o: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    let o = run(&[
+        "open",
+        &p("raw.img"),
+        &a,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        &p("raw.key"),
+        "--front-end",
+        "fuse",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    assert!(!both(&o).contains("io_uring"), "open: {}", text(&o));
+    let tab = d.0.join("ucrypttab");
+    std::fs::write(
+        &tab,
+        format!("{b} {} {} front-end=fuse\n", p("luks.img"), p("pass")),
+    )
+    .expect("tab");
+    let o = run(&["tab", "start", "--tab", tab.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "tab start: {}", text(&o));
+    assert!(!both(&o).contains("io_uring"), "tab start: {}", text(&o));
+    for n in [&a, &b] {
+        let st = run(&["status", n]);
+        let lines: Vec<String> = both(&st)
+            .lines()
+            .filter(|l| l.contains("io_uring"))
+            .map(str::to_string)
+            .collect();
+        assert!(
+            lines.len() == 1 && lines[0].contains("front end notes:"),
+            "status {n} says the hint once, in its notes: {}",
+            text(&st)
+        );
+    }
+    for n in [&a, &b] {
+        let o = run(&["close", n]);
+        assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    }
+}
+
 #[test]
 fn foreground_start_notifies_systemd_and_close_ends_it() {
     if let Some(why) = root_and_fuse() {
