@@ -95,6 +95,9 @@ pub struct VmRun {
     pub extra_bins: Vec<PathBuf>,
     /// Overall timeout of the boot, seconds.
     pub timeout_s: u32,
+    /// Ends the VM once its console has been silent this long, seconds (`run-in-vm.sh -i`):
+    /// a hang, however slowly a busy host runs the guest. None: no such limit.
+    pub silence_max_s: Option<u32>,
     /// Guest CPUs (`run-in-vm.sh -c`; default: the host's, at most 4).
     pub cpus: Option<u32>,
     /// Kernel modules loaded at boot besides build-initramfs.sh's list (`EXTRA_MODS`).
@@ -120,6 +123,7 @@ impl VmRun {
             mem_mb: 1024,
             extra_bins: Vec::new(),
             timeout_s: VM_TIMEOUT_S,
+            silence_max_s: None,
             cpus: None,
             extra_mods: Vec::new(),
             echo: true,
@@ -137,6 +141,9 @@ impl VmRun {
         std::fs::write(&script, &self.script).expect("write VM script");
         let mut cmd = Command::new(vm_dir().join("run-in-vm.sh"));
         cmd.arg("-t").arg(self.timeout_s.to_string());
+        if let Some(s) = self.silence_max_s {
+            cmd.arg("-i").arg(s.to_string());
+        }
         cmd.arg("-m").arg(self.mem_mb.to_string());
         cmd.arg("-l").arg(work.join("serial.log"));
         for (d, ro) in &self.disks {

@@ -14,14 +14,22 @@
 //!   the engine times one request in `SAMPLE_EVERY` (32) at random, their counts are of the
 //!   sampled requests; bucket edges are the engine's log2 clock-tick buckets in seconds.
 //!
-//! The HTTP side is deliberately small: one connection at a time, a request head of at most
-//! [`REQUEST_HEAD_BYTES_MAX`] read within [`REQUEST_TIMEOUT`], `Connection: close`.
+//! The HTTP side is deliberately small: a thread per connection, at most
+//! [`CONNECTIONS_MAX`] at once (more are answered 503 at once), a request head of at most
+//! [`REQUEST_HEAD_BYTES_MAX`] that must arrive whole within [`REQUEST_HEAD_TIMEOUT`], the
+//! answer written within [`ANSWER_TIMEOUT`], `Connection: close`. So a client that dribbles
+//! its request holds one slot for one head deadline, and a scrape beside it is not delayed.
+//!
+//! The metrics name every volume and show its I/O pattern: a TCP address that is not
+//! loopback is served, as asked, but with a warning on stderr.
 
-use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::io::{ErrorKind as IoKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
-use std::time::Duration;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use prometheus_client::collector::Collector;
@@ -37,8 +45,20 @@ use crate::open::{Authenticated, Opened};
 
 /// Longest request head (request line and headers) read from a scraper.
 pub const REQUEST_HEAD_BYTES_MAX: usize = 8 << 10;
-/// How long a scraper may take to send its request and take the answer.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a scraper may take to send its whole request head, counted from its accept:
+/// a deadline for the head, not a timeout per read, so sending a byte now and then does not
+/// extend it. A scraper sends its few hundred bytes at once; this is far below Prometheus'
+/// default scrape timeout (10 s), so a slot held by a slow client frees well before a
+/// scrape waiting on it would time out.
+pub const REQUEST_HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long writing the answer may block on a scraper that does not read it.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once, each on its own thread. Scrapers are few (a Prometheus
+/// server or two and a person with curl); the bound keeps a flood of connections from
+/// costing a thread each. One over it is answered 503 and closed without being read.
+pub const CONNECTIONS_MAX: usize = 16;
+/// Pause after a failed accept (out of file descriptors, say), so the loop does not spin.
+const ACCEPT_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct MetricsArgs {
@@ -192,13 +212,52 @@ enum Listener {
     Unix(UnixListener),
 }
 
+/// An accepted connection of either kind.
+trait Conn: Read + Write + Send + 'static {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()>;
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl Conn for TcpStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_write_timeout(self, t)
+    }
+}
+
+impl Conn for UnixStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_read_timeout(self, t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_write_timeout(self, t)
+    }
+}
+
+impl Listener {
+    fn accept(&self) -> std::io::Result<Box<dyn Conn>> {
+        Ok(match self {
+            Listener::Tcp(l) => Box::new(l.accept()?.0),
+            Listener::Unix(l) => Box::new(l.accept()?.0),
+        })
+    }
+}
+
 /// Starts answering scrapes for `volumes` at `at` on a background thread that lives as long
-/// as the process. A unix socket is created with mode 0600 (a stale one is replaced).
+/// as the process. A unix socket is created with mode 0600 (a stale one is replaced). A TCP
+/// address that is not loopback gets a warning on stderr.
 pub fn start(at: &Listen, volumes: Volumes) -> CliResult<()> {
     let ctx = |e| CliError::Core(ucrypt::Error::io(format!("metrics at {at:?}"), e));
     let listener = match at {
         Listen::Tcp { host, port } => {
-            Listener::Tcp(TcpListener::bind((host.as_str(), *port)).map_err(ctx)?)
+            let l = TcpListener::bind((host.as_str(), *port)).map_err(ctx)?;
+            let bound = l.local_addr().map_err(ctx)?;
+            if let Some(w) = exposure_warning(bound) {
+                eprintln!("WARNING: {w}");
+            }
+            Listener::Tcp(l)
         }
         Listen::Unix(path) => {
             let _ = std::fs::remove_file(path);
@@ -207,32 +266,87 @@ pub fn start(at: &Listen, volumes: Volumes) -> CliResult<()> {
             Listener::Unix(l)
         }
     };
+    let volumes = Arc::new(volumes);
     std::thread::Builder::new()
         .name("ucrypt-metrics".into())
-        .spawn(move || serve(listener, &volumes))
+        .spawn(move || serve(listener, volumes))
         .map_err(ctx)?;
     Ok(())
 }
 
-fn serve(listener: Listener, volumes: &Volumes) {
+/// The warning for metrics bound at `addr`, if anyone beyond this machine may reach it.
+fn exposure_warning(addr: SocketAddr) -> Option<String> {
+    if addr.ip().is_loopback() {
+        return None;
+    }
+    Some(format!(
+        "metrics listen on {addr}, which is not a loopback address: anyone who can reach it \
+         sees the volume names and their I/O patterns (bind 127.0.0.1 or a unix: socket, \
+         or firewall the port)"
+    ))
+}
+
+/// Holds one of the [`CONNECTIONS_MAX`] slots; gives it back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(busy: &Arc<AtomicUsize>) -> Option<Slot> {
+        busy.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < CONNECTIONS_MAX).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Slot(busy.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn serve(listener: Listener, volumes: Arc<Volumes>) {
+    let busy = Arc::new(AtomicUsize::new(0));
     loop {
-        let r = match &listener {
-            Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
-                s.set_read_timeout(Some(REQUEST_TIMEOUT))?;
-                s.set_write_timeout(Some(REQUEST_TIMEOUT))?;
-                answer(s, volumes)
-            }),
-            Listener::Unix(l) => l.accept().and_then(|(s, _)| {
-                s.set_read_timeout(Some(REQUEST_TIMEOUT))?;
-                s.set_write_timeout(Some(REQUEST_TIMEOUT))?;
-                answer(s, volumes)
-            }),
+        let conn = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("ucrypt metrics: accept: {e}");
+                std::thread::sleep(ACCEPT_RETRY_PAUSE);
+                continue;
+            }
         };
-        if let Err(e) = r {
-            // A scraper that went away or misbehaved; the next one is served all the same.
-            eprintln!("ucrypt metrics: {e}");
+        let Some(slot) = Slot::take(&busy) else {
+            // Answered without reading: this costs no thread and cannot block for long.
+            let _ = conn.set_write_timeout(Some(ACCEPT_RETRY_PAUSE));
+            let _ = refuse_busy(conn);
+            continue;
+        };
+        let volumes = volumes.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ucrypt-metrics-conn".into())
+            .spawn(move || {
+                let _slot = slot;
+                if let Err(e) = answer(conn, &volumes) {
+                    // A scraper that went away or misbehaved; the others are served all
+                    // the same.
+                    eprintln!("ucrypt metrics: {e}");
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("ucrypt metrics: no thread for a scrape: {e}");
         }
     }
+}
+
+fn refuse_busy(mut s: Box<dyn Conn>) -> std::io::Result<()> {
+    let body = "too many metrics connections at once\n";
+    write!(
+        s,
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    s.flush()
 }
 
 /// What a request head asks for, parsed once.
@@ -256,14 +370,38 @@ fn parse_head(head: &[u8]) -> Request {
     }
 }
 
-fn answer(mut s: impl Read + Write, volumes: &Volumes) -> std::io::Result<()> {
+fn answer(mut s: Box<dyn Conn>, volumes: &Volumes) -> std::io::Result<()> {
+    let deadline = Instant::now() + REQUEST_HEAD_TIMEOUT;
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
         if head.len() >= REQUEST_HEAD_BYTES_MAX {
             break;
         }
-        let n = s.read(&mut buf)?;
+        // Each read may wait only for what is left of the head's deadline (a zero timeout
+        // would mean none at all, hence the check first).
+        let late = || {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "request head not sent within {} s ({} bytes of it came): closed",
+                    REQUEST_HEAD_TIMEOUT.as_secs(),
+                    head.len()
+                ),
+            )
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        s.set_read_timeout(Some(left))?;
+        let n = match s.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut) => {
+                return Err(late())
+            }
+            Err(e) => return Err(e),
+        };
         if n == 0 {
             break;
         }
@@ -278,6 +416,7 @@ fn answer(mut s: impl Read + Write, volumes: &Volumes) -> std::io::Result<()> {
         Request::NotFound => ("404 Not Found", "text/plain", "GET /metrics\n".into()),
         Request::Malformed => ("400 Bad Request", "text/plain", "GET /metrics\n".into()),
     };
+    s.set_write_timeout(Some(ANSWER_TIMEOUT))?;
     write!(
         s,
         "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -289,6 +428,22 @@ fn answer(mut s: impl Read + Write, volumes: &Volumes) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_loopback_goes_unwarned() {
+        let cases: [(&str, bool); 6] = [
+            ("127.0.0.1:9100", false),
+            ("127.8.0.1:9100", false),
+            ("[::1]:9100", false),
+            ("0.0.0.0:9100", true),
+            ("[::]:9100", true),
+            ("192.0.2.7:9100", true),
+        ];
+        for (addr, warned) in cases {
+            let w = exposure_warning(addr.parse().expect("a socket address"));
+            assert_eq!(w.is_some(), warned, "{addr}: {w:?}");
+        }
+    }
 
     #[test]
     fn request_heads() {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ucrypt::BlockDev;
+use ucrypt::{BlockDev, Stop};
 use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
 
 use crate::daemon::control::{self, ControlArgs};
@@ -71,14 +71,17 @@ type Opened = (Arc<dyn BlockDev>, Option<crate::open::Opened>);
 /// One export: its name and what was opened for it.
 type Export = (String, Arc<dyn BlockDev>, Option<crate::open::Opened>);
 
-fn open_one(a: &ServeArgs, target: &Target) -> CliResult<(Opened, InUse)> {
+/// Opens one export. A remote volume's client gives an unreachable server up within one
+/// remote timeout once `stop` is requested, so a stop waits that long at most.
+fn open_one(a: &ServeArgs, target: &Target, stop: &Stop) -> CliResult<(Opened, InUse)> {
     let mut v = a.volume.clone();
     v.volume = target.clone();
+    v.remote.stop = Some(stop.clone());
     // Marked for as long as it is served: an offline reencrypt or a format refuses it.
     let marked = v.mark_served()?;
     if a.unencrypted {
         let ro = a.volume.read_only;
-        let backend = target.open_plain(!ro, &a.volume.remote)?;
+        let backend = target.open_plain(!ro, &v.remote)?;
         return Ok(((Arc::new(dev::PlainDev::new(backend, ro)), None), marked));
     }
     let vol = v.open()?;
@@ -86,12 +89,12 @@ fn open_one(a: &ServeArgs, target: &Target) -> CliResult<(Opened, InUse)> {
 }
 
 /// The exports, and the marks that say their volumes are served (held until the end).
-fn open_volumes(a: &ServeArgs) -> CliResult<(Vec<Export>, Vec<InUse>)> {
+fn open_volumes(a: &ServeArgs, stop: &Stop) -> CliResult<(Vec<Export>, Vec<InUse>)> {
     let first = a
         .export_name
         .clone()
         .unwrap_or_else(|| a.volume.volume.label());
-    let ((dev, vol), marked) = open_one(a, &a.volume.volume)?;
+    let ((dev, vol), marked) = open_one(a, &a.volume.volume, stop)?;
     let mut out = vec![(first, dev, vol)];
     let mut marks = vec![marked];
     for spec in &a.add_export {
@@ -101,7 +104,7 @@ fn open_volumes(a: &ServeArgs) -> CliResult<(Vec<Export>, Vec<InUse>)> {
         let target: Target = target
             .parse()
             .map_err(|e| CliError::Usage(format!("--add-export '{spec}': {e}")))?;
-        let ((dev, vol), marked) = open_one(a, &target)?;
+        let ((dev, vol), marked) = open_one(a, &target, stop)?;
         out.push((name.to_string(), dev, vol));
         marks.push(marked);
     }
@@ -119,7 +122,7 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     }
     // Before the volumes' threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
-    let (opened, _served) = open_volumes(&a)?;
+    let (opened, _served) = open_volumes(&a, &stop)?;
     crate::signals::started();
     if let Some(at) = &a.metrics.metrics {
         let vols = opened

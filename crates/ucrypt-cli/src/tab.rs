@@ -15,6 +15,13 @@
 //!
 //! Each line becomes the arguments of `ucrypt open`, parsed by the same parser, so an entry
 //! means exactly what the command would.
+//!
+//! As systemd-cryptsetup does, one volume's trouble is not every volume's: a line that does
+//! not parse is a warning naming its line and problem, and the other volumes start and stop
+//! all the same; the command then exits non-zero and its last line names what failed. A
+//! `tab start` finds a volume already open under its name (a second `tab start`, or one
+//! opened by hand) and leaves it alone with a note. `tab stop` closes the volume a bad line
+//! names too: its name is its first word, whatever is wrong further on.
 
 use std::path::{Path, PathBuf};
 
@@ -26,6 +33,8 @@ use crate::error::{CliError, CliResult};
 pub const TAB_DEFAULT: &str = "/etc/ucrypttab";
 /// Largest table read (a bound on a file we parse whole).
 pub const TAB_BYTES_MAX: u64 = 1 << 20;
+/// The exit code a bad line's volume counts as: cryptsetup's 1, wrong parameters.
+const BAD_LINE_EXIT: i32 = 1;
 
 #[derive(Subcommand, Debug)]
 pub enum TabCmd {
@@ -60,8 +69,26 @@ pub struct Entry {
     pub open_args: Vec<String>,
 }
 
-fn bad(line: usize, what: String) -> CliError {
-    CliError::Usage(format!("ucrypttab line {line}: {what}"))
+/// A line that does not parse: skipped, with a warning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadLine {
+    pub line: usize,
+    /// The line's first word: the volume it was meant to be.
+    pub name: String,
+    pub problem: String,
+}
+
+impl std::fmt::Display for BadLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ucrypttab line {}: {}", self.line, self.problem)
+    }
+}
+
+/// The table, parsed: its good lines and its bad ones, each in line order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Table {
+    pub entries: Vec<Entry>,
+    pub bad: Vec<BadLine>,
 }
 
 /// `UUID=...` and friends name a `/dev/disk/by-*` link.
@@ -79,103 +106,113 @@ fn device_path(spec: &str) -> PathBuf {
     PathBuf::from(spec)
 }
 
-/// Parses the table (sans I/O).
-pub fn parse(text: &str) -> CliResult<Vec<Entry>> {
-    let mut out: Vec<Entry> = Vec::new();
+/// Parses the table (sans I/O). A line that does not parse is kept as a [`BadLine`]; the
+/// others parse as if it were not there (but a second line of a name is bad: the first wins).
+pub fn parse(text: &str) -> Table {
+    let mut t = Table::default();
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
         let l = raw.trim();
         if l.is_empty() || l.starts_with('#') {
             continue;
         }
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() < 2 || f.len() > 4 {
-            return Err(bad(
+        match parse_line(line, l, &t.entries) {
+            Ok(e) => t.entries.push(e),
+            Err(problem) => t.bad.push(BadLine {
                 line,
-                format!("expected NAME DEVICE [KEY [OPTIONS]], got '{l}'"),
-            ));
+                name: l.split_whitespace().next().unwrap_or_default().to_string(),
+                problem,
+            }),
         }
-        let name = f[0].to_string();
-        if out.iter().any(|e| e.name == name) {
-            return Err(bad(line, format!("{name} is named twice")));
-        }
-        let key = match f.get(2) {
-            None | Some(&"none") | Some(&"-") => None,
-            Some(k) => Some(PathBuf::from(k)),
-        };
-        let mut e = Entry {
-            line,
-            name,
-            device: device_path(f[1]),
-            key,
-            noauto: false,
-            open_args: Vec::new(),
-        };
-        let mut plain = false;
-        for opt in f
-            .get(3)
-            .map_or("", |o| o)
-            .split(',')
-            .filter(|o| !o.is_empty())
-        {
-            let (k, v) = match opt.split_once('=') {
-                Some((k, v)) => (k, Some(v)),
-                None => (opt, None),
-            };
-            let mut arg = |flag: &str| match v {
-                Some(v) if !v.is_empty() => {
-                    e.open_args.push(format!("--{flag}={v}"));
-                    Ok(())
-                }
-                _ => Err(bad(line, format!("option {k} needs a value"))),
-            };
-            match k {
-                "luks" => {}
-                "plain" => plain = true,
-                "cipher" => arg("cipher")?,
-                "offset" => arg("offset")?,
-                "skip" => arg("skip")?,
-                "sector-size" => arg("sector-size")?,
-                "header" => arg("header")?,
-                "keyfile-offset" => arg("keyfile-offset")?,
-                "keyfile-size" => arg("keyfile-size")?,
-                "key-slot" | "keyslot" => arg("key-slot")?,
-                "tries" => arg("tries")?,
-                "policy" => arg("policy")?,
-                "front-end" => arg("front-end")?,
-                "metrics" => arg("metrics")?,
-                "discard" => e.open_args.push("--allow-discards".into()),
-                "readonly" | "read-only" => e.open_args.push("--readonly".into()),
-                "noauto" => e.noauto = true,
-                "auto"
-                | "nofail"
-                | "_netdev"
-                | "no-read-workqueue"
-                | "no-write-workqueue"
-                | "same-cpu-crypt"
-                | "submit-from-crypt-cpus" => {}
-                k if k.starts_with("x-systemd.") || k.starts_with("x-initrd.") => {}
-                other => return Err(bad(line, format!("unknown option '{other}'"))),
-            }
-        }
-        if plain {
-            let key = e.key.as_ref().ok_or_else(|| {
-                bad(
-                    line,
-                    "plain needs a key file: the raw volume key (no passphrase hashing)".into(),
-                )
-            })?;
-            if !e.open_args.iter().any(|a| a.starts_with("--cipher=")) {
-                e.open_args.push("--cipher=aes-cbc-essiv:sha256".into());
-            }
-            e.open_args
-                .push(format!("--volume-key-file={}", key.display()));
-        } else if let Some(k) = &e.key {
-            e.open_args.push(format!("--key-file={}", k.display()));
-        }
-        out.push(e);
     }
-    Ok(out)
+    t
+}
+
+/// One non-empty, non-comment line; `before` are the good lines above it.
+fn parse_line(line: usize, l: &str, before: &[Entry]) -> Result<Entry, String> {
+    let f: Vec<&str> = l.split_whitespace().collect();
+    if f.len() < 2 || f.len() > 4 {
+        return Err(format!("expected NAME DEVICE [KEY [OPTIONS]], got '{l}'"));
+    }
+    let name = f[0].to_string();
+    if let Some(first) = before.iter().find(|e| e.name == name) {
+        return Err(format!(
+            "{name} is named twice (first on line {})",
+            first.line
+        ));
+    }
+    let key = match f.get(2) {
+        None | Some(&"none") | Some(&"-") => None,
+        Some(k) => Some(PathBuf::from(k)),
+    };
+    let mut e = Entry {
+        line,
+        name,
+        device: device_path(f[1]),
+        key,
+        noauto: false,
+        open_args: Vec::new(),
+    };
+    let mut plain = false;
+    for opt in f
+        .get(3)
+        .map_or("", |o| o)
+        .split(',')
+        .filter(|o| !o.is_empty())
+    {
+        let (k, v) = match opt.split_once('=') {
+            Some((k, v)) => (k, Some(v)),
+            None => (opt, None),
+        };
+        let mut arg = |flag: &str| match v {
+            Some(v) if !v.is_empty() => {
+                e.open_args.push(format!("--{flag}={v}"));
+                Ok(())
+            }
+            _ => Err(format!("option {k} needs a value")),
+        };
+        match k {
+            "luks" => {}
+            "plain" => plain = true,
+            "cipher" => arg("cipher")?,
+            "offset" => arg("offset")?,
+            "skip" => arg("skip")?,
+            "sector-size" => arg("sector-size")?,
+            "header" => arg("header")?,
+            "keyfile-offset" => arg("keyfile-offset")?,
+            "keyfile-size" => arg("keyfile-size")?,
+            "key-slot" | "keyslot" => arg("key-slot")?,
+            "tries" => arg("tries")?,
+            "policy" => arg("policy")?,
+            "front-end" => arg("front-end")?,
+            "metrics" => arg("metrics")?,
+            "discard" => e.open_args.push("--allow-discards".into()),
+            "readonly" | "read-only" => e.open_args.push("--readonly".into()),
+            "noauto" => e.noauto = true,
+            "auto"
+            | "nofail"
+            | "_netdev"
+            | "no-read-workqueue"
+            | "no-write-workqueue"
+            | "same-cpu-crypt"
+            | "submit-from-crypt-cpus" => {}
+            k if k.starts_with("x-systemd.") || k.starts_with("x-initrd.") => {}
+            other => return Err(format!("unknown option '{other}'")),
+        }
+    }
+    if plain {
+        let key = e.key.as_ref().ok_or_else(|| {
+            "plain needs a key file: the raw volume key (no passphrase hashing)".to_string()
+        })?;
+        if !e.open_args.iter().any(|a| a.starts_with("--cipher=")) {
+            e.open_args.push("--cipher=aes-cbc-essiv:sha256".into());
+        }
+        e.open_args
+            .push(format!("--volume-key-file={}", key.display()));
+    } else if let Some(k) = &e.key {
+        e.open_args.push(format!("--key-file={}", k.display()));
+    }
+    Ok(e)
 }
 
 impl Entry {
@@ -195,7 +232,7 @@ impl Entry {
     }
 }
 
-fn read_tab(path: &Path) -> CliResult<Vec<Entry>> {
+fn read_tab(path: &Path) -> CliResult<Table> {
     let ctx = |e| CliError::Core(ucrypt::Error::io(format!("reading {}", path.display()), e));
     let meta = std::fs::metadata(path).map_err(ctx)?;
     if meta.len() > TAB_BYTES_MAX {
@@ -205,21 +242,51 @@ fn read_tab(path: &Path) -> CliResult<Vec<Entry>> {
             meta.len()
         )));
     }
-    parse(&std::fs::read_to_string(path).map_err(ctx)?)
+    Ok(parse(&std::fs::read_to_string(path).map_err(ctx)?))
 }
 
-/// The entries a command acts on: the one named, or all of them.
-fn chosen(a: &TabArgs) -> CliResult<Vec<Entry>> {
+/// The lines a command acts on: the one named (a bad line of that name is the command's
+/// error), or all of them, good and bad.
+fn chosen(a: &TabArgs) -> CliResult<Table> {
     let all = read_tab(&a.tab)?;
-    match &a.name {
-        None => Ok(all),
-        Some(n) => match all.into_iter().find(|e| &e.name == n) {
-            Some(e) => Ok(vec![e]),
-            None => Err(CliError::NotActive(format!(
-                "{n} is not in {}",
-                a.tab.display()
-            ))),
-        },
+    let Some(n) = &a.name else { return Ok(all) };
+    if let Some(e) = all.entries.into_iter().find(|e| &e.name == n) {
+        return Ok(Table {
+            entries: vec![e],
+            bad: Vec::new(),
+        });
+    }
+    match all.bad.into_iter().find(|b| &b.name == n) {
+        Some(b) => Err(CliError::Usage(b.to_string())),
+        None => Err(CliError::NotActive(format!(
+            "{n} is not in {}",
+            a.tab.display()
+        ))),
+    }
+}
+
+/// What failed of a `tab start|stop` that went on past failures: the exit code (the first
+/// failure's) and what to name in the closing line.
+#[derive(Debug, Default)]
+struct Failures {
+    code: i32,
+    what: Vec<String>,
+}
+
+impl Failures {
+    fn add(&mut self, code: i32, what: String) {
+        if self.code == 0 {
+            self.code = code;
+        }
+        self.what.push(what);
+    }
+
+    /// Prints the closing line (if anything failed) and returns the exit code.
+    fn finish(self, verb: &str) -> i32 {
+        if !self.what.is_empty() {
+            eprintln!("ucrypt tab {verb}: failed: {}", self.what.join(", "));
+        }
+        self.code
     }
 }
 
@@ -238,12 +305,70 @@ pub fn run(cmd: TabCmd) -> i32 {
     }
 }
 
+/// Whether an entry's NAME is open already.
+enum Already {
+    No,
+    /// Open, for the entry's volume.
+    Same,
+    /// Open, for another volume (named).
+    Other(String),
+}
+
+fn already_open(e: &Entry) -> Already {
+    let Ok(h) = crate::daemon::online::by_name(&e.name) else {
+        return Already::No;
+    };
+    // A local volume by device and inode (whatever path names it), a remote one by its URI.
+    if h.serves(&e.device) || h.volume().as_deref() == Some(e.device.as_path()) {
+        return Already::Same;
+    }
+    Already::Other(
+        h.volume()
+            .map(|v| v.display().to_string())
+            .unwrap_or_else(|| "a volume not known".into()),
+    )
+}
+
 fn start(a: &TabArgs) -> CliResult<i32> {
-    let entries = chosen(a)?;
-    let mut code = 0;
-    for e in entries {
+    let table = chosen(a)?;
+    let mut failed = Failures::default();
+    for b in &table.bad {
+        eprintln!("ucrypt tab: WARNING: {b}: line skipped");
+        failed.add(
+            BAD_LINE_EXIT,
+            format!("{} (line {}: bad line)", b.name, b.line),
+        );
+    }
+    for e in table.entries {
         if e.noauto && a.name.is_none() {
             continue;
+        }
+        // In the foreground (the systemd unit) the daemon must be this process: a volume
+        // already open is refused as `open` refuses it.
+        if !a.foreground {
+            match already_open(&e) {
+                Already::No => {}
+                Already::Same => {
+                    eprintln!(
+                        "ucrypt tab: {} (line {}) is already open: left as it is",
+                        e.name, e.line
+                    );
+                    continue;
+                }
+                Already::Other(v) => {
+                    let err = CliError::Busy(format!(
+                        "{} is open already, but for {v}, not {}",
+                        e.name,
+                        e.device.display()
+                    ));
+                    eprintln!("ucrypt tab: {} (line {}): {err}", e.name, e.line);
+                    failed.add(
+                        err.exit_code(),
+                        format!("{} (line {}, exit {})", e.name, e.line, err.exit_code()),
+                    );
+                    continue;
+                }
+            }
         }
         let argv = e.open_command(a.foreground);
         let r = crate::parse_open(argv).and_then(crate::daemon::open);
@@ -254,18 +379,44 @@ fn start(a: &TabArgs) -> CliResult<i32> {
                 err.exit_code()
             }
         };
-        if code == 0 {
-            code = c;
+        if c != 0 {
+            failed.add(c, format!("{} (line {}, exit {c})", e.name, e.line));
         }
     }
-    Ok(code)
+    Ok(failed.finish("start"))
 }
 
 fn stop(a: &TabArgs) -> CliResult<i32> {
-    let mut code = 0;
-    for e in chosen(a)?.into_iter().rev() {
+    let table = chosen(a)?;
+    // Every name of the table, good line or bad, once (the first line of a name), closed in
+    // the reverse of the table's order.
+    // A bad line's first word may be no valid name at all: only a live one is closed.
+    let mut names: Vec<(usize, String)> = Vec::new();
+    let bad_open = table
+        .bad
+        .iter()
+        .filter(|b| crate::daemon::online::by_name(&b.name).is_ok());
+    for (line, name) in table
+        .entries
+        .iter()
+        .map(|e| (e.line, &e.name))
+        .chain(bad_open.map(|b| (b.line, &b.name)))
+    {
+        if !names.iter().any(|(_, n)| n == name) {
+            names.push((line, name.clone()));
+        }
+    }
+    names.sort_by_key(|(line, _)| *line);
+    for b in &table.bad {
+        eprintln!(
+            "ucrypt tab: WARNING: {b}: line skipped ({}, if open, is closed all the same)",
+            b.name
+        );
+    }
+    let mut failed = Failures::default();
+    for (line, name) in names.into_iter().rev() {
         let close = crate::daemon::CloseArgs {
-            name: e.name.clone(),
+            name: name.clone(),
             force: false,
             deferred: false,
             cancel_deferred: false,
@@ -275,15 +426,15 @@ fn stop(a: &TabArgs) -> CliResult<i32> {
             // Not open: nothing to stop.
             Err(CliError::NotActive(_)) => 0,
             Err(err) => {
-                eprintln!("ucrypt tab: {}: {err}", e.name);
+                eprintln!("ucrypt tab: {name} (line {line}): {err}");
                 err.exit_code()
             }
         };
-        if code == 0 {
-            code = c;
+        if c != 0 {
+            failed.add(c, format!("{name} (line {line}, exit {c})"));
         }
     }
-    Ok(code)
+    Ok(failed.finish("stop"))
 }
 
 #[cfg(test)]
@@ -298,7 +449,9 @@ data    /srv/vol.img            /etc/k       discard,policy=inline
 home    UUID=1234-abcd          none         luks,readonly,noauto,nofail,x-systemd.device-timeout=0
 swap    /dev/sdb2               /etc/swapkey plain,cipher=aes-xts-plain64,sector-size=4096
 ";
-        let e = parse(text).expect("parse");
+        let t = parse(text);
+        assert_eq!(t.bad, []);
+        let e = t.entries;
         assert_eq!(e.len(), 3);
         assert_eq!(
             e[0].open_command(false),
@@ -336,10 +489,36 @@ swap    /dev/sdb2               /etc/swapkey plain,cipher=aes-xts-plain64,sector
             ("a /x - frobnicate\n", "line 1: unknown option 'frobnicate'"),
             ("a /x - cipher\n", "line 1: option cipher needs a value"),
             ("a /x - plain\n", "line 1: plain needs a key file"),
-            ("a /x\n\n# c\na /y\n", "line 4: a is named twice"),
+            (
+                "a /x\n\n# c\na /y\n",
+                "line 4: a is named twice (first on line 1)",
+            ),
         ] {
-            let e = parse(text).expect_err(text).to_string();
+            let t = parse(text);
+            let e = t.bad.last().expect(text).to_string();
             assert!(e.contains(want), "{text:?}: {e}");
+            assert_eq!(t.bad[0].name, "a");
         }
+    }
+
+    /// A bad line costs only its own volume: the lines around it parse as without it.
+    #[test]
+    fn a_bad_line_leaves_the_others() {
+        let text = "\
+a /x /k discard
+b /y /k frobnicate
+c /z
+";
+        let t = parse(text);
+        let names: Vec<&str> = t.entries.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!(
+            t.bad,
+            [BadLine {
+                line: 2,
+                name: "b".into(),
+                problem: "unknown option 'frobnicate'".into()
+            }]
+        );
     }
 }

@@ -70,6 +70,11 @@ pub struct RemoteArgs {
     /// most 8).
     #[arg(long, value_name = "N")]
     pub remote_connections: Option<usize>,
+    /// Not an option: the stop of a verb that serves until stopped (`serve`). Once it is
+    /// requested, an unreachable NBD server is given up on within one remote timeout, so
+    /// that the stop does not wait a remote timeout per flush it still makes.
+    #[arg(skip)]
+    pub stop: Option<ucrypt::Stop>,
 }
 
 /// A volume's location.
@@ -153,6 +158,9 @@ impl Target {
 
     fn nbd(u: &NbdUri, remote: &RemoteArgs) -> Result<Arc<dyn Backend>> {
         let b = NbdBackend::connect(u, &Self::nbd_options(remote)).map_err(core_error)?;
+        if let Some(stop) = &remote.stop {
+            b.give_up_on(stop);
+        }
         Ok(Arc::new(b))
     }
 

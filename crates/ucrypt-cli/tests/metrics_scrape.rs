@@ -7,6 +7,7 @@ mod nbd_common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 use nbd_common::*;
 
@@ -165,4 +166,134 @@ fn prometheus_parser_reads_counters_that_match_fio() {
     s.read_to_string(&mut resp).expect("response");
     assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
     drop(srv);
+}
+
+/// Starts `ucrypt serve` of a fresh 4 MiB image with `--metrics AT`, its stderr in `log`.
+fn serve_with_metrics(dir: &TempDir, at: &str, log: std::process::Stdio) -> Server {
+    make_image(&dir.path("disk"), 4 << 20, None);
+    std::fs::write(dir.path("key"), [0x5au8; 64]).expect("key");
+    let (sock, key) = (format!("unix:{}", dir.s("sock")), dir.s("key"));
+    Server::try_start_logged(
+        &[
+            &dir.s("disk"),
+            "--nbd",
+            &sock,
+            "--cipher",
+            "aes-xts-plain64",
+            "--volume-key-file",
+            &key,
+            "--metrics",
+            at,
+        ],
+        1,
+        log,
+    )
+    .unwrap_or_else(|e| panic!("server did not start: {e}"))
+}
+
+/// Slow clients that each send a byte now and then (a request head that never ends) hold
+/// neither the scrape beside them nor the server: the scrape is answered at once, and each
+/// slow one is cut at the request head's deadline (2 s), not kept as long as it dribbles.
+#[test]
+fn slow_clients_do_not_hold_up_a_scrape() {
+    const SLOW_CLIENTS: usize = 4;
+    /// How long a slow client dribbles before it counts itself as never cut.
+    const DRIBBLE_MAX: Duration = Duration::from_secs(30);
+    /// Loose bounds, for a loaded machine: the scrape must not wait for the slow clients'
+    /// deadlines, and a slow client must be cut well before it stops by itself.
+    const SCRAPE_MAX: Duration = Duration::from_secs(5);
+    const CUT_MAX: Duration = Duration::from_secs(15);
+    let dir = TempDir::new("metrics-slow");
+    let port = free_port();
+    let srv = serve_with_metrics(
+        &dir,
+        &format!("tcp:127.0.0.1:{port}"),
+        std::process::Stdio::inherit(),
+    );
+    let (connected_tx, connected_rx) = std::sync::mpsc::channel();
+    let slow: Vec<_> = (0..SLOW_CLIENTS)
+        .map(|i| {
+            let connected = connected_tx.clone();
+            std::thread::spawn(move || -> Option<Duration> {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                s.set_read_timeout(Some(Duration::from_millis(250)))
+                    .expect("timeout");
+                let start = Instant::now();
+                connected.send(i).expect("tell");
+                let head = b"GET /metrics HTTP/1.1\r\nX-Slow: ";
+                let mut sent = 0usize;
+                let mut buf = [0u8; 256];
+                while start.elapsed() < DRIBBLE_MAX {
+                    let byte = head.get(sent).copied().unwrap_or(b'a');
+                    if s.write_all(&[byte]).is_err() {
+                        return Some(start.elapsed());
+                    }
+                    sent += 1;
+                    match s.read(&mut buf) {
+                        // The server closed (or answered): cut.
+                        Ok(_) => return Some(start.elapsed()),
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) => {}
+                        Err(_) => return Some(start.elapsed()),
+                    }
+                }
+                None
+            })
+        })
+        .collect();
+    for _ in 0..SLOW_CLIENTS {
+        connected_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("slow clients connected");
+    }
+    // Let the server accept them all and start reading from them before the scrape comes.
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to metrics");
+    s.set_read_timeout(Some(DRIBBLE_MAX)).expect("timeout");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("request");
+    let mut out = String::new();
+    let read = s.read_to_string(&mut out);
+    let took = t.elapsed();
+    assert!(
+        read.is_ok() && out.starts_with("HTTP/1.1 200"),
+        "scrape beside {SLOW_CLIENTS} slow clients failed after {took:?}: {read:?} {out:?}"
+    );
+    assert!(out.contains("ucrypt_requests_total"), "{out}");
+    assert!(
+        took < SCRAPE_MAX,
+        "a scrape beside {SLOW_CLIENTS} slow clients took {took:?}"
+    );
+    for (i, h) in slow.into_iter().enumerate() {
+        let cut = h.join().expect("slow client");
+        let cut = cut.unwrap_or_else(|| panic!("slow client {i} was never cut"));
+        assert!(cut < CUT_MAX, "slow client {i} was cut only after {cut:?}");
+    }
+    drop(srv);
+}
+
+/// `--metrics tcp:0.0.0.0:PORT` is served, with a warning that the metrics are reachable
+/// from beyond this machine; a loopback address gets none.
+#[test]
+fn a_non_loopback_address_is_warned_about() {
+    for (host, warned) in [("0.0.0.0", true), ("127.0.0.1", false)] {
+        let dir = TempDir::new("metrics-warn");
+        let log = std::fs::File::create(dir.path("log")).expect("log");
+        let port = free_port();
+        let srv = serve_with_metrics(&dir, &format!("tcp:{host}:{port}"), log.into());
+        // The address is served all the same.
+        let text = scrape(port);
+        assert!(text.contains("ucrypt_requests_total"), "{text}");
+        assert_eq!(srv.stop(), Some(0));
+        let log = std::fs::read_to_string(dir.path("log")).expect("log");
+        assert_eq!(
+            log.contains("not a loopback address"),
+            warned,
+            "{host}: stderr was:\n{log}"
+        );
+    }
 }

@@ -10,6 +10,10 @@
 //! - behind an nbdkit that is killed and restarted during a verifying fio run: the run
 //!   completes (reconnect, resend) and verifies.
 //!
+//! - behind an nbdkit that is killed (its socket removed) while fio writes, a SIGTERM ends
+//!   `serve` within the remote timeout plus slack, non-zero, naming the export it could not
+//!   flush (not one remote timeout per flush it still makes).
+//!
 //! - `nbds+unix://` to an nbdkit that requires TLS: the right CA works, another CA and plain
 //!   NBD are refused with one line naming why.
 //!
@@ -250,6 +254,102 @@ fn survives_a_server_restart_during_a_verifying_run() {
     let _kit = nbdkit(&sock, &["file", &back]);
     let out = f.join().expect("fio completes after the restart");
     assert!(out.contains("\"error\" : 0"), "fio verified without errors");
+}
+
+/// A stop of `serve` in front of a remote that has gone away while a client writes waits for
+/// the remote one remote timeout at most (plus slack), then exits non-zero naming the export
+/// it could not flush. Each request the stopping process still made (the client
+/// connection's last flush, the export's flush) used to wait a remote timeout of its own.
+#[test]
+fn a_stop_behind_a_vanished_remote_waits_one_remote_timeout() {
+    const REMOTE_TIMEOUT_S: u64 = 10;
+    /// Loose, for a loaded machine: the reconnection loop's ticks and the process's own
+    /// teardown, many times over; below a second remote timeout.
+    const STOP_SLACK: Duration = Duration::from_secs(8);
+    /// How long the test waits for the exit at all before it kills the server.
+    const EXIT_WAIT_MAX: Duration = Duration::from_secs(120);
+    if !need("nbdkit", "nbdkit") || !need("fio", "fio") {
+        return;
+    }
+    let dir = TempDir::new("remote-gone");
+    make_image(&dir.path("back.img"), 64 << 20, None);
+    std::fs::write(dir.path("key"), [0x3cu8; 64]).unwrap();
+    let sock = dir.s("kit");
+    let back = dir.s("back.img");
+    let kit = nbdkit(&sock, &["file", &back]);
+    let log = std::fs::File::create(dir.path("serve.log")).unwrap();
+    let mut srv = Server::try_start_logged(
+        &[
+            &format!("nbd+unix:///?socket={sock}"),
+            "--nbd",
+            &format!("unix:{}", dir.s("served")),
+            "--cipher",
+            "aes-xts-plain64",
+            "--volume-key-file",
+            &dir.s("key"),
+            "--remote-timeout",
+            &REMOTE_TIMEOUT_S.to_string(),
+        ],
+        1,
+        log.into(),
+    )
+    .unwrap_or_else(|e| panic!("serve did not start: {e}"));
+    // A writer that keeps requests in flight until the end of the test.
+    let mut writer = Proc(
+        Command::new("fio")
+            .args([
+                "--name=gone",
+                "--ioengine=nbd",
+                &format!("--uri={}", srv.uri()),
+                "--rw=randwrite",
+                "--bs=64k",
+                "--iodepth=8",
+                "--size=48M",
+                "--time_based",
+                "--runtime=600",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("fio"),
+    );
+    // The remote has ciphertext: fio's writes go through.
+    let t0 = Instant::now();
+    while std::fs::read(&back).unwrap().iter().all(|&b| b == 0) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no write reached the remote"
+        );
+        assert!(matches!(writer.0.try_wait(), Ok(None)), "fio ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(kit);
+    let _ = std::fs::remove_file(&sock);
+    std::thread::sleep(Duration::from_secs(1));
+    let t = Instant::now();
+    terminate(srv.pid());
+    let code = wait_timeout(&mut srv.child, EXIT_WAIT_MAX);
+    let took = t.elapsed();
+    let _ = writer.0.kill();
+    let log = std::fs::read_to_string(dir.path("serve.log")).unwrap();
+    assert!(
+        code.is_some(),
+        "serve still running {EXIT_WAIT_MAX:?} after SIGTERM; its log:\n{log}"
+    );
+    assert_ne!(
+        code,
+        Some(0),
+        "a stop that could not flush exits non-zero: {log}"
+    );
+    assert!(
+        took < Duration::from_secs(REMOTE_TIMEOUT_S) + STOP_SLACK,
+        "serve took {took:?} to stop with a remote timeout of {REMOTE_TIMEOUT_S} s; its log:\n{log}"
+    );
+    assert!(
+        log.contains("flushing export") && log.contains("server unreachable"),
+        "the log names what could not be flushed and why:\n{log}"
+    );
 }
 
 #[test]

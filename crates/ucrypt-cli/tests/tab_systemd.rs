@@ -2,7 +2,8 @@
 //! `systemd-analyze verify` without a warning; `ucrypt tab start` opens every line of a test
 //! ucrypttab but its `noauto` one, and `tab stop` closes them; `tab start NAME --foreground`
 //! (what the unit runs) tells systemd READY=1 through NOTIFY_SOCKET once the device is there
-//! and exits 0 after `ucrypt close NAME`.
+//! and exits 0 after `ucrypt close NAME`. A bad line costs only its own volume, and a second
+//! `tab start` leaves the volumes already open alone.
 //!
 //! Needs root and /dev/fuse (the FUSE front end; no loop devices), and systemd-analyze for the
 //! unit check; otherwise SKIPPED with the reason. Names carry the pid.
@@ -169,6 +170,179 @@ fn tab_start_opens_every_line_and_stop_closes_them() {
     let o = run(&["tab", "start", "nosuch", "--tab", t]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not in"));
+}
+
+/// As systemd-cryptsetup does: a bad line (line 3 here) is a warning naming its line and
+/// problem, the other lines' volumes open all the same, and `tab start` exits 1 naming the bad
+/// one last; `tab stop` closes them all the same (exit 0). A second `tab start` leaves the open
+/// volumes alone with a note (exit 0); a name open for another volume is refused (exit 5).
+#[test]
+fn a_bad_line_costs_only_its_volume_and_a_second_start_leaves_open_ones() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let d = volumes("badline");
+    let pid = std::process::id();
+    let (a, b, bad) = (
+        format!("tab-ba-{pid}"),
+        format!("tab-bb-{pid}"),
+        format!("tab-bx-{pid}"),
+    );
+    let p = |f: &str| d.0.join(f).display().to_string();
+    let good_a = format!("{a} {} {} luks,front-end=fuse\n", p("luks.img"), p("pass"));
+    let good_b = format!(
+        "{b} {} {} plain,cipher=aes-xts-plain64,front-end=fuse\n",
+        p("raw.img"),
+        p("raw.key")
+    );
+    let bad_line = format!("{bad} {} - frobnicate\n", p("raw.img"));
+    let with_bad = d.0.join("with-bad");
+    std::fs::write(&with_bad, format!("# table\n{good_a}{bad_line}{good_b}")).expect("tab");
+    let good = d.0.join("good");
+    std::fs::write(&good, format!("{good_a}{good_b}")).expect("tab");
+    let (wb, g) = (with_bad.to_str().unwrap(), good.to_str().unwrap());
+    let stderr = |o: &Output| String::from_utf8_lossy(&o.stderr).to_string();
+
+    let o = run(&["tab", "start", "--tab", wb]);
+    assert_eq!(o.status.code(), Some(1), "tab start: {}", text(&o));
+    assert!(
+        stderr(&o).contains("line 3: unknown option 'frobnicate'"),
+        "the warning names the line and the problem: {}",
+        text(&o)
+    );
+    let last = stderr(&o).lines().last().unwrap_or_default().to_string();
+    assert!(
+        last.contains("failed") && last.contains(&bad) && !last.contains(&a),
+        "the closing line names what failed: {}",
+        text(&o)
+    );
+    assert!(listed(&a) && listed(&b), "{}", text(&run(&["list"])));
+    assert!(!listed(&bad));
+
+    // Again, with the table fixed: both are open already, and left so.
+    let o = run(&["tab", "start", "--tab", g]);
+    assert_eq!(o.status.code(), Some(0), "second tab start: {}", text(&o));
+    for n in [&a, &b] {
+        assert!(
+            stderr(&o).contains(&format!("{n} (line")) && stderr(&o).contains("already open"),
+            "a note for {n}: {}",
+            text(&o)
+        );
+        assert!(listed(n));
+    }
+    // A name that is open for another volume than its line's is refused, as `open` would.
+    let other = d.0.join("other");
+    std::fs::write(
+        &other,
+        format!(
+            "{a} {} {} plain,cipher=aes-xts-plain64,front-end=fuse\n",
+            p("raw.img"),
+            p("raw.key")
+        ),
+    )
+    .expect("tab");
+    let o = run(&["tab", "start", "--tab", other.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert!(stderr(&o).contains("open already"), "{}", text(&o));
+    assert!(listed(&a));
+
+    let o = run(&["tab", "stop", "--tab", wb]);
+    assert_eq!(o.status.code(), Some(0), "tab stop: {}", text(&o));
+    assert!(
+        stderr(&o).contains("line 3: unknown option"),
+        "{}",
+        text(&o)
+    );
+    assert!(!listed(&a) && !listed(&b), "{}", text(&run(&["list"])));
+    // `tab start NAME` of the bad line is that line's error.
+    let o = run(&["tab", "start", &bad, "--tab", wb]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        stderr(&o).contains("line 3: unknown option"),
+        "{}",
+        text(&o)
+    );
+}
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Restores enable_uring on drop.
+struct RestoreUring(String);
+impl Drop for RestoreUring {
+    fn drop(&mut self) {
+        let _ = std::fs::write(ENABLE_URING, &self.0);
+    }
+}
+
+/// Why FUSE-over-io_uring is not used (a hint about the kernel, not the volume) is said once,
+/// in `status`'s front end notes, and not on the line `open` and `tab start` print per
+/// volume. With enable_uring at Y the test sets it to N for its run (root), so that there is
+/// a hint to place.
+#[test]
+fn the_io_uring_hint_is_said_once_in_status() {
+    if let Some(why) = root_and_fuse() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let _restore = match std::fs::read_to_string(ENABLE_URING) {
+        Ok(v) if v.trim() == "Y" => {
+            std::fs::write(ENABLE_URING, "N").expect("set enable_uring=N");
+            Some(RestoreUring(v.trim().to_string()))
+        }
+        // N, or a kernel without it: either way there is a hint.
+        _ => None,
+    };
+    let d = volumes("hint");
+    let pid = std::process::id();
+    let (a, b) = (format!("tab-ha-{pid}"), format!("tab-hb-{pid}"));
+    let p = |f: &str| d.0.join(f).display().to_string();
+    let both = |o: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    let o = run(&[
+        "open",
+        &p("raw.img"),
+        &a,
+        "--cipher",
+        "aes-xts-plain64",
+        "--volume-key-file",
+        &p("raw.key"),
+        "--front-end",
+        "fuse",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    assert!(!both(&o).contains("io_uring"), "open: {}", text(&o));
+    let tab = d.0.join("ucrypttab");
+    std::fs::write(
+        &tab,
+        format!("{b} {} {} front-end=fuse\n", p("luks.img"), p("pass")),
+    )
+    .expect("tab");
+    let o = run(&["tab", "start", "--tab", tab.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "tab start: {}", text(&o));
+    assert!(!both(&o).contains("io_uring"), "tab start: {}", text(&o));
+    for n in [&a, &b] {
+        let st = run(&["status", n]);
+        let lines: Vec<String> = both(&st)
+            .lines()
+            .filter(|l| l.contains("io_uring"))
+            .map(str::to_string)
+            .collect();
+        assert!(
+            lines.len() == 1 && lines[0].contains("front end notes:"),
+            "status {n} says the hint once, in its notes: {}",
+            text(&st)
+        );
+    }
+    for n in [&a, &b] {
+        let o = run(&["close", n]);
+        assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    }
 }
 
 #[test]

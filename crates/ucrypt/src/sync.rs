@@ -99,6 +99,14 @@ struct StopInner {
     cv: WaitCell,
 }
 
+impl std::fmt::Debug for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stop")
+            .field("requests", &self.requests())
+            .finish()
+    }
+}
+
 impl Stop {
     pub fn new() -> Self {
         Stop::default()

@@ -19,7 +19,9 @@ use ucrypt::luks::reencrypt::run::RunOptions;
 use ucrypt::luks::{self, Unlock};
 use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};
-use ucrypt_fuse::{MountOptions, Mounted, PunchHole, SizeNotifier, Transport, Unmount};
+use ucrypt_fuse::{
+    ActiveTransport, MountOptions, Mounted, PunchHole, SizeNotifier, Transport, Unmount,
+};
 
 use super::loopdev::{self, LoopDevice};
 use super::proto::{
@@ -577,7 +579,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         crate::metrics::start(at, Volumes(vec![(d.name.clone(), opened.clone())]))?;
     }
     let dev: Arc<dyn BlockDev> = vol.clone();
-    let (front, device, note) = match d.front_end {
+    let (front, device, notes) = match d.front_end {
         FrontEnd::Ublk => start_ublk(dev)?,
         FrontEnd::Loop | FrontEnd::Fuse => start_fuse(&d, dev)?,
         FrontEnd::Auto => return Err(CliError::Usage("front end not chosen".into())),
@@ -623,7 +625,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         header_dev,
         size_notifier,
         ident: ident.clone(),
-        note: note.clone(),
+        note: notes.status,
         events: events_tx,
         deferred: deferred.clone(),
         rotation: Arc::new(Mutex::new(None)),
@@ -640,7 +642,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         },
         None => None,
     };
-    let note = match (&d.nbd, note) {
+    let note = match (&d.nbd, notes.ready) {
         (Some(Listen::Unix(p)), n) => Some(format!(
             "{}NBD: nbd+unix:///{}?socket={}",
             n.map(|n| format!("{n}; ")).unwrap_or_default(),
@@ -759,7 +761,15 @@ fn io_err(what: impl Into<String>, e: std::io::Error) -> CliError {
     CliError::Core(ucrypt::Error::io(what, e))
 }
 
-fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, Option<String>)> {
+/// What is worth saying about how a front end runs. `status`'s notes get all of it; the line
+/// `open` prints (and `tab start` once per volume) leaves out why FUSE-over-io_uring is not
+/// used: a hint about the kernel, not about the volume, said once, in `status`.
+struct FrontNotes {
+    status: Option<String>,
+    ready: Option<String>,
+}
+
+fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let stop = Stop::new();
     let s2 = stop.clone();
     let (tx, rx) = sync_channel(1);
@@ -772,7 +782,14 @@ fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, Option<Strin
         })
         .map_err(|e| io_err("starting the ublk thread", e))?;
     match rx.recv_timeout(UBLK_READY_WAIT) {
-        Ok(r) => Ok((Front::Ublk { thread, stop }, r.path, None)),
+        Ok(r) => Ok((
+            Front::Ublk { thread, stop },
+            r.path,
+            FrontNotes {
+                status: None,
+                ready: None,
+            },
+        )),
         Err(_) => {
             stop.request();
             match thread.join() {
@@ -786,7 +803,7 @@ fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, Option<Strin
     }
 }
 
-fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, Option<String>)> {
+fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let file = d.claim.dir.join("volume");
     std::fs::OpenOptions::new()
         .create(true)
@@ -806,6 +823,14 @@ fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, 
     let (bs, ro) = (dev.block_size(), dev.read_only());
     let mounted = ucrypt_fuse::spawn(dev, &file, &opts)?;
     let fuse_note = format!("FUSE {}", mounted.transport);
+    let fuse_brief = match &mounted.transport {
+        ActiveTransport::Classic { threads, .. } => ActiveTransport::Classic {
+            threads: *threads,
+            io_uring_unused: None,
+        },
+        t => t.clone(),
+    };
+    let fuse_brief = format!("FUSE {fuse_brief}");
     if d.front_end != FrontEnd::Loop {
         let path = mounted.file.clone();
         return Ok((
@@ -814,7 +839,10 @@ fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, 
                 loopdev: None,
             },
             path,
-            Some(fuse_note),
+            FrontNotes {
+                status: Some(fuse_note),
+                ready: Some(fuse_brief),
+            },
         ));
     }
     match loopdev::attach(&file, bs, ro) {
@@ -830,7 +858,10 @@ fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, 
                     loopdev: Some(l),
                 },
                 path,
-                Some(format!("{io}; {fuse_note}")),
+                FrontNotes {
+                    status: Some(format!("{io}; {fuse_note}")),
+                    ready: Some(format!("{io}; {fuse_brief}")),
+                },
             ))
         }
         Err(e) => {

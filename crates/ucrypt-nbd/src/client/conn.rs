@@ -17,6 +17,14 @@
 //!   request fails with a message naming the URI and the timeout, and the connection sleeps
 //!   until a new request arrives, which arms a new attempt with a new deadline.
 //!
+//! Stopping: once the process stops ([`Conn::stopping`]), an unreachable server is given up
+//! on within one remote timeout of the stop, and stays given up on. Without that, each request
+//! a stopping process still makes (a connection's last flush, each export's flush, the
+//! volume's own) would re-arm a fresh remote timeout after the one before had expired, and a
+//! stop would wait one remote timeout per request. Requests still unanswered at that
+//! deadline fail as lost (they are not reported done), so the stop reports what it could not
+//! flush.
+//!
 //! Resending after a reconnection: writes, trims and zeroings that were in flight are sent
 //! again by their callers; flushes that were in flight wait until all of those have been sent
 //! (`replay_pending`), so a resent flush follows the resent writes on the wire. A request is
@@ -134,6 +142,10 @@ struct State {
     next_cookie: u64,
     slots: HashMap<u64, Slot>,
     replay_pending: usize,
+    /// Set when the process stops ([`Conn::stopping`]): a lost connection is given up on no
+    /// later than this, a connection given up on is not tried again, and requests sent but
+    /// unanswered by then count as lost.
+    give_up_by: Option<Instant>,
 }
 
 struct Writer {
@@ -159,10 +171,15 @@ pub(crate) struct Conn {
 }
 
 /// Why requests fail after the deadline; the caller's error adds the command and the URI.
-fn unavailable_message(cause: &str, timeout: Duration) -> String {
+/// `stopping`: the deadline was the stop's (see [`Conn::stopping`]).
+fn unavailable_message(cause: &str, timeout: Duration, stopping: bool) -> String {
+    let within = if stopping {
+        "before the process stopped, within the remote timeout of"
+    } else {
+        "within the remote timeout of"
+    };
     format!(
-        "server unreachable: connection lost ({cause}) and not restored within the remote \
-         timeout of {} ms",
+        "server unreachable: connection lost ({cause}) and not restored {within} {} ms",
         timeout.as_millis()
     )
 }
@@ -186,6 +203,7 @@ impl Conn {
                 next_cookie: 1,
                 slots: HashMap::with_capacity(INFLIGHT_PER_CONNECTION_MAX),
                 replay_pending: 0,
+                give_up_by: None,
             }),
             room: WaitCell::new(),
             kick: WaitCell::new(),
@@ -258,12 +276,15 @@ impl Conn {
             return Err(ReqError::Closed);
         }
         if let Link::Failed { cause } = &st.link {
-            // A new request after giving up: try again, with a fresh deadline.
-            st.link = Link::Down {
-                since: Instant::now(),
-                cause: cause.clone(),
-            };
-            self.kick.notify_all();
+            // A new request after giving up: try again, with a fresh deadline; but not once
+            // stopping, when the request fails at once (in `finish`).
+            if st.give_up_by.is_none() {
+                st.link = Link::Down {
+                    since: Instant::now(),
+                    cause: cause.clone(),
+                };
+                self.kick.notify_all();
+            }
         }
         let cookie = st.next_cookie;
         st.next_cookie += 1;
@@ -330,7 +351,11 @@ impl Conn {
                         thread::park_timeout(wait);
                     }
                     Link::Failed { cause } => {
-                        let msg = cause.clone();
+                        let msg = unavailable_message(
+                            cause,
+                            self.remote_timeout,
+                            st.give_up_by.is_some(),
+                        );
                         if let Some(slot) = st.slots.remove(&cookie) {
                             if slot.replay {
                                 self.replayed_one(&mut st);
@@ -534,6 +559,13 @@ impl Conn {
                             self.remote_timeout.as_millis()
                         ));
                     }
+                    if self.stop_deadline_passed(gen) {
+                        return Err(format!(
+                            "no reply from the server within the remote timeout of {} ms \
+                             after the process began to stop",
+                            self.remote_timeout.as_millis()
+                        ));
+                    }
                 }
                 Err(e) => return Err(e.to_string()),
             }
@@ -547,6 +579,17 @@ impl Conn {
         st.slots.values().any(|s| {
             matches!(s.phase, Phase::Sent { gen: g, at } if g == gen && at.elapsed() >= self.remote_timeout)
         })
+    }
+
+    /// True if the process is stopping, its deadline has passed, and a request on connection
+    /// `gen` is still unanswered.
+    fn stop_deadline_passed(&self, gen: u64) -> bool {
+        let st = lock(&self.state);
+        st.give_up_by.is_some_and(|d| Instant::now() >= d)
+            && st
+                .slots
+                .values()
+                .any(|s| matches!(s.phase, Phase::Sent { gen: g, .. } if g == gen))
     }
 
     /// Connection `gen` is gone: every request on it is unsent again, callers are told.
@@ -594,9 +637,11 @@ impl Conn {
                 // safest answer is to read on: give up the thread's attempt.
                 Link::Up => return None,
             };
-            let elapsed = since.elapsed();
-            if elapsed >= self.remote_timeout {
-                let msg = unavailable_message(&cause, self.remote_timeout);
+            let own = since + self.remote_timeout;
+            let deadline = st.give_up_by.map_or(own, |d| d.min(own));
+            let now = Instant::now();
+            if now >= deadline {
+                let msg = unavailable_message(&cause, self.remote_timeout, deadline < own);
                 for s in st.slots.values_mut() {
                     if !matches!(s.phase, Phase::Done(_)) {
                         s.phase = Phase::Done(Err(ReqError::Unavailable(msg.clone())));
@@ -606,7 +651,7 @@ impl Conn {
                 st.link = Link::Failed { cause };
                 continue;
             }
-            let left = self.remote_timeout - elapsed;
+            let left = deadline - now;
             drop(st);
             let attempt = dial(&self.target, Instant::now() + left.min(DIAL_ATTEMPT_MAX));
             let attempt = match attempt {
@@ -658,6 +703,19 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// The process is stopping: from now on an unreachable server is given up on within one
+    /// remote timeout (the sooner of that and a drop's own deadline), and not tried again
+    /// after; requests unanswered by then fail. A server that answers is used as before.
+    pub fn stopping(&self) {
+        let by = Instant::now() + self.remote_timeout;
+        let mut st = lock(&self.state);
+        st.give_up_by = Some(st.give_up_by.map_or(by, |d| d.min(by)));
+        for s in st.slots.values() {
+            s.waiter.unpark();
+        }
+        self.kick.notify_all();
     }
 
     /// Stops the connection: a polite `NBD_CMD_DISC`, then the socket closed for writing so

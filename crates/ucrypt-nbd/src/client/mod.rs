@@ -20,12 +20,13 @@ mod tests;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ucrypt::backend::Backend;
 use ucrypt::sync::lock;
+use ucrypt::Stop;
 
 use crate::proto::{
     cmd_name, ExportGeometry, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE,
@@ -173,6 +174,20 @@ impl NbdBackend {
     /// What the server said about the export.
     pub fn geometry(&self) -> ExportGeometry {
         self.geometry
+    }
+
+    /// Once `stop` is requested (the process is stopping), an unreachable server is given up
+    /// on within one remote timeout of the request and not tried again: requests unanswered
+    /// by then, and any made after, fail. Without it each of a stopping process's last
+    /// requests (a flush per connection and per export) would wait a remote timeout of its
+    /// own. See `conn.rs`.
+    pub fn give_up_on(&self, stop: &Stop) {
+        let conns: Vec<Weak<Conn>> = self.conns.iter().map(Arc::downgrade).collect();
+        stop.on_request(move || {
+            for c in conns.iter().filter_map(Weak::upgrade) {
+                c.stopping();
+            }
+        });
     }
 
     /// How many times a dropped connection was restored (over all connections).

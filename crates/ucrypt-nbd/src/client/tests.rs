@@ -474,6 +474,41 @@ fn requests_fail_after_the_remote_timeout_and_later_ones_retry() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Once the process stops (`give_up_on`), a server that has gone is given up on within one
+/// remote timeout of the stop, and the requests made after that (a stopping process's last
+/// flushes) fail at once instead of re-arming a remote timeout each.
+#[test]
+fn once_stopping_a_gone_server_costs_one_remote_timeout() {
+    const TIMEOUT_MS: u64 = 1500;
+    /// Loose, for a loaded machine; below a second remote timeout.
+    const SLACK: Duration = Duration::from_millis(1200);
+    let d = dir("stopping");
+    let sock = d.join("s");
+    let dev = new_dev();
+    let server = Server::start(&dev, &sock);
+    let u = uri(&sock);
+    let b = NbdBackend::connect(&u, &opts(1, TIMEOUT_MS)).unwrap();
+    let stop = Stop::new();
+    b.give_up_on(&stop);
+    b.write_at(&[7u8; 512], 0).unwrap();
+    server.kill();
+    let t0 = Instant::now();
+    stop.request();
+    let e = b.write_at(&[8u8; 512], 512).unwrap_err();
+    assert_eq!(e.errno(), libc::ETIMEDOUT, "{e}");
+    for _ in 0..3 {
+        let e = b.flush().unwrap_err();
+        assert!(e.to_string().contains("before the process stopped"), "{e}");
+    }
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(TIMEOUT_MS) + SLACK,
+        "a write and three flushes took {took:?} after the stop"
+    );
+    drop(b);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A scripted server: the first connection takes requests and never answers, then drops;
 /// the second records the order in which requests arrive and answers them all.
 fn scripted_server(listener: std::os::unix::net::UnixListener, held: usize) -> Vec<(u16, u64)> {
