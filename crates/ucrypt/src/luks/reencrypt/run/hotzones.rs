@@ -12,7 +12,7 @@ use crate::luks::reencrypt::serving::{Offline, Serving};
 use crate::luks::reencrypt::Direction;
 use crate::luks::util::Noise;
 use crate::luks::{apply, WriteOp};
-use crate::pool::BufferPool;
+use crate::pool::{BufferPool, Grant};
 use crate::{Error, Result};
 
 use super::lanes::{
@@ -138,20 +138,30 @@ pub fn resume_serving(
     r
 }
 
-pub(super) fn run_hotzones(
-    devs: Devices<'_>,
-    u: &mut Unlocked,
-    mut pos: Position,
-    opts: RunOptions,
-    progress: &mut dyn FnMut(Progress),
-    serving: &mut dyn Serving,
-    held: &mut bool,
-) -> Result<()> {
+/// The buffers a run of hotzones reuses, sized once at its start: one for every hotzone (a
+/// backward walk's last one may be longer: it is read twice), one for a hotzone's checksums.
+struct Buffers<'p> {
+    hot: Grant<'p>,
+    sums: Grant<'p>,
+    /// The hotzone buffer's length.
+    buf_len: u64,
+    /// The longest piece read, journalled or rewritten at once (the serving side's choice),
+    /// in whole sectors and pages.
+    piece_max: u64,
+}
+
+/// The pool [`Buffers`] take their buffers from, and the largest hotzone `--hotzone-size`
+/// allows: `(pool, hotzone buffer, checksums buffer, largest hotzone)`.
+fn size_buffers(
+    u: &Unlocked,
+    pos: Position,
+    opts: &RunOptions,
+    serving: &dyn Serving,
+) -> Result<(BufferPool, u64, u64, u64)> {
     let hot_max = opts
         .hotzone_bytes
         .unwrap_or(HOTZONE_BYTES_DEFAULT)
         .clamp(1, HOTZONE_BYTES_MAX);
-    // One buffer for every hotzone, and one for the checksums of a hotzone.
     // A decryption that moves the data rewrites its moved segment in place, whole.
     let in_place_min = match u.movement {
         Movement::Unshift(us) if pos.done <= us.walk_bytes() => us.moved_bytes,
@@ -181,35 +191,49 @@ pub(super) fn run_hotzones(
                 * AREA_ALIGN_BYTES
         }
         _ => 0,
-    };
-    let pool = BufferPool::new((buf_len + sums_len.max(AREA_ALIGN_BYTES)) as usize)?;
+    }
+    .max(AREA_ALIGN_BYTES);
+    let pool = BufferPool::new((buf_len + sums_len) as usize)?;
+    Ok((pool, buf_len, sums_len, hot_max))
+}
+
+pub(super) fn run_hotzones(
+    devs: Devices<'_>,
+    u: &mut Unlocked,
+    mut pos: Position,
+    opts: RunOptions,
+    progress: &mut dyn FnMut(Progress),
+    serving: &mut dyn Serving,
+    held: &mut bool,
+) -> Result<()> {
+    let (pool, buf_len, sums_len, hot_max) = size_buffers(u, pos, &opts, serving)?;
     if u.crew.is_none() && u.lanes.len() > 1 {
         // Between steps its threads sleep at once: a busy host's CPU is not spun away.
         let spin = std::time::Duration::ZERO;
         u.crew = Some(Crew::new("ucrypt-rekey", u.lanes.len() - 1, spin)?);
     }
-    let mut hot = pool.take(buf_len as usize)?;
-    let mut sums = pool.take(sums_len.max(AREA_ALIGN_BYTES) as usize)?;
     // The hotzone's pieces: whole sectors and pages (the buffer's O_DIRECT alignment).
     let unit = u.align.max(AREA_ALIGN_BYTES);
-    let piece_max = serving
-        .piece_bytes(buf_len)
-        .map_or(buf_len, |p| (p / unit).max(1) * unit);
-    progress(Progress {
-        done: pos.done,
-        total: u.data_bytes,
-    });
+    let mut b = Buffers {
+        hot: pool.take(buf_len as usize)?,
+        sums: pool.take(sums_len as usize)?,
+        buf_len,
+        piece_max: serving
+            .piece_bytes(buf_len)
+            .map_or(buf_len, |p| (p / unit).max(1) * unit),
+    };
+    let total = u.data_bytes;
+    let report = |p: &mut dyn FnMut(Progress), done| p(Progress { done, total });
+    report(progress, pos.done);
     let mut run_bytes = walk::RUN_BYTES_FIRST;
     loop {
         if !serving.serves() {
             let started = std::time::Instant::now();
-            if let Some(p) = walk::run(devs, u, pos, hot_max, run_bytes, hot.as_mut_slice())? {
+            let buf = b.hot.as_mut_slice();
+            if let Some(p) = walk::run(devs, u, pos, hot_max, run_bytes, buf)? {
                 run_bytes = walk::next_run_bytes(p.done - pos.done, started.elapsed());
                 pos = p;
-                progress(Progress {
-                    done: pos.done,
-                    total: u.data_bytes,
-                });
+                report(progress, pos.done);
                 continue;
             }
         }
@@ -220,221 +244,294 @@ pub(super) fn run_hotzones(
             // Every byte done, but not finalised (left so by a crash or by cryptsetup).
             return finish(devs.header, devs.data, u);
         };
-        let mut cur = 0u64;
-        // The checksums of the hotzone were taken while it was read.
-        let mut summed = false;
-        // Without resilience data nothing needs the hotzone whole in memory before it is
-        // rewritten: its read is left to the rewrite, chunk by chunk ([`rekey_stream`]). No
-        // step between the two writes to the data.
-        let mut read_later = false;
-        // Where this hotzone's journal goes, if it has one: written while the hotzone is
-        // read, each chunk while it is in the cache.
+        let mut h = Hotzone::new(&steps, devs, serving, held);
+        for step in steps {
+            if h.step(u, &mut b, step, &mut pos)? {
+                report(progress, u.data_bytes);
+                return Ok(());
+            }
+        }
+        report(progress, pos.done);
+    }
+}
+
+/// One hotzone's steps, performed in order, and what they leave for the next ones.
+struct Hotzone<'s, 'd> {
+    devs: Devices<'d>,
+    serving: &'s mut dyn Serving,
+    /// Set once a hold succeeded, cleared at the release (the caller tells a failure to the
+    /// serving side only while it holds a hotzone).
+    held: &'s mut bool,
+    /// The hotzone's length, once read.
+    cur: u64,
+    /// Its checksums were taken while it was read.
+    summed: bool,
+    /// Without resilience data nothing needs the hotzone whole in memory before it is
+    /// rewritten: its read is left to the rewrite, chunk by chunk ([`rekey_stream`]). No step
+    /// between the two writes to the data.
+    read_later: bool,
+    /// Where its journal goes, if it has one: written while the hotzone is read, each chunk
+    /// while it is in the cache.
+    journal_area: Option<u64>,
+    /// Its journal was written while it was read.
+    journaled: bool,
+}
+
+impl<'s, 'd> Hotzone<'s, 'd> {
+    fn new(
+        steps: &[Step],
+        devs: Devices<'d>,
+        serving: &'s mut dyn Serving,
+        held: &'s mut bool,
+    ) -> Self {
         let journal_area = steps.iter().find_map(|s| match s {
             Step::WriteJournal { area_offset } => Some(*area_offset),
             _ => None,
         });
-        let mut journaled = false;
-        for step in steps {
-            match step {
-                // Without resilience data, read later by the rewrite, a buffer at a time
-                // offline (the buffer may be shorter than the hotzone: `NONE_BUFFER_BYTES`).
-                Step::ReadOld { offset, len }
-                    if matches!(u.protect, Protect::None)
-                        && (len <= piece_max || !serving.serves()) =>
-                {
-                    cur = len;
-                    serving.hold(offset, len)?;
-                    *held = true;
-                    read_later = true;
+        Hotzone {
+            devs,
+            serving,
+            held,
+            cur: 0,
+            summed: false,
+            read_later: false,
+            journal_area,
+            journaled: false,
+        }
+    }
+
+    /// Holds `[offset, offset + len)` against writers before it is read.
+    fn hold(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.cur = len;
+        self.serving.hold(offset, len)?;
+        *self.held = true;
+        Ok(())
+    }
+
+    /// Performs `step`; `true` once the reencryption is finalised.
+    fn step(
+        &mut self,
+        u: &mut Unlocked,
+        b: &mut Buffers<'_>,
+        step: Step,
+        pos: &mut Position,
+    ) -> Result<bool> {
+        let devs = self.devs;
+        match step {
+            // Without resilience data, read later by the rewrite, a buffer at a time offline
+            // (the buffer may be shorter than the hotzone: `NONE_BUFFER_BYTES`).
+            Step::ReadOld { offset, len }
+                if matches!(u.protect, Protect::None)
+                    && (len <= b.piece_max || !self.serving.serves()) =>
+            {
+                self.hold(offset, len)?;
+                self.read_later = true;
+            }
+            Step::ReadOld { offset, len } if len > b.buf_len => {
+                self.hold(offset, len)?;
+                self.read_longer(u, b, offset, len)?;
+            }
+            Step::ReadOld { offset, len } => {
+                self.hold(offset, len)?;
+                self.read_old(u, b, offset, len)?;
+            }
+            Step::ReadAt { from, offset, len } => {
+                self.hold(offset, len)?;
+                let buf = &mut b.hot.as_mut_slice()[..len as usize];
+                read_lanes(devs.data, buf, from, u.spread())?;
+            }
+            Step::WriteChecksums {
+                area_offset,
+                block,
+                hash,
+            } => {
+                let hb = hash.output_bytes();
+                let n = (self.cur / u64::from(block)) as usize;
+                let out = b.sums.as_mut_slice();
+                if !self.summed {
+                    let data = &b.hot.as_mut_slice()[..self.cur as usize];
+                    checksums(data, block as usize, hash, out, u.spread())?;
                 }
-                // Longer than the buffer: read for its resilience data (checksums or journal)
-                // a buffer at a time, and read again for its rewrite (`read_later`).
-                Step::ReadOld { offset, len } if len > buf_len => {
-                    cur = len;
-                    serving.hold(offset, len)?;
-                    *held = true;
-                    let at = u.data_offset + offset;
-                    let buf = hot.as_mut_slice();
-                    let lanes = u.spread();
-                    for r in pieces(len, buf_len) {
-                        let (b, a) = (&mut buf[..r.len()], at + r.start as u64);
-                        match (u.protect, journal_area) {
-                            (Protect::Checksum { hash, block }, _) => {
-                                let hb = hash.output_bytes();
-                                let out = &mut sums.as_mut_slice()[r.start / block as usize * hb..];
-                                read_lanes_summing(
-                                    devs.data,
-                                    b,
-                                    a,
-                                    lanes,
-                                    (hash, block as usize),
-                                    out,
-                                )?;
-                                summed = true;
-                            }
-                            (Protect::Journal, Some(area)) => {
-                                let area = area + r.start as u64;
-                                let journal = |o: u64, c: &[u8]| devs.header.write_at(c, area + o);
-                                let journal = Sink::to(devs.header, &journal);
-                                read_lanes_then(devs.data, b, a, lanes, journal)?;
-                                journaled = true;
-                            }
-                            _ => return Err(Error::Bug(
-                                "a hotzone longer than the buffer without a journal or checksums",
-                            )),
-                        }
-                    }
-                    read_later = true;
+                let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
+                out[n * hb..len as usize].fill(0);
+                devs.header.write_at(&out[..len as usize], area_offset)?;
+            }
+            Step::WriteJournal { .. } if self.journaled => self.journaled = false,
+            Step::WriteJournal { area_offset } => {
+                let buf = &b.hot.as_mut_slice()[..self.cur as usize];
+                for r in pieces(self.cur, b.piece_max) {
+                    let at = area_offset + r.start as u64;
+                    write_lanes(devs.header, &buf[r], at, u.spread())?;
                 }
-                Step::ReadOld { offset, len } => {
-                    cur = len;
-                    serving.hold(offset, len)?;
-                    *held = true;
-                    let buf = &mut hot.as_mut_slice()[..len as usize];
-                    let at = u.data_offset + offset;
-                    summed = false;
-                    match u.protect {
-                        // In pieces: the checksums of each piece are taken while the next one
-                        // is read.
-                        Protect::Checksum { hash, block }
-                            if len > piece_max && piece_max % u64::from(block) == 0 =>
-                        {
-                            let block = block as usize;
-                            let sums = sums.as_mut_slice();
-                            read_summing(devs.data, buf, at, piece_max, block, hash, sums)?;
-                            summed = true;
-                        }
-                        // Offline: the checksums taken as the hotzone is read, on every lane.
-                        Protect::Checksum { hash, block }
-                            if AREA_ALIGN_BYTES % u64::from(block) == 0
-                                && len % u64::from(block) == 0 =>
-                        {
-                            let sums = sums.as_mut_slice();
-                            let how = (hash, block as usize);
-                            read_lanes_summing(devs.data, buf, at, u.spread(), how, sums)?;
-                            summed = true;
-                        }
-                        // The journal's copy written as the hotzone is read.
-                        Protect::Journal if len <= piece_max && journal_area.is_some() => {
-                            let area = journal_area.expect("tested in the guard");
-                            let journal = |o: u64, b: &[u8]| devs.header.write_at(b, area + o);
-                            let journal = Sink::to(devs.header, &journal);
-                            read_lanes_then(devs.data, buf, at, u.spread(), journal)?;
-                            journaled = true;
-                        }
-                        _ => {
-                            for r in pieces(len, piece_max) {
-                                let a = at + r.start as u64;
-                                read_lanes(devs.data, &mut buf[r], a, u.spread())?;
-                            }
-                        }
-                    }
+            }
+            Step::SyncData => devs.flush()?,
+            Step::CommitSegments(p) => {
+                commit(devs.header, u, p)?;
+                *pos = p;
+                if p.hotzone.is_none() {
+                    *self.held = false;
+                    self.serving.release(p.done)?;
                 }
-                Step::ReadAt { from, offset, len } => {
-                    cur = len;
-                    serving.hold(offset, len)?;
-                    *held = true;
-                    read_lanes(
-                        devs.data,
-                        &mut hot.as_mut_slice()[..len as usize],
-                        from,
-                        u.spread(),
-                    )?;
-                }
-                Step::WriteChecksums {
-                    area_offset,
-                    block,
-                    hash,
-                } => {
+            }
+            Step::MoveNew { from, offset, len } => {
+                self.serving.hold(offset, len)?;
+                *self.held = true;
+                self.serving.rewrite(offset, len)?;
+                move_new(devs.data, u, from, offset, len, b.hot.as_mut_slice())?;
+            }
+            Step::WriteNew { offset, len } => self.write_new(u, b, offset, len)?,
+            Step::Finalise => {
+                finish(devs.header, devs.data, u)?;
+                *self.held = false;
+                self.serving.release(u.data_bytes)?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// A hotzone longer than the buffer: read for its resilience data (checksums or journal)
+    /// a buffer at a time, and read again for its rewrite ([`Hotzone::read_later`]).
+    fn read_longer(
+        &mut self,
+        u: &mut Unlocked,
+        b: &mut Buffers<'_>,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        let devs = self.devs;
+        let at = u.data_offset + offset;
+        let buf = b.hot.as_mut_slice();
+        let lanes = u.spread();
+        for r in pieces(len, b.buf_len) {
+            let (chunk, a) = (&mut buf[..r.len()], at + r.start as u64);
+            match (u.protect, self.journal_area) {
+                (Protect::Checksum { hash, block }, _) => {
                     let hb = hash.output_bytes();
-                    let n = (cur / u64::from(block)) as usize;
-                    let out = sums.as_mut_slice();
-                    if !summed {
-                        let data = &hot.as_mut_slice()[..cur as usize];
-                        checksums(data, block as usize, hash, out, u.spread())?;
-                    }
-                    let len = ((n * hb) as u64).div_ceil(AREA_ALIGN_BYTES) * AREA_ALIGN_BYTES;
-                    out[n * hb..len as usize].fill(0);
-                    devs.header.write_at(&out[..len as usize], area_offset)?;
+                    let out = &mut b.sums.as_mut_slice()[r.start / block as usize * hb..];
+                    read_lanes_summing(devs.data, chunk, a, lanes, (hash, block as usize), out)?;
+                    self.summed = true;
                 }
-                Step::WriteJournal { .. } if journaled => journaled = false,
-                Step::WriteJournal { area_offset } => {
-                    let buf = &hot.as_mut_slice()[..cur as usize];
-                    for r in pieces(cur, piece_max) {
-                        let at = area_offset + r.start as u64;
-                        write_lanes(devs.header, &buf[r], at, u.spread())?;
-                    }
+                (Protect::Journal, Some(area)) => {
+                    let area = area + r.start as u64;
+                    let journal = |o: u64, c: &[u8]| devs.header.write_at(c, area + o);
+                    let journal = Sink::to(devs.header, &journal);
+                    read_lanes_then(devs.data, chunk, a, lanes, journal)?;
+                    self.journaled = true;
                 }
-                Step::SyncData => devs.flush()?,
-                Step::CommitSegments(p) => {
-                    commit(devs.header, u, p)?;
-                    pos = p;
-                    if p.hotzone.is_none() {
-                        *held = false;
-                        serving.release(p.done)?;
-                    }
-                }
-                Step::MoveNew { from, offset, len } => {
-                    serving.hold(offset, len)?;
-                    *held = true;
-                    serving.rewrite(offset, len)?;
-                    move_new(devs.data, u, from, offset, len, hot.as_mut_slice())?;
-                }
-                Step::WriteNew { offset, len } if read_later => {
-                    assert!(
-                        len <= cur,
-                        "the rewrite stays inside the hotzone read later"
-                    );
-                    read_later = false;
-                    serving.rewrite(offset, len)?;
-                    let (from, to) = (u.data_offset, u.new_offset);
-                    // Each chunk is read, then written where it was: nothing read later was
-                    // overwritten before.
-                    assert_eq!(from, to, "a hotzone read later is rewritten in place");
-                    for r in pieces(len, buf_len) {
-                        rekey_stream(
-                            u,
-                            offset + r.start as u64,
-                            &mut hot.as_mut_slice()[..r.len()],
-                            &|at, b| devs.data.read_exact_at(b, from + at),
-                            Sink::to(devs.data, &|at, b| devs.data.write_at(b, to + at)),
-                        )?;
-                    }
-                    serving.rewritten(offset, len)?;
-                }
-                Step::WriteNew { offset, len } if len > piece_max => {
-                    let buf = &mut hot.as_mut_slice()[..len as usize];
-                    let base = u.new_offset;
-                    let backward = u.st.keyslot.direction == Direction::Backward;
-                    let rekey = &mut |at, b: &mut [u8]| rekey(u, at, b);
-                    rewrite_pieces(
-                        devs.data, base, offset, buf, piece_max, backward, serving, rekey,
-                    )?;
-                }
-                Step::WriteNew { offset, len } => {
-                    serving.rewrite(offset, len)?;
-                    let buf = &mut hot.as_mut_slice()[..len as usize];
-                    let base = u.new_offset;
-                    let write = |at, b: &[u8]| devs.data.write_at(b, base + at);
-                    rekey_then(u, offset, buf, Sink::to(devs.data, &write))?;
-                    serving.rewritten(offset, len)?;
-                }
-                Step::Finalise => {
-                    finish(devs.header, devs.data, u)?;
-                    *held = false;
-                    serving.release(u.data_bytes)?;
-                    progress(Progress {
-                        done: u.data_bytes,
-                        total: u.data_bytes,
-                    });
-                    return Ok(());
+                _ => {
+                    return Err(Error::Bug(
+                        "a hotzone longer than the buffer without a journal or checksums",
+                    ))
                 }
             }
         }
-        progress(Progress {
-            done: pos.done,
-            total: u.data_bytes,
-        });
+        self.read_later = true;
+        Ok(())
+    }
+
+    /// A hotzone read whole into the buffer, its resilience data taken as it is read where
+    /// the protection allows.
+    fn read_old(
+        &mut self,
+        u: &mut Unlocked,
+        b: &mut Buffers<'_>,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        let devs = self.devs;
+        let buf = &mut b.hot.as_mut_slice()[..len as usize];
+        let at = u.data_offset + offset;
+        self.summed = false;
+        match u.protect {
+            // In pieces: the checksums of each piece are taken while the next one is read.
+            Protect::Checksum { hash, block }
+                if len > b.piece_max && b.piece_max % u64::from(block) == 0 =>
+            {
+                let block = block as usize;
+                let sums = b.sums.as_mut_slice();
+                read_summing(devs.data, buf, at, b.piece_max, block, hash, sums)?;
+                self.summed = true;
+            }
+            // Offline: the checksums taken as the hotzone is read, on every lane.
+            Protect::Checksum { hash, block }
+                if AREA_ALIGN_BYTES % u64::from(block) == 0 && len % u64::from(block) == 0 =>
+            {
+                let sums = b.sums.as_mut_slice();
+                let how = (hash, block as usize);
+                read_lanes_summing(devs.data, buf, at, u.spread(), how, sums)?;
+                self.summed = true;
+            }
+            // The journal's copy written as the hotzone is read.
+            Protect::Journal if len <= b.piece_max && self.journal_area.is_some() => {
+                let area = self.journal_area.expect("tested in the guard");
+                let journal = |o: u64, c: &[u8]| devs.header.write_at(c, area + o);
+                let journal = Sink::to(devs.header, &journal);
+                read_lanes_then(devs.data, buf, at, u.spread(), journal)?;
+                self.journaled = true;
+            }
+            _ => {
+                for r in pieces(len, b.piece_max) {
+                    let a = at + r.start as u64;
+                    read_lanes(devs.data, &mut buf[r], a, u.spread())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The hotzone rekeyed and written at the new data offset: streamed from the device when
+    /// it was read later, in pieces when longer than a piece, else at once.
+    fn write_new(
+        &mut self,
+        u: &mut Unlocked,
+        b: &mut Buffers<'_>,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        let devs = self.devs;
+        if self.read_later {
+            assert!(
+                len <= self.cur,
+                "the rewrite stays inside the hotzone read later"
+            );
+            self.read_later = false;
+            self.serving.rewrite(offset, len)?;
+            let (from, to) = (u.data_offset, u.new_offset);
+            // Each chunk is read, then written where it was: nothing read later was
+            // overwritten before.
+            assert_eq!(from, to, "a hotzone read later is rewritten in place");
+            for r in pieces(len, b.buf_len) {
+                rekey_stream(
+                    u,
+                    offset + r.start as u64,
+                    &mut b.hot.as_mut_slice()[..r.len()],
+                    &|at, c| devs.data.read_exact_at(c, from + at),
+                    Sink::to(devs.data, &|at, c| devs.data.write_at(c, to + at)),
+                )?;
+            }
+            return self.serving.rewritten(offset, len);
+        }
+        let buf = &mut b.hot.as_mut_slice()[..len as usize];
+        let base = u.new_offset;
+        if len > b.piece_max {
+            let backward = u.st.keyslot.direction == Direction::Backward;
+            let rekey = &mut |at, c: &mut [u8]| rekey(u, at, c);
+            return rewrite_pieces(
+                devs.data,
+                base,
+                offset,
+                buf,
+                b.piece_max,
+                backward,
+                self.serving,
+                rekey,
+            );
+        }
+        self.serving.rewrite(offset, len)?;
+        let write = |at, c: &[u8]| devs.data.write_at(c, base + at);
+        rekey_then(u, offset, buf, Sink::to(devs.data, &write))?;
+        self.serving.rewritten(offset, len)
     }
 }
 
