@@ -28,9 +28,6 @@ use crate::luks_cli::open_header_file;
 use crate::pass::{self, Source};
 use crate::target::{RemoteArgs, Target};
 
-/// Largest volume key file accepted (a 512-bit key is 64 bytes; leave room for hex forms).
-const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
-
 /// The default dispatch policy of every verb and front end. `auto` is `inline` for requests
 /// below a threshold calibrated at start (a 4 KiB request takes the same direct path) and
 /// splits larger ones across cores when one is idle: measured, one 1 MiB stream reads
@@ -45,9 +42,13 @@ pub struct VolumeArgs {
     /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64.
     #[arg(long, requires = "volume_key_file")]
     pub cipher: Option<String>,
-    /// Raw mode: file holding the volume key (raw bytes).
+    /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's
+    /// size is read (the header's, or in raw mode --key-size), so /dev/urandom works.
     #[arg(long)]
     pub volume_key_file: Option<PathBuf>,
+    /// Raw mode: the key's size in bits (default: the cipher's, 512 for aes-xts-plain64).
+    #[arg(long, short = 's', requires = "cipher")]
+    pub key_size: Option<u32>,
     /// Raw mode: encryption sector size in bytes (512, 1024, 2048, 4096).
     #[arg(long, default_value_t = 512)]
     pub sector_size: u64,
@@ -121,19 +122,6 @@ pub struct VolumeArgs {
     /// `ucrypt open --tries`: how many times a passphrase typed on a terminal is asked for.
     #[arg(skip)]
     pub tries: Option<u32>,
-}
-
-pub(crate) fn read_volume_key(path: &std::path::Path) -> CliResult<SecretBytes> {
-    let ctx = |e| Error::io(format!("volume key file {}", path.display()), e);
-    let meta = std::fs::metadata(path).map_err(ctx)?;
-    if meta.len() > VOLUME_KEY_FILE_BYTES_MAX {
-        return Err(CliError::Usage(format!(
-            "volume key file {} is {} bytes; expected a raw key of at most 64",
-            path.display(),
-            meta.len()
-        )));
-    }
-    Ok(SecretBytes::from_vec(std::fs::read(path).map_err(ctx)?))
 }
 
 /// A volume whose header was read (and its warnings shown) and whose key material is in hand,
@@ -626,14 +614,22 @@ impl Prepared {
                 integrity_no_journal,
                 header_file: _,
             } => {
-                if integrity::superblock_offset(&hdr).is_some() {
+                // A volume key given as such that the digest refuses is no wrong passphrase.
+                let key_given = matches!(unlock, Unlock::VolumeKey(_));
+                let opened = if integrity::superblock_offset(&hdr).is_some() {
                     open_authenticated(&self.name, data, &hdr, unlock, &opts, integrity_no_journal)
-                        .map_err(CliError::from)
                 } else {
-                    luks::open_parsed(data, &hdr, unlock, &opts)
-                        .map(|v| Opened::Plain(Arc::new(v)))
-                        .map_err(CliError::from)
-                }
+                    luks::open_parsed(data, &hdr, unlock, &opts).map(|v| Opened::Plain(Arc::new(v)))
+                };
+                opened
+                    .map_err(|e| {
+                        if key_given {
+                            crate::volume_key::mismatch(e)
+                        } else {
+                            e
+                        }
+                    })
+                    .map_err(CliError::from)
             }
             PreparedKind::Raw { backend, cfg } => Volume::new(backend, cfg)
                 .map(|v| Opened::Plain(Arc::new(v)))
@@ -794,7 +790,10 @@ impl VolumeArgs {
             eprintln!("WARNING: {w}");
         }
         let unlock = match (&self.volume_key_file, &self.passphrase_read) {
-            (Some(p), _) => Unlock::VolumeKey(read_volume_key(p)?),
+            (Some(p), _) => Unlock::VolumeKey(crate::volume_key::read(
+                p,
+                crate::volume_key::key_bytes_for(&hdr, None)?,
+            )?),
             (None, Some(read)) => {
                 Unlock::Passphrase(SecretBytes::from_slice(read.as_ref().as_ref()))
             }
@@ -827,7 +826,17 @@ impl VolumeArgs {
             .volume_key_file
             .as_ref()
             .ok_or_else(|| CliError::Usage("--cipher needs --volume-key-file".into()))?;
-        let key = read_volume_key(key_file)?;
+        let key_bytes = match self.key_size {
+            Some(bits) if bits % 8 == 0 => bits as usize / 8,
+            Some(bits) => {
+                return Err(CliError::Usage(format!(
+                    "key size {bits} bits is not a multiple of 8"
+                )))
+            }
+            None => spec.default_key_bytes(),
+        };
+        spec.check_key_len(key_bytes)?;
+        let key = crate::volume_key::read(key_file, key_bytes)?;
         let geometry = Geometry {
             sector_size: SectorSize::new(self.sector_size)?,
             iv_offset: self.skip,

@@ -30,6 +30,7 @@ use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
 use crate::error::{CliError, CliResult};
 use crate::open::{HeaderAt, Opened, Prepared};
+use crate::volume_key;
 
 /// How often the main loop looks at signals and at a front end that ended on its own.
 const POLL: Duration = Duration::from_millis(200);
@@ -71,7 +72,7 @@ impl Reporter {
             use std::io::Write;
             let _ = f.write_all(&super::proto::encode_response(&Response::Error {
                 code: e.exit_code(),
-                error: e.to_string(),
+                error: e.message(),
             }));
         }
     }
@@ -315,7 +316,7 @@ impl Shared {
     /// An error from the library, with cryptsetup's exit code for it.
     fn failed(e: impl Into<CliError>) -> Response {
         let e = e.into();
-        Self::error(e.exit_code(), e.to_string())
+        Self::error(e.exit_code(), e.message())
     }
 
     fn refresh(&self, r: RefreshSettings) -> Response {
@@ -381,12 +382,26 @@ impl Shared {
         if !self.vol.is_suspended() {
             return Self::error(1, format!("Device {} is not suspended.", self.name));
         }
+        let key_given = matches!(key, ResumeKey::VolumeKeyFile(_));
         let unlock = match key {
             ResumeKey::Passphrase(p) => Unlock::Passphrase(p),
-            ResumeKey::VolumeKeyFile(f) => match crate::open::read_volume_key(&f) {
-                Ok(k) => Unlock::VolumeKey(k),
-                Err(e) => return Self::failed(e),
-            },
+            // As many bytes as the header's key has: the header is read first (under
+            // cryptsetup's lock), the file after it without the lock, as its read may wait
+            // (bounded) for a FIFO's writer.
+            ResumeKey::VolumeKeyFile(f) => {
+                let bytes = dev.read(|dev| {
+                    luks::read_header(dev).and_then(|h| volume_key::key_bytes_for(&h, None))
+                });
+                let key = match bytes {
+                    Ok(Ok(n)) => volume_key::read(&f, n),
+                    Ok(Err(e)) => Err(e),
+                    Err(e) => return Self::failed(e),
+                };
+                match key {
+                    Ok(k) => Unlock::VolumeKey(k),
+                    Err(e) => return Self::failed(e),
+                }
+            }
         };
         // The header is read again: a keyslot may have changed since the volume was opened.
         let vk = dev.read(|dev| {
@@ -403,6 +418,7 @@ impl Shared {
                 Ok(()) => self.status(),
                 Err(e) => Self::failed(e),
             },
+            Err(e) if key_given => Self::failed(volume_key::mismatch(e)),
             Err(e) => Self::failed(e),
         }
     }

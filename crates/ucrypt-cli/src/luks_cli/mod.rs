@@ -9,7 +9,7 @@ mod data;
 mod dev;
 mod reencrypt;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
@@ -528,22 +528,6 @@ fn unlock_with(
     }
 }
 
-fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes> {
-    let raw = std::fs::read(path)
-        .map_err(|e| Error::io(format!("Cannot read volume key file {}", path.display()), e))?;
-    let s = SecretBytes::from_vec(raw);
-    if let Some(n) = bytes {
-        if s.len() != n {
-            return Err(Error::InvalidArgument(format!(
-                "volume key file {} has {} bytes, expected {n}",
-                path.display(),
-                s.len()
-            )));
-        }
-    }
-    Ok(s)
-}
-
 // ---------------------------------------------------------------- format
 
 /// Refuses (exit 5) a verb that would rewrite data or header under a ucrypt process serving
@@ -634,7 +618,7 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         true,
     )?;
     let vk_secret = match &o.volume_key_file {
-        Some(p) => read_volume_key_file(p, Some(key_bytes))?,
+        Some(p) => crate::volume_key::read(p, key_bytes)?,
         None => util::random_secret(key_bytes)?,
     };
     let kdf = kdf_request(o, version)?;
@@ -1069,7 +1053,7 @@ fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let vk = match &o.volume_key_file {
-        Some(p) => hdr.verify_key(read_volume_key_file(p, None)?)?,
+        Some(p) => crate::volume_key::read_verified(&hdr, p, o.key_size)?,
         None => {
             unlock_with(
                 &dev,
@@ -1124,7 +1108,7 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
         )));
     };
     let key = match &o.volume_key_file {
-        Some(p) => read_volume_key_file(p, Some(key_bytes))?,
+        Some(p) => crate::volume_key::read(p, key_bytes)?,
         None => util::random_secret(key_bytes)?,
     };
     let newp = pass::read_passphrase(
