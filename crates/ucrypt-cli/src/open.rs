@@ -669,12 +669,32 @@ impl VolumeArgs {
         Duration::from_micros(self.spin_us)
     }
 
-    /// Marks the volume (and its detached header) as served by this process while the
-    /// returned guard lives, so that an offline `reencrypt` or a `format` refuses it
-    /// (`crate::in_use`). Taken by the processes that serve it: the `open` daemon, `serve`,
-    /// `mount`, `ublk`.
+    /// Marks the volume (and its detached header) as served by this process (read-only or
+    /// read-write, as opened) while the returned guard lives, so that a second serving
+    /// process, an offline `reencrypt` or a `format` refuses it (`crate::in_use`); refuses
+    /// (exit 5) a volume another process serves in a way that conflicts. Taken by the
+    /// processes that serve it: the `open` daemon, `serve`, `mount`, `ublk`.
     pub fn mark_served(&self) -> CliResult<crate::in_use::InUse> {
-        crate::in_use::mark(&self.local_paths())
+        crate::in_use::mark(&self.local_paths(), self.access())
+    }
+
+    /// [`Self::mark_served`] for `serve --unencrypted` (the file served as it is, a test and
+    /// benchmark baseline): a shared mark, whatever the access. Such a server writes no
+    /// ciphertext, so it may sit beside another one of the same file (a baseline serves one
+    /// file over unix and TCP at once), but never beside a process that writes the file as a
+    /// volume, and `format` or an offline `reencrypt` still refuse the file.
+    pub fn mark_served_unencrypted(&self) -> CliResult<crate::in_use::InUse> {
+        crate::in_use::mark(&self.local_paths(), crate::in_use::Access::Read)
+    }
+
+    /// Refuses (exit 5) what [`Self::mark_served`] would refuse, without marking: checked
+    /// before the passphrase is asked.
+    pub fn check_servable(&self) -> CliResult<()> {
+        crate::in_use::check_servable(&self.local_paths(), self.access())
+    }
+
+    fn access(&self) -> crate::in_use::Access {
+        crate::in_use::Access::of(self.read_only)
     }
 
     /// Refuses (exit 5) when a ucrypt process serves the volume or its detached header;

@@ -74,8 +74,13 @@ type Export = (String, Arc<dyn BlockDev>, Option<crate::open::Opened>);
 fn open_one(a: &ServeArgs, target: &Target) -> CliResult<(Opened, InUse)> {
     let mut v = a.volume.clone();
     v.volume = target.clone();
-    // Marked for as long as it is served: an offline reencrypt or a format refuses it.
-    let marked = v.mark_served()?;
+    // Marked for as long as it is served: a second server, an offline reencrypt or a format
+    // refuses it.
+    let marked = if a.unencrypted {
+        v.mark_served_unencrypted()?
+    } else {
+        v.mark_served()?
+    };
     if a.unencrypted {
         let ro = a.volume.read_only;
         let backend = target.open_plain(!ro, &a.volume.remote)?;

@@ -1,7 +1,8 @@
 //! A volume's life cycle as a user types it: `open VOLUME NAME` -> a block device named NAME
 //! -> mkfs, mount, copy, umount -> `close NAME` -> `open` again -> fsck clean, tree identical;
 //! `status` field by field; cryptsetup's exit codes for a wrong passphrase (2), a NAME or a
-//! volume in use (5), an unknown NAME (4); `close` refusing a mounted device; a daemon killed
+//! volume in use (5), an unknown NAME (4); `close` refusing a mounted or held device, one writer
+//! per volume whatever the order of verbs; a daemon killed
 //! with SIGKILL cleaned up by `close`; the same as a non-root user (FUSE file only).
 //!
 //! Needs root, /dev/fuse, /dev/loop-control, mkfs.ext4 (FUSE + loop); the rootless test also
@@ -1285,5 +1286,159 @@ fn keyslots_change_while_the_volume_is_open() {
         text(&o)
     );
     ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}
+
+/// Stops a background `ucrypt` (SIGTERM, then waits) when dropped, so that a failed assertion
+/// leaves no server behind.
+struct Background(std::process::Child);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = run("kill", &["-TERM", &self.0.id().to_string()]);
+        let _ = self.0.wait();
+    }
+}
+
+/// `ucrypt serve VOLUME --nbd unix:SOCK EXTRA...`, returned once its socket accepts.
+fn serve_in_background(img: &Path, key: &Path, sock: &Path, extra: &[&str]) -> Background {
+    let listen = format!("unix:{}", s(sock));
+    let mut a = vec!["serve", s(img), "--nbd", &listen, "--key-file", s(key)];
+    a.extend(extra);
+    let child = Command::new(UCRYPT)
+        .args(&a)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut bg = Background(child);
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(sock).is_err() {
+        if let Some(st) = bg.0.try_wait().unwrap() {
+            panic!("ucrypt serve ended: {st}");
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "ucrypt serve not listening after 60 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    bg
+}
+
+/// `close` of a device a process holds open (not mounted) is busy, as cryptsetup's close of a
+/// held dm device: exit 5, the NAME stays and keeps its volume; `close --deferred` closes it
+/// once the holder lets go. Whatever the order of verbs, one ciphertext has one writer: a
+/// second `open` of the volume (under another NAME), or a `serve` of it, is refused while
+/// the first daemon serves it, also after `close --deferred`; read-only servers share it.
+#[test]
+fn a_held_device_is_busy_and_a_served_volume_has_one_writer() {
+    skip_unless_rig!();
+    let t = TempDir::new("held");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("held");
+    let other = name("held-other");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let holder = Command::new("sleep")
+        .arg("600")
+        .stdin(std::fs::File::open(&stable).unwrap())
+        .spawn()
+        .unwrap();
+    let holder_pid = holder.id();
+    let mut holder = Background(holder);
+
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "close of a held device: {}",
+        text(&o)
+    );
+    let line = one_line(&o);
+    assert!(
+        line.starts_with(&format!("Cannot close {n}: /dev/loop"))
+            && line.contains(&format!("is open in process {holder_pid} (sleep)")),
+        "{line}"
+    );
+    let (code, f) = status_fields(&n);
+    assert_eq!(code, 0);
+    assert_eq!(f[0].1, format!("{stable} is active and is in use."));
+    // The volume stays its: no second daemon, no serve beside it.
+    let o = ucrypt(&["open", s(&img), &other, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert_gone(&other);
+
+    // Deferred: returns at once, the NAME stays until the holder goes, and still nobody else
+    // may serve the volume.
+    let o = ucrypt(&["close", "--deferred", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(Path::new(RUN_DIR).join(&n).exists(), "closed while held");
+    let o = ucrypt(&["open", s(&img), &other, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let sock = t.path("nbd.sock");
+    let listen = format!("unix:{}", s(&sock));
+    // (Bounded: a serve that is not refused serves until stopped.)
+    let o = within(
+        120,
+        UCRYPT,
+        &["serve", s(&img), "--nbd", &listen, "--key-file", s(&key)],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "serve beside the daemon: {}",
+        text(&o)
+    );
+    assert!(
+        one_line(&o).contains("which is in use (a ucrypt process serves it"),
+        "{}",
+        text(&o)
+    );
+    let _ = holder.0.kill();
+    let _ = holder.0.wait();
+    let t0 = std::time::Instant::now();
+    while Path::new(RUN_DIR).join(&n).exists() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the deferred close did not happen after the holder went"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+
+    // A volume `serve` writes: `open` refuses it, read-write or read-only.
+    let srv = serve_in_background(&img, &key, &sock, &[]);
+    for ro in [&[][..], &["--readonly"][..]] {
+        let mut a = vec!["open", s(&img), &other, "--key-file", s(&key)];
+        a.extend(ro);
+        a.extend(["--front-end", "loop"]);
+        let o = ucrypt(&a);
+        assert_eq!(
+            o.status.code(),
+            Some(5),
+            "open {ro:?} beside serve: {}",
+            text(&o)
+        );
+        assert_gone(&other);
+    }
+    drop(srv);
+    // Read-only beside read-only goes; read-write beside it does not.
+    let srv = serve_in_background(&img, &key, &sock, &["--readonly"]);
+    let o = ucrypt(&[
+        "open",
+        s(&img),
+        &n,
+        "--key-file",
+        s(&key),
+        "--front-end",
+        "loop",
+    ]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert_gone(&n);
+    cli_common::open_loop(&img, &key, &n, &["--readonly"]);
+    ok(UCRYPT, &["close", &n]);
+    drop(srv);
     assert_gone(&n);
 }

@@ -154,6 +154,8 @@ impl OpenArgs {
     }
 }
 
+/// `ucrypt close NAME`: a device that is mounted, held by another device or open in a
+/// process is busy (exit 5), as cryptsetup's close of a dm device whose open count is not zero.
 #[derive(Args, Debug)]
 pub struct CloseArgs {
     pub name: String,
@@ -431,8 +433,14 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         started_unix_s: unix_now_s(),
         ..Identity::default()
     };
-    // Name and volume checked before any prompt, as cryptsetup does.
+    // Name and volume checked before any prompt, as cryptsetup does: the volume also against
+    // the other processes that serve it (`serve`, `mount`, `ublk`, and a daemon that `close
+    // --deferred` left serving).
     let claim = state::claim(&run, &ident)?;
+    if let Err(e) = a.v.check_servable() {
+        claim.abandon();
+        return Err(e);
+    }
     if a.v.volume.is_remote() && !a.foreground {
         return open_remote_in_daemon(a, name, run, claim, ident, front_end);
     }
@@ -701,6 +709,7 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
     if !state::is_alive(&dir) {
         return close_stale(&run, &a.name, a.force);
     }
+    let pid = Identity::read(&dir).map_or(0, |i| i.pid);
     let sock = dir.join("control.sock");
     let req = if a.cancel_deferred {
         Request::CancelDeferred
@@ -717,10 +726,11 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
                     return Ok(0);
                 }
             }
-            // The name is free once the daemon is gone (bounded: it may still serve a file
-            // something holds, detached, after a plain close).
+            // The name and the volume are free once the daemon has exited: its state
+            // directory goes first, its hold on the volume (`crate::in_use`) with the process.
+            // Bounded: it may still serve a device someone opened after the close looked.
             let t0 = Instant::now();
-            while state::is_alive(&dir) && t0.elapsed() < CLOSE_EXIT_WAIT {
+            while (state::is_alive(&dir) || process_lives(pid)) && t0.elapsed() < CLOSE_EXIT_WAIT {
                 std::thread::sleep(CLOSE_EXIT_POLL);
             }
             Ok(0)
@@ -737,6 +747,23 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
             a.name
         ))),
         Err(e) => Err(CliError::Usage(e.to_string())),
+    }
+}
+
+/// Whether process `pid` still runs (a zombie has let go of everything: it does not). False
+/// for 0.
+fn process_lives(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // "PID (COMM) STATE ...": COMM may hold spaces and parentheses, the state follows the
+        // last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
     }
 }
 

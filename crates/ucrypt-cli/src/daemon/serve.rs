@@ -454,10 +454,37 @@ impl Shared {
         self.status()
     }
 
+    /// Why the device cannot be closed now, if it cannot: mounted, held by another device, or
+    /// open in a process (the device, or the FUSE file behind a loop device).
     fn in_use(&self) -> Option<String> {
-        mounts::in_use(&self.device(), self.ident.loop_device.as_deref())
+        let device = self.device();
+        mounts::in_use(&device, self.ident.loop_device.as_deref()).or_else(|| {
+            let mut held = vec![device.as_path()];
+            if let Some(f) = self.ident.fuse_file.as_deref().filter(|f| *f != device) {
+                held.push(f);
+            }
+            mounts::opener(&held)
+        })
+    }
+
+    /// [`Self::in_use`], looked at again for up to [`HELD_SETTLE`] while it says yes: a
+    /// program that probes a new device (udev's blkid) holds it for a moment, and libdevmapper
+    /// retries a busy remove for the same reason.
+    fn in_use_settled(&self) -> Option<String> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let why = self.in_use()?;
+            if t0.elapsed() >= HELD_SETTLE {
+                return Some(why);
+            }
+            std::thread::sleep(HELD_POLL);
+        }
     }
 }
+
+/// How long `close` waits for a device in use to be let go before it calls it busy.
+const HELD_SETTLE: Duration = Duration::from_secs(2);
+const HELD_POLL: Duration = Duration::from_millis(100);
 
 impl server::Handler for Shared {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
@@ -516,12 +543,15 @@ impl server::Handler for Shared {
                 }))
             }
             Request::Close { force } => {
+                // A device still in use is busy, as dm's remove says (exit 5): closing it
+                // anyway when its last user goes is `close --deferred`.
                 if !force {
-                    if let Some(why) = self.in_use() {
+                    if let Some(why) = self.in_use_settled() {
                         return respond(&Response::Error {
                             code: 5,
                             error: format!(
-                                "Cannot close {}: {why} (umount it first, or close --force).",
+                                "Cannot close {}: {why} (stop using it first, or close \
+                                 --deferred or --force).",
                                 self.name
                             ),
                         });
@@ -961,6 +991,8 @@ fn teardown(
                     // Exiting closes /dev/fuse: the kernel aborts the session.
                     std::mem::forget(mounted);
                 }
+                // A user that opened the device after `close` found it unused: it keeps being
+                // served (the volume's in-use lock held) until it lets go.
                 Ok(Unmount::Detached) => {
                     notes.push(
                         "still in use: detached, served until its last user closes it".into(),
