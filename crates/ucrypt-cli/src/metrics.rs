@@ -19,7 +19,6 @@
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::time::Duration;
 
@@ -30,7 +29,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use ucrypt::engine::{OpStats, Phase};
 use ucrypt::ErrorKind;
-use ucrypt_nbd::server::Listen;
+use ucrypt_nbd::server::{bind_unix, BoundSocket, Listen};
 
 use crate::error::{CliError, CliResult};
 use crate::open::{Authenticated, Opened};
@@ -192,26 +191,38 @@ enum Listener {
     Unix(UnixListener),
 }
 
+/// The metrics endpoint of a process: its unix socket, if it has one, is removed when this
+/// is dropped (if it is still the socket bound), so keep it for as long as the volumes are
+/// served.
+pub struct Started {
+    _socket: Option<BoundSocket>,
+}
+
 /// Starts answering scrapes for `volumes` at `at` on a background thread that lives as long
-/// as the process. A unix socket is created with mode 0600 (a stale one is replaced).
-pub fn start(at: &Listen, volumes: Volumes) -> CliResult<()> {
-    let ctx = |e| CliError::Core(ucrypt::Error::io(format!("metrics at {at:?}"), e));
-    let listener = match at {
+/// as the process. A unix socket is bound by the rule every ucrypt socket follows
+/// (`ucrypt_nbd::server::unix_socket`: mode 0600; a file or a live socket at the path is
+/// refused, a stale socket replaced).
+pub fn start(at: &Listen, volumes: Volumes) -> CliResult<Started> {
+    let (listener, socket) = match at {
         Listen::Tcp { host, port } => {
-            Listener::Tcp(TcpListener::bind((host.as_str(), *port)).map_err(ctx)?)
+            let l = TcpListener::bind((host.as_str(), *port)).map_err(|e| {
+                CliError::Core(ucrypt::Error::io(
+                    format!("metrics at tcp:{host}:{port}"),
+                    e,
+                ))
+            })?;
+            (Listener::Tcp(l), None)
         }
         Listen::Unix(path) => {
-            let _ = std::fs::remove_file(path);
-            let l = UnixListener::bind(path).map_err(ctx)?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(ctx)?;
-            Listener::Unix(l)
+            let (l, bound) = bind_unix(path)?;
+            (Listener::Unix(l), Some(bound))
         }
     };
     std::thread::Builder::new()
         .name("ucrypt-metrics".into())
         .spawn(move || serve(listener, &volumes))
-        .map_err(ctx)?;
-    Ok(())
+        .map_err(|e| CliError::Core(ucrypt::Error::io("starting the metrics thread", e)))?;
+    Ok(Started { _socket: socket })
 }
 
 fn serve(listener: Listener, volumes: &Volumes) {

@@ -126,13 +126,16 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     let stop = crate::signals::stop_on_signals()?;
     let (opened, _served) = open_volumes(&a)?;
     crate::signals::started();
-    if let Some(at) = &a.metrics.metrics {
-        let vols = opened
-            .iter()
-            .filter_map(|(n, _, v)| v.clone().map(|v| (n.clone(), v)))
-            .collect();
-        metrics::start(at, Volumes(vols))?;
-    }
+    let _metrics = match &a.metrics.metrics {
+        Some(at) => {
+            let vols = opened
+                .iter()
+                .filter_map(|(n, _, v)| v.clone().map(|v| (n.clone(), v)))
+                .collect();
+            Some(metrics::start(at, Volumes(vols))?)
+        }
+        None => None,
+    };
     let _control = match opened.first() {
         Some((_, _, Some(v))) => control::start(&a.control, &a.volume, v, "nbd")?,
         _ if a.control.control.is_some() => {

@@ -106,9 +106,11 @@ struct NbdSide {
 }
 
 impl NbdSide {
+    /// Binds `at` here (so that a path refused is the open's error) and serves from a thread.
     fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<NbdSide> {
+        let bound = ucrypt_nbd::server::bind(at)?;
         let stop = Stop::new();
-        let (s2, at2) = (stop.clone(), at.clone());
+        let s2 = stop.clone();
         let exports = vec![(name.to_string(), dev.clone())];
         let opts = ucrypt_nbd::server::ServerOptions {
             read_only: dev.read_only(),
@@ -123,24 +125,8 @@ impl NbdSide {
         };
         let thread = std::thread::Builder::new()
             .name("ucrypt-nbd".into())
-            .spawn(move || ucrypt_nbd::server::serve(exports, &at2, opts, s2))
+            .spawn(move || ucrypt_nbd::server::serve_on(exports, bound, opts, s2))
             .map_err(|e| io_err("starting the NBD server", e))?;
-        // Serving once the socket accepts (or the thread ended with its error).
-        if let Listen::Unix(p) = at {
-            let t0 = std::time::Instant::now();
-            while std::os::unix::net::UnixStream::connect(p).is_err() && !thread.is_finished() {
-                if t0.elapsed() > NBD_READY_WAIT {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        if thread.is_finished() {
-            return match thread.join() {
-                Ok(Err(e)) => Err(e.into()),
-                _ => Err(CliError::Usage("the NBD server ended at once".into())),
-            };
-        }
         Ok(NbdSide { thread, stop })
     }
 
@@ -161,9 +147,6 @@ struct Beside<'a> {
     in_use: &'a dyn Fn() -> bool,
     nbd: Option<NbdSide>,
 }
-
-/// How long `open --nbd` waits for its NBD socket to accept.
-const NBD_READY_WAIT: Duration = Duration::from_secs(10);
 
 /// A running front end.
 enum Front {
@@ -617,9 +600,14 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     }
     let vol = opened.dev();
     d.info.size_sectors = vol.size() / 512;
-    if let Some(at) = &d.metrics {
-        crate::metrics::start(at, Volumes(vec![(d.name.clone(), opened.clone())]))?;
-    }
+    // Its socket (if any) is removed when this goes, at the end of the daemon.
+    let _metrics = match &d.metrics {
+        Some(at) => Some(crate::metrics::start(
+            at,
+            Volumes(vec![(d.name.clone(), opened.clone())]),
+        )?),
+        None => None,
+    };
     let dev: Arc<dyn BlockDev> = vol.clone();
     let (front, device, note) = match d.front_end {
         FrontEnd::Ublk => start_ublk(dev)?,
@@ -647,7 +635,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         .write(&d.claim.dir)
         .and_then(|()| make_stable_path(&d.run, &ident.stable_path, &device))
         .and_then(|()| server::bind(&d.claim.dir.join("control.sock")));
-    let listener = match named {
+    let (listener, _control_socket) = match named {
         Ok(l) => l,
         Err(e) => {
             let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
