@@ -1442,3 +1442,31 @@ fn a_held_device_is_busy_and_a_served_volume_has_one_writer() {
     drop(srv);
     assert_gone(&n);
 }
+
+/// A NAME whose control socket (`/run/ucrypt/NAME/control.sock`) would not fit in a unix
+/// socket's path (`sun_path`: 107 bytes and the NUL) is refused up front, before a passphrase
+/// is read or anything made, with the limit in the message (exit 1); the longest that fits
+/// opens and closes.
+#[test]
+fn names_too_long_for_the_control_socket_are_refused_up_front() {
+    skip_unless_rig!();
+    let t = TempDir::new("longname");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let max = 107 - format!("{RUN_DIR}/").len() - "/control.sock".len();
+    let tag = format!("long-{}-", std::process::id());
+    for len in [max + 1, 127] {
+        let long = format!("{tag}{}", "n".repeat(len - tag.len()));
+        let o = ucrypt(&["open", s(&img), &long, "--front-end", "loop"]);
+        assert_eq!(o.status.code(), Some(1), "{len} bytes: {}", text(&o));
+        let line = one_line(&o);
+        assert!(
+            line.contains(&format!("is too long: {len} bytes; at most {max} fit")),
+            "{line}"
+        );
+        assert_gone(&long);
+    }
+    let fits = format!("{tag}{}", "n".repeat(max - tag.len()));
+    open(&img, &key, &fits);
+    ok(UCRYPT, &["close", &fits]);
+    assert_gone(&fits);
+}

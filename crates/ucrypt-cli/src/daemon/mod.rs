@@ -376,6 +376,8 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         CliError::Usage("open needs a NAME for the device (or --test-passphrase)".into())
     })?;
     state::check_name(&name)?;
+    let run = RunDir::locate()?;
+    run.check_name_fits(&name)?;
     match (a.dev_type.as_deref(), a.v.cipher.is_some()) {
         (None | Some("plain"), true) | (None | Some("luks" | "luks1" | "luks2"), false) => {}
         (Some("plain"), false) => {
@@ -395,7 +397,6 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
             "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
         ));
     }
-    let run = RunDir::locate()?;
     let front_end = a.front_end.resolve(run.root)?;
     // A local volume is known by its device and inode; a remote one by its name.
     let (volume, st_dev, st_ino) = match &a.v.volume {
@@ -710,7 +711,7 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
         return close_stale(&run, &a.name, a.force);
     }
     let pid = Identity::read(&dir).map_or(0, |i| i.pid);
-    let sock = dir.join("control.sock");
+    let sock = dir.join(state::CONTROL_SOCKET);
     let req = if a.cancel_deferred {
         Request::CancelDeferred
     } else if a.deferred {
@@ -961,7 +962,7 @@ fn live_dir(name: &str) -> CliResult<(RunDir, PathBuf)> {
 
 /// Sends `req` and expects a status back (printed only with `print`).
 fn expect_status(name: &str, dir: &Path, req: &Request) -> CliResult<StatusReport> {
-    expect_status_at(name, &dir.join("control.sock"), req)
+    expect_status_at(name, &dir.join(state::CONTROL_SOCKET), req)
 }
 
 /// [`expect_status`] over the control socket `sock`.

@@ -185,7 +185,7 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
             && state::is_alive(&dir);
         serves.then_some(Holder {
             name,
-            sock: dir.join("control.sock"),
+            sock: dir.join(state::CONTROL_SOCKET),
             ident: Some(ident),
             volume: None,
             header: None,
@@ -199,7 +199,7 @@ pub fn by_name(name: &str) -> CliResult<Holder> {
     let ident = Identity::read(&dir);
     Ok(Holder {
         name: name.to_string(),
-        sock: dir.join("control.sock"),
+        sock: dir.join(state::CONTROL_SOCKET),
         ident,
         volume: None,
         header: None,

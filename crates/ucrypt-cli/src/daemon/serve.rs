@@ -634,7 +634,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let named = ident
         .write(&d.claim.dir)
         .and_then(|()| make_stable_path(&d.run, &ident.stable_path, &device))
-        .and_then(|()| server::bind(&d.claim.dir.join("control.sock")));
+        .and_then(|()| server::bind(&d.claim.dir.join(super::state::CONTROL_SOCKET)));
     let (listener, _control_socket) = match named {
         Ok(l) => l,
         Err(e) => {
