@@ -9,7 +9,7 @@
 //! The LUKS work itself is one library call, `ucrypt::luks::open`.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -242,6 +242,15 @@ impl Opened {
         }
     }
 
+    /// Ends a suspended volume for good (`close --force` of a suspended device): the requests
+    /// held since the suspend, and every later one, fail with EIO.
+    pub fn abort_suspended(&self) -> ucrypt::Result<()> {
+        match self {
+            Opened::Plain(v) => v.abort_suspended(),
+            Opened::Integrity(a) => a.abort_suspended(),
+        }
+    }
+
     /// Rebuilds what `suspend` dropped from the volume key (verified against `hdr`, the header
     /// as read again) and lets the held requests go.
     pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
@@ -307,6 +316,9 @@ pub struct Authenticated {
     /// `None` while suspended.
     inner: Mutex<Option<Arc<IntegrityVolume>>>,
     resumed: Condvar,
+    /// Set (under `inner`'s lock) by [`Authenticated::abort_suspended`]: the waiting requests
+    /// and every later one fail with EIO.
+    aborted: AtomicBool,
     /// Mismatches counted by the volumes dropped at earlier suspends.
     mismatches_before: AtomicU64,
     ops: [OpCounters; 2],
@@ -332,20 +344,42 @@ impl Authenticated {
             block_size: vol.block_size(),
             inner: Mutex::new(Some(Arc::new(vol))),
             resumed: Condvar::new(),
+            aborted: AtomicBool::new(false),
             mismatches_before: AtomicU64::new(0),
             ops: Default::default(),
         }
     }
 
     /// The volume to serve a request with; waits while suspended.
-    fn vol(&self) -> Arc<IntegrityVolume> {
+    /// The volume to serve a request with; waits while suspended, EIO once aborted.
+    fn vol(&self) -> ucrypt::Result<Arc<IntegrityVolume>> {
         let mut g = lock(&self.inner);
         loop {
             if let Some(v) = &*g {
-                return v.clone();
+                return Ok(v.clone());
+            }
+            if self.aborted.load(Ordering::Relaxed) {
+                return Err(Error::io(
+                    format!("{}: the volume was closed while suspended", self.name),
+                    std::io::Error::from_raw_os_error(libc::EIO),
+                ));
             }
             g = self.resumed.wait(g).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// Ends a suspended volume for good (`close --force`): the requests waiting for the
+    /// resume, and every later one, fail with EIO.
+    pub fn abort_suspended(&self) -> ucrypt::Result<()> {
+        let g = lock(&self.inner);
+        if g.is_some() {
+            return Err(Error::InvalidArgument("not suspended".into()));
+        }
+        // Under the lock the waiters hold between their look and their wait: none misses it.
+        self.aborted.store(true, Ordering::Relaxed);
+        drop(g);
+        self.resumed.notify_all();
+        Ok(())
     }
 
     fn logged<T>(&self, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
@@ -443,7 +477,7 @@ impl Authenticated {
             )));
         }
         let mut g = lock(&self.inner);
-        if g.is_some() {
+        if g.is_some() || self.aborted.load(Ordering::Relaxed) {
             return Err(Error::InvalidArgument("not suspended".into()));
         }
         vol.set_policy(self.policy());
@@ -466,33 +500,33 @@ impl BlockDev for Authenticated {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let n = buf.len() as u64;
-        let r = self.vol().read_at(buf, offset);
+        let r = self.vol().and_then(|v| v.read_at(buf, offset));
         self.served(READ, n, r)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
         // An unaligned write reads (and verifies) the blocks at its ends.
-        let r = self.vol().write_at(buf, offset);
+        let r = self.vol().and_then(|v| v.write_at(buf, offset));
         self.served(WRITE, buf.len() as u64, r)
     }
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let n = buf.len() as u64;
-        let r = self.vol().write_at_mut(buf, offset);
+        let r = self.vol().and_then(|v| v.write_at_mut(buf, offset));
         self.served(WRITE, n, r)
     }
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let n = buf.len() as u64;
-        let r = self.vol().write_fua(buf, offset);
+        let r = self.vol().and_then(|v| v.write_fua(buf, offset));
         self.served(WRITE, n, r)
     }
     fn flush(&self) -> ucrypt::Result<()> {
-        self.vol().flush()
+        self.vol()?.flush()
     }
     fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        let r = self.vol().discard(offset, len);
+        let r = self.vol().and_then(|v| v.discard(offset, len));
         self.served(WRITE, len, r)
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        let r = self.vol().write_zeroes(offset, len);
+        let r = self.vol().and_then(|v| v.write_zeroes(offset, len));
         self.served(WRITE, len, r)
     }
 }

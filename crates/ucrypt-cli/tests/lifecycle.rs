@@ -1470,3 +1470,64 @@ fn names_too_long_for_the_control_socket_are_refused_up_front() {
     ok(UCRYPT, &["close", &fits]);
     assert_gone(&fits);
 }
+
+/// `close --force` of a suspended device: the requests held since the suspend fail with EIO
+/// (a writer waiting on the device gets its error instead of hanging for ever), and the
+/// device closes; a plain `close` still asks for a resume first (exit 5).
+#[test]
+fn force_closes_a_suspended_device_and_fails_its_held_requests() {
+    skip_unless_rig!();
+    let t = TempDir::new("forcesusp");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("forcesusp");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    ok(UCRYPT, &["suspend", &n]);
+    let writer = Command::new("dd")
+        .args([
+            "if=/dev/zero",
+            &format!("of={stable}"),
+            "bs=64k",
+            "count=16",
+            "oflag=direct",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut cleanup = SuspendCleanup {
+        name: n.clone(),
+        key: key.clone(),
+        fio: Some(writer),
+    };
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let writer = cleanup.fio.as_mut().unwrap();
+    assert!(
+        writer.try_wait().unwrap().is_none(),
+        "a write passed the suspend"
+    );
+    let o = within(60, UCRYPT, &["close", &n]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let o = within(60, UCRYPT, &["close", "--force", &n]);
+    assert_eq!(o.status.code(), Some(0), "close --force: {}", text(&o));
+    let t0 = std::time::Instant::now();
+    let st = loop {
+        if let Some(st) = writer.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the held write still waits after close --force"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut writer.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!st.success(), "the held write succeeded: {err}");
+    assert!(err.contains("Input/output error"), "{err}");
+    cleanup.fio = None;
+    // The loop device goes with its last user (autoclear).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}

@@ -498,12 +498,29 @@ impl server::Handler for Shared {
                     ),
                 ))
             }
-            Request::Close { .. } | Request::CloseDeferred if self.vol.is_suspended() => {
+            Request::Close { force: false } | Request::CloseDeferred if self.vol.is_suspended() => {
                 // Closing flushes, and a flush waits at the closed gate like any request.
                 respond(&Self::error(
                     5,
-                    format!("Device {} is suspended: resume it first.", self.name),
+                    format!(
+                        "Device {} is suspended: resume it first (or close --force: the \
+                         requests it holds fail).",
+                        self.name
+                    ),
                 ))
+            }
+            Request::Close { force: true } if self.vol.is_suspended() => {
+                // The held requests (and the flush of the teardown) fail with EIO instead of
+                // waiting for a resume that will not come.
+                if let Err(e) = self.vol.abort_suspended() {
+                    return respond(&Self::failed(e));
+                }
+                eprintln!(
+                    "ucrypt daemon {}: closed by force while suspended: the requests held \
+                     fail with EIO",
+                    self.name
+                );
+                self.close(true, respond)
             }
             Request::CloseDeferred if self.in_use().is_some() => {
                 self.deferred.store(true, Ordering::Relaxed);
@@ -525,45 +542,51 @@ impl server::Handler for Shared {
                     ),
                 }))
             }
-            Request::Close { force } => {
-                // A device still in use is busy, as dm's remove says (exit 5): closing it
-                // anyway when its last user goes is `close --deferred`.
-                if !force {
-                    if let Some(why) = self.in_use_settled() {
-                        return respond(&Response::Error {
-                            code: 5,
-                            error: format!(
-                                "Cannot close {}: {why} (stop using it first, or close \
-                                 --deferred or --force).",
-                                self.name
-                            ),
-                        });
-                    }
-                }
-                let (reply, reply_rx) = sync_channel(1);
-                let (written_tx, written) = sync_channel::<()>(1);
-                if self
-                    .events
-                    .try_send(Event::Close {
-                        force,
-                        reply,
-                        written,
-                    })
-                    .is_err()
-                {
-                    return respond(&Response::Error {
-                        code: 5,
-                        error: format!("Device {} is already being closed.", self.name),
-                    });
-                }
-                let resp = reply_rx.recv().unwrap_or(Response::Error {
-                    code: 1,
-                    error: "the daemon ended without answering".into(),
+            Request::Close { force } => self.close(force, respond),
+        }
+    }
+}
+
+impl Shared {
+    /// `close` (`--force`): refused while the device is in use, unless forced; else the main
+    /// loop tears the device down and answers.
+    fn close(&self, force: bool, respond: &mut dyn FnMut(&Response)) {
+        // A device still in use is busy, as dm's remove says (exit 5): closing it
+        // anyway when its last user goes is `close --deferred`.
+        if !force {
+            if let Some(why) = self.in_use_settled() {
+                return respond(&Response::Error {
+                    code: 5,
+                    error: format!(
+                        "Cannot close {}: {why} (stop using it first, or close \
+                         --deferred or --force).",
+                        self.name
+                    ),
                 });
-                respond(&resp);
-                drop(written_tx);
             }
         }
+        let (reply, reply_rx) = sync_channel(1);
+        let (written_tx, written) = sync_channel::<()>(1);
+        if self
+            .events
+            .try_send(Event::Close {
+                force,
+                reply,
+                written,
+            })
+            .is_err()
+        {
+            return respond(&Response::Error {
+                code: 5,
+                error: format!("Device {} is already being closed.", self.name),
+            });
+        }
+        let resp = reply_rx.recv().unwrap_or(Response::Error {
+            code: 1,
+            error: "the daemon ended without answering".into(),
+        });
+        respond(&resp);
+        drop(written_tx);
     }
 }
 
