@@ -1531,3 +1531,91 @@ fn force_closes_a_suspended_device_and_fails_its_held_requests() {
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_gone(&n);
 }
+
+/// Peak resident memory of process `pid`, KiB (VmHWM).
+fn peak_rss_kib(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Concurrent `resume` attempts run one at a time in the daemon: four wrong passphrases sent
+/// at once against an Argon2 keyslot of 128 MiB raise the daemon's peak memory by less than
+/// two KDFs' worth (at once they would need four), each is refused with exit 2 and logged to
+/// the daemon's log without the passphrase, and the right one then resumes.
+#[test]
+fn concurrent_resumes_run_one_at_a_time_and_failures_are_logged() {
+    skip_unless_rig!();
+    const KDF_MIB: u64 = 128;
+    let t = TempDir::new("resumes");
+    let img = t.image("vol.img", 20);
+    let key = t.file("key", PASSPHRASE);
+    let kib = (KDF_MIB << 10).to_string();
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            "--key-file",
+            s(&key),
+            "--pbkdf",
+            "argon2id",
+            "--pbkdf-memory",
+            &kib,
+            "--pbkdf-force-iterations",
+            "4",
+            "--pbkdf-parallel",
+            "1",
+            s(&img),
+        ],
+    );
+    let n = name("resumes");
+    open(&img, &key, &n);
+    let dir = Path::new(RUN_DIR).join(&n);
+    let pid = std::fs::read_to_string(dir.join("pid")).unwrap();
+    let pid = pid.trim();
+    ok(UCRYPT, &["suspend", &n]);
+    let _cleanup = SuspendCleanup {
+        name: n.clone(),
+        key: key.clone(),
+        fio: None,
+    };
+    // The open's own KDF is in the peak already.
+    let before = peak_rss_kib(pid);
+    let secret = "not-the-passphrase-0xC0FFEE";
+    let wrong = t.file("wrong", secret.as_bytes());
+    let tries: Vec<_> = (0..4)
+        .map(|_| {
+            Command::new(UCRYPT)
+                .args(["resume", &n, "--key-file", s(&wrong)])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in tries {
+        let o = c.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    }
+    let grown_kib = peak_rss_kib(pid).saturating_sub(before);
+    assert!(
+        grown_kib < (KDF_MIB << 10) * 3 / 2,
+        "the daemon's peak grew by {grown_kib} KiB: resume KDFs ran at once"
+    );
+    let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap();
+    let refused = log
+        .lines()
+        .filter(|l| l.contains("resume refused (exit 2): No key available with this passphrase."))
+        .count();
+    assert_eq!(refused, 4, "daemon.log: {log}");
+    assert!(!log.contains(secret), "the passphrase is in the log: {log}");
+    let o = within(60, UCRYPT, &["resume", &n, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(0), "resume: {}", text(&o));
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}

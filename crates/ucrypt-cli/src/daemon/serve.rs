@@ -190,6 +190,12 @@ struct Shared {
     rotation: Arc<Mutex<Option<ReencryptionReport>>>,
     /// The detached header (`--header`), written by an online reencryption.
     header: Option<PathBuf>,
+    /// Held by a `resume` from its key derivation to its end: attempts run one at a time, so
+    /// that concurrent ones never need their KDFs' memory (Argon2's, up to 4 GiB each) at
+    /// once. The waiters are bounded by the control connections (`server::CONNECTIONS_MAX`).
+    resuming: Mutex<()>,
+    /// Set (under `resuming`) by `close --force` of the suspended volume: no resume after it.
+    aborted: AtomicBool,
 }
 
 enum Event {
@@ -358,7 +364,20 @@ impl Shared {
         }
     }
 
+    /// `resume`: one attempt at a time (see `resuming`); a failed one is logged (why, never
+    /// the key) to the daemon's log.
     fn resume(&self, key: ResumeKey, key_slot: Option<u32>) -> Response {
+        let r = self.try_resume(key, key_slot);
+        if let Response::Error { code, error } = &r {
+            eprintln!(
+                "ucrypt daemon {}: resume refused (exit {code}): {error}",
+                self.name
+            );
+        }
+        r
+    }
+
+    fn try_resume(&self, key: ResumeKey, key_slot: Option<u32>) -> Response {
         let Some(dev) = &self.header_dev else {
             return Self::error(1, format!("Device {} is not suspended.", self.name));
         };
@@ -386,6 +405,15 @@ impl Shared {
                 }
             }
         };
+        // One attempt at a time, from here (the key derivation) to the end; whether the volume
+        // is still suspended is asked again under it (an attempt before may have resumed it).
+        let _one = lock(&self.resuming);
+        if self.aborted.load(Ordering::Relaxed) {
+            return Self::error(5, format!("Device {} is being closed.", self.name));
+        }
+        if !self.vol.is_suspended() {
+            return Self::error(1, format!("Device {} is not suspended.", self.name));
+        }
         // The header is read again: a keyslot may have changed since the volume was opened.
         let vk = dev.read(|dev| {
             luks::read_header(dev).and_then(|hdr| {
@@ -511,15 +539,21 @@ impl server::Handler for Shared {
             }
             Request::Close { force: true } if self.vol.is_suspended() => {
                 // The held requests (and the flush of the teardown) fail with EIO instead of
-                // waiting for a resume that will not come.
-                if let Err(e) = self.vol.abort_suspended() {
-                    return respond(&Self::failed(e));
+                // waiting for a resume that will not come. Not beside a resume deriving its
+                // key: before it or after it.
+                let one = lock(&self.resuming);
+                if self.vol.is_suspended() {
+                    if let Err(e) = self.vol.abort_suspended() {
+                        return respond(&Self::failed(e));
+                    }
+                    self.aborted.store(true, Ordering::Relaxed);
+                    eprintln!(
+                        "ucrypt daemon {}: closed by force while suspended: the requests held \
+                         fail with EIO",
+                        self.name
+                    );
                 }
-                eprintln!(
-                    "ucrypt daemon {}: closed by force while suspended: the requests held \
-                     fail with EIO",
-                    self.name
-                );
+                drop(one);
                 self.close(true, respond)
             }
             Request::CloseDeferred if self.in_use().is_some() => {
@@ -683,6 +717,8 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         deferred: deferred.clone(),
         rotation: Arc::new(Mutex::new(None)),
         header: d.header.clone(),
+        resuming: Mutex::new(()),
+        aborted: AtomicBool::new(false),
     });
     server::spawn(listener, shared.clone())?;
     let nbd = match &d.nbd {
