@@ -1619,3 +1619,104 @@ fn concurrent_resumes_run_one_at_a_time_and_failures_are_logged() {
     ok(UCRYPT, &["close", &n]);
     assert_gone(&n);
 }
+
+/// Closes NAME (`--force`; a dead daemon's leftovers too) when dropped, so that a failed
+/// assertion leaves nothing behind.
+struct CloseOnDrop(String);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let _ = run(UCRYPT, &["close", "--force", &self.0]);
+    }
+}
+
+/// The child of `parent` whose command line contains `word`, if one runs.
+fn child_with(parent: &str, word: &str) -> Option<String> {
+    std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let pid = e.ok()?.file_name().into_string().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .to_string();
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        (ppid == parent && String::from_utf8_lossy(&cmd).contains(word)).then_some(pid)
+    })
+}
+
+/// An online `reencrypt` whose daemon is killed (SIGKILL) under it says that the daemon is
+/// gone and what to do (exit 1), not that the device is busy. The rotation's worker is
+/// stopped first, so that the rotation cannot finish before the kill.
+#[test]
+fn reencrypt_through_a_daemon_killed_under_it_says_the_daemon_is_gone() {
+    skip_unless_rig!();
+    let t = TempDir::new("gone");
+    let (img, key) = volume(&t, "vol.img", 64);
+    let n = name("gone");
+    open(&img, &key, &n);
+    let _closer = CloseOnDrop(n.clone());
+    let pid = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("pid")).unwrap();
+    let pid = pid.trim().to_string();
+    let mut a = vec![
+        "reencrypt",
+        "--batch-mode",
+        "--key-file",
+        s(&key),
+        "--hotzone-size",
+        "256K",
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let verb = Command::new(UCRYPT)
+        .args(&a)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut verb = Background(verb);
+    let t0 = std::time::Instant::now();
+    let worker = loop {
+        if let Some(w) = child_with(&pid, "reencrypt-worker") {
+            break w;
+        }
+        if let Some(st) = verb.0.try_wait().unwrap() {
+            panic!("the reencryption ended ({st}) before its worker was seen");
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "no rotation worker after 60 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    ok("kill", &["-STOP", &worker]);
+    ok("kill", &["-9", &pid]);
+    let t0 = std::time::Instant::now();
+    let st = loop {
+        if let Some(st) = verb.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the verb still waits 60 s after its daemon died"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut verb.0.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "Device {n} has lost its daemon (pid {pid} is gone)"
+        )) && err.contains(&format!("'ucrypt close {n}' cleans up")),
+        "{err}"
+    );
+    // The worker died with its daemon; the dead daemon's leftovers are cleaned by close.
+    let _ = run("kill", &["-CONT", &worker]);
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}

@@ -976,11 +976,53 @@ fn expect_status_at(name: &str, sock: &Path, req: &Request) -> CliResult<StatusR
         Ok(_) => Err(CliError::Usage(
             "the daemon answered with something else than a status".into(),
         )),
-        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
-            "Device {name} is busy (being opened or closed)."
-        ))),
-        Err(e) => Err(CliError::Usage(e.to_string())),
+        Err(server::ClientError::Connect { .. }) => Err(not_answering(name, sock)),
+        // The connection broke under the request: a daemon that died answers no more.
+        Err(e) => {
+            let t0 = Instant::now();
+            loop {
+                match not_answering(name, sock) {
+                    CliError::Busy(_) if t0.elapsed() < DEATH_SETTLE => {
+                        std::thread::sleep(CLOSE_EXIT_POLL)
+                    }
+                    CliError::Busy(_) => return Err(CliError::Usage(e.to_string())),
+                    gone => return Err(gone),
+                }
+            }
+        }
     }
+}
+
+/// How long a client whose connection broke looks whether the daemon died (its locks go as
+/// the process ends, a moment after its socket).
+const DEATH_SETTLE: Duration = Duration::from_secs(1);
+
+/// Why nobody answers on the control socket `sock` of `name`. An `open` daemon's (in the
+/// run directory): closed since (not active), dead (its NAME lock is free: gone, and what
+/// to do), or opening or closing (busy). A `--control` socket of serve, mount or ublk: the
+/// process is gone, or not listening yet.
+fn not_answering(name: &str, sock: &Path) -> CliError {
+    let dir = sock.parent().unwrap_or(Path::new("/"));
+    let daemon = RunDir::locate().is_ok_and(|r| dir.parent() == Some(r.base.as_path()));
+    if !daemon {
+        return CliError::Gone(format!(
+            "Nothing answers on {}: the serve, mount or ublk process that listened there with \
+             --control is gone (or not listening yet).",
+            sock.display()
+        ));
+    }
+    if !dir.is_dir() {
+        return CliError::NotActive(format!("Device {name} is not active."));
+    }
+    if state::is_alive(dir) {
+        return CliError::Busy(format!("Device {name} is busy (being opened or closed)."));
+    }
+    let pid = Identity::read(dir).map_or(0, |i| i.pid);
+    CliError::Gone(format!(
+        "Device {name} has lost its daemon (pid {pid} is gone): its device no longer works. \
+         'ucrypt close {name}' cleans up what it left; open the volume again to serve it (a \
+         reencryption it ran resumes from where it stopped)."
+    ))
 }
 
 /// `ucrypt suspend NAME` (`luksSuspend`).
