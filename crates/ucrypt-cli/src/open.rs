@@ -737,6 +737,16 @@ impl VolumeArgs {
         Ok(crate::in_use::refuse_if_served(&self.local_paths(), what)?)
     }
 
+    /// Refuses (exit 5) when a ucrypt process serves the volume or its detached header
+    /// read-write (a reader's check: one serving it read-only does not count).
+    pub fn refuse_if_served_for_reading(&self, what: &str) -> CliResult<()> {
+        Ok(crate::in_use::refuse_if_served_for(
+            &self.local_paths(),
+            crate::in_use::Access::Read,
+            what,
+        )?)
+    }
+
     /// The volume's file or device node and its detached header, where they are local paths.
     fn local_paths(&self) -> Vec<&std::path::Path> {
         let mut paths: Vec<&std::path::Path> = Vec::with_capacity(2);

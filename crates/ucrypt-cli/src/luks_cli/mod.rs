@@ -286,6 +286,10 @@ pub enum LuksCmd {
         /// terminal), as cryptsetup's option does.
         #[arg(long, value_name = "SECONDS")]
         progress_frequency: Option<u64>,
+        /// Export although a ucrypt process serves the volume read-write (the copy may mix
+        /// data from before and after its writes).
+        #[arg(long)]
+        force: bool,
     },
     /// Encrypt FILE into the data area of VOLUME.
     #[command(name = "import")]
@@ -411,7 +415,8 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
             v,
             file,
             progress_frequency,
-        } => return data::export(&v, &file, progress_frequency),
+            force,
+        } => return data::export(&v, &file, progress_frequency, force),
         LuksCmd::Import {
             file,
             v,
