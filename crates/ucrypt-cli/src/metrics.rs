@@ -205,12 +205,8 @@ pub struct Started {
 pub fn start(at: &Listen, volumes: Volumes) -> CliResult<Started> {
     let (listener, socket) = match at {
         Listen::Tcp { host, port } => {
-            let l = TcpListener::bind((host.as_str(), *port)).map_err(|e| {
-                CliError::Core(ucrypt::Error::io(
-                    format!("metrics at tcp:{host}:{port}"),
-                    e,
-                ))
-            })?;
+            let l = TcpListener::bind((host.as_str(), *port))
+                .map_err(|e| CliError::Core(ucrypt::Error::io(format!("metrics at {at}"), e)))?;
             (Listener::Tcp(l), None)
         }
         Listen::Unix(path) => {

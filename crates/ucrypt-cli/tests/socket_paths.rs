@@ -161,3 +161,31 @@ fn open_keeps_files_and_live_sockets_and_removes_its_own() {
     assert!(!m.exists(), "the metrics socket stayed after close");
     assert!(!nb.exists(), "the NBD socket stayed after close");
 }
+
+/// A metrics address that cannot be bound is named as it was written (`tcp:HOST:PORT`), not
+/// as Rust's debug form of the parsed value (`Tcp { host: .. }`).
+#[test]
+fn a_busy_metrics_address_is_named_as_written() {
+    let t = TempDir::new("sockmetrics");
+    let (img, key) = volume(&t, "vol.img");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = format!("tcp:127.0.0.1:{}", taken.local_addr().unwrap().port());
+    let nbd = format!("unix:{}", s(&t.path("nbd.sock")));
+    let o = ucrypt(&[
+        "serve",
+        s(&img),
+        "--key-file",
+        s(&key),
+        "--nbd",
+        &nbd,
+        "--metrics",
+        &at,
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!("metrics at {at}: ")) && !err.contains('{'),
+        "{}",
+        text(&o)
+    );
+}

@@ -76,6 +76,17 @@ pub enum Listen {
     Tcp { host: String, port: u16 },
 }
 
+impl std::fmt::Display for Listen {
+    /// As it is written on the command line: `unix:PATH`, `tcp:HOST:PORT`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+            Listen::Tcp { host, port } if host.contains(':') => write!(f, "tcp:[{host}]:{port}"),
+            Listen::Tcp { host, port } => write!(f, "tcp:{host}:{port}"),
+        }
+    }
+}
+
 impl FromStr for Listen {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
