@@ -351,11 +351,15 @@ fn unknown_names_get_cryptsetups_codes() {
     let o = ucrypt(&["close", &n]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert_eq!(one_line(&o), format!("Device {n} is not active."));
-    for bad in ["a/b", "..", "-x"] {
+    for bad in ["..", "-x"] {
         let o = ucrypt(&["close", "--", bad]);
         assert_eq!(o.status.code(), Some(1), "{bad}: {}", text(&o));
         one_line(&o);
     }
+    // A path that is no NAME's stable path is no open device, as cryptsetup answers.
+    let o = ucrypt(&["close", "a/b"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert_eq!(one_line(&o), "Device a/b is not active.");
     let long = "n".repeat(128);
     let o = ucrypt(&["status", &long]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
@@ -443,7 +447,8 @@ fn rootless_fuse_file_round_trip() {
         "bs=64k",
         "conv=notrunc,fsync",
     ]);
-    let o = as_user(&["status", &n]);
+    // The device named by its stable path, as cryptsetup takes /dev/mapper/NAME.
+    let o = as_user(&["status", s(&device)]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let st = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
@@ -471,7 +476,7 @@ fn rootless_fuse_file_round_trip() {
         std::fs::read(&back).unwrap() == std::fs::read(&pattern).unwrap(),
         "read back differs"
     );
-    let o = as_user(&["close", &n]);
+    let o = as_user(&["close", s(&device)]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     assert!(!mounts.contains(&format!("ucrypt:{n} ")), "{mounts}");
@@ -1718,5 +1723,41 @@ fn reencrypt_through_a_daemon_killed_under_it_says_the_daemon_is_gone() {
     let o = ucrypt(&["close", &n]);
     assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
     std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}
+
+/// Every verb on an open device takes its stable path as well as its NAME, as cryptsetup takes
+/// /dev/mapper/NAME: status, suspend, resume, resize, refresh, close. Another path is no
+/// open device (status: "inactive", close: "not active", exit 4).
+#[test]
+fn the_stable_path_names_the_device() {
+    skip_unless_rig!();
+    let t = TempDir::new("stable");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("stable");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let _closer = CloseOnDrop(n.clone());
+    let o = ucrypt(&["status", &stable]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).starts_with(&format!("{stable} is active.\n")),
+        "{}",
+        text(&o)
+    );
+    ok(UCRYPT, &["suspend", &stable]);
+    ok(UCRYPT, &["resume", &stable, "--key-file", s(&key)]);
+    ok(UCRYPT, &["resize", &stable]);
+    ok(UCRYPT, &["refresh", &stable, "--policy", "inline"]);
+    let o = ucrypt(&["status", "/dev/mapper/nothing-here"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "/dev/mapper/nothing-here is inactive.\n"
+    );
+    let o = ucrypt(&["close", "/dev/mapper/nothing-here"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    let o = ucrypt(&["close", &stable]);
+    assert_eq!(o.status.code(), Some(0), "close {stable}: {}", text(&o));
     assert_gone(&n);
 }

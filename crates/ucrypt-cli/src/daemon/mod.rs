@@ -158,6 +158,8 @@ impl OpenArgs {
 /// process is busy (exit 5), as cryptsetup's close of a dm device whose open count is not zero.
 #[derive(Args, Debug)]
 pub struct CloseArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// Close even while the device is mounted or held: it is flushed, then fails every
     /// request (as `dmsetup remove --force` does).
@@ -173,11 +175,15 @@ pub struct CloseArgs {
 
 #[derive(Args, Debug)]
 pub struct SuspendArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
 }
 
 #[derive(Args, Debug)]
 pub struct ResumeArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// Passphrase from this file ("-" = stdin); without it the passphrase is asked.
     #[arg(long, short = 'd')]
@@ -205,6 +211,8 @@ pub struct ResumeArgs {
 
 #[derive(Args, Debug)]
 pub struct ResizeArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// The new size in 512-byte sectors; default: all of the backing file or device after
     /// the data offset.
@@ -214,11 +222,15 @@ pub struct ResizeArgs {
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
 }
 
 #[derive(Args, Debug)]
 pub struct RefreshArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// The new dispatch policy: inline, parallel, ordered, queued, auto, or read=P,write=Q.
     #[arg(long)]
@@ -699,8 +711,8 @@ fn wait_ready(name: &str, child: libc::pid_t, ready: std::fs::File, dir: &Path) 
 }
 
 /// `ucrypt close NAME`.
-pub fn close(a: CloseArgs) -> CliResult<i32> {
-    state::check_name(&a.name)?;
+pub fn close(mut a: CloseArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let run = RunDir::locate()?;
     let dir = run.dir(&a.name);
     let not_active = || CliError::NotActive(format!("Device {} is not active.", a.name));
@@ -903,8 +915,8 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
 
 /// `ucrypt status NAME`: 0 active, 4 inactive (cryptsetup's), 1 when the daemon is dead.
 /// `refresh NAME --policy P`: changes the running volume's settings, then prints its status.
-pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
-    state::check_name(&a.name)?;
+pub fn refresh(mut a: RefreshArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let run = RunDir::locate()?;
     let dir = run.dir(&a.name);
     if !dir.is_dir() || !state::is_alive(&dir) {
@@ -947,6 +959,18 @@ pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
         ));
     }
     print_status(&path, &a.name, &dir, &Request::Refresh(r))
+}
+
+/// The NAME a verb names by NAME or by its stable path (`/dev/ucrypt/NAME`,
+/// `$XDG_RUNTIME_DIR/ucrypt/NAME/device`), as cryptsetup takes `/dev/mapper/NAME`; another
+/// path is no open device (exit 4).
+pub(crate) fn resolve_name(arg: &str) -> CliResult<String> {
+    let run = RunDir::locate()?;
+    let name = run
+        .name_in(arg)
+        .ok_or_else(|| CliError::NotActive(format!("Device {arg} is not active.")))?;
+    state::check_name(&name)?;
+    Ok(name)
 }
 
 /// The state directory of a live daemon, or cryptsetup's "not active" (exit 4).
@@ -1026,7 +1050,8 @@ fn not_answering(name: &str, sock: &Path) -> CliError {
 }
 
 /// `ucrypt suspend NAME` (`luksSuspend`).
-pub fn suspend(a: SuspendArgs) -> CliResult<i32> {
+pub fn suspend(mut a: SuspendArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let (_, dir) = live_dir(&a.name)?;
     expect_status(&a.name, &dir, &Request::Suspend)?;
     Ok(0)
@@ -1034,7 +1059,8 @@ pub fn suspend(a: SuspendArgs) -> CliResult<i32> {
 
 /// `ucrypt resume NAME` (`luksResume`): the passphrase (or key file) is read here and sent to
 /// the daemon, which unlocks a keyslot with it; a wrong one exits 2, still suspended.
-pub fn resume(a: ResumeArgs) -> CliResult<i32> {
+pub fn resume(mut a: ResumeArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     use crate::pass;
     ucrypt::secret::disable_core_dumps();
     let (_, dir) = live_dir(&a.name)?;
@@ -1083,7 +1109,8 @@ pub fn resume(a: ResumeArgs) -> CliResult<i32> {
 }
 
 /// `ucrypt resize NAME [--size SECTORS]`.
-pub fn resize(a: ResizeArgs) -> CliResult<i32> {
+pub fn resize(mut a: ResizeArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let (_, dir) = live_dir(&a.name)?;
     let s = expect_status(
         &a.name,
@@ -1103,9 +1130,18 @@ fn print_status(path: &str, name: &str, dir: &Path, req: &Request) -> CliResult<
     Ok(0)
 }
 
-pub fn status(a: StatusArgs) -> CliResult<i32> {
-    state::check_name(&a.name)?;
+pub fn status(mut a: StatusArgs) -> CliResult<i32> {
     let run = RunDir::locate()?;
+    // A path that is no NAME's stable path is inactive, as cryptsetup's status of a device
+    // that is not a mapping says.
+    match run.name_in(&a.name) {
+        Some(n) => a.name = n,
+        None => {
+            println!("{} is inactive.", a.name);
+            return Ok(4);
+        }
+    }
+    state::check_name(&a.name)?;
     let dir = run.dir(&a.name);
     let path = run.stable_path(&a.name).display().to_string();
     if !dir.is_dir() {

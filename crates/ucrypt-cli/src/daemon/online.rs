@@ -195,6 +195,7 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
 
 /// The live daemon named `name` (cryptsetup's `--active-name`): "not active" (exit 4) if none.
 pub fn by_name(name: &str) -> CliResult<Holder> {
+    let name = &super::resolve_name(name)?;
     let (_, dir) = live_dir(name)?;
     let ident = Identity::read(&dir);
     Ok(Holder {

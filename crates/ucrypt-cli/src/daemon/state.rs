@@ -123,6 +123,29 @@ impl RunDir {
         self.base.join(name)
     }
 
+    /// The NAME a verb's argument names: NAME itself, or NAME's stable path
+    /// (`/dev/ucrypt/NAME` for root, `BASE/NAME/device` rootless), as cryptsetup takes
+    /// `/dev/mapper/NAME` for NAME. None for any other path. Pure: for tests.
+    pub fn name_in(&self, arg: &str) -> Option<String> {
+        if !arg.contains('/') {
+            return Some(arg.to_string());
+        }
+        let p = Path::new(arg);
+        let rest: Vec<&std::ffi::OsStr> = if self.root {
+            p.strip_prefix(DEV_DIR).ok()?.iter().collect()
+        } else {
+            let r: Vec<_> = p.strip_prefix(&self.base).ok()?.iter().collect();
+            match r.as_slice() {
+                [name, device] if *device == "device" => vec![*name],
+                _ => return None,
+            }
+        };
+        match rest.as_slice() {
+            [name] => name.to_str().map(str::to_string),
+            _ => None,
+        }
+    }
+
     /// The longest NAME whose control socket (`BASE/NAME/control.sock`) still fits in a unix
     /// socket's path: 82 bytes under /run/ucrypt, less under a long $XDG_RUNTIME_DIR.
     pub fn name_bytes_max(&self) -> usize {
@@ -440,6 +463,41 @@ mod tests {
             root: false,
         };
         assert_eq!(long.name_bytes_max(), 0);
+    }
+
+    #[test]
+    fn stable_paths_name_their_name() {
+        let root = RunDir {
+            base: PathBuf::from("/run/ucrypt"),
+            root: true,
+        };
+        let user = RunDir {
+            base: PathBuf::from("/run/user/1000/ucrypt"),
+            root: false,
+        };
+        let rows: &[(&RunDir, &str, Option<&str>)] = &[
+            (&root, "data", Some("data")),
+            (&root, "/dev/ucrypt/data", Some("data")),
+            (&root, "/dev/ucrypt/data/", Some("data")),
+            (&root, "/dev/ucrypt", None),
+            (&root, "/dev/ucrypt/a/b", None),
+            (&root, "/dev/mapper/data", None),
+            (&root, "/dev/ucryptdata", None),
+            (&root, "/run/user/1000/ucrypt/data/device", None),
+            (&user, "data", Some("data")),
+            (&user, "/run/user/1000/ucrypt/data/device", Some("data")),
+            (&user, "/run/user/1000/ucrypt/data", None),
+            (&user, "/run/user/1000/ucrypt/data/volume", None),
+            (&user, "/dev/ucrypt/data", None),
+        ];
+        for (run, arg, want) in rows {
+            assert_eq!(
+                run.name_in(arg).as_deref(),
+                *want,
+                "{arg} (root {})",
+                run.root
+            );
+        }
     }
 
     #[test]
