@@ -25,6 +25,10 @@ pub enum CliError {
     /// No open device of that name (cryptsetup exits 4).
     #[error("{0}")]
     NotActive(String),
+    /// The process that served a device is gone (killed, crashed) and left its state behind:
+    /// cryptsetup has no such state; exit 1, as `status` of a dead daemon.
+    #[error("{0}")]
+    Gone(String),
     /// A failure another ucrypt process (an open volume's daemon) reported, with the exit code
     /// it chose.
     #[error("{message}")]
@@ -70,7 +74,7 @@ impl CliError {
             CliError::Nbd(e) => e.kind(),
             CliError::Ublk(e) => e.kind(),
             CliError::Usage(_) | CliError::NotActive(_) => ErrorKind::BadInput,
-            CliError::Busy(_) => ErrorKind::Device,
+            CliError::Busy(_) | CliError::Gone(_) => ErrorKind::Device,
             CliError::Remote { code: 2, .. } => ErrorKind::WrongKey,
             CliError::Remote { .. } => ErrorKind::Device,
             CliError::At { source, .. } => source.kind(),
@@ -82,6 +86,7 @@ impl CliError {
         match self.inner() {
             CliError::Busy(_) => return 5,
             CliError::NotActive(_) => return 4,
+            CliError::Gone(_) => return 1,
             CliError::Remote { code, .. } => return *code,
             _ => {}
         }

@@ -1,14 +1,21 @@
-//! Which local volumes a ucrypt process is serving, so that a verb that would rewrite one
-//! under it (an offline `reencrypt`, `format`) refuses, as cryptsetup refuses an active
-//! device.
+//! Which local volumes a ucrypt process is serving, so that two processes never write one
+//! ciphertext, and a verb that would rewrite a served volume (an offline `reencrypt`,
+//! `format`, `import`) refuses, as cryptsetup refuses an active device.
 //!
-//! A serving process (the `open` daemon, `serve`, `mount`, `ublk`) holds, for its whole life,
-//! an open file description lock (`F_OFD_SETLK`) for reading on one byte of the volume file
-//! and of its detached header, far past any data: [`IN_USE_BYTE`]. A verb asks whether a
-//! write lock on that byte would conflict (`F_OFD_GETLK`). The marker is not cryptsetup's
-//! header lock (`flock`, taken around each header access): on Linux the two kinds of lock do
-//! not interact, so keyslot verbs of either tool work on a volume being served, as on an
-//! active dm-crypt device; nor does it meet qemu's image locks (bytes 100 to 299).
+//! A serving process (the `open` daemon, `serve`, `mount`, `ublk`) holds, for as long as it
+//! serves (after a `close --deferred` too, until its last user goes), an open file
+//! description lock (`F_OFD_SETLK`) on one byte of the volume file and of its detached header,
+//! far past any data: [`IN_USE_BYTE`]. Serving read-write it takes a write lock, read-only a
+//! read lock, so that a second serving process of the same file is refused (exit 5) unless
+//! both serve it read-only: cryptsetup refuses a second read-write activation of a device, and
+//! two read-only views of one ciphertext cannot corrupt it. (`open` keeps cryptsetup's one
+//! activation per device on top of this: its claim refuses a volume another NAME serves.)
+//! `serve --unencrypted`, which writes no ciphertext, takes a read lock whatever it does.
+//! A verb asks whether its lock would conflict (`F_OFD_GETLK`): a write probe meets every
+//! server, a read probe (a read-only `export`) only one that writes. The marker is not
+//! cryptsetup's header lock (`flock`, taken around each header access): on Linux the two kinds
+//! of lock do not interact, so keyslot verbs of either tool work on a volume being served, as
+//! on an active dm-crypt device; nor does it meet qemu's image locks (bytes 100 to 299).
 //!
 //! A block device is marked through the node named (another node of the same device is not
 //! seen); a remote volume (`rbd:`, `nbd:`) is not marked.
@@ -44,21 +51,70 @@ fn os_err(what: String, e: std::io::Error) -> CliError {
     CliError::Core(ucrypt::Error::io(what, e))
 }
 
-/// Marks the local files among `paths` as served by this process until the returned guard is
-/// dropped. Paths that are not local files or block devices are skipped.
-pub fn mark(paths: &[&Path]) -> CliResult<InUse> {
+/// How a process means to use a volume: what its lock is, and which others it meets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Reads only: shares the volume with other readers, meets a writer.
+    Read,
+    /// Writes (or rewrites the header): meets every other server.
+    Write,
+}
+
+impl Access {
+    pub fn of(read_only: bool) -> Access {
+        if read_only {
+            Access::Read
+        } else {
+            Access::Write
+        }
+    }
+
+    fn lock_type(self) -> libc::c_short {
+        match self {
+            Access::Read => libc::F_RDLCK as libc::c_short,
+            Access::Write => libc::F_WRLCK as libc::c_short,
+        }
+    }
+}
+
+/// Why `path` cannot be served with `access`: cryptsetup's words for a device in use.
+fn busy(path: &Path, access: Access) -> CliError {
+    CliError::Busy(format!(
+        "Cannot use device {} which is in use (a ucrypt process serves it{}: open, serve, mount \
+         or ublk).",
+        path.display(),
+        match access {
+            Access::Read => " read-write",
+            Access::Write => "",
+        }
+    ))
+}
+
+/// Marks the local files among `paths` as served by this process with `access` until the
+/// returned guard is dropped; refuses (exit 5) a file another process serves in a way that
+/// conflicts (see the module's doc). Paths that are not local files or block devices are
+/// skipped.
+pub fn mark(paths: &[&Path], access: Access) -> CliResult<InUse> {
     let mut files = Vec::with_capacity(paths.len());
     for p in paths {
-        let Ok(f) = File::open(p) else {
+        // A write lock needs a descriptor open for writing.
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .write(access == Access::Write)
+            .open(p);
+        let Ok(f) = opened else {
             // A remote name, or a path the open itself will report on.
             continue;
         };
-        let mut fl = lock_request(libc::F_RDLCK as libc::c_short);
+        let mut fl = lock_request(access.lock_type());
         // SAFETY: F_OFD_SETLK on a descriptor `f` owns, with a pointer to a live, initialised
         // `flock`; the kernel only reads it.
         let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
         if r != 0 {
             let e = std::io::Error::last_os_error();
+            if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) {
+                return Err(busy(p, access));
+            }
             return Err(os_err(
                 format!("marking {} as in use (F_OFD_SETLK)", p.display()),
                 e,
@@ -69,13 +125,13 @@ pub fn mark(paths: &[&Path]) -> CliResult<InUse> {
     Ok(InUse { _files: files })
 }
 
-/// Whether a ucrypt process serves the file at `path` ([`mark`]). `false` for a path that
-/// cannot be opened (the verb reports that itself).
-pub fn is_served(path: &Path) -> CliResult<bool> {
+/// Whether a ucrypt process serves the file at `path` in a way that conflicts with `access`
+/// ([`mark`]). `false` for a path that cannot be opened (the verb reports that itself).
+pub fn is_served(path: &Path, access: Access) -> CliResult<bool> {
     let Ok(f) = File::open(path) else {
         return Ok(false);
     };
-    let mut fl = lock_request(libc::F_WRLCK as libc::c_short);
+    let mut fl = lock_request(access.lock_type());
     // SAFETY: F_OFD_GETLK on a descriptor `f` owns, with a pointer to a live, initialised
     // `flock` the kernel writes the conflicting lock (or F_UNLCK) into.
     let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
@@ -89,26 +145,48 @@ pub fn is_served(path: &Path) -> CliResult<bool> {
     Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
 }
 
-/// Refuses (cryptsetup's exit code 5, device busy) when a ucrypt process serves one of
-/// `paths`; `what` says what was refused and how to go on. Nothing is written either way.
-pub fn refuse_if_served(paths: &[&Path], what: &str) -> ucrypt::Result<()> {
+/// Refuses (exit 5) to serve `paths` with `access` when another process serves one of them
+/// in a way that conflicts: the check a serving verb makes before it asks for a passphrase
+/// ([`mark`] decides, race-free, after).
+pub fn check_servable(paths: &[&Path], access: Access) -> CliResult<()> {
     for p in paths {
-        let served = is_served(p).map_err(|e| match e {
+        if is_served(p, access)? {
+            return Err(busy(p, access));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses (cryptsetup's exit code 5, device busy) when a ucrypt process serves one of
+/// `paths` in a way that conflicts with `access`; `what` says what was refused and how to go
+/// on. Nothing is written either way.
+pub fn refuse_if_served_for(paths: &[&Path], access: Access, what: &str) -> ucrypt::Result<()> {
+    for p in paths {
+        let served = is_served(p, access).map_err(|e| match e {
             CliError::Core(c) => c,
             other => ucrypt::Error::InvalidArgument(other.to_string()),
         })?;
         if served {
             return Err(ucrypt::Error::io(
                 format!(
-                    "Device {} is in use by a ucrypt process serving it (open, serve, mount or \
-                     ublk): {what}",
-                    p.display()
+                    "Device {} is in use by a ucrypt process serving it{} (open, serve, mount \
+                     or ublk): {what}",
+                    p.display(),
+                    match access {
+                        Access::Read => " read-write",
+                        Access::Write => "",
+                    }
                 ),
                 std::io::Error::from_raw_os_error(libc::EBUSY),
             ));
         }
     }
     Ok(())
+}
+
+/// [`refuse_if_served_for`] a verb that writes: any serving process refuses it.
+pub fn refuse_if_served(paths: &[&Path], what: &str) -> ucrypt::Result<()> {
+    refuse_if_served_for(paths, Access::Write, what)
 }
 
 #[cfg(test)]
@@ -121,13 +199,20 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("vol.img");
         std::fs::write(&f, [0u8; 4096]).unwrap();
-        assert!(!is_served(&f).unwrap());
-        let guard = mark(&[&f, Path::new("rbd:pool/not-a-file")]).unwrap();
+        assert!(!is_served(&f, Access::Write).unwrap());
+        let guard = mark(&[&f, Path::new("rbd:pool/not-a-file")], Access::Write).unwrap();
         // OFD locks conflict between open file descriptions, also of one process.
-        assert!(is_served(&f).unwrap());
+        assert!(is_served(&f, Access::Write).unwrap());
+        assert!(is_served(&f, Access::Read).unwrap());
         let e = CliError::from(refuse_if_served(&[&f], "stop it first").unwrap_err());
         assert_eq!(e.exit_code(), 5);
         assert!(e.to_string().contains("stop it first"), "{e}");
+        // A second server, reading or writing, is refused.
+        for access in [Access::Read, Access::Write] {
+            let e = mark(&[&f], access).unwrap_err();
+            assert_eq!(e.exit_code(), 5, "{e}");
+            assert_eq!(check_servable(&[&f], access).unwrap_err().exit_code(), 5);
+        }
         // cryptsetup's header lock (flock) is not taken by the marker.
         let h = File::open(&f).unwrap();
         // SAFETY: flock on a descriptor `h` owns; no memory is passed.
@@ -137,7 +222,15 @@ mod tests {
         // The file's contents are untouched: the byte is far past them.
         assert_eq!(std::fs::read(&f).unwrap(), vec![0u8; 4096]);
         drop(guard);
-        assert!(!is_served(&f).unwrap());
+        assert!(!is_served(&f, Access::Write).unwrap());
+        // Readers share; a writer meets them, and a verb that writes sees them.
+        let r1 = mark(&[&f], Access::Read).unwrap();
+        let r2 = mark(&[&f], Access::Read).unwrap();
+        assert!(!is_served(&f, Access::Read).unwrap());
+        assert!(is_served(&f, Access::Write).unwrap());
+        assert_eq!(mark(&[&f], Access::Write).unwrap_err().exit_code(), 5);
+        drop((r1, r2));
+        assert!(!is_served(&f, Access::Write).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -18,6 +18,7 @@ mod signals;
 mod tab;
 mod target;
 mod ublk;
+mod volume_key;
 
 use clap::{Parser, Subcommand};
 

@@ -25,7 +25,6 @@
 
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -38,7 +37,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use ucrypt::engine::{OpStats, Phase};
 use ucrypt::ErrorKind;
-use ucrypt_nbd::server::Listen;
+use ucrypt_nbd::server::{bind_unix, BoundSocket, Listen};
 
 use crate::error::{CliError, CliResult};
 use crate::open::{Authenticated, Opened};
@@ -245,33 +244,40 @@ impl Listener {
     }
 }
 
+/// The metrics endpoint of a process: its unix socket, if it has one, is removed when this
+/// is dropped (if it is still the socket bound), so keep it for as long as the volumes are
+/// served.
+pub struct Started {
+    _socket: Option<BoundSocket>,
+}
+
 /// Starts answering scrapes for `volumes` at `at` on a background thread that lives as long
-/// as the process. A unix socket is created with mode 0600 (a stale one is replaced). A TCP
-/// address that is not loopback gets a warning on stderr.
-pub fn start(at: &Listen, volumes: Volumes) -> CliResult<()> {
-    let ctx = |e| CliError::Core(ucrypt::Error::io(format!("metrics at {at:?}"), e));
-    let listener = match at {
+/// as the process. A unix socket is bound by the rule every ucrypt socket follows
+/// (`ucrypt_nbd::server::unix_socket`: mode 0600; a file or a live socket at the path is
+/// refused, a stale socket replaced). A TCP address that is not loopback gets a warning on
+/// stderr.
+pub fn start(at: &Listen, volumes: Volumes) -> CliResult<Started> {
+    let (listener, socket) = match at {
         Listen::Tcp { host, port } => {
+            let ctx = |e| CliError::Core(ucrypt::Error::io(format!("metrics at {at}"), e));
             let l = TcpListener::bind((host.as_str(), *port)).map_err(ctx)?;
             let bound = l.local_addr().map_err(ctx)?;
             if let Some(w) = exposure_warning(bound) {
                 eprintln!("WARNING: {w}");
             }
-            Listener::Tcp(l)
+            (Listener::Tcp(l), None)
         }
         Listen::Unix(path) => {
-            let _ = std::fs::remove_file(path);
-            let l = UnixListener::bind(path).map_err(ctx)?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(ctx)?;
-            Listener::Unix(l)
+            let (l, bound) = bind_unix(path)?;
+            (Listener::Unix(l), Some(bound))
         }
     };
     let volumes = Arc::new(volumes);
     std::thread::Builder::new()
         .name("ucrypt-metrics".into())
         .spawn(move || serve(listener, volumes))
-        .map_err(ctx)?;
-    Ok(())
+        .map_err(|e| CliError::Core(ucrypt::Error::io("starting the metrics thread", e)))?;
+    Ok(Started { _socket: socket })
 }
 
 /// The warning for metrics bound at `addr`, if anyone beyond this machine may reach it.

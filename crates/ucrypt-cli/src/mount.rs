@@ -111,9 +111,10 @@ fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()
     let _served = a.volume.mark_served()?;
     let dev = a.volume.open()?;
     crate::signals::started();
-    if let Some(at) = &a.metrics.metrics {
-        metrics::start(at, Volumes::one(&a.volume, &dev))?;
-    }
+    let _metrics = match &a.metrics.metrics {
+        Some(at) => Some(metrics::start(at, Volumes::one(&a.volume, &dev))?),
+        None => None,
+    };
     let _control = control::start(&a.control, &a.volume, &dev, "fuse")?;
     let file_name = match point {
         MountPoint::Directory(n) => Some(n.clone()),

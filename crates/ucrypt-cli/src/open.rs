@@ -9,7 +9,7 @@
 //! The LUKS work itself is one library call, `ucrypt::luks::open`.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -27,9 +27,6 @@ use crate::error::{CliError, CliResult};
 use crate::luks_cli::open_header_file;
 use crate::pass::{self, Source};
 use crate::target::{RemoteArgs, Target};
-
-/// Largest volume key file accepted (a 512-bit key is 64 bytes; leave room for hex forms).
-const VOLUME_KEY_FILE_BYTES_MAX: u64 = 4096;
 
 /// The default dispatch policy of every verb and front end. `auto` is `inline` for requests
 /// below a threshold calibrated at start (a 4 KiB request takes the same direct path) and
@@ -133,9 +130,13 @@ pub struct VolumeArgs {
     /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64.
     #[arg(long, requires = "volume_key_file")]
     pub cipher: Option<String>,
-    /// Raw mode: file holding the volume key (raw bytes).
+    /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's
+    /// size is read (the header's, or in raw mode --key-size), so /dev/urandom works.
     #[arg(long)]
     pub volume_key_file: Option<PathBuf>,
+    /// Raw mode: the key's size in bits (default: the cipher's, 512 for aes-xts-plain64).
+    #[arg(long, short = 's', requires = "cipher")]
+    pub key_size: Option<u32>,
     /// Raw mode: encryption sector size in bytes (512, 1024, 2048, 4096).
     #[arg(long, default_value_t = 512)]
     pub sector_size: u64,
@@ -212,19 +213,6 @@ pub struct VolumeArgs {
     /// `ucrypt open --type luks1|luks2`: the LUKS version the header must have.
     #[arg(skip)]
     pub device_type: Option<DeviceType>,
-}
-
-pub(crate) fn read_volume_key(path: &std::path::Path) -> CliResult<SecretBytes> {
-    let ctx = |e| Error::io(format!("volume key file {}", path.display()), e);
-    let meta = std::fs::metadata(path).map_err(ctx)?;
-    if meta.len() > VOLUME_KEY_FILE_BYTES_MAX {
-        return Err(CliError::Usage(format!(
-            "volume key file {} is {} bytes; expected a raw key of at most 64",
-            path.display(),
-            meta.len()
-        )));
-    }
-    Ok(SecretBytes::from_vec(std::fs::read(path).map_err(ctx)?))
 }
 
 /// A volume whose header was read (and its warnings shown) and whose key material is in hand,
@@ -345,6 +333,15 @@ impl Opened {
         }
     }
 
+    /// Ends a suspended volume for good (`close --force` of a suspended device): the requests
+    /// held since the suspend, and every later one, fail with EIO.
+    pub fn abort_suspended(&self) -> ucrypt::Result<()> {
+        match self {
+            Opened::Plain(v) => v.abort_suspended(),
+            Opened::Integrity(a) => a.abort_suspended(),
+        }
+    }
+
     /// Rebuilds what `suspend` dropped from the volume key (verified against `hdr`, the header
     /// as read again) and lets the held requests go.
     pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
@@ -410,6 +407,9 @@ pub struct Authenticated {
     /// `None` while suspended.
     inner: Mutex<Option<Arc<IntegrityVolume>>>,
     resumed: Condvar,
+    /// Set (under `inner`'s lock) by [`Authenticated::abort_suspended`]: the waiting requests
+    /// and every later one fail with EIO.
+    aborted: AtomicBool,
     /// Mismatches counted by the volumes dropped at earlier suspends.
     mismatches_before: AtomicU64,
     ops: [OpCounters; 2],
@@ -435,20 +435,42 @@ impl Authenticated {
             block_size: vol.block_size(),
             inner: Mutex::new(Some(Arc::new(vol))),
             resumed: Condvar::new(),
+            aborted: AtomicBool::new(false),
             mismatches_before: AtomicU64::new(0),
             ops: Default::default(),
         }
     }
 
     /// The volume to serve a request with; waits while suspended.
-    fn vol(&self) -> Arc<IntegrityVolume> {
+    /// The volume to serve a request with; waits while suspended, EIO once aborted.
+    fn vol(&self) -> ucrypt::Result<Arc<IntegrityVolume>> {
         let mut g = lock(&self.inner);
         loop {
             if let Some(v) = &*g {
-                return v.clone();
+                return Ok(v.clone());
+            }
+            if self.aborted.load(Ordering::Relaxed) {
+                return Err(Error::io(
+                    format!("{}: the volume was closed while suspended", self.name),
+                    std::io::Error::from_raw_os_error(libc::EIO),
+                ));
             }
             g = self.resumed.wait(g).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// Ends a suspended volume for good (`close --force`): the requests waiting for the
+    /// resume, and every later one, fail with EIO.
+    pub fn abort_suspended(&self) -> ucrypt::Result<()> {
+        let g = lock(&self.inner);
+        if g.is_some() {
+            return Err(Error::InvalidArgument("not suspended".into()));
+        }
+        // Under the lock the waiters hold between their look and their wait: none misses it.
+        self.aborted.store(true, Ordering::Relaxed);
+        drop(g);
+        self.resumed.notify_all();
+        Ok(())
     }
 
     fn logged<T>(&self, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
@@ -546,7 +568,7 @@ impl Authenticated {
             )));
         }
         let mut g = lock(&self.inner);
-        if g.is_some() {
+        if g.is_some() || self.aborted.load(Ordering::Relaxed) {
             return Err(Error::InvalidArgument("not suspended".into()));
         }
         vol.set_policy(self.policy());
@@ -569,33 +591,33 @@ impl BlockDev for Authenticated {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let n = buf.len() as u64;
-        let r = self.vol().read_at(buf, offset);
+        let r = self.vol().and_then(|v| v.read_at(buf, offset));
         self.served(READ, n, r)
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
         // An unaligned write reads (and verifies) the blocks at its ends.
-        let r = self.vol().write_at(buf, offset);
+        let r = self.vol().and_then(|v| v.write_at(buf, offset));
         self.served(WRITE, buf.len() as u64, r)
     }
     fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let n = buf.len() as u64;
-        let r = self.vol().write_at_mut(buf, offset);
+        let r = self.vol().and_then(|v| v.write_at_mut(buf, offset));
         self.served(WRITE, n, r)
     }
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let n = buf.len() as u64;
-        let r = self.vol().write_fua(buf, offset);
+        let r = self.vol().and_then(|v| v.write_fua(buf, offset));
         self.served(WRITE, n, r)
     }
     fn flush(&self) -> ucrypt::Result<()> {
-        self.vol().flush()
+        self.vol()?.flush()
     }
     fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        let r = self.vol().discard(offset, len);
+        let r = self.vol().and_then(|v| v.discard(offset, len));
         self.served(WRITE, len, r)
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        let r = self.vol().write_zeroes(offset, len);
+        let r = self.vol().and_then(|v| v.write_zeroes(offset, len));
         self.served(WRITE, len, r)
     }
 }
@@ -715,14 +737,22 @@ impl Prepared {
                 integrity_no_journal,
                 header_file: _,
             } => {
-                if integrity::superblock_offset(&hdr).is_some() {
+                // A volume key given as such that the digest refuses is no wrong passphrase.
+                let key_given = matches!(unlock, Unlock::VolumeKey(_));
+                let opened = if integrity::superblock_offset(&hdr).is_some() {
                     open_authenticated(&self.name, data, &hdr, unlock, &opts, integrity_no_journal)
-                        .map_err(CliError::from)
                 } else {
-                    luks::open_parsed(data, &hdr, unlock, &opts)
-                        .map(|v| Opened::Plain(Arc::new(v)))
-                        .map_err(CliError::from)
-                }
+                    luks::open_parsed(data, &hdr, unlock, &opts).map(|v| Opened::Plain(Arc::new(v)))
+                };
+                opened
+                    .map_err(|e| {
+                        if key_given {
+                            crate::volume_key::mismatch(e)
+                        } else {
+                            e
+                        }
+                    })
+                    .map_err(CliError::from)
             }
             PreparedKind::Raw { backend, cfg } => Volume::new(backend, cfg)
                 .map(|v| Opened::Plain(Arc::new(v)))
@@ -762,18 +792,48 @@ impl VolumeArgs {
         Duration::from_micros(self.spin_us)
     }
 
-    /// Marks the volume (and its detached header) as served by this process while the
-    /// returned guard lives, so that an offline `reencrypt` or a `format` refuses it
-    /// (`crate::in_use`). Taken by the processes that serve it: the `open` daemon, `serve`,
-    /// `mount`, `ublk`.
+    /// Marks the volume (and its detached header) as served by this process (read-only or
+    /// read-write, as opened) while the returned guard lives, so that a second serving
+    /// process, an offline `reencrypt` or a `format` refuses it (`crate::in_use`); refuses
+    /// (exit 5) a volume another process serves in a way that conflicts. Taken by the
+    /// processes that serve it: the `open` daemon, `serve`, `mount`, `ublk`.
     pub fn mark_served(&self) -> CliResult<crate::in_use::InUse> {
-        crate::in_use::mark(&self.local_paths())
+        crate::in_use::mark(&self.local_paths(), self.access())
+    }
+
+    /// [`Self::mark_served`] for `serve --unencrypted` (the file served as it is, a test and
+    /// benchmark baseline): a shared mark, whatever the access. Such a server writes no
+    /// ciphertext, so it may sit beside another one of the same file (a baseline serves one
+    /// file over unix and TCP at once), but never beside a process that writes the file as a
+    /// volume, and `format` or an offline `reencrypt` still refuse the file.
+    pub fn mark_served_unencrypted(&self) -> CliResult<crate::in_use::InUse> {
+        crate::in_use::mark(&self.local_paths(), crate::in_use::Access::Read)
+    }
+
+    /// Refuses (exit 5) what [`Self::mark_served`] would refuse, without marking: checked
+    /// before the passphrase is asked.
+    pub fn check_servable(&self) -> CliResult<()> {
+        crate::in_use::check_servable(&self.local_paths(), self.access())
+    }
+
+    fn access(&self) -> crate::in_use::Access {
+        crate::in_use::Access::of(self.read_only)
     }
 
     /// Refuses (exit 5) when a ucrypt process serves the volume or its detached header;
     /// `what` says what was refused and how to go on.
     pub fn refuse_if_served(&self, what: &str) -> CliResult<()> {
         Ok(crate::in_use::refuse_if_served(&self.local_paths(), what)?)
+    }
+
+    /// Refuses (exit 5) when a ucrypt process serves the volume or its detached header
+    /// read-write (a reader's check: one serving it read-only does not count).
+    pub fn refuse_if_served_for_reading(&self, what: &str) -> CliResult<()> {
+        Ok(crate::in_use::refuse_if_served_for(
+            &self.local_paths(),
+            crate::in_use::Access::Read,
+            what,
+        )?)
     }
 
     /// The volume's file or device node and its detached header, where they are local paths.
@@ -886,7 +946,10 @@ impl VolumeArgs {
             eprintln!("WARNING: {w}");
         }
         let unlock = match (&self.volume_key_file, &self.passphrase_read) {
-            (Some(p), _) => Unlock::VolumeKey(read_volume_key(p)?),
+            (Some(p), _) => Unlock::VolumeKey(crate::volume_key::read(
+                p,
+                crate::volume_key::key_bytes_for(&hdr, None)?,
+            )?),
             (None, Some(read)) => {
                 Unlock::Passphrase(SecretBytes::from_slice(read.as_ref().as_ref()))
             }
@@ -919,7 +982,17 @@ impl VolumeArgs {
             .volume_key_file
             .as_ref()
             .ok_or_else(|| CliError::Usage("--cipher needs --volume-key-file".into()))?;
-        let key = read_volume_key(key_file)?;
+        let key_bytes = match self.key_size {
+            Some(bits) if bits % 8 == 0 => bits as usize / 8,
+            Some(bits) => {
+                return Err(CliError::Usage(format!(
+                    "key size {bits} bits is not a multiple of 8"
+                )))
+            }
+            None => spec.default_key_bytes(),
+        };
+        spec.check_key_len(key_bytes)?;
+        let key = crate::volume_key::read(key_file, key_bytes)?;
         let geometry = Geometry {
             sector_size: SectorSize::new(self.sector_size)?,
             iv_offset: self.skip,

@@ -77,8 +77,13 @@ fn open_one(a: &ServeArgs, target: &Target, stop: &Stop) -> CliResult<(Opened, I
     let mut v = a.volume.clone();
     v.volume = target.clone();
     v.remote.stop = Some(stop.clone());
-    // Marked for as long as it is served: an offline reencrypt or a format refuses it.
-    let marked = v.mark_served()?;
+    // Marked for as long as it is served: a second server, an offline reencrypt or a format
+    // refuses it.
+    let marked = if a.unencrypted {
+        v.mark_served_unencrypted()?
+    } else {
+        v.mark_served()?
+    };
     if a.unencrypted {
         let ro = a.volume.read_only;
         let backend = target.open_plain(!ro, &v.remote)?;
@@ -124,13 +129,16 @@ fn serve(a: ServeArgs) -> CliResult<()> {
     let stop = crate::signals::stop_on_signals()?;
     let (opened, _served) = open_volumes(&a, &stop)?;
     crate::signals::started();
-    if let Some(at) = &a.metrics.metrics {
-        let vols = opened
-            .iter()
-            .filter_map(|(n, _, v)| v.clone().map(|v| (n.clone(), v)))
-            .collect();
-        metrics::start(at, Volumes(vols))?;
-    }
+    let _metrics = match &a.metrics.metrics {
+        Some(at) => {
+            let vols = opened
+                .iter()
+                .filter_map(|(n, _, v)| v.clone().map(|v| (n.clone(), v)))
+                .collect();
+            Some(metrics::start(at, Volumes(vols))?)
+        }
+        None => None,
+    };
     let _control = match opened.first() {
         Some((_, _, Some(v))) => control::start(&a.control, &a.volume, v, "nbd")?,
         _ if a.control.control.is_some() => {

@@ -33,9 +33,10 @@ fn serve(a: UblkArgs) -> CliResult<()> {
     let _served = a.volume.mark_served()?;
     let dev = a.volume.open()?;
     crate::signals::started();
-    if let Some(at) = &a.metrics.metrics {
-        metrics::start(at, Volumes::one(&a.volume, &dev))?;
-    }
+    let _metrics = match &a.metrics.metrics {
+        Some(at) => Some(metrics::start(at, Volumes::one(&a.volume, &dev))?),
+        None => None,
+    };
     let _control = control::start(&a.control, &a.volume, &dev, "ublk")?;
     let mut opts = UblkOptions::default();
     if let Some(q) = a.queues {

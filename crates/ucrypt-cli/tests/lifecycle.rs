@@ -1,7 +1,8 @@
 //! A volume's life cycle as a user types it: `open VOLUME NAME` -> a block device named NAME
 //! -> mkfs, mount, copy, umount -> `close NAME` -> `open` again -> fsck clean, tree identical;
 //! `status` field by field; cryptsetup's exit codes for a wrong passphrase (2), a NAME or a
-//! volume in use (5), an unknown NAME (4); `close` refusing a mounted device; a daemon killed
+//! volume in use (5), an unknown NAME (4); `close` refusing a mounted or held device, one writer
+//! per volume whatever the order of verbs; a daemon killed
 //! with SIGKILL cleaned up by `close`; the same as a non-root user (FUSE file only).
 //!
 //! Needs root, /dev/fuse, /dev/loop-control, mkfs.ext4 (FUSE + loop); the rootless test also
@@ -350,11 +351,15 @@ fn unknown_names_get_cryptsetups_codes() {
     let o = ucrypt(&["close", &n]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert_eq!(one_line(&o), format!("Device {n} is not active."));
-    for bad in ["a/b", "..", "-x"] {
+    for bad in ["..", "-x"] {
         let o = ucrypt(&["close", "--", bad]);
         assert_eq!(o.status.code(), Some(1), "{bad}: {}", text(&o));
         one_line(&o);
     }
+    // A path that is no NAME's stable path is no open device, as cryptsetup answers.
+    let o = ucrypt(&["close", "a/b"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert_eq!(one_line(&o), "Device a/b is not active.");
     let long = "n".repeat(128);
     let o = ucrypt(&["status", &long]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
@@ -442,7 +447,8 @@ fn rootless_fuse_file_round_trip() {
         "bs=64k",
         "conv=notrunc,fsync",
     ]);
-    let o = as_user(&["status", &n]);
+    // The device named by its stable path, as cryptsetup takes /dev/mapper/NAME.
+    let o = as_user(&["status", s(&device)]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let st = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
@@ -470,7 +476,7 @@ fn rootless_fuse_file_round_trip() {
         std::fs::read(&back).unwrap() == std::fs::read(&pattern).unwrap(),
         "read back differs"
     );
-    let o = as_user(&["close", &n]);
+    let o = as_user(&["close", s(&device)]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     assert!(!mounts.contains(&format!("ucrypt:{n} ")), "{mounts}");
@@ -1285,5 +1291,473 @@ fn keyslots_change_while_the_volume_is_open() {
         text(&o)
     );
     ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}
+
+/// Stops a background `ucrypt` (SIGTERM, then waits) when dropped, so that a failed assertion
+/// leaves no server behind.
+struct Background(std::process::Child);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = run("kill", &["-TERM", &self.0.id().to_string()]);
+        let _ = self.0.wait();
+    }
+}
+
+/// `ucrypt serve VOLUME --nbd unix:SOCK EXTRA...`, returned once its socket accepts.
+fn serve_in_background(img: &Path, key: &Path, sock: &Path, extra: &[&str]) -> Background {
+    let listen = format!("unix:{}", s(sock));
+    let mut a = vec!["serve", s(img), "--nbd", &listen, "--key-file", s(key)];
+    a.extend(extra);
+    let child = Command::new(UCRYPT)
+        .args(&a)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut bg = Background(child);
+    let t0 = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(sock).is_err() {
+        if let Some(st) = bg.0.try_wait().unwrap() {
+            panic!("ucrypt serve ended: {st}");
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "ucrypt serve not listening after 60 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    bg
+}
+
+/// `close` of a device a process holds open (not mounted) is busy, as cryptsetup's close of a
+/// held dm device: exit 5, the NAME stays and keeps its volume; `close --deferred` closes it
+/// once the holder lets go. Whatever the order of verbs, one ciphertext has one writer: a
+/// second `open` of the volume (under another NAME), or a `serve` of it, is refused while
+/// the first daemon serves it, also after `close --deferred`; read-only servers share it.
+#[test]
+fn a_held_device_is_busy_and_a_served_volume_has_one_writer() {
+    skip_unless_rig!();
+    let t = TempDir::new("held");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("held");
+    let other = name("held-other");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let holder = Command::new("sleep")
+        .arg("600")
+        .stdin(std::fs::File::open(&stable).unwrap())
+        .spawn()
+        .unwrap();
+    let holder_pid = holder.id();
+    let mut holder = Background(holder);
+
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "close of a held device: {}",
+        text(&o)
+    );
+    let line = one_line(&o);
+    assert!(
+        line.starts_with(&format!("Cannot close {n}: /dev/loop"))
+            && line.contains(&format!("is open in process {holder_pid} (sleep)")),
+        "{line}"
+    );
+    let (code, f) = status_fields(&n);
+    assert_eq!(code, 0);
+    assert_eq!(f[0].1, format!("{stable} is active and is in use."));
+    // The volume stays its: no second daemon, no serve beside it.
+    let o = ucrypt(&["open", s(&img), &other, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert_gone(&other);
+
+    // Deferred: returns at once, the NAME stays until the holder goes, and still nobody else
+    // may serve the volume.
+    let o = ucrypt(&["close", "--deferred", &n]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(Path::new(RUN_DIR).join(&n).exists(), "closed while held");
+    let o = ucrypt(&["open", s(&img), &other, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let sock = t.path("nbd.sock");
+    let listen = format!("unix:{}", s(&sock));
+    // (Bounded: a serve that is not refused serves until stopped.)
+    let o = within(
+        120,
+        UCRYPT,
+        &["serve", s(&img), "--nbd", &listen, "--key-file", s(&key)],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "serve beside the daemon: {}",
+        text(&o)
+    );
+    assert!(
+        one_line(&o).contains("which is in use (a ucrypt process serves it"),
+        "{}",
+        text(&o)
+    );
+    let _ = holder.0.kill();
+    let _ = holder.0.wait();
+    let t0 = std::time::Instant::now();
+    while Path::new(RUN_DIR).join(&n).exists() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the deferred close did not happen after the holder went"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+
+    // A volume `serve` writes: `open` refuses it, read-write or read-only.
+    let srv = serve_in_background(&img, &key, &sock, &[]);
+    for ro in [&[][..], &["--readonly"][..]] {
+        let mut a = vec!["open", s(&img), &other, "--key-file", s(&key)];
+        a.extend(ro);
+        a.extend(["--front-end", "loop"]);
+        let o = ucrypt(&a);
+        assert_eq!(
+            o.status.code(),
+            Some(5),
+            "open {ro:?} beside serve: {}",
+            text(&o)
+        );
+        assert_gone(&other);
+    }
+    drop(srv);
+    // Read-only beside read-only goes; read-write beside it does not.
+    let srv = serve_in_background(&img, &key, &sock, &["--readonly"]);
+    let o = ucrypt(&[
+        "open",
+        s(&img),
+        &n,
+        "--key-file",
+        s(&key),
+        "--front-end",
+        "loop",
+    ]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert_gone(&n);
+    cli_common::open_loop(&img, &key, &n, &["--readonly"]);
+    ok(UCRYPT, &["close", &n]);
+    drop(srv);
+    assert_gone(&n);
+}
+
+/// A NAME whose control socket (`/run/ucrypt/NAME/control.sock`) would not fit in a unix
+/// socket's path (`sun_path`: 107 bytes and the NUL) is refused up front, before a passphrase
+/// is read or anything made, with the limit in the message (exit 1); the longest that fits
+/// opens and closes.
+#[test]
+fn names_too_long_for_the_control_socket_are_refused_up_front() {
+    skip_unless_rig!();
+    let t = TempDir::new("longname");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let max = 107 - format!("{RUN_DIR}/").len() - "/control.sock".len();
+    let tag = format!("long-{}-", std::process::id());
+    for len in [max + 1, 127] {
+        let long = format!("{tag}{}", "n".repeat(len - tag.len()));
+        let o = ucrypt(&["open", s(&img), &long, "--front-end", "loop"]);
+        assert_eq!(o.status.code(), Some(1), "{len} bytes: {}", text(&o));
+        let line = one_line(&o);
+        assert!(
+            line.contains(&format!("is too long: {len} bytes; at most {max} fit")),
+            "{line}"
+        );
+        assert_gone(&long);
+    }
+    let fits = format!("{tag}{}", "n".repeat(max - tag.len()));
+    open(&img, &key, &fits);
+    ok(UCRYPT, &["close", &fits]);
+    assert_gone(&fits);
+}
+
+/// `close --force` of a suspended device: the requests held since the suspend fail with EIO
+/// (a writer waiting on the device gets its error instead of hanging for ever), and the
+/// device closes; a plain `close` still asks for a resume first (exit 5).
+#[test]
+fn force_closes_a_suspended_device_and_fails_its_held_requests() {
+    skip_unless_rig!();
+    let t = TempDir::new("forcesusp");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("forcesusp");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    ok(UCRYPT, &["suspend", &n]);
+    let writer = Command::new("dd")
+        .args([
+            "if=/dev/zero",
+            &format!("of={stable}"),
+            "bs=64k",
+            "count=16",
+            "oflag=direct",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut cleanup = SuspendCleanup {
+        name: n.clone(),
+        key: key.clone(),
+        fio: Some(writer),
+    };
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let writer = cleanup.fio.as_mut().unwrap();
+    assert!(
+        writer.try_wait().unwrap().is_none(),
+        "a write passed the suspend"
+    );
+    let o = within(60, UCRYPT, &["close", &n]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    let o = within(60, UCRYPT, &["close", "--force", &n]);
+    assert_eq!(o.status.code(), Some(0), "close --force: {}", text(&o));
+    let t0 = std::time::Instant::now();
+    let st = loop {
+        if let Some(st) = writer.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the held write still waits after close --force"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut writer.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!st.success(), "the held write succeeded: {err}");
+    assert!(err.contains("Input/output error"), "{err}");
+    cleanup.fio = None;
+    // The loop device goes with its last user (autoclear).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}
+
+/// Peak resident memory of process `pid`, KiB (VmHWM).
+fn peak_rss_kib(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Concurrent `resume` attempts run one at a time in the daemon: four wrong passphrases sent
+/// at once against an Argon2 keyslot of 128 MiB raise the daemon's peak memory by less than
+/// two KDFs' worth (at once they would need four), each is refused with exit 2 and logged to
+/// the daemon's log without the passphrase, and the right one then resumes.
+#[test]
+fn concurrent_resumes_run_one_at_a_time_and_failures_are_logged() {
+    skip_unless_rig!();
+    const KDF_MIB: u64 = 128;
+    let t = TempDir::new("resumes");
+    let img = t.image("vol.img", 20);
+    let key = t.file("key", PASSPHRASE);
+    let kib = (KDF_MIB << 10).to_string();
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            "--key-file",
+            s(&key),
+            "--pbkdf",
+            "argon2id",
+            "--pbkdf-memory",
+            &kib,
+            "--pbkdf-force-iterations",
+            "4",
+            "--pbkdf-parallel",
+            "1",
+            s(&img),
+        ],
+    );
+    let n = name("resumes");
+    open(&img, &key, &n);
+    let dir = Path::new(RUN_DIR).join(&n);
+    let pid = std::fs::read_to_string(dir.join("pid")).unwrap();
+    let pid = pid.trim();
+    ok(UCRYPT, &["suspend", &n]);
+    let _cleanup = SuspendCleanup {
+        name: n.clone(),
+        key: key.clone(),
+        fio: None,
+    };
+    // The open's own KDF is in the peak already.
+    let before = peak_rss_kib(pid);
+    let secret = "not-the-passphrase-0xC0FFEE";
+    let wrong = t.file("wrong", secret.as_bytes());
+    let tries: Vec<_> = (0..4)
+        .map(|_| {
+            Command::new(UCRYPT)
+                .args(["resume", &n, "--key-file", s(&wrong)])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in tries {
+        let o = c.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    }
+    let grown_kib = peak_rss_kib(pid).saturating_sub(before);
+    assert!(
+        grown_kib < (KDF_MIB << 10) * 3 / 2,
+        "the daemon's peak grew by {grown_kib} KiB: resume KDFs ran at once"
+    );
+    let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap();
+    let refused = log
+        .lines()
+        .filter(|l| l.contains("resume refused (exit 2): No key available with this passphrase."))
+        .count();
+    assert_eq!(refused, 4, "daemon.log: {log}");
+    assert!(!log.contains(secret), "the passphrase is in the log: {log}");
+    let o = within(60, UCRYPT, &["resume", &n, "--key-file", s(&key)]);
+    assert_eq!(o.status.code(), Some(0), "resume: {}", text(&o));
+    ok(UCRYPT, &["close", &n]);
+    assert_gone(&n);
+}
+
+/// Closes NAME (`--force`; a dead daemon's leftovers too) when dropped, so that a failed
+/// assertion leaves nothing behind.
+struct CloseOnDrop(String);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let _ = run(UCRYPT, &["close", "--force", &self.0]);
+    }
+}
+
+/// The child of `parent` whose command line contains `word`, if one runs.
+fn child_with(parent: &str, word: &str) -> Option<String> {
+    std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let pid = e.ok()?.file_name().into_string().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .to_string();
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        (ppid == parent && String::from_utf8_lossy(&cmd).contains(word)).then_some(pid)
+    })
+}
+
+/// An online `reencrypt` whose daemon is killed (SIGKILL) under it says that the daemon is
+/// gone and what to do (exit 1), not that the device is busy. The rotation's worker is
+/// stopped first, so that the rotation cannot finish before the kill.
+#[test]
+fn reencrypt_through_a_daemon_killed_under_it_says_the_daemon_is_gone() {
+    skip_unless_rig!();
+    let t = TempDir::new("gone");
+    let (img, key) = volume(&t, "vol.img", 64);
+    let n = name("gone");
+    open(&img, &key, &n);
+    let _closer = CloseOnDrop(n.clone());
+    let pid = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("pid")).unwrap();
+    let pid = pid.trim().to_string();
+    let mut a = vec![
+        "reencrypt",
+        "--batch-mode",
+        "--key-file",
+        s(&key),
+        "--hotzone-size",
+        "256K",
+    ];
+    a.extend(FAST_PBKDF2);
+    a.push(s(&img));
+    let verb = Command::new(UCRYPT)
+        .args(&a)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut verb = Background(verb);
+    let t0 = std::time::Instant::now();
+    let worker = loop {
+        if let Some(w) = child_with(&pid, "reencrypt-worker") {
+            break w;
+        }
+        if let Some(st) = verb.0.try_wait().unwrap() {
+            panic!("the reencryption ended ({st}) before its worker was seen");
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "no rotation worker after 60 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    ok("kill", &["-STOP", &worker]);
+    ok("kill", &["-9", &pid]);
+    let t0 = std::time::Instant::now();
+    let st = loop {
+        if let Some(st) = verb.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the verb still waits 60 s after its daemon died"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut verb.0.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "Device {n} has lost its daemon (pid {pid} is gone)"
+        )) && err.contains(&format!("'ucrypt close {n}' cleans up")),
+        "{err}"
+    );
+    // The worker died with its daemon; the dead daemon's leftovers are cleaned by close.
+    let _ = run("kill", &["-CONT", &worker]);
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}
+
+/// Every verb on an open device takes its stable path as well as its NAME, as cryptsetup takes
+/// /dev/mapper/NAME: status, suspend, resume, resize, refresh, close. Another path is no
+/// open device (status: "inactive", close: "not active", exit 4).
+#[test]
+fn the_stable_path_names_the_device() {
+    skip_unless_rig!();
+    let t = TempDir::new("stable");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("stable");
+    let stable = format!("{DEV_DIR}/{n}");
+    open(&img, &key, &n);
+    let _closer = CloseOnDrop(n.clone());
+    let o = ucrypt(&["status", &stable]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).starts_with(&format!("{stable} is active.\n")),
+        "{}",
+        text(&o)
+    );
+    ok(UCRYPT, &["suspend", &stable]);
+    ok(UCRYPT, &["resume", &stable, "--key-file", s(&key)]);
+    ok(UCRYPT, &["resize", &stable]);
+    ok(UCRYPT, &["refresh", &stable, "--policy", "inline"]);
+    let o = ucrypt(&["status", "/dev/mapper/nothing-here"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "/dev/mapper/nothing-here is inactive.\n"
+    );
+    let o = ucrypt(&["close", "/dev/mapper/nothing-here"]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    let o = ucrypt(&["close", &stable]);
+    assert_eq!(o.status.code(), Some(0), "close {stable}: {}", text(&o));
     assert_gone(&n);
 }

@@ -58,6 +58,11 @@ pub enum Error {
     #[error("No key available with this passphrase.")]
     WrongPassphrase,
 
+    /// A volume key given as such (cryptsetup's `--volume-key-file`) that the header's digest
+    /// does not accept: cryptsetup's words, and its exit code of a wrong key.
+    #[error("Volume key does not match the volume.")]
+    VolumeKeyMismatch,
+
     #[error("No usable keyslot is available.")]
     NoUsableKeyslot,
 
@@ -161,7 +166,7 @@ impl Error {
             | Error::InReencryption
             | Error::NeedsRecovery => ErrorKind::BadInput,
             Error::UnmetRequirements(_) => ErrorKind::BadData,
-            Error::WrongPassphrase => ErrorKind::WrongKey,
+            Error::WrongPassphrase | Error::VolumeKeyMismatch => ErrorKind::WrongKey,
             // No keyslot left to try: the header cannot be opened by any passphrase
             // (cryptsetup exits 1 here, not 2).
             Error::NoUsableKeyslot

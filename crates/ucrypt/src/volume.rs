@@ -258,7 +258,7 @@ impl BlockDev for Volume {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let _in = self.core.gate.enter();
+        let _in = self.core.enter(Kind::Read)?;
         if self.core.segmented.load(Relaxed) {
             return counted(&self.core, Kind::Read, self.seg_read(buf, offset));
         }
@@ -266,7 +266,7 @@ impl BlockDev for Volume {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        let _in = self.core.gate.enter();
+        let _in = self.core.enter(Kind::Write)?;
         if self.core.segmented.load(Relaxed) {
             let r = self.seg_write(Op::Write, Source::Buf(buf), offset, buf.len() as u64, false);
             return counted(&self.core, Kind::Write, r);
@@ -290,12 +290,12 @@ impl BlockDev for Volume {
     fn flush(&self) -> Result<()> {
         // Every acknowledged write has reached the backend (all policies acknowledge after the
         // backend write), so syncing the backend makes them durable.
-        let _in = self.core.gate.enter();
+        let _in = self.core.enter(Kind::Write)?;
         counted(&self.core, Kind::Write, self.core.backend.flush())
     }
 
     fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        let _in = self.core.gate.enter();
+        let _in = self.core.enter(Kind::Write)?;
         if self.core.segmented.load(Relaxed) {
             return counted(&self.core, Kind::Write, self.seg_discard(offset, len));
         }
@@ -303,7 +303,7 @@ impl BlockDev for Volume {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
-        let _in = self.core.gate.enter();
+        let _in = self.core.enter(Kind::Write)?;
         if self.core.segmented.load(Relaxed) {
             let r = self.seg_write(Op::WriteZeroes, Source::Zeroes, offset, len, false);
             return counted(&self.core, Kind::Write, r);
@@ -325,6 +325,15 @@ fn counted(core: &Core, k: Kind, r: Result<()>) -> Result<()> {
 }
 
 impl Core {
+    /// Passes the gate for a request of kind `k`; the EIO of a failed gate
+    /// ([`Volume::abort_suspended`]) counts as the request's error.
+    #[inline(always)]
+    fn enter(&self, k: Kind) -> Result<crate::engine::gate::Pass<'_>> {
+        self.gate
+            .enter()
+            .inspect_err(|e| self.stats.record_error(k, e.kind()))
+    }
+
     /// See [`Core::null_cipher`]'s field. Relaxed: it changes only with the gate closed,
     /// which orders it against every request.
     #[inline(always)]
@@ -780,7 +789,7 @@ impl Volume {
     /// place when it runs inline ([`Core::write_route`]), else planned; by the segments while
     /// the volume is in reencryption.
     fn write_given(&self, buf: &mut [u8], offset: u64, fua: bool) -> Result<()> {
-        let _in = self.core.gate.enter();
+        let _in = self.core.enter(Kind::Write)?;
         let len = buf.len() as u64;
         let r = if self.core.segmented.load(Relaxed) {
             self.seg_write(Op::Write, Source::Buf(buf), offset, len, fua)
@@ -924,6 +933,18 @@ impl Volume {
         c.ciphers.install(cipher);
         *suspended = false;
         c.gate.open();
+        Ok(())
+    }
+
+    /// Ends a suspended volume for good (`close --force` of a suspended device): the requests
+    /// waiting for the resume, and every later one, fail with EIO. The volume never holds its
+    /// key again; only dropping it is left. Refused when not suspended.
+    pub fn abort_suspended(&self) -> Result<()> {
+        let suspended = lock(&self.core.suspended);
+        if !*suspended {
+            return Err(Error::InvalidArgument("the volume is not suspended".into()));
+        }
+        self.core.gate.fail();
         Ok(())
     }
 

@@ -165,13 +165,9 @@ fn request_name(r: &Request) -> &'static str {
     }
 }
 
-/// The control socket while the process serves; removed on drop.
-pub struct Served(PathBuf);
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+/// The control socket while the process serves; removed on drop (if it is still ours).
+pub struct Served {
+    _socket: ucrypt_nbd::server::BoundSocket,
 }
 
 /// Starts answering on `a.control`, if given, for the volume `vol` opened from `v`, served by
@@ -186,7 +182,7 @@ pub fn start(
     let Some(path) = &a.control else {
         return Ok(None);
     };
-    let l = server::bind(path)?;
+    let (l, bound) = server::bind(path)?;
     let volume = v.volume.to_string();
     let h = Control {
         name: volume.clone(),
@@ -205,7 +201,7 @@ pub fn start(
             .map(|h| std::fs::canonicalize(h).unwrap_or_else(|_| h.clone())),
     };
     server::spawn(l, Arc::new(h))?;
-    Ok(Some(Served(path.clone())))
+    Ok(Some(Served { _socket: bound }))
 }
 
 /// The volume's canonical path when it is a local file or device (the verb compares it with

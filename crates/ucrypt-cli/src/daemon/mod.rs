@@ -156,8 +156,12 @@ impl OpenArgs {
     }
 }
 
+/// `ucrypt close NAME`: a device that is mounted, held by another device or open in a
+/// process is busy (exit 5), as cryptsetup's close of a dm device whose open count is not zero.
 #[derive(Args, Debug)]
 pub struct CloseArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// Close even while the device is mounted or held: it is flushed, then fails every
     /// request (as `dmsetup remove --force` does).
@@ -173,11 +177,15 @@ pub struct CloseArgs {
 
 #[derive(Args, Debug)]
 pub struct SuspendArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
 }
 
 #[derive(Args, Debug)]
 pub struct ResumeArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// Passphrase from this file ("-" = stdin); without it the passphrase is asked.
     #[arg(long, short = 'd')]
@@ -205,6 +213,8 @@ pub struct ResumeArgs {
 
 #[derive(Args, Debug)]
 pub struct ResizeArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// The new size in 512-byte sectors; default: all of the backing file or device after
     /// the data offset.
@@ -214,11 +224,15 @@ pub struct ResizeArgs {
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
 }
 
 #[derive(Args, Debug)]
 pub struct RefreshArgs {
+    /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
     /// The new dispatch policy: inline, parallel, ordered, queued, auto, or read=P,write=Q.
     #[arg(long)]
@@ -398,6 +412,8 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         CliError::Usage("open needs a NAME for the device (or --test-passphrase)".into())
     })?;
     state::check_name(&name)?;
+    let run = RunDir::locate()?;
+    run.check_name_fits(&name)?;
     check_type(a.dev_type, a.v.cipher.is_some())?;
     a.v.device_type = a.dev_type;
     if matches!(a.nbd, Some(ucrypt_nbd::server::Listen::Tcp { .. })) {
@@ -405,7 +421,6 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
             "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
         ));
     }
-    let run = RunDir::locate()?;
     let front_end = a.front_end.resolve(run.root)?;
     // A local volume is known by its device and inode; a remote one by its name.
     let (volume, st_dev, st_ino) = match &a.v.volume {
@@ -443,8 +458,14 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         started_unix_s: unix_now_s(),
         ..Identity::default()
     };
-    // Name and volume checked before any prompt, as cryptsetup does.
+    // Name and volume checked before any prompt, as cryptsetup does: the volume also against
+    // the other processes that serve it (`serve`, `mount`, `ublk`, and a daemon that `close
+    // --deferred` left serving).
     let claim = state::claim(&run, &ident)?;
+    if let Err(e) = a.v.check_servable() {
+        claim.abandon();
+        return Err(e);
+    }
     if a.v.volume.is_remote() && !a.foreground {
         return open_remote_in_daemon(a, name, run, claim, ident, front_end);
     }
@@ -702,8 +723,8 @@ fn wait_ready(name: &str, child: libc::pid_t, ready: std::fs::File, dir: &Path) 
 }
 
 /// `ucrypt close NAME`.
-pub fn close(a: CloseArgs) -> CliResult<i32> {
-    state::check_name(&a.name)?;
+pub fn close(mut a: CloseArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let run = RunDir::locate()?;
     let dir = run.dir(&a.name);
     let not_active = || CliError::NotActive(format!("Device {} is not active.", a.name));
@@ -713,7 +734,8 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
     if !state::is_alive(&dir) {
         return close_stale(&run, &a.name, a.force);
     }
-    let sock = dir.join("control.sock");
+    let pid = Identity::read(&dir).map_or(0, |i| i.pid);
+    let sock = dir.join(state::CONTROL_SOCKET);
     let req = if a.cancel_deferred {
         Request::CancelDeferred
     } else if a.deferred {
@@ -729,10 +751,11 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
                     return Ok(0);
                 }
             }
-            // The name is free once the daemon is gone (bounded: it may still serve a file
-            // something holds, detached, after a plain close).
+            // The name and the volume are free once the daemon has exited: its state
+            // directory goes first, its hold on the volume (`crate::in_use`) with the process.
+            // Bounded: it may still serve a device someone opened after the close looked.
             let t0 = Instant::now();
-            while state::is_alive(&dir) && t0.elapsed() < CLOSE_EXIT_WAIT {
+            while (state::is_alive(&dir) || process_lives(pid)) && t0.elapsed() < CLOSE_EXIT_WAIT {
                 std::thread::sleep(CLOSE_EXIT_POLL);
             }
             Ok(0)
@@ -749,6 +772,23 @@ pub fn close(a: CloseArgs) -> CliResult<i32> {
             a.name
         ))),
         Err(e) => Err(CliError::Usage(e.to_string())),
+    }
+}
+
+/// Whether process `pid` still runs (a zombie has let go of everything: it does not). False
+/// for 0.
+fn process_lives(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // "PID (COMM) STATE ...": COMM may hold spaces and parentheses, the state follows the
+        // last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
     }
 }
 
@@ -892,8 +932,8 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
 
 /// `ucrypt status NAME`: 0 active, 4 inactive (cryptsetup's), 1 when the daemon is dead.
 /// `refresh NAME --policy P`: changes the running volume's settings, then prints its status.
-pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
-    state::check_name(&a.name)?;
+pub fn refresh(mut a: RefreshArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let run = RunDir::locate()?;
     let dir = run.dir(&a.name);
     if !dir.is_dir() || !state::is_alive(&dir) {
@@ -938,6 +978,18 @@ pub fn refresh(a: RefreshArgs) -> CliResult<i32> {
     print_status(&path, &a.name, &dir, &Request::Refresh(r))
 }
 
+/// The NAME a verb names by NAME or by its stable path (`/dev/ucrypt/NAME`,
+/// `$XDG_RUNTIME_DIR/ucrypt/NAME/device`), as cryptsetup takes `/dev/mapper/NAME`; another
+/// path is no open device (exit 4).
+pub(crate) fn resolve_name(arg: &str) -> CliResult<String> {
+    let run = RunDir::locate()?;
+    let name = run
+        .name_in(arg)
+        .ok_or_else(|| CliError::NotActive(format!("Device {arg} is not active.")))?;
+    state::check_name(&name)?;
+    Ok(name)
+}
+
 /// The state directory of a live daemon, or cryptsetup's "not active" (exit 4).
 fn live_dir(name: &str) -> CliResult<(RunDir, PathBuf)> {
     state::check_name(name)?;
@@ -951,7 +1003,7 @@ fn live_dir(name: &str) -> CliResult<(RunDir, PathBuf)> {
 
 /// Sends `req` and expects a status back (printed only with `print`).
 fn expect_status(name: &str, dir: &Path, req: &Request) -> CliResult<StatusReport> {
-    expect_status_at(name, &dir.join("control.sock"), req)
+    expect_status_at(name, &dir.join(state::CONTROL_SOCKET), req)
 }
 
 /// [`expect_status`] over the control socket `sock`.
@@ -965,15 +1017,58 @@ fn expect_status_at(name: &str, sock: &Path, req: &Request) -> CliResult<StatusR
         Ok(_) => Err(CliError::Usage(
             "the daemon answered with something else than a status".into(),
         )),
-        Err(server::ClientError::Connect { .. }) => Err(CliError::Busy(format!(
-            "Device {name} is busy (being opened or closed)."
-        ))),
-        Err(e) => Err(CliError::Usage(e.to_string())),
+        Err(server::ClientError::Connect { .. }) => Err(not_answering(name, sock)),
+        // The connection broke under the request: a daemon that died answers no more.
+        Err(e) => {
+            let t0 = Instant::now();
+            loop {
+                match not_answering(name, sock) {
+                    CliError::Busy(_) if t0.elapsed() < DEATH_SETTLE => {
+                        std::thread::sleep(CLOSE_EXIT_POLL)
+                    }
+                    CliError::Busy(_) => return Err(CliError::Usage(e.to_string())),
+                    gone => return Err(gone),
+                }
+            }
+        }
     }
 }
 
+/// How long a client whose connection broke looks whether the daemon died (its locks go as
+/// the process ends, a moment after its socket).
+const DEATH_SETTLE: Duration = Duration::from_secs(1);
+
+/// Why nobody answers on the control socket `sock` of `name`. An `open` daemon's (in the
+/// run directory): closed since (not active), dead (its NAME lock is free: gone, and what
+/// to do), or opening or closing (busy). A `--control` socket of serve, mount or ublk: the
+/// process is gone, or not listening yet.
+fn not_answering(name: &str, sock: &Path) -> CliError {
+    let dir = sock.parent().unwrap_or(Path::new("/"));
+    let daemon = RunDir::locate().is_ok_and(|r| dir.parent() == Some(r.base.as_path()));
+    if !daemon {
+        return CliError::Gone(format!(
+            "Nothing answers on {}: the serve, mount or ublk process that listened there with \
+             --control is gone (or not listening yet).",
+            sock.display()
+        ));
+    }
+    if !dir.is_dir() {
+        return CliError::NotActive(format!("Device {name} is not active."));
+    }
+    if state::is_alive(dir) {
+        return CliError::Busy(format!("Device {name} is busy (being opened or closed)."));
+    }
+    let pid = Identity::read(dir).map_or(0, |i| i.pid);
+    CliError::Gone(format!(
+        "Device {name} has lost its daemon (pid {pid} is gone): its device no longer works. \
+         'ucrypt close {name}' cleans up what it left; open the volume again to serve it (a \
+         reencryption it ran resumes from where it stopped)."
+    ))
+}
+
 /// `ucrypt suspend NAME` (`luksSuspend`).
-pub fn suspend(a: SuspendArgs) -> CliResult<i32> {
+pub fn suspend(mut a: SuspendArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let (_, dir) = live_dir(&a.name)?;
     expect_status(&a.name, &dir, &Request::Suspend)?;
     Ok(0)
@@ -981,7 +1076,8 @@ pub fn suspend(a: SuspendArgs) -> CliResult<i32> {
 
 /// `ucrypt resume NAME` (`luksResume`): the passphrase (or key file) is read here and sent to
 /// the daemon, which unlocks a keyslot with it; a wrong one exits 2, still suspended.
-pub fn resume(a: ResumeArgs) -> CliResult<i32> {
+pub fn resume(mut a: ResumeArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     use crate::pass;
     ucrypt::secret::disable_core_dumps();
     let (_, dir) = live_dir(&a.name)?;
@@ -1030,7 +1126,8 @@ pub fn resume(a: ResumeArgs) -> CliResult<i32> {
 }
 
 /// `ucrypt resize NAME [--size SECTORS]`.
-pub fn resize(a: ResizeArgs) -> CliResult<i32> {
+pub fn resize(mut a: ResizeArgs) -> CliResult<i32> {
+    a.name = resolve_name(&a.name)?;
     let (_, dir) = live_dir(&a.name)?;
     let s = expect_status(
         &a.name,
@@ -1050,9 +1147,18 @@ fn print_status(path: &str, name: &str, dir: &Path, req: &Request) -> CliResult<
     Ok(0)
 }
 
-pub fn status(a: StatusArgs) -> CliResult<i32> {
-    state::check_name(&a.name)?;
+pub fn status(mut a: StatusArgs) -> CliResult<i32> {
     let run = RunDir::locate()?;
+    // A path that is no NAME's stable path is inactive, as cryptsetup's status of a device
+    // that is not a mapping says.
+    match run.name_in(&a.name) {
+        Some(n) => a.name = n,
+        None => {
+            println!("{} is inactive.", a.name);
+            return Ok(4);
+        }
+    }
+    state::check_name(&a.name)?;
     let dir = run.dir(&a.name);
     let path = run.stable_path(&a.name).display().to_string();
     if !dir.is_dir() {

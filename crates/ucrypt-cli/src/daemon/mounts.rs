@@ -1,6 +1,8 @@
 //! Is a device in use? Mounted (from /proc/self/mountinfo), held by another block device
-//! (sysfs holders, e.g. dm or md), or attached to a loop device (a FUSE file) — the reasons
-//! `close` refuses without `--force`. Also the lazy unmount of a FUSE file after a crash.
+//! (sysfs holders, e.g. dm or md), attached to a loop device (a FUSE file), or open in a
+//! process (its descriptors in /proc) — the reasons `close` refuses without `--force`, as
+//! dm refuses to remove a device whose open count is not zero. Also the lazy unmount of a
+//! FUSE file after a crash.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -117,6 +119,64 @@ pub fn in_use(device: &Path, own_loop: Option<&Path>) -> Option<String> {
     None
 }
 
+/// Processes looked at, at most, by [`opener`]: more than a host runs. Past the bound a
+/// holder can be missed; `close` then detaches the device and the daemon serves it until its
+/// last user closes it, holding the volume's in-use lock (`crate::in_use`) all along.
+const PROCESSES_SCANNED_MAX: usize = 1 << 20;
+
+/// Descriptors of one process looked at, at most (as [`PROCESSES_SCANNED_MAX`]).
+const FDS_SCANNED_MAX: usize = 1 << 20;
+
+/// Whether the descriptor target `link` is `device` or one of its partitions (`/dev/loop0`,
+/// `/dev/loop0p1`). Pure: for tests.
+fn names_device(link: &Path, device: &Path) -> bool {
+    let (Some(l), Some(d)) = (link.to_str(), device.to_str()) else {
+        return false;
+    };
+    match l.strip_prefix(d) {
+        Some("") => true,
+        Some(rest) => rest
+            .strip_prefix('p')
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
+        None => false,
+    }
+}
+
+/// A process other than this one with one of `devices` (or a partition of one) open, said
+/// as "DEV is open in process PID (COMM)". Looks at what each descriptor names
+/// (`readlink`), never at the file itself, so that a hung file system elsewhere cannot hang
+/// the scan. Rootless, only the user's own processes can be seen (they are the only ones
+/// that can open the FUSE file).
+pub fn opener(devices: &[&Path]) -> Option<String> {
+    let me = std::process::id();
+    let procs = std::fs::read_dir("/proc").ok()?;
+    for p in procs.filter_map(|e| e.ok()).take(PROCESSES_SCANNED_MAX) {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.filter_map(|e| e.ok()).take(FDS_SCANNED_MAX) {
+            let Ok(link) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            if let Some(d) = devices.iter().find(|d| names_device(&link, d)) {
+                let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+                return Some(format!(
+                    "{} is open in process {pid} ({})",
+                    d.display(),
+                    comm.trim_end()
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// Lazily unmounts a FUSE file: umount2(MNT_DETACH) as root, `fusermount3 -u -z` for the
 /// user who mounted it. Not mounted is success.
 pub fn lazy_unmount(file: &Path) -> std::io::Result<()> {
@@ -181,6 +241,63 @@ bad line
         );
         // The FUSE file's own mount is by its mount point, not its source: not "in use".
         assert!(mount_points(INFO, None, Some("/run/ucrypt/x/volume")).is_empty());
+    }
+
+    #[test]
+    fn names_device_table() {
+        for (link, dev, want) in [
+            ("/dev/loop0", "/dev/loop0", true),
+            ("/dev/loop0p1", "/dev/loop0", true),
+            ("/dev/loop0p", "/dev/loop0", false),
+            ("/dev/loop01", "/dev/loop0", false),
+            ("/dev/loop10", "/dev/loop1", false),
+            ("/dev/ublkb3p12", "/dev/ublkb3", true),
+            ("/dev/ublkc3", "/dev/ublkb3", false),
+            ("/run/ucrypt/x/volume", "/run/ucrypt/x/volume", true),
+            (
+                "/run/ucrypt/x/volume (deleted)",
+                "/run/ucrypt/x/volume",
+                false,
+            ),
+            ("socket:[123]", "/dev/loop0", false),
+        ] {
+            assert_eq!(
+                names_device(Path::new(link), Path::new(dev)),
+                want,
+                "{link} {dev}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_open_descriptor_is_seen_in_another_process_only() {
+        let dir = std::env::temp_dir().join(format!("ucrypt-opener-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("dev");
+        std::fs::write(&f, b"x").unwrap();
+        // Our own descriptors do not count (the daemon holds its loop device).
+        let own = std::fs::File::open(&f).unwrap();
+        assert_eq!(opener(&[&f]), None);
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .stdin(std::fs::File::open(&f).unwrap())
+            .spawn()
+            .unwrap();
+        let seen = opener(&[&f]);
+        let _ = child.kill();
+        let _ = child.wait();
+        drop(own);
+        let seen = seen.expect("the child's descriptor");
+        assert!(
+            seen.starts_with(&format!(
+                "{} is open in process {}",
+                f.display(),
+                child.id()
+            )),
+            "{seen}"
+        );
+        assert_eq!(opener(&[&f]), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

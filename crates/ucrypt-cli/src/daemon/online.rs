@@ -323,7 +323,7 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
             && state::is_alive(&dir);
         serves.then_some(Holder {
             name,
-            sock: dir.join("control.sock"),
+            sock: dir.join(state::CONTROL_SOCKET),
             ident: Some(ident),
             volume: None,
             header: None,
@@ -333,11 +333,12 @@ pub fn holder_of(path: &Path) -> Option<Holder> {
 
 /// The live daemon named `name` (cryptsetup's `--active-name`): "not active" (exit 4) if none.
 pub fn by_name(name: &str) -> CliResult<Holder> {
+    let name = &super::resolve_name(name)?;
     let (_, dir) = live_dir(name)?;
     let ident = Identity::read(&dir);
     Ok(Holder {
         name: name.to_string(),
-        sock: dir.join("control.sock"),
+        sock: dir.join(state::CONTROL_SOCKET),
         ident,
         volume: None,
         header: None,

@@ -32,6 +32,7 @@ use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
 use crate::error::{CliError, CliResult};
 use crate::open::{HeaderAt, Opened, Prepared};
+use crate::volume_key;
 
 /// How often the main loop looks at signals and at a front end that ended on its own.
 const POLL: Duration = Duration::from_millis(200);
@@ -73,7 +74,7 @@ impl Reporter {
             use std::io::Write;
             let _ = f.write_all(&super::proto::encode_response(&Response::Error {
                 code: e.exit_code(),
-                error: e.to_string(),
+                error: e.message(),
             }));
         }
     }
@@ -107,9 +108,11 @@ struct NbdSide {
 }
 
 impl NbdSide {
+    /// Binds `at` here (so that a path refused is the open's error) and serves from a thread.
     fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<NbdSide> {
+        let bound = ucrypt_nbd::server::bind(at)?;
         let stop = Stop::new();
-        let (s2, at2) = (stop.clone(), at.clone());
+        let s2 = stop.clone();
         let exports = vec![(name.to_string(), dev.clone())];
         let opts = ucrypt_nbd::server::ServerOptions {
             read_only: dev.read_only(),
@@ -124,24 +127,8 @@ impl NbdSide {
         };
         let thread = std::thread::Builder::new()
             .name("ucrypt-nbd".into())
-            .spawn(move || ucrypt_nbd::server::serve(exports, &at2, opts, s2))
+            .spawn(move || ucrypt_nbd::server::serve_on(exports, bound, opts, s2))
             .map_err(|e| io_err("starting the NBD server", e))?;
-        // Serving once the socket accepts (or the thread ended with its error).
-        if let Listen::Unix(p) = at {
-            let t0 = std::time::Instant::now();
-            while std::os::unix::net::UnixStream::connect(p).is_err() && !thread.is_finished() {
-                if t0.elapsed() > NBD_READY_WAIT {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        if thread.is_finished() {
-            return match thread.join() {
-                Ok(Err(e)) => Err(e.into()),
-                _ => Err(CliError::Usage("the NBD server ended at once".into())),
-            };
-        }
         Ok(NbdSide { thread, stop })
     }
 
@@ -162,9 +149,6 @@ struct Beside<'a> {
     in_use: &'a dyn Fn() -> bool,
     nbd: Option<NbdSide>,
 }
-
-/// How long `open --nbd` waits for its NBD socket to accept.
-const NBD_READY_WAIT: Duration = Duration::from_secs(10);
 
 /// A running front end.
 enum Front {
@@ -208,6 +192,12 @@ struct Shared {
     rotation: Arc<Mutex<Option<ReencryptionReport>>>,
     /// The detached header (`--header`), written by an online reencryption.
     header: Option<PathBuf>,
+    /// Held by a `resume` from its key derivation to its end: attempts run one at a time, so
+    /// that concurrent ones never need their KDFs' memory (Argon2's, up to 4 GiB each) at
+    /// once. The waiters are bounded by the control connections (`server::CONNECTIONS_MAX`).
+    resuming: Mutex<()>,
+    /// Set (under `resuming`) by `close --force` of the suspended volume: no resume after it.
+    aborted: AtomicBool,
 }
 
 enum Event {
@@ -319,7 +309,7 @@ impl Shared {
     /// An error from the library, with cryptsetup's exit code for it.
     fn failed(e: impl Into<CliError>) -> Response {
         let e = e.into();
-        Self::error(e.exit_code(), e.to_string())
+        Self::error(e.exit_code(), e.message())
     }
 
     fn refresh(&self, r: RefreshSettings) -> Response {
@@ -378,20 +368,56 @@ impl Shared {
         }
     }
 
+    /// `resume`: one attempt at a time (see `resuming`); a failed one is logged (why, never
+    /// the key) to the daemon's log.
     fn resume(&self, key: ResumeKey, key_slot: Option<u32>) -> Response {
+        let r = self.try_resume(key, key_slot);
+        if let Response::Error { code, error } = &r {
+            eprintln!(
+                "ucrypt daemon {}: resume refused (exit {code}): {error}",
+                self.name
+            );
+        }
+        r
+    }
+
+    fn try_resume(&self, key: ResumeKey, key_slot: Option<u32>) -> Response {
         let Some(dev) = &self.header_dev else {
             return Self::error(1, format!("Device {} is not suspended.", self.name));
         };
         if !self.vol.is_suspended() {
             return Self::error(1, format!("Device {} is not suspended.", self.name));
         }
+        let key_given = matches!(key, ResumeKey::VolumeKeyFile(_));
         let unlock = match key {
             ResumeKey::Passphrase(p) => Unlock::Passphrase(p),
-            ResumeKey::VolumeKeyFile(f) => match crate::open::read_volume_key(&f) {
-                Ok(k) => Unlock::VolumeKey(k),
-                Err(e) => return Self::failed(e),
-            },
+            // As many bytes as the header's key has: the header is read first (under
+            // cryptsetup's lock), the file after it without the lock, as its read may wait
+            // (bounded) for a FIFO's writer.
+            ResumeKey::VolumeKeyFile(f) => {
+                let bytes = dev.read(|dev| {
+                    luks::read_header(dev).and_then(|h| volume_key::key_bytes_for(&h, None))
+                });
+                let key = match bytes {
+                    Ok(Ok(n)) => volume_key::read(&f, n),
+                    Ok(Err(e)) => Err(e),
+                    Err(e) => return Self::failed(e),
+                };
+                match key {
+                    Ok(k) => Unlock::VolumeKey(k),
+                    Err(e) => return Self::failed(e),
+                }
+            }
         };
+        // One attempt at a time, from here (the key derivation) to the end; whether the volume
+        // is still suspended is asked again under it (an attempt before may have resumed it).
+        let _one = lock(&self.resuming);
+        if self.aborted.load(Ordering::Relaxed) {
+            return Self::error(5, format!("Device {} is being closed.", self.name));
+        }
+        if !self.vol.is_suspended() {
+            return Self::error(1, format!("Device {} is not suspended.", self.name));
+        }
         // The header is read again: a keyslot may have changed since the volume was opened.
         let vk = dev.read(|dev| {
             luks::read_header(dev).and_then(|hdr| {
@@ -407,6 +433,7 @@ impl Shared {
                 Ok(()) => self.status(),
                 Err(e) => Self::failed(e),
             },
+            Err(e) if key_given => Self::failed(volume_key::mismatch(e)),
             Err(e) => Self::failed(e),
         }
     }
@@ -442,10 +469,37 @@ impl Shared {
         self.status()
     }
 
+    /// Why the device cannot be closed now, if it cannot: mounted, held by another device, or
+    /// open in a process (the device, or the FUSE file behind a loop device).
     fn in_use(&self) -> Option<String> {
-        mounts::in_use(&self.device(), self.ident.loop_device.as_deref())
+        let device = self.device();
+        mounts::in_use(&device, self.ident.loop_device.as_deref()).or_else(|| {
+            let mut held = vec![device.as_path()];
+            if let Some(f) = self.ident.fuse_file.as_deref().filter(|f| *f != device) {
+                held.push(f);
+            }
+            mounts::opener(&held)
+        })
+    }
+
+    /// [`Self::in_use`], looked at again for up to [`HELD_SETTLE`] while it says yes: a
+    /// program that probes a new device (udev's blkid) holds it for a moment, and libdevmapper
+    /// retries a busy remove for the same reason.
+    fn in_use_settled(&self) -> Option<String> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let why = self.in_use()?;
+            if t0.elapsed() >= HELD_SETTLE {
+                return Some(why);
+            }
+            std::thread::sleep(HELD_POLL);
+        }
     }
 }
+
+/// How long `close` waits for a device in use to be let go before it calls it busy.
+const HELD_SETTLE: Duration = Duration::from_secs(2);
+const HELD_POLL: Duration = Duration::from_millis(100);
 
 impl server::Handler for Shared {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
@@ -476,12 +530,35 @@ impl server::Handler for Shared {
                     ),
                 ))
             }
-            Request::Close { .. } | Request::CloseDeferred if self.vol.is_suspended() => {
+            Request::Close { force: false } | Request::CloseDeferred if self.vol.is_suspended() => {
                 // Closing flushes, and a flush waits at the closed gate like any request.
                 respond(&Self::error(
                     5,
-                    format!("Device {} is suspended: resume it first.", self.name),
+                    format!(
+                        "Device {} is suspended: resume it first (or close --force: the \
+                         requests it holds fail).",
+                        self.name
+                    ),
                 ))
+            }
+            Request::Close { force: true } if self.vol.is_suspended() => {
+                // The held requests (and the flush of the teardown) fail with EIO instead of
+                // waiting for a resume that will not come. Not beside a resume deriving its
+                // key: before it or after it.
+                let one = lock(&self.resuming);
+                if self.vol.is_suspended() {
+                    if let Err(e) = self.vol.abort_suspended() {
+                        return respond(&Self::failed(e));
+                    }
+                    self.aborted.store(true, Ordering::Relaxed);
+                    eprintln!(
+                        "ucrypt daemon {}: closed by force while suspended: the requests held \
+                         fail with EIO",
+                        self.name
+                    );
+                }
+                drop(one);
+                self.close(true, respond)
             }
             Request::CloseDeferred if self.in_use().is_some() => {
                 self.deferred.store(true, Ordering::Relaxed);
@@ -503,42 +580,51 @@ impl server::Handler for Shared {
                     ),
                 }))
             }
-            Request::Close { force } => {
-                if !force {
-                    if let Some(why) = self.in_use() {
-                        return respond(&Response::Error {
-                            code: 5,
-                            error: format!(
-                                "Cannot close {}: {why} (umount it first, or close --force).",
-                                self.name
-                            ),
-                        });
-                    }
-                }
-                let (reply, reply_rx) = sync_channel(1);
-                let (written_tx, written) = sync_channel::<()>(1);
-                if self
-                    .events
-                    .try_send(Event::Close {
-                        force,
-                        reply,
-                        written,
-                    })
-                    .is_err()
-                {
-                    return respond(&Response::Error {
-                        code: 5,
-                        error: format!("Device {} is already being closed.", self.name),
-                    });
-                }
-                let resp = reply_rx.recv().unwrap_or(Response::Error {
-                    code: 1,
-                    error: "the daemon ended without answering".into(),
+            Request::Close { force } => self.close(force, respond),
+        }
+    }
+}
+
+impl Shared {
+    /// `close` (`--force`): refused while the device is in use, unless forced; else the main
+    /// loop tears the device down and answers.
+    fn close(&self, force: bool, respond: &mut dyn FnMut(&Response)) {
+        // A device still in use is busy, as dm's remove says (exit 5): closing it
+        // anyway when its last user goes is `close --deferred`.
+        if !force {
+            if let Some(why) = self.in_use_settled() {
+                return respond(&Response::Error {
+                    code: 5,
+                    error: format!(
+                        "Cannot close {}: {why} (stop using it first, or close \
+                         --deferred or --force).",
+                        self.name
+                    ),
                 });
-                respond(&resp);
-                drop(written_tx);
             }
         }
+        let (reply, reply_rx) = sync_channel(1);
+        let (written_tx, written) = sync_channel::<()>(1);
+        if self
+            .events
+            .try_send(Event::Close {
+                force,
+                reply,
+                written,
+            })
+            .is_err()
+        {
+            return respond(&Response::Error {
+                code: 5,
+                error: format!("Device {} is already being closed.", self.name),
+            });
+        }
+        let resp = reply_rx.recv().unwrap_or(Response::Error {
+            code: 1,
+            error: "the daemon ended without answering".into(),
+        });
+        respond(&resp);
+        drop(written_tx);
     }
 }
 
@@ -575,9 +661,14 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     }
     let vol = opened.dev();
     d.info.size_sectors = vol.size() / 512;
-    if let Some(at) = &d.metrics {
-        crate::metrics::start(at, Volumes(vec![(d.name.clone(), opened.clone())]))?;
-    }
+    // Its socket (if any) is removed when this goes, at the end of the daemon.
+    let _metrics = match &d.metrics {
+        Some(at) => Some(crate::metrics::start(
+            at,
+            Volumes(vec![(d.name.clone(), opened.clone())]),
+        )?),
+        None => None,
+    };
     let dev: Arc<dyn BlockDev> = vol.clone();
     let (front, device, notes) = match d.front_end {
         FrontEnd::Ublk => start_ublk(dev)?,
@@ -604,8 +695,8 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let named = ident
         .write(&d.claim.dir)
         .and_then(|()| make_stable_path(&d.run, &ident.stable_path, &device))
-        .and_then(|()| server::bind(&d.claim.dir.join("control.sock")));
-    let listener = match named {
+        .and_then(|()| server::bind(&d.claim.dir.join(super::state::CONTROL_SOCKET)));
+    let (listener, _control_socket) = match named {
         Ok(l) => l,
         Err(e) => {
             let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
@@ -630,6 +721,8 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         deferred: deferred.clone(),
         rotation: Arc::new(Mutex::new(None)),
         header: d.header.clone(),
+        resuming: Mutex::new(()),
+        aborted: AtomicBool::new(false),
     });
     server::spawn(listener, shared.clone())?;
     let nbd = match &d.nbd {
@@ -978,6 +1071,8 @@ fn teardown(
                     // Exiting closes /dev/fuse: the kernel aborts the session.
                     std::mem::forget(mounted);
                 }
+                // A user that opened the device after `close` found it unused: it keeps being
+                // served (the volume's in-use lock held) until it lets go.
                 Ok(Unmount::Detached) => {
                     notes.push(
                         "still in use: detached, served until its last user closes it".into(),

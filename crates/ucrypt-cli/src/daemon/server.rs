@@ -2,7 +2,6 @@
 //! lines mean is `proto.rs`; what a request does is the daemon's [`Handler`].
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,6 +11,7 @@ use std::time::Duration;
 use super::proto::{self, Request, Response};
 use crate::error::{CliError, CliResult};
 use ucrypt::SecretBytes;
+use ucrypt_nbd::server::{bind_unix, BoundSocket};
 
 /// Control connections served at once, at most; one more is answered "busy" and closed. A
 /// status or close takes milliseconds, so this only bounds threads against a misbehaving
@@ -31,15 +31,11 @@ pub trait Handler: Send + Sync + 'static {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response));
 }
 
-/// Binds the control socket, mode 0600 (its directory is 0700 already, so there is no window
-/// in which another user could connect).
-pub fn bind(path: &Path) -> CliResult<UnixListener> {
-    let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path)
-        .map_err(|e| CliError::Core(ucrypt::Error::io(format!("binding {}", path.display()), e)))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| CliError::Core(ucrypt::Error::io(format!("chmod {}", path.display()), e)))?;
-    Ok(l)
+/// Binds a control socket, mode 0600, by the rule every ucrypt socket follows
+/// (`ucrypt_nbd::server::unix_socket`: a file or a live socket at `path` is refused, a stale
+/// socket replaced); the path goes when the returned [`BoundSocket`] is dropped.
+pub fn bind(path: &Path) -> CliResult<(UnixListener, BoundSocket)> {
+    Ok(bind_unix(path)?)
 }
 
 /// Serves the listener from a background thread, one thread per connection, at most
@@ -182,6 +178,7 @@ pub fn request(sock: &Path, req: &Request) -> Result<Response, ClientError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     struct Echo;
     impl Handler for Echo {
@@ -199,7 +196,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let sock = dir.join("control.sock");
-        let l = bind(&sock).unwrap();
+        let (l, _bound) = bind(&sock).unwrap();
         let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         spawn(l, Arc::new(Echo)).unwrap();

@@ -44,6 +44,12 @@ const IDENTITY_BYTES_MAX: u64 = 64 << 10;
 /// The stable names' directory for root.
 pub const DEV_DIR: &str = "/dev/ucrypt";
 
+/// The control socket's name in NAME's state directory.
+pub const CONTROL_SOCKET: &str = "control.sock";
+
+/// Longest path a unix socket can be bound at, bytes: `sun_path` holds 108 with the NUL.
+const SOCKET_PATH_BYTES_MAX: usize = 107;
+
 /// Checks a device NAME: what dm accepts (no '/', not "." or "..", at most 127 bytes), and
 /// no control characters or leading '-' (so it prints on one line and is not an option).
 pub fn check_name(name: &str) -> CliResult<()> {
@@ -115,6 +121,52 @@ impl RunDir {
 
     pub fn dir(&self, name: &str) -> PathBuf {
         self.base.join(name)
+    }
+
+    /// The NAME a verb's argument names: NAME itself, or NAME's stable path
+    /// (`/dev/ucrypt/NAME` for root, `BASE/NAME/device` rootless), as cryptsetup takes
+    /// `/dev/mapper/NAME` for NAME. None for any other path. Pure: for tests.
+    pub fn name_in(&self, arg: &str) -> Option<String> {
+        if !arg.contains('/') {
+            return Some(arg.to_string());
+        }
+        let p = Path::new(arg);
+        let rest: Vec<&std::ffi::OsStr> = if self.root {
+            p.strip_prefix(DEV_DIR).ok()?.iter().collect()
+        } else {
+            let r: Vec<_> = p.strip_prefix(&self.base).ok()?.iter().collect();
+            match r.as_slice() {
+                [name, device] if *device == "device" => vec![*name],
+                _ => return None,
+            }
+        };
+        match rest.as_slice() {
+            [name] => name.to_str().map(str::to_string),
+            _ => None,
+        }
+    }
+
+    /// The longest NAME whose control socket (`BASE/NAME/control.sock`) still fits in a unix
+    /// socket's path: 82 bytes under /run/ucrypt, less under a long $XDG_RUNTIME_DIR.
+    pub fn name_bytes_max(&self) -> usize {
+        let fixed = self.base.as_os_str().len() + 1 + 1 + CONTROL_SOCKET.len();
+        SOCKET_PATH_BYTES_MAX
+            .saturating_sub(fixed)
+            .min(NAME_BYTES_MAX)
+    }
+
+    /// Refuses, before anything is made, a NAME longer than [`Self::name_bytes_max`].
+    pub fn check_name_fits(&self, name: &str) -> CliResult<()> {
+        let max = self.name_bytes_max();
+        if name.len() <= max {
+            return Ok(());
+        }
+        Err(CliError::Usage(format!(
+            "Device name {name:?} is too long: {} bytes; at most {max} fit, as its control \
+             socket {} must fit in a unix socket's path ({SOCKET_PATH_BYTES_MAX} bytes).",
+            name.len(),
+            self.base.join("NAME").join(CONTROL_SOCKET).display()
+        )))
     }
 
     /// The stable path of NAME: `/dev/ucrypt/NAME` (root) or `NAME/device` in the state dir.
@@ -390,6 +442,61 @@ mod tests {
         ];
         for (name, ok) in rows {
             assert_eq!(check_name(name).is_ok(), *ok, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn names_fit_the_control_sockets_path() {
+        let root = RunDir {
+            base: PathBuf::from("/run/ucrypt"),
+            root: true,
+        };
+        assert_eq!(root.name_bytes_max(), 82);
+        assert!(root.check_name_fits(&"n".repeat(82)).is_ok());
+        let e = root.check_name_fits(&"n".repeat(83)).unwrap_err();
+        assert!(e.to_string().contains("at most 82 fit"), "{e}");
+        // The path itself, at the limit, is one a socket can be bound at.
+        let p = root.dir(&"n".repeat(82)).join(CONTROL_SOCKET);
+        assert_eq!(p.as_os_str().len(), SOCKET_PATH_BYTES_MAX);
+        let long = RunDir {
+            base: PathBuf::from(format!("/{}", "d".repeat(120))),
+            root: false,
+        };
+        assert_eq!(long.name_bytes_max(), 0);
+    }
+
+    #[test]
+    fn stable_paths_name_their_name() {
+        let root = RunDir {
+            base: PathBuf::from("/run/ucrypt"),
+            root: true,
+        };
+        let user = RunDir {
+            base: PathBuf::from("/run/user/1000/ucrypt"),
+            root: false,
+        };
+        let rows: &[(&RunDir, &str, Option<&str>)] = &[
+            (&root, "data", Some("data")),
+            (&root, "/dev/ucrypt/data", Some("data")),
+            (&root, "/dev/ucrypt/data/", Some("data")),
+            (&root, "/dev/ucrypt", None),
+            (&root, "/dev/ucrypt/a/b", None),
+            (&root, "/dev/mapper/data", None),
+            (&root, "/dev/ucryptdata", None),
+            (&root, "/run/user/1000/ucrypt/data/device", None),
+            (&user, "data", Some("data")),
+            (&user, "/run/user/1000/ucrypt/data/device", Some("data")),
+            (&user, "/run/user/1000/ucrypt/data", None),
+            (&user, "/run/user/1000/ucrypt/data/volume", None),
+            (&user, "/dev/ucrypt/data", None),
+        ];
+        for (run, arg, want) in rows {
+            assert_eq!(
+                run.name_in(arg).as_deref(),
+                *want,
+                "{arg} (root {})",
+                run.root
+            );
         }
     }
 

@@ -97,11 +97,20 @@ impl Progress {
     }
 }
 
-pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>) -> CliResult<i32> {
+/// `export`: refused (exit 5) while a ucrypt process serves the volume read-write, as `open`
+/// refuses it, unless `force`: the copy would mix data from before and after its writes. A
+/// volume served read-only is exported beside it.
+pub fn export(v: &VolumeArgs, file: &Path, progress_s: Option<u64>, force: bool) -> CliResult<i32> {
     let v = VolumeArgs {
         read_only: true,
         ..v.clone()
     };
+    if !force {
+        v.refuse_if_served_for_reading(
+            "its data changes under the copy; export through that process, stop it, or give \
+             --force",
+        )?;
+    }
     let vol = v.open()?.dev();
     let total = vol.size();
     let mut out = File::create(file)

@@ -9,7 +9,7 @@ mod data;
 mod dev;
 mod reencrypt;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use ucrypt::luks::{
@@ -290,6 +290,10 @@ pub enum LuksCmd {
         /// terminal), as cryptsetup's option does.
         #[arg(long, value_name = "SECONDS")]
         progress_frequency: Option<u64>,
+        /// Export although a ucrypt process serves the volume read-write (the copy may mix
+        /// data from before and after its writes).
+        #[arg(long)]
+        force: bool,
     },
     /// Encrypt FILE into the data area of VOLUME.
     #[command(name = "import")]
@@ -415,7 +419,8 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
             v,
             file,
             progress_frequency,
-        } => return data::export(&v, &file, progress_frequency),
+            force,
+        } => return data::export(&v, &file, progress_frequency, force),
         LuksCmd::Import {
             file,
             v,
@@ -532,22 +537,6 @@ fn unlock_with(
     }
 }
 
-fn read_volume_key_file(path: &Path, bytes: Option<usize>) -> Result<SecretBytes> {
-    let raw = std::fs::read(path)
-        .map_err(|e| Error::io(format!("Cannot read volume key file {}", path.display()), e))?;
-    let s = SecretBytes::from_vec(raw);
-    if let Some(n) = bytes {
-        if s.len() != n {
-            return Err(Error::InvalidArgument(format!(
-                "volume key file {} has {} bytes, expected {n}",
-                path.display(),
-                s.len()
-            )));
-        }
-    }
-    Ok(s)
-}
-
 // ---------------------------------------------------------------- format
 
 /// Refuses (exit 5) a verb that would rewrite data or header under a ucrypt process serving
@@ -643,7 +632,7 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         true,
     )?;
     let vk_secret = match &o.volume_key_file {
-        Some(p) => read_volume_key_file(p, Some(key_bytes))?,
+        Some(p) => crate::volume_key::read(p, key_bytes)?,
         None => luks::random_secret(key_bytes)?,
     };
     let kdf = kdf_request(o, version)?;
@@ -1082,7 +1071,7 @@ fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
     let vk = match &o.volume_key_file {
-        Some(p) => hdr.verify_key(read_volume_key_file(p, None)?)?,
+        Some(p) => crate::volume_key::read_verified(&hdr, p, o.key_size)?,
         None => {
             unlock_with(
                 &dev,
@@ -1137,7 +1126,7 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
         )));
     };
     let key = match &o.volume_key_file {
-        Some(p) => read_volume_key_file(p, Some(key_bytes))?,
+        Some(p) => crate::volume_key::read(p, key_bytes)?,
         None => luks::random_secret(key_bytes)?,
     };
     let newp = pass::read_passphrase(
@@ -1416,8 +1405,7 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
     }
     if let Some(p) = &o.volume_key_file {
         // A volume key is checked against the data segment's digest.
-        let key = read_volume_key_file(p, hdr.volume_key_bytes())?;
-        luks::unlock_key(dev.as_ref(), &hdr, Unlock::VolumeKey(key), None)?;
+        crate::volume_key::read_verified(&hdr, p, o.key_size)?;
         return Ok(0);
     }
     if in_reencryption(&hdr) && o.key_slot.is_some() {

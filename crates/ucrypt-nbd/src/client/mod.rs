@@ -136,7 +136,7 @@ impl NbdBackend {
             let d = dial::dial(&target, deadline)?;
             if d.geometry != g {
                 return Err(Error::ServerProtocol(format!(
-                    "{uri}: a second connection saw a different export ({:?} vs {g:?})",
+                    "{uri}: a second connection saw a different export ({} vs {g})",
                     d.geometry
                 )));
             }

@@ -34,6 +34,22 @@ pub struct ExportGeometry {
     pub block_sizes_advertised: bool,
 }
 
+impl std::fmt::Display for ExportGeometry {
+    /// As a message names it: size, flags, block sizes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes, flags {:#06x}, blocks of {} (minimum), {} (preferred), {} (maximum payload) \
+             bytes",
+            self.size_bytes,
+            self.tx_flags,
+            self.min_block_bytes,
+            self.preferred_block_bytes,
+            self.max_payload_bytes
+        )
+    }
+}
+
 impl ExportGeometry {
     pub fn has(&self, tx_flag: u16) -> bool {
         self.tx_flags & tx_flag != 0

@@ -23,6 +23,7 @@ mod conn;
 pub mod dev;
 mod sock;
 pub(crate) mod tls;
+pub mod unix_socket;
 
 #[cfg(test)]
 mod tests;
@@ -30,8 +31,7 @@ mod tests;
 use std::io::{self, Write};
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
+use std::os::unix::net::{UnixDatagram, UnixListener};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -47,6 +47,7 @@ use crate::{Error, Result};
 
 pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
+pub use unix_socket::{bind_unix, BoundSocket};
 
 /// Simultaneous connections; more are closed at once. Each may hold up to
 /// `conn::INFLIGHT_BYTES_MAX` of buffers in use plus `buf::SPARE_BYTES_MAX` kept for
@@ -73,6 +74,17 @@ const ACCEPT_POLL_MS: i32 = 200;
 pub enum Listen {
     Unix(PathBuf),
     Tcp { host: String, port: u16 },
+}
+
+impl std::fmt::Display for Listen {
+    /// As it is written on the command line: `unix:PATH`, `tcp:HOST:PORT`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+            Listen::Tcp { host, port } if host.contains(':') => write!(f, "tcp:[{host}]:{port}"),
+            Listen::Tcp { host, port } => write!(f, "tcp:{host}:{port}"),
+        }
+    }
 }
 
 impl FromStr for Listen {
@@ -245,39 +257,17 @@ fn export_info(name: &str, dev: &dyn BlockDev, read_only: bool) -> Result<Export
 }
 
 enum Listener {
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener, BoundSocket),
     Tcp(TcpListener),
 }
 
-fn bind_unix(path: &Path) -> Result<UnixListener> {
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        use std::os::unix::fs::FileTypeExt;
-        if !meta.file_type().is_socket() {
-            return Err(Error::Config(format!(
-                "{} exists and is not a socket",
-                path.display()
-            )));
-        }
-        if UnixStream::connect(path).is_ok() {
-            return Err(Error::Config(format!(
-                "{} is in use by another server",
-                path.display()
-            )));
-        }
-        std::fs::remove_file(path)
-            .map_err(|e| Error::io(format!("removing stale {}", path.display()), e))?;
-    }
-    // Bind with a umask that leaves the socket 0600 from its first instant: a chmod after bind
-    // would leave a window in which anyone could connect.
-    // SAFETY: umask only swaps the process file mode mask; it cannot fail or touch memory.
-    let old = unsafe { libc::umask(0o177) };
-    let r = UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
-    let l = r.map_err(|e| Error::io(format!("binding {}", path.display()), e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
-    Ok(l)
+/// A listener bound before it serves ([`bind`], then [`serve_on`]), so that its caller learns
+/// at once whether the address can be used.
+pub struct Bound(Listener);
+
+/// Binds `listen`: a unix socket by [`bind_unix`]'s rule, or a TCP address.
+pub fn bind(listen: &Listen) -> Result<Bound> {
+    Listener::bind(listen).map(Bound)
 }
 
 /// URIs a client would use, one per export.
@@ -287,7 +277,7 @@ fn uris(listen: &Listener, names: &[&str], tls: bool) -> Vec<String> {
         .map(|n| match listen {
             Listener::Unix(_, p) => {
                 let s = if tls { "nbds+unix" } else { "nbd+unix" };
-                format!("{s}:///{n}?socket={}", p.display())
+                format!("{s}:///{n}?socket={}", p.path().display())
             }
             Listener::Tcp(l) => {
                 let s = if tls { "nbds" } else { "nbd" };
@@ -344,6 +334,17 @@ pub fn serve(
     opts: ServerOptions,
     stop: Stop,
 ) -> Result<()> {
+    serve_on(exports, bind(listen)?, opts, stop)
+}
+
+/// [`serve`] on a listener already bound.
+pub fn serve_on(
+    exports: Vec<(String, Arc<dyn BlockDev>)>,
+    listener: Bound,
+    opts: ServerOptions,
+    stop: Stop,
+) -> Result<()> {
+    let Bound(listener) = listener;
     if exports.is_empty() {
         return Err(Error::Config("no export to serve".into()));
     }
@@ -355,14 +356,13 @@ pub fn serve(
         let info = export_info(&name, dev.as_ref(), opts.read_only)?;
         rt.push(Export { dev, info });
     }
-    if matches!(listen, Listen::Tcp { .. }) && opts.tls.is_none() && !opts.insecure_plaintext {
+    if matches!(listener, Listener::Tcp(_)) && opts.tls.is_none() && !opts.insecure_plaintext {
         return Err(Error::Config(
             "TCP without TLS exposes the plaintext volume to the network: give --tls-cert and \
              --tls-key, or --insecure-plaintext"
                 .into(),
         ));
     }
-    let listener = Listener::bind(listen)?;
     if let Some(pf) = &opts.pid_file {
         std::fs::write(pf, format!("{}\n", std::process::id()))
             .map_err(|e| Error::io(format!("writing pid file {}", pf.display()), e))?;
@@ -400,7 +400,10 @@ pub fn serve(
 impl Listener {
     fn bind(listen: &Listen) -> Result<Listener> {
         Ok(match listen {
-            Listen::Unix(p) => Listener::Unix(bind_unix(p)?, p.clone()),
+            Listen::Unix(p) => {
+                let (l, bound) = bind_unix(p)?;
+                Listener::Unix(l, bound)
+            }
             Listen::Tcp { host, port } => {
                 let addrs: Vec<_> = (host.as_str(), *port)
                     .to_socket_addrs()
@@ -549,8 +552,9 @@ fn finish(listener: Listener, shared: &Shared, threads: Vec<JoinHandle<()>>) -> 
 }
 
 fn listener_close(l: Listener) {
-    if let Listener::Unix(l, p) = l {
+    if let Listener::Unix(l, bound) = l {
         drop(l);
-        let _ = std::fs::remove_file(p);
+        // The path goes with it (if it is still our socket).
+        drop(bound);
     }
 }

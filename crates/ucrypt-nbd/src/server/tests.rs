@@ -216,3 +216,12 @@ fn device_errors_fua_flush_and_stop() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn listen_displays_as_it_is_written() {
+    for s in ["unix:/run/x.sock", "tcp:127.0.0.1:10809", "tcp:[::1]:10809"] {
+        let l: Listen = s.parse().unwrap();
+        assert_eq!(l.to_string(), s);
+        assert_eq!(l.to_string().parse::<Listen>().unwrap(), l);
+    }
+}

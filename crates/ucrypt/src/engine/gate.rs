@@ -10,6 +10,10 @@
 //! `closed`, then read every shard". Both are sequentially consistent, so of a request and a
 //! closer racing, at least one sees the other: the request sees `closed` (and backs out), or
 //! the closer sees the request's count (and waits for it to leave).
+//!
+//! A closed gate can also be failed ([`Gate::fail`], a suspended volume closed by force): the
+//! requests waiting at it, and every later one, then fail with EIO instead of entering. It
+//! never opens again.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Release, Ordering::SeqCst};
 use std::sync::Mutex;
@@ -17,6 +21,7 @@ use std::time::Duration;
 
 use super::stats::thread_index;
 use crate::sync::{lock, WaitCell};
+use crate::{Error, Result};
 
 /// Shards of the count of requests inside (a power of two): threads beyond this share.
 pub const GATE_SHARDS: usize = 64;
@@ -35,9 +40,18 @@ pub(crate) struct Gate {
     /// Read by every request; written only by `close` and `open`.
     closed: AtomicBool,
     shards: Box<[Shard]>,
-    /// The same flag under a mutex, for requests that sleep until the gate opens.
-    waiting: Mutex<bool>,
+    /// The state under a mutex, for requests that sleep until the gate opens (or fails).
+    waiting: Mutex<Held>,
     cv: WaitCell,
+}
+
+/// What a request that found the gate closed waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Open,
+    Closed,
+    /// Failed for good: waiting requests leave with EIO.
+    Failed,
 }
 
 /// A request inside the gate; leaving is dropping it.
@@ -55,38 +69,44 @@ impl Default for Gate {
         Gate {
             closed: AtomicBool::new(false),
             shards: (0..GATE_SHARDS).map(|_| Shard::default()).collect(),
-            waiting: Mutex::new(false),
+            waiting: Mutex::new(Held::Open),
             cv: WaitCell::new(),
         }
     }
 }
 
 impl Gate {
-    /// Enters, waiting while the gate is closed.
+    /// Enters, waiting while the gate is closed; EIO once it failed ([`Gate::fail`]).
     #[inline(always)]
-    pub fn enter(&self) -> Pass<'_> {
+    pub fn enter(&self) -> Result<Pass<'_>> {
         let s = &self.shards[thread_index() & (GATE_SHARDS - 1)].0;
         s.fetch_add(1, SeqCst);
         if self.closed.load(SeqCst) {
-            self.wait_open(s);
+            self.wait_open(s)?;
         }
-        Pass(s)
+        Ok(Pass(s))
     }
 
     /// The slow way in: back out, sleep until the gate opens, try again.
     #[cold]
     #[inline(never)]
-    fn wait_open(&self, s: &AtomicU64) {
+    fn wait_open(&self, s: &AtomicU64) -> Result<()> {
         loop {
             s.fetch_sub(1, SeqCst);
             let mut g = lock(&self.waiting);
-            while *g {
+            while *g == Held::Closed {
                 g = self.cv.wait(g);
+            }
+            if *g == Held::Failed {
+                return Err(Error::io(
+                    "the volume was closed while suspended",
+                    std::io::Error::from_raw_os_error(libc::EIO),
+                ));
             }
             drop(g);
             s.fetch_add(1, SeqCst);
             if !self.closed.load(SeqCst) {
-                return;
+                return Ok(());
             }
         }
     }
@@ -94,7 +114,7 @@ impl Gate {
     /// Closes the gate and returns once no request is inside. Must not be called by a request
     /// (it would wait for itself), nor by two closers at once (the volume serialises them).
     pub fn close(&self) {
-        *lock(&self.waiting) = true;
+        *lock(&self.waiting) = Held::Closed;
         self.closed.store(true, SeqCst);
         while self.inside() != 0 {
             std::thread::sleep(GATE_DRAIN_POLL);
@@ -104,8 +124,17 @@ impl Gate {
     /// Opens the gate and wakes the requests waiting at it.
     pub fn open(&self) {
         let mut g = lock(&self.waiting);
-        *g = false;
+        *g = Held::Open;
         self.closed.store(false, SeqCst);
+        drop(g);
+        self.cv.notify_all();
+    }
+
+    /// Fails a closed gate for good: the requests waiting at it and every later one get EIO.
+    pub fn fail(&self) {
+        let mut g = lock(&self.waiting);
+        *g = Held::Failed;
+        self.closed.store(true, SeqCst);
         drop(g);
         self.cv.notify_all();
     }
@@ -133,7 +162,7 @@ mod tests {
     fn close_waits_for_requests_inside_and_holds_new_ones() {
         let gate = Arc::new(Gate::default());
         let done = Arc::new(AtomicU32::new(0));
-        let p = gate.enter();
+        let p = gate.enter().unwrap();
         let (g2, d2) = (gate.clone(), done.clone());
         let closer = std::thread::spawn(move || {
             g2.close();
@@ -149,7 +178,7 @@ mod tests {
         assert!(gate.is_closed());
         let (g3, d3) = (gate.clone(), done.clone());
         let req = std::thread::spawn(move || {
-            let _p = g3.enter();
+            let _p = g3.enter().unwrap();
             d3.fetch_add(1, Relaxed);
         });
         std::thread::sleep(Duration::from_millis(50));
@@ -157,6 +186,29 @@ mod tests {
         gate.open();
         req.join().unwrap();
         assert_eq!(done.load(Relaxed), 1);
+        assert_eq!(gate.inside(), 0);
+    }
+
+    #[test]
+    fn a_failed_gate_fails_the_waiting_requests_and_every_later_one() {
+        let gate = Arc::new(Gate::default());
+        gate.close();
+        let waiting: Vec<_> = (0..3)
+            .map(|_| {
+                let g = gate.clone();
+                std::thread::spawn(move || g.enter().map(|_| ()).map_err(|e| e.errno()))
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            waiting.iter().all(|t| !t.is_finished()),
+            "passed a closed gate"
+        );
+        gate.fail();
+        for t in waiting {
+            assert_eq!(t.join().unwrap(), Err(libc::EIO));
+        }
+        assert_eq!(gate.enter().err().map(|e| e.errno()), Some(libc::EIO));
         assert_eq!(gate.inside(), 0);
     }
 
@@ -173,7 +225,7 @@ mod tests {
                 (gate.clone(), drained.clone(), bad.clone(), stop.clone());
             threads.push(std::thread::spawn(move || {
                 while !stop.load(Relaxed) {
-                    let _p = g.enter();
+                    let _p = g.enter().unwrap();
                     if drained.load(SeqCst) {
                         bad.fetch_add(1, Relaxed);
                     }
