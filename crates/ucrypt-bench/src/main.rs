@@ -17,7 +17,6 @@ mod engine;
 mod fio;
 mod fuse;
 mod integrity;
-mod integrity_vm;
 mod limit;
 mod nbd;
 pub mod plot;
@@ -249,7 +248,7 @@ pub fn run(a: BenchArgs) -> i32 {
             c.json,
             integrity::markdown,
         ),
-        Which::IntegrityVmProbe(p) => match integrity_vm::probe(&p.dev, p.bytes, p.ops, &p.tag) {
+        Which::IntegrityVmProbe(p) => match integrity::vm::probe(&p.dev, p.bytes, p.ops, &p.tag) {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("ucrypt bench integrity-vm-probe: {e}");

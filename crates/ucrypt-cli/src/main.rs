@@ -7,6 +7,7 @@
 mod bench;
 mod daemon;
 mod error;
+mod header_dev;
 mod in_use;
 mod luks_cli;
 mod metrics;
@@ -40,6 +41,10 @@ enum Cmd {
     /// LUKS verbs (cryptsetup spellings accepted as aliases).
     #[command(flatten)]
     Luks(Box<luks_cli::LuksCmd>),
+    /// Open VOLUME as the device NAME, served by a background daemon until `close NAME`
+    /// (or, with --test-passphrase, only check the passphrase).
+    #[command(name = "open", visible_alias = "luksOpen")]
+    Open(Box<daemon::OpenArgs>),
     /// Serve volumes to NBD clients (qemu, nbd-client, libnbd tools, fio).
     Serve(Box<serve::ServeArgs>),
     /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
@@ -105,10 +110,7 @@ fn try_parse(argv: Vec<String>) -> Result<Cli, clap::Error> {
 fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
     let cli = try_parse(argv).map_err(|e| error::CliError::Usage(e.to_string()))?;
     match cli.cmd {
-        Cmd::Luks(c) => match *c {
-            luks_cli::LuksCmd::Open(a) => Ok(*a),
-            _ => Err(error::CliError::Usage("not an open command".into())),
-        },
+        Cmd::Open(a) => Ok(*a),
         _ => Err(error::CliError::Usage("not an open command".into())),
     }
 }
@@ -125,6 +127,8 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),
+        Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
+        Cmd::Open(a) => daemon::report(daemon::open(*a)),
         Cmd::Serve(a) => serve::run(*a),
         Cmd::Ublk(a) => ublk::run(a),
         Cmd::Mount(a) => mount::run(a),

@@ -24,7 +24,7 @@ use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
 
 use crate::error::{CliError, CliResult};
-use crate::luks_cli::open_header_file;
+use crate::header_dev::open_header_file;
 use crate::pass::{self, Source};
 use crate::target::{RemoteArgs, Target};
 
@@ -901,7 +901,7 @@ impl VolumeArgs {
         if tries <= 1 {
             return Ok(Unlock::Passphrase(self.read_passphrase()?));
         }
-        let reencrypting = crate::luks_cli::in_reencryption(hdr);
+        let reencrypting = hdr.in_reencryption();
         pass::retry_wrong(
             tries,
             |e| matches!(e, CliError::Core(Error::WrongPassphrase)),

@@ -37,7 +37,7 @@ fn core_error(e: ucrypt_nbd::Error) -> ucrypt::Error {
     }
 }
 
-use crate::luks_cli::open_header;
+use crate::header_dev::open_header;
 
 /// How to reach remote storage; ignored for a local path.
 #[derive(Args, Debug, Clone, Default)]

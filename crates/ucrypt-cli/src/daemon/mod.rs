@@ -40,7 +40,6 @@ use clap::{Args, ValueEnum};
 use ucrypt::luks::Header;
 
 use crate::error::{CliError, CliResult};
-use crate::luks_cli::LuksOpts;
 use crate::open::{Prepared, PreparedKind, VolumeArgs};
 use crate::target::Target;
 use proto::{Ready, Request, Response, StatusReport, VolumeInfo};
@@ -128,31 +127,6 @@ impl FrontEnd {
             ))),
             f => Ok(f),
         }
-    }
-}
-
-impl OpenArgs {
-    /// With --test-passphrase: the options of the LUKS verb that checks it.
-    pub fn test_passphrase_opts(&self) -> Option<LuksOpts> {
-        if !self.test_passphrase {
-            return None;
-        }
-        let v = &self.v;
-        Some(LuksOpts {
-            luks_type: self.dev_type.map(|t| t.name().to_string()),
-            header: v.header.clone(),
-            key_file: v.key_file.clone(),
-            keyfile_offset: v.keyfile_offset,
-            keyfile_size: v.keyfile_size,
-            key_slot: v.key_slot,
-            batch_mode: self.batch_mode,
-            verbose: self.verbose,
-            volume_key_file: v.volume_key_file.clone(),
-            test_passphrase: true,
-            unbound: self.unbound,
-            tries: self.tries,
-            ..LuksOpts::default()
-        })
     }
 }
 

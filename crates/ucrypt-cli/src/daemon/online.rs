@@ -112,7 +112,7 @@ pub fn start_rotation(
             let _ends = EndsReport(report.clone());
             let header = header.as_ref().map(|h| h as &dyn ucrypt::backend::Backend);
             let locked = if lock_at.exists() {
-                crate::luks_cli::open_header_file(&lock_at, false).map(Some)
+                crate::header_dev::open_header_file(&lock_at, false).map(Some)
             } else {
                 Ok(None)
             };

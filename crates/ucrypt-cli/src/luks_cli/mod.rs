@@ -6,7 +6,6 @@
 //! 3 out of memory, 4 wrong device, 5 device busy.
 
 mod data;
-mod dev;
 mod reencrypt;
 
 use std::path::PathBuf;
@@ -22,9 +21,8 @@ use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
 use crate::target::{RemoteArgs, Target};
 
+use crate::header_dev::{self as dev, HeaderDev};
 use crate::pass::{self, Source};
-use dev::HeaderDev;
-pub use dev::{open_header, open_header_file};
 use ucrypt::luks::json::SegmentKind;
 
 /// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
@@ -250,10 +248,6 @@ pub enum LuksCmd {
         #[command(flatten)]
         o: LuksOpts,
     },
-    /// Open VOLUME as the device NAME, served by a background daemon until `close NAME`
-    /// (or, with --test-passphrase, only check the passphrase).
-    #[command(name = "open", visible_alias = "luksOpen")]
-    Open(Box<crate::daemon::OpenArgs>),
     /// Set label, subsystem, keyslot priority, and (with --persistent) activation flags.
     #[command(name = "config")]
     Config {
@@ -361,7 +355,12 @@ pub fn reorder_args(args: Vec<String>) -> Vec<String> {
 
 pub fn run(cmd: LuksCmd) -> i32 {
     ucrypt::secret::disable_core_dumps();
-    match dispatch(cmd) {
+    report(dispatch(cmd))
+}
+
+/// A LUKS verb's result as its exit code, its error on stderr in cryptsetup's words.
+fn report(r: CliResult<i32>) -> i32 {
+    match r {
         Ok(code) => code,
         Err(CliError::Core(Error::NotLuks(dev))) => {
             eprintln!("Device {dev} is not a valid LUKS device.");
@@ -408,10 +407,6 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::HeaderRestore { device, o } => header_restore(&device, &o),
         LuksCmd::Uuid { device, o } => uuid(&device, &o),
         LuksCmd::IsLuks { device, o } => is_luks(&device, &o),
-        LuksCmd::Open(a) => match a.test_passphrase_opts() {
-            Some(o) => return test_passphrase(&a.v.volume, &o),
-            None => return crate::daemon::open(*a),
-        },
         LuksCmd::Config { device, o } => config(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
         LuksCmd::Reencrypt { device, r, o } => reencrypt::reencrypt_cmd(device, &r, &o),
@@ -727,7 +722,7 @@ const INTEGRITY_WIPE_CHUNK_BYTES: u64 = 4 << 20;
 fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()> {
     let data = device.open_data(true, &o.remote, ucrypt::backend::CacheMode::Writeback)?;
     let hdr = match &o.header {
-        Some(h) => luks::read_header(open_header(h, false)?.as_ref())?,
+        Some(h) => luks::read_header(dev::open_header(h, false)?.as_ref())?,
         None => luks::read_header(data.as_ref())?,
     };
     let Some(start) = ucrypt::integrity::superblock_offset(&hdr) else {
@@ -1378,6 +1373,29 @@ fn is_luks(device: &Target, o: &LuksOpts) -> Result<i32> {
     Ok(if ok { 0 } else { 1 })
 }
 
+/// `open --test-passphrase` as `ucrypt open` parses it: the options of the LUKS verb that
+/// checks the passphrase, then that verb, its exit code.
+pub fn test_passphrase_of(a: &crate::daemon::OpenArgs) -> i32 {
+    let v = &a.v;
+    let o = LuksOpts {
+        luks_type: a.dev_type.map(|t| t.name().to_string()),
+        header: v.header.clone(),
+        key_file: v.key_file.clone(),
+        keyfile_offset: v.keyfile_offset,
+        keyfile_size: v.keyfile_size,
+        key_slot: v.key_slot,
+        batch_mode: a.batch_mode,
+        verbose: a.verbose,
+        volume_key_file: v.volume_key_file.clone(),
+        test_passphrase: true,
+        unbound: a.unbound,
+        tries: a.tries,
+        ..LuksOpts::default()
+    };
+    ucrypt::secret::disable_core_dumps();
+    report(test_passphrase(&v.volume, &o))
+}
+
 /// `open --test-passphrase`: unlocks a keyslot and serves nothing. As cryptsetup does, a
 /// named keyslot (`--key-slot`) or `--unbound` lets an unbound keyslot answer too; without
 /// either only the keyslots of the data segment's key are tried.
@@ -1408,7 +1426,7 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
         crate::volume_key::read_verified(&hdr, p, o.key_size)?;
         return Ok(0);
     }
-    if in_reencryption(&hdr) && o.key_slot.is_some() {
+    if hdr.in_reencryption() && o.key_slot.is_some() {
         // cryptsetup 2.6 refuses a passphrase test on one named keyslot of a header in
         // reencryption ("wrong or missing parameters", exit 1; `luks_interop`'s
         // `reencryption_in_progress_is_recognised` pins it).
@@ -1426,7 +1444,7 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
     } else {
         KeyUse::Data
     };
-    let tries = if in_reencryption(&hdr) {
+    let tries = if hdr.in_reencryption() {
         1
     } else {
         pass::tries(o.tries, src.key_file)
@@ -1449,21 +1467,13 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
         // cryptsetup 2.6 answers a wrong passphrase on a header in reencryption with "No
         // usable keyslot is available." and exit code 1, not its usual exit 2 (pinned by
         // `luks_interop`'s `reencryption_in_progress_is_recognised`).
-        Error::WrongPassphrase if in_reencryption(&hdr) => Error::NoUsableKeyslot,
+        Error::WrongPassphrase if hdr.in_reencryption() => Error::NoUsableKeyslot,
         e => e,
     })?;
     if o.verbose {
         eprintln!("Key slot {slot} unlocked.");
     }
     Ok(0)
-}
-
-/// Whether the header carries a reencryption requirement (an unfinished reencryption).
-pub(crate) fn in_reencryption(hdr: &Header) -> bool {
-    match hdr {
-        Header::Luks2(h) => luks::reencrypt::requirement_version(h.meta()).is_some(),
-        Header::Luks1(_) => false,
-    }
 }
 
 /// The flags named on the command line, in cryptsetup's on-disk spelling.

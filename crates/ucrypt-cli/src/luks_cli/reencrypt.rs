@@ -631,7 +631,7 @@ const ENCRYPT_HEADER_BYTES: u64 = 16 << 20;
 /// Whether `--header` already holds a LUKS2 header in reencryption (an encryption to resume).
 fn encryption_in_progress(o: &LuksOpts) -> bool {
     let Some(h) = &o.header else { return false };
-    let Ok(dev) = super::dev::open_header(h, false) else {
+    let Ok(dev) = crate::header_dev::open_header(h, false) else {
         return false;
     };
     matches!(
@@ -759,7 +759,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
     let kdf = kdf_request(o, 2)?;
     let uuid = new_uuid(o)?;
-    let hdr = super::dev::create_header(hpath, ENCRYPT_HEADER_BYTES)?;
+    let hdr = crate::header_dev::create_header(hpath, ENCRYPT_HEADER_BYTES)?;
     let devs = Devices {
         header: hdr.as_ref(),
         data: data.as_ref(),
@@ -923,7 +923,7 @@ fn decrypt_unshift(
     let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
     let kdf = kdf_request(o, 2)?;
     new_header_file(hpath, meta_bytes)?;
-    let hdr = super::dev::open_header(hpath, true)?;
+    let hdr = crate::header_dev::open_header(hpath, true)?;
     let devs = Devices {
         header: hdr.as_ref(),
         data: data.as_ref(),

@@ -297,6 +297,14 @@ impl Header {
         }
     }
 
+    /// Whether the header carries an unfinished reencryption (its requirement).
+    pub fn in_reencryption(&self) -> bool {
+        match self {
+            Header::Luks1(_) => false,
+            Header::Luks2(h) => reencrypt::requirement_version(h.meta()).is_some(),
+        }
+    }
+
     /// Mandatory requirements this implementation does not meet (an unfinished
     /// reencryption's among them): the header may be read, its keyslots unlocked, but the
     /// volume is neither activated nor its header written until they are met.

@@ -1,7 +1,6 @@
 //! Starting a decryption that moves the data back to offset 0 and exports the header in front
 //! to a detached file (datashift-checksum or datashift-journal, requirement v3).
 
-use crate::backend::Backend;
 use crate::luks::json::KeyslotKind;
 use crate::luks::json::{Requirements, U64Str};
 use crate::luks::kdf::KdfRequest;
@@ -10,10 +9,9 @@ use crate::luks::reencrypt::plan::{check_layout, position, unshift_geometry, Pos
 use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
 use crate::luks::util::HashAlg;
 use crate::luks::{apply, read_area, read_header, unlock, Header};
-use crate::pool::BufferPool;
 use crate::{Error, Result};
 
-use super::encrypt::COPY_PIECE_BYTES;
+use super::copy_across;
 use super::init::{reencrypt_area, reencrypt_keyslot, Started};
 use super::{
     luks2, Devices, ResilienceKind, CHECKSUM_BLOCK_BYTES, HOTZONE_BYTES_MAX, REQUIREMENT_V3,
@@ -41,30 +39,6 @@ pub struct UnshiftOptions<'a> {
     pub resilience: ResilienceKind,
     /// The checksum of the moved segment (`--resilience-hash`).
     pub resilience_hash: HashAlg,
-}
-
-/// Copies `len` bytes from `src` at `from` to `dst` at `to` through one buffer of at most
-/// [`COPY_PIECE_BYTES`] (the ranges do not overlap if `src` is `dst`). No flush.
-pub(super) fn copy_across(
-    src: &dyn Backend,
-    from: u64,
-    dst: &dyn Backend,
-    to: u64,
-    len: u64,
-) -> Result<()> {
-    let page = crate::pool::POOL_PAGE_BYTES as u64;
-    let piece = len.clamp(page, COPY_PIECE_BYTES).div_ceil(page) * page;
-    let pool = BufferPool::new(piece as usize)?;
-    let mut g = pool.take(piece as usize)?;
-    let buf = g.as_mut_slice();
-    let mut at = 0;
-    while at < len {
-        let n = (len - at).min(piece) as usize;
-        src.read_exact_at(&mut buf[..n], from + at)?;
-        dst.write_at(&buf[..n], to + at)?;
-        at += n as u64;
-    }
-    Ok(())
 }
 
 /// Bytes zeroed over each binary header copy left on the data device (a whole 512-byte

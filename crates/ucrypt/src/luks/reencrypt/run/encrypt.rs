@@ -12,8 +12,7 @@ use crate::luks::{apply, read_header, NewKeyslot};
 use crate::sector::{CipherSpec, SectorSize};
 use crate::{Error, Result};
 
-use super::decrypt::copy_across;
-use super::hotzones::wipe_random;
+use super::copy_then_wipe;
 use super::init::{reencrypt_area, reencrypt_keyslot, Started};
 use super::{Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_HASH, REQUIREMENT_V2};
 
@@ -159,22 +158,6 @@ pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
 /// keyslot 0's area; `reencrypt_interop`'s
 /// `shift_init_matches_cryptsetup_and_each_finishes_the_other` compares the two tools' init).
 pub(super) const SHIFT_AREA_BYTES: u64 = 4096;
-/// Largest piece of the first shift copied at a time into the moved segment at init.
-pub(super) const COPY_PIECE_BYTES: u64 = 4 << 20;
-
-/// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
-/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)` ([`wipe_random`]).
-pub(super) fn copy_then_wipe(
-    dev: &dyn Backend,
-    from: u64,
-    to: u64,
-    len: u64,
-    wipe: (u64, u64),
-) -> Result<()> {
-    copy_across(dev, from, dev, to, len)?;
-    dev.flush()?;
-    wipe_random(std::iter::once((dev, wipe)))
-}
 
 /// Starts the encryption of the plaintext on `dev` in place with the header in front of the
 /// data, as cryptsetup 2.6's `reencrypt --encrypt --reduce-device-size R` (without

@@ -10,7 +10,6 @@ use crate::luks::reencrypt::plan::{
 };
 use crate::luks::reencrypt::serving::{Offline, Serving};
 use crate::luks::reencrypt::Direction;
-use crate::luks::util::Noise;
 use crate::luks::{apply, WriteOp};
 use crate::pool::{BufferPool, Grant};
 use crate::{Error, Result};
@@ -21,18 +20,11 @@ use super::lanes::{
 };
 use super::unlock::{open_rotation, Unlocked};
 use super::walk::{self};
+use super::wipe_random;
 use super::{
     Devices, Progress, RunOptions, AREA_ALIGN_BYTES, HOTZONE_BYTES_DEFAULT, HOTZONE_BYTES_MAX,
-    NONE_BUFFER_BYTES, WIPE_PIECE_BYTES,
+    NONE_BUFFER_BYTES,
 };
-
-/// Commits the segments of `pos`: the header says the reencryption is there.
-pub(super) fn commit(dev: &dyn Backend, u: &mut Unlocked, pos: Position) -> Result<()> {
-    u.movement
-        .set_segments(&mut u.h.meta, &mut u.st, pos, u.data_bytes)?;
-    let ops = u.h.commit()?;
-    apply(dev, &ops)
-}
 
 pub(super) fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) -> Result<()> {
     let retired = finalise(&mut u.h.meta, &u.st)?;
@@ -57,32 +49,6 @@ pub(super) fn finish(dev: &dyn Backend, data: &dyn Backend, u: &mut Unlocked) ->
     wipe_random(areas.chain(data_areas))?;
     data.flush()?;
     dev.flush()
-}
-
-/// Writes random bytes ([`Noise`]) over each (device, (offset, length)), a bounded piece
-/// ([`WIPE_PIECE_BYTES`]) at a time from one page-aligned buffer (the pool's, as a device
-/// opened with O_DIRECT needs: the `open` daemon's is). No flush.
-pub(super) fn wipe_random<'a>(
-    ranges: impl Iterator<Item = (&'a dyn Backend, (u64, u64))> + Clone,
-) -> Result<()> {
-    let Some(longest) = ranges.clone().map(|(_, a)| a.1).max() else {
-        return Ok(());
-    };
-    let piece = WIPE_PIECE_BYTES.min(longest).max(AREA_ALIGN_BYTES) as usize;
-    let pool = BufferPool::new(piece)?;
-    let mut g = pool.take(piece)?;
-    let buf = g.as_mut_slice();
-    let mut noise = Noise::new()?;
-    for (d, (offset, len)) in ranges {
-        let mut at = 0;
-        while at < len {
-            let n = (len - at).min(buf.len() as u64) as usize;
-            noise.fill(&mut buf[..n])?;
-            d.write_at(&buf[..n], offset + at)?;
-            at += n as u64;
-        }
-    }
-    Ok(())
 }
 
 /// Rewrites the rest of a reencryption [`super::init`] (or cryptsetup) started, hotzone after
@@ -366,7 +332,7 @@ impl<'s, 'd> Hotzone<'s, 'd> {
             }
             Step::SyncData => devs.flush()?,
             Step::CommitSegments(p) => {
-                commit(devs.header, u, p)?;
+                u.commit(devs.header, p)?;
                 *pos = p;
                 if p.hotzone.is_none() {
                     *self.held = false;

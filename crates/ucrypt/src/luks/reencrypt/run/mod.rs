@@ -34,7 +34,9 @@ use crate::backend::Backend;
 use crate::luks::reencrypt::pieces::share_out;
 use crate::luks::reencrypt::plan::UNSHIFT_REQUIREMENT_VERSION;
 use crate::luks::util::HashAlg;
+use crate::luks::util::Noise;
 use crate::luks::{Header, Luks2Header};
+use crate::pool::BufferPool;
 use crate::{Error, Result};
 
 mod decrypt;
@@ -258,4 +260,72 @@ pub struct RunOptions {
     /// A resilience to switch to before the next hotzone ([`ResilienceAsked`]); `None` keeps
     /// the reencryption's own.
     pub resilience: Option<ResilienceAsked>,
+}
+
+/// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
+/// then writes random bytes over `[wipe.0, wipe.0 + wipe.1)` ([`wipe_random`]).
+pub(super) fn copy_then_wipe(
+    dev: &dyn Backend,
+    from: u64,
+    to: u64,
+    len: u64,
+    wipe: (u64, u64),
+) -> Result<()> {
+    copy_across(dev, from, dev, to, len)?;
+    dev.flush()?;
+    wipe_random(std::iter::once((dev, wipe)))
+}
+
+/// Copies `len` bytes from `src` at `from` to `dst` at `to` through one buffer of at most
+/// [`COPY_PIECE_BYTES`] (the ranges do not overlap if `src` is `dst`). No flush.
+pub(super) fn copy_across(
+    src: &dyn Backend,
+    from: u64,
+    dst: &dyn Backend,
+    to: u64,
+    len: u64,
+) -> Result<()> {
+    let page = crate::pool::POOL_PAGE_BYTES as u64;
+    let piece = len.clamp(page, COPY_PIECE_BYTES).div_ceil(page) * page;
+    let pool = BufferPool::new(piece as usize)?;
+    let mut g = pool.take(piece as usize)?;
+    let buf = g.as_mut_slice();
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(piece) as usize;
+        src.read_exact_at(&mut buf[..n], from + at)?;
+        dst.write_at(&buf[..n], to + at)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// Largest piece of a shift copied at a time (the moved segment at an encryption's init, a
+/// decryption's header and moved data).
+pub(super) const COPY_PIECE_BYTES: u64 = 4 << 20;
+
+/// Writes random bytes ([`Noise`]) over each (device, (offset, length)), a bounded piece
+/// ([`WIPE_PIECE_BYTES`]) at a time from one page-aligned buffer (the pool's, as a device
+/// opened with O_DIRECT needs: the `open` daemon's is). No flush.
+pub(super) fn wipe_random<'a>(
+    ranges: impl Iterator<Item = (&'a dyn Backend, (u64, u64))> + Clone,
+) -> Result<()> {
+    let Some(longest) = ranges.clone().map(|(_, a)| a.1).max() else {
+        return Ok(());
+    };
+    let piece = WIPE_PIECE_BYTES.min(longest).max(AREA_ALIGN_BYTES) as usize;
+    let pool = BufferPool::new(piece)?;
+    let mut g = pool.take(piece)?;
+    let buf = g.as_mut_slice();
+    let mut noise = Noise::new()?;
+    for (d, (offset, len)) in ranges {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(buf.len() as u64) as usize;
+            noise.fill(&mut buf[..n])?;
+            d.write_at(&buf[..n], offset + at)?;
+            at += n as u64;
+        }
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@ use crate::luks::reencrypt::plan::{
 use crate::pool::BufferPool;
 use crate::{Error, Result};
 
-use super::hotzones::{commit, finish, move_new};
+use super::hotzones::{finish, move_new};
 use super::lanes::rekey;
 use super::unlock::{open_rotation, Unlocked};
 use super::{bad, Devices, HOTZONE_BYTES_DEFAULT};
@@ -221,7 +221,7 @@ pub(super) fn finish_recovery(
     if after.done >= u.data_bytes {
         finish(devs.header, devs.data, u)?;
     } else {
-        commit(devs.header, u, after)?;
+        u.commit(devs.header, after)?;
     }
     Ok(Recovery::Recovered { offset, len })
 }

@@ -15,6 +15,8 @@ use crate::{Error, Result};
 
 use super::resilience::switch_resilience;
 use super::{bad, luks2, Devices, ResilienceAsked, HOTZONE_BYTES_MAX, REKEY_LANES_MAX};
+use crate::luks::apply;
+use crate::luks::reencrypt::plan::Position;
 
 /// A volume in rotation, unlocked: header, state, both keys checked against the
 /// reencryption digest.
@@ -56,6 +58,14 @@ pub(super) struct Spread<'a> {
 }
 
 impl Unlocked {
+    /// Commits the segments of `pos`: the header says the reencryption is there.
+    pub(super) fn commit(&mut self, dev: &dyn Backend, pos: Position) -> Result<()> {
+        self.movement
+            .set_segments(&mut self.h.meta, &mut self.st, pos, self.data_bytes)?;
+        let ops = self.h.commit()?;
+        apply(dev, &ops)
+    }
+
     pub(super) fn spread(&self) -> Spread<'_> {
         Spread {
             lanes: self.lanes.len(),

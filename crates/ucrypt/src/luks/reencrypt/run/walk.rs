@@ -31,7 +31,6 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::hotzones::commit;
 use super::lanes::rekey_chunk;
 use super::unlock::{Lane, Unlocked};
 use super::{Devices, LANE_CHUNK_BYTES};
@@ -287,7 +286,7 @@ impl Walk<'_> {
             {
                 let mut u = lock(&self.meta);
                 for &p in &self.plan.stages[t.stage].commits {
-                    commit(self.devs.header, &mut u, p)?;
+                    u.commit(self.devs.header, p)?;
                 }
             }
             let next = t.stage + 1;
@@ -328,7 +327,7 @@ pub(super) fn run(
         return Ok(None);
     };
     if let Some(p) = plan.first {
-        commit(devs.header, u, p)?;
+        u.commit(devs.header, p)?;
     }
     let lanes = std::mem::take(&mut u.lanes);
     let crew = u.crew.take();

@@ -14,7 +14,7 @@
 //!
 //! The kernel column: with `--vm`, the kernel's dm-integrity + dm-crypt and ucrypt (over ublk)
 //! on the same volumes in one boot of the test VM, as ratios to plain XTS on each side
-//! ([`super::integrity_vm`]); the host has no dm-integrity, and the VM's emulated CPU makes
+//! ([`vm`]); the host has no dm-integrity, and the VM's emulated CPU makes
 //! its absolute numbers incomparable with these. Without `--vm`, or where the VM cannot run,
 //! the column says SKIPPED and why.
 
@@ -31,8 +31,10 @@ use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, SecretBytes};
 
-use super::integrity_vm::{self, KernelColumn};
-use super::stats::{Machine, Summary};
+pub mod vm;
+
+use crate::stats::{Machine, Summary};
+use vm::KernelColumn;
 
 /// Plaintext bytes of each volume (the integrity ones provide a little less: the size of the
 /// backing file is chosen so that they provide at least this).
@@ -265,7 +267,7 @@ pub(crate) fn small(
 pub fn measure(runs: usize, quick: bool, progress: bool, vm: bool) -> Result<Report, String> {
     let mut r = measure_here(runs, quick, progress)?;
     if vm {
-        r.kernel_vm = integrity_vm::measure(runs, quick, progress)?;
+        r.kernel_vm = vm::measure(runs, quick, progress)?;
         r.kernel = match &r.kernel_vm {
             KernelColumn::Skipped { reason } => format!("SKIPPED: {reason}"),
             KernelColumn::Measured(_) => "measured in the test VM (ratios): kernel_vm".into(),
@@ -375,7 +377,7 @@ fn kernel_cell(k: &KernelColumn, row: &str) -> String {
     let KernelColumn::Measured(vm) = k else {
         return "SKIPPED".into();
     };
-    integrity_vm::vm_row_for(row)
+    vm::vm_row_for(row)
         .and_then(|n| vm.rows.iter().find(|r| r.name == n))
         .map(|r| format!("{:.2}, {:.2}", r.kernel.ratios.read, r.kernel.ratios.write))
         .unwrap_or_else(|| "—".into())
@@ -409,7 +411,7 @@ pub fn markdown(r: &Report) -> String {
     }
     o +=
         "\nRatios: to the plain XTS row, medians; for latencies plain / this (below 1 = slower).\n";
-    o += &integrity_vm::markdown(&r.kernel_vm);
+    o += &vm::markdown(&r.kernel_vm);
     for n in &r.notes {
         o += &format!("\nNote: {n}.\n");
     }

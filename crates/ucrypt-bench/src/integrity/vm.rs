@@ -22,8 +22,8 @@
 //!   includes. ublk needs Debian trixie's kernel (6.12; the ublk tests use it), so the
 //!   kernel side runs on 6.12 too.
 //! - Both devices are measured by the same code: this binary's hidden `integrity-vm-probe`
-//!   subcommand runs the in-process scenario's requests ([`super::integrity::sequential`],
-//!   [`super::integrity::small`]) on the device, O_DIRECT, no flushes.
+//!   subcommand runs the in-process scenario's requests ([`super::sequential`],
+//!   [`super::small`]) on the device, O_DIRECT, no flushes.
 //! - Each round runs every configuration once, the kernel and ucrypt alternating which goes
 //!   first; cells are medians over rounds. Per side, ratios to that side's plain XTS volume
 //!   (throughput: this / plain; latency: plain / this, so below 1 is slower in both), and the
@@ -37,8 +37,8 @@
 //! poly1305-x86_64, besides aesni and ghash-clmulni) so that, as ucrypt's AWS-LC, it uses the
 //! vector code a real CPU would run; the drivers the kernel picked are printed.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../../tests/vm/harness.rs"]
+mod harness;
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
@@ -46,8 +46,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::integrity::{sequential, small, Aligned, Io, BIG_BYTES};
-use super::stats::Summary;
+use super::{sequential, small, Aligned, Io, BIG_BYTES};
+use crate::stats::Summary;
 
 /// The volumes, one virtio disk each (/dev/vda, /dev/vdb, ... in this order), with the options
 /// `cryptsetup luksFormat` gets besides the common ones.
@@ -330,7 +330,7 @@ fn loadavg() -> String {
 /// Boots the VM and measures both sides; `Ok(Skipped)` when the VM cannot run here, `Err` when
 /// it ran and a measurement failed.
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn, String> {
-    if let Some(reason) = vm::vm_missing() {
+    if let Some(reason) = harness::vm_missing() {
         return Ok(KernelColumn::Skipped { reason });
     }
     let ucrypt = match crate::ucrypt_bin() {
@@ -340,7 +340,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
     if progress {
         eprintln!("ucrypt bench integrity --vm: Debian trixie's kernel (fetched once into tests/vm/cache/trixie)");
     }
-    let (kernel, modroot) = match vm::trixie_kernel() {
+    let (kernel, modroot) = match harness::trixie_kernel() {
         Ok(k) => k,
         Err(e) => return Ok(KernelColumn::Skipped { reason: e }),
     };
@@ -351,7 +351,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
         (IMAGE_MIB, REGION_MIB, OPS_4K)
     };
     let cfgs = configs();
-    let tmp = vm::TempDir::new("bench-integrity-vm");
+    let tmp = harness::TempDir::new("bench-integrity-vm");
     let share = tmp.0.join("share");
     std::fs::create_dir_all(&share).map_err(|e| format!("{}: {e}", share.display()))?;
     for (from, to) in [(&me, "ucrypt-bench"), (&ucrypt, "ucrypt")] {
@@ -363,10 +363,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1);
     let mut key = [0u8; 32];
-    vm::SplitMix(seed).fill(&mut key);
+    harness::SplitMix(seed).fill(&mut key);
     std::fs::write(share.join("key"), key).map_err(|e| format!("key file: {e}"))?;
 
-    let mut run = vm::VmRun::new(script(&cfgs, region_mib, ops, runs));
+    let mut run = harness::VmRun::new(script(&cfgs, region_mib, ops, runs));
     for i in 0..VOLUMES.len() {
         let img = tmp.0.join(format!("vol{i}.img"));
         std::fs::File::create(&img)
