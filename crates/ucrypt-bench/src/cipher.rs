@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use serde::Serialize;
-use ucrypt::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
+use ucrypt::sector::{BlockCipher, CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
 
 use super::stats::{Machine, Summary};
 
@@ -167,7 +167,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
                 spec: row.spec.to_string(),
                 key_bits: row.key_bits,
                 sector_bytes: ss,
-                provider: if c.spec().mode == Mode::AesXts {
+                provider: if c.spec().mode == Mode::Xts(BlockCipher::Aes) {
                     c.provider().name()
                 } else {
                     "aws-lc"

@@ -66,12 +66,14 @@ fn sector_layer_matches_python_cryptography() {
             };
             let nsec = 1 + rng.below(6) as usize;
             let plain = rng.bytes(ss as usize * nsec);
-            let providers: &[Provider] =
-                if spec.mode == ucrypt::sector::Mode::AesXts && key_len == 64 {
-                    &Provider::ALL
-                } else {
-                    &[Provider::Auto]
-                };
+            let providers: &[Provider] = if spec.mode
+                == ucrypt::sector::Mode::Xts(ucrypt::sector::BlockCipher::Aes)
+                && key_len == 64
+            {
+                &Provider::ALL
+            } else {
+                &[Provider::Auto]
+            };
             for &provider in providers {
                 let mut c = SectorCipher::with_provider(spec, &key, geo, provider).unwrap();
                 let mut ct = plain.clone();
