@@ -1,51 +1,40 @@
 //! One keyed 128-bit block cipher that encrypts or decrypts whole blocks in place: AES through
-//! AWS-LC's ECB (many blocks per call, pipelined in hardware), serpent, twofish and camellia
-//! through RustCrypto. The modes built on it (XTS, CBC, LRW: [`super::modes`]) and ESSIV see
+//! AWS-LC's ECB (many blocks per call, pipelined in hardware), serpent through RustCrypto,
+//! twofish and camellia through the table-driven implementations beside this file (RustCrypto's
+//! are several times to hundreds of times slower: see twofish.rs and camellia.rs). The modes built on it (XTS, CBC, LRW: [`super::modes`]) and ESSIV see
 //! only this type.
 //!
-//! Key hygiene: AWS-LC's schedules live in locked pages ([`EvpCtx`]); RustCrypto's cipher
-//! states are moved into a [`SecretBox`] (locked, non-dumpable, wiped when dropped) right after
-//! the key schedule is built, and the crates' `zeroize` feature wipes them on drop too.
+//! Key hygiene: AWS-LC's schedules live in locked pages ([`EvpCtx`]); the other cipher states
+//! live in a [`SecretBox`] (locked, non-dumpable, wiped when dropped): twofish's tables are
+//! built there in place, serpent's and camellia's round keys are moved there right after the
+//! key schedule is built, and both wipe themselves on drop too.
 
 use cipher::{BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
 
+use super::camellia::Camellia;
 use super::evp::{Alg, EvpCtx};
 use super::spec::BlockCipher;
+use super::twofish::Twofish;
 use crate::secret::SecretBox;
 use crate::{Error, Result};
 
 /// The block size of every cipher here.
 pub(crate) const BLOCK_BYTES: usize = 16;
 
+const CHUNK: Error = Error::Bug("16-byte chunk");
+// Key sizes were checked against the spec (and an ESSIV digest against its cipher) before any
+// cipher is keyed, and `Ecb::new` checks them once more.
+const REFUSED: Error = Error::Bug("a block cipher refused a key length its spec accepts");
+
 pub(crate) enum Ecb {
     Aes { enc: EvpCtx, dec: EvpCtx },
     Serpent(SecretBox<serpent::Serpent>),
-    Twofish(SecretBox<twofish::Twofish>),
-    Camellia128(SecretBox<camellia::Camellia128>),
-    Camellia192(SecretBox<camellia::Camellia192>),
-    Camellia256(SecretBox<camellia::Camellia256>),
+    Twofish(SecretBox<Twofish>),
+    Camellia(SecretBox<Camellia>),
 }
 
 fn rust_cipher<C: KeyInit>(key: &[u8]) -> Result<SecretBox<C>> {
-    // Key sizes were checked against the spec (and an ESSIV digest against its cipher) before
-    // any cipher is keyed, and `Ecb::new` checks them once more.
-    let c = C::new_from_slice(key)
-        .map_err(|_| Error::Bug("a block cipher refused a key length its spec accepts"))?;
-    Ok(SecretBox::new(c))
-}
-
-/// Runs `$body` with `$c` bound to the RustCrypto cipher of any non-AES variant.
-macro_rules! with_rust_cipher {
-    ($self:expr, $c:ident => $body:expr, aes => $aes:expr) => {
-        match $self {
-            Ecb::Aes { enc, dec } => $aes(enc, dec),
-            Ecb::Serpent($c) => $body,
-            Ecb::Twofish($c) => $body,
-            Ecb::Camellia128($c) => $body,
-            Ecb::Camellia192($c) => $body,
-            Ecb::Camellia256($c) => $body,
-        }
-    };
+    Ok(SecretBox::new(C::new_from_slice(key).map_err(|_| REFUSED)?))
 }
 
 impl Ecb {
@@ -62,12 +51,10 @@ impl Ecb {
                 dec: EvpCtx::new(Alg::AesEcb, key, false)?,
             },
             BlockCipher::Serpent => Ecb::Serpent(rust_cipher(key)?),
-            BlockCipher::Twofish => Ecb::Twofish(rust_cipher(key)?),
-            BlockCipher::Camellia => match key.len() {
-                16 => Ecb::Camellia128(rust_cipher(key)?),
-                24 => Ecb::Camellia192(rust_cipher(key)?),
-                _ => Ecb::Camellia256(rust_cipher(key)?),
-            },
+            BlockCipher::Twofish => Ecb::Twofish(Twofish::new(key).ok_or(REFUSED)?),
+            BlockCipher::Camellia => {
+                Ecb::Camellia(SecretBox::new(Camellia::new(key).ok_or(REFUSED)?))
+            }
         })
     }
 
@@ -75,24 +62,52 @@ impl Ecb {
     #[inline]
     pub(crate) fn encrypt(&mut self, data: &mut [u8]) -> Result<()> {
         debug_assert!(data.len() % BLOCK_BYTES == 0);
-        with_rust_cipher!(self, c => {
-            for b in data.chunks_exact_mut(BLOCK_BYTES) {
-                c.encrypt_block(b.try_into().map_err(|_| Error::Bug("16-byte chunk"))?);
+        let blocks = data.chunks_exact_mut(BLOCK_BYTES);
+        match self {
+            Ecb::Aes { enc, .. } => return enc.update_in_place(data),
+            Ecb::Serpent(c) => {
+                for b in blocks {
+                    c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
+                }
             }
-            Ok(())
-        }, aes => |enc: &mut EvpCtx, _| enc.update_in_place(data))
+            Ecb::Twofish(c) => {
+                for b in blocks {
+                    c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
+                }
+            }
+            Ecb::Camellia(c) => {
+                for b in blocks {
+                    c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Decrypts `data` (whole blocks) in place, each block on its own.
     #[inline]
     pub(crate) fn decrypt(&mut self, data: &mut [u8]) -> Result<()> {
         debug_assert!(data.len() % BLOCK_BYTES == 0);
-        with_rust_cipher!(self, c => {
-            for b in data.chunks_exact_mut(BLOCK_BYTES) {
-                c.decrypt_block(b.try_into().map_err(|_| Error::Bug("16-byte chunk"))?);
+        let blocks = data.chunks_exact_mut(BLOCK_BYTES);
+        match self {
+            Ecb::Aes { dec, .. } => return dec.update_in_place(data),
+            Ecb::Serpent(c) => {
+                for b in blocks {
+                    c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
+                }
             }
-            Ok(())
-        }, aes => |_, dec: &mut EvpCtx| dec.update_in_place(data))
+            Ecb::Twofish(c) => {
+                for b in blocks {
+                    c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
+                }
+            }
+            Ecb::Camellia(c) => {
+                for b in blocks {
+                    c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Encrypts one block in place.

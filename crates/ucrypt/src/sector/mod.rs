@@ -10,9 +10,11 @@
 
 mod adiantum;
 mod block;
+mod camellia;
 pub(crate) mod evp;
 mod modes;
 mod spec;
+mod twofish;
 
 pub use spec::{BlockCipher, CipherSpec, EssivHash, IvMode, Mode, XChaCha, SUPPORTED_SPECS};
 
