@@ -62,24 +62,19 @@ impl Ecb {
     #[inline]
     pub(crate) fn encrypt(&mut self, data: &mut [u8]) -> Result<()> {
         debug_assert!(data.len() % BLOCK_BYTES == 0);
-        let blocks = data.chunks_exact_mut(BLOCK_BYTES);
         match self {
             Ecb::Aes { enc, .. } => return enc.update_in_place(data),
             Ecb::Serpent(c) => {
-                for b in blocks {
+                for b in data.chunks_exact_mut(BLOCK_BYTES) {
                     c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
                 }
             }
             Ecb::Twofish(c) => {
-                for b in blocks {
+                for b in data.chunks_exact_mut(BLOCK_BYTES) {
                     c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
                 }
             }
-            Ecb::Camellia(c) => {
-                for b in blocks {
-                    c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
-                }
-            }
+            Ecb::Camellia(c) => c.encrypt_blocks(data),
         }
         Ok(())
     }
@@ -88,24 +83,19 @@ impl Ecb {
     #[inline]
     pub(crate) fn decrypt(&mut self, data: &mut [u8]) -> Result<()> {
         debug_assert!(data.len() % BLOCK_BYTES == 0);
-        let blocks = data.chunks_exact_mut(BLOCK_BYTES);
         match self {
             Ecb::Aes { dec, .. } => return dec.update_in_place(data),
             Ecb::Serpent(c) => {
-                for b in blocks {
+                for b in data.chunks_exact_mut(BLOCK_BYTES) {
                     c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
                 }
             }
             Ecb::Twofish(c) => {
-                for b in blocks {
+                for b in data.chunks_exact_mut(BLOCK_BYTES) {
                     c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
                 }
             }
-            Ecb::Camellia(c) => {
-                for b in blocks {
-                    c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
-                }
-            }
+            Ecb::Camellia(c) => c.decrypt_blocks(data),
         }
         Ok(())
     }
