@@ -69,11 +69,7 @@ impl Ecb {
                     c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
                 }
             }
-            Ecb::Twofish(c) => {
-                for b in data.chunks_exact_mut(BLOCK_BYTES) {
-                    c.encrypt_block(b.try_into().map_err(|_| CHUNK)?);
-                }
-            }
+            Ecb::Twofish(c) => c.encrypt_blocks(data),
             Ecb::Camellia(c) => c.encrypt_blocks(data),
         }
         Ok(())
@@ -90,11 +86,7 @@ impl Ecb {
                     c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
                 }
             }
-            Ecb::Twofish(c) => {
-                for b in data.chunks_exact_mut(BLOCK_BYTES) {
-                    c.decrypt_block(b.try_into().map_err(|_| CHUNK)?);
-                }
-            }
+            Ecb::Twofish(c) => c.decrypt_blocks(data),
             Ecb::Camellia(c) => c.decrypt_blocks(data),
         }
         Ok(())

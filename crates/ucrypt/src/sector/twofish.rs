@@ -182,80 +182,106 @@ impl Twofish {
             ^ self.t[3][b[3] as usize]
     }
 
-    #[inline]
-    pub(crate) fn encrypt_block(&self, block: &mut [u8; 16]) {
-        let w = |i: usize| {
-            u32::from_le_bytes([
-                block[4 * i],
-                block[4 * i + 1],
-                block[4 * i + 2],
-                block[4 * i + 3],
-            ])
+    /// Encrypts `N` independent blocks round by round, so their lookups interleave.
+    #[inline(always)]
+    fn enc<const N: usize>(&self, blocks: [&mut [u8; 16]; N]) {
+        let w = |b: &[u8; 16], i: usize| {
+            u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]) ^ self.k[i]
         };
-        let mut p = [
-            w(0) ^ self.k[0],
-            w(1) ^ self.k[1],
-            w(2) ^ self.k[2],
-            w(3) ^ self.k[3],
-        ];
+        let mut p: [[u32; 4]; N] =
+            std::array::from_fn(|n| std::array::from_fn(|i| w(blocks[n], i)));
         for r in 0..8 {
             let k = 4 * r + 8;
-            let t1 = self.g(p[1].rotate_left(8));
-            let t0 = self.g(p[0]).wrapping_add(t1);
-            p[2] = (p[2] ^ t0.wrapping_add(self.k[k])).rotate_right(1);
-            p[3] = p[3].rotate_left(1) ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 1]);
-            let t1 = self.g(p[3].rotate_left(8));
-            let t0 = self.g(p[2]).wrapping_add(t1);
-            p[0] = (p[0] ^ t0.wrapping_add(self.k[k + 2])).rotate_right(1);
-            p[1] = p[1].rotate_left(1) ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 3]);
+            for p in p.iter_mut() {
+                let t1 = self.g(p[1].rotate_left(8));
+                let t0 = self.g(p[0]).wrapping_add(t1);
+                p[2] = (p[2] ^ t0.wrapping_add(self.k[k])).rotate_right(1);
+                p[3] = p[3].rotate_left(1) ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 1]);
+            }
+            for p in p.iter_mut() {
+                let t1 = self.g(p[3].rotate_left(8));
+                let t0 = self.g(p[2]).wrapping_add(t1);
+                p[0] = (p[0] ^ t0.wrapping_add(self.k[k + 2])).rotate_right(1);
+                p[1] = p[1].rotate_left(1) ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 3]);
+            }
         }
-        // Undo the last swap; output whitening.
-        let out = [
-            p[2] ^ self.k[4],
-            p[3] ^ self.k[5],
-            p[0] ^ self.k[6],
-            p[1] ^ self.k[7],
-        ];
-        for (i, v) in out.iter().enumerate() {
-            block[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        for (p, block) in p.iter().zip(blocks) {
+            // Undo the last swap; output whitening.
+            let out = [
+                p[2] ^ self.k[4],
+                p[3] ^ self.k[5],
+                p[0] ^ self.k[6],
+                p[1] ^ self.k[7],
+            ];
+            for (i, v) in out.iter().enumerate() {
+                block[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+            }
         }
     }
 
-    #[inline]
-    pub(crate) fn decrypt_block(&self, block: &mut [u8; 16]) {
-        let w = |i: usize| {
-            u32::from_le_bytes([
-                block[4 * i],
-                block[4 * i + 1],
-                block[4 * i + 2],
-                block[4 * i + 3],
-            ])
+    /// Decrypts `N` independent blocks round by round.
+    #[inline(always)]
+    fn dec<const N: usize>(&self, blocks: [&mut [u8; 16]; N]) {
+        let w = |b: &[u8; 16], i: usize| {
+            u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
         };
-        let mut c = [
-            w(2) ^ self.k[6],
-            w(3) ^ self.k[7],
-            w(0) ^ self.k[4],
-            w(1) ^ self.k[5],
-        ];
+        let mut c: [[u32; 4]; N] = std::array::from_fn(|n| {
+            let b = &*blocks[n];
+            [
+                w(b, 2) ^ self.k[6],
+                w(b, 3) ^ self.k[7],
+                w(b, 0) ^ self.k[4],
+                w(b, 1) ^ self.k[5],
+            ]
+        });
         for r in (0..8).rev() {
             let k = 4 * r + 8;
-            let t1 = self.g(c[3].rotate_left(8));
-            let t0 = self.g(c[2]).wrapping_add(t1);
-            c[0] = c[0].rotate_left(1) ^ t0.wrapping_add(self.k[k + 2]);
-            c[1] = (c[1] ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 3])).rotate_right(1);
-            let t1 = self.g(c[1].rotate_left(8));
-            let t0 = self.g(c[0]).wrapping_add(t1);
-            c[2] = c[2].rotate_left(1) ^ t0.wrapping_add(self.k[k]);
-            c[3] = (c[3] ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 1])).rotate_right(1);
+            for c in c.iter_mut() {
+                let t1 = self.g(c[3].rotate_left(8));
+                let t0 = self.g(c[2]).wrapping_add(t1);
+                c[0] = c[0].rotate_left(1) ^ t0.wrapping_add(self.k[k + 2]);
+                c[1] = (c[1] ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 3])).rotate_right(1);
+            }
+            for c in c.iter_mut() {
+                let t1 = self.g(c[1].rotate_left(8));
+                let t0 = self.g(c[0]).wrapping_add(t1);
+                c[2] = c[2].rotate_left(1) ^ t0.wrapping_add(self.k[k]);
+                c[3] = (c[3] ^ t1.wrapping_add(t0).wrapping_add(self.k[k + 1])).rotate_right(1);
+            }
         }
-        let out = [
-            c[0] ^ self.k[0],
-            c[1] ^ self.k[1],
-            c[2] ^ self.k[2],
-            c[3] ^ self.k[3],
-        ];
-        for (i, v) in out.iter().enumerate() {
-            block[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        for (c, block) in c.iter().zip(blocks) {
+            for (i, v) in c.iter().enumerate() {
+                block[4 * i..4 * i + 4].copy_from_slice(&(v ^ self.k[i]).to_le_bytes());
+            }
+        }
+    }
+
+    /// Encrypts whole blocks, two at a time (independent blocks: ECB within XTS and LRW; one
+    /// block at a time is CBC encryption).
+    pub(crate) fn encrypt_blocks(&self, data: &mut [u8]) {
+        let mut pairs = data.chunks_exact_mut(32);
+        for pair in pairs.by_ref() {
+            let (x, y) = pair.split_at_mut(16);
+            if let (Ok(x), Ok(y)) = (x.try_into(), y.try_into()) {
+                self.enc([x, y]);
+            }
+        }
+        if let Ok(last) = pairs.into_remainder().try_into() {
+            self.enc([last]);
+        }
+    }
+
+    /// Decrypts whole blocks, two at a time.
+    pub(crate) fn decrypt_blocks(&self, data: &mut [u8]) {
+        let mut pairs = data.chunks_exact_mut(32);
+        for pair in pairs.by_ref() {
+            let (x, y) = pair.split_at_mut(16);
+            if let (Ok(x), Ok(y)) = (x.try_into(), y.try_into()) {
+                self.dec([x, y]);
+            }
+        }
+        if let Ok(last) = pairs.into_remainder().try_into() {
+            self.dec([last]);
         }
     }
 }
