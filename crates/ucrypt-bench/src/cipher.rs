@@ -136,6 +136,8 @@ pub struct CipherResult {
     /// Encrypt in place, hot buffer, per second of this thread's CPU time (what `openssl speed`
     /// reports without `-elapsed`): on a host shared with other work, the cipher's own speed.
     pub hot_cpu_gbps: Summary,
+    /// Decrypt in place, hot buffer, per second of this thread's CPU time.
+    pub hot_decrypt_cpu_gbps: Summary,
     /// Median hot GB/s divided by the median hot memcpy GB/s of the same run.
     pub hot_vs_memcpy: f64,
     pub cold_vs_memcpy: f64,
@@ -233,6 +235,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[String]) -> Cip
                 Vec::new(),
                 Vec::new(),
                 Vec::new(),
+                Vec::new(),
             ));
         }
     }
@@ -243,14 +246,16 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[String]) -> Cip
         }
         mh.push(time_memcpy(&hot, &mut hot2, hot_work));
         mc.push(time_memcpy(&cold, &mut cold2, cold_bytes));
-        for (_, _, c, h, k, d, u) in configs.iter_mut() {
+        for (_, _, c, h, k, d, u, v) in configs.iter_mut() {
             let div = if slow(&c.spec()) { SLOW_DIVISOR } else { 1 };
             let cold = &mut cold[..cold_bytes / div];
             let (wall, cpu) = time_cipher(c, &mut hot, hot_work / div, true);
             h.push(wall);
             u.push(cpu);
             k.push(time_cipher(c, cold, cold.len(), true).0);
-            d.push(time_cipher(c, &mut hot, hot_work / div, false).0);
+            let (wall, cpu) = time_cipher(c, &mut hot, hot_work / div, false);
+            d.push(wall);
+            v.push(cpu);
         }
     }
     if progress {
@@ -260,7 +265,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[String]) -> Cip
     let memcpy_cold_gbps = Summary::of(&mc);
     let results = configs
         .into_iter()
-        .map(|(row, ss, c, h, k, d, u)| {
+        .map(|(row, ss, c, h, k, d, u, v)| {
             let (hot_gbps, cold_gbps) = (Summary::of(&h), Summary::of(&k));
             CipherResult {
                 spec: row.spec.to_string(),
@@ -273,6 +278,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool, only: &[String]) -> Cip
                 cold_gbps,
                 hot_decrypt_gbps: Summary::of(&d),
                 hot_cpu_gbps: Summary::of(&u),
+                hot_decrypt_cpu_gbps: Summary::of(&v),
             }
         })
         .collect();
@@ -298,11 +304,11 @@ pub fn markdown(r: &CipherReport) -> String {
         r.memcpy_hot_gbps.show(1),
         r.memcpy_cold_gbps.show(1)
     ));
-    s.push_str("| spec | key bits | sector | provider | encrypt hot GB/s | encrypt cold GB/s | decrypt hot GB/s | encrypt hot GB/s per CPU-s | hot ÷ memcpy | cold ÷ memcpy |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| spec | key bits | sector | provider | encrypt hot GB/s | encrypt cold GB/s | decrypt hot GB/s | encrypt hot GB/s per CPU-s | decrypt hot GB/s per CPU-s | hot ÷ memcpy | cold ÷ memcpy |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.results {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} |\n",
             x.spec,
             x.key_bits,
             x.sector_bytes,
@@ -311,6 +317,7 @@ pub fn markdown(r: &CipherReport) -> String {
             x.cold_gbps.show(2),
             x.hot_decrypt_gbps.show(2),
             x.hot_cpu_gbps.show(2),
+            x.hot_decrypt_cpu_gbps.show(2),
             x.hot_vs_memcpy,
             x.cold_vs_memcpy
         ));
