@@ -1,8 +1,8 @@
 //! One keyed 128-bit block cipher that encrypts or decrypts whole blocks in place: AES through
 //! AWS-LC's ECB (many blocks per call, pipelined in hardware), serpent through RustCrypto,
 //! twofish and camellia through the table-driven implementations beside this file (RustCrypto's
-//! are several times to hundreds of times slower: see twofish.rs and camellia.rs). The modes built on it (XTS, CBC, LRW: [`super::modes`]) and ESSIV see
-//! only this type.
+//! are several times to hundreds of times slower: see twofish.rs and camellia.rs). The modes
+//! built on it (XTS, CBC, LRW: [`super::modes`]) and ESSIV see only this type.
 //!
 //! Key hygiene: AWS-LC's schedules live in locked pages ([`EvpCtx`]); the other cipher states
 //! live in a [`SecretBox`] (locked, non-dumpable, wiped when dropped): twofish's tables are
@@ -22,6 +22,7 @@ use crate::{Error, Result};
 pub(crate) const BLOCK_BYTES: usize = 16;
 
 const CHUNK: Error = Error::Bug("16-byte chunk");
+const PARTIAL: Error = Error::Bug("a block cipher given a partial block");
 // Key sizes were checked against the spec (and an ESSIV digest against its cipher) before any
 // cipher is keyed, and `Ecb::new` checks them once more.
 const REFUSED: Error = Error::Bug("a block cipher refused a key length its spec accepts");
@@ -61,7 +62,9 @@ impl Ecb {
     /// Encrypts `data` (whole blocks) in place, each block on its own.
     #[inline]
     pub(crate) fn encrypt(&mut self, data: &mut [u8]) -> Result<()> {
-        debug_assert!(data.len() % BLOCK_BYTES == 0);
+        if data.len() % BLOCK_BYTES != 0 {
+            return Err(PARTIAL);
+        }
         match self {
             Ecb::Aes { enc, .. } => return enc.update_in_place(data),
             Ecb::Serpent(c) => {
@@ -78,7 +81,9 @@ impl Ecb {
     /// Decrypts `data` (whole blocks) in place, each block on its own.
     #[inline]
     pub(crate) fn decrypt(&mut self, data: &mut [u8]) -> Result<()> {
-        debug_assert!(data.len() % BLOCK_BYTES == 0);
+        if data.len() % BLOCK_BYTES != 0 {
+            return Err(PARTIAL);
+        }
         match self {
             Ecb::Aes { dec, .. } => return dec.update_in_place(data),
             Ecb::Serpent(c) => {

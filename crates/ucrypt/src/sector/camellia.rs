@@ -284,11 +284,19 @@ impl Camellia {
     fn run<const N: usize>(s: &Schedule, rounds: usize, blocks: [&mut [u8; 16]; N]) {
         let split = |v: u64| ((v >> 32) as u32, v as u32);
         let join = |h: (u32, u32)| (u64::from(h.0) << 32) | u64::from(h.1);
-        let word = |b: &[u8; 16], i: usize| u64::from_be_bytes(b[i..i + 8].try_into().expect("8"));
+        // The block's two big-endian 64-bit halves.
+        let half = |b: &[u8; 16], high: bool| {
+            let v = u128::from_be_bytes(*b);
+            if high {
+                (v >> 64) as u64
+            } else {
+                v as u64
+            }
+        };
         let mut a: [(u32, u32); N] =
-            std::array::from_fn(|i| split(word(blocks[i], 0) ^ s.kw_in[0]));
+            std::array::from_fn(|i| split(half(blocks[i], true) ^ s.kw_in[0]));
         let mut b: [(u32, u32); N] =
-            std::array::from_fn(|i| split(word(blocks[i], 8) ^ s.kw_in[1]));
+            std::array::from_fn(|i| split(half(blocks[i], false) ^ s.kw_in[1]));
         for r in (0..rounds).step_by(6) {
             let k = &s.k[r..r + 6];
             let mut ak = [(0, 0); N];

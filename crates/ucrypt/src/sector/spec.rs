@@ -28,9 +28,9 @@ pub enum BlockCipher {
     Aes,
     /// Serpent (RustCrypto `serpent`): 128 to 256-bit keys.
     Serpent,
-    /// Twofish (RustCrypto `twofish`): 128, 192 or 256-bit keys.
+    /// Twofish (table-driven, sector/twofish.rs): 128, 192 or 256-bit keys.
     Twofish,
-    /// Camellia (RustCrypto `camellia`): 128, 192 or 256-bit keys.
+    /// Camellia (table-driven, sector/camellia.rs): 128, 192 or 256-bit keys.
     Camellia,
 }
 
