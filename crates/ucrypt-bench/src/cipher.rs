@@ -106,8 +106,8 @@ fn slow(spec: &CipherSpec) -> bool {
 }
 
 /// What runs the row: AWS-LC's EVP modes, ucrypt's modes over AWS-LC's AES-ECB, over
-/// RustCrypto's serpent or over ucrypt's table-driven twofish and camellia; Adiantum's stream
-/// and hash (RustCrypto) with AWS-LC's AES.
+/// RustCrypto's serpent or over ucrypt's table-driven twofish and camellia; Adiantum with
+/// RustCrypto's XChaCha, ucrypt's NH and Poly1305 and AWS-LC's AES.
 fn implementation(c: &SectorCipher) -> &'static str {
     match c.spec().mode {
         Mode::Xts(BlockCipher::Aes) => c.provider().name(),
@@ -117,7 +117,7 @@ fn implementation(c: &SectorCipher) -> &'static str {
         | Mode::Cbc(BlockCipher::Serpent)
         | Mode::Lrw(BlockCipher::Serpent) => "rustcrypto",
         Mode::Xts(_) | Mode::Cbc(_) | Mode::Lrw(_) => "ucrypt tables",
-        Mode::Adiantum(_) => "rustcrypto + aws-lc aes",
+        Mode::Adiantum(_) => "rustcrypto xchacha + aws-lc aes",
         Mode::Null => "-",
     }
 }
