@@ -79,24 +79,31 @@ static SP: [[u32; 256]; 4] = {
 /// chain, not eight dependent XORs.
 #[inline(always)]
 fn sp(t0: u32, t1: u32) -> (u32, u32) {
+    let (a, b) = sp_halves(t0, t1);
+    (a ^ b, b)
+}
+
+/// The two chains of F's lookups, uncombined: F's output is (a ^ b, ror(b, 8) ^ a ^ b).
+#[inline(always)]
+fn sp_halves(t0: u32, t1: u32) -> (u32, u32) {
     let b = |x: u32, n: u32| ((x >> n) & 0xff) as usize;
     let t3 = (SP[3][b(t0, 0)] ^ SP[2][b(t0, 8)]) ^ (SP[1][b(t0, 16)] ^ SP[0][b(t0, 24)]);
     let t2 = (SP[0][b(t1, 0)] ^ SP[3][b(t1, 8)]) ^ (SP[2][b(t1, 16)] ^ SP[1][b(t1, 24)]);
-    (t2 ^ t3, t3)
+    (t2, t3)
 }
 
 /// One round on halves of two 32-bit big-endian words: `y ^= F(xk)` where `xk` is the other
 /// half already XORed with this round's key, and returns `y ^ k_next`, the next round's keyed
 /// input. `y ^ k_next` is computed while F's lookups are in flight, so the next round starts
-/// without a key XOR on its critical path.
+/// without a key XOR on its critical path; each chain's result joins it with one XOR.
 #[inline(always)]
 fn round(xk: (u32, u32), y: &mut (u32, u32), k_next: u64) -> (u32, u32) {
     let pre = (y.0 ^ (k_next >> 32) as u32, y.1 ^ k_next as u32);
-    let (t2, t3) = sp(xk.0, xk.1);
-    let u = t3.rotate_right(8) ^ t2;
-    y.0 ^= t2;
-    y.1 ^= u;
-    (pre.0 ^ t2, pre.1 ^ u)
+    let (a, b) = sp_halves(xk.0, xk.1);
+    let b2 = b ^ b.rotate_right(8);
+    y.0 ^= a ^ b;
+    y.1 ^= a ^ b2;
+    ((pre.0 ^ b) ^ a, (pre.1 ^ b2) ^ a)
 }
 
 /// F on a 64-bit half, for the key schedule.
