@@ -192,7 +192,7 @@ fn run_all(a: &AllArgs) -> Result<PathBuf, String> {
         let ts = Instant::now();
         let r: Result<(Value, String), String> = match name {
             "cipher" => {
-                let r = cipher::measure(c.runs(), quick, true);
+                let r = cipher::measure(c.runs(), quick, true, &[]);
                 Ok((to_value(&r), cipher::markdown(&r)))
             }
             "engine" => {

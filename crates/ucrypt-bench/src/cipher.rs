@@ -2,12 +2,16 @@
 //! provider, in place, on a hot buffer (256 KiB, L2-resident) and a cold one (64 MiB), beside
 //! memcpy of the same buffers measured in the same run. Configurations run round-robin, so a
 //! clock change on this noisy machine hits every row alike; each row is the median of the runs.
+//!
+//! The ciphers off AWS-LC's AES-XTS/CBC (serpent, twofish, camellia, LRW, Adiantum) are one to
+//! two orders of magnitude slower: their rows process [`SLOW_DIVISOR`] times fewer bytes per
+//! measurement (the cold buffer's first part), so a run stays short.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use serde::Serialize;
-use ucrypt::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
+use ucrypt::sector::{BlockCipher, CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
 
 use super::stats::{Machine, Summary};
 
@@ -16,6 +20,8 @@ const COLD_BYTES: usize = 64 << 20;
 /// Bytes processed per hot measurement: enough passes over the hot buffer for some tens of
 /// milliseconds at AES-NI speeds.
 const HOT_WORK_BYTES: usize = 256 << 20;
+/// How many times fewer bytes a row off AWS-LC's AES-XTS/CBC processes per measurement.
+const SLOW_DIVISOR: usize = 16;
 
 #[derive(Clone, Copy)]
 struct Row {
@@ -56,9 +62,65 @@ fn rows() -> Vec<Row> {
             provider: Provider::Auto,
         });
     }
+    // The other ciphers dm-crypt volumes use: XTS with two 256-bit keys and CBC-ESSIV with
+    // one, as `cryptsetup benchmark` lists them; camellia-CBC at 128 and 256 bits beside
+    // `openssl speed -evp camellia-{128,256}-cbc`; LRW-AES with AES-128 and AES-256 keys.
+    for spec in [
+        "serpent-xts-plain64",
+        "twofish-xts-plain64",
+        "camellia-xts-plain64",
+    ] {
+        v.push(Row {
+            spec,
+            key_bits: 512,
+            provider: Provider::Auto,
+        });
+    }
+    for (spec, key_bits) in [
+        ("serpent-cbc-essiv:sha256", 256),
+        ("twofish-cbc-essiv:sha256", 256),
+        ("camellia-cbc-essiv:sha256", 256),
+        ("camellia-cbc-plain64", 128),
+        ("camellia-cbc-plain64", 256),
+        ("aes-lrw-benbi", 256),
+        ("aes-lrw-benbi", 384),
+        ("xchacha12,aes-adiantum-plain64", 256),
+        ("xchacha20,aes-adiantum-plain64", 256),
+    ] {
+        v.push(Row {
+            spec,
+            key_bits,
+            provider: Provider::Auto,
+        });
+    }
     // cipher_null-ecb is a no-op in place: it has no throughput to measure here (the engine
     // benchmark uses it to show the cost of everything but the cipher).
     v
+}
+
+/// Whether a row runs off AWS-LC's AES-XTS/CBC (and so at a fraction of its speed).
+fn slow(spec: &CipherSpec) -> bool {
+    !matches!(
+        spec.mode,
+        Mode::Xts(BlockCipher::Aes) | Mode::Cbc(BlockCipher::Aes)
+    )
+}
+
+/// What runs the row: AWS-LC's EVP modes, ucrypt's modes over AWS-LC's AES-ECB, over
+/// RustCrypto's serpent or over ucrypt's table-driven twofish and camellia; Adiantum with
+/// RustCrypto's XChaCha, ucrypt's NH and Poly1305 and AWS-LC's AES.
+fn implementation(c: &SectorCipher) -> &'static str {
+    match c.spec().mode {
+        Mode::Xts(BlockCipher::Aes) => c.provider().name(),
+        Mode::Cbc(BlockCipher::Aes) => "aws-lc",
+        Mode::Lrw(BlockCipher::Aes) => "lrw + aws-lc ecb",
+        Mode::Xts(BlockCipher::Serpent)
+        | Mode::Cbc(BlockCipher::Serpent)
+        | Mode::Lrw(BlockCipher::Serpent) => "rustcrypto",
+        Mode::Xts(_) | Mode::Cbc(_) | Mode::Lrw(_) => "ucrypt tables",
+        Mode::Adiantum(_) => "rustcrypto xchacha + aws-lc aes",
+        Mode::Null => "-",
+    }
 }
 
 #[derive(Serialize)]
@@ -72,6 +134,11 @@ pub struct CipherResult {
     pub cold_gbps: Summary,
     /// Decrypt in place, hot buffer (what reads pay; CBC decrypts in parallel, encrypts serially).
     pub hot_decrypt_gbps: Summary,
+    /// Encrypt in place, hot buffer, per second of this thread's CPU time (what `openssl speed`
+    /// reports without `-elapsed`): on a host shared with other work, the cipher's own speed.
+    pub hot_cpu_gbps: Summary,
+    /// Decrypt in place, hot buffer, per second of this thread's CPU time.
+    pub hot_decrypt_cpu_gbps: Summary,
     /// Median hot GB/s divided by the median hot memcpy GB/s of the same run.
     pub hot_vs_memcpy: f64,
     pub cold_vs_memcpy: f64,
@@ -92,8 +159,21 @@ fn gbps(bytes: usize, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
-fn time_cipher(c: &mut SectorCipher, buf: &mut [u8], total: usize, encrypt: bool) -> f64 {
+/// This thread's CPU time, in seconds.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which `ts` is.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// GB/s by the wall clock and by this thread's CPU time.
+fn time_cipher(c: &mut SectorCipher, buf: &mut [u8], total: usize, encrypt: bool) -> (f64, f64) {
     let passes = total.div_ceil(buf.len()).max(1);
+    let cpu = thread_cpu_s();
     let t = Instant::now();
     for p in 0..passes {
         let sector = (p * buf.len() / c.sector_bytes()) as u64;
@@ -104,7 +184,12 @@ fn time_cipher(c: &mut SectorCipher, buf: &mut [u8], total: usize, encrypt: bool
         }
         black_box(&mut *buf);
     }
-    gbps(passes * buf.len(), t.elapsed().as_secs_f64())
+    let wall = t.elapsed().as_secs_f64();
+    let cpu = (thread_cpu_s() - cpu).max(1e-9);
+    (
+        gbps(passes * buf.len(), wall),
+        gbps(passes * buf.len(), cpu),
+    )
 }
 
 fn time_memcpy(src: &[u8], dst: &mut [u8], total: usize) -> f64 {
@@ -117,7 +202,8 @@ fn time_memcpy(src: &[u8], dst: &mut [u8], total: usize) -> f64 {
     gbps(passes * src.len(), t.elapsed().as_secs_f64())
 }
 
-pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
+/// `only`: run just the rows whose spec contains one of these strings (all when empty).
+pub fn measure(runs: usize, quick: bool, progress: bool, only: &[String]) -> CipherReport {
     let hot_work = if quick {
         HOT_WORK_BYTES / 4
     } else {
@@ -130,7 +216,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
     let mut cold2 = vec![0u8; cold_bytes];
 
     let mut configs = Vec::new();
-    for row in rows() {
+    for row in rows()
+        .into_iter()
+        .filter(|r| only.is_empty() || only.iter().any(|o| r.spec.contains(o.as_str())))
+    {
         for ss in [512u64, 4096] {
             let spec: CipherSpec = row.spec.parse().expect("bench spec parses");
             let key: Vec<u8> = (0..row.key_bits / 8)
@@ -139,7 +228,16 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
             let geo = Geometry::new(SectorSize::new(ss).expect("bench sector size"));
             let c =
                 SectorCipher::with_provider(spec, &key, geo, row.provider).expect("bench cipher");
-            configs.push((row, ss as u32, c, Vec::new(), Vec::new(), Vec::new()));
+            configs.push((
+                row,
+                ss as u32,
+                c,
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            ));
         }
     }
     let (mut mh, mut mc) = (Vec::new(), Vec::new());
@@ -149,10 +247,16 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
         }
         mh.push(time_memcpy(&hot, &mut hot2, hot_work));
         mc.push(time_memcpy(&cold, &mut cold2, cold_bytes));
-        for (_, _, c, h, k, d) in configs.iter_mut() {
-            h.push(time_cipher(c, &mut hot, hot_work, true));
-            k.push(time_cipher(c, &mut cold, cold_bytes, true));
-            d.push(time_cipher(c, &mut hot, hot_work, false));
+        for (_, _, c, h, k, d, u, v) in configs.iter_mut() {
+            let div = if slow(&c.spec()) { SLOW_DIVISOR } else { 1 };
+            let cold = &mut cold[..cold_bytes / div];
+            let (wall, cpu) = time_cipher(c, &mut hot, hot_work / div, true);
+            h.push(wall);
+            u.push(cpu);
+            k.push(time_cipher(c, cold, cold.len(), true).0);
+            let (wall, cpu) = time_cipher(c, &mut hot, hot_work / div, false);
+            d.push(wall);
+            v.push(cpu);
         }
     }
     if progress {
@@ -162,23 +266,20 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> CipherReport {
     let memcpy_cold_gbps = Summary::of(&mc);
     let results = configs
         .into_iter()
-        .map(|(row, ss, c, h, k, d)| {
+        .map(|(row, ss, c, h, k, d, u, v)| {
             let (hot_gbps, cold_gbps) = (Summary::of(&h), Summary::of(&k));
             CipherResult {
                 spec: row.spec.to_string(),
                 key_bits: row.key_bits,
                 sector_bytes: ss,
-                provider: if c.spec().mode == Mode::AesXts {
-                    c.provider().name()
-                } else {
-                    "aws-lc"
-                }
-                .to_string(),
+                provider: implementation(&c).to_string(),
                 hot_vs_memcpy: hot_gbps.median / memcpy_hot_gbps.median,
                 cold_vs_memcpy: cold_gbps.median / memcpy_cold_gbps.median,
                 hot_gbps,
                 cold_gbps,
                 hot_decrypt_gbps: Summary::of(&d),
+                hot_cpu_gbps: Summary::of(&u),
+                hot_decrypt_cpu_gbps: Summary::of(&v),
             }
         })
         .collect();
@@ -204,11 +305,11 @@ pub fn markdown(r: &CipherReport) -> String {
         r.memcpy_hot_gbps.show(1),
         r.memcpy_cold_gbps.show(1)
     ));
-    s.push_str("| spec | key bits | sector | provider | encrypt hot GB/s | encrypt cold GB/s | decrypt hot GB/s | hot ÷ memcpy | cold ÷ memcpy |\n");
-    s.push_str("|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| spec | key bits | sector | provider | encrypt hot GB/s | encrypt cold GB/s | decrypt hot GB/s | encrypt hot GB/s per CPU-s | decrypt hot GB/s per CPU-s | hot ÷ memcpy | cold ÷ memcpy |\n");
+    s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for x in &r.results {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} |\n",
             x.spec,
             x.key_bits,
             x.sector_bytes,
@@ -216,6 +317,8 @@ pub fn markdown(r: &CipherReport) -> String {
             x.hot_gbps.show(2),
             x.cold_gbps.show(2),
             x.hot_decrypt_gbps.show(2),
+            x.hot_cpu_gbps.show(2),
+            x.hot_decrypt_cpu_gbps.show(2),
             x.hot_vs_memcpy,
             x.cold_vs_memcpy
         ));

@@ -117,6 +117,16 @@ pub struct EngineArgs {
 }
 
 #[derive(Args)]
+pub struct CipherArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Run only the rows whose spec contains one of these (comma-separated, e.g.
+    /// serpent,adiantum; default all).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+#[derive(Args)]
 pub struct ReencryptArgs {
     #[command(flatten)]
     common: Common,
@@ -168,7 +178,7 @@ pub struct ProbeArgs {
 #[derive(Subcommand)]
 enum Which {
     /// Sector cipher throughput per spec, sector size and provider, beside memcpy.
-    Cipher(Common),
+    Cipher(CipherArgs),
     /// The volume engine: dispatch policies side by side with the raw backend.
     Engine(EngineArgs),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
@@ -224,9 +234,9 @@ fn emit<T: serde::Serialize>(
 
 pub fn run(a: BenchArgs) -> i32 {
     match a.which {
-        Which::Cipher(c) => emit(
+        Which::Cipher(CipherArgs { common: c, only }) => emit(
             "cipher",
-            Ok(cipher::measure(c.runs(), c.quick, !c.json)),
+            Ok(cipher::measure(c.runs(), c.quick, !c.json, &only)),
             c.json,
             cipher::markdown,
         ),

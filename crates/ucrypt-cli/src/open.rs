@@ -127,7 +127,8 @@ impl DeviceType {
 pub struct VolumeArgs {
     /// The volume: an image file, a block device, or an RBD image (rbd:POOL/IMAGE[@SNAP]).
     pub volume: Target,
-    /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64.
+    /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64,
+    /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64.
     #[arg(long, requires = "volume_key_file")]
     pub cipher: Option<String>,
     /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's

@@ -906,6 +906,93 @@ fn luks1_images_dump_without_their_cipher() {
     assert!(miss.is_empty(), "{miss:#?}");
 }
 
+/// The volume serial of a FAT boot sector as blkid prints it (`DEAD-BABE`): after the extended
+/// boot signature 0x29, at 0x27 for FAT12/16 and at 0x43 for FAT32, little-endian.
+fn fat_volume_id(boot: &[u8]) -> Option<String> {
+    let at = [(0x26, 0x27), (0x42, 0x43)]
+        .into_iter()
+        .find(|&(sig, _)| boot.get(sig) == Some(&0x29))?
+        .1;
+    let id = u32::from_le_bytes(boot.get(at..at + 4)?.try_into().ok()?);
+    Some(format!("{:04X}-{:04X}", id >> 16, id & 0xffff))
+}
+
+/// luks1-compat-test's "PASSPHRASE CHECK" and "ACTIVATION FS UUID CHECK" on its 12 images
+/// (aes-xts, aes-cbc-essiv:sha256, aes-lrw-plain64, aes-xts-essiv:wp256, serpent-xts and
+/// twofish-xts; sha1, sha256 and whirlpool): `keyfile1` unlocks every one, through its own
+/// cipher in the keyslot area, and the exported plaintext is a FAT volume with the UUID
+/// DEAD-BABE, read from the boot sector and, where installed, by `blkid -p` as the script does.
+#[test]
+fn luks1_images_unlock_and_hold_the_dead_babe_filesystem() {
+    let Some(suite) = suite() else { return };
+    let t = TempDir::new("luks1-images-open");
+    cli_common::untar(&suite.join("luks1-images.tar.xz"), t.dir());
+    let dir = t.path("luks1-images");
+    let kf = dir.join("keyfile1");
+    let mut images: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("images")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "img"))
+        .collect();
+    images.sort();
+    assert_eq!(images.len(), 12, "luks1-images.tar.xz holds 12 volumes");
+    let mut miss = Vec::new();
+    for img in &images {
+        let i = cli_common::s(img);
+        let name = img.file_name().and_then(|n| n.to_str()).unwrap_or(i);
+        let o = run_in(
+            UCRYPT,
+            &[
+                "open",
+                "--test-passphrase",
+                "--key-file",
+                cli_common::s(&kf),
+                i,
+            ],
+            b"",
+        );
+        if o.status.code() != Some(0) {
+            miss.push(format!("open --test-passphrase {name}: {}", text(&o)));
+            continue;
+        }
+        let out = t.path("plain.img");
+        let _ = std::fs::remove_file(&out);
+        let o = run_in(
+            UCRYPT,
+            &[
+                "export",
+                "--key-file",
+                cli_common::s(&kf),
+                i,
+                cli_common::s(&out),
+            ],
+            b"",
+        );
+        if o.status.code() != Some(0) {
+            miss.push(format!("export {name}: {}", text(&o)));
+            continue;
+        }
+        let plain = std::fs::read(&out).expect("exported plaintext");
+        match fat_volume_id(&plain) {
+            Some(id) if id == "DEAD-BABE" => {}
+            other => miss.push(format!("{name}: FAT volume id {other:?}, not DEAD-BABE")),
+        }
+        if have("blkid") {
+            let o = run_in(
+                "blkid",
+                &["-p", "-o", "value", "-s", "UUID", cli_common::s(&out)],
+                b"",
+            );
+            let uuid = String::from_utf8_lossy(&o.stdout).trim().to_string();
+            if uuid != "DEAD-BABE" {
+                miss.push(format!("{name}: blkid says UUID {uuid:?}: {}", text(&o)));
+            }
+        }
+        println!("{name}: unlocked, DEAD-BABE");
+    }
+    assert!(miss.is_empty(), "{miss:#?}");
+}
+
 /// compat-test2 "[29] Repair metadata": `blkid-luks2-pv.img` holds a LUKS2 secondary header
 /// and, where the primary was, an LVM2 physical volume's label. Neither tool recovers the
 /// header on its own (isLuks, luksDump refuse: ambiguous signatures); `repair` does, and then

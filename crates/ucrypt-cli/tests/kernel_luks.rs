@@ -8,7 +8,10 @@
 //!   (`e2fsck -f`) and holds the right files through dm-crypt; an ext4 made and filled through
 //!   dm-crypt in the VM, exported by ucrypt, is clean on the host and holds the right files.
 //!
-//! Cases: aes-xts-plain64 512-bit key with 512- and 4096-byte sectors, aes-cbc-essiv:sha256.
+//! Cases: aes-xts-plain64 512-bit key with 512- and 4096-byte sectors, aes-cbc-essiv:sha256,
+//! and the other ciphers LUKS2 volumes use (serpent-xts, camellia-xts, twofish-cbc-essiv,
+//! Adiantum): their keyslot areas are encrypted with the segment's cipher too, so the guest's
+//! cryptsetup unlocking them (through AF_ALG) proves the keyslot path as well as the data.
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set. SKIPPED too while this build has no `ucrypt format` (LUKS verbs not merged).
 
@@ -52,6 +55,30 @@ const CASES: &[Case] = &[
         cipher: "aes-cbc-essiv:sha256",
         key_bits: 256,
         sector: 512,
+    },
+    Case {
+        name: "serpent-xts4096",
+        cipher: "serpent-xts-plain64",
+        key_bits: 512,
+        sector: 4096,
+    },
+    Case {
+        name: "camellia-xts",
+        cipher: "camellia-xts-plain64",
+        key_bits: 256,
+        sector: 512,
+    },
+    Case {
+        name: "twofish-cbc-essiv",
+        cipher: "twofish-cbc-essiv:sha256",
+        key_bits: 256,
+        sector: 512,
+    },
+    Case {
+        name: "adiantum4096",
+        cipher: "xchacha12,aes-adiantum-plain64",
+        key_bits: 256,
+        sector: 4096,
     },
 ];
 
@@ -127,6 +154,8 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
 
     let mut run = vm::VmRun::new("");
     run.share = Some(dir.clone());
+    // camellia-xts (the initramfs' own list has the other ciphers' modules).
+    run.extra_mods = vec!["camellia_generic".to_string()];
     let mut script = String::from("set -u\nfail=0\nP=/mnt/host/plain.bin\nK=/mnt/host/key\n");
     let mut disk = 0usize;
     let mut next_dev = |run: &mut vm::VmRun, img: &Path, ro: bool| {

@@ -31,7 +31,8 @@ pub struct LuksOpts {
     /// LUKS version: luks2 (default) or luks1 (also accepts "luks").
     #[arg(long = "type", short = 'M')]
     pub luks_type: Option<String>,
-    /// Cipher spec, e.g. aes-xts-plain64.
+    /// Cipher spec, e.g. aes-xts-plain64, serpent-xts-plain64, twofish-cbc-essiv:sha256,
+    /// xchacha12,aes-adiantum-plain64.
     #[arg(long, short = 'c')]
     pub cipher: Option<String>,
     /// Volume key size in bits.

@@ -577,7 +577,7 @@ fn hostile_luks2_rows() -> Vec<(&'static str, Mutation, Expect)> {
         ),
         (
             "area cipher unsupported",
-            both_json(|v| ks0(v)["area"]["encryption"] = json!("twofish-xts-plain64")),
+            both_json(|v| ks0(v)["area"]["encryption"] = json!("blowfish-cbc-plain64")),
             Reject("keyslots"),
         ),
         (
@@ -1073,10 +1073,10 @@ fn hostile_luks1_headers_are_rejected() {
     type Mutation = (&'static str, Box<dyn Fn(&mut Vec<u8>)>);
     let unusable: [Mutation; 2] = [
         (
-            "cipher twofish",
+            "cipher blowfish",
             Box::new(|b| {
                 b[8..40].fill(0);
-                b[8..15].copy_from_slice(b"twofish")
+                b[8..16].copy_from_slice(b"blowfish")
             }),
         ),
         (

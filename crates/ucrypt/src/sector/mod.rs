@@ -4,19 +4,31 @@
 //! per call, so the fixed per-call cost is paid once per run. The IV of each sector follows
 //! dm-crypt exactly ([`Geometry::iv_sector`]): it counts 512-byte units from the start of the
 //! data segment, plus the IV offset, unless `iv_large_sectors` is set.
+//!
+//! AES-XTS and AES-CBC run on AWS-LC's EVP modes (`evp.rs`); the other block ciphers and LRW
+//! run the modes of `modes.rs` over one block cipher (`block.rs`); Adiantum is `adiantum.rs`.
 
+mod adiantum;
+mod block;
+mod camellia;
 pub(crate) mod evp;
+mod modes;
 mod spec;
+mod twofish;
 
-pub use spec::{CipherSpec, IvMode, Mode, SUPPORTED_SPECS};
-
-use sha2::{Digest, Sha256};
+pub use spec::{BlockCipher, CipherSpec, EssivHash, IvMode, Mode, XChaCha, SUPPORTED_SPECS};
 
 use crate::{Error, Result, SecretBytes};
+use adiantum::{Adiantum, ADIANTUM_TWEAK_BYTES};
+use block::Ecb;
 use evp::{Alg, EvpCtx};
+use modes::BlockMode;
 
 /// Largest encryption sector dm-crypt supports; also the size of the XTS tweak scratch buffer.
 pub const SECTOR_BYTES_MAX: u32 = 4096;
+
+/// dm-crypt's benbi shift, 9 - log2(16): every cipher here has 16-byte blocks.
+const BENBI_SHIFT: u32 = 9 - 4;
 
 /// An encryption sector size: 512, 1024, 2048 or 4096 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -104,9 +116,40 @@ impl Provider {
 
 enum Imp {
     Null,
-    Xts { enc: EvpCtx, dec: EvpCtx },
+    Xts {
+        enc: EvpCtx,
+        dec: EvpCtx,
+    },
     EcbXts(Box<EcbXts>),
-    Cbc { enc: EvpCtx, dec: EvpCtx },
+    Cbc {
+        enc: EvpCtx,
+        dec: EvpCtx,
+    },
+    /// Serpent, twofish, camellia in XTS or CBC; LRW over any of the four.
+    Modes(Box<BlockMode>),
+    Adiantum(Box<Adiantum>),
+}
+
+/// The largest IV of any spec (Adiantum's 32-byte tweak); block modes use the first 16 bytes.
+const IV_BYTES_MAX: usize = ADIANTUM_TWEAK_BYTES;
+
+/// ESSIV's salt: the hash of the whole volume key, truncated as the kernel's `wp256`/`wp384`
+/// truncate Whirlpool.
+fn essiv_salt(hash: EssivHash, key: &[u8]) -> SecretBytes {
+    use sha2::Digest;
+    let d: Vec<u8> = match hash {
+        EssivHash::Sha1 => sha1::Sha1::digest(key).to_vec(),
+        EssivHash::Sha224 => sha2::Sha224::digest(key).to_vec(),
+        EssivHash::Sha256 => sha2::Sha256::digest(key).to_vec(),
+        EssivHash::Sha384 => sha2::Sha384::digest(key).to_vec(),
+        EssivHash::Sha512 => sha2::Sha512::digest(key).to_vec(),
+        EssivHash::Rmd160 => ripemd::Ripemd160::digest(key).to_vec(),
+        EssivHash::Wp256 | EssivHash::Wp384 | EssivHash::Wp512 => {
+            whirlpool::Whirlpool::digest(key).to_vec()
+        }
+        EssivHash::Sm3 => sm3::Sm3::digest(key).to_vec(),
+    };
+    SecretBytes::from_vec(d).slice(0..hash.digest_bytes())
 }
 
 struct EcbXts {
@@ -157,7 +200,8 @@ pub struct SectorCipher {
     provider: Provider,
     key: SecretBytes,
     imp: Imp,
-    essiv: Option<EvpCtx>,
+    /// ESSIV's cipher: the mode's block cipher keyed with the hash of the volume key.
+    essiv: Option<Ecb>,
 }
 
 impl std::fmt::Debug for SectorCipher {
@@ -186,14 +230,14 @@ impl SectorCipher {
         spec.check_key_len(key.len())?;
         let (imp, provider) = match spec.mode {
             Mode::Null => (Imp::Null, provider),
-            Mode::AesCbc => (
+            Mode::Cbc(BlockCipher::Aes) => (
                 Imp::Cbc {
                     enc: EvpCtx::new(Alg::AesCbc, key, true)?,
                     dec: EvpCtx::new(Alg::AesCbc, key, false)?,
                 },
                 provider,
             ),
-            Mode::AesXts => {
+            Mode::Xts(BlockCipher::Aes) => {
                 let aws_lc = || -> Result<Imp> {
                     Ok(Imp::Xts {
                         enc: EvpCtx::new(Alg::Aes256Xts, key, true)?,
@@ -227,14 +271,16 @@ impl SectorCipher {
                     Provider::Auto => (ecb()?, Provider::EcbXts),
                 }
             }
+            Mode::Xts(c) => (Imp::Modes(Box::new(BlockMode::xts(c, key)?)), provider),
+            Mode::Cbc(c) => (Imp::Modes(Box::new(BlockMode::cbc(c, key)?)), provider),
+            Mode::Lrw(c) => (Imp::Modes(Box::new(BlockMode::lrw(c, key)?)), provider),
+            Mode::Adiantum(r) => (Imp::Adiantum(Box::new(Adiantum::new(r, key)?)), provider),
         };
-        let essiv = match spec.iv {
-            IvMode::EssivSha256 => {
-                let mut salt: [u8; 32] = Sha256::digest(key).into();
-                let ctx = EvpCtx::new(Alg::AesEcb, &salt, true);
-                zeroize::Zeroize::zeroize(&mut salt);
-                Some(ctx?)
+        let essiv = match (spec.iv, spec.mode.block_cipher()) {
+            (IvMode::Essiv(hash), Some(cipher)) => {
+                Some(Ecb::new(cipher, essiv_salt(hash, key).as_ref())?)
             }
+            (IvMode::Essiv(_), None) => return Err(Error::Bug("ESSIV without a block cipher")),
             _ => None,
         };
         Ok(SectorCipher {
@@ -268,24 +314,30 @@ impl SectorCipher {
         self.geometry.sector_size.bytes() as usize
     }
 
+    /// The IV of `sector`, as dm-crypt's generator writes it into an IV of the transform's
+    /// size (16 bytes, 32 for Adiantum; the rest of the array stays zero).
     #[inline]
-    fn iv(&mut self, sector: u64) -> Result<[u8; 16]> {
+    fn iv(&mut self, sector: u64) -> Result<[u8; IV_BYTES_MAX]> {
         let n = self.geometry.iv_sector(sector);
-        let mut iv = [0u8; 16];
+        let mut iv = [0u8; IV_BYTES_MAX];
+        let end = self.spec.iv_bytes();
         match self.spec.iv {
             IvMode::Plain64 => iv[..8].copy_from_slice(&n.to_le_bytes()),
             IvMode::Plain => iv[..4].copy_from_slice(&(n as u32).to_le_bytes()),
-            IvMode::Plain64Be => iv[8..].copy_from_slice(&n.to_be_bytes()),
-            IvMode::EssivSha256 => {
-                let plain = {
-                    let mut p = [0u8; 16];
-                    p[..8].copy_from_slice(&n.to_le_bytes());
-                    p
-                };
+            IvMode::Plain64Be => iv[end - 8..end].copy_from_slice(&n.to_be_bytes()),
+            // The kernel shifts by 9 - log2(cipher block size): 512-byte units to 16-byte
+            // blocks, whatever the sector size.
+            IvMode::Benbi => iv[end - 8..end]
+                .copy_from_slice(&((n << BENBI_SHIFT).wrapping_add(1)).to_be_bytes()),
+            IvMode::Essiv(_) => {
+                let block: &mut [u8; 16] = (&mut iv[..16])
+                    .try_into()
+                    .map_err(|_| Error::Bug("16-byte ESSIV block"))?;
+                block[..8].copy_from_slice(&n.to_le_bytes());
                 self.essiv
                     .as_mut()
                     .ok_or(Error::Bug("ESSIV context missing"))?
-                    .update(&plain, &mut iv)?;
+                    .encrypt_block(block)?;
             }
             IvMode::None => {}
         }
@@ -318,15 +370,23 @@ impl SectorCipher {
     /// One data unit (sector) with an explicit IV, in place. `data` is a multiple of 16 bytes
     /// and at most `SECTOR_BYTES_MAX`.
     #[inline]
-    fn crypt_unit(&mut self, encrypt: bool, iv: &[u8; 16], data: &mut [u8]) -> Result<()> {
+    fn crypt_unit(
+        &mut self,
+        encrypt: bool,
+        iv: &[u8; IV_BYTES_MAX],
+        data: &mut [u8],
+    ) -> Result<()> {
+        let block_iv: &[u8; 16] = iv[..16].try_into().map_err(|_| Error::Bug("16-byte IV"))?;
         match &mut self.imp {
             Imp::Null => Ok(()),
             Imp::Xts { enc, dec } | Imp::Cbc { enc, dec } => {
                 let ctx = if encrypt { enc } else { dec };
-                ctx.set_iv(iv)?;
+                ctx.set_iv(block_iv)?;
                 ctx.update_in_place(data)
             }
-            Imp::EcbXts(x) => x.crypt(encrypt, iv, data),
+            Imp::EcbXts(x) => x.crypt(encrypt, block_iv, data),
+            Imp::Modes(m) => m.crypt(encrypt, block_iv, data),
+            Imp::Adiantum(a) => a.crypt(encrypt, iv, data),
         }
     }
 
@@ -358,12 +418,14 @@ impl SectorCipher {
                         return Err(Error::Bug("cipher implementation changed mid-call"));
                     };
                     let ctx = if encrypt { enc } else { dec };
-                    ctx.set_iv(&iv)?;
+                    let iv: &[u8; 16] =
+                        iv[..16].try_into().map_err(|_| Error::Bug("16-byte IV"))?;
+                    ctx.set_iv(iv)?;
                     ctx.update(s, d)?;
                 }
                 Ok(())
             }
-            Imp::Null | Imp::EcbXts(_) => {
+            Imp::Null | Imp::EcbXts(_) | Imp::Modes(_) | Imp::Adiantum(_) => {
                 dst.copy_from_slice(src);
                 self.crypt_in_place(encrypt, first_sector, dst)
             }
