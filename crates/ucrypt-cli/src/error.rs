@@ -25,6 +25,15 @@ pub enum CliError {
     /// No open device of that name (cryptsetup exits 4).
     #[error("{0}")]
     NotActive(String),
+    /// `--token-only` and no token of the requested id or type assigned to a keyslot
+    /// (cryptsetup's words and exit 1).
+    #[error("{}", match .0 { Some(t) => format!("No usable token (type {t}) is available."), None => "No usable token is available.".to_string() })]
+    NoUsableToken(Option<String>),
+    /// `--token-only` and the tokens tried could not unlock: the passphrase was not in the
+    /// kernel keyring, or no keyslot took it (cryptsetup's words, exit 2 as a wrong
+    /// passphrase).
+    #[error("{0} cannot unlock assigned keyslot(s) (wrong keyslot passphrase).")]
+    TokenCannotUnlock(String),
     /// The process that served a device is gone (killed, crashed) and left its state behind:
     /// cryptsetup has no such state; exit 1, as `status` of a dead daemon.
     #[error("{0}")]
@@ -73,9 +82,13 @@ impl CliError {
             CliError::Core(e) => e.kind(),
             CliError::Nbd(e) => e.kind(),
             CliError::Ublk(e) => e.kind(),
-            CliError::Usage(_) | CliError::NotActive(_) => ErrorKind::BadInput,
+            CliError::Usage(_) | CliError::NotActive(_) | CliError::NoUsableToken(_) => {
+                ErrorKind::BadInput
+            }
             CliError::Busy(_) | CliError::Gone(_) => ErrorKind::Device,
-            CliError::Remote { code: 2, .. } => ErrorKind::WrongKey,
+            CliError::Remote { code: 2, .. } | CliError::TokenCannotUnlock(_) => {
+                ErrorKind::WrongKey
+            }
             CliError::Remote { .. } => ErrorKind::Device,
             CliError::At { source, .. } => source.kind(),
         }

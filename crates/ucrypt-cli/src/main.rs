@@ -18,6 +18,7 @@ mod serve;
 mod signals;
 mod tab;
 mod target;
+mod token;
 mod ublk;
 mod volume_key;
 
@@ -69,6 +70,9 @@ enum Cmd {
     Resize(daemon::ResizeArgs),
     /// List open volumes: NAME, stable path, device, front end, state.
     List,
+    /// LUKS2 tokens: add (a kernel keyring token), remove, import, export, unassign
+    /// (cryptsetup token).
+    Token(Box<token::TokenArgs>),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -139,6 +143,7 @@ fn main() {
         Cmd::Resume(a) => daemon::report(daemon::resume(a)),
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
         Cmd::List => daemon::report(daemon::list()),
+        Cmd::Token(a) => token::run(*a),
         Cmd::Tab(c) => tab::run(c),
         Cmd::ReencryptWorker(a) => daemon::worker::run_worker(a),
     };

@@ -27,6 +27,7 @@ use crate::error::{CliError, CliResult};
 use crate::header_dev::open_header_file;
 use crate::pass::{self, Source};
 use crate::target::{RemoteArgs, Target};
+use crate::token::TokenOutcome;
 
 /// The default dispatch policy of every verb and front end. `auto` is `inline` for requests
 /// below a threshold calibrated at start (a 4 KiB request takes the same direct path) and
@@ -206,6 +207,8 @@ pub struct VolumeArgs {
     pub remote: RemoteArgs,
     /// The passphrase, already read (`ucrypt open` of a remote volume reads it before it
     /// forks, and the daemon connects and unlocks with it): used instead of asking again.
+    #[command(flatten)]
+    pub token: crate::token::TokenOpts,
     #[arg(skip)]
     pub passphrase_read: Option<std::sync::Arc<SecretBytes>>,
     /// `ucrypt open --tries`: how many times a passphrase typed on a terminal is asked for.
@@ -898,11 +901,30 @@ impl VolumeArgs {
     /// found (one key derivation, not two), or with the passphrase when the volume is in
     /// reencryption (its two segments need both keys).
     fn ask_passphrase(&self, header: &dyn Backend, hdr: &luks::Header) -> CliResult<Unlock> {
+        let reencrypting = hdr.in_reencryption();
+        if self.key_file.is_none() {
+            let by_token = crate::token::unlock_by_token(
+                header,
+                hdr,
+                &self.token,
+                self.key_slot,
+                luks::KeyUse::Data,
+            )?;
+            match by_token {
+                TokenOutcome::Unlocked(t) if reencrypting => {
+                    return Ok(Unlock::Passphrase(t.passphrase))
+                }
+                TokenOutcome::Unlocked(t) => {
+                    return Ok(Unlock::VolumeKey(SecretBytes::from_slice(t.key.bytes())))
+                }
+                other if self.token.only() => return Err(self.token.failure(&other)),
+                _ => {}
+            }
+        }
         let tries = pass::tries(self.tries, self.key_file.as_deref());
         if tries <= 1 {
             return Ok(Unlock::Passphrase(self.read_passphrase()?));
         }
-        let reencrypting = hdr.in_reencryption();
         pass::retry_wrong(
             tries,
             |e| matches!(e, CliError::Core(Error::WrongPassphrase)),

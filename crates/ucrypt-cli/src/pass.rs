@@ -293,6 +293,45 @@ pub fn confirm(batch: bool, message: &str) -> Result<()> {
     }
 }
 
+/// The payload of the kernel keyring's `user` key named `description` (the passphrase of a
+/// `luks2-keyring` token), found as request_key(2) finds it (the thread's, process's and
+/// session's keyrings). `None` when there is no such key or no keyring (a container without
+/// keyctl); at most [`PASSPHRASE_BYTES_MAX`] bytes.
+pub fn keyring_passphrase(description: &str) -> Option<SecretBytes> {
+    const KEYCTL_READ: libc::c_long = 11;
+    let desc = std::ffi::CString::new(description).ok()?;
+    // SAFETY: both strings are NUL-terminated and outlive the call; a null callout and
+    // destination keyring 0 are request_key(2)'s documented "no callout, no linking".
+    let id = unsafe {
+        libc::syscall(
+            libc::SYS_request_key,
+            c"user".as_ptr(),
+            desc.as_ptr(),
+            std::ptr::null::<libc::c_char>(),
+            0 as libc::c_long,
+        )
+    };
+    if id < 0 {
+        return None;
+    }
+    let mut buf = SecretBytes::zeroed(PASSPHRASE_BYTES_MAX);
+    // SAFETY: `buf` is a live, writable buffer of exactly the length passed; KEYCTL_READ
+    // writes at most that many bytes and returns the payload's full length.
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_keyctl,
+            KEYCTL_READ,
+            id,
+            buf.as_mut().as_mut_ptr(),
+            PASSPHRASE_BYTES_MAX,
+        )
+    };
+    if n < 0 || n as usize > PASSPHRASE_BYTES_MAX {
+        return None;
+    }
+    Some(buf.slice(0..n as usize))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -542,7 +542,7 @@ fn open_remote_in_daemon(
     ident: Identity,
     front_end: FrontEnd,
 ) -> CliResult<i32> {
-    if a.v.cipher.is_none() && a.v.volume_key_file.is_none() {
+    if a.v.cipher.is_none() && a.v.volume_key_file.is_none() && !a.v.token.only() {
         match a.v.read_passphrase() {
             Ok(p) => a.v.passphrase_read = Some(std::sync::Arc::new(p)),
             Err(e) => {

@@ -20,6 +20,7 @@ use ucrypt::{Error, Result, SecretBytes};
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
 use crate::target::{RemoteArgs, Target};
+use crate::token::TokenOutcome;
 
 use crate::header_dev::{self as dev, HeaderDev};
 use crate::pass::{self, Source};
@@ -100,6 +101,9 @@ pub struct LuksOpts {
     /// luksDump: print the volume key (asks for confirmation unless --batch-mode).
     #[arg(long, alias = "dump-master-key")]
     pub dump_volume_key: bool,
+    /// luksDump: print the LUKS2 metadata as JSON.
+    #[arg(long)]
+    pub dump_json_metadata: bool,
     /// Read (format, add-key) or write (dump) the volume key from/to this file.
     #[arg(long, alias = "master-key-file")]
     pub volume_key_file: Option<PathBuf>,
@@ -971,6 +975,15 @@ fn dump(device: &Target, o: &LuksOpts) -> Result<i32> {
     if o.unbound && !o.dump_volume_key {
         return dump_unbound(&dev, &hdr, &name, o);
     }
+    if o.dump_json_metadata {
+        let Header::Luks2(h) = &hdr else {
+            return Err(Error::InvalidArgument(
+                "--dump-json-metadata needs a LUKS2 header".into(),
+            ));
+        };
+        print!("{}", luks::dump_json(h));
+        return Ok(0);
+    }
     if !o.dump_volume_key {
         print!("{}", luks::dump(&hdr, &name, None));
         dump_integrity(device, o, &dev, &hdr);
@@ -1394,13 +1407,17 @@ pub fn test_passphrase_of(a: &crate::daemon::OpenArgs) -> i32 {
         ..LuksOpts::default()
     };
     ucrypt::secret::disable_core_dumps();
-    report(test_passphrase(&v.volume, &o))
+    report(test_passphrase(&v.volume, &o, &v.token))
 }
 
 /// `open --test-passphrase`: unlocks a keyslot and serves nothing. As cryptsetup does, a
 /// named keyslot (`--key-slot`) or `--unbound` lets an unbound keyslot answer too; without
 /// either only the keyslots of the data segment's key are tried.
-fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
+fn test_passphrase(
+    device: &Target,
+    o: &LuksOpts,
+    token: &crate::token::TokenOpts,
+) -> CliResult<i32> {
     use crate::open::DeviceType;
     let dev_type: Option<DeviceType> = match &o.luks_type {
         Some(t) => Some(t.parse().map_err(CliError::Usage)?),
@@ -1436,6 +1453,23 @@ fn test_passphrase(device: &Target, o: &LuksOpts) -> CliResult<i32> {
                 .into(),
         )
         .into());
+    }
+    if o.key_file.is_none() {
+        let key_use = if o.unbound {
+            KeyUse::AnySegment
+        } else {
+            KeyUse::Data
+        };
+        match crate::token::unlock_by_token(dev.as_ref(), &hdr, token, o.key_slot, key_use)? {
+            TokenOutcome::Unlocked(t) => {
+                if o.verbose {
+                    eprintln!("Key slot {} unlocked.", t.slot);
+                }
+                return Ok(0);
+            }
+            other if token.only() => return Err(token.failure(&other)),
+            _ => {}
+        }
     }
     // A wrong passphrase typed on a terminal is asked again (`--tries`); cryptsetup does not
     // on a header in reencryption, where the answer is "no usable keyslot" (below).

@@ -9,8 +9,9 @@ use std::fmt::{self, Write as _};
 use super::json::{DigestJson, KdfJson, Keyslot, SegmentSize};
 use super::kdf::Kdf;
 use super::luks1::{Luks1Header, Luks1Slot};
+use super::luks2::KEYRING_TOKEN;
 use super::util::b64_decode;
-use super::{Header, Luks2Header, VolumeKey};
+use super::{Header, Luks2Header, VolumeKey, TOKENS_MAX};
 use crate::luks::json::{KdfKind, KeyslotKind};
 
 /// Bytes as hex, 16 a line with `indent` before each further line; `indent` empty: one line.
@@ -356,11 +357,28 @@ fn luks2_keyslot_kdf(o: &mut String, kj: &KdfJson) -> fmt::Result {
     Ok(())
 }
 
+/// Tokens by id, as cryptsetup prints them: the type, what the built-in keyring type names,
+/// then each keyslot the token unlocks.
 fn luks2_tokens(o: &mut String, h: &Luks2Header) -> fmt::Result {
     writeln!(o, "Tokens:")?;
-    for (k, t) in &h.meta.tokens {
-        let ty = t.get("type").and_then(|v| v.as_str()).unwrap_or("?");
-        writeln!(o, "  {k}: {ty}")?;
+    for id in 0..TOKENS_MAX {
+        let Some(t) = h.token(id) else { continue };
+        let ty = t.get("type").and_then(|v| v.as_str()).unwrap_or("");
+        writeln!(o, "  {id}: {ty}")?;
+        if ty == KEYRING_TOKEN {
+            if let Some(d) = t.get("key_description").and_then(|v| v.as_str()) {
+                writeln!(o, "\tKey description: {d}")?;
+            }
+        }
+        for s in t
+            .get("keyslots")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let s = s.as_str().map_or_else(|| s.to_string(), str::to_string);
+            writeln!(o, "\tKeyslot:    {s}")?;
+        }
     }
     Ok(())
 }
@@ -390,4 +408,12 @@ fn luks2_digest(o: &mut String, k: &str, d: &DigestJson) -> fmt::Result {
         hex_block(o, &s, "\t            ");
     }
     Ok(())
+}
+
+/// cryptsetup's `luksDump --dump-json-metadata`: the LUKS2 metadata as indented JSON, keys in
+/// the header's order.
+pub fn dump_json(h: &Luks2Header) -> String {
+    let mut s = serde_json::to_string_pretty(h.meta()).unwrap_or_default();
+    s.push('\n');
+    s
 }

@@ -34,7 +34,7 @@ pub use driver::{
     apply, open, open_parsed, read_area, read_header, read_header_to_repair, unlock_key,
     unlock_key_for, OpenOptions, Unlock,
 };
-pub use dump::{dump, dump_unbound};
+pub use dump::{dump, dump_json, dump_unbound};
 pub use kdf::{Kdf, KdfRequest};
 pub use luks1::Luks1Header;
 pub use luks2::{select_copy, Luks2Header, Selection, Which};

@@ -6,7 +6,7 @@
 //! - `digest`: the pbkdf2 digest that proves a key right, and new digests;
 //! - `config`: label, subsystem, UUID, keyslot priority, persistent flags;
 //! - `keyslots`: unlock order, adding/removing/changing keyslots (unbound ones too);
-//! - `tokens`: tokens kept as they are, imported and removed;
+//! - `tokens`: tokens kept as they are (key order too), added, imported, assigned, removed;
 //! - `format`: a new header.
 
 mod binary;
@@ -22,6 +22,7 @@ pub use config::Priority;
 pub use format::{format, FormatIntegrity, FormatLuks2, HDR_SIZE_DEFAULT};
 pub use keyslots::keyslot_kdf;
 pub use select::{select_copy, Selection, Which};
+pub use tokens::{KeyringToken, TokenFilter, KEYRING_TOKEN};
 
 use super::json::Metadata;
 use super::util::HashAlg;
