@@ -188,6 +188,41 @@ mod tests {
         }
     }
 
+    /// Every `ucrypt` command line in the README's and the user guide's `sh` blocks is
+    /// accepted by the parser (after the same argument reordering `main` does).
+    #[test]
+    fn readme_and_guide_commands_parse() {
+        let docs = [
+            ("README.md", include_str!("../../../README.md")),
+            ("docs/using.md", include_str!("../../../docs/using.md")),
+        ];
+        let mut checked = 0;
+        for (file, text) in docs {
+            let mut in_sh = false;
+            for line in text.lines() {
+                if line.starts_with("```") {
+                    in_sh = !in_sh && line == "```sh";
+                    continue;
+                }
+                if !in_sh {
+                    continue;
+                }
+                let code = line.split(" #").next().unwrap_or_default();
+                for part in code.split(&['&', ';', '|'][..]).map(str::trim) {
+                    if !part.starts_with("ucrypt ") {
+                        continue;
+                    }
+                    let argv = part.split_whitespace().map(str::to_owned).collect();
+                    if let Err(e) = crate::try_parse(crate::luks_cli::reorder_args(argv)) {
+                        panic!("{file}: `{part}` does not parse: {e}");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 20, "only {checked} command lines found");
+    }
+
     /// The pages are written, each renders with EXIT STATUS, and the completions exist.
     #[test]
     fn generate_writes_pages_and_completions() {
