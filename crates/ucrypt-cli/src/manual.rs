@@ -87,7 +87,7 @@ fn generate(cmd: clap::Command, out: &Path) -> CliResult<()> {
     built.build();
     let mut pages = Vec::new();
     collect(&built, &mut pages);
-    let names: Vec<String> = pages.iter().map(|c| page_name(c)).collect();
+    let names: Vec<String> = pages.iter().map(page_name).collect();
     for c in &pages {
         let path = man_dir.join(format!("{}.{SECTION}", page_name(c)));
         let mut page = Vec::new();
