@@ -63,6 +63,9 @@ TEST=(
   # cryptsetup's LUKS2 validation suite (tests/luks2_validation.rs): its generators edit the
   # base header with jq and dd, unpacked with xz
   jq xz-utils
+  # the Debian packages (tests/package_deb.rs): man renders each page, lintian checks the
+  # package (dpkg-deb, dpkg-shlibdeps and objcopy come with build-essential)
+  man-db lintian
 )
 # The kernel-in-a-VM tests (dm-crypt, ublk) add tests/vm/install-deps.sh's packages: qemu,
 # a stock kernel, busybox, cryptsetup, dmsetup.

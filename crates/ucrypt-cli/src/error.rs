@@ -6,6 +6,23 @@
 
 use ucrypt::ErrorKind;
 
+/// The exit codes [`CliError::exit_code`] chooses from, with cryptsetup(8)'s meaning of each;
+/// the man pages' EXIT STATUS section is this table.
+pub const EXIT_CODES: [(i32, &str); 6] = [
+    (0, "Success."),
+    (1, "Wrong parameters, or any other failure."),
+    (2, "No permission, or a bad passphrase."),
+    (3, "Out of memory."),
+    (
+        4,
+        "Wrong device specified (none there, not a block device or file, not active).",
+    ),
+    (
+        5,
+        "Device already exists or is busy (the name is open, or the volume is in use).",
+    ),
+];
+
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     /// The core library: LUKS, the volume, backends.

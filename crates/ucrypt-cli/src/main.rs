@@ -10,6 +10,7 @@ mod error;
 mod header_dev;
 mod in_use;
 mod luks_cli;
+mod manual;
 mod metrics;
 mod mount;
 mod open;
@@ -28,7 +29,13 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "ucrypt",
     version,
-    about = "Userspace dm-crypt and LUKS2 compatible disk encryption"
+    about = "Userspace dm-crypt and LUKS2 compatible disk encryption",
+    long_about = "Userspace dm-crypt and LUKS2 compatible disk encryption.\n\n\
+        ucrypt makes and opens the volumes cryptsetup makes, encrypts sectors byte for byte as \
+        the kernel's dm-crypt does, and serves them where dm-crypt cannot run (containers, \
+        micro-VMs, hosts without root) as a block device (ublk, or a loop device over FUSE), a \
+        FUSE file or an NBD export. Every cryptsetup verb spelling is an alias (luksFormat, \
+        luksOpen, ...), with cryptsetup's options and exit codes."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -80,6 +87,25 @@ enum Cmd {
     /// that serves the volume; not for users).
     #[command(name = daemon::worker::WORKER_VERB, hide = true)]
     ReencryptWorker(daemon::worker::WorkerArgs),
+    /// Write the man pages and shell completions, generated from this command's definition,
+    /// under DIR (the package script runs it; not for users).
+    #[command(name = "generate-docs", hide = true)]
+    GenerateDocs(manual::GenerateArgs),
+}
+
+/// What `--version` prints after "ucrypt ": the version, the git commit it was built from
+/// (build.rs; none outside a git checkout) and the cipher library, e.g.
+/// `0.1.0 (1a2b3c4, AWS-LC 5.12.0)`.
+fn long_version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        let commit = env!("UCRYPT_COMMIT");
+        let backend = ucrypt::sector::backend();
+        match commit {
+            "" => format!("{} ({backend})", env!("CARGO_PKG_VERSION")),
+            c => format!("{} ({c}, {backend})", env!("CARGO_PKG_VERSION")),
+        }
+    })
 }
 
 /// The command line's grammar: the derived one, with cryptsetup's help flags on every
@@ -101,7 +127,7 @@ fn command() -> clap::Command {
                 .help("Print help"),
         )
     }
-    cryptsetup_help(<Cli as clap::CommandFactory>::command())
+    cryptsetup_help(<Cli as clap::CommandFactory>::command()).version(long_version())
 }
 
 /// Parses `argv` with [`command`].
@@ -146,6 +172,7 @@ fn main() {
         Cmd::Token(a) => token::run(*a),
         Cmd::Tab(c) => tab::run(c),
         Cmd::ReencryptWorker(a) => daemon::worker::run_worker(a),
+        Cmd::GenerateDocs(a) => manual::run(command(), a),
     };
     std::process::exit(code);
 }

@@ -521,4 +521,58 @@ c /z
             }]
         );
     }
+
+    /// ucrypttab(5) (docs/man/ucrypttab.5, written by hand) documents options this parser
+    /// takes: each option of its OPTIONS section, on a line, parses, and the `ucrypt open`
+    /// command the line becomes is accepted by the command's own parser.
+    #[test]
+    fn man_page_options_are_the_parsers() {
+        let page = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/man/ucrypttab.5"
+        ));
+        let section = page
+            .split(".SH OPTIONS")
+            .nth(1)
+            .and_then(|s| s.split(".SH ").next())
+            .expect("an OPTIONS section");
+        // An option's entry is `.TP` then `.B word` or `.BI word= value`.
+        let lines: Vec<&str> = section.lines().collect();
+        let documented: Vec<&str> = lines
+            .windows(2)
+            .filter(|w| w[0] == ".TP")
+            .filter_map(|w| w[1].split_whitespace().nth(1))
+            .collect();
+        assert!(documented.len() >= 15, "{documented:?}");
+        fn sample(opt: &str) -> Option<&str> {
+            Some(match opt {
+                "cipher=" => "plain,cipher=aes-xts-plain64",
+                "offset=" => "plain,offset=0",
+                "skip=" => "plain,skip=0",
+                "sector-size=" => "plain,sector-size=4096",
+                "header=" => "header=/etc/ucrypt/data.hdr",
+                "keyfile-offset=" => "keyfile-offset=0",
+                "keyfile-size=" => "keyfile-size=32",
+                "key-slot=" => "key-slot=1",
+                "tries=" => "tries=3",
+                "policy=" => "policy=inline",
+                "front-end=" => "front-end=fuse",
+                "metrics=" => "metrics=tcp:127.0.0.1:9100",
+                o if !o.ends_with('=') => o,
+                _ => return None,
+            })
+        }
+        for opt in documented {
+            let Some(opt) = sample(opt) else {
+                panic!("ucrypttab(5) documents {opt}: give it a sample value here");
+            };
+            let t = parse(&format!("v /srv/v.img /etc/ucrypt/v.key {opt}\n"));
+            assert!(t.bad.is_empty(), "{opt}: {:?}", t.bad);
+            let argv = t.entries[0].open_command(false);
+            if let Err(e) = crate::parse_open(argv.clone()) {
+                panic!("{opt}: {argv:?} does not parse: {e}");
+            }
+        }
+        assert_eq!(parse("v /srv/v.img none bogus\n").bad.len(), 1);
+    }
 }

@@ -22,6 +22,17 @@ use crate::{Error, Result};
 /// The most bytes a cipher's per-key context may take here (AES-XTS needs about 520).
 const CIPHER_DATA_BYTES_MAX: usize = 4096;
 
+/// The cipher library and its version, as `ucrypt --version` names it: "AWS-LC 5.12.0". The
+/// version is that of the AWS-LC linked in (aws-lc-sys builds it from its own source), read
+/// from its header at compile time.
+pub fn backend() -> String {
+    let version = std::ffi::CStr::from_bytes_with_nul(sys::AWSLC_VERSION_NUMBER_STRING)
+        .ok()
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("(unknown version)");
+    format!("AWS-LC {version}")
+}
+
 /// The AWS-LC algorithms ucrypt uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Alg {

@@ -16,6 +16,7 @@ mod modes;
 mod spec;
 mod twofish;
 
+pub use evp::backend;
 pub use spec::{BlockCipher, CipherSpec, EssivHash, IvMode, Mode, XChaCha, SUPPORTED_SPECS};
 
 use crate::{Error, Result, SecretBytes};

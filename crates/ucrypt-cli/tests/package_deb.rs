@@ -1,0 +1,182 @@
+//! The Debian packages: `scripts/package-deb.sh --bin-dir` packages this build's binaries (the
+//! debug build: the packaging is what is tested, not the release profile), then the `ucrypt`
+//! package is unpacked into a throwaway root with `dpkg-deb -x` and used from there:
+//! `--version` names the commit and the cipher library, every man page renders with `man -l`,
+//! the completions and the systemd unit are in their Debian places, the binary is stripped and
+//! its symbols are in the -dbgsym package under its build id, and the control file declares
+//! the shared libraries. lintian, where installed, reports no error.
+//!
+//! Needs dpkg-deb, dpkg-shlibdeps (dpkg-dev), objcopy (binutils) and man (man-db); otherwise
+//! SKIPPED (under CI a missing one fails).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod cli_common;
+use cli_common::{have, require, s, text, TempDir, UCRYPT};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The one `.deb` of `pkg` among `debs`.
+fn deb<'a>(debs: &'a [PathBuf], pkg: &str) -> &'a Path {
+    debs.iter()
+        .find(|d| {
+            let name = d.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            name.starts_with(&format!("{pkg}_"))
+        })
+        .unwrap_or_else(|| panic!("no {pkg} package among {debs:?}"))
+}
+
+/// man's output without its overstrikes (`N\x08N` bold, `_\x08N` underlined).
+fn plain_text(rendered: &str) -> String {
+    let mut out = String::new();
+    for c in rendered.chars() {
+        if c == '\x08' {
+            out.pop();
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let o = cmd.output().expect("spawn");
+    assert!(o.status.success(), "{cmd:?} failed: {}", text(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn deb_installs_and_runs_from_a_throwaway_root() {
+    for (tool, package) in [
+        ("dpkg-deb", "dpkg"),
+        ("dpkg-shlibdeps", "dpkg-dev"),
+        ("objcopy", "binutils"),
+        ("man", "man-db"),
+    ] {
+        if !require(tool, package) {
+            return;
+        }
+    }
+    let tmp = TempDir::new("package-deb");
+    let out = tmp.path("debs");
+    let bin_dir = Path::new(UCRYPT).parent().expect("bin dir");
+    let listed = ok(Command::new("bash")
+        .arg(repo().join("scripts/package-deb.sh"))
+        .args(["--bin-dir", s(bin_dir), "--out", s(&out), "--fast"]));
+    let debs: Vec<PathBuf> = listed.lines().map(PathBuf::from).collect();
+    let main = deb(&debs, "ucrypt");
+    let dbgsym = deb(&debs, "ucrypt-dbgsym");
+
+    // The control file: shared libraries from dpkg-shlibdeps, the run-time extras.
+    let control = ok(Command::new("dpkg-deb").args(["-f", s(main)]));
+    assert!(control.contains("Depends: libc6"), "{control}");
+    assert!(control.contains("Recommends: fuse3"), "{control}");
+    assert!(control.contains("Suggests: librbd1"), "{control}");
+
+    let root = tmp.path("root");
+    ok(Command::new("dpkg-deb").args(["-x", s(main), s(&root)]));
+    ok(Command::new("dpkg-deb").args(["-x", s(dbgsym), s(&root)]));
+
+    // The binary runs from the package and says which build it is.
+    let bin = root.join("usr/bin/ucrypt");
+    let version = ok(Command::new(&bin).arg("--version"));
+    let want = format!("ucrypt {} (", env!("CARGO_PKG_VERSION"));
+    assert!(version.starts_with(&want), "{version}");
+    assert!(version.contains("AWS-LC "), "{version}");
+
+    // Stripped, with its symbols in the -dbgsym package at the build id's path.
+    let sections = ok(Command::new("readelf").args(["-S", "-W", s(&bin)]));
+    assert!(
+        !sections.contains(".debug_info"),
+        "not stripped:\n{sections}"
+    );
+    assert!(sections.contains(".gnu_debuglink"), "{sections}");
+    let notes = ok(Command::new("readelf").args(["-n", s(&bin)]));
+    let id = notes
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Build ID: "))
+        .expect("a build id");
+    let debug = root.join(format!(
+        "usr/lib/debug/.build-id/{}/{}.debug",
+        &id[..2],
+        &id[2..]
+    ));
+    let debug_sections = ok(Command::new("readelf").args(["-S", "-W", s(&debug)]));
+    assert!(debug_sections.contains(".debug_info"), "{debug_sections}");
+
+    // Every man page renders; the verb pages carry cryptsetup's exit codes.
+    let mut pages = Vec::new();
+    for section in ["man8", "man5"] {
+        for e in std::fs::read_dir(root.join("usr/share/man").join(section)).expect("man dir") {
+            pages.push(e.expect("entry").path());
+        }
+    }
+    assert!(pages.len() > 20, "{pages:?}");
+    for page in &pages {
+        let o = Command::new("man")
+            .args(["-l", s(page)])
+            .env("MANWIDTH", "80")
+            .output()
+            .expect("man");
+        let rendered = plain_text(&String::from_utf8_lossy(&o.stdout));
+        assert!(
+            o.status.success(),
+            "man -l {}: {}",
+            page.display(),
+            text(&o)
+        );
+        assert!(rendered.contains("NAME"), "{}: {rendered}", page.display());
+        if page.to_string_lossy().contains("man8") {
+            assert!(rendered.contains("EXIT STATUS"), "{}", page.display());
+        }
+    }
+    for page in [
+        "man8/ucrypt.8.gz",
+        "man8/ucrypt-open.8.gz",
+        "man5/ucrypttab.5.gz",
+    ] {
+        assert!(root.join("usr/share/man").join(page).exists(), "{page}");
+    }
+
+    // Completions where bash-completion, zsh and fish look for them; bash's loads.
+    let bash = root.join("usr/share/bash-completion/completions/ucrypt");
+    for f in [
+        bash.clone(),
+        root.join("usr/share/zsh/vendor-completions/_ucrypt"),
+        root.join("usr/share/fish/vendor_completions.d/ucrypt.fish"),
+    ] {
+        let len = std::fs::metadata(&f).map(|m| m.len()).unwrap_or(0);
+        assert!(len > 0, "{} missing or empty", f.display());
+    }
+    let complete =
+        ok(Command::new("bash")
+            .args(["-c", &format!("source {} && complete -p ucrypt", s(&bash))]));
+    assert!(complete.contains("ucrypt"), "{complete}");
+
+    // The unit runs the packaged binary; the example table is in the docs.
+    let unit =
+        std::fs::read_to_string(root.join("lib/systemd/system/ucrypt@.service")).expect("unit");
+    assert!(
+        unit.contains("ExecStart=/usr/bin/ucrypt tab start %I --foreground"),
+        "{unit}"
+    );
+    assert!(root
+        .join("usr/share/doc/ucrypt/examples/ucrypttab.example")
+        .exists());
+
+    // lintian: no errors (its warnings are listed in the packaging notes).
+    if have("lintian") {
+        let o = Command::new("lintian")
+            .args(["--tag-display-limit", "0", s(main), s(dbgsym)])
+            .output()
+            .expect("lintian");
+        let report = String::from_utf8_lossy(&o.stdout);
+        let errors: Vec<&str> = report.lines().filter(|l| l.starts_with("E:")).collect();
+        assert!(errors.is_empty(), "lintian errors:\n{report}");
+    } else {
+        println!("lintian not installed: the lintian check did not run (scripts/deps.sh test)");
+    }
+}
