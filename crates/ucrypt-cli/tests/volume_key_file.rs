@@ -14,6 +14,8 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{missing_root_rig, run, s, text, TempDir, FAST_PBKDF2, UCRYPT};
 
 /// Address space each ucrypt run may use (the open daemon inherits it): several times what a
