@@ -12,8 +12,10 @@
 //! About two and a half minutes on this project's 2-core machine (158 s, 157 of them in the
 //! VM, with other builds running).
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::path::Path;
 use std::process::Command;
@@ -40,7 +42,7 @@ fn bench_integrity_vm_fills_the_kernel_column() {
             "{} missing: run the tests with --workspace",
             ucrypt.display()
         );
-        assert!(!vm::under_ci(), "{why}");
+        assert!(!kit::under_ci(), "{why}");
         println!("SKIPPED bench_integrity_vm: {why}");
         return;
     }

@@ -9,6 +9,8 @@
 //! SKIPPED when the source package cannot be had (no network, no apt) or xz is missing.
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::path::{Path, PathBuf};
 

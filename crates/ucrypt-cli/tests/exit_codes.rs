@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{s, TempDir, FAST_PBKDF2, UCRYPT};
 
 fn run(args: &[&str]) -> Output {

@@ -9,6 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{run, s, text, TempDir, FAST_PBKDF2, UCRYPT};
 
 /// A `ucrypt serve` stopped (SIGTERM) and waited for on drop.

@@ -20,8 +20,10 @@
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -114,8 +116,8 @@ fn ucrypt_format(img: &Path, key: &Path, c: &Case) {
             "--pbkdf-force-iterations",
             "1000",
             "--key-file",
-            vm::s(key),
-            vm::s(img),
+            kit::s(key),
+            kit::s(img),
         ],
     )
     .unwrap_or_else(|e| panic!("{}: {e}", c.name));
@@ -151,9 +153,9 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
     }
     let cases = selected_cases();
     assert!(!cases.is_empty(), "UCRYPT_INTEGRITY_CASES selects no case");
-    let seed = vm::seed();
-    let mut rng = vm::SplitMix(seed);
-    let tmp = vm::TempDir::new("kernel-integrity-cli");
+    let seed = kit::seed();
+    let mut rng = kit::SplitMix(seed);
+    let tmp = kit::TempDir::new("kernel-integrity-cli");
     let dir = &tmp.0;
     let key = dir.join("key");
     vm::random_file(&mut rng, &key, 32);
@@ -186,10 +188,10 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             BIN,
             &[
                 "import",
-                vm::s(&plain_path),
-                vm::s(&u),
+                kit::s(&plain_path),
+                kit::s(&u),
                 "--key-file",
-                vm::s(&key),
+                kit::s(&key),
                 "--integrity-no-journal",
             ],
         )
@@ -241,15 +243,15 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             .expect("host fs image");
         // 4096-byte blocks: a filesystem block must not be smaller than the device's sector
         // (mkfs picks 1024 for a file this small, which a 4096-byte-sector volume cannot mount).
-        vm::host("mkfs.ext4", &["-q", "-F", "-b", "4096", vm::s(&host_fs)])
+        vm::host("mkfs.ext4", &["-q", "-F", "-b", "4096", kit::s(&host_fs)])
             .expect("mkfs.ext4 on the host");
         vm::host(
             "debugfs",
             &[
                 "-w",
                 "-R",
-                &format!("write {} {FS_FILE}", vm::s(&dir.join("fs.txt"))),
-                vm::s(&host_fs),
+                &format!("write {} {FS_FILE}", kit::s(&dir.join("fs.txt"))),
+                kit::s(&host_fs),
             ],
         )
         .expect("debugfs write");
@@ -272,10 +274,10 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             BIN,
             &[
                 "import",
-                vm::s(&host_fs),
-                vm::s(&g),
+                kit::s(&host_fs),
+                kit::s(&g),
                 "--key-file",
-                vm::s(&key),
+                kit::s(&key),
             ],
         )
         .unwrap_or_else(|e| panic!("{n}: import of the host's ext4: {e}"));
@@ -362,10 +364,10 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             BIN,
             &[
                 "export",
-                vm::s(&kimg),
-                vm::s(&exported),
+                kit::s(&kimg),
+                kit::s(&exported),
                 "--key-file",
-                vm::s(&key),
+                kit::s(&key),
             ],
         ) {
             Err(e) => failures.push(format!("{}: ucrypt export: {e}", c.name)),
@@ -401,17 +403,17 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             BIN,
             &[
                 "export",
-                vm::s(&f),
-                vm::s(&exported),
+                kit::s(&f),
+                kit::s(&exported),
                 "--key-file",
-                vm::s(&key),
+                kit::s(&key),
             ],
         )
-        .and_then(|_| vm::host("e2fsck", &["-f", "-n", vm::s(&exported)]))
+        .and_then(|_| vm::host("e2fsck", &["-f", "-n", kit::s(&exported)]))
         .and_then(|_| {
             vm::host(
                 "debugfs",
-                &["-R", &format!("cat /{FS_FILE}"), vm::s(&exported)],
+                &["-R", &format!("cat /{FS_FILE}"), kit::s(&exported)],
             )
         });
         match r {

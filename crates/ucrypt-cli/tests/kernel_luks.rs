@@ -15,8 +15,10 @@
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set. SKIPPED too while this build has no `ucrypt format` (LUKS verbs not merged).
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -108,8 +110,8 @@ fn format(path: &Path, key: &Path, case: &Case, data_bytes: u64) {
     let off = DATA_OFFSET_SECTORS.to_string();
     ucrypt(&[
         "format",
-        vm::s(path),
-        vm::s(key),
+        kit::s(path),
+        kit::s(key),
         "--type",
         "luks2",
         "--cipher",
@@ -139,9 +141,9 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
         println!("SKIPPED: this ucrypt build has no LUKS verbs (format/import/export)");
         return;
     }
-    let seed = vm::seed();
-    let mut rng = vm::SplitMix(seed);
-    let tmp = vm::TempDir::new("kernel-luks");
+    let seed = kit::seed();
+    let mut rng = kit::SplitMix(seed);
+    let tmp = kit::TempDir::new("kernel-luks");
     let dir = &tmp.0;
     let key = dir.join("key");
     let mut pass = vec![0u8; 32];
@@ -169,10 +171,10 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
         format(&r, &key, case, PLAIN_BYTES);
         ucrypt(&[
             "import",
-            vm::s(&plain_path),
-            vm::s(&r),
+            kit::s(&plain_path),
+            kit::s(&r),
             "--key-file",
-            vm::s(&key),
+            kit::s(&key),
         ])
         .expect("ucrypt import");
         let w = dir.join(format!("write{i}.img"));
@@ -209,7 +211,7 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
         let p = dir.join("src").join(rel);
         std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
         std::fs::write(&p, &v).expect("tree file");
-        manifest.push_str(&format!("{}  {rel}\n", vm::hex(&sha256(&v))));
+        manifest.push_str(&format!("{}  {rel}\n", kit::hex(&sha256(&v))));
         tree.push((rel, v));
     }
     std::fs::write(dir.join("manifest"), manifest).expect("manifest");
@@ -225,8 +227,8 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
             "-b",
             "4096",
             "-d",
-            vm::s(&dir.join("src")),
-            vm::s(&fs_plain),
+            kit::s(&dir.join("src")),
+            kit::s(&fs_plain),
         ],
     )
     .expect("mkfs.ext4 -d");
@@ -234,10 +236,10 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
     format(&fs_host, &key, fs_case, FS_BYTES);
     ucrypt(&[
         "import",
-        vm::s(&fs_plain),
-        vm::s(&fs_host),
+        kit::s(&fs_plain),
+        kit::s(&fs_host),
         "--key-file",
-        vm::s(&key),
+        kit::s(&key),
     ])
     .expect("import fs");
     let fs_vm = dir.join("fs-vm.img");
@@ -283,10 +285,10 @@ exit $fail
         let back = dir.join(format!("back{i}.bin"));
         match ucrypt(&[
             "export",
-            vm::s(&write_imgs[i]),
-            vm::s(&back),
+            kit::s(&write_imgs[i]),
+            kit::s(&back),
             "--key-file",
-            vm::s(&key),
+            kit::s(&key),
         ]) {
             Ok(_) => {
                 let got = std::fs::read(&back).expect("read export");
@@ -315,19 +317,19 @@ exit $fail
         let back = dir.join("fs-vm-plain.img");
         match ucrypt(&[
             "export",
-            vm::s(&fs_vm),
-            vm::s(&back),
+            kit::s(&fs_vm),
+            kit::s(&back),
             "--key-file",
-            vm::s(&key),
+            kit::s(&key),
         ])
-        .and_then(|_| vm::host("fsck.ext4", &["-f", "-n", vm::s(&back)]))
+        .and_then(|_| vm::host("fsck.ext4", &["-f", "-n", kit::s(&back)]))
         {
             Ok(_) => {
                 let rd = dir.join("rdump");
                 std::fs::create_dir_all(&rd).expect("mkdir");
                 vm::host(
                     "debugfs",
-                    &["-R", &format!("rdump / {}", rd.display()), vm::s(&back)],
+                    &["-R", &format!("rdump / {}", rd.display()), kit::s(&back)],
                 )
                 .expect("debugfs rdump");
                 for (rel, want) in &tree {

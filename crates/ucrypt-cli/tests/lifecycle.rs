@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{have, is_root, missing_root_rig, run, s, text, TempDir, FAST_PBKDF2, UCRYPT};
 
 const PASSPHRASE: &[u8] = b"life cycle passphrase";

@@ -12,6 +12,8 @@
 //! cryptsetup failing its own suite.
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

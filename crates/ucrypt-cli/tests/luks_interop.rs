@@ -8,6 +8,8 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{ok, require as have, run, s, TempDir, FAST_PBKDF2, UCRYPT};
 
 /// `PROG luksFormat -q EXTRA... --pbkdf pbkdf2 (fast) IMG KEYFILE`, which must succeed.
@@ -857,7 +859,7 @@ fn qemu_luks1_interop() {
     // A ucrypt LUKS1 volume opens in qemu-io.
     let u = t.image("u.luks", 8);
     luks_format(UCRYPT, &u, &k, &["--type", "luks1"]);
-    let inp2 = t.file("in2", &vec![0x5au8; 1 << 20]);
+    let inp2 = t.file("in2", vec![0x5au8; 1 << 20]);
     ok(UCRYPT, &["import", "--key-file", s(&k), s(&inp2), s(&u)]);
     let uopts = format!("driver=luks,key-secret=s0,file.filename={}", s(&u));
     let r = ok(

@@ -8,6 +8,8 @@
 //! run when it is installed. Otherwise each test prints `SKIPPED: reason`.
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

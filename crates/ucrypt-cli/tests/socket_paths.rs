@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{missing_root_rig, run, s, text, TempDir, FAST_PBKDF2, UCRYPT};
 
 const PRECIOUS: &[u8] = b"precious: not a socket\n";

@@ -4,6 +4,8 @@
 //! prompt has turned echo off; cryptsetup is driven the same way and must agree.
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

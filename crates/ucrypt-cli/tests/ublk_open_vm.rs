@@ -11,8 +11,10 @@
 //! process), then the data reads back, the ciphertext changed, the header finished, and the
 //! export gives the pattern.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::process::Command;
 
@@ -96,7 +98,7 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
     let Some((kernel, modroot)) = vm::require_trixie_vm("ublk_open_vm") else {
         return;
     };
-    let tmp = vm::TempDir::new("ublk-open-vm");
+    let tmp = kit::TempDir::new("ublk-open-vm");
     let share = tmp.0.join("share");
     std::fs::create_dir_all(&share).unwrap();
     let ucrypt = env!("CARGO_BIN_EXE_ucrypt");

@@ -4,8 +4,10 @@
 //! must disappear and ucrypt exit 0), then opens the same ciphertext with kernel dm-crypt and
 //! checks the filesystem and the files: what ucrypt wrote is exactly what dm-crypt reads.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 const SCRIPT: &str = r#"
 set -e
@@ -55,12 +57,12 @@ fn ublk_device_filesystem_read_back_by_kernel_dm_crypt() {
     let Some((kernel, modroot)) = vm::require_trixie_vm("ublk_vm") else {
         return;
     };
-    let tmp = vm::TempDir::new("ublk-vm");
+    let tmp = kit::TempDir::new("ublk-vm");
     let share = tmp.0.join("share");
     std::fs::create_dir_all(&share).unwrap();
     std::fs::copy(env!("CARGO_BIN_EXE_ucrypt"), share.join("ucrypt")).unwrap();
     let mut key = [0u8; 64];
-    vm::SplitMix(vm::seed()).fill(&mut key);
+    kit::SplitMix(kit::seed()).fill(&mut key);
     std::fs::write(share.join("key"), key).unwrap();
     let img = tmp.0.join("vol.img");
     std::fs::File::create(&img)

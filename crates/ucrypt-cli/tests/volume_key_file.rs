@@ -14,6 +14,8 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 use cli_common::{missing_root_rig, run, s, text, TempDir, FAST_PBKDF2, UCRYPT};
 
 /// Address space each ucrypt run may use (the open daemon inherits it): several times what a
@@ -91,7 +93,7 @@ fn every_verb_reads_exactly_the_keys_size() {
         2,
         "Volume key does not match the volume.",
     );
-    let short = t.file("short", &[0u8; 10]);
+    let short = t.file("short", [0u8; 10]);
     expect(
         &add(s(&short)),
         1,
@@ -153,7 +155,7 @@ fn every_verb_reads_exactly_the_keys_size() {
         &format!("Cannot read 32 bytes from volume key file {}.", s(&short)),
     );
     // The key's size read, not the file's, not the file's: 64 bytes of a longer file open it.
-    let long = t.file("long", &[0u8; 100]);
+    let long = t.file("long", [0u8; 100]);
     let o = ucrypt(&["export", &img, s(&out), "--volume-key-file", s(&long)]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
@@ -168,7 +170,7 @@ fn the_daemon_reads_the_volume_key_file_to_the_key_size() {
         return;
     }
     let t = TempDir::new("vkresume");
-    let zeros = t.file("zeros", &[0u8; 64]);
+    let zeros = t.file("zeros", [0u8; 64]);
     let img = format(&t, "vol.img", s(&zeros));
     let n = format!("vk-resume-{}", std::process::id());
     let open = |vk: &str| {

@@ -3,11 +3,13 @@
 //! Prints SKIPPED when loop devices cannot be set up here (needs root and the loop driver).
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::process::Command;
 use std::sync::Arc;
 
-use common::TempFile;
+use kit::TempFile;
 use ucrypt::backend::{Backend, DirectMode, FileBackend};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};

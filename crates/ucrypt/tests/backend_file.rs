@@ -2,8 +2,10 @@
 //! write-zeroes, flush, range checks.
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
-use common::TempFile;
+use kit::TempFile;
 use ucrypt::backend::{Backend, CacheMode, DirectMode, FileBackend};
 
 #[test]

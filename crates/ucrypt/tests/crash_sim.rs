@@ -25,9 +25,11 @@
 //! the data; writes reordered across a flush) and show it catches both.
 //!
 //! `UCRYPT_CRASH_POINTS` sets the number of crash points (default 1000; the long mode recorded
-//! in BENCHMARKS.md runs 100,000 in release); `UCRYPT_SEED` the first seed.
+//! in BENCHMARKS.md runs 100,000 in release); `UCRYPT_TEST_SEED` the first seed.
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -266,7 +268,7 @@ fn power_cuts_keep_flushed_data_and_never_make_garbage() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
-    let first = common::seed(1);
+    let first = kit::seed_or(1);
     let t0 = std::time::Instant::now();
     for seed in first..first + points {
         if let Err(e) = one_crash_point(seed, &plain) {

@@ -4,6 +4,8 @@
 //! `luksDump --dump-volume-key`, ucrypt's sector layer must decrypt it to exactly the plaintext,
 //! and ucrypt's ciphertext of the plaintext must be byte-identical to cryptsetup's.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 mod support;
 
 use std::path::Path;

@@ -18,6 +18,9 @@
 //! 4096-byte atomic units; areas of 512 KiB so writes cross area boundaries; journals of a few
 //! sections so the ring wraps.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 

@@ -3,6 +3,8 @@
 //! sector sizes and data, the ciphertext and tag ucrypt writes equal the reference's for the
 //! IV ucrypt drew, and ucrypt opens what it sealed.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 mod support;
 
 use std::io::Write;

@@ -15,6 +15,9 @@
 //!
 //! Seeded (`UCRYPT_TEST_SEED`).
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 

@@ -12,8 +12,10 @@
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh); prints SKIPPED otherwise,
 //! unless CI is set, where it fails.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::fmt::Write as _;
 
@@ -160,7 +162,7 @@ fn open_cmd(case: &Case, key: &[u8], dev: &str, name: &str, key_file: &str) -> S
                 "dmsetup create {name} --table \"0 {} crypt {} {} {} {dev} {}{opts}\" && dmsetup mknodes {name}",
                 PLAIN_BYTES / 512,
                 case.spec,
-                vm::hex(key),
+                kit::hex(key),
                 case.iv_offset,
                 case.data_offset
             )
@@ -197,9 +199,9 @@ fn kernel_dmcrypt_reads_and_writes_match_ucrypt() {
         println!("SKIPPED: {reason}");
         return;
     }
-    let seed = vm::seed();
-    let mut rng = vm::SplitMix(seed);
-    let tmp = vm::TempDir::new("dmcrypt");
+    let seed = kit::seed();
+    let mut rng = kit::SplitMix(seed);
+    let tmp = kit::TempDir::new("dmcrypt");
     let dir = &tmp.0;
 
     let mut plain = vec![0u8; PLAIN_BYTES];
@@ -365,7 +367,7 @@ fn fs_cipher(key: &[u8]) -> SectorCipher {
 impl FsStage {
     fn prepare(
         dir: &std::path::Path,
-        rng: &mut vm::SplitMix,
+        rng: &mut kit::SplitMix,
         run: &mut vm::VmRun,
         first_disk: usize,
     ) -> FsStage {
@@ -389,7 +391,7 @@ impl FsStage {
             .iter()
             .map(|(rel, v)| {
                 use sha2::Digest;
-                format!("{}  {rel}\n", vm::hex(&sha2::Sha256::digest(v)))
+                format!("{}  {rel}\n", kit::hex(&sha2::Sha256::digest(v)))
             })
             .collect();
         std::fs::write(dir.join("manifest"), manifest).expect("manifest");
@@ -430,7 +432,7 @@ impl FsStage {
             format!(
                 "0 {} crypt {FS_SPEC} {} 0 {d} 0 1 sector_size:{FS_SECTOR}",
                 FS_BYTES / 512,
-                vm::hex(&key)
+                kit::hex(&key)
             )
         };
         let script = format!(

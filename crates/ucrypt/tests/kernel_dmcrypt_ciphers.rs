@@ -18,8 +18,10 @@
 //! qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh); prints SKIPPED otherwise,
 //! unless CI is set, where it fails.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::fmt::Write as _;
 
@@ -189,7 +191,7 @@ fn open_cmd(case: &Case, i: usize, key: &[u8], dev: &str, name: &str, key_file: 
                 "dmsetup create {name} --table \"0 {} crypt {} {} {} {dev} {offset}{opts}\" && dmsetup mknodes {name}",
                 PLAIN_BYTES / 512,
                 case.spec,
-                vm::hex(key),
+                kit::hex(key),
                 case.iv_offset,
             )
         }
@@ -218,9 +220,9 @@ fn kernel_dmcrypt_matches_ucrypt_for_every_cipher() {
         println!("SKIPPED: {reason}");
         return;
     }
-    let seed = vm::seed();
-    let mut rng = vm::SplitMix(seed);
-    let tmp = vm::TempDir::new("dmcrypt-ciphers");
+    let seed = kit::seed();
+    let mut rng = kit::SplitMix(seed);
+    let tmp = kit::TempDir::new("dmcrypt-ciphers");
     let dir = &tmp.0;
 
     let plain = vm::random_file(&mut rng, &dir.join("plain.bin"), PLAIN_BYTES);
@@ -279,7 +281,7 @@ fn kernel_dmcrypt_matches_ucrypt_for_every_cipher() {
         writeln!(
             script,
             "if dmsetup create x{j} --table \"0 8 crypt {spec} {} 0 /dev/vda 0\" 2>/dev/null; then echo \"REFUSE {spec} ACCEPTED\"; dmsetup remove x{j}; fail=1; else echo \"REFUSE {spec} REFUSED\"; fi",
-            vm::hex(&vec![0x11u8; *key_bytes])
+            kit::hex(&vec![0x11u8; *key_bytes])
         )
         .expect("format");
     }

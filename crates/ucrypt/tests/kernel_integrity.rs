@@ -20,8 +20,10 @@
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -259,9 +261,9 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
     }
     let cases = selected_cases();
     assert!(!cases.is_empty(), "UCRYPT_INTEGRITY_CASES selects no case");
-    let seed = vm::seed();
-    let mut rng = vm::SplitMix(seed);
-    let tmp = vm::TempDir::new("kernel-integrity");
+    let seed = kit::seed();
+    let mut rng = kit::SplitMix(seed);
+    let tmp = kit::TempDir::new("kernel-integrity");
     let dir = &tmp.0;
     let key_path = dir.join("key");
     let key = vm::random_file(&mut rng, &key_path, 32);
@@ -334,7 +336,7 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
         println!("CASE {} ucrypt reads the kernel's writes OK", c.name);
         // Never written (--integrity-no-wipe): the tags are garbage.
         expect_integrity_error(read(&v, (10 * MIB, 4096)), "never-written block");
-        let mut write = |v: &IntegrityVolume, (off, len): (u64, u64), rng: &mut vm::SplitMix| {
+        let mut write = |v: &IntegrityVolume, (off, len): (u64, u64), rng: &mut kit::SplitMix| {
             let mut b = vec![0u8; len as usize];
             rng.fill(&mut b);
             v.write_at(&b, off)
@@ -448,7 +450,7 @@ fn bitmap_mode_and_aegis128_in_the_kernel() {
         println!("SKIPPED: {reason}");
         return;
     }
-    let tmp = vm::TempDir::new("kernel-integrity-modes");
+    let tmp = kit::TempDir::new("kernel-integrity-modes");
     let dir = &tmp.0;
     let key = b"integrity modes passphrase";
     std::fs::write(dir.join("key"), key).expect("key file");

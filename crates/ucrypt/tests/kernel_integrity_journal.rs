@@ -26,8 +26,10 @@
 //! (tests/vm/install-deps.sh), and mkfs.ext4/e2fsck/debugfs on the host: SKIPPED otherwise,
 //! unless CI is set.
 
-#[path = "../../../tests/vm/harness.rs"]
-mod vm;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
+use kit::vm;
 
 use std::fmt::Write as _;
 use std::os::unix::fs::FileExt;
@@ -142,14 +144,14 @@ fn journal_replay_between_kernel_and_ucrypt() {
         return;
     }
     for tool in ["mkfs.ext4", "e2fsck", "debugfs"] {
-        if Command::new(tool).arg("-V").output().is_err() && !vm::under_ci() {
+        if Command::new(tool).arg("-V").output().is_err() && !kit::under_ci() {
             println!("SKIPPED: {tool} not installed");
             return;
         }
     }
-    let seed = vm::seed();
-    let mut rng = vm::SplitMix(seed);
-    let tmp = vm::TempDir::new("kernel-integrity-journal");
+    let seed = kit::seed();
+    let mut rng = kit::SplitMix(seed);
+    let tmp = kit::TempDir::new("kernel-integrity-journal");
     let dir = &tmp.0;
     let mut key = vec![0u8; 32];
     rng.fill(&mut key);

@@ -6,6 +6,9 @@
 //!   hotzone, with the two volume keys (old, new) as cryptsetup's keyslots 0 and 1 hold them.
 //! - `cryptsetup_*`: made at test time with the installed cryptsetup (skipped without it).
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -165,8 +168,8 @@ fn check_init_only(extra: &[&str], want: Resilience) {
         println!("SKIPPED cryptsetup_init_only: cryptsetup is not installed");
         return;
     }
-    let file = common::TempFile::new(IMAGE_BYTES);
-    let pw = common::TempFile::new(0);
+    let file = kit::TempFile::new(IMAGE_BYTES);
+    let pw = kit::TempFile::new(0);
     init_only(&file.0, &pw.0, extra);
     let img = file.0.display().to_string();
     let dev = Arc::new(FileBackend::open(&img, false, DirectMode::Never).unwrap());

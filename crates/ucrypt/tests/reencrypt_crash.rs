@@ -11,6 +11,9 @@
 //!
 //! The seed is printed; `REENCRYPT_CRASH_SEED=n` replays one.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 

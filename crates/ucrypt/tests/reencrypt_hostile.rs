@@ -7,6 +7,9 @@
 //! mangled live segments (where the hotzone is, which key maps where) must be caught by the
 //! layout checks, not by the digest.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

@@ -7,6 +7,9 @@
 //! hotzone boundaries), checking every read against their own model of the region. The seed
 //! is printed; `REENCRYPT_ONLINE_SEED=n` replays one.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 

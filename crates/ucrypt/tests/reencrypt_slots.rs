@@ -6,6 +6,9 @@
 //! passphrase (a key file) for several active keyslots, a keyslot given twice or not of the
 //! volume key, too few free keyslots.
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
+
 use std::sync::Arc;
 
 use serde_json::json;

@@ -5,6 +5,8 @@
 //! other hashes. (Serpent, twofish and Adiantum are not in python-cryptography: the kernel's
 //! vectors and kernel_dmcrypt_ciphers.rs prove those.)
 
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 mod support;
 
 use std::io::Write;

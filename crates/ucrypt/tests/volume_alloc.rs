@@ -7,6 +7,8 @@
 //! thread's first use of its thread-local index.
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -77,7 +79,7 @@ fn mixed(v: &ucrypt::volume::Volume, rng: &mut StdRng, buf: &mut [u8], n: usize)
 
 #[test]
 fn steady_state_io_does_not_allocate() {
-    let s = seed(5);
+    let s = kit::seed_or(5);
     let mut report = Vec::new();
     for kind in [BackendKind::Mem, BackendKind::File] {
         for policy in [Policy::Inline, Policy::Parallel, Policy::Auto] {

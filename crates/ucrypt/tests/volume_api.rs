@@ -2,6 +2,8 @@
 //! requests, policy names, stats.
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::sync::Arc;
 

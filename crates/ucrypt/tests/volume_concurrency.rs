@@ -2,6 +2,8 @@
 //! sector, no lost read-modify-write update, no deadlock with a tiny pool.
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -74,7 +76,7 @@ impl Backend for Choppy {
 /// Afterwards every sector must hold one stamp entirely.
 #[test]
 fn overlapping_writers_never_tear_a_sector() {
-    let base = seed(42);
+    let base = kit::seed_or(42);
     for (i, policy) in Policy::ALL.into_iter().enumerate() {
         for sector in [512u32, 4096] {
             let wrap = |b: Arc<dyn Backend>| -> Arc<dyn Backend> { Arc::new(Choppy(b)) };
@@ -132,7 +134,7 @@ fn overlapping_writers_never_tear_a_sector() {
 /// that is not locked would lose other threads' bytes.
 #[test]
 fn unaligned_writers_sharing_sectors_lose_nothing() {
-    let base = seed(7);
+    let base = kit::seed_or(7);
     for policy in Policy::ALL {
         let r = rig(RigCfg {
             policy,
@@ -183,7 +185,7 @@ fn unaligned_writers_sharing_sectors_lose_nothing() {
 /// not: everything completes and reads back.
 #[test]
 fn tiny_pool_big_requests_no_deadlock() {
-    let base = seed(99);
+    let base = kit::seed_or(99);
     for policy in Policy::ALL {
         for sector in [512u32, 4096] {
             let r = rig(RigCfg {
@@ -228,7 +230,7 @@ fn tiny_pool_big_requests_no_deadlock() {
 /// Regression: this once hung when taken-back chunks filled the job queue with tombstones.
 #[test]
 fn many_callers_splitting_requests_no_deadlock() {
-    let base = seed(12);
+    let base = kit::seed_or(12);
     for policy in [
         Policy::Parallel,
         Policy::Ordered,
@@ -273,7 +275,7 @@ fn many_callers_splitting_requests_no_deadlock() {
 /// holds what a cipher of our own makes of the data), under every policy and both sector sizes.
 #[test]
 fn writes_in_fair_share_parts_land_whole() {
-    let base = seed(27);
+    let base = kit::seed_or(27);
     for policy in Policy::ALL {
         for sector in [512u32, 4096] {
             let threads = 12u64;

@@ -3,6 +3,8 @@
 //! not written.
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::sync::Arc;
 

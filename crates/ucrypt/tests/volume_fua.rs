@@ -4,6 +4,8 @@
 //! the same write without FUA is lost at some crash point (so the check can fail).
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::sync::Arc;
 

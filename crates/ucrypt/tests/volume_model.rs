@@ -3,11 +3,13 @@
 //! write-zeroes (random sizes, offsets, alignments) against a plaintext model, for every policy,
 //! 512- and 4096-byte sectors, memory and O_DIRECT file backends. At the end, the ciphertext on
 //! the backend must equal what `SectorCipher` computes one sector at a time.
-//! Replay a failure with `UCRYPT_SEED=<seed printed on failure>`.
+//! Replay a failure with `UCRYPT_TEST_SEED=<seed printed on failure>`.
 
 #![allow(clippy::needless_range_loop)] // byte-by-byte comparison with the model reads best with indices
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use common::*;
 use rand::rngs::StdRng;
@@ -175,7 +177,7 @@ fn run_case(kind: BackendKind, spec: CipherSpec, sector: u32, policy: Policy, se
 
 #[test]
 fn model_all_policies_sectors_backends() {
-    let base = seed(20261122);
+    let base = kit::seed_or(20261122);
     let mut case = 0u64;
     for kind in [BackendKind::Mem, BackendKind::File] {
         for sector in [512u32, 4096] {
@@ -195,7 +197,7 @@ fn model_all_policies_sectors_backends() {
 
 #[test]
 fn model_other_ciphers() {
-    let base = seed(777);
+    let base = kit::seed_or(777);
     for (i, spec) in ["aes-cbc-essiv:sha256", "cipher_null-ecb", "aes-xts-plain"]
         .iter()
         .enumerate()

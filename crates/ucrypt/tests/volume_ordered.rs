@@ -4,6 +4,8 @@
 //! shows the test can tell the two apart).
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

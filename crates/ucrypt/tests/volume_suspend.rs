@@ -2,12 +2,15 @@
 //! brings the data back) and `Volume::resize` (after the backing file changed size).
 
 mod common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use kit::TempFile;
 use ucrypt::backend::{Backend, DirectMode, FileBackend};
 use ucrypt::engine::Policy;
 use ucrypt::volume::{Volume, VolumeConfig};

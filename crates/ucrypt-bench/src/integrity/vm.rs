@@ -1,5 +1,5 @@
 //! `ucrypt bench integrity --vm`: the kernel column, as ratios measured in one boot of the
-//! test VM (tests/vm/, through its Rust harness).
+//! test VM (tests/vm/, through the test kit, tests/kit/vm.rs).
 //!
 //! The host has no dm-integrity; the VM has it but emulates its CPU (qemu TCG, `-cpu max`:
 //! AES-NI, PCLMULQDQ and AVX2 exist but are emulated, a few MiB/s of AES), so an absolute
@@ -37,8 +37,8 @@
 //! poly1305-x86_64, besides aesni and ghash-clmulni) so that, as ucrypt's AWS-LC, it uses the
 //! vector code a real CPU would run; the drivers the kernel picked are printed.
 
-#[path = "../../../../tests/vm/harness.rs"]
-mod harness;
+#[path = "../../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
@@ -330,7 +330,7 @@ fn loadavg() -> String {
 /// Boots the VM and measures both sides; `Ok(Skipped)` when the VM cannot run here, `Err` when
 /// it ran and a measurement failed.
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn, String> {
-    if let Some(reason) = harness::vm_missing() {
+    if let Some(reason) = kit::vm::vm_missing() {
         return Ok(KernelColumn::Skipped { reason });
     }
     let ucrypt = match crate::ucrypt_bin() {
@@ -340,7 +340,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
     if progress {
         eprintln!("ucrypt bench integrity --vm: Debian trixie's kernel (fetched once into tests/vm/cache/trixie)");
     }
-    let (kernel, modroot) = match harness::trixie_kernel() {
+    let (kernel, modroot) = match kit::vm::trixie_kernel() {
         Ok(k) => k,
         Err(e) => return Ok(KernelColumn::Skipped { reason: e }),
     };
@@ -351,7 +351,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
         (IMAGE_MIB, REGION_MIB, OPS_4K)
     };
     let cfgs = configs();
-    let tmp = harness::TempDir::new("bench-integrity-vm");
+    let tmp = kit::TempDir::new("bench-integrity-vm");
     let share = tmp.0.join("share");
     std::fs::create_dir_all(&share).map_err(|e| format!("{}: {e}", share.display()))?;
     for (from, to) in [(&me, "ucrypt-bench"), (&ucrypt, "ucrypt")] {
@@ -363,10 +363,10 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1);
     let mut key = [0u8; 32];
-    harness::SplitMix(seed).fill(&mut key);
+    kit::SplitMix(seed).fill(&mut key);
     std::fs::write(share.join("key"), key).map_err(|e| format!("key file: {e}"))?;
 
-    let mut run = harness::VmRun::new(script(&cfgs, region_mib, ops, runs));
+    let mut run = kit::vm::VmRun::new(script(&cfgs, region_mib, ops, runs));
     for i in 0..VOLUMES.len() {
         let img = tmp.0.join(format!("vol{i}.img"));
         std::fs::File::create(&img)

@@ -1,59 +1,17 @@
-//! What the CLI tests share: the binary under test, a fast KDF, a temporary directory, running a
-//! program and showing what it said, and the checks that decide whether a test can run here
-//! (a tool installed, root with FUSE + loop) or must print `SKIPPED: reason`.
+//! What the CLI tests share beyond the test kit (`tests/kit`, which each test file includes
+//! before `mod cli_common;` and whose general helpers this module re-exports): the binary under
+//! test, opening a volume on a loop device, and cryptsetup's upstream test material.
 //!
-//! Each test file uses a part of it (`mod cli_common;`), hence the `dead_code` allowance.
-#![allow(dead_code)]
+//! Each test file uses a part of it, hence the `dead_code` and `unused_imports` allowances.
+#![allow(dead_code, unused_imports)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
+
+pub use crate::kit::cryptsetup::FAST_PBKDF2;
+pub use crate::kit::{have, is_root, missing_root_rig, ok, require, run, run_in, s, text, TempDir};
 
 pub const UCRYPT: &str = env!("CARGO_BIN_EXE_ucrypt");
-
-/// KDF settings both ucrypt and cryptsetup accept, fast enough for a test suite.
-pub const FAST_PBKDF2: &[&str] = &["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
-
-/// A directory under the system's temp dir, removed on drop. Its name carries the tag, the
-/// process id and the time, so that tests of one run and runs of other checkouts never share
-/// one.
-pub struct TempDir(PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let p = std::env::temp_dir().join(format!("ucrypt-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).expect("temp dir");
-        TempDir(p)
-    }
-    pub fn dir(&self) -> &Path {
-        &self.0
-    }
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-    /// A file with the given contents.
-    pub fn file(&self, name: &str, data: &[u8]) -> PathBuf {
-        let p = self.path(name);
-        std::fs::write(&p, data).expect("write temp file");
-        p
-    }
-    /// A zero-filled (sparse) image of `mib` MiB.
-    pub fn image(&self, name: &str, mib: u64) -> PathBuf {
-        let p = self.path(name);
-        let f = std::fs::File::create(&p).expect("create image");
-        f.set_len(mib << 20).expect("size image");
-        p
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// `ucrypt open IMG NAME --key-file KEY --front-end loop EXTRA...` (a daemon serving the
 /// volume on a loop device), asserted to succeed.
@@ -71,85 +29,6 @@ pub fn open_loop(img: &Path, key: &Path, name: &str, extra: &[&str]) -> Output {
     let o = run(UCRYPT, &a);
     assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
     o
-}
-
-pub fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
-/// Runs `prog ARGS` with no stdin and collects its output.
-pub fn run(prog: &str, args: &[&str]) -> Output {
-    Command::new(prog)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
-}
-
-/// Exit code, stdout and stderr, for assertion messages.
-pub fn text(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// Runs `prog ARGS`, which must succeed; returns its stdout.
-pub fn ok(prog: &str, args: &[&str]) -> String {
-    let o = run(prog, args);
-    assert!(o.status.success(), "{prog} {args:?} failed: {}", text(&o));
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// Whether `cmd` is on the PATH.
-pub fn have(cmd: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {cmd}")])
-        .stdout(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-/// Whether `tool` runs here (`tool --version`); when it does not, prints SKIPPED naming the
-/// Debian package, or panics under CI (which installs it).
-pub fn require(tool: &str, package: &str) -> bool {
-    let ok = Command::new(tool)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok();
-    if !ok {
-        if std::env::var_os("CI").is_some() {
-            panic!("{tool} missing under CI: install the Debian package {package}");
-        }
-        eprintln!("SKIPPED: {tool} not installed (Debian package {package})");
-    }
-    ok
-}
-
-/// Why a volume cannot be opened with FUSE + loop here (root, /dev/fuse, /dev/loop-control,
-/// and each of `cmds` on the PATH), if it cannot.
-pub fn missing_root_rig(cmds: &[&str]) -> Option<String> {
-    if !is_root() {
-        return Some("not root (open with FUSE + loop needs root)".into());
-    }
-    for dev in ["/dev/fuse", "/dev/loop-control"] {
-        if !Path::new(dev).exists() {
-            return Some(format!("{dev} missing"));
-        }
-    }
-    cmds.iter()
-        .find(|c| !have(c))
-        .map(|c| format!("{c} not installed (scripts/deps.sh test)"))
 }
 
 /// cryptsetup's upstream `tests/` folder (images, generators, compat scripts), from Debian's
@@ -230,21 +109,4 @@ pub fn untar(src: &Path, dir: &Path) {
         src.display(),
         text(&out)
     );
-}
-
-/// Runs `prog ARGS` with `input` on stdin and collects its output.
-pub fn run_in(prog: &str, args: &[&str], input: &[u8]) -> Output {
-    use std::io::Write;
-    let mut child = Command::new(prog)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"));
-    let mut stdin = child.stdin.take().expect("stdin");
-    // The program may exit without reading (a usage error): a broken pipe is its answer.
-    let _ = stdin.write_all(input);
-    drop(stdin);
-    child.wait_with_output().expect("wait")
 }

@@ -1,7 +1,8 @@
-//! Helpers shared by the volume integration tests.
+//! What the ucrypt crate's integration tests share beyond the test kit (`crate::kit`, which
+//! each test file includes): volumes over memory or a file with a chosen policy, the power-cut
+//! backends, LUKS2 formatting shortcuts and header surgery.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -13,44 +14,7 @@ use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
 use ucrypt::volume::{Volume, VolumeConfig};
 use ucrypt::{BlockDev, SecretBytes};
 
-/// The seed for a randomized test: `UCRYPT_SEED` if set, else `default`. Printed, so a failure
-/// can be replayed.
-pub fn seed(default: u64) -> u64 {
-    let s = std::env::var("UCRYPT_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default);
-    eprintln!("seed = {s} (replay with UCRYPT_SEED={s})");
-    s
-}
-
-/// A temporary file in RAM (`/dev/shm`) when available; removed on drop.
-pub struct TempFile(pub PathBuf);
-
-impl TempFile {
-    pub fn new(size: u64) -> TempFile {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let dir = if std::path::Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let p = dir.join(format!(
-            "ucrypt-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let f = std::fs::File::create(&p).unwrap();
-        f.set_len(size).unwrap();
-        TempFile(p)
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
+use crate::kit::TempFile;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {

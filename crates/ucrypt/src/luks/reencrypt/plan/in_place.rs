@@ -254,7 +254,7 @@ pub(super) fn set_segments_in_place(
 /// which its `--resume-only` takes for the old one and decrypts again: every byte lost
 /// (a decryption cryptsetup was killed in at its last hotzone, with its default journal, and
 /// one ucrypt was killed in at a short last hotzone, both repaired and resumed by cryptsetup;
-/// `reencrypt_interop`'s
+/// `reencrypt_interop_kill_points`'s
 /// `cryptsetup_repairs_a_decryption_ucrypt_was_killed_in_at_its_last_hotzone` pins the
 /// second). So a backward walk with a journal or checksums leaves that length
 /// for its last hotzone, and cryptsetup's repair finishes it. A reencryption found with less

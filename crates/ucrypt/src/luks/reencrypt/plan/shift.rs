@@ -199,7 +199,7 @@ pub(super) fn position_shift(meta: &Metadata, sh: &Shift, data_bytes: u64) -> Re
 
 /// [`set_segments`] of a data-moving encryption, as cryptsetup 2.6 lays them out (seen
 /// after `--init-only` and after SIGKILLs between and inside hotzones; `reencrypt_interop`'s
-/// `shift_init_matches_cryptsetup_and_each_finishes_the_other` and the shift kill tests
+/// `INITS` and `KILLS` rows of the data shift (`Shift`)
 /// compare the two tools): the moved segment
 /// (until the last hotzone, which encrypts it), the plaintext still at its old place beyond
 /// the first shift, the hotzone (`in-reencryption`), the done part (fixed size; `dynamic`

@@ -307,8 +307,8 @@ pub(super) fn position_unshift(meta: &Metadata, u: &Unshift) -> Result<Position>
 
 /// [`set_segments`] of a decryption that moves the data, as cryptsetup 2.6 lays them out
 /// (seen between and inside every hotzone of a run; `reencrypt_interop`'s
-/// `unshift_init_matches_cryptsetup_and_each_finishes_the_other` and the `unshift_*` kill
-/// tests compare the two tools): the moved segment (crypt, until its
+/// `INITS` rows and `KILLS` rows of the moving decryption (`Unshift`), and `reencrypt_interop_kill_points`'s
+/// `unshift_*` tests compare the two tools): the moved segment (crypt, until its
 /// hotzone), the plaintext done (linear at `M`: fixed size, `dynamic` once the walk is done),
 /// the hotzone (linear, `in-reencryption`), the ciphertext left (crypt at its old place, IV
 /// tweak its data offset, backup-previous's size rule); then backup-previous, backup-final and
@@ -419,7 +419,7 @@ pub(super) fn set_segments_unshift(
 
 /// The steps of the next hotzone of a decryption that moves the data, as cryptsetup 2.6 walks
 /// it (seen with `--debug` and by stopping it between and inside hotzones; pinned by the
-/// `unshift_*` tests of `reencrypt_interop`): forward from
+/// `Unshift` rows of `reencrypt_interop` and the `unshift_*` tests of `reencrypt_interop_kill_points`): forward from
 /// `M` in hotzones of the shift (the last one what is left), each: commit the hotzone, move it
 /// ([`Step::MoveNew`]: the ciphertext at its old place decrypted to the new), flush, commit
 /// past it; then the moved segment's hotzone in place: read it ([`Step::ReadAt`]), store its

@@ -156,7 +156,7 @@ pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
 /// The reencrypt keyslot's area of a data shift: it holds nothing, so cryptsetup gives it the
 /// first free gap of the keyslots area, 4 KiB (cryptsetup 2.6.1 puts it 4096 bytes after
 /// keyslot 0's area; `reencrypt_interop`'s
-/// `shift_init_matches_cryptsetup_and_each_finishes_the_other` compares the two tools' init).
+/// `INITS` rows of the data shift compare the two tools' init).
 pub(super) const SHIFT_AREA_BYTES: u64 = 4096;
 
 /// Starts the encryption of the plaintext on `dev` in place with the header in front of the

@@ -49,7 +49,7 @@ pub struct InitOptions<'a> {
 }
 
 /// Where the PBKDF of a rotation's new keyslots comes from (as cryptsetup 2.6.1's
-/// `set_keyslot_params` chooses it; `reencrypt_interop`'s
+/// `set_keyslot_params` chooses it; `reencrypt_interop_keyslots`'s
 /// `argon2_keyslot_copied_as_cryptsetup_copies_it` compares the two tools' keyslots).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyslotKdf {

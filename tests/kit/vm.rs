@@ -1,12 +1,12 @@
-//! Shared by the Rust tests that boot a kernel under qemu (`tests/vm/run-in-vm.sh`): finding the
-//! harness, deciding SKIPPED vs. failing, and running one script in one boot.
-//!
-//! Include with `#[path = "../../../tests/vm/harness.rs"] mod vm;` from a crate's `tests/`.
-#![allow(dead_code)]
+//! Booting a kernel under qemu (`tests/vm/run-in-vm.sh`) for the tests that check ucrypt
+//! against the kernel's dm-crypt, dm-integrity and ublk: finding the harness, deciding SKIPPED
+//! vs. failing, and running one script in one boot.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+use super::{have, SplitMix};
 
 /// The whole VM run (boot + script) must finish within this; run-in-vm.sh kills qemu after it.
 pub const VM_TIMEOUT_S: u32 = 300;
@@ -17,18 +17,6 @@ pub fn repo_root() -> PathBuf {
 
 pub fn vm_dir() -> PathBuf {
     repo_root().join("tests/vm")
-}
-
-/// True when running under CI, where every package the VM tests need is installed
-/// (`tests/vm/install-deps.sh`), so a missing one is a failure, not a skip.
-pub fn under_ci() -> bool {
-    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
-}
-
-fn on_path(prog: &str) -> bool {
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
-        .unwrap_or(false)
 }
 
 /// A stock kernel whose modules include dm-crypt (what run-in-vm.sh picks by default).
@@ -56,11 +44,11 @@ pub fn default_kernel() -> Option<PathBuf> {
 /// Why the VM cannot run here, or `None` when it can. Never panics (for callers that report
 /// SKIPPED themselves, such as `ucrypt bench integrity --vm`); tests use [`require_vm`].
 pub fn vm_missing() -> Option<String> {
-    if !on_path("qemu-system-x86_64") {
+    if !have("qemu-system-x86_64") {
         Some("qemu-system-x86_64 not found (Debian package qemu-system-x86)".to_string())
     } else if default_kernel().is_none() {
         Some("no /boot/vmlinuz-* with dm-crypt modules (Debian package linux-image-amd64)".into())
-    } else if !on_path("busybox") && !Path::new("/bin/busybox").exists() {
+    } else if !have("busybox") && !Path::new("/bin/busybox").exists() {
         Some("busybox not found (Debian package busybox-static)".into())
     } else if !vm_dir().join("run-in-vm.sh").is_file() {
         Some(format!(
@@ -77,7 +65,7 @@ pub fn vm_missing() -> Option<String> {
 pub fn require_vm() -> Result<(), String> {
     match vm_missing() {
         None => Ok(()),
-        Some(r) if under_ci() => {
+        Some(r) if super::under_ci() => {
             panic!("CI is set but the VM cannot run: {r}; run tests/vm/install-deps.sh")
         }
         Some(r) => Err(r),
@@ -196,71 +184,6 @@ impl VmRun {
     }
 }
 
-/// A temporary directory removed on drop (kept if `UCRYPT_KEEP_TMP` is set, for debugging).
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        let base = std::env::var_os("TMPDIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| "/tmp".into());
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let p = base.join(format!("ucrypt-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).expect("create temp dir");
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if std::env::var_os("UCRYPT_KEEP_TMP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-/// splitmix64: a tiny seeded generator so every byte of test data follows from a printed seed.
-pub struct SplitMix(pub u64);
-
-impl SplitMix {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        for c in buf.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            c.copy_from_slice(&v[..c.len()]);
-        }
-    }
-}
-
-/// The seed for this run: `UCRYPT_TEST_SEED` if set, else derived from the clock. Printed.
-pub fn seed() -> u64 {
-    let s = std::env::var("UCRYPT_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    println!("seed: UCRYPT_TEST_SEED={s}");
-    s
-}
-
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// Debian trixie's stock kernel (6.12, which has ublk_drv) and its module root, fetched once
 /// into the harness cache by `fetch-kernel.sh`.
 pub fn trixie_kernel() -> Result<(PathBuf, PathBuf), String> {
@@ -314,11 +237,6 @@ pub fn host(cmd: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
-/// A path as the `&str` a command line takes (the tests' paths are UTF-8).
-pub fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
 /// `n` bytes from `rng`, also written to `path` (a key file, a plaintext image).
 pub fn random_file(rng: &mut SplitMix, path: &Path, n: usize) -> Vec<u8> {
     let mut b = vec![0u8; n];
@@ -337,7 +255,7 @@ pub fn require_trixie_vm(test: &str) -> Option<(PathBuf, PathBuf)> {
     }
     match trixie_kernel() {
         Ok(k) => Some(k),
-        Err(e) if under_ci() => panic!("{e}"),
+        Err(e) if super::under_ci() => panic!("{e}"),
         Err(e) => {
             println!("SKIPPED {test}: {e}");
             None

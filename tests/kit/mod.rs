@@ -1,0 +1,51 @@
+//! The test kit every crate's tests share: temporary directories and files ([`TempDir`],
+//! [`TempFile`]); the suite's one seed variable, `UCRYPT_TEST_SEED` ([`seed`], [`seed_or`],
+//! [`SplitMix`]); whether a test can run here ([`have`], [`require`], [`can_run`], [`skip`]:
+//! SKIPPED, or a failure under CI); running a program and showing what it said ([`run`],
+//! [`ok`], [`text`]); killing one mid-way ([`kill_when`]); the real cryptsetup
+//! ([`cryptsetup`]); and booting a kernel under qemu ([`vm`]).
+//!
+//! Include it from a crate's `tests/` (a test file, not a helper module: those reach it as
+//! `crate::kit`) with
+//!
+//! ```ignore
+//! #[path = "../../../tests/kit/mod.rs"]
+//! mod kit;
+//! ```
+//!
+//! It is a directory included by path, not a dev-only crate, because ucrypt-bench's
+//! `integrity --vm` boots the VM through [`vm`] from its `src`, which cannot use a
+//! dev-dependency; one copy serves both, and no manifest or lock file names it. The price: each
+//! test binary compiles its own copy and uses part of it, hence the `dead_code` and
+//! `unused_imports` allowances. It depends on std and libc only, which every crate of the
+//! workspace has.
+#![allow(dead_code, unused_imports)]
+
+pub mod cryptsetup;
+mod random;
+mod run;
+mod temp;
+mod tools;
+pub mod vm;
+
+pub use random::{seed, seed_or, SplitMix, SEED_VAR};
+pub use run::{
+    kill_after, kill_when, ok, ok_in, run, run_in, s, stderr, stdout, terminate, text,
+    wait_timeout, Poll, KILL_WAIT_MAX,
+};
+pub use temp::{TempDir, TempFile, KEEP_VAR};
+pub use tools::{can_run, have, is_root, missing_root_rig, require, skip, under_ci};
+
+/// Lower-case hex of `b`.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes of hex text `s` (white space ignored).
+pub fn unhex(s: &str) -> Vec<u8> {
+    let s: String = s.split_whitespace().collect();
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}

@@ -1,0 +1,134 @@
+//! Running a program and showing what it said; stopping and killing one.
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A path as the `&str` a command line takes (the tests' paths are UTF-8).
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Runs `prog ARGS` with no stdin and collects its output.
+pub fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
+}
+
+/// Runs `prog ARGS` with `input` on stdin (a pipe, not a terminal) and collects its output.
+pub fn run_in(prog: &str, args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"));
+    let mut stdin = child.stdin.take().expect("stdin");
+    // The program may exit without reading (a usage error): a broken pipe is its answer.
+    let _ = stdin.write_all(input);
+    drop(stdin);
+    child.wait_with_output().expect("wait")
+}
+
+/// Exit code, stdout and stderr, for assertion messages.
+pub fn text(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// What the program wrote to stderr.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// What the program wrote to stdout.
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Runs `prog ARGS`, which must succeed; returns its stdout.
+pub fn ok(prog: &str, args: &[&str]) -> String {
+    let o = run(prog, args);
+    assert!(o.status.success(), "{prog} {args:?} failed: {}", text(&o));
+    stdout(&o)
+}
+
+/// [`run_in`], which must succeed; returns its stdout.
+pub fn ok_in(prog: &str, args: &[&str], input: &[u8]) -> String {
+    let o = run_in(prog, args, input);
+    assert!(o.status.success(), "{prog} {args:?} failed: {}", text(&o));
+    stdout(&o)
+}
+
+/// Sends SIGTERM to `pid` (a server asked to stop cleanly).
+pub fn terminate(pid: u32) {
+    // SAFETY: kill has no memory-safety preconditions; an ended process makes it fail with
+    // ESRCH, which is no concern here.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+}
+
+/// Waits at most `limit` for `child` to exit; its exit code, or None if it is still running
+/// (or was ended by a signal).
+pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<i32> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return status.code();
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// How long a killed run may take to reach its kill point before it is killed anyway: a
+/// bound for a condition that never comes, long enough for a loaded machine.
+pub const KILL_WAIT_MAX: Duration = Duration::from_secs(60);
+
+/// How [`kill_when`] watches for its condition.
+#[derive(Debug, Clone, Copy)]
+pub enum Poll {
+    /// Check, then sleep this long: for a condition that lasts.
+    Every(Duration),
+    /// Check without a pause: for a window of a few writes.
+    Spin,
+}
+
+/// Runs `cmd` (no stdin, output discarded) until `until` holds, the program ends or
+/// [`KILL_WAIT_MAX`] passed; waits `delay` more, then SIGKILLs it, as a crash would. Returns
+/// whether it was still running when killed.
+pub fn kill_when(mut cmd: Command, until: impl Fn() -> bool, poll: Poll, delay: Duration) -> bool {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let start = Instant::now();
+    while !until() && child.try_wait().expect("wait").is_none() && start.elapsed() < KILL_WAIT_MAX {
+        match poll {
+            Poll::Every(p) => std::thread::sleep(p),
+            Poll::Spin => std::hint::spin_loop(),
+        }
+    }
+    std::thread::sleep(delay);
+    let running = child.try_wait().expect("wait").is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    running
+}
+
+/// [`kill_when`] `delay` after the start.
+pub fn kill_after(cmd: Command, delay: Duration) -> bool {
+    kill_when(cmd, || true, Poll::Spin, delay)
+}
