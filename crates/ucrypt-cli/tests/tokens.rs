@@ -5,6 +5,8 @@
 //! header writes. Where cryptsetup is installed it runs the same steps beside ucrypt.
 
 mod cli_common;
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 
 use std::path::Path;
 
