@@ -129,16 +129,23 @@ pub struct VolumeArgs {
     /// The volume: an image file, a block device, or an RBD image (rbd:POOL/IMAGE[@SNAP]).
     pub volume: Target,
     /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64,
-    /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64.
-    #[arg(long, requires = "volume_key_file")]
+    /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64 (with `--type
+    /// plain` and no --cipher: cryptsetup 2.6's aes-cbc-essiv:sha256).
+    #[arg(long)]
     pub cipher: Option<String>,
     /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's
     /// size is read (the header's, or in raw mode --key-size), so /dev/urandom works.
     #[arg(long)]
     pub volume_key_file: Option<PathBuf>,
-    /// Raw mode: the key's size in bits (default: the cipher's, 512 for aes-xts-plain64).
-    #[arg(long, short = 's', requires = "cipher")]
+    /// Raw mode: the key's size in bits (default: 256 from a passphrase or key file, as
+    /// cryptsetup's plain mode; the cipher's with --volume-key-file, 512 for aes-xts-plain64).
+    #[arg(long, short = 's')]
     pub key_size: Option<u32>,
+    /// Plain mode: how a passphrase becomes the key: a hash (default ripemd160), `plain`
+    /// (the passphrase itself), or HASH:LEN (LEN bytes of hash, zeros after). A key file is
+    /// the key itself and is never hashed.
+    #[arg(long, short = 'h', value_name = "HASH")]
+    pub hash: Option<String>,
     /// Raw mode: encryption sector size in bytes (512, 1024, 2048, 4096).
     #[arg(long, default_value_t = 512)]
     pub sector_size: u64,
@@ -151,14 +158,15 @@ pub struct VolumeArgs {
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
-    /// LUKS: passphrase from this file ("-" = stdin); without it the passphrase is asked.
-    #[arg(long, short = 'd', conflicts_with = "cipher")]
+    /// Passphrase from this file ("-" = stdin); without it the passphrase is asked. Plain
+    /// mode: the file holds the key itself (exactly the key's size is read).
+    #[arg(long, short = 'd')]
     pub key_file: Option<String>,
-    /// LUKS: skip this many bytes of the key file.
-    #[arg(long, conflicts_with = "cipher")]
+    /// Skip this many bytes of the key file.
+    #[arg(long)]
     pub keyfile_offset: Option<u64>,
-    /// LUKS: read at most this many bytes of the key file.
-    #[arg(long, short = 'l', conflicts_with = "cipher")]
+    /// Read at most this many bytes of the key file (plain mode: of stdin).
+    #[arg(long, short = 'l')]
     pub keyfile_size: Option<u64>,
     /// LUKS: try only this keyslot.
     #[arg(long, short = 'S', conflicts_with = "cipher")]
@@ -873,9 +881,10 @@ impl VolumeArgs {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
-        let kind = match &self.cipher {
-            None => self.prepare_luks(),
-            Some(cipher) => self.prepare_raw(cipher),
+        let kind = match (&self.cipher, self.device_type) {
+            (Some(cipher), _) => self.prepare_raw(cipher),
+            (None, Some(DeviceType::Plain)) => self.prepare_raw(ucrypt::plain::DEFAULT_CIPHER),
+            (None, _) => self.prepare_luks(),
         };
         let kind = kind.map_err(|e| e.at(name.clone()))?;
         Ok(Prepared { name, kind })
@@ -998,13 +1007,50 @@ impl VolumeArgs {
         })
     }
 
+    /// The key of a raw mapping, as cryptsetup's plain mode reads it: --volume-key-file (a
+    /// ucrypt option: the key's bytes), a key file (the key itself: exactly `key_bytes` from
+    /// --keyfile-offset, never hashed), or a passphrase (typed, a line of stdin, or all of
+    /// stdin with `--key-file -`) hashed with --hash.
+    fn plain_key(&self, key_bytes: usize) -> CliResult<SecretBytes> {
+        if let Some(p) = &self.volume_key_file {
+            return Ok(crate::volume_key::read(p, key_bytes)?);
+        }
+        let offset = self.keyfile_offset.unwrap_or(0);
+        match self.key_file.as_deref() {
+            Some(f) if f != "-" => {
+                if self.hash.is_some() {
+                    eprintln!(
+                        "WARNING: The --hash parameter is being ignored in plain mode with \
+                         keyfile specified."
+                    );
+                }
+                let key = pass::read_key_file(f, offset, Some(key_bytes as u64))?;
+                if key.len() != key_bytes {
+                    return Err(CliError::Usage(
+                        "Cannot read requested amount of data.".into(),
+                    ));
+                }
+                Ok(key)
+            }
+            stdin_file => {
+                let passphrase = if stdin_file.is_some() {
+                    pass::read_key_file("-", offset, self.keyfile_size)?
+                } else {
+                    self.read_passphrase()?
+                };
+                let hash = self.hash.as_deref().unwrap_or(ucrypt::plain::DEFAULT_HASH);
+                Ok(ucrypt::plain::key_from_passphrase(
+                    hash,
+                    key_bytes,
+                    passphrase.as_ref(),
+                )?)
+            }
+        }
+    }
+
     /// Raw dm-crypt mapping (cryptsetup's plain mode).
     fn prepare_raw(&self, cipher: &str) -> CliResult<PreparedKind> {
         let spec: CipherSpec = cipher.parse()?;
-        let key_file = self
-            .volume_key_file
-            .as_ref()
-            .ok_or_else(|| CliError::Usage("--cipher needs --volume-key-file".into()))?;
         let key_bytes = match self.key_size {
             Some(bits) if bits % 8 == 0 => bits as usize / 8,
             Some(bits) => {
@@ -1012,10 +1058,11 @@ impl VolumeArgs {
                     "key size {bits} bits is not a multiple of 8"
                 )))
             }
-            None => spec.default_key_bytes(),
+            None if self.volume_key_file.is_some() => spec.default_key_bytes(),
+            None => ucrypt::plain::DEFAULT_KEY_BITS as usize / 8,
         };
         spec.check_key_len(key_bytes)?;
-        let key = crate::volume_key::read(key_file, key_bytes)?;
+        let key = self.plain_key(key_bytes)?;
         let geometry = Geometry {
             sector_size: SectorSize::new(self.sector_size)?,
             iv_offset: self.skip,

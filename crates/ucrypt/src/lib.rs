@@ -15,6 +15,7 @@
 //! - [`backend`]: where ciphertext lives (file / block device, memory, fault injection).
 //! - [`luks`]: LUKS2 and LUKS1 headers, sans I/O, and the small driver that performs their
 //!   reads and writes against a backend.
+//! - [`plain`]: cryptsetup's plain mode, the key of a headerless volume from a passphrase.
 //!
 //! Engine internals are not reachable from outside the crate:
 //!
@@ -36,6 +37,7 @@ pub mod engine;
 pub mod error;
 pub mod integrity;
 pub mod luks;
+pub mod plain;
 pub mod pool;
 pub mod secret;
 pub mod sector;

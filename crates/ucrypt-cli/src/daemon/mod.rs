@@ -357,21 +357,16 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
     Ok(info)
 }
 
-/// The `--type` of `open` against the other options: a format ucrypt does not read, plain
-/// without its cipher, or a LUKS type with --cipher is refused (exit 1).
+/// The `--type` of `open` against the other options: a format ucrypt does not read, or a LUKS
+/// type with --cipher, is refused (exit 1).
 fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()> {
     use crate::open::DeviceType;
     if let Some(t) = t {
         t.check_readable()?;
     }
     match (t, cipher) {
-        (None | Some(DeviceType::Plain), true) => Ok(()),
+        (None | Some(DeviceType::Plain), true) | (Some(DeviceType::Plain), false) => Ok(()),
         (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
-        (Some(DeviceType::Plain), false) => Err(CliError::Usage(
-            "--type plain needs --cipher and --volume-key-file (passphrase hashing is not \
-             supported)"
-                .into(),
-        )),
         (Some(t), _) => Err(CliError::Usage(format!(
             "--type {} does not take --cipher (a LUKS header says its cipher)",
             t.name()
@@ -389,6 +384,9 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
     let run = RunDir::locate()?;
     run.check_name_fits(&name)?;
     check_type(a.dev_type, a.v.cipher.is_some())?;
+    if a.dev_type == Some(crate::open::DeviceType::Plain) && a.v.cipher.is_none() {
+        a.v.cipher = Some(ucrypt::plain::DEFAULT_CIPHER.to_string());
+    }
     a.v.device_type = a.dev_type;
     if matches!(a.nbd, Some(ucrypt_nbd::server::Listen::Tcp { .. })) {
         return Err(CliError::Usage(
