@@ -33,7 +33,7 @@ use binary::checksum;
 /// object type shares, with each keyslot type's own in the keyslot pass (the `reencrypt`
 /// keyslot's, [`crate::luks::reencrypt::validate`]), as cryptsetup's keyslot handlers add
 /// theirs.
-pub(crate) fn validate(meta: &Metadata, hdr_size: u64) -> Result<()> {
+pub fn validate(meta: &Metadata, hdr_size: u64) -> Result<()> {
     meta.validate(hdr_size, &crate::luks::reencrypt::validate)
 }
 
