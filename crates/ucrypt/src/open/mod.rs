@@ -29,14 +29,13 @@
 //! # }
 //! ```
 //!
-//! Why these names. The request is a struct with public fields and a constructor (as
-//! [`crate::luks::OpenOptions`] is), so that a new setting does not break callers. The format
-//! is an enum the caller chooses, not something guessed from the bytes: cryptsetup's `open
-//! --type` is a choice too, a raw mapping has no signature to find, and the formats to come
-//! (VeraCrypt, BitLocker) are more variants of [`Format`], each carrying what unlocks it. The
-//! result is one struct, not an enum of volume types: a caller should not match on what it
-//! opened to suspend it or count its requests, and a new kind of volume adds a
-//! [`VolumeKind`], not a new arm in every caller.
+//! The format is the caller's choice, not guessed from the bytes, as cryptsetup's `open
+//! --type` is: a raw mapping has no signature to find. Each [`Format`] carries what unlocks
+//! it. The result is one struct, not an enum of volume types, so that a caller suspends a
+//! volume or counts its requests without matching on its kind; what differs by kind is in
+//! [`VolumeKind`] and in the typed refusals. [`OpenRequest`] has public fields and a
+//! constructor with the defaults (as [`crate::luks::OpenOptions`] has), and is
+//! `#[non_exhaustive]`, so that a new setting does not break callers.
 //!
 //! The lower-level pieces stay public for callers that need one step only:
 //! [`crate::luks::open`] (a LUKS volume on the engine; it refuses authenticated segments),
