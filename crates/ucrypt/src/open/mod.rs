@@ -454,13 +454,14 @@ pub fn open(req: OpenRequest) -> Result<Opened> {
                 Some(h) => *h,
                 None => luks::read_header(l.header_dev.as_deref().unwrap_or(data.as_ref()))?,
             };
-            let mut opts = OpenOptions::default();
-            opts.key_slot = l.key_slot;
-            opts.read_only = read_only;
-            opts.allow_discards = allow_discards;
-            opts.policy = policy;
-            opts.spin = spin;
-            opts.header = l.header_dev;
+            let opts = OpenOptions {
+                key_slot: l.key_slot,
+                read_only,
+                allow_discards,
+                policy,
+                spin,
+                header: l.header_dev,
+            };
             // A volume key given as such that the digest refuses is no wrong passphrase.
             let key_given = matches!(l.unlock, Unlock::VolumeKey(_));
             let opened = if integrity::superblock_offset(&hdr).is_some() {
