@@ -18,7 +18,7 @@
 //! - [`backend`]: where ciphertext lives (file / block device, memory, fault injection).
 //! - [`luks`]: LUKS2 and LUKS1 headers, sans I/O, and the small driver that performs their
 //!   reads and writes against a backend.
-//! - [`open`] and [`format`]: a volume of any kind opened or made in one call, on top of the
+//! - [`open`] and [`format`](mod@format): a volume of any kind opened or made in one call, on top of the
 //!   above.
 //!
 //! Engine internals are not reachable from outside the crate:
