@@ -1,8 +1,8 @@
 //! `--metrics tcp:HOST:PORT|unix:PATH`: every served volume's counters and timing histograms
 //! in Prometheus' text format, answered to `GET /metrics` over HTTP/1.x.
 //!
-//! Read at scrape time from `Volume::stats()` (an authenticated volume: the counters of
-//! `open::Authenticated`), nothing is recorded twice. Per volume (label
+//! Read at scrape time from `Volume::stats()` (an authenticated volume: the counters
+//! `ucrypt::open::Opened::stats` keeps for it), nothing is recorded twice. Per volume (label
 //! `volume`) and direction (label `op`: read; write, which also counts write-zeroes and
 //! discards):
 //! - `ucrypt_requests_total`, `ucrypt_bytes_total`;
@@ -40,7 +40,7 @@ use ucrypt::ErrorKind;
 use ucrypt_nbd::server::{bind_unix, BoundSocket, Listen};
 
 use crate::error::{CliError, CliResult};
-use crate::open::{Authenticated, Opened};
+use crate::open::Opened;
 
 /// Longest request head (request line and headers) read from a scraper.
 pub const REQUEST_HEAD_BYTES_MAX: usize = 8 << 10;
@@ -98,21 +98,19 @@ const PHASES: [(Phase, &str); 5] = [
 
 impl Collector for Volumes {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        // Plain volumes: the engine's statistics. Authenticated ones: the counters their
-        // wrapper keeps (no timings: they do not run on the engine).
+        // Volumes on the engine: its statistics. Authenticated ones: the counters the library
+        // keeps for them (no timings: they do not run on the engine).
         let snaps: Vec<(&str, [(&str, OpStats); 2])> = self
             .0
             .iter()
-            .filter_map(|(n, v)| v.plain().map(|v| (n, v.stats())))
+            .filter_map(|(n, v)| v.engine().map(|v| (n, v.stats())))
             .map(|(n, s)| (n.as_str(), [("read", s.read), ("write", s.write)]))
             .collect();
-        let auth: Vec<(&str, &Authenticated)> = self
+        let auth: Vec<(&str, &Opened)> = self
             .0
             .iter()
-            .filter_map(|(n, v)| match v {
-                Opened::Integrity(a) => Some((n.as_str(), &**a)),
-                Opened::Plain(_) => None,
-            })
+            .filter(|(_, v)| v.engine().is_none())
+            .map(|(n, v)| (n.as_str(), v))
             .collect();
         let counters: [Counter; 2] = [
             ("ucrypt_requests", "Requests served.", |o| o.requests),
@@ -127,7 +125,8 @@ impl Collector for Volumes {
                 }
             }
             for (vol, a) in &auth {
-                for (op, c) in ["read", "write"].into_iter().zip(a.op_counts()) {
+                let stats = a.stats();
+                for (op, c) in [("read", stats.read), ("write", stats.write)] {
                     let v = if i == 0 { c.requests } else { c.bytes };
                     m.encode_family(&[("volume", *vol), ("op", op)])?
                         .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
@@ -149,10 +148,11 @@ impl Collector for Volumes {
             }
         }
         for (vol, a) in &auth {
-            for (op, write) in [("read", false), ("write", true)] {
+            let stats = a.stats();
+            for (op, c) in [("read", stats.read), ("write", stats.write)] {
                 for k in ErrorKind::ALL {
                     m.encode_family(&[("volume", *vol), ("op", op), ("kind", k.name())])?
-                        .encode_counter::<NoLabelSet, _, u64>(&a.errors_of(write, k), None)?;
+                        .encode_counter::<NoLabelSet, _, u64>(&c.errors_of(k), None)?;
                 }
             }
         }
@@ -166,7 +166,10 @@ impl Collector for Volumes {
             )?;
             for (vol, a) in &auth {
                 m.encode_family(&[("volume", *vol)])?
-                    .encode_counter::<NoLabelSet, _, u64>(&a.integrity_mismatches(), None)?;
+                    .encode_counter::<NoLabelSet, _, u64>(
+                        &a.integrity_mismatches().unwrap_or(0),
+                        None,
+                    )?;
             }
         }
         let mut m = enc.encode_descriptor(

@@ -6,22 +6,22 @@
 //! `--offset` is the data start and `--skip` the IV offset, both in 512-byte sectors.
 //! Without `--cipher` the volume is LUKS1/LUKS2, unlocked like `cryptsetup open`: passphrase
 //! from `--key-file` (or asked), or `--volume-key-file`; `--header` for a detached header.
-//! The LUKS work itself is one library call, `ucrypt::luks::open`.
+//! Opening itself, of every kind, is one library call, `ucrypt::open::open`; this module
+//! turns arguments into its request, reads the header first (to print its warnings and check
+//! `--type`) and asks for the passphrase.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
 use ucrypt::backend::{Backend, CacheMode, FileBackend};
 use ucrypt::engine::{Policies, Policy};
-use ucrypt::integrity::{self, superblock::flags as sb_flags, IntegrityVolume};
-use ucrypt::luks::{self, OpenOptions, Unlock};
+use ucrypt::integrity::WriteMode;
+use ucrypt::luks::{self, Unlock};
+use ucrypt::open::{Format, Luks, OpenRequest, Plain};
 use ucrypt::sector::{CipherSpec, Geometry, SectorSize};
-use ucrypt::sync::lock;
-use ucrypt::volume::{Volume, VolumeConfig};
-use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
+use ucrypt::{Error, SecretBytes};
 
 use crate::error::{CliError, CliResult};
 use crate::header_dev::open_header_file;
@@ -233,463 +233,15 @@ pub struct VolumeArgs {
 pub struct Prepared {
     /// The volume as the user named it, for error messages.
     name: String,
-    pub kind: PreparedKind,
+    /// What `ucrypt::open::open` builds the volume from.
+    pub req: OpenRequest,
+    /// LUKS: the header device, a local one under cryptsetup's shared lock until released.
+    header: Option<HeaderAt>,
 }
 
-pub enum PreparedKind {
-    /// LUKS1/LUKS2: unlocked (or refused) by `luks::open_parsed`.
-    Luks {
-        data: Arc<dyn Backend>,
-        /// Boxed: a parsed header is large next to the raw variant.
-        hdr: Box<luks::Header>,
-        unlock: Unlock,
-        opts: OpenOptions,
-        /// Authenticated volumes: dm-integrity's direct mode (`--integrity-no-journal`).
-        integrity_no_journal: bool,
-        /// The local file the header was read from (`opts.header`), under cryptsetup's shared
-        /// lock until released ([`HeaderAt`]); `None` for a remote volume.
-        header_file: Option<Arc<FileBackend>>,
-    },
-    /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
-    Raw {
-        backend: Arc<dyn Backend>,
-        cfg: VolumeConfig,
-    },
-}
-
-/// An opened volume: the engine's dm-crypt [`Volume`], or a LUKS2 volume with authenticated
-/// encryption (dm-crypt over dm-integrity, [`IntegrityVolume`] behind [`Authenticated`]).
-/// Front ends need only [`Opened::dev`]; the life-cycle daemon and metrics use the rest.
-#[derive(Clone)]
-pub enum Opened {
-    Plain(Arc<Volume>),
-    Integrity(Arc<Authenticated>),
-}
-
-/// Requests and bytes of one direction, as `status` reports them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct OpCounts {
-    pub requests: u64,
-    pub bytes: u64,
-}
-
-impl Opened {
-    /// The volume as the front ends serve it.
-    pub fn dev(&self) -> Arc<dyn BlockDev> {
-        match self {
-            Opened::Plain(v) => v.clone(),
-            Opened::Integrity(v) => v.clone(),
-        }
-    }
-
-    /// The engine's volume (statistics with timings, run-time policy); `None` for an
-    /// authenticated volume, which does not run on the engine.
-    pub fn plain(&self) -> Option<&Arc<Volume>> {
-        match self {
-            Opened::Plain(v) => Some(v),
-            Opened::Integrity(_) => None,
-        }
-    }
-
-    /// Reads and writes (write-zeroes and discards count as writes) served so far.
-    pub fn op_counts(&self) -> [OpCounts; 2] {
-        match self {
-            Opened::Plain(v) => {
-                let s = v.stats();
-                [
-                    OpCounts {
-                        requests: s.read.requests,
-                        bytes: s.read.bytes,
-                    },
-                    OpCounts {
-                        requests: s.write.requests,
-                        bytes: s.write.bytes,
-                    },
-                ]
-            }
-            Opened::Integrity(a) => a.op_counts(),
-        }
-    }
-
-    /// dm-integrity's "number of integrity mismatches" (the first field of `dmsetup status`
-    /// of an integrity target): blocks whose tag did not verify since the volume was opened.
-    /// `None` for a volume without authentication.
-    pub fn integrity_mismatches(&self) -> Option<u64> {
-        match self {
-            Opened::Plain(_) => None,
-            Opened::Integrity(a) => Some(a.integrity_mismatches()),
-        }
-    }
-
-    /// The dispatch policy as `status` prints it.
-    pub fn policy(&self) -> String {
-        match self {
-            Opened::Plain(v) => v.policy().to_string(),
-            Opened::Integrity(a) => a.policy().to_string(),
-        }
-    }
-
-    pub fn is_suspended(&self) -> bool {
-        match self {
-            Opened::Plain(v) => v.is_suspended(),
-            Opened::Integrity(a) => a.is_suspended(),
-        }
-    }
-
-    /// Holds new requests, waits for those inside, flushes and drops every copy of the key
-    /// (the cipher contexts of a plain volume; the whole tag layer of an authenticated one).
-    pub fn suspend(&self) -> ucrypt::Result<()> {
-        match self {
-            Opened::Plain(v) => v.suspend(),
-            Opened::Integrity(a) => a.suspend(),
-        }
-    }
-
-    /// Ends a suspended volume for good (`close --force` of a suspended device): the requests
-    /// held since the suspend, and every later one, fail with EIO.
-    pub fn abort_suspended(&self) -> ucrypt::Result<()> {
-        match self {
-            Opened::Plain(v) => v.abort_suspended(),
-            Opened::Integrity(a) => a.abort_suspended(),
-        }
-    }
-
-    /// Rebuilds what `suspend` dropped from the volume key (verified against `hdr`, the header
-    /// as read again) and lets the held requests go.
-    pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
-        match self {
-            Opened::Plain(v) => v.resume(SecretBytes::from_slice(vk.bytes())),
-            Opened::Integrity(a) => a.resume(hdr, vk),
-        }
-    }
-}
-
-/// How often `suspend` looks whether the requests inside an authenticated volume are done.
-const SUSPEND_POLL: Duration = Duration::from_millis(1);
-
-/// Requests and bytes of one direction, counted as they are served.
-#[derive(Default)]
-struct OpCounters {
-    requests: AtomicU64,
-    bytes: AtomicU64,
-    /// Failed requests by [`ucrypt::ErrorKind`] (indexed as `ErrorKind::ALL`).
-    errors: [AtomicU64; ErrorKind::ALL.len()],
-}
-
-impl OpCounters {
-    fn count<T>(&self, bytes: u64, r: &ucrypt::Result<T>) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        match r {
-            Ok(_) => {
-                self.bytes.fetch_add(bytes, Ordering::Relaxed);
-            }
-            Err(e) => {
-                self.errors[e.kind() as usize].fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    fn snapshot(&self) -> OpCounts {
-        OpCounts {
-            requests: self.requests.load(Ordering::Relaxed),
-            bytes: self.bytes.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// An [`IntegrityVolume`] as the command line serves it: a block that fails authentication
-/// is logged as one line on standard error (the request fails with the error's errno,
-/// EILSEQ; NBD, which has no such error, sends NBD_EIO); requests, bytes and errors are
-/// counted for `status` and metrics; and it can be suspended: the whole `IntegrityVolume`
-/// (its key, its keyed tag ciphers) is dropped and built again from the volume key on
-/// resume, while requests wait.
-pub struct Authenticated {
-    name: String,
-    /// The dm-integrity device (the LUKS2 data device), kept to rebuild the volume on resume.
-    data: Arc<dyn Backend>,
-    read_only: bool,
-    /// Journal or direct, as opened; kept for resume.
-    write_mode: integrity::WriteMode,
-    /// The dispatch policies (docs/integrity.md, "Dispatch"): set at open and by `refresh`,
-    /// given to the volume built again on resume.
-    policy: Mutex<Policies>,
-    /// Fixed by the dm-integrity superblock: known while suspended too.
-    size: u64,
-    block_size: u32,
-    /// `None` while suspended.
-    inner: Mutex<Option<Arc<IntegrityVolume>>>,
-    resumed: Condvar,
-    /// Set (under `inner`'s lock) by [`Authenticated::abort_suspended`]: the waiting requests
-    /// and every later one fail with EIO.
-    aborted: AtomicBool,
-    /// Mismatches counted by the volumes dropped at earlier suspends.
-    mismatches_before: AtomicU64,
-    ops: [OpCounters; 2],
-}
-
-const READ: usize = 0;
-const WRITE: usize = 1;
-
-impl Authenticated {
-    fn new(
-        name: &str,
-        data: Arc<dyn Backend>,
-        vol: IntegrityVolume,
-        write_mode: integrity::WriteMode,
-    ) -> Self {
-        Authenticated {
-            name: name.to_string(),
-            data,
-            read_only: vol.read_only(),
-            write_mode,
-            policy: Mutex::new(vol.policy()),
-            size: vol.size(),
-            block_size: vol.block_size(),
-            inner: Mutex::new(Some(Arc::new(vol))),
-            resumed: Condvar::new(),
-            aborted: AtomicBool::new(false),
-            mismatches_before: AtomicU64::new(0),
-            ops: Default::default(),
-        }
-    }
-
-    /// The volume to serve a request with; waits while suspended.
-    /// The volume to serve a request with; waits while suspended, EIO once aborted.
-    fn vol(&self) -> ucrypt::Result<Arc<IntegrityVolume>> {
-        let mut g = lock(&self.inner);
-        loop {
-            if let Some(v) = &*g {
-                return Ok(v.clone());
-            }
-            if self.aborted.load(Ordering::Relaxed) {
-                return Err(Error::io(
-                    format!("{}: the volume was closed while suspended", self.name),
-                    std::io::Error::from_raw_os_error(libc::EIO),
-                ));
-            }
-            g = self.resumed.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// Ends a suspended volume for good (`close --force`): the requests waiting for the
-    /// resume, and every later one, fail with EIO.
-    pub fn abort_suspended(&self) -> ucrypt::Result<()> {
-        let g = lock(&self.inner);
-        if g.is_some() {
-            return Err(Error::InvalidArgument("not suspended".into()));
-        }
-        // Under the lock the waiters hold between their look and their wait: none misses it.
-        self.aborted.store(true, Ordering::Relaxed);
-        drop(g);
-        self.resumed.notify_all();
-        Ok(())
-    }
-
-    fn logged<T>(&self, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
-        if let Err(Error::Integrity { sector }) = &r {
-            eprintln!(
-                "{}: integrity error: block at data sector {sector} failed authentication",
-                self.name
-            );
-        }
-        r
-    }
-
-    fn served<T>(&self, op: usize, bytes: u64, r: ucrypt::Result<T>) -> ucrypt::Result<T> {
-        self.ops[op].count(bytes, &r);
-        self.logged(r)
-    }
-
-    /// Reads and writes served so far (write-zeroes and discards count as writes).
-    pub fn op_counts(&self) -> [OpCounts; 2] {
-        [self.ops[READ].snapshot(), self.ops[WRITE].snapshot()]
-    }
-
-    /// Failed reads (or writes, with `write`) whose error is of `kind`.
-    pub fn errors_of(&self, write: bool, kind: ErrorKind) -> u64 {
-        self.ops[usize::from(write)].errors[kind as usize].load(Ordering::Relaxed)
-    }
-
-    /// Blocks whose tag did not verify since opening (across suspends).
-    pub fn integrity_mismatches(&self) -> u64 {
-        let now = lock(&self.inner)
-            .as_ref()
-            .map_or(0, |v| v.integrity_errors());
-        self.mismatches_before.load(Ordering::Relaxed) + now
-    }
-
-    pub fn is_suspended(&self) -> bool {
-        lock(&self.inner).is_none()
-    }
-
-    /// The dispatch policies requests run with (also while suspended: those of the resume).
-    pub fn policy(&self) -> Policies {
-        *lock(&self.policy)
-    }
-
-    /// Switches the dispatch policies for the next requests (and the volume built on resume).
-    pub fn set_policy(&self, p: Policies) {
-        let mut g = lock(&self.policy);
-        *g = p;
-        if let Some(v) = &*lock(&self.inner) {
-            v.set_policy(p);
-        }
-    }
-
-    /// Takes the volume away from new requests, waits for the requests inside to finish,
-    /// flushes and drops it: its `SecretBytes` key and keyed contexts are wiped on drop.
-    pub fn suspend(&self) -> ucrypt::Result<()> {
-        let Some(mut v) = lock(&self.inner).take() else {
-            return Err(Error::InvalidArgument("already suspended".into()));
-        };
-        let vol = loop {
-            match Arc::try_unwrap(v) {
-                Ok(vol) => break vol,
-                Err(still_used) => {
-                    v = still_used;
-                    std::thread::sleep(SUSPEND_POLL);
-                }
-            }
-        };
-        if let Err(e) = vol.flush() {
-            // Not suspended: the volume serves on.
-            *lock(&self.inner) = Some(Arc::new(vol));
-            self.resumed.notify_all();
-            return Err(e);
-        }
-        self.mismatches_before
-            .fetch_add(vol.integrity_errors(), Ordering::Relaxed);
-        drop(vol);
-        Ok(())
-    }
-
-    /// Builds the volume again from `vk` and lets the waiting requests in.
-    pub fn resume(&self, hdr: &luks::Header, vk: &luks::VolumeKey) -> ucrypt::Result<()> {
-        let vol = integrity::open_luks2_mode(
-            self.data.clone(),
-            hdr,
-            vk,
-            self.read_only,
-            self.write_mode,
-        )?;
-        check_superblock_flags(&vol)?;
-        if vol.size() != self.size || vol.block_size() != self.block_size {
-            return Err(Error::InvalidArgument(format!(
-                "{}: the dm-integrity superblock changed while suspended",
-                self.name
-            )));
-        }
-        let mut g = lock(&self.inner);
-        if g.is_some() || self.aborted.load(Ordering::Relaxed) {
-            return Err(Error::InvalidArgument("not suspended".into()));
-        }
-        vol.set_policy(self.policy());
-        *g = Some(Arc::new(vol));
-        drop(g);
-        self.resumed.notify_all();
-        Ok(())
-    }
-}
-
-impl BlockDev for Authenticated {
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn block_size(&self) -> u32 {
-        self.block_size
-    }
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
-        let n = buf.len() as u64;
-        let r = self.vol().and_then(|v| v.read_at(buf, offset));
-        self.served(READ, n, r)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
-        // An unaligned write reads (and verifies) the blocks at its ends.
-        let r = self.vol().and_then(|v| v.write_at(buf, offset));
-        self.served(WRITE, buf.len() as u64, r)
-    }
-    fn write_at_mut(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
-        let n = buf.len() as u64;
-        let r = self.vol().and_then(|v| v.write_at_mut(buf, offset));
-        self.served(WRITE, n, r)
-    }
-    fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
-        let n = buf.len() as u64;
-        let r = self.vol().and_then(|v| v.write_fua(buf, offset));
-        self.served(WRITE, n, r)
-    }
-    fn flush(&self) -> ucrypt::Result<()> {
-        self.vol()?.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        let r = self.vol().and_then(|v| v.discard(offset, len));
-        self.served(WRITE, len, r)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
-        let r = self.vol().and_then(|v| v.write_zeroes(offset, len));
-        self.served(WRITE, len, r)
-    }
-}
-
-/// Refuses a dm-integrity superblock whose flags say its tags are not all valid:
-/// recalculation in progress (tags beyond `recalc_sector` were never written) or a dirty
-/// bitmap (bitmap mode left blocks whose tags are stale).
-fn check_superblock_flags(vol: &IntegrityVolume) -> ucrypt::Result<()> {
-    let sb = &vol.layout().sb;
-    for (flag, what) in [
-        (
-            sb_flags::RECALCULATING,
-            "its tags are being recalculated (not all are valid)",
-        ),
-        (
-            sb_flags::DIRTY_BITMAP,
-            "its bitmap is dirty (tags of some blocks are stale)",
-        ),
-    ] {
-        if sb.has(flag) {
-            return Err(Error::UnsupportedLuks(format!(
-                "the dm-integrity superblock says {what}; let the kernel finish with it \
-                 (cryptsetup open, then close) before ucrypt opens it"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Opens the authenticated segment of a LUKS2 volume (see [`check_superblock_flags`] for the
-/// superblocks refused), in dm-integrity's direct mode with cryptsetup's
-/// `--integrity-no-journal` (or the header's persistent `no-journal` flag), else through its
-/// journal; a journal left with committed entries is replayed first (docs/integrity.md).
-fn open_authenticated(
-    name: &str,
-    data: Arc<dyn Backend>,
-    hdr: &luks::Header,
-    unlock: Unlock,
-    opts: &OpenOptions,
-    integrity_no_journal: bool,
-) -> ucrypt::Result<Opened> {
-    let hdr_dev: &dyn Backend = match &opts.header {
-        Some(h) => h.as_ref(),
-        None => data.as_ref(),
-    };
-    hdr.check_requirements()?;
-    let (_, vk) = luks::unlock_key(hdr_dev, hdr, unlock, opts.key_slot)?;
-    let write_mode = if integrity_no_journal {
-        integrity::WriteMode::Direct
-    } else {
-        integrity::luks2_write_mode(hdr)
-    };
-    let vol = integrity::open_luks2_mode(data.clone(), hdr, &vk, opts.read_only, write_mode)?;
-    drop(vk);
-    vol.set_policy(opts.policy);
-    check_superblock_flags(&vol)?;
-    Ok(Opened::Integrity(Arc::new(Authenticated::new(
-        name, data, vol, write_mode,
-    ))))
-}
+/// The library's opened volume, of any kind: front ends need only [`Opened::dev`]; the
+/// life-cycle daemon and metrics use the rest.
+pub use ucrypt::open::Opened;
 
 /// The header a process serving a LUKS volume reads again (the key checked on resume): the
 /// local file it was opened from, kept open but under cryptsetup's shared lock only while
@@ -724,55 +276,14 @@ impl HeaderAt {
 impl Prepared {
     /// LUKS: the device the header is read from (the volume, or --header).
     pub fn header_device(&self) -> Option<HeaderAt> {
-        match &self.kind {
-            PreparedKind::Luks {
-                data,
-                opts,
-                header_file,
-                ..
-            } => Some(HeaderAt {
-                dev: opts.header.clone().unwrap_or_else(|| data.clone()),
-                file: header_file.clone(),
-            }),
-            PreparedKind::Raw { .. } => None,
-        }
+        self.header.clone()
     }
 
-    /// Builds the volume: unlocks a keyslot (LUKS) and starts the engine's threads.
+    /// Builds the volume: unlocks a keyslot (LUKS) and starts the threads that serve it.
     pub fn open(self) -> CliResult<Opened> {
-        let vol = match self.kind {
-            PreparedKind::Luks {
-                data,
-                hdr,
-                unlock,
-                opts,
-                integrity_no_journal,
-                header_file: _,
-            } => {
-                // A volume key given as such that the digest refuses is no wrong passphrase.
-                let key_given = matches!(unlock, Unlock::VolumeKey(_));
-                let opened = if integrity::superblock_offset(&hdr).is_some() {
-                    open_authenticated(&self.name, data, &hdr, unlock, &opts, integrity_no_journal)
-                } else {
-                    luks::open_parsed(data, &hdr, unlock, &opts).map(|v| Opened::Plain(Arc::new(v)))
-                };
-                opened
-                    .map_err(|e| {
-                        if key_given {
-                            crate::volume_key::mismatch(e)
-                        } else {
-                            e
-                        }
-                    })
-                    .map_err(CliError::from)
-            }
-            PreparedKind::Raw { backend, cfg } => Volume::new(backend, cfg)
-                .map(|v| Opened::Plain(Arc::new(v)))
-                .map_err(CliError::from),
-        };
         // Name the volume in the one line the user sees, keeping the error's type (and so its
         // exit code).
-        vol.map_err(|e| e.at(self.name))
+        ucrypt::open::open(self.req).map_err(|e| CliError::from(e).at(self.name))
     }
 }
 
@@ -881,13 +392,16 @@ impl VolumeArgs {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
-        let kind = match (&self.cipher, self.device_type) {
-            (Some(cipher), _) => self.prepare_raw(cipher),
-            (None, Some(DeviceType::Plain)) => self.prepare_raw(ucrypt::plain::DEFAULT_CIPHER),
-            (None, _) => self.prepare_luks(),
+        let prepared = match (&self.cipher, self.device_type) {
+            (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
+            (None, Some(DeviceType::Plain)) => self
+                .prepare_raw(ucrypt::plain::DEFAULT_CIPHER)
+                .map(|req| (req, None)),
+            (None, _) => self.prepare_luks(&name),
         };
-        let kind = kind.map_err(|e| e.at(name.clone()))?;
-        Ok(Prepared { name, kind })
+        let (mut req, header) = prepared.map_err(|e| e.at(name.clone()))?;
+        req.name = name.clone();
+        Ok(Prepared { name, req, header })
     }
 
     /// The passphrase from --key-file (with its offset and size) or, without one, asked on
@@ -951,7 +465,7 @@ impl VolumeArgs {
     }
 
     /// LUKS1/LUKS2: unlock with the passphrase (or --volume-key-file) like cryptsetup open.
-    fn prepare_luks(&self) -> CliResult<PreparedKind> {
+    fn prepare_luks(&self, name: &str) -> CliResult<(OpenRequest, Option<HeaderAt>)> {
         let data = self
             .volume
             .open_data(!self.read_only, &self.remote, self.cache)?;
@@ -987,24 +501,33 @@ impl VolumeArgs {
             }
             (None, None) => self.ask_passphrase(header.as_ref(), &hdr)?,
         };
-        let mut opts = OpenOptions::default();
-        opts.key_slot = self.key_slot;
-        opts.read_only = self.read_only;
-        opts.allow_discards = self.allow_discards;
-        opts.policy = self.policies(&match &hdr {
+        let policy = self.policies(&match &hdr {
             luks::Header::Luks2(h) => h.flags(),
             luks::Header::Luks1(_) => Vec::new(),
         });
-        opts.spin = self.spin();
-        opts.header = Some(header);
-        Ok(PreparedKind::Luks {
-            data,
-            hdr: Box::new(hdr),
-            unlock,
-            opts,
-            integrity_no_journal: self.integrity_no_journal,
-            header_file,
-        })
+        let mut luks = Luks::new(unlock);
+        luks.key_slot = self.key_slot;
+        luks.header_dev = Some(header.clone());
+        luks.header = Some(Box::new(hdr));
+        luks.integrity_write_mode = self.integrity_no_journal.then_some(WriteMode::Direct);
+        let mut req = OpenRequest::new(data, Format::Luks(luks));
+        req.read_only = self.read_only;
+        req.allow_discards = self.allow_discards;
+        req.policy = policy;
+        req.spin = self.spin();
+        // A block that fails authentication: one line on standard error (the request fails
+        // with EILSEQ; NBD, which has no such error, sends NBD_EIO).
+        let name = name.to_string();
+        req.on_integrity_error = Some(Arc::new(move |sector| {
+            eprintln!(
+                "{name}: integrity error: block at data sector {sector} failed authentication"
+            )
+        }));
+        let header = HeaderAt {
+            dev: header,
+            file: header_file,
+        };
+        Ok((req, Some(header)))
     }
 
     /// The key of a raw mapping, as cryptsetup's plain mode reads it: --volume-key-file (a
@@ -1049,7 +572,7 @@ impl VolumeArgs {
     }
 
     /// Raw dm-crypt mapping (cryptsetup's plain mode).
-    fn prepare_raw(&self, cipher: &str) -> CliResult<PreparedKind> {
+    fn prepare_raw(&self, cipher: &str) -> CliResult<OpenRequest> {
         let spec: CipherSpec = cipher.parse()?;
         let key_bytes = match self.key_size {
             Some(bits) if bits % 8 == 0 => bits as usize / 8,
@@ -1071,14 +594,17 @@ impl VolumeArgs {
         let backend = self
             .volume
             .open_data(!self.read_only, &self.remote, self.cache)?;
-        let mut cfg = VolumeConfig::new(spec, key, geometry);
-        cfg.data_offset_bytes = self
+        let mut plain = Plain::new(spec, key, geometry);
+        plain.data_offset_bytes = self
             .offset
             .checked_mul(512)
             .ok_or_else(|| CliError::Usage("--offset too large".into()))?;
-        cfg.policy = self.policies(&[]);
-        cfg.spin = self.spin();
-        cfg.read_only = self.read_only;
-        Ok(PreparedKind::Raw { backend, cfg })
+        let mut req = OpenRequest::new(backend, Format::Plain(plain));
+        req.policy = self.policies(&[]);
+        req.spin = self.spin();
+        req.read_only = self.read_only;
+        // A raw mapping passes discards down (the engine's default for a volume it is given).
+        req.allow_discards = true;
+        Ok(req)
     }
 }

@@ -3,13 +3,16 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use ucrypt::luks::{open, OpenOptions, Unlock};
+//! use ucrypt::backend::Backend;
+//! use ucrypt::luks::Unlock;
+//! use ucrypt::open::{open, Format, Luks, OpenRequest};
 //! use ucrypt_rbd::{RbdBackend, RbdSpec};
 //!
 //! let spec = RbdSpec::parse("rbd:rbd/vm1:conf=/etc/ceph/ceph.conf")?;
-//! let backend = Arc::new(RbdBackend::open(&spec)?);
+//! let backend: Arc<dyn Backend> = Arc::new(RbdBackend::open(&spec)?);
 //! let passphrase = ucrypt::SecretBytes::from_slice(b"secret");
-//! let volume = open(backend, Unlock::Passphrase(passphrase), &OpenOptions::default())?;
+//! let luks = Luks::new(Unlock::Passphrase(passphrase));
+//! let volume = open(OpenRequest::new(backend, Format::Luks(luks)))?;
 //! # Ok::<(), ucrypt::Error>(())
 //! ```
 //!

@@ -94,6 +94,11 @@ pub enum Error {
     #[error("integrity check failed: sector {sector} (512-byte units of the data) does not match its tag")]
     Integrity { sector: u64 },
 
+    /// The volume cannot do what was asked, by what it is (an authenticated volume cannot be
+    /// resized): refused before anything changed. See [`Refusal`].
+    #[error("{0}")]
+    Refused(Refusal),
+
     // ---- the machine ----
     /// A kernel feature the caller asked for is missing or switched off; the text says which
     /// and how to turn it on.
@@ -107,6 +112,34 @@ pub enum Error {
     // ---- our own bug: reported, never silently ignored ----
     #[error("internal error (a ucrypt bug, please report): {0}")]
     Bug(&'static str),
+}
+
+/// What a volume refuses to do by its kind ([`Error::Refused`]): a typed reason, so that a
+/// caller can tell the refusal from a failure without reading the message.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// An authenticated volume's size is the data area its dm-integrity superblock records;
+    /// growing or shrinking it would need the tags of the new area written first.
+    ResizeAuthenticated,
+    /// A raw dm-crypt mapping has no header to check a key against, so it is not suspended: a
+    /// wrong key could not be told on resume.
+    SuspendWithoutHeader,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Refusal::ResizeAuthenticated => {
+                "resize: the volume has authenticated encryption (integrity): its size is the \
+                 data area recorded in its dm-integrity superblock, which ucrypt does not grow \
+                 or shrink (the tags of a new area would have to be written first)"
+            }
+            Refusal::SuspendWithoutHeader => {
+                "suspend: a plain volume has no LUKS header to check the key against on resume"
+            }
+        })
+    }
 }
 
 /// Who can act on an error: what a front end or a command needs to decide how to report it
@@ -164,7 +197,8 @@ impl Error {
             | Error::InvalidArgument(_)
             | Error::ReadOnly(_)
             | Error::InReencryption
-            | Error::NeedsRecovery => ErrorKind::BadInput,
+            | Error::NeedsRecovery
+            | Error::Refused(_) => ErrorKind::BadInput,
             Error::UnmetRequirements(_) => ErrorKind::BadData,
             Error::WrongPassphrase | Error::VolumeKeyMismatch => ErrorKind::WrongKey,
             // No keyslot left to try: the header cannot be opened by any passphrase
@@ -198,7 +232,7 @@ impl Error {
             Error::OutOfRange { .. } => libc::ENOSPC,
             Error::ReadOnly(_) | Error::InReencryption => libc::EROFS,
             Error::Integrity { .. } => libc::EILSEQ,
-            Error::KernelFeature(_) => libc::EOPNOTSUPP,
+            Error::KernelFeature(_) | Error::Refused(_) => libc::EOPNOTSUPP,
             Error::NotSectorMultiple { .. } | Error::InvalidArgument(_) => libc::EINVAL,
             _ => libc::EIO,
         }

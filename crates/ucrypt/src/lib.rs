@@ -1,8 +1,11 @@
 //! ucrypt: a userspace, dm-crypt and LUKS2 compatible disk encryption engine.
 //!
-//! Open a LUKS volume in one call with [`luks::open`], or build a [`volume::Volume`] from a
-//! [`volume::VolumeConfig`] for a raw dm-crypt mapping; either way you get a [`BlockDev`], the
-//! plaintext device every front end (NBD, FUSE, ublk: the `ucrypt-*` crates) serves.
+//! Open any volume ucrypt reads in one call with [`open::open`]: a raw dm-crypt mapping, LUKS1,
+//! LUKS2, LUKS2 in reencryption or with authenticated encryption, all managed by one type,
+//! [`open::Opened`], whose [`open::Opened::dev`] is a [`BlockDev`], the plaintext device every
+//! front end (NBD, FUSE, ublk: the `ucrypt-*` crates) serves. Make one with [`format::plan`]
+//! (sans I/O) and [`format::write_header`]. The lower-level pieces stay public:
+//! [`luks::open`], [`integrity::open_luks2`], [`volume::Volume::new`].
 //!
 //! The data path, top to bottom:
 //! - [`volume`]: a [`volume::Volume`] = backend + key + dispatch policy, serving [`BlockDev`];
@@ -16,6 +19,8 @@
 //! - [`luks`]: LUKS2 and LUKS1 headers, sans I/O, and the small driver that performs their
 //!   reads and writes against a backend.
 //! - [`plain`]: cryptsetup's plain mode, the key of a headerless volume from a passphrase.
+//! - [`open`] and [`format`](mod@format): a volume of any kind opened or made in one call, on
+//!   top of the above.
 //!
 //! Engine internals are not reachable from outside the crate:
 //!
@@ -35,8 +40,10 @@ pub mod backend;
 pub mod blockdev;
 pub mod engine;
 pub mod error;
+pub mod format;
 pub mod integrity;
 pub mod luks;
+pub mod open;
 pub mod plain;
 pub mod pool;
 pub mod secret;
@@ -45,6 +52,6 @@ pub mod sync;
 pub mod volume;
 
 pub use blockdev::BlockDev;
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, Refusal, Result};
 pub use secret::SecretBytes;
 pub use sync::Stop;

@@ -42,9 +42,10 @@ struct Control {
 
 impl Control {
     fn status(&self) -> Response {
-        let [r, w] = self.vol.op_counts();
+        let stats = self.vol.stats();
+        let (r, w) = (stats.read, stats.write);
         let size = self.vol.dev().size();
-        let reencryption = self.vol.plain().and_then(|v| {
+        let reencryption = self.vol.engine().and_then(|v| {
             let ran = lock_clone(&self.rotation).map(|mut r| {
                 r.reopen_needed = v.reopen_needed();
                 r
@@ -59,7 +60,7 @@ impl Control {
             })
         });
         // The cipher served (an online reencryption may have changed it).
-        let (cipher, key_bits) = self.vol.plain().map_or((String::new(), 0), |v| {
+        let (cipher, key_bits) = self.vol.engine().map_or((String::new(), 0), |v| {
             let (spec, key_bytes) = v.cipher();
             (spec.to_string(), key_bytes as u32 * 8)
         });
@@ -82,7 +83,7 @@ impl Control {
             device: self.sock.display().to_string(),
             stable_path: String::new(),
             note: None,
-            policy: self.vol.policy(),
+            policy: self.vol.policy().to_string(),
             in_use: None,
             counters: Counters {
                 read_requests: r.requests,
@@ -113,7 +114,7 @@ impl server::Handler for Control {
                 hotzone_bytes,
                 resilience,
             } => {
-                let Some(vol) = self.vol.plain() else {
+                let Some(vol) = self.vol.engine() else {
                     return respond(&Response::Error {
                         code: 1,
                         error: format!(

@@ -38,9 +38,11 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use ucrypt::luks::Header;
+use ucrypt::open::{Format, Luks};
+use ucrypt::Error;
 
 use crate::error::{CliError, CliResult};
-use crate::open::{Prepared, PreparedKind, VolumeArgs};
+use crate::open::{Prepared, VolumeArgs};
 use crate::target::Target;
 use proto::{Ready, Request, Response, StatusReport, VolumeInfo};
 use state::{Identity, RunDir};
@@ -263,8 +265,11 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
         flags: Vec::new(),
         integrity: None,
     };
-    match &p.kind {
-        PreparedKind::Luks { hdr, opts, .. } => {
+    let allow_discards = p.req.allow_discards;
+    match &p.req.format {
+        Format::Luks(Luks {
+            header: Some(hdr), ..
+        }) => {
             if let Header::Luks2(h) = &**hdr {
                 if let Some(seg) = h.meta().segments.values().find(|s| s.integrity.is_some()) {
                     // dm-crypt over dm-integrity, as cryptsetup's status shows it: the cipher
@@ -315,7 +320,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                     info.sector_size = seg.sector_size.unwrap_or(512);
                     info.offset_sectors = seg.offset.0 / 512;
                     let flags = hdr.activation_flags();
-                    if opts.allow_discards || flags.iter().any(|f| f == "allow-discards") {
+                    if allow_discards || flags.iter().any(|f| f == "allow-discards") {
                         info.flags.push("discards".into());
                     }
                     return Ok(info);
@@ -338,20 +343,26 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             info.offset_sectors = layout.offset_bytes / 512;
             info.skipped_sectors = layout.iv_tweak;
             let flags = hdr.activation_flags();
-            if opts.allow_discards || flags.iter().any(|f| f == "allow-discards") {
+            if allow_discards || flags.iter().any(|f| f == "allow-discards") {
                 info.flags.push("discards".into());
             }
         }
-        PreparedKind::Raw { cfg, .. } => {
+        Format::Plain(cfg) => {
             info.kind = "PLAIN".into();
-            info.cipher = cfg.spec.to_string();
+            info.cipher = cfg.cipher.to_string();
             info.key_bits = (cfg.key.len() * 8) as u32;
             info.sector_size = cfg.geometry.sector_size.bytes();
             info.offset_sectors = cfg.data_offset_bytes / 512;
             info.skipped_sectors = cfg.geometry.iv_offset;
-            if cfg.allow_discards {
+            if allow_discards {
                 info.flags.push("discards".into());
             }
+        }
+        // `VolumeArgs::prepare` reads a LUKS header before it asks for the key.
+        _ => {
+            return Err(CliError::from(Error::Bug(
+                "a prepared LUKS volume without its header",
+            )))
         }
     }
     Ok(info)

@@ -217,11 +217,12 @@ impl Shared {
 
     /// The status report of this volume now.
     fn status(&self) -> Response {
-        let [r, w] = self.vol.op_counts();
+        let stats = self.vol.stats();
+        let (r, w) = (stats.read, stats.write);
         let mut volume = lock(&self.info).clone();
         // An online reencryption that changed the cipher: the volume serves with the new one
         // once it ends.
-        if let Some(v) = self.vol.plain() {
+        if let Some(v) = self.vol.engine() {
             let (spec, key_bytes) = v.cipher();
             if volume.cipher.parse::<ucrypt::sector::CipherSpec>().ok() != Some(spec) {
                 volume.cipher = spec.to_string();
@@ -241,7 +242,7 @@ impl Shared {
             device: self.device().display().to_string(),
             stable_path: self.ident.stable_path.display().to_string(),
             note: self.note.clone(),
-            policy: self.vol.policy(),
+            policy: self.vol.policy().to_string(),
             in_use: self.in_use(),
             counters: Counters {
                 read_requests: r.requests,
@@ -261,7 +262,7 @@ impl Shared {
     /// The rotation's report: the one this daemon runs or ran, else the volume's own state (a
     /// volume opened in reencryption, not rotating now).
     fn reencryption(&self) -> Option<ReencryptionReport> {
-        let vol = self.vol.plain()?;
+        let vol = self.vol.engine()?;
         if let Some(mut r) = lock(&self.rotation).clone() {
             r.reopen_needed = vol.reopen_needed();
             return Some(r);
@@ -276,7 +277,7 @@ impl Shared {
     /// `reencrypt`: rotates the key while the front end serves (`online::start_rotation`); the
     /// verb follows it through `status`.
     fn reencrypt(&self, key: ResumeKey, opts: RunOptions) -> Response {
-        let Some(vol) = self.vol.plain() else {
+        let Some(vol) = self.vol.engine() else {
             return Self::error(
                 1,
                 format!(
@@ -313,7 +314,7 @@ impl Shared {
     }
 
     fn refresh(&self, r: RefreshSettings) -> Response {
-        let Some(vol) = self.vol.plain() else {
+        let Some(vol) = self.vol.engine() else {
             if r.spin_us.is_some() || r.allow_discards.is_some() {
                 return Self::error(
                     1,
@@ -325,8 +326,8 @@ impl Shared {
                     ),
                 );
             }
-            if let (Some(p), Opened::Integrity(a)) = (r.policy, &self.vol) {
-                a.set_policy(p);
+            if let Some(p) = r.policy {
+                self.vol.set_policy(p);
             }
             return self.status();
         };
@@ -439,8 +440,8 @@ impl Shared {
     }
 
     fn resize(&self, size_sectors: Option<u64>) -> Response {
-        let Some(vol) = self.vol.plain() else {
-            return Self::error(1, AUTHENTICATED_NO_RESIZE);
+        let Some(vol) = self.vol.engine() else {
+            return Self::error(1, ucrypt::Refusal::ResizeAuthenticated.to_string());
         };
         let Some(notifier) = &self.size_notifier else {
             return Self::error(
@@ -641,11 +642,6 @@ pub fn run(d: Daemon, prepared: Prepared, mut reporter: Reporter) -> CliResult<(
         }
     }
 }
-
-/// Why `resize` refuses a volume with authenticated encryption.
-pub const AUTHENTICATED_NO_RESIZE: &str = "resize: the volume has authenticated encryption \
-     (integrity): its size is the data area recorded in its dm-integrity superblock, which \
-     ucrypt does not grow or shrink (the tags of a new area would have to be written first)";
 
 fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
     // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).

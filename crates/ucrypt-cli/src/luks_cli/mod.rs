@@ -11,11 +11,14 @@ mod reencrypt;
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use ucrypt::luks::{
-    self, luks1, luks2, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock, VolumeKey, WriteOp,
+use ucrypt::format::{
+    FormatPlan, FormatRequest, Integrity, IntegrityKind, IntegrityWipe, LuksVersion,
 };
-use ucrypt::sector::{CipherSpec, SectorSize};
-use ucrypt::{Error, Result, SecretBytes};
+use ucrypt::luks::{
+    self, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock, VolumeKey, WriteOp,
+};
+use ucrypt::sector::SectorSize;
+use ucrypt::{Error, Result};
 
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
@@ -24,7 +27,6 @@ use crate::token::TokenOutcome;
 
 use crate::header_dev::{self as dev, HeaderDev};
 use crate::pass::{self, Source};
-use ucrypt::luks::json::SegmentKind;
 
 /// Options every LUKS verb accepts (cryptsetup accepts any option with any action).
 #[derive(Args, Debug, Clone, Default)]
@@ -554,16 +556,17 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     // cryptsetup refuses to format an active device ("Cannot format device ... in use.").
     refuse_if_served(device, o, "cannot format it; stop that process first")?;
     let version = match o.luks_type.as_deref().unwrap_or("luks2") {
-        "luks2" => 2,
-        "luks1" | "luks" => 1,
+        "luks2" => LuksVersion::Luks2,
+        "luks1" | "luks" => LuksVersion::Luks1,
         t => {
             return Err(Error::InvalidArgument(format!(
                 "unsupported --type '{t}' (luks1, luks2)"
             )))
         }
     };
-    let integrity = match &o.integrity {
-        Some(t) if version == 2 => Some(integrity_choice(o, t)?),
+    let mut req = FormatRequest::new(version, device.to_string());
+    req.integrity = match &o.integrity {
+        Some(t) if version == LuksVersion::Luks2 => Some(integrity_choice(o, t)?),
         Some(_) => {
             return Err(Error::InvalidArgument(
                 "--integrity needs LUKS2 (--type luks2)".into(),
@@ -571,51 +574,31 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         }
         None => None,
     };
-    let cipher: CipherSpec = match &integrity {
-        // Not used: the segment's encryption comes from the integrity choice.
-        Some(_) => CipherSpec::AES_XTS_PLAIN64,
-        None => o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?,
-    };
-    let key_bytes = match o.key_size {
-        _ if integrity.is_some() => integrity.as_ref().map_or(0, |i| i.key_bytes),
-        Some(bits) if bits % 8 == 0 => bits as usize / 8,
-        Some(bits) => {
-            return Err(Error::InvalidArgument(format!(
-                "key size {bits} bits is not a multiple of 8"
-            )))
-        }
-        None => cipher.default_key_bytes(),
-    };
-    if integrity.is_none() {
-        cipher.check_key_len(key_bytes)?;
+    // With --integrity the segment's cipher is the integrity choice's.
+    if req.integrity.is_none() {
+        req.cipher = o.cipher.as_deref().unwrap_or("aes-xts-plain64").parse()?;
     }
-    let uuid = match &o.uuid {
-        Some(u) => {
-            luks::check_uuid(u)?;
-            u.to_lowercase()
-        }
-        None => luks::random_uuid()?,
-    };
-    let detached = o.header.is_some();
-    // librbd's encryption aligns the data offset to the image's object size: so does format
-    // on an rbd: volume, to produce what librbd's own format would.
-    let align = match device.object_bytes(&o.remote)? {
-        _ if o.align_payload.is_some_and(|a| a > 0) => o
-            .align_payload
-            .unwrap_or(0)
-            .checked_mul(512)
-            .ok_or_else(|| Error::InvalidArgument("--align-payload is too large".into()))?,
-        Some(obj) if o.offset.is_none() && !detached => {
-            let align = obj.max(CRYPTSETUP_ALIGN_BYTES);
-            eprintln!(
-                "{device}: data offset aligned to the image's object size ({} KiB), as librbd does",
-                align >> 10
-            );
-            align
-        }
-        _ => CRYPTSETUP_ALIGN_BYTES,
-    };
-    let data_size = match device {
+    req.key_bits = o.key_size;
+    req.sector_size = o.sector_size.map(SectorSize::new).transpose()?;
+    req.offset_sectors = o.offset;
+    req.align_payload_sectors = o.align_payload;
+    req.detached = o.header.is_some();
+    req.label = o.label.clone();
+    req.subsystem = o.subsystem.clone();
+    req.uuid = o.uuid.clone();
+    req.key_slot = o.key_slot;
+    req.luks2_metadata_bytes = o.luks2_metadata_size;
+    req.luks2_keyslots_bytes = o.luks2_keyslots_size;
+    let key_bytes = req.check()?;
+    req.object_bytes = device.object_bytes(&o.remote)?;
+    let align = req.alignment()?;
+    if align.by_object {
+        eprintln!(
+            "{device}: data offset aligned to the image's object size ({} KiB), as librbd does",
+            align.bytes >> 10
+        );
+    }
+    req.data_bytes = match device {
         Target::Path(p) => dev::size_of(p)?,
         remote => remote.size(&o.remote)?,
     };
@@ -635,61 +618,30 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
         Some(p) => crate::volume_key::read(p, key_bytes)?,
         None => luks::random_secret(key_bytes)?,
     };
-    let kdf = kdf_request(o, version)?;
-    let new = NewVolume {
-        device,
-        o,
-        cipher,
-        key_bytes,
-        uuid,
-        detached,
-        data_size,
-        align,
-        passphrase: &passphrase,
-        kdf: &kdf,
-        integrity: integrity.as_ref(),
-    };
-    let (ops, slot, vk) = if version == 2 {
-        format_luks2(new, vk_secret)?
-    } else {
-        format_luks1(new, vk_secret)?
-    };
+    req.kdf = kdf_request(o, version.number())?;
+    let plan = ucrypt::format::plan(&req, passphrase.as_ref(), vk_secret)?;
     let hdev = match &o.header {
-        Some(h) => dev::create_header(h, plan_end(&ops))?,
+        Some(h) => dev::create_header(h, plan.header_end_bytes())?,
         None => device.open_header(true, &o.remote)?,
     };
-    luks::apply(hdev.as_ref(), &ops)?;
+    ucrypt::format::write_header(hdev.as_ref(), &plan)?;
     drop(hdev);
     if o.verbose {
-        eprintln!("Key slot {slot} created.");
+        eprintln!("Key slot {} created.", plan.keyslot);
     }
-    if integrity.is_some() {
-        format_integrity(device, o, &vk)?;
+    if plan.integrity.is_some() {
+        format_integrity(device, o, &plan)?;
     }
     Ok(0)
 }
 
-/// `format --integrity`: the segment's cipher, its integrity type as LUKS2 spells it, and the
-/// volume key's length (the cipher's key, then the MAC key).
-struct IntegrityChoice {
-    encryption: String,
-    kind: String,
-    key_bytes: usize,
-}
-
-fn integrity_choice(o: &LuksOpts, t: &str) -> Result<IntegrityChoice> {
-    let (kind, mac_key_bytes) = match t {
-        "aead" => ("aead", 0),
-        // An AEAD too, spelled by its MAC as cryptsetup spells it (and writes it in LUKS2).
-        "poly1305" => ("poly1305", 0),
-        "hmac-sha256" | "hmac(sha256)" => ("hmac(sha256)", 32),
-        "hmac-sha512" | "hmac(sha512)" => ("hmac(sha512)", 64),
-        _ => {
-            return Err(Error::InvalidArgument(format!(
-                "--integrity {t}: ucrypt supports aead, poly1305, hmac-sha256 and hmac-sha512"
-            )))
-        }
-    };
+/// `format --integrity`: the integrity type and the segment's cipher, as the user named them.
+fn integrity_choice(o: &LuksOpts, t: &str) -> Result<Integrity> {
+    let kind = IntegrityKind::from_name(t).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "--integrity {t}: ucrypt supports aead, poly1305, hmac-sha256 and hmac-sha512"
+        ))
+    })?;
     let encryption = o.cipher.clone().ok_or_else(|| {
         Error::InvalidArgument(
             "--integrity needs --cipher aes-gcm-random (aead), chacha20-random (poly1305) \
@@ -697,274 +649,32 @@ fn integrity_choice(o: &LuksOpts, t: &str) -> Result<IntegrityChoice> {
                 .into(),
         )
     })?;
-    let default_bits = match encryption.as_str() {
-        "aes-gcm-random" | "chacha20-random" => 256,
-        _ => 512,
-    };
-    let bits = o.key_size.unwrap_or(default_bits);
-    if bits % 8 != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "key size {bits} bits is not a multiple of 8"
-        )));
-    }
-    let key_bytes = bits as usize / 8 + mac_key_bytes;
-    // Refuses a cipher, type or key size the integrity layer cannot serve.
-    ucrypt::integrity::TagMode::from_luks2(&encryption, kind, key_bytes)?;
-    Ok(IntegrityChoice {
-        encryption,
-        kind: kind.into(),
-        key_bytes,
-    })
+    Ok(Integrity { kind, encryption })
 }
 
-/// Bytes per zero write of the integrity wipe.
-const INTEGRITY_WIPE_CHUNK_BYTES: u64 = 4 << 20;
-
-/// After the LUKS2 header of an authenticated volume: the dm-integrity superblock the kernel
-/// would write, and its journal as the kernel initialises it (the kernel checks it on every
-/// activation, also in direct mode), then, unless --integrity-no-wipe, zeroes written through the integrity layer over the
-/// whole data area so that every block's tag verifies.
-fn format_integrity(device: &Target, o: &LuksOpts, vk: &VolumeKey) -> Result<()> {
+/// After the LUKS2 header of an authenticated volume: its dm-integrity area, then, unless
+/// --integrity-no-wipe, zeroes over the whole data area with a progress line.
+fn format_integrity(device: &Target, o: &LuksOpts, plan: &FormatPlan) -> Result<()> {
     let data = device.open_data(true, &o.remote, ucrypt::backend::CacheMode::Writeback)?;
-    let hdr = match &o.header {
-        Some(h) => luks::read_header(dev::open_header(h, false)?.as_ref())?,
-        None => luks::read_header(data.as_ref())?,
+    let wipe = if o.integrity_no_wipe {
+        IntegrityWipe::Skip
+    } else {
+        IntegrityWipe::Zeroes
     };
-    let Some(start) = ucrypt::integrity::superblock_offset(&hdr) else {
-        return Err(Error::Bug("formatted header has no authenticated segment"));
-    };
-    let seg = match &hdr {
-        Header::Luks2(h) => h
-            .meta()
-            .segments
-            .values()
-            .find(|s| s.kind == SegmentKind::Crypt)
-            .cloned(),
-        Header::Luks1(_) => None,
-    }
-    .ok_or(Error::Bug("formatted header has no crypt segment"))?;
-    let integ = seg
-        .integrity
-        .as_ref()
-        .ok_or(Error::Bug("formatted segment has no integrity"))?;
-    let mode = ucrypt::integrity::TagMode::from_luks2(
-        seg.encryption.as_deref().unwrap_or(""),
-        &integ.kind,
-        vk.bytes().len(),
-    )?;
-    let tag_bytes = u16::try_from(mode.tuple_bytes()).map_err(|_| Error::Bug("tag size"))?;
-    let layout = ucrypt::integrity::new_superblock(
-        tag_bytes,
-        seg.sector_size.unwrap_or(512),
-        start / 512,
-        data.size() / 512,
-    )?;
-    let mut ops = vec![WriteOp::Write {
-        offset: start,
-        data: layout.sb.serialize().to_vec(),
-    }];
-    let journal_start = start + ucrypt::integrity::superblock::SB_SECTORS * 512;
-    for i in 0..layout.sb.journal_sections {
-        ops.push(WriteOp::Write {
-            offset: journal_start + u64::from(i) * layout.journal_section_sectors * 512,
-            data: ucrypt::integrity::format::initial_journal_section(&layout, i),
-        });
-    }
-    ops.push(WriteOp::Sync);
-    luks::apply(data.as_ref(), &ops)?;
-    // The wipe goes straight to the data and tag areas (direct mode), as cryptsetup's wipe
-    // activates without the journal: nothing of it needs to be atomic.
-    let vol = ucrypt::integrity::open_luks2_mode(
-        data,
-        &hdr,
-        vk,
-        false,
-        ucrypt::integrity::WriteMode::Direct,
-    )?;
-    let total = ucrypt::BlockDev::size(&vol);
-    if o.integrity_no_wipe {
-        eprintln!(
+    let mut p: Option<data::Progress> = None;
+    let total =
+        ucrypt::format::write_integrity(data, plan, wipe, &mut |done, total| match &mut p {
+            None => p = Some(data::Progress::new(total, o.progress_frequency)),
+            Some(p) => p.tick(done),
+        })?;
+    match p {
+        Some(mut p) => p.finish("Wiped", total),
+        None => eprintln!(
             "{device}: integrity data area not wiped ({total} bytes): blocks fail \
              authentication until written."
-        );
-        return Ok(());
-    }
-    let mut p = data::Progress::new(total, o.progress_frequency);
-    let mut done = 0u64;
-    while done < total {
-        let n = (total - done).min(INTEGRITY_WIPE_CHUNK_BYTES);
-        ucrypt::BlockDev::write_zeroes(&vol, done, n)?;
-        done += n;
-        p.tick(done);
-    }
-    ucrypt::BlockDev::flush(&vol)?;
-    p.finish("Wiped", done);
-    Ok(())
-}
-
-/// Where a write plan ends: the size a new detached header file needs.
-fn plan_end(ops: &[WriteOp]) -> u64 {
-    ops.iter()
-        .map(|op| match op {
-            WriteOp::Write { offset, data } => offset + data.len() as u64,
-            WriteOp::Zero { offset, len } => offset + len,
-            WriteOp::Sync => 0,
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-/// cryptsetup's default data alignment.
-const CRYPTSETUP_ALIGN_BYTES: u64 = 1 << 20;
-
-/// What `format` decided before writing a header of either version.
-struct NewVolume<'a> {
-    device: &'a Target,
-    o: &'a LuksOpts,
-    cipher: CipherSpec,
-    key_bytes: usize,
-    uuid: String,
-    detached: bool,
-    data_size: u64,
-    /// Default data offsets are aligned to this (bytes): 1 MiB as cryptsetup does, or an RBD
-    /// image's object size, as librbd's encryption does.
-    align: u64,
-    passphrase: &'a SecretBytes,
-    kdf: &'a KdfRequest,
-    integrity: Option<&'a IntegrityChoice>,
-}
-
-/// The write plan of a new LUKS2 header with its first keyslot.
-fn format_luks2(
-    n: NewVolume<'_>,
-    vk_secret: SecretBytes,
-) -> Result<(Vec<WriteOp>, u32, VolumeKey)> {
-    let NewVolume {
-        device,
-        o,
-        cipher,
-        key_bytes,
-        uuid,
-        detached,
-        data_size,
-        align,
-        passphrase,
-        kdf,
-        integrity,
-    } = n;
-    let mut ops: Vec<WriteOp> = Vec::new();
-    let mut f = luks2::FormatLuks2::defaults(uuid);
-    f.cipher = cipher;
-    f.key_bytes = key_bytes;
-    f.kdf = kdf.clone();
-    f.label = o.label.clone().unwrap_or_default();
-    f.subsystem = o.subsystem.clone().unwrap_or_default();
-    f.detached = detached;
-    f.integrity = integrity.map(|i| luks2::FormatIntegrity {
-        encryption: i.encryption.clone(),
-        kind: i.kind.clone(),
-    });
-    if let Some(h) = o.luks2_metadata_size {
-        f.hdr_size = h;
-    }
-    let default_keyslots = (16u64 << 20) - 2 * f.hdr_size;
-    f.keyslots_size = o.luks2_keyslots_size.unwrap_or(default_keyslots);
-    let metadata_end = 2 * f.hdr_size + f.keyslots_size;
-    f.data_offset = match (o.offset, detached) {
-        (Some(s), _) => s * 512,
-        // With a detached header --align-payload is the data offset, as in cryptsetup.
-        (None, true) => o.align_payload.unwrap_or(0) * 512,
-        (None, false) => metadata_end.div_ceil(align) * align,
-    };
-    if !detached && f.data_offset < metadata_end {
-        return Err(Error::InvalidArgument(format!(
-            "data offset {} is inside the LUKS2 metadata ({metadata_end} bytes)",
-            f.data_offset
-        )));
-    }
-    let data_bytes = data_size.saturating_sub(f.data_offset);
-    if data_bytes == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "Device {} is too small. (LUKS2 requires at least {} bytes.)",
-            device,
-            f.data_offset + 4096
-        )));
-    }
-    f.sector_size = match o.sector_size {
-        Some(s) => SectorSize::new(s)?,
-        // cryptsetup picks 4096 when the data area allows it.
-        None if data_bytes % 4096 == 0 && f.data_offset % 4096 == 0 => SectorSize::S4096,
-        None => SectorSize::new(512)?,
-    };
-    let (mut hdr, vk) = luks2::format(&f, vk_secret)?;
-    ops.push(WriteOp::Zero {
-        offset: 0,
-        len: metadata_end,
-    });
-    let (slot, add) = hdr.add_keyslot(
-        NewKeyslot {
-            vk: &vk,
-            passphrase: passphrase.as_ref(),
-            kdf,
-            slot: o.key_slot,
-        },
-        None,
-    )?;
-    ops.extend(add);
-    Ok((ops, slot, vk))
-}
-
-/// The write plan of a new LUKS1 header with its first keyslot.
-fn format_luks1(
-    n: NewVolume<'_>,
-    vk_secret: SecretBytes,
-) -> Result<(Vec<WriteOp>, u32, VolumeKey)> {
-    if n.o.sector_size.is_some_and(|s| s != 512) {
-        return Err(Error::InvalidArgument(
-            "LUKS1 supports only 512-byte sectors".into(),
-        ));
-    }
-    let payload = match (n.o.offset, n.detached) {
-        (Some(s), _) => {
-            Some(u32::try_from(s).map_err(|_| Error::InvalidArgument("offset too large".into()))?)
-        }
-        (None, true) => Some(
-            u32::try_from(n.o.align_payload.unwrap_or(0))
-                .map_err(|_| Error::InvalidArgument("--align-payload is too large".into()))?,
         ),
-        (None, false) => {
-            let align = u32::try_from(n.align / 512)
-                .map_err(|_| Error::InvalidArgument("alignment too large".into()))?;
-            Some(luks1::keyslots_end_sectors(n.key_bytes).div_ceil(align) * align)
-        }
-    };
-    let (mut hdr, vk) = luks1::format(n.cipher, n.kdf.hash, n.uuid, vk_secret, n.kdf, payload)?;
-    let payload_bytes = u64::from(hdr.payload_offset) * 512;
-    if !n.detached && n.data_size <= payload_bytes {
-        return Err(Error::InvalidArgument(format!(
-            "Device {} is too small. (LUKS1 requires at least {} bytes.)",
-            n.device,
-            payload_bytes + 512
-        )));
     }
-    let mut ops = vec![
-        WriteOp::Zero {
-            offset: 0,
-            len: Header::Luks1(hdr.clone()).metadata_area_bytes(),
-        },
-        WriteOp::Write {
-            offset: 0,
-            data: hdr.encode()?,
-        },
-    ];
-    let (slot, add) = hdr.add_keyslot(NewKeyslot {
-        vk: &vk,
-        passphrase: n.passphrase.as_ref(),
-        kdf: n.kdf,
-        slot: n.o.key_slot,
-    })?;
-    ops.extend(add);
-    Ok((ops, slot, vk))
+    Ok(())
 }
 
 // ---------------------------------------------------------------- dump

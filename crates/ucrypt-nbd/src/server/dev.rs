@@ -1,7 +1,7 @@
 //! [`PlainDev`]: a backend served as it is, without encryption (`ucrypt serve --unencrypted`):
 //! the baseline that separates the NBD server's cost from the encryption engine's in tests and
 //! benchmarks, on a local file or on remote storage alike. Encrypted volumes are opened by the
-//! caller (`ucrypt::luks::open`, or a `Volume` built by hand).
+//! caller (`ucrypt::open::open`, or a `Volume` built by hand).
 
 use std::sync::Arc;
 
