@@ -167,17 +167,7 @@ fn play_both(tag: &str, image: Option<&Path>, mib: u64, steps: &[Step], setup: &
 }
 
 fn suite() -> Option<PathBuf> {
-    if !have("xz") {
-        println!("SKIPPED: xz not installed (cryptsetup's images are xz-compressed)");
-        return None;
-    }
-    match cli_common::cryptsetup_tests() {
-        Ok(d) => Some(d),
-        Err(why) => {
-            println!("SKIPPED: {why}");
-            None
-        }
-    }
+    cli_common::image_suite()
 }
 
 const PWD0: &str = "compatkey\n";

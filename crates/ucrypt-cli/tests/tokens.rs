@@ -266,178 +266,191 @@ fn keyring_token_unlocks_as_cryptsetup_does() {
     let t = TempDir::new("tokens-keyring");
     let img = luks2(&t);
     let dev = s(&img);
-    let test = ["open", "--test-passphrase", "--token-only"];
-    let with = |extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = test.iter().map(|x| x.to_string()).collect();
-        v.extend(extra.iter().map(|x| x.to_string()));
-        v.push(dev.to_string());
-        v
-    };
-    let steps: Vec<(Vec<String>, i32)> = vec![
-        (with(&[]), 1),
+    // DEV, DESC and MISSING stand for the volume, the key in the keyring and a key that is
+    // not there.
+    let table: &[(&[&str], i32)] = &[
+        (&["open", "--test-passphrase", "--token-only", "DEV"], 1),
         (
-            vec![
-                "token".into(),
-                "add".into(),
-                dev.into(),
-                "--key-description".into(),
-                desc.clone(),
-                "--token-id".into(),
-                "3".into(),
+            &[
+                "token",
+                "add",
+                "DEV",
+                "--key-description",
+                "DESC",
+                "--token-id",
+                "3",
             ],
             0,
         ),
         (
-            vec![
-                "token".into(),
-                "add".into(),
-                dev.into(),
-                "--key-description".into(),
-                desc.clone(),
-                "-S".into(),
-                "5".into(),
+            &[
+                "token",
+                "add",
+                "DEV",
+                "--key-description",
+                "DESC",
+                "-S",
+                "5",
             ],
             1,
         ),
-        (with(&[]), 0),
-        (with(&["--token-id", "3"]), 0),
-        (with(&["--token-type", "luks2-keyring"]), 0),
-        (with(&["--token-type", "some_type"]), 1),
-        (with(&["--token-id", "4"]), 1),
+        (&["open", "--test-passphrase", "--token-only", "DEV"], 0),
         (
-            vec![
-                "token".into(),
-                "add".into(),
-                dev.into(),
-                "--key-description".into(),
-                missing.clone(),
-                "--token-id".into(),
-                "4".into(),
-            ],
-            0,
-        ),
-        (with(&["--token-id", "4"]), 2),
-        (
-            vec![
-                "token".into(),
-                "remove".into(),
-                "--token-id".into(),
-                "3".into(),
-                dev.into(),
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-id",
+                "3",
+                "DEV",
             ],
             0,
         ),
         (
-            vec![
-                "token".into(),
-                "remove".into(),
-                "--token-id".into(),
-                "4".into(),
-                dev.into(),
-            ],
-            0,
-        ),
-        (with(&[]), 1),
-        (
-            vec![
-                "token".into(),
-                "add".into(),
-                dev.into(),
-                "--key-description".into(),
-                desc.clone(),
-                "--unbound".into(),
-                "--token-id".into(),
-                "0".into(),
-            ],
-            0,
-        ),
-        (with(&["--token-id", "0"]), 1),
-        (
-            vec![
-                "token".into(),
-                "remove".into(),
-                "--token-id".into(),
-                "0".into(),
-                dev.into(),
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-type",
+                "luks2-keyring",
+                "DEV",
             ],
             0,
         ),
         (
-            vec![
-                "token".into(),
-                "add".into(),
-                dev.into(),
-                "--key-description".into(),
-                desc.clone(),
-                "-S0".into(),
-                "--token-id".into(),
-                "0".into(),
-            ],
-            0,
-        ),
-        (with(&["--token-id", "0"]), 0),
-        (
-            vec![
-                "token".into(),
-                "unassign".into(),
-                "--token-id".into(),
-                "0".into(),
-                dev.into(),
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-type",
+                "some_type",
+                "DEV",
             ],
             1,
         ),
         (
-            vec!["token".into(), "unassign".into(), "-S0".into(), dev.into()],
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-id",
+                "4",
+                "DEV",
+            ],
             1,
         ),
         (
-            vec![
-                "token".into(),
-                "unassign".into(),
-                "--token-id".into(),
-                "0".into(),
-                "-S0".into(),
-                dev.into(),
+            &[
+                "token",
+                "add",
+                "DEV",
+                "--key-description",
+                "MISSING",
+                "--token-id",
+                "4",
             ],
             0,
         ),
-        (with(&["--token-id", "0"]), 1),
         (
-            vec![
-                "token".into(),
-                "unassign".into(),
-                "--token-id".into(),
-                "0".into(),
-                "-S0".into(),
-                dev.into(),
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-id",
+                "4",
+                "DEV",
+            ],
+            2,
+        ),
+        (&["token", "remove", "--token-id", "3", "DEV"], 0),
+        (&["token", "remove", "--token-id", "4", "DEV"], 0),
+        (&["open", "--test-passphrase", "--token-only", "DEV"], 1),
+        (
+            &[
+                "token",
+                "add",
+                "DEV",
+                "--key-description",
+                "DESC",
+                "--unbound",
+                "--token-id",
+                "0",
+            ],
+            0,
+        ),
+        (
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-id",
+                "0",
+                "DEV",
             ],
             1,
         ),
+        (&["token", "remove", "--token-id", "0", "DEV"], 0),
         (
-            vec![
-                "token".into(),
-                "unassign".into(),
-                "--token-id".into(),
-                "0".into(),
-                "-S44".into(),
-                dev.into(),
+            &[
+                "token",
+                "add",
+                "DEV",
+                "--key-description",
+                "DESC",
+                "-S0",
+                "--token-id",
+                "0",
+            ],
+            0,
+        ),
+        (
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-id",
+                "0",
+                "DEV",
+            ],
+            0,
+        ),
+        (&["token", "unassign", "--token-id", "0", "DEV"], 1),
+        (&["token", "unassign", "-S0", "DEV"], 1),
+        (&["token", "unassign", "--token-id", "0", "-S0", "DEV"], 0),
+        (
+            &[
+                "open",
+                "--test-passphrase",
+                "--token-only",
+                "--token-id",
+                "0",
+                "DEV",
             ],
             1,
         ),
-        (
-            vec![
-                "token".into(),
-                "unassign".into(),
-                "--token-id".into(),
-                "44".into(),
-                "-S0".into(),
-                dev.into(),
-            ],
-            1,
-        ),
+        (&["token", "unassign", "--token-id", "0", "-S0", "DEV"], 1),
+        (&["token", "unassign", "--token-id", "0", "-S44", "DEV"], 1),
+        (&["token", "unassign", "--token-id", "44", "-S0", "DEV"], 1),
     ];
+    let steps: Vec<(Vec<String>, i32)> = table
+        .iter()
+        .map(|(args, want)| {
+            let a = args
+                .iter()
+                .map(|x| match *x {
+                    "DESC" => desc.clone(),
+                    "MISSING" => missing.clone(),
+                    other => other.to_string(),
+                })
+                .collect();
+            (a, *want)
+        })
+        .collect();
     for (args, want) in &steps {
-        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let a: Vec<&str> = args
+            .iter()
+            .map(|x| if x == "DEV" { dev } else { x.as_str() })
+            .collect();
         let o = ucrypt(&a, "");
         assert_eq!(o.status.code(), Some(*want), "ucrypt {a:?}: {}", text(&o));
     }
@@ -448,7 +461,7 @@ fn keyring_token_unlocks_as_cryptsetup_does() {
         for (args, want) in &steps {
             let a: Vec<&str> = args
                 .iter()
-                .map(|x| if x == dev { s(&img2) } else { x.as_str() })
+                .map(|x| if x == "DEV" { s(&img2) } else { x.as_str() })
                 .collect();
             let o = run("cryptsetup", &a);
             assert_eq!(
@@ -465,16 +478,8 @@ fn keyring_token_unlocks_as_cryptsetup_does() {
 /// the nine metadata sizes of `luks2_mda_images.tar.xz`.
 #[test]
 fn tokens_on_every_metadata_size() {
-    if !have("xz") {
-        println!("SKIPPED: xz not installed (cryptsetup's images are xz-compressed)");
+    let Some(suite) = cli_common::image_suite() else {
         return;
-    }
-    let suite = match cli_common::cryptsetup_tests() {
-        Ok(d) => d,
-        Err(why) => {
-            println!("SKIPPED: {why}");
-            return;
-        }
     };
     let t = TempDir::new("tokens-mda");
     cli_common::untar(&suite.join("luks2_mda_images.tar.xz"), t.dir());

@@ -110,3 +110,19 @@ pub fn untar(src: &Path, dir: &Path) {
         text(&out)
     );
 }
+
+/// cryptsetup's test folder with xz to unpack its images, or `None` after printing why the
+/// calling test is SKIPPED.
+pub fn image_suite() -> Option<PathBuf> {
+    if !have("xz") {
+        println!("SKIPPED: xz not installed (cryptsetup's images are xz-compressed)");
+        return None;
+    }
+    match cryptsetup_tests() {
+        Ok(d) => Some(d),
+        Err(why) => {
+            println!("SKIPPED: {why}");
+            None
+        }
+    }
+}
