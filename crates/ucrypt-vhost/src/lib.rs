@@ -192,7 +192,10 @@ fn serve_connections(
         }
         eprintln!("ucrypt vhost: VMM connected");
         match daemon.wait() {
-            Ok(()) => eprintln!("ucrypt vhost: VMM disconnected"),
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => eprintln!("ucrypt vhost: VMM disconnected"),
             Err(e) => eprintln!("ucrypt vhost: connection ended: {e}"),
         }
         *lock(current) = None;
