@@ -2,6 +2,7 @@
 # bench-vhost.sh — ucrypt vhost-user-blk against qemu-storage-daemon's vhost-user-blk export over
 # its luks driver (the same LUKS1 volume, one copy each) and over a raw file (the unencrypted
 # ceiling), side by side in one VM run (qemu TCG, 2 vCPUs, 2 queues per disk). fio in the guest;
+# all three bypass the host page cache (ucrypt --cache none, its default; qsd cache.direct=on);
 # each backend's CPU time (utime+stime from /proc/PID/stat) over the 4 KiB boot, per request.
 #
 # usage: scripts/bench-vhost.sh [UCRYPT_BINARY]   (default target/release/ucrypt)
@@ -31,11 +32,11 @@ cpu_ticks() { awk '{print $14+$15}' "/proc/$1/stat"; }
 "$UCRYPT" vhost "$W/ucrypt.img" --key-file "$W/pass" --socket "$W/u.sock" --queues 2 > "$W/u.out" 2>&1 &
 pids+=($!); upid=$!
 qemu-storage-daemon --object secret,id=sec0,file="$W/pass" \
-  --blockdev driver=file,node-name=f0,filename="$W/qsd.img" \
+  --blockdev driver=file,node-name=f0,filename="$W/qsd.img",cache.direct=on \
   --blockdev driver=luks,node-name=l0,file=f0,key-secret=sec0 \
   --export type=vhost-user-blk,id=e0,node-name=l0,addr.type=unix,addr.path="$W/q.sock",writable=on,num-queues=2 &
 pids+=($!); qpid=$!
-qemu-storage-daemon --blockdev driver=file,node-name=f1,filename="$W/raw.img" \
+qemu-storage-daemon --blockdev driver=file,node-name=f1,filename="$W/raw.img",cache.direct=on \
   --export type=vhost-user-blk,id=e1,node-name=f1,addr.type=unix,addr.path="$W/r.sock",writable=on,num-queues=2 &
 pids+=($!); rpid=$!
 for s in u q r; do for _ in $(seq 1 100); do [ -S "$W/$s.sock" ] && break; sleep 0.1; done; done
