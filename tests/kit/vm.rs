@@ -76,6 +76,10 @@ pub fn require_vm() -> Result<(), String> {
 pub struct VmRun {
     pub script: String,
     pub disks: Vec<(PathBuf, bool)>,
+    /// vhost-user-blk sockets, attached after `disks` in /dev/vdX order (`run-in-vm.sh -V`).
+    pub vhosts: Vec<PathBuf>,
+    /// num-queues of each vhost-user-blk disk (`VMTEST_VHOST_QUEUES`; default 2).
+    pub vhost_queues: Option<u32>,
     pub share: Option<PathBuf>,
     pub kernel: Option<PathBuf>,
     pub modroot: Option<PathBuf>,
@@ -105,6 +109,8 @@ impl VmRun {
         VmRun {
             script: script.into(),
             disks: Vec::new(),
+            vhosts: Vec::new(),
+            vhost_queues: None,
             share: None,
             kernel: None,
             modroot: None,
@@ -140,6 +146,12 @@ impl VmRun {
                 s.push(":ro");
             }
             cmd.arg("-d").arg(s);
+        }
+        for v in &self.vhosts {
+            cmd.arg("-V").arg(v);
+        }
+        if let Some(q) = self.vhost_queues {
+            cmd.env("VMTEST_VHOST_QUEUES", q.to_string());
         }
         if let Some(s) = &self.share {
             cmd.arg("-s").arg(s);

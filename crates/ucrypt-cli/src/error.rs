@@ -32,6 +32,8 @@ pub enum CliError {
     Nbd(#[from] ucrypt_nbd::Error),
     #[error(transparent)]
     Ublk(#[from] ucrypt_ublk::Error),
+    #[error(transparent)]
+    Vhost(#[from] ucrypt_vhost::Error),
     /// Arguments that make no sense together, found after parsing.
     #[error("{0}")]
     Usage(String),
@@ -89,6 +91,7 @@ impl CliError {
             CliError::Core(e) => Some(e),
             CliError::Nbd(ucrypt_nbd::Error::Device(e)) => Some(e),
             CliError::Ublk(ucrypt_ublk::Error::Device(e)) => Some(e),
+            CliError::Vhost(ucrypt_vhost::Error::Device(e)) => Some(e),
             _ => None,
         }
     }
@@ -99,6 +102,7 @@ impl CliError {
             CliError::Core(e) => e.kind(),
             CliError::Nbd(e) => e.kind(),
             CliError::Ublk(e) => e.kind(),
+            CliError::Vhost(e) => e.kind(),
             CliError::Usage(_) | CliError::NotActive(_) | CliError::NoUsableToken(_) => {
                 ErrorKind::BadInput
             }

@@ -1,4 +1,5 @@
-//! `ucrypt`: cryptsetup-style verbs and the front ends (NBD, FUSE, ublk) that serve volumes.
+//! `ucrypt`: cryptsetup-style verbs and the front ends (NBD, FUSE, ublk, vhost-user-blk) that
+//! serve volumes.
 //!
 //! This crate parses arguments, asks for passphrases, wires the library crates together and
 //! turns their typed errors into one line and cryptsetup's exit code (`error.rs`). Each verb
@@ -21,6 +22,7 @@ mod tab;
 mod target;
 mod token;
 mod ublk;
+mod vhost;
 mod volume_key;
 
 use clap::{Parser, Subcommand};
@@ -57,6 +59,9 @@ enum Cmd {
     Serve(Box<serve::ServeArgs>),
     /// Serve a volume as a ublk block device (/dev/ublkbN); needs Linux's ublk_drv.
     Ublk(ublk::UblkArgs),
+    /// Serve a volume to a virtual machine as a vhost-user-blk disk (qemu vhost-user-blk-pci,
+    /// cloud-hypervisor, Firecracker) over a UNIX socket.
+    Vhost(Box<vhost::VhostArgs>),
     /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
     Mount(mount::MountArgs),
     /// Close a volume `open` started: flush, detach, stop its daemon (cryptsetup close).
@@ -161,6 +166,7 @@ fn main() {
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
         Cmd::Serve(a) => serve::run(*a),
         Cmd::Ublk(a) => ublk::run(a),
+        Cmd::Vhost(a) => vhost::run(*a),
         Cmd::Mount(a) => mount::run(a),
         Cmd::Close(a) => daemon::report(daemon::close(a)),
         Cmd::Status(a) => daemon::report(daemon::status(a)),

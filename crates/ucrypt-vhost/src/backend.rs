@@ -1,0 +1,245 @@
+//! The vhost-user-blk device for one connection: features, config space and the per-queue
+//! request loop, plugged into `vhost-user-backend`'s daemon (which owns the protocol, the
+//! memory map and one epoll thread per entry of `queues_per_thread`).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ucrypt::sync::lock;
+use ucrypt::BlockDev;
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
+    VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+    VIRTIO_BLK_F_TOPOLOGY, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_ID_BYTES,
+};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::request::{self, Mode, QueueCtx, CHUNK_BYTES, RANGES_MAX, SECTOR_BYTES, SEGMENTS_MAX};
+
+/// Descriptors per virtqueue the device accepts (the driver may choose fewer).
+pub const QUEUE_SIZE_MAX: usize = 256;
+
+type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// The device as `vhost-user-backend` sees it: shared by the connection's threads.
+pub struct BlkBackend {
+    dev: Arc<dyn BlockDev>,
+    queues: usize,
+    discard: bool,
+    id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    mem: Mutex<Option<Mem>>,
+    event_idx: AtomicBool,
+    acked: AtomicU64,
+    /// One context per queue; each is locked only by its queue's thread.
+    ctx: Vec<Mutex<QueueCtx>>,
+}
+
+impl BlkBackend {
+    pub fn new(
+        dev: Arc<dyn BlockDev>,
+        queues: usize,
+        discard: bool,
+        id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    ) -> Self {
+        let queues = queues.clamp(1, 64);
+        BlkBackend {
+            dev,
+            queues,
+            discard,
+            id,
+            mem: Mutex::new(None),
+            event_idx: AtomicBool::new(false),
+            acked: AtomicU64::new(0),
+            ctx: (0..queues)
+                .map(|_| Mutex::new(QueueCtx::default()))
+                .collect(),
+        }
+    }
+
+    fn mode(&self) -> Mode {
+        Mode {
+            write_back: self.acked.load(Ordering::Acquire) & (1 << VIRTIO_BLK_F_FLUSH) != 0,
+            discard: self.discard,
+        }
+    }
+
+    /// The config space (`struct virtio_blk_config` up to the write-zeroes fields), little
+    /// endian as virtio 1.0 requires.
+    pub fn config_space(&self) -> [u8; CONFIG_BYTES] {
+        let mut c = [0u8; CONFIG_BYTES];
+        let bs = self.dev.block_size().max(SECTOR_BYTES as u32);
+        let put32 = |c: &mut [u8; CONFIG_BYTES], at: usize, v: u32| {
+            c[at..at + 4].copy_from_slice(&v.to_le_bytes())
+        };
+        c[0..8].copy_from_slice(&(self.dev.size() / SECTOR_BYTES).to_le_bytes());
+        put32(&mut c, 8, SEGMENT_BYTES_MAX); // size_max
+        put32(&mut c, 12, SEGMENTS_MAX as u32); // seg_max
+        put32(&mut c, 20, bs); // blk_size
+        c[24] = 0; // physical_block_exp: physical = logical
+        c[25] = 0; // alignment_offset
+        c[26..28].copy_from_slice(&1u16.to_le_bytes()); // min_io_size, in logical blocks
+        put32(&mut c, 28, 1); // opt_io_size
+        c[32] = u8::from(self.mode().write_back); // writeback
+        c[34..36].copy_from_slice(&(self.queues as u16).to_le_bytes());
+        // Discard / write-zeroes limits: one range of up to u32 sectors at a time, a whole
+        // number of logical blocks.
+        let align = bs / SECTOR_BYTES as u32;
+        let max_sectors = u32::MAX / align * align;
+        put32(&mut c, 36, max_sectors); // max_discard_sectors
+        put32(&mut c, 40, RANGES_MAX as u32); // max_discard_seg
+        put32(&mut c, 44, align); // discard_sector_alignment
+        put32(&mut c, 48, max_sectors); // max_write_zeroes_sectors
+        put32(&mut c, 52, RANGES_MAX as u32); // max_write_zeroes_seg
+        c[56] = 1; // write_zeroes_may_unmap
+        c
+    }
+
+    /// Serves everything available on `vring`, the queue `qid`: used chains are returned as
+    /// they complete, the driver is notified when it asked to be.
+    pub fn serve_queue(&self, qid: usize, vring: &VringRwLock<Mem>) -> std::io::Result<()> {
+        let Some(mem) = lock(&self.mem).clone() else {
+            return Ok(());
+        };
+        let Some(ctx) = self.ctx.get(qid) else {
+            return Ok(());
+        };
+        let mut ctx = lock(ctx);
+        let mode = self.mode();
+        let event_idx = self.event_idx.load(Ordering::Acquire);
+        loop {
+            if event_idx {
+                vring.disable_notification().map_err(io_err)?;
+            }
+            loop {
+                // The vring lock is held only to pop and to complete, not during the I/O (a
+                // statement of its own: a guard in a `while let` scrutinee lives through the
+                // loop body).
+                let popped = vring
+                    .get_mut()
+                    .get_queue_mut()
+                    .pop_descriptor_chain(mem.memory());
+                let Some(chain) = popped else { break };
+                let head = chain.head_index();
+                let done = request::serve_chain(&*self.dev, &self.id, mode, &mut ctx, chain);
+                // A head index outside the queue (a hostile avail ring) cannot be returned.
+                if vring.add_used(head, done.used_len).is_err() {
+                    continue;
+                }
+                if !event_idx || vring.needs_notification().map_err(io_err)? {
+                    vring.signal_used_queue()?;
+                }
+            }
+            // With EVENT_IDX, re-enabling notification tells whether the driver added chains
+            // meanwhile (then serve them before sleeping on the kick eventfd).
+            if !event_idx || !vring.enable_notification().map_err(io_err)? {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn io_err(e: virtio_queue::Error) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+/// Bytes of config space served (up to `write_zeroes_may_unmap` and its padding).
+pub const CONFIG_BYTES: usize = 60;
+/// Largest data segment, bytes (`size_max`): with `seg_max` this bounds a request to about one
+/// bounce buffer, so a typical request is one call to the device.
+pub const SEGMENT_BYTES_MAX: u32 = (CHUNK_BYTES / SEGMENTS_MAX) as u32 & !4095;
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock<Mem>;
+
+    fn num_queues(&self) -> usize {
+        self.queues
+    }
+
+    fn max_queue_size(&self) -> usize {
+        QUEUE_SIZE_MAX
+    }
+
+    fn features(&self) -> u64 {
+        let mut f = 1 << VIRTIO_F_VERSION_1
+            | 1 << VIRTIO_RING_F_EVENT_IDX
+            | 1 << VIRTIO_RING_F_INDIRECT_DESC
+            | 1 << VIRTIO_BLK_F_SIZE_MAX
+            | 1 << VIRTIO_BLK_F_SEG_MAX
+            | 1 << VIRTIO_BLK_F_BLK_SIZE
+            | 1 << VIRTIO_BLK_F_TOPOLOGY
+            | 1 << VIRTIO_BLK_F_FLUSH
+            | 1 << VIRTIO_BLK_F_MQ
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        if self.dev.read_only() {
+            f |= 1 << VIRTIO_BLK_F_RO;
+        } else {
+            f |= 1 << VIRTIO_BLK_F_WRITE_ZEROES;
+            if self.discard {
+                f |= 1 << VIRTIO_BLK_F_DISCARD;
+            }
+        }
+        // CONFIG_WCE (a driver-writable cache mode) is not offered: writeback follows FLUSH.
+        f & !(1 << VIRTIO_BLK_F_CONFIG_WCE)
+    }
+
+    fn acked_features(&self, features: u64) {
+        self.acked.store(features, Ordering::Release);
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Release);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let c = self.config_space();
+        let mut out = vec![0u8; size as usize];
+        let start = (offset as usize).min(c.len());
+        let end = (offset as usize).saturating_add(size as usize).min(c.len());
+        out[..end - start].copy_from_slice(&c[start..end]);
+        out
+    }
+
+    fn update_memory(&self, mem: Mem) -> std::io::Result<()> {
+        *lock(&self.mem) = Some(mem);
+        Ok(())
+    }
+
+    /// One thread per queue: the thread that takes a queue's kick serves its requests.
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.queues).map(|q| 1u64 << q).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[Self::Vring],
+        thread_id: usize,
+    ) -> std::io::Result<()> {
+        // Each thread owns one queue: its vring is vrings[0], its queue index the thread's.
+        match vrings.get(usize::from(device_event)) {
+            Some(vring) => self.serve_queue(thread_id, vring),
+            None => Ok(()),
+        }
+    }
+}

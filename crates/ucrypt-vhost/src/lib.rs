@@ -1,0 +1,246 @@
+//! vhost-user-blk front end: a ucrypt volume as a virtual machine's virtio-blk disk.
+//!
+//! A VMM (qemu's `vhost-user-blk-pci`, cloud-hypervisor, Firecracker) connects to a UNIX
+//! socket, shares the guest's memory and hands each virtqueue's eventfds over; the guest's
+//! requests then arrive in the virtqueues without a copy through the socket. The protocol, the
+//! memory map and the event loops are the rust-vmm crates' (`vhost-user-backend`); this crate
+//! is the virtio-blk device: the features and config space it offers ([`backend`]) and the
+//! requests it serves ([`request`]).
+//!
+//! One thread per virtqueue (default: one queue per host CPU) takes the queue's kicks and
+//! serves its requests inline, the crypto included (the volume's dispatch policy may still
+//! split a large request across idle cores). Threads exist only while a VMM is connected; a
+//! VMM that disconnects leaves a server that accepts the next one. A request on the caller's
+//! [`Stop`] ends the connection, flushes the volume and removes the socket.
+
+pub mod backend;
+pub mod request;
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use ucrypt::sync::lock;
+use ucrypt::{BlockDev, Stop};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES;
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+pub use backend::BlkBackend;
+
+/// What can go wrong serving a vhost-user-blk socket.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The socket could not be created or waited on.
+    #[error("{what} {}: {source}", path.display())]
+    Socket {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The vhost-user machinery failed outside a connection (creating the device's threads).
+    #[error("{what}: {detail}")]
+    Vhost { what: &'static str, detail: String },
+    /// The volume failed (flushing it at the end).
+    #[error(transparent)]
+    Device(#[from] ucrypt::Error),
+}
+
+impl Error {
+    /// Who can act on this error (see [`ucrypt::ErrorKind`]).
+    pub fn kind(&self) -> ucrypt::ErrorKind {
+        match self {
+            Error::Socket { .. } | Error::Vhost { .. } => ucrypt::ErrorKind::Device,
+            Error::Device(e) => e.kind(),
+        }
+    }
+}
+
+/// How the device is offered to the VMM.
+#[derive(Debug, Clone)]
+pub struct VhostOptions {
+    /// Virtqueues offered (the VMM's `num-queues` may use fewer); default one per host CPU.
+    pub queues: usize,
+    /// Offer `VIRTIO_BLK_F_DISCARD` (the volume decides what a discard does).
+    pub discard: bool,
+    /// What `VIRTIO_BLK_T_GET_ID` answers (the guest's `/sys/block/vdX/serial`).
+    pub id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+}
+
+impl Default for VhostOptions {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        VhostOptions {
+            queues: cpus.min(64),
+            discard: true,
+            id: *b"ucrypt\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
+        }
+    }
+}
+
+/// Makes a serial number of `s`: its first 20 bytes, zero padded.
+pub fn id_of(s: &str) -> [u8; VIRTIO_BLK_ID_BYTES as usize] {
+    let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+    let n = s.len().min(id.len());
+    id[..n].copy_from_slice(&s.as_bytes()[..n]);
+    id
+}
+
+/// Serves `dev` at `socket` until `stop` is requested, printing `ready: SOCKET` once a VMM may
+/// connect.
+pub fn run(
+    dev: Arc<dyn BlockDev>,
+    socket: &Path,
+    opts: VhostOptions,
+    stop: &Stop,
+) -> Result<(), Error> {
+    serve(dev, socket, opts, stop, |p: &Path| {
+        println!("ready: {}", p.display());
+        let _ = std::io::stdout().flush();
+    })
+}
+
+/// [`run`] that tells `on_ready` instead of printing.
+pub fn serve(
+    dev: Arc<dyn BlockDev>,
+    socket: &Path,
+    opts: VhostOptions,
+    stop: &Stop,
+    on_ready: impl FnOnce(&Path),
+) -> Result<(), Error> {
+    let sock_err = |what: &'static str| {
+        let path = socket.to_path_buf();
+        move |source| Error::Socket { what, path, source }
+    };
+    let mut listener = Listener::new(socket, true).map_err(|e| Error::Socket {
+        what: "listening on",
+        path: socket.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    // Guest memory and the plaintext volume: the socket is its owner's only.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(sock_err("restricting"))?;
+
+    // A stop request wakes the accept wait through this pair and ends the connection.
+    let (wake_rx, wake_tx) = UnixStream::pair().map_err(sock_err("waiting on"))?;
+    let current: Arc<Mutex<Option<ShutdownHandle>>> = Arc::default();
+    {
+        let current = current.clone();
+        let mut wake_tx = wake_tx;
+        stop.on_request(move || {
+            let _ = wake_tx.write_all(&[1]);
+            if let Some(h) = lock(&current).as_ref() {
+                h.shutdown();
+            }
+        });
+    }
+    on_ready(socket);
+
+    let served = serve_connections(&dev, &mut listener, &opts, stop, &current, &wake_rx);
+    let _ = std::fs::remove_file(socket);
+    let flushed = dev.flush().map_err(Error::from);
+    served.and(flushed)
+}
+
+/// One connection after another until `stop` is requested.
+fn serve_connections(
+    dev: &Arc<dyn BlockDev>,
+    listener: &mut Listener,
+    opts: &VhostOptions,
+    stop: &Stop,
+    current: &Mutex<Option<ShutdownHandle>>,
+    wake: &UnixStream,
+) -> Result<(), Error> {
+    loop {
+        if !wait_readable(listener, wake).map_err(|source| Error::Socket {
+            what: "accepting on",
+            path: PathBuf::new(),
+            source,
+        })? || stop.requested()
+        {
+            return Ok(());
+        }
+        // The device's queue threads start here, with a VMM at the door, and end with it.
+        let backend = Arc::new(BlkBackend::new(
+            dev.clone(),
+            opts.queues,
+            opts.discard,
+            opts.id,
+        ));
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let mut daemon =
+            VhostUserDaemon::new("ucrypt-vhost".into(), backend, mem).map_err(|e| {
+                Error::Vhost {
+                    what: "starting the device",
+                    detail: e.to_string(),
+                }
+            })?;
+        if let Err(e) = daemon.start(listener) {
+            eprintln!("ucrypt vhost: accepting a connection: {e}");
+            continue;
+        }
+        *lock(current) = daemon.shutdown_handle();
+        if stop.requested() {
+            daemon.request_shutdown();
+        }
+        eprintln!("ucrypt vhost: VMM connected");
+        match daemon.wait() {
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => eprintln!("ucrypt vhost: VMM disconnected"),
+            Err(e) => eprintln!("ucrypt vhost: connection ended: {e}"),
+        }
+        *lock(current) = None;
+        // Joins the queue threads: no request is in progress once this returns.
+        drop(daemon);
+        if let Err(e) = dev.flush() {
+            eprintln!("ucrypt vhost: flushing after the connection: {e}");
+        }
+    }
+}
+
+/// Sleeps until the listener has a connection (true) or `wake` was written to (false).
+fn wait_readable(listener: &Listener, wake: &UnixStream) -> std::io::Result<bool> {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if fds[1].revents != 0 {
+            let mut b = [0u8; 1];
+            let _ = (&*wake).read(&mut b);
+            return Ok(false);
+        }
+        if fds[0].revents != 0 {
+            return Ok(true);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,431 @@
+//! One virtio-blk request: a descriptor chain in guest memory parsed, checked and served
+//! against a [`BlockDev`].
+//!
+//! Guest memory is hostile and shared. Every descriptor is read once (the chain iterator
+//! copies it), every guest range is checked against the memory map before the device is
+//! touched, and data only moves between guest memory and the queue's private bounce buffer:
+//! the device encrypts or decrypts in that buffer, never in memory the guest can change while
+//! it happens. Whatever the chain holds, the request ends with a status (`OK`, `IOERR` or
+//! `UNSUPP`) when the chain has a writable status byte, and the caller returns the chain to the
+//! used ring either way.
+
+use std::ops::Deref;
+
+use ucrypt::BlockDev;
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
+};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::DescriptorChain;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
+
+/// virtio-blk addresses the device in 512-byte sectors, whatever its block size.
+pub const SECTOR_BYTES: u64 = 512;
+/// Size of the request header (`struct virtio_blk_outhdr`: type, ioprio, sector).
+const HEADER_BYTES: usize = 16;
+/// Size of one discard / write-zeroes range (`struct virtio_blk_discard_write_zeroes`).
+const RANGE_BYTES: usize = 16;
+/// `VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP`: the only flag a range may carry (write-zeroes only).
+const RANGE_FLAG_UNMAP: u32 = 1;
+/// Data segments a request may have besides header and status: the queue size bounds a direct
+/// chain, but an indirect table may list up to 65535 descriptors. Matches `seg_max` in the
+/// config space; a chain with more is refused.
+pub const SEGMENTS_MAX: usize = 254;
+/// Discard / write-zeroes ranges per request (`max_discard_seg`, `max_write_zeroes_seg`).
+pub const RANGES_MAX: usize = 1;
+/// Largest piece of a request the device sees at once, bytes: the queue's bounce buffer.
+/// Longer requests are served piece by piece (virtio-blk promises no atomicity); a piece is
+/// large enough for the volume's dispatch to split it across idle cores.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// One guest memory range of a request.
+#[derive(Debug, Clone, Copy)]
+struct Seg {
+    addr: GuestAddress,
+    len: u32,
+}
+
+/// How the queue's thread serves requests (settings fixed per connection).
+#[derive(Debug, Clone, Copy)]
+pub struct Mode {
+    /// The driver negotiated `VIRTIO_BLK_F_FLUSH` (a write-back cache it flushes); without it
+    /// every write must be durable when completed.
+    pub write_back: bool,
+    /// Discards reach the device (`VIRTIO_BLK_F_DISCARD` was offered).
+    pub discard: bool,
+}
+
+/// A queue's reusable state: the bounce buffer and the segment list, allocated on first use
+/// and wiped when dropped (the bounce buffer holds plaintext).
+#[derive(Default)]
+pub struct QueueCtx {
+    bounce: Vec<u8>,
+    readable: Vec<Seg>,
+    writable: Vec<Seg>,
+}
+
+impl Drop for QueueCtx {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.bounce);
+    }
+}
+
+/// Why a request fails: the status byte it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    IoErr,
+    Unsupp,
+}
+
+impl Refused {
+    fn status(self) -> u8 {
+        match self {
+            Refused::IoErr => VIRTIO_BLK_S_IOERR as u8,
+            Refused::Unsupp => VIRTIO_BLK_S_UNSUPP as u8,
+        }
+    }
+}
+
+/// The request types served, parsed from the header.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Read,
+    Write,
+    Flush,
+    GetId,
+    Discard,
+    WriteZeroes,
+}
+
+impl Op {
+    fn parse(t: u32) -> Option<Op> {
+        Some(match t {
+            VIRTIO_BLK_T_IN => Op::Read,
+            VIRTIO_BLK_T_OUT => Op::Write,
+            VIRTIO_BLK_T_FLUSH => Op::Flush,
+            VIRTIO_BLK_T_GET_ID => Op::GetId,
+            VIRTIO_BLK_T_DISCARD => Op::Discard,
+            VIRTIO_BLK_T_WRITE_ZEROES => Op::WriteZeroes,
+            _ => return None,
+        })
+    }
+}
+
+/// What serving a request produced for the used ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Done {
+    /// Bytes written into the chain's writable part (data and status), the used length.
+    pub used_len: u32,
+    /// The status written, or `None` when the chain had no writable status byte in memory.
+    pub status: Option<u8>,
+}
+
+/// Serves one descriptor chain: the used length to report for it.
+pub fn serve_chain<M>(
+    dev: &dyn BlockDev,
+    id: &[u8; VIRTIO_BLK_ID_BYTES as usize],
+    mode: Mode,
+    ctx: &mut QueueCtx,
+    chain: DescriptorChain<M>,
+) -> Done
+where
+    M: Deref + Clone,
+    M::Target: GuestMemory,
+{
+    let mem = chain.memory();
+    let status_at = match collect(ctx, mem, chain.clone()) {
+        Ok(at) => at,
+        Err(None) => {
+            return Done {
+                used_len: 0,
+                status: None,
+            }
+        }
+        Err(Some(at)) => return finish(mem, at, Err(Refused::IoErr)),
+    };
+    let res = execute(dev, id, mode, ctx, mem);
+    finish(mem, status_at, res)
+}
+
+/// Writes the status byte at `at`; the used length is the data written plus the status.
+fn finish<G: GuestMemory + ?Sized>(mem: &G, at: GuestAddress, res: Result<u32, Refused>) -> Done {
+    let (status, data) = match res {
+        Ok(n) => (VIRTIO_BLK_S_OK as u8, n),
+        Err(r) => (r.status(), 0),
+    };
+    match mem.write_obj(status, at) {
+        Ok(()) => Done {
+            used_len: data.saturating_add(1),
+            status: Some(status),
+        },
+        Err(_) => Done {
+            used_len: 0,
+            status: None,
+        },
+    }
+}
+
+/// Splits the chain into `ctx.readable` and `ctx.writable` (the status byte cut off the last
+/// writable segment): the status byte's address, or `Err(Some(status))` for a chain that can
+/// still be told it is malformed, `Err(None)` for one that cannot.
+fn collect<M>(
+    ctx: &mut QueueCtx,
+    mem: &M::Target,
+    chain: DescriptorChain<M>,
+) -> Result<GuestAddress, Option<GuestAddress>>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    ctx.readable.clear();
+    ctx.writable.clear();
+    let mut bad = false;
+    // The chain iterator stops on a loop (it yields at most one table's worth of descriptors),
+    // on a `next` outside the table and on a nested indirect table.
+    let mut last: Option<Descriptor> = None;
+    for d in chain {
+        if d.is_write_only() {
+            if ctx.writable.len() > SEGMENTS_MAX + 1 {
+                bad = true;
+            } else {
+                ctx.writable.push(Seg {
+                    addr: d.addr(),
+                    len: d.len(),
+                });
+            }
+        } else if !ctx.writable.is_empty() || ctx.readable.len() > SEGMENTS_MAX + 1 {
+            // virtio: device-readable descriptors all come before device-writable ones.
+            bad = true;
+        } else {
+            ctx.readable.push(Seg {
+                addr: d.addr(),
+                len: d.len(),
+            });
+        }
+        last = Some(d);
+    }
+    // The status is the last byte of the last descriptor, which must be device-writable.
+    let status_at = match last {
+        Some(d) if d.is_write_only() && d.len() >= 1 => d
+            .addr()
+            .checked_add(u64::from(d.len()) - 1)
+            .filter(|a| mem.check_range(*a, 1, Permissions::Write))
+            .ok_or(None)?,
+        _ => return Err(None),
+    };
+    if bad {
+        return Err(Some(status_at));
+    }
+    // `last` is writable, so `writable` holds it (the length check above refused a chain
+    // whose writable list overflowed).
+    if let Some(s) = ctx.writable.last_mut() {
+        s.len -= 1;
+        if s.len == 0 {
+            ctx.writable.pop();
+        }
+    }
+    // Every range must lie in guest memory before the device is touched.
+    let in_memory = |p: Permissions| move |s: &Seg| mem.check_range(s.addr, s.len as usize, p);
+    if !ctx.readable.iter().all(in_memory(Permissions::Read))
+        || !ctx.writable.iter().all(in_memory(Permissions::Write))
+    {
+        return Err(Some(status_at));
+    }
+    Ok(status_at)
+}
+
+/// Total bytes of a segment list.
+fn total(segs: &[Seg]) -> u64 {
+    segs.iter().map(|s| u64::from(s.len)).sum()
+}
+
+/// Copies `out.len()` bytes from the segments, starting `skip` bytes in, into `out`.
+fn gather<G: GuestMemory + ?Sized>(
+    mem: &G,
+    segs: &[Seg],
+    mut skip: u64,
+    out: &mut [u8],
+) -> Result<(), Refused> {
+    let mut done = 0;
+    for s in segs {
+        if done == out.len() {
+            break;
+        }
+        let len = u64::from(s.len);
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        let n = ((len - skip) as usize).min(out.len() - done);
+        let at = s.addr.checked_add(skip).ok_or(Refused::IoErr)?;
+        mem.read_slice(&mut out[done..done + n], at)
+            .map_err(|_| Refused::IoErr)?;
+        done += n;
+        skip = 0;
+    }
+    if done == out.len() {
+        Ok(())
+    } else {
+        Err(Refused::IoErr)
+    }
+}
+
+/// Copies `data` into the segments, starting `skip` bytes in.
+fn scatter<G: GuestMemory + ?Sized>(
+    mem: &G,
+    segs: &[Seg],
+    mut skip: u64,
+    data: &[u8],
+) -> Result<(), Refused> {
+    let mut done = 0;
+    for s in segs {
+        if done == data.len() {
+            break;
+        }
+        let len = u64::from(s.len);
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        let n = ((len - skip) as usize).min(data.len() - done);
+        let at = s.addr.checked_add(skip).ok_or(Refused::IoErr)?;
+        mem.write_slice(&data[done..done + n], at)
+            .map_err(|_| Refused::IoErr)?;
+        done += n;
+        skip = 0;
+    }
+    if done == data.len() {
+        Ok(())
+    } else {
+        Err(Refused::IoErr)
+    }
+}
+
+/// The device byte range of `len` bytes at 512-byte `sector`, if it lies inside the device.
+fn range(dev: &dyn BlockDev, sector: u64, len: u64) -> Result<u64, Refused> {
+    if len % SECTOR_BYTES != 0 {
+        return Err(Refused::IoErr);
+    }
+    let offset = sector.checked_mul(SECTOR_BYTES).ok_or(Refused::IoErr)?;
+    ucrypt::blockdev::check_range(offset, len, dev.size()).map_err(|_| Refused::IoErr)?;
+    Ok(offset)
+}
+
+/// Serves a parsed chain: the data bytes written into guest memory.
+fn execute<G: GuestMemory + ?Sized>(
+    dev: &dyn BlockDev,
+    id: &[u8; VIRTIO_BLK_ID_BYTES as usize],
+    mode: Mode,
+    ctx: &mut QueueCtx,
+    mem: &G,
+) -> Result<u32, Refused> {
+    let mut hdr = [0u8; HEADER_BYTES];
+    gather(mem, &ctx.readable, 0, &mut hdr)?;
+    let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+    let mut sector = [0u8; 8];
+    sector.copy_from_slice(&hdr[8..16]);
+    let sector = u64::from_le_bytes(sector);
+    let op = Op::parse(kind).ok_or(Refused::Unsupp)?;
+    let payload = total(&ctx.readable) - HEADER_BYTES as u64;
+    let device_err = |e: ucrypt::Error| {
+        eprintln!("ucrypt vhost: {op:?} at sector {sector}: {e}");
+        Refused::IoErr
+    };
+    match op {
+        Op::Read => {
+            let len = total(&ctx.writable);
+            // A used length is u32: a longer read is refused rather than reported wrongly.
+            let used = u32::try_from(len).map_err(|_| Refused::IoErr)?;
+            let offset = range(dev, sector, len)?;
+            let bounce = bounce(&mut ctx.bounce);
+            let mut done = 0u64;
+            while done < len {
+                let n = (len - done).min(CHUNK_BYTES as u64) as usize;
+                dev.read_at(&mut bounce[..n], offset + done)
+                    .map_err(device_err)?;
+                scatter(mem, &ctx.writable, done, &bounce[..n])?;
+                done += n as u64;
+            }
+            Ok(used)
+        }
+        Op::Write => {
+            if dev.read_only() {
+                return Err(Refused::IoErr);
+            }
+            let offset = range(dev, sector, payload)?;
+            let bounce = bounce(&mut ctx.bounce);
+            let mut done = 0u64;
+            while done < payload {
+                let n = (payload - done).min(CHUNK_BYTES as u64) as usize;
+                // A private copy: the guest may change its buffer while the volume encrypts.
+                gather(
+                    mem,
+                    &ctx.readable,
+                    HEADER_BYTES as u64 + done,
+                    &mut bounce[..n],
+                )?;
+                let at = offset + done;
+                let r = if mode.write_back {
+                    dev.write_at_mut(&mut bounce[..n], at)
+                } else {
+                    dev.write_fua(&mut bounce[..n], at)
+                };
+                r.map_err(device_err)?;
+                done += n as u64;
+            }
+            Ok(0)
+        }
+        Op::Flush => dev.flush().map(|()| 0).map_err(device_err),
+        Op::GetId => {
+            let n = total(&ctx.writable).min(id.len() as u64) as usize;
+            scatter(mem, &ctx.writable, 0, &id[..n])?;
+            Ok(n as u32)
+        }
+        Op::Discard | Op::WriteZeroes => {
+            if dev.read_only() || (matches!(op, Op::Discard) && !mode.discard) {
+                return Err(Refused::Unsupp);
+            }
+            if payload == 0 || payload % RANGE_BYTES as u64 != 0 {
+                return Err(Refused::IoErr);
+            }
+            if payload > (RANGES_MAX * RANGE_BYTES) as u64 {
+                return Err(Refused::IoErr);
+            }
+            for i in 0..payload / RANGE_BYTES as u64 {
+                let mut r = [0u8; RANGE_BYTES];
+                let skip = HEADER_BYTES as u64 + i * RANGE_BYTES as u64;
+                gather(mem, &ctx.readable, skip, &mut r)?;
+                let mut s = [0u8; 8];
+                s.copy_from_slice(&r[0..8]);
+                let start = u64::from_le_bytes(s);
+                let sectors = u32::from_le_bytes([r[8], r[9], r[10], r[11]]);
+                let flags = u32::from_le_bytes([r[12], r[13], r[14], r[15]]);
+                let allowed = match op {
+                    Op::WriteZeroes => RANGE_FLAG_UNMAP,
+                    _ => 0,
+                };
+                if flags & !allowed != 0 {
+                    return Err(Refused::Unsupp);
+                }
+                let len = u64::from(sectors) * SECTOR_BYTES;
+                let offset = range(dev, start, len)?;
+                match op {
+                    Op::Discard => dev.discard(offset, len),
+                    _ => dev.write_zeroes(offset, len),
+                }
+                .map_err(device_err)?;
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// The queue's bounce buffer, allocated on first use.
+fn bounce(b: &mut Vec<u8>) -> &mut [u8] {
+    if b.len() < CHUNK_BYTES {
+        b.resize(CHUNK_BYTES, 0);
+    }
+    &mut b[..]
+}

@@ -1,0 +1,631 @@
+//! The device driven through real virtqueues in a test's guest memory (virtio-queue's
+//! `MockSplitQueue` lays them out), served by the same per-queue loop a VMM's kicks reach:
+//! well-formed requests of every type, then hostile chains that must end in a status or an
+//! empty used entry, never a panic, a hang or an access outside guest memory or the device.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ucrypt::BlockDev;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::virtio_blk::*;
+use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+
+use crate::backend::{BlkBackend, CONFIG_BYTES};
+use crate::request::CHUNK_BYTES;
+
+/// A plaintext device in memory that counts what reached it.
+struct MemDev {
+    data: Mutex<Vec<u8>>,
+    read_only: bool,
+    flushes: AtomicU32,
+    fua_writes: AtomicU32,
+    plain_writes: AtomicU32,
+    discards: AtomicU32,
+}
+
+impl MemDev {
+    fn new(size: usize, read_only: bool) -> Arc<MemDev> {
+        Arc::new(MemDev {
+            data: Mutex::new(vec![0xee; size]),
+            read_only,
+            flushes: AtomicU32::new(0),
+            fua_writes: AtomicU32::new(0),
+            plain_writes: AtomicU32::new(0),
+            discards: AtomicU32::new(0),
+        })
+    }
+    fn bytes(&self, at: usize, n: usize) -> Vec<u8> {
+        self.data.lock().unwrap()[at..at + n].to_vec()
+    }
+    fn check(&self, offset: u64, len: usize) -> ucrypt::Result<usize> {
+        ucrypt::blockdev::check_range(offset, len as u64, self.size())?;
+        Ok(offset as usize)
+    }
+}
+
+impl BlockDev for MemDev {
+    fn size(&self) -> u64 {
+        self.data.lock().unwrap().len() as u64
+    }
+    fn block_size(&self) -> u32 {
+        4096
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
+        let o = self.check(offset, buf.len())?;
+        buf.copy_from_slice(&self.data.lock().unwrap()[o..o + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
+        assert!(!self.read_only, "a write reached a read-only device");
+        let o = self.check(offset, buf.len())?;
+        self.data.lock().unwrap()[o..o + buf.len()].copy_from_slice(buf);
+        self.plain_writes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
+        self.write_at(buf, offset)?;
+        self.plain_writes.fetch_sub(1, Ordering::SeqCst);
+        self.fua_writes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn flush(&self) -> ucrypt::Result<()> {
+        self.flushes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.check(offset, len as usize)?;
+        self.discards.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        let o = self.check(offset, len as usize)?;
+        self.data.lock().unwrap()[o..o + len as usize].fill(0);
+        Ok(())
+    }
+}
+
+const QUEUE_LEN: u16 = 16;
+const MEM_BYTES: usize = 4 << 20;
+const HDR: u64 = 0x1_0000;
+const STATUS: u64 = 0x1_1000;
+const RANGES: u64 = 0x1_2000;
+const INDIRECT: u64 = 0x2_0000;
+const DATA: u64 = 0x10_0000;
+/// An address no guest memory region covers.
+const OUTSIDE: u64 = 0x4000_0000;
+const DEV_BYTES: usize = 4 << 20;
+
+type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// One device with one queue, and the guest memory it sees.
+struct Rig<'a> {
+    mem: &'a GuestMemoryMmap<()>,
+    mq: MockSplitQueue<'a, GuestMemoryMmap<()>>,
+    vring: VringRwLock<Mem>,
+    backend: BlkBackend,
+    dev: Arc<MemDev>,
+    next_desc: u16,
+    served: u16,
+}
+
+fn guest_memory() -> GuestMemoryMmap<()> {
+    GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_BYTES)]).unwrap()
+}
+
+impl<'a> Rig<'a> {
+    fn new(mem: &'a GuestMemoryMmap<()>, dev: Arc<MemDev>, features: u64, event_idx: bool) -> Self {
+        let mq = MockSplitQueue::create(mem, GuestAddress(0), QUEUE_LEN);
+        let atomic = GuestMemoryAtomic::new(mem.clone());
+        let vring = VringRwLock::new(atomic.clone(), QUEUE_LEN).unwrap();
+        vring.set_queue_size(QUEUE_LEN);
+        vring
+            .set_queue_info(mq.desc_table_addr().0, mq.avail_addr().0, mq.used_addr().0)
+            .unwrap();
+        vring.set_queue_event_idx(event_idx);
+        vring.set_queue_ready(true);
+        vring.set_enabled(true);
+        let backend = BlkBackend::new(
+            dev.clone(),
+            1,
+            true,
+            crate::id_of("ucrypt-test-serial-0123"),
+        );
+        backend.acked_features(features);
+        backend.set_event_idx(event_idx);
+        backend.update_memory(atomic).unwrap();
+        Rig {
+            mem,
+            mq,
+            vring,
+            backend,
+            dev,
+            next_desc: 0,
+            served: 0,
+        }
+    }
+
+    /// Puts descriptors at the next free table slots, chained in order, and offers the chain.
+    fn offer(&mut self, descs: &[(u64, u32, u16)]) {
+        // Served chains' slots are free again: start over at 0 when the table's end is near.
+        let base = if usize::from(self.next_desc) + descs.len() > usize::from(QUEUE_LEN) {
+            0
+        } else {
+            self.next_desc
+        };
+        let raw: Vec<RawDescriptor> = descs
+            .iter()
+            .enumerate()
+            .map(|(i, &(addr, len, flags))| {
+                let last = i + 1 == descs.len();
+                let flags = if last {
+                    flags
+                } else {
+                    flags | VRING_DESC_F_NEXT as u16
+                };
+                RawDescriptor::from(SplitDescriptor::new(addr, len, flags, base + i as u16 + 1))
+            })
+            .collect();
+        self.mq.add_desc_chains(&raw, base).unwrap();
+        self.next_desc = (base + descs.len() as u16) % QUEUE_LEN;
+    }
+
+    /// Serves what is available; the used entries added since the last call.
+    fn serve(&mut self) -> Vec<(u32, u32)> {
+        self.backend.serve_queue(0, &self.vring).unwrap();
+        let used = self.mq.used_addr().0;
+        let idx: u16 = self.mem.read_obj(GuestAddress(used + 2)).unwrap();
+        let mut out = Vec::new();
+        while self.served != idx {
+            let at = used + 4 + 8 * u64::from(self.served % QUEUE_LEN);
+            let id: u32 = self.mem.read_obj(GuestAddress(at)).unwrap();
+            let len: u32 = self.mem.read_obj(GuestAddress(at + 4)).unwrap();
+            out.push((id, len));
+            self.served = self.served.wrapping_add(1);
+        }
+        out
+    }
+
+    fn header(&self, kind: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write_slice(&h, GuestAddress(HDR)).unwrap();
+        self.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    }
+
+    fn status(&self) -> u8 {
+        self.mem.read_obj(GuestAddress(STATUS)).unwrap()
+    }
+
+    /// A request whose data is `segs` lengths laid out one after another at DATA: the status
+    /// and the used length.
+    fn request(&mut self, kind: u32, sector: u64, segs: &[u32], device_writes: bool) -> (u8, u32) {
+        self.header(kind, sector);
+        let mut descs = vec![(HDR, 16, 0)];
+        let mut at = DATA;
+        let flag = if device_writes {
+            VRING_DESC_F_WRITE as u16
+        } else {
+            0
+        };
+        for &n in segs {
+            descs.push((at, n, flag));
+            at += u64::from(n) + 512; // gaps: the segments are not one contiguous range
+        }
+        descs.push((STATUS, 1, VRING_DESC_F_WRITE as u16));
+        self.offer(&descs);
+        let used = self.serve();
+        assert_eq!(used.len(), 1, "one chain offered, one used entry");
+        (self.status(), used[0].1)
+    }
+
+    /// Fills the segments' guest memory with `data` (laid out as `request` does).
+    fn put_data(&self, segs: &[u32], data: &[u8]) {
+        let (mut at, mut off) = (DATA, 0usize);
+        for &n in segs {
+            self.mem
+                .write_slice(&data[off..off + n as usize], GuestAddress(at))
+                .unwrap();
+            off += n as usize;
+            at += u64::from(n) + 512;
+        }
+    }
+
+    fn get_data(&self, segs: &[u32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut at = DATA;
+        for &n in segs {
+            let mut b = vec![0u8; n as usize];
+            self.mem.read_slice(&mut b, GuestAddress(at)).unwrap();
+            out.extend_from_slice(&b);
+            at += u64::from(n) + 512;
+        }
+        out
+    }
+
+    fn ranges(&mut self, kind: u32, ranges: &[(u64, u32, u32)]) -> u8 {
+        self.header(kind, 0);
+        let mut b = Vec::new();
+        for &(sector, n, flags) in ranges {
+            b.extend_from_slice(&sector.to_le_bytes());
+            b.extend_from_slice(&n.to_le_bytes());
+            b.extend_from_slice(&flags.to_le_bytes());
+        }
+        self.mem.write_slice(&b, GuestAddress(RANGES)).unwrap();
+        self.offer(&[
+            (HDR, 16, 0),
+            (RANGES, b.len() as u32, 0),
+            (STATUS, 1, VRING_DESC_F_WRITE as u16),
+        ]);
+        assert_eq!(self.serve().len(), 1);
+        self.status()
+    }
+}
+
+const FLUSH: u64 = 1 << VIRTIO_BLK_F_FLUSH;
+const OK: u8 = VIRTIO_BLK_S_OK as u8;
+const IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
+const UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn write_then_read_over_scattered_segments() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let wsegs = [512, 1536, 6144];
+    let data = pattern(8192, 7);
+    r.put_data(&wsegs, &data);
+    assert_eq!(r.request(VIRTIO_BLK_T_OUT, 8, &wsegs, false), (OK, 1));
+    assert_eq!(r.dev.bytes(4096, 8192), data);
+    assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.fua_writes.load(Ordering::SeqCst), 0);
+
+    let rsegs = [4096, 2048, 2048];
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, 8, &rsegs, true), (OK, 8193));
+    assert_eq!(r.get_data(&rsegs), data);
+}
+
+#[test]
+fn request_longer_than_the_bounce_buffer_is_served_in_pieces() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let n = CHUNK_BYTES as u32 * 2 + 4096;
+    let data = pattern(n as usize, 3);
+    r.put_data(&[n], &data);
+    assert_eq!(r.request(VIRTIO_BLK_T_OUT, 0, &[n], false), (OK, 1));
+    assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 3);
+    r.put_data(&[n], &vec![0u8; n as usize]);
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, 0, &[n], true), (OK, n + 1));
+    assert_eq!(r.get_data(&[n]), data);
+}
+
+#[test]
+fn without_negotiated_flush_every_write_is_durable() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), 0, false);
+    r.put_data(&[4096], &pattern(4096, 1));
+    assert_eq!(r.request(VIRTIO_BLK_T_OUT, 0, &[4096], false), (OK, 1));
+    assert_eq!(r.dev.fua_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        r.backend.config_space()[32],
+        0,
+        "writethrough in config space"
+    );
+}
+
+#[test]
+fn flush_reaches_the_device() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    assert_eq!(r.request(VIRTIO_BLK_T_FLUSH, 0, &[], false), (OK, 1));
+    assert_eq!(r.dev.flushes.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn get_id_answers_twenty_bytes() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    assert_eq!(r.request(VIRTIO_BLK_T_GET_ID, 0, &[20], true), (OK, 21));
+    assert_eq!(r.get_data(&[20]), b"ucrypt-test-serial-0");
+}
+
+#[test]
+fn write_zeroes_and_discard() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    assert_eq!(r.ranges(VIRTIO_BLK_T_WRITE_ZEROES, &[(16, 16, 1)]), OK);
+    assert_eq!(r.dev.bytes(8192, 8192), vec![0u8; 8192]);
+    assert_eq!(r.dev.bytes(8192 + 8192, 1), vec![0xee]);
+    assert_eq!(r.ranges(VIRTIO_BLK_T_DISCARD, &[(0, 8, 0)]), OK);
+    assert_eq!(r.dev.discards.load(Ordering::SeqCst), 1);
+    // Discard carries no flags; write-zeroes only UNMAP.
+    assert_eq!(r.ranges(VIRTIO_BLK_T_DISCARD, &[(0, 8, 1)]), UNSUPP);
+    assert_eq!(r.ranges(VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 8, 2)]), UNSUPP);
+    // More ranges than max_discard_seg, past the end, overflowing.
+    assert_eq!(
+        r.ranges(VIRTIO_BLK_T_DISCARD, &[(0, 8, 0), (8, 8, 0)]),
+        IOERR
+    );
+    let end = (DEV_BYTES / 512) as u64;
+    assert_eq!(
+        r.ranges(VIRTIO_BLK_T_WRITE_ZEROES, &[(end - 8, 16, 0)]),
+        IOERR
+    );
+    assert_eq!(
+        r.ranges(VIRTIO_BLK_T_WRITE_ZEROES, &[(u64::MAX, 16, 0)]),
+        IOERR
+    );
+    assert_eq!(r.ranges(VIRTIO_BLK_T_DISCARD, &[]), IOERR);
+    assert_eq!(r.dev.discards.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn discard_not_offered_is_unsupported() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    r.backend = BlkBackend::new(r.dev.clone(), 1, false, [0; 20]);
+    r.backend
+        .update_memory(GuestMemoryAtomic::new(mem.clone()))
+        .unwrap();
+    assert_eq!(r.backend.features() & (1 << VIRTIO_BLK_F_DISCARD), 0);
+    assert_eq!(r.ranges(VIRTIO_BLK_T_DISCARD, &[(0, 8, 0)]), UNSUPP);
+    assert_eq!(r.dev.discards.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn read_only_device_refuses_writes() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, true), FLUSH, false);
+    assert_ne!(r.backend.features() & (1 << VIRTIO_BLK_F_RO), 0);
+    r.put_data(&[4096], &pattern(4096, 1));
+    assert_eq!(r.request(VIRTIO_BLK_T_OUT, 0, &[4096], false), (IOERR, 1));
+    assert_eq!(r.ranges(VIRTIO_BLK_T_WRITE_ZEROES, &[(0, 8, 0)]), UNSUPP);
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, 0, &[4096], true), (OK, 4097));
+}
+
+#[test]
+fn config_space_describes_the_device() {
+    let mem = guest_memory();
+    let r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let c = r.backend.get_config(0, CONFIG_BYTES as u32);
+    assert_eq!(
+        u64::from_le_bytes(c[0..8].try_into().unwrap()),
+        (DEV_BYTES / 512) as u64
+    );
+    assert_eq!(
+        u32::from_le_bytes(c[20..24].try_into().unwrap()),
+        4096,
+        "blk_size"
+    );
+    assert_eq!(
+        u16::from_le_bytes(c[34..36].try_into().unwrap()),
+        1,
+        "num_queues"
+    );
+    assert_eq!(c[32], 1, "writeback");
+    // Windows past the end read as zeroes, whatever the VMM asks for.
+    assert_eq!(r.backend.get_config(56, 16).len(), 16);
+    assert_eq!(r.backend.get_config(1000, 8), vec![0u8; 8]);
+    assert_eq!(r.backend.get_config(u32::MAX, 4), vec![0u8; 4]);
+}
+
+#[test]
+fn event_idx_serves_and_publishes_avail_event() {
+    let mem = guest_memory();
+    let features = FLUSH | 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), features, true);
+    for i in 0..5 {
+        r.put_data(&[4096], &pattern(4096, i));
+        assert_eq!(
+            r.request(VIRTIO_BLK_T_OUT, u64::from(i) * 8, &[4096], false),
+            (OK, 1)
+        );
+    }
+    // avail_event (after the used ring) tells the driver the next index the device waits for.
+    let used = r.mq.used_addr().0;
+    let avail_event: u16 = mem
+        .read_obj(GuestAddress(used + 4 + 8 * u64::from(QUEUE_LEN)))
+        .unwrap();
+    assert_eq!(avail_event, 5);
+}
+
+// ---- hostile chains ----
+
+#[test]
+fn data_outside_guest_memory_is_refused_before_the_device_is_touched() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    for (addr, len, flags) in [
+        (OUTSIDE, 4096, 0),
+        (MEM_BYTES as u64 - 2048, 4096, 0), // straddles the end of guest memory
+        (DATA, !511u32, 0),                 // 4 GiB - 512: larger than guest memory
+        (u64::MAX - 1023, 4096, 0),         // address arithmetic overflows
+        (OUTSIDE, 4096, VRING_DESC_F_WRITE as u16),
+        (MEM_BYTES as u64 - 2048, 4096, VRING_DESC_F_WRITE as u16),
+    ] {
+        let kind = if flags == 0 {
+            VIRTIO_BLK_T_OUT
+        } else {
+            VIRTIO_BLK_T_IN
+        };
+        r.header(kind, 0);
+        r.offer(&[
+            (HDR, 16, 0),
+            (addr, len, flags),
+            (STATUS, 1, VRING_DESC_F_WRITE as u16),
+        ]);
+        let used = r.serve();
+        assert_eq!(used.len(), 1);
+        assert_eq!(r.status(), IOERR, "{addr:#x}+{len:#x}");
+    }
+    assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 0);
+    assert_eq!(r.dev.bytes(0, 8192), vec![0xee; 8192]);
+}
+
+#[test]
+fn out_of_range_and_misaligned_requests_are_refused() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let end = (DEV_BYTES / 512) as u64;
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, end, &[512], true).0, IOERR);
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, end - 1, &[1024], true).0, IOERR);
+    assert_eq!(
+        r.request(VIRTIO_BLK_T_OUT, u64::MAX, &[512], false).0,
+        IOERR
+    );
+    assert_eq!(
+        r.request(VIRTIO_BLK_T_OUT, u64::MAX / 512 + 1, &[512], false)
+            .0,
+        IOERR
+    );
+    assert_eq!(r.request(VIRTIO_BLK_T_OUT, 0, &[100], false).0, IOERR);
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, 0, &[4095], true).0, IOERR);
+    assert_eq!(r.request(VIRTIO_BLK_T_IN, end - 8, &[4096], true).0, OK);
+    assert_eq!(r.request(0x1234, 0, &[512], false).0, UNSUPP);
+    assert_eq!(r.request(VIRTIO_BLK_T_SCSI_CMD, 0, &[512], false).0, UNSUPP);
+    assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn malformed_chains_end_in_a_status_or_an_empty_used_entry() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let w = VRING_DESC_F_WRITE as u16;
+    // Header shorter than 16 bytes.
+    r.header(VIRTIO_BLK_T_IN, 0);
+    r.offer(&[(HDR, 8, 0), (STATUS, 1, w)]);
+    assert_eq!(r.serve().len(), 1);
+    assert_eq!(r.status(), IOERR);
+    // No writable descriptor: nowhere to put a status; the chain still comes back.
+    r.offer(&[(HDR, 16, 0), (DATA, 512, 0)]);
+    assert_eq!(r.serve().iter().map(|u| u.1).collect::<Vec<_>>(), vec![0]);
+    // The status byte outside guest memory.
+    r.header(VIRTIO_BLK_T_FLUSH, 0);
+    r.offer(&[(HDR, 16, 0), (OUTSIDE, 1, w)]);
+    assert_eq!(r.serve().iter().map(|u| u.1).collect::<Vec<_>>(), vec![0]);
+    // An empty status descriptor.
+    r.offer(&[(HDR, 16, 0), (STATUS, 0, w)]);
+    assert_eq!(r.serve().iter().map(|u| u.1).collect::<Vec<_>>(), vec![0]);
+    // A device-readable descriptor after a device-writable one.
+    r.header(VIRTIO_BLK_T_IN, 0);
+    r.offer(&[
+        (HDR, 16, 0),
+        (DATA, 512, w),
+        (DATA + 4096, 512, 0),
+        (STATUS, 1, w),
+    ]);
+    assert_eq!(r.serve().len(), 1);
+    assert_eq!(r.status(), IOERR);
+    assert_eq!(r.dev.flushes.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn descriptor_loops_and_bad_next_indices_terminate() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let w = VRING_DESC_F_WRITE as u16;
+    let next = VRING_DESC_F_NEXT as u16;
+    r.header(VIRTIO_BLK_T_IN, 0);
+    // 0 -> 1 -> 0 -> ...: a loop through a readable and a writable descriptor.
+    let raw = [
+        RawDescriptor::from(SplitDescriptor::new(HDR, 16, next, 1)),
+        RawDescriptor::from(SplitDescriptor::new(STATUS, 1, w | next, 0)),
+    ];
+    r.mq.add_desc_chains(&raw, 0).unwrap();
+    let used = r.serve();
+    assert_eq!(used.len(), 1);
+    assert_eq!(r.status(), IOERR);
+    // A writable self-loop: ends after one table's worth of descriptors.
+    let raw = [RawDescriptor::from(SplitDescriptor::new(
+        STATUS,
+        1,
+        w | next,
+        2,
+    ))];
+    r.mq.add_desc_chains(&raw, 2).unwrap();
+    assert_eq!(r.serve().len(), 1);
+    // `next` beyond the table.
+    let raw = [
+        RawDescriptor::from(SplitDescriptor::new(HDR, 16, next, 4000)),
+        RawDescriptor::from(SplitDescriptor::new(STATUS, 1, w, 0)),
+    ];
+    r.mq.add_desc_chains(&raw, 3).unwrap();
+    // The second descriptor is offered as its own chain (the mock offers a head per slot
+    // whose predecessor lacks NEXT): both come back.
+    assert!(!r.serve().is_empty());
+}
+
+#[test]
+fn indirect_tables_too_long_or_nested_are_refused() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let w = VRING_DESC_F_WRITE as u16;
+    let next = VRING_DESC_F_NEXT as u16;
+    let write_table = |descs: &[(u64, u32, u16)]| {
+        for (i, &(addr, len, flags)) in descs.iter().enumerate() {
+            let flags = if i + 1 < descs.len() {
+                flags | next
+            } else {
+                flags
+            };
+            let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, i as u16 + 1));
+            mem.write_obj(d, GuestAddress(INDIRECT + 16 * i as u64))
+                .unwrap();
+        }
+        16 * descs.len() as u32
+    };
+    // A well-formed indirect read is served.
+    r.header(VIRTIO_BLK_T_IN, 0);
+    let len = write_table(&[(HDR, 16, 0), (DATA, 4096, w), (STATUS, 1, w)]);
+    r.offer(&[(INDIRECT, len, VRING_DESC_F_INDIRECT as u16)]);
+    assert_eq!(r.serve()[0].1, 4097);
+    assert_eq!(r.status(), OK);
+    // 400 data segments: more than seg_max.
+    let mut t = vec![(HDR, 16, 0)];
+    t.extend((0..400).map(|i| (DATA + 512 * i, 512, w)));
+    t.push((STATUS, 1, w));
+    r.header(VIRTIO_BLK_T_IN, 0);
+    let len = write_table(&t);
+    r.offer(&[(INDIRECT, len, VRING_DESC_F_INDIRECT as u16)]);
+    assert_eq!(r.serve().len(), 1);
+    assert_eq!(r.status(), IOERR);
+    // An indirect table inside an indirect table: the chain ends there, without a status.
+    let len = write_table(&[(HDR, 16, 0), (INDIRECT, 48, VRING_DESC_F_INDIRECT as u16)]);
+    r.offer(&[(INDIRECT, len, VRING_DESC_F_INDIRECT as u16)]);
+    assert_eq!(r.serve().iter().map(|u| u.1).collect::<Vec<_>>(), vec![0]);
+    // An indirect table outside guest memory, or of a length no table has.
+    r.offer(&[(OUTSIDE, 48, VRING_DESC_F_INDIRECT as u16)]);
+    assert_eq!(r.serve().len(), 1);
+    r.offer(&[(INDIRECT, 47, VRING_DESC_F_INDIRECT as u16)]);
+    assert_eq!(r.serve().len(), 1);
+}
+
+#[test]
+fn hostile_avail_ring_does_not_hang_or_panic() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let avail = r.mq.avail_addr().0;
+    // A head index beyond the queue: nothing to return it to; the queue goes on.
+    mem.write_obj(1000u16, GuestAddress(avail + 4)).unwrap();
+    mem.write_obj(1u16, GuestAddress(avail + 2)).unwrap();
+    assert!(r.serve().is_empty());
+    r.next_desc = 0;
+    r.put_data(&[512], &pattern(512, 9));
+    assert_eq!(r.request(VIRTIO_BLK_T_OUT, 0, &[512], false), (OK, 1));
+    // avail.idx claiming more chains than the queue holds: refused, nothing served.
+    mem.write_obj(500u16, GuestAddress(avail + 2)).unwrap();
+    assert!(r.serve().is_empty());
+}
