@@ -7,6 +7,7 @@
 mod bench;
 mod daemon;
 mod error;
+mod formats;
 mod header_dev;
 mod in_use;
 mod luks_cli;
@@ -69,6 +70,9 @@ enum Cmd {
     Resize(daemon::ResizeArgs),
     /// List open volumes: NAME, stable path, device, front end, state.
     List,
+    /// Show the header of a TrueCrypt/VeraCrypt volume (decrypted with the passphrase).
+    #[command(name = "tcryptDump")]
+    TcryptDump(formats::TcryptDumpArgs),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -138,6 +142,7 @@ fn main() {
         Cmd::Suspend(a) => daemon::report(daemon::suspend(a)),
         Cmd::Resume(a) => daemon::report(daemon::resume(a)),
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
+        Cmd::TcryptDump(a) => error::report("tcryptDump", formats::tcrypt_dump(&a).map(|_| ())),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Tab(c) => tab::run(c),
         Cmd::ReencryptWorker(a) => daemon::worker::run_worker(a),

@@ -45,13 +45,14 @@ pub enum DeviceType {
     Luks2,
     /// No header: a raw dm-crypt mapping (`--cipher`, `--volume-key-file`).
     Plain,
+    /// TrueCrypt/VeraCrypt (`crate::formats`).
+    Tcrypt,
     /// A format cryptsetup opens and ucrypt does not: its cryptsetup name and what it is.
     Foreign(&'static str, &'static str),
 }
 
 /// The formats cryptsetup's `open --type` takes that ucrypt does not read.
-const FOREIGN_TYPES: [(&str, &str); 4] = [
-    ("tcrypt", "TrueCrypt/VeraCrypt"),
+const FOREIGN_TYPES: [(&str, &str); 3] = [
     ("bitlk", "BitLocker"),
     ("fvault2", "FileVault2"),
     ("loopaes", "loop-AES"),
@@ -66,6 +67,7 @@ impl std::str::FromStr for DeviceType {
             "luks1" => Ok(DeviceType::Luks1),
             "luks2" => Ok(DeviceType::Luks2),
             "plain" => Ok(DeviceType::Plain),
+            "tcrypt" => Ok(DeviceType::Tcrypt),
             _ => FOREIGN_TYPES
                 .iter()
                 .find(|(name, _)| *name == s)
@@ -88,6 +90,7 @@ impl DeviceType {
             DeviceType::Luks1 => "luks1",
             DeviceType::Luks2 => "luks2",
             DeviceType::Plain => "plain",
+            DeviceType::Tcrypt => "tcrypt",
             DeviceType::Foreign(name, _) => name,
         }
     }
@@ -96,8 +99,8 @@ impl DeviceType {
     pub fn check_readable(self) -> CliResult<()> {
         match self {
             DeviceType::Foreign(name, what) => Err(CliError::Usage(format!(
-                "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2 \
-                 and plain)"
+                "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2, \
+                 plain and tcrypt)"
             ))),
             _ => Ok(()),
         }
@@ -128,8 +131,9 @@ pub struct VolumeArgs {
     /// The volume: an image file, a block device, or an RBD image (rbd:POOL/IMAGE[@SNAP]).
     pub volume: Target,
     /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64,
-    /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64.
-    #[arg(long, requires = "volume_key_file")]
+    /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64 (with
+    /// --volume-key-file). `--type tcrypt`: only cipher chains whose name contains this.
+    #[arg(long)]
     pub cipher: Option<String>,
     /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's
     /// size is read (the header's, or in raw mode --key-size), so /dev/urandom works.
@@ -214,6 +218,8 @@ pub struct VolumeArgs {
     /// `ucrypt open --type luks1|luks2`: the LUKS version the header must have.
     #[arg(skip)]
     pub device_type: Option<DeviceType>,
+    #[command(flatten)]
+    pub tcrypt: crate::formats::TcryptArgs,
 }
 
 /// A volume whose header was read (and its warnings shown) and whose key material is in hand,
@@ -239,7 +245,8 @@ pub enum PreparedKind {
         /// lock until released ([`HeaderAt`]); `None` for a remote volume.
         header_file: Option<Arc<FileBackend>>,
     },
-    /// Raw dm-crypt mapping (cryptsetup's plain mode): the key is already the volume key.
+    /// Raw dm-crypt mapping (cryptsetup's plain mode, and the foreign formats whose header
+    /// gave the key): the key is already the volume key.
     Raw {
         backend: Arc<dyn Backend>,
         cfg: VolumeConfig,
@@ -870,9 +877,10 @@ impl VolumeArgs {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
-        let kind = match &self.cipher {
-            None => self.prepare_luks(),
-            Some(cipher) => self.prepare_raw(cipher),
+        let kind = match (&self.cipher, self.device_type) {
+            (_, Some(DeviceType::Tcrypt)) => crate::formats::prepare_tcrypt(self),
+            (None, _) => self.prepare_luks(),
+            (Some(cipher), _) => self.prepare_raw(cipher),
         };
         let kind = kind.map_err(|e| e.at(name.clone()))?;
         Ok(Prepared { name, kind })

@@ -365,6 +365,7 @@ fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()>
         t.check_readable()?;
     }
     match (t, cipher) {
+        (Some(DeviceType::Tcrypt), _) => Ok(()),
         (None | Some(DeviceType::Plain), true) => Ok(()),
         (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
         (Some(DeviceType::Plain), false) => Err(CliError::Usage(

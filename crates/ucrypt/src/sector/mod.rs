@@ -9,14 +9,17 @@
 //! run the modes of `modes.rs` over one block cipher (`block.rs`); Adiantum is `adiantum.rs`.
 
 mod adiantum;
-mod block;
+pub(crate) mod block;
 mod camellia;
 pub(crate) mod evp;
-mod modes;
+pub(crate) mod modes;
 mod spec;
 mod twofish;
 
-pub use spec::{BlockCipher, CipherSpec, EssivHash, IvMode, Mode, XChaCha, SUPPORTED_SPECS};
+pub use spec::{
+    BlockCipher, Cascade, CascadeChain, CipherSpec, EssivHash, IvMode, Mode, XChaCha,
+    CASCADE_LAYERS_MAX, SUPPORTED_SPECS,
+};
 
 use crate::{Error, Result, SecretBytes};
 use adiantum::{Adiantum, ADIANTUM_TWEAK_BYTES};
@@ -128,6 +131,8 @@ enum Imp {
     /// Serpent, twofish, camellia in XTS or CBC; LRW over any of the four.
     Modes(Box<BlockMode>),
     Adiantum(Box<Adiantum>),
+    /// TrueCrypt/VeraCrypt cascades: one block mode per layer, outermost first.
+    Cascade(Vec<BlockMode>),
 }
 
 /// The largest IV of any spec (Adiantum's 32-byte tweak); block modes use the first 16 bytes.
@@ -275,6 +280,18 @@ impl SectorCipher {
             Mode::Cbc(c) => (Imp::Modes(Box::new(BlockMode::cbc(c, key)?)), provider),
             Mode::Lrw(c) => (Imp::Modes(Box::new(BlockMode::lrw(c, key)?)), provider),
             Mode::Adiantum(r) => (Imp::Adiantum(Box::new(Adiantum::new(r, key)?)), provider),
+            Mode::Cascade(c) => {
+                let layers = c
+                    .ciphers()
+                    .iter()
+                    .zip(key.chunks_exact(c.layer_key_bytes()))
+                    .map(|(&cipher, k)| match c.chain {
+                        CascadeChain::Xts => BlockMode::xts(cipher, k),
+                        CascadeChain::Lrw => BlockMode::lrw(cipher, k),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (Imp::Cascade(layers), provider)
+            }
         };
         let essiv = match (spec.iv, spec.mode.block_cipher()) {
             (IvMode::Essiv(hash), Some(cipher)) => {
@@ -387,6 +404,19 @@ impl SectorCipher {
             Imp::EcbXts(x) => x.crypt(encrypt, block_iv, data),
             Imp::Modes(m) => m.crypt(encrypt, block_iv, data),
             Imp::Adiantum(a) => a.crypt(encrypt, iv, data),
+            // Encryption meets the outermost layer first; decryption peels the disk's first.
+            Imp::Cascade(layers) if encrypt => {
+                for m in layers.iter_mut() {
+                    m.crypt(true, block_iv, data)?;
+                }
+                Ok(())
+            }
+            Imp::Cascade(layers) => {
+                for m in layers.iter_mut().rev() {
+                    m.crypt(false, block_iv, data)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -425,7 +455,7 @@ impl SectorCipher {
                 }
                 Ok(())
             }
-            Imp::Null | Imp::EcbXts(_) | Imp::Modes(_) | Imp::Adiantum(_) => {
+            Imp::Null | Imp::EcbXts(_) | Imp::Modes(_) | Imp::Adiantum(_) | Imp::Cascade(_) => {
                 dst.copy_from_slice(src);
                 self.crypt_in_place(encrypt, first_sector, dst)
             }
