@@ -286,6 +286,11 @@ pub enum IvMode {
     /// ESSIV: plain64 encrypted with the mode's block cipher keyed with the hash of the whole
     /// volume key.
     Essiv(EssivHash),
+    /// dm-crypt's `tcw` (TrueCrypt before 4.1, CBC only): the IV is a seed XORed with the
+    /// little-endian sector number in each half, and each ciphertext sector is whitened with 8
+    /// bytes derived from a whitening key and the sector number. Seed and whitening key are
+    /// the last 32 bytes of the key.
+    Tcw,
     /// No IV (the null cipher).
     None,
 }
@@ -298,6 +303,7 @@ impl IvMode {
             IvMode::Plain64Be => "plain64be".into(),
             IvMode::Benbi => "benbi".into(),
             IvMode::Essiv(h) => format!("essiv:{}", h.name()),
+            IvMode::Tcw => "tcw".into(),
             IvMode::None => "null".into(),
         }
     }
@@ -322,6 +328,13 @@ impl CipherSpec {
 
     /// Key sizes this spec accepts, in bytes.
     pub fn key_bytes_allowed(&self) -> &'static [usize] {
+        if self.iv == IvMode::Tcw {
+            // The cipher key, then the 16-byte IV seed and 16-byte whitening key.
+            return match self.mode {
+                Mode::Cbc(_) => &[48, 56, 64],
+                _ => &[],
+            };
+        }
         match self.mode {
             Mode::Cascade(c) => match (c.chain, c.len) {
                 (CascadeChain::Xts, 1) => &[64],
@@ -370,6 +383,9 @@ impl CipherSpec {
             spec: self.to_string(),
             bits: len * 8,
             expected: match self.mode {
+                Mode::Cbc(_) if self.iv == IvMode::Tcw => {
+                    "the cipher key (128, 192 or 256 bits) and 256 bits of IV seed and whitening"
+                }
                 Mode::Xts(BlockCipher::Serpent) => "256 to 512 bits, two equal halves",
                 Mode::Xts(_) => "256, 384 or 512 bits",
                 Mode::Cbc(BlockCipher::Serpent) => "128 to 256 bits",
@@ -515,6 +531,7 @@ impl FromStr for CipherSpec {
             ("plain", None) => IvMode::Plain,
             ("plain64be", None) => IvMode::Plain64Be,
             ("benbi", None) => IvMode::Benbi,
+            ("tcw", None) if matches!(mode, Mode::Cbc(_)) => IvMode::Tcw,
             ("essiv", Some(h)) => {
                 let hash = EssivHash::from_name(h)
                     .ok_or_else(|| unsupported(spec, format!("ESSIV hash '{h}'")))?;

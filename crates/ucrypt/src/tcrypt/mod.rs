@@ -20,6 +20,11 @@ mod kdf;
 use std::fmt::Write as _;
 
 pub use algs::{Algs, Chain, Cipher};
+
+/// The raw CRC-32 register update (no inversions), for dm-crypt's `tcw` IV in `sector`.
+pub(crate) fn crc32_raw(crc: u32, data: &[u8]) -> u32 {
+    crc32::update(crc, data)
+}
 pub use kdf::{Hash, KEYFILE_BYTES_MAX};
 
 use crate::backend::Backend;
@@ -336,7 +341,7 @@ impl Header {
     /// The mapping of the data, for a device of `device_bytes` holding both header and data
     /// (a system volume: the whole drive image, mapped over the whole encrypted area).
     /// Refused as cryptsetup refuses: the `-tcrypt` legacy modes, a sector size not a
-    /// multiple of 512; and ciphers ucrypt lacks (kuznyechik, the 64-bit ones, `tcw`).
+    /// multiple of 512; and ciphers ucrypt lacks for data (kuznyechik, the 64-bit ones).
     pub fn mapping(&self, device_bytes: u64) -> Result<Mapping> {
         if self.sector_bytes as u64 % SECTOR != 0 {
             return Err(Error::UnsupportedFormat(format!(
@@ -344,43 +349,7 @@ impl Header {
                 self.sector_bytes
             )));
         }
-        let chain = match self.algs.chain {
-            Chain::Xts => CascadeChain::Xts,
-            Chain::Lrw => CascadeChain::Lrw,
-            Chain::CbciTcrypt | Chain::CbcTcrypt => {
-                return Err(Error::UnsupportedFormat(
-                    "Kernel does not support activation for this TCRYPT legacy mode.".into(),
-                ))
-            }
-            Chain::CbcTcw => {
-                return Err(Error::UnsupportedFormat(format!(
-                    "TCRYPT legacy mode {}-cbc-tcw: ucrypt has no tcw IV generator",
-                    self.algs.long_name
-                )))
-            }
-        };
-        let mut ciphers: Vec<BlockCipher> = Vec::new();
-        for l in self.algs.layers {
-            match l.cipher {
-                Cipher::Wide(c) => ciphers.push(c),
-                other => {
-                    return Err(Error::UnsupportedFormat(format!(
-                        "cipher {} is not supported by ucrypt",
-                        other.name()
-                    )))
-                }
-            }
-        }
-        let iv = match chain {
-            CascadeChain::Xts => IvMode::Plain64,
-            CascadeChain::Lrw => IvMode::Benbi,
-        };
-        let mode = match (chain, ciphers.as_slice()) {
-            (CascadeChain::Xts, [c]) => Mode::Xts(*c),
-            (CascadeChain::Lrw, [c]) => Mode::Lrw(*c),
-            (_, cs) => Mode::Cascade(Cascade::new(chain, cs)?),
-        };
-        let spec = CipherSpec { mode, iv };
+        let spec = self.data_spec()?;
         let key = self.volume_key();
         spec.check_key_len(key.len())?;
         let size_sectors = if self.opts_hidden {
@@ -388,18 +357,66 @@ impl Header {
         } else {
             self.volume_bytes / SECTOR
         };
-        let geometry = Geometry {
-            sector_size: SectorSize::S512,
-            iv_offset: self.iv_offset_sectors(device_bytes),
-            iv_large_sectors: false,
-        };
         Ok(Mapping {
             spec,
             key,
-            geometry,
+            geometry: Geometry {
+                sector_size: SectorSize::S512,
+                iv_offset: self.iv_offset_sectors(device_bytes),
+                iv_large_sectors: false,
+            },
             data_offset_bytes: self.data_offset_sectors(device_bytes) * SECTOR,
             size_bytes: (size_sectors != 0).then_some(size_sectors * SECTOR),
         })
+    }
+
+    /// The data's cipher: XTS or LRW over one cipher or a cascade, or TrueCrypt's
+    /// single-cipher CBC with dm-crypt's `tcw` IV.
+    fn data_spec(&self) -> Result<CipherSpec> {
+        let mut ciphers: Vec<BlockCipher> = Vec::new();
+        for l in self.algs.layers {
+            match l.cipher {
+                Cipher::Wide(c) => ciphers.push(c),
+                Cipher::Kuznyechik => {
+                    return Err(Error::UnsupportedFormat(
+                        "cipher kuznyechik is not supported by ucrypt (no Debian kernel has \
+                         it)"
+                        .into(),
+                    ))
+                }
+                other => {
+                    return Err(Error::UnsupportedFormat(format!(
+                        "TCRYPT legacy mode {}-{}: ucrypt has no 64-bit block ciphers for data",
+                        other.name(),
+                        self.algs.chain.name()
+                    )))
+                }
+            }
+        }
+        let (chain, iv) = match self.algs.chain {
+            Chain::Xts => (CascadeChain::Xts, IvMode::Plain64),
+            Chain::Lrw => (CascadeChain::Lrw, IvMode::Benbi),
+            Chain::CbciTcrypt | Chain::CbcTcrypt => {
+                return Err(Error::UnsupportedFormat(
+                    "Kernel does not support activation for this TCRYPT legacy mode.".into(),
+                ))
+            }
+            Chain::CbcTcw => {
+                let [c] = ciphers.as_slice() else {
+                    return Err(Error::Bug("a cbc-tcw chain of more than one cipher"));
+                };
+                return Ok(CipherSpec {
+                    mode: Mode::Cbc(*c),
+                    iv: IvMode::Tcw,
+                });
+            }
+        };
+        let mode = match (chain, ciphers.as_slice()) {
+            (CascadeChain::Xts, [c]) => Mode::Xts(*c),
+            (CascadeChain::Lrw, [c]) => Mode::Lrw(*c),
+            (_, cs) => Mode::Cascade(Cascade::new(chain, cs)?),
+        };
+        Ok(CipherSpec { mode, iv })
     }
 
     /// `cryptsetup tcryptDump`'s text for the device named `device`.
