@@ -10,6 +10,7 @@
 
 use cipher::{BlockCipherDecrypt, KeyInit};
 
+use crate::secret::SecretBox;
 use crate::sector::block::Ecb;
 use crate::sector::modes::BlockMode;
 use crate::sector::BlockCipher;
@@ -398,12 +399,13 @@ pub fn layer_key(layer: &Layer, chain: Chain, key: &[u8]) -> Vec<u8> {
     }
 }
 
-/// A keyed ECB cipher of 8 or 16-byte blocks, for the header.
+/// A keyed ECB cipher of 8 or 16-byte blocks, for the header; the 64-bit ciphers' schedules
+/// in locked, wiped-on-drop memory, as sector/block.rs keeps the others'.
 enum HdrEcb {
     Wide(Ecb),
-    BlowfishLe(blowfish::Blowfish),
-    Cast5(cast5::Cast5),
-    Des3(des::TdesEde3),
+    BlowfishLe(SecretBox<blowfish::Blowfish>),
+    Cast5(SecretBox<cast5::Cast5>),
+    Des3(SecretBox<des::TdesEde3>),
 }
 
 fn refused() -> Error {
@@ -415,11 +417,15 @@ impl HdrEcb {
         Ok(match cipher {
             Cipher::Wide(c) => HdrEcb::Wide(Ecb::new(c, key).map_err(|_| Skip)?),
             Cipher::Kuznyechik => return Err(Skip),
-            Cipher::BlowfishLe => {
-                HdrEcb::BlowfishLe(blowfish::Blowfish::new_from_slice(key).map_err(|_| Skip)?)
-            }
-            Cipher::Cast5 => HdrEcb::Cast5(cast5::Cast5::new_from_slice(key).map_err(|_| Skip)?),
-            Cipher::Des3Ede => HdrEcb::Des3(des::TdesEde3::new_from_slice(key).map_err(|_| Skip)?),
+            Cipher::BlowfishLe => HdrEcb::BlowfishLe(SecretBox::new(
+                blowfish::Blowfish::new_from_slice(key).map_err(|_| Skip)?,
+            )),
+            Cipher::Cast5 => HdrEcb::Cast5(SecretBox::new(
+                cast5::Cast5::new_from_slice(key).map_err(|_| Skip)?,
+            )),
+            Cipher::Des3Ede => HdrEcb::Des3(SecretBox::new(
+                des::TdesEde3::new_from_slice(key).map_err(|_| Skip)?,
+            )),
         })
     }
 
