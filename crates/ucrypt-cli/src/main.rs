@@ -8,6 +8,7 @@
 mod bench;
 mod daemon;
 mod error;
+mod formats;
 mod header_dev;
 mod in_use;
 mod luks_cli;
@@ -85,6 +86,9 @@ enum Cmd {
     /// LUKS2 tokens: add (a kernel keyring token), remove, import, export, unassign
     /// (cryptsetup token).
     Token(Box<token::TokenArgs>),
+    /// Show the header of a TrueCrypt/VeraCrypt volume (decrypted with the passphrase).
+    #[command(name = "tcryptDump")]
+    TcryptDump(formats::TcryptDumpArgs),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -174,6 +178,7 @@ fn main() {
         Cmd::Suspend(a) => daemon::report(daemon::suspend(a)),
         Cmd::Resume(a) => daemon::report(daemon::resume(a)),
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
+        Cmd::TcryptDump(a) => error::report("tcryptDump", formats::tcrypt_dump(&a).map(|_| ())),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Token(a) => token::run(*a),
         Cmd::Tab(c) => tab::run(c),

@@ -46,13 +46,14 @@ pub enum DeviceType {
     Luks2,
     /// No header: a raw dm-crypt mapping (`--cipher`, `--volume-key-file`).
     Plain,
+    /// TrueCrypt/VeraCrypt (`crate::formats`).
+    Tcrypt,
     /// A format cryptsetup opens and ucrypt does not: its cryptsetup name and what it is.
     Foreign(&'static str, &'static str),
 }
 
 /// The formats cryptsetup's `open --type` takes that ucrypt does not read.
-const FOREIGN_TYPES: [(&str, &str); 4] = [
-    ("tcrypt", "TrueCrypt/VeraCrypt"),
+const FOREIGN_TYPES: [(&str, &str); 3] = [
     ("bitlk", "BitLocker"),
     ("fvault2", "FileVault2"),
     ("loopaes", "loop-AES"),
@@ -67,6 +68,7 @@ impl std::str::FromStr for DeviceType {
             "luks1" => Ok(DeviceType::Luks1),
             "luks2" => Ok(DeviceType::Luks2),
             "plain" => Ok(DeviceType::Plain),
+            "tcrypt" => Ok(DeviceType::Tcrypt),
             _ => FOREIGN_TYPES
                 .iter()
                 .find(|(name, _)| *name == s)
@@ -89,6 +91,7 @@ impl DeviceType {
             DeviceType::Luks1 => "luks1",
             DeviceType::Luks2 => "luks2",
             DeviceType::Plain => "plain",
+            DeviceType::Tcrypt => "tcrypt",
             DeviceType::Foreign(name, _) => name,
         }
     }
@@ -97,8 +100,8 @@ impl DeviceType {
     pub fn check_readable(self) -> CliResult<()> {
         match self {
             DeviceType::Foreign(name, what) => Err(CliError::Usage(format!(
-                "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2 \
-                 and plain)"
+                "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2, \
+                 plain and tcrypt)"
             ))),
             _ => Ok(()),
         }
@@ -130,7 +133,8 @@ pub struct VolumeArgs {
     pub volume: Target,
     /// Raw (plain) mode: dm-crypt cipher spec of a volume without a header, e.g. aes-xts-plain64,
     /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64 (with `--type
-    /// plain` and no --cipher: cryptsetup 2.6's aes-cbc-essiv:sha256).
+    /// plain` and no --cipher: cryptsetup 2.6's aes-cbc-essiv:sha256). `--type tcrypt`: only
+    /// cipher chains whose name contains this.
     #[arg(long)]
     pub cipher: Option<String>,
     /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's
@@ -225,6 +229,8 @@ pub struct VolumeArgs {
     /// `ucrypt open --type luks1|luks2`: the LUKS version the header must have.
     #[arg(skip)]
     pub device_type: Option<DeviceType>,
+    #[command(flatten)]
+    pub tcrypt: crate::formats::TcryptArgs,
 }
 
 /// A volume whose header was read (and its warnings shown) and whose key material is in hand,
@@ -311,7 +317,7 @@ impl VolumeArgs {
         p
     }
 
-    fn spin(&self) -> Duration {
+    pub fn spin(&self) -> Duration {
         Duration::from_micros(self.spin_us)
     }
 
@@ -393,6 +399,9 @@ impl VolumeArgs {
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
         let prepared = match (&self.cipher, self.device_type) {
+            (_, Some(DeviceType::Tcrypt)) => {
+                crate::formats::prepare_tcrypt(self).map(|req| (req, None))
+            }
             (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
             (None, Some(DeviceType::Plain)) => self
                 .prepare_raw(ucrypt::plain::DEFAULT_CIPHER)

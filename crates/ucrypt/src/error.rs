@@ -88,6 +88,17 @@ pub enum Error {
     #[error("keyslot {slot}: {reason}")]
     Keyslot { slot: u32, reason: String },
 
+    // ---- bad data or a wrong key (TrueCrypt/VeraCrypt, BitLocker) ----
+    /// No header decrypts with this passphrase (TCRYPT: no KDF and cipher chain gives the
+    /// magic), cryptsetup's words and exit code of a wrong passphrase.
+    #[error("No device header detected with this passphrase.")]
+    NoFormatHeader,
+
+    /// A volume of a foreign format that ucrypt reads but does not map (a legacy mode, a
+    /// cipher it lacks): the text says which, in cryptsetup's words where it refuses too.
+    #[error("{0}")]
+    UnsupportedFormat(String),
+
     // ---- bad data from disk (authenticated sectors) ----
     /// A sector's data does not match its authentication tag (changed, moved, replayed or never
     /// written through the integrity layer). Reported as `EILSEQ`, as dm-integrity does.
@@ -200,7 +211,10 @@ impl Error {
             | Error::NeedsRecovery
             | Error::Refused(_) => ErrorKind::BadInput,
             Error::UnmetRequirements(_) => ErrorKind::BadData,
-            Error::WrongPassphrase | Error::VolumeKeyMismatch => ErrorKind::WrongKey,
+            Error::WrongPassphrase | Error::VolumeKeyMismatch | Error::NoFormatHeader => {
+                ErrorKind::WrongKey
+            }
+            Error::UnsupportedFormat(_) => ErrorKind::BadData,
             // No keyslot left to try: the header cannot be opened by any passphrase
             // (cryptsetup exits 1 here, not 2).
             Error::NoUsableKeyslot

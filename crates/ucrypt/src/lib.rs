@@ -49,6 +49,7 @@ pub mod pool;
 pub mod secret;
 pub mod sector;
 pub mod sync;
+pub mod tcrypt;
 pub mod volume;
 
 pub use blockdev::BlockDev;

@@ -376,6 +376,7 @@ fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()>
         t.check_readable()?;
     }
     match (t, cipher) {
+        (Some(DeviceType::Tcrypt), _) => Ok(()),
         (None | Some(DeviceType::Plain), true) | (Some(DeviceType::Plain), false) => Ok(()),
         (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
         (Some(t), _) => Err(CliError::Usage(format!(

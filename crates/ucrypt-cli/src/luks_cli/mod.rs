@@ -287,6 +287,10 @@ pub enum LuksCmd {
         #[command(flatten)]
         v: VolumeArgs,
         file: PathBuf,
+        /// The volume's format: luks (default; the header decides), plain (with --cipher) or
+        /// tcrypt.
+        #[arg(long = "type", short = 'M')]
+        dev_type: Option<crate::open::DeviceType>,
         /// Print progress every this many seconds, a line each (also when stderr is not a
         /// terminal), as cryptsetup's option does.
         #[arg(long, value_name = "SECONDS")]
@@ -418,11 +422,18 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::Repair { device, o } => repair(&device, &o),
         LuksCmd::Reencrypt { device, r, o } => reencrypt::reencrypt_cmd(device, &r, &o),
         LuksCmd::Export {
-            v,
+            mut v,
             file,
+            dev_type,
             progress_frequency,
             force,
-        } => return data::export(&v, &file, progress_frequency, force),
+        } => {
+            if let Some(t) = dev_type {
+                t.check_readable()?;
+            }
+            v.device_type = dev_type;
+            return data::export(&v, &file, progress_frequency, force);
+        }
         LuksCmd::Import {
             file,
             v,

@@ -156,6 +156,9 @@ pub struct Plain {
     pub geometry: Geometry,
     /// Where the encrypted data starts on the backend, bytes (cryptsetup's `--offset`).
     pub data_offset_bytes: u64,
+    /// How many bytes from there are mapped (cryptsetup's `--size`; a TrueCrypt header's
+    /// volume size); `None`: to the end of the backend.
+    pub size_bytes: Option<u64>,
 }
 
 impl Plain {
@@ -166,6 +169,7 @@ impl Plain {
             key,
             geometry,
             data_offset_bytes: 0,
+            size_bytes: None,
         }
     }
 }
@@ -440,6 +444,7 @@ pub fn open(req: OpenRequest) -> Result<Opened> {
         Format::Plain(p) => {
             let mut cfg = VolumeConfig::new(p.cipher, p.key, p.geometry);
             cfg.data_offset_bytes = p.data_offset_bytes;
+            cfg.size_bytes = p.size_bytes;
             cfg.policy = policy;
             cfg.spin = spin;
             cfg.read_only = read_only;

@@ -9,15 +9,18 @@
 //! run the modes of `modes.rs` over one block cipher (`block.rs`); Adiantum is `adiantum.rs`.
 
 mod adiantum;
-mod block;
+pub(crate) mod block;
 mod camellia;
 pub(crate) mod evp;
-mod modes;
+pub(crate) mod modes;
 mod spec;
 mod twofish;
 
 pub use evp::backend;
-pub use spec::{BlockCipher, CipherSpec, EssivHash, IvMode, Mode, XChaCha, SUPPORTED_SPECS};
+pub use spec::{
+    BlockCipher, Cascade, CascadeChain, CipherSpec, EssivHash, IvMode, Mode, XChaCha,
+    CASCADE_LAYERS_MAX, SUPPORTED_SPECS,
+};
 
 use crate::{Error, Result, SecretBytes};
 use adiantum::{Adiantum, ADIANTUM_TWEAK_BYTES};
@@ -129,6 +132,94 @@ enum Imp {
     /// Serpent, twofish, camellia in XTS or CBC; LRW over any of the four.
     Modes(Box<BlockMode>),
     Adiantum(Box<Adiantum>),
+    /// TrueCrypt/VeraCrypt cascades: one block mode per layer, outermost first.
+    Cascade(Vec<BlockMode>),
+    /// CBC with dm-crypt's `tcw` IV and whitening.
+    Tcw(Box<Tcw>),
+}
+
+/// Bytes of `tcw`'s whitening key (and of its IV seed, one cipher block).
+const TCW_WHITENING_BYTES: usize = 16;
+
+/// CBC with dm-crypt's `tcw` IV generator (crypt_iv_tcw_* in the kernel's dm-crypt.c).
+struct Tcw {
+    cbc: BlockMode,
+    seed: [u8; 16],
+    whitening: [u8; TCW_WHITENING_BYTES],
+}
+
+impl Drop for Tcw {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.seed);
+        zeroize::Zeroize::zeroize(&mut self.whitening);
+    }
+}
+
+impl Tcw {
+    fn new(cipher: BlockCipher, key: &[u8]) -> Result<Self> {
+        let k = key
+            .len()
+            .checked_sub(16 + TCW_WHITENING_BYTES)
+            .ok_or(Error::Bug("tcw key shorter than its seed and whitening"))?;
+        let mut seed = [0u8; 16];
+        seed.copy_from_slice(&key[k..k + 16]);
+        let mut whitening = [0u8; TCW_WHITENING_BYTES];
+        whitening.copy_from_slice(&key[k + 16..]);
+        Ok(Tcw {
+            cbc: BlockMode::cbc(cipher, &key[..k])?,
+            seed,
+            whitening,
+        })
+    }
+
+    /// The 8 whitening bytes of a sector: the whitening key XOR the sector number (in each
+    /// half), each 32-bit word replaced by the kernel's crc32(0, word), then folded.
+    fn sector_whitening(&self, sector: [u8; 8]) -> [u8; 8] {
+        let mut buf = [0u8; TCW_WHITENING_BYTES];
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = self.whitening[i] ^ sector[i % 8];
+        }
+        for word in buf.chunks_exact_mut(4) {
+            let c = crate::tcrypt::crc32_raw(0, word);
+            word.copy_from_slice(&c.to_le_bytes());
+        }
+        let mut w = [0u8; 8];
+        for i in 0..4 {
+            w[i] = buf[i] ^ buf[12 + i];
+            w[4 + i] = buf[4 + i] ^ buf[8 + i];
+        }
+        zeroize::Zeroize::zeroize(&mut buf);
+        w
+    }
+
+    /// One 512-byte sector; `iv` carries the IV sector number, little-endian, in its first
+    /// 8 bytes.
+    fn crypt(&mut self, encrypt: bool, iv: &[u8; 16], data: &mut [u8]) -> Result<()> {
+        let mut sector = [0u8; 8];
+        sector.copy_from_slice(&iv[..8]);
+        let mut real_iv = self.seed;
+        for (i, b) in real_iv.iter_mut().enumerate() {
+            *b ^= sector[i % 8];
+        }
+        let mut w = self.sector_whitening(sector);
+        let whiten = |data: &mut [u8]| {
+            for chunk in data.chunks_exact_mut(8) {
+                for (d, k) in chunk.iter_mut().zip(&w) {
+                    *d ^= k;
+                }
+            }
+        };
+        if encrypt {
+            self.cbc.crypt(true, &real_iv, data)?;
+            whiten(data);
+        } else {
+            whiten(data);
+            self.cbc.crypt(false, &real_iv, data)?;
+        }
+        zeroize::Zeroize::zeroize(&mut w);
+        zeroize::Zeroize::zeroize(&mut real_iv);
+        Ok(())
+    }
 }
 
 /// The largest IV of any spec (Adiantum's 32-byte tweak); block modes use the first 16 bytes.
@@ -231,6 +322,14 @@ impl SectorCipher {
         spec.check_key_len(key.len())?;
         let (imp, provider) = match spec.mode {
             Mode::Null => (Imp::Null, provider),
+            Mode::Cbc(c) if spec.iv == IvMode::Tcw => {
+                if geometry.sector_size != SectorSize::S512 {
+                    return Err(Error::InvalidArgument(
+                        "the tcw IV works on 512-byte sectors only".into(),
+                    ));
+                }
+                (Imp::Tcw(Box::new(Tcw::new(c, key)?)), provider)
+            }
             Mode::Cbc(BlockCipher::Aes) => (
                 Imp::Cbc {
                     enc: EvpCtx::new(Alg::AesCbc, key, true)?,
@@ -276,6 +375,18 @@ impl SectorCipher {
             Mode::Cbc(c) => (Imp::Modes(Box::new(BlockMode::cbc(c, key)?)), provider),
             Mode::Lrw(c) => (Imp::Modes(Box::new(BlockMode::lrw(c, key)?)), provider),
             Mode::Adiantum(r) => (Imp::Adiantum(Box::new(Adiantum::new(r, key)?)), provider),
+            Mode::Cascade(c) => {
+                let layers = c
+                    .ciphers()
+                    .iter()
+                    .zip(key.chunks_exact(c.layer_key_bytes()))
+                    .map(|(&cipher, k)| match c.chain {
+                        CascadeChain::Xts => BlockMode::xts(cipher, k),
+                        CascadeChain::Lrw => BlockMode::lrw(cipher, k),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (Imp::Cascade(layers), provider)
+            }
         };
         let essiv = match (spec.iv, spec.mode.block_cipher()) {
             (IvMode::Essiv(hash), Some(cipher)) => {
@@ -323,7 +434,7 @@ impl SectorCipher {
         let mut iv = [0u8; IV_BYTES_MAX];
         let end = self.spec.iv_bytes();
         match self.spec.iv {
-            IvMode::Plain64 => iv[..8].copy_from_slice(&n.to_le_bytes()),
+            IvMode::Plain64 | IvMode::Tcw => iv[..8].copy_from_slice(&n.to_le_bytes()),
             IvMode::Plain => iv[..4].copy_from_slice(&(n as u32).to_le_bytes()),
             IvMode::Plain64Be => iv[end - 8..end].copy_from_slice(&n.to_be_bytes()),
             // The kernel shifts by 9 - log2(cipher block size): 512-byte units to 16-byte
@@ -388,6 +499,20 @@ impl SectorCipher {
             Imp::EcbXts(x) => x.crypt(encrypt, block_iv, data),
             Imp::Modes(m) => m.crypt(encrypt, block_iv, data),
             Imp::Adiantum(a) => a.crypt(encrypt, iv, data),
+            // Encryption meets the outermost layer first; decryption peels the disk's first.
+            Imp::Cascade(layers) if encrypt => {
+                for m in layers.iter_mut() {
+                    m.crypt(true, block_iv, data)?;
+                }
+                Ok(())
+            }
+            Imp::Cascade(layers) => {
+                for m in layers.iter_mut().rev() {
+                    m.crypt(false, block_iv, data)?;
+                }
+                Ok(())
+            }
+            Imp::Tcw(t) => t.crypt(encrypt, block_iv, data),
         }
     }
 
@@ -426,7 +551,12 @@ impl SectorCipher {
                 }
                 Ok(())
             }
-            Imp::Null | Imp::EcbXts(_) | Imp::Modes(_) | Imp::Adiantum(_) => {
+            Imp::Null
+            | Imp::EcbXts(_)
+            | Imp::Modes(_)
+            | Imp::Adiantum(_)
+            | Imp::Cascade(_)
+            | Imp::Tcw(_) => {
                 dst.copy_from_slice(src);
                 self.crypt_in_place(encrypt, first_sector, dst)
             }

@@ -85,6 +85,67 @@ impl XChaCha {
     }
 }
 
+/// The chaining mode of every layer of a [`Cascade`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CascadeChain {
+    Xts,
+    Lrw,
+}
+
+/// Two or three block ciphers stacked, each in the same chaining mode with the same IV, as
+/// cryptsetup maps a TrueCrypt/VeraCrypt cascade (one dm-crypt device per cipher over the
+/// next). `ciphers[0]` is the outermost layer: encryption runs `ciphers[0]` first and the last
+/// cipher last (it is the one that meets the disk); decryption the other way round. The key
+/// is each layer's dm-crypt key in the order of `ciphers` (64 bytes each for XTS, 48 for LRW).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Cascade {
+    pub chain: CascadeChain,
+    ciphers: [BlockCipher; CASCADE_LAYERS_MAX],
+    len: u8,
+}
+
+/// The most layers a cascade has (TrueCrypt's and VeraCrypt's longest chains have three).
+pub const CASCADE_LAYERS_MAX: usize = 3;
+
+impl Cascade {
+    /// A cascade of 1 to [`CASCADE_LAYERS_MAX`] ciphers, outermost first.
+    pub fn new(chain: CascadeChain, ciphers: &[BlockCipher]) -> Result<Self> {
+        if ciphers.is_empty() || ciphers.len() > CASCADE_LAYERS_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "a cascade has 1 to {CASCADE_LAYERS_MAX} ciphers, not {}",
+                ciphers.len()
+            )));
+        }
+        let mut c = [ciphers[0]; CASCADE_LAYERS_MAX];
+        c[..ciphers.len()].copy_from_slice(ciphers);
+        Ok(Cascade {
+            chain,
+            ciphers: c,
+            len: ciphers.len() as u8,
+        })
+    }
+
+    /// The ciphers, outermost first.
+    pub fn ciphers(&self) -> &[BlockCipher] {
+        &self.ciphers[..self.len as usize]
+    }
+
+    /// Key bytes of one layer: two 256-bit keys for XTS, a 256-bit key and the 128-bit tweak
+    /// key for LRW.
+    pub fn layer_key_bytes(&self) -> usize {
+        match self.chain {
+            CascadeChain::Xts => 64,
+            CascadeChain::Lrw => 48,
+        }
+    }
+
+    /// The chain's name as TrueCrypt and cryptsetup spell it: `serpent-twofish-aes`.
+    pub fn name(&self) -> String {
+        let names: Vec<&str> = self.ciphers().iter().map(|c| c.name()).collect();
+        names.join("-")
+    }
+}
+
 /// Cipher and chaining mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
@@ -101,6 +162,9 @@ pub enum Mode {
     Adiantum(XChaCha),
     /// dm-crypt's null cipher: ciphertext = plaintext, key size 0. For benchmarks only.
     Null,
+    /// Block ciphers stacked (TrueCrypt/VeraCrypt cascades); no dm-crypt spec string names
+    /// one, so it is built, never parsed.
+    Cascade(Cascade),
 }
 
 impl Mode {
@@ -112,6 +176,7 @@ impl Mode {
             Mode::Adiantum(XChaCha::R12) => "xchacha12,aes",
             Mode::Adiantum(XChaCha::R20) => "xchacha20,aes",
             Mode::Null => "cipher_null",
+            Mode::Cascade(_) => "cascade",
         }
     }
 
@@ -123,6 +188,10 @@ impl Mode {
             Mode::Lrw(_) => "lrw",
             Mode::Adiantum(_) => "adiantum",
             Mode::Null => "ecb",
+            Mode::Cascade(c) => match c.chain {
+                CascadeChain::Xts => "xts",
+                CascadeChain::Lrw => "lrw",
+            },
         }
     }
 
@@ -130,7 +199,7 @@ impl Mode {
     pub fn block_cipher(self) -> Option<BlockCipher> {
         match self {
             Mode::Xts(c) | Mode::Cbc(c) | Mode::Lrw(c) => Some(c),
-            Mode::Adiantum(_) | Mode::Null => None,
+            Mode::Adiantum(_) | Mode::Null | Mode::Cascade(_) => None,
         }
     }
 }
@@ -217,6 +286,11 @@ pub enum IvMode {
     /// ESSIV: plain64 encrypted with the mode's block cipher keyed with the hash of the whole
     /// volume key.
     Essiv(EssivHash),
+    /// dm-crypt's `tcw` (TrueCrypt before 4.1, CBC only): the IV is a seed XORed with the
+    /// little-endian sector number in each half, and each ciphertext sector is whitened with 8
+    /// bytes derived from a whitening key and the sector number. Seed and whitening key are
+    /// the last 32 bytes of the key.
+    Tcw,
     /// No IV (the null cipher).
     None,
 }
@@ -229,6 +303,7 @@ impl IvMode {
             IvMode::Plain64Be => "plain64be".into(),
             IvMode::Benbi => "benbi".into(),
             IvMode::Essiv(h) => format!("essiv:{}", h.name()),
+            IvMode::Tcw => "tcw".into(),
             IvMode::None => "null".into(),
         }
     }
@@ -253,7 +328,22 @@ impl CipherSpec {
 
     /// Key sizes this spec accepts, in bytes.
     pub fn key_bytes_allowed(&self) -> &'static [usize] {
+        if self.iv == IvMode::Tcw {
+            // The cipher key, then the 16-byte IV seed and 16-byte whitening key.
+            return match self.mode {
+                Mode::Cbc(_) => &[48, 56, 64],
+                _ => &[],
+            };
+        }
         match self.mode {
+            Mode::Cascade(c) => match (c.chain, c.len) {
+                (CascadeChain::Xts, 1) => &[64],
+                (CascadeChain::Xts, 2) => &[128],
+                (CascadeChain::Xts, _) => &[192],
+                (CascadeChain::Lrw, 1) => &[48],
+                (CascadeChain::Lrw, 2) => &[96],
+                (CascadeChain::Lrw, _) => &[144],
+            },
             Mode::Xts(BlockCipher::Serpent) => &[
                 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64,
             ],
@@ -278,6 +368,7 @@ impl CipherSpec {
             Mode::Xts(_) => 64,
             Mode::Cbc(_) | Mode::Lrw(_) | Mode::Adiantum(_) => 32,
             Mode::Null => 0,
+            Mode::Cascade(c) => c.layer_key_bytes() * c.ciphers().len(),
         }
     }
 
@@ -292,6 +383,9 @@ impl CipherSpec {
             spec: self.to_string(),
             bits: len * 8,
             expected: match self.mode {
+                Mode::Cbc(_) if self.iv == IvMode::Tcw => {
+                    "the cipher key (128, 192 or 256 bits) and 256 bits of IV seed and whitening"
+                }
                 Mode::Xts(BlockCipher::Serpent) => "256 to 512 bits, two equal halves",
                 Mode::Xts(_) => "256, 384 or 512 bits",
                 Mode::Cbc(BlockCipher::Serpent) => "128 to 256 bits",
@@ -302,6 +396,7 @@ impl CipherSpec {
                 Mode::Lrw(_) => "256, 320 or 384 bits (the cipher key, then a 128-bit tweak key)",
                 Mode::Adiantum(_) => "256 bits",
                 Mode::Null => "0 bits (no key)",
+                Mode::Cascade(_) => "one layer key (512 bits for XTS, 384 for LRW) per cipher",
             },
         })
     }
@@ -319,6 +414,10 @@ impl CipherSpec {
     pub fn luks1_name_mode(&self) -> (&'static str, String) {
         match self.mode {
             Mode::Null => ("cipher_null", "ecb".to_string()),
+            Mode::Cascade(_) => (
+                "cascade",
+                format!("{}-{}", self.mode.chain_name(), self.iv.name()),
+            ),
             m => (
                 m.cipher_name(),
                 format!("{}-{}", m.chain_name(), self.iv.name()),
@@ -331,6 +430,15 @@ impl fmt::Display for CipherSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.mode == Mode::Null {
             return f.write_str("cipher_null-ecb");
+        }
+        if let Mode::Cascade(c) = self.mode {
+            return write!(
+                f,
+                "{}-{}-{}",
+                c.name(),
+                self.mode.chain_name(),
+                self.iv.name()
+            );
         }
         let (name, mode) = self.luks1_name_mode();
         write!(f, "{name}-{mode}")
@@ -423,6 +531,7 @@ impl FromStr for CipherSpec {
             ("plain", None) => IvMode::Plain,
             ("plain64be", None) => IvMode::Plain64Be,
             ("benbi", None) => IvMode::Benbi,
+            ("tcw", None) if matches!(mode, Mode::Cbc(_)) => IvMode::Tcw,
             ("essiv", Some(h)) => {
                 let hash = EssivHash::from_name(h)
                     .ok_or_else(|| unsupported(spec, format!("ESSIV hash '{h}'")))?;
