@@ -119,6 +119,7 @@ fn implementation(c: &SectorCipher) -> &'static str {
         | Mode::Lrw(BlockCipher::Serpent) => "rustcrypto",
         Mode::Xts(_) | Mode::Cbc(_) | Mode::Lrw(_) => "ucrypt tables",
         Mode::Adiantum(_) => "rustcrypto xchacha + aws-lc aes",
+        Mode::Cascade(_) => "cascade of the above",
         Mode::Null => "-",
     }
 }
