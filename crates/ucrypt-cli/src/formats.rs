@@ -46,9 +46,6 @@ pub struct TcryptArgs {
     /// TCRYPT: the backup header (at the end of the volume).
     #[arg(long)]
     pub tcrypt_backup: bool,
-    /// TCRYPT: only KDFs whose hash name contains this (cryptsetup's -h).
-    #[arg(long, short = 'h')]
-    pub hash: Option<String>,
     /// TCRYPT: more keyfiles, besides --key-file (each may repeat).
     #[arg(long = "tcrypt-keyfile", value_name = "FILE")]
     pub tcrypt_keyfiles: Vec<PathBuf>,
@@ -58,6 +55,9 @@ pub struct TcryptArgs {
 #[derive(Args, Debug, Clone)]
 pub struct TcryptDumpArgs {
     pub device: PathBuf,
+    /// Only KDFs whose hash name contains this (cryptsetup's -h).
+    #[arg(long, short = 'h')]
+    pub hash: Option<String>,
     #[command(flatten)]
     pub t: TcryptArgs,
     /// A TrueCrypt keyfile (repeat for more).
@@ -159,7 +159,7 @@ pub fn tcrypt_dump(a: &TcryptDumpArgs) -> CliResult<i32> {
         hdr_path,
         &a.t,
         &keyfiles,
-        a.t.hash.as_deref(),
+        a.hash.as_deref(),
         a.cipher.as_deref(),
     )?;
     let name = a.device.display().to_string();
@@ -198,7 +198,7 @@ pub fn prepare_tcrypt(v: &VolumeArgs) -> CliResult<OpenRequest> {
         &hdr_path,
         &v.tcrypt,
         &keyfiles,
-        v.tcrypt.hash.as_deref(),
+        v.hash.as_deref(),
         v.cipher.as_deref(),
     )?;
     let backend: Arc<dyn Backend> = v.volume.open_data(!v.read_only, &v.remote, v.cache)?;

@@ -187,3 +187,13 @@ fn main() {
     };
     std::process::exit(code);
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of the whole grammar (unique argument names and shorts in every
+    /// command, valid defaults), which otherwise run only when that command is parsed.
+    #[test]
+    fn the_grammar_is_consistent() {
+        super::command().debug_assert();
+    }
+}

@@ -147,7 +147,8 @@ pub struct VolumeArgs {
     pub key_size: Option<u32>,
     /// Plain mode: how a passphrase becomes the key: a hash (default ripemd160), `plain`
     /// (the passphrase itself), or HASH:LEN (LEN bytes of hash, zeros after). A key file is
-    /// the key itself and is never hashed.
+    /// the key itself and is never hashed. `--type tcrypt`: only KDFs whose hash name
+    /// contains this.
     #[arg(long, short = 'h', value_name = "HASH")]
     pub hash: Option<String>,
     /// Raw mode: encryption sector size in bytes (512, 1024, 2048, 4096).
