@@ -9,17 +9,14 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use clap::Args;
 use ucrypt::backend::Backend;
-use ucrypt::open::{Format, OpenRequest, Plain};
 use ucrypt::tcrypt;
 use ucrypt::SecretBytes;
 
 use crate::error::{CliError, CliResult};
 use crate::header_dev::open_header_file;
-use crate::open::VolumeArgs;
 use crate::pass::{self, Source};
 
 /// cryptsetup's TCRYPT options, shared by `tcryptDump` and `open`/`export --type tcrypt`.
@@ -177,39 +174,21 @@ pub fn tcrypt_dump(a: &TcryptDumpArgs) -> CliResult<i32> {
     Ok(0)
 }
 
-/// `open`/`export --type tcrypt`: the header decrypted, the data as a raw mapping.
-pub fn prepare_tcrypt(v: &VolumeArgs) -> CliResult<OpenRequest> {
-    let path = match &v.volume {
-        crate::target::Target::Path(p) => p.clone(),
-        other => {
-            return Err(CliError::Usage(format!(
-                "{other}: TCRYPT volumes are opened from local files or devices"
-            )))
-        }
-    };
-    let files = v
-        .key_file
-        .iter()
+/// `open`/`export --type tcrypt`: the header of `hdr_path` (the volume, or its `--header`)
+/// decrypted with the passphrase and keyfiles (`key_file`, then `--tcrypt-keyfile`), and the
+/// raw mapping of the `device_bytes`-long volume it gives.
+pub fn tcrypt_mapping(
+    hdr_path: &Path,
+    t: &TcryptArgs,
+    key_file: Option<&str>,
+    hash: Option<&str>,
+    cipher: Option<&str>,
+) -> CliResult<tcrypt::Mapping> {
+    let files = key_file
         .map(Path::new)
-        .chain(v.tcrypt.tcrypt_keyfiles.iter().map(PathBuf::as_path));
+        .into_iter()
+        .chain(t.tcrypt_keyfiles.iter().map(PathBuf::as_path));
     let keyfiles = read_keyfiles(files)?;
-    let hdr_path = v.header.clone().unwrap_or_else(|| path.clone());
-    let (hdr, hdr_size) = unlock_tcrypt(
-        &hdr_path,
-        &v.tcrypt,
-        &keyfiles,
-        v.hash.as_deref(),
-        v.cipher.as_deref(),
-    )?;
-    let backend: Arc<dyn Backend> = v.volume.open_data(!v.read_only, &v.remote, v.cache)?;
-    let m = hdr.mapping(hdr_size)?;
-    let mut plain = Plain::new(m.spec, m.key, m.geometry);
-    plain.data_offset_bytes = m.data_offset_bytes;
-    plain.size_bytes = m.size_bytes;
-    let mut req = OpenRequest::new(backend, Format::Plain(plain));
-    req.policy = v.policies(&[]);
-    req.spin = v.spin();
-    req.read_only = v.read_only;
-    req.allow_discards = v.allow_discards;
-    Ok(req)
+    let (hdr, hdr_size) = unlock_tcrypt(hdr_path, t, &keyfiles, hash, cipher)?;
+    Ok(hdr.mapping(hdr_size)?)
 }

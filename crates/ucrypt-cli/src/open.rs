@@ -400,9 +400,7 @@ impl VolumeArgs {
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
         let prepared = match (&self.cipher, self.device_type) {
-            (_, Some(DeviceType::Tcrypt)) => {
-                crate::formats::prepare_tcrypt(self).map(|req| (req, None))
-            }
+            (_, Some(DeviceType::Tcrypt)) => self.prepare_tcrypt().map(|req| (req, None)),
             (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
             (None, Some(DeviceType::Plain)) => self
                 .prepare_raw(ucrypt::plain::DEFAULT_CIPHER)
@@ -579,6 +577,36 @@ impl VolumeArgs {
                 )?)
             }
         }
+    }
+
+    /// `--type tcrypt`: the TrueCrypt/VeraCrypt header decrypted, the data as a raw mapping.
+    fn prepare_tcrypt(&self) -> CliResult<OpenRequest> {
+        let Target::Path(path) = &self.volume else {
+            return Err(CliError::Usage(format!(
+                "{}: TCRYPT volumes are opened from local files or devices",
+                self.volume
+            )));
+        };
+        let hdr_path = self.header.as_deref().unwrap_or(path);
+        let m = crate::formats::tcrypt_mapping(
+            hdr_path,
+            &self.tcrypt,
+            self.key_file.as_deref(),
+            self.hash.as_deref(),
+            self.cipher.as_deref(),
+        )?;
+        let backend = self
+            .volume
+            .open_data(!self.read_only, &self.remote, self.cache)?;
+        let mut plain = Plain::new(m.spec, m.key, m.geometry);
+        plain.data_offset_bytes = m.data_offset_bytes;
+        plain.size_bytes = m.size_bytes;
+        let mut req = OpenRequest::new(backend, Format::Plain(plain));
+        req.policy = self.policies(&[]);
+        req.spin = self.spin();
+        req.read_only = self.read_only;
+        req.allow_discards = self.allow_discards;
+        Ok(req)
     }
 
     /// Raw dm-crypt mapping (cryptsetup's plain mode).

@@ -11,6 +11,7 @@
 mod adiantum;
 pub(crate) mod block;
 mod camellia;
+pub(crate) mod crc32;
 pub(crate) mod evp;
 pub(crate) mod modes;
 mod spec;
@@ -180,7 +181,7 @@ impl Tcw {
             *b = self.whitening[i] ^ sector[i % 8];
         }
         for word in buf.chunks_exact_mut(4) {
-            let c = crate::tcrypt::crc32_raw(0, word);
+            let c = crc32::update(0, word);
             word.copy_from_slice(&c.to_le_bytes());
         }
         let mut w = [0u8; 8];

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use hmac::{Mac, SimpleHmac};
 use zeroize::Zeroize;
 
-use super::crc32;
+use crate::sector::crc32;
 use crate::{Error, Result, SecretBytes};
 
 /// Bytes of the derived header key.

@@ -14,20 +14,16 @@
 //! a system volume's in sector 62 of the drive.
 
 mod algs;
-mod crc32;
 mod kdf;
 
 use std::fmt::Write as _;
 
 pub use algs::{Algs, Chain, Cipher};
 
-/// The raw CRC-32 register update (no inversions), for dm-crypt's `tcw` IV in `sector`.
-pub(crate) fn crc32_raw(crc: u32, data: &[u8]) -> u32 {
-    crc32::update(crc, data)
-}
 pub use kdf::{Hash, KEYFILE_BYTES_MAX};
 
 use crate::backend::Backend;
+use crate::sector::crc32;
 use crate::sector::{
     BlockCipher, Cascade, CascadeChain, CipherSpec, Geometry, IvMode, Mode, SectorSize,
 };
