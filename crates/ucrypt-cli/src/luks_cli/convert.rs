@@ -10,8 +10,8 @@ use ucrypt::luks::{self, Header, KeyUse};
 use ucrypt::{Error, Result};
 
 use super::{existing_source, header_name, kdf_request, load, refuse_if_served, LuksOpts};
-use crate::target::Target;
 use crate::pass;
+use crate::target::Target;
 
 /// The header device as a local path (the `--header` file, or the volume itself).
 fn local_header_path(device: &Target, o: &LuksOpts) -> Option<PathBuf> {
@@ -47,7 +47,10 @@ pub(super) fn convert(device: &Target, o: &LuksOpts) -> Result<i32> {
     }
     pass::confirm(
         o.batch_mode,
-        &format!("This operation will convert {name} to {} format.\n", to.name()),
+        &format!(
+            "This operation will convert {name} to {} format.\n",
+            to.name()
+        ),
     )?;
     // A serving process holds the header it opened and may write it back.
     refuse_if_served(
@@ -70,7 +73,9 @@ pub(super) fn convert(device: &Target, o: &LuksOpts) -> Result<i32> {
     if plan.device_bytes_needed > dev.size() {
         // Only a regular file gets here (`growable`): it grows as cryptsetup fallocates it.
         let Some(p) = &path else {
-            return Err(Error::Bug("a device that cannot grow passed the space check"));
+            return Err(Error::Bug(
+                "a device that cannot grow passed the space check",
+            ));
         };
         std::fs::OpenOptions::new()
             .write(true)
