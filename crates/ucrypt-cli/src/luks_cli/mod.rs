@@ -5,6 +5,7 @@
 //! Exit codes follow cryptsetup(8): 1 wrong parameters, 2 no permission / bad passphrase,
 //! 3 out of memory, 4 wrong device, 5 device busy.
 
+mod convert;
 mod data;
 mod reencrypt;
 
@@ -262,6 +263,29 @@ pub enum LuksCmd {
         #[command(flatten)]
         o: LuksOpts,
     },
+    /// Convert the header in place to --type luks1 or luks2 (cryptsetup convert).
+    #[command(name = "convert")]
+    Convert {
+        device: Target,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Give a keyslot new PBKDF parameters, same passphrase (cryptsetup luksConvertKey).
+    #[command(name = "convert-key", visible_alias = "luksConvertKey")]
+    ConvertKey {
+        device: Target,
+        #[arg(value_name = "KEY_FILE")]
+        pos_key_file: Option<String>,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
+    /// Destroy every keyslot: the volume can no longer be opened (cryptsetup erase).
+    #[command(name = "erase", visible_alias = "luksErase")]
+    Erase {
+        device: Target,
+        #[command(flatten)]
+        o: LuksOpts,
+    },
     /// Rewrite both LUKS2 header copies from the valid one (cryptsetup repair).
     #[command(name = "repair")]
     Repair {
@@ -337,6 +361,11 @@ const VERBS: &[&str] = &[
     "open",
     "luksOpen",
     "config",
+    "convert",
+    "convert-key",
+    "luksConvertKey",
+    "erase",
+    "luksErase",
     "repair",
     "reencrypt",
     "export",
@@ -419,6 +448,13 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::Uuid { device, o } => uuid(&device, &o),
         LuksCmd::IsLuks { device, o } => is_luks(&device, &o),
         LuksCmd::Config { device, o } => config(&device, &o),
+        LuksCmd::Convert { device, o } => convert::convert(&device, &o),
+        LuksCmd::ConvertKey {
+            device,
+            pos_key_file,
+            o,
+        } => convert::convert_key(&device, pos_key_file.as_deref(), &o),
+        LuksCmd::Erase { device, o } => convert::erase(&device, &o),
         LuksCmd::Repair { device, o } => repair(&device, &o),
         LuksCmd::Reencrypt { device, r, o } => reencrypt::reencrypt_cmd(device, &r, &o),
         LuksCmd::Export {

@@ -15,6 +15,7 @@
 //! performs I/O, and only through the backend.
 
 pub mod af;
+pub mod convert;
 mod driver;
 mod dump;
 pub mod json;
