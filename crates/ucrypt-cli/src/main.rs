@@ -166,6 +166,9 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Tcrypt) => {
+            tcrypt_test_passphrase(&a)
+        }
         Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
         Cmd::Serve(a) => serve::run(*a),
@@ -186,6 +189,33 @@ fn main() {
         Cmd::GenerateDocs(a) => manual::run(command(), a),
     };
     std::process::exit(code);
+}
+
+/// `open --type tcrypt --test-passphrase`: the TrueCrypt/VeraCrypt header decrypts with the
+/// passphrase and keyfiles, and gives a mapping; nothing is served.
+fn tcrypt_test_passphrase(a: &daemon::OpenArgs) -> i32 {
+    ucrypt::secret::disable_core_dumps();
+    let v = &a.v;
+    let r = match &v.volume {
+        target::Target::Path(p) => formats::tcrypt_mapping(
+            v.header.as_deref().unwrap_or(p),
+            &v.tcrypt,
+            v.key_file.as_deref(),
+            v.hash.as_deref(),
+            v.cipher.as_deref(),
+        )
+        .map(|_| ()),
+        other => Err(error::CliError::Usage(format!(
+            "{other}: TCRYPT volumes are opened from local files or devices"
+        ))),
+    };
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{}", e.message());
+            e.exit_code()
+        }
+    }
 }
 
 #[cfg(test)]

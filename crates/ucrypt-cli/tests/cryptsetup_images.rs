@@ -1101,7 +1101,6 @@ fn open_type_is_validated() {
     for (ty, word) in [
         ("bogus", "unknown device type 'bogus'"),
         ("luks1", "it is LUKS2"),
-        ("tcrypt", "TrueCrypt/VeraCrypt"),
         ("bitlk", "BitLocker"),
         ("fvault2", "FileVault2"),
         ("loopaes", "loop-AES"),
@@ -1119,5 +1118,27 @@ fn open_type_is_validated() {
                 text(&o)
             );
         }
+    }
+    // A LUKS volume is no TrueCrypt volume: no TCRYPT header decrypts with its passphrase
+    // (cryptsetup's words and exit code of a wrong passphrase), whatever LUKS would say.
+    for args in [
+        vec!["open", "--type", "tcrypt", "--test-passphrase", d],
+        vec![
+            "open",
+            "--type",
+            "tcrypt",
+            d,
+            "typed",
+            "--front-end",
+            "fuse",
+        ],
+    ] {
+        let o = run_in(UCRYPT, &args, k.as_bytes());
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("No device header detected"),
+            "{args:?}: {}",
+            text(&o)
+        );
     }
 }
