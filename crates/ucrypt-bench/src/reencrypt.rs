@@ -591,152 +591,113 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
     let dir = &scratch.0;
     let key = dir.join("key");
     std::fs::write(&key, PASSPHRASE).map_err(|e| e.to_string())?;
+    let setup = Setup {
+        ucrypt: &ucrypt,
+        dir,
+        key: &key,
+        data,
+        with_cryptsetup,
+    };
     let mut rows = Vec::new();
     for busy in [0, BUSY_THREADS] {
-        // One column per mode, and the datashift encryption last.
-        let mut u: Vec<Vec<f64>> = vec![Vec::new(); MODES.len() + 1];
-        let mut c: Vec<Vec<f64>> = vec![Vec::new(); MODES.len() + 1];
-        let mut ei = Vec::new();
-        let mut bare = Vec::new();
-        let mut bare_journal = Vec::new();
-        let mut bare_shift = Vec::new();
-        let mut ordered_journal = Vec::new();
-        let mut ordered_shift = Vec::new();
+        let mut s = Samples::new();
         for round in 0..runs {
-            let base = make_volume(
-                &ucrypt,
-                dir,
-                &key,
-                data,
-                if with_cryptsetup {
-                    "cryptsetup"
-                } else {
-                    "ucrypt"
-                },
-            )?;
-            let work = dir.join("work.img");
-            let _load = Busy::start(busy);
-            for (m, mode) in MODES.iter().enumerate() {
-                copy(&base, &work)?;
-                u[m].push(timed(
-                    Command::new(&ucrypt)
-                        .args(["reencrypt", "-q", "--resilience", mode])
-                        .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
-                        .arg(PBKDF2_ITERATIONS)
-                        .arg("--key-file")
-                        .arg(&key)
-                        .arg(&work),
-                )?);
-                if with_cryptsetup {
-                    copy(&base, &work)?;
-                    c[m].push(timed(
-                        Command::new("cryptsetup")
-                            .args(["reencrypt", "-q", "--force-offline-reencrypt"])
-                            .args(["--resilience", mode])
-                            .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
-                            .arg(PBKDF2_ITERATIONS)
-                            .arg("--key-file")
-                            .arg(&key)
-                            .arg(&work),
-                    )?);
-                }
-            }
-            copy(&base, &work)?;
-            bare.push(bare_rotation(&work, HEADER_BYTES, data, Bare::Rekey)?);
-            copy(&base, &work)?;
-            bare_journal.push(bare_rotation(
-                &work,
-                HEADER_BYTES,
-                data,
-                Bare::RekeyJournal,
-            )?);
-            copy(&base, &work)?;
-            bare_shift.push(bare_rotation(&work, HEADER_BYTES, data, Bare::Shift)?);
-            copy(&base, &work)?;
-            ordered_journal.push(bare_ordered(&work, HEADER_BYTES, data, Order::Journal)?);
-            copy(&base, &work)?;
-            ordered_shift.push(bare_ordered(&work, HEADER_BYTES, data, Order::Shift)?);
-            let plain = dir.join("export.bin");
-            let te = timed(
-                Command::new(&ucrypt)
-                    .arg("export")
-                    .arg("--key-file")
-                    .arg(&key)
-                    .arg(&base)
-                    .arg(&plain),
-            )?;
-            // The datashift encryption of the same plaintext, with the free space after it.
-            let shift = MODES.len();
-            let encrypt = |tool: &str| -> Result<f64, String> {
-                copy(&plain, &work)?;
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&work)
-                    .and_then(|f| f.set_len(data + REDUCE_BYTES))
-                    .map_err(|e| format!("{}: {e}", work.display()))?;
-                let mut cmd = Command::new(tool);
-                cmd.args([
-                    "reencrypt",
-                    "-q",
-                    "--encrypt",
-                    "--reduce-device-size",
-                    REDUCE,
-                ])
-                .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
-                .arg(PBKDF2_ITERATIONS)
-                .arg("--key-file")
-                .arg(&key)
-                .arg(&work)
-                // cryptsetup builds the header in a temporary file here.
-                .current_dir(dir);
-                if tool == "cryptsetup" {
-                    cmd.arg("--force-offline-reencrypt");
-                }
-                timed(&mut cmd)
-            };
-            u[shift].push(encrypt(&ucrypt.display().to_string())?);
-            if with_cryptsetup {
-                c[shift].push(encrypt("cryptsetup")?);
-            }
-            let ti = timed(
-                Command::new(&ucrypt)
-                    .arg("import")
-                    .arg(&plain)
-                    .arg(&base)
-                    .arg("--key-file")
-                    .arg(&key),
-            )?;
-            ei.push(te + ti);
-            let _ = std::fs::remove_file(&plain);
+            run_round(&setup, busy, &mut s)?;
             if progress {
-                eprintln!(
-                    "reencrypt: busy {busy}, round {}/{runs}: ucrypt {:?} cryptsetup {:?} export+import {:.2} bare {:.2} bare+journal {:.2} bare shift {:.2} ordered journal {:.2} ordered shift {:.2}",
-                    round + 1,
-                    u.iter().map(|v| v.last().copied().unwrap_or(f64::NAN)).collect::<Vec<_>>(),
-                    c.iter().map(|v| v.last().copied().unwrap_or(f64::NAN)).collect::<Vec<_>>(),
-                    te + ti,
-                    bare.last().copied().unwrap_or(f64::NAN),
-                    bare_journal.last().copied().unwrap_or(f64::NAN),
-                    bare_shift.last().copied().unwrap_or(f64::NAN),
-                    ordered_journal.last().copied().unwrap_or(f64::NAN),
-                    ordered_shift.last().copied().unwrap_or(f64::NAN),
-                );
+                s.print_last(busy, round, runs);
             }
         }
-        let ceiling = Summary::of(&ei);
-        let (bare, bare_journal) = (Summary::of(&bare), Summary::of(&bare_journal));
-        let bare_shift = Summary::of(&bare_shift);
+        rows.extend(s.rows(busy, with_cryptsetup));
+    }
+    Ok(Report {
+        machine: Machine::detect(),
+        dir: dir.display().to_string(),
+        data_bytes: data,
+        runs,
+        rows,
+        cryptsetup: if with_cryptsetup {
+            run_ok(Command::new("cryptsetup").arg("--version"))
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        } else {
+            "SKIPPED: cryptsetup is not installed".into()
+        },
+        notes: notes(),
+    })
+}
+
+/// What every round of [`measure`] uses.
+struct Setup<'a> {
+    ucrypt: &'a Path,
+    dir: &'a Path,
+    key: &'a Path,
+    data: u64,
+    with_cryptsetup: bool,
+}
+
+/// The wall seconds of one busy level, one entry per round.
+struct Samples {
+    /// ucrypt's, one column per mode, and the datashift encryption last.
+    u: Vec<Vec<f64>>,
+    /// cryptsetup's, as `u`.
+    c: Vec<Vec<f64>>,
+    /// export + import.
+    ei: Vec<f64>,
+    bare: Vec<f64>,
+    bare_journal: Vec<f64>,
+    bare_shift: Vec<f64>,
+    ordered_journal: Vec<f64>,
+    ordered_shift: Vec<f64>,
+}
+
+impl Samples {
+    fn new() -> Self {
+        Samples {
+            u: vec![Vec::new(); MODES.len() + 1],
+            c: vec![Vec::new(); MODES.len() + 1],
+            ei: Vec::new(),
+            bare: Vec::new(),
+            bare_journal: Vec::new(),
+            bare_shift: Vec::new(),
+            ordered_journal: Vec::new(),
+            ordered_shift: Vec::new(),
+        }
+    }
+
+    /// The last round's timings, on stderr.
+    fn print_last(&self, busy: usize, round: usize, runs: usize) {
+        let last = |v: &Vec<f64>| v.last().copied().unwrap_or(f64::NAN);
+        eprintln!(
+            "reencrypt: busy {busy}, round {}/{runs}: ucrypt {:?} cryptsetup {:?} export+import {:.2} bare {:.2} bare+journal {:.2} bare shift {:.2} ordered journal {:.2} ordered shift {:.2}",
+            round + 1,
+            self.u.iter().map(last).collect::<Vec<_>>(),
+            self.c.iter().map(last).collect::<Vec<_>>(),
+            last(&self.ei),
+            last(&self.bare),
+            last(&self.bare_journal),
+            last(&self.bare_shift),
+            last(&self.ordered_journal),
+            last(&self.ordered_shift),
+        );
+    }
+
+    /// One row per mode, and the datashift encryption's.
+    fn rows(&self, busy: usize, with_cryptsetup: bool) -> Vec<Row> {
+        let ceiling = Summary::of(&self.ei);
+        let (bare, bare_journal) = (Summary::of(&self.bare), Summary::of(&self.bare_journal));
+        let bare_shift = Summary::of(&self.bare_shift);
+        let mut rows = Vec::new();
         for (m, mode) in MODES.iter().chain(&[SHIFT_ROW]).enumerate() {
-            let us = Summary::of(&u[m]);
+            let us = Summary::of(&self.u[m]);
             let bare = match *mode {
                 "journal" => bare_journal,
                 SHIFT_ROW => bare_shift,
                 _ => bare,
             };
-            let cs = with_cryptsetup.then(|| Summary::of(&c[m]));
+            let cs = with_cryptsetup.then(|| Summary::of(&self.c[m]));
             let ordered = match *mode {
-                "journal" => Some(Summary::of(&ordered_journal)),
-                SHIFT_ROW => Some(Summary::of(&ordered_shift)),
+                "journal" => Some(Summary::of(&self.ordered_journal)),
+                SHIFT_ROW => Some(Summary::of(&self.ordered_shift)),
                 _ => None,
             };
             rows.push(Row {
@@ -755,49 +716,176 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<Report, Strin
                 of_ordered: ordered.map(|o| o.median / us.median),
             });
         }
+        rows
     }
-    Ok(Report {
-        machine: Machine::detect(),
-        dir: dir.display().to_string(),
-        data_bytes: data,
-        runs,
-        rows,
-        cryptsetup: if with_cryptsetup {
-            run_ok(Command::new("cryptsetup").arg("--version"))
-                .map(|s| s.trim().to_string())
-                .unwrap_or_default()
+}
+
+/// One round with `busy` threads spinning: a new volume, each mode's rotation by both tools,
+/// the bare and ordered loops, the datashift encryption of its exported plaintext and the
+/// export + import ceiling, each added to `s`.
+fn run_round(setup: &Setup<'_>, busy: usize, s: &mut Samples) -> Result<(), String> {
+    let Setup {
+        ucrypt,
+        dir,
+        key,
+        data,
+        with_cryptsetup,
+    } = *setup;
+    let base = make_volume(
+        ucrypt,
+        dir,
+        key,
+        data,
+        if with_cryptsetup {
+            "cryptsetup"
         } else {
-            "SKIPPED: cryptsetup is not installed".into()
+            "ucrypt"
         },
-        notes: vec![
-            "wall seconds include each tool's unlocks (pbkdf2, 1000 iterations)".into(),
-            "ucrypt rotates with its default 64 MiB hotzones, cryptsetup with its default (one \
-             hotzone as large as the resilience area protects)"
-                .into(),
-            "bare: the bare rotation of the same bytes (one thread per core, 256 KiB chunks, \
-             decrypt + encrypt in place, then sync; no header, resilience or unlock), timed in \
-             the same rounds; the journal row's bare rotation also writes each chunk, as read, \
-             to a journal area first (the journal's one copy more of every byte); the \
-             datashift row's encrypts 512-byte sectors and writes each chunk 16 MiB lower, in \
-             no hotzone order; in every bare loop the threads write the file in turns, as \
-             ucrypt's lanes write a buffered file"
-                .into(),
-            format!(
-                "ordered bare (journal and {SHIFT_ROW} rows): the bare loop with the order the \
-                 protocol puts between hotzones: per hotzone ({JOURNAL_AREA_BYTES}-byte journal \
-                 area; {SHIFT_BYTES}-byte shift), every thread waits for the others and one \
-                 flushes, after the journal's copy and after the rewrite; the threads claim \
-                 {} KiB at a time; the shift's encrypts 512-byte sectors, as both tools' \
-                 --encrypt writes (the bare column's rotation rekeys 4096-byte ones)",
-                ORDERED_CHUNK >> 10
-            ),
-            format!(
-                "{SHIFT_ROW}: reencrypt --encrypt --reduce-device-size {REDUCE} of the exported \
-                 plaintext with {REDUCE} free after it, both tools (hotzones of the 16 MiB \
-                 shift); its ceiling column is the same export+import"
-            ),
-        ],
-    })
+    )?;
+    let work = dir.join("work.img");
+    let _load = Busy::start(busy);
+    for (m, mode) in MODES.iter().enumerate() {
+        copy(&base, &work)?;
+        s.u[m].push(timed(
+            Command::new(ucrypt)
+                .args(["reencrypt", "-q", "--resilience", mode])
+                .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
+                .arg(PBKDF2_ITERATIONS)
+                .arg("--key-file")
+                .arg(key)
+                .arg(&work),
+        )?);
+        if with_cryptsetup {
+            copy(&base, &work)?;
+            s.c[m].push(timed(
+                Command::new("cryptsetup")
+                    .args(["reencrypt", "-q", "--force-offline-reencrypt"])
+                    .args(["--resilience", mode])
+                    .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
+                    .arg(PBKDF2_ITERATIONS)
+                    .arg("--key-file")
+                    .arg(key)
+                    .arg(&work),
+            )?);
+        }
+    }
+    copy(&base, &work)?;
+    s.bare
+        .push(bare_rotation(&work, HEADER_BYTES, data, Bare::Rekey)?);
+    copy(&base, &work)?;
+    s.bare_journal.push(bare_rotation(
+        &work,
+        HEADER_BYTES,
+        data,
+        Bare::RekeyJournal,
+    )?);
+    copy(&base, &work)?;
+    s.bare_shift
+        .push(bare_rotation(&work, HEADER_BYTES, data, Bare::Shift)?);
+    copy(&base, &work)?;
+    s.ordered_journal
+        .push(bare_ordered(&work, HEADER_BYTES, data, Order::Journal)?);
+    copy(&base, &work)?;
+    s.ordered_shift
+        .push(bare_ordered(&work, HEADER_BYTES, data, Order::Shift)?);
+    let plain = dir.join("export.bin");
+    let te = timed(
+        Command::new(ucrypt)
+            .arg("export")
+            .arg("--key-file")
+            .arg(key)
+            .arg(&base)
+            .arg(&plain),
+    )?;
+    // The datashift encryption of the same plaintext, with the free space after it.
+    let shift = MODES.len();
+    s.u[shift].push(encrypt_shift_timed(
+        setup,
+        &plain,
+        &work,
+        &ucrypt.display().to_string(),
+    )?);
+    if with_cryptsetup {
+        s.c[shift].push(encrypt_shift_timed(setup, &plain, &work, "cryptsetup")?);
+    }
+    let ti = timed(
+        Command::new(ucrypt)
+            .arg("import")
+            .arg(&plain)
+            .arg(&base)
+            .arg("--key-file")
+            .arg(key),
+    )?;
+    s.ei.push(te + ti);
+    let _ = std::fs::remove_file(&plain);
+    Ok(())
+}
+
+/// The wall seconds of `tool`'s `reencrypt --encrypt --reduce-device-size` of the plaintext
+/// `plain` copied to `work`, with [`REDUCE_BYTES`] free after it.
+fn encrypt_shift_timed(
+    setup: &Setup<'_>,
+    plain: &Path,
+    work: &Path,
+    tool: &str,
+) -> Result<f64, String> {
+    copy(plain, work)?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(work)
+        .and_then(|f| f.set_len(setup.data + REDUCE_BYTES))
+        .map_err(|e| format!("{}: {e}", work.display()))?;
+    let mut cmd = Command::new(tool);
+    cmd.args([
+        "reencrypt",
+        "-q",
+        "--encrypt",
+        "--reduce-device-size",
+        REDUCE,
+    ])
+    .args(["--pbkdf", "pbkdf2", "--pbkdf-force-iterations"])
+    .arg(PBKDF2_ITERATIONS)
+    .arg("--key-file")
+    .arg(setup.key)
+    .arg(work)
+    // cryptsetup builds the header in a temporary file here.
+    .current_dir(setup.dir);
+    if tool == "cryptsetup" {
+        cmd.arg("--force-offline-reencrypt");
+    }
+    timed(&mut cmd)
+}
+
+/// What the report's columns measure.
+fn notes() -> Vec<String> {
+    vec![
+        "wall seconds include each tool's unlocks (pbkdf2, 1000 iterations)".into(),
+        "ucrypt rotates with its default 64 MiB hotzones, cryptsetup with its default (one \
+         hotzone as large as the resilience area protects)"
+            .into(),
+        "bare: the bare rotation of the same bytes (one thread per core, 256 KiB chunks, \
+         decrypt + encrypt in place, then sync; no header, resilience or unlock), timed in \
+         the same rounds; the journal row's bare rotation also writes each chunk, as read, \
+         to a journal area first (the journal's one copy more of every byte); the \
+         datashift row's encrypts 512-byte sectors and writes each chunk 16 MiB lower, in \
+         no hotzone order; in every bare loop the threads write the file in turns, as \
+         ucrypt's lanes write a buffered file"
+            .into(),
+        format!(
+            "ordered bare (journal and {SHIFT_ROW} rows): the bare loop with the order the \
+             protocol puts between hotzones: per hotzone ({JOURNAL_AREA_BYTES}-byte journal \
+             area; {SHIFT_BYTES}-byte shift), every thread waits for the others and one \
+             flushes, after the journal's copy and after the rewrite; the threads claim \
+             {} KiB at a time; the shift's encrypts 512-byte sectors, as both tools' \
+             --encrypt writes (the bare column's rotation rekeys 4096-byte ones)",
+            ORDERED_CHUNK >> 10
+        ),
+        format!(
+            "{SHIFT_ROW}: reencrypt --encrypt --reduce-device-size {REDUCE} of the exported \
+             plaintext with {REDUCE} free after it, both tools (hotzones of the 16 MiB \
+             shift); its ceiling column is the same export+import"
+        ),
+    ]
 }
 
 pub fn markdown(r: &Report) -> String {

@@ -421,75 +421,15 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
 /// The report from the VM's output: every configuration must have a probe line per side and
 /// round, else an error quoting the failures.
 fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmReport, String> {
-    let mut samples = vec![[const { Vec::new() }; 4]; cfgs.len() * 2];
-    let mut sizes = vec![0u64; cfgs.len() * 2];
-    let mut failures = Vec::new();
-    let mut kernel_setup = Vec::new();
-    let (mut kernel, mut guest_cpus, mut flags) = (String::new(), 0, Vec::new());
-    const FLAGS: [&str; 8] = [
-        "aes",
-        "pclmulqdq",
-        "ssse3",
-        "avx",
-        "avx2",
-        "sha_ni",
-        "vaes",
-        "avx512f",
-    ];
-    for line in output.lines() {
-        let mut w = line.split_whitespace();
-        match w.next() {
-            Some("@@VMTEST-BEGIN") => {
-                kernel = w
-                    .find_map(|x| x.strip_prefix("kernel="))
-                    .unwrap_or_default()
-                    .into()
-            }
-            Some("@@CPU") => {
-                guest_cpus = w.next().and_then(|n| n.parse().ok()).unwrap_or(0);
-                let all: Vec<&str> = w.collect();
-                flags = FLAGS
-                    .iter()
-                    .filter(|f| all.contains(f))
-                    .map(|f| f.to_string())
-                    .collect();
-            }
-            Some("@@FAIL") => failures.push(line.to_string()),
-            Some("@@SETUP") => {
-                // "@@SETUP kernel:3 ..." → the configuration's name instead of its index.
-                let rest = &line["@@SETUP ".len()..];
-                let named = rest
-                    .split_once(':')
-                    .and_then(|(side, more)| {
-                        let (idx, tail) = more.split_once(' ')?;
-                        let c = cfgs.get(idx.trim_end_matches(':').parse::<usize>().ok()?)?;
-                        Some(format!("{side}, {}: {}", c.name, tail.trim()))
-                    })
-                    .unwrap_or_else(|| rest.to_string());
-                kernel_setup.push(named);
-            }
-            Some("@@PROBE") => {
-                let tag = w.next().unwrap_or_default();
-                let vals: Vec<f64> = w.filter_map(|x| x.parse().ok()).collect();
-                let mut t = tag.split(':');
-                let side = match t.next() {
-                    Some("kernel") => 0,
-                    Some("ucrypt") => 1,
-                    _ => continue,
-                };
-                let Some(c) = t.next().and_then(|c| c.parse::<usize>().ok()) else {
-                    continue;
-                };
-                if c < cfgs.len() && vals.len() == 5 {
-                    for (k, v) in vals[..4].iter().enumerate() {
-                        samples[c * 2 + side][k].push(*v);
-                    }
-                    sizes[c * 2 + side] = vals[4] as u64;
-                }
-            }
-            _ => {}
-        }
-    }
+    let Scanned {
+        samples,
+        sizes,
+        failures,
+        kernel_setup,
+        kernel,
+        guest_cpus,
+        flags,
+    } = scan(output, cfgs);
     let missing: Vec<String> = (0..cfgs.len() * 2)
         .filter(|i| samples[*i][0].len() != runs)
         .map(|i| {
@@ -509,31 +449,7 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         ));
     }
-    let sums: Vec<[Summary; 4]> = samples
-        .iter()
-        .map(|s| [0, 1, 2, 3].map(|k| Summary::of(&s[k])))
-        .collect();
-    let side = |i: usize, plain: usize| VmSide {
-        read_mib_s: sums[i][0],
-        write_mib_s: sums[i][1],
-        read_4k_us: sums[i][2],
-        write_4k_us: sums[i][3],
-        ratios: Ratios::to_plain(&sums[i], &sums[plain]),
-        device_bytes: sizes[i],
-    };
-    let rows = cfgs
-        .iter()
-        .enumerate()
-        .map(|(c, cfg)| {
-            let (k, u) = (side(c * 2, 0), side(c * 2 + 1, 1));
-            VmRow {
-                name: cfg.name.clone(),
-                ucrypt_over_kernel: u.ratios.over(&k.ratios),
-                kernel: k,
-                ucrypt: u,
-            }
-        })
-        .collect::<Vec<VmRow>>();
+    let rows = vm_rows(&samples, &sizes, cfgs);
     let mut notes = Vec::new();
     for r in rows
         .iter()
@@ -557,30 +473,154 @@ fn parse(output: &str, status: i32, cfgs: &[Config], runs: usize) -> Result<VmRe
         vm_seconds: 0.0,
         rows,
         kernel_setup,
-        notes: [
-            "the guest's CPU is emulated (qemu TCG): compare ratios only, never an absolute \
-             number with the host's rows"
-                .into(),
-            "kernel and ucrypt serve the same cryptsetup-made volume on the same virtio disk, \
-             measured by the same probe; their front ends differ (device-mapper in the kernel, \
-             ublk and a userspace process for ucrypt), so absolute numbers across the two \
-             sides are not comparable either: ublk's fixed cost per request is in both of \
-             ucrypt's terms and dilutes its ratio toward 1"
-                .into(),
-            "ucrypt's ublk device takes requests of at most 512 KiB (IO_BYTES_MAX): a 1 MiB \
-             request reaches ucrypt as two; the kernel's max_sectors_kb per device is in the \
-             setup lines"
-                .into(),
-            "journal rows: dm-integrity's journal as `cryptsetup open` uses it; direct rows: \
-             `--integrity-no-journal` on both sides; writes are O_DIRECT without flushes, so \
-             neither side's journal commit per flush is in these numbers (docs/integrity.md, \
-             \"What it costs\")"
-                .into(),
-        ]
-        .into_iter()
-        .chain(notes)
-        .collect(),
+        notes: vm_notes().into_iter().chain(notes).collect(),
     })
+}
+
+/// What the VM's output lines say, by kind.
+struct Scanned {
+    /// Per configuration and side (kernel, ucrypt), the probe's four measurements per round.
+    samples: Vec<[Vec<f64>; 4]>,
+    /// Per configuration and side, the device's size.
+    sizes: Vec<u64>,
+    /// The `@@FAIL` lines.
+    failures: Vec<String>,
+    /// The `@@SETUP` lines, with the configuration's name.
+    kernel_setup: Vec<String>,
+    kernel: String,
+    guest_cpus: usize,
+    flags: Vec<String>,
+}
+
+/// Reads the VM's `@@` lines: the kernel, the guest's CPU, failures, setup lines and probes.
+fn scan(output: &str, cfgs: &[Config]) -> Scanned {
+    const FLAGS: [&str; 8] = [
+        "aes",
+        "pclmulqdq",
+        "ssse3",
+        "avx",
+        "avx2",
+        "sha_ni",
+        "vaes",
+        "avx512f",
+    ];
+    let mut s = Scanned {
+        samples: vec![[const { Vec::new() }; 4]; cfgs.len() * 2],
+        sizes: vec![0u64; cfgs.len() * 2],
+        failures: Vec::new(),
+        kernel_setup: Vec::new(),
+        kernel: String::new(),
+        guest_cpus: 0,
+        flags: Vec::new(),
+    };
+    for line in output.lines() {
+        let mut w = line.split_whitespace();
+        match w.next() {
+            Some("@@VMTEST-BEGIN") => {
+                s.kernel = w
+                    .find_map(|x| x.strip_prefix("kernel="))
+                    .unwrap_or_default()
+                    .into()
+            }
+            Some("@@CPU") => {
+                s.guest_cpus = w.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                let all: Vec<&str> = w.collect();
+                s.flags = FLAGS
+                    .iter()
+                    .filter(|f| all.contains(f))
+                    .map(|f| f.to_string())
+                    .collect();
+            }
+            Some("@@FAIL") => s.failures.push(line.to_string()),
+            Some("@@SETUP") => {
+                // "@@SETUP kernel:3 ..." → the configuration's name instead of its index.
+                let rest = &line["@@SETUP ".len()..];
+                let named = rest
+                    .split_once(':')
+                    .and_then(|(side, more)| {
+                        let (idx, tail) = more.split_once(' ')?;
+                        let c = cfgs.get(idx.trim_end_matches(':').parse::<usize>().ok()?)?;
+                        Some(format!("{side}, {}: {}", c.name, tail.trim()))
+                    })
+                    .unwrap_or_else(|| rest.to_string());
+                s.kernel_setup.push(named);
+            }
+            Some("@@PROBE") => {
+                let tag = w.next().unwrap_or_default();
+                let vals: Vec<f64> = w.filter_map(|x| x.parse().ok()).collect();
+                let mut t = tag.split(':');
+                let side = match t.next() {
+                    Some("kernel") => 0,
+                    Some("ucrypt") => 1,
+                    _ => continue,
+                };
+                let Some(c) = t.next().and_then(|c| c.parse::<usize>().ok()) else {
+                    continue;
+                };
+                if c < cfgs.len() && vals.len() == 5 {
+                    for (k, v) in vals[..4].iter().enumerate() {
+                        s.samples[c * 2 + side][k].push(*v);
+                    }
+                    s.sizes[c * 2 + side] = vals[4] as u64;
+                }
+            }
+            _ => {}
+        }
+    }
+    s
+}
+
+/// One row per configuration: both sides' summaries, each side's ratios to the same side of
+/// the first configuration (plain).
+fn vm_rows(samples: &[[Vec<f64>; 4]], sizes: &[u64], cfgs: &[Config]) -> Vec<VmRow> {
+    let sums: Vec<[Summary; 4]> = samples
+        .iter()
+        .map(|s| [0, 1, 2, 3].map(|k| Summary::of(&s[k])))
+        .collect();
+    let side = |i: usize, plain: usize| VmSide {
+        read_mib_s: sums[i][0],
+        write_mib_s: sums[i][1],
+        read_4k_us: sums[i][2],
+        write_4k_us: sums[i][3],
+        ratios: Ratios::to_plain(&sums[i], &sums[plain]),
+        device_bytes: sizes[i],
+    };
+    cfgs.iter()
+        .enumerate()
+        .map(|(c, cfg)| {
+            let (k, u) = (side(c * 2, 0), side(c * 2 + 1, 1));
+            VmRow {
+                name: cfg.name.clone(),
+                ucrypt_over_kernel: u.ratios.over(&k.ratios),
+                kernel: k,
+                ucrypt: u,
+            }
+        })
+        .collect()
+}
+
+/// How to read the VM report's numbers.
+fn vm_notes() -> Vec<String> {
+    vec![
+        "the guest's CPU is emulated (qemu TCG): compare ratios only, never an absolute \
+         number with the host's rows"
+            .into(),
+        "kernel and ucrypt serve the same cryptsetup-made volume on the same virtio disk, \
+         measured by the same probe; their front ends differ (device-mapper in the kernel, \
+         ublk and a userspace process for ucrypt), so absolute numbers across the two \
+         sides are not comparable either: ublk's fixed cost per request is in both of \
+         ucrypt's terms and dilutes its ratio toward 1"
+            .into(),
+        "ucrypt's ublk device takes requests of at most 512 KiB (IO_BYTES_MAX): a 1 MiB \
+         request reaches ucrypt as two; the kernel's max_sectors_kb per device is in the \
+         setup lines"
+            .into(),
+        "journal rows: dm-integrity's journal as `cryptsetup open` uses it; direct rows: \
+         `--integrity-no-journal` on both sides; writes are O_DIRECT without flushes, so \
+         neither side's journal commit per flush is in these numbers (docs/integrity.md, \
+         \"What it costs\")"
+            .into(),
+    ]
 }
 
 /// The hidden `integrity-vm-probe` subcommand: the in-process scenario's four measurements on

@@ -5,6 +5,7 @@
 //! a volume left inside a hotzone.
 
 use std::io::IsTerminal;
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -21,6 +22,7 @@ use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result};
 
 use super::{existing_source, kdf_request, load, LuksOpts};
+use crate::daemon::online::Holder;
 use crate::pass;
 use crate::target::Target;
 use ucrypt::luks::reencrypt;
@@ -252,52 +254,8 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             "Options --init-only and --resume-only cannot be combined.".into(),
         ));
     }
-    // A volume a ucrypt process serves (`crate::in_use`) is reencrypted through that process
-    // or not at all: an offline run under it would be overwritten by the old key's writes.
-    let offline_refused = || {
-        super::refuse_if_served(
-            device,
-            o,
-            "reencrypt it online through that process (an `ucrypt open` daemon is found by \
-             the file or by --active-name; serve, mount and ublk need their --control PATH), \
-             or stop it first",
-        )
-    };
     if r.encrypt && !encryption_in_progress(o) && !shift_in_progress(device, o) {
-        offline_refused()?;
-        // cryptsetup's `reencrypt --encrypt DEVICE NAME`: NAME is activated once the init is
-        // written, and the encryption runs online in it.
-        if let Some(name) = &r.active_name {
-            if crate::daemon::online::by_name(name).is_ok() {
-                return Err(Error::io(
-                    format!("Device {name} already exists."),
-                    std::io::Error::from_raw_os_error(libc::EBUSY),
-                ));
-            }
-            if r.init_only {
-                return Err(Error::InvalidArgument(
-                    "--init-only and --active-name: the init activates nothing; open the \
-                     volume after it (ucrypt open DEVICE NAME)."
-                        .into(),
-                ));
-            }
-        }
-        return match (&r.reduce_device_size, &o.header) {
-            // Refused: cryptsetup 2.6.1 makes a header of that size
-            // and encrypts from the end with `datashift` resilience while the data stays
-            // where it is, so no hotzone is protected (`reencrypt::plan::UNMOVED_DATASHIFT`).
-            (Some(_), Some(_)) => Err(Error::InvalidArgument(
-                "--reduce-device-size with a detached --header is refused: cryptsetup 2.6.1 \
-                 then encrypts from the end with datashift resilience while the data stays \
-                 where it is, so a crash inside a hotzone loses it (its own repair rewrites \
-                 the hotzone with the data one shift below). Encrypt with the detached \
-                 --header alone (resilience checksum by default, or journal): the same result, \
-                 crash-safe."
-                    .into(),
-            )),
-            (Some(size), None) => encrypt_shift(device, r, o, parse_size(size)?),
-            (None, _) => encrypt(device, r, o),
-        };
+        return start_encryption(device, r, o);
     }
     // cryptsetup 2.6: `--decrypt --header NEW` with NEW not existing exports the header in
     // front to NEW and moves the data back to the start of the device (datashift-checksum,
@@ -306,112 +264,17 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         (Some(h), true) if !h.exists() => Some(h.clone()),
         _ => None,
     };
-    // A volume a live daemon serves is rotated by that daemon, online.
-    let holder = if let Some(sock) = &r.control {
-        match crate::daemon::online::by_control(sock) {
-            Ok(h) => Some(h),
-            Err(e) => return Ok(crate::daemon::report(Err(e))),
-        }
-    } else {
-        match (&r.active_name, device) {
-            // A new decryption that moves the data back, under a NAME not open: opened as
-            // NAME once initialised (below), as a new encryption is.
-            (Some(name), _)
-                if unshift.is_some() && crate::daemon::online::by_name(name).is_err() =>
-            {
-                if r.init_only {
-                    return Err(Error::InvalidArgument(
-                        "--init-only and --active-name: the init activates nothing; open the \
-                         volume after it (ucrypt open --header NEW DEVICE NAME)."
-                            .into(),
-                    ));
-                }
-                None
-            }
-            (Some(name), _) => match crate::daemon::online::by_name(name) {
-                Ok(h) => Some(h),
-                Err(e) => return Ok(crate::daemon::report(Err(e))),
-            },
-            (None, Target::Path(p)) => crate::daemon::online::holder_of(p),
-            (None, _) => None,
-        }
+    let holder = match find_holder(device, r, unshift.is_some())? {
+        ControlFlow::Continue(h) => h,
+        ControlFlow::Break(code) => return Ok(code),
     };
-    if let Some(h) = &holder {
-        if let Target::Path(p) = device {
-            if !h.serves(p) {
-                return Err(Error::InvalidArgument(format!(
-                    "Device {} serves {}, not {device}.",
-                    h.name,
-                    h.volume().unwrap_or_default().display()
-                )));
+    match &holder {
+        Some(h) => {
+            if let ControlFlow::Break(code) = check_holder(h, device, r, o, unshift.is_some())? {
+                return Ok(code);
             }
         }
-        if unshift.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "Device {} serves the volume from its header in front of the data: a \
-                 decryption that exports it to a new file starts with the volume closed (ucrypt \
-                 close {}; then ucrypt reencrypt --decrypt --header NEW DEVICE --active-name \
-                 NAME decrypts it online under NAME).",
-                h.name, h.name
-            )));
-        }
-        // The init goes to the header the verb was given, the rotation to the daemon's: they
-        // must be one file.
-        if !h.same_header(o.header.as_deref()) {
-            let theirs = h.header().map_or_else(
-                || "its header in front of the data".to_string(),
-                |p| format!("the detached header {}", p.display()),
-            );
-            let ours = o.header.as_ref().map_or_else(
-                || "no --header".to_string(),
-                |p| format!("--header {}", p.display()),
-            );
-            return Err(Error::InvalidArgument(format!(
-                "Device {} serves {} with {theirs}, not {ours}.",
-                h.name,
-                h.volume().unwrap_or_default().display()
-            )));
-        }
-        // Online: a new key, cipher, key size or sector size, its header in front or
-        // detached; an encryption or a decryption with a detached header; an encryption with
-        // the header put in front, once started (`--init-only`, then `ucrypt open`: the
-        // volume serves the plaintext from the start). Not a decryption that moves the data
-        // back (the header in front is what the daemon serves from).
-        if o.header.is_none() && r.encrypt && !shift_in_progress(device, o) {
-            return Err(not_built(
-                "a new encryption of a volume a ucrypt daemon serves (it is encrypted already)",
-            ));
-        }
-        // Checked before the init is written: the daemon would refuse the rotation after it.
-        let (reopen, running) = match h.reopen_needed_or_running() {
-            Ok(b) => b,
-            Err(e) => return Ok(crate::daemon::report(Err(e))),
-        };
-        // The daemon holds cryptsetup's lock shared while it reencrypts: refused here rather
-        // than waiting for the end (the daemon's own words and code).
-        if running {
-            eprintln!("Device {} is already being reencrypted.", h.name);
-            return Ok(5);
-        }
-        if reopen {
-            return Err(Error::InvalidArgument(format!(
-                "Device {} changed its sector size or data offset online and serves the new \
-                 layout until it is closed: close it and open it again before another \
-                 reencryption.",
-                h.name
-            )));
-        }
-        if r.force_offline_reencrypt {
-            eprintln!(
-                "Device {device} is in use by the ucrypt daemon {}: it is reencrypted online \
-                 through it (drop --force-offline-reencrypt, or close it first).",
-                h.name
-            );
-            return Ok(5);
-        }
-    }
-    if holder.is_none() {
-        offline_refused()?;
+        None => refuse_offline_if_served(device, o)?,
     }
     if let Some(h) = unshift {
         return decrypt_unshift(device, r, o, &h);
@@ -444,84 +307,12 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             ));
         }
     }
-    let prompt = match o.key_slot {
-        Some(s) => format!("Enter passphrase for key slot {s}: "),
-        None => "Enter passphrase: ".to_string(),
-    };
     let passphrase = match &in_progress {
-        Some(st) => {
-            let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
-            if st.needs_recovery() {
-                // A daemon recovers the hotzone its rotation stopped in, unless it cannot
-                // (resilience none); `repair` is refused on a volume it serves.
-                if let Some(h) = &holder {
-                    return Err(Error::InvalidArgument(format!(
-                        "The reencryption of {} stopped inside a hotzone its daemon could not \
-                         recover (its status says why): close the volume and open it again, \
-                         which recovers the hotzone, then resume.",
-                        h.name
-                    )));
-                }
-                return Err(Error::NeedsRecovery);
-            }
-            // cryptsetup resumes an interrupted reencryption when asked to reencrypt again.
-            passphrase
-        }
-        None => {
-            let resilience =
-                ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
-            let change = segment_change(o, &hdr)?;
-            let mode = if r.decrypt {
-                Mode::Decrypt
-            } else {
-                Mode::Reencrypt
-            };
-            // A rotation's new keyslots copy the old ones' PBKDF unless one is asked for (as
-            // cryptsetup 2.6.1); the decryption's digest follows the options.
-            let keyslot_kdf = if new_kdf_given(o) || mode == Mode::Decrypt {
-                KeyslotKdf::Given
-            } else {
-                KeyslotKdf::SameAsOld
-            };
-            let kdf = if keyslot_kdf == KeyslotKdf::Given {
-                kdf_request(o, 2)?
-            } else {
-                ucrypt::luks::kdf::KdfRequest::luks2_default()
-            };
-            let opts = InitOptions {
-                resilience,
-                kdf: &kdf,
-                key_slot: o.key_slot,
-                change,
-                mode,
-                keyslot_kdf,
-                resilience_hash: resilience_hash(r)?,
-            };
-            let (started, passphrase) = if mode == Mode::Decrypt {
-                let passphrase = pass::read_passphrase(&existing_source(o, None), &prompt, false)?;
-                (
-                    reencrypt::run::init_on(devs, passphrase.as_ref(), &opts)?,
-                    passphrase,
-                )
-            } else {
-                let slots = slot_passphrases(devs.header, &hdr, o)?;
-                let first = slots
-                    .first()
-                    .map(|sp| ucrypt::SecretBytes::from_slice(sp.passphrase()))
-                    .ok_or(Error::Bug("a rotation with no passphrase"))?;
-                (reencrypt::run::init_slots(devs, &slots, &opts)?, first)
-            };
-            if o.verbose {
-                for (_, k) in &started.new_keyslots {
-                    eprintln!("Key slot {k} created.");
-                }
-                eprintln!("Reencryption keyslot {}.", started.reencrypt_keyslot);
-            }
-            if r.init_only {
-                return Ok(0);
-            }
-            passphrase
-        }
+        Some(st) => resume_passphrase(st, holder.as_ref(), o)?,
+        None => match init_new(devs, &hdr, r, o)? {
+            ControlFlow::Continue(p) => p,
+            ControlFlow::Break(code) => return Ok(code),
+        },
     };
     // On resume, `--resilience` switches the reencryption's resilience (cryptsetup 2.6); a
     // new one was made with it already.
@@ -558,6 +349,272 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         eprintln!("Command successful.");
     }
     Ok(0)
+}
+
+/// Refuses an offline run on a volume a ucrypt process serves (`crate::in_use`): it is
+/// reencrypted through that process or not at all, since an offline run under it would be
+/// overwritten by the old key's writes.
+fn refuse_offline_if_served(device: &Target, o: &LuksOpts) -> Result<()> {
+    super::refuse_if_served(
+        device,
+        o,
+        "reencrypt it online through that process (an `ucrypt open` daemon is found by \
+         the file or by --active-name; serve, mount and ublk need their --control PATH), \
+         or stop it first",
+    )
+}
+
+/// A new `--encrypt`: with `--reduce-device-size` the header goes in front and the data
+/// moves up, else the header is detached.
+fn start_encryption(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
+    refuse_offline_if_served(device, o)?;
+    // cryptsetup's `reencrypt --encrypt DEVICE NAME`: NAME is activated once the init is
+    // written, and the encryption runs online in it.
+    if let Some(name) = &r.active_name {
+        if crate::daemon::online::by_name(name).is_ok() {
+            return Err(Error::io(
+                format!("Device {name} already exists."),
+                std::io::Error::from_raw_os_error(libc::EBUSY),
+            ));
+        }
+        if r.init_only {
+            return Err(Error::InvalidArgument(
+                "--init-only and --active-name: the init activates nothing; open the \
+                 volume after it (ucrypt open DEVICE NAME)."
+                    .into(),
+            ));
+        }
+    }
+    match (&r.reduce_device_size, &o.header) {
+        // Refused: cryptsetup 2.6.1 makes a header of that size
+        // and encrypts from the end with `datashift` resilience while the data stays
+        // where it is, so no hotzone is protected (`reencrypt::plan::UNMOVED_DATASHIFT`).
+        (Some(_), Some(_)) => Err(Error::InvalidArgument(
+            "--reduce-device-size with a detached --header is refused: cryptsetup 2.6.1 \
+             then encrypts from the end with datashift resilience while the data stays \
+             where it is, so a crash inside a hotzone loses it (its own repair rewrites \
+             the hotzone with the data one shift below). Encrypt with the detached \
+             --header alone (resilience checksum by default, or journal): the same result, \
+             crash-safe."
+                .into(),
+        )),
+        (Some(size), None) => encrypt_shift(device, r, o, parse_size(size)?),
+        (None, _) => encrypt(device, r, o),
+    }
+}
+
+/// The live daemon that serves the volume (by `--control`, `--active-name` or the volume's
+/// file), which then rotates it online; `Break` carries the exit code of a failed look-up.
+/// `unshift`: a new decryption that moves the data back.
+fn find_holder(
+    device: &Target,
+    r: &ReencryptOpts,
+    unshift: bool,
+) -> Result<ControlFlow<i32, Option<Holder>>> {
+    let found = |h: crate::error::CliResult<Holder>| match h {
+        Ok(h) => ControlFlow::Continue(Some(h)),
+        Err(e) => ControlFlow::Break(crate::daemon::report(Err(e))),
+    };
+    if let Some(sock) = &r.control {
+        return Ok(found(crate::daemon::online::by_control(sock)));
+    }
+    Ok(match (&r.active_name, device) {
+        // A new decryption that moves the data back, under a NAME not open: opened as
+        // NAME once initialised (by `decrypt_unshift`), as a new encryption is.
+        (Some(name), _) if unshift && crate::daemon::online::by_name(name).is_err() => {
+            if r.init_only {
+                return Err(Error::InvalidArgument(
+                    "--init-only and --active-name: the init activates nothing; open the \
+                     volume after it (ucrypt open --header NEW DEVICE NAME)."
+                        .into(),
+                ));
+            }
+            ControlFlow::Continue(None)
+        }
+        (Some(name), _) => found(crate::daemon::online::by_name(name)),
+        (None, Target::Path(p)) => ControlFlow::Continue(crate::daemon::online::holder_of(p)),
+        (None, _) => ControlFlow::Continue(None),
+    })
+}
+
+/// Refuses what a daemon `h` serving the volume cannot reencrypt online, before the init is
+/// written; `Break` carries the exit code of a refusal reported as cryptsetup does.
+fn check_holder(
+    h: &Holder,
+    device: &Target,
+    r: &ReencryptOpts,
+    o: &LuksOpts,
+    unshift: bool,
+) -> Result<ControlFlow<i32>> {
+    if let Target::Path(p) = device {
+        if !h.serves(p) {
+            return Err(Error::InvalidArgument(format!(
+                "Device {} serves {}, not {device}.",
+                h.name,
+                h.volume().unwrap_or_default().display()
+            )));
+        }
+    }
+    if unshift {
+        return Err(Error::InvalidArgument(format!(
+            "Device {} serves the volume from its header in front of the data: a \
+             decryption that exports it to a new file starts with the volume closed (ucrypt \
+             close {}; then ucrypt reencrypt --decrypt --header NEW DEVICE --active-name \
+             NAME decrypts it online under NAME).",
+            h.name, h.name
+        )));
+    }
+    // The init goes to the header the verb was given, the rotation to the daemon's: they
+    // must be one file.
+    if !h.same_header(o.header.as_deref()) {
+        let theirs = h.header().map_or_else(
+            || "its header in front of the data".to_string(),
+            |p| format!("the detached header {}", p.display()),
+        );
+        let ours = o.header.as_ref().map_or_else(
+            || "no --header".to_string(),
+            |p| format!("--header {}", p.display()),
+        );
+        return Err(Error::InvalidArgument(format!(
+            "Device {} serves {} with {theirs}, not {ours}.",
+            h.name,
+            h.volume().unwrap_or_default().display()
+        )));
+    }
+    // Online: a new key, cipher, key size or sector size, its header in front or
+    // detached; an encryption or a decryption with a detached header; an encryption with
+    // the header put in front, once started (`--init-only`, then `ucrypt open`: the
+    // volume serves the plaintext from the start). Not a decryption that moves the data
+    // back (the header in front is what the daemon serves from).
+    if o.header.is_none() && r.encrypt && !shift_in_progress(device, o) {
+        return Err(not_built(
+            "a new encryption of a volume a ucrypt daemon serves (it is encrypted already)",
+        ));
+    }
+    // Checked before the init is written: the daemon would refuse the rotation after it.
+    let (reopen, running) = match h.reopen_needed_or_running() {
+        Ok(b) => b,
+        Err(e) => return Ok(ControlFlow::Break(crate::daemon::report(Err(e)))),
+    };
+    // The daemon holds cryptsetup's lock shared while it reencrypts: refused here rather
+    // than waiting for the end (the daemon's own words and code).
+    if running {
+        eprintln!("Device {} is already being reencrypted.", h.name);
+        return Ok(ControlFlow::Break(5));
+    }
+    if reopen {
+        return Err(Error::InvalidArgument(format!(
+            "Device {} changed its sector size or data offset online and serves the new \
+             layout until it is closed: close it and open it again before another \
+             reencryption.",
+            h.name
+        )));
+    }
+    if r.force_offline_reencrypt {
+        eprintln!(
+            "Device {device} is in use by the ucrypt daemon {}: it is reencrypted online \
+             through it (drop --force-offline-reencrypt, or close it first).",
+            h.name
+        );
+        return Ok(ControlFlow::Break(5));
+    }
+    Ok(ControlFlow::Continue(()))
+}
+
+/// The passphrase prompt, naming `--key-slot` when given.
+fn passphrase_prompt(o: &LuksOpts) -> String {
+    match o.key_slot {
+        Some(s) => format!("Enter passphrase for key slot {s}: "),
+        None => "Enter passphrase: ".to_string(),
+    }
+}
+
+/// The passphrase of a reencryption in progress, which cryptsetup resumes when asked to
+/// reencrypt again; one stopped inside a hotzone needs its recovery first.
+fn resume_passphrase(
+    st: &ReencryptState,
+    holder: Option<&Holder>,
+    o: &LuksOpts,
+) -> Result<ucrypt::SecretBytes> {
+    let passphrase =
+        pass::read_passphrase(&existing_source(o, None), &passphrase_prompt(o), false)?;
+    if st.needs_recovery() {
+        // A daemon recovers the hotzone its rotation stopped in, unless it cannot
+        // (resilience none); `repair` is refused on a volume it serves.
+        if let Some(h) = holder {
+            return Err(Error::InvalidArgument(format!(
+                "The reencryption of {} stopped inside a hotzone its daemon could not \
+                 recover (its status says why): close the volume and open it again, \
+                 which recovers the hotzone, then resume.",
+                h.name
+            )));
+        }
+        return Err(Error::NeedsRecovery);
+    }
+    Ok(passphrase)
+}
+
+/// Writes the init of a new reencryption or decryption (with its detached header) and
+/// returns the passphrase that resumes it; `Break(0)` after `--init-only`.
+fn init_new(
+    devs: Devices<'_>,
+    hdr: &Header,
+    r: &ReencryptOpts,
+    o: &LuksOpts,
+) -> Result<ControlFlow<i32, ucrypt::SecretBytes>> {
+    let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
+    let change = segment_change(o, hdr)?;
+    let mode = if r.decrypt {
+        Mode::Decrypt
+    } else {
+        Mode::Reencrypt
+    };
+    // A rotation's new keyslots copy the old ones' PBKDF unless one is asked for (as
+    // cryptsetup 2.6.1); the decryption's digest follows the options.
+    let keyslot_kdf = if new_kdf_given(o) || mode == Mode::Decrypt {
+        KeyslotKdf::Given
+    } else {
+        KeyslotKdf::SameAsOld
+    };
+    let kdf = if keyslot_kdf == KeyslotKdf::Given {
+        kdf_request(o, 2)?
+    } else {
+        ucrypt::luks::kdf::KdfRequest::luks2_default()
+    };
+    let opts = InitOptions {
+        resilience,
+        kdf: &kdf,
+        key_slot: o.key_slot,
+        change,
+        mode,
+        keyslot_kdf,
+        resilience_hash: resilience_hash(r)?,
+    };
+    let (started, passphrase) = if mode == Mode::Decrypt {
+        let passphrase =
+            pass::read_passphrase(&existing_source(o, None), &passphrase_prompt(o), false)?;
+        (
+            reencrypt::run::init_on(devs, passphrase.as_ref(), &opts)?,
+            passphrase,
+        )
+    } else {
+        let slots = slot_passphrases(devs.header, hdr, o)?;
+        let first = slots
+            .first()
+            .map(|sp| ucrypt::SecretBytes::from_slice(sp.passphrase()))
+            .ok_or(Error::Bug("a rotation with no passphrase"))?;
+        (reencrypt::run::init_slots(devs, &slots, &opts)?, first)
+    };
+    if o.verbose {
+        for (_, k) in &started.new_keyslots {
+            eprintln!("Key slot {k} created.");
+        }
+        eprintln!("Reencryption keyslot {}.", started.reencrypt_keyslot);
+    }
+    if r.init_only {
+        return Ok(ControlFlow::Break(0));
+    }
+    Ok(ControlFlow::Continue(passphrase))
 }
 
 /// Whether a PBKDF option was given (`--pbkdf`, `--hash`, `--iter-time`,

@@ -28,7 +28,9 @@ use crate::backend::Backend;
 use crate::blockdev::BlockDev;
 use crate::luks::json::SegmentKind;
 use crate::luks::json::{Metadata, SegmentSize};
-use crate::luks::reencrypt::plan::{check_layout, position, shift_geometry, unshift_geometry};
+use crate::luks::reencrypt::plan::{
+    check_layout, position, shift_geometry, unshift_geometry, Shift, Unshift,
+};
 use crate::luks::reencrypt::{digest_of_segment, Direction, ReencryptState, Resilience};
 use crate::luks::{read_header, Header, OpenOptions};
 use crate::sector::{CipherSpec, Geometry, SectorSize};
@@ -97,60 +99,17 @@ pub fn open(
     passphrase: &[u8],
     opts: &OpenOptions,
 ) -> Result<Volume> {
-    let same = |on: &Result<Header>| match (on, hdr) {
-        (Ok(Header::Luks2(a)), Header::Luks2(b)) => a.bin.uuid == b.bin.uuid,
-        _ => false,
-    };
-    // The header is on the data device (then everything goes through it, as offline), or on
-    // the detached `opts.header` (`--header`; a handle that may be read-only: the daemon's
-    // rotation opens its own writable one).
-    let on_data = read_header(data.as_ref());
-    let (hdr_dev, on_dev) = match &opts.header {
-        _ if same(&on_data) => (data.clone(), on_data),
-        Some(h) => (h.clone(), read_header(h.as_ref())),
-        None => (data.clone(), on_data),
-    };
-    if !same(&on_dev) {
-        return Err(bad("the header given is not the one on its device"));
-    }
+    let (hdr_dev, mut hdr) = header_device(&data, hdr, opts)?;
     let detached = !Arc::ptr_eq(&hdr_dev, &data);
     let devs = run::Devices {
         header: hdr_dev.as_ref(),
         data: data.as_ref(),
     };
-    let mut hdr = on_dev?;
     let needs_recovery = match &hdr {
         Header::Luks2(h) => {
             let st = ReencryptState::from_metadata(&h.meta)?
                 .ok_or_else(|| bad("not in reencryption"))?;
-            // Served: a reencryption in place, an encryption or decryption with a detached
-            // header, an encryption that puts the header in front (the data moves up) and a
-            // decryption that moves the data back (below).
-            let shifted = matches!(
-                (st.keyslot.mode, &st.keyslot.resilience),
-                (
-                    crate::luks::reencrypt::Mode::Encrypt,
-                    Resilience::Datashift { .. }
-                ) | (
-                    crate::luks::reencrypt::Mode::Decrypt,
-                    Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
-                )
-            );
-            let in_place = matches!(
-                st.keyslot.resilience,
-                Resilience::None | Resilience::Checksum { .. } | Resilience::Journal
-            );
-            if st.keyslot.mode != crate::luks::reencrypt::Mode::Reencrypt && !in_place && !shifted {
-                return Err(Error::UnsupportedLuks(format!(
-                    "serving a volume in {} (resilience {}): finish it offline with ucrypt \
-                     reencrypt --resume-only",
-                    match st.keyslot.mode {
-                        crate::luks::reencrypt::Mode::Encrypt => "encryption",
-                        _ => "decryption",
-                    },
-                    st.keyslot.resilience.name()
-                )));
-            }
+            check_served(&st)?;
             st.needs_recovery()
         }
         Header::Luks1(_) => return Err(bad("LUKS1 has no reencryption")),
@@ -197,35 +156,8 @@ pub fn open(
         (Some(a), None) | (None, Some(a)) => (a, a),
         (None, None) => return Err(bad("neither side of the reencryption is encrypted")),
     };
-    // A reencryption that moves the data: the new side at its own offset, the old one over a
-    // backend that reads the moved segment where it moved (`Remap`).
-    let shift = shift_geometry(&h.meta, &st)?;
-    let moves = shift.is_some()
-        || matches!(
-            st.keyslot.resilience,
-            Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
-        );
-    if !moves && (old.offset, old.size) != (new.offset, new.size) {
-        return Err(Error::UnsupportedLuks(
-            "serving a volume whose reencryption moves the data other than an encryption \
-             with the header put in front"
-                .into(),
-        ));
-    }
-    let (spec, offset, size) = (old.spec, old.offset, old.size);
     let ss = u64::from(sector_size.bytes().max(new_sector.bytes()));
-    let data_bytes = match (shift, size) {
-        (Some(sh), _) => {
-            sh.check_device(data.size())?;
-            sh.data_bytes
-        }
-        (None, Some(n)) => n,
-        (None, None) => data
-            .size()
-            .checked_sub(offset)
-            .ok_or_else(|| bad("the device ends before its data offset"))?,
-    } / ss
-        * ss;
+    let (shift, data_bytes) = served_data_bytes(data.as_ref(), &h.meta, &st, &old, &new, ss)?;
     // A decryption that moves the data back: its moved segment (the first `M` bytes of
     // data, at the new data offset) stays on the old side until its hotzone, the last.
     let unshift = unshift_geometry(&h.meta, &st, data_bytes)?;
@@ -241,16 +173,134 @@ pub fn open(
         iv_large_sectors: false,
     };
     let old_key = old_vk.as_ref().map_or(&[][..], |k| k.bytes());
-    let mut cfg = VolumeConfig::new(spec, SecretBytes::from_slice(old_key), geometry);
+    let mut cfg = VolumeConfig::new(old.spec, SecretBytes::from_slice(old_key), geometry);
     drop(old_vk);
-    cfg.data_offset_bytes = offset;
-    cfg.size_bytes = size.or(shift.map(|sh| sh.data_bytes));
+    cfg.data_offset_bytes = old.offset;
+    cfg.size_bytes = old.size.or(shift.map(|sh| sh.data_bytes));
     cfg.policy = opts.policy;
     cfg.spin = opts.spin;
     cfg.read_only = opts.read_only;
     cfg.allow_discards =
         opts.allow_discards || hdr.activation_flags().iter().any(|f| f == "allow-discards");
-    let old_dev: Arc<dyn Backend> = match (shift, unshift) {
+    let vol = Volume::new(old_side_device(&data, shift, unshift)?, cfg)?;
+    let new_key = new_vk.as_ref().map_or(&[][..], |k| k.bytes());
+    let backward = st.keyslot.direction == Direction::Backward;
+    let new_side = (new.spec, SecretBytes::from_slice(new_key), new_sector);
+    let at = crate::volume::NewSideAt {
+        backend: data,
+        data_offset: new.offset,
+        head_bytes: unshift.map_or(0, |us| us.moved_bytes),
+    };
+    vol.begin_segments_at(new_side, at, done, backward)?;
+    Ok(vol)
+}
+
+/// The device the header `hdr` is read from and its header as read there: the data device
+/// (then everything goes through it, as offline), or the detached `opts.header` (`--header`;
+/// a handle that may be read-only: the daemon's rotation opens its own writable one).
+/// Refused when the header on the device is not `hdr` (by UUID).
+fn header_device(
+    data: &Arc<dyn Backend>,
+    hdr: &Header,
+    opts: &OpenOptions,
+) -> Result<(Arc<dyn Backend>, Header)> {
+    let same = |on: &Result<Header>| match (on, hdr) {
+        (Ok(Header::Luks2(a)), Header::Luks2(b)) => a.bin.uuid == b.bin.uuid,
+        _ => false,
+    };
+    let on_data = read_header(data.as_ref());
+    let (hdr_dev, on_dev) = match &opts.header {
+        _ if same(&on_data) => (data.clone(), on_data),
+        Some(h) => (h.clone(), read_header(h.as_ref())),
+        None => (data.clone(), on_data),
+    };
+    if !same(&on_dev) {
+        return Err(bad("the header given is not the one on its device"));
+    }
+    Ok((hdr_dev, on_dev?))
+}
+
+/// Refuses a reencryption that is not served online. Served: a reencryption in place, an
+/// encryption or decryption with a detached header, an encryption that puts the header in
+/// front (the data moves up) and a decryption that moves the data back.
+fn check_served(st: &ReencryptState) -> Result<()> {
+    let shifted = matches!(
+        (st.keyslot.mode, &st.keyslot.resilience),
+        (
+            crate::luks::reencrypt::Mode::Encrypt,
+            Resilience::Datashift { .. }
+        ) | (
+            crate::luks::reencrypt::Mode::Decrypt,
+            Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
+        )
+    );
+    let in_place = matches!(
+        st.keyslot.resilience,
+        Resilience::None | Resilience::Checksum { .. } | Resilience::Journal
+    );
+    if st.keyslot.mode != crate::luks::reencrypt::Mode::Reencrypt && !in_place && !shifted {
+        return Err(Error::UnsupportedLuks(format!(
+            "serving a volume in {} (resilience {}): finish it offline with ucrypt \
+             reencrypt --resume-only",
+            match st.keyslot.mode {
+                crate::luks::reencrypt::Mode::Encrypt => "encryption",
+                _ => "decryption",
+            },
+            st.keyslot.resilience.name()
+        )));
+    }
+    Ok(())
+}
+
+/// The shift of an encryption that puts the header in front (if it is one) and the bytes of
+/// data served, in whole sectors of `ss`. Only a reencryption that moves the data may have
+/// sides (`old`, `new`) at different places.
+fn served_data_bytes(
+    data: &dyn Backend,
+    meta: &Metadata,
+    st: &ReencryptState,
+    old: &Side,
+    new: &Side,
+    ss: u64,
+) -> Result<(Option<Shift>, u64)> {
+    // A reencryption that moves the data: the new side at its own offset, the old one over a
+    // backend that reads the moved segment where it moved (`Remap`).
+    let shift = shift_geometry(meta, st)?;
+    let moves = shift.is_some()
+        || matches!(
+            st.keyslot.resilience,
+            Resilience::DatashiftChecksum { .. } | Resilience::DatashiftJournal { .. }
+        );
+    if !moves && (old.offset, old.size) != (new.offset, new.size) {
+        return Err(Error::UnsupportedLuks(
+            "serving a volume whose reencryption moves the data other than an encryption \
+             with the header put in front"
+                .into(),
+        ));
+    }
+    let data_bytes = match (shift, old.size) {
+        (Some(sh), _) => {
+            sh.check_device(data.size())?;
+            sh.data_bytes
+        }
+        (None, Some(n)) => n,
+        (None, None) => data
+            .size()
+            .checked_sub(old.offset)
+            .ok_or_else(|| bad("the device ends before its data offset"))?,
+    } / ss
+        * ss;
+    Ok((shift, data_bytes))
+}
+
+/// The device the old side reads: `data` itself, or for a reencryption that moves the data
+/// a [`Remap`] of the moved segment.
+fn old_side_device(
+    data: &Arc<dyn Backend>,
+    shift: Option<Shift>,
+    unshift: Option<Unshift>,
+) -> Result<Arc<dyn Backend>> {
+    Ok(match (shift, unshift) {
         // The first shift of plaintext (where the header now is) at the moved segment.
         (Some(sh), _) => Arc::new(Remap::new(
             data.clone(),
@@ -264,18 +314,7 @@ pub fn open(
             us.new_offset,
         )?),
         (None, None) => data.clone(),
-    };
-    let vol = Volume::new(old_dev, cfg)?;
-    let new_key = new_vk.as_ref().map_or(&[][..], |k| k.bytes());
-    let backward = st.keyslot.direction == Direction::Backward;
-    let new_side = (new.spec, SecretBytes::from_slice(new_key), new_sector);
-    let at = crate::volume::NewSideAt {
-        backend: data,
-        data_offset: new.offset,
-        head_bytes: unshift.map_or(0, |us| us.moved_bytes),
-    };
-    vol.begin_segments_at(new_side, at, done, backward)?;
-    Ok(vol)
+    })
 }
 
 /// The device as the old side of a reencryption that moves the data sees it: the bytes

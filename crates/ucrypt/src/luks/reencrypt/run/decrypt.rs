@@ -2,13 +2,13 @@
 //! to a detached file (datashift-checksum or datashift-journal, requirement v3).
 
 use crate::luks::json::KeyslotKind;
-use crate::luks::json::{Requirements, U64Str};
+use crate::luks::json::{CryptSegment, Metadata, Requirements, U64Str};
 use crate::luks::kdf::KdfRequest;
 use crate::luks::luks2::digest::{free_id, make_digest};
 use crate::luks::reencrypt::plan::{check_layout, position, unshift_geometry, Position};
 use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
 use crate::luks::util::HashAlg;
-use crate::luks::{apply, read_area, read_header, unlock, Header};
+use crate::luks::{apply, read_area, read_header, unlock, Header, Luks2Header};
 use crate::{Error, Result};
 
 use super::copy_across;
@@ -80,6 +80,69 @@ pub fn init_decrypt_unshift(
     let header = read_header(devs.data)?;
     header.check_requirements()?;
     let mut h = luks2(header)?;
+    let seg = unshiftable_segment(&h, opts)?;
+    let s = seg.offset_bytes;
+    let hdr_any = Header::Luks2(h.clone());
+    let mut read = |offset: u64, len: u64| read_area(devs.data, offset, len);
+    let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
+    let UnshiftSizes {
+        data_bytes,
+        moved_bytes,
+        meta_bytes,
+    } = unshift_sizes(devs, &h, &seg, opts)?;
+    let rk = add_datashift_keyslot(&mut h, opts, s, moved_bytes)?;
+
+    let segs = unshift_segments(&seg, data_bytes, moved_bytes);
+    let old_list: Vec<String> = (0..segs.len() - 1).map(|i| i.to_string()).collect();
+    h.meta.segments = segs
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (i.to_string(), s))
+        .collect();
+    h.meta
+        .digests
+        .get_mut(&old_vk.digest_id().to_string())
+        .ok_or(Error::Bug("old key digest vanished"))?
+        .segments = old_list;
+    h.meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default)
+        .mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V3.into());
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, Some(old_vk.bytes()), None)?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    check_unshift_start(&h.meta, &st, data_bytes, moved_bytes)?;
+    let ops = h.commit()?;
+
+    copy_across(devs.data, 0, devs.header, 0, meta_bytes)?;
+    devs.header.flush()?;
+    let zeros = [0u8; MAGIC_WIPE_BYTES];
+    for copy in [0, h.bin.hdr_size] {
+        devs.data.write_at(&zeros, copy)?;
+    }
+    copy_across(devs.data, s, devs.data, 0, moved_bytes)?;
+    devs.data.flush()?;
+    apply(devs.header, &ops)?;
+    Ok(Started {
+        old_keyslot: old_slot,
+        new_keyslot: None,
+        new_keyslots: Vec::new(),
+        reencrypt_keyslot: rk,
+    })
+}
+
+/// The one crypt segment of a volume whose data can be moved back over its header: the only
+/// segment, IV tweak 0, past a header in front, running to the end of the device; without
+/// `--key-slot` the volume must have one LUKS2 keyslot.
+fn unshiftable_segment(h: &Luks2Header, opts: &UnshiftOptions<'_>) -> Result<CryptSegment> {
     let seg = h.meta.crypt_segment()?;
     if h.meta.segments.len() != 1 || seg.iv_tweak != 0 {
         return Err(Error::UnsupportedLuks(
@@ -88,8 +151,7 @@ pub fn init_decrypt_unshift(
                 .into(),
         ));
     }
-    let s = seg.offset_bytes;
-    if s == 0 {
+    if seg.offset_bytes == 0 {
         return Err(Error::InvalidArgument(
             "the data starts at offset 0: there is no header in front to move it over".into(),
         ));
@@ -112,10 +174,29 @@ pub fn init_decrypt_unshift(
             "Key file can be used only with --key-slot or with exactly one key slot active.".into(),
         ));
     }
-    let hdr_any = Header::Luks2(h.clone());
-    let mut read = |offset: u64, len: u64| read_area(devs.data, offset, len);
-    let (old_slot, old_vk) = unlock(&hdr_any, passphrase, opts.key_slot, &mut read)?;
+    Ok(seg)
+}
 
+/// The sizes of a decryption that moves the data back.
+struct UnshiftSizes {
+    /// The data past the old data offset, in whole sectors.
+    data_bytes: u64,
+    /// The moved segment.
+    moved_bytes: u64,
+    /// The metadata and keyslots area exported to the new header.
+    meta_bytes: u64,
+}
+
+/// The data, moved segment and metadata sizes for the segment `seg` of `h`, checked: the
+/// moved segment is aligned, at most the shift and ucrypt's hotzone buffer; the metadata
+/// fits in front of the data and in the new header device.
+fn unshift_sizes(
+    devs: Devices<'_>,
+    h: &Luks2Header,
+    seg: &CryptSegment,
+    opts: &UnshiftOptions<'_>,
+) -> Result<UnshiftSizes> {
+    let s = seg.offset_bytes;
     let ss = u64::from(seg.sector_size.bytes());
     let data_bytes = devs.data.size().saturating_sub(s) / ss * ss;
     if data_bytes == 0 {
@@ -160,10 +241,23 @@ pub fn init_decrypt_unshift(
             devs.header.size()
         )));
     }
+    Ok(UnshiftSizes {
+        data_bytes,
+        moved_bytes,
+        meta_bytes,
+    })
+}
 
-    // The reencrypt keyslot: datashift-checksum (or -journal) over the rest of the keyslots
-    // area, which must hold the moved segment's checksums (or the moved segment).
-    let (used_end, end) = reencrypt_area(&h)?;
+/// Adds the reencrypt keyslot, datashift-checksum (or -journal) with `shift_size` `shift`
+/// over the rest of the keyslots area, which must hold the moved segment's checksums (or
+/// the moved segment); returns its id.
+fn add_datashift_keyslot(
+    h: &mut Luks2Header,
+    opts: &UnshiftOptions<'_>,
+    shift: u64,
+    moved_bytes: u64,
+) -> Result<u32> {
+    let (used_end, end) = reencrypt_area(h)?;
     let area_bytes = end - used_end;
     let (room, kind) = match opts.resilience {
         ResilienceKind::Checksum => (
@@ -198,12 +292,22 @@ pub fn init_decrypt_unshift(
     );
     if let Some(a) = ks.area.as_mut() {
         a.kind = kind.into();
-        a.extra.insert("shift_size".into(), s.to_string().into());
+        a.extra
+            .insert("shift_size".into(), shift.to_string().into());
     }
     h.meta.keyslots.insert(rk.to_string(), ks);
+    Ok(rk)
+}
 
-    // Segments, in cryptsetup's order at init: the moved segment, the rest of the ciphertext
-    // at its place, then backup-moved-segment, backup-previous, backup-final.
+/// The segments, in cryptsetup's order at init: the moved segment, the rest of the
+/// ciphertext at its place (if any), then backup-moved-segment, backup-previous,
+/// backup-final (linear at 0).
+fn unshift_segments(
+    seg: &CryptSegment,
+    data_bytes: u64,
+    moved_bytes: u64,
+) -> Vec<crate::luks::json::Segment> {
+    let s = seg.offset_bytes;
     let crypt = |offset: u64, size: crate::luks::json::SegmentSize, iv: u64, flag: Option<&str>| {
         crate::luks::json::Segment {
             kind: "crypt".into(),
@@ -236,38 +340,22 @@ pub fn init_decrypt_unshift(
         integrity: None,
         extra: Default::default(),
     });
-    let old_list: Vec<String> = (0..segs.len() - 1).map(|i| i.to_string()).collect();
-    h.meta.segments = segs
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| (i.to_string(), s))
-        .collect();
-    h.meta
-        .digests
-        .get_mut(&old_vk.digest_id().to_string())
-        .ok_or(Error::Bug("old key digest vanished"))?
-        .segments = old_list;
-    h.meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default)
-        .mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V3.into());
-    let st = ReencryptState::from_metadata(&h.meta)?
-        .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(&h.meta, &st, Some(old_vk.bytes()), None)?;
-    let rdid = free_id(h.meta.digests.keys())?;
-    h.meta.digests.insert(
-        rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
-    );
-    // What is written is what the planner reads back: the start of the walk.
-    let geometry = unshift_geometry(&h.meta, &st, data_bytes)?.ok_or(Error::Bug(
+    segs
+}
+
+/// Checks that what is written is what the planner reads back: the start of the walk, with
+/// the moved segment of `moved_bytes`.
+fn check_unshift_start(
+    meta: &Metadata,
+    st: &ReencryptState,
+    data_bytes: u64,
+    moved_bytes: u64,
+) -> Result<()> {
+    let geometry = unshift_geometry(meta, st, data_bytes)?.ok_or(Error::Bug(
         "a new decryption that moves the data is not one",
     ))?;
-    check_layout(&h.meta, &st, data_bytes)?;
-    if position(&h.meta, &st, data_bytes)?
+    check_layout(meta, st, data_bytes)?;
+    if position(meta, st, data_bytes)?
         != (Position {
             done: 0,
             hotzone: None,
@@ -278,21 +366,5 @@ pub fn init_decrypt_unshift(
             "a new decryption that moves the data does not start",
         ));
     }
-    let ops = h.commit()?;
-
-    copy_across(devs.data, 0, devs.header, 0, meta_bytes)?;
-    devs.header.flush()?;
-    let zeros = [0u8; MAGIC_WIPE_BYTES];
-    for copy in [0, h.bin.hdr_size] {
-        devs.data.write_at(&zeros, copy)?;
-    }
-    copy_across(devs.data, s, devs.data, 0, moved_bytes)?;
-    devs.data.flush()?;
-    apply(devs.header, &ops)?;
-    Ok(Started {
-        old_keyslot: old_slot,
-        new_keyslot: None,
-        new_keyslots: Vec::new(),
-        reencrypt_keyslot: rk,
-    })
+    Ok(())
 }

@@ -8,7 +8,7 @@ use crate::luks::luks2::digest::{free_id, make_digest};
 use crate::luks::reencrypt::plan::{check_layout, position, Position};
 use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
 use crate::luks::util::{random_secret, HashAlg};
-use crate::luks::{apply, read_header, NewKeyslot};
+use crate::luks::{apply, read_header, Luks2Header, NewKeyslot};
 use crate::sector::{CipherSpec, SectorSize};
 use crate::{Error, Result};
 
@@ -185,6 +185,101 @@ pub fn init_encrypt_shift(
     opts: &EncryptOptions<'_>,
     reduce_bytes: u64,
 ) -> Result<Started> {
+    let (shift, data_bytes) = shift_sizes(dev, opts, reduce_bytes)?;
+    let mut f = crate::luks::luks2::FormatLuks2::defaults(opts.uuid.clone());
+    f.cipher = opts.cipher;
+    f.key_bytes = opts.key_bytes;
+    f.sector_size = opts.sector_size;
+    f.kdf = opts.kdf.clone();
+    f.data_offset = shift;
+    // As cryptsetup: the keyslots area is what the shift leaves after the two copies.
+    f.keyslots_size = shift
+        .checked_sub(2 * f.hdr_size)
+        .filter(|&n| n >= AREA_ALIGN_BYTES)
+        .ok_or_else(|| {
+            Error::InvalidArgument("LUKS2 metadata size is larger than data shift value.".into())
+        })?
+        / AREA_ALIGN_BYTES
+        * AREA_ALIGN_BYTES;
+    let (mut h, vk) = crate::luks::luks2::format(&f, random_secret(opts.key_bytes)?)?;
+    let seqid = h.bin.seqid;
+    let (slot, mut ops) = h.add_keyslot(
+        NewKeyslot {
+            vk: &vk,
+            passphrase,
+            kdf: opts.kdf,
+            slot: None,
+        },
+        None,
+    )?;
+    ops.truncate(2); // the material and its flush; the one header write comes below
+    h.bin.seqid = seqid;
+
+    let rk = add_shift_keyslot(&mut h, shift)?;
+    let crypt = h
+        .meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or(Error::Bug("format made no segment 0"))?;
+    let segs = shift_segments(crypt, data_bytes, shift);
+    let final_id = segs.len() - 1;
+    h.meta.segments = segs
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (i.to_string(), s))
+        .collect();
+    h.meta
+        .digests
+        .get_mut(&vk.digest_id().to_string())
+        .ok_or(Error::Bug("new key digest vanished"))?
+        .segments = vec![final_id.to_string()];
+    h.meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default)
+        .mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+    let st = ReencryptState::from_metadata(&h.meta)?
+        .ok_or(Error::Bug("reencryption state not recognised"))?;
+    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
+    let rdid = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        rdid.to_string(),
+        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
+    );
+    // What is written is what the planner reads back: the start of the walk.
+    check_layout(&h.meta, &st, data_bytes)?;
+    if position(&h.meta, &st, data_bytes)?
+        != (Position {
+            done: 0,
+            hotzone: None,
+        })
+    {
+        return Err(Error::Bug("a new data shift does not start at the end"));
+    }
+    ops.extend(h.commit()?);
+    let hdr_end = 2 * h.bin.hdr_size;
+    let moved_offset = data_bytes + shift;
+    copy_then_wipe(dev, 0, moved_offset, shift, (hdr_end, shift - hdr_end))?;
+    apply(dev, &ops)?;
+    Ok(Started {
+        old_keyslot: slot,
+        new_keyslot: Some(slot),
+        new_keyslots: Vec::new(),
+        reencrypt_keyslot: rk,
+    })
+}
+
+/// The shift `S = reduce_bytes / 2` and the bytes of plaintext `D` of an encryption that puts
+/// the header in front of the data on `dev`, checked as cryptsetup checks them (and `dev`
+/// holds no LUKS header).
+fn shift_sizes(
+    dev: &dyn Backend,
+    opts: &EncryptOptions<'_>,
+    reduce_bytes: u64,
+) -> Result<(u64, u64)> {
     if reduce_bytes == 0 || reduce_bytes % 512 != 0 {
         return Err(Error::InvalidArgument(
             "Reduce size must be multiple of 512 bytes sector.".into(),
@@ -225,36 +320,14 @@ pub fn init_encrypt_shift(
             "Data device is not aligned to encryption sector size ({ss} bytes)."
         )));
     }
-    let mut f = crate::luks::luks2::FormatLuks2::defaults(opts.uuid.clone());
-    f.cipher = opts.cipher;
-    f.key_bytes = opts.key_bytes;
-    f.sector_size = opts.sector_size;
-    f.kdf = opts.kdf.clone();
-    f.data_offset = shift;
-    // As cryptsetup: the keyslots area is what the shift leaves after the two copies.
-    f.keyslots_size = shift
-        .checked_sub(2 * f.hdr_size)
-        .filter(|&n| n >= AREA_ALIGN_BYTES)
-        .ok_or_else(|| {
-            Error::InvalidArgument("LUKS2 metadata size is larger than data shift value.".into())
-        })?
-        / AREA_ALIGN_BYTES
-        * AREA_ALIGN_BYTES;
-    let (mut h, vk) = crate::luks::luks2::format(&f, random_secret(opts.key_bytes)?)?;
-    let seqid = h.bin.seqid;
-    let (slot, mut ops) = h.add_keyslot(
-        NewKeyslot {
-            vk: &vk,
-            passphrase,
-            kdf: opts.kdf,
-            slot: None,
-        },
-        None,
-    )?;
-    ops.truncate(2); // the material and its flush; the one header write comes below
-    h.bin.seqid = seqid;
+    Ok((shift, data_bytes))
+}
 
-    let (used_end, end) = reencrypt_area(&h)?;
+/// Adds the reencrypt keyslot of a data shift (mode `encrypt`, direction `backward`,
+/// resilience `datashift` with `shift_size` `shift`, over [`SHIFT_AREA_BYTES`]); returns
+/// its id.
+fn add_shift_keyslot(h: &mut Luks2Header, shift: u64) -> Result<u32> {
+    let (used_end, end) = reencrypt_area(h)?;
     if end - used_end < SHIFT_AREA_BYTES {
         return Err(Error::InvalidArgument(
             "no room left in the keyslots area for the reencrypt keyslot".into(),
@@ -275,12 +348,18 @@ pub fn init_encrypt_shift(
             .insert("shift_size".into(), shift.to_string().into());
     }
     h.meta.keyslots.insert(rk.to_string(), ks);
-    let crypt = h
-        .meta
-        .segments
-        .get("0")
-        .cloned()
-        .ok_or(Error::Bug("format made no segment 0"))?;
+    Ok(rk)
+}
+
+/// The segments of a data shift of `data_bytes` by `shift`, in cryptsetup's order: the moved
+/// segment (linear at `D + S`), the plaintext beyond the first shift at its place (if any),
+/// backup-moved-segment, backup-previous (linear at 0) and backup-final (`crypt`, the new
+/// segment, last).
+fn shift_segments(
+    crypt: crate::luks::json::Segment,
+    data_bytes: u64,
+    shift: u64,
+) -> Vec<crate::luks::json::Segment> {
     let linear = |offset: u64, size: u64, flag: Option<&str>| crate::luks::json::Segment {
         kind: "linear".into(),
         offset: U64Str(offset),
@@ -302,50 +381,5 @@ pub fn init_encrypt_shift(
     let mut fin = crypt;
     fin.flags = Some(vec!["backup-final".into()]);
     segs.push(fin);
-    let final_id = segs.len() - 1;
-    h.meta.segments = segs
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| (i.to_string(), s))
-        .collect();
-    h.meta
-        .digests
-        .get_mut(&vk.digest_id().to_string())
-        .ok_or(Error::Bug("new key digest vanished"))?
-        .segments = vec![final_id.to_string()];
-    h.meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default)
-        .mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V2.into());
-    let st = ReencryptState::from_metadata(&h.meta)?
-        .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
-    let rdid = free_id(h.meta.digests.keys())?;
-    h.meta.digests.insert(
-        rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
-    );
-    // What is written is what the planner reads back: the start of the walk.
-    check_layout(&h.meta, &st, data_bytes)?;
-    if position(&h.meta, &st, data_bytes)?
-        != (Position {
-            done: 0,
-            hotzone: None,
-        })
-    {
-        return Err(Error::Bug("a new data shift does not start at the end"));
-    }
-    ops.extend(h.commit()?);
-    let hdr_end = 2 * h.bin.hdr_size;
-    copy_then_wipe(dev, 0, moved_offset, shift, (hdr_end, shift - hdr_end))?;
-    apply(dev, &ops)?;
-    Ok(Started {
-        old_keyslot: slot,
-        new_keyslot: Some(slot),
-        new_keyslots: Vec::new(),
-        reencrypt_keyslot: rk,
-    })
+    segs
 }

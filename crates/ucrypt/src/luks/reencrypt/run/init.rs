@@ -3,13 +3,14 @@
 //! digest and the segments of cryptsetup's layout, committed in one header write.
 
 use crate::backend::Backend;
-use crate::luks::json::{Keyslot, Metadata, Requirements, U64Str};
+use crate::luks::json::{CryptSegment, Keyslot, Metadata, Requirements, U64Str};
 use crate::luks::kdf::KdfRequest;
 use crate::luks::luks2::digest::{free_id, make_digest};
 use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
 use crate::luks::util::{random_secret, HashAlg};
 use crate::luks::{
-    apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, KEYSLOTS_MAX,
+    apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, WriteOp,
+    KEYSLOTS_MAX,
 };
 use crate::sector::{CipherSpec, SectorSize};
 use crate::{Error, Result};
@@ -307,115 +308,18 @@ pub(super) fn init_checked(
         ));
     };
     let (old_slot, old_vk) = (first.slot, &first.vk);
-    // Each proof still holds for this header: its keyslot is there, of the old key, once.
-    let old_did = old_vk.digest_id();
-    for (i, sp) in slots.iter().enumerate() {
-        let bound = h
-            .meta
-            .digest_for_keyslot(&sp.slot.to_string())
-            .is_some_and(|(id, d)| id == &old_did.to_string() && !d.segments.is_empty());
-        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot) {
-            return Err(Error::InvalidArgument(format!(
-                "keyslot {} is not an active keyslot of the volume key, or is given twice",
-                sp.slot
-            )));
-        }
-    }
-    if decrypt && slots.len() != 1 {
-        return Err(Error::InvalidArgument(
-            "a decryption takes the passphrase of one keyslot".into(),
-        ));
-    }
-    // cryptsetup's bound: the new keyslots and the reencrypt keyslot must fit.
-    let new_ids_needed = if decrypt { 0 } else { slots.len() } + 1;
-    if h.meta.keyslots.len() + new_ids_needed > KEYSLOTS_MAX as usize {
-        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
-    }
-    // The PBKDF of each new keyslot, and the digests' (cryptsetup makes the new key's digest
-    // with the first keyslot's settings and the reencryption digest with the last one's).
-    let kdfs: Vec<KdfRequest> = slots
-        .iter()
-        .map(|sp| match opts.keyslot_kdf {
-            KeyslotKdf::Given => Ok(opts.kdf.clone()),
-            KeyslotKdf::SameAsOld => h
-                .meta
-                .keyslot_params(&sp.slot.to_string())
-                .map(|p| KdfRequest::same_as(&p.kdf)),
-        })
-        .collect::<Result<_>>()?;
-
-    // The new segment's parameters, checked before anything is written.
-    let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
-    let new_key_bytes = match opts.change.key_bytes {
-        Some(n) => n,
-        None if new_cipher != seg.cipher => new_cipher.default_key_bytes(),
-        None => old_vk.len(),
-    };
-    let new_sector = opts.change.sector_size.unwrap_or(seg.sector_size);
-    if decrypt {
-        if opts.change != SegmentChange::default() {
-            return Err(Error::InvalidArgument(
-                "a decryption has no new cipher, key size or sector size".into(),
-            ));
-        }
-    } else {
-        new_cipher.check_key_len(new_key_bytes)?;
-    }
-    let align = u64::from(new_sector.bytes().max(seg.sector_size.bytes()));
-    let data_bytes = match seg.size {
-        crate::luks::json::SegmentSize::Bytes(n) => n,
-        crate::luks::json::SegmentSize::Dynamic => {
-            devs.data.size().saturating_sub(seg.offset_bytes)
-        }
-    };
-    if data_bytes % align != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "Data device is not aligned to encryption sector size ({align} bytes)."
-        )));
-    }
+    check_slots(&h, slots, old_vk.digest_id(), decrypt)?;
+    let kdfs = slot_kdfs(&h, slots, opts)?;
+    let (new_cipher, new_key_bytes, new_sector) =
+        new_segment_params(devs, &seg, old_vk.len(), opts, decrypt)?;
 
     // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
     // passphrase, whose material is written first; the header write comes below.
-    let mut new_keyslots = Vec::new();
-    let (new_vk, mut ops) = if decrypt {
-        (None, Vec::new())
+    let (new_vk, mut ops, new_keyslots) = if decrypt {
+        (None, Vec::new(), Vec::new())
     } else {
-        let new_key = random_secret(new_key_bytes)?;
-        let new_did = free_id(h.meta.digests.keys())?;
-        h.meta.digests.insert(
-            new_did.to_string(),
-            make_digest(&kdfs[0], new_key.as_ref(), vec![], vec![])?,
-        );
-        let new_vk = VolumeKey::new_verified(new_key, new_did, true);
-        let mut ops = Vec::new();
-        for (sp, kdf) in slots.iter().zip(&kdfs) {
-            let seqid = h.bin.seqid;
-            // Its area is encrypted as the old keyslot's is (cryptsetup adds it while the
-            // old segment is the default one, with the old keyslot's encryption; a
-            // cipher_null one gets cryptsetup's default keyslot cipher).
-            let old = h.meta.keyslot_params(&sp.slot.to_string())?;
-            let area = if old.area_cipher == CipherSpec::NULL {
-                (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_AREA_KEY_BYTES_DEFAULT)
-            } else {
-                (old.area_cipher, old.area_key_bytes)
-            };
-            let (new_slot, mut more) = h.add_keyslot_with_area(
-                NewKeyslot {
-                    vk: &new_vk,
-                    passphrase: sp.passphrase(),
-                    kdf,
-                    slot: None,
-                },
-                None,
-                Some(area),
-            )?;
-            more.truncate(2); // the material and its flush
-            ops.extend(more);
-            h.bin.seqid = seqid;
-            assign_tokens(&mut h.meta, sp.slot, new_slot);
-            new_keyslots.push((sp.slot, new_slot));
-        }
-        (Some(new_vk), ops)
+        let made = add_new_keyslots(&mut h, slots, &kdfs, new_key_bytes)?;
+        (Some(made.vk), made.ops, made.new_keyslots)
     };
     let new_slot = new_keyslots.first().map(|&(_, n)| n);
 
@@ -438,54 +342,17 @@ pub(super) fn init_checked(
             end - used_end,
         ),
     );
-
-    // Segments: the whole device as it is, then the two backups.
-    let live = h
-        .meta
-        .segments
-        .get("0")
-        .cloned()
-        .ok_or_else(|| bad("segment 0 missing"))?;
-    let flagged = |f: &str| {
-        let mut s = live.clone();
-        s.flags = Some(vec![f.to_string()]);
-        s
-    };
-    let mut fin = flagged("backup-final");
-    if decrypt {
-        fin.kind = "linear".into();
-        fin.iv_tweak = None;
-        fin.encryption = None;
-        fin.sector_size = None;
+    let new_final = if decrypt {
+        None
     } else {
-        fin.encryption = Some(new_cipher.to_string());
-        fin.sector_size = Some(new_sector.bytes());
-    }
-    h.meta.segments = std::collections::BTreeMap::from([
-        ("0".to_string(), live.clone()),
-        ("1".to_string(), flagged("backup-previous")),
-        ("2".to_string(), fin),
-    ]);
-    h.meta
-        .digests
-        .get_mut(&old_vk.digest_id().to_string())
-        .ok_or(Error::Bug("old key digest vanished"))?
-        .segments = vec!["0".into(), "1".into()];
-    if let Some(vk) = &new_vk {
-        h.meta
-            .digests
-            .get_mut(&vk.digest_id().to_string())
-            .ok_or(Error::Bug("new key digest vanished"))?
-            .segments = vec!["2".into()];
-    }
-    let reqs = h
-        .meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default);
-    reqs.mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V2.into());
+        Some((new_cipher, new_sector))
+    };
+    set_rotation_segments(
+        &mut h.meta,
+        new_final,
+        old_vk.digest_id(),
+        new_vk.as_ref().map(VolumeKey::digest_id),
+    )?;
 
     // The reencryption digest over the keys and the metadata.
     let st = ReencryptState::from_metadata(&h.meta)?
@@ -510,6 +377,221 @@ pub(super) fn init_checked(
         new_keyslots,
         reencrypt_keyslot: rk,
     })
+}
+
+/// Checks that each proof in `slots` still holds for this header (its keyslot is there, of
+/// the old key's digest `old_did`, once), that a decryption has one, and that the new keyslots and the
+/// reencrypt keyslot fit (cryptsetup's bound).
+fn check_slots(
+    h: &Luks2Header,
+    slots: &[SlotPassphrase],
+    old_did: u32,
+    decrypt: bool,
+) -> Result<()> {
+    for (i, sp) in slots.iter().enumerate() {
+        let bound = h
+            .meta
+            .digest_for_keyslot(&sp.slot.to_string())
+            .is_some_and(|(id, d)| id == &old_did.to_string() && !d.segments.is_empty());
+        if !bound || sp.vk.digest_id() != old_did || slots[..i].iter().any(|o| o.slot == sp.slot) {
+            return Err(Error::InvalidArgument(format!(
+                "keyslot {} is not an active keyslot of the volume key, or is given twice",
+                sp.slot
+            )));
+        }
+    }
+    if decrypt && slots.len() != 1 {
+        return Err(Error::InvalidArgument(
+            "a decryption takes the passphrase of one keyslot".into(),
+        ));
+    }
+    let new_ids_needed = if decrypt { 0 } else { slots.len() } + 1;
+    if h.meta.keyslots.len() + new_ids_needed > KEYSLOTS_MAX as usize {
+        return Err(Error::InvalidArgument(NOT_ENOUGH_KEYSLOTS.into()));
+    }
+    Ok(())
+}
+
+/// The PBKDF of each new keyslot, and the digests' (cryptsetup makes the new key's digest
+/// with the first keyslot's settings and the reencryption digest with the last one's).
+fn slot_kdfs(
+    h: &Luks2Header,
+    slots: &[SlotPassphrase],
+    opts: &InitOptions<'_>,
+) -> Result<Vec<KdfRequest>> {
+    slots
+        .iter()
+        .map(|sp| match opts.keyslot_kdf {
+            KeyslotKdf::Given => Ok(opts.kdf.clone()),
+            KeyslotKdf::SameAsOld => h
+                .meta
+                .keyslot_params(&sp.slot.to_string())
+                .map(|p| KdfRequest::same_as(&p.kdf)),
+        })
+        .collect()
+}
+
+/// The new segment's cipher, key size and sector size (from `opts.change`, else the old
+/// segment's `seg`, whose key is `old_key_bytes` long), checked before anything is written:
+/// a decryption changes none, and the data must be aligned to both sector sizes.
+fn new_segment_params(
+    devs: Devices<'_>,
+    seg: &CryptSegment,
+    old_key_bytes: usize,
+    opts: &InitOptions<'_>,
+    decrypt: bool,
+) -> Result<(CipherSpec, usize, SectorSize)> {
+    let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
+    let new_key_bytes = match opts.change.key_bytes {
+        Some(n) => n,
+        None if new_cipher != seg.cipher => new_cipher.default_key_bytes(),
+        None => old_key_bytes,
+    };
+    let new_sector = opts.change.sector_size.unwrap_or(seg.sector_size);
+    if decrypt {
+        if opts.change != SegmentChange::default() {
+            return Err(Error::InvalidArgument(
+                "a decryption has no new cipher, key size or sector size".into(),
+            ));
+        }
+    } else {
+        new_cipher.check_key_len(new_key_bytes)?;
+    }
+    let align = u64::from(new_sector.bytes().max(seg.sector_size.bytes()));
+    let data_bytes = match seg.size {
+        crate::luks::json::SegmentSize::Bytes(n) => n,
+        crate::luks::json::SegmentSize::Dynamic => {
+            devs.data.size().saturating_sub(seg.offset_bytes)
+        }
+    };
+    if data_bytes % align != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data device is not aligned to encryption sector size ({align} bytes)."
+        )));
+    }
+    Ok((new_cipher, new_key_bytes, new_sector))
+}
+
+/// What [`add_new_keyslots`] made.
+struct NewKey {
+    vk: VolumeKey,
+    /// The writes of the keyslots' material, before the header's.
+    ops: Vec<WriteOp>,
+    /// Each old keyslot with its new one.
+    new_keyslots: Vec<(u32, u32)>,
+}
+
+/// A new random key of `key_bytes`, its digest (with `kdfs[0]`), and for each passphrase
+/// of `slots` a keyslot of it (with its KDF of `kdfs`) that takes over the old keyslot's
+/// tokens.
+fn add_new_keyslots(
+    h: &mut Luks2Header,
+    slots: &[SlotPassphrase],
+    kdfs: &[KdfRequest],
+    key_bytes: usize,
+) -> Result<NewKey> {
+    let first_kdf = kdfs
+        .first()
+        .ok_or(Error::Bug("a rotation with no keyslot KDF"))?;
+    let new_key = random_secret(key_bytes)?;
+    let new_did = free_id(h.meta.digests.keys())?;
+    h.meta.digests.insert(
+        new_did.to_string(),
+        make_digest(first_kdf, new_key.as_ref(), vec![], vec![])?,
+    );
+    let new_vk = VolumeKey::new_verified(new_key, new_did, true);
+    let mut ops = Vec::new();
+    let mut new_keyslots = Vec::new();
+    for (sp, kdf) in slots.iter().zip(kdfs) {
+        let seqid = h.bin.seqid;
+        // Its area is encrypted as the old keyslot's is (cryptsetup adds it while the
+        // old segment is the default one, with the old keyslot's encryption; a
+        // cipher_null one gets cryptsetup's default keyslot cipher).
+        let old = h.meta.keyslot_params(&sp.slot.to_string())?;
+        let area = if old.area_cipher == CipherSpec::NULL {
+            (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_AREA_KEY_BYTES_DEFAULT)
+        } else {
+            (old.area_cipher, old.area_key_bytes)
+        };
+        let (new_slot, mut more) = h.add_keyslot_with_area(
+            NewKeyslot {
+                vk: &new_vk,
+                passphrase: sp.passphrase(),
+                kdf,
+                slot: None,
+            },
+            None,
+            Some(area),
+        )?;
+        more.truncate(2); // the material and its flush
+        ops.extend(more);
+        h.bin.seqid = seqid;
+        assign_tokens(&mut h.meta, sp.slot, new_slot);
+        new_keyslots.push((sp.slot, new_slot));
+    }
+    Ok(NewKey {
+        vk: new_vk,
+        ops,
+        new_keyslots,
+    })
+}
+
+/// cryptsetup's segments of a reencryption: the whole device as it is (0), then the two
+/// backups, backup-previous (1) and backup-final (2: the new cipher and sector size of
+/// `new_final`, or `linear` for a decryption, `None`); the old key's digest `old_did` covers
+/// 0 and 1, the new key's `new_did` covers 2; the reencryption requirement is added.
+fn set_rotation_segments(
+    meta: &mut Metadata,
+    new_final: Option<(CipherSpec, SectorSize)>,
+    old_did: u32,
+    new_did: Option<u32>,
+) -> Result<()> {
+    let live = meta
+        .segments
+        .get("0")
+        .cloned()
+        .ok_or_else(|| bad("segment 0 missing"))?;
+    let flagged = |f: &str| {
+        let mut s = live.clone();
+        s.flags = Some(vec![f.to_string()]);
+        s
+    };
+    let mut fin = flagged("backup-final");
+    match new_final {
+        None => {
+            fin.kind = "linear".into();
+            fin.iv_tweak = None;
+            fin.encryption = None;
+            fin.sector_size = None;
+        }
+        Some((cipher, sector)) => {
+            fin.encryption = Some(cipher.to_string());
+            fin.sector_size = Some(sector.bytes());
+        }
+    }
+    meta.segments = std::collections::BTreeMap::from([
+        ("0".to_string(), live.clone()),
+        ("1".to_string(), flagged("backup-previous")),
+        ("2".to_string(), fin),
+    ]);
+    meta.digests
+        .get_mut(&old_did.to_string())
+        .ok_or(Error::Bug("old key digest vanished"))?
+        .segments = vec!["0".into(), "1".into()];
+    if let Some(did) = new_did {
+        meta.digests
+            .get_mut(&did.to_string())
+            .ok_or(Error::Bug("new key digest vanished"))?
+            .segments = vec!["2".into()];
+    }
+    let reqs = meta
+        .config
+        .requirements
+        .get_or_insert_with(Requirements::default);
+    reqs.mandatory
+        .get_or_insert_with(Vec::new)
+        .push(REQUIREMENT_V2.into());
+    Ok(())
 }
 
 /// The key size of cryptsetup's default keyslot cipher (aes-xts-plain64, 512 bits), which
