@@ -405,12 +405,14 @@ pub fn differences(got: &[u8], want: &[u8]) -> String {
 /// iterations of calibrated digests) and what orders keys.
 pub fn metadata(img: &Path) -> String {
     let v: serde_json::Value = serde_json::from_str(&cs::dump_json(img)).expect("json");
-    let digests: Vec<_> = v["digests"]
+    let mut digests: Vec<_> = v["digests"]
         .as_object()
         .expect("digests")
-        .values()
-        .map(|d| (d["keyslots"].clone(), d["segments"].clone()))
+        .iter()
+        .map(|(id, d)| (id.clone(), d["keyslots"].clone(), d["segments"].clone()))
         .collect();
+    digests.sort_by(|a, b| a.0.cmp(&b.0));
+    let digests: Vec<_> = digests.into_iter().map(|(_, k, s)| (k, s)).collect();
     let mut ks = v["keyslots"].clone();
     for k in ks.as_object_mut().expect("keyslots").values_mut() {
         if let Some(kdf) = k.get_mut("kdf") {
@@ -418,9 +420,29 @@ pub fn metadata(img: &Path) -> String {
         }
     }
     format!(
-        "keyslots {ks}\nsegments {}\ndigests {digests:?}\nconfig {}",
-        v["segments"], v["config"]
+        "keyslots {}\nsegments {}\ndigests {digests:?}\nconfig {}",
+        sorted(&ks),
+        sorted(&v["segments"]),
+        sorted(&v["config"])
     )
+}
+
+/// `v` with every object's keys in sorted order: the comparison is of content, not of the
+/// order each tool wrote the keys in (both keep the order they read).
+fn sorted(v: &serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            serde_json::Value::Object(
+                keys.into_iter()
+                    .map(|k| (k.clone(), sorted(&m[k])))
+                    .collect(),
+            )
+        }
+        serde_json::Value::Array(a) => serde_json::Value::Array(a.iter().map(sorted).collect()),
+        other => other.clone(),
+    }
 }
 
 /// The first JSON area of a header file, read without locking while a tool writes it (a torn
