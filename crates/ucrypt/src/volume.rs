@@ -1103,8 +1103,10 @@ impl Volume {
 }
 
 /// Starts the volume's threads (`workers` workers and the `queued` model's writer) and returns
-/// once each runs: a thread's start-up allocates (its name, its thread-locals), and that belongs
-/// to building the volume, not to its first requests.
+/// once each runs: a thread's start-up allocates (its name, its thread-locals, a worker's cipher
+/// context in its own slot), and that belongs to building the volume, not to its first
+/// requests. With every worker's slot filled, no thread has to skip a busy slot and fill
+/// another, so steady-state I/O never makes a context.
 fn spawn_threads(core: &Arc<Core>, workers: usize) -> Result<Vec<JoinHandle<()>>> {
     let mut threads = Vec::with_capacity(workers + 1);
     let (started, running) = std::sync::mpsc::sync_channel::<()>(workers + 1);
@@ -1114,6 +1116,8 @@ fn spawn_threads(core: &Arc<Core>, workers: usize) -> Result<Vec<JoinHandle<()>>
             std::thread::Builder::new()
                 .name(format!("ucrypt-worker-{i}"))
                 .spawn(move || {
+                    // A failure here (the volume suspended) only leaves the slot to fill later.
+                    let _ = c.ciphers.with(|_| Ok(()));
                     let _ = started.send(());
                     drop(started);
                     workers::worker_loop(&*c)

@@ -119,17 +119,65 @@ fn start(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) {
     .expect("init");
 }
 
+/// Lets the rotation wait, between two hotzones, until a request has completed while it waits:
+/// on a loaded machine the I/O threads may otherwise not be scheduled until the rotation has
+/// ended, and "I/O during the rotation" would test nothing.
+struct IoProbe {
+    /// Requests completed so far (by every I/O thread).
+    completed: AtomicU64,
+    /// Progress reports seen.
+    reports: AtomicU64,
+    /// A request completed while the rotation waited.
+    seen: AtomicBool,
+}
+
+/// How long the rotation waits for one request to complete between two hotzones: far beyond
+/// any loaded machine's scheduling delay; reaching it means I/O is blocked while a rotation
+/// is under way.
+const IO_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl IoProbe {
+    /// The rotation's progress callback: after its first hotzone (the volume then served by
+    /// both sides), waits once for a request to complete.
+    fn between_hotzones(&self, p: ucrypt::luks::reencrypt::run::Progress) {
+        let first = self.reports.fetch_add(1, Ordering::SeqCst) == 0;
+        if first || p.done >= p.total || self.seen.load(Ordering::SeqCst) {
+            return;
+        }
+        let before = self.completed.load(Ordering::SeqCst);
+        let start = std::time::Instant::now();
+        while self.completed.load(Ordering::SeqCst) == before {
+            assert!(
+                start.elapsed() < IO_WAIT_LIMIT,
+                "no request completed in {IO_WAIT_LIMIT:?} while the rotation waited between \
+                 hotzones ({} of {} bytes done): I/O is blocked",
+                p.done,
+                p.total
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        self.seen.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Runs `IO_THREADS` threads of random I/O on `vol` (each in its own region, checked against
 /// its model, which starts as `model`) while `rotate` runs; returns the final contents the
-/// threads expect and how many requests ran while the rotation did.
+/// threads expect and how many requests ran while the rotation did. `rotate` hands its
+/// progress reports to the probe, which holds it after its first hotzone until a request has
+/// completed.
 fn io_during(
     vol: &Arc<Volume>,
     seed: u64,
     model: Vec<u8>,
-    rotate: impl FnOnce() + Send,
+    rotate: impl FnOnce(&IoProbe) + Send,
 ) -> (Vec<u8>, u64) {
     let done = AtomicBool::new(false);
     let during = AtomicU64::new(0);
+    let probe = IoProbe {
+        completed: AtomicU64::new(0),
+        reports: AtomicU64::new(0),
+        seen: AtomicBool::new(false),
+    };
     let region = DATA_BYTES / IO_THREADS / 4096 * 4096;
     let models: Vec<Vec<u8>> = (0..IO_THREADS)
         .map(|t| model[(t * region) as usize..((t + 1) * region) as usize].to_vec())
@@ -139,7 +187,7 @@ fn io_during(
             .into_iter()
             .enumerate()
             .map(|(t, mut m)| {
-                let (vol, done, during) = (vol.clone(), &done, &during);
+                let (vol, done, during, probe) = (vol.clone(), &done, &during, &probe);
                 sc.spawn(move || {
                     let mut rng = Rng(seed ^ (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                     let base = t as u64 * region;
@@ -182,12 +230,13 @@ fn io_during(
                                 base + off
                             );
                         }
+                        probe.completed.fetch_add(1, Ordering::SeqCst);
                     }
                     m
                 })
             })
             .collect();
-        rotate();
+        rotate(&probe);
         done.store(true, Ordering::SeqCst);
         handles
             .into_iter()
@@ -258,9 +307,10 @@ fn io_flows_and_verifies_during_an_online_rotation() {
         let change = cipher.map_or_else(SegmentChange::default, |(c, k)| new_cipher(c, k));
         start(dev.as_ref(), kind, change);
         let hotzones = AtomicU64::new(0);
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, None, &mut |_| {
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, None, &mut |p| {
                 hotzones.fetch_add(1, Ordering::Relaxed);
+                probe.between_hotzones(p);
             })
             .expect("online rotation");
         });
@@ -334,8 +384,8 @@ fn a_volume_left_in_reencryption_opens_segmented_and_finishes_online() {
             read_all(&vol) == plaintext(),
             "contents of the reopened volume"
         );
-        let (want, _) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, None, &mut |_| {}).expect("online rotation");
+        let (want, _) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, None, &mut |p| probe.between_hotzones(p)).expect("online rotation");
         });
         assert!(read_all(&vol) == want);
         drop(vol);
@@ -389,8 +439,8 @@ fn a_new_sector_size_online() {
                 "contents of the reopened volume"
             );
         }
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, None, &mut |_| {}).expect("online rotation");
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, None, &mut |p| probe.between_hotzones(p)).expect("online rotation");
         });
         assert!(during > 0, "no request ran during the rotation");
         assert!(!vol.in_reencryption());
@@ -486,8 +536,11 @@ fn a_detached_header_rotates_online() {
             data: data.as_ref(),
         };
         start_detached(devs, kind);
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {}).expect("online rotation");
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |p| {
+                probe.between_hotzones(p)
+            })
+            .expect("online rotation");
         });
         println!("{kind:?}: {during} requests during the rotation");
         assert!(during > 0, "no request ran during the rotation");
@@ -512,9 +565,11 @@ fn a_detached_header_rotates_online() {
         let vol = Arc::new(open_detached(&hdr_dev, &data).expect("open after repair"));
         assert!(vol.in_reencryption());
         assert!(read_all(&vol) == want, "contents of the repaired volume");
-        let (want, _) = io_during(&vol, seed, want, || {
-            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {})
-                .expect("online rotation after repair");
+        let (want, _) = io_during(&vol, seed, want, |probe| {
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |p| {
+                probe.between_hotzones(p)
+            })
+            .expect("online rotation after repair");
         });
         assert!(read_all(&vol) == want);
         drop(vol);
@@ -603,8 +658,11 @@ fn a_detached_header_decrypts_online() {
             vol
         };
         let vol = Arc::new(vol);
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {}).expect("online decryption");
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |p| {
+                probe.between_hotzones(p)
+            })
+            .expect("online decryption");
         });
         println!("{kind:?}: {during} requests during the decryption");
         assert!(during > 0, "no request ran during the decryption");
@@ -669,8 +727,11 @@ fn a_detached_header_encrypts_online() {
             read_all(&vol) == plaintext(),
             "contents opened in encryption"
         );
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |_| {}).expect("online encryption");
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, Some(hdr_dev.as_ref()), &mut |p| {
+                probe.between_hotzones(p)
+            })
+            .expect("online encryption");
         });
         println!("{kind:?}: {during} requests during the encryption");
         assert!(during > 0, "no request ran during the encryption");
@@ -757,8 +818,9 @@ fn an_encryption_moving_the_data_online() {
             read_all(&vol) == plaintext(),
             "contents opened in encryption"
         );
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, None, &mut |_| {}).expect("online encryption");
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, None, &mut |p| probe.between_hotzones(p))
+                .expect("online encryption");
         });
         println!("sector {sector}: {during} requests during the encryption");
         assert!(during > 0, "no request ran during the encryption");
@@ -842,8 +904,9 @@ fn a_decryption_moving_the_data_back_online() {
         println!("{what}: opened with {done} bytes decrypted");
         assert_eq!(done > 0, interrupted, "{what}");
         assert!(read_all(&vol) == plaintext(), "{what}: contents opened");
-        let (want, during) = io_during(&vol, seed, plaintext(), || {
-            rotate_online(&vol, Some(hdr.as_ref()), &mut |_| {}).expect("online decryption");
+        let (want, during) = io_during(&vol, seed, plaintext(), |probe| {
+            rotate_online(&vol, Some(hdr.as_ref()), &mut |p| probe.between_hotzones(p))
+                .expect("online decryption");
         });
         println!("{what}: {during} requests during the decryption");
         assert!(during > 0, "{what}: no request ran during the decryption");
@@ -966,8 +1029,9 @@ fn a_rotation_stopped_inside_a_hotzone_is_recovered_while_served() {
                     "{case}: contents after recovery"
                 );
                 let vol = Arc::new(vol);
-                let (want, _) = io_during(&vol, seed ^ nth, plaintext(), || {
-                    rotate_online(&vol, None, &mut |_| {}).expect("resumed online");
+                let (want, _) = io_during(&vol, seed ^ nth, plaintext(), |probe| {
+                    rotate_online(&vol, None, &mut |p| probe.between_hotzones(p))
+                        .expect("resumed online");
                 });
                 assert!(!vol.in_reencryption(), "{case}");
                 assert!(
