@@ -2,17 +2,18 @@
 //! to a detached file (datashift-checksum or datashift-journal, requirement v3).
 
 use crate::luks::json::KeyslotKind;
-use crate::luks::json::{CryptSegment, Metadata, Requirements, U64Str};
+use crate::luks::json::{CryptSegment, Metadata, U64Str};
 use crate::luks::kdf::KdfRequest;
-use crate::luks::luks2::digest::{free_id, make_digest};
+use crate::luks::luks2::digest::free_id;
 use crate::luks::reencrypt::plan::{check_layout, position, unshift_geometry, Position};
-use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
+use crate::luks::reencrypt::{Direction, Mode, ReencryptState};
 use crate::luks::util::HashAlg;
 use crate::luks::{apply, read_area, read_header, unlock, Header, Luks2Header};
 use crate::{Error, Result};
 
 use super::copy_across;
 use super::init::{reencrypt_area, reencrypt_keyslot, Started};
+use super::seal::{add_reencryption_digest, assign_segments, require};
 use super::{
     luks2, Devices, ResilienceKind, CHECKSUM_BLOCK_BYTES, HOTZONE_BYTES_MAX, REQUIREMENT_V3,
 };
@@ -99,26 +100,10 @@ pub fn init_decrypt_unshift(
         .enumerate()
         .map(|(i, s)| (i.to_string(), s))
         .collect();
-    h.meta
-        .digests
-        .get_mut(&old_vk.digest_id().to_string())
-        .ok_or(Error::Bug("old key digest vanished"))?
-        .segments = old_list;
-    h.meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default)
-        .mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V3.into());
-    let st = ReencryptState::from_metadata(&h.meta)?
-        .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(&h.meta, &st, Some(old_vk.bytes()), None)?;
-    let rdid = free_id(h.meta.digests.keys())?;
-    h.meta.digests.insert(
-        rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
-    );
+    let old_digest = old_vk.digest_id();
+    assign_segments(&mut h.meta, old_digest, old_list, "old key digest vanished")?;
+    require(&mut h.meta, REQUIREMENT_V3);
+    let st = add_reencryption_digest(&mut h.meta, opts.kdf, rk, Some(old_vk.bytes()), None)?;
     check_unshift_start(&h.meta, &st, data_bytes, moved_bytes)?;
     let ops = h.commit()?;
 

@@ -2,11 +2,11 @@
 //! put in front of data moved up by half of `--reduce-device-size` (datashift).
 
 use crate::backend::Backend;
-use crate::luks::json::{Requirements, U64Str};
+use crate::luks::json::U64Str;
 use crate::luks::kdf::KdfRequest;
-use crate::luks::luks2::digest::{free_id, make_digest};
+use crate::luks::luks2::digest::free_id;
 use crate::luks::reencrypt::plan::{check_layout, position, Position};
-use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
+use crate::luks::reencrypt::{Direction, Mode};
 use crate::luks::util::{random_secret, HashAlg};
 use crate::luks::{apply, read_header, Luks2Header, NewKeyslot};
 use crate::sector::{CipherSpec, SectorSize};
@@ -14,6 +14,7 @@ use crate::{Error, Result};
 
 use super::copy_then_wipe;
 use super::init::{reencrypt_area, reencrypt_keyslot, Started};
+use super::seal::{add_reencryption_digest, assign_segments, require};
 use super::{Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_HASH, REQUIREMENT_V2};
 
 /// How to start an encryption of a plaintext device ([`init_encrypt`]).
@@ -121,26 +122,15 @@ pub fn init_encrypt(
         ("1".to_string(), linear(Some("backup-previous"))),
         ("2".to_string(), fin),
     ]);
-    h.meta
-        .digests
-        .get_mut(&vk.digest_id().to_string())
-        .ok_or(Error::Bug("new key digest vanished"))?
-        .segments = vec!["2".into()];
-    h.meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default)
-        .mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V2.into());
-    let st = ReencryptState::from_metadata(&h.meta)?
-        .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
-    let rdid = free_id(h.meta.digests.keys())?;
-    h.meta.digests.insert(
-        rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
-    );
+    let new_digest = vk.digest_id();
+    assign_segments(
+        &mut h.meta,
+        new_digest,
+        vec!["2".into()],
+        "new key digest vanished",
+    )?;
+    require(&mut h.meta, REQUIREMENT_V2);
+    add_reencryption_digest(&mut h.meta, opts.kdf, rk, None, Some(vk.bytes()))?;
     ops.extend(h.commit()?);
     apply(devs.header, &ops)?;
     Ok(Started {
@@ -229,26 +219,16 @@ pub fn init_encrypt_shift(
         .enumerate()
         .map(|(i, s)| (i.to_string(), s))
         .collect();
-    h.meta
-        .digests
-        .get_mut(&vk.digest_id().to_string())
-        .ok_or(Error::Bug("new key digest vanished"))?
-        .segments = vec![final_id.to_string()];
-    h.meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default)
-        .mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V2.into());
-    let st = ReencryptState::from_metadata(&h.meta)?
-        .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(&h.meta, &st, None, Some(vk.bytes()))?;
-    let rdid = free_id(h.meta.digests.keys())?;
-    h.meta.digests.insert(
-        rdid.to_string(),
-        make_digest(opts.kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
-    );
+    let new_digest = vk.digest_id();
+    let final_seg = vec![final_id.to_string()];
+    assign_segments(
+        &mut h.meta,
+        new_digest,
+        final_seg,
+        "new key digest vanished",
+    )?;
+    require(&mut h.meta, REQUIREMENT_V2);
+    let st = add_reencryption_digest(&mut h.meta, opts.kdf, rk, None, Some(vk.bytes()))?;
     // What is written is what the planner reads back: the start of the walk.
     check_layout(&h.meta, &st, data_bytes)?;
     if position(&h.meta, &st, data_bytes)?

@@ -3,10 +3,10 @@
 //! digest and the segments of cryptsetup's layout, committed in one header write.
 
 use crate::backend::Backend;
-use crate::luks::json::{CryptSegment, Keyslot, Metadata, Requirements, U64Str};
+use crate::luks::json::{CryptSegment, Keyslot, Metadata, U64Str};
 use crate::luks::kdf::KdfRequest;
 use crate::luks::luks2::digest::{free_id, make_digest};
-use crate::luks::reencrypt::{verification_data, Direction, Mode, ReencryptState};
+use crate::luks::reencrypt::{Direction, Mode};
 use crate::luks::util::{random_secret, HashAlg};
 use crate::luks::{
     apply, read_area, read_header, unlock, Header, Luks2Header, NewKeyslot, VolumeKey, WriteOp,
@@ -15,6 +15,7 @@ use crate::luks::{
 use crate::sector::{CipherSpec, SectorSize};
 use crate::{Error, Result};
 
+use super::seal::{add_reencryption_digest, assign_segments, require};
 use super::{
     bad, luks2, Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_BLOCK_BYTES, REQUIREMENT_V2,
 };
@@ -355,20 +356,9 @@ pub(super) fn init_checked(
     )?;
 
     // The reencryption digest over the keys and the metadata.
-    let st = ReencryptState::from_metadata(&h.meta)?
-        .ok_or(Error::Bug("reencryption state not recognised"))?;
-    let data = verification_data(
-        &h.meta,
-        &st,
-        Some(old_vk.bytes()),
-        new_vk.as_ref().map(VolumeKey::bytes),
-    )?;
-    let rdid = free_id(h.meta.digests.keys())?;
     let last_kdf = kdfs.last().unwrap_or(opts.kdf);
-    h.meta.digests.insert(
-        rdid.to_string(),
-        make_digest(last_kdf, data.as_ref(), vec![rk.to_string()], vec![])?,
-    );
+    let new_key = new_vk.as_ref().map(VolumeKey::bytes);
+    add_reencryption_digest(&mut h.meta, last_kdf, rk, Some(old_vk.bytes()), new_key)?;
     ops.extend(h.commit()?);
     apply(dev, &ops)?;
     Ok(Started {
@@ -574,23 +564,12 @@ fn set_rotation_segments(
         ("1".to_string(), flagged("backup-previous")),
         ("2".to_string(), fin),
     ]);
-    meta.digests
-        .get_mut(&old_did.to_string())
-        .ok_or(Error::Bug("old key digest vanished"))?
-        .segments = vec!["0".into(), "1".into()];
+    let old_segs = vec!["0".into(), "1".into()];
+    assign_segments(meta, old_did, old_segs, "old key digest vanished")?;
     if let Some(did) = new_did {
-        meta.digests
-            .get_mut(&did.to_string())
-            .ok_or(Error::Bug("new key digest vanished"))?
-            .segments = vec!["2".into()];
+        assign_segments(meta, did, vec!["2".into()], "new key digest vanished")?;
     }
-    let reqs = meta
-        .config
-        .requirements
-        .get_or_insert_with(Requirements::default);
-    reqs.mandatory
-        .get_or_insert_with(Vec::new)
-        .push(REQUIREMENT_V2.into());
+    require(meta, REQUIREMENT_V2);
     Ok(())
 }
 

@@ -46,6 +46,7 @@ mod init;
 mod lanes;
 mod recovery;
 mod resilience;
+mod seal;
 mod unlock;
 
 pub use decrypt::{init_decrypt_unshift, UnshiftOptions, MOVED_BYTES_DEFAULT};
