@@ -252,38 +252,72 @@ pub(super) fn set_segments_shift(
         };
         live.push(advanced(&fin, b, size)?);
     }
-    let n = live.len() as u32;
-    let mut list = vec![(n + 1).to_string()];
-    list.extend(
-        live.iter()
-            .enumerate()
-            .filter(|(_, s)| s.kind == SegmentKind::Crypt)
-            .map(|(i, _)| i.to_string()),
-    );
-    let mut segments: std::collections::BTreeMap<String, Segment> = live
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| (i.to_string(), s))
-        .collect();
-    for (id, mut s, flag) in [
-        (n, prev, SegmentFlag::BackupPrevious),
-        (n + 1, fin, SegmentFlag::BackupFinal),
-        (n + 2, moved, SegmentFlag::BackupMovedSegment),
-    ] {
-        s.flags = Some(vec![flag.name().into()]);
-        segments.insert(id.to_string(), s);
-    }
     let d_new = d_new.ok_or(Error::Bug("an encryption without a new key"))?;
-    meta.digests
-        .get_mut(&d_new.to_string())
-        .ok_or_else(|| bad(format!("digest {d_new} missing")))?
-        .segments = list;
-    meta.segments = segments;
-    st.backup_previous = n;
-    st.backup_final = n + 1;
-    st.backup_moved = Some(n + 2);
-    st.in_reencryption = hot_id;
-    Ok(())
+    let moving = MovingSegments {
+        live,
+        in_reencryption: hot_id,
+        backups: [prev, fin, moved],
+    };
+    moving.commit(meta, st, d_new, &[SegmentFlag::BackupFinal])
+}
+
+/// The segments of a reencryption that moves data, as they are committed: the live ones in
+/// order, then the three backups.
+pub(super) struct MovingSegments {
+    pub(super) live: Vec<Segment>,
+    /// Which of `live` is the hotzone.
+    pub(super) in_reencryption: Option<u32>,
+    /// backup-previous, backup-final, backup-moved-segment.
+    pub(super) backups: [Segment; 3],
+}
+
+impl MovingSegments {
+    /// Writes the segments (the backups numbered after the live ones, each flagged), points
+    /// `digest` at the `listed` backups and then every live crypt segment, and records the
+    /// ids in `st`.
+    pub(super) fn commit(
+        self,
+        meta: &mut Metadata,
+        st: &mut ReencryptState,
+        digest: u32,
+        listed: &[SegmentFlag],
+    ) -> Result<()> {
+        let n = self.live.len() as u32;
+        let flags = [
+            SegmentFlag::BackupPrevious,
+            SegmentFlag::BackupFinal,
+            SegmentFlag::BackupMovedSegment,
+        ];
+        let id = |f: &SegmentFlag| n + flags.iter().position(|g| g == f).unwrap_or(0) as u32;
+        let mut list: Vec<String> = listed.iter().map(|f| id(f).to_string()).collect();
+        list.extend(
+            self.live
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.kind == SegmentKind::Crypt)
+                .map(|(i, _)| i.to_string()),
+        );
+        let mut segments: std::collections::BTreeMap<String, Segment> = self
+            .live
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (i.to_string(), s))
+            .collect();
+        for (mut s, flag) in self.backups.into_iter().zip(flags) {
+            s.flags = Some(vec![flag.name().into()]);
+            segments.insert(id(&flag).to_string(), s);
+        }
+        meta.digests
+            .get_mut(&digest.to_string())
+            .ok_or_else(|| bad(format!("digest {digest} missing")))?
+            .segments = list;
+        meta.segments = segments;
+        st.backup_previous = n;
+        st.backup_final = n + 1;
+        st.backup_moved = Some(n + 2);
+        st.in_reencryption = self.in_reencryption;
+        Ok(())
+    }
 }
 
 /// The steps of the next hotzone of a data-moving encryption, as cryptsetup 2.6 walks it

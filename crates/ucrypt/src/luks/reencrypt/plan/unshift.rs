@@ -8,7 +8,7 @@ use crate::luks::reencrypt::{ReencryptState, Resilience, SegmentFlag};
 use crate::{Error, Result};
 
 use super::in_place::key_digests;
-use super::shift::shift_bad;
+use super::shift::{shift_bad, MovingSegments};
 use super::{
     advanced, bad, check_supported, has_flag, live_segments, note_hotzone, segment_of, template,
     MovedGuard, Position, Protect, Step, IV_UNIT_BYTES,
@@ -383,38 +383,13 @@ pub(super) fn set_segments_unshift(
             live.push(advanced(&prev, m + end, size)?);
         }
     }
-    let n = live.len() as u32;
-    let mut list = vec![n.to_string(), (n + 2).to_string()];
-    list.extend(
-        live.iter()
-            .enumerate()
-            .filter(|(_, s)| s.kind == SegmentKind::Crypt)
-            .map(|(i, _)| i.to_string()),
-    );
-    let mut segments: std::collections::BTreeMap<String, Segment> = live
-        .into_iter()
-        .enumerate()
-        .map(|(i, s)| (i.to_string(), s))
-        .collect();
-    let moved_backup = template(meta, moved_id)?;
-    for (id, mut s, flag) in [
-        (n, prev, SegmentFlag::BackupPrevious),
-        (n + 1, fin, SegmentFlag::BackupFinal),
-        (n + 2, moved_backup, SegmentFlag::BackupMovedSegment),
-    ] {
-        s.flags = Some(vec![flag.name().into()]);
-        segments.insert(id.to_string(), s);
-    }
-    meta.digests
-        .get_mut(&d_old.to_string())
-        .ok_or_else(|| bad(format!("digest {d_old} missing")))?
-        .segments = list;
-    meta.segments = segments;
-    st.backup_previous = n;
-    st.backup_final = n + 1;
-    st.backup_moved = Some(n + 2);
-    st.in_reencryption = hot_id;
-    Ok(())
+    let moving = MovingSegments {
+        live,
+        in_reencryption: hot_id,
+        backups: [prev, fin, template(meta, moved_id)?],
+    };
+    let listed = [SegmentFlag::BackupPrevious, SegmentFlag::BackupMovedSegment];
+    moving.commit(meta, st, d_old, &listed)
 }
 
 /// The steps of the next hotzone of a decryption that moves the data, as cryptsetup 2.6 walks
