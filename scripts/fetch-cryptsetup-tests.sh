@@ -1,8 +1,9 @@
 #!/bin/bash
 # Download Debian's cryptsetup source package (bookworm: 2.6.1) and unpack its tests/ folder
 # (the LUKS2 validation suite: tests/luks2-validation-test, tests/generators/ and the base
-# image luks2_valid_hdr.img.xz) without touching the system's apt configuration: a private
-# deb-src list on the mirror the system's own apt sources already use, as
+# image luks2_valid_hdr.img.xz, the other images and compat scripts) and the three headers of
+# src/ that list its command line's options, without touching the system's apt configuration:
+# a private deb-src list on the mirror the system's own apt sources already use, as
 # tests/vm/fetch-kernel.sh fetches its kernel.
 #
 # usage: fetch-cryptsetup-tests.sh DEST [SUITE]   -> DEST/cryptsetup-VERSION/tests/...
@@ -22,5 +23,7 @@ O=(-o Dir::Etc::SourceList="$A/sources.list" -o Dir::Etc::SourceParts=/dev/null
 apt-get "${O[@]}" update -qq
 (cd "$A" && apt-get "${O[@]}" source --download-only -qq cryptsetup)
 tarball=$(ls "$A"/cryptsetup_*.orig.tar.*)
-tar -xf "$tarball" -C "$DEST" --wildcards '*/tests/*'
+# tests/, and the option tables of cryptsetup's command line (tests/cryptsetup_options.rs).
+tar -xf "$tarball" -C "$DEST" --wildcards '*/tests/*' '*/src/cryptsetup_arg_list.h' \
+  '*/src/cryptsetup_args.h' '*/src/utils_arg_names.h'
 ls -d "$DEST"/cryptsetup-*/tests

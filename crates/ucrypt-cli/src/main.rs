@@ -6,6 +6,7 @@
 //! family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod compat;
 mod daemon;
 mod error;
 mod formats;
@@ -43,6 +44,8 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    #[command(flatten)]
+    global: compat::GlobalOpts,
 }
 
 #[derive(Subcommand)]
@@ -156,14 +159,30 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let cli = match try_parse(luks_cli::reorder_args(std::env::args().collect())) {
+    let argv = luks_cli::reorder_args(std::env::args().collect());
+    if compat::usage(command(), &argv) {
+        std::process::exit(0);
+    }
+    let cli = match try_parse(argv.clone()) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
             std::process::exit(if e.use_stderr() { 1 } else { 0 });
         }
     };
-    let code = match cli.cmd {
+    compat::debug_start(&cli.global, &argv);
+    if let compat::Next::Exit(code) = compat::apply(&cli.global) {
+        compat::debug_end(&cli.global, code);
+        std::process::exit(code);
+    }
+    let code = run(cli.cmd);
+    compat::debug_end(&cli.global, code);
+    std::process::exit(code);
+}
+
+/// Runs the verb; returns the process's exit code.
+fn run(cmd: Cmd) -> i32 {
+    match cmd {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Luks(c) => luks_cli::run(*c),
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Tcrypt) => {
@@ -187,8 +206,7 @@ fn main() {
         Cmd::Tab(c) => tab::run(c),
         Cmd::ReencryptWorker(a) => daemon::worker::run_worker(a),
         Cmd::GenerateDocs(a) => manual::run(command(), a),
-    };
-    std::process::exit(code);
+    }
 }
 
 /// `open --type tcrypt --test-passphrase`: the TrueCrypt/VeraCrypt header decrypts with the

@@ -160,6 +160,10 @@ pub struct VolumeArgs {
     /// Raw mode: IV offset, in 512-byte sectors (cryptsetup's --skip).
     #[arg(long, short = 'p', default_value_t = 0)]
     pub skip: u64,
+    /// Raw mode: map only this many 512-byte sectors from --offset (cryptsetup's --size);
+    /// default: to the end of the device.
+    #[arg(long, short = 'b', value_name = "SECTORS")]
+    pub size: Option<u64>,
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
@@ -399,6 +403,14 @@ impl VolumeArgs {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
+        let raw = self.cipher.is_some() || self.device_type == Some(DeviceType::Plain);
+        if self.size.is_some() && (!raw || self.device_type == Some(DeviceType::Tcrypt)) {
+            return Err(CliError::Usage(
+                "--size maps a part of a plain mapping; LUKS and TCRYPT volumes are mapped \
+                 whole"
+                    .into(),
+            ));
+        }
         let prepared = match (&self.cipher, self.device_type) {
             (_, Some(DeviceType::Tcrypt)) => self.prepare_tcrypt().map(|req| (req, None)),
             (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
@@ -637,6 +649,14 @@ impl VolumeArgs {
             .offset
             .checked_mul(512)
             .ok_or_else(|| CliError::Usage("--offset too large".into()))?;
+        plain.size_bytes = match self.size {
+            Some(0) => return Err(CliError::Usage("--size must be more than 0".into())),
+            Some(n) => Some(
+                n.checked_mul(512)
+                    .ok_or_else(|| CliError::Usage("--size too large".into()))?,
+            ),
+            None => None,
+        };
         let mut req = OpenRequest::new(backend, Format::Plain(plain));
         req.policy = self.policies(&[]);
         req.spin = self.spin();

@@ -157,10 +157,63 @@ impl Drop for NoEcho {
     }
 }
 
+/// How interactive prompts behave (cryptsetup's `--timeout` and `--verify-passphrase`), set
+/// once from the command line.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PromptSettings {
+    /// Seconds a prompt waits for the first keystroke; `None`: no limit.
+    pub timeout_secs: Option<u32>,
+    /// Every passphrase typed on a terminal is asked twice, not only new ones.
+    pub always_verify: bool,
+}
+
+static PROMPTS: std::sync::OnceLock<PromptSettings> = std::sync::OnceLock::new();
+
+/// Sets the prompts' behaviour for this process (the first call wins).
+pub fn configure_prompts(s: PromptSettings) {
+    let _ = PROMPTS.set(s);
+}
+
+fn prompt_settings() -> PromptSettings {
+    PROMPTS.get().copied().unwrap_or_default()
+}
+
+/// Waits until standard input has something to read, at most `secs` seconds (cryptsetup's
+/// `--timeout`: the prompt gives up when nothing is typed in time).
+fn wait_for_input(secs: u32) -> Result<()> {
+    let mut fds = libc::pollfd {
+        fd: 0,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = i32::try_from(u64::from(secs) * 1000).unwrap_or(i32::MAX);
+    loop {
+        // SAFETY: one valid pollfd, its count 1; poll writes only its revents.
+        let r = unsafe { libc::poll(&mut fds, 1, ms) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("waiting for the passphrase", e));
+        }
+        if r == 0 {
+            eprintln!();
+            return Err(Error::InvalidArgument(format!(
+                "Error reading passphrase from terminal: nothing typed in {secs} s (--timeout)."
+            )));
+        }
+        return Ok(());
+    }
+}
+
 fn prompt(text: &str) -> Result<SecretBytes> {
     eprint!("{text}");
     let _ = std::io::stderr().flush();
     let _guard = NoEcho::new();
+    if let Some(secs) = prompt_settings().timeout_secs {
+        wait_for_input(secs)?;
+    }
     read_stdin_line()
 }
 
@@ -267,10 +320,10 @@ pub fn read_passphrase(src: &Source<'_>, prompt_text: &str, verify: bool) -> Res
         return read_stdin_line();
     }
     let p = prompt(prompt_text)?;
-    if verify {
+    if verify || prompt_settings().always_verify {
         let again = prompt("Verify passphrase: ")?;
         if !again.ct_eq(p.as_ref()) {
-            return Err(Error::InvalidArgument("Passphrases do not match.".into()));
+            return Err(Error::PassphraseMismatch);
         }
     }
     Ok(p)

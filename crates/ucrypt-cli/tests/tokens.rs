@@ -500,3 +500,83 @@ fn tokens_on_every_metadata_size() {
         }
     }
 }
+
+/// `luksAddKey --new-token-id N` (no new key file): the new passphrase is the one the
+/// luks2-keyring token N gives, and the new keyslot is assigned to N; each tool on a copy of
+/// one volume gives the same tokens, and the keyring's passphrase opens the new keyslot. A
+/// token whose key is not in the keyring, and a token that does not exist: the same exit
+/// codes from both.
+#[test]
+fn add_key_by_token_as_cryptsetup() {
+    let desc = format!("ucrypt-test:{}:newtoken", std::process::id());
+    const NEW: &str = "second passphrase";
+    let Some(_key) = KeyringKey::add(&desc, NEW) else {
+        println!("SKIPPED: no kernel keyring here (add_key(2) refused)");
+        return;
+    };
+    let t = TempDir::new("tokens-addkey");
+    let img = luks2(&t);
+    for (id, description) in [
+        ("0", desc.as_str()),
+        ("1", "ucrypt-test:not-in-the-keyring"),
+    ] {
+        let o = ucrypt(
+            &[
+                "token",
+                "add",
+                s(&img),
+                "--key-description",
+                description,
+                "--token-id",
+                id,
+            ],
+            "",
+        );
+        assert!(o.status.success(), "token add: {}", text(&o));
+    }
+    let new_key = t.path("new.key");
+    std::fs::write(&new_key, NEW).unwrap();
+    let add = |prog: &str, token: &str| {
+        let copy = t.path(&format!(
+            "{}-{token}.img",
+            prog.rsplit('/').next().unwrap_or(prog)
+        ));
+        std::fs::copy(&img, &copy).unwrap();
+        let mut a = vec!["luksAddKey", s(&copy), "--new-token-id", token];
+        a.extend_from_slice(FAST_PBKDF2);
+        let o = run_in(prog, &a, PWD.as_bytes());
+        let d = text(&run("cryptsetup", &["luksDump", s(&copy)]));
+        let tokens = d[d.find("Tokens:").unwrap()..d.find("Digests:").unwrap()].to_string();
+        (o.status.code(), tokens, copy)
+    };
+    let (u_code, u_tokens, u_copy) = add(UCRYPT, "0");
+    let (c_code, c_tokens, _) = add("cryptsetup", "0");
+    assert_eq!(
+        (u_code, &u_tokens),
+        (c_code, &c_tokens),
+        "luksAddKey --new-token-id 0"
+    );
+    assert_eq!(u_code, Some(0));
+    let o = run(
+        "cryptsetup",
+        &[
+            "open",
+            "--test-passphrase",
+            "-S",
+            "1",
+            s(&u_copy),
+            "--key-file",
+            s(&new_key),
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "the keyring's passphrase opens slot 1: {}",
+        text(&o)
+    );
+    for (token, what) in [("1", "its key not in the keyring"), ("7", "no such token")] {
+        let (u_code, _, _) = add(UCRYPT, token);
+        let (c_code, _, _) = add("cryptsetup", token);
+        assert_eq!(u_code, c_code, "--new-token-id {token}: {what}");
+    }
+}

@@ -58,6 +58,11 @@ pub enum Error {
     #[error("No key available with this passphrase.")]
     WrongPassphrase,
 
+    /// A passphrase asked for twice (to be sure of a new one) came back different
+    /// (cryptsetup's words; exit 2, as a wrong passphrase).
+    #[error("Passphrases do not match.")]
+    PassphraseMismatch,
+
     /// A volume key given as such (cryptsetup's `--volume-key-file`) that the header's digest
     /// does not accept: cryptsetup's words, and its exit code of a wrong key.
     #[error("Volume key does not match the volume.")]
@@ -211,9 +216,10 @@ impl Error {
             | Error::NeedsRecovery
             | Error::Refused(_) => ErrorKind::BadInput,
             Error::UnmetRequirements(_) => ErrorKind::BadData,
-            Error::WrongPassphrase | Error::VolumeKeyMismatch | Error::NoFormatHeader => {
-                ErrorKind::WrongKey
-            }
+            Error::WrongPassphrase
+            | Error::PassphraseMismatch
+            | Error::VolumeKeyMismatch
+            | Error::NoFormatHeader => ErrorKind::WrongKey,
             Error::UnsupportedFormat(_) => ErrorKind::BadData,
             // No keyslot left to try: the header cannot be opened by any passphrase
             // (cryptsetup exits 1 here, not 2).

@@ -94,6 +94,15 @@ pub struct OpenArgs {
     /// Also serve the volume to NBD clients on this socket: unix:PATH (mode 0600; export NAME).
     #[arg(long, value_name = "unix:PATH")]
     pub nbd: Option<ucrypt_nbd::server::Listen>,
+    /// LUKS2: store the activation flags given (--allow-discards, --perf-no_read_workqueue,
+    /// --perf-no_write_workqueue) in the header, replacing the stored ones, before opening.
+    #[arg(long)]
+    pub persistent: bool,
+    /// NAME is open already: apply the flags given (--allow-discards, --policy, --spin-us,
+    /// --perf-no_*_workqueue) to it, as `ucrypt refresh NAME` does (cryptsetup's
+    /// `open --refresh`).
+    #[arg(long)]
+    pub refresh: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -392,6 +401,19 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
     let name = a.name.clone().ok_or_else(|| {
         CliError::Usage("open needs a NAME for the device (or --test-passphrase)".into())
     })?;
+    if a.refresh {
+        if a.persistent {
+            crate::luks_cli::store_open_flags(&a.v)?;
+        }
+        return refresh(RefreshArgs {
+            name,
+            policy: a.v.policy,
+            allow_discards: a.v.allow_discards.then_some(true),
+            spin_us: None,
+            perf_no_read_workqueue: a.v.perf_no_read_workqueue,
+            perf_no_write_workqueue: a.v.perf_no_write_workqueue,
+        });
+    }
     state::check_name(&name)?;
     let run = RunDir::locate()?;
     run.check_name_fits(&name)?;
@@ -406,6 +428,9 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         ));
     }
     let front_end = a.front_end.resolve(run.root)?;
+    if a.persistent {
+        crate::luks_cli::store_open_flags(&a.v)?;
+    }
     // A local volume is known by its device and inode; a remote one by its name.
     let (volume, st_dev, st_ino) = match &a.v.volume {
         Target::Path(p) => {
@@ -453,6 +478,13 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
     if a.v.volume.is_remote() && !a.foreground {
         return open_remote_in_daemon(a, name, run, claim, ident, front_end);
     }
+    let pbkdf_lock = match crate::compat::memory_hard_pbkdf_lock() {
+        Ok(l) => l,
+        Err(e) => {
+            claim.abandon();
+            return Err(e);
+        }
+    };
     let prepared = match a.v.prepare() {
         Ok(p) => p,
         Err(e) => {
@@ -460,6 +492,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
             return Err(e);
         }
     };
+    drop(pbkdf_lock);
     let info = match describe(&prepared, &volume, a.v.read_only) {
         Ok(i) => i,
         Err(e) => {
@@ -566,10 +599,12 @@ fn open_remote_in_daemon(
     match fork_daemon(&log)? {
         Forked::Child(pipe) => {
             let mut reporter = serve::Reporter::Pipe(pipe);
-            let opened = a.v.prepare().and_then(|p| {
-                let info = describe(&p, &volume, a.v.read_only)?;
-                Ok((p, info))
-            });
+            let opened = crate::compat::memory_hard_pbkdf_lock()
+                .and_then(|_lock| a.v.prepare())
+                .and_then(|p| {
+                    let info = describe(&p, &volume, a.v.read_only)?;
+                    Ok((p, info))
+                });
             match opened {
                 Ok((prepared, info)) => run_forked(
                     daemon_for(&a, name, run, claim, ident, info, front_end),

@@ -198,6 +198,19 @@ pub enum LuksCmd {
     AddKey {
         device: Target,
         new_key_file: Option<String>,
+        /// The new passphrase's key file, as an option (cryptsetup 2.6's spelling of the
+        /// second argument).
+        #[arg(
+            long = "new-keyfile",
+            value_name = "FILE",
+            conflicts_with = "new_key_file"
+        )]
+        new_keyfile: Option<String>,
+        /// LUKS2, without a new key file: the new passphrase is the one token ID gives (a
+        /// luks2-keyring token's, from the kernel keyring), and the new keyslot is assigned to
+        /// that token.
+        #[arg(long = "new-token-id", value_name = "ID")]
+        new_token_id: Option<u32>,
         #[command(flatten)]
         o: LuksOpts,
     },
@@ -425,8 +438,15 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         LuksCmd::AddKey {
             device,
             new_key_file,
+            new_keyfile,
+            new_token_id,
             o,
-        } => add_key(&device, new_key_file.as_deref(), &o),
+        } => add_key(
+            &device,
+            new_key_file.or(new_keyfile).as_deref(),
+            new_token_id,
+            &o,
+        ),
         LuksCmd::RemoveKey {
             device,
             pos_key_file,
@@ -830,7 +850,12 @@ fn dump_integrity(device: &Target, o: &LuksOpts, dev: &HeaderDev, hdr: &Header) 
 
 // ---------------------------------------------------------------- keys
 
-fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
+fn add_key(
+    device: &Target,
+    new_key_file: Option<&str>,
+    new_token_id: Option<u32>,
+    o: &LuksOpts,
+) -> Result<i32> {
     if o.unbound {
         return add_unbound_key(device, new_key_file, o);
     }
@@ -850,11 +875,16 @@ fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<
             .1
         }
     };
-    let newp = pass::read_passphrase(
-        &new_source(o, new_key_file),
-        "Enter new passphrase for key slot: ",
-        true,
-    )?;
+    // As cryptsetup: a new key file wins over --new-token-id.
+    let by_token = new_token_id.filter(|_| new_key_file.is_none());
+    let newp = match by_token {
+        Some(token) => token_passphrase(&hdr, token)?,
+        None => pass::read_passphrase(
+            &new_source(o, new_key_file),
+            "Enter new passphrase for key slot: ",
+            true,
+        )?,
+    };
     let kdf = kdf_request(o, hdr.version())?;
     let slot = o.new_key_slot.or(o.key_slot);
     let (id, ops) = hdr.add_keyslot(NewKeyslot {
@@ -867,7 +897,34 @@ fn add_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<
     if o.verbose {
         eprintln!("Key slot {id} created.");
     }
+    if let Some(token) = by_token {
+        // The new keyslot is the token's too (cryptsetup assigns it after adding it).
+        if let Header::Luks2(mut h) = luks::read_header(dev.as_ref())? {
+            h.assign_token(token, Some(id))?;
+            luks::apply(dev.as_ref(), &h.commit()?)?;
+        }
+    }
     Ok(0)
+}
+
+/// The passphrase token `id` gives: a luks2-keyring token's, read from the kernel keyring.
+/// As cryptsetup: no such token exits 1; its key missing from the keyring exits 2, as a
+/// passphrase that opens nothing.
+fn token_passphrase(hdr: &Header, id: u32) -> Result<ucrypt::SecretBytes> {
+    let no_token = || Error::InvalidArgument(format!("Token {id} is not a usable token."));
+    let Header::Luks2(h) = hdr else {
+        return Err(no_token());
+    };
+    let filter = ucrypt::luks::luks2::TokenFilter {
+        id: Some(id),
+        kind: None,
+    };
+    let t = h
+        .keyring_tokens(&filter)
+        .into_iter()
+        .next()
+        .ok_or_else(no_token)?;
+    pass::keyring_passphrase(&t.key_description).ok_or(Error::WrongPassphrase)
 }
 
 /// `luksAddKey --unbound --key-size BITS`: a keyslot for a key no segment uses, random or
@@ -1285,6 +1342,30 @@ fn requested_flags(o: &LuksOpts) -> Vec<String> {
         }
     }
     f
+}
+
+/// `open --persistent`: stores the activation flags the volume is opened with
+/// (--allow-discards, --perf-no_read_workqueue, --perf-no_write_workqueue) in its LUKS2
+/// header, replacing the ones stored before, as cryptsetup's `open --persistent` does.
+pub fn store_open_flags(v: &crate::open::VolumeArgs) -> Result<()> {
+    let o = LuksOpts {
+        header: v.header.clone(),
+        allow_discards: v.allow_discards,
+        perf_no_read_workqueue: v.perf_no_read_workqueue,
+        perf_no_write_workqueue: v.perf_no_write_workqueue,
+        ..LuksOpts::default()
+    };
+    let (dev, hdr) = load(&v.volume, &o, true)?;
+    hdr.check_requirements()?;
+    let Header::Luks2(mut h) = hdr else {
+        return Err(Error::InvalidArgument(
+            "--persistent stores activation flags in a LUKS2 header; this is LUKS1".into(),
+        ));
+    };
+    let flags = requested_flags(&o);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    h.set_persistent_flags(&flags)?;
+    luks::apply(dev.as_ref(), &h.commit()?)
 }
 
 fn config(device: &Target, o: &LuksOpts) -> Result<i32> {

@@ -31,8 +31,9 @@ pub fn open_loop(img: &Path, key: &Path, name: &str, extra: &[&str]) -> Output {
     o
 }
 
-/// cryptsetup's upstream `tests/` folder (images, generators, compat scripts), from Debian's
-/// cryptsetup source package: `UCRYPT_CRYPTSETUP_TESTS` names an unpacked one; otherwise it is
+/// cryptsetup's upstream `tests/` folder (images, generators, compat scripts; beside it
+/// `../src/` with the option tables of its command line), from Debian's cryptsetup source
+/// package: `UCRYPT_CRYPTSETUP_TESTS` names an unpacked one; otherwise it is
 /// fetched once (`scripts/fetch-cryptsetup-tests.sh`) into the temp dir, under a lock so that
 /// tests running at once fetch it once. `Err` says why it cannot be had (the caller SKIPs).
 pub fn cryptsetup_tests() -> Result<PathBuf, String> {
@@ -57,7 +58,11 @@ pub fn cryptsetup_tests() -> Result<PathBuf, String> {
             .ok()?
             .filter_map(|e| e.ok())
             .map(|e| e.path().join("tests"))
-            .find(|t| t.join("luks2-validation-test").is_file())
+            .find(|t| {
+                // A copy unpacked before the option tables were part of it is fetched again.
+                t.join("luks2-validation-test").is_file()
+                    && t.join("../src/cryptsetup_arg_list.h").is_file()
+            })
     };
     if let Some(t) = find(&cache) {
         return Ok(t);
