@@ -6,6 +6,7 @@
 //! family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod bitlk;
 mod daemon;
 mod error;
 mod formats;
@@ -89,6 +90,9 @@ enum Cmd {
     /// Show the header of a TrueCrypt/VeraCrypt volume (decrypted with the passphrase).
     #[command(name = "tcryptDump")]
     TcryptDump(formats::TcryptDumpArgs),
+    /// Show the metadata of a BitLocker volume (cryptsetup bitlkDump).
+    #[command(name = "bitlkDump")]
+    BitlkDump(bitlk::BitlkDumpArgs),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -156,7 +160,8 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let cli = match try_parse(luks_cli::reorder_args(std::env::args().collect())) {
+    let argv = bitlk::expand_alias(std::env::args().collect());
+    let cli = match try_parse(luks_cli::reorder_args(argv)) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -168,6 +173,9 @@ fn main() {
         Cmd::Luks(c) => luks_cli::run(*c),
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Tcrypt) => {
             tcrypt_test_passphrase(&a)
+        }
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Bitlk) => {
+            error::report("bitlkOpen", bitlk::test_passphrase(&a.v).map(|_| ()))
         }
         Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
@@ -181,6 +189,7 @@ fn main() {
         Cmd::Suspend(a) => daemon::report(daemon::suspend(a)),
         Cmd::Resume(a) => daemon::report(daemon::resume(a)),
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
+        Cmd::BitlkDump(a) => error::report("bitlkDump", bitlk::bitlk_dump(&a).map(|_| ())),
         Cmd::TcryptDump(a) => error::report("tcryptDump", formats::tcrypt_dump(&a).map(|_| ())),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Token(a) => token::run(*a),

@@ -358,6 +358,14 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                 info.flags.push("discards".into());
             }
         }
+        Format::Bitlk(b) => {
+            info.kind = "BITLK".into();
+            if let Some(m) = &b.metadata {
+                info.cipher = format!("aes-{}", m.encryption.mode_name());
+                info.key_bits = u32::from(m.encryption.key_bits());
+                info.sector_size = m.sector_size.bytes();
+            }
+        }
         // `VolumeArgs::prepare` reads a LUKS header before it asks for the key.
         _ => {
             return Err(CliError::from(Error::Bug(
