@@ -43,14 +43,15 @@ pub fn read_metadata(path: &std::path::Path) -> CliResult<Metadata> {
     bitlk::read_metadata(&dev).map_err(|e| not_bitlk(e, path))
 }
 
-/// cryptsetup's message when the metadata does not read (exit 1); a refusal keeps its words.
+/// cryptsetup's message when the metadata does not read (exit 1), with the check that
+/// failed; a refusal keeps cryptsetup's words.
 fn not_bitlk(e: ucrypt::Error, path: &std::path::Path) -> CliError {
     match e {
-        ucrypt::Error::UnsupportedFormat(_) | ucrypt::Error::Io { .. } => CliError::from(e),
-        e => CliError::Usage(format!(
-            "Device {} is not a valid BITLK device. ({e})",
+        ucrypt::Error::BadHeader { check, detail } => CliError::Usage(format!(
+            "Device {} is not a valid BITLK device. (check '{check}': {detail})",
             path.display()
         )),
+        e => CliError::from(e),
     }
 }
 

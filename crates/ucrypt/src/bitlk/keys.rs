@@ -31,16 +31,6 @@ const RECOVERY_GROUP_CHARS: usize = 6;
 const BEK_HEADER_BYTES: usize = 48;
 const STARTUP_KEY_HEADER_BYTES: usize = 24;
 
-/// What unlocks a volume: not used to pick VMKs (the secret is tried against each by its
-/// protection, as cryptsetup does) but to say what the caller gave.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeySource {
-    /// A passphrase or recovery passphrase typed or read from a key file.
-    Passphrase,
-    /// A startup key file (`.BEK`).
-    StartupKey,
-}
-
 /// The 16-byte key of a recovery passphrase (8 groups of 6 digits, each a multiple of 11,
 /// joined by '-'; one trailing newline allowed), or `None` when `pw` is not one.
 pub fn recovery_key(pw: &[u8]) -> Option<SecretBytes> {

@@ -17,7 +17,7 @@ mod layout;
 #[cfg(test)]
 mod tests;
 
-pub use keys::{recovery_key, unlock, KeySource};
+pub use keys::{recovery_key, unlock};
 pub use layout::{segments, Segment, SegmentKind};
 
 use crate::backend::Backend;
@@ -435,9 +435,11 @@ impl Metadata {
 pub fn read_metadata(dev: &dyn Backend) -> Result<Metadata> {
     let mut boot = vec![0u8; BOOT_SECTOR_BYTES];
     if dev.size() < BOOT_SECTOR_BYTES as u64 {
-        return Err(Error::UnsupportedFormat(
-            "Device is too small to be a BITLK device.".into(),
-        ));
+        return Err(malformed(
+            "device size",
+            format!("{} bytes, fewer than a boot sector", dev.size()),
+        )
+        .into());
     }
     dev.read_exact_at(&mut boot, 0)?;
     let bs = parse_boot_sector(&boot)?;
