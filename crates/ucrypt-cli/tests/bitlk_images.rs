@@ -117,6 +117,67 @@ fn not_applicable(name: &str) -> bool {
         .any(|p| name.contains(p))
 }
 
+/// `open --type bitlk` served by the daemon over FUSE: `status` says BITLK, and the served
+/// file's SHA-256 is images.conf's (one image per cipher mode; the rest go through export).
+fn served_through_fuse(dir: &Path, conf: &Conf, run: &mut Run) {
+    if !Path::new("/dev/fuse").exists() {
+        run.skipped.push("FUSE open: SKIPPED, no /dev/fuse".into());
+        return;
+    }
+    for name in ["bitlk-aes-xts-128", "bitlk-aes-cbc-elephant-128"] {
+        let img = dir.join(format!("{name}.img"));
+        let map = format!("bitlk-test-{}", std::process::id());
+        let pw = format!("{}\n", conf[name]["PW"]);
+        let o = run_in(
+            UCRYPT,
+            &[
+                "open",
+                "--type",
+                "bitlk",
+                "-r",
+                img.to_str().unwrap(),
+                &map,
+                "--front-end",
+                "fuse",
+            ],
+            pw.as_bytes(),
+        );
+        run.check(
+            &format!("{name}: open over FUSE"),
+            o.status.success(),
+            || text(&o),
+        );
+        if !o.status.success() {
+            continue;
+        }
+        let st = run_in(UCRYPT, &["status", &map], b"");
+        let status = String::from_utf8_lossy(&st.stdout).into_owned();
+        run.check(
+            &format!("{name}: status type"),
+            status.contains("type:    BITLK"),
+            || status.clone(),
+        );
+        let path = status
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("device path:"))
+            .map(|p| p.trim().to_string())
+            .unwrap_or_default();
+        let got = if Path::new(&path).exists() {
+            sha256_file(Path::new(&path))
+        } else {
+            format!("no device path in {status}")
+        };
+        let want = &conf[name]["SHA256SUM"];
+        run.check(
+            &format!("{name}: served plaintext SHA-256"),
+            &got == want,
+            || format!("{got}, images.conf {want}"),
+        );
+        let c = run_in(UCRYPT, &["close", &map], b"");
+        run.check(&format!("{name}: close"), c.status.success(), || text(&c));
+    }
+}
+
 #[test]
 fn bitlk_images() {
     let tests = match cli_common::cryptsetup_tests() {
@@ -334,6 +395,7 @@ fn bitlk_images() {
         }
         let _ = std::fs::remove_file(&out_file);
     }
+    served_through_fuse(&dir, &conf, &mut run);
     for s in &run.skipped {
         println!("skipped: {s}");
     }

@@ -384,11 +384,11 @@ fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()>
         t.check_readable()?;
     }
     match (t, cipher) {
-        (Some(DeviceType::Tcrypt), _) => Ok(()),
+        (Some(DeviceType::Tcrypt), _) | (Some(DeviceType::Bitlk), false) => Ok(()),
         (None | Some(DeviceType::Plain), true) | (Some(DeviceType::Plain), false) => Ok(()),
         (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
         (Some(t), _) => Err(CliError::Usage(format!(
-            "--type {} does not take --cipher (a LUKS header says its cipher)",
+            "--type {} does not take --cipher (its header says its cipher)",
             t.name()
         ))),
     }
