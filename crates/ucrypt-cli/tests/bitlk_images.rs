@@ -1,6 +1,7 @@
 //! BitLocker: every image of cryptsetup's `tests/bitlk-images.tar.xz`, with the checks of its
 //! `bitlk-compat-test`: the dump's GUIDs and cipher, the passphrase and recovery-passphrase
-//! cases with the script's N/A rules, the startup keys (`.BEK` as `--key-file`), and the
+//! cases with the script's N/A rules, the startup keys (`.BEK` as `--key-file`), the volume
+//! key written by `bitlkDump --volume-key-file` and opened with `--volume-key-file`, and the
 //! whole plaintext (`export --type bitlk` stands for the script's activation) equal to the
 //! SHA-256 in `images.conf`. cryptsetup 2.6 reads BitLocker metadata on this host: its
 //! `bitlkDump` (run with TZ=UTC, as ucrypt prints the creation time) must equal ucrypt's
@@ -348,6 +349,59 @@ fn bitlk_images() {
                     &format!("{name}: volume key present"),
                     !mk_dump(&a).is_empty(),
                     || a.to_string(),
+                );
+            }
+        }
+        // The script's "test with volume key": the key written by --volume-key-file opens the
+        // data.
+        let vk_file = tmp.dir().join("vk");
+        let vkf = vk_file.to_str().unwrap();
+        let w = run_in(
+            UCRYPT,
+            &[
+                "bitlkDump",
+                "--dump-volume-key",
+                "-q",
+                "--volume-key-file",
+                vkf,
+                file,
+            ],
+            rp.as_bytes(),
+        );
+        run.check(
+            &format!("{name}: --volume-key-file written"),
+            w.status.success(),
+            || text(&w),
+        );
+        let e = run_in(
+            UCRYPT,
+            &[
+                "export",
+                "--type",
+                "bitlk",
+                "-r",
+                "--volume-key-file",
+                vkf,
+                file,
+                out_file.to_str().unwrap(),
+            ],
+            b"",
+        );
+        if e.status.code() == Some(1) && not_applicable(name) {
+            run.skipped
+                .push(format!("{name} with the volume key: N/A (exit 1)"));
+        } else {
+            run.check(
+                &format!("{name}: export with the volume key"),
+                e.status.success(),
+                || text(&e),
+            );
+            if e.status.success() {
+                let got = sha256_file(&out_file);
+                run.check(
+                    &format!("{name}: plaintext SHA-256 with the volume key"),
+                    got == sum,
+                    || format!("{got}, images.conf {sum}"),
                 );
             }
         }
