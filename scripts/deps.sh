@@ -63,6 +63,8 @@ TEST=(
   # cryptsetup's LUKS2 validation suite (tests/luks2_validation.rs): its generators edit the
   # base header with jq and dd, unpacked with xz
   jq xz-utils
+  # BitLocker's userspace peer (tests/bitlk_images.rs compares dislocker-file's plaintext)
+  dislocker
   # the Debian packages (tests/package_deb.rs): man renders each page, lintian checks the
   # package (dpkg-deb, dpkg-shlibdeps and objcopy come with build-essential)
   man-db lintian

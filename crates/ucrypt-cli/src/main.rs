@@ -6,6 +6,7 @@
 //! family lives in its own module and contributes its variants to [`Cmd`].
 
 mod bench;
+mod bitlk;
 mod compat;
 mod daemon;
 mod error;
@@ -92,6 +93,9 @@ enum Cmd {
     /// Show the header of a TrueCrypt/VeraCrypt volume (decrypted with the passphrase).
     #[command(name = "tcryptDump")]
     TcryptDump(formats::TcryptDumpArgs),
+    /// Show the metadata of a BitLocker volume (cryptsetup bitlkDump).
+    #[command(name = "bitlkDump")]
+    BitlkDump(bitlk::BitlkDumpArgs),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -159,7 +163,7 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let argv = luks_cli::reorder_args(std::env::args().collect());
+    let argv = luks_cli::reorder_args(bitlk::expand_alias(std::env::args().collect()));
     if compat::usage(command(), &argv) {
         std::process::exit(0);
     }
@@ -188,6 +192,9 @@ fn run(cmd: Cmd) -> i32 {
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Tcrypt) => {
             tcrypt_test_passphrase(&a)
         }
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Bitlk) => {
+            error::report("bitlkOpen", bitlk::test_passphrase(&a.v).map(|_| ()))
+        }
         Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
         Cmd::Serve(a) => serve::run(*a),
@@ -200,6 +207,7 @@ fn run(cmd: Cmd) -> i32 {
         Cmd::Suspend(a) => daemon::report(daemon::suspend(a)),
         Cmd::Resume(a) => daemon::report(daemon::resume(a)),
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
+        Cmd::BitlkDump(a) => error::report("bitlkDump", bitlk::bitlk_dump(&a).map(|_| ())),
         Cmd::TcryptDump(a) => error::report("tcryptDump", formats::tcrypt_dump(&a).map(|_| ())),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Token(a) => token::run(*a),

@@ -48,16 +48,14 @@ pub enum DeviceType {
     Plain,
     /// TrueCrypt/VeraCrypt (`crate::formats`).
     Tcrypt,
+    /// BitLocker (`crate::bitlk`).
+    Bitlk,
     /// A format cryptsetup opens and ucrypt does not: its cryptsetup name and what it is.
     Foreign(&'static str, &'static str),
 }
 
 /// The formats cryptsetup's `open --type` takes that ucrypt does not read.
-const FOREIGN_TYPES: [(&str, &str); 3] = [
-    ("bitlk", "BitLocker"),
-    ("fvault2", "FileVault2"),
-    ("loopaes", "loop-AES"),
-];
+const FOREIGN_TYPES: [(&str, &str); 2] = [("fvault2", "FileVault2"), ("loopaes", "loop-AES")];
 
 impl std::str::FromStr for DeviceType {
     type Err = String;
@@ -69,6 +67,7 @@ impl std::str::FromStr for DeviceType {
             "luks2" => Ok(DeviceType::Luks2),
             "plain" => Ok(DeviceType::Plain),
             "tcrypt" => Ok(DeviceType::Tcrypt),
+            "bitlk" => Ok(DeviceType::Bitlk),
             _ => FOREIGN_TYPES
                 .iter()
                 .find(|(name, _)| *name == s)
@@ -92,6 +91,7 @@ impl DeviceType {
             DeviceType::Luks2 => "luks2",
             DeviceType::Plain => "plain",
             DeviceType::Tcrypt => "tcrypt",
+            DeviceType::Bitlk => "bitlk",
             DeviceType::Foreign(name, _) => name,
         }
     }
@@ -101,7 +101,7 @@ impl DeviceType {
         match self {
             DeviceType::Foreign(name, what) => Err(CliError::Usage(format!(
                 "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2, \
-                 plain and tcrypt)"
+                 plain, tcrypt and bitlk)"
             ))),
             _ => Ok(()),
         }
@@ -413,6 +413,7 @@ impl VolumeArgs {
         }
         let prepared = match (&self.cipher, self.device_type) {
             (_, Some(DeviceType::Tcrypt)) => self.prepare_tcrypt().map(|req| (req, None)),
+            (_, Some(DeviceType::Bitlk)) => self.prepare_bitlk().map(|req| (req, None)),
             (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
             (None, Some(DeviceType::Plain)) => self
                 .prepare_raw(ucrypt::plain::DEFAULT_CIPHER)
@@ -614,6 +615,34 @@ impl VolumeArgs {
         plain.data_offset_bytes = m.data_offset_bytes;
         plain.size_bytes = m.size_bytes;
         let mut req = OpenRequest::new(backend, Format::Plain(plain));
+        req.policy = self.policies(&[]);
+        req.spin = self.spin();
+        req.read_only = self.read_only;
+        req.allow_discards = self.allow_discards;
+        Ok(req)
+    }
+
+    /// `--type bitlk`: the BitLocker metadata read, the volume key unlocked, its segments
+    /// served (`crate::bitlk`).
+    fn prepare_bitlk(&self) -> CliResult<OpenRequest> {
+        let Target::Path(path) = &self.volume else {
+            return Err(CliError::Usage(format!(
+                "{}: BITLK volumes are opened from local files or devices",
+                self.volume
+            )));
+        };
+        let vk = match &self.volume_key_file {
+            Some(p) => {
+                let meta = crate::bitlk::read_metadata(path)?;
+                let bits = usize::from(meta.encryption.key_bits());
+                Some(crate::volume_key::read(p, bits / 8)?)
+            }
+            None => None,
+        };
+        let backend = self
+            .volume
+            .open_data(!self.read_only, &self.remote, self.cache)?;
+        let mut req = crate::bitlk::open_request(path, backend, self.key_file.as_deref(), vk)?;
         req.policy = self.policies(&[]);
         req.spin = self.spin();
         req.read_only = self.read_only;

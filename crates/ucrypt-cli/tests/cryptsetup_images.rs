@@ -1088,8 +1088,9 @@ fn open_type_is_validated() {
         ),
     ];
     play_both("open-type", None, 32, &steps, &|_| {});
-    // ucrypt's own words, and the formats it does not read (cryptsetup fails on those here
-    // for want of the kernel's crypto API, so they are ucrypt's alone).
+    // ucrypt's own words, the formats it does not read (cryptsetup fails on those here for
+    // want of the kernel's crypto API, so they are ucrypt's alone), and a LUKS volume opened
+    // as BitLocker (cryptsetup's words).
     let t = TempDir::new("open-type-words");
     let dev = t.image("DEV", 32);
     let d = cli_common::s(&dev);
@@ -1101,7 +1102,7 @@ fn open_type_is_validated() {
     for (ty, word) in [
         ("bogus", "unknown device type 'bogus'"),
         ("luks1", "it is LUKS2"),
-        ("bitlk", "BitLocker"),
+        ("bitlk", "is not a valid BITLK device"),
         ("fvault2", "FileVault2"),
         ("loopaes", "loop-AES"),
     ] {

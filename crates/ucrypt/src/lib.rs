@@ -19,6 +19,7 @@
 //! - [`luks`]: LUKS2 and LUKS1 headers, sans I/O, and the small driver that performs their
 //!   reads and writes against a backend.
 //! - [`plain`]: cryptsetup's plain mode, the key of a headerless volume from a passphrase.
+//! - [`bitlk`]: BitLocker metadata and keys, sans I/O, and the segments cryptsetup maps.
 //! - [`open`] and [`format`](mod@format): a volume of any kind opened or made in one call, on
 //!   top of the above.
 //!
@@ -37,6 +38,7 @@
 //! ```
 
 pub mod backend;
+pub mod bitlk;
 pub mod blockdev;
 pub mod engine;
 pub mod error;

@@ -367,6 +367,14 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                 info.flags.push("discards".into());
             }
         }
+        Format::Bitlk(b) => {
+            info.kind = "BITLK".into();
+            if let Some(m) = &b.metadata {
+                info.cipher = format!("aes-{}", m.encryption.mode_name());
+                info.key_bits = u32::from(m.encryption.key_bits());
+                info.sector_size = m.sector_size.bytes();
+            }
+        }
         // `VolumeArgs::prepare` reads a LUKS header before it asks for the key.
         _ => {
             return Err(CliError::from(Error::Bug(
@@ -385,11 +393,11 @@ fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()>
         t.check_readable()?;
     }
     match (t, cipher) {
-        (Some(DeviceType::Tcrypt), _) => Ok(()),
+        (Some(DeviceType::Tcrypt), _) | (Some(DeviceType::Bitlk), false) => Ok(()),
         (None | Some(DeviceType::Plain), true) | (Some(DeviceType::Plain), false) => Ok(()),
         (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
         (Some(t), _) => Err(CliError::Usage(format!(
-            "--type {} does not take --cipher (a LUKS header says its cipher)",
+            "--type {} does not take --cipher (its header says its cipher)",
             t.name()
         ))),
     }

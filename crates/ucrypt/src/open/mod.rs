@@ -52,6 +52,7 @@
 //! ```
 
 mod authenticated;
+mod segmented;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -67,6 +68,7 @@ use crate::volume::{Volume, VolumeConfig};
 use crate::{BlockDev, Error, ErrorKind, Refusal, Result, SecretBytes};
 
 use authenticated::Authenticated;
+use segmented::SegmentedDev;
 
 /// Called with the data sector (512-byte units) of each block of an authenticated volume that
 /// fails authentication, on the thread whose request read it (the request fails with
@@ -142,6 +144,37 @@ pub enum Format {
     /// [`Header::version`] after [`luks::read_header`] and passes the header in
     /// [`Luks::header`]).
     Luks(Luks),
+    /// A BitLocker volume (cryptsetup's `--type bitlk`).
+    Bitlk(Bitlk),
+}
+
+/// A BitLocker volume and what unlocks it. Served as cryptsetup maps it
+/// ([`crate::bitlk::segments`]); what cryptsetup refuses to activate is refused
+/// ([`crate::bitlk::Metadata::check_activation`]).
+#[non_exhaustive]
+pub struct Bitlk {
+    /// A passphrase, a recovery passphrase or the bytes of a `.BEK` startup key file
+    /// ([`crate::bitlk::unlock`]), or the volume key itself.
+    pub unlock: Unlock,
+    /// The metadata, already read by [`crate::bitlk::read_metadata`]; `None`: [`open`] reads it.
+    pub metadata: Option<Box<crate::bitlk::Metadata>>,
+}
+
+impl Bitlk {
+    pub fn new(unlock: Unlock) -> Bitlk {
+        Bitlk {
+            unlock,
+            metadata: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Bitlk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bitlk")
+            .field("unlock", &self.unlock)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A raw dm-crypt mapping: `cryptsetup open --type plain` with a volume key.
@@ -234,6 +267,8 @@ pub enum VolumeKind {
     Luks2Reencrypting,
     /// LUKS2 with authenticated encryption (dm-crypt over dm-integrity).
     Luks2Authenticated,
+    /// BitLocker: dm-crypt and dm-zero segments.
+    Bitlk,
 }
 
 /// Requests and bytes of one direction, and its failed requests by who can act.
@@ -281,6 +316,9 @@ impl From<&StatsSnapshot> for Stats {
 pub struct Opened {
     kind: VolumeKind,
     served: Served,
+    /// The device front ends see when it is not the engine's volume itself: the segments of
+    /// a BitLocker volume over it.
+    segmented: Option<Arc<SegmentedDev>>,
 }
 
 /// What runs the volume: the engine, or the dm-integrity layer behind its life-cycle wrapper.
@@ -304,6 +342,7 @@ impl Opened {
         Opened {
             kind,
             served: Served::Engine(Arc::new(v)),
+            segmented: None,
         }
     }
 
@@ -313,6 +352,9 @@ impl Opened {
 
     /// The volume as front ends serve it.
     pub fn dev(&self) -> Arc<dyn BlockDev> {
+        if let Some(s) = &self.segmented {
+            return s.clone();
+        }
         match &self.served {
             Served::Engine(v) => v.clone(),
             Served::Authenticated(a) => a.clone(),
@@ -376,7 +418,7 @@ impl Opened {
     /// dm-integrity layer of an authenticated one. A raw mapping is refused
     /// ([`Refusal::SuspendWithoutHeader`]). Must not be called from inside a request.
     pub fn suspend(&self) -> Result<()> {
-        if self.kind == VolumeKind::Plain {
+        if matches!(self.kind, VolumeKind::Plain | VolumeKind::Bitlk) {
             return Err(Error::Refused(Refusal::SuspendWithoutHeader));
         }
         match &self.served {
@@ -408,6 +450,11 @@ impl Opened {
     /// refused ([`Refusal::ResizeAuthenticated`]). For a caller that checks before it does
     /// anything else.
     pub fn check_resize(&self) -> Result<()> {
+        if self.kind == VolumeKind::Bitlk {
+            return Err(Error::UnsupportedFormat(
+                "A BITLK device cannot be resized.".into(),
+            ));
+        }
         match &self.served {
             Served::Engine(_) => Ok(()),
             Served::Authenticated(_) => Err(Error::Refused(Refusal::ResizeAuthenticated)),
@@ -478,6 +525,7 @@ pub fn open(req: OpenRequest) -> Result<Opened> {
                 authenticated::open(data, &hdr, l.unlock, &opts, how).map(|a| Opened {
                     kind: VolumeKind::Luks2Authenticated,
                     served: Served::Authenticated(Arc::new(a)),
+                    segmented: None,
                 })
             } else {
                 let kind = match &hdr {
@@ -493,5 +541,44 @@ pub fn open(req: OpenRequest) -> Result<Opened> {
                 e => e,
             })
         }
+        Format::Bitlk(b) => {
+            let serve = (read_only, allow_discards, policy, spin);
+            open_bitlk(data, b, serve)
+        }
     }
+}
+
+/// A BitLocker volume: unlocked, one engine volume over the whole device with IVs from byte
+/// 0, the segments over it.
+fn open_bitlk(
+    data: Arc<dyn Backend>,
+    b: Bitlk,
+    (read_only, allow_discards, policy, spin): (bool, bool, Policies, Duration),
+) -> Result<Opened> {
+    let meta = match b.metadata {
+        Some(m) => *m,
+        None => crate::bitlk::read_metadata(data.as_ref())?,
+    };
+    meta.check_activation()?;
+    let key = match b.unlock {
+        Unlock::Passphrase(p) => crate::bitlk::unlock(&meta, p.as_ref())?,
+        Unlock::VolumeKey(k) => k,
+    };
+    let spec = meta.encryption.cipher_spec()?;
+    let mut geometry = Geometry::new(meta.sector_size);
+    // cryptsetup maps 4096-byte BitLocker sectors with IVs counted in sectors.
+    geometry.iv_large_sectors = meta.sector_size.bytes() != 512;
+    let segments = crate::bitlk::segments(&meta, data.size())?;
+    let mut cfg = VolumeConfig::new(spec, key, geometry);
+    cfg.policy = policy;
+    cfg.spin = spin;
+    cfg.read_only = read_only;
+    cfg.allow_discards = allow_discards;
+    let v = Arc::new(Volume::new(data, cfg)?);
+    let dev = SegmentedDev::new(v.clone(), segments)?;
+    Ok(Opened {
+        kind: VolumeKind::Bitlk,
+        served: Served::Engine(v),
+        segmented: Some(Arc::new(dev)),
+    })
 }

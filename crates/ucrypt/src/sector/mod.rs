@@ -12,6 +12,7 @@ mod adiantum;
 pub(crate) mod block;
 mod camellia;
 pub(crate) mod crc32;
+mod elephant;
 pub(crate) mod evp;
 pub(crate) mod modes;
 mod spec;
@@ -26,6 +27,7 @@ pub use spec::{
 use crate::{Error, Result, SecretBytes};
 use adiantum::{Adiantum, ADIANTUM_TWEAK_BYTES};
 use block::Ecb;
+use elephant::Elephant;
 use evp::{Alg, EvpCtx};
 use modes::BlockMode;
 
@@ -137,6 +139,8 @@ enum Imp {
     Cascade(Vec<BlockMode>),
     /// CBC with dm-crypt's `tcw` IV and whitening.
     Tcw(Box<Tcw>),
+    /// AES-CBC with BitLocker's Elephant diffuser (dm-crypt's `elephant` IV).
+    Elephant(Box<Elephant>),
 }
 
 /// Bytes of `tcw`'s whitening key (and of its IV seed, one cipher block).
@@ -293,7 +297,8 @@ pub struct SectorCipher {
     provider: Provider,
     key: SecretBytes,
     imp: Imp,
-    /// ESSIV's cipher: the mode's block cipher keyed with the hash of the volume key.
+    /// ESSIV's cipher: the mode's block cipher keyed with the hash of the volume key; eboiv's
+    /// and elephant's: the block cipher keyed with the CBC key.
     essiv: Option<Ecb>,
 }
 
@@ -330,6 +335,9 @@ impl SectorCipher {
                     ));
                 }
                 (Imp::Tcw(Box::new(Tcw::new(c, key)?)), provider)
+            }
+            Mode::Cbc(BlockCipher::Aes) if spec.iv == IvMode::Elephant => {
+                (Imp::Elephant(Box::new(Elephant::new(key)?)), provider)
             }
             Mode::Cbc(BlockCipher::Aes) => (
                 Imp::Cbc {
@@ -394,6 +402,12 @@ impl SectorCipher {
                 Some(Ecb::new(cipher, essiv_salt(hash, key).as_ref())?)
             }
             (IvMode::Essiv(_), None) => return Err(Error::Bug("ESSIV without a block cipher")),
+            // eboiv encrypts the IV with the data key; elephant's CBC key is the first half.
+            (IvMode::Eboiv, Some(cipher)) => Some(Ecb::new(cipher, key)?),
+            (IvMode::Elephant, Some(cipher)) => Some(Ecb::new(cipher, &key[..key.len() / 2])?),
+            (IvMode::Eboiv | IvMode::Elephant, None) => {
+                return Err(Error::Bug("eboiv without a block cipher"))
+            }
             _ => None,
         };
         Ok(SectorCipher {
@@ -451,6 +465,22 @@ impl SectorCipher {
                     .as_mut()
                     .ok_or(Error::Bug("ESSIV context missing"))?
                     .encrypt_block(block)?;
+            }
+            IvMode::Eboiv | IvMode::Elephant => {
+                // The kernel's eboiv: the byte offset of the IV sector, in the units its
+                // sector size gives it, encrypted with the CBC key.
+                let offset_bytes = n.wrapping_mul(u64::from(self.geometry.sector_size.bytes()));
+                let block: &mut [u8; 16] = (&mut iv[..16])
+                    .try_into()
+                    .map_err(|_| Error::Bug("16-byte eboiv block"))?;
+                block[..8].copy_from_slice(&offset_bytes.to_le_bytes());
+                self.essiv
+                    .as_mut()
+                    .ok_or(Error::Bug("eboiv context missing"))?
+                    .encrypt_block(block)?;
+                // Elephant's sector key derives from the byte offset too: it rides in the
+                // IV bytes past the CBC block, which the CBC transform never reads.
+                iv[16..24].copy_from_slice(&offset_bytes.to_le_bytes());
             }
             IvMode::None => {}
         }
@@ -514,6 +544,7 @@ impl SectorCipher {
                 Ok(())
             }
             Imp::Tcw(t) => t.crypt(encrypt, block_iv, data),
+            Imp::Elephant(e) => e.crypt(encrypt, iv, data),
         }
     }
 
@@ -557,7 +588,8 @@ impl SectorCipher {
             | Imp::Modes(_)
             | Imp::Adiantum(_)
             | Imp::Cascade(_)
-            | Imp::Tcw(_) => {
+            | Imp::Tcw(_)
+            | Imp::Elephant(_) => {
                 dst.copy_from_slice(src);
                 self.crypt_in_place(encrypt, first_sector, dst)
             }

@@ -291,6 +291,13 @@ pub enum IvMode {
     /// bytes derived from a whitening key and the sector number. Seed and whitening key are
     /// the last 32 bytes of the key.
     Tcw,
+    /// dm-crypt's `eboiv` (BitLocker's CBC): the IV is the sector's byte offset
+    /// (little-endian 64-bit, zero padded) encrypted with the data key.
+    Eboiv,
+    /// dm-crypt's `elephant` (BitLocker's CBC with the Elephant diffuser, Windows 7): the
+    /// eboiv IV with the first half of the key as the CBC key; the second half keys the sector
+    /// key that each sector is XORed with before diffusers A and B run over it.
+    Elephant,
     /// No IV (the null cipher).
     None,
 }
@@ -304,6 +311,8 @@ impl IvMode {
             IvMode::Benbi => "benbi".into(),
             IvMode::Essiv(h) => format!("essiv:{}", h.name()),
             IvMode::Tcw => "tcw".into(),
+            IvMode::Eboiv => "eboiv".into(),
+            IvMode::Elephant => "elephant".into(),
             IvMode::None => "null".into(),
         }
     }
@@ -334,6 +343,10 @@ impl CipherSpec {
                 Mode::Cbc(_) => &[48, 56, 64],
                 _ => &[],
             };
+        }
+        if self.iv == IvMode::Elephant {
+            // The CBC key, then an elephant key of the same size (AES-128 or AES-256).
+            return &[32, 64];
         }
         match self.mode {
             Mode::Cascade(c) => match (c.chain, c.len) {
@@ -383,6 +396,9 @@ impl CipherSpec {
             spec: self.to_string(),
             bits: len * 8,
             expected: match self.mode {
+                Mode::Cbc(_) if self.iv == IvMode::Elephant => {
+                    "256 or 512 bits (the CBC key, then an elephant key of the same size)"
+                }
                 Mode::Cbc(_) if self.iv == IvMode::Tcw => {
                     "the cipher key (128, 192 or 256 bits) and 256 bits of IV seed and whitening"
                 }
@@ -532,6 +548,9 @@ impl FromStr for CipherSpec {
             ("plain64be", None) => IvMode::Plain64Be,
             ("benbi", None) => IvMode::Benbi,
             ("tcw", None) if matches!(mode, Mode::Cbc(_)) => IvMode::Tcw,
+            ("eboiv", None) if matches!(mode, Mode::Cbc(_)) => IvMode::Eboiv,
+            // The kernel's elephant keys AES for the sector key and diffuses AES-CBC sectors.
+            ("elephant", None) if mode == Mode::Cbc(BlockCipher::Aes) => IvMode::Elephant,
             ("essiv", Some(h)) => {
                 let hash = EssivHash::from_name(h)
                     .ok_or_else(|| unsupported(spec, format!("ESSIV hash '{h}'")))?;
@@ -593,6 +612,10 @@ mod tests {
             ("aes-cbc-essiv:sha256", Some("aes-cbc-essiv:sha256")),
             ("aes-cbc-plain64", Some("aes-cbc-plain64")),
             ("aes-cbc-plain", Some("aes-cbc-plain")),
+            ("aes-cbc-eboiv", Some("aes-cbc-eboiv")),
+            ("aes-cbc-elephant", Some("aes-cbc-elephant")),
+            ("aes-xts-eboiv", None),
+            ("serpent-cbc-elephant", None),
             ("cipher_null-ecb", Some("cipher_null-ecb")),
             ("capi:xts(aes)-plain64", Some("aes-xts-plain64")),
             ("capi:cbc(aes)-essiv:sha256", Some("aes-cbc-essiv:sha256")),
