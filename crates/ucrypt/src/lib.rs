@@ -41,6 +41,7 @@ pub mod blockdev;
 pub mod engine;
 pub mod error;
 pub mod format;
+pub mod fvault2;
 pub mod integrity;
 pub mod luks;
 pub mod open;
