@@ -9,6 +9,8 @@ mod bench;
 mod daemon;
 mod error;
 mod formats;
+mod fvault2;
+mod loopaes;
 mod header_dev;
 mod in_use;
 mod luks_cli;
@@ -89,6 +91,9 @@ enum Cmd {
     /// Show the header of a TrueCrypt/VeraCrypt volume (decrypted with the passphrase).
     #[command(name = "tcryptDump")]
     TcryptDump(formats::TcryptDumpArgs),
+    /// Show the metadata of a FileVault2 volume (cryptsetup fvault2Dump).
+    #[command(name = "fvault2Dump")]
+    Fvault2Dump(fvault2::Fvault2DumpArgs),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -169,6 +174,9 @@ fn main() {
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Tcrypt) => {
             tcrypt_test_passphrase(&a)
         }
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Fvault2) => {
+            fvault2::test_passphrase(&a.v)
+        }
         Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
         Cmd::Serve(a) => serve::run(*a),
@@ -182,6 +190,7 @@ fn main() {
         Cmd::Resume(a) => daemon::report(daemon::resume(a)),
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
         Cmd::TcryptDump(a) => error::report("tcryptDump", formats::tcrypt_dump(&a).map(|_| ())),
+        Cmd::Fvault2Dump(a) => error::report("fvault2Dump", fvault2::dump(&a).map(|_| ())),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Token(a) => token::run(*a),
         Cmd::Tab(c) => tab::run(c),

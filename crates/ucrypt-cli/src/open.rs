@@ -48,16 +48,16 @@ pub enum DeviceType {
     Plain,
     /// TrueCrypt/VeraCrypt (`crate::formats`).
     Tcrypt,
+    /// FileVault2 (`crate::fvault2`).
+    Fvault2,
+    /// loop-AES (`crate::loopaes`).
+    Loopaes,
     /// A format cryptsetup opens and ucrypt does not: its cryptsetup name and what it is.
     Foreign(&'static str, &'static str),
 }
 
 /// The formats cryptsetup's `open --type` takes that ucrypt does not read.
-const FOREIGN_TYPES: [(&str, &str); 3] = [
-    ("bitlk", "BitLocker"),
-    ("fvault2", "FileVault2"),
-    ("loopaes", "loop-AES"),
-];
+const FOREIGN_TYPES: [(&str, &str); 1] = [("bitlk", "BitLocker")];
 
 impl std::str::FromStr for DeviceType {
     type Err = String;
@@ -69,6 +69,8 @@ impl std::str::FromStr for DeviceType {
             "luks2" => Ok(DeviceType::Luks2),
             "plain" => Ok(DeviceType::Plain),
             "tcrypt" => Ok(DeviceType::Tcrypt),
+            "fvault2" => Ok(DeviceType::Fvault2),
+            "loopaes" => Ok(DeviceType::Loopaes),
             _ => FOREIGN_TYPES
                 .iter()
                 .find(|(name, _)| *name == s)
@@ -92,6 +94,8 @@ impl DeviceType {
             DeviceType::Luks2 => "luks2",
             DeviceType::Plain => "plain",
             DeviceType::Tcrypt => "tcrypt",
+            DeviceType::Fvault2 => "fvault2",
+            DeviceType::Loopaes => "loopaes",
             DeviceType::Foreign(name, _) => name,
         }
     }
@@ -101,7 +105,7 @@ impl DeviceType {
         match self {
             DeviceType::Foreign(name, what) => Err(CliError::Usage(format!(
                 "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2, \
-                 plain and tcrypt)"
+                 plain, tcrypt, fvault2 and loopaes)"
             ))),
             _ => Ok(()),
         }
@@ -157,9 +161,10 @@ pub struct VolumeArgs {
     /// Raw mode: start of the encrypted data on the device, in 512-byte sectors.
     #[arg(long, short = 'o', default_value_t = 0)]
     pub offset: u64,
-    /// Raw mode: IV offset, in 512-byte sectors (cryptsetup's --skip).
-    #[arg(long, short = 'p', default_value_t = 0)]
-    pub skip: u64,
+    /// Raw mode: IV offset, in 512-byte sectors (cryptsetup's --skip; default 0, for
+    /// `--type loopaes` the --offset).
+    #[arg(long, short = 'p')]
+    pub skip: Option<u64>,
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
@@ -401,6 +406,10 @@ impl VolumeArgs {
         let name = self.volume.to_string();
         let prepared = match (&self.cipher, self.device_type) {
             (_, Some(DeviceType::Tcrypt)) => self.prepare_tcrypt().map(|req| (req, None)),
+            (_, Some(DeviceType::Fvault2)) => self.prepare_fvault2().map(|req| (req, None)),
+            (_, Some(DeviceType::Loopaes)) => crate::loopaes::mapping(self)
+                .and_then(|m| self.request_from_mapping(m))
+                .map(|req| (req, None)),
             (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
             (None, Some(DeviceType::Plain)) => self
                 .prepare_raw(ucrypt::plain::DEFAULT_CIPHER)
@@ -595,6 +604,29 @@ impl VolumeArgs {
             self.hash.as_deref(),
             self.cipher.as_deref(),
         )?;
+        self.request_from_mapping(m)
+    }
+
+    /// `--type fvault2`: the FileVault2 metadata read and the key unwrapped, the data as a raw
+    /// mapping.
+    fn prepare_fvault2(&self) -> CliResult<OpenRequest> {
+        let Target::Path(path) = &self.volume else {
+            return Err(CliError::Usage(format!(
+                "{}: FVAULT2 volumes are opened from local files or devices",
+                self.volume
+            )));
+        };
+        let src = Source {
+            key_file: self.key_file.as_deref(),
+            offset: self.keyfile_offset.unwrap_or(0),
+            size: self.keyfile_size,
+        };
+        let m = crate::fvault2::mapping(path, &src, self.volume_key_file.as_deref())?;
+        self.request_from_mapping(m)
+    }
+
+    /// The request of a foreign format's data, mapped as `--type plain` maps its own.
+    pub(crate) fn request_from_mapping(&self, m: ucrypt::tcrypt::Mapping) -> CliResult<OpenRequest> {
         let backend = self
             .volume
             .open_data(!self.read_only, &self.remote, self.cache)?;
@@ -626,7 +658,7 @@ impl VolumeArgs {
         let key = self.plain_key(key_bytes)?;
         let geometry = Geometry {
             sector_size: SectorSize::new(self.sector_size)?,
-            iv_offset: self.skip,
+            iv_offset: self.skip.unwrap_or(0),
             iv_large_sectors: self.iv_large_sectors,
         };
         let backend = self

@@ -311,8 +311,8 @@ pub enum LuksCmd {
         #[command(flatten)]
         v: VolumeArgs,
         file: PathBuf,
-        /// The volume's format: luks (default; the header decides), plain (with --cipher) or
-        /// tcrypt.
+        /// The volume's format: luks (default; the header decides), plain (with --cipher),
+        /// tcrypt, fvault2 or loopaes.
         #[arg(long = "type", short = 'M')]
         dev_type: Option<crate::open::DeviceType>,
         /// Print progress every this many seconds, a line each (also when stderr is not a
@@ -330,6 +330,9 @@ pub enum LuksCmd {
         file: PathBuf,
         #[command(flatten)]
         v: VolumeArgs,
+        /// The volume's format, as for export.
+        #[arg(long = "type", short = 'M')]
+        dev_type: Option<crate::open::DeviceType>,
         /// Print progress every this many seconds, a line each.
         #[arg(long, value_name = "SECONDS")]
         progress_frequency: Option<u64>,
@@ -472,9 +475,16 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
         }
         LuksCmd::Import {
             file,
-            v,
+            mut v,
+            dev_type,
             progress_frequency,
-        } => return data::import(&file, &v, progress_frequency),
+        } => {
+            if let Some(t) = dev_type {
+                t.check_readable()?;
+            }
+            v.device_type = dev_type;
+            return data::import(&file, &v, progress_frequency);
+        }
     };
     Ok(r?)
 }
