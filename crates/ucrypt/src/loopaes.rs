@@ -9,7 +9,8 @@
 //! hashed with SHA-256, SHA-384 or SHA-512 for 128-, 192- or 256-bit keys (or `--hash`),
 //! truncated to the key size; the first byte of every key of a v2 file is XORed with 0x55,
 //! of a v3 file with 0xF4. One key maps as `aes-cbc-plain64`; 64 or 65 as dm-crypt's
-//! `aes:64-cbc-lmk` (a key per sector modulo 64, the LMK IV; v3's last key is the LMK seed).
+//! `aes:64-cbc-lmk` (a key per sector modulo 64, the LMK IV of `sector/lmk.rs`; v3's last
+//! key is the LMK seed).
 
 use sha2::Digest;
 
@@ -175,26 +176,21 @@ impl KeyFile {
         Ok(out)
     }
 
-    /// The data: `aes-cbc-plain64` with one key, from `offset_sectors`, the IV counted from
-    /// `skip_sectors` (cryptsetup's `--offset` and `--skip`, 512-byte sectors). The
-    /// multi-key layouts need dm-crypt's LMK IV, which ucrypt does not have: refused by
-    /// name.
+    /// The data: `aes-cbc-plain64` with one key, `aes:64-cbc-lmk` with 64 or 65, from
+    /// `offset_sectors`, the IV (and LMK's key choice) counted from `skip_sectors`
+    /// (cryptsetup's `--offset` and `--skip`, 512-byte sectors).
     pub fn mapping(
         &self,
         key: SecretBytes,
         offset_sectors: u64,
         skip_sectors: u64,
     ) -> Result<Mapping> {
-        if self.version != Version::Single {
-            return Err(Error::UnsupportedFormat(format!(
-                "loop-AES multi-key ({} keys: aes:64-cbc-lmk): ucrypt does not have dm-crypt's \
-                 LMK IV",
-                self.version.keys()
-            )));
-        }
         let spec = CipherSpec {
             mode: Mode::Cbc(BlockCipher::Aes),
-            iv: IvMode::Plain64,
+            iv: match self.version {
+                Version::Single => IvMode::Plain64,
+                Version::Multi | Version::MultiSeeded => IvMode::Lmk64,
+            },
         };
         spec.check_key_len(key.len())?;
         let data_offset_bytes = offset_sectors
@@ -293,14 +289,16 @@ mod tests {
     }
 
     #[test]
-    fn single_key_maps_as_cbc_plain64_and_multi_key_is_refused() {
+    fn single_key_maps_as_cbc_plain64_and_multi_key_as_lmk() {
         let kf = KeyFile::parse(b"secret\n").unwrap();
         let m = kf.mapping(kf.volume_key(16, None).unwrap(), 16, 0).unwrap();
         assert_eq!(m.data_offset_bytes, 8192);
         assert_eq!(m.geometry.iv_offset, 0);
         assert_eq!(m.spec.mode, Mode::Cbc(BlockCipher::Aes));
         let v2 = KeyFile::parse(&lines(64, 8)).unwrap();
-        let e = v2.mapping(v2.volume_key(16, None).unwrap(), 0, 0).unwrap_err();
-        assert!(e.to_string().contains("LMK"), "{e}");
+        let m = v2.mapping(v2.volume_key(16, None).unwrap(), 0, 0).unwrap();
+        assert_eq!(m.spec.iv, IvMode::Lmk64);
+        let v3 = KeyFile::parse(&lines(65, 8)).unwrap();
+        assert!(v3.mapping(v3.volume_key(32, None).unwrap(), 0, 0).is_ok());
     }
 }

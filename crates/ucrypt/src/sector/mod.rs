@@ -11,6 +11,7 @@
 mod adiantum;
 pub(crate) mod block;
 mod camellia;
+mod lmk;
 pub(crate) mod crc32;
 pub(crate) mod evp;
 pub(crate) mod modes;
@@ -137,6 +138,8 @@ enum Imp {
     Cascade(Vec<BlockMode>),
     /// CBC with dm-crypt's `tcw` IV and whitening.
     Tcw(Box<Tcw>),
+    /// CBC over 64 keys with dm-crypt's `lmk` IV (loop-AES multi-key).
+    Lmk(Box<lmk::Lmk>),
 }
 
 /// Bytes of `tcw`'s whitening key (and of its IV seed, one cipher block).
@@ -323,6 +326,14 @@ impl SectorCipher {
         spec.check_key_len(key.len())?;
         let (imp, provider) = match spec.mode {
             Mode::Null => (Imp::Null, provider),
+            Mode::Cbc(c) if spec.iv == IvMode::Lmk64 => {
+                if geometry.sector_size != SectorSize::S512 {
+                    return Err(Error::InvalidArgument(
+                        "the lmk IV works on 512-byte sectors only".into(),
+                    ));
+                }
+                (Imp::Lmk(Box::new(lmk::Lmk::new(c, key)?)), provider)
+            }
             Mode::Cbc(c) if spec.iv == IvMode::Tcw => {
                 if geometry.sector_size != SectorSize::S512 {
                     return Err(Error::InvalidArgument(
@@ -435,7 +446,7 @@ impl SectorCipher {
         let mut iv = [0u8; IV_BYTES_MAX];
         let end = self.spec.iv_bytes();
         match self.spec.iv {
-            IvMode::Plain64 | IvMode::Tcw => iv[..8].copy_from_slice(&n.to_le_bytes()),
+            IvMode::Plain64 | IvMode::Tcw | IvMode::Lmk64 => iv[..8].copy_from_slice(&n.to_le_bytes()),
             IvMode::Plain => iv[..4].copy_from_slice(&(n as u32).to_le_bytes()),
             IvMode::Plain64Be => iv[end - 8..end].copy_from_slice(&n.to_be_bytes()),
             // The kernel shifts by 9 - log2(cipher block size): 512-byte units to 16-byte
@@ -514,6 +525,11 @@ impl SectorCipher {
                 Ok(())
             }
             Imp::Tcw(t) => t.crypt(encrypt, block_iv, data),
+            Imp::Lmk(l) => {
+                let mut n = [0u8; 8];
+                n.copy_from_slice(&block_iv[..8]);
+                l.crypt(encrypt, u64::from_le_bytes(n), data)
+            }
         }
     }
 
@@ -557,7 +573,8 @@ impl SectorCipher {
             | Imp::Modes(_)
             | Imp::Adiantum(_)
             | Imp::Cascade(_)
-            | Imp::Tcw(_) => {
+            | Imp::Tcw(_)
+            | Imp::Lmk(_) => {
                 dst.copy_from_slice(src);
                 self.crypt_in_place(encrypt, first_sector, dst)
             }

@@ -291,6 +291,10 @@ pub enum IvMode {
     /// bytes derived from a whitening key and the sector number. Seed and whitening key are
     /// the last 32 bytes of the key.
     Tcw,
+    /// dm-crypt's `lmk` with 64 keys (loop-AES multi-key, `aes:64-cbc-lmk`; CBC only): the
+    /// key of sector n is key n mod 64, the IV an MD5 state over the sector's plaintext and
+    /// number (`lmk.rs`). The key is 64 subkeys, or 65 parts whose last is the IV seed.
+    Lmk64,
     /// No IV (the null cipher).
     None,
 }
@@ -304,6 +308,7 @@ impl IvMode {
             IvMode::Benbi => "benbi".into(),
             IvMode::Essiv(h) => format!("essiv:{}", h.name()),
             IvMode::Tcw => "tcw".into(),
+            IvMode::Lmk64 => "lmk".into(),
             IvMode::None => "null".into(),
         }
     }
@@ -328,6 +333,12 @@ impl CipherSpec {
 
     /// Key sizes this spec accepts, in bytes.
     pub fn key_bytes_allowed(&self) -> &'static [usize] {
+        if self.iv == IvMode::Lmk64 {
+            return match self.mode {
+                Mode::Cbc(c) => super::lmk::Lmk::key_bytes_allowed(c),
+                _ => &[],
+            };
+        }
         if self.iv == IvMode::Tcw {
             // The cipher key, then the 16-byte IV seed and 16-byte whitening key.
             return match self.mode {
@@ -383,6 +394,9 @@ impl CipherSpec {
             spec: self.to_string(),
             bits: len * 8,
             expected: match self.mode {
+                Mode::Cbc(_) if self.iv == IvMode::Lmk64 => {
+                    "64 keys of 128, 192 or 256 bits, and optionally a 65th part (the IV seed)"
+                }
                 Mode::Cbc(_) if self.iv == IvMode::Tcw => {
                     "the cipher key (128, 192 or 256 bits) and 256 bits of IV seed and whitening"
                 }
