@@ -35,3 +35,13 @@ pub fn mapping(v: &VolumeArgs) -> CliResult<Mapping> {
         .map_err(|e| CliError::Usage(e.to_string()))?;
     Ok(kf.mapping(key, v.offset, v.skip.unwrap_or(v.offset))?)
 }
+
+/// `open --type loopaes --test-passphrase`: refused as cryptsetup refuses it (a loop-AES
+/// volume has nothing to check a key against), exit 1.
+pub fn test_passphrase_refused() -> i32 {
+    eprintln!(
+        "Option --test-passphrase is allowed only for open of LUKS, TCRYPT, BITLK and FVAULT2 \
+         devices."
+    );
+    1
+}

@@ -10,9 +10,9 @@ mod daemon;
 mod error;
 mod formats;
 mod fvault2;
-mod loopaes;
 mod header_dev;
 mod in_use;
+mod loopaes;
 mod luks_cli;
 mod manual;
 mod metrics;
@@ -161,7 +161,8 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let cli = match try_parse(luks_cli::reorder_args(std::env::args().collect())) {
+    let argv = open_aliases(luks_cli::reorder_args(std::env::args().collect()));
+    let cli = match try_parse(argv) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -176,6 +177,9 @@ fn main() {
         }
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Fvault2) => {
             fvault2::test_passphrase(&a.v)
+        }
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Loopaes) => {
+            loopaes::test_passphrase_refused()
         }
         Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
@@ -198,6 +202,19 @@ fn main() {
         Cmd::GenerateDocs(a) => manual::run(command(), a),
     };
     std::process::exit(code);
+}
+
+/// cryptsetup's `fvault2Open` and `loopaesOpen`: `open --type fvault2|loopaes` (the verb is
+/// first once `reorder_args` ran).
+fn open_aliases(mut argv: Vec<String>) -> Vec<String> {
+    let t = match argv.get(1).map(String::as_str) {
+        Some("fvault2Open") => "fvault2",
+        Some("loopaesOpen") => "loopaes",
+        _ => return argv,
+    };
+    argv[1] = "open".into();
+    argv.splice(2..2, ["--type".to_string(), t.to_string()]);
+    argv
 }
 
 /// `open --type tcrypt --test-passphrase`: the TrueCrypt/VeraCrypt header decrypts with the

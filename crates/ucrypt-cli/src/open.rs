@@ -626,7 +626,10 @@ impl VolumeArgs {
     }
 
     /// The request of a foreign format's data, mapped as `--type plain` maps its own.
-    pub(crate) fn request_from_mapping(&self, m: ucrypt::tcrypt::Mapping) -> CliResult<OpenRequest> {
+    pub(crate) fn request_from_mapping(
+        &self,
+        m: ucrypt::tcrypt::Mapping,
+    ) -> CliResult<OpenRequest> {
         let backend = self
             .volume
             .open_data(!self.read_only, &self.remote, self.cache)?;

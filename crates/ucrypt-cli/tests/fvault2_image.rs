@@ -112,7 +112,16 @@ fn fvault2_image() {
     let outs = out.to_str().unwrap();
     let e = run_in(
         UCRYPT,
-        &["export", "--type", "fvault2", "-r", "--key-file", "-", img, outs],
+        &[
+            "export",
+            "--type",
+            "fvault2",
+            "-r",
+            "--key-file",
+            "-",
+            img,
+            outs,
+        ],
         PASSPHRASE.as_bytes(),
     );
     assert!(e.status.success(), "export: {}", text(&e));

@@ -45,7 +45,10 @@ fn offset_params(offset: &str) -> Vec<String> {
             "-p".into(),
             "0".into(),
         ],
-        None => vec!["-o".into(), (offset.parse::<u64>().unwrap() / 512).to_string()],
+        None => vec![
+            "-o".into(),
+            (offset.parse::<u64>().unwrap() / 512).to_string(),
+        ],
     }
 }
 
@@ -120,7 +123,10 @@ fn have_reference() -> bool {
 }
 
 fn sha256_hex(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 #[test]
@@ -161,8 +167,7 @@ fn loopaes_test_cases() {
                 std::fs::write(&img, vec![0u8; IMG_BYTES as usize]).unwrap();
                 std::fs::write(&zeros, vec![0u8; (IMG_BYTES - off_bytes) as usize]).unwrap();
                 let params = offset_params(offset);
-                let common: Vec<&str> =
-                    vec!["--type", "loopaes", "-s", key_size, "--key-file"];
+                let common: Vec<&str> = vec!["--type", "loopaes", "-s", key_size, "--key-file"];
                 let tail: Vec<&str> = params.iter().map(String::as_str).collect();
                 // Fill the device with zeros.
                 let mut a = vec!["import"];
@@ -240,10 +245,17 @@ fn loopaes_refusals() {
     let outs = out.to_str().unwrap();
     let o = run_in(UCRYPT, &["export", "--type", "loopaes", imgs, outs], b"");
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("Option --key-file is required."), "{}", text(&o));
+    assert!(
+        text(&o).contains("Option --key-file is required."),
+        "{}",
+        text(&o)
+    );
     for (body, want) in [
         (&b"-----BEGIN PGP MESSAGE-----\nabc\n"[..], "GPG"),
-        (&b"aaaa\nbbbb\n"[..], "Incompatible loop-AES keyfile detected."),
+        (
+            &b"aaaa\nbbbb\n"[..],
+            "Incompatible loop-AES keyfile detected.",
+        ),
     ] {
         let o = run_in(
             UCRYPT,

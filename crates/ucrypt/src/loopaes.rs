@@ -163,7 +163,11 @@ impl KeyFile {
             _ => "sha512",
         });
         let mut out = SecretBytes::zeroed(key_bytes * self.lines.len());
-        for (line, k) in self.lines.iter().zip(out.as_mut().chunks_exact_mut(key_bytes)) {
+        for (line, k) in self
+            .lines
+            .iter()
+            .zip(out.as_mut().chunks_exact_mut(key_bytes))
+        {
             let mut d = digest(hash, line.as_ref())?;
             if d.len() < key_bytes {
                 zeroize::Zeroize::zeroize(&mut d);
@@ -238,22 +242,28 @@ mod tests {
 
     #[test]
     fn key_files_of_each_version_and_refusals() {
-        assert_eq!(KeyFile::parse(&lines(1, 8)).unwrap().version(), Version::Single);
-        assert_eq!(KeyFile::parse(&lines(64, 8)).unwrap().version(), Version::Multi);
+        assert_eq!(
+            KeyFile::parse(&lines(1, 8)).unwrap().version(),
+            Version::Single
+        );
+        assert_eq!(
+            KeyFile::parse(&lines(64, 8)).unwrap().version(),
+            Version::Multi
+        );
         let v3 = KeyFile::parse(&lines(65, 8)).unwrap();
         assert_eq!(v3.version(), Version::MultiSeeded);
         // CRLF and blank lines separate lines too.
-        assert_eq!(KeyFile::parse(b"abc\r\n\r\n").unwrap().version(), Version::Single);
+        assert_eq!(
+            KeyFile::parse(b"abc\r\n\r\n").unwrap().version(),
+            Version::Single
+        );
         let cases: [(&[u8], KeyFileError); 7] = [
             (b"", KeyFileError::Empty),
             (b"abc", KeyFileError::Incompatible),
             (b"abc\nabcd\n", KeyFileError::Incompatible),
             (b"\n\n", KeyFileError::Incompatible),
             (b"\nabc\n", KeyFileError::Incompatible),
-            (
-                b"-----BEGIN PGP MESSAGE-----\nxx\n",
-                KeyFileError::Gpg,
-            ),
+            (b"-----BEGIN PGP MESSAGE-----\nxx\n", KeyFileError::Gpg),
             (&lines(2, 8), KeyFileError::Incompatible),
         ];
         for (buf, want) in cases {
@@ -274,9 +284,18 @@ mod tests {
         assert_eq!(k.as_ref(), &sha2::Sha512::digest(b"secret")[..32]);
         let k = kf.volume_key(24, Some("sha256")).unwrap();
         assert_eq!(k.as_ref(), &sha2::Sha256::digest(b"secret")[..24]);
-        assert!(matches!(kf.volume_key(32, Some("sha1")), Err(KeyFileError::KeySize(256))));
-        assert!(matches!(kf.volume_key(20, None), Err(KeyFileError::KeySize(160))));
-        assert!(matches!(kf.volume_key(16, Some("md4")), Err(KeyFileError::Hash(_))));
+        assert!(matches!(
+            kf.volume_key(32, Some("sha1")),
+            Err(KeyFileError::KeySize(256))
+        ));
+        assert!(matches!(
+            kf.volume_key(20, None),
+            Err(KeyFileError::KeySize(160))
+        ));
+        assert!(matches!(
+            kf.volume_key(16, Some("md4")),
+            Err(KeyFileError::Hash(_))
+        ));
         let v2 = KeyFile::parse(&lines(64, 8)).unwrap();
         let k = v2.volume_key(16, None).unwrap();
         assert_eq!(k.len(), 64 * 16);

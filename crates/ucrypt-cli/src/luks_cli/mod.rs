@@ -363,6 +363,8 @@ const VERBS: &[&str] = &[
     "isLuks",
     "open",
     "luksOpen",
+    "fvault2Open",
+    "loopaesOpen",
     "config",
     "convert",
     "convert-key",

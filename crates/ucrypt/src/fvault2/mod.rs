@@ -96,7 +96,7 @@ impl std::fmt::Display for Fault {
 
 impl From<Fault> for Error {
     fn from(f: Fault) -> Self {
-        Error::UnsupportedFormat(format!("not a valid FVAULT2 device: {f}"))
+        Error::UnsupportedFormat(format!("FVAULT2 metadata: {f}"))
     }
 }
 
@@ -241,7 +241,11 @@ impl VolumeHeader {
     }
 }
 
-fn block_offset(block: u64, block_bytes: u32, what: &'static str) -> std::result::Result<u64, Fault> {
+fn block_offset(
+    block: u64,
+    block_bytes: u32,
+    what: &'static str,
+) -> std::result::Result<u64, Fault> {
     block
         .checked_mul(u64::from(block_bytes))
         .filter(|&o| o <= OFFSET_MAX)
@@ -316,7 +320,12 @@ fn decrypt_md_block(key: &SecretBytes, index: u64, data: &mut [u8]) -> Result<()
 /// What the encrypted metadata says, gathered block by block.
 #[derive(Default)]
 pub struct Metadata {
-    pbkdf2: Option<(u32, [u8; SALT_BYTES], [u8; WRAPPED_KEY_BYTES], [u8; WRAPPED_KEY_BYTES])>,
+    pbkdf2: Option<(
+        u32,
+        [u8; SALT_BYTES],
+        [u8; WRAPPED_KEY_BYTES],
+        [u8; WRAPPED_KEY_BYTES],
+    )>,
     volume: Option<(u64, [u8; 16])>,
     logical_block: Option<u32>,
 }
@@ -367,10 +376,7 @@ impl Metadata {
     }
 
     /// The parameters, once every needed block was read.
-    pub fn finish(
-        self,
-        hdr: &VolumeHeader,
-    ) -> std::result::Result<Params, Fault> {
+    pub fn finish(self, hdr: &VolumeHeader) -> std::result::Result<Params, Fault> {
         let (iterations, salt, wrapped_kek, wrapped_vk) =
             self.pbkdf2.ok_or(Fault::Missing("0x0019"))?;
         let (lv_bytes, family) = self.volume.ok_or(Fault::Missing("0x001A"))?;
@@ -500,7 +506,11 @@ impl Params {
             "Physical volume UUID: \t{}",
             uuid_text(&self.physical_volume_uuid)
         );
-        let _ = writeln!(s, "Family UUID:          \t{}", uuid_text(&self.family_uuid));
+        let _ = writeln!(
+            s,
+            "Family UUID:          \t{}",
+            uuid_text(&self.family_uuid)
+        );
         let _ = writeln!(
             s,
             "Logical volume offset:\t{} [bytes]",
@@ -514,7 +524,11 @@ impl Params {
         let _ = writeln!(s, "Cipher:               \taes");
         let _ = writeln!(s, "Cipher mode:          \txts-plain64");
         let _ = writeln!(s, "PBKDF2 iterations:    \t{}", self.pbkdf2_iterations);
-        let _ = writeln!(s, "PBKDF2 salt:          \t{}", hex_spaced(&self.pbkdf2_salt));
+        let _ = writeln!(
+            s,
+            "PBKDF2 salt:          \t{}",
+            hex_spaced(&self.pbkdf2_salt)
+        );
         s
     }
 

@@ -79,9 +79,7 @@ pub(super) fn strtoull_hex(s: &str) -> Option<u64> {
         .or_else(|| t.strip_prefix("0X"))
         .filter(|r| r.starts_with(|c: char| c.is_ascii_hexdigit()))
         .unwrap_or(t);
-    let digits: &str = &t[..t
-        .find(|c: char| !c.is_ascii_hexdigit())
-        .unwrap_or(t.len())];
+    let digits: &str = &t[..t.find(|c: char| !c.is_ascii_hexdigit()).unwrap_or(t.len())];
     if digits.is_empty() {
         return None;
     }

@@ -197,10 +197,7 @@ fn hostile_metadata_blocks_are_refused() {
     let mut b = block(0x0305, 0, "");
     b[500] ^= 1;
     assert!(matches!(md.parse_block(&b), Err(Fault::Crc(_))));
-    assert!(matches!(
-        md.parse_block(&b[..10]),
-        Err(Fault::Truncated(_))
-    ));
+    assert!(matches!(md.parse_block(&b[..10]), Err(Fault::Truncated(_))));
 }
 
 #[test]
@@ -208,13 +205,19 @@ fn plist_values_as_cryptsetup_finds_them() {
     let x = b"<key>k</key><integer>1</integer><key>k</key><string>s</string>";
     assert_eq!(plist::value(x, "k", "string"), Some("s"));
     assert_eq!(plist::value(x, "k", "integer"), Some("1"));
-    assert_eq!(plist::value(b"<key>k</key><string></string>", "k", "string"), None);
+    assert_eq!(
+        plist::value(b"<key>k</key><string></string>", "k", "string"),
+        None
+    );
     assert_eq!(plist::value(b"<key>k</key><string>s", "k", "string"), None);
     assert_eq!(plist::strtoull_hex(" 0x1f"), Some(31));
     assert_eq!(plist::strtoull_hex("ff zz"), Some(255));
     assert_eq!(plist::strtoull_hex("zz"), None);
     assert_eq!(plist::strtoull_hex("fffffffffffffffff"), Some(u64::MAX));
-    assert_eq!(plist::base64_decode("aGVs bG8=").as_deref(), Some(&b"hello"[..]));
+    assert_eq!(
+        plist::base64_decode("aGVs bG8=").as_deref(),
+        Some(&b"hello"[..])
+    );
     assert_eq!(plist::base64_decode("aGVsbG8=x"), None);
 }
 

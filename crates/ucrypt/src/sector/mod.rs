@@ -11,9 +11,9 @@
 mod adiantum;
 pub(crate) mod block;
 mod camellia;
-mod lmk;
 pub(crate) mod crc32;
 pub(crate) mod evp;
+mod lmk;
 pub(crate) mod modes;
 mod spec;
 mod twofish;
@@ -446,7 +446,9 @@ impl SectorCipher {
         let mut iv = [0u8; IV_BYTES_MAX];
         let end = self.spec.iv_bytes();
         match self.spec.iv {
-            IvMode::Plain64 | IvMode::Tcw | IvMode::Lmk64 => iv[..8].copy_from_slice(&n.to_le_bytes()),
+            IvMode::Plain64 | IvMode::Tcw | IvMode::Lmk64 => {
+                iv[..8].copy_from_slice(&n.to_le_bytes())
+            }
             IvMode::Plain => iv[..4].copy_from_slice(&(n as u32).to_le_bytes()),
             IvMode::Plain64Be => iv[end - 8..end].copy_from_slice(&n.to_be_bytes()),
             // The kernel shifts by 9 - log2(cipher block size): 512-byte units to 16-byte
