@@ -134,7 +134,7 @@ fn loopaes_test_cases() {
     let seed = std::env::var("LOOPAES_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x10a9_ae5u64);
+        .unwrap_or(0x010a_9ae5_u64);
     eprintln!("loop-AES key lines from seed {seed} (LOOPAES_SEED)");
     let reference = have_reference();
     if !reference {

@@ -234,7 +234,7 @@ mod tests {
     fn lines(n: usize, len: usize) -> Vec<u8> {
         let mut v = Vec::new();
         for i in 0..n {
-            v.extend(std::iter::repeat(b'A' + (i % 26) as u8).take(len));
+            v.extend(std::iter::repeat_n(b'A' + (i % 26) as u8, len));
             v.push(b'\n');
         }
         v

@@ -317,15 +317,18 @@ fn decrypt_md_block(key: &SecretBytes, index: u64, data: &mut [u8]) -> Result<()
     Ok(())
 }
 
+/// What block 0x0019 gives: PBKDF2 iterations and salt, the wrapped KEK and volume key.
+type Pbkdf2Block = (
+    u32,
+    [u8; SALT_BYTES],
+    [u8; WRAPPED_KEY_BYTES],
+    [u8; WRAPPED_KEY_BYTES],
+);
+
 /// What the encrypted metadata says, gathered block by block.
 #[derive(Default)]
 pub struct Metadata {
-    pbkdf2: Option<(
-        u32,
-        [u8; SALT_BYTES],
-        [u8; WRAPPED_KEY_BYTES],
-        [u8; WRAPPED_KEY_BYTES],
-    )>,
+    pbkdf2: Option<Pbkdf2Block>,
     volume: Option<(u64, [u8; 16])>,
     logical_block: Option<u32>,
 }
@@ -580,7 +583,7 @@ pub fn read_params(dev: &dyn Backend) -> Result<Params> {
 
 fn read(dev: &dyn Backend, buf: &mut [u8], off: u64, what: &'static str) -> Result<()> {
     let end = off.checked_add(buf.len() as u64);
-    if end.map_or(true, |e| e > dev.size()) {
+    if end.is_none_or(|e| e > dev.size()) {
         return Err(Fault::Truncated(what).into());
     }
     dev.read_exact_at(buf, off)
