@@ -249,6 +249,9 @@ pub struct Prepared {
     pub req: OpenRequest,
     /// LUKS: the header device, a local one under cryptsetup's shared lock until released.
     header: Option<HeaderAt>,
+    /// The type `status` names, as cryptsetup's status does (a foreign format is served as a
+    /// raw mapping; `None`: as the request's format says).
+    pub kind: Option<&'static str>,
 }
 
 /// The library's opened volume, of any kind: front ends need only [`Opened::dev`]; the
@@ -418,7 +421,18 @@ impl VolumeArgs {
         };
         let (mut req, header) = prepared.map_err(|e| e.at(name.clone()))?;
         req.name = name.clone();
-        Ok(Prepared { name, req, header })
+        let kind = match self.device_type {
+            Some(DeviceType::Tcrypt) => Some("TCRYPT"),
+            Some(DeviceType::Fvault2) => Some("FVAULT2"),
+            Some(DeviceType::Loopaes) => Some("LOOPAES"),
+            _ => None,
+        };
+        Ok(Prepared {
+            name,
+            req,
+            header,
+            kind,
+        })
     }
 
     /// The passphrase from --key-file (with its offset and size) or, without one, asked on

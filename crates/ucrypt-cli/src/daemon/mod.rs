@@ -75,8 +75,8 @@ pub struct OpenArgs {
     #[arg(long, value_enum, default_value_t = FrontEnd::Auto)]
     pub front_end: FrontEnd,
     /// luks (the header decides), luks1 or luks2 (the header must be that version), or plain
-    /// (with --cipher and --volume-key-file). cryptsetup's other types (tcrypt, bitlk,
-    /// fvault2, loopaes) are refused by name.
+    /// (with --cipher and --volume-key-file), tcrypt, fvault2 or loopaes (`fvault2Open`,
+    /// `loopaesOpen`). cryptsetup's bitlk is refused by name.
     #[arg(long = "type", short = 'M')]
     pub dev_type: Option<crate::open::DeviceType>,
     /// Accepted for compatibility (no confirmation is asked).
@@ -348,7 +348,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             }
         }
         Format::Plain(cfg) => {
-            info.kind = "PLAIN".into();
+            info.kind = p.kind.unwrap_or("PLAIN").into();
             info.cipher = cfg.cipher.to_string();
             info.key_bits = (cfg.key.len() * 8) as u32;
             info.sector_size = cfg.geometry.sector_size.bytes();
