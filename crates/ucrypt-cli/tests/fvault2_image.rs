@@ -132,4 +132,42 @@ fn fvault2_image() {
         .map(|b| format!("{b:02x}"))
         .collect();
     assert_eq!(sum, PLAINTEXT_SHA256);
+
+    // The volume key written by the dump opens the volume without a passphrase.
+    let vk = tmp.path("vk");
+    let vks = vk.to_str().unwrap();
+    let d = run_in(
+        UCRYPT,
+        &[
+            "fvault2Dump",
+            img,
+            "--dump-volume-key",
+            "-q",
+            "--volume-key-file",
+            vks,
+        ],
+        format!("{PASSPHRASE}\n").as_bytes(),
+    );
+    assert!(d.status.success(), "{}", text(&d));
+    assert_eq!(std::fs::read(&vk).unwrap().len(), 32);
+    let e = run_in(
+        UCRYPT,
+        &[
+            "export",
+            "--type",
+            "fvault2",
+            "-r",
+            "--volume-key-file",
+            vks,
+            img,
+            outs,
+        ],
+        b"",
+    );
+    assert!(
+        e.status.success(),
+        "export with the volume key: {}",
+        text(&e)
+    );
+    assert_eq!(std::fs::read(&out).unwrap(), data);
 }
