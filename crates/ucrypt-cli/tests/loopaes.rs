@@ -13,7 +13,7 @@
 //! `cryptography` package's AES decrypts sectors of the image's ciphertext, which must give
 //! the zeros written. SKIPPED (that part only) without python3 and `cryptography`. The
 //! script's own cross-check with loop-AES's patched losetup has no counterpart here (no
-//! loop-AES kernel module), and the kernel's dm-crypt runs only in the VM.
+//! loop-AES kernel module); the kernel's dm-crypt is compared in the VM (`kernel_loopaes.rs`).
 
 mod cli_common;
 #[path = "../../../tests/kit/mod.rs"]
