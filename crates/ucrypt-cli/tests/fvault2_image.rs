@@ -6,7 +6,8 @@
 //! cryptsetup is installed, its `fvault2Dump` (with and without `--dump-volume-key`) runs
 //! beside ucrypt's and the two outputs must be equal line for line.
 //!
-//! SKIPPED when cryptsetup's test material cannot be had or xz is missing.
+//! SKIPPED when cryptsetup's test material cannot be had or xz is missing. The kernel's own
+//! mapping of the image is checked in the VM (`fvault2_image_in_the_kernel`).
 
 mod cli_common;
 #[path = "../../../tests/kit/mod.rs"]
@@ -170,4 +171,38 @@ fn fvault2_image() {
         text(&e)
     );
     assert_eq!(std::fs::read(&out).unwrap(), data);
+}
+
+/// The script's ACTIVATION CHECK with the kernel: `cryptsetup open --type fvault2` in the VM
+/// (tests/vm/) maps the image and the plaintext's SHA-256 is the script's sum, which ucrypt's
+/// export gives too (`fvault2_image`). SKIPPED without the VM or cryptsetup's test material.
+#[test]
+fn fvault2_image_in_the_kernel() {
+    if let Err(reason) = kit::vm::require_vm() {
+        println!("SKIPPED: {reason}");
+        return;
+    }
+    let tests = match cli_common::cryptsetup_tests() {
+        Ok(t) => t,
+        Err(why) => {
+            println!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let tmp = TempDir::new("fvault2-vm");
+    cli_common::untar(&tests.join("fvault2-images.tar.xz"), tmp.dir());
+    let img = tmp.dir().join("fvault2-images/small");
+    let mut run = kit::vm::VmRun::new(format!(
+        "printf '%s' '{PASSPHRASE}' | cryptsetup open --type fvault2 --readonly --key-file - \
+         /dev/vda fv || exit 1\n\
+         echo \"SUM $(sha256sum /dev/mapper/fv | cut -d' ' -f1)\"\n\
+         cryptsetup close fv\n"
+    ));
+    run.disk(&img, true);
+    let out = run.run(tmp.dir());
+    assert!(
+        out.output.contains(&format!("SUM {PLAINTEXT_SHA256}")),
+        "--- VM output ---\n{}",
+        out.output
+    );
 }
