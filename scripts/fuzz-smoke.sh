@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short run of every fuzz target (LUKS1/LUKS2 headers, LUKS2 JSON metadata, the cipher-spec
 # parser, the NBD server session, the NBD client's handshake and replies, the FUSE request
-# handler), fed bytes straight from libFuzzer, starting from the committed seeds. Long runs:
+# handler, FileVault2 metadata and loop-AES key files), fed bytes straight from libFuzzer, starting from the committed seeds. Long runs:
 # scripts/fuzz-long.sh. One target by hand:
 #   cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run -s none TARGET -- -max_total_time=600
 # cargo-fuzz needs nightly-only compiler flags; RUSTC_BOOTSTRAP lets this stable toolchain
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 SECONDS_PER_TARGET=${FUZZ_SECONDS:-10}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked -q
-for target in luks_parse luks2_json cipher_spec nbd_session nbd_client fuse_session; do
+for target in luks_parse luks2_json cipher_spec nbd_session nbd_client fuse_session foreign_meta; do
   mkdir -p "corpus/$target"
   seeds=(); [ -d "seeds/$target" ] && seeds=("seeds/$target")
   log=$(mktemp)

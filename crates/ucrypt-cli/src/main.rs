@@ -11,8 +11,10 @@ mod compat;
 mod daemon;
 mod error;
 mod formats;
+mod fvault2;
 mod header_dev;
 mod in_use;
+mod loopaes;
 mod luks_cli;
 mod manual;
 mod metrics;
@@ -96,6 +98,9 @@ enum Cmd {
     /// Show the metadata of a BitLocker volume (cryptsetup bitlkDump).
     #[command(name = "bitlkDump")]
     BitlkDump(bitlk::BitlkDumpArgs),
+    /// Show the metadata of a FileVault2 volume (cryptsetup fvault2Dump).
+    #[command(name = "fvault2Dump")]
+    Fvault2Dump(fvault2::Fvault2DumpArgs),
     /// Open or close the volumes of /etc/ucrypttab (crypttab's syntax).
     #[command(subcommand)]
     Tab(tab::TabCmd),
@@ -163,7 +168,9 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let argv = luks_cli::reorder_args(bitlk::expand_alias(std::env::args().collect()));
+    let argv = open_aliases(luks_cli::reorder_args(bitlk::expand_alias(
+        std::env::args().collect(),
+    )));
     if compat::usage(command(), &argv) {
         std::process::exit(0);
     }
@@ -195,6 +202,12 @@ fn run(cmd: Cmd) -> i32 {
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Bitlk) => {
             error::report("bitlkOpen", bitlk::test_passphrase(&a.v).map(|_| ()))
         }
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Fvault2) => {
+            fvault2::test_passphrase(&a.v)
+        }
+        Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Loopaes) => {
+            loopaes::test_passphrase_refused()
+        }
         Cmd::Open(a) if a.test_passphrase => luks_cli::test_passphrase_of(&a),
         Cmd::Open(a) => daemon::report(daemon::open(*a)),
         Cmd::Serve(a) => serve::run(*a),
@@ -209,12 +222,26 @@ fn run(cmd: Cmd) -> i32 {
         Cmd::Resize(a) => daemon::report(daemon::resize(a)),
         Cmd::BitlkDump(a) => error::report("bitlkDump", bitlk::bitlk_dump(&a).map(|_| ())),
         Cmd::TcryptDump(a) => error::report("tcryptDump", formats::tcrypt_dump(&a).map(|_| ())),
+        Cmd::Fvault2Dump(a) => error::report("fvault2Dump", fvault2::dump(&a).map(|_| ())),
         Cmd::List => daemon::report(daemon::list()),
         Cmd::Token(a) => token::run(*a),
         Cmd::Tab(c) => tab::run(c),
         Cmd::ReencryptWorker(a) => daemon::worker::run_worker(a),
         Cmd::GenerateDocs(a) => manual::run(command(), a),
     }
+}
+
+/// cryptsetup's `fvault2Open` and `loopaesOpen`: `open --type fvault2|loopaes` (the verb is
+/// first once `reorder_args` ran).
+fn open_aliases(mut argv: Vec<String>) -> Vec<String> {
+    let t = match argv.get(1).map(String::as_str) {
+        Some("fvault2Open") => "fvault2",
+        Some("loopaesOpen") => "loopaes",
+        _ => return argv,
+    };
+    argv[1] = "open".into();
+    argv.splice(2..2, ["--type".to_string(), t.to_string()]);
+    argv
 }
 
 /// `open --type tcrypt --test-passphrase`: the TrueCrypt/VeraCrypt header decrypts with the

@@ -50,12 +50,11 @@ pub enum DeviceType {
     Tcrypt,
     /// BitLocker (`crate::bitlk`).
     Bitlk,
-    /// A format cryptsetup opens and ucrypt does not: its cryptsetup name and what it is.
-    Foreign(&'static str, &'static str),
+    /// FileVault2 (`crate::fvault2`).
+    Fvault2,
+    /// loop-AES (`crate::loopaes`).
+    Loopaes,
 }
-
-/// The formats cryptsetup's `open --type` takes that ucrypt does not read.
-const FOREIGN_TYPES: [(&str, &str); 2] = [("fvault2", "FileVault2"), ("loopaes", "loop-AES")];
 
 impl std::str::FromStr for DeviceType {
     type Err = String;
@@ -68,16 +67,12 @@ impl std::str::FromStr for DeviceType {
             "plain" => Ok(DeviceType::Plain),
             "tcrypt" => Ok(DeviceType::Tcrypt),
             "bitlk" => Ok(DeviceType::Bitlk),
-            _ => FOREIGN_TYPES
-                .iter()
-                .find(|(name, _)| *name == s)
-                .map(|&(name, what)| DeviceType::Foreign(name, what))
-                .ok_or_else(|| {
-                    format!(
-                        "unknown device type '{s}' (cryptsetup's types: luks, luks1, luks2, \
-                         plain, tcrypt, bitlk, fvault2, loopaes)"
-                    )
-                }),
+            "fvault2" => Ok(DeviceType::Fvault2),
+            "loopaes" => Ok(DeviceType::Loopaes),
+            _ => Err(format!(
+                "unknown device type '{s}' (cryptsetup's types: luks, luks1, luks2, plain, \
+                 tcrypt, bitlk, fvault2, loopaes)"
+            )),
         }
     }
 }
@@ -92,18 +87,8 @@ impl DeviceType {
             DeviceType::Plain => "plain",
             DeviceType::Tcrypt => "tcrypt",
             DeviceType::Bitlk => "bitlk",
-            DeviceType::Foreign(name, _) => name,
-        }
-    }
-
-    /// Refuses a format ucrypt does not read (exit 1, before any passphrase is asked).
-    pub fn check_readable(self) -> CliResult<()> {
-        match self {
-            DeviceType::Foreign(name, what) => Err(CliError::Usage(format!(
-                "--type {name}: ucrypt does not open {what} volumes (it opens luks, luks1, luks2, \
-                 plain, tcrypt and bitlk)"
-            ))),
-            _ => Ok(()),
+            DeviceType::Fvault2 => "fvault2",
+            DeviceType::Loopaes => "loopaes",
         }
     }
 
@@ -157,9 +142,10 @@ pub struct VolumeArgs {
     /// Raw mode: start of the encrypted data on the device, in 512-byte sectors.
     #[arg(long, short = 'o', default_value_t = 0)]
     pub offset: u64,
-    /// Raw mode: IV offset, in 512-byte sectors (cryptsetup's --skip).
-    #[arg(long, short = 'p', default_value_t = 0)]
-    pub skip: u64,
+    /// Raw mode: IV offset, in 512-byte sectors (cryptsetup's --skip; default 0, for
+    /// `--type loopaes` the --offset).
+    #[arg(long, short = 'p')]
+    pub skip: Option<u64>,
     /// Raw mode: map only this many 512-byte sectors from --offset (cryptsetup's --size);
     /// default: to the end of the device.
     #[arg(long, short = 'b', value_name = "SECTORS")]
@@ -248,6 +234,9 @@ pub struct Prepared {
     pub req: OpenRequest,
     /// LUKS: the header device, a local one under cryptsetup's shared lock until released.
     header: Option<HeaderAt>,
+    /// The type `status` names, as cryptsetup's status does (a foreign format is served as a
+    /// raw mapping; `None`: as the request's format says).
+    pub kind: Option<&'static str>,
 }
 
 /// The library's opened volume, of any kind: front ends need only [`Opened::dev`]; the
@@ -414,6 +403,10 @@ impl VolumeArgs {
         let prepared = match (&self.cipher, self.device_type) {
             (_, Some(DeviceType::Tcrypt)) => self.prepare_tcrypt().map(|req| (req, None)),
             (_, Some(DeviceType::Bitlk)) => self.prepare_bitlk().map(|req| (req, None)),
+            (_, Some(DeviceType::Fvault2)) => self.prepare_fvault2().map(|req| (req, None)),
+            (_, Some(DeviceType::Loopaes)) => crate::loopaes::mapping(self)
+                .and_then(|m| self.request_from_mapping(m))
+                .map(|req| (req, None)),
             (Some(cipher), _) => self.prepare_raw(cipher).map(|req| (req, None)),
             (None, Some(DeviceType::Plain)) => self
                 .prepare_raw(ucrypt::plain::DEFAULT_CIPHER)
@@ -422,7 +415,18 @@ impl VolumeArgs {
         };
         let (mut req, header) = prepared.map_err(|e| e.at(name.clone()))?;
         req.name = name.clone();
-        Ok(Prepared { name, req, header })
+        let kind = match self.device_type {
+            Some(DeviceType::Tcrypt) => Some("TCRYPT"),
+            Some(DeviceType::Fvault2) => Some("FVAULT2"),
+            Some(DeviceType::Loopaes) => Some("LOOPAES"),
+            _ => None,
+        };
+        Ok(Prepared {
+            name,
+            req,
+            header,
+            kind,
+        })
     }
 
     /// The passphrase from --key-file (with its offset and size) or, without one, asked on
@@ -608,6 +612,32 @@ impl VolumeArgs {
             self.hash.as_deref(),
             self.cipher.as_deref(),
         )?;
+        self.request_from_mapping(m)
+    }
+
+    /// `--type fvault2`: the FileVault2 metadata read and the key unwrapped, the data as a raw
+    /// mapping.
+    fn prepare_fvault2(&self) -> CliResult<OpenRequest> {
+        let Target::Path(path) = &self.volume else {
+            return Err(CliError::Usage(format!(
+                "{}: FVAULT2 volumes are opened from local files or devices",
+                self.volume
+            )));
+        };
+        let src = Source {
+            key_file: self.key_file.as_deref(),
+            offset: self.keyfile_offset.unwrap_or(0),
+            size: self.keyfile_size,
+        };
+        let m = crate::fvault2::mapping(path, &src, self.volume_key_file.as_deref())?;
+        self.request_from_mapping(m)
+    }
+
+    /// The request of a foreign format's data, mapped as `--type plain` maps its own.
+    pub(crate) fn request_from_mapping(
+        &self,
+        m: ucrypt::tcrypt::Mapping,
+    ) -> CliResult<OpenRequest> {
         let backend = self
             .volume
             .open_data(!self.read_only, &self.remote, self.cache)?;
@@ -667,7 +697,7 @@ impl VolumeArgs {
         let key = self.plain_key(key_bytes)?;
         let geometry = Geometry {
             sector_size: SectorSize::new(self.sector_size)?,
-            iv_offset: self.skip,
+            iv_offset: self.skip.unwrap_or(0),
             iv_large_sectors: self.iv_large_sectors,
         };
         let backend = self

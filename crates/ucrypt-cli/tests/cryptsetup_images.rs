@@ -1099,16 +1099,40 @@ fn open_type_is_validated() {
     fmt.extend(&fast);
     fmt.push(d);
     assert_eq!(run_in(UCRYPT, &fmt, k.as_bytes()).status.code(), Some(0));
-    for (ty, word) in [
-        ("bogus", "unknown device type 'bogus'"),
-        ("luks1", "it is LUKS2"),
-        ("bitlk", "is not a valid BITLK device"),
-        ("fvault2", "FileVault2"),
-        ("loopaes", "loop-AES"),
+    // A LUKS volume is no FileVault2 volume, and loop-AES has no passphrase to test and
+    // needs a key file (cryptsetup's words).
+    for (ty, test_word, open_word) in [
+        (
+            "bogus",
+            "unknown device type 'bogus'",
+            "unknown device type 'bogus'",
+        ),
+        ("luks1", "it is LUKS2", "it is LUKS2"),
+        (
+            "bitlk",
+            "is not a valid BITLK device",
+            "is not a valid BITLK device",
+        ),
+        (
+            "fvault2",
+            "is not a valid FVAULT2 device",
+            "is not a valid FVAULT2 device",
+        ),
+        (
+            "loopaes",
+            "--test-passphrase is allowed only for open of LUKS, TCRYPT, BITLK and FVAULT2",
+            "Option --key-file is required.",
+        ),
     ] {
-        for args in [
-            vec!["open", "--type", ty, "--test-passphrase", d],
-            vec!["open", "--type", ty, d, "typed", "--front-end", "fuse"],
+        for (args, word) in [
+            (
+                vec!["open", "--type", ty, "--test-passphrase", d],
+                test_word,
+            ),
+            (
+                vec!["open", "--type", ty, d, "typed", "--front-end", "fuse"],
+                open_word,
+            ),
         ] {
             let o = run_in(UCRYPT, &args, k.as_bytes());
             let err = String::from_utf8_lossy(&o.stderr);

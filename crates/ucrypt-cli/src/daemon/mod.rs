@@ -75,8 +75,8 @@ pub struct OpenArgs {
     #[arg(long, value_enum, default_value_t = FrontEnd::Auto)]
     pub front_end: FrontEnd,
     /// luks (the header decides), luks1 or luks2 (the header must be that version), or plain
-    /// (with --cipher and --volume-key-file). cryptsetup's other types (tcrypt, bitlk,
-    /// fvault2, loopaes) are refused by name.
+    /// (with --cipher and --volume-key-file), tcrypt, fvault2 or loopaes (`fvault2Open`,
+    /// `loopaesOpen`). cryptsetup's bitlk is refused by name.
     #[arg(long = "type", short = 'M')]
     pub dev_type: Option<crate::open::DeviceType>,
     /// Accepted for compatibility (no confirmation is asked).
@@ -357,7 +357,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
             }
         }
         Format::Plain(cfg) => {
-            info.kind = "PLAIN".into();
+            info.kind = p.kind.unwrap_or("PLAIN").into();
             info.cipher = cfg.cipher.to_string();
             info.key_bits = (cfg.key.len() * 8) as u32;
             info.sector_size = cfg.geometry.sector_size.bytes();
@@ -389,11 +389,9 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
 /// type with --cipher, is refused (exit 1).
 fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()> {
     use crate::open::DeviceType;
-    if let Some(t) = t {
-        t.check_readable()?;
-    }
     match (t, cipher) {
-        (Some(DeviceType::Tcrypt), _) | (Some(DeviceType::Bitlk), false) => Ok(()),
+        (Some(DeviceType::Tcrypt | DeviceType::Loopaes), _)
+        | (Some(DeviceType::Bitlk | DeviceType::Fvault2), false) => Ok(()),
         (None | Some(DeviceType::Plain), true) | (Some(DeviceType::Plain), false) => Ok(()),
         (None | Some(DeviceType::Luks | DeviceType::Luks1 | DeviceType::Luks2), false) => Ok(()),
         (Some(t), _) => Err(CliError::Usage(format!(

@@ -324,8 +324,8 @@ pub enum LuksCmd {
         #[command(flatten)]
         v: VolumeArgs,
         file: PathBuf,
-        /// The volume's format: luks (default; the header decides), plain (with --cipher) or
-        /// tcrypt.
+        /// The volume's format: luks (default; the header decides), plain (with --cipher),
+        /// tcrypt, fvault2 or loopaes.
         #[arg(long = "type", short = 'M')]
         dev_type: Option<crate::open::DeviceType>,
         /// Print progress every this many seconds, a line each (also when stderr is not a
@@ -343,6 +343,9 @@ pub enum LuksCmd {
         file: PathBuf,
         #[command(flatten)]
         v: VolumeArgs,
+        /// The volume's format, as for export.
+        #[arg(long = "type", short = 'M')]
+        dev_type: Option<crate::open::DeviceType>,
         /// Print progress every this many seconds, a line each.
         #[arg(long, value_name = "SECONDS")]
         progress_frequency: Option<u64>,
@@ -373,6 +376,8 @@ const VERBS: &[&str] = &[
     "isLuks",
     "open",
     "luksOpen",
+    "fvault2Open",
+    "loopaesOpen",
     "config",
     "convert",
     "convert-key",
@@ -484,17 +489,18 @@ fn dispatch(cmd: LuksCmd) -> CliResult<i32> {
             progress_frequency,
             force,
         } => {
-            if let Some(t) = dev_type {
-                t.check_readable()?;
-            }
             v.device_type = dev_type;
             return data::export(&v, &file, progress_frequency, force);
         }
         LuksCmd::Import {
             file,
-            v,
+            mut v,
+            dev_type,
             progress_frequency,
-        } => return data::import(&file, &v, progress_frequency),
+        } => {
+            v.device_type = dev_type;
+            return data::import(&file, &v, progress_frequency);
+        }
     };
     Ok(r?)
 }
@@ -1238,7 +1244,6 @@ fn test_passphrase(
         None => None,
     };
     if let Some(t) = dev_type {
-        t.check_readable()?;
         if t == DeviceType::Plain {
             return Err(CliError::Usage(
                 "Option --test-passphrase is allowed only for open of LUKS, TCRYPT, BITLK and \

@@ -14,6 +14,7 @@ mod camellia;
 pub(crate) mod crc32;
 mod elephant;
 pub(crate) mod evp;
+mod lmk;
 pub(crate) mod modes;
 mod spec;
 mod twofish;
@@ -141,6 +142,8 @@ enum Imp {
     Tcw(Box<Tcw>),
     /// AES-CBC with BitLocker's Elephant diffuser (dm-crypt's `elephant` IV).
     Elephant(Box<Elephant>),
+    /// CBC over 64 keys with dm-crypt's `lmk` IV (loop-AES multi-key).
+    Lmk(Box<lmk::Lmk>),
 }
 
 /// Bytes of `tcw`'s whitening key (and of its IV seed, one cipher block).
@@ -328,6 +331,14 @@ impl SectorCipher {
         spec.check_key_len(key.len())?;
         let (imp, provider) = match spec.mode {
             Mode::Null => (Imp::Null, provider),
+            Mode::Cbc(c) if spec.iv == IvMode::Lmk64 => {
+                if geometry.sector_size != SectorSize::S512 {
+                    return Err(Error::InvalidArgument(
+                        "the lmk IV works on 512-byte sectors only".into(),
+                    ));
+                }
+                (Imp::Lmk(Box::new(lmk::Lmk::new(c, key)?)), provider)
+            }
             Mode::Cbc(c) if spec.iv == IvMode::Tcw => {
                 if geometry.sector_size != SectorSize::S512 {
                     return Err(Error::InvalidArgument(
@@ -449,7 +460,9 @@ impl SectorCipher {
         let mut iv = [0u8; IV_BYTES_MAX];
         let end = self.spec.iv_bytes();
         match self.spec.iv {
-            IvMode::Plain64 | IvMode::Tcw => iv[..8].copy_from_slice(&n.to_le_bytes()),
+            IvMode::Plain64 | IvMode::Tcw | IvMode::Lmk64 => {
+                iv[..8].copy_from_slice(&n.to_le_bytes())
+            }
             IvMode::Plain => iv[..4].copy_from_slice(&(n as u32).to_le_bytes()),
             IvMode::Plain64Be => iv[end - 8..end].copy_from_slice(&n.to_be_bytes()),
             // The kernel shifts by 9 - log2(cipher block size): 512-byte units to 16-byte
@@ -545,6 +558,11 @@ impl SectorCipher {
             }
             Imp::Tcw(t) => t.crypt(encrypt, block_iv, data),
             Imp::Elephant(e) => e.crypt(encrypt, iv, data),
+            Imp::Lmk(l) => {
+                let mut n = [0u8; 8];
+                n.copy_from_slice(&block_iv[..8]);
+                l.crypt(encrypt, u64::from_le_bytes(n), data)
+            }
         }
     }
 
@@ -589,7 +607,8 @@ impl SectorCipher {
             | Imp::Adiantum(_)
             | Imp::Cascade(_)
             | Imp::Tcw(_)
-            | Imp::Elephant(_) => {
+            | Imp::Elephant(_)
+            | Imp::Lmk(_) => {
                 dst.copy_from_slice(src);
                 self.crypt_in_place(encrypt, first_sector, dst)
             }

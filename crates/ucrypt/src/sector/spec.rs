@@ -298,6 +298,10 @@ pub enum IvMode {
     /// eboiv IV with the first half of the key as the CBC key; the second half keys the sector
     /// key that each sector is XORed with before diffusers A and B run over it.
     Elephant,
+    /// dm-crypt's `lmk` with 64 keys (loop-AES multi-key, `aes:64-cbc-lmk`; CBC only): the
+    /// key of sector n is key n mod 64, the IV an MD5 state over the sector's plaintext and
+    /// number (`lmk.rs`). The key is 64 subkeys, or 65 parts whose last is the IV seed.
+    Lmk64,
     /// No IV (the null cipher).
     None,
 }
@@ -313,6 +317,7 @@ impl IvMode {
             IvMode::Tcw => "tcw".into(),
             IvMode::Eboiv => "eboiv".into(),
             IvMode::Elephant => "elephant".into(),
+            IvMode::Lmk64 => "lmk".into(),
             IvMode::None => "null".into(),
         }
     }
@@ -337,6 +342,12 @@ impl CipherSpec {
 
     /// Key sizes this spec accepts, in bytes.
     pub fn key_bytes_allowed(&self) -> &'static [usize] {
+        if self.iv == IvMode::Lmk64 {
+            return match self.mode {
+                Mode::Cbc(c) => super::lmk::Lmk::key_bytes_allowed(c),
+                _ => &[],
+            };
+        }
         if self.iv == IvMode::Tcw {
             // The cipher key, then the 16-byte IV seed and 16-byte whitening key.
             return match self.mode {
@@ -398,6 +409,9 @@ impl CipherSpec {
             expected: match self.mode {
                 Mode::Cbc(_) if self.iv == IvMode::Elephant => {
                     "256 or 512 bits (the CBC key, then an elephant key of the same size)"
+                }
+                Mode::Cbc(_) if self.iv == IvMode::Lmk64 => {
+                    "64 keys of 128, 192 or 256 bits, and optionally a 65th part (the IV seed)"
                 }
                 Mode::Cbc(_) if self.iv == IvMode::Tcw => {
                     "the cipher key (128, 192 or 256 bits) and 256 bits of IV seed and whitening"
