@@ -3,7 +3,7 @@
 //!
 //! Threads, all bounded by named limits:
 //! - the accept loop (the caller's thread) polls the listener and the stop flag;
-//! - one thread per connection ([`CONNECTIONS_MAX`]) runs the handshake, then reads requests;
+//! - one thread per connection ([`ServerOptions::connections_max`]) runs the handshake, then reads requests;
 //!   when every slot is taken, a new client takes the slot of the connection idle longest
 //!   (nothing received and nothing in flight for [`ServerOptions::idle_timeout`]), else it is
 //!   refused with a log line;
@@ -49,10 +49,10 @@ pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 pub use unix_socket::{bind_unix, BoundSocket};
 
-/// Simultaneous connections; more are closed at once. Each may hold up to
-/// `conn::INFLIGHT_BYTES_MAX` of buffers in use plus `buf::SPARE_BYTES_MAX` kept for
-/// reuse, so this bounds memory at 16 × (64 + 8) MiB.
-pub const CONNECTIONS_MAX: usize = 16;
+/// Simultaneous connections by default ([`ServerOptions::connections_max`]); more are closed
+/// at once. Each may hold up to `conn::INFLIGHT_BYTES_MAX` of buffers in use plus
+/// `buf::SPARE_BYTES_MAX` kept for reuse, so this bounds memory at 16 × (64 + 8) MiB.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 16;
 /// Requests executed at once per connection, by default. Two cores here; the device may
 /// parallelise further inside. Four keeps a queue-depth-32 client busy without
 /// oversubscribing, when the device's time is CPU time.
@@ -62,7 +62,7 @@ pub const WORKERS_PER_CONNECTION: usize = 4;
 /// flight needs a worker (a QD32 client, 32).
 pub const WORKERS_PER_CONNECTION_MAX: usize = 64;
 /// A connection idle this long (nothing received, nothing in flight) gives its slot up to a
-/// new client when all [`CONNECTIONS_MAX`] are taken (`ucrypt serve --idle-timeout`). Idle
+/// new client when all [`ServerOptions::connections_max`] are taken (`ucrypt serve --idle-timeout`). Idle
 /// connections are never closed while slots are free: a kernel NBD client on a quiet file
 /// system sends nothing for hours, and a closed connection is an I/O error to it.
 pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
@@ -133,6 +133,8 @@ pub struct ServerOptions {
     /// How long a connection must be idle before a new client may take its slot when all
     /// are taken ([`IDLE_TIMEOUT_DEFAULT`]).
     pub idle_timeout: Duration,
+    /// Simultaneous connections at most ([`CONNECTIONS_MAX_DEFAULT`]; at least 1).
+    pub connections_max: usize,
 }
 
 /// One export at run time.
@@ -157,6 +159,8 @@ pub(crate) struct Shared {
     pub workers: usize,
     /// `ServerOptions::idle_timeout`.
     pub idle_timeout: Duration,
+    /// `ServerOptions::connections_max`.
+    pub connections_max: usize,
 }
 
 /// A live connection as the accept loop sees it.
@@ -378,6 +382,7 @@ pub fn serve_on(
         poll_backoff: opts.poll_backoff,
         workers: opts.workers.clamp(1, WORKERS_PER_CONNECTION_MAX),
         idle_timeout: opts.idle_timeout,
+        connections_max: opts.connections_max.max(1),
     });
     if opts.announce {
         let mut out = io::stdout().lock();
@@ -418,8 +423,8 @@ impl Listener {
     }
 }
 
-/// Accepts connections until `stop` is requested; each gets a thread ([`CONNECTIONS_MAX`] at
-/// once). Returns the connection threads still to be joined.
+/// Accepts connections until `stop` is requested; each gets a thread
+/// ([`ServerOptions::connections_max`] at once). Returns the connection threads still to be joined.
 fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<JoinHandle<()>> {
     let fd = match &listener {
         Listener::Unix(l, _) => l.as_raw_fd(),
@@ -493,14 +498,14 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
     threads
 }
 
-/// Whether a new connection may have a slot: yes while fewer than [`CONNECTIONS_MAX`] are
-/// open; when all are taken, the connection idle longest gives its slot up if it has been
+/// Whether a new connection may have a slot: yes while fewer than
+/// [`ServerOptions::connections_max`] are open; when all are taken, the connection idle longest gives its slot up if it has been
 /// idle for `Shared::idle_timeout` (it is shut down and ends on its own). Otherwise the new
 /// client is refused (closed at once) with a log line.
 fn make_room(shared: &Shared) -> bool {
     let mut live = lock(&shared.live);
     let open = live.iter().filter(|c| !c.evicted).count();
-    if open < CONNECTIONS_MAX {
+    if open < shared.connections_max {
         return true;
     }
     let idlest = live
@@ -521,7 +526,8 @@ fn make_room(shared: &Shared) -> bool {
         }
         _ => {
             eprintln!(
-                "ucrypt: refusing connection: {CONNECTIONS_MAX} open, none idle for {} s",
+                "ucrypt: refusing connection: {} open, none idle for {} s",
+                shared.connections_max,
                 shared.idle_timeout.as_secs_f64()
             );
             false
