@@ -10,17 +10,23 @@
 //!   a request arriving alone (queue depth 1) it serves itself, and then polls the socket for
 //!   up to 50 µs (yielding the CPU) before sleeping, since waking a sleeping thread on another
 //!   CPU costs more than serving 4 KiB;
-//! - [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each reply as
-//!   soon as it completes (replies serialised by a writer lock), so many requests are in flight;
+//! - up to [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each
+//!   reply as soon as it completes (replies serialised by a writer lock), so many requests are
+//!   in flight; they start when requests queue up and end when idle, so an idle connection is
+//!   its reader thread and socket only;
+//! - request buffers come from one budget for the whole server, charged per request (a
+//!   request waits for room, never fails for want of it), so the connection limit is large;
 //! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
 //!
 //! The protocol itself (parsing, validation, replies) is the sans-I/O codec in [`crate::proto`].
 //! The server stops when its [`Stop`] is requested (the `ucrypt` command ties SIGINT and
 //! SIGTERM to it).
 
+mod budget;
 mod buf;
 mod conn;
 pub mod dev;
+mod queue;
 mod sock;
 pub(crate) mod tls;
 pub mod unix_socket;
@@ -49,10 +55,12 @@ pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 pub use unix_socket::{bind_unix, BoundSocket};
 
-/// Simultaneous connections by default ([`ServerOptions::connections_max`]); more are closed
-/// at once. Each may hold up to `conn::INFLIGHT_BYTES_MAX` of buffers in use plus
-/// `buf::SPARE_BYTES_MAX` kept for reuse, so this bounds memory at 16 × (64 + 8) MiB.
-pub const CONNECTIONS_MAX_DEFAULT: usize = 16;
+/// Simultaneous connections by default ([`ServerOptions::connections_max`]); more take an
+/// idle one's slot or are closed at once. A connection holds request buffers only while it
+/// has requests, from the server's one budget (`budget::SERVER_BYTES_MAX` in use plus
+/// `buf::SPARE_BYTES_MAX` kept for reuse, whatever the number of connections): what bounds
+/// connections is their reader thread and socket.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 1024;
 /// Requests executed at once per connection, by default. Two cores here; the device may
 /// parallelise further inside. Four keeps a queue-depth-32 client busy without
 /// oversubscribing, when the device's time is CPU time.
@@ -161,6 +169,10 @@ pub(crate) struct Shared {
     pub idle_timeout: Duration,
     /// `ServerOptions::connections_max`.
     pub connections_max: usize,
+    /// Request buffers: the budget every request is charged to, and the spare buffers
+    /// reused between requests, both the whole server's.
+    pub budget: Arc<budget::Budget>,
+    pub spares: Arc<buf::Spares>,
 }
 
 /// A live connection as the accept loop sees it.
@@ -367,6 +379,7 @@ pub fn serve_on(
                 .into(),
         ));
     }
+    raise_open_files_limit(opts.connections_max);
     if let Some(pf) = &opts.pid_file {
         std::fs::write(pf, format!("{}\n", std::process::id()))
             .map_err(|e| Error::io(format!("writing pid file {}", pf.display()), e))?;
@@ -383,6 +396,8 @@ pub fn serve_on(
         workers: opts.workers.clamp(1, WORKERS_PER_CONNECTION_MAX),
         idle_timeout: opts.idle_timeout,
         connections_max: opts.connections_max.max(1),
+        budget: Arc::new(budget::Budget::new()),
+        spares: Arc::new(buf::Spares::new(nbd::transmission::SIMPLE_REPLY_BYTES)),
     });
     if opts.announce {
         let mut out = io::stdout().lock();
@@ -420,6 +435,41 @@ impl Listener {
                 )
             }
         })
+    }
+}
+
+/// File descriptors one connection holds: its socket, the accept loop's clone and the reply
+/// writer's clone (a TLS connection one more, for its relay).
+const FDS_PER_CONNECTION: u64 = 4;
+/// File descriptors the rest of the process may hold (volumes, listener, logs).
+const FDS_OTHER: u64 = 256;
+
+/// Raises the soft limit on open files (RLIMIT_NOFILE, often 1,024) towards what
+/// `connections` need, up to the hard limit; says so on stderr when the hard limit is lower.
+fn raise_open_files_limit(connections: usize) {
+    let want = (connections as u64)
+        .saturating_mul(FDS_PER_CONNECTION)
+        .saturating_add(FDS_OTHER);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`, which lives across the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= want {
+        return;
+    }
+    let new = libc::rlimit {
+        rlim_cur: want.min(lim.rlim_max),
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: setrlimit reads one rlimit from `new`, which lives across the call.
+    let ok = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } == 0;
+    if !ok || new.rlim_cur < want {
+        eprintln!(
+            "ucrypt: open files limited to {} (RLIMIT_NOFILE): fewer than {connections} \
+             connections may be served",
+            if ok { new.rlim_cur } else { lim.rlim_cur }
+        );
     }
 }
 
