@@ -607,8 +607,14 @@ fn read_payload(reader: &mut BufReader<RequestStream>, buf: &mut [u8]) -> io::Re
     Ok(())
 }
 
+/// Reads and drops `n` bytes. The chunk is on the heap, not the stack: a 64 KiB array in a
+/// frame inlined into the reader would make every connection's thread touch 64 KiB of stack
+/// (stack probes touch each page of a frame on entry), refused writes or not.
 fn discard(r: &mut impl Read, mut n: usize) -> io::Result<()> {
-    let mut sink = [0u8; DISCARD_CHUNK_BYTES];
+    if n == 0 {
+        return Ok(());
+    }
+    let mut sink = vec![0u8; DISCARD_CHUNK_BYTES.min(n)];
     while n > 0 {
         let k = n.min(sink.len());
         r.read_exact(&mut sink[..k])?;
