@@ -2,6 +2,7 @@
 //! SIGTERM.
 
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,17 +19,35 @@ use crate::target::Target;
 /// `ucrypt serve`: serve volumes to NBD clients.
 #[derive(clap::Args)]
 pub struct ServeArgs {
+    /// VOLUME and the options after it: the key and open options apply to every VOLUME, and
+    /// to every --export that does not give its own.
     #[command(flatten)]
     volume: VolumeArgs,
+    /// More volumes served by the same process, each its own export named after its file
+    /// (two exports of the same name are refused); opened as VOLUME is.
+    #[arg(value_name = "VOLUME")]
+    more_volumes: Vec<Target>,
     /// Where to listen: unix:PATH (socket mode 0600) or tcp:HOST:PORT (TLS required).
     #[arg(long)]
     nbd: Listen,
-    /// Export name of VOLUME (default: its file name). It is also the default export.
+    /// Export name of the first VOLUME (default: its file name). It is also the default
+    /// export.
     #[arg(long = "export-name")]
     export_name: Option<String>,
-    /// More exports from the same process, NAME=PATH, opened with the same options.
-    #[arg(long = "add-export", value_name = "NAME=PATH")]
-    add_export: Vec<String>,
+    /// One more export with options of its own: name=N,path=P[,key-file=K][,readonly]
+    /// [,header=H]. key-file is this volume's passphrase file, read whole, in place of the
+    /// shared --key-file, --keyfile-offset, --keyfile-size and --volume-key-file; header is
+    /// its detached LUKS header; readonly serves it read-only. Other options are shared.
+    #[arg(long = "export", value_name = "name=N,path=P[,...]")]
+    exports: Vec<ExportSpec>,
+    /// Short for --export name=NAME,path=PATH.
+    #[arg(long = "add-export", value_name = "NAME=PATH", value_parser = ExportSpec::parse_short)]
+    add_export: Vec<ExportSpec>,
+    /// Most client connections served at once; a client beyond it takes the slot of one idle
+    /// for --idle-timeout, else it is refused. An idle connection holds no request buffers
+    /// (requests take them from one pool the whole server shares).
+    #[arg(long, value_name = "N", default_value_t = server::CONNECTIONS_MAX_DEFAULT)]
+    max_connections: usize,
     /// Write the server's process id here once listening (removed on exit).
     #[arg(long)]
     pid_file: Option<PathBuf>,
@@ -48,8 +67,8 @@ pub struct ServeArgs {
     #[arg(long, conflicts_with = "cipher")]
     unencrypted: bool,
     /// Seconds a connection may sit idle (nothing received, nothing in flight) before a new
-    /// client may take its slot when all are taken; idle connections stay while slots are
-    /// free.
+    /// client may take its slot when all --max-connections are taken; idle connections stay
+    /// while slots are free.
     #[arg(long, value_name = "SECS", default_value_t = server::IDLE_TIMEOUT_DEFAULT.as_secs_f64())]
     idle_timeout: f64,
     /// Poll for the next request after every request (--spin-us), even on a connection where
@@ -58,9 +77,90 @@ pub struct ServeArgs {
     spin_always: bool,
     #[command(flatten)]
     metrics: MetricsArgs,
-    // For VOLUME, not the --add-export ones.
+    // For the first VOLUME only.
     #[command(flatten)]
     control: ControlArgs,
+}
+
+/// One `--export` (or `--add-export`), parsed once at the command line.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExportSpec {
+    name: String,
+    path: Target,
+    /// This volume's passphrase file, in place of the shared key options.
+    key_file: Option<String>,
+    read_only: bool,
+    /// This volume's detached LUKS header.
+    header: Option<PathBuf>,
+}
+
+impl ExportSpec {
+    /// `--add-export NAME=PATH`.
+    fn parse_short(s: &str) -> Result<ExportSpec, String> {
+        let (name, path) = s
+            .split_once('=')
+            .ok_or_else(|| format!("'{s}': expected NAME=PATH"))?;
+        ExportSpec::named(name, path)
+    }
+
+    fn named(name: &str, path: &str) -> Result<ExportSpec, String> {
+        if name.is_empty() {
+            return Err("an empty export name".into());
+        }
+        Ok(ExportSpec {
+            name: name.to_string(),
+            path: path.parse()?,
+            key_file: None,
+            read_only: false,
+            header: None,
+        })
+    }
+}
+
+impl FromStr for ExportSpec {
+    type Err = String;
+    /// `name=N,path=P[,key-file=K][,readonly][,header=H]`, in any order, each key once.
+    fn from_str(s: &str) -> Result<ExportSpec, String> {
+        let (mut name, mut path, mut key_file, mut header, mut read_only) =
+            (None, None, None, None, false);
+        for item in s.split(',') {
+            let (key, value) = match item.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (item, None),
+            };
+            let slot = match (key, value) {
+                ("readonly", None) if !read_only => {
+                    read_only = true;
+                    continue;
+                }
+                ("readonly", None) => return Err("'readonly' given twice".into()),
+                ("readonly", Some(_)) => return Err("'readonly' takes no value".into()),
+                ("name", _) => &mut name,
+                ("path", _) => &mut path,
+                ("key-file", _) => &mut key_file,
+                ("header", _) => &mut header,
+                _ => {
+                    return Err(format!(
+                        "unknown key '{key}' (expected name, path, key-file, readonly, header)"
+                    ))
+                }
+            };
+            let value = value
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| format!("'{key}' needs a value"))?;
+            if slot.replace(value).is_some() {
+                return Err(format!("'{key}' given twice"));
+            }
+        }
+        let (Some(name), Some(path)) = (name, path) else {
+            return Err("name=N and path=P are both needed".into());
+        };
+        let mut spec = ExportSpec::named(name, path)?;
+        spec.key_file = key_file.map(str::to_string);
+        spec.header = header.map(PathBuf::from);
+        spec.read_only = read_only;
+        Ok(spec)
+    }
 }
 
 /// NBD workers per connection when the volume is remote (see `ServerOptions::workers`).
@@ -71,11 +171,10 @@ type Opened = (Arc<dyn BlockDev>, Option<crate::open::Opened>);
 /// One export: its name and what was opened for it.
 type Export = (String, Arc<dyn BlockDev>, Option<crate::open::Opened>);
 
-/// Opens one export. A remote volume's client gives an unreachable server up within one
-/// remote timeout once `stop` is requested, so a stop waits that long at most.
-fn open_one(a: &ServeArgs, target: &Target, stop: &Stop) -> CliResult<(Opened, InUse)> {
-    let mut v = a.volume.clone();
-    v.volume = target.clone();
+/// Opens one export from `v` (its volume and options). A remote volume's client gives an
+/// unreachable server up within one remote timeout once `stop` is requested, so a stop waits
+/// that long at most.
+fn open_one(a: &ServeArgs, mut v: VolumeArgs, stop: &Stop) -> CliResult<(Opened, InUse)> {
     v.remote.stop = Some(stop.clone());
     // Marked for as long as it is served: a second server, an offline reencrypt or a format
     // refuses it.
@@ -85,35 +184,99 @@ fn open_one(a: &ServeArgs, target: &Target, stop: &Stop) -> CliResult<(Opened, I
         v.mark_served()?
     };
     if a.unencrypted {
-        let ro = a.volume.read_only;
-        let backend = target.open_plain(!ro, &v.remote)?;
+        let ro = v.read_only;
+        let backend = v.volume.open_plain(!ro, &v.remote)?;
         return Ok(((Arc::new(dev::PlainDev::new(backend, ro)), None), marked));
     }
     let vol = v.open()?;
     Ok(((vol.dev(), Some(vol)), marked))
 }
 
-/// The exports, and the marks that say their volumes are served (held until the end).
-fn open_volumes(a: &ServeArgs, stop: &Stop) -> CliResult<(Vec<Export>, Vec<InUse>)> {
+/// Every export to open, named, with its options: the VOLUMEs with the shared options, then
+/// each --export and --add-export with its own. Two of the same name are refused before any
+/// is opened.
+fn plan(a: &ServeArgs) -> CliResult<Vec<(String, VolumeArgs)>> {
     let first = a
         .export_name
         .clone()
         .unwrap_or_else(|| a.volume.volume.label());
-    let ((dev, vol), marked) = open_one(a, &a.volume.volume, stop)?;
-    let mut out = vec![(first, dev, vol)];
-    let mut marks = vec![marked];
-    for spec in &a.add_export {
-        let (name, target) = spec
-            .split_once('=')
-            .ok_or_else(|| CliError::Usage(format!("--add-export '{spec}': expected NAME=PATH")))?;
-        let target: Target = target
-            .parse()
-            .map_err(|e| CliError::Usage(format!("--add-export '{spec}': {e}")))?;
-        let ((dev, vol), marked) = open_one(a, &target, stop)?;
-        out.push((name.to_string(), dev, vol));
+    let mut out = vec![(first, a.volume.clone())];
+    for t in &a.more_volumes {
+        let mut v = a.volume.clone();
+        v.volume = t.clone();
+        out.push((t.label(), v));
+    }
+    if a.volume.header.is_some() && !a.more_volumes.is_empty() {
+        return Err(CliError::Usage(
+            "--header is one volume's header, and several VOLUMEs are given: give each its \
+             own with --export name=N,path=P,header=H"
+                .into(),
+        ));
+    }
+    for e in a.exports.iter().chain(&a.add_export) {
+        let mut v = a.volume.clone();
+        v.volume = e.path.clone();
+        v.header = e.header.clone();
+        v.read_only |= e.read_only;
+        if let Some(k) = &e.key_file {
+            v.key_file = Some(k.clone());
+            v.keyfile_offset = None;
+            v.keyfile_size = None;
+            v.volume_key_file = None;
+            v.passphrase_read = None;
+        }
+        out.push((e.name.clone(), v));
+    }
+    for (i, (name, v)) in out.iter().enumerate() {
+        if let Some((_, w)) = out[..i].iter().find(|(n, _)| n == name) {
+            return Err(CliError::Usage(format!(
+                "export name '{name}' is given twice ({} and {}): name one with --export \
+                 name=N,path=P",
+                w.volume, v.volume
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Opens every export, or none: the first that fails names its volume in the error, and
+/// those opened before it are closed again.
+fn open_volumes(a: &ServeArgs, stop: &Stop) -> CliResult<(Vec<Export>, Vec<InUse>)> {
+    let mut plan = plan(a)?;
+    // A passphrase on stdin can be read once: read it once for every volume that shares it.
+    let shared_stdin = plan
+        .iter()
+        .filter(|(_, v)| v.key_file.as_deref() == Some("-") && v.passphrase_read.is_none())
+        .count();
+    if shared_stdin > 1
+        && a.volume.key_file.as_deref() == Some("-")
+        && a.volume.cipher.is_none()
+        && !a.unencrypted
+    {
+        let p = Arc::new(a.volume.read_passphrase()?);
+        for (_, v) in plan.iter_mut() {
+            if v.key_file.as_deref() == Some("-") {
+                v.passphrase_read = Some(p.clone());
+            }
+        }
+    }
+    let (mut out, mut marks) = (Vec::new(), Vec::new());
+    for (name, v) in plan {
+        let what = v.volume.to_string();
+        let ((dev, vol), marked) = open_one(a, v, stop).map_err(|e| named(e, &what))?;
+        out.push((name, dev, vol));
         marks.push(marked);
     }
     Ok((out, marks))
+}
+
+/// `e` named as being about `volume`, unless it already names it.
+fn named(e: CliError, volume: &str) -> CliError {
+    if e.to_string().contains(volume) {
+        e
+    } else {
+        e.at(volume)
+    }
 }
 
 pub fn run(a: ServeArgs) -> i32 {
@@ -167,7 +330,11 @@ fn serve(a: ServeArgs) -> CliResult<()> {
         poll_backoff: !a.spin_always,
         // On remote storage a request waits on the network, not a core: give every request a
         // QD32 client keeps in flight its worker, so that they reach the remote at once.
-        workers: if a.volume.volume.is_remote() {
+        workers: if std::iter::once(&a.volume.volume)
+            .chain(&a.more_volumes)
+            .chain(a.exports.iter().chain(&a.add_export).map(|e| &e.path))
+            .any(Target::is_remote)
+        {
             REMOTE_WORKERS_PER_CONNECTION
         } else {
             server::WORKERS_PER_CONNECTION
@@ -175,6 +342,7 @@ fn serve(a: ServeArgs) -> CliResult<()> {
         idle_timeout: Duration::try_from_secs_f64(a.idle_timeout).map_err(|_| {
             CliError::Usage(format!("--idle-timeout {}: not a duration", a.idle_timeout))
         })?,
+        connections_max: a.max_connections,
     };
     Ok(server::serve(exports, &a.nbd, opts, stop)?)
 }

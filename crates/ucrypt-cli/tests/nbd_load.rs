@@ -1,7 +1,8 @@
 //! Memory under load, against a running `ucrypt serve` of an encrypted volume:
 //! - a client that sends writes and never reads a reply: the server stops reading its requests
-//!   once the connection's budget (`ucrypt_nbd::server::INFLIGHT_BYTES_MAX`, 64 MiB of payload)
-//!   is in flight, so its memory stays within that budget above what it used idle;
+//!   once the connection's share of the server's buffer budget (`CONNECTION_BYTES_MAX` in
+//!   ucrypt-nbd's `server/budget.rs`, 64 MiB of payload) is in flight, so its memory stays
+//!   within that share above what it used idle;
 //! - fio, 4 KiB random writes at QD 256 over 4 connections: the peak RSS stays within the
 //!   volume's buffer pool (16 MiB) + 32 MiB above the idle server.
 //!
@@ -18,7 +19,8 @@ use nbd_common::*;
 
 const SIZE: usize = 256 << 20;
 const MIB: u64 = 1 << 20;
-/// The server's per-connection payload budget (ucrypt_nbd::server::INFLIGHT_BYTES_MAX).
+/// A connection's share of the server's payload budget (ucrypt-nbd's
+/// `budget::CONNECTION_BYTES_MAX`).
 const INFLIGHT_BYTES_MAX: u64 = 64 * MIB;
 const POOL_BYTES: u64 = 16 * MIB;
 /// Room for allocator slack, socket buffers and thread stacks touched under load.

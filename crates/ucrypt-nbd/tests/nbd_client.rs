@@ -745,6 +745,7 @@ fn our_own_tls_server_and_client_agree() {
                 poll_backoff: true,
                 workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
                 idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
+                connections_max: ucrypt_nbd::server::CONNECTIONS_MAX_DEFAULT,
             };
             serve(
                 vec![("v".into(), Arc::new(vol) as Arc<dyn BlockDev>)],

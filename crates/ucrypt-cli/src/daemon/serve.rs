@@ -124,6 +124,7 @@ impl NbdSide {
             poll_backoff: true,
             workers: ucrypt_nbd::server::WORKERS_PER_CONNECTION,
             idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
+            connections_max: ucrypt_nbd::server::CONNECTIONS_MAX_DEFAULT,
         };
         let thread = std::thread::Builder::new()
             .name("ucrypt-nbd".into())

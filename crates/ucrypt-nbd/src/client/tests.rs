@@ -228,6 +228,7 @@ impl Server {
                 poll_backoff: true,
                 workers: crate::server::WORKERS_PER_CONNECTION,
                 idle_timeout: crate::server::IDLE_TIMEOUT_DEFAULT,
+                connections_max: crate::server::CONNECTIONS_MAX_DEFAULT,
             };
             serve(vec![("m".into(), d)], &Listen::Unix(p), opts, s)
         });

@@ -1,5 +1,5 @@
-//! Request buffers of one connection: page-aligned, with room for the reply header in front,
-//! and reused from request to request.
+//! Request buffers: page-aligned, with room for the reply header in front, and reused from
+//! request to request by every connection of the server.
 //!
 //! Why: a read lands in an [`IoBuf`] at an address the volume's backend accepts for direct
 //! I/O, so the volume reads and decrypts in place (no bounce buffer, no copy, no wipe of a
@@ -18,10 +18,10 @@ use ucrypt::sync::lock;
 pub const BUF_ALIGN_BYTES: usize = ucrypt::sync::PAGE_BYTES;
 /// Smallest data capacity allocated, so small requests share buffers.
 const BUF_MIN_BYTES: usize = 4096;
-/// Idle bytes one connection keeps for reuse: a queue-depth-32 4 KiB client or a handful of
+/// Idle bytes the server keeps for reuse: a few queue-depth-32 4 KiB clients or a handful of
 /// 1 MiB requests go without allocating; beyond this, returned buffers are freed.
-pub const SPARE_BYTES_MAX: usize = 8 << 20;
-/// Idle buffers one connection keeps (bounds the best-fit search too).
+pub const SPARE_BYTES_MAX: usize = 16 << 20;
+/// Idle buffers the server keeps (bounds the best-fit search too).
 pub const SPARE_BUFFERS_MAX: usize = 64;
 
 /// A buffer whose data area starts page-aligned with at least `head` bytes in front of it.
@@ -72,7 +72,7 @@ impl Drop for IoBuf {
     }
 }
 
-/// Idle buffers of one connection.
+/// Idle buffers of the server.
 pub struct Spares {
     state: Mutex<SpareState>,
     /// Head room every buffer handed out has.

@@ -5,8 +5,8 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::proto::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
@@ -16,14 +16,13 @@ use crate::proto::{
 use crate::{Error, Result};
 use ucrypt::BlockDev;
 
+use super::budget::{Budget, Charge, ConnBudget};
 use super::buf::{IoBuf, Spares};
+use super::queue::{Pushed, Queue};
 use super::sock::Sock;
 use super::{tls, Activity, Export, Shared};
-use ucrypt::sync::{lock, SpinGovernor, WaitCell};
+use ucrypt::sync::{lock, SpinGovernor};
 
-/// Payload bytes (write data read in, read data not yet sent) one connection may hold at once.
-/// At least one maximum payload so any single valid request can proceed.
-pub const INFLIGHT_BYTES_MAX: u64 = 2 * nbd::MAX_PAYLOAD_BYTES as u64;
 /// Requests parsed but not yet picked up by a worker; beyond this the reader stops reading
 /// and the client's socket buffer fills (back-pressure).
 pub const QUEUED_REQUESTS_MAX: usize = 64;
@@ -33,8 +32,13 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// A reply that cannot be written for this long means the client stopped reading: the
 /// connection is dropped, so a stuck client cannot pin workers (or block server shutdown).
 const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Reader buffer: many 28-byte headers (and small writes) per syscall.
+/// Reader buffer while requests come in bursts (requests queued for workers): many 28-byte
+/// headers (and small writes) per syscall.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// Reader buffer otherwise (an idle connection, or one request at a time): room for a request
+/// header and a write of up to 8 KiB in one read. The buffer is zeroed when first filled, so
+/// its size is most of what an idle connection holds.
+const READ_BUFFER_IDLE_BYTES: usize = 12 * 1024;
 /// Chunk used to read and drop the payload of a refused write.
 const DISCARD_CHUNK_BYTES: usize = 64 * 1024;
 
@@ -207,40 +211,14 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
     }
 }
 
-/// Counts payload bytes held by a connection; the reader (the only thread that acquires)
-/// waits when the budget is spent.
-struct Budget {
-    /// Payload bytes charged to requests in flight.
-    used: Mutex<u64>,
-    /// The reader waiting for room: a release wakes it only if it sleeps (releases happen
-    /// once per request).
-    freed: WaitCell,
-}
-
-impl Budget {
-    fn acquire(&self, n: u64) {
-        let mut used = lock(&self.used);
-        // A request larger than what is left waits until others finish; alone it always
-        // proceeds (its size is bounded by the maximum payload).
-        while *used > 0 && *used + n > INFLIGHT_BYTES_MAX {
-            used = self.freed.wait(used);
-        }
-        *used += n;
-    }
-    fn release(&self, n: u64) {
-        let mut used = lock(&self.used);
-        *used -= n;
-        drop(used);
-        self.freed.notify_one();
-    }
-}
-
 struct Job {
     cookie: u64,
     command: Command,
     /// For writes: the payload. For reads: None, the worker takes a buffer.
     payload: Option<IoBuf>,
-    charged: u64,
+    /// Payload bytes charged to the server's buffer budget, given back when the job ends
+    /// (however it ends: dropped, failed, panicked).
+    charge: Option<Charge>,
 }
 
 /// Everything a worker needs.
@@ -254,9 +232,11 @@ struct Ctx {
     /// Requests handed to workers and not yet finished.
     queued: AtomicUsize,
     writer: Mutex<Sock>,
-    budget: Budget,
-    /// Buffers for payloads and read replies, reused across requests.
-    spares: Spares,
+    /// The server's buffer budget, and this connection's share of it.
+    budget: Arc<Budget>,
+    conn_budget: Arc<ConnBudget>,
+    /// Buffers for payloads and read replies, reused across requests (the server's).
+    spares: Arc<Spares>,
 }
 
 impl Ctx {
@@ -279,15 +259,15 @@ impl Ctx {
     }
 
     /// Executes a job; a panic inside the device (a bug) becomes an EIO reply for that
-    /// request only, and its budget is returned, so the connection keeps going.
+    /// request only (its budget is given back as the job unwinds), so the connection keeps
+    /// going.
     fn execute_guarded(&self, job: Job) {
-        let (cookie, charged) = (job.cookie, job.charged);
+        let cookie = job.cookie;
         if self.dead() {
             // Nobody will read the reply: drop the request (never acknowledged) at once.
             if let Some(p) = job.payload {
                 self.spares.give(p);
             }
-            self.budget.release(charged);
             self.activity.done();
             return;
         }
@@ -297,9 +277,13 @@ impl Ctx {
                 cookie,
                 Err(ucrypt::Error::Bug("panic while serving an NBD request")),
             );
-            self.budget.release(charged);
         }
         self.activity.done();
+    }
+
+    /// Charges `bytes` of payload to the server's budget, waiting for room.
+    fn charge(&self, bytes: u64) -> Charge {
+        self.budget.charge(&self.conn_budget, bytes)
     }
 
     fn execute(&self, mut job: Job) {
@@ -352,16 +336,68 @@ impl Ctx {
         if let Some(p) = job.payload {
             self.spares.give(p);
         }
-        self.budget.release(job.charged);
     }
 }
 
-fn worker(ctx: Arc<Ctx>, rx: Arc<Mutex<Receiver<Job>>>) {
-    loop {
-        let job = match lock(&rx).recv() {
-            Ok(j) => j,
-            Err(_) => return,
-        };
+/// A connection's workers: started on demand by the reader, ended when idle (see
+/// [`Queue`]).
+struct Workers {
+    queue: Arc<Queue<Job>>,
+    ctx: Arc<Ctx>,
+    /// Workers started and not yet joined; finished ones are dropped as new ones start, so
+    /// this holds at most the queue's worker limit plus those ending.
+    threads: Vec<JoinHandle<()>>,
+    started: u64,
+}
+
+impl Workers {
+    fn new(ctx: Arc<Ctx>, workers_max: usize) -> Workers {
+        Workers {
+            queue: Arc::new(Queue::new(QUEUED_REQUESTS_MAX, workers_max)),
+            ctx,
+            threads: Vec::new(),
+            started: 0,
+        }
+    }
+
+    /// Hands `job` to a worker, starting one if none is free. If no worker can start at all,
+    /// the jobs left run on the caller's thread.
+    fn dispatch(&mut self, job: Job) {
+        self.ctx.queued.fetch_add(1, Ordering::AcqRel);
+        if let Pushed::StartWorker = self.queue.push(job) {
+            self.threads.retain(|t| !t.is_finished());
+            let (ctx, queue) = (self.ctx.clone(), self.queue.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("nbd-worker-{}", self.started))
+                .spawn(move || worker(&ctx, &queue));
+            self.started += 1;
+            match t {
+                Ok(t) => self.threads.push(t),
+                Err(e) => {
+                    let left = self.queue.start_failed();
+                    if !left.is_empty() {
+                        eprintln!("ucrypt: cannot start an NBD worker ({e}): serving inline");
+                    }
+                    for job in left {
+                        self.ctx.execute_guarded(job);
+                        self.ctx.queued.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lets the workers finish what is queued, and waits for them.
+    fn finish(self) {
+        self.queue.close();
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn worker(ctx: &Ctx, queue: &Queue<Job>) {
+    while let Some(job) = queue.next() {
         ctx.execute_guarded(job);
         ctx.queued.fetch_sub(1, Ordering::AcqRel);
     }
@@ -370,16 +406,28 @@ fn worker(ctx: Arc<Ctx>, rx: Arc<Mutex<Receiver<Job>>>) {
 /// Reads requests until the client disconnects (Ok) or breaks the protocol (Err): each one
 /// runs on this thread when nothing else is in flight (QD1), else goes to a worker.
 fn read_requests(
-    reader: &mut BufReader<RequestStream>,
+    mut reader: BufReader<RequestStream>,
     ctx: &Ctx,
-    tx: &SyncSender<Job>,
+    workers: &mut Workers,
     limits: &nbd::TransmissionLimits,
     stop: &ucrypt::Stop,
 ) -> Result<()> {
     let mut hdr = [0u8; REQUEST_HEADER_BYTES];
     // The last request was a large write (see `read_payload`).
     let mut after_large_write = false;
+    // When requests last went to workers: the read buffer is large from then until the
+    // connection has been without such bursts for as long as a worker stays idle.
+    let mut last_burst: Option<std::time::Instant> = None;
     loop {
+        if reader.buffer().is_empty() {
+            let want = match last_burst {
+                Some(t) if t.elapsed() < super::queue::WORKER_IDLE => READ_BUFFER_BYTES,
+                _ => READ_BUFFER_IDLE_BYTES,
+            };
+            if reader.capacity() != want {
+                reader = BufReader::with_capacity(want, reader.into_inner());
+            }
+        }
         // A dead client's requests still buffered here are never read (see `Ctx::dead`);
         // once the server stops, no new request is taken (those taken finish).
         if ctx.dead() || stop.requested() {
@@ -391,7 +439,7 @@ fn read_requests(
         let header = if after_large_write && reader.buffer().is_empty() {
             read_full(reader.get_mut(), &mut hdr)
         } else {
-            read_full(reader, &mut hdr)
+            read_full(&mut reader, &mut hdr)
         };
         after_large_write = false;
         match header {
@@ -418,7 +466,7 @@ fn read_requests(
                 skip_payload_bytes,
             } => {
                 ctx.activity.begin();
-                let r = discard(reader, skip_payload_bytes as usize);
+                let r = discard(&mut reader, skip_payload_bytes as usize);
                 if r.is_ok() {
                     ctx.send(&nbd::encode_simple_reply(cookie, Some(error)));
                 }
@@ -434,26 +482,27 @@ fn read_requests(
                     cookie: req.cookie,
                     command: req.command,
                     payload: None,
-                    charged: 0,
+                    charge: None,
                 };
+                let mut charged = 0;
                 match req.command {
                     Command::Disconnect => {
                         ctx.activity.done();
                         return Ok(());
                     }
                     Command::Write { len, .. } => {
-                        job.charged = u64::from(len);
-                        ctx.budget.acquire(job.charged);
+                        charged = u64::from(len);
+                        job.charge = Some(ctx.charge(charged));
                         let mut payload = ctx.spares.take(len as usize);
                         let r = if u64::from(len) >= DIRECT_PAYLOAD_MIN_BYTES {
                             after_large_write = true;
-                            read_payload(reader, payload.data_mut(len as usize))
+                            read_payload(&mut reader, payload.data_mut(len as usize))
                         } else {
                             reader.read_exact(payload.data_mut(len as usize))
                         };
                         job.payload = Some(payload);
                         if let Err(e) = r {
-                            ctx.budget.release(job.charged);
+                            drop(job);
                             ctx.activity.done();
                             // A client that vanishes mid-payload: this write was never
                             // acknowledged, so dropping it loses nothing promised.
@@ -461,8 +510,8 @@ fn read_requests(
                         }
                     }
                     Command::Read { len, .. } => {
-                        job.charged = u64::from(len);
-                        ctx.budget.acquire(job.charged);
+                        charged = u64::from(len);
+                        job.charge = Some(ctx.charge(charged));
                     }
                     _ => {}
                 }
@@ -473,7 +522,7 @@ fn read_requests(
                 // (a payload read straight into its buffer leaves the reader's buffer empty
                 // even then): if so a worker takes it, and receiving the next payload
                 // overlaps with this one's crypto and I/O.
-                let large = job.charged >= INLINE_PEEK_MIN_BYTES;
+                let large = charged >= INLINE_PEEK_MIN_BYTES;
                 if ctx.queued.load(Ordering::Acquire) == 0
                     && reader.buffer().is_empty()
                     && !(large && reader.get_ref().pending())
@@ -483,10 +532,8 @@ fn read_requests(
                     continue;
                 }
                 reader.get_mut().poll = false;
-                ctx.queued.fetch_add(1, Ordering::AcqRel);
-                if tx.send(job).is_err() {
-                    return Err(Error::Bug("nbd workers exited early"));
-                }
+                last_burst = Some(std::time::Instant::now());
+                workers.dispatch(job);
             }
         }
     }
@@ -513,27 +560,11 @@ fn transmit(sock: Sock, export: &Export, shared: &Shared, activity: Arc<Activity
         activity,
         queued: AtomicUsize::new(0),
         writer: Mutex::new(writer),
-        budget: Budget {
-            used: Mutex::new(0),
-            freed: WaitCell::new(),
-        },
-        spares: Spares::new(SIMPLE_REPLY_BYTES),
+        budget: shared.budget.clone(),
+        conn_budget: Arc::new(ConnBudget::default()),
+        spares: shared.spares.clone(),
     });
-    let (tx, rx) = sync_channel::<Job>(QUEUED_REQUESTS_MAX);
-    let rx = Arc::new(Mutex::new(rx));
-    let count = workers;
-    let mut workers = Vec::with_capacity(count);
-    for i in 0..count {
-        let (c, r) = (ctx.clone(), rx.clone());
-        match std::thread::Builder::new()
-            .name(format!("nbd-worker-{i}"))
-            .spawn(move || worker(c, r))
-        {
-            Ok(t) => workers.push(t),
-            Err(e) if workers.is_empty() => return Err(net("starting workers", e)),
-            Err(_) => break,
-        }
-    }
+    let mut workers = Workers::new(ctx.clone(), workers);
 
     let stream = RequestStream {
         sock,
@@ -541,12 +572,9 @@ fn transmit(sock: Sock, export: &Export, shared: &Shared, activity: Arc<Activity
         poll_for: poll,
         governor,
     };
-    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
-    let outcome = read_requests(&mut reader, &ctx, &tx, &limits, &shared.stop);
-    drop(tx);
-    for w in workers {
-        let _ = w.join();
-    }
+    let reader = BufReader::with_capacity(READ_BUFFER_IDLE_BYTES, stream);
+    let outcome = read_requests(reader, &ctx, &mut workers, &limits, &shared.stop);
+    workers.finish();
     // Every reply is out. Make acknowledged writes durable before the connection goes away,
     // so a client that disconnects without a flush loses nothing it was told succeeded.
     if info.tx_flags & nbd::TX_READ_ONLY == 0 {
@@ -579,8 +607,14 @@ fn read_payload(reader: &mut BufReader<RequestStream>, buf: &mut [u8]) -> io::Re
     Ok(())
 }
 
+/// Reads and drops `n` bytes. The chunk is on the heap, not the stack: a 64 KiB array in a
+/// frame inlined into the reader would make every connection's thread touch 64 KiB of stack
+/// (stack probes touch each page of a frame on entry), refused writes or not.
 fn discard(r: &mut impl Read, mut n: usize) -> io::Result<()> {
-    let mut sink = [0u8; DISCARD_CHUNK_BYTES];
+    if n == 0 {
+        return Ok(());
+    }
+    let mut sink = vec![0u8; DISCARD_CHUNK_BYTES.min(n)];
     while n > 0 {
         let k = n.min(sink.len());
         r.read_exact(&mut sink[..k])?;

@@ -3,24 +3,30 @@
 //!
 //! Threads, all bounded by named limits:
 //! - the accept loop (the caller's thread) polls the listener and the stop flag;
-//! - one thread per connection ([`CONNECTIONS_MAX`]) runs the handshake, then reads requests;
+//! - one thread per connection ([`ServerOptions::connections_max`]) runs the handshake, then reads requests;
 //!   when every slot is taken, a new client takes the slot of the connection idle longest
 //!   (nothing received and nothing in flight for [`ServerOptions::idle_timeout`]), else it is
 //!   refused with a log line;
 //!   a request arriving alone (queue depth 1) it serves itself, and then polls the socket for
 //!   up to 50 µs (yielding the CPU) before sleeping, since waking a sleeping thread on another
 //!   CPU costs more than serving 4 KiB;
-//! - [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each reply as
-//!   soon as it completes (replies serialised by a writer lock), so many requests are in flight;
+//! - up to [`WORKERS_PER_CONNECTION`] workers per connection execute requests and write each
+//!   reply as soon as it completes (replies serialised by a writer lock), so many requests are
+//!   in flight; they start when requests queue up and end when idle, so an idle connection is
+//!   its reader thread and socket only;
+//! - request buffers come from one budget for the whole server, charged per request (a
+//!   request waits for room, never fails for want of it), so the connection limit is large;
 //! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
 //!
 //! The protocol itself (parsing, validation, replies) is the sans-I/O codec in [`crate::proto`].
 //! The server stops when its [`Stop`] is requested (the `ucrypt` command ties SIGINT and
 //! SIGTERM to it).
 
+mod budget;
 mod buf;
 mod conn;
 pub mod dev;
+mod queue;
 mod sock;
 pub(crate) mod tls;
 pub mod unix_socket;
@@ -49,10 +55,12 @@ pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 pub use unix_socket::{bind_unix, BoundSocket};
 
-/// Simultaneous connections; more are closed at once. Each may hold up to
-/// `conn::INFLIGHT_BYTES_MAX` of buffers in use plus `buf::SPARE_BYTES_MAX` kept for
-/// reuse, so this bounds memory at 16 × (64 + 8) MiB.
-pub const CONNECTIONS_MAX: usize = 16;
+/// Simultaneous connections by default ([`ServerOptions::connections_max`]); more take an
+/// idle one's slot or are closed at once. A connection holds request buffers only while it
+/// has requests, from the server's one budget (`budget::SERVER_BYTES_MAX` in use plus
+/// `buf::SPARE_BYTES_MAX` kept for reuse, whatever the number of connections): what bounds
+/// connections is their reader thread and socket.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 1024;
 /// Requests executed at once per connection, by default. Two cores here; the device may
 /// parallelise further inside. Four keeps a queue-depth-32 client busy without
 /// oversubscribing, when the device's time is CPU time.
@@ -62,7 +70,7 @@ pub const WORKERS_PER_CONNECTION: usize = 4;
 /// flight needs a worker (a QD32 client, 32).
 pub const WORKERS_PER_CONNECTION_MAX: usize = 64;
 /// A connection idle this long (nothing received, nothing in flight) gives its slot up to a
-/// new client when all [`CONNECTIONS_MAX`] are taken (`ucrypt serve --idle-timeout`). Idle
+/// new client when all [`ServerOptions::connections_max`] are taken (`ucrypt serve --idle-timeout`). Idle
 /// connections are never closed while slots are free: a kernel NBD client on a quiet file
 /// system sends nothing for hours, and a closed connection is an I/O error to it.
 pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
@@ -133,6 +141,8 @@ pub struct ServerOptions {
     /// How long a connection must be idle before a new client may take its slot when all
     /// are taken ([`IDLE_TIMEOUT_DEFAULT`]).
     pub idle_timeout: Duration,
+    /// Simultaneous connections at most ([`CONNECTIONS_MAX_DEFAULT`]; at least 1).
+    pub connections_max: usize,
 }
 
 /// One export at run time.
@@ -157,6 +167,12 @@ pub(crate) struct Shared {
     pub workers: usize,
     /// `ServerOptions::idle_timeout`.
     pub idle_timeout: Duration,
+    /// `ServerOptions::connections_max`.
+    pub connections_max: usize,
+    /// Request buffers: the budget every request is charged to, and the spare buffers
+    /// reused between requests, both the whole server's.
+    pub budget: Arc<budget::Budget>,
+    pub spares: Arc<buf::Spares>,
 }
 
 /// A live connection as the accept loop sees it.
@@ -363,6 +379,7 @@ pub fn serve_on(
                 .into(),
         ));
     }
+    raise_open_files_limit(opts.connections_max);
     if let Some(pf) = &opts.pid_file {
         std::fs::write(pf, format!("{}\n", std::process::id()))
             .map_err(|e| Error::io(format!("writing pid file {}", pf.display()), e))?;
@@ -378,6 +395,9 @@ pub fn serve_on(
         poll_backoff: opts.poll_backoff,
         workers: opts.workers.clamp(1, WORKERS_PER_CONNECTION_MAX),
         idle_timeout: opts.idle_timeout,
+        connections_max: opts.connections_max.max(1),
+        budget: Arc::new(budget::Budget::new()),
+        spares: Arc::new(buf::Spares::new(nbd::transmission::SIMPLE_REPLY_BYTES)),
     });
     if opts.announce {
         let mut out = io::stdout().lock();
@@ -418,8 +438,43 @@ impl Listener {
     }
 }
 
-/// Accepts connections until `stop` is requested; each gets a thread ([`CONNECTIONS_MAX`] at
-/// once). Returns the connection threads still to be joined.
+/// File descriptors one connection holds: its socket, the accept loop's clone and the reply
+/// writer's clone (a TLS connection one more, for its relay).
+const FDS_PER_CONNECTION: u64 = 4;
+/// File descriptors the rest of the process may hold (volumes, listener, logs).
+const FDS_OTHER: u64 = 256;
+
+/// Raises the soft limit on open files (RLIMIT_NOFILE, often 1,024) towards what
+/// `connections` need, up to the hard limit; says so on stderr when the hard limit is lower.
+fn raise_open_files_limit(connections: usize) {
+    let want = (connections as u64)
+        .saturating_mul(FDS_PER_CONNECTION)
+        .saturating_add(FDS_OTHER);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`, which lives across the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur >= want {
+        return;
+    }
+    let new = libc::rlimit {
+        rlim_cur: want.min(lim.rlim_max),
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: setrlimit reads one rlimit from `new`, which lives across the call.
+    let ok = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } == 0;
+    if !ok || new.rlim_cur < want {
+        eprintln!(
+            "ucrypt: open files limited to {} (RLIMIT_NOFILE): fewer than {connections} \
+             connections may be served",
+            if ok { new.rlim_cur } else { lim.rlim_cur }
+        );
+    }
+}
+
+/// Accepts connections until `stop` is requested; each gets a thread
+/// ([`ServerOptions::connections_max`] at once). Returns the connection threads still to be joined.
 fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<JoinHandle<()>> {
     let fd = match &listener {
         Listener::Unix(l, _) => l.as_raw_fd(),
@@ -493,14 +548,14 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
     threads
 }
 
-/// Whether a new connection may have a slot: yes while fewer than [`CONNECTIONS_MAX`] are
-/// open; when all are taken, the connection idle longest gives its slot up if it has been
+/// Whether a new connection may have a slot: yes while fewer than
+/// [`ServerOptions::connections_max`] are open; when all are taken, the connection idle longest gives its slot up if it has been
 /// idle for `Shared::idle_timeout` (it is shut down and ends on its own). Otherwise the new
 /// client is refused (closed at once) with a log line.
 fn make_room(shared: &Shared) -> bool {
     let mut live = lock(&shared.live);
     let open = live.iter().filter(|c| !c.evicted).count();
-    if open < CONNECTIONS_MAX {
+    if open < shared.connections_max {
         return true;
     }
     let idlest = live
@@ -521,7 +576,8 @@ fn make_room(shared: &Shared) -> bool {
         }
         _ => {
             eprintln!(
-                "ucrypt: refusing connection: {CONNECTIONS_MAX} open, none idle for {} s",
+                "ucrypt: refusing connection: {} open, none idle for {} s",
+                shared.connections_max,
                 shared.idle_timeout.as_secs_f64()
             );
             false

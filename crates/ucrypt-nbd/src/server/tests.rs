@@ -111,6 +111,7 @@ fn device_errors_fua_flush_and_stop() {
                 poll_backoff: true,
                 workers: crate::server::WORKERS_PER_CONNECTION,
                 idle_timeout: crate::server::IDLE_TIMEOUT_DEFAULT,
+                connections_max: crate::server::CONNECTIONS_MAX_DEFAULT,
             };
             serve(vec![("m".into(), dev)], &Listen::Unix(sock), opts, stop)
         })
