@@ -29,14 +29,34 @@
 //!   is a sizeable fraction of encrypting it). So a fresh grant holds zeroes or old
 //!   ciphertext, never plaintext; nobody may assume it is zero.
 //!
-//! The arena is an anonymous mapping: page-aligned (O_DIRECT), zeroed by the kernel, locked in
-//! memory and excluded from core dumps where the kernel allows (best effort, like secrets). It
-//! is not wiped at the pool's drop: its grants were, and its pages go back to the kernel.
+//! The arena is an anonymous mapping, reserved at the start and filled as requests need it:
+//! page-aligned (O_DIRECT), zeroed by the kernel, excluded from core dumps where the kernel
+//! allows (best effort, like secrets). Memory and locking follow use, so that an idle volume
+//! costs little (what it costs: BENCHMARKS.md, "Idle volumes"):
+//! - The arena is cut into chunks of [`LOCK_CHUNK_BYTES`]. A grant that lands on a chunk not
+//!   yet in use since the last release locks it (`mlock`, which also faults its pages in) before
+//!   it is handed out, so the pages that may hold plaintext are locked before they do, and only
+//!   those: the pool's locked memory is the high-water mark of its use since it last went idle,
+//!   not its bound. A failed `mlock` (RLIMIT_MEMLOCK) leaves the chunk usable, unlocked, and is
+//!   counted ([`BufferPool::lock_failures`]).
+//! - When no grant has been taken for an idle period ([`POOL_IDLE_RELEASE`]) and none is held,
+//!   the pool gives every chunk back (`munlock`, `MADV_DONTNEED`): the kernel drops the pages,
+//!   and the next use gets zeroed ones. Nothing needs wiping then: every grant wiped its pages
+//!   at its release unless they held only ciphertext. A thread of the pool's own (the
+//!   "reaper") waits for the idle period; it starts when the pool takes its first chunk and
+//!   ends once it has given them back, so an idle pool has no thread and no resident pages.
+//! - Growth allocates nothing from the heap (the chunk bitmap is sized at the start; the pages
+//!   are the mapping's own), so the steady state stays allocation-free. Starting the reaper
+//!   thread does allocate; it happens once per busy period, with the first chunk, which is
+//!   outside any steady state (an idle period ended it).
+//!
+//! The pool is not wiped at its drop: its grants were, and its pages go back to the kernel.
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::Thread;
+use std::time::Duration;
 
 use crate::sync::{lock, PAGE_BYTES};
 use crate::{Error, Result};
@@ -49,10 +69,27 @@ pub const POOL_BYTES_DEFAULT: usize = 16 << 20;
 pub const POOL_BYTES_MAX: usize = 1 << 30;
 /// Waiter slots reserved up front (the queue grows past it, once, if more threads wait).
 const WAITERS_RESERVED: usize = 64;
+/// The unit in which the arena is locked and given back: small enough that the first 4 KiB
+/// request after an idle period faults in and locks little (16 pages), big enough that a busy
+/// 16 MiB pool makes a few hundred `mlock` calls per busy period, not one per grant.
+pub const LOCK_CHUNK_BYTES: usize = 64 << 10;
+const CHUNK_PAGES: usize = LOCK_CHUNK_BYTES / POOL_PAGE_BYTES;
+const _: () = assert!(LOCK_CHUNK_BYTES % POOL_PAGE_BYTES == 0 && CHUNK_PAGES > 0);
+/// How long a pool keeps its memory after its last grant was taken: a request stream with
+/// pauses shorter than this never pays for faulting and locking again; a volume left idle
+/// gives its memory back after this (up to twice this: the reaper checks once per period).
+pub const POOL_IDLE_RELEASE: Duration = Duration::from_secs(5);
 
+/// See the module documentation. The arena and its state live in an `Arc` shared with the
+/// reaper thread, which may outlive the pool by the moment it takes to notice the drop.
 pub struct BufferPool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     base: NonNull<u8>,
     pages: usize,
+    idle: Duration,
     state: Mutex<State>,
 }
 
@@ -73,6 +110,19 @@ struct State {
     /// nobody passes the line (a stream of passers could otherwise keep the free pages
     /// fragmented and the head waiting).
     head_stuck: bool,
+    /// One bit per chunk; set = resident (locked, or tried to) since the last release.
+    resident: Vec<u64>,
+    resident_chunks: usize,
+    /// Chunks whose `mlock` failed since the pool was made.
+    lock_failures: u64,
+    /// Grants taken so far: the reaper sees whether any was taken during its wait.
+    taken: u64,
+    /// A reaper runs or is being started (set by the grant that makes the pool resident).
+    reaper_claimed: bool,
+    /// The reaper thread, once it runs (to wake it at the pool's drop).
+    reaper: Option<Thread>,
+    /// The pool was dropped: the reaper ends.
+    closed: bool,
 }
 
 struct Waiter {
@@ -93,10 +143,11 @@ impl State {
 }
 
 // SAFETY: the arena is owned by the pool; disjoint page ranges are handed to one grant each
-// under the mutex, so no two threads ever get the same bytes.
-unsafe impl Send for BufferPool {}
+// under the mutex, so no two threads ever get the same bytes; the reaper touches the pages
+// (munlock, madvise) only under the mutex with no grant held.
+unsafe impl Send for Inner {}
 // SAFETY: as above; shared access only hands out disjoint grants.
-unsafe impl Sync for BufferPool {}
+unsafe impl Sync for Inner {}
 
 /// A run of pool pages owned by one request; zeroised and returned on drop.
 pub struct Grant<'a> {
@@ -108,8 +159,14 @@ pub struct Grant<'a> {
 }
 
 impl BufferPool {
-    /// Allocates the arena: `bytes` rounded up to whole pages (at least one).
+    /// Reserves the arena: `bytes` rounded up to whole pages (at least one); memory is taken
+    /// as grants need it and given back after [`POOL_IDLE_RELEASE`] without grants.
     pub fn new(bytes: usize) -> Result<Self> {
+        Self::with_idle_release(bytes, POOL_IDLE_RELEASE)
+    }
+
+    /// Like [`Self::new`], giving memory back after `idle` without grants.
+    pub fn with_idle_release(bytes: usize, idle: Duration) -> Result<Self> {
         if bytes > POOL_BYTES_MAX {
             return Err(Error::InvalidArgument(format!(
                 "buffer pool of {bytes} bytes exceeds the limit of {POOL_BYTES_MAX}"
@@ -117,8 +174,8 @@ impl BufferPool {
         }
         let pages = bytes.div_ceil(POOL_PAGE_BYTES).max(1);
         let size = pages * POOL_PAGE_BYTES;
-        // An anonymous mapping: its pages come zeroed from the kernel (once, as `mlock` below
-        // or the first touch faults them in), page-aligned, and go back to it at the drop.
+        // An anonymous mapping: its pages come zeroed from the kernel (as a chunk's `mlock` or
+        // the first touch faults them in), page-aligned, and go back to it at the drop.
         // An allocator's zeroed allocation of this alignment is a memset over pages that the
         // kernel has just zeroed: a second pass over the arena (with the wipe the drop made,
         // two of three).
@@ -145,35 +202,53 @@ impl BufferPool {
             0,
             "a mapping starts on a page"
         );
-        // SAFETY: our own page-aligned mapping; both calls are advisory and may fail
-        // (RLIMIT_MEMLOCK) without harm.
+        // SAFETY: our own page-aligned mapping; the call is advisory.
         unsafe {
             libc::madvise(raw, size, libc::MADV_DONTDUMP);
-            libc::mlock(raw, size);
         }
+        let chunks = pages.div_ceil(CHUNK_PAGES);
         Ok(BufferPool {
-            base,
-            pages,
-            state: Mutex::new(State {
-                used: vec![0; pages.div_ceil(64)],
-                free_pages: pages,
-                holders: 0,
-                next_ticket: 0,
-                waiting_pages: 0,
-                head_stuck: false,
-                waiters: VecDeque::with_capacity(WAITERS_RESERVED),
+            inner: Arc::new(Inner {
+                base,
+                pages,
+                idle,
+                state: Mutex::new(State {
+                    used: vec![0; pages.div_ceil(64)],
+                    free_pages: pages,
+                    holders: 0,
+                    next_ticket: 0,
+                    waiting_pages: 0,
+                    head_stuck: false,
+                    waiters: VecDeque::with_capacity(WAITERS_RESERVED),
+                    resident: vec![0; chunks.div_ceil(64)],
+                    resident_chunks: 0,
+                    lock_failures: 0,
+                    taken: 0,
+                    reaper_claimed: false,
+                    reaper: None,
+                    closed: false,
+                }),
             }),
         })
     }
 
     /// The largest grant ever possible, in bytes.
     pub fn capacity(&self) -> usize {
-        self.pages * POOL_PAGE_BYTES
+        self.inner.pages * POOL_PAGE_BYTES
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // The state is a bitmap updated in single steps; a panic elsewhere cannot corrupt it.
-        lock(&self.state)
+        self.inner.lock()
+    }
+
+    /// Bytes resident now (locked, or tried to): the chunks used since the pool last went idle.
+    pub fn resident_bytes(&self) -> usize {
+        self.lock().resident_chunks * LOCK_CHUNK_BYTES
+    }
+
+    /// Chunks whose `mlock` failed (RLIMIT_MEMLOCK): their pages may be swapped out.
+    pub fn lock_failures(&self) -> u64 {
+        self.lock().lock_failures
     }
 
     /// Takes `len` bytes (rounded up to pages) as one contiguous buffer (holding zeroes or old
@@ -203,7 +278,7 @@ impl BufferPool {
             }
         };
         let pages = len.div_ceil(POOL_PAGE_BYTES).max(1);
-        if pages > self.pages {
+        if pages > self.inner.pages {
             return Err(Error::Bug(
                 "buffer request larger than the pool (planner must split)",
             ));
@@ -222,13 +297,18 @@ impl BufferPool {
                 }
             };
             if fits {
-                if let Some(first) = find_run(&st.used, self.pages, pages) {
+                if let Some(first) = find_run(&st.used, self.inner.pages, pages) {
                     // Grants turn `first_page` into pointer offsets: the run must lie inside
                     // the arena (checked once per grant).
-                    assert!(first + pages <= self.pages, "pool run beyond the arena");
+                    assert!(
+                        first + pages <= self.inner.pages,
+                        "pool run beyond the arena"
+                    );
                     mark(&mut st.used, first, pages, true);
                     st.free_pages -= pages;
                     st.holders += 1;
+                    st.taken += 1;
+                    let start_reaper = self.inner.make_resident(&mut st, first, pages);
                     if ticket.is_some() {
                         let me = st.waiters.pop_front();
                         debug_assert_eq!(me.map(|w| w.ticket), ticket);
@@ -240,6 +320,9 @@ impl BufferPool {
                     // The next in line may fit too.
                     if let Some(t) = next {
                         t.unpark();
+                    }
+                    if start_reaper {
+                        self.start_reaper();
                     }
                     return Ok(Grant {
                         pool: self,
@@ -275,6 +358,109 @@ impl BufferPool {
     /// Pages currently free (for tests and stats).
     pub fn free_bytes(&self) -> usize {
         self.lock().free_pages * POOL_PAGE_BYTES
+    }
+
+    /// Starts the reaper (claimed for the caller in `make_resident`). If the thread cannot
+    /// start, the pool keeps its memory until a later growth starts one.
+    fn start_reaper(&self) {
+        let inner = self.inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ucrypt-pool".into())
+            .spawn(move || inner.reap());
+        if spawned.is_err() {
+            self.lock().reaper_claimed = false;
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is bitmaps and counters updated in single steps; a panic elsewhere cannot
+        // corrupt it.
+        lock(&self.state)
+    }
+
+    fn chunk_ptr(&self, chunk: usize) -> (*mut libc::c_void, usize) {
+        let first_page = chunk * CHUNK_PAGES;
+        let pages = CHUNK_PAGES.min(self.pages - first_page);
+        // SAFETY: chunk < chunks, so first_page < self.pages: inside the arena.
+        let p = unsafe { self.base.as_ptr().add(first_page * POOL_PAGE_BYTES) };
+        (p.cast(), pages * POOL_PAGE_BYTES)
+    }
+
+    /// Locks the chunks under pages `first..first + pages` that are not resident yet. Returns
+    /// true if the caller must start the reaper (it has been claimed for it).
+    fn make_resident(&self, st: &mut State, first: usize, pages: usize) -> bool {
+        let (c0, c1) = (first / CHUNK_PAGES, (first + pages - 1) / CHUNK_PAGES);
+        for c in c0..=c1 {
+            if st.resident[c / 64] >> (c % 64) & 1 != 0 {
+                continue;
+            }
+            let (p, len) = self.chunk_ptr(c);
+            // SAFETY: a range of our own mapping; `mlock` only faults in and pins it.
+            if unsafe { libc::mlock(p, len) } != 0 {
+                st.lock_failures += 1;
+            }
+            st.resident[c / 64] |= 1 << (c % 64);
+            st.resident_chunks += 1;
+        }
+        if st.resident_chunks > 0 && !st.reaper_claimed && !st.closed {
+            st.reaper_claimed = true;
+            return true;
+        }
+        false
+    }
+
+    /// Gives every resident chunk back to the kernel. Only with no grant held: the pages hold
+    /// zeroes or ciphertext (grants wiped their plaintext at their release).
+    fn release_all(&self, st: &mut State) {
+        debug_assert_eq!(st.holders, 0);
+        for c in 0..self.pages.div_ceil(CHUNK_PAGES) {
+            if st.resident[c / 64] >> (c % 64) & 1 == 0 {
+                continue;
+            }
+            let (p, len) = self.chunk_ptr(c);
+            // SAFETY: a range of our own mapping that no grant holds (holders == 0, under
+            // the mutex): dropping its pages loses nothing anyone may read.
+            unsafe {
+                libc::munlock(p, len);
+                libc::madvise(p, len, libc::MADV_DONTNEED);
+            }
+        }
+        st.resident.iter_mut().for_each(|w| *w = 0);
+        st.resident_chunks = 0;
+    }
+
+    /// The reaper: every idle period, if no grant was taken during it and none is held, gives
+    /// the memory back and ends; ends at once when the pool is dropped.
+    fn reap(&self) {
+        let mut seen = {
+            let mut st = self.lock();
+            // Registered under the mutex that the drop sets `closed` under: no wake-up is lost.
+            st.reaper = Some(std::thread::current());
+            st.taken
+        };
+        loop {
+            let mut st = self.lock();
+            if st.closed {
+                st.reaper = None;
+                st.reaper_claimed = false;
+                return;
+            }
+            drop(st);
+            std::thread::park_timeout(self.idle);
+            st = self.lock();
+            if st.closed {
+                continue;
+            }
+            if st.taken == seen && st.holders == 0 && st.waiters.is_empty() {
+                self.release_all(&mut st);
+                st.reaper = None;
+                st.reaper_claimed = false;
+                return;
+            }
+            seen = st.taken;
+        }
     }
 }
 
@@ -351,12 +537,25 @@ fn mark(used: &mut [u64], first: usize, n: usize, on: bool) {
 
 impl Drop for BufferPool {
     fn drop(&mut self) {
+        let reaper = {
+            let mut st = self.lock();
+            st.closed = true;
+            st.reaper.take()
+        };
+        if let Some(t) = reaper {
+            t.unpark();
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
         let size = self.pages * POOL_PAGE_BYTES;
         // Not wiped here: every grant wiped its pages at its release unless they held only
         // ciphertext, and the pages go back to the kernel, which zeroes a page before it maps
         // it anywhere again (a grant leaked with `mem::forget` included).
         // SAFETY: mapped in `new` with this size; no grant outlives the pool (grants borrow
-        // it).
+        // it), and the reaper holds this `Inner` while it runs.
         unsafe {
             libc::munlock(self.base.as_ptr().cast(), size);
             libc::munmap(self.base.as_ptr().cast(), size);
@@ -377,6 +576,7 @@ impl Grant<'_> {
         // SAFETY: first_page < pool.pages, so the offset stays inside the arena.
         unsafe {
             self.pool
+                .inner
                 .base
                 .as_ptr()
                 .add(self.first_page * POOL_PAGE_BYTES)
@@ -442,6 +642,42 @@ mod tests {
             pool.take(5 * POOL_PAGE_BYTES).is_err(),
             "oversized grant must be refused"
         );
+    }
+
+    /// Memory follows use: nothing resident at the start, the chunks a grant lands on once it
+    /// is taken, nothing again after an idle period, and a busy pool keeps its chunks.
+    #[test]
+    fn memory_is_taken_on_use_and_given_back_when_idle() {
+        let idle = Duration::from_millis(50);
+        let pool = BufferPool::with_idle_release(4 * LOCK_CHUNK_BYTES, idle).unwrap();
+        assert_eq!(pool.resident_bytes(), 0, "nothing resident before use");
+        let mut g = pool.take(LOCK_CHUNK_BYTES + POOL_PAGE_BYTES).unwrap();
+        assert_eq!(
+            pool.resident_bytes(),
+            2 * LOCK_CHUNK_BYTES,
+            "two chunks touched"
+        );
+        g.as_mut_slice().fill(9);
+        // Held across several idle periods: nothing is given back under a grant.
+        std::thread::sleep(idle * 4);
+        assert_eq!(pool.resident_bytes(), 2 * LOCK_CHUNK_BYTES);
+        assert!(g.as_mut_slice().iter().all(|&x| x == 9));
+        drop(g);
+        // Busy: a grant per half period keeps the memory.
+        for _ in 0..6 {
+            drop(pool.take(POOL_PAGE_BYTES).unwrap());
+            std::thread::sleep(idle / 2);
+        }
+        assert!(pool.resident_bytes() > 0, "a busy pool keeps its memory");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pool.resident_bytes() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(idle);
+        }
+        assert_eq!(pool.resident_bytes(), 0, "idle pool kept its memory");
+        // And it grows again, zeroed.
+        let mut g = pool.take(4 * LOCK_CHUNK_BYTES).unwrap();
+        assert!(g.as_mut_slice().iter().all(|&x| x == 0));
+        assert_eq!(pool.resident_bytes(), 4 * LOCK_CHUNK_BYTES);
     }
 
     #[test]
