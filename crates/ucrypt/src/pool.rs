@@ -42,13 +42,17 @@
 //! - When no grant has been taken for an idle period ([`POOL_IDLE_RELEASE`]) and none is held,
 //!   the pool gives every chunk back (`munlock`, `MADV_DONTNEED`): the kernel drops the pages,
 //!   and the next use gets zeroed ones. Nothing needs wiping then: every grant wiped its pages
-//!   at its release unless they held only ciphertext. A thread of the pool's own (the
-//!   "reaper") waits for the idle period; it starts when the pool takes its first chunk and
-//!   ends once it has given them back, so an idle pool has no thread and no resident pages.
+//!   at its release unless they held only ciphertext.
+//! - One thread per process (the "reaper", started with the first pool that takes memory)
+//!   watches the pools that hold memory and gives it back when they go idle; with none
+//!   holding any it sleeps without a timeout (no wake-ups, no CPU). One thread for all pools,
+//!   rather than one per pool started at its first chunk, because starting a thread costs
+//!   tens of microseconds, which the first request after an idle period would pay; waking a
+//!   sleeping one costs a futex call.
 //! - Growth allocates nothing from the heap (the chunk bitmap is sized at the start; the pages
-//!   are the mapping's own), so the steady state stays allocation-free. Starting the reaper
-//!   thread does allocate; it happens once per busy period, with the first chunk, which is
-//!   outside any steady state (an idle period ended it).
+//!   are the mapping's own), so the steady state stays allocation-free. Registering a pool
+//!   with the reaper may grow its list (once per busy period and pool, and only past the most
+//!   pools ever watched at once), outside any steady state: an idle period ended it.
 //!
 //! The pool is not wiped at its drop: its grants were, and its pages go back to the kernel.
 
@@ -56,7 +60,7 @@ use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::Thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::sync::{lock, PAGE_BYTES};
 use crate::{Error, Result};
@@ -77,11 +81,11 @@ const CHUNK_PAGES: usize = LOCK_CHUNK_BYTES / POOL_PAGE_BYTES;
 const _: () = assert!(LOCK_CHUNK_BYTES % POOL_PAGE_BYTES == 0 && CHUNK_PAGES > 0);
 /// How long a pool keeps its memory after its last grant was taken: a request stream with
 /// pauses shorter than this never pays for faulting and locking again; a volume left idle
-/// gives its memory back after this (up to twice this: the reaper checks once per period).
+/// gives its memory back after this (up to twice this: the reaper looks once per period).
 pub const POOL_IDLE_RELEASE: Duration = Duration::from_secs(5);
 
-/// See the module documentation. The arena and its state live in an `Arc` shared with the
-/// reaper thread, which may outlive the pool by the moment it takes to notice the drop.
+/// See the module documentation. The arena and its state live in an `Arc` that the reaper
+/// watches (weakly: a dropped pool's arena goes at once, unless the reaper is looking at it).
 pub struct BufferPool {
     inner: Arc<Inner>,
 }
@@ -115,14 +119,13 @@ struct State {
     resident_chunks: usize,
     /// Chunks whose `mlock` failed since the pool was made.
     lock_failures: u64,
-    /// Grants taken so far: the reaper sees whether any was taken during its wait.
+    /// Grants taken so far: the reaper sees whether any was taken since it last looked.
     taken: u64,
-    /// A reaper runs or is being started (set by the grant that makes the pool resident).
-    reaper_claimed: bool,
-    /// The reaper thread, once it runs (to wake it at the pool's drop).
-    reaper: Option<Thread>,
-    /// The pool was dropped: the reaper ends.
-    closed: bool,
+    /// `taken` when the reaper last saw it change, and when.
+    seen_taken: u64,
+    seen_at: Instant,
+    /// In the reaper's list (set by the grant that makes the pool resident).
+    watched: bool,
 }
 
 struct Waiter {
@@ -224,9 +227,9 @@ impl BufferPool {
                     resident_chunks: 0,
                     lock_failures: 0,
                     taken: 0,
-                    reaper_claimed: false,
-                    reaper: None,
-                    closed: false,
+                    seen_taken: 0,
+                    seen_at: Instant::now(),
+                    watched: false,
                 }),
             }),
         })
@@ -308,7 +311,7 @@ impl BufferPool {
                     st.free_pages -= pages;
                     st.holders += 1;
                     st.taken += 1;
-                    let start_reaper = self.inner.make_resident(&mut st, first, pages);
+                    let watch = self.inner.make_resident(&mut st, first, pages);
                     if ticket.is_some() {
                         let me = st.waiters.pop_front();
                         debug_assert_eq!(me.map(|w| w.ticket), ticket);
@@ -321,8 +324,8 @@ impl BufferPool {
                     if let Some(t) = next {
                         t.unpark();
                     }
-                    if start_reaper {
-                        self.start_reaper();
+                    if watch {
+                        watch_pool(&self.inner);
                     }
                     return Ok(Grant {
                         pool: self,
@@ -359,18 +362,6 @@ impl BufferPool {
     pub fn free_bytes(&self) -> usize {
         self.lock().free_pages * POOL_PAGE_BYTES
     }
-
-    /// Starts the reaper (claimed for the caller in `make_resident`). If the thread cannot
-    /// start, the pool keeps its memory until a later growth starts one.
-    fn start_reaper(&self) {
-        let inner = self.inner.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ucrypt-pool".into())
-            .spawn(move || inner.reap());
-        if spawned.is_err() {
-            self.lock().reaper_claimed = false;
-        }
-    }
 }
 
 impl Inner {
@@ -389,7 +380,7 @@ impl Inner {
     }
 
     /// Locks the chunks under pages `first..first + pages` that are not resident yet. Returns
-    /// true if the caller must start the reaper (it has been claimed for it).
+    /// true if the caller must have the reaper watch the pool (marked as watched already).
     fn make_resident(&self, st: &mut State, first: usize, pages: usize) -> bool {
         let (c0, c1) = (first / CHUNK_PAGES, (first + pages - 1) / CHUNK_PAGES);
         for c in c0..=c1 {
@@ -404,8 +395,10 @@ impl Inner {
             st.resident[c / 64] |= 1 << (c % 64);
             st.resident_chunks += 1;
         }
-        if st.resident_chunks > 0 && !st.reaper_claimed && !st.closed {
-            st.reaper_claimed = true;
+        if st.resident_chunks > 0 && !st.watched {
+            st.watched = true;
+            st.seen_taken = st.taken;
+            st.seen_at = Instant::now();
             return true;
         }
         false
@@ -431,36 +424,22 @@ impl Inner {
         st.resident_chunks = 0;
     }
 
-    /// The reaper: every idle period, if no grant was taken during it and none is held, gives
-    /// the memory back and ends; ends at once when the pool is dropped.
-    fn reap(&self) {
-        let mut seen = {
-            let mut st = self.lock();
-            // Registered under the mutex that the drop sets `closed` under: no wake-up is lost.
-            st.reaper = Some(std::thread::current());
-            st.taken
-        };
-        loop {
-            let mut st = self.lock();
-            if st.closed {
-                st.reaper = None;
-                st.reaper_claimed = false;
-                return;
-            }
-            drop(st);
-            std::thread::park_timeout(self.idle);
-            st = self.lock();
-            if st.closed {
-                continue;
-            }
-            if st.taken == seen && st.holders == 0 && st.waiters.is_empty() {
-                self.release_all(&mut st);
-                st.reaper = None;
-                st.reaper_claimed = false;
-                return;
-            }
-            seen = st.taken;
+    /// The reaper's look at this pool: gives its memory back if no grant has been taken for
+    /// its idle period and none is held. Returns when to look again (None: released, stop
+    /// watching).
+    fn look(&self, now: Instant) -> Option<Instant> {
+        let mut st = self.lock();
+        if st.taken != st.seen_taken {
+            st.seen_taken = st.taken;
+            st.seen_at = now;
         }
+        let due = st.seen_at + self.idle;
+        if now >= due && st.holders == 0 && st.waiters.is_empty() {
+            self.release_all(&mut st);
+            st.watched = false;
+            return None;
+        }
+        Some(due.max(now + self.idle / 4))
     }
 }
 
@@ -535,15 +514,68 @@ fn mark(used: &mut [u64], first: usize, n: usize, on: bool) {
     }
 }
 
-impl Drop for BufferPool {
-    fn drop(&mut self) {
-        let reaper = {
-            let mut st = self.lock();
-            st.closed = true;
-            st.reaper.take()
-        };
-        if let Some(t) = reaper {
-            t.unpark();
+/// The pools holding memory, watched by the process's reaper thread.
+struct Reaper {
+    pools: Vec<std::sync::Weak<Inner>>,
+    /// The reaper thread, once started.
+    thread: Option<Thread>,
+}
+
+static REAPER: Mutex<Reaper> = Mutex::new(Reaper {
+    pools: Vec::new(),
+    thread: None,
+});
+
+/// Has the reaper watch `inner` (just made resident), starting the reaper if it never ran.
+/// If it cannot start, the pool keeps its memory (it is still bounded) until a later growth
+/// starts it.
+fn watch_pool(inner: &Arc<Inner>) {
+    let mut r = lock(&REAPER);
+    r.pools.push(Arc::downgrade(inner));
+    match &r.thread {
+        Some(t) => t.unpark(),
+        None => {
+            let spawned = std::thread::Builder::new()
+                .name("ucrypt-pool".into())
+                .spawn(reap);
+            match spawned {
+                Ok(h) => r.thread = Some(h.thread().clone()),
+                Err(_) => {
+                    r.pools.pop();
+                    drop(r);
+                    inner.lock().watched = false;
+                }
+            }
+        }
+    }
+}
+
+/// The reaper thread: looks at every watched pool when it is due, drops the pools that gave
+/// their memory back or were dropped, and sleeps until the next is due (without a timeout
+/// when none is watched).
+fn reap() {
+    loop {
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        {
+            let mut r = lock(&REAPER);
+            let mut i = 0;
+            while i < r.pools.len() {
+                let again = r.pools[i].upgrade().and_then(|p| p.look(now));
+                match again {
+                    Some(t) => {
+                        next = Some(next.map_or(t, |n| n.min(t)));
+                        i += 1;
+                    }
+                    None => {
+                        r.pools.swap_remove(i);
+                    }
+                }
+            }
+        }
+        match next {
+            Some(t) => std::thread::park_timeout(t.saturating_duration_since(Instant::now())),
+            None => std::thread::park(),
         }
     }
 }
@@ -555,7 +587,7 @@ impl Drop for Inner {
         // ciphertext, and the pages go back to the kernel, which zeroes a page before it maps
         // it anywhere again (a grant leaked with `mem::forget` included).
         // SAFETY: mapped in `new` with this size; no grant outlives the pool (grants borrow
-        // it), and the reaper holds this `Inner` while it runs.
+        // it), and the reaper holds this `Inner` only while it looks at it.
         unsafe {
             libc::munlock(self.base.as_ptr().cast(), size);
             libc::munmap(self.base.as_ptr().cast(), size);
