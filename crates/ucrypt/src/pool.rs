@@ -42,7 +42,9 @@
 //! - When no grant has been taken for an idle period ([`POOL_IDLE_RELEASE`]) and none is held,
 //!   the pool gives every chunk back (`munlock`, `MADV_DONTNEED`): the kernel drops the pages,
 //!   and the next use gets zeroed ones. Nothing needs wiping then: every grant wiped its pages
-//!   at its release unless they held only ciphertext.
+//!   at its release unless they held only ciphertext. The first chunk, once used, is kept
+//!   ([`IDLE_KEPT_BYTES`]): the first small request after an idle period then neither faults
+//!   nor locks.
 //! - One thread per process (the "reaper", started with the first pool that takes memory)
 //!   watches the pools that hold memory and gives it back when they go idle; with none
 //!   holding any it sleeps without a timeout (no wake-ups, no CPU). One thread for all pools,
@@ -79,6 +81,12 @@ const WAITERS_RESERVED: usize = 64;
 pub const LOCK_CHUNK_BYTES: usize = 64 << 10;
 const CHUNK_PAGES: usize = LOCK_CHUNK_BYTES / POOL_PAGE_BYTES;
 const _: () = assert!(LOCK_CHUNK_BYTES % POOL_PAGE_BYTES == 0 && CHUNK_PAGES > 0);
+/// What a pool keeps through idle periods once it was used: its first chunk, where the first
+/// fit puts small requests, so that the first request after an idle period finds its buffer
+/// faulted in and locked (an `mlock` of a chunk costs more than a 4 KiB request), at a cost
+/// well inside the goal of 256 KiB locked per idle volume beyond its keys.
+pub const IDLE_KEPT_BYTES: usize = LOCK_CHUNK_BYTES;
+const KEPT_CHUNKS: usize = IDLE_KEPT_BYTES / LOCK_CHUNK_BYTES;
 /// How long a pool keeps its memory after its last grant was taken: a request stream with
 /// pauses shorter than this never pays for faulting and locking again; a volume left idle
 /// gives its memory back after this (up to twice this: the reaper looks once per period).
@@ -383,6 +391,8 @@ impl Inner {
     /// true if the caller must have the reaper watch the pool (marked as watched already).
     fn make_resident(&self, st: &mut State, first: usize, pages: usize) -> bool {
         let (c0, c1) = (first / CHUNK_PAGES, (first + pages - 1) / CHUNK_PAGES);
+        // Only a chunk that an idle period gives back needs the reaper.
+        let mut releasable = false;
         for c in c0..=c1 {
             if st.resident[c / 64] >> (c % 64) & 1 != 0 {
                 continue;
@@ -394,8 +404,9 @@ impl Inner {
             }
             st.resident[c / 64] |= 1 << (c % 64);
             st.resident_chunks += 1;
+            releasable |= c >= KEPT_CHUNKS;
         }
-        if st.resident_chunks > 0 && !st.watched {
+        if releasable && !st.watched {
             st.watched = true;
             st.seen_taken = st.taken;
             st.seen_at = Instant::now();
@@ -404,11 +415,12 @@ impl Inner {
         false
     }
 
-    /// Gives every resident chunk back to the kernel. Only with no grant held: the pages hold
-    /// zeroes or ciphertext (grants wiped their plaintext at their release).
+    /// Gives every resident chunk but the kept ones ([`IDLE_KEPT_BYTES`]) back to the kernel.
+    /// Only with no grant held: the pages hold zeroes or ciphertext (grants wiped their
+    /// plaintext at their release).
     fn release_all(&self, st: &mut State) {
         debug_assert_eq!(st.holders, 0);
-        for c in 0..self.pages.div_ceil(CHUNK_PAGES) {
+        for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
             if st.resident[c / 64] >> (c % 64) & 1 == 0 {
                 continue;
             }
@@ -420,8 +432,12 @@ impl Inner {
                 libc::madvise(p, len, libc::MADV_DONTNEED);
             }
         }
-        st.resident.iter_mut().for_each(|w| *w = 0);
-        st.resident_chunks = 0;
+        for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
+            if st.resident[c / 64] >> (c % 64) & 1 != 0 {
+                st.resident[c / 64] &= !(1 << (c % 64));
+                st.resident_chunks -= 1;
+            }
+        }
     }
 
     /// The reaper's look at this pool: gives its memory back if no grant has been taken for
@@ -700,12 +716,20 @@ mod tests {
             drop(pool.take(POOL_PAGE_BYTES).unwrap());
             std::thread::sleep(idle / 2);
         }
-        assert!(pool.resident_bytes() > 0, "a busy pool keeps its memory");
+        assert_eq!(
+            pool.resident_bytes(),
+            2 * LOCK_CHUNK_BYTES,
+            "a busy pool keeps its memory"
+        );
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while pool.resident_bytes() > 0 && std::time::Instant::now() < deadline {
+        while pool.resident_bytes() > IDLE_KEPT_BYTES && std::time::Instant::now() < deadline {
             std::thread::sleep(idle);
         }
-        assert_eq!(pool.resident_bytes(), 0, "idle pool kept its memory");
+        assert_eq!(
+            pool.resident_bytes(),
+            IDLE_KEPT_BYTES,
+            "idle pool kept more than its first chunk"
+        );
         // And it grows again, zeroed.
         let mut g = pool.take(4 * LOCK_CHUNK_BYTES).unwrap();
         assert!(g.as_mut_slice().iter().all(|&x| x == 0));
