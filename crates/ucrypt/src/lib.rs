@@ -14,7 +14,7 @@
 //!   queues and range locks behind them are private to this crate.
 //! - [`sector`]: cipher specs in dm-crypt syntax, IV generators, and multi-sector AES-XTS/CBC
 //!   calls byte-compatible with dm-crypt.
-//! - [`pool`]: bounded, aligned, preallocated bounce buffers.
+//! - [`pool`]: bounded, aligned bounce buffers, locked as used and given back when idle.
 //! - [`backend`]: where ciphertext lives (file / block device, memory, fault injection).
 //! - [`luks`]: LUKS2 and LUKS1 headers, sans I/O, and the small driver that performs their
 //!   reads and writes against a backend.

@@ -29,14 +29,40 @@
 //!   is a sizeable fraction of encrypting it). So a fresh grant holds zeroes or old
 //!   ciphertext, never plaintext; nobody may assume it is zero.
 //!
-//! The arena is an anonymous mapping: page-aligned (O_DIRECT), zeroed by the kernel, locked in
-//! memory and excluded from core dumps where the kernel allows (best effort, like secrets). It
-//! is not wiped at the pool's drop: its grants were, and its pages go back to the kernel.
+//! The arena is an anonymous mapping, reserved at the start and filled as requests need it:
+//! page-aligned (O_DIRECT), zeroed by the kernel, excluded from core dumps where the kernel
+//! allows (best effort, like secrets). Memory and locking follow use, so that an idle volume
+//! costs little (what it costs: BENCHMARKS.md, "Idle volumes"):
+//! - The arena is cut into chunks of [`LOCK_CHUNK_BYTES`]. A grant that lands on a chunk not
+//!   yet in use since the last release locks it (`mlock`, which also faults its pages in) before
+//!   it is handed out, so the pages that may hold plaintext are locked before they do, and only
+//!   those: the pool's locked memory is the high-water mark of its use since it last went idle,
+//!   not its bound. A failed `mlock` (RLIMIT_MEMLOCK) leaves the chunk usable, unlocked, and is
+//!   counted ([`BufferPool::lock_failures`]).
+//! - When no grant has been taken for an idle period ([`POOL_IDLE_RELEASE`]) and none is held,
+//!   the pool gives every chunk back (`munlock`, `MADV_DONTNEED`): the kernel drops the pages,
+//!   and the next use gets zeroed ones. Nothing needs wiping then: every grant wiped its pages
+//!   at its release unless they held only ciphertext. The first chunk, once used, is kept
+//!   ([`IDLE_KEPT_BYTES`]): the first small request after an idle period then neither faults
+//!   nor locks.
+//! - One thread per process (the "reaper", started with the first pool that takes memory)
+//!   watches the pools that hold memory and gives it back when they go idle; with none
+//!   holding any it sleeps without a timeout (no wake-ups, no CPU). One thread for all pools,
+//!   rather than one per pool started at its first chunk, because starting a thread costs
+//!   tens of microseconds, which the first request after an idle period would pay; waking a
+//!   sleeping one costs a futex call.
+//! - Growth allocates nothing from the heap (the chunk bitmap is sized at the start; the pages
+//!   are the mapping's own), so the steady state stays allocation-free. Registering a pool
+//!   with the reaper may grow its list (once per busy period and pool, and only past the most
+//!   pools ever watched at once), outside any steady state: an idle period ended it.
+//!
+//! The pool is not wiped at its drop: its grants were, and its pages go back to the kernel.
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use crate::sync::{lock, PAGE_BYTES};
 use crate::{Error, Result};
@@ -49,10 +75,33 @@ pub const POOL_BYTES_DEFAULT: usize = 16 << 20;
 pub const POOL_BYTES_MAX: usize = 1 << 30;
 /// Waiter slots reserved up front (the queue grows past it, once, if more threads wait).
 const WAITERS_RESERVED: usize = 64;
+/// The unit in which the arena is locked and given back: small enough that the first 4 KiB
+/// request after an idle period faults in and locks little (16 pages), big enough that a busy
+/// 16 MiB pool makes a few hundred `mlock` calls per busy period, not one per grant.
+pub const LOCK_CHUNK_BYTES: usize = 64 << 10;
+const CHUNK_PAGES: usize = LOCK_CHUNK_BYTES / POOL_PAGE_BYTES;
+const _: () = assert!(LOCK_CHUNK_BYTES % POOL_PAGE_BYTES == 0 && CHUNK_PAGES > 0);
+/// What a pool keeps through idle periods once it was used: its first chunk, where the first
+/// fit puts small requests, so that the first request after an idle period finds its buffer
+/// faulted in and locked (an `mlock` of a chunk costs more than a 4 KiB request), at a cost
+/// well inside the goal of 256 KiB locked per idle volume beyond its keys.
+pub const IDLE_KEPT_BYTES: usize = LOCK_CHUNK_BYTES;
+const KEPT_CHUNKS: usize = IDLE_KEPT_BYTES / LOCK_CHUNK_BYTES;
+/// How long a pool keeps its memory after its last grant was taken: a request stream with
+/// pauses shorter than this never pays for faulting and locking again; a volume left idle
+/// gives its memory back after this (up to twice this: the reaper looks once per period).
+pub const POOL_IDLE_RELEASE: Duration = Duration::from_secs(5);
 
+/// See the module documentation. The arena and its state live in an `Arc` that the reaper
+/// watches (weakly: a dropped pool's arena goes at once, unless the reaper is looking at it).
 pub struct BufferPool {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     base: NonNull<u8>,
     pages: usize,
+    idle: Duration,
     state: Mutex<State>,
 }
 
@@ -73,6 +122,18 @@ struct State {
     /// nobody passes the line (a stream of passers could otherwise keep the free pages
     /// fragmented and the head waiting).
     head_stuck: bool,
+    /// One bit per chunk; set = resident (locked, or tried to) since the last release.
+    resident: Vec<u64>,
+    resident_chunks: usize,
+    /// Chunks whose `mlock` failed since the pool was made.
+    lock_failures: u64,
+    /// Grants taken so far: the reaper sees whether any was taken since it last looked.
+    taken: u64,
+    /// `taken` when the reaper last saw it change, and when.
+    seen_taken: u64,
+    seen_at: Instant,
+    /// In the reaper's list (set by the grant that makes the pool resident).
+    watched: bool,
 }
 
 struct Waiter {
@@ -93,10 +154,11 @@ impl State {
 }
 
 // SAFETY: the arena is owned by the pool; disjoint page ranges are handed to one grant each
-// under the mutex, so no two threads ever get the same bytes.
-unsafe impl Send for BufferPool {}
+// under the mutex, so no two threads ever get the same bytes; the reaper touches the pages
+// (munlock, madvise) only under the mutex with no grant held.
+unsafe impl Send for Inner {}
 // SAFETY: as above; shared access only hands out disjoint grants.
-unsafe impl Sync for BufferPool {}
+unsafe impl Sync for Inner {}
 
 /// A run of pool pages owned by one request; zeroised and returned on drop.
 pub struct Grant<'a> {
@@ -108,8 +170,14 @@ pub struct Grant<'a> {
 }
 
 impl BufferPool {
-    /// Allocates the arena: `bytes` rounded up to whole pages (at least one).
+    /// Reserves the arena: `bytes` rounded up to whole pages (at least one); memory is taken
+    /// as grants need it and given back after [`POOL_IDLE_RELEASE`] without grants.
     pub fn new(bytes: usize) -> Result<Self> {
+        Self::with_idle_release(bytes, POOL_IDLE_RELEASE)
+    }
+
+    /// Like [`Self::new`], giving memory back after `idle` without grants.
+    pub fn with_idle_release(bytes: usize, idle: Duration) -> Result<Self> {
         if bytes > POOL_BYTES_MAX {
             return Err(Error::InvalidArgument(format!(
                 "buffer pool of {bytes} bytes exceeds the limit of {POOL_BYTES_MAX}"
@@ -117,8 +185,8 @@ impl BufferPool {
         }
         let pages = bytes.div_ceil(POOL_PAGE_BYTES).max(1);
         let size = pages * POOL_PAGE_BYTES;
-        // An anonymous mapping: its pages come zeroed from the kernel (once, as `mlock` below
-        // or the first touch faults them in), page-aligned, and go back to it at the drop.
+        // An anonymous mapping: its pages come zeroed from the kernel (as a chunk's `mlock` or
+        // the first touch faults them in), page-aligned, and go back to it at the drop.
         // An allocator's zeroed allocation of this alignment is a memset over pages that the
         // kernel has just zeroed: a second pass over the arena (with the wipe the drop made,
         // two of three).
@@ -145,35 +213,53 @@ impl BufferPool {
             0,
             "a mapping starts on a page"
         );
-        // SAFETY: our own page-aligned mapping; both calls are advisory and may fail
-        // (RLIMIT_MEMLOCK) without harm.
+        // SAFETY: our own page-aligned mapping; the call is advisory.
         unsafe {
             libc::madvise(raw, size, libc::MADV_DONTDUMP);
-            libc::mlock(raw, size);
         }
+        let chunks = pages.div_ceil(CHUNK_PAGES);
         Ok(BufferPool {
-            base,
-            pages,
-            state: Mutex::new(State {
-                used: vec![0; pages.div_ceil(64)],
-                free_pages: pages,
-                holders: 0,
-                next_ticket: 0,
-                waiting_pages: 0,
-                head_stuck: false,
-                waiters: VecDeque::with_capacity(WAITERS_RESERVED),
+            inner: Arc::new(Inner {
+                base,
+                pages,
+                idle,
+                state: Mutex::new(State {
+                    used: vec![0; pages.div_ceil(64)],
+                    free_pages: pages,
+                    holders: 0,
+                    next_ticket: 0,
+                    waiting_pages: 0,
+                    head_stuck: false,
+                    waiters: VecDeque::with_capacity(WAITERS_RESERVED),
+                    resident: vec![0; chunks.div_ceil(64)],
+                    resident_chunks: 0,
+                    lock_failures: 0,
+                    taken: 0,
+                    seen_taken: 0,
+                    seen_at: Instant::now(),
+                    watched: false,
+                }),
             }),
         })
     }
 
     /// The largest grant ever possible, in bytes.
     pub fn capacity(&self) -> usize {
-        self.pages * POOL_PAGE_BYTES
+        self.inner.pages * POOL_PAGE_BYTES
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // The state is a bitmap updated in single steps; a panic elsewhere cannot corrupt it.
-        lock(&self.state)
+        self.inner.lock()
+    }
+
+    /// Bytes resident now (locked, or tried to): the chunks used since the pool last went idle.
+    pub fn resident_bytes(&self) -> usize {
+        self.lock().resident_chunks * LOCK_CHUNK_BYTES
+    }
+
+    /// Chunks whose `mlock` failed (RLIMIT_MEMLOCK): their pages may be swapped out.
+    pub fn lock_failures(&self) -> u64 {
+        self.lock().lock_failures
     }
 
     /// Takes `len` bytes (rounded up to pages) as one contiguous buffer (holding zeroes or old
@@ -203,7 +289,7 @@ impl BufferPool {
             }
         };
         let pages = len.div_ceil(POOL_PAGE_BYTES).max(1);
-        if pages > self.pages {
+        if pages > self.inner.pages {
             return Err(Error::Bug(
                 "buffer request larger than the pool (planner must split)",
             ));
@@ -222,13 +308,18 @@ impl BufferPool {
                 }
             };
             if fits {
-                if let Some(first) = find_run(&st.used, self.pages, pages) {
+                if let Some(first) = find_run(&st.used, self.inner.pages, pages) {
                     // Grants turn `first_page` into pointer offsets: the run must lie inside
                     // the arena (checked once per grant).
-                    assert!(first + pages <= self.pages, "pool run beyond the arena");
+                    assert!(
+                        first + pages <= self.inner.pages,
+                        "pool run beyond the arena"
+                    );
                     mark(&mut st.used, first, pages, true);
                     st.free_pages -= pages;
                     st.holders += 1;
+                    st.taken += 1;
+                    let watch = self.inner.make_resident(&mut st, first, pages);
                     if ticket.is_some() {
                         let me = st.waiters.pop_front();
                         debug_assert_eq!(me.map(|w| w.ticket), ticket);
@@ -240,6 +331,9 @@ impl BufferPool {
                     // The next in line may fit too.
                     if let Some(t) = next {
                         t.unpark();
+                    }
+                    if watch {
+                        watch_pool(&self.inner);
                     }
                     return Ok(Grant {
                         pool: self,
@@ -275,6 +369,93 @@ impl BufferPool {
     /// Pages currently free (for tests and stats).
     pub fn free_bytes(&self) -> usize {
         self.lock().free_pages * POOL_PAGE_BYTES
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is bitmaps and counters updated in single steps; a panic elsewhere cannot
+        // corrupt it.
+        lock(&self.state)
+    }
+
+    fn chunk_ptr(&self, chunk: usize) -> (*mut libc::c_void, usize) {
+        let first_page = chunk * CHUNK_PAGES;
+        let pages = CHUNK_PAGES.min(self.pages - first_page);
+        // SAFETY: chunk < chunks, so first_page < self.pages: inside the arena.
+        let p = unsafe { self.base.as_ptr().add(first_page * POOL_PAGE_BYTES) };
+        (p.cast(), pages * POOL_PAGE_BYTES)
+    }
+
+    /// Locks the chunks under pages `first..first + pages` that are not resident yet. Returns
+    /// true if the caller must have the reaper watch the pool (marked as watched already).
+    fn make_resident(&self, st: &mut State, first: usize, pages: usize) -> bool {
+        let (c0, c1) = (first / CHUNK_PAGES, (first + pages - 1) / CHUNK_PAGES);
+        // Only a chunk that an idle period gives back needs the reaper.
+        let mut releasable = false;
+        for c in c0..=c1 {
+            if st.resident[c / 64] >> (c % 64) & 1 != 0 {
+                continue;
+            }
+            let (p, len) = self.chunk_ptr(c);
+            // SAFETY: a range of our own mapping; `mlock` only faults in and pins it.
+            if unsafe { libc::mlock(p, len) } != 0 {
+                st.lock_failures += 1;
+            }
+            st.resident[c / 64] |= 1 << (c % 64);
+            st.resident_chunks += 1;
+            releasable |= c >= KEPT_CHUNKS;
+        }
+        if releasable && !st.watched {
+            st.watched = true;
+            st.seen_taken = st.taken;
+            st.seen_at = Instant::now();
+            return true;
+        }
+        false
+    }
+
+    /// Gives every resident chunk but the kept ones ([`IDLE_KEPT_BYTES`]) back to the kernel.
+    /// Only with no grant held: the pages hold zeroes or ciphertext (grants wiped their
+    /// plaintext at their release).
+    fn release_all(&self, st: &mut State) {
+        debug_assert_eq!(st.holders, 0);
+        for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
+            if st.resident[c / 64] >> (c % 64) & 1 == 0 {
+                continue;
+            }
+            let (p, len) = self.chunk_ptr(c);
+            // SAFETY: a range of our own mapping that no grant holds (holders == 0, under
+            // the mutex): dropping its pages loses nothing anyone may read.
+            unsafe {
+                libc::munlock(p, len);
+                libc::madvise(p, len, libc::MADV_DONTNEED);
+            }
+        }
+        for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
+            if st.resident[c / 64] >> (c % 64) & 1 != 0 {
+                st.resident[c / 64] &= !(1 << (c % 64));
+                st.resident_chunks -= 1;
+            }
+        }
+    }
+
+    /// The reaper's look at this pool: gives its memory back if no grant has been taken for
+    /// its idle period and none is held. Returns when to look again (None: released, stop
+    /// watching).
+    fn look(&self, now: Instant) -> Option<Instant> {
+        let mut st = self.lock();
+        if st.taken != st.seen_taken {
+            st.seen_taken = st.taken;
+            st.seen_at = now;
+        }
+        let due = st.seen_at + self.idle;
+        if now >= due && st.holders == 0 && st.waiters.is_empty() {
+            self.release_all(&mut st);
+            st.watched = false;
+            return None;
+        }
+        Some(due.max(now + self.idle / 4))
     }
 }
 
@@ -349,14 +530,80 @@ fn mark(used: &mut [u64], first: usize, n: usize, on: bool) {
     }
 }
 
-impl Drop for BufferPool {
+/// The pools holding memory, watched by the process's reaper thread.
+struct Reaper {
+    pools: Vec<std::sync::Weak<Inner>>,
+    /// The reaper thread, once started.
+    thread: Option<Thread>,
+}
+
+static REAPER: Mutex<Reaper> = Mutex::new(Reaper {
+    pools: Vec::new(),
+    thread: None,
+});
+
+/// Has the reaper watch `inner` (just made resident), starting the reaper if it never ran.
+/// If it cannot start, the pool keeps its memory (it is still bounded) until a later growth
+/// starts it.
+fn watch_pool(inner: &Arc<Inner>) {
+    let mut r = lock(&REAPER);
+    r.pools.push(Arc::downgrade(inner));
+    match &r.thread {
+        Some(t) => t.unpark(),
+        None => {
+            let spawned = std::thread::Builder::new()
+                .name("ucrypt-pool".into())
+                .spawn(reap);
+            match spawned {
+                Ok(h) => r.thread = Some(h.thread().clone()),
+                Err(_) => {
+                    r.pools.pop();
+                    drop(r);
+                    inner.lock().watched = false;
+                }
+            }
+        }
+    }
+}
+
+/// The reaper thread: looks at every watched pool when it is due, drops the pools that gave
+/// their memory back or were dropped, and sleeps until the next is due (without a timeout
+/// when none is watched).
+fn reap() {
+    loop {
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        {
+            let mut r = lock(&REAPER);
+            let mut i = 0;
+            while i < r.pools.len() {
+                let again = r.pools[i].upgrade().and_then(|p| p.look(now));
+                match again {
+                    Some(t) => {
+                        next = Some(next.map_or(t, |n| n.min(t)));
+                        i += 1;
+                    }
+                    None => {
+                        r.pools.swap_remove(i);
+                    }
+                }
+            }
+        }
+        match next {
+            Some(t) => std::thread::park_timeout(t.saturating_duration_since(Instant::now())),
+            None => std::thread::park(),
+        }
+    }
+}
+
+impl Drop for Inner {
     fn drop(&mut self) {
         let size = self.pages * POOL_PAGE_BYTES;
         // Not wiped here: every grant wiped its pages at its release unless they held only
         // ciphertext, and the pages go back to the kernel, which zeroes a page before it maps
         // it anywhere again (a grant leaked with `mem::forget` included).
         // SAFETY: mapped in `new` with this size; no grant outlives the pool (grants borrow
-        // it).
+        // it), and the reaper holds this `Inner` only while it looks at it.
         unsafe {
             libc::munlock(self.base.as_ptr().cast(), size);
             libc::munmap(self.base.as_ptr().cast(), size);
@@ -377,6 +624,7 @@ impl Grant<'_> {
         // SAFETY: first_page < pool.pages, so the offset stays inside the arena.
         unsafe {
             self.pool
+                .inner
                 .base
                 .as_ptr()
                 .add(self.first_page * POOL_PAGE_BYTES)
@@ -442,6 +690,50 @@ mod tests {
             pool.take(5 * POOL_PAGE_BYTES).is_err(),
             "oversized grant must be refused"
         );
+    }
+
+    /// Memory follows use: nothing resident at the start, the chunks a grant lands on once it
+    /// is taken, nothing again after an idle period, and a busy pool keeps its chunks.
+    #[test]
+    fn memory_is_taken_on_use_and_given_back_when_idle() {
+        let idle = Duration::from_millis(50);
+        let pool = BufferPool::with_idle_release(4 * LOCK_CHUNK_BYTES, idle).unwrap();
+        assert_eq!(pool.resident_bytes(), 0, "nothing resident before use");
+        let mut g = pool.take(LOCK_CHUNK_BYTES + POOL_PAGE_BYTES).unwrap();
+        assert_eq!(
+            pool.resident_bytes(),
+            2 * LOCK_CHUNK_BYTES,
+            "two chunks touched"
+        );
+        g.as_mut_slice().fill(9);
+        // Held across several idle periods: nothing is given back under a grant.
+        std::thread::sleep(idle * 4);
+        assert_eq!(pool.resident_bytes(), 2 * LOCK_CHUNK_BYTES);
+        assert!(g.as_mut_slice().iter().all(|&x| x == 9));
+        drop(g);
+        // Busy: a grant per half period keeps the memory.
+        for _ in 0..6 {
+            drop(pool.take(POOL_PAGE_BYTES).unwrap());
+            std::thread::sleep(idle / 2);
+        }
+        assert_eq!(
+            pool.resident_bytes(),
+            2 * LOCK_CHUNK_BYTES,
+            "a busy pool keeps its memory"
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pool.resident_bytes() > IDLE_KEPT_BYTES && std::time::Instant::now() < deadline {
+            std::thread::sleep(idle);
+        }
+        assert_eq!(
+            pool.resident_bytes(),
+            IDLE_KEPT_BYTES,
+            "idle pool kept more than its first chunk"
+        );
+        // And it grows again, zeroed.
+        let mut g = pool.take(4 * LOCK_CHUNK_BYTES).unwrap();
+        assert!(g.as_mut_slice().iter().all(|&x| x == 0));
+        assert_eq!(pool.resident_bytes(), 4 * LOCK_CHUNK_BYTES);
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //! model's worker queue and writer thread.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -38,7 +38,7 @@ use crate::engine::workers::{
     self, Completion, DoneRef, Executor, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX,
     WRITE_QUEUE_MAX,
 };
-pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX};
+pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX, THREAD_IDLE_EXIT};
 use crate::engine::{Policies, Policy, StatsSnapshot};
 use crate::pool::{BufferPool, POOL_BYTES_DEFAULT};
 use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
@@ -89,6 +89,9 @@ pub struct VolumeConfig {
     /// (default [`SPIN_BEFORE_SLEEP`], at most [`SPIN_MAX`]). Zero never spins: no CPU time
     /// after the last request, but every hand-off to a worker pays a wake-up.
     pub spin: Duration,
+    /// How long the volume keeps its worker threads and its pool's memory after their last
+    /// use (default [`THREAD_IDLE_EXIT`]): an idle volume then has neither.
+    pub idle_release: Duration,
 }
 
 impl VolumeConfig {
@@ -105,6 +108,7 @@ impl VolumeConfig {
             read_only: false,
             allow_discards: true,
             spin: SPIN_BEFORE_SLEEP,
+            idle_release: THREAD_IDLE_EXIT,
         }
     }
 }
@@ -206,8 +210,18 @@ pub(crate) struct Core {
     ciphers: CipherSlots,
     /// Shared with the new key's side while in reencryption (`volume/segments.rs`).
     stats: Arc<Stats>,
+    /// Consumed by the worker threads, started on demand (see `engine::workers`).
     jobs: BoundedQueue<Job>,
+    /// Consumed by the writer thread, started on demand.
     writes: BoundedQueue<WriteJob>,
+    /// This core, for the threads it starts (each holds it while it runs).
+    me: Weak<Core>,
+    /// `VolumeConfig::idle_release`.
+    idle_release: Duration,
+    /// The worker threads started so far and not yet found finished (joined at the drop).
+    worker_threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The writer thread, if started (joined at the drop).
+    writer_thread: Mutex<Option<JoinHandle<()>>>,
     turns: Turns,
     /// Workers that may spin for work at once: one CPU less than there are, which is left to
     /// the callers that produce the work.
@@ -230,7 +244,6 @@ pub(crate) struct Core {
 /// See the module documentation. Thread-safe: share it (`Arc<Volume>`) between callers.
 pub struct Volume {
     core: Arc<Core>,
-    threads: Vec<JoinHandle<()>>,
     /// In reencryption: the new key's side and the hotzone (see `segments`).
     segments: Mutex<Option<Arc<Segments>>>,
 }
@@ -436,7 +449,9 @@ impl Core {
             let others = self.big_inflight.fetch_add(1, Relaxed);
             guard = Some(BigGuard(&self.big_inflight));
             let cores = host::free_cores(planner.lanes as usize, others as usize);
-            idle = self.jobs.idle().min(cores as u32);
+            // A worker that can be started counts as idle: it starts at once, and the caller
+            // runs the chunks it has not taken.
+            idle = (self.jobs.idle() + self.jobs.startable()).min(cores as u32);
         }
         (planner.dispatch(Policy::Auto, op, len, idle), guard)
     }
@@ -817,7 +832,7 @@ impl Volume {
         let ss = cfg.geometry.sector_size.bytes() as u64;
         let shift = cfg.geometry.sector_size.shift();
         let cipher = SectorCipher::new(cfg.spec, cfg.key.as_ref(), cfg.geometry)?;
-        let pool = BufferPool::new(cfg.pool_bytes)?;
+        let pool = BufferPool::with_idle_release(cfg.pool_bytes, cfg.idle_release)?;
         let piece = (pool.capacity().min(PIECE_BYTES_MAX) as u64) / ss * ss;
         let workers = std::thread::available_parallelism()
             .map(|n| n.get())
@@ -832,7 +847,7 @@ impl Volume {
             lanes: workers as u32,
         };
         let provider = cipher.provider();
-        let core = Arc::new(Core {
+        let core = Arc::new_cyclic(|me| Core {
             mem_align: backend.mem_align_bytes(),
             backend,
             data_offset: cfg.data_offset_bytes,
@@ -853,8 +868,12 @@ impl Volume {
             locks: RangeLock::default(),
             ciphers: CipherSlots::new(cipher),
             stats,
-            jobs: BoundedQueue::new(JOB_QUEUE_MAX),
-            writes: BoundedQueue::new(WRITE_QUEUE_MAX),
+            jobs: BoundedQueue::with_consumers(JOB_QUEUE_MAX, workers as u32),
+            writes: BoundedQueue::with_consumers(WRITE_QUEUE_MAX, 1),
+            me: me.clone(),
+            idle_release: cfg.idle_release,
+            worker_threads: Mutex::new(Vec::with_capacity(workers)),
+            writer_thread: Mutex::new(None),
             turns: Turns {
                 next_ticket: AtomicU64::new(0),
                 serving: Mutex::new(0),
@@ -870,11 +889,9 @@ impl Volume {
             segmented: AtomicBool::new(false),
         });
         let mut vol = Volume {
-            core: core.clone(),
-            threads: Vec::new(),
+            core,
             segments: Mutex::new(None),
         };
-        vol.threads = spawn_threads(&core, workers)?;
         vol.calibrate()?;
         Ok(vol)
     }
@@ -1041,9 +1058,21 @@ impl Volume {
         self.core.auto_min_bytes.load(Relaxed)
     }
 
-    /// Worker threads (one per core).
+    /// Worker threads at most (one per core).
     pub fn workers(&self) -> usize {
         self.core.planner.lanes as usize
+    }
+
+    /// Engine threads running now (workers and the writer): none once the volume has been
+    /// idle for `VolumeConfig::idle_release`.
+    pub fn threads_running(&self) -> usize {
+        (self.core.jobs.consumers() + self.core.writes.consumers()) as usize
+    }
+
+    /// Bounce buffer bytes resident (and locked, where the limit allows) now: none once the
+    /// volume has been idle for `VolumeConfig::idle_release`.
+    pub fn pool_resident_bytes(&self) -> usize {
+        self.core.pool.resident_bytes()
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
@@ -1074,8 +1103,7 @@ impl Volume {
             let comp = Completion::new(1);
             let t0 = now();
             if core
-                .jobs
-                .push(Job::Ping {
+                .push_job(Job::Ping {
                     done: DoneRef(&comp),
                 })
                 .is_err()
@@ -1102,57 +1130,83 @@ impl Volume {
     }
 }
 
-/// Starts the volume's threads (`workers` workers and the `queued` model's writer) and returns
-/// once each runs: a thread's start-up allocates (its name, its thread-locals, a worker's cipher
-/// context in its own slot), and that belongs to building the volume, not to its first
-/// requests. With every worker's slot filled, no thread has to skip a busy slot and fill
-/// another, so steady-state I/O never makes a context.
-fn spawn_threads(core: &Arc<Core>, workers: usize) -> Result<Vec<JoinHandle<()>>> {
-    let mut threads = Vec::with_capacity(workers + 1);
-    let (started, running) = std::sync::mpsc::sync_channel::<()>(workers + 1);
-    for i in 0..workers {
-        let (c, started) = (core.clone(), started.clone());
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("ucrypt-worker-{i}"))
-                .spawn(move || {
-                    // A failure here (the volume suspended) only leaves the slot to fill later.
-                    let _ = c.ciphers.with(|_| Ok(()));
-                    let _ = started.send(());
-                    drop(started);
-                    workers::worker_loop(&*c)
-                })
-                .map_err(|e| Error::io("starting a worker thread", e))?,
-        );
+impl Core {
+    /// Queues a job, starting the workers if it waits for more than the idle ones. Workers
+    /// that cannot start (the system's thread limit) leave the job to the running ones; with
+    /// none running, this thread runs what waits itself.
+    fn push_job(&self, job: Job) -> std::result::Result<(), Job> {
+        let n = self.jobs.push_staffed(job)?;
+        if n > 0 && self.start_workers(n).is_err() && self.jobs.consumers_not_started(n) {
+            while let Some(job) = self.jobs.steal(|_| true) {
+                workers::run_job(self, job);
+            }
+        }
+        Ok(())
     }
-    let c = core.clone();
-    threads.push(
-        std::thread::Builder::new()
-            .name("ucrypt-writer".into())
+
+    /// Starts `n` worker threads: this thread starts one, which starts the next before it
+    /// takes work, and so on, so that the request that starts a busy period pays for one
+    /// thread's start, not all. Each fills its cipher slot as it starts: a thread's start-up
+    /// allocates (its name, its thread-locals, its cipher context), and that belongs to the
+    /// start of a busy period, not to each request; with every worker's slot filled, no thread
+    /// has to skip a busy slot and fill another, so steady-state I/O never makes a context.
+    fn start_workers(&self, n: u32) -> Result<()> {
+        let c = self.me.upgrade().ok_or(Error::Bug("volume core gone"))?;
+        let h = std::thread::Builder::new()
+            .name("ucrypt-worker".into())
             .spawn(move || {
-                let _ = started.send(());
-                drop(started);
-                workers::writer_loop(&*c)
+                // The rest that could not start no longer count; this one runs, so no job is
+                // left without a worker.
+                if n > 1 && c.start_workers(n - 1).is_err() {
+                    c.jobs.consumers_not_started(n - 1);
+                }
+                // A failure here (the volume suspended) only leaves the slot to fill later.
+                let _ = c.ciphers.with(|_| Ok(()));
+                workers::worker_loop(&*c)
             })
-            .map_err(|e| Error::io("starting the writer thread", e))?,
-    );
-    for _ in 0..threads.len() {
-        running
-            .recv()
-            .map_err(|_| Error::Bug("a volume thread ended before it started"))?;
+            .map_err(|e| Error::io("starting a worker thread", e))?;
+        let mut ts = lock(&self.worker_threads);
+        // Handles of threads that ended are dropped (their threads are gone): the list holds
+        // at most the running workers and the ones ending now.
+        ts.retain(|t| !t.is_finished());
+        ts.push(h);
+        Ok(())
     }
-    Ok(threads)
+
+    fn start_writer(&self) -> Result<()> {
+        let c = self.me.upgrade().ok_or(Error::Bug("volume core gone"))?;
+        let h = std::thread::Builder::new()
+            .name("ucrypt-writer".into())
+            .spawn(move || workers::writer_loop(&*c))
+            .map_err(|e| Error::io("starting the writer thread", e))?;
+        // The writer before it, if any, has retired (the queue counts one at most).
+        let old = lock(&self.writer_thread).replace(h);
+        drop(old);
+        Ok(())
+    }
+
+    /// Joins every worker, including ones started while this runs (the queue is closed, so
+    /// those only drain what is left).
+    fn join_workers(&self) {
+        loop {
+            let ts = std::mem::take(&mut *lock(&self.worker_threads));
+            if ts.is_empty() {
+                return;
+            }
+            for t in ts {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 impl Drop for Volume {
     fn drop(&mut self) {
         self.core.jobs.close();
         // Workers drain their queue (pushing to the writer) before the writer's queue closes.
-        let writer = self.threads.pop();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        self.core.join_workers();
         self.core.writes.close();
+        let writer = lock(&self.core.writer_thread).take();
         if let Some(w) = writer {
             let _ = w.join();
         }
@@ -1269,6 +1323,21 @@ impl Executor for Core {
         self.max_spinners
     }
 
+    fn push_write(&self, w: WriteJob) -> std::result::Result<(), WriteJob> {
+        // The queue has one consumer at most: n is 0 or 1.
+        let n = self.writes.push_staffed(w)?;
+        if n > 0 && self.start_writer().is_err() && self.writes.consumers_not_started(n) {
+            while let Some(w) = self.writes.steal(|_| true) {
+                workers::run_write(self, w);
+            }
+        }
+        Ok(())
+    }
+
+    fn idle_exit(&self) -> Option<Duration> {
+        Some(self.idle_release)
+    }
+
     /// Runs a task: backend read + decrypt, or encrypt + backend write (I/O only if `task.io`).
     fn exec_task(&self, own: Option<&mut SectorCipher>, task: &Task, t: &mut Times) -> Result<()> {
         let len = task.bytes(self.shift);
@@ -1329,7 +1398,7 @@ impl Core {
                 split: SplitRef(me),
                 queued_at: t.clock(),
             };
-            if self.jobs.push(job).is_err() {
+            if self.push_job(job).is_err() {
                 split.helpers.done(
                     Err(Error::Bug("job queue closed while the volume is in use")),
                     &Times::default(),
@@ -1368,7 +1437,7 @@ impl Core {
                 queued_at,
             }
         };
-        if self.jobs.push(job).is_err() {
+        if self.push_job(job).is_err() {
             return Err(Error::Bug("job queue closed while the volume is in use"));
         }
         // Spin for the completion only if it can come within the spin: a worker was idle to

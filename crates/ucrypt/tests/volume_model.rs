@@ -53,6 +53,7 @@ fn run_case(kind: BackendKind, spec: CipherSpec, sector: u32, policy: Policy, se
         size,
         data_offset: 16384,
         seed,
+        ..RigCfg::default()
     });
     let mut rng = StdRng::seed_from_u64(seed);
     let mut m = Model {

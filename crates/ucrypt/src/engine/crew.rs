@@ -4,28 +4,31 @@
 //! do with `Split`; the work itself (fetch data and tags, verify, decrypt; or seal and write)
 //! stays with the volume, behind the [`Chunks`] trait, so this module never names it.
 //!
-//! The rules are the engine's: threads are started when the crew is built (one per core, at
-//! most [`CREW_WORKERS_MAX`]) and joined when it is dropped, never per request; every hand-off
+//! The rules are the engine's: threads (one per core, at most [`CREW_WORKERS_MAX`]) start on
+//! demand, when a hand-off waits for more workers than are idle, and end after
+//! [`super::workers::THREAD_IDLE_EXIT`] without work (an idle volume has none); they are
+//! joined when the crew is dropped; every hand-off
 //! goes through one bounded queue ([`CREW_QUEUE_MAX`]); a caller waits for every part it handed
 //! off before it returns, so the work may point into its stack and buffers; a caller takes
 //! back the parts no worker has started, so a request never waits for a worker to be scheduled
 //! when it could finish the chunks itself; idle workers spin for work for a bounded time, with
 //! the engine's spin governor, then sleep.
 //!
-//! Lanes: the caller runs its chunks as lane 0, worker `i` as lane `i + 1` (1..=workers), so
-//! the work can keep one context per worker (an authenticated volume keeps one keyed tag
-//! cipher per lane) without any lookup on the data path.
+//! Lanes: the caller runs its chunks as lane 0, each worker as a lane of its own among
+//! `1..=workers` (taken as it starts, given back as it ends), so the work can keep one context
+//! per worker (an authenticated volume keeps one keyed tag cipher per lane) without any lookup
+//! on the data path.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::AcqRel, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::queue::BoundedQueue;
 use super::stats::{now, Times};
-use super::workers::{Completion, DoneRef};
-use crate::sync::SpinGovernor;
+use super::workers::{Completion, DoneRef, THREAD_IDLE_EXIT};
+use crate::sync::{lock, SpinGovernor};
 use crate::{Error, Result};
 
 /// Workers at most, whatever the machine has: a crew serves one volume's large requests, and
@@ -80,61 +83,102 @@ struct Shared {
     spin_ns: AtomicU64,
     /// Workers that may spin for work at once: one CPU is left to the callers.
     max_spinners: u32,
+    /// One bit per worker lane (bit `i` for lane `i`, `1..=workers`); set = free.
+    lanes_free: AtomicU64,
+    /// How long a worker waits for work before it ends.
+    idle_exit: Duration,
+}
+
+const _: () = assert!(CREW_WORKERS_MAX < 64, "lanes are bits of a u64");
+
+impl Shared {
+    /// Takes a free lane. The queue starts no more workers than there are lanes, but a worker
+    /// that has just left the queue may not have given its lane back yet: wait for it.
+    fn take_lane(&self) -> usize {
+        loop {
+            let free = self.lanes_free.load(Relaxed);
+            if free == 0 {
+                std::thread::yield_now();
+                continue;
+            }
+            let lane = free.trailing_zeros();
+            let bit = 1u64 << lane;
+            if self.lanes_free.fetch_and(!bit, AcqRel) & bit != 0 {
+                return lane as usize;
+            }
+        }
+    }
+
+    fn give_lane(&self, lane: usize) {
+        self.lanes_free.fetch_or(1 << lane, AcqRel);
+    }
 }
 
 /// See the module documentation.
 pub(crate) struct Crew {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
+    workers: usize,
+    name: String,
+    /// Workers started and not yet found finished (joined at the drop; shared with the
+    /// workers, which start one another).
+    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
 impl Crew {
-    /// Starts `workers` threads (at least 1, at most [`CREW_WORKERS_MAX`]) named
-    /// `{name}-{i}`, and returns once each runs: a thread's start-up allocates, and that
-    /// belongs to building the volume, not to its first requests.
+    /// A crew of up to `workers` threads (at least 1, at most [`CREW_WORKERS_MAX`]) named
+    /// `{name}`, started as work comes (see the module documentation).
     pub fn new(name: &str, workers: usize, spin: Duration) -> Result<Self> {
+        Self::with_idle_exit(name, workers, spin, THREAD_IDLE_EXIT)
+    }
+
+    /// Like [`Self::new`]; its workers end after `idle_exit` without work.
+    pub fn with_idle_exit(
+        name: &str,
+        workers: usize,
+        spin: Duration,
+        idle_exit: Duration,
+    ) -> Result<Self> {
         let workers = workers.clamp(1, CREW_WORKERS_MAX);
         let shared = Arc::new(Shared {
-            jobs: BoundedQueue::new(CREW_QUEUE_MAX),
+            jobs: BoundedQueue::with_consumers(CREW_QUEUE_MAX, workers as u32),
             spin_ns: AtomicU64::new(spin.as_nanos() as u64),
             max_spinners: workers.saturating_sub(1).max(1) as u32,
+            // Lanes 1..=workers.
+            lanes_free: AtomicU64::new(((1u64 << workers) - 1) << 1),
+            idle_exit,
         });
-        let mut crew = Crew {
+        Ok(Crew {
             shared,
-            threads: Vec::with_capacity(workers),
-        };
-        let (started, running) = std::sync::mpsc::sync_channel::<()>(workers);
-        for i in 0..workers {
-            let (s, started) = (crew.shared.clone(), started.clone());
-            let lane = i + 1;
-            let t = std::thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || {
-                    let _ = started.send(());
-                    drop(started);
-                    worker_loop(&s, lane)
-                })
-                .map_err(|e| Error::io("starting a crew thread", e))?;
-            // Pushed at once: if a later spawn fails, dropping the crew joins these.
-            crew.threads.push(t);
+            workers,
+            name: name.to_string(),
+            threads: Arc::new(Mutex::new(Vec::with_capacity(workers))),
+        })
+    }
+
+    /// Queues a job, starting the workers if it waits for more than the idle ones; with no
+    /// worker able to start and none running, runs what waits on this thread (lane 0).
+    fn push(&self, job: CrewJob) -> std::result::Result<(), CrewJob> {
+        let n = self.shared.jobs.push_staffed(job)?;
+        if n > 0
+            && start_workers(&self.shared, &self.threads, &self.name, n).is_err()
+            && self.shared.jobs.consumers_not_started(n)
+        {
+            while let Some(job) = self.shared.jobs.steal(|_| true) {
+                run_job(job, 0);
+            }
         }
-        for _ in 0..workers {
-            running
-                .recv()
-                .map_err(|_| Error::Bug("a crew thread ended before it started"))?;
-        }
-        Ok(crew)
+        Ok(())
     }
 
     /// Worker threads (lanes `1..=workers`).
     pub fn workers(&self) -> usize {
-        self.threads.len()
+        self.workers
     }
 
-    /// Workers waiting for work now, less the work already waiting for them (a lock-free,
-    /// possibly slightly stale reading, for the `auto` policy).
+    /// Workers waiting for work now or able to start, less the work already waiting for them
+    /// (a lock-free, possibly slightly stale reading, for the `auto` policy).
     pub fn idle(&self) -> u32 {
-        self.shared.jobs.idle()
+        self.shared.jobs.idle() + self.shared.jobs.startable()
     }
 
     pub fn spin(&self) -> Duration {
@@ -159,7 +203,7 @@ impl Crew {
             done: DoneRef(&done),
         };
         for _ in 0..helpers {
-            if self.shared.jobs.push(CrewJob::Help(me)).is_err() {
+            if self.push(CrewJob::Help(me)).is_err() {
                 done.done(
                     Err(Error::Bug("crew queue closed while its volume is in use")),
                     &Times::default(),
@@ -186,12 +230,7 @@ impl Crew {
         for _ in 0..rounds.max(1) {
             let comp = Completion::new(1);
             let t0 = now();
-            if self
-                .shared
-                .jobs
-                .push(CrewJob::Ping(DoneRef(&comp)))
-                .is_err()
-            {
+            if self.push(CrewJob::Ping(DoneRef(&comp))).is_err() {
                 return Err(Error::Bug("crew queue closed during calibration"));
             }
             comp.wait(self.spin()).0?;
@@ -205,27 +244,69 @@ impl Drop for Crew {
     fn drop(&mut self) {
         // Workers drain what is queued (nothing: every caller has returned), then end.
         self.shared.jobs.close();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+        // Joined until none is left: a worker may start another as it ends (it then finds the
+        // queue closed and ends too).
+        loop {
+            let ts = std::mem::take(&mut *lock(&self.threads));
+            if ts.is_empty() {
+                break;
+            }
+            for t in ts {
+                let _ = t.join();
+            }
         }
     }
+}
+
+/// Starts `n` workers: this thread starts one, which starts the next before it takes work (see
+/// `Core::start_workers` in the volume: the request that starts a busy period pays for one).
+fn start_workers(
+    s: &Arc<Shared>,
+    threads: &Arc<Mutex<Vec<JoinHandle<()>>>>,
+    name: &str,
+    n: u32,
+) -> Result<()> {
+    let (s2, t2, name2) = (s.clone(), threads.clone(), name.to_string());
+    let h = std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            // The rest that could not start no longer count; this one runs.
+            if n > 1 && start_workers(&s2, &t2, &name2, n - 1).is_err() {
+                s2.jobs.consumers_not_started(n - 1);
+            }
+            let lane = s2.take_lane();
+            worker_loop(&s2, lane);
+            s2.give_lane(lane);
+        })
+        .map_err(|e| Error::io("starting a crew thread", e))?;
+    let mut ts = lock(threads);
+    ts.retain(|t| !t.is_finished());
+    ts.push(h);
+    Ok(())
 }
 
 fn worker_loop(s: &Shared, lane: usize) {
     let mut governor = SpinGovernor::default();
     let spin = || Duration::from_nanos(s.spin_ns.load(Relaxed));
-    while let Some(job) = s.jobs.pop_spin(spin(), s.max_spinners, &mut governor) {
-        match job {
-            CrewJob::Help(w) => {
-                // A panic in the work must still complete the part, or its caller would wait
-                // forever (and its stack frame, which the work points into, never be freed).
-                // SAFETY: see WorkRef: the work outlives this help.
-                let r = catch_unwind(AssertUnwindSafe(|| unsafe { (w.run)(w.work, lane) }));
-                let r = r.map_err(|_| Error::Bug("a chunk of split work panicked"));
-                w.done.done(r, &Times::default());
-            }
-            CrewJob::Ping(done) => done.done(Ok(()), &Times::default()),
+    while let Some(job) =
+        s.jobs
+            .pop_or_retire(spin(), s.max_spinners, &mut governor, Some(s.idle_exit))
+    {
+        run_job(job, lane);
+    }
+}
+
+fn run_job(job: CrewJob, lane: usize) {
+    match job {
+        CrewJob::Help(w) => {
+            // A panic in the work must still complete the part, or its caller would wait
+            // forever (and its stack frame, which the work points into, never be freed).
+            // SAFETY: see WorkRef: the work outlives this help.
+            let r = catch_unwind(AssertUnwindSafe(|| unsafe { (w.run)(w.work, lane) }));
+            let r = r.map_err(|_| Error::Bug("a chunk of split work panicked"));
+            w.done.done(r, &Times::default());
         }
+        CrewJob::Ping(done) => done.done(Ok(()), &Times::default()),
     }
 }
 

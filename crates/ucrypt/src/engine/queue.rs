@@ -1,12 +1,22 @@
 //! A bounded multi-producer multi-consumer queue: a fixed ring under a mutex. Producers wait
 //! when it is full (back-pressure), consumers when it is empty. Storage is allocated once.
 //!
-//! A consumer may spin for a bounded time before it sleeps ([`BoundedQueue::pop_spin`]): on a
+//! A consumer may spin for a bounded time before it sleeps ([`BoundedQueue::pop_or_retire`]): on a
 //! virtual machine an idle vCPU halts, and waking it takes tens of microseconds, longer than the
 //! chunk of work a caller hands off. A spinning consumer picks the next item up at once.
+//!
+//! Consumers on demand ([`BoundedQueue::with_consumers`]): the queue counts its consumers and
+//! tells a producer when to start them ([`BoundedQueue::push_staffed`]: when an item waits for
+//! more consumers than are idle, all that are missing, so that a busy period starts its
+//! consumers once, not one at a time as the load happens to call for them); a consumer leaves
+//! when nothing has been pushed for an idle period ([`BoundedQueue::pop_or_retire`]), so the
+//! consumers of a busy queue stay however the items fall among them, and those of an idle one
+//! all leave. Both decisions are made under the queue's mutex, so an item is never left behind
+//! by a consumer that leaves as it is pushed.
 
 use std::sync::atomic::{
-    AtomicBool, AtomicI64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering::Acquire, Ordering::Relaxed,
+    Ordering::Release,
 };
 use std::sync::{Mutex, MutexGuard};
 
@@ -40,6 +50,8 @@ pub struct BoundedQueue<T> {
     /// spinning consumers.
     len_hint: AtomicUsize,
     closed_hint: AtomicBool,
+    /// Consumers that may still be started on demand, mirrored like `spare`.
+    startable_hint: AtomicU32,
     /// Consumers asleep for work: a push wakes one only if there are any.
     not_empty: WaitCell,
     /// Producers waiting for room.
@@ -55,6 +67,13 @@ struct Ring<T> {
     idle: u32,
     /// Consumers spinning in `pop_spin` right now.
     spinning: u32,
+    /// Consumers running (on-demand queues only): started at a producer's request, gone once
+    /// retired or after the close.
+    consumers: u32,
+    /// The most consumers `push_staffed` asks for (0: the owner starts them itself).
+    consumers_max: u32,
+    /// Items pushed so far (on-demand queues): a consumer stays while this moves.
+    pushes: u64,
 }
 
 impl<T> Ring<T> {
@@ -70,7 +89,14 @@ impl<T> Ring<T> {
 }
 
 impl<T> BoundedQueue<T> {
+    #[cfg(test)]
     pub fn new(capacity: usize) -> Self {
+        Self::with_consumers(capacity, 0)
+    }
+
+    /// A queue whose consumers, at most `consumers_max`, start on demand (see the module
+    /// documentation).
+    pub fn with_consumers(capacity: usize, consumers_max: u32) -> Self {
         let capacity = capacity.max(1);
         BoundedQueue {
             state: Mutex::new(Ring {
@@ -80,18 +106,24 @@ impl<T> BoundedQueue<T> {
                 closed: false,
                 idle: 0,
                 spinning: 0,
+                consumers: 0,
+                consumers_max,
+                pushes: 0,
             }),
             not_empty: WaitCell::new(),
             not_full: WaitCell::new(),
             spare: AtomicI64::new(0),
             len_hint: AtomicUsize::new(0),
             closed_hint: AtomicBool::new(false),
+            startable_hint: AtomicU32::new(consumers_max),
         }
     }
 
     fn mirror(&self, r: &Ring<T>) {
         self.spare.store(r.idle as i64 - r.len as i64, Relaxed);
         self.len_hint.store(r.len, Release);
+        self.startable_hint
+            .store(r.consumers_max.saturating_sub(r.consumers), Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, Ring<T>> {
@@ -99,6 +131,7 @@ impl<T> BoundedQueue<T> {
     }
 
     /// Adds an item, waiting while the queue is full. Gives the item back if the queue is closed.
+    #[cfg(test)]
     pub fn push(&self, item: T) -> Result<(), T> {
         let mut r = self.lock();
         while r.len == r.slots.len() && !r.closed {
@@ -117,6 +150,56 @@ impl<T> BoundedQueue<T> {
         Ok(())
     }
 
+    /// Like `push`, for a queue with consumers on demand: Ok(n) if the caller must start `n`
+    /// consumers (already counted as running; for each that cannot start, the caller says so
+    /// with [`Self::consumer_not_started`]).
+    pub fn push_staffed(&self, item: T) -> Result<u32, T> {
+        let mut r = self.lock();
+        while r.len == r.slots.len() && !r.closed {
+            r = self.not_full.wait(r);
+        }
+        if r.closed {
+            return Err(item);
+        }
+        let cap = r.slots.len();
+        let tail = (r.head + r.len) % cap;
+        r.slots[tail] = Some(item);
+        r.len += 1;
+        r.pushes += 1;
+        // Idle consumers each take one item; for an item beyond them, every missing consumer
+        // is started.
+        let start = if r.consumers < r.consumers_max && r.len > r.idle as usize {
+            let n = r.consumers_max - r.consumers;
+            r.consumers = r.consumers_max;
+            n
+        } else {
+            0
+        };
+        self.mirror(&r);
+        drop(r);
+        self.not_empty.notify_one();
+        Ok(start)
+    }
+
+    /// `n` consumers that `push_staffed` asked for did not start. True if then no consumer
+    /// runs while items wait: the caller must take them itself (with `steal`).
+    pub fn consumers_not_started(&self, n: u32) -> bool {
+        let mut r = self.lock();
+        r.consumers = r.consumers.saturating_sub(n);
+        self.mirror(&r);
+        r.consumers == 0 && r.len > 0
+    }
+
+    /// Consumers running now (on-demand queues).
+    pub fn consumers(&self) -> u32 {
+        self.lock().consumers
+    }
+
+    /// Consumers that could be started on demand now (a lock-free, possibly stale reading).
+    pub fn startable(&self) -> u32 {
+        self.startable_hint.load(Relaxed)
+    }
+
     /// Takes the oldest item, waiting while empty; None once closed and drained.
     #[cfg(test)]
     pub fn pop(&self) -> Option<T> {
@@ -127,13 +210,28 @@ impl<T> BoundedQueue<T> {
     /// before it sleeps, if fewer than `max_spinners` consumers are spinning already (spinners
     /// take CPUs from the threads that produce the work) and `governor` says spinning has
     /// been paying for this consumer (it is told whether each spin did).
+    #[cfg(test)]
     pub fn pop_spin(
         &self,
         spin: Duration,
         max_spinners: u32,
         governor: &mut SpinGovernor,
     ) -> Option<T> {
+        self.pop_or_retire(spin, max_spinners, governor, None)
+    }
+
+    /// Like `pop_spin`; with `retire_after`, a consumer of an on-demand queue leaves when it
+    /// finds the queue empty and nothing has been pushed for that long: None, and it no
+    /// longer counts as running.
+    pub fn pop_or_retire(
+        &self,
+        spin: Duration,
+        max_spinners: u32,
+        governor: &mut SpinGovernor,
+        retire_after: Option<Duration>,
+    ) -> Option<T> {
         let mut deadline = (!spin.is_zero()).then(|| Instant::now() + spin);
+        let mut idle_since: Option<(Instant, u64)> = None;
         let mut asked = false;
         let mut r = self.lock();
         loop {
@@ -155,6 +253,8 @@ impl<T> BoundedQueue<T> {
                 self.not_full.notify_all();
             }
             if r.closed {
+                r.consumers = r.consumers.saturating_sub(1);
+                self.mirror(&r);
                 return None;
             }
             r.idle += 1;
@@ -177,6 +277,18 @@ impl<T> BoundedQueue<T> {
                 }
                 r = self.lock();
                 r.spinning -= 1;
+            } else if let Some(after) = retire_after {
+                match Self::idle_left(&mut idle_since, r.pushes, after) {
+                    None => {
+                        // Empty (checked above, under this lock), and nothing pushed for the
+                        // whole idle period.
+                        r.idle -= 1;
+                        r.consumers = r.consumers.saturating_sub(1);
+                        self.mirror(&r);
+                        return None;
+                    }
+                    Some(left) => r = self.not_empty.wait_timeout(r, left),
+                }
             } else {
                 r = self.not_empty.wait(r);
             }
@@ -210,7 +322,14 @@ impl<T> BoundedQueue<T> {
 
     /// Takes up to `out.len()` items without waiting if at least one is there; waits for the
     /// first otherwise. Returns how many were taken (0 only once closed and drained).
-    pub fn pop_batch(&self, out: &mut [Option<T>]) -> usize {
+    /// With `retire_after`, a consumer of an on-demand queue that has found it empty for that
+    /// long leaves (0), as in `pop_or_retire`.
+    pub fn pop_batch_or_retire(
+        &self,
+        out: &mut [Option<T>],
+        retire_after: Option<Duration>,
+    ) -> usize {
+        let mut idle_since: Option<(Instant, u64)> = None;
         let mut r = self.lock();
         loop {
             let mut n = 0;
@@ -232,7 +351,22 @@ impl<T> BoundedQueue<T> {
                 return n;
             }
             if r.closed {
+                r.consumers = r.consumers.saturating_sub(1);
+                self.mirror(&r);
                 return 0;
+            }
+            if let Some(after) = retire_after {
+                let Some(left) = Self::idle_left(&mut idle_since, r.pushes, after) else {
+                    r.consumers = r.consumers.saturating_sub(1);
+                    self.mirror(&r);
+                    return 0;
+                };
+                r.idle += 1;
+                self.mirror(&r);
+                r = self.not_empty.wait_timeout(r, left);
+                r.idle -= 1;
+                self.mirror(&r);
+                continue;
             }
             r.idle += 1;
             self.mirror(&r);
@@ -246,6 +380,22 @@ impl<T> BoundedQueue<T> {
     /// lock-free, possibly slightly stale reading).
     pub fn idle(&self) -> u32 {
         self.spare.load(Relaxed).max(0) as u32
+    }
+
+    /// How much longer a consumer waits before it leaves (None: leave now): `after` from the
+    /// last push it saw (`since`, started at its first look; a push since restarts it).
+    fn idle_left(
+        since: &mut Option<(Instant, u64)>,
+        pushes: u64,
+        after: Duration,
+    ) -> Option<Duration> {
+        let now = Instant::now();
+        let (t0, seen) = since.get_or_insert((now, pushes));
+        if *seen != pushes {
+            (*t0, *seen) = (now, pushes);
+        }
+        let left = after.saturating_sub(now.duration_since(*t0));
+        (!left.is_zero()).then_some(left)
     }
 
     /// Refuses further pushes; consumers drain what is left, then get None.

@@ -2,6 +2,14 @@
 //! `queued` model; one `writer` thread submits the `queued` model's writes, sorted by sector.
 //! Work reaches them only through bounded queues; a caller always waits for the completion of
 //! everything it handed off before returning, so tasks may point into the caller's buffers.
+//!
+//! The threads start on demand and leave when idle: the queues count their consumers
+//! (`BoundedQueue::push_staffed`), the volume starts one when an item waits for more
+//! consumers than are idle, and a thread that found no work for [`THREAD_IDLE_EXIT`] ends. An
+//! idle volume thus has no engine thread, and a busy one as many as before. Starting a thread
+//! costs tens of microseconds and allocates; it happens once per busy period and thread, not
+//! per request (the first requests after an idle period are served while it starts: a split's
+//! caller runs the chunks no helper has taken).
 
 use std::sync::atomic::{AtomicU32, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use std::sync::Mutex;
@@ -28,6 +36,10 @@ pub(crate) trait Executor: Sync {
     fn exec_task(&self, own: Option<&mut SectorCipher>, task: &Task, t: &mut Times) -> Result<()>;
     /// The backend write of an encrypted task.
     fn write_task_io(&self, task: &Task, t: &mut Times) -> Result<()>;
+    /// Hands an encrypted write to the writer thread, starting it if none runs.
+    fn push_write(&self, w: WriteJob) -> std::result::Result<(), WriteJob>;
+    /// How long an idle thread waits for work before it ends (None: never).
+    fn idle_exit(&self) -> Option<Duration>;
 }
 
 /// Jobs waiting for a worker: enough for every caller thread to hand off a few chunks.
@@ -44,6 +56,10 @@ pub const WRITE_BATCH_MAX: usize = 64;
 pub const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 /// The most `VolumeConfig::spin` may be: spinning longer than this only burns CPU.
 pub const SPIN_MAX: Duration = Duration::from_millis(10);
+/// How long a worker or writer thread waits for work before it ends: a request stream with
+/// pauses shorter than this never pays for starting threads again; a volume left idle has no
+/// engine thread after this.
+pub const THREAD_IDLE_EXIT: Duration = Duration::from_secs(5);
 
 /// Counts down the parts of a request handed to other threads. Lives on the caller's stack;
 /// the caller does not return before `remaining` reaches zero.
@@ -230,83 +246,97 @@ pub(crate) fn worker_loop(core: &impl Executor) {
     // A worker borrows a cipher context per job from the volume's table (its thread starts at
     // a slot of its own, so the borrow is uncontended), rather than owning one: a suspended
     // volume must be able to wipe every context, and an idle worker would keep its own.
-    let exec = |task: &Task, t: &mut Times| core.exec_task(None, task, t);
     // Spinning for the next job stops for a while when it stops paying (jobs come further
     // apart than the spin lasts): on a busy host a spin that does not pay takes a CPU from
     // the thread that would produce the job.
     let mut governor = SpinGovernor::default();
-    while let Some(job) = core
-        .jobs()
-        .pop_spin(core.spin(), core.max_spinners(), &mut governor)
-    {
-        // Timed only if the request is sampled (see stats): it then sent a non-zero time.
-        let times_for = |queued_at: u64| Times {
-            on: queued_at != 0,
-            queue: if queued_at != 0 {
-                now().wrapping_sub(queued_at)
-            } else {
-                0
-            },
-            ..Times::default()
-        };
-        match job {
-            Job::Help { split, queued_at } => {
-                // SAFETY: see SplitRef: the split outlives its helpers.
-                let split = unsafe { &*split.0 };
-                let mut t = times_for(queued_at);
-                let r = split.run_chunks(core, None, &mut t);
-                split.helpers.done(r, &t);
-            }
-            Job::Chunk {
-                task,
-                done,
-                queued_at,
-            } => {
-                let mut t = times_for(queued_at);
-                let r = exec(&task, &mut t);
-                done.done(r, &t);
-            }
-            Job::QueuedWrite {
-                task,
-                done,
-                queued_at,
-            } => {
-                let mut t = times_for(queued_at);
-                match exec(&task, &mut t) {
-                    Err(e) => done.done(Err(e), &t),
-                    Ok(()) => {
-                        let w = WriteJob {
-                            task,
-                            done,
-                            times: t,
-                        };
-                        if let Err(w) = core.writes().push(w) {
-                            w.done.done(
-                                Err(Error::Bug("write queue closed with writes pending")),
-                                &w.times,
-                            );
-                        }
+    while let Some(job) = core.jobs().pop_or_retire(
+        core.spin(),
+        core.max_spinners(),
+        &mut governor,
+        core.idle_exit(),
+    ) {
+        run_job(core, job);
+    }
+}
+
+/// Runs one job to its completion (on a worker, or on a caller that could not start one).
+pub(crate) fn run_job(core: &impl Executor, job: Job) {
+    // Timed only if the request is sampled (see stats): it then sent a non-zero time.
+    let times_for = |queued_at: u64| Times {
+        on: queued_at != 0,
+        queue: if queued_at != 0 {
+            now().wrapping_sub(queued_at)
+        } else {
+            0
+        },
+        ..Times::default()
+    };
+    match job {
+        Job::Help { split, queued_at } => {
+            // SAFETY: see SplitRef: the split outlives its helpers.
+            let split = unsafe { &*split.0 };
+            let mut t = times_for(queued_at);
+            let r = split.run_chunks(core, None, &mut t);
+            split.helpers.done(r, &t);
+        }
+        Job::Chunk {
+            task,
+            done,
+            queued_at,
+        } => {
+            let mut t = times_for(queued_at);
+            let r = core.exec_task(None, &task, &mut t);
+            done.done(r, &t);
+        }
+        Job::QueuedWrite {
+            task,
+            done,
+            queued_at,
+        } => {
+            let mut t = times_for(queued_at);
+            match core.exec_task(None, &task, &mut t) {
+                Err(e) => done.done(Err(e), &t),
+                Ok(()) => {
+                    let w = WriteJob {
+                        task,
+                        done,
+                        times: t,
+                    };
+                    if let Err(w) = core.push_write(w) {
+                        w.done.done(
+                            Err(Error::Bug("write queue closed with writes pending")),
+                            &w.times,
+                        );
                     }
                 }
             }
-            Job::Ping { done } => done.done(Ok(()), &Times::default()),
         }
+        Job::Ping { done } => done.done(Ok(()), &Times::default()),
     }
 }
 
 pub(crate) fn writer_loop(core: &impl Executor) {
     let mut batch: [Option<WriteJob>; WRITE_BATCH_MAX] = [const { None }; WRITE_BATCH_MAX];
     loop {
-        let n = core.writes().pop_batch(&mut batch);
+        let n = core
+            .writes()
+            .pop_batch_or_retire(&mut batch, core.idle_exit());
         if n == 0 {
             return;
         }
         batch[..n].sort_unstable_by_key(|w| w.as_ref().map_or(u64::MAX, |w| w.task.sectors.first));
         for slot in batch[..n].iter_mut() {
-            if let Some(mut w) = slot.take() {
-                let r = core.write_task_io(&w.task, &mut w.times);
-                w.done.done(r, &w.times);
+            if let Some(w) = slot.take() {
+                run_write(core, w);
             }
         }
     }
+}
+
+/// Performs one queued write and completes it (on the writer, or on a thread that could not
+/// start it).
+pub(crate) fn run_write(core: &impl Executor, mut w: WriteJob) {
+    let r = core.write_task_io(&w.task, &mut w.times);
+    w.done.done(r, &w.times);
 }

@@ -178,6 +178,7 @@ impl Volume {
             read_only: c.read_only,
             allow_discards: c.allow_discards.load(Relaxed),
             spin: self.spin(),
+            idle_release: c.idle_release,
         };
         // The same counters: requests served by either side count as the volume's.
         let new = Volume::with_stats(backend, cfg, c.stats.clone())?;

@@ -52,6 +52,8 @@ pub struct RigCfg {
     pub size: u64,
     pub data_offset: u64,
     pub seed: u64,
+    /// `VolumeConfig::idle_release`.
+    pub idle_release: std::time::Duration,
 }
 
 impl Default for RigCfg {
@@ -65,6 +67,7 @@ impl Default for RigCfg {
             size: 4 << 20,
             data_offset: 8192,
             seed: 1,
+            idle_release: ucrypt::volume::THREAD_IDLE_EXIT,
         }
     }
 }
@@ -102,6 +105,7 @@ pub fn rig_over(c: RigCfg, wrap: Option<Wrap<'_>>) -> Rig {
     cfg.size_bytes = Some(c.size);
     cfg.policy = c.policy.into();
     cfg.pool_bytes = c.pool_bytes;
+    cfg.idle_release = c.idle_release;
     let vol = Arc::new(Volume::new(backend.clone(), cfg).unwrap());
     Rig {
         vol,
