@@ -241,7 +241,7 @@ pub fn expand_alias(mut argv: Vec<String>) -> Vec<String> {
 
 /// `open --type bitlk --test-passphrase`: the volume could be activated and the secret gives
 /// its volume key; nothing is served.
-pub fn test_passphrase(v: &crate::open::VolumeArgs) -> CliResult<()> {
+pub fn test_passphrase(v: &crate::volume_args::VolumeArgs) -> CliResult<()> {
     ucrypt::secret::disable_core_dumps();
     let crate::target::Target::Path(path) = &v.volume else {
         return Err(CliError::Usage(format!(

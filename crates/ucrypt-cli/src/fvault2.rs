@@ -113,7 +113,7 @@ pub fn mapping(
 
 /// `open --type fvault2 --test-passphrase`: the key unwraps with the passphrase; nothing is
 /// served.
-pub fn test_passphrase(v: &crate::open::VolumeArgs) -> i32 {
+pub fn test_passphrase(v: &crate::volume_args::VolumeArgs) -> i32 {
     ucrypt::secret::disable_core_dumps();
     let r = match &v.volume {
         crate::target::Target::Path(p) => {

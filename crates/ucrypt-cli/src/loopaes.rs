@@ -9,8 +9,8 @@ use ucrypt::loopaes::{self, KeyFile};
 use ucrypt::tcrypt::Mapping;
 
 use crate::error::{CliError, CliResult};
-use crate::open::VolumeArgs;
 use crate::pass;
+use crate::volume_args::VolumeArgs;
 
 /// The mapping of the loop-AES volume `v` names.
 pub fn mapping(v: &VolumeArgs) -> CliResult<Mapping> {

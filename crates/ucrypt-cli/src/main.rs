@@ -28,6 +28,7 @@ mod target;
 mod token;
 mod ublk;
 mod vhost;
+mod volume_args;
 mod volume_key;
 
 use clap::{Parser, Subcommand};

@@ -409,7 +409,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
     })?;
     if a.refresh {
         if a.persistent {
-            crate::luks_cli::store_open_flags(&a.v)?;
+            a.v.store_activation_flags()?;
         }
         return refresh(RefreshArgs {
             name,
@@ -435,7 +435,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
     }
     let front_end = a.front_end.resolve(run.root)?;
     if a.persistent {
-        crate::luks_cli::store_open_flags(&a.v)?;
+        a.v.store_activation_flags()?;
     }
     // A local volume is known by its device and inode; a remote one by its name.
     let (volume, st_dev, st_ino) = match &a.v.volume {

@@ -1349,30 +1349,6 @@ fn requested_flags(o: &LuksOpts) -> Vec<String> {
     f
 }
 
-/// `open --persistent`: stores the activation flags the volume is opened with
-/// (--allow-discards, --perf-no_read_workqueue, --perf-no_write_workqueue) in its LUKS2
-/// header, replacing the ones stored before, as cryptsetup's `open --persistent` does.
-pub fn store_open_flags(v: &crate::open::VolumeArgs) -> Result<()> {
-    let o = LuksOpts {
-        header: v.header.clone(),
-        allow_discards: v.allow_discards,
-        perf_no_read_workqueue: v.perf_no_read_workqueue,
-        perf_no_write_workqueue: v.perf_no_write_workqueue,
-        ..LuksOpts::default()
-    };
-    let (dev, hdr) = load(&v.volume, &o, true)?;
-    hdr.check_requirements()?;
-    let Header::Luks2(mut h) = hdr else {
-        return Err(Error::InvalidArgument(
-            "--persistent stores activation flags in a LUKS2 header; this is LUKS1".into(),
-        ));
-    };
-    let flags = requested_flags(&o);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    h.set_persistent_flags(&flags)?;
-    luks::apply(dev.as_ref(), &h.commit()?)
-}
-
 fn config(device: &Target, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;

@@ -3,8 +3,11 @@
 //! size, which is at least the header (a zero size ends the list, as in cryptsetup), so each
 //! loop runs at most `len / ENTRY_HEADER_BYTES` times.
 
-use super::keys::{NONCE_BYTES, TAG_BYTES};
 use super::{guid_string, le16, le64, malformed, BitlkError, CcmKey, Protection, Vmk};
+
+/// An AES-CCM protected key's nonce and tag, as its entry carries them before the ciphertext.
+pub(crate) const NONCE_BYTES: usize = 12;
+pub(crate) const TAG_BYTES: usize = 16;
 
 pub(crate) const ENTRY_HEADER_BYTES: usize = 8;
 /// A VMK entry's own header after the entry header: GUID, modification time, protection.

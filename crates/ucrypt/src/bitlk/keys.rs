@@ -9,8 +9,8 @@ use subtle::ConstantTimeEq;
 use zeroize::Zeroize;
 
 use super::entries::{
-    walk, ENTRY_HEADER_BYTES, TYPE_STARTUP_KEY, TYPE_VOLUME_GUID, VALUE_EXTERNAL_KEY, VALUE_GUID,
-    VALUE_KEY, VALUE_STRING,
+    walk, ENTRY_HEADER_BYTES, TAG_BYTES, TYPE_STARTUP_KEY, TYPE_VOLUME_GUID, VALUE_EXTERNAL_KEY,
+    VALUE_GUID, VALUE_KEY, VALUE_STRING,
 };
 use super::{
     guid_string, le16, le32, malformed, BitlkError, CcmKey, Encryption, Metadata, Protection, Vmk,
@@ -18,9 +18,6 @@ use super::{
 use crate::sector::block::Ecb;
 use crate::sector::BlockCipher;
 use crate::SecretBytes;
-
-pub(crate) const NONCE_BYTES: usize = 12;
-pub(crate) const TAG_BYTES: usize = 16;
 /// SHA-256 rounds of the stretch key.
 const KDF_ROUNDS: u64 = 0x10_0000;
 /// The size and version fields before a decrypted key's bytes.

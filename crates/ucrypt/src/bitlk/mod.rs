@@ -161,8 +161,8 @@ impl Protection {
 /// A key encrypted with AES-CCM (a VMK under its stretched key, the FVEK under the VMK).
 #[derive(Clone, PartialEq, Eq)]
 pub struct CcmKey {
-    pub nonce: [u8; keys::NONCE_BYTES],
-    pub tag: [u8; keys::TAG_BYTES],
+    pub nonce: [u8; entries::NONCE_BYTES],
+    pub tag: [u8; entries::TAG_BYTES],
     pub ciphertext: Vec<u8>,
 }
 

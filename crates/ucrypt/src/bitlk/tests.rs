@@ -2,7 +2,8 @@
 //! hang), and the pieces with fixed answers (recovery keys, AES-CCM, segments) give them.
 
 use super::entries::parse_entries;
-use super::keys::{ccm_decrypt, TAG_BYTES};
+use super::entries::TAG_BYTES;
+use super::keys::ccm_decrypt;
 use super::*;
 
 /// A boot sector of a normal BitLocker volume with its metadata at 64 KiB, 1 MiB and 2 MiB.

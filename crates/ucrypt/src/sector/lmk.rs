@@ -36,16 +36,6 @@ impl Drop for Lmk {
 }
 
 impl Lmk {
-    /// The key sizes of 64 subkeys (and optionally a seed part) for a cipher of `sizes`.
-    pub(crate) fn key_bytes_allowed(cipher: BlockCipher) -> &'static [usize] {
-        match cipher {
-            BlockCipher::Aes | BlockCipher::Twofish | BlockCipher::Camellia => {
-                &[1024, 1040, 1536, 1560, 2048, 2080]
-            }
-            BlockCipher::Serpent => &[],
-        }
-    }
-
     pub(crate) fn new(cipher: BlockCipher, key: &[u8]) -> Result<Self> {
         let (parts, seeded) = if key.len() % LMK_KEYS == 0 {
             (LMK_KEYS, false)

@@ -344,7 +344,7 @@ impl CipherSpec {
     pub fn key_bytes_allowed(&self) -> &'static [usize] {
         if self.iv == IvMode::Lmk64 {
             return match self.mode {
-                Mode::Cbc(c) => super::lmk::Lmk::key_bytes_allowed(c),
+                Mode::Cbc(c) => lmk_key_bytes_allowed(c),
                 _ => &[],
             };
         }
@@ -608,6 +608,17 @@ impl FromStr for CipherSpec {
             _ => {}
         }
         Ok(CipherSpec { mode, iv })
+    }
+}
+
+/// The key sizes of `lmk` with 64 subkeys of `cipher`'s sizes (128, 192 or 256 bits), and
+/// optionally a 65th part of the same size (the IV seed): 64 or 65 parts.
+pub(crate) fn lmk_key_bytes_allowed(cipher: BlockCipher) -> &'static [usize] {
+    match cipher {
+        BlockCipher::Aes | BlockCipher::Twofish | BlockCipher::Camellia => {
+            &[1024, 1040, 1536, 1560, 2048, 2080]
+        }
+        BlockCipher::Serpent => &[],
     }
 }
 
