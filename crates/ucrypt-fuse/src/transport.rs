@@ -245,7 +245,10 @@ fn read_request(fd: RawFd, buf: &mut [u8]) -> io::Result<Read> {
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
         Some(libc::EINTR | libc::EAGAIN | libc::ENOENT) => Ok(Read::Again),
-        Some(libc::ENODEV) => Ok(Read::Gone),
+        // The connection is gone: unmounted (ENODEV), or ended by the kernel as it destroys
+        // the file system once its last user (a loop device over a detached mount) leaves,
+        // which reads as an aborted connection (ECONNABORTED), as the io_uring path sees too.
+        Some(libc::ENODEV | libc::ECONNABORTED) => Ok(Read::Gone),
         _ => Err(e),
     }
 }
@@ -291,7 +294,7 @@ fn write_reply(fd: RawFd, unique: u64, error: i32, body: &[u8]) -> io::Result<bo
             Some(libc::EINTR) => continue,
             // The request was interrupted and is gone: nothing to answer.
             Some(libc::ENOENT) => return Ok(true),
-            Some(libc::ENODEV) => return Ok(false),
+            Some(libc::ENODEV | libc::ECONNABORTED) => return Ok(false),
             _ => return Err(e),
         }
     }
