@@ -484,6 +484,76 @@ fn rootless_fuse_file_round_trip() {
     assert!(!mounts.contains(&format!("ucrypt:{n} ")), "{mounts}");
 }
 
+/// A RLIMIT_MEMLOCK below the buffer pool's bound, without CAP_IPC_LOCK (what a user's
+/// session has): the volume serves, the daemon's log says at the start that buffers past the
+/// limit will not be locked, and `status` counts the chunks that could not be locked once
+/// requests used them. Root drops CAP_IPC_LOCK from its bounding set, which for mlock is the
+/// same as being another user.
+#[test]
+fn a_memlock_limit_below_the_pool_is_said_in_the_log_and_status() {
+    if !is_root() || !have("setpriv") || !have("prlimit") || !Path::new("/dev/fuse").exists() {
+        println!("SKIPPED: needs root, setpriv and prlimit (util-linux), and /dev/fuse");
+        return;
+    }
+    let t = TempDir::new("memlock");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("memlock");
+    // 256 KiB: the keys and a few 64 KiB chunks of the pool, not a 1 MiB piece.
+    let o = run(
+        "setpriv",
+        &[
+            "--bounding-set=-ipc_lock",
+            "prlimit",
+            "--memlock=262144:262144",
+            UCRYPT,
+            "open",
+            s(&img),
+            &n,
+            "--key-file",
+            s(&key),
+            "--front-end",
+            "fuse",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let dir = Path::new(RUN_DIR).join(&n);
+    let (_, before) = status_fields(&n);
+    assert!(
+        !before.iter().any(|(k, _)| k == "memory"),
+        "nothing failed to lock yet: {before:?}"
+    );
+    let file = dir.join("volume");
+    ok(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={}", s(&file)),
+            "bs=1M",
+            "count=4",
+            "oflag=direct",
+            "conv=notrunc",
+            "status=none",
+        ],
+    );
+    let (code, f) = status_fields(&n);
+    let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+    let closed = ucrypt(&["close", &n]);
+    assert_eq!(code, 0);
+    assert_eq!(closed.status.code(), Some(0), "{}", text(&closed));
+    let memory = field(&f, "memory");
+    let chunks: u64 = memory
+        .split_whitespace()
+        .next()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("memory: {memory}"));
+    assert!(chunks > 0, "{memory}");
+    assert!(memory.contains("RLIMIT_MEMLOCK"), "{memory}");
+    assert!(
+        log.contains("RLIMIT_MEMLOCK is 256 KiB, below the 16384 KiB"),
+        "daemon.log: {log}"
+    );
+}
+
 /// `close --deferred` of a mounted device: exit 0 at once, the device keeps serving while it
 /// is mounted, and once it is unmounted the daemon closes by itself and leaves nothing behind.
 /// Of an unused device: closes at once.

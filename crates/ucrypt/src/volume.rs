@@ -1075,6 +1075,12 @@ impl Volume {
         self.core.pool.resident_bytes()
     }
 
+    /// Chunks of the bounce buffers whose `mlock` failed (RLIMIT_MEMLOCK): plaintext in them
+    /// may be swapped out.
+    pub fn pool_lock_failures(&self) -> u64 {
+        self.core.pool.lock_failures()
+    }
+
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.core.backend
     }

@@ -97,6 +97,7 @@ impl Control {
             integrity_mismatches: self.vol.integrity_mismatches(),
             reencryption,
             header: self.header.as_ref().map(|h| h.display().to_string()),
+            buffer_lock_failures: self.vol.buffer_lock_failures(),
         }))
     }
 }

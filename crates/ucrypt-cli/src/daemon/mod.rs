@@ -951,6 +951,13 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
                   refused)\n";
         }
     }
+    if s.buffer_lock_failures != 0 {
+        o += &format!(
+            "  memory:  {} buffer chunks could not be locked (RLIMIT_MEMLOCK reached): \
+             plaintext in them may be swapped out\n",
+            s.buffer_lock_failures
+        );
+    }
     o += &format!("  pid:     {}\n", s.pid);
     o
 }
@@ -1289,6 +1296,7 @@ mod tests {
             integrity_mismatches: None,
             reencryption: None,
             header: None,
+            buffer_lock_failures: 0,
         };
         let want = "\
 /dev/ucrypt/data is active.
@@ -1311,6 +1319,17 @@ mod tests {
   pid:     7
 ";
         assert_eq!(status_text("/dev/ucrypt/data", &s), want);
+        // Buffers that could not be locked are said, before the pid.
+        let unlocked = StatusReport {
+            buffer_lock_failures: 2,
+            ..s
+        };
+        let want = want.replace(
+            "  pid:",
+            "  memory:  2 buffer chunks could not be locked (RLIMIT_MEMLOCK reached): plaintext \
+             in them may be swapped out\n  pid:",
+        );
+        assert_eq!(status_text("/dev/ucrypt/data", &unlocked), want);
     }
 
     #[test]

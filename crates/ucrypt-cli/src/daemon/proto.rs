@@ -515,6 +515,14 @@ pub struct StatusReport {
     /// the header is in front of the data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// Chunks of the volume's buffers (those that may hold plaintext) whose `mlock` failed
+    /// since opening: RLIMIT_MEMLOCK was reached, and they may be swapped out.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub buffer_lock_failures: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Where an online key rotation stands (`status` while `reencrypt` runs in the daemon).
@@ -794,6 +802,7 @@ mod tests {
             integrity_mismatches: Some(3),
             reencryption: None,
             header: None,
+            buffer_lock_failures: 5,
         }
     }
 

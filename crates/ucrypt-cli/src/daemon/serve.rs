@@ -257,6 +257,7 @@ impl Shared {
             integrity_mismatches: self.vol.integrity_mismatches(),
             reencryption: self.reencryption(),
             header: self.header.as_ref().map(|h| h.display().to_string()),
+            buffer_lock_failures: self.vol.buffer_lock_failures(),
         }))
     }
 
@@ -651,6 +652,10 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     crate::signals::started();
     let header_dev = prepared.header_device();
     let opened = prepared.open()?;
+    if let Some(w) = memlock_warning() {
+        // The daemon's stderr is its log.
+        eprintln!("{}: {w}", d.name);
+    }
     // cryptsetup's lock was held from the header's read to the unlock: released now, so that
     // keyslot verbs work on the open volume; the resume takes it again to read.
     if let Some(h) = &header_dev {
@@ -768,6 +773,39 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         },
     );
     Ok(())
+}
+
+/// Why the volume's buffers may not all be locked in this process, if they may not: a
+/// RLIMIT_MEMLOCK below the bounce-buffer pool's bound, without CAP_IPC_LOCK (which lifts the
+/// limit). `status` counts the chunks that then failed to lock.
+fn memlock_warning() -> Option<String> {
+    const CAP_IPC_LOCK: u32 = 14;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `lim`, which lives across the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0
+        || lim.rlim_cur == libc::RLIM_INFINITY
+        || lim.rlim_cur >= ucrypt::pool::POOL_BYTES_DEFAULT as u64
+    {
+        return None;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let cap_eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())?;
+    if cap_eff >> CAP_IPC_LOCK & 1 == 1 {
+        return None;
+    }
+    Some(format!(
+        "RLIMIT_MEMLOCK is {} KiB, below the {} KiB the bounce buffers may use: buffers past \
+         the limit are not locked, and plaintext in them may be swapped out (`status` counts \
+         them; raise the limit, e.g. LimitMEMLOCK= in a systemd unit)",
+        lim.rlim_cur / 1024,
+        ucrypt::pool::POOL_BYTES_DEFAULT / 1024
+    ))
 }
 
 fn main_loop(

@@ -193,6 +193,14 @@ impl Authenticated {
         self.mismatches_before.load(Ordering::Relaxed) + now
     }
 
+    /// Buffer chunks the volume could not lock (see [`super::Opened::buffer_lock_failures`]); those
+    /// of a volume dropped at a suspend are not counted.
+    pub(crate) fn buffer_lock_failures(&self) -> u64 {
+        lock(&self.inner)
+            .as_ref()
+            .map_or(0, |v| v.buffer_lock_failures())
+    }
+
     pub(crate) fn is_suspended(&self) -> bool {
         lock(&self.inner).is_none()
     }

@@ -406,6 +406,16 @@ impl Opened {
         }
     }
 
+    /// Chunks of the buffers that may hold plaintext whose `mlock` failed (a RLIMIT_MEMLOCK
+    /// below what the volume used): 0 when everything is locked. Those chunks still serve, but
+    /// the kernel may write them to swap.
+    pub fn buffer_lock_failures(&self) -> u64 {
+        match &self.served {
+            Served::Engine(v) => v.pool_lock_failures(),
+            Served::Authenticated(a) => a.buffer_lock_failures(),
+        }
+    }
+
     pub fn is_suspended(&self) -> bool {
         match &self.served {
             Served::Engine(v) => v.is_suspended(),

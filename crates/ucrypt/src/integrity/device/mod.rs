@@ -386,6 +386,12 @@ impl IntegrityVolume {
         self.integrity_errors.load(Ordering::Relaxed)
     }
 
+    /// Chunks of the scratch buffers whose `mlock` failed (RLIMIT_MEMLOCK): plaintext in them
+    /// may be swapped out.
+    pub fn buffer_lock_failures(&self) -> u64 {
+        self.pool.lock_failures()
+    }
+
     fn write_lock(&self) -> RwLockWriteGuard<'_, JournalState> {
         self.io_lock.write().unwrap_or_else(|p| p.into_inner())
     }
