@@ -72,6 +72,27 @@ pub struct VhostOptions {
     pub discard: bool,
     /// What `VIRTIO_BLK_T_GET_ID` answers (the guest's `/sys/block/vdX/serial`).
     pub id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    /// The owner's view of the connection (see [`Handle`]).
+    pub handle: Handle,
+}
+
+/// The served device as its owner sees it while [`serve`] runs: whether a VMM is connected.
+#[derive(Clone, Default)]
+pub struct Handle(Arc<Mutex<Option<Arc<BlkBackend>>>>);
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("connected", &self.connected())
+            .finish()
+    }
+}
+
+impl Handle {
+    /// A VMM is connected (its guest may be using the disk).
+    pub fn connected(&self) -> bool {
+        lock(&self.0).is_some()
+    }
 }
 
 impl Default for VhostOptions {
@@ -83,6 +104,7 @@ impl Default for VhostOptions {
             queues: cpus.min(64),
             discard: true,
             id: *b"ucrypt\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
+            handle: Handle::default(),
         }
     }
 }
@@ -188,6 +210,7 @@ fn serve_connections(
             continue;
         }
         *lock(current) = daemon.shutdown_handle();
+        *lock(&opts.handle.0) = Some(backend.clone());
         if stop.requested() {
             daemon.request_shutdown();
         }
@@ -200,6 +223,7 @@ fn serve_connections(
             Err(e) => eprintln!("ucrypt vhost: connection ended: {e}"),
         }
         *lock(current) = None;
+        *lock(&opts.handle.0) = None;
         // Joins the queue threads, then waits for the requests they handed to workers: no
         // request is in progress once this returns.
         drop(daemon);

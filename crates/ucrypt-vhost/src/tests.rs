@@ -478,6 +478,17 @@ fn config_space_describes_the_device() {
 }
 
 #[test]
+fn config_space_capacity_follows_the_volume_size() {
+    let mem = guest_memory();
+    let r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let capacity = |r: &Rig| u64::from_le_bytes(r.backend.get_config(0, 8).try_into().unwrap());
+    assert_eq!(capacity(&r), (DEV_BYTES / 512) as u64);
+    // A resize changes what the next read of the config space says.
+    r.dev.data.lock().unwrap().resize(DEV_BYTES * 2, 0);
+    assert_eq!(capacity(&r), (DEV_BYTES * 2 / 512) as u64);
+}
+
+#[test]
 fn event_idx_serves_and_publishes_avail_event() {
     let mem = guest_memory();
     let features = FLUSH | 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
