@@ -996,10 +996,13 @@ fn start_vhost(
     dev: Arc<dyn BlockDev>,
 ) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let socket = d.claim.dir.join(super::state::VHOST_SOCKET);
-    let mut opts = ucrypt_vhost::VhostOptions::default();
-    // Discards are offered where the volume passes them on (allow-discards), as dm-crypt does.
-    opts.discard = opened.engine().is_some_and(|v| v.allow_discards());
-    opts.id = ucrypt_vhost::id_of(&d.name);
+    let opts = ucrypt_vhost::VhostOptions {
+        // Discards are offered where the volume passes them on (allow-discards), as dm-crypt
+        // does.
+        discard: opened.engine().is_some_and(|v| v.allow_discards()),
+        id: ucrypt_vhost::id_of(&d.name),
+        ..Default::default()
+    };
     let handle = opts.handle.clone();
     let stop = Stop::new();
     let s2 = stop.clone();
