@@ -1825,6 +1825,11 @@ fn vhost_user_front_end_serves_a_socket_until_close() {
     assert_eq!(field(&f, "front end"), "vhost-user");
     assert_eq!(field(&f, "device path"), s(&sock));
 
+    // The guest could not be told a new size: resize refuses rather than change it unseen.
+    let o = ucrypt(&["resize", &n]);
+    assert_eq!(o.status.code(), Some(1), "resize: {}", text(&o));
+    assert!(one_line(&o).contains("vhost-user"), "{}", text(&o));
+
     let (conn, features) = vhost_user_features(&sock);
     const VIRTIO_F_VERSION_1: u64 = 1 << 32;
     const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;

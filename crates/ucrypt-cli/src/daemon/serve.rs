@@ -454,7 +454,7 @@ impl Shared {
         if self.vhost.is_some() {
             return Self::error(
                 1,
-                "resize: the vhost-user front end cannot tell the guest a new size yet; close and open again",
+                "resize: the vhost-user front end cannot tell the guest a new size (the vhost crate's backend channel sends no config-change message); close and open again",
             );
         }
         let Some(notifier) = &self.size_notifier else {
