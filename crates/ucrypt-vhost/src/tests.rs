@@ -839,3 +839,25 @@ fn requests_in_flight_per_queue_are_bounded() {
     r.backend.close();
     assert_eq!(r.backend.workers(0), 0);
 }
+
+#[test]
+fn stopping_a_queue_waits_for_its_requests_in_flight() {
+    let mem = guest_memory();
+    let dev = MemDev::new(DEV_BYTES, false);
+    let mut r = Rig::new(&mem, dev.clone(), FLUSH, false);
+    dev.hold(0);
+    let held = r.offer_slot(0, VIRTIO_BLK_T_IN, 0, 4096);
+    r.offer_slot(1, VIRTIO_BLK_T_IN, 8, 4096);
+    r.backend.serve_queue(0, &r.vring).unwrap();
+    std::thread::scope(|s| {
+        // GET_VRING_BASE: the VMM reads the ring state back once this returns.
+        let stopping = s.spawn(|| r.backend.stop_vring(0).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!stopping.is_finished(), "stopped with a request in flight");
+        dev.release(0);
+        stopping.join().unwrap();
+    });
+    let used = r.used();
+    assert_eq!(used.len(), 2);
+    assert!(used.contains(&(u32::from(held), 4097)));
+}
