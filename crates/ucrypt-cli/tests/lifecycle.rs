@@ -1833,3 +1833,110 @@ fn the_stable_path_names_the_device() {
     assert_eq!(o.status.code(), Some(0), "close {stable}: {}", text(&o));
     assert_gone(&n);
 }
+
+/// Asks a vhost-user backend at `sock` for its virtio features, as a VMM's first message
+/// does (`VHOST_USER_GET_FEATURES`: a 12-byte header, the reply a header and a u64); returns
+/// the connection with the features.
+fn vhost_user_features(sock: &Path) -> (std::os::unix::net::UnixStream, u64) {
+    use std::io::{Read, Write};
+    const GET_FEATURES: u32 = 1;
+    const VERSION_1: u32 = 0x1;
+    const REPLY: u32 = 0x4;
+    let mut c = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut hdr = Vec::new();
+    for v in [GET_FEATURES, VERSION_1, 0] {
+        hdr.extend_from_slice(&v.to_le_bytes());
+    }
+    c.write_all(&hdr).unwrap();
+    let mut reply = [0u8; 20];
+    c.read_exact(&mut reply).unwrap();
+    let word = |i: usize| u32::from_le_bytes(reply[i..i + 4].try_into().unwrap());
+    assert_eq!(word(0), GET_FEATURES, "reply to GET_FEATURES");
+    assert_eq!(word(4), VERSION_1 | REPLY, "reply flags");
+    assert_eq!(word(8), 8, "reply size");
+    (c, u64::from_le_bytes(reply[12..20].try_into().unwrap()))
+}
+
+#[test]
+fn vhost_user_front_end_serves_a_socket_until_close() {
+    if !is_root() && std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        println!("SKIPPED: not root and XDG_RUNTIME_DIR unset");
+        return;
+    }
+    let t = TempDir::new("life-vhost");
+    let (img, key) = volume(&t, "vhost.img", 20);
+    let n = name("vhost");
+    let o = ucrypt(&[
+        "open",
+        s(&img),
+        &n,
+        "--key-file",
+        s(&key),
+        "--front-end",
+        "vhost-user",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "open: {}", text(&o));
+    // NAME: STABLE -> SOCKET (vhost-user)
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&format!("{n}: ")))
+        .unwrap();
+    let (_, rest) = line.split_once(" -> ").expect("a ready line");
+    let sock = PathBuf::from(rest.strip_suffix(" (vhost-user)").expect("(vhost-user)"));
+    assert!(sock.ends_with(format!("{n}/vhost.sock")), "{line}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata(&sock).unwrap().file_type().is_socket());
+
+    let (code, f) = status_fields(&n);
+    assert_eq!(code, 0);
+    assert_eq!(field(&f, "front end"), "vhost-user");
+    assert_eq!(field(&f, "device path"), s(&sock));
+
+    // The guest could not be told a new size: resize refuses rather than change it unseen.
+    let o = ucrypt(&["resize", &n]);
+    assert_eq!(o.status.code(), Some(1), "resize: {}", text(&o));
+    assert!(one_line(&o).contains("vhost-user"), "{}", text(&o));
+
+    let (conn, features) = vhost_user_features(&sock);
+    const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+    const VHOST_USER_F_PROTOCOL_FEATURES: u64 = 1 << 30;
+    const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+    for bit in [
+        VIRTIO_F_VERSION_1,
+        VHOST_USER_F_PROTOCOL_FEATURES,
+        VIRTIO_BLK_F_FLUSH,
+    ] {
+        assert_ne!(features & bit, 0, "features {features:#x} lack {bit:#x}");
+    }
+    // A connected VMM's guest may use the disk: close refuses, as for a mounted device.
+    let (_, f) = status_fields(&n);
+    assert!(field(&f, "in use").contains("VMM"), "{f:?}");
+    let o = ucrypt(&["close", &n]);
+    assert_eq!(
+        o.status.code(),
+        Some(5),
+        "close while connected: {}",
+        text(&o)
+    );
+    drop(conn);
+    // The backend sees the VMM go and waits for the next one.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let o = ucrypt(&["close", &n]);
+        if o.status.code() == Some(0) {
+            break;
+        }
+        assert_eq!(o.status.code(), Some(5), "close: {}", text(&o));
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still busy: {}",
+            text(&o)
+        );
+    }
+    assert!(!sock.exists(), "{} left behind", sock.display());
+    let o = ucrypt(&["status", &n]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+}

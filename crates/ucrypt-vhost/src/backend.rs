@@ -1,6 +1,7 @@
 //! The vhost-user-blk device for one connection: features, config space and the per-queue
 //! request loop, plugged into `vhost-user-backend`'s daemon (which owns the protocol, the
-//! memory map and one epoll thread per entry of `queues_per_thread`).
+//! memory map and one epoll thread per entry of `queues_per_thread`). Each queue's thread
+//! parses what the driver made available and hands it to the queue's [`Inflight`] set.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,30 +18,36 @@ use virtio_bindings::virtio_blk::{
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::GuestAddressSpace;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use crate::request::{self, Mode, QueueCtx, CHUNK_BYTES, RANGES_MAX, SECTOR_BYTES, SEGMENTS_MAX};
+use crate::inflight::{Inflight, Mem, Memory};
+use crate::request::{self, Bounce, Mode, CHUNK_BYTES, RANGES_MAX, SECTOR_BYTES, SEGMENTS_MAX};
 
 /// Descriptors per virtqueue the device accepts (the driver may choose fewer).
 pub const QUEUE_SIZE_MAX: usize = 256;
 
-type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+/// One virtqueue's side of the device.
+struct Queue {
+    /// The queue thread's own bounce buffer (for a request it serves itself); locked only by
+    /// that thread.
+    bounce: Mutex<Bounce>,
+    inflight: Arc<Inflight>,
+}
 
 /// The device as `vhost-user-backend` sees it: shared by the connection's threads.
 pub struct BlkBackend {
     dev: Arc<dyn BlockDev>,
     queues: usize,
     discard: bool,
-    id: [u8; VIRTIO_BLK_ID_BYTES as usize],
     mem: Mutex<Option<Mem>>,
     event_idx: AtomicBool,
     acked: AtomicU64,
-    /// One context per queue; each is locked only by its queue's thread.
-    ctx: Vec<Mutex<QueueCtx>>,
+    /// One per queue.
+    queue: Vec<Queue>,
 }
 
 impl BlkBackend {
@@ -52,16 +59,18 @@ impl BlkBackend {
     ) -> Self {
         let queues = queues.clamp(1, 64);
         BlkBackend {
-            dev,
             queues,
             discard,
-            id,
             mem: Mutex::new(None),
             event_idx: AtomicBool::new(false),
             acked: AtomicU64::new(0),
-            ctx: (0..queues)
-                .map(|_| Mutex::new(QueueCtx::default()))
+            queue: (0..queues)
+                .map(|_| Queue {
+                    bounce: Mutex::default(),
+                    inflight: Inflight::new(dev.clone(), id),
+                })
                 .collect(),
+            dev,
         }
     }
 
@@ -103,16 +112,18 @@ impl BlkBackend {
         c
     }
 
-    /// Serves everything available on `vring`, the queue `qid`: used chains are returned as
-    /// they complete, the driver is notified when it asked to be.
+    /// Takes everything available on `vring`, the queue `qid`: a request alone in flight is
+    /// served on this thread, others go to the queue's workers; each returns to the used ring
+    /// when done.
     pub fn serve_queue(&self, qid: usize, vring: &VringRwLock<Mem>) -> std::io::Result<()> {
         let Some(mem) = lock(&self.mem).clone() else {
             return Ok(());
         };
-        let Some(ctx) = self.ctx.get(qid) else {
+        let Some(queue) = self.queue.get(qid) else {
             return Ok(());
         };
-        let mut ctx = lock(ctx);
+        let mut bounce = lock(&queue.bounce);
+        let inflight = &queue.inflight;
         let mode = self.mode();
         let event_idx = self.event_idx.load(Ordering::Acquire);
         loop {
@@ -120,22 +131,26 @@ impl BlkBackend {
                 vring.disable_notification().map_err(io_err)?;
             }
             loop {
-                // The vring lock is held only to pop and to complete, not during the I/O (a
-                // statement of its own: a guard in a `while let` scrutinee lives through the
-                // loop body).
+                let map: Arc<Memory> = mem.memory().into_inner();
+                // The vring lock is held only to pop (a statement of its own: a guard in a
+                // `let ... else` scrutinee would live through the block).
                 let popped = vring
                     .get_mut()
                     .get_queue_mut()
-                    .pop_descriptor_chain(mem.memory());
+                    .pop_descriptor_chain(map.clone());
                 let Some(chain) = popped else { break };
-                let head = chain.head_index();
-                let done = request::serve_chain(&*self.dev, &self.id, mode, &mut ctx, chain);
-                // A head index outside the queue (a hostile avail ring) cannot be returned.
-                if vring.add_used(head, done.used_len).is_err() {
+                let mut req = inflight.request();
+                if let Err(done) = request::parse(&mut req, chain) {
+                    inflight.refuse(vring, req, done.used_len);
                     continue;
                 }
-                if !event_idx || vring.needs_notification().map_err(io_err)? {
-                    vring.signal_used_queue()?;
+                let (job, alone) = inflight.take(req, map.clone(), vring, mode);
+                // A request with nothing else in flight or waiting is served here: a hand-over
+                // would only add a thread's wake-up to its latency.
+                if alone && !more_available(vring, &map) {
+                    inflight.run(job, &mut bounce);
+                } else if let Some(job) = inflight.dispatch(job) {
+                    inflight.run(job, &mut bounce);
                 }
             }
             // With EVENT_IDX, re-enabling notification tells whether the driver added chains
@@ -145,6 +160,34 @@ impl BlkBackend {
             }
         }
     }
+
+    /// Waits until every request taken from queue `qid` is back in its used ring.
+    pub fn drain_queue(&self, qid: usize) {
+        if let Some(q) = self.queue.get(qid) {
+            q.inflight.drain();
+        }
+    }
+
+    /// Ends the connection's request service: waits for every request in flight, then for
+    /// the workers to end. Called once the queue threads are gone.
+    pub fn close(&self) {
+        for q in &self.queue {
+            q.inflight.close();
+        }
+    }
+
+    /// Workers alive on queue `qid`.
+    pub fn workers(&self, qid: usize) -> usize {
+        self.queue.get(qid).map_or(0, |q| q.inflight.workers())
+    }
+}
+
+/// Whether the driver made more chains available than the queue has taken.
+fn more_available(vring: &VringRwLock<Mem>, mem: &Memory) -> bool {
+    let state = vring.get_ref();
+    let q = state.get_queue();
+    q.avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+        .map_or(true, |idx| idx.0 != q.next_avail())
 }
 
 fn io_err(e: virtio_queue::Error) -> std::io::Error {
@@ -213,6 +256,19 @@ impl VhostUserBackend for BlkBackend {
         let end = (offset as usize).saturating_add(size as usize).min(c.len());
         out[..end - start].copy_from_slice(&c[start..end]);
         out
+    }
+
+    /// The VMM stops a queue (`GET_VRING_BASE`): every request taken from it goes back to its
+    /// used ring first, so the ring state the VMM reads back has none half done.
+    fn stop_vring(&self, queue_index: u32) -> std::io::Result<()> {
+        self.drain_queue(queue_index as usize);
+        Ok(())
+    }
+
+    fn reset_device(&self) {
+        for q in &self.queue {
+            q.inflight.drain();
+        }
     }
 
     fn update_memory(&self, mem: Mem) -> std::io::Result<()> {

@@ -7,13 +7,16 @@
 //! is the virtio-blk device: the features and config space it offers ([`backend`]) and the
 //! requests it serves ([`request`]).
 //!
-//! One thread per virtqueue (default: one queue per host CPU) takes the queue's kicks and
-//! serves its requests inline, the crypto included (the volume's dispatch policy may still
-//! split a large request across idle cores). Threads exist only while a VMM is connected; a
-//! VMM that disconnects leaves a server that accepts the next one. A request on the caller's
+//! One thread per virtqueue (default: one queue per host CPU) takes the queue's kicks. A
+//! request alone in flight is served on that thread, the crypto included (the volume's
+//! dispatch policy may still split a large request across idle cores); when the guest has more
+//! queued, a bounded set of workers per queue serves them at once and they complete out of
+//! order ([`inflight`]). Threads exist only while a VMM is connected; a VMM that disconnects
+//! leaves a server that accepts the next one. A request on the caller's
 //! [`Stop`] ends the connection, flushes the volume and removes the socket.
 
 pub mod backend;
+pub mod inflight;
 pub mod request;
 
 use std::io::{Read, Write};
@@ -69,6 +72,27 @@ pub struct VhostOptions {
     pub discard: bool,
     /// What `VIRTIO_BLK_T_GET_ID` answers (the guest's `/sys/block/vdX/serial`).
     pub id: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    /// The owner's view of the connection (see [`Handle`]).
+    pub handle: Handle,
+}
+
+/// The served device as its owner sees it while [`serve`] runs: whether a VMM is connected.
+#[derive(Clone, Default)]
+pub struct Handle(Arc<Mutex<Option<Arc<BlkBackend>>>>);
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("connected", &self.connected())
+            .finish()
+    }
+}
+
+impl Handle {
+    /// A VMM is connected (its guest may be using the disk).
+    pub fn connected(&self) -> bool {
+        lock(&self.0).is_some()
+    }
 }
 
 impl Default for VhostOptions {
@@ -80,6 +104,7 @@ impl Default for VhostOptions {
             queues: cpus.min(64),
             discard: true,
             id: *b"ucrypt\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
+            handle: Handle::default(),
         }
     }
 }
@@ -175,18 +200,17 @@ fn serve_connections(
             opts.id,
         ));
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        let mut daemon =
-            VhostUserDaemon::new("ucrypt-vhost".into(), backend, mem).map_err(|e| {
-                Error::Vhost {
-                    what: "starting the device",
-                    detail: e.to_string(),
-                }
+        let mut daemon = VhostUserDaemon::new("ucrypt-vhost".into(), backend.clone(), mem)
+            .map_err(|e| Error::Vhost {
+                what: "starting the device",
+                detail: e.to_string(),
             })?;
         if let Err(e) = daemon.start(listener) {
             eprintln!("ucrypt vhost: accepting a connection: {e}");
             continue;
         }
         *lock(current) = daemon.shutdown_handle();
+        *lock(&opts.handle.0) = Some(backend.clone());
         if stop.requested() {
             daemon.request_shutdown();
         }
@@ -199,8 +223,11 @@ fn serve_connections(
             Err(e) => eprintln!("ucrypt vhost: connection ended: {e}"),
         }
         *lock(current) = None;
-        // Joins the queue threads: no request is in progress once this returns.
+        *lock(&opts.handle.0) = None;
+        // Joins the queue threads, then waits for the requests they handed to workers: no
+        // request is in progress once this returns.
         drop(daemon);
+        backend.close();
         if let Err(e) = dev.flush() {
             eprintln!("ucrypt vhost: flushing after the connection: {e}");
         }

@@ -57,18 +57,29 @@ pub struct Mode {
     pub discard: bool,
 }
 
-/// A queue's reusable state: the bounce buffer and the segment list, allocated on first use
-/// and wiped when dropped (the bounce buffer holds plaintext).
+/// A request's private bounce buffer: the only memory the device encrypts or decrypts in.
+/// It grows to the largest piece served (at most [`CHUNK_BYTES`]) and is wiped when dropped
+/// (it holds plaintext).
 #[derive(Default)]
-pub struct QueueCtx {
-    bounce: Vec<u8>,
-    readable: Vec<Seg>,
-    writable: Vec<Seg>,
+pub struct Bounce(Vec<u8>);
+
+impl Bounce {
+    /// The first `n` bytes (`n <= CHUNK_BYTES`), grown on first use.
+    fn get(&mut self, n: usize) -> &mut [u8] {
+        debug_assert!(n <= CHUNK_BYTES);
+        if self.0.len() < n {
+            // Grown to a page multiple at once, so that a mix of sizes does not regrow often.
+            let want = n.next_multiple_of(4096).min(CHUNK_BYTES);
+            zeroize::Zeroize::zeroize(&mut self.0);
+            self.0 = vec![0; want];
+        }
+        &mut self.0[..n]
+    }
 }
 
-impl Drop for QueueCtx {
+impl Drop for Bounce {
     fn drop(&mut self) {
-        zeroize::Zeroize::zeroize(&mut self.bounce);
+        zeroize::Zeroize::zeroize(&mut self.0);
     }
 }
 
@@ -122,31 +133,102 @@ pub struct Done {
     pub status: Option<u8>,
 }
 
-/// Serves one descriptor chain: the used length to report for it.
-pub fn serve_chain<M>(
-    dev: &dyn BlockDev,
-    id: &[u8; VIRTIO_BLK_ID_BYTES as usize],
-    mode: Mode,
-    ctx: &mut QueueCtx,
-    chain: DescriptorChain<M>,
-) -> Done
+/// A request parsed from its chain on the queue's thread: everything serving it needs, read
+/// from guest memory once (the header included), so a guest that rewrites the chain or the
+/// header afterwards changes nothing about what is served. Reused from one request to the
+/// next (the segment lists keep their capacity).
+pub struct Request {
+    /// The chain's head, returned to the used ring when the request completes.
+    head: u16,
+    /// `None`: a request type this device does not know (answered `UNSUPP`).
+    op: Option<Op>,
+    sector: u64,
+    readable: Vec<Seg>,
+    writable: Vec<Seg>,
+    status_at: GuestAddress,
+}
+
+impl Default for Request {
+    fn default() -> Self {
+        Request {
+            head: 0,
+            op: None,
+            sector: 0,
+            readable: Vec::new(),
+            writable: Vec::new(),
+            status_at: GuestAddress(0),
+        }
+    }
+}
+
+/// How a request orders against the others in flight on its queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// Changes the device (write, discard, write-zeroes): a later flush waits for it.
+    Write,
+    /// A flush: completes only after every write taken before it has.
+    Flush,
+    /// Anything else (reads, GET_ID, unknown types): in any order.
+    Other,
+}
+
+impl Request {
+    pub fn head(&self) -> u16 {
+        self.head
+    }
+
+    pub fn class(&self) -> Class {
+        match self.op {
+            Some(Op::Write | Op::Discard | Op::WriteZeroes) => Class::Write,
+            Some(Op::Flush) => Class::Flush,
+            _ => Class::Other,
+        }
+    }
+}
+
+/// Parses `chain` into `req`; `Err` for a chain that ends here (malformed: its status, if it
+/// has a writable one, already written).
+pub fn parse<M>(req: &mut Request, chain: DescriptorChain<M>) -> Result<(), Done>
 where
     M: Deref + Clone,
     M::Target: GuestMemory,
 {
     let mem = chain.memory();
-    let status_at = match collect(ctx, mem, chain.clone()) {
+    req.head = chain.head_index();
+    req.status_at = match collect(req, mem, chain.clone()) {
         Ok(at) => at,
         Err(None) => {
-            return Done {
+            return Err(Done {
                 used_len: 0,
                 status: None,
-            }
+            })
         }
-        Err(Some(at)) => return finish(mem, at, Err(Refused::IoErr)),
+        Err(Some(at)) => return Err(finish(mem, at, Err(Refused::IoErr))),
     };
-    let res = execute(dev, id, mode, ctx, mem);
-    finish(mem, status_at, res)
+    let mut hdr = [0u8; HEADER_BYTES];
+    if let Err(r) = gather(mem, &req.readable, 0, &mut hdr) {
+        return Err(finish(mem, req.status_at, Err(r)));
+    }
+    let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+    let mut sector = [0u8; 8];
+    sector.copy_from_slice(&hdr[8..16]);
+    req.sector = u64::from_le_bytes(sector);
+    req.op = Op::parse(kind);
+    Ok(())
+}
+
+/// Serves a parsed request against `dev`, through the private buffer `bounce`, and writes
+/// its status into guest memory.
+pub fn serve<G: GuestMemory + ?Sized>(
+    dev: &dyn BlockDev,
+    id: &[u8; VIRTIO_BLK_ID_BYTES as usize],
+    mode: Mode,
+    bounce: &mut Bounce,
+    mem: &G,
+    req: &Request,
+) -> Done {
+    let res = execute(dev, id, mode, bounce, mem, req);
+    finish(mem, req.status_at, res)
 }
 
 /// Writes the status byte at `at`; the used length is the data written plus the status.
@@ -171,7 +253,7 @@ fn finish<G: GuestMemory + ?Sized>(mem: &G, at: GuestAddress, res: Result<u32, R
 /// writable segment): the status byte's address, or `Err(Some(status))` for a chain that can
 /// still be told it is malformed, `Err(None)` for one that cannot.
 fn collect<M>(
-    ctx: &mut QueueCtx,
+    ctx: &mut Request,
     mem: &M::Target,
     chain: DescriptorChain<M>,
 ) -> Result<GuestAddress, Option<GuestAddress>>
@@ -313,21 +395,17 @@ fn range(dev: &dyn BlockDev, sector: u64, len: u64) -> Result<u64, Refused> {
     Ok(offset)
 }
 
-/// Serves a parsed chain: the data bytes written into guest memory.
+/// Serves a parsed request: the data bytes written into guest memory.
 fn execute<G: GuestMemory + ?Sized>(
     dev: &dyn BlockDev,
     id: &[u8; VIRTIO_BLK_ID_BYTES as usize],
     mode: Mode,
-    ctx: &mut QueueCtx,
+    bounce: &mut Bounce,
     mem: &G,
+    ctx: &Request,
 ) -> Result<u32, Refused> {
-    let mut hdr = [0u8; HEADER_BYTES];
-    gather(mem, &ctx.readable, 0, &mut hdr)?;
-    let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
-    let mut sector = [0u8; 8];
-    sector.copy_from_slice(&hdr[8..16]);
-    let sector = u64::from_le_bytes(sector);
-    let op = Op::parse(kind).ok_or(Refused::Unsupp)?;
+    let sector = ctx.sector;
+    let op = ctx.op.ok_or(Refused::Unsupp)?;
     let payload = total(&ctx.readable) - HEADER_BYTES as u64;
     let device_err = |e: ucrypt::Error| {
         eprintln!("ucrypt vhost: {op:?} at sector {sector}: {e}");
@@ -339,13 +417,12 @@ fn execute<G: GuestMemory + ?Sized>(
             // A used length is u32: a longer read is refused rather than reported wrongly.
             let used = u32::try_from(len).map_err(|_| Refused::IoErr)?;
             let offset = range(dev, sector, len)?;
-            let bounce = bounce(&mut ctx.bounce);
             let mut done = 0u64;
             while done < len {
                 let n = (len - done).min(CHUNK_BYTES as u64) as usize;
-                dev.read_at(&mut bounce[..n], offset + done)
-                    .map_err(device_err)?;
-                scatter(mem, &ctx.writable, done, &bounce[..n])?;
+                let buf = bounce.get(n);
+                dev.read_at(buf, offset + done).map_err(device_err)?;
+                scatter(mem, &ctx.writable, done, buf)?;
                 done += n as u64;
             }
             Ok(used)
@@ -355,22 +432,17 @@ fn execute<G: GuestMemory + ?Sized>(
                 return Err(Refused::IoErr);
             }
             let offset = range(dev, sector, payload)?;
-            let bounce = bounce(&mut ctx.bounce);
             let mut done = 0u64;
             while done < payload {
                 let n = (payload - done).min(CHUNK_BYTES as u64) as usize;
+                let buf = bounce.get(n);
                 // A private copy: the guest may change its buffer while the volume encrypts.
-                gather(
-                    mem,
-                    &ctx.readable,
-                    HEADER_BYTES as u64 + done,
-                    &mut bounce[..n],
-                )?;
+                gather(mem, &ctx.readable, HEADER_BYTES as u64 + done, buf)?;
                 let at = offset + done;
                 let r = if mode.write_back {
-                    dev.write_at_mut(&mut bounce[..n], at)
+                    dev.write_at_mut(buf, at)
                 } else {
-                    dev.write_fua(&mut bounce[..n], at)
+                    dev.write_fua(buf, at)
                 };
                 r.map_err(device_err)?;
                 done += n as u64;
@@ -420,12 +492,4 @@ fn execute<G: GuestMemory + ?Sized>(
             Ok(0)
         }
     }
-}
-
-/// The queue's bounce buffer, allocated on first use.
-fn bounce(b: &mut Vec<u8>) -> &mut [u8] {
-    if b.len() < CHUNK_BYTES {
-        b.resize(CHUNK_BYTES, 0);
-    }
-    &mut b[..]
 }

@@ -4,7 +4,8 @@
 //! empty used entry, never a panic, a hang or an access outside guest memory or the device.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use ucrypt::BlockDev;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
@@ -15,9 +16,19 @@ use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::backend::{BlkBackend, CONFIG_BYTES};
+use crate::inflight::INFLIGHT_PER_QUEUE_MAX;
 use crate::request::CHUNK_BYTES;
 
-/// A plaintext device in memory that counts what reached it.
+/// What reached the device, in the order it returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    Read(u64),
+    Write(u64),
+    Flush,
+}
+
+/// A plaintext device in memory that counts what reached it; reads and writes at a held
+/// offset wait until it is released.
 struct MemDev {
     data: Mutex<Vec<u8>>,
     read_only: bool,
@@ -25,6 +36,12 @@ struct MemDev {
     fua_writes: AtomicU32,
     plain_writes: AtomicU32,
     discards: AtomicU32,
+    held: Mutex<Vec<u64>>,
+    released: Condvar,
+    /// Requests inside the device now, and the most seen at once.
+    inside: AtomicU32,
+    inside_max: AtomicU32,
+    log: Mutex<Vec<Event>>,
 }
 
 impl MemDev {
@@ -36,7 +53,32 @@ impl MemDev {
             fua_writes: AtomicU32::new(0),
             plain_writes: AtomicU32::new(0),
             discards: AtomicU32::new(0),
+            held: Mutex::new(Vec::new()),
+            released: Condvar::new(),
+            inside: AtomicU32::new(0),
+            inside_max: AtomicU32::new(0),
+            log: Mutex::new(Vec::new()),
         })
+    }
+    fn hold(&self, offset: u64) {
+        self.held.lock().unwrap().push(offset);
+    }
+    fn release(&self, offset: u64) {
+        self.held.lock().unwrap().retain(|&o| o != offset);
+        self.released.notify_all();
+    }
+    /// Enters the device: waits while `offset` is held.
+    fn enter(&self, offset: u64) {
+        let n = self.inside.fetch_add(1, Ordering::SeqCst) + 1;
+        self.inside_max.fetch_max(n, Ordering::SeqCst);
+        let mut held = self.held.lock().unwrap();
+        while held.contains(&offset) {
+            held = self.released.wait(held).unwrap();
+        }
+    }
+    fn leave(&self, e: Event) {
+        self.log.lock().unwrap().push(e);
+        self.inside.fetch_sub(1, Ordering::SeqCst);
     }
     fn bytes(&self, at: usize, n: usize) -> Vec<u8> {
         self.data.lock().unwrap()[at..at + n].to_vec()
@@ -59,14 +101,18 @@ impl BlockDev for MemDev {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         let o = self.check(offset, buf.len())?;
+        self.enter(offset);
         buf.copy_from_slice(&self.data.lock().unwrap()[o..o + buf.len()]);
+        self.leave(Event::Read(offset));
         Ok(())
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
         assert!(!self.read_only, "a write reached a read-only device");
         let o = self.check(offset, buf.len())?;
+        self.enter(offset);
         self.data.lock().unwrap()[o..o + buf.len()].copy_from_slice(buf);
         self.plain_writes.fetch_add(1, Ordering::SeqCst);
+        self.leave(Event::Write(offset));
         Ok(())
     }
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
@@ -77,6 +123,7 @@ impl BlockDev for MemDev {
     }
     fn flush(&self) -> ucrypt::Result<()> {
         self.flushes.fetch_add(1, Ordering::SeqCst);
+        self.log.lock().unwrap().push(Event::Flush);
         Ok(())
     }
     fn discard(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
@@ -91,7 +138,7 @@ impl BlockDev for MemDev {
     }
 }
 
-const QUEUE_LEN: u16 = 16;
+const QUEUE_LEN: u16 = 64;
 const MEM_BYTES: usize = 4 << 20;
 const HDR: u64 = 0x1_0000;
 const STATUS: u64 = 0x1_1000;
@@ -151,8 +198,9 @@ impl<'a> Rig<'a> {
         }
     }
 
-    /// Puts descriptors at the next free table slots, chained in order, and offers the chain.
-    fn offer(&mut self, descs: &[(u64, u32, u16)]) {
+    /// Puts descriptors at the next free table slots, chained in order, and offers the chain:
+    /// its head index.
+    fn offer(&mut self, descs: &[(u64, u32, u16)]) -> u16 {
         // Served chains' slots are free again: start over at 0 when the table's end is near.
         let base = if usize::from(self.next_desc) + descs.len() > usize::from(QUEUE_LEN) {
             0
@@ -174,11 +222,18 @@ impl<'a> Rig<'a> {
             .collect();
         self.mq.add_desc_chains(&raw, base).unwrap();
         self.next_desc = (base + descs.len() as u16) % QUEUE_LEN;
+        base
     }
 
-    /// Serves what is available; the used entries added since the last call.
+    /// Serves what is available and waits for it; the used entries added since the last call.
     fn serve(&mut self) -> Vec<(u32, u32)> {
         self.backend.serve_queue(0, &self.vring).unwrap();
+        self.backend.drain_queue(0);
+        self.used()
+    }
+
+    /// The used entries added since the last call.
+    fn used(&mut self) -> Vec<(u32, u32)> {
         let used = self.mq.used_addr().0;
         let idx: u16 = self.mem.read_obj(GuestAddress(used + 2)).unwrap();
         let mut out = Vec::new();
@@ -423,6 +478,17 @@ fn config_space_describes_the_device() {
 }
 
 #[test]
+fn config_space_capacity_follows_the_volume_size() {
+    let mem = guest_memory();
+    let r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let capacity = |r: &Rig| u64::from_le_bytes(r.backend.get_config(0, 8).try_into().unwrap());
+    assert_eq!(capacity(&r), (DEV_BYTES / 512) as u64);
+    // A resize changes what the next read of the config space says.
+    r.dev.data.lock().unwrap().resize(DEV_BYTES * 2, 0);
+    assert_eq!(capacity(&r), (DEV_BYTES * 2 / 512) as u64);
+}
+
+#[test]
 fn event_idx_serves_and_publishes_avail_event() {
     let mem = guest_memory();
     let features = FLUSH | 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
@@ -628,4 +694,170 @@ fn hostile_avail_ring_does_not_hang_or_panic() {
     // avail.idx claiming more chains than the queue holds: refused, nothing served.
     mem.write_obj(500u16, GuestAddress(avail + 2)).unwrap();
     assert!(r.serve().is_empty());
+}
+
+// ---- several requests in flight ----
+
+/// Request `i`'s header, status byte and data (up to 8 KiB) in guest memory.
+fn slot(i: u64) -> (u64, u64, u64) {
+    (HDR + 32 * i, STATUS + i, DATA + 0x2000 * i)
+}
+
+impl Rig<'_> {
+    /// Offers request `i` of `kind` at `sector` with one data segment of `len` bytes (none if
+    /// 0): its head index.
+    fn offer_slot(&mut self, i: u64, kind: u32, sector: u64, len: u32) -> u16 {
+        let (hdr, status, data) = slot(i);
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        self.mem.write_slice(&h, GuestAddress(hdr)).unwrap();
+        self.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
+        let w = VRING_DESC_F_WRITE as u16;
+        let mut descs = vec![(hdr, 16, 0)];
+        if len > 0 {
+            descs.push((data, len, if kind == VIRTIO_BLK_T_IN { w } else { 0 }));
+        }
+        descs.push((status, 1, w));
+        self.offer(&descs)
+    }
+
+    fn slot_status(&self, i: u64) -> u8 {
+        self.mem.read_obj(GuestAddress(slot(i).1)).unwrap()
+    }
+
+    /// Waits (at most 10 s) until the used ring has `n` more entries than the last call saw.
+    fn wait_used(&mut self, n: usize) -> Vec<(u32, u32)> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut got = Vec::new();
+        while got.len() < n {
+            got.extend(self.used());
+            assert!(Instant::now() < deadline, "only {got:?} of {n} came back");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        got
+    }
+}
+
+#[test]
+fn requests_complete_out_of_order() {
+    for event_idx in [false, true] {
+        let mem = guest_memory();
+        let dev = MemDev::new(DEV_BYTES, false);
+        let ring = 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+        let features = FLUSH | if event_idx { ring } else { 0 };
+        let mut r = Rig::new(&mem, dev.clone(), features, event_idx);
+        dev.hold(0);
+        let slow = r.offer_slot(0, VIRTIO_BLK_T_IN, 0, 4096);
+        let fast: Vec<u16> = (1..4)
+            .map(|i| r.offer_slot(i, VIRTIO_BLK_T_IN, 8 * i, 4096))
+            .collect();
+        // Returns once everything is handed over; the held read is still in the device.
+        r.backend.serve_queue(0, &r.vring).unwrap();
+        let mut used: Vec<u16> = r.wait_used(3).iter().map(|u| u.0 as u16).collect();
+        used.sort();
+        assert_eq!(used, fast, "event_idx {event_idx}");
+        assert_eq!(r.slot_status(0), 0xff, "the held read is not done");
+        dev.release(0);
+        r.backend.drain_queue(0);
+        assert_eq!(r.used(), vec![(u32::from(slow), 4097)]);
+        for i in 0..4 {
+            assert_eq!(r.slot_status(i), OK);
+        }
+        r.backend.close();
+        assert_eq!(r.backend.workers(0), 0);
+    }
+}
+
+#[test]
+fn a_flush_completes_after_the_writes_taken_before_it() {
+    let mem = guest_memory();
+    let dev = MemDev::new(DEV_BYTES, false);
+    let mut r = Rig::new(&mem, dev.clone(), FLUSH, false);
+    mem.write_slice(&pattern(4096, 5), GuestAddress(slot(0).2))
+        .unwrap();
+    dev.hold(0);
+    let write = r.offer_slot(0, VIRTIO_BLK_T_OUT, 0, 4096);
+    let flush = r.offer_slot(1, VIRTIO_BLK_T_FLUSH, 0, 0);
+    let read = r.offer_slot(2, VIRTIO_BLK_T_IN, 8, 4096);
+    r.backend.serve_queue(0, &r.vring).unwrap();
+    // The read, behind the flush in the ring, does not wait for it.
+    assert_eq!(r.wait_used(1), vec![(u32::from(read), 4097)]);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        dev.flushes.load(Ordering::SeqCst),
+        0,
+        "flushed before the write"
+    );
+    assert_eq!(r.used(), vec![]);
+    dev.release(0);
+    r.backend.drain_queue(0);
+    assert_eq!(
+        r.used(),
+        vec![(u32::from(write), 1), (u32::from(flush), 1)],
+        "the write returns to the ring before the flush"
+    );
+    assert_eq!(
+        *dev.log.lock().unwrap(),
+        vec![Event::Read(4096), Event::Write(0), Event::Flush]
+    );
+    assert_eq!(dev.bytes(0, 4096), pattern(4096, 5));
+    assert_eq!((r.slot_status(0), r.slot_status(1)), (OK, OK));
+}
+
+#[test]
+fn requests_in_flight_per_queue_are_bounded() {
+    let mem = guest_memory();
+    let dev = MemDev::new(DEV_BYTES, false);
+    let mut r = Rig::new(&mem, dev.clone(), FLUSH, false);
+    dev.hold(0);
+    let n = INFLIGHT_PER_QUEUE_MAX as u64 + 4;
+    for i in 0..n {
+        r.offer_slot(i, VIRTIO_BLK_T_IN, 0, 4096);
+    }
+    std::thread::scope(|s| {
+        // The queue's thread waits for room once the limit is taken.
+        let serving = s.spawn(|| r.backend.serve_queue(0, &r.vring).unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while dev.inside.load(Ordering::SeqCst) < INFLIGHT_PER_QUEUE_MAX as u32 {
+            assert!(Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!serving.is_finished());
+        assert_eq!(
+            dev.inside_max.load(Ordering::SeqCst),
+            INFLIGHT_PER_QUEUE_MAX as u32
+        );
+        assert!(r.backend.workers(0) <= INFLIGHT_PER_QUEUE_MAX);
+        dev.release(0);
+        serving.join().unwrap();
+    });
+    r.backend.drain_queue(0);
+    assert_eq!(r.used().len(), n as usize);
+    assert!(dev.inside_max.load(Ordering::SeqCst) <= INFLIGHT_PER_QUEUE_MAX as u32);
+    r.backend.close();
+    assert_eq!(r.backend.workers(0), 0);
+}
+
+#[test]
+fn stopping_a_queue_waits_for_its_requests_in_flight() {
+    let mem = guest_memory();
+    let dev = MemDev::new(DEV_BYTES, false);
+    let mut r = Rig::new(&mem, dev.clone(), FLUSH, false);
+    dev.hold(0);
+    let held = r.offer_slot(0, VIRTIO_BLK_T_IN, 0, 4096);
+    r.offer_slot(1, VIRTIO_BLK_T_IN, 8, 4096);
+    r.backend.serve_queue(0, &r.vring).unwrap();
+    std::thread::scope(|s| {
+        // GET_VRING_BASE: the VMM reads the ring state back once this returns.
+        let stopping = s.spawn(|| r.backend.stop_vring(0).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!stopping.is_finished(), "stopped with a request in flight");
+        dev.release(0);
+        stopping.join().unwrap();
+    });
+    let used = r.used();
+    assert_eq!(used.len(), 2);
+    assert!(used.contains(&(u32::from(held), 4097)));
 }

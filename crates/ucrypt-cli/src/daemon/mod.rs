@@ -71,7 +71,8 @@ pub struct OpenArgs {
     #[arg(long)]
     pub foreground: bool,
     /// auto: ublk when /dev/ublk-control exists (root), else as root FUSE + loop device, else
-    /// the FUSE file alone.
+    /// the FUSE file alone. vhost-user: a vhost-user-blk socket in the state directory, for a
+    /// VMM (qemu's vhost-user-blk-pci) to give a guest the volume as a virtio-blk disk.
     #[arg(long, value_enum, default_value_t = FrontEnd::Auto)]
     pub front_end: FrontEnd,
     /// luks (the header decides), luks1 or luks2 (the header must be that version), or plain
@@ -113,6 +114,8 @@ pub enum FrontEnd {
     Loop,
     /// The FUSE file alone.
     Fuse,
+    /// A vhost-user-blk socket (no root needed): the device path names the socket.
+    VhostUser,
 }
 
 impl FrontEnd {
@@ -122,6 +125,7 @@ impl FrontEnd {
             FrontEnd::Ublk => "ublk",
             FrontEnd::Loop => "fuse+loop",
             FrontEnd::Fuse => "fuse",
+            FrontEnd::VhostUser => "vhost-user",
         }
     }
 

@@ -161,12 +161,17 @@ enum Front {
         mounted: Mounted,
         loopdev: Option<LoopDevice>,
     },
+    Vhost {
+        thread: JoinHandle<Result<(), ucrypt_vhost::Error>>,
+        stop: Stop,
+    },
 }
 
 impl Front {
     fn ended(&self) -> bool {
         match self {
             Front::Ublk { thread, .. } => thread.is_finished(),
+            Front::Vhost { thread, .. } => thread.is_finished(),
             Front::Fuse { mounted, .. } => mounted.finished(),
         }
     }
@@ -182,8 +187,10 @@ struct Shared {
     /// unlock on resume. None for a plain volume, which cannot be suspended (a wrong key
     /// could not be told on resume).
     header_dev: Option<HeaderAt>,
-    /// Resize: tells the FUSE file's users the new size (None for ublk).
+    /// Resize: tells the FUSE file's users the new size (None for ublk and vhost-user).
     size_notifier: Option<SizeNotifier>,
+    /// vhost-user: whether a VMM is connected (then the volume is in use).
+    vhost: Option<ucrypt_vhost::Handle>,
     ident: Identity,
     note: Option<String>,
     events: SyncSender<Event>,
@@ -445,6 +452,12 @@ impl Shared {
         let Some(vol) = self.vol.engine() else {
             return Self::error(1, ucrypt::Refusal::ResizeAuthenticated.to_string());
         };
+        if self.vhost.is_some() {
+            return Self::error(
+                1,
+                "resize: the vhost-user front end cannot tell the guest a new size (the vhost crate's backend channel sends no config-change message); close and open again",
+            );
+        }
         let Some(notifier) = &self.size_notifier else {
             return Self::error(
                 1,
@@ -476,6 +489,9 @@ impl Shared {
     /// open in a process (the device, or the FUSE file behind a loop device).
     fn in_use(&self) -> Option<String> {
         let device = self.device();
+        if self.vhost.as_ref().is_some_and(|h| h.connected()) {
+            return Some(format!("a VMM is connected to {}", device.display()));
+        }
         mounts::in_use(&device, self.ident.loop_device.as_deref()).or_else(|| {
             let mut held = vec![device.as_path()];
             if let Some(f) = self.ident.fuse_file.as_deref().filter(|f| *f != device) {
@@ -675,6 +691,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let (front, device, notes) = match d.front_end {
         FrontEnd::Ublk => start_ublk(dev)?,
         FrontEnd::Loop | FrontEnd::Fuse => start_fuse(&d, dev)?,
+        FrontEnd::VhostUser => start_vhost(&d, &opened, dev)?,
         FrontEnd::Auto => return Err(CliError::Usage("front end not chosen".into())),
     };
     let mut ident = d.ident.clone();
@@ -692,6 +709,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
             ident.fuse_file = Some(mounted.file.clone());
             ident.loop_device = loopdev.as_ref().map(|l| l.path.clone());
         }
+        Front::Vhost { .. } => {}
     }
     // Recorded before the name is made, so that a crash from here on is cleaned by `close`.
     let named = ident
@@ -709,7 +727,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let deferred = Arc::new(AtomicBool::new(false));
     let size_notifier = match &front {
         Front::Fuse { mounted, .. } => Some(mounted.size_notifier()),
-        Front::Ublk { .. } => None,
+        Front::Ublk { .. } | Front::Vhost { .. } => None,
     };
     let shared = Arc::new(Shared {
         name: d.name.clone(),
@@ -717,6 +735,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         info: Mutex::new(d.info.clone()),
         header_dev,
         size_notifier,
+        vhost: notes.vhost,
         ident: ident.clone(),
         note: notes.status,
         events: events_tx,
@@ -895,6 +914,8 @@ fn io_err(what: impl Into<String>, e: std::io::Error) -> CliError {
 struct FrontNotes {
     status: Option<String>,
     ready: Option<String>,
+    /// vhost-user: the served device's handle.
+    vhost: Option<ucrypt_vhost::Handle>,
 }
 
 fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, FrontNotes)> {
@@ -916,6 +937,7 @@ fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, FrontNotes)>
             FrontNotes {
                 status: None,
                 ready: None,
+                vhost: None,
             },
         )),
         Err(_) => {
@@ -970,6 +992,7 @@ fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, 
             FrontNotes {
                 status: Some(fuse_note),
                 ready: Some(fuse_brief),
+                vhost: None,
             },
         ));
     }
@@ -989,6 +1012,7 @@ fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, 
                 FrontNotes {
                     status: Some(format!("{io}; {fuse_note}")),
                     ready: Some(format!("{io}; {fuse_brief}")),
+                    vhost: None,
                 },
             ))
         }
@@ -998,6 +1022,57 @@ fn start_fuse(d: &Daemon, dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, 
                 format!("attaching {} to a loop device", file.display()),
                 e,
             ))
+        }
+    }
+}
+
+/// Serves the volume over vhost-user-blk at `vhost.sock` in the state directory, on a thread
+/// of its own; returns once the socket listens.
+fn start_vhost(
+    d: &Daemon,
+    opened: &Opened,
+    dev: Arc<dyn BlockDev>,
+) -> CliResult<(Front, PathBuf, FrontNotes)> {
+    let socket = d.claim.dir.join(super::state::VHOST_SOCKET);
+    let opts = ucrypt_vhost::VhostOptions {
+        // Discards are offered where the volume passes them on (allow-discards), as dm-crypt
+        // does.
+        discard: opened.engine().is_some_and(|v| v.allow_discards()),
+        id: ucrypt_vhost::id_of(&d.name),
+        ..Default::default()
+    };
+    let handle = opts.handle.clone();
+    let stop = Stop::new();
+    let s2 = stop.clone();
+    let (tx, rx) = sync_channel(1);
+    let at = socket.clone();
+    let thread = std::thread::Builder::new()
+        .name("ucrypt-vhost".into())
+        .spawn(move || {
+            ucrypt_vhost::serve(dev, &at, opts, &s2, move |_| {
+                let _ = tx.send(());
+            })
+        })
+        .map_err(|e| io_err("starting the vhost-user thread", e))?;
+    match rx.recv_timeout(UBLK_READY_WAIT) {
+        Ok(()) => Ok((
+            Front::Vhost { thread, stop },
+            socket,
+            FrontNotes {
+                status: Some("vhost-user-blk".into()),
+                ready: None,
+                vhost: Some(handle),
+            },
+        )),
+        Err(_) => {
+            stop.request();
+            match thread.join() {
+                Ok(Err(e)) => Err(e.into()),
+                _ => Err(CliError::Usage(format!(
+                    "the vhost-user socket did not listen within {} s",
+                    UBLK_READY_WAIT.as_secs()
+                ))),
+            }
         }
     }
 }
@@ -1069,6 +1144,15 @@ fn teardown(
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => notes.push(e.to_string()),
                 Err(_) => notes.push("the ublk thread panicked".into()),
+            }
+        }
+        Front::Vhost { thread, stop } => {
+            // Ends the VMM's connection; serve() then flushes and removes the socket.
+            stop.request();
+            match thread.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => notes.push(e.to_string()),
+                Err(_) => notes.push("the vhost-user thread panicked".into()),
             }
         }
         Front::Fuse { mounted, loopdev } => {

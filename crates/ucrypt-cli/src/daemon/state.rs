@@ -47,6 +47,11 @@ pub const DEV_DIR: &str = "/dev/ucrypt";
 /// The control socket's name in NAME's state directory.
 pub const CONTROL_SOCKET: &str = "control.sock";
 
+/// The vhost-user socket's name there (`open --front-end vhost-user`): no longer than the
+/// control socket's, so it fits in a unix socket's path wherever that does.
+pub const VHOST_SOCKET: &str = "vhost.sock";
+const _: () = assert!(VHOST_SOCKET.len() <= CONTROL_SOCKET.len());
+
 /// Longest path a unix socket can be bound at, bytes: `sun_path` holds 108 with the NUL.
 const SOCKET_PATH_BYTES_MAX: usize = 107;
 
