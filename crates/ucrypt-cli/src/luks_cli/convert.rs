@@ -100,7 +100,7 @@ pub(super) fn convert_key(device: &Target, key_file: Option<&str>, o: &LuksOpts)
         )));
     };
     hdr.check_requirements()?;
-    let area = super::keyslot_area(o, &hdr)?;
+    let area = super::keyslot_area::for_header(o, &hdr)?;
     if let Some(slot) = o.key_slot {
         if !hdr.active_keyslots().contains(&slot) {
             return Err(Error::InvalidArgument(format!(

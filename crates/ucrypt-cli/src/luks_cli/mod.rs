@@ -7,6 +7,7 @@
 
 mod convert;
 mod data;
+mod keyslot_area;
 mod progress_json;
 mod reencrypt;
 
@@ -16,11 +17,10 @@ use clap::{Args, Subcommand};
 use ucrypt::format::{
     FormatPlan, FormatRequest, Integrity, IntegrityKind, IntegrityWipe, LuksVersion,
 };
-use ucrypt::luks::luks2::KeyslotArea;
 use ucrypt::luks::{
     self, HashAlg, Header, KdfRequest, KeyUse, NewKeyslot, Unlock, VolumeKey, WriteOp,
 };
-use ucrypt::sector::{CipherSpec, SectorSize};
+use ucrypt::sector::SectorSize;
 use ucrypt::{Error, Result};
 
 use crate::error::{CliError, CliResult};
@@ -107,7 +107,7 @@ pub struct LuksOpts {
         long,
         value_name = "BITS",
         requires = "keyslot_cipher",
-        value_parser = keyslot_key_bits
+        value_parser = keyslot_area::keyslot_key_bits
     )]
     pub keyslot_key_size: Option<u32>,
     #[arg(long)]
@@ -571,39 +571,6 @@ fn load(device: &Target, o: &LuksOpts, writable: bool) -> Result<(HeaderDev, Hea
     Ok((dev, hdr))
 }
 
-/// `--keyslot-key-size`: bits, a multiple of 8 and not 0 (cryptsetup's checks, made before
-/// anything runs).
-fn keyslot_key_bits(v: &str) -> std::result::Result<u32, String> {
-    match v.parse::<u32>() {
-        Ok(0) | Err(_) => Err(format!("Bad number: {v}")),
-        Ok(b) if b % 8 != 0 => Err("Key size must be a multiple of 8 bits".into()),
-        Ok(b) => Ok(b),
-    }
-}
-
-/// `--keyslot-cipher` and `--keyslot-key-size`: the cipher and its key size in bytes (clap
-/// requires both or neither).
-pub(super) fn keyslot_area_request(o: &LuksOpts) -> Result<Option<(CipherSpec, usize)>> {
-    match (&o.keyslot_cipher, o.keyslot_key_size) {
-        (Some(c), Some(bits)) => Ok(Some((c.parse()?, bits as usize / 8))),
-        _ => Ok(None),
-    }
-}
-
-/// The new keyslot's area encryption the options ask for on `hdr`, checked against it: only
-/// LUKS2 takes one, as in cryptsetup (asked before any passphrase).
-fn keyslot_area(o: &LuksOpts, hdr: &Header) -> Result<Option<KeyslotArea>> {
-    let Some((cipher, bytes)) = keyslot_area_request(o)? else {
-        return Ok(None);
-    };
-    match hdr {
-        Header::Luks2(h) => Ok(Some(h.keyslot_area(cipher, bytes)?)),
-        Header::Luks1(_) => Err(Error::InvalidArgument(
-            "Keyslot encryption parameters can be set only for LUKS2 device.".into(),
-        )),
-    }
-}
-
 fn kdf_request(o: &LuksOpts, version: u32) -> Result<KdfRequest> {
     let mut k = if version == 1 {
         KdfRequest::luks1_default()
@@ -727,7 +694,7 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     req.key_slot = o.key_slot;
     req.luks2_metadata_bytes = o.luks2_metadata_size;
     req.luks2_keyslots_bytes = o.luks2_keyslots_size;
-    req.keyslot_area = keyslot_area_request(o)?;
+    req.keyslot_area = keyslot_area::request(o)?;
     let key_bytes = req.check()?;
     req.object_bytes = device.object_bytes(&o.remote)?;
     let align = req.alignment()?;
@@ -939,7 +906,7 @@ fn add_key(
     }
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
-    let area = keyslot_area(o, &hdr)?;
+    let area = keyslot_area::for_header(o, &hdr)?;
     let vk = match &o.volume_key_file {
         Some(p) => crate::volume_key::read_verified(&hdr, p, o.key_size)?,
         None => {
@@ -1025,7 +992,7 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
     let key_bytes = (bits / 8) as usize;
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
-    let area = keyslot_area(o, &hdr)?;
+    let area = keyslot_area::for_header(o, &hdr)?;
     let Header::Luks2(h) = &mut hdr else {
         return Err(Error::InvalidArgument(format!(
             "Device {} is not a valid LUKS2 device.",
@@ -1077,7 +1044,7 @@ fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i
 fn change_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
-    let area = keyslot_area(o, &hdr)?;
+    let area = keyslot_area::for_header(o, &hdr)?;
     // An unbound keyslot's passphrase may be changed too (cryptsetup allows it); the new
     // keyslot keeps the old one's digest, so it stays unbound.
     let (old, vk) = unlock_with(

@@ -759,7 +759,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
             key_bytes,
             sector_size,
             uuid,
-            keyslot_area: super::keyslot_area_request(o)?,
+            keyslot_area: super::keyslot_area::request(o)?,
         },
         reduce,
     )?;
@@ -852,7 +852,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
             key_bytes,
             sector_size,
             uuid,
-            keyslot_area: super::keyslot_area_request(o)?,
+            keyslot_area: super::keyslot_area::request(o)?,
         },
     )?;
     if r.init_only {
