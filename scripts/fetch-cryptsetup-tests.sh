@@ -1,8 +1,8 @@
 #!/bin/bash
 # Download Debian's cryptsetup source package (bookworm: 2.6.1) and unpack its tests/ folder
 # (the LUKS2 validation suite: tests/luks2-validation-test, tests/generators/ and the base
-# image luks2_valid_hdr.img.xz, the other images and compat scripts) and the three headers of
-# src/ that list its command line's options, without touching the system's apt configuration:
+# image luks2_valid_hdr.img.xz, the other images and compat scripts) and the files of src/
+# that list its command line's options and verbs (three headers, cryptsetup.c), without touching the system's apt configuration:
 # a private deb-src list on the mirror the system's own apt sources already use, as
 # tests/vm/fetch-kernel.sh fetches its kernel.
 #
@@ -23,7 +23,8 @@ O=(-o Dir::Etc::SourceList="$A/sources.list" -o Dir::Etc::SourceParts=/dev/null
 apt-get "${O[@]}" update -qq
 (cd "$A" && apt-get "${O[@]}" source --download-only -qq cryptsetup)
 tarball=$(ls "$A"/cryptsetup_*.orig.tar.*)
-# tests/, and the option tables of cryptsetup's command line (tests/cryptsetup_options.rs).
+# tests/, and the option and verb tables of cryptsetup's command line
+# (tests/cryptsetup_options.rs).
 tar -xf "$tarball" -C "$DEST" --wildcards '*/tests/*' '*/src/cryptsetup_arg_list.h' \
-  '*/src/cryptsetup_args.h' '*/src/utils_arg_names.h'
+  '*/src/cryptsetup_args.h' '*/src/utils_arg_names.h' '*/src/cryptsetup.c'
 ls -d "$DEST"/cryptsetup-*/tests

@@ -228,17 +228,6 @@ pub fn open_request(
     ))
 }
 
-/// `bitlkOpen ARGS` is `open --type bitlk ARGS` (cryptsetup's alias).
-pub fn expand_alias(mut argv: Vec<String>) -> Vec<String> {
-    if let Some(pos) = argv.iter().skip(1).position(|a| a == "bitlkOpen") {
-        let pos = pos + 1;
-        argv[pos] = "open".into();
-        argv.insert(pos + 1, "--type".into());
-        argv.insert(pos + 2, "bitlk".into());
-    }
-    argv
-}
-
 /// `open --type bitlk --test-passphrase`: the volume could be activated and the secret gives
 /// its volume key; nothing is served.
 pub fn test_passphrase(v: &crate::volume_args::VolumeArgs) -> CliResult<()> {

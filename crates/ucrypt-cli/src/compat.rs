@@ -98,24 +98,6 @@ pub struct Refused {
     pub keep_key: bool,
     #[arg(long = "integrity-legacy-padding", global = true, hide = true)]
     pub integrity_legacy_padding: bool,
-    #[arg(
-        long = "keyslot-cipher",
-        global = true,
-        hide = true,
-        value_name = "CIPHER"
-    )]
-    pub keyslot_cipher: Option<String>,
-    #[arg(
-        long = "keyslot-key-size",
-        global = true,
-        hide = true,
-        value_name = "BITS"
-    )]
-    pub keyslot_key_size: Option<u32>,
-    #[arg(long = "device-size", global = true, hide = true, value_name = "BYTES")]
-    pub device_size: Option<u64>,
-    #[arg(long = "progress-json", global = true, hide = true)]
-    pub progress_json: bool,
 }
 
 impl Refused {
@@ -139,28 +121,6 @@ impl Refused {
                 "--integrity-legacy-padding",
                 "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
                  the legacy padding is not supported",
-            ),
-            (
-                self.keyslot_cipher.is_some(),
-                "--keyslot-cipher",
-                "keyslot areas are encrypted with the data segment's cipher (aes-xts-plain64 \
-                 with 512-bit keys on authenticated volumes), as cryptsetup does by default",
-            ),
-            (
-                self.keyslot_key_size.is_some(),
-                "--keyslot-key-size",
-                "keyslot areas take the data segment's key size, as cryptsetup does by default",
-            ),
-            (
-                self.device_size.is_some(),
-                "--device-size",
-                "mapping or reencrypting only a prefix of a device is not supported; give a \
-                 device (a partition, a loop device with --sizelimit) of that size",
-            ),
-            (
-                self.progress_json,
-                "--progress-json",
-                "progress is printed as cryptsetup's text line (--progress-frequency)",
             ),
         ];
         r.into_iter()
@@ -196,13 +156,19 @@ pub fn usage(mut cmd: clap::Command, argv: &[String]) -> bool {
     true
 }
 
+/// Refuses option `name` by name with its reason, as [`apply`] refuses the global ones;
+/// returns the exit code.
+pub fn refuse(name: &str, why: &str) -> i32 {
+    let e = CliError::Usage(format!("Option {name} is not supported by ucrypt: {why}."));
+    eprintln!("{}", e.message());
+    e.exit_code()
+}
+
 /// Acts on the global options of a parsed command line: refuses what ucrypt refuses, stops
 /// after the check (`--test-args`), and configures the passphrase prompts.
 pub fn apply(g: &GlobalOpts) -> Next {
     if let Some((name, why)) = g.refused.first() {
-        let e = CliError::Usage(format!("Option {name} is not supported by ucrypt: {why}."));
-        eprintln!("{}", e.message());
-        return Next::Exit(e.exit_code());
+        return Next::Exit(refuse(name, why));
     }
     if g.test_args {
         return Next::Exit(0);

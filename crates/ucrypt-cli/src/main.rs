@@ -5,6 +5,7 @@
 //! turns their typed errors into one line and cryptsetup's exit code (`error.rs`). Each verb
 //! family lives in its own module and contributes its variants to [`Cmd`].
 
+mod aliases;
 mod bench;
 mod bitlk;
 mod compat;
@@ -56,6 +57,9 @@ struct Cli {
 enum Cmd {
     /// Benchmarks: cipher, engine, nbd, fuse, all, compare (runs ucrypt-bench).
     Bench(bench::BenchArgs),
+    /// cryptsetup's `benchmark`, refused by name: ucrypt's is `bench cipher`.
+    #[command(hide = true, disable_help_flag = true)]
+    Benchmark(bench::BenchArgs),
     /// LUKS verbs (cryptsetup spellings accepted as aliases).
     #[command(flatten)]
     Luks(Box<luks_cli::LuksCmd>),
@@ -73,7 +77,7 @@ enum Cmd {
     /// Serve a decrypted volume as one regular file over FUSE (for losetup, VMs, mkfs).
     Mount(mount::MountArgs),
     /// Close a volume `open` started: flush, detach, stop its daemon (cryptsetup close).
-    #[command(visible_alias = "luksClose")]
+    #[command(visible_alias = "luksClose", aliases = aliases::CLOSE_ALIASES)]
     Close(daemon::CloseArgs),
     /// Show an open volume (cryptsetup status), then ucrypt's own lines.
     Status(daemon::StatusArgs),
@@ -169,13 +173,13 @@ fn parse_open(argv: Vec<String>) -> error::CliResult<daemon::OpenArgs> {
 
 fn main() {
     // cryptsetup exits 1 on wrong parameters (clap's default, 2, means "bad passphrase" there).
-    let argv = open_aliases(luks_cli::reorder_args(bitlk::expand_alias(
-        std::env::args().collect(),
-    )));
+    let (argv, rewritten) = aliases::expand(std::env::args().collect());
+    let argv = luks_cli::reorder_args(argv);
     if compat::usage(command(), &argv) {
         std::process::exit(0);
     }
     let cli = match try_parse(argv.clone()) {
+        Ok(c) if rewritten.name_first => name_first(c),
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -183,6 +187,20 @@ fn main() {
         }
     };
     compat::debug_start(&cli.global, &argv);
+    if let Cmd::Benchmark(_) = cli.cmd {
+        // Before --test-args: the verb itself is refused.
+        let code = benchmark_refused();
+        compat::debug_end(&cli.global, code);
+        std::process::exit(code);
+    }
+    if let Some((name, why)) = match &cli.cmd {
+        Cmd::Luks(c) => luks_cli::refusal(c),
+        _ => None,
+    } {
+        let code = compat::refuse(name, why);
+        compat::debug_end(&cli.global, code);
+        std::process::exit(code);
+    }
     if let compat::Next::Exit(code) = compat::apply(&cli.global) {
         compat::debug_end(&cli.global, code);
         std::process::exit(code);
@@ -196,6 +214,7 @@ fn main() {
 fn run(cmd: Cmd) -> i32 {
     match cmd {
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Benchmark(_) => benchmark_refused(),
         Cmd::Luks(c) => luks_cli::run(*c),
         Cmd::Open(a) if a.test_passphrase && a.dev_type == Some(open::DeviceType::Tcrypt) => {
             tcrypt_test_passphrase(&a)
@@ -232,17 +251,35 @@ fn run(cmd: Cmd) -> i32 {
     }
 }
 
-/// cryptsetup's `fvault2Open` and `loopaesOpen`: `open --type fvault2|loopaes` (the verb is
-/// first once `reorder_args` ran).
-fn open_aliases(mut argv: Vec<String>) -> Vec<String> {
-    let t = match argv.get(1).map(String::as_str) {
-        Some("fvault2Open") => "fvault2",
-        Some("loopaesOpen") => "loopaes",
-        _ => return argv,
-    };
-    argv[1] = "open".into();
-    argv.splice(2..2, ["--type".to_string(), t.to_string()]);
-    argv
+/// cryptsetup's `benchmark`: refused by name; returns the exit code.
+fn benchmark_refused() -> i32 {
+    eprintln!(
+        "Action benchmark is not supported by ucrypt: its cipher and PBKDF speeds are `ucrypt \
+         bench cipher` (a table of its own, not cryptsetup's)."
+    );
+    1
+}
+
+/// cryptsetup's `create NAME DEVICE` (`aliases::expand` made it `open --type plain`): the
+/// device and the name parsed in each other's place are swapped back. A name that cannot be a
+/// volume (an empty one) exits as clap's own errors do.
+fn name_first(mut c: Cli) -> Cli {
+    if let Cmd::Open(a) = &mut c.cmd {
+        let Some(device) = a.name.take() else {
+            eprintln!("create: expected NAME DEVICE");
+            std::process::exit(1);
+        };
+        let name = a.v.volume.to_string();
+        a.v.volume = match device.parse() {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("create: {device}: {e}");
+                std::process::exit(1);
+            }
+        };
+        a.name = Some(name);
+    }
+    c
 }
 
 /// `open --type tcrypt --test-passphrase`: the TrueCrypt/VeraCrypt header decrypts with the
@@ -279,5 +316,29 @@ mod tests {
     #[test]
     fn the_grammar_is_consistent() {
         super::command().debug_assert();
+    }
+
+    /// `create NAME DEVICE` opens DEVICE as NAME.
+    #[test]
+    fn create_takes_the_name_first() {
+        let argv: Vec<String> = [
+            "ucrypt",
+            "create",
+            "secret",
+            "/dev/sdx",
+            "--cipher",
+            "aes-xts-plain64",
+        ]
+        .map(String::from)
+        .to_vec();
+        let (argv, rewritten) = crate::aliases::expand(argv);
+        assert!(rewritten.name_first);
+        let cli = super::name_first(super::try_parse(argv).expect("parses"));
+        let super::Cmd::Open(a) = cli.cmd else {
+            panic!("not an open command");
+        };
+        assert_eq!(a.v.volume.to_string(), "/dev/sdx");
+        assert_eq!(a.name.as_deref(), Some("secret"));
+        assert_eq!(a.dev_type, Some(crate::open::DeviceType::Plain));
     }
 }

@@ -232,7 +232,7 @@ impl VolumeArgs {
         ucrypt::secret::disable_core_dumps();
         let name = self.volume.to_string();
         let raw = self.cipher.is_some() || self.device_type == Some(DeviceType::Plain);
-        if self.size.is_some() && (!raw || self.device_type == Some(DeviceType::Tcrypt)) {
+        if self.size_sectors().is_some() && (!raw || self.device_type == Some(DeviceType::Tcrypt)) {
             return Err(CliError::Usage(
                 "--size maps a part of a plain mapping; LUKS and TCRYPT volumes are mapped \
                  whole"
@@ -547,7 +547,7 @@ impl VolumeArgs {
             .offset
             .checked_mul(512)
             .ok_or_else(|| CliError::Usage("--offset too large".into()))?;
-        plain.size_bytes = match self.size {
+        plain.size_bytes = match self.size_sectors() {
             Some(0) => return Err(CliError::Usage("--size must be more than 0".into())),
             Some(n) => Some(
                 n.checked_mul(512)

@@ -127,6 +127,15 @@ pub struct VolumeArgs {
     /// default: to the end of the device.
     #[arg(long, short = 'b', value_name = "SECTORS")]
     pub size: Option<u64>,
+    /// Raw mode: --size in bytes, a multiple of 512 (cryptsetup's --device-size); read
+    /// through [`VolumeArgs::size_sectors`].
+    #[arg(
+        long = "device-size",
+        value_name = "BYTES",
+        conflicts_with = "size",
+        value_parser = device_size_sectors
+    )]
+    pub device_size_sectors: Option<u64>,
     /// Raw mode: the IV counts encryption sectors, not 512-byte units.
     #[arg(long)]
     pub iv_large_sectors: bool,
@@ -199,4 +208,21 @@ pub struct VolumeArgs {
     pub device_type: Option<DeviceType>,
     #[command(flatten)]
     pub tcrypt: crate::formats::TcryptArgs,
+}
+
+impl VolumeArgs {
+    /// `--size`, or `--device-size` in sectors (clap lets one of them through).
+    pub fn size_sectors(&self) -> Option<u64> {
+        self.size.or(self.device_size_sectors)
+    }
+}
+
+/// `--device-size BYTES` in 512-byte sectors: not 0, a multiple of 512 (cryptsetup's checks,
+/// made before anything runs).
+pub fn device_size_sectors(v: &str) -> Result<u64, String> {
+    match v.parse::<u64>() {
+        Ok(0) | Err(_) => Err(format!("Bad number: {v}")),
+        Ok(b) if b % 512 != 0 => Err("Device size must be multiple of 512 bytes sector.".into()),
+        Ok(b) => Ok(b / 512),
+    }
 }

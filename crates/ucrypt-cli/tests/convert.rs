@@ -600,3 +600,77 @@ fn erase_and_convert_key_beside_cryptsetup() {
         1
     );
 }
+
+/// `luksConvertKey` without `--key-slot`: the keyslot the passphrase opens is converted, the
+/// others are left as they were; a passphrase that opens none exits 2. Each tool on its copy of
+/// one volume of three keyslots, then every keyslot's KDF type compared (cryptsetup's JSON).
+#[test]
+fn convert_key_finds_the_keyslot_by_its_passphrase() {
+    if !kit::cryptsetup::require() {
+        return;
+    }
+    let t = TempDir::new("convert-key-find");
+    let pf = t.file("pass", "pass0");
+    let passes: Vec<PathBuf> = (1..3)
+        .map(|i| t.file(&format!("pass{i}"), format!("pass{i}")))
+        .collect();
+    let img = fresh(&t, CRYPTSETUP, "luks2", "find", &pf);
+    for p in &passes {
+        let mut a = vec!["luksAddKey", "-q", "--key-file", s(&pf), s(&img), s(p)];
+        a.extend(FAST_PBKDF2);
+        let o = run(CRYPTSETUP, &a);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    let wrong = t.file("wrong", "nope");
+    let kdf_types = |p: &Path| -> Vec<(String, String)> {
+        let o = run(CRYPTSETUP, &["luksDump", "--dump-json-metadata", s(p)]);
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+        let mut v: Vec<(String, String)> = j["keyslots"]
+            .as_object()
+            .expect("keyslots")
+            .iter()
+            .map(|(id, k)| (id.clone(), k["kdf"]["type"].as_str().unwrap_or("").into()))
+            .collect();
+        v.sort();
+        v
+    };
+    let mut results = Vec::new();
+    for prog in [CRYPTSETUP, UCRYPT] {
+        let copy = t.path(&format!("find-{}", if prog == UCRYPT { "u" } else { "c" }));
+        std::fs::copy(&img, &copy).expect("copy");
+        let convert = |key: &Path| {
+            code(&run(
+                prog,
+                &[
+                    "luksConvertKey",
+                    "-q",
+                    s(&copy),
+                    "--key-file",
+                    s(key),
+                    "--pbkdf",
+                    "argon2id",
+                    "--pbkdf-force-iterations",
+                    "4",
+                    "--pbkdf-memory",
+                    "32",
+                    "--pbkdf-parallel",
+                    "1",
+                ],
+            ))
+        };
+        let codes = (convert(&passes[0]), convert(&wrong));
+        results.push((codes, kdf_types(&copy)));
+        assert!(
+            opens(CRYPTSETUP, &copy, &passes[0]),
+            "{prog}: pass1 no longer opens"
+        );
+    }
+    assert_eq!(results[0], results[1], "cryptsetup's, then ucrypt's");
+    assert_eq!(results[0].0, (0, 2));
+    assert_eq!(
+        results[0].1,
+        [("0", "pbkdf2"), ("1", "argon2id"), ("2", "pbkdf2")]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .to_vec()
+    );
+}

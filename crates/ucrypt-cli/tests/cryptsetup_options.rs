@@ -161,10 +161,14 @@ fn verb_argv(verb: &str) -> Option<Vec<&'static str>> {
 }
 
 /// The options cryptsetup requires beside `long` on `verb` (as its own checks do: e.g.
-/// `open --unbound` only with `--test-passphrase`).
+/// `open --unbound` only with `--test-passphrase`, `--keyslot-cipher` only with
+/// `--keyslot-key-size`).
 fn companions(long: &str, verb: &str) -> &'static [&'static str] {
     match (long, verb) {
         ("unbound", "open") => &["--test-passphrase"],
+        // cryptsetup takes these two together only.
+        ("keyslot-cipher", _) => &["--keyslot-key-size", "512"],
+        ("keyslot-key-size", _) => &["--keyslot-cipher", "aes-xts-plain64"],
         _ => &[],
     }
 }
@@ -478,4 +482,186 @@ fn add_key_with_a_new_keyfile_as_cryptsetup() {
     let (u, c) = (after(UCRYPT), after("cryptsetup"));
     assert_eq!(u, c, "keyslots and tokens after luksAddKey --new-keyfile");
     assert!(u.contains("  1: luks2"), "{u}");
+}
+
+/// cryptsetup's verbs: the actions of its `action_types` table (`src/cryptsetup.c`, their
+/// names from `src/cryptsetup_args.h`) and the old spellings its "Handle aliases" block
+/// rewrites (`create`, `plainOpen`, `luksClose`, ...).
+fn cryptsetup_verbs(src: &Path) -> Vec<String> {
+    let c = std::fs::read_to_string(src.join("cryptsetup.c")).expect("cryptsetup.c");
+    let args = std::fs::read_to_string(src.join("cryptsetup_args.h")).expect("args");
+    let action_name = |macro_name: &str| -> Option<String> {
+        args.lines()
+            .filter_map(|l| l.strip_prefix("#define "))
+            .find_map(|l| {
+                let mut it = l.split_whitespace();
+                (it.next()? == macro_name).then(|| it.next().map(|v| v.trim_matches('"').into()))?
+            })
+    };
+    let table = &c[c.find("action_types[] = {").expect("action table")..];
+    let table = &table[..table.find("};").expect("table end")];
+    let mut verbs: Vec<String> = table
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix('{'))
+        .filter_map(|l| l.split(',').next())
+        .map(str::trim)
+        .filter(|m| m.ends_with("_ACTION"))
+        .map(|m| action_name(m).unwrap_or_else(|| panic!("no name for {m}")))
+        .collect();
+    let aliases = &c[c.find("/* Handle aliases */").expect("alias block")..];
+    let aliases = &aliases[..aliases.find("for(action").expect("alias block end")];
+    for part in aliases.split("!strcmp(aname, \"").skip(1) {
+        let name = &part[..part.find('"').expect("quoted alias")];
+        if !verbs.iter().any(|v| v == name) {
+            verbs.push(name.to_string());
+        }
+    }
+    verbs
+}
+
+/// `verb`'s command line with nothing but its required arguments; the old `create` takes the
+/// name first.
+fn alias_argv(verb: &str) -> Vec<&'static str> {
+    const DEV: &str = "/nonexistent/ucrypt-options-dev";
+    let v = static_verb(verb);
+    match verb {
+        "create" => vec![v, "name", DEV],
+        "benchmark" => vec![v],
+        "refresh" | "remove" => vec![v, "name"],
+        _ if verb.ends_with("Open") => vec![v, DEV, "name"],
+        _ if verb.ends_with("Close") => vec![v, "name"],
+        _ => verb_argv(verb).unwrap_or_else(|| vec![v, DEV]),
+    }
+}
+
+/// Every verb of cryptsetup, action or alias, is parsed by ucrypt (`--test-args`) or refused
+/// by name ("Action X is not supported by ucrypt: ...").
+#[test]
+fn every_cryptsetup_verb_is_parsed_or_refused_by_name() {
+    let tests = match cryptsetup_tests() {
+        Ok(t) => t,
+        Err(why) => {
+            println!("SKIPPED: cryptsetup's verb table: {why}");
+            return;
+        }
+    };
+    let src = tests.join("../src");
+    if !src.join("cryptsetup.c").is_file() {
+        println!("SKIPPED: {} has no src/cryptsetup.c", src.display());
+        return;
+    }
+    let verbs = cryptsetup_verbs(&src);
+    assert!(
+        verbs.len() >= 40,
+        "only {} verbs read: {verbs:?}",
+        verbs.len()
+    );
+    let mut failed = Vec::new();
+    for verb in &verbs {
+        let mut argv = alias_argv(verb);
+        argv.push("--test-args");
+        let o = run(UCRYPT, &argv);
+        let out = text(&o);
+        let refused = format!("Action {verb} is not supported by ucrypt: ");
+        match o.status.code() {
+            Some(0) => {}
+            Some(1) if out.contains(&refused) => println!("  refused {verb}: {out}"),
+            c => failed.push(format!("`ucrypt {}`: exit {c:?}: {out}", argv.join(" "))),
+        }
+    }
+    println!("{} cryptsetup verbs", verbs.len());
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// `--device-size`: cryptsetup's checks (not 0, a multiple of 512, not with `--size`) give the
+/// same exit codes in both tools on `open` and `resize`; a plain mapping with `--device-size
+/// BYTES` is the one `--size BYTES/512` gives; `reencrypt` refuses it by name before acting.
+#[test]
+fn device_size_as_cryptsetup() {
+    if !have("cryptsetup") {
+        println!("SKIPPED: needs cryptsetup");
+        return;
+    }
+    let t = TempDir::new("device-size");
+    let img = t.path("v.img");
+    let key = t.file("key", [7u8; 64]);
+    std::fs::write(&img, kit::SplitMix(0xd5).bytes(4 << 20)).unwrap();
+    let img = s(&img);
+    let plain = [
+        "--type",
+        "plain",
+        "--cipher",
+        "aes-xts-plain64",
+        "--key-size",
+        "512",
+    ];
+    let cases: &[(&str, Vec<&str>)] = &[
+        (
+            "open, 1 MiB",
+            vec!["open", img, "n", "--device-size", "1048576"],
+        ),
+        (
+            "open, not a multiple of 512",
+            vec!["open", img, "n", "--device-size", "1000"],
+        ),
+        ("open, 0", vec!["open", img, "n", "--device-size", "0"]),
+        (
+            "open, with --size",
+            vec![
+                "open",
+                img,
+                "n",
+                "--device-size",
+                "1048576",
+                "--size",
+                "2048",
+            ],
+        ),
+        ("resize", vec!["resize", "n", "--device-size", "1048576"]),
+        (
+            "resize, with --size",
+            vec!["resize", "n", "--device-size", "1048576", "--size", "2048"],
+        ),
+    ];
+    for (what, args) in cases {
+        let codes: Vec<Option<i32>> = ["cryptsetup", UCRYPT]
+            .iter()
+            .map(|tool| {
+                let mut a = args.clone();
+                if a[0] == "open" {
+                    a.extend(plain);
+                }
+                a.push("--test-args");
+                run(tool, &a).status.code()
+            })
+            .collect();
+        assert_eq!(
+            codes[0], codes[1],
+            "{what}: cryptsetup's exit code, then ucrypt's"
+        );
+    }
+    // The mapping: export through --device-size and through --size.
+    let export = |size: &[&str], out: &str| -> Vec<u8> {
+        let out = t.path(out);
+        let mut a = vec!["export", img, s(&out), "--volume-key-file", s(&key)];
+        a.extend(&plain);
+        a.extend(size);
+        ok(UCRYPT, &a);
+        std::fs::read(&out).unwrap()
+    };
+    let by_bytes = export(&["--device-size", "1048576"], "a");
+    assert_eq!(by_bytes.len(), 1 << 20);
+    assert_eq!(by_bytes, export(&["--size", "2048"], "b"));
+    // reencrypt: refused by name, --test-args or not.
+    for extra in [&["--test-args"][..], &[]] {
+        let mut a = vec!["reencrypt", img, "--device-size", "1048576"];
+        a.extend(extra);
+        let o = run(UCRYPT, &a);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(
+            text(&o).contains("Option --device-size is not supported by ucrypt: "),
+            "{}",
+            text(&o)
+        );
+    }
 }

@@ -150,7 +150,7 @@ fn plan(update: Update, base: &[u8], vk: &[u8]) -> (Vec<u8>, Vec<WriteOp>) {
         Update::Add | Update::AddWithDamagedSecondary => add(&mut h),
         Update::Remove => h.remove_keyslot(0).expect("remove"),
         Update::Change => {
-            h.change_keyslot(0, &key, b"pass9", &fast_kdf())
+            h.change_keyslot(0, &key, b"pass9", &fast_kdf(), None)
                 .expect("change")
                 .1
         }

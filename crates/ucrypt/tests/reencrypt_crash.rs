@@ -797,6 +797,7 @@ fn encrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind, sector: u32) -> Res
             key_bytes: 64,
             sector_size: SectorSize::new(u64::from(sector)).unwrap(),
             uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f2".into(),
+            keyslot_area: None,
             resilience_hash: CHECKSUM_HASH,
         },
     )?;
@@ -992,6 +993,7 @@ fn encrypt_shift_all_in(dev: &dyn Backend, sector: u32, hotzone_bytes: Option<u6
             key_bytes: 64,
             sector_size: SectorSize::new(u64::from(sector)).unwrap(),
             uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f3".into(),
+            keyslot_area: None,
             resilience_hash: CHECKSUM_HASH,
         },
         2 * SHIFT_BYTES,
@@ -1165,6 +1167,7 @@ fn shift_encryption_refusals_write_nothing() {
                 key_bytes: 64,
                 sector_size: SectorSize::new(u64::from(sector)).unwrap(),
                 uuid: "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f4".into(),
+                keyslot_area: None,
                 resilience_hash: CHECKSUM_HASH,
             },
             reduce,

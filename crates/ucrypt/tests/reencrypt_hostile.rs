@@ -391,6 +391,7 @@ fn encrypt_shift(dev: &dyn Backend) -> Result<()> {
             key_bytes: 64,
             sector_size: SectorSize::S512,
             uuid: "5e1f2d3c-4b5a-4978-8695-a4b3c2d1e0f1".into(),
+            keyslot_area: None,
             resilience_hash: CHECKSUM_HASH,
         },
         2 * SHIFT,

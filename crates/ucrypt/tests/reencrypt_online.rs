@@ -711,6 +711,7 @@ fn a_detached_header_encrypts_online() {
                 key_bytes: 64,
                 sector_size: SectorSize::new(sector).unwrap(),
                 uuid: "1f2e3d4c-5b6a-4798-8a9b-acbdcedf0f1e".into(),
+                keyslot_area: None,
                 resilience_hash: CHECKSUM_HASH,
             },
         )
@@ -780,6 +781,7 @@ fn an_encryption_moving_the_data_online() {
                 key_bytes: 64,
                 sector_size: SectorSize::new(u64::from(sector)).unwrap(),
                 uuid: "2a3b4c5d-6e7f-4081-92a3-b4c5d6e7f809".into(),
+                keyslot_area: None,
                 resilience_hash: CHECKSUM_HASH,
             },
             2 * SHIFT,

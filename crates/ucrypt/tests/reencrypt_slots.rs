@@ -207,6 +207,7 @@ fn active_keyslots_are_the_bound_ones() {
             b"unbound",
             &fast_kdf(),
             None,
+            None,
         )
         .unwrap();
     assert_eq!(slot, 3);

@@ -209,6 +209,14 @@ pub struct ResizeArgs {
     /// the data offset.
     #[arg(long, short = 'b')]
     pub size: Option<u64>,
+    /// The new size in bytes, a multiple of 512 (cryptsetup's --device-size).
+    #[arg(
+        long = "device-size",
+        value_name = "BYTES",
+        conflicts_with = "size",
+        value_parser = crate::volume_args::device_size_sectors
+    )]
+    pub device_size_sectors: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -1169,7 +1177,7 @@ pub fn resize(mut a: ResizeArgs) -> CliResult<i32> {
         &a.name,
         &dir,
         &Request::Resize {
-            size_sectors: a.size,
+            size_sectors: a.size.or(a.device_size_sectors),
         },
     )?;
     eprintln!("{}: {} sectors", a.name, s.volume.size_sectors);

@@ -100,6 +100,7 @@ pub(super) fn convert_key(device: &Target, key_file: Option<&str>, o: &LuksOpts)
         )));
     };
     hdr.check_requirements()?;
+    let area = super::keyslot_area::for_header(o, &hdr)?;
     if let Some(slot) = o.key_slot {
         if !hdr.active_keyslots().contains(&slot) {
             return Err(Error::InvalidArgument(format!(
@@ -127,7 +128,7 @@ pub(super) fn convert_key(device: &Target, key_file: Option<&str>, o: &LuksOpts)
     let Header::Luks2(h) = &mut hdr else {
         return Err(Error::Bug("checked LUKS2 above"));
     };
-    let (id, ops) = h.change_keyslot(slot, &vk, passphrase.as_ref(), &kdf)?;
+    let (id, ops) = h.change_keyslot(slot, &vk, passphrase.as_ref(), &kdf, area)?;
     luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {id} created.");

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use ucrypt::Error;
 
+use super::progress_json::JsonProgress;
 use crate::error::{CliError, CliResult};
 use crate::open::VolumeArgs;
 
@@ -28,6 +29,8 @@ pub(crate) struct Progress {
     every: Option<Duration>,
     /// Lines (--progress-frequency) rather than one line redrawn.
     lines: bool,
+    /// `--progress-json`: cryptsetup's JSON lines instead of the text.
+    json: Option<JsonProgress>,
 }
 
 impl Progress {
@@ -44,10 +47,27 @@ impl Progress {
             total,
             every,
             lines,
+            json: None,
         }
     }
 
+    /// Progress as cryptsetup's `--progress-json` lines, `device` named in them; the report
+    /// of 0 bytes done starts their clock.
+    pub(crate) fn json(mut self, device: String) -> Self {
+        let frequency_s = self
+            .lines
+            .then(|| self.every.map(|d| d.as_secs()))
+            .flatten();
+        let mut j = JsonProgress::new(device, frequency_s);
+        j.report(0, self.total);
+        self.json = Some(j);
+        self
+    }
+
     pub(crate) fn tick(&mut self, done: u64) {
+        if let Some(j) = &mut self.json {
+            return j.report(done, self.total);
+        }
         let Some(every) = self.every else { return };
         if self.last.elapsed() < every {
             return;
@@ -80,6 +100,12 @@ impl Progress {
     }
 
     pub(crate) fn finish(&mut self, verb: &str, done: u64) {
+        if let Some(j) = &mut self.json {
+            // The last line says where it ended.
+            j.report(done, self.total);
+            self.every = None;
+            self.lines = false;
+        }
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
         if self.every.is_some() && !self.lines {
             eprintln!();

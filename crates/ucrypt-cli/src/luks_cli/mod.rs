@@ -7,6 +7,8 @@
 
 mod convert;
 mod data;
+mod keyslot_area;
+mod progress_json;
 mod reencrypt;
 
 use std::path::PathBuf;
@@ -94,6 +96,20 @@ pub struct LuksOpts {
     pub new_keyfile_size: Option<u64>,
     #[arg(long, short = 'S')]
     pub key_slot: Option<u32>,
+    /// LUKS2 format, add-key, change-key, convert-key, reencrypt --encrypt: encrypt the new
+    /// keyslot's area with this cipher (with --keyslot-key-size) instead of the data
+    /// segment's. A reencryption's new keyslots take the old keyslots' encryption, as in
+    /// cryptsetup, which ignores the option there.
+    #[arg(long, value_name = "CIPHER", requires = "keyslot_key_size")]
+    pub keyslot_cipher: Option<String>,
+    /// The --keyslot-cipher's key size in bits.
+    #[arg(
+        long,
+        value_name = "BITS",
+        requires = "keyslot_cipher",
+        value_parser = keyslot_area::keyslot_key_bits
+    )]
+    pub keyslot_key_size: Option<u32>,
     #[arg(long)]
     pub new_key_slot: Option<u32>,
     /// Do not ask for confirmation.
@@ -157,9 +173,13 @@ pub struct LuksOpts {
     /// written). Without it every block is written with zeroes so that every tag verifies.
     #[arg(long)]
     pub integrity_no_wipe: bool,
-    /// format --integrity: print the wipe's progress every this many seconds.
+    /// format --integrity and reencrypt: print progress every this many seconds.
     #[arg(long)]
     pub progress_frequency: Option<u64>,
+    /// format --integrity and reencrypt: progress as cryptsetup's JSON lines on standard
+    /// output (every --progress-frequency seconds, or every half second).
+    #[arg(long)]
+    pub progress_json: bool,
     /// Accepted for compatibility; ucrypt reads files without device-mapper.
     #[arg(long)]
     pub disable_locks: bool,
@@ -270,7 +290,7 @@ pub enum LuksCmd {
         o: LuksOpts,
     },
     /// Set label, subsystem, keyslot priority, and (with --persistent) activation flags.
-    #[command(name = "config")]
+    #[command(name = "config", alias = "luksConfig")]
     Config {
         device: Target,
         #[command(flatten)]
@@ -376,9 +396,8 @@ const VERBS: &[&str] = &[
     "isLuks",
     "open",
     "luksOpen",
-    "fvault2Open",
-    "loopaesOpen",
     "config",
+    "luksConfig",
     "convert",
     "convert-key",
     "luksConvertKey",
@@ -409,6 +428,19 @@ pub fn reorder_args(args: Vec<String>) -> Vec<String> {
     out.extend_from_slice(&args[1..pos]);
     out.extend_from_slice(&args[pos + 1..]);
     out
+}
+
+/// An option `cmd` takes in cryptsetup that ucrypt refuses on this verb, and why: checked
+/// before anything runs (`--test-args` included), as cryptsetup checks its options.
+pub fn refusal(cmd: &LuksCmd) -> Option<(&'static str, &'static str)> {
+    match cmd {
+        LuksCmd::Reencrypt { r, .. } if r.device_size_sectors.is_some() => Some((
+            "--device-size",
+            "reencrypting only the first part of the data area is not supported by reencrypt \
+             (open and resize take it, as --size in bytes)",
+        )),
+        _ => None,
+    }
 }
 
 pub fn run(cmd: LuksCmd) -> i32 {
@@ -662,6 +694,7 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     req.key_slot = o.key_slot;
     req.luks2_metadata_bytes = o.luks2_metadata_size;
     req.luks2_keyslots_bytes = o.luks2_keyslots_size;
+    req.keyslot_area = keyslot_area::request(o)?;
     let key_bytes = req.check()?;
     req.object_bytes = device.object_bytes(&o.remote)?;
     let align = req.alignment()?;
@@ -737,7 +770,13 @@ fn format_integrity(device: &Target, o: &LuksOpts, plan: &FormatPlan) -> Result<
     let mut p: Option<data::Progress> = None;
     let total =
         ucrypt::format::write_integrity(data, plan, wipe, &mut |done, total| match &mut p {
-            None => p = Some(data::Progress::new(total, o.progress_frequency)),
+            None => {
+                let mut n = data::Progress::new(total, o.progress_frequency);
+                if o.progress_json {
+                    n = n.json(device.to_string());
+                }
+                p = Some(n)
+            }
             Some(p) => p.tick(done),
         })?;
     match p {
@@ -867,6 +906,7 @@ fn add_key(
     }
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
+    let area = keyslot_area::for_header(o, &hdr)?;
     let vk = match &o.volume_key_file {
         Some(p) => crate::volume_key::read_verified(&hdr, p, o.key_size)?,
         None => {
@@ -893,12 +933,16 @@ fn add_key(
     };
     let kdf = kdf_request(o, hdr.version())?;
     let slot = o.new_key_slot.or(o.key_slot);
-    let (id, ops) = hdr.add_keyslot(NewKeyslot {
+    let new = NewKeyslot {
         vk: &vk,
         passphrase: newp.as_ref(),
         kdf: &kdf,
         slot,
-    })?;
+    };
+    let (id, ops) = match &mut hdr {
+        Header::Luks2(h) if area.is_some() => h.add_keyslot_with_area(new, None, area)?,
+        _ => hdr.add_keyslot(new)?,
+    };
     luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {id} created.");
@@ -948,6 +992,7 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
     let key_bytes = (bits / 8) as usize;
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
+    let area = keyslot_area::for_header(o, &hdr)?;
     let Header::Luks2(h) = &mut hdr else {
         return Err(Error::InvalidArgument(format!(
             "Device {} is not a valid LUKS2 device.",
@@ -964,7 +1009,7 @@ fn add_unbound_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) ->
         true,
     )?;
     let kdf = kdf_request(o, 2)?;
-    let (id, ops) = h.add_unbound_keyslot(key, newp.as_ref(), &kdf, o.key_slot)?;
+    let (id, ops) = h.add_unbound_keyslot(key, newp.as_ref(), &kdf, o.key_slot, area)?;
     luks::apply(dev.as_ref(), &ops)?;
     if o.verbose {
         eprintln!("Key slot {id} created.");
@@ -999,6 +1044,7 @@ fn remove_key(device: &Target, key_file: Option<&str>, o: &LuksOpts) -> Result<i
 fn change_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Result<i32> {
     let (dev, mut hdr) = load(device, o, true)?;
     hdr.check_requirements()?;
+    let area = keyslot_area::for_header(o, &hdr)?;
     // An unbound keyslot's passphrase may be changed too (cryptsetup allows it); the new
     // keyslot keeps the old one's digest, so it stays unbound.
     let (old, vk) = unlock_with(
@@ -1014,7 +1060,7 @@ fn change_key(device: &Target, new_key_file: Option<&str>, o: &LuksOpts) -> Resu
     // Write the new keyslot first, then remove the old one: a crash in between leaves both
     // passphrases working, never neither.
     let (new, ops) = match &mut hdr {
-        Header::Luks2(h) => h.change_keyslot(old, &vk, newp.as_ref(), &kdf)?,
+        Header::Luks2(h) => h.change_keyslot(old, &vk, newp.as_ref(), &kdf, area)?,
         Header::Luks1(_) => {
             let (new, mut ops) = hdr.add_keyslot(NewKeyslot {
                 vk: &vk,

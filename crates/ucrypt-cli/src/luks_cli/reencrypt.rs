@@ -21,6 +21,7 @@ use ucrypt::luks::Header;
 use ucrypt::sector::{CipherSpec, SectorSize};
 use ucrypt::{Error, Result};
 
+use super::progress_json::JsonProgress;
 use super::{existing_source, kdf_request, load, LuksOpts};
 use crate::daemon::online::Holder;
 use crate::pass;
@@ -30,6 +31,15 @@ use ucrypt::luks::reencrypt;
 /// Options of `reencrypt` beyond the common LUKS ones (cryptsetup's spellings).
 #[derive(Args, Debug, Clone, Default)]
 pub struct ReencryptOpts {
+    /// cryptsetup's --device-size (reencrypt only the first BYTES of the data area): refused
+    /// by name before the verb runs (see `luks_cli::refusal`).
+    #[arg(
+        long = "device-size",
+        value_name = "BYTES",
+        hide = true,
+        value_parser = crate::volume_args::device_size_sectors
+    )]
+    pub device_size_sectors: Option<u64>,
     /// Only write the reencryption metadata; `--resume-only` rewrites the data later.
     #[arg(long)]
     pub init_only: bool,
@@ -163,27 +173,36 @@ fn segment_change(o: &LuksOpts, hdr: &Header) -> Result<SegmentChange> {
 
 /// Prints progress as cryptsetup does: a line every `every` (`--progress-frequency`), or an
 /// updated line on a terminal, nothing otherwise.
+/// With `--progress-json`, cryptsetup's JSON lines on standard output instead.
 struct Meter {
     start: Instant,
     last: Instant,
     every: Option<Duration>,
     tty: bool,
     first_done: Option<u64>,
+    json: Option<JsonProgress>,
 }
 
 impl Meter {
-    fn new(freq: Option<u64>, batch: bool) -> Self {
+    /// The meter `o`'s options ask for; `device` names the data device in JSON lines.
+    fn new(o: &LuksOpts, device: &dyn std::fmt::Display) -> Self {
         let now = Instant::now();
         Meter {
             start: now,
             last: now,
-            every: freq.map(Duration::from_secs),
-            tty: !batch && std::io::stderr().is_terminal(),
+            every: o.progress_frequency.map(Duration::from_secs),
+            tty: !o.batch_mode && std::io::stderr().is_terminal(),
             first_done: None,
+            json: o
+                .progress_json
+                .then(|| JsonProgress::new(device.to_string(), o.progress_frequency)),
         }
     }
 
     fn show(&mut self, p: Progress) {
+        if let Some(j) = &mut self.json {
+            return j.report(p.done, p.total);
+        }
         let first = *self.first_done.get_or_insert(p.done);
         let now = Instant::now();
         let end = p.done == p.total;
@@ -326,9 +345,9 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             hotzone_bytes,
             resilience: switch,
         };
-        return Ok(run_in_daemon(&h, passphrase, opts, o));
+        return Ok(run_in_daemon(&h, passphrase, opts, o, device));
     }
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    let mut meter = Meter::new(o, device);
     reencrypt::run::resume_on(
         devs,
         passphrase.as_ref(),
@@ -740,6 +759,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
             key_bytes,
             sector_size,
             uuid,
+            keyslot_area: super::keyslot_area::request(o)?,
         },
         reduce,
     )?;
@@ -750,7 +770,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
         drop(dev);
         return open_and_run_online(device, o, name, passphrase, hotzone_bytes);
     }
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    let mut meter = Meter::new(o, device);
     reencrypt::run::resume(
         dev.as_ref(),
         passphrase.as_ref(),
@@ -832,6 +852,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
             key_bytes,
             sector_size,
             uuid,
+            keyslot_area: super::keyslot_area::request(o)?,
         },
     )?;
     if r.init_only {
@@ -841,7 +862,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         drop((hdr, data));
         return open_and_run_online(device, o, name, passphrase, hotzone_bytes);
     }
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    let mut meter = Meter::new(o, device);
     reencrypt::run::resume_on(
         devs,
         passphrase.as_ref(),
@@ -910,7 +931,7 @@ fn open_and_run_online(
         hotzone_bytes,
         resilience: None,
     };
-    Ok(run_in_daemon(&h, passphrase, opts, o))
+    Ok(run_in_daemon(&h, passphrase, opts, o, device))
 }
 
 /// Has the daemon `h` run the reencryption (its header already initialised) while it serves,
@@ -921,8 +942,9 @@ fn run_in_daemon(
     passphrase: ucrypt::SecretBytes,
     opts: RunOptions,
     o: &LuksOpts,
+    device: &Target,
 ) -> i32 {
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    let mut meter = Meter::new(o, device);
     let r = h.rotate(passphrase, opts, &mut |done, total| {
         meter.show(Progress { done, total })
     });
@@ -1016,7 +1038,7 @@ fn decrypt_unshift(
         drop((hdr, data));
         return open_and_run_online(device, o, name, passphrase, None);
     }
-    let mut meter = Meter::new(o.progress_frequency, o.batch_mode);
+    let mut meter = Meter::new(o, device);
     reencrypt::run::resume_on(devs, passphrase.as_ref(), RunOptions::default(), &mut |p| {
         meter.show(p)
     })?;

@@ -59,9 +59,11 @@ pub fn cryptsetup_tests() -> Result<PathBuf, String> {
             .filter_map(|e| e.ok())
             .map(|e| e.path().join("tests"))
             .find(|t| {
-                // A copy unpacked before the option tables were part of it is fetched again.
+                // A copy unpacked before the option and verb tables were part of it is
+                // fetched again.
                 t.join("luks2-validation-test").is_file()
                     && t.join("../src/cryptsetup_arg_list.h").is_file()
+                    && t.join("../src/cryptsetup.c").is_file()
             })
     };
     if let Some(t) = find(&cache) {

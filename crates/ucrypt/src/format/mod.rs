@@ -176,6 +176,9 @@ pub struct FormatRequest {
     pub luks2_metadata_bytes: Option<u64>,
     /// LUKS2 keyslots area size in bytes (`--luks2-keyslots-size`).
     pub luks2_keyslots_bytes: Option<u64>,
+    /// LUKS2: the first keyslot's area encryption, a cipher and its key size in bytes
+    /// (`--keyslot-cipher`, `--keyslot-key-size`); `None`: the data segment's.
+    pub keyslot_area: Option<(CipherSpec, usize)>,
     /// How messages name the device.
     pub name: String,
 }
@@ -205,6 +208,7 @@ impl FormatRequest {
             key_slot: None,
             luks2_metadata_bytes: None,
             luks2_keyslots_bytes: None,
+            keyslot_area: None,
             name: name.into(),
         }
     }
@@ -234,6 +238,14 @@ impl FormatRequest {
                 key_bytes
             }
         };
+        if let Some((cipher, bytes)) = self.keyslot_area {
+            if self.version == LuksVersion::Luks1 {
+                return Err(Error::InvalidArgument(
+                    "Keyslot encryption parameters can be set only for LUKS2 device.".into(),
+                ));
+            }
+            cipher.check_key_len(bytes)?;
+        }
         if let Some(u) = &self.uuid {
             luks::check_uuid(u)?;
         }
@@ -406,7 +418,11 @@ fn plan_luks2(
         offset: 0,
         len: metadata_end,
     });
-    let (slot, add) = hdr.add_keyslot(
+    let area = req
+        .keyslot_area
+        .map(|(cipher, bytes)| hdr.keyslot_area(cipher, bytes))
+        .transpose()?;
+    let (slot, add) = hdr.add_keyslot_with_area(
         NewKeyslot {
             vk: &vk,
             passphrase,
@@ -414,6 +430,7 @@ fn plan_luks2(
             slot: req.key_slot,
         },
         None,
+        area,
     )?;
     ops.extend(add);
     Ok((ops, Header::Luks2(hdr), slot, vk))

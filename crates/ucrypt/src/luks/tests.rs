@@ -86,6 +86,59 @@ fn luks2_format_add_unlock_remove() {
     assert_eq!(open(&img, b"pass1").expect("pass1").1, vk);
 }
 
+/// A keyslot area encryption chosen by the user: checked as cryptsetup checks it, and a
+/// keyslot written with one opens.
+#[test]
+fn keyslot_area_choices() {
+    let (mut img, vk) = image_luks2();
+    let Header::Luks2(mut h) = parse_any(&img).expect("parse") else {
+        panic!("not LUKS2")
+    };
+    let spec = |s: &str| -> CipherSpec { s.parse().expect("spec") };
+    let rows: &[(&str, usize, bool)] = &[
+        ("aes-cbc-essiv:sha256", 32, true),
+        ("aes-xts-plain64", 32, true),
+        ("serpent-xts-plain64", 64, true),
+        ("aes-xts-plain64", 16, false),
+        ("aes-cbc-plain64", 0, false),
+    ];
+    for &(c, bytes, ok) in rows {
+        assert_eq!(h.keyslot_area(spec(c), bytes).is_ok(), ok, "{c} {bytes}");
+    }
+    assert!(h.keyslot_area(CipherSpec::NULL, 32).is_err(), "cipher_null");
+    let area = h
+        .keyslot_area(spec("aes-cbc-essiv:sha256"), 32)
+        .expect("area");
+    let key = open(&img, b"pass0").expect("pass0").1;
+    assert_eq!(key, vk);
+    let vkey = h
+        .verify_key(Some(0), SecretBytes::from_slice(&key))
+        .expect("verified");
+    let (slot, ops) = h
+        .add_keyslot_with_area(
+            NewKeyslot {
+                vk: &vkey,
+                passphrase: b"pass2",
+                kdf: &fast_kdf(),
+                slot: None,
+            },
+            None,
+            Some(area),
+        )
+        .expect("add 2");
+    apply_to_image(&mut img, &ops);
+    assert_eq!(open(&img, b"pass2").expect("pass2"), (slot, vk));
+    let Header::Luks2(h) = parse_any(&img).expect("parse") else {
+        panic!("not LUKS2")
+    };
+    let a = h.meta.keyslots[&slot.to_string()]
+        .area
+        .as_ref()
+        .expect("area");
+    assert_eq!(a.encryption.as_deref(), Some("aes-cbc-essiv:sha256"));
+    assert_eq!(a.key_size, Some(32));
+}
+
 #[test]
 fn luks1_format_add_unlock_remove() {
     let vk_bytes: Vec<u8> = (100..132u8).collect();

@@ -15,12 +15,37 @@ use crate::luks::kdf::{Kdf, KdfRequest};
 use crate::luks::keyslot::SlotCrypto;
 use crate::luks::util::random_fill;
 use crate::luks::{KeyUse, NewKeyslot, VolumeKey, WriteOp, KEYSLOTS_MAX};
-use crate::sector::CipherSpec;
+use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::{Error, Result, SecretBytes};
 
 /// The key size of cryptsetup's default keyslot cipher (aes-xts-plain64, 512 bits), used for
 /// the keyslot areas of an authenticated volume.
 const KEYSLOT_DEFAULT_KEY_BYTES: usize = 64;
+
+/// How a keyslot's area is encrypted: a cipher and its key size, both recorded in the
+/// keyslot's `area` object. One chosen by the user (cryptsetup's `--keyslot-cipher` and
+/// `--keyslot-key-size`) is built by [`Luks2Header::keyslot_area`], which checks it against
+/// the header as cryptsetup does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyslotArea {
+    cipher: CipherSpec,
+    key_bytes: usize,
+}
+
+impl KeyslotArea {
+    /// An area encryption the library picked itself (a default, or an existing keyslot's).
+    pub(crate) fn known(cipher: CipherSpec, key_bytes: usize) -> KeyslotArea {
+        KeyslotArea { cipher, key_bytes }
+    }
+
+    pub fn cipher(&self) -> CipherSpec {
+        self.cipher
+    }
+
+    pub fn key_bytes(&self) -> usize {
+        self.key_bytes
+    }
+}
 
 impl Luks2Header {
     /// Keyslots usable with a passphrase for `key_use`, in the order cryptsetup tries them:
@@ -173,6 +198,40 @@ impl Luks2Header {
         }
     }
 
+    /// `cipher` with a `key_bytes` key as the area encryption of new keyslots, checked as
+    /// cryptsetup's `crypt_keyslot_set_encryption` checks it: not the null cipher, not on an
+    /// authenticated volume (its keyslots take the default keyslot cipher), and a cipher and
+    /// key size a keyslot area can be encrypted with.
+    pub fn keyslot_area(&self, cipher: CipherSpec, key_bytes: usize) -> Result<KeyslotArea> {
+        let refuse = |why: &str| {
+            Err(Error::InvalidArgument(format!(
+                "keyslot cipher {cipher} with a {}-bit key: {why}",
+                key_bytes * 8
+            )))
+        };
+        if cipher == CipherSpec::NULL {
+            return refuse("the null cipher cannot encrypt a keyslot");
+        }
+        let authenticated = self
+            .meta
+            .segments
+            .values()
+            .any(|s| s.kind == SegmentKind::Crypt && s.integrity.is_some());
+        if authenticated {
+            return refuse("an authenticated volume's keyslots take the default keyslot cipher");
+        }
+        if key_bytes == 0 || key_bytes > crate::luks::KEY_BYTES_MAX {
+            return refuse("no such key size");
+        }
+        cipher.check_key_len(key_bytes)?;
+        // The area is encrypted in 512-byte sectors as any sector is: a cipher the sector
+        // layer cannot set up (a key layout it refuses) cannot encrypt it either. The key is a
+        // placeholder whose halves differ, as XTS requires.
+        let probe: Vec<u8> = (0..key_bytes).map(|i| i as u8).collect();
+        SectorCipher::new(cipher, &probe, Geometry::new(SectorSize::S512))?;
+        Ok(KeyslotArea { cipher, key_bytes })
+    }
+
     /// First gap in the keyslots area that holds `len` bytes (4096-aligned).
     fn find_area(&self, len: u64) -> Result<u64> {
         let start = 2 * self.bin.hdr_size;
@@ -218,7 +277,7 @@ impl Luks2Header {
         &mut self,
         new: NewKeyslot<'_>,
         priority: Option<u32>,
-        area: Option<(CipherSpec, usize)>,
+        area: Option<KeyslotArea>,
     ) -> Result<(u32, Vec<WriteOp>)> {
         let NewKeyslot {
             vk,
@@ -254,7 +313,7 @@ impl Luks2Header {
             .values()
             .any(|s| s.kind == SegmentKind::Crypt && s.integrity.is_some());
         let (area_cipher, area_key_bytes) = if let Some(a) = area {
-            a
+            (a.cipher, a.key_bytes)
         } else if authenticated {
             (CipherSpec::AES_XTS_PLAIN64, KEYSLOT_DEFAULT_KEY_BYTES)
         } else {
@@ -321,13 +380,15 @@ impl Luks2Header {
     /// --unbound`): a new digest of `key` assigned to no segment, and the keyslot assigned to
     /// it. Its area is encrypted as cryptsetup encrypts a new keyslot's by default (the data
     /// segment's cipher and volume key size, or aes-xts-plain64 with a 512-bit key where the
-    /// segment's cipher cannot encrypt a keyslot). Returns the keyslot id and the write plan.
+    /// segment's cipher cannot encrypt a keyslot), or with `area`. Returns the keyslot id and
+    /// the write plan.
     pub fn add_unbound_keyslot(
         &mut self,
         key: SecretBytes,
         passphrase: &[u8],
         kdf: &KdfRequest,
         slot: Option<u32>,
+        area: Option<KeyslotArea>,
     ) -> Result<(u32, Vec<WriteOp>)> {
         if key.is_empty() || key.len() > crate::luks::KEY_BYTES_MAX {
             return Err(Error::InvalidArgument(format!(
@@ -336,7 +397,13 @@ impl Luks2Header {
                 crate::luks::KEY_BYTES_MAX
             )));
         }
-        let area = self.keyslot_area_default()?;
+        let area = match area {
+            Some(a) => a,
+            None => {
+                let (c, n) = self.keyslot_area_default()?;
+                KeyslotArea::known(c, n)
+            }
+        };
         let did = free_id(self.meta.digests.keys())?;
         // The keyslot is added to the digest by `add_keyslot_with_area`.
         self.meta.digests.insert(
@@ -429,12 +496,14 @@ impl Luks2Header {
     /// Replaces the passphrase of keyslot `id`, keeping its number (as cryptsetup does for
     /// LUKS2): the new material goes to a fresh area, one header commit swaps the keyslot,
     /// then the old area is wiped. A crash leaves the old or the new passphrase working.
+    /// `area`: the new area's encryption; `None`: the default a new keyslot gets.
     pub fn change_keyslot(
         &mut self,
         id: u32,
         vk: &VolumeKey,
         passphrase: &[u8],
         kdf: &KdfRequest,
+        area: Option<KeyslotArea>,
     ) -> Result<(u32, Vec<WriteOp>)> {
         let key = id.to_string();
         let old = self
@@ -454,10 +523,13 @@ impl Luks2Header {
         let saved = self.clone();
         // An unbound key's size says nothing of the area's cipher: the area gets cryptsetup's
         // default, as a new unbound keyslot's does.
-        let area = if vk.is_bound() {
-            None
-        } else {
-            Some(self.keyslot_area_default()?)
+        let area = match area {
+            Some(a) => Some(a),
+            None if vk.is_bound() => None,
+            None => {
+                let (c, n) = self.keyslot_area_default()?;
+                Some(KeyslotArea::known(c, n))
+            }
         };
         let (_, mut ops) = self.add_keyslot_with_area(
             NewKeyslot {

@@ -20,7 +20,7 @@ mod tokens;
 pub use binary::{read_copy, BinHeader, Copy, HDR_SIZES, MAGIC_1ST, MAGIC_2ND};
 pub use config::Priority;
 pub use format::{format, FormatIntegrity, FormatLuks2, HDR_SIZE_DEFAULT};
-pub use keyslots::keyslot_kdf;
+pub use keyslots::{keyslot_kdf, KeyslotArea};
 pub use select::{select_copy, Selection, Which};
 pub use tokens::{KeyringToken, TokenFilter, KEYRING_TOKEN};
 

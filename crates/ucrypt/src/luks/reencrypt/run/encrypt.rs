@@ -29,6 +29,9 @@ pub struct EncryptOptions<'a> {
     pub sector_size: SectorSize,
     /// The new header's UUID.
     pub uuid: String,
+    /// The new keyslot's area encryption, a cipher and its key size in bytes
+    /// (`--keyslot-cipher`, `--keyslot-key-size`); `None`: the new segment's.
+    pub keyslot_area: Option<(CipherSpec, usize)>,
 }
 
 /// The message cryptsetup 2.6 refuses an encryption with, without a detached header.
@@ -73,7 +76,11 @@ pub fn init_encrypt(
     f.keyslots_size = f.keyslots_size.min(room);
     let (mut h, vk) = crate::luks::luks2::format(&f, random_secret(opts.key_bytes)?)?;
     let seqid = h.bin.seqid;
-    let (slot, mut ops) = h.add_keyslot(
+    let area = opts
+        .keyslot_area
+        .map(|(cipher, bytes)| h.keyslot_area(cipher, bytes))
+        .transpose()?;
+    let (slot, mut ops) = h.add_keyslot_with_area(
         NewKeyslot {
             vk: &vk,
             passphrase,
@@ -81,6 +88,7 @@ pub fn init_encrypt(
             slot: None,
         },
         None,
+        area,
     )?;
     ops.truncate(2); // the material and its flush; the one header write comes below
     h.bin.seqid = seqid;
@@ -193,7 +201,11 @@ pub fn init_encrypt_shift(
         * AREA_ALIGN_BYTES;
     let (mut h, vk) = crate::luks::luks2::format(&f, random_secret(opts.key_bytes)?)?;
     let seqid = h.bin.seqid;
-    let (slot, mut ops) = h.add_keyslot(
+    let area = opts
+        .keyslot_area
+        .map(|(cipher, bytes)| h.keyslot_area(cipher, bytes))
+        .transpose()?;
+    let (slot, mut ops) = h.add_keyslot_with_area(
         NewKeyslot {
             vk: &vk,
             passphrase,
@@ -201,6 +213,7 @@ pub fn init_encrypt_shift(
             slot: None,
         },
         None,
+        area,
     )?;
     ops.truncate(2); // the material and its flush; the one header write comes below
     h.bin.seqid = seqid;

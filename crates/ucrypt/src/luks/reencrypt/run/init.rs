@@ -6,6 +6,7 @@ use crate::backend::Backend;
 use crate::luks::json::{CryptSegment, Keyslot, Metadata, U64Str};
 use crate::luks::kdf::KdfRequest;
 use crate::luks::luks2::digest::{free_id, make_digest};
+use crate::luks::luks2::KeyslotArea;
 use crate::luks::reencrypt::{Direction, Mode};
 use crate::luks::util::{random_secret, HashAlg};
 use crate::luks::{
@@ -511,7 +512,7 @@ fn add_new_keyslots(
                 slot: None,
             },
             None,
-            Some(area),
+            Some(KeyslotArea::known(area.0, area.1)),
         )?;
         more.truncate(2); // the material and its flush
         ops.extend(more);
