@@ -73,9 +73,9 @@ base=$cache/$suite-$arch-$key.tar
 if [ ! -f "$base" ]; then
   echo "package-smoke: making the $suite root ($packages) from ${sources[*]}" >&2
   log=$cache/mmdebstrap.log
-  if ! mmdebstrap --variant=minbase --include="$packages" --skip=output/dev "${aptopts[@]}" \
+  if ! mmdebstrap --variant=minbase --format=tar --include="$packages" --skip=output/dev "${aptopts[@]}" \
     "$suite" "$base.part" "${sources[@]}" >"$log" 2>&1; then
-    rm -f "$base.part"
+    rm -rf --one-file-system "$base.part"
     if grep -qE "Failed to fetch|Could not resolve|Temporary failure resolving|Could not connect|Unable to connect|Connection timed out|Network is unreachable" "$log"; then
       echo "package-smoke: the mirror is unreachable: $(grep -m1 -E 'Failed to fetch|Could not|Temporary failure|Unable to connect|timed out|unreachable' "$log")" >&2
       exit 75
@@ -149,8 +149,8 @@ opened=1
 in_root ucrypt open --front-end fuse --key-file /root/pass /root/vol.img "$name" >&2
 in_root ucrypt status "$name" >&2
 in_root dd if=/dev/urandom of=/root/data bs=1M count=8 status=none
-in_root dd if=/root/data of="/dev/ucrypt/$name" bs=1M oflag=direct conv=fsync status=none
-in_root dd if="/dev/ucrypt/$name" of=/root/back bs=1M count=8 iflag=direct status=none
+in_root dd if=/root/data of="/dev/ucrypt/$name" bs=1M conv=fsync,notrunc status=none
+in_root dd if="/dev/ucrypt/$name" of=/root/back bs=1M count=8 status=none
 in_root cmp /root/data /root/back
 in_root ucrypt close "$name"
 opened=
@@ -159,7 +159,7 @@ opened=
 # does not hold it in the clear.
 opened=1
 in_root ucrypt open --front-end fuse --key-file /root/pass /root/vol.img "$name" >&2
-in_root dd if="/dev/ucrypt/$name" of=/root/back bs=1M count=8 iflag=direct status=none
+in_root dd if="/dev/ucrypt/$name" of=/root/back bs=1M count=8 status=none
 in_root cmp /root/data /root/back
 in_root ucrypt close "$name"
 opened=
