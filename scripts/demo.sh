@@ -96,6 +96,7 @@ note "and the volume file itself holds only ciphertext"
 say "5. Short benchmark (this machine, side by side in one run)"
 $U bench cipher --quick 2>/dev/null | grep -E '^(Machine|memcpy|\| (spec|---|aes-xts-plain64 \| 512))'
 note "the volume engine: 4 KiB QD1 reads, one 1 MiB stream, QD1 latency under CPU load; raw vs policies"
+note "each target beside what this machine allows (the same work without ucrypt, in the same run): missed only when missed against that"
 $U bench engine --quick --only 1,4,5 2>/dev/null | sed '/^## Where time went/,$d'
 note "every scenario with plots and the FUSE/NBD peers: ucrypt bench all --quick (about 3 minutes)"
 say "Done. Files are in $DIR."

@@ -66,8 +66,9 @@ TEST=(
   # BitLocker's userspace peer (tests/bitlk_images.rs compares dislocker-file's plaintext)
   dislocker
   # the Debian packages (tests/package_deb.rs): man renders each page, lintian checks the
-  # package (dpkg-deb, dpkg-shlibdeps and objcopy come with build-essential)
-  man-db lintian
+  # package (dpkg-deb, dpkg-shlibdeps and objcopy come with build-essential); mmdebstrap makes
+  # the clean Debian root they are installed into (scripts/package-smoke.sh)
+  man-db lintian mmdebstrap
 )
 # The kernel-in-a-VM tests (dm-crypt, ublk) add tests/vm/install-deps.sh's packages: qemu,
 # a stock kernel, busybox, cryptsetup, dmsetup.

@@ -2,7 +2,8 @@
 # Builds the Debian packages of ucrypt from this tree:
 #   ucrypt          /usr/bin/ucrypt (stripped), man pages, bash/zsh/fish completions, the
 #                   systemd template unit, ucrypttab.example and the user guide
-#   ucrypt-bench    /usr/bin/ucrypt-bench (`ucrypt bench` runs it from beside ucrypt)
+#   ucrypt-bench    /usr/bin/ucrypt-bench (`ucrypt bench` runs it from beside ucrypt), its man
+#                   pages (ucrypt-bench(1), one per scenario)
 #   *-dbgsym        each binary's debug symbols under /usr/lib/debug/.build-id/, as Debian's
 #                   automatic -dbgsym packages lay them out (gdb finds them by build id)
 #
@@ -185,6 +186,11 @@ debs+=("$deb")
 if [ -x "$bin_dir/ucrypt-bench" ]; then
   s=$work/debian/ucrypt-bench d=$work/debian/ucrypt-bench-dbgsym
   id=$(install_bin "$s" "$d" "$bin_dir/ucrypt-bench" /usr/bin/ucrypt-bench)
+  "$bin_dir/ucrypt-bench" generate-man "$work/gen-bench" >&2
+  install -d "$s/usr/share/man/man1"
+  for page in "$work"/gen-bench/*.1; do
+    gzip -9n <"$page" >"$s/usr/share/man/man1/$(basename "$page").gz"
+  done
   docs "$s" ucrypt-bench
   depends="$(shlibs_depends "$s/usr/bin/ucrypt-bench"), ucrypt (= $version)"
   deb=$(build "$s" ucrypt-bench "$depends" "Section: admin

@@ -18,6 +18,7 @@ mod fio;
 mod fuse;
 mod integrity;
 mod limit;
+mod man;
 mod nbd;
 pub mod plot;
 mod reencrypt;
@@ -204,6 +205,9 @@ enum Which {
     All(all::AllArgs),
     /// Deltas between two `--json` results (OLD NEW) of any scenario or of `bench all`.
     Compare(compare::CompareArgs),
+    /// (internal) Write the man pages into DIR (the package script runs it).
+    #[command(name = "generate-man", hide = true)]
+    GenerateMan(man::GenerateArgs),
 }
 
 /// Prints a scenario's report as JSON or markdown; an error as `ucrypt bench NAME: ...`.
@@ -300,5 +304,6 @@ pub fn run(a: BenchArgs) -> i32 {
         ),
         Which::Compare(a) => compare::run(&a),
         Which::All(a) => all::run(a),
+        Which::GenerateMan(a) => man::run(&a),
     }
 }

@@ -1,13 +1,22 @@
 //! The Debian packages: `scripts/package-deb.sh --bin-dir` packages this build's binaries (the
-//! debug build: the packaging is what is tested, not the release profile), then the `ucrypt`
-//! package is unpacked into a throwaway root with `dpkg-deb -x` and used from there:
-//! `--version` names the commit and the cipher library, every man page renders with `man -l`,
-//! the completions and the systemd unit are in their Debian places, the binary is stripped and
-//! its symbols are in the -dbgsym package under its build id, and the control file declares
-//! the shared libraries. lintian, where installed, reports no error.
+//! debug build: the packaging is what is tested, not the release profile).
 //!
-//! Needs dpkg-deb, dpkg-shlibdeps (dpkg-dev), objcopy (binutils) and man (man-db); otherwise
-//! SKIPPED (under CI a missing one fails).
+//! [`deb_installs_and_runs_from_a_throwaway_root`] unpacks the `ucrypt` package into a
+//! throwaway directory with `dpkg-deb -x` and uses it from there: `--version` names the commit
+//! and the cipher library, every man page renders with `man -l` (ucrypt-bench's too), the
+//! completions and the systemd unit are in their Debian places, the binary is stripped and its
+//! symbols are in the -dbgsym package under its build id, and the control file declares the
+//! shared libraries. lintian, where installed, reports no error.
+//!
+//! [`debs_install_and_run_in_a_clean_debian_root`] installs the packages with dpkg into a
+//! clean Debian root made by mmdebstrap from the mirror apt uses (`scripts/package-smoke.sh`)
+//! and runs format, open over FUSE, a write and its read-back, close and `man -l` there.
+//!
+//! Needs dpkg-deb, dpkg-shlibdeps (dpkg-dev), objcopy (binutils), man (man-db) and mmdebstrap;
+//! otherwise SKIPPED (under CI a missing one fails). The clean root also needs root, /dev/fuse
+//! and /dev/loop-control, and the mirror the first time (SKIPPED without them, also under CI:
+//! they are no package). ucrypt-bench's package is checked when its binary sits beside
+//! `ucrypt` (`cargo test --workspace` builds it; under CI its absence fails).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,7 +24,7 @@ use std::process::Command;
 mod cli_common;
 #[path = "../../../tests/kit/mod.rs"]
 mod kit;
-use cli_common::{have, require, s, text, TempDir, UCRYPT};
+use cli_common::{have, missing_root_rig, require, s, text, TempDir, UCRYPT};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -44,31 +53,72 @@ fn plain_text(rendered: &str) -> String {
     out
 }
 
+/// `man -l PAGE`, which must succeed and show a NAME section; the text without overstrikes.
+fn man_l(page: &Path) -> String {
+    let o = Command::new("man")
+        .args(["-l", s(page)])
+        .env("MANWIDTH", "80")
+        .output()
+        .expect("man");
+    let rendered = plain_text(&String::from_utf8_lossy(&o.stdout));
+    assert!(
+        o.status.success(),
+        "man -l {}: {}",
+        page.display(),
+        text(&o)
+    );
+    assert!(rendered.contains("NAME"), "{}: {rendered}", page.display());
+    rendered
+}
+
 fn ok(cmd: &mut Command) -> String {
     let o = cmd.output().expect("spawn");
     assert!(o.status.success(), "{cmd:?} failed: {}", text(&o));
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-#[test]
-fn deb_installs_and_runs_from_a_throwaway_root() {
-    for (tool, package) in [
-        ("dpkg-deb", "dpkg"),
-        ("dpkg-shlibdeps", "dpkg-dev"),
-        ("objcopy", "binutils"),
-        ("man", "man-db"),
-    ] {
-        if !require(tool, package) {
-            return;
-        }
+/// Whether each of `tools` (with the Debian package that brings it) is here ([`require`]).
+fn require_all(tools: &[(&str, &str)]) -> bool {
+    tools.iter().all(|(tool, package)| require(tool, package))
+}
+
+const PACKAGING_TOOLS: &[(&str, &str)] = &[
+    ("dpkg-deb", "dpkg"),
+    ("dpkg-shlibdeps", "dpkg-dev"),
+    ("objcopy", "binutils"),
+];
+
+/// Whether ucrypt-bench sits beside `ucrypt` (so that its package is built). `cargo test
+/// --workspace` builds it; under CI its absence is a failure.
+fn bench_built() -> bool {
+    let here = Path::new(UCRYPT).with_file_name("ucrypt-bench").is_file();
+    assert!(
+        here || !kit::under_ci(),
+        "ucrypt-bench is not built beside {UCRYPT} (cargo test --workspace builds it)"
+    );
+    if !here {
+        println!("ucrypt-bench is not built beside ucrypt: its package is not checked (cargo build -p ucrypt-bench)");
     }
-    let tmp = TempDir::new("package-deb");
-    let out = tmp.path("debs");
+    here
+}
+
+/// The packages of this build's binaries, made in `out` (`--fast`: gzip -1).
+fn build_debs(out: &Path) -> Vec<PathBuf> {
     let bin_dir = Path::new(UCRYPT).parent().expect("bin dir");
     let listed = ok(Command::new("bash")
         .arg(repo().join("scripts/package-deb.sh"))
-        .args(["--bin-dir", s(bin_dir), "--out", s(&out), "--fast"]));
-    let debs: Vec<PathBuf> = listed.lines().map(PathBuf::from).collect();
+        .args(["--bin-dir", s(bin_dir), "--out", s(out), "--fast"]));
+    listed.lines().map(PathBuf::from).collect()
+}
+
+#[test]
+fn deb_installs_and_runs_from_a_throwaway_root() {
+    if !require_all(PACKAGING_TOOLS) || !require("man", "man-db") {
+        return;
+    }
+    let bench = bench_built();
+    let tmp = TempDir::new("package-deb");
+    let debs = build_debs(&tmp.path("debs"));
     let main = deb(&debs, "ucrypt");
     let dbgsym = deb(&debs, "ucrypt-dbgsym");
 
@@ -118,19 +168,7 @@ fn deb_installs_and_runs_from_a_throwaway_root() {
     }
     assert!(pages.len() > 20, "{pages:?}");
     for page in &pages {
-        let o = Command::new("man")
-            .args(["-l", s(page)])
-            .env("MANWIDTH", "80")
-            .output()
-            .expect("man");
-        let rendered = plain_text(&String::from_utf8_lossy(&o.stdout));
-        assert!(
-            o.status.success(),
-            "man -l {}: {}",
-            page.display(),
-            text(&o)
-        );
-        assert!(rendered.contains("NAME"), "{}: {rendered}", page.display());
+        let rendered = man_l(page);
         if page.to_string_lossy().contains("man8") {
             assert!(rendered.contains("EXIT STATUS"), "{}", page.display());
         }
@@ -169,10 +207,32 @@ fn deb_installs_and_runs_from_a_throwaway_root() {
         .join("usr/share/doc/ucrypt/examples/ucrypttab.example")
         .exists());
 
+    // ucrypt-bench: its man pages (one for the binary, one per scenario) render.
+    let mut checked = vec![s(main), s(dbgsym)];
+    if bench {
+        let bench_deb = deb(&debs, "ucrypt-bench");
+        checked.push(s(bench_deb));
+        ok(Command::new("dpkg-deb").args(["-x", s(bench_deb), s(&root)]));
+        let man1 = root.join("usr/share/man/man1");
+        let pages: Vec<PathBuf> = std::fs::read_dir(&man1)
+            .expect("man1 dir")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        assert!(man1.join("ucrypt-bench.1.gz").exists(), "{pages:?}");
+        assert!(man1.join("ucrypt-bench-cipher.1.gz").exists(), "{pages:?}");
+        for page in &pages {
+            let rendered = man_l(page);
+            assert!(rendered.contains("EXIT STATUS"), "{}", page.display());
+        }
+        let main_page = man_l(&man1.join("ucrypt-bench.1.gz"));
+        assert!(main_page.contains("engine"), "{main_page}");
+    }
+
     // lintian: no errors (its warnings are listed in the packaging notes).
     if have("lintian") {
         let o = Command::new("lintian")
-            .args(["--tag-display-limit", "0", s(main), s(dbgsym)])
+            .args(["--tag-display-limit", "0"])
+            .args(&checked)
             .output()
             .expect("lintian");
         let report = String::from_utf8_lossy(&o.stdout);
@@ -181,4 +241,51 @@ fn deb_installs_and_runs_from_a_throwaway_root() {
     } else {
         println!("lintian not installed: the lintian check did not run (scripts/deps.sh test)");
     }
+}
+
+/// `scripts/package-smoke.sh`'s status when the mirror cannot be reached to make the root.
+const SMOKE_MIRROR_UNREACHABLE: i32 = 75;
+/// Bound on the whole smoke run: making the root (about a minute when the mirror answers; a
+/// cached root is unpacked in seconds), installing, and the steps inside, each bounded by the
+/// script itself.
+const SMOKE_TIMEOUT_S: u32 = 900;
+
+#[test]
+fn debs_install_and_run_in_a_clean_debian_root() {
+    if !require_all(PACKAGING_TOOLS) || !require("mmdebstrap", "mmdebstrap") {
+        return;
+    }
+    if let Some(why) = missing_root_rig(&[]) {
+        kit::skip(format!("the clean root: {why}"));
+        return;
+    }
+    let bench = bench_built();
+    let tmp = TempDir::new("package-smoke");
+    let debs = build_debs(&tmp.path("debs"));
+    // The packages a user installs: not the -dbgsym ones (their layout is checked above).
+    let mut install = vec![deb(&debs, "ucrypt")];
+    if bench {
+        install.push(deb(&debs, "ucrypt-bench"));
+    }
+    let limit_s = SMOKE_TIMEOUT_S.to_string();
+    let o = Command::new("timeout")
+        .args(["--kill-after=30", limit_s.as_str(), "bash"])
+        .arg(repo().join("scripts/package-smoke.sh"))
+        .args(&install)
+        .output()
+        .expect("spawn package-smoke.sh");
+    let said = text(&o);
+    if o.status.code() == Some(SMOKE_MIRROR_UNREACHABLE) {
+        let why = String::from_utf8_lossy(&o.stderr);
+        kit::skip(why.lines().last().unwrap_or("the mirror is unreachable"));
+        return;
+    }
+    assert!(o.status.success(), "package-smoke.sh failed: {said}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    println!("{stdout}");
+    assert!(stdout.contains("package-smoke: passed"), "{said}");
+    assert!(
+        stdout.contains(&format!("ucrypt {} (", env!("CARGO_PKG_VERSION"))),
+        "{said}"
+    );
 }

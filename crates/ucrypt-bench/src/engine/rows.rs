@@ -88,7 +88,52 @@ pub struct TargetCheck {
     pub what: String,
     pub measured: f64,
     pub target: f64,
+    /// The same ratio without ucrypt, measured beside it in this run: the most this machine
+    /// allows for it (None: the check has no such counterpart).
+    pub ceiling: Option<f64>,
+    pub verdict: Verdict,
+    /// Not [`Verdict::Missed`].
     pub met: bool,
+}
+
+/// The share of the ceiling a check must reach where its target is more than that share of
+/// the ceiling: the share the limit rows ask of their limit ([`crate::limit::LIMIT_TARGET`]).
+pub const CEILING_SHARE: f64 = crate::limit::LIMIT_TARGET;
+
+/// How a check came out against its target and the ceiling measured beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// The measured ratio reaches the target.
+    Met,
+    /// Below the target, but at least [`CEILING_SHARE`] of what this machine allows: the
+    /// target asks more than the machine gives the same work without ucrypt.
+    MetAgainstCeiling,
+    /// Below the target and below [`CEILING_SHARE`] of the ceiling (or no ceiling measured).
+    Missed,
+}
+
+impl Verdict {
+    /// A check is missed only when it is missed against the ceiling: below
+    /// min(target, [`CEILING_SHARE`] × ceiling). A ceiling that is not a positive number
+    /// (not measured, or a run without samples) counts as none.
+    pub fn of(measured: f64, target: f64, ceiling: Option<f64>) -> Verdict {
+        if measured >= target {
+            return Verdict::Met;
+        }
+        match ceiling.filter(|c| c.is_finite() && *c > 0.0) {
+            Some(c) if measured >= CEILING_SHARE * c => Verdict::MetAgainstCeiling,
+            _ => Verdict::Missed,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Verdict::Met => "met",
+            Verdict::MetAgainstCeiling => "met against this machine's ceiling",
+            Verdict::Missed => "MISSED",
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -117,12 +162,23 @@ pub(super) struct Sink {
     pub(super) notes: Vec<String>,
 }
 
-pub(super) fn target(targets: &mut Targets, what: String, measured: f64, want: f64) {
+/// Checks `measured` against `want` and against `ceiling`, the same ratio measured without
+/// ucrypt in the same run, where the check has one.
+pub(super) fn target(
+    targets: &mut Targets,
+    what: String,
+    measured: f64,
+    want: f64,
+    ceiling: Option<f64>,
+) {
+    let verdict = Verdict::of(measured, want, ceiling);
     targets.push(TargetCheck {
         what,
         measured,
         target: want,
-        met: measured >= want,
+        ceiling,
+        verdict,
+        met: verdict != Verdict::Missed,
     });
 }
 
@@ -184,4 +240,45 @@ pub(super) fn push_rows<'a>(
         });
     }
     &mut rows[first..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The verdict as a truth table: (measured, target, ceiling) -> verdict.
+    #[test]
+    fn verdict_against_target_and_ceiling() {
+        use Verdict::*;
+        let share = CEILING_SHARE;
+        let rows: &[(f64, f64, Option<f64>, Verdict)] = &[
+            // At or above the target: met, whatever the ceiling.
+            (1.8, 1.8, None, Met),
+            (1.9, 1.8, Some(1.2), Met),
+            (0.95, 0.9, Some(2.0), Met),
+            // No ceiling: below the target is missed.
+            (1.79, 1.8, None, Missed),
+            // A ceiling below the target: judged against share × ceiling.
+            (share * 1.23, 1.8, Some(1.23), MetAgainstCeiling),
+            (share * 1.23 - 1e-9, 1.8, Some(1.23), Missed),
+            (1.23, 1.8, Some(1.23), MetAgainstCeiling),
+            // A ceiling above the target but share × ceiling below it: the same rule (no jump
+            // where the ceiling crosses the target).
+            (1.75, 1.8, Some(1.9), MetAgainstCeiling),
+            (1.70, 1.8, Some(1.9), Missed),
+            // A ceiling well above the target: the target decides.
+            (1.79, 1.8, Some(3.0), Missed),
+            // A ceiling that is no number counts as none; a measured NaN is missed.
+            (1.0, 1.8, Some(f64::NAN), Missed),
+            (1.0, 1.8, Some(0.0), Missed),
+            (f64::NAN, 1.8, Some(1.2), Missed),
+        ];
+        for &(measured, target, ceiling, want) in rows {
+            assert_eq!(
+                Verdict::of(measured, target, ceiling),
+                want,
+                "measured {measured}, target {target}, ceiling {ceiling:?}"
+            );
+        }
+    }
 }

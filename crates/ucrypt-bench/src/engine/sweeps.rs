@@ -80,6 +80,7 @@ pub(super) fn s5_latency(s: &Setup, k: &Knobs, out: &mut Sink) {
                 format!("{}: QD1 + 2 busy threads: queued p99 / inline p99", s.name),
                 p99(2) / p99(1),
                 2.0,
+                None,
             );
         }
         let new = push_rows(
@@ -232,6 +233,7 @@ pub(super) fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
         format!("{}: many streams: auto / best static", s.name),
         ratio,
         0.98,
+        None,
     );
     push_mbps(rows, s, "6. 6 streams, mixed 4 KiB-1 MiB", &variants, res);
 
@@ -254,6 +256,7 @@ pub(super) fn s6_many_streams(s: &Setup, k: &Knobs, out: &mut Sink) {
         ),
         res[3].0.median / best_static,
         0.95,
+        None,
     );
     push_mbps(
         rows,
