@@ -118,54 +118,60 @@ pub struct Refused {
     pub progress_json: bool,
 }
 
+/// One refused option: whether it was given, its name, and why ucrypt refuses it.
+type RefusedRow = (fn(&Refused) -> bool, &'static str, &'static str);
+
+/// The refused options, in the order they are reported.
+const REFUSED: &[RefusedRow] = &[
+    (
+        |r| r.shared,
+        "--shared",
+        "ucrypt serves one mapping per backing file or device (one writer per volume); \
+         overlapping plain mappings of one device are not supported",
+    ),
+    (
+        |r| r.keep_key,
+        "--keep-key",
+        "a reencryption that keeps the volume key is not supported; change a keyslot's \
+         PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
+    ),
+    (
+        |r| r.integrity_legacy_padding,
+        "--integrity-legacy-padding",
+        "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
+         the legacy padding is not supported",
+    ),
+    (
+        |r| r.keyslot_cipher.is_some(),
+        "--keyslot-cipher",
+        "keyslot areas are encrypted with the data segment's cipher (aes-xts-plain64 \
+         with 512-bit keys on authenticated volumes), as cryptsetup does by default",
+    ),
+    (
+        |r| r.keyslot_key_size.is_some(),
+        "--keyslot-key-size",
+        "keyslot areas take the data segment's key size, as cryptsetup does by default",
+    ),
+    (
+        |r| r.device_size.is_some(),
+        "--device-size",
+        "mapping or reencrypting only a prefix of a device is not supported; give a \
+         device (a partition, a loop device with --sizelimit) of that size",
+    ),
+    (
+        |r| r.progress_json,
+        "--progress-json",
+        "progress is printed as cryptsetup's text line (--progress-frequency)",
+    ),
+];
+
 impl Refused {
     /// The first refused option given, and why ucrypt refuses it.
     fn first(&self) -> Option<(&'static str, &'static str)> {
-        let r = [
-            (
-                self.shared,
-                "--shared",
-                "ucrypt serves one mapping per backing file or device (one writer per volume); \
-                 overlapping plain mappings of one device are not supported",
-            ),
-            (
-                self.keep_key,
-                "--keep-key",
-                "a reencryption that keeps the volume key is not supported; change a keyslot's \
-                 PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
-            ),
-            (
-                self.integrity_legacy_padding,
-                "--integrity-legacy-padding",
-                "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
-                 the legacy padding is not supported",
-            ),
-            (
-                self.keyslot_cipher.is_some(),
-                "--keyslot-cipher",
-                "keyslot areas are encrypted with the data segment's cipher (aes-xts-plain64 \
-                 with 512-bit keys on authenticated volumes), as cryptsetup does by default",
-            ),
-            (
-                self.keyslot_key_size.is_some(),
-                "--keyslot-key-size",
-                "keyslot areas take the data segment's key size, as cryptsetup does by default",
-            ),
-            (
-                self.device_size.is_some(),
-                "--device-size",
-                "mapping or reencrypting only a prefix of a device is not supported; give a \
-                 device (a partition, a loop device with --sizelimit) of that size",
-            ),
-            (
-                self.progress_json,
-                "--progress-json",
-                "progress is printed as cryptsetup's text line (--progress-frequency)",
-            ),
-        ];
-        r.into_iter()
-            .find(|(given, _, _)| *given)
-            .map(|(_, name, why)| (name, why))
+        REFUSED
+            .iter()
+            .find(|(given, _, _)| given(self))
+            .map(|&(_, name, why)| (name, why))
     }
 }
 
