@@ -252,37 +252,28 @@ fn take_passphrase(val: &mut serde_json::Value) -> Result<Option<SecretBytes>, P
     }
 }
 
-/// An optional number field.
+/// An optional field, read by `get`; `kind` says what it must be when `get` finds otherwise.
+fn field<'a, T>(
+    obj: &'a Object,
+    k: &str,
+    get: fn(&'a serde_json::Value) -> Option<T>,
+    kind: &str,
+) -> Result<Option<T>, ProtoError> {
+    obj.get(k)
+        .map(|v| get(v).ok_or_else(|| bad(format!("\"{k}\" must be {kind}"))))
+        .transpose()
+}
+
 fn num_field(obj: &Object, k: &str) -> Result<Option<u64>, ProtoError> {
-    match obj.get(k) {
-        None => Ok(None),
-        Some(n) => n
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| bad(format!("\"{k}\" must be a number"))),
-    }
+    field(obj, k, serde_json::Value::as_u64, "a number")
 }
 
-/// An optional string field.
 fn text_field<'a>(obj: &'a Object, k: &str) -> Result<Option<&'a str>, ProtoError> {
-    match obj.get(k) {
-        None => Ok(None),
-        Some(v) => v
-            .as_str()
-            .map(Some)
-            .ok_or_else(|| bad(format!("\"{k}\" must be a string"))),
-    }
+    field(obj, k, serde_json::Value::as_str, "a string")
 }
 
-/// An optional true/false field.
 fn bool_field(obj: &Object, k: &str) -> Result<Option<bool>, ProtoError> {
-    match obj.get(k) {
-        None => Ok(None),
-        Some(f) => f
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| bad(format!("\"{k}\" must be true or false"))),
-    }
+    field(obj, k, serde_json::Value::as_bool, "true or false")
 }
 
 fn reencrypt_request(obj: &Object, pass_hex: Option<SecretBytes>) -> Result<Request, ProtoError> {
@@ -326,15 +317,9 @@ fn resume_request(obj: &Object, pass_hex: Option<SecretBytes>) -> Result<Request
 }
 
 fn refresh_request(obj: &Object) -> Result<Request, ProtoError> {
-    let policy = match obj.get("policy") {
-        None => None,
-        Some(p) => Some(
-            p.as_str()
-                .ok_or_else(|| bad("\"policy\" must be a string"))?
-                .parse()
-                .map_err(|e: ucrypt::Error| bad(e.to_string()))?,
-        ),
-    };
+    let policy = text_field(obj, "policy")?
+        .map(|p| p.parse().map_err(|e: ucrypt::Error| bad(e.to_string())))
+        .transpose()?;
     let allow_discards = bool_field(obj, "allow_discards")?;
     let r = RefreshSettings {
         policy,
