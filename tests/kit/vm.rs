@@ -3,7 +3,7 @@
 //! vs. failing, and running one script in one boot.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use super::{have, SplitMix};
@@ -237,6 +237,15 @@ pub fn host(cmd: &str, args: &[&str]) -> Result<String, String> {
         .args(args)
         .output()
         .map_err(|e| format!("{cmd}: {e}"))?;
+    host_result(cmd, args, &out)
+}
+
+/// As [`host`], with `input` on the command's standard input (a pipe).
+pub fn host_in(cmd: &str, args: &[&str], input: &[u8]) -> Result<String, String> {
+    host_result(cmd, args, &super::run_in(cmd, args, input))
+}
+
+fn host_result(cmd: &str, args: &[&str], out: &Output) -> Result<String, String> {
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
@@ -247,6 +256,115 @@ pub fn host(cmd: &str, args: &[&str]) -> Result<String, String> {
             String::from_utf8_lossy(&out.stderr)
         ))
     }
+}
+
+/// cryptsetup's default LUKS2 data offset (16 MiB), in 512-byte sectors: where
+/// [`Luks2Image`] puts the data.
+pub const LUKS2_DATA_OFFSET_SECTORS: u64 = 32768;
+
+/// A LUKS2 volume for a VM test, made on the host by `ucrypt format` at
+/// [`LUKS2_DATA_OFFSET_SECTORS`], with PBKDF2 at 1000 iterations so that the guest's
+/// cryptsetup unlocks it at once.
+pub struct Luks2Image<'a> {
+    pub cipher: &'a str,
+    pub key_bits: u32,
+    pub sector_bytes: u64,
+    /// Bytes of data after the header area: the image is this much larger than the offset.
+    pub data_bytes: u64,
+}
+
+impl Luks2Image<'_> {
+    /// Creates the image `path` and formats it with the binary `ucrypt`, the passphrase in
+    /// `key`; the error names the step that failed.
+    pub fn format(&self, ucrypt: &str, path: &Path, key: &Path) -> Result<String, String> {
+        std::fs::File::create(path)
+            .and_then(|f| f.set_len(LUKS2_DATA_OFFSET_SECTORS * 512 + self.data_bytes))
+            .map_err(|e| format!("create {}: {e}", path.display()))?;
+        let key_bits = self.key_bits.to_string();
+        let sector = self.sector_bytes.to_string();
+        let offset = LUKS2_DATA_OFFSET_SECTORS.to_string();
+        host(
+            ucrypt,
+            &[
+                "format",
+                super::s(path),
+                super::s(key),
+                "--type",
+                "luks2",
+                "--cipher",
+                self.cipher,
+                "--key-size",
+                &key_bits,
+                "--sector-size",
+                &sector,
+                "--pbkdf",
+                "pbkdf2",
+                "--pbkdf-force-iterations",
+                "1000",
+                "--offset",
+                &offset,
+                "--batch-mode",
+            ],
+        )
+    }
+}
+
+/// The guest's shell lines for one case of a both-ways test (case `name`, number `i`), for a
+/// script that set `fail=0` and `P` (the plaintext's path): `open_read` (a command without its
+/// mapping name) maps the disk the host wrote, read-only, as `/dev/mapper/rI`, and `cmp
+/// -n CMP_BYTES` (the whole disk when `None`) compares it with `$P`; `open_write` maps the empty disk as `/dev/mapper/wI` and
+/// `$P` is written through it. They print `CASE NAME READ-OK` and `CASE NAME WRITE-DONE` (or
+/// `-FAIL`, and set `fail=1`), which [`both_ways_failures`] reads.
+pub fn both_ways_case(
+    name: &str,
+    i: usize,
+    title: &str,
+    open_read: &str,
+    open_write: &str,
+    cmp_bytes: Option<usize>,
+) -> String {
+    let cmp_args = cmp_bytes.map_or(String::new(), |n| format!("-n {n} "));
+    format!(
+        "echo \"== {name}: {title}\"\n\
+         if {open_read} r{i} && cmp {cmp_args}/dev/mapper/r{i} $P; then echo \"CASE {name} READ-OK\"; else echo \"CASE {name} READ-FAIL\"; fail=1; fi\n\
+         cryptsetup close r{i}\n\
+         if {open_write} w{i} && dd if=$P of=/dev/mapper/w{i} bs=65536 conv=fsync 2>/dev/null; then echo \"CASE {name} WRITE-DONE\"; else echo \"CASE {name} WRITE-FAIL\"; fail=1; fi\n\
+         cryptsetup close w{i}\n"
+    )
+}
+
+/// The host's half of a both-ways test, from the VM's `output`: for each case (in order, named
+/// as in [`both_ways_case`]) whether the guest read the host-written volume back, and whether
+/// what the guest wrote, as the host reads it back (`export(i)`: the plaintext of case `i`'s
+/// written disk), is `plain` byte for byte. `kind` names the volumes in the messages. Returns
+/// the failures, one line each.
+pub fn both_ways_failures<'a>(
+    output: &str,
+    names: impl IntoIterator<Item = &'a str>,
+    kind: &str,
+    plain: &[u8],
+    mut export: impl FnMut(usize) -> Result<Vec<u8>, String>,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    for (i, name) in names.into_iter().enumerate() {
+        if !output.contains(&format!("CASE {name} READ-OK")) {
+            failures.push(format!(
+                "{name}: cryptsetup/dm-crypt did not read ucrypt's {kind} volume back exactly"
+            ));
+        }
+        if !output.contains(&format!("CASE {name} WRITE-DONE")) {
+            failures.push(format!("{name}: dm-crypt write failed"));
+            continue;
+        }
+        match export(i) {
+            Ok(got) if got == plain => println!("CASE {name} both ways OK"),
+            Ok(_) => failures.push(format!(
+                "{name}: ucrypt export of dm-crypt's writes differs from the plaintext"
+            )),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    failures
 }
 
 /// `n` bytes from `rng`, also written to `path` (a key file, a plaintext image).

@@ -100,32 +100,38 @@ pub struct Refused {
     pub integrity_legacy_padding: bool,
 }
 
+/// One refused option: whether it was given, its name, and why ucrypt refuses it.
+type RefusedRow = (fn(&Refused) -> bool, &'static str, &'static str);
+
+/// The refused options, in the order they are reported.
+const REFUSED: &[RefusedRow] = &[
+    (
+        |r| r.shared,
+        "--shared",
+        "ucrypt serves one mapping per backing file or device (one writer per volume); \
+         overlapping plain mappings of one device are not supported",
+    ),
+    (
+        |r| r.keep_key,
+        "--keep-key",
+        "a reencryption that keeps the volume key is not supported; change a keyslot's \
+         PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
+    ),
+    (
+        |r| r.integrity_legacy_padding,
+        "--integrity-legacy-padding",
+        "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
+         the legacy padding is not supported",
+    ),
+];
+
 impl Refused {
     /// The first refused option given, and why ucrypt refuses it.
     fn first(&self) -> Option<(&'static str, &'static str)> {
-        let r = [
-            (
-                self.shared,
-                "--shared",
-                "ucrypt serves one mapping per backing file or device (one writer per volume); \
-                 overlapping plain mappings of one device are not supported",
-            ),
-            (
-                self.keep_key,
-                "--keep-key",
-                "a reencryption that keeps the volume key is not supported; change a keyslot's \
-                 PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
-            ),
-            (
-                self.integrity_legacy_padding,
-                "--integrity-legacy-padding",
-                "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
-                 the legacy padding is not supported",
-            ),
-        ];
-        r.into_iter()
-            .find(|(given, _, _)| *given)
-            .map(|(_, name, why)| (name, why))
+        REFUSED
+            .iter()
+            .find(|(given, _, _)| given(self))
+            .map(|&(_, name, why)| (name, why))
     }
 }
 

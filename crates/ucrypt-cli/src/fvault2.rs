@@ -17,7 +17,7 @@ use ucrypt::SecretBytes;
 
 use crate::error::{CliError, CliResult};
 use crate::header_dev::open_header_file;
-use crate::pass::{self, Source};
+use crate::pass::{self, KeyFileArgs, Source};
 
 /// `ucrypt fvault2Dump DEVICE` (cryptsetup's words and fields).
 #[derive(Args, Debug, Clone)]
@@ -29,15 +29,8 @@ pub struct Fvault2DumpArgs {
     /// With --dump-volume-key, also write the volume key to this file.
     #[arg(long)]
     pub volume_key_file: Option<PathBuf>,
-    /// The passphrase from this file ("-" = stdin).
-    #[arg(long, short = 'd')]
-    pub key_file: Option<String>,
-    /// Skip this many bytes of the key file.
-    #[arg(long)]
-    pub keyfile_offset: Option<u64>,
-    /// Read at most this many bytes of the key file.
-    #[arg(long, short = 'l')]
-    pub keyfile_size: Option<u64>,
+    #[command(flatten)]
+    pub key: KeyFileArgs,
     #[arg(long, short = 'q')]
     pub batch_mode: bool,
     #[arg(long, short = 'v')]
@@ -85,12 +78,7 @@ pub fn dump(a: &Fvault2DumpArgs) -> CliResult<i32> {
          encrypted partition without a passphrase.\nThis dump should be stored encrypted in \
          a safe place.",
     )?;
-    let src = Source {
-        key_file: a.key_file.as_deref(),
-        offset: a.keyfile_offset.unwrap_or(0),
-        size: a.keyfile_size,
-    };
-    let key = volume_key(&params, &src, &name, None)?;
+    let key = volume_key(&params, &a.key.source(), &name, None)?;
     if let Some(p) = &a.volume_key_file {
         std::fs::write(p, key.as_ref())
             .map_err(|e| ucrypt::Error::io(format!("Cannot write {}", p.display()), e))?;

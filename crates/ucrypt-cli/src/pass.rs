@@ -266,6 +266,33 @@ fn ask_systemd(prompt_text: &str) -> Result<SecretBytes> {
     Ok(buf.slice(0..n))
 }
 
+/// The key file options of the verbs that read a passphrase (cryptsetup's `--key-file`,
+/// `--keyfile-offset`, `--keyfile-size`), flattened into each verb's arguments.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct KeyFileArgs {
+    /// Passphrase from this file ("-" = stdin); without it the passphrase is asked.
+    #[arg(long, short = 'd')]
+    pub key_file: Option<String>,
+    /// Skip this many bytes of the key file.
+    #[arg(long)]
+    pub keyfile_offset: Option<u64>,
+    /// Read at most this many bytes of the key file.
+    #[arg(long, short = 'l')]
+    pub keyfile_size: Option<u64>,
+}
+
+impl KeyFileArgs {
+    /// Where the passphrase comes from: the key file (at its offset, at most its size), else
+    /// standard input or the terminal.
+    pub fn source(&self) -> Source<'_> {
+        Source {
+            key_file: self.key_file.as_deref(),
+            offset: self.keyfile_offset.unwrap_or(0),
+            size: self.keyfile_size,
+        }
+    }
+}
+
 /// Where a passphrase comes from.
 pub struct Source<'a> {
     pub key_file: Option<&'a str>,

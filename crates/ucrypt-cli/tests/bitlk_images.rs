@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use cli_common::{have, run_in, text, TempDir, UCRYPT};
+use cli_common::{have, run_in, text, UCRYPT};
 use sha2::{Digest, Sha256};
 
 /// One `[name]` section of images.conf.
@@ -181,20 +181,9 @@ fn served_through_fuse(dir: &Path, conf: &Conf, run: &mut Run) {
 
 #[test]
 fn bitlk_images() {
-    let tests = match cli_common::cryptsetup_tests() {
-        Ok(t) => t,
-        Err(why) => {
-            println!("SKIPPED: {why}");
-            return;
-        }
-    };
-    if !have("xz") {
-        println!("SKIPPED: xz not installed");
+    let Some((tmp, dir)) = cli_common::unpacked_images("bitlk-images") else {
         return;
-    }
-    let tmp = TempDir::new("bitlk-images");
-    cli_common::untar(&tests.join("bitlk-images.tar.xz"), tmp.dir());
-    let dir = tmp.dir().join("bitlk-images");
+    };
     let conf = parse_conf(&std::fs::read_to_string(dir.join("images.conf")).unwrap());
     let have_cs = have("cryptsetup");
     let have_dislocker = have("dislocker-file");

@@ -17,7 +17,7 @@ mod cli_common;
 #[path = "../../../tests/kit/mod.rs"]
 mod kit;
 
-use cli_common::{have, run_in, text, TempDir, UCRYPT};
+use cli_common::{have, run_in, text, UCRYPT};
 
 const PASSWORD: &str = "aaaaaaaaaaaa";
 const PASSWORD_HIDDEN: &str = "bbbbbbbbbbbb";
@@ -94,20 +94,9 @@ fn dump_args<'a>(extra: &[&'a str], hash: &'a str, cipher: &'a str, file: &'a st
 
 #[test]
 fn tcrypt_images() {
-    let tests = match cli_common::cryptsetup_tests() {
-        Ok(t) => t,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
-    if !have("xz") {
-        eprintln!("SKIPPED: xz not installed");
+    let Some((tmp, dir)) = cli_common::unpacked_images("tcrypt-images") else {
         return;
-    }
-    let tmp = TempDir::new("tcrypt-images");
-    cli_common::untar(&tests.join("tcrypt-images.tar.xz"), tmp.dir());
-    let dir = tmp.dir().join("tcrypt-images");
+    };
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

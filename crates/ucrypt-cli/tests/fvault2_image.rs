@@ -13,7 +13,7 @@ mod cli_common;
 #[path = "../../../tests/kit/mod.rs"]
 mod kit;
 
-use cli_common::{have, run_in, text, TempDir, UCRYPT};
+use cli_common::{have, run_in, text, UCRYPT};
 use sha2::{Digest, Sha256};
 
 const PASSPHRASE: &str = "heslo123";
@@ -46,20 +46,10 @@ fn field(dump: &str, key: &str) -> Option<String> {
 
 #[test]
 fn fvault2_image() {
-    let tests = match cli_common::cryptsetup_tests() {
-        Ok(t) => t,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
-    if !have("xz") {
-        eprintln!("SKIPPED: xz not installed");
+    let Some((tmp, dir)) = cli_common::unpacked_images("fvault2-images") else {
         return;
-    }
-    let tmp = TempDir::new("fvault2-images");
-    cli_common::untar(&tests.join("fvault2-images.tar.xz"), tmp.dir());
-    let img = tmp.dir().join("fvault2-images/small");
+    };
+    let img = dir.join("small");
     let img = img.to_str().unwrap();
 
     // HEADER CHECK.
@@ -182,16 +172,10 @@ fn fvault2_image_in_the_kernel() {
         println!("SKIPPED: {reason}");
         return;
     }
-    let tests = match cli_common::cryptsetup_tests() {
-        Ok(t) => t,
-        Err(why) => {
-            println!("SKIPPED: {why}");
-            return;
-        }
+    let Some((tmp, dir)) = cli_common::unpacked_images("fvault2-images") else {
+        return;
     };
-    let tmp = TempDir::new("fvault2-vm");
-    cli_common::untar(&tests.join("fvault2-images.tar.xz"), tmp.dir());
-    let img = tmp.dir().join("fvault2-images/small");
+    let img = dir.join("small");
     let mut run = kit::vm::VmRun::new(format!(
         "printf '%s' '{PASSPHRASE}' | cryptsetup open --type fvault2 --readonly --key-file - \
          /dev/vda fv || exit 1\n\

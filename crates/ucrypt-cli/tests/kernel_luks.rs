@@ -22,11 +22,8 @@ use kit::vm;
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ucrypt");
-/// LUKS2 data offset used for every image (cryptsetup's default, 16 MiB), in 512-byte sectors.
-const DATA_OFFSET_SECTORS: u64 = 32768;
 /// Plaintext per data case; guest dm-crypt runs emulated at a few MiB/s.
 const PLAIN_BYTES: u64 = 2 << 20;
 /// Size of the ext4 images of the filesystem stage.
@@ -85,50 +82,18 @@ const CASES: &[Case] = &[
 ];
 
 fn ucrypt(args: &[&str]) -> Result<String, String> {
-    let out = Command::new(BIN)
-        .args(args)
-        .output()
-        .map_err(|e| format!("spawn ucrypt: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "ucrypt {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
+    vm::host(BIN, args)
 }
 
 /// A fresh LUKS2 image made by `ucrypt format` with a data area of `data_bytes`.
 fn format(path: &Path, key: &Path, case: &Case, data_bytes: u64) {
-    std::fs::File::create(path)
-        .and_then(|f| f.set_len(DATA_OFFSET_SECTORS * 512 + data_bytes))
-        .expect("create image");
-    let ks = case.key_bits.to_string();
-    let ss = case.sector.to_string();
-    let off = DATA_OFFSET_SECTORS.to_string();
-    ucrypt(&[
-        "format",
-        kit::s(path),
-        kit::s(key),
-        "--type",
-        "luks2",
-        "--cipher",
-        case.cipher,
-        "--key-size",
-        &ks,
-        "--sector-size",
-        &ss,
-        "--pbkdf",
-        "pbkdf2",
-        "--pbkdf-force-iterations",
-        "1000",
-        "--offset",
-        &off,
-        "--batch-mode",
-    ])
-    .expect("ucrypt format");
+    let image = vm::Luks2Image {
+        cipher: case.cipher,
+        key_bits: case.key_bits,
+        sector_bytes: case.sector,
+        data_bytes,
+    };
+    image.format(BIN, path, key).expect("ucrypt format");
 }
 
 #[test]
@@ -181,17 +146,17 @@ fn luks2_by_ucrypt_opened_by_kernel_and_back() {
         format(&w, &key, case, PLAIN_BYTES);
         let dr = next_dev(&mut run, &r, true);
         let dw = next_dev(&mut run, &w, false);
-        let name = case.name;
-        writeln!(
-            script,
-            "echo \"== {name}: {} {} bits, sector {}\"\n\
-             if cryptsetup open --readonly --key-file $K {dr} r{i} && cmp /dev/mapper/r{i} $P; then echo \"CASE {name} READ-OK\"; else echo \"CASE {name} READ-FAIL\"; fail=1; fi\n\
-             cryptsetup close r{i}\n\
-             if cryptsetup open --key-file $K {dw} w{i} && dd if=$P of=/dev/mapper/w{i} bs=65536 conv=fsync 2>/dev/null; then echo \"CASE {name} WRITE-DONE\"; else echo \"CASE {name} WRITE-FAIL\"; fail=1; fi\n\
-             cryptsetup close w{i}",
-            case.cipher, case.key_bits, case.sector
-        )
-        .expect("script");
+        script.push_str(&vm::both_ways_case(
+            case.name,
+            i,
+            &format!(
+                "{} {} bits, sector {}",
+                case.cipher, case.key_bits, case.sector
+            ),
+            &format!("cryptsetup open --readonly --key-file $K {dr}"),
+            &format!("cryptsetup open --key-file $K {dw}"),
+            None,
+        ));
         write_imgs.push(w);
     }
 
@@ -267,46 +232,18 @@ exit $fail
         "VM run (LUKS2 cases + filesystem) took {:.1} s",
         out.elapsed.as_secs_f64()
     );
-    let mut failures = Vec::new();
-    for (i, case) in CASES.iter().enumerate() {
-        if !out.output.contains(&format!("CASE {} READ-OK", case.name)) {
-            failures.push(format!(
-                "{}: cryptsetup/dm-crypt did not read ucrypt's LUKS2 volume back exactly",
-                case.name
-            ));
-        }
-        if !out
-            .output
-            .contains(&format!("CASE {} WRITE-DONE", case.name))
-        {
-            failures.push(format!("{}: dm-crypt write failed", case.name));
-            continue;
-        }
+    let names = CASES.iter().map(|c| c.name);
+    let mut failures = vm::both_ways_failures(&out.output, names, "LUKS2", &plain, |i| {
         let back = dir.join(format!("back{i}.bin"));
-        match ucrypt(&[
+        ucrypt(&[
             "export",
             kit::s(&write_imgs[i]),
             kit::s(&back),
             "--key-file",
             kit::s(&key),
-        ]) {
-            Ok(_) => {
-                let got = std::fs::read(&back).expect("read export");
-                if got != plain {
-                    failures.push(format!(
-                        "{}: ucrypt export of dm-crypt's writes differs from the plaintext",
-                        case.name
-                    ));
-                } else {
-                    println!(
-                        "CASE {} ucrypt export of the VM-written volume OK",
-                        case.name
-                    );
-                }
-            }
-            Err(e) => failures.push(format!("{}: {e}", case.name)),
-        }
-    }
+        ])?;
+        Ok(std::fs::read(&back).expect("read export"))
+    });
     if !out.output.contains("FS HOST-MADE-OK") {
         failures.push(
             "fs: the host-made ext4 imported by ucrypt is not clean/complete through dm-crypt"

@@ -18,10 +18,7 @@ mod kit;
 
 use kit::vm;
 
-use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ucrypt");
 /// Plaintext per case; guest dm-crypt runs emulated at a few MiB/s.
@@ -144,32 +141,9 @@ fn secret(case: &Case, key_file: &Path) -> (Vec<u8>, Vec<String>) {
     }
 }
 
-fn ucrypt(args: &[String], input: &[u8]) -> Result<(), String> {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("spawn ucrypt: {e}"))?;
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(input)
-        .map_err(|e| format!("ucrypt stdin: {e}"))?;
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("ucrypt: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ucrypt {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
+fn ucrypt(args: &[String], input: &[u8]) -> Result<String, String> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    vm::host_in(BIN, &args, input)
 }
 
 fn ucrypt_opts(case: &Case, key_file: &Path) -> Vec<String> {
@@ -236,16 +210,15 @@ fn plain_mode_matches_cryptsetup_and_dm_crypt() {
             ),
             Input::KeyFile => (String::new(), " --key-file /mnt/host/key".to_string()),
         };
-        let name = case.name;
-        writeln!(
-            script,
-            "echo \"== {name}: {opts}{key_opt}\"\n\
-             if {feed}cryptsetup open --type plain --batch-mode --readonly {opts}{key_opt} {dr} r{i} && cmp -n {PLAIN_BYTES} /dev/mapper/r{i} $P; then echo \"CASE {name} READ-OK\"; else echo \"CASE {name} READ-FAIL\"; fail=1; fi\n\
-             cryptsetup close r{i}\n\
-             if {feed}cryptsetup open --type plain --batch-mode {opts}{key_opt} {dw} w{i} && dd if=$P of=/dev/mapper/w{i} bs=65536 conv=fsync 2>/dev/null; then echo \"CASE {name} WRITE-DONE\"; else echo \"CASE {name} WRITE-FAIL\"; fail=1; fi\n\
-             cryptsetup close w{i}"
-        )
-        .expect("script");
+        let open = format!("{feed}cryptsetup open --type plain --batch-mode");
+        script.push_str(&vm::both_ways_case(
+            case.name,
+            i,
+            &format!("{opts}{key_opt}"),
+            &format!("{open} --readonly {opts}{key_opt} {dr}"),
+            &format!("{open} {opts}{key_opt} {dw}"),
+            Some(PLAIN_BYTES),
+        ));
         write_imgs.push(w);
     }
     script.push_str("sync\nexit $fail\n");
@@ -256,40 +229,19 @@ fn plain_mode_matches_cryptsetup_and_dm_crypt() {
         out.elapsed.as_secs_f64()
     );
 
-    let mut failures = Vec::new();
-    for (i, case) in CASES.iter().enumerate() {
-        if !out.output.contains(&format!("CASE {} READ-OK", case.name)) {
-            failures.push(format!(
-                "{}: cryptsetup/dm-crypt did not read ucrypt's plain volume back exactly",
-                case.name
-            ));
-        }
-        if !out
-            .output
-            .contains(&format!("CASE {} WRITE-DONE", case.name))
-        {
-            failures.push(format!("{}: dm-crypt write failed", case.name));
-            continue;
-        }
+    let names = CASES.iter().map(|c| c.name);
+    let failures = vm::both_ways_failures(&out.output, names, "plain", &plain, |i| {
         let back = dir.join(format!("back{i}.bin"));
-        let (input, _) = secret(case, &key_file);
+        let (input, _) = secret(&CASES[i], &key_file);
         let mut args = vec![
             "export".to_string(),
             kit::s(&write_imgs[i]).to_string(),
             kit::s(&back).to_string(),
         ];
-        args.extend(ucrypt_opts(case, &key_file));
-        match ucrypt(&args, &input) {
-            Ok(()) if std::fs::read(&back).expect("export") == plain => {
-                println!("CASE {} both ways OK", case.name);
-            }
-            Ok(()) => failures.push(format!(
-                "{}: ucrypt export of dm-crypt's writes differs from the plaintext",
-                case.name
-            )),
-            Err(e) => failures.push(format!("{}: {e}", case.name)),
-        }
-    }
+        args.extend(ucrypt_opts(&CASES[i], &key_file));
+        ucrypt(&args, &input)?;
+        Ok(std::fs::read(&back).expect("export"))
+    });
     assert!(
         failures.is_empty(),
         "seed {seed:#x}: {failures:#?}\n--- VM output ---\n{}",

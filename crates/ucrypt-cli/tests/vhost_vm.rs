@@ -17,7 +17,6 @@ mod kit;
 
 use kit::vm;
 
-const DATA_OFFSET_SECTORS: u64 = 32768;
 const DATA_BYTES: u64 = 32 << 20;
 
 const BOOT1: &str = r#"
@@ -110,31 +109,15 @@ fn luks2_volume_served_to_a_vm_over_vhost_user_blk() {
     let mut rng = kit::SplitMix(kit::seed());
     vm::random_file(&mut rng, &key, 32);
     let img = tmp.0.join("vol.img");
-    std::fs::File::create(&img)
-        .and_then(|f| f.set_len(DATA_OFFSET_SECTORS * 512 + DATA_BYTES))
-        .unwrap();
-    let off = DATA_OFFSET_SECTORS.to_string();
-    ucrypt(&[
-        "format",
-        kit::s(&img),
-        kit::s(&key),
-        "--type",
-        "luks2",
-        "--cipher",
-        "aes-xts-plain64",
-        "--key-size",
-        "512",
-        "--sector-size",
-        "4096",
-        "--pbkdf",
-        "pbkdf2",
-        "--pbkdf-force-iterations",
-        "1000",
-        "--offset",
-        &off,
-        "--batch-mode",
-    ])
-    .expect("ucrypt format");
+    let image = vm::Luks2Image {
+        cipher: "aes-xts-plain64",
+        key_bits: 512,
+        sector_bytes: 4096,
+        data_bytes: DATA_BYTES,
+    };
+    image
+        .format(env!("CARGO_BIN_EXE_ucrypt"), &img, &key)
+        .expect("ucrypt format");
     let sock = tmp.0.join("vhost.sock");
     let mut server = start_server(&img, &key, &sock);
 

@@ -191,6 +191,13 @@ fn errno(e: &ucrypt::Error) -> i32 {
     e.errno()
 }
 
+/// An attribute reply (GETATTR, SETATTR) for `a` in `buf`.
+fn attr_reply(a: &Attr, buf: &mut [u8]) -> Outcome {
+    let mut o = Out::new(buf);
+    proto::attr_out(&mut o, ATTR_TTL_S, a);
+    Outcome::ok(o.written())
+}
+
 impl VolumeFs {
     pub fn new(dev: Arc<dyn BlockDev>, cfg: FsConfig) -> Self {
         VolumeFs {
@@ -330,7 +337,6 @@ impl VolumeFs {
         if !self.initialised() && !matches!(op, Op::Init { .. }) {
             return Outcome::err(libc::EIO);
         }
-        let file = self.file_ino();
         let ino = h.nodeid;
         let r: Result<Outcome, i32> = match op {
             Op::Init {
@@ -340,121 +346,34 @@ impl VolumeFs {
                 flags,
             } => Ok(self.init(major, minor, max_readahead, flags, buf)),
             Op::Forget | Op::Interrupt => Ok(Outcome::NoReply),
-            Op::Destroy => {
-                // Everything acknowledged becomes durable before the session ends.
-                self.dev
-                    .flush()
-                    .map(|_| Outcome::ok(0))
-                    .map_err(|e| errno(&e))
-            }
-            Op::Lookup { name_len } => {
-                let hit = ino == proto::ROOT_ID
-                    && self
-                        .cfg
-                        .file_name
-                        .as_deref()
-                        .is_some_and(|n| n.as_bytes() == &buf[..name_len]);
-                match self.attr(FILE_INO).filter(|_| hit) {
-                    Some(a) => {
-                        let mut o = Out::new(buf);
-                        proto::entry_out(&mut o, ATTR_TTL_S, &a);
-                        Ok(Outcome::ok(o.written()))
-                    }
-                    None => Err(libc::ENOENT),
-                }
-            }
+            // DESTROY: everything acknowledged becomes durable before the session ends.
+            // FLUSH and FSYNC (close(2), fsync(2)): a closed file is a safe file.
+            Op::Destroy | Op::Flush | Op::Fsync | Op::Fsyncdir => self.flush(),
+            Op::Lookup { name_len } => self.lookup(ino, name_len, buf),
             Op::Getattr => match self.attr(ino) {
-                Some(a) => {
-                    let mut o = Out::new(buf);
-                    proto::attr_out(&mut o, ATTR_TTL_S, &a);
-                    Ok(Outcome::ok(o.written()))
-                }
+                Some(a) => Ok(attr_reply(&a, buf)),
                 None => Err(libc::ENOENT),
             },
-            Op::Setattr { valid, size } => match self.attr(ino) {
-                None => Err(libc::ENOENT),
-                // The file is the volume: its size is fixed; ownership and mode are set at
-                // mount time. Time updates (touch) are accepted and ignored.
-                Some(a) if valid & fattr::SIZE != 0 && size != a.size => Err(libc::EPERM),
-                Some(_) if valid & (fattr::MODE | fattr::UID | fattr::GID) != 0 => Err(libc::EPERM),
-                Some(a) => {
-                    let mut o = Out::new(buf);
-                    proto::attr_out(&mut o, ATTR_TTL_S, &a);
-                    Ok(Outcome::ok(o.written()))
-                }
-            },
-            Op::Open { flags } => {
-                if ino != file {
-                    Err(libc::EISDIR)
-                } else if (flags as i32) & libc::O_ACCMODE != libc::O_RDONLY && self.dev.read_only()
-                {
-                    Err(libc::EROFS)
-                } else {
-                    let f = if self.cfg.direct_io {
-                        fopen::DIRECT_IO | fopen::PARALLEL_DIRECT_WRITES
-                    } else {
-                        0
-                    };
-                    let mut o = Out::new(buf);
-                    proto::open_out(&mut o, 0, f);
-                    Ok(Outcome::ok(o.written()))
-                }
-            }
-            Op::Read { offset, size } => {
-                if ino != file {
-                    Err(libc::EISDIR)
-                } else if size as usize > buf.len() {
-                    Err(libc::EINVAL)
-                } else {
-                    let n = plan_read(self.dev.size(), offset, size) as usize;
-                    if n == 0 {
-                        return Outcome::ok(0);
-                    }
-                    self.dev
-                        .read_at(&mut buf[..n], offset)
-                        .map(|_| Outcome::ok(n))
-                        .map_err(|e| errno(&e))
-                }
-            }
+            Op::Setattr { valid, size } => self.setattr(ino, valid, size, buf),
+            Op::Open { flags } => self.open(ino, flags, buf),
+            Op::Read { offset, size } => self.read(ino, offset, size, buf),
             Op::Write {
                 offset,
                 size,
                 flags,
             } => {
-                if ino != file {
+                if ino != self.file_ino() {
                     Err(libc::EISDIR)
                 } else {
                     self.write(offset, size as usize, flags as i32, buf)
                 }
-            }
-            Op::Flush | Op::Fsync | Op::Fsyncdir => {
-                // close(2) and fsync(2): make what was written durable, so a closed file is a
-                // safe file.
-                self.dev
-                    .flush()
-                    .map(|_| Outcome::ok(0))
-                    .map_err(|e| errno(&e))
             }
             Op::Release | Op::Releasedir => Ok(Outcome::ok(0)),
             Op::Fallocate {
                 offset,
                 length,
                 mode,
-            } => {
-                if ino != file {
-                    Err(libc::EISDIR)
-                } else {
-                    let plan =
-                        plan_fallocate(self.dev.size(), offset, length, mode, self.cfg.punch_hole);
-                    let r = match plan {
-                        FallocPlan::Nothing => Ok(()),
-                        FallocPlan::Zeroes { offset, len } => self.dev.write_zeroes(offset, len),
-                        FallocPlan::Discard { offset, len } => self.dev.discard(offset, len),
-                        FallocPlan::Refuse(e) => return Outcome::err(e),
-                    };
-                    r.map(|_| Outcome::ok(0)).map_err(|e| errno(&e))
-                }
-            }
+            } => self.fallocate(ino, offset, length, mode),
             Op::Opendir => {
                 if ino == proto::ROOT_ID && self.cfg.file_name.is_some() {
                     let mut o = Out::new(buf);
@@ -464,27 +383,7 @@ impl VolumeFs {
                     Err(libc::ENOTDIR)
                 }
             }
-            Op::Readdir { offset, size } => match self.cfg.file_name.as_deref() {
-                Some(name) if ino == proto::ROOT_ID => {
-                    let entries = [
-                        (proto::ROOT_ID, DT_DIR, "."),
-                        (proto::ROOT_ID, DT_DIR, ".."),
-                        (FILE_INO, DT_REG, name),
-                    ];
-                    let limit = (size as usize).min(buf.len());
-                    let mut o = Out::new(buf);
-                    for (i, (ino, typ, name)) in entries.iter().enumerate() {
-                        if (i as u64) < offset {
-                            continue;
-                        }
-                        if !proto::dirent(&mut o, limit, *ino, i as u64 + 1, *typ, name) {
-                            break;
-                        }
-                    }
-                    Ok(Outcome::ok(o.written()))
-                }
-                _ => Err(libc::ENOTDIR),
-            },
+            Op::Readdir { offset, size } => self.readdir(ino, offset, size, buf),
             Op::Statfs => {
                 let bs = self.dev.block_size();
                 let mut o = Out::new(buf);
@@ -554,6 +453,116 @@ impl VolumeFs {
         header[..proto::OUT_HEADER_BYTES].copy_from_slice(&proto::out_header(unique, error, len));
         ring::set_ent_payload_bytes(header, len as u32);
         commit_id
+    }
+
+    /// Makes everything acknowledged so far durable.
+    fn flush(&self) -> Result<Outcome, i32> {
+        self.dev
+            .flush()
+            .map(|_| Outcome::ok(0))
+            .map_err(|e| errno(&e))
+    }
+
+    /// LOOKUP of `buf[..name_len]` in directory `ino`: only the file, in the root directory.
+    fn lookup(&self, ino: u64, name_len: usize, buf: &mut [u8]) -> Result<Outcome, i32> {
+        let hit = ino == proto::ROOT_ID
+            && self
+                .cfg
+                .file_name
+                .as_deref()
+                .is_some_and(|n| n.as_bytes() == &buf[..name_len]);
+        match self.attr(FILE_INO).filter(|_| hit) {
+            Some(a) => {
+                let mut o = Out::new(buf);
+                proto::entry_out(&mut o, ATTR_TTL_S, &a);
+                Ok(Outcome::ok(o.written()))
+            }
+            None => Err(libc::ENOENT),
+        }
+    }
+
+    fn setattr(&self, ino: u64, valid: u32, size: u64, buf: &mut [u8]) -> Result<Outcome, i32> {
+        match self.attr(ino) {
+            None => Err(libc::ENOENT),
+            // The file is the volume: its size is fixed; ownership and mode are set at
+            // mount time. Time updates (touch) are accepted and ignored.
+            Some(a) if valid & fattr::SIZE != 0 && size != a.size => Err(libc::EPERM),
+            Some(_) if valid & (fattr::MODE | fattr::UID | fattr::GID) != 0 => Err(libc::EPERM),
+            Some(a) => Ok(attr_reply(&a, buf)),
+        }
+    }
+
+    fn open(&self, ino: u64, flags: u32, buf: &mut [u8]) -> Result<Outcome, i32> {
+        if ino != self.file_ino() {
+            return Err(libc::EISDIR);
+        }
+        if (flags as i32) & libc::O_ACCMODE != libc::O_RDONLY && self.dev.read_only() {
+            return Err(libc::EROFS);
+        }
+        let f = if self.cfg.direct_io {
+            fopen::DIRECT_IO | fopen::PARALLEL_DIRECT_WRITES
+        } else {
+            0
+        };
+        let mut o = Out::new(buf);
+        proto::open_out(&mut o, 0, f);
+        Ok(Outcome::ok(o.written()))
+    }
+
+    fn read(&self, ino: u64, offset: u64, size: u32, buf: &mut [u8]) -> Result<Outcome, i32> {
+        if ino != self.file_ino() {
+            return Err(libc::EISDIR);
+        }
+        if size as usize > buf.len() {
+            return Err(libc::EINVAL);
+        }
+        let n = plan_read(self.dev.size(), offset, size) as usize;
+        if n == 0 {
+            return Ok(Outcome::ok(0));
+        }
+        self.dev
+            .read_at(&mut buf[..n], offset)
+            .map(|_| Outcome::ok(n))
+            .map_err(|e| errno(&e))
+    }
+
+    fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Result<Outcome, i32> {
+        if ino != self.file_ino() {
+            return Err(libc::EISDIR);
+        }
+        let plan = plan_fallocate(self.dev.size(), offset, length, mode, self.cfg.punch_hole);
+        let r = match plan {
+            FallocPlan::Nothing => Ok(()),
+            FallocPlan::Zeroes { offset, len } => self.dev.write_zeroes(offset, len),
+            FallocPlan::Discard { offset, len } => self.dev.discard(offset, len),
+            FallocPlan::Refuse(e) => return Err(e),
+        };
+        r.map(|_| Outcome::ok(0)).map_err(|e| errno(&e))
+    }
+
+    /// READDIR of the root directory in directory mode: ".", ".." and the file, from entry
+    /// `offset` on, as many as fit in `size` bytes.
+    fn readdir(&self, ino: u64, offset: u64, size: u32, buf: &mut [u8]) -> Result<Outcome, i32> {
+        let name = match self.cfg.file_name.as_deref() {
+            Some(name) if ino == proto::ROOT_ID => name,
+            _ => return Err(libc::ENOTDIR),
+        };
+        let entries = [
+            (proto::ROOT_ID, DT_DIR, "."),
+            (proto::ROOT_ID, DT_DIR, ".."),
+            (FILE_INO, DT_REG, name),
+        ];
+        let limit = (size as usize).min(buf.len());
+        let mut o = Out::new(buf);
+        for (i, (ino, typ, name)) in entries.iter().enumerate() {
+            if (i as u64) < offset {
+                continue;
+            }
+            if !proto::dirent(&mut o, limit, *ino, i as u64 + 1, *typ, name) {
+                break;
+            }
+        }
+        Ok(Outcome::ok(o.written()))
     }
 
     fn write(&self, offset: u64, size: usize, flags: i32, buf: &mut [u8]) -> Result<Outcome, i32> {

@@ -176,15 +176,8 @@ pub struct ResumeArgs {
     /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
     /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
     pub name: String,
-    /// Passphrase from this file ("-" = stdin); without it the passphrase is asked.
-    #[arg(long, short = 'd')]
-    pub key_file: Option<String>,
-    /// Skip this many bytes of the key file.
-    #[arg(long)]
-    pub keyfile_offset: Option<u64>,
-    /// Read at most this many bytes of the key file.
-    #[arg(long, short = 'l')]
-    pub keyfile_size: Option<u64>,
+    #[command(flatten)]
+    pub key: crate::pass::KeyFileArgs,
     /// Try only this keyslot.
     #[arg(long, short = 'S')]
     pub key_slot: Option<u32>,
@@ -1139,17 +1132,13 @@ pub fn resume(mut a: ResumeArgs) -> CliResult<i32> {
     }
     // A wrong passphrase typed on a terminal is asked for again (`--tries`): the daemon
     // answers it with exit code 2 and stays suspended.
-    let tries = pass::tries(a.tries, a.key_file.as_deref());
+    let tries = pass::tries(a.tries, a.key.key_file.as_deref());
     pass::retry_wrong(
         tries,
         |e| matches!(e, CliError::Remote { code: 2, .. }),
         || {
             let p = pass::read_passphrase(
-                &pass::Source {
-                    key_file: a.key_file.as_deref(),
-                    offset: a.keyfile_offset.unwrap_or(0),
-                    size: a.keyfile_size,
-                },
+                &a.key.source(),
                 &format!("Enter passphrase for {}: ", a.name),
                 false,
             )?;

@@ -175,6 +175,8 @@ fn bad(what: impl Into<String>) -> ProtoError {
     ProtoError::Bad(what.into())
 }
 
+type Object = serde_json::Map<String, serde_json::Value>;
+
 /// Parses one request line (with or without its newline). Fields a command does not know are
 /// refused, not ignored: a request that means more than this daemon understands must fail.
 pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
@@ -188,18 +190,7 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
         return Err(ProtoError::TooLong);
     }
     let mut val: Value = serde_json::from_slice(line).map_err(|e| bad(e.to_string()))?;
-    // The passphrase is taken out first, into wiped memory, and its string wiped: whatever
-    // else the line holds, it leaves no copy behind.
-    let pass_hex = match val.as_object_mut().and_then(|o| o.remove("passphrase_hex")) {
-        Some(Value::String(h)) => {
-            let mut h = h.into_bytes();
-            let r = unhex_secret(&h);
-            h.iter_mut().for_each(wipe_byte);
-            Some(r?)
-        }
-        Some(_) => return Err(bad("\"passphrase_hex\" must be a string")),
-        None => None,
-    };
+    let pass_hex = take_passphrase(&mut val)?;
     let obj = val.as_object().ok_or_else(|| bad("not a JSON object"))?;
     // The version first, so that a newer command is reported as a version mismatch.
     let v = obj
@@ -232,107 +223,124 @@ pub fn parse_request(line: &[u8]) -> Result<Request, ProtoError> {
     if line.len() > REQUEST_LINE_BYTES_MAX && !with_pass {
         return Err(ProtoError::TooLong);
     }
-    let num = |k: &str| match obj.get(k) {
-        None => Ok(None),
-        Some(n) => n
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| bad(format!("\"{k}\" must be a number"))),
-    };
     Ok(match cmd {
         "suspend" => Request::Suspend,
-        "reencrypt" => {
-            let text = |k: &str| match obj.get(k) {
-                None => Ok(None),
-                Some(v) => v
-                    .as_str()
-                    .map(Some)
-                    .ok_or_else(|| bad(format!("\"{k}\" must be a string"))),
-            };
-            let hash = text("resilience_hash")?
-                .map(HashAlg::from_name)
-                .transpose()
-                .map_err(|e| bad(format!("\"resilience_hash\": {e}")))?
-                .unwrap_or(reencrypt::run::CHECKSUM_HASH);
-            let resilience = text("resilience")?
-                .map(|n| ResilienceAsked::from_name(n, hash))
-                .transpose()
-                .map_err(|e| bad(format!("\"resilience\": {e}")))?;
-            Request::Reencrypt {
-                key: ResumeKey::Passphrase(
-                    pass_hex.ok_or_else(|| bad("reencrypt needs \"passphrase_hex\""))?,
-                ),
-                hotzone_bytes: num("hotzone_bytes")?,
-                resilience,
-            }
-        }
+        "reencrypt" => reencrypt_request(obj, pass_hex)?,
         "resize" => Request::Resize {
-            size_sectors: num("size_sectors")?,
+            size_sectors: num_field(obj, "size_sectors")?,
         },
-        "resume" => {
-            let key_slot = num("key_slot")?
-                .map(|n| u32::try_from(n).map_err(|_| bad("\"key_slot\" out of range")))
-                .transpose()?;
-            let file = obj.get("volume_key_file").map(|f| {
-                f.as_str()
-                    .map(PathBuf::from)
-                    .ok_or_else(|| bad("\"volume_key_file\" must be a string"))
-            });
-            let key = match (pass_hex, file) {
-                (Some(p), None) => ResumeKey::Passphrase(p),
-                (None, Some(f)) => ResumeKey::VolumeKeyFile(f?),
-                _ => {
-                    return Err(bad(
-                        "resume needs exactly one of \"passphrase_hex\", \"volume_key_file\"",
-                    ))
-                }
-            };
-            Request::Resume { key, key_slot }
-        }
-        "refresh" => {
-            let policy = match obj.get("policy") {
-                None => None,
-                Some(p) => Some(
-                    p.as_str()
-                        .ok_or_else(|| bad("\"policy\" must be a string"))?
-                        .parse()
-                        .map_err(|e: ucrypt::Error| bad(e.to_string()))?,
-                ),
-            };
-            let allow_discards = match obj.get("allow_discards") {
-                None => None,
-                Some(f) => Some(
-                    f.as_bool()
-                        .ok_or_else(|| bad("\"allow_discards\" must be true or false"))?,
-                ),
-            };
-            let r = RefreshSettings {
-                policy,
-                allow_discards,
-                spin_us: num("spin_us")?,
-            };
-            if r == RefreshSettings::default() {
-                return Err(bad("refresh needs a setting to change"));
-            }
-            Request::Refresh(r)
-        }
-        "close" => {
-            let flag = |k: &str| match obj.get(k) {
-                None => Ok(false),
-                Some(f) => f
-                    .as_bool()
-                    .ok_or_else(|| bad(format!("\"{k}\" must be true or false"))),
-            };
-            match (flag("force")?, flag("deferred")?, flag("cancel_deferred")?) {
-                (_, _, true) if obj.len() > 3 => return Err(bad("cancel_deferred goes alone")),
-                (_, _, true) => Request::CancelDeferred,
-                (true, true, _) => return Err(bad("close is either forced or deferred")),
-                (false, true, _) => Request::CloseDeferred,
-                (force, false, _) => Request::Close { force },
-            }
-        }
+        "resume" => resume_request(obj, pass_hex)?,
+        "refresh" => refresh_request(obj)?,
+        "close" => close_request(obj)?,
         _ => Request::Status,
     })
+}
+
+/// Takes `passphrase_hex` out of the request first, into wiped memory, and wipes its string:
+/// whatever else the line holds, it leaves no copy behind.
+fn take_passphrase(val: &mut serde_json::Value) -> Result<Option<SecretBytes>, ProtoError> {
+    use serde_json::Value;
+    match val.as_object_mut().and_then(|o| o.remove("passphrase_hex")) {
+        Some(Value::String(h)) => {
+            let mut h = h.into_bytes();
+            let r = unhex_secret(&h);
+            h.iter_mut().for_each(wipe_byte);
+            Ok(Some(r?))
+        }
+        Some(_) => Err(bad("\"passphrase_hex\" must be a string")),
+        None => Ok(None),
+    }
+}
+
+/// An optional field, read by `get`; `kind` says what it must be when `get` finds otherwise.
+fn field<'a, T>(
+    obj: &'a Object,
+    k: &str,
+    get: fn(&'a serde_json::Value) -> Option<T>,
+    kind: &str,
+) -> Result<Option<T>, ProtoError> {
+    obj.get(k)
+        .map(|v| get(v).ok_or_else(|| bad(format!("\"{k}\" must be {kind}"))))
+        .transpose()
+}
+
+fn num_field(obj: &Object, k: &str) -> Result<Option<u64>, ProtoError> {
+    field(obj, k, serde_json::Value::as_u64, "a number")
+}
+
+fn text_field<'a>(obj: &'a Object, k: &str) -> Result<Option<&'a str>, ProtoError> {
+    field(obj, k, serde_json::Value::as_str, "a string")
+}
+
+fn bool_field(obj: &Object, k: &str) -> Result<Option<bool>, ProtoError> {
+    field(obj, k, serde_json::Value::as_bool, "true or false")
+}
+
+fn reencrypt_request(obj: &Object, pass_hex: Option<SecretBytes>) -> Result<Request, ProtoError> {
+    let hash = text_field(obj, "resilience_hash")?
+        .map(HashAlg::from_name)
+        .transpose()
+        .map_err(|e| bad(format!("\"resilience_hash\": {e}")))?
+        .unwrap_or(reencrypt::run::CHECKSUM_HASH);
+    let resilience = text_field(obj, "resilience")?
+        .map(|n| ResilienceAsked::from_name(n, hash))
+        .transpose()
+        .map_err(|e| bad(format!("\"resilience\": {e}")))?;
+    Ok(Request::Reencrypt {
+        key: ResumeKey::Passphrase(
+            pass_hex.ok_or_else(|| bad("reencrypt needs \"passphrase_hex\""))?,
+        ),
+        hotzone_bytes: num_field(obj, "hotzone_bytes")?,
+        resilience,
+    })
+}
+
+fn resume_request(obj: &Object, pass_hex: Option<SecretBytes>) -> Result<Request, ProtoError> {
+    let key_slot = num_field(obj, "key_slot")?
+        .map(|n| u32::try_from(n).map_err(|_| bad("\"key_slot\" out of range")))
+        .transpose()?;
+    let file = obj.get("volume_key_file").map(|f| {
+        f.as_str()
+            .map(PathBuf::from)
+            .ok_or_else(|| bad("\"volume_key_file\" must be a string"))
+    });
+    let key = match (pass_hex, file) {
+        (Some(p), None) => ResumeKey::Passphrase(p),
+        (None, Some(f)) => ResumeKey::VolumeKeyFile(f?),
+        _ => {
+            return Err(bad(
+                "resume needs exactly one of \"passphrase_hex\", \"volume_key_file\"",
+            ))
+        }
+    };
+    Ok(Request::Resume { key, key_slot })
+}
+
+fn refresh_request(obj: &Object) -> Result<Request, ProtoError> {
+    let policy = text_field(obj, "policy")?
+        .map(|p| p.parse().map_err(|e: ucrypt::Error| bad(e.to_string())))
+        .transpose()?;
+    let allow_discards = bool_field(obj, "allow_discards")?;
+    let r = RefreshSettings {
+        policy,
+        allow_discards,
+        spin_us: num_field(obj, "spin_us")?,
+    };
+    if r == RefreshSettings::default() {
+        return Err(bad("refresh needs a setting to change"));
+    }
+    Ok(Request::Refresh(r))
+}
+
+fn close_request(obj: &Object) -> Result<Request, ProtoError> {
+    let flag = |k: &str| bool_field(obj, k).map(|f| f.unwrap_or(false));
+    match (flag("force")?, flag("deferred")?, flag("cancel_deferred")?) {
+        (_, _, true) if obj.len() > 3 => Err(bad("cancel_deferred goes alone")),
+        (_, _, true) => Ok(Request::CancelDeferred),
+        (true, true, _) => Err(bad("close is either forced or deferred")),
+        (false, true, _) => Ok(Request::CloseDeferred),
+        (force, false, _) => Ok(Request::Close { force }),
+    }
 }
 
 /// One request line, newline included.

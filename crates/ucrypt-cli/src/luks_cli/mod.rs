@@ -83,13 +83,8 @@ pub struct LuksOpts {
     /// --header: the data offset itself), as cryptsetup's option does.
     #[arg(long, value_name = "SECTORS")]
     pub align_payload: Option<u64>,
-    /// Passphrase from this file ("-" = stdin).
-    #[arg(long, short = 'd')]
-    pub key_file: Option<String>,
-    #[arg(long)]
-    pub keyfile_offset: Option<u64>,
-    #[arg(long, short = 'l')]
-    pub keyfile_size: Option<u64>,
+    #[command(flatten)]
+    pub key: pass::KeyFileArgs,
     #[arg(long)]
     pub new_keyfile_offset: Option<u64>,
     #[arg(long)]
@@ -611,9 +606,8 @@ fn kdf_request(o: &LuksOpts, version: u32) -> Result<KdfRequest> {
 
 fn existing_source<'a>(o: &'a LuksOpts, positional: Option<&'a str>) -> Source<'a> {
     Source {
-        key_file: o.key_file.as_deref().or(positional),
-        offset: o.keyfile_offset.unwrap_or(0),
-        size: o.keyfile_size,
+        key_file: o.key.key_file.as_deref().or(positional),
+        ..o.key.source()
     }
 }
 
@@ -1088,7 +1082,7 @@ fn kill_slot(device: &Target, slot: u32, key_file: Option<&str>, o: &LuksOpts) -
         });
     }
     // Like cryptsetup: without --batch-mode, prove knowledge of a remaining passphrase.
-    if !o.batch_mode || key_file.is_some() || o.key_file.is_some() {
+    if !o.batch_mode || key_file.is_some() || o.key.key_file.is_some() {
         unlock_with(
             &dev,
             &hdr,
@@ -1260,9 +1254,11 @@ pub fn test_passphrase_of(a: &crate::daemon::OpenArgs) -> i32 {
     let o = LuksOpts {
         luks_type: a.dev_type.map(|t| t.name().to_string()),
         header: v.header.clone(),
-        key_file: v.key_file.clone(),
-        keyfile_offset: v.keyfile_offset,
-        keyfile_size: v.keyfile_size,
+        key: pass::KeyFileArgs {
+            key_file: v.key_file.clone(),
+            keyfile_offset: v.keyfile_offset,
+            keyfile_size: v.keyfile_size,
+        },
         key_slot: v.key_slot,
         batch_mode: a.batch_mode,
         verbose: a.verbose,
@@ -1319,7 +1315,7 @@ fn test_passphrase(
         )
         .into());
     }
-    if o.key_file.is_none() {
+    if o.key.key_file.is_none() {
         let key_use = if o.unbound {
             KeyUse::AnySegment
         } else {

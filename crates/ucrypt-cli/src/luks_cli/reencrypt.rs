@@ -673,7 +673,7 @@ fn slot_passphrases(
     let active = reencrypt::run::passphrase_keyslots(hdr);
     let slots = match o.key_slot {
         Some(s) => vec![s],
-        None if o.key_file.is_some() && active.len() > 1 => {
+        None if o.key.key_file.is_some() && active.len() > 1 => {
             return Err(Error::InvalidArgument(
                 reencrypt::run::KEY_FILE_NEEDS_ONE_KEYSLOT.into(),
             ))

@@ -118,6 +118,17 @@ pub fn untar(src: &Path, dir: &Path) {
     );
 }
 
+/// cryptsetup's image tarball `tests/NAME.tar.xz`, unpacked into a new temporary directory:
+/// that directory (removed when dropped) and the `NAME` folder the tarball holds; `None` after
+/// printing why the calling test is SKIPPED.
+pub fn unpacked_images(name: &str) -> Option<(TempDir, PathBuf)> {
+    let tests = image_suite()?;
+    let tmp = TempDir::new(name);
+    untar(&tests.join(format!("{name}.tar.xz")), tmp.dir());
+    let dir = tmp.dir().join(name);
+    Some((tmp, dir))
+}
+
 /// cryptsetup's test folder with xz to unpack its images, or `None` after printing why the
 /// calling test is SKIPPED.
 pub fn image_suite() -> Option<PathBuf> {

@@ -29,6 +29,7 @@ use sha2::{Digest, Sha256};
 
 use crate::backend::Backend;
 use crate::sector::block::Ecb;
+use crate::sector::crc32;
 use crate::sector::modes::gf128_mul_x;
 use crate::sector::{BlockCipher, CipherSpec, Geometry, SectorSize};
 use crate::tcrypt::Mapping;
@@ -116,31 +117,9 @@ fn le64(b: &[u8], at: usize) -> u64 {
 
 /// CRC-32C (Castagnoli, reflected 0x82F63B78) as a raw register update, no inversions: the
 /// checksum cryptsetup's `crypt_crc32c(0xffffffff, ...)` gives.
-fn crc32c(mut crc: u32, data: &[u8]) -> u32 {
-    const fn table() -> [u32; 256] {
-        let mut t = [0u32; 256];
-        let mut i = 0;
-        while i < 256 {
-            let mut c = i as u32;
-            let mut k = 0;
-            while k < 8 {
-                c = if c & 1 != 0 {
-                    0x82F6_3B78 ^ (c >> 1)
-                } else {
-                    c >> 1
-                };
-                k += 1;
-            }
-            t[i] = c;
-            i += 1;
-        }
-        t
-    }
-    static TABLE: [u32; 256] = table();
-    for &b in data {
-        crc = TABLE[((crc ^ b as u32) & 0xff) as usize] ^ (crc >> 8);
-    }
-    crc
+fn crc32c(crc: u32, data: &[u8]) -> u32 {
+    static TABLE: [u32; 256] = crc32::table(0x82F6_3B78);
+    crc32::update_with(&TABLE, crc, data)
 }
 
 /// A block that starts with Core Storage's checksum: value, then seed (0xffffffff), then the

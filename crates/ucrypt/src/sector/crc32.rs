@@ -3,18 +3,16 @@
 //! ([`checksum`]), its keyfile pool reads the raw register after every byte, and dm-crypt's
 //! `tcw` IV uses the kernel's `crc32(0, ...)`, which inverts nothing.
 
-const fn table() -> [u32; 256] {
+/// The byte-at-a-time lookup table of the reflected polynomial `poly` (0xEDB88320 for CRC-32,
+/// 0x82F63B78 for CRC-32C), built at compile time.
+pub(crate) const fn table(poly: u32) -> [u32; 256] {
     let mut t = [0u32; 256];
     let mut i = 0;
     while i < 256 {
         let mut c = i as u32;
         let mut k = 0;
         while k < 8 {
-            c = if c & 1 != 0 {
-                0xEDB8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
+            c = if c & 1 != 0 { poly ^ (c >> 1) } else { c >> 1 };
             k += 1;
         }
         t[i] = c;
@@ -23,14 +21,19 @@ const fn table() -> [u32; 256] {
     t
 }
 
-static TABLE: [u32; 256] = table();
-
-/// The register after `data`, starting from `crc`.
-pub(crate) fn update(mut crc: u32, data: &[u8]) -> u32 {
+/// The register after `data`, starting from `crc`, for the polynomial `table` was built from.
+pub(crate) fn update_with(table: &[u32; 256], mut crc: u32, data: &[u8]) -> u32 {
     for &b in data {
-        crc = TABLE[((crc ^ u32::from(b)) & 0xff) as usize] ^ (crc >> 8);
+        crc = table[((crc ^ u32::from(b)) & 0xff) as usize] ^ (crc >> 8);
     }
     crc
+}
+
+static TABLE: [u32; 256] = table(0xEDB8_8320);
+
+/// The register after `data`, starting from `crc`.
+pub(crate) fn update(crc: u32, data: &[u8]) -> u32 {
+    update_with(&TABLE, crc, data)
 }
 
 /// The usual CRC-32 of `data` (zlib's, TrueCrypt's header checksums).
