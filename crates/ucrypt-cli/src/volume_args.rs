@@ -97,7 +97,7 @@ pub struct VolumeArgs {
     /// serpent-xts-plain64, aes-lrw-benbi, xchacha12,aes-adiantum-plain64 (with `--type
     /// plain` and no --cipher: cryptsetup 2.6's aes-cbc-essiv:sha256). `--type tcrypt`: only
     /// cipher chains whose name contains this.
-    #[arg(long)]
+    #[arg(long, short = 'c')]
     pub cipher: Option<String>,
     /// The volume key (raw bytes) from this file, instead of a passphrase; exactly the key's
     /// size is read (the header's, or in raw mode --key-size), so /dev/urandom works.
