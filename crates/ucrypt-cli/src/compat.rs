@@ -96,8 +96,6 @@ pub struct Refused {
     pub shared: bool,
     #[arg(long = "keep-key", global = true, hide = true)]
     pub keep_key: bool,
-    #[arg(long = "integrity-legacy-padding", global = true, hide = true)]
-    pub integrity_legacy_padding: bool,
     #[arg(
         long = "keyslot-cipher",
         global = true,
@@ -133,12 +131,6 @@ impl Refused {
                 "--keep-key",
                 "a reencryption that keeps the volume key is not supported; change a keyslot's \
                  PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
-            ),
-            (
-                self.integrity_legacy_padding,
-                "--integrity-legacy-padding",
-                "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
-                 the legacy padding is not supported",
             ),
             (
                 self.keyslot_cipher.is_some(),

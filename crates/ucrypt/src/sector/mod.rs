@@ -500,6 +500,47 @@ impl SectorCipher {
         Ok(iv)
     }
 
+    /// The 16-byte IV dm-crypt's generator gives the sector whose IV sector number is
+    /// `iv_sector` (512-byte units plus the IV offset): what an `authenc(hmac(H), mode(aes))`
+    /// transform encrypts with and authenticates. For the generators that depend on the IV
+    /// sector alone (plain64, ESSIV, ...); a cipher made with a 512-byte [`Geometry`] and no
+    /// IV offset takes the IV sector as its sector number.
+    pub(crate) fn block_iv(&mut self, iv_sector: u64) -> Result<[u8; 16]> {
+        let iv = self.iv(iv_sector)?;
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&iv[..16]);
+        Ok(out)
+    }
+
+    /// Encrypts or decrypts one sector of any supported size (a multiple of 16 bytes, at most
+    /// [`SECTOR_BYTES_MAX`]) with an explicit 16-byte IV: `src` into `data` when given (same
+    /// length), else `data` in place.
+    pub(crate) fn crypt_sector_with_iv(
+        &mut self,
+        encrypt: bool,
+        iv: &[u8; 16],
+        src: Option<&[u8]>,
+        data: &mut [u8],
+    ) -> Result<()> {
+        if data.len() % 16 != 0
+            || data.len() > SECTOR_BYTES_MAX as usize
+            || src.is_some_and(|s| s.len() != data.len())
+        {
+            return Err(Error::Bug("crypt_sector_with_iv: buffer sizes"));
+        }
+        if let (Some(s), Imp::Xts { enc, dec } | Imp::Cbc { enc, dec }) = (src, &mut self.imp) {
+            let ctx = if encrypt { enc } else { dec };
+            ctx.set_iv(iv)?;
+            return ctx.update(s, data);
+        }
+        if let Some(s) = src {
+            data.copy_from_slice(s);
+        }
+        let mut full = [0u8; IV_BYTES_MAX];
+        full[..16].copy_from_slice(iv);
+        self.crypt_unit(encrypt, &full, data)
+    }
+
     fn check_len(&self, len: usize) -> Result<()> {
         if len % self.sector_bytes() != 0 {
             return Err(Error::NotSectorMultiple {
