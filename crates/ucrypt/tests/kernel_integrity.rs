@@ -15,7 +15,12 @@
 //!
 //! Cases: aes-xts-random + hmac-sha256 with 512- and 4096-byte sectors, aes-xts-random +
 //! hmac-sha512 (4096), aes-gcm-random + aead (512, 4096), chacha20-random + poly1305 (512,
-//! 4096). `UCRYPT_INTEGRITY_CASES=chacha,gcm-512` runs only the cases whose names contain one of
+//! 4096); and from cryptsetup's luks2-integrity-test, some formatted as it does with
+//! `--integrity-legacy-padding --offset 8192`: aes-xts-plain64 + hmac-sha1 (4096, legacy),
+//! aes-cbc-essiv:sha256 + hmac-sha256 (128-bit key, 512, legacy), aes-xts-essiv:sha256 +
+//! hmac-sha512 (4096), aes-xts-random + hmac-sha1 (256-bit key, 4096), aes-ccm-random + aead
+//! (152-bit key 512 legacy, 280-bit key 4096), chacha20-plain64 + poly1305 (512, legacy).
+//! `UCRYPT_INTEGRITY_CASES=chacha,gcm-512` runs only the cases whose names contain one of
 //! the words (the guest's crypto is emulated, so each case costs minutes).
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set.

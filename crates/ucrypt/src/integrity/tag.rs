@@ -7,7 +7,7 @@
 //! sector size; LUKS2 has no IV offset here), the associated data is `le64(s) || IV`, the IV
 //! being the transform's IV for that sector: fresh random bytes (then kept in the tuple), or
 //! the generator's IV for IV sector `s` (`plain64`: `le64(s)` zero-padded; `essiv:sha256`:
-//! that block encrypted with AES keyed by SHA-256 of the encryption key). The modes:
+//! that block encrypted with AES, see below). The modes:
 //! - `aes-gcm-random` + `aead`: the kernel's `gcm(aes)`, 12-byte IV, 16-byte tag. Tuple 28.
 //! - `chacha20-random` / `chacha20-plain64` + `poly1305`: `rfc7539(chacha20,poly1305)` (RFC
 //!   8439), 256-bit key, 12-byte IV, 16-byte tag. Tuple 28 (random) or 16 (plain64).
@@ -16,9 +16,11 @@
 //!   IV back out of the associated data, so CCM authenticates `le64(s)` alone. 16-byte tag.
 //!   Tuple 24.
 //! - `aes-xts|cbc-random|plain64|essiv:sha256` + `hmac(H)` (H = sha1, sha256, sha512): the
-//!   kernel's `authenc(hmac(H),xts|cbc(aes))` (ESSIV through its `essiv(...)` template, which
-//!   also puts the encrypted IV into the associated data). The sector is encrypted with the IV,
-//!   then the tag is `HMAC-H(mac key, le64(s) || IV || ciphertext)`. The volume key is the
+//!   kernel's `authenc(hmac(H),xts|cbc(aes))`; ESSIV goes through its `essiv(...)` template,
+//!   which puts the encrypted IV into the associated data and keys its AES-256 with SHA-256 of
+//!   the whole authenc key (encryption key, then MAC key: dm-crypt's volume key as it is), not
+//!   of the encryption key alone as plain dm-crypt's ESSIV does. The sector is encrypted with
+//!   the IV, then the tag is `HMAC-H(mac key, le64(s) || IV || ciphertext)`. The volume key is the
 //!   encryption key followed by the MAC key (|H| bytes). Tuple |H| + 16 (random) or |H|.
 //!
 //! Random IVs come from the operating system's CSPRNG (getrandom(2)), a fresh one for every
@@ -37,10 +39,11 @@ use sha1::Sha1;
 use sha2::{Sha256, Sha512};
 
 use crate::secret::SecretBox;
+use crate::sector::block::Ecb;
 use crate::sector::evp::{
     AeadAlg, AeadCtx, Alg, EvpCtx, AEAD_NONCE_BYTES, AEAD_TAG_BYTES, CCM_NONCE_BYTES, CCM_TAG_BYTES,
 };
-use crate::sector::{CipherSpec, Geometry, SectorCipher, SectorSize};
+use crate::sector::{BlockCipher, CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::{Error, Result};
 
 /// An authenc IV (the block cipher's, 16 bytes), kept in each tuple when random.
@@ -116,14 +119,12 @@ pub struct Authenc {
 }
 
 impl Authenc {
-    /// The dm-crypt cipher spec whose sector encryption and IV generator this mode uses (for
-    /// `random`, plain64's: the IV is then given explicitly).
+    /// The dm-crypt cipher spec whose sector encryption this mode uses; the IV is always
+    /// given explicitly (see [`TagCipher`]'s IV rules).
     fn sector_spec(self) -> CipherSpec {
-        let spec = match (self.mode, self.iv) {
-            (AuthencMode::Xts, IvSource::Random | IvSource::Plain64) => "aes-xts-plain64",
-            (AuthencMode::Xts, IvSource::EssivSha256) => "aes-xts-essiv:sha256",
-            (AuthencMode::Cbc, IvSource::Random | IvSource::Plain64) => "aes-cbc-plain64",
-            (AuthencMode::Cbc, IvSource::EssivSha256) => "aes-cbc-essiv:sha256",
+        let spec = match self.mode {
+            AuthencMode::Xts => "aes-xts-plain64",
+            AuthencMode::Cbc => "aes-cbc-plain64",
         };
         spec.parse().expect("a fixed, valid cipher spec")
     }
@@ -294,9 +295,10 @@ struct Ccm {
 }
 
 struct AuthencImp {
-    /// Made with a 512-byte geometry: its IV generator takes the IV sector (`s`) as the
-    /// sector number, and it encrypts sectors of any size with an explicit IV.
+    /// Encrypts sectors of any size with an explicit IV.
     cipher: SectorCipher,
+    /// `essiv:sha256`: AES-256 keyed with SHA-256 of the whole volume key.
+    essiv: Option<Ecb>,
     mac: MacKey,
 }
 
@@ -350,7 +352,17 @@ impl TagCipher {
                 };
                 let cipher =
                     SectorCipher::new(a.sector_spec(), ek, Geometry::new(SectorSize::S512))?;
-                Imp::Authenc(SecretBox::new(AuthencImp { cipher, mac }))
+                let essiv = match a.iv {
+                    IvSource::EssivSha256 => {
+                        use sha2::Digest;
+                        let mut salt: [u8; 32] = Sha256::digest(key).into();
+                        let e = Ecb::new(BlockCipher::Aes, &salt);
+                        zeroize::Zeroize::zeroize(&mut salt);
+                        Some(e?)
+                    }
+                    IvSource::Random | IvSource::Plain64 => None,
+                };
+                Imp::Authenc(SecretBox::new(AuthencImp { cipher, essiv, mac }))
             }
         };
         Ok(TagCipher { mode, imp })
@@ -428,8 +440,8 @@ impl TagCipher {
                     c.enc.ccm_seal(&nonce, &s.to_le_bytes(), plain, sec, tag)?;
                 }
                 Imp::Authenc(x) => {
-                    let AuthencImp { cipher, mac } = &mut **x;
-                    let iv = authenc_iv(cipher, s, iv)?;
+                    let AuthencImp { cipher, essiv, mac } = &mut **x;
+                    let iv = authenc_iv(essiv.as_mut(), s, iv)?;
                     cipher.crypt_sector_with_iv(true, &iv, plain, sec)?;
                     mac.tag(s, &iv, sec, tag);
                 }
@@ -471,8 +483,8 @@ impl TagCipher {
                     c.dec.ccm_open(&nonce, &s.to_le_bytes(), sec, tag)?
                 }
                 Imp::Authenc(x) => {
-                    let AuthencImp { cipher, mac } = &mut **x;
-                    let iv = authenc_iv(cipher, s, iv)?;
+                    let AuthencImp { cipher, essiv, mac } = &mut **x;
+                    let iv = authenc_iv(essiv.as_mut(), s, iv)?;
                     if mac.verify(s, &iv, sec, tag) {
                         cipher.crypt_sector_with_iv(false, &iv, None, sec)?;
                         true
@@ -513,10 +525,17 @@ fn aead_nonce(s: u64, stored: &[u8]) -> Result<[u8; AEAD_NONCE_BYTES]> {
 }
 
 /// The 16-byte IV of an authenc sector: the stored one (random), or the generator's for IV
-/// sector `s`.
-fn authenc_iv(cipher: &mut SectorCipher, s: u64, stored: &[u8]) -> Result<[u8; XTS_IV_BYTES]> {
+/// sector `s`: `le64(s)` zero-padded (plain64), encrypted with the ESSIV cipher when given.
+fn authenc_iv(essiv: Option<&mut Ecb>, s: u64, stored: &[u8]) -> Result<[u8; XTS_IV_BYTES]> {
     match stored.len() {
-        0 => cipher.block_iv(s),
+        0 => {
+            let mut iv = [0u8; XTS_IV_BYTES];
+            iv[..8].copy_from_slice(&s.to_le_bytes());
+            if let Some(e) = essiv {
+                e.encrypt_block(&mut iv)?;
+            }
+            Ok(iv)
+        }
         XTS_IV_BYTES => Ok(stored.try_into().expect("16 bytes")),
         _ => Err(Error::Bug("authenc IV length")),
     }

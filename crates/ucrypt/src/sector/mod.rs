@@ -500,18 +500,6 @@ impl SectorCipher {
         Ok(iv)
     }
 
-    /// The 16-byte IV dm-crypt's generator gives the sector whose IV sector number is
-    /// `iv_sector` (512-byte units plus the IV offset): what an `authenc(hmac(H), mode(aes))`
-    /// transform encrypts with and authenticates. For the generators that depend on the IV
-    /// sector alone (plain64, ESSIV, ...); a cipher made with a 512-byte [`Geometry`] and no
-    /// IV offset takes the IV sector as its sector number.
-    pub(crate) fn block_iv(&mut self, iv_sector: u64) -> Result<[u8; 16]> {
-        let iv = self.iv(iv_sector)?;
-        let mut out = [0u8; 16];
-        out.copy_from_slice(&iv[..16]);
-        Ok(out)
-    }
-
     /// Encrypts or decrypts one sector of any supported size (a multiple of 16 bytes, at most
     /// [`SECTOR_BYTES_MAX`]) with an explicit 16-byte IV: `src` into `data` when given (same
     /// length), else `data` in place.
