@@ -96,8 +96,6 @@ pub struct Refused {
     pub shared: bool,
     #[arg(long = "keep-key", global = true, hide = true)]
     pub keep_key: bool,
-    #[arg(long = "integrity-legacy-padding", global = true, hide = true)]
-    pub integrity_legacy_padding: bool,
 }
 
 /// One refused option: whether it was given, its name, and why ucrypt refuses it.
@@ -116,12 +114,6 @@ const REFUSED: &[RefusedRow] = &[
         "--keep-key",
         "a reencryption that keeps the volume key is not supported; change a keyslot's \
          PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
-    ),
-    (
-        |r| r.integrity_legacy_padding,
-        "--integrity-legacy-padding",
-        "ucrypt formats dm-integrity with the padding the kernel uses since Linux 5.7; \
-         the legacy padding is not supported",
     ),
 ];
 

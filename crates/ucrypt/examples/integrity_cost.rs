@@ -33,8 +33,8 @@ fn main() {
     let mode = match arg(1, "gcm").as_str() {
         "gcm" => TagMode::AesGcmRandom { key_bytes: 32 },
         "chacha" => TagMode::ChaCha20RandomPoly1305,
-        "hmac256" => TagMode::AesXtsRandomHmac(HmacHash::Sha256),
-        "hmac512" => TagMode::AesXtsRandomHmac(HmacHash::Sha512),
+        "hmac256" => TagMode::xts_random_hmac(HmacHash::Sha256),
+        "hmac512" => TagMode::xts_random_hmac(HmacHash::Sha512),
         m => panic!("unknown mode {m}: gcm, chacha, hmac256, hmac512"),
     };
     let write = match arg(2, "read").as_str() {
@@ -51,8 +51,8 @@ fn main() {
     };
     assert!(size > 0 && size % 4096 == 0, "size: a multiple of 4096");
     let be: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
-    let l =
-        new_superblock(mode.tuple_bytes() as u16, 4096, 0, DEVICE_BYTES / 512).expect("superblock");
+    let l = new_superblock(mode.tuple_bytes() as u16, 4096, 0, DEVICE_BYTES / 512, true)
+        .expect("superblock");
     write_new_device(be.as_ref(), 0, &l).expect("format");
     let key: Vec<u8> = (0..mode.key_bytes() as u8).collect();
     let v = IntegrityVolume::with_write_mode(

@@ -34,6 +34,7 @@ fn open(path: &std::path::Path, mode: TagMode, wm: WriteMode) -> IntegrityVolume
         4096,
         START_BYTES / 512,
         DEVICE_BYTES / 512,
+        true,
     )
     .expect("superblock");
     write_new_device(be.as_ref(), START_BYTES, &l).expect("format");

@@ -96,11 +96,11 @@ fn steady_state_io_does_not_allocate() {
     let mut rng = 0x0a11_0c8e_u64;
     for mode in [
         TagMode::AesGcmRandom { key_bytes: 32 },
-        TagMode::AesXtsRandomHmac(HmacHash::Sha256),
+        TagMode::xts_random_hmac(HmacHash::Sha256),
     ] {
         for wm in [WriteMode::Journal, WriteMode::Direct] {
             let be: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
-            let l = new_superblock(mode.tuple_bytes() as u16, 4096, 0, DEVICE_BYTES / 512)
+            let l = new_superblock(mode.tuple_bytes() as u16, 4096, 0, DEVICE_BYTES / 512, true)
                 .expect("superblock");
             write_new_device(be.as_ref(), 0, &l).expect("format");
             let key: Vec<u8> = (0..mode.key_bytes() as u8).collect();

@@ -67,7 +67,7 @@ fn seed() -> u64 {
 const MODES: [TagMode; 3] = [
     TagMode::AesGcmRandom { key_bytes: 32 },
     TagMode::ChaCha20RandomPoly1305,
-    TagMode::AesXtsRandomHmac(HmacHash::Sha256),
+    TagMode::xts_random_hmac(HmacHash::Sha256),
 ];
 
 fn superblock(mode: TagMode, log2_spb: u8, journal_sections: u32) -> Superblock {

@@ -40,11 +40,11 @@ fn tag_layer_matches_python_cryptography() {
         (TagMode::AesGcmRandom { key_bytes: 16 }, "gcm"),
         (TagMode::ChaCha20RandomPoly1305, "chacha20-poly1305"),
         (
-            TagMode::AesXtsRandomHmac(HmacHash::Sha256),
+            TagMode::xts_random_hmac(HmacHash::Sha256),
             "xts-hmac-sha256",
         ),
         (
-            TagMode::AesXtsRandomHmac(HmacHash::Sha512),
+            TagMode::xts_random_hmac(HmacHash::Sha512),
             "xts-hmac-sha512",
         ),
     ];

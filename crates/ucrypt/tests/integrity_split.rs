@@ -44,8 +44,8 @@ const SEED_DEFAULT: u64 = 0x5eed_0021;
 const MODES: [TagMode; 4] = [
     TagMode::AesGcmRandom { key_bytes: 32 },
     TagMode::ChaCha20RandomPoly1305,
-    TagMode::AesXtsRandomHmac(HmacHash::Sha256),
-    TagMode::AesXtsRandomHmac(HmacHash::Sha512),
+    TagMode::xts_random_hmac(HmacHash::Sha256),
+    TagMode::xts_random_hmac(HmacHash::Sha512),
 ];
 
 fn splitmix(x: &mut u64) -> u64 {

@@ -15,7 +15,12 @@
 //!
 //! Cases: aes-xts-random + hmac-sha256 with 512- and 4096-byte sectors, aes-xts-random +
 //! hmac-sha512 (4096), aes-gcm-random + aead (512, 4096), chacha20-random + poly1305 (512,
-//! 4096). `UCRYPT_INTEGRITY_CASES=chacha,gcm-512` runs only the cases whose names contain one of
+//! 4096); and from cryptsetup's luks2-integrity-test, some formatted as it does with
+//! `--integrity-legacy-padding --offset 8192`: aes-xts-plain64 + hmac-sha1 (4096, legacy),
+//! aes-cbc-essiv:sha256 + hmac-sha256 (128-bit key, 512, legacy), aes-xts-essiv:sha256 +
+//! hmac-sha512 (4096), aes-xts-random + hmac-sha1 (256-bit key, 4096), aes-ccm-random + aead
+//! (152-bit key 512 legacy, 280-bit key 4096), chacha20-plain64 + poly1305 (512, legacy).
+//! `UCRYPT_INTEGRITY_CASES=chacha,gcm-512` runs only the cases whose names contain one of
 //! the words (the guest's crypto is emulated, so each case costs minutes).
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set.
@@ -30,7 +35,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ucrypt::backend::{Backend, DirectMode, FileBackend, MemBackend};
-use ucrypt::integrity::{open_luks2_mode, IntegrityVolume, WriteMode};
+use ucrypt::format::IntegrityKind;
+use ucrypt::integrity::{open_luks2_mode, IntegrityVolume, TagMode, WriteMode};
 use ucrypt::luks::{read_header, unlock_key, Unlock};
 use ucrypt::{BlockDev, Error, ErrorKind, SecretBytes};
 
@@ -40,6 +46,21 @@ struct Case {
     integrity: &'static str,
     key_bits: u32,
     sector: u64,
+    /// More `luksFormat` options: cryptsetup's luks2-integrity-test formats with
+    /// `--integrity-legacy-padding --offset 8192`.
+    extra: &'static str,
+}
+
+/// luks2-integrity-test's format options.
+const LEGACY: &str = "--integrity-legacy-padding --offset 8192";
+
+impl Case {
+    /// The mode as ucrypt parses it from the header cryptsetup writes.
+    fn mode(&self) -> TagMode {
+        let kind = IntegrityKind::from_name(self.integrity).expect("integrity type");
+        let key_bytes = self.key_bits as usize / 8 + kind.mac_key_bytes();
+        TagMode::from_luks2(self.cipher, kind.luks2_name(), key_bytes).expect("mode")
+    }
 }
 
 const CASES: &[Case] = &[
@@ -49,6 +70,7 @@ const CASES: &[Case] = &[
         integrity: "hmac-sha256",
         key_bits: 512,
         sector: 512,
+        extra: "",
     },
     Case {
         name: "xts-hmac256-4096",
@@ -56,6 +78,7 @@ const CASES: &[Case] = &[
         integrity: "hmac-sha256",
         key_bits: 512,
         sector: 4096,
+        extra: "",
     },
     Case {
         name: "xts-hmac512-4096",
@@ -63,6 +86,7 @@ const CASES: &[Case] = &[
         integrity: "hmac-sha512",
         key_bits: 512,
         sector: 4096,
+        extra: "",
     },
     Case {
         name: "gcm-512",
@@ -70,6 +94,7 @@ const CASES: &[Case] = &[
         integrity: "aead",
         key_bits: 256,
         sector: 512,
+        extra: "",
     },
     Case {
         name: "gcm-4096",
@@ -77,6 +102,7 @@ const CASES: &[Case] = &[
         integrity: "aead",
         key_bits: 256,
         sector: 4096,
+        extra: "",
     },
     Case {
         name: "chacha-512",
@@ -84,6 +110,7 @@ const CASES: &[Case] = &[
         integrity: "poly1305",
         key_bits: 256,
         sector: 512,
+        extra: "",
     },
     Case {
         name: "chacha-4096",
@@ -91,6 +118,63 @@ const CASES: &[Case] = &[
         integrity: "poly1305",
         key_bits: 256,
         sector: 4096,
+        extra: "",
+    },
+    Case {
+        name: "xts-plain64-sha1-4096",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha1",
+        key_bits: 512,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "cbc-essiv-sha256-512",
+        cipher: "aes-cbc-essiv:sha256",
+        integrity: "hmac-sha256",
+        key_bits: 128,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-essiv-sha512-4096",
+        cipher: "aes-xts-essiv:sha256",
+        integrity: "hmac-sha512",
+        key_bits: 512,
+        sector: 4096,
+        extra: "",
+    },
+    Case {
+        name: "xts-random-sha1-aes128-4096",
+        cipher: "aes-xts-random",
+        integrity: "hmac-sha1",
+        key_bits: 256,
+        sector: 4096,
+        extra: "",
+    },
+    Case {
+        name: "ccm-512",
+        cipher: "aes-ccm-random",
+        integrity: "aead",
+        key_bits: 152,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "ccm-4096",
+        cipher: "aes-ccm-random",
+        integrity: "aead",
+        key_bits: 280,
+        sector: 4096,
+        extra: "",
+    },
+    Case {
+        name: "chacha-plain64-512",
+        cipher: "chacha20-plain64",
+        integrity: "poly1305",
+        key_bits: 256,
+        sector: 512,
+        extra: LEGACY,
     },
 ];
 
@@ -196,25 +280,21 @@ fn tamper_checks(case: &Case, img: &Path, key: &[u8], model: &[u8]) {
     // A larger read covering it fails too, and the volume stays usable.
     expect_integrity_error(read(&v, (block(0) * 512, 8 * bb)), "read over a bad block");
     good(block(4), "after a failed read");
-    // 2. A flipped tag bit (auth tag, then the stored IV).
+    // 2. A flipped tag bit (auth tag, then the stored IV where the mode stores one).
+    let mode = case.mode();
     let (_, t) = v.locate(block(5)).expect("locate");
     flip(t + 1);
     expect_integrity_error(read_block(block(5)), "flipped auth-tag bit");
-    let (_, t) = v.locate(block(7)).expect("locate");
-    let iv_at = match case.integrity {
-        "aead" | "poly1305" => 16,
-        "hmac-sha256" => 32,
-        _ => 64,
-    };
-    flip(t + iv_at);
-    expect_integrity_error(read_block(block(7)), "flipped IV bit");
+    let mut errors = 6;
+    if mode.iv_bytes() > 0 {
+        let (_, t) = v.locate(block(7)).expect("locate");
+        flip(t + mode.auth_bytes() as u64);
+        expect_integrity_error(read_block(block(7)), "flipped IV bit");
+        errors += 1;
+    }
     good(block(6), "between damaged tags");
     // 3. Two blocks swapped with their tags: both fail (the sector number is authenticated).
-    let tb = match case.integrity {
-        "aead" | "poly1305" => 28,
-        "hmac-sha256" => 48,
-        _ => 80,
-    };
+    let tb = mode.tuple_bytes() as u64;
     let swap = |a: u64, b: u64| {
         let (da, ta) = v.locate(a).expect("locate");
         let (db, tbb) = v.locate(b).expect("locate");
@@ -249,8 +329,13 @@ fn tamper_checks(case: &Case, img: &Path, key: &[u8], model: &[u8]) {
         "{}: a replay of data and tag reads the old data",
         case.name
     );
-    // data bit, the larger read, auth tag, IV, two swapped, old data under a new tag
-    assert_eq!(v.integrity_errors(), 7, "{}: errors counted", case.name);
+    // data bit, the larger read, auth tag, (IV,) two swapped, old data under a new tag
+    assert_eq!(
+        v.integrity_errors(),
+        errors,
+        "{}: errors counted",
+        case.name
+    );
 }
 
 #[test]
@@ -285,7 +370,7 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
         writeln!(
             script,
             "cryptsetup luksFormat --type luks2 --cipher {} --integrity {} --key-size {} \
-             --sector-size {} --integrity-no-wipe --pbkdf pbkdf2 --pbkdf-force-iterations 1000 \
+             --sector-size {} {} --integrity-no-wipe --pbkdf pbkdf2 --pbkdf-force-iterations 1000 \
              --batch-mode --key-file $K {dev} && \
              cryptsetup open --integrity-no-journal --key-file $K {dev} x{i} && \
              dd if=$P of=/dev/mapper/x{i} bs=65536 count={k1} conv=fsync 2>/dev/null && \
@@ -296,6 +381,7 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
             c.integrity,
             c.key_bits,
             c.sector,
+            c.extra,
             k2.0,
             k2.1,
             c.name,

@@ -64,11 +64,11 @@ const MODES: [(&str, TagMode); 4] = [
     ),
     (
         "aes-xts-random + hmac-sha256",
-        TagMode::AesXtsRandomHmac(HmacHash::Sha256),
+        TagMode::xts_random_hmac(HmacHash::Sha256),
     ),
     (
         "aes-xts-random + hmac-sha512",
-        TagMode::AesXtsRandomHmac(HmacHash::Sha512),
+        TagMode::xts_random_hmac(HmacHash::Sha512),
     ),
 ];
 
@@ -172,7 +172,7 @@ fn authenticated(
     let total = data + data * BACKING_SLACK_NUM / BACKING_SLACK_DEN + (4 << 20);
     let (tf, b) = backing(&name.replace([' ', '+', '(', ')'], "_"), total)?;
     let tag = u16::try_from(mode.tuple_bytes()).map_err(|_| "tag size".to_string())?;
-    let layout = new_superblock(tag, 4096, 0, total / 512).map_err(|e| e.to_string())?;
+    let layout = new_superblock(tag, 4096, 0, total / 512, true).map_err(|e| e.to_string())?;
     // The superblock and an initialised journal, as `ucrypt format` writes them (opening checks
     // the journal's commit ids); then direct mode, to measure the tag layer alone (the
     // journal's cost: docs/integrity.md, "What it costs"), except in the journal row.

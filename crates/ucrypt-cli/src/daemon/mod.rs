@@ -297,11 +297,8 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                         .find(|k| k.kind == KeyslotKind::Luks2)
                         .map(|k| k.key_size * 8)
                         .unwrap_or(0);
-                    let mac_bits = match integ.as_str() {
-                        "hmac(sha256)" => 256,
-                        "hmac(sha512)" => 512,
-                        _ => 0,
-                    };
+                    let mac_bits = ucrypt::format::IntegrityKind::from_name(&integ)
+                        .map_or(0, |k| k.mac_key_bytes() as u32 * 8);
                     info.kind = "LUKS2".into();
                     info.cipher = seg.encryption.clone().unwrap_or_default();
                     info.key_bits = total_bits.saturating_sub(mac_bits);

@@ -155,9 +155,11 @@ pub struct LuksOpts {
     /// LUKS2 keyslots area size in bytes.
     #[arg(long)]
     pub luks2_keyslots_size: Option<u64>,
-    /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random),
-    /// poly1305 (with --cipher chacha20-random), hmac-sha256 or hmac-sha512 (with --cipher aes-xts-random). --key-size is the cipher's
-    /// key; the MAC key is added to the volume key, as cryptsetup does.
+    /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random or
+    /// aes-ccm-random), poly1305 (with --cipher chacha20-random or chacha20-plain64),
+    /// hmac-sha1, hmac-sha256 or hmac-sha512 (with --cipher aes-xts-* or aes-cbc-*, IV random,
+    /// plain64 or essiv:sha256; aes-xts-plain64 when --cipher is not given). --key-size is the
+    /// cipher's key; the MAC key is added to the volume key, as cryptsetup does.
     #[arg(long, short = 'I', value_name = "TYPE")]
     pub integrity: Option<String>,
     /// format --integrity: accepted, as cryptsetup's format takes it (the wipe is written
@@ -168,6 +170,11 @@ pub struct LuksOpts {
     /// written). Without it every block is written with zeroes so that every tag verifies.
     #[arg(long)]
     pub integrity_no_wipe: bool,
+    /// format --integrity: format dm-integrity as kernels before 5.7 did (each area's tags
+    /// padded to 128 KiB instead of 4 KiB), as cryptsetup's option does; such volumes open
+    /// without the option.
+    #[arg(long)]
+    pub integrity_legacy_padding: bool,
     /// format --integrity and reencrypt: print progress every this many seconds.
     #[arg(long)]
     pub progress_frequency: Option<u64>,
@@ -735,21 +742,24 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
     Ok(0)
 }
 
-/// `format --integrity`: the integrity type and the segment's cipher, as the user named them.
+/// `format --integrity`: the integrity type and the segment's cipher, as the user named them
+/// (cryptsetup's default cipher when none is given).
 fn integrity_choice(o: &LuksOpts, t: &str) -> Result<Integrity> {
     let kind = IntegrityKind::from_name(t).ok_or_else(|| {
         Error::InvalidArgument(format!(
-            "--integrity {t}: ucrypt supports aead, poly1305, hmac-sha256 and hmac-sha512"
+            "--integrity {t}: ucrypt supports aead, poly1305, hmac-sha1, hmac-sha256 and \
+             hmac-sha512"
         ))
     })?;
-    let encryption = o.cipher.clone().ok_or_else(|| {
-        Error::InvalidArgument(
-            "--integrity needs --cipher aes-gcm-random (aead), chacha20-random (poly1305) \
-             or aes-xts-random (hmac-*)"
-                .into(),
-        )
-    })?;
-    Ok(Integrity { kind, encryption })
+    let encryption = o
+        .cipher
+        .clone()
+        .unwrap_or_else(|| ucrypt::format::INTEGRITY_DEFAULT_CIPHER.into());
+    Ok(Integrity {
+        kind,
+        encryption,
+        legacy_padding: o.integrity_legacy_padding,
+    })
 }
 
 /// After the LUKS2 header of an authenticated volume: its dm-integrity area, then, unless

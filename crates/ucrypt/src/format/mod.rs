@@ -42,6 +42,8 @@ use crate::{Error, Result, SecretBytes};
 
 /// cryptsetup's default data alignment.
 pub const DEFAULT_ALIGN_BYTES: u64 = 1 << 20;
+/// cryptsetup's largest LUKS2 keyslots area (`LUKS2_MAX_KEYSLOTS_SIZE`).
+pub const LUKS2_KEYSLOTS_BYTES_MAX: u64 = 128 << 20;
 
 /// The LUKS version to write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,22 +65,26 @@ impl LuksVersion {
 /// The integrity type of an authenticated volume (cryptsetup's `--integrity`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IntegrityKind {
-    /// The cipher is an AEAD (`aes-gcm-random`).
+    /// The cipher is an AEAD (`aes-gcm-random`, `aes-ccm-random`).
     Aead,
-    /// An AEAD too (`chacha20-random`), named by its MAC as cryptsetup names it.
+    /// An AEAD too (`chacha20-random`, `chacha20-plain64`), named by its MAC as cryptsetup
+    /// names it.
     Poly1305,
-    /// `aes-xts-random` with an HMAC; its key follows the cipher's in the volume key.
+    /// A block cipher mode (`aes-xts-*`, `aes-cbc-*`) with an HMAC; its key follows the
+    /// cipher's in the volume key.
+    HmacSha1,
     HmacSha256,
     HmacSha512,
 }
 
 impl IntegrityKind {
-    /// From cryptsetup's spellings: `aead`, `poly1305`, `hmac-sha256` or `hmac(sha256)`,
-    /// `hmac-sha512` or `hmac(sha512)`.
+    /// From cryptsetup's spellings: `aead`, `poly1305`, `hmac-sha1` or `hmac(sha1)`,
+    /// `hmac-sha256` or `hmac(sha256)`, `hmac-sha512` or `hmac(sha512)`.
     pub fn from_name(s: &str) -> Option<IntegrityKind> {
         match s {
             "aead" => Some(IntegrityKind::Aead),
             "poly1305" => Some(IntegrityKind::Poly1305),
+            "hmac-sha1" | "hmac(sha1)" => Some(IntegrityKind::HmacSha1),
             "hmac-sha256" | "hmac(sha256)" => Some(IntegrityKind::HmacSha256),
             "hmac-sha512" | "hmac(sha512)" => Some(IntegrityKind::HmacSha512),
             _ => None,
@@ -90,6 +96,7 @@ impl IntegrityKind {
         match self {
             IntegrityKind::Aead => "aead",
             IntegrityKind::Poly1305 => "poly1305",
+            IntegrityKind::HmacSha1 => "hmac(sha1)",
             IntegrityKind::HmacSha256 => "hmac(sha256)",
             IntegrityKind::HmacSha512 => "hmac(sha512)",
         }
@@ -99,32 +106,42 @@ impl IntegrityKind {
     pub fn mac_key_bytes(self) -> usize {
         match self {
             IntegrityKind::Aead | IntegrityKind::Poly1305 => 0,
+            IntegrityKind::HmacSha1 => 20,
             IntegrityKind::HmacSha256 => 32,
             IntegrityKind::HmacSha512 => 64,
         }
     }
 }
 
+/// The cipher cryptsetup formats an authenticated volume with when `--cipher` is not given.
+pub const INTEGRITY_DEFAULT_CIPHER: &str = "aes-xts-plain64";
+
 /// Authenticated encryption (dm-crypt over dm-integrity): the segment's cipher and its
 /// integrity type.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Integrity {
     pub kind: IntegrityKind,
-    /// The segment's cipher as LUKS2 spells it: `aes-gcm-random` (aead), `chacha20-random`
-    /// (poly1305) or `aes-xts-random` (hmac-*).
+    /// The segment's cipher as LUKS2 spells it (`aes-gcm-random`, `aes-xts-plain64`, ...):
+    /// see [`TagMode::from_luks2`] for the combinations served.
     pub encryption: String,
+    /// Format dm-integrity without the fixed-padding flag, as kernels before 5.7 did
+    /// (cryptsetup's `--integrity-legacy-padding`): each area's tags padded to 128 KiB
+    /// instead of 4 KiB, superblock version 1.
+    pub legacy_padding: bool,
 }
 
 impl Integrity {
-    /// The volume key's length for a cipher key of `key_bits` (default: 256 bits for the
-    /// AEADs, 512 for XTS): the cipher's key, then the MAC key, as cryptsetup lays it out.
-    /// Refuses a cipher, type or key size the integrity layer cannot serve.
+    /// The volume key's length for a cipher key of `key_bits`: the cipher's key, then the MAC
+    /// key, as cryptsetup lays it out. The default cipher key is cryptsetup's: 512 bits for an
+    /// `xts-` mode, 256 for the others. Refuses a cipher, type or key size the integrity layer
+    /// cannot serve.
     pub fn key_bytes(&self, key_bits: Option<u32>) -> Result<usize> {
-        let default_bits = match self.encryption.as_str() {
-            "aes-gcm-random" | "chacha20-random" => 256,
-            _ => 512,
-        };
-        let bits = key_bits.unwrap_or(default_bits);
+        let xts = self
+            .encryption
+            .split('-')
+            .nth(1)
+            .is_some_and(|mode| mode == "xts");
+        let bits = key_bits.unwrap_or(if xts { 512 } else { 256 });
         if bits % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "key size {bits} bits is not a multiple of 8"
@@ -346,7 +363,12 @@ pub fn plan(req: &FormatRequest, passphrase: &[u8], volume_key: SecretBytes) -> 
         LuksVersion::Luks1 => plan_luks1(req, uuid, key_bytes, align, passphrase, volume_key)?,
     };
     let integrity = match &req.integrity {
-        Some(_) => Some(plan_integrity(&header, &volume_key, req.data_bytes)?),
+        Some(i) => Some(plan_integrity(
+            &header,
+            &volume_key,
+            req.data_bytes,
+            !i.legacy_padding,
+        )?),
         None => None,
     };
     Ok(FormatPlan {
@@ -384,7 +406,13 @@ fn plan_luks2(
     if let Some(h) = req.luks2_metadata_bytes {
         f.hdr_size = h;
     }
-    let default_keyslots = (16u64 << 20) - 2 * f.hdr_size;
+    // cryptsetup's LUKS2_generate_hdr: the keyslots area fills the room a given data offset
+    // leaves after the two header copies (whole 4 KiB, at most 128 MiB); else 16 MiB in all.
+    let default_keyslots = match req.offset_sectors {
+        Some(s) if s > 0 => (s.saturating_mul(512).saturating_sub(2 * f.hdr_size) & !4095)
+            .min(LUKS2_KEYSLOTS_BYTES_MAX),
+        _ => (16u64 << 20) - 2 * f.hdr_size,
+    };
     f.keyslots_size = req.luks2_keyslots_bytes.unwrap_or(default_keyslots);
     let metadata_end = 2 * f.hdr_size + f.keyslots_size;
     f.data_offset = match (req.offset_sectors, detached) {
@@ -495,8 +523,14 @@ fn plan_luks1(
 }
 
 /// The dm-integrity superblock and journal under the authenticated segment of the new header
-/// `hdr`, on a data device of `data_bytes`: the kernel's parameters when it formats.
-fn plan_integrity(hdr: &Header, vk: &VolumeKey, data_bytes: u64) -> Result<IntegrityPlan> {
+/// `hdr`, on a data device of `data_bytes`: the kernel's parameters when it formats, with or
+/// without its `fix_padding` option.
+fn plan_integrity(
+    hdr: &Header,
+    vk: &VolumeKey,
+    data_bytes: u64,
+    fixed_padding: bool,
+) -> Result<IntegrityPlan> {
     let Some(start) = integrity::superblock_offset(hdr) else {
         return Err(Error::Bug("formatted header has no authenticated segment"));
     };
@@ -524,6 +558,7 @@ fn plan_integrity(hdr: &Header, vk: &VolumeKey, data_bytes: u64) -> Result<Integ
         seg.sector_size.unwrap_or(512),
         start / 512,
         data_bytes / 512,
+        fixed_padding,
     )?;
     let mut ops = vec![WriteOp::Write {
         offset: start,

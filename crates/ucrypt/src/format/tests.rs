@@ -117,6 +117,7 @@ fn requests_that_cannot_be_made_are_refused_before_anything_is_written() {
     req.integrity = Some(Integrity {
         kind: IntegrityKind::Aead,
         encryption: "aes-gcm-random".into(),
+        legacy_padding: false,
     });
     assert!(req.check().is_err());
     // A key of the wrong length for the request.
@@ -129,16 +130,19 @@ fn integrity_keys_are_the_ciphers_then_the_macs() {
     let hmac = Integrity {
         kind: IntegrityKind::from_name("hmac-sha256").unwrap(),
         encryption: "aes-xts-random".into(),
+        legacy_padding: false,
     };
     assert_eq!(hmac.kind, IntegrityKind::HmacSha256);
     assert_eq!(hmac.kind.luks2_name(), "hmac(sha256)");
     assert_eq!(hmac.key_bytes(None).unwrap(), 64 + 32);
-    // The integrity layer's XTS takes 512-bit keys only.
-    assert!(hmac.key_bytes(Some(256)).is_err());
+    // AES-128-XTS or AES-256-XTS.
+    assert_eq!(hmac.key_bytes(Some(256)).unwrap(), 32 + 32);
+    assert!(hmac.key_bytes(Some(384)).is_err());
     assert!(hmac.key_bytes(Some(255)).is_err());
     let gcm = Integrity {
         kind: IntegrityKind::Aead,
         encryption: "aes-gcm-random".into(),
+        legacy_padding: false,
     };
     assert_eq!(gcm.key_bytes(None).unwrap(), 32);
     assert_eq!(
@@ -175,6 +179,7 @@ fn an_authenticated_volume_not_wiped_fails_authentication_until_written() {
     req.integrity = Some(Integrity {
         kind: IntegrityKind::HmacSha256,
         encryption: "aes-xts-random".into(),
+        legacy_padding: false,
     });
     let dev: Arc<dyn Backend> = Arc::new(MemBackend::new(req.data_bytes));
     let p = planned(&req).unwrap();

@@ -1,6 +1,7 @@
 //! A new dm-integrity superblock, with the parameters the kernel chooses when cryptsetup
-//! formats a LUKS2 volume with integrity (sans I/O): version 4 with fixed padding, 2^15-sector
-//! interleave, the default journal size and the largest data area that fits.
+//! formats a LUKS2 volume with integrity (sans I/O): version 4 with fixed padding (version 1
+//! without it: cryptsetup's `--integrity-legacy-padding`), 2^15-sector interleave, the default
+//! journal size and the largest data area that fits.
 
 use super::layout::{
     Layout, JOURNAL_BLOCK_SECTORS, JOURNAL_ENTRY_ROUNDUP_BYTES, JOURNAL_SECTOR_DATA_BYTES,
@@ -18,18 +19,23 @@ pub const DEFAULT_MAX_JOURNAL_SECTORS: u64 = 131_072;
 pub const DEFAULT_LOG2_SECTORS_PER_BITMAP_BIT: u8 = 15;
 /// The superblock version the kernel writes with fixed padding and no journal MAC.
 pub const FORMAT_VERSION: u8 = 4;
+/// The version it writes without fixed padding (its `fix_padding` option not given), no
+/// journal MAC, no bitmap and no recalculation.
+pub const FORMAT_VERSION_LEGACY_PADDING: u8 = 1;
 
 /// The superblock (and its layout) the kernel writes for a dm-integrity device starting at
 /// `start_sectors` of a device of `device_sectors` 512-byte sectors, keeping `tag_bytes` per
 /// block of `block_bytes`. As the kernel: the journal is `device_sectors >> 7` sectors (at
 /// most 64 MiB) in whole sections (at least one); the provided data sectors are the largest
 /// multiple of 8 that fits; bitmap bits cover 2^15 sectors, or more if the journal area
-/// could not hold the bitmap.
+/// could not hold the bitmap. `fixed_padding`: the kernel's `fix_padding` option, which
+/// cryptsetup passes unless `--integrity-legacy-padding` is given.
 pub fn new_superblock(
     tag_bytes: u16,
     block_bytes: u32,
     start_sectors: u64,
     device_sectors: u64,
+    fixed_padding: bool,
 ) -> Result<Layout> {
     let log2_sectors_per_block = match block_bytes {
         512 => 0,
@@ -43,13 +49,21 @@ pub fn new_superblock(
         }
     };
     let mut sb = Superblock {
-        version: FORMAT_VERSION,
+        version: if fixed_padding {
+            FORMAT_VERSION
+        } else {
+            FORMAT_VERSION_LEGACY_PADDING
+        },
         log2_interleave_sectors: DEFAULT_LOG2_INTERLEAVE_SECTORS,
         tag_bytes,
         journal_sections: 1,
         // Placeholder for the layout's geometry; replaced below.
         provided_data_sectors: 1 << log2_sectors_per_block,
-        flags: flags::FIXED_PADDING,
+        flags: if fixed_padding {
+            flags::FIXED_PADDING
+        } else {
+            0
+        },
         log2_sectors_per_block,
         log2_blocks_per_bitmap_bit: 0,
         recalc_sector: 0,
@@ -125,7 +139,7 @@ mod tests {
             ("gcm-random aead, 4096", 28, 4096, 2, 64552),
         ];
         for &(what, tag, block, js, provided) in rows {
-            let l = new_superblock(tag, block, 32768, 98304).expect(what);
+            let l = new_superblock(tag, block, 32768, 98304, true).expect(what);
             assert_eq!(l.sb.journal_sections, js, "{what}");
             assert_eq!(l.sb.provided_data_sectors, provided, "{what}");
             assert_eq!(l.sb.version, 4, "{what}");
@@ -141,7 +155,7 @@ mod tests {
     /// The kernel's bytes for the first row (superblock.rs's KERNEL_SB_HMAC512).
     #[test]
     fn writes_the_kernel_superblock_bytes() {
-        let l = new_superblock(48, 512, 32768, 98304).expect("layout");
+        let l = new_superblock(48, 512, 32768, 98304, true).expect("layout");
         let want = "696e746567727400040f30000c000000f8e400000000000008000000000f0000";
         let got: String = l.sb.serialize()[..32]
             .iter()
@@ -156,7 +170,7 @@ mod tests {
     #[test]
     fn writes_the_kernel_journal_bytes() {
         use sha2::Digest as _;
-        let l = new_superblock(28, 4096, 32768, 98304).expect("layout");
+        let l = new_superblock(28, 4096, 32768, 98304, true).expect("layout");
         let mut h = sha2::Sha256::new();
         for i in 0..l.sb.journal_sections {
             h.update(initial_journal_section(&l, i));
@@ -170,6 +184,6 @@ mod tests {
 
     #[test]
     fn refuses_a_device_too_small() {
-        assert!(new_superblock(28, 4096, 32768, 32768 + 64).is_err());
+        assert!(new_superblock(28, 4096, 32768, 32768 + 64, true).is_err());
     }
 }

@@ -290,7 +290,7 @@ mod tests {
     use crate::integrity::format::{initial_journal_section, new_superblock};
 
     fn geo() -> (Layout, Geometry) {
-        let l = new_superblock(28, 4096, 32768, 98304).expect("layout");
+        let l = new_superblock(28, 4096, 32768, 98304, true).expect("layout");
         let g = Geometry::new(&l).expect("geometry");
         (l, g)
     }

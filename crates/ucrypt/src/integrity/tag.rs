@@ -1,38 +1,66 @@
 //! Authenticated sectors as dm-crypt makes them over dm-integrity, sans I/O: each encryption
-//! sector gets a fresh random IV and an authentication tag, stored together in the sector's
-//! dm-integrity tag ("tuple") as `[auth tag][IV]`.
+//! sector gets an authentication tag, and with a `random` IV generator also its IV, stored
+//! together in the sector's dm-integrity tag ("tuple") as `[auth tag][IV]`.
 //!
-//! What is authenticated, for the sector whose first 512-byte unit is `s` (counted from the
-//! start of the integrity device's data, whatever the sector size):
-//! - AEAD (`aes-gcm-random`, integrity `aead`): GCM with the 12-byte IV as nonce, associated
-//!   data `le64(s) || IV`, 16-byte tag. Tuple: 16 + 12 = 28 bytes.
-//! - AEAD (`chacha20-random`, integrity `poly1305`): the kernel's `rfc7539(chacha20,poly1305)`
-//!   (RFC 8439's ChaCha20-Poly1305, 256-bit key) with the same nonce, associated data and tuple
-//!   as GCM: dm-crypt builds every AEAD request alike.
-//! - `aes-xts-random` + `hmac(H)`: the sector is encrypted with AES-XTS using the 16-byte IV as
-//!   the tweak, then the tag is `HMAC-H(mac key, le64(s) || IV || ciphertext)` (the kernel's
-//!   `authenc(hmac(H),xts(aes))`). Tuple: |H| + 16 bytes. The volume key is the XTS key
-//!   followed by the MAC key.
+//! dm-crypt builds every request alike (`crypt_convert_block_aead`): for the sector whose first
+//! 512-byte unit is `s` (counted from the start of the integrity device's data, whatever the
+//! sector size; LUKS2 has no IV offset here), the associated data is `le64(s) || IV`, the IV
+//! being the transform's IV for that sector: fresh random bytes (then kept in the tuple), or
+//! the generator's IV for IV sector `s` (`plain64`: `le64(s)` zero-padded; `essiv:sha256`:
+//! that block encrypted with AES, see below). The modes:
+//! - `aes-gcm-random` + `aead`: the kernel's `gcm(aes)`, 12-byte IV, 16-byte tag. Tuple 28.
+//! - `chacha20-random` / `chacha20-plain64` + `poly1305`: `rfc7539(chacha20,poly1305)` (RFC
+//!   8439), 256-bit key, 12-byte IV, 16-byte tag. Tuple 28 (random) or 16 (plain64).
+//! - `aes-ccm-random` + `aead`: `rfc4309(ccm(aes))`. The volume key is the AES key then a
+//!   3-byte salt; the 8-byte IV follows the salt in CCM's 11-byte nonce, and rfc4309 takes the
+//!   IV back out of the associated data, so CCM authenticates `le64(s)` alone. 16-byte tag.
+//!   Tuple 24.
+//! - `aes-xts|cbc-random|plain64|essiv:sha256` + `hmac(H)` (H = sha1, sha256, sha512): the
+//!   kernel's `authenc(hmac(H),xts|cbc(aes))`; ESSIV goes through its `essiv(...)` template,
+//!   which puts the encrypted IV into the associated data and keys its AES-256 with SHA-256 of
+//!   the whole authenc key (encryption key, then MAC key: dm-crypt's volume key as it is), not
+//!   of the encryption key alone as plain dm-crypt's ESSIV does. The sector is encrypted with
+//!   the IV, then the tag is `HMAC-H(mac key, le64(s) || IV || ciphertext)`. The volume key is the
+//!   encryption key followed by the MAC key (|H| bytes). Tuple |H| + 16 (random) or |H|.
 //!
-//! IVs come from the operating system's CSPRNG (getrandom(2)), a fresh one for every sector
-//! written: with 96-bit nonces (GCM, ChaCha20-Poly1305) the chance of a repeat stays negligible up to the usual
-//! 2^32 writes per key bound NIST gives for random nonces.
+//! Random IVs come from the operating system's CSPRNG (getrandom(2)), a fresh one for every
+//! sector written: with 96-bit nonces (GCM, ChaCha20-Poly1305) the chance of a repeat stays
+//! negligible up to the usual 2^32 writes per key bound NIST gives for random nonces (CCM's
+//! 64-bit IVs, as rfc4309 has them, allow far fewer). A generated IV repeats whenever a sector
+//! is rewritten: cryptsetup offers `chacha20-plain64` with that property (its keystream is then
+//! reused), and the authenc modes leak which sectors kept their contents, as plain dm-crypt
+//! does.
+//!
+//! `aegis128-random` is refused by name (docs/integrity.md: no maintained implementation of
+//! the kernel's AEGIS-128).
 
 use hmac::{Hmac, Mac};
+use sha1::Sha1;
 use sha2::{Sha256, Sha512};
 
 use crate::secret::SecretBox;
-use crate::sector::evp::{AeadAlg, AeadCtx, Alg, EvpCtx, AEAD_NONCE_BYTES, AEAD_TAG_BYTES};
+use crate::sector::block::Ecb;
+use crate::sector::evp::{
+    AeadAlg, AeadCtx, Alg, EvpCtx, AEAD_NONCE_BYTES, AEAD_TAG_BYTES, CCM_NONCE_BYTES, CCM_TAG_BYTES,
+};
+use crate::sector::{BlockCipher, CipherSpec, Geometry, SectorCipher, SectorSize};
 use crate::{Error, Result};
 
-/// XTS IV (tweak) bytes kept in each tuple.
+/// An authenc IV (the block cipher's, 16 bytes), kept in each tuple when random.
 pub const XTS_IV_BYTES: usize = 16;
-/// AES-256-XTS key bytes (the only XTS key size supported here: cryptsetup's default).
+/// AES-256-XTS key bytes (cryptsetup's default XTS key).
 pub const XTS_KEY_BYTES: usize = 64;
+/// ChaCha20's key bytes (the only size it has).
+pub const CHACHA20_KEY_BYTES: usize = 32;
+/// The salt rfc4309 takes from the end of a CCM key.
+pub const CCM_SALT_BYTES: usize = 3;
+/// The IV rfc4309 takes per request (the rest of CCM's nonce), kept in each tuple.
+pub const CCM_IV_BYTES: usize = CCM_NONCE_BYTES - CCM_SALT_BYTES;
 
-/// The MAC of an XTS + HMAC volume.
+/// The MAC of an authenc volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HmacHash {
+    Sha1,
     Sha256,
     Sha512,
 }
@@ -40,15 +68,65 @@ pub enum HmacHash {
 impl HmacHash {
     pub fn bytes(self) -> usize {
         match self {
+            HmacHash::Sha1 => 20,
             HmacHash::Sha256 => 32,
             HmacHash::Sha512 => 64,
         }
     }
     pub fn name(self) -> &'static str {
         match self {
+            HmacHash::Sha1 => "hmac(sha1)",
             HmacHash::Sha256 => "hmac(sha256)",
             HmacHash::Sha512 => "hmac(sha512)",
         }
+    }
+    fn from_name(s: &str) -> Option<HmacHash> {
+        match s {
+            "hmac(sha1)" => Some(HmacHash::Sha1),
+            "hmac(sha256)" => Some(HmacHash::Sha256),
+            "hmac(sha512)" => Some(HmacHash::Sha512),
+            _ => None,
+        }
+    }
+}
+
+/// The block cipher mode under `authenc(hmac(H), mode(aes))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthencMode {
+    Xts,
+    Cbc,
+}
+
+/// Where an authenc sector's IV comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IvSource {
+    /// Fresh random bytes per write, kept in the tuple.
+    Random,
+    /// dm-crypt's `plain64`: the IV sector, little-endian, zero-padded.
+    Plain64,
+    /// dm-crypt's `essiv:sha256`.
+    EssivSha256,
+}
+
+/// `authenc(hmac(hash), mode(aes))` with `iv`: an encryption key of `enc_key_bytes` followed by
+/// the MAC key (as many bytes as the hash's output) in the volume key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Authenc {
+    pub mode: AuthencMode,
+    pub iv: IvSource,
+    pub hash: HmacHash,
+    pub enc_key_bytes: usize,
+}
+
+impl Authenc {
+    /// The dm-crypt cipher spec whose sector encryption this mode uses; the IV is always
+    /// given explicitly (see [`TagCipher`]'s IV rules).
+    fn sector_spec(self) -> CipherSpec {
+        let spec = match self.mode {
+            AuthencMode::Xts => "aes-xts-plain64",
+            AuthencMode::Cbc => "aes-cbc-plain64",
+        };
+        spec.parse().expect("a fixed, valid cipher spec")
     }
 }
 
@@ -60,20 +138,33 @@ pub enum TagMode {
     AesGcmRandom { key_bytes: usize },
     /// `chacha20-random` with integrity `poly1305`; key 32 bytes.
     ChaCha20RandomPoly1305,
-    /// `aes-xts-random` with integrity `hmac(sha256)` / `hmac(sha512)`; key = 64-byte XTS key
-    /// + MAC key of the hash's size.
-    AesXtsRandomHmac(HmacHash),
+    /// `chacha20-plain64` with integrity `poly1305`; key 32 bytes; no IV stored.
+    ChaCha20Plain64Poly1305,
+    /// `aes-ccm-random` with integrity `aead`; `key_bytes` is the whole volume key: an AES key
+    /// of 16, 24 or 32 bytes and the 3-byte salt.
+    AesCcmRandom { key_bytes: usize },
+    /// `aes-xts|cbc-random|plain64|essiv:sha256` with integrity `hmac(sha1|sha256|sha512)`.
+    Authenc(Authenc),
 }
 
 /// What this code supports, for error messages.
 pub const SUPPORTED_MODES: &str = "aes-gcm-random + aead (128/256-bit key), \
-     chacha20-random + poly1305 (256-bit key), \
-     aes-xts-random + hmac(sha256)|hmac(sha512) (512-bit XTS key)";
-
-/// ChaCha20's key bytes (the only size it has).
-pub const CHACHA20_KEY_BYTES: usize = 32;
+     aes-ccm-random + aead (128/192/256-bit key + 24-bit salt), \
+     chacha20-random|chacha20-plain64 + poly1305 (256-bit key), \
+     aes-xts-random|plain64|essiv:sha256 and aes-cbc-random|plain64|essiv:sha256 + \
+     hmac(sha1)|hmac(sha256)|hmac(sha512) (the cipher's key, then the MAC key)";
 
 impl TagMode {
+    /// `aes-xts-random` + `hmac(H)` with a 512-bit XTS key.
+    pub const fn xts_random_hmac(hash: HmacHash) -> TagMode {
+        TagMode::Authenc(Authenc {
+            mode: AuthencMode::Xts,
+            iv: IvSource::Random,
+            hash,
+            enc_key_bytes: XTS_KEY_BYTES,
+        })
+    }
+
     /// From the LUKS2 segment's `encryption`, `integrity.type` and the volume key length.
     pub fn from_luks2(encryption: &str, integrity: &str, key_bytes: usize) -> Result<Self> {
         let unsupported = |reason: String| Error::UnsupportedCipher {
@@ -81,30 +172,66 @@ impl TagMode {
             reason,
             supported: SUPPORTED_MODES,
         };
+        let bits = |n: usize| n * 8;
         match (encryption, integrity) {
             ("aes-gcm-random", "aead") => match key_bytes {
                 16 | 32 => Ok(TagMode::AesGcmRandom { key_bytes }),
-                n => Err(unsupported(format!("{}-bit GCM key", n * 8))),
+                n => Err(unsupported(format!("{}-bit GCM key", bits(n)))),
             },
-            ("chacha20-random", "poly1305") => match key_bytes {
-                CHACHA20_KEY_BYTES => Ok(TagMode::ChaCha20RandomPoly1305),
-                n => Err(unsupported(format!("a {}-bit ChaCha20 key", n * 8))),
+            ("aes-ccm-random", "aead") => match key_bytes.checked_sub(CCM_SALT_BYTES) {
+                Some(16 | 24 | 32) => Ok(TagMode::AesCcmRandom { key_bytes }),
+                _ => Err(unsupported(format!(
+                    "a {}-bit CCM key (an AES key of 128, 192 or 256 bits, then a 24-bit salt)",
+                    bits(key_bytes)
+                ))),
             },
-            ("aes-xts-random", "hmac(sha256)" | "hmac(sha512)") => {
-                let h = if integrity == "hmac(sha256)" {
-                    HmacHash::Sha256
-                } else {
-                    HmacHash::Sha512
+            ("chacha20-random" | "chacha20-plain64", "poly1305") => match key_bytes {
+                CHACHA20_KEY_BYTES if encryption == "chacha20-random" => {
+                    Ok(TagMode::ChaCha20RandomPoly1305)
+                }
+                CHACHA20_KEY_BYTES => Ok(TagMode::ChaCha20Plain64Poly1305),
+                n => Err(unsupported(format!("a {}-bit ChaCha20 key", bits(n)))),
+            },
+            ("aegis128-random", _) => Err(unsupported(
+                "AEGIS-128 (the kernel's aegis128) has no maintained implementation ucrypt \
+                 could use (see docs/integrity.md)"
+                    .into(),
+            )),
+            (_, i) if HmacHash::from_name(i).is_some() => {
+                let hash = HmacHash::from_name(i).expect("matched above");
+                let (mode, iv) = match encryption {
+                    "aes-xts-random" => (AuthencMode::Xts, IvSource::Random),
+                    "aes-xts-plain64" => (AuthencMode::Xts, IvSource::Plain64),
+                    "aes-xts-essiv:sha256" => (AuthencMode::Xts, IvSource::EssivSha256),
+                    "aes-cbc-random" => (AuthencMode::Cbc, IvSource::Random),
+                    "aes-cbc-plain64" => (AuthencMode::Cbc, IvSource::Plain64),
+                    "aes-cbc-essiv:sha256" => (AuthencMode::Cbc, IvSource::EssivSha256),
+                    _ => {
+                        return Err(unsupported(
+                            "not a cipher ucrypt authenticates with an HMAC".into(),
+                        ))
+                    }
                 };
-                if key_bytes != XTS_KEY_BYTES + h.bytes() {
+                let enc_key_bytes = key_bytes.saturating_sub(hash.bytes());
+                let a = Authenc {
+                    mode,
+                    iv,
+                    hash,
+                    enc_key_bytes,
+                };
+                let ok = match mode {
+                    AuthencMode::Xts => matches!(enc_key_bytes, 32 | 64),
+                    AuthencMode::Cbc => matches!(enc_key_bytes, 16 | 24 | 32),
+                };
+                if !ok || a.sector_spec().check_key_len(enc_key_bytes).is_err() {
                     return Err(unsupported(format!(
-                        "a {}-bit volume key (expected {} bits: a 512-bit XTS key and a {}-bit MAC key)",
-                        key_bytes * 8,
-                        (XTS_KEY_BYTES + h.bytes()) * 8,
-                        h.bytes() * 8
+                        "a {}-bit volume key: the cipher's key (XTS: 256 or 512 bits, CBC: 128, \
+                         192 or 256) followed by a {}-bit MAC key",
+                        bits(key_bytes),
+                        bits(hash.bytes())
                     )));
                 }
-                Ok(TagMode::AesXtsRandomHmac(h))
+                Ok(TagMode::Authenc(a))
             }
             _ => Err(unsupported(
                 "not an authenticated mode ucrypt implements".into(),
@@ -115,16 +242,22 @@ impl TagMode {
     /// Bytes of the authentication tag.
     pub fn auth_bytes(self) -> usize {
         match self {
-            TagMode::AesGcmRandom { .. } | TagMode::ChaCha20RandomPoly1305 => AEAD_TAG_BYTES,
-            TagMode::AesXtsRandomHmac(h) => h.bytes(),
+            TagMode::AesGcmRandom { .. }
+            | TagMode::ChaCha20RandomPoly1305
+            | TagMode::ChaCha20Plain64Poly1305 => AEAD_TAG_BYTES,
+            TagMode::AesCcmRandom { .. } => CCM_TAG_BYTES,
+            TagMode::Authenc(a) => a.hash.bytes(),
         }
     }
 
-    /// Bytes of the IV kept in the tuple.
+    /// Bytes of the IV kept in the tuple (0 when the IV is generated from the sector).
     pub fn iv_bytes(self) -> usize {
         match self {
             TagMode::AesGcmRandom { .. } | TagMode::ChaCha20RandomPoly1305 => AEAD_NONCE_BYTES,
-            TagMode::AesXtsRandomHmac(_) => XTS_IV_BYTES,
+            TagMode::ChaCha20Plain64Poly1305 => 0,
+            TagMode::AesCcmRandom { .. } => CCM_IV_BYTES,
+            TagMode::Authenc(a) if a.iv == IvSource::Random => XTS_IV_BYTES,
+            TagMode::Authenc(_) => 0,
         }
     }
 
@@ -133,11 +266,14 @@ impl TagMode {
         self.auth_bytes() + self.iv_bytes()
     }
 
+    /// Bytes of the volume key.
     pub fn key_bytes(self) -> usize {
         match self {
-            TagMode::AesGcmRandom { key_bytes } => key_bytes,
-            TagMode::ChaCha20RandomPoly1305 => CHACHA20_KEY_BYTES,
-            TagMode::AesXtsRandomHmac(h) => XTS_KEY_BYTES + h.bytes(),
+            TagMode::AesGcmRandom { key_bytes } | TagMode::AesCcmRandom { key_bytes } => key_bytes,
+            TagMode::ChaCha20RandomPoly1305 | TagMode::ChaCha20Plain64Poly1305 => {
+                CHACHA20_KEY_BYTES
+            }
+            TagMode::Authenc(a) => a.enc_key_bytes + a.hash.bytes(),
         }
     }
 }
@@ -145,18 +281,29 @@ impl TagMode {
 enum Imp {
     /// GCM or ChaCha20-Poly1305: the context lives in a secret box inside `AeadCtx`.
     Aead(AeadCtx),
+    /// In a secret box: the salt is key material.
+    Ccm(SecretBox<Ccm>),
     /// In a secret box: the keyed HMAC states (the key's inner and outer pads, hashed) are
     /// key material, and several hundred bytes.
-    XtsHmac(SecretBox<XtsHmac>),
+    Authenc(SecretBox<AuthencImp>),
 }
 
-struct XtsHmac {
+struct Ccm {
     enc: EvpCtx,
     dec: EvpCtx,
+    salt: [u8; CCM_SALT_BYTES],
+}
+
+struct AuthencImp {
+    /// Encrypts sectors of any size with an explicit IV.
+    cipher: SectorCipher,
+    /// `essiv:sha256`: AES-256 keyed with SHA-256 of the whole volume key.
+    essiv: Option<Ecb>,
     mac: MacKey,
 }
 
 enum MacKey {
+    Sha1(Hmac<Sha1>),
     Sha256(Hmac<Sha256>),
     Sha512(Hmac<Sha512>),
 }
@@ -182,24 +329,40 @@ impl TagCipher {
         }
         let imp = match mode {
             TagMode::AesGcmRandom { .. } => Imp::Aead(AeadCtx::new(AeadAlg::AesGcm, key)?),
-            TagMode::ChaCha20RandomPoly1305 => {
+            TagMode::ChaCha20RandomPoly1305 | TagMode::ChaCha20Plain64Poly1305 => {
                 Imp::Aead(AeadCtx::new(AeadAlg::ChaCha20Poly1305, key)?)
             }
-            TagMode::AesXtsRandomHmac(h) => {
-                let (xk, mk) = key.split_at(XTS_KEY_BYTES);
-                let mac = match h {
-                    HmacHash::Sha256 => MacKey::Sha256(
-                        Hmac::new_from_slice(mk).map_err(|_| Error::Bug("HMAC key"))?,
-                    ),
-                    HmacHash::Sha512 => MacKey::Sha512(
-                        Hmac::new_from_slice(mk).map_err(|_| Error::Bug("HMAC key"))?,
-                    ),
-                };
-                Imp::XtsHmac(SecretBox::new(XtsHmac {
-                    enc: EvpCtx::new(Alg::Aes256Xts, xk, true)?,
-                    dec: EvpCtx::new(Alg::Aes256Xts, xk, false)?,
-                    mac,
+            TagMode::AesCcmRandom { .. } => {
+                let (aes, salt) = key.split_at(key.len() - CCM_SALT_BYTES);
+                let mut s = [0u8; CCM_SALT_BYTES];
+                s.copy_from_slice(salt);
+                Imp::Ccm(SecretBox::new(Ccm {
+                    enc: EvpCtx::new(Alg::AesCcm, aes, true)?,
+                    dec: EvpCtx::new(Alg::AesCcm, aes, false)?,
+                    salt: s,
                 }))
+            }
+            TagMode::Authenc(a) => {
+                let (ek, mk) = key.split_at(a.enc_key_bytes);
+                let bad = |_| Error::Bug("HMAC key");
+                let mac = match a.hash {
+                    HmacHash::Sha1 => MacKey::Sha1(Hmac::new_from_slice(mk).map_err(bad)?),
+                    HmacHash::Sha256 => MacKey::Sha256(Hmac::new_from_slice(mk).map_err(bad)?),
+                    HmacHash::Sha512 => MacKey::Sha512(Hmac::new_from_slice(mk).map_err(bad)?),
+                };
+                let cipher =
+                    SectorCipher::new(a.sector_spec(), ek, Geometry::new(SectorSize::S512))?;
+                let essiv = match a.iv {
+                    IvSource::EssivSha256 => {
+                        use sha2::Digest;
+                        let mut salt: [u8; 32] = Sha256::digest(key).into();
+                        let e = Ecb::new(BlockCipher::Aes, &salt);
+                        zeroize::Zeroize::zeroize(&mut salt);
+                        Some(e?)
+                    }
+                    IvSource::Random | IvSource::Plain64 => None,
+                };
+                Imp::Authenc(SecretBox::new(AuthencImp { cipher, essiv, mac }))
             }
         };
         Ok(TagCipher { mode, imp })
@@ -211,7 +374,8 @@ impl TagCipher {
 
     /// Encrypts the sectors of `data` (each `sector_bytes`) in place, the first at 512-byte
     /// unit `first_sector`, and fills one tuple per sector into `tuples` (back to back, each
-    /// [`TagMode::tuple_bytes`]). Draws fresh IVs from the OS CSPRNG for the whole run at once.
+    /// [`TagMode::tuple_bytes`]). Draws fresh IVs from the OS CSPRNG for the whole run at once
+    /// (random-IV modes).
     pub fn seal(
         &mut self,
         first_sector: u64,
@@ -248,7 +412,9 @@ impl TagCipher {
         for t in tuples.chunks_exact_mut(tb) {
             t[..auth].fill(0);
         }
-        fill_random_ivs(tuples, auth, ivb)?;
+        if ivb > 0 {
+            fill_random_ivs(tuples, auth, ivb)?;
+        }
         let step = (sector_bytes / 512) as u64;
         for (i, (sec, t)) in data
             .chunks_exact_mut(sector_bytes)
@@ -260,23 +426,24 @@ impl TagCipher {
             let (tag, iv) = t.split_at_mut(auth);
             match &mut self.imp {
                 Imp::Aead(g) => {
-                    let nonce: &[u8; AEAD_NONCE_BYTES] = (&*iv).try_into().expect("12-byte IV");
-                    let ad = aead_ad(s, nonce);
+                    let nonce = aead_nonce(s, iv)?;
+                    let ad = aead_ad(s, &nonce);
                     let tag: &mut [u8; AEAD_TAG_BYTES] = tag.try_into().expect("16-byte tag");
                     match plain {
-                        Some(p) => g.seal_to(nonce, &ad, p, sec, tag)?,
-                        None => g.seal_in_place(nonce, &ad, sec, tag)?,
+                        Some(p) => g.seal_to(&nonce, &ad, p, sec, tag)?,
+                        None => g.seal_in_place(&nonce, &ad, sec, tag)?,
                     }
                 }
-                Imp::XtsHmac(x) => {
-                    let XtsHmac { enc, mac, .. } = &mut **x;
-                    let iv: &[u8; XTS_IV_BYTES] = (&*iv).try_into().expect("16-byte IV");
-                    enc.set_iv(iv)?;
-                    match plain {
-                        Some(p) => enc.update(p, sec)?,
-                        None => enc.update_in_place(sec)?,
-                    }
-                    mac.tag(s, iv, sec, tag);
+                Imp::Ccm(c) => {
+                    let nonce = c.nonce(iv);
+                    let tag: &mut [u8; CCM_TAG_BYTES] = tag.try_into().expect("16-byte tag");
+                    c.enc.ccm_seal(&nonce, &s.to_le_bytes(), plain, sec, tag)?;
+                }
+                Imp::Authenc(x) => {
+                    let AuthencImp { cipher, essiv, mac } = &mut **x;
+                    let iv = authenc_iv(essiv.as_mut(), s, iv)?;
+                    cipher.crypt_sector_with_iv(true, &iv, plain, sec)?;
+                    mac.tag(s, &iv, sec, tag);
                 }
             }
         }
@@ -306,16 +473,20 @@ impl TagCipher {
             let (tag, iv) = tuples[i * tb..(i + 1) * tb].split_at(auth);
             let ok = match &mut self.imp {
                 Imp::Aead(g) => {
-                    let nonce: &[u8; AEAD_NONCE_BYTES] = iv.try_into().expect("12-byte IV");
+                    let nonce = aead_nonce(s, iv)?;
                     let tag: &[u8; AEAD_TAG_BYTES] = tag.try_into().expect("16-byte tag");
-                    g.open_in_place(nonce, &aead_ad(s, nonce), sec, tag)
+                    g.open_in_place(&nonce, &aead_ad(s, &nonce), sec, tag)
                 }
-                Imp::XtsHmac(x) => {
-                    let XtsHmac { dec, mac, .. } = &mut **x;
-                    let iv: &[u8; XTS_IV_BYTES] = iv.try_into().expect("16-byte IV");
-                    if mac.verify(s, iv, sec, tag) {
-                        dec.set_iv(iv)?;
-                        dec.update_in_place(sec)?;
+                Imp::Ccm(c) => {
+                    let nonce = c.nonce(iv);
+                    let tag: &[u8; CCM_TAG_BYTES] = tag.try_into().expect("16-byte tag");
+                    c.dec.ccm_open(&nonce, &s.to_le_bytes(), sec, tag)?
+                }
+                Imp::Authenc(x) => {
+                    let AuthencImp { cipher, essiv, mac } = &mut **x;
+                    let iv = authenc_iv(essiv.as_mut(), s, iv)?;
+                    if mac.verify(s, &iv, sec, tag) {
+                        cipher.crypt_sector_with_iv(false, &iv, None, sec)?;
                         true
                     } else {
                         false
@@ -328,6 +499,45 @@ impl TagCipher {
             }
         }
         Ok(Ok(()))
+    }
+}
+
+impl Ccm {
+    /// rfc4309's nonce: the key's salt, then the request's 8-byte IV.
+    fn nonce(&self, iv: &[u8]) -> [u8; CCM_NONCE_BYTES] {
+        let mut n = [0u8; CCM_NONCE_BYTES];
+        n[..CCM_SALT_BYTES].copy_from_slice(&self.salt);
+        n[CCM_SALT_BYTES..].copy_from_slice(iv);
+        n
+    }
+}
+
+/// The 12-byte AEAD nonce of sector `s`: the stored IV, or with none stored (`plain64`),
+/// `le64(s)` zero-padded.
+fn aead_nonce(s: u64, stored: &[u8]) -> Result<[u8; AEAD_NONCE_BYTES]> {
+    let mut n = [0u8; AEAD_NONCE_BYTES];
+    match stored.len() {
+        0 => n[..8].copy_from_slice(&s.to_le_bytes()),
+        AEAD_NONCE_BYTES => n.copy_from_slice(stored),
+        _ => return Err(Error::Bug("AEAD IV length")),
+    }
+    Ok(n)
+}
+
+/// The 16-byte IV of an authenc sector: the stored one (random), or the generator's for IV
+/// sector `s`: `le64(s)` zero-padded (plain64), encrypted with the ESSIV cipher when given.
+fn authenc_iv(essiv: Option<&mut Ecb>, s: u64, stored: &[u8]) -> Result<[u8; XTS_IV_BYTES]> {
+    match stored.len() {
+        0 => {
+            let mut iv = [0u8; XTS_IV_BYTES];
+            iv[..8].copy_from_slice(&s.to_le_bytes());
+            if let Some(e) = essiv {
+                e.encrypt_block(&mut iv)?;
+            }
+            Ok(iv)
+        }
+        XTS_IV_BYTES => Ok(stored.try_into().expect("16 bytes")),
+        _ => Err(Error::Bug("authenc IV length")),
     }
 }
 
@@ -365,6 +575,9 @@ fn aead_ad(sector: u64, nonce: &[u8; AEAD_NONCE_BYTES]) -> [u8; 8 + AEAD_NONCE_B
 impl MacKey {
     fn tag(&self, sector: u64, iv: &[u8; XTS_IV_BYTES], ct: &[u8], out: &mut [u8]) {
         match self {
+            MacKey::Sha1(k) => {
+                out.copy_from_slice(&mac_over(k.clone(), sector, iv, ct).finalize().into_bytes())
+            }
             MacKey::Sha256(k) => {
                 out.copy_from_slice(&mac_over(k.clone(), sector, iv, ct).finalize().into_bytes())
             }
@@ -377,6 +590,9 @@ impl MacKey {
     /// Constant-time comparison (the `hmac` crate's `verify_slice`).
     fn verify(&self, sector: u64, iv: &[u8; XTS_IV_BYTES], ct: &[u8], tag: &[u8]) -> bool {
         match self {
+            MacKey::Sha1(k) => mac_over(k.clone(), sector, iv, ct)
+                .verify_slice(tag)
+                .is_ok(),
             MacKey::Sha256(k) => mac_over(k.clone(), sector, iv, ct)
                 .verify_slice(tag)
                 .is_ok(),
@@ -403,9 +619,26 @@ mod tests {
             TagMode::AesGcmRandom { key_bytes: 32 },
             TagMode::AesGcmRandom { key_bytes: 16 },
             TagMode::ChaCha20RandomPoly1305,
-            TagMode::AesXtsRandomHmac(HmacHash::Sha256),
-            TagMode::AesXtsRandomHmac(HmacHash::Sha512),
+            TagMode::xts_random_hmac(HmacHash::Sha256),
+            TagMode::xts_random_hmac(HmacHash::Sha512),
+            TagMode::ChaCha20Plain64Poly1305,
+            TagMode::AesCcmRandom { key_bytes: 19 },
+            TagMode::AesCcmRandom { key_bytes: 35 },
         ]
+        .into_iter()
+        .chain(
+            [
+                ("aes-xts-random", "hmac(sha1)", 32 + 20),
+                ("aes-xts-plain64", "hmac(sha1)", 64 + 20),
+                ("aes-xts-plain64", "hmac(sha256)", 32 + 32),
+                ("aes-xts-essiv:sha256", "hmac(sha512)", 64 + 64),
+                ("aes-cbc-essiv:sha256", "hmac(sha256)", 16 + 32),
+                ("aes-cbc-plain64", "hmac(sha256)", 32 + 32),
+                ("aes-cbc-random", "hmac(sha512)", 24 + 64),
+            ]
+            .map(|(e, i, k)| TagMode::from_luks2(e, i, k).expect("a supported mode")),
+        )
+        .collect()
     }
 
     #[test]
@@ -428,8 +661,30 @@ mod tests {
                 .tuple_bytes(),
             80
         );
-        assert!(TagMode::from_luks2("aes-xts-random", "hmac(sha256)", 64).is_err());
-        assert!(TagMode::from_luks2("aes-xts-plain64", "hmac(sha256)", 96).is_err());
+        assert!(TagMode::from_luks2("aes-xts-random", "hmac(sha256)", 60).is_err());
+        assert!(TagMode::from_luks2("aes-xts-plain64", "hmac(sha256)", 80).is_err());
+        assert!(TagMode::from_luks2("aes-xts-plain64", "aead", 64).is_err());
+        assert!(TagMode::from_luks2("aegis128-random", "aead", 16).is_err());
+        // The matrix of cryptsetup's luks2-integrity-test: tag sizes as cryptsetup computes them.
+        for (enc, integ, key_bytes, tuple) in [
+            ("aes-cbc-essiv:sha256", "hmac(sha256)", 16 + 32, 32),
+            ("aes-xts-plain64", "hmac(sha256)", 32 + 32, 32),
+            ("aes-xts-random", "hmac(sha256)", 32 + 32, 48),
+            ("aes-cbc-essiv:sha256", "hmac(sha512)", 32 + 64, 64),
+            ("aes-xts-essiv:sha256", "hmac(sha512)", 64 + 64, 64),
+            ("aes-xts-plain64", "hmac(sha1)", 64 + 20, 20),
+            ("aes-xts-random", "hmac(sha1)", 64 + 20, 36),
+            ("aes-ccm-random", "aead", 19, 24),
+            ("aes-ccm-random", "aead", 35, 24),
+            ("chacha20-plain64", "poly1305", 32, 16),
+        ] {
+            let m = TagMode::from_luks2(enc, integ, key_bytes).unwrap();
+            assert_eq!(
+                (m.tuple_bytes(), m.key_bytes()),
+                (tuple, key_bytes),
+                "{enc}"
+            );
+        }
         assert_eq!(
             TagMode::from_luks2("chacha20-random", "poly1305", 32)
                 .unwrap()
@@ -457,7 +712,15 @@ mod tests {
                 let mut again = plain.clone();
                 let mut tuples2 = vec![0u8; 3 * tb];
                 c.seal(80, ss, &mut again, &mut tuples2).unwrap();
-                assert_ne!(tuples[..tb], tuples2[..tb], "{mode:?}: fresh IVs");
+                if mode.iv_bytes() > 0 {
+                    assert_ne!(tuples[..tb], tuples2[..tb], "{mode:?}: fresh IVs");
+                } else {
+                    assert_eq!(
+                        (&data, &tuples),
+                        (&again, &tuples2),
+                        "{mode:?}: generated IVs"
+                    );
+                }
                 let mut d = data.clone();
                 assert_eq!(c.open(80, ss, &mut d, &tuples).unwrap(), Ok(()));
                 assert_eq!(d, plain, "{mode:?}/{ss}: round trip");
@@ -470,11 +733,11 @@ mod tests {
                 assert_eq!(c.open(80, ss, &mut out, &tuples3).unwrap(), Ok(()));
                 assert_eq!(out, plain, "{mode:?}/{ss}: seal_to round trip");
                 let step = (ss / 512) as u64;
-                let tampers: Vec<(&str, usize, usize)> = vec![
-                    ("ciphertext", 1, ss + 17),
-                    ("auth tag", 1, 3 * ss + tb + 1),
-                    ("iv", 1, 3 * ss + tb + mode.auth_bytes()),
-                ];
+                let mut tampers: Vec<(&str, usize, usize)> =
+                    vec![("ciphertext", 1, ss + 17), ("auth tag", 1, 3 * ss + tb + 1)];
+                if mode.iv_bytes() > 0 {
+                    tampers.push(("iv", 1, 3 * ss + tb + mode.auth_bytes()));
+                }
                 for (what, bad_idx, at) in tampers {
                     let mut all = [data.clone(), tuples.clone()].concat();
                     all[at] ^= 0x01;

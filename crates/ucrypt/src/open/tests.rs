@@ -190,6 +190,7 @@ fn an_authenticated_volume_counts_reports_and_refuses_a_resize() {
     req.integrity = Some(Integrity {
         kind: IntegrityKind::Aead,
         encryption: "aes-gcm-random".into(),
+        legacy_padding: false,
     });
     let plan = format_on(&dev, &req);
     let ip = plan.integrity.as_ref().expect("integrity plan");

@@ -39,6 +39,9 @@ pub(crate) enum Alg {
     Aes256Xts,
     AesEcb,
     AesCbc,
+    /// AES-CCM with an 11-byte nonce and a 16-byte tag, the shape the kernel's
+    /// `rfc4309(ccm(aes))` gives it (see [`EvpCtx::ccm_seal`]).
+    AesCcm,
 }
 
 pub(crate) struct EvpCtx {
@@ -75,6 +78,9 @@ impl EvpCtx {
                 (Alg::AesCbc, 16) => sys::EVP_aes_128_cbc(),
                 (Alg::AesCbc, 24) => sys::EVP_aes_192_cbc(),
                 (Alg::AesCbc, 32) => sys::EVP_aes_256_cbc(),
+                (Alg::AesCcm, 16) => sys::EVP_aes_128_ccm(),
+                (Alg::AesCcm, 24) => sys::EVP_aes_192_ccm(),
+                (Alg::AesCcm, 32) => sys::EVP_aes_256_ccm(),
                 _ => {
                     return Err(Error::Bug(
                         "EvpCtx::new called with a key size the spec rejects",
@@ -107,10 +113,14 @@ impl EvpCtx {
         };
         check(rc, "EVP_CipherInit_ex(cipher)")?;
         this.adopt_cipher_data(cipher)?;
+        if alg == Alg::AesCcm {
+            this.ccm_parameters()?;
+        }
         let zero_iv = [0u8; 16];
         // SAFETY: ctx is valid and has its cipher; NULL cipher keeps it (and its cipher_data,
         // now ours); key.len() equals the cipher's key length (checked by the match above); the
-        // IV buffer is 16 bytes, the IV length of every cipher above (ECB ignores it).
+        // IV buffer is 16 bytes, at least the IV length of every cipher above (ECB ignores it,
+        // CCM reads its 11-byte nonce).
         let rc = unsafe {
             sys::EVP_CipherInit_ex(
                 this.ctx,
@@ -214,6 +224,158 @@ impl EvpCtx {
             return Err(Error::Bug("EVP_CipherUpdate returned a short output"));
         }
         Ok(())
+    }
+}
+
+/// AES-CCM's nonce as the kernel's `rfc4309(ccm(aes))` builds it: a 3-byte salt from the key,
+/// then the request's 8-byte IV (so L = 15 - 11 = 4 length bytes).
+pub(crate) const CCM_NONCE_BYTES: usize = 11;
+/// AES-CCM's tag as dm-crypt asks for it (the full 16 bytes).
+pub(crate) const CCM_TAG_BYTES: usize = 16;
+
+impl EvpCtx {
+    /// AWS-LC's CCM keeps L and M in the per-key context that [`EvpCtx::adopt_cipher_data`]
+    /// moved into our pages (its struct sits at an alignment-dependent offset, so the copy is
+    /// not trusted): the context is wiped and initialised again in place, then given the
+    /// nonce and tag lengths, before the key.
+    fn ccm_parameters(&mut self) -> Result<()> {
+        if let Some(s) = self.schedule.as_mut() {
+            s.as_mut().fill(0);
+        }
+        let tag_bytes = CCM_TAG_BYTES as c_int;
+        for (cmd, arg, call) in [
+            (sys::EVP_CTRL_INIT, 0, "EVP_CIPHER_CTX_ctrl(INIT)"),
+            (
+                sys::EVP_CTRL_AEAD_SET_IVLEN,
+                CCM_NONCE_BYTES as c_int,
+                "EVP_CIPHER_CTX_ctrl(SET_IVLEN)",
+            ),
+            (
+                sys::EVP_CTRL_AEAD_SET_TAG,
+                tag_bytes,
+                "EVP_CIPHER_CTX_ctrl(SET_TAG)",
+            ),
+        ] {
+            // SAFETY: ctx has the CCM cipher and its cipher_data (ours, ctx_size bytes); these
+            // commands read no pointer (NULL tag: only the tag length is set).
+            let rc = unsafe { sys::EVP_CIPHER_CTX_ctrl(self.ctx, cmd, arg, ptr::null_mut()) };
+            check(rc, call)?;
+        }
+        Ok(())
+    }
+
+    /// One CCM update call: `len` bytes from `inp` to `out` (either may be NULL, as the CCM
+    /// protocol of the EVP interface wants: both NULL sets the message length, a NULL `out`
+    /// passes associated data).
+    ///
+    /// # Safety
+    /// Non-NULL `inp` and `out` are valid for `len` bytes (reads, writes) and equal or
+    /// disjoint; `len` fits a C int.
+    unsafe fn ccm_update(&mut self, out: *mut u8, inp: *const u8, len: usize) -> bool {
+        let mut out_len: c_int = 0;
+        // SAFETY: the caller's contract; ctx is a keyed CCM context.
+        let rc = unsafe { sys::EVP_CipherUpdate(self.ctx, out, &mut out_len, inp, len as c_int) };
+        rc == 1 && out_len as usize == len
+    }
+
+    /// AES-CCM encryption of one message (a context keyed with [`Alg::AesCcm`] for
+    /// encryption): `src` (or `data` itself when `None`) is encrypted into `data`, and the
+    /// 16-byte tag over `ad` and the plaintext written to `tag`.
+    pub(crate) fn ccm_seal(
+        &mut self,
+        nonce: &[u8; CCM_NONCE_BYTES],
+        ad: &[u8],
+        src: Option<&[u8]>,
+        data: &mut [u8],
+        tag: &mut [u8; CCM_TAG_BYTES],
+    ) -> Result<()> {
+        let len = data.len();
+        if src.is_some_and(|s| s.len() != len) || len > i32::MAX as usize || ad.len() > 4096 {
+            return Err(Error::Bug("ccm_seal: buffer sizes"));
+        }
+        let inp = src.map_or(data.as_ptr(), |s| s.as_ptr());
+        self.ccm_nonce(nonce)?;
+        // SAFETY: NULL/NULL sets the length; `ad` is valid for its length; `inp` is `src`
+        // (a distinct borrow) or `data` itself, both `len` bytes, and `data` is writable.
+        let ok = unsafe {
+            self.ccm_update(ptr::null_mut(), ptr::null(), len)
+                && self.ccm_update(ptr::null_mut(), ad.as_ptr(), ad.len())
+                && self.ccm_update(data.as_mut_ptr(), inp, len)
+        };
+        if !ok {
+            // SAFETY: clears this thread's error queue.
+            unsafe { sys::ERR_clear_error() };
+            return Err(Error::CipherLibrary {
+                call: "EVP_CipherUpdate(ccm)",
+            });
+        }
+        // SAFETY: the tag buffer holds CCM_TAG_BYTES, the length asked for.
+        let rc = unsafe {
+            sys::EVP_CIPHER_CTX_ctrl(
+                self.ctx,
+                sys::EVP_CTRL_AEAD_GET_TAG,
+                CCM_TAG_BYTES as c_int,
+                tag.as_mut_ptr().cast(),
+            )
+        };
+        check(rc, "EVP_CIPHER_CTX_ctrl(GET_TAG)")
+    }
+
+    /// AES-CCM decryption in place (a context keyed for decryption): true if `tag` verifies
+    /// over `ad` and the plaintext; false (with `data` wiped) if it does not.
+    pub(crate) fn ccm_open(
+        &mut self,
+        nonce: &[u8; CCM_NONCE_BYTES],
+        ad: &[u8],
+        data: &mut [u8],
+        tag: &[u8; CCM_TAG_BYTES],
+    ) -> Result<bool> {
+        let len = data.len();
+        if len > i32::MAX as usize || ad.len() > 4096 {
+            return Err(Error::Bug("ccm_open: buffer sizes"));
+        }
+        // SAFETY: the tag is CCM_TAG_BYTES long; AWS-LC copies it (the context decrypts).
+        let rc = unsafe {
+            sys::EVP_CIPHER_CTX_ctrl(
+                self.ctx,
+                sys::EVP_CTRL_AEAD_SET_TAG,
+                CCM_TAG_BYTES as c_int,
+                tag.as_ptr().cast_mut().cast(),
+            )
+        };
+        check(rc, "EVP_CIPHER_CTX_ctrl(SET_TAG)")?;
+        self.ccm_nonce(nonce)?;
+        let p = data.as_mut_ptr();
+        // SAFETY: as in ccm_seal; in place (exact aliasing), `len` bytes.
+        let ok = unsafe {
+            self.ccm_update(ptr::null_mut(), ptr::null(), len)
+                && self.ccm_update(ptr::null_mut(), ad.as_ptr(), ad.len())
+                && self.ccm_update(p, p, len)
+        };
+        if !ok {
+            // SAFETY: clears this thread's error queue.
+            unsafe { sys::ERR_clear_error() };
+            data.fill(0);
+        }
+        Ok(ok)
+    }
+
+    /// Sets the 11-byte CCM nonce for the next message (the key stays).
+    fn ccm_nonce(&mut self, nonce: &[u8; CCM_NONCE_BYTES]) -> Result<()> {
+        // SAFETY: ctx is a keyed CCM context whose nonce length is CCM_NONCE_BYTES (set in
+        // ccm_parameters), the bytes AWS-LC reads from the IV pointer; NULL cipher and key keep
+        // the schedule; -1 keeps the direction.
+        let rc = unsafe {
+            sys::EVP_CipherInit_ex(
+                self.ctx,
+                ptr::null(),
+                ptr::null_mut(),
+                ptr::null(),
+                nonce.as_ptr(),
+                -1,
+            )
+        };
+        check(rc, "EVP_CipherInit_ex(ccm nonce)")
     }
 }
 

@@ -500,6 +500,35 @@ impl SectorCipher {
         Ok(iv)
     }
 
+    /// Encrypts or decrypts one sector of any supported size (a multiple of 16 bytes, at most
+    /// [`SECTOR_BYTES_MAX`]) with an explicit 16-byte IV: `src` into `data` when given (same
+    /// length), else `data` in place.
+    pub(crate) fn crypt_sector_with_iv(
+        &mut self,
+        encrypt: bool,
+        iv: &[u8; 16],
+        src: Option<&[u8]>,
+        data: &mut [u8],
+    ) -> Result<()> {
+        if data.len() % 16 != 0
+            || data.len() > SECTOR_BYTES_MAX as usize
+            || src.is_some_and(|s| s.len() != data.len())
+        {
+            return Err(Error::Bug("crypt_sector_with_iv: buffer sizes"));
+        }
+        if let (Some(s), Imp::Xts { enc, dec } | Imp::Cbc { enc, dec }) = (src, &mut self.imp) {
+            let ctx = if encrypt { enc } else { dec };
+            ctx.set_iv(iv)?;
+            return ctx.update(s, data);
+        }
+        if let Some(s) = src {
+            data.copy_from_slice(s);
+        }
+        let mut full = [0u8; IV_BYTES_MAX];
+        full[..16].copy_from_slice(iv);
+        self.crypt_unit(encrypt, &full, data)
+    }
+
     fn check_len(&self, len: usize) -> Result<()> {
         if len % self.sector_bytes() != 0 {
             return Err(Error::NotSectorMultiple {

@@ -126,7 +126,7 @@ fn concurrent_reads_and_writes_never_fail_verification() {
 
 #[test]
 fn ranges_read_only_and_unaligned_requests() {
-    let mode = TagMode::AesXtsRandomHmac(crate::integrity::HmacHash::Sha256);
+    let mode = TagMode::xts_random_hmac(crate::integrity::HmacHash::Sha256);
     let be: Arc<dyn Backend> = Arc::new(MemBackend::new(DEVICE_BYTES));
     let v = mem_volume_on(be.clone(), mode, false);
     let size = v.size();
