@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# bench/regression.sh OLD_DIR NEW_DIR [ROUNDS]
+#
+# Does a change make ucrypt slower? Runs the engine, NBD and offline reencryption benchmarks
+# on two builds, interleaved, and prints each headline figure's median per build and the
+# ratio new ÷ old (higher is faster: every figure is a throughput).
+#
+# OLD_DIR and NEW_DIR each hold a release `ucrypt` and `ucrypt-bench` (a `target/release`).
+#
+# Why interleaved: this machine's clock and its other work change over minutes, so two builds
+# measured one after the other differ by more than a regression worth finding. Each round runs
+# every scenario once per build, old then new, and the medians are taken over the rounds: a
+# slow minute lands on both builds alike.
+#
+# What each run is (one sample per run, --runs 1; ROUNDS runs of each build):
+# - engine: OLD_DIR/ucrypt-bench and NEW_DIR/ucrypt-bench, each with its own library linked
+#   in (`ucrypt-bench engine --only 1,2,3,4`: 4 KiB QD1 reads, 1 MiB writes at depth 64,
+#   12 jobs of 256 KiB, one stream of 1 MiB; shm file and memory backends; about 40 s).
+# - nbd and reencrypt with --quick (about 3 and 2 minutes on a loaded machine):
+#   NEW_DIR/ucrypt-bench drives both builds' `ucrypt` (UCRYPT_BIN), so only
+#   the binary under test differs. nbd: every job on every target; the rows of the ucrypt
+#   targets are compared, and the peers' (qemu-storage-daemon, nbdkit: the same binaries for
+#   both runs) show the noise. reencrypt: `ucrypt reencrypt` of a 256 MiB volume per
+#   resilience mode and the datashift encryption, idle and beside 2 busy threads; wall time
+#   turned into MiB/s.
+#
+# Environment: OUT (default bench/regression) gets raw/<scenario>-<build>-<round>.json, the
+# runs' stderr in runs.log, and table.md; SCENARIOS (default "engine nbd reencrypt") picks
+# and orders the scenarios. Needs what the scenarios need (fio, cryptsetup, qemu-img, nbdkit,
+# qemu-storage-daemon; see BENCHMARKS.md) and python3.
+set -euo pipefail
+
+usage() { echo "usage: $0 OLD_DIR NEW_DIR [ROUNDS]" >&2; exit 2; }
+[ $# -ge 2 ] && [ $# -le 3 ] || usage
+old=$(realpath "$1")
+new=$(realpath "$2")
+rounds=${3:-3}
+out=${OUT:-bench/regression}
+scenarios=${SCENARIOS:-engine nbd reencrypt}
+for d in "$old" "$new"; do
+    for b in ucrypt ucrypt-bench; do
+        [ -x "$d/$b" ] || { echo "$0: $d/$b is not an executable" >&2; exit 2; }
+    done
+done
+for s in $scenarios; do
+    case $s in engine | nbd | reencrypt) ;; *) echo "$0: unknown scenario $s" >&2; exit 2 ;; esac
+done
+mkdir -p "$out/raw"
+rm -f "$out"/raw/*.json "$out/runs.log" "$out/table.md"
+
+# run SCENARIO BUILD_DIR LABEL ROUND
+run() {
+    local s=$1 dir=$2 label=$3 round=$4 json="$out/raw/$1-$3-$4.json"
+    local started=$SECONDS
+    case $s in
+    engine) "$dir/ucrypt-bench" engine --json --runs 1 --only 1,2,3,4 ;;
+    nbd) UCRYPT_BIN="$dir/ucrypt" "$new/ucrypt-bench" nbd --json --quick --runs 1 ;;
+    reencrypt) UCRYPT_BIN="$dir/ucrypt" "$new/ucrypt-bench" reencrypt --json --quick --runs 1 ;;
+    esac >"$json" 2>>"$out/runs.log" || {
+        echo "round $round/$rounds: $s $label FAILED (its stderr is in $out/runs.log)" |
+            tee -a "$out/runs.log" >&2
+        rm -f "$json"
+        return 0
+    }
+    echo "round $round/$rounds: $s $label $((SECONDS - started)) s" | tee -a "$out/runs.log" >&2
+}
+
+{
+    echo "old: $old ($("$old/ucrypt" --version 2>/dev/null | head -1))"
+    echo "new: $new ($("$new/ucrypt" --version 2>/dev/null | head -1))"
+    echo "rounds: $rounds; scenarios: $scenarios; start: $(date -u +%FT%TZ); load: $(cut -d' ' -f1-3 /proc/loadavg)"
+} | tee -a "$out/runs.log" >&2
+for round in $(seq 1 "$rounds"); do
+    for s in $scenarios; do
+        run "$s" "$old" old "$round"
+        run "$s" "$new" new "$round"
+    done
+done
+echo "end: $(date -u +%FT%TZ); load: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/runs.log" >&2
+
+python3 - "$out" "$rounds" $scenarios <<'PY' | tee "$out/table.md"
+import glob, json, os, statistics, sys
+
+out, rounds, scenarios = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+MIB = 1 << 20
+# The targets and rows served by the same binaries for both builds: the noise floor.
+REFERENCE_NBD = {"qsd-luks1", "nbdkit-luks1", "nbdkit-plain"}
+
+
+def rows(scenario, report):
+    """(row name, is a reference without the code under test, throughput) of one run."""
+    if scenario == "engine":
+        for r in report["rows"]:
+            if r["unit"] != "MB/s":
+                continue
+            # The raw backend, the bare cipher and the limit computed from them.
+            ref = r["variant"].startswith("raw") or r["variant"] in ("cipher x cores", "limit")
+            name = f'{r["backend"]}: {r["scenario"]}, {r["cipher"]}, {r["variant"]}'
+            yield name, ref, "MB/s", r["value"]["median"]
+    elif scenario == "nbd":
+        for r in report["rows"]:
+            name = f'{r["job"]["name"]}: {r["target"]}'
+            yield name, r["target"] in REFERENCE_NBD, "MiB/s", r["mib_s"]["median"]
+    elif scenario == "reencrypt":
+        data = report["data_bytes"]
+        for r in report["rows"]:
+            name = f'{r["resilience"]}, {r["busy_threads"]} busy threads'
+            yield name, False, "MiB/s", data / MIB / r["ucrypt_s"]["median"]
+
+
+print(f"Medians of {rounds} interleaved runs per build; new ÷ old > 1: the new build is faster.")
+print("Rows marked (ref) do not run the code under test (raw backend, peers' servers).\n")
+worst, summary = [], []
+for s in scenarios:
+    table = {}  # name -> (ref, unit, {"old": [...], "new": [...]})
+    for label in ("old", "new"):
+        for path in sorted(glob.glob(os.path.join(out, "raw", f"{s}-{label}-*.json"))):
+            with open(path) as f:
+                for name, ref, unit, v in rows(s, json.load(f)):
+                    e = table.setdefault(name, (ref, unit, {"old": [], "new": []}))
+                    if v == v and v > 0:  # NaN or nothing: a skipped row
+                        e[2][label].append(v)
+    print(f"### {s}\n")
+    print("| row | unit | old | new | new ÷ old |")
+    print("|---|---|---:|---:|---:|")
+    ratios, refs = [], []
+    for name, (ref, unit, v) in table.items():
+        if not v["old"] or not v["new"]:
+            continue
+        o, n = statistics.median(v["old"]), statistics.median(v["new"])
+        flag = ""
+        (refs if ref else ratios).append(n / o)
+        if not ref and n / o < 0.97:
+            flag = " **slower**"
+            worst.append((n / o, s, name))
+        label = f"{name} (ref)" if ref else name
+        print(f"| {label} | {unit} | {o:.0f} | {n:.0f} | {n / o:.3f}{flag} |")
+    print()
+    for what, rs in (("ucrypt", ratios), ("reference", refs)):
+        if rs:
+            line = (f"{s}: {len(rs)} {what} rows, new ÷ old geometric mean "
+                    f"{statistics.geometric_mean(rs):.3f}, range {min(rs):.3f}–{max(rs):.3f}")
+            if what == "ucrypt":
+                line += f", {sum(r < 0.97 for r in rs)} more than 3 % slower"
+            summary.append(line)
+            print(line + ".\n")
+print("### Summary\n")
+for line in summary:
+    print(f"- {line}.")
+print()
+if worst:
+    print("More than 3 % slower (rerun alone with more rounds to tell noise from a regression):")
+    for r, s, name in sorted(worst):
+        print(f"- {s}: {name}: {r:.3f}")
+PY
