@@ -24,10 +24,15 @@
 #   resilience mode and the datashift encryption, idle and beside 2 busy threads; wall time
 #   turned into MiB/s.
 #
+# The table (bench/regression-table.py, which can be rerun on a results folder) gives for each
+# row the medians, new ÷ old, and new ÷ old of each run's figure divided by its reference in
+# the same run (see there).
+#
 # Environment: OUT (default bench/regression) gets raw/<scenario>-<build>-<round>.json, the
 # runs' stderr in runs.log, and table.md; SCENARIOS (default "engine nbd reencrypt") picks
-# and orders the scenarios. Needs what the scenarios need (fio, cryptsetup, qemu-img, nbdkit,
-# qemu-storage-daemon; see BENCHMARKS.md) and python3.
+# and orders the scenarios; ENGINE_ONLY (default 1,2,3,4) the engine's scenarios. Needs what
+# the scenarios need (fio, cryptsetup, qemu-img, nbdkit, qemu-storage-daemon; see
+# BENCHMARKS.md) and python3.
 set -euo pipefail
 
 usage() { echo "usage: $0 OLD_DIR NEW_DIR [ROUNDS]" >&2; exit 2; }
@@ -37,6 +42,7 @@ new=$(realpath "$2")
 rounds=${3:-3}
 out=${OUT:-bench/regression}
 scenarios=${SCENARIOS:-engine nbd reencrypt}
+engine_only=${ENGINE_ONLY:-1,2,3,4}
 for d in "$old" "$new"; do
     for b in ucrypt ucrypt-bench; do
         [ -x "$d/$b" ] || { echo "$0: $d/$b is not an executable" >&2; exit 2; }
@@ -53,7 +59,7 @@ run() {
     local s=$1 dir=$2 label=$3 round=$4 json="$out/raw/$1-$3-$4.json"
     local started=$SECONDS
     case $s in
-    engine) "$dir/ucrypt-bench" engine --json --runs 1 --only 1,2,3,4 ;;
+    engine) "$dir/ucrypt-bench" engine --json --runs 1 --only "$engine_only" ;;
     nbd) UCRYPT_BIN="$dir/ucrypt" "$new/ucrypt-bench" nbd --json --quick --runs 1 ;;
     reencrypt) UCRYPT_BIN="$dir/ucrypt" "$new/ucrypt-bench" reencrypt --json --quick --runs 1 ;;
     esac >"$json" 2>>"$out/runs.log" || {
@@ -78,78 +84,4 @@ for round in $(seq 1 "$rounds"); do
 done
 echo "end: $(date -u +%FT%TZ); load: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/runs.log" >&2
 
-python3 - "$out" "$rounds" $scenarios <<'PY' | tee "$out/table.md"
-import glob, json, os, statistics, sys
-
-out, rounds, scenarios = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-MIB = 1 << 20
-# The targets and rows served by the same binaries for both builds: the noise floor.
-REFERENCE_NBD = {"qsd-luks1", "nbdkit-luks1", "nbdkit-plain"}
-
-
-def rows(scenario, report):
-    """(row name, is a reference without the code under test, throughput) of one run."""
-    if scenario == "engine":
-        for r in report["rows"]:
-            if r["unit"] != "MB/s":
-                continue
-            # The raw backend, the bare cipher and the limit computed from them.
-            ref = r["variant"].startswith("raw") or r["variant"] in ("cipher x cores", "limit")
-            name = f'{r["backend"]}: {r["scenario"]}, {r["cipher"]}, {r["variant"]}'
-            yield name, ref, "MB/s", r["value"]["median"]
-    elif scenario == "nbd":
-        for r in report["rows"]:
-            name = f'{r["job"]["name"]}: {r["target"]}'
-            yield name, r["target"] in REFERENCE_NBD, "MiB/s", r["mib_s"]["median"]
-    elif scenario == "reencrypt":
-        data = report["data_bytes"]
-        for r in report["rows"]:
-            name = f'{r["resilience"]}, {r["busy_threads"]} busy threads'
-            yield name, False, "MiB/s", data / MIB / r["ucrypt_s"]["median"]
-
-
-print(f"Medians of {rounds} interleaved runs per build; new ÷ old > 1: the new build is faster.")
-print("Rows marked (ref) do not run the code under test (raw backend, peers' servers).\n")
-worst, summary = [], []
-for s in scenarios:
-    table = {}  # name -> (ref, unit, {"old": [...], "new": [...]})
-    for label in ("old", "new"):
-        for path in sorted(glob.glob(os.path.join(out, "raw", f"{s}-{label}-*.json"))):
-            with open(path) as f:
-                for name, ref, unit, v in rows(s, json.load(f)):
-                    e = table.setdefault(name, (ref, unit, {"old": [], "new": []}))
-                    if v == v and v > 0:  # NaN or nothing: a skipped row
-                        e[2][label].append(v)
-    print(f"### {s}\n")
-    print("| row | unit | old | new | new ÷ old |")
-    print("|---|---|---:|---:|---:|")
-    ratios, refs = [], []
-    for name, (ref, unit, v) in table.items():
-        if not v["old"] or not v["new"]:
-            continue
-        o, n = statistics.median(v["old"]), statistics.median(v["new"])
-        flag = ""
-        (refs if ref else ratios).append(n / o)
-        if not ref and n / o < 0.97:
-            flag = " **slower**"
-            worst.append((n / o, s, name))
-        label = f"{name} (ref)" if ref else name
-        print(f"| {label} | {unit} | {o:.0f} | {n:.0f} | {n / o:.3f}{flag} |")
-    print()
-    for what, rs in (("ucrypt", ratios), ("reference", refs)):
-        if rs:
-            line = (f"{s}: {len(rs)} {what} rows, new ÷ old geometric mean "
-                    f"{statistics.geometric_mean(rs):.3f}, range {min(rs):.3f}–{max(rs):.3f}")
-            if what == "ucrypt":
-                line += f", {sum(r < 0.97 for r in rs)} more than 3 % slower"
-            summary.append(line)
-            print(line + ".\n")
-print("### Summary\n")
-for line in summary:
-    print(f"- {line}.")
-print()
-if worst:
-    print("More than 3 % slower (rerun alone with more rounds to tell noise from a regression):")
-    for r, s, name in sorted(worst):
-        print(f"- {s}: {name}: {r:.3f}")
-PY
+python3 "$(dirname "$0")/regression-table.py" "$out" $scenarios | tee "$out/table.md"
