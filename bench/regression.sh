@@ -35,6 +35,9 @@
 # BENCHMARKS.md) and python3.
 set -euo pipefail
 
+# The whole script is one block, read before it runs: editing the file during a run is safe.
+{
+
 usage() { echo "usage: $0 OLD_DIR NEW_DIR [ROUNDS]" >&2; exit 2; }
 [ $# -ge 2 ] && [ $# -le 3 ] || usage
 old=$(realpath "$1")
@@ -85,3 +88,5 @@ done
 echo "end: $(date -u +%FT%TZ); load: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/runs.log" >&2
 
 python3 "$(dirname "$0")/regression-table.py" "$out" $scenarios | tee "$out/table.md"
+exit
+}
