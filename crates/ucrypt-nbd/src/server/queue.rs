@@ -36,6 +36,8 @@ struct State<T> {
     alive: usize,
     /// Workers waiting for a job.
     idle: usize,
+    /// Pushers waiting for room.
+    full_waiters: usize,
     closed: bool,
 }
 
@@ -56,6 +58,7 @@ impl<T> Queue<T> {
                 jobs: VecDeque::new(),
                 alive: 0,
                 idle: 0,
+                full_waiters: 0,
                 closed: false,
             }),
             ready: Condvar::new(),
@@ -69,18 +72,25 @@ impl<T> Queue<T> {
     pub fn push(&self, job: T) -> Pushed {
         let mut s = lock(&self.state);
         while s.jobs.len() >= self.jobs_max && s.alive > 0 {
+            s.full_waiters += 1;
             s = self
                 .room
                 .wait(s)
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
+            s.full_waiters -= 1;
         }
         s.jobs.push_back(job);
         let start = s.alive == 0 || (s.jobs.len() > s.idle && s.alive < self.workers_max);
         if start {
             s.alive += 1;
         }
+        // A notify is a system call whether anyone waits or not: only when a worker waits
+        // (it counted itself idle under this lock before it slept).
+        let wake = s.idle > 0;
         drop(s);
-        self.ready.notify_one();
+        if wake {
+            self.ready.notify_one();
+        }
         if start {
             Pushed::StartWorker
         } else {
@@ -106,8 +116,11 @@ impl<T> Queue<T> {
         let mut s = lock(&self.state);
         loop {
             if let Some(j) = s.jobs.pop_front() {
+                let wake = s.full_waiters > 0;
                 drop(s);
-                self.room.notify_one();
+                if wake {
+                    self.room.notify_one();
+                }
                 return Some(j);
             }
             if s.closed {
