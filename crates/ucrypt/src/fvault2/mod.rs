@@ -28,6 +28,7 @@ use std::fmt::Write as _;
 use sha2::{Digest, Sha256};
 
 use crate::backend::Backend;
+use crate::luks::util::uuid_text;
 use crate::sector::block::Ecb;
 use crate::sector::crc32;
 use crate::sector::modes::gf128_mul_x;
@@ -133,18 +134,6 @@ fn check_crc(block: &[u8], what: &'static str) -> std::result::Result<(), Fault>
         return Err(Fault::Crc(what));
     }
     Ok(())
-}
-
-fn uuid_text(b: &[u8; 16]) -> String {
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
 }
 
 /// A UUID in its text form (libuuid's `uuid_parse`: exactly 36 characters, dashes at 8, 13,

@@ -225,15 +225,20 @@ pub fn random_uuid() -> Result<String> {
     random_fill(&mut b)?;
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
+    Ok(uuid_text(&b))
+}
+
+/// A UUID's 16 bytes in canonical lowercase text form (8-4-4-4-12 hex digits, bytes in order).
+pub(crate) fn uuid_text(b: &[u8; 16]) -> String {
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!(
+    format!(
         "{}-{}-{}-{}-{}",
         &h[0..8],
         &h[8..12],
         &h[12..16],
         &h[16..20],
         &h[20..32]
-    ))
+    )
 }
 
 /// Checks a UUID's canonical text form (8-4-4-4-12 hex digits).
