@@ -15,7 +15,9 @@
 //!   `ucrypt import` is clean for the kernel's `e2fsck -f -n` and holds its file.
 //!
 //! Cases: aes-gcm-random + aead (4096-byte sectors), aes-xts-random + hmac-sha256 (512),
-//! chacha20-random + poly1305 (512). `UCRYPT_INTEGRITY_CASES=chacha` runs only the cases whose
+//! chacha20-random + poly1305 (512); and two formatted as cryptsetup's luks2-integrity-test
+//! does, with `--integrity-legacy-padding --offset 8192` on both sides: aes-xts-plain64 +
+//! hmac-sha1 (4096) and aes-cbc-essiv:sha256 + hmac-sha256 (128-bit key, 512). `UCRYPT_INTEGRITY_CASES=chacha` runs only the cases whose
 //! names contain one of the comma-separated words (the guest's crypto is emulated).
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
 //! CI is set.
@@ -42,7 +44,12 @@ struct Case {
     integrity: &'static str,
     key_bits: u32,
     sector: u64,
+    /// More format options, given to `ucrypt format` and `cryptsetup luksFormat` alike.
+    extra: &'static str,
 }
+
+/// luks2-integrity-test's format options.
+const LEGACY: &str = "--integrity-legacy-padding --offset 8192";
 
 const CASES: &[Case] = &[
     Case {
@@ -51,6 +58,7 @@ const CASES: &[Case] = &[
         integrity: "aead",
         key_bits: 256,
         sector: 4096,
+        extra: "",
     },
     Case {
         name: "xts-hmac256-512",
@@ -58,6 +66,7 @@ const CASES: &[Case] = &[
         integrity: "hmac-sha256",
         key_bits: 512,
         sector: 512,
+        extra: "",
     },
     Case {
         name: "chacha-512",
@@ -65,6 +74,23 @@ const CASES: &[Case] = &[
         integrity: "poly1305",
         key_bits: 256,
         sector: 512,
+        extra: "",
+    },
+    Case {
+        name: "xts-plain64-sha1-4096-legacy",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha1",
+        key_bits: 512,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "cbc-essiv-sha256-512-legacy",
+        cipher: "aes-cbc-essiv:sha256",
+        integrity: "hmac-sha256",
+        key_bits: 128,
+        sector: 512,
+        extra: LEGACY,
     },
 ];
 
@@ -95,41 +121,44 @@ fn ucrypt_format(img: &Path, key: &Path, c: &Case) {
     image(img);
     let bits = c.key_bits.to_string();
     let sector = c.sector.to_string();
-    vm::host(
-        BIN,
-        &[
-            "format",
-            "--batch-mode",
-            "--type",
-            "luks2",
-            "--cipher",
-            c.cipher,
-            "--integrity",
-            c.integrity,
-            "--integrity-no-journal",
-            "--key-size",
-            &bits,
-            "--sector-size",
-            &sector,
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-            "--key-file",
-            kit::s(key),
-            kit::s(img),
-        ],
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+    let mut args = vec![
+        "format",
+        "--batch-mode",
+        "--type",
+        "luks2",
+        "--cipher",
+        c.cipher,
+        "--integrity",
+        c.integrity,
+        "--integrity-no-journal",
+        "--key-size",
+        &bits,
+        "--sector-size",
+        &sector,
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        kit::s(key),
+        kit::s(img),
+    ];
+    args.extend(c.extra.split_whitespace());
+    vm::host(BIN, &args).unwrap_or_else(|e| panic!("{}: {e}", c.name));
 }
 
-/// The dm-integrity superblock and journal of an image (LUKS2 data offset 16 MiB).
-fn integrity_metadata(img: &Path) -> Vec<u8> {
-    const SB_AT: usize = 16 << 20;
+/// The dm-integrity superblock and journal of an image: at the case's `--offset` (512-byte
+/// sectors), else at LUKS2's default data offset of 16 MiB.
+fn integrity_metadata(img: &Path, c: &Case) -> Vec<u8> {
+    let words: Vec<&str> = c.extra.split_whitespace().collect();
+    let sb_at = match words.iter().position(|w| *w == "--offset") {
+        Some(i) => words[i + 1].parse::<usize>().expect("--offset N") * 512,
+        None => 16 << 20,
+    };
     let b = std::fs::read(img).expect("image");
-    let sb = ucrypt::integrity::Superblock::parse(&b[SB_AT..SB_AT + 4096]).expect("superblock");
+    let sb = ucrypt::integrity::Superblock::parse(&b[sb_at..sb_at + 4096]).expect("superblock");
     let l = ucrypt::integrity::Layout::new(sb).expect("layout");
-    b[SB_AT..SB_AT + (l.initial_sectors * 512) as usize].to_vec()
+    b[sb_at..sb_at + (l.initial_sectors * 512) as usize].to_vec()
 }
 
 /// Removes what differs between any two formats: salts, digests (and the UUID, not in the JSON).
@@ -215,7 +244,7 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         writeln!(
             script,
             "if cryptsetup luksFormat --type luks2 --cipher {} --integrity {} --key-size {} \
-             --sector-size {} --integrity-no-journal --pbkdf pbkdf2 --pbkdf-force-iterations 1000 \
+             --sector-size {} {} --integrity-no-journal --pbkdf pbkdf2 --pbkdf-force-iterations 1000 \
              --batch-mode --key-file $K {dk} >/dev/null 2>&1 && cryptsetup open $O {dk} k && \
              dd if=$P of=/dev/mapper/k bs=65536 count={plain_blocks} conv=fsync 2>/dev/null && \
              cryptsetup close k; then echo \"CASE {n} KERNEL-WROTE\"; \
@@ -225,6 +254,7 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
             c.integrity,
             c.key_bits,
             c.sector,
+            c.extra,
             n = c.name
         )
         .expect("script");
@@ -341,7 +371,7 @@ fn integrity_volumes_between_the_ucrypt_command_and_the_kernel() {
         }
         let kimg = dir.join(format!("k-{}.img", c.name));
         let uimg = dir.join(format!("u-{}.img", c.name));
-        let (km, um) = (integrity_metadata(&kimg), integrity_metadata(&uimg));
+        let (km, um) = (integrity_metadata(&kimg, c), integrity_metadata(&uimg, c));
         if km == um {
             println!(
                 "CASE {} dm-integrity superblock + journal = the kernel's OK ({} bytes)",
