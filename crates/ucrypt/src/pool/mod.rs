@@ -153,7 +153,7 @@ struct State {
     resident_chunks: usize,
     /// Resident chunks beyond the reserve: what this pool has charged its budget.
     charged_chunks: usize,
-    /// Grants that waited because the budget refused their chunks.
+    /// Times the budget refused a grant's chunks (the grant waited and tried again).
     budget_waits: u64,
     /// Chunks charged whatever the total (a pool holding nothing served a request bigger
     /// than its reserve).
@@ -310,7 +310,8 @@ impl BufferPool {
         self.inner.lock()
     }
 
-    /// Grants that waited because the budget refused to let the pool grow.
+    /// Times the budget refused to let the pool grow for a grant (which waited and tried
+    /// again).
     pub fn budget_waits(&self) -> u64 {
         self.lock().budget_waits
     }
@@ -548,9 +549,10 @@ impl Inner {
                 refund += usize::from(c >= RESERVE_CHUNKS);
             }
         }
-        debug_assert_eq!(refund, st.charged_chunks);
-        st.charged_chunks -= refund;
+        // Charged only with a budget: every chunk beyond the reserve then.
         if let Some(b) = &self.budget {
+            debug_assert_eq!(refund, st.charged_chunks);
+            st.charged_chunks -= refund;
             b.refund((refund * LOCK_CHUNK_BYTES) as u64);
         }
     }
