@@ -234,7 +234,10 @@ fn volumes_under_one_budget_wait_and_never_fail() {
             std::fs::read(&patterns[i]).unwrap(),
             std::fs::read(&back).unwrap(),
         );
-        assert!(want == got, "volume {i} ({name}) does not read back what was written");
+        assert!(
+            want == got,
+            "volume {i} ({name}) does not read back what was written"
+        );
     }
     let (lck, used) = (
         peak_lck.load(Ordering::Relaxed),

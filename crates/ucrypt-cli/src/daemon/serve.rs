@@ -25,8 +25,8 @@ use ucrypt_fuse::{
 
 use super::loopdev::{self, LoopDevice};
 use super::proto::{
-    Closed, Counters, Ready, ReencryptionReport, RefreshSettings, Request, Response, ResumeKey,
-    MemoryBudgetReport, StatusReport, VolumeInfo,
+    Closed, Counters, MemoryBudgetReport, Ready, ReencryptionReport, RefreshSettings, Request,
+    Response, ResumeKey, StatusReport, VolumeInfo,
 };
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};

@@ -122,6 +122,9 @@ const MAGIC: u64 = u64::from_le_bytes(*b"ucbudg01");
 /// A budget shared by every process that opens the same file (see the module documentation).
 pub struct FileBudget {
     file: File,
+    /// Held with the `flock`: a `flock` belongs to the open file, which every thread of this
+    /// process shares, so it excludes other processes but not this one's other threads.
+    local: std::sync::Mutex<()>,
     base: NonNull<AtomicU64>,
     /// This process's slot, if it got one.
     slot: Option<usize>,
@@ -174,10 +177,11 @@ impl FileBudget {
             if raw == libc::MAP_FAILED {
                 return Err(io("mapping", std::io::Error::last_os_error()));
             }
-            let base = NonNull::new(raw.cast::<AtomicU64>())
-                .ok_or(Error::Bug("mmap returned null"))?;
+            let base =
+                NonNull::new(raw.cast::<AtomicU64>()).ok_or(Error::Bug("mmap returned null"))?;
             let mut b = FileBudget {
                 file: file.try_clone().map_err(|e| io("opening", e))?,
+                local: std::sync::Mutex::new(()),
                 base,
                 slot: None,
                 pid: std::process::id(),
@@ -257,6 +261,7 @@ impl Budget for FileBudget {
         let Some(s) = self.slot else {
             return false;
         };
+        let _local = crate::sync::lock(&self.local);
         let Ok(_g) = Flock::take(&self.file) else {
             return false;
         };
@@ -289,7 +294,9 @@ impl Budget for FileBudget {
         BudgetUsage {
             limit_bytes: self.limit_bytes,
             used_bytes: used,
-            charged_bytes: self.slot.map_or(0, |s| self.bytes_of(s).load(Ordering::Acquire)),
+            charged_bytes: self
+                .slot
+                .map_or(0, |s| self.bytes_of(s).load(Ordering::Acquire)),
         }
     }
 }

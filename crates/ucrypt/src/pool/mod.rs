@@ -1009,7 +1009,10 @@ mod tests {
             t.join().unwrap();
         }
         assert!(peak.load(std::sync::atomic::Ordering::Relaxed) <= limit);
-        assert!(pools.iter().map(|p| p.budget_waits()).sum::<u64>() > 0, "nobody waited");
+        assert!(
+            pools.iter().map(|p| p.budget_waits()).sum::<u64>() > 0,
+            "nobody waited"
+        );
         assert_eq!(pools.iter().map(|p| p.budget_overdrafts()).sum::<u64>(), 0);
         // A request bigger than the reserve, alone: served, charged beyond the budget.
         let big = pools[0].take(8 * LOCK_CHUNK_BYTES).unwrap();
