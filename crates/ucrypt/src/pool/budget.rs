@@ -286,8 +286,14 @@ impl Budget for FileBudget {
     }
 
     fn usage(&self) -> BudgetUsage {
+        // Without the lock: a look, not a charge. Slots of processes that are gone (a daemon
+        // ends without clearing its slot when it exits) are left for the next charge to
+        // reclaim, and not counted.
         let used = (0..BUDGET_SLOTS_MAX)
-            .filter(|&s| self.pid_of(s).load(Ordering::Acquire) != 0)
+            .filter(|&s| {
+                let pid = self.pid_of(s).load(Ordering::Acquire);
+                pid != 0 && (Some(s) == self.slot || alive(pid))
+            })
             .fold(0u64, |t, s| {
                 t.saturating_add(self.bytes_of(s).load(Ordering::Acquire))
             });
@@ -388,7 +394,7 @@ mod tests {
         let dead = 3usize;
         a.pid_of(dead).store(1 << 23, Ordering::Release);
         a.bytes_of(dead).store(900, Ordering::Release);
-        assert_eq!(a.usage().used_bytes, 900);
+        assert_eq!(a.usage().used_bytes, 0, "a dead slot is not counted");
         assert!(a.try_charge(500), "the dead slot's 900 was reclaimed");
         assert_eq!(a.pid_of(dead).load(Ordering::Acquire), 0);
         assert_eq!(a.usage().used_bytes, 500);
