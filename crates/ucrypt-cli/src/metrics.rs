@@ -192,6 +192,30 @@ impl Collector for Volumes {
                 }
             }
         }
+        // `--memory-budget`: one per process (every volume of this process charges it).
+        if let Some(b) = ucrypt::pool::process_budget_usage() {
+            let gauges = [
+                (
+                    "ucrypt_memory_budget_bytes",
+                    "The buffer memory budget shared by the budgeted volumes of this user.",
+                    b.limit_bytes,
+                ),
+                (
+                    "ucrypt_memory_budget_used_bytes",
+                    "Buffer memory charged to the budget by all its volumes.",
+                    b.used_bytes,
+                ),
+                (
+                    "ucrypt_memory_budget_charged_bytes",
+                    "Buffer memory charged to the budget by this process.",
+                    b.charged_bytes,
+                ),
+            ];
+            for (name, help, v) in gauges {
+                enc.encode_descriptor(name, help, None, MetricType::Gauge)?
+                    .encode_gauge(&(v as i64))?;
+            }
+        }
         Ok(())
     }
 }

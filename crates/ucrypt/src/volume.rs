@@ -833,7 +833,7 @@ impl Volume {
         let shift = cfg.geometry.sector_size.shift();
         let cipher = SectorCipher::new(cfg.spec, cfg.key.as_ref(), cfg.geometry)?;
         let pool = BufferPool::with_idle_release(cfg.pool_bytes, cfg.idle_release)?;
-        let piece = (pool.capacity().min(PIECE_BYTES_MAX) as u64) / ss * ss;
+        let piece = (pool.piece_bytes_max().min(PIECE_BYTES_MAX) as u64) / ss * ss;
         let workers = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)

@@ -104,6 +104,24 @@ pub struct OpenArgs {
     /// `open --refresh`).
     #[arg(long)]
     pub refresh: bool,
+    /// One memory budget (SIZE: 64M, 1G, ...) for the bounce buffers of every volume of this
+    /// user (root's: of root) opened with one: each grows its buffers beyond a 256 KiB reserve
+    /// only while the total charged by all stays within SIZE, and otherwise waits for its own
+    /// buffers (never fails). Without it, a volume's buffers are bounded by its own pool only.
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    pub memory_budget: Option<u64>,
+}
+
+/// `--memory-budget SIZE`: cryptsetup's size syntax, at least one reserve.
+fn parse_budget(s: &str) -> Result<u64, String> {
+    let n = crate::luks_cli::reencrypt::parse_size(s).map_err(|e| e.to_string())?;
+    if n < ucrypt::pool::LOCK_CHUNK_BYTES as u64 {
+        return Err(format!(
+            "a memory budget below {} bytes cannot hold one buffer chunk",
+            ucrypt::pool::LOCK_CHUNK_BYTES
+        ));
+    }
+    Ok(n)
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -563,6 +581,7 @@ fn daemon_for(
             .as_ref()
             .map(|h| std::path::absolute(h).unwrap_or(h.clone())),
         served: None,
+        memory_budget: a.memory_budget,
     }
 }
 
@@ -953,6 +972,12 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
                   refused)\n";
         }
     }
+    if let Some(b) = &s.memory_budget {
+        o += &format!(
+            "  budget:  {} bytes for all volumes, {} used by all, {} by this one\n",
+            b.limit_bytes, b.used_bytes, b.charged_bytes
+        );
+    }
     if s.buffer_lock_failures != 0 {
         o += &format!(
             "  memory:  {} buffer chunks could not be locked (RLIMIT_MEMLOCK reached): \
@@ -1295,6 +1320,7 @@ mod tests {
             reencryption: None,
             header: None,
             buffer_lock_failures: 0,
+            memory_budget: None,
         };
         let want = "\
 /dev/ucrypt/data is active.

@@ -527,6 +527,19 @@ pub struct StatusReport {
     /// since opening: RLIMIT_MEMLOCK was reached, and they may be swapped out.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub buffer_lock_failures: u64,
+    /// `--memory-budget`: the budget and what is charged to it; absent without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_budget: Option<MemoryBudgetReport>,
+}
+
+/// The memory budget shared by the volumes opened with `--memory-budget` (`pool::budget`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryBudgetReport {
+    pub limit_bytes: u64,
+    /// Charged by every volume sharing the budget.
+    pub used_bytes: u64,
+    /// Charged by this volume's daemon.
+    pub charged_bytes: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -811,6 +824,11 @@ mod tests {
             reencryption: None,
             header: None,
             buffer_lock_failures: 5,
+            memory_budget: Some(MemoryBudgetReport {
+                limit_bytes: 64 << 20,
+                used_bytes: 3 << 20,
+                charged_bytes: 1 << 20,
+            }),
         }
     }
 

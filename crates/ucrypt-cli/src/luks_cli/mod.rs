@@ -9,7 +9,7 @@ mod convert;
 mod data;
 mod keyslot_area;
 mod progress_json;
-mod reencrypt;
+pub(crate) mod reencrypt;
 
 use std::path::PathBuf;
 

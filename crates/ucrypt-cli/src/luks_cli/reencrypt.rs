@@ -88,7 +88,7 @@ pub struct ReencryptOpts {
 
 /// cryptsetup's size syntax: a number with an optional unit (K, M, G, T with or without
 /// "iB"; binary multiples; "B" or none for bytes; "s" for 512-byte sectors is not accepted).
-fn parse_size(s: &str) -> Result<u64> {
+pub(crate) fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);

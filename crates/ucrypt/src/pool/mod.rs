@@ -56,7 +56,23 @@
 //!   with the reaper may grow its list (once per busy period and pool, and only past the most
 //!   pools ever watched at once), outside any steady state: an idle period ended it.
 //!
+//! Many pools share one memory budget when the process sets one ([`set_process_budget`]; the
+//! accounting, across processes too, is in [`budget`]):
+//! - A pool charges the budget for each chunk it makes resident beyond its reserve
+//!   ([`POOL_RESERVE_BYTES`]) and refunds it when the chunk is given back.
+//! - A grant whose chunks the budget refuses is not failed: it waits in line as if the pool
+//!   were full, and stops the line (nobody passes it) so that the pool's grants drain. Once the
+//!   pool holds no grant, the head of the line takes its pages by first fit from page 0: inside
+//!   the reserve if it asks no more than that, which costs the budget nothing; a bigger one is
+//!   charged whatever the total (the reserve of a pool that holds nothing is its one oldest
+//!   request). So every pool always makes progress, and the budget caps what pools grow to
+//!   beyond their reserves.
+//! - With a budget, [`BufferPool::piece_bytes_max`] is the reserve: the engine cuts requests
+//!   into pieces that fit it, so a volume's pool never needs more than its reserve to go on.
+//!
 //! The pool is not wiped at its drop: its grants were, and its pages go back to the kernel.
+
+pub mod budget;
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
@@ -66,6 +82,7 @@ use std::time::{Duration, Instant};
 
 use crate::sync::{lock, PAGE_BYTES};
 use crate::{Error, Result};
+use budget::{Budget, BudgetUsage};
 
 /// Buffers are handed out in pages: the alignment O_DIRECT needs on every device seen so far.
 pub const POOL_PAGE_BYTES: usize = PAGE_BYTES;
@@ -87,6 +104,12 @@ const _: () = assert!(LOCK_CHUNK_BYTES % POOL_PAGE_BYTES == 0 && CHUNK_PAGES > 0
 /// well inside the goal of 256 KiB locked per idle volume beyond its keys.
 pub const IDLE_KEPT_BYTES: usize = LOCK_CHUNK_BYTES;
 const KEPT_CHUNKS: usize = IDLE_KEPT_BYTES / LOCK_CHUNK_BYTES;
+/// What a pool may hold without charging the process's budget: four chunks, so that a volume
+/// under a budget still moves requests in pieces of 256 KiB (a 1 MiB write in four), and
+/// within the goal of 256 KiB locked per idle volume beyond its keys.
+pub const POOL_RESERVE_BYTES: usize = 4 * LOCK_CHUNK_BYTES;
+const RESERVE_CHUNKS: usize = POOL_RESERVE_BYTES / LOCK_CHUNK_BYTES;
+const _: () = assert!(RESERVE_CHUNKS >= KEPT_CHUNKS && POOL_RESERVE_BYTES % LOCK_CHUNK_BYTES == 0);
 /// How long a pool keeps its memory after its last grant was taken: a request stream with
 /// pauses shorter than this never pays for faulting and locking again; a volume left idle
 /// gives its memory back after this (up to twice this: the reaper looks once per period).
@@ -102,6 +125,9 @@ struct Inner {
     base: NonNull<u8>,
     pages: usize,
     idle: Duration,
+    /// What growth beyond the reserve is charged to: the process's budget when the pool was
+    /// made, if it had one.
+    budget: Option<Arc<dyn Budget>>,
     state: Mutex<State>,
 }
 
@@ -125,6 +151,13 @@ struct State {
     /// One bit per chunk; set = resident (locked, or tried to) since the last release.
     resident: Vec<u64>,
     resident_chunks: usize,
+    /// Resident chunks beyond the reserve: what this pool has charged its budget.
+    charged_chunks: usize,
+    /// Times the budget refused a grant's chunks (the grant waited and tried again).
+    budget_waits: u64,
+    /// Chunks charged whatever the total (a pool holding nothing served a request bigger
+    /// than its reserve).
+    budget_overdrafts: u64,
     /// Chunks whose `mlock` failed since the pool was made.
     lock_failures: u64,
     /// Grants taken so far: the reaper sees whether any was taken since it last looked.
@@ -178,6 +211,17 @@ impl BufferPool {
 
     /// Like [`Self::new`], giving memory back after `idle` without grants.
     pub fn with_idle_release(bytes: usize, idle: Duration) -> Result<Self> {
+        let budget = lock(&PROCESS_BUDGET).clone();
+        Self::with_budget(bytes, idle, budget)
+    }
+
+    /// Like [`Self::with_idle_release`], charging growth beyond the reserve to `budget`
+    /// instead of the process's.
+    pub fn with_budget(
+        bytes: usize,
+        idle: Duration,
+        budget: Option<Arc<dyn Budget>>,
+    ) -> Result<Self> {
         if bytes > POOL_BYTES_MAX {
             return Err(Error::InvalidArgument(format!(
                 "buffer pool of {bytes} bytes exceeds the limit of {POOL_BYTES_MAX}"
@@ -223,6 +267,7 @@ impl BufferPool {
                 base,
                 pages,
                 idle,
+                budget,
                 state: Mutex::new(State {
                     used: vec![0; pages.div_ceil(64)],
                     free_pages: pages,
@@ -233,6 +278,9 @@ impl BufferPool {
                     waiters: VecDeque::with_capacity(WAITERS_RESERVED),
                     resident: vec![0; chunks.div_ceil(64)],
                     resident_chunks: 0,
+                    charged_chunks: 0,
+                    budget_waits: 0,
+                    budget_overdrafts: 0,
                     lock_failures: 0,
                     taken: 0,
                     seen_taken: 0,
@@ -248,8 +296,30 @@ impl BufferPool {
         self.inner.pages * POOL_PAGE_BYTES
     }
 
+    /// The largest piece a caller should ask for at once: the capacity, or with a budget the
+    /// reserve (see the module documentation), so that a pool held to its reserve still
+    /// serves every piece without charging.
+    pub fn piece_bytes_max(&self) -> usize {
+        match self.inner.budget {
+            Some(_) => self.capacity().min(POOL_RESERVE_BYTES),
+            None => self.capacity(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.inner.lock()
+    }
+
+    /// Times the budget refused to let the pool grow for a grant (which waited and tried
+    /// again).
+    pub fn budget_waits(&self) -> u64 {
+        self.lock().budget_waits
+    }
+
+    /// Chunks charged beyond the budget by a pool holding nothing (a request bigger than the
+    /// reserve).
+    pub fn budget_overdrafts(&self) -> u64 {
+        self.lock().budget_overdrafts
     }
 
     /// Bytes resident now (locked, or tried to): the chunks used since the pool last went idle.
@@ -307,8 +377,17 @@ impl BufferPool {
                     st.waiters.front().map(|w| w.ticket) == Some(t) && st.free_pages >= pages
                 }
             };
+            // The budget refused the chunks a run would need.
+            let mut refused = false;
             if fits {
-                if let Some(first) = find_run(&st.used, self.inner.pages, pages) {
+                let run = find_run(&st.used, self.inner.pages, pages);
+                if let Some(first) = run {
+                    if !self.inner.charge_growth(&mut st, first, pages) {
+                        refused = true;
+                        st.budget_waits += 1;
+                    }
+                }
+                if let Some(first) = run.filter(|_| !refused) {
                     // Grants turn `first_page` into pointer offsets: the run must lie inside
                     // the arena (checked once per grant).
                     assert!(
@@ -357,6 +436,10 @@ impl BufferPool {
                 });
                 st.waiting_pages += pages;
                 ticket = Some(t);
+                // Refused and first in line: stop the line so the pool's grants drain.
+                if refused && st.waiters.len() == 1 {
+                    st.head_stuck = true;
+                }
             }
             drop(st);
             // Returns when a release or the previous head unparks this thread (or spuriously,
@@ -385,6 +468,32 @@ impl Inner {
         // SAFETY: chunk < chunks, so first_page < self.pages: inside the arena.
         let p = unsafe { self.base.as_ptr().add(first_page * POOL_PAGE_BYTES) };
         (p.cast(), pages * POOL_PAGE_BYTES)
+    }
+
+    /// Charges the budget for the chunks under pages `first..first + pages` that are neither
+    /// resident nor in the reserve. False if the budget refuses and the pool holds a grant
+    /// (which will come back); with none held the charge is made whatever the total.
+    fn charge_growth(&self, st: &mut State, first: usize, pages: usize) -> bool {
+        let Some(budget) = &self.budget else {
+            return true;
+        };
+        let (c0, c1) = (first / CHUNK_PAGES, (first + pages - 1) / CHUNK_PAGES);
+        let new = (c0.max(RESERVE_CHUNKS)..=c1)
+            .filter(|&c| st.resident[c / 64] >> (c % 64) & 1 == 0)
+            .count();
+        if new == 0 {
+            return true;
+        }
+        let bytes = (new * LOCK_CHUNK_BYTES) as u64;
+        if !budget.try_charge(bytes) {
+            if st.holders != 0 {
+                return false;
+            }
+            budget.charge_anyway(bytes);
+            st.budget_overdrafts += new as u64;
+        }
+        st.charged_chunks += new;
+        true
     }
 
     /// Locks the chunks under pages `first..first + pages` that are not resident yet. Returns
@@ -432,11 +541,19 @@ impl Inner {
                 libc::madvise(p, len, libc::MADV_DONTNEED);
             }
         }
+        let mut refund = 0;
         for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
             if st.resident[c / 64] >> (c % 64) & 1 != 0 {
                 st.resident[c / 64] &= !(1 << (c % 64));
                 st.resident_chunks -= 1;
+                refund += usize::from(c >= RESERVE_CHUNKS);
             }
+        }
+        // Charged only with a budget: every chunk beyond the reserve then.
+        if let Some(b) = &self.budget {
+            debug_assert_eq!(refund, st.charged_chunks);
+            st.charged_chunks -= refund;
+            b.refund((refund * LOCK_CHUNK_BYTES) as u64);
         }
     }
 
@@ -537,6 +654,21 @@ struct Reaper {
     thread: Option<Thread>,
 }
 
+/// The budget every pool made from now on in this process charges (see the module
+/// documentation); None: pools grow to their capacity.
+static PROCESS_BUDGET: Mutex<Option<Arc<dyn Budget>>> = Mutex::new(None);
+
+/// Sets the budget that pools made from now on charge. One per process: a [`budget::FileBudget`]
+/// holds one slot of its file for the whole process.
+pub fn set_process_budget(budget: Option<Arc<dyn Budget>>) {
+    *lock(&PROCESS_BUDGET) = budget;
+}
+
+/// The process budget's numbers, if one is set.
+pub fn process_budget_usage() -> Option<BudgetUsage> {
+    lock(&PROCESS_BUDGET).as_ref().map(|b| b.usage())
+}
+
 static REAPER: Mutex<Reaper> = Mutex::new(Reaper {
     pools: Vec::new(),
     thread: None,
@@ -599,6 +731,10 @@ fn reap() {
 impl Drop for Inner {
     fn drop(&mut self) {
         let size = self.pages * POOL_PAGE_BYTES;
+        if let Some(b) = &self.budget {
+            let charged = lock(&self.state).charged_chunks;
+            b.refund((charged * LOCK_CHUNK_BYTES) as u64);
+        }
         // Not wiped here: every grant wiped its pages at its release unless they held only
         // ciphertext, and the pages go back to the kernel, which zeroes a page before it maps
         // it anywhere again (a grant leaked with `mem::forget` included).
@@ -834,6 +970,56 @@ mod tests {
             assert_eq!(got, expect, "{want} {unit} {min} {cap} {others}");
             assert!(got <= want && got % unit == 0 && got > 0);
         }
+    }
+
+    /// Pools sharing a budget too small for all: every grant is served (none fails), the
+    /// charge never passes the budget, pools that were refused waited, and the pieces the
+    /// pools advertise fit their reserves so nobody overdraws.
+    #[test]
+    fn a_budget_makes_pools_wait_not_fail() {
+        let limit = 2 * LOCK_CHUNK_BYTES as u64;
+        let budget: Arc<dyn Budget> = Arc::new(budget::LocalBudget::new(limit));
+        let pools: Vec<_> = (0..3)
+            .map(|_| {
+                let p = BufferPool::with_budget(
+                    16 * LOCK_CHUNK_BYTES,
+                    Duration::from_millis(20),
+                    Some(budget.clone()),
+                );
+                Arc::new(p.unwrap())
+            })
+            .collect();
+        assert_eq!(pools[0].piece_bytes_max(), POOL_RESERVE_BYTES);
+        let peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let threads: Vec<_> = (0..12)
+            .map(|t| {
+                let (pool, budget, peak) = (pools[t % 3].clone(), budget.clone(), peak.clone());
+                std::thread::spawn(move || {
+                    for i in 0..300 {
+                        let want = POOL_PAGE_BYTES * (1 + (t * 7 + i * 13) % 64);
+                        let mut g = pool.take(want).unwrap();
+                        g.as_mut_slice()[want - 1] = 1;
+                        let used = budget.usage().used_bytes;
+                        peak.fetch_max(used, std::sync::atomic::Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(peak.load(std::sync::atomic::Ordering::Relaxed) <= limit);
+        assert!(
+            pools.iter().map(|p| p.budget_waits()).sum::<u64>() > 0,
+            "nobody waited"
+        );
+        assert_eq!(pools.iter().map(|p| p.budget_overdrafts()).sum::<u64>(), 0);
+        // A request bigger than the reserve, alone: served, charged beyond the budget.
+        let big = pools[0].take(8 * LOCK_CHUNK_BYTES).unwrap();
+        assert!(budget.usage().used_bytes > 0);
+        drop(big);
+        drop(pools);
+        assert_eq!(budget.usage().used_bytes, 0, "every charge refunded");
     }
 
     #[test]
