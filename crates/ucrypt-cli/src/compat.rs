@@ -92,8 +92,6 @@ pub struct NoEffect {
 /// exits 1 on an option it cannot honour; so does ucrypt).
 #[derive(Args, Debug, Default)]
 pub struct Refused {
-    #[arg(long, global = true, hide = true)]
-    pub shared: bool,
     #[arg(long = "keep-key", global = true, hide = true)]
     pub keep_key: bool,
 }
@@ -102,20 +100,12 @@ pub struct Refused {
 type RefusedRow = (fn(&Refused) -> bool, &'static str, &'static str);
 
 /// The refused options, in the order they are reported.
-const REFUSED: &[RefusedRow] = &[
-    (
-        |r| r.shared,
-        "--shared",
-        "ucrypt serves one mapping per backing file or device (one writer per volume); \
-         overlapping plain mappings of one device are not supported",
-    ),
-    (
-        |r| r.keep_key,
-        "--keep-key",
-        "a reencryption that keeps the volume key is not supported; change a keyslot's \
+const REFUSED: &[RefusedRow] = &[(
+    |r| r.keep_key,
+    "--keep-key",
+    "a reencryption that keeps the volume key is not supported; change a keyslot's \
          PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
-    ),
-];
+)];
 
 impl Refused {
     /// The first refused option given, and why ucrypt refuses it.

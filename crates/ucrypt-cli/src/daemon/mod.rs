@@ -104,6 +104,18 @@ pub struct OpenArgs {
     /// `open --refresh`).
     #[arg(long)]
     pub refresh: bool,
+    /// Plain mode (`--type plain`): map the volume beside other mappings of it (each its own
+    /// `--offset`/`--size`), as cryptsetup's `--shared`; a later open without it still finds
+    /// the volume in use.
+    #[arg(long)]
+    pub shared: bool,
+}
+
+/// An option `open` refuses in this combination, with cryptsetup's words: checked before
+/// anything runs (`--test-args` included), as cryptsetup checks its options.
+pub fn refusal(a: &OpenArgs) -> Option<&'static str> {
+    (a.shared && a.dev_type != Some(crate::open::DeviceType::Plain))
+        .then_some("Option --shared is allowed only for open of plain device.")
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -430,6 +442,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         a.v.cipher = Some(ucrypt::plain::DEFAULT_CIPHER.to_string());
     }
     a.v.device_type = a.dev_type;
+    a.v.shared = a.shared;
     if matches!(a.nbd, Some(ucrypt_nbd::server::Listen::Tcp { .. })) {
         return Err(CliError::Usage(
             "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
@@ -473,6 +486,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         policy: a.v.policies(&[]).to_string(),
         pid: std::process::id(),
         started_unix_s: unix_now_s(),
+        shared: a.shared,
         ..Identity::default()
     };
     // Name and volume checked before any prompt, as cryptsetup does: the volume also against

@@ -130,7 +130,8 @@ pub(super) fn position_in_place(
 /// bytes of data, as cryptsetup lays them out: forward done part (new), hotzone
 /// (`in-reencryption`), rest (old); backward rest (old), hotzone, done part (new); then
 /// backup-previous and backup-final. The part that ends at the end of the data keeps its
-/// backup's size (`dynamic` as a rule), the others get fixed sizes. A key rotation lists the
+/// backup's size (`dynamic` as a rule) unless the walk is `bounded` (it ends before the data
+/// area does: cryptsetup's `--device-size`), the others get fixed sizes. A key rotation lists the
 /// hotzone first in both keys' digests; encryption and decryption list the key's backup
 /// first, then every crypt segment. `st` is updated to the new backup ids.
 pub(super) fn set_segments_in_place(
@@ -138,6 +139,7 @@ pub(super) fn set_segments_in_place(
     st: &mut ReencryptState,
     pos: Position,
     data_bytes: u64,
+    bounded: bool,
 ) -> Result<()> {
     let old = template(meta, st.backup_previous)?;
     let new = template(meta, st.backup_final)?;
@@ -173,7 +175,7 @@ pub(super) fn set_segments_in_place(
     for (part, start, len) in spans.into_iter().filter(|s| s.2 > 0) {
         let base = if part == Part::Old { &old } else { &new };
         let size = match base.size {
-            SegmentSize::Dynamic if part != Part::Hot && start + len == data_bytes => {
+            SegmentSize::Dynamic if !bounded && part != Part::Hot && start + len == data_bytes => {
                 SegmentSize::Dynamic
             }
             _ => SegmentSize::Bytes(len),

@@ -261,6 +261,11 @@ pub struct RunOptions {
     /// A resilience to switch to before the next hotzone ([`ResilienceAsked`]); `None` keeps
     /// the reencryption's own.
     pub resilience: Option<ResilienceAsked>,
+    /// `--device-size`: reencrypt only this many bytes from the start of the data area (the
+    /// rest keeps its old form under the new key's segment once done: cryptsetup's warning
+    /// "data beyond --device-size limit may be lost"); `None`: all of it, or the bound a
+    /// reencryption started with it left in the header.
+    pub device_size: Option<u64>,
 }
 
 /// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,
