@@ -82,11 +82,7 @@ fn device_size_reencrypts_the_first_bytes_as_cryptsetup_does() {
 /// Whether the header's first copy is past its first hotzone: a live segment of fixed size
 /// after one in reencryption, or a new one before it.
 fn past_first_hotzone(hdr: &std::path::Path) -> bool {
-    json_raw(hdr).is_some_and(|v| {
-        v["segments"]
-            .get("1")
-            .is_some_and(|s| in_reencryption_flag(s))
-    })
+    json_raw(hdr).is_some_and(|v| v["segments"].get("1").is_some_and(in_reencryption_flag))
 }
 
 #[test]

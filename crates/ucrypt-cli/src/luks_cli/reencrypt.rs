@@ -41,6 +41,10 @@ pub struct ReencryptOpts {
         value_parser = crate::volume_args::device_size_sectors
     )]
     pub device_size_sectors: Option<u64>,
+    /// Keep the volume key: reencrypt the data to the new --cipher or --sector-size under
+    /// the key it has (no keyslot is added; one passphrase opens it).
+    #[arg(long, conflicts_with_all = ["encrypt", "decrypt"])]
+    pub keep_key: bool,
     /// Only write the reencryption metadata; `--resume-only` rewrites the data later.
     #[arg(long)]
     pub init_only: bool,
@@ -662,6 +666,10 @@ fn init_new(
             reencrypt::run::init_on(devs, passphrase.as_ref(), &opts)?,
             passphrase,
         )
+    } else if r.keep_key {
+        let slot = keep_key_passphrase(devs.header, hdr, o)?;
+        let first = ucrypt::SecretBytes::from_slice(slot.passphrase());
+        (reencrypt::run::init_keep_key(devs, &slot, &opts)?, first)
     } else {
         let slots = slot_passphrases(devs.header, hdr, o)?;
         let first = slots
@@ -744,6 +752,32 @@ fn slot_passphrases(
             )
         })
         .collect()
+}
+
+/// The one passphrase of a reencryption that keeps the volume key, asked as cryptsetup
+/// 2.6.1 asks it: "Enter passphrase for key slot N: " for `--key-slot`, or for the first
+/// active keyslot; checked against it.
+fn keep_key_passphrase(
+    dev: &dyn Backend,
+    hdr: &Header,
+    o: &LuksOpts,
+) -> Result<reencrypt::run::SlotPassphrase> {
+    let slot = match o.key_slot {
+        Some(s) => s,
+        None => *reencrypt::run::passphrase_keyslots(hdr)
+            .first()
+            .ok_or(Error::NoUsableKeyslot)?,
+    };
+    let src = existing_source(o, None);
+    let prompt = format!("Enter passphrase for key slot {slot}: ");
+    pass::retry_wrong(
+        pass::tries(o.tries, src.key_file),
+        |e| matches!(e, Error::WrongPassphrase),
+        || {
+            let p = pass::read_passphrase(&src, &prompt, false)?;
+            reencrypt::run::check_passphrase(dev, hdr, slot, p)
+        },
+    )
 }
 
 /// Bytes of the detached header `--encrypt` makes: cryptsetup's default LUKS2 metadata

@@ -475,14 +475,15 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
         .digest_for_keyslot(&rk)
         .map(|(id, _)| id.clone())
         .ok_or_else(|| bad("the reencrypt keyslot has no digest"))?;
+    // A kept key (`--keep-key`) keeps its digest and keyslots.
     let old_keyslots = match d_old {
-        Some(d) => {
+        Some(d) if !in_place::keeps_key(d_old, d_new) => {
             meta.digests
                 .remove(&d.to_string())
                 .ok_or_else(|| bad(format!("digest {d} missing")))?
                 .keyslots
         }
-        None => Vec::new(),
+        _ => Vec::new(),
     };
     meta.digests.remove(&d_reenc);
     let mut retired = Retired {

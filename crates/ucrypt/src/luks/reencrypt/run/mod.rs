@@ -56,9 +56,10 @@ pub use encrypt::{
 };
 pub use hotzones::{resume, resume_on, resume_serving};
 pub use init::{
-    check_free_keyslots, check_passphrase, init, init_on, init_slots, passphrase_keyslots,
-    InitOptions, KeyslotKdf, SegmentChange, SlotPassphrase, Started, DECRYPT_NEEDS_DETACHED_HEADER,
-    KEY_FILE_NEEDS_ONE_KEYSLOT, NOT_ENOUGH_KEYSLOTS,
+    check_free_keyslots, check_passphrase, init, init_keep_key, init_on, init_slots,
+    passphrase_keyslots, InitOptions, KeyslotKdf, SegmentChange, SlotPassphrase, Started,
+    DECRYPT_NEEDS_DETACHED_HEADER, KEEP_KEY_CHANGES_NOTHING, KEY_FILE_NEEDS_ONE_KEYSLOT,
+    NOT_ENOUGH_KEYSLOTS,
 };
 pub(crate) use recovery::prepare_recovery;
 pub use recovery::{recover, recover_on, Recovery};
