@@ -91,31 +91,14 @@ pub struct NoEffect {
 /// Options cryptsetup 2.6.1 has that ucrypt refuses by name, each with its reason (cryptsetup
 /// exits 1 on an option it cannot honour; so does ucrypt).
 #[derive(Args, Debug, Default)]
-pub struct Refused {
-    #[arg(long, global = true, hide = true)]
-    pub shared: bool,
-    #[arg(long = "keep-key", global = true, hide = true)]
-    pub keep_key: bool,
-}
+pub struct Refused {}
 
 /// One refused option: whether it was given, its name, and why ucrypt refuses it.
 type RefusedRow = (fn(&Refused) -> bool, &'static str, &'static str);
 
-/// The refused options, in the order they are reported.
-const REFUSED: &[RefusedRow] = &[
-    (
-        |r| r.shared,
-        "--shared",
-        "ucrypt serves one mapping per backing file or device (one writer per volume); \
-         overlapping plain mappings of one device are not supported",
-    ),
-    (
-        |r| r.keep_key,
-        "--keep-key",
-        "a reencryption that keeps the volume key is not supported; change a keyslot's \
-         PBKDF with luksConvertKey, or its passphrase with luksChangeKey",
-    ),
-];
+/// The refused options, in the order they are reported (none at present: every option
+/// cryptsetup 2.6.1 takes on a verb is parsed by that verb, or refused by it with its reason).
+const REFUSED: &[RefusedRow] = &[];
 
 impl Refused {
     /// The first refused option given, and why ucrypt refuses it.

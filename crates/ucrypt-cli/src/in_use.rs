@@ -12,7 +12,14 @@
 //! activation per device on top of this: its claim refuses a volume another NAME serves.)
 //! `serve --unencrypted`, which writes no ciphertext, takes a read lock whatever it does.
 //! A verb asks whether its lock would conflict (`F_OFD_GETLK`): a write probe meets every
-//! server, a read probe (a read-only `export`) only one that writes. The marker is not
+//! server, a read probe (a read-only `export`) only one that writes.
+//!
+//! A plain `open --shared` (cryptsetup's: several mappings of one device, each its own
+//! `--offset`/`--size`) takes a read lock on the byte before, [`SHARED_BYTE`], and none on
+//! [`IN_USE_BYTE`]: as cryptsetup's `--shared` skips its exclusive-open check, it maps beside
+//! every other server, shared or not; a server that is not shared then meets it (its mark
+//! looks for a lock on [`SHARED_BYTE`] once it holds its own), as cryptsetup's exclusive open
+//! meets a device a shared mapping holds; and every probe counts it as a writer. The marker is not
 //! cryptsetup's header lock (`flock`, taken around each header access): on Linux the two kinds
 //! of lock do not interact, so keyslot verbs of either tool work on a volume being served, as
 //! on an active dm-crypt device; nor does it meet qemu's image locks (bytes 100 to 299).
@@ -31,18 +38,21 @@ use crate::error::{CliError, CliResult};
 /// representable.
 pub const IN_USE_BYTE: i64 = i64::MAX - 1;
 
+/// The byte a shared plain mapping (`open --shared`) locks instead (see the module's doc).
+pub const SHARED_BYTE: i64 = IN_USE_BYTE - 1;
+
 /// A volume marked as served, for as long as this lives.
 #[derive(Debug)]
 pub struct InUse {
     _files: Vec<File>,
 }
 
-fn lock_request(kind: libc::c_short) -> libc::flock {
+fn lock_request(kind: libc::c_short, byte: i64) -> libc::flock {
     // SAFETY: `flock` is a plain C struct of integers; all-zero is a valid value of it.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = kind;
     fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = IN_USE_BYTE;
+    fl.l_start = byte;
     fl.l_len = 1;
     fl
 }
@@ -58,6 +68,9 @@ pub enum Access {
     Read,
     /// Writes (or rewrites the header): meets every other server.
     Write,
+    /// A shared plain mapping (`open --shared`): writes, beside every other server, and is met
+    /// by each later one that is not shared.
+    Shared,
 }
 
 impl Access {
@@ -69,10 +82,12 @@ impl Access {
         }
     }
 
-    fn lock_type(self) -> libc::c_short {
+    /// The lock this access takes, and on which byte.
+    fn lock(self) -> (libc::c_short, i64) {
         match self {
-            Access::Read => libc::F_RDLCK as libc::c_short,
-            Access::Write => libc::F_WRLCK as libc::c_short,
+            Access::Read => (libc::F_RDLCK as libc::c_short, IN_USE_BYTE),
+            Access::Write => (libc::F_WRLCK as libc::c_short, IN_USE_BYTE),
+            Access::Shared => (libc::F_RDLCK as libc::c_short, SHARED_BYTE),
         }
     }
 }
@@ -85,7 +100,7 @@ fn busy(path: &Path, access: Access) -> CliError {
         path.display(),
         match access {
             Access::Read => " read-write",
-            Access::Write => "",
+            Access::Write | Access::Shared => "",
         }
     ))
 }
@@ -106,7 +121,8 @@ pub fn mark(paths: &[&Path], access: Access) -> CliResult<InUse> {
             // A remote name, or a path the open itself will report on.
             continue;
         };
-        let mut fl = lock_request(access.lock_type());
+        let (kind, byte) = access.lock();
+        let mut fl = lock_request(kind, byte);
         // SAFETY: F_OFD_SETLK on a descriptor `f` owns, with a pointer to a live, initialised
         // `flock`; the kernel only reads it.
         let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
@@ -120,6 +136,11 @@ pub fn mark(paths: &[&Path], access: Access) -> CliResult<InUse> {
                 e,
             ));
         }
+        // Held now: a shared mapping that comes later sees nothing to meet, so one already
+        // there is this server's to meet.
+        if access != Access::Shared && shared_mapping_on(&f, p)? {
+            return Err(busy(p, access));
+        }
         files.push(f);
     }
     Ok(InUse { _files: files })
@@ -128,10 +149,21 @@ pub fn mark(paths: &[&Path], access: Access) -> CliResult<InUse> {
 /// Whether a ucrypt process serves the file at `path` in a way that conflicts with `access`
 /// ([`mark`]). `false` for a path that cannot be opened (the verb reports that itself).
 pub fn is_served(path: &Path, access: Access) -> CliResult<bool> {
+    if access == Access::Shared {
+        // cryptsetup's --shared skips the in-use check: nothing conflicts with it.
+        return Ok(false);
+    }
     let Ok(f) = File::open(path) else {
         return Ok(false);
     };
-    let mut fl = lock_request(access.lock_type());
+    let (kind, byte) = access.lock();
+    Ok(locked_against(&f, path, kind, byte)? || shared_mapping_on(&f, path)?)
+}
+
+/// Whether another open file description holds a lock on `byte` of `f` that conflicts with a
+/// lock of `kind` there.
+fn locked_against(f: &File, path: &Path, kind: libc::c_short, byte: i64) -> CliResult<bool> {
+    let mut fl = lock_request(kind, byte);
     // SAFETY: F_OFD_GETLK on a descriptor `f` owns, with a pointer to a live, initialised
     // `flock` the kernel writes the conflicting lock (or F_UNLCK) into.
     let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
@@ -143,6 +175,11 @@ pub fn is_served(path: &Path, access: Access) -> CliResult<bool> {
         ));
     }
     Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// Whether a shared plain mapping (`open --shared`) of the file `f` is served.
+fn shared_mapping_on(f: &File, path: &Path) -> CliResult<bool> {
+    locked_against(f, path, libc::F_WRLCK as libc::c_short, SHARED_BYTE)
 }
 
 /// Refuses (exit 5) to serve `paths` with `access` when another process serves one of them
@@ -174,7 +211,7 @@ pub fn refuse_if_served_for(paths: &[&Path], access: Access, what: &str) -> ucry
                     p.display(),
                     match access {
                         Access::Read => " read-write",
-                        Access::Write => "",
+                        Access::Write | Access::Shared => "",
                     }
                 ),
                 std::io::Error::from_raw_os_error(libc::EBUSY),
@@ -231,6 +268,23 @@ mod tests {
         assert_eq!(mark(&[&f], Access::Write).unwrap_err().exit_code(), 5);
         drop((r1, r2));
         assert!(!is_served(&f, Access::Write).unwrap());
+        // Shared mappings: beside each other and beside a server there before; a later one
+        // that is not shared meets them, and every probe sees a writer.
+        let w = mark(&[&f], Access::Write).unwrap();
+        let s1 = mark(&[&f], Access::Shared).unwrap();
+        let s2 = mark(&[&f], Access::Shared).unwrap();
+        assert!(!is_served(&f, Access::Shared).unwrap());
+        drop(w);
+        for access in [Access::Read, Access::Write] {
+            assert!(is_served(&f, access).unwrap());
+            assert_eq!(mark(&[&f], access).unwrap_err().exit_code(), 5);
+        }
+        drop(s1);
+        assert!(is_served(&f, Access::Read).unwrap());
+        drop(s2);
+        assert!(!is_served(&f, Access::Write).unwrap());
+        let w = mark(&[&f], Access::Write).unwrap();
+        drop(w);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

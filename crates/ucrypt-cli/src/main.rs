@@ -193,13 +193,14 @@ fn main() {
         compat::debug_end(&cli.global, code);
         std::process::exit(code);
     }
-    if let Some((name, why)) = match &cli.cmd {
-        Cmd::Luks(c) => luks_cli::refusal(c),
+    if let Some(why) = match &cli.cmd {
+        Cmd::Open(a) => daemon::refusal(a),
         _ => None,
     } {
-        let code = compat::refuse(name, why);
-        compat::debug_end(&cli.global, code);
-        std::process::exit(code);
+        let e = error::CliError::Usage(why.into());
+        eprintln!("{}", e.message());
+        compat::debug_end(&cli.global, e.exit_code());
+        std::process::exit(e.exit_code());
     }
     if let compat::Next::Exit(code) = compat::apply(&cli.global) {
         compat::debug_end(&cli.global, code);

@@ -179,7 +179,11 @@ impl VolumeArgs {
     }
 
     fn access(&self) -> crate::in_use::Access {
-        crate::in_use::Access::of(self.read_only)
+        if self.shared {
+            crate::in_use::Access::Shared
+        } else {
+            crate::in_use::Access::of(self.read_only)
+        }
     }
 
     /// Refuses (exit 5) when a ucrypt process serves the volume or its detached header;

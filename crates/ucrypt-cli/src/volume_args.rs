@@ -206,6 +206,9 @@ pub struct VolumeArgs {
     /// `ucrypt open --type luks1|luks2`: the LUKS version the header must have.
     #[arg(skip)]
     pub device_type: Option<DeviceType>,
+    /// `ucrypt open --type plain --shared`: a mapping beside others of the same volume.
+    #[arg(skip)]
+    pub shared: bool,
     #[command(flatten)]
     pub tcrypt: crate::formats::TcryptArgs,
 }
@@ -217,12 +220,73 @@ impl VolumeArgs {
     }
 }
 
-/// `--device-size BYTES` in 512-byte sectors: not 0, a multiple of 512 (cryptsetup's checks,
-/// made before anything runs).
+/// `--device-size SIZE` in 512-byte sectors: not 0, a multiple of 512 (cryptsetup's checks,
+/// made before anything runs). SIZE in bytes, or with cryptsetup's units ([`cryptsetup_size`]).
 pub fn device_size_sectors(v: &str) -> Result<u64, String> {
-    match v.parse::<u64>() {
+    match cryptsetup_size(v) {
         Ok(0) | Err(_) => Err(format!("Bad number: {v}")),
         Ok(b) if b % 512 != 0 => Err("Device size must be multiple of 512 bytes sector.".into()),
         Ok(b) => Ok(b / 512),
+    }
+}
+
+/// A size as cryptsetup 2.6.1 reads its size options (`tools_string_to_size`): decimal
+/// digits, then optionally a unit: `S` (512-byte sectors), `K`, `M`, `G`, `T` (or `KiB` ...:
+/// powers of 1024), `KB`, `MB`, `GB`, `TB` (powers of 1000), either case of the letter.
+pub fn cryptsetup_size(v: &str) -> Result<u64, String> {
+    let bad = || format!("Bad number: {v}");
+    let digits = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
+    if digits == 0 {
+        return Err(bad());
+    }
+    let n: u64 = v[..digits].parse().map_err(|_| bad())?;
+    let unit = &v[digits..];
+    let mut chars = unit.chars();
+    let Some(letter) = chars.next() else {
+        return Ok(n);
+    };
+    let base: u64 = match chars.as_str() {
+        "" | "iB" => 1024,
+        "B" => 1000,
+        _ => return Err(bad()),
+    };
+    let mult = match letter.to_ascii_uppercase() {
+        'S' => 512,
+        'K' => base,
+        'M' => base.pow(2),
+        'G' => base.pow(3),
+        'T' => base.pow(4),
+        _ => return Err(bad()),
+    };
+    n.checked_mul(mult).ok_or_else(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_cryptsetup_reads_them() {
+        for (v, want) in [
+            ("4096", Some(4096)),
+            ("8S", Some(4096)),
+            ("8s", Some(4096)),
+            ("8M", Some(8 << 20)),
+            ("8MiB", Some(8 << 20)),
+            ("8MB", Some(8_000_000)),
+            ("1k", Some(1024)),
+            ("2T", Some(2 << 40)),
+            ("8B", None),
+            ("8Mi", None),
+            ("M", None),
+            ("-1", None),
+            ("8 M", None),
+            ("99999999999T", None),
+        ] {
+            assert_eq!(cryptsetup_size(v).ok(), want, "{v}");
+        }
+        assert_eq!(device_size_sectors("8M"), Ok(16384));
+        assert!(device_size_sectors("1000").is_err());
+        assert!(device_size_sectors("0").is_err());
     }
 }

@@ -1682,6 +1682,7 @@ fn power_cut_around_a_resilience_switch() {
             let opts = RunOptions {
                 hotzone_bytes: Some(HOTZONE_BYTES),
                 resilience: Some(to),
+                device_size: None,
             };
             resume(dev, PASS, opts, &mut |_| {})
         };
@@ -1773,6 +1774,7 @@ fn power_cut_around_an_unshift_resilience_switch() {
             let opts = RunOptions {
                 hotzone_bytes: Some(UNSHIFT_PIECE),
                 resilience: Some(to),
+                device_size: None,
             };
             resume_on(devs, PASS, opts, &mut |_| {})
         };

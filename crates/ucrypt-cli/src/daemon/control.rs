@@ -129,6 +129,7 @@ impl server::Handler for Control {
                 let opts = RunOptions {
                     hotzone_bytes,
                     resilience,
+                    device_size: None,
                 };
                 let at = (vol, Path::new(&self.volume));
                 let resume = format!(

@@ -110,6 +110,11 @@ pub struct OpenArgs {
     /// buffers (never fails). Without it, a volume's buffers are bounded by its own pool only.
     #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
     pub memory_budget: Option<u64>,
+    /// Plain mode (`--type plain`): map the volume beside other mappings of it (each its own
+    /// `--offset`/`--size`), as cryptsetup's `--shared`; a later open without it still finds
+    /// the volume in use.
+    #[arg(long)]
+    pub shared: bool,
 }
 
 /// `--memory-budget SIZE`: cryptsetup's size syntax, at least one reserve.
@@ -122,6 +127,13 @@ fn parse_budget(s: &str) -> Result<u64, String> {
         ));
     }
     Ok(n)
+}
+
+/// An option `open` refuses in this combination, with cryptsetup's words: checked before
+/// anything runs (`--test-args` included), as cryptsetup checks its options.
+pub fn refusal(a: &OpenArgs) -> Option<&'static str> {
+    (a.shared && a.dev_type != Some(crate::open::DeviceType::Plain))
+        .then_some("Option --shared is allowed only for open of plain device.")
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -448,6 +460,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         a.v.cipher = Some(ucrypt::plain::DEFAULT_CIPHER.to_string());
     }
     a.v.device_type = a.dev_type;
+    a.v.shared = a.shared;
     if matches!(a.nbd, Some(ucrypt_nbd::server::Listen::Tcp { .. })) {
         return Err(CliError::Usage(
             "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
@@ -491,6 +504,7 @@ pub fn open(mut a: OpenArgs) -> CliResult<i32> {
         policy: a.v.policies(&[]).to_string(),
         pid: std::process::id(),
         started_unix_s: unix_now_s(),
+        shared: a.shared,
         ..Identity::default()
     };
     // Name and volume checked before any prompt, as cryptsetup does: the volume also against

@@ -548,6 +548,7 @@ impl server::Handler for Shared {
                 RunOptions {
                     hotzone_bytes,
                     resilience,
+                    device_size: None,
                 },
             )),
             Request::Close { force: false } | Request::CloseDeferred if self.rotating() => {

@@ -240,6 +240,10 @@ pub struct Identity {
     pub policy: String,
     pub pid: u32,
     pub started_unix_s: u64,
+    /// A plain mapping opened with `--shared`: other mappings of the same volume may exist
+    /// beside it.
+    #[serde(default)]
+    pub shared: bool,
 }
 
 impl Identity {
@@ -361,7 +365,8 @@ impl Claim {
 }
 
 /// Claims NAME for `ident`'s volume: NAME must have no directory (a live or a dead daemon),
-/// and no live daemon may serve the same volume (st_dev, st_ino) under another name. Writes
+/// and no live daemon may serve the same volume (st_dev, st_ino) under another name, unless
+/// `ident` is a shared plain mapping (`open --shared`, which cryptsetup maps beside any other). Writes
 /// the first identity.json (without a device) under the lock, so that a concurrent `open`
 /// of the same volume sees the claim.
 pub fn claim(run: &RunDir, ident: &Identity) -> CliResult<Claim> {
@@ -384,7 +389,7 @@ pub fn claim(run: &RunDir, ident: &Identity) -> CliResult<Claim> {
             continue;
         }
         if let Some(o) = Identity::read(&odir) {
-            if o.same_volume(ident) {
+            if o.same_volume(ident) && !ident.shared {
                 return Err(CliError::Busy(format!(
                     "Cannot use device {} which is in use (already mapped or mounted).",
                     ident.volume.display()

@@ -564,6 +564,7 @@ fn work(a: &WorkerArgs, link: &mut Link) -> Result<(), CliError> {
             .as_deref()
             .map(|n| ResilienceAsked::from_name(n, hash))
             .transpose()?,
+        device_size: None,
     };
     // As the offline verb opens it: O_DIRECT where the filesystem takes it, durable at a flush.
     let data = FileBackend::open_cached(&a.data, true, CacheMode::None)?;

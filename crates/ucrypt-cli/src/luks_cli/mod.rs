@@ -432,19 +432,6 @@ pub fn reorder_args(args: Vec<String>) -> Vec<String> {
     out
 }
 
-/// An option `cmd` takes in cryptsetup that ucrypt refuses on this verb, and why: checked
-/// before anything runs (`--test-args` included), as cryptsetup checks its options.
-pub fn refusal(cmd: &LuksCmd) -> Option<(&'static str, &'static str)> {
-    match cmd {
-        LuksCmd::Reencrypt { r, .. } if r.device_size_sectors.is_some() => Some((
-            "--device-size",
-            "reencrypting only the first part of the data area is not supported by reencrypt \
-             (open and resize take it, as --size in bytes)",
-        )),
-        _ => None,
-    }
-}
-
 pub fn run(cmd: LuksCmd) -> i32 {
     ucrypt::secret::disable_core_dumps();
     report(dispatch(cmd))

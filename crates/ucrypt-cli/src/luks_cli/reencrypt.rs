@@ -31,15 +31,20 @@ use ucrypt::luks::reencrypt;
 /// Options of `reencrypt` beyond the common LUKS ones (cryptsetup's spellings).
 #[derive(Args, Debug, Clone, Default)]
 pub struct ReencryptOpts {
-    /// cryptsetup's --device-size (reencrypt only the first BYTES of the data area): refused
-    /// by name before the verb runs (see `luks_cli::refusal`).
+    /// Reencrypt only the first SIZE bytes of the data area (a multiple of the sector size;
+    /// units as --hotzone-size, or S for 512-byte sectors). Destructive: once done, what lies
+    /// beyond SIZE is read through the new key though still in its old form.
     #[arg(
         long = "device-size",
-        value_name = "BYTES",
-        hide = true,
+        value_name = "SIZE",
+        conflicts_with = "reduce_device_size",
         value_parser = crate::volume_args::device_size_sectors
     )]
     pub device_size_sectors: Option<u64>,
+    /// Keep the volume key: reencrypt the data to the new --cipher or --sector-size under
+    /// the key it has (no keyslot is added; one passphrase opens it).
+    #[arg(long, conflicts_with_all = ["encrypt", "decrypt"])]
+    pub keep_key: bool,
     /// Only write the reencryption metadata; `--resume-only` rewrites the data later.
     #[arg(long)]
     pub init_only: bool,
@@ -288,6 +293,12 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         ControlFlow::Break(code) => return Ok(code),
     };
     match &holder {
+        Some(_) if r.device_size_sectors.is_some() => {
+            return Err(not_built(
+                "--device-size on a volume a daemon serves (it reencrypts all of the data \
+                 the daemon serves)",
+            ))
+        }
         Some(h) => {
             if let ControlFlow::Break(code) = check_holder(h, device, r, o, unshift.is_some())? {
                 return Ok(code);
@@ -296,6 +307,11 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         None => refuse_offline_if_served(device, o)?,
     }
     if let Some(h) = unshift {
+        if r.device_size_sectors.is_some() {
+            return Err(not_built(
+                "--device-size with a decryption that moves the data back",
+            ));
+        }
         return decrypt_unshift(device, r, o, &h);
     }
     // Under cryptsetup's exclusive lock, also when a daemon serves the volume (it holds the
@@ -326,6 +342,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             ));
         }
     }
+    let device_size = device_size_bytes(r, o, devs, &hdr, in_progress.is_none())?;
     let passphrase = match &in_progress {
         Some(st) => resume_passphrase(st, holder.as_ref(), o)?,
         None => match init_new(devs, &hdr, r, o)? {
@@ -344,6 +361,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         let opts = RunOptions {
             hotzone_bytes,
             resilience: switch,
+            device_size: None,
         };
         return Ok(run_in_daemon(&h, passphrase, opts, o, device));
     }
@@ -354,6 +372,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         RunOptions {
             hotzone_bytes,
             resilience: switch,
+            device_size,
         },
         &mut |p| meter.show(p),
     )
@@ -368,6 +387,37 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
         eprintln!("Command successful.");
     }
     Ok(0)
+}
+
+/// `--device-size` in bytes. For a new reencryption (`new`), checked against the data area
+/// as cryptsetup 2.6.1's init checks it (the run checks it against the header's alignment).
+fn device_size_bytes(
+    r: &ReencryptOpts,
+    o: &LuksOpts,
+    devs: Devices<'_>,
+    hdr: &Header,
+    new: bool,
+) -> Result<Option<u64>> {
+    let Some(bytes) = r.device_size_sectors.map(|s| s * 512) else {
+        return Ok(None);
+    };
+    if let (true, Header::Luks2(h)) = (new, hdr) {
+        let seg = h.meta().crypt_segment()?;
+        let area = devs.data.size().saturating_sub(seg.offset_bytes);
+        if bytes > area {
+            return Err(Error::InvalidArgument(
+                "Reduced data size is larger than real device size.".into(),
+            ));
+        }
+        let new_sector = o.sector_size.map_or(Ok(seg.sector_size), SectorSize::new)?;
+        let sector = u64::from(seg.sector_size.bytes().max(new_sector.bytes()));
+        if bytes % sector != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "Data device is not aligned to encryption sector size ({sector} bytes)."
+            )));
+        }
+    }
+    Ok(Some(bytes))
 }
 
 /// Refuses an offline run on a volume a ucrypt process serves (`crate::in_use`): it is
@@ -616,6 +666,10 @@ fn init_new(
             reencrypt::run::init_on(devs, passphrase.as_ref(), &opts)?,
             passphrase,
         )
+    } else if r.keep_key {
+        let slot = keep_key_passphrase(devs.header, hdr, o)?;
+        let first = ucrypt::SecretBytes::from_slice(slot.passphrase());
+        (reencrypt::run::init_keep_key(devs, &slot, &opts)?, first)
     } else {
         let slots = slot_passphrases(devs.header, hdr, o)?;
         let first = slots
@@ -700,6 +754,32 @@ fn slot_passphrases(
         .collect()
 }
 
+/// The one passphrase of a reencryption that keeps the volume key, asked as cryptsetup
+/// 2.6.1 asks it: "Enter passphrase for key slot N: " for `--key-slot`, or for the first
+/// active keyslot; checked against it.
+fn keep_key_passphrase(
+    dev: &dyn Backend,
+    hdr: &Header,
+    o: &LuksOpts,
+) -> Result<reencrypt::run::SlotPassphrase> {
+    let slot = match o.key_slot {
+        Some(s) => s,
+        None => *reencrypt::run::passphrase_keyslots(hdr)
+            .first()
+            .ok_or(Error::NoUsableKeyslot)?,
+    };
+    let src = existing_source(o, None);
+    let prompt = format!("Enter passphrase for key slot {slot}: ");
+    pass::retry_wrong(
+        pass::tries(o.tries, src.key_file),
+        |e| matches!(e, Error::WrongPassphrase),
+        || {
+            let p = pass::read_passphrase(&src, &prompt, false)?;
+            reencrypt::run::check_passphrase(dev, hdr, slot, p)
+        },
+    )
+}
+
 /// Bytes of the detached header `--encrypt` makes: cryptsetup's default LUKS2 metadata
 /// (two 16 KiB copies and the keyslots area), 16 MiB.
 const ENCRYPT_HEADER_BYTES: u64 = 16 << 20;
@@ -777,6 +857,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
         RunOptions {
             hotzone_bytes,
             resilience: None,
+            device_size: None,
         },
         &mut |p| meter.show(p),
     )?;
@@ -833,6 +914,17 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     let resilience_hash = resilience_hash(r)?;
     let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
+    let device_size = r.device_size_sectors.map(|s| s * 512);
+    if device_size.is_some_and(|n| n > data.size()) {
+        return Err(Error::InvalidArgument(
+            "Reduced data size is larger than real device size.".into(),
+        ));
+    }
+    if device_size.is_some() && r.active_name.is_some() {
+        return Err(not_built(
+            "--device-size with --active-name (the daemon encrypts all of the data it serves)",
+        ));
+    }
     let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
     let kdf = kdf_request(o, 2)?;
     let uuid = new_uuid(o)?;
@@ -869,6 +961,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
         RunOptions {
             hotzone_bytes,
             resilience: None,
+            device_size,
         },
         &mut |p| meter.show(p),
     )?;
@@ -930,6 +1023,7 @@ fn open_and_run_online(
     let opts = RunOptions {
         hotzone_bytes,
         resilience: None,
+        device_size: None,
     };
     Ok(run_in_daemon(&h, passphrase, opts, o, device))
 }

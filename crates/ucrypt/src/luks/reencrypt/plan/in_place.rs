@@ -36,19 +36,43 @@ pub(super) fn key_digests(
             st.keyslot.mode.name()
         )));
     }
-    if d_old.is_some() && d_old == d_new {
-        return Err(bad("old and new keys share a digest: nothing to rotate"));
+    if d_old.is_some() && d_old == d_new && !segment_params_change(meta, st)? {
+        return Err(bad(
+            "old and new segments share a key digest and their cipher and sector size: \
+             nothing to reencrypt",
+        ));
     }
     Ok((d_old, d_new))
 }
 
+/// Whether the backups differ in cipher or sector size: what a reencryption that keeps the
+/// key (`--keep-key`, the old and new segments under one digest) changes.
+fn segment_params_change(meta: &Metadata, st: &ReencryptState) -> Result<bool> {
+    let (p, f) = (
+        template(meta, st.backup_previous)?,
+        template(meta, st.backup_final)?,
+    );
+    Ok(p.encryption != f.encryption || p.sector_size != f.sector_size)
+}
+
+/// Whether the reencryption keeps the volume key (`--keep-key`): one digest for both sides.
+pub(super) fn keeps_key(d_old: Option<u32>, d_new: Option<u32>) -> bool {
+    d_old.is_some() && d_old == d_new
+}
+
 /// Which part a live segment is: the hotzone by its flag; otherwise new if the new key's
-/// digest lists it (or, for decryption, if it is linear), old if not.
+/// digest lists it (or, for decryption, if it is linear; with a kept key, if it has the new
+/// cipher and sector size), old if not.
 pub(super) fn part_of(meta: &Metadata, st: &ReencryptState, id: u32, s: &Segment) -> Result<Part> {
     if has_flag(s, SegmentFlag::InReencryption) {
         return Ok(Part::Hot);
     }
-    let (_, d_new) = key_digests(meta, st)?;
+    let (d_old, d_new) = key_digests(meta, st)?;
+    if keeps_key(d_old, d_new) {
+        let fin = template(meta, st.backup_final)?;
+        let new = s.encryption == fin.encryption && s.sector_size == fin.sector_size;
+        return Ok(if new { Part::New } else { Part::Old });
+    }
     let new = match d_new {
         Some(d) => meta
             .digests
@@ -130,7 +154,8 @@ pub(super) fn position_in_place(
 /// bytes of data, as cryptsetup lays them out: forward done part (new), hotzone
 /// (`in-reencryption`), rest (old); backward rest (old), hotzone, done part (new); then
 /// backup-previous and backup-final. The part that ends at the end of the data keeps its
-/// backup's size (`dynamic` as a rule), the others get fixed sizes. A key rotation lists the
+/// backup's size (`dynamic` as a rule) unless the walk is `bounded` (it ends before the data
+/// area does: cryptsetup's `--device-size`), the others get fixed sizes. A key rotation lists the
 /// hotzone first in both keys' digests; encryption and decryption list the key's backup
 /// first, then every crypt segment. `st` is updated to the new backup ids.
 pub(super) fn set_segments_in_place(
@@ -138,6 +163,7 @@ pub(super) fn set_segments_in_place(
     st: &mut ReencryptState,
     pos: Position,
     data_bytes: u64,
+    bounded: bool,
 ) -> Result<()> {
     let old = template(meta, st.backup_previous)?;
     let new = template(meta, st.backup_final)?;
@@ -173,7 +199,7 @@ pub(super) fn set_segments_in_place(
     for (part, start, len) in spans.into_iter().filter(|s| s.2 > 0) {
         let base = if part == Part::Old { &old } else { &new };
         let size = match base.size {
-            SegmentSize::Dynamic if part != Part::Hot && start + len == data_bytes => {
+            SegmentSize::Dynamic if !bounded && part != Part::Hot && start + len == data_bytes => {
                 SegmentSize::Dynamic
             }
             _ => SegmentSize::Bytes(len),
@@ -214,6 +240,20 @@ pub(super) fn set_segments_in_place(
             }
         }
     }
+    if keeps_key(d_old, d_new) {
+        // One digest: cryptsetup assigns the hotzone first, then the other live segments
+        // and the backups, each once.
+        let hot = live.iter().position(|(_, p)| *p == Part::Hot);
+        let mut one: Vec<String> = hot.iter().map(|h| h.to_string()).collect();
+        one.extend(
+            (0..live.len())
+                .filter(|&i| Some(i) != hot)
+                .map(|i| i.to_string()),
+        );
+        one.extend([n.to_string(), (n + 1).to_string()]);
+        old_list = one;
+        new_list = Vec::new();
+    }
     st.in_reencryption = live
         .iter()
         .position(|(_, p)| *p == Part::Hot)
@@ -229,6 +269,7 @@ pub(super) fn set_segments_in_place(
     fin.flags = Some(vec![SegmentFlag::BackupFinal.name().into()]);
     segments.insert(n.to_string(), prev);
     segments.insert((n + 1).to_string(), fin);
+    let d_new = if keeps_key(d_old, d_new) { None } else { d_new };
     for (id, list) in [(d_old, old_list), (d_new, new_list)] {
         if let Some(id) = id {
             meta.digests

@@ -46,8 +46,12 @@ pub use unshift::{unshift_geometry, Unshift, UNSHIFT_REQUIREMENT_VERSION};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Movement {
     /// The data stays where it is: a key rotation, or an encryption or decryption with a
-    /// detached header.
-    InPlace,
+    /// detached header. `bounded`: only the first `data_bytes` of a data area that may be
+    /// longer are reencrypted (cryptsetup's `reencrypt --device-size`), so the part that
+    /// ends there gets a fixed size where it would otherwise be `dynamic`, as cryptsetup's
+    /// fixed-size mode writes it ([`bounded_data_bytes`] reads it back; [`Movement::of`]
+    /// leaves it `false`: the header alone does not say how long the data area is).
+    InPlace { bounded: bool },
     /// An encryption that moves the data up to put the header in front (datashift).
     Shift(Shift),
     /// A decryption that moves the data back to offset 0 (datashift-checksum or -journal).
@@ -63,7 +67,7 @@ impl Movement {
         if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
             return Ok(Movement::Unshift(u));
         }
-        Ok(Movement::InPlace)
+        Ok(Movement::InPlace { bounded: false })
     }
 
     /// Where the reencryption is, read back from the live segments.
@@ -74,7 +78,7 @@ impl Movement {
         data_bytes: u64,
     ) -> Result<Position> {
         match self {
-            Movement::InPlace => position_in_place(meta, st, data_bytes),
+            Movement::InPlace { .. } => position_in_place(meta, st, data_bytes),
             Movement::Shift(sh) => position_shift(meta, sh, data_bytes),
             Movement::Unshift(u) => position_unshift(meta, u),
         }
@@ -90,7 +94,9 @@ impl Movement {
         data_bytes: u64,
     ) -> Result<()> {
         match self {
-            Movement::InPlace => set_segments_in_place(meta, st, pos, data_bytes),
+            Movement::InPlace { bounded } => {
+                set_segments_in_place(meta, st, pos, data_bytes, *bounded)
+            }
             Movement::Shift(sh) => set_segments_shift(meta, st, sh, pos),
             Movement::Unshift(u) => set_segments_unshift(meta, st, u, pos),
         }
@@ -107,7 +113,9 @@ impl Movement {
         align: u64,
     ) -> Result<Option<Vec<Step>>> {
         match self {
-            Movement::InPlace => next_hotzone_in_place(st, pos, data_bytes, hotzone_max, align),
+            Movement::InPlace { .. } => {
+                next_hotzone_in_place(st, pos, data_bytes, hotzone_max, align)
+            }
             Movement::Shift(sh) => next_hotzone_shift(sh, pos, align),
             Movement::Unshift(u) => next_hotzone_unshift(st, u, pos, align),
         }
@@ -234,6 +242,33 @@ pub enum MovedGuard {
     Checksum { hash: HashAlg, block: u32 },
     /// A copy of its old ciphertext in the reencrypt keyslot's area (`datashift-journal`).
     Journal,
+}
+
+/// The data a reencryption in place covers when its header bounds it: the sum of the live
+/// segments' sizes when none of them is `dynamic` though a backup is (cryptsetup's
+/// `LUKS2_get_data_size`, as a run with `--device-size` leaves it after its first hotzone).
+/// `None` where a live segment, or neither backup, is `dynamic`. A sum short of the data area
+/// is a bound; one that reaches its end is an unbounded walk whose hotzone ends there.
+pub fn bounded_data_bytes(meta: &Metadata) -> Option<u64> {
+    let live = live_segments(meta);
+    let backup_dynamic = meta.segments.values().any(|s| {
+        s.size == SegmentSize::Dynamic
+            && s.flags
+                .as_ref()
+                .is_some_and(|f| f.iter().any(|f| f.starts_with("backup-")))
+    });
+    if live.is_empty() || !backup_dynamic {
+        return None;
+    }
+    live.iter().try_fold(0u64, |sum, (_, s)| match s.size {
+        SegmentSize::Bytes(n) => sum.checked_add(n),
+        SegmentSize::Dynamic => None,
+    })
+}
+
+/// Where the data starts: the first live segment's offset (0 without one).
+fn meta_data_start(live: &[(u32, &Segment)]) -> u64 {
+    live.first().map_or(0, |(_, s)| s.offset.0)
 }
 
 pub(super) fn live_segments(meta: &Metadata) -> Vec<(u32, &Segment)> {
@@ -440,14 +475,15 @@ pub fn finalise(meta: &mut Metadata, st: &ReencryptState) -> Result<Retired> {
         .digest_for_keyslot(&rk)
         .map(|(id, _)| id.clone())
         .ok_or_else(|| bad("the reencrypt keyslot has no digest"))?;
+    // A kept key (`--keep-key`) keeps its digest and keyslots.
     let old_keyslots = match d_old {
-        Some(d) => {
+        Some(d) if !in_place::keeps_key(d_old, d_new) => {
             meta.digests
                 .remove(&d.to_string())
                 .ok_or_else(|| bad(format!("digest {d} missing")))?
                 .keyslots
         }
-        None => Vec::new(),
+        _ => Vec::new(),
     };
     meta.digests.remove(&d_reenc);
     let mut retired = Retired {
@@ -538,10 +574,17 @@ pub fn check_layout(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Re
             want.len()
         )));
     }
-    for ((hid, h), (wid, w)) in have.iter().zip(&want) {
+    let last = have.len().saturating_sub(1);
+    for (i, ((hid, h), (wid, w))) in have.iter().zip(&want).enumerate() {
+        // A walk bounded short of the data area (`--device-size`) gives the part that ends
+        // at its bound a fixed size where an unbounded one keeps `dynamic`.
+        let bounded_tail = i == last
+            && w.size == SegmentSize::Dynamic
+            && matches!(h.size, SegmentSize::Bytes(n)
+                if h.offset.0.checked_add(n) == meta_data_start(&have).checked_add(data_bytes));
         let same = h.kind == w.kind
             && h.offset == w.offset
-            && h.size == w.size
+            && (h.size == w.size || bounded_tail)
             && h.iv_tweak.map_or(0, |t| t.0) == w.iv_tweak.map_or(0, |t| t.0)
             && h.encryption == w.encryption
             && h.sector_size == w.sector_size;

@@ -3,10 +3,10 @@ use super::shift::{next_hotzone_shift, shift_geometry, Shift};
 use super::unshift::{
     next_hotzone_unshift, unshift_geometry, Unshift, UNSHIFT_REQUIREMENT_VERSION,
 };
+use super::{bounded_data_bytes, position, set_segments, Movement};
 use super::{
     check_layout, check_supported, finalise, hotzone_offset, MovedGuard, Position, Protect, Step,
 };
-use super::{position, set_segments};
 use crate::luks::json::{Metadata, Segment, SegmentSize, U64Str};
 use crate::luks::reencrypt::{Direction, ReencryptState, Resilience};
 use crate::luks::{parse_any, HashAlg, Header};
@@ -106,6 +106,50 @@ fn set_segments_after_the_hotzone() {
         }
     );
     assert_eq!((st.backup_previous, st.backup_final), (2, 3));
+}
+
+/// A walk bounded short of the data (`--device-size`): the part that ends at the bound gets a
+/// fixed size, as cryptsetup's fixed-size mode writes it; the header then says the bound, and
+/// its layout passes the check for it.
+#[test]
+fn a_bounded_walk_fixes_the_size_of_its_last_part() {
+    let mut m = crash();
+    let mut st = state(&m);
+    assert_eq!(bounded_data_bytes(&m), None);
+    let bound = 64 * MIB;
+    let bounded = Movement::InPlace { bounded: true };
+    for pos in [
+        Position {
+            done: 32 * MIB,
+            hotzone: Some(4 * MIB),
+        },
+        Position {
+            done: 36 * MIB,
+            hotzone: None,
+        },
+    ] {
+        bounded.set_segments(&mut m, &mut st, pos, bound).unwrap();
+        let last = &m.segments[&(st.backup_previous - 1).to_string()];
+        assert_eq!(
+            last.size,
+            SegmentSize::Bytes(bound - 32 * MIB - pos.hotzone.unwrap_or(4 * MIB))
+        );
+        assert_eq!(bounded_data_bytes(&m), Some(bound));
+        assert_eq!(position(&m, &st, bound).unwrap(), pos);
+        check_layout(&m, &st, bound).unwrap();
+    }
+    // Unbounded, the same position keeps the rest dynamic; a bound past it is no bound.
+    set_segments(
+        &mut m,
+        &mut st,
+        Position {
+            done: 36 * MIB,
+            hotzone: None,
+        },
+        DATA,
+    )
+    .unwrap();
+    assert_eq!(bounded_data_bytes(&m), None);
 }
 
 #[test]

@@ -83,7 +83,7 @@ pub fn resume_serving(
     progress: &mut dyn FnMut(Progress),
     serving: &mut dyn Serving,
 ) -> Result<()> {
-    let mut u = open_rotation(devs, passphrase, opts.resilience)?;
+    let mut u = open_rotation(devs, passphrase, opts.resilience, opts.device_size)?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);
@@ -136,7 +136,7 @@ fn size_buffers(
     // Offline, a `none` hotzone is read, rekeyed and written a buffer at a time (below, and
     // `walk`): its buffer need not hold it whole.
     let none_cap = match (u.protect, u.movement, serving.serves()) {
-        (Protect::None, Movement::InPlace, false) => NONE_BUFFER_BYTES,
+        (Protect::None, Movement::InPlace { .. }, false) => NONE_BUFFER_BYTES,
         _ => u64::MAX,
     };
     let buf_len = hot_max

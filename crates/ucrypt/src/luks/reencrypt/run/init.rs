@@ -260,7 +260,7 @@ pub fn init_on(devs: Devices<'_>, passphrase: &[u8], opts: &InitOptions<'_>) -> 
         passphrase: crate::SecretBytes::from_slice(passphrase),
         vk,
     };
-    init_checked(devs, header, std::slice::from_ref(&one), opts)
+    init_checked(devs, header, std::slice::from_ref(&one), opts, false)
 }
 
 /// cryptsetup's words when a key file (one passphrase) is given for a rotation of a volume
@@ -279,7 +279,26 @@ pub fn init_slots(
     opts: &InitOptions<'_>,
 ) -> Result<Started> {
     let header = read_header(devs.header)?;
-    init_checked(devs, header, slots, opts)
+    init_checked(devs, header, slots, opts, false)
+}
+
+/// cryptsetup's words when `--keep-key` changes neither the cipher nor the sector size.
+pub const KEEP_KEY_CHANGES_NOTHING: &str =
+    "No data segment parameters changed. Reencryption aborted.";
+
+/// A reencryption that keeps the volume key (cryptsetup's `reencrypt --keep-key`): the data
+/// is rewritten to the new cipher or sector size of `opts.change` under the key `slot`
+/// opens. No keyslot is added or removed: the key's digest covers the live segment and both
+/// backups, and the reencryption digest takes the key once, as cryptsetup 2.6.1 writes it.
+/// Refused, before anything is written, when neither the cipher nor the sector size changes
+/// ([`KEEP_KEY_CHANGES_NOTHING`]) or a new key size is asked for.
+pub fn init_keep_key(
+    devs: Devices<'_>,
+    slot: &SlotPassphrase,
+    opts: &InitOptions<'_>,
+) -> Result<Started> {
+    let header = read_header(devs.header)?;
+    init_checked(devs, header, std::slice::from_ref(slot), opts, true)
 }
 
 pub(super) fn init_checked(
@@ -287,6 +306,7 @@ pub(super) fn init_checked(
     header: Header,
     slots: &[SlotPassphrase],
     opts: &InitOptions<'_>,
+    keep_key: bool,
 ) -> Result<Started> {
     let dev = devs.header;
     header.check_requirements()?;
@@ -301,6 +321,9 @@ pub(super) fn init_checked(
             ))
         }
     };
+    if keep_key && (decrypt || slots.len() != 1) {
+        return Err(Error::Bug("--keep-key: a rotation with one passphrase"));
+    }
     if decrypt && (!devs.detached() || seg.offset_bytes != 0) {
         return Err(Error::InvalidArgument(DECRYPT_NEEDS_DETACHED_HEADER.into()));
     }
@@ -310,14 +333,26 @@ pub(super) fn init_checked(
         ));
     };
     let (old_slot, old_vk) = (first.slot, &first.vk);
-    check_slots(&h, slots, old_vk.digest_id(), decrypt)?;
+    check_slots(&h, slots, old_vk.digest_id(), decrypt || keep_key)?;
     let kdfs = slot_kdfs(&h, slots, opts)?;
     let (new_cipher, new_key_bytes, new_sector) =
         new_segment_params(devs, &seg, old_vk.len(), opts, decrypt)?;
+    if keep_key {
+        if new_key_bytes != old_vk.len() {
+            return Err(Error::InvalidArgument(format!(
+                "--keep-key keeps the {}-bit volume key: a {}-bit key cannot be asked for",
+                old_vk.len() * 8,
+                new_key_bytes * 8
+            )));
+        }
+        if new_cipher == seg.cipher && new_sector == seg.sector_size {
+            return Err(Error::InvalidArgument(KEEP_KEY_CHANGES_NOTHING.into()));
+        }
+    }
 
     // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
     // passphrase, whose material is written first; the header write comes below.
-    let (new_vk, mut ops, new_keyslots) = if decrypt {
+    let (new_vk, mut ops, new_keyslots) = if decrypt || keep_key {
         (None, Vec::new(), Vec::new())
     } else {
         let made = add_new_keyslots(&mut h, slots, &kdfs, new_key_bytes)?;
@@ -349,16 +384,20 @@ pub(super) fn init_checked(
     } else {
         Some((new_cipher, new_sector))
     };
-    set_rotation_segments(
-        &mut h.meta,
-        new_final,
-        old_vk.digest_id(),
-        new_vk.as_ref().map(VolumeKey::digest_id),
-    )?;
+    let new_did = match &new_vk {
+        Some(vk) => Some(vk.digest_id()),
+        None if keep_key => Some(old_vk.digest_id()),
+        None => None,
+    };
+    set_rotation_segments(&mut h.meta, new_final, old_vk.digest_id(), new_did)?;
 
-    // The reencryption digest over the keys and the metadata.
+    // The reencryption digest over the keys and the metadata (the kept key once).
     let last_kdf = kdfs.last().unwrap_or(opts.kdf);
-    let new_key = new_vk.as_ref().map(VolumeKey::bytes);
+    let new_key = match &new_vk {
+        Some(vk) => Some(vk.bytes()),
+        None if keep_key => Some(old_vk.bytes()),
+        None => None,
+    };
     add_reencryption_digest(&mut h.meta, last_kdf, rk, Some(old_vk.bytes()), new_key)?;
     ops.extend(h.commit()?);
     apply(dev, &ops)?;
@@ -530,7 +569,8 @@ fn add_new_keyslots(
 /// cryptsetup's segments of a reencryption: the whole device as it is (0), then the two
 /// backups, backup-previous (1) and backup-final (2: the new cipher and sector size of
 /// `new_final`, or `linear` for a decryption, `None`); the old key's digest `old_did` covers
-/// 0 and 1, the new key's `new_did` covers 2; the reencryption requirement is added.
+/// 0 and 1, the new key's `new_did` covers 2 (all three when it is the old one: a kept key);
+/// the reencryption requirement is added.
 fn set_rotation_segments(
     meta: &mut Metadata,
     new_final: Option<(CipherSpec, SectorSize)>,
@@ -565,11 +605,14 @@ fn set_rotation_segments(
         ("1".to_string(), flagged("backup-previous")),
         ("2".to_string(), fin),
     ]);
-    let old_segs = vec!["0".into(), "1".into()];
-    assign_segments(meta, old_did, old_segs, "old key digest vanished")?;
-    if let Some(did) = new_did {
-        assign_segments(meta, did, vec!["2".into()], "new key digest vanished")?;
+    let mut old_segs = vec!["0".into(), "1".into()];
+    match new_did {
+        // A kept key: its digest covers all three (cryptsetup's `--keep-key`).
+        Some(did) if did == old_did => old_segs.push("2".into()),
+        Some(did) => assign_segments(meta, did, vec!["2".into()], "new key digest vanished")?,
+        None => {}
     }
+    assign_segments(meta, old_did, old_segs, "old key digest vanished")?;
     require(meta, REQUIREMENT_V2);
     Ok(())
 }

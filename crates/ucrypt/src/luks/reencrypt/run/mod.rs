@@ -56,9 +56,10 @@ pub use encrypt::{
 };
 pub use hotzones::{resume, resume_on, resume_serving};
 pub use init::{
-    check_free_keyslots, check_passphrase, init, init_on, init_slots, passphrase_keyslots,
-    InitOptions, KeyslotKdf, SegmentChange, SlotPassphrase, Started, DECRYPT_NEEDS_DETACHED_HEADER,
-    KEY_FILE_NEEDS_ONE_KEYSLOT, NOT_ENOUGH_KEYSLOTS,
+    check_free_keyslots, check_passphrase, init, init_keep_key, init_on, init_slots,
+    passphrase_keyslots, InitOptions, KeyslotKdf, SegmentChange, SlotPassphrase, Started,
+    DECRYPT_NEEDS_DETACHED_HEADER, KEEP_KEY_CHANGES_NOTHING, KEY_FILE_NEEDS_ONE_KEYSLOT,
+    NOT_ENOUGH_KEYSLOTS,
 };
 pub(crate) use recovery::prepare_recovery;
 pub use recovery::{recover, recover_on, Recovery};
@@ -261,6 +262,11 @@ pub struct RunOptions {
     /// A resilience to switch to before the next hotzone ([`ResilienceAsked`]); `None` keeps
     /// the reencryption's own.
     pub resilience: Option<ResilienceAsked>,
+    /// `--device-size`: reencrypt only this many bytes from the start of the data area (the
+    /// rest keeps its old form under the new key's segment once done: cryptsetup's warning
+    /// "data beyond --device-size limit may be lost"); `None`: all of it, or the bound a
+    /// reencryption started with it left in the header.
+    pub device_size: Option<u64>,
 }
 
 /// Copies `len` bytes from `from` to `to` on `dev` (ranges that do not overlap) and flushes,

@@ -55,14 +55,14 @@ pub(crate) fn prepare_recovery<'a>(
     devs: Devices<'a>,
     passphrase: &[u8],
 ) -> Result<PendingRecovery<'a>> {
-    let u = open_rotation(devs, passphrase, None)?;
+    let u = open_rotation(devs, passphrase, None, None)?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     let hotzone = match pos.hotzone {
         None => None,
         Some(len) => {
             let offset = match u.movement {
                 Movement::Unshift(us) => us.hotzone_offset(pos.done),
-                Movement::InPlace | Movement::Shift(_) => {
+                Movement::InPlace { .. } | Movement::Shift(_) => {
                     hotzone_offset(&u.st, pos, len, u.data_bytes)
                 }
             };

@@ -6,7 +6,8 @@ use crate::engine::crew::Crew;
 use crate::luks::json::Metadata;
 use crate::luks::json::SegmentKind;
 use crate::luks::reencrypt::plan::{
-    check_layout, check_supported, shift_geometry, unshift_geometry, Movement, Protect,
+    bounded_data_bytes, check_layout, check_supported, shift_geometry, unshift_geometry, Movement,
+    Protect,
 };
 use crate::luks::reencrypt::{digest_of_segment, ReencryptState};
 use crate::luks::{read_area, read_header, unlock, Header, Luks2Header, VolumeKey};
@@ -136,10 +137,13 @@ pub(super) fn cipher_of(
     ))
 }
 
+/// Opens the reencryption on `devs` with `passphrase`, switching its resilience to `asked`;
+/// `device_size`: reencrypt only the first bytes of the data area ([`in_place_bytes`]).
 pub(super) fn open_rotation(
     devs: Devices<'_>,
     passphrase: &[u8],
     asked: Option<ResilienceAsked>,
+    device_size: Option<u64>,
 ) -> Result<Unlocked> {
     let dev = devs.header;
     let header = read_header(dev)?;
@@ -205,11 +209,22 @@ pub(super) fn open_rotation(
             n / align * align
         }
     };
+    if device_size.is_some() && (shift.is_some() || matches!(protect, Protect::Unshift(_))) {
+        return Err(Error::InvalidArgument(
+            "reencrypt --device-size with a reencryption that moves the data is not supported \
+             by ucrypt (cryptsetup refuses it with --reduce-device-size)"
+                .into(),
+        ));
+    }
+    let (data_bytes, bounded) = match shift {
+        Some(_) => (data_bytes, false),
+        None => in_place_bytes(&h.meta, &st, protect, data_bytes, align, device_size)?,
+    };
     let movement = match shift {
         Some(sh) => Movement::Shift(sh),
         None => match unshift_geometry(&h.meta, &st, data_bytes)? {
             Some(us) => Movement::Unshift(us),
-            None => Movement::InPlace,
+            None => Movement::InPlace { bounded },
         },
     };
     if let Movement::Unshift(us) = movement {
@@ -247,4 +262,49 @@ pub(super) fn open_rotation(
         movement,
         new_key,
     })
+}
+
+/// The bytes a reencryption in place walks, and whether that bounds it short of the
+/// `area_bytes` of the data area, as cryptsetup 2.6.1 decides: `--device-size` (`asked`)
+/// bounds a walk whose header does not, if it is a whole number of alignment units (the
+/// larger sector size, and the checksum block) and no longer than the data area; a header
+/// bounded already ([`bounded_data_bytes`]) keeps its bound, and `--device-size` must then
+/// be that bound.
+fn in_place_bytes(
+    meta: &Metadata,
+    st: &ReencryptState,
+    protect: Protect,
+    area_bytes: u64,
+    align: u64,
+    asked: Option<u64>,
+) -> Result<(u64, bool)> {
+    let illegal = || {
+        Error::InvalidArgument("Illegal device size requested in reencryption parameters.".into())
+    };
+    let has = bounded_data_bytes(meta).filter(|&b| b < area_bytes);
+    let bytes = match (asked, has) {
+        (None, None) => return Ok((area_bytes, false)),
+        (None, Some(b)) => b,
+        (Some(n), Some(b)) if n != b => return Err(illegal()),
+        (Some(n), _) => n,
+    };
+    let zone = match protect {
+        Protect::Checksum { block, .. } => align.max(u64::from(block)),
+        _ => align,
+    };
+    if bytes % zone != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Device size must be multiple of calculated zone alignment ({zone} bytes)."
+        )));
+    }
+    if bytes == 0 || bytes > area_bytes {
+        return Err(illegal());
+    }
+    // Past what is done already (cryptsetup's minimal size: the fixed segments before the
+    // dynamic one, and one sector of it).
+    match crate::luks::reencrypt::plan::position(meta, st, bytes) {
+        Ok(pos) if pos.done < bytes => {}
+        _ => return Err(illegal()),
+    }
+    Ok((bytes, bytes < area_bytes))
 }

@@ -94,7 +94,7 @@ fn plan(
     chunk: usize,
 ) -> Result<Option<Plan>> {
     match (u.protect, u.movement) {
-        (Protect::None, Movement::InPlace) | (Protect::Datashift, Movement::Shift(_)) => {}
+        (Protect::None, Movement::InPlace { .. }) | (Protect::Datashift, Movement::Shift(_)) => {}
         _ => return Ok(None),
     }
     let mut p = Plan {
