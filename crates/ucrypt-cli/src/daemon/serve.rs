@@ -163,6 +163,26 @@ struct Beside<'a> {
     control: server::Acceptor,
     /// Readable when a control connection sent an event.
     wake: UnixStream,
+    /// The volume's requests so far (reads and writes): unchanged for [`HEAP_TRIM_IDLE`], the
+    /// heap's free pages go back to the kernel.
+    requests: &'a dyn Fn() -> u64,
+}
+
+/// How long the volume is idle before the daemon gives the heap's free pages back: long
+/// enough that the threads started under load (engine workers, FUSE readers, the pool's
+/// reaper: `ucrypt::pool::POOL_IDLE_RELEASE` each) have ended and freed theirs.
+const HEAP_TRIM_IDLE: Duration = Duration::from_secs(2 * ucrypt::pool::POOL_IDLE_RELEASE.as_secs());
+
+/// Gives the heap's free pages back to the kernel (glibc keeps what a busy moment freed: a
+/// megabyte of an idle daemon's anonymous memory).
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: malloc_trim takes no pointers; it only returns the allocator's free memory.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
 }
 
 /// A running front end.
@@ -191,7 +211,7 @@ impl Front {
     }
 }
 
-/// What the control thread shares with the main loop.
+/// What the control connections share with the main loop.
 struct Shared {
     name: String,
     vol: Opened,
@@ -229,7 +249,7 @@ enum Event {
     Close {
         force: bool,
         reply: SyncSender<Response>,
-        /// Dropped by the control thread once the answer is written: only then may the
+        /// Dropped by the connection's thread once the answer is written: only then may the
         /// daemon exit.
         written: Receiver<()>,
     },
@@ -815,6 +835,13 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         let s = shared.clone();
         move || s.in_use().is_some()
     };
+    let requests = {
+        let s = shared.clone();
+        move || {
+            let st = s.vol.stats();
+            st.read.requests + st.write.requests
+        }
+    };
     main_loop(
         front,
         &vol,
@@ -828,6 +855,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
             nbd,
             control,
             wake: wake_rx,
+            requests: &requests,
         },
     );
     Ok(())
@@ -898,7 +926,10 @@ fn main_loop(
         mut nbd,
         control,
         mut wake,
+        requests,
     } = beside;
+    // The requests last seen, since when, and whether the heap was trimmed since.
+    let (mut seen, mut seen_at, mut trimmed) = (requests(), std::time::Instant::now(), false);
     // NBD clients go first: after this nothing reaches the volume but the device's users.
     let mut stop_nbd = || {
         if let Some(n) = nbd.take() {
@@ -957,6 +988,13 @@ fn main_loop(
             stop_nbd();
             let _ = teardown(front, vol, true, ident, dir);
             return;
+        }
+        let now = requests();
+        if now != seen {
+            (seen, seen_at, trimmed) = (now, std::time::Instant::now(), false);
+        } else if !trimmed && seen_at.elapsed() >= HEAP_TRIM_IDLE {
+            trim_heap();
+            trimmed = true;
         }
     }
 }
