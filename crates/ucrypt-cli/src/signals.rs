@@ -80,9 +80,8 @@ impl SignalFd {
             )));
         }
         // SAFETY: just opened, owned by nobody else.
-        Ok(SignalFd {
-            fd: unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        Ok(SignalFd { fd })
     }
 
     /// The signal pending, if any (without waiting), taken off the queue.
