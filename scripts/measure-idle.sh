@@ -52,6 +52,10 @@ for n in "${names[@]}"; do
 	dd if=/dev/zero of="/dev/ucrypt/$n" bs=1M count=4 oflag=direct conv=notrunc status=none
 	dd if="/dev/ucrypt/$n" of=/dev/null bs=1M count=4 iflag=direct status=none
 done
+# The pids before the idle period: a `status` answered just before /proc is read would count
+# its control connection's thread, which ends with the connection.
+pids=()
+for n in "${names[@]}"; do pids+=("$(pid_of "$n")"); done
 sleep "$IDLE_S"
 
 echo
@@ -60,8 +64,9 @@ printf '%-16s %8s %10s %9s %8s  %s\n' name pid RssAnon_kB VmLck_kB Threads threa
 tot_rss=0
 tot_lck=0
 tot_thr=0
-for n in "${names[@]}"; do
-	p=$(pid_of "$n")
+for i in "${!names[@]}"; do
+	n=${names[$i]}
+	p=${pids[$i]}
 	st=/proc/$p/status
 	rss=$(awk '/^RssAnon:/ { print $2 }' "$st")
 	lck=$(awk '/^VmLck:/ { print $2 }' "$st")

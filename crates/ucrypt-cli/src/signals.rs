@@ -7,6 +7,9 @@
 //! them synchronously (`sigwait`) and requests the stop; a second signal requests it again
 //! (FUSE then retries an unmount that failed).
 //!
+//! The `open` daemon takes them on its main loop instead, through a signalfd ([`SignalFd`]),
+//! beside its control socket: one thread less.
+//!
 //! Until the verb calls [`started`], the volume is still being opened (a slow KDF, a FIFO or a
 //! device that does not answer): nothing has been acknowledged to anyone, so a signal then
 //! ends the process at once (exit 128 + signal, as a shell reports a signal's death), after
@@ -35,9 +38,8 @@ pub fn remove_if_interrupted(path: PathBuf) {
     ucrypt::sync::lock(&STARTUP_FILES).push(path);
 }
 
-/// Blocks SIGINT and SIGTERM in the calling thread and starts the thread that turns them into
-/// stop requests. Call it first, before any other thread is spawned.
-pub fn stop_on_signals() -> Result<Stop, CliError> {
+/// Blocks SIGINT and SIGTERM in the calling thread (and so in every thread it spawns after).
+fn block_stop_signals() -> Result<libc::sigset_t, CliError> {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only
     // reads it.
     let set = unsafe {
@@ -54,6 +56,62 @@ pub fn stop_on_signals() -> Result<Stop, CliError> {
         }
         set
     };
+    Ok(set)
+}
+
+/// SIGINT and SIGTERM, blocked in every thread, readable from a file descriptor that `poll`
+/// can wait on (signalfd(2)).
+pub struct SignalFd {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl SignalFd {
+    /// Blocks the signals and opens the descriptor. Call it first, before any other thread is
+    /// spawned: a thread made before would take the signals' default action.
+    pub fn new() -> Result<SignalFd, CliError> {
+        use std::os::fd::FromRawFd;
+        let set = block_stop_signals()?;
+        // SAFETY: `set` is an initialised sigset; -1 asks for a new descriptor.
+        let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(CliError::Core(ucrypt::Error::io(
+                "signalfd",
+                std::io::Error::last_os_error(),
+            )));
+        }
+        // SAFETY: just opened, owned by nobody else.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        Ok(SignalFd { fd })
+    }
+
+    /// The signal pending, if any (without waiting), taken off the queue.
+    pub fn take(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: plain data, filled by read below.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let len = std::mem::size_of::<libc::signalfd_siginfo>();
+        // SAFETY: `info` is a live buffer of `len` bytes.
+        let n = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut info as *mut libc::signalfd_siginfo).cast(),
+                len,
+            )
+        };
+        (n == len as isize).then_some(info.ssi_signo as i32)
+    }
+}
+
+impl std::os::fd::AsRawFd for SignalFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.fd)
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in the calling thread and starts the thread that turns them into
+/// stop requests. Call it first, before any other thread is spawned.
+pub fn stop_on_signals() -> Result<Stop, CliError> {
+    let set = block_stop_signals()?;
     let stop = Stop::new();
     let s = stop.clone();
     std::thread::Builder::new()

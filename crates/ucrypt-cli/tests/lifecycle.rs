@@ -1940,3 +1940,101 @@ fn vhost_user_front_end_serves_a_socket_until_close() {
     let o = ucrypt(&["status", &n]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
 }
+
+/// The threads of process `pid` by name (`/proc/PID/task/*/comm`).
+fn thread_names(pid: &str) -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect()
+}
+
+/// An idle FUSE daemon keeps 2 threads (its main loop and one FUSE reader): after a busy
+/// moment that started a second reader, the engine's workers and the pool's reaper, all of
+/// them end once the volume has been idle for their idle periods (5 s each here; the test
+/// waits up to a minute, for a loaded machine). The volume then still serves, and closes.
+#[test]
+fn an_idle_fuse_daemon_keeps_two_threads() {
+    if !is_root() || !Path::new("/dev/fuse").exists() {
+        println!("SKIPPED: needs root and /dev/fuse");
+        return;
+    }
+    let t = TempDir::new("idle-threads");
+    // 16 MiB of LUKS2 header, 24 MiB of data.
+    let (img, key) = volume(&t, "vol.img", 40);
+    let n = name("idle");
+    let o = ucrypt(&[
+        "open",
+        s(&img),
+        &n,
+        "--key-file",
+        s(&key),
+        "--front-end",
+        "fuse",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let (_, f) = status_fields(&n);
+    let pid = field(&f, "pid").to_string();
+    let file = Path::new(RUN_DIR).join(&n).join("volume");
+    // Busy: writers at once (requests queue: a second reader starts; 1 MiB writes take the
+    // pool past its kept chunk: the reaper starts), then a read.
+    let writers: Vec<_> = (0..4)
+        .map(|i| {
+            Command::new("dd")
+                .args([
+                    "if=/dev/zero",
+                    &format!("of={}", s(&file)),
+                    "bs=1M",
+                    "count=4",
+                    &format!("seek={}", i * 4),
+                    "oflag=direct",
+                    "conv=notrunc",
+                    "status=none",
+                ])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let written = writers
+        .into_iter()
+        .all(|mut w| w.wait().is_ok_and(|st| st.success()));
+    let read = [
+        &format!("if={}", s(&file)),
+        "of=/dev/null",
+        "bs=1M",
+        "count=16",
+        "iflag=direct",
+        "status=none",
+    ];
+    let read_busy = run("dd", &read);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut names = thread_names(&pid);
+    while names.len() > 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        names = thread_names(&pid);
+    }
+    let log = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("daemon.log"));
+    let idle_ok = names.len() <= 2 && !names.is_empty();
+    // Still serving after the idle period; closes.
+    let read_idle = run("dd", &read);
+    let closed = ucrypt(&["close", &n]);
+    assert!(written, "dd into {}", file.display());
+    for o in [&read_busy, &read_idle] {
+        assert!(
+            o.status.success(),
+            "dd from {}: {}",
+            file.display(),
+            text(o)
+        );
+    }
+    assert!(
+        idle_ok,
+        "idle daemon {pid} has {} threads after 60 s: {names:?}; log: {log:?}",
+        names.len()
+    );
+    assert_eq!(closed.status.code(), Some(0), "{}", text(&closed));
+    assert_gone(&n);
+}

@@ -7,8 +7,9 @@
 //!
 //! Own FUSE implementation (no libfuse): [`proto`] is the wire codec, `fs` the sans-I/O request
 //! handler, `transport` the kernel side. Two transports share the handler:
-//! - classic `/dev/fuse`: one worker thread per CPU, each with its own cloned fd
-//!   (FUSE_DEV_IOC_CLONE);
+//! - classic `/dev/fuse`: up to one reader thread per CPU, each with its own cloned fd
+//!   (FUSE_DEV_IOC_CLONE); one runs always, the others start under load and end when idle
+//!   (`readers`);
 //! - FUSE-over-io_uring (Linux >= 6.14, `/sys/module/fuse/parameters/enable_uring` = Y): one
 //!   thread and ring per kernel queue (one queue per CPU), [`URING_ENTRIES_PER_QUEUE`] entries
 //!   each, plus one classic thread for FORGET/INTERRUPT, which the kernel still sends there.
@@ -17,6 +18,7 @@
 
 mod fs;
 pub mod proto;
+mod readers;
 #[allow(unsafe_code)] // the one module that talks to the kernel (see its docs)
 mod transport;
 
@@ -32,6 +34,8 @@ pub use fs::{
     plan_fallocate, plan_read, plan_write, FallocPlan, FsConfig, Outcome, PunchHole, VolumeFs,
     REQUEST_BYTES_MAX,
 };
+pub use readers::READER_IDLE;
+use readers::{worker, Readers, WorkerError};
 pub use transport::URING_ENTRIES_PER_QUEUE;
 
 /// Upper bound on FUSE worker threads: each classic one holds one request buffer of about
@@ -164,6 +168,8 @@ pub fn transport_note() -> String {
 /// A mounted volume file. Dropping it unmounts lazily; prefer [`Mounted::unmount`].
 pub struct Mounted {
     workers: Vec<JoinHandle<()>>,
+    /// The classic readers (their first one is in `workers`).
+    readers: Option<Arc<Readers>>,
     fs: Arc<fs::VolumeFs>,
     /// The first error a worker ended with.
     worker_error: WorkerError,
@@ -171,7 +177,8 @@ pub struct Mounted {
     mountpoint: PathBuf,
     /// The file users open: the mount point, or `mountpoint/file_name`.
     pub file: PathBuf,
-    /// Worker threads serving requests.
+    /// Worker threads serving requests, at most (classic readers beyond the first start on
+    /// demand and end when idle).
     pub threads: usize,
     pub transport: ActiveTransport,
     fd: Arc<OwnedFd>,
@@ -228,29 +235,6 @@ fn check_mountpoint(mountpoint: &Path, opts: &MountOptions) -> Result<bool> {
         }
         (_, is_dir) => Ok(is_dir),
     }
-}
-
-/// Runs `f` on a named thread; its error, if any, is kept for [`Mounted::join`].
-/// The first error a FUSE thread ended with, kept for [`Mounted::join`].
-type WorkerError = Arc<Mutex<Option<String>>>;
-
-fn worker(
-    name: String,
-    err: &WorkerError,
-    f: impl FnOnce() -> std::io::Result<()> + Send + 'static,
-) -> Result<JoinHandle<()>> {
-    let err = err.clone();
-    let n2 = name.clone();
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || {
-            if let Err(e) = f() {
-                if let Ok(mut g) = err.lock() {
-                    g.get_or_insert(format!("{n2}: {e}"));
-                }
-            }
-        })
-        .map_err(|e| Error::io("start FUSE worker thread", e))
 }
 
 /// Mounts `dev` at `mountpoint` and serves it from background threads until unmounted.
@@ -340,7 +324,7 @@ fn spawn_with(
         not_offered = Some(reason);
     }
     let notify_fd = fd.clone();
-    let transport = if fs.io_uring_negotiated() {
+    let (transport, readers) = if fs.io_uring_negotiated() {
         match start_uring(fd, &fs, &worker_error, &mut workers, mountpoint)? {
             Ok(t) => t,
             Err(reason) => return Ok(Err(reason)),
@@ -348,9 +332,13 @@ fn spawn_with(
     } else {
         start_classic(fd, &fs, &worker_error, &mut workers, opts, not_offered)?
     };
-    let threads = workers.len();
+    let threads = match &transport {
+        ActiveTransport::Classic { threads, .. } => *threads,
+        ActiveTransport::IoUring { .. } => workers.len(),
+    };
     Ok(Ok(Mounted {
         workers,
+        readers: Some(readers),
         fs,
         worker_error,
         dev,
@@ -371,7 +359,7 @@ fn start_uring(
     worker_error: &WorkerError,
     workers: &mut Vec<JoinHandle<()>>,
     mountpoint: &Path,
-) -> Result<std::result::Result<ActiveTransport, String>> {
+) -> Result<std::result::Result<(ActiveTransport, Arc<Readers>), String>> {
     let queues = transport::possible_cpus();
     let threads = queues.min(THREADS_MAX);
     let (tx, rx) = std::sync::mpsc::channel::<std::result::Result<(), String>>();
@@ -430,16 +418,16 @@ fn start_uring(
         }
         return Ok(Err(reason));
     }
-    // FORGET and INTERRUPT still come over /dev/fuse.
-    let (fd2, fs2) = (fd.clone(), fs.clone());
-    workers.push(worker("fuse-classic".into(), worker_error, move || {
-        transport::classic_loop(&fd2, &fs2)
-    })?);
-    Ok(Ok(ActiveTransport::IoUring { queues, threads }))
+    // FORGET and INTERRUPT still come over /dev/fuse: one reader, on the blocking fd that the
+    // rings use too.
+    let (readers, first) = Readers::start(fd, fs, 1, "fuse-classic", worker_error)?;
+    workers.push(first);
+    Ok(Ok((ActiveTransport::IoUring { queues, threads }, readers)))
 }
 
-/// Serves over classic /dev/fuse: `opts.thread_count()` threads, each with its own clone of the
-/// descriptor where the kernel allows.
+/// Serves over classic /dev/fuse: up to `opts.thread_count()` readers, one running always,
+/// the others on demand (`readers.rs`), each with its own clone of the descriptor where the
+/// kernel allows.
 fn start_classic(
     fd: Arc<OwnedFd>,
     fs: &Arc<fs::VolumeFs>,
@@ -447,23 +435,17 @@ fn start_classic(
     workers: &mut Vec<JoinHandle<()>>,
     opts: &MountOptions,
     not_offered: Option<String>,
-) -> Result<ActiveTransport> {
+) -> Result<(ActiveTransport, Arc<Readers>)> {
     let threads = opts.thread_count();
-    for t in 0..threads {
-        let own = if t == 0 {
-            None
-        } else {
-            transport::clone_fd(&fd).ok()
-        };
-        let (fd, fs) = (fd.clone(), fs.clone());
-        workers.push(worker(format!("fuse-{t}"), worker_error, move || {
-            transport::classic_loop(own.as_ref().unwrap_or(&fd), &fs)
-        })?);
-    }
-    Ok(ActiveTransport::Classic {
-        threads,
-        io_uring_unused: not_offered,
-    })
+    let (readers, first) = Readers::start(fd, fs, threads, "fuse-0", worker_error)?;
+    workers.push(first);
+    Ok((
+        ActiveTransport::Classic {
+            threads,
+            io_uring_unused: not_offered,
+        },
+        readers,
+    ))
 }
 
 /// Lazy unmount that works for root (umount2) and for the mounting user (`fusermount3 -u -z`).
@@ -518,6 +500,7 @@ impl Mounted {
     /// True once the session ended (unmounted from outside, or after [`Self::request_unmount`]).
     pub fn finished(&self) -> bool {
         self.workers.iter().all(|w| w.is_finished())
+            && self.readers.as_ref().is_none_or(|r| r.finished())
     }
 
     /// Unmounts without waiting: a plain unmount, or a lazy one if the file is busy.
@@ -545,6 +528,9 @@ impl Mounted {
         for w in std::mem::take(&mut self.workers) {
             w.join()
                 .map_err(|_| Error::Bug("a FUSE worker thread panicked"))?;
+        }
+        if let Some(r) = self.readers.take() {
+            r.join()?;
         }
         let err = self.worker_error.lock().ok().and_then(|mut g| g.take());
         self.dev.flush()?;

@@ -227,16 +227,19 @@ pub fn umount(mountpoint: &Path, lazy: bool) -> io::Result<()> {
     }
 }
 
-/// Why a classic loop stopped reading.
-enum Read {
+/// What one read of a classic fd gave.
+pub enum Read {
     Got(usize),
+    /// Nothing to read now (EAGAIN on a non-blocking fd): wait with [`wait_readable`].
+    Empty,
     /// Try again (interrupted, or the request was aborted before we read it).
     Again,
     /// The connection is gone (unmounted).
     Gone,
 }
 
-fn read_request(fd: RawFd, buf: &mut [u8]) -> io::Result<Read> {
+/// Reads one request into `buf`.
+pub fn read_request(fd: RawFd, buf: &mut [u8]) -> io::Result<Read> {
     // SAFETY: `buf` is a live, writable buffer of the given length.
     let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
     if n >= 0 {
@@ -244,12 +247,114 @@ fn read_request(fd: RawFd, buf: &mut [u8]) -> io::Result<Read> {
     }
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
-        Some(libc::EINTR | libc::EAGAIN | libc::ENOENT) => Ok(Read::Again),
+        Some(libc::EAGAIN) => Ok(Read::Empty),
+        Some(libc::EINTR | libc::ENOENT) => Ok(Read::Again),
         // The connection is gone: unmounted (ENODEV), or ended by the kernel as it destroys
         // the file system once its last user (a loop device over a detached mount) leaves,
         // which reads as an aborted connection (ECONNABORTED), as the io_uring path sees too.
         Some(libc::ENODEV | libc::ECONNABORTED) => Ok(Read::Gone),
         _ => Err(e),
+    }
+}
+
+/// Makes reads of `fd` return at once when no request is queued ([`Read::Empty`]), so that a
+/// reader can wait with a timeout ([`wait_readable`]).
+pub fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl on an fd we own; F_GETFL/F_SETFL touch no memory.
+    unsafe {
+        let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        if flags < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Waits until a request is queued on the connection of `fd` (or it ends: a read then says
+/// so), for at most `timeout` (None: without a limit). False when the time passed.
+pub fn wait_readable(fd: RawFd, timeout: Option<std::time::Duration>) -> io::Result<bool> {
+    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd, the count given.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EINTR) {
+            return Ok(true);
+        }
+        return Err(e);
+    }
+    Ok(n > 0)
+}
+
+/// Whether a request is queued on the connection of `fd` now (nobody has read it yet).
+pub fn request_queued(fd: RawFd) -> bool {
+    wait_readable(fd, Some(std::time::Duration::ZERO)).unwrap_or(false)
+}
+
+/// A classic reader's request buffer: an anonymous mapping of [`CLASSIC_BUF_BYTES`], whose
+/// pages are faulted in as requests fill them (a 4 KiB read touches two) and given back with
+/// [`ReqBuf::release`]. Not the allocator's: a freed 1 MiB allocation raises glibc's mmap
+/// threshold, and the next one then stays in a thread's arena for good.
+pub struct ReqBuf {
+    ptr: std::ptr::NonNull<u8>,
+}
+
+// SAFETY: the mapping is owned by this value alone; it is only reached through `&mut self`.
+unsafe impl Send for ReqBuf {}
+
+impl ReqBuf {
+    pub fn new() -> io::Result<ReqBuf> {
+        // SAFETY: a new private anonymous mapping (no file, no fixed address) aliases nothing.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                CLASSIC_BUF_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: our own mapping; advisory (written requests hold plaintext: keep it out of
+        // core dumps where the kernel allows).
+        unsafe { libc::madvise(raw, CLASSIC_BUF_BYTES, libc::MADV_DONTDUMP) };
+        let ptr = std::ptr::NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(ReqBuf { ptr })
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the whole mapping, readable and writable, borrowed mutably from its owner.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), CLASSIC_BUF_BYTES) }
+    }
+
+    /// Gives the pages back to the kernel (the next request gets zeroed ones): what the last
+    /// requests left there, plaintext of writes included, is gone.
+    pub fn release(&mut self) {
+        // SAFETY: our own mapping, not borrowed (`&mut self`): dropping its pages loses
+        // nothing anyone may read.
+        unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().cast(),
+                CLASSIC_BUF_BYTES,
+                libc::MADV_DONTNEED,
+            )
+        };
+    }
+}
+
+impl Drop for ReqBuf {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new` with this length; no borrow outlives `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), CLASSIC_BUF_BYTES) };
     }
 }
 
@@ -301,19 +406,23 @@ fn write_reply(fd: RawFd, unique: u64, error: i32, body: &[u8]) -> io::Result<bo
 }
 
 /// Serves one classic request from `buf[..n]`; false when the connection is gone.
-fn serve_classic(fd: RawFd, fs: &VolumeFs, buf: &mut [u8], n: usize) -> io::Result<bool> {
+pub fn serve_classic(fd: RawFd, fs: &VolumeFs, buf: &mut [u8], n: usize) -> io::Result<bool> {
     match fs.handle_classic(buf, n) {
         None => Ok(true),
         Some(r) => write_reply(fd, r.unique, r.error, &buf[r.body]),
     }
 }
 
-/// Answers the first request, which must be FUSE_INIT, on the main fd.
+/// Answers the first request, which must be FUSE_INIT, on the main fd (still blocking).
 pub fn serve_init(fd: &OwnedFd, fs: &VolumeFs) -> io::Result<()> {
-    let mut buf = vec![0u8; CLASSIC_BUF_BYTES];
+    let mut buf = ReqBuf::new()?;
+    let buf = buf.as_mut_slice();
     loop {
-        match read_request(fd.as_raw_fd(), &mut buf)? {
+        match read_request(fd.as_raw_fd(), buf)? {
             Read::Again => continue,
+            Read::Empty => {
+                wait_readable(fd.as_raw_fd(), None)?;
+            }
             Read::Gone => return Err(io::Error::other("FUSE connection closed before INIT")),
             Read::Got(n) => {
                 let op = InHeader::parse(&buf[..n]).map(|h| h.opcode);
@@ -322,27 +431,11 @@ pub fn serve_init(fd: &OwnedFd, fs: &VolumeFs) -> io::Result<()> {
                         "first FUSE request is opcode {op:?}, not INIT"
                     )));
                 }
-                serve_classic(fd.as_raw_fd(), fs, &mut buf, n)?;
+                serve_classic(fd.as_raw_fd(), fs, buf, n)?;
                 if !fs.initialised() {
                     return Err(io::Error::other("FUSE INIT refused (protocol version)"));
                 }
                 return Ok(());
-            }
-        }
-    }
-}
-
-/// Reads and answers requests on `fd` until the connection goes away.
-pub fn classic_loop(fd: &OwnedFd, fs: &VolumeFs) -> io::Result<()> {
-    let mut buf = vec![0u8; CLASSIC_BUF_BYTES];
-    loop {
-        match read_request(fd.as_raw_fd(), &mut buf)? {
-            Read::Again => continue,
-            Read::Gone => return Ok(()),
-            Read::Got(n) => {
-                if !serve_classic(fd.as_raw_fd(), fs, &mut buf, n)? {
-                    return Ok(());
-                }
             }
         }
     }

@@ -3,14 +3,23 @@
 //!
 //! Runs in the forked child of `ucrypt open` (or in `open --foreground` itself), after the
 //! passphrase was read: this is where the first threads are made.
+//!
+//! The main thread waits in one `poll` on SIGINT/SIGTERM (a signalfd), the control socket's
+//! listener and a wake-up from the control connections; each control connection is served on a
+//! thread of its own that ends with it (a `resume` derives a key for seconds, a client may take
+//! its time to send its line: the main loop never waits for one). So an idle daemon has this
+//! thread and its front end's.
 
 use ucrypt_nbd::server::Listen;
 
 use crate::metrics::Volumes;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -34,7 +43,8 @@ use crate::error::{CliError, CliResult};
 use crate::open::{HeaderAt, Opened, Prepared};
 use crate::volume_key;
 
-/// How often the main loop looks at signals and at a front end that ended on its own.
+/// How often the main loop looks at a pending deferred close and at a front end that ended on
+/// its own (signals, control connections and close requests wake it at once).
 const POLL: Duration = Duration::from_millis(200);
 
 /// How long the ublk device may take to appear once the volume is open.
@@ -155,6 +165,30 @@ struct Beside<'a> {
     deferred: &'a AtomicBool,
     in_use: &'a dyn Fn() -> bool,
     nbd: Option<NbdSide>,
+    /// The control socket, served from the main loop.
+    control: server::Acceptor,
+    /// Readable when a control connection sent an event.
+    wake: UnixStream,
+    /// The volume's requests so far (reads and writes): unchanged for [`HEAP_TRIM_IDLE`], the
+    /// heap's free pages go back to the kernel.
+    requests: &'a dyn Fn() -> u64,
+}
+
+/// How long the volume is idle before the daemon gives the heap's free pages back: long
+/// enough that the threads started under load (engine workers, FUSE readers, the pool's
+/// reaper: `ucrypt::pool::POOL_IDLE_RELEASE` each) have ended and freed theirs.
+const HEAP_TRIM_IDLE: Duration = Duration::from_secs(2 * ucrypt::pool::POOL_IDLE_RELEASE.as_secs());
+
+/// Gives the heap's free pages back to the kernel (glibc keeps what a busy moment freed: a
+/// megabyte of an idle daemon's anonymous memory).
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: malloc_trim takes no pointers; it only returns the allocator's free memory.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
 }
 
 /// A running front end.
@@ -183,7 +217,7 @@ impl Front {
     }
 }
 
-/// What the control thread shares with the main loop.
+/// What the control connections share with the main loop.
 struct Shared {
     name: String,
     vol: Opened,
@@ -200,6 +234,9 @@ struct Shared {
     ident: Identity,
     note: Option<String>,
     events: SyncSender<Event>,
+    /// Wakes the main loop after an event is sent (non-blocking: a full socket is awake
+    /// already).
+    wake: UnixStream,
     /// A deferred close is pending: the main loop closes once nothing uses the device.
     deferred: Arc<AtomicBool>,
     /// The online key rotation this daemon runs or ran (`reencrypt`), shared with its thread.
@@ -218,7 +255,7 @@ enum Event {
     Close {
         force: bool,
         reply: SyncSender<Response>,
-        /// Dropped by the control thread once the answer is written: only then may the
+        /// Dropped by the connection's thread once the answer is written: only then may the
         /// daemon exit.
         written: Receiver<()>,
     },
@@ -650,6 +687,7 @@ impl Shared {
                 error: format!("Device {} is already being closed.", self.name),
             });
         }
+        let _ = (&self.wake).write(&[1]);
         let resp = reply_rx.recv().unwrap_or(Response::Error {
             code: 1,
             error: "the daemon ended without answering".into(),
@@ -674,10 +712,10 @@ pub fn run(d: Daemon, prepared: Prepared, mut reporter: Reporter) -> CliResult<(
 }
 
 fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResult<()> {
-    // The first thread of this process: SIGINT/SIGTERM become a stop request (see signals).
-    let signals = crate::signals::stop_on_signals()?;
-    // A signal during the open stops in order too: the daemon's claim is undone on the way out.
-    crate::signals::started();
+    // Before any thread is made: SIGINT/SIGTERM are blocked in all, and read by the main loop.
+    // A signal during the open stops in order too (the main loop sees it first thing): the
+    // daemon's claim is undone on the way out.
+    let signals = crate::signals::SignalFd::new()?;
     let header_dev = prepared.header_device();
     if let Some(limit) = d.memory_budget {
         // In the daemon, before the volume's pools are made: the slot is this process's.
@@ -742,6 +780,18 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         }
     };
     let (events_tx, events) = sync_channel(EVENTS_MAX);
+    let wake_pair = UnixStream::pair().and_then(|(a, b)| {
+        a.set_nonblocking(true)?;
+        b.set_nonblocking(true)?;
+        Ok((a, b))
+    });
+    let (wake_tx, wake_rx) = match wake_pair {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
+            return Err(io_err("making the main loop's wake-up socket", e));
+        }
+    };
     let deferred = Arc::new(AtomicBool::new(false));
     let size_notifier = match &front {
         Front::Fuse { mounted, .. } => Some(mounted.size_notifier()),
@@ -757,13 +807,20 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         ident: ident.clone(),
         note: notes.status,
         events: events_tx,
+        wake: wake_tx,
         deferred: deferred.clone(),
         rotation: Arc::new(Mutex::new(None)),
         header: d.header.clone(),
         resuming: Mutex::new(()),
         aborted: AtomicBool::new(false),
     });
-    server::spawn(listener, shared.clone())?;
+    let control = match server::Acceptor::new(listener, shared.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
+            return Err(e);
+        }
+    };
     let nbd = match &d.nbd {
         Some(at) => match NbdSide::start(&d.name, &vol, at) {
             Ok(n) => Some(n),
@@ -796,6 +853,13 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         let s = shared.clone();
         move || s.in_use().is_some()
     };
+    let requests = {
+        let s = shared.clone();
+        move || {
+            let st = s.vol.stats();
+            st.read.requests + st.write.requests
+        }
+    };
     main_loop(
         front,
         &vol,
@@ -807,6 +871,9 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
             deferred: &deferred,
             in_use: &in_use,
             nbd,
+            control,
+            wake: wake_rx,
+            requests: &requests,
         },
     );
     Ok(())
@@ -845,12 +912,29 @@ fn memlock_warning() -> Option<String> {
     ))
 }
 
+/// Waits up to `timeout` until one of `fds` is readable; returns which are (all false after
+/// the timeout or an interrupted wait).
+fn wait_readable<const N: usize>(fds: [i32; N], timeout: Duration) -> [bool; N] {
+    let mut p = fds.map(|fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    });
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: `p` is a live array of N pollfds, the count given.
+    let n = unsafe { libc::poll(p.as_mut_ptr(), N as libc::nfds_t, ms) };
+    if n <= 0 {
+        return [false; N];
+    }
+    p.map(|q| q.revents != 0)
+}
+
 fn main_loop(
     front: Front,
     vol: &Arc<dyn BlockDev>,
     ident: &Identity,
     dir: &Path,
-    signals: &Stop,
+    signals: &crate::signals::SignalFd,
     events: &Receiver<Event>,
     beside: Beside<'_>,
 ) {
@@ -858,15 +942,28 @@ fn main_loop(
         deferred,
         in_use,
         mut nbd,
+        control,
+        mut wake,
+        requests,
     } = beside;
+    // The requests last seen, since when, and whether the heap was trimmed since.
+    let (mut seen, mut seen_at, mut trimmed) = (requests(), std::time::Instant::now(), false);
     // NBD clients go first: after this nothing reaches the volume but the device's users.
     let mut stop_nbd = || {
         if let Some(n) = nbd.take() {
             n.stop();
         }
     };
+    let fds = [signals.as_raw_fd(), control.as_raw_fd(), wake.as_raw_fd()];
     loop {
-        match events.recv_timeout(POLL) {
+        let [signalled, connecting, woken] = wait_readable(fds, POLL);
+        if connecting {
+            control.accept_pending();
+        }
+        if woken {
+            let _ = wake.read(&mut [0u8; 16]);
+        }
+        match events.try_recv() {
             Ok(Event::Close {
                 force,
                 reply,
@@ -880,35 +977,42 @@ fn main_loop(
                 finish(rest);
                 return;
             }
-            Err(RecvTimeoutError::Timeout) => {
-                if deferred.load(Ordering::Relaxed) && !in_use() {
-                    eprintln!(
-                        "ucrypt daemon {}: the last user went: deferred close",
-                        ident.name
-                    );
-                    stop_nbd();
-                    let (_, rest) = teardown(front, vol, false, ident, dir);
-                    finish(rest);
-                    return;
-                }
-                if signals.requested() {
-                    eprintln!("ucrypt daemon {}: signal: closing", ident.name);
-                    stop_nbd();
-                    let (_, rest) = teardown(front, vol, false, ident, dir);
-                    finish(rest);
-                    return;
-                }
-                if front.ended() {
-                    eprintln!(
-                        "ucrypt daemon {}: the front end ended (unmounted from outside?): closing",
-                        ident.name
-                    );
-                    stop_nbd();
-                    let _ = teardown(front, vol, true, ident, dir);
-                    return;
-                }
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
+            Err(TryRecvError::Empty) => {}
+            Err(TryRecvError::Disconnected) => return,
+        }
+        if deferred.load(Ordering::Relaxed) && !in_use() {
+            eprintln!(
+                "ucrypt daemon {}: the last user went: deferred close",
+                ident.name
+            );
+            stop_nbd();
+            let (_, rest) = teardown(front, vol, false, ident, dir);
+            finish(rest);
+            return;
+        }
+        if let Some(sig) = signalled.then(|| signals.take()).flatten() {
+            eprintln!("ucrypt: signal {sig}: stopping");
+            eprintln!("ucrypt daemon {}: signal: closing", ident.name);
+            stop_nbd();
+            let (_, rest) = teardown(front, vol, false, ident, dir);
+            finish(rest);
+            return;
+        }
+        if front.ended() {
+            eprintln!(
+                "ucrypt daemon {}: the front end ended (unmounted from outside?): closing",
+                ident.name
+            );
+            stop_nbd();
+            let _ = teardown(front, vol, true, ident, dir);
+            return;
+        }
+        let now = requests();
+        if now != seen {
+            (seen, seen_at, trimmed) = (now, std::time::Instant::now(), false);
+        } else if !trimmed && seen_at.elapsed() >= HEAP_TRIM_IDLE {
+            trim_heap();
+            trimmed = true;
         }
     }
 }

@@ -2,6 +2,7 @@
 //! lines mean is `proto.rs`; what a request does is the daemon's [`Handler`].
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -38,36 +39,89 @@ pub fn bind(path: &Path) -> CliResult<(UnixListener, BoundSocket)> {
     Ok(bind_unix(path)?)
 }
 
-/// Serves the listener from a background thread, one thread per connection, at most
-/// [`CONNECTIONS_MAX`] at once. Runs until the process exits.
+/// A control socket's listener and its handler: each connection accepted is served on a
+/// thread of its own that ends with it, at most [`CONNECTIONS_MAX`] at once.
+pub struct Acceptor {
+    listener: UnixListener,
+    handler: Arc<dyn Handler>,
+    active: Arc<AtomicUsize>,
+}
+
+impl Acceptor {
+    /// Takes the listener, made non-blocking for [`Self::accept_pending`].
+    pub fn new(listener: UnixListener, handler: Arc<dyn Handler>) -> CliResult<Acceptor> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CliError::Core(ucrypt::Error::io("control socket O_NONBLOCK", e)))?;
+        Ok(Acceptor {
+            listener,
+            handler,
+            active: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Serves every connection waiting to be accepted now, each from a thread of its own;
+    /// returns without waiting (for a caller that polls the listener).
+    pub fn accept_pending(&self) {
+        loop {
+            match self.listener.accept() {
+                Ok((conn, _)) => self.serve(conn),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // WouldBlock: none left; others (a client that went away, no fds): the next
+                // poll tries again.
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Serves `conn` from a new thread, or answers "busy" when [`CONNECTIONS_MAX`] are.
+    fn serve(&self, mut conn: UnixStream) {
+        // Blocking, with the timeouts `serve_one` sets, whatever the listener is.
+        let _ = conn.set_nonblocking(false);
+        if self.active.fetch_add(1, Ordering::SeqCst) >= CONNECTIONS_MAX {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            let _ = conn.set_write_timeout(Some(REQUEST_TIMEOUT));
+            let _ = conn.write_all(&proto::encode_response(&Response::Error {
+                code: 5,
+                error: format!(
+                    "the daemon is busy ({CONNECTIONS_MAX} control connections); try again"
+                ),
+            }));
+            return;
+        }
+        let (h, a) = (self.handler.clone(), self.active.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ucrypt-control-conn".into())
+            .spawn(move || {
+                serve_one(conn, &*h);
+                a.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl AsRawFd for Acceptor {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.listener.as_raw_fd()
+    }
+}
+
+/// Serves the listener from a background thread (blocking accepts), one thread per
+/// connection, at most [`CONNECTIONS_MAX`] at once. Runs until the process exits.
 pub fn spawn(listener: UnixListener, handler: Arc<dyn Handler>) -> CliResult<()> {
-    let active = Arc::new(AtomicUsize::new(0));
+    let acceptor = Acceptor {
+        listener,
+        handler,
+        active: Arc::new(AtomicUsize::new(0)),
+    };
     std::thread::Builder::new()
         .name("ucrypt-control".into())
         .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut conn) = conn else { continue };
-                if active.fetch_add(1, Ordering::SeqCst) >= CONNECTIONS_MAX {
-                    active.fetch_sub(1, Ordering::SeqCst);
-                    let _ = conn.set_write_timeout(Some(REQUEST_TIMEOUT));
-                    let _ = conn.write_all(&proto::encode_response(&Response::Error {
-                        code: 5,
-                        error: format!(
-                            "the daemon is busy ({CONNECTIONS_MAX} control connections); try again"
-                        ),
-                    }));
-                    continue;
-                }
-                let (h, a) = (handler.clone(), active.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("ucrypt-control-conn".into())
-                    .spawn(move || {
-                        serve_one(conn, &*h);
-                        a.fetch_sub(1, Ordering::SeqCst);
-                    });
-                if spawned.is_err() {
-                    active.fetch_sub(1, Ordering::SeqCst);
-                }
+            for conn in acceptor.listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                acceptor.serve(conn);
             }
         })
         .map_err(|e| CliError::Core(ucrypt::Error::io("starting the control thread", e)))?;

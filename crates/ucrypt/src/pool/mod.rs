@@ -45,12 +45,13 @@
 //!   at its release unless they held only ciphertext. The first chunk, once used, is kept
 //!   ([`IDLE_KEPT_BYTES`]): the first small request after an idle period then neither faults
 //!   nor locks.
-//! - One thread per process (the "reaper", started with the first pool that takes memory)
-//!   watches the pools that hold memory and gives it back when they go idle; with none
-//!   holding any it sleeps without a timeout (no wake-ups, no CPU). One thread for all pools,
-//!   rather than one per pool started at its first chunk, because starting a thread costs
-//!   tens of microseconds, which the first request after an idle period would pay; waking a
-//!   sleeping one costs a futex call.
+//! - One thread per process (the "reaper") watches the pools that hold memory beyond their kept
+//!   chunk and gives it back when they go idle. It runs only while some pool holds such memory:
+//!   the grant that makes a pool resident past its kept chunk starts it (or wakes it, a futex
+//!   call, when it runs), and it ends once every watched pool has given its memory back, so an
+//!   idle process has no reaper thread. Its start (tens of microseconds) falls on a grant that
+//!   also locks a fresh chunk, in a busy moment: the first small request after an idle period
+//!   fits the kept chunk and starts nothing. One thread for all pools, not one per pool.
 //! - Growth allocates nothing from the heap (the chunk bitmap is sized at the start; the pages
 //!   are the mapping's own), so the steady state stays allocation-free. Registering a pool
 //!   with the reaper may grow its list (once per busy period and pool, and only past the most
@@ -128,6 +129,8 @@ struct Inner {
     /// What growth beyond the reserve is charged to: the process's budget when the pool was
     /// made, if it had one.
     budget: Option<Arc<dyn Budget>>,
+    /// The reaper that watches this pool while it holds memory beyond its kept chunk.
+    reaper: &'static Mutex<Reaper>,
     state: Mutex<State>,
 }
 
@@ -212,7 +215,7 @@ impl BufferPool {
     /// Like [`Self::new`], giving memory back after `idle` without grants.
     pub fn with_idle_release(bytes: usize, idle: Duration) -> Result<Self> {
         let budget = lock(&PROCESS_BUDGET).clone();
-        Self::with_budget(bytes, idle, budget)
+        Self::with_parts(bytes, idle, budget, &REAPER)
     }
 
     /// Like [`Self::with_idle_release`], charging growth beyond the reserve to `budget`
@@ -221,6 +224,22 @@ impl BufferPool {
         bytes: usize,
         idle: Duration,
         budget: Option<Arc<dyn Budget>>,
+    ) -> Result<Self> {
+        Self::with_parts(bytes, idle, budget, &REAPER)
+    }
+
+    /// Like [`Self::with_idle_release`], watched by `reaper` (the process's one, or a test's).
+    #[cfg(test)]
+    fn with_reaper(bytes: usize, idle: Duration, reaper: &'static Mutex<Reaper>) -> Result<Self> {
+        let budget = lock(&PROCESS_BUDGET).clone();
+        Self::with_parts(bytes, idle, budget, reaper)
+    }
+
+    fn with_parts(
+        bytes: usize,
+        idle: Duration,
+        budget: Option<Arc<dyn Budget>>,
+        reaper: &'static Mutex<Reaper>,
     ) -> Result<Self> {
         if bytes > POOL_BYTES_MAX {
             return Err(Error::InvalidArgument(format!(
@@ -268,6 +287,7 @@ impl BufferPool {
                 pages,
                 idle,
                 budget,
+                reaper,
                 state: Mutex::new(State {
                     used: vec![0; pages.div_ceil(64)],
                     free_pages: pages,
@@ -650,7 +670,7 @@ fn mark(used: &mut [u64], first: usize, n: usize, on: bool) {
 /// The pools holding memory, watched by the process's reaper thread.
 struct Reaper {
     pools: Vec<std::sync::Weak<Inner>>,
-    /// The reaper thread, once started.
+    /// The reaper thread while it runs (it ends when no pool is watched).
     thread: Option<Thread>,
 }
 
@@ -674,18 +694,19 @@ static REAPER: Mutex<Reaper> = Mutex::new(Reaper {
     thread: None,
 });
 
-/// Has the reaper watch `inner` (just made resident), starting the reaper if it never ran.
-/// If it cannot start, the pool keeps its memory (it is still bounded) until a later growth
+/// Has the reaper watch `inner` (just made resident), starting the reaper if it is not
+/// running. If it cannot start, the pool keeps its memory (it is still bounded) until a later growth
 /// starts it.
 fn watch_pool(inner: &Arc<Inner>) {
-    let mut r = lock(&REAPER);
+    let reaper = inner.reaper;
+    let mut r = lock(reaper);
     r.pools.push(Arc::downgrade(inner));
     match &r.thread {
         Some(t) => t.unpark(),
         None => {
             let spawned = std::thread::Builder::new()
                 .name("ucrypt-pool".into())
-                .spawn(reap);
+                .spawn(move || reap(reaper));
             match spawned {
                 Ok(h) => r.thread = Some(h.thread().clone()),
                 Err(_) => {
@@ -699,14 +720,14 @@ fn watch_pool(inner: &Arc<Inner>) {
 }
 
 /// The reaper thread: looks at every watched pool when it is due, drops the pools that gave
-/// their memory back or were dropped, and sleeps until the next is due (without a timeout
-/// when none is watched).
-fn reap() {
+/// their memory back or were dropped, and sleeps until the next is due; it ends when none is
+/// watched (under the list's lock, so that the next [`watch_pool`] starts a new one).
+fn reap(reaper: &'static Mutex<Reaper>) {
     loop {
         let now = Instant::now();
         let mut next: Option<Instant> = None;
         {
-            let mut r = lock(&REAPER);
+            let mut r = lock(reaper);
             let mut i = 0;
             while i < r.pools.len() {
                 let again = r.pools[i].upgrade().and_then(|p| p.look(now));
@@ -720,10 +741,13 @@ fn reap() {
                     }
                 }
             }
+            if r.pools.is_empty() {
+                r.thread = None;
+                return;
+            }
         }
-        match next {
-            Some(t) => std::thread::park_timeout(t.saturating_duration_since(Instant::now())),
-            None => std::thread::park(),
+        if let Some(t) = next {
+            std::thread::park_timeout(t.saturating_duration_since(Instant::now()));
         }
     }
 }
@@ -832,15 +856,25 @@ mod tests {
     /// is taken, nothing again after an idle period, and a busy pool keeps its chunks.
     #[test]
     fn memory_is_taken_on_use_and_given_back_when_idle() {
+        // A reaper of this test's own: other tests' pools do not keep it running.
+        static OWN: Mutex<Reaper> = Mutex::new(Reaper {
+            pools: Vec::new(),
+            thread: None,
+        });
+        let running = || lock(&OWN).thread.is_some();
         let idle = Duration::from_millis(50);
-        let pool = BufferPool::with_idle_release(4 * LOCK_CHUNK_BYTES, idle).unwrap();
+        let pool = BufferPool::with_reaper(4 * LOCK_CHUNK_BYTES, idle, &OWN).unwrap();
         assert_eq!(pool.resident_bytes(), 0, "nothing resident before use");
+        // The kept chunk alone needs no reaper.
+        drop(pool.take(POOL_PAGE_BYTES).unwrap());
+        assert!(!running(), "a reaper for the kept chunk alone");
         let mut g = pool.take(LOCK_CHUNK_BYTES + POOL_PAGE_BYTES).unwrap();
         assert_eq!(
             pool.resident_bytes(),
             2 * LOCK_CHUNK_BYTES,
             "two chunks touched"
         );
+        assert!(running(), "no reaper for a pool past its kept chunk");
         g.as_mut_slice().fill(9);
         // Held across several idle periods: nothing is given back under a grant.
         std::thread::sleep(idle * 4);
@@ -866,10 +900,22 @@ mod tests {
             IDLE_KEPT_BYTES,
             "idle pool kept more than its first chunk"
         );
-        // And it grows again, zeroed.
+        // The reaper ends once nothing is watched (it gives the memory back, then looks at
+        // the list under its lock).
+        while running() && std::time::Instant::now() < deadline {
+            std::thread::sleep(idle);
+        }
+        assert!(!running(), "the reaper outlived the last pool it watched");
+        // And it grows again, zeroed, with a reaper started again.
         let mut g = pool.take(4 * LOCK_CHUNK_BYTES).unwrap();
         assert!(g.as_mut_slice().iter().all(|&x| x == 0));
         assert_eq!(pool.resident_bytes(), 4 * LOCK_CHUNK_BYTES);
+        assert!(running(), "no reaper after the pool grew again");
+        drop(g);
+        while running() && std::time::Instant::now() < deadline + Duration::from_secs(10) {
+            std::thread::sleep(idle);
+        }
+        assert!(!running(), "the reaper outlived the second busy period");
     }
 
     #[test]
