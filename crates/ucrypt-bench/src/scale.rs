@@ -39,9 +39,14 @@ use super::stats::{Machine, Summary};
 const READ_QD1: Job = Job::new("4k randread psync QD1", "randread", 4096, "psync", 1);
 /// Plaintext bytes fio reads of each volume (from offset 0).
 const REGION_BYTES: u64 = 16 << 20;
-/// Each LUKS2 image: ucrypt's default 16 MiB header area (metadata and keyslots) and the
-/// region. Sparse, so N of them cost only what the headers wrote.
-const LUKS2_IMAGE_BYTES: u64 = (16 << 20) + REGION_BYTES;
+/// The LUKS2 keyslots area, bytes: room for one 512-bit key's PBKDF2 keyslot (258,048 bytes
+/// of anti-forensic stripes). The default (16 MiB less the metadata) is written whole at
+/// format, so a thousand default headers would fill 16 GB of RAM; the area's size changes
+/// nothing an open daemon holds.
+const LUKS2_KEYSLOTS_BYTES: u64 = 512 << 10;
+/// Each LUKS2 image: the header (two 16 KiB metadata copies and the keyslots area, data from
+/// 1 MiB) and the region. Sparse, so N of them cost only what the headers wrote.
+const LUKS2_IMAGE_BYTES: u64 = (1 << 20) + REGION_BYTES;
 /// Each LUKS1 image: cryptsetup's 2 MiB payload offset and the region.
 const LUKS1_IMAGE_BYTES: u64 = (2 << 20) + REGION_BYTES;
 /// How many volumes are read at once (those up to the largest N).
@@ -230,7 +235,9 @@ fn luks2_images(
         run_ok(
             Command::new(ucrypt)
                 .args(["format", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
-                .args(["--pbkdf-force-iterations", "1000", "--key-file"])
+                .args(["--pbkdf-force-iterations", "1000", "--luks2-keyslots-size"])
+                .arg(LUKS2_KEYSLOTS_BYTES.to_string())
+                .arg("--key-file")
                 .arg(&w.pass)
                 .arg(img),
         )
@@ -865,8 +872,9 @@ pub fn measure(
         }
     }
     notes.push(format!(
-        "volumes: LUKS2 (ucrypt) and LUKS1 (qemu-storage-daemon), aes-xts-plain64, PBKDF2 \
-         1000 iterations, {} MiB of data each, sparse images in {}",
+        "volumes: LUKS2 (ucrypt; a {} KiB keyslots area) and LUKS1 (qemu-storage-daemon), \
+         aes-xts-plain64, PBKDF2 1000 iterations, {} MiB of data each, sparse images in {}",
+        LUKS2_KEYSLOTS_BYTES >> 10,
         REGION_BYTES >> 20,
         w.dir
             .parent()
