@@ -740,7 +740,7 @@ fn reads(
             let scaling = Summary::of(&scaling);
             rows.push(ReadRow {
                 job: READ_QD1,
-                server: *name,
+                server: name,
                 open_volumes: open,
                 active_volumes: a,
                 aggregate_iops: Summary::of(&agg),
