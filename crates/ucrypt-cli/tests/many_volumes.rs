@@ -44,8 +44,10 @@ const PASSPHRASE: &[u8] = b"many volumes passphrase";
 const RUN_DIR: &str = "/run/ucrypt";
 const DEV_DIR: &str = "/dev/ucrypt";
 
-/// More time `ucrypt list` may take per open volume (it asks each daemon for its status).
-const LIST_WAIT_PER_VOLUME: Duration = Duration::from_millis(250);
+/// More time `ucrypt list` may take per open volume: it asks each daemon for its status,
+/// and each status reads every process's descriptors (whether the device is in use), so a
+/// thousand volumes take minutes (BENCHMARKS.md, "A thousand volumes").
+const LIST_WAIT_PER_VOLUME: Duration = Duration::from_secs(1);
 
 /// Runs `ucrypt ARGS` with [`COMMAND_WAIT`]: Ok, or what went wrong.
 fn ucrypt(args: &[&str]) -> Result<String, String> {
