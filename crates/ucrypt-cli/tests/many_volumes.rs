@@ -11,6 +11,7 @@
 //! so that runs in other checkouts do not collide.
 
 use std::fs::OpenOptions;
+use std::io::Read;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -54,7 +55,8 @@ fn ucrypt(args: &[&str]) -> Result<String, String> {
     ucrypt_within(args, COMMAND_WAIT)
 }
 
-/// Runs `ucrypt ARGS`, allowed `wait`: its stdout, or what went wrong.
+/// Runs `ucrypt ARGS`, allowed `wait`: its stdout, or what went wrong. Its output is read
+/// while it runs (a `list` of many volumes fills a pipe's buffer before it exits).
 fn ucrypt_within(args: &[&str], wait: Duration) -> Result<String, String> {
     let mut child = Command::new(UCRYPT)
         .args(args)
@@ -63,20 +65,41 @@ fn ucrypt_within(args: &[&str], wait: Duration) -> Result<String, String> {
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("ucrypt {args:?}: {e}"))?;
+    let drain = |p: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            if let Some(mut p) = p {
+                let _ = p.read_to_end(&mut v);
+            }
+            String::from_utf8_lossy(&v).into_owned()
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
     let code = wait_timeout(&mut child, wait);
-    if code.is_none() {
+    let timed_out = code.is_none() && matches!(child.try_wait(), Ok(None));
+    if timed_out {
         let _ = child.kill();
     }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("ucrypt {args:?}: {e}"))?;
+    let _ = child.wait();
+    let (out, err) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
     match code {
-        Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
-        Some(c) => Err(format!(
-            "ucrypt {args:?} exited {c}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-        None => Err(format!("ucrypt {args:?} took over {wait:?}")),
+        Some(0) => Ok(out),
+        _ if timed_out => Err(format!("ucrypt {args:?} took over {wait:?}")),
+        c => Err(format!("ucrypt {args:?} exited {c:?}: {}", err.trim())),
     }
 }
 
