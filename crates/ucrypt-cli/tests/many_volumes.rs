@@ -47,7 +47,7 @@ const DEV_DIR: &str = "/dev/ucrypt";
 
 /// More time `ucrypt list` may take per open volume: it asks each daemon for its status,
 /// and each status reads every process's descriptors (whether the device is in use), so a
-/// thousand volumes take minutes (BENCHMARKS.md, "A thousand volumes").
+/// thousand volumes take about a minute (BENCHMARKS.md, "A thousand volumes").
 const LIST_WAIT_PER_VOLUME: Duration = Duration::from_secs(1);
 
 /// Runs `ucrypt ARGS` with [`COMMAND_WAIT`]: Ok, or what went wrong.
