@@ -3,7 +3,7 @@
 //! can also run through `qemu-img bench` ([`QEMU_IMG`]): QEMU's own NBD client, the one a
 //! virtual machine's disk uses.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -220,13 +220,74 @@ pub fn run_for(
     parse(&String::from_utf8_lossy(&out.stdout), job.is_write())
 }
 
+/// Runs `job` on every file of `targets` at once, one fio job (a thread) per file, for
+/// `runtime` after `ramp` of unmeasured warm-up, O_DIRECT, each over its file's first
+/// `size_bytes`: the result of each file's job, in the order of `targets`.
+pub fn run_each(
+    job: &Job,
+    targets: &[PathBuf],
+    size_bytes: u64,
+    runtime: Duration,
+    ramp: Duration,
+) -> Result<Vec<FioResult>, String> {
+    let mut cmd = Command::new("fio");
+    // Options before the first --name apply to every job.
+    cmd.args(["--output-format=json", "--time_based", "--thread"])
+        .arg(format!("--rw={}", job.rw))
+        .arg(format!("--bs={}", job.block_bytes))
+        .arg(format!("--ioengine={}", job.ioengine))
+        .arg(format!("--iodepth={}", job.iodepth))
+        .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
+        .arg(format!("--ramp_time={}ms", ramp.as_millis()))
+        .arg(format!("--size={size_bytes}"))
+        .args(["--direct=1", "--randrepeat=0", "--norandommap"]);
+    for (i, t) in targets.iter().enumerate() {
+        cmd.arg(format!("--name=v{i}"))
+            .arg(format!("--filename={}", t.display()));
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| format!("running fio: {e} (apt-get install fio)"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fio {} on {} files failed: {}",
+            job.name,
+            targets.len(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let all = parse_jobs(&String::from_utf8_lossy(&out.stdout), job.is_write())?;
+    if all.len() != targets.len() {
+        return Err(format!(
+            "fio reported {} jobs for {} files",
+            all.len(),
+            targets.len()
+        ));
+    }
+    Ok(all)
+}
+
 /// Reads bandwidth, IOPS and completion-latency percentiles of the read or write side.
 pub fn parse(json: &str, write: bool) -> Result<FioResult, String> {
+    parse_jobs(json, write)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| "fio JSON has no job".to_string())
+}
+
+/// [`parse`] for every job of fio's JSON (runs without `--group_reporting`), in its order.
+pub fn parse_jobs(json: &str, write: bool) -> Result<Vec<FioResult>, String> {
     // fio may print warnings before the JSON document.
     let start = json.find('{').ok_or("fio printed no JSON")?;
     let v: serde_json::Value =
         serde_json::from_str(&json[start..]).map_err(|e| format!("fio JSON: {e}"))?;
-    let side = &v["jobs"][0][if write { "write" } else { "read" }];
+    let jobs = v["jobs"].as_array().ok_or("fio JSON has no jobs")?;
+    jobs.iter()
+        .map(|j| job_result(&j[if write { "write" } else { "read" }]))
+        .collect()
+}
+
+fn job_result(side: &serde_json::Value) -> Result<FioResult, String> {
     let num = |x: &serde_json::Value| {
         x.as_f64()
             .ok_or_else(|| format!("fio JSON lacks a number at {x}"))
@@ -283,5 +344,18 @@ mod tests {
         assert_eq!(w.mib_s, 0.0);
         assert!(w.lat_p99_us.is_nan());
         assert!(parse("no json", false).is_err());
+    }
+
+    #[test]
+    fn parses_every_job() {
+        let json = r#"{"jobs":[
+          {"read":{"bw_bytes":1048576,"iops":256.0,"clat_ns":{"percentile":{"99.000000":5000}}}},
+          {"read":{"bw_bytes":2097152,"iops":512.0,"clat_ns":{"percentile":{"99.000000":7000}}}}]}"#;
+        let r = parse_jobs(json, false).unwrap();
+        let got: Vec<(f64, f64)> = r.iter().map(|x| (x.iops, x.lat_p99_us)).collect();
+        assert_eq!(got, [(256.0, 5.0), (512.0, 7.0)]);
+        assert!(parse_jobs(r#"{"jobs":[]}"#, false).unwrap().is_empty());
+        assert!(parse(r#"{"jobs":[]}"#, false).is_err());
+        assert!(parse_jobs(r#"{"x":1}"#, false).is_err());
     }
 }

@@ -24,6 +24,7 @@ pub mod plot;
 mod reencrypt;
 mod reencrypt_online;
 mod remote;
+mod scale;
 mod server;
 pub mod stats;
 
@@ -150,6 +151,17 @@ pub struct RemoteArgs {
 }
 
 #[derive(Args)]
+pub struct ScaleArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Numbers of volumes to open, one after the other (comma-separated, e.g. 1,10,100,1000);
+    /// the reads run with the largest number open.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100",
+          value_parser = clap::value_parser!(u32).range(1..=4000))]
+    volumes: Vec<u32>,
+}
+
+#[derive(Args)]
 pub struct IntegrityArgs {
     #[command(flatten)]
     common: Common,
@@ -198,6 +210,11 @@ enum Which {
     /// With --online: the rotation through the `ucrypt open` daemon while fio reads, against
     /// fio alone and the offline rotation (root, FUSE + loop).
     Reencrypt(ReencryptArgs),
+    /// Many open volumes (as root): N volumes opened with `ucrypt open --front-end fuse`, a
+    /// daemon each: time to open them all, their memory and threads, `ucrypt list` and
+    /// `status` times; 4 KiB QD1 reads on 1, 10 and 100 at once against one; beside
+    /// qemu-storage-daemon serving the same N exports from one process.
+    Scale(ScaleArgs),
     /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
     /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).
     Remote(RemoteArgs),
@@ -301,6 +318,12 @@ pub fn run(a: BenchArgs) -> i32 {
             ),
             c.json,
             remote::markdown,
+        ),
+        Which::Scale(ScaleArgs { common: c, volumes }) => emit(
+            "scale",
+            scale::measure(c.runs(), c.quick, !c.json, &volumes),
+            c.json,
+            scale::markdown,
         ),
         Which::Compare(a) => compare::run(&a),
         Which::All(a) => all::run(a),

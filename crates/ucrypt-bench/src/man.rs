@@ -2,7 +2,7 @@
 //! binary, generated from the same `clap::Command` that parses its arguments, so they cannot
 //! drift from `--help`. `DIR/ucrypt-bench.1` names every scenario; `DIR/ucrypt-bench-NAME.1`
 //! gives each scenario's options. Section 1: the benchmarks are user commands (they need root
-//! only for the FUSE, NBD and VM scenarios, as their own pages say).
+//! only for the FUSE, NBD, scale and VM scenarios, as their own pages say).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -135,6 +135,9 @@ mod tests {
         assert!(cipher.contains("\\-\\-only"), "{cipher}");
         assert!(cipher.contains("ucrypt\\-bench(1)"), "{cipher}");
         assert!(dir.join("ucrypt-bench-engine.1").exists());
+        let scale = read("ucrypt-bench-scale.1");
+        assert!(scale.contains("\\-\\-volumes"), "{scale}");
+        assert!(main.contains("ucrypt\\-bench\\-scale(1)"), "{main}");
         assert!(!dir.join("ucrypt-bench-generate-man.1").exists());
         assert!(!dir.join("ucrypt-bench-integrity-vm-probe.1").exists());
         std::fs::remove_dir_all(&dir).expect("clean up");

@@ -55,7 +55,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Benchmarks: cipher, engine, nbd, fuse, all, compare (runs ucrypt-bench).
+    /// Benchmarks: cipher, engine, nbd, fuse, scale, all, compare (runs ucrypt-bench).
     Bench(bench::BenchArgs),
     /// cryptsetup's `benchmark`, refused by name: ucrypt's is `bench cipher`.
     #[command(hide = true, disable_help_flag = true)]
