@@ -110,7 +110,7 @@ fn lock_clone<T: Clone>(m: &Mutex<T>) -> T {
 impl server::Handler for Control {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
         match req {
-            Request::Status => respond(&self.status()),
+            Request::Status | Request::Brief => respond(&self.status()),
             Request::Reencrypt {
                 key,
                 hotzone_bytes,
@@ -159,7 +159,7 @@ impl server::Handler for Control {
 
 fn request_name(r: &Request) -> &'static str {
     match r {
-        Request::Status => "status",
+        Request::Status | Request::Brief => "status",
         Request::Close { .. } | Request::CloseDeferred | Request::CancelDeferred => "close",
         Request::Refresh(_) => "refresh",
         Request::Suspend => "suspend",

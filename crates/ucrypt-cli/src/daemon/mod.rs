@@ -1262,7 +1262,7 @@ pub fn list() -> CliResult<i32> {
         let ident = Identity::read(&dir).unwrap_or_default();
         let state = match (state::is_alive(&dir), &ident.device) {
             // Asked of the daemon: a suspended volume is still active, but its I/O waits.
-            (true, Some(_)) => match expect_status(&name, &dir, &Request::Status) {
+            (true, Some(_)) => match expect_status(&name, &dir, &Request::Brief) {
                 Ok(s) if s.suspended => "suspended",
                 _ => "active",
             },

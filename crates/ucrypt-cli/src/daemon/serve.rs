@@ -268,6 +268,15 @@ impl Shared {
 
     /// The status report of this volume now.
     fn status(&self) -> Response {
+        self.report(self.in_use())
+    }
+
+    /// [`Request::Brief`].
+    fn status_without_in_use(&self) -> Response {
+        self.report(None)
+    }
+
+    fn report(&self, in_use: Option<String>) -> Response {
         let stats = self.vol.stats();
         let (r, w) = (stats.read, stats.write);
         let mut volume = lock(&self.info).clone();
@@ -294,7 +303,7 @@ impl Shared {
             stable_path: self.ident.stable_path.display().to_string(),
             note: self.note.clone(),
             policy: self.vol.policy().to_string(),
-            in_use: self.in_use(),
+            in_use,
             counters: Counters {
                 read_requests: r.requests,
                 read_bytes: r.bytes,
@@ -572,6 +581,7 @@ impl server::Handler for Shared {
     fn handle(&self, req: Request, respond: &mut dyn FnMut(&Response)) {
         match req {
             Request::Status => respond(&self.status()),
+            Request::Brief => respond(&self.status_without_in_use()),
             Request::Refresh(r) => respond(&self.refresh(r)),
             Request::Suspend => respond(&self.suspend()),
             Request::Resume { key, key_slot } => respond(&self.resume(key, key_slot)),
