@@ -135,6 +135,7 @@ mod tests {
         assert!(cipher.contains("\\-\\-only"), "{cipher}");
         assert!(cipher.contains("ucrypt\\-bench(1)"), "{cipher}");
         assert!(dir.join("ucrypt-bench-engine.1").exists());
+        assert!(dir.join("ucrypt-bench-formats.1").exists());
         assert!(!dir.join("ucrypt-bench-generate-man.1").exists());
         assert!(!dir.join("ucrypt-bench-integrity-vm-probe.1").exists());
         std::fs::remove_dir_all(&dir).expect("clean up");
