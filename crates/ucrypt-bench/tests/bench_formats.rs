@@ -64,7 +64,10 @@ fn bench_formats_quick_measures_every_target() {
     let kdf = v["kdf"].as_array().expect("kdf rows");
     assert!(kdf.len() >= 2, "{v:#}");
     for r in kdf {
-        assert!(r["seconds"]["median"].as_f64().unwrap_or(0.0) > 0.0, "{r:#}");
+        assert!(
+            r["seconds"]["median"].as_f64().unwrap_or(0.0) > 0.0,
+            "{r:#}"
+        );
     }
     let ratios = v["ratios"].as_array().expect("ratios");
     // 4 jobs × (3 ucrypt ratios, VeraCrypt's, 2 against dislocker-fuse) + the search's.
@@ -73,7 +76,10 @@ fn bench_formats_quick_measures_every_target() {
     for r in ratios {
         assert!(r["ratio"]["median"].as_f64().unwrap_or(0.0) > 0.0, "{r:#}");
     }
-    for (what, there) in [("dislocker-fuse", dislocker), ("the VeraCrypt system image", tcrypt)] {
+    for (what, there) in [
+        ("dislocker-fuse", dislocker),
+        ("the VeraCrypt system image", tcrypt),
+    ] {
         if !there {
             println!("{what} not here: its rows were SKIPPED");
         }

@@ -369,7 +369,9 @@ pub fn measure(
         .filter(|t| dislocker || t.server != Server::Dislocker)
         .filter(|t| images.file(t.volume).is_some())
         .collect();
-    debug_assert!(targets.iter().all(|t| t.server == Server::Ucrypt || t.volume.is_bitlk()));
+    debug_assert!(targets
+        .iter()
+        .all(|t| t.server == Server::Ucrypt || t.volume.is_bitlk()));
     // samples[target][job][round]
     let mut samples: Vec<Vec<Vec<Sample>>> = vec![vec![Vec::new(); JOBS.len()]; targets.len()];
     for round in 0..runs {
@@ -488,9 +490,7 @@ pub fn markdown(rows: &[IoRow]) -> String {
             .collect();
         s.push_str(&format!("| {} | {} |\n", job.name, cells.join(" | ")));
     }
-    s.push_str(
-        "\nServer CPU per request, µs (median; all the FUSE server's threads):\n\n",
-    );
+    s.push_str("\nServer CPU per request, µs (median; all the FUSE server's threads):\n\n");
     s.push_str(&format!(
         "| job | {} |\n|---|{}\n",
         names.join(" | "),
