@@ -195,9 +195,9 @@ if [ -x "$bin_dir/ucrypt-bench" ]; then
   depends="$(shlibs_depends "$s/usr/bin/ucrypt-bench"), ucrypt (= $version)"
   deb=$(build "$s" ucrypt-bench "$depends" "Section: admin
 Priority: optional
-Suggests: fio, qemu-system-common, nbdkit, qemu-utils, cryptsetup-bin, fuse3" "Description: benchmarks of ucrypt (ucrypt bench)
+Suggests: fio, qemu-system-common, nbdkit, qemu-utils, cryptsetup-bin, fuse3, dislocker" "Description: benchmarks of ucrypt (ucrypt bench)
  Runs ucrypt's benchmark scenarios (cipher, engine, FUSE, NBD, integrity,
- remote storage) side by side with their peers and writes reports and plots.")
+ foreign formats, remote storage) side by side with their peers and writes reports and plots.")
   debs+=("$deb")
   deb=$(dbgsym "$d" ucrypt-bench "$id")
   debs+=("$deb")

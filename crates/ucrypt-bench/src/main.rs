@@ -15,6 +15,7 @@ mod cpu;
 mod disk;
 mod engine;
 mod fio;
+mod formats;
 mod fuse;
 mod integrity;
 mod limit;
@@ -196,6 +197,11 @@ enum Which {
     Engine(EngineArgs),
     /// The volume as a file over FUSE, with fio, beside qemu-storage-daemon's FUSE export.
     Fuse(Common),
+    /// The foreign formats (cryptsetup's BitLocker and VeraCrypt test images): BitLocker
+    /// through `ucrypt mount` beside dislocker-fuse on the same image, AES-XTS BitLocker and
+    /// VeraCrypt beside LUKS2, the Elephant diffuser beside XTS (fio over FUSE); and the
+    /// VeraCrypt header-key search on every CPU beside one CPU and beside cryptsetup.
+    Formats(Common),
     /// Authenticated volumes (LUKS2 with integrity) per mode beside a plain XTS volume:
     /// 1 MiB throughput and 4 KiB QD1 latency.
     Integrity(IntegrityArgs),
@@ -272,6 +278,12 @@ pub fn run(a: BenchArgs) -> i32 {
             fuse::measure(c.runs(), c.quick, !c.json),
             c.json,
             fuse::markdown,
+        ),
+        Which::Formats(c) => emit(
+            "formats",
+            formats::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            formats::markdown,
         ),
         Which::Integrity(IntegrityArgs { common: c, vm }) => emit(
             "integrity",

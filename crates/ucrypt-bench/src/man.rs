@@ -138,6 +138,7 @@ mod tests {
         let scale = read("ucrypt-bench-scale.1");
         assert!(scale.contains("\\-\\-volumes"), "{scale}");
         assert!(main.contains("ucrypt\\-bench\\-scale(1)"), "{main}");
+        assert!(dir.join("ucrypt-bench-formats.1").exists());
         assert!(!dir.join("ucrypt-bench-generate-man.1").exists());
         assert!(!dir.join("ucrypt-bench-integrity-vm-probe.1").exists());
         std::fs::remove_dir_all(&dir).expect("clean up");

@@ -13,7 +13,7 @@ const BENCH_BIN: &str = "ucrypt-bench";
 #[derive(Args)]
 #[command(disable_help_flag = true)]
 pub struct BenchArgs {
-    /// Arguments for ucrypt-bench: cipher | engine | fuse | nbd | integrity | reencrypt | remote | scale | all | compare [options]
+    /// Arguments for ucrypt-bench: cipher | engine | fuse | nbd | integrity | formats | reencrypt | remote | scale | all | compare [options]
     /// (`ucrypt bench --help` lists them).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     args: Vec<String>,

@@ -16,6 +16,10 @@ use crate::open::VolumeArgs;
 pub struct MountArgs {
     #[command(flatten)]
     volume: VolumeArgs,
+    /// The volume's format, as `open --type` takes it: luks (the header decides), luks1,
+    /// luks2, plain, tcrypt, bitlk, fvault2, loopaes.
+    #[arg(long = "type", short = 'M', value_name = "TYPE")]
+    dev_type: Option<crate::open::DeviceType>,
     /// A regular file (becomes the volume; created if missing, and then removed on unmount) or
     /// a directory (the volume appears in it as --file-name, by default its own file name).
     mountpoint: PathBuf,
@@ -91,7 +95,9 @@ fn prepare_mount_point(a: &MountArgs) -> CliResult<MountPoint> {
     }
 }
 
-fn mount(a: MountArgs) -> CliResult<()> {
+fn mount(mut a: MountArgs) -> CliResult<()> {
+    crate::daemon::check_type(a.dev_type, a.volume.cipher.is_some())?;
+    a.volume.device_type = a.dev_type;
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
     let point = prepare_mount_point(&a)?;

@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// to every --export that does not give its own.
     #[command(flatten)]
     volume: VolumeArgs,
+    /// The format of every VOLUME, as `open --type` takes it: luks (the header decides),
+    /// luks1, luks2, plain, tcrypt, bitlk, fvault2, loopaes.
+    #[arg(long = "type", short = 'M', value_name = "TYPE")]
+    dev_type: Option<crate::open::DeviceType>,
     /// More volumes served by the same process, each its own export named after its file
     /// (two exports of the same name are refused); opened as VOLUME is.
     #[arg(value_name = "VOLUME")]
@@ -283,7 +287,9 @@ pub fn run(a: ServeArgs) -> i32 {
     crate::error::report("serve", serve(a))
 }
 
-fn serve(a: ServeArgs) -> CliResult<()> {
+fn serve(mut a: ServeArgs) -> CliResult<()> {
+    crate::daemon::check_type(a.dev_type, a.volume.cipher.is_some())?;
+    a.volume.device_type = a.dev_type;
     if !a.unencrypted {
         // The volume key lives in this process for its whole life: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();

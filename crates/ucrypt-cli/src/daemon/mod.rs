@@ -77,7 +77,7 @@ pub struct OpenArgs {
     pub front_end: FrontEnd,
     /// luks (the header decides), luks1 or luks2 (the header must be that version), or plain
     /// (with --cipher and --volume-key-file), tcrypt, fvault2 or loopaes (`fvault2Open`,
-    /// `loopaesOpen`). cryptsetup's bitlk is refused by name.
+    /// `loopaesOpen`), bitlk (`bitlkOpen`).
     #[arg(long = "type", short = 'M')]
     pub dev_type: Option<crate::open::DeviceType>,
     /// Accepted for compatibility (no confirmation is asked).
@@ -419,7 +419,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
 
 /// The `--type` of `open` against the other options: a format ucrypt does not read, or a LUKS
 /// type with --cipher, is refused (exit 1).
-fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()> {
+pub(crate) fn check_type(t: Option<crate::open::DeviceType>, cipher: bool) -> CliResult<()> {
     use crate::open::DeviceType;
     match (t, cipher) {
         (Some(DeviceType::Tcrypt | DeviceType::Loopaes), _)
