@@ -9,11 +9,16 @@
 //! waits for room (back-pressure on its client), it never fails for want of buffers: every
 //! request the protocol lets through fits ([`MAX_PAYLOAD_BYTES`] is within both limits), so
 //! it proceeds once requests in flight finish, and those never wait on the budget.
+//!
+//! Every request is charged by its connection's reader and given back by whichever thread
+//! ends it, so the common case (room in both) is two atomic updates, with no lock that the
+//! reader and the workers of all connections would take in turn. Only a charge that finds no
+//! room takes the lock and sleeps; a release takes it only when someone sleeps.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
-use ucrypt::sync::{lock, WaitCell};
+use ucrypt::sync::lock;
 
 use crate::proto::MAX_PAYLOAD_BYTES;
 
@@ -28,15 +33,24 @@ const _: () = assert!(MAX_PAYLOAD_BYTES as u64 <= CONNECTION_BYTES_MAX);
 const _: () = assert!(CONNECTION_BYTES_MAX <= SERVER_BYTES_MAX);
 
 /// The server-wide budget.
+///
+/// Wake-ups cannot be lost: a charge that finds no room counts itself in `sleepers` and looks
+/// again, both under `lock`, before it sleeps; a release gives its bytes back, then reads
+/// `sleepers`, and if any sleep, notifies under `lock`. All four are sequentially consistent,
+/// so either the release sees the sleeper (and its notify comes after the sleeper waits, the
+/// lock being held until then) or the sleeper's second look comes after the bytes were given
+/// back and sees them.
 pub struct Budget {
-    /// Bytes charged, all connections together. Connections' own counts change only under
-    /// this lock too, so one check sees both.
-    used: Mutex<u64>,
-    /// Readers waiting for room; every release wakes them all (each rechecks its own cap).
-    freed: WaitCell,
+    /// Bytes charged, all connections together.
+    used: AtomicU64,
+    /// Charges waiting for room.
+    sleepers: AtomicU32,
+    lock: Mutex<()>,
+    freed: Condvar,
 }
 
-/// One connection's share of the budget.
+/// One connection's share of the budget. Only the connection's reader charges it (so its
+/// check and its increase cannot race with another charge); any thread gives back.
 #[derive(Default)]
 pub struct ConnBudget {
     used: AtomicU64,
@@ -52,8 +66,10 @@ pub struct Charge {
 impl Budget {
     pub fn new() -> Budget {
         Budget {
-            used: Mutex::new(0),
-            freed: WaitCell::new(),
+            used: AtomicU64::new(0),
+            sleepers: AtomicU32::new(0),
+            lock: Mutex::new(()),
+            freed: Condvar::new(),
         }
     }
 
@@ -61,16 +77,17 @@ impl Budget {
     /// until both have room.
     pub fn charge(self: &Arc<Self>, conn: &Arc<ConnBudget>, bytes: u64) -> Charge {
         debug_assert!(bytes <= u64::from(MAX_PAYLOAD_BYTES));
-        let mut used = lock(&self.used);
-        loop {
-            let mine = conn.used.load(Ordering::Acquire);
-            if *used + bytes <= SERVER_BYTES_MAX && mine + bytes <= CONNECTION_BYTES_MAX {
-                break;
+        if !self.charge_now(conn, bytes) {
+            let mut g = lock(&self.lock);
+            self.sleepers.fetch_add(1, Ordering::SeqCst);
+            while !self.charge_now(conn, bytes) {
+                g = self
+                    .freed
+                    .wait(g)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            used = self.freed.wait(used);
+            self.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
-        *used += bytes;
-        conn.used.fetch_add(bytes, Ordering::AcqRel);
         Charge {
             budget: self.clone(),
             conn: conn.clone(),
@@ -78,10 +95,45 @@ impl Budget {
         }
     }
 
+    /// Charges `bytes` to the server and to `conn` if both have room now.
+    pub fn try_charge(self: &Arc<Self>, conn: &Arc<ConnBudget>, bytes: u64) -> Option<Charge> {
+        self.charge_now(conn, bytes).then(|| Charge {
+            budget: self.clone(),
+            conn: conn.clone(),
+            bytes,
+        })
+    }
+
+    /// Charges if both have room now.
+    fn charge_now(&self, conn: &ConnBudget, bytes: u64) -> bool {
+        // The server's count first: a release gives back the connection's bytes before the
+        // server's, so seeing the server's returned means seeing the connection's too.
+        let mut used = self.used.load(Ordering::SeqCst);
+        if conn.used.load(Ordering::SeqCst) + bytes > CONNECTION_BYTES_MAX {
+            return false;
+        }
+        loop {
+            if used + bytes > SERVER_BYTES_MAX {
+                return false;
+            }
+            match self.used.compare_exchange_weak(
+                used,
+                used + bytes,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => break,
+                Err(now) => used = now,
+            }
+        }
+        conn.used.fetch_add(bytes, Ordering::SeqCst);
+        true
+    }
+
     /// Bytes charged now, all connections together.
     #[cfg(test)]
     pub fn used(&self) -> u64 {
-        *lock(&self.used)
+        self.used.load(Ordering::SeqCst)
     }
 }
 
@@ -90,11 +142,13 @@ impl Drop for Charge {
         if self.bytes == 0 {
             return;
         }
-        let mut used = lock(&self.budget.used);
-        *used -= self.bytes;
-        self.conn.used.fetch_sub(self.bytes, Ordering::AcqRel);
-        drop(used);
-        self.budget.freed.notify_all();
+        let b = &self.budget;
+        self.conn.used.fetch_sub(self.bytes, Ordering::SeqCst);
+        b.used.fetch_sub(self.bytes, Ordering::SeqCst);
+        if b.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = lock(&b.lock);
+            b.freed.notify_all();
+        }
     }
 }
 

@@ -281,9 +281,16 @@ impl Ctx {
         self.activity.done();
     }
 
-    /// Charges `bytes` of payload to the server's budget, waiting for room.
-    fn charge(&self, bytes: u64) -> Charge {
-        self.budget.charge(&self.conn_budget, bytes)
+    /// Charges `bytes` of payload to the server's budget, waiting for room (after waking the
+    /// workers: the jobs they hold give room back).
+    fn charge(&self, workers: &Workers, bytes: u64) -> Charge {
+        match self.budget.try_charge(&self.conn_budget, bytes) {
+            Some(c) => c,
+            None => {
+                workers.wake();
+                self.budget.charge(&self.conn_budget, bytes)
+            }
+        }
     }
 
     fn execute(&self, mut job: Job) {
@@ -361,10 +368,11 @@ impl Workers {
     }
 
     /// Hands `job` to a worker, starting one if none is free. If no worker can start at all,
-    /// the jobs left run on the caller's thread.
+    /// the jobs left run on the caller's thread. A sleeping worker is woken at the next
+    /// [`Workers::wake`], which the reader calls before it could block (see [`Queue`]).
     fn dispatch(&mut self, job: Job) {
         self.ctx.queued.fetch_add(1, Ordering::AcqRel);
-        if let Pushed::StartWorker = self.queue.push(job) {
+        if let Pushed::StartWorker = self.queue.push_deferred(job) {
             self.threads.retain(|t| !t.is_finished());
             let (ctx, queue) = (self.ctx.clone(), self.queue.clone());
             let t = std::thread::Builder::new()
@@ -385,6 +393,11 @@ impl Workers {
                 }
             }
         }
+    }
+
+    /// Wakes sleeping workers for the jobs dispatched since the last call.
+    fn wake(&self) {
+        self.queue.wake();
     }
 
     /// Lets the workers finish what is queued, and waits for them.
@@ -418,8 +431,14 @@ fn read_requests(
     // When requests last went to workers: the read buffer is large from then until the
     // connection has been without such bursts for as long as a worker stays idle.
     let mut last_burst: Option<std::time::Instant> = None;
+    // Requests went to workers since the buffer was last empty: the clock is read once per
+    // refill, not once per request.
+    let mut dispatched = false;
     loop {
         if reader.buffer().is_empty() {
+            if std::mem::take(&mut dispatched) {
+                last_burst = Some(std::time::Instant::now());
+            }
             let want = match last_burst {
                 Some(t) if t.elapsed() < super::queue::WORKER_IDLE => READ_BUFFER_BYTES,
                 _ => READ_BUFFER_IDLE_BYTES,
@@ -432,6 +451,11 @@ fn read_requests(
         // once the server stops, no new request is taken (those taken finish).
         if ctx.dead() || stop.requested() {
             return Ok(());
+        }
+        // The next header is not all here: the read may sleep, so the workers must have
+        // their jobs first.
+        if reader.buffer().len() < REQUEST_HEADER_BYTES {
+            workers.wake();
         }
         // After a large write, the next request is likely one too: its header is read alone
         // when nothing is buffered, so that its payload does not land in the read buffer
@@ -466,6 +490,7 @@ fn read_requests(
                 skip_payload_bytes,
             } => {
                 ctx.activity.begin();
+                workers.wake();
                 let r = discard(&mut reader, skip_payload_bytes as usize);
                 if r.is_ok() {
                     ctx.send(&nbd::encode_simple_reply(cookie, Some(error)));
@@ -492,7 +517,11 @@ fn read_requests(
                     }
                     Command::Write { len, .. } => {
                         charged = u64::from(len);
-                        job.charge = Some(ctx.charge(charged));
+                        job.charge = Some(ctx.charge(workers, charged));
+                        // A payload not all here: its read may sleep.
+                        if reader.buffer().len() < len as usize {
+                            workers.wake();
+                        }
                         let mut payload = ctx.spares.take(len as usize);
                         let r = if u64::from(len) >= DIRECT_PAYLOAD_MIN_BYTES {
                             after_large_write = true;
@@ -511,7 +540,7 @@ fn read_requests(
                     }
                     Command::Read { len, .. } => {
                         charged = u64::from(len);
-                        job.charge = Some(ctx.charge(charged));
+                        job.charge = Some(ctx.charge(workers, charged));
                     }
                     _ => {}
                 }
@@ -532,7 +561,7 @@ fn read_requests(
                     continue;
                 }
                 reader.get_mut().poll = false;
-                last_burst = Some(std::time::Instant::now());
+                dispatched = true;
                 workers.dispatch(job);
             }
         }

@@ -8,6 +8,13 @@
 //! Invariant: whenever a job is queued, a live worker will take it. A worker ends only under
 //! the queue's lock after seeing it empty, and [`Queue::push`] counts idle workers under the
 //! same lock after queueing, so the two cannot miss each other.
+//!
+//! Waking a sleeping worker may preempt the thread that queues (the reader, which then waits
+//! for a core while the worker runs one job and sleeps again). So a reader that has more
+//! requests at hand queues them with [`Queue::push_deferred`] and wakes the workers once, with
+//! [`Queue::wake`], before it could block (on the socket, the budget, or a full queue; the
+//! last is done here). Until then a queued job may wait for the reader to finish its burst,
+//! never longer: the invariant above holds from the next [`Queue::wake`].
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
@@ -38,6 +45,8 @@ struct State<T> {
     idle: usize,
     /// Pushers waiting for room.
     full_waiters: usize,
+    /// Jobs queued by [`Queue::push_deferred`] while workers slept, not yet woken for.
+    unwoken: usize,
     closed: bool,
 }
 
@@ -59,6 +68,7 @@ impl<T> Queue<T> {
                 alive: 0,
                 idle: 0,
                 full_waiters: 0,
+                unwoken: 0,
                 closed: false,
             }),
             ready: Condvar::new(),
@@ -69,9 +79,22 @@ impl<T> Queue<T> {
     }
 
     /// Queues `job`, waiting while the queue is full.
+    #[cfg(test)]
     pub fn push(&self, job: T) -> Pushed {
+        let pushed = self.push_deferred(job);
+        self.wake();
+        pushed
+    }
+
+    /// Like [`Queue::push`], but a sleeping worker is woken only by the next [`Queue::wake`]
+    /// (or when the queue is full): the caller must call it before it blocks.
+    pub fn push_deferred(&self, job: T) -> Pushed {
         let mut s = lock(&self.state);
         while s.jobs.len() >= self.jobs_max && s.alive > 0 {
+            // Workers must run for room to come.
+            if std::mem::take(&mut s.unwoken) > 0 {
+                self.ready.notify_all();
+            }
             s.full_waiters += 1;
             s = self
                 .room
@@ -86,15 +109,25 @@ impl<T> Queue<T> {
         }
         // A notify is a system call whether anyone waits or not: only when a worker waits
         // (it counted itself idle under this lock before it slept).
-        let wake = s.idle > 0;
-        drop(s);
-        if wake {
-            self.ready.notify_one();
+        if s.idle > s.unwoken {
+            s.unwoken += 1;
         }
+        drop(s);
         if start {
             Pushed::StartWorker
         } else {
             Pushed::Taken
+        }
+    }
+
+    /// Wakes a sleeping worker for each job queued by [`Queue::push_deferred`] since the last
+    /// call (as many as sleep).
+    pub fn wake(&self) {
+        let mut s = lock(&self.state);
+        let n = std::mem::take(&mut s.unwoken).min(s.idle);
+        drop(s);
+        for _ in 0..n {
+            self.ready.notify_one();
         }
     }
 
