@@ -119,7 +119,7 @@ pub struct OpenArgs {
 
 /// `--memory-budget SIZE`: cryptsetup's size syntax, at least one reserve.
 fn parse_budget(s: &str) -> Result<u64, String> {
-    let n = crate::luks_cli::reencrypt::parse_size(s).map_err(|e| e.to_string())?;
+    let n = crate::volume_args::cryptsetup_size(s)?;
     if n < ucrypt::pool::LOCK_CHUNK_BYTES as u64 {
         return Err(format!(
             "a memory budget below {} bytes cannot hold one buffer chunk",

@@ -760,23 +760,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         FrontEnd::VhostUser => start_vhost(&d, &opened, dev)?,
         FrontEnd::Auto => return Err(CliError::Usage("front end not chosen".into())),
     };
-    let mut ident = d.ident.clone();
-    ident.front_end = Some(d.front_end.label().into());
-    ident.device = Some(device.clone());
-    ident.pid = std::process::id();
-    match &front {
-        Front::Ublk { .. } => {
-            ident.ublk_id = device
-                .to_str()
-                .and_then(|s| s.strip_prefix("/dev/ublkb"))
-                .and_then(|n| n.parse().ok());
-        }
-        Front::Fuse { mounted, loopdev } => {
-            ident.fuse_file = Some(mounted.file.clone());
-            ident.loop_device = loopdev.as_ref().map(|l| l.path.clone());
-        }
-        Front::Vhost { .. } => {}
-    }
+    let ident = served_identity(&d, &front, &device);
     // Recorded before the name is made, so that a crash from here on is cleaned by `close`.
     let named = ident
         .write(&d.claim.dir)
@@ -790,12 +774,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         }
     };
     let (events_tx, events) = sync_channel(EVENTS_MAX);
-    let wake_pair = UnixStream::pair().and_then(|(a, b)| {
-        a.set_nonblocking(true)?;
-        b.set_nonblocking(true)?;
-        Ok((a, b))
-    });
-    let (wake_tx, wake_rx) = match wake_pair {
+    let (wake_tx, wake_rx) = match wake_pair() {
         Ok(p) => p,
         Err(e) => {
             let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
@@ -841,15 +820,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         },
         None => None,
     };
-    let note = match (&d.nbd, notes.ready) {
-        (Some(Listen::Unix(p)), n) => Some(format!(
-            "{}NBD: nbd+unix:///{}?socket={}",
-            n.map(|n| format!("{n}; ")).unwrap_or_default(),
-            d.name,
-            p.display()
-        )),
-        (_, n) => n,
-    };
+    let note = ready_note(&d, notes.ready);
     reporter.ready(
         &d.name,
         &Ready {
@@ -892,6 +863,49 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
 /// Why the volume's buffers may not all be locked in this process, if they may not: a
 /// RLIMIT_MEMLOCK below the bounce-buffer pool's bound, without CAP_IPC_LOCK (which lifts the
 /// limit). `status` counts the chunks that then failed to lock.
+/// The daemon's identity once its front end serves `device`.
+fn served_identity(d: &Daemon, front: &Front, device: &Path) -> Identity {
+    let mut ident = d.ident.clone();
+    ident.front_end = Some(d.front_end.label().into());
+    ident.device = Some(device.to_path_buf());
+    ident.pid = std::process::id();
+    match front {
+        Front::Ublk { .. } => {
+            ident.ublk_id = device
+                .to_str()
+                .and_then(|s| s.strip_prefix("/dev/ublkb"))
+                .and_then(|n| n.parse().ok());
+        }
+        Front::Fuse { mounted, loopdev } => {
+            ident.fuse_file = Some(mounted.file.clone());
+            ident.loop_device = loopdev.as_ref().map(|l| l.path.clone());
+        }
+        Front::Vhost { .. } => {}
+    }
+    ident
+}
+
+/// The main loop's wake-up socket pair (both ends non-blocking).
+fn wake_pair() -> std::io::Result<(UnixStream, UnixStream)> {
+    let (a, b) = UnixStream::pair()?;
+    a.set_nonblocking(true)?;
+    b.set_nonblocking(true)?;
+    Ok((a, b))
+}
+
+/// What `open` prints about the served volume: the front end's note, and the NBD URI.
+fn ready_note(d: &Daemon, front_note: Option<String>) -> Option<String> {
+    match (&d.nbd, front_note) {
+        (Some(Listen::Unix(p)), n) => Some(format!(
+            "{}NBD: nbd+unix:///{}?socket={}",
+            n.map(|n| format!("{n}; ")).unwrap_or_default(),
+            d.name,
+            p.display()
+        )),
+        (_, n) => n,
+    }
+}
+
 fn memlock_warning() -> Option<String> {
     const CAP_IPC_LOCK: u32 = 14;
     let mut lim = libc::rlimit {
