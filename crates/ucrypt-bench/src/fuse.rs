@@ -305,22 +305,27 @@ impl Server {
     }
 }
 
+/// Unmounts a FUSE server's mount and waits up to 10 s for the server to exit, then kills it.
+pub(crate) fn unmount_and_reap(mountpoint: &std::path::Path, child: &mut std::process::Child) {
+    let _ = Command::new("fusermount3")
+        .arg("-u")
+        .arg(mountpoint)
+        .stderr(Stdio::null())
+        .status();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.mountpoint)
-            .stderr(Stdio::null())
-            .status();
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        unmount_and_reap(&self.mountpoint, &mut self.child);
     }
 }
 

@@ -331,20 +331,7 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.mountpoint)
-            .stderr(Stdio::null())
-            .status();
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::fuse::unmount_and_reap(&self.mountpoint, &mut self.child);
     }
 }
 
