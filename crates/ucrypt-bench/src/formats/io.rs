@@ -461,6 +461,18 @@ pub fn markdown(rows: &[IoRow]) -> String {
             names.push(&r.name);
         }
     }
+    let mut s = table(rows, &names, |r| Some(r.mib_s.show(0)));
+    s.push_str("\nServer CPU per request, µs (median; all the FUSE server's threads):\n\n");
+    s.push_str(&table(rows, &names, |r| {
+        let m = r.server_cpu_us_per_req.median;
+        m.is_finite().then(|| format!("{m:.1}"))
+    }));
+    s
+}
+
+/// A job per line, a target (`names`) per column, each cell `cell` of the row measured there
+/// ("–" where none is, or `cell` gives none).
+fn table(rows: &[IoRow], names: &[&str], cell: impl Fn(&IoRow) -> Option<String>) -> String {
     let mut s = format!(
         "| job | {} |\n|---|{}\n",
         names.join(" | "),
@@ -472,28 +484,8 @@ pub fn markdown(rows: &[IoRow]) -> String {
             .map(|n| {
                 rows.iter()
                     .find(|r| r.job.name == job.name && r.name == *n)
-                    .map_or_else(|| "–".into(), |r| r.mib_s.show(0))
-            })
-            .collect();
-        s.push_str(&format!("| {} | {} |\n", job.name, cells.join(" | ")));
-    }
-    s.push_str("\nServer CPU per request, µs (median; all the FUSE server's threads):\n\n");
-    s.push_str(&format!(
-        "| job | {} |\n|---|{}\n",
-        names.join(" | "),
-        "---|".repeat(names.len())
-    ));
-    for job in JOBS {
-        let cells: Vec<String> = names
-            .iter()
-            .map(|n| {
-                rows.iter()
-                    .find(|r| r.job.name == job.name && r.name == *n)
-                    .filter(|r| r.server_cpu_us_per_req.median.is_finite())
-                    .map_or_else(
-                        || "–".into(),
-                        |r| format!("{:.1}", r.server_cpu_us_per_req.median),
-                    )
+                    .and_then(&cell)
+                    .unwrap_or_else(|| "–".into())
             })
             .collect();
         s.push_str(&format!("| {} | {} |\n", job.name, cells.join(" | ")));
