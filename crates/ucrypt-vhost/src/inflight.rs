@@ -1,7 +1,19 @@
 //! A queue's requests in flight. The queue's thread parses every chain the driver made
 //! available and hands it here; a small bounded set of workers serves them at once, each
-//! through its own bounce buffer, and each request goes back to the used ring when it is done
-//! (out of order), in batches that cost one notification each.
+//! through its own bounce buffer, and the requests go back to the used ring in the order they
+//! were taken from the available ring, in batches that cost one notification each.
+//!
+//! Why in order: it is what lets a restarted backend finish every request the killed one had
+//! taken. A VMM that loses its backend (qemu's `reconnect=` on the chardev) cannot read the
+//! ring state back, so it sets the available index it hands the next backend to the used
+//! index in guest memory (qemu's `virtio_queue_restore_last_avail_idx`). With completions
+//! published in ring order, the used index counts exactly the requests returned, and the
+//! chains from there on are exactly those taken and not returned: the next backend serves
+//! them again (a request the device had finished is served twice, which a read or a write of
+//! the same data survives). Out of order, the restarted backend would return some requests a
+//! second time (a virtio driver then declares the device broken) and never return others.
+//! The cost: a request that finishes early waits in [`State::order`] for those taken before
+//! it; the device still serves them all at once.
 //!
 //! Why threads: the volume's API is synchronous (a request returns once its backend I/O has),
 //! so a queue that holds one request at a time waits for the disk on every request while the
@@ -24,7 +36,7 @@
 //! counts idle workers under the same lock after queueing.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ucrypt::sync::{lock, WaitCell};
@@ -54,6 +66,8 @@ pub struct Job {
     mem: Arc<Memory>,
     vring: VringRwLock<Mem>,
     mode: Mode,
+    /// Its place in the order requests were taken from the ring.
+    seq: u64,
     /// A write's ticket, tracked until it returns from the device.
     write: Option<u64>,
     /// A flush's: it waits until no write with a smaller ticket is in flight.
@@ -84,9 +98,14 @@ struct State {
     /// Tickets of writes taken and not yet returned from the device.
     writes: Vec<u64>,
     next_ticket: u64,
-    /// Done, waiting for the used ring; whether a thread is publishing them now, and the list
-    /// it publishes from (kept to reuse its allocation).
-    completed: Vec<(u16, u32)>,
+    /// One place per request taken and not yet handed to the used ring, in the order taken
+    /// (the front's sequence number is `first_seq`, the next request's `next_seq`): its head
+    /// and used length once done. Only a done prefix is published.
+    order: VecDeque<Option<(u16, u32)>>,
+    first_seq: u64,
+    next_seq: u64,
+    /// Whether a thread is publishing now, and the list it publishes from (kept to reuse its
+    /// allocation).
     publishing: bool,
     batch: Vec<(u16, u32)>,
     /// Parsed requests' storage, reused (at most one per request in flight, plus one).
@@ -106,9 +125,11 @@ impl Inflight {
                 idle: 0,
                 writes: Vec::with_capacity(INFLIGHT_PER_QUEUE_MAX),
                 next_ticket: 0,
-                completed: Vec::with_capacity(INFLIGHT_PER_QUEUE_MAX + 1),
+                order: VecDeque::with_capacity(INFLIGHT_PER_QUEUE_MAX),
+                first_seq: 0,
+                next_seq: 0,
                 publishing: false,
-                batch: Vec::with_capacity(INFLIGHT_PER_QUEUE_MAX + 1),
+                batch: Vec::with_capacity(INFLIGHT_PER_QUEUE_MAX),
                 spare: Vec::new(),
                 closed: false,
             }),
@@ -131,12 +152,8 @@ impl Inflight {
         vring: &VringRwLock<Mem>,
         mode: Mode,
     ) -> (Job, bool) {
-        let mut st = lock(&self.state);
-        while st.taken >= INFLIGHT_PER_QUEUE_MAX {
-            st = self.progress.wait(st);
-        }
-        let alone = st.taken == 0;
-        st.taken += 1;
+        let (mut st, seq) = self.admit();
+        let alone = st.taken == 1;
         let (mut write, mut flush_after) = (None, None);
         match req.class() {
             Class::Write => {
@@ -153,10 +170,25 @@ impl Inflight {
             mem,
             vring: vring.clone(),
             mode,
+            seq,
             write,
             flush_after,
         };
         (job, alone)
+    }
+
+    /// Waits for room, then gives the next request its place in the order: the state, still
+    /// locked, and that place's sequence number.
+    fn admit(&self) -> (MutexGuard<'_, State>, u64) {
+        let mut st = lock(&self.state);
+        while st.taken >= INFLIGHT_PER_QUEUE_MAX {
+            st = self.progress.wait(st);
+        }
+        st.taken += 1;
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        st.order.push_back(None);
+        (st, seq)
     }
 
     /// Hands `job` to a worker, starting one if none is idle; gives it back when no worker can
@@ -205,26 +237,39 @@ impl Inflight {
             }
         }
         let done = request::serve(&*self.dev, &self.id, job.mode, bounce, &*job.mem, &job.req);
-        self.complete(&job.vring, job.req, done.used_len, job.write);
+        self.complete(&job.vring, job.req, done.used_len, job.seq, job.write);
     }
 
-    /// Returns a request that ended at parsing (malformed) to the ring.
+    /// Returns a request that ended at parsing (malformed) to the ring, in its turn; waits for
+    /// room like [`take`](Inflight::take), so a ring full of malformed chains cannot grow the
+    /// order past the limit.
     pub fn refuse(&self, vring: &VringRwLock<Mem>, req: Request, used_len: u32) {
-        lock(&self.state).taken += 1;
-        self.complete(vring, req, used_len, None);
+        let (st, seq) = self.admit();
+        drop(st);
+        self.complete(vring, req, used_len, seq, None);
     }
 
-    /// Records `req` as done; the first thread to find nobody publishing publishes every
-    /// completion there is (its own and those that arrive meanwhile), one notification per
+    /// Records `req` (taken as `seq`) as done; the first thread to find nobody publishing
+    /// publishes the done prefix of the order (its own completion and those that arrive
+    /// meanwhile, as far as no earlier request is still being served), one notification per
     /// batch when the driver asked for one.
-    fn complete(&self, vring: &VringRwLock<Mem>, req: Request, used_len: u32, write: Option<u64>) {
+    fn complete(
+        &self,
+        vring: &VringRwLock<Mem>,
+        req: Request,
+        used_len: u32,
+        seq: u64,
+        write: Option<u64>,
+    ) {
         let mut st = lock(&self.state);
         if let Some(w) = write {
             if let Some(i) = st.writes.iter().position(|&x| x == w) {
                 st.writes.swap_remove(i);
             }
         }
-        st.completed.push((req.head(), used_len));
+        let place = usize::try_from(seq - st.first_seq).expect("a place in the order");
+        assert!(st.order[place].is_none(), "request {seq} completed twice");
+        st.order[place] = Some((req.head(), used_len));
         if st.spare.len() <= INFLIGHT_PER_QUEUE_MAX {
             st.spare.push(req);
         }
@@ -236,7 +281,14 @@ impl Inflight {
         st.publishing = true;
         let mut batch = std::mem::take(&mut st.batch);
         loop {
-            std::mem::swap(&mut st.completed, &mut batch);
+            while let Some(Some(done)) = st.order.front().copied() {
+                st.order.pop_front();
+                st.first_seq += 1;
+                batch.push(done);
+            }
+            if batch.is_empty() {
+                break;
+            }
             drop(st);
             for &(head, len) in &batch {
                 // A head outside the queue (a hostile avail ring) has nothing to return to.
@@ -249,9 +301,6 @@ impl Inflight {
             st = lock(&self.state);
             st.taken -= batch.len();
             batch.clear();
-            if st.completed.is_empty() {
-                break;
-            }
         }
         st.publishing = false;
         st.batch = batch;

@@ -166,27 +166,39 @@ fn guest_memory() -> GuestMemoryMmap<()> {
     GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_BYTES)]).unwrap()
 }
 
+/// A backend for `dev` on the queue `mq` in `mem`, as a VMM sets one up: the ring's
+/// addresses, the next used index read from the ring (vhost-user-backend does so on
+/// `SET_VRING_ADDR`) and the next available index (`SET_VRING_BASE`) the same.
+fn attach(
+    mem: &GuestMemoryMmap<()>,
+    mq: &MockSplitQueue<'_, GuestMemoryMmap<()>>,
+    dev: Arc<MemDev>,
+    features: u64,
+    event_idx: bool,
+) -> (VringRwLock<Mem>, BlkBackend) {
+    let atomic = GuestMemoryAtomic::new(mem.clone());
+    let vring = VringRwLock::new(atomic.clone(), QUEUE_LEN).unwrap();
+    vring.set_queue_size(QUEUE_LEN);
+    vring
+        .set_queue_info(mq.desc_table_addr().0, mq.avail_addr().0, mq.used_addr().0)
+        .unwrap();
+    let used_idx = vring.queue_used_idx().unwrap();
+    vring.set_queue_next_used(used_idx);
+    vring.set_queue_next_avail(used_idx);
+    vring.set_queue_event_idx(event_idx);
+    vring.set_queue_ready(true);
+    vring.set_enabled(true);
+    let backend = BlkBackend::new(dev, 1, true, crate::id_of("ucrypt-test-serial-0123"));
+    backend.acked_features(features);
+    backend.set_event_idx(event_idx);
+    backend.update_memory(atomic).unwrap();
+    (vring, backend)
+}
+
 impl<'a> Rig<'a> {
     fn new(mem: &'a GuestMemoryMmap<()>, dev: Arc<MemDev>, features: u64, event_idx: bool) -> Self {
         let mq = MockSplitQueue::create(mem, GuestAddress(0), QUEUE_LEN);
-        let atomic = GuestMemoryAtomic::new(mem.clone());
-        let vring = VringRwLock::new(atomic.clone(), QUEUE_LEN).unwrap();
-        vring.set_queue_size(QUEUE_LEN);
-        vring
-            .set_queue_info(mq.desc_table_addr().0, mq.avail_addr().0, mq.used_addr().0)
-            .unwrap();
-        vring.set_queue_event_idx(event_idx);
-        vring.set_queue_ready(true);
-        vring.set_enabled(true);
-        let backend = BlkBackend::new(
-            dev.clone(),
-            1,
-            true,
-            crate::id_of("ucrypt-test-serial-0123"),
-        );
-        backend.acked_features(features);
-        backend.set_event_idx(event_idx);
-        backend.update_memory(atomic).unwrap();
+        let (vring, backend) = attach(mem, &mq, dev.clone(), features, event_idx);
         Rig {
             mem,
             mq,
@@ -725,22 +737,23 @@ impl Rig<'_> {
     fn slot_status(&self, i: u64) -> u8 {
         self.mem.read_obj(GuestAddress(slot(i).1)).unwrap()
     }
+}
 
-    /// Waits (at most 10 s) until the used ring has `n` more entries than the last call saw.
-    fn wait_used(&mut self, n: usize) -> Vec<(u32, u32)> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut got = Vec::new();
-        while got.len() < n {
-            got.extend(self.used());
-            assert!(Instant::now() < deadline, "only {got:?} of {n} came back");
-            std::thread::sleep(Duration::from_millis(1));
+/// Waits (at most 10 s) until the device's log holds `n` events.
+fn wait_log(dev: &MemDev, n: usize) -> Vec<Event> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = dev.log.lock().unwrap().clone();
+        if log.len() >= n {
+            return log;
         }
-        got
+        assert!(Instant::now() < deadline, "only {log:?} of {n} events");
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
 #[test]
-fn requests_complete_out_of_order() {
+fn requests_are_served_at_once_and_return_in_ring_order() {
     for event_idx in [false, true] {
         let mem = guest_memory();
         let dev = MemDev::new(DEV_BYTES, false);
@@ -748,25 +761,68 @@ fn requests_complete_out_of_order() {
         let features = FLUSH | if event_idx { ring } else { 0 };
         let mut r = Rig::new(&mem, dev.clone(), features, event_idx);
         dev.hold(0);
-        let slow = r.offer_slot(0, VIRTIO_BLK_T_IN, 0, 4096);
-        let fast: Vec<u16> = (1..4)
-            .map(|i| r.offer_slot(i, VIRTIO_BLK_T_IN, 8 * i, 4096))
-            .collect();
+        let mut heads = vec![r.offer_slot(0, VIRTIO_BLK_T_IN, 0, 4096)];
+        heads.extend((1..4).map(|i| r.offer_slot(i, VIRTIO_BLK_T_IN, 8 * i, 4096)));
         // Returns once everything is handed over; the held read is still in the device.
         r.backend.serve_queue(0, &r.vring).unwrap();
-        let mut used: Vec<u16> = r.wait_used(3).iter().map(|u| u.0 as u16).collect();
-        used.sort();
-        assert_eq!(used, fast, "event_idx {event_idx}");
+        // The three later reads pass the held one in the device...
+        let log = wait_log(&dev, 3);
+        assert!(!log.contains(&Event::Read(0)), "event_idx {event_idx}");
+        // ...and wait for it before the used ring.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(r.used(), vec![], "event_idx {event_idx}");
         assert_eq!(r.slot_status(0), 0xff, "the held read is not done");
         dev.release(0);
         r.backend.drain_queue(0);
-        assert_eq!(r.used(), vec![(u32::from(slow), 4097)]);
+        let used: Vec<(u32, u32)> = heads.iter().map(|&h| (u32::from(h), 4097)).collect();
+        assert_eq!(r.used(), used, "event_idx {event_idx}");
         for i in 0..4 {
             assert_eq!(r.slot_status(i), OK);
         }
         r.backend.close();
         assert_eq!(r.backend.workers(0), 0);
     }
+}
+
+/// A backend killed with requests in flight, and the next one started as qemu starts it when
+/// it cannot read the ring state back (its `reconnect=`): the available index it hands over is
+/// the used index in guest memory. The next backend serves exactly the requests the first
+/// returned no used entry for (including those its device had finished) and each returns
+/// once.
+#[test]
+fn a_restarted_backend_serves_again_exactly_what_was_not_returned() {
+    let mem = guest_memory();
+    let dev = MemDev::new(DEV_BYTES, false);
+    let mut r = Rig::new(&mem, dev.clone(), FLUSH, false);
+    dev.hold(4096);
+    let heads: Vec<u16> = (0..4)
+        .map(|i| r.offer_slot(i, VIRTIO_BLK_T_IN, 8 * i, 4096))
+        .collect();
+    r.backend.serve_queue(0, &r.vring).unwrap();
+    // Requests 0, 2 and 3 are done in the device, 1 is held there: only 0 is returned.
+    wait_log(&dev, 3);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(r.used(), vec![(u32::from(heads[0]), 4097)]);
+
+    // The first backend is gone (its held request never returns); the next one serves a copy
+    // of the device's data.
+    let dev2 = MemDev::new(DEV_BYTES, false);
+    let (vring2, backend2) = attach(&mem, &r.mq, dev2.clone(), FLUSH, false);
+    backend2.serve_queue(0, &vring2).unwrap();
+    backend2.drain_queue(0);
+    let again: Vec<(u32, u32)> = heads[1..].iter().map(|&h| (u32::from(h), 4097)).collect();
+    assert_eq!(r.used(), again);
+    let mut served: Vec<u64> = (dev2.log.lock().unwrap().iter())
+        .map(|e| match e {
+            Event::Read(offset) => *offset,
+            other => panic!("{other:?} reached the device"),
+        })
+        .collect();
+    served.sort_unstable();
+    assert_eq!(served, [4096, 8192, 12288]);
+    backend2.close();
+    dev.release(4096);
+    r.backend.close();
 }
 
 #[test]
@@ -781,8 +837,8 @@ fn a_flush_completes_after_the_writes_taken_before_it() {
     let flush = r.offer_slot(1, VIRTIO_BLK_T_FLUSH, 0, 0);
     let read = r.offer_slot(2, VIRTIO_BLK_T_IN, 8, 4096);
     r.backend.serve_queue(0, &r.vring).unwrap();
-    // The read, behind the flush in the ring, does not wait for it.
-    assert_eq!(r.wait_used(1), vec![(u32::from(read), 4097)]);
+    // The read, behind the flush in the ring, does not wait for it in the device.
+    assert_eq!(wait_log(&dev, 1), vec![Event::Read(4096)]);
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
         dev.flushes.load(Ordering::SeqCst),
@@ -794,8 +850,12 @@ fn a_flush_completes_after_the_writes_taken_before_it() {
     r.backend.drain_queue(0);
     assert_eq!(
         r.used(),
-        vec![(u32::from(write), 1), (u32::from(flush), 1)],
-        "the write returns to the ring before the flush"
+        vec![
+            (u32::from(write), 1),
+            (u32::from(flush), 1),
+            (u32::from(read), 4097)
+        ],
+        "the write returns to the ring before the flush, both before the read"
     );
     assert_eq!(
         *dev.log.lock().unwrap(),
