@@ -80,6 +80,9 @@ pub struct VmRun {
     pub vhosts: Vec<PathBuf>,
     /// num-queues of each vhost-user-blk disk (`VMTEST_VHOST_QUEUES`; default 2).
     pub vhost_queues: Option<u32>,
+    /// Seconds after which qemu reconnects to a vhost-user backend it lost (the chardev's
+    /// `reconnect=`, `VMTEST_VHOST_RECONNECT`). None: a lost backend stays lost.
+    pub vhost_reconnect: Option<u32>,
     pub share: Option<PathBuf>,
     pub kernel: Option<PathBuf>,
     pub modroot: Option<PathBuf>,
@@ -111,6 +114,7 @@ impl VmRun {
             disks: Vec::new(),
             vhosts: Vec::new(),
             vhost_queues: None,
+            vhost_reconnect: None,
             share: None,
             kernel: None,
             modroot: None,
@@ -152,6 +156,9 @@ impl VmRun {
         }
         if let Some(q) = self.vhost_queues {
             cmd.env("VMTEST_VHOST_QUEUES", q.to_string());
+        }
+        if let Some(r) = self.vhost_reconnect {
+            cmd.env("VMTEST_VHOST_RECONNECT", r.to_string());
         }
         if let Some(s) = &self.share {
             cmd.arg("-s").arg(s);

@@ -6,11 +6,20 @@
 //! is not the command line's). Second boot (the same `ucrypt vhost` process, which must
 //! accept the new VMM): the files are still there. Finally SIGTERM must end the server with
 //! status 0, and `ucrypt export` of the image must equal what the guest read.
+//!
+//! A backend restart under load: qemu reconnects (`reconnect=1` on the chardev) while fio in
+//! the guest writes with fsyncs and verifies; the backend is SIGKILLed and started again ten
+//! times mid-run. Every fio run must finish (no request lost in flight: it would hang the
+//! guest) and verify (no acknowledged write lost).
+//!
+//! The two boots take turns ([`VM`]): two TCG guests at once on a small host only slow both.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 #[path = "../../../tests/kit/mod.rs"]
 mod kit;
@@ -63,6 +72,32 @@ umount /m
 echo "BOOT2-OK"
 "#;
 
+/// One guest at a time.
+static VM: Mutex<()> = Mutex::new(());
+
+/// The restart test's guest: fio runs (2 jobs, one per vCPU and so per queue, random 4 KiB
+/// writes at depth 16 with an fsync every 4 writes, then a read-back verify of every block)
+/// one after another until the host leaves `stop` in the share.
+const RESTARTS: &str = r#"
+for b in /sys/block/vd*; do [ "$(cat $b/serial)" = "vhost-vm-serial" ] && q=$b; done
+[ -n "$q" ] || { echo "no vhost disk"; exit 1; }
+d=/dev/${q##*/}
+n=0
+while [ ! -e /mnt/host/stop ]; do
+  n=$((n+1))
+  /usr/local/sbin/fio --name=restart --filename=$d --ioengine=libaio --direct=1 \
+    --rw=randwrite --bs=4k --iodepth=16 --numjobs=2 --size=4M --offset_increment=4M \
+    --cpus_allowed=0-1 --cpus_allowed_policy=split --fsync=4 \
+    --verify=crc32c --verify_fatal=1 --randseed=$n --output=/tmp/fio.out >/dev/null 2>&1 ||
+    { echo "FIO-FAILED run $n"; cat /tmp/fio.out; exit 1; }
+  echo "FIO-VERIFIED run $n"
+done
+echo "RESTARTS-SURVIVED runs=$n"
+"#;
+
+/// Backend restarts in the restart test.
+const RESTART_TRIALS: usize = 10;
+
 fn ucrypt(args: &[&str]) -> Result<String, String> {
     vm::host(env!("CARGO_BIN_EXE_ucrypt"), args)
 }
@@ -102,6 +137,7 @@ fn luks2_volume_served_to_a_vm_over_vhost_user_blk() {
         println!("SKIPPED vhost_vm: {reason}");
         return;
     }
+    let _turn = VM.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = kit::TempDir::new("vhost-vm");
     let share = tmp.0.join("share");
     std::fs::create_dir_all(&share).unwrap();
@@ -191,4 +227,120 @@ fn luks2_volume_served_to_a_vm_over_vhost_user_blk() {
         guest_sha,
         "ucrypt export differs from the guest's view"
     );
+}
+
+/// The image file's modification time: it changes when the backend writes the volume.
+fn mtime(img: &Path) -> Option<SystemTime> {
+    std::fs::metadata(img).and_then(|m| m.modified()).ok()
+}
+
+/// Waits until `img` is written after `since` (or the guest has ended): whether it was.
+fn written_after(img: &Path, since: Option<SystemTime>, guest_done: &AtomicBool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < deadline && !guest_done.load(Ordering::Acquire) {
+        if mtime(img) != since {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// Kills and restarts the backend [`RESTART_TRIALS`] times once the guest writes, each after
+/// a seeded delay; then leaves `stop` for the guest. Returns the last server and a line per
+/// trial, or what went wrong.
+fn restart_trials(
+    img: PathBuf,
+    key: PathBuf,
+    sock: PathBuf,
+    stop: PathBuf,
+    mut server: Child,
+    guest_done: Arc<AtomicBool>,
+) -> (Child, Result<Vec<String>, String>) {
+    let mut rng = kit::SplitMix(kit::seed());
+    let mut trials = Vec::new();
+    let result = (|| {
+        if !written_after(&img, mtime(&img), &guest_done) {
+            return Err("the guest never wrote the vhost disk".to_string());
+        }
+        for trial in 0..RESTART_TRIALS {
+            let delay = Duration::from_millis(200 + rng.next_u64() % 1300);
+            std::thread::sleep(delay);
+            if guest_done.load(Ordering::Acquire) {
+                return Err(format!("the guest ended before trial {trial}"));
+            }
+            let _ = server.kill();
+            let _ = server.wait();
+            let before = mtime(&img);
+            let t0 = Instant::now();
+            server = start_server(&img, &key, &sock);
+            if !written_after(&img, before, &guest_done) {
+                return Err(format!("trial {trial}: no write after the restart"));
+            }
+            trials.push(format!(
+                "trial {trial}: SIGKILL {delay:?} into the run, written again {:?} after",
+                t0.elapsed()
+            ));
+        }
+        Ok(())
+    })();
+    let _ = std::fs::write(&stop, b"");
+    (server, result.map(|()| trials))
+}
+
+#[test]
+fn a_backend_killed_under_fio_restarts_and_loses_nothing() {
+    if let Err(reason) = vm::require_vm() {
+        println!("SKIPPED vhost_vm restart: {reason}");
+        return;
+    }
+    let _turn = VM.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = kit::TempDir::new("vhost-restart");
+    let share = tmp.0.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let key = share.join("key");
+    let mut rng = kit::SplitMix(kit::seed());
+    vm::random_file(&mut rng, &key, 32);
+    let img = tmp.0.join("vol.img");
+    let image = vm::Luks2Image {
+        cipher: "aes-xts-plain64",
+        key_bits: 512,
+        sector_bytes: 4096,
+        data_bytes: 16 << 20,
+    };
+    image
+        .format(env!("CARGO_BIN_EXE_ucrypt"), &img, &key)
+        .expect("ucrypt format");
+    let sock = tmp.0.join("vhost.sock");
+    let server = start_server(&img, &key, &sock);
+    let guest_done = Arc::new(AtomicBool::new(false));
+    let trials = {
+        let (img, key, sock) = (img.clone(), key.clone(), sock.clone());
+        let (stop, done) = (share.join("stop"), guest_done.clone());
+        std::thread::spawn(move || restart_trials(img, key, sock, stop, server, done))
+    };
+
+    let mut run = vm::VmRun::new(RESTARTS);
+    run.vhosts.push(sock.clone());
+    run.vhost_reconnect = Some(1);
+    run.cpus = Some(2);
+    run.share = Some(share.clone());
+    run.extra_bins.push(PathBuf::from("/usr/bin/fio"));
+    run.silence_max_s = Some(180);
+    let out = run.run(&tmp.0);
+    guest_done.store(true, Ordering::Release);
+    let (mut server, trials) = trials.join().expect("the restart thread");
+    let _ = server.kill();
+    let _ = server.wait();
+
+    let trials = trials.unwrap_or_else(|e| panic!("{e} (VM status {})", out.status));
+    for t in &trials {
+        println!("{t}");
+    }
+    assert!(
+        out.output.contains("RESTARTS-SURVIVED") && !out.output.contains("FIO-FAILED"),
+        "fio did not survive {RESTART_TRIALS} backend restarts (VM status {})",
+        out.status
+    );
+    assert_eq!(out.status, 0);
 }
