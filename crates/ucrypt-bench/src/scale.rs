@@ -24,7 +24,6 @@
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -524,23 +523,8 @@ impl QsdFleet {
             mounts.push(m);
         }
         let log = w.dir.join("qsd.log");
-        let out = File::create(&log).map_err(|e| e.to_string())?;
-        let err = out.try_clone().map_err(|e| e.to_string())?;
-        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in
-        // the child between fork and exec, so the server dies with the benchmark.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
         let t = Instant::now();
-        let child = cmd
-            .spawn()
-            .map_err(|e| format!("qemu-storage-daemon: {e}"))?;
+        let child = crate::server::spawn_logged(&mut cmd, &log, "qemu-storage-daemon")?;
         let mut f = QsdFleet { child, mounts };
         let wait = MOUNT_WAIT_BASE + Duration::from_millis(100) * imgs.len() as u32;
         let mut ready = 0;

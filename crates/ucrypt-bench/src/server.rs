@@ -27,21 +27,8 @@ impl Server {
         name: &str,
         ready_wait: Duration,
     ) -> Result<Server, String> {
-        let out = File::create(log).map_err(|e| e.to_string())?;
-        let err = out.try_clone().map_err(|e| e.to_string())?;
-        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in
-        // the child between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
         let mut s = Server {
-            child: cmd.spawn().map_err(|e| format!("{name}: {e}"))?,
+            child: spawn_logged(&mut cmd, log, name)?,
         };
         let t0 = Instant::now();
         while t0.elapsed() < ready_wait {
@@ -63,6 +50,25 @@ impl Server {
     pub fn pid(&self) -> libc::pid_t {
         self.child.id() as libc::pid_t
     }
+}
+
+/// Spawns `cmd` with no stdin and its stdout and stderr to `log`, killed when the benchmark
+/// dies (PR_SET_PDEATHSIG); `name` is for messages.
+pub fn spawn_logged(cmd: &mut Command, log: &Path, name: &str) -> Result<Child, String> {
+    let out = File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = out.try_clone().map_err(|e| e.to_string())?;
+    cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in the
+    // child between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().map_err(|e| format!("{name}: {e}"))
 }
 
 impl Drop for Server {
