@@ -91,29 +91,21 @@ pub struct ReencryptOpts {
     pub control: Option<std::path::PathBuf>,
 }
 
-/// cryptsetup's size syntax: a number with an optional unit (K, M, G, T with or without
-/// "iB"; binary multiples; "B" or none for bytes; "s" for 512-byte sectors is not accepted).
-pub(crate) fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| Error::InvalidArgument(format!("Invalid size specification '{s}'.")))?;
-    let shift = match unit.trim_end_matches("iB").trim_end_matches('B') {
-        "" => 0,
-        "k" | "K" => 10,
-        "m" | "M" => 20,
-        "g" | "G" => 30,
-        "t" | "T" => 40,
-        _ => {
-            return Err(Error::InvalidArgument(format!(
-                "Invalid size specification '{s}'."
-            )))
-        }
-    };
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| Error::InvalidArgument(format!("Invalid size specification '{s}'.")))
+/// A size option of `reencrypt` as cryptsetup reads it ([`crate::volume_args::cryptsetup_size`]);
+/// a bad one is refused with cryptsetup's message, which names the option.
+pub(crate) fn parse_size(s: &str, option: &str) -> Result<u64> {
+    crate::volume_args::cryptsetup_size(s).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "Invalid size specification in parameter --{option}."
+        ))
+    })
+}
+
+/// `--hotzone-size` in bytes, if given.
+fn hotzone_bytes(r: &ReencryptOpts) -> Result<Option<u64>> {
+    (r.hotzone_size.as_deref())
+        .map(|s| parse_size(s, "hotzone-size"))
+        .transpose()
 }
 
 fn not_built(what: &str) -> Error {
@@ -334,7 +326,7 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             "Device reencryption not in progress.".into(),
         ));
     }
-    let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let hotzone_bytes = hotzone_bytes(r)?;
     if let Some(n) = hotzone_bytes {
         if n == 0 || n % 512 != 0 {
             return Err(Error::InvalidArgument(
@@ -467,7 +459,7 @@ fn start_encryption(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<
              crash-safe."
                 .into(),
         )),
-        (Some(size), None) => encrypt_shift(device, r, o, parse_size(size)?),
+        (Some(size), None) => encrypt_shift(device, r, o, parse_size(size, "reduce-device-size")?),
         (None, _) => encrypt(device, r, o),
     }
 }
@@ -823,7 +815,7 @@ fn encrypt_shift(device: &Target, r: &ReencryptOpts, o: &LuksOpts, reduce: u64) 
     // `--resilience` is ignored, as cryptsetup 2.6.1 ignores it here: a data shift's
     // resilience is `datashift` (its source stays intact), whatever is asked.
     let (cipher, key_bytes, sector_size) = new_segment(o)?;
-    let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let hotzone_bytes = hotzone_bytes(r)?;
     let dev = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let passphrase = pass::read_passphrase(&existing_source(o, None), "Enter passphrase: ", true)?;
     let kdf = kdf_request(o, 2)?;
@@ -912,7 +904,7 @@ fn encrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32> {
     let (cipher, key_bytes, sector_size) = new_segment(o)?;
     let resilience = ResilienceKind::from_name(r.resilience.as_deref().unwrap_or("checksum"))?;
     let resilience_hash = resilience_hash(r)?;
-    let hotzone_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let hotzone_bytes = hotzone_bytes(r)?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let device_size = r.device_size_sectors.map(|s| s * 512);
     if device_size.is_some_and(|n| n > data.size()) {
@@ -1079,7 +1071,7 @@ fn decrypt_unshift(
                 .into(),
         ));
     };
-    let moved_bytes = r.hotzone_size.as_deref().map(parse_size).transpose()?;
+    let moved_bytes = hotzone_bytes(r)?;
     let data = device.open_data(true, &o.remote, CacheMode::Writeback)?;
     let meta_bytes = match ucrypt::luks::read_header(data.as_ref())? {
         Header::Luks2(h) => 2 * h.bin().hdr_size + h.meta().config.keyslots_size.0,
@@ -1199,11 +1191,17 @@ mod tests {
 
     #[test]
     fn sizes() {
-        assert_eq!(parse_size("4M").unwrap(), 4 << 20);
-        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
-        assert_eq!(parse_size("512").unwrap(), 512);
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert!(parse_size("4X").is_err());
-        assert!(parse_size("").is_err());
+        assert_eq!(parse_size("4M", "x").unwrap(), 4 << 20);
+        assert_eq!(parse_size("4MiB", "x").unwrap(), 4 << 20);
+        assert_eq!(parse_size("4MB", "x").unwrap(), 4_000_000);
+        assert_eq!(parse_size("8S", "x").unwrap(), 4096);
+        assert_eq!(parse_size("512", "x").unwrap(), 512);
+        assert_eq!(parse_size("1G", "x").unwrap(), 1 << 30);
+        let e = parse_size("4X", "hotzone-size").unwrap_err().to_string();
+        assert!(
+            e.contains("Invalid size specification in parameter --hotzone-size."),
+            "{e}"
+        );
+        assert!(parse_size("", "x").is_err());
     }
 }
