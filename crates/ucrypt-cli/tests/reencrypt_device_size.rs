@@ -4,10 +4,10 @@
 //! both tools' metadata alike, the first SIZE bytes reading back as written, the rest
 //! untouched on the disk. A run of one tool killed partway leaves the bound in the header
 //! (the segment after the hotzone fixed at SIZE), which the other repairs and finishes
-//! (cryptsetup's `--resume-only` asked for the same `--device-size`, which it refuses unless
-//! it is the header's bound). The checks both tools make (a size past the data, not a whole
-//! number of sectors, with `--reduce-device-size`) give the same exit codes, and leave the
-//! metadata as it was (ucrypt writes nothing at all).
+//! when asked for the same `--device-size` (another one is refused); resumed without it,
+//! both walk on to the end of the data area. The checks both tools make (a size past the
+//! data, not a whole number of sectors, with `--reduce-device-size`) give the same exit
+//! codes, and leave the metadata as it was (ucrypt writes nothing at all).
 //!
 //! Needs `cryptsetup` (Debian package cryptsetup-bin); SKIPPED without it.
 
@@ -129,13 +129,58 @@ fn a_bounded_run_killed_partway_is_finished_by_the_other_tool() {
         if vol.in_hotzone() {
             vol.repair(other);
         }
-        // cryptsetup resumes a bounded run only with its bound; ucrypt takes it from the header.
-        let extra: &[&str] = match other {
-            Cryptsetup => &["--device-size", BOUND],
-            Ucrypt => &[],
-        };
-        ok(other.prog(), &vol.resume(other, extra));
+        // Resumed with its bound (without it, both walk on to the end: see below).
+        ok(other.prog(), &vol.resume(other, &["--device-size", BOUND]));
         bounded_and_finished(&vol, &t, &before, &what);
+    }
+}
+
+/// A bounded run resumed without `--device-size` walks on to the end of the data area, as
+/// cryptsetup's `--resume-only` does: each tool is killed partway through a bounded run, and
+/// each resumes a copy without the option; both must leave the same metadata and the same
+/// bytes on the disk, the whole data area reading back as written.
+#[test]
+fn a_bounded_run_resumed_without_device_size_walks_to_the_end() {
+    if !cs::require() {
+        return;
+    }
+    for first in [Cryptsetup, Ucrypt] {
+        let t = TempDir::new("device-size-resume");
+        let vol = Rotate.volume(&t, VOLUME_MIB, 4096);
+        let mut cmd = Command::new(first.prog());
+        cmd.args(vol.reencrypt(first, &["--device-size", BOUND, "--hotzone-size", HOTZONE]));
+        let killed = kill_when(
+            cmd,
+            || past_first_hotzone(vol.meta()),
+            Poll::Spin,
+            Duration::ZERO,
+        );
+        if !killed || !vol.in_reencryption() {
+            println!("{first:?} ended before the kill; nothing to resume");
+            continue;
+        }
+        if vol.in_hotzone() {
+            vol.repair(first);
+        }
+        let mut done = Vec::new();
+        for tool in [Cryptsetup, Ucrypt] {
+            let v = vol.copy(&t, &format!("{tool:?}"));
+            ok(tool.prog(), &v.resume(tool, &[]));
+            let what = format!("{first:?} killed, {tool:?} resumes");
+            assert!(!v.in_reencryption(), "{what}: still in reencryption");
+            let got = v.exported(&t);
+            assert!(
+                got == v.plain,
+                "{what}: the data area: {}",
+                differences(&got, &v.plain)
+            );
+            done.push((metadata(v.meta()), v.raw()[DATA_OFFSET as usize..].to_vec()));
+        }
+        assert_eq!(done[0].0, done[1].0, "{first:?} killed: the metadata");
+        assert!(
+            done[0].1 == done[1].1,
+            "{first:?} killed: the data area's bytes"
+        );
     }
 }
 

@@ -18,7 +18,7 @@ use super::lanes::{
     checksums, read_lanes, read_lanes_summing, read_lanes_then, rekey, rekey_stream, rekey_then,
     write_lanes, Sink,
 };
-use super::unlock::{open_rotation, Unlocked};
+use super::unlock::{open_rotation, Extent, Unlocked};
 use super::walk::{self};
 use super::wipe_random;
 use super::{
@@ -83,7 +83,12 @@ pub fn resume_serving(
     progress: &mut dyn FnMut(Progress),
     serving: &mut dyn Serving,
 ) -> Result<()> {
-    let mut u = open_rotation(devs, passphrase, opts.resilience, opts.device_size)?;
+    let mut u = open_rotation(
+        devs,
+        passphrase,
+        opts.resilience,
+        Extent::Run(opts.device_size),
+    )?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     if pos.hotzone.is_some() {
         return Err(Error::NeedsRecovery);

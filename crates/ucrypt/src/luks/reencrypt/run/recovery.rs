@@ -11,7 +11,7 @@ use crate::{Error, Result};
 
 use super::hotzones::{finish, move_new};
 use super::lanes::rekey;
-use super::unlock::{open_rotation, Unlocked};
+use super::unlock::{open_rotation, Extent, Unlocked};
 use super::{bad, Devices, HOTZONE_BYTES_DEFAULT};
 
 /// What [`recover`] found.
@@ -55,7 +55,7 @@ pub(crate) fn prepare_recovery<'a>(
     devs: Devices<'a>,
     passphrase: &[u8],
 ) -> Result<PendingRecovery<'a>> {
-    let u = open_rotation(devs, passphrase, None, None)?;
+    let u = open_rotation(devs, passphrase, None, Extent::Header)?;
     let pos = position(&u.h.meta, &u.st, u.data_bytes)?;
     let hotzone = match pos.hotzone {
         None => None,

@@ -137,14 +137,29 @@ pub(super) fn cipher_of(
     ))
 }
 
+/// How far a reencryption in place walks.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Extent {
+    /// As far as the header says (its bound, if it records one): a repair.
+    Header,
+    /// A run: `--device-size` when given (a header that records a bound must record that
+    /// one, [`in_place_bytes`]); without it the whole data area, past a bound the header
+    /// records, as cryptsetup's `--resume-only` does.
+    Run(Option<u64>),
+}
+
 /// Opens the reencryption on `devs` with `passphrase`, switching its resilience to `asked`;
-/// `device_size`: reencrypt only the first bytes of the data area ([`in_place_bytes`]).
+/// `extent`: how far it walks.
 pub(super) fn open_rotation(
     devs: Devices<'_>,
     passphrase: &[u8],
     asked: Option<ResilienceAsked>,
-    device_size: Option<u64>,
+    extent: Extent,
 ) -> Result<Unlocked> {
+    let device_size = match extent {
+        Extent::Header => None,
+        Extent::Run(n) => n,
+    };
     let dev = devs.header;
     let header = read_header(dev)?;
     let hdr_any = header.clone();
@@ -216,11 +231,12 @@ pub(super) fn open_rotation(
                 .into(),
         ));
     }
-    let (data_bytes, bounded) = match shift {
+    let area_bytes = data_bytes;
+    let (mut data_bytes, mut bounded) = match shift {
         Some(_) => (data_bytes, false),
         None => in_place_bytes(&h.meta, &st, protect, data_bytes, align, device_size)?,
     };
-    let movement = match shift {
+    let mut movement = match shift {
         Some(sh) => Movement::Shift(sh),
         None => match unshift_geometry(&h.meta, &st, data_bytes)? {
             Some(us) => Movement::Unshift(us),
@@ -238,6 +254,12 @@ pub(super) fn open_rotation(
         }
     }
     check_layout(&h.meta, &st, data_bytes)?;
+    if bounded && matches!(extent, Extent::Run(None)) {
+        // Checked against its bound, the header is walked on past it: the next hotzone's
+        // header writes the segments of the whole area.
+        (data_bytes, bounded) = (area_bytes, false);
+        movement = Movement::InPlace { bounded };
+    }
     let n = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, REKEY_LANES_MAX);
