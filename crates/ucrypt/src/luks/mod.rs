@@ -126,6 +126,16 @@ impl VolumeKey {
     pub fn digest_id(&self) -> u32 {
         self.digest_id
     }
+
+    /// A second copy, for a run whose old and new segments share one digest
+    /// (`reencrypt --keep-key`): the keyslot is unlocked once.
+    pub(crate) fn duplicate(&self) -> VolumeKey {
+        VolumeKey {
+            key: SecretBytes::from_slice(self.key.as_ref()),
+            digest_id: self.digest_id,
+            bound: self.bound,
+        }
+    }
 }
 
 impl std::fmt::Debug for VolumeKey {

@@ -173,9 +173,12 @@ pub(super) fn open_rotation(
     let new_vk = d_new
         .map(|d| unlock_digest(dev, &hdr_any, &h.meta, d, passphrase))
         .transpose()?;
-    let old_vk = d_old
-        .map(|d| unlock_digest(dev, &hdr_any, &h.meta, d, passphrase))
-        .transpose()?;
+    let old_vk = match (d_old, &new_vk) {
+        // `--keep-key`: one digest over both segments, its keyslot unlocked once.
+        (Some(d), Some(k)) if d_new == Some(d) => Some(k.duplicate()),
+        (Some(d), _) => Some(unlock_digest(dev, &hdr_any, &h.meta, d, passphrase)?),
+        (None, _) => None,
+    };
     h.verify_reencrypt_digest(old_vk.as_ref(), new_vk.as_ref())?;
     if let Some(asked) = asked {
         let keys = (old_vk.as_ref(), new_vk.as_ref());
