@@ -52,8 +52,6 @@ const BUDGET_PER_VOLUME_BYTES: u64 = 128 << 10;
 /// The budget of the three front ends' test: a 256 KiB piece each, less than what 16 requests
 /// in flight per volume would take beyond their reserves.
 const FRONT_ENDS_BUDGET_BYTES: u64 = 3 * (256 << 10);
-/// Root's budget file (`daemon::budget::MEMORY_BUDGET_FILE` in `/run/ucrypt`).
-const BUDGET_FILE: &str = "/run/ucrypt/memory-budget";
 /// How long an idle pool may take to refund its charges: its idle period
 /// (`ucrypt::pool::POOL_IDLE_RELEASE`, 5 s) and the reaper's round, with room for a loaded
 /// machine.
@@ -61,13 +59,72 @@ const REFUND_WAIT: Duration = Duration::from_secs(30);
 /// How long a started server may take to be ready.
 const READY_WAIT: Duration = Duration::from_secs(30);
 
-/// The tests here charge the same budget file: one at a time.
+/// The tests as root charge the same budget file: one at a time.
 static BUDGET_FILE_USERS: Mutex<()> = Mutex::new(());
 
 fn one_at_a_time() -> MutexGuard<'static, ()> {
     BUDGET_FILE_USERS
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Who runs the volumes' processes and the commands that reach them.
+#[derive(Clone)]
+enum User {
+    /// Root: its state directory is `/run/ucrypt`.
+    Root,
+    /// User nobody (rootless), with this `XDG_RUNTIME_DIR`: its state directory, and so its
+    /// budget file, is its own.
+    Nobody { xdg: PathBuf },
+}
+
+impl User {
+    fn command(&self, prog: &str) -> Command {
+        match self {
+            User::Root => Command::new(prog),
+            User::Nobody { xdg } => {
+                let mut c = Command::new("setpriv");
+                c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "env"])
+                    .arg(format!("XDG_RUNTIME_DIR={}", s(xdg)))
+                    .arg(prog);
+                c
+            }
+        }
+    }
+
+    /// Runs `prog ARGS` as this user with no stdin and collects its output.
+    fn run(&self, prog: &str, args: &[&str]) -> Output {
+        self.command(prog)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
+    }
+
+    fn ok(&self, prog: &str, args: &[&str]) -> Output {
+        let o = self.run(prog, args);
+        assert!(o.status.success(), "{prog} {args:?}: {}", text(&o));
+        o
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        match self {
+            User::Root => PathBuf::from("/run/ucrypt"),
+            User::Nobody { xdg } => xdg.join("ucrypt"),
+        }
+    }
+
+    /// The budget file (`daemon::budget::MEMORY_BUDGET_FILE` in the state directory).
+    fn budget_file(&self) -> PathBuf {
+        self.state_dir().join("memory-budget")
+    }
+
+    /// Hands `dir` and what is in it over to this user.
+    fn own(&self, dir: &Path) {
+        if let User::Nobody { .. } = self {
+            ok("chown", &["-R", "nobody:nogroup", s(dir)]);
+        }
+    }
 }
 
 fn skip_reason() -> Option<&'static str> {
@@ -82,8 +139,8 @@ fn ok(prog: &str, args: &[&str]) -> Output {
 }
 
 /// A status field's value (`key: value` lines).
-fn status_field(name: &str, key: &str) -> Option<String> {
-    let o = run(UCRYPT, &["status", name]);
+fn status_field(user: &User, name: &str, key: &str) -> Option<String> {
+    let o = user.run(UCRYPT, &["status", name]);
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     out.lines().find_map(|l| {
         let (k, v) = l.split_once(':')?;
@@ -111,8 +168,8 @@ fn alive(pid: u64) -> bool {
 /// The charges in the budget file, by pid, of the processes alive (as `status` counts them).
 /// The file (`ucrypt::pool::budget`): a 16-byte header, then 16-byte slots of two
 /// little-endian u64s, the pid and the bytes it has charged.
-fn budget_charges() -> HashMap<u32, u64> {
-    let bytes = std::fs::read(BUDGET_FILE).unwrap_or_default();
+fn budget_charges(file: &Path) -> HashMap<u32, u64> {
+    let bytes = std::fs::read(file).unwrap_or_default();
     let word = |c: &[u8]| u64::from_le_bytes(c.try_into().expect("8 bytes"));
     bytes
         .chunks_exact(16)
@@ -142,7 +199,8 @@ struct Sampler {
 }
 
 impl Sampler {
-    fn start(pids: Vec<u32>) -> Sampler {
+    /// Watches `pids` and the budget `file`.
+    fn start(pids: Vec<u32>, file: PathBuf) -> Sampler {
         let peaks = Arc::new(Mutex::new(Peaks::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -150,7 +208,7 @@ impl Sampler {
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     let locked = pids.iter().map(|&pid| vm_lck_bytes(pid)).sum();
-                    let charges = budget_charges();
+                    let charges = budget_charges(&file);
                     let mut p = peaks.lock().unwrap();
                     p.locked = p.locked.max(locked);
                     p.charged = p.charged.max(charges.values().sum());
@@ -226,13 +284,13 @@ enum Writer {
 impl Writer {
     /// Writes `pattern` `PASSES` times over, in a thread: what the first failed command said,
     /// if one failed.
-    fn start(&self, pattern: &Path) -> JoinHandle<Result<(), String>> {
-        let (w, pattern) = (self.clone(), pattern.to_path_buf());
+    fn start(&self, user: &User, pattern: &Path) -> JoinHandle<Result<(), String>> {
+        let (w, user, pattern) = (self.clone(), user.clone(), pattern.to_path_buf());
         std::thread::spawn(move || {
             for _ in 0..PASSES {
                 match &w {
-                    Writer::Nbd(uri) => nbd_pass(uri, &pattern)?,
-                    Writer::File(file) => file_pass(file, &pattern)?,
+                    Writer::Nbd(uri) => nbd_pass(&user, uri, &pattern)?,
+                    Writer::File(file) => file_pass(&user, file, &pattern)?,
                 }
             }
             Ok(())
@@ -240,7 +298,7 @@ impl Writer {
     }
 }
 
-fn nbd_pass(uri: &str, pattern: &Path) -> Result<(), String> {
+fn nbd_pass(user: &User, uri: &str, pattern: &Path) -> Result<(), String> {
     let args = [
         "--request-size=1048576",
         "--requests=16",
@@ -248,11 +306,11 @@ fn nbd_pass(uri: &str, pattern: &Path) -> Result<(), String> {
         s(pattern),
         uri,
     ];
-    let o = run("nbdcopy", &args);
+    let o = user.run("nbdcopy", &args);
     o.status.success().then_some(()).ok_or_else(|| text(&o))
 }
 
-fn file_pass(file: &Path, pattern: &Path) -> Result<(), String> {
+fn file_pass(user: &User, file: &Path, pattern: &Path) -> Result<(), String> {
     let dds: Vec<_> = (0..DATA_MIB)
         .map(|mib| {
             let args = [
@@ -266,9 +324,10 @@ fn file_pass(file: &Path, pattern: &Path) -> Result<(), String> {
                 "conv=notrunc".into(),
                 "status=none".into(),
             ];
+            let user = user.clone();
             std::thread::spawn(move || {
                 let a: Vec<&str> = args.iter().map(String::as_str).collect();
-                run("dd", &a)
+                user.run("dd", &a)
             })
         })
         .collect();
@@ -282,23 +341,23 @@ fn file_pass(file: &Path, pattern: &Path) -> Result<(), String> {
 
 /// Waits until none of `pids` holds a charge in the budget file: their pools went idle and
 /// gave their memory back (`ucrypt::pool::POOL_IDLE_RELEASE` after their last request).
-fn wait_refunded(pids: &[u32]) {
+fn wait_refunded(pids: &[u32], file: &Path) {
     let t0 = Instant::now();
     while pids
         .iter()
-        .any(|p| budget_charges().get(p).is_some_and(|&c| c > 0))
+        .any(|p| budget_charges(file).get(p).is_some_and(|&c| c > 0))
     {
         assert!(
             t0.elapsed() < REFUND_WAIT,
             "charges not refunded in time: {:?}",
-            budget_charges()
+            budget_charges(file)
         );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
 /// The first `DATA_MIB` MiB of `path`, read with O_DIRECT (from the volume, not a cache).
-fn read_direct(path: &Path) -> Vec<u8> {
+fn read_direct(user: &User, path: &Path) -> Vec<u8> {
     let args = [
         format!("if={}", s(path)),
         "bs=1M".into(),
@@ -307,13 +366,20 @@ fn read_direct(path: &Path) -> Vec<u8> {
         "status=none".into(),
     ];
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    ok("dd", &a).stdout
+    user.ok("dd", &a).stdout
 }
 
 /// `ucrypt open IMG NAME --front-end fuse --nbd unix:SOCK --memory-budget B`: its NBD URI.
-fn open_budgeted(img: &Path, key: &Path, name: &str, sock: &Path, budget: u64) -> String {
+fn open_budgeted(
+    user: &User,
+    img: &Path,
+    key: &Path,
+    name: &str,
+    sock: &Path,
+    budget: u64,
+) -> String {
     let budget_arg = budget.to_string();
-    let o = run(
+    let o = user.run(
         UCRYPT,
         &[
             "open",
@@ -338,20 +404,21 @@ fn open_budgeted(img: &Path, key: &Path, name: &str, sock: &Path, budget: u64) -
 }
 
 /// The pid of the daemon of the open volume `name`.
-fn daemon_pid(name: &str) -> u32 {
-    status_field(name, "pid")
+fn daemon_pid(user: &User, name: &str) -> u32 {
+    status_field(user, name, "pid")
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no pid in the status of {name}"))
 }
 
 struct Open {
+    user: User,
     names: Vec<String>,
 }
 
 impl Drop for Open {
     fn drop(&mut self) {
         for n in &self.names {
-            let _ = run(UCRYPT, &["close", n]);
+            let _ = self.user.run(UCRYPT, &["close", n]);
         }
     }
 }
@@ -361,9 +428,10 @@ impl Drop for Open {
 struct Foreground(Child);
 
 impl Foreground {
-    /// Starts `ucrypt ARGS` and waits until `ready` holds.
-    fn start(args: &[&str], ready: impl Fn() -> bool) -> Foreground {
-        let child = Command::new(UCRYPT)
+    /// Starts `ucrypt ARGS` as `user` and waits until `ready` holds.
+    fn start(user: &User, args: &[&str], ready: impl Fn() -> bool) -> Foreground {
+        let child = user
+            .command(UCRYPT)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -422,22 +490,26 @@ fn volumes_under_one_budget_wait_and_never_fail() {
     let key = t.path("key");
     std::fs::write(&key, PASSPHRASE).unwrap();
     let t0 = Instant::now();
-    let mut open = Open { names: Vec::new() };
+    let user = User::Root;
+    let mut open = Open {
+        user: User::Root,
+        names: Vec::new(),
+    };
     let mut uris = Vec::new();
     for i in 0..n {
         let img = volume(&t, &key, &format!("v{i}.img"));
         let name = format!("budget-{i}-{}", std::process::id());
         let sock = t.path(&format!("nbd{i}.sock"));
-        uris.push(open_budgeted(&img, &key, &name, &sock, budget));
+        uris.push(open_budgeted(&user, &img, &key, &name, &sock, budget));
         open.names.push(name);
     }
     let opened_s = t0.elapsed().as_secs_f64();
-    let pids: Vec<u32> = open.names.iter().map(|n| daemon_pid(n)).collect();
+    let pids: Vec<u32> = open.names.iter().map(|n| daemon_pid(&user, n)).collect();
     let patterns: Vec<PathBuf> = (0..n).map(|i| pattern(&t, i)).collect();
-    let sampler = Sampler::start(pids);
+    let sampler = Sampler::start(pids, user.budget_file());
     let t1 = Instant::now();
     let writers: Vec<_> = (0..n)
-        .map(|i| Writer::Nbd(uris[i].clone()).start(&patterns[i]))
+        .map(|i| Writer::Nbd(uris[i].clone()).start(&user, &patterns[i]))
         .collect();
     for (i, w) in writers.into_iter().enumerate() {
         if let Err(e) = w.join().unwrap() {
@@ -447,13 +519,13 @@ fn volumes_under_one_budget_wait_and_never_fail() {
     let write_s = t1.elapsed().as_secs_f64();
     let peaks = sampler.finish();
     assert!(
-        status_field(&open.names[0], "budget").is_some(),
+        status_field(&user, &open.names[0], "budget").is_some(),
         "no budget line in the status of {}",
         open.names[0]
     );
     // Every acknowledged write reads back.
     for (i, name) in open.names.iter().enumerate() {
-        let got = read_direct(Path::new(&format!("/run/ucrypt/{name}/volume")));
+        let got = read_direct(&user, &user.state_dir().join(name).join("volume"));
         assert!(
             std::fs::read(&patterns[i]).unwrap() == got,
             "volume {i} ({name}) does not read back what was written"
@@ -476,27 +548,28 @@ fn volumes_under_one_budget_wait_and_never_fail() {
     assert!(peaks.locked <= bound, "locked {} > {bound}", peaks.locked);
 }
 
-#[test]
-fn serve_mount_and_open_share_one_budget() {
-    if let Some(why) = skip_reason() {
-        println!("SKIPPED: {why}");
-        return;
-    }
-    let _one = one_at_a_time();
-    let budget = std::env::var("UCRYPT_BUDGET_BYTES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(FRONT_ENDS_BUDGET_BYTES);
+/// An `open`ed volume, a `serve` and a `mount`, run by one user with one budget.
+struct Fronts {
+    open: Open,
+    served: Foreground,
+    mounted: Foreground,
+    /// The open daemon's, serve's and mount's.
+    pids: [u32; 3],
+    /// How each volume is written and read back: the open daemon's and serve's NBD exports,
+    /// mount's file.
+    writers: [Writer; 3],
+    /// serve's `--metrics` socket.
+    metrics: PathBuf,
+}
+
+const FRONTS: [&str; 3] = ["open", "serve", "mount"];
+
+/// Starts the three with the volumes `imgs`, each with `--memory-budget budget`.
+fn start_fronts(user: &User, t: &TempDir, key: &Path, imgs: &[PathBuf], budget: u64) -> Fronts {
     let budget_arg = budget.to_string();
-    let t = TempDir::new("budget-fronts");
-    let key = t.path("key");
-    std::fs::write(&key, PASSPHRASE).unwrap();
-    let imgs: Vec<PathBuf> = (0..3)
-        .map(|i| volume(&t, &key, &format!("v{i}.img")))
-        .collect();
     let common = [
         "--key-file",
-        s(&key),
+        s(key),
         "--memory-budget",
         &budget_arg,
         "--policy",
@@ -504,9 +577,10 @@ fn serve_mount_and_open_share_one_budget() {
     ];
     let name = format!("budget-open-{}", std::process::id());
     let open = Open {
+        user: user.clone(),
         names: vec![name.clone()],
     };
-    let open_uri = open_budgeted(&imgs[0], &key, &name, &t.path("open.sock"), budget);
+    let open_uri = open_budgeted(user, &imgs[0], key, &name, &t.path("open.sock"), budget);
     let (sock, pid_file) = (t.path("serve.sock"), t.path("serve.pid"));
     let listen = format!("unix:{}", s(&sock));
     let metrics = t.path("serve.metrics");
@@ -514,27 +588,41 @@ fn serve_mount_and_open_share_one_budget() {
     let mut a = vec!["serve", s(&imgs[1]), "--nbd", &listen];
     a.extend(["--pid-file", s(&pid_file), "--metrics", &metrics_at]);
     a.extend(common);
-    let served = Foreground::start(&a, || pid_file.exists());
-    let serve_uri = format!("nbd+unix:///?socket={}", s(&sock));
-    // A missing mount point becomes the volume's file; it has the volume's size once mounted.
+    let served = Foreground::start(user, &a, || pid_file.exists());
+    // A missing mount point becomes the volume's file; it has the volume's size once mounted
+    // (stat as root: a rootless FUSE mount answers its own user only, so it fails until then).
     let file = t.path("mounted");
     let mut a = vec!["mount", s(&imgs[2]), s(&file), "--direct-io"];
     a.extend(common);
-    let mounted = Foreground::start(&a, || {
-        std::fs::metadata(&file).is_ok_and(|m| m.len() == DATA_MIB << 20)
+    let mounted = Foreground::start(user, &a, || {
+        let size = user.run("stat", &["-c", "%s", s(&file)]);
+        String::from_utf8_lossy(&size.stdout).trim() == (DATA_MIB << 20).to_string()
     });
-    let pids = [daemon_pid(&name), served.0.id(), mounted.0.id()];
-    let patterns: Vec<PathBuf> = (0..3).map(|i| pattern(&t, i)).collect();
-    let sampler = Sampler::start(pids.to_vec());
+    let pids = [daemon_pid(user, &name), served.0.id(), mounted.0.id()];
     let writers = [
         Writer::Nbd(open_uri),
-        Writer::Nbd(serve_uri.clone()),
-        Writer::File(file.clone()),
+        Writer::Nbd(format!("nbd+unix:///?socket={}", s(&sock))),
+        Writer::File(file),
     ];
-    let what = ["open", "serve", "mount"];
+    Fronts {
+        open,
+        served,
+        mounted,
+        pids,
+        writers,
+        metrics,
+    }
+}
+
+/// Writes the three volumes at once, then alone each one whose process the sampler saw
+/// charge nothing: the peaks, and which wrote alone.
+fn write_fronts(f: &Fronts, user: &User, patterns: &[PathBuf]) -> (Peaks, Vec<&'static str>) {
+    let sampler = Sampler::start(f.pids.to_vec(), user.budget_file());
     // All at once: the budget is less than what they would take, so they wait for it.
-    let running: Vec<_> = (0..3).map(|i| writers[i].start(&patterns[i])).collect();
-    for (w, what) in running.into_iter().zip(what) {
+    let running: Vec<_> = (0..3)
+        .map(|i| f.writers[i].start(user, &patterns[i]))
+        .collect();
+    for (w, what) in running.into_iter().zip(FRONTS) {
         if let Err(e) = w.join().unwrap() {
             panic!("writer of the {what} volume: {e}");
         }
@@ -544,30 +632,52 @@ fn serve_mount_and_open_share_one_budget() {
     // refunded, each of those writes alone, and charges the same file.
     let mut alone = Vec::new();
     for i in 0..3 {
-        if sampler.charged_by(pids[i]) > 0 {
+        if sampler.charged_by(f.pids[i]) > 0 {
             continue;
         }
-        wait_refunded(&pids);
-        if let Err(e) = writers[i].start(&patterns[i]).join().unwrap() {
-            panic!("writer of the {} volume, alone: {e}", what[i]);
+        wait_refunded(&f.pids, &user.budget_file());
+        if let Err(e) = f.writers[i].start(user, &patterns[i]).join().unwrap() {
+            panic!("writer of the {} volume, alone: {e}", FRONTS[i]);
         }
-        alone.push(what[i]);
+        alone.push(FRONTS[i]);
     }
-    let peaks = sampler.finish();
+    (sampler.finish(), alone)
+}
+
+/// What `--memory-budget` promises `open`, `serve` and `mount` run by `user` together (see
+/// the module documentation).
+fn fronts_share_one_budget(user: &User, t: &TempDir) {
+    let budget = std::env::var("UCRYPT_BUDGET_BYTES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(FRONT_ENDS_BUDGET_BYTES);
+    let key = t.path("key");
+    std::fs::write(&key, PASSPHRASE).unwrap();
+    let imgs: Vec<PathBuf> = (0..3)
+        .map(|i| volume(t, &key, &format!("v{i}.img")))
+        .collect();
+    let patterns: Vec<PathBuf> = (0..3).map(|i| pattern(t, i)).collect();
+    user.own(t.dir());
+    let f = start_fronts(user, t, &key, &imgs, budget);
+    let (peaks, alone) = write_fronts(&f, user, &patterns);
     // Every acknowledged write reads back, each through the front end that wrote it.
+    let name = &f.open.names[0];
+    let (Writer::Nbd(serve_uri), Writer::File(file)) = (&f.writers[1], &f.writers[2]) else {
+        unreachable!("serve is written over NBD, mount through its file")
+    };
     let back = [
-        read_direct(Path::new(&format!("/run/ucrypt/{name}/volume"))),
-        ok("nbdcopy", &[&serve_uri, "-"]).stdout,
-        read_direct(&file),
+        read_direct(user, &user.state_dir().join(name).join("volume")),
+        user.ok("nbdcopy", &[serve_uri, "-"]).stdout,
+        read_direct(user, file),
     ];
-    for (i, (got, what)) in back.iter().zip(["open", "serve", "mount"]).enumerate() {
+    for (i, (got, what)) in back.iter().zip(FRONTS).enumerate() {
         assert!(
             std::fs::read(&patterns[i]).unwrap() == *got,
             "the {what} volume does not read back what was written"
         );
     }
     // The budget is in serve's metrics as in an open daemon's status.
-    let scraped = scrape_unix(&metrics);
+    let scraped = scrape_unix(&f.metrics);
     assert!(
         scraped
             .lines()
@@ -575,17 +685,21 @@ fn serve_mount_and_open_share_one_budget() {
         "serve's metrics lack the budget:\n{scraped}"
     );
     assert!(
-        status_field(&name, "budget").is_some_and(|b| b.starts_with(&format!("{budget} bytes"))),
+        status_field(user, name, "budget")
+            .is_some_and(|b| b.starts_with(&format!("{budget} bytes"))),
         "no budget line in the status of {name}"
     );
     let bound = budget + 3 * UNCHARGED_PER_VOLUME_BYTES;
     println!(
-        "open, serve and mount under a budget of {budget} bytes: peak charged {} bytes, by \
-         each (pid: bytes) {:?}, written again alone after the others' charges were refunded: \
-         {alone:?}; peak VmLck of the three {} bytes (bound {bound})",
-        peaks.charged, peaks.charged_by, peaks.locked
+        "open, serve and mount under a budget of {budget} bytes in {}: peak charged {} bytes, \
+         by each (pid: bytes) {:?}, written again alone after the others' charges were \
+         refunded: {alone:?}; peak VmLck of the three {} bytes (bound {bound})",
+        user.budget_file().display(),
+        peaks.charged,
+        peaks.charged_by,
+        peaks.locked
     );
-    for (pid, what) in pids.iter().zip(["open", "serve", "mount"]) {
+    for (pid, what) in f.pids.iter().zip(FRONTS) {
         let c = peaks.charged_by.get(pid).copied().unwrap_or(0);
         assert!(
             c > 0,
@@ -598,9 +712,44 @@ fn serve_mount_and_open_share_one_budget() {
         peaks.charged
     );
     assert!(peaks.locked <= bound, "locked {} > {bound}", peaks.locked);
-    assert_eq!(served.stop(), Some(0), "serve did not stop cleanly");
-    assert_eq!(mounted.stop(), Some(0), "mount did not stop cleanly");
-    drop(open);
+    assert_eq!(f.served.stop(), Some(0), "serve did not stop cleanly");
+    assert_eq!(f.mounted.stop(), Some(0), "mount did not stop cleanly");
+}
+
+#[test]
+fn serve_mount_and_open_share_one_budget() {
+    if let Some(why) = skip_reason() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let _one = one_at_a_time();
+    fronts_share_one_budget(&User::Root, &TempDir::new("budget-fronts"));
+}
+
+/// The same as user nobody: rootless `open` (FUSE file), `serve` and `mount` share the
+/// budget file of the user's own state directory.
+#[test]
+fn rootless_serve_mount_and_open_share_one_budget() {
+    if let Some(why) = skip_reason() {
+        println!("SKIPPED: {why} (to switch to user nobody)");
+        return;
+    }
+    if !have("setpriv") || !have("fusermount3") {
+        println!("SKIPPED: needs setpriv and fusermount3 (fuse3)");
+        return;
+    }
+    let t = TempDir::new("budget-rootless");
+    // The user reaches the files through the temp dir (root's, 0700 or 0755).
+    std::fs::set_permissions(t.dir(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let xdg = t.path("xdg");
+    std::fs::create_dir(&xdg).unwrap();
+    std::fs::set_permissions(&xdg, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let user = User::Nobody { xdg };
+    if !user.run(UCRYPT, &["--version"]).status.success() {
+        println!("SKIPPED: user nobody cannot run {UCRYPT}");
+        return;
+    }
+    fronts_share_one_budget(&user, &t);
 }
 
 /// `ublk --memory-budget`: a size below one buffer chunk is refused as `open` refuses it (same
@@ -658,17 +807,18 @@ fn ublk_takes_the_budget_as_open_does() {
         .expect("spawn ucrypt ublk");
     let pid = child.id();
     let t0 = Instant::now();
-    while !budget_charges().contains_key(&pid) && t0.elapsed() < READY_WAIT {
+    let file = User::Root.budget_file();
+    while !budget_charges(&file).contains_key(&pid) && t0.elapsed() < READY_WAIT {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let joined = budget_charges().contains_key(&pid);
+    let joined = budget_charges(&file).contains_key(&pid);
     terminate(pid);
     let code = wait_timeout(&mut child, READY_WAIT);
     if code.is_none() {
         let _ = child.kill();
         let _ = child.wait();
     }
-    assert!(joined, "ublk ({pid}) took no slot in {BUDGET_FILE}");
+    assert!(joined, "ublk ({pid}) took no slot in {}", file.display());
     assert_eq!(code, Some(0), "ublk did not stop cleanly");
 }
 
