@@ -1,28 +1,32 @@
-//! `--memory-budget` under load, as root: volumes written with many requests in flight share a
-//! budget smaller than what their pools would grow to alone. Nothing fails, every acknowledged
-//! write reads back, and while they write the bytes charged to the budget file (sampled from
-//! `/run/ucrypt/memory-budget` itself) stay within the budget, and the locked memory of all
-//! the processes together (`VmLck`) within the budget plus what each volume may hold
+//! `--memory-budget` under load: volumes written with many requests in flight share a budget
+//! smaller than what their pools would grow to alone. Nothing fails, every acknowledged write
+//! reads back, and while they write the bytes charged to the budget file (sampled from the file
+//! itself: `/run/ucrypt/memory-budget` for root) stay within the budget, and the locked memory
+//! of all the processes together (`VmLck`) within the budget plus what each volume may hold
 //! uncharged (its 256 KiB reserve, its keys).
 //!
 //! - `volumes_under_one_budget_wait_and_never_fail`: N `open`ed volumes (each its own daemon,
-//!   FUSE front end and an NBD socket beside it), each written by `nbdcopy` with 16 requests of
-//!   1 MiB in flight. `UCRYPT_BUDGET_VOLUMES` sets N (default 8; the long mode recorded in
+//!   FUSE front end and an NBD socket beside it), each written by `nbdcopy` with 16 requests
+//!   of 1 MiB in flight. `UCRYPT_BUDGET_VOLUMES` sets N (default 8; the long mode recorded in
 //!   BENCHMARKS.md runs 100, with `UCRYPT_BUDGET_BYTES` 64 MiB). The budget is N × 128 KiB
 //!   unless that says: far less than what 16 requests per volume would take beyond their
 //!   reserves (a 256 KiB piece each), so the pools must wait for each other.
-//! - `serve_mount_and_open_share_one_budget`: an `open`ed volume (written over its NBD
-//!   socket), a `serve` (NBD) and a `mount` (FUSE file, written by parallel `dd`s with
-//!   O_DIRECT) given the same budget charge the same file: each process's slot shows a charge
-//!   while they write, and their total stays within the budget.
+//! - `serve_mount_and_open_share_one_budget`: an `open`ed volume (written over its NBD socket), a
+//!   `serve` (NBD) and a `mount` (FUSE file, written by parallel `dd`s with O_DIRECT) given the
+//!   same budget charge the same file: each process's slot shows a charge while they write (one
+//!   whose pool waited within its reserve while the others held the budget writes again alone
+//!   once their charges are refunded), and their total stays within the budget; `status` of the
+//!   open volume and serve's metrics show the budget.
+//! - `rootless_serve_mount_and_open_share_one_budget`: the same as user nobody (`setpriv`, FUSE
+//!   through `fusermount3`), whose budget file is in its own `XDG_RUNTIME_DIR`.
+//! - `ublk_takes_the_budget_as_open_does`: `ublk --memory-budget` refuses a size below one chunk
+//!   with `open`'s words and exit code, and with a valid size joins the budget file (with
+//!   ublk_drv loaded; SKIPPED without it, after checking that the option was taken and the driver
+//!   is what is missing). No load runs through ublk here.
 //!
-//! - `ublk_takes_the_budget_as_open_does`: `ublk --memory-budget` refuses a size below one
-//!   chunk with `open`'s words and exit code, and with a valid size joins the budget file (with
-//!   ublk_drv loaded; SKIPPED without it, after checking that the option was taken and the
-//!   driver is what is missing). No load runs through ublk here.
-//!
-//! The first two need root, /dev/fuse and nbdcopy: SKIPPED otherwise. Names carry the test's pid. The tests
-//! share the budget file of root's state directory, so they run one at a time.
+//! The others need root (the rootless one to switch users), /dev/fuse and nbdcopy, and the
+//! rootless one setpriv and fusermount3: SKIPPED otherwise. Names carry the test's pid. The
+//! tests as root share the budget file of root's state directory, so they run one at a time.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
