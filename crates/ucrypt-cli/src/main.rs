@@ -319,6 +319,56 @@ mod tests {
         super::command().debug_assert();
     }
 
+    /// `--memory-budget` is one option of `open`, `serve`, `mount` and `ublk`: each one's
+    /// help shows it, the same SIZE is taken by all, and a size below one buffer chunk is
+    /// refused by all with the same words.
+    #[test]
+    fn every_serving_verb_takes_the_memory_budget() {
+        let mut cmd = super::command();
+        for verb in ["open", "serve", "mount", "ublk"] {
+            let help = cmd
+                .find_subcommand_mut(verb)
+                .unwrap_or_else(|| panic!("no verb {verb}"))
+                .render_long_help()
+                .to_string();
+            assert!(
+                help.contains("--memory-budget <SIZE>"),
+                "{verb} --help: {help}"
+            );
+        }
+        let verbs: [&[&str]; 4] = [
+            &["open", "v.img", "name"],
+            &["serve", "v.img", "--nbd", "unix:/tmp/s"],
+            &["mount", "v.img", "/tmp/m"],
+            &["ublk", "v.img"],
+        ];
+        for verb in verbs {
+            let argv = |size: &str| -> Vec<String> {
+                let mut a = vec!["ucrypt"];
+                a.extend_from_slice(verb);
+                a.extend(["--memory-budget", size]);
+                a.into_iter().map(String::from).collect()
+            };
+            let cli = super::try_parse(argv("3M"))
+                .unwrap_or_else(|e| panic!("{verb:?} --memory-budget 3M: {e}"));
+            let taken = match cli.cmd {
+                super::Cmd::Open(a) => a.budget.memory_budget,
+                super::Cmd::Serve(a) => a.budget.memory_budget,
+                super::Cmd::Mount(a) => a.budget.memory_budget,
+                super::Cmd::Ublk(a) => a.budget.memory_budget,
+                _ => panic!("{verb:?}: another command"),
+            };
+            assert_eq!(taken, Some(3 << 20), "{verb:?}");
+            let refused = super::try_parse(argv("1k"))
+                .err()
+                .unwrap_or_else(|| panic!("{verb:?} --memory-budget 1k parses"));
+            assert!(
+                refused.to_string().contains("cannot hold one buffer chunk"),
+                "{verb:?}: {refused}"
+            );
+        }
+    }
+
     /// `create NAME DEVICE` opens DEVICE as NAME.
     #[test]
     fn create_takes_the_name_first() {

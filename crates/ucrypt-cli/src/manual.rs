@@ -233,6 +233,14 @@ mod tests {
         assert!(page.contains(".SH \"EXIT STATUS\""), "{page}");
         assert!(page.contains("ucrypt open vol.img data"), "{page}");
         assert!(!dir.join("man/ucrypt-help.8").exists());
+        for verb in ["open", "serve", "mount", "ublk"] {
+            let page = std::fs::read_to_string(dir.join(format!("man/ucrypt-{verb}.8")))
+                .unwrap_or_else(|e| panic!("the {verb} page: {e}"));
+            assert!(
+                page.contains("memory\\-budget"),
+                "the {verb} page lacks --memory-budget"
+            );
+        }
         for f in ["ucrypt.bash", "_ucrypt", "ucrypt.fish"] {
             let text = std::fs::read_to_string(dir.join("completions").join(f)).expect(f);
             assert!(

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use ucrypt_fuse::{MountOptions, PunchHole, Transport};
 
+use crate::daemon::budget::{self, MemoryBudgetArgs};
 use crate::daemon::control::{self, ControlArgs};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
@@ -44,6 +45,8 @@ pub struct MountArgs {
     /// /dev/fuse; io-uring fails, saying why, when it is unavailable.
     #[arg(long, value_enum, default_value_t = FuseTransport::Auto)]
     fuse_transport: FuseTransport,
+    #[command(flatten)]
+    pub budget: MemoryBudgetArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
     #[command(flatten)]
@@ -113,6 +116,8 @@ fn mount(mut a: MountArgs) -> CliResult<()> {
 }
 
 fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()> {
+    // Before the volume's pools are made.
+    budget::join_own(&a.budget)?;
     // Marked for as long as it is served: an offline reencrypt or a format refuses it.
     let _served = a.volume.mark_served()?;
     let dev = a.volume.open()?;

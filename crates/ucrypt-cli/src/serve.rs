@@ -9,6 +9,7 @@ use std::time::Duration;
 use ucrypt::{BlockDev, Stop};
 use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
 
+use crate::daemon::budget::{self, MemoryBudgetArgs};
 use crate::daemon::control::{self, ControlArgs};
 use crate::error::{CliError, CliResult};
 use crate::in_use::InUse;
@@ -79,6 +80,8 @@ pub struct ServeArgs {
     /// polls rarely see one arrive; by default polling pauses there and tries again later.
     #[arg(long)]
     spin_always: bool,
+    #[command(flatten)]
+    pub budget: MemoryBudgetArgs,
     #[command(flatten)]
     metrics: MetricsArgs,
     // For the first VOLUME only.
@@ -296,6 +299,8 @@ fn serve(mut a: ServeArgs) -> CliResult<()> {
     }
     // Before the volumes' threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
+    // Before the volumes' pools are made: every volume served here charges this share.
+    budget::join_own(&a.budget)?;
     let (opened, _served) = open_volumes(&a, &stop)?;
     crate::signals::started();
     let _metrics = match &a.metrics.metrics {

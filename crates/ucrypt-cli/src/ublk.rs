@@ -4,6 +4,7 @@
 use clap::Args;
 use ucrypt_ublk::UblkOptions;
 
+use crate::daemon::budget::{self, MemoryBudgetArgs};
 use crate::daemon::control::{self, ControlArgs};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
@@ -17,6 +18,8 @@ pub struct UblkArgs {
     #[arg(long)]
     queues: Option<u16>,
     #[command(flatten)]
+    pub budget: MemoryBudgetArgs,
+    #[command(flatten)]
     metrics: MetricsArgs,
     #[command(flatten)]
     control: ControlArgs,
@@ -29,6 +32,8 @@ pub fn run(a: UblkArgs) -> i32 {
 fn serve(a: UblkArgs) -> CliResult<()> {
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
+    // Before the volume's pools are made.
+    budget::join_own(&a.budget)?;
     // Marked for as long as it is served: an offline reencrypt or a format refuses it.
     let _served = a.volume.mark_served()?;
     let dev = a.volume.open()?;

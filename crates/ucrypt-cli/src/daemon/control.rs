@@ -98,7 +98,7 @@ impl Control {
             reencryption,
             header: self.header.as_ref().map(|h| h.display().to_string()),
             buffer_lock_failures: self.vol.buffer_lock_failures(),
-            memory_budget: None,
+            memory_budget: super::budget::report(),
         }))
     }
 }

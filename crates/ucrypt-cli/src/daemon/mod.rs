@@ -21,6 +21,7 @@
 //!   verb sends; the volume key never crosses the socket), `resize`, `reencrypt` (online key
 //!   rotation in the daemon, followed through `status`: `online.rs`).
 
+pub mod budget;
 pub mod control;
 mod loopdev;
 mod mounts;
@@ -104,29 +105,13 @@ pub struct OpenArgs {
     /// `open --refresh`).
     #[arg(long)]
     pub refresh: bool,
-    /// One memory budget (SIZE: 64M, 1G, ...) for the bounce buffers of every volume of this
-    /// user (root's: of root) opened with one: each grows its buffers beyond a 256 KiB reserve
-    /// only while the total charged by all stays within SIZE, and otherwise waits for its own
-    /// buffers (never fails). Without it, a volume's buffers are bounded by its own pool only.
-    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
-    pub memory_budget: Option<u64>,
+    #[command(flatten)]
+    pub budget: budget::MemoryBudgetArgs,
     /// Plain mode (`--type plain`): map the volume beside other mappings of it (each its own
     /// `--offset`/`--size`), as cryptsetup's `--shared`; a later open without it still finds
     /// the volume in use.
     #[arg(long)]
     pub shared: bool,
-}
-
-/// `--memory-budget SIZE`: cryptsetup's size syntax, at least one reserve.
-fn parse_budget(s: &str) -> Result<u64, String> {
-    let n = crate::volume_args::cryptsetup_size(s)?;
-    if n < ucrypt::pool::LOCK_CHUNK_BYTES as u64 {
-        return Err(format!(
-            "a memory budget below {} bytes cannot hold one buffer chunk",
-            ucrypt::pool::LOCK_CHUNK_BYTES
-        ));
-    }
-    Ok(n)
 }
 
 /// An option `open` refuses in this combination, with cryptsetup's words: checked before
@@ -595,7 +580,7 @@ fn daemon_for(
             .as_ref()
             .map(|h| std::path::absolute(h).unwrap_or(h.clone())),
         served: None,
-        memory_budget: a.memory_budget,
+        memory_budget: a.budget.memory_budget,
     }
 }
 

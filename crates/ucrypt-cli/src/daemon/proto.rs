@@ -537,13 +537,14 @@ pub struct StatusReport {
     pub memory_budget: Option<MemoryBudgetReport>,
 }
 
-/// The memory budget shared by the volumes opened with `--memory-budget` (`pool::budget`).
+/// The memory budget shared by the volumes served with `--memory-budget` (`pool::budget`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryBudgetReport {
     pub limit_bytes: u64,
     /// Charged by every volume sharing the budget.
     pub used_bytes: u64,
-    /// Charged by this volume's daemon.
+    /// Charged by this volume's process: its daemon, or the `serve`, `mount` or `ublk` that
+    /// serves it.
     pub charged_bytes: u64,
 }
 

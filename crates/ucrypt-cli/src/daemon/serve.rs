@@ -34,8 +34,8 @@ use ucrypt_fuse::{
 
 use super::loopdev::{self, LoopDevice};
 use super::proto::{
-    Closed, Counters, MemoryBudgetReport, Ready, ReencryptionReport, RefreshSettings, Request,
-    Response, ResumeKey, StatusReport, VolumeInfo,
+    Closed, Counters, Ready, ReencryptionReport, RefreshSettings, Request, Response, ResumeKey,
+    StatusReport, VolumeInfo,
 };
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
@@ -110,12 +110,10 @@ pub struct Daemon {
     /// The detached header (`--header`), written by an online reencryption.
     pub header: Option<PathBuf>,
     /// `--memory-budget`: the bytes all budgeted volumes of this user may grow their buffers
-    /// to beyond their reserves, accounted in [`MEMORY_BUDGET_FILE`] of the state directory.
+    /// to beyond their reserves, accounted in [`super::budget::MEMORY_BUDGET_FILE`] of the state
+    /// directory.
     pub memory_budget: Option<u64>,
 }
-
-/// The shared accounting of `--memory-budget` in the state directory (`pool::budget`).
-pub const MEMORY_BUDGET_FILE: &str = "memory-budget";
 
 /// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
 struct NbdSide {
@@ -317,11 +315,7 @@ impl Shared {
             reencryption: self.reencryption(),
             header: self.header.as_ref().map(|h| h.display().to_string()),
             buffer_lock_failures: self.vol.buffer_lock_failures(),
-            memory_budget: ucrypt::pool::process_budget_usage().map(|u| MemoryBudgetReport {
-                limit_bytes: u.limit_bytes,
-                used_bytes: u.used_bytes,
-                charged_bytes: u.charged_bytes,
-            }),
+            memory_budget: super::budget::report(),
         }))
     }
 
@@ -727,12 +721,8 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     // daemon's claim is undone on the way out.
     let signals = crate::signals::SignalFd::new()?;
     let header_dev = prepared.header_device();
-    if let Some(limit) = d.memory_budget {
-        // In the daemon, before the volume's pools are made: the slot is this process's.
-        let path = d.run.dir(MEMORY_BUDGET_FILE);
-        let b = ucrypt::pool::budget::FileBudget::open(&path, limit)?;
-        ucrypt::pool::set_process_budget(Some(Arc::new(b)));
-    }
+    // In the daemon, before the volume's pools are made: the slot is this process's.
+    super::budget::join(d.memory_budget, &d.run)?;
     let opened = prepared.open()?;
     if let Some(w) = memlock_warning() {
         // The daemon's stderr is its log.
