@@ -319,13 +319,13 @@ mod tests {
         super::command().debug_assert();
     }
 
-    /// `--memory-budget` is one option of `open`, `serve`, `mount` and `ublk`: each one's
+    /// `--memory-budget` is one option of `open`, `serve`, `mount`, `ublk` and `vhost`: each one's
     /// help shows it, the same SIZE is taken by all, and a size below one buffer chunk is
     /// refused by all with the same words.
     #[test]
     fn every_serving_verb_takes_the_memory_budget() {
         let mut cmd = super::command();
-        for verb in ["open", "serve", "mount", "ublk"] {
+        for verb in ["open", "serve", "mount", "ublk", "vhost"] {
             let help = cmd
                 .find_subcommand_mut(verb)
                 .unwrap_or_else(|| panic!("no verb {verb}"))
@@ -336,11 +336,12 @@ mod tests {
                 "{verb} --help: {help}"
             );
         }
-        let verbs: [&[&str]; 4] = [
+        let verbs: [&[&str]; 5] = [
             &["open", "v.img", "name"],
             &["serve", "v.img", "--nbd", "unix:/tmp/s"],
             &["mount", "v.img", "/tmp/m"],
             &["ublk", "v.img"],
+            &["vhost", "v.img", "--socket", "/tmp/v"],
         ];
         for verb in verbs {
             let argv = |size: &str| -> Vec<String> {
@@ -356,6 +357,7 @@ mod tests {
                 super::Cmd::Serve(a) => a.budget.memory_budget,
                 super::Cmd::Mount(a) => a.budget.memory_budget,
                 super::Cmd::Ublk(a) => a.budget.memory_budget,
+                super::Cmd::Vhost(a) => a.budget.memory_budget,
                 _ => panic!("{verb:?}: another command"),
             };
             assert_eq!(taken, Some(3 << 20), "{verb:?}");

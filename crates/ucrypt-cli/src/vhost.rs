@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::Args;
 use ucrypt_vhost::VhostOptions;
 
+use crate::daemon::budget::{self, MemoryBudgetArgs};
 use crate::daemon::control::{self, ControlArgs};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
@@ -27,6 +28,8 @@ pub struct VhostArgs {
     #[arg(long)]
     serial: Option<String>,
     #[command(flatten)]
+    pub budget: MemoryBudgetArgs,
+    #[command(flatten)]
     metrics: MetricsArgs,
     #[command(flatten)]
     control: ControlArgs,
@@ -41,6 +44,8 @@ fn serve(a: VhostArgs) -> CliResult<()> {
     ucrypt::secret::disable_core_dumps();
     // Before the volume's threads exist: see crate::signals.
     let stop = crate::signals::stop_on_signals()?;
+    // Before the volume's pools are made.
+    budget::join_own(&a.budget)?;
     // Marked for as long as it is served: a second server, an offline reencrypt or a format
     // refuses it.
     let _served = a.volume.mark_served()?;

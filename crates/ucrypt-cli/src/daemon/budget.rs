@@ -1,4 +1,4 @@
-//! `--memory-budget SIZE` of `open`, `serve`, `mount` and `ublk`: one option, parsed the same
+//! `--memory-budget SIZE` of `open`, `serve`, `mount`, `ublk` and `vhost`: one option, parsed the same
 //! for all, and one way to take a share of the budget, so that the volumes of a user's `open`
 //! daemons and of its standalone servers charge the same accounting file
 //! ([`MEMORY_BUDGET_FILE`] in the state directory; how it is shared: `ucrypt::pool::budget`).
@@ -18,7 +18,7 @@ pub const MEMORY_BUDGET_FILE: &str = "memory-budget";
 pub struct MemoryBudgetArgs {
     /// One memory budget (SIZE: 64M, 1G, ...) for the bounce buffers of every volume of this
     /// user (root's: of root) served with one, whichever verb serves it (open, serve, mount,
-    /// ublk): each grows its buffers beyond a 256 KiB reserve only while the total charged by
+    /// ublk, vhost): each grows its buffers beyond a 256 KiB reserve only while the total charged by
     /// all stays within SIZE, and otherwise waits for its own buffers (never fails). Without
     /// it, a volume's buffers are bounded by its own pool only.
     #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
@@ -51,7 +51,7 @@ pub fn join(limit_bytes: Option<u64>, run: &RunDir) -> CliResult<()> {
 }
 
 /// [`join`] in this user's state directory: what the standalone servers (`serve`, `mount`,
-/// `ublk`) call. Without a budget the state directory is not looked for.
+/// `ublk`, `vhost`) call. Without a budget the state directory is not looked for.
 pub fn join_own(a: &MemoryBudgetArgs) -> CliResult<()> {
     match a.memory_budget {
         Some(_) => join(a.memory_budget, &RunDir::locate()?),
