@@ -186,6 +186,7 @@ fn parse_line(line: usize, l: &str, before: &[Entry]) -> Result<Entry, String> {
             "policy" => arg("policy")?,
             "front-end" => arg("front-end")?,
             "metrics" => arg("metrics")?,
+            "memory-budget" => arg("memory-budget")?,
             "discard" => e.open_args.push("--allow-discards".into()),
             "readonly" | "read-only" => e.open_args.push("--readonly".into()),
             "noauto" => e.noauto = true,
@@ -558,6 +559,7 @@ c /z
                 "policy=" => "policy=inline",
                 "front-end=" => "front-end=fuse",
                 "metrics=" => "metrics=tcp:127.0.0.1:9100",
+                "memory-budget=" => "memory-budget=64M",
                 o if !o.ends_with('=') => o,
                 _ => return None,
             })
