@@ -215,6 +215,24 @@ impl Collector for Volumes {
                 enc.encode_descriptor(name, help, None, MetricType::Gauge)?
                     .encode_gauge(&(v as i64))?;
             }
+            let counters = [
+                (
+                    "ucrypt_memory_budget_refused_charges",
+                    "Charges this process asked of the budget and was refused (a request \
+                     waited for its volume's own buffers).",
+                    b.refused_charges,
+                ),
+                (
+                    "ucrypt_memory_budget_forced_charges",
+                    "Charges this process made beyond the budget (a volume holding no buffer \
+                     served its oldest request).",
+                    b.forced_charges,
+                ),
+            ];
+            for (name, help, v) in counters {
+                enc.encode_descriptor(name, help, None, MetricType::Counter)?
+                    .encode_counter::<NoLabelSet, _, u64>(&v, None)?;
+            }
         }
         Ok(())
     }

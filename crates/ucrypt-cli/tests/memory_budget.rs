@@ -688,6 +688,12 @@ fn fronts_share_one_budget(user: &User, t: &TempDir) {
             .any(|l| l == format!("ucrypt_memory_budget_bytes {budget}")),
         "serve's metrics lack the budget:\n{scraped}"
     );
+    for counter in ["refused_charges", "forced_charges"] {
+        assert!(
+            (scraped.lines()).any(|l| l.starts_with(&format!("ucrypt_memory_budget_{counter}"))),
+            "serve's metrics lack {counter}:\n{scraped}"
+        );
+    }
     assert!(
         status_field(user, name, "budget")
             .is_some_and(|b| b.starts_with(&format!("{budget} bytes"))),

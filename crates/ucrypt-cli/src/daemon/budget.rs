@@ -65,6 +65,8 @@ pub fn report() -> Option<MemoryBudgetReport> {
         limit_bytes: u.limit_bytes,
         used_bytes: u.used_bytes,
         charged_bytes: u.charged_bytes,
+        refused_charges: u.refused_charges,
+        forced_charges: u.forced_charges,
     })
 }
 

@@ -973,8 +973,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     }
     if let Some(b) = &s.memory_budget {
         o += &format!(
-            "  budget:  {} bytes for all volumes, {} used by all, {} by this one\n",
-            b.limit_bytes, b.used_bytes, b.charged_bytes
+            "  budget:  {} bytes for all volumes, {} used by all, {} by this one; {} charges \
+             refused (requests waited), {} forced past it\n",
+            b.limit_bytes, b.used_bytes, b.charged_bytes, b.refused_charges, b.forced_charges
         );
     }
     if s.buffer_lock_failures != 0 {

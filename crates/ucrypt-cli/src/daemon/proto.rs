@@ -546,6 +546,12 @@ pub struct MemoryBudgetReport {
     /// Charged by this volume's process: its daemon, or the `serve`, `mount` or `ublk` that
     /// serves it.
     pub charged_bytes: u64,
+    /// Charges that process was refused (each time, a request waited for its volume's own
+    /// buffers) and made beyond the budget (a volume holding none served its oldest request).
+    #[serde(default)]
+    pub refused_charges: u64,
+    #[serde(default)]
+    pub forced_charges: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -835,6 +841,8 @@ mod tests {
                 limit_bytes: 64 << 20,
                 used_bytes: 3 << 20,
                 charged_bytes: 1 << 20,
+                refused_charges: 7,
+                forced_charges: 1,
             }),
         }
     }

@@ -58,12 +58,50 @@ pub struct BudgetUsage {
     pub used_bytes: u64,
     /// Charged by this one (this process, for a [`FileBudget`]).
     pub charged_bytes: u64,
+    /// Charges this holder asked for and was refused: each time, a pool's request waited for
+    /// the pool's own buffers instead of growing it.
+    pub refused_charges: u64,
+    /// Charges this holder made beyond the limit ([`Budget::charge_anyway`]): a pool holding
+    /// nothing served its oldest request.
+    pub forced_charges: u64,
+}
+
+/// This holder's refused and forced charges (see [`BudgetUsage`]).
+#[derive(Default)]
+struct Tally {
+    refused: AtomicU64,
+    forced: AtomicU64,
+}
+
+impl Tally {
+    /// `charged`, counting it when refused.
+    fn charge(&self, charged: bool) -> bool {
+        if !charged {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        charged
+    }
+
+    fn forced(&self) {
+        self.forced.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn usage(&self, limit_bytes: u64, used_bytes: u64, charged_bytes: u64) -> BudgetUsage {
+        BudgetUsage {
+            limit_bytes,
+            used_bytes,
+            charged_bytes,
+            refused_charges: self.refused.load(Ordering::Relaxed),
+            forced_charges: self.forced.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// A budget for the pools of one process.
 pub struct LocalBudget {
     limit_bytes: u64,
     used_bytes: AtomicU64,
+    tally: Tally,
 }
 
 impl LocalBudget {
@@ -71,20 +109,24 @@ impl LocalBudget {
         LocalBudget {
             limit_bytes,
             used_bytes: AtomicU64::new(0),
+            tally: Tally::default(),
         }
     }
 }
 
 impl Budget for LocalBudget {
     fn try_charge(&self, bytes: u64) -> bool {
-        self.used_bytes
+        let charged = self
+            .used_bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 u.checked_add(bytes).filter(|&t| t <= self.limit_bytes)
             })
-            .is_ok()
+            .is_ok();
+        self.tally.charge(charged)
     }
 
     fn charge_anyway(&self, bytes: u64) {
+        self.tally.forced();
         self.used_bytes.fetch_add(bytes, Ordering::AcqRel);
     }
 
@@ -94,11 +136,7 @@ impl Budget for LocalBudget {
 
     fn usage(&self) -> BudgetUsage {
         let used = self.used_bytes.load(Ordering::Acquire);
-        BudgetUsage {
-            limit_bytes: self.limit_bytes,
-            used_bytes: used,
-            charged_bytes: used,
-        }
+        self.tally.usage(self.limit_bytes, used, used)
     }
 }
 
@@ -130,6 +168,7 @@ pub struct FileBudget {
     slot: Option<usize>,
     pid: u32,
     limit_bytes: u64,
+    tally: Tally,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics; the file and the
@@ -139,6 +178,24 @@ unsafe impl Send for FileBudget {}
 unsafe impl Sync for FileBudget {}
 
 impl FileBudget {
+    /// [`Budget::try_charge`] in the file: under its lock, if the total of every live slot
+    /// stays within the limit.
+    fn charge_in_file(&self, bytes: u64) -> bool {
+        let Some(s) = self.slot else {
+            return false;
+        };
+        let _local = crate::sync::lock(&self.local);
+        let Ok(_g) = Flock::take(&self.file) else {
+            return false;
+        };
+        let total = self.total_reclaiming();
+        if total.saturating_add(bytes) > self.limit_bytes {
+            return false;
+        }
+        self.bytes_of(s).fetch_add(bytes, Ordering::AcqRel);
+        true
+    }
+
     /// Opens (creating, mode 0600) the budget file at `path` and takes a slot for this process
     /// (one slot per process: open it once and share it).
     pub fn open(path: &Path, limit_bytes: u64) -> Result<Self> {
@@ -186,6 +243,7 @@ impl FileBudget {
                 slot: None,
                 pid: std::process::id(),
                 limit_bytes,
+                tally: Tally::default(),
             };
             b.word(0).store(MAGIC, Ordering::Release);
             b.slot = b.claim_slot();
@@ -258,22 +316,12 @@ fn alive(pid: u64) -> bool {
 
 impl Budget for FileBudget {
     fn try_charge(&self, bytes: u64) -> bool {
-        let Some(s) = self.slot else {
-            return false;
-        };
-        let _local = crate::sync::lock(&self.local);
-        let Ok(_g) = Flock::take(&self.file) else {
-            return false;
-        };
-        let total = self.total_reclaiming();
-        if total.saturating_add(bytes) > self.limit_bytes {
-            return false;
-        }
-        self.bytes_of(s).fetch_add(bytes, Ordering::AcqRel);
-        true
+        let charged = self.charge_in_file(bytes);
+        self.tally.charge(charged)
     }
 
     fn charge_anyway(&self, bytes: u64) {
+        self.tally.forced();
         if let Some(s) = self.slot {
             self.bytes_of(s).fetch_add(bytes, Ordering::AcqRel);
         }
@@ -297,13 +345,8 @@ impl Budget for FileBudget {
             .fold(0u64, |t, s| {
                 t.saturating_add(self.bytes_of(s).load(Ordering::Acquire))
             });
-        BudgetUsage {
-            limit_bytes: self.limit_bytes,
-            used_bytes: used,
-            charged_bytes: self
-                .slot
-                .map_or(0, |s| self.bytes_of(s).load(Ordering::Acquire)),
-        }
+        let charged = (self.slot).map_or(0, |s| self.bytes_of(s).load(Ordering::Acquire));
+        self.tally.usage(self.limit_bytes, used, charged)
     }
 }
 
@@ -369,6 +412,8 @@ mod tests {
         assert_eq!(b.usage().used_bytes, 130);
         b.refund(1000);
         assert_eq!(b.usage().used_bytes, 0, "refunds never go below zero");
+        let u = b.usage();
+        assert_eq!((u.refused_charges, u.forced_charges), (1, 1));
     }
 
     /// Two budgets on one file see each other's charges; a slot whose process is gone is
@@ -390,6 +435,14 @@ mod tests {
         a.refund(600);
         assert!(b.try_charge(500));
         b.refund(900);
+        // Each holder counts its own refusals.
+        assert_eq!(
+            (a.usage().refused_charges, b.usage().refused_charges),
+            (0, 1)
+        );
+        b.charge_anyway(1);
+        b.refund(1);
+        assert_eq!(b.usage().forced_charges, 1);
         // A dead process's slot: a pid that no process has (beyond pid_max's ceiling).
         let dead = 3usize;
         a.pid_of(dead).store(1 << 23, Ordering::Release);
