@@ -102,6 +102,28 @@ fn ucrypt(args: &[&str]) -> Result<String, String> {
     vm::host(env!("CARGO_BIN_EXE_ucrypt"), args)
 }
 
+/// A work directory with a share for the guest holding a random key file, and a LUKS2 volume
+/// (AES-XTS, 4 KiB sectors) of `data_bytes` formatted with it: (dir, share, key, image).
+fn volume(tag: &str, data_bytes: u64) -> (kit::TempDir, PathBuf, PathBuf, PathBuf) {
+    let tmp = kit::TempDir::new(tag);
+    let share = tmp.0.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    let key = share.join("key");
+    let mut rng = kit::SplitMix(kit::seed());
+    vm::random_file(&mut rng, &key, 32);
+    let img = tmp.0.join("vol.img");
+    let image = vm::Luks2Image {
+        cipher: "aes-xts-plain64",
+        key_bits: 512,
+        sector_bytes: 4096,
+        data_bytes,
+    };
+    image
+        .format(env!("CARGO_BIN_EXE_ucrypt"), &img, &key)
+        .expect("ucrypt format");
+    (tmp, share, key, img)
+}
+
 /// `ucrypt vhost` on `img` at `sock`, once it says it is ready.
 fn start_server(img: &Path, key: &Path, sock: &Path) -> Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ucrypt"))
@@ -138,22 +160,7 @@ fn luks2_volume_served_to_a_vm_over_vhost_user_blk() {
         return;
     }
     let _turn = VM.lock().unwrap_or_else(|e| e.into_inner());
-    let tmp = kit::TempDir::new("vhost-vm");
-    let share = tmp.0.join("share");
-    std::fs::create_dir_all(&share).unwrap();
-    let key = share.join("key");
-    let mut rng = kit::SplitMix(kit::seed());
-    vm::random_file(&mut rng, &key, 32);
-    let img = tmp.0.join("vol.img");
-    let image = vm::Luks2Image {
-        cipher: "aes-xts-plain64",
-        key_bits: 512,
-        sector_bytes: 4096,
-        data_bytes: DATA_BYTES,
-    };
-    image
-        .format(env!("CARGO_BIN_EXE_ucrypt"), &img, &key)
-        .expect("ucrypt format");
+    let (tmp, share, key, img) = volume("vhost-vm", DATA_BYTES);
     let sock = tmp.0.join("vhost.sock");
     let mut server = start_server(&img, &key, &sock);
 
@@ -295,22 +302,7 @@ fn a_backend_killed_under_fio_restarts_and_loses_nothing() {
         return;
     }
     let _turn = VM.lock().unwrap_or_else(|e| e.into_inner());
-    let tmp = kit::TempDir::new("vhost-restart");
-    let share = tmp.0.join("share");
-    std::fs::create_dir_all(&share).unwrap();
-    let key = share.join("key");
-    let mut rng = kit::SplitMix(kit::seed());
-    vm::random_file(&mut rng, &key, 32);
-    let img = tmp.0.join("vol.img");
-    let image = vm::Luks2Image {
-        cipher: "aes-xts-plain64",
-        key_bits: 512,
-        sector_bytes: 4096,
-        data_bytes: 16 << 20,
-    };
-    image
-        .format(env!("CARGO_BIN_EXE_ucrypt"), &img, &key)
-        .expect("ucrypt format");
+    let (tmp, share, key, img) = volume("vhost-restart", 16 << 20);
     let sock = tmp.0.join("vhost.sock");
     let server = start_server(&img, &key, &sock);
     let guest_done = Arc::new(AtomicBool::new(false));
