@@ -85,6 +85,19 @@ fn past_first_hotzone(hdr: &std::path::Path) -> bool {
     json_raw(hdr).is_some_and(|v| v["segments"].get("1").is_some_and(in_reencryption_flag))
 }
 
+/// Runs `tool`'s reencryption of `vol` bounded at `BOUND` and SIGKILLs it once past its first
+/// hotzone: whether it was still running.
+fn bounded_run_killed(tool: Tool, vol: &Vol) -> bool {
+    let mut cmd = Command::new(tool.prog());
+    cmd.args(vol.reencrypt(tool, &["--device-size", BOUND, "--hotzone-size", HOTZONE]));
+    kill_when(
+        cmd,
+        || past_first_hotzone(vol.meta()),
+        Poll::Spin,
+        Duration::ZERO,
+    )
+}
+
 #[test]
 fn a_bounded_run_killed_partway_is_finished_by_the_other_tool() {
     if !cs::require() {
@@ -94,14 +107,7 @@ fn a_bounded_run_killed_partway_is_finished_by_the_other_tool() {
         let t = TempDir::new("device-size-kill");
         let vol = Rotate.volume(&t, VOLUME_MIB, 4096);
         let before = tail(&vol);
-        let mut cmd = Command::new(first.prog());
-        cmd.args(vol.reencrypt(first, &["--device-size", BOUND, "--hotzone-size", HOTZONE]));
-        let killed = kill_when(
-            cmd,
-            || past_first_hotzone(vol.meta()),
-            Poll::Spin,
-            Duration::ZERO,
-        );
+        let killed = bounded_run_killed(first, &vol);
         let what = format!("{first:?} killed, {:?} finishes", first.other());
         if !killed || !vol.in_reencryption() {
             println!("{what}: the run ended before the kill; nothing to finish");
@@ -147,14 +153,7 @@ fn a_bounded_run_resumed_without_device_size_walks_to_the_end() {
     for first in [Cryptsetup, Ucrypt] {
         let t = TempDir::new("device-size-resume");
         let vol = Rotate.volume(&t, VOLUME_MIB, 4096);
-        let mut cmd = Command::new(first.prog());
-        cmd.args(vol.reencrypt(first, &["--device-size", BOUND, "--hotzone-size", HOTZONE]));
-        let killed = kill_when(
-            cmd,
-            || past_first_hotzone(vol.meta()),
-            Poll::Spin,
-            Duration::ZERO,
-        );
+        let killed = bounded_run_killed(first, &vol);
         if !killed || !vol.in_reencryption() {
             println!("{first:?} ended before the kill; nothing to resume");
             continue;
