@@ -27,6 +27,14 @@ pub struct Job {
     pub fdatasync: u32,
     /// fio's --thinktime in µs: the client's pause after each request (0: none).
     pub think_us: u32,
+    /// fio's --numjobs: clients running the job at once, each at `iodepth` (reported as one,
+    /// `--group_reporting`). Left out of the JSON when 1.
+    #[serde(skip_serializing_if = "is_one")]
+    pub numjobs: u32,
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 /// [`Job::cpus`]: the scheduler places client and server.
@@ -51,6 +59,16 @@ impl Job {
             cpus: ANY_CPU,
             fdatasync: 0,
             think_us: 0,
+            numjobs: 1,
+        }
+    }
+
+    /// The same job run by `numjobs` clients at once.
+    pub const fn jobs(self, name: &'static str, numjobs: u32) -> Job {
+        Job {
+            name,
+            numjobs,
+            ..self
         }
     }
 
@@ -83,7 +101,7 @@ impl Job {
         }
     }
 
-    fn is_write(&self) -> bool {
+    pub fn is_write(&self) -> bool {
         self.rw.contains("write")
     }
 }
@@ -162,6 +180,46 @@ pub struct FioResult {
     pub lat_p999_us: f64,
 }
 
+/// fio's arguments for `job` (JSON output, one report for all its clients) over the first
+/// `size_bytes` of a target given after them (`--filename` or `--uri`), for `runtime` after
+/// `ramp` of unmeasured warm-up.
+pub fn args(
+    job: &Job,
+    size_bytes: u64,
+    runtime: Duration,
+    ramp: Duration,
+    direct: bool,
+) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--name=ucrypt-bench",
+        "--output-format=json",
+        "--time_based",
+        "--group_reporting",
+    ]
+    .map(String::from)
+    .into();
+    a.push(format!("--rw={}", job.rw));
+    a.push(format!("--bs={}", job.block_bytes));
+    a.push(format!("--ioengine={}", job.ioengine));
+    a.push(format!("--iodepth={}", job.iodepth));
+    a.push(format!("--runtime={}ms", runtime.as_millis().max(1)));
+    a.push(format!("--ramp_time={}ms", ramp.as_millis()));
+    a.push(format!("--size={size_bytes}"));
+    a.push(format!("--direct={}", direct as u8));
+    a.push("--randrepeat=0".into());
+    a.push("--norandommap".into());
+    if job.numjobs > 1 {
+        a.push(format!("--numjobs={}", job.numjobs));
+    }
+    if job.think_us > 0 {
+        a.push(format!("--thinktime={}", job.think_us));
+    }
+    if job.fdatasync > 0 {
+        a.push(format!("--fdatasync={}", job.fdatasync));
+    }
+    a
+}
+
 /// Runs `job` for `runtime` (fio takes milliseconds) against `target` (a file path, or with
 /// `ioengine` "nbd" an NBD URI), over the first `size_bytes`, after `ramp` of unmeasured
 /// warm-up (the scheduler settles where client and server threads run). `cpu`: the CPU fio is
@@ -176,30 +234,9 @@ pub fn run_for(
     cpu: Option<usize>,
 ) -> Result<FioResult, String> {
     let mut cmd = Command::new("fio");
-    cmd.args([
-        "--name=ucrypt-bench",
-        "--output-format=json",
-        "--time_based",
-        "--group_reporting",
-    ])
-    .arg(format!("--rw={}", job.rw))
-    .arg(format!("--bs={}", job.block_bytes))
-    .arg(format!("--ioengine={}", job.ioengine))
-    .arg(format!("--iodepth={}", job.iodepth))
-    .arg(format!("--runtime={}ms", runtime.as_millis().max(1)))
-    .arg(format!("--ramp_time={}ms", ramp.as_millis()))
-    .arg(format!("--size={size_bytes}"))
-    .arg(format!("--direct={}", direct as u8))
-    .arg("--randrepeat=0")
-    .arg("--norandommap");
-    if job.think_us > 0 {
-        cmd.arg(format!("--thinktime={}", job.think_us));
-    }
+    cmd.args(args(job, size_bytes, runtime, ramp, direct));
     if let Some(c) = cpu {
         cmd.arg(format!("--cpus_allowed={c}"));
-    }
-    if job.fdatasync > 0 {
-        cmd.arg(format!("--fdatasync={}", job.fdatasync));
     }
     if job.ioengine == "nbd" {
         cmd.arg(format!("--uri={}", target.display()));

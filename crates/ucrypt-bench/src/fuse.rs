@@ -134,22 +134,30 @@ pub struct FuseReport {
     pub rows: Vec<Row>,
 }
 
-/// The benchmark's files (in /dev/shm, or on disk), removed on drop.
-struct Setup {
-    dir: PathBuf,
-    image: PathBuf,
+/// The benchmark's files (in /dev/shm, or on disk), removed on drop: a LUKS1 image made by
+/// cryptsetup (aes-xts-plain64), its passphrase and volume key in files, and a plain file of
+/// the same size (`bench vhost` serves them too).
+pub(crate) struct Setup {
+    pub(crate) dir: PathBuf,
+    pub(crate) image: PathBuf,
     key_file: PathBuf,
-    pass_file: PathBuf,
-    payload_sectors: u64,
-    plain: PathBuf,
-    volume_bytes: u64,
+    pub(crate) pass_file: PathBuf,
+    pub(crate) payload_sectors: u64,
+    pub(crate) plain: PathBuf,
+    pub(crate) volume_bytes: u64,
 }
 
 impl Setup {
-    /// The images in a new directory under `base`: `volume_bytes` of plaintext each, filled
-    /// with data first when `fill` (on disk, where reading a hole costs nothing).
-    fn new(base: &Path, volume_bytes: u64, fill: bool) -> Result<Setup, String> {
-        let dir = base.join(format!("ucrypt-bench-fuse-{}", std::process::id()));
+    /// The images in a new directory under `base` named after `scenario`: `volume_bytes` of
+    /// plaintext each, filled with data first when `fill` (on disk, where reading a hole costs
+    /// nothing).
+    pub(crate) fn new(
+        base: &Path,
+        scenario: &str,
+        volume_bytes: u64,
+        fill: bool,
+    ) -> Result<Setup, String> {
+        let dir = base.join(format!("ucrypt-bench-{scenario}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let mut s = Setup {
             image: dir.join("luks1.img"),
@@ -368,7 +376,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
         );
     }
     let mut parts = vec![Part {
-        setup: Setup::new(Path::new("/dev/shm"), VOLUME_BYTES, false)?,
+        setup: Setup::new(Path::new("/dev/shm"), "fuse", VOLUME_BYTES, false)?,
         targets,
         jobs: JOBS,
     }];
@@ -380,7 +388,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<FuseReport, S
             }
             disk_image_dir = Some(dir.display().to_string());
             parts.push(Part {
-                setup: Setup::new(&dir, DISK_VOLUME_BYTES, true)?,
+                setup: Setup::new(&dir, "fuse", DISK_VOLUME_BYTES, true)?,
                 targets: DISK_TARGETS
                     .iter()
                     .copied()

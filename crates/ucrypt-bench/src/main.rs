@@ -5,7 +5,7 @@
 //!
 //! A binary of its own, beside `ucrypt`: its counting allocator (allocations per I/O, see
 //! `engine.rs`) and its plot libraries are never part of the binary that serves volumes. The
-//! NBD and FUSE scenarios run that `ucrypt` binary ([`ucrypt_bin`]).
+//! NBD, FUSE and vhost scenarios run that `ucrypt` binary ([`ucrypt_bin`]).
 
 mod all;
 mod cipher;
@@ -18,6 +18,9 @@ mod fio;
 mod formats;
 mod fuse;
 mod integrity;
+/// The test kit's VM harness (tests/kit/vm.rs), which `integrity --vm` and `vhost` boot.
+#[path = "../../../tests/kit/mod.rs"]
+mod kit;
 mod limit;
 mod man;
 mod nbd;
@@ -28,6 +31,7 @@ mod remote;
 mod scale;
 mod server;
 pub mod stats;
+mod vhost;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -221,6 +225,13 @@ enum Which {
     /// `status` times; 4 KiB QD1 reads on 1, 10 and 100 at once against one; beside
     /// qemu-storage-daemon serving the same N exports from one process.
     Scale(ScaleArgs),
+    /// A VM's disk over vhost-user-blk in one boot of the test VM (tests/vm/, qemu TCG): `ucrypt
+    /// vhost` beside qemu-storage-daemon's vhost-user-blk export of the same LUKS1 image and of
+    /// a plain file (the unencrypted ceiling); fio in the guest, each backend's CPU per request;
+    /// the goals as targets. SKIPPED, with the reason, where qemu, qemu-storage-daemon, fio or
+    /// cryptsetup is missing. Each round takes about 18 × (8 s + fio's start) under emulation
+    /// (--quick: 4 s per job).
+    Vhost(Common),
     /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
     /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).
     Remote(RemoteArgs),
@@ -336,6 +347,12 @@ pub fn run(a: BenchArgs) -> i32 {
             scale::measure(c.runs(), c.quick, !c.json, &volumes),
             c.json,
             scale::markdown,
+        ),
+        Which::Vhost(c) => emit(
+            "vhost",
+            vhost::measure(c.runs(), c.quick, !c.json),
+            c.json,
+            vhost::markdown,
         ),
         Which::Compare(a) => compare::run(&a),
         Which::All(a) => all::run(a),

@@ -139,6 +139,11 @@ mod tests {
         assert!(scale.contains("\\-\\-volumes"), "{scale}");
         assert!(main.contains("ucrypt\\-bench\\-scale(1)"), "{main}");
         assert!(dir.join("ucrypt-bench-formats.1").exists());
+        let vhost = read("ucrypt-bench-vhost.1");
+        for want in ["vhost\\-user\\-blk", "\\-\\-quick", "\\-\\-json", "SKIPPED"] {
+            assert!(vhost.contains(want), "{want}: {vhost}");
+        }
+        assert!(main.contains("ucrypt\\-bench\\-vhost(1)"), "{main}");
         assert!(!dir.join("ucrypt-bench-generate-man.1").exists());
         assert!(!dir.join("ucrypt-bench-integrity-vm-probe.1").exists());
         std::fs::remove_dir_all(&dir).expect("clean up");

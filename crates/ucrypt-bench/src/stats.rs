@@ -1,4 +1,4 @@
-//! Medians and ranges over repeated runs, and a machine description for reports.
+//! Medians and ranges over repeated runs, and a machine description and its load for reports.
 
 use serde::Serialize;
 
@@ -98,6 +98,14 @@ impl Machine {
             self.kernel
         )
     }
+}
+
+/// The host's /proc/loadavg line: how busy the machine was around a measurement.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
 }
 
 #[cfg(test)]

@@ -32,7 +32,9 @@ mod sweeps;
 mod throughput;
 
 pub use report::markdown;
+pub(crate) use report::targets_table;
 use rig::*;
+pub(crate) use rows::{target, TargetCheck};
 use rows::{EngineReport, Sink};
 use sweeps::*;
 use throughput::*;

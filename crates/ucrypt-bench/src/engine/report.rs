@@ -59,7 +59,7 @@ pub fn markdown(r: &EngineReport) -> String {
 
 /// The targets, each beside the ceiling measured with it (the same ratio without ucrypt, in
 /// the same run), and a count of the verdicts.
-pub(super) fn targets_table(targets: &[TargetCheck]) -> String {
+pub(crate) fn targets_table(targets: &[TargetCheck]) -> String {
     let mut o = format!(
         "\n## Targets\n\nThis machine allows: the same ratio without ucrypt, measured beside \
          it in this run. A target above it is checked against {CEILING_SHARE} of it.\n\n\

@@ -151,7 +151,7 @@ pub struct EngineReport {
 }
 
 pub(super) type StatsLog = Vec<Breakdown>;
-pub(super) type Targets = Vec<TargetCheck>;
+pub(crate) type Targets = Vec<TargetCheck>;
 
 /// What the scenarios produce, gathered into the report.
 #[derive(Default)]
@@ -164,7 +164,7 @@ pub(super) struct Sink {
 
 /// Checks `measured` against `want` and against `ceiling`, the same ratio measured without
 /// ucrypt in the same run, where the check has one.
-pub(super) fn target(
+pub(crate) fn target(
     targets: &mut Targets,
     what: String,
     measured: f64,

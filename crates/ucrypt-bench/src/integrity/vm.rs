@@ -37,8 +37,7 @@
 //! poly1305-x86_64, besides aesni and ghash-clmulni) so that, as ucrypt's AWS-LC, it uses the
 //! vector code a real CPU would run; the drivers the kernel picked are printed.
 
-#[path = "../../../../tests/kit/mod.rs"]
-mod kit;
+use crate::kit;
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
@@ -47,7 +46,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{sequential, small, Aligned, Io, BIG_BYTES};
-use crate::stats::Summary;
+use crate::stats::{loadavg, Summary};
 
 /// The volumes, one virtio disk each (/dev/vda, /dev/vdb, ... in this order), with the options
 /// `cryptsetup luksFormat` gets besides the common ones.
@@ -318,13 +317,6 @@ ucrypt() {{
 
 fn disk(i: usize) -> String {
     format!("/dev/vd{}", (b'a' + i as u8) as char)
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .trim()
-        .to_string()
 }
 
 /// Boots the VM and measures both sides; `Ok(Skipped)` when the VM cannot run here, `Err` when
