@@ -274,13 +274,13 @@ mod tests {
             if !pt.is_empty() {
                 let mut d = want_ct.to_vec();
                 d[pt.len() / 2] ^= 1;
-                assert!(!a.open(&iv, ad, &mut d, &tag), "{at}: bad ciphertext");
+                assert!(!a.open(&iv, ad, &mut d, tag), "{at}: bad ciphertext");
             }
             if !ad.is_empty() {
                 let mut bad_ad = ad.clone();
                 bad_ad[0] ^= 1;
                 let mut d = want_ct.to_vec();
-                assert!(!a.open(&iv, &bad_ad, &mut d, &tag), "{at}: bad ad");
+                assert!(!a.open(&iv, &bad_ad, &mut d, tag), "{at}: bad ad");
             }
             n += 1;
         }
