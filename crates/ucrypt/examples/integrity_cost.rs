@@ -10,7 +10,7 @@
 //!     target/release/examples/integrity_cost chacha read 4096 2000
 //! ```
 //!
-//! Modes: `gcm`, `chacha`, `hmac256`, `hmac512`; operations: `read`, `write`; the size in bytes
+//! Modes: `gcm`, `chacha`, `aegis`, `hmac256`, `hmac512`; operations: `read`, `write`; the size in bytes
 //! (a multiple of 4096). A fifth argument `journal` sends writes through the journal (a flush
 //! every request; default `direct`); a sixth names the dispatch policy (default `inline`:
 //! everything on this thread; callgrind counts every thread's instructions either way, so
@@ -33,9 +33,10 @@ fn main() {
     let mode = match arg(1, "gcm").as_str() {
         "gcm" => TagMode::AesGcmRandom { key_bytes: 32 },
         "chacha" => TagMode::ChaCha20RandomPoly1305,
+        "aegis" => TagMode::Aegis128Random,
         "hmac256" => TagMode::xts_random_hmac(HmacHash::Sha256),
         "hmac512" => TagMode::xts_random_hmac(HmacHash::Sha512),
-        m => panic!("unknown mode {m}: gcm, chacha, hmac256, hmac512"),
+        m => panic!("unknown mode {m}: gcm, chacha, aegis, hmac256, hmac512"),
     };
     let write = match arg(2, "read").as_str() {
         "read" => false,

@@ -155,8 +155,8 @@ pub struct LuksOpts {
     /// LUKS2 keyslots area size in bytes.
     #[arg(long)]
     pub luks2_keyslots_size: Option<u64>,
-    /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random or
-    /// aes-ccm-random), poly1305 (with --cipher chacha20-random or chacha20-plain64),
+    /// format: authenticated encryption (LUKS2): aead (with --cipher aes-gcm-random,
+    /// aes-ccm-random or aegis128-random), poly1305 (with --cipher chacha20-random or chacha20-plain64),
     /// hmac-sha1, hmac-sha256 or hmac-sha512 (with --cipher aes-xts-* or aes-cbc-*, IV random,
     /// plain64 or essiv:sha256; aes-xts-plain64 when --cipher is not given). --key-size is the
     /// cipher's key; the MAC key is added to the volume key, as cryptsetup does.

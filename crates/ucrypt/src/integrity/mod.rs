@@ -4,6 +4,7 @@
 //!
 //! - [`superblock`]: dm-integrity's superblock, parsed and serialised (sans I/O).
 //! - [`layout`]: where each block's data and tag live, and the size the kernel provides.
+//! - [`aegis128`]: AEGIS-128 as the kernel's `aegis128` computes it (sans I/O).
 //! - [`tag`]: the per-sector AEAD / XTS+HMAC with random IVs, as dm-crypt does it (sans I/O).
 //! - [`device`]: [`IntegrityVolume`], the [`crate::BlockDev`] that reads, verifies, encrypts
 //!   and writes through a [`crate::backend::Backend`]; [`open_luks2`] builds one from a header.
@@ -13,6 +14,7 @@
 //! dm-integrity's journal mode (the default) and direct mode are implemented; see
 //! docs/integrity.md.
 
+pub mod aegis128;
 pub mod device;
 pub mod format;
 pub mod journal;

@@ -15,6 +15,9 @@
 //!   3-byte salt; the 8-byte IV follows the salt in CCM's 11-byte nonce, and rfc4309 takes the
 //!   IV back out of the associated data, so CCM authenticates `le64(s)` alone. 16-byte tag.
 //!   Tuple 24.
+//! - `aegis128-random` + `aead`: the kernel's `aegis128` (AEGIS-128, [`super::aegis128`]),
+//!   128-bit key, 16-byte IV, 16-byte tag; the associated data is `le64(s) || IV` (24 bytes),
+//!   as for GCM. Tuple 32.
 //! - `aes-xts|cbc-random|plain64|essiv:sha256` + `hmac(H)` (H = sha1, sha256, sha512): the
 //!   kernel's `authenc(hmac(H),xts|cbc(aes))`; ESSIV goes through its `essiv(...)` template,
 //!   which puts the encrypted IV into the associated data and keys its AES-256 with SHA-256 of
@@ -25,19 +28,17 @@
 //!
 //! Random IVs come from the operating system's CSPRNG (getrandom(2)), a fresh one for every
 //! sector written: with 96-bit nonces (GCM, ChaCha20-Poly1305) the chance of a repeat stays
-//! negligible up to the usual 2^32 writes per key bound NIST gives for random nonces (CCM's
-//! 64-bit IVs, as rfc4309 has them, allow far fewer). A generated IV repeats whenever a sector
+//! negligible up to the usual 2^32 writes per key bound NIST gives for random nonces (AEGIS's
+//! 128-bit nonces allow far more; CCM's 64-bit IVs, as rfc4309 has them, far fewer). A generated IV repeats whenever a sector
 //! is rewritten: cryptsetup offers `chacha20-plain64` with that property (its keystream is then
 //! reused), and the authenc modes leak which sectors kept their contents, as plain dm-crypt
 //! does.
-//!
-//! `aegis128-random` is refused by name (docs/integrity.md: no maintained implementation of
-//! the kernel's AEGIS-128).
 
 use hmac::{Hmac, Mac};
 use sha1::Sha1;
 use sha2::{Sha256, Sha512};
 
+use super::aegis128::{Aegis128, AEGIS128_IV_BYTES, AEGIS128_KEY_BYTES, AEGIS128_TAG_BYTES};
 use crate::secret::SecretBox;
 use crate::sector::block::Ecb;
 use crate::sector::evp::{
@@ -143,6 +144,8 @@ pub enum TagMode {
     /// `aes-ccm-random` with integrity `aead`; `key_bytes` is the whole volume key: an AES key
     /// of 16, 24 or 32 bytes and the 3-byte salt.
     AesCcmRandom { key_bytes: usize },
+    /// `aegis128-random` with integrity `aead`; key 16 bytes.
+    Aegis128Random,
     /// `aes-xts|cbc-random|plain64|essiv:sha256` with integrity `hmac(sha1|sha256|sha512)`.
     Authenc(Authenc),
 }
@@ -151,6 +154,7 @@ pub enum TagMode {
 pub const SUPPORTED_MODES: &str = "aes-gcm-random + aead (128/256-bit key), \
      aes-ccm-random + aead (128/192/256-bit key + 24-bit salt), \
      chacha20-random|chacha20-plain64 + poly1305 (256-bit key), \
+     aegis128-random + aead (128-bit key), \
      aes-xts-random|plain64|essiv:sha256 and aes-cbc-random|plain64|essiv:sha256 + \
      hmac(sha1)|hmac(sha256)|hmac(sha512) (the cipher's key, then the MAC key)";
 
@@ -192,11 +196,13 @@ impl TagMode {
                 CHACHA20_KEY_BYTES => Ok(TagMode::ChaCha20Plain64Poly1305),
                 n => Err(unsupported(format!("a {}-bit ChaCha20 key", bits(n)))),
             },
-            ("aegis128-random", _) => Err(unsupported(
-                "AEGIS-128 (the kernel's aegis128) has no maintained implementation ucrypt \
-                 could use (see docs/integrity.md)"
-                    .into(),
-            )),
+            ("aegis128-random", "aead") => match key_bytes {
+                AEGIS128_KEY_BYTES => Ok(TagMode::Aegis128Random),
+                n => Err(unsupported(format!(
+                    "a {}-bit AEGIS-128 key (it takes 128 bits)",
+                    bits(n)
+                ))),
+            },
             (_, i) if HmacHash::from_name(i).is_some() => {
                 let hash = HmacHash::from_name(i).expect("matched above");
                 let (mode, iv) = match encryption {
@@ -246,6 +252,7 @@ impl TagMode {
             | TagMode::ChaCha20RandomPoly1305
             | TagMode::ChaCha20Plain64Poly1305 => AEAD_TAG_BYTES,
             TagMode::AesCcmRandom { .. } => CCM_TAG_BYTES,
+            TagMode::Aegis128Random => AEGIS128_TAG_BYTES,
             TagMode::Authenc(a) => a.hash.bytes(),
         }
     }
@@ -256,6 +263,7 @@ impl TagMode {
             TagMode::AesGcmRandom { .. } | TagMode::ChaCha20RandomPoly1305 => AEAD_NONCE_BYTES,
             TagMode::ChaCha20Plain64Poly1305 => 0,
             TagMode::AesCcmRandom { .. } => CCM_IV_BYTES,
+            TagMode::Aegis128Random => AEGIS128_IV_BYTES,
             TagMode::Authenc(a) if a.iv == IvSource::Random => XTS_IV_BYTES,
             TagMode::Authenc(_) => 0,
         }
@@ -273,6 +281,7 @@ impl TagMode {
             TagMode::ChaCha20RandomPoly1305 | TagMode::ChaCha20Plain64Poly1305 => {
                 CHACHA20_KEY_BYTES
             }
+            TagMode::Aegis128Random => AEGIS128_KEY_BYTES,
             TagMode::Authenc(a) => a.enc_key_bytes + a.hash.bytes(),
         }
     }
@@ -283,6 +292,8 @@ enum Imp {
     Aead(AeadCtx),
     /// In a secret box: the salt is key material.
     Ccm(SecretBox<Ccm>),
+    /// In a secret box: the AEGIS-128 key.
+    Aegis(SecretBox<Aegis128>),
     /// In a secret box: the keyed HMAC states (the key's inner and outer pads, hashed) are
     /// key material, and several hundred bytes.
     Authenc(SecretBox<AuthencImp>),
@@ -342,6 +353,9 @@ impl TagCipher {
                     salt: s,
                 }))
             }
+            TagMode::Aegis128Random => Imp::Aegis(SecretBox::new(
+                Aegis128::new(key).ok_or(Error::Bug("AEGIS-128 key length"))?,
+            )),
             TagMode::Authenc(a) => {
                 let (ek, mk) = key.split_at(a.enc_key_bytes);
                 let bad = |_| Error::Bug("HMAC key");
@@ -439,6 +453,10 @@ impl TagCipher {
                     let tag: &mut [u8; CCM_TAG_BYTES] = tag.try_into().expect("16-byte tag");
                     c.enc.ccm_seal(&nonce, &s.to_le_bytes(), plain, sec, tag)?;
                 }
+                Imp::Aegis(a) => {
+                    let iv: &[u8; AEGIS128_IV_BYTES] = (&*iv).try_into().expect("16-byte IV");
+                    tag.copy_from_slice(&a.seal(iv, &aegis_ad(s, iv), plain, sec));
+                }
                 Imp::Authenc(x) => {
                     let AuthencImp { cipher, essiv, mac } = &mut **x;
                     let iv = authenc_iv(essiv.as_mut(), s, iv)?;
@@ -481,6 +499,10 @@ impl TagCipher {
                     let nonce = c.nonce(iv);
                     let tag: &[u8; CCM_TAG_BYTES] = tag.try_into().expect("16-byte tag");
                     c.dec.ccm_open(&nonce, &s.to_le_bytes(), sec, tag)?
+                }
+                Imp::Aegis(a) => {
+                    let iv: &[u8; AEGIS128_IV_BYTES] = iv.try_into().expect("16-byte IV");
+                    a.open(iv, &aegis_ad(s, iv), sec, tag)
                 }
                 Imp::Authenc(x) => {
                     let AuthencImp { cipher, essiv, mac } = &mut **x;
@@ -572,6 +594,14 @@ fn aead_ad(sector: u64, nonce: &[u8; AEAD_NONCE_BYTES]) -> [u8; 8 + AEAD_NONCE_B
     ad
 }
 
+/// AEGIS-128's associated data, as dm-crypt passes it: the sector number then the IV (24 bytes).
+fn aegis_ad(sector: u64, iv: &[u8; AEGIS128_IV_BYTES]) -> [u8; 8 + AEGIS128_IV_BYTES] {
+    let mut ad = [0u8; 8 + AEGIS128_IV_BYTES];
+    ad[..8].copy_from_slice(&sector.to_le_bytes());
+    ad[8..].copy_from_slice(iv);
+    ad
+}
+
 impl MacKey {
     fn tag(&self, sector: u64, iv: &[u8; XTS_IV_BYTES], ct: &[u8], out: &mut [u8]) {
         match self {
@@ -624,6 +654,7 @@ mod tests {
             TagMode::ChaCha20Plain64Poly1305,
             TagMode::AesCcmRandom { key_bytes: 19 },
             TagMode::AesCcmRandom { key_bytes: 35 },
+            TagMode::Aegis128Random,
         ]
         .into_iter()
         .chain(
@@ -664,7 +695,12 @@ mod tests {
         assert!(TagMode::from_luks2("aes-xts-random", "hmac(sha256)", 60).is_err());
         assert!(TagMode::from_luks2("aes-xts-plain64", "hmac(sha256)", 80).is_err());
         assert!(TagMode::from_luks2("aes-xts-plain64", "aead", 64).is_err());
-        assert!(TagMode::from_luks2("aegis128-random", "aead", 16).is_err());
+        assert_eq!(
+            TagMode::from_luks2("aegis128-random", "aead", 16).unwrap(),
+            TagMode::Aegis128Random
+        );
+        assert!(TagMode::from_luks2("aegis128-random", "aead", 32).is_err());
+        assert!(TagMode::from_luks2("aegis128-random", "poly1305", 16).is_err());
         // The matrix of cryptsetup's luks2-integrity-test: tag sizes as cryptsetup computes them.
         for (enc, integ, key_bytes, tuple) in [
             ("aes-cbc-essiv:sha256", "hmac(sha256)", 16 + 32, 32),
@@ -677,6 +713,7 @@ mod tests {
             ("aes-ccm-random", "aead", 19, 24),
             ("aes-ccm-random", "aead", 35, 24),
             ("chacha20-plain64", "poly1305", 32, 16),
+            ("aegis128-random", "aead", 16, 32),
         ] {
             let m = TagMode::from_luks2(enc, integ, key_bytes).unwrap();
             assert_eq!(
