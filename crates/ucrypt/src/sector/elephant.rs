@@ -96,7 +96,7 @@ fn with_words(
     for (w, b) in kw.iter_mut().zip(ks.chunks_exact(4)) {
         *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
-    let (key_a, key_b) = if key_in {
+    let (mut key_a, mut key_b) = if key_in {
         (kw, [0; SECTOR_KEY_WORDS])
     } else {
         ([0; SECTOR_KEY_WORDS], kw)
@@ -108,7 +108,7 @@ fn with_words(
         .chunks_exact_mut(SECTOR_KEY_WORDS)
         .zip(data.chunks_exact(SECTOR_KEY_BYTES))
     {
-        for ((w, b), k) in w8.iter_mut().zip(b32.chunks_exact(4)).zip(key_a) {
+        for ((w, b), k) in w8.iter_mut().zip(b32.chunks_exact(4)).zip(&key_a) {
             *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) ^ k;
         }
     }
@@ -117,12 +117,14 @@ fn with_words(
         .chunks_exact(SECTOR_KEY_WORDS)
         .zip(data.chunks_exact_mut(SECTOR_KEY_BYTES))
     {
-        for ((w, b), k) in w8.iter().zip(b32.chunks_exact_mut(4)).zip(key_b) {
+        for ((w, b), k) in w8.iter().zip(b32.chunks_exact_mut(4)).zip(&key_b) {
             b.copy_from_slice(&(w ^ k).to_le_bytes());
         }
     }
     words.zeroize();
     kw.zeroize();
+    key_a.zeroize();
+    key_b.zeroize();
 }
 
 // Each diffuser step changes word i from words i-2 and i-5 (A) or i+2 and i+5 (B), indices mod
