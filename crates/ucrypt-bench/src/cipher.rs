@@ -11,7 +11,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use serde::Serialize;
-use ucrypt::sector::{BlockCipher, CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSize};
+use ucrypt::sector::{
+    BlockCipher, CipherSpec, Geometry, IvMode, Mode, Provider, SectorCipher, SectorSize,
+};
 
 use super::stats::{Machine, Summary};
 
@@ -86,6 +88,10 @@ fn rows() -> Vec<Row> {
         ("aes-lrw-benbi", 384),
         ("xchacha12,aes-adiantum-plain64", 256),
         ("xchacha20,aes-adiantum-plain64", 256),
+        // BitLocker's AES-CBC with the Elephant diffuser (Windows 7), AES-128 and AES-256:
+        // the key is the CBC key and the sector key's AES key, each half.
+        ("aes-cbc-elephant", 256),
+        ("aes-cbc-elephant", 512),
     ] {
         v.push(Row {
             spec,
@@ -98,12 +104,13 @@ fn rows() -> Vec<Row> {
     v
 }
 
-/// Whether a row runs off AWS-LC's AES-XTS/CBC (and so at a fraction of its speed).
+/// Whether a row runs off AWS-LC's AES-XTS/CBC alone (and so at a fraction of its speed).
 fn slow(spec: &CipherSpec) -> bool {
-    !matches!(
-        spec.mode,
-        Mode::Xts(BlockCipher::Aes) | Mode::Cbc(BlockCipher::Aes)
-    )
+    spec.iv == IvMode::Elephant
+        || !matches!(
+            spec.mode,
+            Mode::Xts(BlockCipher::Aes) | Mode::Cbc(BlockCipher::Aes)
+        )
 }
 
 /// What runs the row: AWS-LC's EVP modes, ucrypt's modes over AWS-LC's AES-ECB, over
@@ -112,6 +119,9 @@ fn slow(spec: &CipherSpec) -> bool {
 fn implementation(c: &SectorCipher) -> &'static str {
     match c.spec().mode {
         Mode::Xts(BlockCipher::Aes) => c.provider().name(),
+        Mode::Cbc(BlockCipher::Aes) if c.spec().iv == IvMode::Elephant => {
+            "ucrypt elephant + aws-lc"
+        }
         Mode::Cbc(BlockCipher::Aes) => "aws-lc",
         Mode::Lrw(BlockCipher::Aes) => "lrw + aws-lc ecb",
         Mode::Xts(BlockCipher::Serpent)
