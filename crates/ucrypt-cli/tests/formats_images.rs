@@ -395,8 +395,17 @@ fn tcrypt_images_beside_cryptsetup_in_the_vm() {
     run.silence_max_s = Some(GUEST_SECS_MAX * 2);
     // About 4 s per image under TCG on a busy host.
     run.timeout_s = 1200;
-    // The legacy modes' kernel parts beyond the harness's list: LRW, and TCW's CRC32.
-    run.extra_mods = vec!["lrw".into(), "crc32_generic".into()];
+    // The legacy modes' kernel parts beyond the harness's list: LRW, TCW's CRC32, the
+    // 64-bit block ciphers of the oldest images.
+    run.extra_mods = [
+        "lrw",
+        "crc32_generic",
+        "blowfish_generic",
+        "cast5_generic",
+        "des_generic",
+    ]
+    .map(String::from)
+    .to_vec();
     let work = tmp.path("vm");
     std::fs::create_dir_all(&work).unwrap();
     let out = run.run(&work);
