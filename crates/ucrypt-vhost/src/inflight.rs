@@ -12,7 +12,7 @@
 //! them again (a request the device had finished is served twice, which a read or a write of
 //! the same data survives). Out of order, the restarted backend would return some requests a
 //! second time (a virtio driver then declares the device broken) and never return others.
-//! The cost: a request that finishes early waits in [`State::order`] for those taken before
+//! The cost: a request that finishes early waits in the queue's order for those taken before
 //! it; the device still serves them all at once.
 //!
 //! Why threads: the volume's API is synchronous (a request returns once its backend I/O has),
