@@ -219,12 +219,7 @@ impl Aegis128 {
 mod tests {
     use super::*;
 
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-            .collect()
-    }
+    use crate::test_util::unhex as hex;
 
     /// The kernel's own known-answer vectors (`aegis128_tv_template` of crypto/testmgr.h, see
     /// the data file's header): encryption gives the kernel's ciphertext and tag; decryption

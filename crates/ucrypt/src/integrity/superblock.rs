@@ -217,12 +217,7 @@ mod tests {
     const KERNEL_SB_HMAC512: &str = "696e746567727400040f30000c000000f8e400000000000008000000000f0000\
                                      0000000000000000000000000000000000000000000000000000000000000000";
 
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-            .collect()
-    }
+    use crate::test_util::unhex as hex;
 
     #[test]
     fn parses_kernel_superblock_and_writes_it_back() {

@@ -4,13 +4,7 @@
 
 use super::*;
 
-fn hex(s: &str) -> Vec<u8> {
-    let s: String = s.split_whitespace().collect();
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
-}
+use crate::test_util::unhex as hex;
 
 fn pattern512() -> Vec<u8> {
     (0..512).map(|i| i as u8).collect()
