@@ -470,7 +470,17 @@ fn tcrypt_images_beside_cryptsetup_in_the_vm() {
             }
             continue;
         }
-        assert!(o.status.success(), "{what}: ucrypt export: {}", text(&o));
+        let msg = text(&o);
+        if !o.status.success() && msg.contains("no 64-bit block ciphers") {
+            // The oldest images' CBC with Blowfish, CAST5 or 3DES: the guest's kernel maps
+            // them, ucrypt refuses them by name (docs/formats.md).
+            let why = msg.lines().last().unwrap_or("");
+            skipped.push(format!(
+                "{what}: data not compared, ucrypt refuses it: {why}"
+            ));
+            continue;
+        }
+        assert!(o.status.success(), "{what}: ucrypt export: {msg}");
         let sum = kit::vm::host("sha256sum", &[kit::s(&plain)]).unwrap();
         assert_eq!(
             &sum[..64],
