@@ -1055,10 +1055,38 @@ mod tests {
             t.join().unwrap();
         }
         assert!(peak.load(std::sync::atomic::Ordering::Relaxed) <= limit);
-        assert!(
-            pools.iter().map(|p| p.budget_waits()).sum::<u64>() > 0,
-            "nobody waited"
-        );
+        assert_eq!(pools.iter().map(|p| p.budget_overdrafts()).sum::<u64>(), 0);
+        // A wait, made certain (the stress above need not overlap on a busy host): pool 0
+        // fills its reserve and charges the whole budget; pool 1, holding its reserve, asks
+        // for one more chunk, is refused the charge and waits for its own grant to come back.
+        // First the pools give back what they grew to in the stress (idle for 20 ms), so
+        // that pool 0's charge below is not refused (it would wait for itself).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while budget.usage().used_bytes > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "charges kept after idling"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (a, b) = (&pools[0], &pools[1]);
+        let reserve_a = a.take(POOL_RESERVE_BYTES).unwrap();
+        let charged = a.take(2 * LOCK_CHUNK_BYTES).unwrap();
+        assert_eq!(budget.usage().used_bytes, limit);
+        let reserve_b = b.take(POOL_RESERVE_BYTES).unwrap();
+        let waits_before = b.budget_waits();
+        let b2 = b.clone();
+        let asker = std::thread::spawn(move || drop(b2.take(LOCK_CHUNK_BYTES).unwrap()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pools[1].budget_waits() == waits_before {
+            assert!(std::time::Instant::now() < deadline, "nobody waited");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!asker.is_finished(), "served beyond the budget");
+        drop(reserve_b);
+        asker.join().unwrap();
+        assert_eq!(budget.usage().used_bytes, limit, "pool 1 charged nothing");
+        drop((reserve_a, charged));
         assert_eq!(pools.iter().map(|p| p.budget_overdrafts()).sum::<u64>(), 0);
         // A request bigger than the reserve, alone: served, charged beyond the budget.
         let big = pools[0].take(8 * LOCK_CHUNK_BYTES).unwrap();
