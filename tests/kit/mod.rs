@@ -22,12 +22,14 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod cryptsetup;
+mod hex;
 mod random;
 mod run;
 mod temp;
 mod tools;
 pub mod vm;
 
+pub use hex::{hex, unhex};
 pub use random::{seed, seed_or, SplitMix, SEED_VAR};
 pub use run::{
     kill_after, kill_when, ok, ok_in, run, run_in, s, stderr, stdout, terminate, text,
@@ -35,17 +37,3 @@ pub use run::{
 };
 pub use temp::{TempDir, TempFile, KEEP_VAR};
 pub use tools::{can_run, have, is_root, missing_root_rig, require, skip, under_ci};
-
-/// Lower-case hex of `b`.
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// The bytes of hex text `s` (white space ignored).
-pub fn unhex(s: &str) -> Vec<u8> {
-    let s: String = s.split_whitespace().collect();
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
-}

@@ -63,13 +63,5 @@ pub use sync::Stop;
 
 /// Helpers the unit tests share.
 #[cfg(test)]
-pub(crate) mod test_util {
-    /// The bytes a hex string spells (whitespace ignored): known-answer vectors.
-    pub fn unhex(s: &str) -> Vec<u8> {
-        let s: String = s.split_whitespace().collect();
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-            .collect()
-    }
-}
+#[path = "../../../tests/kit/hex.rs"]
+pub(crate) mod test_util;

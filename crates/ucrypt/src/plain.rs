@@ -83,9 +83,7 @@ pub fn key_from_passphrase(
 mod tests {
     use super::*;
 
-    fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    }
+    use crate::test_util::hex;
 
     #[test]
     fn one_round_is_the_digest_truncated() {

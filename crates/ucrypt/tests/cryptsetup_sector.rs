@@ -49,7 +49,7 @@ fn parse_mk_dump(text: &str) -> Vec<u8> {
         }
         hexs.push_str(line);
     }
-    support::unhex(&hexs)
+    kit::unhex(&hexs)
 }
 
 #[test]

@@ -14,7 +14,8 @@ mod support;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use support::{hex, unhex, Rng};
+use kit::{hex, unhex};
+use support::Rng;
 use ucrypt::integrity::{TagCipher, TagMode};
 
 const CASES_PER_MODE: usize = 40;

@@ -12,7 +12,8 @@ mod support;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use support::{hex, unhex, Rng};
+use kit::{hex, unhex};
+use support::Rng;
 use ucrypt::sector::{CipherSpec, Geometry, Provider, SectorCipher, SectorSize};
 
 const SPECS: &[&str] = &[

@@ -396,9 +396,7 @@ mod tests {
         assert_ne!(other, out[..4096], "two streams under two keys");
     }
 
-    fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    }
+    use crate::test_util::hex;
 
     /// The hashes beyond SHA-1/SHA-2, against another implementation: OpenSSL 3's (its
     /// `dgst` and PBKDF2, the legacy provider for whirlpool), for "abc" and for PBKDF2 of

@@ -177,9 +177,7 @@ mod tests {
         out
     }
 
-    fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    }
+    use crate::test_util::hex;
 
     #[test]
     fn md5_known_answers() {
