@@ -53,11 +53,12 @@ const BACKING_SLACK_NUM: u64 = 9;
 const BACKING_SLACK_DEN: u64 = 100;
 
 /// The authenticated modes, as the rows name them.
-const MODES: [(&str, TagMode); 4] = [
+const MODES: [(&str, TagMode); 5] = [
     (
         "aes-gcm-random + aead",
         TagMode::AesGcmRandom { key_bytes: 32 },
     ),
+    ("aegis128-random + aead", TagMode::Aegis128Random),
     (
         "chacha20-random + poly1305",
         TagMode::ChaCha20RandomPoly1305,
