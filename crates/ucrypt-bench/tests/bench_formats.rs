@@ -53,9 +53,9 @@ fn bench_formats_quick_measures_every_target() {
     };
     let dislocker = has("Dislocker", "BitlkXts");
     let tcrypt = has("Ucrypt", "TcryptXts");
-    // 4 jobs × (4 ucrypt volumes, VeraCrypt's where the test material has it, and 2
-    // dislocker-fuse ones where it is installed).
-    let targets = 4 + usize::from(tcrypt) + 2 * usize::from(dislocker);
+    // 4 jobs × (5 ucrypt volumes: 3 BitLocker, LUKS2, no cipher; VeraCrypt's where the test
+    // material has it; and 2 dislocker-fuse ones where it is installed).
+    let targets = 5 + usize::from(tcrypt) + 2 * usize::from(dislocker);
     assert_eq!(rows.len(), 4 * targets, "{v:#}");
     for r in rows {
         let mib_s = r["mib_s"]["median"].as_f64().unwrap_or(0.0);
@@ -70,8 +70,9 @@ fn bench_formats_quick_measures_every_target() {
         );
     }
     let ratios = v["ratios"].as_array().expect("ratios");
-    // 4 jobs × (3 ucrypt ratios, VeraCrypt's, 2 against dislocker-fuse) + the search's.
-    let want = 4 * (3 + usize::from(tcrypt) + 2 * usize::from(dislocker)) + 1;
+    // 4 jobs × (4 ucrypt ratios, the ceiling's included; VeraCrypt's; 3 against
+    // dislocker-fuse) + the search's.
+    let want = 4 * (4 + usize::from(tcrypt) + 3 * usize::from(dislocker)) + 1;
     assert_eq!(ratios.len(), want, "{v:#}");
     for r in ratios {
         assert!(r["ratio"]["median"].as_f64().unwrap_or(0.0) > 0.0, "{r:#}");

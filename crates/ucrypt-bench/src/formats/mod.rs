@@ -231,8 +231,8 @@ pub fn markdown(r: &FormatsReport) -> String {
     );
     for x in &r.ratios {
         let goal = match (x.goal, x.goal_is) {
-            (Some(g), "min") => format!("≥ {g}"),
-            (Some(g), _) => format!("≤ {g}"),
+            (Some(g), "min") => format!("≥ {}", (g * 100.0).round() / 100.0),
+            (Some(g), _) => format!("≤ {}", (g * 100.0).round() / 100.0),
             (None, _) => "–".into(),
         };
         let met = if x.goal.is_some() {
