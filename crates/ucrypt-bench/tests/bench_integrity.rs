@@ -5,14 +5,16 @@
 
 use std::process::Command;
 
-const ROWS: [&str; 11] = [
+const ROWS: [&str; 13] = [
     "plain aes-xts-plain64 (policy auto)",
     "plain aes-xts-plain64 (policy inline)",
     "aes-gcm-random + aead",
+    "aegis128-random + aead",
     "chacha20-random + poly1305",
     "aes-xts-random + hmac-sha256",
     "aes-xts-random + hmac-sha512",
     "aes-gcm-random + aead (policy inline)",
+    "aegis128-random + aead (policy inline)",
     "chacha20-random + poly1305 (policy inline)",
     "aes-xts-random + hmac-sha256 (policy inline)",
     "aes-xts-random + hmac-sha512 (policy inline)",
