@@ -189,6 +189,20 @@ fn trim_heap() {
     }
 }
 
+/// Turns transparent huge pages off for the daemon. Where the kernel makes them for every
+/// mapping (`transparent_hugepage=always`, Debian's default since trixie), khugepaged fills
+/// each 2 MiB range that has one page in use into a whole huge page: the mostly untouched
+/// heaps of the front end's threads (the ublk queues' 512 KiB bounce buffers) become resident
+/// seconds after the open, and an idle daemon costs megabytes more than its pages in use
+/// (BENCHMARKS.md, "Idle volumes", the ublk rows). Best effort: an old kernel without the
+/// option leaves huge pages as they were.
+fn no_huge_pages() {
+    // SAFETY: PR_SET_THP_DISABLE takes integer arguments only and changes no memory.
+    unsafe {
+        libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+    }
+}
+
 /// A running front end.
 enum Front {
     Ublk {
@@ -720,6 +734,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     // A signal during the open stops in order too (the main loop sees it first thing): the
     // daemon's claim is undone on the way out.
     let signals = crate::signals::SignalFd::new()?;
+    no_huge_pages();
     let header_dev = prepared.header_device();
     // In the daemon, before the volume's pools are made: the slot is this process's.
     super::budget::join(d.memory_budget, &d.run)?;
