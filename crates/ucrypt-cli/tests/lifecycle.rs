@@ -314,6 +314,13 @@ fn killed_daemon_is_dead_to_status_and_cleaned_by_close() {
         .spawn()
         .unwrap();
     let pid = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("pid")).unwrap();
+    // The daemon keeps transparent huge pages off (an idle daemon's untouched buffers stay
+    // untouched); kernels before 6.0 do not say.
+    let st = std::fs::read_to_string(format!("/proc/{}/status", pid.trim())).unwrap();
+    match st.lines().find_map(|l| l.strip_prefix("THP_enabled:")) {
+        Some(v) => assert_eq!(v.trim(), "0", "the daemon's THP_enabled"),
+        None => println!("SKIPPED the huge-page check: this kernel's status has no THP_enabled"),
+    }
     ok("kill", &["-9", pid.trim()]);
     std::thread::sleep(std::time::Duration::from_millis(300));
 
