@@ -25,7 +25,11 @@
 //! on an active dm-crypt device; nor does it meet qemu's image locks (bytes 100 to 299).
 //!
 //! A block device is marked through the node named (another node of the same device is not
-//! seen); a remote volume (`rbd:`, `nbd:`) is not marked.
+//! seen); a remote volume (`rbd:`, `nbd:`) is not marked. A block device served read-write is
+//! also claimed from the kernel, as cryptsetup claims a device it maps without `--shared`
+//! (`claim_from_kernel`): that refuses a device that is mounted or held by a dm-crypt mapping,
+//! and the kernel refuses those to others while ucrypt serves it. `--shared` claims nothing,
+//! so it maps beside dm-crypt mappings of the same device as cryptsetup's does.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -105,6 +109,36 @@ fn busy(path: &Path, access: Access) -> CliError {
     ))
 }
 
+/// A block device written by one server is claimed from the kernel as cryptsetup claims it
+/// for a mapping that is not `--shared`: an `O_EXCL` open, which fails (EBUSY) while the
+/// device is mounted or held by device-mapper (a dm-crypt mapping) or another block device,
+/// and makes a later exclusive opener (`mount`, `cryptsetup open` without `--shared`) fail
+/// while it is held. `None` for anything but a block device written exclusively.
+fn claim_from_kernel(path: &Path, access: Access) -> CliResult<Option<File>> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let is_block = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+    if access != Access::Write || !is_block {
+        return Ok(None);
+    }
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(path)
+    {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Err(CliError::Busy(format!(
+            "Cannot use device {} which is in use (mounted, or held by a device-mapper \
+             mapping or another block device; a dm-crypt mapping beside it needs --shared \
+             on both sides, as with cryptsetup).",
+            path.display()
+        ))),
+        Err(e) => Err(os_err(
+            format!("claiming {} (open with O_EXCL)", path.display()),
+            e,
+        )),
+    }
+}
+
 /// Marks the local files among `paths` as served by this process with `access` until the
 /// returned guard is dropped; refuses (exit 5) a file another process serves in a way that
 /// conflicts (see the module's doc). Paths that are not local files or block devices are
@@ -142,6 +176,7 @@ pub fn mark(paths: &[&Path], access: Access) -> CliResult<InUse> {
             return Err(busy(p, access));
         }
         files.push(f);
+        files.extend(claim_from_kernel(p, access)?);
     }
     Ok(InUse { _files: files })
 }
@@ -190,6 +225,8 @@ pub fn check_servable(paths: &[&Path], access: Access) -> CliResult<()> {
         if is_served(p, access)? {
             return Err(busy(p, access));
         }
+        // Claimed and let go at once: the server claims it again when it marks the volume.
+        drop(claim_from_kernel(p, access)?);
     }
     Ok(())
 }

@@ -187,3 +187,96 @@ fn shared_plain_mappings_of_one_volume() {
     assert_eq!(code, 0, "{out}");
     close(&a);
 }
+
+/// In the VM (dm-crypt and ublk run there): ucrypt's mappings beside the kernel's. A plain
+/// dm-crypt mapping holds the device, so a ucrypt mapping that is not shared is refused (exit
+/// 5, as cryptsetup refuses it) and one with `--shared` maps beside it; each writes its own
+/// area, and the other tool reads each area back. The other way round, a device ucrypt serves
+/// read-write is refused to `cryptsetup open` and to `mkfs` (the kernel's exclusive open), and
+/// a mounted device is refused to ucrypt.
+const VM_SCRIPT: &str = r#"
+set -e
+modprobe ublk_drv
+mkdir -p /run /m
+U=/mnt/host/ucrypt
+P="--type plain --cipher aes-xts-plain64 --key-size 256 --key-file /mnt/host/key"
+cryptsetup open $P --offset 0 --size 256 /dev/vda A
+set +e
+$U open /dev/vda B $P --offset 512 --size 256 > /tmp/o 2>&1; echo "UCRYPT-BESIDE-DM-EXIT $?"
+head -n 2 /tmp/o
+set -e
+$U open /dev/vda B $P --offset 512 --size 256 --shared
+echo "UCRYPT-SHARED-BESIDE-DM-OK"
+dd if=/mnt/host/pa of=/dev/mapper/A bs=512 count=256 oflag=direct 2>/dev/null
+dd if=/mnt/host/pb of=/dev/ucrypt/B bs=512 count=256 oflag=direct 2>/dev/null
+cryptsetup close A
+$U close B
+cryptsetup open $P --offset 512 --size 256 /dev/vda D
+cmp /dev/mapper/D /mnt/host/pb && echo "DMCRYPT-READS-UCRYPT-AREA"
+cryptsetup close D
+$U open /dev/vda E $P --offset 0 --size 256
+cmp /dev/ucrypt/E /mnt/host/pa && echo "UCRYPT-READS-DMCRYPT-AREA"
+$U close E
+$U open /dev/vdb C $P
+set +e
+cryptsetup open $P /dev/vdb F > /tmp/o 2>&1; echo "CRYPTSETUP-BESIDE-UCRYPT-EXIT $?"
+head -n 2 /tmp/o
+mkfs.ext4 -q -F /dev/vdb > /tmp/o 2>&1; echo "MKFS-BESIDE-UCRYPT-EXIT $?"
+set -e
+$U close C
+cryptsetup open $P /dev/vdb F && echo "CRYPTSETUP-AFTER-CLOSE-OK"
+cryptsetup close F
+mkfs.ext4 -q -F /dev/vdc
+mount /dev/vdc /m
+set +e
+$U open /dev/vdc G $P > /tmp/o 2>&1; echo "UCRYPT-ON-MOUNTED-EXIT $?"
+head -n 2 /tmp/o
+set -e
+umount /m
+echo "SHARED-VM-OK"
+"#;
+
+#[test]
+fn mappings_beside_dm_crypt_in_the_vm() {
+    let Some((kernel, modroot)) = kit::vm::require_trixie_vm("shared_plain (VM)") else {
+        return;
+    };
+    let t = TempDir::new("shared-vm");
+    let share = t.0.join("share");
+    std::fs::create_dir_all(&share).unwrap();
+    std::fs::copy(UCRYPT, share.join("ucrypt")).unwrap();
+    std::fs::write(share.join("key"), kit::SplitMix(3).bytes(32)).unwrap();
+    let area = (AREA_SECTORS * 512) as usize;
+    std::fs::write(share.join("pa"), kit::SplitMix(4).bytes(area)).unwrap();
+    std::fs::write(share.join("pb"), kit::SplitMix(5).bytes(area)).unwrap();
+    let mut run = kit::vm::VmRun::new(VM_SCRIPT);
+    for (name, bytes) in [
+        ("a.img", 2u64 << 20),
+        ("b.img", 2 << 20),
+        ("c.img", 8 << 20),
+    ] {
+        run.disk(&t.sparse(name, bytes), false);
+    }
+    run.share = Some(share);
+    run.kernel = Some(kernel);
+    run.modroot = Some(modroot);
+    let out = run.run(&t.0);
+    let o = &out.output;
+    assert_eq!(out.status, 0, "{o}");
+    for marker in [
+        "UCRYPT-BESIDE-DM-EXIT 5",
+        "UCRYPT-SHARED-BESIDE-DM-OK",
+        "DMCRYPT-READS-UCRYPT-AREA",
+        "UCRYPT-READS-DMCRYPT-AREA",
+        "CRYPTSETUP-BESIDE-UCRYPT-EXIT 5",
+        "CRYPTSETUP-AFTER-CLOSE-OK",
+        "UCRYPT-ON-MOUNTED-EXIT 5",
+        "SHARED-VM-OK",
+    ] {
+        assert!(o.contains(marker), "missing {marker}:\n{o}");
+    }
+    assert!(
+        !o.contains("MKFS-BESIDE-UCRYPT-EXIT 0"),
+        "mkfs wrote over a device ucrypt serves:\n{o}"
+    );
+}
