@@ -1,7 +1,8 @@
 //! Sockets at paths the user names (`--metrics unix:PATH`, `--nbd unix:PATH`, `--control
 //! PATH`) follow one rule: a file (anything not a socket) at PATH is refused and kept; a live
-//! socket (it answers) is refused and keeps answering; a stale one (nobody listens) is
-//! replaced; and what ucrypt bound is removed when it stops serving.
+//! socket (it answers) is refused and keeps answering, except that another `open`'s NBD
+//! socket is joined (a shared listener); a stale one (nobody listens) is replaced; and what
+//! ucrypt bound is removed when it stops serving.
 //!
 //! The `open` test needs root, /dev/fuse, /dev/loop-control; otherwise it prints `SKIPPED`.
 
@@ -145,19 +146,39 @@ fn open_keeps_files_and_live_sockets_and_removes_its_own() {
         text(&o)
     );
     assert!(is_socket(&m) && is_socket(&nb));
-    // Another volume's daemon may not take them: refused (busy), and they still answer.
-    for extra in [["--metrics", at_m.as_str()], ["--nbd", at_nb.as_str()]] {
-        let o = open(&img2, &n2, &extra);
-        assert_eq!(o.status.code(), Some(5), "{extra:?}: {}", text(&o));
-        assert!(
-            String::from_utf8_lossy(&o.stderr).contains("is the socket of a live server"),
-            "{}",
-            text(&o)
-        );
-        assert!(gone(&n2));
-        assert!(UnixStream::connect(&m).is_ok(), "{extra:?}: metrics lost");
-        assert!(UnixStream::connect(&nb).is_ok(), "{extra:?}: NBD lost");
-    }
+    // Another volume's daemon may not take the metrics socket: refused (busy), and it still
+    // answers.
+    let o = open(&img2, &n2, &["--metrics", &at_m]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("is the socket of a live server"),
+        "{}",
+        text(&o)
+    );
+    assert!(gone(&n2));
+    assert!(UnixStream::connect(&m).is_ok(), "metrics lost");
+    // The NBD socket of another `open` it joins instead (tests/nbd_shared.rs), and leaves on
+    // close without taking the socket with it.
+    let o = open(&img2, &n2, &["--nbd", &at_nb]);
+    assert_eq!(o.status.code(), Some(0), "joining {at_nb}: {}", text(&o));
+    let o = run(UCRYPT, &["close", &n2]);
+    assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
+    assert!(UnixStream::connect(&nb).is_ok(), "NBD lost");
+    // A live socket that is no ucrypt daemon's NBD socket is refused and kept.
+    let foreign = t.path("foreign.sock");
+    let _listening = UnixListener::bind(&foreign).unwrap();
+    let o = open(&img2, &n2, &["--nbd", &format!("unix:{}", s(&foreign))]);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("is the socket of a live server"),
+        "{}",
+        text(&o)
+    );
+    assert!(gone(&n2));
+    assert!(
+        UnixStream::connect(&foreign).is_ok(),
+        "the foreign socket lost"
+    );
     let o = run(UCRYPT, &["close", &n]);
     assert_eq!(o.status.code(), Some(0), "close: {}", text(&o));
     assert!(!m.exists(), "the metrics socket stayed after close");

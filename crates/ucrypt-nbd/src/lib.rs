@@ -5,7 +5,8 @@
 //! - [`proto`]: the protocol codec, sans I/O: the newstyle handshake as state machines fed
 //!   bytes, server side ([`proto::Handshake`]) and client side ([`proto::ClientHandshake`]),
 //!   both `feed` / `take_output` / `bytes_wanted`; requests and simple replies.
-//! - [`server`]: the driver around it: listeners, connections, TLS, request workers.
+//! - [`server`]: the driver around it: listeners, connections, TLS, request workers, and a
+//!   unix socket shared by several processes' exports ([`server::share`]).
 //! - [`client`]: [`NbdBackend`], a [`ucrypt::backend::Backend`] over NBD connections
 //!   ([`NbdUri`], [`ClientOptions`]): pipelining, several connections, reconnection.
 

@@ -572,8 +572,14 @@ fn daemon_for(
         info,
         front_end,
         metrics: a.metrics.metrics.clone(),
-        nbd: a.nbd.clone(),
         // Absolute: the daemon runs in /.
+        nbd: a.nbd.clone().map(|l| match l {
+            ucrypt_nbd::server::Listen::Unix(p) => {
+                ucrypt_nbd::server::Listen::Unix(std::path::absolute(&p).unwrap_or(p))
+            }
+            tcp => tcp,
+        }),
+        // Absolute too.
         header: a
             .v
             .header

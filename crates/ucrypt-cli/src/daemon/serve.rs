@@ -116,18 +116,31 @@ pub struct Daemon {
 }
 
 /// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
+/// Its socket may be shared with other daemons' exports (`ucrypt_nbd::server::share`): the
+/// first to name PATH listens and negotiates for all; the others join it.
 struct NbdSide {
     thread: JoinHandle<Result<(), ucrypt_nbd::Error>>,
     stop: Stop,
 }
 
 impl NbdSide {
-    /// Binds `at` here (so that a path refused is the open's error) and serves from a thread.
+    /// Attaches export `name` to the socket at `at` here (so that a path refused, or a name
+    /// served there already, is the open's error) and serves from a thread.
     fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<NbdSide> {
-        let bound = ucrypt_nbd::server::bind(at)?;
+        let Listen::Unix(path) = at else {
+            return Err(CliError::Usage(
+                "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
+            ));
+        };
+        let attached = ucrypt_nbd::server::share::attach(path, name, dev.clone(), dev.read_only())?;
+        if !attached.owner() {
+            eprintln!(
+                "ucrypt daemon {name}: NBD export joined the listener at {}",
+                path.display()
+            );
+        }
         let stop = Stop::new();
         let s2 = stop.clone();
-        let exports = vec![(name.to_string(), dev.clone())];
         let opts = ucrypt_nbd::server::ServerOptions {
             read_only: dev.read_only(),
             tls: None,
@@ -142,7 +155,7 @@ impl NbdSide {
         };
         let thread = std::thread::Builder::new()
             .name("ucrypt-nbd".into())
-            .spawn(move || ucrypt_nbd::server::serve_on(exports, bound, opts, s2))
+            .spawn(move || ucrypt_nbd::server::share::serve(attached, opts, s2))
             .map_err(|e| io_err("starting the NBD server", e))?;
         Ok(NbdSide { thread, stop })
     }

@@ -133,12 +133,55 @@ fn net(context: &str, e: io::Error) -> Error {
     Error::io(context.to_string(), e)
 }
 
+/// Where a connection starts.
+pub(crate) enum Entry {
+    /// A new client: the handshake first.
+    Handshake,
+    /// A client whose handshake another process ran (a shared socket's owner): the
+    /// transmission phase of this export.
+    Transmit(usize),
+}
+
+/// The export a handshake chose.
+enum Chosen {
+    /// One of this server's, by index.
+    Local(usize),
+    /// A member's of the shared socket this server owns.
+    Member(Arc<super::share::Member>),
+}
+
+/// Counts a handshake in progress (taken by `Conns::admit`) until dropped.
+struct Pending<'a>(&'a AtomicUsize);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Serves one connection to its end, keeping `activity` up to date.
-pub fn run(sock: Sock, shared: &Shared, activity: &Arc<Activity>) -> Result<()> {
-    let Some((sock, export)) = negotiate(sock, shared)? else {
-        return Ok(());
+pub fn run(sock: Sock, shared: &Shared, activity: &Arc<Activity>, entry: Entry) -> Result<()> {
+    let (sock, export) = match entry {
+        Entry::Transmit(i) => (sock, i),
+        Entry::Handshake => {
+            let pending = Pending(&shared.handshakes);
+            let chosen = negotiate(sock, shared);
+            drop(pending);
+            match chosen? {
+                None => return Ok(()),
+                Some((sock, Chosen::Local(i))) => (sock, i),
+                Some((sock, Chosen::Member(m))) => {
+                    return m.pass(&sock).map_err(|e| {
+                        net(&format!("passing a client to export '{}'", m.info.name), e)
+                    });
+                }
+            }
+        }
     };
-    transmit(sock, &shared.exports[export], shared, activity.clone())
+    let Some(export) = shared.exports.get(export) else {
+        return Err(Error::Bug("a connection for an export this server lacks"));
+    };
+    transmit(sock, export, shared, activity.clone())
 }
 
 /// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first byte.
@@ -156,14 +199,25 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
     Ok(true)
 }
 
-/// Runs the handshake; `None` if the client left or aborted.
-fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
+/// Runs the handshake over this server's exports and, on a shared socket it owns, its
+/// members' (as registered when the client connected); `None` if the client left or aborted.
+fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, Chosen)>> {
     let policy = if shared.tls.is_some() {
         TlsPolicy::Required
     } else {
         TlsPolicy::Disabled
     };
-    let infos = shared.exports.iter().map(|e| e.info.clone()).collect();
+    let members = shared
+        .share
+        .as_ref()
+        .map(|r| r.snapshot())
+        .unwrap_or_default();
+    let infos = shared
+        .exports
+        .iter()
+        .map(|e| e.info.clone())
+        .chain(members.iter().map(|m| m.info.clone()))
+        .collect();
     let mut hs = Handshake::new(infos, policy);
     sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(|e| net("socket", e))?;
@@ -201,7 +255,15 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, usize)>> {
                 sock.write_all(&hs.take_output())
                     .map_err(|e| net("sending handshake", e))?;
                 sock.set_read_timeout(None).map_err(|e| net("socket", e))?;
-                return Ok(Some((sock, n.export)));
+                let local = shared.exports.len();
+                let chosen = match n.export.checked_sub(local) {
+                    None => Chosen::Local(n.export),
+                    Some(i) => match members.get(i) {
+                        Some(m) => Chosen::Member(m.clone()),
+                        None => return Err(Error::Bug("a handshake chose an export not listed")),
+                    },
+                };
+                return Ok(Some((sock, chosen)));
             }
             Step::Abort => {
                 let _ = sock.write_all(&hs.take_output());

@@ -18,6 +18,9 @@
 //!   request waits for room, never fails for want of it), so the connection limit is large;
 //! - for a TLS connection, one relay thread moves bytes between the socket and rustls.
 //!
+//! A unix socket may also be shared by several processes, each serving its own exports
+//! ([`share`]): one negotiates for all and passes each client to the process of its export.
+//!
 //! The protocol itself (parsing, validation, replies) is the sans-I/O codec in [`crate::proto`].
 //! The server stops when its [`Stop`] is requested (the `ucrypt` command ties SIGINT and
 //! SIGTERM to it).
@@ -26,7 +29,9 @@ mod budget;
 mod buf;
 mod conn;
 pub mod dev;
+mod fdpass;
 mod queue;
+pub mod share;
 mod sock;
 pub(crate) mod tls;
 pub mod unix_socket;
@@ -173,6 +178,13 @@ pub(crate) struct Shared {
     /// reused between requests, both the whole server's.
     pub budget: Arc<budget::Budget>,
     pub spares: Arc<buf::Spares>,
+    /// A shared socket's members, whose exports this process negotiates too (`None`: a
+    /// server of its own exports only).
+    pub share: Option<Arc<share::Registry>>,
+    /// Connections in their handshake, and how many may be (further clients wait in the
+    /// backlog).
+    pub handshakes: AtomicUsize,
+    pub handshakes_max: usize,
 }
 
 /// A live connection as the accept loop sees it.
@@ -386,8 +398,39 @@ pub fn serve_on(
     }
     let names: Vec<&str> = rt.iter().map(|e| e.info.name.as_str()).collect();
     let announce = uris(&listener, &names, opts.tls.is_some());
-    let shared = Arc::new(Shared {
-        exports: rt,
+    let shared = new_shared(rt, &opts, &stop, None);
+    if opts.announce {
+        let mut out = io::stdout().lock();
+        for u in &announce {
+            let _ = writeln!(out, "ready: {u}");
+        }
+        let _ = out.flush();
+        sd_notify_ready();
+    }
+
+    let mut conns = Conns::new();
+    accept_loop(&listener, &shared, &mut conns);
+    listener_close(listener);
+    let result = finish_conns(&shared, conns.into_threads());
+    if let Some(pf) = &opts.pid_file {
+        let _ = std::fs::remove_file(pf);
+    }
+    result
+}
+
+/// What the connections of a server share, from its options.
+fn new_shared(
+    exports: Vec<Export>,
+    opts: &ServerOptions,
+    stop: &Stop,
+    share: Option<Arc<share::Registry>>,
+) -> Arc<Shared> {
+    let handshakes_max = match share {
+        Some(_) => share::HANDSHAKES_PENDING_MAX,
+        None => usize::MAX,
+    };
+    Arc::new(Shared {
+        exports,
         tls: opts.tls.clone(),
         stop: stop.clone(),
         live: Mutex::new(Vec::new()),
@@ -398,23 +441,10 @@ pub fn serve_on(
         connections_max: opts.connections_max.max(1),
         budget: Arc::new(budget::Budget::new()),
         spares: Arc::new(buf::Spares::new(nbd::transmission::SIMPLE_REPLY_BYTES)),
-    });
-    if opts.announce {
-        let mut out = io::stdout().lock();
-        for u in &announce {
-            let _ = writeln!(out, "ready: {u}");
-        }
-        let _ = out.flush();
-        sd_notify_ready();
-    }
-
-    let threads = accept_loop(&listener, &shared, &stop);
-
-    let result = finish(listener, &shared, threads);
-    if let Some(pf) = &opts.pid_file {
-        let _ = std::fs::remove_file(pf);
-    }
-    result
+        share,
+        handshakes: AtomicUsize::new(0),
+        handshakes_max,
+    })
 }
 
 impl Listener {
@@ -473,41 +503,40 @@ fn raise_open_files_limit(connections: usize) {
     }
 }
 
-/// Accepts connections until `stop` is requested; each gets a thread
-/// ([`ServerOptions::connections_max`] at once). Returns the connection threads still to be joined.
-fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<JoinHandle<()>> {
-    let fd = match &listener {
-        Listener::Unix(l, _) => l.as_raw_fd(),
-        Listener::Tcp(l) => l.as_raw_fd(),
-    };
-    let next_id = AtomicU64::new(0);
-    let origin = Instant::now();
-    let mut threads: Vec<JoinHandle<()>> = Vec::new();
-    while !stop.requested() {
-        if !poll_readable(fd, ACCEPT_POLL_MS) {
-            continue;
+/// How long the accept loop waits while [`Shared::handshakes_max`] clients are in their
+/// handshake.
+const HANDSHAKES_FULL_WAIT: Duration = Duration::from_millis(10);
+
+/// The connection threads of a server and what numbers them.
+pub(crate) struct Conns {
+    next_id: u64,
+    origin: Instant,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Conns {
+    pub(crate) fn new() -> Conns {
+        Conns {
+            next_id: 0,
+            origin: Instant::now(),
+            threads: Vec::new(),
         }
-        let sock = match &listener {
-            Listener::Unix(l, _) => l.accept().map(|(s, _)| Sock::Unix(s)),
-            Listener::Tcp(l) => l.accept().map(|(s, _)| {
-                let _ = s.set_nodelay(true);
-                Sock::Tcp(s)
-            }),
-        };
-        let sock = match sock {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("ucrypt: accept: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        threads.retain(|t| !t.is_finished());
+    }
+
+    pub(crate) fn into_threads(self) -> Vec<JoinHandle<()>> {
+        self.threads
+    }
+
+    /// Gives `sock` a slot ([`ServerOptions::connections_max`] at once) and a thread that
+    /// starts it at `entry`.
+    pub(crate) fn admit(&mut self, shared: &Arc<Shared>, sock: Sock, entry: conn::Entry) {
+        self.threads.retain(|t| !t.is_finished());
         if !make_room(shared) {
-            continue;
+            return;
         }
-        let id = next_id.fetch_add(1, Ordering::Relaxed);
-        let activity = Arc::new(Activity::new(origin));
+        let id = self.next_id;
+        self.next_id += 1;
+        let activity = Arc::new(Activity::new(self.origin));
         match sock.try_clone() {
             Ok(c) => lock(&shared.live).push(LiveConn {
                 id,
@@ -517,8 +546,12 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
             }),
             Err(e) => {
                 eprintln!("ucrypt: {e}");
-                continue;
+                return;
             }
+        }
+        let handshake = matches!(entry, conn::Entry::Handshake);
+        if handshake {
+            shared.handshakes.fetch_add(1, Ordering::AcqRel);
         }
         let sh = shared.clone();
         let t = std::thread::Builder::new()
@@ -532,20 +565,53 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, stop: &Stop) -> Vec<Jo
                     }
                 }
                 let _live = Live(&sh, id);
-                if let Err(e) = conn::run(sock, &sh, &activity) {
+                if let Err(e) = conn::run(sock, &sh, &activity, entry) {
                     eprintln!("ucrypt: connection {id}: {e}");
                 }
             });
         match t {
-            Ok(t) => threads.push(t),
+            Ok(t) => self.threads.push(t),
             Err(e) => {
                 eprintln!("ucrypt: cannot start connection thread: {e}");
+                if handshake {
+                    shared.handshakes.fetch_sub(1, Ordering::AcqRel);
+                }
                 lock(&shared.live).retain(|c| c.id != id);
             }
         }
     }
+}
 
-    threads
+/// Accepts connections until the server's stop is requested; each gets a thread from
+/// [`Conns::admit`].
+fn accept_loop(listener: &Listener, shared: &Arc<Shared>, conns: &mut Conns) {
+    let fd = match &listener {
+        Listener::Unix(l, _) => l.as_raw_fd(),
+        Listener::Tcp(l) => l.as_raw_fd(),
+    };
+    while !shared.stop.requested() {
+        if shared.handshakes.load(Ordering::Acquire) >= shared.handshakes_max {
+            std::thread::sleep(HANDSHAKES_FULL_WAIT);
+            continue;
+        }
+        if !poll_readable(fd, ACCEPT_POLL_MS) {
+            continue;
+        }
+        let sock = match &listener {
+            Listener::Unix(l, _) => l.accept().map(|(s, _)| Sock::Unix(s)),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nodelay(true);
+                Sock::Tcp(s)
+            }),
+        };
+        match sock {
+            Ok(s) => conns.admit(shared, s, conn::Entry::Handshake),
+            Err(e) => {
+                eprintln!("ucrypt: accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
 }
 
 /// Whether a new connection may have a slot: yes while fewer than
@@ -585,10 +651,10 @@ fn make_room(shared: &Shared) -> bool {
     }
 }
 
-/// Stopping: no new connections; every connection's read side is shut so it stops taking
-/// requests, finishes what is in flight and replies; then every writable export is flushed.
-fn finish(listener: Listener, shared: &Shared, threads: Vec<JoinHandle<()>>) -> Result<()> {
-    listener_close(listener);
+/// Stopping, once nothing is accepted any more: every connection's read side is shut so it
+/// stops taking requests, finishes what is in flight and replies; then every writable export
+/// is flushed.
+fn finish_conns(shared: &Shared, threads: Vec<JoinHandle<()>>) -> Result<()> {
     for c in lock(&shared.live).iter() {
         let _ = c.sock.shutdown_read();
     }

@@ -24,16 +24,43 @@ pub struct BoundSocket {
     path: PathBuf,
     dev: u64,
     ino: u64,
+    /// Removed on drop: false once another process serves the socket ([`BoundSocket::keep`]).
+    remove: std::sync::atomic::AtomicBool,
 }
 
 impl BoundSocket {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The socket at `path` that this process did not bind but serves from now on (a shared
+    /// listener taken over), known by its file's device and inode.
+    pub(crate) fn adopt(path: PathBuf, dev: u64, ino: u64) -> BoundSocket {
+        BoundSocket {
+            path,
+            dev,
+            ino,
+            remove: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    /// The socket file's device and inode.
+    pub(crate) fn file_id(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
+    /// Leaves the path in place when dropped: other processes still listen on the socket.
+    pub(crate) fn keep(&self) {
+        self.remove
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Drop for BoundSocket {
     fn drop(&mut self) {
+        if !*self.remove.get_mut() {
+            return;
+        }
         let ours = std::fs::symlink_metadata(&self.path)
             .is_ok_and(|m| m.dev() == self.dev && m.ino() == self.ino);
         if ours {
@@ -123,11 +150,7 @@ pub fn bind_unix(path: &Path) -> Result<(UnixListener, BoundSocket)> {
     let l = r.map_err(|e| Error::io(format!("binding {}", path.display()), e))?;
     let meta = std::fs::symlink_metadata(path)
         .map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
-    let bound = BoundSocket {
-        path: path.to_path_buf(),
-        dev: meta.dev(),
-        ino: meta.ino(),
-    };
+    let bound = BoundSocket::adopt(path.to_path_buf(), meta.dev(), meta.ino());
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
     Ok((l, bound))

@@ -1,0 +1,390 @@
+//! Several `ucrypt open ... --nbd unix:PATH` naming one PATH share its listener: each daemon
+//! serves its own volume, the first to bind PATH negotiates for all, and `nbdinfo --list` shows
+//! every export.
+//!
+//! - `opens_share_one_socket_and_outlive_its_owner`: two volumes on one socket, each written
+//!   and read back whole by `nbdcopy` through its own export (data checked, and not seen through
+//!   the other); the owner closed, the other export still serves new clients and the socket
+//!   stays until the last daemon closes.
+//! - `a_killed_daemon_leaves_the_others_serving`: SIGKILL of a member's daemon leaves the
+//!   owner's export serving (and the list without the dead one); SIGKILL of the owner's daemon
+//!   leaves the member to take the socket over and serve.
+//! - `a_name_served_already_is_refused`: a daemon of the same user whose state directory is
+//!   elsewhere (another `XDG_RUNTIME_DIR`, so NAME is free there) cannot export NAME on the
+//!   socket again: exit 5, and the first export still serves. Runs as user nobody (`setpriv`).
+//!
+//! The daemons use the vhost-user front end (a socket in the state directory: no root, no
+//! mount). Needs nbdinfo and nbdcopy (libnbd-bin); as a non-root user an `XDG_RUNTIME_DIR`; the
+//! last test root and setpriv. SKIPPED otherwise. Names carry the test's pid.
+
+mod nbd_common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nbd_common::*;
+
+const MIB: usize = 1 << 20;
+/// Each image: LUKS2's 16 MiB of metadata and 4 MiB of data.
+const IMAGE_MIB: usize = 20;
+const DATA_BYTES: usize = 4 * MIB;
+/// How long a departure or a takeover may take to show on a loaded machine.
+const SETTLE: Duration = Duration::from_secs(30);
+
+/// Who runs the daemons: this user, or user nobody with its own runtime directory.
+#[derive(Clone)]
+enum As {
+    Me,
+    Nobody { xdg: PathBuf },
+}
+
+impl As {
+    fn command(&self, prog: &str) -> Command {
+        match self {
+            As::Me => Command::new(prog),
+            As::Nobody { xdg } => {
+                let mut c = Command::new("setpriv");
+                c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "env"])
+                    .arg(format!("XDG_RUNTIME_DIR={}", xdg.display()))
+                    .arg(prog);
+                c
+            }
+        }
+    }
+
+    fn run(&self, prog: &str, args: &[&str]) -> Output {
+        self.command(prog)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("running {prog}: {e}"))
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "exit {:?}\n{}{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Why this test cannot run here, if it cannot.
+fn missing() -> Option<String> {
+    for p in ["nbdinfo", "nbdcopy"] {
+        if !need(p, "libnbd-bin") {
+            return Some(format!("{p} missing"));
+        }
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root && std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        return Some("rootless ucrypt open needs XDG_RUNTIME_DIR".into());
+    }
+    None
+}
+
+fn luks(dir: &TempDir, name: &str) -> PathBuf {
+    let img = dir.path(name);
+    make_image(&img, IMAGE_MIB * MIB, None);
+    ok(
+        UCRYPT,
+        &[
+            "format",
+            "-q",
+            "--type",
+            "luks2",
+            "--key-file",
+            &dir.s("pass"),
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+            &img.to_string_lossy(),
+        ],
+    );
+    img
+}
+
+/// The daemons opened, closed (forcibly, a dead one cleaned up) whatever happens.
+struct Opened {
+    who: As,
+    names: Vec<String>,
+}
+
+impl Opened {
+    fn new(who: As) -> Opened {
+        Opened {
+            who,
+            names: Vec::new(),
+        }
+    }
+
+    /// `ucrypt open IMG NAME --front-end vhost-user --nbd unix:SOCK`.
+    fn open(&mut self, img: &Path, name: &str, pass: &Path, sock: &Path) -> Output {
+        self.names.push(name.to_string());
+        self.who.run(
+            UCRYPT,
+            &[
+                "open",
+                &img.to_string_lossy(),
+                name,
+                "--key-file",
+                &pass.to_string_lossy(),
+                "--front-end",
+                "vhost-user",
+                "--nbd",
+                &format!("unix:{}", sock.display()),
+            ],
+        )
+    }
+
+    fn open_ok(&mut self, img: &Path, name: &str, pass: &Path, sock: &Path) {
+        let o = self.open(img, name, pass, sock);
+        assert_eq!(o.status.code(), Some(0), "open {name}: {}", text(&o));
+        let uri = format!("nbd+unix:///{name}?socket={}", sock.display());
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&uri),
+            "open {name} names its URI: {}",
+            text(&o)
+        );
+    }
+
+    fn close(&self, name: &str) {
+        let o = self.who.run(UCRYPT, &["close", name]);
+        assert_eq!(o.status.code(), Some(0), "close {name}: {}", text(&o));
+    }
+
+    /// The pid of NAME's daemon (`ucrypt status NAME`).
+    fn pid(&self, name: &str) -> i32 {
+        let o = self.who.run(UCRYPT, &["status", name]);
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == "pid").then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or_else(|| panic!("no pid in the status of {name}: {}", text(&o)))
+    }
+}
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = self.who.run(UCRYPT, &["close", "--force", n]);
+        }
+    }
+}
+
+/// The export names the socket lists, sorted.
+fn listed(who: &As, sock: &Path) -> Result<Vec<String>, String> {
+    let o = who.run(
+        "nbdinfo",
+        &[
+            "--json",
+            "--list",
+            &format!("nbd+unix:///?socket={}", sock.display()),
+        ],
+    );
+    if !o.status.success() {
+        return Err(text(&o));
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&o.stdout).map_err(|e| format!("{e}: {}", text(&o)))?;
+    let mut names: Vec<String> = v["exports"]
+        .as_array()
+        .ok_or("no exports array")?
+        .iter()
+        .filter_map(|e| e["export-name"].as_str().map(str::to_string))
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+/// Waits until the socket lists exactly `want` (sorted).
+fn listed_becomes(who: &As, sock: &Path, want: &[&str]) {
+    let t0 = Instant::now();
+    loop {
+        let got = listed(who, sock);
+        if got.as_ref().is_ok_and(|g| g == want) {
+            return;
+        }
+        assert!(t0.elapsed() < SETTLE, "listed {got:?}, want {want:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Writes seeded data over export `name` with nbdcopy, reads it back whole and checks it.
+fn write_read(who: &As, dir: &TempDir, sock: &Path, name: &str, seed: u64) {
+    let uri = format!("nbd+unix:///{name}?socket={}", sock.display());
+    let src = dir.path(&format!("src-{name}-{seed}"));
+    let back = dir.path(&format!("back-{name}-{seed}"));
+    make_image(&src, DATA_BYTES, Some(seed));
+    let (src_s, back_s) = (src.to_string_lossy(), back.to_string_lossy());
+    for (from, to) in [(&*src_s, uri.as_str()), (uri.as_str(), &*back_s)] {
+        let o = who.run("nbdcopy", &[from, to]);
+        assert!(o.status.success(), "nbdcopy {from} {to}: {}", text(&o));
+    }
+    let (a, b) = (std::fs::read(&src).unwrap(), std::fs::read(&back).unwrap());
+    assert!(
+        b.len() >= a.len() && b[..a.len()] == a[..],
+        "{name}: read back differs"
+    );
+}
+
+/// What export `name` holds now (its first `DATA_BYTES`).
+fn contents(who: &As, dir: &TempDir, sock: &Path, name: &str) -> Vec<u8> {
+    let uri = format!("nbd+unix:///{name}?socket={}", sock.display());
+    let out = dir.path(&format!("now-{name}"));
+    let o = who.run("nbdcopy", &[&uri, &out.to_string_lossy()]);
+    assert!(o.status.success(), "nbdcopy {uri}: {}", text(&o));
+    let mut v = std::fs::read(&out).unwrap();
+    v.truncate(DATA_BYTES);
+    v
+}
+
+fn names(tag: &str) -> (String, String, String) {
+    let p = std::process::id();
+    (
+        format!("{tag}a-{p}"),
+        format!("{tag}b-{p}"),
+        format!("{tag}c-{p}"),
+    )
+}
+
+#[test]
+fn opens_share_one_socket_and_outlive_its_owner() {
+    if let Some(why) = missing() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let dir = TempDir::new("shared");
+    std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
+    let (img_a, img_b) = (luks(&dir, "a.img"), luks(&dir, "b.img"));
+    let sock = dir.path("nbd.sock");
+    let (a, b, _) = names("sh");
+    let me = As::Me;
+    let mut opened = Opened::new(me.clone());
+    opened.open_ok(&img_a, &a, &dir.path("pass"), &sock);
+    opened.open_ok(&img_b, &b, &dir.path("pass"), &sock);
+    let mut want = [a.as_str(), b.as_str()];
+    want.sort();
+    listed_becomes(&me, &sock, &want);
+
+    write_read(&me, &dir, &sock, &a, 0xa);
+    write_read(&me, &dir, &sock, &b, 0xb);
+    // Each export reached its own volume.
+    let now_a = contents(&me, &dir, &sock, &a);
+    assert!(
+        now_a == pattern(DATA_BYTES, 0xa),
+        "{a} changed by {b}'s writes"
+    );
+
+    // The owner (the first) closes: the other export serves new clients, the socket stays.
+    opened.close(&a);
+    assert!(sock.exists(), "the socket went with its owner");
+    listed_becomes(&me, &sock, &[b.as_str()]);
+    write_read(&me, &dir, &sock, &b, 0xb2);
+    opened.close(&b);
+    assert!(!sock.exists(), "the socket outlived the last daemon");
+}
+
+#[test]
+fn a_killed_daemon_leaves_the_others_serving() {
+    if let Some(why) = missing() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let dir = TempDir::new("sharedkill");
+    std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
+    let imgs = [
+        luks(&dir, "a.img"),
+        luks(&dir, "b.img"),
+        luks(&dir, "c.img"),
+    ];
+    let sock = dir.path("nbd.sock");
+    let (a, b, c) = names("sk");
+    let me = As::Me;
+    let mut opened = Opened::new(me.clone());
+    opened.open_ok(&imgs[0], &a, &dir.path("pass"), &sock);
+    opened.open_ok(&imgs[1], &b, &dir.path("pass"), &sock);
+    opened.open_ok(&imgs[2], &c, &dir.path("pass"), &sock);
+    let mut all = [a.as_str(), b.as_str(), c.as_str()];
+    all.sort();
+    listed_becomes(&me, &sock, &all);
+
+    // A member dies: the owner and the other member serve on.
+    let kill = |name: &str| {
+        // SAFETY: kill sends a signal to a pid; no memory is involved.
+        assert_eq!(unsafe { libc::kill(opened.pid(name), libc::SIGKILL) }, 0);
+    };
+    kill(&b);
+    let mut left = [a.as_str(), c.as_str()];
+    left.sort();
+    listed_becomes(&me, &sock, &left);
+    write_read(&me, &dir, &sock, &a, 0xa);
+    write_read(&me, &dir, &sock, &c, 0xc);
+
+    // The owner dies: the member left takes the socket over.
+    kill(&a);
+    listed_becomes(&me, &sock, &[c.as_str()]);
+    write_read(&me, &dir, &sock, &c, 0xc2);
+    opened.close(&c);
+}
+
+#[test]
+fn a_name_served_already_is_refused() {
+    if let Some(why) = missing() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !need("setpriv", "util-linux") {
+        println!("SKIPPED: needs root (to run the daemons as user nobody) and setpriv");
+        return;
+    }
+    let dir = TempDir::new("shareddup");
+    // User nobody reads and writes the images and makes its sockets here.
+    let open_to_all = |p: &Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    open_to_all(&dir.0, 0o777);
+    std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
+    open_to_all(&dir.path("pass"), 0o644);
+    let (img_a, img_b) = (luks(&dir, "a.img"), luks(&dir, "b.img"));
+    for img in [&img_a, &img_b] {
+        open_to_all(img, 0o666);
+    }
+    let runtime = |n: &str| {
+        let p = dir.path(n);
+        std::fs::create_dir(&p).unwrap();
+        open_to_all(&p, 0o777);
+        p
+    };
+    let (one, two) = (
+        As::Nobody {
+            xdg: runtime("xdg1"),
+        },
+        As::Nobody {
+            xdg: runtime("xdg2"),
+        },
+    );
+    let sock = dir.path("nbd.sock");
+    let (a, _, _) = names("sd");
+    let mut first = Opened::new(one.clone());
+    first.open_ok(&img_a, &a, &dir.path("pass"), &sock);
+    let mut second = Opened::new(two.clone());
+    let o = second.open(&img_b, &a, &dir.path("pass"), &sock);
+    assert_eq!(o.status.code(), Some(5), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("is served there already"),
+        "{}",
+        text(&o)
+    );
+    listed_becomes(&one, &sock, &[a.as_str()]);
+    write_read(&one, &dir, &sock, &a, 0xd);
+    first.close(&a);
+}

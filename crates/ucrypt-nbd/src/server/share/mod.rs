@@ -1,0 +1,584 @@
+//! One NBD socket shared by several processes, each serving its own export (`ucrypt open ...
+//! --nbd unix:PATH` naming the same PATH): a crash of one takes only its own export down.
+//!
+//! Roles, for one PATH:
+//! - The **owner** holds the listening socket, accepts every client and runs every handshake
+//!   (newstyle fixed: `LIST`, `INFO`, `GO`, `EXPORT_NAME`) over its own export and every
+//!   member's. A client that chooses a member's export is passed, its handshake over, to that
+//!   member (`SCM_RIGHTS`, see [`super::fdpass`]); the owner keeps nothing of it.
+//! - A **member** registered its export with the owner and serves the transmission phase of the
+//!   clients passed to it, on the server's ordinary connection threads.
+//!
+//! Registration goes through a socket in the abstract namespace named after PATH (and the
+//! user): binding an abstract name is atomic and the name goes with its last holder, so it
+//! doubles as the election of the owner with no file to go stale. Both ends check that the
+//! other is the same user (`SO_PEERCRED`), since abstract sockets have no file permissions.
+//! A second `attach` to PATH connects there and joins; when nobody answers it becomes the owner
+//! (and binds PATH by [`super::bind_unix`]'s rule: a live server that is not a ucrypt owner is
+//! refused, exit 5 in the CLI). A name already served on the socket is refused.
+//!
+//! The owner gives every member a copy of the listening socket when it joins. When the owner
+//! leaves (closed or killed), its members see their registration connection end; the first to
+//! bind the registration name becomes the owner and accepts on its copy of the listening
+//! socket (clients that connect meanwhile wait in the kernel's backlog; PATH is never
+//! removed while a member remains), and the others register with it. Established connections
+//! are untouched by any of this: each is served by the process that owns its export.
+//!
+//! Bounds: [`SHARED_EXPORTS_MAX`] exports on one socket, and [`HANDSHAKES_PENDING_MAX`]
+//! clients in their handshake at once (more wait in the backlog: the owner stops accepting).
+
+mod msg;
+#[cfg(test)]
+mod tests;
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ucrypt::sync::lock;
+use ucrypt::{BlockDev, Stop};
+
+use super::conn::Entry;
+use super::fdpass;
+use super::unix_socket::{bind_unix, BoundSocket};
+use super::{Conns, Export, Listener, ServerOptions, Sock};
+use crate::proto::ExportInfo;
+use crate::{Error, Result};
+use msg::Msg;
+
+/// Exports one shared socket serves at most (the owner's own included): each member costs the
+/// owner one registration connection and a slot in every `LIST` reply.
+pub const SHARED_EXPORTS_MAX: usize = 1024;
+/// Clients in their handshake at the owner at once; further clients wait in the listening
+/// socket's backlog until one finishes (each handshake is bounded by its own timeout).
+pub const HANDSHAKES_PENDING_MAX: usize = 64;
+/// How long `attach` retries while an owner is leaving (its registration name or PATH still
+/// held for a moment) before it gives up.
+const ATTACH_WAIT: Duration = Duration::from_secs(2);
+/// How long a member whose owner left tries to take the listener over or join the new owner.
+const TAKEOVER_WAIT: Duration = Duration::from_secs(10);
+const RETRY_STEP: Duration = Duration::from_millis(20);
+/// A registration message must arrive (or be sent) within this time.
+const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the registration loops look at their stop flag.
+const POLL_MS: i32 = 200;
+
+/// A member's export as the owner knows it.
+pub(crate) struct Member {
+    pub(crate) info: ExportInfo,
+    pid: u32,
+    fd: RawFd,
+    /// The registration connection: client sockets go to the member through it, one message
+    /// at a time.
+    stream: Mutex<UnixStream>,
+}
+
+impl Member {
+    /// Hands `sock` (its handshake done, the export chosen) to the member.
+    pub(crate) fn pass(&self, sock: &Sock) -> io::Result<()> {
+        let frame = msg::encode(&Msg::Conn {
+            export: self.info.name.clone(),
+        });
+        let s = lock(&self.stream);
+        fdpass::send(&s, &frame, Some(sock.as_fd()))
+    }
+}
+
+/// The members of the socket this process owns (empty while it is a member itself).
+#[derive(Default)]
+pub(crate) struct Registry {
+    members: Mutex<Vec<Arc<Member>>>,
+}
+
+impl Registry {
+    pub(crate) fn snapshot(&self) -> Vec<Arc<Member>> {
+        lock(&self.members).clone()
+    }
+}
+
+/// The owner's sockets: registration, NBD listener.
+struct Owner {
+    registration: UnixListener,
+    listener: UnixListener,
+    bound: BoundSocket,
+}
+
+/// A member's link to its owner and its copy of the listening socket (for a takeover).
+struct Membership {
+    stream: UnixStream,
+    listener: OwnedFd,
+    dev: u64,
+    ino: u64,
+}
+
+enum Role {
+    Owner(Owner),
+    Member(Membership),
+}
+
+/// An export attached to a shared socket ([`attach`]), to be served by [`serve`].
+pub struct Attached {
+    path: PathBuf,
+    dev: Arc<dyn BlockDev>,
+    info: ExportInfo,
+    role: Role,
+}
+
+impl Attached {
+    /// Whether this process listens (else it joined another's listener).
+    pub fn owner(&self) -> bool {
+        matches!(self.role, Role::Owner(_))
+    }
+}
+
+/// 64-bit FNV-1a: names the registration socket after a path too long for an abstract name.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// PATH as every process names it: its directory resolved, so that two spellings of one
+/// socket meet at one registration name.
+fn canonical(path: &Path) -> PathBuf {
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    match (abs.parent(), abs.file_name()) {
+        (Some(dir), Some(file)) => std::fs::canonicalize(dir)
+            .map(|d| d.join(file))
+            .unwrap_or(abs.clone()),
+        _ => abs,
+    }
+}
+
+fn registration_addr(path: &Path) -> io::Result<SocketAddr> {
+    let name = format!(
+        "ucrypt-nbd-share/{}/{:016x}",
+        fdpass::my_uid(),
+        fnv1a(canonical(path).as_os_str().as_bytes())
+    );
+    SocketAddr::from_abstract_name(name.as_bytes())
+}
+
+fn busy(what: String) -> Error {
+    Error::io(what, io::Error::from_raw_os_error(libc::EBUSY))
+}
+
+/// Reads exactly `buf.len()` bytes, keeping the first descriptor that comes with them (others
+/// are closed); `Ok(false)` at a clean end before the first byte.
+fn read_exact_fds(s: &UnixStream, buf: &mut [u8], fd: &mut Option<OwnedFd>) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        let (n, fds) = fdpass::recv(s, &mut buf[got..])?;
+        for f in fds {
+            if fd.is_none() {
+                *fd = Some(f);
+            }
+        }
+        if n == 0 {
+            if got == 0 {
+                return Ok(false);
+            }
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
+/// The next message and the descriptor that came with it; `None` at the end of the stream.
+fn read_msg(s: &UnixStream) -> Result<Option<(Msg, Option<OwnedFd>)>> {
+    let ctx = |e| Error::io("reading a shared-listener message", e);
+    let mut fd = None;
+    let mut hdr = [0u8; msg::HEADER_BYTES];
+    if !read_exact_fds(s, &mut hdr, &mut fd).map_err(ctx)? {
+        return Ok(None);
+    }
+    let (kind, len) = msg::decode_header(&hdr)?;
+    let mut body = vec![0u8; len];
+    if !read_exact_fds(s, &mut body, &mut fd).map_err(ctx)? && len > 0 {
+        return Err(ctx(io::ErrorKind::UnexpectedEof.into()));
+    }
+    Ok(Some((msg::decode(kind, &body)?, fd)))
+}
+
+/// How a join went.
+enum Joined {
+    Member(Membership),
+    /// Nobody answers at the registration name.
+    NoOwner,
+}
+
+/// Registers `info` with the owner of `path`, if there is one.
+fn try_join(path: &Path, info: &ExportInfo) -> Result<Joined> {
+    let addr = registration_addr(path).map_err(|e| Error::io("naming the registration", e))?;
+    let s = match UnixStream::connect_addr(&addr) {
+        Ok(s) => s,
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Ok(Joined::NoOwner),
+        Err(e) => return Err(Error::io("joining the NBD listener", e)),
+    };
+    let io = |e| Error::io(format!("joining the NBD listener at {}", path.display()), e);
+    if fdpass::peer_uid(&s).map_err(io)? != fdpass::my_uid() {
+        return Err(busy(format!(
+            "{}: its registration is held by another user; name another path",
+            path.display()
+        )));
+    }
+    s.set_read_timeout(Some(MESSAGE_TIMEOUT)).map_err(io)?;
+    s.set_write_timeout(Some(MESSAGE_TIMEOUT)).map_err(io)?;
+    let join = msg::encode(&Msg::Join {
+        pid: std::process::id(),
+        info: info.clone(),
+    });
+    fdpass::send(&s, &join, None).map_err(io)?;
+    match read_msg(&s)? {
+        Some((Msg::Welcome { dev, ino }, Some(listener))) => Ok(Joined::Member(Membership {
+            stream: s,
+            listener,
+            dev,
+            ino,
+        })),
+        Some((Msg::Refused { why }, _)) => {
+            Err(busy(format!("NBD socket {}: {why}", path.display())))
+        }
+        Some(_) => Err(Error::Protocol(
+            "shared NBD listener: an unexpected answer to a join".into(),
+        )),
+        None => Err(io(io::ErrorKind::UnexpectedEof.into())),
+    }
+}
+
+/// Binds the registration name: `Ok(None)` if another process holds it.
+fn claim_registration(path: &Path) -> Result<Option<UnixListener>> {
+    let addr = registration_addr(path).map_err(|e| Error::io("naming the registration", e))?;
+    match UnixListener::bind_addr(&addr) {
+        Ok(l) => Ok(Some(l)),
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Ok(None),
+        Err(e) => Err(Error::io("binding the NBD listener's registration", e)),
+    }
+}
+
+fn is_busy(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::EBUSY))
+}
+
+/// Attaches export `name` (the device `dev`) to the NBD socket at `path`: joins the ucrypt
+/// process that listens there, or listens there itself. A name the socket serves already is
+/// refused (an `Io` error with `EBUSY`), as is a live socket that no ucrypt owner holds.
+pub fn attach(
+    path: &Path,
+    name: &str,
+    dev: Arc<dyn BlockDev>,
+    read_only: bool,
+) -> Result<Attached> {
+    let info = super::export_info(name, dev.as_ref(), read_only)?;
+    if name.is_empty() {
+        return Err(Error::Config(
+            "a shared NBD socket needs a named export".into(),
+        ));
+    }
+    let deadline = Instant::now() + ATTACH_WAIT;
+    loop {
+        let last = match try_join(path, &info) {
+            Ok(Joined::Member(m)) => Some(Role::Member(m)),
+            Err(e) if is_busy(&e) => return Err(e),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) | Ok(Joined::NoOwner) => match claim_registration(path)? {
+                Some(registration) => match bind_unix(path) {
+                    Ok((listener, bound)) => Some(Role::Owner(Owner {
+                        registration,
+                        listener,
+                        bound,
+                    })),
+                    // An owner leaving still holds PATH for a moment.
+                    Err(e) if is_busy(&e) && Instant::now() < deadline => None,
+                    Err(e) => return Err(e),
+                },
+                None => None,
+            },
+        };
+        if let Some(role) = last {
+            return Ok(Attached {
+                path: path.to_path_buf(),
+                dev,
+                info,
+                role,
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(busy(format!(
+                "{}: a shared NBD listener is changing owners; try again",
+                path.display()
+            )));
+        }
+        std::thread::sleep(RETRY_STEP);
+    }
+}
+
+/// The owner's registration loop: admits members, drops those whose connection ends. Runs
+/// until `stop`; returns whether members remained (then they take the listener over).
+fn registration_loop(
+    registration: UnixListener,
+    listener: OwnedFd,
+    (dev, ino): (u64, u64),
+    registry: &Registry,
+    local: &str,
+    stop: &Stop,
+) -> bool {
+    while !stop.requested() {
+        let members = registry.snapshot();
+        let mut fds: Vec<libc::pollfd> = std::iter::once(registration.as_raw_fd())
+            .chain(members.iter().map(|m| m.fd))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `fds` is a live array of pollfds of the length given.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, POLL_MS) };
+        if n <= 0 {
+            continue;
+        }
+        // A member sends nothing after its join: readable means gone (or broken).
+        for (m, p) in members.iter().zip(&fds[1..]) {
+            if p.revents != 0 {
+                eprintln!(
+                    "ucrypt: NBD export '{}' (pid {}) left the shared listener",
+                    m.info.name, m.pid
+                );
+                lock(&registry.members).retain(|x| !Arc::ptr_eq(x, m));
+            }
+        }
+        if fds[0].revents & libc::POLLIN != 0 {
+            if let Ok((s, _)) = registration.accept() {
+                admit(s, listener.as_fd(), (dev, ino), registry, local);
+            }
+        }
+    }
+    drop(registration);
+    let mut members = lock(&registry.members);
+    let remained = !members.is_empty();
+    // Their connections end as these go (once no handshake holds one): they take over.
+    members.clear();
+    remained
+}
+
+/// Takes or refuses one member's join.
+fn admit(
+    s: UnixStream,
+    listener: std::os::fd::BorrowedFd<'_>,
+    (dev, ino): (u64, u64),
+    registry: &Registry,
+    local: &str,
+) {
+    if fdpass::peer_uid(&s).ok() != Some(fdpass::my_uid()) {
+        eprintln!("ucrypt: refusing another user's join of the shared NBD listener");
+        return;
+    }
+    if s.set_read_timeout(Some(MESSAGE_TIMEOUT)).is_err()
+        || s.set_write_timeout(Some(MESSAGE_TIMEOUT)).is_err()
+    {
+        return;
+    }
+    let (pid, info) = match read_msg(&s) {
+        Ok(Some((Msg::Join { pid, info }, _))) => (pid, info),
+        Ok(_) => return,
+        Err(e) => {
+            eprintln!("ucrypt: a join of the shared NBD listener: {e}");
+            return;
+        }
+    };
+    let mut members = lock(&registry.members);
+    let refusal = if info.name.is_empty() {
+        Some("an export needs a name".to_string())
+    } else if info.name == local {
+        Some(format!(
+            "export name '{}' is served there already (by pid {})",
+            info.name,
+            std::process::id()
+        ))
+    } else if let Some(m) = members.iter().find(|m| m.info.name == info.name) {
+        Some(format!(
+            "export name '{}' is served there already (by pid {})",
+            info.name, m.pid
+        ))
+    } else if members.len() + 1 >= SHARED_EXPORTS_MAX {
+        Some(format!(
+            "it serves {SHARED_EXPORTS_MAX} exports, the most one socket may"
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = refusal {
+        let _ = fdpass::send(&s, &msg::encode(&Msg::Refused { why }), None);
+        return;
+    }
+    if let Err(e) = fdpass::send(&s, &msg::encode(&Msg::Welcome { dev, ino }), Some(listener)) {
+        eprintln!("ucrypt: welcoming NBD export '{}': {e}", info.name);
+        return;
+    }
+    eprintln!(
+        "ucrypt: NBD export '{}' (pid {pid}) joined the shared listener",
+        info.name
+    );
+    members.push(Arc::new(Member {
+        info,
+        pid,
+        fd: s.as_raw_fd(),
+        stream: Mutex::new(s),
+    }));
+}
+
+/// Owns the socket until `stop`: accepts and negotiates for every export, while a thread runs
+/// the registration. On stop, members left keep PATH (they take the listener over).
+fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Arc<Registry>, conns: &mut Conns) {
+    let Owner {
+        registration,
+        listener,
+        bound,
+    } = o;
+    let id = bound.file_id();
+    let reg_stop = Stop::new();
+    let copy = match listener.as_fd().try_clone_to_owned() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ucrypt: NBD listener: {e}: serving without members");
+            drop(registration);
+            let l = Listener::Unix(listener, bound);
+            super::accept_loop(&l, shared, conns);
+            super::listener_close(l);
+            return;
+        }
+    };
+    let thread = {
+        let (registry, stop) = (registry.clone(), reg_stop.clone());
+        let local = shared.exports[0].info.name.clone();
+        std::thread::Builder::new()
+            .name("nbd-share".into())
+            .spawn(move || registration_loop(registration, copy, id, &registry, &local, &stop))
+    };
+    let l = Listener::Unix(listener, bound);
+    super::accept_loop(&l, shared, conns);
+    reg_stop.request();
+    let remained = match thread {
+        Ok(t) => t.join().unwrap_or(false),
+        Err(e) => {
+            eprintln!("ucrypt: NBD listener: cannot start its registration: {e}");
+            false
+        }
+    };
+    if let (true, Listener::Unix(_, bound)) = (remained, &l) {
+        bound.keep();
+    }
+    super::listener_close(l);
+}
+
+/// Serves the clients the owner passes until `stop` (`None`) or until the owner is gone
+/// (the membership back, for a takeover).
+fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> Option<Membership> {
+    let own = &shared.exports[0].info.name;
+    while !shared.stop.requested() {
+        if !super::poll_readable(m.stream.as_raw_fd(), POLL_MS) {
+            continue;
+        }
+        match read_msg(&m.stream) {
+            Ok(Some((Msg::Conn { export }, Some(fd)))) if &export == own => {
+                conns.admit(shared, Sock::Unix(UnixStream::from(fd)), Entry::Transmit(0));
+            }
+            Ok(Some(_)) => eprintln!("ucrypt: shared NBD listener: an unexpected message"),
+            Ok(None) | Err(_) => return Some(m),
+        }
+    }
+    None
+}
+
+/// After the owner left: become the owner (on the listening socket this member holds, while
+/// PATH still names it) or join whoever did.
+fn takeover(path: &Path, info: &ExportInfo, m: Membership, stop: &Stop) -> Result<Role> {
+    eprintln!(
+        "ucrypt: the owner of the NBD socket {} left: taking over or joining the next",
+        path.display()
+    );
+    let deadline = Instant::now() + TAKEOVER_WAIT;
+    let mut m = Some(m);
+    loop {
+        match try_join(path, info) {
+            Ok(Joined::Member(new)) => return Ok(Role::Member(new)),
+            Err(e) if is_busy(&e) => return Err(e),
+            Ok(Joined::NoOwner) | Err(_) => {}
+        }
+        if let Some(registration) = claim_registration(path)? {
+            let Some(old) = m.take() else {
+                return Err(Error::Bug("shared NBD takeover without its membership"));
+            };
+            let same = std::fs::symlink_metadata(path).is_ok_and(|s| {
+                s.file_type().is_socket() && s.dev() == old.dev && s.ino() == old.ino
+            });
+            let (listener, bound) = if same {
+                let bound = BoundSocket::adopt(path.to_path_buf(), old.dev, old.ino);
+                (UnixListener::from(old.listener), bound)
+            } else {
+                bind_unix(path)?
+            };
+            eprintln!("ucrypt: now listening at {}", path.display());
+            return Ok(Role::Owner(Owner {
+                registration,
+                listener,
+                bound,
+            }));
+        }
+        if stop.requested() || Instant::now() >= deadline {
+            return Err(busy(format!(
+                "{}: no process took the shared NBD listener over",
+                path.display()
+            )));
+        }
+        std::thread::sleep(RETRY_STEP);
+    }
+}
+
+/// Serves the attached export until `stop`, as owner or member (a member may become the
+/// owner); then lets every connection finish and flushes the device.
+pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
+    super::raise_open_files_limit(opts.connections_max);
+    let Attached {
+        path,
+        dev,
+        info,
+        role,
+    } = a;
+    let registry = Arc::new(Registry::default());
+    let export = Export {
+        dev,
+        info: info.clone(),
+    };
+    let shared = super::new_shared(vec![export], &opts, &stop, Some(registry.clone()));
+    let mut conns = Conns::new();
+    let mut next = Some(role);
+    while let Some(r) = next.take() {
+        match r {
+            Role::Owner(o) => run_owner(o, &shared, &registry, &mut conns),
+            Role::Member(m) => {
+                let Some(m) = run_member(m, &shared, &mut conns) else {
+                    break;
+                };
+                match takeover(&path, &info, m, &stop) {
+                    Ok(r) => next = Some(r),
+                    Err(e) => {
+                        eprintln!("ucrypt: {e}: serving the connections established");
+                        while !stop.requested() {
+                            std::thread::sleep(Duration::from_millis(POLL_MS as u64));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    super::finish_conns(&shared, conns.into_threads())
+}

@@ -1,0 +1,285 @@
+//! Shared sockets in one process (each export served from its own thread, as each daemon
+//! would be from its own process): the owner lists and negotiates every export, a member's
+//! clients are passed to it and read and write its device only, a name served already is
+//! refused, a member that leaves leaves the list, and when the owner leaves a member takes
+//! the socket over with PATH kept until the last one goes.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ucrypt::backend::Backend;
+use ucrypt::{BlockDev, Stop};
+
+use super::{attach, serve};
+use crate::client::{ClientOptions, NbdBackend, NbdUri};
+use crate::proto::{IHAVEOPT, OPT_ABORT, OPT_LIST, REP_ACK, REP_SERVER};
+use crate::server::ServerOptions;
+
+const SIZE: u64 = 1 << 20;
+/// How long a takeover or a departure may take to show.
+const SETTLE: Duration = Duration::from_secs(10);
+
+struct MemDev(Mutex<Vec<u8>>);
+
+impl BlockDev for MemDev {
+    fn size(&self) -> u64 {
+        SIZE
+    }
+    fn block_size(&self) -> u32 {
+        512
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
+        let d = self.0.lock().unwrap();
+        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> ucrypt::Result<()> {
+        self.0.lock().unwrap()[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+    fn flush(&self) -> ucrypt::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, _offset: u64, _len: u64) -> ucrypt::Result<()> {
+        Ok(())
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> ucrypt::Result<()> {
+        self.0.lock().unwrap()[offset as usize..(offset + len) as usize].fill(0);
+        Ok(())
+    }
+}
+
+fn mem() -> Arc<MemDev> {
+    Arc::new(MemDev(Mutex::new(vec![0; SIZE as usize])))
+}
+
+fn opts() -> ServerOptions {
+    ServerOptions {
+        read_only: false,
+        tls: None,
+        insecure_plaintext: false,
+        pid_file: None,
+        announce: false,
+        poll: Duration::ZERO,
+        poll_backoff: true,
+        workers: 2,
+        idle_timeout: Duration::from_secs(10),
+        connections_max: 16,
+    }
+}
+
+/// An export served from its own thread until [`Running::stop`].
+struct Running {
+    stop: Stop,
+    thread: Option<JoinHandle<crate::Result<()>>>,
+}
+
+impl Running {
+    fn stop(mut self) {
+        self.stop.request();
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap().unwrap();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.request();
+    }
+}
+
+/// Attaches `name` at `path` and serves it; `owner` says which role it must have taken.
+fn start(path: &Path, name: &str, dev: &Arc<MemDev>, owner: bool) -> Running {
+    let dev: Arc<dyn BlockDev> = dev.clone();
+    let a = attach(path, name, dev, false).unwrap();
+    assert_eq!(a.owner(), owner, "{name}: owner");
+    let stop = Stop::new();
+    let s2 = stop.clone();
+    let thread = std::thread::spawn(move || serve(a, opts(), s2));
+    Running {
+        stop,
+        thread: Some(thread),
+    }
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("ucrypt-share-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The export names the server at `path` lists (`NBD_OPT_LIST`), sorted.
+fn list(path: &Path) -> Vec<String> {
+    let mut s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(SETTLE)).unwrap();
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).unwrap();
+    s.write_all(&3u32.to_be_bytes()).unwrap();
+    let option = |s: &mut UnixStream, code: u32| {
+        let mut o = IHAVEOPT.to_be_bytes().to_vec();
+        o.extend_from_slice(&code.to_be_bytes());
+        o.extend_from_slice(&0u32.to_be_bytes());
+        s.write_all(&o).unwrap();
+    };
+    option(&mut s, OPT_LIST);
+    let mut names = Vec::new();
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).unwrap();
+        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut d = vec![0u8; len];
+        s.read_exact(&mut d).unwrap();
+        match kind {
+            REP_SERVER => {
+                let n = u32::from_be_bytes(d[..4].try_into().unwrap()) as usize;
+                names.push(String::from_utf8(d[4..4 + n].to_vec()).unwrap());
+            }
+            REP_ACK => break,
+            k => panic!("LIST reply {k:#x}"),
+        }
+    }
+    option(&mut s, OPT_ABORT);
+    names.sort();
+    names
+}
+
+/// Waits until the listing at `path` is `want`.
+fn list_becomes(path: &Path, want: &[&str]) {
+    let t0 = Instant::now();
+    loop {
+        let got = list(path);
+        if got == want {
+            return;
+        }
+        assert!(t0.elapsed() < SETTLE, "listed {got:?}, want {want:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn client(path: &Path, name: &str) -> NbdBackend {
+    let uri = NbdUri::parse(&format!("nbd+unix:///{name}?socket={}", path.display())).unwrap();
+    let o = ClientOptions {
+        connections: 1,
+        ..ClientOptions::default()
+    };
+    NbdBackend::connect(&uri, &o).unwrap()
+}
+
+/// Writes `byte` over 64 KiB at `offset` of export `name` and reads it back, through the
+/// socket; the device itself must hold it.
+fn write_read(path: &Path, name: &str, dev: &MemDev, offset: u64, byte: u8) {
+    let c = client(path, name);
+    let data = vec![byte; 65536];
+    c.write_at(&data, offset).unwrap();
+    c.flush().unwrap();
+    let mut back = vec![0u8; 65536];
+    assert_eq!(c.read_at(&mut back, offset).unwrap(), back.len());
+    assert_eq!(back, data, "{name}: read back");
+    let d = dev.0.lock().unwrap();
+    assert_eq!(
+        &d[offset as usize..offset as usize + 65536],
+        &data[..],
+        "{name}: device"
+    );
+}
+
+#[test]
+fn two_exports_on_one_socket_each_served_by_its_own_server() {
+    let dir = Dir::new("two");
+    let path = dir.0.join("nbd.sock");
+    let (da, db) = (mem(), mem());
+    let a = start(&path, "a", &da, true);
+    let b = start(&path, "b", &db, false);
+    list_becomes(&path, &["a", "b"]);
+    write_read(&path, "a", &da, 0, 0xa1);
+    write_read(&path, "b", &db, 131072, 0xb2);
+    // Each write reached its own device only.
+    assert_eq!(da.0.lock().unwrap()[131072], 0);
+    assert_eq!(db.0.lock().unwrap()[0], 0);
+
+    // A name served already is refused, whichever process serves it; nothing changes.
+    for name in ["a", "b"] {
+        let e = match attach(&path, name, mem(), false) {
+            Ok(_) => panic!("{name}: a second export of that name was taken"),
+            Err(e) => e,
+        };
+        assert!(super::is_busy(&e), "{name}: {e}");
+        assert!(e.to_string().contains("is served there already"), "{e}");
+    }
+    list_becomes(&path, &["a", "b"]);
+
+    // A member that leaves leaves the list; the owner serves on.
+    b.stop();
+    list_becomes(&path, &["a"]);
+    write_read(&path, "a", &da, 262144, 0xa3);
+    a.stop();
+    assert!(!path.exists(), "the socket outlived its last server");
+}
+
+#[test]
+fn a_member_takes_the_socket_over_when_the_owner_leaves() {
+    let dir = Dir::new("takeover");
+    let path = dir.0.join("nbd.sock");
+    let (da, db, dc) = (mem(), mem(), mem());
+    let a = start(&path, "a", &da, true);
+    let b = start(&path, "b", &db, false);
+    let c = start(&path, "c", &dc, false);
+    list_becomes(&path, &["a", "b", "c"]);
+    // A client of b connected before the owner leaves keeps being served after.
+    let early = client(&path, "b");
+    a.stop();
+    assert!(
+        path.exists(),
+        "the owner removed a socket its members serve"
+    );
+    list_becomes(&path, &["b", "c"]);
+    write_read(&path, "b", &db, 0, 0xb1);
+    write_read(&path, "c", &dc, 0, 0xc1);
+    let mut back = vec![0u8; 4096];
+    early.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, vec![0xb1; 4096]);
+    drop(early);
+    // A newcomer joins the new owner.
+    let d = start(&path, "a", &da, false);
+    list_becomes(&path, &["a", "b", "c"]);
+    write_read(&path, "a", &da, 0, 0xa2);
+    for r in [b, c, d] {
+        r.stop();
+    }
+    assert!(!path.exists(), "the socket outlived its last server");
+}
+
+#[test]
+fn a_live_socket_that_is_no_shared_listener_is_refused() {
+    let dir = Dir::new("foreign");
+    let path = dir.0.join("nbd.sock");
+    let _other = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let t0 = Instant::now();
+    let e = match attach(&path, "a", mem(), false) {
+        Ok(_) => panic!("attached to another server's socket"),
+        Err(e) => e,
+    };
+    assert!(super::is_busy(&e), "{e}");
+    assert!(e.to_string().contains("live server"), "{e}");
+    assert!(t0.elapsed() < SETTLE);
+}
