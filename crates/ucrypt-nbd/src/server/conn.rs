@@ -20,7 +20,7 @@ use super::budget::{Budget, Charge, ConnBudget};
 use super::buf::{IoBuf, Spares};
 use super::queue::{Pushed, Queue};
 use super::sock::Sock;
-use super::{tls, Activity, Export, Shared};
+use super::{tls, Activity, Entry, Export, Shared};
 use ucrypt::sync::{lock, SpinGovernor};
 
 /// Requests parsed but not yet picked up by a worker; beyond this the reader stops reading
@@ -131,15 +131,6 @@ impl Read for RequestStream {
 
 fn net(context: &str, e: io::Error) -> Error {
     Error::io(context.to_string(), e)
-}
-
-/// Where a connection starts.
-pub(crate) enum Entry {
-    /// A new client: the handshake first.
-    Handshake,
-    /// A client whose handshake another process ran (a shared socket's owner): the
-    /// transmission phase of this export.
-    Transmit(usize),
 }
 
 /// The export a handshake chose.

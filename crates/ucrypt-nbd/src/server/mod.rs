@@ -60,6 +60,15 @@ pub use sock::Sock;
 pub use tls::{load_tls_config, TlsFiles};
 pub use unix_socket::{bind_unix, BoundSocket};
 
+/// Where a connection starts.
+pub(crate) enum Entry {
+    /// A new client: the handshake first.
+    Handshake,
+    /// A client whose handshake another process ran (a shared socket's owner): the
+    /// transmission phase of this export.
+    Transmit(usize),
+}
+
 /// Simultaneous connections by default ([`ServerOptions::connections_max`]); more take an
 /// idle one's slot or are closed at once. A connection holds request buffers only while it
 /// has requests, from the server's one budget (`budget::SERVER_BYTES_MAX` in use plus
@@ -529,7 +538,7 @@ impl Conns {
 
     /// Gives `sock` a slot ([`ServerOptions::connections_max`] at once) and a thread that
     /// starts it at `entry`.
-    pub(crate) fn admit(&mut self, shared: &Arc<Shared>, sock: Sock, entry: conn::Entry) {
+    pub(crate) fn admit(&mut self, shared: &Arc<Shared>, sock: Sock, entry: Entry) {
         self.threads.retain(|t| !t.is_finished());
         if !make_room(shared) {
             return;
@@ -549,7 +558,7 @@ impl Conns {
                 return;
             }
         }
-        let handshake = matches!(entry, conn::Entry::Handshake);
+        let handshake = matches!(entry, Entry::Handshake);
         if handshake {
             shared.handshakes.fetch_add(1, Ordering::AcqRel);
         }
@@ -605,7 +614,7 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>, conns: &mut Conns) {
             }),
         };
         match sock {
-            Ok(s) => conns.admit(shared, s, conn::Entry::Handshake),
+            Ok(s) => conns.admit(shared, s, Entry::Handshake),
             Err(e) => {
                 eprintln!("ucrypt: accept: {e}");
                 std::thread::sleep(Duration::from_millis(10));

@@ -44,9 +44,9 @@ use std::time::{Duration, Instant};
 use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};
 
-use super::conn::Entry;
 use super::fdpass;
 use super::unix_socket::{bind_unix, BoundSocket};
+use super::Entry;
 use super::{Conns, Export, Listener, ServerOptions, Sock};
 use crate::proto::ExportInfo;
 use crate::{Error, Result};
