@@ -332,7 +332,6 @@ fn integrity_key_size_as_cryptsetup_2_8() {
             "pbkdf2",
             "--pbkdf-force-iterations",
             "1000",
-            "--key-file",
         ];
         a.extend(extra);
         a
@@ -356,7 +355,7 @@ fn integrity_key_size_as_cryptsetup_2_8() {
     ] {
         fresh(&img);
         let mut a: Vec<&str> = format_cmd(integrity, cipher, &["--integrity-key-size", bits]);
-        a.extend([s(&key), s(&img)]);
+        a.extend(["--key-file", s(&key), s(&img)]);
         let o = ucrypt(&a);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{integrity} {bits}: {err}");
@@ -376,7 +375,7 @@ fn integrity_key_size_as_cryptsetup_2_8() {
         &["-s", "512", "--integrity-key-size", "792"],
     );
     a.retain(|x| *x != "--integrity-no-wipe");
-    a.extend([s(&key), s(&img)]);
+    a.extend(["--key-file", s(&key), s(&img)]);
     ok(&a);
     let dump = String::from_utf8_lossy(&ok(&["luksDump", s(&img)]).stdout).into_owned();
     assert!(
