@@ -1,7 +1,8 @@
 //! The `ucrypt` command with LUKS2 volumes with integrity, on the host (no kernel needed):
 //! `format --integrity` with and without the wipe, `import` / `export`, a block never written
 //! failing authentication in `export` and over NBD (NBD_EIO, seen by qemu-io as EIO) with one
-//! log line, and a superblock flagged as recalculating refused.
+//! log line, and a superblock flagged as recalculating refused; cryptsetup 2.8's
+//! `--integrity-key-size`: what it records, shows and refuses.
 
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -292,5 +293,135 @@ fn poly1305_volume_through_the_command() {
         err.contains("integrity error: block at data sector 100"),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `format --integrity hmac-* --integrity-key-size BITS` as cryptsetup 2.8 takes it: the volume
+/// key is the cipher's key then the HMAC key, the segment records the HMAC key's bytes
+/// (`integrity.key_size`, after the journal fields, as cryptsetup writes it), `luksDump` shows
+/// `integrity key size: BITS [bits]`, and the volume round-trips. Refused as cryptsetup
+/// refuses it (exit 1, its messages, nothing written): not a multiple of 8 bits, 0, under
+/// 128 bits, or on an AEAD. Without `--integrity` the option changes nothing.
+#[test]
+fn integrity_key_size_as_cryptsetup_2_8() {
+    let dir = std::env::temp_dir().join(format!("ucrypt-integrity-keysize-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let key = dir.join("key");
+    std::fs::write(&key, b"integrity passphrase").expect("key");
+    let img = dir.join("vol.img");
+    let fresh = |img: &Path| {
+        let _ = std::fs::remove_file(img);
+        std::fs::File::create(img)
+            .and_then(|f| f.set_len(IMAGE_BYTES))
+            .expect("image");
+    };
+    let format_cmd = |integrity: &'static str, cipher: &'static str, extra: &[&'static str]| {
+        let mut a = vec![
+            "luksFormat",
+            "-q",
+            "--type",
+            "luks2",
+            "-c",
+            cipher,
+            "--integrity",
+            integrity,
+            "--integrity-no-wipe",
+            "--sector-size",
+            "512",
+            "--pbkdf",
+            "pbkdf2",
+            "--pbkdf-force-iterations",
+            "1000",
+        ];
+        a.extend(extra);
+        a
+    };
+    for (integrity, cipher, bits, want) in [
+        ("hmac-sha256", "aes-xts-plain64", "260", "Key size must be a multiple of 8 bits"),
+        ("hmac-sha256", "aes-xts-plain64", "0", ""),
+        ("hmac-sha256", "aes-xts-plain64", "120", "Integrity key size is too small."),
+        (
+            "aead",
+            "aes-gcm-random",
+            "256",
+            "No known integrity specification pattern detected.\nCannot use specified integrity key size.",
+        ),
+        (
+            "poly1305",
+            "chacha20-random",
+            "256",
+            "Cannot use specified integrity key size.",
+        ),
+    ] {
+        fresh(&img);
+        let mut a: Vec<&str> = format_cmd(integrity, cipher, &["--integrity-key-size", bits]);
+        a.extend(["--key-file", s(&key), s(&img)]);
+        let o = ucrypt(&a);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{integrity} {bits}: {err}");
+        assert!(err.contains(want), "{integrity} {bits}: {err}");
+        let written = std::fs::read(&img).expect("image");
+        assert!(
+            written.iter().all(|&b| b == 0),
+            "{integrity} {bits}: refused, yet written"
+        );
+    }
+
+    // 792 bits for hmac-sha512 (a line of cryptsetup 2.8's luks2-integrity-test).
+    fresh(&img);
+    let mut a: Vec<&str> = format_cmd(
+        "hmac-sha512",
+        "aes-xts-plain64",
+        &["-s", "512", "--integrity-key-size", "792"],
+    );
+    a.retain(|x| *x != "--integrity-no-wipe");
+    a.extend(["--key-file", s(&key), s(&img)]);
+    ok(&a);
+    let dump = String::from_utf8_lossy(&ok(&["luksDump", s(&img)]).stdout).into_owned();
+    assert!(
+        dump.contains("\tintegrity: hmac(sha512)\n\tintegrity key size: 792 [bits]\n"),
+        "{dump}"
+    );
+    assert!(dump.contains("\tKey:        1304 bits\n"), "{dump}");
+    let json = String::from_utf8_lossy(&ok(&["luksDump", "--dump-json-metadata", s(&img)]).stdout)
+        .into_owned();
+    let compact: String = json.split_whitespace().collect();
+    assert!(
+        compact.contains(r#""integrity":{"type":"hmac(sha512)","journal_encryption":"none","journal_integrity":"none","key_size":99}"#),
+        "{json}"
+    );
+    let plain: Vec<u8> = (0..PLAIN_BYTES).map(|i| (i * 13 + i / 512) as u8).collect();
+    let plain_path = dir.join("plain.bin");
+    std::fs::write(&plain_path, &plain).expect("plain");
+    ok(&["import", s(&plain_path), s(&img), "--key-file", s(&key)]);
+    let out = dir.join("out.bin");
+    ok(&["export", s(&img), s(&out), "--key-file", s(&key)]);
+    let got = std::fs::read(&out).expect("export");
+    assert!(
+        got[..PLAIN_BYTES] == plain[..],
+        "export differs from import"
+    );
+    assert!(
+        got[PLAIN_BYTES..].iter().all(|&b| b == 0),
+        "the wipe reads as zeroes"
+    );
+
+    // Without --integrity the option changes nothing (cryptsetup reads it only with one).
+    fresh(&img);
+    ok(&[
+        "luksFormat",
+        "-q",
+        "--integrity-key-size",
+        "264",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        s(&key),
+        s(&img),
+    ]);
+    let dump = String::from_utf8_lossy(&ok(&["luksDump", s(&img)]).stdout).into_owned();
+    assert!(!dump.contains("integrity"), "{dump}");
     let _ = std::fs::remove_dir_all(&dir);
 }

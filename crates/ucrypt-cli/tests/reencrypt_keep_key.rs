@@ -3,7 +3,14 @@
 //! digest covers the old and the new segments, and the keyslot that opened it stays). Both
 //! tools' `--init-only` and finished metadata alike, the plaintext intact, the volume key the
 //! same before and after; a run of one tool killed partway is repaired and finished by the
-//! other; `--keep-key` that changes nothing is refused by both.
+//! other; `--keep-key` that changes nothing is refused by both. `--key-size` beside
+//! `--keep-key` is ignored by both when the cipher changes (the kept key is the new
+//! segment's), and a new cipher that cannot take the kept key is refused by both with
+//! cryptsetup's words. `--reduce-device-size` with `--keep-key` and no new cipher or sector
+//! size is refused by both as a change of nothing; with one, cryptsetup moves the data while
+//! it reencrypts, which ucrypt refuses by name (not built). `--keep-key --key-size` alone:
+//! ucrypt refuses it as cryptsetup 2.8 does, while 2.6.1 starts a reencryption that
+//! changes nothing (pinned here, so that a change of either shows).
 //!
 //! Needs `cryptsetup` (Debian package cryptsetup-bin); SKIPPED without it.
 
@@ -35,6 +42,10 @@ fn volume_key(vol: &Vol) -> String {
 const CHANGES: &[(&str, &[&str])] = &[
     ("sector size 512 to 4096", &["--sector-size", "4096"]),
     ("cipher to aes-xts-plain", &["--cipher", "aes-xts-plain"]),
+    (
+        "cipher to aes-xts-plain, --key-size 256 ignored",
+        &["--cipher", "aes-xts-plain", "--key-size", "256"],
+    ),
 ];
 
 #[test]
@@ -138,4 +149,106 @@ fn keep_key_that_changes_nothing_is_refused_by_both() {
         );
         assert!(v.raw() == before, "{tool:?}: written");
     }
+}
+
+/// Refusals both tools make before writing anything, with cryptsetup's words and exit code.
+#[test]
+fn keep_key_refusals_as_cryptsetup() {
+    if !cs::require() {
+        return;
+    }
+    let t = TempDir::new("keep-key-refused");
+    let vol = Rotate.volume(&t, VOLUME_MIB, 512);
+    const NOTHING: &str = "No data segment parameters changed. Reencryption aborted.";
+    let cases: &[(&[&str], &str)] = &[
+        (&["--keep-key", "--reduce-device-size", "4M"], NOTHING),
+        (&["--keep-key", "--key-size", "512"], NOTHING),
+        (
+            &["--keep-key", "--cipher", "aes-cbc-essiv:sha256"],
+            "Unable to use cipher specification aes-cbc-essiv:sha256 for LUKS2.",
+        ),
+        (
+            &[
+                "--keep-key",
+                "--cipher",
+                "aes-cbc-essiv:sha256",
+                "--key-size",
+                "256",
+            ],
+            "Unable to use cipher specification aes-cbc-essiv:sha256 for LUKS2.",
+        ),
+    ];
+    for (args, want) in cases {
+        for tool in [Cryptsetup, Ucrypt] {
+            let v = vol.copy(&t, &format!("{tool:?}"));
+            let before = v.raw();
+            let o = run(tool.prog(), &v.reencrypt(tool, args));
+            let how = format!("{tool:?} {args:?}");
+            assert_eq!(o.status.code(), Some(1), "{how}: {}", text(&o));
+            assert!(text(&o).contains(want), "{how}: {}", text(&o));
+            assert!(v.raw() == before, "{how}: written");
+        }
+    }
+}
+
+/// Where the tools part: `--keep-key --key-size` with nothing else changed (cryptsetup 2.6.1
+/// starts a reencryption whose new segment is the old one; ucrypt refuses as 2.8 does), and
+/// `--keep-key` with a new cipher and `--reduce-device-size` (cryptsetup moves the data up
+/// by the reduction while it reencrypts; ucrypt refuses it by name, nothing written).
+#[test]
+fn keep_key_where_cryptsetup_2_6_differs() {
+    if !cs::require() {
+        return;
+    }
+    let t = TempDir::new("keep-key-differs");
+    let vol = Rotate.volume(&t, VOLUME_MIB, 512);
+    let key_size: &[&str] = &["--keep-key", "--key-size", "256", "--init-only"];
+    let v = vol.copy(&t, "cs-key-size");
+    ok(Cryptsetup.prog(), &v.reencrypt(Cryptsetup, key_size));
+    let j = json_raw(v.meta()).expect("cryptsetup's metadata");
+    let (old, new) = (&j["segments"]["1"], &j["segments"]["2"]);
+    for field in ["offset", "encryption", "sector_size"] {
+        assert_eq!(old[field], new[field], "cryptsetup 2.6.1: {field} changed");
+    }
+    let v = vol.copy(&t, "ucrypt-key-size");
+    let before = v.raw();
+    let o = run(Ucrypt.prog(), &v.reencrypt(Ucrypt, key_size));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("No data segment parameters changed. Reencryption aborted."),
+        "{}",
+        text(&o)
+    );
+    assert!(v.raw() == before, "ucrypt wrote");
+
+    let shift: &[&str] = &[
+        "--keep-key",
+        "--cipher",
+        "aes-xts-plain",
+        "--reduce-device-size",
+        "4M",
+        "--init-only",
+    ];
+    let v = vol.copy(&t, "cs-shift");
+    ok(Cryptsetup.prog(), &v.reencrypt(Cryptsetup, shift));
+    let j = json_raw(v.meta()).expect("cryptsetup's metadata");
+    let final_offset: u64 = j["segments"]["2"]["offset"]
+        .as_str()
+        .and_then(|o| o.parse().ok())
+        .expect("backup-final's offset");
+    assert_eq!(
+        final_offset,
+        DATA_OFFSET + (4 << 20),
+        "cryptsetup moves the data"
+    );
+    let v = vol.copy(&t, "ucrypt-shift");
+    let before = v.raw();
+    let o = run(Ucrypt.prog(), &v.reencrypt(Ucrypt, shift));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("--reduce-device-size without --encrypt"),
+        "{}",
+        text(&o)
+    );
+    assert!(v.raw() == before, "ucrypt wrote");
 }

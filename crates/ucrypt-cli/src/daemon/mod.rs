@@ -305,6 +305,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                     // key's size, then the integrity type and its key's size.
                     let integ = seg.integrity.as_ref().map(|i| i.kind.clone());
                     let integ = integ.unwrap_or_default();
+                    let recorded = seg.integrity.as_ref().and_then(|i| i.key_size);
                     let total_bits = h
                         .meta()
                         .keyslots
@@ -312,8 +313,16 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                         .find(|k| k.kind == KeyslotKind::Luks2)
                         .map(|k| k.key_size * 8)
                         .unwrap_or(0);
+                    // The HMAC key: the segment's recorded size (cryptsetup 2.8's
+                    // --integrity-key-size) or the hash's output size.
                     let mac_bits = ucrypt::format::IntegrityKind::from_name(&integ)
-                        .map_or(0, |k| k.mac_key_bytes() as u32 * 8);
+                        .filter(|k| k.mac_key_bytes() > 0)
+                        .map_or(0, |k| {
+                            recorded
+                                .filter(|&b| b > 0)
+                                .unwrap_or(k.mac_key_bytes() as u32)
+                                * 8
+                        });
                     info.kind = "LUKS2".into();
                     info.cipher = seg.encryption.clone().unwrap_or_default();
                     info.key_bits = total_bits.saturating_sub(mac_bits);

@@ -162,6 +162,12 @@ pub struct LuksOpts {
     /// cipher's key; the MAC key is added to the volume key, as cryptsetup does.
     #[arg(long, short = 'I', value_name = "TYPE")]
     pub integrity: Option<String>,
+    /// format --integrity hmac-*: the HMAC key's size in bits (a multiple of 8, at least 128;
+    /// default: the hash's output size), as cryptsetup 2.8's option: the volume key is the
+    /// cipher's key then this many bits, and the segment records the size. Ignored without
+    /// --integrity, as cryptsetup ignores it.
+    #[arg(long, value_name = "BITS", value_parser = keyslot_area::keyslot_key_bits)]
+    pub integrity_key_size: Option<u32>,
     /// format --integrity: accepted, as cryptsetup's format takes it (the wipe is written
     /// without the journal either way, as cryptsetup wipes; nothing is recorded in the header).
     #[arg(long)]
@@ -733,9 +739,15 @@ fn format(device: &Target, pos_key_file: Option<&str>, o: &LuksOpts) -> Result<i
 /// (cryptsetup's default cipher when none is given).
 fn integrity_choice(o: &LuksOpts, t: &str) -> Result<Integrity> {
     let kind = IntegrityKind::from_name(t).ok_or_else(|| {
+        // cryptsetup's messages, then what ucrypt takes.
+        let size = if o.integrity_key_size.is_some() {
+            "\nCannot use specified integrity key size."
+        } else {
+            ""
+        };
         Error::InvalidArgument(format!(
-            "--integrity {t}: ucrypt supports aead, poly1305, hmac-sha1, hmac-sha256 and \
-             hmac-sha512"
+            "No known integrity specification pattern detected.{size}\n--integrity {t}: ucrypt \
+             supports aead, poly1305, hmac-sha1, hmac-sha256 and hmac-sha512"
         ))
     })?;
     let encryption = o
@@ -746,6 +758,7 @@ fn integrity_choice(o: &LuksOpts, t: &str) -> Result<Integrity> {
         kind,
         encryption,
         legacy_padding: o.integrity_legacy_padding,
+        mac_key_bits: o.integrity_key_size,
     })
 }
 

@@ -117,6 +117,20 @@ fn not_built(what: &str) -> Error {
 
 /// Refuses what is not built, naming it.
 fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> {
+    if r.reduce_device_size.is_some() && r.keep_key {
+        // cryptsetup asks a --keep-key reencryption for a new cipher or sector size before
+        // anything else; moving the data is no change of the segment's parameters.
+        let change = segment_change(o, hdr)?;
+        let old_sector = match hdr {
+            Header::Luks2(h) => h.meta().crypt_segment().ok().map(|s| s.sector_size),
+            Header::Luks1(_) => None,
+        };
+        if change.cipher.is_none() && change.sector_size.is_none_or(|s| Some(s) == old_sector) {
+            return Err(Error::InvalidArgument(
+                reencrypt::run::KEEP_KEY_CHANGES_NOTHING.into(),
+            ));
+        }
+    }
     if r.reduce_device_size.is_some() && !r.encrypt {
         return Err(not_built(
             "--reduce-device-size without --encrypt (ucrypt moves the data only to encrypt \

@@ -37,10 +37,23 @@ pub fn open_loop(img: &Path, key: &Path, name: &str, extra: &[&str]) -> Output {
 /// fetched once (`scripts/fetch-cryptsetup-tests.sh`) into the temp dir, under a lock so that
 /// tests running at once fetch it once. `Err` says why it cannot be had (the caller SKIPs).
 pub fn cryptsetup_tests() -> Result<PathBuf, String> {
-    if let Ok(d) = std::env::var("UCRYPT_CRYPTSETUP_TESTS") {
+    cryptsetup_tests_of("bookworm")
+}
+
+/// As [`cryptsetup_tests`], from Debian `suite`'s source package ("bookworm": 2.6.1, "sid":
+/// 2.8.x); `UCRYPT_CRYPTSETUP_TESTS` names bookworm's, `UCRYPT_CRYPTSETUP_TESTS_SID` sid's.
+pub fn cryptsetup_tests_of(suite: &str) -> Result<PathBuf, String> {
+    let var = match suite {
+        "bookworm" => "UCRYPT_CRYPTSETUP_TESTS".to_string(),
+        s => format!("UCRYPT_CRYPTSETUP_TESTS_{}", s.to_uppercase()),
+    };
+    if let Ok(d) = std::env::var(&var) {
         return Ok(PathBuf::from(d));
     }
-    let cache = std::env::temp_dir().join("ucrypt-cryptsetup-src");
+    let cache = match suite {
+        "bookworm" => std::env::temp_dir().join("ucrypt-cryptsetup-src"),
+        s => std::env::temp_dir().join(format!("ucrypt-cryptsetup-src-{s}")),
+    };
     std::fs::create_dir_all(&cache).map_err(|e| format!("{}: {e}", cache.display()))?;
     let lock = std::fs::File::create(cache.join(".lock")).map_err(|e| e.to_string())?;
     // SAFETY: flock on a descriptor `lock` owns; no memory is passed. Released when `lock`
@@ -74,6 +87,7 @@ pub fn cryptsetup_tests() -> Result<PathBuf, String> {
     let out = Command::new("bash")
         .arg(&script)
         .arg(&cache)
+        .arg(suite)
         .output()
         .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
     if !out.status.success() {

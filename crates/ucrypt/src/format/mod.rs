@@ -102,7 +102,8 @@ impl IntegrityKind {
         }
     }
 
-    /// Bytes of the MAC key that follows the cipher's key in the volume key (0 for an AEAD).
+    /// Bytes of the MAC key that follows the cipher's key in the volume key by default (0 for
+    /// an AEAD): the hash's output size.
     pub fn mac_key_bytes(self) -> usize {
         match self {
             IntegrityKind::Aead | IntegrityKind::Poly1305 => 0,
@@ -116,6 +117,9 @@ impl IntegrityKind {
 /// The cipher cryptsetup formats an authenticated volume with when `--cipher` is not given.
 pub const INTEGRITY_DEFAULT_CIPHER: &str = "aes-xts-plain64";
 
+/// The smallest HMAC key cryptsetup formats with (`LUKS2_MIN_INTEGRITY_KEY_BYTES`).
+pub const INTEGRITY_KEY_BYTES_MIN: u32 = 16;
+
 /// Authenticated encryption (dm-crypt over dm-integrity): the segment's cipher and its
 /// integrity type.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,13 +132,44 @@ pub struct Integrity {
     /// (cryptsetup's `--integrity-legacy-padding`): each area's tags padded to 128 KiB
     /// instead of 4 KiB, superblock version 1.
     pub legacy_padding: bool,
+    /// The HMAC key's size in bits (cryptsetup 2.8's `--integrity-key-size`): recorded in the
+    /// segment (`integrity.key_size`, bytes) and used instead of the hash's output size.
+    /// `None`: the default, not recorded.
+    pub mac_key_bits: Option<u32>,
 }
 
 impl Integrity {
+    /// The MAC key's size in bytes when one was asked for, checked as cryptsetup 2.8 checks
+    /// `--integrity-key-size`: a whole number of bytes, only for an HMAC, at least
+    /// [`INTEGRITY_KEY_BYTES_MIN`].
+    pub fn mac_key_size(&self) -> Result<Option<u32>> {
+        let Some(bits) = self.mac_key_bits else {
+            return Ok(None);
+        };
+        if bits == 0 || bits % 8 != 0 {
+            return Err(Error::InvalidArgument(
+                "Key size must be a multiple of 8 bits".into(),
+            ));
+        }
+        if self.kind.mac_key_bytes() == 0 {
+            return Err(Error::InvalidArgument(
+                "No known integrity specification pattern detected.\n\
+                 Cannot use specified integrity key size."
+                    .into(),
+            ));
+        }
+        if bits / 8 < INTEGRITY_KEY_BYTES_MIN {
+            return Err(Error::InvalidArgument(
+                "Integrity key size is too small.".into(),
+            ));
+        }
+        Ok(Some(bits / 8))
+    }
+
     /// The volume key's length for a cipher key of `key_bits`: the cipher's key, then the MAC
-    /// key, as cryptsetup lays it out. The default cipher key is cryptsetup's: 512 bits for an
-    /// `xts-` mode, 256 for the others. Refuses a cipher, type or key size the integrity layer
-    /// cannot serve.
+    /// key (the hash's output size, or [`Integrity::mac_key_bits`]), as cryptsetup lays it out.
+    /// The default cipher key is cryptsetup's: 512 bits for an `xts-` mode, 256 for the others.
+    /// Refuses a cipher, type or key size the integrity layer cannot serve.
     pub fn key_bytes(&self, key_bits: Option<u32>) -> Result<usize> {
         let xts = self
             .encryption
@@ -147,8 +182,14 @@ impl Integrity {
                 "key size {bits} bits is not a multiple of 8"
             )));
         }
-        let key_bytes = bits as usize / 8 + self.kind.mac_key_bytes();
-        TagMode::from_luks2(&self.encryption, self.kind.luks2_name(), key_bytes)?;
+        let mac_key_bytes = self.mac_key_size()?.map(|b| b as usize);
+        let key_bytes = bits as usize / 8 + mac_key_bytes.unwrap_or(self.kind.mac_key_bytes());
+        TagMode::from_luks2_keyed(
+            &self.encryption,
+            self.kind.luks2_name(),
+            key_bytes,
+            mac_key_bytes,
+        )?;
         Ok(key_bytes)
     }
 }
@@ -399,10 +440,14 @@ fn plan_luks2(
     f.label = req.label.clone().unwrap_or_default();
     f.subsystem = req.subsystem.clone().unwrap_or_default();
     f.detached = detached;
-    f.integrity = req.integrity.as_ref().map(|i| luks2::FormatIntegrity {
-        encryption: i.encryption.clone(),
-        kind: i.kind.luks2_name().into(),
-    });
+    f.integrity = match &req.integrity {
+        Some(i) => Some(luks2::FormatIntegrity {
+            encryption: i.encryption.clone(),
+            kind: i.kind.luks2_name().into(),
+            key_size: i.mac_key_size()?,
+        }),
+        None => None,
+    };
     if let Some(h) = req.luks2_metadata_bytes {
         f.hdr_size = h;
     }
@@ -547,10 +592,11 @@ fn plan_integrity(
         .integrity
         .as_ref()
         .ok_or(Error::Bug("formatted segment has no integrity"))?;
-    let mode = TagMode::from_luks2(
+    let mode = TagMode::from_luks2_keyed(
         seg.encryption.as_deref().unwrap_or(""),
         &integ.kind,
         vk.bytes().len(),
+        integ.key_size.map(|b| b as usize),
     )?;
     let tag_bytes = u16::try_from(mode.tuple_bytes()).map_err(|_| Error::Bug("tag size"))?;
     let layout = integrity::new_superblock(

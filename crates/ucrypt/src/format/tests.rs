@@ -118,6 +118,7 @@ fn requests_that_cannot_be_made_are_refused_before_anything_is_written() {
         kind: IntegrityKind::Aead,
         encryption: "aes-gcm-random".into(),
         legacy_padding: false,
+        mac_key_bits: None,
     });
     assert!(req.check().is_err());
     // A key of the wrong length for the request.
@@ -131,6 +132,7 @@ fn integrity_keys_are_the_ciphers_then_the_macs() {
         kind: IntegrityKind::from_name("hmac-sha256").unwrap(),
         encryption: "aes-xts-random".into(),
         legacy_padding: false,
+        mac_key_bits: None,
     };
     assert_eq!(hmac.kind, IntegrityKind::HmacSha256);
     assert_eq!(hmac.kind.luks2_name(), "hmac(sha256)");
@@ -143,6 +145,7 @@ fn integrity_keys_are_the_ciphers_then_the_macs() {
         kind: IntegrityKind::Aead,
         encryption: "aes-gcm-random".into(),
         legacy_padding: false,
+        mac_key_bits: None,
     };
     assert_eq!(gcm.key_bytes(None).unwrap(), 32);
     assert_eq!(
@@ -180,6 +183,7 @@ fn an_authenticated_volume_not_wiped_fails_authentication_until_written() {
         kind: IntegrityKind::HmacSha256,
         encryption: "aes-xts-random".into(),
         legacy_padding: false,
+        mac_key_bits: None,
     });
     let dev: Arc<dyn Backend> = Arc::new(MemBackend::new(req.data_bytes));
     let p = planned(&req).unwrap();
@@ -221,4 +225,84 @@ fn an_authenticated_volume_not_wiped_fails_authentication_until_written() {
     // A plan without an integrity part has nothing to write there.
     let plain = planned(&request(LuksVersion::Luks2)).unwrap();
     assert!(write_integrity(dev, &plain, IntegrityWipe::Zeroes, &mut |_, _| {}).is_err());
+}
+
+/// cryptsetup 2.8's `--integrity-key-size`: the MAC key's size follows the cipher's key in the
+/// volume key, is written to the segment in bytes (only when asked for), and the volume opens
+/// and authenticates with it; refused as cryptsetup refuses it.
+#[test]
+fn an_integrity_key_size_is_recorded_and_used() {
+    let integrity = |kind, bits| Integrity {
+        kind,
+        encryption: "aes-xts-plain64".into(),
+        legacy_padding: false,
+        mac_key_bits: bits,
+    };
+    let i = integrity(IntegrityKind::HmacSha256, Some(264));
+    assert_eq!(i.key_bytes(Some(512)).unwrap(), 64 + 33);
+    assert_eq!(i.key_bytes(None).unwrap(), 64 + 33);
+    for (kind, bits, why) in [
+        (IntegrityKind::HmacSha256, Some(120), "too small"),
+        (IntegrityKind::HmacSha256, Some(260), "multiple of 8"),
+        (IntegrityKind::HmacSha256, Some(0), "multiple of 8"),
+    ] {
+        let e = integrity(kind, bits)
+            .key_bytes(None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(why), "{bits:?}: {e}");
+    }
+    let aead = Integrity {
+        encryption: "aes-gcm-random".into(),
+        ..integrity(IntegrityKind::Aead, Some(256))
+    };
+    let e = aead.key_bytes(None).unwrap_err().to_string();
+    assert!(
+        e.contains("Cannot use specified integrity key size."),
+        "{e}"
+    );
+    // 128 bits is the smallest taken.
+    assert_eq!(
+        integrity(IntegrityKind::HmacSha512, Some(128))
+            .key_bytes(Some(256))
+            .unwrap(),
+        32 + 16
+    );
+
+    let mut req = request(LuksVersion::Luks2);
+    req.integrity = Some(i);
+    req.key_bits = Some(512);
+    let dev: Arc<dyn Backend> = Arc::new(MemBackend::new(req.data_bytes));
+    let p = planned(&req).unwrap();
+    let Header::Luks2(h) = &p.header else {
+        panic!("LUKS2 expected")
+    };
+    let json = serde_json::to_string(h.meta()).unwrap();
+    assert!(
+        json.contains(r#""journal_integrity":"none","key_size":33}"#),
+        "{json}"
+    );
+    write_header(dev.as_ref(), &p).unwrap();
+    write_integrity(dev.clone(), &p, IntegrityWipe::Zeroes, &mut |_, _| {}).unwrap();
+    let vol = open(OpenRequest::new(
+        dev.clone(),
+        Format::Luks(Luks::new(Unlock::Passphrase(SecretBytes::from_slice(PASS)))),
+    ))
+    .unwrap();
+    assert_eq!(vol.kind(), VolumeKind::Luks2Authenticated);
+    vol.dev().write_at(&[7u8; 4096], 8192).unwrap();
+    let mut b = vec![0u8; 4096];
+    vol.dev().read_at(&mut b, 8192).unwrap();
+    assert_eq!(b, vec![7u8; 4096]);
+    // Without --integrity-key-size nothing is recorded, as cryptsetup writes it.
+    let mut req2 = req.clone();
+    if let Some(i) = &mut req2.integrity {
+        i.mac_key_bits = None;
+    }
+    let p = planned(&req2).unwrap();
+    let Header::Luks2(h) = &p.header else {
+        panic!("LUKS2 expected")
+    };
+    let integ = h.meta().segments.get("0").and_then(|s| s.integrity.clone());
+    assert_eq!(integ.map(|i| i.key_size), Some(None));
 }

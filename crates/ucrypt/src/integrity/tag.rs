@@ -24,7 +24,9 @@
 //!   the whole authenc key (encryption key, then MAC key: dm-crypt's volume key as it is), not
 //!   of the encryption key alone as plain dm-crypt's ESSIV does. The sector is encrypted with
 //!   the IV, then the tag is `HMAC-H(mac key, le64(s) || IV || ciphertext)`. The volume key is the
-//!   encryption key followed by the MAC key (|H| bytes). Tuple |H| + 16 (random) or |H|.
+//!   encryption key followed by the MAC key: |H| bytes, or the segment's `integrity.key_size`
+//!   when it has one (cryptsetup 2.8's `--integrity-key-size`, dm-crypt's `integrity_key_size`
+//!   option). Tuple |H| + 16 (random) or |H|.
 //!
 //! Random IVs come from the operating system's CSPRNG (getrandom(2)), a fresh one for every
 //! sector written: with 96-bit nonces (GCM, ChaCha20-Poly1305) the chance of a repeat stays
@@ -67,7 +69,7 @@ pub enum HmacHash {
 }
 
 impl HmacHash {
-    pub fn bytes(self) -> usize {
+    pub const fn bytes(self) -> usize {
         match self {
             HmacHash::Sha1 => 20,
             HmacHash::Sha256 => 32,
@@ -110,13 +112,15 @@ pub enum IvSource {
 }
 
 /// `authenc(hmac(hash), mode(aes))` with `iv`: an encryption key of `enc_key_bytes` followed by
-/// the MAC key (as many bytes as the hash's output) in the volume key.
+/// the MAC key of `mac_key_bytes` (by default as many bytes as the hash's output) in the
+/// volume key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Authenc {
     pub mode: AuthencMode,
     pub iv: IvSource,
     pub hash: HmacHash,
     pub enc_key_bytes: usize,
+    pub mac_key_bytes: usize,
 }
 
 impl Authenc {
@@ -166,11 +170,25 @@ impl TagMode {
             iv: IvSource::Random,
             hash,
             enc_key_bytes: XTS_KEY_BYTES,
+            mac_key_bytes: hash.bytes(),
         })
     }
 
-    /// From the LUKS2 segment's `encryption`, `integrity.type` and the volume key length.
+    /// From the LUKS2 segment's `encryption`, `integrity.type` and the volume key length, with
+    /// an HMAC's key as long as its hash's output.
     pub fn from_luks2(encryption: &str, integrity: &str, key_bytes: usize) -> Result<Self> {
+        Self::from_luks2_keyed(encryption, integrity, key_bytes, None)
+    }
+
+    /// As [`TagMode::from_luks2`], with the segment's `integrity.key_size` (bytes of the HMAC
+    /// key at the end of the volume key) when it has one. As cryptsetup reads it, the size
+    /// means something only for an HMAC, and 0 is the hash's output size.
+    pub fn from_luks2_keyed(
+        encryption: &str,
+        integrity: &str,
+        key_bytes: usize,
+        mac_key_bytes: Option<usize>,
+    ) -> Result<Self> {
         let unsupported = |reason: String| Error::UnsupportedCipher {
             spec: format!("{encryption} + {integrity}"),
             reason,
@@ -218,12 +236,14 @@ impl TagMode {
                         ))
                     }
                 };
-                let enc_key_bytes = key_bytes.saturating_sub(hash.bytes());
+                let mac_key_bytes = mac_key_bytes.filter(|&n| n > 0).unwrap_or(hash.bytes());
+                let enc_key_bytes = key_bytes.saturating_sub(mac_key_bytes);
                 let a = Authenc {
                     mode,
                     iv,
                     hash,
                     enc_key_bytes,
+                    mac_key_bytes,
                 };
                 let ok = match mode {
                     AuthencMode::Xts => matches!(enc_key_bytes, 32 | 64),
@@ -234,7 +254,7 @@ impl TagMode {
                         "a {}-bit volume key: the cipher's key (XTS: 256 or 512 bits, CBC: 128, \
                          192 or 256) followed by a {}-bit MAC key",
                         bits(key_bytes),
-                        bits(hash.bytes())
+                        bits(mac_key_bytes)
                     )));
                 }
                 Ok(TagMode::Authenc(a))
@@ -282,7 +302,7 @@ impl TagMode {
                 CHACHA20_KEY_BYTES
             }
             TagMode::Aegis128Random => AEGIS128_KEY_BYTES,
-            TagMode::Authenc(a) => a.enc_key_bytes + a.hash.bytes(),
+            TagMode::Authenc(a) => a.enc_key_bytes + a.mac_key_bytes,
         }
     }
 }
@@ -669,7 +689,86 @@ mod tests {
             ]
             .map(|(e, i, k)| TagMode::from_luks2(e, i, k).expect("a supported mode")),
         )
+        .chain(
+            // cryptsetup 2.8's --integrity-key-size lines: MAC keys of 33 and 99 bytes.
+            [
+                ("aes-xts-plain64", "hmac(sha256)", 64 + 33, 33),
+                ("aes-xts-random", "hmac(sha512)", 64 + 99, 99),
+            ]
+            .map(|(e, i, k, m)| {
+                TagMode::from_luks2_keyed(e, i, k, Some(m)).expect("a supported mode")
+            }),
+        )
         .collect()
+    }
+
+    /// The segment's `integrity.key_size`: the MAC key's length at the end of the volume key;
+    /// 0 or none is the hash's output size; an AEAD has no separate key and ignores it, as
+    /// cryptsetup's `INTEGRITY_key_size` does.
+    #[test]
+    fn integrity_key_size_splits_the_volume_key() {
+        let m = TagMode::from_luks2_keyed("aes-xts-plain64", "hmac(sha256)", 97, Some(33)).unwrap();
+        let TagMode::Authenc(a) = m else {
+            panic!("not authenc: {m:?}")
+        };
+        assert_eq!(
+            (a.enc_key_bytes, a.mac_key_bytes, m.key_bytes()),
+            (64, 33, 97)
+        );
+        assert_eq!(m.tuple_bytes(), 32, "the tag stays the hash's size");
+        for size in [None, Some(0)] {
+            assert_eq!(
+                TagMode::from_luks2_keyed("aes-xts-plain64", "hmac(sha256)", 96, size).unwrap(),
+                TagMode::from_luks2("aes-xts-plain64", "hmac(sha256)", 96).unwrap()
+            );
+        }
+        // 97 bytes with a 32-byte MAC key leave 65 for XTS: refused.
+        assert!(TagMode::from_luks2("aes-xts-plain64", "hmac(sha256)", 97).is_err());
+        assert!(
+            TagMode::from_luks2_keyed("aes-xts-plain64", "hmac(sha256)", 96, Some(33)).is_err()
+        );
+        assert!(
+            TagMode::from_luks2_keyed("aes-xts-plain64", "hmac(sha256)", 20, Some(33)).is_err()
+        );
+        assert_eq!(
+            TagMode::from_luks2_keyed("aes-gcm-random", "aead", 32, Some(16)).unwrap(),
+            TagMode::AesGcmRandom { key_bytes: 32 }
+        );
+    }
+
+    /// A sector of `aes-xts-plain64` + `hmac(sha256)` with a 33-byte MAC key, against the
+    /// construction computed here from its parts: the data encrypted as plain dm-crypt's
+    /// aes-xts-plain64 does with the first 64 bytes of the key, the tag HMAC-SHA256 under the
+    /// last 33 bytes of `le64(sector) || IV || ciphertext`.
+    #[test]
+    fn a_separate_mac_key_is_the_end_of_the_volume_key() {
+        let key: Vec<u8> = (0..97u8)
+            .map(|i| i.wrapping_mul(7).wrapping_add(1))
+            .collect();
+        let mode =
+            TagMode::from_luks2_keyed("aes-xts-plain64", "hmac(sha256)", 97, Some(33)).unwrap();
+        let mut c = TagCipher::new(mode, &key).unwrap();
+        let sector = 9u64;
+        let plain: Vec<u8> = (0..512u32).map(|i| (i * 3) as u8).collect();
+        let mut data = plain.clone();
+        let mut tuple = vec![0u8; mode.tuple_bytes()];
+        c.seal(sector, 512, &mut data, &mut tuple).unwrap();
+        let mut want = plain.clone();
+        let mut xts = SectorCipher::new(
+            CipherSpec::AES_XTS_PLAIN64,
+            &key[..64],
+            Geometry::new(SectorSize::S512),
+        )
+        .unwrap();
+        xts.encrypt(sector, &mut want).unwrap();
+        assert_eq!(data, want, "the ciphertext: XTS under the first 64 bytes");
+        let mut iv = [0u8; 16];
+        iv[..8].copy_from_slice(&sector.to_le_bytes());
+        let mut mac = Hmac::<Sha256>::new_from_slice(&key[64..]).unwrap();
+        mac.update(&sector.to_le_bytes());
+        mac.update(&iv);
+        mac.update(&want);
+        assert_eq!(tuple, mac.finalize().into_bytes().to_vec(), "the tag");
     }
 
     #[test]

@@ -200,6 +200,10 @@ fn luks2_segments(o: &mut String, h: &Luks2Header) -> fmt::Result {
         }
         if let Some(i) = &s.integrity {
             writeln!(o, "\tintegrity: {}", i.kind)?;
+            // cryptsetup 2.8 prints the recorded HMAC key size (bytes in the JSON) in bits.
+            if let Some(k) = i.key_size {
+                writeln!(o, "\tintegrity key size: {} [bits]", u64::from(k) * 8)?;
+            }
         }
         // Reencryption marks its hotzone and backup segments.
         if let Some(f) = s.flags.as_ref().filter(|f| !f.is_empty()) {

@@ -281,7 +281,12 @@ pub struct SegmentIntegrity {
     pub kind: String,
     pub journal_encryption: String,
     pub journal_integrity: String,
-    /// Kept through a rewrite: fields newer cryptsetup versions add (e.g. a key size).
+    /// Bytes of the HMAC key at the end of the volume key (cryptsetup 2.8's
+    /// `--integrity-key-size`, dm-crypt's `integrity_key_size`); absent (or 0): the hash's
+    /// output size. cryptsetup writes it only when the size was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_size: Option<u32>,
+    /// Kept through a rewrite: fields newer cryptsetup versions add.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }

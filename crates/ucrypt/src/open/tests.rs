@@ -191,6 +191,7 @@ fn an_authenticated_volume_counts_reports_and_refuses_a_resize() {
         kind: IntegrityKind::Aead,
         encryption: "aes-gcm-random".into(),
         legacy_padding: false,
+        mac_key_bits: None,
     });
     let plan = format_on(&dev, &req);
     let ip = plan.integrity.as_ref().expect("integrity plan");

@@ -117,10 +117,11 @@ pub fn open_luks2_mode(
             "an authenticated segment with an IV tweak".into(),
         ));
     }
-    let mode = TagMode::from_luks2(
+    let mode = TagMode::from_luks2_keyed(
         seg.encryption.as_deref().unwrap_or(""),
         &integ.kind,
         vk.bytes().len(),
+        integ.key_size.map(|b| b as usize),
     )?;
     let sector = u64::from(seg.sector_size.unwrap_or(512));
     let start = seg.offset.0;

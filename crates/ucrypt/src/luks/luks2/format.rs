@@ -43,6 +43,9 @@ pub struct FormatIntegrity {
     pub encryption: String,
     /// The integrity type: "aead", "hmac(sha256)", "hmac(sha512)".
     pub kind: String,
+    /// The HMAC key's size in bytes when it was asked for (cryptsetup 2.8's
+    /// `--integrity-key-size`): written to the segment as `integrity.key_size`.
+    pub key_size: Option<u32>,
 }
 
 impl FormatLuks2 {
@@ -71,10 +74,11 @@ impl FormatLuks2 {
 pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Header, VolumeKey)> {
     match &opts.integrity {
         // Checks the cipher, the integrity type and the key length together.
-        Some(i) => drop(crate::integrity::TagMode::from_luks2(
+        Some(i) => drop(crate::integrity::TagMode::from_luks2_keyed(
             &i.encryption,
             &i.kind,
             volume_key.len(),
+            i.key_size.map(|b| b as usize),
         )?),
         None => opts.cipher.check_key_len(volume_key.len())?,
     }
@@ -119,6 +123,7 @@ pub fn format(opts: &FormatLuks2, volume_key: SecretBytes) -> Result<(Luks2Heade
                 kind: i.kind.clone(),
                 journal_encryption: "none".into(),
                 journal_integrity: "none".into(),
+                key_size: i.key_size,
                 extra: Map::new(),
             }),
             extra: Map::new(),

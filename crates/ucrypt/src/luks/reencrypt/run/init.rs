@@ -290,8 +290,12 @@ pub const KEEP_KEY_CHANGES_NOTHING: &str =
 /// is rewritten to the new cipher or sector size of `opts.change` under the key `slot`
 /// opens. No keyslot is added or removed: the key's digest covers the live segment and both
 /// backups, and the reencryption digest takes the key once, as cryptsetup 2.6.1 writes it.
-/// Refused, before anything is written, when neither the cipher nor the sector size changes
-/// ([`KEEP_KEY_CHANGES_NOTHING`]) or a new key size is asked for.
+/// A new key size in `opts.change` is ignored, as cryptsetup ignores `--key-size` there: the
+/// kept key is the new segment's, and a new cipher that cannot take it is refused with
+/// cryptsetup's words ("Unable to use cipher specification ... for LUKS2."). Refused, before
+/// anything is written, when neither the cipher nor the sector size changes
+/// ([`KEEP_KEY_CHANGES_NOTHING`]; cryptsetup 2.8 refuses so whatever the key size asked,
+/// 2.6.1 rewrites the data unchanged when only `--key-size` differs).
 pub fn init_keep_key(
     devs: Devices<'_>,
     slot: &SlotPassphrase,
@@ -335,20 +339,14 @@ pub(super) fn init_checked(
     let (old_slot, old_vk) = (first.slot, &first.vk);
     check_slots(&h, slots, old_vk.digest_id(), decrypt || keep_key)?;
     let kdfs = slot_kdfs(&h, slots, opts)?;
-    let (new_cipher, new_key_bytes, new_sector) =
-        new_segment_params(devs, &seg, old_vk.len(), opts, decrypt)?;
-    if keep_key {
-        if new_key_bytes != old_vk.len() {
-            return Err(Error::InvalidArgument(format!(
-                "--keep-key keeps the {}-bit volume key: a {}-bit key cannot be asked for",
-                old_vk.len() * 8,
-                new_key_bytes * 8
-            )));
-        }
-        if new_cipher == seg.cipher && new_sector == seg.sector_size {
-            return Err(Error::InvalidArgument(KEEP_KEY_CHANGES_NOTHING.into()));
-        }
+    if keep_key
+        && opts.change.cipher.is_none_or(|c| c == seg.cipher)
+        && opts.change.sector_size.is_none_or(|s| s == seg.sector_size)
+    {
+        return Err(Error::InvalidArgument(KEEP_KEY_CHANGES_NOTHING.into()));
     }
+    let (new_cipher, new_key_bytes, new_sector) =
+        new_segment_params(devs, &seg, old_vk.len(), opts, decrypt, keep_key)?;
 
     // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
     // passphrase, whose material is written first; the header write comes below.
@@ -462,17 +460,20 @@ fn slot_kdfs(
 }
 
 /// The new segment's cipher, key size and sector size (from `opts.change`, else the old
-/// segment's `seg`, whose key is `old_key_bytes` long), checked before anything is written:
-/// a decryption changes none, and the data must be aligned to both sector sizes.
+/// segment's `seg`, whose key is `old_key_bytes` long; with `keep_key` the key is the old
+/// one whatever size was asked), checked before anything is written: a decryption changes
+/// none, and the data must be aligned to both sector sizes.
 fn new_segment_params(
     devs: Devices<'_>,
     seg: &CryptSegment,
     old_key_bytes: usize,
     opts: &InitOptions<'_>,
     decrypt: bool,
+    keep_key: bool,
 ) -> Result<(CipherSpec, usize, SectorSize)> {
     let new_cipher = opts.change.cipher.unwrap_or(seg.cipher);
     let new_key_bytes = match opts.change.key_bytes {
+        _ if keep_key => old_key_bytes,
         Some(n) => n,
         None if new_cipher != seg.cipher => new_cipher.default_key_bytes(),
         None => old_key_bytes,
@@ -484,6 +485,13 @@ fn new_segment_params(
                 "a decryption has no new cipher, key size or sector size".into(),
             ));
         }
+    } else if keep_key {
+        // cryptsetup checks the new cipher with the kept key and says only this.
+        new_cipher.check_key_len(new_key_bytes).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "Unable to use cipher specification {new_cipher} for LUKS2."
+            ))
+        })?;
     } else {
         new_cipher.check_key_len(new_key_bytes)?;
     }
