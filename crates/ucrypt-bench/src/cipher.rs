@@ -126,7 +126,8 @@ fn implementation(c: &SectorCipher) -> &'static str {
         Mode::Lrw(BlockCipher::Aes) => "lrw + aws-lc ecb",
         Mode::Xts(BlockCipher::Serpent)
         | Mode::Cbc(BlockCipher::Serpent)
-        | Mode::Lrw(BlockCipher::Serpent) => "rustcrypto",
+        | Mode::Lrw(BlockCipher::Serpent)
+        | Mode::Cbc64(_) => "rustcrypto",
         Mode::Xts(_) | Mode::Cbc(_) | Mode::Lrw(_) => "ucrypt tables",
         Mode::Adiantum(_) => "rustcrypto xchacha + aws-lc aes",
         Mode::Cascade(_) => "cascade of the above",

@@ -239,7 +239,7 @@ pub fn test_passphrase(v: &crate::volume_args::VolumeArgs) -> CliResult<()> {
         )));
     };
     let meta = read_metadata(path)?;
-    unlock(&meta, v.key_file.as_deref()).map(|_| ())
+    unlock(&meta, v.key_file()).map(|_| ())
 }
 
 #[cfg(test)]

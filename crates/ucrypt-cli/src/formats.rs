@@ -43,7 +43,7 @@ pub struct TcryptArgs {
     /// TCRYPT: the backup header (at the end of the volume).
     #[arg(long)]
     pub tcrypt_backup: bool,
-    /// TCRYPT: more keyfiles, besides --key-file (each may repeat).
+    /// TCRYPT: one more keyfile, as another --key-file is (may repeat).
     #[arg(long = "tcrypt-keyfile", value_name = "FILE")]
     pub tcrypt_keyfiles: Vec<PathBuf>,
 }
@@ -174,19 +174,19 @@ pub fn tcrypt_dump(a: &TcryptDumpArgs) -> CliResult<i32> {
     Ok(0)
 }
 
-/// `open`/`export --type tcrypt`: the header of `hdr_path` (the volume, or its `--header`)
-/// decrypted with the passphrase and keyfiles (`key_file`, then `--tcrypt-keyfile`), and the
-/// raw mapping of the `device_bytes`-long volume it gives.
+/// `open`/`export`/`mount`/`serve --type tcrypt`: the header of `hdr_path` (the volume, or its
+/// `--header`) decrypted with the passphrase and the keyfiles (every `--key-file`, then
+/// `--tcrypt-keyfile`), and the raw mapping of the volume it gives.
 pub fn tcrypt_mapping(
     hdr_path: &Path,
     t: &TcryptArgs,
-    key_file: Option<&str>,
+    key_files: &[String],
     hash: Option<&str>,
     cipher: Option<&str>,
 ) -> CliResult<tcrypt::Mapping> {
-    let files = key_file
+    let files = key_files
+        .iter()
         .map(Path::new)
-        .into_iter()
         .chain(t.tcrypt_keyfiles.iter().map(PathBuf::as_path));
     let keyfiles = read_keyfiles(files)?;
     let (hdr, hdr_size) = unlock_tcrypt(hdr_path, t, &keyfiles, hash, cipher)?;

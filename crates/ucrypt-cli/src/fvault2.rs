@@ -106,7 +106,7 @@ pub fn test_passphrase(v: &crate::volume_args::VolumeArgs) -> i32 {
     let r = match &v.volume {
         crate::target::Target::Path(p) => {
             let src = Source {
-                key_file: v.key_file.as_deref(),
+                key_file: v.key_file(),
                 offset: v.keyfile_offset.unwrap_or(0),
                 size: v.keyfile_size,
             };

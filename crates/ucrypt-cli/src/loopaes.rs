@@ -14,7 +14,7 @@ use crate::volume_args::VolumeArgs;
 
 /// The mapping of the loop-AES volume `v` names.
 pub fn mapping(v: &VolumeArgs) -> CliResult<Mapping> {
-    let Some(key_file) = v.key_file.as_deref() else {
+    let Some(key_file) = v.key_file() else {
         return Err(CliError::Usage("Option --key-file is required.".into()));
     };
     if let Some(c) = v.cipher.as_deref().filter(|c| *c != "aes") {

@@ -292,7 +292,7 @@ fn tcrypt_test_passphrase(a: &daemon::OpenArgs) -> i32 {
         target::Target::Path(p) => formats::tcrypt_mapping(
             v.header.as_deref().unwrap_or(p),
             &v.tcrypt,
-            v.key_file.as_deref(),
+            &v.key_files,
             v.hash.as_deref(),
             v.cipher.as_deref(),
         )

@@ -234,6 +234,10 @@ impl VolumeArgs {
     pub fn prepare(&self) -> CliResult<Prepared> {
         // This process is about to hold key material: keep it out of core dumps.
         ucrypt::secret::disable_core_dumps();
+        if let Some(why) = crate::volume_args::key_files_refusal(&self.key_files, self.device_type)
+        {
+            return Err(CliError::Usage(why.into()));
+        }
         let name = self.volume.to_string();
         let raw = self.cipher.is_some() || self.device_type == Some(DeviceType::Plain);
         if self.size_sectors().is_some() && (!raw || self.device_type == Some(DeviceType::Tcrypt)) {
@@ -277,7 +281,7 @@ impl VolumeArgs {
     pub fn read_passphrase(&self) -> CliResult<SecretBytes> {
         Ok(pass::read_passphrase(
             &Source {
-                key_file: self.key_file.as_deref(),
+                key_file: self.key_file(),
                 offset: self.keyfile_offset.unwrap_or(0),
                 size: self.keyfile_size,
             },
@@ -293,7 +297,7 @@ impl VolumeArgs {
     /// reencryption (its two segments need both keys).
     fn ask_passphrase(&self, header: &dyn Backend, hdr: &luks::Header) -> CliResult<Unlock> {
         let reencrypting = hdr.in_reencryption();
-        if self.key_file.is_none() {
+        if self.key_file().is_none() {
             let by_token = crate::token::unlock_by_token(
                 header,
                 hdr,
@@ -312,7 +316,7 @@ impl VolumeArgs {
                 _ => {}
             }
         }
-        let tries = pass::tries(self.tries, self.key_file.as_deref());
+        let tries = pass::tries(self.tries, self.key_file());
         if tries <= 1 {
             return Ok(Unlock::Passphrase(self.read_passphrase()?));
         }
@@ -407,7 +411,7 @@ impl VolumeArgs {
             return Ok(crate::volume_key::read(p, key_bytes)?);
         }
         let offset = self.keyfile_offset.unwrap_or(0);
-        match self.key_file.as_deref() {
+        match self.key_file() {
             Some(f) if f != "-" => {
                 if self.hash.is_some() {
                     eprintln!(
@@ -451,7 +455,7 @@ impl VolumeArgs {
         let m = crate::formats::tcrypt_mapping(
             hdr_path,
             &self.tcrypt,
-            self.key_file.as_deref(),
+            &self.key_files,
             self.hash.as_deref(),
             self.cipher.as_deref(),
         )?;
@@ -468,7 +472,7 @@ impl VolumeArgs {
             )));
         };
         let src = Source {
-            key_file: self.key_file.as_deref(),
+            key_file: self.key_file(),
             offset: self.keyfile_offset.unwrap_or(0),
             size: self.keyfile_size,
         };
@@ -515,7 +519,7 @@ impl VolumeArgs {
         let backend = self
             .volume
             .open_data(!self.read_only, &self.remote, self.cache)?;
-        let mut req = crate::bitlk::open_request(path, backend, self.key_file.as_deref(), vk)?;
+        let mut req = crate::bitlk::open_request(path, backend, self.key_file(), vk)?;
         req.policy = self.policies(&[]);
         req.spin = self.spin();
         req.read_only = self.read_only;

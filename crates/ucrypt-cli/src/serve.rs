@@ -41,7 +41,8 @@ pub struct ServeArgs {
     export_name: Option<String>,
     /// One more export with options of its own: name=N,path=P[,key-file=K][,readonly]
     /// [,header=H]. key-file is this volume's passphrase file, read whole, in place of the
-    /// shared --key-file, --keyfile-offset, --keyfile-size and --volume-key-file; header is
+    /// shared --key-file, --keyfile-offset, --keyfile-size and --volume-key-file (with
+    /// `--type tcrypt`: a TrueCrypt keyfile, repeated for more); header is
     /// its detached LUKS header; readonly serves it read-only. Other options are shared.
     #[arg(long = "export", value_name = "name=N,path=P[,...]")]
     exports: Vec<ExportSpec>,
@@ -94,8 +95,9 @@ pub struct ServeArgs {
 pub struct ExportSpec {
     name: String,
     path: Target,
-    /// This volume's passphrase file, in place of the shared key options.
-    key_file: Option<String>,
+    /// This volume's passphrase file (TCRYPT: its keyfiles), in place of the shared key
+    /// options.
+    key_files: Vec<String>,
     read_only: bool,
     /// This volume's detached LUKS header.
     header: Option<PathBuf>,
@@ -117,7 +119,7 @@ impl ExportSpec {
         Ok(ExportSpec {
             name: name.to_string(),
             path: path.parse()?,
-            key_file: None,
+            key_files: Vec::new(),
             read_only: false,
             header: None,
         })
@@ -126,10 +128,11 @@ impl ExportSpec {
 
 impl FromStr for ExportSpec {
     type Err = String;
-    /// `name=N,path=P[,key-file=K][,readonly][,header=H]`, in any order, each key once.
+    /// `name=N,path=P[,key-file=K][,readonly][,header=H]`, in any order, each key once but
+    /// key-file (TCRYPT's keyfiles; any other type refuses more than one when it opens).
     fn from_str(s: &str) -> Result<ExportSpec, String> {
-        let (mut name, mut path, mut key_file, mut header, mut read_only) =
-            (None, None, None, None, false);
+        let (mut name, mut path, mut header, mut read_only) = (None, None, None, false);
+        let mut key_files = Vec::new();
         for item in s.split(',') {
             let (key, value) = match item.split_once('=') {
                 Some((k, v)) => (k, Some(v)),
@@ -144,7 +147,11 @@ impl FromStr for ExportSpec {
                 ("readonly", Some(_)) => return Err("'readonly' takes no value".into()),
                 ("name", _) => &mut name,
                 ("path", _) => &mut path,
-                ("key-file", _) => &mut key_file,
+                ("key-file", Some(v)) if !v.is_empty() => {
+                    key_files.push(v.to_string());
+                    continue;
+                }
+                ("key-file", _) => return Err("'key-file' needs a value".into()),
                 ("header", _) => &mut header,
                 _ => {
                     return Err(format!(
@@ -163,7 +170,7 @@ impl FromStr for ExportSpec {
             return Err("name=N and path=P are both needed".into());
         };
         let mut spec = ExportSpec::named(name, path)?;
-        spec.key_file = key_file.map(str::to_string);
+        spec.key_files = key_files;
         spec.header = header.map(PathBuf::from);
         spec.read_only = read_only;
         Ok(spec)
@@ -225,8 +232,8 @@ fn plan(a: &ServeArgs) -> CliResult<Vec<(String, VolumeArgs)>> {
         v.volume = e.path.clone();
         v.header = e.header.clone();
         v.read_only |= e.read_only;
-        if let Some(k) = &e.key_file {
-            v.key_file = Some(k.clone());
+        if !e.key_files.is_empty() {
+            v.key_files = e.key_files.clone();
             v.keyfile_offset = None;
             v.keyfile_size = None;
             v.volume_key_file = None;
@@ -253,16 +260,16 @@ fn open_volumes(a: &ServeArgs, stop: &Stop) -> CliResult<(Vec<Export>, Vec<InUse
     // A passphrase on stdin can be read once: read it once for every volume that shares it.
     let shared_stdin = plan
         .iter()
-        .filter(|(_, v)| v.key_file.as_deref() == Some("-") && v.passphrase_read.is_none())
+        .filter(|(_, v)| v.key_file() == Some("-") && v.passphrase_read.is_none())
         .count();
     if shared_stdin > 1
-        && a.volume.key_file.as_deref() == Some("-")
+        && a.volume.key_file() == Some("-")
         && a.volume.cipher.is_none()
         && !a.unencrypted
     {
         let p = Arc::new(a.volume.read_passphrase()?);
         for (_, v) in plan.iter_mut() {
-            if v.key_file.as_deref() == Some("-") {
+            if v.key_file() == Some("-") {
                 v.passphrase_read = Some(p.clone());
             }
         }

@@ -140,9 +140,12 @@ pub struct VolumeArgs {
     #[arg(long)]
     pub iv_large_sectors: bool,
     /// Passphrase from this file ("-" = stdin); without it the passphrase is asked. Plain
-    /// mode: the file holds the key itself (exactly the key's size is read).
-    #[arg(long, short = 'd')]
-    pub key_file: Option<String>,
+    /// mode: the file holds the key itself (exactly the key's size is read). `--type
+    /// tcrypt`: a TrueCrypt keyfile, repeated for more (each one's first MiB goes into the
+    /// keyfile pool; the passphrase is still read from standard input or the terminal). Any
+    /// other type takes one.
+    #[arg(id = "key_file", long = "key-file", short = 'd')]
+    pub key_files: Vec<String>,
     /// Skip this many bytes of the key file.
     #[arg(long)]
     pub keyfile_offset: Option<u64>,
@@ -218,6 +221,21 @@ impl VolumeArgs {
     pub fn size_sectors(&self) -> Option<u64> {
         self.size.or(self.device_size_sectors)
     }
+
+    /// The `--key-file` of a format that takes one: every path that reads it runs after
+    /// [`key_files_refusal`] has refused more than one for such a format.
+    pub fn key_file(&self) -> Option<&str> {
+        self.key_files.first().map(String::as_str)
+    }
+}
+
+/// cryptsetup's rule for `--key-file`: only TCRYPT takes more than one (its keyfile pool).
+pub fn key_files_refusal(
+    key_files: &[String],
+    dev_type: Option<DeviceType>,
+) -> Option<&'static str> {
+    (key_files.len() > 1 && dev_type != Some(DeviceType::Tcrypt))
+        .then_some("Only one --key-file argument is allowed.")
 }
 
 /// `--device-size SIZE` in 512-byte sectors: not 0, a multiple of 512 (cryptsetup's checks,

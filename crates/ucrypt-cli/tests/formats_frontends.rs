@@ -1,6 +1,7 @@
 //! The foreign formats through the NBD and FUSE front ends: one of cryptsetup's upstream
-//! BitLocker images (`bitlk-aes-cbc-elephant-128`, AES-CBC with the Elephant diffuser) and one
-//! TCRYPT image (`tc_4-sha512-xts-aes-twofish-serpent`, a cascade), each opened with
+//! BitLocker images (`bitlk-aes-cbc-elephant-128`, AES-CBC with the Elephant diffuser) and
+//! TCRYPT images (`tc_4-sha512-xts-aes-twofish-serpent`, a cascade; `tck_5-sha512-xts-aes`,
+//! whose keyfile pool takes two `--key-file`), each opened with
 //! `ucrypt serve --type T --nbd unix:SOCK` and read whole by `nbdcopy`, and with
 //! `ucrypt mount --type T` and read whole from the FUSE file. Both must equal
 //! `ucrypt export --type T` of the same image, itself checked against what cryptsetup's compat
@@ -36,7 +37,7 @@ struct Case {
     kind: &'static str,
     img: PathBuf,
     /// Options besides `--type` and `-r`.
-    extra: Vec<&'static str>,
+    extra: Vec<String>,
     /// The passphrase, given on stdin.
     pass: String,
 }
@@ -48,7 +49,7 @@ impl Case {
             .iter()
             .map(|x| x.to_string())
             .collect();
-        a.extend(self.extra.iter().map(|x| x.to_string()));
+        a.extend(self.extra.iter().cloned());
         a
     }
 }
@@ -251,7 +252,37 @@ fn tcrypt_through_serve_and_mount() {
     let case = Case {
         kind: "tcrypt",
         img: dir.join(name),
-        extra: vec!["--disable-veracrypt", "-h", "sha512", "-c", "aes"],
+        extra: ["--disable-veracrypt", "-h", "sha512", "-c", "aes"]
+            .map(String::from)
+            .to_vec(),
+        pass: "aaaaaaaaaaaa\n".into(),
+    };
+    let plain = check_front_ends(&case, &tmp, name);
+    assert_eq!(
+        fat_serial(&plain),
+        "DEAD-BABE",
+        "{name}: export's FAT serial"
+    );
+}
+
+/// The keyfile image of cryptsetup's set: `serve` and `mount` take its two keyfiles as two
+/// `--key-file`, as `export` does.
+#[test]
+fn tcrypt_keyfile_pool_through_serve_and_mount() {
+    let Some((tmp, dir)) = cli_common::unpacked_images("tcrypt-images") else {
+        return;
+    };
+    let name = "tck_5-sha512-xts-aes";
+    let mut extra: Vec<String> = ["--disable-veracrypt", "-h", "sha512", "-c", "aes"]
+        .map(String::from)
+        .to_vec();
+    for k in ["keyfile1", "keyfile2"] {
+        extra.extend(["--key-file".to_string(), s(&dir.join(k)).to_string()]);
+    }
+    let case = Case {
+        kind: "tcrypt",
+        img: dir.join(name),
+        extra,
         pass: "aaaaaaaaaaaa\n".into(),
     };
     let plain = check_front_ends(&case, &tmp, name);

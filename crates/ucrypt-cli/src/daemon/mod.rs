@@ -117,6 +117,9 @@ pub struct OpenArgs {
 /// An option `open` refuses in this combination, with cryptsetup's words: checked before
 /// anything runs (`--test-args` included), as cryptsetup checks its options.
 pub fn refusal(a: &OpenArgs) -> Option<&'static str> {
+    if let Some(why) = crate::volume_args::key_files_refusal(&a.v.key_files, a.dev_type) {
+        return Some(why);
+    }
     (a.shared && a.dev_type != Some(crate::open::DeviceType::Plain))
         .then_some("Option --shared is allowed only for open of plain device.")
 }

@@ -1265,7 +1265,7 @@ pub fn test_passphrase_of(a: &crate::daemon::OpenArgs) -> i32 {
         luks_type: a.dev_type.map(|t| t.name().to_string()),
         header: v.header.clone(),
         key: pass::KeyFileArgs {
-            key_file: v.key_file.clone(),
+            key_file: v.key_file().map(str::to_string),
             keyfile_offset: v.keyfile_offset,
             keyfile_size: v.keyfile_size,
         },

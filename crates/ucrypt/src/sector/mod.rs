@@ -6,10 +6,12 @@
 //! data segment, plus the IV offset, unless `iv_large_sectors` is set.
 //!
 //! AES-XTS and AES-CBC run on AWS-LC's EVP modes (`evp.rs`); the other block ciphers and LRW
-//! run the modes of `modes.rs` over one block cipher (`block.rs`); Adiantum is `adiantum.rs`.
+//! run the modes of `modes.rs` over one block cipher (`block.rs`); Adiantum is `adiantum.rs`;
+//! the 64-bit ciphers of TrueCrypt 3.x (CBC with the `tcw` IV only) are `block64.rs`.
 
 mod adiantum;
 pub(crate) mod block;
+mod block64;
 mod camellia;
 pub(crate) mod crc32;
 mod elephant;
@@ -21,13 +23,14 @@ mod twofish;
 
 pub use evp::backend;
 pub use spec::{
-    BlockCipher, Cascade, CascadeChain, CipherSpec, EssivHash, IvMode, Mode, XChaCha,
-    CASCADE_LAYERS_MAX, SUPPORTED_SPECS,
+    BlockCipher, BlockCipher64, Cascade, CascadeChain, CipherSpec, EssivHash, IvMode, Mode,
+    XChaCha, CASCADE_LAYERS_MAX, SUPPORTED_SPECS,
 };
 
 use crate::{Error, Result, SecretBytes};
 use adiantum::{Adiantum, ADIANTUM_TWEAK_BYTES};
 use block::Ecb;
+use block64::{Cbc64, BLOCK64_BYTES};
 use elephant::Elephant;
 use evp::{Alg, EvpCtx};
 use modes::BlockMode;
@@ -146,13 +149,22 @@ enum Imp {
     Lmk(Box<lmk::Lmk>),
 }
 
-/// Bytes of `tcw`'s whitening key (and of its IV seed, one cipher block).
+/// Bytes of `tcw`'s whitening key, whatever the cipher's block size.
 const TCW_WHITENING_BYTES: usize = 16;
 
-/// CBC with dm-crypt's `tcw` IV generator (crypt_iv_tcw_* in the kernel's dm-crypt.c).
+/// The CBC under `tcw`: a 128-bit cipher's (16-byte IV seed) or a 64-bit one's (8 bytes).
+enum TcwCbc {
+    Wide(BlockMode),
+    Narrow(Cbc64),
+}
+
+/// CBC with dm-crypt's `tcw` IV generator (crypt_iv_tcw_* in the kernel's dm-crypt.c): the
+/// key is the cipher key, an IV seed of one cipher block, and the 16-byte whitening key.
 struct Tcw {
-    cbc: BlockMode,
+    cbc: TcwCbc,
+    /// The IV seed in its first `iv_bytes` bytes (the cipher's block size).
     seed: [u8; 16],
+    iv_bytes: usize,
     whitening: [u8; TCW_WHITENING_BYTES],
 }
 
@@ -164,18 +176,21 @@ impl Drop for Tcw {
 }
 
 impl Tcw {
-    fn new(cipher: BlockCipher, key: &[u8]) -> Result<Self> {
+    /// `key` is the whole dm-crypt key; `iv_bytes` the cipher's block size; `cbc` keys the
+    /// CBC with the cipher key (the part before the seed).
+    fn new(key: &[u8], iv_bytes: usize, cbc: impl FnOnce(&[u8]) -> Result<TcwCbc>) -> Result<Self> {
         let k = key
             .len()
-            .checked_sub(16 + TCW_WHITENING_BYTES)
+            .checked_sub(iv_bytes + TCW_WHITENING_BYTES)
             .ok_or(Error::Bug("tcw key shorter than its seed and whitening"))?;
         let mut seed = [0u8; 16];
-        seed.copy_from_slice(&key[k..k + 16]);
+        seed[..iv_bytes].copy_from_slice(&key[k..k + iv_bytes]);
         let mut whitening = [0u8; TCW_WHITENING_BYTES];
-        whitening.copy_from_slice(&key[k + 16..]);
+        whitening.copy_from_slice(&key[k + iv_bytes..]);
         Ok(Tcw {
-            cbc: BlockMode::cbc(cipher, &key[..k])?,
+            cbc: cbc(&key[..k])?,
             seed,
+            iv_bytes,
             whitening,
         })
     }
@@ -200,15 +215,21 @@ impl Tcw {
         w
     }
 
+    /// The CBC IV of a sector: the seed XOR the sector number, in each 8-byte half of it.
+    fn sector_iv(&self, sector: [u8; 8]) -> [u8; 16] {
+        let mut iv = [0u8; 16];
+        for (i, b) in iv.iter_mut().enumerate().take(self.iv_bytes) {
+            *b = self.seed[i] ^ sector[i % 8];
+        }
+        iv
+    }
+
     /// One 512-byte sector; `iv` carries the IV sector number, little-endian, in its first
     /// 8 bytes.
     fn crypt(&mut self, encrypt: bool, iv: &[u8; 16], data: &mut [u8]) -> Result<()> {
         let mut sector = [0u8; 8];
         sector.copy_from_slice(&iv[..8]);
-        let mut real_iv = self.seed;
-        for (i, b) in real_iv.iter_mut().enumerate() {
-            *b ^= sector[i % 8];
-        }
+        let mut real_iv = self.sector_iv(sector);
         let mut w = self.sector_whitening(sector);
         let whiten = |data: &mut [u8]| {
             for chunk in data.chunks_exact_mut(8) {
@@ -217,16 +238,25 @@ impl Tcw {
                 }
             }
         };
-        if encrypt {
-            self.cbc.crypt(true, &real_iv, data)?;
+        if !encrypt {
             whiten(data);
-        } else {
+        }
+        let r = match &mut self.cbc {
+            TcwCbc::Wide(m) => m.crypt(encrypt, &real_iv, data),
+            TcwCbc::Narrow(m) => {
+                let mut narrow = [0u8; BLOCK64_BYTES];
+                narrow.copy_from_slice(&real_iv[..BLOCK64_BYTES]);
+                let r = m.crypt(encrypt, &narrow, data);
+                zeroize::Zeroize::zeroize(&mut narrow);
+                r
+            }
+        };
+        if encrypt && r.is_ok() {
             whiten(data);
-            self.cbc.crypt(false, &real_iv, data)?;
         }
         zeroize::Zeroize::zeroize(&mut w);
         zeroize::Zeroize::zeroize(&mut real_iv);
-        Ok(())
+        r
     }
 }
 
@@ -345,7 +375,25 @@ impl SectorCipher {
                         "the tcw IV works on 512-byte sectors only".into(),
                     ));
                 }
-                (Imp::Tcw(Box::new(Tcw::new(c, key)?)), provider)
+                let tcw = Tcw::new(key, 16, |k| Ok(TcwCbc::Wide(BlockMode::cbc(c, k)?)))?;
+                (Imp::Tcw(Box::new(tcw)), provider)
+            }
+            Mode::Cbc64(c) if spec.iv == IvMode::Tcw => {
+                if geometry.sector_size != SectorSize::S512 {
+                    return Err(Error::InvalidArgument(
+                        "the tcw IV works on 512-byte sectors only".into(),
+                    ));
+                }
+                let tcw = Tcw::new(key, BLOCK64_BYTES, |k| {
+                    Ok(TcwCbc::Narrow(Cbc64::new(c, k)?))
+                })?;
+                (Imp::Tcw(Box::new(tcw)), provider)
+            }
+            Mode::Cbc64(c) => {
+                return Err(Error::InvalidArgument(format!(
+                    "the 64-bit cipher {} runs with the tcw IV only",
+                    c.name()
+                )))
             }
             Mode::Cbc(BlockCipher::Aes) if spec.iv == IvMode::Elephant => {
                 (Imp::Elephant(Box::new(Elephant::new(key)?)), provider)

@@ -18,8 +18,9 @@ camellia, MODE xts, cbc or lrw, IV plain64, plain, plain64be, benbi or essiv:HAS
 sha224, sha256, sha384, sha512, rmd160, wp256, wp384, wp512 or sm3, its digest a key size of \
 CIPHER), e.g. aes-xts-plain64, serpent-cbc-essiv:sha256, aes-lrw-benbi; \
 xchacha12,aes-adiantum-plain64 and xchacha20,aes-adiantum-plain64 (IV plain64, plain or \
-plain64be); cipher_null-ecb; and their capi: forms, e.g. capi:xts(serpent)-plain64, \
-capi:adiantum(xchacha12,aes)-plain64";
+plain64be); cipher_null-ecb; TrueCrypt 3.x's CBC with IV tcw: aes-cbc-tcw (or serpent, \
+twofish, camellia), cast5-cbc-tcw and des3_ede-cbc-tcw; and their capi: forms, e.g. \
+capi:xts(serpent)-plain64, capi:adiantum(xchacha12,aes)-plain64";
 
 /// A 128-bit block cipher as dm-crypt names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,6 +65,40 @@ impl BlockCipher {
             BlockCipher::Aes | BlockCipher::Twofish | BlockCipher::Camellia => {
                 matches!(bytes, 16 | 24 | 32)
             }
+        }
+    }
+}
+
+/// A 64-bit block cipher as dm-crypt names it: TrueCrypt 3.x's CBC volumes (cryptsetup's
+/// `cbc-tcw` chains `cast5` and `des3_ede`) are its only use here, so it runs only in CBC with
+/// the `tcw` IV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockCipher64 {
+    /// CAST-128 (RFC 2144; RustCrypto `cast5`) with a 128-bit key, TrueCrypt's size.
+    Cast5,
+    /// Triple DES, encrypt-decrypt-encrypt with three keys (RustCrypto `des::TdesEde3`).
+    Des3Ede,
+}
+
+impl BlockCipher64 {
+    pub const ALL: [BlockCipher64; 2] = [BlockCipher64::Cast5, BlockCipher64::Des3Ede];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockCipher64::Cast5 => "cast5",
+            BlockCipher64::Des3Ede => "des3_ede",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        BlockCipher64::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// The cipher key's length: the one TrueCrypt's chains use.
+    pub fn key_bytes(self) -> usize {
+        match self {
+            BlockCipher64::Cast5 => 16,
+            BlockCipher64::Des3Ede => 24,
         }
     }
 }
@@ -154,6 +189,9 @@ pub enum Mode {
     /// CBC restarted every sector with that sector's IV (128, 192 or 256 bits; serpent also
     /// the sizes between).
     Cbc(BlockCipher),
+    /// CBC over a 64-bit block cipher, restarted every sector; with the `tcw` IV only (an
+    /// 8-byte IV, TrueCrypt 3.x's volumes).
+    Cbc64(BlockCipher64),
     /// LRW (the kernel's `lrw` template): the cipher key followed by the 128-bit tweak key;
     /// the IV is the big-endian index of the sector's first 16-byte block.
     Lrw(BlockCipher),
@@ -173,6 +211,7 @@ impl Mode {
     pub fn cipher_name(self) -> &'static str {
         match self {
             Mode::Xts(c) | Mode::Cbc(c) | Mode::Lrw(c) => c.name(),
+            Mode::Cbc64(c) => c.name(),
             Mode::Adiantum(XChaCha::R12) => "xchacha12,aes",
             Mode::Adiantum(XChaCha::R20) => "xchacha20,aes",
             Mode::Null => "cipher_null",
@@ -184,7 +223,7 @@ impl Mode {
     pub fn chain_name(self) -> &'static str {
         match self {
             Mode::Xts(_) => "xts",
-            Mode::Cbc(_) => "cbc",
+            Mode::Cbc(_) | Mode::Cbc64(_) => "cbc",
             Mode::Lrw(_) => "lrw",
             Mode::Adiantum(_) => "adiantum",
             Mode::Null => "ecb",
@@ -195,11 +234,12 @@ impl Mode {
         }
     }
 
-    /// The block cipher a block mode runs (also ESSIV's cipher); `None` for Adiantum and null.
+    /// The 128-bit block cipher a block mode runs (also ESSIV's cipher); `None` for Adiantum,
+    /// null, cascades and the 64-bit ciphers.
     pub fn block_cipher(self) -> Option<BlockCipher> {
         match self {
             Mode::Xts(c) | Mode::Cbc(c) | Mode::Lrw(c) => Some(c),
-            Mode::Adiantum(_) | Mode::Null | Mode::Cascade(_) => None,
+            Mode::Cbc64(_) | Mode::Adiantum(_) | Mode::Null | Mode::Cascade(_) => None,
         }
     }
 }
@@ -349,9 +389,11 @@ impl CipherSpec {
             };
         }
         if self.iv == IvMode::Tcw {
-            // The cipher key, then the 16-byte IV seed and 16-byte whitening key.
+            // The cipher key, then an IV seed of one block and the 16-byte whitening key.
             return match self.mode {
                 Mode::Cbc(_) => &[48, 56, 64],
+                Mode::Cbc64(BlockCipher64::Cast5) => &[40],
+                Mode::Cbc64(BlockCipher64::Des3Ede) => &[48],
                 _ => &[],
             };
         }
@@ -380,17 +422,24 @@ impl CipherSpec {
                 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48,
             ],
             Mode::Lrw(_) => &[32, 40, 48],
+            // Only with the tcw IV (above).
+            Mode::Cbc64(_) => &[],
             Mode::Adiantum(_) => &[32],
             Mode::Null => &[0],
         }
     }
 
     /// The key size cryptsetup picks by default for this spec, in bytes (512 bits for XTS,
-    /// 256 otherwise: for LRW that is a 128-bit cipher key and the tweak key).
+    /// 256 otherwise: for LRW that is a 128-bit cipher key and the tweak key); for the `tcw`
+    /// CBCs, the size of TrueCrypt's keys (cipher key, IV seed, whitening key).
     pub fn default_key_bytes(&self) -> usize {
         match self.mode {
             Mode::Xts(_) => 64,
+            // TrueCrypt's: a 256-bit cipher key, the 16-byte IV seed and whitening key.
+            Mode::Cbc(_) if self.iv == IvMode::Tcw => 64,
             Mode::Cbc(_) | Mode::Lrw(_) | Mode::Adiantum(_) => 32,
+            // The cipher key, the 8-byte IV seed and the 16-byte whitening key.
+            Mode::Cbc64(c) => c.key_bytes() + 8 + 16,
             Mode::Null => 0,
             Mode::Cascade(c) => c.layer_key_bytes() * c.ciphers().len(),
         }
@@ -416,6 +465,13 @@ impl CipherSpec {
                 Mode::Cbc(_) if self.iv == IvMode::Tcw => {
                     "the cipher key (128, 192 or 256 bits) and 256 bits of IV seed and whitening"
                 }
+                Mode::Cbc64(BlockCipher64::Cast5) if self.iv == IvMode::Tcw => {
+                    "320 bits: the 128-bit cipher key, 64 bits of IV seed, 128 of whitening"
+                }
+                Mode::Cbc64(BlockCipher64::Des3Ede) if self.iv == IvMode::Tcw => {
+                    "384 bits: the 192-bit cipher key, 64 bits of IV seed, 128 of whitening"
+                }
+                Mode::Cbc64(_) => "none: a 64-bit block cipher runs with the tcw IV only",
                 Mode::Xts(BlockCipher::Serpent) => "256 to 512 bits, two equal halves",
                 Mode::Xts(_) => "256, 384 or 512 bits",
                 Mode::Cbc(BlockCipher::Serpent) => "128 to 256 bits",
@@ -435,6 +491,7 @@ impl CipherSpec {
     pub fn iv_bytes(&self) -> usize {
         match self.mode {
             Mode::Adiantum(_) => 32,
+            Mode::Cbc64(_) => 8,
             _ => 16,
         }
     }
@@ -545,6 +602,17 @@ impl FromStr for CipherSpec {
                     format!("Adiantum over '{c}' (xchacha12,aes or xchacha20,aes)"),
                 ))
             }
+            (chain, c) if BlockCipher64::from_name(c).is_some() => match chain {
+                "cbc" => Mode::Cbc64(
+                    BlockCipher64::from_name(c).ok_or(Error::Bug("a 64-bit cipher's name"))?,
+                ),
+                m => {
+                    return Err(unsupported(
+                        spec,
+                        format!("chaining mode '{m}' of the 64-bit cipher {c} (only cbc)"),
+                    ))
+                }
+            },
             (chain, c) => {
                 let block = BlockCipher::from_name(c)
                     .ok_or_else(|| unsupported(spec, format!("cipher '{c}'")))?;
@@ -561,7 +629,7 @@ impl FromStr for CipherSpec {
             ("plain", None) => IvMode::Plain,
             ("plain64be", None) => IvMode::Plain64Be,
             ("benbi", None) => IvMode::Benbi,
-            ("tcw", None) if matches!(mode, Mode::Cbc(_)) => IvMode::Tcw,
+            ("tcw", None) if matches!(mode, Mode::Cbc(_) | Mode::Cbc64(_)) => IvMode::Tcw,
             ("eboiv", None) if matches!(mode, Mode::Cbc(_)) => IvMode::Eboiv,
             // The kernel's elephant keys AES for the sector key and diffuses AES-CBC sectors.
             ("elephant", None) if mode == Mode::Cbc(BlockCipher::Aes) => IvMode::Elephant,
@@ -578,6 +646,16 @@ impl FromStr for CipherSpec {
             (m, _) => return Err(unsupported(spec, format!("IV mode '{m}'"))),
         };
         match (mode, iv) {
+            (Mode::Cbc64(c), iv) if iv != IvMode::Tcw => {
+                return Err(unsupported(
+                    spec,
+                    format!(
+                        "IV mode '{}' with the 64-bit cipher {} (only TrueCrypt's tcw)",
+                        iv.name(),
+                        c.name()
+                    ),
+                ))
+            }
             (Mode::Adiantum(_), IvMode::Benbi | IvMode::Essiv(_)) => {
                 return Err(unsupported(
                     spec,
@@ -695,6 +773,13 @@ mod tests {
             ("aes-xts", None),
             ("aes-ctr-plain64", None),
             ("blowfish-cbc-plain64", None),
+            ("cast5-cbc-tcw", Some("cast5-cbc-tcw")),
+            ("des3_ede-cbc-tcw", Some("des3_ede-cbc-tcw")),
+            ("capi:cbc(cast5)-tcw", Some("cast5-cbc-tcw")),
+            ("cast5-cbc-plain64", None),
+            ("des3_ede-cbc-essiv:sha256", None),
+            ("cast5-xts-tcw", None),
+            ("blowfish-cbc-tcw", None),
             ("aes-xts-lmk", None),
             ("aes-xts-plain64:x", None),
             ("capi:xts-plain64", None),
@@ -740,6 +825,9 @@ mod tests {
             ("serpent-cbc-plain64", &[16, 20, 32], &[8, 33]),
             ("aes-lrw-benbi", &[32, 40, 48], &[16, 64]),
             ("xchacha12,aes-adiantum-plain64", &[32], &[16, 64]),
+            ("aes-cbc-tcw", &[48, 56, 64], &[32, 40]),
+            ("cast5-cbc-tcw", &[40], &[16, 32, 48]),
+            ("des3_ede-cbc-tcw", &[48], &[24, 40, 64]),
         ];
         for (spec, ok, bad) in rows {
             let s: CipherSpec = spec.parse().unwrap();

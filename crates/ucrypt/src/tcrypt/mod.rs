@@ -25,7 +25,8 @@ pub use kdf::{Hash, KEYFILE_BYTES_MAX};
 use crate::backend::Backend;
 use crate::sector::crc32;
 use crate::sector::{
-    BlockCipher, Cascade, CascadeChain, CipherSpec, Geometry, IvMode, Mode, SectorSize,
+    BlockCipher, BlockCipher64, Cascade, CascadeChain, CipherSpec, Geometry, IvMode, Mode,
+    SectorSize,
 };
 use crate::{Error, Result, SecretBytes};
 
@@ -337,7 +338,7 @@ impl Header {
     /// The mapping of the data, for a device of `device_bytes` holding both header and data
     /// (a system volume: the whole drive image, mapped over the whole encrypted area).
     /// Refused as cryptsetup refuses: the `-tcrypt` legacy modes, a sector size not a
-    /// multiple of 512; and ciphers ucrypt lacks for data (kuznyechik, the 64-bit ones).
+    /// multiple of 512; and kuznyechik, which no Debian kernel has.
     pub fn mapping(&self, device_bytes: u64) -> Result<Mapping> {
         if self.sector_bytes as u64 % SECTOR != 0 {
             return Err(Error::UnsupportedFormat(format!(
@@ -367,46 +368,52 @@ impl Header {
     }
 
     /// The data's cipher: XTS or LRW over one cipher or a cascade, or TrueCrypt's
-    /// single-cipher CBC with dm-crypt's `tcw` IV.
+    /// single-cipher CBC with dm-crypt's `tcw` IV (a 128-bit cipher, CAST5 or triple DES).
     fn data_spec(&self) -> Result<CipherSpec> {
-        let mut ciphers: Vec<BlockCipher> = Vec::new();
-        for l in self.algs.layers {
-            match l.cipher {
-                Cipher::Wide(c) => ciphers.push(c),
-                Cipher::Kuznyechik => {
-                    return Err(Error::UnsupportedFormat(
-                        "cipher kuznyechik is not supported by ucrypt (no Debian kernel has \
-                         it)"
-                        .into(),
-                    ))
-                }
-                other => {
-                    return Err(Error::UnsupportedFormat(format!(
-                        "TCRYPT legacy mode {}-{}: ucrypt has no 64-bit block ciphers for data",
-                        other.name(),
-                        self.algs.chain.name()
-                    )))
-                }
-            }
+        if matches!(self.algs.chain, Chain::CbciTcrypt | Chain::CbcTcrypt) {
+            return Err(Error::UnsupportedFormat(
+                "Kernel does not support activation for this TCRYPT legacy mode.".into(),
+            ));
         }
-        let (chain, iv) = match self.algs.chain {
-            Chain::Xts => (CascadeChain::Xts, IvMode::Plain64),
-            Chain::Lrw => (CascadeChain::Lrw, IvMode::Benbi),
-            Chain::CbciTcrypt | Chain::CbcTcrypt => {
-                return Err(Error::UnsupportedFormat(
-                    "Kernel does not support activation for this TCRYPT legacy mode.".into(),
-                ))
-            }
-            Chain::CbcTcw => {
-                let [c] = ciphers.as_slice() else {
-                    return Err(Error::Bug("a cbc-tcw chain of more than one cipher"));
+        if self
+            .algs
+            .layers
+            .iter()
+            .any(|l| l.cipher == Cipher::Kuznyechik)
+        {
+            return Err(Error::UnsupportedFormat(
+                "cipher kuznyechik is not supported by ucrypt (no Debian kernel has it)".into(),
+            ));
+        }
+        let wide = |l: &algs::Layer| match l.cipher {
+            Cipher::Wide(c) => Ok(c),
+            _ => Err(Error::Bug("a 64-bit cipher in an XTS or LRW chain")),
+        };
+        let (chain, iv) = match (self.algs.chain, self.algs.layers) {
+            (Chain::CbcTcw, [layer]) => {
+                let mode = match layer.cipher {
+                    Cipher::Wide(c) => Mode::Cbc(c),
+                    Cipher::Cast5 => Mode::Cbc64(BlockCipher64::Cast5),
+                    Cipher::Des3Ede => Mode::Cbc64(BlockCipher64::Des3Ede),
+                    Cipher::BlowfishLe | Cipher::Kuznyechik => {
+                        return Err(Error::Bug("a cbc-tcw chain of blowfish or kuznyechik"))
+                    }
                 };
                 return Ok(CipherSpec {
-                    mode: Mode::Cbc(*c),
+                    mode,
                     iv: IvMode::Tcw,
                 });
             }
+            (Chain::Xts, _) => (CascadeChain::Xts, IvMode::Plain64),
+            (Chain::Lrw, _) => (CascadeChain::Lrw, IvMode::Benbi),
+            _ => return Err(Error::Bug("a TCRYPT chain without a data mapping")),
         };
+        let ciphers = self
+            .algs
+            .layers
+            .iter()
+            .map(wide)
+            .collect::<Result<Vec<BlockCipher>>>()?;
         let mode = match (chain, ciphers.as_slice()) {
             (CascadeChain::Xts, [c]) => Mode::Xts(*c),
             (CascadeChain::Lrw, [c]) => Mode::Lrw(*c),
