@@ -2,8 +2,11 @@
 //! against the kernel's dm-crypt, dm-integrity and ublk: finding the harness, deciding SKIPPED
 //! vs. failing, and running one script in one boot.
 
+use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{have, SplitMix};
@@ -78,6 +81,9 @@ pub struct VmRun {
     pub disks: Vec<(PathBuf, bool)>,
     /// vhost-user-blk sockets, attached after `disks` in /dev/vdX order (`run-in-vm.sh -V`).
     pub vhosts: Vec<PathBuf>,
+    /// NBD servers' UNIX sockets, whose default export qemu's NBD client attaches as a
+    /// virtio-blk disk after `vhosts` (`run-in-vm.sh -N`; num-queues as `vhost_queues`).
+    pub nbds: Vec<PathBuf>,
     /// num-queues of each vhost-user-blk disk (`VMTEST_VHOST_QUEUES`; default 2).
     pub vhost_queues: Option<u32>,
     /// Seconds after which qemu reconnects to a vhost-user backend it lost (the chardev's
@@ -113,6 +119,7 @@ impl VmRun {
             script: script.into(),
             disks: Vec::new(),
             vhosts: Vec::new(),
+            nbds: Vec::new(),
             vhost_queues: None,
             vhost_reconnect: None,
             share: None,
@@ -154,6 +161,9 @@ impl VmRun {
         for v in &self.vhosts {
             cmd.arg("-V").arg(v);
         }
+        for n in &self.nbds {
+            cmd.arg("-N").arg(n);
+        }
         if let Some(q) = self.vhost_queues {
             cmd.env("VMTEST_VHOST_QUEUES", q.to_string());
         }
@@ -185,10 +195,10 @@ impl VmRun {
         }
         cmd.arg(&script);
         let t0 = Instant::now();
-        let out = cmd.output().expect("spawn tests/vm/run-in-vm.sh");
+        let (status, stdout, stderr) = run_script(cmd);
         let elapsed = t0.elapsed();
-        let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
-        output.push_str(&String::from_utf8_lossy(&out.stderr));
+        let mut output = String::from_utf8_lossy(&stdout).into_owned();
+        output.push_str(&String::from_utf8_lossy(&stderr));
         if self.echo {
             println!(
                 "---- VM output ({:.1} s) ----\n{output}---- end of VM output ----",
@@ -196,9 +206,107 @@ impl VmRun {
             );
         }
         VmOutput {
-            status: out.status.code().unwrap_or(-1),
+            status,
             output,
             elapsed,
+        }
+    }
+}
+
+/// Most VMs one process runs at once that [`stop_running_vms`] can reach (a test binary runs
+/// its tests in parallel, each its own VM); a VM beyond it still runs, and still stops when its
+/// runner dies (the script's parent-death signal).
+const RUNNING_MAX: usize = 16;
+
+/// The run-in-vm.sh processes running now (0: a free slot). A pid is put here after the spawn
+/// and taken out before the process is reaped, so no slot ever names a pid reused by another.
+static RUNNING: [AtomicI32; RUNNING_MAX] = [const { AtomicI32::new(0) }; RUNNING_MAX];
+
+/// Set by [`stop_running_vms`]: a VM started afterwards is stopped at once too (one whose
+/// script was spawned but not yet in [`RUNNING`] when the signal came).
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// Sends SIGTERM to every VM this process runs now, and to every one it starts from now on;
+/// each script then stops its qemu and exits, and its [`VmRun::run`] returns. Async-signal-safe
+/// (atomics and kill(2)): for a signal handler that must not leave a VM behind (ucrypt-bench's).
+pub fn stop_running_vms() {
+    STOPPING.store(true, Ordering::SeqCst);
+    for slot in &RUNNING {
+        let pid = slot.load(Ordering::SeqCst);
+        if pid > 0 {
+            // SAFETY: kill(2) has no memory-safety preconditions; the pid is a child of this
+            // process not yet reaped (see RUNNING), so it names no other process.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+}
+
+/// Runs run-in-vm.sh (`cmd`) to its end: its exit code (-1 when a signal ended it), stdout and
+/// stderr. The script gets SIGTERM when the thread that runs it dies (PR_SET_PDEATHSIG), and
+/// stops its qemu then, so a runner killed in any way leaves no VM behind; while it runs, its
+/// pid is in [`RUNNING`] for [`stop_running_vms`].
+fn run_script(mut cmd: Command) -> (i32, Vec<u8>, Vec<u8>) {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent; it runs in the
+    // child between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("spawn tests/vm/run-in-vm.sh");
+    let pid = child.id() as i32;
+    let slot = RUNNING.iter().find(|s| {
+        s.compare_exchange(0, pid, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    });
+    // After the pid is in RUNNING: a stop that scanned RUNNING before is seen here.
+    if STOPPING.load(Ordering::SeqCst) {
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let err_reader = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = stderr.read_to_end(&mut b);
+        b
+    });
+    let mut stdout = Vec::new();
+    let _ = child
+        .stdout
+        .take()
+        .expect("piped stdout")
+        .read_to_end(&mut stdout);
+    let stderr = err_reader.join().unwrap_or_default();
+    wait_unreaped(pid);
+    if let Some(s) = slot {
+        s.store(0, Ordering::SeqCst);
+    }
+    let status = child.wait().expect("wait for run-in-vm.sh");
+    (status.code().unwrap_or(-1), stdout, stderr)
+}
+
+/// Waits until child `pid` has exited, leaving it unreaped (a zombie keeps its pid).
+fn wait_unreaped(pid: i32) {
+    loop {
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter; waitid writes only into it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child with a valid pointer; WNOWAIT leaves it unreaped.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return;
         }
     }
 }

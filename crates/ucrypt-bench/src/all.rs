@@ -1,10 +1,10 @@
-//! `ucrypt bench all`: every scenario (cipher, engine, FUSE, NBD) in one run, written to a
+//! `ucrypt bench all`: every scenario (cipher, engine, FUSE, NBD, vhost) in one run, written to a
 //! results folder: `report.md` (tables, ratios, where the time went, the plots), `all.json`
 //! (every scenario's JSON under its name; see docs/bench-json.md), one JSON per scenario, and
 //! `plots/*.svg` + `plots/*.png`.
 //!
-//! Scenarios that cannot run here (a peer not installed, FUSE not mountable) are reported as
-//! skipped with the reason; the others still run. Ratios are only meaningful within one run:
+//! Scenarios that cannot run here (a peer not installed, FUSE not mountable, no qemu or VM kit
+//! for vhost) are reported as skipped with the reason; the others still run. Ratios are only meaningful within one run:
 //! machines change their clock over minutes, so each scenario interleaves its targets.
 
 use std::path::{Path, PathBuf};
@@ -16,10 +16,10 @@ use serde_json::Value;
 
 use super::plot::{self, BarChart, BarSeries, BarValue, Legend, LineChart, Series};
 use super::stats::Machine;
-use super::{cipher, engine, fuse, nbd, Common};
+use super::{cipher, engine, fuse, nbd, vhost, Common};
 
 /// The scenarios, in the order they run.
-pub const SCENARIOS: [&str; 4] = ["cipher", "engine", "fuse", "nbd"];
+pub const SCENARIOS: [&str; 5] = ["cipher", "engine", "fuse", "nbd", "vhost"];
 
 #[derive(Args, Clone)]
 pub struct AllArgs {
@@ -28,7 +28,7 @@ pub struct AllArgs {
     /// Results folder (default: bench-results/<UTC date-time> under the current directory).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Leave out these scenarios (comma-separated: cipher, engine, fuse, nbd).
+    /// Leave out these scenarios (comma-separated: cipher, engine, fuse, nbd, vhost).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
 }
@@ -107,6 +107,8 @@ pub struct AllReport {
     pub fuse: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nbd: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vhost: Option<Value>,
 }
 
 pub fn run(a: AllArgs) -> i32 {
@@ -158,6 +160,13 @@ fn run_all(a: &AllArgs) -> Result<PathBuf, String> {
         (None, true) => 2,
         (None, false) => 5,
     };
+    // vhost runs its fio jobs in an emulated guest, on four disks: a round takes several
+    // minutes (main.rs's `Vhost`), so one round with --quick, two without.
+    let vm_runs = match (c.runs, quick) {
+        (Some(n), _) => n.max(1),
+        (None, true) => 1,
+        (None, false) => 2,
+    };
     let t0 = Instant::now();
     let mut all = AllReport {
         schema: 1,
@@ -173,6 +182,7 @@ fn run_all(a: &AllArgs) -> Result<PathBuf, String> {
         engine: None,
         fuse: None,
         nbd: None,
+        vhost: None,
     };
     let mut md = Vec::new();
     let total = SCENARIOS
@@ -202,28 +212,29 @@ fn run_all(a: &AllArgs) -> Result<PathBuf, String> {
             "fuse" => {
                 fuse::measure(fio_runs, quick, true).map(|r| (to_value(&r), fuse::markdown(&r)))
             }
-            _ => nbd::measure(fio_runs, quick, true).map(|r| (to_value(&r), nbd::markdown(&r))),
+            "nbd" => nbd::measure(fio_runs, quick, true).map(|r| (to_value(&r), nbd::markdown(&r))),
+            _ => vhost::measure(vm_runs, quick, true).map(|r| (to_value(&r), vhost::markdown(&r))),
         };
         all.timings
             .push((name.to_string(), ts.elapsed().as_secs_f64()));
         match r {
             Ok((v, text)) => {
                 write_json(&dir.join(format!("{name}.json")), &v)?;
-                // Peers a scenario skipped (not installed) are listed with the scenario.
-                if let Some(sk) = v.get("skipped").and_then(Value::as_array) {
-                    for s in sk.iter().filter_map(Value::as_str) {
-                        all.skipped.push(Skipped {
-                            scenario: name.to_string(),
-                            reason: s.to_string(),
-                        });
-                    }
+                // Peers a scenario skipped (not installed) are listed with the scenario; a
+                // scenario that measured nothing (vhost without qemu) says why as a string.
+                for reason in skipped_reasons(&v) {
+                    all.skipped.push(Skipped {
+                        scenario: name.to_string(),
+                        reason,
+                    });
                 }
                 md.push((name, text));
                 match name {
                     "cipher" => all.cipher = Some(v),
                     "engine" => all.engine = Some(v),
                     "fuse" => all.fuse = Some(v),
-                    _ => all.nbd = Some(v),
+                    "nbd" => all.nbd = Some(v),
+                    _ => all.vhost = Some(v),
                 }
             }
             Err(e) => {
@@ -248,6 +259,19 @@ fn run_all(a: &AllArgs) -> Result<PathBuf, String> {
         dir.display()
     );
     Ok(dir)
+}
+
+/// A report's `skipped`: a list of reasons (peers left out), or one reason (nothing measured).
+fn skipped_reasons(report: &Value) -> Vec<String> {
+    match report.get("skipped") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect(),
+        Some(Value::String(s)) => vec![s.clone()],
+        _ => Vec::new(),
+    }
 }
 
 fn to_value<T: Serialize>(r: &T) -> Value {
@@ -570,7 +594,10 @@ fn report_markdown(
 /// One row per target of the briefs that this run checked: (check, measured, target, met).
 fn summary_rows(all: &AllReport) -> Vec<(String, f64, f64, bool)> {
     let mut out = Vec::new();
-    if let Some(ts) = all.engine.as_ref().and_then(|e| e["targets"].as_array()) {
+    for (name, report) in [("engine", &all.engine), ("vhost", &all.vhost)] {
+        let Some(ts) = report.as_ref().and_then(|e| e["targets"].as_array()) else {
+            continue;
+        };
         for t in ts {
             if let (Some(w), Some(m), Some(g), Some(ok)) = (
                 t["what"].as_str(),
@@ -578,7 +605,7 @@ fn summary_rows(all: &AllReport) -> Vec<(String, f64, f64, bool)> {
                 num(&t["target"]),
                 t["met"].as_bool(),
             ) {
-                out.push((format!("engine: {w}"), m, g, ok));
+                out.push((format!("{name}: {w}"), m, g, ok));
             }
         }
     }
@@ -683,6 +710,17 @@ mod tests {
             c.series[1].values[1].is_none(),
             "Plain did not run 1M write"
         );
+    }
+
+    /// Both shapes of a report's `skipped` reach the report's list.
+    #[test]
+    fn skipped_reasons_of_both_shapes() {
+        let list = serde_json::json!({"skipped": ["nbdkit: not installed", 3]});
+        assert_eq!(skipped_reasons(&list), ["nbdkit: not installed"]);
+        let one = serde_json::json!({"skipped": "qemu-system-x86_64 not found"});
+        assert_eq!(skipped_reasons(&one), ["qemu-system-x86_64 not found"]);
+        assert!(skipped_reasons(&serde_json::json!({"skipped": null})).is_empty());
+        assert!(skipped_reasons(&serde_json::json!({})).is_empty());
     }
 
     #[test]

@@ -18,6 +18,7 @@ mod fio;
 mod formats;
 mod fuse;
 mod integrity;
+mod interrupt;
 /// The test kit's VM harness (tests/kit/vm.rs), which `integrity --vm` and `vhost` boot.
 #[path = "../../../tests/kit/mod.rs"]
 mod kit;
@@ -227,10 +228,11 @@ enum Which {
     Scale(ScaleArgs),
     /// A VM's disk over vhost-user-blk in one boot of the test VM (tests/vm/, qemu TCG): `ucrypt
     /// vhost` beside qemu-storage-daemon's vhost-user-blk export of the same LUKS1 image and of
-    /// a plain file (the unencrypted ceiling); fio in the guest, each backend's CPU per request;
-    /// the goals as targets. SKIPPED, with the reason, where qemu, qemu-storage-daemon, fio or
-    /// cryptsetup is missing. Each round takes about 18 × (8 s + fio's start) under emulation
-    /// (--quick: 4 s per job).
+    /// a plain file (the unencrypted ceiling), and `ucrypt serve` of the image behind qemu's NBD
+    /// client; fio in the guest, each backend's CPU per request; the goals as targets. SKIPPED,
+    /// with the reason, where qemu, qemu-storage-daemon, fio or cryptsetup is missing. Each
+    /// round takes about 24 × (8 s + fio's start) under emulation (--quick: 4 s per job). A
+    /// signal stops the VM and the servers and removes the images.
     Vhost(Common),
     /// ucrypt in front of Ceph RBD beside librbd's own LUKS2 and qemu's luks driver, on a
     /// throw-away single-node cluster (needs Ceph's packages: scripts/deps.sh test).

@@ -26,13 +26,14 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use super::cmd::{have, run_ok};
 use super::fio::{self, FioResult, Job};
+use super::interrupt::{self, check};
 use super::stats::{Machine, Summary};
 
 const READ_QD1: Job = Job::new("4k randread psync QD1", "randread", 4096, "psync", 1);
@@ -75,34 +76,6 @@ const DEV_DIR: &str = "/dev/ucrypt";
 /// The two servers, as rows name them.
 pub const UCRYPT: &str = "ucrypt open --front-end fuse (a daemon per volume)";
 pub const QSD: &str = "qemu-storage-daemon luks, FUSE exports (one process)";
-
-/// Set by SIGINT, SIGTERM or SIGHUP: the run stops at its next step and closes everything.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
-fn catch_signals() {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic (async-signal-safe); `signal` installs
-        // it with SA_RESTART, so the waits of this process resume after it.
-        unsafe {
-            libc::signal(
-                sig,
-                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-            )
-        };
-    }
-}
-
-fn check_interrupted() -> Result<(), String> {
-    if INTERRUPTED.load(Ordering::SeqCst) {
-        Err("interrupted by a signal; what was open has been closed".into())
-    } else {
-        Ok(())
-    }
-}
 
 /// One N: what opening N volumes cost with one server.
 #[derive(Serialize)]
@@ -251,7 +224,7 @@ fn luks2_images(
                         if i >= imgs.len() {
                             return Ok(());
                         }
-                        check_interrupted()?;
+                        check()?;
                         format_one(&imgs[i])?;
                     }
                 })
@@ -299,7 +272,7 @@ fn luks1_images(w: &WorkDir, count: usize) -> Result<Vec<PathBuf>, String> {
         .map_err(|e| format!("{}: {e}", template.display()))?;
     let mut imgs = Vec::with_capacity(count);
     for i in 0..count {
-        check_interrupted()?;
+        check()?;
         let img = w.dir.join(format!("l{i}.img"));
         let f = File::create(&img).map_err(|e| format!("{}: {e}", img.display()))?;
         f.set_len(LUKS1_IMAGE_BYTES)
@@ -371,7 +344,7 @@ impl UcryptFleet {
         };
         let t = Instant::now();
         for (i, img) in imgs.iter().enumerate() {
-            check_interrupted()?;
+            check()?;
             let name = format!("{prefix}{i}");
             // Named before it opens: a half-done open is closed too.
             f.names.push(name.clone());
@@ -529,7 +502,7 @@ impl QsdFleet {
         let wait = MOUNT_WAIT_BASE + Duration::from_millis(100) * imgs.len() as u32;
         let mut ready = 0;
         while ready < f.mounts.len() {
-            check_interrupted()?;
+            check()?;
             if let Ok(Some(st)) = f.child.try_wait() {
                 let log = std::fs::read_to_string(&log).unwrap_or_default();
                 return Err(format!("qemu-storage-daemon exited ({st}): {}", log.trim()));
@@ -612,7 +585,7 @@ fn ucrypt_fleet(
     let p = proc_totals(&fleet.pids()?)?;
     let (mut list, mut status) = (Vec::new(), Vec::new());
     for _ in 0..runs {
-        check_interrupted()?;
+        check()?;
         list.push(fleet.time_list()?);
         for k in 0..STATUS_SAMPLES.min(n) {
             status.push(fleet.time_status(k * n / STATUS_SAMPLES.min(n))?);
@@ -690,7 +663,7 @@ fn reads(
     for run in 0..runs {
         for (si, (name, files)) in servers.iter().enumerate() {
             for (ai, &a) in active.iter().enumerate() {
-                check_interrupted()?;
+                check()?;
                 if progress {
                     eprintln!("bench scale: run {}/{runs}: {name}: {a} at once", run + 1);
                 }
@@ -754,7 +727,7 @@ pub fn measure(
     if !Path::new("/dev/fuse").exists() {
         return Err("no /dev/fuse (modprobe fuse)".into());
     }
-    catch_signals();
+    interrupt::catch_signals();
     let ucrypt = crate::ucrypt_bin()?;
     let machine = Machine::detect();
     let cores = machine.cores;

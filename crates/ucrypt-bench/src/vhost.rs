@@ -1,31 +1,41 @@
 //! `ucrypt bench vhost`: a VM's encrypted disk over vhost-user-blk, side by side in one boot of
-//! the test VM (tests/vm/, through the test kit, tests/kit/vm.rs; qemu TCG, 2 vCPUs). Three
-//! vhost-user-blk disks of 2 queues each, every backend bypassing the host's page cache:
+//! the test VM (tests/vm/, through the test kit, tests/kit/vm.rs; qemu TCG, 2 vCPUs). Four
+//! disks of 2 queues each, every backend bypassing the host's page cache, three of them
+//! vhost-user-blk:
 //!
 //! - `ucrypt vhost` on a LUKS1 image (aes-xts-plain64, made by cryptsetup; `--cache none`, its
 //!   default);
 //! - qemu-storage-daemon's vhost-user-blk export over its `luks` driver on a copy of that image
 //!   (`cache.direct=on`);
-//! - qemu-storage-daemon's export of a plain file: the unencrypted ceiling.
+//! - qemu-storage-daemon's export of a plain file: the unencrypted ceiling;
+//!
+//! and the way a VM reaches ucrypt without vhost-user: `ucrypt serve` of another copy of the
+//! LUKS1 image over a unix socket, attached with qemu's NBD client as a virtio-blk disk (a
+//! socket round trip and a copy per request; two servers may not write one image).
 //!
 //! The images are sparse files on the machine's disk ([`disk_dir`]). fio runs in the guest
 //! (libaio, O_DIRECT, the same arguments as the host-side scenarios, [`fio::args`]): 4 KiB
 //! random reads and writes at QD1 and at QD32 (2 jobs × 16), 1 MiB sequential writes and reads
-//! at QD4. Each round runs every job on the three disks in turn, the order rotating by round;
+//! at QD4. Each round runs every job on the four disks in turn, the order rotating by round;
 //! cells are medians over rounds, ratios are taken within a round.
 //!
 //! Under TCG the emulated guest limits every disk, so the report also gives each backend's own
 //! CPU time per request: the guest writes a line to a file in the share (9p) before and after
 //! each fio run, and a host thread reads the backend's utime + stime ([`process_cpu_s`]) at
 //! each new line ([`sample_phases`]). CPU per request is the difference ÷ the requests fio
-//! completed (its IOPS × the runtime).
+//! completed (its IOPS × the runtime). For the NBD disk that is `ucrypt serve`'s CPU alone: the
+//! NBD client's runs in qemu, as the virtqueue work of the other three runs in their backends.
 //!
 //! The goals (issue 45), checked as targets beside a ceiling measured in the same run
 //! ([`crate::engine::targets_table`]): per job, ucrypt's throughput ÷ qemu-storage-daemon
 //! luks's ≥ 1.0 (ceiling: the unencrypted export's ÷ qemu-storage-daemon luks's); per 1 MiB
 //! job, ucrypt ÷ the unencrypted export ≥ 0.9; backend CPU per 4 KiB request (over the four
 //! 4 KiB jobs), qemu-storage-daemon luks's ÷ ucrypt's ≥ 2, that is ucrypt ≤ 0.5× (no
-//! ceiling: the unencrypted export's CPU does not bound an encrypting backend's).
+//! ceiling: the unencrypted export's CPU does not bound an encrypting backend's). The NBD disk
+//! has no goal: its rows and its ratio to qemu-storage-daemon luks show what vhost-user saves.
+//!
+//! A SIGINT, SIGTERM or SIGHUP stops the VM and the servers and removes the images
+//! ([`crate::interrupt`]); so does an error on the way (the servers and images close on drop).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +51,7 @@ use crate::disk::disk_dir;
 use crate::engine::{target, targets_table, TargetCheck};
 use crate::fio::{self, Job};
 use crate::fuse::Setup;
+use crate::interrupt;
 use crate::kit;
 use crate::server::Server;
 use crate::stats::{loadavg, Machine, Summary};
@@ -55,8 +66,8 @@ const JOBS: &[Job] = &[
 ];
 /// Plaintext bytes of each disk fio covers (and of ucrypt's volume).
 const VOLUME_BYTES: u64 = 256 << 20;
-/// What the qemu-storage-daemon disks add to the size of the one before: the guest tells the
-/// disks apart by size (virtio's probe order is not the command line's).
+/// What each disk after ucrypt's vhost-user one adds to the size of the one before: the guest
+/// tells the disks apart by size (virtio's probe order is not the command line's).
 const SIZE_STEP_BYTES: u64 = 4 << 20;
 const QUEUES: u32 = 2;
 const GUEST_CPUS: u32 = 2;
@@ -77,16 +88,26 @@ const GOAL_VS_QSD: f64 = 1.0;
 const GOAL_VS_CEILING_1M: f64 = 0.9;
 const GOAL_CPU_QSD_OVER_UCRYPT: f64 = 2.0;
 
-/// The three disks, in the order of the guest's `d0`, `d1`, `d2`.
+/// The four disks, in the order of the guest's `d0` … `d3`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Backend {
     Ucrypt,
     QsdLuks,
     QsdRaw,
+    /// `ucrypt serve` behind qemu's NBD client.
+    UcryptNbd,
 }
 
-const BACKENDS: [Backend; 3] = [Backend::Ucrypt, Backend::QsdLuks, Backend::QsdRaw];
+/// How many disks the VM has.
+const DISKS: usize = 4;
+
+const BACKENDS: [Backend; DISKS] = [
+    Backend::Ucrypt,
+    Backend::QsdLuks,
+    Backend::QsdRaw,
+    Backend::UcryptNbd,
+];
 
 impl Backend {
     fn name(self) -> &'static str {
@@ -94,6 +115,17 @@ impl Backend {
             Backend::Ucrypt => "ucrypt vhost",
             Backend::QsdLuks => "qemu-storage-daemon luks",
             Backend::QsdRaw => "qemu-storage-daemon raw (unencrypted ceiling)",
+            Backend::UcryptNbd => "ucrypt serve over NBD (qemu's NBD client)",
+        }
+    }
+
+    /// The size step of its disk (see [`SIZE_STEP_BYTES`]) and the prefix of its files.
+    fn tag(self) -> (u64, &'static str) {
+        match self {
+            Backend::Ucrypt => (0, "u"),
+            Backend::QsdLuks => (1, "q"),
+            Backend::QsdRaw => (2, "r"),
+            Backend::UcryptNbd => (3, "n"),
         }
     }
 }
@@ -113,7 +145,8 @@ pub struct Row {
 #[derive(Serialize)]
 pub struct Ratio {
     pub job: &'static str,
-    /// "ucrypt ÷ qsd luks", "qsd raw ÷ qsd luks", "ucrypt ÷ qsd raw".
+    /// "ucrypt ÷ qsd luks", "qsd raw ÷ qsd luks", "ucrypt nbd ÷ qsd luks", "ucrypt ÷ ucrypt
+    /// nbd", "ucrypt ÷ qsd raw".
     pub what: &'static str,
     pub ratio: Summary,
 }
@@ -174,8 +207,10 @@ fn on_path(program: &str) -> Option<PathBuf> {
 struct Rig {
     servers: Vec<Server>,
     /// Each disk's size in 512-byte sectors as the guest sees it, in [`BACKENDS`] order.
-    sectors: [u64; 3],
+    sectors: [u64; DISKS],
     socks: Vec<PathBuf>,
+    /// The LUKS1 image each encrypted backend serves (its own copy but ucrypt vhost's).
+    images: Vec<PathBuf>,
     setup: Setup,
 }
 
@@ -186,15 +221,6 @@ impl Rig {
             .map_err(|e| format!("{}: {e}", setup.image.display()))?
             .len();
         let luks_sectors = image_bytes / 512 - setup.payload_sectors;
-        // qemu-storage-daemon's copy is larger by a step, the plain file by two: the sizes the
-        // guest tells them apart by.
-        let qsd_image = setup.dir.join("qsd-luks1.img");
-        run_ok(
-            Command::new("cp")
-                .arg("--sparse=always")
-                .arg(&setup.image)
-                .arg(&qsd_image),
-        )?;
         let grow = |p: &Path, bytes: u64| {
             std::fs::OpenOptions::new()
                 .write(true)
@@ -202,26 +228,49 @@ impl Rig {
                 .and_then(|f| f.set_len(bytes))
                 .map_err(|e| format!("{}: {e}", p.display()))
         };
-        grow(&qsd_image, image_bytes + SIZE_STEP_BYTES)?;
-        let raw_bytes = luks_sectors * 512 + 2 * SIZE_STEP_BYTES;
-        grow(&setup.plain, raw_bytes)?;
-        let sectors = [
-            luks_sectors,
-            luks_sectors + SIZE_STEP_BYTES / 512,
-            raw_bytes / 512,
-        ];
-        let socks: Vec<PathBuf> = ["u", "q", "r"]
+        // Each disk is larger than ucrypt vhost's by its steps: the sizes the guest tells them
+        // apart by. The other encrypted backends serve copies (a LUKS1 image's payload grows
+        // with its file); the plain file is the payload alone.
+        let mut images = Vec::new();
+        let mut sectors = [0; DISKS];
+        for (i, b) in BACKENDS.into_iter().enumerate() {
+            let (steps, tag) = b.tag();
+            let step_bytes = steps * SIZE_STEP_BYTES;
+            sectors[i] = luks_sectors + step_bytes / 512;
+            let image = match b {
+                Backend::Ucrypt => setup.image.clone(),
+                Backend::QsdRaw => {
+                    grow(&setup.plain, luks_sectors * 512 + step_bytes)?;
+                    setup.plain.clone()
+                }
+                Backend::QsdLuks | Backend::UcryptNbd => {
+                    let copy = setup.dir.join(format!("{tag}-luks1.img"));
+                    run_ok(
+                        Command::new("cp")
+                            .arg("--sparse=always")
+                            .arg(&setup.image)
+                            .arg(&copy),
+                    )?;
+                    grow(&copy, image_bytes + step_bytes)?;
+                    copy
+                }
+            };
+            images.push(image);
+        }
+        let socks = BACKENDS
             .iter()
-            .map(|s| setup.dir.join(format!("{s}.sock")))
+            .map(|b| setup.dir.join(format!("{}.sock", b.tag().1)))
             .collect();
         let mut rig = Rig {
             servers: Vec::new(),
             sectors,
             socks,
+            images,
             setup,
         };
         for b in BACKENDS {
-            let cmd = rig.command(b, &qsd_image)?;
+            interrupt::check()?;
+            let cmd = rig.command(b)?;
             let i = b as usize;
             let log = rig.setup.dir.join(format!("backend{i}.log"));
             let s = Server::start(cmd, &rig.socks[i], &log, b.name(), READY_WAIT)?;
@@ -230,9 +279,9 @@ impl Rig {
         Ok(rig)
     }
 
-    fn command(&self, b: Backend, qsd_image: &Path) -> Result<Command, String> {
+    fn command(&self, b: Backend) -> Result<Command, String> {
         let s = &self.setup;
-        let sock = &self.socks[b as usize];
+        let (sock, image) = (&self.socks[b as usize], &self.images[b as usize]);
         let export = |node: &str| {
             format!(
                 "type=vhost-user-blk,id=e0,node-name={node},addr.type=unix,addr.path={},\
@@ -240,57 +289,57 @@ impl Rig {
                 sock.display()
             )
         };
-        let file = |p: &Path| {
-            format!(
-                "driver=file,node-name=f0,filename={},cache.direct=on",
-                p.display()
-            )
-        };
+        let file = format!(
+            "driver=file,node-name=f0,filename={},cache.direct=on",
+            image.display()
+        );
         let mut c;
         match b {
-            Backend::Ucrypt => {
+            Backend::Ucrypt | Backend::UcryptNbd => {
                 c = Command::new(crate::ucrypt_bin()?);
-                c.arg("vhost")
-                    .arg(&s.image)
-                    .arg("--key-file")
-                    .arg(&s.pass_file);
-                c.arg("--socket").arg(sock);
-                c.args(["--queues", &QUEUES.to_string()]);
+                if b == Backend::Ucrypt {
+                    c.arg("vhost").arg(image).arg("--socket").arg(sock);
+                    c.args(["--queues", &QUEUES.to_string()]);
+                } else {
+                    c.arg("serve").arg(image);
+                    c.arg("--nbd").arg(format!("unix:{}", sock.display()));
+                }
+                c.arg("--key-file").arg(&s.pass_file);
             }
             Backend::QsdLuks => {
                 c = Command::new("qemu-storage-daemon");
                 c.arg("--object")
                     .arg(format!("secret,id=s0,file={}", s.pass_file.display()));
-                c.arg("--blockdev").arg(file(qsd_image));
+                c.arg("--blockdev").arg(file);
                 c.arg("--blockdev")
                     .arg("driver=luks,node-name=l0,file=f0,key-secret=s0");
                 c.arg("--export").arg(export("l0"));
             }
             Backend::QsdRaw => {
                 c = Command::new("qemu-storage-daemon");
-                c.arg("--blockdev").arg(file(&s.plain));
+                c.arg("--blockdev").arg(file);
                 c.arg("--export").arg(export("f0"));
             }
         }
         Ok(c)
     }
 
-    fn pids(&self) -> [libc::pid_t; 3] {
-        [0, 1, 2].map(|i| self.servers[i].pid())
+    fn pids(&self) -> [libc::pid_t; DISKS] {
+        std::array::from_fn(|i| self.servers[i].pid())
     }
 }
 
 /// The guest's part: finds the disks by size, then runs every job on each disk per round,
 /// appending `B SIDE JOB ROUND` and `E SIDE JOB ROUND` lines to the share's `phase` file around
 /// each fio run and writing fio's JSON into `out/`.
-fn script(sectors: [u64; 3], runs: usize, runtime: Duration) -> String {
+fn script(sectors: [u64; DISKS], runs: usize, runtime: Duration) -> String {
     let mut s = String::from("set -e\nfor b in /sys/block/vd*; do\n  case $(cat $b/size) in\n");
     for (i, n) in sectors.iter().enumerate() {
         s += &format!("    {n}) d{i}=/dev/${{b##*/}};;\n");
     }
     s += "  esac\ndone\n\
-          echo \"disks: ucrypt=$d0 qsd-luks=$d1 qsd-raw=$d2\"\n\
-          [ -n \"$d0\" ] && [ -n \"$d1\" ] && [ -n \"$d2\" ]\n\
+          echo \"disks: ucrypt=$d0 qsd-luks=$d1 qsd-raw=$d2 ucrypt-nbd=$d3\"\n\
+          [ -n \"$d0\" ] && [ -n \"$d1\" ] && [ -n \"$d2\" ] && [ -n \"$d3\" ]\n\
           mkdir -p /mnt/host/out\n\
           run() {\n  \
             s=$1; j=$2; r=$3; d=$4; shift 4\n  \
@@ -315,13 +364,13 @@ fn script(sectors: [u64; 3], runs: usize, runtime: Duration) -> String {
 /// A line of the guest's phase file and each backend's CPU seconds when the host saw it.
 struct Mark {
     text: String,
-    cpu: [Option<f64>; 3],
+    cpu: [Option<f64>; DISKS],
 }
 
 /// Reads the lines the guest appends to the phase file, every [`PHASE_POLL`] until `done`:
 /// each new line, with the backends' CPU times then. A backend is idle between fio runs, and
 /// fio takes far longer than a poll to start in the guest, so a late look costs nothing.
-fn sample_phases(file: &Path, pids: [libc::pid_t; 3], done: &AtomicBool) -> Vec<Mark> {
+fn sample_phases(file: &Path, pids: [libc::pid_t; DISKS], done: &AtomicBool) -> Vec<Mark> {
     let mut marks: Vec<Mark> = Vec::new();
     let mut seen = 0;
     while !done.load(Ordering::Relaxed) {
@@ -414,7 +463,7 @@ fn collect(
     }
 }
 
-/// Boots the VM with the three backends and measures; a report with `skipped` set where a tool
+/// Boots the VM with the four backends and measures; a report with `skipped` set where a tool
 /// or the VM is missing here.
 pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<VhostReport, String> {
     let runtime = Duration::from_secs(if quick { 4 } else { 8 });
@@ -442,11 +491,14 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<VhostReport, 
             return Ok(report);
         }
     };
+    interrupt::catch_signals();
     let rig = Rig::start(&base)?;
     let share = rig.setup.dir.join("share");
     std::fs::create_dir_all(share.join("out")).map_err(|e| format!("{}: {e}", share.display()))?;
     let mut vm = kit::vm::VmRun::new(script(rig.sectors, runs, runtime));
-    vm.vhosts = rig.socks.clone();
+    let nbd = Backend::UcryptNbd as usize;
+    vm.vhosts = rig.socks[..nbd].to_vec();
+    vm.nbds = vec![rig.socks[nbd].clone()];
     vm.vhost_queues = Some(QUEUES);
     vm.cpus = Some(GUEST_CPUS);
     vm.mem_mb = GUEST_MEM_MB;
@@ -464,6 +516,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<VhostReport, 
             vm.timeout_s
         );
     }
+    interrupt::check()?;
     let done = AtomicBool::new(false);
     let t0 = Instant::now();
     let (out, marks) = std::thread::scope(|sc| {
@@ -475,6 +528,7 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<VhostReport, 
     });
     report.vm_seconds = t0.elapsed().as_secs_f64();
     report.host_load_after = loadavg();
+    interrupt::check()?;
     if progress {
         eprintln!("ucrypt bench vhost: VM done in {:.0} s", report.vm_seconds);
     }
@@ -496,10 +550,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<VhostReport, 
 fn fill(report: &mut VhostReport, samples: &[Vec<Vec<Sample>>]) {
     let runtime_s = report.runtime_s;
     let per_req_us = |(r, cpu): &Sample| *cpu / (r.iops * runtime_s) * 1e6;
-    let (u, q, w) = (
+    let (u, q, w, n) = (
         Backend::Ucrypt as usize,
         Backend::QsdLuks as usize,
         Backend::QsdRaw as usize,
+        Backend::UcryptNbd as usize,
     );
     for (job, per_side) in JOBS.iter().zip(samples) {
         for (&backend, s) in BACKENDS.iter().zip(per_side) {
@@ -535,6 +590,8 @@ fn fill(report: &mut VhostReport, samples: &[Vec<Vec<Sample>>]) {
         let mut ratios = vec![
             ("ucrypt ÷ qsd luks", vs_qsd),
             ("qsd raw ÷ qsd luks", ceiling),
+            ("ucrypt nbd ÷ qsd luks", ratio(n, q)),
+            ("ucrypt ÷ ucrypt nbd", ratio(u, n)),
         ];
         if job.block_bytes >= 1 << 20 {
             let vs_raw = ratio(u, w);
@@ -606,12 +663,15 @@ pub fn markdown(r: &VhostReport) -> String {
         return format!("SKIPPED: {why}\n");
     }
     let mut s = format!(
-        "Machine: {}; load {} before, {} after. One qemu guest (TCG, {} vCPUs), three \
-         vhost-user-blk disks of {} queues, every backend O_DIRECT on the host; fio in the guest \
-         (libaio, direct), {} s per job, {} rounds ({:.0} s in the VM). 4 KiB rows: IOPS, 1 MiB \
-         rows: MiB/s; median (min–max); backend CPU µs per request, median.\n\n\
-         | job | ucrypt | qsd luks | qsd raw (ceiling) | ucrypt ÷ qsd luks | ucrypt ÷ raw | \
-         CPU µs/req ucrypt / qsd luks / raw |\n|---|---|---|---|---|---|---|\n",
+        "Machine: {}; load {} before, {} after. One qemu guest (TCG, {} vCPUs), disks of {} \
+         queues: three vhost-user-blk (ucrypt vhost, qemu-storage-daemon luks and raw) and \
+         ucrypt serve through qemu's NBD client (virtio-blk), every backend O_DIRECT on the \
+         host; fio in the guest (libaio, direct), {} s per job, {} rounds ({:.0} s in the VM). \
+         4 KiB rows: IOPS, 1 MiB rows: MiB/s; median (min–max); backend CPU µs per request, \
+         median.\n\n\
+         | job | ucrypt | qsd luks | qsd raw (ceiling) | ucrypt NBD | ucrypt ÷ qsd luks | \
+         ucrypt ÷ raw | ucrypt NBD ÷ qsd luks | CPU µs/req ucrypt / qsd luks / raw / ucrypt NBD \
+         |\n|---|---|---|---|---|---|---|---|---|\n",
         r.machine.describe(),
         r.host_load_before,
         r.host_load_after,
@@ -640,16 +700,19 @@ pub fn markdown(r: &VhostReport) -> String {
                 .map_or("–".into(), |x| x.ratio.show(2))
         };
         s += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} / {} / {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} / {} |\n",
             job.name,
             cell(Backend::Ucrypt),
             cell(Backend::QsdLuks),
             cell(Backend::QsdRaw),
+            cell(Backend::UcryptNbd),
             ratio("ucrypt ÷ qsd luks"),
             ratio("ucrypt ÷ qsd raw"),
+            ratio("ucrypt nbd ÷ qsd luks"),
             cpu(Backend::Ucrypt),
             cpu(Backend::QsdLuks),
-            cpu(Backend::QsdRaw)
+            cpu(Backend::QsdRaw),
+            cpu(Backend::UcryptNbd)
         );
     }
     s += "\nBackend CPU per 4 KiB request over the four 4 KiB jobs, µs: ";
@@ -671,34 +734,53 @@ mod tests {
     /// mark (a torn read of the file).
     #[test]
     fn cpu_between_marks() {
-        let mark = |text: &str, cpu: [f64; 3]| Mark {
+        let mark = |text: &str, cpu: [f64; DISKS]| Mark {
             text: text.into(),
             cpu: cpu.map(Some),
         };
         let marks = [
-            mark("B 1 0 0", [1.0, 2.0, 3.0]),
-            mark("E 1", [9.0, 9.0, 9.0]),
-            mark("E 1 0 0", [1.5, 2.75, 3.0]),
-            mark("B 0 2 1", [1.5, 2.75, 3.0]),
-            mark("E 0 2 1", [4.0, 2.75, 3.0]),
-            mark("E 2 0 0", [4.0, 2.75, 3.0]),
+            mark("B 1 0 0", [1.0, 2.0, 3.0, 4.0]),
+            mark("E 1", [9.0, 9.0, 9.0, 9.0]),
+            mark("E 1 0 0", [1.5, 2.75, 3.0, 4.0]),
+            mark("B 0 2 1", [1.5, 2.75, 3.0, 4.0]),
+            mark("E 0 2 1", [4.0, 2.75, 3.0, 4.0]),
+            mark("B 3 1 0", [4.0, 2.75, 3.0, 4.0]),
+            mark("E 3 1 0", [4.0, 2.75, 3.0, 4.25]),
+            mark("E 2 0 0", [4.0, 2.75, 3.0, 4.25]),
         ];
         let c = cpu_per_run(&marks);
         assert_eq!(c.get(&(1, 0, 0)), Some(&0.75));
         assert_eq!(c.get(&(0, 2, 1)), Some(&2.5));
-        assert_eq!(c.len(), 2, "{c:?}");
+        assert_eq!(c.get(&(3, 1, 0)), Some(&0.25));
+        assert_eq!(c.len(), 3, "{c:?}");
     }
 
-    /// Every round runs every job on all three disks, each side first in turn.
+    /// Every round runs every job on all four disks, each side first in turn.
     #[test]
     fn script_runs_each_job_on_each_disk() {
-        let s = script([1, 2, 3], 3, Duration::from_secs(1));
+        let s = script([1, 2, 3, 4], 4, Duration::from_secs(1));
         let runs: Vec<&str> = s.lines().filter(|l| l.starts_with("run ")).collect();
-        assert_eq!(runs.len(), 3 * JOBS.len() * 3);
-        for r in 0..3 {
-            assert!(runs[r * JOBS.len() * 3].starts_with(&format!("run {r} 0 {r} $d{r} ")));
+        assert_eq!(runs.len(), 4 * JOBS.len() * DISKS);
+        for r in 0..4 {
+            assert!(runs[r * JOBS.len() * DISKS].starts_with(&format!("run {r} 0 {r} $d{r} ")));
         }
         assert!(s.contains("    3) d2=/dev/${b##*/};;"), "{s}");
-        assert!(runs[6].contains("--numjobs=2") && runs[6].contains("--iodepth=16"));
+        assert!(s.contains("    4) d3=/dev/${b##*/};;"), "{s}");
+        // Job 2 (4 KiB random reads, 2 jobs × 16) on the first disk of round 0.
+        assert!(
+            runs[2 * DISKS].contains("--numjobs=2") && runs[2 * DISKS].contains("--iodepth=16")
+        );
+    }
+
+    /// The disks' sizes differ (the guest finds each by its size) and grow by backend order.
+    #[test]
+    fn disk_size_steps_differ() {
+        let steps: Vec<u64> = BACKENDS.iter().map(|b| b.tag().0).collect();
+        assert_eq!(steps, [0, 1, 2, 3]);
+        let tags: Vec<&str> = BACKENDS.iter().map(|b| b.tag().1).collect();
+        assert_eq!(tags, ["u", "q", "r", "n"]);
+        for (i, b) in BACKENDS.iter().enumerate() {
+            assert_eq!(*b as usize, i);
+        }
     }
 }

@@ -343,6 +343,8 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
         (IMAGE_MIB, REGION_MIB, OPS_4K)
     };
     let cfgs = configs();
+    // A signal stops the VM and ends the run here, removing the images.
+    crate::interrupt::catch_signals();
     let tmp = kit::TempDir::new("bench-integrity-vm");
     let share = tmp.0.join("share");
     std::fs::create_dir_all(&share).map_err(|e| format!("{}: {e}", share.display()))?;
@@ -393,9 +395,11 @@ pub fn measure(runs: usize, quick: bool, progress: bool) -> Result<KernelColumn,
     }
     let host_load_before = loadavg();
     let t0 = Instant::now();
+    crate::interrupt::check()?;
     let out = run.run(&tmp.0);
     let vm_seconds = t0.elapsed().as_secs_f64();
     let host_load_after = loadavg();
+    crate::interrupt::check()?;
     if progress {
         eprintln!("ucrypt bench integrity --vm: VM done in {vm_seconds:.0} s");
     }
