@@ -35,6 +35,24 @@ fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
+/// `import` of `plain` (at `plain_path`) into the wiped volume `img`, then `export` of the
+/// whole volume beside it: the import's bytes, then the wipe's zeroes. Returns the export.
+fn import_then_export(img: &Path, key: &Path, plain_path: &Path, plain: &[u8]) -> Vec<u8> {
+    ok(&["import", s(plain_path), s(img), "--key-file", s(key)]);
+    let out = img.with_extension("out");
+    ok(&["export", s(img), s(&out), "--key-file", s(key)]);
+    let got = std::fs::read(&out).expect("export");
+    assert!(
+        got[..plain.len()] == plain[..],
+        "export differs from import"
+    );
+    assert!(
+        got[plain.len()..].iter().all(|&b| b == 0),
+        "the wipe reads as zeroes"
+    );
+    got
+}
+
 fn format(img: &Path, key: &Path, wipe: bool) {
     std::fs::File::create(img)
         .and_then(|f| f.set_len(IMAGE_BYTES))
@@ -85,19 +103,8 @@ fn integrity_volumes_through_the_command() {
     // Wiped: everything reads, the import's bytes and zeroes after them.
     let wiped = dir.join("wiped.img");
     format(&wiped, &key, true);
-    ok(&["import", s(&plain_path), s(&wiped), "--key-file", s(&key)]);
-    let out = dir.join("wiped.out");
-    ok(&["export", s(&wiped), s(&out), "--key-file", s(&key)]);
-    let got = std::fs::read(&out).expect("export");
+    let got = import_then_export(&wiped, &key, &plain_path, &plain);
     assert!(got.len() > PLAIN_BYTES);
-    assert!(
-        got[..PLAIN_BYTES] == plain[..],
-        "export differs from import"
-    );
-    assert!(
-        got[PLAIN_BYTES..].iter().all(|&b| b == 0),
-        "the wipe reads as zeroes"
-    );
 
     // Not wiped: blocks never written fail authentication.
     let raw = dir.join("raw.img");
@@ -192,6 +199,7 @@ fn integrity_volumes_through_the_command() {
         .expect("seek");
     f.write_all(&b).expect("write flags");
     drop(f);
+    let out = wiped.with_extension("out");
     let o = ucrypt(&["export", s(&wiped), s(&out), "--key-file", s(&key)]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "a recalculating superblock is refused");
@@ -253,18 +261,7 @@ fn poly1305_volume_through_the_command() {
         !o.status.success(),
         "a 128-bit ChaCha20 key must be refused"
     );
-    ok(&["import", s(&plain_path), s(&img), "--key-file", s(&key)]);
-    let out = dir.join("poly.out");
-    ok(&["export", s(&img), s(&out), "--key-file", s(&key)]);
-    let got = std::fs::read(&out).expect("export");
-    assert!(
-        got[..PLAIN_BYTES] == plain[..],
-        "export differs from import"
-    );
-    assert!(
-        got[PLAIN_BYTES..].iter().all(|&b| b == 0),
-        "wipe reads as zeroes"
-    );
+    import_then_export(&img, &key, &plain_path, &plain);
 
     // One ciphertext bit of data sector 100 (512-byte sectors): that block fails.
     use std::io::{Read, Seek, SeekFrom, Write};
@@ -286,6 +283,7 @@ fn poly1305_volume_through_the_command() {
     f.seek(SeekFrom::Start(at)).expect("seek");
     f.write_all(&b).expect("write");
     drop(f);
+    let out = img.with_extension("out");
     let o = ucrypt(&["export", s(&img), s(&out), "--key-file", s(&key)]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "export over a flipped bit must fail");
@@ -393,18 +391,7 @@ fn integrity_key_size_as_cryptsetup_2_8() {
     let plain: Vec<u8> = (0..PLAIN_BYTES).map(|i| (i * 13 + i / 512) as u8).collect();
     let plain_path = dir.join("plain.bin");
     std::fs::write(&plain_path, &plain).expect("plain");
-    ok(&["import", s(&plain_path), s(&img), "--key-file", s(&key)]);
-    let out = dir.join("out.bin");
-    ok(&["export", s(&img), s(&out), "--key-file", s(&key)]);
-    let got = std::fs::read(&out).expect("export");
-    assert!(
-        got[..PLAIN_BYTES] == plain[..],
-        "export differs from import"
-    );
-    assert!(
-        got[PLAIN_BYTES..].iter().all(|&b| b == 0),
-        "the wipe reads as zeroes"
-    );
+    import_then_export(&img, &key, &plain_path, &plain);
 
     // Without --integrity the option changes nothing (cryptsetup reads it only with one).
     fresh(&img);
