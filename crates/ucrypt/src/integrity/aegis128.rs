@@ -14,7 +14,7 @@
 //!   `t`; the tag is `S0 ^ S1 ^ S2 ^ S3 ^ S4`.
 //!
 //! On x86-64 CPUs with AES-NI the state lives in five XMM registers and each round is one
-//! inline `AESENC` ([`ni`]); elsewhere the AES round is the `aes` crate's
+//! inline `AESENC` (module `ni`); elsewhere the AES round is the `aes` crate's
 //! `hazmat::cipher_round` (ARMv8 AES where the CPU has it, else its constant-time software
 //! round), one call per round. The key and every state are zeroised when dropped; the caller
 //! keeps an [`Aegis128`] in locked memory (a `SecretBox`).

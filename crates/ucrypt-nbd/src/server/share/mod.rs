@@ -5,7 +5,7 @@
 //! - The **owner** holds the listening socket, accepts every client and runs every handshake
 //!   (newstyle fixed: `LIST`, `INFO`, `GO`, `EXPORT_NAME`) over its own export and every
 //!   member's. A client that chooses a member's export is passed, its handshake over, to that
-//!   member (`SCM_RIGHTS`, see [`super::fdpass`]); the owner keeps nothing of it.
+//!   member (`SCM_RIGHTS`, see `server/fdpass.rs`); the owner keeps nothing of it.
 //! - A **member** registered its export with the owner and serves the transmission phase of the
 //!   clients passed to it, on the server's ordinary connection threads.
 //!
