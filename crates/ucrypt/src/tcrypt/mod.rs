@@ -349,7 +349,11 @@ impl Header {
         let spec = self.data_spec()?;
         let key = self.volume_key();
         spec.check_key_len(key.len())?;
-        let size_sectors = if self.opts_hidden {
+        // A system volume is mapped, as cryptsetup maps it, from its data to the end of the
+        // device (the whole-drive mapping), whatever size its header records.
+        let size_sectors = if self.opts_system {
+            0
+        } else if self.opts_hidden {
             self.hidden_volume_bytes / SECTOR
         } else {
             self.volume_bytes / SECTOR
