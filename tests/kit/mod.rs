@@ -2,7 +2,7 @@
 //! [`TempFile`]); the suite's one seed variable, `UCRYPT_TEST_SEED` ([`seed`], [`seed_or`],
 //! [`SplitMix`]); whether a test can run here ([`have`], [`require`], [`can_run`], [`skip`]:
 //! SKIPPED, or a failure under CI); running a program and showing what it said ([`run`],
-//! [`ok`], [`text`]); killing one mid-way ([`kill_when`]); the real cryptsetup
+//! [`ok`], [`text`]); killing one mid-way ([`kill_when`], [`kill_stepped`]); the real cryptsetup
 //! ([`cryptsetup`]); and booting a kernel under qemu ([`vm`]).
 //!
 //! Include it from a crate's `tests/` (a test file, not a helper module: those reach it as
@@ -32,8 +32,8 @@ pub mod vm;
 pub use hex::{hex, unhex};
 pub use random::{seed, seed_or, SplitMix, SEED_VAR};
 pub use run::{
-    kill_after, kill_when, ok, ok_in, run, run_in, s, stderr, stdout, terminate, text,
-    wait_timeout, Poll, KILL_WAIT_MAX,
+    kill_after, kill_stepped, kill_when, ok, ok_in, run, run_in, s, stderr, stdout, terminate,
+    text, wait_timeout, Poll, KILL_WAIT_MAX,
 };
 pub use temp::{TempDir, TempFile, KEEP_VAR};
-pub use tools::{can_run, have, is_root, missing_root_rig, require, skip, under_ci};
+pub use tools::{can_run, have, is_root, missing_root_rig, require, sibling_bin, skip, under_ci};

@@ -132,3 +132,61 @@ pub fn kill_when(mut cmd: Command, until: impl Fn() -> bool, poll: Poll, delay: 
 pub fn kill_after(cmd: Command, delay: Duration) -> bool {
     kill_when(cmd, || true, Poll::Spin, delay)
 }
+
+/// Runs `cmd` (no stdin, output discarded) in steps: it runs for `step`, is stopped
+/// (SIGSTOP, waited for), and `until` is checked while it cannot write. Once `until` has held,
+/// it runs `steps_after` more steps and is SIGKILLed while stopped, as a crash would end it.
+/// Unlike [`kill_when`], a loaded machine cannot let the program run past the condition
+/// unseen: each step gives it at most `step` of wall-clock time. Returns whether it was still
+/// running when killed (false: it ended first, or [`KILL_WAIT_MAX`] passed unseen).
+pub fn kill_stepped(
+    mut cmd: Command,
+    until: impl Fn() -> bool,
+    step: Duration,
+    steps_after: u32,
+) -> bool {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let pid = child.id() as libc::pid_t;
+    let signal = |sig| {
+        // SAFETY: kill has no memory-safety preconditions; `pid` is our unreaped child, so
+        // the number names no other process.
+        unsafe { libc::kill(pid, sig) };
+    };
+    // Waits until the child stops or ends; true if it ended (then it is reaped here).
+    let ended = || {
+        let mut status = 0;
+        // SAFETY: `status` is a valid out-pointer for the call's duration; `pid` is our child.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WUNTRACED) };
+        r == pid && !libc::WIFSTOPPED(status)
+    };
+    let start = Instant::now();
+    let mut left: Option<u32> = None;
+    loop {
+        std::thread::sleep(step);
+        signal(libc::SIGSTOP);
+        if ended() {
+            // Reaped by waitpid above: this wait finds nothing (ECHILD), and no kill may
+            // follow, since the pid is free for reuse.
+            let _ = child.wait();
+            return false;
+        }
+        if left.is_none() && until() {
+            left = Some(steps_after);
+        }
+        match left {
+            Some(0) => break,
+            Some(n) => left = Some(n - 1),
+            None if start.elapsed() >= KILL_WAIT_MAX => break,
+            None => {}
+        }
+        signal(libc::SIGCONT);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    left.is_some()
+}

@@ -8,7 +8,7 @@
 //! reported as passed.
 
 use std::fmt::Display;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Whether this is a CI run (`CI` set and not empty), where every package the suite needs is
 /// installed, so that a missing one is a failure, not a skip.
@@ -46,6 +46,20 @@ pub fn have(cmd: &str) -> bool {
     }
     std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|d| runnable(&d.join(cmd))))
+}
+
+/// The workspace binary `name` beside `exe` (a `CARGO_BIN_EXE_*` path: `cargo test
+/// --workspace` builds every binary into one directory). When it is missing: None, after
+/// SKIPPED for `test` (a failure under CI).
+pub fn sibling_bin(test: &str, exe: &str, name: &str) -> Option<PathBuf> {
+    let bin = Path::new(exe).with_file_name(name);
+    if bin.is_file() {
+        return Some(bin);
+    }
+    let why = format!("{} missing: run the tests with --workspace", bin.display());
+    assert!(!under_ci(), "{why}");
+    println!("SKIPPED {test}: {why}");
+    None
 }
 
 /// Whether `tool` is here; without it, [`can_run`] with the Debian `package` that brings it.

@@ -17,7 +17,6 @@ mod kit;
 
 use kit::vm;
 
-use std::path::Path;
 use std::process::Command;
 
 const ROWS: [&str; 7] = [
@@ -36,14 +35,7 @@ fn bench_integrity_vm_fills_the_kernel_column() {
         return;
     }
     let bench = env!("CARGO_BIN_EXE_ucrypt-bench");
-    let ucrypt = Path::new(bench).with_file_name("ucrypt");
-    if !ucrypt.is_file() {
-        let why = format!(
-            "{} missing: run the tests with --workspace",
-            ucrypt.display()
-        );
-        assert!(!kit::under_ci(), "{why}");
-        println!("SKIPPED bench_integrity_vm: {why}");
+    if kit::sibling_bin("bench_integrity_vm", bench, "ucrypt").is_none() {
         return;
     }
     let out = Command::new(bench)

@@ -19,7 +19,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use kit::cryptsetup::{self as cs, dump, CRYPTSETUP};
-use kit::{kill_when, ok, run, stderr, Poll, SplitMix, TempDir};
+use kit::{kill_stepped, kill_when, ok, run, stderr, Poll, SplitMix, TempDir};
 use reencrypt_common::*;
 
 // ------------------------------------------------------------------------ chosen kill points
@@ -259,11 +259,11 @@ fn area_type_raw(hdr: &Path) -> Option<String> {
 }
 
 /// `--resume-only --resilience` switches a reencryption's resilience (cryptsetup 2.6), both
-/// ways: one tool starts with checksum, the other resumes with journal and is SIGKILLed
-/// after its header shows the switch (plus a seeded delay), and the first finishes from the
-/// switched header (which its reencryption digest check accepts); data intact. A switch away
-/// from a data shift's resilience is refused with cryptsetup's words and exit code, nothing
-/// written.
+/// ways: one tool starts with checksum, the other resumes with journal, run in 2 ms steps and
+/// SIGKILLed while stopped a seeded number of steps (up to 40) after its header shows the
+/// switch, and the first finishes from the switched header (which its reencryption digest
+/// check accepts); data intact. A switch away from a data shift's resilience is refused with
+/// cryptsetup's words and exit code, nothing written.
 #[test]
 fn resilience_switches_on_resume_both_ways() {
     if !cs::require() {
@@ -286,12 +286,12 @@ fn resilience_switches_on_resume_both_ways() {
                 Cryptsetup,
                 &["--resilience", "journal", "--hotzone-size", "64K"],
             ));
-            let delay = Duration::from_millis(rng.next_u64() % 200);
+            let steps = (rng.next_u64() % 40) as u32;
             let switched = || area_type_raw(vol.meta()).as_deref() == Some("journal");
-            let killed = kill_when(cmd, switched, Poll::Every(Duration::from_millis(1)), delay);
+            let killed = kill_stepped(cmd, switched, Duration::from_millis(2), steps);
             let shown = resilience_shown(vol.meta());
             let what = format!(
-                "{switches:?} switching, round {round}: killed={killed} after {delay:?}: {shown:?}"
+                "{switches:?} switching, round {round}: killed={killed} {steps} steps after: {shown:?}"
             );
             println!("{what}");
             if vol.in_reencryption() {
@@ -330,12 +330,12 @@ fn resilience_switches_on_resume_both_ways() {
 
 /// A decryption that moves the data back switches the protection of its moved segment on
 /// resume (`--resilience journal`, which both tools map to `datashift-journal`), both ways:
-/// one tool starts it with checksums, the other resumes with a journal and is SIGKILLed once
-/// its header shows the switch (plus a seeded delay of up to 300 ms, halved after each round
-/// that left no switched decryption mid-way: ucrypt can finish the rest within 250 ms), and
-/// the first finishes from the switched header (its digest check accepts it); the plaintext
-/// is at the start of the device. Three rounds each way, and more (up to eight, the delay
-/// halving down to none) until one kill has left the switched decryption mid-way.
+/// one tool starts it with checksums, the other resumes with a journal, run in 2 ms steps
+/// and SIGKILLed while stopped a seeded number of steps (up to 40, halved after each round
+/// that left no switched decryption mid-way) after its header shows the switch; the first
+/// finishes from the switched header (its digest check accepts it); the plaintext is at the
+/// start of the device. Three rounds each way, and more (up to eight) until one kill has left
+/// the switched decryption mid-way.
 #[test]
 fn resilience_switches_on_a_moved_back_decryption() {
     if !cs::require() {
@@ -344,7 +344,7 @@ fn resilience_switches_on_a_moved_back_decryption() {
     let mut rng = SplitMix(kit::seed());
     for starts in [Cryptsetup, Ucrypt] {
         let switches = starts.other();
-        let (mut switched_mid_way, mut delay_max_ms) = (0, 300);
+        let (mut switched_mid_way, mut steps_max) = (0, 40);
         for round in 0..8 {
             if round >= 3 && switched_mid_way > 0 {
                 break;
@@ -357,15 +357,15 @@ fn resilience_switches_on_a_moved_back_decryption() {
             );
             let mut cmd = Command::new(switches.prog());
             cmd.args(vol.resume(switches, &["--resilience", "journal"]));
-            let delay = Duration::from_millis(rng.next_u64() % delay_max_ms);
+            let steps = (rng.next_u64() % steps_max) as u32;
             let switched = || area_type_raw(vol.meta()).as_deref() == Some("datashift-journal");
-            let killed = kill_when(cmd, switched, Poll::Every(Duration::from_millis(1)), delay);
+            let killed = kill_stepped(cmd, switched, Duration::from_millis(2), steps);
             let shown = resilience_shown(vol.meta());
             if !killed || shown.as_deref() != Some("datashift-journal") {
-                delay_max_ms = (delay_max_ms / 2).max(1);
+                steps_max = (steps_max / 2).max(1);
             }
             let what = format!(
-                "{switches:?} switching, round {round}: killed={killed} {delay:?} after: {shown:?}"
+                "{switches:?} switching, round {round}: killed={killed} {steps} steps after: {shown:?}"
             );
             println!("{what}");
             if vol.in_reencryption() && !vol.has_keyslot() {

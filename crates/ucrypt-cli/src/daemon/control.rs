@@ -78,6 +78,7 @@ impl Control {
                 read_only: self.read_only,
                 flags: Vec::new(),
                 integrity: None,
+                integrity_key_bits: 0,
             },
             front_end: self.front_end.into(),
             device: self.sock.display().to_string(),

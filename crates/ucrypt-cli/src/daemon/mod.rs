@@ -296,6 +296,7 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
         read_only,
         flags: Vec::new(),
         integrity: None,
+        integrity_key_bits: 0,
     };
     let allow_discards = p.req.allow_discards;
     match &p.req.format {
@@ -304,8 +305,8 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
         }) => {
             if let Header::Luks2(h) = &**hdr {
                 if let Some(seg) = h.meta().segments.values().find(|s| s.integrity.is_some()) {
-                    // dm-crypt over dm-integrity, as cryptsetup's status shows it: the cipher
-                    // key's size, then the integrity type and its key's size.
+                    // dm-crypt over dm-integrity, as cryptsetup's status shows it: the whole
+                    // volume key's size, then the integrity type and its key's size.
                     let integ = seg.integrity.as_ref().map(|i| i.kind.clone());
                     let integ = integ.unwrap_or_default();
                     let recorded = seg.integrity.as_ref().and_then(|i| i.key_size);
@@ -328,12 +329,9 @@ fn describe(p: &Prepared, volume: &Path, read_only: bool) -> CliResult<VolumeInf
                         });
                     info.kind = "LUKS2".into();
                     info.cipher = seg.encryption.clone().unwrap_or_default();
-                    info.key_bits = total_bits.saturating_sub(mac_bits);
-                    info.integrity = Some(if mac_bits > 0 {
-                        format!("{integ} ({mac_bits}-bit key)")
-                    } else {
-                        integ
-                    });
+                    info.key_bits = total_bits;
+                    info.integrity = Some(integ);
+                    info.integrity_key_bits = mac_bits;
                     info.sector_size = seg.sector_size.unwrap_or(512);
                     info.offset_sectors = seg.offset.0 / 512;
                     return Ok(info);
@@ -928,6 +926,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     if let Some(i) = &v.integrity {
         o += &format!("  integrity: {i}\n");
     }
+    if v.integrity_key_bits != 0 {
+        o += &format!("  integrity keysize: {} bits\n", v.integrity_key_bits);
+    }
     o += &format!("  device:  {}\n", v.device);
     o += &format!("  sector size:  {}\n", v.sector_size);
     o += &format!("  offset:  {} sectors\n", v.offset_sectors);
@@ -1318,6 +1319,7 @@ mod tests {
                 read_only: false,
                 flags: vec!["discards".into()],
                 integrity: None,
+                integrity_key_bits: 0,
             },
             front_end: "fuse+loop".into(),
             device: "/dev/loop3".into(),
@@ -1372,6 +1374,22 @@ mod tests {
              in them may be swapped out\n  pid:",
         );
         assert_eq!(status_text("/dev/ucrypt/data", &unlocked), want);
+        // An HMAC's key is part of the volume key; cryptsetup's status names its size.
+        let mut hmac = unlocked.clone();
+        hmac.buffer_lock_failures = 0;
+        hmac.volume.key_bits = 768;
+        hmac.volume.integrity = Some("hmac(sha256)".into());
+        hmac.volume.integrity_key_bits = 256;
+        let plain = StatusReport {
+            buffer_lock_failures: 0,
+            ..unlocked.clone()
+        };
+        let want = status_text("/dev/ucrypt/data", &plain).replace(
+            "  keysize: 512 bits\n  key location: ucrypt daemon\n",
+            "  keysize: 768 bits\n  key location: ucrypt daemon\n  integrity: hmac(sha256)\n  \
+             integrity keysize: 256 bits\n",
+        );
+        assert_eq!(status_text("/dev/ucrypt/data", &hmac), want);
     }
 
     #[test]

@@ -481,10 +481,14 @@ pub struct VolumeInfo {
     pub read_only: bool,
     /// cryptsetup's flag names: "discards".
     pub flags: Vec<String>,
-    /// Authenticated encryption: the integrity type (`aead`, `hmac(sha256)` with its key
-    /// size), as cryptsetup's status prints it.
+    /// Authenticated encryption: the integrity type (`aead`, `hmac(sha256)`), as cryptsetup's
+    /// status prints it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub integrity: Option<String>,
+    /// The integrity type's own key (an HMAC's), bits; 0: none (an AEAD, or no integrity).
+    /// Part of `key_bits`, as in cryptsetup's status.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub integrity_key_bits: u32,
 }
 
 /// Counters from `Volume::stats` (reads; writes with write-zeroes and discards).
@@ -554,8 +558,8 @@ pub struct MemoryBudgetReport {
     pub forced_charges: u64,
 }
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
+fn is_zero<N: Default + PartialEq>(n: &N) -> bool {
+    *n == N::default()
 }
 
 /// Where an online key rotation stands (`status` while `reencrypt` runs in the daemon).
@@ -816,7 +820,8 @@ mod tests {
                 skipped_sectors: 0,
                 read_only: false,
                 flags: vec!["discards".into()],
-                integrity: Some("aead".into()),
+                integrity: Some("hmac(sha256)".into()),
+                integrity_key_bits: 256,
             },
             front_end: "fuse+loop".into(),
             device: "/dev/loop3".into(),
