@@ -641,14 +641,15 @@ fn tcrypt_images_beside_cryptsetup_in_the_vm() {
     } else {
         1200
     };
-    // The legacy modes' kernel parts beyond the harness's list: LRW, TCW's CRC32, the
-    // 64-bit block ciphers of the oldest images.
+    // The kernel parts beyond the harness's list: LRW, TCW's CRC32, the 64-bit block
+    // ciphers of the oldest images, and the VeraCrypt images' Camellia.
     run.extra_mods = [
         "lrw",
         "crc32_generic",
         "blowfish_generic",
         "cast5_generic",
         "des_generic",
+        "camellia_generic",
     ]
     .map(String::from)
     .to_vec();
