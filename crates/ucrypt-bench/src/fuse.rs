@@ -157,8 +157,7 @@ impl Setup {
         volume_bytes: u64,
         fill: bool,
     ) -> Result<Setup, String> {
-        let dir = base.join(format!("ucrypt-bench-{scenario}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = crate::disk::run_dir(base, scenario)?;
         let mut s = Setup {
             image: dir.join("luks1.img"),
             key_file: dir.join("volume.key"),

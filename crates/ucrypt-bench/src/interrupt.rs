@@ -4,7 +4,8 @@
 //! stopped at once (the test kit's [`crate::kit::vm::stop_running_vms`]), so that the step
 //! waiting for it returns. Nothing outlives the run however it ends: a process killed with
 //! SIGKILL still takes its servers (their parent-death signal, [`crate::server::spawn_logged`])
-//! and its VM (run-in-vm.sh's) with it.
+//! and its VM (run-in-vm.sh's) with it; only its images stay, until the next run removes them
+//! ([`crate::disk::run_dir`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -364,8 +364,7 @@ struct Setup {
 impl Setup {
     /// Images for `targets` in a new directory under `base`, each `image_bytes` long.
     fn new(base: &Path, image_bytes: u64, targets: &[Target]) -> Result<Setup, String> {
-        let dir = base.join(format!("ucrypt-bench-nbd-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = crate::disk::run_dir(base, "nbd")?;
         let s = Setup {
             pass_file: dir.join("pass"),
             dir,

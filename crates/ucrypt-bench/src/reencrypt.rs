@@ -133,9 +133,7 @@ fn scratch_dir() -> Result<Scratch, String> {
     } else {
         std::env::temp_dir()
     };
-    let d = base.join(format!("ucrypt-bench-reencrypt-{}", std::process::id()));
-    std::fs::create_dir_all(&d).map_err(|e| format!("{}: {e}", d.display()))?;
-    Ok(Scratch(d))
+    Ok(Scratch(crate::disk::run_dir(&base, "reencrypt")?))
 }
 
 fn timed(cmd: &mut Command) -> Result<f64, String> {

@@ -191,8 +191,7 @@ struct Rig {
 
 impl Rig {
     fn new(ucrypt: PathBuf, data: u64, hotzone: Option<u64>) -> Result<Rig, String> {
-        let dir = Path::new(DIR).join(format!("ucrypt-bench-online-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = crate::disk::run_dir(Path::new(DIR), "online")?;
         let mut r = Rig {
             ucrypt,
             img: dir.join("vol.img"),

@@ -679,8 +679,7 @@ pub fn measure(
     } else {
         (Duration::from_millis(3000), Duration::from_millis(500))
     };
-    let dir = std::env::temp_dir().join(format!("ucrypt-bench-remote-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let dir = crate::disk::run_dir(&std::env::temp_dir(), "remote")?;
     let cluster = match ceph_missing {
         None if nbd_only => {
             skipped.push("the Ceph RBD targets: --nbd-only".to_string());

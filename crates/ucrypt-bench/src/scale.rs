@@ -148,8 +148,7 @@ impl WorkDir {
         let base = std::env::var_os("TMPDIR")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("/dev/shm"));
-        let dir = base.join(format!("ucrypt-bench-scale-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = crate::disk::run_dir(&base, "scale")?;
         let pass = dir.join("pass");
         let w = WorkDir { dir, pass };
         std::fs::write(&w.pass, PASSPHRASE).map_err(|e| e.to_string())?;

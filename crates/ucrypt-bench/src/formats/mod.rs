@@ -102,9 +102,7 @@ struct Workdir {
 
 impl Workdir {
     fn new() -> Result<Workdir, String> {
-        let dir =
-            Path::new("/dev/shm").join(format!("ucrypt-bench-formats-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = crate::disk::run_dir(Path::new("/dev/shm"), "formats")?;
         Ok(Workdir { dir })
     }
 
