@@ -20,7 +20,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -34,8 +34,8 @@ use ucrypt_fuse::{
 
 use super::loopdev::{self, LoopDevice};
 use super::proto::{
-    Closed, Counters, Ready, ReencryptionReport, RefreshSettings, Request, Response, ResumeKey,
-    StatusReport, VolumeInfo,
+    Closed, Counters, NbdSocketReport, Ready, ReencryptionReport, RefreshSettings, Request,
+    Response, ResumeKey, StatusReport, VolumeInfo,
 };
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
@@ -123,16 +123,45 @@ struct NbdSide {
     stop: Stop,
 }
 
+/// The NBD socket as `status` reports it: where, and this export's part there (read live: a
+/// member takes the socket over when its owner leaves).
+struct NbdSocket {
+    listen: String,
+    state: ucrypt_nbd::server::share::ShareState,
+}
+
+impl NbdSocket {
+    fn report(&self) -> NbdSocketReport {
+        use ucrypt_nbd::server::share::Standing;
+        let (role, exports, owner_pid) = match self.state.standing() {
+            Standing::Owner { exports } => ("owner", Some(exports as u64), None),
+            Standing::Member { owner_pid } => ("member", None, Some(owner_pid)),
+            Standing::TakingOver => ("taking over", None, None),
+            Standing::Detached => ("detached", None, None),
+        };
+        NbdSocketReport {
+            listen: self.listen.clone(),
+            role: role.into(),
+            exports,
+            owner_pid,
+        }
+    }
+}
+
 impl NbdSide {
     /// Attaches export `name` to the socket at `at` here (so that a path refused, or a name
     /// served there already, is the open's error) and serves from a thread.
-    fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<NbdSide> {
+    fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<(NbdSide, NbdSocket)> {
         let Listen::Unix(path) = at else {
             return Err(CliError::Usage(
                 "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
             ));
         };
         let attached = ucrypt_nbd::server::share::attach(path, name, dev.clone(), dev.read_only())?;
+        let socket = NbdSocket {
+            listen: at.to_string(),
+            state: attached.state(),
+        };
         if !attached.owner() {
             eprintln!(
                 "ucrypt daemon {name}: NBD export joined the listener at {}",
@@ -157,7 +186,7 @@ impl NbdSide {
             .name("ucrypt-nbd".into())
             .spawn(move || ucrypt_nbd::server::share::serve(attached, opts, s2))
             .map_err(|e| io_err("starting the NBD server", e))?;
-        Ok(NbdSide { thread, stop })
+        Ok((NbdSide { thread, stop }, socket))
     }
 
     fn stop(self) {
@@ -274,6 +303,8 @@ struct Shared {
     resuming: Mutex<()>,
     /// Set (under `resuming`) by `close --force` of the suspended volume: no resume after it.
     aborted: AtomicBool,
+    /// `open --nbd`: set once the export is attached to its socket.
+    nbd_socket: OnceLock<NbdSocket>,
 }
 
 enum Event {
@@ -343,6 +374,7 @@ impl Shared {
             header: self.header.as_ref().map(|h| h.display().to_string()),
             buffer_lock_failures: self.vol.buffer_lock_failures(),
             memory_budget: super::budget::report(),
+            nbd_socket: self.nbd_socket.get().map(NbdSocket::report),
         }))
     }
 
@@ -820,6 +852,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         header: d.header.clone(),
         resuming: Mutex::new(()),
         aborted: AtomicBool::new(false),
+        nbd_socket: OnceLock::new(),
     });
     let control = match server::Acceptor::new(listener, shared.clone()) {
         Ok(c) => c,
@@ -830,7 +863,10 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     };
     let nbd = match &d.nbd {
         Some(at) => match NbdSide::start(&d.name, &vol, at) {
-            Ok(n) => Some(n),
+            Ok((n, socket)) => {
+                let _ = shared.nbd_socket.set(socket);
+                Some(n)
+            }
             Err(e) => {
                 let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
                 return Err(e);
