@@ -8,7 +8,10 @@
 //! listener and a wake-up from the control connections; each control connection is served on a
 //! thread of its own that ends with it (a `resume` derives a key for seconds, a client may take
 //! its time to send its line: the main loop never waits for one). So an idle daemon has this
-//! thread and its front end's.
+//! thread and its front end's (and its NBD server's, with `--nbd`). The ublk and vhost-user
+//! threads wake the main loop when they end, so it sleeps until an event, or until the heap's
+//! trim is due ([`main_loop_sleep`]); it looks every [`POLL`] only while a deferred close
+//! waits for the last user or a FUSE front end serves (whose end it sees by looking).
 
 use ucrypt_nbd::server::Listen;
 
@@ -43,8 +46,9 @@ use crate::error::{CliError, CliResult};
 use crate::open::{HeaderAt, Opened, Prepared};
 use crate::volume_key;
 
-/// How often the main loop looks at a pending deferred close and at a front end that ended on
-/// its own (signals, control connections and close requests wake it at once).
+/// How often the main loop looks at a pending deferred close and at a FUSE front end that
+/// ended on its own (signals, control connections, close requests and the end of a ublk or
+/// vhost-user thread wake it at once).
 const POLL: Duration = Duration::from_millis(200);
 
 /// How long the ublk device may take to appear once the volume is open.
@@ -693,6 +697,8 @@ impl server::Handler for Shared {
             }
             Request::CloseDeferred if self.in_use().is_some() => {
                 self.deferred.store(true, Ordering::Relaxed);
+                // The main loop looks for the last user's going from now on.
+                let _ = (&self.wake).write(&[1]);
                 respond(&Response::Closed(Closed {
                     note: Some("deferred: the device closes when its last user goes".into()),
                 }))
@@ -804,10 +810,13 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         None => None,
     };
     let dev: Arc<dyn BlockDev> = vol.clone();
+    let wake_err = |e| io_err("making the main loop's wake-up socket", e);
+    let (wake_tx, wake_rx) = wake_pair().map_err(wake_err)?;
+    let front_wake = WakeOnEnd(wake_tx.try_clone().map_err(wake_err)?);
     let (front, device, notes) = match d.front_end {
-        FrontEnd::Ublk => start_ublk(dev)?,
+        FrontEnd::Ublk => start_ublk(dev, front_wake)?,
         FrontEnd::Loop | FrontEnd::Fuse => start_fuse(&d, dev)?,
-        FrontEnd::VhostUser => start_vhost(&d, &opened, dev)?,
+        FrontEnd::VhostUser => start_vhost(&d, &opened, dev, front_wake)?,
         FrontEnd::Auto => return Err(CliError::Usage("front end not chosen".into())),
     };
     let ident = served_identity(&d, &front, &device);
@@ -824,13 +833,6 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         }
     };
     let (events_tx, events) = sync_channel(EVENTS_MAX);
-    let (wake_tx, wake_rx) = match wake_pair() {
-        Ok(p) => p,
-        Err(e) => {
-            let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
-            return Err(io_err("making the main loop's wake-up socket", e));
-        }
-    };
     let deferred = Arc::new(AtomicBool::new(false));
     let size_notifier = match &front {
         Front::Fuse { mounted, .. } => Some(mounted.size_notifier()),
@@ -939,6 +941,39 @@ fn served_identity(d: &Daemon, front: &Front, device: &Path) -> Identity {
     ident
 }
 
+/// Wakes the main loop when dropped: a front end's thread holds one, so that its end (however
+/// it ends) is seen at once.
+struct WakeOnEnd(UnixStream);
+
+impl Drop for WakeOnEnd {
+    fn drop(&mut self) {
+        // Non-blocking: a full socket is awake already.
+        let _ = (&self.0).write(&[1]);
+    }
+}
+
+/// How long the main loop may sleep before it must look again, with `idle_for` since the
+/// volume's requests last changed and `trimmed` whether the heap was trimmed since: every
+/// [`POLL`] while a deferred close is pending (the last user's going is no event) or a FUSE
+/// front end serves (`looks_at_front`); otherwise until the trim is due, and after it
+/// [`HEAP_TRIM_IDLE`] (so that a busy spell is seen and trimmed after). Events wake it anyway.
+fn main_loop_sleep(
+    deferred: bool,
+    looks_at_front: bool,
+    idle_for: Duration,
+    trimmed: bool,
+) -> Duration {
+    if deferred || looks_at_front {
+        POLL
+    } else if trimmed {
+        HEAP_TRIM_IDLE
+    } else {
+        HEAP_TRIM_IDLE
+            .saturating_sub(idle_for)
+            .max(Duration::from_millis(1))
+    }
+}
+
 /// The main loop's wake-up socket pair (both ends non-blocking).
 fn wake_pair() -> std::io::Result<(UnixStream, UnixStream)> {
     let (a, b) = UnixStream::pair()?;
@@ -1033,8 +1068,15 @@ fn main_loop(
         }
     };
     let fds = [signals.as_raw_fd(), control.as_raw_fd(), wake.as_raw_fd()];
+    let looks_at_front = matches!(front, Front::Fuse { .. });
     loop {
-        let [signalled, connecting, woken] = wait_readable(fds, POLL);
+        let sleep = main_loop_sleep(
+            deferred.load(Ordering::Relaxed),
+            looks_at_front,
+            seen_at.elapsed(),
+            trimmed,
+        );
+        let [signalled, connecting, woken] = wait_readable(fds, sleep);
         if connecting {
             control.accept_pending();
         }
@@ -1118,13 +1160,14 @@ struct FrontNotes {
     vhost: Option<ucrypt_vhost::Handle>,
 }
 
-fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, FrontNotes)> {
+fn start_ublk(dev: Arc<dyn BlockDev>, wake: WakeOnEnd) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let stop = Stop::new();
     let s2 = stop.clone();
     let (tx, rx) = sync_channel(1);
     let thread = std::thread::Builder::new()
         .name("ucrypt-ublk".into())
         .spawn(move || {
+            let _wake = wake;
             ucrypt_ublk::serve(dev, ucrypt_ublk::UblkOptions::default(), &s2, move |r| {
                 let _ = tx.send(r);
             })
@@ -1232,6 +1275,7 @@ fn start_vhost(
     d: &Daemon,
     opened: &Opened,
     dev: Arc<dyn BlockDev>,
+    wake: WakeOnEnd,
 ) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let socket = d.claim.dir.join(super::state::VHOST_SOCKET);
     let opts = ucrypt_vhost::VhostOptions {
@@ -1249,6 +1293,7 @@ fn start_vhost(
     let thread = std::thread::Builder::new()
         .name("ucrypt-vhost".into())
         .spawn(move || {
+            let _wake = wake;
             ucrypt_vhost::serve(dev, &at, opts, &s2, move |_| {
                 let _ = tx.send(());
             })
@@ -1409,4 +1454,27 @@ fn teardown(
         eprintln!("ucrypt daemon {}: {n}", ident.name);
     }
     (Response::Closed(Closed { note }), rest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_main_loop_sleeps_until_the_heap_trim_is_due() {
+        let s = Duration::from_secs;
+        // Nothing pending: until the trim is due, then a trim's span.
+        assert_eq!(
+            main_loop_sleep(false, false, s(3), false),
+            HEAP_TRIM_IDLE - s(3)
+        );
+        assert_eq!(
+            main_loop_sleep(false, false, HEAP_TRIM_IDLE * 2, false),
+            Duration::from_millis(1)
+        );
+        assert_eq!(main_loop_sleep(false, false, s(3600), true), HEAP_TRIM_IDLE);
+        // A deferred close or a FUSE front end: looked at every POLL.
+        assert_eq!(main_loop_sleep(true, false, s(3600), true), POLL);
+        assert_eq!(main_loop_sleep(false, true, s(0), false), POLL);
+    }
 }
