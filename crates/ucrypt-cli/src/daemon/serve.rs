@@ -9,9 +9,10 @@
 //! thread of its own that ends with it (a `resume` derives a key for seconds, a client may take
 //! its time to send its line: the main loop never waits for one). So an idle daemon has this
 //! thread and its front end's (and its NBD server's, with `--nbd`). The ublk and vhost-user
-//! threads wake the main loop when they end, so it sleeps until an event, or until the heap's
-//! trim is due ([`main_loop_sleep`]); it looks every [`POLL`] only while a deferred close
-//! waits for the last user or a FUSE front end serves (whose end it sees by looking).
+//! threads wake the main loop when they end, and a FUSE mount's connection reports its end to
+//! the main loop's `poll`, so it sleeps until an event, or until the heap's trim is due
+//! ([`main_loop_sleep`]); it looks every [`POLL`] only while a deferred close waits for the
+//! last user or an ended FUSE mount's workers finish.
 
 use ucrypt_nbd::server::Listen;
 
@@ -46,9 +47,9 @@ use crate::error::{CliError, CliResult};
 use crate::open::{HeaderAt, Opened, Prepared};
 use crate::volume_key;
 
-/// How often the main loop looks at a pending deferred close and at a FUSE front end that
-/// ended on its own (signals, control connections, close requests and the end of a ublk or
-/// vhost-user thread wake it at once).
+/// How often the main loop looks at a pending deferred close and at the workers of a FUSE
+/// mount whose connection ended (signals, control connections, close requests, the end of a
+/// ublk or vhost-user thread and of a FUSE connection wake it at once).
 const POLL: Duration = Duration::from_millis(200);
 
 /// How long the ublk device may take to appear once the volume is open.
@@ -954,8 +955,9 @@ impl Drop for WakeOnEnd {
 
 /// How long the main loop may sleep before it must look again, with `idle_for` since the
 /// volume's requests last changed and `trimmed` whether the heap was trimmed since: every
-/// [`POLL`] while a deferred close is pending (the last user's going is no event) or a FUSE
-/// front end serves (`looks_at_front`); otherwise until the trim is due, and after it
+/// [`POLL`] while a deferred close is pending (the last user's going is no event) or the
+/// front end is ending (`looks_at_front`: a FUSE connection ended, its workers not yet);
+/// otherwise until the trim is due, and after it
 /// [`HEAP_TRIM_IDLE`] (so that a busy spell is seen and trimmed after). Events wake it anyway.
 fn main_loop_sleep(
     deferred: bool,
@@ -1025,12 +1027,13 @@ fn memlock_warning() -> Option<String> {
     ))
 }
 
-/// Waits up to `timeout` until one of `fds` is readable; returns which are (all false after
-/// the timeout or an interrupted wait).
-fn wait_readable<const N: usize>(fds: [i32; N], timeout: Duration) -> [bool; N] {
-    let mut p = fds.map(|fd| libc::pollfd {
+/// Waits up to `timeout` until one of `fds` has an event (`(fd, events)`: `POLLIN`, or 0 for
+/// errors and hang-ups only); returns which have (all false after the timeout or an
+/// interrupted wait). A negative fd is left out.
+fn wait_events<const N: usize>(fds: [(i32, libc::c_short); N], timeout: Duration) -> [bool; N] {
+    let mut p = fds.map(|(fd, events)| libc::pollfd {
         fd,
-        events: libc::POLLIN,
+        events,
         revents: 0,
     });
     let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
@@ -1067,16 +1070,30 @@ fn main_loop(
             n.stop();
         }
     };
-    let fds = [signals.as_raw_fd(), control.as_raw_fd(), wake.as_raw_fd()];
-    let looks_at_front = matches!(front, Front::Fuse { .. });
+    // A FUSE mount's connection reports an error once it ended (unmounted from outside): from
+    // then on the loop looks every POLL until its workers have ended.
+    let mut fuse_fd = match &front {
+        Front::Fuse { mounted, .. } => mounted.connection_fd().as_raw_fd(),
+        Front::Ublk { .. } | Front::Vhost { .. } => -1,
+    };
+    let mut front_ending = false;
     loop {
         let sleep = main_loop_sleep(
             deferred.load(Ordering::Relaxed),
-            looks_at_front,
+            front_ending,
             seen_at.elapsed(),
             trimmed,
         );
-        let [signalled, connecting, woken] = wait_readable(fds, sleep);
+        let fds = [
+            (signals.as_raw_fd(), libc::POLLIN),
+            (control.as_raw_fd(), libc::POLLIN),
+            (wake.as_raw_fd(), libc::POLLIN),
+            (fuse_fd, 0),
+        ];
+        let [signalled, connecting, woken, fuse_ended] = wait_events(fds, sleep);
+        if fuse_ended {
+            (fuse_fd, front_ending) = (-1, true);
+        }
         if connecting {
             control.accept_pending();
         }
