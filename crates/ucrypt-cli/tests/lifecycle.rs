@@ -3,7 +3,8 @@
 //! `status` field by field; cryptsetup's exit codes for a wrong passphrase (2), a NAME or a
 //! volume in use (5), an unknown NAME (4); `close` refusing a mounted or held device, one writer
 //! per volume whatever the order of verbs; a daemon killed
-//! with SIGKILL cleaned up by `close`; the same as a non-root user (FUSE file only).
+//! with SIGKILL cleaned up by `close`; a FUSE file unmounted from outside ending its daemon;
+//! the same as a non-root user (FUSE file only).
 //!
 //! Needs root, /dev/fuse, /dev/loop-control, mkfs.ext4 (FUSE + loop); the rootless test also
 //! needs `setpriv` and a setuid `fusermount3`. Otherwise each test prints `SKIPPED: reason`.
@@ -599,6 +600,38 @@ fn deferred_close_waits_for_the_last_user() {
     open(&img, &key, &n);
     let o = ucrypt(&["close", "--deferred", &n]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_gone(&n);
+}
+
+/// A FUSE file unmounted from outside (`umount`) ends its daemon, which cleans up: the main
+/// loop hears the FUSE connection end (an error on /dev/fuse) and waits for the workers.
+#[test]
+fn a_fuse_file_unmounted_from_outside_closes_the_volume() {
+    skip_unless_rig!();
+    let t = TempDir::new("outside");
+    let (img, key) = volume(&t, "vol.img", 20);
+    let n = name("outside");
+    let o = ucrypt(&[
+        "open",
+        s(&img),
+        &n,
+        "--key-file",
+        s(&key),
+        "--front-end",
+        "fuse",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let file = Path::new(RUN_DIR).join(&n).join("volume");
+    ok("umount", &[s(&file)]);
+    let t0 = std::time::Instant::now();
+    while Path::new(RUN_DIR).join(&n).exists() {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(15),
+            "the daemon did not close after its FUSE file was unmounted"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_gone(&n);
 }

@@ -5,10 +5,14 @@
 //! - `opens_share_one_socket_and_outlive_its_owner`: two volumes on one socket, each written
 //!   and read back whole by `nbdcopy` through its own export (data checked, and not seen through
 //!   the other); the owner closed, the other export still serves new clients and the socket
-//!   stays until the last daemon closes.
+//!   stays until the last daemon closes. `status` says which daemon owns the socket (and how
+//!   many exports it has) and whose member each other one is, and follows the change of owner.
 //! - `a_killed_daemon_leaves_the_others_serving`: SIGKILL of a member's daemon leaves the
 //!   owner's export serving (and the list without the dead one); SIGKILL of the owner's daemon
-//!   leaves the member to take the socket over and serve.
+//!   leaves the member to take the socket over and serve (and `status` to say it owns it).
+//! - `idle_daemons_never_wake`: an idle owner and member each run one NBD thread, which (and
+//!   the daemon's main thread too) makes no context switch over 2 s of idleness, but for one
+//!   heap trim (a loop that looked at a stop flag every 200 ms would make 10).
 //! - `a_name_served_already_is_refused`: a daemon of the same user whose state directory is
 //!   elsewhere (another `XDG_RUNTIME_DIR`, so NAME is free there) cannot export NAME on the
 //!   socket again: exit 5, and the first export still serves. Runs as user nobody (`setpriv`).
@@ -157,6 +161,32 @@ impl Opened {
         assert_eq!(o.status.code(), Some(0), "close {name}: {}", text(&o));
     }
 
+    /// `ucrypt status NAME`'s line about the NBD socket, without its indent.
+    fn nbd_line(&self, name: &str) -> String {
+        let o = self.who.run(UCRYPT, &["status", name]);
+        assert_eq!(o.status.code(), Some(0), "status {name}: {}", text(&o));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .find(|l| l.trim_start().starts_with("nbd socket:"))
+            .map(|l| l.trim().to_string())
+            .unwrap_or_else(|| panic!("no nbd socket line in the status of {name}: {}", text(&o)))
+    }
+
+    /// Waits until NAME's status says `part` of `sock` ("owner (2 exports)", "member (owner
+    /// pid N)").
+    fn stands(&self, name: &str, sock: &Path, part: &str) {
+        let want = format!("nbd socket: unix:{} shared, {part}", sock.display());
+        let t0 = Instant::now();
+        loop {
+            let got = self.nbd_line(name);
+            if got == want {
+                return;
+            }
+            assert!(t0.elapsed() < SETTLE, "{name}: {got:?}, want {want:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The pid of NAME's daemon (`ucrypt status NAME`).
     fn pid(&self, name: &str) -> i32 {
         let o = self.who.run(UCRYPT, &["status", name]);
@@ -272,6 +302,9 @@ fn opens_share_one_socket_and_outlive_its_owner() {
     let mut want = [a.as_str(), b.as_str()];
     want.sort();
     listed_becomes(&me, &sock, &want);
+    opened.stands(&a, &sock, "owner (2 exports)");
+    let owner = opened.pid(&a);
+    opened.stands(&b, &sock, &format!("member (owner pid {owner})"));
 
     write_read(&me, &dir, &sock, &a, 0xa);
     write_read(&me, &dir, &sock, &b, 0xb);
@@ -286,6 +319,7 @@ fn opens_share_one_socket_and_outlive_its_owner() {
     opened.close(&a);
     assert!(sock.exists(), "the socket went with its owner");
     listed_becomes(&me, &sock, &[b.as_str()]);
+    opened.stands(&b, &sock, "owner (1 export)");
     write_read(&me, &dir, &sock, &b, 0xb2);
     opened.close(&b);
     assert!(!sock.exists(), "the socket outlived the last daemon");
@@ -324,14 +358,121 @@ fn a_killed_daemon_leaves_the_others_serving() {
     let mut left = [a.as_str(), c.as_str()];
     left.sort();
     listed_becomes(&me, &sock, &left);
+    opened.stands(&a, &sock, "owner (2 exports)");
+    let owner = opened.pid(&a);
+    opened.stands(&c, &sock, &format!("member (owner pid {owner})"));
     write_read(&me, &dir, &sock, &a, 0xa);
     write_read(&me, &dir, &sock, &c, 0xc);
 
     // The owner dies: the member left takes the socket over.
     kill(&a);
     listed_becomes(&me, &sock, &[c.as_str()]);
+    opened.stands(&c, &sock, "owner (1 export)");
     write_read(&me, &dir, &sock, &c, 0xc2);
     opened.close(&c);
+}
+
+/// The threads of process `pid` whose name (`/proc/PID/task/*/comm`) `pick` takes: (thread
+/// id, name).
+fn threads_named(pid: i32, pick: impl Fn(&str) -> bool) -> Vec<(String, String)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| {
+            let t = t.ok()?.path();
+            let c = std::fs::read_to_string(t.join("comm")).ok()?;
+            let c = c.trim();
+            let tid = t.file_name()?.to_string_lossy().into_owned();
+            pick(c).then(|| (tid, c.to_string()))
+        })
+        .collect()
+}
+
+/// Context switches of thread `tid` of `pid` so far, voluntary and not.
+fn switches(pid: i32, tid: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap();
+    s.lines()
+        .filter(|l| l.contains("ctxt_switches:"))
+        .map(|l| l.split(':').nth(1).unwrap().trim().parse::<u64>().unwrap())
+        .sum()
+}
+
+/// The process's thread count (`Threads:` of `/proc/PID/status`).
+fn threads(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap()
+}
+
+/// Context switches an idle daemon's NBD or main thread may make in [`IDLE_SPAN`] (the main
+/// thread wakes once to trim the heap): a loop that woke every 200 ms to look at its stop
+/// flag makes 10.
+const IDLE_SWITCHES_MAX: u64 = 3;
+const IDLE_SPAN: Duration = Duration::from_secs(2);
+
+#[test]
+fn idle_daemons_never_wake() {
+    if let Some(why) = missing() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let dir = TempDir::new("sharedidle");
+    std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
+    let (img_a, img_b) = (luks(&dir, "a.img"), luks(&dir, "b.img"));
+    let sock = dir.path("nbd.sock");
+    let (a, b, _) = names("si");
+    let me = As::Me;
+    let mut opened = Opened::new(me.clone());
+    opened.open_ok(&img_a, &a, &dir.path("pass"), &sock);
+    opened.open_ok(&img_b, &b, &dir.path("pass"), &sock);
+    let mut want = [a.as_str(), b.as_str()];
+    want.sort();
+    listed_becomes(&me, &sock, &want);
+    opened.stands(&a, &sock, "owner (2 exports)");
+    let pids = [opened.pid(&a), opened.pid(&b)];
+    // The listings' connections end on their own threads (`nbd-conn-N`).
+    let t0 = Instant::now();
+    while pids
+        .iter()
+        .any(|&p| !threads_named(p, |c| c.starts_with("nbd-conn-")).is_empty())
+    {
+        assert!(t0.elapsed() < SETTLE, "a connection thread stays");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Then one thread serves each daemon's NBD side, the owner's registration included.
+    let nbd = pids.map(|p| {
+        let t = threads_named(p, |c| c.contains("nbd"));
+        assert!(
+            t.len() == 1 && t[0].1 == "ucrypt-nbd",
+            "pid {p}: NBD threads {t:?}"
+        );
+        t[0].0.clone()
+    });
+    // The NBD thread and the main one (whose id is the pid).
+    let watched = [0, 1].map(|i| [nbd[i].clone(), pids[i].to_string()]);
+    let count = |i: usize| watched[i].clone().map(|t| switches(pids[i], &t));
+    let before = [count(0), count(1)];
+    std::thread::sleep(IDLE_SPAN);
+    let after = [count(0), count(1)];
+    for (i, part) in ["owner", "member"].iter().enumerate() {
+        for (j, thread) in ["NBD", "main"].iter().enumerate() {
+            let n = after[i][j] - before[i][j];
+            println!(
+                "{part} ({} threads): {thread} thread, {n} switches in {IDLE_SPAN:?}",
+                threads(pids[i])
+            );
+            assert!(
+                n <= IDLE_SWITCHES_MAX,
+                "the idle {part}'s {thread} thread switched {n} times in {IDLE_SPAN:?}"
+            );
+        }
+    }
+    // Both still serve at once.
+    write_read(&me, &dir, &sock, &b, 0xb);
+    write_read(&me, &dir, &sock, &a, 0xa);
+    opened.close(&b);
+    opened.close(&a);
 }
 
 #[test]

@@ -497,6 +497,14 @@ impl Mounted {
         self.fs.served()
     }
 
+    /// The mount's `/dev/fuse` descriptor, to `poll` with no events: it reports `POLLERR`
+    /// once the connection ended (unmounted, or aborted), when the workers end too (then
+    /// [`Mounted::finished`]). Never read from it: the workers do.
+    pub fn connection_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
     /// True once the session ended (unmounted from outside, or after [`Self::request_unmount`]).
     pub fn finished(&self) -> bool {
         self.workers.iter().all(|w| w.is_finished())

@@ -99,6 +99,7 @@ impl Control {
             reencryption,
             header: self.header.as_ref().map(|h| h.display().to_string()),
             buffer_lock_failures: self.vol.buffer_lock_failures(),
+            nbd_socket: None,
             memory_budget: super::budget::report(),
         }))
     }

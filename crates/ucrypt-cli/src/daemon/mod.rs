@@ -955,6 +955,9 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     if let Some(u) = &s.in_use {
         o += &format!("  in use:  {u}\n");
     }
+    if let Some(n) = &s.nbd_socket {
+        o += &nbd_socket_line(n);
+    }
     o += &format!("  policy:  {}\n", s.policy);
     let c = &s.counters;
     o += &format!(
@@ -1006,6 +1009,19 @@ pub fn status_text(path: &str, s: &StatusReport) -> String {
     }
     o += &format!("  pid:     {}\n", s.pid);
     o
+}
+
+/// The status line of a volume's NBD socket: who listens on it.
+fn nbd_socket_line(n: &proto::NbdSocketReport) -> String {
+    let part = match (n.role.as_str(), n.exports, n.owner_pid) {
+        ("owner", Some(1), _) => "owner (1 export)".to_string(),
+        ("owner", Some(e), _) => format!("owner ({e} exports)"),
+        ("member", _, Some(pid)) => format!("member (owner pid {pid})"),
+        ("taking over", ..) => "taking over (its owner left)".to_string(),
+        ("detached", ..) => "detached (serving the connections made before)".to_string(),
+        (role, ..) => role.to_string(),
+    };
+    format!("  nbd socket: {} shared, {part}\n", n.listen)
 }
 
 /// `ucrypt status NAME`: 0 active, 4 inactive (cryptsetup's), 1 when the daemon is dead.
@@ -1341,6 +1357,7 @@ mod tests {
             header: None,
             buffer_lock_failures: 0,
             memory_budget: None,
+            nbd_socket: None,
         };
         let want = "\
 /dev/ucrypt/data is active.
@@ -1390,6 +1407,34 @@ mod tests {
              integrity keysize: 256 bits\n",
         );
         assert_eq!(status_text("/dev/ucrypt/data", &hmac), want);
+    }
+
+    #[test]
+    fn nbd_socket_line_says_who_listens() {
+        let line = |role: &str, exports, owner_pid| {
+            nbd_socket_line(&proto::NbdSocketReport {
+                listen: "unix:/run/n.sock".into(),
+                role: role.into(),
+                exports,
+                owner_pid,
+            })
+        };
+        assert_eq!(
+            line("owner", Some(3), None),
+            "  nbd socket: unix:/run/n.sock shared, owner (3 exports)\n"
+        );
+        assert_eq!(
+            line("owner", Some(1), None),
+            "  nbd socket: unix:/run/n.sock shared, owner (1 export)\n"
+        );
+        assert_eq!(
+            line("member", None, Some(42)),
+            "  nbd socket: unix:/run/n.sock shared, member (owner pid 42)\n"
+        );
+        assert_eq!(
+            line("taking over", None, None),
+            "  nbd socket: unix:/run/n.sock shared, taking over (its owner left)\n"
+        );
     }
 
     #[test]

@@ -539,6 +539,28 @@ pub struct StatusReport {
     /// `--memory-budget`: the budget and what is charged to it; absent without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_budget: Option<MemoryBudgetReport>,
+    /// `open --nbd unix:PATH`: the NBD socket (shared by every daemon that names PATH) and
+    /// this volume's part on it now; absent without `--nbd`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_socket: Option<NbdSocketReport>,
+}
+
+/// A volume's NBD socket (`open --nbd`): several daemons' exports share one socket; one
+/// daemon, the owner, listens and negotiates for all, the members serve the clients it passes
+/// them (`ucrypt_nbd::server::share`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NbdSocketReport {
+    /// `unix:PATH`, as `open --nbd` named it.
+    pub listen: String,
+    /// "owner", "member", "taking over" (its owner left) or "detached" (off the socket: only
+    /// the connections made before are served).
+    pub role: String,
+    /// An owner's: the exports it negotiates for, its own included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exports: Option<u64>,
+    /// A member's: its owner's process id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_pid: Option<u32>,
 }
 
 /// The memory budget shared by the volumes served with `--memory-budget` (`pool::budget`).
@@ -848,6 +870,12 @@ mod tests {
                 charged_bytes: 1 << 20,
                 refused_charges: 7,
                 forced_charges: 1,
+            }),
+            nbd_socket: Some(NbdSocketReport {
+                listen: "unix:/run/nbd.sock".into(),
+                role: "member".into(),
+                exports: None,
+                owner_pid: Some(41),
             }),
         }
     }

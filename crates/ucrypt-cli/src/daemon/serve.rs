@@ -8,7 +8,11 @@
 //! listener and a wake-up from the control connections; each control connection is served on a
 //! thread of its own that ends with it (a `resume` derives a key for seconds, a client may take
 //! its time to send its line: the main loop never waits for one). So an idle daemon has this
-//! thread and its front end's.
+//! thread and its front end's (and its NBD server's, with `--nbd`). The ublk and vhost-user
+//! threads wake the main loop when they end, and a FUSE mount's connection reports its end to
+//! the main loop's `poll`, so it sleeps until an event, or until the heap's trim is due
+//! ([`main_loop_sleep`]); it looks every [`POLL`] only while a deferred close waits for the
+//! last user or an ended FUSE mount's workers finish.
 
 use ucrypt_nbd::server::Listen;
 
@@ -20,7 +24,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -34,8 +38,8 @@ use ucrypt_fuse::{
 
 use super::loopdev::{self, LoopDevice};
 use super::proto::{
-    Closed, Counters, Ready, ReencryptionReport, RefreshSettings, Request, Response, ResumeKey,
-    StatusReport, VolumeInfo,
+    Closed, Counters, NbdSocketReport, Ready, ReencryptionReport, RefreshSettings, Request,
+    Response, ResumeKey, StatusReport, VolumeInfo,
 };
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
@@ -43,8 +47,9 @@ use crate::error::{CliError, CliResult};
 use crate::open::{HeaderAt, Opened, Prepared};
 use crate::volume_key;
 
-/// How often the main loop looks at a pending deferred close and at a front end that ended on
-/// its own (signals, control connections and close requests wake it at once).
+/// How often the main loop looks at a pending deferred close and at the workers of a FUSE
+/// mount whose connection ended (signals, control connections, close requests, the end of a
+/// ublk or vhost-user thread and of a FUSE connection wake it at once).
 const POLL: Duration = Duration::from_millis(200);
 
 /// How long the ublk device may take to appear once the volume is open.
@@ -123,16 +128,45 @@ struct NbdSide {
     stop: Stop,
 }
 
+/// The NBD socket as `status` reports it: where, and this export's part there (read live: a
+/// member takes the socket over when its owner leaves).
+struct NbdSocket {
+    listen: String,
+    state: ucrypt_nbd::server::share::ShareState,
+}
+
+impl NbdSocket {
+    fn report(&self) -> NbdSocketReport {
+        use ucrypt_nbd::server::share::Standing;
+        let (role, exports, owner_pid) = match self.state.standing() {
+            Standing::Owner { exports } => ("owner", Some(exports as u64), None),
+            Standing::Member { owner_pid } => ("member", None, Some(owner_pid)),
+            Standing::TakingOver => ("taking over", None, None),
+            Standing::Detached => ("detached", None, None),
+        };
+        NbdSocketReport {
+            listen: self.listen.clone(),
+            role: role.into(),
+            exports,
+            owner_pid,
+        }
+    }
+}
+
 impl NbdSide {
     /// Attaches export `name` to the socket at `at` here (so that a path refused, or a name
     /// served there already, is the open's error) and serves from a thread.
-    fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<NbdSide> {
+    fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<(NbdSide, NbdSocket)> {
         let Listen::Unix(path) = at else {
             return Err(CliError::Usage(
                 "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
             ));
         };
         let attached = ucrypt_nbd::server::share::attach(path, name, dev.clone(), dev.read_only())?;
+        let socket = NbdSocket {
+            listen: at.to_string(),
+            state: attached.state(),
+        };
         if !attached.owner() {
             eprintln!(
                 "ucrypt daemon {name}: NBD export joined the listener at {}",
@@ -157,7 +191,7 @@ impl NbdSide {
             .name("ucrypt-nbd".into())
             .spawn(move || ucrypt_nbd::server::share::serve(attached, opts, s2))
             .map_err(|e| io_err("starting the NBD server", e))?;
-        Ok(NbdSide { thread, stop })
+        Ok((NbdSide { thread, stop }, socket))
     }
 
     fn stop(self) {
@@ -274,6 +308,8 @@ struct Shared {
     resuming: Mutex<()>,
     /// Set (under `resuming`) by `close --force` of the suspended volume: no resume after it.
     aborted: AtomicBool,
+    /// `open --nbd`: set once the export is attached to its socket.
+    nbd_socket: OnceLock<NbdSocket>,
 }
 
 enum Event {
@@ -343,6 +379,7 @@ impl Shared {
             header: self.header.as_ref().map(|h| h.display().to_string()),
             buffer_lock_failures: self.vol.buffer_lock_failures(),
             memory_budget: super::budget::report(),
+            nbd_socket: self.nbd_socket.get().map(NbdSocket::report),
         }))
     }
 
@@ -661,6 +698,8 @@ impl server::Handler for Shared {
             }
             Request::CloseDeferred if self.in_use().is_some() => {
                 self.deferred.store(true, Ordering::Relaxed);
+                // The main loop looks for the last user's going from now on.
+                let _ = (&self.wake).write(&[1]);
                 respond(&Response::Closed(Closed {
                     note: Some("deferred: the device closes when its last user goes".into()),
                 }))
@@ -772,10 +811,13 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         None => None,
     };
     let dev: Arc<dyn BlockDev> = vol.clone();
+    let wake_err = |e| io_err("making the main loop's wake-up socket", e);
+    let (wake_tx, wake_rx) = wake_pair().map_err(wake_err)?;
+    let front_wake = WakeOnEnd(wake_tx.try_clone().map_err(wake_err)?);
     let (front, device, notes) = match d.front_end {
-        FrontEnd::Ublk => start_ublk(dev)?,
+        FrontEnd::Ublk => start_ublk(dev, front_wake)?,
         FrontEnd::Loop | FrontEnd::Fuse => start_fuse(&d, dev)?,
-        FrontEnd::VhostUser => start_vhost(&d, &opened, dev)?,
+        FrontEnd::VhostUser => start_vhost(&d, &opened, dev, front_wake)?,
         FrontEnd::Auto => return Err(CliError::Usage("front end not chosen".into())),
     };
     let ident = served_identity(&d, &front, &device);
@@ -792,13 +834,6 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         }
     };
     let (events_tx, events) = sync_channel(EVENTS_MAX);
-    let (wake_tx, wake_rx) = match wake_pair() {
-        Ok(p) => p,
-        Err(e) => {
-            let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
-            return Err(io_err("making the main loop's wake-up socket", e));
-        }
-    };
     let deferred = Arc::new(AtomicBool::new(false));
     let size_notifier = match &front {
         Front::Fuse { mounted, .. } => Some(mounted.size_notifier()),
@@ -820,6 +855,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         header: d.header.clone(),
         resuming: Mutex::new(()),
         aborted: AtomicBool::new(false),
+        nbd_socket: OnceLock::new(),
     });
     let control = match server::Acceptor::new(listener, shared.clone()) {
         Ok(c) => c,
@@ -830,7 +866,10 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     };
     let nbd = match &d.nbd {
         Some(at) => match NbdSide::start(&d.name, &vol, at) {
-            Ok(n) => Some(n),
+            Ok((n, socket)) => {
+                let _ = shared.nbd_socket.set(socket);
+                Some(n)
+            }
             Err(e) => {
                 let _ = teardown(front, &vol, true, &ident, &d.claim.dir);
                 return Err(e);
@@ -903,6 +942,40 @@ fn served_identity(d: &Daemon, front: &Front, device: &Path) -> Identity {
     ident
 }
 
+/// Wakes the main loop when dropped: a front end's thread holds one, so that its end (however
+/// it ends) is seen at once.
+struct WakeOnEnd(UnixStream);
+
+impl Drop for WakeOnEnd {
+    fn drop(&mut self) {
+        // Non-blocking: a full socket is awake already.
+        let _ = (&self.0).write(&[1]);
+    }
+}
+
+/// How long the main loop may sleep before it must look again, with `idle_for` since the
+/// volume's requests last changed and `trimmed` whether the heap was trimmed since: every
+/// [`POLL`] while a deferred close is pending (the last user's going is no event) or the
+/// front end is ending (`looks_at_front`: a FUSE connection ended, its workers not yet);
+/// otherwise until the trim is due, and after it
+/// [`HEAP_TRIM_IDLE`] (so that a busy spell is seen and trimmed after). Events wake it anyway.
+fn main_loop_sleep(
+    deferred: bool,
+    looks_at_front: bool,
+    idle_for: Duration,
+    trimmed: bool,
+) -> Duration {
+    if deferred || looks_at_front {
+        POLL
+    } else if trimmed {
+        HEAP_TRIM_IDLE
+    } else {
+        HEAP_TRIM_IDLE
+            .saturating_sub(idle_for)
+            .max(Duration::from_millis(1))
+    }
+}
+
 /// The main loop's wake-up socket pair (both ends non-blocking).
 fn wake_pair() -> std::io::Result<(UnixStream, UnixStream)> {
     let (a, b) = UnixStream::pair()?;
@@ -954,12 +1027,13 @@ fn memlock_warning() -> Option<String> {
     ))
 }
 
-/// Waits up to `timeout` until one of `fds` is readable; returns which are (all false after
-/// the timeout or an interrupted wait).
-fn wait_readable<const N: usize>(fds: [i32; N], timeout: Duration) -> [bool; N] {
-    let mut p = fds.map(|fd| libc::pollfd {
+/// Waits up to `timeout` until one of `fds` has an event (`(fd, events)`: `POLLIN`, or 0 for
+/// errors and hang-ups only); returns which have (all false after the timeout or an
+/// interrupted wait). A negative fd is left out.
+fn wait_events<const N: usize>(fds: [(i32, libc::c_short); N], timeout: Duration) -> [bool; N] {
+    let mut p = fds.map(|(fd, events)| libc::pollfd {
         fd,
-        events: libc::POLLIN,
+        events,
         revents: 0,
     });
     let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
@@ -996,9 +1070,30 @@ fn main_loop(
             n.stop();
         }
     };
-    let fds = [signals.as_raw_fd(), control.as_raw_fd(), wake.as_raw_fd()];
+    // A FUSE mount's connection reports an error once it ended (unmounted from outside): from
+    // then on the loop looks every POLL until its workers have ended.
+    let mut fuse_fd = match &front {
+        Front::Fuse { mounted, .. } => mounted.connection_fd().as_raw_fd(),
+        Front::Ublk { .. } | Front::Vhost { .. } => -1,
+    };
+    let mut front_ending = false;
     loop {
-        let [signalled, connecting, woken] = wait_readable(fds, POLL);
+        let sleep = main_loop_sleep(
+            deferred.load(Ordering::Relaxed),
+            front_ending,
+            seen_at.elapsed(),
+            trimmed,
+        );
+        let fds = [
+            (signals.as_raw_fd(), libc::POLLIN),
+            (control.as_raw_fd(), libc::POLLIN),
+            (wake.as_raw_fd(), libc::POLLIN),
+            (fuse_fd, 0),
+        ];
+        let [signalled, connecting, woken, fuse_ended] = wait_events(fds, sleep);
+        if fuse_ended {
+            (fuse_fd, front_ending) = (-1, true);
+        }
         if connecting {
             control.accept_pending();
         }
@@ -1082,13 +1177,14 @@ struct FrontNotes {
     vhost: Option<ucrypt_vhost::Handle>,
 }
 
-fn start_ublk(dev: Arc<dyn BlockDev>) -> CliResult<(Front, PathBuf, FrontNotes)> {
+fn start_ublk(dev: Arc<dyn BlockDev>, wake: WakeOnEnd) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let stop = Stop::new();
     let s2 = stop.clone();
     let (tx, rx) = sync_channel(1);
     let thread = std::thread::Builder::new()
         .name("ucrypt-ublk".into())
         .spawn(move || {
+            let _wake = wake;
             ucrypt_ublk::serve(dev, ucrypt_ublk::UblkOptions::default(), &s2, move |r| {
                 let _ = tx.send(r);
             })
@@ -1196,6 +1292,7 @@ fn start_vhost(
     d: &Daemon,
     opened: &Opened,
     dev: Arc<dyn BlockDev>,
+    wake: WakeOnEnd,
 ) -> CliResult<(Front, PathBuf, FrontNotes)> {
     let socket = d.claim.dir.join(super::state::VHOST_SOCKET);
     let opts = ucrypt_vhost::VhostOptions {
@@ -1213,6 +1310,7 @@ fn start_vhost(
     let thread = std::thread::Builder::new()
         .name("ucrypt-vhost".into())
         .spawn(move || {
+            let _wake = wake;
             ucrypt_vhost::serve(dev, &at, opts, &s2, move |_| {
                 let _ = tx.send(());
             })
@@ -1373,4 +1471,27 @@ fn teardown(
         eprintln!("ucrypt daemon {}: {n}", ident.name);
     }
     (Response::Closed(Closed { note }), rest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_main_loop_sleeps_until_the_heap_trim_is_due() {
+        let s = Duration::from_secs;
+        // Nothing pending: until the trim is due, then a trim's span.
+        assert_eq!(
+            main_loop_sleep(false, false, s(3), false),
+            HEAP_TRIM_IDLE - s(3)
+        );
+        assert_eq!(
+            main_loop_sleep(false, false, HEAP_TRIM_IDLE * 2, false),
+            Duration::from_millis(1)
+        );
+        assert_eq!(main_loop_sleep(false, false, s(3600), true), HEAP_TRIM_IDLE);
+        // A deferred close or a FUSE front end: looked at every POLL.
+        assert_eq!(main_loop_sleep(true, false, s(3600), true), POLL);
+        assert_eq!(main_loop_sleep(false, true, s(0), false), POLL);
+    }
 }

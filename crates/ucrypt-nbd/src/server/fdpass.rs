@@ -130,6 +130,15 @@ pub(crate) fn recv(stream: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Ve
 
 /// The user id of the process at the other end of `stream` (as it was when it connected).
 pub(crate) fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    peer_cred(stream).map(|c| c.uid)
+}
+
+/// The process id of the process at the other end of `stream` (the one that connected it).
+pub(crate) fn peer_pid(stream: &UnixStream) -> io::Result<u32> {
+    peer_cred(stream).map(|c| c.pid as u32)
+}
+
+fn peer_cred(stream: &UnixStream) -> io::Result<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -149,7 +158,7 @@ pub(crate) fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(cred)
 }
 
 /// This process's effective user id.
@@ -183,6 +192,7 @@ mod tests {
         y2.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"hello");
         assert_eq!(peer_uid(&a).unwrap(), my_uid());
+        assert_eq!(peer_pid(&a).unwrap(), std::process::id());
         drop(a);
         let (n, fds) = recv(&b, &mut buf).unwrap();
         assert_eq!((n, fds.len()), (0, 0));

@@ -23,7 +23,8 @@
 //!
 //! The protocol itself (parsing, validation, replies) is the sans-I/O codec in [`crate::proto`].
 //! The server stops when its [`Stop`] is requested (the `ucrypt` command ties SIGINT and
-//! SIGTERM to it).
+//! SIGTERM to it). Its accept loop waits in `poll` on the listener and an eventfd the stop
+//! writes to (`stop_fd`), never on a timer: an idle server does not wake.
 
 mod budget;
 mod buf;
@@ -33,6 +34,7 @@ mod fdpass;
 mod queue;
 pub mod share;
 mod sock;
+mod stop_fd;
 pub(crate) mod tls;
 pub mod unix_socket;
 
@@ -41,7 +43,7 @@ mod tests;
 
 use std::io::{self, Write};
 use std::net::{TcpListener, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixDatagram, UnixListener};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -88,8 +90,6 @@ pub const WORKERS_PER_CONNECTION_MAX: usize = 64;
 /// connections are never closed while slots are free: a kernel NBD client on a quiet file
 /// system sends nothing for hours, and a closed connection is an I/O error to it.
 pub const IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
-/// How often the accept loop looks at the stop flag.
-const ACCEPT_POLL_MS: i32 = 200;
 
 /// Where to listen: `unix:PATH` or `tcp:HOST:PORT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -170,6 +170,8 @@ pub(crate) struct Shared {
     pub exports: Vec<Export>,
     pub tls: Option<Arc<rustls::ServerConfig>>,
     pub stop: Stop,
+    /// Readable once `stop` is requested: the accept and registration loops wait on it.
+    pub stop_fd: stop_fd::StopFd,
     /// The live connections: their sockets (clones, to shut their read side down on stop or
     /// to close an idle one) and activity.
     pub live: Mutex<Vec<LiveConn>>,
@@ -350,18 +352,6 @@ pub fn sd_notify_ready() {
     }
 }
 
-/// Waits up to `ms` for the listener to become readable.
-fn poll_readable(fd: i32, ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: `p` is a valid, initialised pollfd array of length 1 living across the call.
-    let n = unsafe { libc::poll(&mut p, 1, ms) };
-    n > 0 && p.revents & libc::POLLIN != 0
-}
-
 /// Serves `exports` (the first is the default export) until `stop` is requested, then stops
 /// accepting, lets every connection finish its in-flight requests, flushes every device and
 /// returns.
@@ -407,7 +397,7 @@ pub fn serve_on(
     }
     let names: Vec<&str> = rt.iter().map(|e| e.info.name.as_str()).collect();
     let announce = uris(&listener, &names, opts.tls.is_some());
-    let shared = new_shared(rt, &opts, &stop, None);
+    let shared = new_shared(rt, &opts, &stop, None)?;
     if opts.announce {
         let mut out = io::stdout().lock();
         for u in &announce {
@@ -418,7 +408,7 @@ pub fn serve_on(
     }
 
     let mut conns = Conns::new();
-    accept_loop(&listener, &shared, &mut conns);
+    accept_loop(&listener, &shared, &mut conns, &mut ());
     listener_close(listener);
     let result = finish_conns(&shared, conns.into_threads());
     if let Some(pf) = &opts.pid_file {
@@ -433,15 +423,18 @@ fn new_shared(
     opts: &ServerOptions,
     stop: &Stop,
     share: Option<Arc<share::Registry>>,
-) -> Arc<Shared> {
+) -> Result<Arc<Shared>> {
     let handshakes_max = match share {
         Some(_) => share::HANDSHAKES_PENDING_MAX,
         None => usize::MAX,
     };
-    Arc::new(Shared {
+    let stop_fd = stop_fd::StopFd::new(stop)
+        .map_err(|e| Error::io("making the server's stop descriptor", e))?;
+    Ok(Arc::new(Shared {
         exports,
         tls: opts.tls.clone(),
         stop: stop.clone(),
+        stop_fd,
         live: Mutex::new(Vec::new()),
         poll: opts.poll,
         poll_backoff: opts.poll_backoff,
@@ -453,7 +446,7 @@ fn new_shared(
         share,
         handshakes: AtomicUsize::new(0),
         handshakes_max,
-    })
+    }))
 }
 
 impl Listener {
@@ -591,19 +584,70 @@ impl Conns {
     }
 }
 
+/// What an accept loop watches besides its listener and its stop: a shared socket's
+/// registration (`share`), whose owner admits members on the thread that accepts clients.
+pub(crate) trait Watch {
+    /// Appends the descriptors to wait on (readable or hung up).
+    fn fds(&mut self, out: &mut Vec<RawFd>);
+    /// Handles the events of the descriptors [`Watch::fds`] gave, in order (`true`: an
+    /// event).
+    fn ready(&mut self, events: &[bool]);
+    /// How long the loop may wait at most (-1: no bound): something this watch waits for
+    /// has a deadline.
+    fn timeout_ms(&self) -> i32 {
+        -1
+    }
+}
+
+/// A plain server's: nothing besides the listener.
+impl Watch for () {
+    fn fds(&mut self, _: &mut Vec<RawFd>) {}
+    fn ready(&mut self, _: &[bool]) {}
+}
+
 /// Accepts connections until the server's stop is requested; each gets a thread from
-/// [`Conns::admit`].
-fn accept_loop(listener: &Listener, shared: &Arc<Shared>, conns: &mut Conns) {
+/// [`Conns::admit`]. Waits in one `poll` on the listener, the stop and `watch`'s descriptors,
+/// with no timeout: an idle server never wakes. While [`Shared::handshakes_max`] clients are
+/// in their handshake it leaves the listener alone and looks again every
+/// [`HANDSHAKES_FULL_WAIT`].
+fn accept_loop(
+    listener: &Listener,
+    shared: &Arc<Shared>,
+    conns: &mut Conns,
+    watch: &mut dyn Watch,
+) {
     let fd = match &listener {
         Listener::Unix(l, _) => l.as_raw_fd(),
         Listener::Tcp(l) => l.as_raw_fd(),
     };
+    let (mut extra, mut polled, mut events) = (Vec::new(), Vec::new(), Vec::new());
     while !shared.stop.requested() {
-        if shared.handshakes.load(Ordering::Acquire) >= shared.handshakes_max {
-            std::thread::sleep(HANDSHAKES_FULL_WAIT);
+        let full = shared.handshakes.load(Ordering::Acquire) >= shared.handshakes_max;
+        extra.clear();
+        watch.fds(&mut extra);
+        // The stop, the listener (ignored, -1, while handshakes are full), then the watch's.
+        polled.clear();
+        polled.push(stop_fd::pollin(shared.stop_fd.as_raw_fd()));
+        polled.push(stop_fd::pollin(if full { -1 } else { fd }));
+        polled.extend(extra.iter().map(|&f| stop_fd::pollin(f)));
+        let timeout = if full {
+            HANDSHAKES_FULL_WAIT.as_millis() as i32
+        } else {
+            watch.timeout_ms()
+        };
+        if stop_fd::wait(&mut polled, timeout) == 0 {
+            events.clear();
+            events.resize(extra.len(), false);
+            watch.ready(&events);
             continue;
         }
-        if !poll_readable(fd, ACCEPT_POLL_MS) {
+        if polled[0].revents != 0 {
+            break;
+        }
+        events.clear();
+        events.extend(polled[2..].iter().map(|p| p.revents != 0));
+        watch.ready(&events);
+        if polled[1].revents & libc::POLLIN == 0 {
             continue;
         }
         let sock = match &listener {

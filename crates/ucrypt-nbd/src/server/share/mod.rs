@@ -26,13 +26,19 @@
 //!
 //! Bounds: [`SHARED_EXPORTS_MAX`] exports on one socket, and [`HANDSHAKES_PENDING_MAX`]
 //! clients in their handshake at once (more wait in the backlog: the owner stops accepting).
+//!
+//! Nothing here wakes while idle: the owner's accept loop waits in one `poll` on the NBD
+//! listener, the registration socket, every member's registration connection and the stop
+//! (an eventfd, `server/stop_fd.rs`), with no timeout, so the owner needs no thread beside the
+//! one that accepts; a member waits the same way on its registration connection and the stop.
+//! [`ShareState`] says, live, which part an export plays ([`Standing`]), for `status`.
 
 mod msg;
 #[cfg(test)]
 mod tests;
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -45,9 +51,10 @@ use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};
 
 use super::fdpass;
+use super::stop_fd::{self, pollin};
 use super::unix_socket::{bind_unix, BoundSocket};
 use super::Entry;
-use super::{Conns, Export, Listener, ServerOptions, Sock};
+use super::{Conns, Export, Listener, ServerOptions, Sock, Watch};
 use crate::proto::ExportInfo;
 use crate::{Error, Result};
 use msg::Msg;
@@ -66,8 +73,9 @@ const TAKEOVER_WAIT: Duration = Duration::from_secs(10);
 const RETRY_STEP: Duration = Duration::from_millis(20);
 /// A registration message must arrive (or be sent) within this time.
 const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often the registration loops look at their stop flag.
-const POLL_MS: i32 = 200;
+/// Connections to the owner's registration whose `Join` has not arrived yet, at most (each
+/// for [`MESSAGE_TIMEOUT`] at most); further joiners wait in the registration's backlog.
+const JOINS_PENDING_MAX: usize = 16;
 
 /// A member's export as the owner knows it.
 pub(crate) struct Member {
@@ -100,6 +108,68 @@ impl Registry {
     pub(crate) fn snapshot(&self) -> Vec<Arc<Member>> {
         lock(&self.members).clone()
     }
+
+    fn len(&self) -> usize {
+        lock(&self.members).len()
+    }
+}
+
+/// Where an attached export stands on its socket now ([`ShareState::standing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// This process listens and negotiates for `exports` exports, its own included.
+    Owner { exports: usize },
+    /// Joined the owner, process `owner_pid`, which passes this export's clients here.
+    Member { owner_pid: u32 },
+    /// The owner left: this process is taking the socket over or joining the next owner.
+    TakingOver,
+    /// Off the socket (serving ended, or no takeover succeeded): only the connections made
+    /// before are served.
+    Detached,
+}
+
+/// What [`Standing`] is made of, without the owner's member count (read live).
+#[derive(Clone, Copy)]
+enum Part {
+    Owner,
+    Member { owner_pid: u32 },
+    TakingOver,
+    Detached,
+}
+
+/// A live view of an attached export's [`Standing`], shared with whoever reports on it while
+/// [`serve`] runs (a member may become the owner, an owner gain or lose members).
+#[derive(Clone)]
+pub struct ShareState(Arc<StateInner>);
+
+struct StateInner {
+    registry: Arc<Registry>,
+    part: Mutex<Part>,
+}
+
+impl ShareState {
+    fn new(part: Part) -> ShareState {
+        ShareState(Arc::new(StateInner {
+            registry: Arc::new(Registry::default()),
+            part: Mutex::new(part),
+        }))
+    }
+
+    fn set(&self, part: Part) {
+        *lock(&self.0.part) = part;
+    }
+
+    /// Where the export stands now.
+    pub fn standing(&self) -> Standing {
+        match *lock(&self.0.part) {
+            Part::Owner => Standing::Owner {
+                exports: 1 + self.0.registry.len(),
+            },
+            Part::Member { owner_pid } => Standing::Member { owner_pid },
+            Part::TakingOver => Standing::TakingOver,
+            Part::Detached => Standing::Detached,
+        }
+    }
 }
 
 /// The owner's sockets: registration, NBD listener.
@@ -115,6 +185,8 @@ struct Membership {
     listener: OwnedFd,
     dev: u64,
     ino: u64,
+    /// The owner's process (`SO_PEERCRED` of the registration connection).
+    owner_pid: u32,
 }
 
 enum Role {
@@ -128,12 +200,29 @@ pub struct Attached {
     dev: Arc<dyn BlockDev>,
     info: ExportInfo,
     role: Role,
+    state: ShareState,
 }
 
 impl Attached {
     /// Whether this process listens (else it joined another's listener).
     pub fn owner(&self) -> bool {
         matches!(self.role, Role::Owner(_))
+    }
+
+    /// Where the export stands, kept up to date by [`serve`].
+    pub fn state(&self) -> ShareState {
+        self.state.clone()
+    }
+}
+
+impl Role {
+    fn part(&self) -> Part {
+        match self {
+            Role::Owner(_) => Part::Owner,
+            Role::Member(m) => Part::Member {
+                owner_pid: m.owner_pid,
+            },
+        }
     }
 }
 
@@ -229,6 +318,7 @@ fn try_join(path: &Path, info: &ExportInfo) -> Result<Joined> {
             path.display()
         )));
     }
+    let owner_pid = fdpass::peer_pid(&s).map_err(io)?;
     s.set_read_timeout(Some(MESSAGE_TIMEOUT)).map_err(io)?;
     s.set_write_timeout(Some(MESSAGE_TIMEOUT)).map_err(io)?;
     let join = msg::encode(&Msg::Join {
@@ -242,6 +332,7 @@ fn try_join(path: &Path, info: &ExportInfo) -> Result<Joined> {
             listener,
             dev,
             ino,
+            owner_pid,
         })),
         Some((Msg::Refused { why }, _)) => {
             Err(busy(format!("NBD socket {}: {why}", path.display())))
@@ -307,6 +398,7 @@ pub fn attach(
                 path: path.to_path_buf(),
                 dev,
                 info,
+                state: ShareState::new(role.part()),
                 role,
             });
         }
@@ -320,72 +412,121 @@ pub fn attach(
     }
 }
 
-/// The owner's registration loop: admits members, drops those whose connection ends. Runs
-/// until `stop`; returns whether members remained (then they take the listener over).
-fn registration_loop(
-    registration: UnixListener,
+/// A connection to the owner's registration whose `Join` has not arrived yet.
+struct PendingJoin {
+    stream: UnixStream,
+    since: Instant,
+}
+
+/// The owner's registration, watched by its accept loop ([`Watch`]): admits members, drops
+/// those whose connection ends. A joiner's `Join` is read once it arrived, so that a slow
+/// joiner holds up no client.
+struct Registration<'a> {
+    socket: UnixListener,
+    /// A copy of the NBD listening socket, for every member (a takeover needs it).
     listener: OwnedFd,
-    (dev, ino): (u64, u64),
-    registry: &Registry,
-    local: &str,
-    stop: &Stop,
-) -> bool {
-    while !stop.requested() {
-        let members = registry.snapshot();
-        let mut fds: Vec<libc::pollfd> = std::iter::once(registration.as_raw_fd())
-            .chain(members.iter().map(|m| m.fd))
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        // SAFETY: `fds` is a live array of pollfds of the length given.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, POLL_MS) };
-        if n <= 0 {
-            continue;
-        }
+    id: (u64, u64),
+    registry: &'a Registry,
+    local: &'a str,
+    pending: Vec<PendingJoin>,
+    /// The members whose connections the last [`Watch::fds`] gave, in order.
+    polled: Vec<Arc<Member>>,
+}
+
+impl Watch for Registration<'_> {
+    fn fds(&mut self, out: &mut Vec<RawFd>) {
+        self.polled = self.registry.snapshot();
+        // -1 (skipped by poll) while the pending joins are full: the rest wait in the backlog.
+        let full = self.pending.len() >= JOINS_PENDING_MAX;
+        out.push(if full { -1 } else { self.socket.as_raw_fd() });
+        out.extend(self.pending.iter().map(|p| p.stream.as_raw_fd()));
+        out.extend(self.polled.iter().map(|m| m.fd));
+    }
+
+    fn ready(&mut self, events: &[bool]) {
+        let Some((&joining, rest)) = events.split_first() else {
+            return;
+        };
+        let (joins, members) = rest.split_at(self.pending.len().min(rest.len()));
         // A member sends nothing after its join: readable means gone (or broken).
-        for (m, p) in members.iter().zip(&fds[1..]) {
-            if p.revents != 0 {
-                eprintln!(
-                    "ucrypt: NBD export '{}' (pid {}) left the shared listener",
-                    m.info.name, m.pid
+        for (m, _) in self.polled.iter().zip(members).filter(|(_, &e)| e) {
+            eprintln!(
+                "ucrypt: NBD export '{}' (pid {}) left the shared listener",
+                m.info.name, m.pid
+            );
+            lock(&self.registry.members).retain(|x| !Arc::ptr_eq(x, m));
+        }
+        let mut flags = joins.iter().copied().chain(std::iter::repeat(false));
+        for p in std::mem::take(&mut self.pending) {
+            if flags.next() == Some(true) {
+                admit(
+                    p.stream,
+                    self.listener.as_fd(),
+                    self.id,
+                    self.registry,
+                    self.local,
                 );
-                lock(&registry.members).retain(|x| !Arc::ptr_eq(x, m));
+            } else if p.since.elapsed() >= MESSAGE_TIMEOUT {
+                eprintln!("ucrypt: a join of the shared NBD listener sent nothing: dropped");
+            } else {
+                self.pending.push(p);
             }
         }
-        if fds[0].revents & libc::POLLIN != 0 {
-            if let Ok((s, _)) = registration.accept() {
-                admit(s, listener.as_fd(), (dev, ino), registry, local);
+        if joining {
+            if let Ok((s, _)) = self.socket.accept() {
+                self.pending_join(s);
             }
         }
     }
-    drop(registration);
-    let mut members = lock(&registry.members);
-    let remained = !members.is_empty();
-    // Their connections end as these go (once no handshake holds one): they take over.
-    members.clear();
-    remained
+
+    /// Until the oldest pending join's time is up.
+    fn timeout_ms(&self) -> i32 {
+        self.pending
+            .iter()
+            .map(|p| MESSAGE_TIMEOUT.saturating_sub(p.since.elapsed()))
+            .min()
+            .map_or(-1, |d| d.as_millis().min(i32::MAX as u128) as i32 + 1)
+    }
+}
+
+impl Registration<'_> {
+    /// A new connection to the registration: kept until its `Join` arrives, if it is this
+    /// user's.
+    fn pending_join(&mut self, s: UnixStream) {
+        if fdpass::peer_uid(&s).ok() != Some(fdpass::my_uid()) {
+            eprintln!("ucrypt: refusing another user's join of the shared NBD listener");
+            return;
+        }
+        if s.set_read_timeout(Some(MESSAGE_TIMEOUT)).is_err()
+            || s.set_write_timeout(Some(MESSAGE_TIMEOUT)).is_err()
+        {
+            return;
+        }
+        self.pending.push(PendingJoin {
+            stream: s,
+            since: Instant::now(),
+        });
+    }
+
+    /// Stops registering; returns whether members remained (then they take the listener
+    /// over: their connections end as these go, once no handshake holds one).
+    fn close(self) -> bool {
+        drop(self.socket);
+        let mut members = lock(&self.registry.members);
+        let remained = !members.is_empty();
+        members.clear();
+        remained
+    }
 }
 
 /// Takes or refuses one member's join.
 fn admit(
     s: UnixStream,
-    listener: std::os::fd::BorrowedFd<'_>,
+    listener: BorrowedFd<'_>,
     (dev, ino): (u64, u64),
     registry: &Registry,
     local: &str,
 ) {
-    if fdpass::peer_uid(&s).ok() != Some(fdpass::my_uid()) {
-        eprintln!("ucrypt: refusing another user's join of the shared NBD listener");
-        return;
-    }
-    if s.set_read_timeout(Some(MESSAGE_TIMEOUT)).is_err()
-        || s.set_write_timeout(Some(MESSAGE_TIMEOUT)).is_err()
-    {
-        return;
-    }
     let (pid, info) = match read_msg(&s) {
         Ok(Some((Msg::Join { pid, info }, _))) => (pid, info),
         Ok(_) => return,
@@ -435,41 +576,37 @@ fn admit(
     }));
 }
 
-/// Owns the socket until `stop`: accepts and negotiates for every export, while a thread runs
-/// the registration. On stop, members left keep PATH (they take the listener over).
-fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Arc<Registry>, conns: &mut Conns) {
+/// Owns the socket until `stop`: accepts and negotiates for every export and runs the
+/// registration, all on this thread ([`Registration`] is its accept loop's [`Watch`]). On
+/// stop, members left keep PATH (they take the listener over).
+fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Registry, conns: &mut Conns) {
     let Owner {
         registration,
         listener,
         bound,
     } = o;
     let id = bound.file_id();
-    let reg_stop = Stop::new();
-    let copy = match listener.as_fd().try_clone_to_owned() {
-        Ok(c) => c,
+    let copy = listener.as_fd().try_clone_to_owned();
+    let l = Listener::Unix(listener, bound);
+    let remained = match copy {
+        Ok(copy) => {
+            let local = shared.exports[0].info.name.clone();
+            let mut watch = Registration {
+                socket: registration,
+                listener: copy,
+                id,
+                registry,
+                local: &local,
+                pending: Vec::new(),
+                polled: Vec::new(),
+            };
+            super::accept_loop(&l, shared, conns, &mut watch);
+            watch.close()
+        }
         Err(e) => {
             eprintln!("ucrypt: NBD listener: {e}: serving without members");
             drop(registration);
-            let l = Listener::Unix(listener, bound);
-            super::accept_loop(&l, shared, conns);
-            super::listener_close(l);
-            return;
-        }
-    };
-    let thread = {
-        let (registry, stop) = (registry.clone(), reg_stop.clone());
-        let local = shared.exports[0].info.name.clone();
-        std::thread::Builder::new()
-            .name("nbd-share".into())
-            .spawn(move || registration_loop(registration, copy, id, &registry, &local, &stop))
-    };
-    let l = Listener::Unix(listener, bound);
-    super::accept_loop(&l, shared, conns);
-    reg_stop.request();
-    let remained = match thread {
-        Ok(t) => t.join().unwrap_or(false),
-        Err(e) => {
-            eprintln!("ucrypt: NBD listener: cannot start its registration: {e}");
+            super::accept_loop(&l, shared, conns, &mut ());
             false
         }
     };
@@ -480,11 +617,16 @@ fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Arc<Registry>, co
 }
 
 /// Serves the clients the owner passes until `stop` (`None`) or until the owner is gone
-/// (the membership back, for a takeover).
+/// (the membership back, for a takeover). Waits on the registration connection and the stop,
+/// with no timeout.
 fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> Option<Membership> {
     let own = &shared.exports[0].info.name;
+    let mut fds = [
+        pollin(shared.stop_fd.as_raw_fd()),
+        pollin(m.stream.as_raw_fd()),
+    ];
     while !shared.stop.requested() {
-        if !super::poll_readable(m.stream.as_raw_fd(), POLL_MS) {
+        if stop_fd::wait(&mut fds, -1) == 0 || fds[1].revents == 0 {
             continue;
         }
         match read_msg(&m.stream) {
@@ -496,6 +638,14 @@ fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> 
         }
     }
     None
+}
+
+/// Waits, with no timeout, until the server's stop is requested.
+fn wait_for_stop(shared: &super::Shared) {
+    let mut fds = [pollin(shared.stop_fd.as_raw_fd())];
+    while !shared.stop.requested() {
+        stop_fd::wait(&mut fds, -1);
+    }
 }
 
 /// After the owner left: become the owner (on the listening socket this member holds, while
@@ -544,7 +694,8 @@ fn takeover(path: &Path, info: &ExportInfo, m: Membership, stop: &Stop) -> Resul
 }
 
 /// Serves the attached export until `stop`, as owner or member (a member may become the
-/// owner); then lets every connection finish and flushes the device.
+/// owner); then lets every connection finish and flushes the device. Keeps the export's
+/// [`ShareState`] up to date.
 pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
     super::raise_open_files_limit(opts.connections_max);
     let Attached {
@@ -552,33 +703,42 @@ pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
         dev,
         info,
         role,
+        state,
     } = a;
-    let registry = Arc::new(Registry::default());
+    let registry = state.0.registry.clone();
     let export = Export {
         dev,
         info: info.clone(),
     };
-    let shared = super::new_shared(vec![export], &opts, &stop, Some(registry.clone()));
+    let shared = match super::new_shared(vec![export], &opts, &stop, Some(registry.clone())) {
+        Ok(s) => s,
+        Err(e) => {
+            state.set(Part::Detached);
+            return Err(e);
+        }
+    };
     let mut conns = Conns::new();
     let mut next = Some(role);
     while let Some(r) = next.take() {
+        state.set(r.part());
         match r {
             Role::Owner(o) => run_owner(o, &shared, &registry, &mut conns),
             Role::Member(m) => {
                 let Some(m) = run_member(m, &shared, &mut conns) else {
                     break;
                 };
+                state.set(Part::TakingOver);
                 match takeover(&path, &info, m, &stop) {
                     Ok(r) => next = Some(r),
                     Err(e) => {
                         eprintln!("ucrypt: {e}: serving the connections established");
-                        while !stop.requested() {
-                            std::thread::sleep(Duration::from_millis(POLL_MS as u64));
-                        }
+                        state.set(Part::Detached);
+                        wait_for_stop(&shared);
                     }
                 }
             }
         }
     }
+    state.set(Part::Detached);
     super::finish_conns(&shared, conns.into_threads())
 }

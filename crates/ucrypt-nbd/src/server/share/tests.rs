@@ -2,11 +2,13 @@
 //! would be from its own process): the owner lists and negotiates every export, a member's
 //! clients are passed to it and read and write its device only, a name served already is
 //! refused, a member that leaves leaves the list, and when the owner leaves a member takes
-//! the socket over with PATH kept until the last one goes.
+//! the socket over with PATH kept until the last one goes. Each export's [`Standing`] follows,
+//! and an idle owner's or member's serving thread never wakes.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,7 +16,7 @@ use std::time::{Duration, Instant};
 use ucrypt::backend::Backend;
 use ucrypt::{BlockDev, Stop};
 
-use super::{attach, serve};
+use super::{attach, serve, ShareState, Standing};
 use crate::client::{ClientOptions, NbdBackend, NbdUri};
 use crate::proto::{IHAVEOPT, OPT_ABORT, OPT_LIST, REP_ACK, REP_SERVER};
 use crate::server::ServerOptions;
@@ -79,6 +81,9 @@ fn opts() -> ServerOptions {
 struct Running {
     stop: Stop,
     thread: Option<JoinHandle<crate::Result<()>>>,
+    state: ShareState,
+    /// The serving thread's id (`gettid`), once it runs.
+    tid: Arc<AtomicI32>,
 }
 
 impl Running {
@@ -101,13 +106,45 @@ fn start(path: &Path, name: &str, dev: &Arc<MemDev>, owner: bool) -> Running {
     let dev: Arc<dyn BlockDev> = dev.clone();
     let a = attach(path, name, dev, false).unwrap();
     assert_eq!(a.owner(), owner, "{name}: owner");
+    let state = a.state();
     let stop = Stop::new();
     let s2 = stop.clone();
-    let thread = std::thread::spawn(move || serve(a, opts(), s2));
+    let tid = Arc::new(AtomicI32::new(0));
+    let t2 = tid.clone();
+    let thread = std::thread::spawn(move || {
+        // SAFETY: gettid has no arguments and cannot fail.
+        t2.store(unsafe { libc::gettid() }, Ordering::Release);
+        serve(a, opts(), s2)
+    });
     Running {
         stop,
         thread: Some(thread),
+        state,
+        tid,
     }
+}
+
+/// Waits until `r` stands as `want`.
+fn stands(r: &Running, want: Standing) {
+    let t0 = Instant::now();
+    loop {
+        let got = r.state.standing();
+        if got == want {
+            return;
+        }
+        assert!(t0.elapsed() < SETTLE, "stands {got:?}, want {want:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Context switches of thread `tid` of this process so far, voluntary and not
+/// (`/proc/self/task/TID/status`).
+fn switches(tid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    s.lines()
+        .filter(|l| l.contains("ctxt_switches:"))
+        .map(|l| l.split(':').nth(1).unwrap().trim().parse::<u64>().unwrap())
+        .sum()
 }
 
 struct Dir(PathBuf);
@@ -245,6 +282,9 @@ fn a_member_takes_the_socket_over_when_the_owner_leaves() {
     let b = start(&path, "b", &db, false);
     let c = start(&path, "c", &dc, false);
     list_becomes(&path, &["a", "b", "c"]);
+    let me = std::process::id();
+    stands(&a, Standing::Owner { exports: 3 });
+    stands(&b, Standing::Member { owner_pid: me });
     // A client of b connected before the owner leaves keeps being served after.
     let early = client(&path, "b");
     a.stop();
@@ -253,6 +293,18 @@ fn a_member_takes_the_socket_over_when_the_owner_leaves() {
         "the owner removed a socket its members serve"
     );
     list_becomes(&path, &["b", "c"]);
+    // One of the members took over; the other joined it.
+    let t0 = Instant::now();
+    let (new_owner, member) = loop {
+        match (b.state.standing(), c.state.standing()) {
+            (Standing::Owner { exports: 2 }, Standing::Member { .. }) => break (&b, &c),
+            (Standing::Member { .. }, Standing::Owner { exports: 2 }) => break (&c, &b),
+            got => assert!(t0.elapsed() < SETTLE, "after the takeover: {got:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    stands(member, Standing::Member { owner_pid: me });
+    stands(new_owner, Standing::Owner { exports: 2 });
     write_read(&path, "b", &db, 0, 0xb1);
     write_read(&path, "c", &dc, 0, 0xc1);
     let mut back = vec![0u8; 4096];
@@ -263,10 +315,48 @@ fn a_member_takes_the_socket_over_when_the_owner_leaves() {
     let d = start(&path, "a", &da, false);
     list_becomes(&path, &["a", "b", "c"]);
     write_read(&path, "a", &da, 0, 0xa2);
+    stands(&d, Standing::Member { owner_pid: me });
+    let state = b.state.clone();
     for r in [b, c, d] {
         r.stop();
     }
+    assert_eq!(state.standing(), Standing::Detached);
     assert!(!path.exists(), "the socket outlived its last server");
+}
+
+/// Context switches an idle serving thread may make in [`IDLE_SPAN`]: a loop that woke every
+/// 200 ms to look at its stop flag makes 10.
+const IDLE_SWITCHES_MAX: u64 = 3;
+const IDLE_SPAN: Duration = Duration::from_secs(2);
+
+#[test]
+fn an_idle_owner_and_member_never_wake() {
+    let dir = Dir::new("idle");
+    let path = dir.0.join("nbd.sock");
+    let (da, db) = (mem(), mem());
+    let a = start(&path, "a", &da, true);
+    let b = start(&path, "b", &db, false);
+    list_becomes(&path, &["a", "b"]);
+    stands(&a, Standing::Owner { exports: 2 });
+    // Nothing reaches the serving threads from here on: the listing's connection was accepted
+    // (and is served, then ends, on a thread of its own).
+    let tids = [&a, &b].map(|r| r.tid.load(Ordering::Acquire));
+    assert!(tids.iter().all(|&t| t > 0));
+    let before = tids.map(switches);
+    std::thread::sleep(IDLE_SPAN);
+    let after = tids.map(switches);
+    for (name, (b0, a0)) in ["owner", "member"].iter().zip(before.iter().zip(&after)) {
+        assert!(
+            a0 - b0 <= IDLE_SWITCHES_MAX,
+            "the idle {name}'s thread switched {} times in {IDLE_SPAN:?}",
+            a0 - b0
+        );
+    }
+    // And each still answers at once.
+    write_read(&path, "b", &db, 0, 0xb4);
+    b.stop();
+    stands(&a, Standing::Owner { exports: 1 });
+    a.stop();
 }
 
 #[test]
