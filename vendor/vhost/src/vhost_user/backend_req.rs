@@ -31,6 +31,9 @@ struct BackendInternal {
     // Protocol feature VHOST_USER_PROTOCOL_F_SHMEM has been negotiated.
     shmem_negotiated: bool,
 
+    // Protocol feature VHOST_USER_PROTOCOL_F_CONFIG has been negotiated.
+    config_negotiated: bool,
+
     // whether the endpoint has encountered any failure
     error: Option<i32>,
 }
@@ -57,6 +60,18 @@ impl BackendInternal {
             hdr.set_need_reply(true);
         }
         self.sock.send_message(&hdr, body, fds)?;
+
+        self.wait_for_ack(&hdr)
+    }
+
+    fn send_header(&mut self, request: BackendReq, fds: Option<&[RawFd]>) -> Result<u64> {
+        self.check_state()?;
+
+        let mut hdr = VhostUserMsgHeader::new(request, 0, 0);
+        if self.reply_ack_negotiated {
+            hdr.set_need_reply(true);
+        }
+        self.sock.send_header(&hdr, fds)?;
 
         self.wait_for_ack(&hdr)
     }
@@ -102,6 +117,7 @@ impl Backend {
                 reply_ack_negotiated: false,
                 shared_object_negotiated: false,
                 shmem_negotiated: false,
+                config_negotiated: false,
                 error: None,
             })),
         }
@@ -139,6 +155,14 @@ impl Backend {
         self.inner.lock().unwrap().shmem_negotiated = enable;
     }
 
+    /// Set the negotiation state of the `VHOST_USER_PROTOCOL_F_CONFIG` protocol feature.
+    ///
+    /// When the `VHOST_USER_PROTOCOL_F_CONFIG` protocol feature has been negotiated,
+    /// the backend is allowed to send "CONFIG_CHANGE_MSG" messages to the frontend.
+    pub fn set_config_flag(&self, enable: bool) {
+        self.inner.lock().unwrap().config_negotiated = enable;
+    }
+
     /// Mark endpoint as failed with specified error code.
     pub fn set_failed(&self, error: i32) {
         self.inner.lock().unwrap().error = Some(error);
@@ -146,6 +170,15 @@ impl Backend {
 }
 
 impl VhostUserFrontendReqHandler for Backend {
+    /// Forward vhost-user device configuration change notification to the frontend.
+    fn handle_config_change(&self) -> HandlerResult<u64> {
+        let mut guard = self.inner.lock().unwrap();
+        if !guard.config_negotiated {
+            return Err(io::Error::other("Config feature not negotiated"));
+        }
+        Ok(guard.send_header(BackendReq::CONFIG_CHANGE_MSG, None)?)
+    }
+
     /// Forward vhost-user shared-object add request to the frontend.
     fn shared_object_add(&self, uuid: &VhostUserSharedMsg) -> HandlerResult<u64> {
         let mut guard = self.inner.lock().unwrap();
@@ -283,6 +316,41 @@ mod tests {
         backend
             .shared_object_add(&VhostUserSharedMsg::default())
             .unwrap();
+    }
+
+    #[test]
+    fn test_config_change() {
+        let (mut frontend, backend) = frontend_backend_pair();
+
+        // Feature not negotiated -> fails
+        backend.handle_config_change().unwrap_err();
+
+        backend.set_config_flag(true);
+        backend.handle_config_change().unwrap();
+
+        let (hdr, fds) = frontend.recv_header().unwrap();
+        assert_eq!(hdr.get_code().unwrap(), BackendReq::CONFIG_CHANGE_MSG);
+        assert_eq!(hdr.get_size(), 0);
+        assert!(!hdr.is_need_reply());
+        assert!(fds.is_none());
+
+        // With REPLY_ACK the frontend's answer is waited for.
+        backend.set_reply_ack_flag(true);
+        let reply = std::thread::spawn(move || {
+            let (hdr, _) = frontend.recv_header().unwrap();
+            assert_eq!(hdr.get_code().unwrap(), BackendReq::CONFIG_CHANGE_MSG);
+            assert!(hdr.is_need_reply());
+            let ack = VhostUserMsgHeader::new(
+                BackendReq::CONFIG_CHANGE_MSG,
+                VhostUserHeaderFlag::REPLY.bits(),
+                mem::size_of::<VhostUserU64>() as u32,
+            );
+            frontend
+                .send_message(&ack, &VhostUserU64::new(0), None)
+                .unwrap();
+        });
+        backend.handle_config_change().unwrap();
+        reply.join().unwrap();
     }
 
     #[test]
