@@ -12,7 +12,12 @@
 //! times mid-run. Every fio run must finish (no request lost in flight: it would hang the
 //! guest) and verify (no acknowledged write lost).
 //!
-//! The two boots take turns ([`VM`]): two TCG guests at once on a small host only slow both.
+//! A resize reaches the guest: `ucrypt open --front-end vhost-user` serves the volume, the
+//! host grows the image and runs `ucrypt resize` while the guest waits, and the guest's
+//! `/sys/block/vda/size` must follow (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, then qemu's
+//! config-change interrupt).
+//!
+//! The boots take turns ([`VM`]): two TCG guests at once on a small host only slow both.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -334,5 +339,140 @@ fn a_backend_killed_under_fio_restarts_and_loses_nothing() {
         "fio did not survive {RESTART_TRIALS} backend restarts (VM status {})",
         out.status
     );
+    assert_eq!(out.status, 0);
+}
+
+/// The resize test's guest: says its disk's size and that it is ready, waits for the host's
+/// resize, then for the size to change.
+const RESIZE: &str = r#"
+q=/sys/block/vda
+before=$(cat $q/size)
+echo "SIZE-BEFORE $before"
+: > /mnt/host/ready
+# Bounds, not timings: generous for a loaded host running TCG.
+n=0
+while [ ! -e /mnt/host/resized ] && [ $n -lt 600 ]; do sleep 1; n=$((n+1)); done
+[ -e /mnt/host/resized ] || { echo "NO-RESIZE-FROM-HOST"; exit 1; }
+echo "resized after $n s of waiting"
+n=0
+while [ "$(cat $q/size)" = "$before" ] && [ $n -lt 120 ]; do sleep 1; n=$((n+1)); done
+echo "SIZE-AFTER $(cat $q/size) ($n s after the host's resize)"
+dd if=/dev/vda of=/dev/null bs=4096 skip=$(( $(cat $q/size) / 8 - 1 )) count=1 iflag=direct 2>/dev/null && echo "LAST-BLOCK-READ"
+"#;
+
+/// An `ucrypt open` daemon closed when dropped (the VMM gone first: close refuses while one is
+/// connected).
+struct Opened(String);
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while ucrypt(&["close", &self.0]).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = ucrypt(&["close", "--force", &self.0]);
+    }
+}
+
+/// The host's side of the resize test: once the guest is ready, grows the image by `grow`
+/// bytes, resizes the open volume and tells the guest. Returns `resize`'s output.
+fn resize_when_ready(
+    share: &Path,
+    img: &Path,
+    name: &str,
+    grow: u64,
+    guest_done: &AtomicBool,
+) -> Result<String, String> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !share.join("ready").exists() {
+        if guest_done.load(Ordering::Acquire) || Instant::now() > deadline {
+            return Err("the guest never became ready".into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let len = std::fs::metadata(img).map_err(|e| e.to_string())?.len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(img)
+        .and_then(|f| f.set_len(len + grow))
+        .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let out = ucrypt(&["resize", name]);
+    println!("ucrypt resize took {:?}", t0.elapsed());
+    // Told either way: the guest stops waiting.
+    let _ = std::fs::write(share.join("resized"), b"");
+    out
+}
+
+#[test]
+fn a_resize_of_the_open_volume_reaches_the_guest() {
+    if let Err(reason) = vm::require_vm() {
+        println!("SKIPPED vhost_vm resize: {reason}");
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 && std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        println!("SKIPPED vhost_vm resize: not root and XDG_RUNTIME_DIR unset (ucrypt open)");
+        return;
+    }
+    let _turn = VM.lock().unwrap_or_else(|e| e.into_inner());
+    const GROW_BYTES: u64 = 8 << 20;
+    let (tmp, share, key, img) = volume("vhost-resize", 8 << 20);
+    let name = format!("vhost-resize-{}", std::process::id());
+    let out = ucrypt(&[
+        "open",
+        kit::s(&img),
+        &name,
+        "--key-file",
+        kit::s(&key),
+        "--front-end",
+        "vhost-user",
+    ])
+    .expect("ucrypt open --front-end vhost-user");
+    let opened = Opened(name.clone());
+    // NAME: STABLE -> SOCKET (vhost-user)
+    let sock = out
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .and_then(|l| l.split_once(" -> "))
+        .and_then(|(_, r)| r.strip_suffix(" (vhost-user)"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("no socket in open's output: {out}"));
+
+    let guest_done = Arc::new(AtomicBool::new(false));
+    let host_side = {
+        let (share, img, name, done) =
+            (share.clone(), img.clone(), name.clone(), guest_done.clone());
+        std::thread::spawn(move || resize_when_ready(&share, &img, &name, GROW_BYTES, &done))
+    };
+    let mut run = vm::VmRun::new(RESIZE);
+    run.vhosts.push(sock);
+    run.share = Some(share);
+    run.silence_max_s = Some(700);
+    run.timeout_s = 900;
+    let out = run.run(&tmp.0);
+    guest_done.store(true, Ordering::Release);
+    let resized = host_side.join().expect("the host's resize thread");
+    drop(opened);
+
+    let size = |tag: &str| -> u64 {
+        out.output
+            .lines()
+            .find_map(|l| l.strip_prefix(tag))
+            .and_then(|l| l.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no {tag} in the guest's output (status {})", out.status))
+            .parse()
+            .unwrap()
+    };
+    resized.unwrap_or_else(|e| panic!("resize: {e}"));
+    let (before, after) = (size("SIZE-BEFORE "), size("SIZE-AFTER "));
+    println!("guest's /sys/block/vda/size: {before} -> {after} sectors");
+    assert_eq!(before, (8 << 20) / 512);
+    assert_eq!(
+        after,
+        before + GROW_BYTES / 512,
+        "the guest did not see the resize"
+    );
+    assert!(out.output.contains("LAST-BLOCK-READ"), "the new last block");
     assert_eq!(out.status, 0);
 }

@@ -2,6 +2,11 @@
 //! request loop, plugged into `vhost-user-backend`'s daemon (which owns the protocol, the
 //! memory map and one epoll thread per entry of `queues_per_thread`). Each queue's thread
 //! parses what the driver made available and hands it to the queue's [`Inflight`] set.
+//!
+//! A resize reaches the guest through the VMM: [`BlkBackend::config_changed`] sends
+//! `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` on the backend channel (`SET_BACKEND_REQ_FD`), and the
+//! VMM reads the config space again (qemu's vhost-user-blk then raises the guest's
+//! config-change interrupt when the capacity differs).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use ucrypt::sync::lock;
 use ucrypt::BlockDev;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::{Backend, VhostUserFrontendReqHandler};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
@@ -48,6 +54,12 @@ pub struct BlkBackend {
     acked: AtomicU64,
     /// One per queue.
     queue: Vec<Queue>,
+    /// The backend-to-VMM channel, where the VMM negotiated `BACKEND_REQ` and sent it.
+    channel: Mutex<Option<Backend>>,
+    /// The VMM read the config space, so it negotiated `CONFIG` (the protocol handler refuses
+    /// `GET_CONFIG` otherwise; the acked protocol features are not passed on to a backend).
+    /// Written under `channel`'s lock, so that the channel's `CONFIG` flag follows it.
+    config_read: AtomicBool,
 }
 
 impl BlkBackend {
@@ -71,6 +83,35 @@ impl BlkBackend {
                 })
                 .collect(),
             dev,
+            channel: Mutex::new(None),
+            config_read: AtomicBool::new(false),
+        }
+    }
+
+    /// Tells the VMM that the config space changed (its capacity, after a resize of the
+    /// volume, which the next read of the config space shows). With `REPLY_ACK` negotiated it
+    /// returns once the VMM answered (qemu answers after reading the config space again); the
+    /// channel has no timeout, so a VMM that stops answering holds the caller.
+    /// Returns whether the message was sent: it is not where the VMM gave no backend channel
+    /// or has not read the config space (`CONFIG` not negotiated).
+    pub fn config_changed(&self) -> std::io::Result<bool> {
+        // A clone (the channel is shared): the VMM's answer to the message may need a
+        // `GET_CONFIG` answered first, which must not wait for this lock.
+        let Some(channel) = lock(&self.channel).clone() else {
+            return Ok(false);
+        };
+        if !self.config_read.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        channel.handle_config_change().map(|_| true)
+    }
+
+    /// The VMM read the config space: `CONFIG` is negotiated.
+    fn note_config_read(&self) {
+        let channel = lock(&self.channel);
+        self.config_read.store(true, Ordering::Release);
+        if let Some(c) = channel.as_ref() {
+            c.set_config_flag(true);
         }
     }
 
@@ -240,9 +281,19 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        // BACKEND_REQ: the channel a config change is told on.
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::BACKEND_REQ
+    }
+
+    /// Kept for [`BlkBackend::config_changed`]; `vhost-user-backend` has set its `REPLY_ACK`
+    /// flag, the `CONFIG` flag is set here.
+    fn set_backend_req_fd(&self, channel: Backend) {
+        let mut slot = lock(&self.channel);
+        channel.set_config_flag(self.config_read.load(Ordering::Acquire));
+        *slot = Some(channel);
     }
 
     fn set_event_idx(&self, enabled: bool) {
@@ -250,6 +301,9 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        if !self.config_read.load(Ordering::Acquire) {
+            self.note_config_read();
+        }
         let c = self.config_space();
         let mut out = vec![0u8; size as usize];
         let start = (offset as usize).min(c.len());

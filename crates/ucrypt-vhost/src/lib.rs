@@ -51,13 +51,19 @@ pub enum Error {
     /// The volume failed (flushing it at the end).
     #[error(transparent)]
     Device(#[from] ucrypt::Error),
+    /// The VMM could not be told that the config space changed (the backend channel failed,
+    /// or the VMM answered with an error).
+    #[error("telling the VMM of the new size: {0}")]
+    ConfigChange(std::io::Error),
 }
 
 impl Error {
     /// Who can act on this error (see [`ucrypt::ErrorKind`]).
     pub fn kind(&self) -> ucrypt::ErrorKind {
         match self {
-            Error::Socket { .. } | Error::Vhost { .. } => ucrypt::ErrorKind::Device,
+            Error::Socket { .. } | Error::Vhost { .. } | Error::ConfigChange(_) => {
+                ucrypt::ErrorKind::Device
+            }
             Error::Device(e) => e.kind(),
         }
     }
@@ -92,6 +98,20 @@ impl Handle {
     /// A VMM is connected (its guest may be using the disk).
     pub fn connected(&self) -> bool {
         lock(&self.0).is_some()
+    }
+
+    /// Tells the connected VMM that the device's size changed; call once the volume has its
+    /// new size. Returns whether a VMM was told: none is when no VMM is connected or the VMM
+    /// negotiated no way to tell it (no `BACKEND_REQ` or `CONFIG` protocol feature); such a
+    /// VMM shows the guest the new size only once it reads the config space again. See
+    /// [`BlkBackend::config_changed`].
+    pub fn size_changed(&self) -> Result<bool, Error> {
+        // A clone: the VMM's answer comes through the connection's own threads.
+        let backend = lock(&self.0).clone();
+        match backend {
+            Some(b) => b.config_changed().map_err(Error::ConfigChange),
+            None => Ok(false),
+        }
     }
 }
 

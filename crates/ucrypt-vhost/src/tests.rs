@@ -3,6 +3,8 @@
 //! well-formed requests of every type, then hostile chains that must end in a status or an
 //! empty used entry, never a panic, a hang or an access outside guest memory or the device.
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -498,6 +500,122 @@ fn config_space_capacity_follows_the_volume_size() {
     // A resize changes what the next read of the config space says.
     r.dev.data.lock().unwrap().resize(DEV_BYTES * 2, 0);
     assert_eq!(capacity(&r), (DEV_BYTES * 2 / 512) as u64);
+}
+
+/// `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`'s code, and the header flags: version 1, REPLY,
+/// NEED_REPLY (the vhost-user spec's "Message Specification").
+const CONFIG_CHANGE_MSG: u32 = 2;
+const VERSION_1: u32 = 0x1;
+const REPLY: u32 = 0x4;
+const NEED_REPLY: u32 = 0x8;
+
+/// A header as the spec lays it out: request, flags, payload size, each u32 little endian.
+fn header(bytes: &[u8; 12]) -> (u32, u32, u32) {
+    let word = |i: usize| u32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap());
+    (word(0), word(1), word(2))
+}
+
+/// A device with a backend channel whose VMM end is returned; `config_read`: the VMM has read
+/// the config space (it negotiated CONFIG).
+fn with_channel(
+    dev: Arc<MemDev>,
+    reply_ack: bool,
+    config_read: bool,
+) -> (crate::Handle, Arc<BlkBackend>, UnixStream) {
+    let backend = Arc::new(BlkBackend::new(dev, 1, false, crate::id_of("t")));
+    let (ours, vmm) = UnixStream::pair().unwrap();
+    let channel = vhost::vhost_user::Backend::from_stream(ours);
+    // vhost-user-backend sets REPLY_ACK from the negotiated protocol features.
+    channel.set_reply_ack_flag(reply_ack);
+    backend.set_backend_req_fd(channel);
+    if config_read {
+        backend.get_config(0, CONFIG_BYTES as u32);
+    }
+    let handle = crate::Handle(Arc::new(Mutex::new(Some(backend.clone()))));
+    (handle, backend, vmm)
+}
+
+#[test]
+fn a_resize_sends_config_change_once_the_config_space_shows_it() {
+    let dev = MemDev::new(DEV_BYTES, false);
+    let (handle, backend, mut vmm) = with_channel(dev.clone(), true, true);
+    // What the VMM must negotiate for the message: offered.
+    use vhost::vhost_user::VhostUserProtocolFeatures as P;
+    assert!(backend
+        .protocol_features()
+        .contains(P::BACKEND_REQ | P::CONFIG));
+    dev.data.lock().unwrap().resize(DEV_BYTES * 2, 0);
+    // The VMM's side, as qemu's vhost-user-blk does it: the message, then a read of the
+    // config space, then the answer NEED_REPLY asks for.
+    let vmm_side = std::thread::spawn(move || {
+        let mut hdr = [0u8; 12];
+        vmm.read_exact(&mut hdr).unwrap();
+        let capacity = u64::from_le_bytes(backend.get_config(0, 8).try_into().unwrap());
+        let mut ack = Vec::new();
+        for w in [CONFIG_CHANGE_MSG, VERSION_1 | REPLY, 8] {
+            ack.extend_from_slice(&w.to_le_bytes());
+        }
+        ack.extend_from_slice(&0u64.to_le_bytes());
+        vmm.write_all(&ack).unwrap();
+        (header(&hdr), capacity, vmm)
+    });
+    assert!(handle.size_changed().unwrap(), "the VMM was told");
+    let (hdr, capacity, vmm) = vmm_side.join().unwrap();
+    assert_eq!(hdr, (CONFIG_CHANGE_MSG, VERSION_1 | NEED_REPLY, 0));
+    assert_eq!(capacity, (DEV_BYTES * 2 / 512) as u64);
+    // Exactly one message.
+    vmm.set_nonblocking(true).unwrap();
+    assert_eq!(
+        (&vmm).read(&mut [0u8; 1]).unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock
+    );
+}
+
+#[test]
+fn config_change_without_reply_ack_is_sent_and_not_waited_for() {
+    let dev = MemDev::new(DEV_BYTES, false);
+    let (handle, _backend, mut vmm) = with_channel(dev, false, true);
+    assert!(handle.size_changed().unwrap());
+    let mut hdr = [0u8; 12];
+    vmm.read_exact(&mut hdr).unwrap();
+    assert_eq!(header(&hdr), (CONFIG_CHANGE_MSG, VERSION_1, 0));
+}
+
+#[test]
+fn config_change_is_not_sent_where_not_negotiated() {
+    // CONFIG not negotiated: the VMM never read the config space.
+    let dev = MemDev::new(DEV_BYTES, false);
+    let (handle, _backend, vmm) = with_channel(dev.clone(), true, false);
+    assert!(!handle.size_changed().unwrap());
+    vmm.set_nonblocking(true).unwrap();
+    assert_eq!(
+        (&vmm).read(&mut [0u8; 1]).unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock
+    );
+    // No backend channel (BACKEND_REQ not negotiated), and no VMM at all.
+    let backend = Arc::new(BlkBackend::new(dev, 1, false, crate::id_of("t")));
+    backend.get_config(0, CONFIG_BYTES as u32);
+    assert!(!backend.config_changed().unwrap());
+    assert!(!crate::Handle::default().size_changed().unwrap());
+}
+
+#[test]
+fn config_change_to_a_vmm_that_refuses_it_is_an_error() {
+    let dev = MemDev::new(DEV_BYTES, false);
+    let (handle, _backend, mut vmm) = with_channel(dev, true, true);
+    let vmm_side = std::thread::spawn(move || {
+        let mut hdr = [0u8; 12];
+        vmm.read_exact(&mut hdr).unwrap();
+        let mut nack = Vec::new();
+        for w in [CONFIG_CHANGE_MSG, VERSION_1 | REPLY, 8] {
+            nack.extend_from_slice(&w.to_le_bytes());
+        }
+        nack.extend_from_slice(&1u64.to_le_bytes());
+        vmm.write_all(&nack).unwrap();
+    });
+    let e = handle.size_changed().unwrap_err();
+    vmm_side.join().unwrap();
+    assert!(matches!(e, crate::Error::ConfigChange(_)), "{e}");
 }
 
 #[test]

@@ -567,18 +567,12 @@ impl Shared {
         let Some(vol) = self.vol.engine() else {
             return Self::error(1, ucrypt::Refusal::ResizeAuthenticated.to_string());
         };
-        if self.vhost.is_some() {
+        if self.size_notifier.is_none() && self.vhost.is_none() {
             return Self::error(
                 1,
-                "resize: the vhost-user front end cannot tell the guest a new size (the vhost crate's backend channel sends no config-change message); close and open again",
+                "resize: the ublk front end cannot change its device's size (libublk has no size update); open with --front-end loop, fuse or vhost-user",
             );
         }
-        let Some(notifier) = &self.size_notifier else {
-            return Self::error(
-                1,
-                "resize: the ublk front end cannot change its device's size (libublk has no size update); open with --front-end loop or fuse",
-            );
-        };
         let bytes = match size_sectors.map(|s| s.checked_mul(512)) {
             Some(None) => return Self::error(1, "resize: --size too large"),
             Some(Some(b)) => Some(b),
@@ -589,8 +583,17 @@ impl Shared {
             Err(e) => return Self::failed(CliError::from(e).at(format!("resize {}", self.name))),
         };
         lock(&self.info).size_sectors = new / 512;
-        if let Err(e) = notifier.size_changed() {
-            return Self::failed(e);
+        if let Some(notifier) = &self.size_notifier {
+            if let Err(e) = notifier.size_changed() {
+                return Self::failed(e);
+            }
+        }
+        // The config space shows the new capacity from here on; a VMM that negotiated no
+        // backend channel is not told (the resize stands).
+        if let Some(vhost) = &self.vhost {
+            if let Err(e) = vhost.size_changed() {
+                return Self::failed(CliError::from(e).at(format!("resize {}", self.name)));
+            }
         }
         if let Some(l) = &self.ident.loop_device {
             if let Err(e) = loopdev::set_capacity(l) {
