@@ -124,6 +124,28 @@ fn start(path: &Path, name: &str, dev: &Arc<MemDev>, owner: bool) -> Running {
     }
 }
 
+/// Waits until one of `rs` owns the socket with all their exports and the others are its
+/// members.
+fn settled(rs: &[Running]) {
+    let t0 = Instant::now();
+    loop {
+        let got: Vec<Standing> = rs.iter().map(|r| r.state.standing()).collect();
+        let owners = got
+            .iter()
+            .filter(|s| **s == Standing::Owner { exports: rs.len() })
+            .count();
+        let members = got
+            .iter()
+            .filter(|s| matches!(s, Standing::Member { .. }))
+            .count();
+        if owners == 1 && members == rs.len() - 1 {
+            return;
+        }
+        assert!(t0.elapsed() < SETTLE, "not settled: {got:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits until `r` stands as `want`.
 fn stands(r: &Running, want: Standing) {
     let t0 = Instant::now();
@@ -317,8 +339,13 @@ fn a_member_takes_the_socket_over_when_the_owner_leaves() {
     write_read(&path, "a", &da, 0, 0xa2);
     stands(&d, Standing::Member { owner_pid: me });
     let state = b.state.clone();
-    for r in [b, c, d] {
-        r.stop();
+    // Each leaves once those left have settled (one owner of them all, the rest its
+    // members): the last to leave is then an owner, which removes the socket. (A member
+    // told to stop in the middle of a takeover leaves the path to the one taking over.)
+    let mut left = vec![b, c, d];
+    while !left.is_empty() {
+        settled(&left);
+        left.remove(0).stop();
     }
     assert_eq!(state.standing(), Standing::Detached);
     assert!(!path.exists(), "the socket outlived its last server");
