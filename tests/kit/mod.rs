@@ -33,7 +33,7 @@ pub use hex::{hex, unhex};
 pub use random::{seed, seed_or, SplitMix, SEED_VAR};
 pub use run::{
     kill_after, kill_stepped, kill_when, ok, ok_in, run, run_in, s, stderr, stdout, terminate,
-    text, wait_timeout, Poll, KILL_WAIT_MAX,
+    text, wait_timeout, wait_timeout_doing, Poll, KILL_WAIT_MAX,
 };
 pub use temp::{TempDir, TempFile, KEEP_VAR};
 pub use tools::{can_run, have, is_root, missing_root_rig, require, sibling_bin, skip, under_ci};

@@ -79,6 +79,15 @@ pub fn terminate(pid: u32) {
 /// Waits at most `limit` for `child` to exit; its exit code, or None if it is still running
 /// (or was ended by a signal).
 pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<i32> {
+    wait_timeout_doing(child, limit, || {})
+}
+
+/// [`wait_timeout`], calling `meanwhile` between looks (every 20 ms).
+pub fn wait_timeout_doing(
+    child: &mut Child,
+    limit: Duration,
+    mut meanwhile: impl FnMut(),
+) -> Option<i32> {
     let deadline = Instant::now() + limit;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
@@ -87,8 +96,18 @@ pub fn wait_timeout(child: &mut Child, limit: Duration) -> Option<i32> {
         if Instant::now() >= deadline {
             return None;
         }
+        meanwhile();
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Starts `cmd` with no stdin and its output discarded.
+fn spawn_quiet(cmd: &mut Command) -> Child {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
 /// How long a killed run may take to reach its kill point before it is killed anyway: a
@@ -108,12 +127,7 @@ pub enum Poll {
 /// [`KILL_WAIT_MAX`] passed; waits `delay` more, then SIGKILLs it, as a crash would. Returns
 /// whether it was still running when killed.
 pub fn kill_when(mut cmd: Command, until: impl Fn() -> bool, poll: Poll, delay: Duration) -> bool {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let mut child = spawn_quiet(&mut cmd);
     let start = Instant::now();
     while !until() && child.try_wait().expect("wait").is_none() && start.elapsed() < KILL_WAIT_MAX {
         match poll {
@@ -145,12 +159,7 @@ pub fn kill_stepped(
     step: Duration,
     steps_after: u32,
 ) -> bool {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let mut child = spawn_quiet(&mut cmd);
     let pid = child.id() as libc::pid_t;
     let signal = |sig| {
         // SAFETY: kill has no memory-safety preconditions; `pid` is our unreaped child, so

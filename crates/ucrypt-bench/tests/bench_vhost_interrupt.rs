@@ -103,21 +103,6 @@ fn reap_adopted(keep: i32) {
     }
 }
 
-/// [`kit::wait_timeout`] for the benchmark, reaping the orphans it leaves meanwhile.
-fn wait_reaping(child: &mut std::process::Child, limit: Duration) -> Option<i32> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return status.code();
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        reap_adopted(child.id() as i32);
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The benchmark's leftovers in the image directory.
 fn images_left(dir: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(dir)
@@ -166,7 +151,8 @@ fn interrupt_once(bench: &str, ucrypt: &Path, images: &Path, sig: i32, name: &st
     }
     // SAFETY: kill(2) on our own child, not yet reaped.
     unsafe { libc::kill(pid, sig) };
-    let code = wait_reaping(&mut child, BENCH_EXIT_WAIT);
+    let bench_pid = child.id() as i32;
+    let code = kit::wait_timeout_doing(&mut child, BENCH_EXIT_WAIT, || reap_adopted(bench_pid));
     if child.try_wait().expect("wait").is_none() {
         failures.push(format!(
             "{name}: the benchmark did not exit within {BENCH_EXIT_WAIT:?}"

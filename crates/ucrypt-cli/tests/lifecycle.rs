@@ -586,16 +586,7 @@ fn deferred_close_waits_for_the_last_user() {
     std::fs::write(mnt.join("after"), b"deferred").unwrap();
     ok("sync", &[]);
     ok("umount", &[s(&mnt)]);
-    let t0 = std::time::Instant::now();
-    while Path::new(RUN_DIR).join(&n).exists() {
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(15),
-            "the daemon did not close after the last user went"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    assert_gone(&n);
+    closes_by_itself(&n, "after the last user went");
     // Unused: --deferred closes at once.
     open(&img, &key, &n);
     let o = ucrypt(&["close", "--deferred", &n]);
@@ -624,16 +615,22 @@ fn a_fuse_file_unmounted_from_outside_closes_the_volume() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let file = Path::new(RUN_DIR).join(&n).join("volume");
     ok("umount", &[s(&file)]);
+    closes_by_itself(&n, "after its FUSE file was unmounted");
+}
+
+/// Waits (15 s at most) until `n`'s daemon has closed by itself, then checks that it left
+/// nothing behind.
+fn closes_by_itself(n: &str, when: &str) {
     let t0 = std::time::Instant::now();
-    while Path::new(RUN_DIR).join(&n).exists() {
+    while Path::new(RUN_DIR).join(n).exists() {
         assert!(
             t0.elapsed() < std::time::Duration::from_secs(15),
-            "the daemon did not close after its FUSE file was unmounted"
+            "the daemon did not close {when}"
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     std::thread::sleep(std::time::Duration::from_millis(500));
-    assert_gone(&n);
+    assert_gone(n);
 }
 
 /// A LUKS2 volume of `mib` MiB made with a known volume key (returned), and its key file.

@@ -284,17 +284,13 @@ fn names(tag: &str) -> (String, String, String) {
     )
 }
 
-#[test]
-fn opens_share_one_socket_and_outlive_its_owner() {
-    if let Some(why) = missing() {
-        println!("SKIPPED: {why}");
-        return;
-    }
-    let dir = TempDir::new("shared");
+/// Two LUKS2 volumes opened as this user on one socket in `dir` (`tag` in their names), and
+/// listed there: the socket, the names, and the daemons. The first owns the socket.
+fn two_on_one_socket(dir: &TempDir, tag: &str) -> (PathBuf, String, String, Opened) {
     std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
-    let (img_a, img_b) = (luks(&dir, "a.img"), luks(&dir, "b.img"));
+    let (img_a, img_b) = (luks(dir, "a.img"), luks(dir, "b.img"));
     let sock = dir.path("nbd.sock");
-    let (a, b, _) = names("sh");
+    let (a, b, _) = names(tag);
     let me = As::Me;
     let mut opened = Opened::new(me.clone());
     opened.open_ok(&img_a, &a, &dir.path("pass"), &sock);
@@ -303,6 +299,18 @@ fn opens_share_one_socket_and_outlive_its_owner() {
     want.sort();
     listed_becomes(&me, &sock, &want);
     opened.stands(&a, &sock, "owner (2 exports)");
+    (sock, a, b, opened)
+}
+
+#[test]
+fn opens_share_one_socket_and_outlive_its_owner() {
+    if let Some(why) = missing() {
+        println!("SKIPPED: {why}");
+        return;
+    }
+    let dir = TempDir::new("shared");
+    let (sock, a, b, opened) = two_on_one_socket(&dir, "sh");
+    let me = As::Me;
     let owner = opened.pid(&a);
     opened.stands(&b, &sock, &format!("member (owner pid {owner})"));
 
@@ -418,18 +426,8 @@ fn idle_daemons_never_wake() {
         return;
     }
     let dir = TempDir::new("sharedidle");
-    std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
-    let (img_a, img_b) = (luks(&dir, "a.img"), luks(&dir, "b.img"));
-    let sock = dir.path("nbd.sock");
-    let (a, b, _) = names("si");
+    let (sock, a, b, opened) = two_on_one_socket(&dir, "si");
     let me = As::Me;
-    let mut opened = Opened::new(me.clone());
-    opened.open_ok(&img_a, &a, &dir.path("pass"), &sock);
-    opened.open_ok(&img_b, &b, &dir.path("pass"), &sock);
-    let mut want = [a.as_str(), b.as_str()];
-    want.sort();
-    listed_becomes(&me, &sock, &want);
-    opened.stands(&a, &sock, "owner (2 exports)");
     let pids = [opened.pid(&a), opened.pid(&b)];
     // The listings' connections end on their own threads (`nbd-conn-N`).
     let t0 = Instant::now();
