@@ -91,7 +91,8 @@ impl BlkBackend {
     /// Tells the VMM that the config space changed (its capacity, after a resize of the
     /// volume, which the next read of the config space shows). With `REPLY_ACK` negotiated it
     /// returns once the VMM answered (qemu answers after reading the config space again); the
-    /// channel has no timeout, so a VMM that stops answering holds the caller.
+    /// channel has no timeout, so a VMM that stops answering holds the caller
+    /// ([`crate::Handle::size_changed`] bounds that wait).
     /// Returns whether the message was sent: it is not where the VMM gave no backend channel
     /// or has not read the config space (`CONFIG` not negotiated).
     pub fn config_changed(&self) -> std::io::Result<bool> {

@@ -23,7 +23,9 @@ use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ucrypt::sync::lock;
 use ucrypt::{BlockDev, Stop};
@@ -82,9 +84,13 @@ pub struct VhostOptions {
     pub handle: Handle,
 }
 
+/// How long [`Handle::size_changed`] waits for the VMM's answer to its notice (qemu answers
+/// from its main loop at once); past it the notice is reported unanswered.
+pub const CONFIG_CHANGE_ANSWER_WAIT: Duration = Duration::from_secs(5);
+
 /// The served device as its owner sees it while [`serve`] runs: whether a VMM is connected.
 #[derive(Clone, Default)]
-pub struct Handle(Arc<Mutex<Option<Arc<BlkBackend>>>>);
+pub struct Handle(Arc<Mutex<Option<Arc<BlkBackend>>>>, Arc<AtomicBool>);
 
 impl std::fmt::Debug for Handle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -104,13 +110,43 @@ impl Handle {
     /// new size. Returns whether a VMM was told: none is when no VMM is connected or the VMM
     /// negotiated no way to tell it (no `BACKEND_REQ` or `CONFIG` protocol feature); such a
     /// VMM shows the guest the new size only once it reads the config space again. See
-    /// [`BlkBackend::config_changed`].
+    /// [`BlkBackend::config_changed`]. Waits at most [`CONFIG_CHANGE_ANSWER_WAIT`] for the
+    /// VMM's answer; a VMM that has not answered by then is an error, and so is another
+    /// notice while that one is still waiting (the thread waiting for it ends when the VMM
+    /// answers or its connection ends: one at most).
     pub fn size_changed(&self) -> Result<bool, Error> {
         // A clone: the VMM's answer comes through the connection's own threads.
-        let backend = lock(&self.0).clone();
-        match backend {
-            Some(b) => b.config_changed().map_err(Error::ConfigChange),
-            None => Ok(false),
+        let Some(backend) = lock(&self.0).clone() else {
+            return Ok(false);
+        };
+        let unanswered = || {
+            Error::ConfigChange(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the VMM has not answered the config-change notice within {} s",
+                    CONFIG_CHANGE_ANSWER_WAIT.as_secs()
+                ),
+            ))
+        };
+        if self.1.swap(true, Ordering::AcqRel) {
+            return Err(unanswered());
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let pending = self.1.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vhost-config".into())
+            .spawn(move || {
+                let r = backend.config_changed();
+                pending.store(false, Ordering::Release);
+                let _ = tx.send(r);
+            });
+        if let Err(e) = spawned {
+            self.1.store(false, Ordering::Release);
+            return Err(Error::ConfigChange(e));
+        }
+        match rx.recv_timeout(CONFIG_CHANGE_ANSWER_WAIT) {
+            Ok(r) => r.map_err(Error::ConfigChange),
+            Err(_) => Err(unanswered()),
         }
     }
 }

@@ -531,7 +531,10 @@ fn with_channel(
     if config_read {
         backend.get_config(0, CONFIG_BYTES as u32);
     }
-    let handle = crate::Handle(Arc::new(Mutex::new(Some(backend.clone()))));
+    let handle = crate::Handle(
+        Arc::new(Mutex::new(Some(backend.clone()))),
+        Default::default(),
+    );
     (handle, backend, vmm)
 }
 
@@ -616,6 +619,33 @@ fn config_change_to_a_vmm_that_refuses_it_is_an_error() {
     let e = handle.size_changed().unwrap_err();
     vmm_side.join().unwrap();
     assert!(matches!(e, crate::Error::ConfigChange(_)), "{e}");
+}
+
+#[test]
+fn config_change_to_a_vmm_that_never_answers_is_bounded() {
+    let dev = MemDev::new(DEV_BYTES, false);
+    let (handle, _backend, mut vmm) = with_channel(dev, true, true);
+    let t0 = std::time::Instant::now();
+    let e = handle.size_changed().unwrap_err();
+    assert!(t0.elapsed() >= crate::CONFIG_CHANGE_ANSWER_WAIT, "{e}");
+    assert!(e.to_string().contains("has not answered"), "{e}");
+    // The notice was sent; while it waits for its answer, no second one is.
+    let mut hdr = [0u8; 12];
+    vmm.read_exact(&mut hdr).unwrap();
+    let e = handle.size_changed().unwrap_err();
+    assert!(e.to_string().contains("has not answered"), "{e}");
+    // The VMM goes: the waiting thread ends, and a later notice is tried again.
+    drop(vmm);
+    let t0 = std::time::Instant::now();
+    loop {
+        match handle.size_changed() {
+            Err(e) if e.to_string().contains("has not answered") => {
+                assert!(t0.elapsed() < Duration::from_secs(30), "still waiting: {e}")
+            }
+            _ => break,
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
