@@ -21,8 +21,10 @@
 //! leaves (closed or killed), its members see their registration connection end; the first to
 //! bind the registration name becomes the owner and accepts on its copy of the listening
 //! socket (clients that connect meanwhile wait in the kernel's backlog; PATH is never
-//! removed while a member remains), and the others register with it. Established connections
-//! are untouched by any of this: each is served by the process that owns its export.
+//! removed while a member remains or a join is under way, so a socket file can outlive its
+//! last server, and the next bind replaces it as stale), and the others register with it.
+//! Established connections are untouched by any of this: each is served by the process that
+//! owns its export.
 //!
 //! Bounds: [`SHARED_EXPORTS_MAX`] exports on one socket, and [`HANDSHAKES_PENDING_MAX`]
 //! clients in their handshake at once (more wait in the backlog: the owner stops accepting).
@@ -76,6 +78,9 @@ const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections to the owner's registration whose `Join` has not arrived yet, at most (each
 /// for [`MESSAGE_TIMEOUT`] at most); further joiners wait in the registration's backlog.
 const JOINS_PENDING_MAX: usize = 16;
+/// Connections an owner that leaves takes from its registration's backlog, to see whether a
+/// join is under way (the backlog holds no more than the listen backlog anyway).
+const JOINS_AT_CLOSE_MAX: usize = 1024;
 
 /// A member's export as the owner knows it.
 pub(crate) struct Member {
@@ -509,11 +514,25 @@ impl Registration<'_> {
     }
 
     /// Stops registering; returns whether members remained (then they take the listener
-    /// over: their connections end as these go, once no handshake holds one).
+    /// over: their connections end as these go, once no handshake holds one). A join under
+    /// way counts as a member, whether its `Join` is pending or its connection still waits in
+    /// the backlog (at most [`JOINS_AT_CLOSE_MAX`] are taken from it): it may be a member
+    /// that is taking over after an earlier owner left, which needs PATH to stay; its
+    /// connection ends here and it retries.
     fn close(self) -> bool {
+        let mut joining = !self.pending.is_empty();
+        if self.socket.set_nonblocking(true).is_ok() {
+            for _ in 0..JOINS_AT_CLOSE_MAX {
+                if self.socket.accept().is_err() {
+                    break;
+                }
+                joining = true;
+            }
+        }
         drop(self.socket);
+        drop(self.pending);
         let mut members = lock(&self.registry.members);
-        let remained = !members.is_empty();
+        let remained = !members.is_empty() || joining;
         members.clear();
         remained
     }

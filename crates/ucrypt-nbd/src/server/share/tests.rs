@@ -116,6 +116,15 @@ fn start(path: &Path, name: &str, dev: &Arc<MemDev>, owner: bool) -> Running {
         t2.store(unsafe { libc::gettid() }, Ordering::Release);
         serve(a, opts(), s2)
     });
+    // Its id is known before anything asks for it.
+    let t0 = Instant::now();
+    while tid.load(Ordering::Acquire) == 0 {
+        assert!(
+            t0.elapsed() < SETTLE,
+            "{name}: the serving thread did not start"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     Running {
         stop,
         thread: Some(thread),
@@ -384,6 +393,27 @@ fn an_idle_owner_and_member_never_wake() {
     b.stop();
     stands(&a, Standing::Owner { exports: 1 });
     a.stop();
+}
+
+/// An owner that leaves while a join is under way keeps PATH for the joiner (which may be a
+/// member taking over); a later attach still binds it, the socket left behind being dead.
+#[test]
+fn an_owner_leaving_during_a_join_keeps_the_socket() {
+    let dir = Dir::new("joining");
+    let path = dir.0.join("nbd.sock");
+    let a = start(&path, "a", &mem(), true);
+    stands(&a, Standing::Owner { exports: 1 });
+    // A join under way: connected to the registration, its `Join` not sent yet.
+    let addr = super::registration_addr(&path).unwrap();
+    let joiner = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+    a.stop();
+    assert!(path.exists(), "the owner removed the socket a joiner needs");
+    drop(joiner);
+    // Nobody listens there now: the next export binds it again.
+    let b = start(&path, "b", &mem(), true);
+    list_becomes(&path, &["b"]);
+    b.stop();
+    assert!(!path.exists(), "the socket outlived its last server");
 }
 
 #[test]
