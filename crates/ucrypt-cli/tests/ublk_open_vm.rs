@@ -2,7 +2,9 @@
 //! trixie's stock kernel under qemu (TCG), then as a user would type it: `ucrypt open` of a
 //! LUKS2 volume (made by `ucrypt format` on the host) picks ublk, `/dev/ucrypt/NAME` points at
 //! `/dev/ublkbN`; mkfs.ext4 on it, mount, copy a tree, umount, `ucrypt close` (device and link
-//! gone), `ucrypt open` again, fsck clean and the tree identical, `ucrypt close`. Then a
+//! gone), `ucrypt open` again (idle, the daemon has one thread per CPU and one more, and no
+//! io_uring worker: its control commands were issued from threads that ended), fsck clean and
+//! the tree identical, `ucrypt close`. Then a
 //! volume in a file grown while its ext4 is mounted (FUSE + loop, where the kernel, unlike this
 //! container, lets `resize2fs` grow a mounted filesystem): `truncate`, `ucrypt resize`, online
 //! `resize2fs`, the filesystem bigger and clean. Last, a key rotated online through `ublk
@@ -40,6 +42,15 @@ $U close data && echo "CLOSED"
 [ ! -e /dev/ucrypt/data ] && echo "LINK-REMOVED"
 [ ! -e "$dev" ] && echo "DEVICE-REMOVED"
 $U open /dev/vda data --key-file /mnt/host/pass > /tmp/open2.out 2>&1 || { cat /tmp/open2.out; exit 12; }
+# Idle: the engine's workers end after 5 s without work; 30 s at most under emulation.
+pid=$($U status data | sed -n 's/^  pid: *//p')
+i=0; while [ $i -lt 30 ]; do
+  n=$(ls /proc/$pid/task | wc -l); [ "$n" -le $(( $(nproc) + 1 )) ] && break
+  sleep 1; i=$((i + 1))
+done
+names=$(cat /proc/$pid/task/*/comm | sort | tr '\n' ' ')
+echo "idle daemon threads after $i s ($(nproc) CPUs): $n: $names"
+[ "$n" -le $(( $(nproc) + 1 )) ] && case "$names" in *iou-wrk*) ;; *) echo "UBLK-THREADS-OK";; esac
 e2fsck -f -n /dev/ucrypt/data && echo "FSCK-CLEAN"
 mount -o ro /dev/ucrypt/data /m
 (cd /m/tree && sha256sum -c /tmp/sums > /dev/null) && echo "TREE-IDENTICAL"
@@ -136,6 +147,7 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         "CLOSED",
         "LINK-REMOVED",
         "DEVICE-REMOVED",
+        "UBLK-THREADS-OK",
         "FSCK-CLEAN",
         "TREE-IDENTICAL",
         "CLOSED-AGAIN",

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
 use libublk::sys;
-use libublk::{BufDesc, UblkFlags, UblkIORes};
+use libublk::{BufDesc, UblkError, UblkFlags, UblkIORes};
 use ucrypt::{BlockDev, Stop};
 
 /// What can go wrong serving a ublk device.
@@ -177,15 +177,17 @@ pub fn serve(
     if !std::path::Path::new("/dev/ublk-control").exists() {
         return Err(Error::NoDriver);
     }
-    let ctrl = UblkCtrlBuilder::default()
-        .name("ucrypt")
-        .id(opts.id)
-        .nr_queues(opts.queues.max(1))
-        .depth(QUEUE_DEPTH)
-        .io_buf_bytes(IO_BYTES_MAX)
-        .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
-        .build()
-        .map_err(ublk_err("creating the ublk device"))?;
+    let ctrl = on_passing_thread(|| {
+        UblkCtrlBuilder::default()
+            .name("ucrypt")
+            .id(opts.id)
+            .nr_queues(opts.queues.max(1))
+            .depth(QUEUE_DEPTH)
+            .io_buf_bytes(IO_BYTES_MAX)
+            .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
+            .build()
+    })
+    .map_err(ublk_err("creating the ublk device"))?;
     let dev_id = ctrl.dev_info().dev_id as i32;
 
     // Stop on request: killing the device makes every queue loop return.
@@ -217,18 +219,120 @@ pub fn serve(
         p.discard.max_discard_segments = 1;
         Ok(())
     };
-    let qdev = dev.clone();
-    let q_fn = move |qid: u16, udev: &UblkDev| queue_loop(qid, udev, &*qdev);
-    let ready = move |c: &UblkCtrl| {
-        on_ready(Ready {
-            dev_id: c.dev_info().dev_id,
-            path: c.get_bdev_path().into(),
-        })
-    };
-    let served = ctrl
-        .run_target(tgt_init, q_fn, ready)
-        .map_err(ublk_err("serving the ublk device"));
+    let served = UblkDev::new(ctrl.get_name(), tgt_init, &ctrl)
+        .map_err(ublk_err("serving the ublk device"))
+        .and_then(|udev| run_queues(&ctrl, &Arc::new(udev), &dev, on_ready));
     let flushed = dev.flush().map_err(Error::from);
-    let _ = ctrl.del_dev();
-    served.and(flushed).map(|_| ())
+    let _ = on_passing_thread(|| ctrl.del_dev());
+    served.and(flushed)
+}
+
+/// Entries of a passing thread's control ring (what libublk gives its own).
+const CONTROL_RING_DEPTH: u32 = 16;
+
+/// Gives this thread the control ring libublk issues control commands through, if it has none.
+fn control_ring() -> Result<(), UblkError> {
+    libublk::ublk_init_ctrl_task_ring(|ring| {
+        if ring.is_none() {
+            *ring = Some(io_uring::IoUring::builder().build(CONTROL_RING_DEPTH)?);
+        }
+        Ok(())
+    })
+}
+
+/// Runs `f` on a thread of its own that ends with it, with a control ring. For the device's
+/// control commands: the kernel serves each on an io_uring worker of the thread that issued
+/// it, and that worker stays as long as the thread does, so a control command issued from a
+/// serving thread would leave an idle thread beside every device.
+fn on_passing_thread<R: Send>(
+    f: impl FnOnce() -> Result<R, UblkError> + Send,
+) -> Result<R, UblkError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            control_ring()?;
+            f()
+        })
+        .join()
+    })
+    .unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
+/// Serves every queue until the device is stopped: queue 0 on this thread, the others on one
+/// thread each; a passing thread configures them and starts the device (`START_DEV` returns
+/// once every queue has asked for requests), tells `on_ready`, and ends. So an idle device
+/// costs this thread and one per further queue.
+fn run_queues(
+    ctrl: &UblkCtrl,
+    udev: &Arc<UblkDev>,
+    dev: &Arc<dyn BlockDev>,
+    on_ready: impl FnOnce(Ready) + Send,
+) -> Result<(), Error> {
+    let queues = udev.dev_info.nr_hw_queues;
+    // Each queue's thread id, for its CPU affinity and the device's record of it.
+    let (tx, rx) = std::sync::mpsc::channel::<(u16, libc::pid_t)>();
+    let mut others = Vec::new();
+    for qid in 1..queues {
+        let (udev, dev, tx) = (udev.clone(), dev.clone(), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("ublk-queue-{qid}"))
+            .spawn(move || {
+                let _ = tx.send((qid, UblkCtrl::init_queue_thread()));
+                queue_loop(qid, &udev, &*dev);
+            });
+        match spawned {
+            Ok(h) => others.push(h),
+            Err(e) => {
+                // Queue 0 has not started: nothing waits for the queues begun so far but
+                // the device's deletion, which ends them.
+                let _ = on_passing_thread(|| ctrl.kill_dev());
+                for h in others {
+                    let _ = h.join();
+                }
+                return Err(Error::Ublk {
+                    what: "starting a ublk queue thread",
+                    detail: e.to_string(),
+                });
+            }
+        }
+    }
+    let _ = tx.send((0, UblkCtrl::init_queue_thread()));
+    drop(tx);
+    let started = std::thread::scope(|s| {
+        let starter = s.spawn(move || {
+            let started = control_ring().and_then(|()| {
+                for (qid, tid) in rx.iter().take(queues as usize) {
+                    ctrl.set_thread_affinity(qid, tid);
+                    if let Err(e) = ctrl.configure_queue(udev, qid, tid) {
+                        eprintln!("ucrypt ublk: configuring queue {qid}: {e}");
+                    }
+                }
+                ctrl.start_dev(udev)
+            });
+            match started {
+                Ok(_) => {
+                    on_ready(Ready {
+                        dev_id: ctrl.dev_info().dev_id,
+                        path: ctrl.get_bdev_path().into(),
+                    });
+                    Ok(())
+                }
+                Err(e) => {
+                    // The queues wait for requests that will not come: stopping the device
+                    // ends them.
+                    let _ = on_passing_thread(|| ctrl.kill_dev());
+                    Err(e)
+                }
+            }
+        });
+        queue_loop(0, udev, &**dev);
+        starter.join()
+    });
+    for h in others {
+        let _ = h.join();
+    }
+    let _ = on_passing_thread(|| ctrl.stop_dev());
+    match started {
+        Ok(r) => r.map_err(ublk_err("starting the ublk device")),
+        Err(p) => std::panic::resume_unwind(p),
+    }
 }
