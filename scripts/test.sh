@@ -14,19 +14,20 @@ failed=$(sum failed)
 skipped=$(grep -cE "^SKIPPED" "$log")
 # A skipping test returns early and so counts as passed in cargo's own tally: move it over.
 passed=$(( passed > skipped ? passed - skipped : 0 ))
-# Each failing test's own output again, its last lines, next to the summary: a long run's log
-# is often read from its end, and the failures' details are otherwise far up in it.
+echo
+grep -E '^SKIPPED' "$log" | sort -u | sed 's/^/  /'
+# Each failing test's own output again, its last lines, next to the summary (after the list of
+# skips): a long run's log is often read from its end, and the failures' details are otherwise
+# far up in it.
 grep -E '^test .* \.\.\. FAILED$' "$log" | sed -E 's/^test (.*) \.\.\. FAILED$/\1/' | sort -u |
   while read -r name; do
     echo
-    echo "== failed: $name (its output's last 60 lines)"
+    echo "== failed: $name (its output's last 40 lines)"
     awk -v want="---- $name stdout ----" '
       $0 == want { on = 1; next }
       on && (/^---- .* stdout ----$/ || /^failures:$/ || /^successes:$/) { on = 0 }
-      on { print }' "$log" | tail -n 60
+      on { print }' "$log" | tail -n 40
   done
-echo
-grep -E '^SKIPPED' "$log" | sort -u | sed 's/^/  /'
 echo "tests: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
 rm -f "$log"
 exit "$rc"

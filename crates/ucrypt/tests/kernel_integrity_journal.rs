@@ -18,11 +18,14 @@
 //!    group descriptors) only ucrypt's journal holds checks clean with `e2fsck -f -n` and
 //!    holds its file.
 //!
-//! Cases: aes-gcm-random + aead with 4096-byte sectors (a 64 MiB image: three journal
-//! sections, so one commit stays under the kernel's write-back watermark),
-//! aes-xts-random + hmac-sha256 and chacha20-random + poly1305 with 512-byte sectors (48 MiB);
-//! the ext4 on
-//! aes-gcm-random 4096 (32 MiB: one section). Needs qemu-system-x86_64 and a kernel
+//! Cases: aes-gcm-random + aead with 4096-byte sectors (192 MiB),
+//! aes-xts-random + hmac-sha256 and chacha20-random + poly1305 with 512-byte sectors (96 MiB);
+//! the ext4 on aes-gcm-random 4096 (32 MiB: one section). The kernel writes its journal back
+//! once fewer than half of its sections are free, and every commit closes the section it is
+//! filling: the cases' journals (a 128th of the device) have room for the kernel's write plus
+//! three early commits (its 10 s commit timer firing on a starved vCPU) before that watermark,
+//! so the copy is taken before any write-back. The copies take the first 32 MiB (the LUKS2
+//! header, the integrity superblock, the journal and the first data area). Needs qemu-system-x86_64 and a kernel
 //! (tests/vm/install-deps.sh), and mkfs.ext4/e2fsck/debugfs on the host: SKIPPED otherwise,
 //! unless CI is set.
 
@@ -58,7 +61,7 @@ const CASES: &[Case] = &[
         integrity: "aead",
         key_bits: 256,
         sector: 4096,
-        image_bytes: 64 << 20,
+        image_bytes: 192 << 20,
     },
     Case {
         name: "xts-hmac256-512",
@@ -66,7 +69,7 @@ const CASES: &[Case] = &[
         integrity: "hmac-sha256",
         key_bits: 512,
         sector: 512,
-        image_bytes: 48 << 20,
+        image_bytes: 96 << 20,
     },
     Case {
         name: "chacha-512",
@@ -74,7 +77,7 @@ const CASES: &[Case] = &[
         integrity: "poly1305",
         key_bits: 256,
         sector: 512,
-        image_bytes: 48 << 20,
+        image_bytes: 96 << 20,
     },
 ];
 const FS: Case = Case {
@@ -86,6 +89,8 @@ const FS: Case = Case {
     image_bytes: 32 << 20,
 };
 
+/// What the cases' copies take from the start of the device, MiB.
+const COPY_MIB: u64 = 32;
 /// What the kernel writes and leaves in its journal: 64 KiB at the start.
 const KERNEL_WRITE: (u64, u64) = (0, 64 << 10);
 /// What ucrypt writes and leaves in its journal: 96 KiB at 1 MiB + 8 KiB.
@@ -189,7 +194,7 @@ fn journal_replay_between_kernel_and_ucrypt() {
             "if {} && cryptsetup open --key-file $K {dev} j{i} && \
              {{ dmsetup table | grep integrity | sed 's/^/TABLE /'; true; }} && \
              dd if=$P of=/dev/mapper/j{i} bs=65536 count=1 conv=fsync 2>/dev/null && \
-             dd if={dev} of={cdev} bs=1M iflag=direct oflag=direct 2>/dev/null; \
+             dd if={dev} of={cdev} bs=1M count={COPY_MIB} iflag=direct oflag=direct 2>/dev/null; \
              then echo \"CASE {} CRASH-COPIED\"; fi; cryptsetup close j{i}",
             format_line(c, &dev, false),
             c.name
@@ -239,6 +244,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
             c.name
         );
         let placed = data_place(&orig, img, KERNEL_WRITE, bb);
+        let sections = orig.layout().sb.journal_sections;
+        println!("CASE {} journal: {sections} sections", c.name);
         drop(orig);
         assert_ne!(
             data_place(
@@ -248,7 +255,8 @@ fn journal_replay_between_kernel_and_ucrypt() {
                 bb
             ),
             placed,
-            "{}: the copy already holds the data in place: it tests no replay",
+            "{}: the copy already holds the data in place (the kernel wrote its journal \
+             of {sections} sections back): it tests no replay",
             c.name
         );
         match open_file(copy, &key, false) {
