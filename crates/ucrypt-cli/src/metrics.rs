@@ -10,6 +10,8 @@
 //!   peer, internal);
 //! - `ucrypt_integrity_mismatches_total` (authenticated volumes only, label `volume`): blocks
 //!   whose tag did not verify, dm-integrity's "number of integrity mismatches";
+//! - `ucrypt_nbd_socket_role` (a state set by `role`) and `ucrypt_nbd_socket_exports` of an
+//!   `open --nbd` daemon's shared NBD socket (label `socket`), once the socket is attached;
 //! - `ucrypt_request_seconds` histograms by `phase` (wait, queue, crypto, backend, total). As
 //!   the engine times one request in `SAMPLE_EVERY` (32) at random, their counts are of the
 //!   sampled requests; bucket edges are the engine's log2 clock-tick buckets in seconds.
@@ -27,7 +29,7 @@ use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -37,6 +39,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use ucrypt::engine::{OpStats, Phase};
 use ucrypt::ErrorKind;
+use ucrypt_nbd::server::share::{ShareState, Standing};
 use ucrypt_nbd::server::{bind_unix, BoundSocket, Listen};
 
 use crate::error::{CliError, CliResult};
@@ -66,23 +69,85 @@ pub struct MetricsArgs {
     pub metrics: Option<Listen>,
 }
 
-/// The volumes a process serves, named as their `volume` label.
+/// The volumes a process serves, named as their `volume` label, and the shared NBD socket an
+/// `open --nbd` daemon exports its volume on, once that is attached (after the metrics start).
 #[derive(Clone)]
-pub struct Volumes(pub Vec<(String, Opened)>);
+pub struct Volumes {
+    vols: Vec<(String, Opened)>,
+    nbd_socket: Arc<OnceLock<NbdSocketSeen>>,
+}
+
+/// A shared NBD socket as the metrics see it: where, and this process's part there, read live.
+pub struct NbdSocketSeen {
+    pub listen: String,
+    pub state: ShareState,
+}
 
 impl Volumes {
+    pub fn new(vols: Vec<(String, Opened)>) -> Volumes {
+        Volumes {
+            vols,
+            nbd_socket: Arc::default(),
+        }
+    }
+
     /// The one volume of a front end, labelled with its file or image name.
     pub fn one(args: &crate::open::VolumeArgs, vol: &Opened) -> Volumes {
-        Volumes(vec![(args.volume.label(), vol.clone())])
+        Volumes::new(vec![(args.volume.label(), vol.clone())])
+    }
+
+    /// Where the shared NBD socket goes once attached: set at most once.
+    pub fn nbd_socket_slot(&self) -> Arc<OnceLock<NbdSocketSeen>> {
+        self.nbd_socket.clone()
     }
 }
 
 impl std::fmt::Debug for Volumes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list()
-            .entries(self.0.iter().map(|(n, _)| n))
+            .entries(self.vols.iter().map(|(n, _)| n))
             .finish()
     }
+}
+
+/// The `role` label values of `ucrypt_nbd_socket_role`, one series each (a state set).
+const NBD_ROLES: [&str; 4] = ["owner", "member", "taking_over", "detached"];
+
+/// `ucrypt_nbd_socket_role` and `ucrypt_nbd_socket_exports` of the shared socket `n`, whose
+/// export is named `volume`.
+fn encode_nbd_socket(
+    enc: &mut DescriptorEncoder,
+    volume: &str,
+    n: &NbdSocketSeen,
+) -> Result<(), std::fmt::Error> {
+    let (role, exports) = match n.state.standing() {
+        Standing::Owner { exports } => ("owner", exports),
+        Standing::Member { .. } => ("member", 0),
+        Standing::TakingOver => ("taking_over", 0),
+        Standing::Detached => ("detached", 0),
+    };
+    let mut m = enc.encode_descriptor(
+        "ucrypt_nbd_socket_role",
+        "This export's part on its shared NBD socket (open --nbd): 1 for the current role. The \
+         owner listens and negotiates for every export there; a member is passed its clients; \
+         a member whose owner left is taking over; detached serves only earlier connections.",
+        None,
+        MetricType::Gauge,
+    )?;
+    for r in NBD_ROLES {
+        m.encode_family(&[("volume", volume), ("socket", &n.listen), ("role", r)])?
+            .encode_gauge(&i64::from(r == role))?;
+    }
+    enc.encode_descriptor(
+        "ucrypt_nbd_socket_exports",
+        "Exports the owner of the shared NBD socket negotiates for, its own included (0 when \
+         this process is not the owner).",
+        None,
+        MetricType::Gauge,
+    )?
+    .encode_family(&[("volume", volume), ("socket", &n.listen)])?
+    .encode_gauge(&(exports as i64))?;
+    Ok(())
 }
 
 /// A counter of each direction: name, help, and where its value is.
@@ -101,13 +166,13 @@ impl Collector for Volumes {
         // Volumes on the engine: its statistics. Authenticated ones: the counters the library
         // keeps for them (no timings: they do not run on the engine).
         let snaps: Vec<(&str, [(&str, OpStats); 2])> = self
-            .0
+            .vols
             .iter()
             .filter_map(|(n, v)| v.engine().map(|v| (n, v.stats())))
             .map(|(n, s)| (n.as_str(), [("read", s.read), ("write", s.write)]))
             .collect();
         let auth: Vec<(&str, &Opened)> = self
-            .0
+            .vols
             .iter()
             .filter(|(_, v)| v.engine().is_none())
             .map(|(n, v)| (n.as_str(), v))
@@ -191,6 +256,9 @@ impl Collector for Volumes {
                         .encode_histogram::<NoLabelSet>(p.sum_ns / 1e9, p.count, &buckets, None)?;
                 }
             }
+        }
+        if let (Some(n), [(volume, _)]) = (self.nbd_socket.get(), self.vols.as_slice()) {
+            encode_nbd_socket(&mut enc, volume, n)?;
         }
         // `--memory-budget`: one per process (every volume of this process charges it).
         if let Some(b) = ucrypt::pool::process_budget_usage() {

@@ -316,7 +316,7 @@ fn serve(mut a: ServeArgs) -> CliResult<()> {
                 .iter()
                 .filter_map(|(n, _, v)| v.clone().map(|v| (n.clone(), v)))
                 .collect();
-            Some(metrics::start(at, Volumes(vols))?)
+            Some(metrics::start(at, Volumes::new(vols))?)
         }
         None => None,
     };

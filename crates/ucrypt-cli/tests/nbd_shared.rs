@@ -6,7 +6,8 @@
 //!   and read back whole by `nbdcopy` through its own export (data checked, and not seen through
 //!   the other); the owner closed, the other export still serves new clients and the socket
 //!   stays until the last daemon closes. `status` says which daemon owns the socket (and how
-//!   many exports it has) and whose member each other one is, and follows the change of owner.
+//!   many exports it has) and whose member each other one is, and follows the change of owner;
+//!   so do the daemons' metrics (`ucrypt_nbd_socket_role`, `ucrypt_nbd_socket_exports`).
 //! - `a_killed_daemon_leaves_the_others_serving`: SIGKILL of a member's daemon leaves the
 //!   owner's export serving (and the list without the dead one); SIGKILL of the owner's daemon
 //!   leaves the member to take the socket over and serve (and `status` to say it owns it).
@@ -116,6 +117,8 @@ fn luks(dir: &TempDir, name: &str) -> PathBuf {
 struct Opened {
     who: As,
     names: Vec<String>,
+    /// Where each daemon answers scrapes (`--metrics unix:DIR/NAME.m`), if anywhere.
+    metrics_dir: Option<PathBuf>,
 }
 
 impl Opened {
@@ -123,26 +126,74 @@ impl Opened {
         Opened {
             who,
             names: Vec::new(),
+            metrics_dir: None,
         }
     }
 
-    /// `ucrypt open IMG NAME --front-end vhost-user --nbd unix:SOCK`.
+    /// `ucrypt open IMG NAME --front-end vhost-user --nbd unix:SOCK` (and `--metrics`).
     fn open(&mut self, img: &Path, name: &str, pass: &Path, sock: &Path) -> Output {
         self.names.push(name.to_string());
-        self.who.run(
-            UCRYPT,
-            &[
-                "open",
-                &img.to_string_lossy(),
-                name,
-                "--key-file",
-                &pass.to_string_lossy(),
-                "--front-end",
-                "vhost-user",
-                "--nbd",
-                &format!("unix:{}", sock.display()),
-            ],
-        )
+        let mut args = vec![
+            "open".to_string(),
+            img.to_string_lossy().into_owned(),
+            name.to_string(),
+            "--key-file".into(),
+            pass.to_string_lossy().into_owned(),
+            "--front-end".into(),
+            "vhost-user".into(),
+            "--nbd".into(),
+            format!("unix:{}", sock.display()),
+        ];
+        if let Some(m) = self.metrics_socket(name) {
+            args.extend(["--metrics".into(), format!("unix:{}", m.display())]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.who.run(UCRYPT, &args)
+    }
+
+    fn metrics_socket(&self, name: &str) -> Option<PathBuf> {
+        Some(self.metrics_dir.as_ref()?.join(format!("{name}.m")))
+    }
+
+    /// NAME's `ucrypt_nbd_socket_*` series as scraped, without their labels `volume` and
+    /// `socket`: `role="owner"} 1`, `exports 2`, sorted.
+    fn nbd_metrics(&self, name: &str) -> Vec<String> {
+        let at = self.metrics_socket(name).expect("opened with --metrics");
+        let mut c = std::os::unix::net::UnixStream::connect(&at)
+            .unwrap_or_else(|e| panic!("metrics of {name} at {}: {e}", at.display()));
+        use std::io::{Read, Write};
+        c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut got = String::new();
+        c.read_to_string(&mut got).unwrap();
+        let mut series: Vec<String> = got
+            .lines()
+            .filter_map(|l| l.strip_prefix("ucrypt_nbd_socket_"))
+            .map(|l| {
+                let (metric, rest) = l.split_once('{').unwrap_or((l, ""));
+                let (labels, value) = rest.rsplit_once("} ").unwrap_or(("", rest));
+                let role = labels
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix("role="))
+                    .map(|r| r.trim_matches('"'));
+                match role {
+                    Some(r) => format!("{metric} {r} {value}"),
+                    None => format!("{metric} {value}"),
+                }
+            })
+            .collect();
+        series.sort();
+        series
+    }
+
+    /// NAME's metrics say it is `role` on its socket with `exports` exports.
+    fn metered_as(&self, name: &str, role: &str, exports: usize) {
+        let mut want: Vec<String> = ["owner", "member", "taking_over", "detached"]
+            .iter()
+            .map(|r| format!("role {r} {}", u8::from(*r == role)))
+            .chain([format!("exports {exports}")])
+            .collect();
+        want.sort();
+        assert_eq!(self.nbd_metrics(name), want, "{name}'s NBD socket metrics");
     }
 
     fn open_ok(&mut self, img: &Path, name: &str, pass: &Path, sock: &Path) {
@@ -285,14 +336,16 @@ fn names(tag: &str) -> (String, String, String) {
 }
 
 /// Two LUKS2 volumes opened as this user on one socket in `dir` (`tag` in their names), and
-/// listed there: the socket, the names, and the daemons. The first owns the socket.
-fn two_on_one_socket(dir: &TempDir, tag: &str) -> (PathBuf, String, String, Opened) {
+/// listed there: the socket, the names, and the daemons (with `--metrics` in `dir` if
+/// `metered`). The first owns the socket.
+fn two_on_one_socket(dir: &TempDir, tag: &str, metered: bool) -> (PathBuf, String, String, Opened) {
     std::fs::write(dir.path("pass"), b"shared socket passphrase").unwrap();
     let (img_a, img_b) = (luks(dir, "a.img"), luks(dir, "b.img"));
     let sock = dir.path("nbd.sock");
     let (a, b, _) = names(tag);
     let me = As::Me;
     let mut opened = Opened::new(me.clone());
+    opened.metrics_dir = metered.then(|| dir.0.clone());
     opened.open_ok(&img_a, &a, &dir.path("pass"), &sock);
     opened.open_ok(&img_b, &b, &dir.path("pass"), &sock);
     let mut want = [a.as_str(), b.as_str()];
@@ -309,10 +362,12 @@ fn opens_share_one_socket_and_outlive_its_owner() {
         return;
     }
     let dir = TempDir::new("shared");
-    let (sock, a, b, opened) = two_on_one_socket(&dir, "sh");
+    let (sock, a, b, opened) = two_on_one_socket(&dir, "sh", true);
     let me = As::Me;
     let owner = opened.pid(&a);
     opened.stands(&b, &sock, &format!("member (owner pid {owner})"));
+    opened.metered_as(&a, "owner", 2);
+    opened.metered_as(&b, "member", 0);
 
     write_read(&me, &dir, &sock, &a, 0xa);
     write_read(&me, &dir, &sock, &b, 0xb);
@@ -328,6 +383,7 @@ fn opens_share_one_socket_and_outlive_its_owner() {
     assert!(sock.exists(), "the socket went with its owner");
     listed_becomes(&me, &sock, &[b.as_str()]);
     opened.stands(&b, &sock, "owner (1 export)");
+    opened.metered_as(&b, "owner", 1);
     write_read(&me, &dir, &sock, &b, 0xb2);
     opened.close(&b);
     assert!(!sock.exists(), "the socket outlived the last daemon");
@@ -426,7 +482,7 @@ fn idle_daemons_never_wake() {
         return;
     }
     let dir = TempDir::new("sharedidle");
-    let (sock, a, b, opened) = two_on_one_socket(&dir, "si");
+    let (sock, a, b, opened) = two_on_one_socket(&dir, "si", false);
     let me = As::Me;
     let pids = [opened.pid(&a), opened.pid(&b)];
     // The listings' connections end on their own threads (`nbd-conn-N`).

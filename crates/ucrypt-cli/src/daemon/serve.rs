@@ -806,11 +806,11 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let vol = opened.dev();
     d.info.size_sectors = vol.size() / 512;
     // Its socket (if any) is removed when this goes, at the end of the daemon.
+    let volumes = Volumes::new(vec![(d.name.clone(), opened.clone())]);
+    // The NBD side starts after the front end: its socket reaches the metrics through this.
+    let metrics_nbd_socket = volumes.nbd_socket_slot();
     let _metrics = match &d.metrics {
-        Some(at) => Some(crate::metrics::start(
-            at,
-            Volumes(vec![(d.name.clone(), opened.clone())]),
-        )?),
+        Some(at) => Some(crate::metrics::start(at, volumes)?),
         None => None,
     };
     let dev: Arc<dyn BlockDev> = vol.clone();
@@ -870,6 +870,10 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let nbd = match &d.nbd {
         Some(at) => match NbdSide::start(&d.name, &vol, at) {
             Ok((n, socket)) => {
+                let _ = metrics_nbd_socket.set(crate::metrics::NbdSocketSeen {
+                    listen: socket.listen.clone(),
+                    state: socket.state.clone(),
+                });
                 let _ = shared.nbd_socket.set(socket);
                 Some(n)
             }
