@@ -550,7 +550,7 @@ fn resize_by_control(volume: &Path, ctl: &Path, args: &[&str]) -> (Option<i32>, 
 /// `ucrypt vhost --control` without a VMM: `ucrypt resize VOLUME --control PATH` grows the
 /// volume to its grown image (nobody to tell: the resize stands) and `status` reports the new
 /// size; `--device-size` shrinks it; a volume the process does not serve is refused, and so
-/// is a request of the open daemon's life cycle.
+/// are a request of the open daemon's life cycle and the resize of an authenticated volume.
 #[test]
 fn a_standalone_vhost_resizes_through_its_control_socket() {
     let (tmp, _, key, img) = volume("vhost-control-resize", 8 << 20);
@@ -599,4 +599,35 @@ fn a_standalone_vhost_resizes_through_its_control_socket() {
     unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
     let status = server.wait().expect("wait for ucrypt vhost");
     assert!(status.success(), "ucrypt vhost exited with {status}");
+
+    // An authenticated volume is refused, as the open daemon refuses it.
+    let auth = tmp.0.join("auth.img");
+    std::fs::File::create(&auth)
+        .and_then(|f| f.set_len(32 << 20))
+        .unwrap();
+    ucrypt(&[
+        "format",
+        "-q",
+        "--integrity-no-wipe",
+        "--cipher",
+        "aes-xts-random",
+        "--integrity",
+        "hmac-sha256",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        kit::s(&key),
+        kit::s(&auth),
+    ])
+    .expect("ucrypt format --integrity");
+    let (sock, ctl) = (tmp.0.join("auth.sock"), tmp.0.join("auth-control.sock"));
+    let mut server = start_server_with(&auth, &key, &sock, &["--control", kit::s(&ctl)]);
+    let (code, err) = resize_by_control(&auth, &ctl, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("authenticated encryption"), "{err}");
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    assert!(server.wait().expect("wait for ucrypt vhost").success());
 }
