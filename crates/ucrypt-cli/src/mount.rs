@@ -3,12 +3,13 @@
 
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 
 use clap::{Args, ValueEnum};
 use ucrypt_fuse::{MountOptions, PunchHole, Transport};
 
 use crate::daemon::budget::{self, MemoryBudgetArgs};
-use crate::daemon::control::{self, ControlArgs};
+use crate::daemon::control::{self, ControlArgs, Serving};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
@@ -126,7 +127,11 @@ fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()
         Some(at) => Some(metrics::start(at, Volumes::one(&a.volume, &dev))?),
         None => None,
     };
-    let _control = control::start(&a.control, &a.volume, &dev, "fuse")?;
+    // The control socket's `resize` tells the kernel through the mount's notifier, set once
+    // the file is mounted.
+    let notifier = Arc::new(OnceLock::new());
+    let serving = Serving::Fuse(notifier.clone());
+    let _control = control::start(&a.control, &a.volume, &dev, serving)?;
     let file_name = match point {
         MountPoint::Directory(n) => Some(n.clone()),
         _ => a.file_name.clone(),
@@ -148,6 +153,8 @@ fn serve(a: &MountArgs, point: &MountPoint, stop: &ucrypt::Stop) -> CliResult<()
             FuseTransport::IoUring => Transport::IoUring,
         },
     };
-    ucrypt_fuse::mount(dev.dev(), &a.mountpoint, &opts, stop)?;
+    ucrypt_fuse::serve(dev.dev(), &a.mountpoint, &opts, stop, |m| {
+        let _ = notifier.set(m.size_notifier());
+    })?;
     Ok(())
 }

@@ -10,7 +10,7 @@ use ucrypt::{BlockDev, Stop};
 use ucrypt_nbd::server::{self, dev, load_tls_config, Listen, ServerOptions, TlsFiles};
 
 use crate::daemon::budget::{self, MemoryBudgetArgs};
-use crate::daemon::control::{self, ControlArgs};
+use crate::daemon::control::{self, ControlArgs, Serving};
 use crate::error::{CliError, CliResult};
 use crate::in_use::InUse;
 use crate::metrics::{self, MetricsArgs, Volumes};
@@ -321,7 +321,7 @@ fn serve(mut a: ServeArgs) -> CliResult<()> {
         None => None,
     };
     let _control = match opened.first() {
-        Some((_, _, Some(v))) => control::start(&a.control, &a.volume, v, "nbd")?,
+        Some((_, _, Some(v))) => control::start(&a.control, &a.volume, v, Serving::Nbd)?,
         _ if a.control.control.is_some() => {
             return Err(CliError::Usage(
                 "--control needs an encrypted volume (not --unencrypted)".into(),

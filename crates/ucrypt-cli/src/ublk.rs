@@ -5,7 +5,7 @@ use clap::Args;
 use ucrypt_ublk::UblkOptions;
 
 use crate::daemon::budget::{self, MemoryBudgetArgs};
-use crate::daemon::control::{self, ControlArgs};
+use crate::daemon::control::{self, ControlArgs, Serving};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
@@ -42,7 +42,7 @@ fn serve(a: UblkArgs) -> CliResult<()> {
         Some(at) => Some(metrics::start(at, Volumes::one(&a.volume, &dev))?),
         None => None,
     };
-    let _control = control::start(&a.control, &a.volume, &dev, "ublk")?;
+    let _control = control::start(&a.control, &a.volume, &dev, Serving::Ublk)?;
     let mut opts = UblkOptions::default();
     if let Some(q) = a.queues {
         opts.queues = q;

@@ -1,5 +1,6 @@
 //! `ucrypt vhost VOLUME --socket PATH`: the volume as a VM's virtio-blk disk over
-//! vhost-user-blk, served by `ucrypt-vhost` until SIGINT or SIGTERM.
+//! vhost-user-blk, served by `ucrypt-vhost` until SIGINT or SIGTERM; with `--control`, a
+//! `resize` sends the VMM a config-change notice as the `ucrypt open` daemon does.
 
 use std::path::PathBuf;
 
@@ -7,7 +8,7 @@ use clap::Args;
 use ucrypt_vhost::VhostOptions;
 
 use crate::daemon::budget::{self, MemoryBudgetArgs};
-use crate::daemon::control::{self, ControlArgs};
+use crate::daemon::control::{self, ControlArgs, Serving};
 use crate::error::CliResult;
 use crate::metrics::{self, MetricsArgs, Volumes};
 use crate::open::VolumeArgs;
@@ -55,8 +56,10 @@ fn serve(a: VhostArgs) -> CliResult<()> {
         Some(at) => Some(metrics::start(at, Volumes::one(&a.volume, &dev))?),
         None => None,
     };
-    let _control = control::start(&a.control, &a.volume, &dev, "vhost")?;
     let mut opts = VhostOptions::default();
+    // The control socket's `resize` tells the VMM through the handle `run` serves with.
+    let serving = Serving::Vhost(opts.handle.clone());
+    let _control = control::start(&a.control, &a.volume, &dev, serving)?;
     if let Some(q) = a.queues {
         opts.queues = usize::from(q.max(1));
     }

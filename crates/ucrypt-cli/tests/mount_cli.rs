@@ -466,8 +466,9 @@ fn mount_cli_fuse_transport_io_uring() {
 }
 
 /// The README's example as typed: `ucrypt mount vol.img ./plain` with no `./plain` creates the
-/// file, serves the volume on it and removes it on SIGTERM; a directory serves a file named
-/// after the volume inside it.
+/// file, serves the volume on it and removes it on SIGTERM (`ucrypt resize VOLUME --control
+/// PATH` on the way: the file's size follows the grown image, then `--size`); a directory
+/// serves a file named after the volume inside it.
 #[test]
 fn mount_point_missing_or_directory() {
     if let Some(r) = skip_reason() {
@@ -491,13 +492,30 @@ fn mount_point_missing_or_directory() {
     let (i, k) = (img.to_str().expect("utf-8"), key.to_str().expect("utf-8"));
     let raw = ["--cipher", "aes-xts-plain64", "--volume-key-file", k];
 
-    // Missing: created, served, removed again.
+    // Missing: created, served, removed again. Resized through `--control`: the file takes
+    // the grown image's size, then the size `--size` gives.
     let plain = tmp.join("plain");
     let p = plain.to_str().expect("utf-8");
-    let mut s = Server::start(&[&[i, p][..], &raw[..]].concat(), &plain);
+    let ctl = tmp.join("control.sock");
+    let c = ctl.to_str().expect("utf-8");
+    let mut s = Server::start(&[&[i, p, "--control", c][..], &raw[..]].concat(), &plain);
     assert_eq!(
         std::fs::metadata(&plain).expect("served file").len(),
         IMG_BYTES
+    );
+    const GROWN: u64 = IMG_BYTES + (4 << 20);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .and_then(|f| f.set_len(GROWN))
+        .expect("grow the image");
+    run(BIN, &["resize", i, "--control", c]);
+    assert_eq!(std::fs::metadata(&plain).expect("file").len(), GROWN);
+    let sectors = (IMG_BYTES / 512 + 8).to_string();
+    run(BIN, &["resize", i, "--control", c, "--size", &sectors]);
+    assert_eq!(
+        std::fs::metadata(&plain).expect("file").len(),
+        IMG_BYTES + 4096
     );
     s.signal(libc::SIGTERM);
     assert_eq!(s.wait_exit(WAIT), Some(0), "mount exits 0 on SIGTERM");
@@ -512,7 +530,7 @@ fn mount_point_missing_or_directory() {
         std::fs::metadata(dir.join("vol.img"))
             .expect("dir/vol.img")
             .len(),
-        IMG_BYTES
+        GROWN
     );
     s.signal(libc::SIGTERM);
     assert_eq!(s.wait_exit(WAIT), Some(0), "mount exits 0 on SIGTERM");

@@ -1108,7 +1108,10 @@ fn serve_with_a_control_socket_rotates_under_nbd_io() {
     let served = format!(r#""cipher":"{NEW_CIPHER}","key_bits":256"#);
     assert!(st.contains(&served), "not serving {served}: {st}");
     let cl = control(&ctl, r#"{"v":1,"cmd":"close","force":false}"#);
-    assert!(cl.contains("answers status and reencrypt only"), "{cl}");
+    assert!(
+        cl.contains("answers status, reencrypt and resize only"),
+        "{cl}"
+    );
     assert!(
         server.0.try_wait().unwrap().is_none(),
         "the server exited on close"

@@ -1,6 +1,7 @@
 //! One `ucrypt serve` for many volumes: several VOLUMEs sharing the key options, `--export`s
 //! with options of their own, names checked before anything is opened, and all or nothing at
-//! start-up (a volume that fails to open names itself and none is served). Debian packages:
+//! start-up (a volume that fails to open names itself and none is served); a resize through
+//! `--control` reaches new connections. Debian packages:
 //! libnbd-bin (nbdinfo, nbdcopy).
 
 mod nbd_common;
@@ -136,6 +137,42 @@ fn several_volumes_and_exports_from_one_server() {
     );
     let names: Vec<String> = listed(&sock).into_iter().map(|e| e.0).collect();
     assert_eq!(names, ["a.img", "again"]);
+    assert_eq!(srv.stop(), Some(0));
+
+    // `--control` answers for the first volume: `ucrypt resize VOLUME --control PATH` grows it
+    // to its grown image, and a new connection is told the new size (NBD has no size-change
+    // notice for the clients connected: the verb says so).
+    let ctl = dir.s("control.sock");
+    let srv = Server::start(
+        &[
+            &dir.s("a.img"),
+            "--key-file",
+            &dir.s("pass"),
+            "--control",
+            &ctl,
+            "--nbd",
+            &listen,
+        ],
+        1,
+    );
+    assert_eq!(listed(&sock)[0].1, 4 * MIB as u64);
+    let a = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path("a.img"))
+        .unwrap();
+    a.set_len(24 * MIB as u64).unwrap();
+    let out = Command::new(UCRYPT)
+        .args(["resize", &dir.s("a.img"), "--control", &ctl])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("clients connected keep the size"), "{err}");
+    assert_eq!(
+        listed(&sock)[0].1,
+        8 * MIB as u64,
+        "a new connection's size"
+    );
     assert_eq!(srv.stop(), Some(0));
 }
 

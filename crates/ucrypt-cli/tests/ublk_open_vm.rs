@@ -10,8 +10,9 @@
 //! `resize2fs`, the filesystem bigger and clean. Last, a key rotated online through `ublk
 //! --control`: fio-free, dd writes a pattern through `/dev/ublkbN`, a reader compares it
 //! in a loop while `ucrypt reencrypt --control` rotates the key (its hotzones in a worker
-//! process), then the data reads back, the ciphertext changed, the header finished, and the
-//! export gives the pattern.
+//! process), then the data reads back, `ucrypt resize --control` is refused (libublk has no
+//! size update), the ciphertext changed, the header finished, and the export gives the
+//! pattern.
 
 #[path = "../../../tests/kit/mod.rs"]
 mod kit;
@@ -97,6 +98,12 @@ $U reencrypt /tmp/rot.img --control /run/rot.sock --batch-mode --key-file /mnt/h
 touch /tmp/rot.done; wait $RD
 grep -q READ-DIFFERED /tmp/reader.out || echo "READS-DURING-ROTATION-OK"
 dd if=$dev bs=1M count=32 iflag=direct 2>/dev/null | cmp -s - /tmp/pattern && echo "UBLK-DATA-AFTER-ROTATION"
+rc=0; $U resize /tmp/rot.img --control /run/rot.sock > /tmp/rs.out 2>&1 || rc=$?
+if [ $rc = 1 ] && grep -q "libublk has no size update" /tmp/rs.out; then
+  echo "UBLK-CONTROL-RESIZE-REFUSED"
+else
+  echo "resize --control exited $rc"; cat /tmp/rs.out
+fi
 kill $UB; wait $UB || echo "ublk exited $?"
 after=$(dd if=/tmp/rot.img bs=1M skip=16 count=32 2>/dev/null | sha256sum)
 [ "$before" != "$after" ] && echo "CIPHERTEXT-REWRITTEN"
@@ -160,6 +167,7 @@ fn open_close_reopen_with_ublk_keeps_the_filesystem() {
         "UBLK-CONTROL-REENCRYPT-OK",
         "READS-DURING-ROTATION-OK",
         "UBLK-DATA-AFTER-ROTATION",
+        "UBLK-CONTROL-RESIZE-REFUSED",
         "CIPHERTEXT-REWRITTEN",
         "HEADER-FINISHED",
         "ROTATED-VOLUME-EXPORTS-THE-DATA",

@@ -12,10 +12,12 @@
 //! times mid-run. Every fio run must finish (no request lost in flight: it would hang the
 //! guest) and verify (no acknowledged write lost).
 //!
-//! A resize reaches the guest: `ucrypt open --front-end vhost-user` serves the volume, the
-//! host grows the image and runs `ucrypt resize` while the guest waits, and the guest's
-//! `/sys/block/vda/size` must follow (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, then qemu's
-//! config-change interrupt).
+//! A resize reaches the guest: `ucrypt open --front-end vhost-user` serves one volume and
+//! `ucrypt vhost --control` another, the host grows both images and runs `ucrypt resize NAME`
+//! and `ucrypt resize VOLUME --control PATH` while the guest waits, and each disk's
+//! `/sys/block/vdX/size` must follow (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, then qemu's
+//! config-change interrupt). Without a VM, `ucrypt vhost --control` on its own: a resize
+//! through the control socket, with no VMM connected, changes the size `status` reports.
 //!
 //! The boots take turns ([`VM`]): two TCG guests at once on a small host only slow both.
 
@@ -131,10 +133,15 @@ fn volume(tag: &str, data_bytes: u64) -> (kit::TempDir, PathBuf, PathBuf, PathBu
 
 /// `ucrypt vhost` on `img` at `sock`, once it says it is ready.
 fn start_server(img: &Path, key: &Path, sock: &Path) -> Child {
+    start_server_with(img, key, sock, &["--serial", "vhost-vm-serial"])
+}
+
+/// `ucrypt vhost` serving `img` at `sock` with `args` besides, once ready.
+fn start_server_with(img: &Path, key: &Path, sock: &Path, args: &[&str]) -> Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ucrypt"))
         .args(["vhost", kit::s(img), "--key-file", kit::s(key)])
         .args(["--socket", kit::s(sock), "--queues", "2"])
-        .args(["--serial", "vhost-vm-serial"])
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn ucrypt vhost");
@@ -342,12 +349,17 @@ fn a_backend_killed_under_fio_restarts_and_loses_nothing() {
     assert_eq!(out.status, 0);
 }
 
-/// The resize test's guest: says its disk's size and that it is ready, waits for the host's
-/// resize, then for the size to change.
+/// The resize test's guest: says its disks' sizes and that it is ready, waits for the host's
+/// resizes, then for both sizes to change. The disk `ucrypt vhost --control` serves has the
+/// serial `vhost-standalone`, the open daemon's is the other.
 const RESIZE: &str = r#"
-q=/sys/block/vda
-before=$(cat $q/size)
+for b in /sys/block/vd*; do
+  if [ "$(cat $b/serial)" = "vhost-standalone" ]; then s=$b; else q=$b; fi
+done
+[ -n "$q" ] && [ -n "$s" ] || { echo "NO-DISKS"; exit 1; }
+before=$(cat $q/size); sbefore=$(cat $s/size)
 echo "SIZE-BEFORE $before"
+echo "STANDALONE-SIZE-BEFORE $sbefore"
 : > /mnt/host/ready
 # Bounds, not timings: generous for a loaded host running TCG.
 n=0
@@ -355,9 +367,12 @@ while [ ! -e /mnt/host/resized ] && [ $n -lt 600 ]; do sleep 1; n=$((n+1)); done
 [ -e /mnt/host/resized ] || { echo "NO-RESIZE-FROM-HOST"; exit 1; }
 echo "resized after $n s of waiting"
 n=0
-while [ "$(cat $q/size)" = "$before" ] && [ $n -lt 120 ]; do sleep 1; n=$((n+1)); done
+while { [ "$(cat $q/size)" = "$before" ] || [ "$(cat $s/size)" = "$sbefore" ]; } && [ $n -lt 120 ]; do sleep 1; n=$((n+1)); done
 echo "SIZE-AFTER $(cat $q/size) ($n s after the host's resize)"
-dd if=/dev/vda of=/dev/null bs=4096 skip=$(( $(cat $q/size) / 8 - 1 )) count=1 iflag=direct 2>/dev/null && echo "LAST-BLOCK-READ"
+echo "STANDALONE-SIZE-AFTER $(cat $s/size)"
+for d in $q $s; do
+  dd if=/dev/${d##*/} of=/dev/null bs=4096 skip=$(( $(cat $d/size) / 8 - 1 )) count=1 iflag=direct 2>/dev/null && echo "LAST-BLOCK-READ ${d##*/}"
+done
 "#;
 
 /// An `ucrypt open` daemon closed when dropped (the VMM gone first: close refuses while one is
@@ -374,12 +389,12 @@ impl Drop for Opened {
     }
 }
 
-/// The host's side of the resize test: once the guest is ready, grows the image by `grow`
-/// bytes, resizes the open volume and tells the guest. Returns `resize`'s output.
+/// The host's side of the resize test: once the guest is ready, grows each image by `grow`
+/// bytes and runs `ucrypt resize` with its arguments, then tells the guest. Returns the
+/// resizes' output.
 fn resize_when_ready(
     share: &Path,
-    img: &Path,
-    name: &str,
+    resizes: &[(PathBuf, Vec<String>)],
     grow: u64,
     guest_done: &AtomicBool,
 ) -> Result<String, String> {
@@ -390,18 +405,23 @@ fn resize_when_ready(
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let len = std::fs::metadata(img).map_err(|e| e.to_string())?.len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(img)
-        .and_then(|f| f.set_len(len + grow))
-        .map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
-    let out = ucrypt(&["resize", name]);
-    println!("ucrypt resize took {:?}", t0.elapsed());
+    let mut out = String::new();
+    let grown = resizes.iter().try_for_each(|(img, args)| {
+        let len = std::fs::metadata(img).map_err(|e| e.to_string())?.len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(img)
+            .and_then(|f| f.set_len(len + grow))
+            .map_err(|e| e.to_string())?;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let t0 = Instant::now();
+        out += &ucrypt(&args)?;
+        println!("ucrypt {args:?} took {:?}", t0.elapsed());
+        Ok::<(), String>(())
+    });
     // Told either way: the guest stops waiting.
     let _ = std::fs::write(share.join("resized"), b"");
-    out
+    grown.map(|()| out)
 }
 
 #[test]
@@ -439,14 +459,30 @@ fn a_resize_of_the_open_volume_reaches_the_guest() {
         .map(PathBuf::from)
         .unwrap_or_else(|| panic!("no socket in open's output: {out}"));
 
+    // Beside it, `ucrypt vhost --control` serves a second volume, resized through its
+    // control socket.
+    let (_tmp2, _, key2, img2) = volume("vhost-resize-standalone", 8 << 20);
+    let (sock2, ctl) = (tmp.0.join("standalone.sock"), tmp.0.join("control.sock"));
+    let extra = ["--serial", "vhost-standalone", "--control", kit::s(&ctl)];
+    let mut standalone = start_server_with(&img2, &key2, &sock2, &extra);
+
     let guest_done = Arc::new(AtomicBool::new(false));
     let host_side = {
-        let (share, img, name, done) =
-            (share.clone(), img.clone(), name.clone(), guest_done.clone());
-        std::thread::spawn(move || resize_when_ready(&share, &img, &name, GROW_BYTES, &done))
+        let resizes = vec![
+            (img.clone(), vec!["resize".to_string(), name.clone()]),
+            (
+                img2.clone(),
+                ["resize", kit::s(&img2), "--control", kit::s(&ctl)]
+                    .map(String::from)
+                    .to_vec(),
+            ),
+        ];
+        let (share, done) = (share.clone(), guest_done.clone());
+        std::thread::spawn(move || resize_when_ready(&share, &resizes, GROW_BYTES, &done))
     };
     let mut run = vm::VmRun::new(RESIZE);
     run.vhosts.push(sock);
+    run.vhosts.push(sock2);
     run.share = Some(share);
     run.silence_max_s = Some(700);
     run.timeout_s = 900;
@@ -454,6 +490,8 @@ fn a_resize_of_the_open_volume_reaches_the_guest() {
     guest_done.store(true, Ordering::Release);
     let resized = host_side.join().expect("the host's resize thread");
     drop(opened);
+    let _ = standalone.kill();
+    let _ = standalone.wait();
 
     let size = |tag: &str| -> u64 {
         out.output
@@ -473,6 +511,123 @@ fn a_resize_of_the_open_volume_reaches_the_guest() {
         before + GROW_BYTES / 512,
         "the guest did not see the resize"
     );
-    assert!(out.output.contains("LAST-BLOCK-READ"), "the new last block");
+    let (before, after) = (
+        size("STANDALONE-SIZE-BEFORE "),
+        size("STANDALONE-SIZE-AFTER "),
+    );
+    println!("ucrypt vhost --control: the guest's size {before} -> {after} sectors");
+    assert_eq!(
+        after,
+        before + GROW_BYTES / 512,
+        "the guest did not see the resize through ucrypt vhost --control"
+    );
+    let last_blocks = out.output.matches("LAST-BLOCK-READ").count();
+    assert_eq!(last_blocks, 2, "the new last blocks of both disks");
     assert_eq!(out.status, 0);
+}
+
+/// One request line on a control socket; the answer line.
+fn control(sock: &Path, line: &str) -> String {
+    use std::io::Write;
+    let mut s = std::os::unix::net::UnixStream::connect(sock).expect("connect to --control");
+    s.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer).unwrap();
+    answer
+}
+
+/// `ucrypt resize VOLUME --control PATH` with `args` besides: (exit code, stderr).
+fn resize_by_control(volume: &Path, ctl: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ucrypt"))
+        .args(["resize", kit::s(volume), "--control", kit::s(ctl)])
+        .args(args)
+        .output()
+        .expect("run ucrypt resize");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.code(), err)
+}
+
+/// `ucrypt vhost --control` without a VMM: `ucrypt resize VOLUME --control PATH` grows the
+/// volume to its grown image (nobody to tell: the resize stands) and `status` reports the new
+/// size; `--device-size` shrinks it; a volume the process does not serve is refused, and so
+/// are a request of the open daemon's life cycle and the resize of an authenticated volume.
+#[test]
+fn a_standalone_vhost_resizes_through_its_control_socket() {
+    let (tmp, _, key, img) = volume("vhost-control-resize", 8 << 20);
+    let (sock, ctl) = (tmp.0.join("vhost.sock"), tmp.0.join("control.sock"));
+    let mut server = start_server_with(&img, &key, &sock, &["--control", kit::s(&ctl)]);
+    let size_sectors = || {
+        let st = control(&ctl, r#"{"v":1,"cmd":"status"}"#);
+        let v: serde_json::Value = serde_json::from_str(&st).expect("status JSON");
+        v["status"]["volume"]["size_sectors"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{st}"))
+    };
+    let before = size_sectors();
+    assert_eq!(before, (8 << 20) / 512);
+    let len = std::fs::metadata(&img).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .and_then(|f| f.set_len(len + (4 << 20)))
+        .unwrap();
+    let (code, err) = resize_by_control(&img, &ctl, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains(&format!("{} sectors", (12 << 20) / 512)),
+        "{err}"
+    );
+    assert_eq!(size_sectors(), (12 << 20) / 512, "status after the resize");
+    let (code, err) = resize_by_control(&img, &ctl, &["--device-size", "10M"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        size_sectors(),
+        (10 << 20) / 512,
+        "status after --device-size"
+    );
+
+    let other = tmp.0.join("other.img");
+    std::fs::write(&other, b"").unwrap();
+    let (code, err) = resize_by_control(&other, &ctl, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("not "), "{err}");
+    let cl = control(&ctl, r#"{"v":1,"cmd":"suspend"}"#);
+    assert!(cl.contains("belongs to `ucrypt open`'s daemon"), "{cl}");
+    assert_eq!(size_sectors(), (10 << 20) / 512);
+
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let status = server.wait().expect("wait for ucrypt vhost");
+    assert!(status.success(), "ucrypt vhost exited with {status}");
+
+    // An authenticated volume is refused, as the open daemon refuses it.
+    let auth = tmp.0.join("auth.img");
+    std::fs::File::create(&auth)
+        .and_then(|f| f.set_len(32 << 20))
+        .unwrap();
+    ucrypt(&[
+        "format",
+        "-q",
+        "--integrity-no-wipe",
+        "--cipher",
+        "aes-xts-random",
+        "--integrity",
+        "hmac-sha256",
+        "--pbkdf",
+        "pbkdf2",
+        "--pbkdf-force-iterations",
+        "1000",
+        "--key-file",
+        kit::s(&key),
+        kit::s(&auth),
+    ])
+    .expect("ucrypt format --integrity");
+    let (sock, ctl) = (tmp.0.join("auth.sock"), tmp.0.join("auth-control.sock"));
+    let mut server = start_server_with(&auth, &key, &sock, &["--control", kit::s(&ctl)]);
+    let (code, err) = resize_by_control(&auth, &ctl, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("authenticated encryption"), "{err}");
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    assert!(server.wait().expect("wait for ucrypt vhost").success());
 }

@@ -578,7 +578,21 @@ pub fn mount(
     opts: &MountOptions,
     stop: &ucrypt::Stop,
 ) -> Result<()> {
+    serve(dev, mountpoint, opts, stop, |_| {})
+}
+
+/// [`mount`] that hands the mount to `on_mounted` once it serves, before waiting for its end:
+/// the caller may keep what it needs of it, such as a [`SizeNotifier`] to tell the kernel of a
+/// resize.
+pub fn serve(
+    dev: Arc<dyn BlockDev>,
+    mountpoint: &Path,
+    opts: &MountOptions,
+    stop: &ucrypt::Stop,
+    on_mounted: impl FnOnce(&Mounted),
+) -> Result<()> {
     let m = spawn(dev, mountpoint, opts)?;
+    on_mounted(&m);
     eprintln!(
         "ucrypt mount: serving {} ({} bytes); {}",
         m.file.display(),

@@ -88,7 +88,9 @@ pub struct VhostOptions {
 /// from its main loop at once); past it the notice is reported unanswered.
 pub const CONFIG_CHANGE_ANSWER_WAIT: Duration = Duration::from_secs(5);
 
-/// The served device as its owner sees it while [`serve`] runs: whether a VMM is connected.
+/// The served device as its owner sees it while [`serve`] runs: whether a VMM is connected,
+/// and the way to tell it of a resize ([`Handle::size_changed`]). The owner keeps a clone of
+/// [`VhostOptions::handle`] before handing the options to [`run`] or [`serve`].
 #[derive(Clone, Default)]
 pub struct Handle(Arc<Mutex<Option<Arc<BlkBackend>>>>, Arc<AtomicBool>);
 

@@ -1,29 +1,69 @@
-//! `--control PATH` of `serve`, `mount` and `ublk`: the `ucrypt open` daemon's control protocol
-//! (`proto.rs`, served by `server.rs`) on a socket the caller names, answering `status` and
-//! `reencrypt` for the volume the process serves, so that `ucrypt reencrypt VOLUME --control
-//! PATH` rotates its key online as it does through an `ucrypt open` daemon. The other requests
-//! (close, suspend, resume, resize, refresh) belong to the open daemon's life cycle and are
-//! refused by name: these processes stop on SIGINT or SIGTERM.
+//! `--control PATH` of `serve`, `mount`, `ublk` and `vhost`: the `ucrypt open` daemon's control
+//! protocol (`proto.rs`, served by `server.rs`) on a socket the caller names, answering
+//! `status`, `reencrypt` and `resize` for the volume the process serves, so that `ucrypt
+//! reencrypt VOLUME --control PATH` rotates its key online and `ucrypt resize VOLUME --control
+//! PATH` resizes it as they do through an `ucrypt open` daemon (the resize is the daemon's own,
+//! `resize.rs`). The other requests (close, suspend, resume, refresh) belong to the open
+//! daemon's life cycle and are refused by name: these processes stop on SIGINT or SIGTERM.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use clap::Args;
 use ucrypt::luks::reencrypt::run::RunOptions;
 use ucrypt::BlockDev;
+use ucrypt_fuse::SizeNotifier;
 
 use super::online::{start_rotation, Rotation};
 use super::proto::{Counters, Request, Response, StatusReport, VolumeInfo};
+use super::resize::{self, NbdClients, Notice};
 use super::server;
 use crate::error::CliResult;
 use crate::open::{Opened, VolumeArgs};
 
 #[derive(Args, Clone, Debug, Default)]
 pub struct ControlArgs {
-    /// Answer `status` and `reencrypt` on this unix socket (mode 0600; the open daemon's
-    /// protocol), so that `ucrypt reencrypt VOLUME --control PATH` rotates the key online.
+    /// Answer `status`, `reencrypt` and `resize` on this unix socket (mode 0600; the open
+    /// daemon's protocol), so that `ucrypt reencrypt VOLUME --control PATH` rotates the key
+    /// online and `ucrypt resize VOLUME --control PATH` resizes the volume.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
+}
+
+/// The front end the process serves the volume through, as a resize tells it of the new size.
+pub enum Serving {
+    /// `ucrypt serve`: NBD clients are not told.
+    Nbd,
+    /// `ucrypt mount`: the FUSE file's notifier, set once it is mounted.
+    Fuse(Arc<OnceLock<SizeNotifier>>),
+    /// `ucrypt ublk`: not resized.
+    Ublk,
+    /// `ucrypt vhost`: the VMM is sent a config-change notice.
+    Vhost(ucrypt_vhost::Handle),
+}
+
+impl Serving {
+    /// The front end's name in `status`.
+    fn name(&self) -> &'static str {
+        match self {
+            Serving::Nbd => "nbd",
+            Serving::Fuse(_) => "fuse",
+            Serving::Ublk => "ublk",
+            Serving::Vhost(_) => "vhost",
+        }
+    }
+
+    fn front(&self) -> Notice<'_> {
+        match self {
+            Serving::Nbd => Notice::Nbd,
+            Serving::Fuse(file) => Notice::Fuse {
+                file: file.get(),
+                loop_device: None,
+            },
+            Serving::Ublk => Notice::Ublk,
+            Serving::Vhost(handle) => Notice::Vhost(handle),
+        }
+    }
 }
 
 /// What the control socket answers for.
@@ -32,7 +72,7 @@ struct Control {
     vol: Opened,
     volume: String,
     read_only: bool,
-    front_end: &'static str,
+    serving: Serving,
     sock: PathBuf,
     started_unix_s: u64,
     rotation: Rotation,
@@ -80,7 +120,7 @@ impl Control {
                 integrity: None,
                 integrity_key_bits: 0,
             },
-            front_end: self.front_end.into(),
+            front_end: self.serving.name().into(),
             device: self.sock.display().to_string(),
             stable_path: String::new(),
             note: None,
@@ -145,12 +185,20 @@ impl server::Handler for Control {
                     Err(e) => respond(&e),
                 }
             }
+            Request::Resize { size_sectors } => {
+                let (front, log) = (self.serving.front(), format!("ucrypt {}", self.name));
+                let named = (self.name.as_str(), log.as_str());
+                match resize::resize(named, &self.vol, size_sectors, front, NbdClients::None) {
+                    Ok(_) => respond(&self.status()),
+                    Err(answer) => respond(&answer),
+                }
+            }
             other => respond(&Response::Error {
                 code: 1,
                 error: format!(
-                    "{}: the control socket of serve, mount and ublk answers status and \
-                     reencrypt only ({} belongs to `ucrypt open`'s daemon; stop this process \
-                     with SIGTERM)",
+                    "{}: the control socket of serve, mount, ublk and vhost answers status, \
+                     reencrypt and resize only ({} belongs to `ucrypt open`'s daemon; stop \
+                     this process with SIGTERM)",
                     self.name,
                     request_name(&other)
                 ),
@@ -176,14 +224,14 @@ pub struct Served {
     _socket: ucrypt_nbd::server::BoundSocket,
 }
 
-/// Starts answering on `a.control`, if given, for the volume `vol` opened from `v`, served by
-/// `front_end` ("nbd", "fuse", "ublk"). The socket is bound at once (mode 0600) and served
-/// from a thread until the process exits.
+/// Starts answering on `a.control`, if given, for the volume `vol` opened from `v`, served
+/// through `serving`. The socket is bound at once (mode 0600) and served from a thread until
+/// the process exits.
 pub fn start(
     a: &ControlArgs,
     v: &VolumeArgs,
     vol: &Opened,
-    front_end: &'static str,
+    serving: Serving,
 ) -> CliResult<Option<Served>> {
     let Some(path) = &a.control else {
         return Ok(None);
@@ -195,7 +243,7 @@ pub fn start(
         vol: vol.clone(),
         volume: canonical(&volume),
         read_only: v.read_only,
-        front_end,
+        serving,
         sock: path.clone(),
         started_unix_s: super::unix_now_s(),
         rotation: Arc::new(Mutex::new(None)),

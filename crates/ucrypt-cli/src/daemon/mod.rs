@@ -27,6 +27,7 @@ mod loopdev;
 mod mounts;
 pub mod online;
 mod proto;
+mod resize;
 mod serve;
 mod server;
 mod state;
@@ -214,7 +215,8 @@ pub struct ResumeArgs {
 #[derive(Args, Debug)]
 pub struct ResizeArgs {
     /// The device: NAME, or its stable path (/dev/ucrypt/NAME;
-    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME.
+    /// $XDG_RUNTIME_DIR/ucrypt/NAME/device rootless), as cryptsetup takes /dev/mapper/NAME;
+    /// with --control, the volume the process serves (its file).
     pub name: String,
     /// The new size in 512-byte sectors; default: all of the backing file or device after
     /// the data offset.
@@ -228,6 +230,10 @@ pub struct ResizeArgs {
         value_parser = crate::volume_args::device_size_sectors
     )]
     pub device_size_sectors: Option<u64>,
+    /// Resize the volume a `serve`, `mount`, `ublk` or `vhost` process serves with this
+    /// control socket (their `--control PATH`).
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -1217,16 +1223,39 @@ pub fn resume(mut a: ResumeArgs) -> CliResult<i32> {
 
 /// `ucrypt resize NAME [--size SECTORS]`.
 pub fn resize(mut a: ResizeArgs) -> CliResult<i32> {
-    a.name = resolve_name(&a.name)?;
-    let (_, dir) = live_dir(&a.name)?;
-    let s = expect_status(
-        &a.name,
-        &dir,
-        &Request::Resize {
-            size_sectors: a.size.or(a.device_size_sectors),
-        },
-    )?;
+    let req = Request::Resize {
+        size_sectors: a.size.or(a.device_size_sectors),
+    };
+    let s = match &a.control {
+        Some(sock) => {
+            // The process must serve the volume named: a wrong socket resizes nothing.
+            let holder = online::by_control(sock)?;
+            if !holder.serves(Path::new(&a.name)) {
+                return Err(CliError::Usage(format!(
+                    "{} serves {}, not {}.",
+                    holder.name,
+                    holder.volume().unwrap_or_default().display(),
+                    a.name
+                )));
+            }
+            expect_status_at(&holder.name, sock, &req)?
+        }
+        None => {
+            a.name = resolve_name(&a.name)?;
+            let (_, dir) = live_dir(&a.name)?;
+            expect_status(&a.name, &dir, &req)?
+        }
+    };
     eprintln!("{}: {} sectors", a.name, s.volume.size_sectors);
+    let nbd = match &s.nbd_socket {
+        _ if s.front_end == "nbd" => resize::NbdClients::OwnSocket,
+        Some(n) if n.role == "member" => resize::NbdClients::SharedSocket,
+        Some(_) => resize::NbdClients::OwnSocket,
+        None => resize::NbdClients::None,
+    };
+    if let Some(note) = nbd.note() {
+        eprintln!("{}: {note}", a.name);
+    }
     Ok(0)
 }
 

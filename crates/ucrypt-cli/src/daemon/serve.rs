@@ -41,6 +41,7 @@ use super::proto::{
     Closed, Counters, NbdSocketReport, Ready, ReencryptionReport, RefreshSettings, Request,
     Response, ResumeKey, StatusReport, VolumeInfo,
 };
+use super::resize::{self, NbdClients, Notice};
 use super::state::{Claim, Identity, RunDir};
 use super::{mounts, server, FrontEnd};
 use crate::error::{CliError, CliResult};
@@ -564,43 +565,28 @@ impl Shared {
     }
 
     fn resize(&self, size_sectors: Option<u64>) -> Response {
-        let Some(vol) = self.vol.engine() else {
-            return Self::error(1, ucrypt::Refusal::ResizeAuthenticated.to_string());
+        let front = match (&self.size_notifier, &self.vhost) {
+            (Some(n), _) => Notice::Fuse {
+                file: Some(n),
+                loop_device: self.ident.loop_device.as_deref(),
+            },
+            (None, Some(h)) => Notice::Vhost(h),
+            (None, None) => Notice::Ublk,
         };
-        if self.size_notifier.is_none() && self.vhost.is_none() {
-            return Self::error(
-                1,
-                "resize: the ublk front end cannot change its device's size (libublk has no size update); open with --front-end loop, fuse or vhost-user",
-            );
-        }
-        let bytes = match size_sectors.map(|s| s.checked_mul(512)) {
-            Some(None) => return Self::error(1, "resize: --size too large"),
-            Some(Some(b)) => Some(b),
-            None => None,
+        let nbd = match self.nbd_socket.get().map(|s| s.state.standing()) {
+            None => NbdClients::None,
+            Some(ucrypt_nbd::server::share::Standing::Member { .. }) => NbdClients::SharedSocket,
+            Some(_) => NbdClients::OwnSocket,
         };
-        let new = match vol.resize(bytes) {
-            Ok(n) => n,
-            Err(e) => return Self::failed(CliError::from(e).at(format!("resize {}", self.name))),
-        };
-        lock(&self.info).size_sectors = new / 512;
-        if let Some(notifier) = &self.size_notifier {
-            if let Err(e) = notifier.size_changed() {
-                return Self::failed(e);
+        let log = format!("ucrypt daemon {}", self.name);
+        let named = (self.name.as_str(), log.as_str());
+        match resize::resize(named, &self.vol, size_sectors, front, nbd) {
+            Ok(new) => {
+                lock(&self.info).size_sectors = new / 512;
+                self.status()
             }
+            Err(answer) => answer,
         }
-        // The config space shows the new capacity from here on; a VMM that negotiated no
-        // backend channel is not told (the resize stands).
-        if let Some(vhost) = &self.vhost {
-            if let Err(e) = vhost.size_changed() {
-                return Self::failed(CliError::from(e).at(format!("resize {}", self.name)));
-            }
-        }
-        if let Some(l) = &self.ident.loop_device {
-            if let Err(e) = loopdev::set_capacity(l) {
-                return Self::failed(io_err(format!("LOOP_SET_CAPACITY on {}", l.display()), e));
-            }
-        }
-        self.status()
     }
 
     /// Why the device cannot be closed now, if it cannot: mounted, held by another device, or

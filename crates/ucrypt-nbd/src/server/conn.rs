@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::proto::transmission::{REQUEST_HEADER_BYTES, SIMPLE_REPLY_BYTES};
 use crate::proto::{
-    self as nbd, Command, Decoded, Handshake, NbdError, RequestHeader, Step, TlsPolicy,
+    self as nbd, Command, Decoded, ExportInfo, Handshake, NbdError, RequestHeader, Step, TlsPolicy,
 };
 use crate::{Error, Result};
 use ucrypt::BlockDev;
@@ -135,8 +135,8 @@ fn net(context: &str, e: io::Error) -> Error {
 
 /// The export a handshake chose.
 enum Chosen {
-    /// One of this server's, by index.
-    Local(usize),
+    /// One of this server's, by index, with the size the client was told.
+    Local(usize, u64),
     /// A member's of the shared socket this server owns.
     Member(Arc<super::share::Member>),
 }
@@ -152,15 +152,20 @@ impl Drop for Pending<'_> {
 
 /// Serves one connection to its end, keeping `activity` up to date.
 pub fn run(sock: Sock, shared: &Shared, activity: &Arc<Activity>, entry: Entry) -> Result<()> {
-    let (sock, export) = match entry {
-        Entry::Transmit(i) => (sock, i),
+    // The size the client was told: a client handed over by the socket's owner was told the
+    // size this export registered with.
+    let (sock, export, size_bytes) = match entry {
+        Entry::Transmit(i) => {
+            let size = shared.exports.get(i).map_or(0, |e| e.info.size_bytes);
+            (sock, i, size)
+        }
         Entry::Handshake => {
             let pending = Pending(&shared.handshakes);
             let chosen = negotiate(sock, shared);
             drop(pending);
             match chosen? {
                 None => return Ok(()),
-                Some((sock, Chosen::Local(i))) => (sock, i),
+                Some((sock, Chosen::Local(i, size))) => (sock, i, size),
                 Some((sock, Chosen::Member(m))) => {
                     return m.pass(&sock).map_err(|e| {
                         net(&format!("passing a client to export '{}'", m.info.name), e)
@@ -172,7 +177,13 @@ pub fn run(sock: Sock, shared: &Shared, activity: &Arc<Activity>, entry: Entry) 
     let Some(export) = shared.exports.get(export) else {
         return Err(Error::Bug("a connection for an export this server lacks"));
     };
-    transmit(sock, export, shared, activity.clone())
+    transmit(sock, export, size_bytes, shared, activity.clone())
+}
+
+/// The export's size for a new client: its volume's size now, in whole NBD blocks.
+fn size_now(e: &Export) -> u64 {
+    let block = u64::from(nbd::MIN_BLOCK_BYTES);
+    e.dev.size() / block * block
 }
 
 /// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first byte.
@@ -203,12 +214,18 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, Chosen)>> 
         .as_ref()
         .map(|r| r.snapshot())
         .unwrap_or_default();
-    let infos = shared
+    // This server's exports with the size their volume has now (it may have been resized
+    // since the server started); each client keeps the size it was told.
+    let infos: Vec<ExportInfo> = shared
         .exports
         .iter()
-        .map(|e| e.info.clone())
+        .map(|e| ExportInfo {
+            size_bytes: size_now(e),
+            ..e.info.clone()
+        })
         .chain(members.iter().map(|m| m.info.clone()))
         .collect();
+    let infos_sizes: Vec<u64> = infos.iter().map(|i| i.size_bytes).collect();
     let mut hs = Handshake::new(infos, policy);
     sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(|e| net("socket", e))?;
@@ -248,7 +265,13 @@ fn negotiate(mut sock: Sock, shared: &Shared) -> Result<Option<(Sock, Chosen)>> 
                 sock.set_read_timeout(None).map_err(|e| net("socket", e))?;
                 let local = shared.exports.len();
                 let chosen = match n.export.checked_sub(local) {
-                    None => Chosen::Local(n.export),
+                    None => {
+                        let size = infos_sizes
+                            .get(n.export)
+                            .copied()
+                            .ok_or(Error::Bug("a handshake chose an export not listed"))?;
+                        Chosen::Local(n.export, size)
+                    }
                     Some(i) => match members.get(i) {
                         Some(m) => Chosen::Member(m.clone()),
                         None => return Err(Error::Bug("a handshake chose an export not listed")),
@@ -622,12 +645,19 @@ fn read_requests(
 }
 
 /// The transmission phase: this thread reads and validates requests; workers execute them.
-fn transmit(sock: Sock, export: &Export, shared: &Shared, activity: Arc<Activity>) -> Result<()> {
+/// `size_bytes`: the export's size as the client was told it.
+fn transmit(
+    sock: Sock,
+    export: &Export,
+    size_bytes: u64,
+    shared: &Shared,
+    activity: Arc<Activity>,
+) -> Result<()> {
     let (poll, workers) = (shared.poll, shared.workers);
     let governor = shared.poll_backoff.then(SpinGovernor::default);
     let info = &export.info;
     let limits = nbd::TransmissionLimits {
-        size_bytes: info.size_bytes,
+        size_bytes,
         tx_flags: info.tx_flags,
         min_block_bytes: info.min_block_bytes,
         max_payload_bytes: info.max_payload_bytes,
