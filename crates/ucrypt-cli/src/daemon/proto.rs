@@ -641,6 +641,22 @@ pub enum Response {
     },
 }
 
+impl Response {
+    /// A failure the client exits with `code` for.
+    pub fn error(code: i32, error: impl Into<String>) -> Response {
+        Response::Error {
+            code,
+            error: error.into(),
+        }
+    }
+
+    /// An error from the library or the CLI, with cryptsetup's exit code for it.
+    pub fn failed(e: impl Into<crate::error::CliError>) -> Response {
+        let e = e.into();
+        Response::error(e.exit_code(), e.message())
+    }
+}
+
 #[derive(Serialize, Deserialize, Default)]
 struct ResponseWire {
     ok: bool,

@@ -78,13 +78,16 @@ pub fn resize(
     nbd: NbdClients,
 ) -> Result<u64, Response> {
     let Some(engine) = vol.engine() else {
-        return Err(error(1, ucrypt::Refusal::ResizeAuthenticated.to_string()));
+        return Err(Response::error(
+            1,
+            ucrypt::Refusal::ResizeAuthenticated.to_string(),
+        ));
     };
     if let Notice::Ublk = front {
-        return Err(error(1, UBLK_REFUSED));
+        return Err(Response::error(1, UBLK_REFUSED));
     }
     let bytes = match size_sectors.map(|s| s.checked_mul(512)) {
-        Some(None) => return Err(error(1, "resize: --size too large")),
+        Some(None) => return Err(Response::error(1, "resize: --size too large")),
         Some(Some(b)) => Some(b),
         None => None,
     };
@@ -95,15 +98,15 @@ pub fn resize(
     let at = || format!("resize {name}");
     let new = engine
         .resize(bytes)
-        .map_err(|e| failed(CliError::from(e).at(at())))?;
+        .map_err(|e| Response::failed(CliError::from(e).at(at())))?;
     match front {
         Notice::Fuse { file, loop_device } => {
             if let Some(notifier) = file {
-                notifier.size_changed().map_err(failed)?;
+                notifier.size_changed().map_err(Response::failed)?;
             }
             if let Some(l) = loop_device {
                 loopdev::set_capacity(l).map_err(|e| {
-                    failed(CliError::Core(ucrypt::Error::io(
+                    Response::failed(CliError::Core(ucrypt::Error::io(
                         format!("LOOP_SET_CAPACITY on {}", l.display()),
                         e,
                     )))
@@ -115,7 +118,7 @@ pub fn resize(
         Notice::Vhost(handle) => {
             handle
                 .size_changed()
-                .map_err(|e| failed(CliError::from(e).at(at())))?;
+                .map_err(|e| Response::failed(CliError::from(e).at(at())))?;
         }
         Notice::Nbd | Notice::Ublk => {}
     }
@@ -124,17 +127,4 @@ pub fn resize(
         eprintln!("{log}: {note}");
     }
     Ok(new)
-}
-
-fn error(code: i32, error: impl Into<String>) -> Response {
-    Response::Error {
-        code,
-        error: error.into(),
-    }
-}
-
-/// An error from the library, with cryptsetup's exit code for it.
-fn failed(e: impl Into<CliError>) -> Response {
-    let e = e.into();
-    error(e.exit_code(), e.message())
 }

@@ -403,7 +403,7 @@ impl Shared {
     /// verb follows it through `status`.
     fn reencrypt(&self, key: ResumeKey, opts: RunOptions) -> Response {
         let Some(vol) = self.vol.engine() else {
-            return Self::error(
+            return Response::error(
                 1,
                 format!(
                     "{} has authenticated encryption: ucrypt reencrypts it offline only",
@@ -425,23 +425,10 @@ impl Shared {
         lock(&self.rotation).as_ref().is_some_and(|r| r.running)
     }
 
-    fn error(code: i32, error: impl Into<String>) -> Response {
-        Response::Error {
-            code,
-            error: error.into(),
-        }
-    }
-
-    /// An error from the library, with cryptsetup's exit code for it.
-    fn failed(e: impl Into<CliError>) -> Response {
-        let e = e.into();
-        Self::error(e.exit_code(), e.message())
-    }
-
     fn refresh(&self, r: RefreshSettings) -> Response {
         let Some(vol) = self.vol.engine() else {
             if r.spin_us.is_some() || r.allow_discards.is_some() {
-                return Self::error(
+                return Response::error(
                     1,
                     format!(
                         "refresh: {} has authenticated encryption (integrity): it passes no \
@@ -458,7 +445,7 @@ impl Shared {
         };
         if let Some(us) = r.spin_us {
             if let Err(e) = vol.set_spin(Duration::from_micros(us)) {
-                return Self::failed(e);
+                return Response::failed(e);
             }
         }
         if let Some(p) = r.policy {
@@ -477,7 +464,7 @@ impl Shared {
 
     fn suspend(&self) -> Response {
         if self.header_dev.is_none() {
-            return Self::error(
+            return Response::error(
                 1,
                 format!(
                     "Device {} is a plain volume: suspend needs a LUKS header to check the key on resume.",
@@ -486,11 +473,11 @@ impl Shared {
             );
         }
         if self.vol.is_suspended() {
-            return Self::error(5, format!("Device {} is already suspended.", self.name));
+            return Response::error(5, format!("Device {} is already suspended.", self.name));
         }
         match self.vol.suspend() {
             Ok(()) => self.status(),
-            Err(e) => Self::failed(e),
+            Err(e) => Response::failed(e),
         }
     }
 
@@ -509,10 +496,10 @@ impl Shared {
 
     fn try_resume(&self, key: ResumeKey, key_slot: Option<u32>) -> Response {
         let Some(dev) = &self.header_dev else {
-            return Self::error(1, format!("Device {} is not suspended.", self.name));
+            return Response::error(1, format!("Device {} is not suspended.", self.name));
         };
         if !self.vol.is_suspended() {
-            return Self::error(1, format!("Device {} is not suspended.", self.name));
+            return Response::error(1, format!("Device {} is not suspended.", self.name));
         }
         let key_given = matches!(key, ResumeKey::VolumeKeyFile(_));
         let unlock = match key {
@@ -527,11 +514,11 @@ impl Shared {
                 let key = match bytes {
                     Ok(Ok(n)) => volume_key::read(&f, n),
                     Ok(Err(e)) => Err(e),
-                    Err(e) => return Self::failed(e),
+                    Err(e) => return Response::failed(e),
                 };
                 match key {
                     Ok(k) => Unlock::VolumeKey(k),
-                    Err(e) => return Self::failed(e),
+                    Err(e) => return Response::failed(e),
                 }
             }
         };
@@ -539,10 +526,10 @@ impl Shared {
         // is still suspended is asked again under it (an attempt before may have resumed it).
         let _one = lock(&self.resuming);
         if self.aborted.load(Ordering::Relaxed) {
-            return Self::error(5, format!("Device {} is being closed.", self.name));
+            return Response::error(5, format!("Device {} is being closed.", self.name));
         }
         if !self.vol.is_suspended() {
-            return Self::error(1, format!("Device {} is not suspended.", self.name));
+            return Response::error(1, format!("Device {} is not suspended.", self.name));
         }
         // The header is read again: a keyslot may have changed since the volume was opened.
         let vk = dev.read(|dev| {
@@ -552,15 +539,15 @@ impl Shared {
         });
         let vk = match vk {
             Ok(vk) => vk,
-            Err(e) => return Self::failed(e),
+            Err(e) => return Response::failed(e),
         };
         match vk {
             Ok((hdr, vk)) => match self.vol.resume(&hdr, &vk) {
                 Ok(()) => self.status(),
-                Err(e) => Self::failed(e),
+                Err(e) => Response::failed(e),
             },
-            Err(e) if key_given => Self::failed(volume_key::mismatch(e)),
-            Err(e) => Self::failed(e),
+            Err(e) if key_given => Response::failed(volume_key::mismatch(e)),
+            Err(e) => Response::failed(e),
         }
     }
 
@@ -646,7 +633,7 @@ impl server::Handler for Shared {
                 },
             )),
             Request::Close { force: false } | Request::CloseDeferred if self.rotating() => {
-                respond(&Self::error(
+                respond(&Response::error(
                     5,
                     format!(
                         "Device {} is being reencrypted: wait for it to finish (or close \
@@ -657,7 +644,7 @@ impl server::Handler for Shared {
             }
             Request::Close { force: false } | Request::CloseDeferred if self.vol.is_suspended() => {
                 // Closing flushes, and a flush waits at the closed gate like any request.
-                respond(&Self::error(
+                respond(&Response::error(
                     5,
                     format!(
                         "Device {} is suspended: resume it first (or close --force: the \
@@ -673,7 +660,7 @@ impl server::Handler for Shared {
                 let one = lock(&self.resuming);
                 if self.vol.is_suspended() {
                     if let Err(e) = self.vol.abort_suspended() {
-                        return respond(&Self::failed(e));
+                        return respond(&Response::failed(e));
                     }
                     self.aborted.store(true, Ordering::Relaxed);
                     eprintln!(
