@@ -74,11 +74,12 @@ pub struct MetricsArgs {
 #[derive(Clone)]
 pub struct Volumes {
     vols: Vec<(String, Opened)>,
-    nbd_socket: Arc<OnceLock<NbdSocketSeen>>,
+    nbd_socket: Arc<OnceLock<SharedNbdSocket>>,
 }
 
-/// A shared NBD socket as the metrics see it: where, and this process's part there, read live.
-pub struct NbdSocketSeen {
+/// The shared NBD socket an `open --nbd` daemon's export is attached to: where, and this
+/// process's part there, read live (`status` reports the same).
+pub struct SharedNbdSocket {
     pub listen: String,
     pub state: ShareState,
 }
@@ -97,7 +98,7 @@ impl Volumes {
     }
 
     /// Where the shared NBD socket goes once attached: set at most once.
-    pub fn nbd_socket_slot(&self) -> Arc<OnceLock<NbdSocketSeen>> {
+    pub fn nbd_socket_slot(&self) -> Arc<OnceLock<SharedNbdSocket>> {
         self.nbd_socket.clone()
     }
 }
@@ -118,7 +119,7 @@ const NBD_ROLES: [&str; 4] = ["owner", "member", "taking_over", "detached"];
 fn encode_nbd_socket(
     enc: &mut DescriptorEncoder,
     volume: &str,
-    n: &NbdSocketSeen,
+    n: &SharedNbdSocket,
 ) -> Result<(), std::fmt::Error> {
     let (role, exports) = match n.state.standing() {
         Standing::Owner { exports } => ("owner", exports),

@@ -16,7 +16,7 @@
 
 use ucrypt_nbd::server::Listen;
 
-use crate::metrics::Volumes;
+use crate::metrics::{SharedNbdSocket, Volumes};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
@@ -131,40 +131,37 @@ struct NbdSide {
 
 /// The NBD socket as `status` reports it: where, and this export's part there (read live: a
 /// member takes the socket over when its owner leaves).
-struct NbdSocket {
-    listen: String,
-    state: ucrypt_nbd::server::share::ShareState,
-}
-
-impl NbdSocket {
-    fn report(&self) -> NbdSocketReport {
-        use ucrypt_nbd::server::share::Standing;
-        let (role, exports, owner_pid) = match self.state.standing() {
-            Standing::Owner { exports } => ("owner", Some(exports as u64), None),
-            Standing::Member { owner_pid } => ("member", None, Some(owner_pid)),
-            Standing::TakingOver => ("taking over", None, None),
-            Standing::Detached => ("detached", None, None),
-        };
-        NbdSocketReport {
-            listen: self.listen.clone(),
-            role: role.into(),
-            exports,
-            owner_pid,
-        }
+fn nbd_socket_report(n: &SharedNbdSocket) -> NbdSocketReport {
+    use ucrypt_nbd::server::share::Standing;
+    let (role, exports, owner_pid) = match n.state.standing() {
+        Standing::Owner { exports } => ("owner", Some(exports as u64), None),
+        Standing::Member { owner_pid } => ("member", None, Some(owner_pid)),
+        Standing::TakingOver => ("taking over", None, None),
+        Standing::Detached => ("detached", None, None),
+    };
+    NbdSocketReport {
+        listen: n.listen.clone(),
+        role: role.into(),
+        exports,
+        owner_pid,
     }
 }
 
 impl NbdSide {
     /// Attaches export `name` to the socket at `at` here (so that a path refused, or a name
     /// served there already, is the open's error) and serves from a thread.
-    fn start(name: &str, dev: &Arc<dyn BlockDev>, at: &Listen) -> CliResult<(NbdSide, NbdSocket)> {
+    fn start(
+        name: &str,
+        dev: &Arc<dyn BlockDev>,
+        at: &Listen,
+    ) -> CliResult<(NbdSide, SharedNbdSocket)> {
         let Listen::Unix(path) = at else {
             return Err(CliError::Usage(
                 "open --nbd takes unix:PATH; NBD over TCP (with TLS) is `ucrypt serve`".into(),
             ));
         };
         let attached = ucrypt_nbd::server::share::attach(path, name, dev.clone(), dev.read_only())?;
-        let socket = NbdSocket {
+        let socket = SharedNbdSocket {
             listen: at.to_string(),
             state: attached.state(),
         };
@@ -309,8 +306,8 @@ struct Shared {
     resuming: Mutex<()>,
     /// Set (under `resuming`) by `close --force` of the suspended volume: no resume after it.
     aborted: AtomicBool,
-    /// `open --nbd`: set once the export is attached to its socket.
-    nbd_socket: OnceLock<NbdSocket>,
+    /// `open --nbd`: set once the export is attached to its socket (the metrics read the same).
+    nbd_socket: Arc<OnceLock<SharedNbdSocket>>,
 }
 
 enum Event {
@@ -380,7 +377,7 @@ impl Shared {
             header: self.header.as_ref().map(|h| h.display().to_string()),
             buffer_lock_failures: self.vol.buffer_lock_failures(),
             memory_budget: super::budget::report(),
-            nbd_socket: self.nbd_socket.get().map(NbdSocket::report),
+            nbd_socket: self.nbd_socket.get().map(nbd_socket_report),
         }))
     }
 
@@ -781,7 +778,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     // Its socket (if any) is removed when this goes, at the end of the daemon.
     let volumes = Volumes::new(vec![(d.name.clone(), opened.clone())]);
     // The NBD side starts after the front end: its socket reaches the metrics through this.
-    let metrics_nbd_socket = volumes.nbd_socket_slot();
+    let nbd_socket = volumes.nbd_socket_slot();
     let _metrics = match &d.metrics {
         Some(at) => Some(crate::metrics::start(at, volumes)?),
         None => None,
@@ -831,7 +828,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
         header: d.header.clone(),
         resuming: Mutex::new(()),
         aborted: AtomicBool::new(false),
-        nbd_socket: OnceLock::new(),
+        nbd_socket,
     });
     let control = match server::Acceptor::new(listener, shared.clone()) {
         Ok(c) => c,
@@ -843,10 +840,6 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let nbd = match &d.nbd {
         Some(at) => match NbdSide::start(&d.name, &vol, at) {
             Ok((n, socket)) => {
-                let _ = metrics_nbd_socket.set(crate::metrics::NbdSocketSeen {
-                    listen: socket.listen.clone(),
-                    state: socket.state.clone(),
-                });
                 let _ = shared.nbd_socket.set(socket);
                 Some(n)
             }
