@@ -21,8 +21,10 @@
 //! leaves (closed or killed), its members see their registration connection end; the first to
 //! bind the registration name becomes the owner and accepts on its copy of the listening
 //! socket (clients that connect meanwhile wait in the kernel's backlog; PATH is never
-//! removed while a member remains or a join is under way, so a socket file can outlive its
-//! last server, and the next bind replaces it as stale), and the others register with it.
+//! removed while a member remains or a join is under way), and the others register with it.
+//! The last process to leave removes PATH, even when an owner and its last member stop at
+//! once ([`leave`]); only a killed last server leaves the file, and the next bind replaces it
+//! as stale.
 //! Established connections are untouched by any of this: each is served by the process that
 //! owns its export.
 //!
@@ -532,10 +534,19 @@ impl Registration<'_> {
         drop(self.socket);
         drop(self.pending);
         let mut members = lock(&self.registry.members);
-        let remained = !members.is_empty() || joining;
+        // Looked at only now that the registration name is free: a member that leaves after
+        // this look finds the name free and removes PATH itself ([`leave`]).
+        let remained = members.iter().any(|m| still_joined(m.fd)) || joining;
         members.clear();
         remained
     }
+}
+
+/// Whether a member's registration connection is still open: a member sends nothing after its
+/// join, so a readable (or hung-up) connection is one whose member left.
+fn still_joined(fd: RawFd) -> bool {
+    let mut fds = [pollin(fd)];
+    stop_fd::wait(&mut fds, 0) == 0
 }
 
 /// Takes or refuses one member's join.
@@ -635,10 +646,17 @@ fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Registry, conns: 
     super::listener_close(l);
 }
 
-/// Serves the clients the owner passes until `stop` (`None`) or until the owner is gone
-/// (the membership back, for a takeover). Waits on the registration connection and the stop,
-/// with no timeout.
-fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> Option<Membership> {
+/// Why a member stopped serving through its owner.
+enum MemberEnd {
+    /// The server's stop was requested.
+    Stopped(Membership),
+    /// The owner is gone: take over or join the next.
+    OwnerLeft(Membership),
+}
+
+/// Serves the clients the owner passes until `stop` or until the owner is gone. Waits on the
+/// registration connection and the stop, with no timeout.
+fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> MemberEnd {
     let own = &shared.exports[0].info.name;
     let mut fds = [
         pollin(shared.stop_fd.as_raw_fd()),
@@ -653,10 +671,36 @@ fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> 
                 conns.admit(shared, Sock::Unix(UnixStream::from(fd)), Entry::Transmit(0));
             }
             Ok(Some(_)) => eprintln!("ucrypt: shared NBD listener: an unexpected message"),
-            Ok(None) | Err(_) => return Some(m),
+            Ok(None) | Err(_) => return MemberEnd::OwnerLeft(m),
         }
     }
-    None
+    MemberEnd::Stopped(m)
+}
+
+/// A member that stops: leaves its owner, and removes PATH if the owner went at the same time
+/// and nobody else is left on the socket. The owner, closing, keeps PATH for the members it
+/// still counts ([`Registration::close`]); it frees the registration name before it counts,
+/// so a member it counted finds the name free here once it has left.
+fn leave(path: &Path, m: Membership) {
+    let Membership {
+        stream,
+        listener,
+        dev,
+        ino,
+        ..
+    } = m;
+    drop(stream);
+    drop(listener);
+    // Held: a live owner, or a member that took over.
+    let Ok(Some(registration)) = claim_registration(path) else {
+        return;
+    };
+    // A member taking over would join here: PATH stays for it (it retries and claims).
+    if registration.set_nonblocking(true).is_ok() && registration.accept().is_ok() {
+        return;
+    }
+    // Removed on drop if PATH is still the socket this member was given.
+    drop(BoundSocket::adopt(path.to_path_buf(), dev, ino));
 }
 
 /// Waits, with no timeout, until the server's stop is requested.
@@ -743,8 +787,12 @@ pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
         match r {
             Role::Owner(o) => run_owner(o, &shared, &registry, &mut conns),
             Role::Member(m) => {
-                let Some(m) = run_member(m, &shared, &mut conns) else {
-                    break;
+                let m = match run_member(m, &shared, &mut conns) {
+                    MemberEnd::Stopped(m) => {
+                        leave(&path, m);
+                        break;
+                    }
+                    MemberEnd::OwnerLeft(m) => m,
                 };
                 state.set(Part::TakingOver);
                 match takeover(&path, &info, m, &stop) {

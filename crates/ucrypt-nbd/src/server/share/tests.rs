@@ -430,3 +430,35 @@ fn a_live_socket_that_is_no_shared_listener_is_refused() {
     assert!(e.to_string().contains("live server"), "{e}");
     assert!(t0.elapsed() < SETTLE);
 }
+
+/// Rounds of [`an_owner_and_member_stopping_at_once_remove_the_socket`]: the two stops race,
+/// and each round is one draw.
+const STOP_TOGETHER_ROUNDS: usize = 20;
+
+/// An owner and its member told to stop at the same moment leave no socket file behind,
+/// whichever sees the other go first.
+#[test]
+fn an_owner_and_member_stopping_at_once_remove_the_socket() {
+    let dir = Dir::new("together");
+    for round in 0..STOP_TOGETHER_ROUNDS {
+        let path = dir.0.join(format!("nbd{round}.sock"));
+        let rs = [
+            start(&path, "a", &mem(), true),
+            start(&path, "b", &mem(), false),
+        ];
+        settled(&rs);
+        let [mut a, mut b] = rs;
+        // Either first: the member first, the owner may still count it when it closes; the
+        // owner first, the member may find the registration name still held.
+        let (first, second) = if round % 2 == 0 { (&b, &a) } else { (&a, &b) };
+        first.stop.request();
+        second.stop.request();
+        for r in [&mut b, &mut a] {
+            r.thread.take().unwrap().join().unwrap().unwrap();
+        }
+        assert!(
+            !path.exists(),
+            "round {round}: the socket outlived both its servers"
+        );
+    }
+}
