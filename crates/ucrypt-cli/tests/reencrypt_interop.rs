@@ -76,6 +76,10 @@ const RUNS: &[WholeRun] = &[
     WholeRun { kind: Unshift, mib: 72, sectors: &[4096], resiliences: &[], extra: HZ_1M, shows: &[] },
     WholeRun { kind: Unshift, mib: 72, sectors: &[512], resiliences: &["journal"],
         extra: &["--hotzone-size", "4M"], shows: &[] },
+    // The data moved up as the key changes; with a new cipher and sector size too.
+    WholeRun { kind: Relocate, mib: 52, sectors: SECTORS, resiliences: &[], extra: &[], shows: &[] },
+    WholeRun { kind: Relocate, mib: 52, sectors: &[512], resiliences: &[], shows: KEY_SIZE_SHOWS,
+        extra: &["--key-size", "256", "--sector-size", "4096"] },
 ];
 
 fn whole_runs(kinds: &[Kind]) {
@@ -138,7 +142,7 @@ fn whole_runs_in_place_read_by_cryptsetup() {
 
 #[test]
 fn whole_runs_detached_or_moving_read_by_cryptsetup() {
-    whole_runs(&[Decrypt, Encrypt, Shift, Unshift]);
+    whole_runs(&[Decrypt, Encrypt, Shift, Unshift, Relocate]);
 }
 
 // ---------------------------------------------------------------- --init-only, then the other
@@ -212,6 +216,9 @@ const INITS: &[Init] = &[
     Init { kind: Rotate, mib: 24, sectors: &[4096], both: true, moved: 0, resume: HZ_1M,
         extra: &["--resilience", "checksum", "--resilience-hash", "blake2b-512"],
         shows: &["Hash:       blake2b-512"] },
+    Init { kind: Relocate, mib: 52, sectors: SECTORS, extra: &[], both: true, moved: 0, resume: &[],
+        shows: &["online-reencrypt-v2", "Direction:  backward", "Resilience: datashift",
+            "offset: 25165824 [bytes]"] },
 ];
 
 /// What a data-moving `--init-only` must leave, the same from both tools: the moved segment
@@ -316,7 +323,7 @@ fn init_in_place_finished_by_the_other() {
 
 #[test]
 fn init_detached_or_moving_finished_by_the_other() {
-    inits(&[Decrypt, Encrypt, Shift, Unshift]);
+    inits(&[Decrypt, Encrypt, Shift, Unshift, Relocate]);
 }
 
 // ---------------------------------------------------------------------------- random kills
@@ -396,6 +403,10 @@ const KILLS: &[Kill] = &[
         extra: &[], when: When::After(50, 1200) },
     Kill { kind: Unshift, killed: Cryptsetup, rounds: 6, mib: 300, resiliences: &[], hotzone: None,
         extra: &[], when: When::AfterCommit(1500) },
+    Kill { kind: Relocate, killed: Ucrypt, rounds: 6, mib: 300, resiliences: &[], hotzone: None,
+        extra: &[], when: When::After(20, 250) },
+    Kill { kind: Relocate, killed: Cryptsetup, rounds: 6, mib: 300, resiliences: &[], hotzone: None,
+        extra: &[], when: When::After(300, 700) },
 ];
 
 fn kills(kinds: &[Kind]) {
@@ -495,6 +506,11 @@ fn kills_of_a_shift_finished_by_the_other() {
 #[test]
 fn kills_of_an_unshift_finished_by_the_other() {
     kills(&[Unshift]);
+}
+
+#[test]
+fn kills_of_a_relocation_finished_by_the_other() {
+    kills(&[Relocate]);
 }
 
 // ------------------------------------------------------------------------------- refusals

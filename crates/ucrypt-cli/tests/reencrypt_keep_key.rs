@@ -7,8 +7,8 @@
 //! `--keep-key` is ignored by both when the cipher changes (the kept key is the new
 //! segment's), and a new cipher that cannot take the kept key is refused by both with
 //! cryptsetup's words. `--reduce-device-size` with `--keep-key` and no new cipher or sector
-//! size is refused by both as a change of nothing; with one, cryptsetup moves the data while
-//! it reencrypts, which ucrypt refuses by name (not built). `--keep-key --key-size` alone:
+//! size is refused by both as a change of nothing; with one, both move the data up by the
+//! reduction while they reencrypt. `--keep-key --key-size` alone:
 //! ucrypt refuses it as cryptsetup 2.8 does, while 2.6.1 starts a reencryption that
 //! changes nothing (pinned here, so that a change of either shows).
 //!
@@ -192,9 +192,7 @@ fn keep_key_refusals_as_cryptsetup() {
 }
 
 /// Where the tools part: `--keep-key --key-size` with nothing else changed (cryptsetup 2.6.1
-/// starts a reencryption whose new segment is the old one; ucrypt refuses as 2.8 does), and
-/// `--keep-key` with a new cipher and `--reduce-device-size` (cryptsetup moves the data up
-/// by the reduction while it reencrypts; ucrypt refuses it by name, nothing written).
+/// starts a reencryption whose new segment is the old one; ucrypt refuses as 2.8 does).
 #[test]
 fn keep_key_where_cryptsetup_2_6_differs() {
     if !cs::require() {
@@ -220,35 +218,35 @@ fn keep_key_where_cryptsetup_2_6_differs() {
         text(&o)
     );
     assert!(v.raw() == before, "ucrypt wrote");
+}
 
-    let shift: &[&str] = &[
-        "--keep-key",
-        "--cipher",
-        "aes-xts-plain",
-        "--reduce-device-size",
-        "4M",
-        "--init-only",
-    ];
-    let v = vol.copy(&t, "cs-shift");
-    ok(Cryptsetup.prog(), &v.reencrypt(Cryptsetup, shift));
-    let j = json_raw(v.meta()).expect("cryptsetup's metadata");
-    let final_offset: u64 = j["segments"]["2"]["offset"]
-        .as_str()
-        .and_then(|o| o.parse().ok())
-        .expect("backup-final's offset");
-    assert_eq!(
-        final_offset,
-        DATA_OFFSET + (4 << 20),
-        "cryptsetup moves the data"
-    );
-    let v = vol.copy(&t, "ucrypt-shift");
-    let before = v.raw();
-    let o = run(Ucrypt.prog(), &v.reencrypt(Ucrypt, shift));
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(
-        text(&o).contains("--reduce-device-size without --encrypt"),
-        "{}",
-        text(&o)
-    );
-    assert!(v.raw() == before, "ucrypt wrote");
+/// `--keep-key` with a new cipher and `--reduce-device-size`: both tools move the data up by
+/// the reduction while they reencrypt under the kept key, their `--init-only` alike; each
+/// finishes the other's, the plaintext (all but the last shift) intact, the key the same.
+#[test]
+fn keep_key_with_a_reduce_moves_the_data_as_cryptsetup_does() {
+    if !cs::require() {
+        return;
+    }
+    let t = TempDir::new("keep-key-relocate");
+    let vol = Relocate.volume(&t, VOLUME_MIB, 512);
+    let key = volume_key(&vol);
+    let extra: &[&str] = &["--keep-key", "--cipher", "aes-xts-plain", "--init-only"];
+    let theirs = vol.copy(&t, "theirs");
+    ok(Cryptsetup.prog(), &theirs.reencrypt(Cryptsetup, extra));
+    ok(Ucrypt.prog(), &vol.reencrypt(Ucrypt, extra));
+    assert_eq!(metadata(vol.meta()), metadata(theirs.meta()), "--init-only");
+    ok(Cryptsetup.prog(), &vol.resume(Cryptsetup, &[]));
+    ok(Ucrypt.prog(), &theirs.resume(Ucrypt, &[]));
+    for (v, what) in [
+        (&vol, "ucrypt init, cryptsetup run"),
+        (&theirs, "the other way"),
+    ] {
+        v.finished(&t, what);
+        assert_eq!(volume_key(v), key, "{what}: the key changed");
+        assert!(
+            cs::dump(v.meta()).contains("cipher: aes-xts-plain\n"),
+            "{what}"
+        );
+    }
 }

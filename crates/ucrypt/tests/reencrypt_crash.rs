@@ -105,6 +105,7 @@ fn rotate_hashed(
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: hash,
+            shift_bytes: None,
         },
     )?;
     resume(
@@ -338,6 +339,7 @@ fn power_cut_with_other_checksum_hashes() {
                 mode: Mode::Reencrypt,
                 keyslot_kdf: KeyslotKdf::Given,
                 resilience_hash: hash,
+                shift_bytes: None,
             },
         )
         .expect("init");
@@ -541,6 +543,7 @@ fn decrypt_all(disk: Arc<dyn Backend>, kind: ResilienceKind) -> Result<()> {
             mode: Mode::Decrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         },
     )?;
     resume_on(
@@ -633,6 +636,7 @@ fn decryption_needs_a_detached_header() {
             mode: Mode::Decrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         },
     );
     assert!(matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("detached header")));
@@ -1675,6 +1679,7 @@ fn power_cut_around_a_resilience_switch() {
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         };
         init(&started, PASS, &opts).expect("init");
         let img = started.crash_image(0);
@@ -1887,6 +1892,7 @@ fn lanes_write_in_turns_where_the_backend_serializes_writes() {
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         };
         init(dev.as_ref(), PASS, &opts).unwrap();
         let run = RunOptions {

@@ -62,6 +62,7 @@ fn rotate(dev: &dyn Backend, kind: ResilienceKind) -> Result<()> {
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         },
     )?;
     resume(

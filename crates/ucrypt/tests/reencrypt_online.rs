@@ -114,6 +114,7 @@ fn start(dev: &dyn Backend, kind: ResilienceKind, change: SegmentChange) {
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         },
     )
     .expect("init");
@@ -516,6 +517,7 @@ fn start_detached(devs: Devices<'_>, kind: ResilienceKind) {
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         },
     )
     .expect("init");
@@ -637,6 +639,7 @@ fn a_detached_header_decrypts_online() {
             mode: Mode::Decrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         };
         let vol = if interrupted {
             init_on(devs, PASS, &opts).expect("init");

@@ -120,6 +120,7 @@ fn opts(kdf: &KdfRequest, keyslot_kdf: KeyslotKdf) -> InitOptions<'_> {
         mode: Mode::Reencrypt,
         keyslot_kdf,
         resilience_hash: CHECKSUM_HASH,
+        shift_bytes: None,
     }
 }
 

@@ -1,8 +1,9 @@
 //! `ucrypt reencrypt`: offline reencryption on cryptsetup's on-disk protocol (key rotation,
 //! cipher / key size / sector size change, `--decrypt` and `--encrypt` with a detached
 //! `--header`, `--encrypt --reduce-device-size` with the header in front of the data moved
-//! by half of it; `ucrypt::luks::reencrypt::run` does the work), and the recovery `repair` runs on
-//! a volume left inside a hotzone.
+//! by half of it, a rotation with `--reduce-device-size` that moves the data up by it;
+//! `ucrypt::luks::reencrypt::run` does the work), and the recovery `repair` runs on a volume
+//! left inside a hotzone.
 
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
@@ -76,7 +77,9 @@ pub struct ReencryptOpts {
     #[arg(long)]
     pub decrypt: bool,
     /// With --encrypt: the last SIZE bytes of the device are free; the header takes the first
-    /// SIZE/2 and the data moves up by SIZE/2 (datashift), as cryptsetup does.
+    /// SIZE/2 and the data moves up by SIZE/2 (datashift), as cryptsetup does. Without it, on
+    /// a LUKS2 volume: the data moves up by SIZE as it is reencrypted, and the volume loses
+    /// its last SIZE bytes (shrink what it holds first).
     #[arg(long)]
     pub reduce_device_size: Option<String>,
     /// Reencrypt online the volume the daemon of this name serves (`ucrypt open VOLUME NAME`);
@@ -131,10 +134,10 @@ fn check_supported(r: &ReencryptOpts, o: &LuksOpts, hdr: &Header) -> Result<()> 
             ));
         }
     }
-    if r.reduce_device_size.is_some() && !r.encrypt {
+    if r.reduce_device_size.is_some() && r.decrypt {
         return Err(not_built(
-            "--reduce-device-size without --encrypt (ucrypt moves the data only to encrypt \
-             with the header in front)",
+            "--decrypt with --reduce-device-size (ucrypt moves the data back to the start of \
+             the device with --decrypt --header NEW-FILE)",
         ));
     }
     if r.decrypt && o.header.is_none() {
@@ -303,6 +306,12 @@ pub fn reencrypt(device: &Target, r: &ReencryptOpts, o: &LuksOpts) -> Result<i32
             return Err(not_built(
                 "--device-size on a volume a daemon serves (it reencrypts all of the data \
                  the daemon serves)",
+            ))
+        }
+        Some(_) if r.reduce_device_size.is_some() && !r.resume_only => {
+            return Err(not_built(
+                "--reduce-device-size on a volume a daemon serves (the data moves, and the \
+                 volume shrinks by that size: close it first)",
             ))
         }
         Some(h) => {
@@ -664,6 +673,11 @@ fn init_new(
         mode,
         keyslot_kdf,
         resilience_hash: resilience_hash(r)?,
+        shift_bytes: r
+            .reduce_device_size
+            .as_deref()
+            .map(|s| parse_size(s, "reduce-device-size"))
+            .transpose()?,
     };
     let (started, passphrase) = if mode == Mode::Decrypt {
         let passphrase =

@@ -16,6 +16,10 @@ pub const DATA_OFFSET: u64 = 16 << 20;
 /// the moved segment's hotzone 16 MiB.
 pub const REDUCE: &str = "32M";
 pub const SHIFT: u64 = 16 << 20;
+/// `--reduce-device-size` of the data-moving rotation ([`Relocate`]): the data moves up by
+/// 8 MiB, and the volume loses its last 8 MiB.
+pub const RELOCATE: &str = "8M";
+pub const RELOCATE_SHIFT: u64 = 8 << 20;
 pub const SECTORS: &[u32] = &[512, 4096];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,9 +67,12 @@ pub enum Kind {
     Shift,
     /// Decryption that moves the data back over the header, which it exports (`--header NEW`).
     Unshift,
+    /// A new key, the data moved up by [`RELOCATE_SHIFT`] (`--reduce-device-size` alone): the
+    /// volume keeps the first bytes of its plaintext, all but the last shift.
+    Relocate,
 }
 
-pub use Kind::{Decrypt, Encrypt, Rotate, Shift, Unshift};
+pub use Kind::{Decrypt, Encrypt, Relocate, Rotate, Shift, Unshift};
 
 /// A volume of one case: the data file, its header file if detached, the key file, the
 /// plaintext it must read as, and (moving decryption) the file as it was before.
@@ -107,7 +114,7 @@ impl Kind {
             before: vec![],
         };
         match self {
-            Rotate | Unshift | Decrypt => {
+            Rotate | Relocate | Unshift | Decrypt => {
                 let detached = self == Decrypt;
                 sparse(&vol.img, mib << 20);
                 let ss = sector.to_string();
@@ -138,7 +145,7 @@ impl Kind {
                         "encrypted"
                     );
                 }
-                if self != Rotate {
+                if !matches!(self, Rotate | Relocate) {
                     vol.hdr = Some(if detached {
                         hdr
                     } else {
@@ -215,6 +222,7 @@ impl Vol {
             Decrypt | Unshift => &["--decrypt"],
             Encrypt => &["--encrypt"],
             Shift => &["--encrypt", "--reduce-device-size", REDUCE],
+            Relocate => &["--reduce-device-size", RELOCATE],
         });
         a.extend(tool.offline());
         a.extend(FAST_PBKDF2);
@@ -306,7 +314,7 @@ impl Vol {
             "{what}: reencryption left in:\n{d}"
         );
         match self.kind {
-            Rotate | Encrypt | Shift => {
+            Rotate | Relocate | Encrypt | Shift => {
                 let o = self.cryptsetup_opens();
                 assert!(
                     o.status.success(),
@@ -324,6 +332,19 @@ impl Vol {
         let n = self.plain.len();
         match self.kind {
             Rotate => assert!(self.exported(t) == self.plain, "{what}: plaintext changed"),
+            Relocate => {
+                let offset = DATA_OFFSET + RELOCATE_SHIFT;
+                assert!(
+                    d.contains(&format!("offset: {offset} [bytes]")),
+                    "{what}:\n{d}"
+                );
+                let got = self.exported(t);
+                assert!(
+                    got == self.plain[..n - RELOCATE_SHIFT as usize],
+                    "{what}: the plaintext changed ({} bytes read)",
+                    got.len()
+                );
+            }
             Encrypt | Shift => {
                 let at = if self.kind == Shift {
                     SHIFT as usize
@@ -555,6 +576,19 @@ impl Vol {
                 // Not started, finished, or cut between the keyslot's addition and the start.
                 assert!(self.exported(t) == self.plain, "{what}: data");
                 return Left::NotStarted;
+            }
+            Relocate if !mid => {
+                // Not started (all of the old data), or finished (all but the last shift).
+                let got = self.exported(t);
+                let kept = self.plain.len() - RELOCATE_SHIFT as usize;
+                let left = if got.len() == kept {
+                    Left::Done
+                } else {
+                    Left::NotStarted
+                };
+                assert!(got == self.plain[..got.len()], "{what}: data");
+                assert!(got.len() == kept || got == self.plain, "{what}: data");
+                return left;
             }
             _ if !mid => return Left::Done,
             _ => {}

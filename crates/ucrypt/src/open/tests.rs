@@ -265,6 +265,7 @@ fn a_volume_in_reencryption_opens_as_two_segments() {
             mode: Mode::Reencrypt,
             keyslot_kdf: KeyslotKdf::Given,
             resilience_hash: CHECKSUM_HASH,
+            shift_bytes: None,
         },
     )
     .expect("init");

@@ -114,15 +114,29 @@ pub(super) fn position_in_place(
             }
         }
     }
+    // Where data offset 0 lies on each side (apart only in a rotation that moves the data).
+    let old_base = template(meta, st.backup_previous)?.offset.0;
+    let new_base = template(meta, st.backup_final)?.offset.0;
     let size_of = |want: Part| -> Result<Option<u64>> {
         match parts.iter().find(|(p, _)| *p == want) {
             None => Ok(None),
             Some((_, s)) => match s.size {
                 SegmentSize::Bytes(n) => Ok(Some(n)),
                 // Only the part that ends at the end of the data may be dynamic.
-                SegmentSize::Dynamic if parts.last().is_some_and(|(p, _)| *p == want) => Ok(Some(
-                    data_bytes.saturating_sub(s.offset.0 - parts[0].1.offset.0),
-                )),
+                SegmentSize::Dynamic if parts.last().is_some_and(|(p, _)| *p == want) => {
+                    let base = if want == Part::Old {
+                        old_base
+                    } else {
+                        new_base
+                    };
+                    let start = s.offset.0.checked_sub(base).ok_or_else(|| {
+                        bad(format!(
+                            "segment at {} is below its side's data offset {base}",
+                            s.offset.0
+                        ))
+                    })?;
+                    Ok(Some(data_bytes.saturating_sub(start)))
+                }
                 SegmentSize::Dynamic => Err(bad("a segment before the last has dynamic size")),
             },
         }

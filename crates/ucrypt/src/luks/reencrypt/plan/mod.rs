@@ -26,6 +26,7 @@ use crate::luks::util::HashAlg;
 use crate::{Error, Result};
 
 mod in_place;
+mod relocate;
 mod shift;
 #[cfg(test)]
 mod tests;
@@ -34,6 +35,8 @@ mod unshift;
 use in_place::key_digests;
 pub use in_place::last_backward_hotzone;
 use in_place::{next_hotzone_in_place, position_in_place, set_segments_in_place};
+use relocate::next_hotzone_relocate;
+pub use relocate::{relocate_geometry, Relocate};
 use shift::shift_bad;
 use shift::{next_hotzone_shift, position_shift, set_segments_shift};
 pub use shift::{shift_geometry, shift_source, Shift};
@@ -54,6 +57,9 @@ pub enum Movement {
     InPlace { bounded: bool },
     /// An encryption that moves the data up to put the header in front (datashift).
     Shift(Shift),
+    /// A key rotation that moves the data up by the shift (datashift, no moved segment):
+    /// laid out as a backward rotation in place whose new side lies a shift above the old.
+    Relocate(Relocate),
     /// A decryption that moves the data back to offset 0 (datashift-checksum or -journal).
     Unshift(Unshift),
 }
@@ -63,6 +69,9 @@ impl Movement {
     pub fn of(meta: &Metadata, st: &ReencryptState, data_bytes: u64) -> Result<Movement> {
         if let Some(sh) = shift_geometry(meta, st)? {
             return Ok(Movement::Shift(sh));
+        }
+        if let Some(r) = relocate_geometry(meta, st)? {
+            return Ok(Movement::Relocate(r));
         }
         if let Some(u) = unshift_geometry(meta, st, data_bytes)? {
             return Ok(Movement::Unshift(u));
@@ -78,7 +87,9 @@ impl Movement {
         data_bytes: u64,
     ) -> Result<Position> {
         match self {
-            Movement::InPlace { .. } => position_in_place(meta, st, data_bytes),
+            Movement::InPlace { .. } | Movement::Relocate(_) => {
+                position_in_place(meta, st, data_bytes)
+            }
             Movement::Shift(sh) => position_shift(meta, sh, data_bytes),
             Movement::Unshift(u) => position_unshift(meta, u),
         }
@@ -97,6 +108,7 @@ impl Movement {
             Movement::InPlace { bounded } => {
                 set_segments_in_place(meta, st, pos, data_bytes, *bounded)
             }
+            Movement::Relocate(_) => set_segments_in_place(meta, st, pos, data_bytes, false),
             Movement::Shift(sh) => set_segments_shift(meta, st, sh, pos),
             Movement::Unshift(u) => set_segments_unshift(meta, st, u, pos),
         }
@@ -117,6 +129,7 @@ impl Movement {
                 next_hotzone_in_place(st, pos, data_bytes, hotzone_max, align)
             }
             Movement::Shift(sh) => next_hotzone_shift(sh, pos, align),
+            Movement::Relocate(r) => next_hotzone_relocate(r, pos, data_bytes, align),
             Movement::Unshift(u) => next_hotzone_unshift(st, u, pos, align),
         }
     }
@@ -305,8 +318,10 @@ pub(super) fn has_flag(s: &Segment, f: SegmentFlag) -> bool {
 }
 
 /// Only what this planner handles: modes `reencrypt`, `encrypt` and `decrypt`, either
-/// direction, in place; and the encryption that moves the data backward (`datashift` with a
-/// `backup-moved-segment`, as cryptsetup's `--encrypt --reduce-device-size` writes it).
+/// direction, in place; the encryption that moves the data backward (`datashift` with a
+/// `backup-moved-segment`, as cryptsetup's `--encrypt --reduce-device-size` writes it); the
+/// rotation that moves it backward (`datashift` without one: `--reduce-device-size` alone);
+/// the decryption that moves it back to the start (`datashift-checksum`/`-journal`).
 pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
     let k = &st.keyslot;
     let moved_guard = match &k.resilience {
@@ -349,11 +364,15 @@ pub fn check_supported(st: &ReencryptState) -> Result<Protect> {
             (Resilience::Datashift { .. }, Mode::Encrypt, Direction::Backward, None) => {
                 Err(unsupported(UNMOVED_DATASHIFT))
             }
+            (Resilience::Datashift { .. }, Mode::Reencrypt, Direction::Backward, None) => {
+                Ok(Protect::Datashift)
+            }
             _ => Err(unsupported(format!(
                 "reencryption {} {} with resilience {}{} (ucrypt moves the data to encrypt \
-                 with the header in front: encrypt, backward, datashift; and to decrypt it \
-                 back to the start: decrypt, forward, datashift-checksum or datashift-journal; \
-                 each with a moved segment)",
+                 with the header in front: encrypt, backward, datashift, with a moved \
+                 segment; to rotate the key: reencrypt, backward, datashift; and to decrypt \
+                 it back to the start: decrypt, forward, datashift-checksum or \
+                 datashift-journal, with a moved segment)",
                 k.mode.name(),
                 k.direction.name(),
                 k.resilience.name(),

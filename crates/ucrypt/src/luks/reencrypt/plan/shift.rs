@@ -3,7 +3,7 @@
 
 use crate::luks::json::SegmentKind;
 use crate::luks::json::{Metadata, Segment, SegmentSize};
-use crate::luks::reencrypt::{ReencryptState, Resilience, SegmentFlag};
+use crate::luks::reencrypt::{Mode, ReencryptState, Resilience, SegmentFlag};
 use crate::{Error, Result};
 
 use super::in_place::key_digests;
@@ -73,7 +73,8 @@ impl Shift {
 /// The reencryption digest covers these segments; this refuses a header whose digest is right
 /// but whose layout is not one cryptsetup (or ucrypt) writes.
 pub fn shift_geometry(meta: &Metadata, st: &ReencryptState) -> Result<Option<Shift>> {
-    if check_supported(st)? != Protect::Datashift {
+    // A rotation that moves the data is a [`super::Relocate`].
+    if check_supported(st)? != Protect::Datashift || st.keyslot.mode == Mode::Reencrypt {
         return Ok(None);
     }
     let Resilience::Datashift { shift_size } = st.keyslot.resilience else {

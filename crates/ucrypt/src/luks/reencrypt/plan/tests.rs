@@ -939,3 +939,46 @@ fn unshift_geometry_is_checked() {
         "reencrypt-datashift"
     );
 }
+
+/// A rotation that moves the data walks back from the end in hotzones of the shift, the last
+/// one what is left, each moved from its old place to a shift above it; the last finalises.
+#[test]
+fn relocation_walks_back_in_hotzones_of_the_shift() {
+    use super::relocate::{next_hotzone_relocate, Relocate};
+    const MIB: u64 = 1 << 20;
+    let r = Relocate {
+        shift_bytes: 8 * MIB,
+        old_offset: 16 * MIB,
+        new_offset: 24 * MIB,
+    };
+    let data = 20 * MIB;
+    let mut pos = Position {
+        done: 0,
+        hotzone: None,
+    };
+    let mut walked = Vec::new();
+    while let Some(steps) = next_hotzone_relocate(&r, pos, data, 4096).unwrap() {
+        let [Step::CommitSegments(hot), Step::MoveNew { from, offset, len }, Step::SyncData, last] =
+            &steps[..]
+        else {
+            panic!("steps {steps:?}");
+        };
+        assert_eq!(hot.hotzone, Some(*len));
+        assert_eq!(*from, r.old_offset + offset, "read at its old place");
+        assert!(*len <= r.shift_bytes, "a hotzone overlaps its source");
+        walked.push((*offset / MIB, *len / MIB));
+        pos.done += len;
+        assert_eq!(
+            *last == Step::Finalise,
+            pos.done == data,
+            "only the last finalises"
+        );
+    }
+    assert_eq!(walked, [(12, 8), (4, 8), (0, 4)]);
+    // Inside a hotzone: recover first.
+    let inside = Position {
+        done: 8 * MIB,
+        hotzone: Some(8 * MIB),
+    };
+    assert!(next_hotzone_relocate(&r, inside, data, 4096).is_err());
+}

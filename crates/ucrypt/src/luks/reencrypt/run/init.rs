@@ -49,6 +49,11 @@ pub struct InitOptions<'a> {
     /// The checksum of [`ResilienceKind::Checksum`] (`--resilience-hash`; cryptsetup's
     /// default [`super::CHECKSUM_HASH`]); not read for the other kinds.
     pub resilience_hash: HashAlg,
+    /// A rotation that also moves the data up by this many bytes (cryptsetup's `reencrypt
+    /// --reduce-device-size SIZE` on a LUKS2 volume): walked backward with resilience
+    /// `datashift` (`resilience` is not read), the data area's last shift given up
+    /// ([`crate::luks::reencrypt::plan::Relocate`]). `None`: the data stays in place.
+    pub shift_bytes: Option<u64>,
 }
 
 /// Where the PBKDF of a rotation's new keyslots comes from (as cryptsetup 2.6.1's
@@ -347,6 +352,9 @@ pub(super) fn init_checked(
     }
     let (new_cipher, new_key_bytes, new_sector) =
         new_segment_params(devs, &seg, old_vk.len(), opts, decrypt, keep_key)?;
+    if let Some(shift) = opts.shift_bytes {
+        check_relocation(devs, &seg, shift, new_sector, decrypt)?;
+    }
 
     // The new key, its digest (bound to backup-final, segment 2, below) and a keyslot for each
     // passphrase, whose material is written first; the header write comes below.
@@ -361,22 +369,33 @@ pub(super) fn init_checked(
     // The reencrypt keyslot: the rest of the keyslots area after the last used area.
     let (used_end, end) = reencrypt_area(&h)?;
     let rk = free_id(h.meta.keyslots.keys())?;
-    let (mode, direction) = if decrypt {
-        (Mode::Decrypt, Direction::Backward)
+    let (mode, direction) = if decrypt || opts.shift_bytes.is_some() {
+        (mode_of(decrypt), Direction::Backward)
     } else {
         (Mode::Reencrypt, Direction::Forward)
     };
-    h.meta.keyslots.insert(
-        rk.to_string(),
-        reencrypt_keyslot(
-            mode,
-            direction,
-            opts.resilience,
-            opts.resilience_hash,
-            used_end,
-            end - used_end,
-        ),
+    let mut keyslot = reencrypt_keyslot(
+        mode,
+        direction,
+        opts.resilience,
+        opts.resilience_hash,
+        used_end,
+        end - used_end,
     );
+    if let (Some(shift), Some(a)) = (opts.shift_bytes, keyslot.area.as_mut()) {
+        // cryptsetup's area of a data shift: one 4 KiB block, holding nothing.
+        if end - used_end < super::encrypt::SHIFT_AREA_BYTES {
+            return Err(Error::InvalidArgument(
+                "no room left in the keyslots area for the reencrypt keyslot".into(),
+            ));
+        }
+        a.kind = "datashift".into();
+        a.size = U64Str(super::encrypt::SHIFT_AREA_BYTES);
+        a.extra.clear();
+        a.extra
+            .insert("shift_size".into(), shift.to_string().into());
+    }
+    h.meta.keyslots.insert(rk.to_string(), keyslot);
     let new_final = if decrypt {
         None
     } else {
@@ -388,6 +407,12 @@ pub(super) fn init_checked(
         None => None,
     };
     set_rotation_segments(&mut h.meta, new_final, old_vk.digest_id(), new_did)?;
+    if let Some(shift) = opts.shift_bytes {
+        // backup-final, the data's new place: a shift above the old.
+        if let Some(fin) = h.meta.segments.get_mut("2") {
+            fin.offset = U64Str(seg.offset_bytes + shift);
+        }
+    }
 
     // The reencryption digest over the keys and the metadata (the kept key once).
     let last_kdf = kdfs.last().unwrap_or(opts.kdf);
@@ -405,6 +430,60 @@ pub(super) fn init_checked(
         new_keyslots,
         reencrypt_keyslot: rk,
     })
+}
+
+fn mode_of(decrypt: bool) -> Mode {
+    if decrypt {
+        Mode::Decrypt
+    } else {
+        Mode::Reencrypt
+    }
+}
+
+/// cryptsetup's words for a reduce size it refuses before anything else.
+pub const REDUCE_SIZE_NOT_SECTORS: &str = "Reduce size must be multiple of 512 bytes sector.";
+
+/// Checks a rotation that moves the data up by `shift` bytes, as cryptsetup 2.6.1 checks it:
+/// a multiple of 512 bytes and of the new sector size, at most 1 GiB, a rotation (not a
+/// decryption), and data left past the new offset.
+fn check_relocation(
+    devs: Devices<'_>,
+    seg: &crate::luks::json::CryptSegment,
+    shift: u64,
+    new_sector: SectorSize,
+    decrypt: bool,
+) -> Result<()> {
+    if decrypt {
+        return Err(Error::InvalidArgument(
+            "a decryption with --reduce-device-size (ucrypt moves the data back to the start \
+             of the device with --decrypt --header NEW-FILE)"
+                .into(),
+        ));
+    }
+    if shift == 0 || shift % 512 != 0 {
+        return Err(Error::InvalidArgument(REDUCE_SIZE_NOT_SECTORS.into()));
+    }
+    if shift > super::encrypt::REDUCE_BYTES_MAX {
+        return Err(Error::InvalidArgument(
+            "Maximum device reduce size is 1 GiB.".into(),
+        ));
+    }
+    let ss = u64::from(new_sector.bytes());
+    if shift % ss != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Data shift value is not aligned to encryption sector size ({ss} bytes)."
+        )));
+    }
+    let align = ss.max(u64::from(seg.sector_size.bytes()));
+    let new_offset = seg.offset_bytes + shift;
+    if devs.data.size().saturating_sub(new_offset) < align {
+        return Err(Error::InvalidArgument(format!(
+            "Device {} bytes long cannot give up {shift} bytes past its data offset {}.",
+            devs.data.size(),
+            seg.offset_bytes
+        )));
+    }
+    Ok(())
 }
 
 /// Checks that each proof in `slots` still holds for this header (its keyslot is there, of

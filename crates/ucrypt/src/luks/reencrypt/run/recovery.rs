@@ -62,7 +62,7 @@ pub(crate) fn prepare_recovery<'a>(
         Some(len) => {
             let offset = match u.movement {
                 Movement::Unshift(us) => us.hotzone_offset(pos.done),
-                Movement::InPlace { .. } | Movement::Shift(_) => {
+                Movement::InPlace { .. } | Movement::Shift(_) | Movement::Relocate(_) => {
                     hotzone_offset(&u.st, pos, len, u.data_bytes)
                 }
             };
@@ -128,7 +128,12 @@ pub(super) fn recover_hotzone(
     len: u64,
 ) -> Result<Recovery> {
     let (hdr_dev, data_dev) = (devs.header, devs.data);
-    if let Movement::Shift(sh) = u.movement {
+    let moved_from = match u.movement {
+        Movement::Shift(sh) => Some(shift_source(&sh, offset)),
+        Movement::Relocate(r) => Some(r.source(offset)),
+        Movement::InPlace { .. } | Movement::Unshift(_) => None,
+    };
+    if let Some(from) = moved_from {
         // The hotzone's source is intact (nothing writes it before the hotzone is committed
         // done): move it again, as cryptsetup's datashift recovery does.
         let piece = len
@@ -138,7 +143,6 @@ pub(super) fn recover_hotzone(
             * crate::pool::POOL_PAGE_BYTES as u64;
         let pool = BufferPool::new(piece as usize)?;
         let mut g = pool.take(piece as usize)?;
-        let from = shift_source(&sh, offset);
         move_new(data_dev, u, from, offset, len, g.as_mut_slice())?;
         drop(g);
         return finish_recovery(devs, u, pos, offset, len);

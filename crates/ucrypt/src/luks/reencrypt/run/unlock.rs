@@ -6,8 +6,8 @@ use crate::engine::crew::Crew;
 use crate::luks::json::Metadata;
 use crate::luks::json::SegmentKind;
 use crate::luks::reencrypt::plan::{
-    bounded_data_bytes, check_layout, check_supported, shift_geometry, unshift_geometry, Movement,
-    Protect,
+    bounded_data_bytes, check_layout, check_supported, relocate_geometry, shift_geometry,
+    unshift_geometry, Movement, Protect,
 };
 use crate::luks::reencrypt::{digest_of_segment, ReencryptState};
 use crate::luks::{read_area, read_header, unlock, Header, Luks2Header, VolumeKey};
@@ -193,6 +193,7 @@ pub(super) fn open_rotation(
         (c.spec(), crate::SecretBytes::from_slice(k.bytes()), ss)
     });
     let shift = shift_geometry(&h.meta, &st)?;
+    let relocate = relocate_geometry(&h.meta, &st)?;
     let align = ss_old.max(ss_new);
     let data_bytes = match shift {
         Some(sh) => {
@@ -206,6 +207,17 @@ pub(super) fn open_rotation(
                 )));
             }
             sh.data_bytes
+        }
+        None if relocate.is_some() => {
+            // The data is what the device holds past the new data offset: the old data
+            // area's last shift is dropped.
+            let n = devs
+                .data
+                .size()
+                .checked_sub(off_new)
+                .filter(|&n| n >= align)
+                .ok_or_else(|| bad("the device ends before the new data offset"))?;
+            n / align * align
         }
         None => {
             if off_old != off_new && !matches!(protect, Protect::Unshift(_)) {
@@ -227,7 +239,8 @@ pub(super) fn open_rotation(
             n / align * align
         }
     };
-    if device_size.is_some() && (shift.is_some() || matches!(protect, Protect::Unshift(_))) {
+    let moves = shift.is_some() || relocate.is_some() || matches!(protect, Protect::Unshift(_));
+    if device_size.is_some() && moves {
         return Err(Error::InvalidArgument(
             "reencrypt --device-size with a reencryption that moves the data is not supported \
              by ucrypt (cryptsetup refuses it with --reduce-device-size)"
@@ -235,13 +248,14 @@ pub(super) fn open_rotation(
         ));
     }
     let area_bytes = data_bytes;
-    let (mut data_bytes, mut bounded) = match shift {
-        Some(_) => (data_bytes, false),
-        None => in_place_bytes(&h.meta, &st, protect, data_bytes, align, device_size)?,
+    let (mut data_bytes, mut bounded) = match (shift, relocate) {
+        (None, None) => in_place_bytes(&h.meta, &st, protect, data_bytes, align, device_size)?,
+        _ => (data_bytes, false),
     };
-    let mut movement = match shift {
-        Some(sh) => Movement::Shift(sh),
-        None => match unshift_geometry(&h.meta, &st, data_bytes)? {
+    let mut movement = match (shift, relocate) {
+        (Some(sh), _) => Movement::Shift(sh),
+        (None, Some(r)) => Movement::Relocate(r),
+        (None, None) => match unshift_geometry(&h.meta, &st, data_bytes)? {
             Some(us) => Movement::Unshift(us),
             None => Movement::InPlace { bounded },
         },

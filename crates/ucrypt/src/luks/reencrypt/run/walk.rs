@@ -94,7 +94,8 @@ fn plan(
     chunk: usize,
 ) -> Result<Option<Plan>> {
     match (u.protect, u.movement) {
-        (Protect::None, Movement::InPlace { .. }) | (Protect::Datashift, Movement::Shift(_)) => {}
+        (Protect::None, Movement::InPlace { .. })
+        | (Protect::Datashift, Movement::Shift(_) | Movement::Relocate(_)) => {}
         _ => return Ok(None),
     }
     let mut p = Plan {
