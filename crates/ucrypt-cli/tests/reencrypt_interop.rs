@@ -532,10 +532,11 @@ fn refusals_name_what_is_refused() {
             &["--encrypt", "--reduce-device-size", "32M"],
             "already LUKS",
         ),
+        // A rotation that moves the data past the device's end (cryptsetup fails too).
         (
             Rotate,
             &["--reduce-device-size", "32M"],
-            "--reduce-device-size",
+            "holds no data past the new data offset",
         ),
         (
             Rotate,

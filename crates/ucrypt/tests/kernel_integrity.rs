@@ -20,7 +20,8 @@
 //! aes-cbc-essiv:sha256 + hmac-sha256 (128-bit key, 512, legacy), aes-xts-essiv:sha256 +
 //! hmac-sha512 (4096), aes-xts-random + hmac-sha1 (256-bit key, 4096), aes-ccm-random + aead
 //! (152-bit key 512 legacy, 280-bit key 4096), chacha20-plain64 + poly1305 (512, legacy),
-//! aegis128-random + aead (512 legacy, 4096).
+//! aegis128-random + aead (512 legacy, 4096); and the 17 other lines of that test's matrix
+//! (`intformat`), legacy-formatted as it does, so that each of its 32 lines runs.
 //! `UCRYPT_INTEGRITY_CASES=chacha,gcm-512` runs only the cases whose names contain one of
 //! the words (the guest's crypto is emulated, so each case costs minutes).
 //! Needs qemu-system-x86_64 and a kernel (tests/vm/install-deps.sh): SKIPPED otherwise, unless
@@ -192,6 +193,144 @@ const CASES: &[Case] = &[
         key_bits: 128,
         sector: 4096,
         extra: "",
+    },
+    // The rest of luks2-integrity-test's `intformat` lines, formatted as it formats them:
+    // with the cases above, each of its 32 lines runs.
+    Case {
+        name: "xts-plain64-h256-k256-512",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha256",
+        key_bits: 256,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-random-h256-k256-512",
+        cipher: "aes-xts-random",
+        integrity: "hmac-sha256",
+        key_bits: 256,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "cbc-essiv-h256-k256-512",
+        cipher: "aes-cbc-essiv:sha256",
+        integrity: "hmac-sha256",
+        key_bits: 256,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-plain64-h256-k512-512",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha256",
+        key_bits: 512,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "cbc-essiv-h256-k128-4096",
+        cipher: "aes-cbc-essiv:sha256",
+        integrity: "hmac-sha256",
+        key_bits: 128,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-plain64-h256-k256-4096",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha256",
+        key_bits: 256,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-random-h256-k256-4096",
+        cipher: "aes-xts-random",
+        integrity: "hmac-sha256",
+        key_bits: 256,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "cbc-essiv-h256-k256-4096",
+        cipher: "aes-cbc-essiv:sha256",
+        integrity: "hmac-sha256",
+        key_bits: 256,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-plain64-h256-k512-4096",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha256",
+        key_bits: 512,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "cbc-essiv-h512-k256-4096",
+        cipher: "aes-cbc-essiv:sha256",
+        integrity: "hmac-sha512",
+        key_bits: 256,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-plain64-h512-k512-4096",
+        cipher: "aes-xts-plain64",
+        integrity: "hmac-sha512",
+        key_bits: 512,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "xts-random-h1-k512-4096",
+        cipher: "aes-xts-random",
+        integrity: "hmac-sha1",
+        key_bits: 512,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "gcm-k128-512",
+        cipher: "aes-gcm-random",
+        integrity: "aead",
+        key_bits: 128,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "gcm-k128-4096",
+        cipher: "aes-gcm-random",
+        integrity: "aead",
+        key_bits: 128,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "ccm-k152-4096",
+        cipher: "aes-ccm-random",
+        integrity: "aead",
+        key_bits: 152,
+        sector: 4096,
+        extra: LEGACY,
+    },
+    Case {
+        name: "ccm-k280-512",
+        cipher: "aes-ccm-random",
+        integrity: "aead",
+        key_bits: 280,
+        sector: 512,
+        extra: LEGACY,
+    },
+    Case {
+        name: "chacha-plain64-4096",
+        cipher: "chacha20-plain64",
+        integrity: "poly1305",
+        key_bits: 256,
+        sector: 4096,
+        extra: LEGACY,
     },
 ];
 

@@ -23,7 +23,7 @@
 //! socket (clients that connect meanwhile wait in the kernel's backlog; PATH is never
 //! removed while a member remains or a join is under way), and the others register with it.
 //! The last process to leave removes PATH, even when an owner and its last member stop at
-//! once ([`leave`]); only a killed last server leaves the file, and the next bind replaces it
+//! once (`leave`); only a killed last server leaves the file, and the next bind replaces it
 //! as stale.
 //! Established connections are untouched by any of this: each is served by the process that
 //! owns its export.

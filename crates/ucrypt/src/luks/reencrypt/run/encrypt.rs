@@ -15,7 +15,10 @@ use crate::{Error, Result};
 use super::copy_then_wipe;
 use super::init::{reencrypt_area, reencrypt_keyslot, Started};
 use super::seal::{add_reencryption_digest, assign_segments, require};
-use super::{Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_HASH, REQUIREMENT_V2};
+use super::{
+    Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_HASH, REDUCE_BYTES_MAX, REQUIREMENT_V2,
+    SHIFT_AREA_BYTES,
+};
 
 /// How to start an encryption of a plaintext device ([`init_encrypt`]).
 pub struct EncryptOptions<'a> {
@@ -148,14 +151,6 @@ pub fn init_encrypt(
         reencrypt_keyslot: rk,
     })
 }
-
-/// The largest `--reduce-device-size` cryptsetup accepts (1 GiB: a shift of 512 MiB).
-pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
-/// The reencrypt keyslot's area of a data shift: it holds nothing, so cryptsetup gives it the
-/// first free gap of the keyslots area, 4 KiB (cryptsetup 2.6.1 puts it 4096 bytes after
-/// keyslot 0's area; `reencrypt_interop`'s
-/// `INITS` rows of the data shift compare the two tools' init).
-pub(super) const SHIFT_AREA_BYTES: u64 = 4096;
 
 /// Starts the encryption of the plaintext on `dev` in place with the header in front of the
 /// data, as cryptsetup 2.6's `reencrypt --encrypt --reduce-device-size R` (without

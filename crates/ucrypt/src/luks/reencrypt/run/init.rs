@@ -384,13 +384,13 @@ pub(super) fn init_checked(
     );
     if let (Some(shift), Some(a)) = (opts.shift_bytes, keyslot.area.as_mut()) {
         // cryptsetup's area of a data shift: one 4 KiB block, holding nothing.
-        if end - used_end < super::encrypt::SHIFT_AREA_BYTES {
+        if end - used_end < super::SHIFT_AREA_BYTES {
             return Err(Error::InvalidArgument(
                 "no room left in the keyslots area for the reencrypt keyslot".into(),
             ));
         }
         a.kind = "datashift".into();
-        a.size = U64Str(super::encrypt::SHIFT_AREA_BYTES);
+        a.size = U64Str(super::SHIFT_AREA_BYTES);
         a.extra.clear();
         a.extra
             .insert("shift_size".into(), shift.to_string().into());
@@ -463,7 +463,7 @@ fn check_relocation(
     if shift == 0 || shift % 512 != 0 {
         return Err(Error::InvalidArgument(REDUCE_SIZE_NOT_SECTORS.into()));
     }
-    if shift > super::encrypt::REDUCE_BYTES_MAX {
+    if shift > super::REDUCE_BYTES_MAX {
         return Err(Error::InvalidArgument(
             "Maximum device reduce size is 1 GiB.".into(),
         ));
@@ -478,9 +478,9 @@ fn check_relocation(
     let new_offset = seg.offset_bytes + shift;
     if devs.data.size().saturating_sub(new_offset) < align {
         return Err(Error::InvalidArgument(format!(
-            "Device {} bytes long cannot give up {shift} bytes past its data offset {}.",
+            "--reduce-device-size of {shift} bytes: the device ({} bytes) holds no data past \
+             the new data offset {new_offset}.",
             devs.data.size(),
-            seg.offset_bytes
         )));
     }
     Ok(())

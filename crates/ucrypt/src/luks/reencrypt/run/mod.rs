@@ -52,7 +52,6 @@ mod unlock;
 pub use decrypt::{init_decrypt_unshift, UnshiftOptions, MOVED_BYTES_DEFAULT};
 pub use encrypt::{
     init_encrypt, init_encrypt_shift, EncryptOptions, ENCRYPT_NEEDS_DETACHED_HEADER,
-    REDUCE_BYTES_MAX,
 };
 pub use hotzones::{resume, resume_on, resume_serving};
 pub use init::{
@@ -102,6 +101,13 @@ pub(super) const NONE_BUFFER_BYTES: u64 = 16 << 20;
 pub(super) const WIPE_PIECE_BYTES: u64 = 1 << 20;
 /// Bytes of the keyslot area alignment cryptsetup uses.
 pub(super) const AREA_ALIGN_BYTES: u64 = 4096;
+/// The largest `--reduce-device-size` cryptsetup accepts (1 GiB).
+pub const REDUCE_BYTES_MAX: u64 = 1 << 30;
+/// The reencrypt keyslot's area of a data shift (an encryption with the header in front, a
+/// rotation that moves the data): it holds nothing, so cryptsetup gives it the first free gap
+/// of the keyslots area, 4 KiB (cryptsetup 2.6.1 puts it 4096 bytes after keyslot 0's area;
+/// `reencrypt_interop`'s `INITS` rows of both compare the two tools' init).
+pub(super) const SHIFT_AREA_BYTES: u64 = 4096;
 
 mod walk;
 
