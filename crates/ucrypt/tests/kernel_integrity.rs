@@ -494,6 +494,10 @@ fn tamper_checks(case: &Case, img: &Path, key: &[u8], model: &[u8]) {
     );
 }
 
+/// Cases one pair of boots takes: each is a virtio disk, and the VM's PCI bus has room for
+/// about 28 (and the guest's device names `vda`..`vdz` for 26).
+const CASES_PER_BOOT: usize = 17;
+
 #[test]
 fn luks2_integrity_between_kernel_and_ucrypt() {
     if let Err(reason) = vm::require_vm() {
@@ -504,11 +508,18 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
     assert!(!cases.is_empty(), "UCRYPT_INTEGRITY_CASES selects no case");
     let seed = kit::seed();
     let mut rng = kit::SplitMix(seed);
+    for batch in cases.chunks(CASES_PER_BOOT) {
+        between_kernel_and_ucrypt(batch, seed, &mut rng);
+    }
+}
+
+/// The cases of one pair of boots (module documentation).
+fn between_kernel_and_ucrypt(cases: &[&Case], seed: u64, rng: &mut kit::SplitMix) {
     let tmp = kit::TempDir::new("kernel-integrity");
     let dir = &tmp.0;
     let key_path = dir.join("key");
-    let key = vm::random_file(&mut rng, &key_path, 32);
-    let plain = vm::random_file(&mut rng, &dir.join("plain.bin"), (K1.1 + K2.1) as usize);
+    let key = vm::random_file(rng, &key_path, 32);
+    let plain = vm::random_file(rng, &dir.join("plain.bin"), (K1.1 + K2.1) as usize);
 
     // ---- boot 1: cryptsetup formats, the kernel writes ----
     let mut run = vm::VmRun::new("");
@@ -586,7 +597,7 @@ fn luks2_integrity_between_kernel_and_ucrypt() {
             model[off as usize..(off + len) as usize].copy_from_slice(&b);
         };
         for r in [U1, U_PATCH, U_OVER_A, U_OVER_B, DAMAGE_REGION] {
-            write(&v, r, &mut rng);
+            write(&v, r, rng);
         }
         // An unaligned read across both areas, then the compared ranges.
         let r = (K2.0 + 777, MIB + 3);
