@@ -274,7 +274,9 @@ fn served_data_bytes(
     if !moves && (old.offset, old.size) != (new.offset, new.size) {
         return Err(Error::UnsupportedLuks(
             "serving a volume whose reencryption moves the data other than an encryption \
-             with the header put in front"
+             with the header put in front or a decryption that moves it back (a rotation \
+             with --reduce-device-size is served once it ends: finish it with reencrypt \
+             --resume-only)"
                 .into(),
         ));
     }
