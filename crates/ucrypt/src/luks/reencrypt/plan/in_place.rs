@@ -8,8 +8,8 @@ use crate::luks::reencrypt::{digest_of_segment, Direction, Mode, ReencryptState,
 use crate::{Error, Result};
 
 use super::{
-    advanced, area_limit, bad, check_supported, has_flag, hotzone_offset, live_segments, template,
-    Position, Protect, Step, CRYPTSETUP_HOTZONE_BYTES_MAX,
+    advanced, area_limit, bad, check_supported, has_flag, hotzone_offset, live_segments,
+    past_hotzone, template, Position, Protect, Step, CRYPTSETUP_HOTZONE_BYTES_MAX,
 };
 
 /// What a live segment holds.
@@ -410,14 +410,7 @@ pub(super) fn next_hotzone_in_place(
         }),
         Step::WriteNew { offset, len },
         Step::SyncData,
+        past_hotzone(pos, len, pos.done + len == data_bytes),
     ]);
-    steps.push(if pos.done + len == data_bytes {
-        Step::Finalise
-    } else {
-        Step::CommitSegments(Position {
-            done: pos.done + len,
-            hotzone: None,
-        })
-    });
     Ok(Some(steps))
 }

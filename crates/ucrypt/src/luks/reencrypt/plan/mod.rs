@@ -227,6 +227,35 @@ pub enum Step {
     Finalise,
 }
 
+/// The steps that follow a hotzone's rewrite at `pos` (its `len` bytes written): the plain
+/// header after the last one, else the boundary committed past it.
+pub(super) fn past_hotzone(pos: Position, len: u64, last: bool) -> Step {
+    if last {
+        Step::Finalise
+    } else {
+        Step::CommitSegments(Position {
+            done: pos.done + len,
+            hotzone: None,
+        })
+    }
+}
+
+/// The steps of a hotzone of a data shift at `pos`: commit it, move its `len` bytes from the
+/// device offset `from` to data offset `offset` ([`Step::MoveNew`]), flush, then
+/// [`past_hotzone`]. No resilience data: a hotzone's source stays intact until it is
+/// committed done.
+pub(super) fn moving_hotzone(pos: Position, from: u64, offset: u64, len: u64) -> Vec<Step> {
+    vec![
+        Step::CommitSegments(Position {
+            done: pos.done,
+            hotzone: Some(len),
+        }),
+        Step::MoveNew { from, offset, len },
+        Step::SyncData,
+        past_hotzone(pos, len, offset == 0),
+    ]
+}
+
 /// How a hotzone is protected, typed from the reencrypt keyslot's area.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protect {

@@ -8,7 +8,7 @@ use crate::luks::reencrypt::{Direction, Mode, ReencryptState, Resilience};
 use crate::{Error, Result};
 
 use super::shift::shift_bad;
-use super::{bad, check_supported, segment_of, Position, Protect, Step};
+use super::{bad, check_supported, moving_hotzone, segment_of, Position, Protect, Step};
 
 /// The geometry of a rotation that moves the data up by `S` (cryptsetup's `reencrypt
 /// --reduce-device-size S` on a LUKS2 volume):
@@ -118,25 +118,5 @@ pub(super) fn next_hotzone_relocate(
             "hotzone [{offset}, +{len}) is not aligned to {align} bytes"
         )));
     }
-    let mut steps = vec![
-        Step::CommitSegments(Position {
-            done: pos.done,
-            hotzone: Some(len),
-        }),
-        Step::MoveNew {
-            from: r.source(offset),
-            offset,
-            len,
-        },
-        Step::SyncData,
-    ];
-    steps.push(if offset == 0 {
-        Step::Finalise
-    } else {
-        Step::CommitSegments(Position {
-            done: pos.done + len,
-            hotzone: None,
-        })
-    });
-    Ok(Some(steps))
+    Ok(Some(moving_hotzone(pos, r.source(offset), offset, len)))
 }

@@ -8,8 +8,8 @@ use crate::{Error, Result};
 
 use super::in_place::key_digests;
 use super::{
-    advanced, bad, check_supported, has_flag, live_segments, note_hotzone, segment_of, template,
-    Position, Protect, Step, IV_UNIT_BYTES,
+    advanced, bad, check_supported, has_flag, live_segments, moving_hotzone, note_hotzone,
+    segment_of, template, Position, Protect, Step, IV_UNIT_BYTES,
 };
 
 pub(super) fn shift_bad(detail: impl Into<String>) -> Error {
@@ -358,27 +358,7 @@ pub fn next_hotzone_shift(sh: &Shift, pos: Position, align: u64) -> Result<Optio
             "hotzone [{h}, +{len}) is not aligned to {align} bytes"
         )));
     }
-    let mut steps = vec![
-        Step::CommitSegments(Position {
-            done: pos.done,
-            hotzone: Some(len),
-        }),
-        Step::MoveNew {
-            from,
-            offset: h,
-            len,
-        },
-        Step::SyncData,
-    ];
-    steps.push(if h == 0 {
-        Step::Finalise
-    } else {
-        Step::CommitSegments(Position {
-            done: pos.done + len,
-            hotzone: None,
-        })
-    });
-    Ok(Some(steps))
+    Ok(Some(moving_hotzone(pos, from, h, len)))
 }
 
 /// The source of a data shift's hotzone at data offset `offset` ([`Step::MoveNew`]'s `from`):
