@@ -100,6 +100,21 @@ impl Geometry {
     }
 }
 
+/// The 16-byte IV of IV sector `n` for the IV modes that are the sector number alone
+/// (`plain64`, `plain`, `plain64be`), made as one 16-byte value; `None` for the others. The
+/// cipher reads the IV back whole: an IV written in pieces into a larger array and read back
+/// at other widths stalls the load, on every sector (BENCHMARKS.md, `bench cipher`, measures
+/// what that costs AES-XTS on 512-byte sectors).
+#[inline]
+fn counter_iv(mode: IvMode, n: u64) -> Option<[u8; 16]> {
+    match mode {
+        IvMode::Plain64 => Some(u128::from(n).to_le_bytes()),
+        IvMode::Plain => Some(u128::from(n as u32).to_le_bytes()),
+        IvMode::Plain64Be => Some((u128::from(n.swap_bytes()) << 64).to_le_bytes()),
+        _ => None,
+    }
+}
+
 /// Which AES-XTS implementation a [`SectorCipher`] uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Provider {
@@ -593,6 +608,17 @@ impl SectorCipher {
             return Ok(());
         }
         let ss = self.sector_bytes();
+        let counter = counter_iv(self.spec.iv, 0).is_some();
+        if let (true, Imp::Xts { enc, dec } | Imp::Cbc { enc, dec }) = (counter, &mut self.imp) {
+            let ctx = if encrypt { enc } else { dec };
+            for (i, chunk) in data.chunks_exact_mut(ss).enumerate() {
+                let n = self.geometry.iv_sector(first_sector.wrapping_add(i as u64));
+                let iv = counter_iv(self.spec.iv, n).ok_or(Error::Bug("counter IV"))?;
+                ctx.set_iv(&iv)?;
+                ctx.update_in_place(chunk)?;
+            }
+            return Ok(());
+        }
         for (i, chunk) in data.chunks_exact_mut(ss).enumerate() {
             let iv = self.iv(first_sector.wrapping_add(i as u64))?;
             self.crypt_unit(encrypt, &iv, chunk)?;
@@ -660,6 +686,20 @@ impl SectorCipher {
         self.check_len(src.len())?;
         let ss = self.sector_bytes();
         match self.imp {
+            Imp::Xts { .. } | Imp::Cbc { .. } if counter_iv(self.spec.iv, 0).is_some() => {
+                let (Imp::Xts { enc, dec } | Imp::Cbc { enc, dec }) = &mut self.imp else {
+                    return Err(Error::Bug("cipher implementation changed mid-call"));
+                };
+                let ctx = if encrypt { enc } else { dec };
+                let sectors = src.chunks_exact(ss).zip(dst.chunks_exact_mut(ss));
+                for (i, (s, d)) in sectors.enumerate() {
+                    let n = self.geometry.iv_sector(first_sector.wrapping_add(i as u64));
+                    let iv = counter_iv(self.spec.iv, n).ok_or(Error::Bug("counter IV"))?;
+                    ctx.set_iv(&iv)?;
+                    ctx.update(s, d)?;
+                }
+                Ok(())
+            }
             Imp::Xts { .. } | Imp::Cbc { .. } => {
                 for (i, (s, d)) in src
                     .chunks_exact(ss)
