@@ -441,7 +441,7 @@ fn mode_of(decrypt: bool) -> Mode {
 }
 
 /// cryptsetup's words for a reduce size it refuses before anything else.
-pub const REDUCE_SIZE_NOT_SECTORS: &str = "Reduce size must be multiple of 512 bytes sector.";
+const REDUCE_SIZE_NOT_SECTORS: &str = "Reduce size must be multiple of 512 bytes sector.";
 
 /// Checks a rotation that moves the data up by `shift` bytes, as cryptsetup 2.6.1 checks it:
 /// a multiple of 512 bytes and of the new sector size, at most 1 GiB, a rotation (not a
