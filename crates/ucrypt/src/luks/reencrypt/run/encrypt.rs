@@ -8,17 +8,14 @@ use crate::luks::luks2::digest::free_id;
 use crate::luks::reencrypt::plan::{check_layout, position, Position};
 use crate::luks::reencrypt::{Direction, Mode};
 use crate::luks::util::{random_secret, HashAlg};
-use crate::luks::{apply, read_header, Luks2Header, NewKeyslot};
+use crate::luks::{apply, read_header, NewKeyslot};
 use crate::sector::{CipherSpec, SectorSize};
 use crate::{Error, Result};
 
 use super::copy_then_wipe;
-use super::init::{reencrypt_area, reencrypt_keyslot, Started};
+use super::init::{add_shift_keyslot, reencrypt_area, reencrypt_keyslot, Started};
 use super::seal::{add_reencryption_digest, assign_segments, require};
-use super::{
-    Devices, ResilienceKind, AREA_ALIGN_BYTES, CHECKSUM_HASH, REDUCE_BYTES_MAX, REQUIREMENT_V2,
-    SHIFT_AREA_BYTES,
-};
+use super::{Devices, ResilienceKind, AREA_ALIGN_BYTES, REDUCE_BYTES_MAX, REQUIREMENT_V2};
 
 /// How to start an encryption of a plaintext device ([`init_encrypt`]).
 pub struct EncryptOptions<'a> {
@@ -213,7 +210,7 @@ pub fn init_encrypt_shift(
     ops.truncate(2); // the material and its flush; the one header write comes below
     h.bin.seqid = seqid;
 
-    let rk = add_shift_keyslot(&mut h, shift)?;
+    let rk = add_shift_keyslot(&mut h, Mode::Encrypt, shift)?;
     let crypt = h
         .meta
         .segments
@@ -309,34 +306,6 @@ fn shift_sizes(
         )));
     }
     Ok((shift, data_bytes))
-}
-
-/// Adds the reencrypt keyslot of a data shift (mode `encrypt`, direction `backward`,
-/// resilience `datashift` with `shift_size` `shift`, over [`SHIFT_AREA_BYTES`]); returns
-/// its id.
-fn add_shift_keyslot(h: &mut Luks2Header, shift: u64) -> Result<u32> {
-    let (used_end, end) = reencrypt_area(h)?;
-    if end - used_end < SHIFT_AREA_BYTES {
-        return Err(Error::InvalidArgument(
-            "no room left in the keyslots area for the reencrypt keyslot".into(),
-        ));
-    }
-    let rk = free_id(h.meta.keyslots.keys())?;
-    let mut ks = reencrypt_keyslot(
-        Mode::Encrypt,
-        Direction::Backward,
-        ResilienceKind::None,
-        CHECKSUM_HASH,
-        used_end,
-        SHIFT_AREA_BYTES,
-    );
-    if let Some(a) = ks.area.as_mut() {
-        a.kind = "datashift".into();
-        a.extra
-            .insert("shift_size".into(), shift.to_string().into());
-    }
-    h.meta.keyslots.insert(rk.to_string(), ks);
-    Ok(rk)
 }
 
 /// The segments of a data shift of `data_bytes` by `shift`, in cryptsetup's order: the moved

@@ -366,36 +366,30 @@ pub(super) fn init_checked(
     };
     let new_slot = new_keyslots.first().map(|&(_, n)| n);
 
-    // The reencrypt keyslot: the rest of the keyslots area after the last used area.
-    let (used_end, end) = reencrypt_area(&h)?;
-    let rk = free_id(h.meta.keyslots.keys())?;
-    let (mode, direction) = if decrypt || opts.shift_bytes.is_some() {
-        (mode_of(decrypt), Direction::Backward)
-    } else {
-        (Mode::Reencrypt, Direction::Forward)
-    };
-    let mut keyslot = reencrypt_keyslot(
-        mode,
-        direction,
-        opts.resilience,
-        opts.resilience_hash,
-        used_end,
-        end - used_end,
-    );
-    if let (Some(shift), Some(a)) = (opts.shift_bytes, keyslot.area.as_mut()) {
-        // cryptsetup's area of a data shift: one 4 KiB block, holding nothing.
-        if end - used_end < super::SHIFT_AREA_BYTES {
-            return Err(Error::InvalidArgument(
-                "no room left in the keyslots area for the reencrypt keyslot".into(),
-            ));
+    // The reencrypt keyslot: the rest of the keyslots area after the last used area (a
+    // data shift's: one block of it).
+    let rk = match opts.shift_bytes {
+        Some(shift) => add_shift_keyslot(&mut h, Mode::Reencrypt, shift)?,
+        None => {
+            let (used_end, end) = reencrypt_area(&h)?;
+            let rk = free_id(h.meta.keyslots.keys())?;
+            let (mode, direction) = if decrypt {
+                (Mode::Decrypt, Direction::Backward)
+            } else {
+                (Mode::Reencrypt, Direction::Forward)
+            };
+            let keyslot = reencrypt_keyslot(
+                mode,
+                direction,
+                opts.resilience,
+                opts.resilience_hash,
+                used_end,
+                end - used_end,
+            );
+            h.meta.keyslots.insert(rk.to_string(), keyslot);
+            rk
         }
-        a.kind = "datashift".into();
-        a.size = U64Str(super::SHIFT_AREA_BYTES);
-        a.extra.clear();
-        a.extra
-            .insert("shift_size".into(), shift.to_string().into());
-    }
-    h.meta.keyslots.insert(rk.to_string(), keyslot);
+    };
     let new_final = if decrypt {
         None
     } else {
@@ -406,13 +400,8 @@ pub(super) fn init_checked(
         None if keep_key => Some(old_vk.digest_id()),
         None => None,
     };
-    set_rotation_segments(&mut h.meta, new_final, old_vk.digest_id(), new_did)?;
-    if let Some(shift) = opts.shift_bytes {
-        // backup-final, the data's new place: a shift above the old.
-        if let Some(fin) = h.meta.segments.get_mut("2") {
-            fin.offset = U64Str(seg.offset_bytes + shift);
-        }
-    }
+    let shift = opts.shift_bytes.unwrap_or(0);
+    set_rotation_segments(&mut h.meta, new_final, shift, old_vk.digest_id(), new_did)?;
 
     // The reencryption digest over the keys and the metadata (the kept key once).
     let last_kdf = kdfs.last().unwrap_or(opts.kdf);
@@ -432,12 +421,32 @@ pub(super) fn init_checked(
     })
 }
 
-fn mode_of(decrypt: bool) -> Mode {
-    if decrypt {
-        Mode::Decrypt
-    } else {
-        Mode::Reencrypt
+/// Adds the reencrypt keyslot of a data shift by `shift` bytes: mode `mode` (an encryption
+/// with the header in front, or a rotation that moves the data), direction `backward`,
+/// resilience `datashift`, over [`super::SHIFT_AREA_BYTES`] (it holds nothing); returns its id.
+pub(super) fn add_shift_keyslot(h: &mut Luks2Header, mode: Mode, shift: u64) -> Result<u32> {
+    let (used_end, end) = reencrypt_area(h)?;
+    if end - used_end < super::SHIFT_AREA_BYTES {
+        return Err(Error::InvalidArgument(
+            "no room left in the keyslots area for the reencrypt keyslot".into(),
+        ));
     }
+    let rk = free_id(h.meta.keyslots.keys())?;
+    let mut ks = reencrypt_keyslot(
+        mode,
+        Direction::Backward,
+        ResilienceKind::None,
+        super::CHECKSUM_HASH,
+        used_end,
+        super::SHIFT_AREA_BYTES,
+    );
+    if let Some(a) = ks.area.as_mut() {
+        a.kind = "datashift".into();
+        a.extra
+            .insert("shift_size".into(), shift.to_string().into());
+    }
+    h.meta.keyslots.insert(rk.to_string(), ks);
+    Ok(rk)
 }
 
 /// cryptsetup's words for a reduce size it refuses before anything else.
@@ -655,12 +664,14 @@ fn add_new_keyslots(
 
 /// cryptsetup's segments of a reencryption: the whole device as it is (0), then the two
 /// backups, backup-previous (1) and backup-final (2: the new cipher and sector size of
-/// `new_final`, or `linear` for a decryption, `None`); the old key's digest `old_did` covers
-/// 0 and 1, the new key's `new_did` covers 2 (all three when it is the old one: a kept key);
-/// the reencryption requirement is added.
+/// `new_final`, or `linear` for a decryption, `None`; `shift` bytes above the old one for a
+/// rotation that moves the data); the old key's digest `old_did` covers 0 and 1, the new
+/// key's `new_did` covers 2 (all three when it is the old one: a kept key); the reencryption
+/// requirement is added.
 fn set_rotation_segments(
     meta: &mut Metadata,
     new_final: Option<(CipherSpec, SectorSize)>,
+    shift: u64,
     old_did: u32,
     new_did: Option<u32>,
 ) -> Result<()> {
@@ -675,6 +686,7 @@ fn set_rotation_segments(
         s
     };
     let mut fin = flagged("backup-final");
+    fin.offset = U64Str(live.offset.0 + shift);
     match new_final {
         None => {
             fin.kind = "linear".into();
