@@ -3,14 +3,16 @@
 //!
 //! Guest memory is hostile and shared. Every descriptor is read once (the chain iterator
 //! copies it), every guest range is checked against the memory map before the device is
-//! touched, and data only moves between guest memory and the queue's private bounce buffer:
-//! the device encrypts or decrypts in that buffer, never in memory the guest can change while
-//! it happens. Whatever the chain holds, the request ends with a status (`OK`, `IOERR` or
-//! `UNSUPP`) when the chain has a writable status byte, and the caller returns the chain to the
-//! used ring either way.
+//! touched, and data reaches the device through `BlockDev::read_shared` and `write_shared`:
+//! the device encrypts or decrypts in memory of its own (the queue's private bounce buffer, or
+//! the volume's pool), never in memory the guest can change while it happens; guest memory is
+//! read once as plaintext to encrypt, or receives finished plaintext. Whatever the chain holds,
+//! the request ends with a status (`OK`, `IOERR` or `UNSUPP`) when the chain has a writable
+//! status byte, and the caller returns the chain to the used ring either way.
 
 use std::ops::Deref;
 
+use ucrypt::blockdev::Scratch;
 use ucrypt::BlockDev;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
@@ -19,6 +21,7 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
+use vm_memory::bitmap::Bitmap;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
 
 /// virtio-blk addresses the device in 512-byte sectors, whatever its block size.
@@ -40,11 +43,118 @@ pub const RANGES_MAX: usize = 1;
 /// large enough for the volume's dispatch to split it across idle cores.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
+/// A request's data goes to the device run by run (adjacent guest segments merged, cut at
+/// [`CHUNK_BYTES`]) when it is one run, or at most this many runs of whole device blocks and
+/// at least [`RUN_DIRECT_MIN_BYTES`] each: the device decrypts into guest memory or encrypts
+/// from it directly, with no copy through the bounce buffer. A guest buffer in one huge page is
+/// one run. A more scattered request is gathered into, or scattered from, the bounce buffer,
+/// [`CHUNK_BYTES`] at a time, so the device still sees one large piece, not many small ones.
+const RUNS_DIRECT_MAX: usize = 4;
+/// See [`RUNS_DIRECT_MAX`].
+const RUN_DIRECT_MIN_BYTES: u64 = 64 << 10;
+
 /// One guest memory range of a request.
 #[derive(Debug, Clone, Copy)]
 struct Seg {
     addr: GuestAddress,
     len: u32,
+}
+
+/// The data of a segment list from `skip` bytes in, adjacent segments merged: guest ranges in
+/// order.
+fn runs(segs: &[Seg], mut skip: u64) -> impl Iterator<Item = (GuestAddress, u64)> + '_ {
+    let mut pieces = segs
+        .iter()
+        .filter_map(move |s| {
+            let len = u64::from(s.len);
+            if skip >= len {
+                skip -= len;
+                return None;
+            }
+            let piece = (s.addr.checked_add(skip)?, len - skip);
+            skip = 0;
+            Some(piece)
+        })
+        .peekable();
+    std::iter::from_fn(move || {
+        let (at, mut n) = pieces.next()?;
+        while let Some(&(next, len)) = pieces.peek() {
+            if at.checked_add(n) != Some(next) {
+                break;
+            }
+            n += len;
+            pieces.next();
+        }
+        Some((at, n))
+    })
+}
+
+/// Whether the data from `skip` bytes in goes to the device run by run ([`RUNS_DIRECT_MAX`]),
+/// for a device of `block`-byte blocks.
+fn few_runs(segs: &[Seg], skip: u64, block: u32) -> bool {
+    let block = u64::from(block.max(1));
+    let mut n = 0;
+    let mut big = true;
+    for (_, len) in runs(segs, skip) {
+        n += 1;
+        big &= len % block == 0 && len >= RUN_DIRECT_MIN_BYTES;
+        if n > RUNS_DIRECT_MAX {
+            return false;
+        }
+    }
+    n == 1 || big
+}
+
+/// The `len` bytes of guest memory at `at` as one slice, when they lie in one region of the
+/// map with `access`.
+fn one_slice<G: GuestMemory + ?Sized>(
+    mem: &G,
+    at: GuestAddress,
+    len: usize,
+    access: Permissions,
+) -> Option<vm_memory::VolatileSlice<'_, vm_memory::bitmap::BS<'_, G::Bitmap>>> {
+    let slice = mem.get_slices(at, len, access).ok()?.next()?.ok()?;
+    (slice.len() == len).then_some(slice)
+}
+
+/// Calls `f` with the host memory of the `len` bytes of guest memory at `at`, when they lie in
+/// one region of the map (else `None`), and marks them dirty after.
+fn with_guest_mut<G: GuestMemory + ?Sized, R>(
+    mem: &G,
+    at: GuestAddress,
+    len: usize,
+    f: impl FnOnce(&mut [u8]) -> R,
+) -> Option<R> {
+    let slice = one_slice(mem, at, len, Permissions::Write)?;
+    let guard = slice.ptr_guard_mut();
+    // SAFETY: the range lies in one region of the guest memory map (`get_slices` checked it),
+    // which stays mapped while `mem` is borrowed, and the slice lives only while `f` runs.
+    // The memory is shared with the guest, which may read or write it meanwhile (and may point
+    // another request in flight at the same bytes), so nothing may rely on it staying as
+    // written, and nothing does: `f` hands it to `BlockDev::read_shared`, which only ever
+    // stores finished plaintext there and never reads it back.
+    let dst = unsafe { std::slice::from_raw_parts_mut(guard.as_ptr(), len) };
+    let r = f(dst);
+    slice.bitmap().mark_dirty(0, len);
+    Some(r)
+}
+
+/// Calls `f` with the host memory of the `len` bytes of guest memory at `at`, when they lie in
+/// one region of the map (else `None`).
+fn with_guest<G: GuestMemory + ?Sized, R>(
+    mem: &G,
+    at: GuestAddress,
+    len: usize,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Option<R> {
+    let slice = one_slice(mem, at, len, Permissions::Read)?;
+    let guard = slice.ptr_guard();
+    // SAFETY: as in `with_guest_mut`; the guest may change the bytes while `f` runs, and `f`
+    // hands them to `BlockDev::write_shared`, which reads each byte once into memory of its
+    // own before it computes anything from it, so a change shows as other data written, never
+    // as a broken invariant.
+    let src = unsafe { std::slice::from_raw_parts(guard.as_ptr(), len) };
+    Some(f(src))
 }
 
 /// How the queue's thread serves requests (settings fixed per connection).
@@ -57,29 +167,18 @@ pub struct Mode {
     pub discard: bool,
 }
 
-/// A request's private bounce buffer: the only memory the device encrypts or decrypts in.
-/// It grows to the largest piece served (at most [`CHUNK_BYTES`]) and is wiped when dropped
-/// (it holds plaintext).
+/// A request's private bounce buffer, the device's scratch for its shared requests: the
+/// only memory besides the volume's own that holds data being encrypted or decrypted. It grows
+/// to the largest piece served (at most [`CHUNK_BYTES`]), is page-aligned so that the volume
+/// can do direct I/O from it, and is wiped when dropped (it may hold plaintext).
 #[derive(Default)]
-pub struct Bounce(Vec<u8>);
+pub struct Bounce(Scratch);
 
 impl Bounce {
     /// The first `n` bytes (`n <= CHUNK_BYTES`), grown on first use.
     fn get(&mut self, n: usize) -> &mut [u8] {
         debug_assert!(n <= CHUNK_BYTES);
-        if self.0.len() < n {
-            // Grown to a page multiple at once, so that a mix of sizes does not regrow often.
-            let want = n.next_multiple_of(4096).min(CHUNK_BYTES);
-            zeroize::Zeroize::zeroize(&mut self.0);
-            self.0 = vec![0; want];
-        }
-        &mut self.0[..n]
-    }
-}
-
-impl Drop for Bounce {
-    fn drop(&mut self) {
-        zeroize::Zeroize::zeroize(&mut self.0);
+        self.0.get(n)
     }
 }
 
@@ -385,6 +484,16 @@ fn scatter<G: GuestMemory + ?Sized>(
     }
 }
 
+/// A guest range of `len` bytes at `at` cut into pieces of at most [`CHUNK_BYTES`].
+fn chunks(at: GuestAddress, len: u64) -> impl Iterator<Item = (GuestAddress, usize)> {
+    (0..len).step_by(CHUNK_BYTES).map(move |o| {
+        (
+            at.unchecked_add(o),
+            (len - o).min(CHUNK_BYTES as u64) as usize,
+        )
+    })
+}
+
 /// The device byte range of `len` bytes at 512-byte `sector`, if it lies inside the device.
 fn range(dev: &dyn BlockDev, sector: u64, len: u64) -> Result<u64, Refused> {
     if len % SECTOR_BYTES != 0 {
@@ -417,6 +526,28 @@ fn execute<G: GuestMemory + ?Sized>(
             // A used length is u32: a longer read is refused rather than reported wrongly.
             let used = u32::try_from(len).map_err(|_| Refused::IoErr)?;
             let offset = range(dev, sector, len)?;
+            if few_runs(&ctx.writable, 0, dev.block_size()) {
+                let mut done = 0u64;
+                for (at, run) in runs(&ctx.writable, 0) {
+                    for (at, n) in chunks(at, run) {
+                        let scratch = bounce.get(n);
+                        let direct = with_guest_mut(mem, at, n, |dst| {
+                            dev.read_shared(dst, offset + done, scratch)
+                        });
+                        match direct {
+                            Some(r) => r.map_err(device_err)?,
+                            None => {
+                                // Across two regions of the map: through the bounce buffer.
+                                let buf = bounce.get(n);
+                                dev.read_at(buf, offset + done).map_err(device_err)?;
+                                scatter(mem, &ctx.writable, done, buf)?;
+                            }
+                        }
+                        done += n as u64;
+                    }
+                }
+                return Ok(used);
+            }
             let mut done = 0u64;
             while done < len {
                 let n = (len - done).min(CHUNK_BYTES as u64) as usize;
@@ -432,6 +563,35 @@ fn execute<G: GuestMemory + ?Sized>(
                 return Err(Refused::IoErr);
             }
             let offset = range(dev, sector, payload)?;
+            let fua = !mode.write_back;
+            if few_runs(&ctx.readable, HEADER_BYTES as u64, dev.block_size()) {
+                let mut done = 0u64;
+                for (at, run) in runs(&ctx.readable, HEADER_BYTES as u64) {
+                    for (at, n) in chunks(at, run) {
+                        let scratch = bounce.get(n);
+                        let direct = with_guest(mem, at, n, |src| {
+                            dev.write_shared(src, offset + done, fua, scratch)
+                        });
+                        match direct {
+                            Some(r) => r.map_err(device_err)?,
+                            None => {
+                                // Across two regions of the map: through the bounce buffer.
+                                let buf = bounce.get(n);
+                                gather(mem, &ctx.readable, HEADER_BYTES as u64 + done, buf)?;
+                                let at = offset + done;
+                                if fua {
+                                    dev.write_fua(buf, at)
+                                } else {
+                                    dev.write_at_mut(buf, at)
+                                }
+                                .map_err(device_err)?;
+                            }
+                        }
+                        done += n as u64;
+                    }
+                }
+                return Ok(0);
+            }
             let mut done = 0u64;
             while done < payload {
                 let n = (payload - done).min(CHUNK_BYTES as u64) as usize;
@@ -491,5 +651,46 @@ fn execute<G: GuestMemory + ?Sized>(
             }
             Ok(0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(addr: u64, len: u32) -> Seg {
+        Seg {
+            addr: GuestAddress(addr),
+            len,
+        }
+    }
+
+    #[test]
+    fn runs_merge_adjacent_segments_after_the_skip() {
+        let segs = [
+            seg(0x1000, 16),
+            seg(0x1010, 4080),
+            seg(0x3000, 4096),
+            seg(0x4000, 4096),
+            seg(0x9000, 512),
+        ];
+        let got: Vec<_> = runs(&segs, 16).map(|(a, n)| (a.0, n)).collect();
+        assert_eq!(got, [(0x1010, 4080), (0x3000, 8192), (0x9000, 512)]);
+        let got: Vec<_> = runs(&segs, 0).map(|(a, n)| (a.0, n)).collect();
+        assert_eq!(got, [(0x1000, 4096), (0x3000, 8192), (0x9000, 512)]);
+        assert_eq!(runs(&segs, 20_000).count(), 0);
+    }
+
+    #[test]
+    fn only_one_run_or_a_few_big_whole_block_runs_go_direct() {
+        let big = 64 << 10;
+        assert!(few_runs(&[seg(0, 16), seg(0x10000, 512)], 16, 4096));
+        assert!(few_runs(&[seg(0, big), seg(0x100000, big)], 0, 4096));
+        // One run too short, one not whole blocks, too many runs.
+        assert!(!few_runs(&[seg(0, big), seg(0x100000, 4096)], 0, 4096));
+        assert!(!few_runs(&[seg(0, big + 512), seg(0x100000, big)], 0, 4096));
+        let many: Vec<_> = (0..5).map(|i| seg(i * 0x100000, big)).collect();
+        assert!(!few_runs(&many, 0, 4096));
+        assert!(few_runs(&many[..4], 0, 4096));
     }
 }

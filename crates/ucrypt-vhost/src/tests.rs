@@ -37,6 +37,9 @@ struct MemDev {
     flushes: AtomicU32,
     fua_writes: AtomicU32,
     plain_writes: AtomicU32,
+    /// Calls of `read_shared` and `write_shared` (served through the default's scratch).
+    shared_reads: AtomicU32,
+    shared_writes: AtomicU32,
     discards: AtomicU32,
     held: Mutex<Vec<u64>>,
     released: Condvar,
@@ -54,6 +57,8 @@ impl MemDev {
             flushes: AtomicU32::new(0),
             fua_writes: AtomicU32::new(0),
             plain_writes: AtomicU32::new(0),
+            shared_reads: AtomicU32::new(0),
+            shared_writes: AtomicU32::new(0),
             discards: AtomicU32::new(0),
             held: Mutex::new(Vec::new()),
             released: Condvar::new(),
@@ -116,6 +121,20 @@ impl BlockDev for MemDev {
         self.plain_writes.fetch_add(1, Ordering::SeqCst);
         self.leave(Event::Write(offset));
         Ok(())
+    }
+    fn read_shared(&self, dst: &mut [u8], offset: u64, scratch: &mut [u8]) -> ucrypt::Result<()> {
+        self.shared_reads.fetch_add(1, Ordering::SeqCst);
+        ucrypt::blockdev::read_through(self, dst, offset, scratch)
+    }
+    fn write_shared(
+        &self,
+        src: &[u8],
+        offset: u64,
+        fua: bool,
+        scratch: &mut [u8],
+    ) -> ucrypt::Result<()> {
+        self.shared_writes.fetch_add(1, Ordering::SeqCst);
+        ucrypt::blockdev::write_through(self, src, offset, fua, scratch)
     }
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         self.write_at(buf, offset)?;
@@ -364,6 +383,76 @@ fn write_then_read_over_scattered_segments() {
     let rsegs = [4096, 2048, 2048];
     assert_eq!(r.request(VIRTIO_BLK_T_IN, 8, &rsegs, true), (OK, 8193));
     assert_eq!(r.get_data(&rsegs), data);
+}
+
+#[test]
+fn adjacent_segments_reach_the_device_as_one_shared_run() {
+    let mem = guest_memory();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let half = 64u32 << 10;
+    let data = pattern(2 * half as usize, 5);
+    mem.write_slice(&data, GuestAddress(DATA)).unwrap();
+    let w = VRING_DESC_F_WRITE as u16;
+    let two = |flag| {
+        [
+            (HDR, 16, 0),
+            (DATA, half, flag),
+            (DATA + u64::from(half), half, flag),
+        ]
+    };
+    r.header(VIRTIO_BLK_T_OUT, 8);
+    r.offer(&[two(0).as_slice(), &[(STATUS, 1, w)]].concat());
+    assert_eq!(r.serve().len(), 1);
+    assert_eq!(r.status(), OK);
+    assert_eq!(r.dev.bytes(4096, data.len()), data);
+    assert_eq!(r.dev.shared_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 1);
+
+    mem.write_slice(&vec![0u8; data.len()], GuestAddress(DATA))
+        .unwrap();
+    r.header(VIRTIO_BLK_T_IN, 8);
+    let mut descs = two(w).to_vec();
+    descs.push((STATUS, 1, w));
+    let head = r.offer(&descs);
+    assert_eq!(r.serve(), [(u32::from(head), 2 * half + 1)]);
+    assert_eq!(r.status(), OK);
+    let mut back = vec![0u8; data.len()];
+    mem.read_slice(&mut back, GuestAddress(DATA)).unwrap();
+    assert_eq!(back, data);
+    assert_eq!(r.dev.shared_reads.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_run_across_two_memory_regions_goes_through_the_bounce_buffer() {
+    // Two regions, adjacent in guest memory but two mappings in this process.
+    let mem = GuestMemoryMmap::<()>::from_ranges(&[
+        (GuestAddress(0), MEM_BYTES / 2),
+        (GuestAddress(MEM_BYTES as u64 / 2), MEM_BYTES / 2),
+    ])
+    .unwrap();
+    let mut r = Rig::new(&mem, MemDev::new(DEV_BYTES, false), FLUSH, false);
+    let n = 128u32 << 10;
+    let at = MEM_BYTES as u64 / 2 - u64::from(n) / 2;
+    let data = pattern(n as usize, 9);
+    mem.write_slice(&data, GuestAddress(at)).unwrap();
+    let w = VRING_DESC_F_WRITE as u16;
+    r.header(VIRTIO_BLK_T_OUT, 0);
+    r.offer(&[(HDR, 16, 0), (at, n, 0), (STATUS, 1, w)]);
+    assert_eq!(r.serve().len(), 1);
+    assert_eq!(r.status(), OK);
+    assert_eq!(r.dev.bytes(0, n as usize), data);
+    assert_eq!(r.dev.shared_writes.load(Ordering::SeqCst), 0);
+
+    mem.write_slice(&vec![0u8; n as usize], GuestAddress(at))
+        .unwrap();
+    r.header(VIRTIO_BLK_T_IN, 0);
+    r.offer(&[(HDR, 16, 0), (at, n, w), (STATUS, 1, w)]);
+    assert_eq!(r.serve().len(), 1);
+    assert_eq!(r.status(), OK);
+    let mut back = vec![0u8; n as usize];
+    mem.read_slice(&mut back, GuestAddress(at)).unwrap();
+    assert_eq!(back, data);
+    assert_eq!(r.dev.shared_reads.load(Ordering::SeqCst), 0);
 }
 
 #[test]

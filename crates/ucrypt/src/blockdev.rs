@@ -34,6 +34,21 @@ pub trait BlockDev: Send + Sync {
         self.write_at_mut(buf, offset)?;
         self.flush()
     }
+    /// Like `read_at`, into memory another party can see and change while the read runs (a
+    /// virtual machine's): only plaintext is ever written into `dst`, never ciphertext or
+    /// data an integrity check has not passed. `scratch` is the caller's private memory of
+    /// at least `dst.len()` bytes; the default reads into it and copies, and afterwards it
+    /// holds the plaintext (the caller wipes it).
+    fn read_shared(&self, dst: &mut [u8], offset: u64, scratch: &mut [u8]) -> Result<()> {
+        read_through(self, dst, offset, scratch)
+    }
+    /// Like `write_at` (`write_fua` with `fua`), from memory another party may change while
+    /// the write runs: the device reads each byte of `src` once, into memory of its own,
+    /// before it computes anything from it (an integrity tag, an IV). `scratch` as for
+    /// `read_shared`; the default copies `src` into it and writes from there.
+    fn write_shared(&self, src: &[u8], offset: u64, fua: bool, scratch: &mut [u8]) -> Result<()> {
+        write_through(self, src, offset, fua, scratch)
+    }
     /// Makes every acknowledged write durable on the backing store (fdatasync).
     fn flush(&self) -> Result<()>;
     /// The range may read back as anything afterwards (LUKS: ciphertext hole reads as garbage);
@@ -50,4 +65,90 @@ pub fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
         Some(end) if end <= size => Ok(()),
         _ => Err(Error::OutOfRange { offset, len, size }),
     }
+}
+
+/// Page size of [`Scratch`]'s alignment: what direct I/O asks of a buffer's address.
+const SCRATCH_ALIGN: usize = 4096;
+
+/// One page of a [`Scratch`].
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct Page([u8; SCRATCH_ALIGN]);
+
+/// A caller's private memory for [`BlockDev::read_shared`] and [`BlockDev::write_shared`]:
+/// page-aligned (a volume does direct I/O from it), grown on demand to whole pages, and wiped
+/// before it is regrown and when dropped, since it may hold plaintext.
+#[derive(Default)]
+pub struct Scratch(Vec<Page>);
+
+impl Scratch {
+    /// The first `n` bytes, grown (and the old contents wiped) when shorter.
+    pub fn get(&mut self, n: usize) -> &mut [u8] {
+        let pages = n.div_ceil(SCRATCH_ALIGN);
+        if self.0.len() < pages {
+            self.wipe();
+            self.0 = vec![Page([0; SCRATCH_ALIGN]); pages];
+        }
+        assert!(
+            self.0.len() * SCRATCH_ALIGN >= n,
+            "scratch shorter than asked"
+        );
+        // SAFETY: `Page` is `repr(C)` around a byte array whose size is its alignment, so it
+        // has no padding and the vector's pages are one initialised, contiguous byte range of
+        // `len * SCRATCH_ALIGN` bytes (at least `n`, asserted above), borrowed through
+        // `&mut self` for as long as the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u8>(), n) }
+    }
+
+    fn wipe(&mut self) {
+        for p in &mut self.0 {
+            zeroize::Zeroize::zeroize(&mut p.0);
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        self.wipe();
+    }
+}
+
+/// [`BlockDev::read_shared`] through the caller's `scratch`: a read into it, then a copy.
+pub fn read_through<D: BlockDev + ?Sized>(
+    dev: &D,
+    dst: &mut [u8],
+    offset: u64,
+    scratch: &mut [u8],
+) -> Result<()> {
+    let tmp = scratch_for(scratch, dst.len())?;
+    dev.read_at(tmp, offset)?;
+    dst.copy_from_slice(tmp);
+    Ok(())
+}
+
+/// [`BlockDev::write_shared`] through the caller's `scratch`: a copy into it, then a write
+/// that may use it as scratch space.
+pub fn write_through<D: BlockDev + ?Sized>(
+    dev: &D,
+    src: &[u8],
+    offset: u64,
+    fua: bool,
+    scratch: &mut [u8],
+) -> Result<()> {
+    let tmp = scratch_for(scratch, src.len())?;
+    tmp.copy_from_slice(src);
+    if fua {
+        dev.write_fua(tmp, offset)
+    } else {
+        dev.write_at_mut(tmp, offset)
+    }
+}
+
+fn scratch_for(scratch: &mut [u8], len: usize) -> Result<&mut [u8]> {
+    let have = scratch.len();
+    scratch.get_mut(..len).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "scratch buffer of {have} bytes for a request of {len} bytes"
+        ))
+    })
 }

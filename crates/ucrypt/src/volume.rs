@@ -257,6 +257,17 @@ enum Source<'a> {
 
 // ================================================================ the data path
 
+/// The caller's buffer of a shared request (see [`Core::through_scratch`]).
+enum Shared<'a> {
+    Read(&'a mut [u8]),
+    Write(&'a [u8]),
+}
+
+/// Shared reads and writes ([`BlockDev::read_shared`], [`BlockDev::write_shared`]) shorter
+/// than this copy through the caller's scratch and take the direct path: for them a copy
+/// costs less than planning and a pool grant.
+pub const SHARED_COPY_BELOW_BYTES: u64 = 64 << 10;
+
 impl BlockDev for Volume {
     fn size(&self) -> u64 {
         self.core.size.load(Relaxed)
@@ -276,6 +287,41 @@ impl BlockDev for Volume {
             return counted(&self.core, Kind::Read, self.seg_read(buf, offset));
         }
         counted(&self.core, Kind::Read, self.core.read(buf, offset))
+    }
+
+    /// A read of [`SHARED_COPY_BELOW_BYTES`] or more, of whole sectors, with a cipher that
+    /// decrypts out of place: the ciphertext is read into `scratch` and decrypted from there
+    /// into `dst` (split across cores as any big read), so `dst` only ever receives plaintext
+    /// and nothing is copied. Others take the default's way (`blockdev::read_through`).
+    fn read_shared(&self, dst: &mut [u8], offset: u64, scratch: &mut [u8]) -> Result<()> {
+        {
+            // Checked inside the gate: reencryption begins with it closed.
+            let _in = self.core.enter(Kind::Read)?;
+            if let Some(via) = self.core.shared_scratch(dst.len(), offset, scratch, false) {
+                let r = self
+                    .core
+                    .through_scratch(Shared::Read(dst), via, offset, false);
+                return counted(&self.core, Kind::Read, r);
+            }
+        }
+        crate::blockdev::read_through(self, dst, offset, scratch)
+    }
+
+    /// A write of [`SHARED_COPY_BELOW_BYTES`] or more, of whole sectors: encrypted from `src`
+    /// into `scratch` (which reads each byte of `src` once: `SectorCipher::encrypt_to`, or a
+    /// copy into `scratch` first) and written from there, split across cores as any big
+    /// write; nothing is copied. Others take the default's way (`blockdev::write_through`).
+    fn write_shared(&self, src: &[u8], offset: u64, fua: bool, scratch: &mut [u8]) -> Result<()> {
+        {
+            let _in = self.core.enter(Kind::Write)?;
+            if let Some(via) = self.core.shared_scratch(src.len(), offset, scratch, true) {
+                let r = self
+                    .core
+                    .through_scratch(Shared::Write(src), via, offset, fua);
+                return counted(&self.core, Kind::Write, r);
+            }
+        }
+        crate::blockdev::write_through(self, src, offset, fua, scratch)
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
@@ -368,6 +414,7 @@ impl Core {
                 sectors: piece.sectors,
                 buf: dst.as_mut_ptr(),
                 src: std::ptr::null(),
+                out: std::ptr::null_mut(),
                 io: true,
                 fua: false,
             };
@@ -381,6 +428,7 @@ impl Core {
             sectors: piece.sectors,
             buf: g.as_mut_ptr(),
             src: std::ptr::null(),
+            out: std::ptr::null_mut(),
             io: true,
             fua: false,
         };
@@ -535,6 +583,7 @@ impl Core {
             },
             buf: dst.as_mut_ptr(),
             src: std::ptr::null(),
+            out: std::ptr::null_mut(),
             io: true,
             fua: false,
         };
@@ -591,6 +640,7 @@ impl Core {
             sectors: piece.sectors,
             buf: g.as_mut_ptr(),
             src: std::ptr::null(),
+            out: std::ptr::null_mut(),
             io: true,
             fua,
         };
@@ -670,6 +720,7 @@ impl Core {
                 sectors: part.sectors,
                 buf: g.as_mut_ptr(),
                 src: plain_src,
+                out: std::ptr::null_mut(),
                 io: true,
                 fua,
             };
@@ -1284,6 +1335,114 @@ impl Core {
         }
     }
 
+    /// Decrypts `buf` into `out`, leaving `buf` as it was.
+    fn decrypt_out(
+        &self,
+        own: Option<&mut SectorCipher>,
+        sector: u64,
+        buf: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
+        if self.null_cipher() {
+            out.copy_from_slice(buf);
+            return Ok(());
+        }
+        let mut run = |c: &mut SectorCipher| c.decrypt_to(sector, buf, out);
+        match own {
+            Some(c) => run(c),
+            None => self.ciphers.with(run),
+        }
+    }
+
+    /// The part of `scratch` a shared request ([`BlockDev::read_shared`],
+    /// [`BlockDev::write_shared`]) of `len` bytes at `offset` goes through, if it takes the
+    /// way without a copy: [`SHARED_COPY_BELOW_BYTES`] or more, whole sectors, outside
+    /// reencryption (whose segments plan their own pieces), a `scratch` the backend can do
+    /// I/O from, and for a read a cipher that writes only plaintext into its output.
+    fn shared_scratch<'a>(
+        &self,
+        len: usize,
+        offset: u64,
+        scratch: &'a mut [u8],
+        write: bool,
+    ) -> Option<&'a mut [u8]> {
+        let mask = (1u64 << self.shift) - 1;
+        let fits = len as u64 >= SHARED_COPY_BELOW_BYTES
+            && (offset | len as u64) & mask == 0
+            && !self.segmented.load(Relaxed)
+            && (scratch.as_ptr() as usize) % self.mem_align == 0;
+        let out_of_place = || {
+            write
+                || self.null_cipher()
+                || self
+                    .ciphers
+                    .with(|c| Ok(c.crypts_out_of_place()))
+                    .unwrap_or(false)
+        };
+        if fits && out_of_place() {
+            scratch.get_mut(..len)
+        } else {
+            None
+        }
+    }
+
+    /// A shared request through `via`, the caller's private memory of the same length: a read
+    /// has its ciphertext read into `via` and decrypted from there into the caller's buffer; a
+    /// write is encrypted from the caller's buffer into `via` and written from there. Planned
+    /// and dispatched as any request of its size; the caller checked what `shared_scratch`
+    /// checks.
+    fn through_scratch(
+        &self,
+        mut user: Shared<'_>,
+        via: &mut [u8],
+        offset: u64,
+        fua: bool,
+    ) -> Result<()> {
+        let mut t = Times::start();
+        let len = via.len() as u64;
+        let write = matches!(user, Shared::Write(_));
+        self.check(offset, len)?;
+        if write {
+            self.check_writable()?;
+        }
+        let op = if write { Op::Write } else { Op::Read };
+        let (plan, _big) = self.plan(op, offset, len);
+        let t0 = t.clock();
+        let _lock = plan.lock.map(|r| self.locks.lock(r));
+        t.wait += t.clock().wrapping_sub(t0);
+        let mut r = Ok(());
+        for piece in plan.pieces() {
+            if !piece.aligned() {
+                r = Err(Error::Bug(
+                    "a shared request of whole sectors cut mid-sector",
+                ));
+                break;
+            }
+            let at = piece.buf_off;
+            let (src, out) = match &mut user {
+                Shared::Write(s) => (s[at..].as_ptr(), std::ptr::null_mut()),
+                Shared::Read(d) => (std::ptr::null(), d[at..].as_mut_ptr()),
+            };
+            let task = Task {
+                write,
+                sectors: piece.sectors,
+                buf: via[at..].as_mut_ptr(),
+                src,
+                out,
+                io: true,
+                fua,
+            };
+            r = self.run(&plan, &piece, task, &mut t);
+            if r.is_err() {
+                break;
+            }
+        }
+        let kind = if write { Kind::Write } else { Kind::Read };
+        self.stats
+            .record(kind, len, &t, plan.dispatch.splits(), false);
+        r
+    }
+
     /// The backend read of a task's ciphertext into `buf` (its buffer).
     fn read_task_io(&self, task: &Task, buf: &mut [u8], t: &mut Times) -> Result<()> {
         let t0 = t.clock();
@@ -1355,7 +1514,14 @@ impl Executor for Core {
                 self.read_task_io(task, buf, t)?;
             }
             let t0 = t.clock();
-            let r = self.crypt(own, false, task.sectors.first, buf, None);
+            let r = if task.out.is_null() {
+                self.crypt(own, false, task.sectors.first, buf, None)
+            } else {
+                // SAFETY: a non-null out covers the same sectors in the caller's buffer, apart
+                // from `buf` (see Task).
+                let out = unsafe { std::slice::from_raw_parts_mut(task.out, len) };
+                self.decrypt_out(own, task.sectors.first, buf, out)
+            };
             t.crypto += t.clock().wrapping_sub(t0);
             return r;
         }

@@ -15,6 +15,9 @@ pub(crate) struct Task {
     pub buf: *mut u8,
     /// Writes: plaintext to encrypt into `buf`; null = `buf` already holds the plaintext.
     pub src: *const u8,
+    /// Reads: where the plaintext goes, decrypted out of `buf` (which then holds only
+    /// ciphertext); null = decrypted in place in `buf`.
+    pub out: *mut u8,
     /// Also do the backend I/O (read before decrypting / write after encrypting).
     pub io: bool,
     /// Writes: the backend write must be durable when it completes (FUA).
@@ -46,6 +49,12 @@ impl Task {
             } else {
                 // SAFETY: as above; a non-null src covers the same sectors.
                 unsafe { self.src.add(off) }
+            },
+            out: if self.out.is_null() {
+                self.out
+            } else {
+                // SAFETY: as above; a non-null out covers the same sectors.
+                unsafe { self.out.add(off) }
             },
             ..*self
         }

@@ -732,6 +732,13 @@ impl SectorCipher {
         }
     }
 
+    /// Whether [`SectorCipher::decrypt_to`] and [`SectorCipher::encrypt_to`] write `dst` only
+    /// with their output, reading each byte of `src` once: the modes a cipher library runs
+    /// from one buffer into another. The others copy `src` into `dst` and work there.
+    pub fn crypts_out_of_place(&self) -> bool {
+        matches!(self.imp, Imp::Xts { .. } | Imp::Cbc { .. })
+    }
+
     /// Encrypts whole sectors in place; `first_sector` counts encryption sectors from the start
     /// of the data segment.
     pub fn encrypt(&mut self, first_sector: u64, data: &mut [u8]) -> Result<()> {
