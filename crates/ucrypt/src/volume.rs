@@ -29,14 +29,13 @@ use crate::backend::Backend;
 use crate::engine::ciphers::CipherSlots;
 use crate::engine::gate::Gate;
 use crate::engine::host;
-use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange, CHUNKS_PER_LANE};
+use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
 use crate::engine::stats::{now, ns_per_tick, Kind, Stats, Times};
 use crate::engine::task::Task;
 use crate::engine::workers::{
-    self, Completion, DoneRef, Executor, Job, Split, SplitRef, WriteJob, JOB_QUEUE_MAX,
-    WRITE_QUEUE_MAX,
+    self, Completion, DoneRef, Executor, Job, WriteJob, JOB_QUEUE_MAX, WRITE_QUEUE_MAX,
 };
 pub use crate::engine::workers::{SPIN_BEFORE_SLEEP, SPIN_MAX, THREAD_IDLE_EXIT};
 use crate::engine::{Policies, Policy, StatsSnapshot};
@@ -45,9 +44,13 @@ use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSi
 use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
+mod dispatch;
 mod segments;
+mod shared;
 pub use segments::NewSideAt;
 use segments::Segments;
+use shared::Shared;
+pub use shared::SHARED_COPY_BELOW_BYTES;
 
 /// Largest piece of a request processed at once (also bounded by the pool): big enough for the
 /// workers to share, small enough that many requests progress side by side.
@@ -257,17 +260,6 @@ enum Source<'a> {
 
 // ================================================================ the data path
 
-/// The caller's buffer of a shared request (see [`Core::through_scratch`]).
-enum Shared<'a> {
-    Read(&'a mut [u8]),
-    Write(&'a [u8]),
-}
-
-/// Shared reads and writes ([`BlockDev::read_shared`], [`BlockDev::write_shared`]) shorter
-/// than this copy through the caller's scratch and take the direct path: for them a copy
-/// costs less than planning and a pool grant.
-pub const SHARED_COPY_BELOW_BYTES: u64 = 64 << 10;
-
 impl BlockDev for Volume {
     fn size(&self) -> u64 {
         self.core.size.load(Relaxed)
@@ -289,39 +281,20 @@ impl BlockDev for Volume {
         counted(&self.core, Kind::Read, self.core.read(buf, offset))
     }
 
-    /// A read of [`SHARED_COPY_BELOW_BYTES`] or more, of whole sectors, with a cipher that
-    /// decrypts out of place: the ciphertext is read into `scratch` and decrypted from there
-    /// into `dst` (split across cores as any big read), so `dst` only ever receives plaintext
-    /// and nothing is copied. Others take the default's way (`blockdev::read_through`).
+    /// See `shared.rs`: without a copy where the volume can, else the default's way.
     fn read_shared(&self, dst: &mut [u8], offset: u64, scratch: &mut [u8]) -> Result<()> {
-        {
-            // Checked inside the gate: reencryption begins with it closed.
-            let _in = self.core.enter(Kind::Read)?;
-            if let Some(via) = self.core.shared_scratch(dst.len(), offset, scratch, false) {
-                let r = self
-                    .core
-                    .through_scratch(Shared::Read(dst), via, offset, false);
-                return counted(&self.core, Kind::Read, r);
-            }
+        match self.shared_io(Shared::Read(&mut *dst), offset, false, scratch) {
+            Some(r) => r,
+            None => crate::blockdev::read_through(self, dst, offset, scratch),
         }
-        crate::blockdev::read_through(self, dst, offset, scratch)
     }
 
-    /// A write of [`SHARED_COPY_BELOW_BYTES`] or more, of whole sectors: encrypted from `src`
-    /// into `scratch` (which reads each byte of `src` once: `SectorCipher::encrypt_to`, or a
-    /// copy into `scratch` first) and written from there, split across cores as any big
-    /// write; nothing is copied. Others take the default's way (`blockdev::write_through`).
+    /// See `shared.rs`: without a copy where the volume can, else the default's way.
     fn write_shared(&self, src: &[u8], offset: u64, fua: bool, scratch: &mut [u8]) -> Result<()> {
-        {
-            let _in = self.core.enter(Kind::Write)?;
-            if let Some(via) = self.core.shared_scratch(src.len(), offset, scratch, true) {
-                let r = self
-                    .core
-                    .through_scratch(Shared::Write(src), via, offset, fua);
-                return counted(&self.core, Kind::Write, r);
-            }
+        match self.shared_io(Shared::Write(src), offset, fua, scratch) {
+            Some(r) => r,
+            None => crate::blockdev::write_through(self, src, offset, fua, scratch),
         }
-        crate::blockdev::write_through(self, src, offset, fua, scratch)
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
@@ -1335,114 +1308,6 @@ impl Core {
         }
     }
 
-    /// Decrypts `buf` into `out`, leaving `buf` as it was.
-    fn decrypt_out(
-        &self,
-        own: Option<&mut SectorCipher>,
-        sector: u64,
-        buf: &[u8],
-        out: &mut [u8],
-    ) -> Result<()> {
-        if self.null_cipher() {
-            out.copy_from_slice(buf);
-            return Ok(());
-        }
-        let mut run = |c: &mut SectorCipher| c.decrypt_to(sector, buf, out);
-        match own {
-            Some(c) => run(c),
-            None => self.ciphers.with(run),
-        }
-    }
-
-    /// The part of `scratch` a shared request ([`BlockDev::read_shared`],
-    /// [`BlockDev::write_shared`]) of `len` bytes at `offset` goes through, if it takes the
-    /// way without a copy: [`SHARED_COPY_BELOW_BYTES`] or more, whole sectors, outside
-    /// reencryption (whose segments plan their own pieces), a `scratch` the backend can do
-    /// I/O from, and for a read a cipher that writes only plaintext into its output.
-    fn shared_scratch<'a>(
-        &self,
-        len: usize,
-        offset: u64,
-        scratch: &'a mut [u8],
-        write: bool,
-    ) -> Option<&'a mut [u8]> {
-        let mask = (1u64 << self.shift) - 1;
-        let fits = len as u64 >= SHARED_COPY_BELOW_BYTES
-            && (offset | len as u64) & mask == 0
-            && !self.segmented.load(Relaxed)
-            && (scratch.as_ptr() as usize) % self.mem_align == 0;
-        let out_of_place = || {
-            write
-                || self.null_cipher()
-                || self
-                    .ciphers
-                    .with(|c| Ok(c.crypts_out_of_place()))
-                    .unwrap_or(false)
-        };
-        if fits && out_of_place() {
-            scratch.get_mut(..len)
-        } else {
-            None
-        }
-    }
-
-    /// A shared request through `via`, the caller's private memory of the same length: a read
-    /// has its ciphertext read into `via` and decrypted from there into the caller's buffer; a
-    /// write is encrypted from the caller's buffer into `via` and written from there. Planned
-    /// and dispatched as any request of its size; the caller checked what `shared_scratch`
-    /// checks.
-    fn through_scratch(
-        &self,
-        mut user: Shared<'_>,
-        via: &mut [u8],
-        offset: u64,
-        fua: bool,
-    ) -> Result<()> {
-        let mut t = Times::start();
-        let len = via.len() as u64;
-        let write = matches!(user, Shared::Write(_));
-        self.check(offset, len)?;
-        if write {
-            self.check_writable()?;
-        }
-        let op = if write { Op::Write } else { Op::Read };
-        let (plan, _big) = self.plan(op, offset, len);
-        let t0 = t.clock();
-        let _lock = plan.lock.map(|r| self.locks.lock(r));
-        t.wait += t.clock().wrapping_sub(t0);
-        let mut r = Ok(());
-        for piece in plan.pieces() {
-            if !piece.aligned() {
-                r = Err(Error::Bug(
-                    "a shared request of whole sectors cut mid-sector",
-                ));
-                break;
-            }
-            let at = piece.buf_off;
-            let (src, out) = match &mut user {
-                Shared::Write(s) => (s[at..].as_ptr(), std::ptr::null_mut()),
-                Shared::Read(d) => (std::ptr::null(), d[at..].as_mut_ptr()),
-            };
-            let task = Task {
-                write,
-                sectors: piece.sectors,
-                buf: via[at..].as_mut_ptr(),
-                src,
-                out,
-                io: true,
-                fua,
-            };
-            r = self.run(&plan, &piece, task, &mut t);
-            if r.is_err() {
-                break;
-            }
-        }
-        let kind = if write { Kind::Write } else { Kind::Read };
-        self.stats
-            .record(kind, len, &t, plan.dispatch.splits(), false);
-        r
-    }
-
     /// The backend read of a task's ciphertext into `buf` (its buffer).
     fn read_task_io(&self, task: &Task, buf: &mut [u8], t: &mut Times) -> Result<()> {
         let t0 = t.clock();
@@ -1551,111 +1416,5 @@ impl Executor for Core {
         };
         t.backend += t.clock().wrapping_sub(t0);
         r
-    }
-}
-
-impl Core {
-    /// Runs `task` on `lanes` threads (the caller and `lanes - 1` workers), cut into
-    /// `lanes * CHUNKS_PER_LANE` chunks they claim one at a time (see [`Split`]). Returns only
-    /// when every chunk has finished, error or not.
-    fn run_split(&self, task: &Task, lanes: u32, piece: &Piece, t: &mut Times) -> Result<()> {
-        let bytes = piece.sectors.len() << self.shift;
-        let by_size = (bytes / self.planner.chunk_min_bytes.max(1)).max(1);
-        let chunks = by_size.min((lanes * CHUNKS_PER_LANE) as u64) as u32;
-        let helpers = lanes.saturating_sub(1).min(chunks.saturating_sub(1));
-        let split = Split::new(*task, chunks, self.shift, helpers);
-        let me: *const Split = &split;
-        for _ in 0..helpers {
-            let job = Job::Help {
-                split: SplitRef(me),
-                queued_at: t.clock(),
-            };
-            if self.push_job(job).is_err() {
-                split.helpers.done(
-                    Err(Error::Bug("job queue closed while the volume is in use")),
-                    &Times::default(),
-                );
-            }
-        }
-        let r = split.run_chunks(self, None, t);
-        // Take back helper jobs no worker has started (all cores busy): there is nothing left
-        // for them, and the request must not wait for a worker to be scheduled.
-        while let Some(Job::Help { .. }) = self
-            .jobs
-            .steal(|j| matches!(j, Job::Help { split, .. } if std::ptr::eq(split.0, me)))
-        {
-            split.helpers.done(Ok(()), &Times::default());
-        }
-        let (rw, tw) = split.helpers.wait(self.spin());
-        t.add(&tw);
-        r.and(rw)
-    }
-
-    /// Hands a whole task to a worker (the `queued` model) and waits.
-    fn run_queued(&self, task: Task, write: bool, t: &mut Times) -> Result<()> {
-        let comp = Completion::new(1);
-        let done = DoneRef(&comp);
-        let queued_at = t.clock();
-        let job = if write {
-            Job::QueuedWrite {
-                task,
-                done,
-                queued_at,
-            }
-        } else {
-            Job::Chunk {
-                task,
-                done,
-                queued_at,
-            }
-        };
-        if self.push_job(job).is_err() {
-            return Err(Error::Bug("job queue closed while the volume is in use"));
-        }
-        // Spin for the completion only if it can come within the spin: a worker was idle to
-        // take the job at once, and its crypto alone is shorter than the spin. A caller that
-        // spins for longer work takes a CPU from the worker doing it (64 writers of 1 MiB
-        // spent a tenth of their CPU time spinning here).
-        let spin = self.spin();
-        let crypto_ns =
-            task.bytes(self.shift) as u64 * self.crypto_ps_per_byte.load(Relaxed) / 1000;
-        let spin = if self.jobs.idle() > 0 && crypto_ns < spin.as_nanos() as u64 {
-            spin
-        } else {
-            Duration::ZERO
-        };
-        let (r, tw) = comp.wait(spin);
-        t.add(&tw);
-        r
-    }
-
-    /// Runs a task the way the plan says.
-    fn run(&self, plan: &Plan, piece: &Piece, task: Task, t: &mut Times) -> Result<()> {
-        match plan.dispatch {
-            Dispatch::Inline => self.exec_task(None, &task, t),
-            Dispatch::Parallel { chunks } => self.run_split(&task, chunks, piece, t),
-            Dispatch::Ordered { chunks } => {
-                let mut turn = self.turns.take();
-                // Writes: crypto in parallel, then the backend write when it is our turn.
-                let io_now = !task.write;
-                let r = self.run_split(&Task { io: io_now, ..task }, chunks, piece, t);
-                let t0 = t.clock();
-                turn.wait();
-                t.wait += t.clock().wrapping_sub(t0);
-                r?;
-                if task.write {
-                    self.write_task_io(&task, t)?;
-                }
-                Ok(())
-            }
-            Dispatch::Queued if task.write => self.run_queued(Task { io: false, ..task }, true, t),
-            Dispatch::Queued => {
-                // dm-crypt reads: the I/O completes, then decryption is queued to a worker.
-                // SAFETY: as in exec_task.
-                let buf = unsafe { self.task_buf(&task) };
-                self.read_task_io(&task, buf, t)?;
-                self.run_queued(Task { io: false, ..task }, false, t)
-            }
-        }
     }
 }
