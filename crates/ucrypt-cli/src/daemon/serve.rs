@@ -8,7 +8,8 @@
 //! listener and a wake-up from the control connections; each control connection is served on a
 //! thread of its own that ends with it (a `resume` derives a key for seconds, a client may take
 //! its time to send its line: the main loop never waits for one). So an idle daemon has this
-//! thread and its front end's (and its NBD server's, with `--nbd`). The ublk and vhost-user
+//! thread and its front end's: with `--nbd` the main loop runs inside the NBD server's waits
+//! ([`MainWatch`]), so the NBD side adds no thread. The ublk and vhost-user
 //! threads wake the main loop when they end, and a FUSE mount's connection reports its end to
 //! the main loop's `poll`, so it sleeps until an event, or until the heap's trim is due
 //! ([`main_loop_sleep`]); it looks every [`POLL`] only while a deferred close waits for the
@@ -123,10 +124,12 @@ pub struct Daemon {
 
 /// The NBD server a daemon runs beside its device (`open --nbd`): stopped before teardown.
 /// Its socket may be shared with other daemons' exports (`ucrypt_nbd::server::share`): the
-/// first to name PATH listens and negotiates for all; the others join it.
+/// first to name PATH listens and negotiates for all; the others join it. It is served on the
+/// main thread, with the main loop's events in the same `poll` ([`MainWatch`]), so an idle
+/// daemon has no thread for it.
 struct NbdSide {
-    thread: JoinHandle<Result<(), ucrypt_nbd::Error>>,
-    stop: Stop,
+    attached: ucrypt_nbd::server::share::Attached,
+    opts: ucrypt_nbd::server::ServerOptions,
 }
 
 /// The NBD socket as `status` reports it: where, and this export's part there (read live: a
@@ -171,8 +174,6 @@ impl NbdSide {
                 path.display()
             );
         }
-        let stop = Stop::new();
-        let s2 = stop.clone();
         let opts = ucrypt_nbd::server::ServerOptions {
             read_only: dev.read_only(),
             tls: None,
@@ -185,20 +186,77 @@ impl NbdSide {
             idle_timeout: ucrypt_nbd::server::IDLE_TIMEOUT_DEFAULT,
             connections_max: ucrypt_nbd::server::CONNECTIONS_MAX_DEFAULT,
         };
-        let thread = std::thread::Builder::new()
-            .name("ucrypt-nbd".into())
-            .spawn(move || ucrypt_nbd::server::share::serve(attached, opts, s2))
-            .map_err(|e| io_err("starting the NBD server", e))?;
-        Ok((NbdSide { thread, stop }, socket))
+        Ok((NbdSide { attached, opts }, socket))
     }
 
-    fn stop(self) {
-        self.stop.request();
-        match self.thread.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("ucrypt daemon: NBD server: {e}"),
-            Err(_) => eprintln!("ucrypt daemon: the NBD server thread panicked"),
+    /// Serves the socket on this thread, with `main`'s events in every wait, until `main`
+    /// decides to end; then lets every NBD connection finish and returns how the main loop
+    /// ends (`None`: the NBD side ended first, with an error, and the main loop goes on
+    /// alone).
+    fn serve(self, main: &mut MainLoop<'_>, front: &Front) -> Option<Exit> {
+        let stop = Stop::new();
+        let mut watch = MainWatch {
+            main,
+            front,
+            stop: stop.clone(),
+            exit: None,
+        };
+        let r =
+            ucrypt_nbd::server::share::serve_watching(self.attached, self.opts, stop, &mut watch);
+        if let Err(e) = r {
+            eprintln!("ucrypt daemon: NBD server: {e}");
         }
+        watch.exit
+    }
+}
+
+/// The main loop as the NBD server's [`ucrypt_nbd::server::Watch`]: once it decides to end,
+/// it stops the NBD side (NBD clients go first: after that nothing reaches the volume but the
+/// device's users).
+struct MainWatch<'m, 'a> {
+    main: &'m mut MainLoop<'a>,
+    front: &'m Front,
+    stop: Stop,
+    exit: Option<Exit>,
+}
+
+impl ucrypt_nbd::server::Watch for MainWatch<'_, '_> {
+    fn fds(&mut self, out: &mut Vec<(std::os::fd::RawFd, ucrypt_nbd::server::Interest)>) {
+        use ucrypt_nbd::server::Interest;
+        if self.exit.is_some() {
+            return;
+        }
+        out.extend(self.main.fds().map(|(fd, input)| {
+            (
+                fd,
+                if input {
+                    Interest::Input
+                } else {
+                    Interest::HangUp
+                },
+            )
+        }));
+    }
+
+    fn ready(&mut self, events: &[bool]) {
+        if self.exit.is_some() {
+            return;
+        }
+        let mut seen = [false; MAIN_FDS];
+        for (s, e) in seen.iter_mut().zip(events) {
+            *s = *e;
+        }
+        if let Some(exit) = self.main.ready(seen, self.front) {
+            self.exit = Some(exit);
+            self.stop.request();
+        }
+    }
+
+    fn timeout_ms(&self) -> i32 {
+        if self.exit.is_some() {
+            return -1;
+        }
+        self.main.sleep().as_millis().min(i32::MAX as u128) as i32
     }
 }
 
@@ -1018,6 +1076,128 @@ fn wait_events<const N: usize>(fds: [(i32, libc::c_short); N], timeout: Duration
     p.map(|q| q.revents != 0)
 }
 
+/// Why the main loop ends.
+enum Exit {
+    /// `close` (or `close --force`): answered once the volume is down.
+    Close {
+        force: bool,
+        reply: SyncSender<Response>,
+        written: Receiver<()>,
+    },
+    /// A deferred close whose last user went.
+    Deferred,
+    /// SIGINT or SIGTERM.
+    Signal,
+    /// The front end ended on its own (unmounted from outside, a failed ublk or vhost
+    /// thread).
+    FrontEnded,
+    /// Every sender of events is gone: nothing more can reach the daemon.
+    Orphaned,
+}
+
+/// Descriptors the main loop waits on: the signals, the control socket, the wake-up socket,
+/// a FUSE mount's connection.
+const MAIN_FDS: usize = 4;
+
+/// The main loop between two waits: what it watches and what it saw last. It runs in its own
+/// `poll` ([`main_loop`]) or, with `--nbd`, inside the NBD server's ([`MainWatch`]).
+struct MainLoop<'a> {
+    signals: &'a crate::signals::SignalFd,
+    events: &'a Receiver<Event>,
+    deferred: &'a AtomicBool,
+    in_use: &'a dyn Fn() -> bool,
+    control: server::Acceptor,
+    wake: UnixStream,
+    requests: &'a dyn Fn() -> u64,
+    name: &'a str,
+    /// The requests last seen, since when, and whether the heap was trimmed since.
+    seen: u64,
+    seen_at: std::time::Instant,
+    trimmed: bool,
+    /// A FUSE mount's connection, which reports an error once it ended (unmounted from
+    /// outside); -1 from then on (and for other front ends).
+    fuse_fd: i32,
+    /// The FUSE connection ended, its workers not yet: the loop looks every [`POLL`].
+    front_ending: bool,
+}
+
+impl MainLoop<'_> {
+    /// `(fd, input)`: readable, or (false) errors and hang-ups only.
+    fn fds(&self) -> [(i32, bool); MAIN_FDS] {
+        [
+            (self.signals.as_raw_fd(), true),
+            (self.control.as_raw_fd(), true),
+            (self.wake.as_raw_fd(), true),
+            (self.fuse_fd, false),
+        ]
+    }
+
+    fn sleep(&self) -> Duration {
+        main_loop_sleep(
+            self.deferred.load(Ordering::Relaxed),
+            self.front_ending,
+            self.seen_at.elapsed(),
+            self.trimmed,
+        )
+    }
+
+    /// Handles one wait's events; says when the loop ends.
+    fn ready(&mut self, events: [bool; MAIN_FDS], front: &Front) -> Option<Exit> {
+        let [signalled, connecting, woken, fuse_ended] = events;
+        if fuse_ended {
+            (self.fuse_fd, self.front_ending) = (-1, true);
+        }
+        if connecting {
+            self.control.accept_pending();
+        }
+        if woken {
+            let _ = self.wake.read(&mut [0u8; 16]);
+        }
+        match self.events.try_recv() {
+            Ok(Event::Close {
+                force,
+                reply,
+                written,
+            }) => {
+                return Some(Exit::Close {
+                    force,
+                    reply,
+                    written,
+                })
+            }
+            Err(TryRecvError::Empty) => {}
+            Err(TryRecvError::Disconnected) => return Some(Exit::Orphaned),
+        }
+        if self.deferred.load(Ordering::Relaxed) && !(self.in_use)() {
+            eprintln!(
+                "ucrypt daemon {}: the last user went: deferred close",
+                self.name
+            );
+            return Some(Exit::Deferred);
+        }
+        if let Some(sig) = signalled.then(|| self.signals.take()).flatten() {
+            eprintln!("ucrypt: signal {sig}: stopping");
+            eprintln!("ucrypt daemon {}: signal: closing", self.name);
+            return Some(Exit::Signal);
+        }
+        if front.ended() {
+            eprintln!(
+                "ucrypt daemon {}: the front end ended (unmounted from outside?): closing",
+                self.name
+            );
+            return Some(Exit::FrontEnded);
+        }
+        let now = (self.requests)();
+        if now != self.seen {
+            (self.seen, self.seen_at, self.trimmed) = (now, std::time::Instant::now(), false);
+        } else if !self.trimmed && self.seen_at.elapsed() >= HEAP_TRIM_IDLE {
+            trim_heap();
+            self.trimmed = true;
+        }
+        None
+    }
+}
+
 fn main_loop(
     front: Front,
     vol: &Arc<dyn BlockDev>,
@@ -1030,100 +1210,64 @@ fn main_loop(
     let Beside {
         deferred,
         in_use,
-        mut nbd,
+        nbd,
         control,
-        mut wake,
+        wake,
         requests,
     } = beside;
-    // The requests last seen, since when, and whether the heap was trimmed since.
-    let (mut seen, mut seen_at, mut trimmed) = (requests(), std::time::Instant::now(), false);
-    // NBD clients go first: after this nothing reaches the volume but the device's users.
-    let mut stop_nbd = || {
-        if let Some(n) = nbd.take() {
-            n.stop();
-        }
-    };
-    // A FUSE mount's connection reports an error once it ended (unmounted from outside): from
-    // then on the loop looks every POLL until its workers have ended.
-    let mut fuse_fd = match &front {
+    let fuse_fd = match &front {
         Front::Fuse { mounted, .. } => mounted.connection_fd().as_raw_fd(),
         Front::Ublk { .. } | Front::Vhost { .. } => -1,
     };
-    let mut front_ending = false;
-    loop {
-        let sleep = main_loop_sleep(
-            deferred.load(Ordering::Relaxed),
-            front_ending,
-            seen_at.elapsed(),
-            trimmed,
-        );
-        let fds = [
-            (signals.as_raw_fd(), libc::POLLIN),
-            (control.as_raw_fd(), libc::POLLIN),
-            (wake.as_raw_fd(), libc::POLLIN),
-            (fuse_fd, 0),
-        ];
-        let [signalled, connecting, woken, fuse_ended] = wait_events(fds, sleep);
-        if fuse_ended {
-            (fuse_fd, front_ending) = (-1, true);
-        }
-        if connecting {
-            control.accept_pending();
-        }
-        if woken {
-            let _ = wake.read(&mut [0u8; 16]);
-        }
-        match events.try_recv() {
-            Ok(Event::Close {
-                force,
-                reply,
-                written,
-            }) => {
-                stop_nbd();
-                let (resp, rest) = teardown(front, vol, force, ident, dir);
-                let _ = reply.send(resp);
-                // Wait (bounded) until the answer is on its way before anything exits.
-                let _ = written.recv_timeout(server::REQUEST_TIMEOUT);
-                finish(rest);
-                return;
+    let mut main = MainLoop {
+        signals,
+        events,
+        deferred,
+        in_use,
+        control,
+        wake,
+        requests,
+        name: &ident.name,
+        seen: requests(),
+        seen_at: std::time::Instant::now(),
+        trimmed: false,
+        fuse_fd,
+        front_ending: false,
+    };
+    // With an NBD side, the loop runs inside its server's waits until it decides to end,
+    // and the NBD connections are finished by then.
+    let exit = nbd.and_then(|n| n.serve(&mut main, &front));
+    let exit = match exit {
+        Some(e) => e,
+        None => loop {
+            let fds = main
+                .fds()
+                .map(|(fd, input)| (fd, if input { libc::POLLIN } else { 0 }));
+            if let Some(e) = main.ready(wait_events(fds, main.sleep()), &front) {
+                break e;
             }
-            Err(TryRecvError::Empty) => {}
-            Err(TryRecvError::Disconnected) => return,
+        },
+    };
+    match exit {
+        Exit::Close {
+            force,
+            reply,
+            written,
+        } => {
+            let (resp, rest) = teardown(front, vol, force, ident, dir);
+            let _ = reply.send(resp);
+            // Wait (bounded) until the answer is on its way before anything exits.
+            let _ = written.recv_timeout(server::REQUEST_TIMEOUT);
+            finish(rest);
         }
-        if deferred.load(Ordering::Relaxed) && !in_use() {
-            eprintln!(
-                "ucrypt daemon {}: the last user went: deferred close",
-                ident.name
-            );
-            stop_nbd();
+        Exit::Deferred | Exit::Signal => {
             let (_, rest) = teardown(front, vol, false, ident, dir);
             finish(rest);
-            return;
         }
-        if let Some(sig) = signalled.then(|| signals.take()).flatten() {
-            eprintln!("ucrypt: signal {sig}: stopping");
-            eprintln!("ucrypt daemon {}: signal: closing", ident.name);
-            stop_nbd();
-            let (_, rest) = teardown(front, vol, false, ident, dir);
-            finish(rest);
-            return;
-        }
-        if front.ended() {
-            eprintln!(
-                "ucrypt daemon {}: the front end ended (unmounted from outside?): closing",
-                ident.name
-            );
-            stop_nbd();
+        Exit::FrontEnded => {
             let _ = teardown(front, vol, true, ident, dir);
-            return;
         }
-        let now = requests();
-        if now != seen {
-            (seen, seen_at, trimmed) = (now, std::time::Instant::now(), false);
-        } else if !trimmed && seen_at.elapsed() >= HEAP_TRIM_IDLE {
-            trim_heap();
-            trimmed = true;
-        }
+        Exit::Orphaned => {}
     }
 }
 

@@ -584,13 +584,37 @@ impl Conns {
     }
 }
 
-/// What an accept loop watches besides its listener and its stop: a shared socket's
-/// registration (`share`), whose owner admits members on the thread that accepts clients.
-pub(crate) trait Watch {
-    /// Appends the descriptors to wait on (readable or hung up).
-    fn fds(&mut self, out: &mut Vec<RawFd>);
+/// What a [`Watch`]ed descriptor wakes the loop for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Interest {
+    /// Readable, hung up or in error.
+    Input,
+    /// Hung up or in error only: a descriptor whose input another thread reads.
+    HangUp,
+}
+
+impl Interest {
+    fn pollfd(self, fd: RawFd) -> libc::pollfd {
+        libc::pollfd {
+            fd,
+            events: match self {
+                Interest::Input => libc::POLLIN,
+                Interest::HangUp => 0,
+            },
+            revents: 0,
+        }
+    }
+}
+
+/// What a server's loops watch besides their own descriptors, on the same thread and in the
+/// same `poll`: a shared socket's registration (`share`, whose owner admits members on the
+/// thread that accepts clients), and the caller's own events (a daemon's main loop, given to
+/// [`share::serve_watching`], so that an idle daemon needs no thread for its NBD side).
+pub trait Watch {
+    /// Appends the descriptors to wait on; a negative one is left out.
+    fn fds(&mut self, out: &mut Vec<(RawFd, Interest)>);
     /// Handles the events of the descriptors [`Watch::fds`] gave, in order (`true`: an
-    /// event).
+    /// event); called after every wait, also one that timed out.
     fn ready(&mut self, events: &[bool]);
     /// How long the loop may wait at most (-1: no bound): something this watch waits for
     /// has a deadline.
@@ -601,8 +625,74 @@ pub(crate) trait Watch {
 
 /// A plain server's: nothing besides the listener.
 impl Watch for () {
-    fn fds(&mut self, _: &mut Vec<RawFd>) {}
+    fn fds(&mut self, _: &mut Vec<(RawFd, Interest)>) {}
     fn ready(&mut self, _: &[bool]) {}
+}
+
+/// Two watches as one: `first`'s descriptors, then `second`'s.
+pub(crate) struct Both<'a> {
+    first: &'a mut dyn Watch,
+    second: &'a mut dyn Watch,
+    /// How many descriptors `first` gave at the last [`Watch::fds`].
+    split: usize,
+}
+
+impl<'a> Both<'a> {
+    pub(crate) fn new(first: &'a mut dyn Watch, second: &'a mut dyn Watch) -> Both<'a> {
+        Both {
+            first,
+            second,
+            split: 0,
+        }
+    }
+}
+
+impl Watch for Both<'_> {
+    fn fds(&mut self, out: &mut Vec<(RawFd, Interest)>) {
+        let start = out.len();
+        self.first.fds(out);
+        self.split = out.len() - start;
+        self.second.fds(out);
+    }
+
+    fn ready(&mut self, events: &[bool]) {
+        let (a, b) = events.split_at(self.split.min(events.len()));
+        self.first.ready(a);
+        self.second.ready(b);
+    }
+
+    fn timeout_ms(&self) -> i32 {
+        match (self.first.timeout_ms(), self.second.timeout_ms()) {
+            (a, -1) => a,
+            (-1, b) => b,
+            (a, b) => a.min(b),
+        }
+    }
+}
+
+/// Waits on `fixed` (their `revents` set on return) and `watch`'s descriptors, up to
+/// `timeout_ms` (-1: none) or the watch's own deadline; hands the watch its events. Returns
+/// how many of `fixed` have one.
+pub(crate) fn wait_watching(
+    fixed: &mut [libc::pollfd],
+    watch: &mut dyn Watch,
+    timeout_ms: i32,
+) -> usize {
+    let mut extra = Vec::new();
+    watch.fds(&mut extra);
+    let mut polled: Vec<libc::pollfd> = fixed.to_vec();
+    polled.extend(extra.iter().map(|&(fd, i)| i.pollfd(fd)));
+    let timeout = match (timeout_ms, watch.timeout_ms()) {
+        (a, -1) => a,
+        (-1, b) => b,
+        (a, b) => a.min(b),
+    };
+    stop_fd::wait(&mut polled, timeout);
+    let (mine, theirs) = polled.split_at(fixed.len());
+    fixed.copy_from_slice(mine);
+    let events: Vec<bool> = theirs.iter().map(|p| p.revents != 0).collect();
+    watch.ready(&events);
+    fixed.iter().filter(|p| p.revents != 0).count()
 }
 
 /// Accepts connections until the server's stop is requested; each gets a thread from
@@ -620,33 +710,24 @@ fn accept_loop(
         Listener::Unix(l, _) => l.as_raw_fd(),
         Listener::Tcp(l) => l.as_raw_fd(),
     };
-    let (mut extra, mut polled, mut events) = (Vec::new(), Vec::new(), Vec::new());
     while !shared.stop.requested() {
         let full = shared.handshakes.load(Ordering::Acquire) >= shared.handshakes_max;
-        extra.clear();
-        watch.fds(&mut extra);
-        // The stop, the listener (ignored, -1, while handshakes are full), then the watch's.
-        polled.clear();
-        polled.push(stop_fd::pollin(shared.stop_fd.as_raw_fd()));
-        polled.push(stop_fd::pollin(if full { -1 } else { fd }));
-        polled.extend(extra.iter().map(|&f| stop_fd::pollin(f)));
+        // The stop, then the listener (ignored, -1, while handshakes are full).
+        let mut polled = [
+            stop_fd::pollin(shared.stop_fd.as_raw_fd()),
+            stop_fd::pollin(if full { -1 } else { fd }),
+        ];
         let timeout = if full {
             HANDSHAKES_FULL_WAIT.as_millis() as i32
         } else {
-            watch.timeout_ms()
+            -1
         };
-        if stop_fd::wait(&mut polled, timeout) == 0 {
-            events.clear();
-            events.resize(extra.len(), false);
-            watch.ready(&events);
+        if wait_watching(&mut polled, watch, timeout) == 0 {
             continue;
         }
         if polled[0].revents != 0 {
             break;
         }
-        events.clear();
-        events.extend(polled[2..].iter().map(|p| p.revents != 0));
-        watch.ready(&events);
         if polled[1].revents & libc::POLLIN == 0 {
             continue;
         }

@@ -35,6 +35,8 @@
 //! listener, the registration socket, every member's registration connection and the stop
 //! (an eventfd, `server/stop_fd.rs`), with no timeout, so the owner needs no thread beside the
 //! one that accepts; a member waits the same way on its registration connection and the stop.
+//! [`serve_watching`] adds the caller's descriptors to each of these waits, so a daemon serves
+//! its own events on the same thread.
 //! [`ShareState`] says, live, which part an export plays ([`Standing`]), for `status`.
 
 mod msg;
@@ -58,7 +60,7 @@ use super::fdpass;
 use super::stop_fd::{self, pollin};
 use super::unix_socket::{bind_unix, BoundSocket};
 use super::Entry;
-use super::{Conns, Export, Listener, ServerOptions, Sock, Watch};
+use super::{wait_watching, Both, Conns, Export, Interest, Listener, ServerOptions, Sock, Watch};
 use crate::proto::ExportInfo;
 use crate::{Error, Result};
 use msg::Msg;
@@ -441,13 +443,14 @@ struct Registration<'a> {
 }
 
 impl Watch for Registration<'_> {
-    fn fds(&mut self, out: &mut Vec<RawFd>) {
+    fn fds(&mut self, out: &mut Vec<(RawFd, Interest)>) {
         self.polled = self.registry.snapshot();
         // -1 (skipped by poll) while the pending joins are full: the rest wait in the backlog.
         let full = self.pending.len() >= JOINS_PENDING_MAX;
-        out.push(if full { -1 } else { self.socket.as_raw_fd() });
-        out.extend(self.pending.iter().map(|p| p.stream.as_raw_fd()));
-        out.extend(self.polled.iter().map(|m| m.fd));
+        let input = |fd| (fd, Interest::Input);
+        out.push(input(if full { -1 } else { self.socket.as_raw_fd() }));
+        out.extend(self.pending.iter().map(|p| input(p.stream.as_raw_fd())));
+        out.extend(self.polled.iter().map(|m| input(m.fd)));
     }
 
     fn ready(&mut self, events: &[bool]) {
@@ -607,9 +610,15 @@ fn admit(
 }
 
 /// Owns the socket until `stop`: accepts and negotiates for every export and runs the
-/// registration, all on this thread ([`Registration`] is its accept loop's [`Watch`]). On
-/// stop, members left keep PATH (they take the listener over).
-fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Registry, conns: &mut Conns) {
+/// registration, all on this thread ([`Registration`] is its accept loop's [`Watch`], beside
+/// `outside`). On stop, members left keep PATH (they take the listener over).
+fn run_owner(
+    o: Owner,
+    shared: &Arc<super::Shared>,
+    registry: &Registry,
+    conns: &mut Conns,
+    outside: &mut dyn Watch,
+) {
     let Owner {
         registration,
         listener,
@@ -630,13 +639,13 @@ fn run_owner(o: Owner, shared: &Arc<super::Shared>, registry: &Registry, conns: 
                 pending: Vec::new(),
                 polled: Vec::new(),
             };
-            super::accept_loop(&l, shared, conns, &mut watch);
+            super::accept_loop(&l, shared, conns, &mut Both::new(&mut watch, outside));
             watch.close()
         }
         Err(e) => {
             eprintln!("ucrypt: NBD listener: {e}: serving without members");
             drop(registration);
-            super::accept_loop(&l, shared, conns, &mut ());
+            super::accept_loop(&l, shared, conns, outside);
             false
         }
     };
@@ -655,15 +664,20 @@ enum MemberEnd {
 }
 
 /// Serves the clients the owner passes until `stop` or until the owner is gone. Waits on the
-/// registration connection and the stop, with no timeout.
-fn run_member(m: Membership, shared: &Arc<super::Shared>, conns: &mut Conns) -> MemberEnd {
+/// registration connection, the stop and `outside`, with no timeout of its own.
+fn run_member(
+    m: Membership,
+    shared: &Arc<super::Shared>,
+    conns: &mut Conns,
+    outside: &mut dyn Watch,
+) -> MemberEnd {
     let own = &shared.exports[0].info.name;
     let mut fds = [
         pollin(shared.stop_fd.as_raw_fd()),
         pollin(m.stream.as_raw_fd()),
     ];
     while !shared.stop.requested() {
-        if stop_fd::wait(&mut fds, -1) == 0 || fds[1].revents == 0 {
+        if wait_watching(&mut fds, outside, -1) == 0 || fds[1].revents == 0 {
             continue;
         }
         match read_msg(&m.stream) {
@@ -703,17 +717,25 @@ fn leave(path: &Path, m: Membership) {
     drop(BoundSocket::adopt(path.to_path_buf(), dev, ino));
 }
 
-/// Waits, with no timeout, until the server's stop is requested.
-fn wait_for_stop(shared: &super::Shared) {
+/// Waits, with no timeout of its own, until the server's stop is requested (`outside` is
+/// served meanwhile).
+fn wait_for_stop(shared: &super::Shared, outside: &mut dyn Watch) {
     let mut fds = [pollin(shared.stop_fd.as_raw_fd())];
     while !shared.stop.requested() {
-        stop_fd::wait(&mut fds, -1);
+        wait_watching(&mut fds, outside, -1);
     }
 }
 
 /// After the owner left: become the owner (on the listening socket this member holds, while
-/// PATH still names it) or join whoever did.
-fn takeover(path: &Path, info: &ExportInfo, m: Membership, stop: &Stop) -> Result<Role> {
+/// PATH still names it) or join whoever did. `outside` is served between tries.
+fn takeover(
+    path: &Path,
+    info: &ExportInfo,
+    m: Membership,
+    shared: &super::Shared,
+    outside: &mut dyn Watch,
+) -> Result<Role> {
+    let stop = &shared.stop;
     eprintln!(
         "ucrypt: the owner of the NBD socket {} left: taking over or joining the next",
         path.display()
@@ -752,7 +774,8 @@ fn takeover(path: &Path, info: &ExportInfo, m: Membership, stop: &Stop) -> Resul
                 path.display()
             )));
         }
-        std::thread::sleep(RETRY_STEP);
+        let mut fds = [pollin(shared.stop_fd.as_raw_fd())];
+        wait_watching(&mut fds, outside, RETRY_STEP.as_millis() as i32);
     }
 }
 
@@ -760,6 +783,18 @@ fn takeover(path: &Path, info: &ExportInfo, m: Membership, stop: &Stop) -> Resul
 /// owner); then lets every connection finish and flushes the device. Keeps the export's
 /// [`ShareState`] up to date.
 pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
+    serve_watching(a, opts, stop, &mut ())
+}
+
+/// [`serve`], with `outside`'s descriptors in every wait of this thread: the caller's own
+/// events are served on the thread that serves the socket, which then needs none of its own.
+/// The watch ends the serving by requesting `stop`.
+pub fn serve_watching(
+    a: Attached,
+    opts: ServerOptions,
+    stop: Stop,
+    outside: &mut dyn Watch,
+) -> Result<()> {
     super::raise_open_files_limit(opts.connections_max);
     let Attached {
         path,
@@ -785,9 +820,9 @@ pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
     while let Some(r) = next.take() {
         state.set(r.part());
         match r {
-            Role::Owner(o) => run_owner(o, &shared, &registry, &mut conns),
+            Role::Owner(o) => run_owner(o, &shared, &registry, &mut conns, outside),
             Role::Member(m) => {
-                let m = match run_member(m, &shared, &mut conns) {
+                let m = match run_member(m, &shared, &mut conns, outside) {
                     MemberEnd::Stopped(m) => {
                         leave(&path, m);
                         break;
@@ -795,12 +830,12 @@ pub fn serve(a: Attached, opts: ServerOptions, stop: Stop) -> Result<()> {
                     MemberEnd::OwnerLeft(m) => m,
                 };
                 state.set(Part::TakingOver);
-                match takeover(&path, &info, m, &stop) {
+                match takeover(&path, &info, m, &shared, outside) {
                     Ok(r) => next = Some(r),
                     Err(e) => {
                         eprintln!("ucrypt: {e}: serving the connections established");
                         state.set(Part::Detached);
-                        wait_for_stop(&shared);
+                        wait_for_stop(&shared, outside);
                     }
                 }
             }

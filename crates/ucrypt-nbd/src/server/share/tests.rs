@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 use ucrypt::backend::Backend;
 use ucrypt::{BlockDev, Stop};
 
-use super::{attach, serve, ShareState, Standing};
+use super::{attach, serve, serve_watching, ShareState, Standing};
 use crate::client::{ClientOptions, NbdBackend, NbdUri};
 use crate::proto::{IHAVEOPT, OPT_ABORT, OPT_LIST, REP_ACK, REP_SERVER};
-use crate::server::ServerOptions;
+use crate::server::{Interest, ServerOptions, Watch};
 
 const SIZE: u64 = 1 << 20;
 /// How long a takeover or a departure may take to show.
@@ -103,6 +103,53 @@ impl Drop for Running {
 
 /// Attaches `name` at `path` and serves it; `owner` says which role it must have taken.
 fn start(path: &Path, name: &str, dev: &Arc<MemDev>, owner: bool) -> Running {
+    start_watching(path, name, dev, owner, None)
+}
+
+/// The caller's events, as a daemon's main loop would give them ([`serve_watching`]): each
+/// byte that arrives on `bell` is noted with the thread that read it; a `q` stops the server.
+struct Doorbell {
+    bell: UnixStream,
+    stop: Stop,
+    rung: Rung,
+}
+
+/// The bytes a [`Doorbell`] read, each with the thread that read it.
+type Rung = Arc<Mutex<Vec<(u8, i32)>>>;
+
+impl Watch for Doorbell {
+    fn fds(&mut self, out: &mut Vec<(std::os::fd::RawFd, Interest)>) {
+        use std::os::fd::AsRawFd;
+        out.push((self.bell.as_raw_fd(), Interest::Input));
+    }
+
+    fn ready(&mut self, events: &[bool]) {
+        if events != [true] {
+            return;
+        }
+        let mut b = [0u8; 16];
+        let n = self.bell.read(&mut b).unwrap_or(0);
+        for &c in &b[..n] {
+            // SAFETY: gettid has no arguments and cannot fail.
+            self.rung
+                .lock()
+                .unwrap()
+                .push((c, unsafe { libc::gettid() }));
+            if c == b'q' {
+                self.stop.request();
+            }
+        }
+    }
+}
+
+/// [`start`], with a [`Doorbell`] fed through `bell` when given.
+fn start_watching(
+    path: &Path,
+    name: &str,
+    dev: &Arc<MemDev>,
+    owner: bool,
+    bell: Option<(UnixStream, Rung)>,
+) -> Running {
     let dev: Arc<dyn BlockDev> = dev.clone();
     let a = attach(path, name, dev, false).unwrap();
     assert_eq!(a.owner(), owner, "{name}: owner");
@@ -114,7 +161,17 @@ fn start(path: &Path, name: &str, dev: &Arc<MemDev>, owner: bool) -> Running {
     let thread = std::thread::spawn(move || {
         // SAFETY: gettid has no arguments and cannot fail.
         t2.store(unsafe { libc::gettid() }, Ordering::Release);
-        serve(a, opts(), s2)
+        match bell {
+            Some((bell, rung)) => {
+                let mut watch = Doorbell {
+                    bell,
+                    stop: s2.clone(),
+                    rung,
+                };
+                serve_watching(a, opts(), s2, &mut watch)
+            }
+            None => serve(a, opts(), s2),
+        }
     });
     // Its id is known before anything asks for it.
     let t0 = Instant::now();
@@ -461,4 +518,48 @@ fn an_owner_and_member_stopping_at_once_remove_the_socket() {
             "round {round}: the socket outlived both its servers"
         );
     }
+}
+
+/// Rings `bell` with `c` and waits until `rung` notes it; returns the thread that read it.
+fn ring(bell: &mut UnixStream, rung: &Mutex<Vec<(u8, i32)>>, c: u8) -> i32 {
+    let before = rung.lock().unwrap().len();
+    bell.write_all(&[c]).unwrap();
+    let t0 = Instant::now();
+    loop {
+        if let Some(&(got, tid)) = rung.lock().unwrap().get(before) {
+            assert_eq!(got, c);
+            return tid;
+        }
+        assert!(t0.elapsed() < SETTLE, "'{}' was not read", c as char);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn the_callers_events_are_served_on_the_serving_thread_in_every_role() {
+    let dir = Dir::new("watching");
+    let path = dir.0.join("nbd.sock");
+    let (a_dev, b_dev) = (mem(), mem());
+    let (mut a_bell, a_read) = UnixStream::pair().unwrap();
+    let (mut b_bell, b_read) = UnixStream::pair().unwrap();
+    let (a_rung, b_rung): (Rung, Rung) = (Arc::default(), Arc::default());
+    let a = start_watching(&path, "a", &a_dev, true, Some((a_read, a_rung.clone())));
+    let b = start_watching(&path, "b", &b_dev, false, Some((b_read, b_rung.clone())));
+    let rs = [a, b];
+    settled(&rs);
+    let [a, b] = rs;
+    // The owner's accept loop and the member's wait read the bell on the serving thread.
+    let own = |r: &Running| r.tid.load(Ordering::Acquire);
+    assert_eq!(ring(&mut a_bell, &a_rung, b'x'), own(&a));
+    assert_eq!(ring(&mut b_bell, &b_rung, b'x'), own(&b));
+    write_read(&path, "b", &b_dev, 0, 0xb1);
+    // The bell stops the owner; the member takes over and its bell is read as owner.
+    assert_eq!(ring(&mut a_bell, &a_rung, b'q'), own(&a));
+    a.stop();
+    stands(&b, Standing::Owner { exports: 1 });
+    assert_eq!(ring(&mut b_bell, &b_rung, b'x'), own(&b));
+    write_read(&path, "b", &b_dev, 4096, 0xb2);
+    assert_eq!(ring(&mut b_bell, &b_rung, b'q'), own(&b));
+    b.stop();
+    assert!(!path.exists(), "the last server left PATH behind");
 }
