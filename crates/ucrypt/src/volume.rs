@@ -196,6 +196,10 @@ pub(crate) struct Core {
     /// bounce buffers. Changed only by `Volume::end_segments` (a decryption or an encryption
     /// served online ends), with the gate closed, together with the cipher contexts.
     null_cipher: AtomicBool,
+    /// The cipher decrypts from one buffer into another (`SectorCipher::crypts_out_of_place`):
+    /// a big shared read is decrypted straight into the caller's memory. Changed with
+    /// `null_cipher`, with the gate closed.
+    out_of_place: AtomicBool,
     read_only: bool,
     /// `VolumeConfig::allow_discards`; changed by `Volume::set_allow_discards`.
     allow_discards: AtomicBool,
@@ -878,6 +882,7 @@ impl Volume {
             size: AtomicU64::new(size),
             shift,
             null_cipher: AtomicBool::new(cfg.spec.mode == Mode::Null),
+            out_of_place: AtomicBool::new(cipher.crypts_out_of_place()),
             read_only: cfg.read_only,
             allow_discards: AtomicBool::new(cfg.allow_discards),
             planner,

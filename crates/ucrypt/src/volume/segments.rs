@@ -288,6 +288,7 @@ impl Volume {
         let proto: SectorCipher = seg.new.core.ciphers.with(|k| k.try_clone())?;
         let spec = *lock(&seg.new.core.spec);
         let null = seg.new.core.null_cipher();
+        let out_of_place = proto.crypts_out_of_place();
         let cost = seg.new.core.crypto_ps_per_byte.load(Relaxed);
         c.gate.close();
         c.ciphers.install(proto);
@@ -295,6 +296,7 @@ impl Volume {
         // A decryption ends in plaintext, an encryption begins in it: the null cipher's
         // shortcuts and `auto`'s measure of the cipher's cost follow the new side.
         c.null_cipher.store(null, Relaxed);
+        c.out_of_place.store(out_of_place, Relaxed);
         c.crypto_ps_per_byte.store(cost, Relaxed);
         c.segmented.store(false, Relaxed);
         let seg = lock(&self.segments).take();

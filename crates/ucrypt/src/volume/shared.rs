@@ -86,15 +86,7 @@ impl Core {
             && (offset | len as u64) & mask == 0
             && !self.segmented.load(Relaxed)
             && (scratch.as_ptr() as usize) % self.mem_align == 0;
-        let out_of_place = || {
-            write
-                || self.null_cipher()
-                || self
-                    .ciphers
-                    .with(|c| Ok(c.crypts_out_of_place()))
-                    .unwrap_or(false)
-        };
-        if fits && out_of_place() {
+        if fits && (write || self.null_cipher() || self.out_of_place.load(Relaxed)) {
             scratch.get_mut(..len)
         } else {
             None
