@@ -1990,6 +1990,20 @@ fn vhost_user_front_end_serves_a_socket_until_close() {
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
 }
 
+/// Context switches of thread `tid` of process `pid` so far, voluntary and not.
+fn switches(pid: &str, tid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("ctxt_switches:"))
+        .filter_map(|l| l.split(':').nth(1)?.trim().parse::<u64>().ok())
+        .sum()
+}
+
+/// Longer than the daemon's heap-trim period (10 s), in which a main loop that woke to look
+/// again after its trim would switch at least once.
+const QUIET_SPAN: std::time::Duration = std::time::Duration::from_secs(11);
+
 /// The threads of process `pid` by name (`/proc/PID/task/*/comm`).
 fn thread_names(pid: &str) -> Vec<String> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -2004,7 +2018,8 @@ fn thread_names(pid: &str) -> Vec<String> {
 /// An idle FUSE daemon keeps 2 threads (its main loop and one FUSE reader): after a busy
 /// moment that started a second reader, the engine's workers and the pool's reaper, all of
 /// them end once the volume has been idle for their idle periods (5 s each here; the test
-/// waits up to a minute, for a loaded machine). The volume then still serves, and closes.
+/// waits up to a minute, for a loaded machine). Once the heap is trimmed the main thread
+/// sleeps until the next request. The volume then still serves, and closes.
 #[test]
 fn an_idle_fuse_daemon_keeps_two_threads() {
     if !is_root() || !Path::new("/dev/fuse").exists() {
@@ -2067,8 +2082,22 @@ fn an_idle_fuse_daemon_keeps_two_threads() {
     }
     let log = std::fs::read_to_string(Path::new(RUN_DIR).join(&n).join("daemon.log"));
     let idle_ok = names.len() <= 2 && !names.is_empty();
-    // Still serving after the idle period; closes.
+    // Once the heap is trimmed the main thread (whose id is the pid) sleeps until an event:
+    // a span longer than the trim's period passes with no switch (within a deadline: the
+    // trim comes 10 s after the main loop last saw a request).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(45);
+    let quiet = loop {
+        let before = switches(&pid, &pid);
+        std::thread::sleep(QUIET_SPAN);
+        let n = switches(&pid, &pid) - before;
+        if n == 0 || std::time::Instant::now() >= deadline {
+            break n;
+        }
+    };
+    let asleep = switches(&pid, &pid);
+    // Still serving after the idle period, and the request wakes the main loop; closes.
     let read_idle = run("dd", &read);
+    let woken = switches(&pid, &pid) > asleep;
     let closed = ucrypt(&["close", &n]);
     assert!(written, "dd into {}", file.display());
     for o in [&read_busy, &read_idle] {
@@ -2084,6 +2113,11 @@ fn an_idle_fuse_daemon_keeps_two_threads() {
         "idle daemon {pid} has {} threads after 60 s: {names:?}; log: {log:?}",
         names.len()
     );
+    assert_eq!(
+        quiet, 0,
+        "the idle daemon's main thread switched {quiet} times in {QUIET_SPAN:?}"
+    );
+    assert!(woken, "a request after the trim did not wake the main loop");
     assert_eq!(closed.status.code(), Some(0), "{}", text(&closed));
     assert_gone(&n);
 }

@@ -244,6 +244,80 @@ impl<T> TakeTurns<T> {
     }
 }
 
+/// Tells a sleeper that the next event came, with no polling: [`Tripwire::arm`] it, and the
+/// first [`Tripwire::pass`] after that calls the function [`Tripwire::on_trip`] gave, once. A
+/// pass while disarmed costs one relaxed load. A daemon's main loop arms its volume's wire
+/// when it has nothing more to do until the volume is used again.
+#[derive(Default)]
+pub struct Tripwire {
+    armed: AtomicBool,
+    on_trip: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl Tripwire {
+    /// Sets what a trip calls (once: `false`, and `f` dropped, if one was set already). It runs
+    /// on the thread that passes, so it must be quick and must not block (a write to a
+    /// non-blocking socket or an eventfd).
+    pub fn on_trip(&self, f: Box<dyn Fn() + Send + Sync>) -> bool {
+        self.on_trip.set(f).is_ok()
+    }
+
+    /// The next [`Tripwire::pass`] trips the wire.
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Marks an event: trips the wire if it is armed.
+    #[inline(always)]
+    pub fn pass(&self) {
+        if self.armed.load(Ordering::Relaxed) {
+            self.trip();
+        }
+    }
+
+    #[cold]
+    fn trip(&self) {
+        // One of the passes that saw it armed trips it.
+        if self.armed.swap(false, Ordering::SeqCst) {
+            if let Some(f) = self.on_trip.get() {
+                f();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tripwire_tests {
+    use super::*;
+
+    #[test]
+    fn an_armed_wire_trips_once_on_the_next_pass() {
+        let w = Tripwire::default();
+        let trips = Arc::new(AtomicU32::new(0));
+        let t = trips.clone();
+        assert!(w.on_trip(Box::new(move || {
+            t.fetch_add(1, Ordering::SeqCst);
+        })));
+        assert!(!w.on_trip(Box::new(|| {})), "a second function was taken");
+        w.pass();
+        assert_eq!(trips.load(Ordering::SeqCst), 0, "tripped while disarmed");
+        w.arm();
+        // Passes from several threads at once trip it once.
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| w.pass());
+            }
+        });
+        w.pass();
+        assert_eq!(trips.load(Ordering::SeqCst), 1, "one trip per arming");
+        w.arm();
+        w.arm();
+        w.pass();
+        w.pass();
+        assert_eq!(trips.load(Ordering::SeqCst), 2);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

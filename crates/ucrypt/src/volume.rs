@@ -237,6 +237,8 @@ pub(crate) struct Core {
     spin_ns: AtomicU64,
     /// Every request passes it; closed while the volume is suspended or resized.
     gate: Gate,
+    /// Passed by every request as it enters ([`Volume::activity`]).
+    activity: crate::sync::Tripwire,
     /// The cipher a new key is installed with on resume, and its key's length in bytes;
     /// changed when an online reencryption that changes the cipher ends.
     spec: Mutex<(CipherSpec, usize)>,
@@ -365,6 +367,7 @@ impl Core {
     /// ([`Volume::abort_suspended`]) counts as the request's error.
     #[inline(always)]
     fn enter(&self, k: Kind) -> Result<crate::engine::gate::Pass<'_>> {
+        self.activity.pass();
         self.gate
             .enter()
             .inspect_err(|e| self.stats.record_error(k, e.kind()))
@@ -911,6 +914,7 @@ impl Volume {
             max_spinners: workers.saturating_sub(1) as u32,
             spin_ns: AtomicU64::new(cfg.spin.as_nanos() as u64),
             gate: Gate::default(),
+            activity: Default::default(),
             spec: Mutex::new((cfg.spec, cfg.key.len())),
             geometry: cfg.geometry,
             provider,
@@ -1070,6 +1074,11 @@ impl Volume {
         }
         self.core.spin_ns.store(spin.as_nanos() as u64, Relaxed);
         Ok(())
+    }
+
+    /// Passed by every request as it enters: armed, it says when the volume is used again.
+    pub fn activity(&self) -> &crate::sync::Tripwire {
+        &self.core.activity
     }
 
     /// A snapshot of where time went so far.

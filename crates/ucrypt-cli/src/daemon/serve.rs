@@ -12,8 +12,9 @@
 //! ([`MainWatch`]), so the NBD side adds no thread. The ublk and vhost-user
 //! threads wake the main loop when they end, and a FUSE mount's connection reports its end to
 //! the main loop's `poll`, so it sleeps until an event, or until the heap's trim is due
-//! ([`main_loop_sleep`]); it looks every [`POLL`] only while a deferred close waits for the
-//! last user or an ended FUSE mount's workers finish.
+//! ([`main_loop_sleep`]); after the trim the volume's next request is an event (its activity
+//! wire, armed at the trim, writes to the wake-up socket). It looks every [`POLL`] only while a
+//! deferred close waits for the last user or an ended FUSE mount's workers finish.
 
 use ucrypt_nbd::server::Listen;
 
@@ -256,7 +257,7 @@ impl ucrypt_nbd::server::Watch for MainWatch<'_, '_> {
         if self.exit.is_some() {
             return -1;
         }
-        self.main.sleep().as_millis().min(i32::MAX as u128) as i32
+        poll_ms(self.main.sleep())
     }
 }
 
@@ -273,6 +274,9 @@ struct Beside<'a> {
     /// The volume's requests so far (reads and writes): unchanged for [`HEAP_TRIM_IDLE`], the
     /// heap's free pages go back to the kernel.
     requests: &'a dyn Fn() -> u64,
+    /// The volume's activity, armed once the heap is trimmed: its next request wakes the
+    /// main loop (through `wake`), which otherwise sleeps with no timeout.
+    activity: &'a ucrypt::sync::Tripwire,
 }
 
 /// How long the volume is idle before the daemon gives the heap's free pages back: long
@@ -845,6 +849,12 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
     let wake_err = |e| io_err("making the main loop's wake-up socket", e);
     let (wake_tx, wake_rx) = wake_pair().map_err(wake_err)?;
     let front_wake = WakeOnEnd(wake_tx.try_clone().map_err(wake_err)?);
+    // The volume's next request after the heap's trim wakes the main loop.
+    let trip_wake = wake_tx.try_clone().map_err(wake_err)?;
+    opened.activity().on_trip(Box::new(move || {
+        // Non-blocking: a full socket is awake already.
+        let _ = (&trip_wake).write(&[1]);
+    }));
     let (front, device, notes) = match d.front_end {
         FrontEnd::Ublk => start_ublk(dev, front_wake)?,
         FrontEnd::Loop | FrontEnd::Fuse => start_fuse(&d, dev)?,
@@ -943,6 +953,7 @@ fn start(mut d: Daemon, prepared: Prepared, reporter: &mut Reporter) -> CliResul
             control,
             wake: wake_rx,
             requests: &requests,
+            activity: shared.vol.activity(),
         },
     );
     Ok(())
@@ -984,26 +995,28 @@ impl Drop for WakeOnEnd {
     }
 }
 
-/// How long the main loop may sleep before it must look again, with `idle_for` since the
-/// volume's requests last changed and `trimmed` whether the heap was trimmed since: every
-/// [`POLL`] while a deferred close is pending (the last user's going is no event) or the
-/// front end is ending (`looks_at_front`: a FUSE connection ended, its workers not yet);
-/// otherwise until the trim is due, and after it
-/// [`HEAP_TRIM_IDLE`] (so that a busy spell is seen and trimmed after). Events wake it anyway.
+/// How long the main loop may sleep before it must look again (`None`: until an event), with
+/// `idle_for` since the volume's requests last changed and `trimmed` whether the heap was
+/// trimmed since: every [`POLL`] while a deferred close is pending (the last user's going is
+/// no event) or the front end is ending (`looks_at_front`: a FUSE connection ended, its
+/// workers not yet); otherwise until the trim is due, and after it until an event (the
+/// volume's next request is one: the loop arms the volume's activity wire when it trims).
 fn main_loop_sleep(
     deferred: bool,
     looks_at_front: bool,
     idle_for: Duration,
     trimmed: bool,
-) -> Duration {
+) -> Option<Duration> {
     if deferred || looks_at_front {
-        POLL
+        Some(POLL)
     } else if trimmed {
-        HEAP_TRIM_IDLE
+        None
     } else {
-        HEAP_TRIM_IDLE
-            .saturating_sub(idle_for)
-            .max(Duration::from_millis(1))
+        Some(
+            HEAP_TRIM_IDLE
+                .saturating_sub(idle_for)
+                .max(Duration::from_millis(1)),
+        )
     }
 }
 
@@ -1058,16 +1071,24 @@ fn memlock_warning() -> Option<String> {
     ))
 }
 
-/// Waits up to `timeout` until one of `fds` has an event (`(fd, events)`: `POLLIN`, or 0 for
-/// errors and hang-ups only); returns which have (all false after the timeout or an
-/// interrupted wait). A negative fd is left out.
-fn wait_events<const N: usize>(fds: [(i32, libc::c_short); N], timeout: Duration) -> [bool; N] {
+/// `timeout` in milliseconds for `poll` (-1: none).
+fn poll_ms(timeout: Option<Duration>) -> i32 {
+    timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32)
+}
+
+/// Waits up to `timeout` (`None`: no limit) until one of `fds` has an event (`(fd, events)`:
+/// `POLLIN`, or 0 for errors and hang-ups only); returns which have (all false after the
+/// timeout or an interrupted wait). A negative fd is left out.
+fn wait_events<const N: usize>(
+    fds: [(i32, libc::c_short); N],
+    timeout: Option<Duration>,
+) -> [bool; N] {
     let mut p = fds.map(|(fd, events)| libc::pollfd {
         fd,
         events,
         revents: 0,
     });
-    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    let ms = poll_ms(timeout);
     // SAFETY: `p` is a live array of N pollfds, the count given.
     let n = unsafe { libc::poll(p.as_mut_ptr(), N as libc::nfds_t, ms) };
     if n <= 0 {
@@ -1109,6 +1130,7 @@ struct MainLoop<'a> {
     control: server::Acceptor,
     wake: UnixStream,
     requests: &'a dyn Fn() -> u64,
+    activity: &'a ucrypt::sync::Tripwire,
     name: &'a str,
     /// The requests last seen, since when, and whether the heap was trimmed since.
     seen: u64,
@@ -1132,7 +1154,7 @@ impl MainLoop<'_> {
         ]
     }
 
-    fn sleep(&self) -> Duration {
+    fn sleep(&self) -> Option<Duration> {
         main_loop_sleep(
             self.deferred.load(Ordering::Relaxed),
             self.front_ending,
@@ -1193,6 +1215,12 @@ impl MainLoop<'_> {
         } else if !self.trimmed && self.seen_at.elapsed() >= HEAP_TRIM_IDLE {
             trim_heap();
             self.trimmed = true;
+            // From now on the loop sleeps until an event; the next request is one. One that
+            // came before the wire was armed is seen here.
+            self.activity.arm();
+            if (self.requests)() != self.seen {
+                self.trimmed = false;
+            }
         }
         None
     }
@@ -1214,6 +1242,7 @@ fn main_loop(
         control,
         wake,
         requests,
+        activity,
     } = beside;
     let fuse_fd = match &front {
         Front::Fuse { mounted, .. } => mounted.connection_fd().as_raw_fd(),
@@ -1227,6 +1256,7 @@ fn main_loop(
         control,
         wake,
         requests,
+        activity,
         name: &ident.name,
         seen: requests(),
         seen_at: std::time::Instant::now(),
@@ -1597,18 +1627,18 @@ mod tests {
     #[test]
     fn an_idle_main_loop_sleeps_until_the_heap_trim_is_due() {
         let s = Duration::from_secs;
-        // Nothing pending: until the trim is due, then a trim's span.
+        // Nothing pending: until the trim is due, then until an event.
         assert_eq!(
             main_loop_sleep(false, false, s(3), false),
-            HEAP_TRIM_IDLE - s(3)
+            Some(HEAP_TRIM_IDLE - s(3))
         );
         assert_eq!(
             main_loop_sleep(false, false, HEAP_TRIM_IDLE * 2, false),
-            Duration::from_millis(1)
+            Some(Duration::from_millis(1))
         );
-        assert_eq!(main_loop_sleep(false, false, s(3600), true), HEAP_TRIM_IDLE);
+        assert_eq!(main_loop_sleep(false, false, s(3600), true), None);
         // A deferred close or a FUSE front end: looked at every POLL.
-        assert_eq!(main_loop_sleep(true, false, s(3600), true), POLL);
-        assert_eq!(main_loop_sleep(false, true, s(0), false), POLL);
+        assert_eq!(main_loop_sleep(true, false, s(3600), true), Some(POLL));
+        assert_eq!(main_loop_sleep(false, true, s(0), false), Some(POLL));
     }
 }

@@ -114,6 +114,8 @@ pub(crate) struct Authenticated {
     mismatches_before: AtomicU64,
     ops: [OpCounters; 2],
     on_integrity_error: Option<OnIntegrityError>,
+    /// Passed by every request as it is counted (see [`super::Opened::activity`]).
+    activity: crate::sync::Tripwire,
 }
 
 const READ: usize = 0;
@@ -135,6 +137,7 @@ impl Authenticated {
             mismatches_before: AtomicU64::new(0),
             ops: Default::default(),
             on_integrity_error: how.on_integrity_error,
+            activity: Default::default(),
         }
     }
 
@@ -170,11 +173,16 @@ impl Authenticated {
     }
 
     fn served<T>(&self, op: usize, bytes: u64, r: Result<T>) -> Result<T> {
+        self.activity.pass();
         self.ops[op].count(bytes, &r);
         if let (Err(Error::Integrity { sector }), Some(hook)) = (&r, &self.on_integrity_error) {
             hook(*sector);
         }
         r
+    }
+
+    pub(crate) fn activity(&self) -> &crate::sync::Tripwire {
+        &self.activity
     }
 
     /// Reads and writes served so far (write-zeroes and discards count as writes).

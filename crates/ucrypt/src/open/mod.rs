@@ -371,6 +371,15 @@ impl Opened {
         }
     }
 
+    /// Passed by every request (as it enters the engine, or as an authenticated volume counts
+    /// it): armed, it says when the volume is used again.
+    pub fn activity(&self) -> &crate::sync::Tripwire {
+        match &self.served {
+            Served::Engine(v) => v.activity(),
+            Served::Authenticated(a) => a.activity(),
+        }
+    }
+
     /// Requests, bytes and errors served so far.
     pub fn stats(&self) -> Stats {
         match &self.served {
