@@ -48,6 +48,10 @@ pub trait Budget: Send + Sync {
     fn refund(&self, bytes: u64);
     /// The limit, the total charged by everyone, this holder's charge.
     fn usage(&self) -> BudgetUsage;
+    /// Charges refused so far to every holder together (it only grows): when it has moved, a
+    /// pool gives back the charged chunks it holds and does not use, so that the pools that
+    /// were refused can grow (the pool's module documentation says when).
+    fn refusals(&self) -> u64;
 }
 
 /// A budget's numbers, for `status` and metrics.
@@ -138,6 +142,10 @@ impl Budget for LocalBudget {
         let used = self.used_bytes.load(Ordering::Acquire);
         self.tally.usage(self.limit_bytes, used, used)
     }
+
+    fn refusals(&self) -> u64 {
+        self.tally.refused.load(Ordering::Relaxed)
+    }
 }
 
 fn sub_saturating(a: &AtomicU64, bytes: u64) {
@@ -152,10 +160,13 @@ fn sub_saturating(a: &AtomicU64, bytes: u64) {
 /// free slot opens without a budget share and is refused every charge beyond its reserve
 /// (it still makes progress). 4096 slots of 16 bytes: a 64 KiB file.
 pub const BUDGET_SLOTS_MAX: usize = 4096;
-/// The file: a header of one slot's size (magic, version), then the slots.
+/// The file: a header of one slot's size (the magic, and the charges refused to every
+/// process: [`Budget::refusals`]), then the slots.
 const SLOT_BYTES: usize = 16;
 const FILE_BYTES: usize = SLOT_BYTES * (BUDGET_SLOTS_MAX + 1);
 const MAGIC: u64 = u64::from_le_bytes(*b"ucbudg01");
+/// The header's word that counts the charges refused to every process.
+const REFUSALS_WORD: usize = 1;
 
 /// A budget shared by every process that opens the same file (see the module documentation).
 pub struct FileBudget {
@@ -190,6 +201,7 @@ impl FileBudget {
         };
         let total = self.total_reclaiming();
         if total.saturating_add(bytes) > self.limit_bytes {
+            self.word(REFUSALS_WORD).fetch_add(1, Ordering::AcqRel);
             return false;
         }
         self.bytes_of(s).fetch_add(bytes, Ordering::AcqRel);
@@ -253,7 +265,8 @@ impl FileBudget {
         Ok(b)
     }
 
-    /// Word `i` of the mapping (word 0 is the magic, slot `s` is words 2s+2 and 2s+3).
+    /// Word `i` of the mapping (word 0 is the magic, word 1 the refusals, slot `s` is words
+    /// 2s+2 and 2s+3).
     fn word(&self, i: usize) -> &AtomicU64 {
         assert!(i < FILE_BYTES / 8, "budget word beyond the file");
         // SAFETY: inside the mapping (checked above), 8-byte aligned (page-aligned base);
@@ -348,6 +361,10 @@ impl Budget for FileBudget {
         let charged = (self.slot).map_or(0, |s| self.bytes_of(s).load(Ordering::Acquire));
         self.tally.usage(self.limit_bytes, used, charged)
     }
+
+    fn refusals(&self) -> u64 {
+        self.word(REFUSALS_WORD).load(Ordering::Acquire)
+    }
 }
 
 impl Drop for FileBudget {
@@ -435,11 +452,13 @@ mod tests {
         a.refund(600);
         assert!(b.try_charge(500));
         b.refund(900);
-        // Each holder counts its own refusals.
+        // Each holder counts its own refusals; the file counts everyone's, for every holder to
+        // see.
         assert_eq!(
             (a.usage().refused_charges, b.usage().refused_charges),
             (0, 1)
         );
+        assert_eq!((a.refusals(), b.refusals()), (1, 1));
         b.charge_anyway(1);
         b.refund(1);
         assert_eq!(b.usage().forced_charges, 1);
@@ -457,6 +476,7 @@ mod tests {
         let c = FileBudget::open(&path, 10).unwrap();
         assert_eq!(c.usage().used_bytes, 0);
         assert!(!c.try_charge(11));
+        assert_eq!(c.refusals(), 2, "kept in the file");
         drop(c);
         let _ = std::fs::remove_file(&path);
     }

@@ -70,6 +70,13 @@
 //!   beyond their reserves.
 //! - With a budget, [`BufferPool::piece_bytes_max`] is the reserve: the engine cuts requests
 //!   into pieces that fit it, so a volume's pool never needs more than its reserve to go on.
+//! - A busy pool keeps the chunks it grew to, so that its requests do not charge the budget
+//!   each time, until the budget has refused anyone a charge ([`Budget::refusals`] moved): at
+//!   its next look the reaper then gives back the pool's charged chunks that no grant uses,
+//!   and the refused pools' next growth finds room. A pool keeps the chunks its grants hold;
+//!   so under pressure the budget goes to the requests running, not to the pools that grew
+//!   first, and a pool charges at most once per chunk per look (a quarter of its idle
+//!   period).
 //!
 //! The pool is not wiped at its drop: its grants were, and its pages go back to the kernel.
 
@@ -170,6 +177,8 @@ struct State {
     seen_at: Instant,
     /// In the reaper's list (set by the grant that makes the pool resident).
     watched: bool,
+    /// The budget's [`Budget::refusals`] when the reaper last looked.
+    refusals_seen: u64,
 }
 
 struct Waiter {
@@ -281,6 +290,7 @@ impl BufferPool {
             libc::madvise(raw, size, libc::MADV_DONTDUMP);
         }
         let chunks = pages.div_ceil(CHUNK_PAGES);
+        let refusals_seen = budget.as_ref().map_or(0, |b| b.refusals());
         Ok(BufferPool {
             inner: Arc::new(Inner {
                 base,
@@ -306,6 +316,7 @@ impl BufferPool {
                     seen_taken: 0,
                     seen_at: Instant::now(),
                     watched: false,
+                    refusals_seen,
                 }),
             }),
         })
@@ -577,9 +588,41 @@ impl Inner {
         }
     }
 
+    /// Gives back the charged chunks (beyond the reserve) that no grant uses now: their pages
+    /// hold zeroes or ciphertext (grants wiped their plaintext at their release).
+    fn release_unused_charged(&self, st: &mut State) {
+        let mut refund = 0;
+        for c in RESERVE_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
+            if st.resident[c / 64] >> (c % 64) & 1 == 0 {
+                continue;
+            }
+            let first = c * CHUNK_PAGES;
+            let end = (first + CHUNK_PAGES).min(self.pages);
+            if (first..end).any(|p| st.used[p / 64] >> (p % 64) & 1 != 0) {
+                continue;
+            }
+            let (p, len) = self.chunk_ptr(c);
+            // SAFETY: a chunk of our own mapping none of whose pages a grant holds (checked
+            // above, under the mutex): dropping its pages loses nothing anyone may read.
+            unsafe {
+                libc::munlock(p, len);
+                libc::madvise(p, len, libc::MADV_DONTNEED);
+            }
+            st.resident[c / 64] &= !(1 << (c % 64));
+            st.resident_chunks -= 1;
+            refund += 1;
+        }
+        if let (Some(b), true) = (&self.budget, refund > 0) {
+            debug_assert!(refund <= st.charged_chunks);
+            st.charged_chunks -= refund;
+            b.refund((refund * LOCK_CHUNK_BYTES) as u64);
+        }
+    }
+
     /// The reaper's look at this pool: gives its memory back if no grant has been taken for
-    /// its idle period and none is held. Returns when to look again (None: released, stop
-    /// watching).
+    /// its idle period and none is held; gives back its unused charged chunks if the budget
+    /// refused anyone a charge since the last look. Returns when to look again (None:
+    /// released, stop watching).
     fn look(&self, now: Instant) -> Option<Instant> {
         let mut st = self.lock();
         if st.taken != st.seen_taken {
@@ -591,6 +634,13 @@ impl Inner {
             self.release_all(&mut st);
             st.watched = false;
             return None;
+        }
+        if let Some(b) = &self.budget {
+            let refusals = b.refusals();
+            if refusals != st.refusals_seen {
+                st.refusals_seen = refusals;
+                self.release_unused_charged(&mut st);
+            }
         }
         Some(due.max(now + self.idle / 4))
     }
@@ -1093,6 +1143,59 @@ mod tests {
         assert!(budget.usage().used_bytes > 0);
         drop(big);
         drop(pools);
+        assert_eq!(budget.usage().used_bytes, 0, "every charge refunded");
+    }
+
+    /// A busy pool that grew first gives the charged chunks it does not use back once another
+    /// pool was refused a charge, at the reaper's next look, and keeps serving; the refused
+    /// pool then grows beyond its reserve without waiting.
+    #[test]
+    fn a_refused_charge_makes_a_busy_pool_give_back_what_it_does_not_use() {
+        let limit = 4 * LOCK_CHUNK_BYTES as u64;
+        let budget: Arc<dyn Budget> = Arc::new(budget::LocalBudget::new(limit));
+        let idle = Duration::from_millis(400);
+        let pool =
+            || Arc::new(BufferPool::with_budget(1 << 20, idle, Some(budget.clone())).unwrap());
+        let (a, b) = (pool(), pool());
+        // A grows to the whole budget, then uses only its reserve.
+        drop(a.take(POOL_RESERVE_BYTES + limit as usize).unwrap());
+        assert_eq!(budget.usage().used_bytes, limit);
+        // B, holding its reserve, asks for more: refused, it waits for its own grant.
+        let held = b.take(POOL_RESERVE_BYTES).unwrap();
+        let b2 = b.clone();
+        let asker = std::thread::spawn(move || drop(b2.take(LOCK_CHUNK_BYTES).unwrap()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while b.budget_waits() == 0 {
+            assert!(Instant::now() < deadline, "B was not refused");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(held);
+        asker.join().unwrap();
+        // A stays busy (a grant every 20 ms, so it never goes idle) and gives its unused
+        // charged chunks back within a few looks (every 100 ms).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while budget.usage().used_bytes > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the busy pool kept {} charged bytes it does not use",
+                budget.usage().used_bytes
+            );
+            drop(a.take(POOL_PAGE_BYTES).unwrap());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(a.resident_bytes() > 0, "A gave back its reserve too");
+        // B grows now: a second grant beside its reserve is charged, with no wait.
+        let waits = b.budget_waits();
+        let held = b.take(POOL_RESERVE_BYTES).unwrap();
+        let more = b.take(LOCK_CHUNK_BYTES).unwrap();
+        assert_eq!(b.budget_waits(), waits);
+        assert_eq!(budget.usage().used_bytes, LOCK_CHUNK_BYTES as u64);
+        drop((held, more));
+        // A's next growth is charged again, within the budget.
+        let again = a.take(POOL_RESERVE_BYTES + LOCK_CHUNK_BYTES).unwrap();
+        assert_eq!(budget.usage().used_bytes, 2 * LOCK_CHUNK_BYTES as u64);
+        drop(again);
+        drop((a, b));
         assert_eq!(budget.usage().used_bytes, 0, "every charge refunded");
     }
 
