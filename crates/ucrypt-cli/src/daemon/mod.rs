@@ -24,6 +24,7 @@
 pub mod budget;
 pub mod control;
 mod loopdev;
+mod main_loop;
 mod mounts;
 pub mod online;
 mod proto;

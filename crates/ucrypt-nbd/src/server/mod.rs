@@ -662,11 +662,16 @@ impl Watch for Both<'_> {
     }
 
     fn timeout_ms(&self) -> i32 {
-        match (self.first.timeout_ms(), self.second.timeout_ms()) {
-            (a, -1) => a,
-            (-1, b) => b,
-            (a, b) => a.min(b),
-        }
+        sooner(self.first.timeout_ms(), self.second.timeout_ms())
+    }
+}
+
+/// The shorter of two `poll` timeouts in milliseconds (-1: none).
+fn sooner(a: i32, b: i32) -> i32 {
+    match (a, b) {
+        (a, -1) => a,
+        (-1, b) => b,
+        (a, b) => a.min(b),
     }
 }
 
@@ -682,11 +687,7 @@ pub(crate) fn wait_watching(
     watch.fds(&mut extra);
     let mut polled: Vec<libc::pollfd> = fixed.to_vec();
     polled.extend(extra.iter().map(|&(fd, i)| i.pollfd(fd)));
-    let timeout = match (timeout_ms, watch.timeout_ms()) {
-        (a, -1) => a,
-        (-1, b) => b,
-        (a, b) => a.min(b),
-    };
+    let timeout = sooner(timeout_ms, watch.timeout_ms());
     stop_fd::wait(&mut polled, timeout);
     let (mine, theirs) = polled.split_at(fixed.len());
     fixed.copy_from_slice(mine);

@@ -560,57 +560,41 @@ impl Inner {
     /// plaintext at their release).
     fn release_all(&self, st: &mut State) {
         debug_assert_eq!(st.holders, 0);
-        for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
-            if st.resident[c / 64] >> (c % 64) & 1 == 0 {
-                continue;
-            }
-            let (p, len) = self.chunk_ptr(c);
-            // SAFETY: a range of our own mapping that no grant holds (holders == 0, under
-            // the mutex): dropping its pages loses nothing anyone may read.
-            unsafe {
-                libc::munlock(p, len);
-                libc::madvise(p, len, libc::MADV_DONTNEED);
-            }
-        }
-        let mut refund = 0;
-        for c in KEPT_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
-            if st.resident[c / 64] >> (c % 64) & 1 != 0 {
-                st.resident[c / 64] &= !(1 << (c % 64));
-                st.resident_chunks -= 1;
-                refund += usize::from(c >= RESERVE_CHUNKS);
-            }
-        }
+        self.release_where(st, KEPT_CHUNKS, |_, _| true);
         // Charged only with a budget: every chunk beyond the reserve then.
-        if let Some(b) = &self.budget {
-            debug_assert_eq!(refund, st.charged_chunks);
-            st.charged_chunks -= refund;
-            b.refund((refund * LOCK_CHUNK_BYTES) as u64);
-        }
+        debug_assert!(self.budget.is_none() || st.charged_chunks == 0);
     }
 
     /// Gives back the charged chunks (beyond the reserve) that no grant uses now: their pages
     /// hold zeroes or ciphertext (grants wiped their plaintext at their release).
     fn release_unused_charged(&self, st: &mut State) {
-        let mut refund = 0;
-        for c in RESERVE_CHUNKS..self.pages.div_ceil(CHUNK_PAGES) {
-            if st.resident[c / 64] >> (c % 64) & 1 == 0 {
-                continue;
-            }
+        let pages = self.pages;
+        self.release_where(st, RESERVE_CHUNKS, |st, c| {
             let first = c * CHUNK_PAGES;
-            let end = (first + CHUNK_PAGES).min(self.pages);
-            if (first..end).any(|p| st.used[p / 64] >> (p % 64) & 1 != 0) {
+            let end = (first + CHUNK_PAGES).min(pages);
+            (first..end).all(|p| st.used[p / 64] >> (p % 64) & 1 == 0)
+        });
+    }
+
+    /// Gives the resident chunks from `from` on that `pick` takes back to the kernel and
+    /// refunds the charged ones (beyond the reserve, with a budget). `pick` must take only
+    /// chunks no grant holds.
+    fn release_where(&self, st: &mut State, from: usize, pick: impl Fn(&State, usize) -> bool) {
+        let mut refund = 0;
+        for c in from..self.pages.div_ceil(CHUNK_PAGES) {
+            if st.resident[c / 64] >> (c % 64) & 1 == 0 || !pick(st, c) {
                 continue;
             }
             let (p, len) = self.chunk_ptr(c);
-            // SAFETY: a chunk of our own mapping none of whose pages a grant holds (checked
-            // above, under the mutex): dropping its pages loses nothing anyone may read.
+            // SAFETY: a chunk of our own mapping that no grant holds (`pick`'s contract, under
+            // the mutex): dropping its pages loses nothing anyone may read.
             unsafe {
                 libc::munlock(p, len);
                 libc::madvise(p, len, libc::MADV_DONTNEED);
             }
             st.resident[c / 64] &= !(1 << (c % 64));
             st.resident_chunks -= 1;
-            refund += 1;
+            refund += usize::from(c >= RESERVE_CHUNKS);
         }
         if let (Some(b), true) = (&self.budget, refund > 0) {
             debug_assert!(refund <= st.charged_chunks);
