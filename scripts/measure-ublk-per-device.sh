@@ -19,11 +19,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 ucrypt=${2:-$here/target/release/ucrypt}
 [ -x "$ucrypt" ] || { echo "no $ucrypt: cargo build --release -p ucrypt-cli" >&2; exit 2; }
 trixie=$here/tests/vm/cache/trixie
-kernel=$(ls "$trixie"/boot/vmlinuz-* 2>/dev/null | head -n1 || true)
-if [ -z "$kernel" ]; then
-  bash "$here/tests/vm/fetch-kernel.sh" "$trixie" trixie >/dev/null
-  kernel=$(ls "$trixie"/boot/vmlinuz-* | head -n1)
-fi
+kernel=$(bash "$here/tests/vm/trixie-kernel.sh")
 w=$(mktemp -d)
 trap 'rm -rf "$w"' EXIT
 mkdir "$w/share"

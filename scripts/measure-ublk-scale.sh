@@ -29,11 +29,7 @@ max=0
 for n in $ns; do [ "$n" -gt "$max" ] && max=$n; done
 cpus=2
 trixie=$here/tests/vm/cache/trixie
-kernel=$(ls "$trixie"/boot/vmlinuz-* 2>/dev/null | head -n1 || true)
-if [ -z "$kernel" ]; then
-  bash "$here/tests/vm/fetch-kernel.sh" "$trixie" trixie >/dev/null
-  kernel=$(ls "$trixie"/boot/vmlinuz-* | head -n1)
-fi
+kernel=$(bash "$here/tests/vm/trixie-kernel.sh")
 w=$(mktemp -d)
 trap 'rm -rf "$w"' EXIT
 mkdir "$w/share"
