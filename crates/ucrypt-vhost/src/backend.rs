@@ -1,7 +1,8 @@
 //! The vhost-user-blk device for one connection: features, config space and the per-queue
 //! request loop, plugged into `vhost-user-backend`'s daemon (which owns the protocol, the
 //! memory map and one epoll thread per entry of `queues_per_thread`). Each queue's thread
-//! parses what the driver made available and hands it to the queue's [`Inflight`] set.
+//! parses what the driver made available and hands it to the queue's [`Inflight`] set, or,
+//! for a small read or write with others in flight, to its [`Ring`].
 //!
 //! A resize reaches the guest through the VMM: [`BlkBackend::config_changed`] sends
 //! `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` on the backend channel (`SET_BACKEND_REQ_FD`), and the
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ucrypt::sync::lock;
+use ucrypt::volume::{DirectRead, DirectWrite};
 use ucrypt::BlockDev;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Backend, VhostUserFrontendReqHandler};
@@ -24,14 +26,15 @@ use virtio_bindings::virtio_blk::{
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use virtio_queue::QueueT;
-use vm_memory::GuestAddressSpace;
+use vm_memory::{GuestAddress, GuestAddressSpace};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use crate::inflight::{Inflight, Mem, Memory};
+use crate::inflight::{Inflight, Job, Mem, Memory};
 use crate::request::{self, Bounce, Mode, CHUNK_BYTES, RANGES_MAX, SECTOR_BYTES, SEGMENTS_MAX};
+use crate::ring::{Ring, RING_IO_BYTES_MAX};
 
 /// Descriptors per virtqueue the device accepts (the driver may choose fewer).
 pub const QUEUE_SIZE_MAX: usize = 256;
@@ -41,7 +44,136 @@ struct Queue {
     /// The queue thread's own bounce buffer (for a request it serves itself); locked only by
     /// that thread.
     bounce: Mutex<Bounce>,
+    /// The queue thread's ring (`None` inside: the kernel refused one), made the first time
+    /// requests wait beside each other; locked only by that thread.
+    ring: Mutex<Option<Option<Ring>>>,
     inflight: Arc<Inflight>,
+}
+
+/// The requests of one [`BlkBackend::serve_queue`] call in flight on the queue's ring, by
+/// slot: each holds its request's place in the queue and the volume's [`DirectRead`] or
+/// [`DirectWrite`] (which borrow the device, so none outlives the call: the call returns only
+/// once all are reaped).
+struct RingOps<'d> {
+    inflight: &'d Inflight,
+    slots: Vec<Option<RingOp<'d>>>,
+}
+
+struct RingOp<'d> {
+    job: Job,
+    io: DirectIo<'d>,
+}
+
+enum DirectIo<'d> {
+    /// The guest range the plaintext goes to.
+    Read(DirectRead<'d>, GuestAddress),
+    Write(DirectWrite<'d>),
+}
+
+impl<'d> RingOps<'d> {
+    fn new(inflight: &'d Inflight) -> Self {
+        RingOps {
+            inflight,
+            slots: Vec::new(),
+        }
+    }
+
+    /// Starts `job` on the ring if it is a read or write the ring serves and the volume hands
+    /// out; gives it back (`Some`) otherwise.
+    fn start(
+        &mut self,
+        ring: &mut Ring,
+        dev: &'d dyn BlockDev,
+        mode: Mode,
+        job: Job,
+    ) -> Option<Job> {
+        let max = RING_IO_BYTES_MAX;
+        let io = if let Some((offset, at, len)) = request::ring_read(dev, job.mem(), job.req(), max)
+        {
+            // The ring's buffers are page-aligned.
+            let Some(read) = dev
+                .read_direct(offset, len)
+                .filter(|r| 4096 % r.align() == 0)
+            else {
+                return Some(job);
+            };
+            let Some((slot, _)) = ring.take(len) else {
+                return Some(job);
+            };
+            if !ring.read(slot, read.fd(), read.file_offset()) {
+                ring.give_back(slot);
+                return Some(job);
+            }
+            (slot, DirectIo::Read(read, at))
+        } else if let Some((offset, at, len)) = request::ring_write(dev, job.mem(), job.req(), max)
+        {
+            let fua = !mode.write_back;
+            let Some(write) = dev
+                .write_direct(offset, len, fua)
+                .filter(|w| 4096 % w.align() == 0)
+            else {
+                return Some(job);
+            };
+            let Some((slot, buf)) = ring.take(len) else {
+                return Some(job);
+            };
+            // The guest's data read once, encrypted into the slot's private buffer.
+            let sealed = request::sealed(job.mem(), at, len, |src| write.seal(src, buf));
+            if !matches!(sealed, Some(Ok(())))
+                || !ring.write(slot, write.fd(), write.file_offset(), write.durable())
+            {
+                ring.give_back(slot);
+                return Some(job);
+            }
+            (slot, DirectIo::Write(write))
+        } else {
+            return Some(job);
+        };
+        let (slot, io) = io;
+        if self.slots.len() <= slot {
+            self.slots.resize_with(slot + 1, || None);
+        }
+        self.slots[slot] = Some(RingOp { job, io });
+        None
+    }
+
+    /// Finishes every request the ring completed and returns it to the used ring in its turn.
+    fn reap(&mut self, ring: &mut Ring) {
+        let inflight = self.inflight;
+        ring.reap(|slot, res, buf| {
+            let Some(RingOp { job, io }) = self.slots.get_mut(slot).and_then(Option::take) else {
+                return;
+            };
+            let done = match io {
+                DirectIo::Read(read, at) => {
+                    let len = read.len();
+                    request::finish_ring_read(job.mem(), job.req(), at, len, |dst| {
+                        read.finish(res, buf, dst)
+                    })
+                }
+                DirectIo::Write(write) => {
+                    request::finish_ring(job.mem(), job.req(), write.finish(res, buf), 0)
+                }
+            };
+            inflight.finish(job, done);
+        });
+    }
+}
+
+impl Drop for RingOps<'_> {
+    /// Requests still in flight when the call ends early (the ring failed): each ends in
+    /// IOERR, so that the queue's order is not held up by requests nobody will finish. The
+    /// ring keeps their buffers until the kernel is done with them.
+    fn drop(&mut self) {
+        for op in self.slots.iter_mut().filter_map(Option::take) {
+            let failed = Err(ucrypt::Error::Bug(
+                "the queue's ring failed with the request in flight",
+            ));
+            let done = request::finish_ring(op.job.mem(), op.job.req(), failed, 0);
+            drop(op.io);
+            self.inflight.finish(op.job, done);
+        }
+    }
 }
 
 /// The device as `vhost-user-backend` sees it: shared by the connection's threads.
@@ -79,6 +211,7 @@ impl BlkBackend {
             queue: (0..queues)
                 .map(|_| Queue {
                     bounce: Mutex::default(),
+                    ring: Mutex::new(None),
                     inflight: Inflight::new(dev.clone(), id),
                 })
                 .collect(),
@@ -155,8 +288,11 @@ impl BlkBackend {
     }
 
     /// Takes everything available on `vring`, the queue `qid`: a request alone in flight is
-    /// served on this thread, others go to the queue's workers; each returns to the used ring
-    /// when done.
+    /// served on this thread; with others, a small read or write of one guest range goes
+    /// through the queue's ring (`ring.rs`), anything else to the queue's workers; each
+    /// returns to the used ring when done. Returns once nothing is available and nothing of
+    /// the ring is in flight: while something is, this thread waits on the ring and looks at
+    /// the available ring after each completion.
     pub fn serve_queue(&self, qid: usize, vring: &VringRwLock<Mem>) -> std::io::Result<()> {
         let Some(mem) = lock(&self.mem).clone() else {
             return Ok(());
@@ -165,7 +301,9 @@ impl BlkBackend {
             return Ok(());
         };
         let mut bounce = lock(&queue.bounce);
+        let mut ring = lock(&queue.ring);
         let inflight = &queue.inflight;
+        let mut ops = RingOps::new(inflight);
         let mode = self.mode();
         let event_idx = self.event_idx.load(Ordering::Acquire);
         loop {
@@ -173,6 +311,15 @@ impl BlkBackend {
                 vring.disable_notification().map_err(io_err)?;
             }
             loop {
+                if let Some(r) = made(&mut ring) {
+                    ops.reap(r);
+                    // A full queue waits here for the ring's requests, which only this
+                    // thread reaps, not in `take`.
+                    if r.in_flight() > 0 && !inflight.has_room() {
+                        r.wait()?;
+                        continue;
+                    }
+                }
                 let map: Arc<Memory> = mem.memory().into_inner();
                 // The vring lock is held only to pop (a statement of its own: a guard in a
                 // `let ... else` scrutinee would live through the block).
@@ -180,7 +327,15 @@ impl BlkBackend {
                     .get_mut()
                     .get_queue_mut()
                     .pop_descriptor_chain(map.clone());
-                let Some(chain) = popped else { break };
+                let Some(chain) = popped else {
+                    match made(&mut ring) {
+                        Some(r) if r.in_flight() > 0 => {
+                            r.wait()?;
+                            continue;
+                        }
+                        _ => break,
+                    }
+                };
                 let mut req = inflight.request();
                 if let Err(done) = request::parse(&mut req, chain) {
                     inflight.refuse(vring, req, done.used_len);
@@ -191,7 +346,25 @@ impl BlkBackend {
                 // would only add a thread's wake-up to its latency.
                 if alone && !more_available(vring, &map) {
                     inflight.run(job, &mut bounce);
-                } else if let Some(job) = inflight.dispatch(job) {
+                    continue;
+                }
+                // The ring is made the first time requests wait beside each other.
+                let job = match ring.get_or_insert_with(Ring::new) {
+                    Some(r) => match ops.start(r, &*self.dev, mode, job) {
+                        None => continue,
+                        Some(job) => job,
+                    },
+                    None => job,
+                };
+                if let Some(job) = inflight.dispatch(job) {
+                    // Served here, so the ring's requests finish first: a flush waits for
+                    // its writes, and a request waiting at the volume's gate for theirs.
+                    if let Some(r) = made(&mut ring) {
+                        while r.in_flight() > 0 {
+                            r.wait()?;
+                            ops.reap(r);
+                        }
+                    }
                     inflight.run(job, &mut bounce);
                 }
             }
@@ -222,6 +395,11 @@ impl BlkBackend {
     pub fn workers(&self, qid: usize) -> usize {
         self.queue.get(qid).map_or(0, |q| q.inflight.workers())
     }
+}
+
+/// The queue's ring, if made and the kernel gave one.
+fn made(ring: &mut Option<Option<Ring>>) -> Option<&mut Ring> {
+    ring.as_mut()?.as_mut()
 }
 
 /// Whether the driver made more chains available than the queue has taken.

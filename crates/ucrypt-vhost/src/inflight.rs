@@ -17,7 +17,9 @@
 //!
 //! Why threads: the volume's API is synchronous (a request returns once its backend I/O has),
 //! so a queue that holds one request at a time waits for the disk on every request while the
-//! guest has many queued. Workers start on demand (when a request is handed over and no idle
+//! guest has many queued. (Small reads and writes of a volume on a file are the exception:
+//! the queue's thread keeps them in flight itself through its ring, `ring.rs`, and returns
+//! them here in their turn with [`Inflight::finish`].) Workers start on demand (when a request is handed over and no idle
 //! worker is there to take it) and end after [`WORKER_IDLE`] without work, so an idle queue,
 //! or one with a single request at a time (served on the queue's own thread, see
 //! [`Inflight::take`]), holds no worker.
@@ -72,6 +74,18 @@ pub struct Job {
     write: Option<u64>,
     /// A flush's: it waits until no write with a smaller ticket is in flight.
     flush_after: Option<u64>,
+}
+
+impl Job {
+    /// The parsed request.
+    pub fn req(&self) -> &Request {
+        &self.req
+    }
+
+    /// The memory map it was parsed against.
+    pub fn mem(&self) -> &Memory {
+        &self.mem
+    }
 }
 
 /// One queue's requests in flight and its workers.
@@ -237,6 +251,17 @@ impl Inflight {
             }
         }
         let done = request::serve(&*self.dev, &self.id, job.mode, bounce, &*job.mem, &job.req);
+        self.complete(&job.vring, job.req, done.used_len, job.seq, job.write);
+    }
+
+    /// Whether [`take`](Inflight::take) would take a request without waiting for room.
+    pub fn has_room(&self) -> bool {
+        lock(&self.state).taken < INFLIGHT_PER_QUEUE_MAX
+    }
+
+    /// Returns `job`, served elsewhere (a read through the queue's ring) with `done`, to the
+    /// ring in its turn.
+    pub fn finish(&self, job: Job, done: request::Done) {
         self.complete(&job.vring, job.req, done.used_len, job.seq, job.write);
     }
 

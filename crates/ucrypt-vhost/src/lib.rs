@@ -10,14 +10,17 @@
 //! One thread per virtqueue (default: one queue per host CPU) takes the queue's kicks. A
 //! request alone in flight is served on that thread, the crypto included (the volume's
 //! dispatch policy may still split a large request across idle cores); when the guest has more
-//! queued, a bounded set of workers per queue serves them at once and they complete out of
-//! order ([`inflight`]). Threads exist only while a VMM is connected; a VMM that disconnects
-//! leaves a server that accepts the next one. A request on the caller's
-//! [`Stop`] ends the connection, flushes the volume and removes the socket.
+//! queued, the queue's thread keeps its small reads and writes in flight itself through an
+//! io_uring ([`ring`]; the volume does their crypto on that thread), and a bounded set of
+//! workers per queue serves the rest at once; they complete out of order and return in order
+//! ([`inflight`]). Threads exist only while a VMM is connected; a VMM that disconnects leaves
+//! a server that accepts the next one. A request on the caller's [`Stop`] ends the
+//! connection, flushes the volume and removes the socket.
 
 pub mod backend;
 pub mod inflight;
 pub mod request;
+pub mod ring;
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;

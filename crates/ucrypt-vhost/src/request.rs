@@ -131,8 +131,9 @@ fn with_guest_mut<G: GuestMemory + ?Sized, R>(
     // which stays mapped while `mem` is borrowed, and the slice lives only while `f` runs.
     // The memory is shared with the guest, which may read or write it meanwhile (and may point
     // another request in flight at the same bytes), so nothing may rely on it staying as
-    // written, and nothing does: `f` hands it to `BlockDev::read_shared`, which only ever
-    // stores finished plaintext there and never reads it back.
+    // written, and nothing does: `f` hands it to `BlockDev::read_shared` or
+    // `DirectRead::finish`, which only ever store finished plaintext there and never read it
+    // back.
     let dst = unsafe { std::slice::from_raw_parts_mut(guard.as_ptr(), len) };
     let r = f(dst);
     slice.bitmap().mark_dirty(0, len);
@@ -175,8 +176,8 @@ pub struct Mode {
 pub struct Bounce(Scratch);
 
 impl Bounce {
-    /// The first `n` bytes (`n <= CHUNK_BYTES`), grown on first use.
-    fn get(&mut self, n: usize) -> &mut [u8] {
+    /// The first `n` bytes (`n <= CHUNK_BYTES`), grown on first use; page-aligned.
+    pub(crate) fn get(&mut self, n: usize) -> &mut [u8] {
         debug_assert!(n <= CHUNK_BYTES);
         self.0.get(n)
     }
@@ -328,6 +329,99 @@ pub fn serve<G: GuestMemory + ?Sized>(
 ) -> Done {
     let res = execute(dev, id, mode, bounce, mem, req);
     finish(mem, req.status_at, res)
+}
+
+/// A read the queue may serve through its ring (`ring.rs`): its offset on the device, its one
+/// guest range (writable, in one region of the map) and its length, at most `max` bytes.
+/// `None` for any other request, which [`serve`] serves.
+pub fn ring_read<G: GuestMemory + ?Sized>(
+    dev: &dyn BlockDev,
+    mem: &G,
+    req: &Request,
+    max: usize,
+) -> Option<(u64, GuestAddress, usize)> {
+    if !matches!(req.op, Some(Op::Read)) {
+        return None;
+    }
+    let mut one = runs(&req.writable, 0);
+    let (at, len) = one.next()?;
+    if one.next().is_some() || len > max as u64 {
+        return None;
+    }
+    let offset = range(dev, req.sector, len).ok()?;
+    let len = len as usize;
+    one_slice(mem, at, len, Permissions::Write)?;
+    Some((offset, at, len))
+}
+
+/// A write the queue may serve through its ring: its offset on the device, its one guest
+/// range (readable, in one region of the map) and its length, at most `max` bytes; `None` for
+/// any other request.
+pub fn ring_write<G: GuestMemory + ?Sized>(
+    dev: &dyn BlockDev,
+    mem: &G,
+    req: &Request,
+    max: usize,
+) -> Option<(u64, GuestAddress, usize)> {
+    if !matches!(req.op, Some(Op::Write)) || dev.read_only() {
+        return None;
+    }
+    let mut one = runs(&req.readable, HEADER_BYTES as u64);
+    let (at, len) = one.next()?;
+    if one.next().is_some() || len > max as u64 {
+        return None;
+    }
+    let offset = range(dev, req.sector, len).ok()?;
+    let len = len as usize;
+    one_slice(mem, at, len, Permissions::Read)?;
+    Some((offset, at, len))
+}
+
+/// Calls `seal` with the guest range `at` (`len` bytes) of `mem` that [`ring_write`] found in
+/// one region of the same map; `None` if it no longer is.
+pub fn sealed<G: GuestMemory + ?Sized, R>(
+    mem: &G,
+    at: GuestAddress,
+    len: usize,
+    seal: impl FnOnce(&[u8]) -> R,
+) -> Option<R> {
+    with_guest(mem, at, len, seal)
+}
+
+/// Ends a request served through the ring with `res`: writes the status, and for a failure
+/// says why on stderr; `data` is the bytes written into guest memory.
+pub fn finish_ring<G: GuestMemory + ?Sized>(
+    mem: &G,
+    req: &Request,
+    res: ucrypt::Result<()>,
+    data: u32,
+) -> Done {
+    let res = res.map(|()| data).map_err(|e| {
+        if let Some(op) = req.op {
+            eprintln!("ucrypt vhost: {op:?} at sector {}: {e}", req.sector);
+        }
+        Refused::IoErr
+    });
+    finish(mem, req.status_at, res)
+}
+
+/// Ends a read taken by [`ring_read`]: `open` decrypts into the guest range `at` (`len`
+/// bytes) of `mem`; writes the status. A range no longer in one region of the map (it was, for
+/// the same `mem`, when taken) ends in IOERR.
+pub fn finish_ring_read<G: GuestMemory + ?Sized>(
+    mem: &G,
+    req: &Request,
+    at: GuestAddress,
+    len: usize,
+    open: impl FnOnce(&mut [u8]) -> ucrypt::Result<()>,
+) -> Done {
+    let res = with_guest_mut(mem, at, len, open).unwrap_or({
+        Err(ucrypt::Error::Bug(
+            "a ring read's guest range left its memory region",
+        ))
+    });
+    // `len` is at most the ring's request size.
+    finish_ring(mem, req, res, len as u32)
 }
 
 /// Writes the status byte at `at`; the used length is the data written plus the status.

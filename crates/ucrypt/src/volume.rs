@@ -44,9 +44,11 @@ use crate::sector::{CipherSpec, Geometry, Mode, Provider, SectorCipher, SectorSi
 use crate::sync::{lock, WaitCell};
 use crate::{BlockDev, Error, Result, SecretBytes};
 
+mod direct;
 mod dispatch;
 mod segments;
 mod shared;
+pub use direct::{DirectRead, DirectWrite};
 pub use segments::NewSideAt;
 use segments::Segments;
 use shared::Shared;
@@ -303,6 +305,16 @@ impl BlockDev for Volume {
         }
     }
 
+    /// See `direct.rs`.
+    fn read_direct(&self, offset: u64, len: usize) -> Option<DirectRead<'_>> {
+        DirectRead::new(&self.core, offset, len)
+    }
+
+    /// See `direct.rs`.
+    fn write_direct(&self, offset: u64, len: usize, fua: bool) -> Option<DirectWrite<'_>> {
+        DirectWrite::new(&self.core, offset, len, fua)
+    }
+
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         let _in = self.core.enter(Kind::Write)?;
         if self.core.segmented.load(Relaxed) {
@@ -423,13 +435,17 @@ impl Core {
     /// backend write. This is the common 4 KiB case; the planner would produce the same single
     /// inline task (and, for a write, a bounce buffer and a copy).
     fn is_direct(&self, out: &[u8], offset: u64, write: bool) -> bool {
-        let len = out.len() as u64;
-        let inline = match Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) {
+        self.runs_inline(write, out.len() as u64) && self.fits_direct(out, offset)
+    }
+
+    /// Whether the policy of the direction runs a request of `len` bytes on the caller's
+    /// thread without planning: `inline`, or `auto` below its threshold.
+    fn runs_inline(&self, write: bool, len: u64) -> bool {
+        match Policy::from_u8(self.policy[usize::from(write)].load(Relaxed)) {
             Policy::Inline => true,
             Policy::Auto => len < self.auto_min_bytes.load(Relaxed),
             _ => false,
-        };
-        inline && self.fits_direct(out, offset)
+        }
     }
 
     /// Whole sectors, from a buffer at an address the backend accepts.

@@ -381,3 +381,169 @@ fn shared_reads_and_writes_equal_the_plain_calls() {
     let err = v.read_shared(&mut dst, 0, &mut [0u8; 4096]).unwrap_err();
     assert!(err.to_string().contains("scratch"), "{err}");
 }
+
+/// A read the caller does itself (`read_direct`): handed out for whole sectors of a file
+/// backend, it decrypts what the caller read (completing a short read) into the caller's
+/// buffer, as `read_at` would, and counts the request or its error; refused (`None`) where
+/// the volume cannot hand one out.
+#[test]
+fn direct_reads_decrypt_what_the_caller_read() {
+    use std::os::unix::fs::FileExt;
+    use ucrypt::backend::{DirectMode, FileBackend};
+    let dir = kit::TempDir::new("direct-read");
+    let path = dir.sparse("v.img", 4 << 20);
+    let file = Arc::new(FileBackend::open(&path, true, DirectMode::Auto).unwrap());
+    let v = Volume::new(file, cfg(SectorSize::S4096)).unwrap();
+    let data: Vec<u8> = (0..(1 << 20)).map(|i| (i * 31 + 7) as u8).collect();
+    v.write_at(&data, 0).unwrap();
+    let mut scratch = ucrypt::blockdev::Scratch::default();
+    let reader = std::fs::File::open(&path).unwrap();
+    let s0 = v.stats();
+    for (off, len, short) in [
+        (0u64, 4096usize, 4096usize),
+        (8192, 65536, 65536),
+        (4096, 16384, 5000),
+    ] {
+        let d = v
+            .read_direct(off, len)
+            .expect("a direct read of whole sectors");
+        assert_eq!(d.len(), len);
+        assert!(
+            4096 % d.align() == 0,
+            "the scratch's pages satisfy the alignment"
+        );
+        let buf = scratch.get(len);
+        // The caller's read; `short` < len leaves the rest to `finish`.
+        let n = reader.read_at(&mut buf[..short], d.file_offset());
+        let mut out = vec![0u8; len];
+        d.finish(n, buf, &mut out).unwrap();
+        let want = &data[off as usize..off as usize + len];
+        assert!(
+            out == want,
+            "{off}+{len} (caller read {short}): other plaintext"
+        );
+    }
+    let before = v.stats();
+    assert_eq!(
+        before.read.requests,
+        s0.read.requests + 3,
+        "each finished read counted"
+    );
+    let d = v.read_direct(0, 4096).unwrap();
+    let err = d
+        .finish(
+            Err(std::io::Error::from_raw_os_error(libc::EIO)),
+            scratch.get(4096),
+            &mut [0u8; 4096],
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("read of 4096 bytes"), "{err}");
+    let after = v.stats();
+    assert_eq!(
+        after.read.errors.iter().sum::<u64>(),
+        before.read.errors.iter().sum::<u64>() + 1
+    );
+    // Not whole sectors, outside the volume, or a backend that is not a file: none.
+    assert!(v.read_direct(512, 4096).is_none());
+    assert!(v.read_direct(0, 1000).is_none());
+    assert!(v.read_direct(4 << 20, 4096).is_none());
+    assert!(v.read_direct(0, 0).is_none());
+    let mem = Volume::new(Arc::new(MemBackend::new(1 << 20)), cfg(SectorSize::S4096)).unwrap();
+    assert!(mem.read_direct(0, 4096).is_none());
+}
+
+/// A write the caller does itself (`write_direct`): sealed (encrypted from the caller's
+/// plaintext into its buffer) and written by the caller, it stores what `write_at` stores and
+/// reads back; a short write is completed; it holds its sectors (an overlapping write is not
+/// handed out meanwhile, reads are), and nothing is handed out while the volume is suspended,
+/// for a `queued` policy, or on a read-only volume.
+#[test]
+fn direct_writes_store_what_write_at_stores() {
+    use std::os::unix::fs::FileExt;
+    use ucrypt::backend::{DirectMode, FileBackend};
+    let dir = kit::TempDir::new("direct-write");
+    let open = |name: &str| {
+        let path = dir.sparse(name, 4 << 20);
+        let file = Arc::new(FileBackend::open(&path, true, DirectMode::Auto).unwrap());
+        (Volume::new(file, cfg(SectorSize::S4096)).unwrap(), path)
+    };
+    let (v, path) = open("d.img");
+    let (reference, ref_path) = open("r.img");
+    let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let mut scratch = ucrypt::blockdev::Scratch::default();
+    for (off, len, short, fua) in [
+        (0u64, 4096usize, 4096usize, false),
+        (8192, 65536, 12288, true),
+    ] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 + off as usize) as u8).collect();
+        let w = v
+            .write_direct(off, len, fua)
+            .expect("a direct write of whole sectors");
+        assert_eq!(w.durable(), fua);
+        // Its sectors are held until it finishes; reads are not.
+        assert!(v
+            .write_direct(off + len as u64 - 4096, 8192, false)
+            .is_none());
+        assert!(v.read_direct(off, 4096).is_some());
+        let buf = scratch.get(len);
+        w.seal(&data, buf).unwrap();
+        let n = writer.write_at(&buf[..short], w.file_offset());
+        w.finish(n, buf).unwrap();
+        assert!(
+            v.write_direct(off, len, false).is_some(),
+            "let go once finished"
+        );
+        reference.write_at(&data, off).unwrap();
+        let mut back = vec![0u8; len];
+        v.read_at(&mut back, off).unwrap();
+        assert!(back == data, "{off}+{len}: read back other data");
+    }
+    let (a, b) = (
+        std::fs::read(&path).unwrap(),
+        std::fs::read(&ref_path).unwrap(),
+    );
+    assert!(a == b, "the stored ciphertext differs from write_at's");
+    let before = v.stats();
+    let w = v.write_direct(0, 4096, false).unwrap();
+    let err = w
+        .finish(
+            Err(std::io::Error::from_raw_os_error(libc::ENOSPC)),
+            scratch.get(4096),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("write of 4096 bytes"), "{err}");
+    let after = v.stats();
+    assert_eq!(
+        after.write.errors.iter().sum::<u64>(),
+        before.write.errors.iter().sum::<u64>() + 1
+    );
+    assert!(
+        v.write_direct(512, 4096, false).is_none(),
+        "not whole sectors"
+    );
+    v.set_policy(Policy::Queued);
+    assert!(
+        v.write_direct(0, 4096, false).is_none(),
+        "queued: not inline"
+    );
+    assert!(v.read_direct(0, 4096).is_none(), "queued: not inline");
+    v.set_policy(Policy::Auto);
+    v.suspend().unwrap();
+    assert!(
+        v.write_direct(0, 4096, false).is_none(),
+        "suspended: the gate is closed"
+    );
+    assert!(
+        v.read_direct(0, 4096).is_none(),
+        "suspended: the gate is closed"
+    );
+    v.resume(SecretBytes::from_slice(&(0..64u8).collect::<Vec<u8>>()))
+        .unwrap();
+    assert!(v.write_direct(0, 4096, false).is_some());
+    let file = Arc::new(FileBackend::open(&path, false, DirectMode::Auto).unwrap());
+    let mut c = cfg(SectorSize::S4096);
+    c.read_only = true;
+    let ro = Volume::new(file, c).unwrap();
+    assert!(ro.write_direct(0, 4096, false).is_none(), "read-only");
+    assert!(ro.read_direct(0, 4096).is_some());
+}

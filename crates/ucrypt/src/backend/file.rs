@@ -549,6 +549,14 @@ impl Backend for FileBackend {
         self.mem_align_bytes
     }
 
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        Some(std::os::fd::AsFd::as_fd(&self.file))
+    }
+
+    fn writes_through(&self) -> bool {
+        self.cache.write_through()
+    }
+
     fn describe(&self) -> String {
         format!(
             "{} {}{}",

@@ -52,6 +52,18 @@ pub trait Backend: Send + Sync {
     fn mem_align_bytes(&self) -> usize {
         1
     }
+    /// The open file behind the backend, for a caller that reads it with I/O of its own
+    /// (`BlockDev::read_direct`), under the same rules as [`Backend::read_at`] and the
+    /// alignments above; `None` for a backend that is not one file (memory, a remote
+    /// server, a test's wrapper).
+    fn file_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+    /// Whether every write must be made durable as it is written (a write-through cache
+    /// mode): a caller writing [`Backend::file_fd`] itself then writes with `RWF_DSYNC`.
+    fn writes_through(&self) -> bool {
+        false
+    }
     /// A short human description ("file /dev/shm/x (O_DIRECT)"), for benchmarks and logs.
     fn describe(&self) -> String;
     /// Whether every write queues on one lock, whichever thread makes it: a buffered regular

@@ -87,6 +87,19 @@ impl Gate {
         Ok(Pass(s))
     }
 
+    /// Enters if the gate is open; `None` (without waiting) if it is closed. For a caller that
+    /// holds passes while it waits for something else (I/O it submitted): waiting at the gate
+    /// then could wait for itself, as the closer waits for those passes.
+    pub fn try_enter(&self) -> Option<Pass<'_>> {
+        let s = &self.shards[thread_index() & (GATE_SHARDS - 1)].0;
+        s.fetch_add(1, SeqCst);
+        if self.closed.load(SeqCst) {
+            s.fetch_sub(1, SeqCst);
+            return None;
+        }
+        Some(Pass(s))
+    }
+
     /// The slow way in: back out, sleep until the gate opens, try again.
     #[cold]
     #[inline(never)]

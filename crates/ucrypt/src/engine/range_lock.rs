@@ -53,6 +53,19 @@ impl RangeLock {
         held.ranges.push(range);
         RangeGuard { lock: self, range }
     }
+
+    /// Holds `range` if no held range overlaps it and a table slot is free; `None` (without
+    /// waiting) otherwise.
+    pub fn try_lock(&self, range: SectorRange) -> Option<RangeGuard<'_>> {
+        let mut held = self.table();
+        if held.ranges.len() >= RANGE_LOCK_HOLDERS_MAX
+            || held.ranges.iter().any(|r| r.overlaps(&range))
+        {
+            return None;
+        }
+        held.ranges.push(range);
+        Some(RangeGuard { lock: self, range })
+    }
 }
 
 impl Drop for RangeGuard<'_> {
@@ -73,6 +86,18 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Arc;
+
+    #[test]
+    fn try_lock_refuses_an_overlap_without_waiting() {
+        let lock = RangeLock::default();
+        let r = |first, end| SectorRange { first, end };
+        let a = lock.try_lock(r(4, 8)).expect("a free range");
+        assert!(lock.try_lock(r(7, 9)).is_none(), "overlaps the held range");
+        let b = lock.try_lock(r(8, 9)).expect("adjacent, not overlapping");
+        drop(a);
+        assert!(lock.try_lock(r(0, 8)).is_some(), "free again once released");
+        drop(b);
+    }
 
     #[test]
     fn overlapping_ranges_exclude_each_other() {
