@@ -12,8 +12,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ucrypt::direct::{DirectRead, DirectWrite};
 use ucrypt::sync::lock;
-use ucrypt::volume::{DirectRead, DirectWrite};
 use ucrypt::BlockDev;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Backend, VhostUserFrontendReqHandler};

@@ -340,40 +340,50 @@ pub fn ring_read<G: GuestMemory + ?Sized>(
     req: &Request,
     max: usize,
 ) -> Option<(u64, GuestAddress, usize)> {
-    if !matches!(req.op, Some(Op::Read)) {
-        return None;
-    }
-    let mut one = runs(&req.writable, 0);
-    let (at, len) = one.next()?;
-    if one.next().is_some() || len > max as u64 {
-        return None;
-    }
-    let offset = range(dev, req.sector, len).ok()?;
-    let len = len as usize;
-    one_slice(mem, at, len, Permissions::Write)?;
-    Some((offset, at, len))
+    matches!(req.op, Some(Op::Read)).then_some(())?;
+    one_range(dev, mem, req, max, &req.writable, 0, Permissions::Write)
 }
 
-/// A write the queue may serve through its ring: its offset on the device, its one guest
-/// range (readable, in one region of the map) and its length, at most `max` bytes; `None` for
-/// any other request.
+/// A write the queue may serve through its ring: as [`ring_read`], its one guest range
+/// readable.
 pub fn ring_write<G: GuestMemory + ?Sized>(
     dev: &dyn BlockDev,
     mem: &G,
     req: &Request,
     max: usize,
 ) -> Option<(u64, GuestAddress, usize)> {
-    if !matches!(req.op, Some(Op::Write)) || dev.read_only() {
-        return None;
-    }
-    let mut one = runs(&req.readable, HEADER_BYTES as u64);
+    (matches!(req.op, Some(Op::Write)) && !dev.read_only()).then_some(())?;
+    one_range(
+        dev,
+        mem,
+        req,
+        max,
+        &req.readable,
+        HEADER_BYTES as u64,
+        Permissions::Read,
+    )
+}
+
+/// The data of `segs` from `skip` bytes in, when it is one guest range of at most `max`
+/// bytes, in one region of the map with `access`, for a request inside the device: its
+/// offset on the device, the range and its length.
+fn one_range<G: GuestMemory + ?Sized>(
+    dev: &dyn BlockDev,
+    mem: &G,
+    req: &Request,
+    max: usize,
+    segs: &[Seg],
+    skip: u64,
+    access: Permissions,
+) -> Option<(u64, GuestAddress, usize)> {
+    let mut one = runs(segs, skip);
     let (at, len) = one.next()?;
     if one.next().is_some() || len > max as u64 {
         return None;
     }
     let offset = range(dev, req.sector, len).ok()?;
     let len = len as usize;
-    one_slice(mem, at, len, Permissions::Read)?;
+    one_slice(mem, at, len, access)?;
     Some((offset, at, len))
 }
 

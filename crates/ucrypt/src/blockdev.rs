@@ -51,23 +51,23 @@ pub trait BlockDev: Send + Sync {
     }
     /// A read of `len` bytes at `offset` that the caller performs itself on the backing file,
     /// for a front end with asynchronous I/O of its own that keeps many reads in flight on one
-    /// thread ([`DirectRead`](crate::volume::DirectRead)). `None` where the device does not
+    /// thread ([`DirectRead`](crate::direct::DirectRead)). `None` where the device does not
     /// hand one out (the default); the caller then reads with [`BlockDev::read_shared`], which
     /// also reports any error.
-    fn read_direct(&self, offset: u64, len: usize) -> Option<crate::volume::DirectRead<'_>> {
+    fn read_direct(&self, offset: u64, len: usize) -> Option<crate::direct::DirectRead<'_>> {
         let _ = (offset, len);
         None
     }
     /// A whole-block write of `len` bytes at `offset` (durable when it completes, with `fua`)
     /// that the caller performs itself on the backing file, as [`BlockDev::read_direct`]
-    /// ([`DirectWrite`](crate::volume::DirectWrite)). `None` where the device does not hand
+    /// ([`DirectWrite`](crate::direct::DirectWrite)). `None` where the device does not hand
     /// one out (the default); the caller then writes with [`BlockDev::write_shared`].
     fn write_direct(
         &self,
         offset: u64,
         len: usize,
         fua: bool,
-    ) -> Option<crate::volume::DirectWrite<'_>> {
+    ) -> Option<crate::direct::DirectWrite<'_>> {
         let _ = (offset, len, fua);
         None
     }

@@ -40,6 +40,7 @@
 pub mod backend;
 pub mod bitlk;
 pub mod blockdev;
+pub mod direct;
 pub mod engine;
 pub mod error;
 pub mod format;

@@ -48,7 +48,6 @@ mod direct;
 mod dispatch;
 mod segments;
 mod shared;
-pub use direct::{DirectRead, DirectWrite};
 pub use segments::NewSideAt;
 use segments::Segments;
 use shared::Shared;
@@ -305,14 +304,19 @@ impl BlockDev for Volume {
         }
     }
 
-    /// See `direct.rs`.
-    fn read_direct(&self, offset: u64, len: usize) -> Option<DirectRead<'_>> {
-        DirectRead::new(&self.core, offset, len)
+    /// See `volume/direct.rs`.
+    fn read_direct(&self, offset: u64, len: usize) -> Option<crate::direct::DirectRead<'_>> {
+        self.core.direct_read(offset, len)
     }
 
-    /// See `direct.rs`.
-    fn write_direct(&self, offset: u64, len: usize, fua: bool) -> Option<DirectWrite<'_>> {
-        DirectWrite::new(&self.core, offset, len, fua)
+    /// See `volume/direct.rs`.
+    fn write_direct(
+        &self,
+        offset: u64,
+        len: usize,
+        fua: bool,
+    ) -> Option<crate::direct::DirectWrite<'_>> {
+        self.core.direct_write(offset, len, fua)
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
