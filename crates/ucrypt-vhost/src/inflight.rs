@@ -17,12 +17,12 @@
 //!
 //! Why threads: the volume's API is synchronous (a request returns once its backend I/O has),
 //! so a queue that holds one request at a time waits for the disk on every request while the
-//! guest has many queued. (Small reads and writes of a volume on a file are the exception:
-//! the queue's thread keeps them in flight itself through its ring, `ring.rs`, and returns
-//! them here in their turn with [`Inflight::finish`].) Workers start on demand (when a request is handed over and no idle
-//! worker is there to take it) and end after [`WORKER_IDLE`] without work, so an idle queue,
-//! or one with a single request at a time (served on the queue's own thread, see
-//! [`Inflight::take`]), holds no worker.
+//! guest has many queued. (Small reads and writes of a volume on a file are the exception: the
+//! queue's thread keeps them in flight itself through its ring, `ring.rs`, and returns them
+//! here in their turn with [`Inflight::finish`].) Workers start on demand (when a request is
+//! handed over and no idle worker is there to take it) and end after [`WORKER_IDLE`] without
+//! work, so an idle queue, or one with a single request at a time (served on the queue's own
+//! thread, see [`Inflight::take`]), holds no worker.
 //!
 //! Limits: at most [`INFLIGHT_PER_QUEUE_MAX`] requests per queue taken from the ring and not
 //! yet returned to it; beyond, the queue's thread waits for room and the guest's ring fills
@@ -259,7 +259,7 @@ impl Inflight {
         lock(&self.state).taken < INFLIGHT_PER_QUEUE_MAX
     }
 
-    /// Returns `job`, served elsewhere (a read through the queue's ring) with `done`, to the
+    /// Returns `job`, served elsewhere (through the queue's ring) with `done`, to the used
     /// ring in its turn.
     pub fn finish(&self, job: Job, done: request::Done) {
         self.complete(&job.vring, job.req, done.used_len, job.seq, job.write);

@@ -151,9 +151,9 @@ fn with_guest<G: GuestMemory + ?Sized, R>(
     let slice = one_slice(mem, at, len, Permissions::Read)?;
     let guard = slice.ptr_guard();
     // SAFETY: as in `with_guest_mut`; the guest may change the bytes while `f` runs, and `f`
-    // hands them to `BlockDev::write_shared`, which reads each byte once into memory of its
-    // own before it computes anything from it, so a change shows as other data written, never
-    // as a broken invariant.
+    // hands them to `BlockDev::write_shared` or `DirectWrite::seal`, which read each byte once
+    // into memory of their own before they compute anything from it, so a change shows as
+    // other data written, never as a broken invariant.
     let src = unsafe { std::slice::from_raw_parts(guard.as_ptr(), len) };
     Some(f(src))
 }
