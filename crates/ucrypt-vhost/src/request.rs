@@ -12,7 +12,7 @@
 
 use std::ops::Deref;
 
-use ucrypt::blockdev::Scratch;
+use ucrypt::blockdev::{Scratch, SharedRun};
 use ucrypt::BlockDev;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
@@ -21,8 +21,8 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
-use vm_memory::bitmap::Bitmap;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
+use vm_memory::bitmap::{Bitmap, BitmapSlice, BS};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions, VolatileSlice};
 
 /// virtio-blk addresses the device in 512-byte sectors, whatever its block size.
 pub const SECTOR_BYTES: u64 = 512;
@@ -42,16 +42,6 @@ pub const RANGES_MAX: usize = 1;
 /// Longer requests are served piece by piece (virtio-blk promises no atomicity); a piece is
 /// large enough for the volume's dispatch to split it across idle cores.
 pub const CHUNK_BYTES: usize = 1 << 20;
-
-/// A request's data goes to the device run by run (adjacent guest segments merged, cut at
-/// [`CHUNK_BYTES`]) when it is one run, or at most this many runs of whole device blocks and
-/// at least [`RUN_DIRECT_MIN_BYTES`] each: the device decrypts into guest memory or encrypts
-/// from it directly, with no copy through the bounce buffer. A guest buffer in one huge page is
-/// one run. A more scattered request is gathered into, or scattered from, the bounce buffer,
-/// [`CHUNK_BYTES`] at a time, so the device still sees one large piece, not many small ones.
-const RUNS_DIRECT_MAX: usize = 4;
-/// See [`RUNS_DIRECT_MAX`].
-const RUN_DIRECT_MIN_BYTES: u64 = 64 << 10;
 
 /// One guest memory range of a request.
 #[derive(Debug, Clone, Copy)]
@@ -89,20 +79,80 @@ fn runs(segs: &[Seg], mut skip: u64) -> impl Iterator<Item = (GuestAddress, u64)
     })
 }
 
-/// Whether the data from `skip` bytes in goes to the device run by run ([`RUNS_DIRECT_MAX`]),
-/// for a device of `block`-byte blocks.
-fn few_runs(segs: &[Seg], skip: u64, block: u32) -> bool {
-    let block = u64::from(block.max(1));
-    let mut n = 0;
-    let mut big = true;
-    for (_, len) in runs(segs, skip) {
-        n += 1;
-        big &= len % block == 0 && len >= RUN_DIRECT_MIN_BYTES;
-        if n > RUNS_DIRECT_MAX {
-            return false;
+/// The guest memory of `len` bytes of `segs` from `skip` bytes in, with `access`: slices of
+/// the memory map in order, adjacent segments merged and cut where a region of the map ends.
+/// IOERR if a byte lies outside the map or the segments hold fewer bytes. At most a few per
+/// segment (a segment list is at most [`SEGMENTS_MAX`] long).
+fn guest_slices<'m, G: GuestMemory + ?Sized>(
+    mem: &'m G,
+    segs: &[Seg],
+    skip: u64,
+    len: usize,
+    access: Permissions,
+) -> Result<Vec<GuestSlice<'m, G>>, Refused> {
+    let mut out = Vec::new();
+    let mut left = len;
+    for (at, n) in runs(segs, skip) {
+        if left == 0 {
+            break;
+        }
+        let n = n.min(left as u64) as usize;
+        for slice in mem.get_slices(at, n, access).map_err(|_| Refused::IoErr)? {
+            out.push(slice.map_err(|_| Refused::IoErr)?);
+        }
+        left -= n;
+    }
+    if left == 0 {
+        Ok(out)
+    } else {
+        Err(Refused::IoErr)
+    }
+}
+
+/// A slice of guest memory in one region of the map.
+type GuestSlice<'m, G> = VolatileSlice<'m, BS<'m, <G as GuestMemory>::Bitmap>>;
+
+/// Calls `f` with `slices` as the shared runs of the device's API, mapped writable for
+/// `write` (a read's destination), and marks them dirty after a write into them.
+fn with_runs<B: BitmapSlice, R>(
+    slices: &[VolatileSlice<'_, B>],
+    write: bool,
+    f: impl FnOnce(&[SharedRun]) -> R,
+) -> R {
+    // Safety of the runs (both arms): each slice lies in one region of the guest memory map
+    // (`get_slices` checked it, with the access asked), which stays mapped while the slices
+    // borrow it, and the guards keep it so until `f` has returned. The memory is shared with
+    // the guest, which may read or change it meanwhile and may name one page in two segments,
+    // so runs may overlap: `SharedRun::new` allows both, since the device reads each byte of a
+    // write's runs once into memory of its own and stores only finished plaintext into a
+    // read's runs, never reading them back.
+    let r = if write {
+        let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard_mut()).collect();
+        let runs: Vec<SharedRun> = guards
+            .iter()
+            .map(|g| {
+                // SAFETY: see the start of the function.
+                unsafe { SharedRun::new(g.as_ptr(), g.len()) }
+            })
+            .collect();
+        f(&runs)
+    } else {
+        let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard()).collect();
+        let runs: Vec<SharedRun> = guards
+            .iter()
+            .map(|g| {
+                // SAFETY: see the start of the function; these runs are only read.
+                unsafe { SharedRun::new(g.as_ptr().cast_mut(), g.len()) }
+            })
+            .collect();
+        f(&runs)
+    };
+    if write {
+        for s in slices {
+            s.bitmap().mark_dirty(0, s.len());
         }
     }
-    n == 1 || big
+    r
 }
 
 /// The `len` bytes of guest memory at `at` as one slice, when they lie in one region of the
@@ -588,16 +638,6 @@ fn scatter<G: GuestMemory + ?Sized>(
     }
 }
 
-/// A guest range of `len` bytes at `at` cut into pieces of at most [`CHUNK_BYTES`].
-fn chunks(at: GuestAddress, len: u64) -> impl Iterator<Item = (GuestAddress, usize)> {
-    (0..len).step_by(CHUNK_BYTES).map(move |o| {
-        (
-            at.unchecked_add(o),
-            (len - o).min(CHUNK_BYTES as u64) as usize,
-        )
-    })
-}
-
 /// The device byte range of `len` bytes at 512-byte `sector`, if it lies inside the device.
 fn range(dev: &dyn BlockDev, sector: u64, len: u64) -> Result<u64, Refused> {
     if len % SECTOR_BYTES != 0 {
@@ -630,34 +670,15 @@ fn execute<G: GuestMemory + ?Sized>(
             // A used length is u32: a longer read is refused rather than reported wrongly.
             let used = u32::try_from(len).map_err(|_| Refused::IoErr)?;
             let offset = range(dev, sector, len)?;
-            if few_runs(&ctx.writable, 0, dev.block_size()) {
-                let mut done = 0u64;
-                for (at, run) in runs(&ctx.writable, 0) {
-                    for (at, n) in chunks(at, run) {
-                        let scratch = bounce.get(n);
-                        let direct = with_guest_mut(mem, at, n, |dst| {
-                            dev.read_shared(dst, offset + done, scratch)
-                        });
-                        match direct {
-                            Some(r) => r.map_err(device_err)?,
-                            None => {
-                                // Across two regions of the map: through the bounce buffer.
-                                let buf = bounce.get(n);
-                                dev.read_at(buf, offset + done).map_err(device_err)?;
-                                scatter(mem, &ctx.writable, done, buf)?;
-                            }
-                        }
-                        done += n as u64;
-                    }
-                }
-                return Ok(used);
-            }
             let mut done = 0u64;
             while done < len {
                 let n = (len - done).min(CHUNK_BYTES as u64) as usize;
-                let buf = bounce.get(n);
-                dev.read_at(buf, offset + done).map_err(device_err)?;
-                scatter(mem, &ctx.writable, done, buf)?;
+                let into = guest_slices(mem, &ctx.writable, done, n, Permissions::Write)?;
+                let at = offset + done;
+                with_runs(&into, true, |runs| {
+                    dev.read_shared_runs(runs, at, bounce.get(n))
+                })
+                .map_err(device_err)?;
                 done += n as u64;
             }
             Ok(used)
@@ -668,47 +689,16 @@ fn execute<G: GuestMemory + ?Sized>(
             }
             let offset = range(dev, sector, payload)?;
             let fua = !mode.write_back;
-            if few_runs(&ctx.readable, HEADER_BYTES as u64, dev.block_size()) {
-                let mut done = 0u64;
-                for (at, run) in runs(&ctx.readable, HEADER_BYTES as u64) {
-                    for (at, n) in chunks(at, run) {
-                        let scratch = bounce.get(n);
-                        let direct = with_guest(mem, at, n, |src| {
-                            dev.write_shared(src, offset + done, fua, scratch)
-                        });
-                        match direct {
-                            Some(r) => r.map_err(device_err)?,
-                            None => {
-                                // Across two regions of the map: through the bounce buffer.
-                                let buf = bounce.get(n);
-                                gather(mem, &ctx.readable, HEADER_BYTES as u64 + done, buf)?;
-                                let at = offset + done;
-                                if fua {
-                                    dev.write_fua(buf, at)
-                                } else {
-                                    dev.write_at_mut(buf, at)
-                                }
-                                .map_err(device_err)?;
-                            }
-                        }
-                        done += n as u64;
-                    }
-                }
-                return Ok(0);
-            }
             let mut done = 0u64;
             while done < payload {
                 let n = (payload - done).min(CHUNK_BYTES as u64) as usize;
-                let buf = bounce.get(n);
-                // A private copy: the guest may change its buffer while the volume encrypts.
-                gather(mem, &ctx.readable, HEADER_BYTES as u64 + done, buf)?;
+                let skip = HEADER_BYTES as u64 + done;
+                let from = guest_slices(mem, &ctx.readable, skip, n, Permissions::Read)?;
                 let at = offset + done;
-                let r = if mode.write_back {
-                    dev.write_at_mut(buf, at)
-                } else {
-                    dev.write_fua(buf, at)
-                };
-                r.map_err(device_err)?;
+                with_runs(&from, false, |runs| {
+                    dev.write_shared_runs(runs, at, fua, bounce.get(n))
+                })
+                .map_err(device_err)?;
                 done += n as u64;
             }
             Ok(0)
@@ -761,6 +751,7 @@ fn execute<G: GuestMemory + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vm_memory::GuestMemoryBackend;
 
     fn seg(addr: u64, len: u32) -> Seg {
         Seg {
@@ -786,15 +777,36 @@ mod tests {
     }
 
     #[test]
-    fn only_one_run_or_a_few_big_whole_block_runs_go_direct() {
-        let big = 64 << 10;
-        assert!(few_runs(&[seg(0, 16), seg(0x10000, 512)], 16, 4096));
-        assert!(few_runs(&[seg(0, big), seg(0x100000, big)], 0, 4096));
-        // One run too short, one not whole blocks, too many runs.
-        assert!(!few_runs(&[seg(0, big), seg(0x100000, 4096)], 0, 4096));
-        assert!(!few_runs(&[seg(0, big + 512), seg(0x100000, big)], 0, 4096));
-        let many: Vec<_> = (0..5).map(|i| seg(i * 0x100000, big)).collect();
-        assert!(!few_runs(&many, 0, 4096));
-        assert!(few_runs(&many[..4], 0, 4096));
+    fn guest_slices_follow_the_segments_and_cut_at_a_region_end() {
+        // Two regions, one after the other: 0x0..0x4000 and 0x4000..0x8000.
+        let mem: vm_memory::GuestMemoryMmap<()> = vm_memory::GuestMemoryMmap::from_ranges(&[
+            (GuestAddress(0), 0x4000),
+            (GuestAddress(0x4000), 0x4000),
+        ])
+        .unwrap();
+        let segs = [seg(0x1000, 16), seg(0x3000, 0x2000), seg(0x100, 512)];
+        let host = |at: u64| mem.get_host_address(GuestAddress(at)).unwrap() as usize;
+        let lens = |skip, len| -> Result<Vec<(usize, usize)>, Refused> {
+            let got = guest_slices(&mem, &segs, skip, len, Permissions::Write)?;
+            Ok(got
+                .iter()
+                .map(|s| (s.ptr_guard().as_ptr() as usize, s.len()))
+                .collect())
+        };
+        // The header skipped, the middle segment cut where the first region ends.
+        assert_eq!(
+            lens(16, 0x2200).unwrap(),
+            [
+                (host(0x3000), 0x1000),
+                (host(0x4000), 0x1000),
+                (host(0x100), 512)
+            ]
+        );
+        // Only as far as asked.
+        assert_eq!(lens(16, 0x800).unwrap(), [(host(0x3000), 0x800)]);
+        // More than the segments hold, or a segment outside the map: IOERR.
+        assert!(lens(16, 0x2201).is_err());
+        let outside = [seg(0x7000, 0x2000)];
+        assert!(guest_slices(&mem, &outside, 0, 0x2000, Permissions::Write).is_err());
     }
 }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use ucrypt::blockdev::SharedRun;
 use ucrypt::BlockDev;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::*;
@@ -37,9 +38,11 @@ struct MemDev {
     flushes: AtomicU32,
     fua_writes: AtomicU32,
     plain_writes: AtomicU32,
-    /// Calls of `read_shared` and `write_shared` (served through the default's scratch).
+    /// Calls of `read_shared_runs` and `write_shared_runs` (served through the default's
+    /// scratch), and the runs the last one was given.
     shared_reads: AtomicU32,
     shared_writes: AtomicU32,
+    last_runs: AtomicU32,
     discards: AtomicU32,
     held: Mutex<Vec<u64>>,
     released: Condvar,
@@ -59,6 +62,7 @@ impl MemDev {
             plain_writes: AtomicU32::new(0),
             shared_reads: AtomicU32::new(0),
             shared_writes: AtomicU32::new(0),
+            last_runs: AtomicU32::new(0),
             discards: AtomicU32::new(0),
             held: Mutex::new(Vec::new()),
             released: Condvar::new(),
@@ -122,19 +126,26 @@ impl BlockDev for MemDev {
         self.leave(Event::Write(offset));
         Ok(())
     }
-    fn read_shared(&self, dst: &mut [u8], offset: u64, scratch: &mut [u8]) -> ucrypt::Result<()> {
-        self.shared_reads.fetch_add(1, Ordering::SeqCst);
-        ucrypt::blockdev::read_through(self, dst, offset, scratch)
-    }
-    fn write_shared(
+    fn read_shared_runs(
         &self,
-        src: &[u8],
+        dst: &[SharedRun],
+        offset: u64,
+        scratch: &mut [u8],
+    ) -> ucrypt::Result<()> {
+        self.shared_reads.fetch_add(1, Ordering::SeqCst);
+        self.last_runs.store(dst.len() as u32, Ordering::SeqCst);
+        ucrypt::blockdev::read_runs_through(self, dst, offset, scratch)
+    }
+    fn write_shared_runs(
+        &self,
+        src: &[SharedRun],
         offset: u64,
         fua: bool,
         scratch: &mut [u8],
     ) -> ucrypt::Result<()> {
         self.shared_writes.fetch_add(1, Ordering::SeqCst);
-        ucrypt::blockdev::write_through(self, src, offset, fua, scratch)
+        self.last_runs.store(src.len() as u32, Ordering::SeqCst);
+        ucrypt::blockdev::write_runs_through(self, src, offset, fua, scratch)
     }
     fn write_fua(&self, buf: &mut [u8], offset: u64) -> ucrypt::Result<()> {
         self.write_at(buf, offset)?;
@@ -391,10 +402,14 @@ fn write_then_read_over_scattered_segments() {
     assert_eq!(r.dev.bytes(4096, 8192), data);
     assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 1);
     assert_eq!(r.dev.fua_writes.load(Ordering::SeqCst), 0);
+    assert_eq!(r.dev.shared_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.last_runs.load(Ordering::SeqCst), 3);
 
     let rsegs = [4096, 2048, 2048];
     assert_eq!(r.request(VIRTIO_BLK_T_IN, 8, &rsegs, true), (OK, 8193));
     assert_eq!(r.get_data(&rsegs), data);
+    assert_eq!(r.dev.shared_reads.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.last_runs.load(Ordering::SeqCst), 3);
 }
 
 #[test]
@@ -418,6 +433,7 @@ fn adjacent_segments_reach_the_device_as_one_shared_run() {
     assert_eq!(r.status(), OK);
     assert_eq!(r.dev.bytes(4096, data.len()), data);
     assert_eq!(r.dev.shared_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.last_runs.load(Ordering::SeqCst), 1);
     assert_eq!(r.dev.plain_writes.load(Ordering::SeqCst), 1);
 
     mem.write_slice(&vec![0u8; data.len()], GuestAddress(DATA))
@@ -432,10 +448,11 @@ fn adjacent_segments_reach_the_device_as_one_shared_run() {
     mem.read_slice(&mut back, GuestAddress(DATA)).unwrap();
     assert_eq!(back, data);
     assert_eq!(r.dev.shared_reads.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.last_runs.load(Ordering::SeqCst), 1);
 }
 
 #[test]
-fn a_run_across_two_memory_regions_goes_through_the_bounce_buffer() {
+fn a_run_across_two_memory_regions_reaches_the_device_as_two_runs() {
     // Two regions, adjacent in guest memory but two mappings in this process.
     let mem = GuestMemoryMmap::<()>::from_ranges(&[
         (GuestAddress(0), MEM_BYTES / 2),
@@ -453,7 +470,8 @@ fn a_run_across_two_memory_regions_goes_through_the_bounce_buffer() {
     assert_eq!(r.serve().len(), 1);
     assert_eq!(r.status(), OK);
     assert_eq!(r.dev.bytes(0, n as usize), data);
-    assert_eq!(r.dev.shared_writes.load(Ordering::SeqCst), 0);
+    assert_eq!(r.dev.shared_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.last_runs.load(Ordering::SeqCst), 2);
 
     mem.write_slice(&vec![0u8; n as usize], GuestAddress(at))
         .unwrap();
@@ -464,7 +482,8 @@ fn a_run_across_two_memory_regions_goes_through_the_bounce_buffer() {
     let mut back = vec![0u8; n as usize];
     mem.read_slice(&mut back, GuestAddress(at)).unwrap();
     assert_eq!(back, data);
-    assert_eq!(r.dev.shared_reads.load(Ordering::SeqCst), 0);
+    assert_eq!(r.dev.shared_reads.load(Ordering::SeqCst), 1);
+    assert_eq!(r.dev.last_runs.load(Ordering::SeqCst), 2);
 }
 
 #[test]

@@ -49,6 +49,26 @@ pub trait BlockDev: Send + Sync {
     fn write_shared(&self, src: &[u8], offset: u64, fua: bool, scratch: &mut [u8]) -> Result<()> {
         write_through(self, src, offset, fua, scratch)
     }
+    /// Like `read_shared`, into a buffer of several runs of shared memory (a VM's scattered
+    /// pages), in order: the first run receives the bytes at `offset`, the next the bytes
+    /// after them. `scratch` holds at least their total; the default reads into it and copies
+    /// out run by run. A volume decrypts straight into the runs when each is a whole number of
+    /// its sectors.
+    fn read_shared_runs(&self, dst: &[SharedRun], offset: u64, scratch: &mut [u8]) -> Result<()> {
+        read_runs_through(self, dst, offset, scratch)
+    }
+    /// Like `write_shared`, from runs of shared memory in order, as `read_shared_runs`; the
+    /// default copies them into `scratch` and writes from there. A volume encrypts straight
+    /// from the runs when each is a whole number of its sectors.
+    fn write_shared_runs(
+        &self,
+        src: &[SharedRun],
+        offset: u64,
+        fua: bool,
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        write_runs_through(self, src, offset, fua, scratch)
+    }
     /// A read of `len` bytes at `offset` that the caller performs itself on the backing file,
     /// for a front end with asynchronous I/O of its own that keeps many reads in flight on one
     /// thread ([`DirectRead`](crate::direct::DirectRead)). `None` where the device does not
@@ -87,6 +107,40 @@ pub fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
         Some(end) if end <= size => Ok(()),
         _ => Err(Error::OutOfRange { offset, len, size }),
     }
+}
+
+/// A run of memory another party maps too and may read or change at any time (a VM's pages):
+/// the unit of [`BlockDev::read_shared_runs`] and [`BlockDev::write_shared_runs`].
+#[derive(Clone, Copy, Debug)]
+pub struct SharedRun {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+}
+
+impl SharedRun {
+    /// The `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// They must stay mapped and readable (and writable, for a read's runs) until every call
+    /// given this run has returned. Others may read and change them meanwhile, and runs may
+    /// overlap each other: a device only ever reads each byte once, into memory of its own,
+    /// or stores finished plaintext there, and never relies on what it finds.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> SharedRun {
+        SharedRun { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The total length of `runs`, saturated: a request that long is refused by its scratch.
+pub(crate) fn runs_len(runs: &[SharedRun]) -> usize {
+    runs.iter().fold(0usize, |n, r| n.saturating_add(r.len))
 }
 
 /// Page size of [`Scratch`]'s alignment: what direct I/O asks of a buffer's address.
@@ -159,6 +213,50 @@ pub fn write_through<D: BlockDev + ?Sized>(
 ) -> Result<()> {
     let tmp = scratch_for(scratch, src.len())?;
     tmp.copy_from_slice(src);
+    if fua {
+        dev.write_fua(tmp, offset)
+    } else {
+        dev.write_at_mut(tmp, offset)
+    }
+}
+
+/// [`BlockDev::read_shared_runs`] through the caller's `scratch`: a read into it, then a copy
+/// into each run.
+pub fn read_runs_through<D: BlockDev + ?Sized>(
+    dev: &D,
+    dst: &[SharedRun],
+    offset: u64,
+    scratch: &mut [u8],
+) -> Result<()> {
+    let tmp = scratch_for(scratch, runs_len(dst))?;
+    dev.read_at(tmp, offset)?;
+    let mut at = 0;
+    for r in dst {
+        // SAFETY: `SharedRun::new`'s contract: `r.len` writable bytes at `r.ptr`, apart from
+        // `tmp` (the caller's private scratch); `at + r.len` is within `tmp`, which is the
+        // runs' total long.
+        unsafe { std::ptr::copy_nonoverlapping(tmp[at..].as_ptr(), r.ptr, r.len) };
+        at += r.len;
+    }
+    Ok(())
+}
+
+/// [`BlockDev::write_shared_runs`] through the caller's `scratch`: a copy of each run into
+/// it, then a write that may use it as scratch space.
+pub fn write_runs_through<D: BlockDev + ?Sized>(
+    dev: &D,
+    src: &[SharedRun],
+    offset: u64,
+    fua: bool,
+    scratch: &mut [u8],
+) -> Result<()> {
+    let tmp = scratch_for(scratch, runs_len(src))?;
+    let mut at = 0;
+    for r in src {
+        // SAFETY: as in `read_runs_through`, with `r.len` readable bytes at `r.ptr`.
+        unsafe { std::ptr::copy_nonoverlapping(r.ptr, tmp[at..].as_mut_ptr(), r.len) };
+        at += r.len;
+    }
     if fua {
         dev.write_fua(tmp, offset)
     } else {

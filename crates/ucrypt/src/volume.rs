@@ -26,6 +26,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::backend::Backend;
+use crate::blockdev::SharedRun;
 use crate::engine::ciphers::CipherSlots;
 use crate::engine::gate::Gate;
 use crate::engine::host;
@@ -33,7 +34,7 @@ use crate::engine::plan::{Dispatch, Op, Piece, Plan, Planner, SectorRange};
 use crate::engine::queue::BoundedQueue;
 use crate::engine::range_lock::RangeLock;
 use crate::engine::stats::{now, ns_per_tick, Kind, Stats, Times};
-use crate::engine::task::Task;
+use crate::engine::task::{Runs, Task};
 use crate::engine::workers::{
     self, Completion, DoneRef, Executor, Job, WriteJob, JOB_QUEUE_MAX, WRITE_QUEUE_MAX,
 };
@@ -304,6 +305,28 @@ impl BlockDev for Volume {
         }
     }
 
+    /// See `shared.rs`: straight into the runs where the volume can, else through `scratch`.
+    fn read_shared_runs(&self, dst: &[SharedRun], offset: u64, scratch: &mut [u8]) -> Result<()> {
+        match self.shared_io(Shared::ReadRuns(dst), offset, false, scratch) {
+            Some(r) => r,
+            None => crate::blockdev::read_runs_through(self, dst, offset, scratch),
+        }
+    }
+
+    /// See `shared.rs`: straight from the runs where the volume can, else through `scratch`.
+    fn write_shared_runs(
+        &self,
+        src: &[SharedRun],
+        offset: u64,
+        fua: bool,
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        match self.shared_io(Shared::WriteRuns(src), offset, fua, scratch) {
+            Some(r) => r,
+            None => crate::blockdev::write_runs_through(self, src, offset, fua, scratch),
+        }
+    }
+
     /// See `volume/direct.rs`.
     fn read_direct(&self, offset: u64, len: usize) -> Option<crate::direct::DirectRead<'_>> {
         self.core.direct_read(offset, len)
@@ -413,6 +436,7 @@ impl Core {
                 out: std::ptr::null_mut(),
                 io: true,
                 fua: false,
+                runs: Runs::NONE,
             };
             return self.run(plan, piece, task, t);
         }
@@ -427,6 +451,7 @@ impl Core {
             out: std::ptr::null_mut(),
             io: true,
             fua: false,
+            runs: Runs::NONE,
         };
         self.run(plan, piece, task, t)?;
         dst.copy_from_slice(&g.as_mut_slice()[piece.head_skip..piece.head_skip + piece.buf_len]);
@@ -586,6 +611,7 @@ impl Core {
             out: std::ptr::null_mut(),
             io: true,
             fua: false,
+            runs: Runs::NONE,
         };
         self.exec_task(None, &task, t)
     }
@@ -643,6 +669,7 @@ impl Core {
             out: std::ptr::null_mut(),
             io: true,
             fua,
+            runs: Runs::NONE,
         };
         self.run(plan, piece, task, t)
     }
@@ -723,6 +750,7 @@ impl Core {
                 out: std::ptr::null_mut(),
                 io: true,
                 fua,
+                runs: Runs::NONE,
             };
             self.run(plan, &part, task, t)?;
             if !plain_src.is_null() && !self.null_cipher() {
@@ -1413,7 +1441,9 @@ impl Executor for Core {
                 self.read_task_io(task, buf, t)?;
             }
             let t0 = t.clock();
-            let r = if task.out.is_null() {
+            let r = if !task.runs.is_empty() {
+                self.crypt_runs(own, task, buf)
+            } else if task.out.is_null() {
                 self.crypt(own, false, task.sectors.first, buf, None)
             } else {
                 // SAFETY: a non-null out covers the same sectors in the caller's buffer, apart
@@ -1428,7 +1458,11 @@ impl Executor for Core {
         let src =
             (!task.src.is_null()).then(|| unsafe { std::slice::from_raw_parts(task.src, len) });
         let t0 = t.clock();
-        let r = self.crypt(own, true, task.sectors.first, buf, src);
+        let r = if task.runs.is_empty() {
+            self.crypt(own, true, task.sectors.first, buf, src)
+        } else {
+            self.crypt_runs(own, task, buf)
+        };
         t.crypto += t.clock().wrapping_sub(t0);
         r?;
         if task.io {

@@ -382,6 +382,88 @@ fn shared_reads_and_writes_equal_the_plain_calls() {
     assert!(err.to_string().contains("scratch"), "{err}");
 }
 
+/// `read_shared_runs` and `write_shared_runs`, for a buffer of scattered runs (a guest's
+/// pages), store and return what `write_at` and `read_at` do, under every policy: runs of
+/// whole sectors (crypto straight between the runs and the scratch: after a read the scratch
+/// holds ciphertext, not a copy of the plaintext) and runs that cut sectors (a copy through
+/// the scratch).
+#[test]
+fn shared_runs_equal_the_plain_calls() {
+    use ucrypt::blockdev::SharedRun;
+    let specs = [("aes-xts-plain64", 64), ("aes-cbc-essiv:sha256", 32)];
+    let policies = [
+        Policy::Auto,
+        Policy::Inline,
+        Policy::Parallel,
+        Policy::Ordered,
+        Policy::Queued,
+    ];
+    // (offset, run lengths, whole sectors)
+    let cases: &[(u64, &[usize], bool)] = &[
+        (0, &[4096, 8192, 65536, 4096, (1 << 20) - 81920], true),
+        (8192, &[65536, 4096, 4096], true),
+        (4096, &[1000, 64536, 4096], false),
+        (0, &[4096, 4096], true),
+    ];
+    for (spec, key_len) in specs {
+        for policy in policies {
+            let volume = || {
+                let key: Vec<u8> = (0..key_len as u8).collect();
+                let mut c = VolumeConfig::new(
+                    spec.parse::<CipherSpec>().unwrap(),
+                    SecretBytes::from_slice(&key),
+                    Geometry::new(SectorSize::S4096),
+                );
+                c.policy = policy.into();
+                let backend = Arc::new(MemBackend::new(4 << 20));
+                (Volume::new(backend.clone(), c).unwrap(), backend)
+            };
+            let (shared, shared_store) = volume();
+            let (plain, plain_store) = volume();
+            for &(off, lens, whole) in cases {
+                let len: usize = lens.iter().sum();
+                let ctx = format!("{spec} {policy} {off}+{lens:?}");
+                let data: Vec<u8> = (0..len).map(|i| (i * 13 + off as usize) as u8).collect();
+                let mut bufs: Vec<Vec<u8>> = Vec::new();
+                let mut at = 0;
+                for &n in lens {
+                    bufs.push(data[at..at + n].to_vec());
+                    at += n;
+                }
+                let runs = |bufs: &mut Vec<Vec<u8>>| -> Vec<SharedRun> {
+                    bufs.iter_mut()
+                        // SAFETY: the buffers outlive every call given these runs.
+                        .map(|b| unsafe { SharedRun::new(b.as_mut_ptr(), b.len()) })
+                        .collect()
+                };
+                let mut scratch = ucrypt::blockdev::Scratch::default();
+                let scratch = scratch.get(len);
+                let src = runs(&mut bufs);
+                shared.write_shared_runs(&src, off, false, scratch).unwrap();
+                shared.write_shared_runs(&src, off, true, scratch).unwrap();
+                plain.write_at(&data, off).unwrap();
+                let mut a = vec![0u8; 4 << 20];
+                let mut b = vec![0u8; 4 << 20];
+                shared_store.read_exact_at(&mut a, 0).unwrap();
+                plain_store.read_exact_at(&mut b, 0).unwrap();
+                assert!(a == b, "{ctx}: the stored ciphertext differs");
+                for b in &mut bufs {
+                    b.fill(0);
+                }
+                let dst = runs(&mut bufs);
+                shared.read_shared_runs(&dst, off, scratch).unwrap();
+                assert!(bufs.concat() == data, "{ctx}: read back different data");
+                if whole && spec.contains("xts") && len >= 64 << 10 {
+                    assert!(
+                        scratch[..len] != data[..],
+                        "{ctx}: a read of whole-sector runs was copied through the scratch"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A read the caller does itself (`read_direct`): handed out for whole sectors of a file
 /// backend, it decrypts what the caller read (completing a short read) into the caller's
 /// buffer, as `read_at` would, and counts the request or its error; refused (`None`) where

@@ -6,10 +6,17 @@
 //! caller's buffer only ever receives plaintext, and each byte of it is read once before
 //! anything is computed from it. Other requests take `blockdev::read_through` /
 //! `write_through`, a copy through the scratch.
+//!
+//! A buffer of several runs (`read_shared_runs`, `write_shared_runs`: a VM's scattered pages)
+//! takes the same way when each run is a whole number of sectors: the task carries the runs
+//! ([`Runs`]) and its crypto goes run by run ([`Core::crypt_runs`]) between the caller's runs
+//! and the one scratch, so the backend still sees one request.
 
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::{counted, Core, Kind, Op, Task, Times, Volume};
+use crate::blockdev::{runs_len, SharedRun};
+use crate::engine::task::{Runs, RUNS_BYTES_MAX};
 use crate::sector::SectorCipher;
 use crate::{Error, Result};
 
@@ -17,6 +24,14 @@ use crate::{Error, Result};
 pub(super) enum Shared<'a> {
     Read(&'a mut [u8]),
     Write(&'a [u8]),
+    ReadRuns(&'a [SharedRun]),
+    WriteRuns(&'a [SharedRun]),
+}
+
+impl Shared<'_> {
+    fn write(&self) -> bool {
+        matches!(self, Shared::Write(_) | Shared::WriteRuns(_))
+    }
 }
 
 /// Shared reads and writes ([`BlockDev::read_shared`](crate::BlockDev::read_shared), [`BlockDev::write_shared`](crate::BlockDev::write_shared)) shorter
@@ -34,10 +49,21 @@ impl Volume {
         fua: bool,
         scratch: &mut [u8],
     ) -> Option<Result<()>> {
-        let (kind, len, write) = match &user {
-            Shared::Read(d) => (Kind::Read, d.len(), false),
-            Shared::Write(s) => (Kind::Write, s.len(), true),
+        let write = user.write();
+        let kind = if write { Kind::Write } else { Kind::Read };
+        let sector = 1usize << self.core.shift;
+        let (len, whole) = match &user {
+            Shared::Read(d) => (d.len(), true),
+            Shared::Write(s) => (s.len(), true),
+            Shared::ReadRuns(r) | Shared::WriteRuns(r) => {
+                let len = runs_len(r);
+                let fits = len <= RUNS_BYTES_MAX && r.len() <= RUNS_BYTES_MAX;
+                (len, fits && r.iter().all(|r| r.len % sector == 0))
+            }
         };
+        if !whole {
+            return None;
+        }
         // Checked inside the gate: reencryption begins with it closed.
         let _in = match self.core.enter(kind) {
             Ok(pass) => pass,
@@ -50,6 +76,46 @@ impl Volume {
 }
 
 impl Core {
+    /// The crypto of a task whose caller's buffer is runs of shared memory: encrypts from them
+    /// into `buf`, or decrypts `buf` into them, run by run with one cipher context.
+    pub(super) fn crypt_runs(
+        &self,
+        own: Option<&mut SectorCipher>,
+        task: &Task,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let mut go = |c: &mut SectorCipher| {
+            let mut at = 0usize;
+            // SAFETY: the caller of the request waits for every task made from its runs.
+            for (ptr, n) in unsafe { task.runs.pieces(buf.len()) } {
+                // Each run is whole sectors and a task starts on a sector: so does each piece.
+                let sector = task.sectors.first + (at as u64 >> self.shift);
+                let b = &mut buf[at..at + n];
+                if task.write {
+                    // SAFETY: `SharedRun::new`'s contract: readable while the request runs.
+                    // `encrypt_to` reads each byte once before computing from it.
+                    let s = unsafe { std::slice::from_raw_parts(ptr, n) };
+                    self.crypt(Some(&mut *c), true, sector, b, Some(s))?;
+                } else {
+                    // SAFETY: `SharedRun::new`'s contract: writable while the request runs;
+                    // only finished plaintext is stored there, and never read back.
+                    let o = unsafe { std::slice::from_raw_parts_mut(ptr, n) };
+                    self.decrypt_out(Some(&mut *c), sector, b, o)?;
+                }
+                at += n;
+            }
+            if at == buf.len() {
+                Ok(())
+            } else {
+                Err(Error::Bug("a task's runs are shorter than its sectors"))
+            }
+        };
+        match own {
+            Some(c) => go(c),
+            None => self.ciphers.with(go),
+        }
+    }
+
     /// Decrypts `buf` into `out`, leaving `buf` as it was.
     pub(super) fn decrypt_out(
         &self,
@@ -107,7 +173,7 @@ impl Core {
     ) -> Result<()> {
         let mut t = Times::start();
         let len = via.len() as u64;
-        let write = matches!(user, Shared::Write(_));
+        let write = user.write();
         self.check(offset, len)?;
         if write {
             self.check_writable()?;
@@ -126,9 +192,12 @@ impl Core {
                 break;
             }
             let at = piece.buf_off;
-            let (src, out) = match &mut user {
-                Shared::Write(s) => (s[at..].as_ptr(), std::ptr::null_mut()),
-                Shared::Read(d) => (std::ptr::null(), d[at..].as_mut_ptr()),
+            let (src, out, runs) = match &mut user {
+                Shared::Write(s) => (s[at..].as_ptr(), std::ptr::null_mut(), Runs::NONE),
+                Shared::Read(d) => (std::ptr::null(), d[at..].as_mut_ptr(), Runs::NONE),
+                Shared::ReadRuns(r) | Shared::WriteRuns(r) => {
+                    (std::ptr::null(), std::ptr::null_mut(), Runs::of(r, at))
+                }
             };
             let task = Task {
                 write,
@@ -138,6 +207,7 @@ impl Core {
                 out,
                 io: true,
                 fua,
+                runs,
             };
             r = self.run(&plan, &piece, task, &mut t);
             if r.is_err() {
