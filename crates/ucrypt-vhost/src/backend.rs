@@ -12,6 +12,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ucrypt::blockdev::SCRATCH_ALIGN;
 use ucrypt::direct::{DirectRead, DirectWrite};
 use ucrypt::sync::lock;
 use ucrypt::BlockDev;
@@ -90,10 +91,10 @@ impl<'d> RingOps<'d> {
         let max = RING_IO_BYTES_MAX;
         let io = if let Some((offset, at, len)) = request::ring_read(dev, job.mem(), job.req(), max)
         {
-            // The ring's buffers are page-aligned.
+            // The ring's buffers are scratch buffers, `SCRATCH_ALIGN`-aligned.
             let Some(read) = dev
                 .read_direct(offset, len)
-                .filter(|r| 4096 % r.align() == 0)
+                .filter(|r| SCRATCH_ALIGN % r.align() == 0)
             else {
                 return Some(job);
             };
@@ -110,7 +111,7 @@ impl<'d> RingOps<'d> {
             let fua = !mode.write_back;
             let Some(write) = dev
                 .write_direct(offset, len, fua)
-                .filter(|w| 4096 % w.align() == 0)
+                .filter(|w| SCRATCH_ALIGN % w.align() == 0)
             else {
                 return Some(job);
             };
@@ -118,7 +119,7 @@ impl<'d> RingOps<'d> {
                 return Some(job);
             };
             // The guest's data read once, encrypted into the slot's private buffer.
-            let sealed = request::sealed(job.mem(), at, len, |src| write.seal(src, buf));
+            let sealed = request::with_guest(job.mem(), at, len, |src| write.seal(src, buf));
             if !matches!(sealed, Some(Ok(())))
                 || !ring.write(slot, write.fd(), write.file_offset(), write.durable())
             {

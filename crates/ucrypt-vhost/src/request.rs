@@ -3,10 +3,11 @@
 //!
 //! Guest memory is hostile and shared. Every descriptor is read once (the chain iterator
 //! copies it), every guest range is checked against the memory map before the device is
-//! touched, and data reaches the device through `BlockDev::read_shared` and `write_shared`:
-//! the device encrypts or decrypts in memory of its own (the queue's private bounce buffer, or
-//! the volume's pool), never in memory the guest can change while it happens; guest memory is
-//! read once as plaintext to encrypt, or receives finished plaintext. Whatever the chain holds,
+//! touched, and data reaches the device as the guest's pages themselves, runs of shared memory
+//! (`BlockDev::read_shared_runs`, `write_shared_runs`; on the queue's ring, `DirectRead` and
+//! `DirectWrite`): the device encrypts or decrypts in memory of its own (the queue's private
+//! bounce buffer, or the volume's pool), never in memory the guest can change while it
+//! happens; guest memory is read once as plaintext to encrypt, or receives finished plaintext. Whatever the chain holds,
 //! the request ends with a status (`OK`, `IOERR` or `UNSUPP`) when the chain has a writable
 //! status byte, and the caller returns the chain to the used ring either way.
 
@@ -168,7 +169,8 @@ fn one_slice<G: GuestMemory + ?Sized>(
 }
 
 /// Calls `f` with the host memory of the `len` bytes of guest memory at `at`, when they lie in
-/// one region of the map (else `None`), and marks them dirty after.
+/// one region of the map (else `None`), and marks them dirty after: for a read
+/// [`ring_read`] found there, decrypted from the ring's buffer.
 fn with_guest_mut<G: GuestMemory + ?Sized, R>(
     mem: &G,
     at: GuestAddress,
@@ -181,9 +183,8 @@ fn with_guest_mut<G: GuestMemory + ?Sized, R>(
     // which stays mapped while `mem` is borrowed, and the slice lives only while `f` runs.
     // The memory is shared with the guest, which may read or write it meanwhile (and may point
     // another request in flight at the same bytes), so nothing may rely on it staying as
-    // written, and nothing does: `f` hands it to `BlockDev::read_shared` or
-    // `DirectRead::finish`, which only ever store finished plaintext there and never read it
-    // back.
+    // written, and nothing does: `f` hands it to `DirectRead::finish`, which only ever stores
+    // finished plaintext there and never reads it back.
     let dst = unsafe { std::slice::from_raw_parts_mut(guard.as_ptr(), len) };
     let r = f(dst);
     slice.bitmap().mark_dirty(0, len);
@@ -191,8 +192,9 @@ fn with_guest_mut<G: GuestMemory + ?Sized, R>(
 }
 
 /// Calls `f` with the host memory of the `len` bytes of guest memory at `at`, when they lie in
-/// one region of the map (else `None`).
-fn with_guest<G: GuestMemory + ?Sized, R>(
+/// one region of the map (else `None`): for a write [`ring_write`] found there, sealed into
+/// the ring's buffer.
+pub(crate) fn with_guest<G: GuestMemory + ?Sized, R>(
     mem: &G,
     at: GuestAddress,
     len: usize,
@@ -201,9 +203,9 @@ fn with_guest<G: GuestMemory + ?Sized, R>(
     let slice = one_slice(mem, at, len, Permissions::Read)?;
     let guard = slice.ptr_guard();
     // SAFETY: as in `with_guest_mut`; the guest may change the bytes while `f` runs, and `f`
-    // hands them to `BlockDev::write_shared` or `DirectWrite::seal`, which read each byte once
-    // into memory of their own before they compute anything from it, so a change shows as
-    // other data written, never as a broken invariant.
+    // hands them to `DirectWrite::seal`, which reads each byte once into memory of its own
+    // before it computes anything from it, so a change shows as other data written, never as
+    // a broken invariant.
     let src = unsafe { std::slice::from_raw_parts(guard.as_ptr(), len) };
     Some(f(src))
 }
@@ -435,17 +437,6 @@ fn one_range<G: GuestMemory + ?Sized>(
     let len = len as usize;
     one_slice(mem, at, len, access)?;
     Some((offset, at, len))
-}
-
-/// Calls `seal` with the guest range `at` (`len` bytes) of `mem` that [`ring_write`] found in
-/// one region of the same map; `None` if it no longer is.
-pub fn sealed<G: GuestMemory + ?Sized, R>(
-    mem: &G,
-    at: GuestAddress,
-    len: usize,
-    seal: impl FnOnce(&[u8]) -> R,
-) -> Option<R> {
-    with_guest(mem, at, len, seal)
 }
 
 /// Ends a request served through the ring with `res`: writes the status, and for a failure

@@ -143,8 +143,8 @@ pub(crate) fn runs_len(runs: &[SharedRun]) -> usize {
     runs.iter().fold(0usize, |n, r| n.saturating_add(r.len))
 }
 
-/// Page size of [`Scratch`]'s alignment: what direct I/O asks of a buffer's address.
-const SCRATCH_ALIGN: usize = 4096;
+/// [`Scratch`]'s alignment, a page: what direct I/O asks of a buffer's address.
+pub const SCRATCH_ALIGN: usize = 4096;
 
 /// One page of a [`Scratch`].
 #[derive(Clone, Copy)]
