@@ -288,9 +288,10 @@ impl BlkBackend {
         c
     }
 
-    /// Takes everything available on `vring`, the queue `qid`: a request alone in flight is
-    /// served on this thread; with others, a small read or write of one guest range goes
-    /// through the queue's ring (`ring.rs`), anything else to the queue's workers; each
+    /// Takes everything available on `vring`, the queue `qid`: a small request alone in
+    /// flight is served on this thread; with others, a small read or write of one guest range
+    /// goes through the queue's ring (`ring.rs`), anything else (and a big request, even
+    /// alone) to the queue's workers; each
     /// returns to the used ring when done. Returns once nothing is available and nothing of
     /// the ring is in flight: while something is, this thread waits on the ring and looks at
     /// the available ring after each completion.
@@ -342,15 +343,23 @@ impl BlkBackend {
                     inflight.refuse(vring, req, done.used_len);
                     continue;
                 }
+                let big = req.data_bytes() > RING_IO_BYTES_MAX as u64;
                 let (job, alone) = inflight.take(req, map.clone(), vring, mode);
-                // A request with nothing else in flight or waiting is served here: a hand-over
-                // would only add a thread's wake-up to its latency.
-                if alone && !more_available(vring, &map) {
+                // A small request with nothing else in flight or waiting is served here: a
+                // hand-over would only add a thread's wake-up to its latency. A big one goes
+                // to a worker even alone, so that this thread takes the guest's next request
+                // while its crypto and I/O run: a wake-up is little beside them.
+                if alone && !big && !more_available(vring, &map) {
                     inflight.run(job, &mut bounce);
                     continue;
                 }
-                // The ring is made the first time requests wait beside each other.
-                let job = match ring.get_or_insert_with(Ring::new) {
+                // The ring is made the first time small requests wait beside each other.
+                let ring_ok = if big {
+                    None
+                } else {
+                    ring.get_or_insert_with(Ring::new).as_mut()
+                };
+                let job = match ring_ok {
                     Some(r) => match ops.start(r, &*self.dev, mode, job) {
                         None => continue,
                         Some(job) => job,

@@ -7,9 +7,10 @@
 //! (`BlockDev::read_shared_runs`, `write_shared_runs`; on the queue's ring, `DirectRead` and
 //! `DirectWrite`): the device encrypts or decrypts in memory of its own (the queue's private
 //! bounce buffer, or the volume's pool), never in memory the guest can change while it
-//! happens; guest memory is read once as plaintext to encrypt, or receives finished plaintext. Whatever the chain holds,
-//! the request ends with a status (`OK`, `IOERR` or `UNSUPP`) when the chain has a writable
-//! status byte, and the caller returns the chain to the used ring either way.
+//! happens; guest memory is read once as plaintext to encrypt, or receives finished
+//! plaintext. Whatever the chain holds, the request ends with a status (`OK`, `IOERR` or
+//! `UNSUPP`) when the chain has a writable status byte, and the caller returns the chain to the
+//! used ring either way.
 
 use std::ops::Deref;
 
@@ -113,11 +114,11 @@ fn guest_slices<'m, G: GuestMemory + ?Sized>(
 /// A slice of guest memory in one region of the map.
 type GuestSlice<'m, G> = VolatileSlice<'m, BS<'m, <G as GuestMemory>::Bitmap>>;
 
-/// Calls `f` with `slices` as the shared runs of the device's API, mapped writable for
-/// `write` (a read's destination), and marks them dirty after a write into them.
+/// Calls `f` with `slices` as the shared runs of the device's API, `writable` for a read's
+/// destination (then marked dirty after).
 fn with_runs<B: BitmapSlice, R>(
     slices: &[VolatileSlice<'_, B>],
-    write: bool,
+    writable: bool,
     f: impl FnOnce(&[SharedRun]) -> R,
 ) -> R {
     // Safety of the runs (both arms): each slice lies in one region of the guest memory map
@@ -127,7 +128,7 @@ fn with_runs<B: BitmapSlice, R>(
     // so runs may overlap: `SharedRun::new` allows both, since the device reads each byte of a
     // write's runs once into memory of its own and stores only finished plaintext into a
     // read's runs, never reading them back.
-    let r = if write {
+    let r = if writable {
         let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard_mut()).collect();
         let runs: Vec<SharedRun> = guards
             .iter()
@@ -148,7 +149,7 @@ fn with_runs<B: BitmapSlice, R>(
             .collect();
         f(&runs)
     };
-    if write {
+    if writable {
         for s in slices {
             s.bitmap().mark_dirty(0, s.len());
         }
@@ -327,6 +328,15 @@ pub enum Class {
 impl Request {
     pub fn head(&self) -> u16 {
         self.head
+    }
+
+    /// Bytes of data a read or write moves (0 for other requests).
+    pub fn data_bytes(&self) -> u64 {
+        match self.op {
+            Some(Op::Read) => total(&self.writable),
+            Some(Op::Write) => total(&self.readable).saturating_sub(HEADER_BYTES as u64),
+            _ => 0,
+        }
     }
 
     pub fn class(&self) -> Class {

@@ -1052,6 +1052,47 @@ fn requests_are_served_at_once_and_return_in_ring_order() {
     }
 }
 
+/// A small request alone is served on the queue's thread; a big one, alone too, goes to a
+/// worker, so the queue's thread is back at the ring while its crypto and I/O run.
+#[test]
+fn a_lone_big_request_goes_to_a_worker() {
+    let mem = guest_memory();
+    let dev = MemDev::new(DEV_BYTES, false);
+    let mut r = Rig::new(&mem, dev.clone(), FLUSH, false);
+    let small = r.offer_slot(0, VIRTIO_BLK_T_IN, 0, 4096);
+    r.backend.serve_queue(0, &r.vring).unwrap();
+    assert_eq!(r.used(), vec![(u32::from(small), 4097)]);
+    assert_eq!(
+        r.backend.workers(0),
+        0,
+        "the small read was served on the queue's thread"
+    );
+    let n = 128u32 << 10;
+    let at = 128 * 512;
+    dev.hold(at);
+    let big = r.offer_slot(1, VIRTIO_BLK_T_IN, 128, n);
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        // Should the queue's thread serve the read itself, it returns only once this lets the
+        // device go on, and the checks below fail rather than hang.
+        let dev = &dev;
+        s.spawn(move || {
+            if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                dev.release(at);
+            }
+        });
+        r.backend.serve_queue(0, &r.vring).unwrap();
+        let (workers, status) = (r.backend.workers(0), r.slot_status(1));
+        drop(tx);
+        assert_eq!(workers, 1, "the big read went to a worker");
+        assert_eq!(status, 0xff, "the big read is still in the device");
+    });
+    dev.release(at);
+    r.backend.drain_queue(0);
+    assert_eq!(r.used(), vec![(u32::from(big), n + 1)]);
+    r.backend.close();
+}
+
 /// A backend killed with requests in flight, and the next one started as qemu starts it when
 /// it cannot read the ring state back (its `reconnect=`): the available index it hands over is
 /// the used index in guest memory. The next backend serves exactly the requests the first

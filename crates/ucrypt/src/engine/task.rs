@@ -23,8 +23,8 @@ pub(crate) struct Task {
     pub io: bool,
     /// Writes: the backend write must be durable when it completes (FUA).
     pub fua: bool,
-    /// The caller's buffer as runs of shared memory ([`Runs`]), when it is not one range: writes encrypt from
-    /// it, reads decrypt into it (`src` and `out` are then null).
+    /// The caller's buffer as runs of shared memory ([`Runs`]), when it is not one range:
+    /// writes encrypt from it, reads decrypt into it (`src` and `out` are then null).
     pub runs: Runs,
 }
 
