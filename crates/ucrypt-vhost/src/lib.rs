@@ -7,13 +7,13 @@
 //! is the virtio-blk device: the features and config space it offers ([`backend`]) and the
 //! requests it serves ([`request`]).
 //!
-//! One thread per virtqueue (default: one queue per host CPU) takes the queue's kicks. A
-//! request alone in flight is served on that thread, the crypto included (the volume's
-//! dispatch policy may still split a large request across idle cores); when the guest has more
-//! queued, the queue's thread keeps its small reads and writes in flight itself through an
-//! io_uring ([`ring`]; the volume does their crypto on that thread), and a bounded set of
-//! workers per queue serves the rest at once; they complete out of order and return in order
-//! ([`inflight`]). Threads exist only while a VMM is connected; a VMM that disconnects leaves
+//! One thread per virtqueue (default: one queue per host CPU) takes the queue's kicks. A small
+//! request alone in flight is served on that thread, the crypto included; when the guest has
+//! more queued, the queue's thread keeps its small reads and writes in flight itself through
+//! an io_uring ([`ring`]; the volume does their crypto on that thread), and a bounded set of
+//! workers per queue serves the rest at once, big requests always (the volume's dispatch
+//! policy may still split one across idle cores), so that the queue's thread is free for the
+//! next; they complete out of order and return in order ([`inflight`]). Threads exist only while a VMM is connected; a VMM that disconnects leaves
 //! a server that accepts the next one. A request on the caller's [`Stop`] ends the
 //! connection, flushes the volume and removes the socket.
 
