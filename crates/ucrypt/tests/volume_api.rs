@@ -322,6 +322,37 @@ fn policies_per_direction() {
     );
 }
 
+const ALL_POLICIES: [Policy; 5] = [
+    Policy::Auto,
+    Policy::Inline,
+    Policy::Parallel,
+    Policy::Ordered,
+    Policy::Queued,
+];
+
+/// A 4 MiB volume in memory of 4096-byte sectors with `spec`, a fixed key and `policy`, and
+/// its backend.
+fn shared_test_volume(spec: &str, key_len: usize, policy: Policy) -> (Volume, Arc<MemBackend>) {
+    let key: Vec<u8> = (0..key_len as u8).collect();
+    let mut c = VolumeConfig::new(
+        spec.parse::<CipherSpec>().unwrap(),
+        SecretBytes::from_slice(&key),
+        Geometry::new(SectorSize::S4096),
+    );
+    c.policy = policy.into();
+    let backend = Arc::new(MemBackend::new(4 << 20));
+    (Volume::new(backend.clone(), c).unwrap(), backend)
+}
+
+/// Whether two of [`shared_test_volume`]'s backends hold the same bytes.
+fn same_bytes(a: &MemBackend, b: &MemBackend) -> bool {
+    let mut x = vec![0u8; 4 << 20];
+    let mut y = vec![0u8; 4 << 20];
+    a.read_exact_at(&mut x, 0).unwrap();
+    b.read_exact_at(&mut y, 0).unwrap();
+    x == y
+}
+
 /// `read_shared` and `write_shared`, a front end's calls for memory a guest shares, store and
 /// return what `read_at` and `write_at` do: under every policy, big (straight into or from the
 /// caller's buffer where the cipher works out of place) and small, aligned or not. A scratch
@@ -335,28 +366,10 @@ fn shared_reads_and_writes_equal_the_plain_calls() {
     ];
     let big = ucrypt::volume::SHARED_COPY_BELOW_BYTES as usize;
     let sizes: &[(u64, usize)] = &[(0, 1 << 20), (8192, big), (4096, 4096), (512, big + 512)];
-    let policies = [
-        Policy::Auto,
-        Policy::Inline,
-        Policy::Parallel,
-        Policy::Ordered,
-        Policy::Queued,
-    ];
     for (spec, key_len) in specs {
-        for policy in policies {
-            let volume = || {
-                let key: Vec<u8> = (0..key_len as u8).collect();
-                let mut c = VolumeConfig::new(
-                    spec.parse::<CipherSpec>().unwrap(),
-                    SecretBytes::from_slice(&key),
-                    Geometry::new(SectorSize::S4096),
-                );
-                c.policy = policy.into();
-                let backend = Arc::new(MemBackend::new(4 << 20));
-                (Volume::new(backend.clone(), c).unwrap(), backend)
-            };
-            let (shared, shared_store) = volume();
-            let (plain, plain_store) = volume();
+        for policy in ALL_POLICIES {
+            let (shared, shared_store) = shared_test_volume(spec, key_len, policy);
+            let (plain, plain_store) = shared_test_volume(spec, key_len, policy);
             for &(off, len) in sizes {
                 let ctx = format!("{spec} {policy} {off}+{len}");
                 let data: Vec<u8> = (0..len).map(|i| (i * 7 + off as usize) as u8).collect();
@@ -365,11 +378,10 @@ fn shared_reads_and_writes_equal_the_plain_calls() {
                 shared.write_shared(&data, off, false, scratch).unwrap();
                 shared.write_shared(&data, off, true, scratch).unwrap();
                 plain.write_at(&data, off).unwrap();
-                let mut a = vec![0u8; 4 << 20];
-                let mut b = vec![0u8; 4 << 20];
-                shared_store.read_exact_at(&mut a, 0).unwrap();
-                plain_store.read_exact_at(&mut b, 0).unwrap();
-                assert!(a == b, "{ctx}: the stored ciphertext differs");
+                assert!(
+                    same_bytes(&shared_store, &plain_store),
+                    "{ctx}: the stored ciphertext differs"
+                );
                 let mut back = vec![0u8; len];
                 shared.read_shared(&mut back, off, scratch).unwrap();
                 assert!(back == data, "{ctx}: read back different data");
@@ -391,13 +403,6 @@ fn shared_reads_and_writes_equal_the_plain_calls() {
 fn shared_runs_equal_the_plain_calls() {
     use ucrypt::blockdev::SharedRun;
     let specs = [("aes-xts-plain64", 64), ("aes-cbc-essiv:sha256", 32)];
-    let policies = [
-        Policy::Auto,
-        Policy::Inline,
-        Policy::Parallel,
-        Policy::Ordered,
-        Policy::Queued,
-    ];
     // (offset, run lengths, whole sectors)
     let cases: &[(u64, &[usize], bool)] = &[
         (0, &[4096, 8192, 65536, 4096, (1 << 20) - 81920], true),
@@ -406,20 +411,9 @@ fn shared_runs_equal_the_plain_calls() {
         (0, &[4096, 4096], true),
     ];
     for (spec, key_len) in specs {
-        for policy in policies {
-            let volume = || {
-                let key: Vec<u8> = (0..key_len as u8).collect();
-                let mut c = VolumeConfig::new(
-                    spec.parse::<CipherSpec>().unwrap(),
-                    SecretBytes::from_slice(&key),
-                    Geometry::new(SectorSize::S4096),
-                );
-                c.policy = policy.into();
-                let backend = Arc::new(MemBackend::new(4 << 20));
-                (Volume::new(backend.clone(), c).unwrap(), backend)
-            };
-            let (shared, shared_store) = volume();
-            let (plain, plain_store) = volume();
+        for policy in ALL_POLICIES {
+            let (shared, shared_store) = shared_test_volume(spec, key_len, policy);
+            let (plain, plain_store) = shared_test_volume(spec, key_len, policy);
             for &(off, lens, whole) in cases {
                 let len: usize = lens.iter().sum();
                 let ctx = format!("{spec} {policy} {off}+{lens:?}");
@@ -442,11 +436,10 @@ fn shared_runs_equal_the_plain_calls() {
                 shared.write_shared_runs(&src, off, false, scratch).unwrap();
                 shared.write_shared_runs(&src, off, true, scratch).unwrap();
                 plain.write_at(&data, off).unwrap();
-                let mut a = vec![0u8; 4 << 20];
-                let mut b = vec![0u8; 4 << 20];
-                shared_store.read_exact_at(&mut a, 0).unwrap();
-                plain_store.read_exact_at(&mut b, 0).unwrap();
-                assert!(a == b, "{ctx}: the stored ciphertext differs");
+                assert!(
+                    same_bytes(&shared_store, &plain_store),
+                    "{ctx}: the stored ciphertext differs"
+                );
                 for b in &mut bufs {
                     b.fill(0);
                 }
